@@ -1,0 +1,36 @@
+# Two commands a newcomer needs: `make demo` and `make test`.
+# Both create .venv if missing and install what they need from the project's own files.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+# torch is pinned here (not in pyproject) so that this machine takes its local CPU build;
+# an unpinned `torch` would pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.demo-installed: $(PY) pyproject.toml
+	$(PIP) install "$(TORCH)"
+	$(PIP) install -e ".[demo]"
+	touch $@
+
+$(VENV)/.test-installed: $(PY) pyproject.toml
+	$(PIP) install "$(TORCH)"
+	$(PIP) install -e ".[all,test]"
+	touch $@
+
+demo: $(VENV)/.demo-installed
+	$(VENV)/bin/trainscale demo
+
+test: $(VENV)/.test-installed
+	$(PY) -m pytest
+
+bench: $(VENV)/.test-installed
+	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,30 @@
+"""trainscale: scale a PyTorch training job from one device to many by changing flags.
+
+    from trainscale import Trainer
+    Trainer(devices=2, max_epochs=5).fit(model, train_loader, val_loader)
+
+``import trainscale`` is cheap: the public names below are imported on first use, so
+``trainscale --help`` never imports torch.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Trainer": "trainscale.train.trainer",
+    "Runtime": "trainscale.runtime.runtime",
+    "World": "trainscale.runtime.world",
+}
+
+__all__ = ["Trainer", "Runtime", "World", "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'trainscale' has no attribute {name!r}")

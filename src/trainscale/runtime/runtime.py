@@ -1,0 +1,287 @@
+"""Runtime: the low-level API for people who keep their own training loop.
+
+    rt = Runtime(devices=2)                       # relaunches the script under torchrun if needed
+    model, optimizer = rt.setup(model, lambda p: torch.optim.AdamW(p, lr=1e-3))
+    loader = rt.setup_dataloader(loader)          # DistributedSampler injected
+    for epoch in range(epochs):
+        rt.set_epoch(loader, epoch)
+        for i, batch in enumerate(loader):
+            x, y = rt.to_device(batch)
+            boundary = (i + 1) % accumulate == 0
+            with rt.no_backward_sync(model, enabled=not boundary):
+                with rt.autocast():
+                    loss = loss_fn(model(x), y)
+                rt.backward(loss / accumulate)
+            if boundary:
+                rt.step(optimizer)
+                optimizer.zero_grad(set_to_none=True)
+    rt.save("ckpt.pt", {"model": model, "optimizer": optimizer, "epoch": epoch})
+
+Run it with ``python script.py`` (devices=N relaunches it under torchrun) or
+``trainscale run -n 2 script.py``. The same code runs at world size 1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from trainscale.runtime import devices as _devices
+from trainscale.runtime import launch
+from trainscale.runtime.batch import to_device
+from trainscale.runtime.connector import RunConfig, resolve
+from trainscale.runtime.precision import Precision
+from trainscale.runtime.strategies import create_strategy
+from trainscale.runtime.world import World
+
+_REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class Runtime:
+    """Devices, processes, strategy and precision for a hand-written loop.
+
+    Args:
+        accelerator: "auto", "cpu", "cuda" ("gpu") or "mps".
+        devices: processes (CPU) or GPUs per node, or "auto" (all GPUs; under a launcher, the
+            launcher's processes per node; else 1).
+        strategy: "auto", "single" or "ddp" (see ``trainscale.runtime.strategies.STRATEGIES``).
+        num_nodes: machines in the job.
+        precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
+        timeout: seconds a collective may wait before it fails (passed to ``init_process_group``).
+        strategy_options: keyword options of the strategy (e.g. DDP's ``find_unused_parameters``).
+
+    Raises:
+        ValueError: bad or conflicting flags (raised on every rank, before any process group exists).
+    """
+
+    def __init__(self, accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
+                 num_nodes: int = 1, precision: str = "32-true", *, timeout: float = 1800.0,
+                 strategy_options: dict | None = None) -> None:
+        self.world = World.from_env()
+        if devices == "auto" and self.world.launcher != "none":
+            devices, num_nodes = self.world.local_world_size, self.world.num_nodes
+        self.config: RunConfig = resolve(accelerator, devices, strategy, num_nodes, precision,
+                                         cuda_count=_devices.cuda_device_count(),
+                                         has_mps=_devices.mps_available())
+        if self.world.launcher != "none" and self.world.world_size != self.config.world_size:
+            raise ValueError(f"the launcher started WORLD_SIZE={self.world.world_size} processes but "
+                             f"devices×num_nodes={self.config.devices}×{self.config.num_nodes}="
+                             f"{self.config.world_size}; pass devices={self.world.local_world_size}, "
+                             f"num_nodes={self.world.num_nodes} (or devices='auto')")
+        if timeout <= 0:
+            raise ValueError(f"timeout={timeout} must be a positive number of seconds")
+        self.timeout = timeout
+        self.strategy_options = dict(strategy_options or {})
+        self.device = _devices.device_for(self.config.accelerator, self.world.local_rank)
+        self.precision = Precision(self.config.precision, self.device.type)
+        self.strategy = None
+        self._launched = False
+
+    # -- processes ---------------------------------------------------------------------------
+    def launch(self) -> "Runtime":
+        """Make sure this process is one rank of a started job; idempotent.
+
+        Outside a launcher with world size > 1, the running script is re-executed under
+        torchrun (this call then never returns in the original process). Under a launcher, the
+        process group is created with the backend of the accelerator (nccl/gloo).
+        """
+        if self._launched:
+            return self
+        if self.config.world_size > 1 and self.world.launcher == "none":
+            launch.relaunch_current_script(self.config.devices, self.config.num_nodes)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world.world_size > 1 and not dist.is_initialized():
+            dist.init_process_group(backend=_devices.backend_for(self.config.accelerator),
+                                    timeout=timedelta(seconds=self.timeout),
+                                    rank=self.world.rank, world_size=self.world.world_size)
+            atexit.register(_destroy_process_group)
+        self.strategy = create_strategy(self.config.strategy, device=self.device, world=self.world,
+                                        **self.strategy_options)
+        self._launched = True
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.world.rank == 0
+
+    # -- model, optimizer, data --------------------------------------------------------------
+    def setup(self, module: torch.nn.Module, optimizer: Any = None) -> tuple[torch.nn.Module, Any]:
+        """Move and wrap ``module`` for the strategy; build or adapt the optimizer.
+
+        Args:
+            module: a plain ``nn.Module``.
+            optimizer: ``None``, an optimizer already built on ``module.parameters()`` (fine for
+                single/ddp), or a factory ``params -> Optimizer`` (required by sharded strategies,
+                which must build the optimizer after wrapping).
+
+        Returns:
+            ``(wrapped_module, optimizer_or_None)``.
+        """
+        self.launch()
+        module = self.precision.convert_module(module)
+        wrapped = self.strategy.setup_module(module)
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            if not callable(optimizer):
+                raise TypeError(f"optimizer must be a torch.optim.Optimizer or a factory params -> Optimizer, "
+                                f"got {type(optimizer).__name__}")
+            optimizer = optimizer(wrapped.parameters())
+        if optimizer is not None:
+            optimizer = self.strategy.setup_optimizer(optimizer)
+        return wrapped, optimizer
+
+    def setup_dataloader(self, loader: torch.utils.data.DataLoader, *, shuffle: bool | None = None,
+                         seed: int = 0, even: bool = True) -> torch.utils.data.DataLoader:
+        """Return ``loader`` rebuilt with a sampler that gives this rank its share of the data.
+
+        Args:
+            loader: a DataLoader built with ``batch_size`` (per device) and a sequential or random sampler.
+            shuffle: shuffle each epoch; default: whether ``loader`` shuffled.
+            seed: shuffling seed, the same on every rank; epoch ``e`` uses ``seed + e``.
+            even: True (training): ``DistributedSampler`` pads by repeating samples so every rank
+                runs the same number of steps. False (evaluation): no padding, each sample on one
+                rank only, ranks may differ by one sample.
+
+        Raises:
+            ValueError: a loader with a custom ``batch_sampler`` or sampler under world size > 1.
+        """
+        from trainscale.runtime.sampling import distribute_dataloader
+
+        self.launch()
+        return distribute_dataloader(loader, self.world, shuffle=shuffle, seed=seed, even=even)
+
+    @staticmethod
+    def set_epoch(loader: torch.utils.data.DataLoader, epoch: int) -> None:
+        """Reshuffle for ``epoch`` (calls the sampler's ``set_epoch`` when it has one)."""
+        set_epoch = getattr(loader.sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+
+    def to_device(self, batch: Any) -> Any:
+        """Move the tensors of a nested batch to this rank's device (and dtype for "bf16-true")."""
+        batch = to_device(batch, self.device, non_blocking=self.device.type == "cuda")
+        return self.precision.convert_input(batch)
+
+    # -- the step ----------------------------------------------------------------------------
+    def autocast(self):
+        """Context manager for forward and loss under the precision's autocast."""
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled under "16-mixed"."""
+        self.precision.backward(loss)
+
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool = True):
+        """Context manager: while ``enabled``, backward skips the gradient all-reduce
+        (accumulate locally; sync on the boundary micro-batch). A no-op at world size 1."""
+        return self.strategy.no_backward_sync(module, enabled)
+
+    def clip_gradients(self, module: torch.nn.Module, optimizer: Any, max_norm: float | None = None,
+                       clip_val: float | None = None, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip gradients by total norm (``max_norm``) or by value (``clip_val``), after unscaling.
+
+        Returns:
+            The total gradient norm before clipping (a 0-d tensor, not synced to the host), or None
+            when clipping by value. Method: ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``.
+        """
+        if (max_norm is None) == (clip_val is None):
+            raise ValueError("pass exactly one of max_norm or clip_val")
+        self.precision.unscale_gradients(optimizer)
+        params = [p for p in module.parameters() if p.grad is not None]
+        if max_norm is not None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        torch.nn.utils.clip_grad_value_(params, clip_val)
+        return None
+
+    def step(self, optimizer: Any) -> None:
+        """``optimizer.step()`` through the precision (GradScaler step and update under "16-mixed")."""
+        self.precision.optimizer_step(optimizer)
+
+    # -- collectives -------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` across ranks in place ("sum", "mean", "max", "min") and return it."""
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"unknown op={op!r}; choose one of {', '.join(map(repr, _REDUCE_OPS))}")
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]))
+            if op == "mean":
+                tensor /= self.world_size
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        """Wait until every rank arrives."""
+        if self.world_size > 1:
+            dist.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank zero only."""
+        if self.is_rank_zero:
+            print(*args, **kwargs, flush=True)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike, state: dict) -> None:
+        """Save ``state`` (modules, optimizers, schedulers and plain values) to ``path`` atomically.
+
+        The precision's state (GradScaler) is added under the key "precision". All ranks must call it.
+        """
+        self.launch()
+        state = {**state, "precision": self.precision.state_dict()}
+        self.strategy.save_checkpoint(path, state)
+        self.barrier()
+
+    def load(self, path: str | os.PathLike, state: dict | None = None) -> dict:
+        """Restore the stateful objects of ``state`` in place from ``path``.
+
+        Returns:
+            The checkpoint's other entries (e.g. epoch counters).
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist (checked on every rank before any collective).
+            trainscale.runtime.checkpoint_io.CheckpointError: a corrupted or mismatched checkpoint.
+        """
+        self.launch()
+        rest = self.strategy.load_checkpoint(path, dict(state or {}))
+        self.precision.load_state_dict(rest.pop("precision", {}))
+        return rest
+
+    def teardown(self) -> None:
+        """Destroy the process group (if this Runtime made one)."""
+        if self.strategy is not None:
+            self.strategy.teardown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._launched = False

@@ -1,0 +1,95 @@
+"""The process world: who this process is in a distributed job, read once from the launcher.
+
+torchrun (``torch.distributed.run``) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+GROUP_RANK, MASTER_ADDR and MASTER_PORT for each worker
+(https://pytorch.org/docs/stable/elastic/run.html#environment-variables).
+Without a launcher the process is a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class World:
+    """A frozen value describing this process's place in the job.
+
+    Attributes:
+        world_size: number of processes in the job (all nodes).
+        rank: global rank of this process, ``0 <= rank < world_size``.
+        local_rank: rank among the processes of this node; indexes the device this rank owns.
+        local_world_size: number of processes on this node.
+        node_rank: index of this node (torchrun's GROUP_RANK).
+        master_addr, master_port: rendezvous address of rank 0's store.
+        restart_count: how many times torchrun's elastic agent restarted the workers.
+        launcher: "torchrun" when the environment came from a launcher, else "none".
+    """
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    restart_count: int = 0
+    launcher: str = "none"
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "World":
+        """Read the world from ``env`` (default ``os.environ``) as torchrun sets it.
+
+        Raises:
+            ValueError: when the variables are present but inconsistent (e.g. RANK >= WORLD_SIZE),
+                naming the variable to fix.
+        """
+        env = os.environ if env is None else env
+        if "WORLD_SIZE" not in env or "RANK" not in env:
+            return cls()
+
+        def geti(name: str, default: int) -> int:
+            raw = env.get(name)
+            if raw is None or raw == "":
+                return default
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+        world_size = geti("WORLD_SIZE", 1)
+        rank = geti("RANK", 0)
+        local_rank = geti("LOCAL_RANK", rank)
+        local_world_size = geti("LOCAL_WORLD_SIZE", world_size)
+        node_rank = geti("GROUP_RANK", geti("NODE_RANK", 0))
+        if world_size < 1:
+            raise ValueError(f"WORLD_SIZE={world_size} must be >= 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"RANK={rank} must lie in [0, WORLD_SIZE={world_size})")
+        if not 0 <= local_rank < local_world_size:
+            raise ValueError(f"LOCAL_RANK={local_rank} must lie in [0, LOCAL_WORLD_SIZE={local_world_size})")
+        return cls(
+            world_size=world_size,
+            rank=rank,
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+            node_rank=node_rank,
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=geti("MASTER_PORT", 29500),
+            restart_count=geti("TORCHELASTIC_RESTART_COUNT", 0),
+            launcher="torchrun",
+        )

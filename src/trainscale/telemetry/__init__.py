@@ -1,0 +1,1 @@
+"""Every run is measured: step-phase timers, throughput, memory, sinks."""

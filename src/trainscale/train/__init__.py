@@ -1,0 +1,1 @@
+"""The high-level loop (Trainer), built on Runtime."""

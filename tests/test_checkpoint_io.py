@@ -1,0 +1,66 @@
+import os
+
+import pytest
+import torch
+
+from trainscale.runtime import checkpoint_io
+from trainscale.runtime.checkpoint_io import CheckpointError
+
+
+def test_round_trip_with_checksum(tmp_path):
+    path = tmp_path / "a" / "ckpt.pt"
+    checkpoint_io.save_file({"w": torch.arange(5.0), "epoch": 3}, path)
+    assert (tmp_path / "a" / "ckpt.pt.sha256").is_file()
+    out = checkpoint_io.load_file(path)
+    assert out["epoch"] == 3 and torch.equal(out["w"], torch.arange(5.0))
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")], "temporary file left behind"
+
+
+def test_missing_file_names_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="ckpt_path='last'"):
+        checkpoint_io.load_file(tmp_path / "nope.pt")
+
+
+def test_truncated_file_is_detected(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    checkpoint_io.save_file({"w": torch.randn(1000)}, path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupted or truncated"):
+        checkpoint_io.load_file(path)
+
+
+def test_garbage_without_checksum_is_a_clear_error(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    path.write_bytes(os.urandom(300))
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        checkpoint_io.load_file(path)
+
+
+def test_weights_only_refuses_arbitrary_objects(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"obj": _Evil()}, path)
+    with pytest.raises(CheckpointError):
+        checkpoint_io.load_file(path)
+
+
+class _Evil:
+    pass
+
+
+def test_replicated_restores_in_place(tmp_path):
+    from trainscale.runtime.world import World
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    checkpoint_io.save_replicated(tmp_path / "c.pt", {"model": model, "opt": opt, "step": 7}, World(), lambda m: m)
+    model2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    rest = checkpoint_io.load_replicated(tmp_path / "c.pt", {"model": model2, "opt": opt2}, lambda m: m)
+    assert rest == {"step": 7}
+    assert torch.equal(model.weight, model2.weight)
+    assert opt2.state_dict()["state"][0]["momentum_buffer"] is not None
+    with pytest.raises(CheckpointError, match="does not fit"):
+        checkpoint_io.load_replicated(tmp_path / "c.pt", {"model": torch.nn.Linear(4, 2)}, lambda m: m)

@@ -1,0 +1,69 @@
+import pytest
+
+from trainscale.runtime.connector import resolve
+
+
+def test_cpu_defaults():
+    c = resolve()
+    assert (c.accelerator, c.devices, c.strategy, c.precision, c.world_size) == ("cpu", 1, "single", "32-true", 1)
+
+
+def test_auto_strategy_picks_ddp_for_several_processes():
+    assert resolve(devices=2).strategy == "ddp"
+    assert resolve(devices=1, num_nodes=2).strategy == "ddp"
+    assert resolve(devices=2, num_nodes=3).world_size == 6
+
+
+def test_cuda_auto_takes_every_gpu():
+    c = resolve(cuda_count=4)
+    assert (c.accelerator, c.devices, c.strategy) == ("cuda", 4, "ddp")
+    assert resolve("gpu", 2, cuda_count=4).accelerator == "cuda"
+
+
+@pytest.mark.parametrize("devices", [0, -1, -8])
+def test_nonpositive_devices(devices):
+    with pytest.raises(ValueError, match=r"devices=.* must be >= 1"):
+        resolve(devices=devices)
+
+
+def test_devices_wrong_type():
+    with pytest.raises(ValueError, match="positive int or 'auto'"):
+        resolve(devices="two")
+
+
+def test_unknown_strategy_lists_valid_names():
+    with pytest.raises(ValueError, match=r"unknown strategy='dpp'.*'auto'.*'single'.*'ddp'"):
+        resolve(strategy="dpp")
+
+
+def test_more_cuda_devices_than_exist():
+    with pytest.raises(ValueError, match=r"devices=4 asks for more CUDA devices than the 2 visible"):
+        resolve("cuda", 4, "ddp", cuda_count=2)
+
+
+def test_cuda_without_cuda():
+    with pytest.raises(ValueError, match="no CUDA device is visible; pass accelerator='cpu'"):
+        resolve("cuda", 2, "ddp", cuda_count=0)
+
+
+def test_single_with_several_devices():
+    with pytest.raises(ValueError, match="pass strategy='ddp'"):
+        resolve(devices=2, strategy="single")
+
+
+def test_unknown_accelerator_and_precision():
+    with pytest.raises(ValueError, match="choose one of 'auto', 'cpu'"):
+        resolve(accelerator="tpu")
+    with pytest.raises(ValueError, match="unknown precision='16'.*'16-mixed'"):
+        resolve(precision="16")
+
+
+def test_num_nodes():
+    with pytest.raises(ValueError, match="num_nodes=0"):
+        resolve(num_nodes=0)
+
+
+def test_mps_rules():
+    assert resolve(has_mps=True).accelerator == "mps"
+    with pytest.raises(ValueError, match="MPS offers one device"):
+        resolve("mps", 2, has_mps=True)
