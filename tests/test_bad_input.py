@@ -1,0 +1,86 @@
+"""Bad input: a clear exception that names the fix, before any process group can hang."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from tests import workers
+from tests.helpers import run_distributed
+from trainscale.runtime.checkpoint_io import CheckpointError
+from trainscale.train.trainer import Trainer
+
+
+@pytest.mark.parametrize("devices", [0, -2])
+def test_devices_zero_or_negative(devices):
+    with pytest.raises(ValueError, match=r"devices=-?\d+ must be >= 1"):
+        Trainer(devices=devices)
+
+
+def test_unknown_strategy_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown strategy='fsdpp'; choose one of 'auto', 'single', 'ddp'"):
+        Trainer(strategy="fsdpp")
+
+
+def test_more_cuda_devices_than_exist(monkeypatch):
+    from trainscale.runtime import devices
+
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 1)
+    with pytest.raises(ValueError, match="devices=2 asks for more CUDA devices than the 1 visible"):
+        Trainer(accelerator="cuda", devices=2, strategy="ddp")
+
+
+def test_cuda_on_a_machine_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        Trainer(accelerator="cuda", devices=2, strategy="ddp")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_epochs": 0}, "max_epochs=0"), ({"accumulate_grad_batches": 0}, "accumulate_grad_batches=0"),
+    ({"gradient_clip_val": -1.0}, "gradient_clip_val"), ({"gradient_clip_algorithm": "l2"}, "'norm' or 'value'"),
+    ({"max_steps": 0}, "max_steps=0"),
+])
+def test_bad_loop_flags(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Trainer(**kwargs)
+
+
+def test_missing_checkpoint(tmp_path):
+    trainer = Trainer(enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist; pass an existing checkpoint file, 'last', or None"):
+        trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=4), optimizer=workers.sgd,
+                    ckpt_path=tmp_path / "missing.pt")
+    with pytest.raises(FileNotFoundError, match="no run under .* has a checkpoint"):
+        trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=4), optimizer=workers.sgd,
+                    ckpt_path="last")
+
+
+def test_corrupted_checkpoint(tmp_path):
+    out = workers.trainer_fit(0, str(tmp_path), 16, 1)
+    ckpt_dir = tmp_path / "version_0" / "checkpoints"
+    path = ckpt_dir / (ckpt_dir / "last").read_text().strip()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    path.write_bytes(bytes(data))
+    trainer = Trainer(enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(CheckpointError, match="corrupted or truncated.*resume from an earlier checkpoint"):
+        trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=4), optimizer=workers.sgd,
+                    ckpt_path="last")
+    assert out["summary"]["epochs"] == 1
+
+
+def test_no_optimizer():
+    trainer = Trainer(enable_progress_bar=False)
+    with pytest.raises(ValueError, match="pass optimizer=lambda params"):
+        trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=4))
+
+
+@pytest.mark.multiprocess
+def test_missing_and_corrupted_checkpoint_fail_on_every_rank_without_hanging(tmp_path):
+    for rank_result in run_distributed(workers.bad_ckpt_body, str(tmp_path / "missing.pt"), timeout=60):
+        assert rank_result.startswith("FileNotFoundError") and "does not exist" in rank_result
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint" * 10)
+    for rank_result in run_distributed(workers.bad_ckpt_body, str(garbage), timeout=60):
+        assert rank_result.startswith("CheckpointError") and "cannot be read" in rank_result

@@ -1,0 +1,65 @@
+"""The command line as a user runs it, in a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def run(args, timeout=240, **kwargs):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=kwargs.get("cwd", ROOT), env=env)
+
+
+def test_help_lists_commands_without_importing_torch():
+    out = run([str(BIN / "trainscale"), "--help"])
+    assert out.returncode == 0
+    for command in ("run", "demo", "env"):
+        assert command in out.stdout
+    probe = run([sys.executable, "-c", "import sys; from trainscale.cli import build_parser; build_parser(); "
+                 "print('torch' in sys.modules)"])
+    assert probe.stdout.strip() == "False"
+
+
+def test_env():
+    out = run([str(BIN / "trainscale"), "env"])
+    assert out.returncode == 0 and "torch" in out.stdout and "gloo" in out.stdout
+
+
+@pytest.mark.multiprocess
+def test_demo_one_epoch_on_two_processes(tmp_path):
+    out = run([str(BIN / "trainscale"), "demo", "--epochs", "1", "--out", str(tmp_path), "--no-progress-bar"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "epoch 1/1" in out.stdout and "final validation accuracy" in out.stdout
+    summary = json.loads((tmp_path / "version_0" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["strategy"] == "ddp" and summary["global_batch_size"] == 128
+    assert summary["val_accuracy"] > 0.8  # one epoch on real digits
+
+
+@pytest.mark.multiprocess
+def test_run_starts_a_script_under_torchrun(tmp_path):
+    out = run([str(BIN / "trainscale"), "run", "-n", "2", str(ROOT / "examples" / "train_ddp.py"), "--epochs", "1",
+               "--out", str(tmp_path)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "world_size=2" in out.stdout
+    assert json.loads((tmp_path / "version_0" / "summary.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.multiprocess
+def test_script_with_devices_2_relaunches_itself(tmp_path):
+    out = run([sys.executable, str(ROOT / "examples" / "train_ddp.py"), "--devices", "2", "--epochs", "1",
+               "--out", str(tmp_path)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("world_size=2") == 1  # printed by rank zero only
+
+
+def test_bad_flag_is_a_one_line_error(tmp_path):
+    out = run([str(BIN / "trainscale"), "demo", "--devices", "0", "--out", str(tmp_path)])
+    assert out.returncode == 2
+    assert "devices=0 must be >= 1" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,91 @@
+"""Bodies of the multi-process tests (module level so ``spawn`` can import them)."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainscale.models import ConvNet
+
+
+def tiny_dataset(n: int = 96, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 28, 28, generator=g)
+    y = torch.randint(0, 10, (n,), generator=g)
+    return TensorDataset(x, y)
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return ConvNet(batchnorm=False)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def plain_pytorch_reference(batch_size: int, epochs: int, seed: int = 0, n: int = 96) -> dict:
+    """A hand-written single-process loop over the samples DistributedSampler(num_replicas=1) gives."""
+    ds = tiny_dataset(n)
+    model = make_model(seed)
+    opt = sgd(model.parameters())
+    for epoch in range(epochs):
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)  # DistributedSampler's shuffling
+        perm = torch.randperm(len(ds), generator=g)
+        for start in range(0, len(ds), batch_size):
+            x, y = ds[perm[start:start + batch_size]]
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def trainer_fit(rank: int, root: str, batch_size: int, epochs: int, extra: dict | None = None,
+                ckpt_path=None, n: int = 96, teardown: bool = True) -> dict:
+    from trainscale.train.trainer import Trainer
+
+    trainer = Trainer(devices="auto", max_epochs=epochs, seed=0, default_root_dir=root,
+                      enable_progress_bar=False, timeout=60, **(extra or {}))
+    model = make_model(0)
+    summary = trainer.fit(model, DataLoader(tiny_dataset(n), batch_size=batch_size, shuffle=True),
+                          DataLoader(tiny_dataset(50, seed=1), batch_size=8), optimizer=sgd, ckpt_path=ckpt_path)
+    if teardown:  # several Trainers in one process share the process group; the last tears it down
+        trainer.runtime.teardown()
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "summary": summary}
+
+
+def resume_body(rank: int, root: str) -> dict:
+    """Uninterrupted 3 epochs against 1 epoch, then resume from "last" for the rest."""
+    from trainscale.train.trainer import Trainer
+
+    full = trainer_fit(rank, f"{root}/full", 8, 3, teardown=False)
+    first = trainer_fit(rank, f"{root}/stopped", 8, 1, teardown=False)
+    resumed = trainer_fit(rank, f"{root}/stopped", 8, 3, ckpt_path="last")
+    return {"full": full, "first": first, "resumed": resumed}
+
+
+def validate_body(rank: int, n: int) -> dict:
+    from trainscale.train.trainer import Trainer
+
+    trainer = Trainer(devices="auto", enable_progress_bar=False, timeout=60)
+    model = make_model(0)
+    out = trainer.validate(model, DataLoader(tiny_dataset(n, seed=3), batch_size=8))
+    trainer.runtime.teardown()
+    return out
+
+
+def bad_ckpt_body(rank: int, path: str) -> str:
+    """Both ranks must raise at once (no hang) on a missing or corrupted checkpoint."""
+    from trainscale.train.trainer import Trainer
+
+    trainer = Trainer(devices="auto", enable_progress_bar=False, timeout=60, default_root_dir=path + ".root")
+    try:
+        trainer.fit(make_model(0), DataLoader(tiny_dataset(16), batch_size=4), optimizer=sgd, ckpt_path=path)
+    except Exception as err:  # noqa: BLE001 - returned to the test to check type and message
+        return f"{type(err).__name__}: {err}"
+    finally:
+        trainer.runtime.teardown()
+    return "no error"
