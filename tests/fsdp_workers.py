@@ -52,7 +52,8 @@ def _counting_allreduce_hook(state: _HookState, bucket):
 
 
 def _count_ddp_allreduces(root, k: int) -> tuple[int, int]:
-    """(bucket all-reduces, optimizer steps) of one epoch with ``accumulate_grad_batches=k``."""
+    """(bucket all-reduces, optimizer steps) of one epoch with ``accumulate_grad_batches=k``:
+    88 samples, 44 per rank, 11 micro-batches of 4 (k=4: groups of 4, 4 and a last partial 3)."""
     from trainscale.train.trainer import Trainer
 
     trainer = Trainer(devices="auto", strategy="ddp", max_epochs=1, seed=0, default_root_dir=root,
@@ -67,7 +68,7 @@ def _count_ddp_allreduces(root, k: int) -> tuple[int, int]:
         return wrapped
 
     trainer.runtime.strategy.setup_module = setup_with_hook
-    summary = trainer.fit(make_model(0), DataLoader(tiny_dataset(96), batch_size=4, shuffle=True), optimizer=sgd)
+    summary = trainer.fit(make_model(0), DataLoader(tiny_dataset(88), batch_size=4, shuffle=True), optimizer=sgd)
     return state.calls, summary["steps"]
 
 
@@ -93,7 +94,7 @@ def _count_fsdp_reduce_scatters(root, k: int, options=None) -> tuple[int, int, i
         trainer = Trainer(devices="auto", strategy="fsdp", max_epochs=1, seed=0, default_root_dir=root,
                           enable_progress_bar=False, enable_checkpointing=False, timeout=60,
                           accumulate_grad_batches=k, strategy_options=options)
-        summary = trainer.fit(make_model(0), DataLoader(tiny_dataset(96), batch_size=4, shuffle=True),
+        summary = trainer.fit(make_model(0), DataLoader(tiny_dataset(88), batch_size=4, shuffle=True),
                               optimizer=sgd)
     finally:
         dist.reduce_scatter_single = real
@@ -146,14 +147,14 @@ def parity_counts_memory_body(rank: int, root: str) -> dict:
 
 # -- checkpoints ---------------------------------------------------------------------------
 def resume_body(rank: int, root: str) -> dict:
-    """Uninterrupted 3 epochs against 1 epoch, then resume from the sharded "last" for the rest;
+    """Uninterrupted 2 epochs against 1 epoch, then resume from the sharded "last" for the rest;
     plus the full-state-dict export of the uninterrupted run."""
-    trainer, model, full = _fit(f"{root}/full", "fsdp", epochs=3, keep_last=2)
+    trainer, model, full = _fit(f"{root}/full", "fsdp", epochs=2, keep_last=1, val_n=0)
     export = f"{root}/export.pt"
     trainer.runtime.strategy.save_full_state_dict(export, model)
     out = {"full": full_state(model), "full_summary": full, "export": export}
-    _, _, out["first_summary"] = _fit(f"{root}/stopped", "fsdp", epochs=1)
-    _, model, out["resumed_summary"] = _fit(f"{root}/stopped", "fsdp", epochs=3, ckpt_path="last")
+    _, _, out["first_summary"] = _fit(f"{root}/stopped", "fsdp", epochs=1, val_n=0)
+    _, model, out["resumed_summary"] = _fit(f"{root}/stopped", "fsdp", epochs=2, ckpt_path="last", val_n=0)
     out["resumed"] = full_state(model)
 
     # the exported file loads back into a freshly sharded model (rank zero reads, broadcasts)

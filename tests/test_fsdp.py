@@ -4,13 +4,17 @@ under accumulation (DDP and FSDP), half the memory of DDP, sharded checkpoints, 
 The multi-process bodies (tests/fsdp_workers.py) run several Trainer/Runtime runs in one pair of
 processes (process start-up costs ~5-9 s); each test below checks one part of the result."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 from tests import fsdp_workers, workers
 from tests.helpers import run_distributed
+from trainscale.runtime.checkpoint_io import CheckpointError
 from trainscale.runtime.world import World
+from trainscale.train import checkpoint as ckpt
 from trainscale.train.trainer import Trainer
 
 PARAMS_BYTES = sum(p.numel() * 4 for p in workers.make_model().parameters())  # fp32 ConvNet
@@ -45,22 +49,23 @@ def test_fsdp_equals_ddp_through_the_trainer(runs):
 
 @pytest.mark.multiprocess
 def test_ddp_all_reduces_once_per_optimizer_step(runs):
-    """A counting DDP comm hook: 12 micro-batches per rank; accumulation 4 → 3 steps, 3 bucket
-    all-reduces (the model fits one bucket); accumulation 1 → 12 and 12."""
+    """A counting DDP comm hook: 11 micro-batches per rank; accumulation 4 → 3 steps (4+4+3),
+    3 bucket all-reduces (the model fits one bucket); accumulation 1 → 11 and 11."""
     for rank in runs:
         assert rank["ddp_counts"][4] == (3, 3)
-        assert rank["ddp_counts"][1] == (12, 12)
+        assert rank["ddp_counts"][1] == (11, 11)
 
 
 @pytest.mark.multiprocess
 def test_fsdp_reduce_scatters_once_per_optimizer_step(runs):
     """Counted calls of the reduce-scatter FSDP2 issues: with the whole model as one unit, one
-    reduce-scatter of the full gradient per optimizer step; with 3 units, 3 per step."""
+    reduce-scatter of the full gradient per optimizer step; with 3 units, 3 per step.
+    11 micro-batches per rank: accumulation 4 → 3 steps (4+4+3), accumulation 1 → 11."""
     for rank in runs:
         calls, nbytes, steps, _ = rank["fsdp_counts"][4]
         assert (calls, steps) == (3, 3) and nbytes == 3 * PARAMS_BYTES
         calls, nbytes, steps, _ = rank["fsdp_counts"][1]
-        assert (calls, steps) == (12, 12) and nbytes == 12 * PARAMS_BYTES
+        assert (calls, steps) == (11, 11) and nbytes == 11 * PARAMS_BYTES
         calls, nbytes, steps, loss = rank["fsdp_counts_3_units"]  # + cpu_offload (a no-op on a CPU mesh)
         assert (calls, steps) == (9, 3) and nbytes == 3 * PARAMS_BYTES
         assert loss == pytest.approx(rank["fsdp_counts"][4][3], rel=1e-5)
@@ -79,15 +84,15 @@ def test_fsdp_holds_half_the_parameter_and_optimizer_bytes_of_ddp(runs):
 @pytest.mark.multiprocess
 def test_fsdp_sharded_checkpoint_resume_equals_uninterrupted(resumed):
     for rank in resumed:
-        assert rank["first_summary"]["epochs"] == 1 and rank["resumed_summary"]["epochs"] == 3
-        assert rank["resumed_summary"]["steps"] == rank["full_summary"]["steps"] == 18
+        assert rank["first_summary"]["epochs"] == 1 and rank["resumed_summary"]["epochs"] == 2
+        assert rank["resumed_summary"]["steps"] == rank["full_summary"]["steps"] == 12
         for key, value in rank["full"].items():
             torch.testing.assert_close(rank["resumed"][key], value, rtol=0, atol=0)
-    ckpt_dir = __import__("pathlib").Path(resumed[0]["full_summary"]["run_dir"]) / "checkpoints"
+    ckpt_dir = Path(resumed[0]["full_summary"]["run_dir"]) / "checkpoints"
     kept = sorted(p.name for p in ckpt_dir.iterdir())
-    assert kept == ["epoch=0002-step=000012", "epoch=0003-step=000018", "last"]  # keep_last=2 removed epoch 1
-    assert (ckpt_dir / "last").read_text().strip() == "epoch=0003-step=000018"
-    assert sorted(p.name for p in (ckpt_dir / "epoch=0003-step=000018").iterdir()) == [
+    assert kept == ["epoch=0002-step=000012", "last"]  # keep_last=1 removed the epoch-1 directory
+    assert (ckpt_dir / "last").read_text().strip() == "epoch=0002-step=000012"
+    assert sorted(p.name for p in (ckpt_dir / "epoch=0002-step=000012").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "trainscale_extra.pt", "trainscale_extra.pt.sha256"]
 
 
@@ -117,7 +122,7 @@ def test_fsdp_on_one_process():
 @pytest.mark.parametrize("options, message", [
     ({"auto_wrap_policy": nn.Linear}, "must be a set of nn.Module classes"),
     ({"auto_wrap_policy": {"Linear"}}, "must be a set of nn.Module classes"),
-    ({"reshard_after_forward": 2}, "reshard_after_forward=2 must be True, False, or an int"),
+    ({"reshard_after_forward": 2}, "reshard_after_forward=2 must be None, True, False, or an int"),
     ({"cpu_offload": "yes"}, "cpu_offload='yes' must be True or False"),
 ])
 def test_bad_fsdp_option_values(options, message):
@@ -125,6 +130,16 @@ def test_bad_fsdp_option_values(options, message):
 
     with pytest.raises(ValueError, match=message):
         FSDPStrategy(torch.device("cpu"), World(world_size=2, local_world_size=2), **options)
+
+
+@pytest.mark.parametrize("precision, param_dtype", [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16),
+                                                    ("32-true", None), ("bf16-true", None)])
+def test_mixed_precision_policy_follows_the_precision_flag(precision, param_dtype):
+    from trainscale.runtime.strategies.fsdp import _mixed_precision_policy
+
+    policy = _mixed_precision_policy(precision)
+    assert policy.param_dtype == param_dtype
+    assert policy.reduce_dtype == (torch.float32 if param_dtype else None)  # gradients reduced in fp32
 
 
 def test_fsdp_model_without_parameters_or_with_a_policy_class_not_in_it():
@@ -138,3 +153,22 @@ def test_fsdp_model_without_parameters_or_with_a_policy_class_not_in_it():
     with pytest.raises(ValueError, match="TransformerEncoderLayer do not occur in the model; its module classes "
                                          "are: .*Conv2d"):
         strategy.setup_module(workers.make_model())
+
+
+def test_last_pointer_and_rotation_with_checkpoint_directories(tmp_path):
+    """``last``/``find_last``/rotation treat a sharded checkpoint directory like a file."""
+    ckpt_dir = tmp_path / "version_0" / "checkpoints"
+    for epoch in (1, 2, 3):
+        path = ckpt_dir / ckpt.checkpoint_name(epoch, 6 * epoch, suffix="")
+        (path / "sub").mkdir(parents=True)
+        (path / ".metadata").write_text("x")
+        ckpt.mark_last(path, keep_last=2)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["epoch=0002-step=000012", "epoch=0003-step=000018", "last"]
+    assert ckpt.find_last(tmp_path) == ckpt_dir / "epoch=0003-step=000018"
+
+
+def test_ddp_refuses_a_sharded_checkpoint_directory_clearly(tmp_path):
+    from trainscale.runtime.checkpoint_io import load_file
+
+    with pytest.raises(CheckpointError, match="is a directory.*strategy='fsdp'"):
+        load_file(tmp_path)

@@ -90,6 +90,8 @@ class FSDPStrategy:
         reshard_after_forward: free the all-gathered parameters after each unit's forward and
             gather them again in backward (True: less memory, one more all-gather per unit;
             False: ZeRO-2-like). An int ``k`` reshards to a smaller group of ``k`` ranks.
+            Default None: FSDP2's default, True for the units and False for the root (whose
+            parameters backward needs first).
         cpu_offload: keep sharded parameters, gradients and optimizer states in host memory
             (``CPUOffloadPolicy``); the optimizer step then runs on the CPU. Slower; for models
             whose shards do not fit in accelerator memory.
@@ -106,7 +108,7 @@ class FSDPStrategy:
     forward_communicates = True  # forward all-gathers: evaluation goes through the root, same count on every rank
 
     def __init__(self, device: Any, world: World, precision: str = "32-true",
-                 auto_wrap_policy: Iterable[type] | None = None, reshard_after_forward: bool | int = True,
+                 auto_wrap_policy: Iterable[type] | None = None, reshard_after_forward: bool | int | None = None,
                  cpu_offload: bool = False) -> None:
         import torch
 
@@ -118,10 +120,10 @@ class FSDPStrategy:
         if bad or isinstance(auto_wrap_policy, (str, type)):
             raise ValueError(f"auto_wrap_policy={auto_wrap_policy!r} must be a set of nn.Module classes, "
                              "e.g. {nn.TransformerEncoderLayer}")
-        if isinstance(reshard_after_forward, bool):
+        if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
             pass
         elif not isinstance(reshard_after_forward, int) or not 1 < reshard_after_forward < world.world_size:
-            raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be True, False, or an int "
+            raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be None, True, False, or an int "
                              f"k with 1 < k < world size ({world.world_size}) that divides it")
         elif world.world_size % reshard_after_forward:
             raise ValueError(f"reshard_after_forward={reshard_after_forward} must divide the world size "
