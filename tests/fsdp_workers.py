@@ -149,7 +149,7 @@ def parity_counts_memory_body(rank: int, root: str) -> dict:
 def resume_body(rank: int, root: str) -> dict:
     """Uninterrupted 2 epochs against 1 epoch, then resume from the sharded "last" for the rest;
     plus the full-state-dict export of the uninterrupted run."""
-    trainer, model, full = _fit(f"{root}/full", "fsdp", epochs=2, keep_last=1, val_n=0)
+    trainer, model, full = _fit(f"{root}/full", "fsdp", epochs=2, keep_last=1)  # root-only unit, evaluated
     export = f"{root}/export.pt"
     trainer.runtime.strategy.save_full_state_dict(export, model)
     out = {"full": full_state(model), "full_summary": full, "export": export}

@@ -136,6 +136,7 @@ class FSDPStrategy:
         self.auto_wrap_policy = policy
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        self._roots: list = []  # modules given to setup_module, to reshard before checkpoints
 
     # -- model -------------------------------------------------------------------------------
     def setup_module(self, module):
@@ -169,7 +170,19 @@ class FSDPStrategy:
         for unit in reversed(units):  # modules() is pre-order: reversed, every child precedes its parent
             fully_shard(unit, **kwargs)
         fully_shard(module, **kwargs)
+        self._roots.append(module)
         return module
+
+    def _reshard(self) -> None:
+        """Register the sharded parameters again. A root keeps its gathered parameters after a
+        forward without backward (evaluation; FSDP2 does not reshard the root after forward), and
+        state dicts and optimizers must see the sharded ones."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for root in self._roots:
+            for m in root.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     def setup_optimizer(self, optimizer):
         return optimizer
@@ -235,6 +248,7 @@ class FSDPStrategy:
 
         path = Path(path)
         tmp = path.parent / f".{path.name}.tmp"
+        self._reshard()
         sharded, extra = self._split(state)
         if self.world.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -269,6 +283,7 @@ class FSDPStrategy:
                 f"checkpoint {str(path)!r} is not a sharded (DCP) checkpoint directory written by strategy='fsdp'; "
                 "resume a 'single'/'ddp' checkpoint file with that strategy")
         extra = checkpoint_io.load_file(path / _EXTRA)
+        self._reshard()
         sharded, others = self._split(state)
         try:
             dcp.load(sharded, checkpoint_id=str(path))
@@ -289,6 +304,7 @@ class FSDPStrategy:
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        self._reshard()
         full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.world.rank == 0:
             checkpoint_io.save_file(full, path)
@@ -302,6 +318,7 @@ class FSDPStrategy:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full = checkpoint_io.load_file(path) if self.world.rank == 0 else {}
+        self._reshard()
         set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
     def teardown(self) -> None:
