@@ -109,6 +109,7 @@ def _state_bytes(strategy: str) -> dict:
     model, opt = rt.setup(make_model(0), adamw)
     x, y = rt.to_device(tiny_dataset(8)[:8])
     rt.backward(nn.functional.cross_entropy(model(x), y))
+    norm = rt.clip_gradients(model, opt, max_norm=1e6)  # the total norm; no clipping at this max
     rt.step(opt)
 
     def nbytes(t):
@@ -117,7 +118,7 @@ def _state_bytes(strategy: str) -> dict:
 
     params = sum(nbytes(p) for p in model.parameters())
     optim = sum(nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    return {"params": params, "optimizer": optim}
+    return {"params": params, "optimizer": optim, "norm": norm, "norm_type": type(norm).__name__}
 
 
 def parity_counts_memory_body(rank: int, root: str) -> dict:

@@ -82,6 +82,16 @@ def test_fsdp_holds_half_the_parameter_and_optimizer_bytes_of_ddp(runs):
 
 
 @pytest.mark.multiprocess
+def test_runtime_clip_gradients_returns_the_global_norm_under_fsdp(runs):
+    """Runtime.clip_gradients under fsdp: the norm of the whole gradient (all shards), as a plain
+    tensor, equal to DDP's for the same step."""
+    for rank in runs:
+        assert rank["fsdp_bytes"]["norm_type"] == "Tensor"
+        torch.testing.assert_close(rank["fsdp_bytes"]["norm"], rank["ddp_bytes"]["norm"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(runs[0]["fsdp_bytes"]["norm"], runs[1]["fsdp_bytes"]["norm"], rtol=0, atol=0)
+
+
+@pytest.mark.multiprocess
 def test_fsdp_sharded_checkpoint_resume_equals_uninterrupted(resumed):
     for rank in resumed:
         assert rank["first_summary"]["epochs"] == 1 and rank["resumed_summary"]["epochs"] == 2
@@ -172,3 +182,14 @@ def test_ddp_refuses_a_sharded_checkpoint_directory_clearly(tmp_path):
 
     with pytest.raises(CheckpointError, match="is a directory.*strategy='fsdp'"):
         load_file(tmp_path)
+
+
+def test_fsdp_refuses_a_checkpoint_file_clearly(tmp_path):
+    from trainscale.runtime.strategies.fsdp import FSDPStrategy
+
+    strategy = FSDPStrategy(torch.device("cpu"), World(world_size=2, local_world_size=2))
+    (tmp_path / "epoch=0001-step=000006.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="not a sharded \\(DCP\\) checkpoint directory.*'single'/'ddp'"):
+        strategy.load_checkpoint(tmp_path / "epoch=0001-step=000006.pt", {})
+    with pytest.raises(FileNotFoundError):
+        strategy.load_checkpoint(tmp_path / "missing", {})
