@@ -104,6 +104,12 @@ def test_fsdp_sharded_checkpoint_resume_equals_uninterrupted(resumed):
     assert (ckpt_dir / "last").read_text().strip() == "epoch=0002-step=000012"
     assert sorted(p.name for p in (ckpt_dir / "epoch=0002-step=000012").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "trainscale_extra.pt", "trainscale_extra.pt.sha256"]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = set(FileSystemReader(str(ckpt_dir / "epoch=0002-step=000012")).read_metadata().state_dict_metadata)
+    user_keys = set(resumed[0]["full"])  # the user's model's own parameter names, no wrapper prefix
+    assert {f"model.{k}" for k in user_keys} <= stored
+    assert {f"optimizer.state.{k}.momentum_buffer" for k in user_keys} <= stored
 
 
 @pytest.mark.multiprocess
