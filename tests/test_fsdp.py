@@ -199,3 +199,11 @@ def test_fsdp_refuses_a_checkpoint_file_clearly(tmp_path):
         strategy.load_checkpoint(tmp_path / "epoch=0001-step=000006.pt", {})
     with pytest.raises(FileNotFoundError):
         strategy.load_checkpoint(tmp_path / "missing", {})
+
+
+def test_fsdp_refuses_an_optimizer_built_before_sharding():
+    from trainscale.runtime.strategies.fsdp import FSDPStrategy
+
+    strategy = FSDPStrategy(torch.device("cpu"), World(world_size=2, local_world_size=2))
+    with pytest.raises(ValueError, match="optimizer must be built after sharding: pass a factory"):
+        strategy.setup_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))

@@ -185,6 +185,18 @@ class FSDPStrategy:
                     m.reshard()
 
     def setup_optimizer(self, optimizer):
+        """Check that ``optimizer`` holds the sharded parameters (DTensors).
+
+        Raises:
+            ValueError: it was built before sharding (``fully_shard`` replaces the parameters, so
+                such an optimizer would update tensors the model no longer uses).
+        """
+        from torch.distributed.tensor import DTensor
+
+        if any(not isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError("under strategy='fsdp' the optimizer must be built after sharding: pass a factory, "
+                             "e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), not an optimizer "
+                             "built on model.parameters() before setup")
         return optimizer
 
     def unwrap(self, module):
