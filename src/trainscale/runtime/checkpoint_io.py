@@ -70,6 +70,9 @@ def load_file(path: str | os.PathLike) -> Any:
     import torch
 
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} is a directory: a sharded checkpoint written by "
+                              "strategy='fsdp'; resume it with strategy='fsdp'")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; pass an existing file, "
                                 "ckpt_path='last' to resume the newest run, or ckpt_path=None to start fresh")

@@ -54,11 +54,12 @@ class Runtime:
         accelerator: "auto", "cpu", "cuda" ("gpu") or "mps".
         devices: processes (CPU) or GPUs per node, or "auto" (all GPUs; under a launcher, the
             launcher's processes per node; else 1).
-        strategy: "auto", "single" or "ddp" (see ``trainscale.runtime.strategies.STRATEGIES``).
+        strategy: "auto", "single", "ddp" or "fsdp" (see ``trainscale.runtime.strategies.STRATEGIES``).
         num_nodes: machines in the job.
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
         timeout: seconds a collective may wait before it fails (passed to ``init_process_group``).
-        strategy_options: keyword options of the strategy (e.g. DDP's ``find_unused_parameters``).
+        strategy_options: keyword options of the strategy (e.g. DDP's ``find_unused_parameters``,
+            FSDP's ``auto_wrap_policy``; see each class in ``trainscale.runtime.strategies``).
 
     Raises:
         ValueError: bad or conflicting flags (raised on every rank, before any process group exists).
@@ -107,7 +108,7 @@ class Runtime:
                                     rank=self.world.rank, world_size=self.world.world_size)
             atexit.register(_destroy_process_group)
         self.strategy = create_strategy(self.config.strategy, device=self.device, world=self.world,
-                                        **self.strategy_options)
+                                        precision=self.config.precision, **self.strategy_options)
         self._launched = True
         return self
 
@@ -207,6 +208,8 @@ class Runtime:
         self.precision.unscale_gradients(optimizer)
         params = [p for p in module.parameters() if p.grad is not None]
         if max_norm is not None:
+            if hasattr(self.strategy, "clip_gradients_norm"):  # sharded (DTensor) gradients: fsdp
+                return self.strategy.clip_gradients_norm(module, max_norm, norm_type)
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
         torch.nn.utils.clip_grad_value_(params, clip_val)
         return None

@@ -4,7 +4,8 @@ Layout of a run directory::
 
     <default_root_dir>/version_<N>/
         metrics.jsonl  summary.json
-        checkpoints/epoch=0002-step=000126.pt  (+ .sha256)   written atomically
+        checkpoints/epoch=0002-step=000126.pt  (+ .sha256)   written atomically (single, ddp)
+        checkpoints/epoch=0002-step=000126/                  a sharded DCP directory (fsdp), renamed into place
         checkpoints/last                                     the name of the newest complete one
 
 "last" is written only after its checkpoint and checksum are on disk, so a crash during a save
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import re
 from pathlib import Path
 
@@ -46,8 +48,9 @@ def find_last(root: str | os.PathLike) -> Path | None:
     return None
 
 
-def checkpoint_name(epoch: int, step: int) -> str:
-    return f"epoch={epoch:04d}-step={step:06d}.pt"
+def checkpoint_name(epoch: int, step: int, suffix: str = ".pt") -> str:
+    """``epoch=EEEE-step=SSSSSS`` + ``suffix`` (".pt" for a file, "" for a directory)."""
+    return f"epoch={epoch:04d}-step={step:06d}{suffix}"
 
 
 def mark_last(path: Path, keep_last: int | None) -> None:
@@ -55,9 +58,13 @@ def mark_last(path: Path, keep_last: int | None) -> None:
     atomic_write_bytes(path.parent / LAST, path.name.encode() + b"\n")
     if keep_last is None:
         return
-    existing = sorted(path.parent.glob("epoch=*-step=*.pt"))
+    existing = sorted(p for p in path.parent.glob("epoch=*-step=*") if p.suffix != ".sha256")
     for old in existing[:-keep_last] if keep_last > 0 else []:
-        if old != path:
+        if old == path:
+            continue
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
             old.unlink(missing_ok=True)
             Path(f"{old}.sha256").unlink(missing_ok=True)
 

@@ -38,7 +38,9 @@ class _LoopModule(nn.Module):
         self.model = model
         self.loss_fn = loss_fn
 
-    def forward(self, batch: Any) -> torch.Tensor:
+    def forward(self, batch: Any, evaluate: bool = False) -> torch.Tensor:
+        if evaluate:  # through the wrapper's forward, for strategies that gather parameters there (fsdp)
+            return self.evaluate(batch)
         if hasattr(self.model, "training_step"):
             return self.model.training_step(batch)
         inputs, targets = batch
@@ -73,7 +75,7 @@ class Trainer:
         accelerator: "auto", "cpu", "cuda" ("gpu") or "mps".
         devices: processes (CPU) or GPUs per node, or "auto". With ``devices > 1`` outside a launcher
             the running script is re-executed under torchrun, here in ``__init__``.
-        strategy: "auto", "single" or "ddp".
+        strategy: "auto", "single", "ddp" or "fsdp".
         num_nodes: machines in the job.
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
         max_epochs: epochs to train (>= 1).
@@ -257,14 +259,21 @@ class Trainer:
         wrapped.eval()
         sums: dict[str, torch.Tensor] = {}
         count = 0
+        # fsdp all-gathers parameters in forward: every rank must run as many forwards (see _even_out)
+        gathers = getattr(rt.strategy, "forward_communicates", False)
+        extra_forwards = self._even_out(len(loader)) if gathers else 0
+        batch = None
         for batch in loader:
             batch = rt.to_device(batch)
             with rt.autocast():
-                metrics, n = loop_module.evaluate(batch)
+                metrics, n = wrapped(batch, evaluate=True) if gathers else loop_module.evaluate(batch)
             for key, value in metrics.items():
                 value = torch.as_tensor(value, device=rt.device).detach().float() * n
                 sums[key] = sums[key] + value if key in sums else value
             count += n
+        for _ in range(extra_forwards):  # results discarded: each sample is still counted once
+            with rt.autocast():
+                wrapped(batch, evaluate=True)
         keys = rt.broadcast_object(sorted(sums))  # a rank with no batch still takes part
         vec = torch.stack([sums.get(k, torch.zeros((), device=rt.device)) for k in keys]
                           + [torch.tensor(float(count), device=rt.device)])
@@ -272,6 +281,19 @@ class Trainer:
         wrapped.train()
         total = vec[-1]
         return {f"val_{k}": (v / total if total else math.nan) for k, v in zip(keys, vec[:-1])}
+
+    def _even_out(self, num_batches: int) -> int:
+        """Forwards this rank must add so that all ranks run the most batches of any rank.
+
+        Raises:
+            ValueError: some rank has no evaluation batch at all (fewer samples than ranks).
+        """
+        most, neg_least = self.runtime.all_reduce(torch.tensor([num_batches, -num_batches], device=self.runtime.device),
+                                                  op="max").tolist()
+        if -neg_least == 0 and most > 0:
+            raise ValueError(f"strategy={self.runtime.config.strategy!r} evaluates through collectives, but some rank "
+                             "has no evaluation batch; give the evaluation set at least as many samples as ranks")
+        return most - num_batches
 
     def _build_optimizer(self, model: nn.Module, wrapped: nn.Module, optimizer):
         if optimizer is None and hasattr(model, "configure_optimizers"):
@@ -328,7 +350,7 @@ class Trainer:
                                         "checkpoint; pass ckpt_path=None to start fresh, or the right default_root_dir")
             ckpt_path = found
         path = Path(ckpt_path)
-        if not path.is_file():  # checked on every rank before any collective
+        if not path.exists():  # checked on every rank before any collective (a file, or a directory for fsdp)
             raise FileNotFoundError(f"ckpt_path={str(path)!r} does not exist; pass an existing checkpoint file, "
                                     "'last', or None to start fresh")
         return path
@@ -347,7 +369,8 @@ class Trainer:
     def _save(self, epoch: int, model, optimizer, scheduler) -> None:
         rt = self.runtime
         rngs = rt.all_gather_object(ckpt.rng_state())
-        path = self.run_dir / "checkpoints" / ckpt.checkpoint_name(epoch + 1, self.global_step)
+        suffix = getattr(rt.strategy, "checkpoint_suffix", ".pt")  # "": a sharded checkpoint directory
+        path = self.run_dir / "checkpoints" / ckpt.checkpoint_name(epoch + 1, self.global_step, suffix)
         state = {"model": model, "optimizer": optimizer, "epoch": epoch, "global_step": self.global_step,
                  "history": self.history, "rng": rngs, "world_size": rt.world_size}
         if scheduler is not None:

@@ -7,12 +7,14 @@ composition (``trainscale.runtime.checkpoint_io``), never by inheriting from one
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, ContextManager, Protocol
 
 # name -> "module:Class"; "auto" is resolved by trainscale.runtime.connector.
 _IMPLEMENTATIONS = {
     "single": "trainscale.runtime.strategies.single:SingleDeviceStrategy",
     "ddp": "trainscale.runtime.strategies.ddp:DDPStrategy",
+    "fsdp": "trainscale.runtime.strategies.fsdp:FSDPStrategy",
 }
 STRATEGIES = ("auto", *_IMPLEMENTATIONS)
 
@@ -21,6 +23,10 @@ class Strategy(Protocol):
     """What the Runtime asks of a strategy."""
 
     name: str
+    # Optional: ``checkpoint_suffix`` ("" when checkpoints are directories; ".pt" when absent);
+    # ``forward_communicates = True`` when forward runs collectives (fsdp all-gathers), so evaluation
+    # must call the wrapped module the same number of times on every rank; and
+    # ``clip_gradients_norm(module, max_norm, norm_type) -> Tensor`` when gradients are sharded.
 
     def setup_module(self, module: Any) -> Any:
         """Move ``module`` to the device and wrap it (DDP, FSDP, ...); return the module to call."""
@@ -44,17 +50,28 @@ class Strategy(Protocol):
         """Release what the strategy holds."""
 
 
-def create_strategy(name: str, **kwargs: Any) -> Strategy:
-    """Instantiate strategy ``name`` with ``kwargs`` (device, world and the strategy's options).
+_COMMON = ("device", "world", "precision")
+
+
+def create_strategy(name: str, *, device: Any, world: Any, precision: str = "32-true", **options: Any) -> Strategy:
+    """Instantiate strategy ``name`` on ``device``/``world`` with the strategy's ``options``.
+
+    ``precision`` (the flag's name) is passed only to strategies whose constructor takes it
+    (fsdp derives its ``MixedPrecisionPolicy`` from it).
 
     Raises:
-        ValueError: unknown name (lists the valid ones), or an option the strategy does not take.
+        ValueError: unknown name (lists the valid ones), or an option the strategy does not
+            take (lists the ones it takes).
     """
     if name not in _IMPLEMENTATIONS:
         raise ValueError(f"unknown strategy={name!r}; choose one of {', '.join(map(repr, STRATEGIES))}")
     module_name, cls_name = _IMPLEMENTATIONS[name].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    try:
-        return cls(**kwargs)
-    except TypeError as err:
-        raise ValueError(f"strategy={name!r} does not accept these options: {err}") from None
+    accepted = inspect.signature(cls).parameters
+    valid = [p for p in accepted if p not in _COMMON]
+    unknown = [k for k in options if k not in valid]
+    if unknown:
+        raise ValueError(f"strategy={name!r} does not accept option(s) {', '.join(map(repr, unknown))}; "
+                         f"its options are: {', '.join(valid) or 'none'}")
+    common = {"device": device, "world": world, **({"precision": precision} if "precision" in accepted else {})}
+    return cls(**common, **options)

@@ -1,0 +1,169 @@
+"""Bodies of the FSDP multi-process tests (module level so ``spawn`` can import them).
+
+Several runs share one pair of processes (one process group) to keep the tests fast: each
+Trainer/Runtime is built on the group the first one created; the last run tears it down.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from tests.workers import make_model, sgd, tiny_dataset
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def full_state(model: nn.Module) -> dict:
+    """The model's full (unsharded) weights on every rank: DTensor shards are all-gathered."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _fit(root, strategy, *, epochs=2, batch_size=8, n=96, val_n=49, ckpt_path=None, options=None, **extra):
+    from trainscale.train.trainer import Trainer
+
+    trainer = Trainer(devices="auto", strategy=strategy, max_epochs=epochs, seed=0, default_root_dir=root,
+                      enable_progress_bar=False, timeout=60, strategy_options=options, **extra)
+    model = make_model(0)
+    val = DataLoader(tiny_dataset(val_n, seed=1), batch_size=8) if val_n else None
+    summary = trainer.fit(model, DataLoader(tiny_dataset(n), batch_size=batch_size, shuffle=True), val,
+                          optimizer=sgd, ckpt_path=ckpt_path)
+    return trainer, model, summary
+
+
+# -- parity, communication counts, memory ------------------------------------------------------
+class _HookState:
+    """DDP comm-hook state: counts the buckets it all-reduces."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+def _counting_allreduce_hook(state: _HookState, bucket):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    state.calls += 1
+    return allreduce_hook(None, bucket)  # the real all-reduce (default process group)
+
+
+def _count_ddp_allreduces(root, k: int) -> tuple[int, int]:
+    """(bucket all-reduces, optimizer steps) of one epoch with ``accumulate_grad_batches=k``:
+    88 samples, 44 per rank, 11 micro-batches of 4 (k=4: groups of 4, 4 and a last partial 3)."""
+    from trainscale.train.trainer import Trainer
+
+    trainer = Trainer(devices="auto", strategy="ddp", max_epochs=1, seed=0, default_root_dir=root,
+                      enable_progress_bar=False, enable_checkpointing=False, timeout=60,
+                      accumulate_grad_batches=k)
+    state = _HookState()
+    setup = trainer.runtime.strategy.setup_module
+
+    def setup_with_hook(module):
+        wrapped = setup(module)
+        wrapped.register_comm_hook(state, _counting_allreduce_hook)
+        return wrapped
+
+    trainer.runtime.strategy.setup_module = setup_with_hook
+    summary = trainer.fit(make_model(0), DataLoader(tiny_dataset(88), batch_size=4, shuffle=True), optimizer=sgd)
+    return state.calls, summary["steps"]
+
+
+def _count_fsdp_reduce_scatters(root, k: int, options=None) -> tuple[int, int, int, float]:
+    """(reduce-scatters, bytes reduce-scattered, optimizer steps, train loss) of one epoch under fsdp.
+
+    Counts calls of ``torch.distributed.reduce_scatter_single``, the collective through which
+    FSDP2 reduces gradients (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py); the
+    wrapper calls the real one, so the count is of communication that happened.
+    """
+    from trainscale.train.trainer import Trainer
+
+    calls = {"n": 0, "bytes": 0}
+    real = dist.reduce_scatter_single
+
+    def counting(output, input, *args, **kwargs):
+        calls["n"] += 1
+        calls["bytes"] += input.numel() * input.element_size()
+        return real(output, input, *args, **kwargs)
+
+    dist.reduce_scatter_single = counting
+    try:
+        trainer = Trainer(devices="auto", strategy="fsdp", max_epochs=1, seed=0, default_root_dir=root,
+                          enable_progress_bar=False, enable_checkpointing=False, timeout=60,
+                          accumulate_grad_batches=k, strategy_options=options)
+        summary = trainer.fit(make_model(0), DataLoader(tiny_dataset(88), batch_size=4, shuffle=True),
+                              optimizer=sgd)
+    finally:
+        dist.reduce_scatter_single = real
+    return calls["n"], calls["bytes"], summary["steps"], summary["train_loss"]
+
+
+def _state_bytes(strategy: str) -> dict:
+    """Bytes this rank holds for parameters and AdamW states after one step (local shards only)."""
+    from trainscale.runtime.runtime import Runtime
+
+    rt = Runtime(devices="auto", strategy=strategy, timeout=60)
+    model, opt = rt.setup(make_model(0), adamw)
+    x, y = rt.to_device(tiny_dataset(8)[:8])
+    rt.backward(nn.functional.cross_entropy(model(x), y))
+    norm = rt.clip_gradients(model, opt, max_norm=1e6)  # the total norm; no clipping at this max
+    rt.step(opt)
+
+    def nbytes(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = sum(nbytes(p) for p in model.parameters())
+    optim = sum(nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    return {"params": params, "optimizer": optim, "norm": norm, "norm_type": type(norm).__name__}
+
+
+def parity_counts_memory_body(rank: int, root: str) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    out = {}
+    clip = {"gradient_clip_val": 0.05}  # small: clipping is active, so a per-shard norm would show
+    _, ddp_model, out["ddp_summary"] = _fit(f"{root}/ddp", "ddp", **clip)
+    out["ddp_state"] = full_state(ddp_model)
+    trainer, fsdp_model, out["fsdp_summary"] = _fit(f"{root}/fsdp", "fsdp", **clip,
+                                                    options={"auto_wrap_policy": {nn.Conv2d, nn.Linear}})
+    out["fsdp_state"] = full_state(fsdp_model)
+    out["fsdp_param_types"] = sorted({type(p).__name__ for p in fsdp_model.parameters()})
+    out["fsdp_rank0_export"] = get_model_state_dict(
+        fsdp_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    out["ddp_counts"] = {k: _count_ddp_allreduces(f"{root}/cd{k}", k) for k in (4, 1)}
+    out["fsdp_counts"] = {k: _count_fsdp_reduce_scatters(f"{root}/cf{k}", k) for k in (4, 1)}
+    out["fsdp_counts_3_units"] = _count_fsdp_reduce_scatters(
+        f"{root}/cf3", 4, {"auto_wrap_policy": {nn.Conv2d, nn.Linear}, "cpu_offload": True})
+
+    out["ddp_bytes"] = _state_bytes("ddp")
+    out["fsdp_bytes"] = _state_bytes("fsdp")
+    dist.destroy_process_group()
+    return out
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+def resume_body(rank: int, root: str) -> dict:
+    """Uninterrupted 2 epochs against 1 epoch, then resume from the sharded "last" for the rest;
+    plus the full-state-dict export of the uninterrupted run."""
+    trainer, model, full = _fit(f"{root}/full", "fsdp", epochs=2, keep_last=1)  # root-only unit, evaluated
+    export = f"{root}/export.pt"
+    trainer.runtime.strategy.save_full_state_dict(export, model)
+    out = {"full": full_state(model), "full_summary": full, "export": export}
+    _, _, out["first_summary"] = _fit(f"{root}/stopped", "fsdp", epochs=1, val_n=0)
+    _, model, out["resumed_summary"] = _fit(f"{root}/stopped", "fsdp", epochs=2, ckpt_path="last", val_n=0)
+    out["resumed"] = full_state(model)
+
+    # the exported file loads back into a freshly sharded model (rank zero reads, broadcasts)
+    from trainscale.runtime.runtime import Runtime
+
+    rt = Runtime(devices="auto", strategy="fsdp", timeout=60)
+    fresh, _ = rt.setup(make_model(1))
+    rt.strategy.load_full_state_dict(export, fresh)
+    out["reimported"] = full_state(fresh)
+    dist.destroy_process_group()
+    return out

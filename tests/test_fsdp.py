@@ -1,0 +1,209 @@
+"""FSDP2 on 2 real gloo processes: parity with DDP, one gradient reduction per optimizer step
+under accumulation (DDP and FSDP), half the memory of DDP, sharded checkpoints, bad options.
+
+The multi-process bodies (tests/fsdp_workers.py) run several Trainer/Runtime runs in one pair of
+processes (process start-up costs ~5-9 s); each test below checks one part of the result."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests import fsdp_workers, workers
+from tests.helpers import run_distributed
+from trainscale.runtime.checkpoint_io import CheckpointError
+from trainscale.runtime.world import World
+from trainscale.train import checkpoint as ckpt
+from trainscale.train.trainer import Trainer
+
+PARAMS_BYTES = sum(p.numel() * 4 for p in workers.make_model().parameters())  # fp32 ConvNet
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_distributed(fsdp_workers.parity_counts_memory_body, str(tmp_path_factory.mktemp("fsdp")), timeout=150)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    return run_distributed(fsdp_workers.resume_body, str(tmp_path_factory.mktemp("fsdp_resume")), timeout=150)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_equals_ddp_through_the_trainer(runs):
+    """fsdp(2×b) == ddp(2×b): same seed and samples, SGD with momentum, gradient clipping by norm
+    active (max_norm 0.05), 3 FSDP units; full weights after 12 steps, rtol 1e-5."""
+    for rank in runs:
+        assert rank["fsdp_param_types"] == ["DTensor"]  # really sharded
+        assert rank["fsdp_summary"]["strategy"] == "fsdp" and rank["fsdp_summary"]["steps"] == 12
+        for key, ref in rank["ddp_state"].items():
+            torch.testing.assert_close(rank["fsdp_state"][key], ref, rtol=1e-5, atol=1e-7)
+        for name in ("train_loss", "val_loss", "val_accuracy"):  # evaluation: 49 samples, uneven batches
+            assert rank["fsdp_summary"][name] == pytest.approx(rank["ddp_summary"][name], rel=1e-5)
+    export = runs[0]["fsdp_rank0_export"]  # full state dict on rank zero only, user's keys
+    assert set(export) == set(runs[0]["ddp_state"]) and runs[1]["fsdp_rank0_export"] == {}
+    for key, value in export.items():
+        torch.testing.assert_close(value, runs[0]["fsdp_state"][key], rtol=0, atol=0)
+
+
+@pytest.mark.multiprocess
+def test_ddp_all_reduces_once_per_optimizer_step(runs):
+    """A counting DDP comm hook: 11 micro-batches per rank; accumulation 4 → 3 steps (4+4+3),
+    3 bucket all-reduces (the model fits one bucket); accumulation 1 → 11 and 11."""
+    for rank in runs:
+        assert rank["ddp_counts"][4] == (3, 3)
+        assert rank["ddp_counts"][1] == (11, 11)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_reduce_scatters_once_per_optimizer_step(runs):
+    """Counted calls of the reduce-scatter FSDP2 issues: with the whole model as one unit, one
+    reduce-scatter of the full gradient per optimizer step; with 3 units, 3 per step.
+    11 micro-batches per rank: accumulation 4 → 3 steps (4+4+3), accumulation 1 → 11."""
+    for rank in runs:
+        calls, nbytes, steps, _ = rank["fsdp_counts"][4]
+        assert (calls, steps) == (3, 3) and nbytes == 3 * PARAMS_BYTES
+        calls, nbytes, steps, _ = rank["fsdp_counts"][1]
+        assert (calls, steps) == (11, 11) and nbytes == 11 * PARAMS_BYTES
+        calls, nbytes, steps, loss = rank["fsdp_counts_3_units"]  # + cpu_offload (a no-op on a CPU mesh)
+        assert (calls, steps) == (9, 3) and nbytes == 3 * PARAMS_BYTES
+        assert loss == pytest.approx(rank["fsdp_counts"][4][3], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_holds_half_the_parameter_and_optimizer_bytes_of_ddp(runs):
+    for rank in runs:
+        ddp = rank["ddp_bytes"]["params"] + rank["ddp_bytes"]["optimizer"]
+        fsdp = rank["fsdp_bytes"]["params"] + rank["fsdp_bytes"]["optimizer"]
+        assert ddp == PARAMS_BYTES * 3 + 6 * 4  # weights, exp_avg, exp_avg_sq + one fp32 step per tensor
+        assert 0.45 <= fsdp / ddp <= 0.6, (fsdp, ddp)
+    assert runs[0]["fsdp_bytes"]["params"] + runs[1]["fsdp_bytes"]["params"] == PARAMS_BYTES  # shards partition
+
+
+@pytest.mark.multiprocess
+def test_runtime_clip_gradients_returns_the_global_norm_under_fsdp(runs):
+    """Runtime.clip_gradients under fsdp: the norm of the whole gradient (all shards), as a plain
+    tensor, equal to DDP's for the same step."""
+    for rank in runs:
+        assert rank["fsdp_bytes"]["norm_type"] == "Tensor"
+        torch.testing.assert_close(rank["fsdp_bytes"]["norm"], rank["ddp_bytes"]["norm"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(runs[0]["fsdp_bytes"]["norm"], runs[1]["fsdp_bytes"]["norm"], rtol=0, atol=0)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_sharded_checkpoint_resume_equals_uninterrupted(resumed):
+    for rank in resumed:
+        assert rank["first_summary"]["epochs"] == 1 and rank["resumed_summary"]["epochs"] == 2
+        assert rank["resumed_summary"]["steps"] == rank["full_summary"]["steps"] == 12
+        for key, value in rank["full"].items():
+            torch.testing.assert_close(rank["resumed"][key], value, rtol=0, atol=0)
+    ckpt_dir = Path(resumed[0]["full_summary"]["run_dir"]) / "checkpoints"
+    kept = sorted(p.name for p in ckpt_dir.iterdir())
+    assert kept == ["epoch=0002-step=000012", "last"]  # keep_last=1 removed the epoch-1 directory
+    assert (ckpt_dir / "last").read_text().strip() == "epoch=0002-step=000012"
+    assert sorted(p.name for p in (ckpt_dir / "epoch=0002-step=000012").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "trainscale_extra.pt", "trainscale_extra.pt.sha256"]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = set(FileSystemReader(str(ckpt_dir / "epoch=0002-step=000012")).read_metadata().state_dict_metadata)
+    user_keys = set(resumed[0]["full"])  # the user's model's own parameter names, no wrapper prefix
+    assert {f"model.{k}" for k in user_keys} <= stored
+    assert {f"optimizer.state.{k}.momentum_buffer" for k in user_keys} <= stored
+
+
+@pytest.mark.multiprocess
+def test_full_state_dict_export_loads_into_a_plain_module(resumed):
+    plain = workers.make_model(seed=1)  # different initial weights
+    plain.load_state_dict(torch.load(resumed[0]["export"], weights_only=True))
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(value, resumed[0]["full"][key], rtol=0, atol=0)
+    for rank in resumed:  # and back into a freshly sharded model (broadcast from rank zero)
+        for key, value in rank["reimported"].items():
+            torch.testing.assert_close(value, resumed[0]["full"][key], rtol=0, atol=0)
+
+
+# -- bad input (raised before any collective) ---------------------------------------------------
+def test_unknown_fsdp_option_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"strategy='fsdp' does not accept option\(s\) 'wrap_policy'; its options "
+                                         r"are: auto_wrap_policy, reshard_after_forward, cpu_offload"):
+        Trainer(strategy="fsdp", devices=1, strategy_options={"wrap_policy": {nn.Linear}})
+
+
+def test_fsdp_on_one_process():
+    with pytest.raises(ValueError, match="needs a world size >= 2; with one device pass strategy='single'"):
+        Trainer(strategy="fsdp", devices=1)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"auto_wrap_policy": nn.Linear}, "must be a set of nn.Module classes"),
+    ({"auto_wrap_policy": {"Linear"}}, "must be a set of nn.Module classes"),
+    ({"reshard_after_forward": 2}, "reshard_after_forward=2 must be None, True, False, or an int"),
+    ({"cpu_offload": "yes"}, "cpu_offload='yes' must be True or False"),
+])
+def test_bad_fsdp_option_values(options, message):
+    from trainscale.runtime.strategies.fsdp import FSDPStrategy
+
+    with pytest.raises(ValueError, match=message):
+        FSDPStrategy(torch.device("cpu"), World(world_size=2, local_world_size=2), **options)
+
+
+@pytest.mark.parametrize("precision, param_dtype", [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16),
+                                                    ("32-true", None), ("bf16-true", None)])
+def test_mixed_precision_policy_follows_the_precision_flag(precision, param_dtype):
+    from trainscale.runtime.strategies.fsdp import _mixed_precision_policy
+
+    policy = _mixed_precision_policy(precision)
+    assert policy.param_dtype == param_dtype
+    assert policy.reduce_dtype == (torch.float32 if param_dtype else None)  # gradients reduced in fp32
+
+
+def test_fsdp_model_without_parameters_or_with_a_policy_class_not_in_it():
+    from trainscale.runtime.strategies.fsdp import FSDPStrategy
+
+    strategy = FSDPStrategy(torch.device("cpu"), World(world_size=2, local_world_size=2))
+    with pytest.raises(ValueError, match="model with no parameters.*nothing to shard"):
+        strategy.setup_module(nn.Sequential(nn.ReLU()))
+    strategy = FSDPStrategy(torch.device("cpu"), World(world_size=2, local_world_size=2),
+                            auto_wrap_policy={nn.TransformerEncoderLayer})
+    with pytest.raises(ValueError, match="TransformerEncoderLayer do not occur in the model; its module classes "
+                                         "are: .*Conv2d"):
+        strategy.setup_module(workers.make_model())
+
+
+def test_last_pointer_and_rotation_with_checkpoint_directories(tmp_path):
+    """``last``/``find_last``/rotation treat a sharded checkpoint directory like a file."""
+    ckpt_dir = tmp_path / "version_0" / "checkpoints"
+    for epoch in (1, 2, 3):
+        path = ckpt_dir / ckpt.checkpoint_name(epoch, 6 * epoch, suffix="")
+        (path / "sub").mkdir(parents=True)
+        (path / ".metadata").write_text("x")
+        ckpt.mark_last(path, keep_last=2)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["epoch=0002-step=000012", "epoch=0003-step=000018", "last"]
+    assert ckpt.find_last(tmp_path) == ckpt_dir / "epoch=0003-step=000018"
+
+
+def test_ddp_refuses_a_sharded_checkpoint_directory_clearly(tmp_path):
+    from trainscale.runtime.checkpoint_io import load_file
+
+    with pytest.raises(CheckpointError, match="is a directory.*strategy='fsdp'"):
+        load_file(tmp_path)
+
+
+def test_fsdp_refuses_a_checkpoint_file_clearly(tmp_path):
+    from trainscale.runtime.strategies.fsdp import FSDPStrategy
+
+    strategy = FSDPStrategy(torch.device("cpu"), World(world_size=2, local_world_size=2))
+    (tmp_path / "epoch=0001-step=000006.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="not a sharded \\(DCP\\) checkpoint directory.*'single'/'ddp'"):
+        strategy.load_checkpoint(tmp_path / "epoch=0001-step=000006.pt", {})
+    with pytest.raises(FileNotFoundError):
+        strategy.load_checkpoint(tmp_path / "missing", {})
+
+
+def test_fsdp_refuses_an_optimizer_built_before_sharding():
+    from trainscale.runtime.strategies.fsdp import FSDPStrategy
+
+    strategy = FSDPStrategy(torch.device("cpu"), World(world_size=2, local_world_size=2))
+    with pytest.raises(ValueError, match="optimizer must be built after sharding: pass a factory"):
+        strategy.setup_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
