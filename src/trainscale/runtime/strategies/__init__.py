@@ -13,6 +13,8 @@ from typing import Any, ContextManager, Protocol
 _IMPLEMENTATIONS = {
     "single": "trainscale.runtime.strategies.single:SingleDeviceStrategy",
     "ddp": "trainscale.runtime.strategies.ddp:DDPStrategy",
+    "ddp_spawn": "trainscale.runtime.strategies.ddp_spawn:DDPSpawnStrategy",
+    "dp": "trainscale.runtime.strategies.dp:DataParallelStrategy",
 }
 STRATEGIES = ("auto", *_IMPLEMENTATIONS)
 
