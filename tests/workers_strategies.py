@@ -38,14 +38,25 @@ def clipped_reference(batch_size: int, epochs: int, max_norm: float | None = Non
             "max_abs": max_abs}
 
 
-def clipping_body(rank: int, root: str, batch_size: int, epochs: int, max_norm: float, clip_val: float) -> dict:
-    """Trainer under ddp: clipping by norm, then by value, in the same two processes."""
-    common = {"log_every_n_steps": 1, "enable_checkpointing": False}
-    by_norm = workers.trainer_fit(rank, f"{root}/norm", batch_size, epochs, teardown=False,
-                                  extra={**common, "gradient_clip_val": max_norm})
-    by_value = workers.trainer_fit(rank, f"{root}/value", batch_size, epochs,
-                                   extra={**common, "gradient_clip_val": clip_val, "gradient_clip_algorithm": "value"})
-    return {"norm": by_norm, "value": by_value}
+def clipping_body(rank: int, root: str, batch_size: int, epochs: int, max_norm: float, clip_val: float,
+                  n: int) -> dict:
+    """Trainer under ddp: clipping by norm, then by value, in the same two processes (no validation)."""
+    from torch.utils.data import DataLoader
+
+    from trainscale.train.trainer import Trainer
+
+    out = {}
+    for kind, flags in (("norm", {"gradient_clip_val": max_norm}),
+                        ("value", {"gradient_clip_val": clip_val, "gradient_clip_algorithm": "value"})):
+        trainer = Trainer(devices="auto", max_epochs=epochs, seed=0, default_root_dir=f"{root}/{kind}",
+                          enable_progress_bar=False, enable_checkpointing=False, log_every_n_steps=1, timeout=60,
+                          **flags)
+        model = workers.make_model(0)
+        trainer.fit(model, DataLoader(workers.tiny_dataset(n), batch_size=batch_size, shuffle=True),
+                    optimizer=workers.sgd)
+        out[kind] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    trainer.runtime.teardown()
+    return out
 
 
 def spawn_options_body(runtime) -> dict:
@@ -89,3 +100,21 @@ def mlp_data(n: int = 64, features: int = 16, classes: int = 4, seed: int = 0):
     x = torch.randn(n, features, generator=g)
     y = (x[:, :classes].argmax(dim=1))  # learnable labels
     return torch.utils.data.TensorDataset(x, y)
+
+
+def sync_batchnorm_cuda_body(rank: int) -> dict:
+    """GPU only: a ConvNet with BatchNorm under ddp + sync_batchnorm; running statistics agree across ranks
+    although each rank sees different data."""
+    from torch.utils.data import DataLoader
+
+    from trainscale.models import ConvNet
+    from trainscale.train.trainer import Trainer
+
+    trainer = Trainer(accelerator="cuda", devices="auto", strategy="ddp", sync_batchnorm=True, max_epochs=1,
+                      enable_progress_bar=False, enable_checkpointing=False, timeout=60,
+                      default_root_dir=f"/tmp/trainscale-syncbn-{rank}")
+    model = ConvNet(batchnorm=True)
+    trainer.fit(model, DataLoader(workers.tiny_dataset(64), batch_size=8, shuffle=True), optimizer=workers.sgd)
+    bn = next(m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    trainer.runtime.teardown()
+    return {"converted": isinstance(bn, nn.SyncBatchNorm), "running_mean": bn.running_mean.cpu().tolist()}
