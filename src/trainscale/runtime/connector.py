@@ -8,6 +8,7 @@ valid choices or the flag to change, before any process or process group exists.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from trainscale.runtime.devices import ACCELERATORS, detect_accelerator
 from trainscale.runtime.precision import PRECISIONS
@@ -24,6 +25,9 @@ class RunConfig:
         num_nodes: number of machines.
         strategy: a key of ``STRATEGIES`` other than "auto".
         precision: a key of ``PRECISIONS``.
+        sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp/ddp_spawn on CUDA).
+        activation_checkpointing: module classes whose forward is recomputed in backward.
+        compile: ``None`` (eager) or the keyword arguments of ``torch.compile`` (``{}`` for defaults).
     """
 
     accelerator: str
@@ -31,10 +35,14 @@ class RunConfig:
     num_nodes: int
     strategy: str
     precision: str
+    sync_batchnorm: bool = False
+    activation_checkpointing: tuple = ()
+    compile: dict | None = None
 
     @property
     def world_size(self) -> int:
-        return self.devices * self.num_nodes
+        """Processes in the job: ``dp`` drives all its GPUs from one process."""
+        return 1 if self.strategy == "dp" else self.devices * self.num_nodes
 
 
 def _choices(names) -> str:
@@ -50,6 +58,9 @@ def resolve(
     *,
     cuda_count: int = 0,
     has_mps: bool = False,
+    sync_batchnorm: bool = False,
+    activation_checkpointing: Any = None,
+    compile: bool | dict = False,
 ) -> RunConfig:
     """Turn user flags into a :class:`RunConfig`.
 
@@ -61,6 +72,9 @@ def resolve(
         num_nodes: machines in the job, >= 1.
         precision: one of ``PRECISIONS``.
         cuda_count, has_mps: the machine's facts (see ``trainscale.runtime.devices``).
+        sync_batchnorm: bool; only under ddp/ddp_spawn on CUDA (torch's SyncBatchNorm refuses CPU tensors).
+        activation_checkpointing: None, or an ``nn.Module`` subclass or a collection of them.
+        compile: bool, or a dict of ``torch.compile`` keyword arguments (e.g. ``{"mode": "max-autotune"}``).
 
     Raises:
         ValueError: an unknown name (the message lists the valid ones), a non-positive count,
@@ -102,7 +116,66 @@ def resolve(
     if strategy == "single" and world_size > 1:
         raise ValueError(f"strategy='single' runs one process but devices×num_nodes={world_size}; "
                          "pass strategy='ddp' (or devices=1)")
+    if strategy == "dp" and (accelerator != "cuda" or cuda_count < 2 or devices < 2 or num_nodes > 1):
+        # nn.DataParallel without CUDA silently calls the module directly: no parallelism at all.
+        raise ValueError(f"strategy='dp' (nn.DataParallel) drives 2 or more CUDA GPUs from one process on one "
+                         f"machine, but here accelerator={accelerator!r}, {cuda_count} CUDA device(s) visible, "
+                         f"devices={devices}, num_nodes={num_nodes}; pass strategy='ddp' (one process per device, "
+                         "faster than dp on GPUs and also runs on CPU)")
+    if strategy == "ddp_spawn" and num_nodes > 1:
+        raise ValueError(f"strategy='ddp_spawn' starts processes on this machine only, but num_nodes={num_nodes}; "
+                         "pass strategy='ddp' and start each node with `trainscale run` or torchrun")
 
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}; choose one of {_choices(PRECISIONS)}")
-    return RunConfig(accelerator, devices, num_nodes, strategy, precision)
+
+    if not isinstance(sync_batchnorm, bool):
+        raise ValueError(f"sync_batchnorm={sync_batchnorm!r} must be True or False")
+    if sync_batchnorm and strategy not in ("ddp", "ddp_spawn"):
+        raise ValueError(f"sync_batchnorm=True synchronizes batch statistics across ddp processes, but "
+                         f"strategy={strategy!r}; pass strategy='ddp' (or sync_batchnorm=False)")
+    if sync_batchnorm and accelerator != "cuda":
+        raise ValueError(f"sync_batchnorm=True needs CUDA: torch.nn.SyncBatchNorm refuses {accelerator} tensors "
+                         "in training (its forward raises 'expected input tensor to be on GPU'). On CPU pass "
+                         "sync_batchnorm=False (each rank normalizes with its own batch statistics), use larger "
+                         "per-device batches, or use GroupNorm/LayerNorm, which need no batch statistics")
+    return RunConfig(accelerator, devices, num_nodes, strategy, precision, sync_batchnorm,
+                     _resolve_checkpointing(activation_checkpointing), _resolve_compile(compile))
+
+
+def _resolve_checkpointing(classes: Any) -> tuple:
+    """None → (); a Module subclass or a collection of them → a tuple of classes."""
+    if classes is None:
+        return ()
+    import torch
+
+    if isinstance(classes, type):
+        classes = (classes,)
+    if isinstance(classes, (str, bytes)) or not hasattr(classes, "__iter__"):
+        raise ValueError(f"activation_checkpointing={classes!r} must be a set of nn.Module classes, "
+                         "e.g. {TransformerBlock}")
+    classes = tuple(classes)
+    bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, torch.nn.Module))]
+    if bad:
+        raise ValueError(f"activation_checkpointing takes nn.Module classes (not instances or names); got {bad!r}. "
+                         "Pass e.g. activation_checkpointing={TransformerBlock}")
+    return classes
+
+
+def _resolve_compile(compile: Any) -> dict | None:
+    """False → None; True → {}; a dict is checked against ``torch.compile``'s keyword arguments."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return {}
+    if not isinstance(compile, dict):
+        raise ValueError(f"compile={compile!r} must be True, False or a dict of torch.compile arguments")
+    import inspect
+
+    import torch
+
+    valid = [name for name in inspect.signature(torch.compile).parameters if name != "model"]
+    unknown = sorted(set(compile) - set(valid))
+    if unknown:
+        raise ValueError(f"compile has unknown torch.compile arguments {unknown}; valid ones: {', '.join(valid)}")
+    return dict(compile)

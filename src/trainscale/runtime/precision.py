@@ -30,6 +30,7 @@ class Precision:
         self.scaler = torch.amp.GradScaler(device_type) if name == "16-mixed" else None
         self._autocast_dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name)
         self._true_dtype = torch.bfloat16 if name == "bf16-true" else None
+        self._unscaled: set[int] = set()  # ids of optimizers unscaled since the last scaler.update()
 
     def convert_module(self, module):
         """Cast the module's parameters for "*-true" precisions; others leave it in fp32."""
@@ -55,9 +56,14 @@ class Precision:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def unscale_gradients(self, optimizer) -> None:
-        """Divide gradients by the loss scale in place, so clipping sees true magnitudes."""
-        if self.scaler is not None:
+        """Divide gradients by the loss scale in place, so clipping sees true magnitudes.
+
+        At most once per optimizer step: a second call before ``optimizer_step`` does nothing
+        (``GradScaler.unscale_`` itself raises if called twice before ``update()``).
+        """
+        if self.scaler is not None and id(optimizer) not in self._unscaled:
             self.scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
 
     def optimizer_step(self, optimizer) -> bool:
         """Step the optimizer; under "16-mixed" the scaler skips steps with inf/NaN gradients.
@@ -68,8 +74,9 @@ class Precision:
         if self.scaler is None:
             optimizer.step()
             return True
-        self.scaler.step(optimizer)
+        self.scaler.step(optimizer)  # unscales first unless unscale_gradients already did
         self.scaler.update()
+        self._unscaled.clear()
         return True
 
     def state_dict(self) -> dict:

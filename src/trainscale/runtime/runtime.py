@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from trainscale.runtime import devices as _devices
 from trainscale.runtime import launch
+from trainscale.runtime.apply import prepare_module
 from trainscale.runtime.batch import to_device
 from trainscale.runtime.connector import RunConfig, resolve
 from trainscale.runtime.precision import Precision
@@ -54,12 +55,19 @@ class Runtime:
         accelerator: "auto", "cpu", "cuda" ("gpu") or "mps".
         devices: processes (CPU) or GPUs per node, or "auto" (all GPUs; under a launcher, the
             launcher's processes per node; else 1).
-        strategy: "auto", "single", "ddp" or "fsdp" (see ``trainscale.runtime.strategies.STRATEGIES``).
+        strategy: "auto", "single", "ddp", "fsdp", "ddp_spawn" or "dp" (see ``trainscale.runtime.strategies.STRATEGIES``
+            and docs/strategies.md). Under "ddp_spawn" outside a launcher, call ``launch(fn, *args)``.
         num_nodes: machines in the job.
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
         timeout: seconds a collective may wait before it fails (passed to ``init_process_group``).
-        strategy_options: keyword options of the strategy (e.g. DDP's ``find_unused_parameters``,
-            FSDP's ``auto_wrap_policy``; see each class in ``trainscale.runtime.strategies``).
+        strategy_options: keyword options of the strategy (ddp/ddp_spawn: ``find_unused_parameters``,
+            ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``; dp: ``device_ids``; fsdp: ``auto_wrap_policy``, ``reshard_after_forward``,
+            ``cpu_offload``).
+        sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp/ddp_spawn, CUDA only).
+        activation_checkpointing: ``nn.Module`` classes whose instances recompute their forward in
+            backward (``torch.utils.checkpoint``, non-reentrant): less activation memory, ~1 more forward.
+        compile: ``torch.compile`` the module before the strategy wraps it; True, or a dict of
+            ``torch.compile`` arguments (e.g. ``{"mode": "max-autotune"}``).
 
     Raises:
         ValueError: bad or conflicting flags (raised on every rank, before any process group exists).
@@ -67,13 +75,19 @@ class Runtime:
 
     def __init__(self, accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
                  num_nodes: int = 1, precision: str = "32-true", *, timeout: float = 1800.0,
-                 strategy_options: dict | None = None) -> None:
+                 strategy_options: dict | None = None, sync_batchnorm: bool = False,
+                 activation_checkpointing: Any = None, compile: bool | dict = False) -> None:
+        self._init_kwargs = dict(accelerator=accelerator, devices=devices, strategy=strategy, num_nodes=num_nodes,
+                                 precision=precision, timeout=timeout, strategy_options=strategy_options,
+                                 sync_batchnorm=sync_batchnorm, activation_checkpointing=activation_checkpointing,
+                                 compile=compile)
         self.world = World.from_env()
         if devices == "auto" and self.world.launcher != "none":
             devices, num_nodes = self.world.local_world_size, self.world.num_nodes
         self.config: RunConfig = resolve(accelerator, devices, strategy, num_nodes, precision,
                                          cuda_count=_devices.cuda_device_count(),
-                                         has_mps=_devices.mps_available())
+                                         has_mps=_devices.mps_available(), sync_batchnorm=sync_batchnorm,
+                                         activation_checkpointing=activation_checkpointing, compile=compile)
         if self.world.launcher != "none" and self.world.world_size != self.config.world_size:
             raise ValueError(f"the launcher started WORLD_SIZE={self.world.world_size} processes but "
                              f"devices×num_nodes={self.config.devices}×{self.config.num_nodes}="
@@ -83,21 +97,51 @@ class Runtime:
             raise ValueError(f"timeout={timeout} must be a positive number of seconds")
         self.timeout = timeout
         self.strategy_options = dict(strategy_options or {})
+        if self.config.strategy == "dp":
+            self.strategy_options.setdefault("device_ids", list(range(self.config.devices)))
         self.device = _devices.device_for(self.config.accelerator, self.world.local_rank)
         self.precision = Precision(self.config.precision, self.device.type)
         self.strategy = None
         self._launched = False
+        if self.spawns:  # the job runs in children; check the strategy's options here, before spawning
+            create_strategy(self.config.strategy, device=self.device, world=self.world, **self.strategy_options)
+
+    @property
+    def spawns(self) -> bool:
+        """True in the parent process of a "ddp_spawn" job (the ranks will be spawned children)."""
+        return self.config.strategy == "ddp_spawn" and self.world.launcher == "none" and self.config.world_size > 1
 
     # -- processes ---------------------------------------------------------------------------
-    def launch(self) -> "Runtime":
+    def launch(self, function: Callable | None = None, *args: Any) -> Any:
         """Make sure this process is one rank of a started job; idempotent.
 
         Outside a launcher with world size > 1, the running script is re-executed under
         torchrun (this call then never returns in the original process). Under a launcher, the
         process group is created with the backend of the accelerator (nccl/gloo).
+
+        With ``function``: run ``function(runtime, *args)`` on every rank and return its value.
+        Under "ddp_spawn" (notebooks, functions) the ranks are spawned processes, each with its own
+        Runtime built from this one's flags; rank 0's return value comes back here. ``function``
+        and ``args`` must be picklable (module-level, no lambdas).
+
+        Raises:
+            RuntimeError: "ddp_spawn" in the parent process without ``function``.
+            ValueError: ``function`` or ``args`` cannot be pickled (under "ddp_spawn").
         """
+        if function is not None:
+            if self.spawns:
+                from trainscale.runtime import spawn
+
+                return spawn.run(_run_spawned, {"runtime_flags": self._init_kwargs, "function": function,
+                                                "args": args}, self.config.world_size)
+            self.launch()
+            return function(self, *args)
         if self._launched:
             return self
+        if self.spawns:
+            raise RuntimeError("strategy='ddp_spawn' runs the job in spawned processes: put the training code in a "
+                               "module-level function fn(runtime, ...) and call runtime.launch(fn, ...), "
+                               "or use Trainer.fit")
         if self.config.world_size > 1 and self.world.launcher == "none":
             launch.relaunch_current_script(self.config.devices, self.config.num_nodes)
         if self.device.type == "cuda":
@@ -129,7 +173,9 @@ class Runtime:
         """Move and wrap ``module`` for the strategy; build or adapt the optimizer.
 
         Args:
-            module: a plain ``nn.Module``.
+            module: a plain ``nn.Module``. Precision cast, SyncBatchNorm, activation checkpointing and
+                compile are applied to it in that order, then the strategy wraps it
+                (``trainscale.runtime.apply``).
             optimizer: ``None``, an optimizer already built on ``module.parameters()`` (fine for
                 single/ddp), or a factory ``params -> Optimizer`` (required by sharded strategies,
                 which must build the optimizer after wrapping).
@@ -138,7 +184,9 @@ class Runtime:
             ``(wrapped_module, optimizer_or_None)``.
         """
         self.launch()
-        module = self.precision.convert_module(module)
+        c = self.config
+        module = prepare_module(module, precision=self.precision, sync_batchnorm=c.sync_batchnorm,
+                                activation_checkpointing=c.activation_checkpointing, compile=c.compile)
         wrapped = self.strategy.setup_module(module)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             if not callable(optimizer):
@@ -199,12 +247,20 @@ class Runtime:
                        clip_val: float | None = None, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip gradients by total norm (``max_norm``) or by value (``clip_val``), after unscaling.
 
+        Under "16-mixed" the gradients are unscaled first (once per step, however often this is called).
+        Under ddp the gradients are already all-reduced, so the norm is the global one.
+
         Returns:
             The total gradient norm before clipping (a 0-d tensor, not synced to the host), or None
             when clipping by value. Method: ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``.
+
+        Raises:
+            ValueError: both or neither of ``max_norm``/``clip_val``, or a value <= 0.
         """
         if (max_norm is None) == (clip_val is None):
             raise ValueError("pass exactly one of max_norm or clip_val")
+        if not (max_norm if max_norm is not None else clip_val) > 0:
+            raise ValueError(f"max_norm={max_norm!r} / clip_val={clip_val!r} must be > 0")
         self.precision.unscale_gradients(optimizer)
         params = [p for p in module.parameters() if p.grad is not None]
         if max_norm is not None:
@@ -288,3 +344,13 @@ class Runtime:
         if dist.is_initialized():
             dist.destroy_process_group()
         self._launched = False
+
+
+def _run_spawned(**kwargs: Any) -> Any:
+    """A "ddp_spawn" child of ``Runtime.launch(function, ...)``: this rank's Runtime, then the function."""
+    runtime = Runtime(**kwargs["runtime_flags"])
+    runtime.launch()
+    try:
+        return runtime.launch(kwargs["function"], *kwargs["args"])
+    finally:
+        runtime.teardown()

@@ -75,7 +75,9 @@ class Trainer:
         accelerator: "auto", "cpu", "cuda" ("gpu") or "mps".
         devices: processes (CPU) or GPUs per node, or "auto". With ``devices > 1`` outside a launcher
             the running script is re-executed under torchrun, here in ``__init__``.
-        strategy: "auto", "single", "ddp" or "fsdp".
+        strategy: "auto", "single", "ddp", "fsdp" (FSDP2 sharding), "ddp_spawn" (processes started by
+            ``torch.multiprocessing`` inside ``fit``: for notebooks and functions) or "dp"
+            (``nn.DataParallel``, GPUs only). See docs/strategies.md.
         num_nodes: machines in the job.
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
         max_epochs: epochs to train (>= 1).
@@ -90,7 +92,14 @@ class Trainer:
         enable_checkpointing: write a checkpoint at each epoch end.
         keep_last: checkpoints kept on disk (None keeps all).
         timeout: seconds a collective may wait before failing.
-        strategy_options: keyword options of the strategy (e.g. ``{"find_unused_parameters": True}``).
+        strategy_options: keyword options of the strategy (ddp/ddp_spawn: ``find_unused_parameters``,
+            ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``; e.g. ``{"static_graph": True}``).
+        sync_batchnorm: convert BatchNorm layers to ``torch.nn.SyncBatchNorm`` (ddp/ddp_spawn on CUDA only:
+            torch's SyncBatchNorm refuses CPU tensors).
+        activation_checkpointing: ``nn.Module`` classes (e.g. ``{Block}``) whose forward is recomputed in
+            backward (``torch.utils.checkpoint``, non-reentrant): less activation memory, one more forward.
+        compile: ``torch.compile`` the model before the strategy wraps it; True or a dict of
+            ``torch.compile`` arguments.
 
     Raises:
         ValueError: any bad flag, raised on every rank before a process group is created.
@@ -102,7 +111,9 @@ class Trainer:
                  gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm", seed: int = 0,
                  default_root_dir: str | Path = "runs", log_every_n_steps: int = 50,
                  enable_progress_bar: bool = True, enable_checkpointing: bool = True, keep_last: int | None = 3,
-                 timeout: float = 1800.0, strategy_options: dict | None = None) -> None:
+                 timeout: float = 1800.0, strategy_options: dict | None = None, sync_batchnorm: bool = False,
+                 activation_checkpointing: Any = None, compile: bool | dict = False) -> None:
+        self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
         for name, value, low in (("max_epochs", max_epochs, 1), ("accumulate_grad_batches", accumulate_grad_batches, 1),
                                  ("log_every_n_steps", log_every_n_steps, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -125,8 +136,10 @@ class Trainer:
         self.enable_checkpointing = enable_checkpointing
         self.keep_last = keep_last
         self.runtime = Runtime(accelerator, devices, strategy, num_nodes, precision, timeout=timeout,
-                               strategy_options=strategy_options)
-        self.runtime.launch()
+                               strategy_options=strategy_options, sync_batchnorm=sync_batchnorm,
+                               activation_checkpointing=activation_checkpointing, compile=compile)
+        if not self.runtime.spawns:  # under ddp_spawn, fit/validate start the processes
+            self.runtime.launch()
         self.run_dir: Path | None = None
         self.global_step = 0
         self.history: list[dict] = []
@@ -153,10 +166,18 @@ class Trainer:
         Returns:
             The run summary (also written to ``<run dir>/summary.json``).
 
+        Under ``strategy="ddp_spawn"`` the body runs in ``devices`` spawned processes: ``model``, the
+        loaders, ``loss_fn`` and ``optimizer`` are pickled to them (module-level classes and functions,
+        no lambdas: e.g. ``functools.partial(torch.optim.AdamW, lr=1e-3)``), and the trained weights
+        of rank 0 are loaded back into ``model`` here.
+
         Raises:
             FileNotFoundError / CheckpointError: a missing or corrupted ``ckpt_path``.
-            ValueError: no optimizer given.
+            ValueError: no optimizer given; under ddp_spawn, an argument that cannot be pickled.
         """
+        if self.runtime.spawns:
+            return self._spawn("fit", model, train_dataloaders=train_dataloaders, val_dataloaders=val_dataloaders,
+                               loss_fn=loss_fn, optimizer=optimizer, ckpt_path=ckpt_path)
         rt = self.runtime
         resume_from = self._resolve_ckpt_path(ckpt_path)
         self._seed_everything()
@@ -201,17 +222,19 @@ class Trainer:
                 bar.update()
                 if not is_boundary:
                     continue
+                grad_norm = None
                 if self.gradient_clip_val is not None:
                     by_norm = self.gradient_clip_algorithm == "norm"
-                    rt.clip_gradients(wrapped, optimizer, max_norm=self.gradient_clip_val if by_norm else None,
-                                      clip_val=None if by_norm else self.gradient_clip_val)
+                    grad_norm = rt.clip_gradients(wrapped, optimizer,
+                                                  max_norm=self.gradient_clip_val if by_norm else None,
+                                                  clip_val=None if by_norm else self.gradient_clip_val)
                 rt.step(optimizer)
                 optimizer.zero_grad(set_to_none=True)
                 if scheduler is not None and sched_interval == "step":
                     scheduler.step()
                 self.global_step += 1
                 if self.global_step % self.log_every_n_steps == 0:
-                    self._log_step(sink, bar, epoch, loss)
+                    self._log_step(sink, bar, epoch, loss, grad_norm)
                 if self._done():
                     break
             train_time = time.perf_counter() - t0
@@ -246,6 +269,8 @@ class Trainer:
             ``{"val_loss": float, "val_accuracy": float}`` (accuracy for classification, or every key of
             ``validation_step``'s dict prefixed with ``val_``), sample-weighted means over the whole set.
         """
+        if self.runtime.spawns:
+            return self._spawn("validate", model, dataloaders=dataloaders, loss_fn=loss_fn)
         loop_module = _LoopModule(model, loss_fn)
         wrapped, _ = self.runtime.setup(loop_module)
         loader = self.runtime.setup_dataloader(dataloaders, seed=self.seed, even=False)
@@ -332,12 +357,26 @@ class Trainer:
     def _done(self) -> bool:
         return self.max_steps is not None and self.global_step >= self.max_steps
 
-    def _log_step(self, sink, bar, epoch: int, loss: torch.Tensor) -> None:
+    def _log_step(self, sink, bar, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
         value = loss.item()  # one host sync per log interval, not per step
         bar.set_postfix(loss=f"{value:.4f}")
         if sink is not None:
-            sink.write({"kind": "step", "rank": 0, "time": time.time(), "epoch": epoch,
-                        "step": self.global_step, "train_loss": value})
+            record = {"kind": "step", "rank": 0, "time": time.time(), "epoch": epoch,
+                      "step": self.global_step, "train_loss": value}
+            if grad_norm is not None:  # total norm before clipping (gradient_clip_algorithm="norm")
+                record["grad_norm"] = grad_norm.item()
+            sink.write(record)
+
+    def _spawn(self, method: str, model: nn.Module, **kwargs: Any) -> Any:
+        """Run ``method`` ("fit"/"validate") in spawned ranks; load rank 0's weights into ``model``."""
+        from trainscale.runtime import spawn
+
+        out = spawn.run(_spawned_call, {"trainer_flags": self._init_kwargs, "method": method, "model": model,
+                                        **kwargs}, self.runtime.config.world_size)
+        model.load_state_dict(out["state_dict"])
+        self.history, self.global_step = out["history"], out["global_step"]
+        self.run_dir = Path(out["run_dir"]) if out["run_dir"] else None
+        return out["result"]
 
     # -- checkpoints -------------------------------------------------------------------------
     def _resolve_ckpt_path(self, ckpt_path) -> Path | None:
@@ -407,6 +446,19 @@ class Trainer:
             "samples_per_s": total_samples / sum(times) if times else None,
             "torch_version": torch.__version__, "run_dir": str(self.run_dir),
         }
+
+
+def _spawned_call(trainer_flags: dict, method: str, model: nn.Module, **kwargs: Any) -> dict:
+    """One "ddp_spawn" rank: a Trainer from the parent's flags runs ``method``; rank 0's result,
+    trained weights (on CPU) and loop state go back to the parent."""
+    trainer = Trainer(**trainer_flags)
+    try:
+        result = getattr(trainer, method)(model, **kwargs)
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        return {"result": result, "state_dict": state, "history": trainer.history,
+                "global_step": trainer.global_step, "run_dir": str(trainer.run_dir) if trainer.run_dir else None}
+    finally:
+        trainer.runtime.teardown()
 
 
 def _epoch_line(record: dict, max_epochs: int) -> str:

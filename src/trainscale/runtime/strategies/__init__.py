@@ -15,6 +15,8 @@ _IMPLEMENTATIONS = {
     "single": "trainscale.runtime.strategies.single:SingleDeviceStrategy",
     "ddp": "trainscale.runtime.strategies.ddp:DDPStrategy",
     "fsdp": "trainscale.runtime.strategies.fsdp:FSDPStrategy",
+    "ddp_spawn": "trainscale.runtime.strategies.ddp_spawn:DDPSpawnStrategy",
+    "dp": "trainscale.runtime.strategies.dp:DataParallelStrategy",
 }
 STRATEGIES = ("auto", *_IMPLEMENTATIONS)
 

@@ -1,0 +1,104 @@
+"""DataParallel: one process drives several GPUs of one machine (``torch.nn.DataParallel``).
+
+Every step, DataParallel copies the module from GPU 0 to each GPU (replicate), splits the batch
+along dimension 0 (scatter), runs the replicas in threads, and gathers their outputs on GPU 0;
+gradients of the replicas are summed into GPU 0's parameters in backward. Hence its limits: one
+Python process (the GIL) for all GPUs, a full replication every step, outputs and the optimizer
+on GPU 0 (which uses more memory than the others), one machine only. PyTorch recommends
+``DistributedDataParallel`` instead (https://pytorch.org/docs/stable/notes/cuda.html#cuda-nn-ddp-instead).
+
+The resolver refuses ``dp`` without 2 or more CUDA GPUs: without CUDA, ``nn.DataParallel``
+silently calls the module directly, with no parallelism at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainscale.runtime import checkpoint_io
+from trainscale.runtime.world import World
+
+_SCALAR = "__trainscale_dp_scalar__"
+
+
+class _ScalarsAsVectors(nn.Module):
+    """Replica side: a 0-d output (a loss) is returned as ``{_SCALAR: (1,)}`` so that the gather
+    on GPU 0 can tell "one loss per replica" from a batch output, and average it."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.module(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.ndim == 0:
+            return {_SCALAR: out.unsqueeze(0)}
+        return out
+
+
+class DataParallelModule(nn.Module):
+    """``nn.DataParallel`` whose scalar outputs (per-replica mean losses) come back as their mean.
+
+    The mean of per-replica means equals the batch mean when the batch size is a multiple of the
+    number of GPUs (DataParallel splits the batch with ``torch.chunk``); otherwise the last, smaller
+    chunk weighs a little more. Batch outputs ``(B, ...)`` are gathered unchanged on GPU 0.
+    """
+
+    def __init__(self, module: nn.Module, device_ids: list[int]) -> None:
+        super().__init__()
+        self.parallel = nn.DataParallel(_ScalarsAsVectors(module), device_ids=device_ids)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.parallel.module.module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.parallel(*args, **kwargs)
+        if isinstance(out, dict) and _SCALAR in out:
+            return out[_SCALAR].mean()
+        return out
+
+
+class DataParallelStrategy:
+    """Wrap the module in ``nn.DataParallel`` over ``device_ids`` (GPU-only; one process).
+
+    The data loader is not sharded: its ``batch_size`` is the batch of the whole step, split
+    across the GPUs. There is no gradient all-reduce, so ``no_backward_sync`` is a no-op.
+
+    Args:
+        device: GPU 0 of ``device_ids`` (parameters, outputs and the optimizer live there).
+        world: a world of one process.
+        device_ids: the CUDA device indices to use (the Runtime passes ``range(devices)``).
+    """
+
+    name = "dp"
+
+    def __init__(self, device: Any, world: World, device_ids: list[int] | None = None) -> None:
+        self.device = device
+        self.world = world
+        self.device_ids = list(device_ids) if device_ids is not None else list(range(torch.cuda.device_count()))
+
+    def setup_module(self, module):
+        return DataParallelModule(module.to(self.device), self.device_ids)
+
+    def setup_optimizer(self, optimizer):
+        return optimizer
+
+    def unwrap(self, module):
+        return module.module if isinstance(module, DataParallelModule) else module
+
+    def no_backward_sync(self, module, enabled: bool):
+        return contextlib.nullcontext()
+
+    def save_checkpoint(self, path, state: dict) -> None:
+        checkpoint_io.save_replicated(path, state, self.world, self.unwrap)
+
+    def load_checkpoint(self, path, state: dict) -> dict:
+        return checkpoint_io.load_replicated(path, state, self.unwrap)
+
+    def teardown(self) -> None:
+        pass
