@@ -45,12 +45,13 @@ def new_monitor_group():
     return dist.new_group(backend="gloo")
 
 
-def missing_ranks(group, timeout_s: float) -> list[int] | None:
+def missing_ranks(group, timeout_s: float) -> tuple[list[int] | None, str]:
     """Ranks that do not reach a ``monitored_barrier`` on ``group`` within ``timeout_s`` seconds.
 
     Returns:
-        On rank 0: the missing ranks ([] when every rank arrived). On other ranks: [0] if rank 0 did
-        not answer, else None (unknown: rank 0's error names them).
+        ``(ranks, note)``. On rank 0: the missing ranks ([] when every rank arrived), or None with the
+        barrier's own error as the note when a peer's connection broke (it crashed). On other ranks:
+        ``[0]`` if rank 0 did not answer, else None (unknown there: rank 0's error names them).
     """
     import torch.distributed as dist
 
@@ -59,13 +60,14 @@ def missing_ranks(group, timeout_s: float) -> list[int] | None:
     except RuntimeError as err:
         found = _MISSING.search(str(err))
         if found:
-            return sorted(int(r) for r in found.group(1).replace(" ", "").split(",") if r)
-        return [0] if dist.get_rank() != 0 else None
-    return [] if dist.get_rank() == 0 else None
+            return sorted(int(r) for r in found.group(1).replace(" ", "").split(",") if r), ""
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return ([0] if dist.get_rank() != 0 else None), re.sub(r"^\[[^\]]*\]\s*", "", first)[:160]
+    return ([] if dist.get_rank() == 0 else None), ""
 
 
 def explain(err: BaseException, operation: str, *, rank: int, timeout_s: float, where: str,
-            missing: list[int] | None, stacks_dir: Path | None) -> CollectiveTimeout:
+            missing: list[int] | None, stacks_dir: Path | None, note: str = "") -> CollectiveTimeout:
     """The error to raise for a failed collective: the operation, the ranks that did not arrive,
     and where the stack dumps are."""
     text = str(err)
@@ -78,12 +80,14 @@ def explain(err: BaseException, operation: str, *, rank: int, timeout_s: float, 
     if missing:
         who = f"ranks that did not arrive: {missing}"
     elif missing == []:
-        who = "every rank answered rank 0's check afterwards (a transient stall or a crashed peer)"
+        who = "every rank answered rank 0's check afterwards (a transient stall)"
+    elif rank == 0:
+        who = f"the check of which ranks are alive failed too ({note or 'no detail'}): a peer crashed, see its log"
     else:
         who = "rank 0's error names the ranks that did not arrive"
     msg = f"rank {rank}: {operation} {where} {cause}; {who}."
     if stacks_dir is not None:
-        msg += f" Python stacks of ranks that stalled: {stacks_dir}/rank<R>.txt"
+        msg += f" Python stacks of ranks that stalled: {stacks_dir}/rank<R>.txt."
     msg += (" Fix the slow or crashed rank (see its log), or raise timeout= if the step is legitimately"
             " slower; restarts resume from the last checkpoint (--max-restarts).")
     return CollectiveTimeout(msg, operation, missing)

@@ -112,6 +112,8 @@ def checkpoint_name(epoch: int, step: int) -> str:
 def mark_last(path: Path, keep_last: int | None) -> None:
     """Point "last" at ``path`` (atomically), then delete all but the ``keep_last`` newest checkpoints."""
     atomic_write_bytes(path.parent / LAST, path.name.encode() + b"\n")
+    for stale in path.parent.glob(".*.tmp"):  # left by a process killed while writing (all writes are done here)
+        stale.unlink(missing_ok=True)
     if keep_last is None:
         return
     existing = sorted(path.parent.glob("epoch=*-step=*.pt"))

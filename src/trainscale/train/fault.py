@@ -194,21 +194,21 @@ class FaultTolerance:
         a short timeout of ``timeout / 4`` clamped to 1–10 s). None for any other error."""
         if self.rt.world_size == 1 or not is_comm_error(err):
             return None
-        missing = None
+        missing, note = None, ""
         if self.rt.monitor_group is not None:
             try:
-                missing = hangs.missing_ranks(self.rt.monitor_group, max(1.0, min(10.0, self.rt.timeout / 4)))
-            except Exception:  # noqa: BLE001 - the diagnosis must not hide the original error
-                missing = None
+                missing, note = hangs.missing_ranks(self.rt.monitor_group, max(1.0, min(10.0, self.rt.timeout / 4)))
+            except Exception as exc:  # noqa: BLE001 - the diagnosis must not hide the original error
+                note = f"{type(exc).__name__}: {exc}"[:160]
         return hangs.explain(err, self.phase, rank=self.rt.rank, timeout_s=self.rt.timeout, where=where,
-                             missing=missing, stacks_dir=self.stacks_dir)
+                             missing=missing, stacks_dir=self.stacks_dir, note=note)
 
     def barrier(self, operation: str, where: str) -> None:
         """A ``monitored_barrier`` before ``operation``: a rank that does not arrive within the timeout
         is named (rank 0) instead of the whole job hanging in the next collective."""
         if self.rt.world_size == 1 or self.rt.monitor_group is None:
             return
-        missing = hangs.missing_ranks(self.rt.monitor_group, self.rt.timeout)
+        missing, _ = hangs.missing_ranks(self.rt.monitor_group, self.rt.timeout)
         if missing:
             raise hangs.CollectiveTimeout(
                 f"rank {self.rt.rank}: ranks {missing} did not reach {operation} {where} within "
