@@ -148,18 +148,28 @@ def test_truncated_last_checkpoint_is_a_clear_error(tmp_path):
         fw.fit(str(tmp_path), epochs=1, n=16, ckpt_path="last")
 
 
-def test_mid_epoch_resume_is_bitwise_exact_single_process(tmp_path):
-    """Dropout makes the RNG state matter; stop at step 7 of 12 (mid-epoch 0), resume for 2 epochs."""
-    full, _ = fw.fit(str(tmp_path / "full"), epochs=2, n=48)
-    fw.fit(str(tmp_path / "cut"), epochs=2, n=48, max_steps=7)
-    resumed, summary = fw.fit(str(tmp_path / "cut"), epochs=2, n=48, ckpt_path="last")
-    assert resumed.seen[0][1] == 7 and summary["steps"] == 24
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_mid_epoch_resume_is_bitwise_exact_single_process(tmp_path, accumulate):
+    """Dropout makes the RNG state matter; stop at step 7 (mid-epoch 0), resume for 2 epochs."""
+    steps = 12 // accumulate
+    full, _ = fw.fit(str(tmp_path / "full"), epochs=2, n=48, accumulate_grad_batches=accumulate)
+    fw.fit(str(tmp_path / "cut"), epochs=2, n=48, max_steps=steps // 2 + 1, accumulate_grad_batches=accumulate)
+    resumed, summary = fw.fit(str(tmp_path / "cut"), epochs=2, n=48, ckpt_path="last",
+                              accumulate_grad_batches=accumulate)
+    assert resumed.seen[0][1] == steps // 2 + 1 and summary["steps"] == 2 * steps
     for key, value in full.weights().items():
         assert torch.equal(resumed.weights()[key], value), key
 
 
-def test_sigusr1_checkpoints_then_exits_and_resume_is_exact(tmp_path):
+def test_sigusr1_checkpoints_then_exits_and_resume_is_exact(tmp_path, monkeypatch):
     from trainscale.train.fault import Preempted
+
+    bin_dir = tmp_path / "bin"  # a stand-in for SLURM's scontrol that records its arguments
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'scontrol.args'}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # inside a SLURM job (one task: World stays a world of one)
 
     def send(model, step):
         if step == 3 and not send.sent:
@@ -172,6 +182,7 @@ def test_sigusr1_checkpoints_then_exits_and_resume_is_exact(tmp_path):
         fw.fit(str(tmp_path / "pre"), epochs=1, n=48, hook=send)
     assert info.value.code == 128 + signal.SIGUSR1 and "step=000004" in info.value.path
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handlers restored
+    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
     resumed, _ = fw.fit(str(tmp_path / "pre"), epochs=1, n=48, ckpt_path="last")
     assert resumed.seen[0][1] == 4
     for key, value in full.weights().items():

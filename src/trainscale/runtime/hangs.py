@@ -77,7 +77,9 @@ def explain(err: BaseException, operation: str, *, rank: int, timeout_s: float, 
         cause = "failed because a peer closed its connection (it crashed or exited)"
     else:
         cause = f"failed ({text.splitlines()[0][:200] if text else type(err).__name__})"
-    if missing:
+    if missing == [0] and rank != 0:
+        who = "rank 0 did not answer the check afterwards (it stalled, failed or exited: see rank 0's error)"
+    elif missing:
         who = f"ranks that did not arrive: {missing}"
     elif missing == []:
         who = "every rank answered rank 0's check afterwards (a transient stall)"

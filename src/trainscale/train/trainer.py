@@ -268,7 +268,8 @@ class Trainer:
                 if self.global_step % self.log_every_n_steps == 0:
                     self._log_step(sink, bar, epoch, loss)
                 every = self.checkpoint_every_n_steps
-                step_ckpt = every is not None and self.global_step % every == 0 and i + 1 < num_batches
+                step_ckpt = (every is not None and self.global_step % every == 0 and i + 1 < num_batches
+                             and not self._done())  # else the epoch-end path saves this position
                 if ft.due(self.global_step) or step_ckpt:  # the same answer on every rank
                     stop = ft.poll(self.global_step, epoch)
                     if stop or step_ckpt:
