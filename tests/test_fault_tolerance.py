@@ -44,17 +44,29 @@ def _assert_each_sample_once_per_epoch(seen: list[tuple[int, list[int]]], n: int
 
 @pytest.fixture(scope="module")
 def elastic_runs(tmp_path_factory):
-    """Two jobs at once: uninterrupted, and one whose rank 1 is SIGKILLed at step 17 (epoch 1, after the
-    step-15 checkpoint) under --max-restarts 1."""
+    """Three jobs at once (they share the 2 cores; the test asserts nothing about time):
+    - "full": 2 processes under torchrun, uninterrupted;
+    - "killed": the same, but rank 1 SIGKILLs itself at step 17 (epoch 1, after the step-15
+      checkpoint), under --max-restarts 1;
+    - "nodes": the same job as two 1-process "nodes" joining at a c10d rendezvous on 127.0.0.1."""
     base = tmp_path_factory.mktemp("elastic")
-    jobs = {}
-    for name, extra in (("full", []), ("killed", ["--kill-at-step", "17"])):
-        cmd = [TRAINSCALE, "run", "-n", "2", "--max-restarts", "1", SCRIPT, "--out", str(base / name), *extra]
-        jobs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
-                                      cwd=ROOT)
-    logs = {name: p.communicate(timeout=240)[0] for name, p in jobs.items()}
+    port = free_port()
+    cmds = {"full": [TRAINSCALE, "run", "-n", "2", "--max-restarts", "1", SCRIPT, "--out", str(base / "full")],
+            "killed": [TRAINSCALE, "run", "-n", "2", "--max-restarts", "1", SCRIPT, "--out", str(base / "killed"),
+                       "--kill-at-step", "17"]}
+    for node in (0, 1):
+        cmds[f"node{node}"] = [TRAINSCALE, "run", "--nnodes", "2", "--node-rank", str(node), "-n", "1",
+                               "--rdzv-endpoint", f"127.0.0.1:{port}", SCRIPT, "--out", str(base / "nodes")]
+    jobs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+                                   cwd=ROOT) for name, cmd in cmds.items()}
+    try:
+        logs = {name: p.communicate(timeout=300)[0] for name, p in jobs.items()}
+    finally:
+        for p in jobs.values():
+            if p.poll() is None:
+                p.kill()
     for name, p in jobs.items():
-        assert p.returncode == 0, logs[name][-4000:]
+        assert p.returncode == 0, f"{name}:\n{logs[name][-4000:]}"
     return base, logs
 
 
@@ -82,20 +94,15 @@ def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(elastic_runs):
 
 
 @pytest.mark.multiprocess
-def test_two_nodes_on_one_machine_agree(elastic_runs, tmp_path):
+def test_two_nodes_on_one_machine_agree(elastic_runs):
     base, _ = elastic_runs
-    port = free_port()
-    procs = [subprocess.Popen([TRAINSCALE, "run", "--nnodes", "2", "--node-rank", str(node), "-n", "1",
-                               "--rdzv-endpoint", f"127.0.0.1:{port}", SCRIPT, "--out", str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
-             for node in (0, 1)]
-    logs = [p.communicate(timeout=180)[0] for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
-    w0, w1 = torch.load(tmp_path / "final-rank0.pt"), torch.load(tmp_path / "final-rank1.pt")
+    nodes = base / "nodes"
+    w0, w1 = torch.load(nodes / "final-rank0.pt"), torch.load(nodes / "final-rank1.pt")
     ref = torch.load(base / "full" / "final-rank0.pt")  # the same job on one node with 2 processes
     for key in ref:
         assert torch.equal(w0[key], w1[key]) and torch.equal(w0[key], ref[key]), key
+    seen = [(r["epoch"], r["ids"]) for rank in (0, 1) for r in _records(nodes, rank, 0)]
+    _assert_each_sample_once_per_epoch(seen, 96, 2)
 
 
 @pytest.mark.multiprocess
