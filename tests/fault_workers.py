@@ -56,7 +56,11 @@ class Recorder(torch.nn.Module):
         return {k: v.detach().clone() for k, v in self.net.state_dict().items()}
 
 
-def fit(root, *, hook=None, n=96, batch=4, epochs=2, ckpt_path=None, teardown=True, **kwargs):
+def fit(root, *, hook=None, n=96, batch=4, epochs=2, ckpt_path=None, teardown=True, own_sampler=False, **kwargs):
+    """Train a :class:`Recorder`; ``own_sampler`` gives the loader a ``DistributedSampler`` of one
+    replica, which the Trainer keeps (and resumes mid-epoch by skipping batches)."""
+    from torch.utils.data import DistributedSampler
+
     from trainscale.train.trainer import Trainer
 
     trainer = Trainer(devices="auto", max_epochs=epochs, seed=0, default_root_dir=root, enable_progress_bar=False,
@@ -64,7 +68,10 @@ def fit(root, *, hook=None, n=96, batch=4, epochs=2, ckpt_path=None, teardown=Tr
     model = Recorder(hook)
     model.trainer = trainer
     try:
-        summary = trainer.fit(model, DataLoader(Indexed(n), batch_size=batch, shuffle=True),
+        data = Indexed(n)
+        loader = (DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, 1, 0, shuffle=True))
+                  if own_sampler else DataLoader(data, batch_size=batch, shuffle=True))
+        summary = trainer.fit(model, loader,
                               optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), ckpt_path=ckpt_path)
     finally:
         if teardown:

@@ -155,14 +155,15 @@ def test_truncated_last_checkpoint_is_a_clear_error(tmp_path):
         fw.fit(str(tmp_path), epochs=1, n=16, ckpt_path="last")
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_mid_epoch_resume_is_bitwise_exact_single_process(tmp_path, accumulate):
-    """Dropout makes the RNG state matter; stop at step 7 (mid-epoch 0), resume for 2 epochs."""
+@pytest.mark.parametrize("accumulate, own_sampler", [(1, False), (2, False), (1, True)])
+def test_mid_epoch_resume_is_bitwise_exact_single_process(tmp_path, accumulate, own_sampler):
+    """Dropout makes the RNG state matter; stop at step 7 (mid-epoch 0), resume for 2 epochs.
+    With the user's own sampler the resumed epoch skips the batches already trained on."""
     steps = 12 // accumulate
-    full, _ = fw.fit(str(tmp_path / "full"), epochs=2, n=48, accumulate_grad_batches=accumulate)
-    fw.fit(str(tmp_path / "cut"), epochs=2, n=48, max_steps=steps // 2 + 1, accumulate_grad_batches=accumulate)
-    resumed, summary = fw.fit(str(tmp_path / "cut"), epochs=2, n=48, ckpt_path="last",
-                              accumulate_grad_batches=accumulate)
+    kw = dict(epochs=2, n=48, accumulate_grad_batches=accumulate, own_sampler=own_sampler)
+    full, _ = fw.fit(str(tmp_path / "full"), **kw)
+    fw.fit(str(tmp_path / "cut"), max_steps=steps // 2 + 1, **kw)
+    resumed, summary = fw.fit(str(tmp_path / "cut"), ckpt_path="last", **kw)
     assert resumed.seen[0][1] == steps // 2 + 1 and summary["steps"] == 2 * steps
     for key, value in full.weights().items():
         assert torch.equal(resumed.weights()[key], value), key
