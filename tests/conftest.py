@@ -7,7 +7,8 @@ import pytest
 def _no_launcher_env(monkeypatch):
     """Tests start outside any launcher, whatever the shell that runs pytest has set."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+                 *(k for k in os.environ if k.startswith("SLURM_"))):  # pytest may run inside a SLURM job
         monkeypatch.delenv(name, raising=False)
     yield
     import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""The ``trainscale`` command: run | demo | env.
+"""The ``trainscale`` command: run | demo | slurm | env.
 
 Parsing imports nothing heavy: ``trainscale --help`` never imports torch. Each subcommand
 imports what it needs when it runs.
@@ -52,6 +52,26 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress-bar", action="store_true", help="hide the progress bar")
     demo.set_defaults(func=_cmd_demo)
 
+    slurm = sub.add_parser("slurm", help="write an sbatch script: NODES x GPUS tasks launched by srun",
+                           description="Write an sbatch script that runs SCRIPT on --nodes × --gpus-per-node tasks "
+                                       "(srun, one task per GPU), checkpoints on SIGUSR1 90 s before the time limit and "
+                                       "requeues itself. Example: trainscale slurm --nodes 2 --gpus-per-node 8 "
+                                       "-o train.sbatch train.py --lr 1e-3; then: sbatch train.sbatch")
+    slurm.add_argument("--nodes", type=int, required=True, help="machines")
+    slurm.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (tasks) per machine")
+    slurm.add_argument("--time", default="04:00:00", help="time limit HH:MM:SS (default 04:00:00)")
+    slurm.add_argument("--cpus-per-task", type=int, default=8, help="CPU cores per task (default 8)")
+    slurm.add_argument("--partition", default=None, help="SLURM partition")
+    slurm.add_argument("--job-name", default="trainscale", help="job name (default trainscale)")
+    slurm.add_argument("--signal-seconds", type=int, default=90,
+                       help="send SIGUSR1 this long before the time limit (default 90)")
+    slurm.add_argument("--cpu", action="store_true", help="request no GPU (CPU processes)")
+    slurm.add_argument("--python", default="python", help="the Python on the nodes (default python)")
+    slurm.add_argument("-o", "--output", default="-", help="file to write (default: standard output)")
+    slurm.add_argument("script", help="the training script")
+    slurm.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    slurm.set_defaults(func=_cmd_slurm)
+
     env = sub.add_parser("env", help="print what this machine offers: versions, devices, backends")
     env.set_defaults(func=_cmd_env)
     return parser
@@ -71,6 +91,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from trainscale.cli.demo import run_demo
 
     run_demo(args)
+    return 0
+
+
+def _cmd_slurm(args: argparse.Namespace) -> int:
+    from trainscale.runtime.slurm import sbatch_script
+
+    text = sbatch_script([args.python, args.script, *args.script_args], nodes=args.nodes,
+                         gpus_per_node=args.gpus_per_node, job_name=args.job_name, time=args.time,
+                         cpus_per_task=args.cpus_per_task, partition=args.partition,
+                         signal_seconds=args.signal_seconds, cpu=args.cpu)
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote {args.output}: {args.nodes} node(s) × {args.gpus_per_node} task(s); submit with: "
+              f"sbatch {args.output}")
     return 0
 
 

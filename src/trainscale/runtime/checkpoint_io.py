@@ -30,6 +30,11 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _write_event(stage: str, path: Path) -> None:
+    """Called at each stage of a write ("partial", "before-rename", "after-rename"). A no-op: the
+    save-crash tests replace it to kill the process at that exact point."""
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the new one, never a part."""
     path = Path(path)
@@ -37,15 +42,20 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            f.write(data[: len(data) // 2])
+            f.flush()
+            _write_event("partial", path)
+            f.write(data[len(data) // 2:])
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp creates 0600
+        _write_event("before-rename", path)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    _write_event("after-rename", path)
     _fsync_dir(path.parent)
 
 

@@ -88,6 +88,11 @@ class Runtime:
                                          cuda_count=_devices.cuda_device_count(),
                                          has_mps=_devices.mps_available(), sync_batchnorm=sync_batchnorm,
                                          activation_checkpointing=activation_checkpointing, compile=compile)
+        if self.world.launcher == "slurm":  # the allocation must match devices × num_nodes
+            from trainscale.runtime.slurm import check_allocation
+
+            check_allocation(self.world.world_size, self.world.local_world_size, self.world.num_nodes,
+                             self.config.devices, self.config.num_nodes)
         if self.world.launcher != "none" and self.world.world_size != self.config.world_size:
             raise ValueError(f"the launcher started WORLD_SIZE={self.world.world_size} processes but "
                              f"devices×num_nodes={self.config.devices}×{self.config.num_nodes}="
@@ -102,6 +107,7 @@ class Runtime:
         self.device = _devices.device_for(self.config.accelerator, self.world.local_rank)
         self.precision = Precision(self.config.precision, self.device.type)
         self.strategy = None
+        self.monitor_group = None
         self._launched = False
         if self.spawns:  # the job runs in children; check the strategy's options here, before spawning
             create_strategy(self.config.strategy, device=self.device, world=self.world, **self.strategy_options)
@@ -147,10 +153,17 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.world.world_size > 1 and not dist.is_initialized():
+            # torchrun exports MASTER_ADDR/PORT (env://); srun does not, so SLURM tasks name the address.
+            init_method = (f"tcp://{self.world.master_addr}:{self.world.master_port}"
+                           if self.world.launcher == "slurm" else None)
             dist.init_process_group(backend=_devices.backend_for(self.config.accelerator),
-                                    timeout=timedelta(seconds=self.timeout),
+                                    timeout=timedelta(seconds=self.timeout), init_method=init_method,
                                     rank=self.world.rank, world_size=self.world.world_size)
             atexit.register(_destroy_process_group)
+        if self.world.world_size > 1 and self.monitor_group is None:
+            from trainscale.runtime.hangs import new_monitor_group
+
+            self.monitor_group = new_monitor_group()  # gloo, for naming ranks that do not arrive
         self.strategy = create_strategy(self.config.strategy, device=self.device, world=self.world,
                                         precision=self.config.precision, **self.strategy_options)
         self._launched = True
@@ -343,6 +356,7 @@ class Runtime:
             self.strategy.teardown()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.monitor_group = None
         self._launched = False
 
 

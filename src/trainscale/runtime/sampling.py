@@ -1,10 +1,11 @@
 """Giving each rank its share of a data set.
 
-Training uses ``torch.utils.data.DistributedSampler``: a permutation seeded by ``seed + epoch``,
-padded by repeating samples so each rank gets ``ceil(N / world_size)``; rank ``r`` takes
-positions ``r, r + W, r + 2W, ...``. So micro-batch ``i`` of all ranks together holds exactly
-the samples a single process with a ``W`` times larger batch would take at step ``i`` — the
-basis of DDP/single-process parity.
+Training uses :class:`ResumableDistributedSampler`, which gives exactly the order of
+``torch.utils.data.DistributedSampler`` (a permutation seeded by ``seed + epoch``, padded by
+repeating samples so each rank gets the same count; rank ``r`` takes positions ``r, r + W, ...``)
+and can also start part-way through an epoch. So micro-batch ``i`` of all ranks together holds
+exactly the samples a single process with a ``W`` times larger batch would take at step ``i`` — the
+basis of DDP/single-process parity — and a resumed run continues with the next unseen sample.
 
 Evaluation uses :class:`UnpaddedDistributedSampler`: no padding, so metrics reduced as sums and
 counts never count a sample twice.
@@ -19,6 +20,75 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from trainscale.runtime.world import World
+
+
+class ResumableDistributedSampler(Sampler[int]):
+    """``DistributedSampler``'s order, startable at a position counted in samples of the epoch.
+
+    The epoch's sequence is ``randperm(N, seed + epoch)`` (or ``range(N)`` without shuffling).
+    ``set_epoch(epoch, consumed)`` makes the next iteration skip the first ``consumed`` positions of
+    that sequence — the samples all ranks together took before a checkpoint, a number that does not
+    depend on the world size — and split the rest across the *current* world: rank ``r`` of ``W``
+    takes positions ``consumed + r, consumed + r + W, ...``. The rest is padded (by repeating the
+    epoch's first samples, as ``DistributedSampler`` does) only up to a multiple of ``W``, so every
+    rank runs the same number of steps; with ``consumed=0`` the order equals
+    ``DistributedSampler(drop_last=False)``'s, element for element. Resuming on another world size
+    (2 → 1, 1 → 2) therefore neither loses nor repeats a sample, apart from that end-of-epoch padding.
+
+    Args:
+        dataset: a map-style data set (``len`` and integer indexing).
+        num_replicas: world size ``W``.
+        rank: this rank, ``0 <= rank < W``.
+        shuffle: shuffle each epoch with ``seed + epoch``.
+        seed: the same on every rank.
+    """
+
+    def __init__(self, dataset, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank={rank} must lie in [0, num_replicas={num_replicas})")
+        self.dataset = dataset
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.consumed = 0
+
+    def set_epoch(self, epoch: int, consumed: int = 0) -> None:
+        """Iterate epoch ``epoch`` from position ``consumed`` (samples of all ranks already trained on)."""
+        n = len(self.dataset)
+        if not 0 <= consumed <= n:
+            raise ValueError(f"consumed={consumed} must lie in [0, len(dataset)={n}]")
+        self.epoch, self.consumed = epoch, consumed
+
+    def epoch_indices(self) -> list[int]:
+        """The epoch's whole sequence of data set indices, before any split (length N)."""
+        n = len(self.dataset)
+        if not self.shuffle:
+            return list(range(n))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return torch.randperm(n, generator=g).tolist()
+
+    def _remaining(self) -> list[int]:
+        indices = self.epoch_indices()
+        rest = indices[self.consumed:]
+        padding = -len(rest) % self.num_replicas
+        while padding > 0 and indices:  # DistributedSampler's padding: repeat from the epoch's start
+            rest += indices[:padding]
+            padding = -len(rest) % self.num_replicas
+        return rest
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._remaining()[self.rank::self.num_replicas])
+
+    def __len__(self) -> int:
+        return math.ceil((len(self.dataset) - self.consumed) / self.num_replicas)
+
+    def consumed_after(self, batches: int, batch_size: int) -> int:
+        """Position in the epoch (samples of all ranks) after ``batches`` micro-batches of
+        ``batch_size`` per rank since the last :meth:`set_epoch`; at most ``len(dataset)``."""
+        return min(len(self.dataset), self.consumed + batches * batch_size * self.num_replicas)
 
 
 class UnpaddedDistributedSampler(Sampler[int]):
@@ -70,7 +140,7 @@ def distribute_dataloader(loader: DataLoader, world: World, *, shuffle: bool | N
     if not isinstance(loader, DataLoader):
         raise TypeError(f"expected a torch.utils.data.DataLoader, got {type(loader).__name__}")
     sampler = loader.sampler
-    if isinstance(sampler, (DistributedSampler, UnpaddedDistributedSampler)):
+    if isinstance(sampler, (DistributedSampler, ResumableDistributedSampler, UnpaddedDistributedSampler)):
         return loader
     splittable = (not isinstance(loader.dataset, IterableDataset) and loader.batch_size is not None
                   and isinstance(sampler, (SequentialSampler, RandomSampler)))
@@ -82,8 +152,7 @@ def distribute_dataloader(loader: DataLoader, world: World, *, shuffle: bool | N
     if shuffle is None:
         shuffle = isinstance(sampler, RandomSampler)
     if even:
-        new_sampler = DistributedSampler(loader.dataset, num_replicas=world.world_size, rank=world.rank,
-                                         shuffle=shuffle, seed=seed, drop_last=False)
+        new_sampler = ResumableDistributedSampler(loader.dataset, world.world_size, world.rank, shuffle, seed)
     else:
         new_sampler = UnpaddedDistributedSampler(loader.dataset, world.world_size, world.rank, shuffle, seed)
     kwargs = {name: getattr(loader, name) for name in _LOADER_ARGS if hasattr(loader, name)}

@@ -2,7 +2,9 @@
 
 torchrun (``torch.distributed.run``) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 GROUP_RANK, MASTER_ADDR and MASTER_PORT for each worker
-(https://pytorch.org/docs/stable/elastic/run.html#environment-variables).
+(https://pytorch.org/docs/stable/elastic/run.html#environment-variables). Tasks started by
+SLURM's ``srun`` are read from SLURM_PROCID, SLURM_NTASKS, ... (``trainscale.runtime.slurm``);
+torchrun's variables win when both are set (torchrun started inside a SLURM job).
 Without a launcher the process is a world of one.
 """
 
@@ -24,8 +26,10 @@ class World:
         local_world_size: number of processes on this node.
         node_rank: index of this node (torchrun's GROUP_RANK).
         master_addr, master_port: rendezvous address of rank 0's store.
-        restart_count: how many times torchrun's elastic agent restarted the workers.
-        launcher: "torchrun" when the environment came from a launcher, else "none".
+        restart_count: how many times the job was restarted (torchrun's TORCHELASTIC_RESTART_COUNT,
+            SLURM's SLURM_RESTART_COUNT after a requeue).
+        launcher: "torchrun", "slurm" (tasks started by ``srun``), or "none".
+        job_id: an id shared by every attempt of the job (TORCHELASTIC_RUN_ID, SLURM_JOB_ID), or None.
     """
 
     world_size: int = 1
@@ -37,6 +41,7 @@ class World:
     master_port: int = 29500
     restart_count: int = 0
     launcher: str = "none"
+    job_id: str | None = None
 
     @property
     def is_distributed(self) -> bool:
@@ -59,7 +64,14 @@ class World:
                 naming the variable to fix.
         """
         env = os.environ if env is None else env
-        if "WORLD_SIZE" not in env or "RANK" not in env:
+        if "WORLD_SIZE" not in env or "RANK" not in env:  # torchrun's variables take precedence over SLURM's
+            from trainscale.runtime import slurm
+
+            if slurm.is_slurm_task(env):
+                fields = slurm.world_fields(env)
+                cls._check(fields["world_size"], fields["rank"], fields["local_rank"], fields["local_world_size"],
+                           prefix="SLURM_")
+                return cls(**fields, launcher="slurm")
             return cls()
 
         def geti(name: str, default: int) -> int:
@@ -76,12 +88,7 @@ class World:
         local_rank = geti("LOCAL_RANK", rank)
         local_world_size = geti("LOCAL_WORLD_SIZE", world_size)
         node_rank = geti("GROUP_RANK", geti("NODE_RANK", 0))
-        if world_size < 1:
-            raise ValueError(f"WORLD_SIZE={world_size} must be >= 1")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"RANK={rank} must lie in [0, WORLD_SIZE={world_size})")
-        if not 0 <= local_rank < local_world_size:
-            raise ValueError(f"LOCAL_RANK={local_rank} must lie in [0, LOCAL_WORLD_SIZE={local_world_size})")
+        cls._check(world_size, rank, local_rank, local_world_size)
         return cls(
             world_size=world_size,
             rank=rank,
@@ -92,4 +99,16 @@ class World:
             master_port=geti("MASTER_PORT", 29500),
             restart_count=geti("TORCHELASTIC_RESTART_COUNT", 0),
             launcher="torchrun",
+            job_id=env.get("TORCHELASTIC_RUN_ID") or None,
         )
+
+    @staticmethod
+    def _check(world_size: int, rank: int, local_rank: int, local_world_size: int, prefix: str = "") -> None:
+        names = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if not prefix else \
+            ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "tasks on this node")
+        if world_size < 1:
+            raise ValueError(f"{names[0]}={world_size} must be >= 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"{names[1]}={rank} must lie in [0, {names[0]}={world_size})")
+        if not 0 <= local_rank < local_world_size:
+            raise ValueError(f"{names[2]}={local_rank} must lie in [0, {names[3]}={local_world_size})")

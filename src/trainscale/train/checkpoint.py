@@ -7,6 +7,8 @@ Layout of a run directory::
         checkpoints/epoch=0002-step=000126.pt  (+ .sha256)   written atomically (single, ddp)
         checkpoints/epoch=0002-step=000126/                  a sharded DCP directory (fsdp), renamed into place
         checkpoints/last                                     the name of the newest complete one
+        job_id                                               the torchrun/SLURM job that made it
+        stacks/rank<R>.txt                                   watchdog stack dumps (only after a stall)
 
 "last" is written only after its checkpoint and checksum are on disk, so a crash during a save
 leaves the previous checkpoint as "last".
@@ -27,6 +29,7 @@ from trainscale.runtime.checkpoint_io import atomic_write_bytes
 
 _VERSION = re.compile(r"^version_(\d+)$")
 LAST = "last"
+JOB_ID = "job_id"
 
 
 def next_run_dir(root: str | os.PathLike) -> Path:
@@ -36,16 +39,72 @@ def next_run_dir(root: str | os.PathLike) -> Path:
     return root / f"version_{max(versions, default=-1) + 1}"
 
 
-def find_last(root: str | os.PathLike) -> Path | None:
-    """The "last" checkpoint of the newest run under ``root`` that has one, or None."""
-    root = Path(root)
+def _runs(root: Path, job_id: str | None) -> list[Path]:
     runs = sorted(((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
                    if (m := _VERSION.match(p.name))), reverse=True)
-    for _, run in runs:
+    return [run for _, run in runs if job_id is None or _read(run / JOB_ID) == job_id]
+
+
+def _read(path: Path) -> str | None:
+    return path.read_text().strip() if path.is_file() else None
+
+
+def find_last(root: str | os.PathLike, job_id: str | None = None) -> Path | None:
+    """The "last" checkpoint of the newest run under ``root`` that has one, or None.
+    With ``job_id``, only runs started by that job (the id torchrun or SLURM keeps across restarts)."""
+    for run in _runs(Path(root), job_id):
         pointer = run / "checkpoints" / LAST
         if pointer.is_file():
             return run / "checkpoints" / pointer.read_text().strip()
     return None
+
+
+def find_job_run(root: str | os.PathLike, job_id: str) -> Path | None:
+    """The newest run directory started by ``job_id`` (a restarted job keeps its directory)."""
+    runs = _runs(Path(root), job_id)
+    return runs[0] if runs else None
+
+
+def write_job_id(run_dir: Path, job_id: str | None) -> None:
+    if job_id:
+        atomic_write_bytes(run_dir / JOB_ID, job_id.encode() + b"\n")
+
+
+def loop_position(epoch: int, loader, batches: int, complete: bool, skipped: int = 0) -> dict:
+    """Where the loop stands after ``batches`` micro-batches of ``epoch`` (since the sampler's start).
+
+    ``consumed`` counts samples of all ranks together (independent of the world size) when the sampler
+    is a ``ResumableDistributedSampler``; otherwise only ``batches`` is usable, on the same world size.
+    """
+    sampler = getattr(loader, "sampler", None)
+    consumed = sampler.consumed_after(batches, loader.batch_size) if hasattr(sampler, "consumed_after") else None
+    return {"epoch": epoch, "complete": complete, "consumed": consumed, "batches": skipped + batches}
+
+
+def start_epoch(loader, epoch: int, position: dict | None, world_size: int, saved_world_size: int) -> int:
+    """Point ``loader``'s sampler at ``epoch`` and, when resuming that epoch, at its saved position.
+
+    Returns:
+        Micro-batches to skip by iterating (only for samplers that cannot start mid-epoch; 0 otherwise).
+
+    Raises:
+        ValueError: a mid-epoch position with a sampler that cannot start there on another world size.
+    """
+    sampler = getattr(loader, "sampler", None)
+    resume = position is not None and position["epoch"] == epoch and not position["complete"]
+    if hasattr(sampler, "consumed_after"):
+        sampler.set_epoch(epoch, position["consumed"] if resume and position["consumed"] is not None else 0)
+        if resume and position["consumed"] is None:
+            raise ValueError("the checkpoint holds no sample position for this epoch; resume with the loader "
+                             "it was written with")
+        return 0
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    skip = position["batches"] if resume else 0
+    if skip and world_size != saved_world_size:
+        raise ValueError(f"resuming mid-epoch on world size {world_size} (saved on {saved_world_size}) needs the "
+                         "sampler trainscale injects; let the Trainer shard the DataLoader (no own sampler)")
+    return skip
 
 
 def checkpoint_name(epoch: int, step: int, suffix: str = ".pt") -> str:
@@ -56,6 +115,8 @@ def checkpoint_name(epoch: int, step: int, suffix: str = ".pt") -> str:
 def mark_last(path: Path, keep_last: int | None) -> None:
     """Point "last" at ``path`` (atomically), then delete all but the ``keep_last`` newest checkpoints."""
     atomic_write_bytes(path.parent / LAST, path.name.encode() + b"\n")
+    for stale in path.parent.glob(".*.tmp"):  # left by a process killed while writing (all writes are done here)
+        stale.unlink(missing_ok=True)
     if keep_last is None:
         return
     existing = sorted(p for p in path.parent.glob("epoch=*-step=*") if p.suffix != ".sha256")

@@ -13,6 +13,7 @@ world size 1; ``fit`` reads top to bottom like a plain PyTorch script.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -26,6 +27,7 @@ from torch.nn import functional as F
 from trainscale.runtime.runtime import Runtime
 from trainscale.telemetry.sinks import JsonlSink
 from trainscale.train import checkpoint as ckpt
+from trainscale.train.fault import STEP_PHASE, FaultTolerance
 from trainscale.train.progress import ProgressBar
 
 
@@ -90,8 +92,18 @@ class Trainer:
         log_every_n_steps: optimizer steps between step records (each costs one host sync).
         enable_progress_bar: a tqdm bar on rank zero.
         enable_checkpointing: write a checkpoint at each epoch end.
+        checkpoint_every_n_steps: also checkpoint every N optimizer steps, mid-epoch, with the exact
+            position (samples consumed this epoch, RNG states of every rank); None: epoch ends only.
         keep_last: checkpoints kept on disk (None keeps all).
-        timeout: seconds a collective may wait before failing.
+        timeout: seconds a collective may wait before failing. The error names the operation and (on
+            rank 0) the ranks that did not arrive; each rank's Python stack is dumped to
+            ``<run dir>/stacks/rank{R}.txt`` after ``timeout / 2`` s without a step.
+        on_nonfinite: "raise" (a non-finite loss raises, naming step, epoch and rank; checked on the
+            device and read every ``log_every_n_steps`` steps) or "skip" (skip optimizer steps whose
+            all-reduced gradients are not finite: one host sync per step). See ``trainscale.train.fault``.
+        max_nonfinite_skips: with "skip", raise after more than this many skipped steps in a row.
+        handle_signals: on SIGTERM/SIGUSR1, checkpoint at the next check (every ``log_every_n_steps``
+            steps), requeue a SLURM job (SIGUSR1) and exit with ``fault.Preempted`` (code 128 + signal).
         strategy_options: keyword options of the strategy (ddp/ddp_spawn: ``find_unused_parameters``,
             ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``; e.g. ``{"static_graph": True}``).
         sync_batchnorm: convert BatchNorm layers to ``torch.nn.SyncBatchNorm`` (ddp/ddp_spawn on CUDA only:
@@ -112,7 +124,9 @@ class Trainer:
                  default_root_dir: str | Path = "runs", log_every_n_steps: int = 50,
                  enable_progress_bar: bool = True, enable_checkpointing: bool = True, keep_last: int | None = 3,
                  timeout: float = 1800.0, strategy_options: dict | None = None, sync_batchnorm: bool = False,
-                 activation_checkpointing: Any = None, compile: bool | dict = False) -> None:
+                 activation_checkpointing: Any = None, compile: bool | dict = False,
+                 checkpoint_every_n_steps: int | None = None, on_nonfinite: str = "raise",
+                 max_nonfinite_skips: int = 10, handle_signals: bool = True) -> None:
         self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
         for name, value, low in (("max_epochs", max_epochs, 1), ("accumulate_grad_batches", accumulate_grad_batches, 1),
                                  ("log_every_n_steps", log_every_n_steps, 1)):
@@ -120,6 +134,13 @@ class Trainer:
                 raise ValueError(f"{name}={value!r} must be an int >= {low}")
         if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
             raise ValueError(f"max_steps={max_steps!r} must be an int >= 1 or None")
+        if checkpoint_every_n_steps is not None and (isinstance(checkpoint_every_n_steps, bool) or not isinstance(
+                checkpoint_every_n_steps, int) or checkpoint_every_n_steps < 1):
+            raise ValueError(f"checkpoint_every_n_steps={checkpoint_every_n_steps!r} must be an int >= 1 or None")
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite={on_nonfinite!r}; choose 'raise' or 'skip'")
+        if isinstance(max_nonfinite_skips, bool) or not isinstance(max_nonfinite_skips, int) or max_nonfinite_skips < 0:
+            raise ValueError(f"max_nonfinite_skips={max_nonfinite_skips!r} must be an int >= 0")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
             raise ValueError(f"gradient_clip_val={gradient_clip_val!r} must be > 0 or None")
         if gradient_clip_algorithm not in ("norm", "value"):
@@ -135,12 +156,17 @@ class Trainer:
         self.enable_progress_bar = enable_progress_bar
         self.enable_checkpointing = enable_checkpointing
         self.keep_last = keep_last
+        self.checkpoint_every_n_steps = checkpoint_every_n_steps
+        self._fault_args = (on_nonfinite, max_nonfinite_skips, log_every_n_steps, handle_signals)
         self.runtime = Runtime(accelerator, devices, strategy, num_nodes, precision, timeout=timeout,
                                strategy_options=strategy_options, sync_batchnorm=sync_batchnorm,
                                activation_checkpointing=activation_checkpointing, compile=compile)
         if not self.runtime.spawns:  # under ddp_spawn, fit/validate start the processes
             self.runtime.launch()
         self.run_dir: Path | None = None
+        self._pending_rng: dict | None = None
+        self._saved_world_size = self.runtime.world_size
+        self._carried: tuple = (0.0, 0.0, 0.0)
         self.global_step = 0
         self.history: list[dict] = []
 
@@ -171,14 +197,35 @@ class Trainer:
         no lambdas: e.g. ``functools.partial(torch.optim.AdamW, lr=1e-3)``), and the trained weights
         of rank 0 are loaded back into ``model`` here.
 
+        Under torchrun after a restart (``TORCHELASTIC_RESTART_COUNT`` > 0) or a requeued SLURM job
+        (``SLURM_RESTART_COUNT`` > 0), ``ckpt_path=None`` resumes this job's "last" checkpoint by itself.
+
         Raises:
             FileNotFoundError / CheckpointError: a missing or corrupted ``ckpt_path``.
             ValueError: no optimizer given; under ddp_spawn, an argument that cannot be pickled.
+            trainscale.runtime.hangs.CollectiveTimeout: a collective timed out or a peer crashed.
+            trainscale.train.fault.NonFiniteLossError: see ``on_nonfinite``.
+            trainscale.train.fault.Preempted: after the checkpoint that follows SIGTERM/SIGUSR1.
         """
         if self.runtime.spawns:
             return self._spawn("fit", model, train_dataloaders=train_dataloaders, val_dataloaders=val_dataloaders,
                                loss_fn=loss_fn, optimizer=optimizer, ckpt_path=ckpt_path)
-        rt = self.runtime
+        self._fault = FaultTolerance(self.runtime, *self._fault_args)
+        self.current_epoch = 0
+        try:
+            return self._fit(model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path)
+        except RuntimeError as err:
+            explained = self._fault.diagnose(err, f"at epoch {self.current_epoch}, step {self.global_step}")
+            if explained is None:
+                raise
+            raise explained from err
+        finally:
+            self._fault.stop()
+
+    def _fit(self, model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path) -> dict:
+        rt, ft = self.runtime, self._fault
+        if ckpt_path is None and rt.world.restart_count > 0:
+            ckpt_path = self._restart_checkpoint()
         resume_from = self._resolve_ckpt_path(ckpt_path)
         self._seed_everything()
         loop_module = _LoopModule(model, loss_fn)
@@ -187,13 +234,12 @@ class Trainer:
         train_loader = rt.setup_dataloader(train_dataloaders, seed=self.seed)
         val_loader = rt.setup_dataloader(val_dataloaders, seed=self.seed, even=False) if val_dataloaders else None
 
-        start_epoch = 0
-        if resume_from is not None:
-            start_epoch = self._load(resume_from, model, optimizer, scheduler)
+        position = self._load(resume_from, model, optimizer, scheduler) if resume_from is not None else None
+        start_epoch = position["epoch"] + int(position["complete"]) if position is not None else 0
         self.run_dir = self._choose_run_dir(resume_from)
+        ft.start(self.run_dir)
         sink = JsonlSink(self.run_dir / "metrics.jsonl") if rt.is_rank_zero else None
         k = self.accumulate_grad_batches
-        num_batches = len(train_loader)
         global_batch = train_loader.batch_size * rt.world_size * k
         rt.print(f"trainscale: {rt.config.strategy} × {rt.world_size} ({rt.device.type}), precision "
                  f"{rt.config.precision}, global batch {global_batch}, run dir {self.run_dir}")
@@ -201,14 +247,22 @@ class Trainer:
         for epoch in range(start_epoch, self.max_epochs):
             if self._done():
                 break
-            rt.set_epoch(train_loader, epoch)
+            self.current_epoch = epoch
+            skip = ckpt.start_epoch(train_loader, epoch, position, rt.world_size, self._saved_world_size)
+            carried = self._carried if position is not None and epoch == position["epoch"] else (0.0, 0.0, 0.0)
+            num_batches = len(train_loader) - skip  # fewer in an epoch resumed mid-way
+            batches = iter(train_loader)
+            if self._pending_rng is not None:  # a mid-epoch checkpoint's RNG, restored where it was saved
+                ckpt.set_rng_state(self._pending_rng)
+                self._pending_rng = None
             wrapped.train()
             bar = ProgressBar(self.enable_progress_bar and rt.is_rank_zero, num_batches,
                               f"epoch {epoch + 1}/{self.max_epochs}")
             loss_sum = torch.zeros((), device=rt.device)  # accumulated on device: no host sync per step
             samples = 0
             t0 = time.perf_counter()
-            for i, batch in enumerate(train_loader):
+            i = -1
+            for i, batch in enumerate(itertools.islice(batches, skip, None) if skip else batches):
                 batch = rt.to_device(batch)
                 group_end = min((i // k + 1) * k, num_batches)  # the last group of an epoch may be short
                 is_boundary = i + 1 == group_end
@@ -216,6 +270,7 @@ class Trainer:
                     with rt.autocast():
                         loss = wrapped(batch)
                     rt.backward(loss / (group_end - (i // k) * k))
+                ft.observe_loss(loss, self.global_step)
                 n = _batch_size(batch)
                 loss_sum += loss.detach().float() * n
                 samples += n
@@ -225,24 +280,39 @@ class Trainer:
                 grad_norm = None
                 if self.gradient_clip_val is not None:
                     by_norm = self.gradient_clip_algorithm == "norm"
-                    grad_norm = rt.clip_gradients(wrapped, optimizer,
-                                                  max_norm=self.gradient_clip_val if by_norm else None,
+                    grad_norm = rt.clip_gradients(wrapped, optimizer, max_norm=self.gradient_clip_val if by_norm else None,
                                                   clip_val=None if by_norm else self.gradient_clip_val)
-                rt.step(optimizer)
+                if not ft.skip_step(wrapped, optimizer, grad_norm, step=self.global_step, epoch=epoch):
+                    rt.step(optimizer)
                 optimizer.zero_grad(set_to_none=True)
                 if scheduler is not None and sched_interval == "step":
                     scheduler.step()
                 self.global_step += 1
                 if self.global_step % self.log_every_n_steps == 0:
                     self._log_step(sink, bar, epoch, loss, grad_norm)
+                every = self.checkpoint_every_n_steps
+                step_ckpt = (every is not None and self.global_step % every == 0 and i + 1 < num_batches
+                             and not self._done())  # else the epoch-end path saves this position
+                if ft.due(self.global_step) or step_ckpt:  # the same answer on every rank
+                    stop = ft.poll(self.global_step, epoch)
+                    if stop or step_ckpt:
+                        totals = rt.all_reduce(torch.stack([loss_sum, torch.tensor(float(samples), device=rt.device)]))
+                        path = self._save(epoch, model, optimizer, scheduler,
+                                          ckpt.loop_position(epoch, train_loader, i + 1, False, skip),
+                                          [totals[0].item() + carried[0], totals[1].item() + carried[1],
+                                           time.perf_counter() - t0 + carried[2]])
+                        if stop:
+                            ft.exit(stop, str(path))
                 if self._done():
                     break
-            train_time = time.perf_counter() - t0
+            train_time = time.perf_counter() - t0 + carried[2]
             bar.close()
             if scheduler is not None and sched_interval == "epoch":
                 scheduler.step()
 
+            ft.phase = "epoch end (loss all-reduce, validation)"
             totals = rt.all_reduce(torch.stack([loss_sum, torch.tensor(float(samples), device=rt.device)]))
+            totals += torch.tensor(carried[:2], device=rt.device, dtype=totals.dtype)
             record = {"epoch": epoch, "step": self.global_step, "train_loss": (totals[0] / totals[1]).item(),
                       "epoch_time_s": train_time, "samples_per_s": totals[1].item() / train_time}
             if val_loader is not None:
@@ -251,8 +321,13 @@ class Trainer:
             if sink is not None:
                 sink.write({"kind": "epoch", "rank": "all", "time": time.time(), **record})
             rt.print(_epoch_line(record, self.max_epochs))
-            if self.enable_checkpointing:
-                self._save(epoch, model, optimizer, scheduler)
+            stop = ft.poll(self.global_step, epoch)
+            if self.enable_checkpointing or stop:
+                path = self._save(epoch, model, optimizer, scheduler,
+                                  ckpt.loop_position(epoch, train_loader, i + 1, i + 1 == num_batches, skip), None)
+                if stop:
+                    ft.exit(stop, str(path))
+            ft.phase = STEP_PHASE
 
         summary = self._summary(global_batch)
         if sink is not None:
@@ -395,41 +470,73 @@ class Trainer:
         return path
 
     def _choose_run_dir(self, resume_from: Path | None) -> Path:
+        rt = self.runtime
         if resume_from is not None and resume_from.parent.name == "checkpoints":
             run_dir = resume_from.parent.parent  # a resumed run continues in its own directory
         else:
-            run_dir = ckpt.next_run_dir(self.default_root_dir) if self.runtime.is_rank_zero else None
-            run_dir = Path(self.runtime.broadcast_object(str(run_dir) if run_dir else None))
-        if self.runtime.is_rank_zero:
+            run_dir = None
+            if rt.is_rank_zero:  # a restarted job without a checkpoint yet keeps its directory
+                run_dir = (ckpt.find_job_run(self.default_root_dir, rt.world.job_id)
+                           if rt.world.restart_count > 0 and rt.world.job_id else None)
+                run_dir = run_dir or ckpt.next_run_dir(self.default_root_dir)
+            run_dir = Path(rt.broadcast_object(str(run_dir) if run_dir else None))
+        if rt.is_rank_zero:
             (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        self.runtime.barrier()
+            ckpt.write_job_id(run_dir, rt.world.job_id)
+        rt.barrier()
         return run_dir
 
-    def _save(self, epoch: int, model, optimizer, scheduler) -> None:
-        rt = self.runtime
+    def _restart_checkpoint(self) -> Path | None:
+        """This job's "last" checkpoint after torchrun restarted the workers (or SLURM requeued the job)."""
+        world = self.runtime.world
+        found = ckpt.find_last(self.default_root_dir, job_id=world.job_id)
+        self.runtime.print(f"trainscale: restart {world.restart_count} of job {world.job_id}: "
+                           + (f"resuming from {found}" if found else "no checkpoint yet, starting over"))
+        return found
+
+    def _save(self, epoch: int, model, optimizer, scheduler, position: dict, totals: list | None) -> Path:
+        """Checkpoint at an epoch end (``position["complete"]``) or mid-epoch (with the epoch's running
+        loss totals and time, so its record covers the whole epoch after a resume). All ranks call it."""
+        rt, ft = self.runtime, self._fault
+        previous, ft.phase = ft.phase, "checkpoint save"
+        ft.barrier("the checkpoint save", f"at epoch {epoch}, step {self.global_step}")
         rngs = rt.all_gather_object(ckpt.rng_state())
         suffix = getattr(rt.strategy, "checkpoint_suffix", ".pt")  # "": a sharded checkpoint directory
-        path = self.run_dir / "checkpoints" / ckpt.checkpoint_name(epoch + 1, self.global_step, suffix)
+        completed = epoch + 1 if position["complete"] else epoch
+        path = self.run_dir / "checkpoints" / ckpt.checkpoint_name(completed, self.global_step, suffix)
         state = {"model": model, "optimizer": optimizer, "epoch": epoch, "global_step": self.global_step,
-                 "history": self.history, "rng": rngs, "world_size": rt.world_size}
+                 "history": self.history, "rng": rngs, "world_size": rt.world_size,
+                 "loop": {**position, "totals": totals}}
         if scheduler is not None:
             state["scheduler"] = scheduler
         rt.save(path, state)  # ends with a barrier
         if rt.is_rank_zero:
             ckpt.mark_last(path, self.keep_last)
+        ft.phase = previous
+        return path
 
-    def _load(self, path: Path, model, optimizer, scheduler) -> int:
+    def _load(self, path: Path, model, optimizer, scheduler) -> dict:
+        """Restore state from ``path``; return the loop position (``ckpt.loop_position``'s dict)."""
         state = {"model": model, "optimizer": optimizer}
         if scheduler is not None:
             state["scheduler"] = scheduler
         rest = self.runtime.load(path, state)
         self.global_step = int(rest["global_step"])
         self.history = list(rest.get("history", []))
+        self._saved_world_size = int(rest.get("world_size", self.runtime.world_size))
+        position = rest.get("loop") or {"epoch": int(rest["epoch"]), "complete": True, "consumed": None,
+                                        "batches": 0, "totals": None}
+        self._carried = tuple(position.get("totals") or (0.0, 0.0, 0.0))
         rngs = rest.get("rng") or []
-        if rngs:
-            ckpt.set_rng_state(rngs[self.runtime.rank] if len(rngs) == self.runtime.world_size else rngs[0])
-        self.runtime.print(f"trainscale: resumed from {path} (epoch {rest['epoch'] + 1}, step {self.global_step})")
-        return int(rest["epoch"]) + 1
+        rng = (rngs[self.runtime.rank] if len(rngs) == self.runtime.world_size else rngs[0]) if rngs else None
+        if rng is not None and position["complete"]:
+            ckpt.set_rng_state(rng)
+        else:  # mid-epoch: restored after the epoch's DataLoader iterator is made, as when it was saved
+            self._pending_rng = rng
+        where = (f"end of epoch {position['epoch'] + 1}" if position["complete"] else
+                 f"epoch {position['epoch'] + 1}, sample {position['consumed']}")
+        self.runtime.print(f"trainscale: resumed from {path} ({where}, step {self.global_step})")
+        return position
 
     def _summary(self, global_batch: int) -> dict:
         rt = self.runtime
@@ -445,6 +552,7 @@ class Trainer:
             "val_accuracy": last.get("val_accuracy"), "epoch_time_s": times,
             "samples_per_s": total_samples / sum(times) if times else None,
             "torch_version": torch.__version__, "run_dir": str(self.run_dir),
+            "restart_count": rt.world.restart_count, "nonfinite_skipped": self._fault.skipped,
         }
 
 

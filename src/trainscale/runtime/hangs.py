@@ -1,0 +1,138 @@
+"""Explaining a hang: which collective, which ranks did not arrive, and where each rank stands.
+
+- The collective timeout itself is ``init_process_group(timeout=...)`` (Runtime ``timeout=``): a
+  rank waiting longer raises (gloo: ``Timed out waiting 5000ms for recv operation``) and the process
+  group is dead afterwards (shared/FACTS).
+- :func:`missing_ranks` asks a separate gloo group with ``torch.distributed.monitored_barrier``
+  which ranks do not answer; rank 0's barrier names them (``Ranks 1 failed to pass
+  monitoredBarrier in 1000 ms``). Only rank 0 can know: the other ranks only hear from rank 0
+  (https://pytorch.org/docs/stable/distributed.html#torch.distributed.monitored_barrier).
+- :class:`Watchdog` writes every thread's Python stack with ``faulthandler.dump_traceback_later``
+  when a rank makes no progress for a while, before the collective timeout fires, so the lagging
+  rank's own file shows where it stands.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import re
+import time
+from datetime import timedelta
+from pathlib import Path
+
+_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective failed: a rank did not arrive in time, or a peer crashed.
+
+    Attributes:
+        operation: what the ranks were doing (e.g. "gradient all-reduce (backward)").
+        missing: the ranks that did not arrive, when known (rank 0 knows), else None.
+    """
+
+    def __init__(self, message: str, operation: str, missing: list[int] | None) -> None:
+        super().__init__(message)
+        self.operation = operation
+        self.missing = missing
+
+
+def new_monitor_group():
+    """A gloo group beside the default one (which may be nccl, and dies after a timeout).
+    Collective: every rank must call it at the same point (``Runtime.launch`` does)."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
+
+
+def missing_ranks(group, timeout_s: float) -> tuple[list[int] | None, str]:
+    """Ranks that do not reach a ``monitored_barrier`` on ``group`` within ``timeout_s`` seconds.
+
+    Returns:
+        ``(ranks, note)``. On rank 0: the missing ranks ([] when every rank arrived), or None with the
+        barrier's own error as the note when a peer's connection broke (it crashed). On other ranks:
+        ``[0]`` if rank 0 did not answer, else None (unknown there: rank 0's error names them).
+    """
+    import torch.distributed as dist
+
+    try:
+        dist.monitored_barrier(group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as err:
+        found = _MISSING.search(str(err))
+        if found:
+            return sorted(int(r) for r in found.group(1).replace(" ", "").split(",") if r), ""
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return ([0] if dist.get_rank() != 0 else None), re.sub(r"^\[[^\]]*\]\s*", "", first)[:160]
+    return ([] if dist.get_rank() == 0 else None), ""
+
+
+def explain(err: BaseException, operation: str, *, rank: int, timeout_s: float, where: str,
+            missing: list[int] | None, stacks_dir: Path | None, note: str = "") -> CollectiveTimeout:
+    """The error to raise for a failed collective: the operation, the ranks that did not arrive,
+    and where the stack dumps are."""
+    text = str(err)
+    if "Timed out" in text or "timed out" in text:
+        cause = f"timed out after {timeout_s:g} s"
+    elif "closed by peer" in text or "Connection reset" in text or "Broken pipe" in text:
+        cause = "failed because a peer closed its connection (it crashed or exited)"
+    else:
+        cause = f"failed ({text.splitlines()[0][:200] if text else type(err).__name__})"
+    if missing == [0] and rank != 0:
+        who = "rank 0 did not answer the check afterwards (it stalled, failed or exited: see rank 0's error)"
+    elif missing:
+        who = f"ranks that did not arrive: {missing}"
+    elif missing == []:
+        who = "every rank answered rank 0's check afterwards (a transient stall)"
+    elif rank == 0:
+        who = f"the check of which ranks are alive failed too ({note or 'no detail'}): a peer crashed, see its log"
+    else:
+        who = "rank 0's error names the ranks that did not arrive"
+    msg = f"rank {rank}: {operation} {where} {cause}; {who}."
+    if stacks_dir is not None:
+        msg += f" Python stacks of ranks that stalled: {stacks_dir}/rank<R>.txt."
+    msg += (" Fix the slow or crashed rank (see its log), or raise timeout= if the step is legitimately"
+            " slower; restarts resume from the last checkpoint (--max-restarts).")
+    return CollectiveTimeout(msg, operation, missing)
+
+
+class Watchdog:
+    """Dump this rank's Python stacks to ``<run dir>/stacks/rank{R}.txt`` after ``after_s`` seconds
+    without progress (``faulthandler.dump_traceback_later``, which runs on a C thread and works even
+    when the main thread is blocked inside a collective).
+
+    ``pet()`` is called at each step boundary. It re-arms the timer only when more than
+    ``after_s / 2`` seconds passed since the last arming (re-arming starts a thread, ~50 µs measured
+    here; a clock read costs ~0.1 µs), so a stall is dumped at most ``after_s`` seconds after it
+    began, and only a stall of at least ``after_s / 2`` can be dumped. faulthandler has one timer
+    per process: a user's own ``dump_traceback_later`` is replaced while the watchdog is armed.
+    """
+
+    def __init__(self, path: Path, after_s: float) -> None:
+        self.path = Path(path)
+        self.after_s = float(after_s)
+        self._file = None
+        self._armed_at = -float("inf")
+
+    def start(self) -> "Watchdog":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._arm()
+        return self
+
+    def _arm(self) -> None:
+        faulthandler.dump_traceback_later(self.after_s, repeat=False, file=self._file, exit=False)
+        self._armed_at = time.monotonic()
+
+    def pet(self) -> None:
+        if self._file is not None and time.monotonic() - self._armed_at > self.after_s / 2:
+            self._arm()
+
+    def stop(self) -> None:
+        """Disarm; delete the file when nothing was dumped."""
+        if self._file is None:
+            return
+        faulthandler.cancel_dump_traceback_later()
+        self._file.close()
+        self._file = None
+        if self.path.is_file() and self.path.stat().st_size == 0:
+            self.path.unlink()

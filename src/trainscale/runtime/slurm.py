@@ -1,0 +1,185 @@
+"""SLURM: reading the world from ``srun``'s environment, and writing an sbatch script.
+
+Under ``srun`` each task gets SLURM_PROCID (global rank), SLURM_NTASKS (world size), SLURM_LOCALID
+(local rank), SLURM_NODEID (node rank), SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE (tasks of
+each node, e.g. ``4(x2)``) and SLURM_STEP_NODELIST / SLURM_JOB_NODELIST (a compressed hostlist such
+as ``node[01-03,07],gpu5``); see https://slurm.schedmd.com/srun.html#SECTION_OUTPUT-ENVIRONMENT-VARIABLES.
+The rendezvous address is the first host of the node list. Nothing here imports torch.
+
+Launch choice: the sbatch script runs ``srun`` with one task per GPU and no torchrun. SLURM then
+starts, signals (``--signal=USR1@90`` reaches every task) and kills the workers itself, and the
+world is read from SLURM's variables with no second rendezvous. Restarts come from SLURM's requeue
+(the Trainer checkpoints on SIGUSR1, requeues the job and exits; the requeued job resumes from
+"last"). For torchrun's in-allocation elastic restarts instead, run ``srun --ntasks-per-node=1
+trainscale run --nnodes $SLURM_NNODES -n GPUS --rdzv-endpoint $HEAD:29500 ...`` (docs/fault-tolerance.md).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Mapping
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in hostlist {text!r}")
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ValueError(f"unbalanced '[' in hostlist {text!r}")
+    parts.append(text[start:])
+    return [p for p in parts if p]
+
+
+def _expand_one(pattern: str) -> list[str]:
+    open_at = pattern.find("[")
+    if open_at < 0:
+        return [pattern]
+    close_at = pattern.index("]", open_at)
+    prefix, body, suffix = pattern[:open_at], pattern[open_at + 1:close_at], pattern[close_at + 1:]
+    values = []
+    for item in body.split(","):
+        m = _RANGE.match(item.strip())
+        if not m:
+            raise ValueError(f"bad range {item!r} in hostlist pattern {pattern!r}")
+        lo, hi = m.group(1), m.group(2) or m.group(1)
+        if int(hi) < int(lo):
+            raise ValueError(f"descending range {item!r} in hostlist pattern {pattern!r}")
+        width = len(lo)  # "01-03" keeps its zero padding
+        values += [str(v).zfill(width) for v in range(int(lo), int(hi) + 1)]
+    return [prefix + v + rest for v in values for rest in _expand_one(suffix)]
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand SLURM's compressed hostlist: ``"node[01-03,07],gpu5"`` →
+    ``["node01", "node02", "node03", "node07", "gpu5"]`` (what ``scontrol show hostnames`` prints).
+
+    Raises:
+        ValueError: unbalanced brackets or a malformed range.
+    """
+    hosts: list[str] = []
+    for part in _split_top(hostlist.strip()):
+        hosts += _expand_one(part)
+    return hosts
+
+
+def tasks_per_node(spec: str) -> list[int]:
+    """SLURM_TASKS_PER_NODE's ``"4(x2),3"`` → ``[4, 4, 3]``."""
+    out: list[int] = []
+    for item in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if not m:
+            raise ValueError(f"bad SLURM_TASKS_PER_NODE entry {item!r} in {spec!r}")
+        out += [int(m.group(1))] * int(m.group(2) or 1)
+    return out
+
+
+def is_slurm_task(env: Mapping[str, str]) -> bool:
+    """True when SLURM's task variables are set (SLURM_PROCID and SLURM_NTASKS). Start the script with
+    ``srun`` (one task per GPU): run directly in the batch script, SLURM_NTASKS still describes the
+    whole allocation while one process runs, and the others never arrive (``timeout=`` then fails it)."""
+    return "SLURM_PROCID" in env and "SLURM_NTASKS" in env
+
+
+def world_fields(env: Mapping[str, str]) -> dict:
+    """The :class:`~trainscale.runtime.world.World` fields of a SLURM task.
+
+    MASTER_ADDR/MASTER_PORT win when set; otherwise the first host of the node list and
+    ``15000 + job id % 20000`` (every task of a job computes the same port).
+
+    Raises:
+        ValueError: a variable that is not an integer, or that disagrees with the others.
+    """
+    def geti(name: str, default: int | None = None) -> int:
+        raw = env.get(name)
+        if raw in (None, ""):
+            if default is None:
+                raise ValueError(f"SLURM environment variable {name} is missing")
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"SLURM environment variable {name}={raw!r} is not an integer") from None
+
+    world_size = geti("SLURM_STEP_NUM_TASKS", geti("SLURM_NTASKS"))  # the step's tasks, when srun set them
+    rank = geti("SLURM_PROCID")
+    node_rank, local_rank = geti("SLURM_NODEID", 0), geti("SLURM_LOCALID", 0)
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if spec:
+        per_node = tasks_per_node(spec)
+        if not 0 <= node_rank < len(per_node):
+            raise ValueError(f"SLURM_NODEID={node_rank} but the tasks per node are {spec!r}")
+        local_world_size = per_node[node_rank]
+    else:
+        local_world_size = geti("SLURM_NTASKS_PER_NODE", world_size)
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    master_addr = env.get("MASTER_ADDR") or (expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1")
+    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    default_port = 15000 + int(job_id) % 20000 if job_id and job_id.isdigit() else 29500
+    return dict(world_size=world_size, rank=rank, local_rank=local_rank, local_world_size=local_world_size,
+                node_rank=node_rank, master_addr=master_addr, master_port=geti("MASTER_PORT", default_port),
+                restart_count=geti("SLURM_RESTART_COUNT", 0), job_id=job_id)
+
+
+def check_allocation(world_size: int, local_world_size: int, num_nodes: int, devices: int,
+                     requested_nodes: int) -> None:
+    """The allocation must match ``devices`` × ``num_nodes``.
+
+    Raises:
+        ValueError: naming the #SBATCH lines (or the flags) to change.
+    """
+    if local_world_size == devices and num_nodes == requested_nodes and world_size == devices * requested_nodes:
+        return
+    raise ValueError(
+        f"SLURM started {world_size} tasks on {num_nodes} node(s) ({local_world_size} on this node) but the job "
+        f"asks for devices×num_nodes={devices}×{requested_nodes}; submit with `#SBATCH --nodes={requested_nodes}` "
+        f"and `#SBATCH --ntasks-per-node={devices}` (see `trainscale slurm`), or pass "
+        f"devices={local_world_size}, num_nodes={num_nodes} (devices='auto' follows the allocation)")
+
+
+def sbatch_script(command: list[str], *, nodes: int, gpus_per_node: int, job_name: str = "trainscale",
+                  time: str = "04:00:00", cpus_per_task: int = 8, partition: str | None = None,
+                  signal_seconds: int = 90, output: str = "%x-%j.out", cpu: bool = False) -> str:
+    """An sbatch script: ``nodes`` × ``gpus_per_node`` tasks, one per GPU, launched by ``srun``.
+
+    ``--signal=USR1@{signal_seconds}`` asks SLURM to send SIGUSR1 to every task that long before the
+    time limit; the Trainer then checkpoints, requeues the job (``scontrol requeue``) and exits.
+    ``--requeue`` lets SLURM requeue it after a preemption or node failure too; ``--open-mode=append``
+    keeps the log of every attempt. With ``cpu=True`` no GPU is requested (tasks are CPU processes).
+
+    Raises:
+        ValueError: non-positive counts or an empty command.
+    """
+    if nodes < 1 or gpus_per_node < 1 or cpus_per_task < 1 or signal_seconds < 1:
+        raise ValueError(f"nodes={nodes}, gpus_per_node={gpus_per_node}, cpus_per_task={cpus_per_task} and "
+                         f"signal_seconds={signal_seconds} must all be >= 1")
+    if not command:
+        raise ValueError("no command: pass the training script and its arguments, e.g. train.py --lr 1e-3")
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}",
+             f"#SBATCH --ntasks-per-node={gpus_per_node}"]
+    if not cpu:
+        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+    lines += [f"#SBATCH --cpus-per-task={cpus_per_task}", f"#SBATCH --time={time}"]
+    if partition:
+        lines.append(f"#SBATCH --partition={partition}")
+    lines += [f"#SBATCH --signal=USR1@{signal_seconds}", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+              f"#SBATCH --output={output}", "",
+              "# Written by `trainscale slurm`. One task per GPU; trainscale reads SLURM_PROCID/NTASKS/LOCALID/",
+              "# NODEID and the node list (the first node hosts the rendezvous). On SIGUSR1 the Trainer saves a",
+              "# checkpoint, requeues this job and exits; the requeued job resumes from \"last\".",
+              "set -euo pipefail",
+              "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}",
+              'echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST"',
+              "srun --kill-on-bad-exit=1 " + " ".join(shlex.quote(c) for c in command), ""]
+    return "\n".join(lines)

@@ -1,0 +1,226 @@
+"""What the Trainer does when things go wrong: signals, non-finite losses, hangs, where to resume.
+
+One object, :class:`FaultTolerance`, called from a few lines of ``Trainer.fit``:
+
+- **Signals.** SIGTERM (torchrun's agent and most schedulers stop workers with it) and SIGUSR1
+  (SLURM's ``--signal=USR1@90`` before the time limit) only set a flag; the loop acts on it at a
+  step boundary: every rank must agree to save, so the flags are combined in :meth:`poll`. Then the
+  Trainer writes a mid-epoch checkpoint, requeues a SLURM job (SIGUSR1) and exits with
+  :class:`Preempted`. A second identical signal restores the default action and kills the process.
+- **Non-finite loss.** ``on_nonfinite="raise"``: each micro-batch's loss is tested with
+  ``torch.isfinite`` *on the device* (no host sync per step); the first bad step is remembered in a
+  device tensor and read in :meth:`poll`, i.e. every ``log_every_n_steps`` steps, at epoch ends and
+  before every checkpoint (so a checkpoint never holds weights of a non-finite step). The error
+  names the step, the epoch and the rank(s). ``"skip"``: the decision must be taken before the
+  optimizer step, so it costs one host sync per step (``.item()`` on the gradient norm). The norm is
+  taken after the gradient all-reduce, so every rank sees the same value and skips the same steps
+  (a per-rank loss test would let replicas diverge). The optimizer step is skipped, the gradients
+  dropped, the skip counted; more than ``max_nonfinite_skips`` in a row raise. Under "16-mixed" the
+  GradScaler already skips such steps and lowers its scale; it keeps doing so and the skips are counted.
+- **Hangs.** :meth:`guard` turns a failed collective into a :class:`~trainscale.runtime.hangs.CollectiveTimeout`
+  naming the operation and (on rank 0) the ranks that did not arrive; a :class:`~trainscale.runtime.hangs.Watchdog`
+  dumps stacks to ``<run dir>/stacks/rank{R}.txt`` after ``timeout / 2`` s without a step.
+
+:meth:`poll` is the loop's only extra collective: a 2·W-element all-reduce every ``log_every_n_steps``
+steps (world size 1: none, and the signal flag is read every step).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from trainscale.runtime import hangs
+
+_COMM_MARKERS = ("Timed out", "timed out", "closed by peer", "Connection reset", "Broken pipe", "Gloo", "gloo",
+                 "NCCL", "monitoredBarrier", "Socket Timeout")
+
+
+STEP_PHASE = "training step (forward, backward with gradient all-reduce, optimizer step)"
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss (``on_nonfinite="raise"``) or the gradients (``"skip"``, too many in a row) were inf/NaN."""
+
+
+class Preempted(SystemExit):
+    """Raised after the checkpoint that follows SIGTERM/SIGUSR1. Exit code ``128 + signal``, the
+    shell's convention for a process ended by that signal."""
+
+    def __init__(self, signum: int, path: str | None) -> None:
+        super().__init__(128 + signum)
+        self.signum, self.path = signum, path
+
+
+def is_comm_error(err: BaseException) -> bool:
+    """A failed collective (timeout, crashed peer), as opposed to a bug in the user's step."""
+    if not isinstance(err, RuntimeError) or isinstance(err, hangs.CollectiveTimeout):
+        return False
+    text = str(err)
+    return type(err).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError") or \
+        any(m in text for m in _COMM_MARKERS)
+
+
+class FaultTolerance:
+    """Signals, non-finite checks, hang diagnosis and the watchdog for one ``fit``.
+
+    Args:
+        runtime: the Trainer's :class:`~trainscale.runtime.runtime.Runtime`.
+        on_nonfinite: "raise" or "skip".
+        max_nonfinite_skips: with "skip", raise after more than this many skipped steps in a row.
+        check_every_n_steps: steps between :meth:`poll` collectives (the Trainer's ``log_every_n_steps``).
+        handle_signals: install the SIGTERM/SIGUSR1 handlers (main thread only).
+    """
+
+    def __init__(self, runtime, on_nonfinite: str = "raise", max_nonfinite_skips: int = 10,
+                 check_every_n_steps: int = 50, handle_signals: bool = True) -> None:
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite={on_nonfinite!r}; choose 'raise' or 'skip'")
+        if isinstance(max_nonfinite_skips, bool) or not isinstance(max_nonfinite_skips, int) or max_nonfinite_skips < 0:
+            raise ValueError(f"max_nonfinite_skips={max_nonfinite_skips!r} must be an int >= 0")
+        self.rt = runtime
+        self.on_nonfinite = on_nonfinite
+        self.max_nonfinite_skips = max_nonfinite_skips
+        self.check_every = check_every_n_steps
+        self.handle_signals = handle_signals
+        self.phase = STEP_PHASE
+        self.skipped = 0
+        self._skips_in_a_row = 0
+        self._signal: int | None = None
+        self._previous: dict[int, object] = {}
+        self._first_bad = torch.full((), -1, dtype=torch.long, device=runtime.device)
+        self.watchdog: hangs.Watchdog | None = None
+        self.stacks_dir: Path | None = None
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def start(self, run_dir: Path) -> None:
+        if self.handle_signals and threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGUSR1):
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+        self.stacks_dir = Path(run_dir) / "stacks"
+        self.watchdog = hangs.Watchdog(self.stacks_dir / f"rank{self.rt.rank}.txt", self.rt.timeout / 2).start()
+
+    def stop(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._signal == signum:  # asked twice: stop now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self._signal = signum
+
+    # -- per step ------------------------------------------------------------------------------
+    def observe_loss(self, loss: torch.Tensor, step: int) -> None:
+        """Remember ``step`` if ``loss`` is not finite ("raise" mode), on the device: no host sync."""
+        if self.on_nonfinite == "raise":
+            bad = (self._first_bad < 0) & ~torch.isfinite(loss.detach()).all()
+            self._first_bad = torch.where(bad, step, self._first_bad)
+
+    def skip_step(self, module, optimizer, grad_norm: torch.Tensor | None, *, step: int, epoch: int) -> bool:
+        """"skip" mode: True when the (all-reduced) gradients are not finite and the optimizer step
+        must be skipped (one host sync). Always False in "raise" mode.
+
+        Raises:
+            NonFiniteLossError: more than ``max_nonfinite_skips`` non-finite steps in a row.
+        """
+        if self.on_nonfinite != "skip":
+            return False
+        if grad_norm is None:
+            self.rt.precision.unscale_gradients(optimizer)
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if bool(torch.isfinite(grad_norm).item()):  # the one host sync per step of "skip"
+            self._skips_in_a_row = 0
+            return False
+        self.skipped += 1
+        self._skips_in_a_row += 1
+        if self._skips_in_a_row > self.max_nonfinite_skips:
+            raise NonFiniteLossError(
+                f"rank {self.rt.rank}: non-finite gradients in {self._skips_in_a_row} optimizer steps in a row "
+                f"(last: step {step + 1}, epoch {epoch}), more than max_nonfinite_skips={self.max_nonfinite_skips}; "
+                "lower the learning rate, clip gradients (gradient_clip_val=1.0), or check the data")
+        return self.rt.precision.scaler is None  # the GradScaler skips (and rescales) by itself
+
+    def due(self, step: int) -> bool:
+        """Whether :meth:`poll` runs after optimizer step ``step`` (the same answer on every rank)."""
+        if self.watchdog is not None:
+            self.watchdog.pet()
+        if self.rt.world_size == 1 and self._signal is not None:
+            return True
+        return step % self.check_every == 0
+
+    def poll(self, step: int, epoch: int) -> int | None:
+        """Combine every rank's signal flag and first non-finite step (a 2·W all-reduce; every rank
+        calls it at the same step).
+
+        Returns:
+            The signal to act on (any rank received one), or None.
+
+        Raises:
+            NonFiniteLossError: "raise" mode and some rank saw a non-finite loss (names step, epoch, ranks).
+        """
+        rt = self.rt
+        vec = torch.zeros(2 * rt.world_size, dtype=torch.long, device=rt.device)
+        vec[2 * rt.rank] = self._signal or 0
+        vec[2 * rt.rank + 1] = self._first_bad + 1  # 0: none
+        previous, self.phase = self.phase, "non-finite/signal check (all-reduce)"
+        vec = rt.all_reduce(vec).view(-1, 2).tolist()  # host sync, every check_every_n_steps steps
+        self.phase = previous
+        bad = {r: s - 1 for r, (_, s) in enumerate(vec) if s > 0}
+        if bad:
+            first = min(bad.values())
+            raise NonFiniteLossError(
+                f"non-finite loss at optimizer step {first + 1} (epoch {epoch}) on rank(s) "
+                f"{sorted(r for r, s in bad.items() if s == first)} (every rank's first: "
+                f"{ {r: s + 1 for r, s in sorted(bad.items())} }); lower the learning rate, clip gradients "
+                "(gradient_clip_val=1.0), check the data, or pass on_nonfinite='skip'")
+        signals = [s for s, _ in vec if s]
+        return max(signals) if signals else None
+
+    # -- failures ------------------------------------------------------------------------------
+    def diagnose(self, err: BaseException, where: str) -> hangs.CollectiveTimeout | None:
+        """For a failed collective: a ``CollectiveTimeout`` naming ``self.phase``, ``where`` and, on
+        rank 0, the ranks that did not arrive (a ``monitored_barrier`` on the gloo monitor group, with
+        a short timeout of ``timeout / 4`` clamped to 1–10 s). None for any other error."""
+        if self.rt.world_size == 1 or not is_comm_error(err):
+            return None
+        missing, note = None, ""
+        if self.rt.monitor_group is not None:
+            try:
+                missing, note = hangs.missing_ranks(self.rt.monitor_group, max(1.0, min(10.0, self.rt.timeout / 4)))
+            except Exception as exc:  # noqa: BLE001 - the diagnosis must not hide the original error
+                note = f"{type(exc).__name__}: {exc}"[:160]
+        return hangs.explain(err, self.phase, rank=self.rt.rank, timeout_s=self.rt.timeout, where=where,
+                             missing=missing, stacks_dir=self.stacks_dir, note=note)
+
+    def barrier(self, operation: str, where: str) -> None:
+        """A ``monitored_barrier`` before ``operation``: a rank that does not arrive within the timeout
+        is named (rank 0) instead of the whole job hanging in the next collective."""
+        if self.rt.world_size == 1 or self.rt.monitor_group is None:
+            return
+        missing, _ = hangs.missing_ranks(self.rt.monitor_group, self.rt.timeout)
+        if missing:
+            raise hangs.CollectiveTimeout(
+                f"rank {self.rt.rank}: ranks {missing} did not reach {operation} {where} within "
+                f"timeout={self.rt.timeout:g} s; their Python stacks: {self.stacks_dir}/rank<R>.txt",
+                operation, missing)
+
+    def exit(self, signum: int, path: str | None) -> None:
+        """After the checkpoint of a signal: requeue a SLURM job on SIGUSR1 (rank 0), then raise ``Preempted``."""
+        job = os.environ.get("SLURM_JOB_ID")
+        if signum == signal.SIGUSR1 and job and self.rt.is_rank_zero and shutil.which("scontrol"):
+            done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+            self.rt.print(f"trainscale: scontrol requeue {job}: "
+                          f"{'ok' if done.returncode == 0 else done.stderr.strip()}")
+        self.rt.print(f"trainscale: {signal.Signals(signum).name} received; checkpoint {path}; exiting")
+        raise Preempted(signum, path)

@@ -1,0 +1,82 @@
+"""A training script for the fault tests, started by ``trainscale run`` (torchrun).
+
+Each rank appends the sample ids of every micro-batch it trains on to
+``OUT/ids-rank{R}-attempt{A}.jsonl`` (one line per micro-batch, flushed, so a SIGKILL loses nothing
+written before it) and, at the end, saves its weights to ``OUT/final-rank{R}.pt``.
+``--kill-at-step S`` makes rank 1 SIGKILL itself at optimizer step S of the first attempt.
+"""
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from trainscale import Trainer
+from trainscale.models import ConvNet
+
+
+class Indexed(Dataset):
+    """Random images whose third field is the sample's own index."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 1, 28, 28, generator=g)
+        self.y = torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i], i
+
+
+class Recording(torch.nn.Module):
+    def __init__(self, out: Path, kill_at: int | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = ConvNet(batchnorm=False)
+        self.trainer = None
+        self.kill_at = kill_at
+        rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.rank, self.attempt = rank, attempt
+        self.log = open(out / f"ids-rank{rank}-attempt{attempt}.jsonl", "a")
+
+    def training_step(self, batch):
+        x, y, ids = batch
+        step, epoch = self.trainer.global_step, self.trainer.current_epoch
+        if self.kill_at is not None and self.attempt == 0 and self.rank == 1 and step == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.log.write(json.dumps({"epoch": epoch, "step": step, "ids": ids.tolist()}) + "\n")
+        self.log.flush()
+        return F.cross_entropy(self.net(x), y)
+
+
+@record
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--kill-at-step", type=int, default=None)
+    p.add_argument("--every", type=int, default=5)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(devices="auto", max_epochs=args.epochs, seed=0, default_root_dir=out / "runs",
+                      enable_progress_bar=False, checkpoint_every_n_steps=args.every, log_every_n_steps=5,
+                      timeout=60)
+    model = Recording(out, args.kill_at_step)
+    model.trainer = trainer
+    trainer.fit(model, DataLoader(Indexed(96), batch_size=4, shuffle=True),
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9))
+    torch.save({k: v.clone() for k, v in model.net.state_dict().items()}, out / f"final-rank{model.rank}.pt")
+    trainer.runtime.teardown()
+
+
+if __name__ == "__main__":
+    main()

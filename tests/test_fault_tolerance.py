@@ -1,0 +1,230 @@
+"""Issue 6: exact mid-epoch resume, elastic restarts, resume on another world size, two nodes,
+hangs, never-corrupt saves, non-finite losses and signals. Real processes, each under a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import fault_workers as fw
+from tests.helpers import free_port, run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINSCALE = str(Path(sys.executable).parent / "trainscale")
+SCRIPT = str(ROOT / "tests" / "fault_script.py")
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_",
+                                                                     "TORCHELASTIC", "SLURM_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _records(out: Path, rank: int, attempt: int) -> list[dict]:
+    path = out / f"ids-rank{rank}-attempt{attempt}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _assert_each_sample_once_per_epoch(seen: list[tuple[int, list[int]]], n: int, epochs: int) -> None:
+    for epoch in range(epochs):
+        counts = Counter(i for e, ids in seen if e == epoch for i in ids)
+        assert sorted(counts) == list(range(n)), f"epoch {epoch}: missing {sorted(set(range(n)) - set(counts))}"
+        assert set(counts.values()) == {1}, f"epoch {epoch}: repeated {[i for i, c in counts.items() if c > 1]}"
+
+
+@pytest.fixture(scope="module")
+def elastic_runs(tmp_path_factory):
+    """Three jobs at once (they share the 2 cores; the test asserts nothing about time):
+    - "full": 2 processes under torchrun, uninterrupted;
+    - "killed": the same, but rank 1 SIGKILLs itself at step 17 (epoch 1, after the step-15
+      checkpoint), under --max-restarts 1;
+    - "nodes": the same job as two 1-process "nodes" joining at a c10d rendezvous on 127.0.0.1."""
+    base = tmp_path_factory.mktemp("elastic")
+    port = free_port()
+    cmds = {"full": [TRAINSCALE, "run", "-n", "2", "--max-restarts", "1", SCRIPT, "--out", str(base / "full")],
+            "killed": [TRAINSCALE, "run", "-n", "2", "--max-restarts", "1", SCRIPT, "--out", str(base / "killed"),
+                       "--kill-at-step", "17"]}
+    for node in (0, 1):
+        cmds[f"node{node}"] = [TRAINSCALE, "run", "--nnodes", "2", "--node-rank", str(node), "-n", "1",
+                               "--rdzv-endpoint", f"127.0.0.1:{port}", SCRIPT, "--out", str(base / "nodes")]
+    jobs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+                                   cwd=ROOT) for name, cmd in cmds.items()}
+    try:
+        logs = {name: p.communicate(timeout=300)[0] for name, p in jobs.items()}
+    finally:
+        for p in jobs.values():
+            if p.poll() is None:
+                p.kill()
+    for name, p in jobs.items():
+        assert p.returncode == 0, f"{name}:\n{logs[name][-4000:]}"
+    return base, logs
+
+
+@pytest.mark.multiprocess
+def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(elastic_runs):
+    base, logs = elastic_runs
+    killed, full = base / "killed", base / "full"
+    assert "exitcode: -9" in logs["killed"] and "resuming from" in logs["killed"]
+    assert "epoch=0001-step=000015.pt" in logs["killed"]  # the last step checkpoint, mid-epoch 1
+    for rank in (0, 1):
+        ref = torch.load(full / f"final-rank{rank}.pt")
+        out = torch.load(killed / f"final-rank{rank}.pt")
+        for key, value in ref.items():
+            assert torch.equal(out[key], value), f"rank {rank} {key} differs from the uninterrupted run"
+    # Samples trained on: attempt 0 up to the checkpoint it resumed from, then attempt 1.
+    seen = []
+    for rank in (0, 1):
+        second = _records(killed, rank, 1)
+        resumed_at = second[0]["step"]
+        assert resumed_at == 15
+        seen += [(r["epoch"], r["ids"]) for r in _records(killed, rank, 0) if r["step"] < resumed_at]
+        seen += [(r["epoch"], r["ids"]) for r in second]
+    _assert_each_sample_once_per_epoch(seen, 96, 2)
+    assert not (base / "full" / "ids-rank0-attempt1.jsonl").exists()  # the reference never restarted
+
+
+@pytest.mark.multiprocess
+def test_two_nodes_on_one_machine_agree(elastic_runs):
+    base, _ = elastic_runs
+    nodes = base / "nodes"
+    w0, w1 = torch.load(nodes / "final-rank0.pt"), torch.load(nodes / "final-rank1.pt")
+    ref = torch.load(base / "full" / "final-rank0.pt")  # the same job on one node with 2 processes
+    for key in ref:
+        assert torch.equal(w0[key], w1[key]) and torch.equal(w0[key], ref[key]), key
+    seen = [(r["epoch"], r["ids"]) for rank in (0, 1) for r in _records(nodes, rank, 0)]
+    _assert_each_sample_once_per_epoch(seen, 96, 2)
+
+
+@pytest.mark.multiprocess
+def test_resume_two_ranks_to_one_mid_epoch_sees_every_sample_once(tmp_path):
+    first = run_distributed(fw.stop_mid_epoch_body, str(tmp_path), timeout=180)
+    assert first[0]["summary"]["steps"] == 5
+    model, summary = fw.fit(str(tmp_path), epochs=1, ckpt_path="last")  # world size 1 now
+    assert summary["world_size"] == 1 and summary["steps"] == 5 + (96 - 40) // 4
+    seen = [(e, ids) for rank in first for e, _, ids in rank["seen"]] + [(e, ids) for e, _, ids in model.seen]
+    _assert_each_sample_once_per_epoch(seen, 96, 1)
+
+
+@pytest.mark.multiprocess
+def test_hang_names_the_missing_rank_and_dumps_its_stack(tmp_path):
+    timeout = 4.0
+    out = run_distributed(fw.hang_body, str(tmp_path), timeout, timeout=150)
+    err0 = out[0]["error"]
+    assert err0 and err0.startswith("CollectiveTimeout"), err0
+    assert "ranks that did not arrive: [1]" in err0 and "timed out after 4 s" in err0
+    assert "gradient all-reduce" in err0 and "epoch 0, step 2" in err0
+    # fails after the collective timeout plus the short diagnosis (1 s), not after 30 minutes
+    assert timeout * 0.9 < out[0]["after_last_step_s"] < timeout + 20
+    assert out[1]["error"] and "CollectiveTimeout" in out[1]["error"]
+    stacks = tmp_path / "version_0" / "stacks" / "rank1.txt"
+    text = stacks.read_text()
+    assert "Timeout" in text and "hook" in text and "training_step" in text  # where rank 1 stood
+
+
+def test_save_killed_at_every_stage_leaves_a_loadable_last(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tests.fault_workers", str(tmp_path)], capture_output=True,
+                         text=True, timeout=240, env=_env(), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cases = {c["case"]: c for c in map(json.loads, (l for l in out.stdout.splitlines() if l.startswith("{")))}
+    assert len(cases) == 9
+    for name, case in cases.items():
+        assert case["killed"], f"{name}: the failure was not injected"
+        assert "error" not in case, case
+        expected = 4 if name == "last-after-rename" else 2  # "last" moves only once its rename is done
+        assert case["step"] == expected, case
+
+
+def test_truncated_last_checkpoint_is_a_clear_error(tmp_path):
+    from trainscale.runtime.checkpoint_io import CheckpointError
+    from trainscale.train import checkpoint as ckpt
+
+    fw.fit(str(tmp_path), epochs=1, n=16, checkpoint_every_n_steps=2)
+    last = ckpt.find_last(tmp_path)
+    last.write_bytes(last.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="corrupted or truncated"):
+        fw.fit(str(tmp_path), epochs=1, n=16, ckpt_path="last")
+
+
+@pytest.mark.parametrize("accumulate, own_sampler", [(1, False), (2, False), (1, True)])
+def test_mid_epoch_resume_is_bitwise_exact_single_process(tmp_path, accumulate, own_sampler):
+    """Dropout makes the RNG state matter; stop at step 7 (mid-epoch 0), resume for 2 epochs.
+    With the user's own sampler the resumed epoch skips the batches already trained on."""
+    steps = 12 // accumulate
+    kw = dict(epochs=2, n=48, accumulate_grad_batches=accumulate, own_sampler=own_sampler)
+    full, _ = fw.fit(str(tmp_path / "full"), **kw)
+    fw.fit(str(tmp_path / "cut"), max_steps=steps // 2 + 1, **kw)
+    resumed, summary = fw.fit(str(tmp_path / "cut"), ckpt_path="last", **kw)
+    assert resumed.seen[0][1] == steps // 2 + 1 and summary["steps"] == 2 * steps
+    for key, value in full.weights().items():
+        assert torch.equal(resumed.weights()[key], value), key
+
+
+def test_sigusr1_checkpoints_then_exits_and_resume_is_exact(tmp_path, monkeypatch):
+    from trainscale.train.fault import Preempted
+
+    bin_dir = tmp_path / "bin"  # a stand-in for SLURM's scontrol that records its arguments
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'scontrol.args'}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # inside a SLURM job (one task: World stays a world of one)
+
+    def send(model, step):
+        if step == 3 and not send.sent:
+            send.sent = True
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    send.sent = False
+    full, _ = fw.fit(str(tmp_path / "full"), epochs=1, n=48)
+    with pytest.raises(Preempted) as info:
+        fw.fit(str(tmp_path / "pre"), epochs=1, n=48, hook=send)
+    assert info.value.code == 128 + signal.SIGUSR1 and "step=000004" in info.value.path
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handlers restored
+    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
+    resumed, _ = fw.fit(str(tmp_path / "pre"), epochs=1, n=48, ckpt_path="last")
+    assert resumed.seen[0][1] == 4
+    for key, value in full.weights().items():
+        assert torch.equal(resumed.weights()[key], value), key
+
+
+def test_nonfinite_loss_raises_naming_step_epoch_and_rank(tmp_path):
+    from trainscale.train.fault import NonFiniteLossError
+
+    with pytest.raises(NonFiniteLossError, match=r"step 7 \(epoch 0\) on rank\(s\) \[0\]"):
+        fw.fit(str(tmp_path), epochs=1, n=48, hook=lambda m, step: float("nan") if step == 6 else None)
+    assert not list(tmp_path.glob("version_0/checkpoints/*.pt"))  # never saved after a bad step
+
+
+def test_nonfinite_skip_counts_and_raises_after_too_many_in_a_row(tmp_path):
+    from trainscale.train.fault import NonFiniteLossError
+
+    bad = {3, 4}
+    model, summary = fw.fit(str(tmp_path / "a"), epochs=1, n=48, on_nonfinite="skip",
+                            hook=lambda m, step: float("nan") if step in bad else None)
+    assert summary["nonfinite_skipped"] == 2 and summary["steps"] == 12
+    assert all(torch.isfinite(v).all() for v in model.weights().values())
+    with pytest.raises(NonFiniteLossError, match="2 optimizer steps in a row"):
+        fw.fit(str(tmp_path / "b"), epochs=1, n=48, on_nonfinite="skip", max_nonfinite_skips=1,
+               hook=lambda m, step: float("nan") if step in bad else None)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"on_nonfinite": "ignore"}, "on_nonfinite='ignore'"),
+    ({"checkpoint_every_n_steps": 0}, "checkpoint_every_n_steps=0"),
+    ({"max_nonfinite_skips": -1}, "max_nonfinite_skips=-1"),
+])
+def test_bad_fault_flags(kwargs, message):
+    from trainscale.train.trainer import Trainer
+
+    with pytest.raises(ValueError, match=message):
+        Trainer(**kwargs)

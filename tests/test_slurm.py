@@ -1,0 +1,135 @@
+"""SLURM: the hostlist parser, World from fixed SLURM environments, the allocation check, a real
+2-task SLURM-style launch, and the sbatch script of `trainscale slurm` checked with `bash -n`."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainscale.runtime import slurm
+from trainscale.runtime.world import World
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINSCALE = str(Path(sys.executable).parent / "trainscale")
+
+
+@pytest.mark.parametrize("text, hosts", [
+    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+    ("gpu5", ["gpu5"]),
+    ("a[1-2]-ib[8-9]", ["a1-ib8", "a1-ib9", "a2-ib8", "a2-ib9"]),
+    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+    ("x[3],y[1,2]", ["x3", "y1", "y2"]),
+])
+def test_expand_hostlist(text, hosts):
+    assert slurm.expand_hostlist(text) == hosts
+
+
+@pytest.mark.parametrize("text", ["node[01-03", "node01]", "node[a-b]", "node[5-3]"])
+def test_bad_hostlist(text):
+    with pytest.raises(ValueError, match="hostlist"):
+        slurm.expand_hostlist(text)
+
+
+def test_tasks_per_node():
+    assert slurm.tasks_per_node("4(x2),3") == [4, 4, 3]
+    with pytest.raises(ValueError, match="SLURM_TASKS_PER_NODE"):
+        slurm.tasks_per_node("4(2)")
+
+
+SLURM_ENV = {"SLURM_JOB_ID": "12345", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+             "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]",
+             "SLURM_RESTART_COUNT": "2"}
+
+
+def test_world_from_slurm():
+    w = World.from_env(SLURM_ENV)
+    assert (w.launcher, w.world_size, w.rank, w.local_rank, w.local_world_size, w.node_rank) == \
+        ("slurm", 8, 5, 1, 4, 1)
+    assert (w.master_addr, w.master_port, w.restart_count, w.job_id, w.num_nodes) == \
+        ("gpu07", 15000 + 12345 % 20000, 2, "12345", 2)
+
+
+def test_master_address_and_port_from_the_environment_win():
+    w = World.from_env({**SLURM_ENV, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"})
+    assert (w.master_addr, w.master_port) == ("10.0.0.1", 29400)
+
+
+def test_torchrun_inside_slurm_takes_precedence():
+    env = {**SLURM_ENV, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "TORCHELASTIC_RUN_ID": "abc"}
+    w = World.from_env(env)
+    assert (w.launcher, w.world_size, w.rank, w.job_id) == ("torchrun", 2, 1, "abc")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"SLURM_PROCID": "8"}, "SLURM_PROCID=8"),
+    ({"SLURM_NTASKS": "eight"}, "SLURM_NTASKS='eight'"),
+    ({"SLURM_NODEID": "2"}, "SLURM_NODEID=2"),
+])
+def test_inconsistent_slurm_environment(change, message):
+    with pytest.raises(ValueError, match=message):
+        World.from_env({**SLURM_ENV, **change})
+
+
+def test_allocation_check_names_the_sbatch_lines():
+    slurm.check_allocation(8, 4, 2, devices=4, requested_nodes=2)  # matches
+    with pytest.raises(ValueError, match=r"--nodes=2.*--ntasks-per-node=8"):
+        slurm.check_allocation(8, 4, 2, devices=8, requested_nodes=2)
+
+
+def test_runtime_refuses_an_allocation_that_does_not_match(monkeypatch):
+    from trainscale.runtime.runtime import Runtime
+
+    for key, value in {**SLURM_ENV, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=r"SLURM started 8 tasks on 2 node\(s\).*devices×num_nodes=2×1"):
+        Runtime(accelerator="cpu", devices=2, num_nodes=1)
+    rt = Runtime(accelerator="cpu")  # devices="auto" follows the allocation
+    assert (rt.config.devices, rt.config.num_nodes, rt.world.launcher) == (4, 2, "slurm")
+
+
+_TASK = """
+import torch
+from trainscale import Runtime
+rt = Runtime(accelerator="cpu", timeout=60).launch()
+t = rt.all_reduce(torch.tensor([rt.rank + 1.0]))
+print(rt.world.launcher, rt.world_size, rt.rank, int(t.item()), flush=True)
+rt.teardown()
+"""
+
+
+@pytest.mark.multiprocess
+def test_two_tasks_started_like_srun_train_together():
+    from tests.helpers import free_port
+
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_",
+                                                                     "TORCHELASTIC", "SLURM_"))}
+    base.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", SLURM_JOB_ID="77", SLURM_NTASKS="2",
+                SLURM_TASKS_PER_NODE="2", SLURM_NODEID="0", SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port))
+    procs = [subprocess.Popen([sys.executable, "-c", _TASK], env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert [o.strip() for o, _ in outs] == ["slurm 2 0 3", "slurm 2 1 3"]
+
+
+def test_trainscale_slurm_writes_a_valid_sbatch_script(tmp_path):
+    path = tmp_path / "job.sbatch"
+    out = subprocess.run([TRAINSCALE, "slurm", "--nodes", "2", "--gpus-per-node", "4", "--time", "01:00:00",
+                          "-o", str(path), "train.py", "--lr", "1e-3", "--name", "it's"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = path.read_text()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --signal=USR1@90", "#SBATCH --requeue", "#SBATCH --time=01:00:00"):
+        assert line in text
+    assert "srun --kill-on-bad-exit=1 python train.py --lr 1e-3 --name 'it'\"'\"'s'" in text
+    check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stderr
+    bad = subprocess.run([TRAINSCALE, "slurm", "--nodes", "0", "--gpus-per-node", "4", "train.py"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "nodes=0" in bad.stderr and "Traceback" not in bad.stderr
