@@ -58,3 +58,20 @@ def test_bad_ddp_option_and_launch_without_function_fail_in_the_parent():
     rt = Runtime(accelerator="cpu", devices=2, strategy="ddp_spawn")
     with pytest.raises(RuntimeError, match=r"call runtime.launch\(fn, ...\), or use Trainer.fit"):
         rt.setup(torch.nn.Linear(2, 2))
+
+
+def test_classes_from_an_interactive_session_are_refused_before_spawning(monkeypatch):
+    """A notebook's classes live in a __main__ without a file: spawned interpreters cannot import them."""
+    import sys
+    import types
+
+    from trainscale.runtime.spawn import dumps_checked
+
+    notebook = types.ModuleType("__main__")  # like Jupyter's: no __file__
+    Net = type("Net", (torch.nn.Linear,), {"__module__": "__main__"})
+    notebook.Net = Net
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+    with pytest.raises(ValueError, match=r"model uses a class or function defined in this interactive session.*"
+                                         r"Move it into a .py module"):
+        dumps_checked({"model": Net(2, 2)})
+    assert dumps_checked({"model": torch.nn.Linear(2, 2)})  # library classes are fine
