@@ -1,4 +1,4 @@
-"""The ``trainscale`` command: run | demo | env.
+"""The ``trainscale`` command: run | demo | report | env.
 
 Parsing imports nothing heavy: ``trainscale --help`` never imports torch. Each subcommand
 imports what it needs when it runs.
@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress-bar", action="store_true", help="hide the progress bar")
     demo.set_defaults(func=_cmd_demo)
 
+    report = sub.add_parser("report", help="plots and a text summary of a run directory",
+                            description="Write PNG plots (loss and accuracy, throughput, step-phase split, memory "
+                                        "per rank, GPU utilisation) and report.txt into RUN_DIR, and print where "
+                                        "the time goes. Example: trainscale report runs/demo/version_0")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory holding metrics.jsonl")
+    report.set_defaults(func=_cmd_report)
+
     env = sub.add_parser("env", help="print what this machine offers: versions, devices, backends")
     env.set_defaults(func=_cmd_env)
     return parser
@@ -71,6 +78,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from trainscale.cli.demo import run_demo
 
     run_demo(args)
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from trainscale.telemetry.report import make_report
+
+    written, text = make_report(args.run_dir)
+    print(text, end="")
+    print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 

@@ -23,8 +23,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from trainscale.runtime.batch import batch_size as _batch_size
 from trainscale.runtime.runtime import Runtime
-from trainscale.telemetry.sinks import JsonlSink
+from trainscale.telemetry.processor import Telemetry
+from trainscale.telemetry.report import summary_line
+from trainscale.telemetry.sinks import default_sinks
 from trainscale.train import checkpoint as ckpt
 from trainscale.train.progress import ProgressBar
 
@@ -58,14 +61,6 @@ class _LoopModule(nn.Module):
         return metrics, int(targets.shape[0])
 
 
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0])
-    if isinstance(batch, dict):
-        return _batch_size(next(iter(batch.values())))
-    return _batch_size(batch[0])
-
-
 class Trainer:
     """Fit and validate a model on any strategy by changing flags.
 
@@ -89,6 +84,9 @@ class Trainer:
         keep_last: checkpoints kept on disk (None keeps all).
         timeout: seconds a collective may wait before failing.
         strategy_options: keyword options of the strategy (e.g. ``{"find_unused_parameters": True}``).
+        enable_telemetry: measure the step-phase split, throughput, MFU, memory, GPU utilisation and
+            stragglers (see docs/telemetry.md); False leaves only loss and epoch records.
+        straggler_margin: a rank busy this fraction longer than the median rank is named a straggler.
 
     Raises:
         ValueError: any bad flag, raised on every rank before a process group is created.
@@ -100,7 +98,8 @@ class Trainer:
                  gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm", seed: int = 0,
                  default_root_dir: str | Path = "runs", log_every_n_steps: int = 50,
                  enable_progress_bar: bool = True, enable_checkpointing: bool = True, keep_last: int | None = 3,
-                 timeout: float = 1800.0, strategy_options: dict | None = None) -> None:
+                 timeout: float = 1800.0, strategy_options: dict | None = None, enable_telemetry: bool = True,
+                 straggler_margin: float = 0.2) -> None:
         for name, value, low in (("max_epochs", max_epochs, 1), ("accumulate_grad_batches", accumulate_grad_batches, 1),
                                  ("log_every_n_steps", log_every_n_steps, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -111,6 +110,8 @@ class Trainer:
             raise ValueError(f"gradient_clip_val={gradient_clip_val!r} must be > 0 or None")
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}; choose 'norm' or 'value'")
+        if not straggler_margin >= 0:
+            raise ValueError(f"straggler_margin={straggler_margin!r} must be >= 0 (0.2 means 20 % over the median)")
         self.max_epochs = max_epochs
         self.max_steps = max_steps
         self.accumulate_grad_batches = accumulate_grad_batches
@@ -122,6 +123,8 @@ class Trainer:
         self.enable_progress_bar = enable_progress_bar
         self.enable_checkpointing = enable_checkpointing
         self.keep_last = keep_last
+        self.enable_telemetry = enable_telemetry
+        self.straggler_margin = straggler_margin
         self.runtime = Runtime(accelerator, devices, strategy, num_nodes, precision, timeout=timeout,
                                strategy_options=strategy_options)
         self.runtime.launch()
@@ -168,7 +171,9 @@ class Trainer:
         if resume_from is not None:
             start_epoch = self._load(resume_from, model, optimizer, scheduler)
         self.run_dir = self._choose_run_dir(resume_from)
-        sink = JsonlSink(self.run_dir / "metrics.jsonl") if rt.is_rank_zero else None
+        sink = default_sinks(self.run_dir) if rt.is_rank_zero else None
+        tele = Telemetry(rt, enabled=self.enable_telemetry, straggler_margin=self.straggler_margin)
+        tele.attach(wrapped)
         k = self.accumulate_grad_batches
         num_batches = len(train_loader)
         global_batch = train_loader.batch_size * rt.world_size * k
@@ -185,14 +190,18 @@ class Trainer:
             loss_sum = torch.zeros((), device=rt.device)  # accumulated on device: no host sync per step
             samples = 0
             t0 = time.perf_counter()
+            tele.start()
             for i, batch in enumerate(train_loader):
                 batch = rt.to_device(batch)
+                tele.mark("data", batch)
                 group_end = min((i // k + 1) * k, num_batches)  # the last group of an epoch may be short
                 is_boundary = i + 1 == group_end
-                with rt.no_backward_sync(wrapped, enabled=not is_boundary):
+                with rt.no_backward_sync(wrapped, enabled=not is_boundary), tele.count_flops(batch):
                     with rt.autocast():
                         loss = wrapped(batch)
+                    tele.mark("forward")
                     rt.backward(loss / (group_end - (i // k) * k))
+                tele.mark("backward")
                 n = _batch_size(batch)
                 loss_sum += loss.detach().float() * n
                 samples += n
@@ -207,9 +216,10 @@ class Trainer:
                 optimizer.zero_grad(set_to_none=True)
                 if scheduler is not None and sched_interval == "step":
                     scheduler.step()
+                tele.end_step()  # marks "optimizer"
                 self.global_step += 1
                 if self.global_step % self.log_every_n_steps == 0:
-                    self._log_step(sink, bar, epoch, loss)
+                    self._log_step(sink, bar, epoch, loss, tele)
                 if self._done():
                     break
             train_time = time.perf_counter() - t0
@@ -230,6 +240,9 @@ class Trainer:
                 self._save(epoch, model, optimizer, scheduler)
 
         summary = self._summary(global_batch)
+        summary["telemetry"] = tele.summary()  # a collective
+        if summary["telemetry"] is not None:
+            rt.print(summary_line(summary["telemetry"]))
         if sink is not None:
             sink.close()
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -310,12 +323,14 @@ class Trainer:
     def _done(self) -> bool:
         return self.max_steps is not None and self.global_step >= self.max_steps
 
-    def _log_step(self, sink, bar, epoch: int, loss: torch.Tensor) -> None:
-        value = loss.item()  # one host sync per log interval, not per step
-        bar.set_postfix(loss=f"{value:.4f}")
+    def _log_step(self, sink, bar, epoch: int, loss: torch.Tensor, tele: Telemetry) -> None:
+        record = tele.log(self.global_step, epoch, loss)  # a collective; None with telemetry off
+        if record is None:  # one host sync per log interval, not per step
+            record = {"kind": "step", "rank": 0, "time": time.time(), "epoch": epoch, "step": self.global_step,
+                      "train_loss": loss.item()}
+        bar.set_postfix(loss=f"{record.get('train_loss', math.nan):.4f}")
         if sink is not None:
-            sink.write({"kind": "step", "rank": 0, "time": time.time(), "epoch": epoch,
-                        "step": self.global_step, "train_loss": value})
+            sink.write(record)
 
     # -- checkpoints -------------------------------------------------------------------------
     def _resolve_ckpt_path(self, ckpt_path) -> Path | None:
