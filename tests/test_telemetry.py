@@ -289,3 +289,20 @@ def test_trainer_on_cuda_reports_memory_utilization_and_mfu(tmp_path):
     name = torch.cuda.get_device_name(0)
     if flops.peak_flops_per_s(name, "32-true") is not None:
         assert 0 < tele["mfu"] < 1
+
+
+def test_report_plots_gpu_utilization_when_the_run_had_it(tmp_path):
+    pytest.importorskip("matplotlib")
+    from trainscale.telemetry.report import make_report
+
+    phases = {"data": 0.01, "forward": 0.02, "backward": 0.03, "optimizer": 0.01}
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in (10, 20, 30):
+            f.write(json.dumps({"kind": "step", "rank": "all", "step": step, "epoch": 0, "train_loss": 1.0 / step,
+                                "phase_s": phases, "rank_phase_s": {p: [v, v] for p, v in phases.items()},
+                                "samples_per_s": 100.0, "peak_memory_bytes": [2**30, 2**30],
+                                "peak_memory_kind": "cuda_allocated", "gpu_utilization": [40.0 + step, 90.0]}) + "\n")
+    written, text = make_report(tmp_path)
+    assert (tmp_path / "gpu_utilization.png").read_bytes()[:4] == b"\x89PNG"
+    assert {p.name for p in written} >= {"gpu_utilization.png", "step_phases.png", "report.txt"}
+    assert "no telemetry summary" in text  # no summary.json: a crashed or unfinished run

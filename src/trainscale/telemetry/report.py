@@ -105,6 +105,22 @@ def text_summary(records: list[dict], summary: dict | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _stacked(ax, x, width, phase_s: dict[str, list[float]], comm_s: list[float], colors: dict) -> float:
+    """Stacked bars in ms; the all-reduce part of backward (wait included) hatched on top of it."""
+    bottom = [0.0] * len(x)
+    for p in PHASES:
+        h = [1e3 * v for v in phase_s[p]]
+        if p == "backward" and any(comm_s):
+            c = [min(1e3 * v, b) for v, b in zip(comm_s, h)]
+            ax.bar(x, [b - v for b, v in zip(h, c)], width, bottom=bottom, label="backward", color=colors[p])
+            ax.bar(x, c, width, bottom=[b + hb - v for b, hb, v in zip(bottom, h, c)], color=colors[p],
+                   hatch="//", edgecolor="white", label="all-reduce (in backward, wait included)")
+        else:
+            ax.bar(x, h, width, bottom=bottom, label=p, color=colors[p])
+        bottom = [b + v for b, v in zip(bottom, h)]
+    return max(bottom, default=0.0)
+
+
 def _mean_lists(rows: list[list[float]]) -> list[float]:
     rows = [r for r in rows if r]
     if not rows:
@@ -191,22 +207,14 @@ def make_report(run_dir: str | os.PathLike) -> tuple[list[Path], str]:
     if timed:
         x = [r["step"] for r in timed]
         width = 0.8 * (min(b - a for a, b in zip(x, x[1:])) if len(x) > 1 else 1)
-        bottom = [0.0] * len(timed)
-        for p in PHASES:
-            h = [1e3 * r["phase_s"][p] for r in timed]
-            ax_t.bar(x, h, width, bottom=bottom, label=p, color=colors[p])
-            bottom = [b + v for b, v in zip(bottom, h)]
-        comm = [(r["step"], 1e3 * r["comm_s"]) for r in timed if _finite(r.get("comm_s"))]
-        if comm:
-            ax_t.plot(*zip(*comm), "k.--", label="all-reduce (in backward)")
-        ax_t.legend(fontsize=8)
+        comm = [r["comm_s"] if _finite(r.get("comm_s")) else 0.0 for r in timed]
+        top = _stacked(ax_t, x, width, {p: [r["phase_s"][p] for r in timed] for p in PHASES}, comm, colors)
+        ax_t.set_ylim(0, 1.35 * top)  # room for the legend above the bars
+        ax_t.legend(fontsize=8, ncol=3, loc="upper center")
         per_rank = {p: _mean_lists([r["rank_phase_s"][p] for r in timed if "rank_phase_s" in r]) for p in PHASES}
         ranks = list(range(len(per_rank["data"])))
-        bottom = [0.0] * len(ranks)
-        for p in PHASES:
-            h = [1e3 * v for v in per_rank[p]]
-            ax_r.bar(ranks, h, 0.6, bottom=bottom, color=colors[p])
-            bottom = [b + v for b, v in zip(bottom, h)]
+        rank_comm = _mean_lists([r["rank_comm_s"] for r in timed if "rank_comm_s" in r]) or [0.0] * len(ranks)
+        _stacked(ax_r, ranks, 0.6, per_rank, rank_comm, colors)
         ax_r.set_xticks(ranks)
     ax_t.set(xlabel="optimizer step (end of log interval)", ylabel="ms per step",
              title="Where a step's time goes (mean over ranks)")
