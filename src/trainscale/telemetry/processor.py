@@ -89,9 +89,9 @@ class Telemetry:
             self.gpu.start()
         name = torch.cuda.get_device_name(device) if cuda else None
         self.peak_flops = peak_flops_per_s(name, runtime.config.precision)
-        self._interval = torch.zeros(len(_FIELDS), dtype=torch.float64)
-        self._timed = torch.zeros(len(_FIELDS), dtype=torch.float64)  # after warm-up
-        self._all = torch.zeros(len(_FIELDS), dtype=torch.float64)
+        self._interval = [0.0] * len(_FIELDS)  # per-rank sums of _FIELDS since the last log
+        self._timed = [0.0] * len(_FIELDS)  # since the end of warm-up
+        self._all = [0.0] * len(_FIELDS)
         self._steps = 0
         self._stragglers: list[int] = []
         self._util_sum, self._util_n = 0.0, 0  # GPU utilisation over the whole run
@@ -138,10 +138,10 @@ class Telemetry:
     def _drain(self) -> None:
         for st in self.timer.collect():
             vec = _step_vector(st)
-            self._interval += vec
-            self._all += vec
-            if self._all[0] > self.warmup_steps:
-                self._timed += vec
+            for sums in (self._interval, self._all) if self._all[0] + 1 <= self.warmup_steps else \
+                    (self._interval, self._all, self._timed):
+                for i, v in enumerate(vec):
+                    sums[i] += v
 
     def _gather(self, vec: torch.Tensor) -> list[list[float]]:
         """Every rank's ``vec`` (one all_gather on the device; a host sync, at log intervals only)."""
@@ -154,7 +154,7 @@ class Telemetry:
         dist.all_gather(out, local)
         return [t.tolist() for t in out]
 
-    def _local(self, sums: torch.Tensor, loss: float = _NAN, whole_run: bool = False) -> torch.Tensor:
+    def _local(self, sums: list[float], loss: float = _NAN, whole_run: bool = False) -> torch.Tensor:
         samples = self.gpu.take()
         self._util_sum += sum(s[1] for s in samples)
         self._util_n += len(samples)
@@ -165,7 +165,7 @@ class Telemetry:
         used = max(s[2] for s in samples) if samples else _NAN
         reserved = self.memory.peak_reserved_bytes()
         extra = [loss, float(self.memory.peak_bytes()), _NAN if reserved is None else float(reserved), util, used]
-        return torch.cat([sums, torch.tensor(extra, dtype=torch.float64)])
+        return torch.tensor(sums + extra, dtype=torch.float64)
 
     def log(self, step: int, epoch: int, loss: torch.Tensor | float | None = None) -> dict | None:
         """The interval record (``rank`` "all"), on every rank; prints new stragglers on rank zero.
@@ -177,7 +177,7 @@ class Telemetry:
         self._drain()
         value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss) if loss is not None else _NAN
         rows = self._gather(self._local(self._interval, value))
-        self._interval.zero_()
+        self._interval = [0.0] * len(_FIELDS)
         record = {"kind": "step", "rank": "all", "time": time.time(), "epoch": epoch, "step": step}
         losses = [r[_IDX["loss"]] for r in rows]
         if not any(math.isnan(v) for v in losses):
@@ -255,7 +255,6 @@ class Telemetry:
         return out
 
 
-def _step_vector(st: StepTime) -> torch.Tensor:
-    vec = [1.0, st.wall_s, *(st.phase_s.get(p, 0.0) for p in PHASES), st.comm_s or 0.0,
-           float(st.samples), float(st.tokens or 0)]
-    return torch.tensor(vec, dtype=torch.float64)
+def _step_vector(st: StepTime) -> list[float]:
+    return [1.0, st.wall_s, *(st.phase_s.get(p, 0.0) for p in PHASES), st.comm_s or 0.0,
+            float(st.samples), float(st.tokens or 0)]
