@@ -78,7 +78,8 @@ class Trainer:
         gradient_clip_algorithm: "norm" or "value".
         seed: seeds torch/numpy/random on every rank and the samplers' shuffling.
         default_root_dir: runs are written to ``default_root_dir/version_N``.
-        log_every_n_steps: optimizer steps between step records (each costs one host sync).
+        log_every_n_steps: optimizer steps between step records (each costs one host sync and, with
+            telemetry, one all_gather of a small tensor).
         enable_progress_bar: a tqdm bar on rank zero.
         enable_checkpointing: write a checkpoint at each epoch end.
         keep_last: checkpoints kept on disk (None keeps all).
