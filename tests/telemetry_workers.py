@@ -88,3 +88,15 @@ def straggler_body(rank: int, root: str, seconds: float) -> dict:
         out[name] = trainer.fit(workers.make_model(0), loader, optimizer=workers.sgd)
     trainer.runtime.teardown()
     return out
+
+
+def cuda_fit_body(rank: int, root: str) -> dict:
+    """A short 2-GPU DDP fit (NCCL): CUDA-event timers, all-reduce timing, CUDA memory, NVML."""
+    from trainscale.train.trainer import Trainer
+
+    trainer = Trainer(accelerator="cuda", devices="auto", max_epochs=1, log_every_n_steps=4, default_root_dir=root,
+                      enable_progress_bar=False, enable_checkpointing=False, timeout=60)
+    summary = trainer.fit(workers.make_model(0), DataLoader(workers.tiny_dataset(256), batch_size=8),
+                          optimizer=workers.sgd)
+    trainer.runtime.teardown()
+    return summary

@@ -110,3 +110,20 @@ def test_report_cli_without_metrics_is_a_one_line_error(tmp_path):
     out = subprocess.run([str(BIN / "trainscale"), "report", str(tmp_path)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "no metrics.jsonl" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+def test_two_gpu_ddp_telemetry(tmp_path):
+    import importlib.util
+
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    tele = run_distributed(tw.cuda_fit_body, str(tmp_path), timeout=180)[0]["telemetry"]
+    assert tele["peak_memory_kind"] == "cuda_allocated" and all(m > 0 for m in tele["peak_memory_bytes"])
+    assert tele["comm_s"] is not None and 0 <= tele["comm_s"] <= tele["phase_s"]["backward"] * 1.05
+    assert sum(tele["phase_s"].values()) == pytest.approx(tele["step_time_s"], rel=0.1)
+    if importlib.util.find_spec("pynvml") is not None:
+        assert tele["gpu_utilization"] is not None and len(tele["gpu_utilization"]) == 2
