@@ -105,12 +105,17 @@ def test_stragglers_by_median_margin():
     assert busy_per_step(1.0, None, 4) == pytest.approx(0.25)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the current RSS from /proc/self/statm")
 def test_peak_memory_on_cpu_is_rss_and_grows():
     mem = PeakMemory(torch.device("cpu"))
     before = mem.peak_bytes()
     assert mem.kind == "rss" and before > 10 * 2**20 and mem.peak_reserved_bytes() is None
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-    assert mem.peak_bytes() >= before + 60 * 2**20 or before > 2**30  # a large earlier peak may hide it
+    import os
+
+    current = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # Linux: RSS now
+    extra = before - current + 32 * 2**20  # enough to lift the peak 32 MiB above the earlier one
+    block = torch.ones(extra // 4)  # touched, so resident
+    assert mem.peak_bytes() >= before + 24 * 2**20
     del block
 
 
