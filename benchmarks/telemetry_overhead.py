@@ -200,8 +200,8 @@ def main() -> None:
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
     print(f"ConvNet on MNIST-5k, batch {args.batch_size}/device, {args.samples} samples/device, "
           f"log_every_n_steps={args.log_every}, {args.repeats} interleaved repeats, 1 thread/process\n")
-    header = (f"{'devices':>7} {'clock':>5} {'plain ms':>9} {'off ms':>9} {'on ms':>9} "
-              f"{'on/off':>7} {'on/off min..max':>16} {'off/plain':>9}")
+    header = (f"{'devices':>7} {'clock':>5} {'plain ms':>9} {'off ms':>9} {'on ms':>9} {'on/off':>7} "
+              f"{'on/off min..max':>16} {'on÷off medians':>14} {'off/plain':>9}")
     rows = []
     for world_size in args.devices:
         result = run(world_size, args)
@@ -213,6 +213,7 @@ def main() -> None:
                         f"{1e3 * statistics.median(t['plain']):>9.2f} "
                         f"{1e3 * statistics.median(t['off']):>9.2f} {1e3 * statistics.median(t['on']):>9.2f} "
                         f"{statistics.median(on_off):>7.3f} {min(on_off):>7.3f}..{max(on_off):<7.3f} "
+                        f"{statistics.median(t['on']) / statistics.median(t['off']):>14.3f} "
                         f"{statistics.median(off_plain):>9.3f}")
             print(f"  devices={world_size} {clock}: " + ", ".join(
                 f"{v} " + " ".join(f"{1e3 * x:.1f}" for x in t[v]) for v in VARIANTS) + " ms/step", file=sys.stderr)

@@ -248,6 +248,7 @@ def test_runtime_loop_uses_the_same_telemetry(tmp_path):
     assert summary["flops_per_sample"] > 0
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in records] == [3, 6] and all(r["steps"] == 3 and r["samples"] == 12 for r in records)
+    assert all(r["tokens_per_s_per_device"] == pytest.approx(r["samples_per_s"] * 12) for r in records)
 
 
 @pytest.mark.gpu

@@ -243,6 +243,8 @@ class Telemetry:
         if per_rank:
             out["steps"] = int(steps)
             out["samples"] = int(sum(col["samples"]))
+            if out["tokens_per_s"] is not None:
+                out["tokens_per_s_per_device"] = out["tokens_per_s"] / world
             out["rank_step_time_s"] = [per_step(w) for w in col["wall"]]
             out["rank_busy_s"] = busy
             out["rank_phase_s"] = {p: [per_step(v) for v in col[p]] for p in PHASES}
