@@ -1,4 +1,4 @@
-"""The ``trainscale`` command: run | demo | slurm | env.
+"""The ``trainscale`` command: run | demo | slurm | report | env.
 
 Parsing imports nothing heavy: ``trainscale --help`` never imports torch. Each subcommand
 imports what it needs when it runs.
@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     slurm.set_defaults(func=_cmd_slurm)
 
+    report = sub.add_parser("report", help="plots and a text summary of a run directory",
+                            description="Write PNG plots (loss and accuracy, throughput, step-phase split, memory "
+                                        "per rank, GPU utilisation) and report.txt into RUN_DIR, and print where "
+                                        "the time goes. Example: trainscale report runs/demo/version_0")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory holding metrics.jsonl")
+    report.set_defaults(func=_cmd_report)
+
     env = sub.add_parser("env", help="print what this machine offers: versions, devices, backends")
     env.set_defaults(func=_cmd_env)
     return parser
@@ -108,6 +115,15 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
             f.write(text)
         print(f"wrote {args.output}: {args.nodes} node(s) × {args.gpus_per_node} task(s); submit with: "
               f"sbatch {args.output}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from trainscale.telemetry.report import make_report
+
+    written, text = make_report(args.run_dir)
+    print(text, end="")
+    print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 

@@ -24,7 +24,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         devices = cuda_device_count() if args.accelerator in ("auto", "cuda", "gpu") and cuda_device_count() else 2
     trainer = Trainer(accelerator=args.accelerator, devices=devices, strategy=args.strategy,
                       precision=args.precision, max_epochs=args.epochs, seed=args.seed, default_root_dir=args.out,
-                      enable_progress_bar=not args.no_progress_bar)
+                      enable_progress_bar=not args.no_progress_bar, log_every_n_steps=10)
     torch.manual_seed(args.seed)
     train_set, val_set = load_mnist5k()
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)

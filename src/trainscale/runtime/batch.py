@@ -22,3 +22,14 @@ def apply_to_tensors(batch: Any, fn: Callable) -> Any:
 def to_device(batch: Any, device, non_blocking: bool = False) -> Any:
     """Move every tensor of ``batch`` to ``device``; a no-op for tensors already there."""
     return apply_to_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in a batch: the leading dimension of its first tensor (tensor, tuple/list or dict)."""
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    if isinstance(batch, dict):
+        return batch_size(next(iter(batch.values())))
+    return batch_size(batch[0])

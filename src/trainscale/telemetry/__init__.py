@@ -1,1 +1,19 @@
-"""Every run is measured: step-phase timers, throughput, memory, sinks."""
+"""Every run is measured: step-phase timers, throughput and MFU, memory, NVML, stragglers, sinks.
+
+``Telemetry`` (processor.py) is the one object a loop talks to; the pieces live one per file:
+timers.py, flops.py, memory.py, nvml.py, stragglers.py, sinks.py, and report.py (plots of a run).
+Importing this package imports nothing heavy; ``Telemetry`` and ``StepTimer`` load on first use.
+"""
+
+_LAZY = {"Telemetry": "trainscale.telemetry.processor", "StepTimer": "trainscale.telemetry.timers"}
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'trainscale.telemetry' has no attribute {name!r}")

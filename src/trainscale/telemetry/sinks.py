@@ -1,10 +1,20 @@
 """Where metric records go. A sink has two methods: ``write(record)`` and ``close()``.
 
 Only rank zero writes shared sinks, so a file holds one record set per interval, not one per rank.
+Every record carries ``kind`` ("step" at log intervals, "epoch" at epoch ends), ``step``, ``epoch``,
+``rank`` (a rank number, or "all" for values reduced over ranks) and ``time`` (Unix seconds).
+
+- :class:`JsonlSink` — ``metrics.jsonl``, always: one JSON object per line, nested values kept.
+- :class:`CsvSink` — ``metrics_<kind>.csv``, always: one file per record kind, nested dicts
+  flattened (``phase_s.data``), lists written as JSON.
+- :class:`TensorBoardSink` — event files for TensorBoard, when ``tensorboard`` is installed
+  (``pip install 'trainscale[tensorboard]'``); every number becomes a scalar ``<kind>/<name>``.
 """
 
 from __future__ import annotations
 
+import csv
+import importlib.util
 import json
 import math
 import os
@@ -21,7 +31,22 @@ class Sink(Protocol):
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/inf
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
     return value
+
+
+def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"phase_s": {"data": 1.0}}`` -> ``{"phase_s.data": 1.0}``; other values unchanged."""
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 class JsonlSink:
@@ -36,8 +61,107 @@ class JsonlSink:
         self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        self._file.write(json.dumps(_jsonable(record)) + "\n")
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
+
+
+class CsvSink:
+    """One CSV file per record kind: ``<directory>/<stem>_<kind>.csv``.
+
+    The first record of a kind fixes that file's columns; keys that appear later are dropped
+    (their values are still in metrics.jsonl) and missing ones are left empty. Rows are flushed.
+    """
+
+    def __init__(self, directory: str | os.PathLike, stem: str = "metrics") -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.stem = stem
+        self._writers: dict[str, tuple[Any, csv.DictWriter]] = {}
+
+    def write(self, record: dict[str, Any]) -> None:
+        kind = str(record.get("kind", "record"))
+        row = {k: json.dumps(_jsonable(v)) if isinstance(v, (list, tuple)) else v
+               for k, v in flatten(record).items()}
+        if kind not in self._writers:
+            path = self.directory / f"{self.stem}_{kind}.csv"
+            new = not path.exists() or path.stat().st_size == 0
+            file = open(path, "a", encoding="utf-8", newline="")
+            if new:
+                fields = list(row)
+            else:  # a resumed run appends under the existing header
+                with open(path, encoding="utf-8", newline="") as f:
+                    fields = next(csv.reader(f))
+            writer = csv.DictWriter(file, fieldnames=fields, extrasaction="ignore", restval="")
+            if new:
+                writer.writeheader()
+            self._writers[kind] = (file, writer)
+        file, writer = self._writers[kind]
+        writer.writerow(row)
+        file.flush()
+
+    def close(self) -> None:
+        for file, _ in self._writers.values():
+            file.close()
+        self._writers = {}
+
+
+class TensorBoardSink:
+    """Every finite number of a record as a TensorBoard scalar ``<kind>/<name>`` at ``step``.
+
+    Lists (per-rank values) become ``<kind>/<name>/rank<i>``. Uses
+    ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` package).
+    https://pytorch.org/docs/stable/tensorboard.html
+    """
+
+    def __init__(self, log_dir: str | os.PathLike) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = Path(log_dir)
+        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    @staticmethod
+    def available() -> bool:
+        return importlib.util.find_spec("tensorboard") is not None
+
+    def write(self, record: dict[str, Any]) -> None:
+        kind, step = record.get("kind", "record"), int(record.get("step", 0))
+        for key, value in flatten(record).items():
+            if key in ("step", "epoch", "time", "kind", "rank"):
+                continue
+            values = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+            for rank, v in values:
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    tag = f"{kind}/{key}" if rank is None else f"{kind}/{key}/rank{rank}"
+                    self._writer.add_scalar(tag, v, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class MultiSink:
+    """Write each record to several sinks."""
+
+    def __init__(self, sinks: list[Sink]) -> None:
+        self.sinks = sinks
+
+    def write(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def default_sinks(run_dir: str | os.PathLike, tensorboard: bool | None = None) -> MultiSink:
+    """metrics.jsonl and metrics_<kind>.csv in ``run_dir``, plus ``run_dir/tensorboard`` when
+    ``tensorboard`` is True, or None and the package is installed."""
+    run_dir = Path(run_dir)
+    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl"), CsvSink(run_dir)]
+    if tensorboard or (tensorboard is None and TensorBoardSink.available()):
+        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+    return MultiSink(sinks)

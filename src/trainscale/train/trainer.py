@@ -24,8 +24,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from trainscale.runtime.batch import batch_size as _batch_size
 from trainscale.runtime.runtime import Runtime
-from trainscale.telemetry.sinks import JsonlSink
+from trainscale.telemetry.processor import Telemetry
+from trainscale.telemetry.report import summary_line
+from trainscale.telemetry.sinks import default_sinks
 from trainscale.train import checkpoint as ckpt
 from trainscale.train.fault import STEP_PHASE, FaultTolerance
 from trainscale.train.progress import ProgressBar
@@ -62,14 +65,6 @@ class _LoopModule(nn.Module):
         return metrics, int(targets.shape[0])
 
 
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0])
-    if isinstance(batch, dict):
-        return _batch_size(next(iter(batch.values())))
-    return _batch_size(batch[0])
-
-
 class Trainer:
     """Fit and validate a model on any strategy by changing flags.
 
@@ -89,7 +84,8 @@ class Trainer:
         gradient_clip_algorithm: "norm" or "value".
         seed: seeds torch/numpy/random on every rank and the samplers' shuffling.
         default_root_dir: runs are written to ``default_root_dir/version_N``.
-        log_every_n_steps: optimizer steps between step records (each costs one host sync).
+        log_every_n_steps: optimizer steps between step records (each costs one host sync and, with
+            telemetry, one all_gather of a small tensor).
         enable_progress_bar: a tqdm bar on rank zero.
         enable_checkpointing: write a checkpoint at each epoch end.
         checkpoint_every_n_steps: also checkpoint every N optimizer steps, mid-epoch, with the exact
@@ -112,6 +108,9 @@ class Trainer:
             backward (``torch.utils.checkpoint``, non-reentrant): less activation memory, one more forward.
         compile: ``torch.compile`` the model before the strategy wraps it; True or a dict of
             ``torch.compile`` arguments.
+        enable_telemetry: measure the step-phase split, throughput, MFU, memory, GPU utilisation and
+            stragglers (see docs/telemetry.md); False leaves only loss and epoch records.
+        straggler_margin: a rank busy this fraction longer than the median rank is named a straggler.
 
     Raises:
         ValueError: any bad flag, raised on every rank before a process group is created.
@@ -126,7 +125,8 @@ class Trainer:
                  timeout: float = 1800.0, strategy_options: dict | None = None, sync_batchnorm: bool = False,
                  activation_checkpointing: Any = None, compile: bool | dict = False,
                  checkpoint_every_n_steps: int | None = None, on_nonfinite: str = "raise",
-                 max_nonfinite_skips: int = 10, handle_signals: bool = True) -> None:
+                 max_nonfinite_skips: int = 10, handle_signals: bool = True, enable_telemetry: bool = True,
+                 straggler_margin: float = 0.2) -> None:
         self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
         for name, value, low in (("max_epochs", max_epochs, 1), ("accumulate_grad_batches", accumulate_grad_batches, 1),
                                  ("log_every_n_steps", log_every_n_steps, 1)):
@@ -145,6 +145,8 @@ class Trainer:
             raise ValueError(f"gradient_clip_val={gradient_clip_val!r} must be > 0 or None")
         if gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}; choose 'norm' or 'value'")
+        if not straggler_margin >= 0:
+            raise ValueError(f"straggler_margin={straggler_margin!r} must be >= 0 (0.2 means 20 % over the median)")
         self.max_epochs = max_epochs
         self.max_steps = max_steps
         self.accumulate_grad_batches = accumulate_grad_batches
@@ -158,6 +160,8 @@ class Trainer:
         self.keep_last = keep_last
         self.checkpoint_every_n_steps = checkpoint_every_n_steps
         self._fault_args = (on_nonfinite, max_nonfinite_skips, log_every_n_steps, handle_signals)
+        self.enable_telemetry = enable_telemetry
+        self.straggler_margin = straggler_margin
         self.runtime = Runtime(accelerator, devices, strategy, num_nodes, precision, timeout=timeout,
                                strategy_options=strategy_options, sync_batchnorm=sync_batchnorm,
                                activation_checkpointing=activation_checkpointing, compile=compile)
@@ -238,7 +242,9 @@ class Trainer:
         start_epoch = position["epoch"] + int(position["complete"]) if position is not None else 0
         self.run_dir = self._choose_run_dir(resume_from)
         ft.start(self.run_dir)
-        sink = JsonlSink(self.run_dir / "metrics.jsonl") if rt.is_rank_zero else None
+        sink = default_sinks(self.run_dir) if rt.is_rank_zero else None
+        tele = Telemetry(rt, enabled=self.enable_telemetry, straggler_margin=self.straggler_margin)
+        tele.attach(wrapped)
         k = self.accumulate_grad_batches
         global_batch = train_loader.batch_size * rt.world_size * k
         rt.print(f"trainscale: {rt.config.strategy} × {rt.world_size} ({rt.device.type}), precision "
@@ -262,14 +268,18 @@ class Trainer:
             samples = 0
             t0 = time.perf_counter()
             i = -1
+            tele.start()
             for i, batch in enumerate(itertools.islice(batches, skip, None) if skip else batches):
                 batch = rt.to_device(batch)
+                tele.mark("data", batch)
                 group_end = min((i // k + 1) * k, num_batches)  # the last group of an epoch may be short
                 is_boundary = i + 1 == group_end
-                with rt.no_backward_sync(wrapped, enabled=not is_boundary):
+                with rt.no_backward_sync(wrapped, enabled=not is_boundary), tele.count_flops(batch):
                     with rt.autocast():
                         loss = wrapped(batch)
+                    tele.mark("forward")
                     rt.backward(loss / (group_end - (i // k) * k))
+                tele.mark("backward")
                 ft.observe_loss(loss, self.global_step)
                 n = _batch_size(batch)
                 loss_sum += loss.detach().float() * n
@@ -287,9 +297,10 @@ class Trainer:
                 optimizer.zero_grad(set_to_none=True)
                 if scheduler is not None and sched_interval == "step":
                     scheduler.step()
+                tele.end_step()  # marks "optimizer"
                 self.global_step += 1
                 if self.global_step % self.log_every_n_steps == 0:
-                    self._log_step(sink, bar, epoch, loss, grad_norm)
+                    self._log_step(sink, bar, epoch, loss, grad_norm, tele)
                 every = self.checkpoint_every_n_steps
                 step_ckpt = (every is not None and self.global_step % every == 0 and i + 1 < num_batches
                              and not self._done())  # else the epoch-end path saves this position
@@ -330,6 +341,9 @@ class Trainer:
             ft.phase = STEP_PHASE
 
         summary = self._summary(global_batch)
+        summary["telemetry"] = tele.summary()  # a collective
+        if summary["telemetry"] is not None:
+            rt.print(summary_line(summary["telemetry"]))
         if sink is not None:
             sink.close()
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -432,14 +446,16 @@ class Trainer:
     def _done(self) -> bool:
         return self.max_steps is not None and self.global_step >= self.max_steps
 
-    def _log_step(self, sink, bar, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
-        value = loss.item()  # one host sync per log interval, not per step
-        bar.set_postfix(loss=f"{value:.4f}")
+    def _log_step(self, sink, bar, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor | None,
+                  tele: Telemetry) -> None:
+        record = tele.log(self.global_step, epoch, loss)  # a collective; None with telemetry off
+        if record is None:  # one host sync per log interval, not per step
+            record = {"kind": "step", "rank": 0, "time": time.time(), "epoch": epoch, "step": self.global_step,
+                      "train_loss": loss.item()}
+        if grad_norm is not None:  # total norm before clipping (gradient_clip_algorithm="norm")
+            record["grad_norm"] = grad_norm.item()
+        bar.set_postfix(loss=f"{record.get('train_loss', math.nan):.4f}")
         if sink is not None:
-            record = {"kind": "step", "rank": 0, "time": time.time(), "epoch": epoch,
-                      "step": self.global_step, "train_loss": value}
-            if grad_norm is not None:  # total norm before clipping (gradient_clip_algorithm="norm")
-                record["grad_norm"] = grad_norm.item()
             sink.write(record)
 
     def _spawn(self, method: str, model: nn.Module, **kwargs: Any) -> Any:

@@ -9,7 +9,7 @@ The process group is created by the Runtime before this strategy wraps anything.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 from trainscale.runtime import checkpoint_io
 from trainscale.runtime.world import World
@@ -62,6 +62,29 @@ class DDPStrategy:
         if not hasattr(module, "no_sync"):
             raise TypeError("no_backward_sync needs the module returned by Runtime.setup (a DDP wrapper)")
         return module.no_sync()
+
+    def time_allreduce(self, module, clock: Callable[[], Any], record: Callable[[Any, Any], None]) -> None:
+        """Time each bucket's gradient all-reduce (optional method; telemetry calls it when present).
+
+        Registers a DDP communication hook that does exactly DDP's default all-reduce (PyTorch's
+        ``default_hooks.allreduce_hook``: divide by the world size, then all-reduce SUM) and calls
+        ``record(start, end)`` with ``clock()`` read when DDP hands the bucket to the hook and when
+        its all-reduce future completes (in a ``Future.then`` callback, so the wait for slower ranks
+        is included). Must be called once, before the first backward.
+        https://pytorch.org/docs/stable/ddp_comm_hooks.html
+        """
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def timed_allreduce(state, bucket):
+            start = clock()
+
+            def done(fut):
+                record(start, clock())
+                return fut.value()
+
+            return allreduce_hook(state, bucket).then(done)
+
+        module.register_comm_hook(None, timed_allreduce)
 
     def save_checkpoint(self, path, state: dict) -> None:
         checkpoint_io.save_replicated(path, state, self.world, self.unwrap)

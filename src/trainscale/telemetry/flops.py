@@ -1,0 +1,94 @@
+"""FLOPs per sample (counted once), peak FLOP/s of common GPUs, and MFU.
+
+FLOPs are counted, not estimated: one training micro-batch (forward, loss and backward) runs
+under ``torch.utils.flop_counter.FlopCounterMode``, which adds the FLOPs of every matmul,
+convolution and attention op PyTorch dispatches (a multiply-add counts as 2 FLOPs), and the
+total is divided by the micro-batch's samples. Elementwise ops are not counted, as in the
+usual analytic formulas. https://pytorch.org/docs/stable/torch.utils.flop_counter.html (source:
+torch/utils/flop_counter.py)
+
+Model FLOPs utilization (PaLM, Chowdhery et al. 2022, Appendix B; nanoGPT ``estimate_mfu``)::
+
+    MFU = achieved FLOP/s per device / peak FLOP/s per device
+        = flops_per_sample × samples/s per device / peak
+
+Because the FLOPs are counted on the real step, recomputation by activation checkpointing is
+counted too (strictly, that is hardware FLOPs utilization).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+# Dense (no sparsity) peak tensor-core FLOP/s by GPU and compute dtype, from NVIDIA's data sheets.
+# "fp32" is the plain FP32 rate: PyTorch keeps TF32 off for matmuls by default
+# (torch.backends.cuda.matmul.allow_tf32 = False), so "32-true" runs at that rate.
+#   V100 SXM2: https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf
+#   T4:        https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf
+#   A10:       https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf
+#   A100:      https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
+#   L4:        https://www.nvidia.com/en-us/data-center/l4/  (data sheet: 242 TFLOPS bf16 "with sparsity")
+#   H100:      https://www.nvidia.com/en-us/data-center/h100/ (data sheet figures "with sparsity" halved)
+# Keys are matched as substrings of torch.cuda.get_device_name(), most specific first.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},  # SXM
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},  # after "A100": "A10" matches both
+    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},
+    "T4": {"fp16": 65e12, "fp32": 8.1e12},
+}
+
+_PRECISION_DTYPE = {"32-true": "fp32", "16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
+
+
+def peak_flops_per_s(device_name: str | None, precision: str) -> float | None:
+    """Peak dense FLOP/s of one device for a precision ("32-true", "bf16-mixed", ...).
+
+    Returns:
+        FLOP/s, or None for a device not in :data:`PEAK_FLOPS` (CPUs, unknown GPUs) or a dtype the
+        device lacks (bf16 on V100/T4).
+    """
+    if not device_name:
+        return None
+    for key, peaks in PEAK_FLOPS.items():
+        if key in device_name:
+            return peaks.get(_PRECISION_DTYPE.get(precision, "fp32"))
+    return None
+
+
+def mfu(achieved_flops_per_s: float | None, peak_per_device: float | None, devices: int) -> float | None:
+    """Model FLOPs utilization: total achieved FLOP/s over ``devices`` × peak (None if either is unknown)."""
+    if achieved_flops_per_s is None or not peak_per_device:
+        return None
+    return achieved_flops_per_s / (peak_per_device * devices)
+
+
+class FlopsPerSample:
+    """Count the FLOPs of one training micro-batch, once.
+
+        counter = FlopsPerSample()
+        with counter.measure(samples=len(x)):   # the first call counts; later calls cost nothing
+            loss_fn(model(x), y).backward()
+        counter.value                           # FLOPs per sample, or None
+    """
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+        self.done = False
+
+    @contextlib.contextmanager
+    def measure(self, samples: int) -> Iterator[None]:
+        if self.done:
+            yield
+            return
+        self.done = True
+        from torch.utils.flop_counter import FlopCounterMode
+
+        mode = FlopCounterMode(display=False)
+        with mode:
+            yield
+        total = mode.get_total_flops()
+        self.value = total / samples if total > 0 and samples > 0 else None

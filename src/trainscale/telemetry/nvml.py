@@ -1,0 +1,94 @@
+"""GPU utilisation and memory from NVML, sampled on a background thread, tied to step numbers.
+
+Uses NVIDIA's ``nvidia-ml-py`` (module ``pynvml``; ``pip install 'trainscale[gpu]'``), imported
+lazily. Without it, without a driver, or on a CPU-only machine the sampler is simply not
+available (``available`` is False, readings are None): training is never affected.
+``nvmlDeviceGetUtilizationRates(...).gpu`` is the per cent of the last sample period (1/6 s to
+1 s, by product) during which one or more kernels ran on the GPU — a busy-ness measure, not a
+FLOP/s one. https://docs.nvidia.com/deploy/nvml-api/group__nvmlDeviceQueries.html
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable
+
+
+def _nvml_reader(cuda_index: int) -> Callable[[], tuple[float, float]] | None:
+    """A function returning (utilisation %, memory used bytes) of CUDA device ``cuda_index``, or None."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        # NVML counts physical devices; CUDA_VISIBLE_DEVICES renumbers them for CUDA.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            ids = [v.strip() for v in visible.split(",")]
+            ident = ids[cuda_index]
+            handle = (pynvml.nvmlDeviceGetHandleByIndex(int(ident)) if ident.isdigit()
+                      else pynvml.nvmlDeviceGetHandleByUUID(ident))
+        else:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(cuda_index)
+    except Exception:  # noqa: BLE001 - no library, no driver, no device: "not available"
+        return None
+
+    def read() -> tuple[float, float]:
+        return (float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                float(pynvml.nvmlDeviceGetMemoryInfo(handle).used))
+
+    return read
+
+
+class GpuSampler:
+    """Sample a GPU every ``interval_s`` seconds on a daemon thread.
+
+    Args:
+        cuda_index: the CUDA device index (this rank's local device), or None (nothing to sample).
+        interval_s: seconds between samples.
+        read: a function returning ``(utilisation %, memory used bytes)``; default NVML.
+
+    Attributes:
+        available: whether samples can be taken.
+        step: set by the training loop; each sample is tagged with the step it was taken in.
+    """
+
+    def __init__(self, cuda_index: int | None, interval_s: float = 0.5,
+                 read: Callable[[], tuple[float, float]] | None = None) -> None:
+        self.interval_s = interval_s
+        self._read = read or (_nvml_reader(cuda_index) if cuda_index is not None else None)
+        self.available = self._read is not None
+        self.step = 0
+        self._samples: list[tuple[int, float, float]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "GpuSampler":
+        if self.available and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="trainscale-nvml", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                util, used = self._read()
+            except Exception:  # noqa: BLE001 - a failing driver call ends sampling, not training
+                self.available = False
+                return
+            with self._lock:
+                self._samples.append((self.step, util, used))
+            self._stop.wait(self.interval_s)
+
+    def take(self) -> list[tuple[int, float, float]]:
+        """Samples ``(step, utilisation %, memory used bytes)`` taken since the last call."""
+        with self._lock:
+            samples, self._samples = self._samples, []
+        return samples
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

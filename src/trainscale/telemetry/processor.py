@@ -1,0 +1,262 @@
+"""Telemetry: one small processor that turns timers, counters and samplers into fixed numbers.
+
+The Trainer uses it; a hand-written Runtime loop can too::
+
+    from trainscale.telemetry import Telemetry
+    tele = Telemetry(rt, log_every_n_steps=50)
+    tele.attach(model)                                   # times DDP's all-reduce (after rt.setup)
+    tele.start()
+    for step, batch in enumerate(loader, 1):
+        batch = rt.to_device(batch)
+        tele.mark("data", batch)
+        with tele.count_flops(batch):                    # counts FLOPs on the first call only
+            with rt.autocast():
+                loss = loss_fn(model(batch[0]), batch[1])
+            tele.mark("forward")
+            rt.backward(loss)
+        tele.mark("backward")
+        rt.step(optimizer); optimizer.zero_grad(set_to_none=True)
+        tele.end_step()                                  # marks "optimizer" and closes the step
+        if step % 50 == 0:
+            record = tele.log(step, epoch, loss)         # collective: every rank calls it
+    summary = tele.summary()                             # collective
+
+Numbers (all defined in docs/telemetry.md): per-rank step time split into data, forward,
+backward, optimizer; all-reduce time; samples/s and tokens/s; FLOPs per sample, achieved FLOP/s
+and MFU; peak memory per rank; GPU utilisation per device; straggler ranks. Per-rank sums are
+gathered with one ``all_gather`` of a small tensor per log interval (and one at the end) — no
+collective and no host sync per step. The first ``warmup_steps`` steps are left out of the
+summary's means (they include one-off costs: allocator growth, FLOP counting, kernel selection).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from trainscale.runtime.batch import batch_size
+from trainscale.telemetry.flops import FlopsPerSample, mfu, peak_flops_per_s
+from trainscale.telemetry.memory import PeakMemory
+from trainscale.telemetry.nvml import GpuSampler
+from trainscale.telemetry.stragglers import busy_per_step, find_stragglers
+from trainscale.telemetry.timers import PHASES, StepTime, StepTimer
+
+# The per-rank vector gathered at log intervals (float64, NaN = not available).
+_FIELDS = ("steps", "wall", *PHASES, "comm", "samples", "tokens")
+_EXTRA = ("loss", "memory", "memory_reserved", "gpu_util", "gpu_memory")
+_IDX = {name: i for i, name in enumerate(_FIELDS + _EXTRA)}
+_NAN = float("nan")
+
+
+def count_tokens(batch: Any) -> int | None:
+    """Tokens in a batch: the element count of ``batch["input_ids"]`` for dict batches, else None."""
+    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+        return int(batch["input_ids"].numel())
+    return None
+
+
+class Telemetry:
+    """Measure a training loop on every rank; reduce at log intervals.
+
+    Args:
+        runtime: the :class:`trainscale.runtime.runtime.Runtime` (device, world size, precision).
+        enabled: False turns every method into a no-op (``log`` and ``summary`` return None).
+        warmup_steps: first steps left out of :meth:`summary` (all steps are used if no others exist).
+        straggler_margin: a rank busy longer than the median by this fraction is a straggler.
+        gpu_sample_interval_s: seconds between NVML samples (CUDA only).
+    """
+
+    def __init__(self, runtime: Any, *, enabled: bool = True, warmup_steps: int = 2,
+                 straggler_margin: float = 0.2, gpu_sample_interval_s: float = 0.5) -> None:
+        if straggler_margin < 0:
+            raise ValueError(f"straggler_margin={straggler_margin!r} must be >= 0 (0.2 means 20 % over the median)")
+        self.rt = runtime
+        self.enabled = enabled
+        self.warmup_steps = warmup_steps
+        self.straggler_margin = straggler_margin
+        device = runtime.device
+        self.timer = StepTimer(device)
+        self.memory = PeakMemory(device)
+        self.flops = FlopsPerSample()
+        cuda = device.type == "cuda"
+        self.gpu = GpuSampler(device.index if cuda else None, gpu_sample_interval_s)
+        if enabled:
+            self.gpu.start()
+        name = torch.cuda.get_device_name(device) if cuda else None
+        self.peak_flops = peak_flops_per_s(name, runtime.config.precision)
+        self._interval = [0.0] * len(_FIELDS)  # per-rank sums of _FIELDS since the last log
+        self._timed = [0.0] * len(_FIELDS)  # since the end of warm-up
+        self._all = [0.0] * len(_FIELDS)
+        self._steps = 0
+        self._stragglers: list[int] = []
+        self._util_sum, self._util_n = 0.0, 0  # GPU utilisation over the whole run
+
+    # -- the hot path: no host sync, no collective ------------------------------------------
+    def attach(self, module: Any) -> None:
+        """Time the gradient all-reduce of ``module`` (the wrapped module) when the strategy can."""
+        hook = getattr(self.rt.strategy, "time_allreduce", None)
+        if self.enabled and hook is not None and self.rt.world_size > 1:
+            hook(module, self.timer.clock, self.timer.record_comm)
+            self.timer.time_comm = True
+
+    def start(self) -> None:
+        """Begin timing now (top of each epoch; time between epochs is left out)."""
+        if self.enabled:
+            self.timer.start()
+
+    def mark(self, phase: str, batch: Any = None) -> None:
+        """End ``phase`` now; with ``batch`` (at "data"), count its samples and tokens."""
+        if self.enabled:
+            self.timer.mark(phase)
+            if batch is not None:
+                self.timer.count(batch_size(batch), count_tokens(batch))
+
+    def phase(self, name: str):
+        """Context manager: attribute the time inside the block to ``name``."""
+        return self.timer.phase(name) if self.enabled else contextlib.nullcontext()
+
+    def count_flops(self, batch: Any):
+        """Context manager around the first micro-batch's forward and backward: counts FLOPs once."""
+        if not self.enabled or self.flops.done:
+            return contextlib.nullcontext()
+        return self.flops.measure(batch_size(batch))
+
+    def end_step(self) -> None:
+        """Mark "optimizer" and close the optimizer step."""
+        if self.enabled:
+            self.timer.mark("optimizer")
+            self.timer.end_step()
+            self._steps += 1
+            self.gpu.step = self._steps
+
+    # -- log intervals ----------------------------------------------------------------------
+    def _drain(self) -> None:
+        for st in self.timer.collect():
+            vec = _step_vector(st)
+            for sums in (self._interval, self._all) if self._all[0] + 1 <= self.warmup_steps else \
+                    (self._interval, self._all, self._timed):
+                for i, v in enumerate(vec):
+                    sums[i] += v
+
+    def _gather(self, vec: torch.Tensor) -> list[list[float]]:
+        """Every rank's ``vec`` (one all_gather on the device; a host sync, at log intervals only)."""
+        if self.rt.world_size == 1:
+            return [vec.tolist()]
+        import torch.distributed as dist
+
+        local = vec.to(self.rt.device)
+        out = [torch.empty_like(local) for _ in range(self.rt.world_size)]
+        dist.all_gather(out, local)
+        return [t.tolist() for t in out]
+
+    def _local(self, sums: list[float], loss: float = _NAN, whole_run: bool = False) -> torch.Tensor:
+        samples = self.gpu.take()
+        self._util_sum += sum(s[1] for s in samples)
+        self._util_n += len(samples)
+        if whole_run:
+            util = self._util_sum / self._util_n if self._util_n else _NAN
+        else:
+            util = statistics.fmean(s[1] for s in samples) if samples else _NAN
+        used = max(s[2] for s in samples) if samples else _NAN
+        reserved = self.memory.peak_reserved_bytes()
+        extra = [loss, float(self.memory.peak_bytes()), _NAN if reserved is None else float(reserved), util, used]
+        return torch.tensor(sums + extra, dtype=torch.float64)
+
+    def log(self, step: int, epoch: int, loss: torch.Tensor | float | None = None) -> dict | None:
+        """The interval record (``rank`` "all"), on every rank; prints new stragglers on rank zero.
+
+        A collective: every rank must call it at the same step. Reads ``loss`` (one host sync).
+        """
+        if not self.enabled:
+            return None
+        self._drain()
+        value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss) if loss is not None else _NAN
+        rows = self._gather(self._local(self._interval, value))
+        self._interval = [0.0] * len(_FIELDS)
+        record = {"kind": "step", "rank": "all", "time": time.time(), "epoch": epoch, "step": step}
+        losses = [r[_IDX["loss"]] for r in rows]
+        if not any(math.isnan(v) for v in losses):
+            record["train_loss"] = statistics.fmean(losses)
+        record.update(self._numbers(rows, per_rank=True))
+        stragglers = record["straggler_ranks"]
+        if stragglers and stragglers != self._stragglers:
+            busy = record["rank_busy_s"]
+            self.rt.print(f"trainscale: straggler rank(s) {', '.join(map(str, stragglers))} at step {step}: busy "
+                          + ", ".join(f"{busy[r]:.4f}" for r in stragglers)
+                          + f" s/step vs median {statistics.median(busy):.4f} s/step")
+        self._stragglers = stragglers
+        self.timer.start()  # leave the logging itself out of the next step
+        return record
+
+    def summary(self) -> dict | None:
+        """The run's telemetry (the contract of ``summary.json["telemetry"]``). A collective."""
+        if not self.enabled:
+            return None
+        self._drain()
+        sums = self._timed if self._timed[0] > 0 else self._all
+        rows = self._gather(self._local(sums, whole_run=True))
+        numbers = self._numbers(rows, per_rank=False)
+        self.gpu.stop()
+        return numbers
+
+    def close(self) -> None:
+        self.gpu.stop()
+
+    def _numbers(self, rows: list[list[float]], per_rank: bool) -> dict:
+        """The fixed numbers from each rank's sums (see docs/telemetry.md for each definition)."""
+        world = len(rows)
+        steps = rows[0][_IDX["steps"]]
+        col = {name: [r[_IDX[name]] for r in rows] for name in _IDX}
+        wall = statistics.fmean(col["wall"])  # ranks run the same steps; DDP keeps their walls equal
+        per_step = (lambda s: s / steps) if steps > 0 else (lambda s: _NAN)
+        phase_s = {p: per_step(statistics.fmean(col[p])) for p in PHASES}
+        total = sum(phase_s.values())
+        has_comm = self.timer.time_comm
+        comm = per_step(statistics.fmean(col["comm"])) if has_comm else None
+        samples_per_s = sum(col["samples"]) / wall if wall > 0 else _NAN
+        tokens = sum(col["tokens"])
+        achieved = self.flops.value * samples_per_s if self.flops.value is not None else None
+        busy = [busy_per_step(w, c if has_comm else None, steps) for w, c in zip(col["wall"], col["comm"])]
+        util = col["gpu_util"]
+        out = {
+            "step_time_s": per_step(wall),
+            "phase_s": phase_s,
+            "phase_share": {p: (v / total if total > 0 else _NAN) for p, v in phase_s.items()},
+            "comm_s": comm,
+            "samples_per_s": samples_per_s,
+            "samples_per_s_per_device": samples_per_s / world,
+            "tokens_per_s": tokens / wall if tokens > 0 and wall > 0 else None,
+            "flops_per_sample": self.flops.value,
+            "achieved_flops_per_s": achieved,
+            "mfu": mfu(achieved, self.peak_flops, world),
+            "peak_memory_bytes": [int(m) for m in col["memory"]],
+            "peak_memory_kind": self.memory.kind,
+            "gpu_utilization": None if all(math.isnan(u) for u in util) else util,
+            "slowest_rank": max(range(world), key=lambda r: busy[r]),
+            "straggler_ranks": find_stragglers(busy, self.straggler_margin),
+        }
+        if per_rank:
+            out["steps"] = int(steps)
+            out["samples"] = int(sum(col["samples"]))
+            if out["tokens_per_s"] is not None:
+                out["tokens_per_s_per_device"] = out["tokens_per_s"] / world
+            out["rank_step_time_s"] = [per_step(w) for w in col["wall"]]
+            out["rank_busy_s"] = busy
+            out["rank_phase_s"] = {p: [per_step(v) for v in col[p]] for p in PHASES}
+            if has_comm:
+                out["rank_comm_s"] = [per_step(c) for c in col["comm"]]
+            if self.memory.cuda:
+                out["peak_memory_reserved_bytes"] = [int(m) for m in col["memory_reserved"]]
+            if out["gpu_utilization"] is not None:
+                out["gpu_memory_used_bytes"] = col["gpu_memory"]
+        return out
+
+
+def _step_vector(st: StepTime) -> list[float]:
+    return [1.0, st.wall_s, *(st.phase_s.get(p, 0.0) for p in PHASES), st.comm_s or 0.0,
+            float(st.samples), float(st.tokens or 0)]

@@ -1,0 +1,253 @@
+"""``trainscale report RUN_DIR``: plots and a short text summary of a finished (or crashed) run.
+
+Reads ``metrics.jsonl`` and ``summary.json`` of a run directory and writes, next to them:
+
+- ``loss_accuracy.png`` — training loss per log interval and epoch, validation loss and accuracy;
+- ``throughput.png`` — samples/s (and tokens/s) per log interval;
+- ``step_phases.png`` — stacked step-phase split per log interval, and per rank;
+- ``memory.png`` — peak memory per rank;
+- ``gpu_utilization.png`` — NVML GPU utilisation per device, when the run had it;
+- ``report.txt`` — where the time goes in per cent, throughput, MFU, memory, the slowest rank.
+
+matplotlib is imported only when plotting, with the non-interactive Agg backend.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+PHASES = ("data", "forward", "backward", "optimizer")
+MIB = 1024 * 1024
+
+
+def load_run(run_dir: str | os.PathLike) -> tuple[list[dict], dict | None]:
+    """The records of ``metrics.jsonl`` and ``summary.json`` (None if absent) of a run directory.
+
+    Raises:
+        ValueError: ``run_dir`` holds no metrics.jsonl (names what to pass instead).
+    """
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ValueError(f"{str(run_dir)!r} has no metrics.jsonl; pass a run directory such as runs/version_0 "
+                         "(the 'run dir' a Trainer prints when it starts)")
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    return records, summary
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def summary_line(tele: dict) -> str:
+    """One line: step time and its split, throughput, peak memory (from ``summary["telemetry"]``)."""
+    share = tele["phase_share"]
+    parts = [f"telemetry: step {tele['step_time_s'] * 1e3:.1f} ms = "
+             + ", ".join(f"{p} {_pct(share[p])}" for p in PHASES)]
+    if tele.get("comm_s") is not None:
+        parts.append(f"all-reduce {tele['comm_s'] * 1e3:.1f} ms/step (inside backward)")
+    parts.append(f"{tele['samples_per_s']:.0f} samples/s")
+    if tele.get("mfu") is not None:
+        parts.append(f"MFU {_pct(tele['mfu'])}")
+    peak = max(tele["peak_memory_bytes"]) / MIB
+    parts.append(f"peak memory {peak:.0f} MiB ({tele['peak_memory_kind']})")
+    return "; ".join(parts)
+
+
+def text_summary(records: list[dict], summary: dict | None) -> str:
+    """The report's text: where the time goes (per cent), throughput, FLOPs, memory, slowest rank."""
+    lines = []
+    tele = (summary or {}).get("telemetry")
+    if summary:
+        lines.append(f"run: world size {summary['world_size']}, strategy {summary['strategy']}, precision "
+                     f"{summary['precision']}, {summary['steps']} steps, global batch {summary['global_batch_size']}")
+        if summary.get("val_accuracy") is not None:
+            lines.append(f"final: train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}, "
+                         f"val accuracy {summary['val_accuracy']:.4f}")
+    if not tele:
+        lines.append("no telemetry summary (the run did not finish, or ran with enable_telemetry=False)")
+        return "\n".join(lines) + "\n"
+    share, phase_s = tele["phase_share"], tele["phase_s"]
+    lines.append(f"where the time goes (mean step {tele['step_time_s'] * 1e3:.2f} ms, warm-up steps excluded):")
+    for p in PHASES:
+        lines.append(f"  {p:<10} {100 * share[p]:5.1f} %   {phase_s[p] * 1e3:8.2f} ms")
+    if tele.get("comm_s") is not None:
+        lines.append(f"  (all-reduce {tele['comm_s'] * 1e3:.2f} ms/step, "
+                     f"{_pct(tele['comm_s'] / tele['step_time_s'])} of the step, counted inside backward)")
+    line = f"throughput: {tele['samples_per_s']:.1f} samples/s ({tele['samples_per_s_per_device']:.1f} per device)"
+    if tele.get("tokens_per_s") is not None:
+        line += f", {tele['tokens_per_s']:.0f} tokens/s"
+    lines.append(line)
+    if tele.get("flops_per_sample") is not None:
+        line = (f"FLOPs: {tele['flops_per_sample'] / 1e6:.2f} MFLOP/sample, achieved "
+                f"{tele['achieved_flops_per_s'] / 1e9:.2f} GFLOP/s in total")
+        line += f", MFU {_pct(tele['mfu'])}" if tele.get("mfu") is not None else ", MFU n/a (no peak FLOP/s known)"
+        lines.append(line)
+    lines.append(f"peak memory ({tele['peak_memory_kind']}): "
+                 + ", ".join(f"rank {r} {b / MIB:.0f} MiB" for r, b in enumerate(tele["peak_memory_bytes"])))
+    if tele.get("gpu_utilization"):
+        lines.append("GPU utilisation: " + ", ".join(f"rank {r} {u:.0f} %" for r, u in
+                                                     enumerate(tele["gpu_utilization"])))
+    busy = _mean_lists([r["rank_busy_s"] for r in records if r.get("kind") == "step" and "rank_busy_s" in r])
+    slow = tele["slowest_rank"]
+    line = f"slowest rank: {slow}"
+    if busy and len(busy) > 1:
+        line += " (busy " + ", ".join(f"rank {r} {b * 1e3:.2f}" for r, b in enumerate(busy)) + " ms/step)"
+    lines.append(line)
+    stragglers = tele.get("straggler_ranks") or []
+    lines.append("stragglers: " + (", ".join(f"rank {r}" for r in stragglers) if stragglers else "none"))
+    return "\n".join(lines) + "\n"
+
+
+def _stacked(ax, x, width, phase_s: dict[str, list[float]], comm_s: list[float], colors: dict) -> float:
+    """Stacked bars in ms; the all-reduce part of backward (wait included) hatched on top of it."""
+    bottom = [0.0] * len(x)
+    for p in PHASES:
+        h = [1e3 * v for v in phase_s[p]]
+        if p == "backward" and any(comm_s):
+            c = [min(1e3 * v, b) for v, b in zip(comm_s, h)]
+            ax.bar(x, [b - v for b, v in zip(h, c)], width, bottom=bottom, label="backward", color=colors[p])
+            ax.bar(x, c, width, bottom=[b + hb - v for b, hb, v in zip(bottom, h, c)], color=colors[p],
+                   hatch="//", edgecolor="white", label="all-reduce (in backward, wait included)")
+        else:
+            ax.bar(x, h, width, bottom=bottom, label=p, color=colors[p])
+        bottom = [b + v for b, v in zip(bottom, h)]
+    return max(bottom, default=0.0)
+
+
+def _mean_lists(rows: list[list[float]]) -> list[float]:
+    rows = [r for r in rows if r]
+    if not rows:
+        return []
+    return [sum(col) / len(col) for col in zip(*rows)]
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def make_report(run_dir: str | os.PathLike) -> tuple[list[Path], str]:
+    """Write the PNG plots and report.txt into ``run_dir``.
+
+    Returns:
+        ``(paths of the files written, the text summary)``.
+
+    Raises:
+        ValueError: no metrics.jsonl in ``run_dir``.
+        ModuleNotFoundError: matplotlib missing (``pip install 'trainscale[plot]'``).
+    """
+    run_dir = Path(run_dir)
+    records, summary = load_run(run_dir)
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("trainscale report plots with matplotlib: pip install 'trainscale[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in records if r.get("kind") == "step"]
+    epochs = [r for r in records if r.get("kind") == "epoch"]
+    timed = [r for r in steps if "phase_s" in r]
+    written: list[Path] = []
+
+    def save(fig, name: str) -> None:
+        path = run_dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+
+    # loss and accuracy
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    pts = [(r["step"], r["train_loss"]) for r in steps if _finite(r.get("train_loss"))]
+    if pts:
+        ax_loss.plot(*zip(*pts), lw=1, alpha=0.7, label="train loss (log interval)")
+    for key, label, style in (("train_loss", "train loss (epoch)", "o-"), ("val_loss", "val loss (epoch)", "s-")):
+        pts = [(r["step"], r[key]) for r in epochs if _finite(r.get(key))]
+        if pts:
+            ax_loss.plot(*zip(*pts), style, label=label)
+    ax_loss.set(xlabel="optimizer step", ylabel="loss", title="Loss")
+    ax_loss.legend()
+    pts = [(r["step"], r["val_accuracy"]) for r in epochs if _finite(r.get("val_accuracy"))]
+    if pts:
+        ax_acc.plot(*zip(*pts), "o-", color="tab:green")
+        ax_acc.set(ylim=(0, 1))
+    else:
+        ax_acc.text(0.5, 0.5, "no validation accuracy in this run", ha="center", va="center",
+                    transform=ax_acc.transAxes)
+    ax_acc.set(xlabel="optimizer step", ylabel="accuracy", title="Validation accuracy")
+    save(fig, "loss_accuracy.png")
+
+    # throughput
+    fig, ax = plt.subplots(figsize=(7, 4))
+    pts = [(r["step"], r["samples_per_s"]) for r in timed if _finite(r.get("samples_per_s"))]
+    if pts:
+        ax.plot(*zip(*pts), "o-", label="samples/s (all devices)")
+    tok = [(r["step"], r["tokens_per_s"]) for r in timed if _finite(r.get("tokens_per_s"))]
+    if tok:
+        ax2 = ax.twinx()
+        ax2.plot(*zip(*tok), "s--", color="tab:orange", label="tokens/s")
+        ax2.set_ylabel("tokens/s")
+    if not pts:
+        ax.text(0.5, 0.5, "no step telemetry (enable_telemetry=False?)", ha="center", va="center",
+                transform=ax.transAxes)
+    ax.set(xlabel="optimizer step", ylabel="samples/s", title="Throughput per log interval")
+    ax.set_ylim(bottom=0)
+    save(fig, "throughput.png")
+
+    # stacked step-phase split: per interval (mean over ranks) and per rank (mean over intervals)
+    fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 1]})
+    colors = {"data": "tab:red", "forward": "tab:blue", "backward": "tab:purple", "optimizer": "tab:gray"}
+    if timed:
+        x = [r["step"] for r in timed]
+        width = 0.8 * (min(b - a for a, b in zip(x, x[1:])) if len(x) > 1 else 1)
+        comm = [r["comm_s"] if _finite(r.get("comm_s")) else 0.0 for r in timed]
+        top = _stacked(ax_t, x, width, {p: [r["phase_s"][p] for r in timed] for p in PHASES}, comm, colors)
+        ax_t.set_ylim(0, 1.35 * top)  # room for the legend above the bars
+        ax_t.legend(fontsize=8, ncol=3, loc="upper center")
+        per_rank = {p: _mean_lists([r["rank_phase_s"][p] for r in timed if "rank_phase_s" in r]) for p in PHASES}
+        ranks = list(range(len(per_rank["data"])))
+        rank_comm = _mean_lists([r["rank_comm_s"] for r in timed if "rank_comm_s" in r]) or [0.0] * len(ranks)
+        _stacked(ax_r, ranks, 0.6, per_rank, rank_comm, colors)
+        ax_r.set_xticks(ranks)
+    ax_t.set(xlabel="optimizer step (end of log interval)", ylabel="ms per step",
+             title="Where a step's time goes (mean over ranks)")
+    ax_r.set(xlabel="rank", ylabel="ms per step", title="Per rank")
+    save(fig, "step_phases.png")
+
+    # memory per rank
+    fig, ax = plt.subplots(figsize=(7, 4))
+    mem = [r for r in timed if r.get("peak_memory_bytes")]
+    kind = mem[0].get("peak_memory_kind", "") if mem else ""
+    if not kind and summary and summary.get("telemetry"):
+        kind = summary["telemetry"]["peak_memory_kind"]
+    for rank in range(len(mem[0]["peak_memory_bytes"]) if mem else 0):
+        ax.plot([r["step"] for r in mem], [r["peak_memory_bytes"][rank] / MIB for r in mem], "o-",
+                label=f"rank {rank}")
+    if mem:
+        ax.legend()
+        ax.set_ylim(bottom=0)
+    ax.set(xlabel="optimizer step", ylabel="MiB",
+           title=f"Peak memory per rank ({'CUDA allocated' if kind == 'cuda_allocated' else 'process RSS'})")
+    save(fig, "memory.png")
+
+    # GPU utilisation, when NVML sampled it
+    gpu = [r for r in timed if r.get("gpu_utilization")]
+    if gpu:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for rank in range(len(gpu[0]["gpu_utilization"])):
+            ax.plot([r["step"] for r in gpu], [r["gpu_utilization"][rank] for r in gpu], "o-", label=f"rank {rank}")
+        ax.set(xlabel="optimizer step", ylabel="%", ylim=(0, 100), title="GPU utilisation (NVML)")
+        ax.legend()
+        save(fig, "gpu_utilization.png")
+
+    text = text_summary(records, summary)
+    (run_dir / "report.txt").write_text(text)
+    written.append(run_dir / "report.txt")
+    return written, text

@@ -1,0 +1,37 @@
+"""Straggler detection: which ranks are slower than the others.
+
+Under DDP every rank waits for the slowest one inside the gradient all-reduce, so per-rank step
+times come out equal and cannot point at the culprit. The measure used is each rank's *busy time*
+per step: step wall time minus the time it spent in all-reduce (which includes waiting for the
+others). The straggler is busy the longest; the ranks waiting for it show the wait as
+communication. Without all-reduce timing (no DDP hook) busy time is the step wall time.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+
+def busy_per_step(wall_s: float, comm_s: float | None, steps: float) -> float:
+    """Seconds per step a rank spent outside the gradient all-reduce (``comm_s`` None: no timing)."""
+    if steps <= 0:
+        return 0.0
+    return max(0.0, wall_s - (comm_s or 0.0)) / steps
+
+
+def find_stragglers(busy_s: list[float], margin: float = 0.2) -> list[int]:
+    """Ranks whose busy time exceeds the median over ranks by more than ``margin`` (0.2 = 20 %).
+
+    Args:
+        busy_s: seconds per step for each rank, in rank order.
+        margin: relative margin over the median.
+
+    Returns:
+        Rank numbers in ascending order (empty for one rank or a median of zero).
+    """
+    if len(busy_s) < 2:
+        return []
+    median = statistics.median(busy_s)
+    if median <= 0:
+        return []
+    return [rank for rank, busy in enumerate(busy_s) if busy > median * (1.0 + margin)]

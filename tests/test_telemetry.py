@@ -1,0 +1,314 @@
+"""Telemetry pieces in one process: timers, FLOPs, MFU, memory, NVML sampler, stragglers, sinks."""
+
+import csv
+import json
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
+
+from tests import workers
+from trainscale.telemetry import flops, nvml
+from trainscale.telemetry.memory import PeakMemory
+from trainscale.telemetry.sinks import CsvSink, JsonlSink, TensorBoardSink, default_sinks
+from trainscale.telemetry.stragglers import busy_per_step, find_stragglers
+from trainscale.telemetry.timers import StepTimer
+from trainscale.train.trainer import Trainer
+
+CONTRACT = {"step_time_s", "phase_s", "phase_share", "comm_s", "samples_per_s", "samples_per_s_per_device",
+            "tokens_per_s", "flops_per_sample", "achieved_flops_per_s", "mfu", "peak_memory_bytes",
+            "peak_memory_kind", "gpu_utilization", "slowest_rank", "straggler_ranks"}
+
+
+def test_marks_attribute_each_phase_its_own_time():
+    timer = StepTimer("cpu")
+    timer.start()
+    for _ in range(2):
+        time.sleep(0.02)
+        timer.mark("data")
+        timer.count(4)
+        time.sleep(0.04)
+        timer.mark("forward")
+        timer.mark("backward")  # nothing happened: ~0
+        timer.end_step()
+    steps = timer.collect()
+    assert len(steps) == 2 and timer.collect() == []  # collect drains
+    for st in steps:
+        assert st.phase_s["data"] >= 0.02 and st.phase_s["forward"] >= 0.04
+        assert 0 <= st.phase_s["backward"] < st.phase_s["data"]
+        # contiguous marks attribute the whole step: the remainder is the optimizer mark-less tail
+        assert sum(st.phase_s.values()) == pytest.approx(st.wall_s, abs=1e-3)
+        assert st.samples == 4 and st.tokens is None and st.comm_s is None
+    assert steps[0].phase_s["forward"] < 0.04 * 4  # and not the whole sleep of the other phases
+
+
+def test_phase_context_manager_counts_only_inside():
+    timer = StepTimer()
+    timer.start()
+    time.sleep(0.03)  # outside any phase
+    with timer.phase("forward"):
+        time.sleep(0.01)
+    timer.end_step()
+    (st,) = timer.collect()
+    assert st.phase_s["forward"] >= 0.01 and st.phase_s["forward"] < 0.03
+    assert st.wall_s >= 0.04  # the step's wall time still holds everything
+
+
+def test_comm_readings_sum_per_step():
+    timer = StepTimer(time_comm=True)
+    timer.start()
+    timer.record_comm(1.0, 1.25)
+    timer.record_comm(2.0, 2.5)
+    timer.end_step()
+    timer.end_step()  # a step without all-reduce (accumulation)
+    first, second = timer.collect()
+    assert first.comm_s == pytest.approx(0.75) and second.comm_s == 0.0
+
+
+def test_flops_per_sample_counts_forward_and_backward():
+    a, b, c, n = 32, 64, 10, 8
+    model = nn.Sequential(nn.Linear(a, b), nn.ReLU(), nn.Linear(b, c))
+    counter = flops.FlopsPerSample()
+    x, y = torch.randn(n, a), torch.randint(0, c, (n,))
+    with counter.measure(samples=n):
+        F.cross_entropy(model(x), y).backward()
+    # forward 2ab + 2bc; backward: both weight grads (2ab + 2bc) and layer 2's input grad (2bc);
+    # the input needs no grad. Multiply-add = 2 FLOPs (torch.utils.flop_counter).
+    assert counter.value == 4 * a * b + 6 * b * c
+    with counter.measure(samples=n):  # counted once: later calls do nothing
+        model(x).sum().backward()
+    assert counter.value == 4 * a * b + 6 * b * c
+
+
+def test_peak_flops_table_and_mfu():
+    assert flops.peak_flops_per_s("NVIDIA A100-SXM4-80GB", "bf16-mixed") == 312e12
+    assert flops.peak_flops_per_s("NVIDIA A100-SXM4-80GB", "32-true") == 19.5e12
+    assert flops.peak_flops_per_s("NVIDIA A10", "16-mixed") == 125e12  # not taken for an A100
+    assert flops.peak_flops_per_s("NVIDIA H100 PCIe", "bf16-true") == 756e12
+    assert flops.peak_flops_per_s("NVIDIA H100 80GB HBM3", "bf16-true") == 989e12
+    assert flops.peak_flops_per_s("Tesla V100-SXM2-16GB", "bf16-mixed") is None  # no bf16 on Volta
+    assert flops.peak_flops_per_s(None, "32-true") is None
+    assert flops.mfu(156e12, 312e12, 2) == pytest.approx(0.25)
+    assert flops.mfu(1e9, None, 1) is None and flops.mfu(None, 1e12, 1) is None
+
+
+def test_stragglers_by_median_margin():
+    assert find_stragglers([0.10, 0.10, 0.10, 0.20]) == [3]
+    assert find_stragglers([0.10, 0.11, 0.10, 0.105]) == []
+    assert find_stragglers([0.10, 0.30], margin=0.2) == [1]
+    assert find_stragglers([0.10]) == [] and find_stragglers([0.0, 0.0]) == []
+    assert busy_per_step(1.0, 0.4, 4) == pytest.approx(0.15)
+    assert busy_per_step(1.0, None, 4) == pytest.approx(0.25)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the current RSS from /proc/self/statm")
+def test_peak_memory_on_cpu_is_rss_and_grows():
+    mem = PeakMemory(torch.device("cpu"))
+    before = mem.peak_bytes()
+    assert mem.kind == "rss" and before > 10 * 2**20 and mem.peak_reserved_bytes() is None
+    import os
+
+    current = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # Linux: RSS now
+    extra = before - current + 32 * 2**20  # enough to lift the peak 32 MiB above the earlier one
+    block = torch.ones(extra // 4)  # touched, so resident
+    assert mem.peak_bytes() >= before + 24 * 2**20
+    del block
+
+
+def test_gpu_sampler_ties_samples_to_steps_with_a_fake_reader():
+    readings = iter([(10.0, 1e9), (30.0, 2e9)] + [(50.0, 3e9)] * 1000)
+    sampler = nvml.GpuSampler(0, interval_s=0.01, read=lambda: next(readings)).start()
+    sampler.step = 7
+    time.sleep(0.1)
+    sampler.stop()
+    samples = sampler.take()
+    assert len(samples) >= 3 and sampler.take() == []
+    assert samples[0][1:] == (10.0, 1e9) and samples[-1][0] == 7
+    assert all(0 <= s[1] <= 100 for s in samples)
+
+
+def test_nvml_degrades_to_not_available(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails as if nvidia-ml-py were absent
+    assert nvml._nvml_reader(0) is None
+    sampler = nvml.GpuSampler(0).start()
+    assert not sampler.available and sampler.take() == []
+    sampler.stop()
+    assert not nvml.GpuSampler(None).available  # CPU rank: nothing to sample
+
+
+def test_csv_sink_one_file_per_kind_flattened(tmp_path):
+    sink = CsvSink(tmp_path)
+    sink.write({"kind": "step", "step": 1, "phase_s": {"data": 0.5}, "peak_memory_bytes": [1, 2]})
+    sink.write({"kind": "step", "step": 2, "phase_s": {"data": 0.25}, "peak_memory_bytes": [3, 4], "new": 1})
+    sink.write({"kind": "epoch", "step": 2, "val_loss": 1.5})
+    sink.close()
+    rows = list(csv.DictReader(open(tmp_path / "metrics_step.csv")))
+    assert [r["phase_s.data"] for r in rows] == ["0.5", "0.25"] and "new" not in rows[0]
+    assert json.loads(rows[1]["peak_memory_bytes"]) == [3, 4]
+    assert list(csv.DictReader(open(tmp_path / "metrics_epoch.csv")))[0]["val_loss"] == "1.5"
+
+
+def test_tensorboard_sink_writes_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.write({"kind": "step", "step": 4, "rank": "all", "samples_per_s": 120.0, "phase_s": {"data": 0.1},
+                "peak_memory_bytes": [10, 20], "mfu": None})
+    sink.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"step/samples_per_s", "step/phase_s.data", "step/peak_memory_bytes/rank1"} <= tags
+    assert events.Scalars("step/samples_per_s")[0].step == 4 and events.Scalars("step/samples_per_s")[0].value == 120
+
+
+def test_jsonl_sink_keeps_nested_values(tmp_path):
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    sink.write({"phase_s": {"data": float("nan")}, "ranks": [1]})
+    sink.close()
+    assert json.loads((tmp_path / "m.jsonl").read_text()) == {"phase_s": {"data": "nan"}, "ranks": [1]}
+
+
+def test_trainer_summary_has_the_telemetry_contract(tmp_path):
+    out = workers.trainer_fit(0, str(tmp_path), 8, 1, extra={"log_every_n_steps": 3})
+    tele = out["summary"]["telemetry"]
+    assert set(tele) == CONTRACT
+    assert tele["comm_s"] is None and tele["mfu"] is None and tele["gpu_utilization"] is None  # CPU, one rank
+    assert tele["peak_memory_kind"] == "rss" and len(tele["peak_memory_bytes"]) == 1
+    assert sum(tele["phase_share"].values()) == pytest.approx(1.0)
+    assert tele["flops_per_sample"] > 1e6  # the ConvNet: ~16 MFLOP per sample, forward and backward
+    assert tele["achieved_flops_per_s"] == pytest.approx(tele["flops_per_sample"] * tele["samples_per_s"])
+    assert tele["slowest_rank"] == 0 and tele["straggler_ranks"] == []
+    steps = [json.loads(line) for line in open(tmp_path / "version_0" / "metrics.jsonl")]
+    steps = [r for r in steps if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [3, 6, 9, 12] and all(r["rank"] == "all" for r in steps)
+    assert (tmp_path / "version_0" / "metrics_step.csv").is_file()
+
+
+def test_trainer_with_telemetry_off(tmp_path):
+    trainer = Trainer(max_epochs=1, log_every_n_steps=2, enable_progress_bar=False, default_root_dir=tmp_path,
+                      enable_checkpointing=False, enable_telemetry=False)
+    summary = trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(32), batch_size=8),
+                          optimizer=workers.sgd)
+    assert summary["telemetry"] is None
+    records = [json.loads(line) for line in open(tmp_path / "version_0" / "metrics.jsonl")]
+    assert [r["step"] for r in records if r["kind"] == "step"] == [2, 4]
+    assert all("phase_s" not in r for r in records)
+
+
+def test_bad_straggler_margin_is_a_clear_error():
+    with pytest.raises(ValueError, match="straggler_margin"):
+        Trainer(straggler_margin=-1)
+
+
+def test_runtime_loop_uses_the_same_telemetry(tmp_path):
+    """The docs/telemetry.md example: a hand-written Runtime loop, dict batches with tokens."""
+    from trainscale import Runtime
+    from trainscale.telemetry import Telemetry
+
+    class TokenModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 16)
+            self.head = nn.Linear(16, 50)
+
+        def forward(self, input_ids):
+            return self.head(self.emb(input_ids))  # (B, T, V)
+
+    rt = Runtime(devices=1)
+    torch.manual_seed(0)
+    model, optimizer = rt.setup(TokenModel(), lambda p: torch.optim.SGD(p, lr=0.1))
+    tele = Telemetry(rt, warmup_steps=1)
+    tele.attach(model)
+    ids = torch.randint(0, 50, (40, 12))
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    tele.start()
+    for step in range(1, 7):
+        batch = rt.to_device({"input_ids": ids[(step - 1) * 4: step * 4]})
+        tele.mark("data", batch)
+        with tele.count_flops(batch):
+            with tele.phase("forward"), rt.autocast():
+                logits = model(batch["input_ids"][:, :-1])
+                loss = F.cross_entropy(logits.flatten(0, 1), batch["input_ids"][:, 1:].flatten())
+            with tele.phase("backward"):
+                rt.backward(loss)
+        rt.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        tele.end_step()
+        if step % 3 == 0:
+            sink.write(tele.log(step, 0, loss))
+    summary = tele.summary()
+    sink.close()
+    assert summary["tokens_per_s"] == pytest.approx(summary["samples_per_s"] * 12)
+    assert summary["flops_per_sample"] > 0
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [3, 6] and all(r["steps"] == 3 and r["samples"] == 12 for r in records)
+    assert all(r["tokens_per_s_per_device"] == pytest.approx(r["samples_per_s"] * 12) for r in records)
+
+
+@pytest.mark.gpu
+def test_cuda_timer_resolves_events_lazily():
+    timer = StepTimer("cuda")
+    x = torch.randn(2048, 2048, device="cuda")
+    timer.start()
+    for _ in range(3):
+        timer.mark("data")
+        y = x @ x
+        timer.mark("forward")
+        timer.end_step()
+    steps = timer.collect()  # the only host sync
+    assert len(steps) == 3 and all(s.phase_s["forward"] > 0 for s in steps)
+    assert all(sum(s.phase_s.values()) == pytest.approx(s.wall_s, rel=0.05) for s in steps)
+    del y
+
+
+@pytest.mark.gpu
+def test_cuda_peak_memory_and_nvml():
+    mem = PeakMemory(torch.device("cuda", 0))
+    mem.reset()
+    block = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    assert mem.kind == "cuda_allocated" and mem.peak_bytes() >= 256 * 2**20
+    assert mem.peak_reserved_bytes() >= mem.peak_bytes()
+    del block
+    pytest.importorskip("pynvml")
+    sampler = nvml.GpuSampler(0, interval_s=0.05).start()
+    time.sleep(0.3)
+    sampler.stop()
+    samples = sampler.take()
+    assert sampler.available and samples and all(0 <= s[1] <= 100 and s[2] > 0 for s in samples)
+
+
+@pytest.mark.gpu
+def test_trainer_on_cuda_reports_memory_utilization_and_mfu(tmp_path):
+    trainer = Trainer(accelerator="cuda", devices=1, max_epochs=1, log_every_n_steps=2, enable_progress_bar=False,
+                      default_root_dir=tmp_path, enable_checkpointing=False)
+    summary = trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(256), batch_size=8),
+                          optimizer=workers.sgd)
+    tele = summary["telemetry"]
+    assert tele["peak_memory_kind"] == "cuda_allocated" and tele["peak_memory_bytes"][0] > 0
+    assert sum(tele["phase_s"].values()) == pytest.approx(tele["step_time_s"], rel=0.1)
+    name = torch.cuda.get_device_name(0)
+    if flops.peak_flops_per_s(name, "32-true") is not None:
+        assert 0 < tele["mfu"] < 1
+
+
+def test_report_plots_gpu_utilization_when_the_run_had_it(tmp_path):
+    pytest.importorskip("matplotlib")
+    from trainscale.telemetry.report import make_report
+
+    phases = {"data": 0.01, "forward": 0.02, "backward": 0.03, "optimizer": 0.01}
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in (10, 20, 30):
+            f.write(json.dumps({"kind": "step", "rank": "all", "step": step, "epoch": 0, "train_loss": 1.0 / step,
+                                "phase_s": phases, "rank_phase_s": {p: [v, v] for p, v in phases.items()},
+                                "samples_per_s": 100.0, "peak_memory_bytes": [2**30, 2**30],
+                                "peak_memory_kind": "cuda_allocated", "gpu_utilization": [40.0 + step, 90.0]}) + "\n")
+    written, text = make_report(tmp_path)
+    assert (tmp_path / "gpu_utilization.png").read_bytes()[:4] == b"\x89PNG"
+    assert {p.name for p in written} >= {"gpu_utilization.png", "step_phases.png", "report.txt"}
+    assert "no telemetry summary" in text  # no summary.json: a crashed or unfinished run
