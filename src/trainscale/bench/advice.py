@@ -8,8 +8,9 @@ data loading takes at least ``DATA_SHARE`` of its step. Its class, first that ap
 - failed: timeout, exception or crash (the reason is quoted);
 - communication-bound: all-reduce time ≥ ``COMM_SHARE`` of the step;
 - data-bound: data wait ≥ ``DATA_SHARE`` of the step;
-- overhead-bound: neither, and efficiency rises by ≥ ``OVERHEAD_RISE`` at a larger batch size with the
-  same devices — a fixed cost per step (kernel launches, DDP hooks, Python) that small steps do not amortize;
+- overhead-bound: neither, the steps are tiny (the baseline's step at this batch size under
+  ``TINY_STEP_S``), and efficiency rises by ≥ ``OVERHEAD_RISE`` at a larger batch size with the same
+  devices — a fixed cost per step (kernel launches, DDP hooks, Python) that small steps do not amortize;
 - compute-bound: none of the above: the devices themselves run slower together (on CPU, processes
   share the cores and memory bandwidth);
 - unexplained: the step-phase split was not measured.
@@ -27,6 +28,7 @@ COMM_SHARE = 0.25
 DATA_SHARE = 0.25
 OVERHEAD_RISE = 0.10
 SUPERLINEAR = 1.10
+TINY_STEP_S = 0.05
 
 
 def label(row: dict) -> str:
@@ -102,18 +104,22 @@ def diagnose(row: dict, rows: list[dict]) -> tuple[str, str]:
               and r["precision"] == row["precision"] and r["run_strategy"] == row["run_strategy"]
               and r["batch_size"] > row["batch_size"]]
     best = max(larger, key=lambda r: r["efficiency"], default=None)
-    if eff is not None and best is not None and best["efficiency"] >= eff + OVERHEAD_RISE:
-        return "overhead", (f"{name} is overhead-bound ({eff_txt}step {_ms(step)}, of which {measured}{src}): a "
-                            f"fixed cost per step is not amortized over {row['per_device_batch']} samples per device; "
-                            f"efficiency rises to {best['efficiency']:.2f} at bs {best['batch_size']}. Use a larger "
-                            "per-device batch.")
+    base = find(rows, row["strategy"], row["precision"], row.get("baseline_devices", 1), row["batch_size"])
+    base_step = (base or row).get("step_time_s") or step
+    if eff is not None and best is not None and best["efficiency"] >= eff + OVERHEAD_RISE and base_step < TINY_STEP_S:
+        return "overhead", (f"{name} is overhead-bound ({eff_txt}step {_ms(step)}, of which {measured}{src}): the "
+                            f"work per step is tiny ({_ms(base_step)} on {(base or row)['devices']} device(s)), so "
+                            f"a fixed cost per step weighs heavily; efficiency rises to {best['efficiency']:.2f} at "
+                            f"bs {best['batch_size']}. Use a larger per-device batch.")
     cpu = ""
     if str(row.get("device", "")).startswith("cpu"):
         cpu = (f" On CPU the {row['devices']} processes share the machine's cores and memory bandwidth "
-               f"({row.get('omp_num_threads', '?')} threads each).")
+               f"({row.get('omp_num_threads', '?')} thread(s) each).")
+    small = "" if base_step < TINY_STEP_S else f" and the steps are not tiny ({_ms(base_step)} on " \
+        f"{(base or row)['devices']} device(s))"
     return "compute", (f"{name} is compute-bound ({eff_txt}step {_ms(step)}, of which {measured}{src}): neither "
-                       "communication nor data explains the loss, and larger batches do not recover it; the devices "
-                       f"run slower together than alone.{cpu}")
+                       f"communication nor data explains the loss{small}; the devices run slower together than "
+                       f"alone.{cpu}")
 
 
 def _time_to(row: dict, target: float) -> float | None:
@@ -179,6 +185,13 @@ def advise(rows: list[dict], target_accuracy: float | None = None) -> list[str]:
     poor = [r for r in rows if is_poor(r)]
     for r in sorted(poor, key=lambda r: (r["strategy"], r["precision"], r["devices"], r["batch_size"])):
         out.append(diagnose(r, rows)[1])
+    loaded = [r for r in rows if r.get("load_avg_1m") is not None and r.get("cpu_count")
+              and r["load_avg_1m"] > r["cpu_count"]]
+    if loaded:
+        worst = max(loaded, key=lambda r: r["load_avg_1m"])
+        out.append(f"Caution: the machine was busy while {len(loaded)} of {len(rows)} cells started (load average up to "
+                   f"{worst['load_avg_1m']:.1f} on {worst['cpu_count']} cores, at {label(worst)}); other processes "
+                   "took CPU time, so these timings are noisy: rerun on an idle machine before drawing conclusions.")
     if ok and not any(r.get("telemetry") for r in ok):
         out.append("Note: no cell recorded telemetry (step-phase split); the communication and data shares come "
                    "from each cell's probes: one gradient-sized all-reduce and one data-only pass over the loader, "
