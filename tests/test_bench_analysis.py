@@ -179,3 +179,25 @@ def test_advice_summary_sentences_quote_the_numbers():
     assert "load average up to 7.7 on 2 cores, at bs 64 on 2 devices" in "\n".join(adv.advise(rows))
     text = "\n".join(adv.advise(rows, target_accuracy=0.99))
     assert "No cell reached val_accuracy ≥ 0.99; the best was 0.9750" in text
+
+
+def test_report_files_from_synthetic_rows_with_telemetry(tmp_path):
+    pytest.importorskip("matplotlib")
+    import csv
+    import json
+
+    from trainscale.bench import report
+
+    rows = [row(1, 4, time_s=1.0, telemetry=tel(0.01, data=0.002)),
+            row(2, 4, time_s=1.25, steps=50, telemetry=tel(0.025, data=0.002, comm=0.008)),
+            row(2, 64, status="crashed", reason="killed by signal 9")]
+    result = report.write(tmp_path, rows, [1, 2], [4, 64], ["ddp"], ["32-true"], "weak", None)
+    assert (tmp_path / "scaling.png").stat().st_size > 0 and (tmp_path / "phases.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved[1]["gain"] == pytest.approx(0.8) and saved[1]["telemetry"]["comm_s"] == 0.008
+    with open(tmp_path / "results.csv") as f:
+        table_rows = list(csv.DictReader(f))
+    assert float(table_rows[1]["telemetry.phase_share.data"]) == pytest.approx(0.08)
+    assert table_rows[2]["status"] == "crashed"
+    md = (tmp_path / "report.md").read_text()
+    assert result.tables in md and "![phases.png](phases.png)" in md and "CRASHED" in md

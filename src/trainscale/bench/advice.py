@@ -82,7 +82,7 @@ def diagnose(row: dict, rows: list[dict]) -> tuple[str, str]:
     s = shares(row)
     step = s["step_time_s"]
     eff = row.get("efficiency")
-    eff_txt = f"efficiency {eff:.2f}, " if eff is not None else ""
+    eff_txt = f"efficiency {eff:.2f}, " if eff is not None and row["devices"] > row.get("baseline_devices", 1) else ""
     src = f" (source: {s['source']})" if s["source"] else ""
     comm_high = s["comm_share"] is not None and s["comm_share"] >= COMM_SHARE
     data_high = s["data_share"] is not None and s["data_share"] >= DATA_SHARE

@@ -93,23 +93,26 @@ def plot_phases(path: Path, rows: list[dict]) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    have.sort(key=lambda r: (r["precision"], r["run_strategy"], r["devices"], r["batch_size"]))
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(have) + 2), 4.2))
+    have.sort(key=lambda r: (r["precision"], r["batch_size"], r["devices"], r["run_strategy"]))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(have) + 3.5), 4.2))
     x = range(len(have))
     bottom = [0.0] * len(have)
     for phase in PHASES:
         ms = [1e3 * ((r["telemetry"]["phase_s"] or {}).get(phase) or 0.0) for r in have]
         ax.bar(x, ms, bottom=bottom, label=phase)
         bottom = [b + m for b, m in zip(bottom, ms)]
-    comm = [(i, 1e3 * r["telemetry"]["comm_s"]) for i, r in enumerate(have) if r["telemetry"].get("comm_s")]
+    # The all-reduce overlaps backward (DDP): drawn hatched over the start of the backward segment.
+    comm = [(i, 1e3 * r["telemetry"]["comm_s"], 1e3 * sum((r["telemetry"]["phase_s"] or {}).get(p) or 0.0
+                                                         for p in ("data", "forward")))
+            for i, r in enumerate(have) if r["telemetry"].get("comm_s")]
     if comm:
-        ax.scatter([i for i, _ in comm], [c for _, c in comm], marker="_", s=200, color="black", zorder=3,
-                   label="all-reduce (within backward)")
+        ax.bar([i for i, _, _ in comm], [c for _, c, _ in comm], bottom=[b for _, _, b in comm], fill=False,
+               hatch="///", edgecolor="black", linewidth=0.5, label="all-reduce (part of backward)")
     ax.set_xticks(list(x), [f"{r['devices']}d bs{r['batch_size']}" + ("" if len({h['precision'] for h in have}) == 1
                             else f" {r['precision']}") for r in have], rotation=60, ha="right", fontsize=8)
     ax.set_ylabel("ms per step")
     ax.set_title("step-phase split per cell")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -138,7 +141,7 @@ def write(out: Path, rows: list[dict], devices: list[int], batch_sizes: list[int
             advice.append("Plots skipped: matplotlib is not installed (pip install 'trainscale[plot]').")
     settings = json.loads((out / "sweep.json").read_text())["settings"] if (out / "sweep.json").is_file() else {}
     ok = [r for r in rows if r.get("status") == "ok"]
-    env = f"torch {ok[0]['torch_version']}, device {ok[0]['device']}" if ok else ""
+    env = f"torch {ok[0].get('torch_version')}, device {ok[0].get('device')}." if ok else ""
     md = ["# trainscale bench", "", f"Settings: `{json.dumps(settings)}`; {len(rows)} cells, {len(ok)} ok. {env}", ""]
     md += ["```text", tables, "```", "", "## Advice", ""] + [f"- {a}" for a in advice] + [""]
     if "phases.png" not in pngs:
