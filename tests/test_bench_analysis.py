@@ -15,7 +15,8 @@ def row(devices, bs, *, time_s=None, steps=100, batches=None, full=True, status=
     batches = batches or steps
     r = {"strategy": "single" if devices == 1 else strategy, "run_strategy": "single" if devices == 1 else strategy,
          "precision": precision, "devices": devices, "batch_size": bs, "per_device_batch": per_device,
-         "scaling": scaling, "status": status, "reason": extra.pop("reason", ""), "device": "cpu"}
+         "scaling": scaling, "status": status, "reason": extra.pop("reason", ""), "device": "cpu",
+         "key": f"{strategy if devices > 1 else 'single'}-{precision}-d{devices}-{scaling}-b{bs}"}
     if status == "ok":
         r.update({"time_s": time_s, "epochs": 1, "steps": steps, "batches_per_epoch": batches, "full_epochs": full,
                   "step_time_s": time_s / steps, "samples_per_s": per_device * devices * steps / time_s})
@@ -201,3 +202,24 @@ def test_report_files_from_synthetic_rows_with_telemetry(tmp_path):
     assert table_rows[2]["status"] == "crashed"
     md = (tmp_path / "report.md").read_text()
     assert result.tables in md and "![phases.png](phases.png)" in md and "CRASHED" in md
+
+
+def test_cell_outcome_from_what_the_cell_left(tmp_path):
+    import json
+
+    from trainscale.bench.runner import _cell_outcome
+
+    (tmp_path / "error.rank1.json").write_text(json.dumps(
+        {"rank": 1, "type": "OutOfMemoryError", "message": "CUDA out of memory. Tried to allocate 2 GiB", "oom": True}))
+    (tmp_path / "error.rank0.json").write_text(json.dumps(
+        {"rank": 0, "type": "DistBackendError", "message": "Connection closed by peer", "oom": False}))
+    status, reason, _ = _cell_outcome(tmp_path, 1, False, 60)
+    assert status == "oom" and reason.startswith("rank 1: OutOfMemoryError: CUDA out of memory")
+    assert _cell_outcome(tmp_path, None, True, 60)[0] == "timeout"
+    for p in tmp_path.glob("error.*"):
+        p.unlink()
+    (tmp_path / "log.txt").write_text("epoch 1/1\n  exitcode  : -9 (pid: 123)\n=====\n")
+    status, reason, _ = _cell_outcome(tmp_path, 1, False, 60)
+    assert status == "crashed" and "SIGKILL" in reason and "exitcode  : -9" in reason
+    (tmp_path / "result.json").write_text('{"steps": 3}')
+    assert _cell_outcome(tmp_path, 0, False, 60) == ("ok", "", {"steps": 3})

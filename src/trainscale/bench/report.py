@@ -120,6 +120,24 @@ def plot_phases(path: Path, rows: list[dict]) -> bool:
     return True
 
 
+def cell_table(rows: list[dict]) -> list[str]:
+    """A markdown table with one line per cell: status, epoch time, samples/s, gain, efficiency, peak
+    memory (largest rank, MiB), validation accuracy, all-reduce and data shares of a step."""
+    def num(v, f):
+        return "—" if v is None else format(v, f)
+
+    lines = ["| cell | status | epoch | samples/s | gain | eff | peak mem (MiB) | val acc | all-reduce | data |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["precision"], r["devices"], r["run_strategy"], r["batch_size"])):
+        sh = analysis.shares(r) if r.get("status") == "ok" else {}
+        peak = max(r["peak_memory_bytes"]) / 2**20 if r.get("peak_memory_bytes") else None
+        lines.append(f"| {r.get('key', '?')} | {r.get('status')} | {analysis.fmt_time(r.get('epoch_time_s'))} | "
+                     f"{num(r.get('samples_per_s'), ',.0f')} | {num(r.get('gain'), '.2f')} | "
+                     f"{num(r.get('efficiency'), '.2f')} | {num(peak, ',.0f')} | {num(r.get('val_accuracy'), '.4f')} | "
+                     f"{num(sh.get('comm_share'), '.0%')} | {num(sh.get('data_share'), '.0%')} |")
+    return lines
+
+
 def write(out: Path, rows: list[dict], devices: list[int], batch_sizes: list[int], strategies: list[str],
           precisions: list[str], scaling: str, target_accuracy: float | None, plots: bool = True):
     """Compute gain/efficiency and advice; write every file; return a ``BenchResult``."""
@@ -144,6 +162,7 @@ def write(out: Path, rows: list[dict], devices: list[int], batch_sizes: list[int
     env = f"torch {ok[0].get('torch_version')}, device {ok[0].get('device')}." if ok else ""
     md = ["# trainscale bench", "", f"Settings: `{json.dumps(settings)}`; {len(rows)} cells, {len(ok)} ok. {env}", ""]
     md += ["```text", tables, "```", "", "## Advice", ""] + [f"- {a}" for a in advice] + [""]
+    md += ["## Cells", "", *cell_table(rows), ""]
     if "phases.png" not in pngs:
         md += ["No step-phase plot: no cell recorded telemetry (`summary.json` \"telemetry\").", ""]
     md += [f"![{p}]({p})" for p in pngs]

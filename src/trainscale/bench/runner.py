@@ -103,12 +103,16 @@ def _cell_outcome(cell_dir: Path, returncode: int | None, timed_out: bool, timeo
         status = "oom" if err.get("oom") else "failed"
         return status, f"rank {err['rank']}: {err['type']}: {err['message'].splitlines()[0][:300] if err['message'] else ''}", {}
     log = cell_dir / "log.txt"
-    tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.is_file() else []
+    lines = [l.strip() for l in log.read_text(errors="replace").splitlines() if l.strip()] if log.is_file() else []
+    # torchrun's failure summary names a worker's exit code or signal ("exitcode : -9", "Signal 9 (SIGKILL)").
+    telling = [l for l in lines if "exitcode" in l or "Signal" in l or "Error" in l] or lines
     if returncode is not None and returncode < 0:
-        why = f"killed by signal {-returncode}" + (" (SIGKILL: out of host memory?)" if returncode == -9 else "")
+        why = f"killed by signal {-returncode}"
     else:
         why = f"exit code {returncode}"
-    return "crashed", f"{why}; last log line: {tail[0][:300] if tail else '(none)'}", {}
+    if returncode == -9 or any("SIGKILL" in l or "exitcode  : -9" in l for l in lines):
+        why += " (a process got SIGKILL: out of host memory?)"
+    return "crashed", f"{why}; log: {telling[-1][:300] if telling else '(empty)'}", {}
 
 
 def threads_per_process(max_devices: int, env: dict | None = None) -> int:
