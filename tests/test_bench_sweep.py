@@ -163,3 +163,13 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_cells(workdir):
 
     again = subprocess.run(args, capture_output=True, text=True, timeout=60, env=clean_env())
     assert again.returncode == 2 and "pass --resume" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_bad_flags_fail_before_any_cell_with_a_one_line_error(tmp_path):
+    for flags, message in ((["--strategy", "ddp,nope"], "unknown strategy 'nope' for bench; choose from ddp"),
+                           (["--scaling", "strong", "--batch-sizes", "6"], "6 is not divisible by 4 devices"),
+                           (["--entry", "no_such_pkg.mod:build"], "cannot import 'no_such_pkg.mod'")):
+        out = subprocess.run([str(BIN / "trainscale"), "bench", "--devices", "1,4", "--out", str(tmp_path / "x"),
+                              *flags], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=tmp_path)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert not (tmp_path / "x").exists()  # nothing ran, nothing written
