@@ -223,3 +223,5 @@ def test_cell_outcome_from_what_the_cell_left(tmp_path):
     assert status == "crashed" and "SIGKILL" in reason and "exitcode  : -9" in reason
     (tmp_path / "result.json").write_text('{"steps": 3}')
     assert _cell_outcome(tmp_path, 0, False, 60) == ("ok", "", {"steps": 3})
+    status, note, _ = _cell_outcome(tmp_path, 1, False, 60)  # a process failed while exiting, after the result
+    assert status == "ok" and "exited with code 1" in note

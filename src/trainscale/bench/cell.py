@@ -133,6 +133,9 @@ def run_cell(cfg: dict) -> dict | None:
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     probe_allreduce = _probe_allreduce(rt, numel)
     peaks = rt.all_gather_object(_peak_memory(rt.device))
+    # Tear the process group down here rather than at interpreter exit, where a loaded machine
+    # occasionally aborted a DDP worker ("terminate called without an active exception"; shared/FACTS).
+    rt.teardown()
     if not rt.is_rank_zero:
         return None
     return {

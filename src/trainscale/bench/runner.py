@@ -93,8 +93,11 @@ class Progress:
 def _cell_outcome(cell_dir: Path, returncode: int | None, timed_out: bool, timeout: float) -> tuple[str, str, dict]:
     """``(status, reason, result)`` from what the cell left in ``cell_dir``."""
     result_path = cell_dir / "result.json"
-    if returncode == 0 and result_path.is_file():
-        return "ok", "", json.loads(result_path.read_text())
+    if result_path.is_file():
+        # Rank zero writes it after a collective that every rank reached, so the measurement is complete
+        # even if a process failed afterwards, while exiting; that failure is noted, not hidden.
+        note = "" if returncode == 0 else f"measured; then the job exited with code {returncode} (see log.txt)"
+        return "ok", note, json.loads(result_path.read_text())
     if timed_out:
         return "timeout", f"no result after the {timeout:g} s per-cell timeout (process group killed)", {}
     errors = [json.loads(p.read_text()) for p in sorted(cell_dir.glob("error.rank*.json"))]
