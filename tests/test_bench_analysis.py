@@ -69,7 +69,8 @@ def test_strong_scaling_grid_and_gain():
 
 def test_grid_validation_and_shared_baseline():
     cells = plan([2, 1], [8, 4], ["ddp"], ["32-true", "bf16-mixed"])
-    assert len(cells) == 8 and cells[0].devices == 1  # baseline cells first
+    assert len(cells) == 8  # the 1-device cells are shared: 2 precisions × 2 batch sizes × 2 device counts
+    assert [(c.batch_size, c.devices) for c in cells[:4]] == [(4, 1), (4, 2), (8, 1), (8, 2)]  # interleaved
     with pytest.raises(ValueError, match="unknown strategy 'nope'.*ddp"):
         plan([1, 2], [4], ["nope"], ["32-true"])
     with pytest.raises(ValueError, match="unknown precision"):

@@ -73,7 +73,7 @@ def _positive_ints(name: str, values) -> list[int]:
 
 
 def plan(devices, batch_sizes, strategies, precisions, scaling: str = "weak") -> list[Cell]:
-    """The cells of the grid, baseline first, without duplicates.
+    """The cells of the grid without duplicates, ordered by precision, batch size, devices, strategy.
 
     Raises:
         ValueError: an empty or non-positive list, an unknown strategy (only those registered in
@@ -110,4 +110,6 @@ def plan(devices, batch_sizes, strategies, precisions, scaling: str = "weak") ->
                     if d == 1:
                         cell = Cell("single", p, d, b, b, scaling)
                     cells.setdefault(cell.key, cell)
-    return sorted(cells.values(), key=lambda c: (c.devices, c.precision, c.strategy, c.batch_size))
+    # Interleaved: each batch size's baseline runs right before the cells compared with it, so a change
+    # in the machine's load during a long sweep does not bias every baseline one way.
+    return sorted(cells.values(), key=lambda c: (c.precision, c.batch_size, c.devices, c.strategy))
