@@ -1,4 +1,4 @@
-"""The ``trainscale`` command: run | demo | slurm | report | env.
+"""The ``trainscale`` command: run | demo | bench | report | slurm | env.
 
 Parsing imports nothing heavy: ``trainscale --help`` never imports torch. Each subcommand
 imports what it needs when it runs.
@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress-bar", action="store_true", help="hide the progress bar")
     demo.set_defaults(func=_cmd_demo)
 
+    _add_bench(sub)
     slurm = sub.add_parser("slurm", help="write an sbatch script: NODES x GPUS tasks launched by srun",
                            description="Write an sbatch script that runs SCRIPT on --nodes × --gpus-per-node tasks "
                                        "(srun, one task per GPU), checkpoints on SIGUSR1 90 s before the time limit and "
@@ -82,6 +83,59 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="print what this machine offers: versions, devices, backends")
     env.set_defaults(func=_cmd_env)
     return parser
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 1,2") from None
+
+
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser(
+        "bench", help="scaling sweep: devices × batch sizes, a table of epoch time, gain and efficiency, advice",
+        description="Run each cell (devices × batch size × strategy × precision) as a fresh torchrun job, time "
+                    "an epoch after a warm-up, and print batches/epoch, epoch time, gain and scaling efficiency "
+                    "with advice. Files in --out: results.jsonl/.json/.csv, report.md, scaling.png. "
+                    "Example: trainscale bench --devices 1,2 --batch-sizes 16,64,256 --steps 100")
+    bench.add_argument("--entry", default=None, metavar="PKG.MODULE:FUNCTION",
+                       help="your workload: a function returning {'model', 'train', 'val', 'loss_fn', 'optimizer', "
+                            "'dataloader'} (default: the ConvNet on MNIST-5k)")
+    bench.add_argument("--devices", type=_ints, default=None,
+                       help="device counts, e.g. 1,2 (default 1 and powers of two up to the GPUs, or CPU cores)")
+    bench.add_argument("--batch-sizes", type=_ints, default=None,
+                       help="batch sizes (default 4,8,16,32,64,128,256,512): per device (weak) or global (strong)")
+    bench.add_argument("--strategy", type=_names, default=["ddp"], help="strategies, comma-separated (default ddp)")
+    bench.add_argument("--precision", type=_names, default=["32-true"],
+                       help="precisions, comma-separated, e.g. 32-true,bf16-mixed (default 32-true)")
+    bench.add_argument("--scaling", choices=("weak", "strong"), default="weak",
+                       help="weak: fixed per-device batch (default); strong: fixed global batch")
+    bench.add_argument("--epochs", type=int, default=1, help="epochs timed per cell (default 1)")
+    bench.add_argument("--steps", type=int, default=None,
+                       help="time N optimizer steps instead of whole epochs (epoch time then estimated)")
+    bench.add_argument("--warmup-steps", type=int, default=5, help="untimed steps first in each cell (default 5)")
+    bench.add_argument("--timeout", type=float, default=900.0, help="seconds per cell before it is killed (default 900)")
+    bench.add_argument("--target-accuracy", type=float, default=None,
+                       help="validation accuracy for the time-to-accuracy advice, e.g. 0.95")
+    bench.add_argument("--accelerator", default="auto", help="auto | cpu | cuda | mps (default auto)")
+    bench.add_argument("--seed", type=int, default=0, help="random seed of every cell (default 0)")
+    bench.add_argument("--out", default=None, help="run directory (default runs/bench/version_N)")
+    bench.add_argument("--resume", action="store_true", help="complete the sweep in --out (default: the newest), "
+                                                             "skipping cells already recorded")
+    bench.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bench.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from trainscale.cli.bench import run_bench
+
+    return run_bench(args)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

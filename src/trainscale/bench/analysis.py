@@ -1,0 +1,149 @@
+"""Pure arithmetic on result rows: epoch time, gain, scaling efficiency, bottleneck shares, the table.
+
+A row is a dict as written to ``results.jsonl`` (see :mod:`trainscale.bench.runner`). Nothing here
+imports torch.
+
+- epoch time (s): measured (training time ÷ epochs) when whole epochs ran, else estimated as
+  step time × batches per epoch (``--steps N``), flagged ``epoch_time_estimated``.
+- gain = epoch time of the baseline ÷ epoch time of the cell, where the baseline is the cell with the
+  fewest devices of the grid (normally 1) at the same batch-size column, strategy and precision. Both
+  cells process the same epoch of data, so the gain is the speed-up of an epoch.
+- scaling efficiency = gain ÷ (devices ÷ baseline devices): 1.0 is perfect linear scaling.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+
+def fmt_time(seconds: float | None) -> str:
+    """``mm:ss.s`` (e.g. ``01:05.3``); "—" for None."""
+    if seconds is None or not math.isfinite(seconds):
+        return "—"
+    minutes, sec = divmod(seconds, 60.0)
+    return f"{int(minutes):02d}:{sec:04.1f}"
+
+
+def epoch_time(row: dict) -> tuple[float | None, bool]:
+    """``(epoch time in seconds, estimated?)`` of an ``ok`` row; ``(None, False)`` otherwise."""
+    if row.get("status") != "ok" or not row.get("steps"):
+        return None, False
+    if row.get("full_epochs"):
+        return row["time_s"] / row["epochs"], False
+    return row["step_time_s"] * row["batches_per_epoch"], True
+
+
+def group_key(row: dict) -> tuple[str, str]:
+    """``(strategy, precision)``: the table a row belongs to (1-device rows belong to every strategy)."""
+    return row["strategy"], row["precision"]
+
+
+def add_scaling(rows: list[dict], devices: Iterable[int]) -> list[dict]:
+    """Return copies of ``rows`` with ``epoch_time_s``, ``epoch_time_estimated``, ``baseline_devices``,
+    ``gain`` and ``efficiency`` (None where a time is missing).
+
+    Args:
+        rows: result rows; 1-device rows carry ``strategy`` "single" and serve every strategy's table.
+        devices: the device counts of the grid; the smallest is the baseline.
+    """
+    base_devices = min(devices)
+    out = [dict(r) for r in rows]
+    for r in out:
+        r["epoch_time_s"], r["epoch_time_estimated"] = epoch_time(r)
+    for r in out:
+        r["baseline_devices"] = base_devices
+        base = find(out, r["strategy"], r["precision"], base_devices, r["batch_size"])
+        t, t0 = r["epoch_time_s"], base["epoch_time_s"] if base else None
+        if t and t0:
+            r["gain"] = t0 / t
+            r["efficiency"] = r["gain"] / (r["devices"] / base_devices)
+        else:
+            r["gain"] = r["efficiency"] = None
+    return out
+
+
+def find(rows: list[dict], strategy: str, precision: str, devices: int, batch_size: int) -> dict | None:
+    """The row of one cell of a table: ``strategy`` is the table's; a 1-device row (run with the
+    "single" strategy) matches any strategy."""
+    for r in rows:
+        if (r["precision"] == precision and r["devices"] == devices and r["batch_size"] == batch_size
+                and (r["strategy"] == strategy or (devices == 1 and r["run_strategy"] == "single"))):
+            return r
+    return None
+
+
+def shares(row: dict) -> dict:
+    """The measurements that explain a cell, from telemetry when present, else from the cell's probes.
+
+    Returns a dict with ``step_time_s``, ``comm_s``, ``comm_share``, ``data_s``, ``data_share``
+    (shares are fractions of the step time; None when not measured) and ``source``
+    ("telemetry", "probe" or None).
+    """
+    tel = row.get("telemetry") or {}
+    step = tel.get("step_time_s") or row.get("step_time_s")
+    out = {"step_time_s": step, "comm_s": None, "comm_share": None, "data_s": None, "data_share": None,
+           "source": None}
+    if tel:
+        out["source"] = "telemetry"
+        if tel.get("comm_s") is not None and step:
+            out["comm_s"], out["comm_share"] = tel["comm_s"], tel["comm_s"] / step
+        phase_s, phase_share = tel.get("phase_s") or {}, tel.get("phase_share") or {}
+        if phase_share.get("data") is not None:
+            out["data_share"] = phase_share["data"]
+            out["data_s"] = phase_s.get("data", phase_share["data"] * step if step else None)
+    if out["comm_share"] is None and row.get("probe_allreduce_s") is not None and step:
+        out["comm_s"], out["comm_share"] = row["probe_allreduce_s"], row["probe_allreduce_s"] / step
+        out["source"] = out["source"] or "probe"
+    if out["data_share"] is None and row.get("probe_data_s") is not None and step:
+        out["data_s"], out["data_share"] = row["probe_data_s"], row["probe_data_s"] / step
+        out["source"] = out["source"] or "probe"
+    return out
+
+
+def _cell(row: dict | None, what: str) -> str:
+    if row is None:
+        return "—"
+    if row.get("status") != "ok":
+        return row.get("status", "?").upper()
+    if what == "batches":
+        return str(row["batches_per_epoch"])
+    if what == "time":
+        return ("~" if row.get("epoch_time_estimated") else "") + fmt_time(row.get("epoch_time_s"))
+    value = row.get(what)
+    return "—" if value is None else (f"{value:.2f}×" if what == "gain" else f"{value:.2f}")
+
+
+def table(rows: list[dict], devices: list[int], batch_sizes: list[int], strategy: str, precision: str,
+          scaling: str = "weak") -> str:
+    """The classic table for one strategy and precision: bs | batches/epoch per device count |
+    epoch time (mm:ss.s) per device count | gain | efficiency (one column per device count above the
+    baseline). ``rows`` must have been through :func:`add_scaling`. "~" marks an epoch time estimated
+    from ``--steps``; OOM/TIMEOUT/FAILED/CRASHED mark failed cells."""
+    devices = sorted(devices)
+    more = [d for d in devices if d != devices[0]]
+    bs_name = "bs/device" if scaling == "weak" else "global bs"
+    head = ([bs_name] + [f"batches/ep {d}d" for d in devices] + [f"epoch {d}d" for d in devices]
+            + [f"gain {d}d" for d in more] + [f"eff {d}d" for d in more])
+    body = []
+    for bs in batch_sizes:
+        cells = {d: find(rows, strategy, precision, d, bs) for d in devices}
+        body.append([str(bs)] + [_cell(cells[d], "batches") for d in devices]
+                    + [_cell(cells[d], "time") for d in devices]
+                    + [_cell(cells[d], "gain") for d in more] + [_cell(cells[d], "efficiency") for d in more])
+    widths = [max(len(line[i]) for line in [head] + body) for i in range(len(head))]
+    groups = [1, len(devices), len(devices), len(more), len(more)]
+
+    def render(line: list[str]) -> str:
+        parts, i = [], 0
+        for n in groups:
+            if n:
+                parts.append("  ".join(line[j].rjust(widths[j]) for j in range(i, i + n)))
+            i += n
+        return " | ".join(parts)
+
+    title = f"{strategy} · {precision} · {scaling} scaling (epoch time mm:ss.s; gain = epoch time on " \
+            f"{devices[0]} device{'s' if devices[0] > 1 else ''} ÷ epoch time; efficiency = gain ÷ device ratio)"
+    lines = [render(head)]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join([title, *lines, *(render(b) for b in body)])

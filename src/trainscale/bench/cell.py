@@ -1,0 +1,182 @@
+"""One bench cell: a fresh job that warms up, then times training, and writes ``result.json``.
+
+Started by the sweep under torchrun, one process per device::
+
+    python -m torch.distributed.run --standalone --nproc-per-node=N -m trainscale.bench.cell --config CELL.json
+
+``CELL.json`` holds: entry, accelerator, strategy, precision, devices, per_device_batch, epochs,
+steps (or null), warmup_steps, seed, cell_dir. Rank zero writes ``cell_dir/result.json``; a rank
+that fails writes ``cell_dir/error.rank<R>.json`` (exception type, message, whether it is an
+out-of-memory error) before exiting non-zero, so the sweep can record why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+WARMUP_STEPS = 5
+PROBE_BATCHES = 50
+PROBE_ALLREDUCE_REPS = 5
+
+
+def is_oom(err: BaseException) -> bool:
+    """True for out-of-memory errors: ``torch.OutOfMemoryError``, ``MemoryError``, or a message saying so."""
+    import torch
+
+    oom_types = (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))
+    return isinstance(err, oom_types) or "out of memory" in str(err).lower()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _peak_memory(device) -> tuple[int, str]:
+    """This process's peak memory in bytes and what was measured."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "max_rss"  # Linux: KiB
+
+
+def _probe_data(rt, loader, batches: int) -> float | None:
+    """Seconds per batch to fetch and move batches with no compute (the loop's data wait when the
+    loader is the bottleneck; an upper bound of it otherwise)."""
+    if batches < 1:
+        return None
+    rt.set_epoch(loader, 0)
+    t0 = time.perf_counter()
+    n = 0
+    for batch in loader:
+        rt.to_device(batch)
+        n += 1
+        if n >= batches:
+            break
+    return (time.perf_counter() - t0) / n if n else None
+
+
+def _probe_allreduce(rt, numel: int) -> float | None:
+    """Median seconds of one all-reduce of a float32 buffer the size of the gradients, measured alone.
+
+    DDP overlaps its bucketed all-reduce with backward (Li et al. 2020), so this bounds the
+    communication a step waits for from above."""
+    import torch
+    import torch.distributed as dist
+
+    if rt.world_size < 2 or numel < 1:
+        return None
+    buf = torch.zeros(numel, dtype=torch.float32, device=rt.device)
+    times = []
+    for i in range(PROBE_ALLREDUCE_REPS + 1):
+        rt.barrier()
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize(rt.device)
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize(rt.device)
+        if i:  # the first one sets up the connection
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def run_cell(cfg: dict) -> dict | None:
+    """Warm up, train for ``epochs`` (or ``steps``), probe; rank zero returns the result row."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from trainscale.bench.workload import load_workload
+    from trainscale.train.trainer import Trainer
+
+    cell_dir = Path(cfg["cell_dir"])
+    torch.manual_seed(cfg["seed"])
+    work = load_workload(cfg["entry"])
+    model = work["model"]
+    optimizer = work["optimizer"]
+    if optimizer is None and not hasattr(model, "configure_optimizers"):
+        def optimizer(params):
+            return torch.optim.AdamW(params, lr=1e-3)
+    b = cfg["per_device_batch"]
+    loader_kwargs = dict(work["dataloader"] or {})
+    train_loader = DataLoader(work["train"], batch_size=b, shuffle=True, **loader_kwargs)
+    val_loader = DataLoader(work["val"], batch_size=max(b, 256)) if work["val"] is not None else None
+    common = dict(accelerator=cfg["accelerator"], devices=cfg["devices"], strategy=cfg["strategy"],
+                  precision=cfg["precision"], seed=cfg["seed"], enable_progress_bar=False,
+                  enable_checkpointing=False, log_every_n_steps=10**9, timeout=cfg.get("collective_timeout", 300))
+
+    if cfg["warmup_steps"]:  # kernels, allocator, process group: paid once, not timed
+        warm = Trainer(max_epochs=1, max_steps=cfg["warmup_steps"], default_root_dir=cell_dir / "warmup", **common)
+        warm.fit(copy.deepcopy(model), train_loader, None, loss_fn=work["loss_fn"], optimizer=optimizer)
+    trainer = Trainer(max_epochs=cfg["epochs"], max_steps=cfg["steps"], default_root_dir=cell_dir / "timed", **common)
+    summary = trainer.fit(model, train_loader, val_loader, loss_fn=work["loss_fn"], optimizer=optimizer)
+    rt = trainer.runtime
+
+    n_train = len(work["train"])
+    batches_per_epoch = math.ceil(math.ceil(n_train / rt.world_size) / b)  # DistributedSampler pads, no drop_last
+    steps = summary["steps"]
+    time_s = sum(summary["epoch_time_s"])
+    probe_data = _probe_data(rt, rt.setup_dataloader(train_loader, seed=cfg["seed"]), min(steps, PROBE_BATCHES))
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    probe_allreduce = _probe_allreduce(rt, numel)
+    peaks = rt.all_gather_object(_peak_memory(rt.device))
+    # Tear the process group down here rather than at interpreter exit, where a loaded machine
+    # occasionally aborted a DDP worker ("terminate called without an active exception"; shared/FACTS).
+    rt.teardown()
+    if not rt.is_rank_zero:
+        return None
+    return {
+        "n_train": n_train, "batches_per_epoch": batches_per_epoch, "steps": steps,
+        "epochs": summary["epochs"], "full_epochs": cfg["steps"] is None or steps >= cfg["epochs"] * batches_per_epoch,
+        "time_s": time_s, "epoch_times_s": summary["epoch_time_s"],
+        "step_time_s": time_s / steps if steps else None, "samples_per_s": summary["samples_per_s"],
+        "global_batch_size": summary["global_batch_size"], "world_size": summary["world_size"],
+        "train_loss": summary["train_loss"], "val_loss": summary["val_loss"], "val_accuracy": summary["val_accuracy"],
+        "history": [{k: h.get(k) for k in ("epoch", "epoch_time_s", "val_accuracy", "val_loss")}
+                    for h in trainer.history],
+        "n_params": numel, "peak_memory_bytes": [p for p, _ in peaks], "peak_memory_kind": peaks[0][1],
+        "probe_data_s": probe_data, "probe_allreduce_s": probe_allreduce,
+        "telemetry": summary.get("telemetry"), "device": summary["device"], "torch_version": summary["torch_version"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    parser = argparse.ArgumentParser(prog="python -m trainscale.bench.cell")
+    parser.add_argument("--config", required=True, help="the cell's JSON file")
+    args = parser.parse_args(argv)
+    cfg = json.loads(Path(args.config).read_text())
+    rank = int(os.environ.get("RANK", "0"))
+
+    @record
+    def _run() -> None:
+        try:
+            result = run_cell(cfg)
+        except BaseException as err:
+            _write_json(Path(cfg["cell_dir"]) / f"error.rank{rank}.json",
+                        {"rank": rank, "type": type(err).__name__, "message": str(err)[:2000], "oom": is_oom(err),
+                         "traceback": traceback.format_exc()[-4000:]})
+            raise
+        if result is not None:
+            _write_json(Path(cfg["cell_dir"]) / "result.json", result)
+
+    _run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The sweep's files: results.json, results.csv, report.md and PNG plots (matplotlib, imported lazily, Agg).
+
+- ``results.json``: one object per cell with every measured field (telemetry nested) plus
+  ``epoch_time_s``, ``gain``, ``efficiency``.
+- ``results.csv``: the same rows flattened (``telemetry.phase_share.data``, ...; lists as JSON).
+- ``scaling.png``: gain and scaling efficiency against batch size, one line per device count.
+- ``phases.png``: the step-phase split (data, forward, backward, optimizer) of each cell, when the
+  cells recorded telemetry.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from trainscale.bench import analysis
+from trainscale.bench.advice import advise
+
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+def _flatten(row: dict, prefix: str = "") -> dict:
+    flat = {}
+    for k, v in row.items():
+        if isinstance(v, dict):
+            flat.update(_flatten(v, f"{prefix}{k}."))
+        elif isinstance(v, list):
+            flat[prefix + k] = json.dumps(v)
+        else:
+            flat[prefix + k] = v
+    return flat
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    flat = [_flatten(r) for r in rows]
+    columns: list[str] = []
+    for r in flat:
+        columns += [k for k in r if k not in columns]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(flat)
+
+
+def _groups(strategies: list[str], precisions: list[str]) -> list[tuple[str, str]]:
+    return [(s, p) for p in precisions for s in strategies]
+
+
+def plot_scaling(path: Path, rows: list[dict], devices: list[int], batch_sizes: list[int],
+                 strategies: list[str], precisions: list[str]) -> bool:
+    """Gain and efficiency against batch size (log2 axis), one line per strategy/precision/device count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    more = [d for d in devices if d != devices[0]]
+    if not more:
+        return False
+    fig, (ax_gain, ax_eff) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for s, p in _groups(strategies, precisions):
+        for d in more:
+            pts = [(b, r) for b in batch_sizes if (r := analysis.find(rows, s, p, d, b)) and r.get("gain") is not None]
+            if not pts:
+                continue
+            name = f"{d} devices, {s}, {p}"
+            ax_gain.plot([b for b, _ in pts], [r["gain"] for _, r in pts], marker="o", label=name)
+            ax_eff.plot([b for b, _ in pts], [r["efficiency"] for _, r in pts], marker="o", label=name)
+    for ax, what, ideal in ((ax_gain, "gain (epoch time ratio)", None), (ax_eff, "scaling efficiency", 1.0)):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+        ax.set_xlabel("batch size" + (" per device" if rows and rows[0].get("scaling") == "weak" else " (global)"))
+        ax.set_ylabel(what)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.grid(alpha=0.3)
+    ax_gain.set_title(f"gain over {devices[0]} device(s)")
+    ax_eff.set_title("efficiency = gain ÷ device ratio (1 = linear)")
+    ax_eff.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_phases(path: Path, rows: list[dict]) -> bool:
+    """Stacked bars of seconds per step in each phase for every cell with telemetry ``phase_s``."""
+    have = [r for r in rows if r.get("status") == "ok" and (r.get("telemetry") or {}).get("phase_s")]
+    if not have:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    have.sort(key=lambda r: (r["precision"], r["batch_size"], r["devices"], r["run_strategy"]))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(have) + 3.5), 4.2))
+    x = range(len(have))
+    bottom = [0.0] * len(have)
+    for phase in PHASES:
+        ms = [1e3 * ((r["telemetry"]["phase_s"] or {}).get(phase) or 0.0) for r in have]
+        ax.bar(x, ms, bottom=bottom, label=phase)
+        bottom = [b + m for b, m in zip(bottom, ms)]
+    # The all-reduce overlaps backward (DDP): drawn hatched over the start of the backward segment.
+    comm = [(i, 1e3 * r["telemetry"]["comm_s"], 1e3 * sum((r["telemetry"]["phase_s"] or {}).get(p) or 0.0
+                                                         for p in ("data", "forward")))
+            for i, r in enumerate(have) if r["telemetry"].get("comm_s")]
+    if comm:
+        ax.bar([i for i, _, _ in comm], [c for _, c, _ in comm], bottom=[b for _, _, b in comm], fill=False,
+               hatch="///", edgecolor="black", linewidth=0.5, label="all-reduce (part of backward)")
+    ax.set_xticks(list(x), [f"{r['devices']}d bs{r['batch_size']}" + ("" if len({h['precision'] for h in have}) == 1
+                            else f" {r['precision']}") for r in have], rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("ms per step")
+    ax.set_title("step-phase split per cell")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def cell_table(rows: list[dict]) -> list[str]:
+    """A markdown table with one line per cell: status, epoch time, samples/s, gain, efficiency, peak
+    memory (largest rank, MiB), validation accuracy, all-reduce and data shares of a step."""
+    def num(v, f):
+        return "—" if v is None else format(v, f)
+
+    lines = ["| cell | status | epoch | samples/s | gain | eff | peak mem (MiB) | val acc | all-reduce | data |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["precision"], r["devices"], r["run_strategy"], r["batch_size"])):
+        sh = analysis.shares(r) if r.get("status") == "ok" else {}
+        peak = max(r["peak_memory_bytes"]) / 2**20 if r.get("peak_memory_bytes") else None
+        lines.append(f"| {r.get('key', '?')} | {r.get('status')} | {analysis.fmt_time(r.get('epoch_time_s'))} | "
+                     f"{num(r.get('samples_per_s'), ',.0f')} | {num(r.get('gain'), '.2f')} | "
+                     f"{num(r.get('efficiency'), '.2f')} | {num(peak, ',.0f')} | {num(r.get('val_accuracy'), '.4f')} | "
+                     f"{num(sh.get('comm_share'), '.0%')} | {num(sh.get('data_share'), '.0%')} |")
+    return lines
+
+
+def write(out: Path, rows: list[dict], devices: list[int], batch_sizes: list[int], strategies: list[str],
+          precisions: list[str], scaling: str, target_accuracy: float | None, plots: bool = True):
+    """Compute gain/efficiency and advice; write every file; return a ``BenchResult``."""
+    from trainscale.bench.runner import BenchResult
+
+    rows = analysis.add_scaling(rows, devices)
+    tables = "\n\n".join(analysis.table(rows, devices, batch_sizes, s, p, scaling) for s, p in _groups(strategies, precisions))
+    advice = advise(rows, target_accuracy)
+    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    write_csv(out / "results.csv", rows)
+    pngs = []
+    if plots:
+        try:
+            if plot_scaling(out / "scaling.png", rows, devices, batch_sizes, strategies, precisions):
+                pngs.append("scaling.png")
+            if plot_phases(out / "phases.png", rows):
+                pngs.append("phases.png")
+        except ImportError:
+            advice.append("Plots skipped: matplotlib is not installed (pip install 'trainscale[plot]').")
+    settings = json.loads((out / "sweep.json").read_text())["settings"] if (out / "sweep.json").is_file() else {}
+    ok = [r for r in rows if r.get("status") == "ok"]
+    env = f"torch {ok[0].get('torch_version')}, device {ok[0].get('device')}." if ok else ""
+    md = ["# trainscale bench", "", f"Settings: `{json.dumps(settings)}`; {len(rows)} cells, {len(ok)} ok. {env}", ""]
+    md += ["```text", tables, "```", "", "## Advice", ""] + [f"- {a}" for a in advice] + [""]
+    md += ["## Cells", "", *cell_table(rows), ""]
+    if "phases.png" not in pngs:
+        md += ["No step-phase plot: no cell recorded telemetry (`summary.json` \"telemetry\").", ""]
+    md += [f"![{p}]({p})" for p in pngs]
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    return BenchResult(out=out, rows=rows, tables=tables, advice=advice)

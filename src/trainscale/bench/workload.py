@@ -1,0 +1,112 @@
+"""What a bench cell trains: the embedded default or the user's ``--entry package.module:function``.
+
+The entry contract. ``function()`` takes no argument and returns a dict::
+
+    {"model": nn.Module,                       # required; built fresh by this call
+     "train": Dataset,                         # required; map-style, len() known
+     "val": Dataset | None,                    # optional; validated after each epoch (accuracy, loss)
+     "loss_fn": callable | None,               # optional; (outputs, targets) -> mean loss, default cross-entropy
+     "optimizer": callable | None,             # optional; params -> Optimizer (or Trainer's (opt, sched) forms),
+                                               #           default AdamW(lr=1e-3)
+     "dataloader": dict | None}                # optional; extra DataLoader keyword arguments for training,
+                                               #           e.g. {"num_workers": 2, "pin_memory": True}
+
+It runs in every process of every cell (after ``torch.manual_seed(seed)``), so it must be importable
+there: the module is imported from the current directory or ``PYTHONPATH``. Keys other than these
+raise an error (a misspelt key must not silently become a default). A model may also define
+``training_step`` / ``validation_step`` as the Trainer allows.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+DEFAULT_ENTRY = "trainscale.bench.workload:mnist_convnet"
+KEYS = ("model", "train", "val", "loss_fn", "optimizer", "dataloader")
+
+
+def mnist_convnet() -> dict:
+    """The demo's workload: the tutorial ConvNet on MNIST-5k (4,000 train / 1,000 validation digits),
+    AdamW with lr 2e-3."""
+    import torch
+
+    from trainscale.data import load_mnist5k
+    from trainscale.models import ConvNet
+
+    train, val = load_mnist5k()
+    return {"model": ConvNet(), "train": train, "val": val,
+            "optimizer": lambda params: torch.optim.AdamW(params, lr=2e-3)}
+
+
+def parse_entry(entry: str) -> tuple[str, str]:
+    """Split ``"package.module:function"``.
+
+    Raises:
+        ValueError: not of that form.
+    """
+    module, sep, func = str(entry).partition(":")
+    if not sep or not module or not func or not all(part.isidentifier() for part in module.split(".") + func.split(".")):
+        raise ValueError(f"entry={entry!r} must look like 'package.module:function' (a function returning "
+                         f"{{'model', 'train', 'val', 'loss_fn', 'optimizer'}})")
+    return module, func
+
+
+def resolve_entry(entry: str) -> Callable[[], dict]:
+    """Import the function named by ``entry`` (without calling it).
+
+    Raises:
+        ValueError: a malformed entry, a module that cannot be imported, or a missing/non-callable name.
+    """
+    module_name, func_name = parse_entry(entry)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"entry={entry!r}: cannot import {module_name!r} ({err}); run from the directory "
+                         "that holds the package or add it to PYTHONPATH") from None
+    for part in func_name.split("."):
+        obj = getattr(obj, part, None)
+    if not callable(obj):
+        raise ValueError(f"entry={entry!r}: {module_name!r} has no callable {func_name!r}")
+    return obj
+
+
+def entry_name(entry: str | Callable | None) -> str:
+    """The ``module:function`` string of ``entry`` (None: the default workload).
+
+    Raises:
+        ValueError: a function the cells cannot import (defined in ``__main__`` or locally).
+    """
+    if entry is None:
+        return DEFAULT_ENTRY
+    if isinstance(entry, str):
+        parse_entry(entry)
+        return entry
+    module, qualname = getattr(entry, "__module__", None), getattr(entry, "__qualname__", "")
+    if not module or module == "__main__" or "<locals>" in qualname:
+        raise ValueError(f"entry {entry!r} cannot be imported by the cell processes; define it at the top level of "
+                         "an importable module and pass 'package.module:function'")
+    return f"{module}:{qualname}"
+
+
+def load_workload(entry: str) -> dict:
+    """Call the entry function and check what it returned against the contract.
+
+    Raises:
+        ValueError: not a dict, unknown keys, a missing model/train, a model that is not an ``nn.Module``.
+    """
+    from torch import nn
+
+    work = resolve_entry(entry)()
+    if not isinstance(work, dict):
+        raise ValueError(f"entry {entry!r} returned {type(work).__name__}; return a dict with keys {', '.join(KEYS)}")
+    unknown = sorted(set(work) - set(KEYS))
+    if unknown:
+        raise ValueError(f"entry {entry!r} returned unknown keys {unknown}; the keys are {', '.join(KEYS)}")
+    if not isinstance(work.get("model"), nn.Module):
+        raise ValueError(f"entry {entry!r}: 'model' must be a torch.nn.Module, got {type(work.get('model')).__name__}")
+    if work.get("train") is None or not hasattr(work["train"], "__len__"):
+        raise ValueError(f"entry {entry!r}: 'train' must be a map-style Dataset with a length")
+    if "batch_size" in (work.get("dataloader") or {}):
+        raise ValueError(f"entry {entry!r}: 'dataloader' must not set batch_size; the sweep sets it per cell")
+    return {"val": None, "loss_fn": None, "optimizer": None, "dataloader": None, **work}

@@ -1,0 +1,37 @@
+"""``trainscale bench``: the scaling sweep from the command line (see :mod:`trainscale.bench`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the sweep, print the tables and the advice on stdout.
+
+    Returns:
+        0 when every cell ran, 1 when some cell failed, 130 when interrupted (resume with ``--resume``).
+    """
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # --entry modules are found in the current directory, as with `python -m`
+    from trainscale.bench import sweep
+    from trainscale.bench.grid import DEFAULT_BATCH_SIZES
+
+    try:
+        result = sweep(args.entry, devices=args.devices, batch_sizes=args.batch_sizes or DEFAULT_BATCH_SIZES,
+                       strategies=args.strategy, precisions=args.precision, scaling=args.scaling,
+                       epochs=args.epochs, steps=args.steps, warmup_steps=args.warmup_steps, timeout=args.timeout,
+                       out=args.out, resume=args.resume, target_accuracy=args.target_accuracy,
+                       accelerator=args.accelerator, seed=args.seed, progress=not args.quiet,
+                       plots=not args.no_plots)
+    except KeyboardInterrupt:
+        print("\ntrainscale bench: interrupted; the finished cells are kept in results.jsonl: rerun the same "
+              "command with --resume (and the same --out) to complete the sweep", file=sys.stderr)
+        return 130
+    print(result.tables)
+    print("\nAdvice:")
+    for sentence in result.advice:
+        print(f"- {sentence}")
+    print(f"\nresults: {result.out}/results.csv, results.json, report.md")
+    return 0 if all(r.get("status") == "ok" for r in result.rows) else 1

@@ -1,0 +1,228 @@
+"""bench as pure logic: the grid, gain/efficiency arithmetic, the table, and the advice on synthetic rows."""
+
+import pytest
+
+from trainscale.bench import advice as adv
+from trainscale.bench.analysis import add_scaling, fmt_time, shares, table
+from trainscale.bench.grid import plan
+from trainscale.bench.workload import entry_name, parse_entry
+
+
+def row(devices, bs, *, time_s=None, steps=100, batches=None, full=True, status="ok", strategy="ddp",
+        precision="32-true", scaling="weak", per_device=None, **extra):
+    """A result row as the sweep writes it (only the fields the analysis reads)."""
+    per_device = per_device or (bs if scaling == "weak" else bs // devices)
+    batches = batches or steps
+    r = {"strategy": "single" if devices == 1 else strategy, "run_strategy": "single" if devices == 1 else strategy,
+         "precision": precision, "devices": devices, "batch_size": bs, "per_device_batch": per_device,
+         "scaling": scaling, "status": status, "reason": extra.pop("reason", ""), "device": "cpu",
+         "key": f"{strategy if devices > 1 else 'single'}-{precision}-d{devices}-{scaling}-b{bs}"}
+    if status == "ok":
+        r.update({"time_s": time_s, "epochs": 1, "steps": steps, "batches_per_epoch": batches, "full_epochs": full,
+                  "step_time_s": time_s / steps, "samples_per_s": per_device * devices * steps / time_s})
+    r.update(extra)
+    return r
+
+
+def test_fmt_time():
+    assert fmt_time(65.3) == "01:05.3"
+    assert fmt_time(4.04) == "00:04.0"
+    assert fmt_time(None) == "—"
+
+
+def test_gain_and_efficiency_from_measured_epoch_times():
+    rows = add_scaling([row(1, 64, time_s=10.0), row(2, 64, time_s=6.0), row(1, 4, time_s=8.0),
+                        row(2, 4, time_s=16.0), row(4, 4, time_s=2.5)], devices=[1, 2, 4])
+    by = {(r["devices"], r["batch_size"]): r for r in rows}
+    assert by[(2, 64)]["gain"] == pytest.approx(10 / 6)
+    assert by[(2, 64)]["efficiency"] == pytest.approx(10 / 6 / 2)
+    assert by[(2, 4)]["gain"] == pytest.approx(0.5) and by[(2, 4)]["efficiency"] == pytest.approx(0.25)
+    assert by[(4, 4)]["gain"] == pytest.approx(3.2) and by[(4, 4)]["efficiency"] == pytest.approx(0.8)
+    assert by[(1, 64)]["gain"] == pytest.approx(1.0)
+
+
+def test_epoch_time_is_estimated_from_steps_and_baseline_may_be_missing():
+    rows = add_scaling([row(1, 8, time_s=2.0, steps=20, batches=500, full=False),  # 0.1 s/step × 500
+                        row(2, 8, time_s=1.5, steps=20, batches=250, full=False),  # 0.075 s/step × 250
+                        row(2, 16, time_s=1.0), row(1, 32, status="oom", reason="rank 0: OutOfMemoryError: x"),
+                        row(2, 32, time_s=1.0)], devices=[1, 2])
+    by = {(r["devices"], r["batch_size"]): r for r in rows}
+    assert by[(1, 8)]["epoch_time_s"] == pytest.approx(50.0) and by[(1, 8)]["epoch_time_estimated"]
+    assert by[(2, 8)]["gain"] == pytest.approx(50.0 / 18.75)
+    assert by[(2, 16)]["gain"] is None  # no 1-device row at bs 16
+    assert by[(2, 32)]["gain"] is None and by[(1, 32)]["epoch_time_s"] is None  # the baseline failed
+    text = table(rows, [1, 2], [8, 16, 32], "ddp", "32-true")
+    line8 = next(l for l in text.splitlines() if l.strip().startswith("8 |"))
+    assert "~00:50.0" in line8 and "~00:18.8" in line8 and "2.67×" in line8 and "1.33" in line8
+    line32 = next(l for l in text.splitlines() if l.strip().startswith("32 |"))
+    assert "OOM" in line32
+
+
+def test_strong_scaling_grid_and_gain():
+    cells = plan([1, 2], [64], ["ddp"], ["32-true"], scaling="strong")
+    assert [(c.devices, c.per_device_batch, c.run_strategy) for c in cells] == [(1, 64, "single"), (2, 32, "ddp")]
+    rows = add_scaling([row(1, 64, time_s=9.0, scaling="strong"), row(2, 64, time_s=5.0, scaling="strong")], [1, 2])
+    assert rows[1]["gain"] == pytest.approx(1.8) and rows[1]["efficiency"] == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="not divisible by 2 devices"):
+        plan([1, 2], [5], ["ddp"], ["32-true"], scaling="strong")
+
+
+def test_grid_validation_and_shared_baseline():
+    cells = plan([2, 1], [8, 4], ["ddp"], ["32-true", "bf16-mixed"])
+    assert len(cells) == 8  # the 1-device cells are shared: 2 precisions × 2 batch sizes × 2 device counts
+    assert [(c.batch_size, c.devices) for c in cells[:4]] == [(4, 1), (4, 2), (8, 1), (8, 2)]  # interleaved
+    with pytest.raises(ValueError, match="unknown strategy 'nope'.*ddp"):
+        plan([1, 2], [4], ["nope"], ["32-true"])
+    with pytest.raises(ValueError, match="unknown precision"):
+        plan([1, 2], [4], ["ddp"], ["64-true"])
+    with pytest.raises(ValueError, match="positive ints"):
+        plan([0, 2], [4], ["ddp"], ["32-true"])
+    with pytest.raises(ValueError, match="scaling"):
+        plan([1], [4], ["ddp"], ["32-true"], scaling="linear")
+
+
+def test_entry_strings():
+    assert parse_entry("pkg.mod:build") == ("pkg.mod", "build")
+    for bad in ("pkg.mod", "pkg.mod:", ":f", "pkg mod:f"):
+        with pytest.raises(ValueError, match="package.module:function"):
+            parse_entry(bad)
+    assert entry_name(None) == "trainscale.bench.workload:mnist_convnet"
+    with pytest.raises(ValueError, match="cannot be imported"):
+        entry_name(lambda: {})
+
+
+def tel(step, data=0.0, comm=None, fwd=None):
+    """Telemetry in the contract's shape (issue 4)."""
+    fwd = step * 0.3 if fwd is None else fwd
+    rest = step - data - fwd
+    phase_s = {"data": data, "forward": fwd, "backward": rest * 0.8, "optimizer": rest * 0.2}
+    return {"step_time_s": step, "phase_s": phase_s, "phase_share": {k: v / step for k, v in phase_s.items()},
+            "comm_s": comm, "samples_per_s": None}
+
+
+def scaled(*rows):
+    return add_scaling(list(rows), devices=[1, 2])
+
+
+def test_advice_communication_bound():
+    rows = scaled(row(1, 4, time_s=2.0, steps=100, telemetry=tel(0.02)),
+                  row(2, 4, time_s=2.5, steps=50, telemetry=tel(0.05, comm=0.02)))
+    kind, text = adv.diagnose(rows[1], rows)
+    assert kind == "communication"
+    assert "20.0 ms, 40% of the step" in text and "efficiency 0.40" in text and "source: telemetry" in text
+
+
+def test_advice_data_bound():
+    rows = scaled(row(1, 64, time_s=4.0, telemetry=tel(0.04, data=0.02)),
+                  row(2, 64, time_s=3.0, steps=50, telemetry=tel(0.06, data=0.03, comm=0.001)))
+    kind, text = adv.diagnose(rows[1], rows)
+    assert kind == "data" and "30.0 ms, 50% of the step" in text and "num_workers" in text
+    assert adv.is_poor(rows[0]) and adv.diagnose(rows[0], rows)[0] == "data"  # data-bound on 1 device too
+
+
+def test_advice_overhead_bound_and_compute_bound():
+    rows = scaled(row(1, 4, time_s=1.0, telemetry=tel(0.01)),
+                  row(2, 4, time_s=1.25, steps=50, telemetry=tel(0.025, comm=0.001)),
+                  row(1, 512, time_s=10.0, telemetry=tel(0.1)),
+                  row(2, 512, time_s=6.0, steps=50, telemetry=tel(0.12, comm=0.002)))
+    kind, text = adv.diagnose(rows[1], rows)
+    assert kind == "overhead" and "efficiency 0.40" in text and "rises to 0.83 at bs 512" in text
+    flat = scaled(row(1, 4, time_s=1.0, telemetry=tel(0.01)),
+                  row(2, 4, time_s=0.8, steps=50, telemetry=tel(0.016, comm=0.001)),
+                  row(1, 512, time_s=10.0, telemetry=tel(0.1)),
+                  row(2, 512, time_s=8.0, steps=50, telemetry=tel(0.16, comm=0.002)))
+    kind, text = adv.diagnose(flat[1], flat)
+    assert kind == "compute" and "efficiency 0.62" in text and "share the machine's cores" in text
+    big_steps = scaled(row(1, 4, time_s=10.0, telemetry=tel(0.1)),  # 100 ms steps are not tiny
+                       row(2, 4, time_s=12.5, steps=50, telemetry=tel(0.25, comm=0.001)),
+                       row(1, 512, time_s=10.0, telemetry=tel(0.1)),
+                       row(2, 512, time_s=6.0, steps=50, telemetry=tel(0.12, comm=0.002)))
+    kind, text = adv.diagnose(big_steps[1], big_steps)
+    assert kind == "compute" and "the steps are not tiny (100.0 ms on 1 device(s))" in text
+
+
+def test_advice_memory_failed_and_unexplained():
+    rows = scaled(row(1, 256, time_s=5.0, peak_memory_bytes=[2**30], peak_memory_kind="max_rss"),
+                  row(1, 512, status="oom", reason="rank 0: OutOfMemoryError: CUDA out of memory"),
+                  row(2, 256, status="timeout", reason="no result after the 60 s per-cell timeout"),
+                  row(2, 512, time_s=5.0, steps=50))
+    kind, text = adv.diagnose(rows[1], rows)
+    assert kind == "memory" and "OutOfMemoryError" in text and "256/device, peaked at 1.00 GiB" in text
+    kind, text = adv.diagnose(rows[2], rows)
+    assert kind == "failed" and "60 s per-cell timeout" in text
+    poor_without_split = scaled(row(1, 4, time_s=1.0), row(2, 4, time_s=1.0, steps=50))
+    assert adv.diagnose(poor_without_split[1], poor_without_split)[0] == "unexplained"
+
+
+def test_probes_stand_in_for_missing_telemetry():
+    r = row(2, 8, time_s=1.0, steps=100, probe_allreduce_s=0.004, probe_data_s=0.001)
+    s = shares(r)
+    assert s["source"] == "probe" and s["comm_share"] == pytest.approx(0.4) and s["data_share"] == pytest.approx(0.1)
+    rows = scaled(row(1, 8, time_s=1.0), r)
+    kind, text = adv.diagnose(rows[1], rows)
+    assert kind == "communication" and "source: probe" in text
+
+
+def test_advice_summary_sentences_quote_the_numbers():
+    def acc(t, accs):
+        return {"val_accuracy": accs[-1],
+                "history": [{"epoch": i, "epoch_time_s": t, "val_accuracy": a} for i, a in enumerate(accs)]}
+
+    rows = scaled(row(1, 64, time_s=10.0, **acc(10.0, [0.96])),
+                  row(2, 64, time_s=6.0, steps=50, **acc(6.0, [0.93])),
+                  row(1, 8, time_s=20.0, **acc(20.0, [0.97])),
+                  row(2, 8, time_s=25.0, steps=50, **acc(25.0, [0.975])))
+    text = "\n".join(adv.advise(rows, target_accuracy=0.95))
+    assert "Fastest for throughput: bs 64 on 2 devices (ddp, 32-true): 1,067 samples/s, epoch 00:06.0, 1.67×" in text
+    assert "gain 0.80× (bs 8) to 1.67× (bs 64)" in text and "faster than 1 device(s) at bs 64, slower or equal at bs 8" in text
+    assert "Fastest to val_accuracy ≥ 0.95: bs 64 on 1 device (single, 32-true), after 00:10.0" in text
+    assert "Note: no cell recorded telemetry" in text and "Caution" not in text
+    rows[1].update(load_avg_1m=7.7, cpu_count=2)
+    assert "load average up to 7.7 on 2 cores, at bs 64 on 2 devices" in "\n".join(adv.advise(rows))
+    text = "\n".join(adv.advise(rows, target_accuracy=0.99))
+    assert "No cell reached val_accuracy ≥ 0.99; the best was 0.9750" in text
+
+
+def test_report_files_from_synthetic_rows_with_telemetry(tmp_path):
+    pytest.importorskip("matplotlib")
+    import csv
+    import json
+
+    from trainscale.bench import report
+
+    rows = [row(1, 4, time_s=1.0, telemetry=tel(0.01, data=0.002)),
+            row(2, 4, time_s=1.25, steps=50, telemetry=tel(0.025, data=0.002, comm=0.008)),
+            row(2, 64, status="crashed", reason="killed by signal 9")]
+    result = report.write(tmp_path, rows, [1, 2], [4, 64], ["ddp"], ["32-true"], "weak", None)
+    assert (tmp_path / "scaling.png").stat().st_size > 0 and (tmp_path / "phases.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved[1]["gain"] == pytest.approx(0.8) and saved[1]["telemetry"]["comm_s"] == 0.008
+    with open(tmp_path / "results.csv") as f:
+        table_rows = list(csv.DictReader(f))
+    assert float(table_rows[1]["telemetry.phase_share.data"]) == pytest.approx(0.08)
+    assert table_rows[2]["status"] == "crashed"
+    md = (tmp_path / "report.md").read_text()
+    assert result.tables in md and "![phases.png](phases.png)" in md and "CRASHED" in md
+
+
+def test_cell_outcome_from_what_the_cell_left(tmp_path):
+    import json
+
+    from trainscale.bench.runner import _cell_outcome
+
+    (tmp_path / "error.rank1.json").write_text(json.dumps(
+        {"rank": 1, "type": "OutOfMemoryError", "message": "CUDA out of memory. Tried to allocate 2 GiB", "oom": True}))
+    (tmp_path / "error.rank0.json").write_text(json.dumps(
+        {"rank": 0, "type": "DistBackendError", "message": "Connection closed by peer", "oom": False}))
+    status, reason, _ = _cell_outcome(tmp_path, 1, False, 60)
+    assert status == "oom" and reason.startswith("rank 1: OutOfMemoryError: CUDA out of memory")
+    assert _cell_outcome(tmp_path, None, True, 60)[0] == "timeout"
+    for p in tmp_path.glob("error.*"):
+        p.unlink()
+    (tmp_path / "log.txt").write_text("epoch 1/1\n  exitcode  : -9 (pid: 123)\n=====\n")
+    status, reason, _ = _cell_outcome(tmp_path, 1, False, 60)
+    assert status == "crashed" and "SIGKILL" in reason and "exitcode  : -9" in reason
+    (tmp_path / "result.json").write_text('{"steps": 3}')
+    assert _cell_outcome(tmp_path, 0, False, 60) == ("ok", "", {"steps": 3})
+    status, note, _ = _cell_outcome(tmp_path, 1, False, 60)  # a process failed while exiting, after the result
+    assert status == "ok" and "exited with code 1" in note

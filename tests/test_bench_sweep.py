@@ -1,0 +1,175 @@
+"""bench end to end: real torchrun cells on a tiny user workload (an --entry in a temporary package)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+WORKLOAD = textwrap.dedent('''
+    import time
+
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+
+    class Tiny(nn.Module):
+        def __init__(self, fail_above=None):
+            super().__init__()
+            self.fc = nn.Linear(8, 2)
+            self.fail_above = fail_above
+
+        def forward(self, x):
+            if self.training and self.fail_above is not None and x.shape[0] > self.fail_above:
+                raise torch.OutOfMemoryError(f"out of memory at batch {x.shape[0]} (simulated)")
+            return self.fc(x)
+
+
+    def _data():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(128, 8, generator=g)
+        y = (x[:, 0] > 0).long()
+        return TensorDataset(x, y), TensorDataset(x[:32], y[:32])
+
+
+    def build():
+        train, val = _data()
+        return {"model": Tiny(), "train": train, "val": val, "optimizer": lambda p: torch.optim.SGD(p, lr=0.1)}
+
+
+    def build_failing():
+        train, val = _data()
+        return {"model": Tiny(fail_above=8), "train": train, "val": val}
+
+
+    def build_slow():
+        time.sleep(600)
+''')
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    pkg = tmp_path / "benchpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "workload.py").write_text(WORKLOAD)
+    monkeypatch.chdir(tmp_path)  # cells import the entry from the current directory
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def bench_cmd(*args):
+    return [str(BIN / "trainscale"), "bench", "--warmup-steps", "1", "--steps", "2", "--no-plots", *args]
+
+
+def clean_env():
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+
+
+def rows_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.multiprocess
+def test_user_entry_two_cell_sweep_from_the_command_line(workdir):
+    out = workdir / "sweep"
+    proc = subprocess.run(bench_cmd("--entry", "benchpkg.workload:build", "--devices", "1,2", "--batch-sizes", "8",
+                                    "--out", str(out)), capture_output=True, text=True, timeout=240, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = rows_of(out)
+    assert [(r["devices"], r["run_strategy"], r["status"]) for r in rows] == [(1, "single", "ok"), (2, "ddp", "ok")]
+    assert rows[0]["batches_per_epoch"] == 16 and rows[1]["batches_per_epoch"] == 8  # 128 samples, 8 per device
+    assert all(r["steps"] == 2 and r["val_accuracy"] is not None for r in rows)
+    assert rows[1]["probe_allreduce_s"] > 0 and rows[0]["probe_allreduce_s"] is None
+    results = json.loads((out / "results.json").read_text())
+    gain = results[0]["epoch_time_s"] / results[1]["epoch_time_s"]
+    assert results[1]["gain"] == pytest.approx(gain) and results[1]["efficiency"] == pytest.approx(gain / 2)
+    assert "bs/device" in proc.stdout and "eff 2d" in proc.stdout and f"{gain:.2f}×" in proc.stdout
+    assert "Fastest for throughput" in proc.stdout
+    assert "bench [2/2 done" in proc.stderr  # the progress display
+    assert (out / "results.csv").read_text().count("\n") == 3 and (out / "report.md").is_file()
+
+
+@pytest.mark.multiprocess
+def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(workdir):
+    from trainscale.bench import sweep
+
+    # Strong scaling, global batch 16: one device trains on 16 per step and fails (the model raises above 8);
+    # the sweep goes on to two devices with 8 each, which train.
+    result = sweep("benchpkg.workload:build_failing", devices=[1, 2], batch_sizes=[16], scaling="strong", steps=2,
+                   warmup_steps=1, out=workdir / "fail", progress=False, plots=False)
+    assert [(r["devices"], r["per_device_batch"], r["status"]) for r in result.rows] == [(1, 16, "oom"), (2, 8, "ok")]
+    bad = result.rows[0]
+    assert "OutOfMemoryError" in bad["reason"] and "batch 16" in bad["reason"]
+    assert any("global bs 16 (16/device) on 1 device (single, 32-true) is memory-bound" in a for a in result.advice)
+    assert "OOM" in result.tables and result.rows[1]["gain"] is None  # no baseline to compare with
+
+
+@pytest.mark.multiprocess
+def test_a_cell_past_its_timeout_is_killed_and_recorded(workdir):
+    from trainscale.bench import sweep
+
+    t0 = time.monotonic()
+    result = sweep("benchpkg.workload:build_slow", devices=[1], batch_sizes=[4], timeout=3, out=workdir / "slow",
+                   progress=False, plots=False)
+    assert result.rows[0]["status"] == "timeout" and "3 s per-cell timeout" in result.rows[0]["reason"]
+    assert time.monotonic() - t0 < 60
+    assert processes_mentioning(str(workdir / "slow")) == []  # torchrun and its worker are gone
+
+
+@pytest.mark.multiprocess
+def test_an_interrupted_sweep_resumes_without_rerunning_finished_cells(workdir):
+    """Also the CI version of the default sweep: the ConvNet on MNIST-5k, devices 1,2, a short grid."""
+    out = workdir / "resume"
+    args = bench_cmd("--devices", "1,2", "--batch-sizes", "8", "--out", str(out))
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    deadline = time.monotonic() + 180
+    while not ((out / "results.jsonl").is_file() and (out / "results.jsonl").read_text().count("\n") >= 1):
+        assert first.poll() is None and time.monotonic() < deadline, "the first cell never finished"
+        time.sleep(0.1)
+    first.send_signal(signal.SIGINT)  # like Ctrl-C
+    _, err = first.communicate(timeout=60)
+    assert first.returncode == 130 and "--resume" in err
+    kept = rows_of(out)
+    assert len(kept) == 1 and processes_mentioning(str(out)) == []
+
+    second = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=240, env=clean_env())
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "1 finished cell(s) kept" in second.stderr and f"running {kept[0]['key']}" not in second.stderr
+    rows = rows_of(out)
+    assert [r["devices"] for r in rows] == [1, 2] and all(r["status"] == "ok" for r in rows)
+    assert rows[0] == kept[0]  # the finished row was not measured again
+    assert rows[0]["n_train"] == 4000 and rows[1]["batches_per_epoch"] == 250  # MNIST-5k: 4,000 / 2 / 8
+    assert "eff 2d" in second.stdout and "Advice:" in second.stdout and "Fastest for throughput" in second.stdout
+
+    again = subprocess.run(args, capture_output=True, text=True, timeout=60, env=clean_env())
+    assert again.returncode == 2 and "pass --resume" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_bad_flags_fail_before_any_cell_with_a_one_line_error(tmp_path):
+    for flags, message in ((["--strategy", "ddp,nope"], "unknown strategy 'nope' for bench; choose from ddp"),
+                           (["--scaling", "strong", "--batch-sizes", "6"], "6 is not divisible by 4 devices"),
+                           (["--entry", "no_such_pkg.mod:build"], "cannot import 'no_such_pkg.mod'")):
+        out = subprocess.run([str(BIN / "trainscale"), "bench", "--devices", "1,4", "--out", str(tmp_path / "x"),
+                              *flags], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=tmp_path)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert not (tmp_path / "x").exists()  # nothing ran, nothing written
