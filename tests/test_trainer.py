@@ -99,3 +99,11 @@ def test_validation_counts_each_sample_once_across_ranks():
     with torch.no_grad():
         expected = (workers.make_model(0)(x).argmax(1) == y).float().mean().item()
     assert single["val_accuracy"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_ddp_on_one_process_equals_single(tmp_path):
+    """strategy="ddp" with devices=1 (e.g. one GPU) makes its own one-rank process group."""
+    out = workers.trainer_fit(0, str(tmp_path), 16, 1, extra={"strategy": "ddp", "devices": 1})
+    assert out["summary"]["strategy"] == "ddp" and out["summary"]["world_size"] == 1
+    for key, ref in workers.plain_pytorch_reference(16, 1).items():
+        torch.testing.assert_close(out["state"][key], ref, rtol=1e-5, atol=1e-6)

@@ -47,8 +47,9 @@ def trainer_fit(rank: int, root: str, batch_size: int, epochs: int, extra: dict 
                 ckpt_path=None, n: int = 96, teardown: bool = True) -> dict:
     from trainscale.train.trainer import Trainer
 
-    trainer = Trainer(devices="auto", max_epochs=epochs, seed=0, default_root_dir=root,
-                      enable_progress_bar=False, timeout=60, **(extra or {}))
+    flags = {"devices": "auto", "max_epochs": epochs, "seed": 0, "default_root_dir": root,
+             "enable_progress_bar": False, "timeout": 60, **(extra or {})}
+    trainer = Trainer(**flags)
     model = make_model(0)
     summary = trainer.fit(model, DataLoader(tiny_dataset(n), batch_size=batch_size, shuffle=True),
                           DataLoader(tiny_dataset(50, seed=1), batch_size=8), optimizer=sgd, ckpt_path=ckpt_path)

@@ -43,6 +43,14 @@ from trainscale.runtime.world import World
 _REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -152,10 +160,14 @@ class Runtime:
             launch.relaunch_current_script(self.config.devices, self.config.num_nodes)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if self.world.world_size > 1 and not dist.is_initialized():
-            # torchrun exports MASTER_ADDR/PORT (env://); srun does not, so SLURM tasks name the address.
+        # ddp on one process (e.g. one GPU) still needs a process group: DDP refuses to run without one.
+        if (self.world.world_size > 1 or self.config.strategy == "ddp") and not dist.is_initialized():
+            # torchrun exports MASTER_ADDR/PORT (env://); srun does not, so SLURM tasks name the address;
+            # a lone process without a launcher takes a free local port.
             init_method = (f"tcp://{self.world.master_addr}:{self.world.master_port}"
                            if self.world.launcher == "slurm" else None)
+            if self.world.launcher == "none":
+                init_method = f"tcp://127.0.0.1:{_free_port()}"
             dist.init_process_group(backend=_devices.backend_for(self.config.accelerator),
                                     timeout=timedelta(seconds=self.timeout), init_method=init_method,
                                     rank=self.world.rank, world_size=self.world.world_size)
