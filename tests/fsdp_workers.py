@@ -167,3 +167,23 @@ def resume_body(rank: int, root: str) -> dict:
     out["reimported"] = full_state(fresh)
     dist.destroy_process_group()
     return out
+
+
+def sharded_scaler_body(rank: int) -> tuple[bool, float]:
+    """16-mixed under fsdp: an inf in rank 0's gradient shard only must make EVERY rank skip the step."""
+    from trainscale.runtime.runtime import Runtime
+
+    rt = Runtime(devices="auto", strategy="fsdp", precision="16-mixed", timeout=60)
+    torch.manual_seed(0)
+    model, opt = rt.setup(torch.nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=0.1))
+    before = [p.to_local().detach().clone() for p in model.parameters()]
+    with rt.autocast():
+        loss = model(torch.randn(2, 4)).float().sum()
+    rt.backward(loss)
+    if rank == 0:
+        next(model.parameters()).grad._local_tensor.view(-1)[0] = float("inf")
+    rt.step(opt)
+    changed = any(not torch.equal(a, p.to_local().detach()) for a, p in zip(before, model.parameters()))
+    scale = float(rt.precision.scaler.get_scale())
+    rt.teardown()
+    return changed, scale

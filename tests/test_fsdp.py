@@ -207,3 +207,9 @@ def test_fsdp_refuses_an_optimizer_built_before_sharding():
     strategy = FSDPStrategy(torch.device("cpu"), World(world_size=2, local_world_size=2))
     with pytest.raises(ValueError, match="optimizer must be built after sharding: pass a factory"):
         strategy.setup_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+def test_fp16_loss_scaling_skips_the_step_on_every_rank():
+    results = run_distributed(fsdp_workers.sharded_scaler_body, timeout=90)
+    assert [changed for changed, _ in results] == [False, False]  # a plain GradScaler steps on rank 1
+    assert results[0][1] == results[1][1] < 2.0 ** 16  # both backed off the scale
