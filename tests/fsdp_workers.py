@@ -169,8 +169,9 @@ def resume_body(rank: int, root: str) -> dict:
     return out
 
 
-def sharded_scaler_body(rank: int) -> tuple[bool, float]:
-    """16-mixed under fsdp: an inf in rank 0's gradient shard only must make EVERY rank skip the step."""
+def fp16_skip_body(rank: int, inject: bool) -> tuple[bool, float]:
+    """16-mixed under fsdp: with an inf in rank 0's gradient shard only, every rank must skip the step
+    (torch 2.13's GradScaler checks DTensor gradients across the mesh); without it, every rank steps."""
     from trainscale.runtime.runtime import Runtime
 
     rt = Runtime(devices="auto", strategy="fsdp", precision="16-mixed", timeout=60)
@@ -178,9 +179,9 @@ def sharded_scaler_body(rank: int) -> tuple[bool, float]:
     model, opt = rt.setup(torch.nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=0.1))
     before = [p.to_local().detach().clone() for p in model.parameters()]
     with rt.autocast():
-        loss = model(torch.randn(2, 4)).float().sum()
+        loss = model(torch.randn(2, 4)).float().sum() * 1e-3  # times the 2**16 loss scale: finite in fp16
     rt.backward(loss)
-    if rank == 0:
+    if rank == 0 and inject:
         next(model.parameters()).grad._local_tensor.view(-1)[0] = float("inf")
     rt.step(opt)
     changed = any(not torch.equal(a, p.to_local().detach()) for a, p in zip(before, model.parameters()))

@@ -209,7 +209,12 @@ def test_fsdp_refuses_an_optimizer_built_before_sharding():
         strategy.setup_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
 
 
-def test_fp16_loss_scaling_skips_the_step_on_every_rank():
-    results = run_distributed(fsdp_workers.sharded_scaler_body, timeout=90)
-    assert [changed for changed, _ in results] == [False, False]  # a plain GradScaler steps on rank 1
-    assert results[0][1] == results[1][1] < 2.0 ** 16  # both backed off the scale
+@pytest.mark.parametrize("inject", [True, False])
+def test_fp16_loss_scaling_agrees_across_shards(inject):
+    results = run_distributed(fsdp_workers.fp16_skip_body, inject, timeout=90)
+    if inject:  # an inf in one rank's shard: every rank skips and backs off the scale
+        assert [changed for changed, _ in results] == [False, False]
+        assert results[0][1] == results[1][1] == 2.0 ** 15
+    else:
+        assert [changed for changed, _ in results] == [True, True]
+        assert results[0][1] == results[1][1] == 2.0 ** 16

@@ -18,27 +18,16 @@ PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
 
 
 class Precision:
-    """One precision setting for one device type ("cpu", "cuda", "mps").
+    """One precision setting for one device type ("cpu", "cuda", "mps")."""
 
-    With ``sharded=True`` (fsdp) "16-mixed" uses ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``,
-    which all-reduces the inf/NaN check across ranks: each rank holds only its shard of the
-    gradients, and a plain ``GradScaler`` could skip the step on one rank and take it on another.
-    """
-
-    def __init__(self, name: str, device_type: str, sharded: bool = False) -> None:
+    def __init__(self, name: str, device_type: str) -> None:
         if name not in PRECISIONS:
             raise ValueError(f"unknown precision={name!r}; choose one of {', '.join(map(repr, PRECISIONS))}")
         import torch
 
         self.name = name
         self.device_type = device_type
-        self.scaler = None
-        if name == "16-mixed" and sharded:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self.scaler = ShardedGradScaler(device_type)
-        elif name == "16-mixed":
-            self.scaler = torch.amp.GradScaler(device_type)
+        self.scaler = torch.amp.GradScaler(device_type) if name == "16-mixed" else None
         self._autocast_dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name)
         self._true_dtype = torch.bfloat16 if name == "bf16-true" else None
         self._unscaled: set[int] = set()  # ids of optimizers unscaled since the last scaler.update()

@@ -113,7 +113,7 @@ class Runtime:
         if self.config.strategy == "dp":
             self.strategy_options.setdefault("device_ids", list(range(self.config.devices)))
         self.device = _devices.device_for(self.config.accelerator, self.world.local_rank)
-        self.precision = Precision(self.config.precision, self.device.type, sharded=self.config.strategy == "fsdp")
+        self.precision = Precision(self.config.precision, self.device.type)
         self.strategy = None
         self.monitor_group = None
         self._launched = False
