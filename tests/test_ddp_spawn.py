@@ -53,7 +53,7 @@ def test_unpicklable_optimizer_factory_names_the_fix(tmp_path):
 
 
 def test_bad_ddp_option_and_launch_without_function_fail_in_the_parent():
-    with pytest.raises(ValueError, match="strategy='ddp_spawn' does not accept these options"):
+    with pytest.raises(ValueError, match=r"strategy='ddp_spawn' does not accept option\(s\) 'find_unused_params'; its options are: find_unused_parameters"):
         Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", strategy_options={"find_unused_params": True})
     rt = Runtime(accelerator="cpu", devices=2, strategy="ddp_spawn")
     with pytest.raises(RuntimeError, match=r"call runtime.launch\(fn, ...\), or use Trainer.fit"):
