@@ -25,15 +25,20 @@ class DDPStrategy:
         static_graph: set when the graph is the same every step (enables DDP optimizations).
         gradient_as_bucket_view: gradients alias the all-reduce buckets (saves one copy of the grads).
         bucket_cap_mb: all-reduce bucket size in MiB (DDP's default 25).
+        ddp_comm_hook: a DDP communication hook ``hook(state, bucket) -> Future`` (e.g.
+            ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook``),
+            registered with ``DistributedDataParallel.register_comm_hook`` (Lightning's option name).
+        ddp_comm_state: the hook's ``state`` (None: the default process group).
     """
 
     name = "ddp"
 
     def __init__(self, device: Any, world: World, find_unused_parameters: bool = False,
                  static_graph: bool = False, gradient_as_bucket_view: bool = False,
-                 bucket_cap_mb: float | None = None) -> None:
+                 bucket_cap_mb: float | None = None, ddp_comm_hook: Any = None, ddp_comm_state: Any = None) -> None:
         self.device = device
         self.world = world
+        self.comm_hook, self.comm_state = ddp_comm_hook, ddp_comm_state
         self.ddp_kwargs = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
                                gradient_as_bucket_view=gradient_as_bucket_view)
         if bucket_cap_mb is not None:
@@ -45,7 +50,10 @@ class DDPStrategy:
         module = module.to(self.device)
         # On CPU, DDP takes no device_ids (FACTS: "Pass no device_ids to DDP on CPU").
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        wrapped = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        if self.comm_hook is not None:
+            wrapped.register_comm_hook(self.comm_state, self.comm_hook)
+        return wrapped
 
     def setup_optimizer(self, optimizer):
         return optimizer
