@@ -18,17 +18,21 @@ Variants, all built from the same seed, each with its own model, optimizer and D
   epoch end.
 - ``trainer-lean``: ``Trainer.fit`` with ``enable_progress_bar=False, enable_checkpointing=False``.
 
-Timing: one child process runs, per workload, one warm-up epoch per variant, then ``rounds`` rounds of
-one epoch per variant in the order plain, runtime, trainer, trainer-lean (A/B/C/D/A/B/C/D...), so
-machine load drifts alike over all variants. Step time = the wall time of the epoch's batch loop
-divided by its steps (for the Trainer, its ``epoch_time_s``, measured around the same loop); each
-Trainer round is a fresh ``Trainer(max_epochs=1).fit`` on the same model and optimizer. The ratio is
-taken per round against the same round's plain epoch (paired), then the median and min–max over rounds.
-"Outside loop" is the rest of a ``Trainer(...)`` + ``fit`` call: setup, the epoch-end reduction,
-checkpoint, summary (paid once per fit, or per epoch for the epoch-end part).
+Timing: one child process runs, per workload, one warm-up epoch per variant, then ``rounds`` rounds
+of one epoch per variant in the order plain, runtime, trainer, trainer-lean (A/B/C/D/A/B/C/D...),
+so that machine load drifts alike over all variants. Step time = the interval between the ends of
+consecutive ``optimizer.step()`` calls (an optimizer step post-hook, the same in every variant;
+see ``StepClock``), averaged over the epoch's steps: wall time (``perf_counter``) and this
+process's CPU time (``process_time``, which waiting for a busy CPU does not inflate). Each Trainer
+round is a fresh ``Trainer(max_epochs=1).fit`` on the same model and optimizer. Ratios are taken per
+round against the same round's plain epoch (paired), then the median and min–max over rounds.
+"Outside loop" is the rest of a ``Trainer(...)`` + ``fit`` call beyond its batch loop (its
+``epoch_time_s``): setup, the epoch-end reduction, checkpoint, summary.
 
-Memory: a separate fresh process per variant trains ``mem_epochs`` epochs and reports its peak
-resident set size (``ru_maxrss``); the ratio is against the plain process.
+Memory: a separate fresh process per variant trains 3 epochs and reports its peak resident set
+size (``ru_maxrss``: libraries, data, model, optimizer state, activations, the Trainer's checkpoint
+buffers), with ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`` so that glibc returns freed
+memory at once (identical runs then agree within ~0.3 MiB); the ratio is against the plain process.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ from pathlib import Path
 
 VARIANTS = ("plain", "runtime", "trainer", "trainer-lean")
 WORKLOADS = {  # name: (batch size, steps per epoch, rounds, quick rounds)
-    "mlp": (64, 100, 15, 2),
-    "convnet": (100, 10, 8, 1),
+    "mlp": (64, 25, 60, 2),
+    "convnet": (100, 5, 16, 1),
 }
 
 
@@ -68,22 +72,41 @@ def _make(workload: str, steps: int):
     return model, optimizer, DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True)
 
 
+class StepClock:
+    """Wall and CPU time between consecutive ``optimizer.step()`` ends, read by an optimizer step
+    post-hook: the same instrument in every variant, outside the code it measures. Each interval
+    holds one whole step cycle: zero_grad, loss bookkeeping, progress bar, fetching the next batch,
+    moving it, forward, backward, step."""
+
+    def __init__(self, optimizer) -> None:
+        self.marks: list[tuple[float, float]] = []
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.marks.append(
+            (time.perf_counter(), time.process_time())))
+
+    def per_step(self) -> tuple[float, float]:
+        """(wall s, CPU s) per step over the marks since the last call."""
+        (w0, c0), (w1, c1) = self.marks[0], self.marks[-1]
+        n = len(self.marks) - 1
+        self.marks = []
+        return (w1 - w0) / n, (c1 - c0) / n
+
+
 class Plain:
     def __init__(self, workload: str, steps: int) -> None:
         import torch
 
         self.model, self.optimizer, self.loader = _make(workload, steps)
+        self.clock = StepClock(self.optimizer)
         self.device = torch.device("cpu")
         self.model.to(self.device)
 
-    def epoch(self) -> tuple[float, float]:
+    def epoch(self) -> dict:
         import torch
         from torch.nn import functional as F
 
         model, optimizer, device = self.model, self.optimizer, self.device
         model.train()
         loss_sum = torch.zeros((), device=device)
-        t0 = time.perf_counter()
         for x, y in self.loader:
             x, y = x.to(device), y.to(device)
             loss = F.cross_entropy(model(x), y)
@@ -91,8 +114,8 @@ class Plain:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach()
-        t = time.perf_counter() - t0
-        return t, t
+        wall, cpu = self.clock.per_step()
+        return {"wall": wall, "cpu": cpu, "outside": 0.0}
 
 
 class WithRuntime:
@@ -100,17 +123,17 @@ class WithRuntime:
         from trainscale import Runtime
 
         model, optimizer, loader = _make(workload, steps)
+        self.clock = StepClock(optimizer)
         self.rt = Runtime(accelerator="cpu", devices=1)
         self.model, self.optimizer = self.rt.setup(model, optimizer)
         self.loader = self.rt.setup_dataloader(loader)
         self.epochs = 0
 
-    def epoch(self) -> tuple[float, float]:
+    def epoch(self) -> dict:
         import torch
         from torch.nn import functional as F
 
         rt, model, optimizer = self.rt, self.model, self.optimizer
-        t0 = time.perf_counter()
         rt.set_epoch(self.loader, self.epochs)
         model.train()
         loss_sum = torch.zeros((), device=rt.device)
@@ -123,18 +146,19 @@ class WithRuntime:
             rt.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach()
-        t = time.perf_counter() - t0
         self.epochs += 1
-        return t, t
+        wall, cpu = self.clock.per_step()
+        return {"wall": wall, "cpu": cpu, "outside": 0.0}
 
 
 class WithTrainer:
     def __init__(self, workload: str, steps: int, lean: bool, root: str) -> None:
         self.model, self.optimizer, self.loader = _make(workload, steps)
+        self.clock = StepClock(self.optimizer)
         self.lean = lean
         self.root = root
 
-    def epoch(self) -> tuple[float, float]:
+    def epoch(self) -> dict:
         from trainscale import Trainer
 
         t0 = time.perf_counter()
@@ -142,7 +166,8 @@ class WithTrainer:
                           enable_progress_bar=not self.lean, enable_checkpointing=not self.lean)
         trainer.fit(self.model, self.loader, optimizer=self.optimizer)
         call = time.perf_counter() - t0
-        return trainer.history[-1]["epoch_time_s"], call
+        wall, cpu = self.clock.per_step()
+        return {"wall": wall, "cpu": cpu, "outside": call - trainer.history[-1]["epoch_time_s"]}
 
 
 def _child_timing(workloads: list[str], quick: bool, rounds: int | None, out: str) -> None:
@@ -155,7 +180,7 @@ def _child_timing(workloads: list[str], quick: bool, rounds: int | None, out: st
 
 def _steps_rounds(workload: str, quick: bool, rounds: int | None) -> tuple[int, int]:
     _, steps, full_rounds, quick_rounds = WORKLOADS[workload]
-    return (max(2, steps // 5) if quick else steps), rounds or (quick_rounds if quick else full_rounds)
+    return (max(2, steps // 4) if quick else steps), rounds or (quick_rounds if quick else full_rounds)
 
 
 def _time_workload(workload: str, steps: int, rounds: int) -> dict:
@@ -165,12 +190,11 @@ def _time_workload(workload: str, steps: int, rounds: int) -> dict:
                    "trainer-lean": WithTrainer(workload, steps, lean=True, root=root)}
         for runner in runners.values():  # warm-up epoch (first-touch allocations, lazy imports)
             runner.epoch()
-        results = {name: {"loop_s": [], "call_s": []} for name in runners}
+        results = {name: {"wall": [], "cpu": [], "outside": []} for name in runners}
         for _ in range(rounds):
             for name, runner in runners.items():
-                loop, call = runner.epoch()
-                results[name]["loop_s"].append(loop)
-                results[name]["call_s"].append(call)
+                for key, value in runner.epoch().items():
+                    results[name][key].append(value)
     return results
 
 
@@ -189,8 +213,13 @@ def _child_memory(workload: str, variant: str, steps: int, epochs: int, out: str
 
 
 # -------------------------------------------------------------------------------------- driver
-def _run_child(args: list[str], log: Path) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# glibc gives freed memory back to the OS at once, so peak RSS follows live memory rather than
+# the allocator's caching (without this, peak RSS of identical runs varied by ~10 MiB here).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def _run_child(args: list[str], log: Path, extra_env: dict | None = None) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(extra_env or {})}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         with open(log, "a") as log_file:
@@ -253,26 +282,27 @@ def main() -> None:
         memory = {}
         if not args.quick:  # a fresh process per variant: peak RSS is per process
             memory = {v: _run_child(["--child", "memory", "--workload", workload, "--variant", v,
-                                     "--steps", str(steps), "--epochs", "3"], log)["peak_rss_bytes"]
+                                     "--steps", str(steps), "--epochs", "3"], log, MALLOC_ENV)["peak_rss_bytes"]
                       for v in VARIANTS}
         res = timing[workload]["results"]
-        plain_loop = res["plain"]["loop_s"]
         print(f"\n## {workload}: batch {batch}, {steps} steps per epoch, {n_rounds} interleaved rounds "
-              f"(median, min–max over rounds)")
-        header = (f"{'variant':<13} {'step ms':>8} {'step ms min–max':>16} {'ratio':>6} {'ratio min–max':>13} "
+              f"(median, min–max over rounds; ratios paired per round with plain)")
+        header = (f"{'variant':<13} {'wall ms/step':>12} {'min–max':>13} {'ratio':>6} {'ratio min–max':>13} "
+                  f"{'CPU ms/step':>11} {'CPU ratio':>9} {'CPU ratio min–max':>17} "
                   f"{'outside loop s':>14} {'peak RSS MiB':>12} {'mem ratio':>9}")
         print(header)
         print("-" * len(header))
         for v in VARIANTS:
-            loop = res[v]["loop_s"]
-            step_ms = [t / steps * 1e3 for t in loop]
-            ratios = [t / p for t, p in zip(loop, plain_loop)]
-            outside = [c - t for c, t in zip(res[v]["call_s"], loop)]
+            wall_ms = [t * 1e3 for t in res[v]["wall"]]
+            cpu_ms = [t * 1e3 for t in res[v]["cpu"]]
+            ratios = [t / p for t, p in zip(res[v]["wall"], res["plain"]["wall"])]
+            cpu_ratios = [t / p for t, p in zip(res[v]["cpu"], res["plain"]["cpu"])]
             mem = (f"{memory[v] / 2**20:>12.1f} {memory[v] / memory['plain']:>9.3f}" if memory
                    else f"{'(skipped)':>12} {'-':>9}")
-            print(f"{v:<13} {statistics.median(step_ms):>8.3f} {_fmt_range(step_ms):>16} "
+            print(f"{v:<13} {statistics.median(wall_ms):>12.3f} {_fmt_range(wall_ms, digits=2):>13} "
                   f"{statistics.median(ratios):>6.3f} {_fmt_range(ratios):>13} "
-                  f"{statistics.median(outside):>14.3f} {mem}")
+                  f"{statistics.median(cpu_ms):>11.3f} {statistics.median(cpu_ratios):>9.3f} "
+                  f"{_fmt_range(cpu_ratios):>17} {statistics.median(res[v]['outside']):>14.3f} {mem}")
     print(f"\n# total {time.perf_counter() - t_start:.0f} s; load average {os.getloadavg()[0]:.2f} at end")
 
 
