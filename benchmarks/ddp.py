@@ -1,6 +1,6 @@
 """2-process DDP on CPU (gloo): a plain DDP script written here against Runtime and Trainer.
 
-    python benchmarks/ddp.py              # about 3 minutes here
+    python benchmarks/ddp.py              # about 3 minutes on a quiet machine here
     python benchmarks/ddp.py --quick      # smoke run
 
 Workload: the tutorial ConvNet (``--workload mlp`` for the MLP 784-128-10), batch 64 per rank,
@@ -218,7 +218,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="launches per variant (default 3, quick 1)")
     parser.add_argument("--workload", choices=("convnet", "mlp"), default="convnet")
     parser.add_argument("--steps", type=int, default=None, help="micro-batches per rank per epoch (default 16)")
-    parser.add_argument("--epochs", type=int, default=None, help="timed epochs per setting (default 3)")
+    parser.add_argument("--epochs", type=int, default=None, help="timed epochs per setting (default 2)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {', '.join(VARIANTS)} (plain is always run: the reference)")
     parser.add_argument("--log", default=None, help="file for the launches' output")
@@ -239,7 +239,7 @@ def main() -> None:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     rounds = args.rounds or (1 if args.quick else 3)
     args.steps = args.steps or (4 if args.quick else 16)
-    args.epochs = args.epochs or (1 if args.quick else 3)
+    args.epochs = args.epochs or (1 if args.quick else 2)
     log = Path(args.log or Path(tempfile.gettempdir()) / f"trainscale-ddp-{os.getpid()}.log")
     log.write_text("")
     print(f"# ddp: 2 processes, gloo, torch {torch.__version__}, Python {platform.python_version()}, "
