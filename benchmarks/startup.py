@@ -7,7 +7,9 @@ Every measurement is a fresh Python process (``sys.executable``, OMP_NUM_THREADS
 just before it is started to its exit (imports, ``--help``) or to the end of its first
 ``optimizer.step()`` (an optimizer step post-hook reads ``time.time()``). The commands run
 interleaved (A, B, C, ..., A, B, C, ...) after one warm-up round (a cold file cache would
-otherwise charge the first command); medians and min–max over rounds.
+otherwise charge the first command); medians and min–max over rounds. "− torch" columns are the
+median over rounds of (this command − ``import torch`` of the same round). CPU = user + system
+time of the process (``os.wait4``), which a busy machine inflates far less than wall time.
 
 - ``python -c pass``: the interpreter alone.
 - ``import torch``: the reference.
@@ -77,19 +79,25 @@ def _env() -> dict:
     return env
 
 
-def _time(cmd: list[str], first_step: bool) -> float:
-    env = _env()
+def _time(cmd: list[str], first_step: bool) -> tuple[float, float]:
+    """(wall s, CPU s) of one fresh process; CPU = user + system time of that process (``wait4``)."""
     t0 = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    end = time.time()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=_env(), stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        end = time.time()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
     if proc.returncode != 0:
-        sys.exit(f"{cmd} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        sys.exit(f"{cmd} failed (exit {proc.returncode}):\n{stderr[-3000:]}")
+    cpu = usage.ru_utime + usage.ru_stime
     if first_step:
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FIRST_STEP ")]
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("FIRST_STEP ")]
         if not lines:
-            sys.exit(f"{cmd} never reached an optimizer step:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-        return float(lines[0].split()[1]) - t0
-    return end - t0
+            sys.exit(f"{cmd} never reached an optimizer step:\n{stdout[-2000:]}\n{stderr[-2000:]}")
+        return float(lines[0].split()[1]) - t0, cpu
+    return end - t0, cpu
 
 
 def main() -> None:
@@ -118,25 +126,31 @@ def main() -> None:
               f"{', QUICK (smoke run, numbers not meaningful)' if args.quick else ''}")
         t_start = time.perf_counter()
         times: dict[str, list[float]] = {name: [] for name in commands}
+        cpus: dict[str, list[float]] = {name: [] for name in commands}
         warmup = 0 if args.quick else 1
         for r in range(warmup + rounds):
             for name, (cmd, first_step) in commands.items():
-                t = _time(cmd, first_step)
+                t, cpu = _time(cmd, first_step)
                 if r >= warmup:
                     times[name].append(t)
+                    cpus[name].append(cpu)
         probe = subprocess.run([py, "-c", HELP_PROBE], env=_env(), capture_output=True, text=True, timeout=120)
         torch_in_help = "TORCH_IMPORTED True" in probe.stdout
         if "TORCH_IMPORTED" not in probe.stdout:
             sys.exit(f"the --help probe failed:\n{probe.stderr[-2000:]}")
 
-    med = {name: statistics.median(v) for name, v in times.items()}
-    header = f"{'command':<32} {'median s':>9} {'min–max s':>13} {'minus import torch s':>21}"
+    torch_wall, torch_cpu = times["import torch"], cpus["import torch"]
+    header = (f"{'command':<32} {'wall s':>7} {'wall min–max':>13} {'wall − torch':>12} "
+              f"{'CPU s':>6} {'CPU min–max':>12} {'CPU − torch':>11}")
     print()
     print(header)
     print("-" * len(header))
-    for name, values in times.items():
-        print(f"{name:<32} {med[name]:>9.3f} {min(values):>6.3f}–{max(values):<6.3f} "
-              f"{med[name] - med['import torch']:>+21.3f}")
+    for name in times:
+        wall, cpu = times[name], cpus[name]
+        d_wall = statistics.median([a - b for a, b in zip(wall, torch_wall)])  # paired per round
+        d_cpu = statistics.median([a - b for a, b in zip(cpu, torch_cpu)])
+        print(f"{name:<32} {statistics.median(wall):>7.3f} {min(wall):>6.3f}–{max(wall):<6.3f} {d_wall:>+12.3f} "
+              f"{statistics.median(cpu):>6.3f} {min(cpu):>5.3f}–{max(cpu):<6.3f} {d_cpu:>+11.3f}")
     print(f"\n# trainscale --help imports torch: {'YES' if torch_in_help else 'no'}")
     print("# 'first step' = from process start to the end of the first optimizer.step()")
     print(f"# total {time.perf_counter() - t_start:.0f} s; load average {os.getloadavg()[0]:.2f} at end")
