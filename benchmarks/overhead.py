@@ -19,8 +19,9 @@ Variants, all built from the same seed, each with its own model, optimizer and D
 - ``trainer-lean``: ``Trainer.fit`` with ``enable_progress_bar=False, enable_checkpointing=False``.
 
 Timing: one child process runs, per workload, one warm-up epoch per variant, then ``rounds`` rounds
-of one epoch per variant in the order plain, runtime, trainer, trainer-lean (A/B/C/D/A/B/C/D...),
-so that machine load drifts alike over all variants. Step time = the interval between the ends of
+of one epoch per variant (A/B/C/D, B/C/D/A, C/D/A/B, ...: the order rotates each round so that no
+variant always runs first or after the same neighbour), so that machine load drifts alike over all
+variants. Step time = the interval between the ends of
 consecutive ``optimizer.step()`` calls (an optimizer step post-hook, the same in every variant;
 see ``StepClock``), averaged over the epoch's steps: wall time (``perf_counter``) and this
 process's CPU time (``process_time``, which waiting for a busy CPU does not inflate). Each Trainer
@@ -191,9 +192,10 @@ def _time_workload(workload: str, steps: int, rounds: int) -> dict:
         for runner in runners.values():  # warm-up epoch (first-touch allocations, lazy imports)
             runner.epoch()
         results = {name: {"wall": [], "cpu": [], "outside": []} for name in runners}
-        for _ in range(rounds):
-            for name, runner in runners.items():
-                for key, value in runner.epoch().items():
+        names = list(runners)
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:  # rotated: no variant always first
+                for key, value in runners[name].epoch().items():
                     results[name][key].append(value)
     return results
 

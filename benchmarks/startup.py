@@ -100,6 +100,19 @@ def _time(cmd: list[str], first_step: bool) -> tuple[float, float]:
     return end - t0, cpu
 
 
+def trainscale_import_ms(py: str) -> float:
+    """Import time of trainscale's own modules once torch is loaded, from ``python -X importtime``
+    (the interpreter's per-module timer: cumulative µs of each top-level import after torch's)."""
+    proc = subprocess.run([py, "-X", "importtime", "-c", "import torch; from trainscale import Trainer"],
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    lines = [ln.split("|") for ln in proc.stderr.splitlines() if ln.startswith("import time:") and "|" in ln]
+    after_torch = [i for i, parts in enumerate(lines) if parts[2].rstrip() == " torch"]
+    if proc.returncode != 0 or not after_torch:
+        sys.exit(f"python -X importtime failed:\n{proc.stderr[-2000:]}")
+    top_level = [parts for parts in lines[after_torch[-1] + 1:] if not parts[2].startswith("  ")]
+    return sum(int(parts[1]) for parts in top_level) / 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 timed round")
@@ -152,6 +165,8 @@ def main() -> None:
         print(f"{name:<32} {statistics.median(wall):>7.3f} {min(wall):>6.3f}–{max(wall):<6.3f} {d_wall:>+12.3f} "
               f"{statistics.median(cpu):>6.3f} {min(cpu):>5.3f}–{max(cpu):<6.3f} {d_cpu:>+11.3f}")
     print(f"\n# trainscale --help imports torch: {'YES' if torch_in_help else 'no'}")
+    print(f"# python -X importtime: trainscale's modules after torch (from trainscale import Trainer) take "
+          f"{trainscale_import_ms(py):.1f} ms")
     print("# 'first step' = from process start to the end of the first optimizer.step()")
     print(f"# total {time.perf_counter() - t_start:.0f} s; load average {os.getloadavg()[0]:.2f} at end")
 
