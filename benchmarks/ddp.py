@@ -9,7 +9,8 @@ one thread per process (OMP_NUM_THREADS=1). Every launch trains ``1 + epochs`` e
 accumulation 1, then ``1 + epochs`` epochs with accumulation 4 (the first epoch of each is a
 warm-up and is not counted).
 
-Variants (each launch a fresh job; launches interleaved plain, runtime, trainer, trainer-relaunch, plain, ...):
+Variants (each launch a fresh job; launches interleaved, the order rotated each round so that no
+variant always runs first or after the same neighbour):
 - ``plain``: ``torchrun --nproc-per-node=2`` of a hand-written DDP loop: ``init_process_group("gloo")``,
   ``DistributedDataParallel``, ``no_sync()`` on the micro-batches before each accumulation boundary,
   loss divided by the accumulation, epoch loss summed on the device.
@@ -251,7 +252,7 @@ def main() -> None:
     results = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
-            for v in variants:
+            for v in variants[r % len(variants):] + variants[:r % len(variants)]:  # rotated each round
                 out = Path(tmp) / f"{v}-{r}.json"
                 wall = _launch(v, args, out, log)
                 results[v].append({"wall_s": wall, **json.loads(out.read_text())})
