@@ -36,8 +36,11 @@ demo: $(VENV)/.demo-installed
 test: $(VENV)/.test-installed
 	$(PY) -m pytest
 
+# Every benchmarks/*.py prints its table (each under 5 minutes on a quiet 2-core machine).
+# `make bench BENCH_ARGS=--quick` is a smoke run of all of them.
+BENCH_ARGS ?=
 bench: $(VENV)/.test-installed
-	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b $(BENCH_ARGS) || exit 1; done
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

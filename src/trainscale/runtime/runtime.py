@@ -223,7 +223,8 @@ class Runtime:
         return wrapped, optimizer
 
     def setup_dataloader(self, loader: torch.utils.data.DataLoader, *, shuffle: bool | None = None,
-                         seed: int = 0, even: bool = True) -> torch.utils.data.DataLoader:
+                         seed: int = 0, even: bool = True,
+                         pin_memory: bool | None = None) -> torch.utils.data.DataLoader:
         """Return ``loader`` rebuilt with a sampler that gives this rank its share of the data.
 
         Args:
@@ -233,6 +234,10 @@ class Runtime:
             even: True (training): ``DistributedSampler`` pads by repeating samples so every rank
                 runs the same number of steps. False (evaluation): no padding, each sample on one
                 rank only, ranks may differ by one sample.
+            pin_memory: batches in page-locked host memory, so that ``to_device``'s ``non_blocking``
+                copy to a CUDA device is asynchronous (https://pytorch.org/docs/stable/data.html#memory-pinning).
+                None: on for CUDA, else ``loader``'s own setting. Applies to the rebuilt loader; a loader
+                returned as given (it already has a distributed sampler) keeps its own setting.
 
         Raises:
             ValueError: a loader with a custom ``batch_sampler`` or sampler under world size > 1.
@@ -240,7 +245,12 @@ class Runtime:
         from trainscale.runtime.sampling import distribute_dataloader
 
         self.launch()
-        return distribute_dataloader(loader, self.world, shuffle=shuffle, seed=seed, even=even)
+        out = distribute_dataloader(loader, self.world, shuffle=shuffle, seed=seed, even=even)
+        if pin_memory is None:
+            pin_memory = loader.pin_memory or self.device.type == "cuda"
+        if out is not loader:  # ours to configure; the iterator reads it when an epoch starts
+            out.pin_memory = pin_memory
+        return out
 
     @staticmethod
     def set_epoch(loader: torch.utils.data.DataLoader, epoch: int) -> None:

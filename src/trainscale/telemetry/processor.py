@@ -101,8 +101,7 @@ class Telemetry:
         """Time the gradient all-reduce of ``module`` (the wrapped module) when the strategy can."""
         hook = getattr(self.rt.strategy, "time_allreduce", None)
         if self.enabled and hook is not None and self.rt.world_size > 1:
-            hook(module, self.timer.clock, self.timer.record_comm)
-            self.timer.time_comm = True
+            self.timer.time_comm = hook(module, self.timer.clock, self.timer.record_comm) is not False
 
     def start(self) -> None:
         """Begin timing now (top of each epoch; time between epochs is left out)."""

@@ -25,15 +25,21 @@ class DDPStrategy:
         static_graph: set when the graph is the same every step (enables DDP optimizations).
         gradient_as_bucket_view: gradients alias the all-reduce buckets (saves one copy of the grads).
         bucket_cap_mb: all-reduce bucket size in MiB (DDP's default 25).
+        ddp_comm_hook: a DDP communication hook ``hook(state, bucket) -> Future`` (e.g.
+            ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook``),
+            registered with ``DistributedDataParallel.register_comm_hook`` (Lightning's option name).
+        ddp_comm_state: the hook's ``state`` (None: the default process group).
     """
 
     name = "ddp"
 
     def __init__(self, device: Any, world: World, find_unused_parameters: bool = False,
                  static_graph: bool = False, gradient_as_bucket_view: bool = False,
-                 bucket_cap_mb: float | None = None) -> None:
+                 bucket_cap_mb: float | None = None, ddp_comm_hook: Any = None, ddp_comm_state: Any = None) -> None:
         self.device = device
         self.world = world
+        self.comm_hook, self.comm_state = ddp_comm_hook, ddp_comm_state
+        self._timing: tuple[Callable, Callable] | None = None  # (clock, record) once telemetry asks
         self.ddp_kwargs = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
                                gradient_as_bucket_view=gradient_as_bucket_view)
         if bucket_cap_mb is not None:
@@ -45,7 +51,15 @@ class DDPStrategy:
         module = module.to(self.device)
         # On CPU, DDP takes no device_ids (FACTS: "Pass no device_ids to DDP on CPU").
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        wrapped = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        if self.comm_hook is not None:  # DDP takes one hook: ours calls the user's and can time it
+            wrapped.register_comm_hook(self.comm_state, self._call_user_hook)
+        return wrapped
+
+    def _call_user_hook(self, state, bucket):
+        if self._timing is None:
+            return self.comm_hook(state, bucket)
+        return _timed(self.comm_hook, state, bucket, *self._timing)
 
     def setup_optimizer(self, optimizer):
         return optimizer
@@ -63,28 +77,30 @@ class DDPStrategy:
             raise TypeError("no_backward_sync needs the module returned by Runtime.setup (a DDP wrapper)")
         return module.no_sync()
 
-    def time_allreduce(self, module, clock: Callable[[], Any], record: Callable[[Any, Any], None]) -> None:
+    def time_allreduce(self, module, clock: Callable[[], Any], record: Callable[[Any, Any], None]) -> bool:
         """Time each bucket's gradient all-reduce (optional method; telemetry calls it when present).
 
-        Registers a DDP communication hook that does exactly DDP's default all-reduce (PyTorch's
-        ``default_hooks.allreduce_hook``: divide by the world size, then all-reduce SUM) and calls
-        ``record(start, end)`` with ``clock()`` read when DDP hands the bucket to the hook and when
-        its all-reduce future completes (in a ``Future.then`` callback, so the wait for slower ranks
-        is included). Must be called once, before the first backward.
+        Without ``ddp_comm_hook``, registers a DDP communication hook that does exactly DDP's default
+        all-reduce (PyTorch's ``default_hooks.allreduce_hook``: divide by the world size, then
+        all-reduce SUM); with one, times the user's hook. ``record(start, end)`` gets ``clock()`` read
+        when DDP hands the bucket over and when the hook's future completes (in a ``Future.then``
+        callback, so the wait for slower ranks is included). Call once, before the first backward.
         https://pytorch.org/docs/stable/ddp_comm_hooks.html
+
+        Returns:
+            False when a hook was registered on ``module`` outside trainscale (DDP takes only one):
+            the all-reduce is then not timed.
         """
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        def timed_allreduce(state, bucket):
-            start = clock()
-
-            def done(fut):
-                record(start, clock())
-                return fut.value()
-
-            return allreduce_hook(state, bucket).then(done)
-
-        module.register_comm_hook(None, timed_allreduce)
+        if self.comm_hook is not None:
+            self._timing = (clock, record)
+            return True
+        try:
+            module.register_comm_hook(None, lambda state, bucket: _timed(allreduce_hook, state, bucket, clock, record))
+        except RuntimeError:  # "register_comm_hook ... can only be called once"
+            return False
+        return True
 
     def save_checkpoint(self, path, state: dict) -> None:
         checkpoint_io.save_replicated(path, state, self.world, self.unwrap)
@@ -94,3 +110,14 @@ class DDPStrategy:
 
     def teardown(self) -> None:
         pass
+
+
+def _timed(hook: Callable, state: Any, bucket: Any, clock: Callable, record: Callable):
+    """Run a DDP comm hook and ``record(start, end)`` when its future completes."""
+    start = clock()
+
+    def done(fut):
+        record(start, clock())
+        return fut.value()
+
+    return hook(state, bucket).then(done)

@@ -1,0 +1,61 @@
+"""The benchmark scripts run in their ``--quick`` smoke mode and print their tables.
+
+Speed is never asserted here (the machine is shared; numbers come from ``make bench``); what is
+checked is that each script runs end to end, prints every row, and the facts that do not depend
+on speed: one gradient all-reduce per optimizer step with accumulation 4, and ``trainscale --help``
+not importing torch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_bench(script: str, *args: str, timeout: float = 300) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def table_rows(stdout: str, first_column: str) -> list[list[str]]:
+    return [line.split() for line in stdout.splitlines() if line.split()[:1] == [first_column]]
+
+
+def test_overhead_prints_both_workloads():
+    stdout = run_bench("overhead.py")
+    for workload in ("mlp", "convnet"):
+        assert f"## {workload}:" in stdout
+    for variant in ("plain", "runtime", "trainer", "trainer-lean"):
+        rows = table_rows(stdout, variant)
+        assert len(rows) == 2, stdout  # one per workload
+        assert all(float(row[1]) > 0 for row in rows)  # a median step time in ms
+
+
+@pytest.mark.multiprocess
+def test_ddp_counts_one_all_reduce_per_optimizer_step():
+    # plain DDP (always run) and the Trainer relaunching itself under torchrun: 2 launches
+    stdout = run_bench("ddp.py", "--variants", "trainer-relaunch")
+    for variant in ("plain", "trainer-relaunch"):
+        rows = table_rows(stdout, variant)
+        assert [row[1] for row in rows] == ["1", "4"], stdout  # accumulation 1 and 4
+        for row in rows:
+            steps, allreduces, per_step = int(row[-3]), int(row[-2]), row[-1]
+            assert steps > 0 and allreduces == steps and per_step == "1.00", stdout
+
+
+def test_startup_times_imports_and_help_without_torch():
+    stdout = run_bench("startup.py")
+    for command in ("import torch", "import trainscale", "from trainscale import Trainer", "trainscale --help",
+                    "first step, plain", "first step, Runtime", "first step, Trainer"):
+        assert any(line.startswith(command + " ") for line in stdout.splitlines()), stdout
+    assert "trainscale --help imports torch: no" in stdout
