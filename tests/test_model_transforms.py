@@ -1,6 +1,8 @@
 """Transformations applied before the strategy wraps the model (runtime/apply.py): activation
 checkpointing, SyncBatchNorm conversion, torch.compile — and their order against DDP."""
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -97,7 +99,7 @@ def test_compile_is_applied_inside_ddp_not_around_it(tmp_path):
         return gm.forward
 
     _world_of_one(tmp_path)
-    rt = None
+    rt = model = None
     try:
         rt = Runtime(accelerator="cpu", strategy="ddp", compile={"backend": recording_backend})
         model, _ = rt.setup(ws.BlockNet())
@@ -106,6 +108,10 @@ def test_compile_is_applied_inside_ddp_not_around_it(tmp_path):
         F.cross_entropy(model(x), y).backward()
         assert graphs, "the backend was never called: the model ran eagerly"
     finally:
+        # Free DDP (its Reducer holds the process group) before destroying the group: freeing it after
+        # deadlocked once in ~ProcessGroupGloo inside the pytest process (torch 2.13).
+        model = None
+        gc.collect()
         if rt is not None:
             rt.teardown()
         if dist.is_initialized():
@@ -152,3 +158,22 @@ def test_compile_true_with_inductor_matches_eager(tmp_path_factory, request, mon
         assert (model.compiled_calls > 0) == compile
     torch._dynamo.reset()
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+def test_telemetry_does_not_turn_compile_off(tmp_path):
+    """FLOP counting runs the first micro-batch under FlopCounterMode; under compile that made dynamo skip
+    the model for the whole run (0 compiled calls). Telemetry must leave compile alone."""
+    calls = []
+
+    def recording_backend(gm, example_inputs):
+        calls.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    trainer = Trainer(accelerator="cpu", max_epochs=1, enable_progress_bar=False, enable_checkpointing=False,
+                      default_root_dir=tmp_path, compile={"backend": recording_backend}, log_every_n_steps=1)
+    summary = trainer.fit(_Probe(), torch.utils.data.DataLoader(ws.mlp_data(64), batch_size=16),
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    torch._dynamo.reset()
+    assert calls, "the model ran eagerly"
+    assert summary["telemetry"]["flops_per_sample"] is None

@@ -83,6 +83,10 @@ class Telemetry:
         self.timer = StepTimer(device)
         self.memory = PeakMemory(device)
         self.flops = FlopsPerSample()
+        if getattr(runtime.config, "compile", None) is not None:
+            # A forward under FlopCounterMode (a TorchDispatchMode) makes dynamo skip the frame for good:
+            # the model would silently run eager. Under compile, FLOPs (and MFU) are not counted.
+            self.flops.done = True
         cuda = device.type == "cuda"
         self.gpu = GpuSampler(device.index if cuda else None, gpu_sample_interval_s)
         if enabled:
