@@ -204,13 +204,15 @@ def _launch(variant: str, args, out: Path, log: Path) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    t0 = time.perf_counter()
-    with open(log, "a") as log_file:
-        proc = subprocess.run(cmd, env=env, stdout=log_file, stderr=log_file, timeout=600)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.exit(f"{variant} launch failed (exit {proc.returncode}); output:\n{log.read_text()[-4000:]}")
-    return wall
+    for attempt in (1, 2):  # gloo workers rarely abort at exit ("terminate called without an active
+        t0 = time.perf_counter()  # exception", shared/FACTS): such a launch is run once more, and said so
+        with open(log, "a") as log_file:
+            proc = subprocess.run(cmd, env=env, stdout=log_file, stderr=log_file, timeout=600)
+        wall = time.perf_counter() - t0
+        if proc.returncode == 0:
+            return wall
+        print(f"# {variant} launch {attempt} failed (exit {proc.returncode}); see {log}", file=sys.stderr)
+    sys.exit(f"{variant} launch failed twice (exit {proc.returncode}); output:\n{log.read_text()[-4000:]}")
 
 
 def main() -> None:
