@@ -1,6 +1,6 @@
 """2-process DDP on CPU (gloo): a plain DDP script written here against Runtime and Trainer.
 
-    python benchmarks/ddp.py              # about 3 minutes on a quiet machine here
+    python benchmarks/ddp.py              # about 4 minutes on a quiet machine here
     python benchmarks/ddp.py --quick      # smoke run
 
 Workload: the tutorial ConvNet (``--workload mlp`` for the MLP 784-128-10), batch 64 per rank,
@@ -21,13 +21,19 @@ variant always runs first or after the same neighbour):
   script under torchrun itself (the whole-process time then includes one more Python start and
   ``import torch`` in the first process).
 
-Numbers: epoch time = rank 0's wall time of the epoch's batch loop (the ranks wait for each other
-in every all-reduce); throughput = samples of all ranks per second; whole-process time = wall time of
-the launch command, start to exit. Ratios are paired per round against the same round's plain
-launch, then the median and min–max over rounds. All-reduces are counted by a DDP communication
-hook (``register_comm_hook``; for the Trainer through ``strategy_options={"ddp_comm_hook": ...}``)
-that wraps PyTorch's own ``allreduce_hook``; the same hook is on in every variant. The model's
-gradients fit one DDP bucket (25 MiB), so one all-reduce per optimizer step is one hook call per step.
+Timing, step-interleaved (see ``ReferenceClock``): in every launch, after each optimizer step of
+the variant, both ranks run one optimizer step of a reference, the plain DDP loop on its own
+model, data and process group. A variant step = rank 0's time between those hooks; "vs ref" =
+the variant's mean step over the mean of the reference steps interleaved with it (warm-up epoch
+and the first step of each epoch left out); the throughput ratio = plain's "vs ref" over the
+variant's, same round, i.e. the variant against plain DDP, both measured against the same
+reference, so that the machine's drift (up to 2× over tens of milliseconds on this VM) cancels.
+Whole-process time = wall time of the launch command, start to exit (it includes the reference's
+steps, the same work in every variant). Median and min–max over launches. All-reduces are counted
+by a DDP communication hook (``register_comm_hook``; for the Trainer through
+``strategy_options={"ddp_comm_hook": ...}``) that wraps PyTorch's own ``allreduce_hook``; the same
+hook is on in every variant (not on the reference). The model's gradients fit one DDP bucket
+(25 MiB), so one all-reduce per optimizer step is one hook call per step.
 """
 
 from __future__ import annotations
@@ -59,6 +65,99 @@ def counting_allreduce_hook(state: AllReduceCounter, bucket):
 
     state.calls += 1
     return allreduce_hook(None, bucket)  # None: the default process group
+
+
+class ReferenceClock:
+    """Step-interleaved timing: after each optimizer step of the measured variant (a step post-hook),
+    every rank runs one optimizer step of the reference, a plain DDP loop on its own model, data
+    and process group (``dist.new_group``, so its all-reduces never mix with the variant's). The
+    variant's step = the gap between hooks; the reference's = the hook's ``next()``. Both run
+    within milliseconds of each other on the same cores, so the machine's drift cancels in their
+    ratio. Excluded from both: the warm-up epoch and the first step of every epoch (DataLoader
+    iterator creation, the variant's epoch-end work)."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.group = None
+        self.reference = None
+        self.k = 1
+        self.enter: list[float] = []
+        self.ref: list[float] = []
+        self.exit: list[float] = []
+
+    def attach(self, optimizer):
+        optimizer.register_step_post_hook(self._hook)
+        return optimizer
+
+    def begin(self, k: int) -> None:
+        """A new setting (accumulation ``k``): a fresh reference loop with the same accumulation."""
+        self.close()
+        self.k = k
+        self.enter, self.ref, self.exit = [], [], []
+
+    def _hook(self, optimizer, args, kwargs) -> None:
+        t0 = time.perf_counter()
+        if self.reference is None:
+            self.reference = self._reference_steps(self.k)
+        next(self.reference)
+        t1 = time.perf_counter()
+        self.enter.append(t0)
+        self.ref.append(t1 - t0)
+        self.exit.append(time.perf_counter())
+
+    def _reference_steps(self, k: int):
+        """The plain DDP loop of ``worker_plain``, one optimizer step per ``next()``, forever."""
+        import contextlib
+
+        import torch
+        import torch.distributed as dist
+        from torch.nn import functional as F
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        if self.group is None:  # collective: every rank's first hook runs at the same optimizer step
+            self.group = dist.new_group(backend="gloo")
+        dataset = _data(self.args)
+        sampler = DistributedSampler(dataset, shuffle=True, seed=0)
+        loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+        model = DDP(_model(self.args), process_group=self.group)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        epoch = 0
+        while True:
+            sampler.set_epoch(epoch)
+            model.train()
+            loss_sum = torch.zeros(())
+            for i, (x, y) in enumerate(loader):
+                boundary = (i + 1) % k == 0 or i + 1 == len(loader)
+                with (contextlib.nullcontext() if boundary else model.no_sync()):
+                    loss = F.cross_entropy(model(x), y)
+                    (loss / k).backward()
+                loss_sum += loss.detach()
+                if boundary:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    yield
+            epoch += 1
+
+    def close(self) -> None:
+        """Free the reference's DDP model while its process group still exists."""
+        if self.reference is not None:
+            self.reference.close()
+            self.reference = None
+            import gc
+
+            gc.collect()
+
+    def result(self) -> dict:
+        """Mean variant and reference step (s) over the timed epochs, first steps of epochs left out."""
+        per_epoch = -(-self.args.steps // self.k)  # optimizer steps per epoch (a short last group counts)
+        keep = [j for j in range(per_epoch, len(self.enter)) if j % per_epoch]  # not warm-up, not first
+        variant = [self.enter[j] - self.exit[j - 1] for j in keep]
+        ref = [self.ref[j] for j in keep]
+        if not keep:
+            raise SystemExit(f"no timed step: give at least 2 optimizer steps per epoch (--steps >= {2 * self.k}) "
+                             "and --epochs >= 1")
+        return {"step_s": statistics.fmean(variant), "ref_s": statistics.fmean(ref), "timed_steps": len(keep)}
 
 
 # -------------------------------------------------------------------------------------- workers
@@ -96,9 +195,11 @@ def worker_plain(args) -> dict:
     model = DDP(_model(args))
     counter = AllReduceCounter()
     model.register_comm_hook(counter, counting_allreduce_hook)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    clock = ReferenceClock(args)
+    optimizer = clock.attach(torch.optim.AdamW(model.parameters(), lr=1e-3))
     out = {}
     for k in ACCUMULATIONS:
+        clock.begin(k)
         times, steps, calls0 = [], 0, counter.calls
         for epoch in range(1 + args.epochs):
             sampler.set_epoch(epoch)
@@ -116,7 +217,8 @@ def worker_plain(args) -> dict:
                     steps += 1
                 loss_sum += loss.detach()
             times.append(time.perf_counter() - t0)
-        out[k] = {"epoch_s": times[1:], "steps": steps, "allreduces": counter.calls - calls0}
+        out[k] = {"epoch_s": times[1:], "steps": steps, "allreduces": counter.calls - calls0, **clock.result()}
+    clock.close()
     dist.destroy_process_group()
     return out
 
@@ -131,10 +233,12 @@ def worker_runtime(args) -> dict:
     counter = AllReduceCounter()
     rt = Runtime(accelerator="cpu", strategy_options={"ddp_comm_hook": counting_allreduce_hook,
                                                       "ddp_comm_state": counter})
-    model, optimizer = rt.setup(_model(args), lambda p: torch.optim.AdamW(p, lr=1e-3))
+    clock = ReferenceClock(args)
+    model, optimizer = rt.setup(_model(args), lambda p: clock.attach(torch.optim.AdamW(p, lr=1e-3)))
     loader = rt.setup_dataloader(DataLoader(_data(args), batch_size=BATCH, shuffle=True))
     out = {}
     for k in ACCUMULATIONS:
+        clock.begin(k)
         times, steps, calls0 = [], 0, counter.calls
         for epoch in range(1 + args.epochs):
             rt.set_epoch(loader, epoch)
@@ -154,7 +258,8 @@ def worker_runtime(args) -> dict:
                     steps += 1
                 loss_sum += loss.detach()
             times.append(time.perf_counter() - t0)
-        out[k] = {"epoch_s": times[1:], "steps": steps, "allreduces": counter.calls - calls0}
+        out[k] = {"epoch_s": times[1:], "steps": steps, "allreduces": counter.calls - calls0, **clock.result()}
+    clock.close()
     rt.teardown()
     return out
 
@@ -166,18 +271,21 @@ def worker_trainer(args) -> dict:
     from trainscale import Trainer
 
     counter = AllReduceCounter()
+    clock = ReferenceClock(args)
     model = _model(args)
     out = {}
     with tempfile.TemporaryDirectory() as root:
         for k in ACCUMULATIONS:
+            clock.begin(k)
             calls0 = counter.calls
             trainer = Trainer(accelerator="cpu", devices=2, max_epochs=1 + args.epochs, accumulate_grad_batches=k,
                               default_root_dir=root, enable_progress_bar=False, enable_checkpointing=False,
                               strategy_options={"ddp_comm_hook": counting_allreduce_hook, "ddp_comm_state": counter})
             trainer.fit(model, DataLoader(_data(args), batch_size=BATCH, shuffle=True),
-                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+                        optimizer=lambda p: clock.attach(torch.optim.AdamW(p, lr=1e-3)))
             out[k] = {"epoch_s": [h["epoch_time_s"] for h in trainer.history[1:]], "steps": trainer.global_step,
-                      "allreduces": counter.calls - calls0}
+                      "allreduces": counter.calls - calls0, **clock.result()}
+    clock.close()
     trainer.runtime.teardown()
     return out
 
@@ -220,7 +328,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, 1 short epoch per setting")
     parser.add_argument("--rounds", type=int, default=None, help="launches per variant (default 3, quick 1)")
     parser.add_argument("--workload", choices=("convnet", "mlp"), default="convnet")
-    parser.add_argument("--steps", type=int, default=None, help="micro-batches per rank per epoch (default 16)")
+    parser.add_argument("--steps", type=int, default=None, help="micro-batches per rank per epoch (default 24)")
     parser.add_argument("--epochs", type=int, default=None, help="timed epochs per setting (default 2)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {', '.join(VARIANTS)} (plain is always run: the reference)")
@@ -241,7 +349,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     rounds = args.rounds or (1 if args.quick else 3)
-    args.steps = args.steps or (4 if args.quick else 16)
+    args.steps = args.steps or (8 if args.quick else 24)  # >= 2 optimizer steps per epoch at accumulation 4
     args.epochs = args.epochs or (1 if args.quick else 2)
     log = Path(args.log or Path(tempfile.gettempdir()) / f"trainscale-ddp-{os.getpid()}.log")
     log.write_text("")
@@ -259,8 +367,7 @@ def main() -> None:
                 wall = _launch(v, args, out, log)
                 results[v].append({"wall_s": wall, **json.loads(out.read_text())})
 
-    samples = 2 * BATCH * args.steps  # per epoch, all ranks
-    header = (f"{'variant':<17} {'accum':>5} {'epoch s':>8} {'epoch s min–max':>16} {'samples/s':>9} "
+    header = (f"{'variant':<17} {'accum':>5} {'step ms':>8} {'step ms min–max':>16} {'vs ref':>6} {'samples/s':>9} "
               f"{'thru ratio':>10} {'ratio min–max':>13} {'process s':>9} {'proc ratio':>10} "
               f"{'opt steps':>9} {'all-reduces':>11} {'per step':>8}")
     print()
@@ -268,21 +375,29 @@ def main() -> None:
     print("-" * len(header))
     for k in ACCUMULATIONS:
         key = str(k)
-        plain_epoch = [statistics.median(run[key]["epoch_s"]) for run in results["plain"]]
+        plain_vs_ref = [run[key]["step_s"] / run[key]["ref_s"] for run in results["plain"]]
         plain_wall = [run["wall_s"] for run in results["plain"]]
         for v in variants:
-            epoch = [statistics.median(run[key]["epoch_s"]) for run in results[v]]
-            thru_ratio = [p / e for p, e in zip(plain_epoch, epoch)]  # throughput ratio = inverse time ratio
+            step = [run[key]["step_s"] for run in results[v]]
+            vs_ref = [run[key]["step_s"] / run[key]["ref_s"] for run in results[v]]
+            thru_ratio = [p / x for p, x in zip(plain_vs_ref, vs_ref)]  # throughput = inverse step time
             wall = [run["wall_s"] for run in results[v]]
             proc_ratio = [w / p for w, p in zip(wall, plain_wall)]
             steps = results[v][0][key]["steps"]
             calls = results[v][0][key]["allreduces"]
             consistent = all(run[key]["steps"] == steps and run[key]["allreduces"] == calls for run in results[v])
-            print(f"{v:<17} {k:>5} {statistics.median(epoch):>8.3f} {min(epoch):>7.3f}–{max(epoch):<8.3f} "
-                  f"{samples / statistics.median(epoch):>9.0f} {statistics.median(thru_ratio):>10.3f} "
+            samples_per_s = 2 * BATCH * k / statistics.median(step)
+            print(f"{v:<17} {k:>5} {statistics.median(step) * 1e3:>8.1f} "
+                  f"{min(step) * 1e3:>7.1f}–{max(step) * 1e3:<8.1f} {statistics.median(vs_ref):>6.3f} "
+                  f"{samples_per_s:>9.0f} {statistics.median(thru_ratio):>10.3f} "
                   f"{min(thru_ratio):>6.3f}–{max(thru_ratio):<6.3f} "
                   f"{statistics.median(wall):>9.2f} {statistics.median(proc_ratio):>10.3f} "
                   f"{steps:>9} {calls:>11} {calls / steps:>8.2f}{'' if consistent else ' (differs between launches!)'}")
+    print(f"\n# step ms: rank 0's mean optimizer step ({'/'.join(str(results['plain'][0][str(k)]['timed_steps']) for k in ACCUMULATIONS)} "
+          "timed steps per launch for accumulation " + "/".join(map(str, ACCUMULATIONS)) + "), median and min–max over launches;"
+          "\n# vs ref: over the reference steps interleaved with it; thru ratio: plain's 'vs ref' over the variant's,"
+          "\n# same round (throughput against plain DDP, both measured against the same reference); process s includes"
+          "\n# the reference's steps (the same work in every variant)")
     print("\n# opt steps and all-reduces: rank 0, all epochs of the setting incl. warm-up, first launch; "
           "'per step' = all-reduces / optimizer steps (1.00 = exactly one per step)")
     print(f"# total {time.perf_counter() - t_start:.0f} s; load average {os.getloadavg()[0]:.2f} at end")

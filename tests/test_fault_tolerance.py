@@ -228,3 +228,23 @@ def test_bad_fault_flags(kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         Trainer(**kwargs)
+
+
+def test_nonfinite_check_folds_long_intervals_and_names_the_first_bad_step():
+    """Losses are kept without a device op per step and folded every _FOLD micro-batches; poll
+    still names the first non-finite step, across folds, for 0-dim and (1,)-shaped losses."""
+    from trainscale.runtime.runtime import Runtime
+    from trainscale.train.fault import _FOLD, FaultTolerance, NonFiniteLossError
+
+    rt = Runtime(accelerator="cpu", devices=1)
+    for bad_steps, expected in (([], None), ([_FOLD + 5], _FOLD + 5), ([3, _FOLD + 5], 3)):
+        ft = FaultTolerance(rt, "raise", check_every_n_steps=10 * _FOLD, handle_signals=False)
+        for step in range(2 * _FOLD + 7):
+            loss = torch.tensor([float("inf")] if step in bad_steps else [0.5])
+            ft.observe_loss(loss if step % 2 else loss.reshape(()), step)
+        assert len(ft._losses) < _FOLD  # folded on the way: a long interval does not hold every loss
+        if expected is None:
+            assert ft.poll(2 * _FOLD + 7, 0) is None
+        else:
+            with pytest.raises(NonFiniteLossError, match=rf"optimizer step {expected + 1} \(epoch 0\)"):
+                ft.poll(2 * _FOLD + 7, 0)

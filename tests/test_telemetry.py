@@ -2,8 +2,11 @@
 
 import csv
 import json
+import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from trainscale.telemetry.stragglers import busy_per_step, find_stragglers
 from trainscale.telemetry.timers import StepTimer
 from trainscale.train.trainer import Trainer
 
+ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = {"step_time_s", "phase_s", "phase_share", "comm_s", "samples_per_s", "samples_per_s_per_device",
             "tokens_per_s", "flops_per_sample", "achieved_flops_per_s", "mfu", "peak_memory_bytes",
             "peak_memory_kind", "gpu_utilization", "slowest_rank", "straggler_ranks"}
@@ -201,6 +205,38 @@ def test_trainer_with_telemetry_off(tmp_path):
     assert all("phase_s" not in r for r in records)
 
 
+def test_tensorboard_is_written_on_request_only(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for flag in (False, True):
+        trainer = Trainer(max_epochs=1, log_every_n_steps=2, enable_progress_bar=False, enable_checkpointing=False,
+                          default_root_dir=tmp_path / str(flag), tensorboard=flag)
+        trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(32), batch_size=8), optimizer=workers.sgd)
+        assert (trainer.run_dir / "tensorboard").is_dir() == flag
+    events = EventAccumulator(str(trainer.run_dir / "tensorboard"))
+    events.Reload()  # written at close, although the sink no longer flushes at each record
+    assert [e.step for e in events.Scalars("step/samples_per_s")] == [2, 4]
+
+
+def test_tensorboard_without_the_package_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(TensorBoardSink, "available", staticmethod(lambda: False))
+    with pytest.raises(ValueError, match=r"pip install 'trainscale\[tensorboard\]'"):
+        Trainer(tensorboard=True)
+
+
+def test_default_fit_does_not_import_tensorboard():
+    code = ("import sys, tempfile; from torch.utils.data import DataLoader; from tests import workers; "
+            "from trainscale import Trainer; d = tempfile.mkdtemp(); "
+            "Trainer(max_epochs=1, enable_progress_bar=False, default_root_dir=d).fit(workers.make_model(), "
+            "DataLoader(workers.tiny_dataset(16), batch_size=8), optimizer=workers.sgd); "
+            "print(sorted(m for m in sys.modules if 'tensorboard' in m))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_bad_straggler_margin_is_a_clear_error():
     with pytest.raises(ValueError, match="straggler_margin"):
         Trainer(straggler_margin=-1)
@@ -312,3 +348,14 @@ def test_report_plots_gpu_utilization_when_the_run_had_it(tmp_path):
     assert (tmp_path / "gpu_utilization.png").read_bytes()[:4] == b"\x89PNG"
     assert {p.name for p in written} >= {"gpu_utilization.png", "step_phases.png", "report.txt"}
     assert "no telemetry summary" in text  # no summary.json: a crashed or unfinished run
+
+
+def test_mean_and_median_match_the_statistics_module():
+    import statistics
+
+    from trainscale.telemetry.stragglers import mean, median
+
+    for values in ([3.0], [1.0, 4.0], [5.0, 1.0, 3.0], [0.1] * 10 + [7.0]):
+        assert mean(values) == pytest.approx(statistics.fmean(values))
+        assert median(values) == statistics.median(values)
+    assert mean(v for v in (1.0, 2.0)) == 1.5  # a generator, as the processor passes

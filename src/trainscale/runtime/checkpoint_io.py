@@ -15,7 +15,7 @@ import io
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable, Iterator
 
 
 class CheckpointError(RuntimeError):
@@ -35,17 +35,15 @@ def _write_event(stage: str, path: Path) -> None:
     save-crash tests replace it to kill the process at that exact point."""
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a part."""
-    path = Path(path)
+@contextlib.contextmanager
+def _atomic_open(path: Path) -> Iterator[BinaryIO]:
+    """A temporary file beside ``path``, fsync'ed and renamed over ``path`` when the block ends
+    without an error (deleted when it raises)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data[: len(data) // 2])
-            f.flush()
-            _write_event("partial", path)
-            f.write(data[len(data) // 2:])
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp creates 0600
@@ -59,15 +57,48 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a part."""
+    path = Path(path)
+    with _atomic_open(path) as f:
+        view = memoryview(data)  # slices of a memoryview are not copies
+        f.write(view[: len(view) // 2])
+        f.flush()
+        _write_event("partial", path)
+        f.write(view[len(view) // 2:])
+
+
+class _HashingWriter:
+    """A write-only file object that hashes what it passes on, so that ``torch.save`` streams to
+    disk: no copy of the checkpoint is held in memory (a ``BytesIO`` and its ``getvalue()`` held
+    two, i.e. host memory of twice the checkpoint's size at every save)."""
+
+    def __init__(self, f: BinaryIO, path: Path) -> None:
+        self._f, self._path, self._written = f, path, 0
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        n = self._f.write(data)
+        if self._written == 0:  # the file now holds a part of the checkpoint
+            self._f.flush()
+            _write_event("partial", self._path)
+        self._written += len(data)
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
 def save_file(obj: Any, path: str | os.PathLike) -> None:
-    """Serialize ``obj`` with ``torch.save`` atomically and record its SHA-256 beside it."""
+    """Serialize ``obj`` with ``torch.save`` atomically, streamed to disk, and record its SHA-256 beside it."""
     import torch
 
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getvalue()
-    atomic_write_bytes(path, data)
-    atomic_write_bytes(f"{os.fspath(path)}.sha256", hashlib.sha256(data).hexdigest().encode() + b"\n")
+    path = Path(path)
+    with _atomic_open(path) as f:
+        writer = _HashingWriter(f, path)
+        torch.save(obj, writer)
+    atomic_write_bytes(f"{os.fspath(path)}.sha256", writer.sha256.hexdigest().encode() + b"\n")
 
 
 def load_file(path: str | os.PathLike) -> Any:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import statistics
 import time
 from typing import Any
 
@@ -43,7 +42,7 @@ from trainscale.runtime.batch import batch_size
 from trainscale.telemetry.flops import FlopsPerSample, mfu, peak_flops_per_s
 from trainscale.telemetry.memory import PeakMemory
 from trainscale.telemetry.nvml import GpuSampler
-from trainscale.telemetry.stragglers import busy_per_step, find_stragglers
+from trainscale.telemetry.stragglers import busy_per_step, find_stragglers, mean, median
 from trainscale.telemetry.timers import PHASES, StepTime, StepTimer
 
 # The per-rank vector gathered at log intervals (float64, NaN = not available).
@@ -164,7 +163,7 @@ class Telemetry:
         if whole_run:
             util = self._util_sum / self._util_n if self._util_n else _NAN
         else:
-            util = statistics.fmean(s[1] for s in samples) if samples else _NAN
+            util = mean(s[1] for s in samples) if samples else _NAN
         used = max(s[2] for s in samples) if samples else _NAN
         reserved = self.memory.peak_reserved_bytes()
         extra = [loss, float(self.memory.peak_bytes()), _NAN if reserved is None else float(reserved), util, used]
@@ -184,14 +183,14 @@ class Telemetry:
         record = {"kind": "step", "rank": "all", "time": time.time(), "epoch": epoch, "step": step}
         losses = [r[_IDX["loss"]] for r in rows]
         if not any(math.isnan(v) for v in losses):
-            record["train_loss"] = statistics.fmean(losses)
+            record["train_loss"] = mean(losses)
         record.update(self._numbers(rows, per_rank=True))
         stragglers = record["straggler_ranks"]
         if stragglers and stragglers != self._stragglers:
             busy = record["rank_busy_s"]
             self.rt.print(f"trainscale: straggler rank(s) {', '.join(map(str, stragglers))} at step {step}: busy "
                           + ", ".join(f"{busy[r]:.4f}" for r in stragglers)
-                          + f" s/step vs median {statistics.median(busy):.4f} s/step")
+                          + f" s/step vs median {median(busy):.4f} s/step")
         self._stragglers = stragglers
         self.timer.start()  # leave the logging itself out of the next step
         return record
@@ -215,12 +214,12 @@ class Telemetry:
         world = len(rows)
         steps = rows[0][_IDX["steps"]]
         col = {name: [r[_IDX[name]] for r in rows] for name in _IDX}
-        wall = statistics.fmean(col["wall"])  # ranks run the same steps; DDP keeps their walls equal
+        wall = mean(col["wall"])  # ranks run the same steps; DDP keeps their walls equal
         per_step = (lambda s: s / steps) if steps > 0 else (lambda s: _NAN)
-        phase_s = {p: per_step(statistics.fmean(col[p])) for p in PHASES}
+        phase_s = {p: per_step(mean(col[p])) for p in PHASES}
         total = sum(phase_s.values())
         has_comm = self.timer.time_comm
-        comm = per_step(statistics.fmean(col["comm"])) if has_comm else None
+        comm = per_step(mean(col["comm"])) if has_comm else None
         samples_per_s = sum(col["samples"]) / wall if wall > 0 else _NAN
         tokens = sum(col["tokens"])
         achieved = self.flops.value * samples_per_s if self.flops.value is not None else None

@@ -7,8 +7,8 @@ Every record carries ``kind`` ("step" at log intervals, "epoch" at epoch ends), 
 - :class:`JsonlSink` — ``metrics.jsonl``, always: one JSON object per line, nested values kept.
 - :class:`CsvSink` — ``metrics_<kind>.csv``, always: one file per record kind, nested dicts
   flattened (``phase_s.data``), lists written as JSON.
-- :class:`TensorBoardSink` — event files for TensorBoard, when ``tensorboard`` is installed
-  (``pip install 'trainscale[tensorboard]'``); every number becomes a scalar ``<kind>/<name>``.
+- :class:`TensorBoardSink` — event files for TensorBoard, on request (``Trainer(tensorboard=True)``,
+  ``pip install 'trainscale[tensorboard]'``); every number becomes a scalar ``<kind>/<name>``.
 """
 
 from __future__ import annotations
@@ -114,13 +114,17 @@ class TensorBoardSink:
     Lists (per-rank values) become ``<kind>/<name>/rank<i>``. Uses
     ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` package).
     https://pytorch.org/docs/stable/tensorboard.html
+
+    The writer's queue holds ``max_queue`` events (SummaryWriter's default of 10 made the training
+    thread wait for the writer thread on every record of ~40 scalars); events reach the file every
+    ``flush_secs`` seconds and at :meth:`close`, not at each write (metrics.jsonl is the flushed record).
     """
 
-    def __init__(self, log_dir: str | os.PathLike) -> None:
+    def __init__(self, log_dir: str | os.PathLike, flush_secs: float = 10.0, max_queue: int = 1000) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = Path(log_dir)
-        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), max_queue=max_queue, flush_secs=flush_secs)
 
     @staticmethod
     def available() -> bool:
@@ -136,7 +140,6 @@ class TensorBoardSink:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                     tag = f"{kind}/{key}" if rank is None else f"{kind}/{key}/rank{rank}"
                     self._writer.add_scalar(tag, v, global_step=step)
-        self._writer.flush()
 
     def close(self) -> None:
         self._writer.close()
@@ -157,11 +160,11 @@ class MultiSink:
             sink.close()
 
 
-def default_sinks(run_dir: str | os.PathLike, tensorboard: bool | None = None) -> MultiSink:
+def default_sinks(run_dir: str | os.PathLike, tensorboard: bool = False) -> MultiSink:
     """metrics.jsonl and metrics_<kind>.csv in ``run_dir``, plus ``run_dir/tensorboard`` when
-    ``tensorboard`` is True, or None and the package is installed."""
+    ``tensorboard`` is True (False by default: its imports and writer cost memory and time)."""
     run_dir = Path(run_dir)
     sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl"), CsvSink(run_dir)]
-    if tensorboard or (tensorboard is None and TensorBoardSink.available()):
+    if tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
     return MultiSink(sinks)

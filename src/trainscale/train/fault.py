@@ -7,10 +7,11 @@ One object, :class:`FaultTolerance`, called from a few lines of ``Trainer.fit``:
   step boundary: every rank must agree to save, so the flags are combined in :meth:`poll`. Then the
   Trainer writes a mid-epoch checkpoint, requeues a SLURM job (SIGUSR1) and exits with
   :class:`Preempted`. A second identical signal restores the default action and kills the process.
-- **Non-finite loss.** ``on_nonfinite="raise"``: each micro-batch's loss is tested with
-  ``torch.isfinite`` *on the device* (no host sync per step); the first bad step is remembered in a
-  device tensor and read in :meth:`poll`, i.e. every ``log_every_n_steps`` steps, at epoch ends and
-  before every checkpoint (so a checkpoint never holds weights of a non-finite step). The error
+- **Non-finite loss.** ``on_nonfinite="raise"``: each micro-batch's loss is kept (a detached
+  reference: no op, no host sync per step) and tested with one ``torch.isfinite`` over the stacked
+  losses in :meth:`poll`, i.e. every ``log_every_n_steps`` steps, at epoch ends and before every
+  checkpoint (so a checkpoint never holds weights of a non-finite step). Testing each loss as it
+  came cost ~32 µs per step on CPU (five small ops), 1.7 % of a 1.9 ms MLP step. The error
   names the step, the epoch and the rank(s). ``"skip"``: the decision must be taken before the
   optimizer step, so it costs one host sync per step (``.item()`` on the gradient norm). The norm is
   taken after the gradient all-reduce, so every rank sees the same value and skips the same steps
@@ -41,6 +42,8 @@ from trainscale.runtime import hangs
 _COMM_MARKERS = ("Timed out", "timed out", "closed by peer", "Connection reset", "Broken pipe", "Gloo", "gloo",
                  "NCCL", "monitoredBarrier", "Socket Timeout")
 
+
+_FOLD = 256  # micro-batch losses kept before they are folded into one device tensor
 
 STEP_PHASE = "training step (forward, backward with gradient all-reduce, optimizer step)"
 
@@ -95,6 +98,8 @@ class FaultTolerance:
         self._signal: int | None = None
         self._previous: dict[int, object] = {}
         self._first_bad = torch.full((), -1, dtype=torch.long, device=runtime.device)
+        self._losses: list[torch.Tensor] = []  # micro-batch losses (detached) not yet folded ...
+        self._loss_steps: list[int] = []  # ... and the optimizer step each belongs to
         self.watchdog: hangs.Watchdog | None = None
         self.stacks_dir: Path | None = None
 
@@ -121,10 +126,26 @@ class FaultTolerance:
 
     # -- per step ------------------------------------------------------------------------------
     def observe_loss(self, loss: torch.Tensor, step: int) -> None:
-        """Remember ``step`` if ``loss`` is not finite ("raise" mode), on the device: no host sync."""
+        """Keep ``loss`` of optimizer step ``step`` for the next :meth:`poll` ("raise" mode): no op on
+        the device, no host sync. Every ``_FOLD`` micro-batches the kept losses are folded into one
+        device tensor (a few ops), so a long poll interval holds at most ``_FOLD`` of them."""
         if self.on_nonfinite == "raise":
-            bad = (self._first_bad < 0) & ~torch.isfinite(loss.detach()).all()
-            self._first_bad = torch.where(bad, step, self._first_bad)
+            self._losses.append(loss.detach())
+            self._loss_steps.append(step)
+            if len(self._losses) >= _FOLD:
+                self._fold()
+
+    def _fold(self) -> None:
+        """Fold the kept losses into ``self._first_bad`` (first non-finite step, -1 if none), on the device."""
+        losses, steps = self._losses, self._loss_steps
+        self._losses, self._loss_steps = [], []
+        if not losses:
+            return
+        device = losses[0].device
+        stacked = torch.stack([t if t.dim() == 0 else t.sum() for t in losses])  # a sum keeps inf/NaN
+        bad = ~torch.isfinite(stacked)
+        first_here = torch.where(bad.any(), torch.tensor(steps, device=device)[bad.int().argmax()], -1)
+        self._first_bad = torch.where(self._first_bad >= 0, self._first_bad, first_here.to(self._first_bad.device))
 
     def skip_step(self, module, optimizer, grad_norm: torch.Tensor | None, *, step: int, epoch: int) -> bool:
         """"skip" mode: True when the (all-reduced) gradients are not finite and the optimizer step
@@ -172,6 +193,7 @@ class FaultTolerance:
         rt = self.rt
         vec = torch.zeros(2 * rt.world_size, dtype=torch.long, device=rt.device)
         vec[2 * rt.rank] = self._signal or 0
+        self._fold()
         vec[2 * rt.rank + 1] = self._first_bad + 1  # 0: none
         previous, self.phase = self.phase, "non-finite/signal check (all-reduce)"
         vec = rt.all_reduce(vec).view(-1, 2).tolist()  # host sync, every check_every_n_steps steps
