@@ -106,38 +106,12 @@ class ReferenceClock:
         self.exit.append(time.perf_counter())
 
     def _reference_steps(self, k: int):
-        """The plain DDP loop of ``worker_plain``, one optimizer step per ``next()``, forever."""
-        import contextlib
-
-        import torch
+        """The plain DDP loop (``plain_ddp_steps``) on its own model, data and process group."""
         import torch.distributed as dist
-        from torch.nn import functional as F
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        from torch.utils.data import DataLoader, DistributedSampler
 
         if self.group is None:  # collective: every rank's first hook runs at the same optimizer step
             self.group = dist.new_group(backend="gloo")
-        dataset = _data(self.args)
-        sampler = DistributedSampler(dataset, shuffle=True, seed=0)
-        loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
-        model = DDP(_model(self.args), process_group=self.group)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        epoch = 0
-        while True:
-            sampler.set_epoch(epoch)
-            model.train()
-            loss_sum = torch.zeros(())
-            for i, (x, y) in enumerate(loader):
-                boundary = (i + 1) % k == 0 or i + 1 == len(loader)
-                with (contextlib.nullcontext() if boundary else model.no_sync()):
-                    loss = F.cross_entropy(model(x), y)
-                    (loss / k).backward()
-                loss_sum += loss.detach()
-                if boundary:
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    yield
-            epoch += 1
+        yield from plain_ddp_steps(*_plain_ddp_parts(self.args, self.group), k)
 
     def close(self) -> None:
         """Free the reference's DDP model while its process group still exists."""
@@ -157,7 +131,8 @@ class ReferenceClock:
         if not keep:
             raise SystemExit(f"no timed step: give at least 2 optimizer steps per epoch (--steps >= {2 * self.k}) "
                              "and --epochs >= 1")
-        return {"step_s": statistics.fmean(variant), "ref_s": statistics.fmean(ref), "timed_steps": len(keep)}
+        return {"step_s": statistics.fmean(variant), "ref_s": statistics.fmean(ref), "timed_steps": len(keep),
+                "steps": len(self.enter)}  # optimizer steps of the variant, warm-up included
 
 
 # -------------------------------------------------------------------------------------- workers
@@ -179,45 +154,62 @@ def _model(args):
     return MLP() if args.workload == "mlp" else ConvNet()
 
 
-def worker_plain(args) -> dict:
-    import contextlib
-
+def _plain_ddp_parts(args, process_group=None):
+    """(DDP model, AdamW, DataLoader, DistributedSampler) of the plain loop, on ``process_group``."""
     import torch
-    import torch.distributed as dist
-    from torch.nn import functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
-    dist.init_process_group("gloo")
     dataset = _data(args)
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
-    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
-    model = DDP(_model(args))
+    model = DDP(_model(args), process_group=process_group)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, optimizer, DataLoader(dataset, batch_size=BATCH, sampler=sampler), sampler
+
+
+def plain_ddp_steps(model, optimizer, loader, sampler, k: int):
+    """A hand-written DDP loop with accumulation ``k`` (``no_sync()`` on the micro-batches before each
+    boundary, loss divided by ``k``), one optimizer step per ``next()``, epoch after epoch from epoch 0."""
+    import contextlib
+
+    import torch
+    from torch.nn import functional as F
+
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        model.train()
+        loss_sum = torch.zeros(())
+        for i, (x, y) in enumerate(loader):
+            boundary = (i + 1) % k == 0 or i + 1 == len(loader)
+            with (contextlib.nullcontext() if boundary else model.no_sync()):
+                loss = F.cross_entropy(model(x), y)
+                (loss / k).backward()
+            loss_sum += loss.detach()
+            if boundary:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                yield
+        epoch += 1
+
+
+def worker_plain(args) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    model, optimizer, loader, sampler = _plain_ddp_parts(args)
     counter = AllReduceCounter()
     model.register_comm_hook(counter, counting_allreduce_hook)
     clock = ReferenceClock(args)
-    optimizer = clock.attach(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    clock.attach(optimizer)
     out = {}
     for k in ACCUMULATIONS:
         clock.begin(k)
-        times, steps, calls0 = [], 0, counter.calls
-        for epoch in range(1 + args.epochs):
-            sampler.set_epoch(epoch)
-            model.train()
-            loss_sum = torch.zeros(())
-            t0 = time.perf_counter()
-            for i, (x, y) in enumerate(loader):
-                boundary = (i + 1) % k == 0 or i + 1 == len(loader)
-                with (contextlib.nullcontext() if boundary else model.no_sync()):
-                    loss = F.cross_entropy(model(x), y)
-                    (loss / k).backward()
-                if boundary:
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    steps += 1
-                loss_sum += loss.detach()
-            times.append(time.perf_counter() - t0)
-        out[k] = {"epoch_s": times[1:], "steps": steps, "allreduces": counter.calls - calls0, **clock.result()}
+        calls0 = counter.calls
+        steps = plain_ddp_steps(model, optimizer, loader, sampler, k)
+        for _ in range((1 + args.epochs) * -(-len(loader) // k)):
+            next(steps)
+        out[k] = {"allreduces": counter.calls - calls0, **clock.result()}
     clock.close()
     dist.destroy_process_group()
     return out
@@ -239,12 +231,11 @@ def worker_runtime(args) -> dict:
     out = {}
     for k in ACCUMULATIONS:
         clock.begin(k)
-        times, steps, calls0 = [], 0, counter.calls
+        calls0 = counter.calls
         for epoch in range(1 + args.epochs):
             rt.set_epoch(loader, epoch)
             model.train()
             loss_sum = torch.zeros((), device=rt.device)
-            t0 = time.perf_counter()
             for i, batch in enumerate(loader):
                 x, y = rt.to_device(batch)
                 boundary = (i + 1) % k == 0 or i + 1 == len(loader)
@@ -252,13 +243,11 @@ def worker_runtime(args) -> dict:
                     with rt.autocast():
                         loss = F.cross_entropy(model(x), y)
                     rt.backward(loss / k)
+                loss_sum += loss.detach()
                 if boundary:
                     rt.step(optimizer)
                     optimizer.zero_grad(set_to_none=True)
-                    steps += 1
-                loss_sum += loss.detach()
-            times.append(time.perf_counter() - t0)
-        out[k] = {"epoch_s": times[1:], "steps": steps, "allreduces": counter.calls - calls0, **clock.result()}
+        out[k] = {"allreduces": counter.calls - calls0, **clock.result()}
     clock.close()
     rt.teardown()
     return out
@@ -283,8 +272,7 @@ def worker_trainer(args) -> dict:
                               strategy_options={"ddp_comm_hook": counting_allreduce_hook, "ddp_comm_state": counter})
             trainer.fit(model, DataLoader(_data(args), batch_size=BATCH, shuffle=True),
                         optimizer=lambda p: clock.attach(torch.optim.AdamW(p, lr=1e-3)))
-            out[k] = {"epoch_s": [h["epoch_time_s"] for h in trainer.history[1:]], "steps": trainer.global_step,
-                      "allreduces": counter.calls - calls0, **clock.result()}
+            out[k] = {"allreduces": counter.calls - calls0, **clock.result()}
     clock.close()
     trainer.runtime.teardown()
     return out

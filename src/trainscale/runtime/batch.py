@@ -11,12 +11,10 @@ from typing import Any, Callable
 
 import torch
 
-_Tensor = torch.Tensor
-
 
 def apply_to_tensors(batch: Any, fn: Callable) -> Any:
     """Apply ``fn`` to every tensor in a nested tuple/list/dict, keeping the structure (named tuples too)."""
-    if isinstance(batch, _Tensor):
+    if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, (list, tuple)):
         out = [apply_to_tensors(b, fn) for b in batch]
@@ -35,7 +33,7 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     kind = type(batch)
     if kind is list or kind is tuple:
         for item in batch:
-            if type(item) is not _Tensor:
+            if type(item) is not torch.Tensor:
                 break
         else:
             return kind([t.to(device, non_blocking=non_blocking) for t in batch])
@@ -44,7 +42,7 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
 
 def batch_size(batch: Any) -> int:
     """Samples in a batch: the leading dimension of its first tensor (tensor, tuple/list or dict)."""
-    if isinstance(batch, _Tensor):
+    if isinstance(batch, torch.Tensor):
         return int(batch.shape[0])
     if isinstance(batch, dict):
         return batch_size(next(iter(batch.values())))
