@@ -5,35 +5,39 @@
 
 Workload: the tutorial ConvNet (``--workload mlp`` for the MLP 784-128-10), batch 64 per rank,
 synthetic data of MNIST's shape in memory, ``DistributedSampler(shuffle=True)``, AdamW lr=1e-3,
-one thread per process (OMP_NUM_THREADS=1). Every launch trains ``1 + epochs`` epochs with
-accumulation 1, then ``1 + epochs`` epochs with accumulation 4 (the first epoch of each is a
-warm-up and is not counted).
+one thread per process (OMP_NUM_THREADS=1), accumulation 1 and 4.
 
-Variants (each launch a fresh job; launches interleaved, the order rotated each round so that no
-variant always runs first or after the same neighbour):
-- ``plain``: ``torchrun --nproc-per-node=2`` of a hand-written DDP loop: ``init_process_group("gloo")``,
+Variants:
+- ``plain``: a hand-written DDP loop (``plain_ddp_steps``): ``init_process_group("gloo")``,
   ``DistributedDataParallel``, ``no_sync()`` on the micro-batches before each accumulation boundary,
   loss divided by the accumulation, epoch loss summed on the device.
-- ``runtime``: the same loop through ``Runtime`` (torchrun as above).
-- ``trainer``: ``Trainer(devices=2).fit`` started by torchrun as above (progress bar and
-  checkpointing off: the same work as the loops, see overhead.py for their cost).
-- ``trainer-relaunch``: the same, started as ``python ddp.py``: ``Trainer(devices=2)`` re-executes the
-  script under torchrun itself (the whole-process time then includes one more Python start and
-  ``import torch`` in the first process).
+- ``runtime``: the same loop through ``Runtime``.
+- ``trainer``: ``Trainer(devices=2).fit`` (progress bar and checkpointing off, telemetry on: the
+  same work as the loops; see overhead.py for their cost).
+- ``trainer-relaunch`` (whole-process time only): the same, started as ``python ddp.py``:
+  ``Trainer(devices=2)`` re-executes the script under torchrun itself.
 
-Timing, step-interleaved (see ``ReferenceClock``): in every launch, after each optimizer step of
-the variant, both ranks run one optimizer step of a reference, the plain DDP loop on its own
-model, data and process group. A variant step = rank 0's time between those hooks; "vs ref" =
-the variant's mean step over the mean of the reference steps interleaved with it (warm-up epoch
-and the first step of each epoch left out); the throughput ratio = plain's "vs ref" over the
-variant's, same round, i.e. the variant against plain DDP, both measured against the same
-reference, so that the machine's drift (up to 2× over tens of milliseconds on this VM) cancels.
-Whole-process time = wall time of the launch command, start to exit (it includes the reference's
-steps, the same work in every variant). Median and min–max over launches. All-reduces are counted
-by a DDP communication hook (``register_comm_hook``; for the Trainer through
-``strategy_options={"ddp_comm_hook": ...}``) that wraps PyTorch's own ``allreduce_hook``; the same
-hook is on in every variant (not on the reference). The model's gradients fit one DDP bucket
-(25 MiB), so one all-reduce per optimizer step is one hook call per step.
+Throughput, one torchrun launch: every rank builds plain, runtime and trainer side by side and
+runs one epoch of each per round, in an order rotated each round (a fresh ``Trainer(max_epochs=1)``
+and model per trainer epoch), after a warm-up round, for accumulation 1 then 4. Step-interleaved
+timing (``StepClock``): after each optimizer step of a variant, both ranks run one optimizer step
+of a shared reference, the plain DDP loop on its own model, data and process group. A variant's
+step = rank 0's time between two such hooks (steps 2..n of each epoch: the first makes the
+DataLoader iterator); "vs ref" = the median over all its timed steps of (its step / the reference
+step right after it); the throughput ratio = plain's "vs ref" over the variant's: each variant
+against plain DDP, both measured against the same reference in the same processes, so that the
+machine's drift (up to 2× over tens of milliseconds on this VM) and differences between launches
+cancel. The 95 % interval resamples rounds (bootstrap). Launch-to-launch spread (±3 %, measured in
+an earlier version that launched each variant separately) no longer enters the ratio.
+
+Whole-process time: each variant launched on its own (``launches`` times, order rotated), ``1 +
+epochs`` epochs at each accumulation without a reference; wall time of the launch command, start
+to exit, against plain's launch of the same round.
+
+All-reduces are counted by a DDP communication hook (``register_comm_hook``; for the Trainer
+through ``strategy_options={"ddp_comm_hook": ...}``) that wraps PyTorch's own ``allreduce_hook``,
+on in every variant (not on the reference); optimizer steps by a step post-hook. The model's
+gradients fit one DDP bucket (25 MiB), so one all-reduce per optimizer step is one hook call per step.
 """
 
 from __future__ import annotations
@@ -67,72 +71,84 @@ def counting_allreduce_hook(state: AllReduceCounter, bucket):
     return allreduce_hook(None, bucket)  # None: the default process group
 
 
-class ReferenceClock:
-    """Step-interleaved timing: after each optimizer step of the measured variant (a step post-hook),
-    every rank runs one optimizer step of the reference, a plain DDP loop on its own model, data
-    and process group (``dist.new_group``, so its all-reduces never mix with the variant's). The
-    variant's step = the gap between hooks; the reference's = the hook's ``next()``. Both run
-    within milliseconds of each other on the same cores, so the machine's drift cancels in their
-    ratio. Excluded from both: the warm-up epoch and the first step of every epoch (DataLoader
-    iterator creation, the variant's epoch-end work)."""
+class Reference:
+    """The plain DDP loop (``plain_ddp_steps``) on its own model, data and process group
+    (``dist.new_group``, so its all-reduces never mix with the variants'), advanced one optimizer
+    step at a time by the variants' clocks. One reference per launch, shared by every variant."""
 
     def __init__(self, args) -> None:
         self.args = args
         self.group = None
-        self.reference = None
+        self.steps = None
         self.k = 1
-        self.enter: list[float] = []
-        self.ref: list[float] = []
-        self.exit: list[float] = []
+
+    def set_accumulation(self, k: int) -> None:
+        self.close()
+        self.k = k
+
+    def step(self) -> None:
+        if self.steps is None:
+            import torch.distributed as dist
+
+            if self.group is None:  # collective: every rank's first step comes at the same point
+                self.group = dist.new_group(backend="gloo")
+            self.steps = plain_ddp_steps(*_plain_ddp_parts(self.args, self.group), self.k)
+        next(self.steps)
+
+    def close(self) -> None:
+        """Free the reference's DDP model while its process group still exists."""
+        if self.steps is not None:
+            self.steps.close()
+            self.steps = None
+            import gc
+
+            gc.collect()
+
+
+class StepClock:
+    """Step-interleaved timing of one variant: an optimizer step post-hook runs one reference step
+    after each optimizer step of the variant and times both. The variant's step = the gap between
+    hooks (everything the variant does from one optimizer step to the next); the reference's = the
+    hook's reference step. Both run within milliseconds of each other on the same cores, so the
+    machine's drift (up to 2× over tens of milliseconds on this VM) cancels in their ratio."""
+
+    def __init__(self, reference: Reference) -> None:
+        self.reference = reference
+        self.enter: list[float] = []  # hook entries: the end of each variant step
+        self.ref: list[float] = []  # reference step durations
+        self.exit: list[float] = []  # hook exits: the start of the next variant step
+        self.cpu_enter: list[float] = []  # process CPU time (all threads) at the same points
+        self.cpu_ref: list[float] = []
+        self.cpu_exit: list[float] = []
 
     def attach(self, optimizer):
         optimizer.register_step_post_hook(self._hook)
         return optimizer
 
-    def begin(self, k: int) -> None:
-        """A new setting (accumulation ``k``): a fresh reference loop with the same accumulation."""
-        self.close()
-        self.k = k
-        self.enter, self.ref, self.exit = [], [], []
-
     def _hook(self, optimizer, args, kwargs) -> None:
+        c0 = time.process_time()
         t0 = time.perf_counter()
-        if self.reference is None:
-            self.reference = self._reference_steps(self.k)
-        next(self.reference)
+        self.reference.step()
         t1 = time.perf_counter()
+        c1 = time.process_time()
         self.enter.append(t0)
         self.ref.append(t1 - t0)
+        self.cpu_enter.append(c0)
+        self.cpu_ref.append(c1 - c0)
+        self.cpu_exit.append(time.process_time())
         self.exit.append(time.perf_counter())
 
-    def _reference_steps(self, k: int):
-        """The plain DDP loop (``plain_ddp_steps``) on its own model, data and process group."""
-        import torch.distributed as dist
-
-        if self.group is None:  # collective: every rank's first hook runs at the same optimizer step
-            self.group = dist.new_group(backend="gloo")
-        yield from plain_ddp_steps(*_plain_ddp_parts(self.args, self.group), k)
-
-    def close(self) -> None:
-        """Free the reference's DDP model while its process group still exists."""
-        if self.reference is not None:
-            self.reference.close()
-            self.reference = None
-            import gc
-
-            gc.collect()
-
-    def result(self) -> dict:
-        """Mean variant and reference step (s) over the timed epochs, first steps of epochs left out."""
-        per_epoch = -(-self.args.steps // self.k)  # optimizer steps per epoch (a short last group counts)
-        keep = [j for j in range(per_epoch, len(self.enter)) if j % per_epoch]  # not warm-up, not first
-        variant = [self.enter[j] - self.exit[j - 1] for j in keep]
-        ref = [self.ref[j] for j in keep]
-        if not keep:
-            raise SystemExit(f"no timed step: give at least 2 optimizer steps per epoch (--steps >= {2 * self.k}) "
-                             "and --epochs >= 1")
-        return {"step_s": statistics.fmean(variant), "ref_s": statistics.fmean(ref), "timed_steps": len(keep),
-                "steps": len(self.enter)}  # optimizer steps of the variant, warm-up included
+    def take(self) -> tuple[list[float], list[float]]:
+        """(variant step s, reference step s) of steps 2..n of the epoch since the last call, paired
+        (the first step of an epoch makes its DataLoader iterator)."""
+        variant = [b - a for a, b in zip(self.exit, self.enter[1:])]
+        ref = self.ref[1:]
+        cpu = [b - a for a, b in zip(self.cpu_exit, self.cpu_enter[1:])]
+        cpu_ref = self.cpu_ref[1:]
+        if not variant:
+            raise SystemExit("no timed step: give at least 2 optimizer steps per epoch (--steps >= 8)")
+        self.enter, self.ref, self.exit, self.cpu_enter, self.cpu_ref, self.cpu_exit = [], [], [], [], [], []
+        return variant, ref, cpu, cpu_ref
 
 
 # -------------------------------------------------------------------------------------- workers
@@ -193,88 +209,188 @@ def plain_ddp_steps(model, optimizer, loader, sampler, k: int):
         epoch += 1
 
 
-def worker_plain(args) -> dict:
+class Counters:
+    """All-reduces (a DDP comm hook's state) and optimizer steps (a step post-hook) of one variant."""
+
+    def __init__(self) -> None:
+        self.allreduces = AllReduceCounter()
+        self.steps = 0
+
+    def attach(self, optimizer):
+        optimizer.register_step_post_hook(self._count)
+        return optimizer
+
+    def _count(self, optimizer, args, kwargs) -> None:
+        self.steps += 1
+
+    def snapshot(self) -> tuple[int, int]:
+        return self.steps, self.allreduces.calls
+
+
+def _ddp_options(counters: Counters) -> dict:
+    return {"ddp_comm_hook": counting_allreduce_hook, "ddp_comm_state": counters.allreduces}
+
+
+class PlainVariant:
+    """The plain DDP loop on the default process group."""
+
+    def __init__(self, args, counters: Counters, clock: StepClock | None) -> None:
+        self.model, self.optimizer, self.loader, self.sampler = _plain_ddp_parts(args)
+        self.model.register_comm_hook(counters.allreduces, counting_allreduce_hook)
+        counters.attach(self.optimizer)
+        if clock is not None:
+            clock.attach(self.optimizer)
+        self.k, self.steps = None, None
+
+    def epoch(self, k: int) -> None:
+        if k != self.k:
+            self.k, self.steps = k, plain_ddp_steps(self.model, self.optimizer, self.loader, self.sampler, k)
+        for _ in range(-(-len(self.loader) // k)):  # optimizer steps per epoch (a short last group counts)
+            next(self.steps)
+
+
+class RuntimeVariant:
+    """The same loop through ``Runtime`` (setup, setup_dataloader, set_epoch, to_device,
+    no_backward_sync, autocast, backward, step)."""
+
+    def __init__(self, args, counters: Counters, clock: StepClock | None) -> None:
+        import torch
+        from torch.utils.data import DataLoader
+
+        from trainscale import Runtime
+
+        def build(params):
+            optimizer = counters.attach(torch.optim.AdamW(params, lr=1e-3))
+            return clock.attach(optimizer) if clock is not None else optimizer
+
+        self.rt = Runtime(accelerator="cpu", strategy_options=_ddp_options(counters))
+        self.model, self.optimizer = self.rt.setup(_model(args), build)
+        self.loader = self.rt.setup_dataloader(DataLoader(_data(args), batch_size=BATCH, shuffle=True))
+        self.epochs = 0
+
+    def epoch(self, k: int) -> None:
+        import torch
+        from torch.nn import functional as F
+
+        rt, model, optimizer, loader = self.rt, self.model, self.optimizer, self.loader
+        rt.set_epoch(loader, self.epochs)
+        model.train()
+        loss_sum = torch.zeros((), device=rt.device)
+        for i, batch in enumerate(loader):
+            x, y = rt.to_device(batch)
+            boundary = (i + 1) % k == 0 or i + 1 == len(loader)
+            with rt.no_backward_sync(model, enabled=not boundary):
+                with rt.autocast():
+                    loss = F.cross_entropy(model(x), y)
+                rt.backward(loss / k)
+            loss_sum += loss.detach()
+            if boundary:
+                rt.step(optimizer)
+                optimizer.zero_grad(set_to_none=True)
+        self.epochs += 1
+
+
+class TrainerVariant:
+    """``Trainer(devices=2).fit``, progress bar and checkpointing off (telemetry on, as by default).
+    Interleaved: a fresh ``Trainer(max_epochs=1)`` and model per epoch; per launch: one fit per setting."""
+
+    def __init__(self, args, counters: Counters, clock: StepClock | None, root: str) -> None:
+        self.args, self.counters, self.clock, self.root = args, counters, clock, root
+        self.trainer = None
+
+    def fit(self, k: int, epochs: int) -> None:
+        import torch
+        from torch.utils.data import DataLoader
+
+        from trainscale import Trainer
+
+        def build(params):
+            optimizer = self.counters.attach(torch.optim.AdamW(params, lr=1e-3))
+            return self.clock.attach(optimizer) if self.clock is not None else optimizer
+
+        self.trainer = Trainer(accelerator="cpu", devices=2, max_epochs=epochs, accumulate_grad_batches=k,
+                               default_root_dir=self.root, enable_progress_bar=False, enable_checkpointing=False,
+                               strategy_options=_ddp_options(self.counters))
+        self.trainer.fit(_model(self.args), DataLoader(_data(self.args), batch_size=BATCH, shuffle=True),
+                         optimizer=build)
+
+    def epoch(self, k: int) -> None:
+        self.fit(k, 1)
+
+
+def worker_interleaved(args) -> dict:
+    """Every variant in one launch, epoch by epoch, the order rotated each round; each optimizer step
+    of a variant is followed by one of the shared reference. Round 0 of each setting is a warm-up."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
-    model, optimizer, loader, sampler = _plain_ddp_parts(args)
-    counter = AllReduceCounter()
-    model.register_comm_hook(counter, counting_allreduce_hook)
-    clock = ReferenceClock(args)
-    clock.attach(optimizer)
-    out = {}
-    for k in ACCUMULATIONS:
-        clock.begin(k)
-        calls0 = counter.calls
-        steps = plain_ddp_steps(model, optimizer, loader, sampler, k)
-        for _ in range((1 + args.epochs) * -(-len(loader) // k)):
-            next(steps)
-        out[k] = {"allreduces": counter.calls - calls0, **clock.result()}
-    clock.close()
-    dist.destroy_process_group()
-    return out
-
-
-def worker_runtime(args) -> dict:
-    import torch
-    from torch.nn import functional as F
-    from torch.utils.data import DataLoader
-
-    from trainscale import Runtime
-
-    counter = AllReduceCounter()
-    rt = Runtime(accelerator="cpu", strategy_options={"ddp_comm_hook": counting_allreduce_hook,
-                                                      "ddp_comm_state": counter})
-    clock = ReferenceClock(args)
-    model, optimizer = rt.setup(_model(args), lambda p: clock.attach(torch.optim.AdamW(p, lr=1e-3)))
-    loader = rt.setup_dataloader(DataLoader(_data(args), batch_size=BATCH, shuffle=True))
-    out = {}
-    for k in ACCUMULATIONS:
-        clock.begin(k)
-        calls0 = counter.calls
-        for epoch in range(1 + args.epochs):
-            rt.set_epoch(loader, epoch)
-            model.train()
-            loss_sum = torch.zeros((), device=rt.device)
-            for i, batch in enumerate(loader):
-                x, y = rt.to_device(batch)
-                boundary = (i + 1) % k == 0 or i + 1 == len(loader)
-                with rt.no_backward_sync(model, enabled=not boundary):
-                    with rt.autocast():
-                        loss = F.cross_entropy(model(x), y)
-                    rt.backward(loss / k)
-                loss_sum += loss.detach()
-                if boundary:
-                    rt.step(optimizer)
-                    optimizer.zero_grad(set_to_none=True)
-        out[k] = {"allreduces": counter.calls - calls0, **clock.result()}
-    clock.close()
-    rt.teardown()
-    return out
-
-
-def worker_trainer(args) -> dict:
-    import torch
-    from torch.utils.data import DataLoader
-
-    from trainscale import Trainer
-
-    counter = AllReduceCounter()
-    clock = ReferenceClock(args)
-    model = _model(args)
+    dist.init_process_group("gloo")  # the plain script's; Runtime and Trainer use the group they find
+    reference = Reference(args)
+    names = ["plain"] + [v for v in ("runtime", "trainer") if v in args.variants.split(",")]
+    counters = {name: Counters() for name in names}
+    clocks = {name: StepClock(reference) for name in names}
     out = {}
     with tempfile.TemporaryDirectory() as root:
+        builders = {"plain": lambda: PlainVariant(args, counters["plain"], clocks["plain"]),
+                    "runtime": lambda: RuntimeVariant(args, counters["runtime"], clocks["runtime"]),
+                    "trainer": lambda: TrainerVariant(args, counters["trainer"], clocks["trainer"], root)}
+        variants = {name: builders[name]() for name in names}
         for k in ACCUMULATIONS:
-            clock.begin(k)
-            calls0 = counter.calls
-            trainer = Trainer(accelerator="cpu", devices=2, max_epochs=1 + args.epochs, accumulate_grad_batches=k,
-                              default_root_dir=root, enable_progress_bar=False, enable_checkpointing=False,
-                              strategy_options={"ddp_comm_hook": counting_allreduce_hook, "ddp_comm_state": counter})
-            trainer.fit(model, DataLoader(_data(args), batch_size=BATCH, shuffle=True),
-                        optimizer=lambda p: clock.attach(torch.optim.AdamW(p, lr=1e-3)))
-            out[k] = {"allreduces": counter.calls - calls0, **clock.result()}
-    clock.close()
-    trainer.runtime.teardown()
+            reference.set_accumulation(k)
+            res = {name: {"step_s": [], "ref_s": [], "cpu_s": [], "cpu_ref_s": [], "steps": 0, "allreduces": 0}
+                   for name in names}
+            for r in range(1 + args.rounds):
+                for name in names[r % len(names):] + names[:r % len(names)]:  # rotated: no variant always first
+                    steps0, calls0 = counters[name].snapshot()
+                    variants[name].epoch(k)
+                    step_s, ref_s, cpu_s, cpu_ref_s = clocks[name].take()
+                    steps1, calls1 = counters[name].snapshot()
+                    res[name]["steps"] += steps1 - steps0
+                    res[name]["allreduces"] += calls1 - calls0
+                    if r > 0:  # round 0: warm-up
+                        res[name]["step_s"].append(step_s)  # per round: the timed steps, in order
+                        res[name]["ref_s"].append(ref_s)
+                        res[name]["cpu_s"].append(cpu_s)
+                        res[name]["cpu_ref_s"].append(cpu_ref_s)
+            out[k] = res
+        if int(os.environ["RANK"]) == 0:
+            Path(args.out).write_text(json.dumps(out))
+        dist.barrier()
+    os._exit(0)  # skip interpreter teardown: many DDP models and gloo groups, nothing left to save
+
+
+def worker_launch(args) -> dict:
+    """One variant per launch, for whole-process time: ``1 + epochs`` epochs at each accumulation."""
+    counters = Counters()
+    out = {}
+    with tempfile.TemporaryDirectory() as root:
+        if args.worker == "plain":
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+            variant = PlainVariant(args, counters, None)
+        elif args.worker == "runtime":
+            variant = RuntimeVariant(args, counters, None)
+        else:
+            variant = TrainerVariant(args, counters, None, root)
+        for k in ACCUMULATIONS:
+            steps0, calls0 = counters.snapshot()
+            if isinstance(variant, TrainerVariant):
+                variant.fit(k, 1 + args.epochs)
+            else:
+                for _ in range(1 + args.epochs):
+                    variant.epoch(k)
+            steps1, calls1 = counters.snapshot()
+            out[k] = {"steps": steps1 - steps0, "allreduces": calls1 - calls0}
+        if args.worker == "plain":
+            import gc
+
+            del variant  # DDP freed before its process group (else teardown can deadlock, shared/FACTS)
+            gc.collect()
+            dist.destroy_process_group()
+        elif args.worker == "runtime":
+            variant.rt.teardown()
+        else:
+            variant.trainer.runtime.teardown()
     return out
 
 
@@ -282,9 +398,10 @@ def worker_main(args) -> None:
     import torch
 
     torch.set_num_threads(1)
-    fn = {"plain": worker_plain, "runtime": worker_runtime, "trainer": worker_trainer,
-          "trainer-relaunch": worker_trainer}[args.worker]
-    result = fn(args)
+    if args.worker == "interleaved":
+        worker_interleaved(args)
+        return
+    result = worker_launch(args)
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.out).write_text(json.dumps(result))
 
@@ -292,7 +409,7 @@ def worker_main(args) -> None:
 # --------------------------------------------------------------------------------------- driver
 def _launch(variant: str, args, out: Path, log: Path) -> float:
     worker = ["--worker", variant, "--out", str(out), "--steps", str(args.steps), "--epochs", str(args.epochs),
-              "--workload", args.workload]
+              "--rounds", str(args.rounds), "--workload", args.workload, "--variants", args.variants]
     if variant == "trainer-relaunch":
         cmd = [sys.executable, __file__, *worker]
     else:
@@ -311,17 +428,70 @@ def _launch(variant: str, args, out: Path, log: Path) -> float:
     sys.exit(f"{variant} launch failed twice (exit {proc.returncode}); output:\n{log.read_text()[-4000:]}")
 
 
+BOOTSTRAP = 2000
+
+
+def paired_median(res: dict, rounds: list[int] | None = None, cpu: bool = False) -> float:
+    """Median over timed steps of (variant step / the reference step that followed it), over ``rounds``
+    (indices, repeats allowed; default all); wall time, or process CPU time with ``cpu``. Fabric's
+    DDP parity test compares median step times too."""
+    steps, ref = (res["cpu_s"], res["cpu_ref_s"]) if cpu else (res["step_s"], res["ref_s"])
+    rounds = range(len(steps)) if rounds is None else rounds
+    return statistics.median(t / r for i in rounds for t, r in zip(steps[i], ref[i]))
+
+
+def bootstrap_ratio(plain: dict, variant: dict, cpu: bool = False) -> tuple[float, float]:
+    """95 % percentile-bootstrap interval of ``paired_median(plain) / paired_median(variant)``: rounds
+    resampled with replacement, the same rounds for both (a round's variants ran side by side)."""
+    import random
+
+    rng = random.Random(0)
+    n = len(plain["step_s"])
+    ratios = []
+    for _ in range(BOOTSTRAP):
+        rounds = [rng.randrange(n) for _ in range(n)]
+        ratios.append(paired_median(plain, rounds, cpu) / paired_median(variant, rounds, cpu))
+    ratios.sort()
+    return ratios[int(0.025 * BOOTSTRAP)], ratios[int(0.975 * BOOTSTRAP) - 1]
+
+
+def _per_step(steps: int, allreduces: int) -> str:
+    return f"{steps:>9} {allreduces:>11} {allreduces / steps if steps else float('nan'):>8.2f}"
+
+
+def _print_process_table(variants: list[str], walls: dict, counts: dict, launches: int, epochs: int) -> None:
+    print(f"\n## Whole-process time: {launches} launch(es) per variant, each 1 + {epochs} epochs at accumulation "
+          f"{' then '.join(map(str, ACCUMULATIONS))}, no reference")
+    header = (f"{'variant':<17} {'process s':>9} {'min–max':>13} {'proc ratio':>10} "
+              + " ".join(f"{'steps/all-reduces (acc ' + str(k) + ')':>26}" for k in ACCUMULATIONS))
+    print(header)
+    print("-" * len(header))
+    for v in variants:
+        ratios = [w / p for w, p in zip(walls[v], walls["plain"])]
+        first = counts[v][0]
+        consistent = all(c == first for c in counts[v])
+        cells = " ".join(f"{first[str(k)]['steps']:>12}/{first[str(k)]['allreduces']:<13}" for k in ACCUMULATIONS)
+        print(f"{v:<17} {statistics.median(walls[v]):>9.2f} {min(walls[v]):>6.2f}–{max(walls[v]):<6.2f} "
+              f"{statistics.median(ratios):>10.3f} {cells}{'' if consistent else ' (differs between launches!)'}")
+    print("\n# process s: wall time of the launch command, start to exit (trainer-relaunch: `python ddp.py`, which"
+          "\n# re-executes itself under torchrun); proc ratio: over plain's launch of the same round")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, 1 short epoch per setting")
-    parser.add_argument("--rounds", type=int, default=None, help="launches per variant (default 3, quick 1)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, short epochs, 1 launch per variant")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved rounds per accumulation after a warm-up round (default 16, quick 1)")
+    parser.add_argument("--launches", type=int, default=None,
+                        help="launches per variant for whole-process time (default 2, quick 1; 0: skip)")
     parser.add_argument("--workload", choices=("convnet", "mlp"), default="convnet")
-    parser.add_argument("--steps", type=int, default=None, help="micro-batches per rank per epoch (default 24)")
-    parser.add_argument("--epochs", type=int, default=None, help="timed epochs per setting (default 2)")
+    parser.add_argument("--steps", type=int, default=None, help="micro-batches per rank per epoch (default 16)")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="epochs per accumulation after a warm-up epoch, in each process-time launch (default 1)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {', '.join(VARIANTS)} (plain is always run: the reference)")
     parser.add_argument("--log", default=None, help="file for the launches' output")
-    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("interleaved", *VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -332,62 +502,66 @@ def main() -> None:
 
     import torch
 
-    variants = ["plain"] + [v for v in VARIANTS[1:] if v in args.variants.split(",")]
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
-    rounds = args.rounds or (1 if args.quick else 3)
-    args.steps = args.steps or (8 if args.quick else 24)  # >= 2 optimizer steps per epoch at accumulation 4
-    args.epochs = args.epochs or (1 if args.quick else 2)
+    variants = ["plain"] + [v for v in VARIANTS[1:] if v in args.variants.split(",")]
+    interleaved = [v for v in variants if v in ("plain", "runtime", "trainer")]
+    args.rounds = args.rounds or (1 if args.quick else 16)
+    launches = args.launches if args.launches is not None else (1 if args.quick else 2)
+    args.steps = args.steps or (8 if args.quick else 16)
+    if args.steps < 8:
+        parser.error("--steps must be >= 8 (2 optimizer steps per epoch at accumulation 4)")
+    args.epochs = args.epochs or 1
     log = Path(args.log or Path(tempfile.gettempdir()) / f"trainscale-ddp-{os.getpid()}.log")
     log.write_text("")
     print(f"# ddp: 2 processes, gloo, torch {torch.__version__}, Python {platform.python_version()}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start, 1 thread per process"
           f"{', QUICK (smoke run, numbers not meaningful)' if args.quick else ''}")
-    print(f"# workload {args.workload}, batch {BATCH} per rank, {args.steps} micro-batches per rank per epoch, "
-          f"{args.epochs} timed epochs per setting, {rounds} interleaved launches per variant; log: {log}")
+    print(f"# workload {args.workload}, batch {BATCH} per rank, {args.steps} micro-batches per rank per epoch; log: {log}")
     t_start = time.perf_counter()
-    results = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(rounds):
+        out = Path(tmp) / "interleaved.json"
+        wall_interleaved = _launch("interleaved", args, out, log)
+        inter = json.loads(out.read_text())
+        walls = {v: [] for v in variants}
+        counts = {}
+        for r in range(launches):
             for v in variants[r % len(variants):] + variants[:r % len(variants)]:  # rotated each round
                 out = Path(tmp) / f"{v}-{r}.json"
-                wall = _launch(v, args, out, log)
-                results[v].append({"wall_s": wall, **json.loads(out.read_text())})
+                walls[v].append(_launch(v, args, out, log))
+                counts.setdefault(v, []).append(json.loads(out.read_text()))
 
-    header = (f"{'variant':<17} {'accum':>5} {'step ms':>8} {'step ms min–max':>16} {'vs ref':>6} {'samples/s':>9} "
-              f"{'thru ratio':>10} {'ratio min–max':>13} {'process s':>9} {'proc ratio':>10} "
+    print(f"\n## Throughput: one launch, {', '.join(interleaved)} epoch by epoch in rotated order, "
+          f"{args.rounds} rounds per accumulation after a warm-up round ({wall_interleaved:.0f} s)")
+    header = (f"{'variant':<17} {'accum':>5} {'step ms':>8} {'timed':>6} {'vs ref':>6} {'samples/s':>9} "
+              f"{'thru ratio':>10} {'95 % interval':>13} {'CPU ratio':>9} {'95 % interval':>13} "
               f"{'opt steps':>9} {'all-reduces':>11} {'per step':>8}")
-    print()
     print(header)
     print("-" * len(header))
     for k in ACCUMULATIONS:
-        key = str(k)
-        plain_vs_ref = [run[key]["step_s"] / run[key]["ref_s"] for run in results["plain"]]
-        plain_wall = [run["wall_s"] for run in results["plain"]]
-        for v in variants:
-            step = [run[key]["step_s"] for run in results[v]]
-            vs_ref = [run[key]["step_s"] / run[key]["ref_s"] for run in results[v]]
-            thru_ratio = [p / x for p, x in zip(plain_vs_ref, vs_ref)]  # throughput = inverse step time
-            wall = [run["wall_s"] for run in results[v]]
-            proc_ratio = [w / p for w, p in zip(wall, plain_wall)]
-            steps = results[v][0][key]["steps"]
-            calls = results[v][0][key]["allreduces"]
-            consistent = all(run[key]["steps"] == steps and run[key]["allreduces"] == calls for run in results[v])
-            samples_per_s = 2 * BATCH * k / statistics.median(step)
-            print(f"{v:<17} {k:>5} {statistics.median(step) * 1e3:>8.1f} "
-                  f"{min(step) * 1e3:>7.1f}–{max(step) * 1e3:<8.1f} {statistics.median(vs_ref):>6.3f} "
-                  f"{samples_per_s:>9.0f} {statistics.median(thru_ratio):>10.3f} "
-                  f"{min(thru_ratio):>6.3f}–{max(thru_ratio):<6.3f} "
-                  f"{statistics.median(wall):>9.2f} {statistics.median(proc_ratio):>10.3f} "
-                  f"{steps:>9} {calls:>11} {calls / steps:>8.2f}{'' if consistent else ' (differs between launches!)'}")
-    print(f"\n# step ms: rank 0's mean optimizer step ({'/'.join(str(results['plain'][0][str(k)]['timed_steps']) for k in ACCUMULATIONS)} "
-          "timed steps per launch for accumulation " + "/".join(map(str, ACCUMULATIONS)) + "), median and min–max over launches;"
-          "\n# vs ref: over the reference steps interleaved with it; thru ratio: plain's 'vs ref' over the variant's,"
-          "\n# same round (throughput against plain DDP, both measured against the same reference); process s includes"
-          "\n# the reference's steps (the same work in every variant)")
-    print("\n# opt steps and all-reduces: rank 0, all epochs of the setting incl. warm-up, first launch; "
-          "'per step' = all-reduces / optimizer steps (1.00 = exactly one per step)")
+        res = inter[str(k)]
+        plain = res["plain"]
+        for v in interleaved:
+            steps = [t for rnd in res[v]["step_s"] for t in rnd]
+            vs_ref = paired_median(res[v])
+            ratio = paired_median(plain) / vs_ref  # throughput = inverse step time
+            low, high = bootstrap_ratio(plain, res[v])
+            cpu_ratio = paired_median(plain, cpu=True) / paired_median(res[v], cpu=True)
+            cpu_low, cpu_high = bootstrap_ratio(plain, res[v], cpu=True)
+            print(f"{v:<17} {k:>5} {statistics.median(steps) * 1e3:>8.1f} {len(steps):>6} {vs_ref:>6.3f} "
+                  f"{2 * BATCH * k / statistics.median(steps):>9.0f} {ratio:>10.3f} {low:>6.3f}–{high:<6.3f} "
+                  f"{cpu_ratio:>9.3f} {cpu_low:>6.3f}–{cpu_high:<6.3f} "
+                  f"{_per_step(res[v]['steps'], res[v]['allreduces'])}")
+    print("\n# step ms: rank 0's median optimizer step (steps 2..n of each epoch; timed: how many, all rounds);"
+          "\n# vs ref: median over those steps of (step / the reference step right after it); thru ratio: plain's"
+          "\n# 'vs ref' over the variant's (throughput against plain DDP, both measured against the same reference);"
+          f"\n# 95 % interval: of the ratio, {BOOTSTRAP} bootstrap resamples of the rounds (percentiles 2.5, 97.5);"
+          "\n# CPU ratio: the same with rank 0's process CPU time (all threads) instead of wall time: work, not waiting;"
+          "\n# opt steps, all-reduces: rank 0, all rounds incl. warm-up; per step 1.00 = exactly one per optimizer step")
+
+    if launches:
+        _print_process_table(variants, walls, counts, launches, args.epochs)
     print(f"# total {time.perf_counter() - t_start:.0f} s; load average {os.getloadavg()[0]:.2f} at end")
 
 

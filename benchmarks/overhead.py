@@ -40,8 +40,12 @@ setup, the epoch-end reduction, checkpoint, summary.
 
 Memory: a separate fresh process per variant trains 3 epochs and reports its peak resident set
 size (``ru_maxrss``: libraries, data, model, optimizer state, activations, the Trainer's checkpoint
-buffers), with ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`` so that glibc returns freed
-memory at once (identical runs then agree within ~0.3 MiB); the ratio is against the plain process.
+buffers) and its peak private memory (``PrivatePeak``: resident minus file-backed pages, sampled
+every 0.5 ms; file-backed pages are the shared libraries' code, which every process on the machine
+maps from one page cache: PyTorch kernels a loop runs for the first time, e.g. FlopCounterMode's
+dispatch path or ``torch.save``, add to RSS but not to private memory), with
+``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`` so that glibc returns freed memory at once
+(identical runs then agree within ~0.3 MiB); the ratios are against the plain process.
 trainscale's modules are compiled to bytecode first (``compileall``), as installing a package does:
 with ``PYTHONDONTWRITEBYTECODE=1`` (set on this machine) and no bytecode, every import compiles its
 source again, and the compiler's memory would count as trainscale's (+1.7 MiB measured).
@@ -231,8 +235,43 @@ def _time_workload(workload: str, steps: int, rounds: int) -> dict:
     return results
 
 
+class PrivatePeak:
+    """Peak private memory: a thread samples ``/proc/self/statm`` every ~0.5 ms and keeps the largest
+    resident − shared pages (= ``RssAnon``: heap, tensors, Python objects; not the file-backed
+    pages of shared libraries, which every process using the same PyTorch code maps from the page
+    cache). Spikes shorter than the sampling interval can be missed, alike in every variant."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        with open("/proc/self/statm") as f:
+            fields = f.read().split()
+        self.peak = max(self.peak, (int(fields[1]) - int(fields[2])) * self.page)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.0005):
+            self._sample()
+
+    def __enter__(self) -> "PrivatePeak":
+        sys.setswitchinterval(0.0005)  # the sampler gets the GIL during Python-heavy stretches too
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
 def _child_memory(workload: str, variant: str, steps: int, epochs: int, out: str) -> None:
-    with tempfile.TemporaryDirectory() as root:
+    with PrivatePeak() as private, tempfile.TemporaryDirectory() as root:
         if variant == "plain":
             runner = Plain(workload, steps)
         elif variant == "runtime":
@@ -242,7 +281,7 @@ def _child_memory(workload: str, variant: str, steps: int, epochs: int, out: str
         for _ in range(epochs):
             runner.epoch()
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    Path(out).write_text(json.dumps({"peak_rss_bytes": peak_kib * 1024}))
+    Path(out).write_text(json.dumps({"peak_rss_bytes": peak_kib * 1024, "peak_private_bytes": private.peak}))
 
 
 # -------------------------------------------------------------------------------------- driver
@@ -326,13 +365,13 @@ def main() -> None:
         memory = {}
         if not args.quick:  # a fresh process per variant: peak RSS is per process
             memory = {v: _run_child(["--child", "memory", "--workload", workload, "--variant", v,
-                                     "--steps", str(steps), "--epochs", "3"], log, MALLOC_ENV)["peak_rss_bytes"]
-                      for v in VARIANTS}
+                                     "--steps", str(steps), "--epochs", "3"], log, MALLOC_ENV) for v in VARIANTS}
         res = timing[workload]["results"]
         print(f"\n## {workload}: batch {batch}, {steps} steps per epoch, {n_rounds} rounds; each variant's steps "
               f"interleaved with the reference's (median, min–max over rounds)")
         header = (f"{'variant':<13} {'ms/step':>8} {'min–max':>13} {'vs ref':>6} {'ratio':>6} {'ratio min–max':>13} "
-                  f"{'ratio IQR':>11} {'outside loop s':>14} {'peak RSS MiB':>12} {'mem ratio':>9}")
+                  f"{'ratio IQR':>11} {'outside loop s':>14} {'peak RSS MiB':>12} {'RSS ratio':>9} {'private MiB':>11} "
+                  f"{'priv ratio':>10}")
         print(header)
         print("-" * len(header))
         plain_vs_ref = [t / r for t, r in zip(res["plain"]["step"], res["plain"]["ref"])]
@@ -341,8 +380,12 @@ def main() -> None:
             vs_ref = [t / r for t, r in zip(res[v]["step"], res[v]["ref"])]
             ratios = [x / p for x, p in zip(vs_ref, plain_vs_ref)]  # against plain, same round, same instrument
             q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
-            mem = (f"{memory[v] / 2**20:>12.1f} {memory[v] / memory['plain']:>9.3f}" if memory
-                   else f"{'(skipped)':>12} {'-':>9}")
+            if memory:
+                rss, private = (memory[v][key] / memory["plain"][key] for key in ("peak_rss_bytes", "peak_private_bytes"))
+                mem = (f"{memory[v]['peak_rss_bytes'] / 2**20:>12.1f} {rss:>9.3f} "
+                       f"{memory[v]['peak_private_bytes'] / 2**20:>11.1f} {private:>10.3f}")
+            else:
+                mem = f"{'(skipped)':>12} {'-':>9} {'(skipped)':>11} {'-':>10}"
             print(f"{v:<13} {statistics.median(step_ms):>8.3f} {_fmt_range(step_ms, digits=2):>13} "
                   f"{statistics.median(vs_ref):>6.3f} {statistics.median(ratios):>6.3f} {_fmt_range(ratios):>13} "
                   f"{q1:>5.3f}–{q3:<5.3f} {statistics.median(res[v]['outside']):>14.3f} {mem}")

@@ -43,14 +43,22 @@ def test_overhead_prints_both_workloads():
 
 @pytest.mark.multiprocess
 def test_ddp_counts_one_all_reduce_per_optimizer_step():
-    # plain DDP (always run) and the Trainer relaunching itself under torchrun: 2 launches
-    stdout = run_bench("ddp.py", "--variants", "trainer-relaunch")
-    for variant in ("plain", "trainer-relaunch"):
-        rows = table_rows(stdout, variant)
+    # one interleaved launch (plain and Trainer), then one launch each of plain, Trainer and the
+    # Trainer relaunching itself under torchrun
+    stdout = run_bench("ddp.py", "--variants", "trainer,trainer-relaunch")
+    throughput, process = stdout.split("## Whole-process time")
+    for variant in ("plain", "trainer"):
+        rows = table_rows(throughput, variant)
         assert [row[1] for row in rows] == ["1", "4"], stdout  # accumulation 1 and 4
         for row in rows:
             steps, allreduces, per_step = int(row[-3]), int(row[-2]), row[-1]
             assert steps > 0 and allreduces == steps and per_step == "1.00", stdout
+    for variant in ("plain", "trainer", "trainer-relaunch"):
+        [row] = table_rows(process, variant)
+        assert float(row[1]) > 0, stdout  # process seconds
+        for cell in row[-2:]:  # optimizer steps / all-reduces at accumulation 1 and 4
+            steps, allreduces = cell.split("/")
+            assert int(steps) > 0 and allreduces == steps, stdout
 
 
 def test_startup_times_imports_and_help_without_torch():

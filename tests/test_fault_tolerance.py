@@ -230,6 +230,39 @@ def test_bad_fault_flags(kwargs, message):
         Trainer(**kwargs)
 
 
+def _poll_body(rank: int) -> dict:
+    """Rank 0: NaN at step 5; rank 1: inf at step 3; then, in a second interval, finite losses whose
+    float32 sum overflows (no error), then a signal flag on rank 1 only."""
+    from trainscale.runtime.runtime import Runtime
+    from trainscale.train.fault import FaultTolerance, NonFiniteLossError
+
+    rt = Runtime(accelerator="cpu", timeout=60)
+    rt.launch()
+    ft = FaultTolerance(rt, "raise", handle_signals=False)
+    out = {}
+    for step in range(8):
+        bad = {0: 5, 1: 3}[rank] == step
+        ft.observe_loss(torch.tensor(float("nan") if rank == 0 and bad else float("inf") if bad else 0.5), step)
+    try:
+        ft.poll(8, 0)
+    except NonFiniteLossError as err:
+        out["error"] = str(err)
+    for step in range(8, 12):
+        ft.observe_loss(torch.tensor(3e38), step)  # finite; their sum is inf in float32
+    ft._signal = 10 if rank == 1 else None
+    out["signal"] = ft.poll(12, 0)
+    rt.teardown()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_nonfinite_poll_names_each_ranks_first_bad_step_on_two_ranks():
+    results = run_distributed(_poll_body, timeout=90)
+    for r in results:  # every rank raises the same error, naming the earliest step and every rank's first
+        assert "optimizer step 4 (epoch 0) on rank(s) [1] (every rank's first: {0: 6, 1: 4})" in r["error"], r
+        assert r["signal"] == 10  # an overflowing sum of finite losses is not an error; the signal reaches all
+
+
 def test_nonfinite_check_folds_long_intervals_and_names_the_first_bad_step():
     """Losses are kept without a device op per step and folded every _FOLD micro-batches; poll
     still names the first non-finite step, across folds, for 0-dim and (1,)-shaped losses."""

@@ -135,7 +135,7 @@ def rng_state() -> dict:
     np_state = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
+        "numpy": [np_state[0], np_state[1].tolist(), *map(float, np_state[2:])],  # 624 ints (MT19937 keys)
         "python": random.getstate(),
     }
     if torch.cuda.is_available():
@@ -147,7 +147,8 @@ def set_rng_state(state: dict) -> None:
     """Restore states made by :func:`rng_state`."""
     torch.set_rng_state(state["torch"])
     name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys  # a tensor in checkpoints before 2026-11-22
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), cached))
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
