@@ -11,13 +11,15 @@ Variants:
 - ``plain``: a hand-written DDP loop (``plain_ddp_steps``): ``init_process_group("gloo")``,
   ``DistributedDataParallel``, ``no_sync()`` on the micro-batches before each accumulation boundary,
   loss divided by the accumulation, epoch loss summed on the device.
+- ``plain-2`` (throughput only): a second, identical plain loop: an A/A control, whose ratio shows
+  what the instrument reads for no difference at all.
 - ``runtime``: the same loop through ``Runtime``.
 - ``trainer``: ``Trainer(devices=2).fit`` (progress bar and checkpointing off, telemetry on: the
   same work as the loops; see overhead.py for their cost).
 - ``trainer-relaunch`` (whole-process time only): the same, started as ``python ddp.py``:
   ``Trainer(devices=2)`` re-executes the script under torchrun itself.
 
-Throughput, one torchrun launch: every rank builds plain, runtime and trainer side by side and
+Throughput, one torchrun launch: every rank builds plain, plain-2, runtime and trainer side by side and
 runs one epoch of each per round, in an order rotated each round (a fresh ``Trainer(max_epochs=1)``
 and model per trainer epoch), after a warm-up round, for accumulation 1 then 4. Step-interleaved
 timing (``StepClock``): after each optimizer step of a variant, both ranks run one optimizer step
@@ -325,12 +327,13 @@ def worker_interleaved(args) -> dict:
 
     dist.init_process_group("gloo")  # the plain script's; Runtime and Trainer use the group they find
     reference = Reference(args)
-    names = ["plain"] + [v for v in ("runtime", "trainer") if v in args.variants.split(",")]
+    names = ["plain", "plain-2"] + [v for v in ("runtime", "trainer") if v in args.variants.split(",")]
     counters = {name: Counters() for name in names}
     clocks = {name: StepClock(reference) for name in names}
     out = {}
     with tempfile.TemporaryDirectory() as root:
         builders = {"plain": lambda: PlainVariant(args, counters["plain"], clocks["plain"]),
+                    "plain-2": lambda: PlainVariant(args, counters["plain-2"], clocks["plain-2"]),  # A/A control
                     "runtime": lambda: RuntimeVariant(args, counters["runtime"], clocks["runtime"]),
                     "trainer": lambda: TrainerVariant(args, counters["trainer"], clocks["trainer"], root)}
         variants = {name: builders[name]() for name in names}
@@ -481,7 +484,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, short epochs, 1 launch per variant")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="interleaved rounds per accumulation after a warm-up round (default 16, quick 1)")
+                        help="interleaved rounds per accumulation after a warm-up round (default 12, quick 1)")
     parser.add_argument("--launches", type=int, default=None,
                         help="launches per variant for whole-process time (default 2, quick 1; 0: skip)")
     parser.add_argument("--workload", choices=("convnet", "mlp"), default="convnet")
@@ -506,8 +509,8 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     variants = ["plain"] + [v for v in VARIANTS[1:] if v in args.variants.split(",")]
-    interleaved = [v for v in variants if v in ("plain", "runtime", "trainer")]
-    args.rounds = args.rounds or (1 if args.quick else 16)
+    interleaved = ["plain", "plain-2"] + [v for v in variants if v in ("runtime", "trainer")]
+    args.rounds = args.rounds or (1 if args.quick else 12)
     launches = args.launches if args.launches is not None else (1 if args.quick else 2)
     args.steps = args.steps or (8 if args.quick else 16)
     if args.steps < 8:
@@ -554,6 +557,7 @@ def main() -> None:
                   f"{cpu_ratio:>9.3f} {cpu_low:>6.3f}–{cpu_high:<6.3f} "
                   f"{_per_step(res[v]['steps'], res[v]['allreduces'])}")
     print("\n# step ms: rank 0's median optimizer step (steps 2..n of each epoch; timed: how many, all rounds);"
+          "\n# plain-2: a second, identical plain loop (A/A control: its ratio is the instrument's error);"
           "\n# vs ref: median over those steps of (step / the reference step right after it); thru ratio: plain's"
           "\n# 'vs ref' over the variant's (throughput against plain DDP, both measured against the same reference);"
           f"\n# 95 % interval: of the ratio, {BOOTSTRAP} bootstrap resamples of the rounds (percentiles 2.5, 97.5);"

@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/fault_overhead.py
 
 Measures, in one run on this machine: a plain ConvNet SGD step (batch 32, CPU), the per-micro-batch
-non-finite bookkeeping (``FaultTolerance.observe_loss``: the loss kept, folded on the device every 256), the per-step watchdog ``pet`` and
+non-finite bookkeeping (``FaultTolerance.observe_loss``: the loss kept, stacked on the device every 256), the per-step watchdog ``pet`` and
 ``due`` (a clock read), the per-step host sync of ``on_nonfinite="skip"``, and the 2·W-element
 all-reduce of ``poll`` on 2 gloo ranks (run every ``log_every_n_steps`` steps). Prints microseconds
 and ratios to the step.
@@ -32,7 +32,7 @@ def _poll_rank(rank, port, q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    vec = torch.zeros(4, dtype=torch.long)
+    vec = torch.zeros(4, dtype=torch.float32)  # as in FaultTolerance.poll: (signal, loss sum) per rank
     us = per_call(lambda: dist.all_reduce(vec), n=500)
     if rank == 0:
         q.put(us)
@@ -79,7 +79,7 @@ def main() -> None:
     mp.start_processes(_poll_rank, args=(port, q), nprocs=2, start_method="spawn")
     poll_us = q.get()
     print(f"plain PyTorch ConvNet SGD step (batch 32, CPU, {torch.get_num_threads()} threads): {step_us:9.1f} us")
-    for name, us in (("observe_loss (per micro-batch, fold amortized)", observe_us),
+    for name, us in (("observe_loss (per micro-batch, stacking amortized)", observe_us),
                      ("due + watchdog pet (per step)", due_us),
                      ("watchdog re-arm (every timeout/4 s)", rearm_us),
                      ("'skip' host sync (.item(), per step)", sync_us),

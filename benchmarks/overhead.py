@@ -370,8 +370,8 @@ def main() -> None:
         print(f"\n## {workload}: batch {batch}, {steps} steps per epoch, {n_rounds} rounds; each variant's steps "
               f"interleaved with the reference's (median, min–max over rounds)")
         header = (f"{'variant':<13} {'ms/step':>8} {'min–max':>13} {'vs ref':>6} {'ratio':>6} {'ratio min–max':>13} "
-                  f"{'ratio IQR':>11} {'outside loop s':>14} {'peak RSS MiB':>12} {'RSS ratio':>9} {'private MiB':>11} "
-                  f"{'priv ratio':>10}")
+                  f"{'ratio IQR':>11} {'outside loop s':>14} {'peak RSS MiB':>12} {'RSS extra':>9} {'private MiB':>11} "
+                  f"{'priv extra':>10}")
         print(header)
         print("-" * len(header))
         plain_vs_ref = [t / r for t, r in zip(res["plain"]["step"], res["plain"]["ref"])]
@@ -382,8 +382,8 @@ def main() -> None:
             q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
             if memory:
                 rss, private = (memory[v][key] / memory["plain"][key] for key in ("peak_rss_bytes", "peak_private_bytes"))
-                mem = (f"{memory[v]['peak_rss_bytes'] / 2**20:>12.1f} {rss:>9.3f} "
-                       f"{memory[v]['peak_private_bytes'] / 2**20:>11.1f} {private:>10.3f}")
+                mem = (f"{memory[v]['peak_rss_bytes'] / 2**20:>12.1f} {(rss - 1) * 100:>+7.2f} % "
+                       f"{memory[v]['peak_private_bytes'] / 2**20:>11.1f} {(private - 1) * 100:>+8.2f} %")
             else:
                 mem = f"{'(skipped)':>12} {'-':>9} {'(skipped)':>11} {'-':>10}"
             print(f"{v:<13} {statistics.median(step_ms):>8.3f} {_fmt_range(step_ms, digits=2):>13} "
@@ -391,7 +391,8 @@ def main() -> None:
                   f"{q1:>5.3f}–{q3:<5.3f} {statistics.median(res[v]['outside']):>14.3f} {mem}")
     print("\n# vs ref: the variant's mean step over the mean of the reference steps interleaved with it (per round);"
           "\n# ratio: that over plain's 'vs ref' in the same round, i.e. the variant against the plain loop measured"
-          "\n# the same way (plain's own 'vs ref' shows the instrument's bias: the reference runs inside a hook)")
+          "\n# the same way (plain's own 'vs ref' shows the instrument's bias: the reference runs inside a hook);"
+          "\n# RSS extra, priv extra: peak RSS and peak private memory over the plain process's, in per cent")
     print(f"\n# total {time.perf_counter() - t_start:.0f} s; load average {os.getloadavg()[0]:.2f} at end")
 
 
