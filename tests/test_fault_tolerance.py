@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,7 +75,10 @@ def elastic_runs(tmp_path_factory):
 def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(elastic_runs):
     base, logs = elastic_runs
     killed, full = base / "killed", base / "full"
-    assert "exitcode: -9" in logs["killed"] and "resuming from" in logs["killed"]
+    # torchrun's agent names the first failed worker it sees: rank 1 (exitcode -9, the SIGKILL) or, when
+    # rank 0's broken all-reduce ends it first (seen under load), rank 0 (exitcode 1). The kill itself
+    # is checked below: rank 1's first attempt stops at the kill step.
+    assert re.search(r"failed \(exitcode: (-9|1)\)", logs["killed"]) and "resuming from" in logs["killed"]
     assert "epoch=0001-step=000015.pt" in logs["killed"]  # the last step checkpoint, mid-epoch 1
     for rank in (0, 1):
         ref = torch.load(full / f"final-rank{rank}.pt")
@@ -87,6 +91,8 @@ def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(elastic_runs):
         second = _records(killed, rank, 1)
         resumed_at = second[0]["step"]
         assert resumed_at == 15
+        if rank == 1:  # SIGKILLed itself at optimizer step 17 of attempt 0, before recording it
+            assert _records(killed, rank, 0)[-1]["step"] == 16
         seen += [(r["epoch"], r["ids"]) for r in _records(killed, rank, 0) if r["step"] < resumed_at]
         seen += [(r["epoch"], r["ids"]) for r in second]
     _assert_each_sample_once_per_epoch(seen, 96, 2)
