@@ -140,9 +140,9 @@ class StepClock:
         self.cpu_exit.append(time.process_time())
         self.exit.append(time.perf_counter())
 
-    def take(self) -> tuple[list[float], list[float]]:
-        """(variant step s, reference step s) of steps 2..n of the epoch since the last call, paired
-        (the first step of an epoch makes its DataLoader iterator)."""
+    def take(self) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Steps 2..n of the epoch since the last call (the first makes the DataLoader iterator), paired
+        by index: (variant wall s, reference wall s, variant CPU s, reference CPU s)."""
         variant = [b - a for a, b in zip(self.exit, self.enter[1:])]
         ref = self.ref[1:]
         cpu = [b - a for a, b in zip(self.cpu_exit, self.cpu_enter[1:])]
@@ -320,7 +320,7 @@ class TrainerVariant:
         self.fit(k, 1)
 
 
-def worker_interleaved(args) -> dict:
+def worker_interleaved(args) -> None:
     """Every variant in one launch, epoch by epoch, the order rotated each round; each optimizer step
     of a variant is followed by one of the shared reference. Round 0 of each setting is a warm-up."""
     import torch.distributed as dist

@@ -259,6 +259,7 @@ class PrivatePeak:
             self._sample()
 
     def __enter__(self) -> "PrivatePeak":
+        self._switch = sys.getswitchinterval()
         sys.setswitchinterval(0.0005)  # the sampler gets the GIL during Python-heavy stretches too
         self._sample()
         self._thread.start()
@@ -267,6 +268,7 @@ class PrivatePeak:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        sys.setswitchinterval(self._switch)
         self._sample()
 
 

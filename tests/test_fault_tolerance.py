@@ -270,8 +270,8 @@ def test_nonfinite_poll_names_each_ranks_first_bad_step_on_two_ranks():
 
 
 def test_nonfinite_check_folds_long_intervals_and_names_the_first_bad_step():
-    """Losses are kept without a device op per step and folded every _FOLD micro-batches; poll
-    still names the first non-finite step, across folds, for 0-dim and (1,)-shaped losses."""
+    """Losses are kept without a device op per step and stacked every _FOLD micro-batches; poll
+    still names the first non-finite step, across stacks, for 0-dim and (1,)-shaped losses."""
     from trainscale.runtime.runtime import Runtime
     from trainscale.train.fault import _FOLD, FaultTolerance, NonFiniteLossError
 
