@@ -15,9 +15,12 @@ Variants, all built from the same seed, each with its own model, optimizer and D
 - ``runtime``: the same loop through ``Runtime`` (setup, setup_dataloader, set_epoch, to_device,
   no_backward_sync, autocast, backward, step), as in the Runtime docstring.
 - ``trainer``: ``Trainer.fit`` with its defaults: progress bar on (written to this process's stderr,
-  which the driver sends to a log file), telemetry on, a JSONL/CSV step record every 50 steps, a
-  checkpoint at each epoch end.
-- ``trainer-lean``: ``Trainer.fit`` with ``enable_progress_bar=False, enable_checkpointing=False``.
+  which the driver sends to a log file), telemetry on (on a CPU without FLOP counting, see
+  ``count_flops``), a JSONL/CSV step record every 50 steps, a checkpoint at each epoch end.
+- ``trainer-lean``: the defaults with telemetry and progress bar off
+  (``enable_telemetry=False, enable_progress_bar=False``).
+- ``trainer-flops``: the defaults plus ``count_flops=True`` (FLOPs of the first micro-batch counted
+  under ``FlopCounterMode``, as on a GPU by default): what counting FLOPs costs.
 
 Timing, step-interleaved: the reference is the plain loop, written as a generator that runs one
 step per ``next()`` on its own model, optimizer and DataLoader. An optimizer step post-hook on the
@@ -64,7 +67,12 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = ("plain", "runtime", "trainer", "trainer-lean")
+VARIANTS = ("plain", "runtime", "trainer", "trainer-lean", "trainer-flops")
+TRAINER_FLAGS = {  # each Trainer variant's flags on top of the defaults
+    "trainer": {},
+    "trainer-lean": {"enable_telemetry": False, "enable_progress_bar": False},
+    "trainer-flops": {"count_flops": True},
+}
 WORKLOADS = {  # name: (batch size, steps per epoch, rounds, quick rounds)
     "mlp": (64, 25, 100, 2),
     "convnet": (100, 6, 24, 1),
@@ -188,18 +196,17 @@ class WithRuntime(Plain):
 
 
 class WithTrainer(Plain):
-    def __init__(self, workload: str, steps: int, lean: bool, root: str, reference=None) -> None:
+    def __init__(self, workload: str, steps: int, variant: str, root: str, reference=None) -> None:
         self.model, self.optimizer, self.loader = _make(workload, steps)
         self.clock = PairClock(self.optimizer, reference) if reference is not None else None
-        self.lean = lean
+        self.flags = TRAINER_FLAGS[variant]
         self.root = root
 
     def epoch(self) -> dict:
         from trainscale import Trainer
 
         t0 = time.perf_counter()
-        trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, default_root_dir=self.root,
-                          enable_progress_bar=not self.lean, enable_checkpointing=not self.lean)
+        trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, default_root_dir=self.root, **self.flags)
         trainer.fit(self.model, self.loader, optimizer=self.optimizer)
         call = time.perf_counter() - t0
         return self._result(call - trainer.history[-1]["epoch_time_s"])
@@ -222,8 +229,7 @@ def _time_workload(workload: str, steps: int, rounds: int) -> dict:
     with tempfile.TemporaryDirectory() as root:
         reference = plain_steps(*_make(workload, steps))  # one reference, advanced by every variant's hooks
         runners = {"plain": Plain(workload, steps, reference), "runtime": WithRuntime(workload, steps, reference),
-                   "trainer": WithTrainer(workload, steps, lean=False, root=root, reference=reference),
-                   "trainer-lean": WithTrainer(workload, steps, lean=True, root=root, reference=reference)}
+                   **{v: WithTrainer(workload, steps, v, root, reference) for v in TRAINER_FLAGS}}
         for runner in runners.values():  # warm-up epoch (first-touch allocations, lazy imports)
             runner.epoch()
         results = {name: {"step": [], "ref": [], "outside": []} for name in runners}
@@ -279,7 +285,7 @@ def _child_memory(workload: str, variant: str, steps: int, epochs: int, out: str
         elif variant == "runtime":
             runner = WithRuntime(workload, steps)
         else:
-            runner = WithTrainer(workload, steps, lean=variant == "trainer-lean", root=root)
+            runner = WithTrainer(workload, steps, variant, root)
         for _ in range(epochs):
             runner.epoch()
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux

@@ -69,7 +69,7 @@ def phases_body(rank: int, root: str) -> dict:
     from trainscale.train.trainer import Trainer
 
     trainer = Trainer(devices="auto", max_epochs=1, log_every_n_steps=4, default_root_dir=root,
-                      enable_progress_bar=False, enable_checkpointing=False, timeout=60)
+                      enable_progress_bar=False, enable_checkpointing=False, timeout=60, count_flops=True)
     loader = DataLoader(SleepyDataset(96, SLEEP["data_per_sample"], ranks=(0, 1)), batch_size=4)
     summary = trainer.fit(SleepyModel(), loader, optimizer=lambda p: SleepySGD(p, lr=0.01))
     trainer.runtime.teardown()

@@ -46,6 +46,11 @@ def test_bad_loop_flags(kwargs, message):
         Trainer(**kwargs)
 
 
+def test_count_flops_with_compile_is_refused():
+    with pytest.raises(ValueError, match="count_flops=True cannot be combined with compile.*pass count_flops=None"):
+        Trainer(compile=True, count_flops=True)
+
+
 def test_missing_checkpoint(tmp_path):
     trainer = Trainer(enable_progress_bar=False, default_root_dir=tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist; pass an existing checkpoint file, 'last', or None"):

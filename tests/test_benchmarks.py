@@ -35,7 +35,7 @@ def test_overhead_prints_both_workloads():
     stdout = run_bench("overhead.py")
     for workload in ("mlp", "convnet"):
         assert f"## {workload}:" in stdout
-    for variant in ("plain", "runtime", "trainer", "trainer-lean"):
+    for variant in ("plain", "runtime", "trainer", "trainer-lean", "trainer-flops"):
         rows = table_rows(stdout, variant)
         assert len(rows) == 2, stdout  # one per workload
         assert all(float(row[1]) > 0 for row in rows)  # a median step time in ms

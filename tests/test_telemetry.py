@@ -88,6 +88,19 @@ def test_flops_per_sample_counts_forward_and_backward():
     assert counter.value == 4 * a * b + 6 * b * c
 
 
+def test_count_flops_by_default_on_cuda_only_and_never_under_compile():
+    assert flops.resolve_count_flops(None, "cuda", compiled=False) is True
+    assert flops.resolve_count_flops(None, "cpu", compiled=False) is False
+    assert flops.resolve_count_flops(None, "mps", compiled=False) is False
+    assert flops.resolve_count_flops(None, "cuda", compiled=True) is False
+    assert flops.resolve_count_flops(True, "cpu", compiled=False) is True
+    assert flops.resolve_count_flops(False, "cuda", compiled=False) is False
+    with pytest.raises(ValueError, match="count_flops=True cannot be combined with compile"):
+        flops.resolve_count_flops(True, "cuda", compiled=True)
+    with pytest.raises(ValueError, match="choose True, False or None"):
+        flops.resolve_count_flops("yes", "cpu", compiled=False)
+
+
 def test_peak_flops_table_and_mfu():
     assert flops.peak_flops_per_s("NVIDIA A100-SXM4-80GB", "bf16-mixed") == 312e12
     assert flops.peak_flops_per_s("NVIDIA A100-SXM4-80GB", "32-true") == 19.5e12
@@ -179,7 +192,7 @@ def test_jsonl_sink_keeps_nested_values(tmp_path):
 
 
 def test_trainer_summary_has_the_telemetry_contract(tmp_path):
-    out = workers.trainer_fit(0, str(tmp_path), 8, 1, extra={"log_every_n_steps": 3})
+    out = workers.trainer_fit(0, str(tmp_path), 8, 1, extra={"log_every_n_steps": 3, "count_flops": True})
     tele = out["summary"]["telemetry"]
     assert set(tele) == CONTRACT
     assert tele["comm_s"] is None and tele["mfu"] is None and tele["gpu_utilization"] is None  # CPU, one rank
@@ -192,6 +205,22 @@ def test_trainer_summary_has_the_telemetry_contract(tmp_path):
     steps = [r for r in steps if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [3, 6, 9, 12] and all(r["rank"] == "all" for r in steps)
     assert (tmp_path / "version_0" / "metrics_step.csv").is_file()
+
+
+def test_trainer_on_cpu_counts_no_flops_unless_asked(tmp_path, monkeypatch):
+    """By default a CPU run never enters FlopCounterMode (its dispatch path costs ~1.5 MiB of PyTorch's code
+    pages in RSS, and a CPU has no peak FLOP/s for an MFU); FLOP fields are null, the rest is measured."""
+    from torch.utils import flop_counter
+
+    entered = []
+    original = flop_counter.FlopCounterMode.__enter__
+    monkeypatch.setattr(flop_counter.FlopCounterMode, "__enter__", lambda self: entered.append(1) or original(self))
+    out = workers.trainer_fit(0, str(tmp_path / "default"), 8, 1)
+    tele = out["summary"]["telemetry"]
+    assert entered == [] and tele["flops_per_sample"] is None and tele["achieved_flops_per_s"] is None
+    assert tele["mfu"] is None and tele["samples_per_s"] > 0
+    out = workers.trainer_fit(0, str(tmp_path / "asked"), 8, 1, extra={"count_flops": True})
+    assert entered == [1] and out["summary"]["telemetry"]["flops_per_sample"] > 1e6
 
 
 def test_trainer_with_telemetry_off(tmp_path):
@@ -259,7 +288,7 @@ def test_runtime_loop_uses_the_same_telemetry(tmp_path):
     rt = Runtime(devices=1)
     torch.manual_seed(0)
     model, optimizer = rt.setup(TokenModel(), lambda p: torch.optim.SGD(p, lr=0.1))
-    tele = Telemetry(rt, warmup_steps=1)
+    tele = Telemetry(rt, warmup_steps=1, count_flops=True)
     tele.attach(model)
     ids = torch.randint(0, 50, (40, 12))
     sink = JsonlSink(tmp_path / "metrics.jsonl")

@@ -14,6 +14,15 @@ Model FLOPs utilization (PaLM, Chowdhery et al. 2022, Appendix B; nanoGPT ``esti
 
 Because the FLOPs are counted on the real step, recomputation by activation checkpointing is
 counted too (strictly, that is hardware FLOPs utilization).
+
+When to count (:func:`resolve_count_flops`): by default on CUDA devices only. The counted micro-batch
+runs every op through a Python ``TorchDispatchMode``, a path of PyTorch's dispatcher that a plain
+loop never takes: measured here, that first use brings ~1.5 MiB of libtorch's code pages into the
+process (resident, shared with every process using the same PyTorch). On a GPU that is nothing next
+to the CUDA context and MFU needs the count; on a CPU there is no peak FLOP/s to give an MFU, and
+the 1.5 MiB is ~0.5 % of a small training process (docs/performance.md), so it is counted on request
+(``count_flops=True``). Never under ``torch.compile``: a forward under a dispatch mode makes dynamo
+skip the model's frame for good, so counting would silently turn compilation off (torch 2.13).
 """
 
 from __future__ import annotations
@@ -64,6 +73,26 @@ def mfu(achieved_flops_per_s: float | None, peak_per_device: float | None, devic
     if achieved_flops_per_s is None or not peak_per_device:
         return None
     return achieved_flops_per_s / (peak_per_device * devices)
+
+
+def resolve_count_flops(count_flops: bool | None, device_type: str, compiled: bool) -> bool:
+    """Whether to count FLOPs: ``None`` means on CUDA devices, without ``torch.compile``.
+
+    Args:
+        count_flops: True, False or None (automatic, see the module docstring).
+        device_type: "cuda", "cpu", "mps", ...
+        compiled: the model runs under ``torch.compile``.
+
+    Raises:
+        ValueError: ``count_flops=True`` with ``compiled`` (counting would turn compilation off), or a
+            value that is not a bool or None.
+    """
+    if count_flops is not None and not isinstance(count_flops, bool):
+        raise ValueError(f"count_flops={count_flops!r}; choose True, False or None (count on CUDA devices only)")
+    if count_flops and compiled:
+        raise ValueError("count_flops=True cannot be combined with compile: a forward under FlopCounterMode makes "
+                         "torch.compile skip the model for good; pass count_flops=None (or False) to compile")
+    return (device_type == "cuda" and not compiled) if count_flops is None else count_flops
 
 
 class FlopsPerSample:

@@ -9,7 +9,7 @@ The Trainer uses it; a hand-written Runtime loop can too::
     for step, batch in enumerate(loader, 1):
         batch = rt.to_device(batch)
         tele.mark("data", batch)
-        with tele.count_flops(batch):                    # counts FLOPs on the first call only
+        with tele.count_flops(batch):                    # first call only; on CUDA, or Telemetry(count_flops=True)
             with rt.autocast():
                 loss = loss_fn(model(batch[0]), batch[1])
             tele.mark("forward")
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from trainscale.runtime.batch import batch_size
-from trainscale.telemetry.flops import FlopsPerSample, mfu, peak_flops_per_s
+from trainscale.telemetry.flops import FlopsPerSample, mfu, peak_flops_per_s, resolve_count_flops
 from trainscale.telemetry.memory import PeakMemory
 from trainscale.telemetry.nvml import GpuSampler
 from trainscale.telemetry.stragglers import busy_per_step, find_stragglers, mean, median
@@ -65,13 +65,18 @@ class Telemetry:
     Args:
         runtime: the :class:`trainscale.runtime.runtime.Runtime` (device, world size, precision).
         enabled: False turns every method into a no-op (``log`` and ``summary`` return None).
+        count_flops: count the FLOPs of the first micro-batch (for achieved FLOP/s and MFU); None: on
+            CUDA devices only, never under ``torch.compile`` (``trainscale.telemetry.flops.resolve_count_flops``).
         warmup_steps: first steps left out of :meth:`summary` (all steps are used if no others exist).
         straggler_margin: a rank busy longer than the median by this fraction is a straggler.
         gpu_sample_interval_s: seconds between NVML samples (CUDA only).
+
+    Raises:
+        ValueError: a negative ``straggler_margin``; ``count_flops=True`` under ``torch.compile``.
     """
 
-    def __init__(self, runtime: Any, *, enabled: bool = True, warmup_steps: int = 2,
-                 straggler_margin: float = 0.2, gpu_sample_interval_s: float = 0.5) -> None:
+    def __init__(self, runtime: Any, *, enabled: bool = True, count_flops: bool | None = None,
+                 warmup_steps: int = 2, straggler_margin: float = 0.2, gpu_sample_interval_s: float = 0.5) -> None:
         if straggler_margin < 0:
             raise ValueError(f"straggler_margin={straggler_margin!r} must be >= 0 (0.2 means 20 % over the median)")
         self.rt = runtime
@@ -82,10 +87,8 @@ class Telemetry:
         self.timer = StepTimer(device)
         self.memory = PeakMemory(device)
         self.flops = FlopsPerSample()
-        if getattr(runtime.config, "compile", None) is not None:
-            # A forward under FlopCounterMode (a TorchDispatchMode) makes dynamo skip the frame for good:
-            # the model would silently run eager. Under compile, FLOPs (and MFU) are not counted.
-            self.flops.done = True
+        compiled = getattr(runtime.config, "compile", None) is not None
+        self.flops.done = not resolve_count_flops(count_flops, device.type, compiled)
         cuda = device.type == "cuda"
         self.gpu = GpuSampler(device.index if cuda else None, gpu_sample_interval_s)
         if enabled:

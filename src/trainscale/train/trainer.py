@@ -26,6 +26,7 @@ from torch.nn import functional as F
 
 from trainscale.runtime.batch import batch_size as _batch_size
 from trainscale.runtime.runtime import Runtime
+from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import Telemetry
 from trainscale.telemetry.report import summary_line
 from trainscale.telemetry.sinks import default_sinks
@@ -111,6 +112,10 @@ class Trainer:
             ``torch.compile`` arguments.
         enable_telemetry: measure the step-phase split, throughput, MFU, memory, GPU utilisation and
             stragglers (see docs/telemetry.md); False leaves only loss and epoch records.
+        count_flops: count the FLOPs of the first micro-batch with ``FlopCounterMode`` (for FLOPs per sample,
+            achieved FLOP/s and MFU). None: on CUDA devices only. On a CPU there is no peak FLOP/s for an MFU,
+            and the count brings ~1.5 MiB of PyTorch's code pages into the process (docs/telemetry.md), so it
+            is on request there. Not allowed with ``compile`` (it would turn compilation off).
         straggler_margin: a rank busy this fraction longer than the median rank is named a straggler.
         tensorboard: also write every record as TensorBoard scalars to ``<run dir>/tensorboard`` (needs
             ``pip install 'trainscale[tensorboard]'``). Off by default: metrics.jsonl and the CSV files are
@@ -132,7 +137,7 @@ class Trainer:
                  activation_checkpointing: Any = None, compile: bool | dict = False,
                  checkpoint_every_n_steps: int | None = None, on_nonfinite: str = "raise",
                  max_nonfinite_skips: int = 10, handle_signals: bool = True, enable_telemetry: bool = True,
-                 straggler_margin: float = 0.2, tensorboard: bool = False) -> None:
+                 straggler_margin: float = 0.2, tensorboard: bool = False, count_flops: bool | None = None) -> None:
         self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
         for name, value, low in (("max_epochs", max_epochs, 1), ("accumulate_grad_batches", accumulate_grad_batches, 1),
                                  ("log_every_n_steps", log_every_n_steps, 1)):
@@ -178,6 +183,8 @@ class Trainer:
         self.runtime = Runtime(accelerator, devices, strategy, num_nodes, precision, timeout=timeout,
                                strategy_options=strategy_options, sync_batchnorm=sync_batchnorm,
                                activation_checkpointing=activation_checkpointing, compile=compile)
+        self.count_flops = resolve_count_flops(count_flops, self.runtime.device.type,
+                                               self.runtime.config.compile is not None)
         if not self.runtime.spawns:  # under ddp_spawn, fit/validate start the processes
             self.runtime.launch()
         self.run_dir: Path | None = None
@@ -256,7 +263,8 @@ class Trainer:
         self.run_dir = self._choose_run_dir(resume_from)
         ft.start(self.run_dir)
         sink = default_sinks(self.run_dir, tensorboard=self.tensorboard) if rt.is_rank_zero else None
-        tele = Telemetry(rt, enabled=self.enable_telemetry, straggler_margin=self.straggler_margin)
+        tele = Telemetry(rt, enabled=self.enable_telemetry, count_flops=self.count_flops,
+                         straggler_margin=self.straggler_margin)
         tele.attach(wrapped)
         k = self.accumulate_grad_batches
         global_batch = train_loader.batch_size * rt.world_size * k
