@@ -16,11 +16,11 @@ def test_clipping_under_ddp_equals_plain_pytorch(tmp_path):
     epochs, b, n, max_norm, clip_val = 1, 8, 64, 0.5, 0.01
     out = run_distributed(workers_strategies.clipping_body, str(tmp_path), b, epochs, max_norm, clip_val, n,
                           timeout=150)
-    ref_norm = workers_strategies.clipped_reference(2 * b, epochs, max_norm=max_norm, n=n)
-    ref_value = workers_strategies.clipped_reference(2 * b, epochs, clip_val=clip_val, n=n)
+    ref_norm = workers_strategies.clipped_reference(b, epochs, max_norm=max_norm, n=n, ranks=2)
+    ref_value = workers_strategies.clipped_reference(b, epochs, clip_val=clip_val, n=n, ranks=2)
     assert min(ref_norm["norms"]) > max_norm  # clipping was active at every step
     assert max(ref_value["max_abs"]) > clip_val
-    unclipped = workers_strategies.clipped_reference(2 * b, epochs, n=n)["state"]
+    unclipped = workers_strategies.clipped_reference(b, epochs, n=n, ranks=2)["state"]
     for kind, ref in (("norm", ref_norm), ("value", ref_value)):
         for key, expected in ref["state"].items():
             torch.testing.assert_close(out[0][kind][key], expected, rtol=1e-5, atol=1e-6)

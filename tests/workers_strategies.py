@@ -10,8 +10,15 @@ from tests import workers
 
 
 def clipped_reference(batch_size: int, epochs: int, max_norm: float | None = None,
-                      clip_val: float | None = None, seed: int = 0, n: int = 96) -> dict:
+                      clip_val: float | None = None, seed: int = 0, n: int = 96, ranks: int = 1) -> dict:
     """``workers.plain_pytorch_reference`` with gradient clipping, by hand, in one process.
+
+    With ``ranks`` > 1, each step's gradient is computed as DDP does: one gradient per rank's
+    micro-batch of ``batch_size`` (rank r takes positions r, r + ranks, ... of the epoch's permutation,
+    as DistributedSampler), each divided by ``ranks`` and summed. The same arithmetic matters here: a
+    16-sample batch and two 8-sample halves differ by ~1e-8, and a ReLU output at ~0 feeding a max-pool
+    can turn that into a different gradient path (seen on an AMD EPYC host: 1.8e-4 apart after 4 steps
+    with clipping by value).
 
     Returns the final state and the total gradient norm before clipping at every step."""
     ds = workers.tiny_dataset(n)
@@ -22,11 +29,17 @@ def clipped_reference(batch_size: int, epochs: int, max_norm: float | None = Non
         g = torch.Generator()
         g.manual_seed(seed + epoch)  # DistributedSampler's shuffling
         perm = torch.randperm(len(ds), generator=g)
-        for start in range(0, len(ds), batch_size):
-            x, y = ds[perm[start:start + batch_size]]
-            loss = F.cross_entropy(model(x), y)
+        shards = [perm[r::ranks] for r in range(ranks)]
+        for start in range(0, len(shards[0]), batch_size):
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            grads = []
+            for shard in shards:
+                model.zero_grad(set_to_none=True)
+                x, y = ds[shard[start:start + batch_size]]
+                F.cross_entropy(model(x), y).backward()
+                grads.append([p.grad for p in model.parameters()])
+            for p, *per_rank in zip(model.parameters(), *grads):
+                p.grad = per_rank[0] if ranks == 1 else sum(g / ranks for g in per_rank)
             norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
             max_abs.append(max(p.grad.abs().max().item() for p in model.parameters()))
             if max_norm is not None:
