@@ -141,12 +141,17 @@ class Telemetry:
 
     # -- log intervals ----------------------------------------------------------------------
     def _drain(self) -> None:
-        for st in self.timer.collect():
-            vec = _step_vector(st)
-            for sums in (self._interval, self._all) if self._all[0] + 1 <= self.warmup_steps else \
-                    (self._interval, self._all, self._timed):
-                for i, v in enumerate(vec):
-                    sums[i] += v
+        """Add the steps closed since the last call to the interval and whole-run sums, and all but the
+        first ``warmup_steps`` of the run to ``_timed``; each field is summed over the steps first."""
+        vecs = [_step_vector(st) for st in self.timer.collect()]
+        warm = max(0, min(len(vecs), self.warmup_steps - int(self._all[0])))
+        for part, targets in ((vecs[:warm], (self._interval, self._all)),
+                              (vecs[warm:], (self._interval, self._all, self._timed))):
+            if part:
+                totals = [sum(column) for column in zip(*part)]
+                for sums in targets:
+                    for i, v in enumerate(totals):
+                        sums[i] += v
 
     def _gather(self, vec: torch.Tensor) -> list[list[float]]:
         """Every rank's ``vec`` (one all_gather on the device; a host sync, at log intervals only)."""

@@ -38,6 +38,14 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _dumps(value: Any) -> str:
+    """JSON text, NaN and inf written as strings; the C encoder alone when there are none (the usual case)."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:
+        return json.dumps(_jsonable(value))
+
+
 def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"phase_s": {"data": 1.0}}`` -> ``{"phase_s.data": 1.0}``; other values unchanged."""
     out: dict[str, Any] = {}
@@ -61,7 +69,7 @@ class JsonlSink:
         self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(_jsonable(record)) + "\n")
+        self._file.write(_dumps(record) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -83,7 +91,7 @@ class CsvSink:
 
     def write(self, record: dict[str, Any]) -> None:
         kind = str(record.get("kind", "record"))
-        row = {k: json.dumps(_jsonable(v)) if isinstance(v, (list, tuple)) else v
+        row = {k: _dumps(v) if isinstance(v, (list, tuple)) else v
                for k, v in flatten(record).items()}
         if kind not in self._writers:
             path = self.directory / f"{self.stem}_{kind}.csv"

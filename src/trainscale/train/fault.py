@@ -131,11 +131,11 @@ class FaultTolerance:
 
     # -- per step ------------------------------------------------------------------------------
     def observe_loss(self, loss: torch.Tensor, step: int) -> None:
-        """Keep ``loss`` of optimizer step ``step`` for the next :meth:`poll` ("raise" mode): no op on
-        the device, no host sync. Every ``_FOLD`` micro-batches the kept losses are stacked into one
+        """Keep ``loss`` (detached) of optimizer step ``step`` for the next :meth:`poll` ("raise" mode): no
+        op on the device, no host sync. Every ``_FOLD`` micro-batches the kept losses are stacked into one
         device tensor (one op), so a long poll interval holds 4 bytes per micro-batch, not a tensor."""
         if self.on_nonfinite == "raise":
-            self._losses.append(loss.detach())
+            self._losses.append(loss)
             self._loss_steps.append(step)
             if len(self._losses) >= _FOLD:
                 self._stack()

@@ -302,9 +302,10 @@ class Trainer:
                     group_size = group_end - (i // k) * k
                     rt.backward(loss / group_size if group_size > 1 else loss)
                 tele.mark("backward")
-                ft.observe_loss(loss, self.global_step)
+                detached = loss.detach()
+                ft.observe_loss(detached, self.global_step)
                 n = _batch_size(batch)
-                loss_sum.add_(loss.detach(), alpha=n)  # one op, on device (bf16 losses promote to fp32)
+                loss_sum.add_(detached, alpha=n)  # one op, on device (bf16 losses promote to fp32)
                 samples += n
                 bar.update()
                 if not is_boundary:
