@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -167,6 +168,46 @@ def test_csv_sink_one_file_per_kind_flattened(tmp_path):
     assert [r["phase_s.data"] for r in rows] == ["0.5", "0.25"] and "new" not in rows[0]
     assert json.loads(rows[1]["peak_memory_bytes"]) == [3, 4]
     assert list(csv.DictReader(open(tmp_path / "metrics_epoch.csv")))[0]["val_loss"] == "1.5"
+
+
+def test_csv_sink_opens_known_kinds_early_keeps_a_resumed_header_and_drops_unused_files(tmp_path):
+    (tmp_path / "metrics_epoch.csv").write_text("epoch,val_loss\n0,2.0\n")  # a resumed run's file
+    sink = CsvSink(tmp_path, kinds=("step", "epoch", "never"))
+    assert (tmp_path / "metrics_step.csv").is_file()  # opened before any record
+    sink.write({"kind": "step", "step": 1, "loss": 0.5})
+    sink.write({"kind": "epoch", "epoch": 1, "val_loss": 1.5, "extra": 3})
+    sink.close()
+    assert not (tmp_path / "metrics_never.csv").exists()  # no record of that kind: no empty file left
+    assert list(csv.DictReader(open(tmp_path / "metrics_step.csv"))) == [{"kind": "step", "step": "1", "loss": "0.5"}]
+    assert list(csv.DictReader(open(tmp_path / "metrics_epoch.csv"))) == [
+        {"epoch": "0", "val_loss": "2.0"}, {"epoch": "1", "val_loss": "1.5"}]  # appended under its header
+
+
+def test_timer_totals_per_step_and_running_add_up_the_times_of_collect():
+    phases = ("data", "forward", "backward", "optimizer")
+    timers = [StepTimer("cpu", time_comm=True), StepTimer("cpu", time_comm=True),
+              StepTimer("cpu", time_comm=True, running=True)]
+    readings = sorted(random.Random(0).uniform(0.0, 10.0) for _ in range(16))  # uneven gaps
+    for timer in timers:  # identical fake clocks: each sees the same readings
+        timer.clock = iter(readings).__next__
+        timer.start()
+        for step in range(3):
+            timer.mark("data")
+            timer.count(4, 7 if step else None)
+            timer.mark("forward")
+            timer.mark("custom")  # not a telemetry phase: in collect's dict, left out of totals
+            timer.record_comm(1.0, 1.5)
+            timer.end_step("optimizer")
+    steps, rows, (running,) = timers[0].collect(), timers[1].totals(phases), timers[2].totals(phases)
+    assert len(rows) == len(steps) == 3 and timers[1].totals() == [] and timers[2].totals() == []  # both drain
+    for st, row in zip(steps, rows):
+        assert row == [1.0, st.wall_s, st.phase_s["data"], st.phase_s["forward"], 0.0, st.phase_s["optimizer"],
+                       st.comm_s, float(st.samples), float(st.tokens or 0)]
+    assert running == pytest.approx([sum(column) for column in zip(*rows)], rel=1e-12)
+    with pytest.raises(RuntimeError, match="totals"):
+        timers[2].collect()
+    with pytest.raises(ValueError, match="CPU"):
+        StepTimer("cuda", running=True)
 
 
 def test_tensorboard_sink_writes_scalars(tmp_path):

@@ -43,20 +43,14 @@ from trainscale.telemetry.flops import FlopsPerSample, mfu, peak_flops_per_s, re
 from trainscale.telemetry.memory import PeakMemory
 from trainscale.telemetry.nvml import GpuSampler
 from trainscale.telemetry.stragglers import busy_per_step, find_stragglers, mean, median
-from trainscale.telemetry.timers import PHASES, StepTime, StepTimer
+from trainscale.telemetry.timers import PHASES, StepTimer
 
 # The per-rank vector gathered at log intervals (float64, NaN = not available).
 _FIELDS = ("steps", "wall", *PHASES, "comm", "samples", "tokens")
 _EXTRA = ("loss", "memory", "memory_reserved", "gpu_util", "gpu_memory")
 _IDX = {name: i for i, name in enumerate(_FIELDS + _EXTRA)}
 _NAN = float("nan")
-
-
-def count_tokens(batch: Any) -> int | None:
-    """Tokens in a batch: the element count of ``batch["input_ids"]`` for dict batches, else None."""
-    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
-        return int(batch["input_ids"].numel())
-    return None
+_NO_COUNT = contextlib.nullcontext()  # stateless and reentrant: one instance serves every step
 
 
 class Telemetry:
@@ -84,7 +78,9 @@ class Telemetry:
         self.warmup_steps = warmup_steps
         self.straggler_margin = straggler_margin
         device = runtime.device
-        self.timer = StepTimer(device)
+        self.timer = StepTimer(device, running=device.type != "cuda")  # CUDA: events, resolved at log intervals
+        if enabled:  # called 3 times per micro-batch: the timer's own method, no frame of ours in between
+            self.mark = self.timer.mark
         self.memory = PeakMemory(device)
         self.flops = FlopsPerSample()
         compiled = getattr(runtime.config, "compile", None) is not None
@@ -115,11 +111,10 @@ class Telemetry:
             self.timer.start()
 
     def mark(self, phase: str, batch: Any = None) -> None:
-        """End ``phase`` now; with ``batch`` (at "data"), count its samples and tokens."""
-        if self.enabled:
-            self.timer.mark(phase)
-            if batch is not None:
-                self.timer.count(batch_size(batch), count_tokens(batch))
+        """End ``phase`` now; with ``batch`` (at "data"), count its samples and tokens.
+
+        With telemetry on, this is :meth:`StepTimer.mark <trainscale.telemetry.timers.StepTimer.mark>`
+        itself (bound in ``__init__``); this method is what a disabled Telemetry runs: nothing."""
 
     def phase(self, name: str):
         """Context manager: attribute the time inside the block to ``name``."""
@@ -128,43 +123,42 @@ class Telemetry:
     def count_flops(self, batch: Any):
         """Context manager around the first micro-batch's forward and backward: counts FLOPs once."""
         if not self.enabled or self.flops.done:
-            return contextlib.nullcontext()
+            return _NO_COUNT
         return self.flops.measure(batch_size(batch))
 
     def end_step(self) -> None:
         """Mark "optimizer" and close the optimizer step."""
         if self.enabled:
-            self.timer.mark("optimizer")
-            self.timer.end_step()
+            self.timer.end_step("optimizer")
             self._steps += 1
+            if self._steps == self.warmup_steps and self.timer.running:
+                self._drain()  # O(1): the warm-up steps' sums, apart from the rest
             self.gpu.step = self._steps
 
     # -- log intervals ----------------------------------------------------------------------
     def _drain(self) -> None:
-        """Add the steps closed since the last call to the interval and whole-run sums, and all but the
-        first ``warmup_steps`` of the run to ``_timed``; each field is summed over the steps first."""
-        vecs = [_step_vector(st) for st in self.timer.collect()]
-        warm = max(0, min(len(vecs), self.warmup_steps - int(self._all[0])))
-        for part, targets in ((vecs[:warm], (self._interval, self._all)),
-                              (vecs[warm:], (self._interval, self._all, self._timed))):
-            if part:
-                totals = [sum(column) for column in zip(*part)]
-                for sums in targets:
-                    for i, v in enumerate(totals):
-                        sums[i] += v
+        """Add the steps closed since the last call to the interval and whole-run sums, and those after
+        the first ``warmup_steps`` of the run to ``_timed`` (a running timer is drained once at the end
+        of warm-up, so each of its rows lies wholly on one side)."""
+        for row in self.timer.totals(PHASES):  # the fields of _FIELDS
+            timed = self._all[0] >= self.warmup_steps
+            for sums in (self._interval, self._all, self._timed) if timed else (self._interval, self._all):
+                for i, v in enumerate(row):
+                    sums[i] += v
 
-    def _gather(self, vec: torch.Tensor) -> list[list[float]]:
-        """Every rank's ``vec`` (one all_gather on the device; a host sync, at log intervals only)."""
+    def _gather(self, vec: list[float]) -> list[list[float]]:
+        """Every rank's ``vec`` (one all_gather of a float64 tensor on the device; a host sync, at log
+        intervals only). At world size 1 the list itself: no tensor, no copy."""
         if self.rt.world_size == 1:
-            return [vec.tolist()]
+            return [vec]
         import torch.distributed as dist
 
-        local = vec.to(self.rt.device)
+        local = torch.tensor(vec, dtype=torch.float64, device=self.rt.device)
         out = [torch.empty_like(local) for _ in range(self.rt.world_size)]
         dist.all_gather(out, local)
         return [t.tolist() for t in out]
 
-    def _local(self, sums: list[float], loss: float = _NAN, whole_run: bool = False) -> torch.Tensor:
+    def _local(self, sums: list[float], loss: float = _NAN, whole_run: bool = False) -> list[float]:
         samples = self.gpu.take()
         self._util_sum += sum(s[1] for s in samples)
         self._util_n += len(samples)
@@ -175,7 +169,7 @@ class Telemetry:
         used = max(s[2] for s in samples) if samples else _NAN
         reserved = self.memory.peak_reserved_bytes()
         extra = [loss, float(self.memory.peak_bytes()), _NAN if reserved is None else float(reserved), util, used]
-        return torch.tensor(sums + extra, dtype=torch.float64)
+        return sums + extra
 
     def log(self, step: int, epoch: int, loss: torch.Tensor | float | None = None) -> dict | None:
         """The interval record (``rank`` "all"), on every rank; prints new stragglers on rank zero.
@@ -221,7 +215,7 @@ class Telemetry:
         """The fixed numbers from each rank's sums (see docs/telemetry.md for each definition)."""
         world = len(rows)
         steps = rows[0][_IDX["steps"]]
-        col = {name: [r[_IDX[name]] for r in rows] for name in _IDX}
+        col = dict(zip(_IDX, map(list, zip(*rows))))  # field name -> its value on each rank
         wall = mean(col["wall"])  # ranks run the same steps; DDP keeps their walls equal
         per_step = (lambda s: s / steps) if steps > 0 else (lambda s: _NAN)
         phase_s = {p: per_step(mean(col[p])) for p in PHASES}
@@ -266,7 +260,3 @@ class Telemetry:
                 out["gpu_memory_used_bytes"] = col["gpu_memory"]
         return out
 
-
-def _step_vector(st: StepTime) -> list[float]:
-    return [1.0, st.wall_s, *(st.phase_s.get(p, 0.0) for p in PHASES), st.comm_s or 0.0,
-            float(st.samples), float(st.tokens or 0)]
