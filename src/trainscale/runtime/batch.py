@@ -42,8 +42,18 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
 
 def batch_size(batch: Any) -> int:
     """Samples in a batch: the leading dimension of its first tensor (tensor, tuple/list or dict)."""
+    kind = type(batch)
+    if (kind is list or kind is tuple) and batch and type(batch[0]) is torch.Tensor:  # (inputs, targets): no recursion
+        return batch[0].shape[0]
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0])
     if isinstance(batch, dict):
         return batch_size(next(iter(batch.values())))
     return batch_size(batch[0])
+
+
+def count_tokens(batch: Any) -> int | None:
+    """Tokens in a batch: the element count of ``batch["input_ids"]`` for dict batches, else None."""
+    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+        return int(batch["input_ids"].numel())
+    return None

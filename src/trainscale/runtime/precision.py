@@ -15,6 +15,7 @@ import contextlib
 from typing import Any
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
+_NO_AUTOCAST = contextlib.nullcontext()  # stateless and reentrant: one instance serves every step
 
 
 class Precision:
@@ -47,7 +48,7 @@ class Precision:
     def autocast(self):
         """Context manager for the forward pass (and the loss)."""
         if self._autocast_dtype is None:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         import torch
 
         return torch.autocast(self.device_type, dtype=self._autocast_dtype)

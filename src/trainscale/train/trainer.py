@@ -42,7 +42,7 @@ class _LoopModule(nn.Module):
     def __init__(self, model: nn.Module, loss_fn: Callable | None) -> None:
         super().__init__()
         self.model = model
-        self.loss_fn = loss_fn
+        self.loss_fn = loss_fn if loss_fn is not None else F.cross_entropy
         self.has_training_step = hasattr(model, "training_step")  # once: a miss on nn.Module costs ~µs per step
 
     def forward(self, batch: Any, evaluate: bool = False) -> torch.Tensor:
@@ -51,7 +51,7 @@ class _LoopModule(nn.Module):
         if self.has_training_step:
             return self.model.training_step(batch)
         inputs, targets = batch
-        return (self.loss_fn or F.cross_entropy)(self.model(inputs), targets)
+        return self.loss_fn(self.model(inputs), targets)
 
     @torch.no_grad()
     def evaluate(self, batch: Any) -> tuple[dict[str, torch.Tensor], int]:
@@ -61,7 +61,7 @@ class _LoopModule(nn.Module):
             return metrics, _batch_size(batch)
         inputs, targets = batch
         logits = self.model(inputs)
-        metrics = {"loss": (self.loss_fn or F.cross_entropy)(logits, targets)}
+        metrics = {"loss": self.loss_fn(logits, targets)}
         if logits.ndim == 2 and targets.ndim == 1 and not targets.is_floating_point():
             metrics["accuracy"] = (logits.argmax(dim=1) == targets).float().mean()
         return metrics, int(targets.shape[0])
@@ -328,7 +328,7 @@ class Trainer:
                 step_ckpt = (every is not None and self.global_step % every == 0 and i + 1 < num_batches
                              and not self._done())  # else the epoch-end path saves this position
                 if ft.due(self.global_step) or step_ckpt:  # the same answer on every rank
-                    stop = ft.poll(self.global_step, epoch)
+                    stop = ft.poll(self.global_step, epoch, loss_sum)
                     if stop or step_ckpt:
                         totals = rt.all_reduce(torch.stack([loss_sum, torch.tensor(float(samples), device=rt.device)]))
                         path = self._save(epoch, model, optimizer, scheduler,
@@ -355,7 +355,7 @@ class Trainer:
             if sink is not None:
                 sink.write({"kind": "epoch", "rank": "all", "time": time.time(), **record})
             rt.print(_epoch_line(record, self.max_epochs))
-            stop = ft.poll(self.global_step, epoch)
+            stop = ft.poll(self.global_step, epoch, loss_sum)
             if self.enable_checkpointing or stop:
                 path = self._save(epoch, model, optimizer, scheduler,
                                   ckpt.loop_position(epoch, train_loader, i + 1, i + 1 == num_batches, skip), None)
