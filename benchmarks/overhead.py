@@ -39,10 +39,13 @@ step over the mean of the reference steps interleaved with it. ``plain`` measure
 ~0.97, not 1.00 (a reference step run inside another loop's optimizer step is ~3 % slower here,
 whatever that loop is; the cause was not found), so the reported *ratio* divides each variant's
 "vs ref" by plain's of the same round: each variant against the plain loop, both measured by the
-same instrument, the machine's drift cancelled by the reference. Reported: medians and min–max
-over rounds. Each Trainer round is a fresh ``Trainer(max_epochs=1).fit`` on the same model and
-optimizer; "outside loop" is the rest of that call beyond its batch loop (its ``epoch_time_s``):
-setup, the epoch-end reduction, checkpoint, summary.
+same instrument, the machine's drift cancelled by the reference. The timing runs in
+``PROCESSES`` (3) fresh processes one after the other, whose rounds are pooled: one process's
+rounds share its memory layout and warm-up, and single-process runs of identical code gave Trainer
+ratios from 1.035 to 1.054. Reported: medians and min–max over rounds, the IQR of the rounds'
+ratios and a 95 % bootstrap interval of their median. Each Trainer round is a fresh
+``Trainer(max_epochs=1).fit`` on the same model and optimizer; "outside loop" is the rest of that
+call beyond its batch loop (its ``epoch_time_s``): setup, the epoch-end reduction, checkpoint, summary.
 
 Memory: a separate fresh process per variant trains 3 epochs and reports its peak resident set
 size (``ru_maxrss``: libraries, data, model, optimizer state, activations, the Trainer's checkpoint
@@ -76,10 +79,12 @@ TRAINER_FLAGS = {  # each Trainer variant's flags on top of the defaults
     "trainer-lean": {"enable_telemetry": False, "enable_progress_bar": False},
     "trainer-flops": {"count_flops": True},
 }
-WORKLOADS = {  # name: (batch size, steps per epoch, rounds, quick rounds)
-    "mlp": (64, 51, 60, 2),  # 51 steps: the Trainer's step-50 log and poll fall inside a timed step
-    "convnet": (100, 6, 24, 1),
+WORKLOADS = {  # name: (batch size, steps per epoch, rounds per timing process, quick rounds)
+    "mlp": (64, 51, 30, 2),  # 51 steps: the Trainer's step-50 log and poll fall inside a timed step
+    "convnet": (100, 6, 8, 1),
 }
+PROCESSES = 3  # timing processes, run one after the other; their rounds are pooled
+BOOTSTRAP = 2000
 
 
 # --------------------------------------------------------------------------------------- child
@@ -322,6 +327,29 @@ def _run_child(args: list[str], log: Path, extra_env: dict | None = None) -> dic
         return json.loads(out.read_text())
 
 
+def _pool(runs: list[dict]) -> dict:
+    """One timing result from several processes: their rounds concatenated, variant by variant.
+    A process's rounds share its memory layout and warm-up; identical one-process runs gave Trainer ratios
+    from 1.035 to 1.054 here (medians of 20–60 rounds), more apart than their rounds' spread suggests."""
+    pooled = json.loads(json.dumps(runs[0]))
+    for run in runs[1:]:
+        for workload, res in run.items():
+            pooled[workload]["rounds"] += res["rounds"]
+            for variant, lists in res["results"].items():
+                for key, values in lists.items():
+                    pooled[workload]["results"][variant][key] += values
+    return pooled
+
+
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """95 % percentile-bootstrap interval of the median of ``values`` (rounds resampled with replacement)."""
+    import random
+
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(BOOTSTRAP))
+    return medians[int(0.025 * BOOTSTRAP)], medians[int(0.975 * BOOTSTRAP) - 1]
+
+
 def _fmt_range(values: list[float], scale: float = 1.0, digits: int = 3) -> str:
     return f"{min(values) * scale:.{digits}f}–{max(values) * scale:.{digits}f}"
 
@@ -330,7 +358,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: few rounds and steps")
     parser.add_argument("--workloads", default="mlp,convnet", help="comma-separated: mlp, convnet")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per variant (default per workload)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="timed rounds per variant in each timing process (default per workload)")
+    parser.add_argument("--processes", type=int, default=None,
+                        help=f"timing processes whose rounds are pooled (default {PROCESSES}, 1 with --quick)")
     parser.add_argument("--log", default=None, help="file for the children's output (progress bar, prints)")
     parser.add_argument("--child", choices=("timing", "memory"), help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
@@ -367,7 +398,9 @@ def main() -> None:
     t_start = time.perf_counter()
     quick = ["--quick"] if args.quick else []
     rounds = ["--rounds", str(args.rounds)] if args.rounds else []
-    timing = _run_child(["--child", "timing", "--workload", ",".join(workloads), *quick, *rounds], log)
+    processes = args.processes or (1 if args.quick else PROCESSES)
+    timing = _pool([_run_child(["--child", "timing", "--workload", ",".join(workloads), *quick, *rounds], log)
+                    for _ in range(processes)])
     if not args.quick:
         _compile_bytecode()
     for workload in workloads:
@@ -380,7 +413,7 @@ def main() -> None:
         res = timing[workload]["results"]
         print(f"\n## {workload}: batch {batch}, {steps} steps per epoch, {n_rounds} rounds; each variant's steps "
               f"interleaved with the reference's (median, min–max over rounds)")
-        header = (f"{'variant':<13} {'ms/step':>8} {'min–max':>13} {'vs ref':>6} {'ratio':>6} {'ratio min–max':>13} "
+        header = (f"{'variant':<13} {'ms/step':>8} {'min–max':>13} {'vs ref':>6} {'ratio':>6} {'ratio 95 % CI':>13} "
                   f"{'ratio IQR':>11} {'outside loop s':>14} {'peak RSS MiB':>12} {'RSS extra':>9} {'private MiB':>11} "
                   f"{'priv extra':>10}")
         print(header)
@@ -391,6 +424,7 @@ def main() -> None:
             vs_ref = [t / r for t, r in zip(res[v]["step"], res[v]["ref"])]
             ratios = [x / p for x, p in zip(vs_ref, plain_vs_ref)]  # against plain, same round, same instrument
             q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+            low, high = median_interval(ratios)
             if memory:
                 rss, private = (memory[v][key] / memory["plain"][key] for key in ("peak_rss_bytes", "peak_private_bytes"))
                 mem = (f"{memory[v]['peak_rss_bytes'] / 2**20:>12.1f} {(rss - 1) * 100:>+7.2f} % "
@@ -398,11 +432,12 @@ def main() -> None:
             else:
                 mem = f"{'(skipped)':>12} {'-':>9} {'(skipped)':>11} {'-':>10}"
             print(f"{v:<13} {statistics.median(step_ms):>8.3f} {_fmt_range(step_ms, digits=2):>13} "
-                  f"{statistics.median(vs_ref):>6.3f} {statistics.median(ratios):>6.3f} {_fmt_range(ratios):>13} "
+                  f"{statistics.median(vs_ref):>6.3f} {statistics.median(ratios):>6.3f} {low:>6.3f}–{high:<6.3f} "
                   f"{q1:>5.3f}–{q3:<5.3f} {statistics.median(res[v]['outside']):>14.3f} {mem}")
     print("\n# vs ref: the variant's mean step over the mean of the reference steps interleaved with it (per round);"
           "\n# ratio: that over plain's 'vs ref' in the same round, i.e. the variant against the plain loop measured"
           "\n# the same way (plain's own 'vs ref' shows the instrument's bias: the reference runs inside a hook);"
+          f"\n# ratio 95 % CI: of the median ratio, {BOOTSTRAP} bootstrap resamples of the rounds; ratio IQR: of the rounds;"
           "\n# RSS extra, priv extra: peak RSS and peak private memory over the plain process's, in per cent")
     print(f"\n# total {time.perf_counter() - t_start:.0f} s; load average {os.getloadavg()[0]:.2f} at end")
 

@@ -141,7 +141,10 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_cells(workdir):
     """Also the CI version of the default sweep: the ConvNet on MNIST-5k, devices 1,2, a short grid."""
     out = workdir / "resume"
     args = bench_cmd("--devices", "1,2", "--batch-sizes", "8", "--out", str(out))
-    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    # SIGINT back to its default in the child: a shell that starts a job in the background (`cmd &`) makes it
+    # ignore SIGINT, which its children inherit, and Python then installs no KeyboardInterrupt handler
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 180
     while not ((out / "results.jsonl").is_file() and (out / "results.jsonl").read_text().count("\n") >= 1):
         assert first.poll() is None and time.monotonic() < deadline, "the first cell never finished"
