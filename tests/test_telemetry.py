@@ -187,7 +187,8 @@ def test_timer_totals_per_step_and_running_add_up_the_times_of_collect():
     phases = ("data", "forward", "backward", "optimizer")
     timers = [StepTimer("cpu", time_comm=True), StepTimer("cpu", time_comm=True),
               StepTimer("cpu", time_comm=True, running=True)]
-    readings = sorted(random.Random(0).uniform(0.0, 10.0) for _ in range(16))  # uneven gaps
+    rng = random.Random(0)
+    readings = sorted(rng.uniform(0.0, 10.0) for _ in range(16))  # uneven gaps
     for timer in timers:  # identical fake clocks: each sees the same readings
         timer.clock = iter(readings).__next__
         timer.start()
@@ -210,6 +211,33 @@ def test_timer_totals_per_step_and_running_add_up_the_times_of_collect():
         StepTimer("cuda", running=True)
 
 
+@pytest.mark.parametrize("running", [False, True])
+def test_micro_batch_equals_three_marks(running):
+    rng = random.Random(1)
+    readings = sorted(rng.uniform(0.0, 10.0) for _ in range(20))
+    by_marks, by_micro = StepTimer("cpu", running=running), StepTimer("cpu", running=running)
+    by_marks.clock = iter(readings).__next__
+    by_micro.clock = iter(readings).__next__
+    for timer in (by_marks, by_micro):
+        timer.start()
+        for step in range(2):
+            for micro in range(2):  # accumulation: two micro-batches per optimizer step
+                if timer is by_marks:
+                    timer.mark("data")
+                    timer.count(4, 5 if micro else None)
+                    timer.mark("forward")
+                    timer.mark("backward")
+                else:
+                    t_data, t_forward, t_backward = timer.clock(), timer.clock(), timer.clock()
+                    timer.micro_batch(t_data, t_forward, t_backward, 4, 5 if micro else None)
+            timer.end_step("optimizer")
+    a, b = by_marks.totals(), by_micro.totals()
+    assert len(a) == len(b) == (1 if running else 2)
+    for row_a, row_b in zip(a, b):
+        assert row_a == pytest.approx(row_b, rel=1e-12) and min(row_a[1:6]) > 0  # wall and all four phases timed
+    assert a[-1][-2:] == [8.0, 5.0] if not running else a[0][-2:] == [16.0, 10.0]  # samples, tokens
+
+
 def test_tensorboard_sink_writes_scalars(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -223,6 +251,50 @@ def test_tensorboard_sink_writes_scalars(tmp_path):
     tags = set(events.Tags()["scalars"])
     assert {"step/samples_per_s", "step/phase_s.data", "step/peak_memory_bytes/rank1"} <= tags
     assert events.Scalars("step/samples_per_s")[0].step == 4 and events.Scalars("step/samples_per_s")[0].value == 120
+
+
+def test_file_sinks_flush_at_epoch_records_after_flush_secs_and_at_close(tmp_path):
+    sinks = [JsonlSink(tmp_path / "metrics.jsonl", flush_secs=3600), CsvSink(tmp_path, kinds=("step",), flush_secs=3600)]
+    files = (tmp_path / "metrics.jsonl", tmp_path / "metrics_step.csv")
+    for sink in sinks:
+        sink.write({"kind": "step", "step": 1, "loss": 0.5})  # the first record flushes (nothing flushed yet)
+        sink.write({"kind": "step", "step": 2, "loss": 0.4})  # buffered: flush_secs not reached
+    assert [len(f.read_text().splitlines()) for f in files] == [1, 2]  # JSONL: 1 record; CSV: header + 1 row
+    for sink in sinks:
+        sink.write({"kind": "epoch", "epoch": 0, "loss": 0.45})  # an epoch record: everything reaches the files
+    assert [len(f.read_text().splitlines()) for f in files] == [3, 3]
+    for sink in sinks:
+        sink.flush_secs = 0.0
+        sink.write({"kind": "step", "step": 3, "loss": 0.3})  # flush_secs passed: flushed
+    assert [len(f.read_text().splitlines()) for f in files] == [4, 4]
+    for sink in sinks:
+        sink.flush_secs = 3600
+        sink._flushed = time.monotonic()
+        sink.write({"kind": "step", "step": 4, "loss": 0.2})
+        sink.close()
+    assert [len(f.read_text().splitlines()) for f in files] == [5, 5]
+
+
+def test_trainer_closes_its_sinks_when_fit_raises(tmp_path):
+    class Explodes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(4, 2)
+            self.calls = 0
+
+        def training_step(self, batch):
+            self.calls += 1
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            return loss * float("nan") if self.calls == 7 else loss
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, default_root_dir=tmp_path, log_every_n_steps=2,
+                      enable_progress_bar=False)
+    with pytest.raises(Exception, match="non-finite"):
+        trainer.fit(Explodes(), DataLoader(data, batch_size=4), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "version_0" / "metrics.jsonl")]
+    assert steps[:3] == [2, 4, 6]  # every record written before the error reached the file
 
 
 def test_jsonl_sink_keeps_nested_values(tmp_path):

@@ -111,7 +111,7 @@ class Watchdog:
         self.path = Path(path)
         self.after_s = float(after_s)
         self._file = None
-        self._armed_at = -float("inf")
+        self.rearm_at = float("inf")  # time.monotonic() after which pet() re-arms (inf: not started)
 
     def start(self) -> "Watchdog":
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,10 +121,11 @@ class Watchdog:
 
     def _arm(self) -> None:
         faulthandler.dump_traceback_later(self.after_s, repeat=False, file=self._file, exit=False)
-        self._armed_at = time.monotonic()
+        self.rearm_at = time.monotonic() + self.after_s / 2
 
     def pet(self) -> None:
-        if self._file is not None and time.monotonic() - self._armed_at > self.after_s / 2:
+        """Progress: re-arm when ``rearm_at`` has passed (a caller on a hot path may test that itself)."""
+        if time.monotonic() > self.rearm_at:
             self._arm()
 
     def stop(self) -> None:
@@ -134,5 +135,6 @@ class Watchdog:
         faulthandler.cancel_dump_traceback_later()
         self._file.close()
         self._file = None
+        self.rearm_at = float("inf")
         if self.path.is_file() and self.path.stat().st_size == 0:
             self.path.unlink()

@@ -32,6 +32,7 @@ summary's means (they include one-off costs: allocator growth, FLOP counting, ke
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from typing import Any
@@ -79,8 +80,11 @@ class Telemetry:
         self.straggler_margin = straggler_margin
         device = runtime.device
         self.timer = StepTimer(device, running=device.type != "cuda")  # CUDA: events, resolved at log intervals
-        if enabled:  # called 3 times per micro-batch: the timer's own method, no frame of ours in between
+        if enabled:  # called per micro-batch: the timer's own methods, no frame of ours in between
             self.mark = self.timer.mark
+            self.micro_batch = self.timer.micro_batch
+        # the loop's clock for micro_batch(): the timer's (CUDA: a recorded event); off, the cheapest one
+        self.clock = self.timer.clock if enabled else time.perf_counter
         self.memory = PeakMemory(device)
         self.flops = FlopsPerSample()
         compiled = getattr(runtime.config, "compile", None) is not None
@@ -116,6 +120,14 @@ class Telemetry:
         With telemetry on, this is :meth:`StepTimer.mark <trainscale.telemetry.timers.StepTimer.mark>`
         itself (bound in ``__init__``); this method is what a disabled Telemetry runs: nothing."""
 
+    def micro_batch(self, data_end: Any, forward_end: Any, backward_end: Any, samples: int,
+                    tokens: int | None = None) -> None:
+        """A micro-batch's data, forward and backward phases from three readings of ``self.clock()`` taken
+        in the loop, and its samples and tokens: one call in place of three :meth:`mark` calls.
+
+        With telemetry on, this is :meth:`StepTimer.micro_batch
+        <trainscale.telemetry.timers.StepTimer.micro_batch>` itself; this method is the disabled no-op."""
+
     def phase(self, name: str):
         """Context manager: attribute the time inside the block to ``name``."""
         return self.timer.phase(name) if self.enabled else contextlib.nullcontext()
@@ -127,12 +139,16 @@ class Telemetry:
         return self.flops.measure(batch_size(batch))
 
     def end_step(self) -> None:
-        """Mark "optimizer" and close the optimizer step."""
+        """Mark "optimizer" and close the optimizer step. On CPU, once the warm-up steps are over, this
+        method replaces itself with the timer's ``end_step("optimizer")`` (the same effect, one call less)."""
         if self.enabled:
             self.timer.end_step("optimizer")
             self._steps += 1
-            if self._steps == self.warmup_steps and self.timer.running:
-                self._drain()  # O(1): the warm-up steps' sums, apart from the rest
+            if self._steps >= self.warmup_steps and self.timer.running:  # CPU: no GPU sampler to tag
+                if self._steps == self.warmup_steps:
+                    self._drain()  # O(1): the warm-up steps' sums, apart from the rest
+                # from now on the timer's own method, no frame of ours per step (_steps stops counting)
+                self.end_step = functools.partial(self.timer.end_step, "optimizer")
             self.gpu.step = self._steps
 
     # -- log intervals ----------------------------------------------------------------------

@@ -7,6 +7,12 @@ Every record carries ``kind`` ("step" at log intervals, "epoch" at epoch ends), 
 - :class:`JsonlSink` — ``metrics.jsonl``, always: one JSON object per line, nested values kept.
 - :class:`CsvSink` — ``metrics_<kind>.csv``, always: one file per record kind, nested dicts
   flattened (``phase_s.data``), lists written as JSON.
+
+Both write through a buffer that reaches the file at least every ``flush_secs`` seconds (5 by
+default), at every epoch record and at ``close()`` (the Trainer closes its sinks also when ``fit``
+raises). A process killed outright (SIGKILL, out of memory) loses at most the last ``flush_secs``
+seconds of step records. Flushing each record cost ~55 µs per file inside a training step here
+(one ``write`` system call with cold caches), paid at every log interval.
 - :class:`TensorBoardSink` — event files for TensorBoard, on request (``Trainer(tensorboard=True)``,
   ``pip install 'trainscale[tensorboard]'``); every number becomes a scalar ``<kind>/<name>``.
 """
@@ -18,6 +24,7 @@ import importlib.util
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -60,40 +67,65 @@ def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-class JsonlSink:
+class _Buffered:
+    """The flush rule of the file sinks: at least every ``flush_secs`` seconds, at each record whose
+    ``kind`` is not "step", and at close."""
+
+    flush_secs = 5.0
+    _flushed = 0.0
+
+    def _after_write(self, record: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if record.get("kind") != "step" or now - self._flushed >= self.flush_secs:
+            self.flush()
+            self._flushed = now
+
+    def flush(self) -> None:
+        """Write the buffered records to the file(s) now."""
+        raise NotImplementedError
+
+
+class JsonlSink(_Buffered):
     """Append one JSON object per line to ``path`` (created with its parent directory).
 
-    Each line is flushed, so a crashed run keeps every record written before the crash.
+    Lines reach the file as the module docstring says (``flush_secs``, epoch records, close).
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, flush_secs: float = 5.0) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.flush_secs = flush_secs
         self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(_dumps(record) + "\n")
+        self._after_write(record)
+
+    def flush(self) -> None:
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
 
 
-class CsvSink:
+class CsvSink(_Buffered):
     """One CSV file per record kind: ``<directory>/<stem>_<kind>.csv``.
 
     The first record of a kind fixes that file's columns; keys that appear later are dropped
-    (their values are still in metrics.jsonl) and missing ones are left empty. Rows are flushed.
+    (their values are still in metrics.jsonl) and missing ones are left empty. Rows reach the file
+    as the module docstring says (``flush_secs``, epoch records, close).
     The files of ``kinds`` are opened here, not at their first record (opening a file and reading
     its header took ~0.2 ms, paid inside a training step); one left empty is removed at :meth:`close`.
     """
 
-    def __init__(self, directory: str | os.PathLike, stem: str = "metrics", kinds: tuple[str, ...] = ()) -> None:
+    def __init__(self, directory: str | os.PathLike, stem: str = "metrics", kinds: tuple[str, ...] = (),
+                 flush_secs: float = 5.0) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.stem = stem
+        self.flush_secs = flush_secs
         self._files: dict[str, tuple[Any, list[str] | None]] = {}  # kind: (file, columns of a resumed file)
-        self._writers: dict[str, tuple[Any, csv.DictWriter]] = {}
+        self._writers: dict[str, tuple[Any, Any, list[str]]] = {}  # kind: (file, csv writer, columns)
         for kind in kinds:
             self._open(kind)
 
@@ -108,19 +140,24 @@ class CsvSink:
 
     def write(self, record: dict[str, Any]) -> None:
         kind = str(record.get("kind", "record"))
-        row = {k: _dumps(v) if isinstance(v, (list, tuple)) else v
-               for k, v in flatten(record).items()}
+        row = flatten(record)
         if kind not in self._writers:
             if kind not in self._files:
                 self._open(kind)
             file, fields = self._files[kind]
-            writer = csv.DictWriter(file, fieldnames=fields or list(row), extrasaction="ignore", restval="")
+            writer = csv.writer(file)
             if fields is None:
-                writer.writeheader()
-            self._writers[kind] = (file, writer)
-        file, writer = self._writers[kind]
-        writer.writerow(row)
-        file.flush()
+                fields = list(row)
+                writer.writerow(fields)
+            self._writers[kind] = (file, writer, fields)
+        file, writer, fields = self._writers[kind]
+        values = [row.get(name, "") for name in fields]
+        writer.writerow([_dumps(v) if isinstance(v, (list, tuple)) else v for v in values])
+        self._after_write(record)
+
+    def flush(self) -> None:
+        for file, _ in self._files.values():
+            file.flush()
 
     def close(self) -> None:
         for kind, (file, _) in self._files.items():

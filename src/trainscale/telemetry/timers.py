@@ -15,6 +15,15 @@ each other attribute every second of the step)::
         optimizer.step(); optimizer.zero_grad()
         timer.end_step("optimizer")          # ends the "optimizer" phase and the step
     steps = timer.collect()                  # at log intervals only: list[StepTime]
+
+or, with fewer calls per step, readings taken in the loop and passed together (what the Trainer does)::
+
+    x, y = x.to(device), y.to(device)
+    t_data = timer.clock()
+    loss = loss_fn(model(x), y)
+    t_forward = timer.clock()
+    loss.backward()
+    timer.micro_batch(t_data, t_forward, timer.clock(), samples=len(x))
     # StepTimer(device, running=True) on CPU: running sums only, timer.totals() instead of collect()
 
 or a context manager per phase (only the time inside the ``with`` blocks is attributed)::
@@ -82,6 +91,7 @@ class StepTimer:
             raise ValueError("StepTimer(running=True) needs CPU clock readings; CUDA events are resolved later")
         self.running = running
         self._phase_sums: dict[str, float] = {}  # running mode: seconds per phase since the last totals()
+        self._micro = [0.0, 0.0, 0.0]  # running mode: micro_batch()'s data, forward, backward seconds
         self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # running mode: steps, wall, comm, samples, tokens
         self.time_comm = time_comm
         self._step_start: Any = None
@@ -125,6 +135,27 @@ class StepTimer:
             self._marks.append((phase, self._last, now))
         self._last = now
 
+    def micro_batch(self, data_end: Any, forward_end: Any, backward_end: Any, samples: int,
+                    tokens: int | None = None) -> None:
+        """A micro-batch's "data", "forward" and "backward" phases from three :meth:`clock` readings
+        the loop took itself (the same as three :meth:`mark` calls at those moments, in one call),
+        and its ``samples`` and ``tokens``. "data" began at the previous mark (or the step's start)."""
+        last = self._last
+        if last is None:  # no start(): the step begins at the end of its data phase
+            self._step_start = last = data_end
+        if self.running:
+            micro = self._micro
+            micro[0] += data_end - last
+            micro[1] += forward_end - data_end
+            micro[2] += backward_end - forward_end
+        else:
+            self._marks += (("data", last, data_end), ("forward", data_end, forward_end),
+                            ("backward", forward_end, backward_end))
+        self._last = backward_end
+        self._samples += samples
+        if tokens is not None:
+            self._tokens = (self._tokens or 0) + tokens
+
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Attribute the time inside the ``with`` block to phase ``name``."""
@@ -148,22 +179,27 @@ class StepTimer:
         """Close the current step; the next one begins now. With ``phase``, end that phase first
         (the same reading as a :meth:`mark` just before, without a second one)."""
         now = self.clock()
-        comm, self._comm = self._comm, []
         start = self._step_start if self._step_start is not None else now
-        if self.running:
+        if self.running:  # per step: a few float additions, nothing allocated
             if phase is not None and self._last is not None:
                 self._phase_sums[phase] = self._phase_sums.get(phase, 0.0) + (now - self._last)
             sums = self._sums
             sums[0] += 1
             sums[1] += now - start
-            if comm:
+            if self._comm:
+                comm, self._comm = self._comm, []
                 sums[2] += sum(b - a for a, b in comm)
             sums[3] += self._samples
-            sums[4] += self._tokens or 0
-        else:
-            if phase is not None and self._last is not None:
-                self._marks.append((phase, self._last, now))
-            self._done.append((start, now, self._marks, comm, self._samples, self._tokens))
+            self._samples = 0
+            if self._tokens is not None:
+                sums[4] += self._tokens
+                self._tokens = None
+            self._step_start = self._last = now
+            return
+        comm, self._comm = self._comm, []
+        if phase is not None and self._last is not None:
+            self._marks.append((phase, self._last, now))
+        self._done.append((start, now, self._marks, comm, self._samples, self._tokens))
         self._step_start = self._last = now
         self._marks = []
         self._samples, self._tokens = 0, None
@@ -204,10 +240,12 @@ class StepTimer:
         Marks of other phase names are left out.
         """
         if self.running:
-            sums, phase_sums = self._sums, self._phase_sums
+            sums, phase_sums = self._sums, dict(self._phase_sums)
             if not sums[0]:
                 return []
-            self._sums, self._phase_sums = [0.0] * 5, {}
+            for name, seconds in zip(("data", "forward", "backward"), self._micro):
+                phase_sums[name] = phase_sums.get(name, 0.0) + seconds
+            self._sums, self._phase_sums, self._micro = [0.0] * 5, {}, [0.0, 0.0, 0.0]
             return [[sums[0], sums[1], *(phase_sums.get(p, 0.0) for p in phases), *sums[2:]]]
         column = {name: i for i, name in enumerate(phases, 2)}
         zeros = [0.0] * len(phases)

@@ -39,6 +39,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -188,9 +189,10 @@ class FaultTolerance:
 
     def due(self, step: int) -> bool:
         """Whether :meth:`poll` runs after optimizer step ``step`` (the same answer on every rank)."""
-        if self.watchdog is not None:
-            self.watchdog.pet()
-        if self.rt.world_size == 1 and self._signal is not None:
+        watchdog = self.watchdog
+        if watchdog is not None and time.monotonic() > watchdog.rearm_at:  # Watchdog.pet, without its call
+            watchdog.pet()
+        if self._signal is not None and self.rt.world_size == 1:  # a signal is rare: test it first
             return True
         return step % self.check_every == 0
 

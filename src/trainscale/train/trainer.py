@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from trainscale.runtime.batch import batch_size as _batch_size
+from trainscale.runtime.batch import count_tokens
 from trainscale.runtime.runtime import Runtime
 from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import Telemetry
@@ -49,9 +50,10 @@ class _LoopModule(nn.Module):
         if evaluate:  # through the wrapper's forward, for strategies that gather parameters there (fsdp)
             return self.evaluate(batch)
         if self.has_training_step:
-            return self.model.training_step(batch)
+            return self._modules["model"].training_step(batch)
         inputs, targets = batch
-        return self.loss_fn(self.model(inputs), targets)
+        # _modules["model"], not self.model: nn.Module.__getattr__ costs ~45 bytecodes per step
+        return self.loss_fn(self._modules["model"](inputs), targets)
 
     @torch.no_grad()
     def evaluate(self, batch: Any) -> tuple[dict[str, torch.Tensor], int]:
@@ -235,6 +237,7 @@ class Trainer:
             return self._spawn("fit", model, train_dataloaders=train_dataloaders, val_dataloaders=val_dataloaders,
                                loss_fn=loss_fn, optimizer=optimizer, ckpt_path=ckpt_path)
         self._fault = FaultTolerance(self.runtime, *self._fault_args)
+        self._sink = None
         self.current_epoch = 0
         try:
             return self._fit(model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path)
@@ -245,6 +248,9 @@ class Trainer:
             raise explained from err
         finally:
             self._fault.stop()
+            if self._sink is not None:  # fit raised: what the sinks buffered reaches their files
+                self._sink.close()
+                self._sink = None
 
     def _fit(self, model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path) -> dict:
         rt, ft = self.runtime, self._fault
@@ -262,10 +268,11 @@ class Trainer:
         start_epoch = position["epoch"] + int(position["complete"]) if position is not None else 0
         self.run_dir = self._choose_run_dir(resume_from)
         ft.start(self.run_dir)
-        sink = default_sinks(self.run_dir, tensorboard=self.tensorboard) if rt.is_rank_zero else None
+        sink = self._sink = default_sinks(self.run_dir, tensorboard=self.tensorboard) if rt.is_rank_zero else None
         tele = Telemetry(rt, enabled=self.enable_telemetry, count_flops=self.count_flops,
                          straggler_margin=self.straggler_margin)
         tele.attach(wrapped)
+        clock = tele.clock
         k = self.accumulate_grad_batches
         global_batch = train_loader.batch_size * rt.world_size * k
         rt.print(f"trainscale: {rt.config.strategy} × {rt.world_size} ({rt.device.type}), precision "
@@ -292,19 +299,19 @@ class Trainer:
             tele.start()
             for i, batch in enumerate(itertools.islice(batches, skip, None) if skip else batches):
                 batch = rt.to_device(batch)
-                tele.mark("data", batch)
+                t_data = clock()  # phase readings, passed to telemetry once per micro-batch
                 group_end = min((i // k + 1) * k, num_batches)  # the last group of an epoch may be short
                 is_boundary = i + 1 == group_end
                 with rt.no_backward_sync(wrapped, enabled=not is_boundary), tele.count_flops(batch):
                     with rt.autocast():
                         loss = wrapped(batch)
-                    tele.mark("forward")
+                    t_forward = clock()
                     group_size = group_end - (i // k) * k
                     rt.backward(loss / group_size if group_size > 1 else loss)
-                tele.mark("backward")
+                n = _batch_size(batch)
+                tele.micro_batch(t_data, t_forward, clock(), n, count_tokens(batch))
                 detached = loss.detach()
                 ft.observe_loss(detached, self.global_step)
-                n = _batch_size(batch)
                 loss_sum.add_(detached, alpha=n)  # one op, on device (bf16 losses promote to fp32)
                 samples += n
                 bar.update()
@@ -369,6 +376,7 @@ class Trainer:
             rt.print(summary_line(summary["telemetry"]))
         if sink is not None:
             sink.close()
+            self._sink = None
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         rt.barrier()
         return summary
