@@ -1,6 +1,6 @@
 """2-process DDP on CPU (gloo): a plain DDP script written here against Runtime and Trainer.
 
-    python benchmarks/ddp.py              # about 4 minutes on a quiet machine here
+    python benchmarks/ddp.py              # 3-4 minutes here (the VM's speed varies)
     python benchmarks/ddp.py --quick      # smoke run
 
 Workload: the tutorial ConvNet (``--workload mlp`` for the MLP 784-128-10), batch 64 per rank,
@@ -484,9 +484,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, short epochs, 1 launch per variant")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="interleaved rounds per accumulation after a warm-up round (default 12, quick 1)")
+                        help="interleaved rounds per accumulation after a warm-up round (default 10, quick 1)")
     parser.add_argument("--launches", type=int, default=None,
-                        help="launches per variant for whole-process time (default 2, quick 1; 0: skip)")
+                        help="launches per variant for whole-process time (default 1; 0: skip)")
     parser.add_argument("--workload", choices=("convnet", "mlp"), default="convnet")
     parser.add_argument("--steps", type=int, default=None, help="micro-batches per rank per epoch (default 16)")
     parser.add_argument("--epochs", type=int, default=None,
@@ -510,8 +510,8 @@ def main() -> None:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     variants = ["plain"] + [v for v in VARIANTS[1:] if v in args.variants.split(",")]
     interleaved = ["plain", "plain-2"] + [v for v in variants if v in ("runtime", "trainer")]
-    args.rounds = args.rounds or (1 if args.quick else 12)
-    launches = args.launches if args.launches is not None else (1 if args.quick else 2)
+    args.rounds = args.rounds or (1 if args.quick else 10)
+    launches = args.launches if args.launches is not None else 1
     args.steps = args.steps or (8 if args.quick else 16)
     if args.steps < 8:
         parser.error("--steps must be >= 8 (2 optimizer steps per epoch at accumulation 4)")

@@ -1,6 +1,6 @@
 """What trainscale costs per step, against a plain PyTorch loop written here, on one process.
 
-    python benchmarks/overhead.py             # both workloads, about 3 minutes here
+    python benchmarks/overhead.py             # both workloads, 3-5 minutes here (the VM's speed varies)
     python benchmarks/overhead.py --quick     # smoke run (a few seconds of training per workload)
 
 Workloads (synthetic data of MNIST's shape held in memory, a DataLoader with shuffle=True and no
@@ -84,7 +84,7 @@ TRAINER_FLAGS = {  # each Trainer variant's flags on top of the defaults
 }
 WORKLOADS = {  # name: (batch size, steps per epoch, rounds per timing process, quick rounds)
     "mlp": (64, 51, 30, 2),  # 51 steps: the Trainer's step-50 log and poll fall inside a timed step
-    "convnet": (100, 6, 8, 1),
+    "convnet": (100, 6, 6, 1),  # 6 rounds x 3 processes: ~4.5 min in all when this VM runs at half speed
 }
 PROCESSES = 3  # timing processes, run one after the other; their rounds are pooled
 BOOTSTRAP = 2000
