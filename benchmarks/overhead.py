@@ -83,7 +83,7 @@ TRAINER_FLAGS = {  # each Trainer variant's flags on top of the defaults
     "trainer-flops": {"count_flops": True},
 }
 WORKLOADS = {  # name: (batch size, steps per epoch, rounds per timing process, quick rounds)
-    "mlp": (64, 51, 30, 2),  # 51 steps: the Trainer's step-50 log and poll fall inside a timed step
+    "mlp": (64, 51, 26, 2),  # 51 steps: the Trainer's step-50 log and poll fall inside a timed step
     "convnet": (100, 6, 6, 1),  # 6 rounds x 3 processes: ~4.5 min in all when this VM runs at half speed
 }
 PROCESSES = 3  # timing processes, run one after the other; their rounds are pooled
