@@ -124,7 +124,7 @@ class Watchdog:
         self.rearm_at = time.monotonic() + self.after_s / 2
 
     def pet(self) -> None:
-        """Progress: re-arm when ``rearm_at`` has passed (a caller on a hot path may test that itself)."""
+        """Progress: re-arm the timer when ``rearm_at`` (``time.monotonic()`` seconds) has passed."""
         if time.monotonic() > self.rearm_at:
             self._arm()
 

@@ -32,7 +32,6 @@ summary's means (they include one-off costs: allocator growth, FLOP counting, ke
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
 from typing import Any
@@ -123,7 +122,8 @@ class Telemetry:
     def micro_batch(self, data_end: Any, forward_end: Any, backward_end: Any, samples: int,
                     tokens: int | None = None) -> None:
         """A micro-batch's data, forward and backward phases from three readings of ``self.clock()`` taken
-        in the loop, and its samples and tokens: one call in place of three :meth:`mark` calls.
+        in the loop (seconds on CPU, recorded CUDA events on CUDA), and its samples and tokens (counts):
+        one call in place of three :meth:`mark` calls.
 
         With telemetry on, this is :meth:`StepTimer.micro_batch
         <trainscale.telemetry.timers.StepTimer.micro_batch>` itself; this method is the disabled no-op."""
@@ -139,16 +139,12 @@ class Telemetry:
         return self.flops.measure(batch_size(batch))
 
     def end_step(self) -> None:
-        """Mark "optimizer" and close the optimizer step. On CPU, once the warm-up steps are over, this
-        method replaces itself with the timer's ``end_step("optimizer")`` (the same effect, one call less)."""
+        """Mark "optimizer" and close the optimizer step."""
         if self.enabled:
             self.timer.end_step("optimizer")
             self._steps += 1
-            if self._steps >= self.warmup_steps and self.timer.running:  # CPU: no GPU sampler to tag
-                if self._steps == self.warmup_steps:
-                    self._drain()  # O(1): the warm-up steps' sums, apart from the rest
-                # from now on the timer's own method, no frame of ours per step (_steps stops counting)
-                self.end_step = functools.partial(self.timer.end_step, "optimizer")
+            if self._steps == self.warmup_steps and self.timer.running:
+                self._drain()  # O(1): the warm-up steps' sums, apart from the rest
             self.gpu.step = self._steps
 
     # -- log intervals ----------------------------------------------------------------------

@@ -88,7 +88,8 @@ class _Buffered:
 class JsonlSink(_Buffered):
     """Append one JSON object per line to ``path`` (created with its parent directory).
 
-    Lines reach the file as the module docstring says (``flush_secs``, epoch records, close).
+    Lines reach the file as the module docstring says: at least every ``flush_secs`` seconds, at each
+    record whose ``kind`` is not "step", and at :meth:`close`.
     """
 
     def __init__(self, path: str | os.PathLike, flush_secs: float = 5.0) -> None:
@@ -113,8 +114,8 @@ class CsvSink(_Buffered):
 
     The first record of a kind fixes that file's columns; keys that appear later are dropped
     (their values are still in metrics.jsonl) and missing ones are left empty. Rows reach the file
-    as the module docstring says (``flush_secs``, epoch records, close).
-    The files of ``kinds`` are opened here, not at their first record (opening a file and reading
+    as the module docstring says (at least every ``flush_secs`` seconds, at each record whose ``kind``
+    is not "step", at close). The files of ``kinds`` are opened here, not at their first record (opening a file and reading
     its header took ~0.2 ms, paid inside a training step); one left empty is removed at :meth:`close`.
     """
 
@@ -125,7 +126,7 @@ class CsvSink(_Buffered):
         self.stem = stem
         self.flush_secs = flush_secs
         self._files: dict[str, tuple[Any, list[str] | None]] = {}  # kind: (file, columns of a resumed file)
-        self._writers: dict[str, tuple[Any, Any, list[str]]] = {}  # kind: (file, csv writer, columns)
+        self._writers: dict[str, tuple[Any, list[str]]] = {}  # kind: (csv writer, columns)
         for kind in kinds:
             self._open(kind)
 
@@ -149,8 +150,8 @@ class CsvSink(_Buffered):
             if fields is None:
                 fields = list(row)
                 writer.writerow(fields)
-            self._writers[kind] = (file, writer, fields)
-        file, writer, fields = self._writers[kind]
+            self._writers[kind] = (writer, fields)
+        writer, fields = self._writers[kind]
         values = [row.get(name, "") for name in fields]
         writer.writerow([_dumps(v) if isinstance(v, (list, tuple)) else v for v in values])
         self._after_write(record)

@@ -138,8 +138,10 @@ class StepTimer:
     def micro_batch(self, data_end: Any, forward_end: Any, backward_end: Any, samples: int,
                     tokens: int | None = None) -> None:
         """A micro-batch's "data", "forward" and "backward" phases from three :meth:`clock` readings
-        the loop took itself (the same as three :meth:`mark` calls at those moments, in one call),
-        and its ``samples`` and ``tokens``. "data" began at the previous mark (or the step's start)."""
+        the loop took itself (seconds from ``time.perf_counter`` on CPU, recorded CUDA events on CUDA):
+        the same as three :meth:`mark` calls at those moments, in one call. ``samples`` and ``tokens``
+        are the micro-batch's counts (tokens None: not a token batch). "data" began at the previous
+        mark (or the step's start)."""
         last = self._last
         if last is None:  # no start(): the step begins at the end of its data phase
             self._step_start = last = data_end
