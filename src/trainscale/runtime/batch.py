@@ -35,8 +35,8 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
         for item in batch:
             if type(item) is not torch.Tensor:
                 break
-        else:
-            return kind([t.to(device, non_blocking=non_blocking) for t in batch])
+        else:  # no keyword unless needed: Tensor.to parses keywords on a slower path
+            return kind([t.to(device, non_blocking=True) for t in batch] if non_blocking else [t.to(device) for t in batch])
     return apply_to_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
 
 

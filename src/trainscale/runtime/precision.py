@@ -31,6 +31,7 @@ class Precision:
         self.scaler = torch.amp.GradScaler(device_type) if name == "16-mixed" else None
         self._autocast_dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name)
         self._true_dtype = torch.bfloat16 if name == "bf16-true" else None
+        self.casts_input = self._true_dtype is not None  # whether convert_input changes a batch
         self._unscaled: set[int] = set()  # ids of optimizers unscaled since the last scaler.update()
 
     def convert_module(self, module):

@@ -114,6 +114,7 @@ class Runtime:
             self.strategy_options.setdefault("device_ids", list(range(self.config.devices)))
         self.device = _devices.device_for(self.config.accelerator, self.world.local_rank)
         self.precision = Precision(self.config.precision, self.device.type)
+        self._non_blocking = self.device.type == "cuda"  # to_device's copies: asynchronous from pinned memory
         self.strategy = None
         self.monitor_group = None
         self._launched = False
@@ -261,8 +262,8 @@ class Runtime:
 
     def to_device(self, batch: Any) -> Any:
         """Move the tensors of a nested batch to this rank's device (and dtype for "bf16-true")."""
-        batch = to_device(batch, self.device, non_blocking=self.device.type == "cuda")
-        return self.precision.convert_input(batch)
+        batch = to_device(batch, self.device, self._non_blocking)
+        return self.precision.convert_input(batch) if self.precision.casts_input else batch
 
     # -- the step ----------------------------------------------------------------------------
     def autocast(self):

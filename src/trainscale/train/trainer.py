@@ -260,6 +260,7 @@ class Trainer:
         self._seed_everything()
         loop_module = _LoopModule(model, loss_fn)
         wrapped, _ = rt.setup(loop_module)
+        step_fn = _step_fn(loop_module, wrapped)
         optimizer, scheduler, sched_interval = self._build_optimizer(model, wrapped, optimizer)
         train_loader = rt.setup_dataloader(train_dataloaders, seed=self.seed)
         val_loader = rt.setup_dataloader(val_dataloaders, seed=self.seed, even=False) if val_dataloaders else None
@@ -304,7 +305,7 @@ class Trainer:
                 is_boundary = i + 1 == group_end
                 with rt.no_backward_sync(wrapped, enabled=not is_boundary), tele.count_flops(batch):
                     with rt.autocast():
-                        loss = wrapped(batch)
+                        loss = step_fn(batch)
                     t_forward = clock()
                     group_size = group_end - (i // k) * k
                     rt.backward(loss / group_size if group_size > 1 else loss)
@@ -601,6 +602,18 @@ class Trainer:
             "torch_version": torch.__version__, "run_dir": str(self.run_dir),
             "restart_count": rt.world.restart_count, "nonfinite_skipped": self._fault.skipped,
         }
+
+
+def _step_fn(loop_module: _LoopModule, wrapped: nn.Module) -> Callable[[Any], torch.Tensor]:
+    """What the loop calls per micro-batch: ``wrapped`` itself, or the loop module's bound ``forward``
+    when the strategy returned the loop module as it was (single device, no compile) and no hook is
+    registered on it: ``nn.Module.__call__`` would then only look for hooks (two more Python frames,
+    ~50 bytecodes per micro-batch) before calling that ``forward``. The user's model is still called
+    through ``__call__``, so its hooks, and global module hooks, run on it. FSDP2 hooks the module in
+    place and changes its class; DDP, DP and ``torch.compile`` wrap it: those are called as modules."""
+    hooked = (wrapped._forward_hooks or wrapped._forward_pre_hooks or wrapped._backward_hooks
+              or wrapped._backward_pre_hooks)
+    return loop_module.forward if wrapped is loop_module and type(wrapped) is _LoopModule and not hooked else wrapped
 
 
 def _spawned_call(trainer_flags: dict, method: str, model: nn.Module, **kwargs: Any) -> dict:

@@ -6,6 +6,7 @@ composition (``trainscale.runtime.checkpoint_io``), never by inheriting from one
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 from typing import Any, ContextManager, Protocol
@@ -19,6 +20,9 @@ _IMPLEMENTATIONS = {
     "dp": "trainscale.runtime.strategies.dp:DataParallelStrategy",
 }
 STRATEGIES = ("auto", *_IMPLEMENTATIONS)
+# What ``no_backward_sync`` returns when there is nothing to skip: one stateless, reentrant instance
+# for every micro-batch (no object built per step).
+SYNC = contextlib.nullcontext()
 
 
 class Strategy(Protocol):

@@ -8,10 +8,10 @@ The process group is created by the Runtime before this strategy wraps anything.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 from trainscale.runtime import checkpoint_io
+from trainscale.runtime.strategies import SYNC
 from trainscale.runtime.world import World
 
 
@@ -72,7 +72,7 @@ class DDPStrategy:
     def no_backward_sync(self, module, enabled: bool):
         """``DistributedDataParallel.no_sync``: gradients accumulate locally, no all-reduce."""
         if not enabled:
-            return contextlib.nullcontext()
+            return SYNC
         if not hasattr(module, "no_sync"):
             raise TypeError("no_backward_sync needs the module returned by Runtime.setup (a DDP wrapper)")
         return module.no_sync()

@@ -13,13 +13,13 @@ silently calls the module directly, with no parallelism at all.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 from torch import nn
 
 from trainscale.runtime import checkpoint_io
+from trainscale.runtime.strategies import SYNC
 from trainscale.runtime.world import World
 
 _SCALAR = "__trainscale_dp_scalar__"
@@ -92,7 +92,7 @@ class DataParallelStrategy:
         return module.module if isinstance(module, DataParallelModule) else module
 
     def no_backward_sync(self, module, enabled: bool):
-        return contextlib.nullcontext()
+        return SYNC
 
     def save_checkpoint(self, path, state: dict) -> None:
         checkpoint_io.save_replicated(path, state, self.world, self.unwrap)

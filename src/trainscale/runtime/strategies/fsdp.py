@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from trainscale.runtime import checkpoint_io
+from trainscale.runtime.strategies import SYNC
 from trainscale.runtime.world import World
 
 _EXTRA = "trainscale_extra.pt"  # the non-sharded entries (loop position, RNG, scheduler, scaler)
@@ -206,7 +207,7 @@ class FSDPStrategy:
         """FSDP2's ``set_requires_gradient_sync(False)`` while ``enabled``: gradients accumulate
         unsharded on each rank, with no reduce-scatter, until the boundary micro-batch."""
         if not enabled:
-            return contextlib.nullcontext()
+            return SYNC
         if not callable(getattr(module, "set_requires_gradient_sync", None)):
             raise TypeError("no_backward_sync needs the module returned by Runtime.setup (an FSDP module)")
         return self._no_sync(module)

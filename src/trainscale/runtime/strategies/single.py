@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from trainscale.runtime import checkpoint_io
+from trainscale.runtime.strategies import SYNC
 from trainscale.runtime.world import World
 
 
@@ -26,7 +26,7 @@ class SingleDeviceStrategy:
         return module
 
     def no_backward_sync(self, module, enabled: bool):
-        return contextlib.nullcontext()
+        return SYNC
 
     def save_checkpoint(self, path, state: dict) -> None:
         checkpoint_io.save_replicated(path, state, self.world, self.unwrap)
