@@ -57,3 +57,12 @@ def count_tokens(batch: Any) -> int | None:
     if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
         return int(batch["input_ids"].numel())
     return None
+
+
+def batch_counts(batch: Any) -> tuple[int, int | None]:
+    """``(batch_size(batch), count_tokens(batch))`` in one call (samples, tokens or None), with the
+    DataLoader's usual ``(inputs, targets)`` answered first: the loop asks once per micro-batch."""
+    kind = type(batch)
+    if (kind is list or kind is tuple) and batch and type(batch[0]) is torch.Tensor:
+        return batch[0].shape[0], None
+    return batch_size(batch), count_tokens(batch)

@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from trainscale.runtime.batch import batch_size, count_tokens
+from trainscale.runtime.batch import batch_counts
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
@@ -125,7 +125,7 @@ class StepTimer:
         ``batch`` (at "data"), also count its samples and tokens (as :meth:`count` would)."""
         now = self.clock()
         if batch is not None:
-            self.count(batch_size(batch), count_tokens(batch))
+            self.count(*batch_counts(batch))
         if self._last is None:  # no start(): the step begins here
             self._step_start = self._last = now
             return

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from trainscale.runtime.batch import batch_size as _batch_size
-from trainscale.runtime.batch import count_tokens
+from trainscale.runtime.batch import batch_counts
 from trainscale.runtime.runtime import Runtime
 from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import Telemetry
@@ -275,6 +275,9 @@ class Trainer:
         tele.attach(wrapped)
         clock = tele.clock
         k = self.accumulate_grad_batches
+        # read per step below: locals, so the hot path calls no method to learn them
+        max_steps = self.max_steps if self.max_steps is not None else math.inf
+        skip_nonfinite = ft.on_nonfinite == "skip"
         global_batch = train_loader.batch_size * rt.world_size * k
         rt.print(f"trainscale: {rt.config.strategy} × {rt.world_size} ({rt.device.type}), precision "
                  f"{rt.config.precision}, global batch {global_batch}, run dir {self.run_dir}")
@@ -309,8 +312,8 @@ class Trainer:
                     t_forward = clock()
                     group_size = group_end - (i // k) * k
                     rt.backward(loss / group_size if group_size > 1 else loss)
-                n = _batch_size(batch)
-                tele.micro_batch(t_data, t_forward, clock(), n, count_tokens(batch))
+                n, tokens = batch_counts(batch)
+                tele.micro_batch(t_data, t_forward, clock(), n, tokens)
                 detached = loss.detach()
                 ft.observe_loss(detached, self.global_step)
                 loss_sum.add_(detached, alpha=n)  # one op, on device (bf16 losses promote to fp32)
@@ -323,7 +326,7 @@ class Trainer:
                     by_norm = self.gradient_clip_algorithm == "norm"
                     grad_norm = rt.clip_gradients(wrapped, optimizer, max_norm=self.gradient_clip_val if by_norm else None,
                                                   clip_val=None if by_norm else self.gradient_clip_val)
-                if not ft.skip_step(wrapped, optimizer, grad_norm, step=self.global_step, epoch=epoch):
+                if not (skip_nonfinite and ft.skip_step(wrapped, optimizer, grad_norm, step=self.global_step, epoch=epoch)):
                     rt.step(optimizer)
                 optimizer.zero_grad(set_to_none=True)
                 if scheduler is not None and sched_interval == "step":
@@ -345,7 +348,7 @@ class Trainer:
                                            time.perf_counter() - t0 + carried[2]])
                         if stop:
                             ft.exit(stop, str(path))
-                if self._done():
+                if self.global_step >= max_steps:
                     break
             train_time = time.perf_counter() - t0 + carried[2]
             bar.close()
