@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py             # both workloads, 3-5 minutes here (the VM's speed varies)
     python benchmarks/overhead.py --quick     # smoke run (a few seconds of training per workload)
+    python benchmarks/overhead.py --workloads tiny   # microseconds per step, ~1 min
 
 Workloads (synthetic data of MNIST's shape held in memory, a DataLoader with shuffle=True and no
 workers, AdamW lr=1e-3, one thread per process):
@@ -10,6 +11,10 @@ workers, AdamW lr=1e-3, one thread per process):
   (``log_every_n_steps=50``) then fall between two timed steps of every epoch, so they are paid at
   the rate a long run pays them (at step 50 of a 50-step epoch they would follow the last timed step).
 - ``convnet``: the tutorial ConvNet on 1×28×28, batch 100.
+- ``tiny`` (not in the default run: ``--workloads tiny``): logistic regression 784→10, batch 8, 201
+  steps per epoch. A step is ~0.35 ms here, most of it Python (DataLoader, autograd, optimizer
+  calls), so a variant's extra microseconds per step are resolved to ~1 µs: the instrument for
+  cutting the hot path. The "µs/step over plain" column gives them for every workload.
 
 Variants, all built from the same seed, each with its own model, optimizer and DataLoader:
 - ``plain``: a hand-written loop (``plain_steps``): batch ``.to(device)``, forward, cross-entropy,
@@ -85,6 +90,7 @@ TRAINER_FLAGS = {  # each Trainer variant's flags on top of the defaults
 WORKLOADS = {  # name: (batch size, steps per epoch, rounds per timing process, quick rounds)
     "mlp": (64, 51, 26, 2),  # 51 steps: the Trainer's step-50 log and poll fall inside a timed step
     "convnet": (100, 6, 6, 1),  # 6 rounds x 3 processes: ~4.5 min in all when this VM runs at half speed
+    "tiny": (8, 201, 10, 1),  # 201 steps: the step-50 record falls inside timed steps, 4 per epoch
 }
 PROCESSES = 3  # timing processes, run one after the other; their rounds are pooled
 BOOTSTRAP = 2000
@@ -102,9 +108,15 @@ def _make(workload: str, steps: int):
     x = torch.randn(batch * steps, 1, 28, 28, generator=g)
     y = torch.randint(0, 10, (batch * steps,), generator=g)
     torch.manual_seed(0)
-    model = MLP() if workload == "mlp" else ConvNet()
+    model = {"mlp": MLP, "convnet": ConvNet}.get(workload, _tiny_model)()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return model, optimizer, DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True)
+
+
+def _tiny_model():
+    from torch import nn
+
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
 
 
 def plain_steps(model, optimizer, loader):
@@ -361,7 +373,7 @@ def _fmt_range(values: list[float], scale: float = 1.0, digits: int = 3) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: few rounds and steps")
-    parser.add_argument("--workloads", default="mlp,convnet", help="comma-separated: mlp, convnet")
+    parser.add_argument("--workloads", default="mlp,convnet", help="comma-separated: mlp, convnet, tiny")
     parser.add_argument("--rounds", type=int, default=None,
                         help="timed rounds per variant in each timing process (default per workload)")
     parser.add_argument("--processes", type=int, default=None,
@@ -418,7 +430,8 @@ def main() -> None:
         print(f"\n## {workload}: batch {batch}, {steps} steps per epoch, {n_rounds} rounds; each variant's steps "
               f"interleaved with the reference's (median, min–max over rounds)")
         header = (f"{'variant':<13} {'ms/step':>8} {'min–max':>13} {'vs ref':>6} {'ratio':>6} {'ratio 95 % CI':>13} "
-                  f"{'ratio IQR':>11} {'med ratio':>9} {'med 95 % CI':>13} {'outside loop s':>14} {'peak RSS MiB':>12} "
+                  f"{'ratio IQR':>11} {'med ratio':>9} {'med 95 % CI':>13} {'µs/step over plain':>18} "
+                  f"{'outside loop s':>14} {'peak RSS MiB':>12} "
                   f"{'RSS extra':>9} {'private MiB':>11} {'priv extra':>10}")
         print(header)
         print("-" * len(header))
@@ -432,6 +445,8 @@ def main() -> None:
             low, high = median_interval(ratios)
             med = [t / r / p for t, r, p in zip(res[v]["step_median"], res[v]["ref_median"], plain_med)]
             med_low, med_high = median_interval(med)
+            # the median step's extra time in µs: (variant - plain) against the same reference, at its speed
+            extra_us = [(t / r - p) * r * 1e6 for t, r, p in zip(res[v]["step_median"], res[v]["ref_median"], plain_med)]
             if memory:
                 rss, private = (memory[v][key] / memory["plain"][key] for key in ("peak_rss_bytes", "peak_private_bytes"))
                 mem = (f"{memory[v]['peak_rss_bytes'] / 2**20:>12.1f} {(rss - 1) * 100:>+7.2f} % "
@@ -441,7 +456,7 @@ def main() -> None:
             print(f"{v:<13} {statistics.median(step_ms):>8.3f} {_fmt_range(step_ms, digits=2):>13} "
                   f"{statistics.median(vs_ref):>6.3f} {statistics.median(ratios):>6.3f} {low:>6.3f}–{high:<6.3f} "
                   f"{q1:>5.3f}–{q3:<5.3f} {statistics.median(med):>9.3f} {med_low:>6.3f}–{med_high:<6.3f} "
-                  f"{statistics.median(res[v]['outside']):>14.3f} {mem}")
+                  f"{statistics.median(extra_us):>18.1f} {statistics.median(res[v]['outside']):>14.3f} {mem}")
     print("\n# vs ref: the variant's mean step over the mean of the reference steps interleaved with it (per round);"
           "\n# ratio: that over plain's 'vs ref' in the same round, i.e. the variant against the plain loop measured"
           "\n# the same way (plain's own 'vs ref' shows the instrument's bias: the reference runs inside a hook);"
@@ -449,6 +464,8 @@ def main() -> None:
           f"\n# ratio 95 % CI: of the median ratio, {BOOTSTRAP} bootstrap resamples of the rounds; ratio IQR: of the rounds;"
           "\n# med ratio: the same ratio from each round's median steps (the issue's 'median step time'; a step in"
           "\n# 50 that writes the record is an outlier it leaves out), med 95 % CI: its bootstrap interval;"
+          "\n# µs/step over plain: the median step's extra time, (variant/ref - plain/ref) x the reference's median step,"
+          "\n# per round (medians of the round's steps), median over rounds"
           "\n# RSS extra, priv extra: peak RSS and peak private memory over the plain process's, in per cent")
     print(f"\n# total {time.perf_counter() - t_start:.0f} s; load average {os.getloadavg()[0]:.2f} at end")
 

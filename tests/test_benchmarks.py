@@ -31,14 +31,15 @@ def table_rows(stdout: str, first_column: str) -> list[list[str]]:
     return [line.split() for line in stdout.splitlines() if line.split()[:1] == [first_column]]
 
 
-def test_overhead_prints_both_workloads():
-    stdout = run_bench("overhead.py")
-    for workload in ("mlp", "convnet"):
+def test_overhead_prints_every_workload():
+    stdout = run_bench("overhead.py", "--workloads", "mlp,convnet,tiny")
+    for workload in ("mlp", "convnet", "tiny"):
         assert f"## {workload}:" in stdout
     for variant in ("plain", "runtime", "trainer", "trainer-lean", "trainer-flops"):
         rows = table_rows(stdout, variant)
-        assert len(rows) == 2, stdout  # one per workload
+        assert len(rows) == 3, stdout  # one per workload
         assert all(float(row[1]) > 0 for row in rows)  # a median step time in ms
+    assert all(float(row[10]) == 0.0 for row in table_rows(stdout, "plain"))  # µs over itself
 
 
 def test_bytecodes_counts_every_variant_and_names_the_trainers_extra_work():
