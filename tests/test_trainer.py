@@ -77,6 +77,9 @@ def test_loop_calls_the_loop_module_forward_directly_only_when_nothing_hooks_it(
     assert _step_fn(loop_module, loop_module) == loop_module.forward  # single device: __call__ skipped
     wrapper = nn.Sequential(loop_module)  # a strategy's wrapper (DDP, DP, compile) is called as a module
     assert _step_fn(loop_module, wrapper) is wrapper
+    compiled = _LoopModule(workers.make_model(), None)
+    compiled.compile()  # in place: only __call__ runs the compiled code
+    assert _step_fn(compiled, compiled) is compiled
     loop_module.register_forward_pre_hook(lambda module, args: None)
     assert _step_fn(loop_module, loop_module) is loop_module  # a hook on it: through __call__
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from trainscale.runtime.batch import batch_size as _batch_size
+from trainscale.runtime.apply import is_compiled
 from trainscale.runtime.batch import batch_counts
 from trainscale.runtime.runtime import Runtime
 from trainscale.telemetry.flops import resolve_count_flops
@@ -609,14 +610,15 @@ class Trainer:
 
 def _step_fn(loop_module: _LoopModule, wrapped: nn.Module) -> Callable[[Any], torch.Tensor]:
     """What the loop calls per micro-batch: ``wrapped`` itself, or the loop module's bound ``forward``
-    when the strategy returned the loop module as it was (single device, no compile) and no hook is
-    registered on it: ``nn.Module.__call__`` would then only look for hooks (two more Python frames,
-    ~50 bytecodes per micro-batch) before calling that ``forward``. The user's model is still called
-    through ``__call__``, so its hooks, and global module hooks, run on it. FSDP2 hooks the module in
-    place and changes its class; DDP, DP and ``torch.compile`` wrap it: those are called as modules."""
-    hooked = (wrapped._forward_hooks or wrapped._forward_pre_hooks or wrapped._backward_hooks
-              or wrapped._backward_pre_hooks)
-    return loop_module.forward if wrapped is loop_module and type(wrapped) is _LoopModule and not hooked else wrapped
+    when ``nn.Module.__call__`` would do nothing but call it (two more Python frames, ~50 bytecodes
+    per micro-batch): the strategy returned the loop module as it was (single device), no hook is
+    registered on it and it is not compiled in place (``Module.compile()`` runs through ``__call__``).
+    The user's model is still called through ``__call__``, so its hooks, and global module hooks,
+    run on it. FSDP2 hooks the module in place and changes its class; DDP and DP wrap it: those are
+    called as modules."""
+    plain_call = not (wrapped._forward_hooks or wrapped._forward_pre_hooks or wrapped._backward_hooks
+                      or wrapped._backward_pre_hooks or is_compiled(wrapped))
+    return loop_module.forward if wrapped is loop_module and type(wrapped) is _LoopModule and plain_call else wrapped
 
 
 def _spawned_call(trainer_flags: dict, method: str, model: nn.Module, **kwargs: Any) -> dict:
