@@ -1,6 +1,6 @@
 """2-process DDP on CPU (gloo): a plain DDP script written here against Runtime and Trainer.
 
-    python benchmarks/ddp.py              # 3-4 minutes here (the VM's speed varies)
+    python benchmarks/ddp.py              # 4-5 minutes here (the VM's speed varies)
     python benchmarks/ddp.py --quick      # smoke run
 
 Workload: the tutorial ConvNet (``--workload mlp`` for the MLP 784-128-10), batch 64 per rank,
@@ -20,8 +20,11 @@ Variants:
   ``Trainer(devices=2)`` re-executes the script under torchrun itself.
 
 Throughput, one torchrun launch: every rank builds plain, plain-2, runtime and trainer side by side and
-runs one epoch of each per round, in an order rotated each round (a fresh ``Trainer(max_epochs=1)``
-and model per trainer epoch), after a warm-up round, for accumulation 1 then 4. Step-interleaved
+runs one epoch of each per round, in an order rotated each round, after a warm-up round, for
+accumulation 1 then 4. Every variant builds its model, optimizer and data afresh for each epoch (the
+Trainer: a fresh ``Trainer(max_epochs=1)``): with objects kept for the whole run, as the loops did
+until session 7, each kept one memory layout for all rounds, and two identical plain loops read
+1.7 % and 2.8 % apart with 95 % intervals that excluded 1 (36 rounds). Step-interleaved
 timing (``StepClock``): after each optimizer step of a variant, both ranks run one optimizer step
 of a shared reference, the plain DDP loop on its own model, data and process group. A variant's
 step = rank 0's time between two such hooks (steps 2..n of each epoch: the first makes the
@@ -234,21 +237,21 @@ def _ddp_options(counters: Counters) -> dict:
 
 
 class PlainVariant:
-    """The plain DDP loop on the default process group."""
+    """The plain DDP loop on the default process group. Each ``epoch`` builds its model, optimizer and
+    data afresh, as the Trainer variant's fresh ``fit`` does (see ``worker_interleaved``)."""
 
     def __init__(self, args, counters: Counters, clock: StepClock | None) -> None:
-        self.model, self.optimizer, self.loader, self.sampler = _plain_ddp_parts(args)
-        self.model.register_comm_hook(counters.allreduces, counting_allreduce_hook)
-        counters.attach(self.optimizer)
-        if clock is not None:
-            clock.attach(self.optimizer)
-        self.k, self.steps = None, None
+        self.args, self.counters, self.clock = args, counters, clock
 
     def epoch(self, k: int) -> None:
-        if k != self.k:
-            self.k, self.steps = k, plain_ddp_steps(self.model, self.optimizer, self.loader, self.sampler, k)
-        for _ in range(-(-len(self.loader) // k)):  # optimizer steps per epoch (a short last group counts)
-            next(self.steps)
+        model, optimizer, loader, sampler = _plain_ddp_parts(self.args)
+        model.register_comm_hook(self.counters.allreduces, counting_allreduce_hook)
+        self.counters.attach(optimizer)
+        if self.clock is not None:
+            self.clock.attach(optimizer)
+        steps = plain_ddp_steps(model, optimizer, loader, sampler, k)
+        for _ in range(-(-len(loader) // k)):  # optimizer steps per epoch (a short last group counts)
+            next(steps)
 
 
 class RuntimeVariant:
@@ -256,26 +259,24 @@ class RuntimeVariant:
     no_backward_sync, autocast, backward, step)."""
 
     def __init__(self, args, counters: Counters, clock: StepClock | None) -> None:
-        import torch
-        from torch.utils.data import DataLoader
-
         from trainscale import Runtime
 
-        def build(params):
-            optimizer = counters.attach(torch.optim.AdamW(params, lr=1e-3))
-            return clock.attach(optimizer) if clock is not None else optimizer
-
+        self.args, self.counters, self.clock = args, counters, clock
         self.rt = Runtime(accelerator="cpu", strategy_options=_ddp_options(counters))
-        self.model, self.optimizer = self.rt.setup(_model(args), build)
-        self.loader = self.rt.setup_dataloader(DataLoader(_data(args), batch_size=BATCH, shuffle=True))
-        self.epochs = 0
 
     def epoch(self, k: int) -> None:
         import torch
         from torch.nn import functional as F
+        from torch.utils.data import DataLoader
 
-        rt, model, optimizer, loader = self.rt, self.model, self.optimizer, self.loader
-        rt.set_epoch(loader, self.epochs)
+        def build(params):
+            optimizer = self.counters.attach(torch.optim.AdamW(params, lr=1e-3))
+            return self.clock.attach(optimizer) if self.clock is not None else optimizer
+
+        rt = self.rt  # model, optimizer and data built afresh each epoch, as in the other variants
+        model, optimizer = rt.setup(_model(self.args), build)
+        loader = rt.setup_dataloader(DataLoader(_data(self.args), batch_size=BATCH, shuffle=True))
+        rt.set_epoch(loader, 0)
         model.train()
         loss_sum = torch.zeros((), device=rt.device)
         for i, batch in enumerate(loader):
@@ -289,7 +290,6 @@ class RuntimeVariant:
             if boundary:
                 rt.step(optimizer)
                 optimizer.zero_grad(set_to_none=True)
-        self.epochs += 1
 
 
 class TrainerVariant:
@@ -484,7 +484,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, short epochs, 1 launch per variant")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="interleaved rounds per accumulation after a warm-up round (default 10, quick 1)")
+                        help="interleaved rounds per accumulation after a warm-up round (default 16, quick 1)")
     parser.add_argument("--launches", type=int, default=None,
                         help="launches per variant for whole-process time (default 1; 0: skip)")
     parser.add_argument("--workload", choices=("convnet", "mlp"), default="convnet")
@@ -510,7 +510,7 @@ def main() -> None:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     variants = ["plain"] + [v for v in VARIANTS[1:] if v in args.variants.split(",")]
     interleaved = ["plain", "plain-2"] + [v for v in variants if v in ("runtime", "trainer")]
-    args.rounds = args.rounds or (1 if args.quick else 10)
+    args.rounds = args.rounds or (1 if args.quick else 16)  # 10 rounds: one run read 0.952 [0.939–0.972], the next 36 1.001
     launches = args.launches if args.launches is not None else 1
     args.steps = args.steps or (8 if args.quick else 16)
     if args.steps < 8:

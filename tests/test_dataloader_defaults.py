@@ -1,5 +1,7 @@
 """What ``Runtime.setup_dataloader`` keeps from the user's loader and what it turns on (pinned memory on CUDA)."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -23,6 +25,18 @@ def test_a_loader_returned_as_given_is_not_mutated():
     rt = Runtime(accelerator="cpu", devices=1)
     loader = DataLoader(DATA, batch_size=4, sampler=torch.utils.data.DistributedSampler(DATA, num_replicas=1, rank=0))
     assert rt.setup_dataloader(loader, pin_memory=True) is loader and loader.pin_memory is False
+
+
+def test_recommended_workers_split_this_processs_cpus_across_the_ranks_of_the_node(monkeypatch):
+    rt = Runtime(accelerator="cpu", devices=1)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    assert rt.dataloader_kwargs() == {"num_workers": 7, "persistent_workers": True, "pin_memory": False}
+    rt.world = dataclasses.replace(rt.world, local_world_size=4)  # 8 CPUs, 4 ranks on the node: 2 each, one trains
+    assert rt.dataloader_kwargs()["num_workers"] == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})  # 2 CPUs, 4 ranks: no worker
+    assert rt.dataloader_kwargs() == {"num_workers": 0, "persistent_workers": False, "pin_memory": False}
+    loader = DataLoader(DATA, batch_size=4, **rt.dataloader_kwargs())  # DataLoader accepts them
+    assert len(list(loader)) == 4
 
 
 @pytest.mark.gpu

@@ -223,6 +223,23 @@ class Runtime:
             optimizer = self.strategy.setup_optimizer(optimizer)
         return wrapped, optimizer
 
+    def dataloader_kwargs(self) -> dict[str, Any]:
+        """Recommended ``DataLoader`` arguments for this rank when samples need CPU work (decoding,
+        augmentation): ``DataLoader(dataset, batch_size=64, **rt.dataloader_kwargs())``.
+
+        ``num_workers``: this process's share of the CPUs it may run on (``os.sched_getaffinity``),
+        ``cpus // local_world_size``, minus one for the training process itself (0 when that leaves
+        none); ``persistent_workers``: True with workers (they survive between epochs instead of
+        being restarted); ``pin_memory``: True on CUDA (asynchronous host-to-device copies). For data
+        already held in memory as tensors 0 workers is faster (worker processes add copies between
+        processes), so trainscale never changes a loader's workers itself (docs/performance.md).
+        https://pytorch.org/docs/stable/data.html#multi-process-data-loading
+        """
+        self.launch()
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        workers = max(0, cpus // max(1, self.world.local_world_size) - 1)
+        return {"num_workers": workers, "persistent_workers": workers > 0, "pin_memory": self.device.type == "cuda"}
+
     def setup_dataloader(self, loader: torch.utils.data.DataLoader, *, shuffle: bool | None = None,
                          seed: int = 0, even: bool = True,
                          pin_memory: bool | None = None) -> torch.utils.data.DataLoader:
