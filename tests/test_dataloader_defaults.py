@@ -46,3 +46,21 @@ def test_cuda_pins_batches_by_default_and_can_opt_out():
     assert x.is_pinned()
     x, _ = next(iter(rt.setup_dataloader(DataLoader(DATA, batch_size=4), pin_memory=False)))
     assert not x.is_pinned()
+
+
+def test_prefetch_is_the_batches_themselves_off_cuda():
+    rt = Runtime(accelerator="cpu", devices=1)
+    loader = rt.setup_dataloader(DataLoader(DATA, batch_size=4))
+    assert rt.prefetch(loader) is loader  # nothing to overlap on a CPU: no wrapper, no frame per batch
+
+
+@pytest.mark.gpu
+def test_prefetch_copies_every_batch_to_cuda_in_order():
+    rt = Runtime(accelerator="cuda", devices=1)
+    loader = rt.setup_dataloader(DataLoader(DATA, batch_size=4))  # pinned on CUDA: the copies overlap
+    got = [rt.to_device(batch) for batch in rt.prefetch(loader)]
+    want = list(loader)
+    assert len(got) == len(want) == 4
+    for moved, original in zip(got, want):
+        assert all(t.is_cuda for t in moved)
+        assert all(torch.equal(t.cpu(), w) for t, w in zip(moved, original))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import atexit
 import os
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -281,6 +281,20 @@ class Runtime:
         """Move the tensors of a nested batch to this rank's device (and dtype for "bf16-true")."""
         batch = to_device(batch, self.device, self._non_blocking)
         return self.precision.convert_input(batch) if self.precision.casts_input else batch
+
+    def prefetch(self, batches: Iterable) -> Iterable:
+        """On CUDA: ``batches`` moved to the device by :meth:`to_device`, each batch's copy issued on a
+        side stream while the previous batch trains (``trainscale.runtime.prefetch``); calling
+        :meth:`to_device` on what it yields again is then a no-op. On other devices ``batches`` itself,
+        unchanged (nothing to overlap; no generator frame per batch).
+
+        ``for batch in rt.prefetch(loader): batch = rt.to_device(batch); ...``
+        """
+        if self.device.type != "cuda":
+            return batches
+        from trainscale.runtime.prefetch import prefetch_to_cuda
+
+        return prefetch_to_cuda(batches, self.to_device, self.device)
 
     # -- the step ----------------------------------------------------------------------------
     def autocast(self):

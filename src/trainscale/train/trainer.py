@@ -302,8 +302,8 @@ class Trainer:
             t0 = time.perf_counter()
             i = -1
             tele.start()
-            for i, batch in enumerate(itertools.islice(batches, skip, None) if skip else batches):
-                batch = rt.to_device(batch)
+            for i, batch in enumerate(rt.prefetch(itertools.islice(batches, skip, None) if skip else batches)):
+                batch = rt.to_device(batch)  # on CUDA already there: prefetch copied it while the last step ran
                 t_data = clock()  # phase readings, passed to telemetry once per micro-batch
                 group_end = min((i // k + 1) * k, num_batches)  # the last group of an epoch may be short
                 is_boundary = i + 1 == group_end
