@@ -41,10 +41,8 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
 
 
 def batch_size(batch: Any) -> int:
-    """Samples in a batch: the leading dimension of its first tensor (tensor, tuple/list or dict)."""
-    kind = type(batch)
-    if (kind is list or kind is tuple) and batch and type(batch[0]) is torch.Tensor:  # (inputs, targets): no recursion
-        return batch[0].shape[0]
+    """Samples in a batch: the leading dimension of its first tensor (tensor, tuple/list or dict).
+    The training loop asks :func:`batch_counts`, which answers ``(inputs, targets)`` without recursion."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0])
     if isinstance(batch, dict):
@@ -63,6 +61,6 @@ def batch_counts(batch: Any) -> tuple[int, int | None]:
     """``(batch_size(batch), count_tokens(batch))`` in one call (samples, tokens or None), with the
     DataLoader's usual ``(inputs, targets)`` answered first: the loop asks once per micro-batch."""
     kind = type(batch)
-    if (kind is list or kind is tuple) and batch and type(batch[0]) is torch.Tensor:
+    if (kind is list or kind is tuple) and batch and type(batch[0]) is torch.Tensor:  # (inputs, targets)
         return batch[0].shape[0], None
     return batch_size(batch), count_tokens(batch)

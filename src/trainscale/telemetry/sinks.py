@@ -161,7 +161,7 @@ class CsvSink(_Buffered):
             file.flush()
 
     def close(self) -> None:
-        for kind, (file, _) in self._files.items():
+        for file, _ in self._files.values():
             empty = file.tell() == 0
             file.close()
             if empty:

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from trainscale.runtime.batch import batch_size as _batch_size
 from trainscale.runtime.apply import is_compiled
 from trainscale.runtime.batch import batch_counts
+from trainscale.runtime.batch import batch_size as _batch_size
 from trainscale.runtime.runtime import Runtime
 from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import Telemetry
