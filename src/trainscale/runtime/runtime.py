@@ -36,6 +36,7 @@ from trainscale.runtime import launch
 from trainscale.runtime.apply import prepare_module
 from trainscale.runtime.batch import to_device
 from trainscale.runtime.connector import RunConfig, resolve
+from trainscale.runtime.meta_init import on_meta
 from trainscale.runtime.precision import Precision
 from trainscale.runtime.strategies import create_strategy
 from trainscale.runtime.world import World
@@ -201,16 +202,26 @@ class Runtime:
         Args:
             module: a plain ``nn.Module``. Precision cast, SyncBatchNorm, activation checkpointing and
                 compile are applied to it in that order, then the strategy wraps it
-                (``trainscale.runtime.apply``).
+                (``trainscale.runtime.apply``). Under "fsdp" it may be built on the meta device
+                (``with torch.device("meta"): model = GPT(...)``): each rank then allocates and
+                initialises only its shards (``trainscale.runtime.meta_init``).
             optimizer: ``None``, an optimizer already built on ``module.parameters()`` (fine for
                 single/ddp), or a factory ``params -> Optimizer`` (required by sharded strategies,
                 which must build the optimizer after wrapping).
 
         Returns:
             ``(wrapped_module, optimizer_or_None)``.
+
+        Raises:
+            ValueError: a meta-device model under a strategy that cannot materialise it, or one
+                that could not be initialised.
         """
         self.launch()
         c = self.config
+        if not getattr(self.strategy, "materialises_meta", False) and on_meta(module):
+            raise ValueError(f"the model is on the meta device (no memory), which strategy={c.strategy!r} cannot "
+                             "materialise; use strategy='fsdp' (it shards, then initialises each rank's shards "
+                             "with init_weights()/reset_parameters()), or build the model on a real device")
         module = prepare_module(module, precision=self.precision, sync_batchnorm=c.sync_batchnorm,
                                 activation_checkpointing=c.activation_checkpointing, compile=c.compile)
         wrapped = self.strategy.setup_module(module)

@@ -32,7 +32,9 @@ class Strategy(Protocol):
     # Optional: ``checkpoint_suffix`` ("" when checkpoints are directories; ".pt" when absent);
     # ``forward_communicates = True`` when forward runs collectives (fsdp all-gathers), so evaluation
     # must call the wrapped module the same number of times on every rank; and
-    # ``clip_gradients_norm(module, max_norm, norm_type) -> Tensor`` when gradients are sharded.
+    # ``clip_gradients_norm(module, max_norm, norm_type) -> Tensor`` when gradients are sharded;
+    # ``materialises_meta = True`` when ``setup_module`` accepts a model built on the meta device
+    # (it shards, then allocates and initialises only this rank's shards: ``runtime/meta_init.py``).
 
     def setup_module(self, module: Any) -> Any:
         """Move ``module`` to the device and wrap it (DDP, FSDP, ...); return the module to call."""

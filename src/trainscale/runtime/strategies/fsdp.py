@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
-from trainscale.runtime import checkpoint_io
+from trainscale.runtime import checkpoint_io, meta_init
 from trainscale.runtime.strategies import SYNC
 from trainscale.runtime.world import World
 
@@ -107,6 +107,7 @@ class FSDPStrategy:
     name = "fsdp"
     checkpoint_suffix = ""  # checkpoints are directories
     forward_communicates = True  # forward all-gathers: evaluation goes through the root, same count on every rank
+    materialises_meta = True  # setup_module takes a model built on the meta device
 
     def __init__(self, device: Any, world: World, precision: str = "32-true",
                  auto_wrap_policy: Iterable[type] | None = None, reshard_after_forward: bool | int | None = None,
@@ -144,9 +145,15 @@ class FSDPStrategy:
         """Apply ``fully_shard`` to every module of an ``auto_wrap_policy`` class (innermost
         first), then to ``module`` itself; return ``module`` (sharded in place).
 
+        A ``module`` built under ``torch.device("meta")`` is sharded first, then only this rank's
+        shards are allocated (``to_empty``) and filled by its ``init_weights()`` or each submodule's
+        ``reset_parameters()`` (``trainscale.runtime.meta_init``): per-rank memory ~1/N of the model.
+        Seed every rank alike first (the Trainer does): the shards are drawn from the same seed.
+
         Raises:
-            ValueError: the module has no parameters, or a policy class does not occur in it
-                (raised identically on every rank, before any communication).
+            ValueError: the module has no parameters, a policy class does not occur in it, or a meta
+                module that could not be initialised (raised identically on every rank, before any
+                communication).
         """
         import torch
         from torch.distributed.device_mesh import init_device_mesh
@@ -161,7 +168,10 @@ class FSDPStrategy:
             present = sorted({type(m).__name__ for m in module.modules()})
             raise ValueError(f"auto_wrap_policy class(es) {', '.join(missing)} do not occur in the model; "
                              f"its module classes are: {', '.join(present)}")
-        if not self.cpu_offload:
+        meta = meta_init.on_meta(module)
+        if meta:  # shard first, then allocate only this rank's shards: the model never exists whole
+            meta_init.check_initialisable(module)
+        elif not self.cpu_offload:
             module = module.to(self.device)
         mesh = init_device_mesh(self.device.type, (self.world.world_size,))
         kwargs = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
@@ -171,6 +181,9 @@ class FSDPStrategy:
         for unit in reversed(units):  # modules() is pre-order: reversed, every child precedes its parent
             fully_shard(unit, **kwargs)
         fully_shard(module, **kwargs)
+        if meta:  # every parameter is Shard(0) over all ranks: this rank's shard index is its rank
+            meta_init.materialise(module, torch.device("cpu") if self.cpu_offload else self.device,
+                                  seed_offset=self.world.rank if self.device.type == "cpu" else None)
         self._roots.append(module)
         return module
 

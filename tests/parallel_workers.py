@@ -1,0 +1,50 @@
+"""Bodies of the multi-process tests of meta-device initialisation and model parallelism (module level
+so ``spawn`` can import them). Each returns plain tensors and numbers for the test to compare."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from trainscale.models import GPT, GPTConfig, lm_loss
+from trainscale.models.gpt import Block
+
+# Small enough for 4 CPU processes, large enough that every linear layer splits over 2 ranks.
+CONFIG = GPTConfig(vocab_size=256, context_length=32, n_layer=2, n_head=4, n_embd=64)
+
+
+def text_loader(batch_size: int, samples: int = 512) -> DataLoader:
+    from trainscale.data import load_text
+
+    train, _ = load_text(context_length=CONFIG.context_length)
+    return DataLoader(Subset(train, range(samples)), batch_size=batch_size, shuffle=True)
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes held by this rank: the local shard of a DTensor, the whole of a plain tensor."""
+    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
+
+
+def fsdp_meta_gpt(rank: int, steps: int) -> dict:
+    """A GPT built on the meta device, sharded by fsdp (one unit per Block), trained ``steps`` steps."""
+    from trainscale.runtime.runtime import Runtime
+
+    rt = Runtime(devices="auto", strategy="fsdp", timeout=60, strategy_options={"auto_wrap_policy": {Block}})
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(CONFIG)
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    wrapped, optimizer = rt.setup(model, lambda params: torch.optim.AdamW(params, lr=3e-3))
+    shard = wrapped.blocks[0].mlp.fc.weight.to_local().detach().clone()
+    out = {"full_bytes": full_bytes, "param_bytes": tensor_bytes(wrapped.parameters()), "shard": shard,
+           "finite": all(bool(torch.isfinite(p.full_tensor()).all()) for p in wrapped.parameters()), "losses": []}
+    loader = rt.setup_dataloader(text_loader(batch_size=8))
+    for _, (x, y) in zip(range(steps), loader):
+        x, y = rt.to_device((x, y))
+        loss = lm_loss(wrapped(x), y)
+        rt.backward(loss)
+        rt.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        out["losses"].append(rt.all_reduce(loss.detach(), op="mean").item())
+    rt.teardown()
+    return out
