@@ -48,3 +48,37 @@ def fsdp_meta_gpt(rank: int, steps: int) -> dict:
         out["losses"].append(rt.all_reduce(loss.detach(), op="mean").item())
     rt.teardown()
     return out
+
+
+def full_weights(model) -> dict:
+    """Every parameter in full on every rank (DTensor shards all-gathered), detached copies."""
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, steps: int,
+              checkpoint: str | None = None) -> dict:
+    """``steps`` SGD steps (momentum 0.9; AdamW's per-element normalisation would magnify rounding
+    differences of near-zero gradients) of a GPT (seed 0) with clipping at norm 0.5 through the Runtime; the full
+    weights after, the losses and norms, this rank's parameter bytes; a DCP checkpoint if asked."""
+    from trainscale.runtime.runtime import Runtime
+
+    rt = Runtime(accelerator="cpu", devices=1 if strategy == "single" else "auto", strategy=strategy, parallel=parallel,
+                 timeout=60)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    wrapped, optimizer = rt.setup(model, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    out = {"losses": [], "norms": [], "param_bytes": tensor_bytes(wrapped.parameters())}
+    for _, (x, y) in zip(range(steps), rt.setup_dataloader(text_loader(batch_size))):
+        x, y = rt.to_device((x, y))
+        loss = lm_loss(wrapped(x), y)
+        rt.backward(loss)
+        out["norms"].append(rt.clip_gradients(wrapped, optimizer, max_norm=0.5).item())
+        rt.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        out["losses"].append(rt.all_reduce(loss.detach(), op="mean").item())
+    out["weights"] = full_weights(wrapped)
+    if checkpoint is not None:
+        rt.save(checkpoint, {"model": wrapped, "optimizer": optimizer, "step": steps})
+    rt.teardown()
+    return out

@@ -12,7 +12,8 @@ from typing import Any
 
 from trainscale.runtime.devices import ACCELERATORS, detect_accelerator
 from trainscale.runtime.precision import PRECISIONS
-from trainscale.runtime.strategies import STRATEGIES
+from trainscale.runtime.strategies import MODEL_PARALLEL, STRATEGIES
+from trainscale.runtime.strategies.parallel_dims import ParallelDims, resolve_parallel
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class RunConfig:
         sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp/ddp_spawn on CUDA).
         activation_checkpointing: module classes whose forward is recomputed in backward.
         compile: ``None`` (eager) or the keyword arguments of ``torch.compile`` (``{}`` for defaults).
+        parallel: the mesh sizes under "model_parallel"/"hsdp"/"tp"; None under other strategies.
     """
 
     accelerator: str
@@ -38,6 +40,7 @@ class RunConfig:
     sync_batchnorm: bool = False
     activation_checkpointing: tuple = ()
     compile: dict | None = None
+    parallel: ParallelDims | None = None
 
     @property
     def world_size(self) -> int:
@@ -61,6 +64,9 @@ def resolve(
     sync_batchnorm: bool = False,
     activation_checkpointing: Any = None,
     compile: bool | dict = False,
+    parallel: dict | None = None,
+    tp_plan: Any = None,
+    parallelize: Any = None,
 ) -> RunConfig:
     """Turn user flags into a :class:`RunConfig`.
 
@@ -75,6 +81,10 @@ def resolve(
         sync_batchnorm: bool; only under ddp/ddp_spawn on CUDA (torch's SyncBatchNorm refuses CPU tensors).
         activation_checkpointing: None, or an ``nn.Module`` subclass or a collection of them.
         compile: bool, or a dict of ``torch.compile`` keyword arguments (e.g. ``{"mode": "max-autotune"}``).
+        parallel: under "model_parallel" (required), "hsdp" or "tp": mesh sizes ``{"dp_replicate": R,
+            "dp_shard": S, "tp": T}`` with R·S·T = devices·num_nodes (``parallel_dims.resolve_parallel``).
+        tp_plan: a dict ``{submodule name: ParallelStyle}``; only with tensor parallelism.
+        parallelize: a callable ``fn(model, mesh) -> model``; only under the model-parallel strategies.
 
     Raises:
         ValueError: an unknown name (the message lists the valid ones), a non-positive count,
@@ -139,8 +149,27 @@ def resolve(
                          "in training (its forward raises 'expected input tensor to be on GPU'). On CPU pass "
                          "sync_batchnorm=False (each rank normalizes with its own batch statistics), use larger "
                          "per-device batches, or use GroupNorm/LayerNorm, which need no batch statistics")
+    dims = _resolve_model_parallel(strategy, parallel, tp_plan, parallelize, devices, num_nodes)
     return RunConfig(accelerator, devices, num_nodes, strategy, precision, sync_batchnorm,
-                     _resolve_checkpointing(activation_checkpointing), _resolve_compile(compile))
+                     _resolve_checkpointing(activation_checkpointing), _resolve_compile(compile), dims)
+
+
+def _resolve_model_parallel(strategy: str, parallel: Any, tp_plan: Any, parallelize: Any, devices: int,
+                            num_nodes: int) -> ParallelDims | None:
+    """The mesh sizes under a model-parallel strategy; ``parallel``/``tp_plan``/``parallelize`` refused elsewhere."""
+    if strategy not in MODEL_PARALLEL:
+        given = [name for name, value in (("parallel", parallel), ("tp_plan", tp_plan), ("parallelize", parallelize))
+                 if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} describe(s) model parallelism, but strategy={strategy!r}; pass "
+                             "strategy='model_parallel' (or 'tp' / 'hsdp')")
+        return None
+    dims = resolve_parallel(strategy, parallel, devices, num_nodes)
+    _check_tp_flags(tp_plan, parallelize, dims)
+    if dims.dp_replicate > 1 and dims.dp_shard == 1:
+        raise ValueError(f"parallel={dims.as_dict()} replicates without sharding, which trainscale does not compose "
+                         "with a mesh; use dp_shard for those ranks (FSDP), or strategy='ddp'")
+    return dims
 
 
 def _resolve_checkpointing(classes: Any) -> tuple:
@@ -179,3 +208,17 @@ def _resolve_compile(compile: Any) -> dict | None:
     if unknown:
         raise ValueError(f"compile has unknown torch.compile arguments {unknown}; valid ones: {', '.join(valid)}")
     return dict(compile)
+
+
+def _check_tp_flags(tp_plan: Any, parallelize: Any, dims: ParallelDims) -> None:
+    """``tp_plan`` a dict of names, only with tp > 1; ``parallelize`` a callable; not both."""
+    if tp_plan is not None and parallelize is not None:
+        raise ValueError("pass tp_plan or parallelize, not both (parallelize replaces the tensor-parallel step)")
+    if tp_plan is not None and (not isinstance(tp_plan, dict) or not all(isinstance(k, str) for k in tp_plan)):
+        raise ValueError(f"tp_plan={tp_plan!r} must be a dict {{submodule name: ColwiseParallel() | RowwiseParallel() "
+                         "| ...}}")
+    if tp_plan is not None and dims.tp < 2:
+        raise ValueError(f"tp_plan splits layers over the tp ranks, but parallel={dims.as_dict()} has tp=1; "
+                         "add 'tp': N to parallel")
+    if parallelize is not None and not callable(parallelize):
+        raise ValueError(f"parallelize={parallelize!r} must be a function fn(model, mesh) -> model")

@@ -21,7 +21,6 @@ seed gives the same model, and the caller's random state moves on by that one dr
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 from torch import nn

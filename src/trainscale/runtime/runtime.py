@@ -64,7 +64,7 @@ class Runtime:
         accelerator: "auto", "cpu", "cuda" ("gpu") or "mps".
         devices: processes (CPU) or GPUs per node, or "auto" (all GPUs; under a launcher, the
             launcher's processes per node; else 1).
-        strategy: "auto", "single", "ddp", "fsdp", "ddp_spawn" or "dp" (see ``trainscale.runtime.strategies.STRATEGIES``
+        strategy: "auto", "single", "ddp", "fsdp", "ddp_spawn", "dp", "model_parallel", "hsdp" or "tp" (see ``trainscale.runtime.strategies.STRATEGIES``
             and docs/strategies.md). Under "ddp_spawn" outside a launcher, call ``launch(fn, *args)``.
         num_nodes: machines in the job.
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
@@ -77,6 +77,12 @@ class Runtime:
             backward (``torch.utils.checkpoint``, non-reentrant): less activation memory, ~1 more forward.
         compile: ``torch.compile`` the module before the strategy wraps it; True, or a dict of
             ``torch.compile`` arguments (e.g. ``{"mode": "max-autotune"}``).
+        parallel: under strategy "model_parallel" (required), "hsdp" or "tp": the device mesh
+            ``{"dp_replicate": R, "dp_shard": S, "tp": T}``, R·S·T = world size (docs/strategies.md).
+        tp_plan: ``{submodule name: ColwiseParallel() | RowwiseParallel() | ...}`` (torch's
+            ``parallelize_module`` styles) for your model; default: the built-in plan of ``trainscale.models.GPT``.
+        parallelize: ``fn(model, mesh) -> model`` applying your own tensor parallelism instead; FSDP/HSDP
+            over the data-parallel dimensions is applied after it.
 
     Raises:
         ValueError: bad or conflicting flags (raised on every rank, before any process group exists).
@@ -85,18 +91,20 @@ class Runtime:
     def __init__(self, accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
                  num_nodes: int = 1, precision: str = "32-true", *, timeout: float = 1800.0,
                  strategy_options: dict | None = None, sync_batchnorm: bool = False,
-                 activation_checkpointing: Any = None, compile: bool | dict = False) -> None:
+                 activation_checkpointing: Any = None, compile: bool | dict = False, parallel: dict | None = None,
+                 tp_plan: dict | None = None, parallelize: Callable | None = None) -> None:
         self._init_kwargs = dict(accelerator=accelerator, devices=devices, strategy=strategy, num_nodes=num_nodes,
                                  precision=precision, timeout=timeout, strategy_options=strategy_options,
                                  sync_batchnorm=sync_batchnorm, activation_checkpointing=activation_checkpointing,
-                                 compile=compile)
+                                 compile=compile, parallel=parallel, tp_plan=tp_plan, parallelize=parallelize)
         self.world = World.from_env()
         if devices == "auto" and self.world.launcher != "none":
             devices, num_nodes = self.world.local_world_size, self.world.num_nodes
         self.config: RunConfig = resolve(accelerator, devices, strategy, num_nodes, precision,
                                          cuda_count=_devices.cuda_device_count(),
                                          has_mps=_devices.mps_available(), sync_batchnorm=sync_batchnorm,
-                                         activation_checkpointing=activation_checkpointing, compile=compile)
+                                         activation_checkpointing=activation_checkpointing, compile=compile,
+                                         parallel=parallel, tp_plan=tp_plan, parallelize=parallelize)
         if self.world.launcher == "slurm":  # the allocation must match devices × num_nodes
             from trainscale.runtime.slurm import check_allocation
 
@@ -113,6 +121,8 @@ class Runtime:
         self.strategy_options = dict(strategy_options or {})
         if self.config.strategy == "dp":
             self.strategy_options.setdefault("device_ids", list(range(self.config.devices)))
+        if self.config.parallel is not None:  # model_parallel / hsdp / tp
+            self.strategy_options.update(parallel=self.config.parallel, tp_plan=tp_plan, parallelize=parallelize)
         self.device = _devices.device_for(self.config.accelerator, self.world.local_rank)
         self.precision = Precision(self.config.precision, self.device.type)
         self._non_blocking = self.device.type == "cuda"  # to_device's copies: asynchronous from pinned memory
@@ -254,7 +264,8 @@ class Runtime:
     def setup_dataloader(self, loader: torch.utils.data.DataLoader, *, shuffle: bool | None = None,
                          seed: int = 0, even: bool = True,
                          pin_memory: bool | None = None) -> torch.utils.data.DataLoader:
-        """Return ``loader`` rebuilt with a sampler that gives this rank its share of the data.
+        """Return ``loader`` rebuilt with a sampler that gives this rank its share of the data (under
+        model parallelism, its data-parallel group's share: the ``tp`` ranks of a group read the same batches).
 
         Args:
             loader: a DataLoader built with ``batch_size`` (per device) and a sequential or random sampler.
@@ -274,7 +285,9 @@ class Runtime:
         from trainscale.runtime.sampling import distribute_dataloader
 
         self.launch()
-        out = distribute_dataloader(loader, self.world, shuffle=shuffle, seed=seed, even=even)
+        data_world = getattr(self.strategy, "data_world", None)  # tensor-parallel ranks share their batches
+        world = data_world(self.world) if data_world is not None else self.world
+        out = distribute_dataloader(loader, world, shuffle=shuffle, seed=seed, even=even)
         if pin_memory is None:
             pin_memory = loader.pin_memory or self.device.type == "cuda"
         if out is not loader:  # ours to configure; the iterator reads it when an epoch starts

@@ -18,7 +18,12 @@ _IMPLEMENTATIONS = {
     "fsdp": "trainscale.runtime.strategies.fsdp:FSDPStrategy",
     "ddp_spawn": "trainscale.runtime.strategies.ddp_spawn:DDPSpawnStrategy",
     "dp": "trainscale.runtime.strategies.dp:DataParallelStrategy",
+    # one strategy on one device mesh; "hsdp" and "tp" are layouts of it (runtime/connector.py)
+    "model_parallel": "trainscale.runtime.strategies.model_parallel:ModelParallelStrategy",
+    "hsdp": "trainscale.runtime.strategies.model_parallel:ModelParallelStrategy",
+    "tp": "trainscale.runtime.strategies.model_parallel:ModelParallelStrategy",
 }
+MODEL_PARALLEL = ("model_parallel", "hsdp", "tp")
 STRATEGIES = ("auto", *_IMPLEMENTATIONS)
 # What ``no_backward_sync`` returns when there is nothing to skip: one stateless, reentrant instance
 # for every micro-batch (no object built per step).
@@ -35,6 +40,8 @@ class Strategy(Protocol):
     # ``clip_gradients_norm(module, max_norm, norm_type) -> Tensor`` when gradients are sharded;
     # ``materialises_meta = True`` when ``setup_module`` accepts a model built on the meta device
     # (it shards, then allocates and initialises only this rank's shards: ``runtime/meta_init.py``).
+    # ``data_world(world) -> World`` when not every rank reads different data (tensor-parallel ranks
+    # share their batches): the rank and world size the data loader's sampler must use.
 
     def setup_module(self, module: Any) -> Any:
         """Move ``module`` to the device and wrap it (DDP, FSDP, ...); return the module to call."""

@@ -15,68 +15,15 @@ for use without trainscale (``nn.Module.load_state_dict``).
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-from pathlib import Path
 from typing import Any, Iterable
 
 from trainscale.runtime import checkpoint_io, meta_init
 from trainscale.runtime.strategies import SYNC
+from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, fsdp_units, no_gradient_sync, reshard
+from trainscale.runtime.strategies.apply_fsdp import mixed_precision_policy as _mixed_precision_policy  # noqa: F401
+from trainscale.runtime.strategies.dcp_checkpoint import DCPCheckpointer
+from trainscale.runtime.strategies.dtensor_clip import clip_grad_norm
 from trainscale.runtime.world import World
-
-_EXTRA = "trainscale_extra.pt"  # the non-sharded entries (loop position, RNG, scheduler, scaler)
-
-
-def _mixed_precision_policy(precision: str):
-    """FSDP2's ``MixedPrecisionPolicy`` for a precision flag.
-
-    "bf16-mixed"/"16-mixed": parameters all-gathered and computed in bf16/fp16, gradients
-    reduce-scattered in fp32 (torchtitan's default: low-precision reductions lose accuracy
-    with many ranks). Sharded parameters and optimizer states stay fp32. Other precisions:
-    no casting ("bf16-true" parameters are already bf16).
-    """
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    param_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    if param_dtype is None:
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-
-
-class _ModelState:
-    """DCP ``Stateful`` view of a (sharded) module: its keys are the module's own FQNs."""
-
-    def __init__(self, module) -> None:
-        self.module = module
-
-    def state_dict(self):
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(self.module)
-
-    def load_state_dict(self, state_dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        set_model_state_dict(self.module, state_dict)
-
-
-class _OptimizerState:
-    """DCP ``Stateful`` view of an optimizer, keyed by parameter FQNs of ``module`` (not ids)."""
-
-    def __init__(self, module, optimizer) -> None:
-        self.module, self.optimizer = module, optimizer
-
-    def state_dict(self):
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return get_optimizer_state_dict(self.module, self.optimizer)
-
-    def load_state_dict(self, state_dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        set_optimizer_state_dict(self.module, self.optimizer, state_dict)
 
 
 class FSDPStrategy:
@@ -139,6 +86,7 @@ class FSDPStrategy:
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self._roots: list = []  # modules given to setup_module, to reshard before checkpoints
+        self._checkpointer = DCPCheckpointer(world.rank, self.name, before=self._reshard)
 
     # -- model -------------------------------------------------------------------------------
     def setup_module(self, module):
@@ -157,30 +105,16 @@ class FSDPStrategy:
         """
         import torch
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-        if next(iter(module.parameters()), None) is None:
-            raise ValueError(f"strategy='fsdp' got a model with no parameters ({type(module).__name__}); "
-                             "there is nothing to shard: check the model, or use strategy='ddp'")
-        units = [m for m in module.modules() if m is not module and isinstance(m, self.auto_wrap_policy)]
-        missing = [c.__name__ for c in self.auto_wrap_policy if not any(isinstance(m, c) for m in units)]
-        if missing:
-            present = sorted({type(m).__name__ for m in module.modules()})
-            raise ValueError(f"auto_wrap_policy class(es) {', '.join(missing)} do not occur in the model; "
-                             f"its module classes are: {', '.join(present)}")
+        units = fsdp_units(module, self.auto_wrap_policy, self.name)
         meta = meta_init.on_meta(module)
         if meta:  # shard first, then allocate only this rank's shards: the model never exists whole
             meta_init.check_initialisable(module)
         elif not self.cpu_offload:
             module = module.to(self.device)
         mesh = init_device_mesh(self.device.type, (self.world.world_size,))
-        kwargs = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
-                      mp_policy=_mixed_precision_policy(self.precision),
-                      offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
-                      if self.cpu_offload else OffloadPolicy())
-        for unit in reversed(units):  # modules() is pre-order: reversed, every child precedes its parent
-            fully_shard(unit, **kwargs)
-        fully_shard(module, **kwargs)
+        apply_fsdp(module, units, mesh, precision=self.precision, reshard_after_forward=self.reshard_after_forward,
+                   cpu_offload=self.cpu_offload)
         if meta:  # every parameter is Shard(0) over all ranks: this rank's shard index is its rank
             meta_init.materialise(module, torch.device("cpu") if self.cpu_offload else self.device,
                                   seed_offset=self.world.rank if self.device.type == "cpu" else None)
@@ -188,15 +122,7 @@ class FSDPStrategy:
         return module
 
     def _reshard(self) -> None:
-        """Register the sharded parameters again. A root keeps its gathered parameters after a
-        forward without backward (evaluation; FSDP2 does not reshard the root after forward), and
-        state dicts and optimizers must see the sharded ones."""
-        from torch.distributed.fsdp import FSDPModule
-
-        for root in self._roots:
-            for m in root.modules():
-                if isinstance(m, FSDPModule):
-                    m.reshard()
+        reshard(self._roots)
 
     def setup_optimizer(self, optimizer):
         """Check that ``optimizer`` holds the sharded parameters (DTensors).
@@ -221,107 +147,22 @@ class FSDPStrategy:
         unsharded on each rank, with no reduce-scatter, until the boundary micro-batch."""
         if not enabled:
             return SYNC
-        if not callable(getattr(module, "set_requires_gradient_sync", None)):
-            raise TypeError("no_backward_sync needs the module returned by Runtime.setup (an FSDP module)")
-        return self._no_sync(module)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _no_sync(module):
-        module.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            module.set_requires_gradient_sync(True)
+        return no_gradient_sync(module)
 
     def clip_gradients_norm(self, module, max_norm: float, norm_type: float = 2.0):
-        """``clip_grad_norm_`` on DTensor gradients: the norm of the full (all shards) gradient.
-
-        ``torch.nn.utils.clip_grad_norm_`` reduces the per-shard norms across the mesh when the
-        gradients are DTensors; its result is a replicated DTensor, returned as a plain 0-d tensor.
-        """
-        import torch
-
-        params = [p for p in module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        """Clip by the norm of the full (all shards) gradient (``dtensor_clip.clip_grad_norm``: the
+        per-shard norms reduced across the mesh); returned as a plain 0-d tensor."""
+        return clip_grad_norm(module.parameters(), max_norm, norm_type)
 
     # -- checkpoints -------------------------------------------------------------------------
-    def _split(self, state: dict):
-        """DCP ``Stateful``s for modules and optimizers; everything else goes to the extra file."""
-        import torch
-
-        modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
-        sharded, extra = {}, {}
-        for key, value in state.items():
-            if isinstance(value, torch.nn.Module):
-                sharded[key] = _ModelState(value)
-            elif isinstance(value, torch.optim.Optimizer):
-                sharded[key] = _OptimizerState(_owner(key, value, modules), value)
-            else:
-                extra[key] = value
-        return sharded, extra
-
     def save_checkpoint(self, path, state: dict) -> None:
-        """Write ``path/`` as a DCP directory: each rank its shards of the modules and optimizers,
-        rank zero the other entries (``trainscale_extra.pt`` with its SHA-256).
-
-        Written to ``.<name>.tmp`` first and renamed by rank zero when every rank has finished,
-        so a crash leaves no half checkpoint under the final name.
-        """
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-
-        path = Path(path)
-        tmp = path.parent / f".{path.name}.tmp"
-        self._reshard()
-        sharded, extra = self._split(state)
-        if self.world.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        dcp.save(sharded, checkpoint_id=str(tmp))
-        if self.world.rank == 0:
-            checkpoint_io.save_file({k: (v.state_dict() if checkpoint_io._is_stateful(v) else v)
-                                     for k, v in extra.items()}, tmp / _EXTRA)
-        dist.barrier()
-        if self.world.rank == 0:
-            if path.exists():
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-            checkpoint_io._fsync_dir(path.parent)
+        """Write ``path/`` as a DCP directory (``dcp_checkpoint.DCPCheckpointer.save``)."""
+        self._checkpointer.save(path, state)
 
     def load_checkpoint(self, path, state: dict) -> dict:
-        """Restore the modules and optimizers of ``state`` from the DCP directory ``path`` (any
-        world size), the other stateful objects from its extra file; return the plain entries.
-
-        Raises:
-            FileNotFoundError: ``path`` does not exist.
-            CheckpointError: ``path`` is not a DCP checkpoint directory, or it does not fit.
-        """
-        import torch.distributed.checkpoint as dcp
-
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-        if not (path / ".metadata").is_file() or not (path / _EXTRA).is_file():
-            raise checkpoint_io.CheckpointError(
-                f"checkpoint {str(path)!r} is not a sharded (DCP) checkpoint directory written by strategy='fsdp'; "
-                "resume a 'single'/'ddp' checkpoint file with that strategy")
-        extra = checkpoint_io.load_file(path / _EXTRA)
-        self._reshard()
-        sharded, others = self._split(state)
-        try:
-            dcp.load(sharded, checkpoint_id=str(path))
-        except Exception as err:  # DCP raises CheckpointException / RuntimeError / KeyError
-            raise checkpoint_io.CheckpointError(f"checkpoint {str(path)!r} does not fit the model or optimizer: "
-                                                f"{str(err).strip().splitlines()[0][:300]}") from err
-        for key, value in others.items():
-            if checkpoint_io._is_stateful(value):
-                if key not in extra:
-                    raise checkpoint_io.CheckpointError(f"checkpoint {str(path)!r} has no entry {key!r}")
-                value.load_state_dict(extra[key])
-        return {k: v for k, v in extra.items() if not (k in state and checkpoint_io._is_stateful(state[k]))}
+        """Restore ``state`` from the DCP directory ``path`` written on any world size; return the plain
+        entries (``dcp_checkpoint.DCPCheckpointer.load``; raises FileNotFoundError, CheckpointError)."""
+        return self._checkpointer.load(path, state)
 
     def save_full_state_dict(self, path, module) -> None:
         """Export ``module``'s full, unsharded weights as one plain ``state_dict`` file on rank
@@ -350,13 +191,3 @@ class FSDPStrategy:
     def teardown(self) -> None:
         pass
 
-
-def _owner(key: str, optimizer, modules: dict):
-    """The module of ``modules`` that holds all parameters of ``optimizer`` (DCP keys optimizer
-    state by that module's parameter names)."""
-    wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for module in modules.values():
-        if wanted <= {id(p) for p in module.parameters()}:
-            return module
-    raise ValueError(f"cannot checkpoint optimizer {key!r} under strategy='fsdp': no module in the same "
-                     f"state dict ({', '.join(modules) or 'none'}) holds all its parameters; pass the model too")

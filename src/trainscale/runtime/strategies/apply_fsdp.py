@@ -1,0 +1,102 @@
+"""``apply_fsdp``: FSDP2 ``fully_shard`` over a 1-D (FSDP) or 2-D (HSDP) device mesh, units first.
+
+Shared by the ``fsdp`` strategy (a 1-D mesh of all ranks) and ``model_parallel`` (the data-parallel
+dimensions of its mesh; torchtitan v0.1.0 ``models/llama3/infra/parallelize.py::apply_fsdp``). Given a
+2-D mesh ``(replicate, shard)``, ``fully_shard`` shards within each row and all-reduces gradients across
+rows: hybrid sharding (HSDP; https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+
+def mixed_precision_policy(precision: str):
+    """FSDP2's ``MixedPrecisionPolicy`` for a precision flag.
+
+    "bf16-mixed"/"16-mixed": parameters all-gathered and computed in bf16/fp16, gradients
+    reduce-scattered in fp32 (torchtitan's default: low-precision reductions lose accuracy
+    with many ranks). Sharded parameters and optimizer states stay fp32. Other precisions:
+    no casting ("bf16-true" parameters are already bf16).
+    """
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    if param_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def fsdp_units(module: Any, policy: tuple, strategy: str) -> list:
+    """The submodules of ``module`` that are instances of a ``policy`` class, in pre-order.
+
+    Raises:
+        ValueError: ``module`` has no parameters, or a policy class does not occur in it (the message
+            lists the classes present).
+    """
+    if next(iter(module.parameters()), None) is None:
+        raise ValueError(f"strategy={strategy!r} got a model with no parameters ({type(module).__name__}); "
+                         "there is nothing to shard: check the model, or use strategy='ddp'")
+    units = [m for m in module.modules() if m is not module and isinstance(m, policy)]
+    missing = [c.__name__ for c in policy if not any(isinstance(m, c) for m in units)]
+    if missing:
+        present = sorted({type(m).__name__ for m in module.modules()})
+        raise ValueError(f"auto_wrap_policy class(es) {', '.join(missing)} do not occur in the model; "
+                         f"its module classes are: {', '.join(present)}")
+    return units
+
+
+def apply_fsdp(module: Any, units: list, mesh: Any, *, precision: str, reshard_after_forward: Any = None,
+               cpu_offload: bool = False) -> Any:
+    """``fully_shard`` each of ``units`` (innermost first), then ``module``; return ``module`` (in place).
+
+    Args:
+        module: the root module; ``units``: from :func:`fsdp_units`.
+        mesh: a 1-D ``DeviceMesh`` (FSDP) or 2-D ``(replicate, shard)`` one (HSDP).
+        precision: the precision flag (:func:`mixed_precision_policy`).
+        reshard_after_forward, cpu_offload: see ``FSDPStrategy``.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision_policy(precision),
+                  offload_policy=CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload
+                  else OffloadPolicy())
+    for unit in reversed(units):  # modules() is pre-order: reversed, every child precedes its parent
+        fully_shard(unit, **kwargs)
+    fully_shard(module, **kwargs)
+    return module
+
+
+def reshard(roots: list) -> None:
+    """Register the sharded parameters again on every FSDP module under ``roots``. A root keeps its
+    gathered parameters after a forward without backward (evaluation; FSDP2 does not reshard the root
+    after forward), and state dicts and optimizers must see the sharded ones."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for root in roots:
+        for m in root.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+
+def no_gradient_sync(module: Any):
+    """FSDP2's ``set_requires_gradient_sync(False)`` on ``module`` (a root from :func:`apply_fsdp`) as
+    a context: gradients accumulate unsharded on each rank, with no reduce-scatter, until it exits.
+
+    Raises:
+        TypeError: ``module`` is not an FSDP module (not the one ``Runtime.setup`` returned).
+    """
+    if not callable(getattr(module, "set_requires_gradient_sync", None)):
+        raise TypeError("no_backward_sync needs the module returned by Runtime.setup (an FSDP module)")
+    return _no_sync(module)
+
+
+@contextlib.contextmanager
+def _no_sync(module: Any):
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)

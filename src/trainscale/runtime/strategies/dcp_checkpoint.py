@@ -1,0 +1,148 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), shared by the sharded strategies.
+
+A checkpoint is a directory: every rank writes its own shards of the modules and optimizers
+(``__<rank>_0.distcp`` and ``.metadata``), rank zero the other entries (``trainscale_extra.pt``, with
+its SHA-256). Modules and optimizers are keyed by the module's own parameter names, so a checkpoint
+loads on another world size or mesh shape (DCP reshards on load;
+https://pytorch.org/docs/stable/distributed.checkpoint.html). Written under ``.<name>.tmp`` and renamed
+by rank zero once every rank has finished: a crash leaves no half checkpoint under the final name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+from trainscale.runtime import checkpoint_io
+
+EXTRA = "trainscale_extra.pt"  # the non-sharded entries (loop position, RNG, scheduler, scaler)
+
+
+class _ModelState:
+    """DCP ``Stateful`` view of a (sharded) module: its keys are the module's own FQNs."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.module)
+
+    def load_state_dict(self, state_dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.module, state_dict)
+
+
+class _OptimizerState:
+    """DCP ``Stateful`` view of an optimizer, keyed by parameter FQNs of ``module`` (not ids)."""
+
+    def __init__(self, module, optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, state_dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.module, self.optimizer, state_dict)
+
+
+class DCPCheckpointer:
+    """Save and load a state dict of modules, optimizers and plain values as a DCP directory.
+
+    Args:
+        rank: this process's global rank (rank zero writes the extra file and renames).
+        strategy: the strategy's name, for error messages.
+        before: called before every save and load (fsdp reshards its root modules there).
+    """
+
+    def __init__(self, rank: int, strategy: str, before: Callable[[], None] = lambda: None) -> None:
+        self.rank, self.strategy, self.before = rank, strategy, before
+
+    def _split(self, state: dict):
+        """DCP ``Stateful``s for modules and optimizers; everything else goes to the extra file."""
+        import torch
+
+        modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
+        sharded, extra = {}, {}
+        for key, value in state.items():
+            if isinstance(value, torch.nn.Module):
+                sharded[key] = _ModelState(value)
+            elif isinstance(value, torch.optim.Optimizer):
+                sharded[key] = _OptimizerState(self._owner(key, value, modules), value)
+            else:
+                extra[key] = value
+        return sharded, extra
+
+    def save(self, path: Any, state: dict) -> None:
+        """Write ``path/``: each rank its shards, rank zero the other entries; all ranks must call it."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        path = Path(path)
+        tmp = path.parent / f".{path.name}.tmp"
+        self.before()
+        sharded, extra = self._split(state)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        dcp.save(sharded, checkpoint_id=str(tmp))
+        if self.rank == 0:
+            checkpoint_io.save_file({k: (v.state_dict() if checkpoint_io._is_stateful(v) else v)
+                                     for k, v in extra.items()}, tmp / EXTRA)
+        dist.barrier()
+        if self.rank == 0:
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+            checkpoint_io._fsync_dir(path.parent)
+
+    def load(self, path: Any, state: dict) -> dict:
+        """Restore the modules and optimizers of ``state`` from ``path`` (any world size or mesh), the
+        other stateful objects from its extra file; return the plain entries.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            CheckpointError: ``path`` is not a DCP checkpoint directory, or it does not fit.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+        if not (path / ".metadata").is_file() or not (path / EXTRA).is_file():
+            raise checkpoint_io.CheckpointError(
+                f"checkpoint {str(path)!r} is not a sharded (DCP) checkpoint directory written by "
+                f"strategy={self.strategy!r}; resume a 'single'/'ddp' checkpoint file with that strategy")
+        extra = checkpoint_io.load_file(path / EXTRA)
+        self.before()
+        sharded, others = self._split(state)
+        try:
+            dcp.load(sharded, checkpoint_id=str(path))
+        except Exception as err:  # DCP raises CheckpointException / RuntimeError / KeyError
+            raise checkpoint_io.CheckpointError(f"checkpoint {str(path)!r} does not fit the model or optimizer: "
+                                                f"{str(err).strip().splitlines()[0][:300]}") from err
+        for key, value in others.items():
+            if checkpoint_io._is_stateful(value):
+                if key not in extra:
+                    raise checkpoint_io.CheckpointError(f"checkpoint {str(path)!r} has no entry {key!r}")
+                value.load_state_dict(extra[key])
+        return {k: v for k, v in extra.items() if not (k in state and checkpoint_io._is_stateful(state[k]))}
+
+    def _owner(self, key: str, optimizer, modules: dict):
+        """The module of ``modules`` that holds all parameters of ``optimizer`` (DCP keys optimizer
+        state by that module's parameter names)."""
+        wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for module in modules.values():
+            if wanted <= {id(p) for p in module.parameters()}:
+                return module
+        raise ValueError(f"cannot checkpoint optimizer {key!r} under strategy={self.strategy!r}: no module in the "
+                         f"same state dict ({', '.join(modules) or 'none'}) holds all its parameters; pass the model too")

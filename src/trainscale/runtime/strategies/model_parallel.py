@@ -1,0 +1,156 @@
+"""Model parallelism on one named device mesh: tensor parallel, FSDP and HSDP composed (torchtitan's way).
+
+``strategy="model_parallel", parallel={"dp_replicate": R, "dp_shard": S, "tp": T}`` (R·S·T = world
+size) builds one ``DeviceMesh`` of shape ``(R, S, T)`` (``parallel_dims.py``) and applies parallelism
+to the model from outside, by small functions in torchtitan's order (v0.1.0
+``models/llama3/infra/parallelize.py``):
+
+1. tensor parallelism over ``tp`` (``apply_tp.py``: the built-in plan for ``trainscale.models.GPT``,
+   the user's ``tp_plan``, or the user's ``parallelize(model, mesh)``);
+2. activation checkpointing and compile (``runtime/apply.py``, applied by ``Runtime.setup`` before this
+   strategy; both act in place and lazily, on what step 1 produced);
+3. FSDP over ``dp_shard``, or HSDP over ``(dp_replicate, dp_shard)`` (``apply_fsdp.py``).
+
+Shorthands: ``strategy="hsdp"`` (replicate across nodes, shard within a node) and ``strategy="tp"``
+(tensor parallel within a node, FSDP across nodes). The ``tp`` ranks of a group read the same batch:
+``Runtime.setup_dataloader`` shards data over the ``dp_replicate · dp_shard`` data-parallel ranks only.
+Gradient clipping computes the norm across every mesh (``dtensor_clip.py``); checkpoints are DCP
+directories that load on another mesh shape (``dcp_checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+from trainscale.runtime import meta_init
+from trainscale.runtime.strategies import SYNC
+from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, fsdp_units, no_gradient_sync, reshard
+from trainscale.runtime.strategies.apply_tp import apply_tp
+from trainscale.runtime.strategies.dcp_checkpoint import DCPCheckpointer
+from trainscale.runtime.strategies.dtensor_clip import clip_grad_norm
+from trainscale.runtime.strategies.parallel_dims import ParallelDims
+from trainscale.runtime.world import World
+
+
+class ModelParallelStrategy:
+    """Tensor parallel × FSDP × replication on one device mesh.
+
+    Args (the Runtime passes them from its own arguments; ``parallel`` is already resolved):
+        parallel: a ``ParallelDims`` (or a dict of its fields) whose world size is the job's.
+        tp_plan: ``{submodule name: ParallelStyle}`` for ``torch.distributed.tensor.parallel.parallelize_module``,
+            names relative to your model (``fnmatch`` patterns allowed per name part); None: the built-in
+            plan of ``trainscale.models.GPT``.
+        parallelize: ``fn(model, mesh) -> model`` replacing step 1 (the mesh has dimensions named
+            "dp_replicate", "dp_shard", "tp"; take ``mesh["tp"]``). FSDP/HSDP is still applied after it.
+        auto_wrap_policy: module classes that become FSDP units (as for ``strategy="fsdp"``).
+        reshard_after_forward: as for ``strategy="fsdp"``.
+
+    The flags are checked by the resolver (``connector._resolve_model_parallel``) before this exists.
+
+    Raises:
+        ValueError: a world size other than the mesh's.
+    """
+
+    name = "model_parallel"
+    checkpoint_suffix = ""  # checkpoints are directories
+    forward_communicates = True  # tensor-parallel and FSDP forwards run collectives
+    materialises_meta = True
+
+    def __init__(self, device: Any, world: World, precision: str = "32-true", parallel: Any = None,
+                 tp_plan: dict | None = None, parallelize: Callable | None = None,
+                 auto_wrap_policy: Iterable[type] | None = None, reshard_after_forward: bool | None = None) -> None:
+        dims = parallel if isinstance(parallel, ParallelDims) else ParallelDims(**(parallel or {}))
+        if dims.world_size != world.world_size:
+            raise ValueError(f"parallel={dims.as_dict()} multiplies to {dims.world_size} ranks, but the world size is "
+                             f"{world.world_size}")
+        self.device, self.world, self.precision, self.dims = device, world, precision, dims
+        self.tp_plan, self.parallelize = tp_plan, parallelize
+        self.auto_wrap_policy = tuple(auto_wrap_policy or ())
+        self.reshard_after_forward = reshard_after_forward
+        self.mesh = None
+        self._roots: list = []
+        self._checkpointer = DCPCheckpointer(world.rank, self.name, before=lambda: reshard(self._roots))
+
+    def data_world(self, world: World) -> World:
+        """``world`` as the data loader must see it: the data-parallel rank and size (tp ranks share data)."""
+        return dataclasses.replace(world, rank=self.dims.dp_rank(world.rank), world_size=self.dims.dp_size)
+
+    # -- model -------------------------------------------------------------------------------
+    def setup_module(self, module):
+        """Tensor-parallelise, then shard ``module`` in place over the mesh; return it.
+
+        A module built on the meta device is materialised after sharding (``meta_init``); on a CPU
+        mesh only without tensor parallelism (DTensor's RNG keeps tensor-parallel shards distinct on
+        CUDA only).
+
+        Raises:
+            ValueError: see :func:`apply_tp` and :func:`fsdp_units`; a meta model with tp > 1 on CPU.
+        """
+        units = fsdp_units(module, self.auto_wrap_policy, self.name) if self.dims.dp_size > 1 else []
+        meta = self._check_meta(module)
+        if not meta:
+            module = module.to(self.device)
+        self.mesh = self.mesh or self.dims.build_mesh(self.device.type)
+        if self.parallelize is not None:
+            module = self.parallelize(module, self.mesh)
+        elif self.dims.tp > 1:
+            apply_tp(module, self.mesh["tp"], self.tp_plan)
+        if self.dims.dp_size > 1:
+            dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
+            apply_fsdp(module, units, dp_mesh, precision=self.precision,
+                       reshard_after_forward=self.reshard_after_forward)
+        if meta:  # tp = 1 on CPU: a rank's shard index is its dp_shard coordinate (replicas draw alike)
+            offset = self.dims.coordinates(self.world.rank)[1] if self.device.type == "cpu" else None
+            meta_init.materialise(module, self.device, seed_offset=offset)
+        self._roots.append(module)
+        self._params = {id(p) for root in self._roots for p in root.parameters()}
+        return module
+
+    def _check_meta(self, module) -> bool:
+        """Whether ``module`` is on the meta device, checked to be materialisable here."""
+        if not meta_init.on_meta(module):
+            return False
+        meta_init.check_initialisable(module)
+        if self.dims.tp > 1 and self.device.type == "cpu":
+            raise ValueError("a meta-device model under tensor parallelism needs a CUDA mesh (DTensor's RNG keeps "
+                             "the shards of one tensor distinct on CUDA only); on CPU build the model on the CPU")
+        return True
+
+    def setup_optimizer(self, optimizer):
+        """Check that ``optimizer`` holds the parallelised parameters.
+
+        Raises:
+            ValueError: it was built before ``setup`` (sharding replaces the parameters).
+        """
+        if any(id(p) not in self._params for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError(f"under strategy={self.name!r} the optimizer must be built after the model is "
+                             "parallelised: pass a factory, e.g. optimizer=lambda params: torch.optim.AdamW(params)")
+        return optimizer
+
+    def unwrap(self, module):
+        return module  # everything is applied in place
+
+    def no_backward_sync(self, module, enabled: bool):
+        """Under FSDP/HSDP, ``set_requires_gradient_sync(False)`` while ``enabled``; with tensor
+        parallelism alone gradients are never synchronised across data-parallel ranks (there are none)."""
+        if not enabled or self.dims.dp_size == 1:
+            return SYNC
+        return no_gradient_sync(module)
+
+    def clip_gradients_norm(self, module, max_norm: float, norm_type: float = 2.0):
+        """Clip by the norm of the whole gradient across every mesh dimension (``dtensor_clip``)."""
+        return clip_grad_norm(module.parameters(), max_norm, norm_type)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, path, state: dict) -> None:
+        """A DCP directory (``dcp_checkpoint.DCPCheckpointer.save``); loads on another mesh shape."""
+        self._checkpointer.save(path, state)
+
+    def load_checkpoint(self, path, state: dict) -> dict:
+        """Restore ``state`` from a DCP directory; return the plain entries (raises FileNotFoundError,
+        CheckpointError)."""
+        return self._checkpointer.load(path, state)
+
+    def teardown(self) -> None:
+        pass

@@ -1,0 +1,124 @@
+"""Model parallelism on one device mesh: tensor parallel and HSDP against one process (parity), the
+flag resolver, and DCP checkpoints read back on another layout."""
+
+import pytest
+import torch
+
+from tests.helpers import run_distributed
+from tests.parallel_workers import CONFIG, train_gpt
+from trainscale.runtime.connector import resolve
+from trainscale.runtime.strategies.parallel_dims import ParallelDims
+
+STEPS = 4
+
+
+def _assert_same_weights(got: dict, want: dict) -> None:
+    """rtol 1e-5 in fp32 (atol 1e-7 for elements near zero)."""
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+
+
+# -- the resolver: pure logic ------------------------------------------------------------------
+def test_parallel_layouts_and_shorthands():
+    cfg = resolve("cpu", 4, "model_parallel", parallel={"dp_shard": 2, "tp": 2})
+    assert cfg.parallel == ParallelDims(dp_replicate=1, dp_shard=2, tp=2) and cfg.world_size == 4
+    assert resolve("cpu", 2, "tp").parallel == ParallelDims(tp=2)
+    assert resolve("cpu", 4, "tp", num_nodes=2).parallel == ParallelDims(dp_shard=2, tp=4)
+    assert resolve("cpu", 4, "hsdp", num_nodes=2).parallel == ParallelDims(dp_replicate=2, dp_shard=4)
+    assert resolve("cpu", 4, "hsdp", parallel={"dp_replicate": 2, "dp_shard": 2}).parallel.dp_size == 4
+    assert resolve("cpu", 2, "ddp").parallel is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(strategy="model_parallel"), r"needs parallel=\{'dp_replicate'"),
+    (dict(strategy="model_parallel", parallel={"dp_shard": 2, "tp": 4}), "multiplies to 8 ranks"),
+    (dict(strategy="model_parallel", parallel={"tp": 2, "pp": 2}), "pipeline parallelism is not supported"),
+    (dict(strategy="model_parallel", parallel={"tp": 4, "sp": 1}), "unknown parallel dimension 'sp'"),
+    (dict(strategy="model_parallel", parallel={"tp": 4.0}), "must be an int >= 1"),
+    (dict(strategy="hsdp"), "strategy='hsdp' .* dp_replicate ≥ 2"),
+    (dict(strategy="tp", parallel={"dp_shard": 4}), "strategy='tp' splits layers over tp ≥ 2"),
+    (dict(strategy="model_parallel", parallel={"dp_replicate": 4}), "replicates without sharding"),
+    (dict(strategy="ddp", parallel={"tp": 4}), "parallel describe.*strategy='ddp'"),
+    (dict(strategy="fsdp", tp_plan={"fc": None}), "tp_plan describe.*strategy='fsdp'"),
+    (dict(strategy="model_parallel", parallel={"dp_shard": 4}, tp_plan={"fc": None}), "has tp=1"),
+    (dict(strategy="tp", tp_plan={"fc": None}, parallelize=lambda m, mesh: m), "not both"),
+    (dict(strategy="tp", parallelize="fn"), "must be a function fn"),
+])
+def test_bad_layouts_are_refused_before_any_process_group(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        resolve("cpu", 4, **kwargs)
+
+
+def test_mesh_coordinates_are_row_major():
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2)
+    assert [dims.coordinates(r) for r in (0, 1, 2, 5, 7)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # tp neighbours share data
+
+
+# -- parity with one process (gloo, real processes) -------------------------------------------
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_tp_over_two_ranks_matches_one_process_and_its_checkpoint_loads_in_one_process(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    reference = train_gpt(0, "single", None, 8, STEPS)
+    results = run_distributed(train_gpt, "tp", None, 8, STEPS, str(tmp_path / "ckpt"), world_size=2, timeout=200)
+    for r in results:
+        _assert_same_weights(r["weights"], reference["weights"])
+        assert r["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+        assert min(r["norms"]) > 0.5  # clipping was active at every step
+        assert r["param_bytes"] < 0.6 * reference["param_bytes"]  # blocks split; embeddings and norms replicated
+    # the DCP checkpoint written by the 2 tensor-parallel ranks loads into a plain model in this process
+    from trainscale.models import GPT
+
+    state = {"model": GPT(CONFIG).state_dict()}
+    dcp.load(state, checkpoint_id=str(tmp_path / "ckpt"))
+    _assert_same_weights(state["model"], reference["weights"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_hsdp_2x2_matches_one_process_with_the_global_batch():
+    reference = train_gpt(0, "single", None, 4 * 4, STEPS)
+    results = run_distributed(train_gpt, "hsdp", {"dp_replicate": 2, "dp_shard": 2}, 4, STEPS,
+                              world_size=4, timeout=280)
+    for r in results:
+        _assert_same_weights(r["weights"], reference["weights"])
+        assert r["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        assert r["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+        assert min(r["norms"]) > 0.5  # clipping was active at every step
+        assert r["param_bytes"] <= 0.5 * reference["param_bytes"]  # sharded over the 2 ranks of a replica
+
+
+# -- helpers that need no process group --------------------------------------------------------
+def test_a_users_plan_is_matched_against_the_model_or_the_trainers_loop_module_around_it():
+    from torch import nn
+
+    from trainscale.runtime.strategies.apply_tp import plan_target
+
+    model = nn.Sequential()
+    model.add_module("fc", nn.Linear(4, 8))
+    model.add_module("proj", nn.Linear(8, 4))
+    loop = nn.Module()
+    loop.model = model  # what the Trainer hands the strategy
+    plan = {"fc": "colwise", "p*": "rowwise"}
+    assert plan_target(model, plan) is model and plan_target(loop, plan) is model
+    with pytest.raises(ValueError, match=r"tp_plan key\(s\) \['mlp.fc'\] name no submodule"):
+        plan_target(loop, {"mlp.fc": "colwise"})
+
+
+def test_clipping_plain_gradients_equals_torch():
+    from trainscale.runtime.strategies.dtensor_clip import clip_grad_norm
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+    b.load_state_dict(a.state_dict())
+    a(torch.randn(7, 5)).square().sum().backward()
+    for p, q in zip(a.parameters(), b.parameters()):
+        q.grad = p.grad.clone()
+    want = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.1)
+    got = clip_grad_norm(b.parameters(), 0.1)
+    assert got == want and want > 0.1
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p.grad, q.grad)
