@@ -130,6 +130,8 @@ def crash_scenarios(root: str) -> None:
             saves = {"n": 0}
 
             def event(at, path, name=name, stage=stage):
+                if not (path.name == "last" or path.name.startswith("epoch=")):
+                    return  # the run directory's own small files (job_id, script)
                 kind = "last" if path.name == "last" else ("sha256" if path.name.endswith(".sha256") else "ckpt")
                 if kind == "ckpt" and at == "partial":
                     saves["n"] += 1

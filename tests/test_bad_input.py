@@ -56,9 +56,11 @@ def test_missing_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist; pass an existing checkpoint file, 'last', or None"):
         trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=4), optimizer=workers.sgd,
                     ckpt_path=tmp_path / "missing.pt")
-    with pytest.raises(FileNotFoundError, match="no run under .* has a checkpoint"):
-        trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=4), optimizer=workers.sgd,
-                    ckpt_path="last")
+    # issue 15: "last" on a first run warns and starts fresh, as Lightning does
+    with pytest.warns(UserWarning, match="no run of .* has a checkpoint; starting fresh"):
+        summary = trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=4),
+                              optimizer=workers.sgd, ckpt_path="last")
+    assert summary["steps"] == 4 and summary["resumed_from"] is None
 
 
 def test_corrupted_checkpoint(tmp_path):

@@ -41,8 +41,7 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
 
 
 def batch_size(batch: Any) -> int:
-    """Samples in a batch: the leading dimension of its first tensor (tensor, tuple/list or dict).
-    The training loop asks :func:`batch_counts`, which answers ``(inputs, targets)`` without recursion."""
+    """Samples in a batch: the leading dimension of its first tensor (tensor, tuple/list or dict)."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0])
     if isinstance(batch, dict):
@@ -51,16 +50,18 @@ def batch_size(batch: Any) -> int:
 
 
 def count_tokens(batch: Any) -> int | None:
-    """Tokens in a batch: the element count of ``batch["input_ids"]`` for dict batches, else None."""
+    """Tokens in a batch: the element count of ``batch["input_ids"]`` for dict batches, or of the inputs
+    of an ``(inputs, targets)`` batch whose inputs are token ids (an int32/int64 tensor of shape (B, T));
+    else None."""
     if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
         return int(batch["input_ids"].numel())
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        inputs = batch[0]
+        if inputs.ndim == 2 and inputs.dtype in (torch.int32, torch.int64):
+            return int(inputs.numel())
     return None
 
 
 def batch_counts(batch: Any) -> tuple[int, int | None]:
-    """``(batch_size(batch), count_tokens(batch))`` in one call (samples, tokens or None), with the
-    DataLoader's usual ``(inputs, targets)`` answered first: the loop asks once per micro-batch."""
-    kind = type(batch)
-    if (kind is list or kind is tuple) and batch and type(batch[0]) is torch.Tensor:  # (inputs, targets)
-        return batch[0].shape[0], None
+    """``(batch_size(batch), count_tokens(batch))``: samples, and tokens or None."""
     return batch_size(batch), count_tokens(batch)

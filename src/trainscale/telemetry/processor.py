@@ -58,7 +58,6 @@ class Telemetry:
 
     Args:
         runtime: the :class:`trainscale.runtime.runtime.Runtime` (device, world size, precision).
-        enabled: False turns every method into a no-op (``log`` and ``summary`` return None).
         count_flops: count the FLOPs of the first micro-batch (for achieved FLOP/s and MFU); None: on
             CUDA devices only, never under ``torch.compile`` (``trainscale.telemetry.flops.resolve_count_flops``).
         warmup_steps: first steps left out of :meth:`summary` (all steps are used if no others exist).
@@ -69,29 +68,23 @@ class Telemetry:
         ValueError: a negative ``straggler_margin``; ``count_flops=True`` under ``torch.compile``.
     """
 
-    def __init__(self, runtime: Any, *, enabled: bool = True, count_flops: bool | None = None,
+    def __init__(self, runtime: Any, *, count_flops: bool | None = None,
                  warmup_steps: int = 2, straggler_margin: float = 0.2, gpu_sample_interval_s: float = 0.5) -> None:
         if straggler_margin < 0:
             raise ValueError(f"straggler_margin={straggler_margin!r} must be >= 0 (0.2 means 20 % over the median)")
         self.rt = runtime
-        self.enabled = enabled
         self.warmup_steps = warmup_steps
         self.straggler_margin = straggler_margin
         device = runtime.device
         self.timer = StepTimer(device, running=device.type != "cuda")  # CUDA: events, resolved at log intervals
-        if enabled:  # called per micro-batch: the timer's own methods, no frame of ours in between
-            self.mark = self.timer.mark
-            self.micro_batch = self.timer.micro_batch
-        # the loop's clock for micro_batch(): the timer's (CUDA: a recorded event); off, the cheapest one
-        self.clock = self.timer.clock if enabled else time.perf_counter
+        self.clock = self.timer.clock  # the loop's clock for micro_batch(): perf_counter, or a recorded CUDA event
         self.memory = PeakMemory(device)
         self.flops = FlopsPerSample()
         compiled = getattr(runtime.config, "compile", None) is not None
         self.flops.done = not resolve_count_flops(count_flops, device.type, compiled)
         cuda = device.type == "cuda"
         self.gpu = GpuSampler(device.index if cuda else None, gpu_sample_interval_s)
-        if enabled:
-            self.gpu.start()
+        self.gpu.start()
         name = torch.cuda.get_device_name(device) if cuda else None
         self.peak_flops = peak_flops_per_s(name, runtime.config.precision)
         self._interval = [0.0] * len(_FIELDS)  # per-rank sums of _FIELDS since the last log
@@ -105,47 +98,40 @@ class Telemetry:
     def attach(self, module: Any) -> None:
         """Time the gradient all-reduce of ``module`` (the wrapped module) when the strategy can."""
         hook = getattr(self.rt.strategy, "time_allreduce", None)
-        if self.enabled and hook is not None and self.rt.world_size > 1:
+        if hook is not None and self.rt.world_size > 1:
             self.timer.time_comm = hook(module, self.timer.clock, self.timer.record_comm) is not False
 
     def start(self) -> None:
         """Begin timing now (top of each epoch; time between epochs is left out)."""
-        if self.enabled:
-            self.timer.start()
+        self.timer.start()
 
     def mark(self, phase: str, batch: Any = None) -> None:
-        """End ``phase`` now; with ``batch`` (at "data"), count its samples and tokens.
-
-        With telemetry on, this is :meth:`StepTimer.mark <trainscale.telemetry.timers.StepTimer.mark>`
-        itself (bound in ``__init__``); this method is what a disabled Telemetry runs: nothing."""
+        """End ``phase`` now; with ``batch`` (at "data"), count its samples and tokens."""
+        self.timer.mark(phase, batch)
 
     def micro_batch(self, data_end: Any, forward_end: Any, backward_end: Any, samples: int,
                     tokens: int | None = None) -> None:
         """A micro-batch's data, forward and backward phases from three readings of ``self.clock()`` taken
-        in the loop (seconds on CPU, recorded CUDA events on CUDA), and its samples and tokens (counts):
-        one call in place of three :meth:`mark` calls.
-
-        With telemetry on, this is :meth:`StepTimer.micro_batch
-        <trainscale.telemetry.timers.StepTimer.micro_batch>` itself; this method is the disabled no-op."""
+        in the loop (seconds on CPU, recorded CUDA events on CUDA), and its samples and tokens (counts)."""
+        self.timer.micro_batch(data_end, forward_end, backward_end, samples, tokens)
 
     def phase(self, name: str):
         """Context manager: attribute the time inside the block to ``name``."""
-        return self.timer.phase(name) if self.enabled else contextlib.nullcontext()
+        return self.timer.phase(name)
 
     def count_flops(self, batch: Any):
         """Context manager around the first micro-batch's forward and backward: counts FLOPs once."""
-        if not self.enabled or self.flops.done:
+        if self.flops.done:
             return _NO_COUNT
         return self.flops.measure(batch_size(batch))
 
     def end_step(self) -> None:
         """Mark "optimizer" and close the optimizer step."""
-        if self.enabled:
-            self.timer.end_step("optimizer")
-            self._steps += 1
-            if self._steps == self.warmup_steps and self.timer.running:
-                self._drain()  # O(1): the warm-up steps' sums, apart from the rest
-            self.gpu.step = self._steps
+        self.timer.end_step("optimizer")
+        self._steps += 1
+        if self._steps == self.warmup_steps and self.timer.running:
+            self._drain()  # the warm-up steps' sums, apart from the rest
+        self.gpu.step = self._steps
 
     # -- log intervals ----------------------------------------------------------------------
     def _drain(self) -> None:
@@ -188,8 +174,6 @@ class Telemetry:
 
         A collective: every rank must call it at the same step. Reads ``loss`` (one host sync).
         """
-        if not self.enabled:
-            return None
         self._drain()
         value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss) if loss is not None else _NAN
         rows = self._gather(self._local(self._interval, value))
@@ -211,8 +195,6 @@ class Telemetry:
 
     def summary(self) -> dict | None:
         """The run's telemetry (the contract of ``summary.json["telemetry"]``). A collective."""
-        if not self.enabled:
-            return None
         self._drain()
         sums = self._timed if self._timed[0] > 0 else self._all
         rows = self._gather(self._local(sums, whole_run=True))
@@ -272,3 +254,41 @@ class Telemetry:
                 out["gpu_memory_used_bytes"] = col["gpu_memory"]
         return out
 
+
+
+class NullTelemetry:
+    """What the loop measures with ``enable_telemetry=False``: the same methods, doing nothing
+    (``log`` and ``summary`` return None)."""
+
+    clock = staticmethod(time.perf_counter)
+
+    def attach(self, module: Any) -> None: ...
+
+    def start(self) -> None: ...
+
+    def mark(self, phase: str, batch: Any = None) -> None: ...
+
+    def micro_batch(self, data_end: Any, forward_end: Any, backward_end: Any, samples: int,
+                    tokens: int | None = None) -> None: ...
+
+    def phase(self, name: str):
+        return contextlib.nullcontext()
+
+    def count_flops(self, batch: Any):
+        return _NO_COUNT
+
+    def end_step(self) -> None: ...
+
+    def log(self, step: int, epoch: int, loss: Any = None) -> None:
+        return None
+
+    def summary(self) -> None:
+        return None
+
+    def close(self) -> None: ...
+
+
+def create_telemetry(runtime: Any, enabled: bool = True, **options: Any) -> Telemetry | NullTelemetry:
+    """A :class:`Telemetry` (``options`` are its keyword arguments), or a :class:`NullTelemetry` when not
+    ``enabled``."""
+    return Telemetry(runtime, **options) if enabled else NullTelemetry()

@@ -30,6 +30,8 @@ from trainscale.runtime.checkpoint_io import atomic_write_bytes
 _VERSION = re.compile(r"^version_(\d+)$")
 LAST = "last"
 JOB_ID = "job_id"
+SCRIPT = "script"
+RESUMED_FROM = "resumed_from"
 
 
 def next_run_dir(root: str | os.PathLike) -> Path:
@@ -39,20 +41,36 @@ def next_run_dir(root: str | os.PathLike) -> Path:
     return root / f"version_{max(versions, default=-1) + 1}"
 
 
-def _runs(root: Path, job_id: str | None) -> list[Path]:
+def claim_run_dir(root: str | os.PathLike) -> Path:
+    """Create and return ``root/version_N``, N one more than the largest existing; ``mkdir`` without
+    ``exist_ok`` makes the claim atomic, so two runs started together never share a directory."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    while True:
+        candidate = next_run_dir(root)
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue  # another run claimed it first
+
+
+def _runs(root: Path, job_id: str | None, script: str | None = None) -> list[Path]:
     runs = sorted(((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
                    if (m := _VERSION.match(p.name))), reverse=True)
-    return [run for _, run in runs if job_id is None or _read(run / JOB_ID) == job_id]
+    return [run for _, run in runs if (job_id is None or _read(run / JOB_ID) == job_id)
+            and (script is None or _read(run / SCRIPT) == script)]
 
 
 def _read(path: Path) -> str | None:
     return path.read_text().strip() if path.is_file() else None
 
 
-def find_last(root: str | os.PathLike, job_id: str | None = None) -> Path | None:
+def find_last(root: str | os.PathLike, job_id: str | None = None, script: str | None = None) -> Path | None:
     """The "last" checkpoint of the newest run under ``root`` that has one, or None.
-    With ``job_id``, only runs started by that job (the id torchrun or SLURM keeps across restarts)."""
-    for run in _runs(Path(root), job_id):
+    With ``job_id``, only runs started by that job (the id torchrun or SLURM keeps across restarts);
+    with ``script``, only runs of that script (``trainscale.train.runs.script_key``)."""
+    for run in _runs(Path(root), job_id, script):
         pointer = run / "checkpoints" / LAST
         if pointer.is_file():
             return run / "checkpoints" / pointer.read_text().strip()
@@ -68,6 +86,16 @@ def find_job_run(root: str | os.PathLike, job_id: str) -> Path | None:
 def write_job_id(run_dir: Path, job_id: str | None) -> None:
     if job_id:
         atomic_write_bytes(run_dir / JOB_ID, job_id.encode() + b"\n")
+
+
+def write_script(run_dir: Path, script: str) -> None:
+    """Record which script made the run (``ckpt_path="last"`` resumes only that script's runs)."""
+    atomic_write_bytes(run_dir / SCRIPT, script.encode() + b"\n")
+
+
+def write_resumed_from(run_dir: Path, checkpoint: Path) -> None:
+    """Record the checkpoint (of another run) this run started from."""
+    atomic_write_bytes(run_dir / RESUMED_FROM, str(Path(checkpoint).resolve()).encode() + b"\n")
 
 
 def loop_position(epoch: int, loader, batches: int, complete: bool, skipped: int = 0) -> dict:
@@ -128,6 +156,13 @@ def mark_last(path: Path, keep_last: int | None) -> None:
         else:
             old.unlink(missing_ok=True)
             Path(f"{old}.sha256").unlink(missing_ok=True)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators (every rank the same seed)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def rng_state() -> dict:

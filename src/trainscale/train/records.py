@@ -1,0 +1,45 @@
+"""The step and epoch records the Trainer writes (definitions of every number: docs/telemetry.md)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+def step_record(telemetry: Any, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> dict:
+    """The record of a log interval: telemetry's (a collective on every rank), or with telemetry off the
+    loss alone. Reads ``loss`` and ``grad_norm`` (the total norm before clipping): one host sync each."""
+    record = telemetry.log(step, epoch, loss)
+    if record is None:
+        record = {"kind": "step", "rank": 0, "time": time.time(), "epoch": epoch, "step": step,
+                  "train_loss": loss.item()}
+    if grad_norm is not None:
+        record["grad_norm"] = grad_norm.item()
+    return record
+
+
+def epoch_record(epoch: int, step: int, totals: tuple[float, float, float], seconds: float, complete: bool) -> dict:
+    """The epoch's training numbers from its all-reduced ``totals`` (loss × samples, samples, tokens) and
+    its duration in seconds. An epoch that ``max_steps`` cut short is marked ``partial`` (a resume
+    replaces its record)."""
+    loss_sum, samples, tokens = totals
+    record = {"epoch": epoch, "step": step, "train_loss": loss_sum / samples if samples else float("nan"),
+              "epoch_time_s": seconds, "samples_per_s": samples / seconds if seconds > 0 else float("nan")}
+    if tokens:
+        record["tokens_per_s"] = tokens / seconds
+    if not complete:
+        record["partial"] = True
+    return record
+
+
+def epoch_line(record: dict, max_epochs: int) -> str:
+    """The line printed on rank zero at an epoch end."""
+    parts = [f"epoch {record['epoch'] + 1}/{max_epochs}", f"train_loss {record['train_loss']:.4f}"]
+    parts += [f"{k} {record[k]:.4f}" for k in ("val_loss", "val_accuracy") if k in record]
+    parts.append(f"{record['samples_per_s']:.0f} samples/s")
+    if record.get("tokens_per_s"):
+        parts.append(f"{record['tokens_per_s']:.0f} tokens/s")
+    parts.append(f"{record['epoch_time_s']:.1f} s")
+    return "  ".join(parts)
