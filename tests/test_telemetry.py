@@ -252,7 +252,7 @@ def test_tensorboard_sink_writes_scalars(tmp_path):
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"step/samples_per_s", "step/phase_s.data", "step/peak_memory_bytes/rank1"} <= tags
+    assert {"step/samples_per_s", "step/phase_s/data", "step/peak_memory_bytes/rank1"} <= tags
     assert events.Scalars("step/samples_per_s")[0].step == 4 and events.Scalars("step/samples_per_s")[0].value == 120
 
 
