@@ -382,10 +382,6 @@ def _doc_blocks() -> list:
 
 @pytest.mark.parametrize("code", _doc_blocks())
 def test_docs_loggers_python_blocks_run(code, tmp_path, monkeypatch):
-    import inspect
-
-    if "logger=[" in code and "logger" not in inspect.signature(Trainer).parameters:
-        pytest.skip("Trainer(logger=...) is wired by issue 16 (the lead's trainer.py rewrite)")
     for module, logger in (("tensorboard", "TensorBoardLogger"), ("wandb", "WandbLogger"), ("mlflow", "MLFlowLogger")):
         if f"from {module}" in code or logger in code:
             pytest.importorskip(module, reason=f"{module} is not installed: pip install 'trainscale[{module}]'")

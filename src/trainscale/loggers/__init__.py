@@ -13,11 +13,23 @@ library is installed and imports it at ``setup``. User guide: docs/loggers.md.
 """
 
 from trainscale.loggers.base import Logger, resolve_loggers
-from trainscale.loggers.csv_logger import CSVLogger
-from trainscale.loggers.mlflow_logger import MLFlowLogger
-from trainscale.loggers.tensorboard_logger import TensorBoardLogger
-from trainscale.loggers.wandb_logger import WandbLogger
 from trainscale.telemetry.sinks import record_metrics
 
-__all__ = ["Logger", "resolve_loggers", "record_metrics", "CSVLogger", "TensorBoardLogger", "WandbLogger",
-           "MLFlowLogger"]
+_LAZY = {  # each logger's module is imported on first use (a run without it never loads it)
+    "CSVLogger": "trainscale.loggers.csv_logger",
+    "TensorBoardLogger": "trainscale.loggers.tensorboard_logger",
+    "WandbLogger": "trainscale.loggers.wandb_logger",
+    "MLFlowLogger": "trainscale.loggers.mlflow_logger",
+}
+
+__all__ = ["Logger", "resolve_loggers", "record_metrics", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'trainscale.loggers' has no attribute {name!r}")

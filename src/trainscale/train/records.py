@@ -7,6 +7,33 @@ from typing import Any
 
 import torch
 
+from trainscale.loggers import record_metrics
+from trainscale.telemetry.sinks import default_sinks
+
+
+class RecordWriter:
+    """Rank zero's destinations of records: the run's own files (``metrics.jsonl``, CSV; TensorBoard with
+    ``tensorboard``) and every experiment logger (``trainscale.loggers``), set up with ``hparams``."""
+
+    def __init__(self, run_dir: Any, tensorboard: bool, loggers: list, hparams: dict) -> None:
+        self.sinks = default_sinks(run_dir, tensorboard=tensorboard)
+        self.loggers = loggers
+        for lg in loggers:
+            lg.setup(run_dir)
+            lg.log_hyperparams(hparams)
+
+    def write(self, record: dict) -> None:
+        self.sinks.write(record)
+        metrics = record_metrics(record)
+        for lg in self.loggers:
+            lg.log_metrics(metrics, record["step"])
+
+    def close(self, status: str = "success") -> None:
+        """Flush the files and finalize the loggers (``status``: "success" or "failed")."""
+        self.sinks.close()
+        for lg in self.loggers:
+            lg.finalize(status)
+
 
 def step_record(telemetry: Any, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> dict:
     """The record of a log interval: telemetry's (a collective on every rank), or with telemetry off the
@@ -32,6 +59,13 @@ def epoch_record(epoch: int, step: int, totals: tuple[float, float, float], seco
     if not complete:
         record["partial"] = True
     return record
+
+
+def run_header(runtime: Any, global_batch: int, run_dir: Any) -> str:
+    """The line printed on rank zero when training starts."""
+    rt = runtime
+    return (f"trainscale: {rt.config.strategy} × {rt.world_size} ({rt.device.type}), precision {rt.config.precision}, "
+            f"global batch {global_batch}, run dir {run_dir}")
 
 
 def epoch_line(record: dict, max_epochs: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from pathlib import Path
@@ -33,6 +34,13 @@ def run_summary(trainer: Any, global_batch: int, resumed_from: Path | None) -> d
     }
 
 
+def hyperparams(trainer: Any, model: Any) -> dict:
+    """What the loggers record as the run's hyperparameters: the Trainer's flags and the world."""
+    rt, cfg = trainer.runtime, trainer.config
+    return {**dataclasses.asdict(cfg), "default_root_dir": str(cfg.default_root_dir), "strategy": rt.config.strategy,
+            "precision": rt.config.precision, "world_size": rt.world_size, "model": type(model).__name__}
+
+
 def finish_run(trainer: Any, fit: Any, global_batch: int, resumed_from: Path | None) -> dict:
     """The summary with the run's telemetry (a collective), printed and written to ``summary.json`` by
     rank zero after the sinks are closed. Every rank returns it."""
@@ -42,7 +50,7 @@ def finish_run(trainer: Any, fit: Any, global_batch: int, resumed_from: Path | N
     if summary["telemetry"] is not None:
         rt.print(summary_line(summary["telemetry"]))
     if fit.sink is not None:
-        fit.sink.close()
+        fit.sink.close("success")
         fit.sink = None
         (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     rt.barrier()

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from trainscale.callbacks import Callback, resolve_callbacks
+from trainscale.loggers import resolve_loggers
 from trainscale.runtime.batch import batch_counts
 from trainscale.runtime.runtime import Runtime
 from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry
-from trainscale.telemetry.sinks import default_sinks
 from trainscale.train import checkpoint as ckpt
 from trainscale.train import checkpointer, evaluation
 from trainscale.train.data_checks import check_loaders
@@ -30,9 +30,9 @@ from trainscale.train.metrics import MetricCollector
 from trainscale.train.module import LoopModule
 from trainscale.train.optimizers import ManualOptimizer, step_schedulers
 from trainscale.train.progress import ProgressBar
-from trainscale.train.records import epoch_line, epoch_record, step_record
+from trainscale.train.records import RecordWriter, epoch_line, epoch_record, run_header, step_record
 from trainscale.train.runs import choose_run_dir, resolve_ckpt_path
-from trainscale.train.summary import finish_run
+from trainscale.train.summary import finish_run, hyperparams
 from trainscale.train.optimizer_setup import build_optimizers
 from trainscale.train.state import EpochLoss, FitRun, MicroBatch, ResumePoint, TrainState, micro_batches
 
@@ -45,7 +45,8 @@ class Trainer:
     with ``devices > 1`` outside a launcher the script re-executes itself under torchrun, here. The
     loop's flags are documented on :class:`~trainscale.train.config.TrainerConfig`; ``count_flops`` (None:
     on CUDA only) on :class:`~trainscale.telemetry.processor.Telemetry`; ``callbacks`` is a list of
-    :class:`trainscale.callbacks.Callback` (a ``LearningRateMonitor`` is added when there is none).
+    :class:`trainscale.callbacks.Callback` (a ``LearningRateMonitor`` is added when there is none); ``logger``
+    one or a list of ``trainscale.loggers`` (None: a ``CSVLogger``; False: none; docs/loggers.md).
 
     Raises:
         ValueError: any bad flag, raised on every rank before a process group is created.
@@ -62,10 +63,11 @@ class Trainer:
                  checkpoint_every_n_steps: int | None = None, on_nonfinite: str = "raise",
                  max_nonfinite_skips: int = 10, handle_signals: bool = True, enable_telemetry: bool = True,
                  straggler_margin: float = 0.2, tensorboard: bool = False, count_flops: bool | None = None,
-                 callbacks: list[Callback] | None = None) -> None:
+                 callbacks: list[Callback] | None = None, logger: Any = None) -> None:
         self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
         self.config = resolve_trainer_config(**{k: v for k, v in self._init_kwargs.items() if k in TRAINER_FLAGS})
         self.callbacks = resolve_callbacks(callbacks)
+        self.loggers = resolve_loggers(logger)  # on every rank, so a bad value fails everywhere; used on rank zero
         self.runtime = Runtime(accelerator, devices, strategy, num_nodes, precision, timeout=timeout,
                                strategy_options=strategy_options, sync_batchnorm=sync_batchnorm,
                                activation_checkpointing=activation_checkpointing, compile=compile)
@@ -141,15 +143,14 @@ class Trainer:
             return self._run_fit(model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path)
         except BaseException as err:
             self._call("on_exception", err)
-            explained = self._faults.diagnose(err, f"at epoch {self.current_epoch}, step {self.global_step}") \
-                if isinstance(err, RuntimeError) else None
+            explained = self._faults.diagnose(err, f"at epoch {self.current_epoch}, step {self.global_step}")
             if explained is None:
                 raise
             raise explained from err
         finally:
             self._faults.stop()
-            if self._fit is not None and self._fit.sink is not None:  # what the sinks buffered reaches their files
-                self._fit.sink.close()
+            if self._fit is not None and self._fit.sink is not None:  # fit raised (finish_run closes it otherwise)
+                self._fit.sink.close("failed")
             self._fit = None
 
     def _run_fit(self, model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path) -> dict:
@@ -160,10 +161,10 @@ class Trainer:
         point = self._load(resume_from) if resume_from is not None else None
         self.run_dir = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)
         self._faults.start(self.run_dir)
-        fit.sink = default_sinks(self.run_dir, tensorboard=cfg.tensorboard) if rt.is_rank_zero else None
+        fit.sink = RecordWriter(self.run_dir, cfg.tensorboard, self.loggers, hyperparams(self, model)) \
+            if rt.is_rank_zero else None
         global_batch = fit.train_loader.batch_size * rt.world_size * cfg.accumulate_grad_batches
-        rt.print(f"trainscale: {rt.config.strategy} × {rt.world_size} ({rt.device.type}), precision "
-                 f"{rt.config.precision}, global batch {global_batch}, run dir {self.run_dir}")
+        rt.print(run_header(rt, global_batch, self.run_dir))
         self._call("on_fit_start")
         for epoch in range(point.next_epoch if point else 0, cfg.max_epochs):
             if self.state.global_step >= cfg.step_limit or self.should_stop:
