@@ -28,6 +28,7 @@ skip the model's frame for good, so counting would silently turn compilation off
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterator
 
 # Dense (no sparsity) peak tensor-core FLOP/s by GPU and compute dtype, from NVIDIA's data sheets.
@@ -95,29 +96,103 @@ def resolve_count_flops(count_flops: bool | None, device_type: str, compiled: bo
     return (device_type == "cuda" and not compiled) if count_flops is None else count_flops
 
 
+class FlopCountError(RuntimeError):
+    """The micro-batch counted under ``FlopCounterMode`` raised. Raised from the original error (its
+    ``__cause__``): run the micro-batch again without counting; a model that fails only while counted
+    (e.g. one with a compiled region such as eager ``flex_attention``) then trains. ``count_flops=False``
+    avoids the count altogether."""
+
+
+def analytic_flops_per_sample(parameters: int | None, tokens_per_sample: float | None) -> float | None:
+    """``6 · N`` FLOPs per token times tokens per sample: forward (2N) and backward (4N) of the dense
+    layers of a model with N parameters, attention left out (Kaplan et al. 2020, "Scaling Laws for Neural
+    Language Models", section 2.1; nanoGPT ``estimate_mfu`` adds attention). None without tokens: for
+    other models (convolutions reuse weights across positions) the parameter count gives no estimate."""
+    if not parameters or not tokens_per_sample:
+        return None
+    return 6.0 * parameters * tokens_per_sample
+
+
 class FlopsPerSample:
-    """Count the FLOPs of one training micro-batch, once.
+    """Count the FLOPs of one training micro-batch, once; counting never changes what the step computes.
 
         counter = FlopsPerSample()
         with counter.measure(samples=len(x)):   # the first call counts; later calls cost nothing
             loss_fn(model(x), y).backward()
         counter.value                           # FLOPs per sample, or None
+        counter.method                          # "counted", "analytic (6N per token)" or None
+
+    When counting fails (a FLOP formula or an operator the counter cannot handle, see
+    ``trainscale.telemetry.counting``), the step still runs, one ``RuntimeWarning`` says why (only with
+    ``warn=True``: the Telemetry passes it on rank zero), and ``value`` falls back to
+    :func:`analytic_flops_per_sample` with ``parameters`` (set it before measuring) and the tokens of the
+    micro-batch, else None. An error of the counted step itself becomes :class:`FlopCountError`.
+
+    Args:
+        warn: issue the fallback warning.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, warn: bool = True) -> None:
         self.value: float | None = None
+        self.method: str | None = None
         self.done = False
+        self.warn = warn
+        self.parameters: int | None = None  # the model's parameter count, for the analytic fallback
 
     @contextlib.contextmanager
-    def measure(self, samples: int) -> Iterator[None]:
+    def measure(self, samples: int, tokens: int | None = None) -> Iterator[None]:
+        """Count the FLOPs of the block (first call only) and set ``value`` to FLOPs per sample.
+
+        Args:
+            samples: samples in the micro-batch (its leading dimension).
+            tokens: tokens in the micro-batch, or None.
+
+        Raises:
+            FlopCountError: the block raised while counted (from the block's error).
+        """
         if self.done:
             yield
             return
         self.done = True
-        from torch.utils.flop_counter import FlopCounterMode
+        try:
+            from trainscale.telemetry.counting import TolerantFlopCounter
 
-        mode = FlopCounterMode(display=False)
-        with mode:
+            counter = TolerantFlopCounter()
+            counter.__enter__()
+        except Exception as exc:  # noqa: BLE001 - no count rather than no training
+            self._fall_back(f"FlopCounterMode could not start ({type(exc).__name__}: {exc})", samples, tokens)
             yield
-        total = mode.get_total_flops()
-        self.value = total / samples if total > 0 and samples > 0 else None
+            return
+        try:
+            yield
+        except Exception as exc:
+            counter.__exit__(None, None, None)
+            self._fall_back(f"the micro-batch raised while counted ({type(exc).__name__}: {exc})", samples, tokens)
+            raise FlopCountError(f"the first micro-batch raised while its FLOPs were counted with FlopCounterMode: "
+                                 f"{type(exc).__name__}: {exc}. Run it again without counting, or pass "
+                                 "count_flops=False") from exc
+        counter.__exit__(None, None, None)
+        if counter.failures:
+            self._fall_back(f"{len(counter.failures)} op(s) could not be counted, e.g. {counter.failures[0]}",
+                            samples, tokens)
+            return
+        total = counter.get_total_flops()
+        if total > 0 and samples > 0:
+            self.value, self.method = total / samples, "counted"
+
+    def _fall_back(self, why: str, samples: int, tokens: int | None) -> None:
+        """Analytic estimate or None, one warning, and compiled code forgotten: higher-order operators
+        (``while_loop``, ``flex_attention``) compile themselves on first use, and what was traced or
+        skipped under the counter's dispatch mode fails later, uncounted calls (seen with torch 2.13 on
+        both); ``torch.compiler.reset()`` makes the next call compile afresh."""
+        import torch
+
+        torch.compiler.reset()
+        per_sample = tokens / samples if tokens and samples > 0 else None
+        self.value = analytic_flops_per_sample(self.parameters, per_sample)
+        self.method = "analytic (6N per token)" if self.value is not None else None
+        if self.warn:
+            instead = (f"the analytic estimate 6·N·tokens = {self.value:.4g} FLOPs per sample" if self.value is not None
+                       else "no FLOPs per sample (no MFU)")
+            warnings.warn(f"trainscale: FLOP counting failed: {why}; training goes on with {instead}",
+                          RuntimeWarning, stacklevel=3)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from trainscale.runtime.batch import batch_size
+from trainscale.runtime.batch import batch_counts
 from trainscale.telemetry.flops import FlopsPerSample, mfu, peak_flops_per_s, resolve_count_flops
 from trainscale.telemetry.memory import PeakMemory
 from trainscale.telemetry.nvml import GpuSampler
@@ -85,7 +85,7 @@ class Telemetry:
         # the loop's clock for micro_batch(): the timer's (CUDA: a recorded event); off, the cheapest one
         self.clock = self.timer.clock if enabled else time.perf_counter
         self.memory = PeakMemory(device)
-        self.flops = FlopsPerSample()
+        self.flops = FlopsPerSample(warn=runtime.is_rank_zero)  # a fallback is said once, on rank zero
         compiled = getattr(runtime.config, "compile", None) is not None
         self.flops.done = not resolve_count_flops(count_flops, device.type, compiled)
         cuda = device.type == "cuda"
@@ -103,7 +103,10 @@ class Telemetry:
 
     # -- the hot path: no host sync, no collective ------------------------------------------
     def attach(self, module: Any) -> None:
-        """Time the gradient all-reduce of ``module`` (the wrapped module) when the strategy can."""
+        """Time the gradient all-reduce of ``module`` (the wrapped module) when the strategy can; its
+        parameter count serves the analytic FLOP estimate if counting fails."""
+        if not self.flops.done:
+            self.flops.parameters = sum(p.numel() for p in module.parameters())
         hook = getattr(self.rt.strategy, "time_allreduce", None)
         if self.enabled and hook is not None and self.rt.world_size > 1:
             self.timer.time_comm = hook(module, self.timer.clock, self.timer.record_comm) is not False
@@ -133,10 +136,23 @@ class Telemetry:
         return self.timer.phase(name) if self.enabled else contextlib.nullcontext()
 
     def count_flops(self, batch: Any):
-        """Context manager around the first micro-batch's forward and backward: counts FLOPs once."""
+        """Context manager around the first micro-batch's forward and backward: counts FLOPs once.
+
+        Counting never changes the step; when it fails, one warning and an analytic estimate or no
+        FLOPs (``trainscale.telemetry.flops.FlopsPerSample``).
+
+        Raises:
+            trainscale.telemetry.flops.FlopCountError: the micro-batch raised while counted (from its error);
+                run it again outside this context.
+        """
         if not self.enabled or self.flops.done:
             return _NO_COUNT
-        return self.flops.measure(batch_size(batch))
+        try:
+            samples, tokens = batch_counts(batch)
+        except ValueError:  # no tensor with a batch dimension: nothing to divide by
+            self.flops.done = True
+            return _NO_COUNT
+        return self.flops.measure(samples, tokens)
 
     def end_step(self) -> None:
         """Mark "optimizer" and close the optimizer step."""
@@ -248,6 +264,7 @@ class Telemetry:
             "samples_per_s_per_device": samples_per_s / world,
             "tokens_per_s": tokens / wall if tokens > 0 and wall > 0 else None,
             "flops_per_sample": self.flops.value,
+            "flops_method": self.flops.method,
             "achieved_flops_per_s": achieved,
             "mfu": mfu(achieved, self.peak_flops, world),
             "peak_memory_bytes": [int(m) for m in col["memory"]],
