@@ -89,19 +89,22 @@ class Runtime:
                                  precision=precision, timeout=timeout, strategy_options=strategy_options,
                                  sync_batchnorm=sync_batchnorm, activation_checkpointing=activation_checkpointing,
                                  compile=compile)
-        self.world = World.from_env()
-        if devices == "auto" and self.world.launcher != "none":
-            devices, num_nodes = self.world.local_world_size, self.world.num_nodes
+        self.world = world = World.from_env()
+        follows_launcher = devices == "auto" and world.launcher != "none"  # nodes may differ in processes
+        if follows_launcher:
+            devices, num_nodes = world.local_world_size, world.num_nodes
+        visible = _devices.cuda_device_count()
         self.config: RunConfig = resolve(accelerator, devices, strategy, num_nodes, precision,
-                                         cuda_count=_devices.cuda_device_count(),
+                                         cuda_count=_devices.node_cuda_count(visible, world.local_world_size,
+                                                                             world.launcher),
                                          has_mps=_devices.mps_available(), sync_batchnorm=sync_batchnorm,
                                          activation_checkpointing=activation_checkpointing, compile=compile)
-        if self.world.launcher == "slurm":  # the allocation must match devices × num_nodes
+        if world.launcher == "slurm" and not follows_launcher:  # the allocation must match devices × num_nodes
             from trainscale.runtime.slurm import check_allocation
 
-            check_allocation(self.world.world_size, self.world.local_world_size, self.world.num_nodes,
+            check_allocation(world.world_size, world.local_world_size, world.num_nodes,
                              self.config.devices, self.config.num_nodes)
-        if self.world.launcher != "none" and self.world.world_size != self.config.world_size:
+        if world.launcher != "none" and not follows_launcher and world.world_size != self.config.world_size:
             raise ValueError(f"the launcher started WORLD_SIZE={self.world.world_size} processes but "
                              f"devices×num_nodes={self.config.devices}×{self.config.num_nodes}="
                              f"{self.config.world_size}; pass devices={self.world.local_world_size}, "
@@ -112,7 +115,9 @@ class Runtime:
         self.strategy_options = dict(strategy_options or {})
         if self.config.strategy == "dp":
             self.strategy_options.setdefault("device_ids", list(range(self.config.devices)))
-        self.device = _devices.device_for(self.config.accelerator, self.world.local_rank)
+        cuda = self.config.accelerator == "cuda"
+        self.device = _devices.device_for(self.config.accelerator, _devices.cuda_index(
+            world.local_rank, world.local_world_size, visible, world.launcher) if cuda else world.local_rank)
         self.precision = Precision(self.config.precision, self.device.type)
         self._non_blocking = self.device.type == "cuda"  # to_device's copies: asynchronous from pinned memory
         self.strategy = None

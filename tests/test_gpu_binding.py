@@ -1,0 +1,70 @@
+"""SLURM with one GPU per task, and nodes with different numbers of processes (issue 18 item 4).
+The machine's CUDA device count is faked; nothing here needs a GPU."""
+
+import pytest
+import torch
+
+from trainscale.runtime import devices
+from trainscale.runtime.runtime import Runtime
+from trainscale.runtime.world import World
+
+# SLURM task 7 of 8 on the second of two nodes, 4 tasks per node
+TASK = {"SLURM_JOB_ID": "12345", "SLURM_PROCID": "7", "SLURM_NTASKS": "8", "SLURM_LOCALID": "3",
+        "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+
+
+def _env(monkeypatch, env):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_cuda_index_per_task_binding_and_shared_visibility():
+    assert devices.cuda_index(3, 4, visible=4, launcher="slurm") == 3  # --gpus-per-node: every task sees all
+    assert devices.cuda_index(3, 4, visible=1, launcher="slurm") == 0  # --gpus-per-task=1: its own GPU is cuda:0
+    assert devices.cuda_index(0, 1, visible=1, launcher="none") == 0
+    assert devices.node_cuda_count(1, 4, "slurm") == 4 and devices.node_cuda_count(8, 4, "slurm") == 8
+    assert devices.node_cuda_count(1, 4, "torchrun") == 1  # torchrun's workers share the agent's visibility
+    with pytest.raises(ValueError, match="--gpus-per-task=1"):
+        devices.cuda_index(3, 4, visible=2, launcher="slurm")  # --gpus-per-task=2: one process per GPU
+    with pytest.raises(ValueError, match="sees 1 CUDA device"):
+        devices.cuda_index(3, 4, visible=1, launcher="torchrun")
+
+
+def test_runtime_takes_cuda_0_when_slurm_binds_one_gpu_per_task(monkeypatch):
+    _env(monkeypatch, TASK)
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 1)  # CUDA_VISIBLE_DEVICES=<this task's GPU>
+    rt = Runtime(accelerator="cuda")
+    assert rt.device == torch.device("cuda", 0)
+    assert (rt.config.devices, rt.config.num_nodes, rt.world.local_rank) == (4, 2, 3)
+    rt = Runtime(accelerator="cuda", devices=4, num_nodes=2)  # explicit flags that match the allocation
+    assert rt.device == torch.device("cuda", 0)
+
+
+def test_runtime_takes_cuda_local_rank_when_every_task_sees_the_node(monkeypatch):
+    _env(monkeypatch, TASK)
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 4)
+    assert Runtime(accelerator="cuda").device == torch.device("cuda", 3)
+
+
+def test_nodes_with_different_numbers_of_processes_under_slurm(monkeypatch):
+    _env(monkeypatch, {**TASK, "SLURM_NTASKS": "12", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                       "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "8,4"})
+    rt = Runtime(accelerator="cpu")  # devices="auto" follows the allocation, node by node
+    assert (rt.world.num_nodes, rt.world.local_world_size, rt.world.world_size, rt.config.devices) == (2, 8, 12, 8)
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    monkeypatch.setenv("SLURM_PROCID", "8")
+    assert World.from_env().num_nodes == 2  # not 12 // 4 = 3
+
+
+def test_nodes_with_different_numbers_of_processes_under_torchrun(monkeypatch):
+    _env(monkeypatch, {"RANK": "0", "WORLD_SIZE": "12", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8",
+                       "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2"})
+    rt = Runtime(accelerator="cpu")
+    assert (rt.world.num_nodes, rt.config.devices, rt.config.num_nodes) == (2, 8, 2)
+    with pytest.raises(ValueError, match="WORLD_SIZE=12"):
+        Runtime(accelerator="cpu", devices=8, num_nodes=2)  # explicit flags must still match the job
+
+
+def test_world_without_group_world_size_assumes_equal_nodes():
+    w = World.from_env({"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"})
+    assert (w.group_world_size, w.num_nodes) == (None, 2)
