@@ -68,3 +68,37 @@ def test_nodes_with_different_numbers_of_processes_under_torchrun(monkeypatch):
 def test_world_without_group_world_size_assumes_equal_nodes():
     w = World.from_env({"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"})
     assert (w.group_world_size, w.num_nodes) == (None, 2)
+
+
+def test_backend_string_adds_gloo_for_cpu_tensors_when_offloading():
+    assert devices.backend_for("cuda") == "nccl"
+    assert devices.backend_for("cuda", cpu_collectives=True) == "cuda:nccl,cpu:gloo"
+    assert devices.backend_for("cpu", cpu_collectives=True) == "gloo"
+    assert devices.backend_for("mps") == "gloo"
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("options, backend", [({"cpu_offload": True}, "cuda:nccl,cpu:gloo"),
+                                              ({}, "nccl")])
+def test_fsdp_cpu_offload_creates_the_group_with_a_cpu_backend(monkeypatch, options, backend):
+    """Runtime.launch on a faked 2-GPU node under torchrun: the backend it passes to init_process_group."""
+    import torch.distributed as dist
+
+    _env(monkeypatch, {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    asked = {}
+
+    def init_process_group(**kwargs):
+        asked.update(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    rt = Runtime(accelerator="cuda", strategy="fsdp", strategy_options=options)
+    with pytest.raises(_Stop):
+        rt.launch()
+    assert asked["backend"] == backend and rt.device == torch.device("cuda", 1)

@@ -32,9 +32,18 @@ def detect_accelerator(cuda_count: int, has_mps: bool) -> str:
     return "cpu"
 
 
-def backend_for(accelerator: str) -> str:
-    """c10d backend: "nccl" for cuda, "gloo" otherwise."""
-    return "nccl" if accelerator == "cuda" else "gloo"
+def backend_for(accelerator: str, cpu_collectives: bool = False) -> str:
+    """The c10d backend string of ``init_process_group``: "nccl" for cuda, "gloo" otherwise.
+
+    With ``cpu_collectives`` on cuda: "cuda:nccl,cpu:gloo", one process group whose collectives on CPU
+    tensors go through gloo (NCCL takes CUDA tensors only). FSDP's CPU offload needs it: its gradients,
+    and so the gradient-norm all-reduce of clipping, the GradScaler's inf check and the full-state
+    export, are CPU tensors. As torchtitan does when offloading
+    (torchtitan/distributed/utils.py ``init_distributed``: ``f"{device_type}:{backend},cpu:gloo"``).
+    """
+    if accelerator != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
 
 
 def bound_per_task(visible: int, local_world_size: int, launcher: str) -> bool:

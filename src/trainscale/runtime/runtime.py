@@ -174,7 +174,8 @@ class Runtime:
                            if self.world.launcher == "slurm" else None)
             if self.world.launcher == "none":
                 init_method = f"tcp://127.0.0.1:{_free_port()}"
-            dist.init_process_group(backend=_devices.backend_for(self.config.accelerator),
+            offload = self.strategy_options.get("cpu_offload") is True  # fsdp: CPU gradients need gloo too
+            dist.init_process_group(backend=_devices.backend_for(self.config.accelerator, cpu_collectives=offload),
                                     timeout=timedelta(seconds=self.timeout), init_method=init_method,
                                     rank=self.world.rank, world_size=self.world.world_size)
             atexit.register(_destroy_process_group)
