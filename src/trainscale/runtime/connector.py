@@ -15,6 +15,11 @@ from trainscale.runtime.precision import PRECISIONS
 from trainscale.runtime.strategies import STRATEGIES
 
 
+DP_COMPILE_ERROR = ("strategy='dp' cannot run a compiled module: nn.DataParallel copies the compiled forward into "
+                    "every replica, and each copy calls GPU 0's module with GPU 0's weights. Pass strategy='ddp' "
+                    "(one process per GPU, each compiling its own module) or compile=False")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Resolved flags.
@@ -43,6 +48,11 @@ class RunConfig:
     def world_size(self) -> int:
         """Processes in the job: ``dp`` drives all its GPUs from one process."""
         return 1 if self.strategy == "dp" else self.devices * self.num_nodes
+
+    @property
+    def devices_per_process(self) -> int:
+        """Devices each process drives: all ``devices`` under ``dp``, else 1 (what MFU divides by)."""
+        return self.devices if self.strategy == "dp" else 1
 
 
 def _choices(names) -> str:
@@ -126,6 +136,9 @@ def resolve(
         raise ValueError(f"strategy='ddp_spawn' starts processes on this machine only, but num_nodes={num_nodes}; "
                          "pass strategy='ddp' and start each node with `trainscale run` or torchrun")
 
+    compile_kwargs = _resolve_compile(compile)
+    if strategy == "dp" and compile_kwargs is not None:
+        raise ValueError(DP_COMPILE_ERROR)
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}; choose one of {_choices(PRECISIONS)}")
 
@@ -140,7 +153,7 @@ def resolve(
                          "sync_batchnorm=False (each rank normalizes with its own batch statistics), use larger "
                          "per-device batches, or use GroupNorm/LayerNorm, which need no batch statistics")
     return RunConfig(accelerator, devices, num_nodes, strategy, precision, sync_batchnorm,
-                     _resolve_checkpointing(activation_checkpointing), _resolve_compile(compile))
+                     _resolve_checkpointing(activation_checkpointing), compile_kwargs)
 
 
 def _resolve_checkpointing(classes: Any) -> tuple:

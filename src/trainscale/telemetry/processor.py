@@ -242,6 +242,7 @@ class Telemetry:
     def _numbers(self, rows: list[list[float]], per_rank: bool) -> dict:
         """The fixed numbers from each rank's sums (see docs/telemetry.md for each definition)."""
         world = len(rows)
+        devices = world * self.rt.config.devices_per_process  # dp drives all its GPUs from one rank
         steps = rows[0][_IDX["steps"]]
         col = dict(zip(_IDX, map(list, zip(*rows))))  # field name -> its value on each rank
         wall = mean(col["wall"])  # ranks run the same steps; DDP keeps their walls equal
@@ -261,12 +262,12 @@ class Telemetry:
             "phase_share": {p: (v / total if total > 0 else _NAN) for p, v in phase_s.items()},
             "comm_s": comm,
             "samples_per_s": samples_per_s,
-            "samples_per_s_per_device": samples_per_s / world,
+            "samples_per_s_per_device": samples_per_s / devices,
             "tokens_per_s": tokens / wall if tokens > 0 and wall > 0 else None,
             "flops_per_sample": self.flops.value,
             "flops_method": self.flops.method,
             "achieved_flops_per_s": achieved,
-            "mfu": mfu(achieved, self.peak_flops, world),
+            "mfu": mfu(achieved, self.peak_flops, devices),
             "peak_memory_bytes": [int(m) for m in col["memory"]],
             "peak_memory_kind": self.memory.kind,
             "gpu_utilization": None if all(math.isnan(u) for u in util) else util,
@@ -277,7 +278,7 @@ class Telemetry:
             out["steps"] = int(steps)
             out["samples"] = int(sum(col["samples"]))
             if out["tokens_per_s"] is not None:
-                out["tokens_per_s_per_device"] = out["tokens_per_s"] / world
+                out["tokens_per_s_per_device"] = out["tokens_per_s"] / devices
             out["rank_step_time_s"] = [per_step(w) for w in col["wall"]]
             out["rank_busy_s"] = busy
             out["rank_phase_s"] = {p: [per_step(v) for v in col[p]] for p in PHASES}
