@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from trainscale.runtime.batch import batch_counts
-from trainscale.telemetry.flops import FlopsPerSample, mfu, peak_flops_per_s, resolve_count_flops
+from trainscale.telemetry.flops import MFU_ERROR, FlopsPerSample, mfu, peak_flops_per_s, resolve_count_flops
 from trainscale.telemetry.memory import PeakMemory
 from trainscale.telemetry.nvml import GpuSampler
 from trainscale.telemetry.stragglers import busy_per_step, find_stragglers, mean, median
@@ -64,15 +64,23 @@ class Telemetry:
         warmup_steps: first steps left out of :meth:`summary` (all steps are used if no others exist).
         straggler_margin: a rank busy longer than the median by this fraction is a straggler.
         gpu_sample_interval_s: seconds between NVML samples (CUDA only).
+        peak_flops: peak FLOP/s of one device for MFU, instead of trainscale's table
+            (``trainscale.telemetry.flops.PEAK_FLOPS``); for devices missing from it or other clocks.
 
     Raises:
-        ValueError: a negative ``straggler_margin``; ``count_flops=True`` under ``torch.compile``.
+        ValueError: a negative ``straggler_margin``; ``count_flops=True`` under ``torch.compile``; a
+            ``peak_flops`` that is not a positive number.
     """
 
     def __init__(self, runtime: Any, *, enabled: bool = True, count_flops: bool | None = None,
-                 warmup_steps: int = 2, straggler_margin: float = 0.2, gpu_sample_interval_s: float = 0.5) -> None:
+                 warmup_steps: int = 2, straggler_margin: float = 0.2, gpu_sample_interval_s: float = 0.5,
+                 peak_flops: float | None = None) -> None:
         if straggler_margin < 0:
             raise ValueError(f"straggler_margin={straggler_margin!r} must be >= 0 (0.2 means 20 % over the median)")
+        if peak_flops is not None and (isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float))
+                                       or not peak_flops > 0):
+            raise ValueError(f"peak_flops={peak_flops!r} must be a positive number of FLOP/s per device "
+                             "(e.g. 989e12 for an H100 SXM in bf16), or None for trainscale's table")
         self.rt = runtime
         self.enabled = enabled
         self.warmup_steps = warmup_steps
@@ -92,8 +100,9 @@ class Telemetry:
         self.gpu = GpuSampler(device.index if cuda else None, gpu_sample_interval_s)
         if enabled:
             self.gpu.start()
-        name = torch.cuda.get_device_name(device) if cuda else None
-        self.peak_flops = peak_flops_per_s(name, runtime.config.precision)
+        self._device_name = torch.cuda.get_device_name(device) if cuda else None
+        self.peak_flops = peak_flops  # the user's figure, or None: the table's (peak_flops_per_device)
+        self._mfu_error_said = False
         self._interval = [0.0] * len(_FIELDS)  # per-rank sums of _FIELDS since the last log
         self._timed = [0.0] * len(_FIELDS)  # since the end of warm-up
         self._all = [0.0] * len(_FIELDS)
@@ -239,6 +248,25 @@ class Telemetry:
     def close(self) -> None:
         self.gpu.stop()
 
+    def peak_flops_per_device(self) -> float | None:
+        """FLOP/s: ``peak_flops`` when given, else the table's peak for this device and precision, under
+        "32-true" with the TF32 settings of now and the counted step's share of convolutions."""
+        if self.peak_flops is not None:
+            return float(self.peak_flops)
+        return peak_flops_per_s(self._device_name, self.rt.config.precision,
+                                tf32_matmul=torch.get_float32_matmul_precision() != "highest",
+                                tf32_conv=torch.backends.cudnn.allow_tf32, conv_share=self.flops.conv_share)
+
+    def _mfu(self, achieved: float | None, devices: int) -> tuple[float | None, str | None]:
+        """MFU and, when it exceeds 1, the error that says why it cannot be (printed once, rank zero)."""
+        value = mfu(achieved, self.peak_flops_per_device(), devices)
+        if value is None or value <= 1:
+            return value, None
+        if not self._mfu_error_said:
+            self.rt.print(f"trainscale: MFU {value:.2f}: {MFU_ERROR}")
+            self._mfu_error_said = True
+        return value, MFU_ERROR
+
     def _numbers(self, rows: list[list[float]], per_rank: bool) -> dict:
         """The fixed numbers from each rank's sums (see docs/telemetry.md for each definition)."""
         world = len(rows)
@@ -254,6 +282,7 @@ class Telemetry:
         samples_per_s = sum(col["samples"]) / wall if wall > 0 else _NAN
         tokens = sum(col["tokens"])
         achieved = self.flops.value * samples_per_s if self.flops.value is not None else None
+        mfu_value, mfu_error = self._mfu(achieved, devices)
         busy = [busy_per_step(w, c if has_comm else None, steps) for w, c in zip(col["wall"], col["comm"])]
         util = col["gpu_util"]
         out = {
@@ -267,13 +296,15 @@ class Telemetry:
             "flops_per_sample": self.flops.value,
             "flops_method": self.flops.method,
             "achieved_flops_per_s": achieved,
-            "mfu": mfu(achieved, self.peak_flops, devices),
+            "mfu": mfu_value,
             "peak_memory_bytes": [int(m) for m in col["memory"]],
             "peak_memory_kind": self.memory.kind,
             "gpu_utilization": None if all(math.isnan(u) for u in util) else util,
             "slowest_rank": max(range(world), key=lambda r: busy[r]),
             "straggler_ranks": find_stragglers(busy, self.straggler_margin),
         }
+        if mfu_error is not None:
+            out["mfu_error"] = mfu_error
         if per_rank:
             out["steps"] = int(steps)
             out["samples"] = int(sum(col["samples"]))
