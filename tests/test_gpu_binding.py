@@ -18,6 +18,12 @@ def _env(monkeypatch, env):
         monkeypatch.setenv(key, value)
 
 
+def _fake_cuda(monkeypatch, count):
+    """This process sees ``count`` CUDA devices (compute capability 7.0: no TF32 note)."""
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+
+
 def test_cuda_index_per_task_binding_and_shared_visibility():
     assert devices.cuda_index(3, 4, visible=4, launcher="slurm") == 3  # --gpus-per-node: every task sees all
     assert devices.cuda_index(3, 4, visible=1, launcher="slurm") == 0  # --gpus-per-task=1: its own GPU is cuda:0
@@ -32,7 +38,7 @@ def test_cuda_index_per_task_binding_and_shared_visibility():
 
 def test_runtime_takes_cuda_0_when_slurm_binds_one_gpu_per_task(monkeypatch):
     _env(monkeypatch, TASK)
-    monkeypatch.setattr(devices, "cuda_device_count", lambda: 1)  # CUDA_VISIBLE_DEVICES=<this task's GPU>
+    _fake_cuda(monkeypatch, 1)  # CUDA_VISIBLE_DEVICES=<this task's GPU>
     rt = Runtime(accelerator="cuda")
     assert rt.device == torch.device("cuda", 0)
     assert (rt.config.devices, rt.config.num_nodes, rt.world.local_rank) == (4, 2, 3)
@@ -42,7 +48,7 @@ def test_runtime_takes_cuda_0_when_slurm_binds_one_gpu_per_task(monkeypatch):
 
 def test_runtime_takes_cuda_local_rank_when_every_task_sees_the_node(monkeypatch):
     _env(monkeypatch, TASK)
-    monkeypatch.setattr(devices, "cuda_device_count", lambda: 4)
+    _fake_cuda(monkeypatch, 4)
     assert Runtime(accelerator="cuda").device == torch.device("cuda", 3)
 
 
@@ -89,7 +95,7 @@ def test_fsdp_cpu_offload_creates_the_group_with_a_cpu_backend(monkeypatch, opti
 
     _env(monkeypatch, {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
-    monkeypatch.setattr(devices, "cuda_device_count", lambda: 2)
+    _fake_cuda(monkeypatch, 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     asked = {}
 

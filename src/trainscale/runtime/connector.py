@@ -15,6 +15,7 @@ from trainscale.runtime.precision import PRECISIONS
 from trainscale.runtime.strategies import STRATEGIES
 
 
+MATMUL_PRECISIONS = (None, "highest", "high", "medium")
 DP_COMPILE_ERROR = ("strategy='dp' cannot run a compiled module: nn.DataParallel copies the compiled forward into "
                     "every replica, and each copy calls GPU 0's module with GPU 0's weights. Pass strategy='ddp' "
                     "(one process per GPU, each compiling its own module) or compile=False")
@@ -33,6 +34,7 @@ class RunConfig:
         sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp/ddp_spawn on CUDA).
         activation_checkpointing: module classes whose forward is recomputed in backward.
         compile: ``None`` (eager) or the keyword arguments of ``torch.compile`` (``{}`` for defaults).
+        float32_matmul_precision: None (PyTorch's setting, left as it is) or "highest", "high", "medium".
     """
 
     accelerator: str
@@ -43,6 +45,7 @@ class RunConfig:
     sync_batchnorm: bool = False
     activation_checkpointing: tuple = ()
     compile: dict | None = None
+    float32_matmul_precision: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -71,6 +74,7 @@ def resolve(
     sync_batchnorm: bool = False,
     activation_checkpointing: Any = None,
     compile: bool | dict = False,
+    float32_matmul_precision: str | None = None,
 ) -> RunConfig:
     """Turn user flags into a :class:`RunConfig`.
 
@@ -85,6 +89,8 @@ def resolve(
         sync_batchnorm: bool; only under ddp/ddp_spawn on CUDA (torch's SyncBatchNorm refuses CPU tensors).
         activation_checkpointing: None, or an ``nn.Module`` subclass or a collection of them.
         compile: bool, or a dict of ``torch.compile`` keyword arguments (e.g. ``{"mode": "max-autotune"}``).
+        float32_matmul_precision: None, or a value of ``torch.set_float32_matmul_precision``: "highest"
+            (full float32), "high" (TF32 tensor cores on Ampere and newer), "medium" (bfloat16).
 
     Raises:
         ValueError: an unknown name (the message lists the valid ones), a non-positive count,
@@ -152,8 +158,11 @@ def resolve(
                          "in training (its forward raises 'expected input tensor to be on GPU'). On CPU pass "
                          "sync_batchnorm=False (each rank normalizes with its own batch statistics), use larger "
                          "per-device batches, or use GroupNorm/LayerNorm, which need no batch statistics")
+    if float32_matmul_precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"unknown float32_matmul_precision={float32_matmul_precision!r}; choose one of "
+                         f"{_choices(MATMUL_PRECISIONS)} (torch.set_float32_matmul_precision's values)")
     return RunConfig(accelerator, devices, num_nodes, strategy, precision, sync_batchnorm,
-                     _resolve_checkpointing(activation_checkpointing), compile_kwargs)
+                     _resolve_checkpointing(activation_checkpointing), compile_kwargs, float32_matmul_precision)
 
 
 def _resolve_checkpointing(classes: Any) -> tuple:

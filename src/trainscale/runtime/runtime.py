@@ -36,7 +36,7 @@ from trainscale.runtime import launch
 from trainscale.runtime.apply import prepare_module
 from trainscale.runtime.batch import to_device
 from trainscale.runtime.connector import RunConfig, resolve
-from trainscale.runtime.precision import Precision
+from trainscale.runtime.precision import Precision, float32_matmul_note
 from trainscale.runtime.strategies import create_strategy
 from trainscale.runtime.world import World
 
@@ -76,6 +76,9 @@ class Runtime:
             backward (``torch.utils.checkpoint``, non-reentrant): less activation memory, ~1 more forward.
         compile: ``torch.compile`` the module before the strategy wraps it; True, or a dict of
             ``torch.compile`` arguments (e.g. ``{"mode": "max-autotune"}``).
+        float32_matmul_precision: None (leave PyTorch's setting), or "highest", "high" (TF32 on Ampere and
+            newer) or "medium", applied with ``torch.set_float32_matmul_precision`` in this process. A
+            "32-true" run on such a GPU left at "highest" says so once (rank zero).
 
     Raises:
         ValueError: bad or conflicting flags (raised on every rank, before any process group exists).
@@ -84,11 +87,12 @@ class Runtime:
     def __init__(self, accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
                  num_nodes: int = 1, precision: str = "32-true", *, timeout: float = 1800.0,
                  strategy_options: dict | None = None, sync_batchnorm: bool = False,
-                 activation_checkpointing: Any = None, compile: bool | dict = False) -> None:
+                 activation_checkpointing: Any = None, compile: bool | dict = False,
+                 float32_matmul_precision: str | None = None) -> None:
         self._init_kwargs = dict(accelerator=accelerator, devices=devices, strategy=strategy, num_nodes=num_nodes,
                                  precision=precision, timeout=timeout, strategy_options=strategy_options,
                                  sync_batchnorm=sync_batchnorm, activation_checkpointing=activation_checkpointing,
-                                 compile=compile)
+                                 compile=compile, float32_matmul_precision=float32_matmul_precision)
         self.world = world = World.from_env()
         follows_launcher = devices == "auto" and world.launcher != "none"  # nodes may differ in processes
         if follows_launcher:
@@ -98,7 +102,8 @@ class Runtime:
                                          cuda_count=_devices.node_cuda_count(visible, world.local_world_size,
                                                                              world.launcher),
                                          has_mps=_devices.mps_available(), sync_batchnorm=sync_batchnorm,
-                                         activation_checkpointing=activation_checkpointing, compile=compile)
+                                         activation_checkpointing=activation_checkpointing, compile=compile,
+                                         float32_matmul_precision=float32_matmul_precision)
         if world.launcher == "slurm" and not follows_launcher:  # the allocation must match devices × num_nodes
             from trainscale.runtime.slurm import check_allocation
 
@@ -119,12 +124,25 @@ class Runtime:
         self.device = _devices.device_for(self.config.accelerator, _devices.cuda_index(
             world.local_rank, world.local_world_size, visible, world.launcher) if cuda else world.local_rank)
         self.precision = Precision(self.config.precision, self.device.type)
+        self._set_matmul_precision()
         self._non_blocking = self.device.type == "cuda"  # to_device's copies: asynchronous from pinned memory
         self.strategy = None
         self.monitor_group = None
         self._launched = False
         if self.spawns:  # the job runs in children; check the strategy's options here, before spawning
             create_strategy(self.config.strategy, device=self.device, world=self.world, **self.strategy_options)
+
+    def _set_matmul_precision(self) -> None:
+        """Apply ``float32_matmul_precision``, or say once what "32-true" leaves on the table (Lightning's note)."""
+        if self.config.float32_matmul_precision is not None:
+            torch.set_float32_matmul_precision(self.config.float32_matmul_precision)
+            return
+        cuda_32 = self.device.type == "cuda" and self.config.precision == "32-true"
+        capability = torch.cuda.get_device_capability(self.device) if cuda_32 else None
+        note = float32_matmul_note(self.config.precision, self.device.type, capability,
+                                   torch.get_float32_matmul_precision())
+        if note is not None and not self.spawns:  # under ddp_spawn, rank 0's child says it
+            self.print(note)
 
     @property
     def spawns(self) -> bool:
