@@ -24,7 +24,7 @@ The Trainer uses it; a hand-written Runtime loop can too::
 Numbers (all defined in docs/telemetry.md): per-rank step time split into data, forward,
 backward, optimizer; all-reduce time; samples/s and tokens/s; FLOPs per sample, achieved FLOP/s
 and MFU; peak memory per rank; GPU utilisation per device; straggler ranks. Per-rank sums are
-gathered with one ``all_gather`` of a small tensor per log interval (and one at the end) — no
+gathered with one ``all_gather_single`` of a small tensor (one host copy) per log interval (and one at the end) — no
 collective and no host sync per step. The first ``warmup_steps`` steps are left out of the
 summary's means (they include one-off costs: allocator growth, FLOP counting, kernel selection).
 """
@@ -184,16 +184,19 @@ class Telemetry:
                     sums[i] += v
 
     def _gather(self, vec: list[float]) -> list[list[float]]:
-        """Every rank's ``vec`` (one all_gather of a float64 tensor on the device; a host sync, at log
-        intervals only). At world size 1 the list itself: no tensor, no copy."""
+        """Every rank's ``vec``: one ``all_gather_single`` into a ``(world_size, len(vec))`` float64
+        tensor on the device, then one device-to-host copy (``tolist`` of the whole tensor: one wait,
+        not one per rank); at log intervals only. At world size 1 the list itself: no tensor, no copy."""
         if self.rt.world_size == 1:
             return [vec]
         import torch.distributed as dist
 
-        local = torch.tensor(vec, dtype=torch.float64, device=self.rt.device)
-        out = [torch.empty_like(local) for _ in range(self.rt.world_size)]
-        dist.all_gather(out, local)
-        return [t.tolist() for t in out]
+        local = torch.tensor([vec], dtype=torch.float64, device=self.rt.device)  # (1, n): ranks stack on dim 0
+        out = torch.empty((self.rt.world_size, len(vec)), dtype=torch.float64, device=self.rt.device)
+        # all_gather_single is torch 2.13's name (all_gather_into_tensor is deprecated there)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, local)
+        return out.tolist()
 
     def _local(self, sums: list[float], loss: float = _NAN, whole_run: bool = False) -> list[float]:
         samples = self.gpu.take()

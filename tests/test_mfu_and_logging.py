@@ -1,5 +1,6 @@
 """Peak FLOP/s and MFU (issue 18 item 8): exact product matching, the newer GPUs, TF32 under "32-true",
-the user's peak_flops=, and MFU > 1 flagged as a measurement error. Pure logic: no GPU needed."""
+the user's peak_flops=, and MFU > 1 flagged as a measurement error; and the log interval's one gather and one
+host copy (item 12). Pure logic: no GPU needed."""
 
 from types import SimpleNamespace
 
@@ -70,3 +71,23 @@ def test_mfu_over_one_is_flagged_as_a_measurement_error_once():
     assert first["mfu"] == pytest.approx(2.0) and first["mfu_error"] == flops.MFU_ERROR
     assert "measurement error" in second["mfu_error"] and len(printed) == 1 and "MFU 2.00" in printed[0]
     assert "mfu_error" not in _numbers(tele, 50.0)
+
+
+def test_logging_gathers_once_and_copies_to_the_host_once(monkeypatch):
+    """Issue 18 item 12: W ranks' rows come back with one collective and one device-to-host copy."""
+    import torch.distributed as dist
+
+    tele, _ = _telemetry()
+    tele.rt.world_size = 4
+    collectives, copies = [], []
+
+    def all_gather_single(out, local):  # the 4 ranks' rows: rank r sent local + r
+        collectives.append(out.shape)
+        out.copy_(torch.cat([local + r for r in range(4)]))
+
+    monkeypatch.setattr(dist, "all_gather_single", all_gather_single, raising=False)
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: copies.append(t.shape) or tolist(t))
+    rows = tele._gather([1.0, 2.0, 3.0])
+    assert rows == [[1.0 + r, 2.0 + r, 3.0 + r] for r in range(4)]
+    assert collectives == [(4, 3)] and copies == [(4, 3)]
