@@ -15,6 +15,16 @@ from dataclasses import dataclass
 from typing import Mapping
 
 
+def _job_id(env: Mapping[str, str]) -> str | None:
+    """torchrun's run id. Its "none" (torchrun's default without ``--rdzv-id`` on several nodes) is shared
+    by every such job, so SLURM's job id replaces it when there is one (``trainscale run`` always passes
+    an id on several nodes: ``launch.torchrun_args``)."""
+    run_id = env.get("TORCHELASTIC_RUN_ID") or None
+    if run_id in (None, "none"):
+        return env.get("SLURM_JOB_ID") or run_id
+    return run_id
+
+
 @dataclass(frozen=True)
 class World:
     """A frozen value describing this process's place in the job.
@@ -107,7 +117,7 @@ class World:
             master_port=geti("MASTER_PORT", 29500),
             restart_count=geti("TORCHELASTIC_RESTART_COUNT", 0),
             launcher="torchrun",
-            job_id=env.get("TORCHELASTIC_RUN_ID") or None,
+            job_id=_job_id(env),
             group_world_size=group_world_size,
         )
 
