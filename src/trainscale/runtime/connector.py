@@ -124,27 +124,8 @@ def resolve(
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} must be an int >= 1")
 
-    if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy={strategy!r}; choose one of {_choices(STRATEGIES)}")
-    world_size = devices * num_nodes
-    if strategy == "auto":
-        strategy = "single" if world_size == 1 else "ddp"
-    if strategy == "single" and world_size > 1:
-        raise ValueError(f"strategy='single' runs one process but devices×num_nodes={world_size}; "
-                         "pass strategy='ddp' (or devices=1)")
-    if strategy == "dp" and (accelerator != "cuda" or cuda_count < 2 or devices < 2 or num_nodes > 1):
-        # nn.DataParallel without CUDA silently calls the module directly: no parallelism at all.
-        raise ValueError(f"strategy='dp' (nn.DataParallel) drives 2 or more CUDA GPUs from one process on one "
-                         f"machine, but here accelerator={accelerator!r}, {cuda_count} CUDA device(s) visible, "
-                         f"devices={devices}, num_nodes={num_nodes}; pass strategy='ddp' (one process per device, "
-                         "faster than dp on GPUs and also runs on CPU)")
-    if strategy == "ddp_spawn" and num_nodes > 1:
-        raise ValueError(f"strategy='ddp_spawn' starts processes on this machine only, but num_nodes={num_nodes}; "
-                         "pass strategy='ddp' and start each node with `trainscale run` or torchrun")
-
     compile_kwargs = _resolve_compile(compile)
-    if strategy == "dp" and compile_kwargs is not None:
-        raise ValueError(DP_COMPILE_ERROR)
+    strategy = _resolve_strategy(strategy, accelerator, devices, num_nodes, cuda_count, compile_kwargs)
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}; choose one of {_choices(PRECISIONS)}")
 
@@ -163,6 +144,31 @@ def resolve(
                          f"{_choices(MATMUL_PRECISIONS)} (torch.set_float32_matmul_precision's values)")
     return RunConfig(accelerator, devices, num_nodes, strategy, precision, sync_batchnorm,
                      _resolve_checkpointing(activation_checkpointing), compile_kwargs, float32_matmul_precision)
+
+
+def _resolve_strategy(strategy: Any, accelerator: str, devices: int, num_nodes: int, cuda_count: int,
+                      compile_kwargs: dict | None) -> str:
+    """The strategy name "auto" means, checked against the world it must run (see :func:`resolve`)."""
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy={strategy!r}; choose one of {_choices(STRATEGIES)}")
+    world_size = devices * num_nodes
+    if strategy == "auto":
+        strategy = "single" if world_size == 1 else "ddp"
+    if strategy == "single" and world_size > 1:
+        raise ValueError(f"strategy='single' runs one process but devices×num_nodes={world_size}; "
+                         "pass strategy='ddp' (or devices=1)")
+    if strategy == "dp" and (accelerator != "cuda" or cuda_count < 2 or devices < 2 or num_nodes > 1):
+        # nn.DataParallel without CUDA silently calls the module directly: no parallelism at all.
+        raise ValueError(f"strategy='dp' (nn.DataParallel) drives 2 or more CUDA GPUs from one process on one "
+                         f"machine, but here accelerator={accelerator!r}, {cuda_count} CUDA device(s) visible, "
+                         f"devices={devices}, num_nodes={num_nodes}; pass strategy='ddp' (one process per device, "
+                         "faster than dp on GPUs and also runs on CPU)")
+    if strategy == "ddp_spawn" and num_nodes > 1:
+        raise ValueError(f"strategy='ddp_spawn' starts processes on this machine only, but num_nodes={num_nodes}; "
+                         "pass strategy='ddp' and start each node with `trainscale run` or torchrun")
+    if strategy == "dp" and compile_kwargs is not None:
+        raise ValueError(DP_COMPILE_ERROR)
+    return strategy
 
 
 def _resolve_checkpointing(classes: Any) -> tuple:
