@@ -57,7 +57,8 @@ def elastic_runs(tmp_path_factory):
                        "--kill-at-step", "17"]}
     for node in (0, 1):
         cmds[f"node{node}"] = [TRAINSCALE, "run", "--nnodes", "2", "--node-rank", str(node), "-n", "1",
-                               "--rdzv-endpoint", f"127.0.0.1:{port}", SCRIPT, "--out", str(base / "nodes")]
+                               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"nodes{port}", SCRIPT,
+                               "--out", str(base / "nodes")]
     # The two "nodes" rendezvous through a TCP store that this process hosts, so both agents are its clients
     # (torchrun hosts it in the first agent that binds the port otherwise). When the hosting agent exits
     # first, the other agent's next poll of the store fails and it exits 1 although its workers finished

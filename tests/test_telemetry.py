@@ -25,7 +25,7 @@ from trainscale.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = {"step_time_s", "phase_s", "phase_share", "comm_s", "samples_per_s", "samples_per_s_per_device",
-            "tokens_per_s", "flops_per_sample", "achieved_flops_per_s", "mfu", "peak_memory_bytes",
+            "tokens_per_s", "flops_per_sample", "flops_method", "achieved_flops_per_s", "mfu", "peak_memory_bytes",
             "peak_memory_kind", "gpu_utilization", "slowest_rank", "straggler_ranks"}
 
 

@@ -15,6 +15,12 @@ from trainscale.runtime.precision import PRECISIONS
 from trainscale.runtime.strategies import STRATEGIES
 
 
+MATMUL_PRECISIONS = (None, "highest", "high", "medium")
+DP_COMPILE_ERROR = ("strategy='dp' cannot run a compiled module: nn.DataParallel copies the compiled forward into "
+                    "every replica, and each copy calls GPU 0's module with GPU 0's weights. Pass strategy='ddp' "
+                    "(one process per GPU, each compiling its own module) or compile=False")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Resolved flags.
@@ -28,6 +34,7 @@ class RunConfig:
         sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp/ddp_spawn on CUDA).
         activation_checkpointing: module classes whose forward is recomputed in backward.
         compile: ``None`` (eager) or the keyword arguments of ``torch.compile`` (``{}`` for defaults).
+        float32_matmul_precision: None (PyTorch's setting, left as it is) or "highest", "high", "medium".
     """
 
     accelerator: str
@@ -38,11 +45,17 @@ class RunConfig:
     sync_batchnorm: bool = False
     activation_checkpointing: tuple = ()
     compile: dict | None = None
+    float32_matmul_precision: str | None = None
 
     @property
     def world_size(self) -> int:
         """Processes in the job: ``dp`` drives all its GPUs from one process."""
         return 1 if self.strategy == "dp" else self.devices * self.num_nodes
+
+    @property
+    def devices_per_process(self) -> int:
+        """Devices each process drives: all ``devices`` under ``dp``, else 1 (what MFU divides by)."""
+        return self.devices if self.strategy == "dp" else 1
 
 
 def _choices(names) -> str:
@@ -61,6 +74,7 @@ def resolve(
     sync_batchnorm: bool = False,
     activation_checkpointing: Any = None,
     compile: bool | dict = False,
+    float32_matmul_precision: str | None = None,
 ) -> RunConfig:
     """Turn user flags into a :class:`RunConfig`.
 
@@ -75,6 +89,8 @@ def resolve(
         sync_batchnorm: bool; only under ddp/ddp_spawn on CUDA (torch's SyncBatchNorm refuses CPU tensors).
         activation_checkpointing: None, or an ``nn.Module`` subclass or a collection of them.
         compile: bool, or a dict of ``torch.compile`` keyword arguments (e.g. ``{"mode": "max-autotune"}``).
+        float32_matmul_precision: None, or a value of ``torch.set_float32_matmul_precision``: "highest"
+            (full float32), "high" (TF32 tensor cores on Ampere and newer), "medium" (bfloat16).
 
     Raises:
         ValueError: an unknown name (the message lists the valid ones), a non-positive count,
@@ -108,6 +124,31 @@ def resolve(
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} must be an int >= 1")
 
+    compile_kwargs = _resolve_compile(compile)
+    strategy = _resolve_strategy(strategy, accelerator, devices, num_nodes, cuda_count, compile_kwargs)
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"unknown precision={precision!r}; choose one of {_choices(PRECISIONS)}")
+
+    if not isinstance(sync_batchnorm, bool):
+        raise ValueError(f"sync_batchnorm={sync_batchnorm!r} must be True or False")
+    if sync_batchnorm and strategy not in ("ddp", "ddp_spawn"):
+        raise ValueError(f"sync_batchnorm=True synchronizes batch statistics across ddp processes, but "
+                         f"strategy={strategy!r}; pass strategy='ddp' (or sync_batchnorm=False)")
+    if sync_batchnorm and accelerator != "cuda":
+        raise ValueError(f"sync_batchnorm=True needs CUDA: torch.nn.SyncBatchNorm refuses {accelerator} tensors "
+                         "in training (its forward raises 'expected input tensor to be on GPU'). On CPU pass "
+                         "sync_batchnorm=False (each rank normalizes with its own batch statistics), use larger "
+                         "per-device batches, or use GroupNorm/LayerNorm, which need no batch statistics")
+    if float32_matmul_precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"unknown float32_matmul_precision={float32_matmul_precision!r}; choose one of "
+                         f"{_choices(MATMUL_PRECISIONS)} (torch.set_float32_matmul_precision's values)")
+    return RunConfig(accelerator, devices, num_nodes, strategy, precision, sync_batchnorm,
+                     _resolve_checkpointing(activation_checkpointing), compile_kwargs, float32_matmul_precision)
+
+
+def _resolve_strategy(strategy: Any, accelerator: str, devices: int, num_nodes: int, cuda_count: int,
+                      compile_kwargs: dict | None) -> str:
+    """The strategy name "auto" means, checked against the world it must run (see :func:`resolve`)."""
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy={strategy!r}; choose one of {_choices(STRATEGIES)}")
     world_size = devices * num_nodes
@@ -125,22 +166,9 @@ def resolve(
     if strategy == "ddp_spawn" and num_nodes > 1:
         raise ValueError(f"strategy='ddp_spawn' starts processes on this machine only, but num_nodes={num_nodes}; "
                          "pass strategy='ddp' and start each node with `trainscale run` or torchrun")
-
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(f"unknown precision={precision!r}; choose one of {_choices(PRECISIONS)}")
-
-    if not isinstance(sync_batchnorm, bool):
-        raise ValueError(f"sync_batchnorm={sync_batchnorm!r} must be True or False")
-    if sync_batchnorm and strategy not in ("ddp", "ddp_spawn"):
-        raise ValueError(f"sync_batchnorm=True synchronizes batch statistics across ddp processes, but "
-                         f"strategy={strategy!r}; pass strategy='ddp' (or sync_batchnorm=False)")
-    if sync_batchnorm and accelerator != "cuda":
-        raise ValueError(f"sync_batchnorm=True needs CUDA: torch.nn.SyncBatchNorm refuses {accelerator} tensors "
-                         "in training (its forward raises 'expected input tensor to be on GPU'). On CPU pass "
-                         "sync_batchnorm=False (each rank normalizes with its own batch statistics), use larger "
-                         "per-device batches, or use GroupNorm/LayerNorm, which need no batch statistics")
-    return RunConfig(accelerator, devices, num_nodes, strategy, precision, sync_batchnorm,
-                     _resolve_checkpointing(activation_checkpointing), _resolve_compile(compile))
+    if strategy == "dp" and compile_kwargs is not None:
+        raise ValueError(DP_COMPILE_ERROR)
+    return strategy
 
 
 def _resolve_checkpointing(classes: Any) -> tuple:

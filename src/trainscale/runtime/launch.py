@@ -17,14 +17,17 @@ from typing import Sequence
 
 def torchrun_args(nproc_per_node: int, *, nnodes: str | int = 1, node_rank: int | None = None,
                   rdzv_backend: str | None = None, rdzv_endpoint: str | None = None,
-                  max_restarts: int = 0, run_id: str | None = None) -> list[str]:
+                  max_restarts: int = 0, run_id: str | None = None, env: dict | None = None) -> list[str]:
     """torchrun's own flags for a job (without the entry point).
 
     One node without a rendezvous endpoint uses ``--standalone`` (a local c10d rendezvous on a
-    free port). Several nodes need ``rdzv_endpoint`` (host:port of the rendezvous).
+    free port, with a fresh run id). Several nodes need ``rdzv_endpoint`` (host:port of the rendezvous)
+    and a run id shared by every node and by no other job (``--rdzv-id``; torchrun's default, "none",
+    is the same for every job, so a restarted job could resume another one's "last" checkpoint):
+    ``run_id``, else ``SLURM_JOB_ID`` from ``env`` (default ``os.environ``).
 
     Raises:
-        ValueError: a non-positive process count, or several nodes without an endpoint.
+        ValueError: a non-positive process count, or several nodes without an endpoint or a run id.
     """
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node={nproc_per_node} must be >= 1")
@@ -40,8 +43,12 @@ def torchrun_args(nproc_per_node: int, *, nnodes: str | int = 1, node_rank: int 
                  f"--rdzv-endpoint={rdzv_endpoint}"]
         if node_rank is not None:
             args.append(f"--node-rank={node_rank}")
-        if run_id is not None:
-            args.append(f"--rdzv-id={run_id}")
+        run_id = run_id or (os.environ if env is None else env).get("SLURM_JOB_ID")
+        if not run_id:
+            raise ValueError(f"nnodes={nnodes} needs a job id shared by every node and new for each job: pass "
+                             "--rdzv-id ID (the same on every node, e.g. the date and time the job was submitted); "
+                             "inside a SLURM job SLURM_JOB_ID is taken")
+        args.append(f"--rdzv-id={run_id}")
     if max_restarts:
         args.append(f"--max-restarts={max_restarts}")
     return args

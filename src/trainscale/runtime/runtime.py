@@ -24,6 +24,7 @@ Run it with ``python script.py`` (devices=N relaunches it under torchrun) or
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
 from datetime import timedelta
 from typing import Any, Callable, Iterable
@@ -36,7 +37,7 @@ from trainscale.runtime import launch
 from trainscale.runtime.apply import prepare_module
 from trainscale.runtime.batch import to_device
 from trainscale.runtime.connector import RunConfig, resolve
-from trainscale.runtime.precision import Precision
+from trainscale.runtime.precision import Precision, float32_matmul_note
 from trainscale.runtime.strategies import create_strategy
 from trainscale.runtime.world import World
 
@@ -76,6 +77,9 @@ class Runtime:
             backward (``torch.utils.checkpoint``, non-reentrant): less activation memory, ~1 more forward.
         compile: ``torch.compile`` the module before the strategy wraps it; True, or a dict of
             ``torch.compile`` arguments (e.g. ``{"mode": "max-autotune"}``).
+        float32_matmul_precision: None (leave PyTorch's setting), or "highest", "high" (TF32 on Ampere and
+            newer) or "medium", applied with ``torch.set_float32_matmul_precision`` in this process. A
+            "32-true" run on such a GPU left at "highest" says so once (rank zero).
 
     Raises:
         ValueError: bad or conflicting flags (raised on every rank, before any process group exists).
@@ -84,24 +88,29 @@ class Runtime:
     def __init__(self, accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
                  num_nodes: int = 1, precision: str = "32-true", *, timeout: float = 1800.0,
                  strategy_options: dict | None = None, sync_batchnorm: bool = False,
-                 activation_checkpointing: Any = None, compile: bool | dict = False) -> None:
+                 activation_checkpointing: Any = None, compile: bool | dict = False,
+                 float32_matmul_precision: str | None = None) -> None:
         self._init_kwargs = dict(accelerator=accelerator, devices=devices, strategy=strategy, num_nodes=num_nodes,
                                  precision=precision, timeout=timeout, strategy_options=strategy_options,
                                  sync_batchnorm=sync_batchnorm, activation_checkpointing=activation_checkpointing,
-                                 compile=compile)
-        self.world = World.from_env()
-        if devices == "auto" and self.world.launcher != "none":
-            devices, num_nodes = self.world.local_world_size, self.world.num_nodes
+                                 compile=compile, float32_matmul_precision=float32_matmul_precision)
+        self.world = world = World.from_env()
+        follows_launcher = devices == "auto" and world.launcher != "none"  # nodes may differ in processes
+        if follows_launcher:
+            devices, num_nodes = world.local_world_size, world.num_nodes
+        visible = _devices.cuda_device_count()
         self.config: RunConfig = resolve(accelerator, devices, strategy, num_nodes, precision,
-                                         cuda_count=_devices.cuda_device_count(),
+                                         cuda_count=_devices.node_cuda_count(visible, world.local_world_size,
+                                                                             world.launcher),
                                          has_mps=_devices.mps_available(), sync_batchnorm=sync_batchnorm,
-                                         activation_checkpointing=activation_checkpointing, compile=compile)
-        if self.world.launcher == "slurm":  # the allocation must match devices × num_nodes
+                                         activation_checkpointing=activation_checkpointing, compile=compile,
+                                         float32_matmul_precision=float32_matmul_precision)
+        if world.launcher == "slurm" and not follows_launcher:  # the allocation must match devices × num_nodes
             from trainscale.runtime.slurm import check_allocation
 
-            check_allocation(self.world.world_size, self.world.local_world_size, self.world.num_nodes,
+            check_allocation(world.world_size, world.local_world_size, world.num_nodes,
                              self.config.devices, self.config.num_nodes)
-        if self.world.launcher != "none" and self.world.world_size != self.config.world_size:
+        if world.launcher != "none" and not follows_launcher and world.world_size != self.config.world_size:
             raise ValueError(f"the launcher started WORLD_SIZE={self.world.world_size} processes but "
                              f"devices×num_nodes={self.config.devices}×{self.config.num_nodes}="
                              f"{self.config.world_size}; pass devices={self.world.local_world_size}, "
@@ -112,14 +121,29 @@ class Runtime:
         self.strategy_options = dict(strategy_options or {})
         if self.config.strategy == "dp":
             self.strategy_options.setdefault("device_ids", list(range(self.config.devices)))
-        self.device = _devices.device_for(self.config.accelerator, self.world.local_rank)
+        cuda = self.config.accelerator == "cuda"
+        self.device = _devices.device_for(self.config.accelerator, _devices.cuda_index(
+            world.local_rank, world.local_world_size, visible, world.launcher) if cuda else world.local_rank)
         self.precision = Precision(self.config.precision, self.device.type)
+        self._set_matmul_precision()
         self._non_blocking = self.device.type == "cuda"  # to_device's copies: asynchronous from pinned memory
         self.strategy = None
         self.monitor_group = None
         self._launched = False
         if self.spawns:  # the job runs in children; check the strategy's options here, before spawning
             create_strategy(self.config.strategy, device=self.device, world=self.world, **self.strategy_options)
+
+    def _set_matmul_precision(self) -> None:
+        """Apply ``float32_matmul_precision``, or say once what "32-true" leaves on the table (Lightning's note)."""
+        if self.config.float32_matmul_precision is not None:
+            torch.set_float32_matmul_precision(self.config.float32_matmul_precision)
+            return
+        cuda_32 = self.device.type == "cuda" and self.config.precision == "32-true"
+        capability = torch.cuda.get_device_capability(self.device) if cuda_32 else None
+        note = float32_matmul_note(self.config.precision, self.device.type, capability,
+                                   torch.get_float32_matmul_precision())
+        if note is not None and not self.spawns:  # under ddp_spawn, rank 0's child says it
+            self.print(note)
 
     @property
     def spawns(self) -> bool:
@@ -169,7 +193,8 @@ class Runtime:
                            if self.world.launcher == "slurm" else None)
             if self.world.launcher == "none":
                 init_method = f"tcp://127.0.0.1:{_free_port()}"
-            dist.init_process_group(backend=_devices.backend_for(self.config.accelerator),
+            offload = self.strategy_options.get("cpu_offload") is True  # fsdp: CPU gradients need gloo too
+            dist.init_process_group(backend=_devices.backend_for(self.config.accelerator, cpu_collectives=offload),
                                     timeout=timedelta(seconds=self.timeout), init_method=init_method,
                                     rank=self.world.rank, world_size=self.world.world_size)
             atexit.register(_destroy_process_group)
@@ -412,6 +437,9 @@ class Runtime:
             dist.destroy_process_group()
         self.monitor_group = None
         self._launched = False
+
+
+RUNTIME_FLAGS = frozenset(inspect.signature(Runtime).parameters)  # what a Trainer passes on to its Runtime
 
 
 def _run_spawned(**kwargs: Any) -> Any:

@@ -24,7 +24,7 @@ The Trainer uses it; a hand-written Runtime loop can too::
 Numbers (all defined in docs/telemetry.md): per-rank step time split into data, forward,
 backward, optimizer; all-reduce time; samples/s and tokens/s; FLOPs per sample, achieved FLOP/s
 and MFU; peak memory per rank; GPU utilisation per device; straggler ranks. Per-rank sums are
-gathered with one ``all_gather`` of a small tensor per log interval (and one at the end) — no
+gathered with one ``all_gather_single`` of a small tensor (one host copy) per log interval (and one at the end) — no
 collective and no host sync per step. The first ``warmup_steps`` steps are left out of the
 summary's means (they include one-off costs: allocator growth, FLOP counting, kernel selection).
 """
@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from trainscale.runtime.batch import batch_size
-from trainscale.telemetry.flops import FlopsPerSample, mfu, peak_flops_per_s, resolve_count_flops
+from trainscale.runtime.batch import batch_counts
+from trainscale.telemetry.flops import MFU_ERROR, FlopsPerSample, mfu, peak_flops_per_s, resolve_count_flops
 from trainscale.telemetry.memory import PeakMemory
 from trainscale.telemetry.nvml import GpuSampler
 from trainscale.telemetry.stragglers import busy_per_step, find_stragglers, mean, median
@@ -63,15 +63,23 @@ class Telemetry:
         warmup_steps: first steps left out of :meth:`summary` (all steps are used if no others exist).
         straggler_margin: a rank busy longer than the median by this fraction is a straggler.
         gpu_sample_interval_s: seconds between NVML samples (CUDA only).
+        peak_flops: peak FLOP/s of one device for MFU, instead of trainscale's table
+            (``trainscale.telemetry.flops.PEAK_FLOPS``); for devices missing from it or other clocks.
 
     Raises:
-        ValueError: a negative ``straggler_margin``; ``count_flops=True`` under ``torch.compile``.
+        ValueError: a negative ``straggler_margin``; ``count_flops=True`` under ``torch.compile``; a
+            ``peak_flops`` that is not a positive number.
     """
 
     def __init__(self, runtime: Any, *, count_flops: bool | None = None,
-                 warmup_steps: int = 2, straggler_margin: float = 0.2, gpu_sample_interval_s: float = 0.5) -> None:
+                 warmup_steps: int = 2, straggler_margin: float = 0.2, gpu_sample_interval_s: float = 0.5,
+                 peak_flops: float | None = None) -> None:
         if straggler_margin < 0:
             raise ValueError(f"straggler_margin={straggler_margin!r} must be >= 0 (0.2 means 20 % over the median)")
+        if peak_flops is not None and (isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float))
+                                       or not peak_flops > 0):
+            raise ValueError(f"peak_flops={peak_flops!r} must be a positive number of FLOP/s per device "
+                             "(e.g. 989e12 for an H100 SXM in bf16), or None for trainscale's table")
         self.rt = runtime
         self.warmup_steps = warmup_steps
         self.straggler_margin = straggler_margin
@@ -79,14 +87,15 @@ class Telemetry:
         self.timer = StepTimer(device, running=device.type != "cuda")  # CUDA: events, resolved at log intervals
         self.clock = self.timer.clock  # the loop's clock for micro_batch(): perf_counter, or a recorded CUDA event
         self.memory = PeakMemory(device)
-        self.flops = FlopsPerSample()
+        self.flops = FlopsPerSample(warn=runtime.is_rank_zero)  # a fallback is said once, on rank zero
         compiled = getattr(runtime.config, "compile", None) is not None
         self.flops.done = not resolve_count_flops(count_flops, device.type, compiled)
         cuda = device.type == "cuda"
         self.gpu = GpuSampler(device.index if cuda else None, gpu_sample_interval_s)
         self.gpu.start()
-        name = torch.cuda.get_device_name(device) if cuda else None
-        self.peak_flops = peak_flops_per_s(name, runtime.config.precision)
+        self._device_name = torch.cuda.get_device_name(device) if cuda else None
+        self.peak_flops = peak_flops  # the user's figure, or None: the table's (peak_flops_per_device)
+        self._mfu_error_said = False
         self._interval = [0.0] * len(_FIELDS)  # per-rank sums of _FIELDS since the last log
         self._timed = [0.0] * len(_FIELDS)  # since the end of warm-up
         self._all = [0.0] * len(_FIELDS)
@@ -96,7 +105,10 @@ class Telemetry:
 
     # -- the hot path: no host sync, no collective ------------------------------------------
     def attach(self, module: Any) -> None:
-        """Time the gradient all-reduce of ``module`` (the wrapped module) when the strategy can."""
+        """Time the gradient all-reduce of ``module`` (the wrapped module) when the strategy can; its
+        parameter count serves the analytic FLOP estimate if counting fails."""
+        if not self.flops.done:
+            self.flops.parameters = sum(p.numel() for p in module.parameters())
         hook = getattr(self.rt.strategy, "time_allreduce", None)
         if hook is not None and self.rt.world_size > 1:
             self.timer.time_comm = hook(module, self.timer.clock, self.timer.record_comm) is not False
@@ -120,10 +132,23 @@ class Telemetry:
         return self.timer.phase(name)
 
     def count_flops(self, batch: Any):
-        """Context manager around the first micro-batch's forward and backward: counts FLOPs once."""
+        """Context manager around the first micro-batch's forward and backward: counts FLOPs once.
+
+        Counting never changes the step; when it fails, one warning and an analytic estimate or no
+        FLOPs (``trainscale.telemetry.flops.FlopsPerSample``).
+
+        Raises:
+            trainscale.telemetry.flops.FlopCountError: the micro-batch raised while counted (from its error);
+                run it again outside this context.
+        """
         if self.flops.done:
             return _NO_COUNT
-        return self.flops.measure(batch_size(batch))
+        try:
+            samples, tokens = batch_counts(batch)
+        except ValueError:  # no tensor with a batch dimension: nothing to divide by
+            self.flops.done = True
+            return _NO_COUNT
+        return self.flops.measure(samples, tokens)
 
     def end_step(self) -> None:
         """Mark "optimizer" and close the optimizer step."""
@@ -145,16 +170,19 @@ class Telemetry:
                     sums[i] += v
 
     def _gather(self, vec: list[float]) -> list[list[float]]:
-        """Every rank's ``vec`` (one all_gather of a float64 tensor on the device; a host sync, at log
-        intervals only). At world size 1 the list itself: no tensor, no copy."""
+        """Every rank's ``vec``: one ``all_gather_single`` into a ``(world_size, len(vec))`` float64
+        tensor on the device, then one device-to-host copy (``tolist`` of the whole tensor: one wait,
+        not one per rank); at log intervals only. At world size 1 the list itself: no tensor, no copy."""
         if self.rt.world_size == 1:
             return [vec]
         import torch.distributed as dist
 
-        local = torch.tensor(vec, dtype=torch.float64, device=self.rt.device)
-        out = [torch.empty_like(local) for _ in range(self.rt.world_size)]
-        dist.all_gather(out, local)
-        return [t.tolist() for t in out]
+        local = torch.tensor([vec], dtype=torch.float64, device=self.rt.device)  # (1, n): ranks stack on dim 0
+        out = torch.empty((self.rt.world_size, len(vec)), dtype=torch.float64, device=self.rt.device)
+        # all_gather_single is torch 2.13's name (all_gather_into_tensor is deprecated there)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, local)
+        return out.tolist()
 
     def _local(self, sums: list[float], loss: float = _NAN, whole_run: bool = False) -> list[float]:
         samples = self.gpu.take()
@@ -205,9 +233,29 @@ class Telemetry:
     def close(self) -> None:
         self.gpu.stop()
 
+    def peak_flops_per_device(self) -> float | None:
+        """FLOP/s: ``peak_flops`` when given, else the table's peak for this device and precision, under
+        "32-true" with the TF32 settings of now and the counted step's share of convolutions."""
+        if self.peak_flops is not None:
+            return float(self.peak_flops)
+        return peak_flops_per_s(self._device_name, self.rt.config.precision,
+                                tf32_matmul=torch.get_float32_matmul_precision() != "highest",
+                                tf32_conv=torch.backends.cudnn.allow_tf32, conv_share=self.flops.conv_share)
+
+    def _mfu(self, achieved: float | None, devices: int) -> tuple[float | None, str | None]:
+        """MFU and, when it exceeds 1, the error that says why it cannot be (printed once, rank zero)."""
+        value = mfu(achieved, self.peak_flops_per_device(), devices)
+        if value is None or value <= 1:
+            return value, None
+        if not self._mfu_error_said:
+            self.rt.print(f"trainscale: MFU {value:.2f}: {MFU_ERROR}")
+            self._mfu_error_said = True
+        return value, MFU_ERROR
+
     def _numbers(self, rows: list[list[float]], per_rank: bool) -> dict:
         """The fixed numbers from each rank's sums (see docs/telemetry.md for each definition)."""
         world = len(rows)
+        devices = world * self.rt.config.devices_per_process  # dp drives all its GPUs from one rank
         steps = rows[0][_IDX["steps"]]
         col = dict(zip(_IDX, map(list, zip(*rows))))  # field name -> its value on each rank
         wall = mean(col["wall"])  # ranks run the same steps; DDP keeps their walls equal
@@ -219,6 +267,7 @@ class Telemetry:
         samples_per_s = sum(col["samples"]) / wall if wall > 0 else _NAN
         tokens = sum(col["tokens"])
         achieved = self.flops.value * samples_per_s if self.flops.value is not None else None
+        mfu_value, mfu_error = self._mfu(achieved, devices)
         busy = [busy_per_step(w, c if has_comm else None, steps) for w, c in zip(col["wall"], col["comm"])]
         util = col["gpu_util"]
         out = {
@@ -227,22 +276,25 @@ class Telemetry:
             "phase_share": {p: (v / total if total > 0 else _NAN) for p, v in phase_s.items()},
             "comm_s": comm,
             "samples_per_s": samples_per_s,
-            "samples_per_s_per_device": samples_per_s / world,
+            "samples_per_s_per_device": samples_per_s / devices,
             "tokens_per_s": tokens / wall if tokens > 0 and wall > 0 else None,
             "flops_per_sample": self.flops.value,
+            "flops_method": self.flops.method,
             "achieved_flops_per_s": achieved,
-            "mfu": mfu(achieved, self.peak_flops, world),
+            "mfu": mfu_value,
             "peak_memory_bytes": [int(m) for m in col["memory"]],
             "peak_memory_kind": self.memory.kind,
             "gpu_utilization": None if all(math.isnan(u) for u in util) else util,
             "slowest_rank": max(range(world), key=lambda r: busy[r]),
             "straggler_ranks": find_stragglers(busy, self.straggler_margin),
         }
+        if mfu_error is not None:
+            out["mfu_error"] = mfu_error
         if per_rank:
             out["steps"] = int(steps)
             out["samples"] = int(sum(col["samples"]))
             if out["tokens_per_s"] is not None:
-                out["tokens_per_s_per_device"] = out["tokens_per_s"] / world
+                out["tokens_per_s_per_device"] = out["tokens_per_s"] / devices
             out["rank_step_time_s"] = [per_step(w) for w in col["wall"]]
             out["rank_busy_s"] = busy
             out["rank_phase_s"] = {p: [per_step(v) for v in col[p]] for p in PHASES}

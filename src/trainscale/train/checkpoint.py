@@ -175,6 +175,7 @@ def rng_state() -> dict:
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_device"] = torch.cuda.current_device()  # the one this rank computes on
     return state
 
 
@@ -187,4 +188,17 @@ def set_rng_state(state: dict) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        _set_cuda_rng_state(state["cuda"], state.get("cuda_device"))
+
+
+def _set_cuda_rng_state(states: list, device: int | None) -> None:
+    """Every saved device's state when this process sees as many; else (it sees fewer, e.g. one GPU bound
+    per task after a save that saw the whole node) the state of the device the rank computed on, restored
+    into its current device (the first ones for checkpoints saved without ``cuda_device``)."""
+    visible = torch.cuda.device_count()
+    if len(states) <= visible:
+        torch.cuda.set_rng_state_all(states)
+    elif device is not None and device < len(states):
+        torch.cuda.set_rng_state(states[device], torch.cuda.current_device())
+    else:
+        torch.cuda.set_rng_state_all(states[:visible])

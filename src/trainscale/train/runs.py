@@ -31,6 +31,9 @@ def resolve_ckpt_path(runtime: Any, ckpt_path: Any, root: Path) -> tuple[Path | 
     """
     world = runtime.world
     if ckpt_path is None and world.restart_count > 0:
+        if world.job_id in (None, "", "none"):  # any run would match: never resume another job's "last"
+            runtime.print("trainscale: restarted without a job id (pass --rdzv-id): starting over")
+            return None, False
         found = ckpt.find_last(root, job_id=world.job_id)
         runtime.print(f"trainscale: restart {world.restart_count} of job {world.job_id}: "
                       + (f"resuming from {found}" if found else "no checkpoint yet, starting over"))

@@ -18,7 +18,7 @@ from torch import nn
 from trainscale.callbacks import Callback, resolve_callbacks
 from trainscale.loggers import resolve_loggers
 from trainscale.runtime.batch import batch_counts
-from trainscale.runtime.runtime import Runtime
+from trainscale.runtime.runtime import RUNTIME_FLAGS, Runtime
 from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry
 from trainscale.train import checkpoint as ckpt
@@ -41,10 +41,10 @@ class Trainer:
     """Fit, validate, test and predict on any strategy by changing flags.
 
     The runtime's flags (accelerator, devices, strategy, num_nodes, precision, timeout, strategy_options,
-    sync_batchnorm, activation_checkpointing, compile) are :class:`~trainscale.runtime.runtime.Runtime`'s;
-    with ``devices > 1`` outside a launcher the script re-executes itself under torchrun, here. The
-    loop's flags are documented on :class:`~trainscale.train.config.TrainerConfig`; ``count_flops`` (None:
-    on CUDA only) on :class:`~trainscale.telemetry.processor.Telemetry`; ``callbacks`` is a list of
+    sync_batchnorm, activation_checkpointing, compile, float32_matmul_precision) are ``Runtime``'s; with
+    ``devices > 1`` outside a launcher the script re-executes itself under torchrun, here. The loop's flags are documented on :class:`~trainscale.train.config.TrainerConfig`; ``count_flops`` (None:
+    on CUDA only) and ``peak_flops`` (FLOP/s of one device for MFU; None: the table) on
+    :class:`~trainscale.telemetry.processor.Telemetry`; ``callbacks`` is a list of
     :class:`trainscale.callbacks.Callback` (a ``LearningRateMonitor`` is added when there is none); ``logger``
     one or a list of ``trainscale.loggers`` (None: a ``CSVLogger``; False: none; docs/loggers.md).
 
@@ -63,14 +63,13 @@ class Trainer:
                  checkpoint_every_n_steps: int | None = None, on_nonfinite: str = "raise",
                  max_nonfinite_skips: int = 10, handle_signals: bool = True, enable_telemetry: bool = True,
                  straggler_margin: float = 0.2, tensorboard: bool = False, count_flops: bool | None = None,
-                 callbacks: list[Callback] | None = None, logger: Any = None) -> None:
+                 callbacks: list[Callback] | None = None, logger: Any = None,
+                 float32_matmul_precision: str | None = None, peak_flops: float | None = None) -> None:
         self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
         self.config = resolve_trainer_config(**{k: v for k, v in self._init_kwargs.items() if k in TRAINER_FLAGS})
         self.callbacks = resolve_callbacks(callbacks)
         self.loggers = resolve_loggers(logger)  # on every rank, so a bad value fails everywhere; used on rank zero
-        self.runtime = Runtime(accelerator, devices, strategy, num_nodes, precision, timeout=timeout,
-                               strategy_options=strategy_options, sync_batchnorm=sync_batchnorm,
-                               activation_checkpointing=activation_checkpointing, compile=compile)
+        self.runtime = Runtime(**{k: v for k, v in self._init_kwargs.items() if k in RUNTIME_FLAGS})
         self.count_flops = resolve_count_flops(count_flops, self.runtime.device.type,
                                                self.runtime.config.compile is not None)
         if not self.runtime.spawns:  # under ddp_spawn, fit/validate start the processes
@@ -186,6 +185,7 @@ class Trainer:
         val_loader = rt.setup_dataloader(val_dataloaders, seed=self.config.seed, even=False) if val_dataloaders else None
         check_loaders(train_loader, val_loader)
         telemetry = create_telemetry(rt, self.config.enable_telemetry, count_flops=self.count_flops,
+                                     peak_flops=self._init_kwargs["peak_flops"],
                               straggler_margin=self.config.straggler_margin)
         telemetry.attach(wrapped)
         self._fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, telemetry)
