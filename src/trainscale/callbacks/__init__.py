@@ -16,7 +16,7 @@ __all__ = ["Callback", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint"
 
 
 def resolve_callbacks(callbacks) -> list[Callback]:
-    """The Trainer's callbacks: the user's, plus a ``LearningRateMonitor`` when there is none.
+    """The Trainer's callbacks as a list.
 
     Raises:
         TypeError: an entry that is not a :class:`Callback`.
@@ -25,6 +25,4 @@ def resolve_callbacks(callbacks) -> list[Callback]:
     for cb in callbacks:
         if not isinstance(cb, Callback):
             raise TypeError(f"callbacks holds a {type(cb).__name__}; pass trainscale.callbacks.Callback instances")
-    if not any(isinstance(cb, LearningRateMonitor) for cb in callbacks):
-        callbacks.append(LearningRateMonitor())
     return callbacks

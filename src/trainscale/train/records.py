@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from trainscale.loggers import record_metrics
+from trainscale.train.optimizers import learning_rates
 from trainscale.telemetry.sinks import default_sinks
 
 
@@ -35,22 +36,26 @@ class RecordWriter:
             lg.finalize(status)
 
 
-def step_record(telemetry: Any, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> dict:
+def step_record(telemetry: Any, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor | None,
+                optimizers) -> dict:
     """The record of a log interval: telemetry's (a collective on every rank), or with telemetry off the
-    loss alone. Reads ``loss`` and ``grad_norm`` (the total norm before clipping): one host sync each."""
+    loss alone, and every param group's learning rate (``lr-AdamW``, ...). Reads ``loss`` and ``grad_norm``
+    (the total norm before clipping): one host sync each."""
     record = telemetry.log(step, epoch, loss)
     if record is None:
         record = {"kind": "step", "rank": 0, "time": time.time(), "epoch": epoch, "step": step,
                   "train_loss": loss.item()}
     if grad_norm is not None:
         record["grad_norm"] = grad_norm.item()
+    record.update(learning_rates(optimizers))
     return record
 
 
-def epoch_record(epoch: int, step: int, totals: tuple[float, float, float], seconds: float, complete: bool) -> dict:
-    """The epoch's training numbers from its all-reduced ``totals`` (loss × samples, samples, tokens) and
-    its duration in seconds. An epoch that ``max_steps`` cut short is marked ``partial`` (a resume
-    replaces its record)."""
+def epoch_record(epoch: int, step: int, totals: tuple[float, float, float], seconds: float, complete: bool,
+                 optimizers) -> dict:
+    """The epoch's training numbers from its all-reduced ``totals`` (loss × samples, samples, tokens), its
+    duration in seconds and the learning rates it trained with (taken before the epoch's schedulers step).
+    An epoch that ``max_steps`` cut short is marked ``partial`` (a resume replaces its record)."""
     loss_sum, samples, tokens = totals
     record = {"epoch": epoch, "step": step, "train_loss": loss_sum / samples if samples else float("nan"),
               "epoch_time_s": seconds, "samples_per_s": samples / seconds if seconds > 0 else float("nan")}
@@ -58,6 +63,7 @@ def epoch_record(epoch: int, step: int, totals: tuple[float, float, float], seco
         record["tokens_per_s"] = tokens / seconds
     if not complete:
         record["partial"] = True
+    record.update(learning_rates(optimizers))
     return record
 
 

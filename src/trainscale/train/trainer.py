@@ -45,7 +45,7 @@ class Trainer:
     ``devices > 1`` outside a launcher the script re-executes itself under torchrun, here. The loop's flags are documented on :class:`~trainscale.train.config.TrainerConfig`; ``count_flops`` (None:
     on CUDA only) and ``peak_flops`` (FLOP/s of one device for MFU; None: the table) on
     :class:`~trainscale.telemetry.processor.Telemetry`; ``callbacks`` is a list of
-    :class:`trainscale.callbacks.Callback` (a ``LearningRateMonitor`` is added when there is none); ``logger``
+    :class:`trainscale.callbacks.Callback` (every record holds the learning rates without one); ``logger``
     one or a list of ``trainscale.loggers`` (None: a ``CSVLogger``; False: none; docs/loggers.md).
 
     Raises:
@@ -280,7 +280,7 @@ class Trainer:
         return grad_norm
 
     def _log_step(self, fit: FitRun, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
-        record = step_record(fit.telemetry, self.global_step, self.current_epoch, loss, grad_norm)  # a collective
+        record = step_record(fit.telemetry, self.global_step, self.current_epoch, loss, grad_norm, self.optimizers)
         record.update(self.metric_collector.take_step_values())
         record.update(self._pending)
         self._pending = {}
@@ -295,7 +295,7 @@ class Trainer:
         rt = self.runtime
         self._faults.phase = "epoch end (loss all-reduce, validation)"
         record = epoch_record(epoch, self.global_step, fit.epoch_loss.totals(rt), time.perf_counter() - fit.started,
-                              complete=self.state.batches >= fit.epoch_batches)
+                              complete=self.state.batches >= fit.epoch_batches, optimizers=self.optimizers)
         record.update(self.metric_collector.take_epoch_values())
         if fit.val_loader is not None:
             record.update(self._evaluate(fit.loop_module, fit.wrapped, fit.val_loader, "validation"))
