@@ -100,18 +100,18 @@ class Watchdog:
     without progress (``faulthandler.dump_traceback_later``, which runs on a C thread and works even
     when the main thread is blocked inside a collective).
 
-    ``pet()`` is called at each step boundary. It re-arms the timer only when more than
-    ``after_s / 2`` seconds passed since the last arming (re-arming starts a thread, ~50 µs measured
-    here; a clock read costs ~0.1 µs), so a stall is dumped at most ``after_s`` seconds after it
-    began, and only a stall of at least ``after_s / 2`` can be dumped. faulthandler has one timer
-    per process: a user's own ``dump_traceback_later`` is replaced while the watchdog is armed.
+    ``pet()`` is called at each step boundary. It re-arms the timer once more than ``after_s / 2``
+    seconds passed since the last arming (re-arming starts a thread, which is not worth doing every
+    step), so a stall is dumped at most ``after_s`` seconds after it began, and only a stall of at
+    least ``after_s / 2`` can be dumped. faulthandler has one timer per process: a user's own
+    ``dump_traceback_later`` is replaced while the watchdog is armed.
     """
 
     def __init__(self, path: Path, after_s: float) -> None:
         self.path = Path(path)
         self.after_s = float(after_s)
         self._file = None
-        self.rearm_at = float("inf")  # time.monotonic() after which pet() re-arms (inf: not started)
+        self.armed_at = float("inf")  # time.monotonic() of the last arming (inf: not started)
 
     def start(self) -> "Watchdog":
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,12 +121,17 @@ class Watchdog:
 
     def _arm(self) -> None:
         faulthandler.dump_traceback_later(self.after_s, repeat=False, file=self._file, exit=False)
-        self.rearm_at = time.monotonic() + self.after_s / 2
+        self.armed_at = time.monotonic()
 
     def pet(self) -> None:
-        """Progress: re-arm the timer when ``rearm_at`` (``time.monotonic()`` seconds) has passed."""
-        if time.monotonic() > self.rearm_at:
+        """Progress: re-arm the timer when it was armed more than ``after_s / 2`` seconds ago."""
+        if time.monotonic() > self.armed_at + self.after_s / 2:
             self._arm()
+
+    def stalled(self) -> bool:
+        """True once the timer has fired: no progress for at least ``after_s / 2`` seconds (at least
+        ``after_s`` since the last re-arming). Safe to call from any thread."""
+        return time.monotonic() > self.armed_at + self.after_s
 
     def stop(self) -> None:
         """Disarm; delete the file when nothing was dumped."""
@@ -135,6 +140,6 @@ class Watchdog:
         faulthandler.cancel_dump_traceback_later()
         self._file.close()
         self._file = None
-        self.rearm_at = float("inf")
+        self.armed_at = float("inf")
         if self.path.is_file() and self.path.stat().st_size == 0:
             self.path.unlink()

@@ -2,11 +2,12 @@
 
 One object, :class:`FaultTolerance`, called from a few lines of ``Trainer.fit``:
 
-- **Signals.** SIGTERM (torchrun's agent and most schedulers stop workers with it) and SIGUSR1
-  (SLURM's ``--signal=USR1@90`` before the time limit) only set a flag; the loop acts on it at a
-  step boundary: every rank must agree to save, so the flags are combined in :meth:`poll`. Then the
-  Trainer writes a mid-epoch checkpoint, requeues a SLURM job (SIGUSR1) and exits with
-  :class:`Preempted`. A second identical signal restores the default action and kills the process.
+- **Signals** (:mod:`trainscale.train.signals`). SIGTERM and SIGUSR1 set a flag; every rank must
+  agree to save, so the flags are combined in :meth:`poll`, which runs about every second of steps
+  (the slowest rank's measured step time decides the next check's step), so the checkpoint follows
+  a signal within seconds whatever the step time. Then the Trainer writes a mid-epoch checkpoint,
+  requeues a SLURM job (SIGUSR1) and exits with :class:`Preempted`. A rank that cannot get there
+  (blocked in a collective, stalled) dumps its stacks and exits 20 s after SIGTERM.
 - **Non-finite loss.** ``on_nonfinite="raise"``: each micro-batch's loss is kept (a detached
   reference: no op, no host sync per step; stacked into one tensor every 256) and tested in
   :meth:`poll`, i.e. every ``log_every_n_steps`` steps, at epoch ends and before every checkpoint
@@ -27,23 +28,24 @@ One object, :class:`FaultTolerance`, called from a few lines of ``Trainer.fit``:
   naming the operation and (on rank 0) the ranks that did not arrive; a :class:`~trainscale.runtime.hangs.Watchdog`
   dumps stacks to ``<run dir>/stacks/rank{R}.txt`` after ``timeout / 2`` s without a step.
 
-:meth:`poll` is the loop's only extra collective: a 2·W-element all-reduce every ``log_every_n_steps``
-steps (world size 1: none, and the signal flag is read every step).
+:meth:`poll` is the loop's only extra collective: a 3·W-element all-reduce after about a second of
+steps (never more than ``log_every_n_steps`` steps apart). World size 1: no collective; the signal
+flag is read every step and the check runs every ``log_every_n_steps`` steps.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import signal
-import subprocess
-import threading
+import time
 from pathlib import Path
 
 import torch
 
 from trainscale.runtime import hangs
+from trainscale.train.signals import GRACE_S, Preempted, SignalWatch, requeue_slurm_job
+
+__all__ = ["FaultTolerance", "NonFiniteLossError", "Preempted", "STEP_PHASE", "steps_between_checks"]
 
 _COMM_MARKERS = ("Timed out", "timed out", "closed by peer", "Connection reset", "Broken pipe", "Gloo", "gloo",
                  "NCCL", "monitoredBarrier", "Socket Timeout")
@@ -52,19 +54,22 @@ _COMM_MARKERS = ("Timed out", "timed out", "closed by peer", "Connection reset",
 _FOLD = 256  # micro-batch losses kept as tensors before they are stacked into one
 
 STEP_PHASE = "training step (forward, backward with gradient all-reduce, optimizer step)"
+CHECK_PHASE = "non-finite/signal check (all-reduce)"
+
+CHECK_TARGET_S = 1.0
+"""Seconds between two checks that the step cadence aims at when several ranks must agree."""
+
+
+def steps_between_checks(step_s: float, check_every: int, target_s: float = CHECK_TARGET_S) -> int:
+    """Optimizer steps until the next check: about ``target_s`` seconds of steps of ``step_s`` seconds
+    (the slowest rank's), at least 1 and at most ``check_every``; 1 while ``step_s`` is unknown (0)."""
+    if not step_s > 0:
+        return 1
+    return max(1, min(check_every, math.ceil(target_s / step_s)))
 
 
 class NonFiniteLossError(FloatingPointError):
     """The loss (``on_nonfinite="raise"``) or the gradients (``"skip"``, too many in a row) were inf/NaN."""
-
-
-class Preempted(SystemExit):
-    """Raised after the checkpoint that follows SIGTERM/SIGUSR1. Exit code ``128 + signal``, the
-    shell's convention for a process ended by that signal."""
-
-    def __init__(self, signum: int, path: str | None) -> None:
-        super().__init__(128 + signum)
-        self.signum, self.path = signum, path
 
 
 def is_comm_error(err: BaseException) -> bool:
@@ -88,7 +93,8 @@ class FaultTolerance:
     """
 
     def __init__(self, runtime, on_nonfinite: str = "raise", max_nonfinite_skips: int = 10,
-                 check_every_n_steps: int = 50, handle_signals: bool = True) -> None:
+                 check_every_n_steps: int = 50, handle_signals: bool = True, *,
+                 signal_grace_s: float = GRACE_S) -> None:
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r}; choose 'raise' or 'skip'")
         if isinstance(max_nonfinite_skips, bool) or not isinstance(max_nonfinite_skips, int) or max_nonfinite_skips < 0:
@@ -98,37 +104,31 @@ class FaultTolerance:
         self.max_nonfinite_skips = max_nonfinite_skips
         self.check_every = check_every_n_steps
         self.handle_signals = handle_signals
+        self.signals = SignalWatch(runtime.rank, signal_grace_s)
         self.phase = STEP_PHASE
         self.skipped = 0
         self._skips_in_a_row = 0
-        self._signal: int | None = None
-        self._previous: dict[int, object] = {}
         self._losses: list[torch.Tensor] = []  # micro-batch losses (detached) not yet stacked ...
         self._loss_steps: list[int] = []  # ... and the optimizer step of each kept loss, stacked or not
         self._stacked: list[torch.Tensor] = []  # 1-d float32 tensors of _FOLD losses each
+        self._next_check = 0  # the first step checks (and starts the step clock)
+        self._last_check: tuple[int, float] | None = None  # (step, time.monotonic()) of the last poll
+        self._step_s = 0.0  # this rank's seconds per optimizer step between its last two polls
         self.watchdog: hangs.Watchdog | None = None
         self.stacks_dir: Path | None = None
 
     # -- lifetime ------------------------------------------------------------------------------
     def start(self, run_dir: Path) -> None:
-        if self.handle_signals and threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGUSR1):
-                self._previous[signum] = signal.signal(signum, self._on_signal)
         self.stacks_dir = Path(run_dir) / "stacks"
-        self.watchdog = hangs.Watchdog(self.stacks_dir / f"rank{self.rt.rank}.txt", self.rt.timeout / 2).start()
+        stacks = self.stacks_dir / f"rank{self.rt.rank}.txt"
+        self.watchdog = hangs.Watchdog(stacks, self.rt.timeout / 2).start()
+        if self.handle_signals:
+            self.signals.start(stacks, stalled=self.watchdog.stalled)
 
     def stop(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
+        self.signals.stop()
         if self.watchdog is not None:
             self.watchdog.stop()
-
-    def _on_signal(self, signum, frame) -> None:
-        if self._signal == signum:  # asked twice: stop now
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        self._signal = signum
 
     # -- per step ------------------------------------------------------------------------------
     def observe_loss(self, loss: torch.Tensor, step: int) -> None:
@@ -187,17 +187,20 @@ class FaultTolerance:
         return self.rt.precision.scaler is None  # the GradScaler skips (and rescales) by itself
 
     def due(self, step: int) -> bool:
-        """Whether :meth:`poll` runs after optimizer step ``step`` (the same answer on every rank)."""
+        """Whether :meth:`poll` runs after optimizer step ``step``: the same answer on every rank (the
+        next check's step was agreed in the last poll). At world size 1 also after any step that
+        follows a signal."""
         if self.watchdog is not None:
             self.watchdog.pet()
-        if self._signal is not None and self.rt.world_size == 1:  # a signal is rare: test it first
+        if self.signals.received is not None and self.rt.world_size == 1:
             return True
-        return step % self.check_every == 0
+        return step >= self._next_check
 
     def poll(self, step: int, epoch: int, running: torch.Tensor | None = None) -> int | None:
-        """Combine every rank's signal flag and loss sum (``running``, or the kept losses'; a 2·W all-reduce,
-        every rank calls it at the same step); when a sum is not finite, every rank's first non-finite
-        step (a second, W-element all-reduce, on that path only).
+        """Combine every rank's signal flag, loss sum (``running``, or the kept losses') and seconds per
+        step (a 3·W all-reduce; every rank calls it at the same step) and agree on the next check's step;
+        when a sum is not finite, every rank's first non-finite step (a second, W-element all-reduce, on
+        that path only).
 
         Args:
             step, epoch: where the loop stands (for the error message).
@@ -219,19 +222,22 @@ class FaultTolerance:
         else:
             losses, steps = self._take_losses()
             local = losses.sum() if losses is not None else None
-        previous, self.phase = self.phase, "non-finite/signal check (all-reduce)"
+        previous, self.phase = self.phase, CHECK_PHASE
+        signum = self.signals.received or 0
         if rt.world_size == 1:  # nothing to combine: the sum is read directly (one host sync)
-            rows = [[self._signal or 0, local.item() if local is not None else 0.0]]
-        else:
-            vec = torch.zeros(2 * rt.world_size, dtype=torch.float32, device=rt.device)  # per rank: signal, loss sum
-            vec[2 * rt.rank] = self._signal or 0
+            rows = [[signum, local.item() if local is not None else 0.0, 0.0]]
+        else:  # per rank: signal, loss sum, seconds per step
+            vec = torch.zeros(3 * rt.world_size, dtype=torch.float32, device=rt.device)
+            vec[3 * rt.rank] = signum
+            vec[3 * rt.rank + 2] = self._measure_step_time(step)
             if local is not None:
-                vec[2 * rt.rank + 1] = local
-            rows = rt.all_reduce(vec).view(-1, 2).tolist()  # host sync, every check_every_n_steps steps
+                vec[3 * rt.rank + 1] = local
+            rows = rt.all_reduce(vec).view(-1, 3).tolist()  # host sync, about every CHECK_TARGET_S seconds
+        self._plan_next_check(step, rows)
         if lazy:  # the kept losses are needed only to name a bad step
             losses, steps = self._take_losses() if not math.isfinite(rows[rt.rank][1]) else self._drop_losses()
         bad_steps = {}
-        if not all(math.isfinite(total) for _, total in rows):  # the failure path: find the first bad steps
+        if not all(math.isfinite(row[1]) for row in rows):  # the failure path: find the first bad steps
             first = torch.zeros(rt.world_size, dtype=torch.long, device=rt.device)  # per rank: 0 none, else step + 1
             if not math.isfinite(rows[rt.rank][1]):
                 values = losses.tolist() if losses is not None else []
@@ -246,8 +252,27 @@ class FaultTolerance:
                 f"{sorted(r for r, s in bad_steps.items() if s == step1)} (every rank's first: "
                 f"{ {r: s + 1 for r, s in sorted(bad_steps.items())} }); lower the learning rate, clip gradients "
                 "(gradient_clip_val=1.0), check the data, or pass on_nonfinite='skip'")
-        signals = [int(s) for s, _ in rows if s]
+        signals = [int(row[0]) for row in rows if row[0]]
         return max(signals) if signals else None
+
+    def _measure_step_time(self, step: int) -> float:
+        """This rank's seconds per optimizer step since its last poll (the previous value when no step
+        ran since; 0 before the second poll)."""
+        now = time.monotonic()
+        if self._last_check is not None and step > self._last_check[0]:
+            self._step_s = (now - self._last_check[1]) / (step - self._last_check[0])
+        self._last_check = (step, now)
+        return self._step_s
+
+    def _plan_next_check(self, step: int, rows: list[list[float]]) -> None:
+        """The step of the next check, from values every rank has after the all-reduce, so every rank
+        agrees: at world size 1 ``check_every`` steps on (a signal is read every step there); else about
+        ``CHECK_TARGET_S`` seconds of the slowest rank's steps, so a signal leads to a checkpoint within
+        a few seconds whatever the step time."""
+        if self.rt.world_size == 1:
+            self._next_check = step + self.check_every
+        else:
+            self._next_check = step + steps_between_checks(max(row[2] for row in rows), self.check_every)
 
     # -- failures ------------------------------------------------------------------------------
     def diagnose(self, err: BaseException, where: str) -> hangs.CollectiveTimeout | None:
@@ -279,10 +304,9 @@ class FaultTolerance:
 
     def exit(self, signum: int, path: str | None) -> None:
         """After the checkpoint of a signal: requeue a SLURM job on SIGUSR1 (rank 0), then raise ``Preempted``."""
-        job = os.environ.get("SLURM_JOB_ID")
-        if signum == signal.SIGUSR1 and job and self.rt.is_rank_zero and shutil.which("scontrol"):
-            done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-            self.rt.print(f"trainscale: scontrol requeue {job}: "
-                          f"{'ok' if done.returncode == 0 else done.stderr.strip()}")
+        if signum == signal.SIGUSR1 and self.rt.is_rank_zero:
+            status = requeue_slurm_job()
+            if status is not None:
+                self.rt.print(f"trainscale: {status}")
         self.rt.print(f"trainscale: {signal.Signals(signum).name} received; checkpoint {path}; exiting")
         raise Preempted(signum, path)
