@@ -265,9 +265,9 @@ def _poll_body(rank: int) -> dict:
         out["error"] = str(err)
     for step in range(8, 12):
         ft.observe_loss(torch.tensor(3e38), step)  # finite; their sum is inf in float32
-    ft._signal = 10 if rank == 1 else None
+    ft.signals.received = 10 if rank == 1 else None
     out["signal"] = ft.poll(12, 0)
-    ft._signal = None
+    ft.signals.received = None
     # the Trainer's path: a running loss sum is tested instead of the kept losses, which are read only
     # when it is not finite (rank 1: NaN at step 13; rank 0: an inf running sum of finite losses)
     running = torch.zeros(())
@@ -297,23 +297,24 @@ def test_nonfinite_poll_names_each_ranks_first_bad_step_on_two_ranks():
 
 
 def test_nonfinite_check_folds_long_intervals_and_names_the_first_bad_step():
-    """Losses are kept without a device op per step and stacked every _FOLD micro-batches; poll
+    """Losses are kept without a device op per step and stacked every FOLD micro-batches; poll
     still names the first non-finite step, across stacks, for 0-dim and (1,)-shaped losses."""
     from trainscale.runtime.runtime import Runtime
-    from trainscale.train.fault import _FOLD, FaultTolerance, NonFiniteLossError
+    from trainscale.train.fault import FaultTolerance, NonFiniteLossError
+    from trainscale.train.nonfinite import FOLD
 
     rt = Runtime(accelerator="cpu", devices=1)
-    for bad_steps, expected in (([], None), ([_FOLD + 5], _FOLD + 5), ([3, _FOLD + 5], 3)):
-        ft = FaultTolerance(rt, "raise", check_every_n_steps=10 * _FOLD, handle_signals=False)
-        for step in range(2 * _FOLD + 7):
+    for bad_steps, expected in (([], None), ([FOLD + 5], FOLD + 5), ([3, FOLD + 5], 3)):
+        ft = FaultTolerance(rt, "raise", check_every_n_steps=10 * FOLD, handle_signals=False)
+        for step in range(2 * FOLD + 7):
             loss = torch.tensor([float("inf")] if step in bad_steps else [0.5])
             ft.observe_loss(loss if step % 2 else loss.reshape(()), step)
-        assert len(ft._losses) < _FOLD  # folded on the way: a long interval does not hold every loss
+        assert len(ft.losses.pending) < FOLD  # folded on the way: a long interval does not hold every loss
         if expected is None:
-            assert ft.poll(2 * _FOLD + 7, 0) is None
+            assert ft.poll(2 * FOLD + 7, 0) is None
         else:
             with pytest.raises(NonFiniteLossError, match=rf"optimizer step {expected + 1} \(epoch 0\)"):
-                ft.poll(2 * _FOLD + 7, 0)
+                ft.poll(2 * FOLD + 7, 0)
 
 
 def test_poll_tests_the_running_sum_and_reads_the_kept_losses_only_when_it_is_not_finite():
@@ -323,7 +324,7 @@ def test_poll_tests_the_running_sum_and_reads_the_kept_losses_only_when_it_is_no
     ft = FaultTolerance(Runtime(accelerator="cpu", devices=1), "raise", handle_signals=False)
     ft.observe_loss(torch.tensor(float("nan")), 0)
     # the caller's running sum decides (here it claims all finite), and the kept losses are dropped unread
-    assert ft.poll(1, 0, torch.tensor(3.0)) is None and not ft._losses and not ft._loss_steps
+    assert ft.poll(1, 0, torch.tensor(3.0)) is None and not ft.losses.steps and not ft.losses.pending
     ft.observe_loss(torch.tensor(1.0), 1)
     ft.observe_loss(torch.tensor(float("inf")), 2)
     with pytest.raises(NonFiniteLossError, match=r"optimizer step 3 \(epoch 0\) on rank\(s\) \[0\]"):

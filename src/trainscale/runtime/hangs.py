@@ -21,6 +21,8 @@ from datetime import timedelta
 from pathlib import Path
 
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+_COMM_MARKERS = ("Timed out", "timed out", "closed by peer", "Connection reset", "Broken pipe", "Gloo", "gloo",
+                 "NCCL", "monitoredBarrier", "Socket Timeout")
 
 
 class CollectiveTimeout(RuntimeError):
@@ -35,6 +37,15 @@ class CollectiveTimeout(RuntimeError):
         super().__init__(message)
         self.operation = operation
         self.missing = missing
+
+
+def is_comm_error(err: BaseException) -> bool:
+    """A failed collective (timeout, crashed peer), as opposed to a bug in the user's step."""
+    if not isinstance(err, RuntimeError) or isinstance(err, CollectiveTimeout):
+        return False
+    text = str(err)
+    return type(err).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError") or \
+        any(m in text for m in _COMM_MARKERS)
 
 
 def new_monitor_group():
@@ -70,29 +81,33 @@ def explain(err: BaseException, operation: str, *, rank: int, timeout_s: float, 
             missing: list[int] | None, stacks_dir: Path | None, note: str = "") -> CollectiveTimeout:
     """The error to raise for a failed collective: the operation, the ranks that did not arrive,
     and where the stack dumps are."""
-    text = str(err)
-    if "Timed out" in text or "timed out" in text:
-        cause = f"timed out after {timeout_s:g} s"
-    elif "closed by peer" in text or "Connection reset" in text or "Broken pipe" in text:
-        cause = "failed because a peer closed its connection (it crashed or exited)"
-    else:
-        cause = f"failed ({text.splitlines()[0][:200] if text else type(err).__name__})"
-    if missing == [0] and rank != 0:
-        who = "rank 0 did not answer the check afterwards (it stalled, failed or exited: see rank 0's error)"
-    elif missing:
-        who = f"ranks that did not arrive: {missing}"
-    elif missing == []:
-        who = "every rank answered rank 0's check afterwards (a transient stall)"
-    elif rank == 0:
-        who = f"the check of which ranks are alive failed too ({note or 'no detail'}): a peer crashed, see its log"
-    else:
-        who = "rank 0's error names the ranks that did not arrive"
-    msg = f"rank {rank}: {operation} {where} {cause}; {who}."
+    msg = f"rank {rank}: {operation} {where} {_cause(err, timeout_s)}; {_who(missing, rank, note)}."
     if stacks_dir is not None:
         msg += f" Python stacks of ranks that stalled: {stacks_dir}/rank<R>.txt."
     msg += (" Fix the slow or crashed rank (see its log), or raise timeout= if the step is legitimately"
             " slower; restarts resume from the last checkpoint (--max-restarts).")
     return CollectiveTimeout(msg, operation, missing)
+
+
+def _cause(err: BaseException, timeout_s: float) -> str:
+    text = str(err)
+    if "Timed out" in text or "timed out" in text:
+        return f"timed out after {timeout_s:g} s"
+    if "closed by peer" in text or "Connection reset" in text or "Broken pipe" in text:
+        return "failed because a peer closed its connection (it crashed or exited)"
+    return f"failed ({text.splitlines()[0][:200] if text else type(err).__name__})"
+
+
+def _who(missing: list[int] | None, rank: int, note: str) -> str:
+    if missing == [0] and rank != 0:
+        return "rank 0 did not answer the check afterwards (it stalled, failed or exited: see rank 0's error)"
+    if missing:
+        return f"ranks that did not arrive: {missing}"
+    if missing == []:
+        return "every rank answered rank 0's check afterwards (a transient stall)"
+    if rank == 0:
+        return f"the check of which ranks are alive failed too ({note or 'no detail'}): a peer crashed, see its log"
+    return "rank 0's error names the ranks that did not arrive"
 
 
 class Watchdog:
