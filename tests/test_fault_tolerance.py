@@ -465,3 +465,55 @@ def test_checks_are_about_a_second_of_the_slowest_ranks_steps():
     assert steps_between_checks(0.001, 50) == 50  # never fewer checks than every check_every steps
     assert steps_between_checks(30.0, 50) == 1  # long steps: every step
     assert steps_between_checks(0.0, 50) == 1  # not measured yet: the next step
+
+
+# -- process groups (issue 18 item 1) --------------------------------------------------------------
+_NCCL_NAMES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+               "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_ENABLE_MONITORING")
+
+
+def test_nccl_debug_env_switches_on_pytorchs_tools_unless_the_user_chose():
+    from trainscale.runtime.hangs import nccl_debug_env
+
+    assert nccl_debug_env({}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                                  "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_ENABLE_MONITORING": "1"}
+    chosen = {"NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+    assert nccl_debug_env(chosen) == {"TORCH_NCCL_ENABLE_MONITORING": "1"}  # old names count as a choice too
+
+
+def test_the_gloo_monitor_group_is_made_for_several_gloo_ranks_only():
+    from trainscale.runtime.hangs import wants_monitor_group
+
+    assert wants_monitor_group("gloo", 2) and not wants_monitor_group("gloo", 1)
+    assert not wants_monitor_group("nccl", 8) and not wants_monitor_group("cpu:gloo,cuda:nccl", 8)
+
+
+def test_launch_sets_the_nccl_variables_before_init_process_group(monkeypatch):
+    """No NCCL on this machine: the backend is reported as "nccl" and the group made with gloo, to see
+    what the environment holds when init_process_group is called."""
+    import torch.distributed as dist
+
+    from trainscale.runtime import runtime as runtime_module
+
+    real_init, seen = dist.init_process_group, {}
+
+    def init(backend, **kwargs):
+        seen.update(backend=backend, env={name: os.environ.get(name) for name in _NCCL_NAMES})
+        real_init("gloo", **kwargs)
+
+    monkeypatch.setattr(runtime_module._devices, "backend_for", lambda accelerator: "nccl")
+    monkeypatch.setattr(runtime_module.dist, "init_process_group", init)
+    saved = dict(os.environ)
+    try:
+        for name in _NCCL_NAMES:
+            os.environ.pop(name, None)
+        os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "0"  # the user's choice stays
+        rt = runtime_module.Runtime(accelerator="cpu", strategy="ddp", devices=1)
+        rt.launch()
+        rt.teardown()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert seen == {"backend": "nccl", "env": {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_ASYNC_ERROR_HANDLING": None, "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+        "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": None, "TORCH_NCCL_ENABLE_MONITORING": "1"}}

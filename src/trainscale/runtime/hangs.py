@@ -3,10 +3,15 @@
 - The collective timeout itself is ``init_process_group(timeout=...)`` (Runtime ``timeout=``): a
   rank waiting longer raises (gloo: ``Timed out waiting 5000ms for recv operation``) and the process
   group is dead afterwards (shared/FACTS).
-- :func:`missing_ranks` asks a separate gloo group with ``torch.distributed.monitored_barrier``
-  which ranks do not answer; rank 0's barrier names them (``Ranks 1 failed to pass
-  monitoredBarrier in 1000 ms``). Only rank 0 can know: the other ranks only hear from rank 0
-  (https://pytorch.org/docs/stable/distributed.html#torch.distributed.monitored_barrier).
+- **gloo** (CPU): :func:`missing_ranks` asks a separate gloo group (:func:`new_monitor_group`) with
+  ``torch.distributed.monitored_barrier`` which ranks do not answer; rank 0's barrier names them
+  (``Ranks 1 failed to pass monitoredBarrier in 1000 ms``). Only rank 0 can know: the other ranks
+  only hear from rank 0 (https://pytorch.org/docs/stable/distributed.html#torch.distributed.monitored_barrier).
+- **NCCL**: no monitor group (:func:`wants_monitor_group`). NCCL's watchdog ends the process at a
+  timeout before Python could ask anything (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, PyTorch's default),
+  and an extra gloo group would open a connection to every other rank at start-up on the interface
+  of the hostname. PyTorch's own tools name the collective instead: the flight recorder and its dump
+  on timeout (:func:`nccl_debug_env`). Not yet run on a GPU.
 - :class:`Watchdog` writes every thread's Python stack with ``faulthandler.dump_traceback_later``
   when a rank makes no progress for a while, before the collective timeout fires, so the lagging
   rank's own file shows where it stands.
@@ -19,6 +24,7 @@ import re
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Mapping
 
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 _COMM_MARKERS = ("Timed out", "timed out", "closed by peer", "Connection reset", "Broken pipe", "Gloo", "gloo",
@@ -48,12 +54,48 @@ def is_comm_error(err: BaseException) -> bool:
         any(m in text for m in _COMM_MARKERS)
 
 
+def wants_monitor_group(backend: str, world_size: int) -> bool:
+    """Whether ``Runtime.launch`` makes the gloo monitor group: with several ranks on a pure gloo
+    default group only (see the module's docstring for NCCL).
+
+    Not lazily connected (``TORCH_GLOO_LAZY_INIT=1``, which torch 2.13 honours): its first use is the
+    diagnosis after a failure, and a lazy gloo pair whose peer died before it connected can hang there
+    (pytorch/gloo#520: 3 ranks, one exits, ``monitored_barrier(timeout=2 s)`` still waiting after
+    40 s; connected at start: it fails at once). The eager group costs what the default gloo group
+    already costs: one connection per pair of ranks.
+    """
+    return backend == "gloo" and world_size > 1
+
+
 def new_monitor_group():
-    """A gloo group beside the default one (which may be nccl, and dies after a timeout).
+    """A gloo group beside the default one (which dies after a timeout).
     Collective: every rank must call it at the same point (``Runtime.launch`` does)."""
     import torch.distributed as dist
 
     return dist.new_group(backend="gloo")
+
+
+# (variable, value, the other names torch reads for it): torch's ProcessGroupNCCL.hpp and
+# FlightRecorder.hpp; torchtitan's init_distributed (torchtitan/distributed/utils.py) sets the same.
+_NCCL_DEBUG = (
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3", ("NCCL_ASYNC_ERROR_HANDLING",)),  # end the process, no NCCL abort
+    ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1", ()),  # write the flight recorder's buffer at a timeout
+    ("TORCH_FR_BUFFER_SIZE", "2000", ("TORCH_NCCL_TRACE_BUFFER_SIZE",)),  # entries kept (0: recorder off)
+    ("TORCH_NCCL_ENABLE_MONITORING", "1", ()),  # end a process whose NCCL watchdog is itself stuck
+)
+
+
+def nccl_debug_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables to set before an NCCL process group so that a timeout names the collective:
+    each of ``_NCCL_DEBUG`` that ``environ`` sets under none of its names (the user's choice wins).
+
+    At a timeout every rank then writes its flight recorder's last collectives (operation, sequence
+    number, sizes, state, Python stack) to ``/tmp/nccl_trace_rank_<R>`` (``TORCH_FR_DUMP_TEMP_FILE``
+    changes the prefix); ``torchfrtrace <dir> --prefix nccl_trace_rank_`` names the collective and
+    the ranks that did not join it. Not yet run on a GPU.
+    """
+    return {name: value for name, value, aliases in _NCCL_DEBUG
+            if not any(n in environ for n in (name, *aliases))}
 
 
 def missing_ranks(group, timeout_s: float) -> tuple[list[int] | None, str]:
