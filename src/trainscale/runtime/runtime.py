@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from trainscale.runtime import devices as _devices
-from trainscale.runtime import launch
+from trainscale.runtime import hangs, launch
 from trainscale.runtime.apply import prepare_module
 from trainscale.runtime.batch import to_device
 from trainscale.runtime.connector import RunConfig, resolve
@@ -185,27 +185,39 @@ class Runtime:
             launch.relaunch_current_script(self.config.devices, self.config.num_nodes)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        # ddp on one process (e.g. one GPU) still needs a process group: DDP refuses to run without one.
-        if (self.world.world_size > 1 or self.config.strategy == "ddp") and not dist.is_initialized():
-            # torchrun exports MASTER_ADDR/PORT (env://); srun does not, so SLURM tasks name the address;
-            # a lone process without a launcher takes a free local port.
-            init_method = (f"tcp://{self.world.master_addr}:{self.world.master_port}"
-                           if self.world.launcher == "slurm" else None)
-            if self.world.launcher == "none":
-                init_method = f"tcp://127.0.0.1:{_free_port()}"
-            offload = self.strategy_options.get("cpu_offload") is True  # fsdp: CPU gradients need gloo too
-            dist.init_process_group(backend=_devices.backend_for(self.config.accelerator, cpu_collectives=offload),
-                                    timeout=timedelta(seconds=self.timeout), init_method=init_method,
-                                    rank=self.world.rank, world_size=self.world.world_size)
-            atexit.register(_destroy_process_group)
-        if self.world.world_size > 1 and self.monitor_group is None:
-            from trainscale.runtime.hangs import new_monitor_group
-
-            self.monitor_group = new_monitor_group()  # gloo, for naming ranks that do not arrive
+        self._start_process_groups()
         self.strategy = create_strategy(self.config.strategy, device=self.device, world=self.world,
                                         precision=self.config.precision, **self.strategy_options)
         self._launched = True
         return self
+
+    def _start_process_groups(self) -> None:
+        """The default process group, unless one exists, and the gloo monitor group where it serves
+        (:func:`trainscale.runtime.hangs.wants_monitor_group`)."""
+        # ddp on one process (e.g. one GPU) still needs a process group: DDP refuses to run without one.
+        if (self.world.world_size > 1 or self.config.strategy == "ddp") and not dist.is_initialized():
+            self._init_process_group()
+        if (self.monitor_group is None and dist.is_initialized()
+                and hangs.wants_monitor_group(str(dist.get_backend()), self.world.world_size)):
+            self.monitor_group = hangs.new_monitor_group()
+
+    def _init_process_group(self) -> None:
+        """``init_process_group`` with the accelerator's backend and ``timeout``. Before an NCCL group,
+        PyTorch's own timeout diagnosis (flight recorder, dump on timeout) is switched on where the
+        user has not chosen otherwise (:func:`trainscale.runtime.hangs.nccl_debug_env`)."""
+        offload = self.strategy_options.get("cpu_offload") is True  # fsdp: CPU gradients need gloo too
+        backend = _devices.backend_for(self.config.accelerator, cpu_collectives=offload)
+        if "nccl" in backend:
+            os.environ.update(hangs.nccl_debug_env(os.environ))
+        # torchrun exports MASTER_ADDR/PORT (env://); srun does not, so SLURM tasks name the address;
+        # a lone process without a launcher takes a free local port.
+        init_method = (f"tcp://{self.world.master_addr}:{self.world.master_port}"
+                       if self.world.launcher == "slurm" else None)
+        if self.world.launcher == "none":
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=self.timeout), init_method=init_method,
+                                rank=self.world.rank, world_size=self.world.world_size)
+        atexit.register(_destroy_process_group)
 
     @property
     def world_size(self) -> int:

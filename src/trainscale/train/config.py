@@ -27,10 +27,12 @@ class TrainerConfig:
         enable_progress_bar: a tqdm bar on rank zero. enable_checkpointing: checkpoint at each epoch end.
         checkpoint_every_n_steps: also checkpoint every N optimizer steps, mid-epoch, with the exact position.
         keep_last: checkpoints kept on disk (None keeps all).
-        on_nonfinite: "raise" (a non-finite loss raises, naming step, epoch and rank) or "skip" (skip optimizer
-            steps whose gradients are not finite; more than ``max_nonfinite_skips`` in a row raise).
-        handle_signals: on SIGTERM/SIGUSR1 checkpoint, requeue a SLURM job (SIGUSR1) and exit with
-            ``trainscale.train.fault.Preempted`` (docs/fault-tolerance.md).
+        on_nonfinite: "raise" (a non-finite loss raises at the next check, about a second of steps later and
+            at most ``log_every_n_steps`` apart, naming step, epoch and rank) or "skip" (skip optimizer steps
+            whose gradients are not finite; more than ``max_nonfinite_skips`` in a row raise).
+        handle_signals: on SIGTERM/SIGUSR1 checkpoint at the next check (about a second of steps later),
+            requeue a SLURM job (SIGUSR1) and exit with ``trainscale.train.fault.Preempted``; a rank that
+            cannot get there exits 20 s after SIGTERM with its stacks (docs/fault-tolerance.md).
         enable_telemetry: measure the step-phase split, throughput, MFU, memory, GPU utilisation and
             stragglers (docs/telemetry.md). straggler_margin: a rank busy this fraction longer than the
             median is a straggler. tensorboard: also write TensorBoard scalars (``trainscale[tensorboard]``).
