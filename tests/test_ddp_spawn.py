@@ -2,6 +2,11 @@
 process; rank 0's summary and trained weights come back. Parity with plain PyTorch, as for ddp."""
 
 import functools
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,3 +80,89 @@ def test_classes_from_an_interactive_session_are_refused_before_spawning(monkeyp
                                          r"Move it into a .py module"):
         dumps_checked({"model": Net(2, 2)})
     assert dumps_checked({"model": torch.nn.Linear(2, 2)})  # library classes are fine
+
+
+# A user's script as issue 15 item 7 found it: no `if __name__ == "__main__":` guard. The data (512 KiB) is larger
+# than a pipe's 64 KiB buffer, so the parent used to block forever writing it into the pipe of a child that had
+# already died while importing the script again.
+_UNGUARDED_SCRIPT = """
+import functools
+from pathlib import Path
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from trainscale.train.trainer import Trainer
+
+x, y = torch.randn(16384, 8), torch.randint(0, 2, (16384,))
+trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, enable_progress_bar=False,
+                  default_root_dir={root!r}, timeout=30)
+trainer.fit(torch.nn.Linear(8, 2), DataLoader(TensorDataset(x, y), batch_size=64),
+            optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss_fn=torch.nn.functional.cross_entropy)
+print("trained")
+"""
+
+
+def _run_python(args: list, tmp_path, stdin: str | None = None, timeout: float = 120):
+    """``python ARGS`` with this checkout's sources importable and temporary files under ``tmp_path/tmp``;
+    (completed process, seconds it took)."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+           "TMPDIR": str(tmp_path / "tmp")}
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True, timeout=timeout,
+                         cwd=tmp_path, env=env)
+    return out, time.monotonic() - start
+
+
+@pytest.mark.timeout(180)
+def test_script_without_main_guard_fails_fast_naming_the_guard(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_UNGUARDED_SCRIPT.format(root=str(tmp_path / "runs")))
+    out, seconds = _run_python([str(script)], tmp_path)  # used to hang: subprocess.TimeoutExpired
+    assert out.returncode != 0 and "trained" not in out.stdout
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: strategy='ddp_spawn': the process of rank") and "died while starting" in last
+    assert "add `if __name__ == '__main__':`" in last
+    assert seconds < 100  # a generous bound: it takes a few seconds; the hang was forever
+    assert not list((tmp_path / "tmp").glob("trainscale-spawn-*"))  # the job's payload file is removed
+
+
+@pytest.mark.timeout(180)
+def test_script_read_from_stdin_fails_fast_naming_the_fix(tmp_path):
+    guarded = "def main():\n" + "".join(f"    {line}\n" for line in _UNGUARDED_SCRIPT.format(
+        root=str(tmp_path / "runs")).splitlines()) + "\nif __name__ == '__main__':\n    main()\n"
+    out, seconds = _run_python(["-"], tmp_path, stdin=guarded)  # used to hang: subprocess.TimeoutExpired
+    assert out.returncode != 0 and "trained" not in out.stdout
+    last = out.stderr.strip().splitlines()[-1]
+    assert "died while starting" in last and "add `if __name__ == '__main__':`" in last
+    assert "This program was read from <stdin>, which a new process cannot read again" in last
+    assert seconds < 100
+
+
+def test_payload_goes_through_a_file_that_is_removed_afterwards(tmp_path, monkeypatch):
+    """The pipe of spawn's bootstrap carries a few hundred bytes whatever the size of the arguments, and the
+    job's temporary directory (payload, result, markers) is gone after the run."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from trainscale.runtime import spawn
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen = {}
+
+    class Done(Exception):
+        pass
+
+    def fake_start_processes(fn, args, nprocs, join, start_method):
+        import pickle
+
+        seen["args_bytes"] = len(pickle.dumps(args))
+        seen["payload_bytes"] = (Path(args[0]) / spawn._PAYLOAD).stat().st_size
+        raise Done
+
+    monkeypatch.setattr(mp, "start_processes", fake_start_processes)
+    with pytest.raises(Done):
+        spawn.run(workers_strategies.spawn_options_body, {"big": torch.zeros(1 << 16)}, 2)
+    assert seen["payload_bytes"] > 256 * 1024 and seen["args_bytes"] < 1024
+    assert list(tmp_path.iterdir()) == []
