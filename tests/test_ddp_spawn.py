@@ -1,11 +1,7 @@
 """strategy="ddp_spawn": the ranks are started by torch.multiprocessing spawn from this (the parent)
 process; rank 0's summary and trained weights come back. Parity with plain PyTorch, as for ddp."""
 
-import functools
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from tests import workers, workers_strategies
+from tests.helpers import run_python
 from trainscale.runtime.runtime import Runtime
 from trainscale.train.trainer import Trainer
 
@@ -28,7 +25,8 @@ def test_trainer_fit_in_spawned_ranks_equals_plain_pytorch_and_returns_weights(t
     before = {k: v.clone() for k, v in model.state_dict().items()}
     summary = trainer.fit(model, DataLoader(workers.tiny_dataset(96), batch_size=b, shuffle=True),
                           DataLoader(workers.tiny_dataset(50, seed=1), batch_size=8), optimizer=workers.sgd)
-    assert summary["world_size"] == 2 and summary["strategy"] == "ddp_spawn" and summary["global_batch_size"] == 2 * b
+    assert trainer.runtime.config.strategy == "ddp" and trainer.runtime.config.start_method == "spawn"
+    assert summary["world_size"] == 2 and summary["strategy"] == "ddp" and summary["global_batch_size"] == 2 * b
     assert summary["epochs"] == epochs and trainer.global_step == epochs * 96 // (2 * b)
     assert (tmp_path / "version_0" / "summary.json").is_file()
     reference = workers.plain_pytorch_reference(2 * b, epochs)
@@ -42,44 +40,45 @@ def test_runtime_launch_function_runs_on_each_spawned_rank_with_ddp_options():
                  strategy_options={"static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 2})
     out = rt.launch(workers_strategies.spawn_options_body)
     assert out["rank"] == 0 and out["world_size"] == 2 and out["sum_of_ranks_plus_one"] == 3.0
-    assert out["strategy"] == "ddp_spawn" and out["static_graph"] and out["gradient_as_bucket_view"]
+    assert out["strategy"] == "ddp" and out["static_graph"] and out["gradient_as_bucket_view"]
     assert out["bucket_bytes_cap"] == 2 * 1024 * 1024
 
 
-def test_unpicklable_optimizer_factory_names_the_fix(tmp_path):
+def test_unpicklable_argument_is_named_with_the_fix_before_any_process_starts(tmp_path):
+    """cloudpickle sends lambdas by value (tests/test_ddp_notebook.py); a lock cannot be sent at all."""
+    import threading
+
     trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", default_root_dir=tmp_path,
                       enable_progress_bar=False)
     loader = DataLoader(workers.tiny_dataset(16), batch_size=4)
-    with pytest.raises(ValueError, match=r"sends optimizer to new processes by pickling.*def, not lambda.*partial"):
-        trainer.fit(workers.make_model(), loader, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    loss = lambda out, y: out.sum()  # noqa: E731 - the point of the test
-    with pytest.raises(ValueError, match="sends loss_fn to new processes"):
-        trainer.fit(workers.make_model(), loader, optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss_fn=loss)
+    lock = threading.Lock()
+
+    def loss(out, y):  # holds a lock: nothing can pickle it
+        with lock:
+            return out.sum()
+
+    with pytest.raises(ValueError, match=r"sends loss_fn to new processes by pickling \(cloudpickle\), but it cannot "
+                                         r"be pickled \(TypeError: .*lock.*strategy='ddp_notebook'"):
+        trainer.fit(workers.make_model(), loader, optimizer=workers.sgd, loss_fn=loss)
+
+
+def test_missing_cloudpickle_names_what_to_install(monkeypatch):
+    import io
+
+    from trainscale.runtime import spawn
+
+    monkeypatch.setitem(sys.modules, "cloudpickle", None)  # as if not installed
+    with pytest.raises(ModuleNotFoundError, match=r"pip install cloudpickle \(or 'trainscale\[spawn\]'\)"):
+        spawn.dump_checked(workers.sgd, {}, io.BytesIO())
 
 
 def test_bad_ddp_option_and_launch_without_function_fail_in_the_parent():
-    with pytest.raises(ValueError, match=r"strategy='ddp_spawn' does not accept option\(s\) 'find_unused_params'; its options are: find_unused_parameters"):
+    with pytest.raises(ValueError, match=r"strategy='ddp' does not accept option\(s\) 'find_unused_params'; its options are: find_unused_parameters"):
         Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", strategy_options={"find_unused_params": True})
     rt = Runtime(accelerator="cpu", devices=2, strategy="ddp_spawn")
-    with pytest.raises(RuntimeError, match=r"call runtime.launch\(fn, ...\), or use Trainer.fit"):
+    with pytest.raises(RuntimeError, match=r"strategy='ddp_spawn' runs the job in child processes.*"
+                                           r"call runtime.launch\(fn, ...\), or use Trainer.fit"):
         rt.setup(torch.nn.Linear(2, 2))
-
-
-def test_classes_from_an_interactive_session_are_refused_before_spawning(monkeypatch):
-    """A notebook's classes live in a __main__ without a file: spawned interpreters cannot import them."""
-    import sys
-    import types
-
-    from trainscale.runtime.spawn import dumps_checked
-
-    notebook = types.ModuleType("__main__")  # like Jupyter's: no __file__
-    Net = type("Net", (torch.nn.Linear,), {"__module__": "__main__"})
-    notebook.Net = Net
-    monkeypatch.setitem(sys.modules, "__main__", notebook)
-    with pytest.raises(ValueError, match=r"model uses a class or function defined in this interactive session.*"
-                                         r"Move it into a .py module"):
-        dumps_checked({"model": Net(2, 2)})
-    assert dumps_checked({"model": torch.nn.Linear(2, 2)})  # library classes are fine
 
 
 # A user's script as issue 15 item 7 found it: no `if __name__ == "__main__":` guard. The data (512 KiB) is larger
@@ -101,24 +100,11 @@ print("trained")
 """
 
 
-def _run_python(args: list, tmp_path, stdin: str | None = None, timeout: float = 120):
-    """``python ARGS`` with this checkout's sources importable and temporary files under ``tmp_path/tmp``;
-    (completed process, seconds it took)."""
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    (tmp_path / "tmp").mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
-           "TMPDIR": str(tmp_path / "tmp")}
-    start = time.monotonic()
-    out = subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True, timeout=timeout,
-                         cwd=tmp_path, env=env)
-    return out, time.monotonic() - start
-
-
 @pytest.mark.timeout(180)
 def test_script_without_main_guard_fails_fast_naming_the_guard(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_UNGUARDED_SCRIPT.format(root=str(tmp_path / "runs")))
-    out, seconds = _run_python([str(script)], tmp_path)  # used to hang: subprocess.TimeoutExpired
+    out, seconds = run_python([str(script)], tmp_path)  # used to hang: subprocess.TimeoutExpired
     assert out.returncode != 0 and "trained" not in out.stdout
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("RuntimeError: strategy='ddp_spawn': the process of rank") and "died while starting" in last
@@ -131,7 +117,7 @@ def test_script_without_main_guard_fails_fast_naming_the_guard(tmp_path):
 def test_script_read_from_stdin_fails_fast_naming_the_fix(tmp_path):
     guarded = "def main():\n" + "".join(f"    {line}\n" for line in _UNGUARDED_SCRIPT.format(
         root=str(tmp_path / "runs")).splitlines()) + "\nif __name__ == '__main__':\n    main()\n"
-    out, seconds = _run_python(["-"], tmp_path, stdin=guarded)  # used to hang: subprocess.TimeoutExpired
+    out, seconds = run_python(["-"], tmp_path, stdin=guarded)  # used to hang: subprocess.TimeoutExpired
     assert out.returncode != 0 and "trained" not in out.stdout
     last = out.stderr.strip().splitlines()[-1]
     assert "died while starting" in last and "add `if __name__ == '__main__':`" in last

@@ -499,7 +499,7 @@ class Trainer:
         from trainscale.runtime import spawn
 
         out = spawn.run(_spawned_call, {"trainer_flags": self._init_kwargs, "method": method, "model": model,
-                                        **kwargs}, self.runtime.config.world_size)
+                                        **kwargs}, self.runtime.config.world_size, self.runtime.config.start_method)
         model.load_state_dict(out["state_dict"])
         self.history, self.global_step = out["history"], out["global_step"]
         self.run_dir = Path(out["run_dir"]) if out["run_dir"] else None

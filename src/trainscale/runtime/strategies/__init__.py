@@ -11,12 +11,12 @@ import importlib
 import inspect
 from typing import Any, ContextManager, Protocol
 
-# name -> "module:Class"; "auto" is resolved by trainscale.runtime.connector.
+# name -> "module:Class"; "auto" is resolved by trainscale.runtime.connector, and so are "ddp_spawn" and
+# "ddp_notebook": ddp with the processes started by torch.multiprocessing (a start method, runtime/spawn.py).
 _IMPLEMENTATIONS = {
     "single": "trainscale.runtime.strategies.single:SingleDeviceStrategy",
     "ddp": "trainscale.runtime.strategies.ddp:DDPStrategy",
     "fsdp": "trainscale.runtime.strategies.fsdp:FSDPStrategy",
-    "ddp_spawn": "trainscale.runtime.strategies.ddp_spawn:DDPSpawnStrategy",
     "dp": "trainscale.runtime.strategies.dp:DataParallelStrategy",
 }
 STRATEGIES = ("auto", *_IMPLEMENTATIONS)
