@@ -154,13 +154,18 @@ def _resolve_strategy(strategy: Any, accelerator: str, devices: int, num_nodes: 
     if strategy == "single" and world_size > 1:
         raise ValueError(f"strategy='single' runs one process but devices×num_nodes={world_size}; "
                          "pass strategy='ddp' (or devices=1)")
-    if strategy == "dp" and (accelerator != "cuda" or cuda_count < 2 or devices < 2 or num_nodes > 1):
+    if strategy == "dp":
+        _check_dp(accelerator, devices, num_nodes, cuda_count)
+    return strategy, start_method
+
+
+def _check_dp(accelerator: str, devices: int, num_nodes: int, cuda_count: int) -> None:
+    if accelerator != "cuda" or cuda_count < 2 or devices < 2 or num_nodes > 1:
         # nn.DataParallel without CUDA silently calls the module directly: no parallelism at all.
         raise ValueError(f"strategy='dp' (nn.DataParallel) drives 2 or more CUDA GPUs from one process on one "
                          f"machine, but here accelerator={accelerator!r}, {cuda_count} CUDA device(s) visible, "
                          f"devices={devices}, num_nodes={num_nodes}; pass strategy='ddp' (one process per device, "
                          "faster than dp on GPUs and also runs on CPU)")
-    return strategy, start_method
 
 
 def _resolve_checkpointing(classes: Any) -> tuple:

@@ -159,9 +159,9 @@ class Runtime:
         if self._launched:
             return self
         if self.spawns:
-            raise RuntimeError(f"strategy={self._init_kwargs['strategy']!r} runs the job in child processes started from this one: put the "
-                               "training code in a function fn(runtime, ...) and call runtime.launch(fn, ...), "
-                               "or use Trainer.fit")
+            raise RuntimeError(f"strategy={self._init_kwargs['strategy']!r} runs the job in child processes started "
+                               "from this one: put the training code in a function fn(runtime, ...) and call "
+                               "runtime.launch(fn, ...), or use Trainer.fit")
         if self.config.world_size > 1 and self.world.launcher == "none":
             launch.relaunch_current_script(self.config.devices, self.config.num_nodes)
         if self.device.type == "cuda":
@@ -334,12 +334,9 @@ class Runtime:
         if not (max_norm if max_norm is not None else clip_val) > 0:
             raise ValueError(f"max_norm={max_norm!r} / clip_val={clip_val!r} must be > 0")
         self.precision.unscale_gradients(optimizer)
-        params = [p for p in module.parameters() if p.grad is not None]
-        if max_norm is not None:
-            if hasattr(self.strategy, "clip_gradients_norm"):  # sharded (DTensor) gradients: fsdp
-                return self.strategy.clip_gradients_norm(module, max_norm, norm_type)
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        torch.nn.utils.clip_grad_value_(params, clip_val)
+        if max_norm is not None:  # the strategy's: sharded (DTensor) gradients under fsdp
+            return self.strategy.clip_gradients_norm(module, max_norm, norm_type)
+        torch.nn.utils.clip_grad_value_([p for p in module.parameters() if p.grad is not None], clip_val)
         return None
 
     def step(self, optimizer: Any) -> None:

@@ -86,7 +86,7 @@ class Telemetry:
         self.clock = self.timer.clock if enabled else time.perf_counter
         self.memory = PeakMemory(device)
         self.flops = FlopsPerSample()
-        compiled = getattr(runtime.config, "compile", None) is not None
+        compiled = runtime.config.compile is not None
         self.flops.done = not resolve_count_flops(count_flops, device.type, compiled)
         cuda = device.type == "cuda"
         self.gpu = GpuSampler(device.index if cuda else None, gpu_sample_interval_s)
@@ -103,10 +103,10 @@ class Telemetry:
 
     # -- the hot path: no host sync, no collective ------------------------------------------
     def attach(self, module: Any) -> None:
-        """Time the gradient all-reduce of ``module`` (the wrapped module) when the strategy can."""
-        hook = getattr(self.rt.strategy, "time_allreduce", None)
-        if self.enabled and hook is not None and self.rt.world_size > 1:
-            self.timer.time_comm = hook(module, self.timer.clock, self.timer.record_comm) is not False
+        """Time the gradient all-reduce of ``module`` (the wrapped module) when the strategy can
+        (``Strategy.time_allreduce``; False under single, dp and fsdp)."""
+        if self.enabled and self.rt.world_size > 1:
+            self.timer.time_comm = self.rt.strategy.time_allreduce(module, self.timer.clock, self.timer.record_comm)
 
     def start(self) -> None:
         """Begin timing now (top of each epoch; time between epochs is left out)."""
