@@ -54,7 +54,7 @@ def test_entry_point_of_a_non_script(monkeypatch):
     main.__spec__ = None
     monkeypatch.setitem(sys.modules, "__main__", main)
     monkeypatch.setattr(sys, "argv", ["-c"])
-    with pytest.raises(RuntimeError, match="trainscale run -n N script.py"):
+    with pytest.raises(RuntimeError, match=r"Pass strategy=.ddp_notebook. \(the processes are forked.*trainscale run -n N script.py"):
         launch.current_entry_point()
 
 

@@ -82,8 +82,9 @@ def current_entry_point() -> list[str]:
     script = sys.argv[0] if sys.argv else ""
     if not script or script == "-c" or not os.path.isfile(script):
         raise RuntimeError("devices>1 needs several processes, but this program is not a script that can be "
-                           "relaunched (notebook, REPL or python -c). Run it with `trainscale run -n N script.py` "
-                           "or torchrun, or put the code in a script")
+                           "relaunched (notebook, REPL or python -c). Pass strategy='ddp_notebook' (the processes "
+                           "are forked from this one), or run a script with `trainscale run -n N script.py` or "
+                           "torchrun")
     return [script, *sys.argv[1:]]
 
 

@@ -64,15 +64,16 @@ class Runtime:
         accelerator: "auto", "cpu", "cuda" ("gpu") or "mps".
         devices: processes (CPU) or GPUs per node, or "auto" (all GPUs; under a launcher, the
             launcher's processes per node; else 1).
-        strategy: "auto", "single", "ddp", "fsdp", "ddp_spawn" or "dp" (see ``trainscale.runtime.strategies.STRATEGIES``
-            and docs/strategies.md). Under "ddp_spawn" outside a launcher, call ``launch(fn, *args)``.
+        strategy: "auto", "single", "ddp", "fsdp", "dp" (see ``trainscale.runtime.strategies.STRATEGIES`` and
+            docs/strategies.md), or "ddp_spawn"/"ddp_notebook": ddp with the processes started from this one by
+            spawn/fork (``trainscale.runtime.spawn``); outside a launcher, then call ``launch(fn, *args)``.
         num_nodes: machines in the job.
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
         timeout: seconds a collective may wait before it fails (passed to ``init_process_group``).
-        strategy_options: keyword options of the strategy (ddp/ddp_spawn: ``find_unused_parameters``,
+        strategy_options: keyword options of the strategy (ddp: ``find_unused_parameters``,
             ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``; dp: ``device_ids``; fsdp: ``auto_wrap_policy``, ``reshard_after_forward``,
             ``cpu_offload``).
-        sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp/ddp_spawn, CUDA only).
+        sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp, CUDA only).
         activation_checkpointing: ``nn.Module`` classes whose instances recompute their forward in
             backward (``torch.utils.checkpoint``, non-reentrant): less activation memory, ~1 more forward.
         compile: ``torch.compile`` the module before the strategy wraps it; True, or a dict of
@@ -147,8 +148,10 @@ class Runtime:
 
     @property
     def spawns(self) -> bool:
-        """True in the parent process of a "ddp_spawn" job (the ranks will be spawned children)."""
-        return self.config.strategy == "ddp_spawn" and self.world.launcher == "none" and self.config.world_size > 1
+        """True in the parent process of a "ddp_spawn"/"ddp_notebook" job: the ranks will be child processes
+        started from this one (``self.config.start_method``: "spawn" or "fork"), not this process."""
+        return (self.config.start_method is not None and self.world.launcher == "none"
+                and self.config.world_size > 1)
 
     # -- processes ---------------------------------------------------------------------------
     def launch(self, function: Callable | None = None, *args: Any) -> Any:
@@ -159,12 +162,14 @@ class Runtime:
         process group is created with the backend of the accelerator (nccl/gloo).
 
         With ``function``: run ``function(runtime, *args)`` on every rank and return its value.
-        Under "ddp_spawn" (notebooks, functions) the ranks are spawned processes, each with its own
-        Runtime built from this one's flags; rank 0's return value comes back here. ``function``
-        and ``args`` must be picklable (module-level, no lambdas).
+        Under "ddp_spawn"/"ddp_notebook" (notebooks, functions) the ranks are child processes started
+        from this one by ``trainscale.runtime.spawn`` (spawn: ``function`` and ``args`` pickled with
+        cloudpickle; fork: inherited), each with its own Runtime built from this one's flags; rank 0's
+        return value comes back here.
 
         Raises:
-            RuntimeError: "ddp_spawn" in the parent process without ``function``.
+            RuntimeError: "ddp_spawn"/"ddp_notebook" in the parent process without ``function``; under
+                "ddp_notebook", CUDA initialised before the fork; a child that died while starting.
             ValueError: ``function`` or ``args`` cannot be pickled (under "ddp_spawn").
         """
         if function is not None:
@@ -172,15 +177,15 @@ class Runtime:
                 from trainscale.runtime import spawn
 
                 return spawn.run(_run_spawned, {"runtime_flags": self._init_kwargs, "function": function,
-                                                "args": args}, self.config.world_size)
+                                                "args": args}, self.config.world_size, self.config.start_method)
             self.launch()
             return function(self, *args)
         if self._launched:
             return self
         if self.spawns:
-            raise RuntimeError("strategy='ddp_spawn' runs the job in spawned processes: put the training code in a "
-                               "module-level function fn(runtime, ...) and call runtime.launch(fn, ...), "
-                               "or use Trainer.fit")
+            raise RuntimeError(f"strategy={self._init_kwargs['strategy']!r} runs the job in child processes started "
+                               "from this one: put the training code in a function fn(runtime, ...) and call "
+                               "runtime.launch(fn, ...), or use Trainer.fit")
         if self.config.world_size > 1 and self.world.launcher == "none":
             launch.relaunch_current_script(self.config.devices, self.config.num_nodes)
         if self.device.type == "cuda":
@@ -366,12 +371,9 @@ class Runtime:
         if not (max_norm if max_norm is not None else clip_val) > 0:
             raise ValueError(f"max_norm={max_norm!r} / clip_val={clip_val!r} must be > 0")
         self.precision.unscale_gradients(optimizer)
-        params = [p for p in module.parameters() if p.grad is not None]
-        if max_norm is not None:
-            if hasattr(self.strategy, "clip_gradients_norm"):  # sharded (DTensor) gradients: fsdp
-                return self.strategy.clip_gradients_norm(module, max_norm, norm_type)
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        torch.nn.utils.clip_grad_value_(params, clip_val)
+        if max_norm is not None:  # the strategy's: sharded (DTensor) gradients under fsdp
+            return self.strategy.clip_gradients_norm(module, max_norm, norm_type)
+        torch.nn.utils.clip_grad_value_([p for p in module.parameters() if p.grad is not None], clip_val)
         return None
 
     def step(self, optimizer: Any) -> None:
@@ -455,7 +457,8 @@ RUNTIME_FLAGS = frozenset(inspect.signature(Runtime).parameters)  # what a Train
 
 
 def _run_spawned(**kwargs: Any) -> Any:
-    """A "ddp_spawn" child of ``Runtime.launch(function, ...)``: this rank's Runtime, then the function."""
+    """A "ddp_spawn"/"ddp_notebook" child of ``Runtime.launch(function, ...)``: this rank's Runtime, then the
+    function."""
     runtime = Runtime(**kwargs["runtime_flags"])
     runtime.launch()
     try:

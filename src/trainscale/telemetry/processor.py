@@ -88,7 +88,7 @@ class Telemetry:
         self.clock = self.timer.clock  # the loop's clock for micro_batch(): perf_counter, or a recorded CUDA event
         self.memory = PeakMemory(device)
         self.flops = FlopsPerSample(warn=runtime.is_rank_zero)  # a fallback is said once, on rank zero
-        compiled = getattr(runtime.config, "compile", None) is not None
+        compiled = runtime.config.compile is not None
         self.flops.done = not resolve_count_flops(count_flops, device.type, compiled)
         cuda = device.type == "cuda"
         self.gpu = GpuSampler(device.index if cuda else None, gpu_sample_interval_s)
@@ -105,13 +105,13 @@ class Telemetry:
 
     # -- the hot path: no host sync, no collective ------------------------------------------
     def attach(self, module: Any) -> None:
-        """Time the gradient all-reduce of ``module`` (the wrapped module) when the strategy can; its
-        parameter count serves the analytic FLOP estimate if counting fails."""
+        """Time the gradient all-reduce of ``module`` (the wrapped module) when the strategy can
+        (``Strategy.time_allreduce``; False under single, dp and fsdp); its parameter count serves the
+        analytic FLOP estimate if counting fails."""
         if not self.flops.done:
             self.flops.parameters = sum(p.numel() for p in module.parameters())
-        hook = getattr(self.rt.strategy, "time_allreduce", None)
-        if hook is not None and self.rt.world_size > 1:
-            self.timer.time_comm = hook(module, self.timer.clock, self.timer.record_comm) is not False
+        if self.rt.world_size > 1:
+            self.timer.time_comm = self.rt.strategy.time_allreduce(module, self.timer.clock, self.timer.record_comm)
 
     def start(self) -> None:
         """Begin timing now (top of each epoch; time between epochs is left out)."""

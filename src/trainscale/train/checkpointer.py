@@ -35,7 +35,7 @@ def save(runtime: Any, path: Path | None, run_dir: Path, fit: Any, state: TrainS
     sampler = getattr(fit.train_loader, "sampler", None)
     consumed = (sampler.consumed_after(state.batches, fit.train_loader.batch_size)
                 if hasattr(sampler, "consumed_after") else None)
-    suffix = getattr(runtime.strategy, "checkpoint_suffix", ".pt")  # MERGE: protocol member
+    suffix = runtime.strategy.checkpoint_suffix
     completed = state.epoch + 1 if complete else state.epoch
     target = Path(f"{path}{suffix}") if path is not None else (
         run_dir / "checkpoints" / ckpt.checkpoint_name(completed, state.global_step, suffix))

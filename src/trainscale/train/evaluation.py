@@ -37,7 +37,7 @@ def evaluate(runtime: Any, loop_module: Any, wrapped: Any, loader: Any, stage: s
     """
     rt = runtime
     prefix = "val_" if stage == "validation" else "test_"
-    communicates = getattr(rt.strategy, "forward_communicates", False)  # MERGE: protocol member
+    communicates = rt.strategy.forward_communicates
     extra = _extra_forwards(rt, len(loader)) if communicates else 0
     wrapped.eval()
     sums: dict[str, torch.Tensor] = {}
@@ -81,7 +81,7 @@ def predict(runtime: Any, loop_module: Any, wrapped: Any, loader: Any) -> Any:
         tensors, else a list with one entry per batch-level output split per sample where possible.
     """
     rt = runtime
-    communicates = getattr(rt.strategy, "forward_communicates", False)  # MERGE: protocol member
+    communicates = rt.strategy.forward_communicates
     extra = _extra_forwards(rt, len(loader)) if communicates else 0
     wrapped.eval()
     outputs, batch = [], None

@@ -23,11 +23,13 @@ def spawned_call(trainer_flags: dict, method: str, model: nn.Module, **kwargs: A
         trainer.runtime.teardown()
 
 
-def run_spawned(trainer_flags: dict, nprocs: int, method: str, model: nn.Module, **kwargs: Any) -> dict:
-    """Start ``nprocs`` ranks that each run :func:`spawned_call`; load rank 0's weights into ``model``
-    and return its answer (``result``, ``state``, ``run_dir``)."""
+def run_spawned(trainer_flags: dict, nprocs: int, start_method: str, method: str, model: nn.Module,
+                **kwargs: Any) -> dict:
+    """Start ``nprocs`` ranks (``start_method`` "spawn" or "fork") that each run :func:`spawned_call`; load
+    rank 0's weights into ``model`` and return its answer (``result``, ``state``, ``run_dir``)."""
     from trainscale.runtime import spawn
 
-    out = spawn.run(spawned_call, {"trainer_flags": trainer_flags, "method": method, "model": model, **kwargs}, nprocs)
+    out = spawn.run(spawned_call, {"trainer_flags": trainer_flags, "method": method, "model": model, **kwargs},
+                    nprocs, start_method)
     model.load_state_dict(out["state_dict"])
     return out

@@ -31,6 +31,7 @@ from trainscale.train.module import LoopModule
 from trainscale.train.optimizers import ManualOptimizer, step_schedulers
 from trainscale.train.progress import ProgressBar
 from trainscale.train.records import RecordWriter, epoch_line, epoch_record, run_header, step_record
+from trainscale.train.spawned import run_spawned
 from trainscale.train.runs import choose_run_dir, resolve_ckpt_path
 from trainscale.train.summary import finish_run, hyperparams
 from trainscale.train.optimizer_setup import build_optimizers
@@ -391,9 +392,8 @@ class Trainer:
             getattr(cb, hook)(self, module, *args)
 
     def _spawn(self, method: str, model: nn.Module, **kwargs: Any) -> Any:
-        """Run ``method`` in spawned ranks (``ddp_spawn``); rank 0's weights are loaded into ``model``."""
-        from trainscale.train.spawned import run_spawned
-
-        out = run_spawned(self._init_kwargs, self.runtime.config.world_size, method, model, **kwargs)
+        """Run ``method`` in ranks this process starts (ddp_spawn, ddp_notebook); rank 0's weights go into ``model``."""
+        cfg = self.runtime.config
+        out = run_spawned(self._init_kwargs, cfg.world_size, cfg.start_method, method, model, **kwargs)
         self.state, self.run_dir = out["state"], Path(out["run_dir"]) if out["run_dir"] else None
         return out["result"]

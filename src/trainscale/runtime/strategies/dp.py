@@ -20,7 +20,7 @@ from torch import nn
 
 from trainscale.runtime import checkpoint_io
 from trainscale.runtime.connector import DP_COMPILE_ERROR
-from trainscale.runtime.strategies import SYNC
+from trainscale.runtime.strategies import SYNC, clip_grad_norm
 from trainscale.runtime.world import World
 
 _SCALAR = "__trainscale_dp_scalar__"
@@ -99,6 +99,8 @@ class DataParallelStrategy:
     """
 
     name = "dp"
+    checkpoint_suffix = ".pt"
+    forward_communicates = False
 
     def __init__(self, device: Any, world: World, device_ids: list[int] | None = None) -> None:
         self.device = device
@@ -124,6 +126,12 @@ class DataParallelStrategy:
 
     def no_backward_sync(self, module, enabled: bool):
         return SYNC
+
+    def clip_gradients_norm(self, module, max_norm: float, norm_type: float = 2.0):
+        return clip_grad_norm(module, max_norm, norm_type)  # the replicas' gradients are summed on GPU 0
+
+    def time_allreduce(self, module, clock, record) -> bool:
+        return False  # no all-reduce: backward sums the replicas' gradients into GPU 0's parameters
 
     def save_checkpoint(self, path, state: dict) -> None:
         checkpoint_io.save_replicated(path, state, self.world, self.unwrap)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from trainscale.runtime import checkpoint_io
-from trainscale.runtime.strategies import SYNC
+from trainscale.runtime.strategies import SYNC, clip_grad_norm
 from trainscale.runtime.world import World
 
 _EXTRA = "trainscale_extra.pt"  # the non-sharded entries (loop position, RNG, scheduler, scaler)
@@ -227,11 +227,11 @@ class FSDPStrategy:
         ``torch.nn.utils.clip_grad_norm_`` reduces the per-shard norms across the mesh when the
         gradients are DTensors; its result is a replicated DTensor, returned as a plain 0-d tensor.
         """
-        import torch
-
-        params = [p for p in module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        norm = clip_grad_norm(module, max_norm, norm_type)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def time_allreduce(self, module, clock, record) -> bool:
+        return False  # gradients are reduce-scattered inside FSDP's backward hooks, which offer no timing hook
 
     # -- checkpoints -------------------------------------------------------------------------
     def _split(self, state: dict):

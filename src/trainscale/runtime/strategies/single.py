@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from trainscale.runtime import checkpoint_io
-from trainscale.runtime.strategies import SYNC
+from trainscale.runtime.strategies import SYNC, clip_grad_norm
 from trainscale.runtime.world import World
 
 
 class SingleDeviceStrategy:
     name = "single"
+    checkpoint_suffix = ".pt"
+    forward_communicates = False
 
     def __init__(self, device: Any, world: World) -> None:
         self.device = device
@@ -27,6 +29,12 @@ class SingleDeviceStrategy:
 
     def no_backward_sync(self, module, enabled: bool):
         return SYNC
+
+    def clip_gradients_norm(self, module, max_norm: float, norm_type: float = 2.0):
+        return clip_grad_norm(module, max_norm, norm_type)
+
+    def time_allreduce(self, module, clock, record) -> bool:
+        return False  # one process: no all-reduce
 
     def save_checkpoint(self, path, state: dict) -> None:
         checkpoint_io.save_replicated(path, state, self.world, self.unwrap)
