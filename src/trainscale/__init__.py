@@ -15,9 +15,10 @@ _LAZY = {
     "Trainer": "trainscale.train.trainer",
     "Runtime": "trainscale.runtime.runtime",
     "World": "trainscale.runtime.world",
+    "plan": "trainscale.plan.planner",
 }
 
-__all__ = ["Trainer", "Runtime", "World", "__version__"]
+__all__ = ["Trainer", "Runtime", "World", "plan", "__version__"]
 
 
 def __getattr__(name: str):
