@@ -16,9 +16,10 @@ _LAZY = {
     "TrainingModule": "trainscale.train.module",
     "Runtime": "trainscale.runtime.runtime",
     "World": "trainscale.runtime.world",
+    "plan": "trainscale.plan.planner",
 }
 
-__all__ = ["Trainer", "TrainingModule", "Runtime", "World", "__version__"]
+__all__ = ["Trainer", "TrainingModule", "Runtime", "World", "plan", "__version__"]
 
 
 def __getattr__(name: str):

@@ -1,4 +1,4 @@
-"""The ``trainscale`` command: run | demo | bench | report | slurm | env.
+"""The ``trainscale`` command: run | demo | bench | plan | report | slurm | env.
 
 Parsing imports nothing heavy: ``trainscale --help`` never imports torch. Each subcommand
 imports what it needs when it runs.
@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     _add_bench(sub)
+    from trainscale.cli.plan import add_parser as _add_plan  # imports no torch
+
+    _add_plan(sub, _ints, _names)
     slurm = sub.add_parser("slurm", help="write an sbatch script: NODES x GPUS tasks launched by srun",
                            description="Write an sbatch script that runs SCRIPT on --nodes × --gpus-per-node tasks "
                                        "(srun, one task per GPU), checkpoints on SIGUSR1 90 s before the time limit and "

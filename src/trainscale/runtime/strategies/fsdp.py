@@ -148,22 +148,24 @@ class FSDPStrategy:
             ValueError: the module has no parameters, or a policy class does not occur in it
                 (raised identically on every rank, before any communication).
         """
-        import torch
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         if next(iter(module.parameters()), None) is None:
             raise ValueError(f"strategy='fsdp' got a model with no parameters ({type(module).__name__}); "
                              "there is nothing to shard: check the model, or use strategy='ddp'")
-        units = [m for m in module.modules() if m is not module and isinstance(m, self.auto_wrap_policy)]
-        missing = [c.__name__ for c in self.auto_wrap_policy if not any(isinstance(m, c) for m in units)]
-        if missing:
-            present = sorted({type(m).__name__ for m in module.modules()})
-            raise ValueError(f"auto_wrap_policy class(es) {', '.join(missing)} do not occur in the model; "
-                             f"its module classes are: {', '.join(present)}")
+        units = self.units(module)
         if not self.cpu_offload:
             module = module.to(self.device)
-        mesh = init_device_mesh(self.device.type, (self.world.world_size,))
+        self.shard(module, units, init_device_mesh(self.device.type, (self.world.world_size,)))
+        self._roots.append(module)
+        return module
+
+    def shard(self, module, units: list, mesh) -> None:
+        """``fully_shard`` each of ``units`` (innermost first), then ``module``, over ``mesh`` with this
+        strategy's options. Separate from :meth:`setup_module` so that ``trainscale.plan`` can shard a
+        model of fake tensors over a mesh built outside ``FakeTensorMode``."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
         kwargs = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
                       mp_policy=_mixed_precision_policy(self.precision),
                       offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
@@ -171,8 +173,21 @@ class FSDPStrategy:
         for unit in reversed(units):  # modules() is pre-order: reversed, every child precedes its parent
             fully_shard(unit, **kwargs)
         fully_shard(module, **kwargs)
-        self._roots.append(module)
-        return module
+
+    def units(self, module) -> list:
+        """The submodules of ``module`` that become FSDP units (instances of ``auto_wrap_policy``), in
+        ``modules()`` order.
+
+        Raises:
+            ValueError: a policy class does not occur in ``module``.
+        """
+        units = [m for m in module.modules() if m is not module and isinstance(m, self.auto_wrap_policy)]
+        missing = [c.__name__ for c in self.auto_wrap_policy if not any(isinstance(m, c) for m in units)]
+        if missing:
+            present = sorted({type(m).__name__ for m in module.modules()})
+            raise ValueError(f"auto_wrap_policy class(es) {', '.join(missing)} do not occur in the model; "
+                             f"its module classes are: {', '.join(present)}")
+        return units
 
     def _reshard(self) -> None:
         """Register the sharded parameters again. A root keeps its gathered parameters after a
