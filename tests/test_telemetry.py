@@ -278,6 +278,17 @@ def test_file_sinks_flush_at_epoch_records_after_flush_secs_and_at_close(tmp_pat
     assert [len(f.read_text().splitlines()) for f in files] == [5, 5]
 
 
+def test_file_sinks_flush_the_first_record_on_a_machine_booted_a_minute_ago(tmp_path, monkeypatch):
+    # time.monotonic() counts from boot on Linux: a minute after boot it reads ~60, less than flush_secs
+    monkeypatch.setattr(time, "monotonic", lambda: 60.0)
+    sinks = [JsonlSink(tmp_path / "metrics.jsonl", flush_secs=3600), CsvSink(tmp_path, kinds=("step",), flush_secs=3600)]
+    for sink in sinks:
+        sink.write({"kind": "step", "step": 1, "loss": 0.5})
+    assert [len(f.read_text().splitlines()) for f in (tmp_path / "metrics.jsonl", tmp_path / "metrics_step.csv")] == [1, 2]
+    for sink in sinks:
+        sink.close()
+
+
 def test_trainer_closes_its_sinks_when_fit_raises(tmp_path):
     class Explodes(nn.Module):
         def __init__(self):
