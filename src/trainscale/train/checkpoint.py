@@ -4,8 +4,8 @@ Layout of a run directory::
 
     <default_root_dir>/version_<N>/
         metrics.jsonl  summary.json
-        checkpoints/epoch=0002-step=000126.pt  (+ .sha256)   written atomically (single, ddp)
-        checkpoints/epoch=0002-step=000126/                  a sharded DCP directory (fsdp), renamed into place
+        checkpoints/epoch=000002-step=0000000126.pt  (+ .sha256)   written atomically (single, ddp)
+        checkpoints/epoch=000002-step=0000000126/                  a sharded DCP directory (fsdp), renamed into place
         checkpoints/last                                     the name of the newest complete one
         job_id                                               the torchrun/SLURM job that made it
         stacks/rank<R>.txt                                   watchdog stack dumps (only after a stall)
@@ -28,6 +28,8 @@ import torch
 from trainscale.runtime.checkpoint_io import atomic_write_bytes
 
 _VERSION = re.compile(r"^version_(\d+)$")
+# Names before 2026-11 had 4 and 6 digits (epoch=0002-step=000126): still parsed and rotated.
+_CHECKPOINT = re.compile(r"^epoch=(\d+)-step=(\d+)(?:\.pt)?$")
 LAST = "last"
 JOB_ID = "job_id"
 
@@ -108,8 +110,18 @@ def start_epoch(loader, epoch: int, position: dict | None, world_size: int, save
 
 
 def checkpoint_name(epoch: int, step: int, suffix: str = ".pt") -> str:
-    """``epoch=EEEE-step=SSSSSS`` + ``suffix`` (".pt" for a file, "" for a directory)."""
-    return f"epoch={epoch:04d}-step={step:06d}{suffix}"
+    """``epoch=EEEEEE-step=SSSSSSSSSS`` + ``suffix`` (".pt" for a file, "" for a directory).
+
+    Zero-padded wide enough (10**6 epochs, 10**10 optimizer steps) that names list in training order;
+    rotation does not rely on it (:func:`checkpoint_order`)."""
+    return f"epoch={epoch:06d}-step={step:010d}{suffix}"
+
+
+def checkpoint_order(name: str) -> tuple[int, int] | None:
+    """``(epoch, step)`` parsed from a checkpoint's file or directory name (any zero padding), or None
+    for a name that is not a checkpoint's."""
+    m = _CHECKPOINT.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def mark_last(path: Path, keep_last: int | None) -> None:
@@ -119,7 +131,9 @@ def mark_last(path: Path, keep_last: int | None) -> None:
         stale.unlink(missing_ok=True)
     if keep_last is None:
         return
-    existing = sorted(p for p in path.parent.glob("epoch=*-step=*") if p.suffix != ".sha256")
+    # ordered by the parsed (epoch, step), never as text: "step=1000000" < "step=999999" as text
+    existing = sorted((order, p) for p in path.parent.iterdir() if (order := checkpoint_order(p.name)))
+    existing = [p for _, p in existing]
     for old in existing[:-keep_last] if keep_last > 0 else []:
         if old == path:
             continue
