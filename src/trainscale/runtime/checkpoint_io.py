@@ -3,7 +3,7 @@
 A write goes to a temporary file in the target directory, is fsync'ed, then renamed over
 the target with ``os.replace`` (atomic on POSIX), and the directory is fsync'ed so the rename
 survives a power loss. A SHA-256 of the bytes is written beside the file (``<name>.sha256``)
-and checked on load. Loads use ``torch.load(weights_only=True)``, which refuses to run
+and checked on load; a file without one is refused unless the caller passes ``verify=False``. Loads use ``torch.load(weights_only=True)``, which refuses to run
 arbitrary pickled code (https://pytorch.org/docs/stable/generated/torch.load.html).
 """
 
@@ -101,12 +101,18 @@ def save_file(obj: Any, path: str | os.PathLike) -> None:
     atomic_write_bytes(f"{os.fspath(path)}.sha256", writer.sha256.hexdigest().encode() + b"\n")
 
 
-def load_file(path: str | os.PathLike) -> Any:
+def load_file(path: str | os.PathLike, verify: bool = True) -> Any:
     """Load a file written by :func:`save_file` on the CPU, verifying its checksum.
+
+    Args:
+        verify: check the bytes against ``<path>.sha256`` and refuse a file without one (the default).
+            ``False`` loads without any check: only for a file you trust that was written some other
+            way (e.g. a plain ``torch.save``); a flipped bit then goes unnoticed.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        CheckpointError: the bytes do not match the recorded SHA-256, or torch cannot read them.
+        CheckpointError: ``path`` is a directory; the checksum file is missing (``verify=True``); the
+            bytes do not match the recorded SHA-256; or torch cannot read them.
     """
     import torch
 
@@ -118,20 +124,29 @@ def load_file(path: str | os.PathLike) -> Any:
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; pass an existing file, "
                                 "ckpt_path='last' to resume the newest run, or ckpt_path=None to start fresh")
     data = path.read_bytes()
-    digest_file = Path(f"{path}.sha256")
-    if digest_file.is_file():
-        expected = digest_file.read_text().strip()
-        actual = hashlib.sha256(data).hexdigest()
-        if expected != actual:
-            raise CheckpointError(f"checkpoint {str(path)!r} is corrupted or truncated ({len(data)} bytes, "
-                                  f"sha256 {actual[:12]}… but {expected[:12]}… was recorded when it was "
-                                  "written); resume from an earlier checkpoint or delete it")
+    if verify:
+        _verify(path, data)
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises several types for bad bytes
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''}); it is corrupted, truncated "
                               "or not a trainscale checkpoint: resume from an earlier one or delete it") from err
+
+
+def _verify(path: Path, data: bytes) -> None:
+    """Raise unless ``data`` (the bytes of ``path``) match the SHA-256 recorded in ``<path>.sha256``."""
+    digest_file = Path(f"{path}.sha256")
+    if not digest_file.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} has no checksum file {digest_file.name!r}, so it cannot "
+                              "be verified (a flipped bit would load silently); resume from a checkpoint written "
+                              "by trainscale, or, if you trust this file, load it unverified with verify=False")
+    expected = digest_file.read_text().strip()
+    actual = hashlib.sha256(data).hexdigest()
+    if expected != actual:
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupted or truncated ({len(data)} bytes, "
+                              f"sha256 {actual[:12]}… but {expected[:12]}… was recorded when it was "
+                              "written); resume from an earlier checkpoint or delete it")
 
 
 def _is_stateful(value: Any) -> bool:
@@ -156,19 +171,20 @@ def save_replicated(path, state: dict, world, unwrap: Callable) -> None:
     save_file(out, path)
 
 
-def load_replicated(path, state: dict, unwrap: Callable) -> dict:
-    """Load ``path`` on every rank; restore stateful objects of ``state`` in place.
+def load_replicated(path, state: dict, unwrap: Callable, verify: bool = True) -> dict:
+    """Load ``path`` on every rank (``verify``: as in :func:`load_file`); restore stateful objects of
+    ``state`` in place.
 
     Returns:
         The checkpoint's entries whose keys are not stateful objects in ``state``.
 
     Raises:
-        CheckpointError: a key of ``state`` is missing from the file, or the model's tensors
-            do not match (the message names the first mismatch).
+        CheckpointError: as :func:`load_file`; a key of ``state`` is missing from the file, or the
+            model's tensors do not match (the message names the first mismatch).
     """
     import torch
 
-    loaded = load_file(path)
+    loaded = load_file(path, verify)
     for key, value in state.items():
         if not _is_stateful(value):
             continue

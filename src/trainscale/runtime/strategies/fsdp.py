@@ -278,13 +278,16 @@ class FSDPStrategy:
             os.replace(tmp, path)
             checkpoint_io._fsync_dir(path.parent)
 
-    def load_checkpoint(self, path, state: dict) -> dict:
+    def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
         """Restore the modules and optimizers of ``state`` from the DCP directory ``path`` (any
         world size), the other stateful objects from its extra file; return the plain entries.
+        ``verify``: check the extra file's SHA-256 and refuse it without one (the shard files
+        have no checksum of their own).
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
-            CheckpointError: ``path`` is not a DCP checkpoint directory, or it does not fit.
+            CheckpointError: ``path`` is not a DCP checkpoint directory, the extra file has no
+                checksum or does not match it (``verify=True``), or it does not fit.
         """
         import torch.distributed.checkpoint as dcp
 
@@ -295,7 +298,7 @@ class FSDPStrategy:
             raise checkpoint_io.CheckpointError(
                 f"checkpoint {str(path)!r} is not a sharded (DCP) checkpoint directory written by strategy='fsdp'; "
                 "resume a 'single'/'ddp' checkpoint file with that strategy")
-        extra = checkpoint_io.load_file(path / _EXTRA)
+        extra = checkpoint_io.load_file(path / _EXTRA, verify)
         self._reshard()
         sharded, others = self._split(state)
         try:
@@ -323,14 +326,15 @@ class FSDPStrategy:
             checkpoint_io.save_file(full, path)
         dist.barrier()
 
-    def load_full_state_dict(self, path, module) -> None:
+    def load_full_state_dict(self, path, module, verify: bool = True) -> None:
         """Load a plain ``state_dict`` file (e.g. from :meth:`save_full_state_dict` or a
         single-device run) into the sharded ``module``: rank zero reads it and broadcasts each
         tensor, every rank keeps its shard (``broadcast_from_rank0=True``; without it the import
-        deadlocks in torch 2.13). All ranks must call it."""
+        deadlocks in torch 2.13). All ranks must call it. ``verify``: as in ``checkpoint_io.load_file``
+        (a plain ``torch.save`` file has no ``.sha256``: pass ``verify=False`` for one you trust)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        full = checkpoint_io.load_file(path) if self.world.rank == 0 else {}
+        full = checkpoint_io.load_file(path, verify) if self.world.rank == 0 else {}
         self._reshard()
         set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
