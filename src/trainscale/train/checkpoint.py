@@ -35,10 +35,34 @@ JOB_ID = "job_id"
 
 
 def next_run_dir(root: str | os.PathLike) -> Path:
-    """``root/version_N`` with N one more than the largest existing (0 for the first)."""
+    """``root/version_N`` with N one more than the largest existing (0 for the first). It claims
+    nothing: two runs started together get the same answer; create a run's directory with
+    :func:`claim_run_dir`."""
     root = Path(root)
     versions = [int(m.group(1)) for p in (root.iterdir() if root.is_dir() else []) if (m := _VERSION.match(p.name))]
     return root / f"version_{max(versions, default=-1) + 1}"
+
+
+def claim_run_dir(root: str | os.PathLike) -> Path:
+    """Create and return ``root/version_N``, N one more than the largest existing, claimed atomically:
+    of several processes or threads racing under one ``root``, each gets its own directory.
+
+    ``mkdir`` without ``exist_ok`` succeeds for exactly one caller (also on NFS v3+ and Lustre, where
+    directory creation is atomic on the server); a loser looks again and takes the next number. Each
+    retry follows a directory made by another caller, so the loop ends.
+
+    Raises:
+        OSError: ``root`` cannot be created (e.g. it is a file, or permission denied).
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    while True:
+        candidate = next_run_dir(root)
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue  # another run took this number between our listing and our mkdir
+        return candidate
 
 
 def _runs(root: Path, job_id: str | None) -> list[Path]:
