@@ -10,9 +10,11 @@ arbitrary pickled code (https://pytorch.org/docs/stable/generated/torch.load.htm
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
@@ -22,12 +24,41 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, truncated, tampered with, or does not fit the model."""
 
 
+# fsync of a directory: EINVAL or ENOTSUP on filesystems that cannot sync one (some NFS/FUSE/CIFS
+# mounts, per fsync(2)); the rename is then as durable as that filesystem makes it.
+_DIR_FSYNC_UNSUPPORTED = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as err:
+        if err.errno not in _DIR_FSYNC_UNSUPPORTED:
+            raise
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def disk_full_is_clear(path: Path) -> Iterator[None]:
+    """Turn "no space left on device" (ENOSPC, or EDQUOT: over quota) raised inside the block into a
+    :class:`CheckpointError` that says where and what to do.
+
+    Raises:
+        CheckpointError: the disk (or quota) holding ``path`` is full; chained to the ``OSError``.
+    """
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in _DISK_FULL:
+            raise
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+        raise CheckpointError(f"no space left on device while writing {str(path)!r} ({os.strerror(err.errno)}; "
+                              f"{free / 2**20:.1f} MiB free on the disk holding {str(path.parent)!r}); the "
+                              "file there before is unchanged and 'last' still names the previous checkpoint. "
+                              "Free space there, lower keep_last, or set default_root_dir to a larger disk") from err
 
 
 def _write_event(stage: str, path: Path) -> None:
@@ -38,21 +69,22 @@ def _write_event(stage: str, path: Path) -> None:
 @contextlib.contextmanager
 def _atomic_open(path: Path) -> Iterator[BinaryIO]:
     """A temporary file beside ``path``, fsync'ed and renamed over ``path`` when the block ends
-    without an error (deleted when it raises)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        _write_event("before-rename", path)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    without an error (deleted when it raises; a full disk raised as a clear :class:`CheckpointError`)."""
+    with disk_full_is_clear(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)  # mkstemp creates 0600
+            _write_event("before-rename", path)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     _write_event("after-rename", path)
     _fsync_dir(path.parent)
 
@@ -98,7 +130,11 @@ def save_file(obj: Any, path: str | os.PathLike) -> None:
     with _atomic_open(path) as f:
         writer = _HashingWriter(f, path)
         torch.save(obj, writer)
-    atomic_write_bytes(f"{os.fspath(path)}.sha256", writer.sha256.hexdigest().encode() + b"\n")
+    try:
+        atomic_write_bytes(f"{os.fspath(path)}.sha256", writer.sha256.hexdigest().encode() + b"\n")
+    except Exception:
+        path.unlink(missing_ok=True)  # without its checksum it would be refused: free its space now
+        raise
 
 
 def load_file(path: str | os.PathLike, verify: bool = True) -> Any:

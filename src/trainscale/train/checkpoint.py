@@ -151,21 +151,25 @@ def checkpoint_order(name: str) -> tuple[int, int] | None:
 def mark_last(path: Path, keep_last: int | None) -> None:
     """Point "last" at ``path`` (atomically), then delete all but the ``keep_last`` newest checkpoints."""
     atomic_write_bytes(path.parent / LAST, path.name.encode() + b"\n")
-    for stale in path.parent.glob(".*.tmp"):  # left by a process killed while writing (all writes are done here)
-        stale.unlink(missing_ok=True)
+    for stale in path.parent.glob(".*.tmp"):  # left by a process killed while writing (all writes are done here):
+        _remove(stale)                         # files, and directories of a killed sharded (fsdp) save
     if keep_last is None:
         return
     # ordered by the parsed (epoch, step), never as text: "step=1000000" < "step=999999" as text
     existing = sorted((order, p) for p in path.parent.iterdir() if (order := checkpoint_order(p.name)))
     existing = [p for _, p in existing]
     for old in existing[:-keep_last] if keep_last > 0 else []:
-        if old == path:
-            continue
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink(missing_ok=True)
+        if old != path:
+            _remove(old)
             Path(f"{old}.sha256").unlink(missing_ok=True)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint file or a sharded checkpoint directory."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def rng_state() -> dict:

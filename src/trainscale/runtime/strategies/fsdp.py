@@ -254,7 +254,11 @@ class FSDPStrategy:
         rank zero the other entries (``trainscale_extra.pt`` with its SHA-256).
 
         Written to ``.<name>.tmp`` first and renamed by rank zero when every rank has finished,
-        so a crash leaves no half checkpoint under the final name.
+        so a crash leaves no half checkpoint under the final name. A failed write (a full disk:
+        "no space left on device") raises on every rank and removes the temporary directory.
+
+        Raises:
+            CheckpointError: rank zero could not write the extra file (raised on every rank).
         """
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
@@ -267,16 +271,36 @@ class FSDPStrategy:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        dcp.save(sharded, checkpoint_id=str(tmp))
-        if self.world.rank == 0:
-            checkpoint_io.save_file({k: (v.state_dict() if checkpoint_io._is_stateful(v) else v)
-                                     for k, v in extra.items()}, tmp / _EXTRA)
-        dist.barrier()
+        try:
+            dcp.save(sharded, checkpoint_id=str(tmp))  # raises on every rank when one rank's write fails
+            self._save_extra(extra, tmp / _EXTRA)
+        except BaseException:
+            if self.world.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if self.world.rank == 0:
             if path.exists():
                 shutil.rmtree(path)
             os.replace(tmp, path)
             checkpoint_io._fsync_dir(path.parent)
+
+    def _save_extra(self, extra: dict, path: Path) -> None:
+        """Rank zero writes ``extra``; its error, if any, is raised on every rank (in place of a barrier,
+        which would leave the others waiting for a rank that has raised)."""
+        import torch.distributed as dist
+
+        error = [None]
+        if self.world.rank == 0:
+            try:
+                checkpoint_io.save_file({k: (v.state_dict() if checkpoint_io._is_stateful(v) else v)
+                                         for k, v in extra.items()}, path)
+            except Exception as err:  # noqa: BLE001 - sent to the other ranks, raised below
+                error = [f"{type(err).__name__}: {err}"]
+                dist.broadcast_object_list(error, src=0)
+                raise
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise checkpoint_io.CheckpointError(f"rank 0 failed to write the checkpoint: {error[0]}")
 
     def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
         """Restore the modules and optimizers of ``state`` from the DCP directory ``path`` (any
