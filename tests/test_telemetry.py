@@ -515,3 +515,18 @@ def test_mean_and_median_match_the_statistics_module():
         assert mean(values) == pytest.approx(statistics.fmean(values))
         assert median(values) == statistics.median(values)
     assert mean(v for v in (1.0, 2.0)) == 1.5  # a generator, as the processor passes
+
+
+def test_report_skips_the_torn_last_line_of_a_crashed_run_with_a_warning(tmp_path):
+    from trainscale.telemetry.report import load_run
+
+    good = [{"kind": "step", "step": 1, "epoch": 0, "rank": "all", "loss": 0.5},
+            {"kind": "step", "step": 2, "epoch": 0, "rank": "all", "loss": 0.4}]
+    text = "".join(json.dumps(r) + "\n" for r in good)
+    (tmp_path / "metrics.jsonl").write_text(text + '{"kind": "step", "step": 3, "lo')  # killed mid-write
+    with pytest.warns(UserWarning, match="skipped its torn last line 3"):
+        records, summary = load_run(tmp_path)
+    assert records == good and summary is None
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "st\n' + text)  # damage before the end is an error
+    with pytest.raises(ValueError, match="line 1 is not JSON"):
+        load_run(tmp_path)
