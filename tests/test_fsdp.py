@@ -186,8 +186,21 @@ def test_last_pointer_and_rotation_with_checkpoint_directories(tmp_path):
 def test_ddp_refuses_a_sharded_checkpoint_directory_clearly(tmp_path):
     from trainscale.runtime.checkpoint_io import load_file
 
+    (tmp_path / ".metadata").write_bytes(b"x")  # what DCP writes
     with pytest.raises(CheckpointError, match="is a directory.*strategy='fsdp'"):
         load_file(tmp_path)
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_named_as_such(tmp_path):
+    from trainscale.runtime.checkpoint_io import load_file
+    from trainscale.runtime.strategies.fsdp import FSDPStrategy
+
+    (tmp_path / "notes.txt").write_text("x")  # e.g. ckpt_path=<run dir> instead of a checkpoint in it
+    with pytest.raises(CheckpointError, match="is a directory, not a checkpoint; pass a checkpoint file"):
+        load_file(tmp_path)
+    strategy = FSDPStrategy(torch.device("cpu"), World(world_size=2, local_world_size=2))
+    with pytest.raises(CheckpointError, match="is a directory but not a sharded checkpoint \\(no .metadata"):
+        strategy.load_checkpoint(tmp_path, {})
 
 
 def test_fsdp_refuses_a_checkpoint_file_clearly(tmp_path):

@@ -153,9 +153,12 @@ def load_file(path: str | os.PathLike, verify: bool = True) -> Any:
     import torch
 
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() and (path / ".metadata").is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} is a directory: a sharded checkpoint written by "
                               "strategy='fsdp'; resume it with strategy='fsdp'")
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} is a directory, not a checkpoint; pass a checkpoint file "
+                              "(<run>/checkpoints/epoch=E-step=S.pt) or ckpt_path='last'")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; pass an existing file, "
                                 "ckpt_path='last' to resume the newest run, or ckpt_path=None to start fresh")

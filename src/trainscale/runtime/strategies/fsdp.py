@@ -318,6 +318,11 @@ class FSDPStrategy:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+        if path.is_dir() and not (path / ".metadata").is_file():
+            raise checkpoint_io.CheckpointError(
+                f"checkpoint {str(path)!r} is a directory but not a sharded checkpoint (no .metadata in it); pass "
+                "a checkpoint directory <run>/checkpoints/epoch=E-step=S written by strategy='fsdp', or "
+                "ckpt_path='last'")
         if not (path / ".metadata").is_file() or not (path / _EXTRA).is_file():
             raise checkpoint_io.CheckpointError(
                 f"checkpoint {str(path)!r} is not a sharded (DCP) checkpoint directory written by strategy='fsdp'; "
