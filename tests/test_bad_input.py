@@ -1,5 +1,7 @@
 """Bad input: a clear exception that names the fix, before any process group can hang."""
 
+import hashlib
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -89,5 +91,7 @@ def test_missing_and_corrupted_checkpoint_fail_on_every_rank_without_hanging(tmp
         assert rank_result.startswith("FileNotFoundError") and "does not exist" in rank_result
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint" * 10)
+    # its checksum is right: the bytes themselves cannot be read (a file with no checksum is refused earlier)
+    (tmp_path / "garbage.pt.sha256").write_text(hashlib.sha256(b"not a checkpoint" * 10).hexdigest() + "\n")
     for rank_result in run_distributed(workers.bad_ckpt_body, str(garbage), timeout=60):
         assert rank_result.startswith("CheckpointError") and "cannot be read" in rank_result

@@ -13,6 +13,7 @@ from tests import module_workers as mw
 from tests import workers
 from tests.helpers import run_distributed
 from trainscale.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from trainscale.train import checkpoint as ckpt
 from trainscale.train.module import TrainingModule
 from trainscale.train.optimizers import parse_optimization
 from trainscale.train.trainer import Trainer
@@ -311,7 +312,7 @@ def test_resuming_an_older_checkpoint_never_writes_into_its_run(tmp_path):
     _trainer(tmp_path / "a", max_epochs=3).fit(workers.make_model(), loader, optimizer=workers.sgd)
     run_a = tmp_path / "a" / "version_0"
     before = _files(run_a)
-    older = run_a / "checkpoints" / "epoch=0001-step=000002.pt"
+    older = run_a / "checkpoints" / ckpt.checkpoint_name(1, 2)
     assert older.exists()
     trainer = _trainer(tmp_path / "b", max_epochs=3)
     summary = trainer.fit(workers.make_model(), loader, optimizer=workers.sgd, ckpt_path=older)

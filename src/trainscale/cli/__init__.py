@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    run = sub.add_parser("run", help="run a script on N processes per node under torchrun",
+    run = sub.add_parser("run", help="run a script on N processes per node under torchrun", allow_abbrev=False,
                          description="Start SCRIPT on N processes (per node) with torchrun "
                                      "(python -m torch.distributed.run). Example: trainscale run -n 2 train.py --lr 1e-3")
     run.add_argument("-n", "--nproc-per-node", type=int, default=1, metavar="N",
@@ -147,8 +147,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     torchrun = launch.torchrun_args(args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
                                     rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
                                     max_restarts=args.max_restarts, run_id=args.rdzv_id)
-    launch.exec_torchrun(torchrun, [args.script, *args.script_args], args.nproc_per_node)
-    return 0  # not reached
+    entry = [args.script, *args.script_args]
+    launch.check_entry(entry)
+    if args.rdzv_endpoint is not None:
+        launch.check_rendezvous(args.rdzv_endpoint)
+        print(f"trainscale run: waiting at the rendezvous {args.rdzv_endpoint} for {args.nnodes} node(s) "
+              f"(job id {args.rdzv_id or 'none'}); start the same command on every node", file=sys.stderr, flush=True)
+    return launch.run_torchrun(torchrun, entry, args.nproc_per_node, args.max_restarts)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -428,18 +428,23 @@ class Runtime:
         self.strategy.save_checkpoint(path, state)
         self.barrier()
 
-    def load(self, path: str | os.PathLike, state: dict | None = None) -> dict:
+    def load(self, path: str | os.PathLike, state: dict | None = None, verify: bool = True) -> dict:
         """Restore the stateful objects of ``state`` in place from ``path``.
+
+        ``verify=True`` (the default) checks the SHA-256 recorded beside the checkpoint when it was
+        written and refuses one without it; ``verify=False`` loads it unchecked (a file you trust
+        that was written by other means).
 
         Returns:
             The checkpoint's other entries (e.g. epoch counters).
 
         Raises:
             FileNotFoundError: ``path`` does not exist (checked on every rank before any collective).
-            trainscale.runtime.checkpoint_io.CheckpointError: a corrupted or mismatched checkpoint.
+            trainscale.runtime.checkpoint_io.CheckpointError: a corrupted, unverifiable (no checksum
+                file, ``verify=True``) or mismatched checkpoint.
         """
         self.launch()
-        rest = self.strategy.load_checkpoint(path, dict(state or {}))
+        rest = self.strategy.load_checkpoint(path, dict(state or {}), verify=verify)
         self.precision.load_state_dict(rest.pop("precision", {}))
         return rest
 

@@ -114,7 +114,9 @@ class _Buffered:
     ``kind`` is not "step", and at close."""
 
     flush_secs = 5.0
-    _flushed = float("-inf")  # the first record flushes, however long ago the monotonic clock started
+    # -inf, not 0.0: time.monotonic() counts from an arbitrary point (boot on Linux), so on a machine
+    # up for less than flush_secs a 0.0 start would keep the first records buffered.
+    _flushed = -math.inf
 
     def _after_write(self, record: dict[str, Any]) -> None:
         now = time.monotonic()

@@ -52,7 +52,7 @@ def save(runtime: Any, path: Path | None, run_dir: Path, fit: Any, state: TrainS
 
 
 def load(runtime: Any, path: Path, model: Any, optimizers, schedulers, state: TrainState,
-         callbacks=()) -> tuple[ResumePoint, dict]:
+         callbacks=(), verify: bool = True) -> tuple[ResumePoint, dict]:
     """Restore model, optimizers, schedulers, ``state`` and the ``callbacks``' states in place from ``path``.
 
     Returns:
@@ -64,7 +64,7 @@ def load(runtime: Any, path: Path, model: Any, optimizers, schedulers, state: Tr
     """
     configured = [[g["lr"] for g in o.param_groups] for o in optimizers]
     objects = {"model": model, **_keyed("optimizer", optimizers), **_keyed("scheduler", [s.scheduler for s in schedulers])}
-    rest = runtime.load(path, objects)
+    rest = runtime.load(path, objects, verify=verify)  # verify=False: no .sha256 needed (the user's opt-out)
     saved = rest.get("optimizer_classes")
     current = [type(o).__name__ for o in optimizers]
     if saved is not None and list(saved) != current:

@@ -88,7 +88,6 @@ class Trainer:
         self._fit: FitRun | None = None
         self.is_step_end = False  # in on_train_batch_end: this micro-batch ended an optimizer step
 
-    # -- what callbacks and the module read -------------------------------------------------------
     @property
     def global_step(self) -> int:
         return self.state.global_step
@@ -113,9 +112,9 @@ class Trainer:
     # -- fit ----------------------------------------------------------------------------------------
     def fit(self, model: nn.Module, train_dataloaders: torch.utils.data.DataLoader,
             val_dataloaders: torch.utils.data.DataLoader | None = None, *, loss_fn: Callable | None = None,
-            optimizer: Callable | torch.optim.Optimizer | None = None, ckpt_path: str | Path | None = None) -> dict:
-        """Train ``model``; validate and checkpoint at each epoch end. Returns the run summary (also in
-        ``<run dir>/summary.json``).
+            optimizer: Callable | torch.optim.Optimizer | None = None, ckpt_path: str | Path | None = None,
+            ckpt_verify: bool = True) -> dict:
+        """Train ``model``; validate and checkpoint at each epoch end. Returns the run summary (``summary.json``).
 
         ``model``: a plain ``nn.Module`` (``(inputs, targets)`` batches, ``loss_fn``, default cross-entropy) or
         one with ``training_step``. ``train_dataloaders``: per-device ``batch_size``; its sampler is replaced by a
@@ -124,8 +123,9 @@ class Trainer:
         either may return any of Lightning's forms. ``ckpt_path``: a checkpoint, "last" (this script's newest
         run under ``default_root_dir``; a warning and a fresh start when there is none) or None; resuming a
         run's newest checkpoint continues its directory, any other starts a new ``version_N``. After a
-        torchrun restart or a SLURM requeue, None resumes this job's "last". Under "ddp_spawn" the body runs
-        in spawned processes and rank 0's weights are loaded back into ``model``.
+        torchrun restart or a SLURM requeue, None resumes this job's "last". ``ckpt_verify=False`` loads a
+        checkpoint whose ``.sha256`` is missing (refused by default). Under "ddp_spawn"/"ddp_notebook" the body
+        runs in processes started here and rank 0's weights are loaded back into ``model``.
 
         Raises:
             FileNotFoundError / CheckpointError: a missing or corrupted ``ckpt_path``.
@@ -135,12 +135,12 @@ class Trainer:
         """
         if self.runtime.spawns:
             return self._spawn("fit", model, train_dataloaders=train_dataloaders, val_dataloaders=val_dataloaders,
-                               loss_fn=loss_fn, optimizer=optimizer, ckpt_path=ckpt_path)
+                               loss_fn=loss_fn, optimizer=optimizer, ckpt_path=ckpt_path, ckpt_verify=ckpt_verify)
         cfg = self.config
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
         try:
-            return self._run_fit(model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path)
+            return self._run_fit(model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, ckpt_verify)
         except BaseException as err:
             self._call("on_exception", err)
             explained = self._faults.diagnose(err, f"at epoch {self.current_epoch}, step {self.global_step}")
@@ -153,12 +153,12 @@ class Trainer:
                 self._fit.sink.close("failed")
             self._fit = None
 
-    def _run_fit(self, model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path) -> dict:
+    def _run_fit(self, model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, verify) -> dict:
         rt, cfg = self.runtime, self.config
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
         ckpt.seed_everything(cfg.seed)
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
-        point = self._load(resume_from) if resume_from is not None else None
+        point = self._load(resume_from, verify) if resume_from is not None else None
         self.run_dir = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)
         self._faults.start(self.run_dir)
         fit.sink = RecordWriter(self.run_dir, cfg.tensorboard, self.loggers, hyperparams(self, model)) \
@@ -344,9 +344,9 @@ class Trainer:
         self._faults.phase = previous
         return target
 
-    def _load(self, path: Path) -> ResumePoint:
+    def _load(self, path: Path, verify: bool) -> ResumePoint:
         point, states = checkpointer.load(self.runtime, path, self._fit.model, self.optimizers, self.schedulers,
-                                          self.state, self.callbacks)
+                                          self.state, self.callbacks, verify)
         self._call("on_load_checkpoint", states)
         return point
 

@@ -66,8 +66,10 @@ class Strategy(Protocol):
     def save_checkpoint(self, path: Any, state: dict) -> None:
         """Write ``state`` (modules, optimizers, plain values) to ``path`` without corrupting it."""
 
-    def load_checkpoint(self, path: Any, state: dict) -> dict:
-        """Restore objects of ``state`` in place from ``path``; return the entries not in ``state``."""
+    def load_checkpoint(self, path: Any, state: dict, verify: bool = True) -> dict:
+        """Restore objects of ``state`` in place from ``path``; return the entries not in ``state``.
+        ``verify``: check the recorded SHA-256 and refuse a checkpoint without one
+        (``checkpoint_io.load_file``)."""
 
     def teardown(self) -> None:
         """Release what the strategy holds."""

@@ -136,8 +136,8 @@ class DataParallelStrategy:
     def save_checkpoint(self, path, state: dict) -> None:
         checkpoint_io.save_replicated(path, state, self.world, self.unwrap)
 
-    def load_checkpoint(self, path, state: dict) -> dict:
-        return checkpoint_io.load_replicated(path, state, self.unwrap)
+    def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
+        return checkpoint_io.load_replicated(path, state, self.unwrap, verify)
 
     def teardown(self) -> None:
         pass

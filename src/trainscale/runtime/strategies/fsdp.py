@@ -269,7 +269,11 @@ class FSDPStrategy:
         rank zero the other entries (``trainscale_extra.pt`` with its SHA-256).
 
         Written to ``.<name>.tmp`` first and renamed by rank zero when every rank has finished,
-        so a crash leaves no half checkpoint under the final name.
+        so a crash leaves no half checkpoint under the final name. A failed write (a full disk:
+        "no space left on device") raises on every rank and removes the temporary directory.
+
+        Raises:
+            CheckpointError: rank zero could not write the extra file (raised on every rank).
         """
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
@@ -282,35 +286,63 @@ class FSDPStrategy:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        dcp.save(sharded, checkpoint_id=str(tmp))
-        if self.world.rank == 0:
-            checkpoint_io.save_file({k: (v.state_dict() if checkpoint_io._is_stateful(v) else v)
-                                     for k, v in extra.items()}, tmp / _EXTRA)
-        dist.barrier()
+        try:
+            dcp.save(sharded, checkpoint_id=str(tmp))  # raises on every rank when one rank's write fails
+            self._save_extra(extra, tmp / _EXTRA)
+        except BaseException:
+            if self.world.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if self.world.rank == 0:
             if path.exists():
                 shutil.rmtree(path)
             os.replace(tmp, path)
             checkpoint_io._fsync_dir(path.parent)
 
-    def load_checkpoint(self, path, state: dict) -> dict:
+    def _save_extra(self, extra: dict, path: Path) -> None:
+        """Rank zero writes ``extra``; its error, if any, is raised on every rank (in place of a barrier,
+        which would leave the others waiting for a rank that has raised)."""
+        import torch.distributed as dist
+
+        error = [None]
+        if self.world.rank == 0:
+            try:
+                checkpoint_io.save_file({k: (v.state_dict() if checkpoint_io._is_stateful(v) else v)
+                                         for k, v in extra.items()}, path)
+            except Exception as err:  # noqa: BLE001 - sent to the other ranks, raised below
+                error = [f"{type(err).__name__}: {err}"]
+                dist.broadcast_object_list(error, src=0)
+                raise
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise checkpoint_io.CheckpointError(f"rank 0 failed to write the checkpoint: {error[0]}")
+
+    def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
         """Restore the modules and optimizers of ``state`` from the DCP directory ``path`` (any
         world size), the other stateful objects from its extra file; return the plain entries.
+        ``verify``: check the extra file's SHA-256 and refuse it without one (the shard files
+        have no checksum of their own).
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
-            CheckpointError: ``path`` is not a DCP checkpoint directory, or it does not fit.
+            CheckpointError: ``path`` is not a DCP checkpoint directory, the extra file has no
+                checksum or does not match it (``verify=True``), or it does not fit.
         """
         import torch.distributed.checkpoint as dcp
 
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+        if path.is_dir() and not (path / ".metadata").is_file():
+            raise checkpoint_io.CheckpointError(
+                f"checkpoint {str(path)!r} is a directory but not a sharded checkpoint (no .metadata in it); pass "
+                "a checkpoint directory <run>/checkpoints/epoch=E-step=S written by strategy='fsdp', or "
+                "ckpt_path='last'")
         if not (path / ".metadata").is_file() or not (path / _EXTRA).is_file():
             raise checkpoint_io.CheckpointError(
                 f"checkpoint {str(path)!r} is not a sharded (DCP) checkpoint directory written by strategy='fsdp'; "
                 "resume a 'single'/'ddp' checkpoint file with that strategy")
-        extra = checkpoint_io.load_file(path / _EXTRA)
+        extra = checkpoint_io.load_file(path / _EXTRA, verify)
         self._reshard()
         sharded, others = self._split(state)
         try:
@@ -338,14 +370,15 @@ class FSDPStrategy:
             checkpoint_io.save_file(full, path)
         dist.barrier()
 
-    def load_full_state_dict(self, path, module) -> None:
+    def load_full_state_dict(self, path, module, verify: bool = True) -> None:
         """Load a plain ``state_dict`` file (e.g. from :meth:`save_full_state_dict` or a
         single-device run) into the sharded ``module``: rank zero reads it and broadcasts each
         tensor, every rank keeps its shard (``broadcast_from_rank0=True``; without it the import
-        deadlocks in torch 2.13). All ranks must call it."""
+        deadlocks in torch 2.13). All ranks must call it. ``verify``: as in ``checkpoint_io.load_file``
+        (a plain ``torch.save`` file has no ``.sha256``: pass ``verify=False`` for one you trust)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        full = checkpoint_io.load_file(path) if self.world.rank == 0 else {}
+        full = checkpoint_io.load_file(path, verify) if self.world.rank == 0 else {}
         self._reshard()
         set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
