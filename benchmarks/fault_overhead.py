@@ -4,8 +4,9 @@
 
 Measures, in one run on this machine: a plain ConvNet SGD step (batch 32, CPU), the per-micro-batch
 non-finite bookkeeping (``FaultTolerance.observe_loss``: the loss kept, stacked on the device every 256), the per-step watchdog ``pet`` and
-``due`` (a clock read), the per-step host sync of ``on_nonfinite="skip"``, and the 2·W-element
-all-reduce of ``poll`` on 2 gloo ranks (run every ``log_every_n_steps`` steps). Prints microseconds
+``due`` (a clock read), the per-step host sync of ``on_nonfinite="skip"``, and the 3·W-element
+all-reduce of ``poll`` on 2 gloo ranks (run after about a second of steps, at most every
+``log_every_n_steps`` steps). Prints microseconds
 and ratios to the step.
 """
 
@@ -32,7 +33,7 @@ def _poll_rank(rank, port, q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    vec = torch.zeros(4, dtype=torch.float32)  # as in FaultTolerance.poll: (signal, loss sum) per rank
+    vec = torch.zeros(2, 3, dtype=torch.float32)  # as in FaultTolerance.poll: (signal, loss sum, step time) per rank
     us = per_call(lambda: dist.all_reduce(vec), n=500)
     if rank == 0:
         q.put(us)
@@ -83,7 +84,7 @@ def main() -> None:
                      ("due + watchdog pet (per step)", due_us),
                      ("watchdog re-arm (every timeout/4 s)", rearm_us),
                      ("'skip' host sync (.item(), per step)", sync_us),
-                     ("poll all-reduce, 2 gloo ranks (every N steps)", poll_us)):
+                     ("poll all-reduce, 2 gloo ranks (every ~1 s of steps)", poll_us)):
         print(f"{name:52s} {us:9.1f} us  = {us / step_us:7.2%} of a step")
 
 

@@ -3,13 +3,16 @@
 Each rank appends the sample ids of every micro-batch it trains on to
 ``OUT/ids-rank{R}-attempt{A}.jsonl`` (one line per micro-batch, flushed, so a SIGKILL loses nothing
 written before it) and, at the end, saves its weights to ``OUT/final-rank{R}.pt``.
-``--kill-at-step S`` makes rank 1 SIGKILL itself at optimizer step S of the first attempt.
+``--kill-at-step S`` makes rank 1 SIGKILL itself at optimizer step S of the first attempt;
+``--stall-at-step S`` makes it stall there for good (after writing ``OUT/stalled``).
 """
 
 import argparse
 import json
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -37,8 +40,9 @@ class Indexed(Dataset):
 
 
 class Recording(torch.nn.Module):
-    def __init__(self, out: Path, kill_at: int | None) -> None:
+    def __init__(self, out: Path, kill_at: int | None, stall_at: int | None = None) -> None:
         super().__init__()
+        self.out, self.stall_at = out, stall_at
         torch.manual_seed(0)
         self.net = ConvNet(batchnorm=False)
         self.trainer = None
@@ -52,6 +56,9 @@ class Recording(torch.nn.Module):
         step, epoch = self.trainer.global_step, self.trainer.current_epoch
         if self.kill_at is not None and self.attempt == 0 and self.rank == 1 and step == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.stall_at is not None and self.rank == 1 and step == self.stall_at:
+            (self.out / "stalled").write_text(str(time.time()))
+            threading.Event().wait()  # a deadlock, as far as the loop can tell
         self.log.write(json.dumps({"epoch": epoch, "step": step, "ids": ids.tolist()}) + "\n")
         self.log.flush()
         return F.cross_entropy(self.net(x), y)
@@ -63,14 +70,16 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--kill-at-step", type=int, default=None)
+    p.add_argument("--stall-at-step", type=int, default=None)
     p.add_argument("--every", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=60)
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(devices="auto", max_epochs=args.epochs, seed=0, default_root_dir=out / "runs",
                       enable_progress_bar=False, checkpoint_every_n_steps=args.every, log_every_n_steps=5,
-                      timeout=60)
-    model = Recording(out, args.kill_at_step)
+                      timeout=args.timeout)
+    model = Recording(out, args.kill_at_step, args.stall_at_step)
     model.trainer = trainer
     trainer.fit(model, DataLoader(Indexed(96), batch_size=4, shuffle=True),
                 optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9))

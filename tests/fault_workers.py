@@ -112,6 +112,39 @@ def hang_body(rank: int, root: str, timeout: float) -> dict:
     return {"error": None}
 
 
+# -- signals ---------------------------------------------------------------------------------------
+def slow_steps_sigterm_body(rank: int, root: str, step_s: float, signal_at: int) -> dict:
+    """Steps of at least ``step_s`` seconds, ``log_every_n_steps=50``; rank 1 alone receives SIGTERM
+    during optimizer step ``signal_at``. Returns what ``Preempted`` carried (or that fit ended)."""
+    from trainscale.train.fault import Preempted
+
+    def hook(model, step):
+        time.sleep(step_s)
+        if rank == 1 and step == signal_at and not hook.sent:
+            hook.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    hook.sent = False
+    try:
+        _, summary = fit(root, hook=hook, n=192, epochs=1, log_every_n_steps=50)
+    except Preempted as stop:
+        return {"code": stop.code, "path": stop.path}
+    return {"code": None, "steps": summary["steps"]}
+
+
+def stuck_rank_body(rank: int, root: str) -> None:
+    """Rank 1 stalls for good in optimizer step 2 (after writing ``rank1-stuck``); rank 0 then blocks in
+    the gradient all-reduce. The collective timeout (300 s) is far away: only a signal ends them."""
+    import threading
+
+    def hook(model, step):
+        if rank == 1 and step == 2:
+            (Path(root) / "rank1-stuck").touch()
+            threading.Event().wait()  # a deadlock, as far as the loop can tell
+
+    fit(root, hook=hook, n=96, epochs=1, timeout=300)
+
+
 # -- save crash ------------------------------------------------------------------------------------
 def crash_scenarios(root: str) -> None:
     """For each write stage of the second checkpoint, fork a child that trains and is SIGKILLed at that
@@ -130,6 +163,8 @@ def crash_scenarios(root: str) -> None:
             saves = {"n": 0}
 
             def event(at, path, name=name, stage=stage):
+                if not (path.name == "last" or path.name.startswith("epoch=")):
+                    return  # the run directory's own small files (job_id, script)
                 kind = "last" if path.name == "last" else ("sha256" if path.name.endswith(".sha256") else "ckpt")
                 if kind == "ckpt" and at == "partial":
                     saves["n"] += 1

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,3 +53,21 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout: floa
                     p.kill()
                     p.join()
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def run_python(args: list, tmp_path: Path, stdin: str | None = None,
+               timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    """``python ARGS`` run in ``tmp_path`` as a user runs it, with this checkout's sources importable and
+    temporary files under ``tmp_path/tmp``: (the completed process, seconds it took).
+
+    Raises:
+        subprocess.TimeoutExpired: still running after ``timeout`` seconds (a hang; the process is killed).
+    """
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+           "TMPDIR": str(tmp_path / "tmp")}
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True, timeout=timeout,
+                         cwd=tmp_path, env=env)
+    return out, time.monotonic() - start

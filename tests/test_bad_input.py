@@ -1,5 +1,7 @@
 """Bad input: a clear exception that names the fix, before any process group can hang."""
 
+import hashlib
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -56,9 +58,11 @@ def test_missing_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist; pass an existing checkpoint file, 'last', or None"):
         trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=4), optimizer=workers.sgd,
                     ckpt_path=tmp_path / "missing.pt")
-    with pytest.raises(FileNotFoundError, match="no run under .* has a checkpoint"):
-        trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=4), optimizer=workers.sgd,
-                    ckpt_path="last")
+    # issue 15: "last" on a first run warns and starts fresh, as Lightning does
+    with pytest.warns(UserWarning, match="no run of .* has a checkpoint; starting fresh"):
+        summary = trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=4),
+                              optimizer=workers.sgd, ckpt_path="last")
+    assert summary["steps"] == 4 and summary["resumed_from"] is None
 
 
 def test_corrupted_checkpoint(tmp_path):
@@ -87,5 +91,7 @@ def test_missing_and_corrupted_checkpoint_fail_on_every_rank_without_hanging(tmp
         assert rank_result.startswith("FileNotFoundError") and "does not exist" in rank_result
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint" * 10)
+    # its checksum is right: the bytes themselves cannot be read (a file with no checksum is refused earlier)
+    (tmp_path / "garbage.pt.sha256").write_text(hashlib.sha256(b"not a checkpoint" * 10).hexdigest() + "\n")
     for rank_result in run_distributed(workers.bad_ckpt_body, str(garbage), timeout=60):
         assert rank_result.startswith("CheckpointError") and "cannot be read" in rank_result

@@ -226,3 +226,66 @@ def test_cell_outcome_from_what_the_cell_left(tmp_path):
     assert _cell_outcome(tmp_path, 0, False, 60) == ("ok", "", {"steps": 3})
     status, note, _ = _cell_outcome(tmp_path, 1, False, 60)  # a process failed while exiting, after the result
     assert status == "ok" and "exited with code 1" in note
+
+
+def assert_efficiencies_quoted_match(text, rows, devices):
+    """Every 'efficiency X ... at bs Y' the advice quotes is the table's efficiency of that cell."""
+    import re
+
+    quoted = re.findall(r"efficiency (?:rises to )?(\d\.\d\d),? at bs (\d+)", text)
+    for value, bs in quoted:
+        cell = next(r for r in rows if r["devices"] == devices and r["batch_size"] == int(bs))
+        assert f"{cell['efficiency']:.2f}" == value, (value, bs, cell["efficiency"])
+    return len(quoted)
+
+
+def test_forward_that_slowed_is_compute_not_communication_and_no_false_batch_tip():
+    """The case found wrong: on 2 processes forward itself slowed (6 → 20 ms) while the all-reduce took
+    26 % of the step, and the larger batch was *less* efficient. It was called communication-bound with
+    "larger batches amortize it"."""
+    rows = scaled(row(1, 16, time_s=2.0, steps=100, telemetry=tel(0.02, fwd=0.006)),
+                  row(2, 16, time_s=2.5, steps=50, telemetry=tel(0.05, comm=0.013, fwd=0.02)),
+                  row(1, 64, time_s=8.0, steps=100, telemetry=tel(0.08, fwd=0.024)),
+                  row(2, 64, time_s=12.0, steps=50, telemetry=tel(0.24, comm=0.01, fwd=0.1)))
+    kind, text = adv.diagnose(rows[1], rows)
+    assert kind == "compute"
+    assert "forward grew most, from 6.0 ms per step on 1 device(s) to 20.0 ms (+14.0 ms)" in text
+    assert "amortize" not in text and "Larger batches did not help here (best efficiency 0.33, at bs 64)" in text
+    assert assert_efficiencies_quoted_match(text, rows, 2) == 1
+
+
+def test_communication_advice_recommends_larger_batches_only_when_the_table_shows_it_helps():
+    def table_with(eff64_time):
+        return scaled(row(1, 16, time_s=2.0, steps=100, telemetry=tel(0.02)),
+                      row(2, 16, time_s=4.0, steps=50, telemetry=tel(0.08, comm=0.05)),
+                      row(1, 64, time_s=8.0, steps=100, telemetry=tel(0.08)),
+                      row(2, 64, time_s=eff64_time, steps=50, telemetry=tel(0.08 * eff64_time / 4, comm=0.03)))
+    helps = table_with(5.0)  # bs 64: efficiency 0.80 > 0.25
+    kind, text = adv.diagnose(helps[1], helps)
+    assert kind == "communication" and "all-reduce grew most, from 0.0 ms per step on 1 device(s) to 50.0 ms" in text
+    assert "A larger per-device batch amortizes it: efficiency rises to 0.80 at bs 64" in text
+    assert assert_efficiencies_quoted_match(text, helps, 2) == 1
+    worse = table_with(20.0)  # bs 64: efficiency 0.20 < 0.25
+    kind, text = adv.diagnose(worse[1], worse)
+    assert kind == "communication" and "amortize" not in text
+    assert "Larger batches did not help here (best efficiency 0.20, at bs 64)" in text
+    assert "accumulate_grad_batches" in text
+    assert assert_efficiencies_quoted_match(text, worse, 2) == 1
+
+
+def test_each_class_is_named_by_the_phase_that_grew():
+    """One table per class, built so that class is true; the advice names it and its phase."""
+    base = row(1, 32, time_s=2.0, steps=100, telemetry=tel(0.02, data=0.002))
+    cases = {"data": tel(0.05, data=0.03, comm=0.001), "communication": tel(0.05, data=0.002, comm=0.03),
+             "compute": tel(0.05, data=0.002, comm=0.001, fwd=0.03)}
+    phases = {"data": "data grew most", "communication": "all-reduce grew most", "compute": "forward grew most"}
+    for kind, t in cases.items():
+        rows = scaled(base, row(2, 32, time_s=2.5, steps=50, telemetry=t))
+        got, text = adv.diagnose(rows[1], rows)
+        assert got == kind and phases[kind] in text, (kind, text)
+
+
+def test_fastest_sentence_says_faster_for_a_faster_cell():
+    rows = scaled(row(1, 64, time_s=10.0), row(2, 64, time_s=6.0, steps=50))
+    text = adv.advise(rows)[0]
+    assert "1.67× faster than 1 device(s)" in text and "the 1-device epoch time" not in text

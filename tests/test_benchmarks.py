@@ -42,16 +42,6 @@ def test_overhead_prints_every_workload():
     assert all(float(row[10]) == 0.0 for row in table_rows(stdout, "plain"))  # µs over itself
 
 
-def test_bytecodes_counts_every_variant_and_names_the_trainers_extra_work():
-    stdout = run_bench("bytecodes.py", "--detail", "trainer", "--top", "40")
-    rows = {row[0]: row for row in table_rows(stdout, "plain") + table_rows(stdout, "runtime")
-            + table_rows(stdout, "trainer") + table_rows(stdout, "trainer-lean")}
-    assert float(rows["plain"][2]) == 0.0 and float(rows["plain"][1]) > 1000  # AdamW alone runs ~7,500 a step
-    assert float(rows["trainer"][2]) > float(rows["trainer-lean"][2])  # telemetry and the bar do add work
-    assert "trainscale/train/trainer.py:_fit" in stdout  # the per-function list names the Trainer's loop
-
-
-@pytest.mark.multiprocess
 def test_ddp_counts_one_all_reduce_per_optimizer_step():
     # one interleaved launch (plain and Trainer), then one launch each of plain, Trainer and the
     # Trainer relaunching itself under torchrun

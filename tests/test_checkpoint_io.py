@@ -34,14 +34,35 @@ def test_garbage_without_checksum_is_a_clear_error(tmp_path):
     path = tmp_path / "ckpt.pt"
     path.write_bytes(os.urandom(300))
     with pytest.raises(CheckpointError, match="cannot be read"):
-        checkpoint_io.load_file(path)
+        checkpoint_io.load_file(path, verify=False)
 
 
 def test_weights_only_refuses_arbitrary_objects(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"obj": _Evil()}, path)
-    with pytest.raises(CheckpointError):
-        checkpoint_io.load_file(path)
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        checkpoint_io.load_file(path, verify=False)
+
+
+def test_a_checkpoint_without_its_checksum_file_is_refused_unless_verify_false(tmp_path):
+    from trainscale.runtime.runtime import Runtime
+
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    rt = Runtime(accelerator="cpu", devices=1)
+    rt.save(tmp_path / "c.pt", {"model": model})
+    data = bytearray((tmp_path / "c.pt").read_bytes())
+    data[data.index(torch.ones(6).numpy().tobytes()) + 2] ^= 0x40  # a flipped bit: weight[0, 0] 1.0 -> 1.5
+    (tmp_path / "c.pt").write_bytes(bytes(data))
+    (tmp_path / "c.pt.sha256").unlink()  # lost, or never copied with the checkpoint
+    for load in (lambda: checkpoint_io.load_file(tmp_path / "c.pt"),
+                 lambda: rt.load(tmp_path / "c.pt", {"model": torch.nn.Linear(3, 2)})):
+        with pytest.raises(CheckpointError, match="has no checksum file 'c.pt.sha256'.*verify=False"):
+            load()
+    restored = torch.nn.Linear(3, 2)
+    rt.load(tmp_path / "c.pt", {"model": restored}, verify=False)  # the explicit opt-out loads it as it is
+    assert restored.weight[0, 0].item() == 1.5 and restored.weight.flatten()[1:].eq(1.0).all()
 
 
 class _Evil:

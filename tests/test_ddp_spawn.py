@@ -1,13 +1,15 @@
 """strategy="ddp_spawn": the ranks are started by torch.multiprocessing spawn from this (the parent)
 process; rank 0's summary and trained weights come back. Parity with plain PyTorch, as for ddp."""
 
-import functools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from tests import workers, workers_strategies
+from tests.helpers import run_python
 from trainscale.runtime.runtime import Runtime
 from trainscale.train.trainer import Trainer
 
@@ -23,7 +25,8 @@ def test_trainer_fit_in_spawned_ranks_equals_plain_pytorch_and_returns_weights(t
     before = {k: v.clone() for k, v in model.state_dict().items()}
     summary = trainer.fit(model, DataLoader(workers.tiny_dataset(96), batch_size=b, shuffle=True),
                           DataLoader(workers.tiny_dataset(50, seed=1), batch_size=8), optimizer=workers.sgd)
-    assert summary["world_size"] == 2 and summary["strategy"] == "ddp_spawn" and summary["global_batch_size"] == 2 * b
+    assert trainer.runtime.config.strategy == "ddp" and trainer.runtime.config.start_method == "spawn"
+    assert summary["world_size"] == 2 and summary["strategy"] == "ddp" and summary["global_batch_size"] == 2 * b
     assert summary["epochs"] == epochs and trainer.global_step == epochs * 96 // (2 * b)
     assert (tmp_path / "version_0" / "summary.json").is_file()
     reference = workers.plain_pytorch_reference(2 * b, epochs)
@@ -37,41 +40,115 @@ def test_runtime_launch_function_runs_on_each_spawned_rank_with_ddp_options():
                  strategy_options={"static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 2})
     out = rt.launch(workers_strategies.spawn_options_body)
     assert out["rank"] == 0 and out["world_size"] == 2 and out["sum_of_ranks_plus_one"] == 3.0
-    assert out["strategy"] == "ddp_spawn" and out["static_graph"] and out["gradient_as_bucket_view"]
+    assert out["strategy"] == "ddp" and out["static_graph"] and out["gradient_as_bucket_view"]
     assert out["bucket_bytes_cap"] == 2 * 1024 * 1024
 
 
-def test_unpicklable_optimizer_factory_names_the_fix(tmp_path):
+def test_unpicklable_argument_is_named_with_the_fix_before_any_process_starts(tmp_path):
+    """cloudpickle sends lambdas by value (tests/test_ddp_notebook.py); a lock cannot be sent at all."""
+    import threading
+
     trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", default_root_dir=tmp_path,
                       enable_progress_bar=False)
     loader = DataLoader(workers.tiny_dataset(16), batch_size=4)
-    with pytest.raises(ValueError, match=r"sends optimizer to new processes by pickling.*def, not lambda.*partial"):
-        trainer.fit(workers.make_model(), loader, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    loss = lambda out, y: out.sum()  # noqa: E731 - the point of the test
-    with pytest.raises(ValueError, match="sends loss_fn to new processes"):
-        trainer.fit(workers.make_model(), loader, optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss_fn=loss)
+    lock = threading.Lock()
+
+    def loss(out, y):  # holds a lock: nothing can pickle it
+        with lock:
+            return out.sum()
+
+    with pytest.raises(ValueError, match=r"sends loss_fn to new processes by pickling \(cloudpickle\), but it cannot "
+                                         r"be pickled \(TypeError: .*lock.*strategy='ddp_notebook'"):
+        trainer.fit(workers.make_model(), loader, optimizer=workers.sgd, loss_fn=loss)
+
+
+def test_missing_cloudpickle_names_what_to_install(monkeypatch):
+    import io
+
+    from trainscale.runtime import spawn
+
+    monkeypatch.setitem(sys.modules, "cloudpickle", None)  # as if not installed
+    with pytest.raises(ModuleNotFoundError, match=r"pip install cloudpickle \(or 'trainscale\[spawn\]'\)"):
+        spawn.dump_checked(workers.sgd, {}, io.BytesIO())
 
 
 def test_bad_ddp_option_and_launch_without_function_fail_in_the_parent():
-    with pytest.raises(ValueError, match=r"strategy='ddp_spawn' does not accept option\(s\) 'find_unused_params'; its options are: find_unused_parameters"):
+    with pytest.raises(ValueError, match=r"strategy='ddp' does not accept option\(s\) 'find_unused_params'; its options are: find_unused_parameters"):
         Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", strategy_options={"find_unused_params": True})
     rt = Runtime(accelerator="cpu", devices=2, strategy="ddp_spawn")
-    with pytest.raises(RuntimeError, match=r"call runtime.launch\(fn, ...\), or use Trainer.fit"):
+    with pytest.raises(RuntimeError, match=r"strategy='ddp_spawn' runs the job in child processes.*"
+                                           r"call runtime.launch\(fn, ...\), or use Trainer.fit"):
         rt.setup(torch.nn.Linear(2, 2))
 
 
-def test_classes_from_an_interactive_session_are_refused_before_spawning(monkeypatch):
-    """A notebook's classes live in a __main__ without a file: spawned interpreters cannot import them."""
-    import sys
-    import types
+# A user's script as issue 15 item 7 found it: no `if __name__ == "__main__":` guard. The data (512 KiB) is larger
+# than a pipe's 64 KiB buffer, so the parent used to block forever writing it into the pipe of a child that had
+# already died while importing the script again.
+_UNGUARDED_SCRIPT = """
+import functools
+from pathlib import Path
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from trainscale.train.trainer import Trainer
 
-    from trainscale.runtime.spawn import dumps_checked
+x, y = torch.randn(16384, 8), torch.randint(0, 2, (16384,))
+trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, enable_progress_bar=False,
+                  default_root_dir={root!r}, timeout=30)
+trainer.fit(torch.nn.Linear(8, 2), DataLoader(TensorDataset(x, y), batch_size=64),
+            optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss_fn=torch.nn.functional.cross_entropy)
+print("trained")
+"""
 
-    notebook = types.ModuleType("__main__")  # like Jupyter's: no __file__
-    Net = type("Net", (torch.nn.Linear,), {"__module__": "__main__"})
-    notebook.Net = Net
-    monkeypatch.setitem(sys.modules, "__main__", notebook)
-    with pytest.raises(ValueError, match=r"model uses a class or function defined in this interactive session.*"
-                                         r"Move it into a .py module"):
-        dumps_checked({"model": Net(2, 2)})
-    assert dumps_checked({"model": torch.nn.Linear(2, 2)})  # library classes are fine
+
+@pytest.mark.timeout(180)
+def test_script_without_main_guard_fails_fast_naming_the_guard(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_UNGUARDED_SCRIPT.format(root=str(tmp_path / "runs")))
+    out, seconds = run_python([str(script)], tmp_path)  # used to hang: subprocess.TimeoutExpired
+    assert out.returncode != 0 and "trained" not in out.stdout
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: strategy='ddp_spawn': the process of rank") and "died while starting" in last
+    assert "add `if __name__ == '__main__':`" in last
+    assert seconds < 100  # a generous bound: it takes a few seconds; the hang was forever
+    assert not list((tmp_path / "tmp").glob("trainscale-spawn-*"))  # the job's payload file is removed
+
+
+@pytest.mark.timeout(180)
+def test_script_read_from_stdin_fails_fast_naming_the_fix(tmp_path):
+    guarded = "def main():\n" + "".join(f"    {line}\n" for line in _UNGUARDED_SCRIPT.format(
+        root=str(tmp_path / "runs")).splitlines()) + "\nif __name__ == '__main__':\n    main()\n"
+    out, seconds = run_python(["-"], tmp_path, stdin=guarded)  # used to hang: subprocess.TimeoutExpired
+    assert out.returncode != 0 and "trained" not in out.stdout
+    last = out.stderr.strip().splitlines()[-1]
+    assert "died while starting" in last and "add `if __name__ == '__main__':`" in last
+    assert "This program was read from <stdin>, which a new process cannot read again" in last
+    assert seconds < 100
+
+
+def test_payload_goes_through_a_file_that_is_removed_afterwards(tmp_path, monkeypatch):
+    """The pipe of spawn's bootstrap carries a few hundred bytes whatever the size of the arguments, and the
+    job's temporary directory (payload, result, markers) is gone after the run."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from trainscale.runtime import spawn
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen = {}
+
+    class Done(Exception):
+        pass
+
+    def fake_start_processes(fn, args, nprocs, join, start_method):
+        import pickle
+
+        seen["args_bytes"] = len(pickle.dumps(args))
+        seen["payload_bytes"] = (Path(args[0]) / spawn._PAYLOAD).stat().st_size
+        raise Done
+
+    monkeypatch.setattr(mp, "start_processes", fake_start_processes)
+    with pytest.raises(Done):
+        spawn.run(workers_strategies.spawn_options_body, {"big": torch.zeros(1 << 16)}, 2)
+    assert seen["payload_bytes"] > 256 * 1024 and seen["args_bytes"] < 1024
+    assert list(tmp_path.iterdir()) == []

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from tests import fault_workers as fw
-from tests.helpers import free_port, run_distributed
+from tests.helpers import _child, free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINSCALE = str(Path(sys.executable).parent / "trainscale")
@@ -57,7 +58,8 @@ def elastic_runs(tmp_path_factory):
                        "--kill-at-step", "17"]}
     for node in (0, 1):
         cmds[f"node{node}"] = [TRAINSCALE, "run", "--nnodes", "2", "--node-rank", str(node), "-n", "1",
-                               "--rdzv-endpoint", f"127.0.0.1:{port}", SCRIPT, "--out", str(base / "nodes")]
+                               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"nodes{port}", SCRIPT,
+                               "--out", str(base / "nodes")]
     # The two "nodes" rendezvous through a TCP store that this process hosts, so both agents are its clients
     # (torchrun hosts it in the first agent that binds the port otherwise). When the hosting agent exits
     # first, the other agent's next poll of the store fails and it exits 1 although its workers finished
@@ -88,7 +90,7 @@ def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(elastic_runs):
     # rank 1's records (its first attempt stops at the kill step) and the restart from the log.
     assert re.search(r"failed \(exitcode: -?\d+\)", log), f"no failed worker reported:\n{log[-6000:]}"
     assert "resuming from" in log, f"no restart reported:\n{log[-6000:]}"
-    assert "epoch=0001-step=000015.pt" in log, log[-6000:]  # the last step checkpoint, mid-epoch 1
+    assert "epoch=000001-step=0000000015.pt" in log, log[-6000:]  # the last step checkpoint, mid-epoch 1
     for rank in (0, 1):
         ref = torch.load(full / f"final-rank{rank}.pt")
         out = torch.load(killed / f"final-rank{rank}.pt")
@@ -203,7 +205,7 @@ def test_sigusr1_checkpoints_then_exits_and_resume_is_exact(tmp_path, monkeypatc
     full, _ = fw.fit(str(tmp_path / "full"), epochs=1, n=48)
     with pytest.raises(Preempted) as info:
         fw.fit(str(tmp_path / "pre"), epochs=1, n=48, hook=send)
-    assert info.value.code == 128 + signal.SIGUSR1 and "step=000004" in info.value.path
+    assert info.value.code == 128 + signal.SIGUSR1 and "step=0000000004" in info.value.path
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handlers restored
     assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
     resumed, _ = fw.fit(str(tmp_path / "pre"), epochs=1, n=48, ckpt_path="last")
@@ -264,9 +266,9 @@ def _poll_body(rank: int) -> dict:
         out["error"] = str(err)
     for step in range(8, 12):
         ft.observe_loss(torch.tensor(3e38), step)  # finite; their sum is inf in float32
-    ft._signal = 10 if rank == 1 else None
+    ft.signals.received = 10 if rank == 1 else None
     out["signal"] = ft.poll(12, 0)
-    ft._signal = None
+    ft.signals.received = None
     # the Trainer's path: a running loss sum is tested instead of the kept losses, which are read only
     # when it is not finite (rank 1: NaN at step 13; rank 0: an inf running sum of finite losses)
     running = torch.zeros(())
@@ -296,23 +298,24 @@ def test_nonfinite_poll_names_each_ranks_first_bad_step_on_two_ranks():
 
 
 def test_nonfinite_check_folds_long_intervals_and_names_the_first_bad_step():
-    """Losses are kept without a device op per step and stacked every _FOLD micro-batches; poll
+    """Losses are kept without a device op per step and stacked every FOLD micro-batches; poll
     still names the first non-finite step, across stacks, for 0-dim and (1,)-shaped losses."""
     from trainscale.runtime.runtime import Runtime
-    from trainscale.train.fault import _FOLD, FaultTolerance, NonFiniteLossError
+    from trainscale.train.fault import FaultTolerance, NonFiniteLossError
+    from trainscale.train.nonfinite import FOLD
 
     rt = Runtime(accelerator="cpu", devices=1)
-    for bad_steps, expected in (([], None), ([_FOLD + 5], _FOLD + 5), ([3, _FOLD + 5], 3)):
-        ft = FaultTolerance(rt, "raise", check_every_n_steps=10 * _FOLD, handle_signals=False)
-        for step in range(2 * _FOLD + 7):
+    for bad_steps, expected in (([], None), ([FOLD + 5], FOLD + 5), ([3, FOLD + 5], 3)):
+        ft = FaultTolerance(rt, "raise", check_every_n_steps=10 * FOLD, handle_signals=False)
+        for step in range(2 * FOLD + 7):
             loss = torch.tensor([float("inf")] if step in bad_steps else [0.5])
             ft.observe_loss(loss if step % 2 else loss.reshape(()), step)
-        assert len(ft._losses) < _FOLD  # folded on the way: a long interval does not hold every loss
+        assert len(ft.losses.pending) < FOLD  # folded on the way: a long interval does not hold every loss
         if expected is None:
-            assert ft.poll(2 * _FOLD + 7, 0) is None
+            assert ft.poll(2 * FOLD + 7, 0) is None
         else:
             with pytest.raises(NonFiniteLossError, match=rf"optimizer step {expected + 1} \(epoch 0\)"):
-                ft.poll(2 * _FOLD + 7, 0)
+                ft.poll(2 * FOLD + 7, 0)
 
 
 def test_poll_tests_the_running_sum_and_reads_the_kept_losses_only_when_it_is_not_finite():
@@ -322,8 +325,196 @@ def test_poll_tests_the_running_sum_and_reads_the_kept_losses_only_when_it_is_no
     ft = FaultTolerance(Runtime(accelerator="cpu", devices=1), "raise", handle_signals=False)
     ft.observe_loss(torch.tensor(float("nan")), 0)
     # the caller's running sum decides (here it claims all finite), and the kept losses are dropped unread
-    assert ft.poll(1, 0, torch.tensor(3.0)) is None and not ft._losses and not ft._loss_steps
+    assert ft.poll(1, 0, torch.tensor(3.0)) is None and not ft.losses.steps and not ft.losses.pending
     ft.observe_loss(torch.tensor(1.0), 1)
     ft.observe_loss(torch.tensor(float("inf")), 2)
     with pytest.raises(NonFiniteLossError, match=r"optimizer step 3 \(epoch 0\) on rank\(s\) \[0\]"):
         ft.poll(3, 0, torch.tensor(float("inf")))
+
+
+# -- signals (issue 15 item 4) ---------------------------------------------------------------------
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_sigterm_with_slow_steps_checkpoints_within_a_few_steps_on_every_rank(tmp_path):
+    """Steps of >= 0.3 s and log_every_n_steps=50 (24 steps in the epoch); only rank 1 gets SIGTERM, in
+    step 3. The ranks agree to check about every second of steps: at most ceil(1 / 0.3) = 4 steps apart
+    (slower steps only make that fewer), so both write the same checkpoint by step 3 + 1 + 4 and exit
+    with 128 + SIGTERM. Before, the signal was read every 50 steps: at the epoch end, step 24."""
+    out = run_distributed(fw.slow_steps_sigterm_body, str(tmp_path), 0.3, 3, timeout=200)
+    assert out[0]["code"] == out[1]["code"] == 128 + signal.SIGTERM, out
+    assert out[0]["path"] == out[1]["path"] and Path(out[0]["path"]).is_file(), out
+    step = int(re.search(r"step=(\d+)", out[0]["path"]).group(1))
+    assert 4 <= step <= 8, out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_sigterm_ends_a_job_with_a_stuck_rank_and_dumps_each_ranks_stack(tmp_path):
+    """Rank 1 stalls in its step for good; rank 0 blocks in the gradient all-reduce (C++: its Python
+    handler cannot run). Both get SIGTERM (as torchrun's agent sends it): each writes its stacks and
+    exits with 143 after the 20 s grace, long before the 300 s collective timeout. Before, neither
+    ended (rank 1 never; rank 0 at the collective timeout)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_child, args=(fw.stuck_rank_body, 2, free_port(), str(tmp_path), (str(tmp_path),)),
+                             nprocs=2, join=False, start_method="spawn")
+    try:
+        deadline = time.monotonic() + 150
+        while not (tmp_path / "rank1-stuck").exists():
+            assert time.monotonic() < deadline and all(p.is_alive() for p in ctx.processes), "rank 1 never stalled"
+            time.sleep(0.1)
+        time.sleep(1.0)  # rank 0 goes on into the all-reduce (it blocks there whenever the signal comes)
+        sent = time.monotonic()
+        for p in ctx.processes:
+            os.kill(p.pid, signal.SIGTERM)
+        for p in ctx.processes:
+            p.join(timeout=max(0.1, sent + 60 - time.monotonic()))
+        assert [p.exitcode for p in ctx.processes] == [128 + signal.SIGTERM] * 2, "a rank did not end within 60 s"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    stacks = tmp_path / "version_0" / "stacks"
+    rank0, rank1 = (stacks / "rank0.txt").read_text(), (stacks / "rank1.txt").read_text()
+    assert "no checkpoint ended the run within 20 s of SIGTERM" in rank0 and "backward" in rank0, rank0
+    assert "hook" in rank1 and "training_step" in rank1, rank1
+
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_job_with_a_stuck_rank_ends_soon_after_the_collective_timeout(tmp_path):
+    """Under torchrun, rank 1 stalls for good in step 3; rank 0 fails after timeout=4 s and exits;
+    torchrun's agent then sends SIGTERM to rank 1, which had made no step for longer than its hang
+    watchdog's 2 s: it dumps its stacks and exits at once. Before, rank 1 ignored the SIGTERM and the
+    agent killed it 30 s later (the job ended ~36 s after the stall; now ~6 s, bound: 25 s)."""
+    out = tmp_path / "out"
+    job = subprocess.Popen([TRAINSCALE, "run", "-n", "2", SCRIPT, "--out", str(out), "--epochs", "1",
+                            "--stall-at-step", "3", "--timeout", "4"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
+    try:
+        log = job.communicate(timeout=200)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    ended = time.time()
+    assert job.returncode != 0 and "CollectiveTimeout" in log, log[-4000:]
+    assert ended - float((out / "stalled").read_text()) < 25, log[-4000:]
+    stacks = (out / "runs" / "version_0" / "stacks" / "rank1.txt").read_text()
+    assert "SIGTERM to a rank that had made no step for a long while" in stacks and "training_step" in stacks, stacks
+
+
+_BLOCKED = """
+import os, signal, sys
+from pathlib import Path
+from trainscale.train.signals import SignalWatch
+
+SignalWatch(rank=3, grace_s=float(sys.argv[1])).start(Path(sys.argv[2]), stalled=lambda: sys.argv[4] == "1")
+
+def blocked_in_c(times):
+    r, _ = os.pipe()
+    for _ in range(times):
+        os.kill(os.getpid(), signal.SIGTERM)
+    os.read(r, 1)  # never returns: the Python handler runs (EINTR) and the read goes on
+
+blocked_in_c(int(sys.argv[3]))
+"""
+
+
+@pytest.mark.parametrize("grace, signals, stalled, message", [
+    (1, 1, 0, "no checkpoint ended the run within 1 s of SIGTERM"),
+    (600, 2, 0, "a second SIGTERM"),  # these two end long before the 600 s grace (the test's time limit: 120 s)
+    (600, 1, 1, "SIGTERM to a rank that had made no step for a long while (its hang watchdog fired)"),
+])
+def test_a_process_blocked_in_c_code_exits_after_sigterm_with_its_stacks(tmp_path, grace, signals, stalled, message):
+    stacks = tmp_path / "stacks" / "rank3.txt"
+    out = subprocess.run([sys.executable, "-c", _BLOCKED, str(grace), str(stacks), str(signals), str(stalled)],
+                         capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
+    assert out.returncode == 128 + signal.SIGTERM, out.stderr[-3000:]
+    assert f"trainscale: rank 3: {message}; Python stacks in {stacks}; exiting with code 143" in out.stderr
+    assert "blocked_in_c" in stacks.read_text() and "blocked_in_c" in out.stderr
+
+
+def test_signal_watch_records_restores_and_leaves_forked_children_alone(tmp_path):
+    from trainscale.train.signals import SignalWatch
+
+    watch = SignalWatch(rank=0, grace_s=600)
+    watch.start(tmp_path / "stacks.txt")
+    try:
+        pid = os.fork()
+        if pid == 0:  # a DataLoader worker, say: SIGTERM's default action again, and nothing sent to the parent
+            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(3)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert watch.received == signal.SIGUSR1  # the Python handler ran at once, in this thread
+    finally:
+        watch.stop()  # reads whatever is in the pipe first, then ends the thread
+    assert watch.received == signal.SIGUSR1  # the child's SIGTERM did not reach this process's pipe
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    assert signal.set_wakeup_fd(-1) == -1
+    assert not any(t.name == "trainscale-signals" for t in __import__("threading").enumerate())
+
+
+def test_checks_are_about_a_second_of_the_slowest_ranks_steps():
+    from trainscale.train.fault import steps_between_checks
+
+    assert steps_between_checks(0.7, 50) == 2  # 0.7 s steps: every 2 steps (1.4 s)
+    assert steps_between_checks(0.05, 50) == 20  # 50 ms steps: every 20 steps (1 s)
+    assert steps_between_checks(0.001, 50) == 50  # never fewer checks than every check_every steps
+    assert steps_between_checks(30.0, 50) == 1  # long steps: every step
+    assert steps_between_checks(0.0, 50) == 1  # not measured yet: the next step
+
+
+# -- process groups (issue 18 item 1) --------------------------------------------------------------
+_NCCL_NAMES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+               "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_ENABLE_MONITORING")
+
+
+def test_nccl_debug_env_switches_on_pytorchs_tools_unless_the_user_chose():
+    from trainscale.runtime.hangs import nccl_debug_env
+
+    assert nccl_debug_env({}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                                  "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_ENABLE_MONITORING": "1"}
+    chosen = {"NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+    assert nccl_debug_env(chosen) == {"TORCH_NCCL_ENABLE_MONITORING": "1"}  # old names count as a choice too
+
+
+def test_the_gloo_monitor_group_is_made_for_several_gloo_ranks_only():
+    from trainscale.runtime.hangs import wants_monitor_group
+
+    assert wants_monitor_group("gloo", 2) and not wants_monitor_group("gloo", 1)
+    assert not wants_monitor_group("nccl", 8) and not wants_monitor_group("cpu:gloo,cuda:nccl", 8)
+
+
+def test_launch_sets_the_nccl_variables_before_init_process_group(monkeypatch):
+    """No NCCL on this machine: the backend is reported as "nccl" and the group made with gloo, to see
+    what the environment holds when init_process_group is called."""
+    import torch.distributed as dist
+
+    from trainscale.runtime import runtime as runtime_module
+
+    real_init, seen = dist.init_process_group, {}
+
+    def init(backend, **kwargs):
+        seen.update(backend=backend, env={name: os.environ.get(name) for name in _NCCL_NAMES})
+        real_init("gloo", **kwargs)
+
+    monkeypatch.setattr(runtime_module._devices, "backend_for", lambda accelerator, cpu_collectives=False: "nccl")
+    monkeypatch.setattr(runtime_module.dist, "init_process_group", init)
+    saved = dict(os.environ)
+    try:
+        for name in _NCCL_NAMES:
+            os.environ.pop(name, None)
+        os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "0"  # the user's choice stays
+        rt = runtime_module.Runtime(accelerator="cpu", strategy="ddp", devices=1)
+        rt.launch()
+        rt.teardown()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert seen == {"backend": "nccl", "env": {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_ASYNC_ERROR_HANDLING": None, "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+        "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": None, "TORCH_NCCL_ENABLE_MONITORING": "1"}}

@@ -100,13 +100,13 @@ def test_fsdp_sharded_checkpoint_resume_equals_uninterrupted(resumed):
             torch.testing.assert_close(rank["resumed"][key], value, rtol=0, atol=0)
     ckpt_dir = Path(resumed[0]["full_summary"]["run_dir"]) / "checkpoints"
     kept = sorted(p.name for p in ckpt_dir.iterdir())
-    assert kept == ["epoch=0002-step=000012", "last"]  # keep_last=1 removed the epoch-1 directory
-    assert (ckpt_dir / "last").read_text().strip() == "epoch=0002-step=000012"
-    assert sorted(p.name for p in (ckpt_dir / "epoch=0002-step=000012").iterdir()) == [
+    assert kept == ["epoch=000002-step=0000000012", "last"]  # keep_last=1 removed the epoch-1 directory
+    assert (ckpt_dir / "last").read_text().strip() == "epoch=000002-step=0000000012"
+    assert sorted(p.name for p in (ckpt_dir / "epoch=000002-step=0000000012").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "trainscale_extra.pt", "trainscale_extra.pt.sha256"]
     from torch.distributed.checkpoint import FileSystemReader
 
-    stored = set(FileSystemReader(str(ckpt_dir / "epoch=0002-step=000012")).read_metadata().state_dict_metadata)
+    stored = set(FileSystemReader(str(ckpt_dir / "epoch=000002-step=0000000012")).read_metadata().state_dict_metadata)
     user_keys = set(resumed[0]["full"])  # the user's model's own parameter names, no wrapper prefix
     assert {f"model.{k}" for k in user_keys} <= stored
     assert {f"optimizer.state.{k}.momentum_buffer" for k in user_keys} <= stored
@@ -179,15 +179,28 @@ def test_last_pointer_and_rotation_with_checkpoint_directories(tmp_path):
         (path / "sub").mkdir(parents=True)
         (path / ".metadata").write_text("x")
         ckpt.mark_last(path, keep_last=2)
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["epoch=0002-step=000012", "epoch=0003-step=000018", "last"]
-    assert ckpt.find_last(tmp_path) == ckpt_dir / "epoch=0003-step=000018"
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["epoch=000002-step=0000000012", "epoch=000003-step=0000000018", "last"]
+    assert ckpt.find_last(tmp_path) == ckpt_dir / "epoch=000003-step=0000000018"
 
 
 def test_ddp_refuses_a_sharded_checkpoint_directory_clearly(tmp_path):
     from trainscale.runtime.checkpoint_io import load_file
 
+    (tmp_path / ".metadata").write_bytes(b"x")  # what DCP writes
     with pytest.raises(CheckpointError, match="is a directory.*strategy='fsdp'"):
         load_file(tmp_path)
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_named_as_such(tmp_path):
+    from trainscale.runtime.checkpoint_io import load_file
+    from trainscale.runtime.strategies.fsdp import FSDPStrategy
+
+    (tmp_path / "notes.txt").write_text("x")  # e.g. ckpt_path=<run dir> instead of a checkpoint in it
+    with pytest.raises(CheckpointError, match="is a directory, not a checkpoint; pass a checkpoint file"):
+        load_file(tmp_path)
+    strategy = FSDPStrategy(torch.device("cpu"), World(world_size=2, local_world_size=2))
+    with pytest.raises(CheckpointError, match="is a directory but not a sharded checkpoint \\(no .metadata"):
+        strategy.load_checkpoint(tmp_path, {})
 
 
 def test_fsdp_refuses_a_checkpoint_file_clearly(tmp_path):

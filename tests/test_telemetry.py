@@ -25,7 +25,7 @@ from trainscale.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = {"step_time_s", "phase_s", "phase_share", "comm_s", "samples_per_s", "samples_per_s_per_device",
-            "tokens_per_s", "flops_per_sample", "achieved_flops_per_s", "mfu", "peak_memory_bytes",
+            "tokens_per_s", "flops_per_sample", "flops_method", "achieved_flops_per_s", "mfu", "peak_memory_bytes",
             "peak_memory_kind", "gpu_utilization", "slowest_rank", "straggler_ranks"}
 
 
@@ -252,7 +252,7 @@ def test_tensorboard_sink_writes_scalars(tmp_path):
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"step/samples_per_s", "step/phase_s.data", "step/peak_memory_bytes/rank1"} <= tags
+    assert {"step/samples_per_s", "step/phase_s/data", "step/peak_memory_bytes/rank1"} <= tags
     assert events.Scalars("step/samples_per_s")[0].step == 4 and events.Scalars("step/samples_per_s")[0].value == 120
 
 
@@ -276,6 +276,17 @@ def test_file_sinks_flush_at_epoch_records_after_flush_secs_and_at_close(tmp_pat
         sink.write({"kind": "step", "step": 4, "loss": 0.2})
         sink.close()
     assert [len(f.read_text().splitlines()) for f in files] == [5, 5]
+
+
+def test_file_sinks_flush_the_first_record_on_a_machine_booted_a_minute_ago(tmp_path, monkeypatch):
+    # time.monotonic() counts from boot on Linux: a minute after boot it reads ~60, less than flush_secs
+    monkeypatch.setattr(time, "monotonic", lambda: 60.0)
+    sinks = [JsonlSink(tmp_path / "metrics.jsonl", flush_secs=3600), CsvSink(tmp_path, kinds=("step",), flush_secs=3600)]
+    for sink in sinks:
+        sink.write({"kind": "step", "step": 1, "loss": 0.5})
+    assert [len(f.read_text().splitlines()) for f in (tmp_path / "metrics.jsonl", tmp_path / "metrics_step.csv")] == [1, 2]
+    for sink in sinks:
+        sink.close()
 
 
 def test_trainer_closes_its_sinks_when_fit_raises(tmp_path):
@@ -504,3 +515,18 @@ def test_mean_and_median_match_the_statistics_module():
         assert mean(values) == pytest.approx(statistics.fmean(values))
         assert median(values) == statistics.median(values)
     assert mean(v for v in (1.0, 2.0)) == 1.5  # a generator, as the processor passes
+
+
+def test_report_skips_the_torn_last_line_of_a_crashed_run_with_a_warning(tmp_path):
+    from trainscale.telemetry.report import load_run
+
+    good = [{"kind": "step", "step": 1, "epoch": 0, "rank": "all", "loss": 0.5},
+            {"kind": "step", "step": 2, "epoch": 0, "rank": "all", "loss": 0.4}]
+    text = "".join(json.dumps(r) + "\n" for r in good)
+    (tmp_path / "metrics.jsonl").write_text(text + '{"kind": "step", "step": 3, "lo')  # killed mid-write
+    with pytest.warns(UserWarning, match="skipped its torn last line 3"):
+        records, summary = load_run(tmp_path)
+    assert records == good and summary is None
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "st\n' + text)  # damage before the end is an error
+    with pytest.raises(ValueError, match="line 1 is not JSON"):
+        load_run(tmp_path)

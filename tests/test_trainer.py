@@ -70,20 +70,8 @@ def test_max_steps_stops_mid_epoch(tmp_path):
     assert summary["steps"] == 3 and summary["epochs"] == 1
 
 
-def test_loop_calls_the_loop_module_forward_directly_only_when_nothing_hooks_it(tmp_path):
-    from trainscale.train.trainer import _LoopModule, _step_fn
-
-    loop_module = _LoopModule(workers.make_model(), None)
-    assert _step_fn(loop_module, loop_module) == loop_module.forward  # single device: __call__ skipped
-    wrapper = nn.Sequential(loop_module)  # a strategy's wrapper (DDP, DP, compile) is called as a module
-    assert _step_fn(loop_module, wrapper) is wrapper
-    compiled = _LoopModule(workers.make_model(), None)
-    compiled.compile()  # in place: only __call__ runs the compiled code
-    assert _step_fn(compiled, compiled) is compiled
-    loop_module.register_forward_pre_hook(lambda module, args: None)
-    assert _step_fn(loop_module, loop_module) is loop_module  # a hook on it: through __call__
-
-    model, calls = workers.make_model(), []  # the user's model is still called as a module: its hooks run
+def test_the_users_model_is_called_as_a_module_so_its_hooks_run(tmp_path):
+    model, calls = workers.make_model(), []
     model.register_forward_hook(lambda module, args, out: calls.append(out.shape[0]))
     Trainer(max_epochs=1, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path).fit(
         model, DataLoader(workers.tiny_dataset(24), batch_size=8), optimizer=workers.sgd)

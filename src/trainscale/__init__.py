@@ -13,11 +13,13 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Trainer": "trainscale.train.trainer",
+    "TrainingModule": "trainscale.train.module",
     "Runtime": "trainscale.runtime.runtime",
     "World": "trainscale.runtime.world",
+    "plan": "trainscale.plan.planner",
 }
 
-__all__ = ["Trainer", "Runtime", "World", "__version__"]
+__all__ = ["Trainer", "TrainingModule", "Runtime", "World", "plan", "__version__"]
 
 
 def __getattr__(name: str):

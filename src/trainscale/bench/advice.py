@@ -6,14 +6,18 @@ data loading takes at least ``DATA_SHARE`` of its step. Its class, first that ap
 
 - memory-bound: it ran out of memory (``oom``);
 - failed: timeout, exception or crash (the reason is quoted);
-- communication-bound: all-reduce time ≥ ``COMM_SHARE`` of the step;
-- data-bound: data wait ≥ ``DATA_SHARE`` of the step;
-- overhead-bound: neither, the steps are tiny (the baseline's step at this batch size under
-  ``TINY_STEP_S``), and efficiency rises by ≥ ``OVERHEAD_RISE`` at a larger batch size with the same
-  devices — a fixed cost per step (kernel launches, DDP hooks, Python) that small steps do not amortize;
-- compute-bound: none of the above: the devices themselves run slower together (on CPU, processes
-  share the cores and memory bandwidth);
-- unexplained: the step-phase split was not measured.
+- when the cell and its baseline (fewest devices, same batch column) both have telemetry, the phase
+  that grew most per step decides: all-reduce → communication-bound, data → data-bound, forward,
+  backward or optimizer → compute-bound (the devices compute slower together; on CPU the processes
+  share cores and memory bandwidth). The sentence names that phase with both times;
+- otherwise the shares of the step: all-reduce ≥ ``COMM_SHARE`` → communication-bound, data wait ≥
+  ``DATA_SHARE`` → data-bound, else compute-bound;
+- a compute-bound cell is overhead-bound instead when its steps are tiny (the baseline's step under
+  ``TINY_STEP_S``) and efficiency rises by ≥ ``OVERHEAD_RISE`` at a larger batch with the same devices;
+- unexplained: nothing was measured.
+
+What would help is said only where the table supports it: a larger batch is recommended when a larger
+batch with the same devices was more efficient, and reported as no help when it was not.
 
 Shares come from telemetry (``summary["telemetry"]``) when the run recorded it, else from the cell's
 probes (a lone gradient-sized all-reduce; a data-only pass over the loader), which bound them from above.
@@ -57,69 +61,159 @@ def is_poor(row: dict) -> bool:
     return s["data_share"] is not None and s["data_share"] >= DATA_SHARE
 
 
+def phase_growth(row: dict, rows: list[dict]) -> list[tuple[str, float, float]] | None:
+    """``[(phase, baseline s/step, cell s/step), ...]``, the phase that grew most first, or None when the
+    cell or its baseline (fewest devices, same batch column) has no telemetry. Phases: data, forward,
+    backward (without the all-reduce), all-reduce (DDP's, timed in backward), optimizer."""
+    base = find(rows, row["strategy"], row["precision"], row.get("baseline_devices", 1), row["batch_size"])
+    if base is None or base is row:
+        return None
+    cell_tel, base_tel = row.get("telemetry") or {}, base.get("telemetry") or {}
+    if not cell_tel.get("phase_s") or not base_tel.get("phase_s"):
+        return None
+
+    def split(tel: dict) -> dict:
+        phases = dict(tel["phase_s"])
+        comm = tel.get("comm_s") or 0.0
+        phases["backward"] = phases.get("backward", 0.0) - comm
+        phases["all-reduce"] = comm
+        return phases
+
+    before, after = split(base_tel), split(cell_tel)
+    growth = [(k, before.get(k, 0.0), after[k]) for k in ("data", "forward", "backward", "all-reduce", "optimizer")
+              if k in after]
+    return sorted(growth, key=lambda g: g[1] - g[2])
+
+
+def _grew(growth: list[tuple[str, float, float]], base_devices: int) -> str:
+    phase, before, after = growth[0]
+    return (f"{phase} grew most, from {_ms(before)} per step on {base_devices} device(s) to {_ms(after)} "
+            f"(+{_ms(after - before)})")
+
+
+def _larger_batches(row: dict, rows: list[dict]) -> tuple[str, bool]:
+    """What the table's larger batches with the same devices show: ``(sentence, efficiency rose?)``."""
+    best = _best_larger(row, rows)
+    eff = row.get("efficiency")
+    if best is None:
+        return "", False
+    if best["efficiency"] > eff:
+        return f"efficiency rises to {best['efficiency']:.2f} at bs {best['batch_size']}", True
+    return (f"larger batches did not help here (best efficiency {best['efficiency']:.2f}, at bs "
+            f"{best['batch_size']})"), False
+
+
+def _classify(row: dict, rows: list[dict], s: dict, growth) -> str:
+    """The bottleneck class of an ``ok`` poor row: by the phase that grew most when both the cell and its
+    baseline were timed by phase, else by the shares of the step (module docstring)."""
+    if growth is not None and growth[0][2] > growth[0][1]:
+        kind = {"all-reduce": "communication", "data": "data"}.get(growth[0][0], "compute")
+    elif s["comm_share"] is not None and s["comm_share"] >= COMM_SHARE and \
+            (s["data_share"] is None or s["data_share"] < DATA_SHARE or s["comm_share"] >= s["data_share"]):
+        kind = "communication"
+    elif s["data_share"] is not None and s["data_share"] >= DATA_SHARE:
+        kind = "data"
+    elif s["comm_share"] is None and s["data_share"] is None and growth is None:
+        return "unexplained"
+    else:
+        kind = "compute"
+    if kind == "compute":
+        base = find(rows, row["strategy"], row["precision"], row.get("baseline_devices", 1), row["batch_size"])
+        base_step = (base or row).get("step_time_s") or s["step_time_s"]
+        best = _best_larger(row, rows)
+        if best is not None and base_step < TINY_STEP_S and best["efficiency"] >= row["efficiency"] + OVERHEAD_RISE:
+            return "overhead"
+    return kind
+
+
+def _best_larger(row: dict, rows: list[dict]) -> dict | None:
+    """The most efficient row with the same devices, strategy and precision at a larger batch size."""
+    if row.get("efficiency") is None:
+        return None
+    larger = [r for r in rows if r.get("efficiency") is not None and r["devices"] == row["devices"]
+              and r["precision"] == row["precision"] and r["run_strategy"] == row["run_strategy"]
+              and r["batch_size"] > row["batch_size"]]
+    return max(larger, key=lambda r: r["efficiency"], default=None)
+
+
+def _failed(row: dict, rows: list[dict], name: str) -> tuple[str, str]:
+    if row.get("status") != "oom":
+        return "failed", f"{name} failed ({row.get('status')}): {row.get('reason')}."
+    ran = [r for r in rows if r.get("status") == "ok" and r["devices"] == row["devices"]
+           and r["precision"] == row["precision"] and r["run_strategy"] == row["run_strategy"]
+           and r.get("peak_memory_bytes")]
+    biggest = max(ran, key=lambda r: r["per_device_batch"], default=None)
+    more = ""
+    if biggest is not None:
+        more = (f"; the largest batch that ran here, {biggest['per_device_batch']}/device, peaked at "
+                f"{_gib(max(biggest['peak_memory_bytes']))} ({biggest.get('peak_memory_kind')})")
+    return "memory", (f"{name} is memory-bound: it ran out of memory ({row.get('reason')}){more}. Use a smaller "
+                      "per-device batch, bf16-mixed precision, or a sharded strategy (fsdp); `trainscale plan` "
+                      "predicts the peak of each before running.")
+
+
 def diagnose(row: dict, rows: list[dict]) -> tuple[str, str]:
     """``(class, sentence)`` for one poor row (see the module docstring for the classes).
 
     ``rows`` (all rows, after :func:`trainscale.bench.analysis.add_scaling`) supply the comparison
-    cells: the largest batch that ran, the efficiency at larger batches.
+    cells: the baseline at the same batch size (which phase grew), the efficiency at larger batches
+    (whether a larger batch helps). Every number quoted is one of the table's or the telemetry's.
     """
     name = label(row)
-    status = row.get("status")
-    if status == "oom":
-        ran = [r for r in rows if r.get("status") == "ok" and r["devices"] == row["devices"]
-               and r["precision"] == row["precision"] and r["run_strategy"] == row["run_strategy"]
-               and r.get("peak_memory_bytes")]
-        biggest = max(ran, key=lambda r: r["per_device_batch"], default=None)
-        more = ""
-        if biggest is not None:
-            more = (f"; the largest batch that ran here, {biggest['per_device_batch']}/device, peaked at "
-                    f"{_gib(max(biggest['peak_memory_bytes']))} ({biggest.get('peak_memory_kind')})")
-        return "memory", (f"{name} is memory-bound: it ran out of memory ({row.get('reason')}){more}. Use a smaller "
-                          "per-device batch, bf16-mixed precision, or a sharded strategy (fsdp) if available.")
-    if status != "ok":
-        return "failed", f"{name} failed ({status}): {row.get('reason')}."
-
+    if row.get("status") != "ok":
+        return _failed(row, rows, name)
     s = shares(row)
-    step = s["step_time_s"]
-    eff = row.get("efficiency")
+    step, eff = s["step_time_s"], row.get("efficiency")
+    growth = phase_growth(row, rows)
+    kind = _classify(row, rows, s, growth)
     eff_txt = f"efficiency {eff:.2f}, " if eff is not None and row["devices"] > row.get("baseline_devices", 1) else ""
+    head = f"{name} is {kind}-bound ({eff_txt}step {_ms(step) if step else '—'})"
+    if kind == "unexplained":
+        return kind, (f"{name} scales poorly ({eff_txt}step {_ms(step) if step else '—'}) but the step-phase "
+                      "split was not measured (no telemetry and no probe), so the cause cannot be named.")
     src = f" (source: {s['source']})" if s["source"] else ""
-    comm_high = s["comm_share"] is not None and s["comm_share"] >= COMM_SHARE
-    data_high = s["data_share"] is not None and s["data_share"] >= DATA_SHARE
-    if comm_high and (not data_high or s["comm_share"] >= s["data_share"]):
-        return "communication", (f"{name} is communication-bound ({eff_txt}step {_ms(step)}): the gradient all-reduce "
-                                 f"takes {_ms(s['comm_s'])}, {s['comm_share']:.0%} of the step{src}. Larger batches "
-                                 "amortize it; so do gradient accumulation (accumulate_grad_batches) and a faster "
-                                 "interconnect.")
-    if data_high:
-        return "data", (f"{name} is data-bound ({eff_txt}step {_ms(step)}): fetching a batch takes {_ms(s['data_s'])}, "
-                        f"{s['data_share']:.0%} of the step{src}. Load in parallel: return "
-                        "'dataloader': {'num_workers': 2, 'pin_memory': True} from the entry (pinned memory on GPU).")
-    if s["comm_share"] is None and s["data_share"] is None:
-        return "unexplained", (f"{name} scales poorly ({eff_txt}step {_ms(step) if step else '—'}) but the step-phase "
-                               "split was not measured (no telemetry and no probe), so the cause cannot be named.")
+    what = f"{_grew(growth, row.get('baseline_devices', 1))}; " if growth is not None else ""
+    larger, helps = _larger_batches(row, rows)
+    base = find(rows, row["strategy"], row["precision"], row.get("baseline_devices", 1), row["batch_size"]) or row
+    s = dict(s, base_step_s=base.get("step_time_s") or step, base_devices=base["devices"])
+    return kind, head + ": " + what + _CAUSES[kind](row, s, src, larger, helps)
+
+
+def _comm_cause(row, s, src, larger, helps) -> str:
+    taken = f"the gradient all-reduce takes {_ms(s['comm_s'])}, {s['comm_share']:.0%} of the step{src}. " \
+        if s["comm_s"] is not None else ""
+    batch = ("A larger per-device batch amortizes it: " + larger + ". ") if helps else \
+        (larger[0].upper() + larger[1:] + ". " if larger else "")
+    return (taken + batch + "Gradient accumulation (accumulate_grad_batches=k) all-reduces once per k micro-batches; "
+            "a faster interconnect shortens each all-reduce (`trainscale plan --probe` measures this one).")
+
+
+def _data_cause(row, s, src, larger, helps) -> str:
+    taken = f"fetching a batch takes {_ms(s['data_s'])}, {s['data_share']:.0%} of the step{src}. " \
+        if s["data_s"] is not None else ""
+    return (taken + "Load in parallel: return 'dataloader': {'num_workers': 2, 'pin_memory': True} from the entry "
+            "(pinned memory on GPU).")
+
+
+def _compute_cause(row, s, src, larger, helps) -> str:
     measured = ", ".join(f"{what} {_ms(s[key + '_s'])} ({s[key + '_share']:.0%})" for what, key in
                          (("all-reduce", "comm"), ("data", "data")) if s[key + "_share"] is not None)
-    larger = [r for r in rows if r.get("efficiency") is not None and r["devices"] == row["devices"]
-              and r["precision"] == row["precision"] and r["run_strategy"] == row["run_strategy"]
-              and r["batch_size"] > row["batch_size"]]
-    best = max(larger, key=lambda r: r["efficiency"], default=None)
-    base = find(rows, row["strategy"], row["precision"], row.get("baseline_devices", 1), row["batch_size"])
-    base_step = (base or row).get("step_time_s") or step
-    if eff is not None and best is not None and best["efficiency"] >= eff + OVERHEAD_RISE and base_step < TINY_STEP_S:
-        return "overhead", (f"{name} is overhead-bound ({eff_txt}step {_ms(step)}, of which {measured}{src}): the "
-                            f"work per step is tiny ({_ms(base_step)} on {(base or row)['devices']} device(s)), so "
-                            f"a fixed cost per step weighs heavily; efficiency rises to {best['efficiency']:.2f} at "
-                            f"bs {best['batch_size']}. Use a larger per-device batch.")
-    cpu = ""
+    small = "" if s["base_step_s"] < TINY_STEP_S else \
+        f" and the steps are not tiny ({_ms(s['base_step_s'])} on {s['base_devices']} device(s))"
+    text = (f"neither communication nor data explains the loss ({measured}{src}){small}: the devices compute "
+            "slower together than alone.") if measured else f"the devices compute slower together than alone{small}."
     if str(row.get("device", "")).startswith("cpu"):
-        cpu = (f" On CPU the {row['devices']} processes share the machine's cores and memory bandwidth "
-               f"({row.get('omp_num_threads', '?')} thread(s) each).")
-    small = "" if base_step < TINY_STEP_S else f" and the steps are not tiny ({_ms(base_step)} on " \
-        f"{(base or row)['devices']} device(s))"
-    return "compute", (f"{name} is compute-bound ({eff_txt}step {_ms(step)}, of which {measured}{src}): neither "
-                       f"communication nor data explains the loss{small}; the devices run slower together than "
-                       f"alone.{cpu}")
+        text += (f" On CPU the {row['devices']} processes share the machine's cores and memory bandwidth "
+                 f"({row.get('omp_num_threads', '?')} thread(s) each): more cores per process, or GPUs, would help.")
+    return text + (f" {larger[0].upper() + larger[1:]}." if larger else "")
+
+
+def _overhead_cause(row, s, src, larger, helps) -> str:
+    return (f"the work per step is tiny, so a fixed cost per step (kernel launches, DDP hooks, Python) weighs "
+            f"heavily; {larger}. Use a larger per-device batch.")
+
+
+_CAUSES = {"communication": _comm_cause, "data": _data_cause, "compute": _compute_cause, "overhead": _overhead_cause}
 
 
 def _time_to(row: dict, target: float) -> float | None:
@@ -140,8 +234,11 @@ def advise(rows: list[dict], target_accuracy: float | None = None) -> list[str]:
         out.append(f"No cell finished ({len(rows)} failed), so there is no throughput to compare.")
     else:
         best = max(ok, key=lambda r: r["samples_per_s"])
-        gain = f", {best['gain']:.2f}× the {best['baseline_devices']}-device epoch time at this batch size" \
-            if best.get("gain") is not None and best["devices"] > best["baseline_devices"] else ""
+        gain = ""
+        if best.get("gain") is not None and best["devices"] > best["baseline_devices"]:
+            faster = "faster" if best["gain"] > 1 else "slower"
+            ratio = best["gain"] if best["gain"] > 1 else 1 / best["gain"]
+            gain = f", {ratio:.2f}× {faster} than {best['baseline_devices']} device(s) at this batch size"
         out.append(f"Fastest for throughput: {label(best)}: {best['samples_per_s']:,.0f} samples/s, epoch "
                    f"{fmt_time(best['epoch_time_s'])}{gain}.")
         for key in sorted({(r["strategy"], r["precision"], r["devices"]) for r in ok

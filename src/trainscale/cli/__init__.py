@@ -1,4 +1,4 @@
-"""The ``trainscale`` command: run | demo | bench | report | slurm | env.
+"""The ``trainscale`` command: run | demo | bench | plan | report | slurm | env.
 
 Parsing imports nothing heavy: ``trainscale --help`` never imports torch. Each subcommand
 imports what it needs when it runs.
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    run = sub.add_parser("run", help="run a script on N processes per node under torchrun",
+    run = sub.add_parser("run", help="run a script on N processes per node under torchrun", allow_abbrev=False,
                          description="Start SCRIPT on N processes (per node) with torchrun "
                                      "(python -m torch.distributed.run). Example: trainscale run -n 2 train.py --lr 1e-3")
     run.add_argument("-n", "--nproc-per-node", type=int, default=1, metavar="N",
@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     _add_bench(sub)
+    from trainscale.cli.plan import add_parser as _add_plan  # imports no torch
+
+    _add_plan(sub, _ints, _names)
     slurm = sub.add_parser("slurm", help="write an sbatch script: NODES x GPUS tasks launched by srun",
                            description="Write an sbatch script that runs SCRIPT on --nodes × --gpus-per-node tasks "
                                        "(srun, one task per GPU), checkpoints on SIGUSR1 90 s before the time limit and "
@@ -153,8 +156,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     torchrun = launch.torchrun_args(args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
                                     rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
                                     max_restarts=args.max_restarts, run_id=args.rdzv_id)
-    launch.exec_torchrun(torchrun, [args.script, *args.script_args], args.nproc_per_node)
-    return 0  # not reached
+    entry = [args.script, *args.script_args]
+    launch.check_entry(entry)
+    if args.rdzv_endpoint is not None:
+        launch.check_rendezvous(args.rdzv_endpoint)
+        print(f"trainscale run: waiting at the rendezvous {args.rdzv_endpoint} for {args.nnodes} node(s) "
+              f"(job id {args.rdzv_id or 'none'}); start the same command on every node", file=sys.stderr, flush=True)
+    return launch.run_torchrun(torchrun, entry, args.nproc_per_node, args.max_restarts)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

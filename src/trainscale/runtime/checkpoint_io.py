@@ -3,16 +3,18 @@
 A write goes to a temporary file in the target directory, is fsync'ed, then renamed over
 the target with ``os.replace`` (atomic on POSIX), and the directory is fsync'ed so the rename
 survives a power loss. A SHA-256 of the bytes is written beside the file (``<name>.sha256``)
-and checked on load. Loads use ``torch.load(weights_only=True)``, which refuses to run
+and checked on load; a file without one is refused unless the caller passes ``verify=False``. Loads use ``torch.load(weights_only=True)``, which refuses to run
 arbitrary pickled code (https://pytorch.org/docs/stable/generated/torch.load.html).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
@@ -22,12 +24,41 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, truncated, tampered with, or does not fit the model."""
 
 
+# fsync of a directory: EINVAL or ENOTSUP on filesystems that cannot sync one (some NFS/FUSE/CIFS
+# mounts, per fsync(2)); the rename is then as durable as that filesystem makes it.
+_DIR_FSYNC_UNSUPPORTED = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as err:
+        if err.errno not in _DIR_FSYNC_UNSUPPORTED:
+            raise
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def disk_full_is_clear(path: Path) -> Iterator[None]:
+    """Turn "no space left on device" (ENOSPC, or EDQUOT: over quota) raised inside the block into a
+    :class:`CheckpointError` that says where and what to do.
+
+    Raises:
+        CheckpointError: the disk (or quota) holding ``path`` is full; chained to the ``OSError``.
+    """
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in _DISK_FULL:
+            raise
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+        raise CheckpointError(f"no space left on device while writing {str(path)!r} ({os.strerror(err.errno)}; "
+                              f"{free / 2**20:.1f} MiB free on the disk holding {str(path.parent)!r}); the "
+                              "file there before is unchanged and 'last' still names the previous checkpoint. "
+                              "Free space there, lower keep_last, or set default_root_dir to a larger disk") from err
 
 
 def _write_event(stage: str, path: Path) -> None:
@@ -38,21 +69,22 @@ def _write_event(stage: str, path: Path) -> None:
 @contextlib.contextmanager
 def _atomic_open(path: Path) -> Iterator[BinaryIO]:
     """A temporary file beside ``path``, fsync'ed and renamed over ``path`` when the block ends
-    without an error (deleted when it raises)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        _write_event("before-rename", path)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    without an error (deleted when it raises; a full disk raised as a clear :class:`CheckpointError`)."""
+    with disk_full_is_clear(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)  # mkstemp creates 0600
+            _write_event("before-rename", path)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     _write_event("after-rename", path)
     _fsync_dir(path.parent)
 
@@ -98,40 +130,62 @@ def save_file(obj: Any, path: str | os.PathLike) -> None:
     with _atomic_open(path) as f:
         writer = _HashingWriter(f, path)
         torch.save(obj, writer)
-    atomic_write_bytes(f"{os.fspath(path)}.sha256", writer.sha256.hexdigest().encode() + b"\n")
+    try:
+        atomic_write_bytes(f"{os.fspath(path)}.sha256", writer.sha256.hexdigest().encode() + b"\n")
+    except Exception:
+        path.unlink(missing_ok=True)  # without its checksum it would be refused: free its space now
+        raise
 
 
-def load_file(path: str | os.PathLike) -> Any:
+def load_file(path: str | os.PathLike, verify: bool = True) -> Any:
     """Load a file written by :func:`save_file` on the CPU, verifying its checksum.
+
+    Args:
+        verify: check the bytes against ``<path>.sha256`` and refuse a file without one (the default).
+            ``False`` loads without any check: only for a file you trust that was written some other
+            way (e.g. a plain ``torch.save``); a flipped bit then goes unnoticed.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        CheckpointError: the bytes do not match the recorded SHA-256, or torch cannot read them.
+        CheckpointError: ``path`` is a directory; the checksum file is missing (``verify=True``); the
+            bytes do not match the recorded SHA-256; or torch cannot read them.
     """
     import torch
 
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() and (path / ".metadata").is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} is a directory: a sharded checkpoint written by "
                               "strategy='fsdp'; resume it with strategy='fsdp'")
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} is a directory, not a checkpoint; pass a checkpoint file "
+                              "(<run>/checkpoints/epoch=E-step=S.pt) or ckpt_path='last'")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; pass an existing file, "
                                 "ckpt_path='last' to resume the newest run, or ckpt_path=None to start fresh")
     data = path.read_bytes()
-    digest_file = Path(f"{path}.sha256")
-    if digest_file.is_file():
-        expected = digest_file.read_text().strip()
-        actual = hashlib.sha256(data).hexdigest()
-        if expected != actual:
-            raise CheckpointError(f"checkpoint {str(path)!r} is corrupted or truncated ({len(data)} bytes, "
-                                  f"sha256 {actual[:12]}… but {expected[:12]}… was recorded when it was "
-                                  "written); resume from an earlier checkpoint or delete it")
+    if verify:
+        _verify(path, data)
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises several types for bad bytes
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''}); it is corrupted, truncated "
                               "or not a trainscale checkpoint: resume from an earlier one or delete it") from err
+
+
+def _verify(path: Path, data: bytes) -> None:
+    """Raise unless ``data`` (the bytes of ``path``) match the SHA-256 recorded in ``<path>.sha256``."""
+    digest_file = Path(f"{path}.sha256")
+    if not digest_file.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} has no checksum file {digest_file.name!r}, so it cannot "
+                              "be verified (a flipped bit would load silently); resume from a checkpoint written "
+                              "by trainscale, or, if you trust this file, load it unverified with verify=False")
+    expected = digest_file.read_text().strip()
+    actual = hashlib.sha256(data).hexdigest()
+    if expected != actual:
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupted or truncated ({len(data)} bytes, "
+                              f"sha256 {actual[:12]}… but {expected[:12]}… was recorded when it was "
+                              "written); resume from an earlier checkpoint or delete it")
 
 
 def _is_stateful(value: Any) -> bool:
@@ -156,19 +210,20 @@ def save_replicated(path, state: dict, world, unwrap: Callable) -> None:
     save_file(out, path)
 
 
-def load_replicated(path, state: dict, unwrap: Callable) -> dict:
-    """Load ``path`` on every rank; restore stateful objects of ``state`` in place.
+def load_replicated(path, state: dict, unwrap: Callable, verify: bool = True) -> dict:
+    """Load ``path`` on every rank (``verify``: as in :func:`load_file`); restore stateful objects of
+    ``state`` in place.
 
     Returns:
         The checkpoint's entries whose keys are not stateful objects in ``state``.
 
     Raises:
-        CheckpointError: a key of ``state`` is missing from the file, or the model's tensors
-            do not match (the message names the first mismatch).
+        CheckpointError: as :func:`load_file`; a key of ``state`` is missing from the file, or the
+            model's tensors do not match (the message names the first mismatch).
     """
     import torch
 
-    loaded = load_file(path)
+    loaded = load_file(path, verify)
     for key, value in state.items():
         if not _is_stateful(value):
             continue

@@ -15,6 +15,17 @@ from trainscale.runtime.precision import PRECISIONS
 from trainscale.runtime.strategies import MODEL_PARALLEL, STRATEGIES
 from trainscale.runtime.strategies.parallel_dims import ParallelDims, resolve_parallel
 
+# Names that mean "ddp, with the processes started by torch.multiprocessing from this process" (Lightning's
+# names): the start method is how the processes come to be, not another strategy. Without one, a job of
+# several processes is started by torchrun (a script relaunched under it, or `trainscale run`) or srun.
+START_METHOD_NAMES = {"ddp_spawn": "spawn", "ddp_notebook": "fork", "ddp_fork": "fork"}
+
+
+MATMUL_PRECISIONS = (None, "highest", "high", "medium")
+DP_COMPILE_ERROR = ("strategy='dp' cannot run a compiled module: nn.DataParallel copies the compiled forward into "
+                    "every replica, and each copy calls GPU 0's module with GPU 0's weights. Pass strategy='ddp' "
+                    "(one process per GPU, each compiling its own module) or compile=False")
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -24,11 +35,14 @@ class RunConfig:
         accelerator: "cpu", "cuda" or "mps".
         devices: processes (or GPUs) per node.
         num_nodes: number of machines.
-        strategy: a key of ``STRATEGIES`` other than "auto".
+        strategy: a key of ``STRATEGIES`` other than "auto" ("ddp" for "ddp_spawn"/"ddp_notebook").
         precision: a key of ``PRECISIONS``.
-        sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp/ddp_spawn on CUDA).
+        start_method: how this process starts the ranks: "spawn" ("ddp_spawn"), "fork" ("ddp_notebook",
+            "ddp_fork"), or None (the ranks are started by a launcher: torchrun, srun).
+        sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp on CUDA).
         activation_checkpointing: module classes whose forward is recomputed in backward.
         compile: ``None`` (eager) or the keyword arguments of ``torch.compile`` (``{}`` for defaults).
+        float32_matmul_precision: None (PyTorch's setting, left as it is) or "highest", "high", "medium".
         parallel: the mesh sizes under "model_parallel"/"hsdp"/"tp"; None under other strategies.
     """
 
@@ -37,15 +51,22 @@ class RunConfig:
     num_nodes: int
     strategy: str
     precision: str
+    start_method: str | None = None
     sync_batchnorm: bool = False
     activation_checkpointing: tuple = ()
     compile: dict | None = None
+    float32_matmul_precision: str | None = None
     parallel: ParallelDims | None = None
 
     @property
     def world_size(self) -> int:
         """Processes in the job: ``dp`` drives all its GPUs from one process."""
         return 1 if self.strategy == "dp" else self.devices * self.num_nodes
+
+    @property
+    def devices_per_process(self) -> int:
+        """Devices each process drives: all ``devices`` under ``dp``, else 1 (what MFU divides by)."""
+        return self.devices if self.strategy == "dp" else 1
 
 
 def _choices(names) -> str:
@@ -64,6 +85,7 @@ def resolve(
     sync_batchnorm: bool = False,
     activation_checkpointing: Any = None,
     compile: bool | dict = False,
+    float32_matmul_precision: str | None = None,
     parallel: dict | None = None,
     tp_plan: Any = None,
     parallelize: Any = None,
@@ -74,13 +96,16 @@ def resolve(
         accelerator: one of ``ACCELERATORS``; "gpu" is an alias of "cuda".
         devices: a positive int, or "auto" (every CUDA device; one process on cpu/mps).
             On cpu, ``devices=N`` means N processes.
-        strategy: one of ``STRATEGIES``; "auto" means "single" for one device in total, else "ddp".
+        strategy: one of ``STRATEGIES`` or ``START_METHOD_NAMES``; "auto" means "single" for one device in
+            total, else "ddp"; "ddp_spawn"/"ddp_notebook"/"ddp_fork" mean "ddp" with a start method.
         num_nodes: machines in the job, >= 1.
         precision: one of ``PRECISIONS``.
         cuda_count, has_mps: the machine's facts (see ``trainscale.runtime.devices``).
-        sync_batchnorm: bool; only under ddp/ddp_spawn on CUDA (torch's SyncBatchNorm refuses CPU tensors).
+        sync_batchnorm: bool; only under ddp (any start method) on CUDA (torch's SyncBatchNorm refuses CPU tensors).
         activation_checkpointing: None, or an ``nn.Module`` subclass or a collection of them.
         compile: bool, or a dict of ``torch.compile`` keyword arguments (e.g. ``{"mode": "max-autotune"}``).
+        float32_matmul_precision: None, or a value of ``torch.set_float32_matmul_precision``: "highest"
+            (full float32), "high" (TF32 tensor cores on Ampere and newer), "medium" (bfloat16).
         parallel: under "model_parallel" (required), "hsdp" or "tp": mesh sizes ``{"dp_replicate": R,
             "dp_shard": S, "tp": T}`` with R·S·T = devices·num_nodes (``parallel_dims.resolve_parallel``).
         tp_plan: a dict ``{submodule name: ParallelStyle}``; only with tensor parallelism.
@@ -118,30 +143,17 @@ def resolve(
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} must be an int >= 1")
 
-    if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy={strategy!r}; choose one of {_choices(STRATEGIES)}")
-    world_size = devices * num_nodes
-    if strategy == "auto":
-        strategy = "single" if world_size == 1 else "ddp"
-    if strategy == "single" and world_size > 1:
-        raise ValueError(f"strategy='single' runs one process but devices×num_nodes={world_size}; "
-                         "pass strategy='ddp' (or devices=1)")
-    if strategy == "dp" and (accelerator != "cuda" or cuda_count < 2 or devices < 2 or num_nodes > 1):
-        # nn.DataParallel without CUDA silently calls the module directly: no parallelism at all.
-        raise ValueError(f"strategy='dp' (nn.DataParallel) drives 2 or more CUDA GPUs from one process on one "
-                         f"machine, but here accelerator={accelerator!r}, {cuda_count} CUDA device(s) visible, "
-                         f"devices={devices}, num_nodes={num_nodes}; pass strategy='ddp' (one process per device, "
-                         "faster than dp on GPUs and also runs on CPU)")
-    if strategy == "ddp_spawn" and num_nodes > 1:
-        raise ValueError(f"strategy='ddp_spawn' starts processes on this machine only, but num_nodes={num_nodes}; "
-                         "pass strategy='ddp' and start each node with `trainscale run` or torchrun")
+    compile_kwargs = _resolve_compile(compile)
+    strategy, start_method = _resolve_strategy(strategy, accelerator, devices, num_nodes, cuda_count)
+    if strategy == "dp" and compile_kwargs is not None:
+        raise ValueError(DP_COMPILE_ERROR)
 
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}; choose one of {_choices(PRECISIONS)}")
 
     if not isinstance(sync_batchnorm, bool):
         raise ValueError(f"sync_batchnorm={sync_batchnorm!r} must be True or False")
-    if sync_batchnorm and strategy not in ("ddp", "ddp_spawn"):
+    if sync_batchnorm and strategy != "ddp":
         raise ValueError(f"sync_batchnorm=True synchronizes batch statistics across ddp processes, but "
                          f"strategy={strategy!r}; pass strategy='ddp' (or sync_batchnorm=False)")
     if sync_batchnorm and accelerator != "cuda":
@@ -149,9 +161,12 @@ def resolve(
                          "in training (its forward raises 'expected input tensor to be on GPU'). On CPU pass "
                          "sync_batchnorm=False (each rank normalizes with its own batch statistics), use larger "
                          "per-device batches, or use GroupNorm/LayerNorm, which need no batch statistics")
+    if float32_matmul_precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"unknown float32_matmul_precision={float32_matmul_precision!r}; choose one of "
+                         f"{_choices(MATMUL_PRECISIONS)} (torch.set_float32_matmul_precision's values)")
     dims = _resolve_model_parallel(strategy, parallel, tp_plan, parallelize, devices, num_nodes)
-    return RunConfig(accelerator, devices, num_nodes, strategy, precision, sync_batchnorm,
-                     _resolve_checkpointing(activation_checkpointing), _resolve_compile(compile), dims)
+    return RunConfig(accelerator, devices, num_nodes, strategy, precision, start_method, sync_batchnorm,
+                     _resolve_checkpointing(activation_checkpointing), compile_kwargs, float32_matmul_precision, dims)
 
 
 def _resolve_model_parallel(strategy: str, parallel: Any, tp_plan: Any, parallelize: Any, devices: int,
@@ -170,6 +185,38 @@ def _resolve_model_parallel(strategy: str, parallel: Any, tp_plan: Any, parallel
         raise ValueError(f"parallel={dims.as_dict()} replicates without sharding, which trainscale does not compose "
                          "with a mesh; use dp_shard for those ranks (FSDP), or strategy='ddp'")
     return dims
+
+
+def _resolve_strategy(strategy: Any, accelerator: str, devices: int, num_nodes: int,
+                      cuda_count: int) -> tuple[str, str | None]:
+    """A strategy flag → ``(strategy, start_method)`` (see :func:`resolve`); raises ``ValueError``."""
+    names = (*STRATEGIES, *START_METHOD_NAMES)
+    if not isinstance(strategy, str) or strategy not in names:
+        raise ValueError(f"unknown strategy={strategy!r}; choose one of {_choices(names)}")
+    start_method = START_METHOD_NAMES.get(strategy)
+    if start_method is not None:
+        if num_nodes > 1:
+            raise ValueError(f"strategy={strategy!r} starts processes on this machine only, but num_nodes={num_nodes}; "
+                             "pass strategy='ddp' and start each node with `trainscale run` or torchrun")
+        strategy = "ddp"
+    world_size = devices * num_nodes
+    if strategy == "auto":
+        strategy = "single" if world_size == 1 else "ddp"
+    if strategy == "single" and world_size > 1:
+        raise ValueError(f"strategy='single' runs one process but devices×num_nodes={world_size}; "
+                         "pass strategy='ddp' (or devices=1)")
+    if strategy == "dp":
+        _check_dp(accelerator, devices, num_nodes, cuda_count)
+    return strategy, start_method
+
+
+def _check_dp(accelerator: str, devices: int, num_nodes: int, cuda_count: int) -> None:
+    if accelerator != "cuda" or cuda_count < 2 or devices < 2 or num_nodes > 1:
+        # nn.DataParallel without CUDA silently calls the module directly: no parallelism at all.
+        raise ValueError(f"strategy='dp' (nn.DataParallel) drives 2 or more CUDA GPUs from one process on one "
+                         f"machine, but here accelerator={accelerator!r}, {cuda_count} CUDA device(s) visible, "
+                         f"devices={devices}, num_nodes={num_nodes}; pass strategy='ddp' (one process per device, "
+                         "faster than dp on GPUs and also runs on CPU)")
 
 
 def _resolve_checkpointing(classes: Any) -> tuple:

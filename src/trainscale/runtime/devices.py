@@ -32,17 +32,59 @@ def detect_accelerator(cuda_count: int, has_mps: bool) -> str:
     return "cpu"
 
 
-def backend_for(accelerator: str) -> str:
-    """c10d backend: "nccl" for cuda, "gloo" otherwise."""
-    return "nccl" if accelerator == "cuda" else "gloo"
+def backend_for(accelerator: str, cpu_collectives: bool = False) -> str:
+    """The c10d backend string of ``init_process_group``: "nccl" for cuda, "gloo" otherwise.
+
+    With ``cpu_collectives`` on cuda: "cuda:nccl,cpu:gloo", one process group whose collectives on CPU
+    tensors go through gloo (NCCL takes CUDA tensors only). FSDP's CPU offload needs it: its gradients,
+    and so the gradient-norm all-reduce of clipping, the GradScaler's inf check and the full-state
+    export, are CPU tensors. As torchtitan does when offloading
+    (torchtitan/distributed/utils.py ``init_distributed``: ``f"{device_type}:{backend},cpu:gloo"``).
+    """
+    if accelerator != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
 
 
-def device_for(accelerator: str, local_rank: int):
-    """The ``torch.device`` that the rank with ``local_rank`` owns on this node."""
+def bound_per_task(visible: int, local_world_size: int, launcher: str) -> bool:
+    """Whether SLURM bound one GPU to each task (``--gpus-per-task=1``, ``--gpu-bind=single:1`` or
+    ``map_gpu``): a task sees one CUDA device, its own, while the node runs several tasks. torchrun's
+    workers all inherit the agent's CUDA_VISIBLE_DEVICES, so under torchrun one visible GPU for several
+    workers is a shared GPU, not a binding. (Tasks that share one GPU anyway fail in NCCL's
+    "Duplicate GPU detected" check at the first collective.)"""
+    return launcher == "slurm" and visible == 1 and local_world_size > 1
+
+
+def node_cuda_count(visible: int, local_world_size: int, launcher: str) -> int:
+    """CUDA devices the node's processes own together: one per task when bound per task, else the visible ones."""
+    return local_world_size if bound_per_task(visible, local_world_size, launcher) else visible
+
+
+def cuda_index(local_rank: int, local_world_size: int, visible: int, launcher: str) -> int:
+    """The index (among this process's visible CUDA devices) of the GPU that ``local_rank`` owns:
+    ``local_rank`` when the process sees every GPU of the node (torchrun, ``srun --gpus-per-node``),
+    0 when SLURM bound one GPU to each task (:func:`bound_per_task`).
+
+    Raises:
+        ValueError: the process sees fewer GPUs than the node's processes but more than one (e.g.
+            ``--gpus-per-task=2``): trainscale runs one process per GPU.
+    """
+    if bound_per_task(visible, local_world_size, launcher):
+        return 0
+    if local_rank < visible:
+        return local_rank
+    raise ValueError(f"local rank {local_rank} of {local_world_size} processes on this node sees {visible} CUDA "
+                     "device(s): trainscale runs one process per GPU. Give each task one GPU (srun --gpus-per-task=1) "
+                     "or every task all of the node's GPUs (--gpus-per-node with no per-task binding); check "
+                     "CUDA_VISIBLE_DEVICES")
+
+
+def device_for(accelerator: str, index: int):
+    """The ``torch.device`` of the accelerator with CUDA device ``index`` (see :func:`cuda_index`)."""
     import torch
 
     if accelerator == "cuda":
-        return torch.device("cuda", local_rank)
+        return torch.device("cuda", index)
     if accelerator == "mps":
         return torch.device("mps")
     return torch.device("cpu")

@@ -5,29 +5,58 @@
   torchrun starts the workers, sets RANK/WORLD_SIZE/LOCAL_RANK/..., hosts the rendezvous and,
   with ``--max-restarts``, restarts failed workers
   (https://pytorch.org/docs/stable/elastic/run.html).
+- Every worker starts as ``python -m trainscale.runtime.worker SCRIPT ARGS`` (``worker.py``): it dies
+  with its agent, and records its exception for :func:`run_torchrun` to print last. The entry
+  follows ``--`` so torchrun never parses the script's own flags (``--d 192`` was torchrun's
+  "ambiguous option").
 - Importing this module does not import torch (the CLI uses it for ``--help``).
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import threading
+import time
 from typing import Sequence
+
+from trainscale.runtime.worker import ERROR_FILE, die_with_parent
+
+_NNODES = re.compile(r"^[1-9]\d*(:[1-9]\d*)?$")
+_FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def torchrun_args(nproc_per_node: int, *, nnodes: str | int = 1, node_rank: int | None = None,
                   rdzv_backend: str | None = None, rdzv_endpoint: str | None = None,
-                  max_restarts: int = 0, run_id: str | None = None) -> list[str]:
+                  max_restarts: int = 0, run_id: str | None = None, env: dict | None = None) -> list[str]:
     """torchrun's own flags for a job (without the entry point).
 
     One node without a rendezvous endpoint uses ``--standalone`` (a local c10d rendezvous on a
-    free port). Several nodes need ``rdzv_endpoint`` (host:port of the rendezvous).
+    free port, with a fresh run id). Several nodes need ``rdzv_endpoint`` (host:port of the rendezvous)
+    and a run id shared by every node and by no other job (``--rdzv-id``; torchrun's default, "none",
+    is the same for every job, so a restarted job could resume another one's "last" checkpoint):
+    ``run_id``, else ``SLURM_JOB_ID`` from ``env`` (default ``os.environ``).
 
     Raises:
-        ValueError: a non-positive process count, or several nodes without an endpoint.
+        ValueError: a non-positive process count, ``nnodes`` not ``N`` or ``MIN:MAX``, a negative
+            ``max_restarts``, or several nodes without an endpoint or a run id.
     """
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node={nproc_per_node} must be >= 1")
+    if not _NNODES.match(str(nnodes)) or (":" in str(nnodes) and int(str(nnodes).split(":")[0]) > int(
+            str(nnodes).split(":")[1])):
+        raise ValueError(f"--nnodes {nnodes!r} must be a node count N or an elastic range MIN:MAX (MIN <= MAX), "
+                         "e.g. --nnodes 2 or --nnodes 1:4")
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts {max_restarts} must be >= 0 (0: no restart)")
     args = [f"--nproc-per-node={nproc_per_node}"]
     single_node = str(nnodes) in ("1", "1:1")
     if single_node and rdzv_endpoint is None:
@@ -40,8 +69,12 @@ def torchrun_args(nproc_per_node: int, *, nnodes: str | int = 1, node_rank: int 
                  f"--rdzv-endpoint={rdzv_endpoint}"]
         if node_rank is not None:
             args.append(f"--node-rank={node_rank}")
-        if run_id is not None:
-            args.append(f"--rdzv-id={run_id}")
+        run_id = run_id or (os.environ if env is None else env).get("SLURM_JOB_ID")
+        if not run_id:
+            raise ValueError(f"nnodes={nnodes} needs a job id shared by every node and new for each job: pass "
+                             "--rdzv-id ID (the same on every node, e.g. the date and time the job was submitted); "
+                             "inside a SLURM job SLURM_JOB_ID is taken")
+        args.append(f"--rdzv-id={run_id}")
     if max_restarts:
         args.append(f"--max-restarts={max_restarts}")
     return args
@@ -75,21 +108,26 @@ def current_entry_point() -> list[str]:
     script = sys.argv[0] if sys.argv else ""
     if not script or script == "-c" or not os.path.isfile(script):
         raise RuntimeError("devices>1 needs several processes, but this program is not a script that can be "
-                           "relaunched (notebook, REPL or python -c). Run it with `trainscale run -n N script.py` "
-                           "or torchrun, or put the code in a script")
+                           "relaunched (notebook, REPL or python -c). Pass strategy='ddp_notebook' (the processes "
+                           "are forked from this one), or run a script with `trainscale run -n N script.py` or "
+                           "torchrun")
     return [script, *sys.argv[1:]]
+
+
+def torchrun_argv(torchrun: Sequence[str], entry: Sequence[str]) -> list[str]:
+    """``python -m torch.distributed.run TORCHRUN --module -- trainscale.runtime.worker ENTRY``.
+
+    After ``--`` torchrun parses nothing: the script's flags reach the script as they are.
+    """
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun, "--module", "--",
+            "trainscale.runtime.worker", *entry]
 
 
 def exec_torchrun(torchrun: Sequence[str], entry: Sequence[str], nproc_per_node: int) -> None:
     """Replace this process by ``python -m torch.distributed.run TORCHRUN ENTRY``. Does not return."""
-    argv = [sys.executable, "-m", "torch.distributed.run", *torchrun]
-    if entry and entry[0] == "-m":
-        argv += ["--module", *entry[1:]]
-    else:
-        argv += list(entry)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, argv, worker_env(nproc_per_node))
+    os.execve(sys.executable, torchrun_argv(torchrun, entry), worker_env(nproc_per_node))
 
 
 def relaunch_current_script(nproc_per_node: int, num_nodes: int = 1) -> None:
@@ -103,3 +141,138 @@ def relaunch_current_script(nproc_per_node: int, num_nodes: int = 1) -> None:
         raise RuntimeError(f"num_nodes={num_nodes}: start the script on every node with "
                            "`trainscale run --nnodes N --node-rank R --rdzv-endpoint HOST:PORT -n DEVICES script.py`")
     exec_torchrun(torchrun_args(nproc_per_node), current_entry_point(), nproc_per_node)
+
+
+# -- trainscale run: checks before the launch, torchrun as a child, the failure printed last ----------
+def check_entry(entry: Sequence[str]) -> None:
+    """Fail before any process starts when the program cannot run: a missing script, a syntax
+    error, an unknown module. (Under ``--max-restarts`` such errors were restarted every time.)
+
+    Raises:
+        ValueError: naming the problem and the fix.
+    """
+    if entry[:1] == ["-m"]:
+        import importlib.util
+
+        if len(entry) < 2 or importlib.util.find_spec(entry[1]) is None:
+            raise ValueError(f"no module named {entry[1:2]!r} on this Python's path: check the name, or install it")
+        return
+    script = entry[0]
+    if not os.path.isfile(script):
+        raise ValueError(f"script {script!r} not found (working directory {os.getcwd()!r}): check the path")
+    with open(script, "rb") as f:
+        source = f.read()
+    try:
+        compile(source, script, "exec")
+    except SyntaxError as err:
+        raise ValueError(f"{script}:{err.lineno}: SyntaxError: {err.msg}; fix it before launching") from None
+
+
+def check_rendezvous(endpoint: str, wait: float = 5.0) -> None:
+    """Fail within seconds when ``HOST:PORT`` is held by a program that is not a PyTorch rendezvous
+    store: torchrun would otherwise connect to it and wait forever, printing nothing.
+
+    Nothing listening is fine (this node's torchrun will host it, or the host node is not up yet), and
+    so is a real store (another node's torchrun on this machine hosts it): a ``TCPStore`` client must
+    answer within ``wait`` seconds (in a thread: its own timeout does not apply to a silent peer).
+
+    Raises:
+        ValueError: the endpoint is not HOST:PORT, the host does not resolve, or the port is held.
+    """
+    host, _, port_text = endpoint.rpartition(":")
+    if not host or not port_text.isdigit():
+        raise ValueError(f"--rdzv-endpoint {endpoint!r} must be HOST:PORT, e.g. 10.0.0.1:29400")
+    port = int(port_text)
+    try:
+        socket.getaddrinfo(host, port)
+        socket.create_connection((host, port), timeout=2.0).close()
+    except socket.gaierror:
+        raise ValueError(f"--rdzv-endpoint {endpoint!r}: host {host!r} does not resolve; use the address of "
+                         "the node that hosts the rendezvous (the same on every node)") from None
+    except OSError:
+        return  # nothing listens there yet
+    answered = []
+    threading.Thread(target=_probe_store, args=(host, port, answered), daemon=True).start()
+    deadline = time.monotonic() + wait
+    while not answered and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not answered or answered[0] is not None:
+        raise ValueError(f"the rendezvous endpoint {host}:{port} is held by another program, not a PyTorch "
+                         f"rendezvous store ({answered[0] if answered else f'no answer within {wait:.0f} s'}); "
+                         f"pass --rdzv-endpoint {host}:<a free port> on every node, or stop the program that holds "
+                         f"port {port} (`ss -ltnp 'sport = :{port}'` names it)")
+
+
+def _probe_store(host: str, port: int, answered: list) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False).num_keys()
+        answered.append(None)
+    except Exception as err:  # noqa: BLE001 - whatever the peer did, it is not a store
+        answered.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+
+
+def run_torchrun(torchrun: Sequence[str], entry: Sequence[str], nproc_per_node: int, max_restarts: int = 0) -> int:
+    """Run torchrun as a child of this process and return its exit code.
+
+    The child dies with this process (``PR_SET_PDEATHSIG``), its workers with it. SIGTERM, SIGHUP,
+    SIGQUIT, SIGUSR1 and SIGUSR2 sent to this process are passed on; SIGINT (Ctrl-C) reaches the
+    whole process group from the terminal. A worker error that would recur at every restart (see
+    ``worker.py``) stops torchrun at once. When the job fails, the first failed rank's own error is
+    printed last on stderr, after torchrun's summary.
+    """
+    log_dir = tempfile.mkdtemp(prefix="trainscale-run-")
+    argv = torchrun_argv([f"--log-dir={log_dir}", *torchrun], entry)
+    try:
+        proc = subprocess.Popen(argv, env=worker_env(nproc_per_node), preexec_fn=die_with_parent)
+        previous = {sig: signal.signal(sig, lambda s, _f: proc.send_signal(s)) for sig in _FORWARDED}
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stopped = _wait(proc, log_dir, max_restarts)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if stopped:
+            print(f"\ntrainscale run: not restarted (--max-restarts {max_restarts}): the error below happened before "
+                  "the process group existed and would recur at every restart; fix it and run again",
+                  file=sys.stderr, flush=True)
+        report = failure_report(log_dir) if proc.returncode != 0 else None
+        if report:
+            print(report, file=sys.stderr, flush=True)
+        return proc.returncode
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _wait(proc: subprocess.Popen, log_dir: str, max_restarts: int) -> bool:
+    """Wait for torchrun; stop it when a worker recorded an error that a restart cannot fix. True if stopped."""
+    while proc.poll() is None:
+        time.sleep(0.2)
+        if max_restarts and any(not r["restartable"] for r in _records(log_dir)):
+            proc.terminate()
+            proc.wait()
+            return True
+    return False
+
+
+def _records(log_dir: str) -> list[dict]:
+    out = []
+    for path in glob.glob(os.path.join(log_dir, "**", ERROR_FILE), recursive=True):
+        try:
+            with open(path, encoding="utf-8") as f:
+                out.append(json.load(f))
+        except (OSError, ValueError):
+            continue  # being written
+    return out
+
+
+def failure_report(log_dir: str) -> str | None:
+    """The first failed worker's error as recorded by ``worker.py`` (rank, type, message, the user's
+    frames), or None when no worker recorded one (e.g. it was killed by a signal)."""
+    records = _records(log_dir)
+    if not records:
+        return None
+    first = min(records, key=lambda r: (r["time"], int(r["rank"] or 0)))
+    return (f"\ntrainscale run: rank {first['rank']} (node {first['node_rank']}, local rank {first['local_rank']}) "
+            f"failed first:\n{first['traceback'].rstrip()}")

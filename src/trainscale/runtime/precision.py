@@ -18,6 +18,18 @@ PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
 _NO_AUTOCAST = contextlib.nullcontext()  # stateless and reentrant: one instance serves every step
 
 
+def float32_matmul_note(name: str, device_type: str, capability: tuple[int, int] | None, current: str) -> str | None:
+    """What to tell a "32-true" run on a GPU with TF32 tensor cores (compute capability 8.0, Ampere, or
+    newer) whose float32 matmuls run at full precision (``torch.get_float32_matmul_precision()`` is
+    "highest", PyTorch's default), as Lightning does; None otherwise.
+    https://pytorch.org/docs/stable/generated/torch.set_float32_matmul_precision.html"""
+    if name != "32-true" or device_type != "cuda" or capability is None or capability < (8, 0) or current != "highest":
+        return None
+    return ("trainscale: float32 matmuls run at full precision on this GPU, which has TF32 tensor cores; "
+            "float32_matmul_precision='high' (TF32) or 'medium' (bfloat16) trades precision for speed "
+            "(torch.set_float32_matmul_precision)")
+
+
 class Precision:
     """One precision setting for one device type ("cpu", "cuda", "mps")."""
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from trainscale.runtime.batch import apply_to_tensors
+from trainscale.runtime.batch import tensors
 
 _END = object()
 
@@ -46,6 +46,8 @@ def prefetch_to_cuda(batches: Iterable, move: Callable[[Any], Any], device: torc
         current = torch.cuda.current_stream(device)
         current.wait_stream(stream)  # the loop's kernels start after this batch's copy ends
         batch = upcoming
-        apply_to_tensors(batch, lambda t: t.record_stream(current))
+        for tensor in tensors(batch):  # the same walk as to_device's, into objects moved by their own .to
+            if tensor.device.type == device.type:  # some stay on the host (a PackedSequence's batch_sizes)
+                tensor.record_stream(current)
         upcoming = load()  # the next copy runs while the loop trains on this batch
         yield batch

@@ -24,6 +24,7 @@ Run it with ``python script.py`` (devices=N relaunches it under torchrun) or
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
 from datetime import timedelta
 from typing import Any, Callable, Iterable
@@ -32,12 +33,12 @@ import torch
 import torch.distributed as dist
 
 from trainscale.runtime import devices as _devices
-from trainscale.runtime import launch
+from trainscale.runtime import hangs, launch
 from trainscale.runtime.apply import prepare_module
 from trainscale.runtime.batch import to_device
 from trainscale.runtime.connector import RunConfig, resolve
 from trainscale.runtime.meta_init import on_meta
-from trainscale.runtime.precision import Precision
+from trainscale.runtime.precision import Precision, float32_matmul_note
 from trainscale.runtime.strategies import create_strategy
 from trainscale.runtime.world import World
 
@@ -64,19 +65,24 @@ class Runtime:
         accelerator: "auto", "cpu", "cuda" ("gpu") or "mps".
         devices: processes (CPU) or GPUs per node, or "auto" (all GPUs; under a launcher, the
             launcher's processes per node; else 1).
-        strategy: "auto", "single", "ddp", "fsdp", "ddp_spawn", "dp", "model_parallel", "hsdp" or "tp" (see ``trainscale.runtime.strategies.STRATEGIES``
-            and docs/strategies.md). Under "ddp_spawn" outside a launcher, call ``launch(fn, *args)``.
+        strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp" (see
+            ``trainscale.runtime.strategies.STRATEGIES`` and docs/strategies.md), or "ddp_spawn"/"ddp_notebook": ddp
+            with the processes started from this one by spawn/fork (``trainscale.runtime.spawn``); outside a
+            launcher, then call ``launch(fn, *args)``.
         num_nodes: machines in the job.
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
         timeout: seconds a collective may wait before it fails (passed to ``init_process_group``).
-        strategy_options: keyword options of the strategy (ddp/ddp_spawn: ``find_unused_parameters``,
+        strategy_options: keyword options of the strategy (ddp: ``find_unused_parameters``,
             ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``; dp: ``device_ids``; fsdp: ``auto_wrap_policy``, ``reshard_after_forward``,
             ``cpu_offload``).
-        sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp/ddp_spawn, CUDA only).
+        sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp, CUDA only).
         activation_checkpointing: ``nn.Module`` classes whose instances recompute their forward in
             backward (``torch.utils.checkpoint``, non-reentrant): less activation memory, ~1 more forward.
         compile: ``torch.compile`` the module before the strategy wraps it; True, or a dict of
             ``torch.compile`` arguments (e.g. ``{"mode": "max-autotune"}``).
+        float32_matmul_precision: None (leave PyTorch's setting), or "highest", "high" (TF32 on Ampere and
+            newer) or "medium", applied with ``torch.set_float32_matmul_precision`` in this process. A
+            "32-true" run on such a GPU left at "highest" says so once (rank zero).
         parallel: under strategy "model_parallel" (required), "hsdp" or "tp": the device mesh
             ``{"dp_replicate": R, "dp_shard": S, "tp": T}``, R·S·T = world size (docs/strategies.md).
         tp_plan: ``{submodule name: ColwiseParallel() | RowwiseParallel() | ...}`` (torch's
@@ -91,26 +97,32 @@ class Runtime:
     def __init__(self, accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
                  num_nodes: int = 1, precision: str = "32-true", *, timeout: float = 1800.0,
                  strategy_options: dict | None = None, sync_batchnorm: bool = False,
-                 activation_checkpointing: Any = None, compile: bool | dict = False, parallel: dict | None = None,
+                 activation_checkpointing: Any = None, compile: bool | dict = False,
+                 float32_matmul_precision: str | None = None, parallel: dict | None = None,
                  tp_plan: dict | None = None, parallelize: Callable | None = None) -> None:
         self._init_kwargs = dict(accelerator=accelerator, devices=devices, strategy=strategy, num_nodes=num_nodes,
                                  precision=precision, timeout=timeout, strategy_options=strategy_options,
                                  sync_batchnorm=sync_batchnorm, activation_checkpointing=activation_checkpointing,
-                                 compile=compile, parallel=parallel, tp_plan=tp_plan, parallelize=parallelize)
-        self.world = World.from_env()
-        if devices == "auto" and self.world.launcher != "none":
-            devices, num_nodes = self.world.local_world_size, self.world.num_nodes
+                                 compile=compile, float32_matmul_precision=float32_matmul_precision,
+                                 parallel=parallel, tp_plan=tp_plan, parallelize=parallelize)
+        self.world = world = World.from_env()
+        follows_launcher = devices == "auto" and world.launcher != "none"  # nodes may differ in processes
+        if follows_launcher:
+            devices, num_nodes = world.local_world_size, world.num_nodes
+        visible = _devices.cuda_device_count()
         self.config: RunConfig = resolve(accelerator, devices, strategy, num_nodes, precision,
-                                         cuda_count=_devices.cuda_device_count(),
+                                         cuda_count=_devices.node_cuda_count(visible, world.local_world_size,
+                                                                             world.launcher),
                                          has_mps=_devices.mps_available(), sync_batchnorm=sync_batchnorm,
                                          activation_checkpointing=activation_checkpointing, compile=compile,
+                                         float32_matmul_precision=float32_matmul_precision,
                                          parallel=parallel, tp_plan=tp_plan, parallelize=parallelize)
-        if self.world.launcher == "slurm":  # the allocation must match devices × num_nodes
+        if world.launcher == "slurm" and not follows_launcher:  # the allocation must match devices × num_nodes
             from trainscale.runtime.slurm import check_allocation
 
-            check_allocation(self.world.world_size, self.world.local_world_size, self.world.num_nodes,
+            check_allocation(world.world_size, world.local_world_size, world.num_nodes,
                              self.config.devices, self.config.num_nodes)
-        if self.world.launcher != "none" and self.world.world_size != self.config.world_size:
+        if world.launcher != "none" and not follows_launcher and world.world_size != self.config.world_size:
             raise ValueError(f"the launcher started WORLD_SIZE={self.world.world_size} processes but "
                              f"devices×num_nodes={self.config.devices}×{self.config.num_nodes}="
                              f"{self.config.world_size}; pass devices={self.world.local_world_size}, "
@@ -118,13 +130,12 @@ class Runtime:
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be a positive number of seconds")
         self.timeout = timeout
-        self.strategy_options = dict(strategy_options or {})
-        if self.config.strategy == "dp":
-            self.strategy_options.setdefault("device_ids", list(range(self.config.devices)))
-        if self.config.parallel is not None:  # model_parallel / hsdp / tp
-            self.strategy_options.update(parallel=self.config.parallel, tp_plan=tp_plan, parallelize=parallelize)
-        self.device = _devices.device_for(self.config.accelerator, self.world.local_rank)
+        self.strategy_options = _strategy_options(self.config, strategy_options, tp_plan, parallelize)
+        cuda = self.config.accelerator == "cuda"
+        self.device = _devices.device_for(self.config.accelerator, _devices.cuda_index(
+            world.local_rank, world.local_world_size, visible, world.launcher) if cuda else world.local_rank)
         self.precision = Precision(self.config.precision, self.device.type)
+        self._set_matmul_precision()
         self._non_blocking = self.device.type == "cuda"  # to_device's copies: asynchronous from pinned memory
         self.strategy = None
         self.monitor_group = None
@@ -132,10 +143,24 @@ class Runtime:
         if self.spawns:  # the job runs in children; check the strategy's options here, before spawning
             create_strategy(self.config.strategy, device=self.device, world=self.world, **self.strategy_options)
 
+    def _set_matmul_precision(self) -> None:
+        """Apply ``float32_matmul_precision``, or say once what "32-true" leaves on the table (Lightning's note)."""
+        if self.config.float32_matmul_precision is not None:
+            torch.set_float32_matmul_precision(self.config.float32_matmul_precision)
+            return
+        cuda_32 = self.device.type == "cuda" and self.config.precision == "32-true"
+        capability = torch.cuda.get_device_capability(self.device) if cuda_32 else None
+        note = float32_matmul_note(self.config.precision, self.device.type, capability,
+                                   torch.get_float32_matmul_precision())
+        if note is not None and not self.spawns:  # under ddp_spawn, rank 0's child says it
+            self.print(note)
+
     @property
     def spawns(self) -> bool:
-        """True in the parent process of a "ddp_spawn" job (the ranks will be spawned children)."""
-        return self.config.strategy == "ddp_spawn" and self.world.launcher == "none" and self.config.world_size > 1
+        """True in the parent process of a "ddp_spawn"/"ddp_notebook" job: the ranks will be child processes
+        started from this one (``self.config.start_method``: "spawn" or "fork"), not this process."""
+        return (self.config.start_method is not None and self.world.launcher == "none"
+                and self.config.world_size > 1)
 
     # -- processes ---------------------------------------------------------------------------
     def launch(self, function: Callable | None = None, *args: Any) -> Any:
@@ -146,12 +171,14 @@ class Runtime:
         process group is created with the backend of the accelerator (nccl/gloo).
 
         With ``function``: run ``function(runtime, *args)`` on every rank and return its value.
-        Under "ddp_spawn" (notebooks, functions) the ranks are spawned processes, each with its own
-        Runtime built from this one's flags; rank 0's return value comes back here. ``function``
-        and ``args`` must be picklable (module-level, no lambdas).
+        Under "ddp_spawn"/"ddp_notebook" (notebooks, functions) the ranks are child processes started
+        from this one by ``trainscale.runtime.spawn`` (spawn: ``function`` and ``args`` pickled with
+        cloudpickle; fork: inherited), each with its own Runtime built from this one's flags; rank 0's
+        return value comes back here.
 
         Raises:
-            RuntimeError: "ddp_spawn" in the parent process without ``function``.
+            RuntimeError: "ddp_spawn"/"ddp_notebook" in the parent process without ``function``; under
+                "ddp_notebook", CUDA initialised before the fork; a child that died while starting.
             ValueError: ``function`` or ``args`` cannot be pickled (under "ddp_spawn").
         """
         if function is not None:
@@ -159,39 +186,52 @@ class Runtime:
                 from trainscale.runtime import spawn
 
                 return spawn.run(_run_spawned, {"runtime_flags": self._init_kwargs, "function": function,
-                                                "args": args}, self.config.world_size)
+                                                "args": args}, self.config.world_size, self.config.start_method)
             self.launch()
             return function(self, *args)
         if self._launched:
             return self
         if self.spawns:
-            raise RuntimeError("strategy='ddp_spawn' runs the job in spawned processes: put the training code in a "
-                               "module-level function fn(runtime, ...) and call runtime.launch(fn, ...), "
-                               "or use Trainer.fit")
+            raise RuntimeError(f"strategy={self._init_kwargs['strategy']!r} runs the job in child processes started "
+                               "from this one: put the training code in a function fn(runtime, ...) and call "
+                               "runtime.launch(fn, ...), or use Trainer.fit")
         if self.config.world_size > 1 and self.world.launcher == "none":
             launch.relaunch_current_script(self.config.devices, self.config.num_nodes)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        # ddp on one process (e.g. one GPU) still needs a process group: DDP refuses to run without one.
-        if (self.world.world_size > 1 or self.config.strategy == "ddp") and not dist.is_initialized():
-            # torchrun exports MASTER_ADDR/PORT (env://); srun does not, so SLURM tasks name the address;
-            # a lone process without a launcher takes a free local port.
-            init_method = (f"tcp://{self.world.master_addr}:{self.world.master_port}"
-                           if self.world.launcher == "slurm" else None)
-            if self.world.launcher == "none":
-                init_method = f"tcp://127.0.0.1:{_free_port()}"
-            dist.init_process_group(backend=_devices.backend_for(self.config.accelerator),
-                                    timeout=timedelta(seconds=self.timeout), init_method=init_method,
-                                    rank=self.world.rank, world_size=self.world.world_size)
-            atexit.register(_destroy_process_group)
-        if self.world.world_size > 1 and self.monitor_group is None:
-            from trainscale.runtime.hangs import new_monitor_group
-
-            self.monitor_group = new_monitor_group()  # gloo, for naming ranks that do not arrive
+        self._start_process_groups()
         self.strategy = create_strategy(self.config.strategy, device=self.device, world=self.world,
                                         precision=self.config.precision, **self.strategy_options)
         self._launched = True
         return self
+
+    def _start_process_groups(self) -> None:
+        """The default process group, unless one exists, and the gloo monitor group where it serves
+        (:func:`trainscale.runtime.hangs.wants_monitor_group`)."""
+        # ddp on one process (e.g. one GPU) still needs a process group: DDP refuses to run without one.
+        if (self.world.world_size > 1 or self.config.strategy == "ddp") and not dist.is_initialized():
+            self._init_process_group()
+        if (self.monitor_group is None and dist.is_initialized()
+                and hangs.wants_monitor_group(str(dist.get_backend()), self.world.world_size)):
+            self.monitor_group = hangs.new_monitor_group()
+
+    def _init_process_group(self) -> None:
+        """``init_process_group`` with the accelerator's backend and ``timeout``. Before an NCCL group,
+        PyTorch's own timeout diagnosis (flight recorder, dump on timeout) is switched on where the
+        user has not chosen otherwise (:func:`trainscale.runtime.hangs.nccl_debug_env`)."""
+        offload = self.strategy_options.get("cpu_offload") is True  # fsdp: CPU gradients need gloo too
+        backend = _devices.backend_for(self.config.accelerator, cpu_collectives=offload)
+        if "nccl" in backend:
+            os.environ.update(hangs.nccl_debug_env(os.environ))
+        # torchrun exports MASTER_ADDR/PORT (env://); srun does not, so SLURM tasks name the address;
+        # a lone process without a launcher takes a free local port.
+        init_method = (f"tcp://{self.world.master_addr}:{self.world.master_port}"
+                       if self.world.launcher == "slurm" else None)
+        if self.world.launcher == "none":
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=self.timeout), init_method=init_method,
+                                rank=self.world.rank, world_size=self.world.world_size)
+        atexit.register(_destroy_process_group)
 
     @property
     def world_size(self) -> int:
@@ -228,10 +268,10 @@ class Runtime:
         """
         self.launch()
         c = self.config
-        if not getattr(self.strategy, "materialises_meta", False) and on_meta(module):
+        if not self.strategy.materialises_meta and on_meta(module):
             raise ValueError(f"the model is on the meta device (no memory), which strategy={c.strategy!r} cannot "
-                             "materialise; use strategy='fsdp' (it shards, then initialises each rank's shards "
-                             "with init_weights()/reset_parameters()), or build the model on a real device")
+                             "materialise; use strategy='fsdp' or 'model_parallel' (they shard, then initialise each rank's "
+                             "shards with init_weights()/reset_parameters()), or build the model on a real device")
         module = prepare_module(module, precision=self.precision, sync_batchnorm=c.sync_batchnorm,
                                 activation_checkpointing=c.activation_checkpointing, compile=c.compile)
         wrapped = self.strategy.setup_module(module)
@@ -285,8 +325,7 @@ class Runtime:
         from trainscale.runtime.sampling import distribute_dataloader
 
         self.launch()
-        data_world = getattr(self.strategy, "data_world", None)  # tensor-parallel ranks share their batches
-        world = data_world(self.world) if data_world is not None else self.world
+        world = self.strategy.data_world(self.world)  # tensor-parallel ranks share their batches
         out = distribute_dataloader(loader, world, shuffle=shuffle, seed=seed, even=even)
         if pin_memory is None:
             pin_memory = loader.pin_memory or self.device.type == "cuda"
@@ -353,12 +392,9 @@ class Runtime:
         if not (max_norm if max_norm is not None else clip_val) > 0:
             raise ValueError(f"max_norm={max_norm!r} / clip_val={clip_val!r} must be > 0")
         self.precision.unscale_gradients(optimizer)
-        params = [p for p in module.parameters() if p.grad is not None]
-        if max_norm is not None:
-            if hasattr(self.strategy, "clip_gradients_norm"):  # sharded (DTensor) gradients: fsdp
-                return self.strategy.clip_gradients_norm(module, max_norm, norm_type)
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        torch.nn.utils.clip_grad_value_(params, clip_val)
+        if max_norm is not None:  # the strategy's: sharded (DTensor) gradients under fsdp
+            return self.strategy.clip_gradients_norm(module, max_norm, norm_type)
+        torch.nn.utils.clip_grad_value_([p for p in module.parameters() if p.grad is not None], clip_val)
         return None
 
     def step(self, optimizer: Any) -> None:
@@ -413,18 +449,23 @@ class Runtime:
         self.strategy.save_checkpoint(path, state)
         self.barrier()
 
-    def load(self, path: str | os.PathLike, state: dict | None = None) -> dict:
+    def load(self, path: str | os.PathLike, state: dict | None = None, verify: bool = True) -> dict:
         """Restore the stateful objects of ``state`` in place from ``path``.
+
+        ``verify=True`` (the default) checks the SHA-256 recorded beside the checkpoint when it was
+        written and refuses one without it; ``verify=False`` loads it unchecked (a file you trust
+        that was written by other means).
 
         Returns:
             The checkpoint's other entries (e.g. epoch counters).
 
         Raises:
             FileNotFoundError: ``path`` does not exist (checked on every rank before any collective).
-            trainscale.runtime.checkpoint_io.CheckpointError: a corrupted or mismatched checkpoint.
+            trainscale.runtime.checkpoint_io.CheckpointError: a corrupted, unverifiable (no checksum
+                file, ``verify=True``) or mismatched checkpoint.
         """
         self.launch()
-        rest = self.strategy.load_checkpoint(path, dict(state or {}))
+        rest = self.strategy.load_checkpoint(path, dict(state or {}), verify=verify)
         self.precision.load_state_dict(rest.pop("precision", {}))
         return rest
 
@@ -438,8 +479,22 @@ class Runtime:
         self._launched = False
 
 
+def _strategy_options(config: RunConfig, options: dict | None, tp_plan: Any, parallelize: Any) -> dict:
+    """The strategy's options: the user's, with dp's ``device_ids`` and the model-parallel flags added."""
+    out = dict(options or {})
+    if config.strategy == "dp":
+        out.setdefault("device_ids", list(range(config.devices)))
+    if config.parallel is not None:  # model_parallel / hsdp / tp
+        out.update(parallel=config.parallel, tp_plan=tp_plan, parallelize=parallelize)
+    return out
+
+
+RUNTIME_FLAGS = frozenset(inspect.signature(Runtime).parameters)  # what a Trainer passes on to its Runtime
+
+
 def _run_spawned(**kwargs: Any) -> Any:
-    """A "ddp_spawn" child of ``Runtime.launch(function, ...)``: this rank's Runtime, then the function."""
+    """A "ddp_spawn"/"ddp_notebook" child of ``Runtime.launch(function, ...)``: this rank's Runtime, then the
+    function."""
     runtime = Runtime(**kwargs["runtime_flags"])
     runtime.launch()
     try:

@@ -116,20 +116,21 @@ def world_fields(env: Mapping[str, str]) -> dict:
     rank = geti("SLURM_PROCID")
     node_rank, local_rank = geti("SLURM_NODEID", 0), geti("SLURM_LOCALID", 0)
     spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    if spec:
+    if spec:  # per node, so nodes may differ (e.g. "8,4")
         per_node = tasks_per_node(spec)
         if not 0 <= node_rank < len(per_node):
             raise ValueError(f"SLURM_NODEID={node_rank} but the tasks per node are {spec!r}")
-        local_world_size = per_node[node_rank]
+        local_world_size, nodes = per_node[node_rank], len(per_node)
     else:
         local_world_size = geti("SLURM_NTASKS_PER_NODE", world_size)
+        nodes = geti("SLURM_STEP_NUM_NODES", geti("SLURM_NNODES", 0)) or None
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     master_addr = env.get("MASTER_ADDR") or (expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1")
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
     default_port = 15000 + int(job_id) % 20000 if job_id and job_id.isdigit() else 29500
     return dict(world_size=world_size, rank=rank, local_rank=local_rank, local_world_size=local_world_size,
                 node_rank=node_rank, master_addr=master_addr, master_port=geti("MASTER_PORT", default_port),
-                restart_count=geti("SLURM_RESTART_COUNT", 0), job_id=job_id)
+                restart_count=geti("SLURM_RESTART_COUNT", 0), job_id=job_id, group_world_size=nodes)
 
 
 def check_allocation(world_size: int, local_world_size: int, num_nodes: int, devices: int,

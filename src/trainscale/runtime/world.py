@@ -1,7 +1,7 @@
 """The process world: who this process is in a distributed job, read once from the launcher.
 
 torchrun (``torch.distributed.run``) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-GROUP_RANK, MASTER_ADDR and MASTER_PORT for each worker
+GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR and MASTER_PORT for each worker
 (https://pytorch.org/docs/stable/elastic/run.html#environment-variables). Tasks started by
 SLURM's ``srun`` are read from SLURM_PROCID, SLURM_NTASKS, ... (``trainscale.runtime.slurm``);
 torchrun's variables win when both are set (torchrun started inside a SLURM job).
@@ -13,6 +13,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Mapping
+
+
+def _job_id(env: Mapping[str, str]) -> str | None:
+    """torchrun's run id. Its "none" (torchrun's default without ``--rdzv-id`` on several nodes) is shared
+    by every such job, so SLURM's job id replaces it when there is one (``trainscale run`` always passes
+    an id on several nodes: ``launch.torchrun_args``)."""
+    run_id = env.get("TORCHELASTIC_RUN_ID") or None
+    if run_id in (None, "none"):
+        return env.get("SLURM_JOB_ID") or run_id
+    return run_id
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,8 @@ class World:
             SLURM's SLURM_RESTART_COUNT after a requeue).
         launcher: "torchrun", "slurm" (tasks started by ``srun``), or "none".
         job_id: an id shared by every attempt of the job (TORCHELASTIC_RUN_ID, SLURM_JOB_ID), or None.
+        group_world_size: the launcher's count of nodes (torchrun's GROUP_WORLD_SIZE: agents; SLURM: the
+            nodes of the step), or None: then ``num_nodes`` assumes every node runs ``local_world_size``.
     """
 
     world_size: int = 1
@@ -42,6 +54,7 @@ class World:
     restart_count: int = 0
     launcher: str = "none"
     job_id: str | None = None
+    group_world_size: int | None = None
 
     @property
     def is_distributed(self) -> bool:
@@ -53,6 +66,10 @@ class World:
 
     @property
     def num_nodes(self) -> int:
+        """Nodes in the job: the launcher's count; without one, ``world_size // local_world_size``, which
+        is wrong when nodes run different numbers of processes (8 GPUs on one node, 4 on another)."""
+        if self.group_world_size is not None:
+            return self.group_world_size
         return max(1, self.world_size // max(1, self.local_world_size))
 
     @classmethod
@@ -88,6 +105,7 @@ class World:
         local_rank = geti("LOCAL_RANK", rank)
         local_world_size = geti("LOCAL_WORLD_SIZE", world_size)
         node_rank = geti("GROUP_RANK", geti("NODE_RANK", 0))
+        group_world_size = geti("GROUP_WORLD_SIZE", 0) or None  # torchrun's nodes (agents) in this round
         cls._check(world_size, rank, local_rank, local_world_size)
         return cls(
             world_size=world_size,
@@ -99,7 +117,8 @@ class World:
             master_port=geti("MASTER_PORT", 29500),
             restart_count=geti("TORCHELASTIC_RESTART_COUNT", 0),
             launcher="torchrun",
-            job_id=env.get("TORCHELASTIC_RUN_ID") or None,
+            job_id=_job_id(env),
+            group_world_size=group_world_size,
         )
 
     @staticmethod

@@ -28,51 +28,118 @@ skip the model's frame for good, so counting would silently turn compilation off
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterator
 
-# Dense (no sparsity) peak tensor-core FLOP/s by GPU and compute dtype, from NVIDIA's data sheets.
-# "fp32" is the plain FP32 rate: PyTorch keeps TF32 off for matmuls by default
-# (torch.backends.cuda.matmul.allow_tf32 = False), so "32-true" runs at that rate.
-#   V100 SXM2: https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf
-#   T4:        https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf
-#   A10:       https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf
-#   A100:      https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
-#   L4:        https://www.nvidia.com/en-us/data-center/l4/  (data sheet: 242 TFLOPS bf16 "with sparsity")
-#   H100:      https://www.nvidia.com/en-us/data-center/h100/ (data sheet figures "with sparsity" halved)
-# Keys are matched as substrings of torch.cuda.get_device_name(), most specific first.
+# Dense (no sparsity) peak FLOP/s per GPU by compute dtype: "bf16"/"fp16"/"tf32" on tensor cores, "fp32"
+# the plain (non-tensor) FP32 rate. NVIDIA quotes tensor-core figures "with sparsity" (2:4 structured);
+# those are halved here. Sources (NVIDIA data sheets and product pages; the figures were taken from these
+# documents as published, not re-fetched in the session of 2026-11-23, which had no web access):
+#   V100:  https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf
+#          (SXM2: 125 TFLOPS tensor, 15.7 FP32; PCIe: 112, 14)
+#   T4:    https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf
+#   A10:   https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf
+#          (BF16 250*, TF32 125*, FP32 31.2; * with sparsity)
+#   A100:  https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
+#          (BF16 312, TF32 156, FP32 19.5; SXM and PCIe alike)
+#   A800:  https://www.nvidia.cn/data-center/a800/ (the A100's compute with less NVLink bandwidth)
+#   L4:    https://www.nvidia.com/en-us/data-center/l4/ (BF16 242*, TF32 120*, FP32 30.3)
+#   L40S:  https://www.nvidia.com/en-us/data-center/l40s/ (BF16 733*, TF32 366*, FP32 91.6)
+#   H100:  https://www.nvidia.com/en-us/data-center/h100/ (SXM: BF16 1,979*, TF32 989*, FP32 67;
+#          PCIe: 1,513*, 756*, 51; NVL: 1,671*, 835*, 60)
+#   H800:  https://www.nvidia.cn/data-center/h800/ (the H100's compute with less NVLink bandwidth)
+#   H200:  https://www.nvidia.com/en-us/data-center/h200/ (SXM: BF16 1,979*, TF32 989*, FP32 67;
+#          NVL: 1,671*, 835*, 60)
+#   GH200: https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/ (its Hopper GPU: as H100 SXM)
+#   B200:  https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200 per GPU: BF16 4.5 PF*, TF32 2.2 PF*, FP32 75 TF)
+_H100_SXM = {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12}
+_H100_PCIE = {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}
+_HOPPER_NVL = {"bf16": 835e12, "fp16": 835e12, "tf32": 418e12, "fp32": 60e12}
+_A100 = {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}
+# Keys: the product token of torch.cuda.get_device_name() (see product_key), with its form factor.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},  # SXM
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},  # after "A100": "A10" matches both
-    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
-    "V100": {"fp16": 125e12, "fp32": 15.7e12},
+    "V100 SXM": {"fp16": 125e12, "fp32": 15.7e12},
+    "V100 PCIe": {"fp16": 112e12, "fp32": 14e12},
     "T4": {"fp16": 65e12, "fp32": 8.1e12},
+    "A10": {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12},
+    "A100": _A100,
+    "A800": _A100,
+    "L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
+    "L40S": {"bf16": 366e12, "fp16": 366e12, "tf32": 183e12, "fp32": 91.6e12},
+    "H100 SXM": _H100_SXM, "H100 PCIe": _H100_PCIE, "H100 NVL": _HOPPER_NVL,
+    "H800 SXM": _H100_SXM, "H800 PCIe": _H100_PCIE,
+    "H200 SXM": _H100_SXM, "H200 NVL": _HOPPER_NVL,
+    "GH200": _H100_SXM,
+    "B200": {"bf16": 2250e12, "fp16": 2250e12, "tf32": 1100e12, "fp32": 75e12},
 }
 
 _PRECISION_DTYPE = {"32-true": "fp32", "16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
+_VENDOR = {"NVIDIA", "TESLA"}
 
 
-def peak_flops_per_s(device_name: str | None, precision: str) -> float | None:
+def product_key(device_name: str) -> str:
+    """The product of a CUDA device name, matched exactly, token by token (never as a substring):
+    ``"NVIDIA A100-SXM4-80GB"`` → ``"A100 SXM"``, ``"NVIDIA H100 PCIe"`` → ``"H100 PCIe"``,
+    ``"NVIDIA L40S"`` → ``"L40S SXM"`` (looked up as ``"L40S"``), ``"NVIDIA RTX A1000"`` → ``"RTX SXM"`` (unknown).
+    The form factor is "PCIe" or "NVL" when a token says so, else "SXM"."""
+    tokens = [t for t in device_name.replace("-", " ").replace("_", " ").split() if t.upper() not in _VENDOR]
+    if not tokens:
+        return ""
+    upper = {t.upper() for t in tokens[1:]}
+    form = "PCIe" if any(t.startswith("PCIE") for t in upper) else "NVL" if "NVL" in upper else "SXM"
+    return f"{tokens[0].upper()} {form}"
+
+
+def _peaks(device_name: str | None) -> dict[str, float] | None:
+    if not device_name:
+        return None
+    key = product_key(device_name)
+    return PEAK_FLOPS.get(key) or PEAK_FLOPS.get(key.split(" ")[0])
+
+
+def peak_flops_per_s(device_name: str | None, precision: str, *, tf32_matmul: bool = False,
+                     tf32_conv: bool = False, conv_share: float = 0.0) -> float | None:
     """Peak dense FLOP/s of one device for a precision ("32-true", "bf16-mixed", ...).
+
+    Under "32-true" float32 matmuls and convolutions run on TF32 tensor cores when enabled
+    (``torch.get_float32_matmul_precision() != "highest"``; ``torch.backends.cudnn.allow_tf32``, True by
+    default), else at the FP32 rate. The peak of the step is then the rate at which its FLOPs could run
+    at best: ``1 / (conv_share / conv_peak + (1 - conv_share) / matmul_peak)``.
+
+    Args:
+        device_name: ``torch.cuda.get_device_name()``, or None.
+        precision: the precision flag.
+        tf32_matmul, tf32_conv: whether TF32 is enabled for float32 matmuls / cuDNN convolutions.
+        conv_share: the fraction (0..1) of the step's FLOPs in convolutions.
 
     Returns:
         FLOP/s, or None for a device not in :data:`PEAK_FLOPS` (CPUs, unknown GPUs) or a dtype the
         device lacks (bf16 on V100/T4).
     """
-    if not device_name:
+    peaks = _peaks(device_name)
+    if peaks is None:
         return None
-    for key, peaks in PEAK_FLOPS.items():
-        if key in device_name:
-            return peaks.get(_PRECISION_DTYPE.get(precision, "fp32"))
-    return None
+    dtype = _PRECISION_DTYPE.get(precision, "fp32")
+    if dtype != "fp32":
+        return peaks.get(dtype)
+    # devices before Ampere have no TF32: their float32 ops run at the FP32 rate whatever the flags say
+    conv, matmul = (peaks.get("tf32", peaks["fp32"]) if tf32 else peaks["fp32"] for tf32 in (tf32_conv, tf32_matmul))
+    if conv == matmul or conv_share <= 0:
+        return matmul
+    return 1.0 / (conv_share / conv + (1.0 - conv_share) / matmul)
 
 
 def mfu(achieved_flops_per_s: float | None, peak_per_device: float | None, devices: int) -> float | None:
-    """Model FLOPs utilization: total achieved FLOP/s over ``devices`` × peak (None if either is unknown)."""
+    """Model FLOPs utilization: total achieved FLOP/s over ``devices`` × peak (None if either is unknown).
+    A value over 1 cannot be: it means a wrong peak or a wrong FLOP count (:data:`MFU_ERROR`)."""
     if achieved_flops_per_s is None or not peak_per_device:
         return None
     return achieved_flops_per_s / (peak_per_device * devices)
+
+
+MFU_ERROR = ("MFU > 1 is a measurement error: the peak FLOP/s is too low for what ran (e.g. TF32 or sparse "
+             "tensor cores, a device missing from the table) or the FLOP count is too high; pass the device's "
+             "peak as peak_flops= (FLOP/s per device)")
 
 
 def resolve_count_flops(count_flops: bool | None, device_type: str, compiled: bool) -> bool:
@@ -95,29 +162,106 @@ def resolve_count_flops(count_flops: bool | None, device_type: str, compiled: bo
     return (device_type == "cuda" and not compiled) if count_flops is None else count_flops
 
 
+class FlopCountError(RuntimeError):
+    """The micro-batch counted under ``FlopCounterMode`` raised. Raised from the original error (its
+    ``__cause__``): run the micro-batch again without counting; a model that fails only while counted
+    (e.g. one with a compiled region such as eager ``flex_attention``) then trains. ``count_flops=False``
+    avoids the count altogether."""
+
+
+def analytic_flops_per_sample(parameters: int | None, tokens_per_sample: float | None) -> float | None:
+    """``6 · N`` FLOPs per token times tokens per sample: forward (2N) and backward (4N) of the dense
+    layers of a model with N parameters, attention left out (Kaplan et al. 2020, "Scaling Laws for Neural
+    Language Models", section 2.1; nanoGPT ``estimate_mfu`` adds attention). None without tokens: for
+    other models (convolutions reuse weights across positions) the parameter count gives no estimate."""
+    if not parameters or not tokens_per_sample:
+        return None
+    return 6.0 * parameters * tokens_per_sample
+
+
 class FlopsPerSample:
-    """Count the FLOPs of one training micro-batch, once.
+    """Count the FLOPs of one training micro-batch, once; counting never changes what the step computes.
 
         counter = FlopsPerSample()
         with counter.measure(samples=len(x)):   # the first call counts; later calls cost nothing
             loss_fn(model(x), y).backward()
         counter.value                           # FLOPs per sample, or None
+        counter.method                          # "counted", "analytic (6N per token)" or None
+
+    When counting fails (a FLOP formula or an operator the counter cannot handle, see
+    ``trainscale.telemetry.counting``), the step still runs, one ``RuntimeWarning`` says why (only with
+    ``warn=True``: the Telemetry passes it on rank zero), and ``value`` falls back to
+    :func:`analytic_flops_per_sample` with ``parameters`` (set it before measuring) and the tokens of the
+    micro-batch, else None. An error of the counted step itself becomes :class:`FlopCountError`.
+
+    Args:
+        warn: issue the fallback warning.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, warn: bool = True) -> None:
         self.value: float | None = None
+        self.method: str | None = None
         self.done = False
+        self.warn = warn
+        self.parameters: int | None = None  # the model's parameter count, for the analytic fallback
+        self.conv_share = 0.0  # the fraction of the counted FLOPs in convolutions (their TF32 setting differs)
 
     @contextlib.contextmanager
-    def measure(self, samples: int) -> Iterator[None]:
+    def measure(self, samples: int, tokens: int | None = None) -> Iterator[None]:
+        """Count the FLOPs of the block (first call only) and set ``value`` to FLOPs per sample.
+
+        Args:
+            samples: samples in the micro-batch (its leading dimension).
+            tokens: tokens in the micro-batch, or None.
+
+        Raises:
+            FlopCountError: the block raised while counted (from the block's error).
+        """
         if self.done:
             yield
             return
         self.done = True
-        from torch.utils.flop_counter import FlopCounterMode
+        try:
+            from trainscale.telemetry.counting import TolerantFlopCounter
 
-        mode = FlopCounterMode(display=False)
-        with mode:
+            counter = TolerantFlopCounter()
+            counter.__enter__()
+        except Exception as exc:  # noqa: BLE001 - no count rather than no training
+            self._fall_back(f"FlopCounterMode could not start ({type(exc).__name__}: {exc})", samples, tokens)
             yield
-        total = mode.get_total_flops()
-        self.value = total / samples if total > 0 and samples > 0 else None
+            return
+        try:
+            yield
+        except Exception as exc:
+            counter.__exit__(None, None, None)
+            self._fall_back(f"the micro-batch raised while counted ({type(exc).__name__}: {exc})", samples, tokens)
+            raise FlopCountError(f"the first micro-batch raised while its FLOPs were counted with FlopCounterMode: "
+                                 f"{type(exc).__name__}: {exc}. Run it again without counting, or pass "
+                                 "count_flops=False") from exc
+        counter.__exit__(None, None, None)
+        if counter.failures:
+            self._fall_back(f"{len(counter.failures)} op(s) could not be counted, e.g. {counter.failures[0]}",
+                            samples, tokens)
+            return
+        total = counter.get_total_flops()
+        if total > 0 and samples > 0:
+            self.value, self.method = total / samples, "counted"
+            by_op = counter.get_flop_counts().get("Global", {})
+            self.conv_share = sum(n for op, n in by_op.items() if "convolution" in str(op)) / total
+
+    def _fall_back(self, why: str, samples: int, tokens: int | None) -> None:
+        """Analytic estimate or None, one warning, and compiled code forgotten: higher-order operators
+        (``while_loop``, ``flex_attention``) compile themselves on first use, and what was traced or
+        skipped under the counter's dispatch mode fails later, uncounted calls (seen with torch 2.13 on
+        both); ``torch.compiler.reset()`` makes the next call compile afresh."""
+        import torch
+
+        torch.compiler.reset()
+        per_sample = tokens / samples if tokens and samples > 0 else None
+        self.value = analytic_flops_per_sample(self.parameters, per_sample)
+        self.method = "analytic (6N per token)" if self.value is not None else None
+        if self.warn:
+            instead = (f"the analytic estimate 6·N·tokens = {self.value:.4g} FLOPs per sample" if self.value is not None
+                       else "no FLOPs per sample (no MFU)")
+            warnings.warn(f"trainscale: FLOP counting failed: {why}; training goes on with {instead}",
+                          RuntimeWarning, stacklevel=3)

@@ -10,9 +10,27 @@ FLOP/s one. https://docs.nvidia.com/deploy/nvml-api/group__nvmlDeviceQueries.htm
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Callable
+
+
+def _nvml_handle(pynvml, cuda_index: int):
+    """The NVML handle of CUDA device ``cuda_index``, found by its UUID as CUDA reports it.
+
+    NVML numbers devices in PCI bus order, CUDA in its own (``CUDA_DEVICE_ORDER``, FASTEST_FIRST by
+    default) after ``CUDA_VISIBLE_DEVICES`` (indices, full or partial UUIDs) renumbered them: only the
+    UUID names the same device on both sides. ``torch.cuda.get_device_properties(i).uuid`` prints
+    without NVML's "GPU-" (or, for a MIG instance, "MIG-") prefix.
+    """
+    import torch
+
+    uuid = str(torch.cuda.get_device_properties(cuda_index).uuid)
+    for prefix in ("GPU-", "MIG-"):
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID(f"{prefix}{uuid}".encode())
+        except pynvml.NVMLError:
+            continue
+    raise LookupError(f"NVML knows no device with UUID {uuid}")
 
 
 def _nvml_reader(cuda_index: int) -> Callable[[], tuple[float, float]] | None:
@@ -21,15 +39,7 @@ def _nvml_reader(cuda_index: int) -> Callable[[], tuple[float, float]] | None:
         import pynvml
 
         pynvml.nvmlInit()
-        # NVML counts physical devices; CUDA_VISIBLE_DEVICES renumbers them for CUDA.
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible:
-            ids = [v.strip() for v in visible.split(",")]
-            ident = ids[cuda_index]
-            handle = (pynvml.nvmlDeviceGetHandleByIndex(int(ident)) if ident.isdigit()
-                      else pynvml.nvmlDeviceGetHandleByUUID(ident))
-        else:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(cuda_index)
+        handle = _nvml_handle(pynvml, cuda_index)
     except Exception:  # noqa: BLE001 - no library, no driver, no device: "not available"
         return None
 

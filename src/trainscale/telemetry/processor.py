@@ -24,7 +24,7 @@ The Trainer uses it; a hand-written Runtime loop can too::
 Numbers (all defined in docs/telemetry.md): per-rank step time split into data, forward,
 backward, optimizer; all-reduce time; samples/s and tokens/s; FLOPs per sample, achieved FLOP/s
 and MFU; peak memory per rank; GPU utilisation per device; straggler ranks. Per-rank sums are
-gathered with one ``all_gather`` of a small tensor per log interval (and one at the end) — no
+gathered with one ``all_gather_single`` of a small tensor (one host copy) per log interval (and one at the end) — no
 collective and no host sync per step. The first ``warmup_steps`` steps are left out of the
 summary's means (they include one-off costs: allocator growth, FLOP counting, kernel selection).
 """
@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from trainscale.runtime.batch import batch_size
-from trainscale.telemetry.flops import FlopsPerSample, mfu, peak_flops_per_s, resolve_count_flops
+from trainscale.runtime.batch import batch_counts
+from trainscale.telemetry.flops import MFU_ERROR, FlopsPerSample, mfu, peak_flops_per_s, resolve_count_flops
 from trainscale.telemetry.memory import PeakMemory
 from trainscale.telemetry.nvml import GpuSampler
 from trainscale.telemetry.stragglers import busy_per_step, find_stragglers, mean, median
@@ -58,42 +58,44 @@ class Telemetry:
 
     Args:
         runtime: the :class:`trainscale.runtime.runtime.Runtime` (device, world size, precision).
-        enabled: False turns every method into a no-op (``log`` and ``summary`` return None).
         count_flops: count the FLOPs of the first micro-batch (for achieved FLOP/s and MFU); None: on
             CUDA devices only, never under ``torch.compile`` (``trainscale.telemetry.flops.resolve_count_flops``).
         warmup_steps: first steps left out of :meth:`summary` (all steps are used if no others exist).
         straggler_margin: a rank busy longer than the median by this fraction is a straggler.
         gpu_sample_interval_s: seconds between NVML samples (CUDA only).
+        peak_flops: peak FLOP/s of one device for MFU, instead of trainscale's table
+            (``trainscale.telemetry.flops.PEAK_FLOPS``); for devices missing from it or other clocks.
 
     Raises:
-        ValueError: a negative ``straggler_margin``; ``count_flops=True`` under ``torch.compile``.
+        ValueError: a negative ``straggler_margin``; ``count_flops=True`` under ``torch.compile``; a
+            ``peak_flops`` that is not a positive number.
     """
 
-    def __init__(self, runtime: Any, *, enabled: bool = True, count_flops: bool | None = None,
-                 warmup_steps: int = 2, straggler_margin: float = 0.2, gpu_sample_interval_s: float = 0.5) -> None:
+    def __init__(self, runtime: Any, *, count_flops: bool | None = None,
+                 warmup_steps: int = 2, straggler_margin: float = 0.2, gpu_sample_interval_s: float = 0.5,
+                 peak_flops: float | None = None) -> None:
         if straggler_margin < 0:
             raise ValueError(f"straggler_margin={straggler_margin!r} must be >= 0 (0.2 means 20 % over the median)")
+        if peak_flops is not None and (isinstance(peak_flops, bool) or not isinstance(peak_flops, (int, float))
+                                       or not peak_flops > 0):
+            raise ValueError(f"peak_flops={peak_flops!r} must be a positive number of FLOP/s per device "
+                             "(e.g. 989e12 for an H100 SXM in bf16), or None for trainscale's table")
         self.rt = runtime
-        self.enabled = enabled
         self.warmup_steps = warmup_steps
         self.straggler_margin = straggler_margin
         device = runtime.device
         self.timer = StepTimer(device, running=device.type != "cuda")  # CUDA: events, resolved at log intervals
-        if enabled:  # called per micro-batch: the timer's own methods, no frame of ours in between
-            self.mark = self.timer.mark
-            self.micro_batch = self.timer.micro_batch
-        # the loop's clock for micro_batch(): the timer's (CUDA: a recorded event); off, the cheapest one
-        self.clock = self.timer.clock if enabled else time.perf_counter
+        self.clock = self.timer.clock  # the loop's clock for micro_batch(): perf_counter, or a recorded CUDA event
         self.memory = PeakMemory(device)
-        self.flops = FlopsPerSample()
-        compiled = getattr(runtime.config, "compile", None) is not None
+        self.flops = FlopsPerSample(warn=runtime.is_rank_zero)  # a fallback is said once, on rank zero
+        compiled = runtime.config.compile is not None
         self.flops.done = not resolve_count_flops(count_flops, device.type, compiled)
         cuda = device.type == "cuda"
         self.gpu = GpuSampler(device.index if cuda else None, gpu_sample_interval_s)
-        if enabled:
-            self.gpu.start()
-        name = torch.cuda.get_device_name(device) if cuda else None
-        self.peak_flops = peak_flops_per_s(name, runtime.config.precision)
+        self.gpu.start()
+        self._device_name = torch.cuda.get_device_name(device) if cuda else None
+        self.peak_flops = peak_flops  # the user's figure, or None: the table's (peak_flops_per_device)
+        self._mfu_error_said = False
         self._interval = [0.0] * len(_FIELDS)  # per-rank sums of _FIELDS since the last log
         self._timed = [0.0] * len(_FIELDS)  # since the end of warm-up
         self._all = [0.0] * len(_FIELDS)
@@ -103,49 +105,58 @@ class Telemetry:
 
     # -- the hot path: no host sync, no collective ------------------------------------------
     def attach(self, module: Any) -> None:
-        """Time the gradient all-reduce of ``module`` (the wrapped module) when the strategy can."""
-        hook = getattr(self.rt.strategy, "time_allreduce", None)
-        if self.enabled and hook is not None and self.rt.world_size > 1:
-            self.timer.time_comm = hook(module, self.timer.clock, self.timer.record_comm) is not False
+        """Time the gradient all-reduce of ``module`` (the wrapped module) when the strategy can
+        (``Strategy.time_allreduce``; False under single, dp and fsdp); its parameter count serves the
+        analytic FLOP estimate if counting fails."""
+        if not self.flops.done:
+            self.flops.parameters = sum(p.numel() for p in module.parameters())
+        if self.rt.world_size > 1:
+            self.timer.time_comm = self.rt.strategy.time_allreduce(module, self.timer.clock, self.timer.record_comm)
 
     def start(self) -> None:
         """Begin timing now (top of each epoch; time between epochs is left out)."""
-        if self.enabled:
-            self.timer.start()
+        self.timer.start()
 
     def mark(self, phase: str, batch: Any = None) -> None:
-        """End ``phase`` now; with ``batch`` (at "data"), count its samples and tokens.
-
-        With telemetry on, this is :meth:`StepTimer.mark <trainscale.telemetry.timers.StepTimer.mark>`
-        itself (bound in ``__init__``); this method is what a disabled Telemetry runs: nothing."""
+        """End ``phase`` now; with ``batch`` (at "data"), count its samples and tokens."""
+        self.timer.mark(phase, batch)
 
     def micro_batch(self, data_end: Any, forward_end: Any, backward_end: Any, samples: int,
                     tokens: int | None = None) -> None:
         """A micro-batch's data, forward and backward phases from three readings of ``self.clock()`` taken
-        in the loop (seconds on CPU, recorded CUDA events on CUDA), and its samples and tokens (counts):
-        one call in place of three :meth:`mark` calls.
-
-        With telemetry on, this is :meth:`StepTimer.micro_batch
-        <trainscale.telemetry.timers.StepTimer.micro_batch>` itself; this method is the disabled no-op."""
+        in the loop (seconds on CPU, recorded CUDA events on CUDA), and its samples and tokens (counts)."""
+        self.timer.micro_batch(data_end, forward_end, backward_end, samples, tokens)
 
     def phase(self, name: str):
         """Context manager: attribute the time inside the block to ``name``."""
-        return self.timer.phase(name) if self.enabled else contextlib.nullcontext()
+        return self.timer.phase(name)
 
     def count_flops(self, batch: Any):
-        """Context manager around the first micro-batch's forward and backward: counts FLOPs once."""
-        if not self.enabled or self.flops.done:
+        """Context manager around the first micro-batch's forward and backward: counts FLOPs once.
+
+        Counting never changes the step; when it fails, one warning and an analytic estimate or no
+        FLOPs (``trainscale.telemetry.flops.FlopsPerSample``).
+
+        Raises:
+            trainscale.telemetry.flops.FlopCountError: the micro-batch raised while counted (from its error);
+                run it again outside this context.
+        """
+        if self.flops.done:
             return _NO_COUNT
-        return self.flops.measure(batch_size(batch))
+        try:
+            samples, tokens = batch_counts(batch)
+        except ValueError:  # no tensor with a batch dimension: nothing to divide by
+            self.flops.done = True
+            return _NO_COUNT
+        return self.flops.measure(samples, tokens)
 
     def end_step(self) -> None:
         """Mark "optimizer" and close the optimizer step."""
-        if self.enabled:
-            self.timer.end_step("optimizer")
-            self._steps += 1
-            if self._steps == self.warmup_steps and self.timer.running:
-                self._drain()  # O(1): the warm-up steps' sums, apart from the rest
-            self.gpu.step = self._steps
+        self.timer.end_step("optimizer")
+        self._steps += 1
+        if self._steps == self.warmup_steps and self.timer.running:
+            self._drain()  # the warm-up steps' sums, apart from the rest
+        self.gpu.step = self._steps
 
     # -- log intervals ----------------------------------------------------------------------
     def _drain(self) -> None:
@@ -159,16 +170,19 @@ class Telemetry:
                     sums[i] += v
 
     def _gather(self, vec: list[float]) -> list[list[float]]:
-        """Every rank's ``vec`` (one all_gather of a float64 tensor on the device; a host sync, at log
-        intervals only). At world size 1 the list itself: no tensor, no copy."""
+        """Every rank's ``vec``: one ``all_gather_single`` into a ``(world_size, len(vec))`` float64
+        tensor on the device, then one device-to-host copy (``tolist`` of the whole tensor: one wait,
+        not one per rank); at log intervals only. At world size 1 the list itself: no tensor, no copy."""
         if self.rt.world_size == 1:
             return [vec]
         import torch.distributed as dist
 
-        local = torch.tensor(vec, dtype=torch.float64, device=self.rt.device)
-        out = [torch.empty_like(local) for _ in range(self.rt.world_size)]
-        dist.all_gather(out, local)
-        return [t.tolist() for t in out]
+        local = torch.tensor([vec], dtype=torch.float64, device=self.rt.device)  # (1, n): ranks stack on dim 0
+        out = torch.empty((self.rt.world_size, len(vec)), dtype=torch.float64, device=self.rt.device)
+        # all_gather_single is torch 2.13's name (all_gather_into_tensor is deprecated there)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, local)
+        return out.tolist()
 
     def _local(self, sums: list[float], loss: float = _NAN, whole_run: bool = False) -> list[float]:
         samples = self.gpu.take()
@@ -188,8 +202,6 @@ class Telemetry:
 
         A collective: every rank must call it at the same step. Reads ``loss`` (one host sync).
         """
-        if not self.enabled:
-            return None
         self._drain()
         value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss) if loss is not None else _NAN
         rows = self._gather(self._local(self._interval, value))
@@ -211,8 +223,6 @@ class Telemetry:
 
     def summary(self) -> dict | None:
         """The run's telemetry (the contract of ``summary.json["telemetry"]``). A collective."""
-        if not self.enabled:
-            return None
         self._drain()
         sums = self._timed if self._timed[0] > 0 else self._all
         rows = self._gather(self._local(sums, whole_run=True))
@@ -223,9 +233,29 @@ class Telemetry:
     def close(self) -> None:
         self.gpu.stop()
 
+    def peak_flops_per_device(self) -> float | None:
+        """FLOP/s: ``peak_flops`` when given, else the table's peak for this device and precision, under
+        "32-true" with the TF32 settings of now and the counted step's share of convolutions."""
+        if self.peak_flops is not None:
+            return float(self.peak_flops)
+        return peak_flops_per_s(self._device_name, self.rt.config.precision,
+                                tf32_matmul=torch.get_float32_matmul_precision() != "highest",
+                                tf32_conv=torch.backends.cudnn.allow_tf32, conv_share=self.flops.conv_share)
+
+    def _mfu(self, achieved: float | None, devices: int) -> tuple[float | None, str | None]:
+        """MFU and, when it exceeds 1, the error that says why it cannot be (printed once, rank zero)."""
+        value = mfu(achieved, self.peak_flops_per_device(), devices)
+        if value is None or value <= 1:
+            return value, None
+        if not self._mfu_error_said:
+            self.rt.print(f"trainscale: MFU {value:.2f}: {MFU_ERROR}")
+            self._mfu_error_said = True
+        return value, MFU_ERROR
+
     def _numbers(self, rows: list[list[float]], per_rank: bool) -> dict:
         """The fixed numbers from each rank's sums (see docs/telemetry.md for each definition)."""
         world = len(rows)
+        devices = world * self.rt.config.devices_per_process  # dp drives all its GPUs from one rank
         steps = rows[0][_IDX["steps"]]
         col = dict(zip(_IDX, map(list, zip(*rows))))  # field name -> its value on each rank
         wall = mean(col["wall"])  # ranks run the same steps; DDP keeps their walls equal
@@ -237,6 +267,7 @@ class Telemetry:
         samples_per_s = sum(col["samples"]) / wall if wall > 0 else _NAN
         tokens = sum(col["tokens"])
         achieved = self.flops.value * samples_per_s if self.flops.value is not None else None
+        mfu_value, mfu_error = self._mfu(achieved, devices)
         busy = [busy_per_step(w, c if has_comm else None, steps) for w, c in zip(col["wall"], col["comm"])]
         util = col["gpu_util"]
         out = {
@@ -245,22 +276,25 @@ class Telemetry:
             "phase_share": {p: (v / total if total > 0 else _NAN) for p, v in phase_s.items()},
             "comm_s": comm,
             "samples_per_s": samples_per_s,
-            "samples_per_s_per_device": samples_per_s / world,
+            "samples_per_s_per_device": samples_per_s / devices,
             "tokens_per_s": tokens / wall if tokens > 0 and wall > 0 else None,
             "flops_per_sample": self.flops.value,
+            "flops_method": self.flops.method,
             "achieved_flops_per_s": achieved,
-            "mfu": mfu(achieved, self.peak_flops, world),
+            "mfu": mfu_value,
             "peak_memory_bytes": [int(m) for m in col["memory"]],
             "peak_memory_kind": self.memory.kind,
             "gpu_utilization": None if all(math.isnan(u) for u in util) else util,
             "slowest_rank": max(range(world), key=lambda r: busy[r]),
             "straggler_ranks": find_stragglers(busy, self.straggler_margin),
         }
+        if mfu_error is not None:
+            out["mfu_error"] = mfu_error
         if per_rank:
             out["steps"] = int(steps)
             out["samples"] = int(sum(col["samples"]))
             if out["tokens_per_s"] is not None:
-                out["tokens_per_s_per_device"] = out["tokens_per_s"] / world
+                out["tokens_per_s_per_device"] = out["tokens_per_s"] / devices
             out["rank_step_time_s"] = [per_step(w) for w in col["wall"]]
             out["rank_busy_s"] = busy
             out["rank_phase_s"] = {p: [per_step(v) for v in col[p]] for p in PHASES}
@@ -272,3 +306,41 @@ class Telemetry:
                 out["gpu_memory_used_bytes"] = col["gpu_memory"]
         return out
 
+
+
+class NullTelemetry:
+    """What the loop measures with ``enable_telemetry=False``: the same methods, doing nothing
+    (``log`` and ``summary`` return None)."""
+
+    clock = staticmethod(time.perf_counter)
+
+    def attach(self, module: Any) -> None: ...
+
+    def start(self) -> None: ...
+
+    def mark(self, phase: str, batch: Any = None) -> None: ...
+
+    def micro_batch(self, data_end: Any, forward_end: Any, backward_end: Any, samples: int,
+                    tokens: int | None = None) -> None: ...
+
+    def phase(self, name: str):
+        return contextlib.nullcontext()
+
+    def count_flops(self, batch: Any):
+        return _NO_COUNT
+
+    def end_step(self) -> None: ...
+
+    def log(self, step: int, epoch: int, loss: Any = None) -> None:
+        return None
+
+    def summary(self) -> None:
+        return None
+
+    def close(self) -> None: ...
+
+
+def create_telemetry(runtime: Any, enabled: bool = True, **options: Any) -> Telemetry | NullTelemetry:
+    """A :class:`Telemetry` (``options`` are its keyword arguments), or a :class:`NullTelemetry` when not
+    ``enabled``."""
+    return Telemetry(runtime, **options) if enabled else NullTelemetry()

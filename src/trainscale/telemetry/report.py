@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +28,35 @@ MIB = 1024 * 1024
 def load_run(run_dir: str | os.PathLike) -> tuple[list[dict], dict | None]:
     """The records of ``metrics.jsonl`` and ``summary.json`` (None if absent) of a run directory.
 
+    A torn last line (the run crashed while writing it) is skipped with a warning.
+
     Raises:
-        ValueError: ``run_dir`` holds no metrics.jsonl (names what to pass instead).
+        ValueError: ``run_dir`` holds no metrics.jsonl (names what to pass instead), or a line
+            before the last one is not JSON.
     """
     run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise ValueError(f"{str(run_dir)!r} has no metrics.jsonl; pass a run directory such as runs/version_0 "
                          "(the 'run dir' a Trainer prints when it starts)")
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    records = _records(metrics)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     return records, summary
+
+
+def _records(metrics: Path) -> list[dict]:
+    lines = [(n, line) for n, line in enumerate(metrics.read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for n, line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if n != lines[-1][0]:
+                raise ValueError(f"{str(metrics)!r} line {n} is not JSON ({err.msg}): the file is damaged") from None
+            warnings.warn(f"{str(metrics)!r}: skipped its torn last line {n} (the run stopped while writing "
+                          f"it: a crash?): {line[:60]!r}", stacklevel=3)
+    return records
 
 
 def _pct(x: float) -> str:

@@ -14,7 +14,8 @@ raises). A process killed outright (SIGKILL, out of memory) loses at most the la
 seconds of step records. Flushing each record cost ~55 µs per file inside a training step here
 (one ``write`` system call with cold caches), paid at every log interval.
 - :class:`TensorBoardSink` — event files for TensorBoard, on request (``Trainer(tensorboard=True)``,
-  ``pip install 'trainscale[tensorboard]'``); every number becomes a scalar ``<kind>/<name>``.
+  ``pip install 'trainscale[tensorboard]'``); every metric of :func:`record_metrics` becomes a scalar
+  (``<kind>/<name>``, the names trainscale.loggers receive too).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import csv
 import importlib.util
 import json
 import math
+import numbers
 import os
 import time
 from pathlib import Path
@@ -56,14 +58,54 @@ def _dumps(value: Any) -> str:
         return json.dumps(_jsonable(value))
 
 
-def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"phase_s": {"data": 1.0}}`` -> ``{"phase_s.data": 1.0}``; other values unchanged."""
+def flatten(record: dict[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """``{"phase_s": {"data": 1.0}}`` -> ``{"phase_s.data": 1.0}`` (``sep`` joins the keys); other values
+    unchanged."""
     out: dict[str, Any] = {}
     for key, value in record.items():
         if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
+            out.update(flatten(value, f"{prefix}{key}{sep}", sep))
         else:
             out[f"{prefix}{key}"] = value
+    return out
+
+
+# Record fields that are not metrics: the position (``step`` is passed beside the metrics), labels, the
+# wall clock, and ``straggler_ranks`` (a list of rank numbers, not one value per rank).
+_NOT_METRICS = frozenset(("kind", "rank", "time", "step", "straggler_ranks"))
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _number(value: numbers.Real) -> int | float:
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+def record_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a telemetry record as flat metrics for a logger or TensorBoard.
+
+    ``{"kind": "step", "step": 8, "epoch": 0, "train_loss": 0.5, "phase_s": {"data": 0.01},
+    "peak_memory_bytes": [10, 20], "mfu": None}`` ->
+    ``{"epoch": 0, "step/train_loss": 0.5, "step/phase_s/data": 0.01,
+    "step/peak_memory_bytes/rank0": 10, "step/peak_memory_bytes/rank1": 20}``.
+
+    Names are ``<kind>/<field>`` (the record's ``kind``, "step" or "epoch", keeps an interval's
+    ``train_loss`` apart from an epoch's), nested fields joined by "/", per-rank lists as ``/rank<i>``;
+    ``epoch`` is kept as it is. Left out: ``kind``, ``rank``, ``time``, ``step`` (give it beside the
+    metrics), ``straggler_ranks``, and every value that is not a finite real number (None, strings,
+    NaN, inf; metrics.jsonl keeps them). Integers stay ``int``, other numbers become ``float``.
+    """
+    kind = record.get("kind", "record")
+    out: dict[str, float] = {}
+    for key, value in flatten(record, sep="/").items():
+        if key in _NOT_METRICS:
+            continue
+        name = key if key == "epoch" else f"{kind}/{key}"
+        pairs = ([(f"{name}/rank{i}", v) for i, v in enumerate(value)] if isinstance(value, (list, tuple))
+                 else [(name, value)])
+        out.update((n, _number(v)) for n, v in pairs if _finite_number(v))
     return out
 
 
@@ -72,7 +114,9 @@ class _Buffered:
     ``kind`` is not "step", and at close."""
 
     flush_secs = 5.0
-    _flushed = 0.0
+    # -inf, not 0.0: time.monotonic() counts from an arbitrary point (boot on Linux), so on a machine
+    # up for less than flush_secs a 0.0 start would keep the first records buffered.
+    _flushed = -math.inf
 
     def _after_write(self, record: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -170,11 +214,11 @@ class CsvSink(_Buffered):
 
 
 class TensorBoardSink:
-    """Every finite number of a record as a TensorBoard scalar ``<kind>/<name>`` at ``step``.
+    """Every metric of a record (:func:`record_metrics`: ``<kind>/<name>``, per-rank values as
+    ``<kind>/<name>/rank<i>``) as a TensorBoard scalar at the record's ``step``.
 
-    Lists (per-rank values) become ``<kind>/<name>/rank<i>``. Uses
-    ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` package).
-    https://pytorch.org/docs/stable/tensorboard.html
+    Uses ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` package), also the writer
+    of ``trainscale.loggers.TensorBoardLogger``. https://pytorch.org/docs/stable/tensorboard.html
 
     The writer's queue holds ``max_queue`` events (SummaryWriter's default of 10 made the training
     thread wait for the writer thread on every record of ~40 scalars); events reach the file every
@@ -185,25 +229,22 @@ class TensorBoardSink:
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = Path(log_dir)
-        self._writer = SummaryWriter(log_dir=str(self.log_dir), max_queue=max_queue, flush_secs=flush_secs)
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), max_queue=max_queue, flush_secs=flush_secs)
 
     @staticmethod
     def available() -> bool:
         return importlib.util.find_spec("tensorboard") is not None
 
     def write(self, record: dict[str, Any]) -> None:
-        kind, step = record.get("kind", "record"), int(record.get("step", 0))
-        for key, value in flatten(record).items():
-            if key in ("step", "epoch", "time", "kind", "rank"):
-                continue
-            values = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
-            for rank, v in values:
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    tag = f"{kind}/{key}" if rank is None else f"{kind}/{key}/rank{rank}"
-                    self._writer.add_scalar(tag, v, global_step=step)
+        self.write_scalars(record_metrics(record), int(record.get("step", 0)))
+
+    def write_scalars(self, metrics: dict[str, float], step: int) -> None:
+        """One scalar per metric, tagged with its name, at ``step``."""
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, value, global_step=step)
 
     def close(self) -> None:
-        self._writer.close()
+        self.writer.close()
 
 
 class MultiSink:

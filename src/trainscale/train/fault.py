@@ -1,79 +1,51 @@
-"""What the Trainer does when things go wrong: signals, non-finite losses, hangs, where to resume.
+"""What the Trainer does when things go wrong: one facade, :class:`FaultTolerance`, over three concerns.
 
-One object, :class:`FaultTolerance`, called from a few lines of ``Trainer.fit``:
+- **Signals** (:mod:`trainscale.train.signals`): SIGTERM/SIGUSR1 set a flag; the Trainer then writes a
+  mid-epoch checkpoint, requeues a SLURM job (SIGUSR1) and exits with :class:`Preempted`. A rank that
+  cannot get there (blocked in a collective, stalled) dumps its stacks and exits 20 s after SIGTERM.
+- **Non-finite losses** (:mod:`trainscale.train.nonfinite`): ``on_nonfinite="raise"`` keeps the losses
+  and tests them at each check; ``"skip"`` skips optimizer steps whose gradients are not finite.
+- **Hangs** (:mod:`trainscale.runtime.hangs`): a failed collective becomes a ``CollectiveTimeout``
+  naming the operation (:attr:`FaultTolerance.phase`) and, on rank 0, the ranks that did not arrive;
+  a ``Watchdog`` dumps stacks to ``<run dir>/stacks/rank{R}.txt`` after ``timeout / 2`` s without a step.
 
-- **Signals.** SIGTERM (torchrun's agent and most schedulers stop workers with it) and SIGUSR1
-  (SLURM's ``--signal=USR1@90`` before the time limit) only set a flag; the loop acts on it at a
-  step boundary: every rank must agree to save, so the flags are combined in :meth:`poll`. Then the
-  Trainer writes a mid-epoch checkpoint, requeues a SLURM job (SIGUSR1) and exits with
-  :class:`Preempted`. A second identical signal restores the default action and kills the process.
-- **Non-finite loss.** ``on_nonfinite="raise"``: each micro-batch's loss is kept (a detached
-  reference: no op, no host sync per step; stacked into one tensor every 256) and tested in
-  :meth:`poll`, i.e. every ``log_every_n_steps`` steps, at epoch ends and before every checkpoint
-  (so a checkpoint never holds weights of a non-finite step): their sum rides in poll's all-reduce
-  (a sum of finite losses is finite, one with inf/NaN is not); the Trainer passes the running loss
-  sum it keeps on the device anyway, so no stack or sum of the kept losses is made. Only when some
-  rank's sum is not finite are its losses read to name the first bad step (a second all-reduce, on
-  the failure path only). Testing each loss as it came cost ~32 µs per step on CPU (five small ops),
-  1.7 % of a 1.9 ms MLP step; ``isfinite``/``argmax`` in every poll touched ~0.8 MiB of PyTorch
-  kernel code that a plain loop never runs (resident memory). The error names the step, the epoch
-  and the rank(s). ``"skip"``: the decision must be taken before the
-  optimizer step, so it costs one host sync per step (``.item()`` on the gradient norm). The norm is
-  taken after the gradient all-reduce, so every rank sees the same value and skips the same steps
-  (a per-rank loss test would let replicas diverge). The optimizer step is skipped, the gradients
-  dropped, the skip counted; more than ``max_nonfinite_skips`` in a row raise. Under "16-mixed" the
-  GradScaler already skips such steps and lowers its scale; it keeps doing so and the skips are counted.
-- **Hangs.** :meth:`guard` turns a failed collective into a :class:`~trainscale.runtime.hangs.CollectiveTimeout`
-  naming the operation and (on rank 0) the ranks that did not arrive; a :class:`~trainscale.runtime.hangs.Watchdog`
-  dumps stacks to ``<run dir>/stacks/rank{R}.txt`` after ``timeout / 2`` s without a step.
-
-:meth:`poll` is the loop's only extra collective: a 2·W-element all-reduce every ``log_every_n_steps``
-steps (world size 1: none, and the signal flag is read every step).
+What is the facade's own is **the check** (:meth:`FaultTolerance.poll`), the loop's only extra
+collective: every rank must take the same decision at the same step, so the ranks' signal flags,
+loss sums and seconds per step go through one 3·W-element all-reduce, and from it every rank sets the
+step of the next check (:meth:`FaultTolerance.due`): after about ``CHECK_TARGET_S`` (1 s) of the slowest
+rank's steps, never more than ``check_every_n_steps`` steps apart, so a signal leads to a checkpoint
+within seconds whatever the step time. World size 1: no collective; the signal flag is read after
+every step and the check runs every ``check_every_n_steps`` steps.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import signal
-import subprocess
-import threading
+import time
 from pathlib import Path
 
 import torch
 
 from trainscale.runtime import hangs
+from trainscale.train.nonfinite import KeptLosses, NonFiniteLossError, SkipNonFinite, nonfinite_loss_error
+from trainscale.train.signals import GRACE_S, Preempted, SignalWatch, requeue_slurm_job
 
-_COMM_MARKERS = ("Timed out", "timed out", "closed by peer", "Connection reset", "Broken pipe", "Gloo", "gloo",
-                 "NCCL", "monitoredBarrier", "Socket Timeout")
-
-
-_FOLD = 256  # micro-batch losses kept as tensors before they are stacked into one
+__all__ = ["FaultTolerance", "NonFiniteLossError", "Preempted", "STEP_PHASE", "steps_between_checks"]
 
 STEP_PHASE = "training step (forward, backward with gradient all-reduce, optimizer step)"
+CHECK_PHASE = "non-finite/signal check (all-reduce)"
+
+CHECK_TARGET_S = 1.0
+"""Seconds of steps between two checks when several ranks must agree."""
 
 
-class NonFiniteLossError(FloatingPointError):
-    """The loss (``on_nonfinite="raise"``) or the gradients (``"skip"``, too many in a row) were inf/NaN."""
-
-
-class Preempted(SystemExit):
-    """Raised after the checkpoint that follows SIGTERM/SIGUSR1. Exit code ``128 + signal``, the
-    shell's convention for a process ended by that signal."""
-
-    def __init__(self, signum: int, path: str | None) -> None:
-        super().__init__(128 + signum)
-        self.signum, self.path = signum, path
-
-
-def is_comm_error(err: BaseException) -> bool:
-    """A failed collective (timeout, crashed peer), as opposed to a bug in the user's step."""
-    if not isinstance(err, RuntimeError) or isinstance(err, hangs.CollectiveTimeout):
-        return False
-    text = str(err)
-    return type(err).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError") or \
-        any(m in text for m in _COMM_MARKERS)
+def steps_between_checks(step_s: float, check_every: int, target_s: float = CHECK_TARGET_S) -> int:
+    """Optimizer steps until the next check: about ``target_s`` seconds of steps of ``step_s`` seconds
+    (the slowest rank's), at least 1 and at most ``check_every``; 1 while ``step_s`` is unknown (0)."""
+    if not step_s > 0:
+        return 1
+    return max(1, min(check_every, math.ceil(target_s / step_s)))
 
 
 class FaultTolerance:
@@ -83,83 +55,57 @@ class FaultTolerance:
         runtime: the Trainer's :class:`~trainscale.runtime.runtime.Runtime`.
         on_nonfinite: "raise" or "skip".
         max_nonfinite_skips: with "skip", raise after more than this many skipped steps in a row.
-        check_every_n_steps: steps between :meth:`poll` collectives (the Trainer's ``log_every_n_steps``).
-        handle_signals: install the SIGTERM/SIGUSR1 handlers (main thread only).
+        check_every_n_steps: the most optimizer steps between two checks (the Trainer's ``log_every_n_steps``).
+        handle_signals: install the SIGTERM/SIGUSR1 handling (main thread only).
+        signal_grace_s: seconds from SIGTERM to a forced exit when no checkpoint ended ``fit`` first.
+
+    Raises:
+        ValueError: a bad ``on_nonfinite``, ``max_nonfinite_skips`` or ``signal_grace_s``.
     """
 
     def __init__(self, runtime, on_nonfinite: str = "raise", max_nonfinite_skips: int = 10,
-                 check_every_n_steps: int = 50, handle_signals: bool = True) -> None:
+                 check_every_n_steps: int = 50, handle_signals: bool = True, *,
+                 signal_grace_s: float = GRACE_S) -> None:
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r}; choose 'raise' or 'skip'")
-        if isinstance(max_nonfinite_skips, bool) or not isinstance(max_nonfinite_skips, int) or max_nonfinite_skips < 0:
-            raise ValueError(f"max_nonfinite_skips={max_nonfinite_skips!r} must be an int >= 0")
         self.rt = runtime
         self.on_nonfinite = on_nonfinite
-        self.max_nonfinite_skips = max_nonfinite_skips
         self.check_every = check_every_n_steps
         self.handle_signals = handle_signals
-        self.phase = STEP_PHASE
-        self.skipped = 0
-        self._skips_in_a_row = 0
-        self._signal: int | None = None
-        self._previous: dict[int, object] = {}
-        self._losses: list[torch.Tensor] = []  # micro-batch losses (detached) not yet stacked ...
-        self._loss_steps: list[int] = []  # ... and the optimizer step of each kept loss, stacked or not
-        self._stacked: list[torch.Tensor] = []  # 1-d float32 tensors of _FOLD losses each
+        self.signals = SignalWatch(runtime.rank, signal_grace_s)
+        self.losses = KeptLosses()
+        self.skips = SkipNonFinite(max_nonfinite_skips, runtime.rank)
+        self.phase = STEP_PHASE  # what the loop is doing, for a CollectiveTimeout's message
         self.watchdog: hangs.Watchdog | None = None
         self.stacks_dir: Path | None = None
+        self._next_check = 0  # the step of the next check; the first step checks (and starts the clock)
+        self._last_check: tuple[int, float] | None = None  # (step, time.monotonic()) of the last check
+        self._step_s = 0.0  # this rank's seconds per optimizer step between its last two checks
+
+    @property
+    def skipped(self) -> int:
+        """Optimizer steps skipped for non-finite gradients ("skip")."""
+        return self.skips.skipped
 
     # -- lifetime ------------------------------------------------------------------------------
     def start(self, run_dir: Path) -> None:
-        if self.handle_signals and threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGUSR1):
-                self._previous[signum] = signal.signal(signum, self._on_signal)
+        """Arm the watchdog and the signal handling; stacks go to ``run_dir/stacks/rank{R}.txt``."""
         self.stacks_dir = Path(run_dir) / "stacks"
-        self.watchdog = hangs.Watchdog(self.stacks_dir / f"rank{self.rt.rank}.txt", self.rt.timeout / 2).start()
+        stacks = self.stacks_dir / f"rank{self.rt.rank}.txt"
+        self.watchdog = hangs.Watchdog(stacks, self.rt.timeout / 2).start()
+        if self.handle_signals:
+            self.signals.start(stacks, stalled=self.watchdog.stalled)
 
     def stop(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
+        self.signals.stop()
         if self.watchdog is not None:
             self.watchdog.stop()
 
-    def _on_signal(self, signum, frame) -> None:
-        if self._signal == signum:  # asked twice: stop now
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        self._signal = signum
-
     # -- per step ------------------------------------------------------------------------------
     def observe_loss(self, loss: torch.Tensor, step: int) -> None:
-        """Keep ``loss`` (detached) of optimizer step ``step`` for the next :meth:`poll` ("raise" mode): no
-        op on the device, no host sync. Every ``_FOLD`` micro-batches the kept losses are stacked into one
-        device tensor (one op), so a long poll interval holds 4 bytes per micro-batch, not a tensor."""
+        """Keep ``loss`` (detached) of optimizer step ``step`` for the next check ("raise" mode)."""
         if self.on_nonfinite == "raise":
-            self._losses.append(loss)
-            self._loss_steps.append(step)
-            if len(self._losses) >= _FOLD:
-                self._stack()
-
-    def _stack(self) -> None:
-        if self._losses:  # a loss of any shape counts by its sum, which keeps inf/NaN
-            losses = [t if t.dim() == 0 else t.sum() for t in self._losses]
-            self._stacked.append(torch.stack(losses).float())
-            self._losses = []
-
-    def _take_losses(self) -> tuple[torch.Tensor | None, list[int]]:
-        """Every loss kept since the last poll as one float32 tensor (or None), and their steps."""
-        self._stack()
-        stacked, steps = self._stacked, self._loss_steps
-        self._stacked, self._loss_steps = [], []
-        if not stacked:
-            return None, steps
-        return (stacked[0] if len(stacked) == 1 else torch.cat(stacked)), steps
-
-    def _drop_losses(self) -> tuple[None, list[int]]:
-        """Forget the kept losses (all finite); the same shape of answer as :meth:`_take_losses`."""
-        self._losses, self._stacked, self._loss_steps = [], [], []
-        return None, []
+            self.losses.add(loss, step)
 
     def skip_step(self, module, optimizer, grad_norm: torch.Tensor | None, *, step: int, epoch: int) -> bool:
         """"skip" mode: True when the (all-reduced) gradients are not finite and the optimizer step
@@ -170,91 +116,100 @@ class FaultTolerance:
         """
         if self.on_nonfinite != "skip":
             return False
-        if grad_norm is None:
-            self.rt.precision.unscale_gradients(optimizer)
-            grads = [p.grad for p in module.parameters() if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        if bool(torch.isfinite(grad_norm).item()):  # the one host sync per step of "skip"
-            self._skips_in_a_row = 0
-            return False
-        self.skipped += 1
-        self._skips_in_a_row += 1
-        if self._skips_in_a_row > self.max_nonfinite_skips:
-            raise NonFiniteLossError(
-                f"rank {self.rt.rank}: non-finite gradients in {self._skips_in_a_row} optimizer steps in a row "
-                f"(last: step {step + 1}, epoch {epoch}), more than max_nonfinite_skips={self.max_nonfinite_skips}; "
-                "lower the learning rate, clip gradients (gradient_clip_val=1.0), or check the data")
-        return self.rt.precision.scaler is None  # the GradScaler skips (and rescales) by itself
+        return self.skips.should_skip(self.rt.precision, module, optimizer, grad_norm, step=step, epoch=epoch)
 
     def due(self, step: int) -> bool:
-        """Whether :meth:`poll` runs after optimizer step ``step`` (the same answer on every rank)."""
+        """Whether :meth:`poll` runs after optimizer step ``step``: the same answer on every rank (the
+        step was agreed in the last check). At world size 1 also after any step that follows a signal."""
         if self.watchdog is not None:
             self.watchdog.pet()
-        if self._signal is not None and self.rt.world_size == 1:  # a signal is rare: test it first
+        if self.signals.received is not None and self.rt.world_size == 1:
             return True
-        return step % self.check_every == 0
+        return step >= self._next_check
 
+    # -- the check -----------------------------------------------------------------------------
     def poll(self, step: int, epoch: int, running: torch.Tensor | None = None) -> int | None:
-        """Combine every rank's signal flag and loss sum (``running``, or the kept losses'; a 2·W all-reduce,
-        every rank calls it at the same step); when a sum is not finite, every rank's first non-finite
-        step (a second, W-element all-reduce, on that path only).
+        """The check: every rank calls it at the same step (:meth:`due`, epoch ends, before checkpoints).
+
+        One 3·W all-reduce of every rank's signal flag, loss sum and seconds per step, from which
+        every rank sets the next check's step; when a loss sum is not finite, a second, W-element
+        all-reduce of every rank's first non-finite step (on that path only).
 
         Args:
-            step, epoch: where the loop stands (for the error message).
-            running: a 0-d device tensor that already sums every loss given to :meth:`observe_loss` since
-                the epoch began (the Trainer's running loss sum). In "raise" mode its finiteness is tested
-                in place of a sum of the kept losses (no stack, no sum: ~0.1 ms less per poll on CPU), and
-                the kept losses are read on the failure path only.
+            step, epoch: where the loop stands.
+            running: "raise" mode: a 0-d device tensor that sums every loss given to :meth:`observe_loss`
+                since the epoch began (the Trainer's running loss sum), tested instead of the kept
+                losses' sum. None: the kept losses are summed.
 
         Returns:
-            The signal to act on (any rank received one), or None.
+            The signal to act on (some rank received one), or None.
 
         Raises:
             NonFiniteLossError: "raise" mode and some rank saw a non-finite loss (names step, epoch, ranks).
         """
-        rt = self.rt
-        lazy = running is not None and self.on_nonfinite == "raise"
-        if lazy:
-            losses, steps, local = None, [], running
-        else:
-            losses, steps = self._take_losses()
-            local = losses.sum() if losses is not None else None
-        previous, self.phase = self.phase, "non-finite/signal check (all-reduce)"
-        if rt.world_size == 1:  # nothing to combine: the sum is read directly (one host sync)
-            rows = [[self._signal or 0, local.item() if local is not None else 0.0]]
-        else:
-            vec = torch.zeros(2 * rt.world_size, dtype=torch.float32, device=rt.device)  # per rank: signal, loss sum
-            vec[2 * rt.rank] = self._signal or 0
-            if local is not None:
-                vec[2 * rt.rank + 1] = local
-            rows = rt.all_reduce(vec).view(-1, 2).tolist()  # host sync, every check_every_n_steps steps
-        if lazy:  # the kept losses are needed only to name a bad step
-            losses, steps = self._take_losses() if not math.isfinite(rows[rt.rank][1]) else self._drop_losses()
-        bad_steps = {}
-        if not all(math.isfinite(total) for _, total in rows):  # the failure path: find the first bad steps
-            first = torch.zeros(rt.world_size, dtype=torch.long, device=rt.device)  # per rank: 0 none, else step + 1
-            if not math.isfinite(rows[rt.rank][1]):
-                values = losses.tolist() if losses is not None else []
-                bad = [s for s, v in zip(steps, values) if not math.isfinite(v)]
-                first[rt.rank] = min(bad) + 1 if bad else 0  # none: finite losses whose sum overflowed float32
-            bad_steps = {r: s - 1 for r, s in enumerate(rt.all_reduce(first).tolist()) if s > 0}
+        previous, self.phase = self.phase, CHECK_PHASE
+        rows = self._exchange(self._loss_sum(running), self._measure_step_time(step))
+        self._plan_next_check(step, rows)
+        self._raise_if_nonfinite(rows, epoch)
         self.phase = previous
-        if bad_steps:
-            step1 = min(bad_steps.values())
-            raise NonFiniteLossError(
-                f"non-finite loss at optimizer step {step1 + 1} (epoch {epoch}) on rank(s) "
-                f"{sorted(r for r, s in bad_steps.items() if s == step1)} (every rank's first: "
-                f"{ {r: s + 1 for r, s in sorted(bad_steps.items())} }); lower the learning rate, clip gradients "
-                "(gradient_clip_val=1.0), check the data, or pass on_nonfinite='skip'")
-        signals = [int(s) for s, _ in rows if s]
+        signals = [int(row[0]) for row in rows if row[0]]
         return max(signals) if signals else None
+
+    def _loss_sum(self, running: torch.Tensor | None) -> torch.Tensor | None:
+        if self.on_nonfinite != "raise":
+            return None
+        return running if running is not None else self.losses.total()
+
+    def _exchange(self, loss_sum: torch.Tensor | None, step_s: float) -> list[list[float]]:
+        """Every rank's ``[signal or 0, loss sum or 0, seconds per step]``, in rank order (one host sync)."""
+        signum = self.signals.received or 0
+        if self.rt.world_size == 1:
+            return [[signum, loss_sum.item() if loss_sum is not None else 0.0, step_s]]
+        vec = torch.zeros(self.rt.world_size, 3, dtype=torch.float32, device=self.rt.device)
+        vec[self.rt.rank, 0] = signum
+        if loss_sum is not None:
+            vec[self.rt.rank, 1] = loss_sum
+        vec[self.rt.rank, 2] = step_s
+        return self.rt.all_reduce(vec).tolist()  # a sum: each rank fills its own row
+
+    def _measure_step_time(self, step: int) -> float:
+        """This rank's seconds per optimizer step since its last check (the previous value when no
+        step ran since; 0 until the second check)."""
+        now = time.monotonic()
+        if self._last_check is not None and step > self._last_check[0]:
+            self._step_s = (now - self._last_check[1]) / (step - self._last_check[0])
+        self._last_check = (step, now)
+        return self._step_s
+
+    def _plan_next_check(self, step: int, rows: list[list[float]]) -> None:
+        """The next check's step, from values every rank has after the all-reduce (so all agree): at
+        world size 1 ``check_every`` steps on; else about a second of the slowest rank's steps."""
+        if self.rt.world_size == 1:
+            self._next_check = step + self.check_every
+        else:
+            self._next_check = step + steps_between_checks(max(row[2] for row in rows), self.check_every)
+
+    def _raise_if_nonfinite(self, rows: list[list[float]], epoch: int) -> None:
+        """Forget the kept losses; when some rank's sum was not finite, first find every rank's first
+        non-finite step (a W-element all-reduce) and raise."""
+        if all(math.isfinite(row[1]) for row in rows):
+            self.losses.clear()
+            return
+        first = torch.zeros(self.rt.world_size, dtype=torch.long, device=self.rt.device)  # 0: none, else step + 1
+        if not math.isfinite(rows[self.rt.rank][1]):
+            bad = self.losses.first_nonfinite_step()  # None: finite losses whose float32 sum overflowed
+            first[self.rt.rank] = bad + 1 if bad is not None else 0
+        self.losses.clear()
+        first_steps = {r: s - 1 for r, s in enumerate(self.rt.all_reduce(first).tolist()) if s > 0}
+        if first_steps:
+            raise nonfinite_loss_error(first_steps, epoch)
 
     # -- failures ------------------------------------------------------------------------------
     def diagnose(self, err: BaseException, where: str) -> hangs.CollectiveTimeout | None:
         """For a failed collective: a ``CollectiveTimeout`` naming ``self.phase``, ``where`` and, on
         rank 0, the ranks that did not arrive (a ``monitored_barrier`` on the gloo monitor group, with
         a short timeout of ``timeout / 4`` clamped to 1–10 s). None for any other error."""
-        if self.rt.world_size == 1 or not is_comm_error(err):
+        if self.rt.world_size == 1 or not hangs.is_comm_error(err):
             return None
         missing, note = None, ""
         if self.rt.monitor_group is not None:
@@ -267,7 +222,12 @@ class FaultTolerance:
 
     def barrier(self, operation: str, where: str) -> None:
         """A ``monitored_barrier`` before ``operation``: a rank that does not arrive within the timeout
-        is named (rank 0) instead of the whole job hanging in the next collective."""
+        is named (rank 0) instead of the whole job hanging in the next collective. Nothing without a
+        monitor group (world size 1, NCCL).
+
+        Raises:
+            trainscale.runtime.hangs.CollectiveTimeout: some rank did not arrive.
+        """
         if self.rt.world_size == 1 or self.rt.monitor_group is None:
             return
         missing, _ = hangs.missing_ranks(self.rt.monitor_group, self.rt.timeout)
@@ -278,11 +238,14 @@ class FaultTolerance:
                 operation, missing)
 
     def exit(self, signum: int, path: str | None) -> None:
-        """After the checkpoint of a signal: requeue a SLURM job on SIGUSR1 (rank 0), then raise ``Preempted``."""
-        job = os.environ.get("SLURM_JOB_ID")
-        if signum == signal.SIGUSR1 and job and self.rt.is_rank_zero and shutil.which("scontrol"):
-            done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-            self.rt.print(f"trainscale: scontrol requeue {job}: "
-                          f"{'ok' if done.returncode == 0 else done.stderr.strip()}")
+        """After the checkpoint of a signal: requeue a SLURM job on SIGUSR1 (rank 0), then raise ``Preempted``.
+
+        Raises:
+            Preempted: always (exit code 128 + ``signum``).
+        """
+        if signum == signal.SIGUSR1 and self.rt.is_rank_zero:
+            status = requeue_slurm_job()
+            if status is not None:
+                self.rt.print(f"trainscale: {status}")
         self.rt.print(f"trainscale: {signal.Signals(signum).name} received; checkpoint {path}; exiting")
         raise Preempted(signum, path)

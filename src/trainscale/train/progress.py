@@ -17,10 +17,11 @@ class ProgressBar:
                 return
             self._bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr,
                              mininterval=0.5)
-            self.update = self._bar.update  # called per micro-batch: tqdm's own method, no frame of ours
 
     def update(self, n: int = 1) -> None:
-        """Advance by ``n`` micro-batches (replaced by tqdm's ``update`` when there is a bar)."""
+        """Advance by ``n`` micro-batches."""
+        if self._bar is not None:
+            self._bar.update(n)
 
     def set_postfix(self, **values) -> None:
         if self._bar is not None:

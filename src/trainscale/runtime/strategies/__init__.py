@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-from typing import Any, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
-# name -> "module:Class"; "auto" is resolved by trainscale.runtime.connector.
+# name -> "module:Class"; "auto" is resolved by trainscale.runtime.connector, and so are "ddp_spawn" and
+# "ddp_notebook": ddp with the processes started by torch.multiprocessing (a start method, runtime/spawn.py).
 _IMPLEMENTATIONS = {
     "single": "trainscale.runtime.strategies.single:SingleDeviceStrategy",
     "ddp": "trainscale.runtime.strategies.ddp:DDPStrategy",
     "fsdp": "trainscale.runtime.strategies.fsdp:FSDPStrategy",
-    "ddp_spawn": "trainscale.runtime.strategies.ddp_spawn:DDPSpawnStrategy",
     "dp": "trainscale.runtime.strategies.dp:DataParallelStrategy",
     # one strategy on one device mesh; "hsdp" and "tp" are layouts of it (runtime/connector.py)
     "model_parallel": "trainscale.runtime.strategies.model_parallel:ModelParallelStrategy",
@@ -31,17 +31,24 @@ SYNC = contextlib.nullcontext()
 
 
 class Strategy(Protocol):
-    """What the Runtime asks of a strategy."""
+    """What the Runtime, the Trainer and telemetry ask of a strategy: every member they use is declared
+    here, and every implementation defines each one itself (tests/test_strategy_protocol.py), so callers
+    never probe with ``getattr``/``hasattr``.
+
+    Attributes:
+        name: the strategy's flag ("single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp").
+        checkpoint_suffix: the suffix of a checkpoint path: ".pt" for one file, "" for a directory
+            (fsdp's sharded DCP checkpoints).
+        forward_communicates: True when forward runs collectives (fsdp all-gathers parameters), so
+            evaluation must call the wrapped module equally often on every rank.
+        materialises_meta: True when ``setup_module`` accepts a model built on the meta device (it shards,
+            then allocates and initialises only this rank's shards: ``runtime/meta_init.py``).
+    """
 
     name: str
-    # Optional: ``checkpoint_suffix`` ("" when checkpoints are directories; ".pt" when absent);
-    # ``forward_communicates = True`` when forward runs collectives (fsdp all-gathers), so evaluation
-    # must call the wrapped module the same number of times on every rank; and
-    # ``clip_gradients_norm(module, max_norm, norm_type) -> Tensor`` when gradients are sharded;
-    # ``materialises_meta = True`` when ``setup_module`` accepts a model built on the meta device
-    # (it shards, then allocates and initialises only this rank's shards: ``runtime/meta_init.py``).
-    # ``data_world(world) -> World`` when not every rank reads different data (tensor-parallel ranks
-    # share their batches): the rank and world size the data loader's sampler must use.
+    checkpoint_suffix: str
+    forward_communicates: bool
+    materialises_meta: bool
 
     def setup_module(self, module: Any) -> Any:
         """Move ``module`` to the device and wrap it (DDP, FSDP, ...); return the module to call."""
@@ -55,14 +62,40 @@ class Strategy(Protocol):
     def no_backward_sync(self, module: Any, enabled: bool) -> ContextManager:
         """Skip the gradient all-reduce in backward while ``enabled`` (gradient accumulation)."""
 
+    def clip_gradients_norm(self, module: Any, max_norm: float, norm_type: float = 2.0) -> Any:
+        """Scale the gradients of ``module`` so that their total ``norm_type``-norm over all ranks' shards is
+        at most ``max_norm``; return that norm before clipping (a 0-d tensor, not synced to the host)."""
+
+    def time_allreduce(self, module: Any, clock: Callable[[], Any], record: Callable[[Any, Any], None]) -> bool:
+        """Have ``record(start, end)`` called with ``clock()`` readings around each gradient all-reduce of
+        ``module`` (the wrapped module; call once, before the first backward). Returns False when nothing
+        will be timed (no all-reduce of its own, or a communication hook registered outside trainscale)."""
+
     def save_checkpoint(self, path: Any, state: dict) -> None:
         """Write ``state`` (modules, optimizers, plain values) to ``path`` without corrupting it."""
 
-    def load_checkpoint(self, path: Any, state: dict) -> dict:
-        """Restore objects of ``state`` in place from ``path``; return the entries not in ``state``."""
+    def load_checkpoint(self, path: Any, state: dict, verify: bool = True) -> dict:
+        """Restore objects of ``state`` in place from ``path``; return the entries not in ``state``.
+        ``verify``: check the recorded SHA-256 and refuse a checkpoint without one
+        (``checkpoint_io.load_file``)."""
+
+    def data_world(self, world: Any) -> Any:
+        """The rank and world size (a ``World``) the data loader's sampler must use: ``world`` itself when
+        every rank reads different data; the data-parallel ranks when some share their batches (tensor
+        parallelism)."""
 
     def teardown(self) -> None:
         """Release what the strategy holds."""
+
+
+def clip_grad_norm(module: Any, max_norm: float, norm_type: float = 2.0) -> Any:
+    """``torch.nn.utils.clip_grad_norm_`` over the parameters of ``module`` that have a gradient: the
+    ``clip_gradients_norm`` of strategies whose gradients are whole tensors (all-reduced, or one process).
+    With DTensor gradients (fsdp) torch reduces the per-shard norms across the mesh itself."""
+    import torch
+
+    params = [p for p in module.parameters() if p.grad is not None]
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
 
 _COMMON = ("device", "world", "precision")

@@ -82,7 +82,14 @@ class DCPCheckpointer:
         return sharded, extra
 
     def save(self, path: Any, state: dict) -> None:
-        """Write ``path/``: each rank its shards, rank zero the other entries; all ranks must call it."""
+        """Write ``path/``: each rank its shards, rank zero the other entries; all ranks must call it.
+
+        A failed write (a full disk: "no space left on device") raises on every rank and removes the
+        temporary directory.
+
+        Raises:
+            CheckpointError: rank zero could not write the extra file (raised on every rank).
+        """
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
@@ -94,35 +101,62 @@ class DCPCheckpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        dcp.save(sharded, checkpoint_id=str(tmp))
-        if self.rank == 0:
-            checkpoint_io.save_file({k: (v.state_dict() if checkpoint_io._is_stateful(v) else v)
-                                     for k, v in extra.items()}, tmp / EXTRA)
-        dist.barrier()
+        try:
+            dcp.save(sharded, checkpoint_id=str(tmp))  # raises on every rank when one rank's write fails
+            self._save_extra(extra, tmp / EXTRA)
+        except BaseException:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if self.rank == 0:
             if path.exists():
                 shutil.rmtree(path)
             os.replace(tmp, path)
             checkpoint_io._fsync_dir(path.parent)
 
-    def load(self, path: Any, state: dict) -> dict:
+    def _save_extra(self, extra: dict, path: Path) -> None:
+        """Rank zero writes ``extra``; its error, if any, is raised on every rank (in place of a barrier,
+        which would leave the others waiting for a rank that has raised)."""
+        import torch.distributed as dist
+
+        error = [None]
+        if self.rank == 0:
+            try:
+                checkpoint_io.save_file({k: (v.state_dict() if checkpoint_io._is_stateful(v) else v)
+                                         for k, v in extra.items()}, path)
+            except Exception as err:  # noqa: BLE001 - sent to the other ranks, raised below
+                error = [f"{type(err).__name__}: {err}"]
+                dist.broadcast_object_list(error, src=0)
+                raise
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise checkpoint_io.CheckpointError(f"rank 0 failed to write the checkpoint: {error[0]}")
+
+    def load(self, path: Any, state: dict, verify: bool = True) -> dict:
         """Restore the modules and optimizers of ``state`` from ``path`` (any world size or mesh), the
-        other stateful objects from its extra file; return the plain entries.
+        other stateful objects from its extra file; return the plain entries. ``verify``: check the extra
+        file's SHA-256 and refuse it without one (the shard files have no checksum of their own).
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
-            CheckpointError: ``path`` is not a DCP checkpoint directory, or it does not fit.
+            CheckpointError: ``path`` is not a DCP checkpoint directory, the extra file has no checksum or
+                does not match it (``verify=True``), or it does not fit.
         """
         import torch.distributed.checkpoint as dcp
 
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+        if path.is_dir() and not (path / ".metadata").is_file():
+            raise checkpoint_io.CheckpointError(
+                f"checkpoint {str(path)!r} is a directory but not a sharded checkpoint (no .metadata in it); pass "
+                f"a checkpoint directory <run>/checkpoints/epoch=E-step=S written by strategy={self.strategy!r}, or "
+                "ckpt_path='last'")
         if not (path / ".metadata").is_file() or not (path / EXTRA).is_file():
             raise checkpoint_io.CheckpointError(
                 f"checkpoint {str(path)!r} is not a sharded (DCP) checkpoint directory written by "
                 f"strategy={self.strategy!r}; resume a 'single'/'ddp' checkpoint file with that strategy")
-        extra = checkpoint_io.load_file(path / EXTRA)
+        extra = checkpoint_io.load_file(path / EXTRA, verify)
         self.before()
         sharded, others = self._split(state)
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from trainscale.runtime import checkpoint_io
-from trainscale.runtime.strategies import SYNC
+from trainscale.runtime.strategies import SYNC, clip_grad_norm
 from trainscale.runtime.world import World
 
 
@@ -32,6 +32,9 @@ class DDPStrategy:
     """
 
     name = "ddp"
+    checkpoint_suffix = ".pt"
+    forward_communicates = False
+    materialises_meta = False  # a model on the meta device is refused by Runtime.setup
 
     def __init__(self, device: Any, world: World, find_unused_parameters: bool = False,
                  static_graph: bool = False, gradient_as_bucket_view: bool = False,
@@ -77,8 +80,12 @@ class DDPStrategy:
             raise TypeError("no_backward_sync needs the module returned by Runtime.setup (a DDP wrapper)")
         return module.no_sync()
 
+    def clip_gradients_norm(self, module, max_norm: float, norm_type: float = 2.0):
+        """Clip by the total norm; the gradients are already all-reduced, so it is the global one."""
+        return clip_grad_norm(module, max_norm, norm_type)
+
     def time_allreduce(self, module, clock: Callable[[], Any], record: Callable[[Any, Any], None]) -> bool:
-        """Time each bucket's gradient all-reduce (optional method; telemetry calls it when present).
+        """Time each bucket's gradient all-reduce (telemetry calls it at world size > 1).
 
         Without ``ddp_comm_hook``, registers a DDP communication hook that does exactly DDP's default
         all-reduce (PyTorch's ``default_hooks.allreduce_hook``: divide by the world size, then
@@ -105,8 +112,11 @@ class DDPStrategy:
     def save_checkpoint(self, path, state: dict) -> None:
         checkpoint_io.save_replicated(path, state, self.world, self.unwrap)
 
-    def load_checkpoint(self, path, state: dict) -> dict:
-        return checkpoint_io.load_replicated(path, state, self.unwrap)
+    def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
+        return checkpoint_io.load_replicated(path, state, self.unwrap, verify)
+
+    def data_world(self, world: World) -> World:
+        return world  # every rank reads different data
 
     def teardown(self) -> None:
         pass

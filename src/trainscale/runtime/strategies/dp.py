@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from trainscale.runtime import checkpoint_io
-from trainscale.runtime.strategies import SYNC
+from trainscale.runtime.connector import DP_COMPILE_ERROR
+from trainscale.runtime.strategies import SYNC, clip_grad_norm
 from trainscale.runtime.world import World
 
 _SCALAR = "__trainscale_dp_scalar__"
@@ -27,17 +28,36 @@ _SCALAR = "__trainscale_dp_scalar__"
 
 class _ScalarsAsVectors(nn.Module):
     """Replica side: a 0-d output (a loss) is returned as ``{_SCALAR: (1,)}`` so that the gather
-    on GPU 0 can tell "one loss per replica" from a batch output, and average it."""
+    on GPU 0 can tell "one loss per replica" from a batch output, and average it.
 
-    def __init__(self, module: nn.Module) -> None:
+    It also runs the replica under the caller's autocast dtype. DataParallel runs each replica in a
+    thread, where autocast state is thread-local, and ``parallel_apply`` re-enters autocast with the
+    enabled flag only (torch/nn/parallel/parallel_apply.py: ``torch.amp.autocast(device_type,
+    enabled=autocast_enabled)``), so the replicas ran at autocast's default dtype: "bf16-mixed" ran
+    float16, without a GradScaler. ``autocast_dtype`` is set by :class:`DataParallelModule` before each
+    call and copied into the replicas with the module's attributes.
+    """
+
+    def __init__(self, module: nn.Module, device_type: str = "cuda") -> None:
         super().__init__()
         self.module = module
+        self.device_type = device_type
+        self.autocast_dtype: torch.dtype | None = None  # the caller's, or None when autocast is off
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.module(*args, **kwargs)
+        if self.autocast_dtype is not None:
+            with torch.autocast(self.device_type, dtype=self.autocast_dtype):
+                out = self.module(*args, **kwargs)
+        else:
+            out = self.module(*args, **kwargs)
         if isinstance(out, torch.Tensor) and out.ndim == 0:
             return {_SCALAR: out.unsqueeze(0)}
         return out
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    """``Module.compile()`` sets ``_compiled_call_impl``; ``torch.compile(module)`` returns a wrapper with ``_orig_mod``."""
+    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
 
 
 class DataParallelModule(nn.Module):
@@ -57,6 +77,9 @@ class DataParallelModule(nn.Module):
         return self.parallel.module.module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        replica = self.parallel.module
+        enabled = torch.is_autocast_enabled(replica.device_type)
+        replica.autocast_dtype = torch.get_autocast_dtype(replica.device_type) if enabled else None
         out = self.parallel(*args, **kwargs)
         if isinstance(out, dict) and _SCALAR in out:
             return out[_SCALAR].mean()
@@ -76,6 +99,9 @@ class DataParallelStrategy:
     """
 
     name = "dp"
+    checkpoint_suffix = ".pt"
+    forward_communicates = False
+    materialises_meta = False  # a model on the meta device is refused by Runtime.setup
 
     def __init__(self, device: Any, world: World, device_ids: list[int] | None = None) -> None:
         self.device = device
@@ -83,6 +109,14 @@ class DataParallelStrategy:
         self.device_ids = list(device_ids) if device_ids is not None else list(range(torch.cuda.device_count()))
 
     def setup_module(self, module):
+        """Wrap ``module`` (moved to GPU 0) in :class:`DataParallelModule`.
+
+        Raises:
+            ValueError: ``module`` is compiled (``Module.compile()`` or ``torch.compile``): DataParallel's
+                replicas would all call the compiled code of GPU 0's module, with GPU 0's weights.
+        """
+        if _is_compiled(module):
+            raise ValueError(DP_COMPILE_ERROR)
         return DataParallelModule(module.to(self.device), self.device_ids)
 
     def setup_optimizer(self, optimizer):
@@ -94,11 +128,20 @@ class DataParallelStrategy:
     def no_backward_sync(self, module, enabled: bool):
         return SYNC
 
+    def clip_gradients_norm(self, module, max_norm: float, norm_type: float = 2.0):
+        return clip_grad_norm(module, max_norm, norm_type)  # the replicas' gradients are summed on GPU 0
+
+    def time_allreduce(self, module, clock, record) -> bool:
+        return False  # no all-reduce: backward sums the replicas' gradients into GPU 0's parameters
+
     def save_checkpoint(self, path, state: dict) -> None:
         checkpoint_io.save_replicated(path, state, self.world, self.unwrap)
 
-    def load_checkpoint(self, path, state: dict) -> dict:
-        return checkpoint_io.load_replicated(path, state, self.unwrap)
+    def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
+        return checkpoint_io.load_replicated(path, state, self.unwrap, verify)
+
+    def data_world(self, world: World) -> World:
+        return world  # every rank reads different data
 
     def teardown(self) -> None:
         pass

@@ -106,20 +106,34 @@ class FSDPStrategy:
         import torch
         from torch.distributed.device_mesh import init_device_mesh
 
-        units = fsdp_units(module, self.auto_wrap_policy, self.name)
+        units = self.units(module)
         meta = meta_init.on_meta(module)
         if meta:  # shard first, then allocate only this rank's shards: the model never exists whole
             meta_init.check_initialisable(module)
         elif not self.cpu_offload:
             module = module.to(self.device)
-        mesh = init_device_mesh(self.device.type, (self.world.world_size,))
-        apply_fsdp(module, units, mesh, precision=self.precision, reshard_after_forward=self.reshard_after_forward,
-                   cpu_offload=self.cpu_offload)
+        self.shard(module, units, init_device_mesh(self.device.type, (self.world.world_size,)))
         if meta:  # every parameter is Shard(0) over all ranks: this rank's shard index is its rank
             meta_init.materialise(module, torch.device("cpu") if self.cpu_offload else self.device,
                                   seed_offset=self.world.rank if self.device.type == "cpu" else None)
         self._roots.append(module)
         return module
+
+    def shard(self, module, units: list, mesh) -> None:
+        """``fully_shard`` each of ``units`` (innermost first), then ``module``, over ``mesh`` with this
+        strategy's options (``apply_fsdp.apply_fsdp``). Separate from :meth:`setup_module` so that
+        ``trainscale.plan`` can shard a model of fake tensors over a mesh built outside ``FakeTensorMode``."""
+        apply_fsdp(module, units, mesh, precision=self.precision, reshard_after_forward=self.reshard_after_forward,
+                   cpu_offload=self.cpu_offload)
+
+    def units(self, module) -> list:
+        """The submodules of ``module`` that become FSDP units (instances of ``auto_wrap_policy``), in
+        ``modules()`` order (``apply_fsdp.fsdp_units``).
+
+        Raises:
+            ValueError: ``module`` has no parameters, or a policy class does not occur in it.
+        """
+        return fsdp_units(module, self.auto_wrap_policy, self.name)
 
     def _reshard(self) -> None:
         reshard(self._roots)
@@ -154,15 +168,20 @@ class FSDPStrategy:
         per-shard norms reduced across the mesh); returned as a plain 0-d tensor."""
         return clip_grad_norm(module.parameters(), max_norm, norm_type)
 
+    def time_allreduce(self, module, clock, record) -> bool:
+        return False  # gradients are reduce-scattered inside FSDP's backward hooks, which offer no timing hook
+
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, path, state: dict) -> None:
-        """Write ``path/`` as a DCP directory (``dcp_checkpoint.DCPCheckpointer.save``)."""
+        """Write ``path/`` as a DCP directory (``dcp_checkpoint.DCPCheckpointer.save``: a full disk raises
+        on every rank and leaves no temporary directory)."""
         self._checkpointer.save(path, state)
 
-    def load_checkpoint(self, path, state: dict) -> dict:
+    def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
         """Restore ``state`` from the DCP directory ``path`` written on any world size; return the plain
-        entries (``dcp_checkpoint.DCPCheckpointer.load``; raises FileNotFoundError, CheckpointError)."""
-        return self._checkpointer.load(path, state)
+        entries. ``verify``: check the extra file's SHA-256 and refuse it without one
+        (``dcp_checkpoint.DCPCheckpointer.load``; raises FileNotFoundError, CheckpointError)."""
+        return self._checkpointer.load(path, state, verify)
 
     def save_full_state_dict(self, path, module) -> None:
         """Export ``module``'s full, unsharded weights as one plain ``state_dict`` file on rank
@@ -177,16 +196,20 @@ class FSDPStrategy:
             checkpoint_io.save_file(full, path)
         dist.barrier()
 
-    def load_full_state_dict(self, path, module) -> None:
+    def load_full_state_dict(self, path, module, verify: bool = True) -> None:
         """Load a plain ``state_dict`` file (e.g. from :meth:`save_full_state_dict` or a
         single-device run) into the sharded ``module``: rank zero reads it and broadcasts each
         tensor, every rank keeps its shard (``broadcast_from_rank0=True``; without it the import
-        deadlocks in torch 2.13). All ranks must call it."""
+        deadlocks in torch 2.13). All ranks must call it. ``verify``: as in ``checkpoint_io.load_file``
+        (a plain ``torch.save`` file has no ``.sha256``: pass ``verify=False`` for one you trust)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        full = checkpoint_io.load_file(path) if self.world.rank == 0 else {}
+        full = checkpoint_io.load_file(path, verify) if self.world.rank == 0 else {}
         self._reshard()
         set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+    def data_world(self, world: World) -> World:
+        return world  # every rank reads different data
 
     def teardown(self) -> None:
         pass

@@ -142,15 +142,18 @@ class ModelParallelStrategy:
         """Clip by the norm of the whole gradient across every mesh dimension (``dtensor_clip``)."""
         return clip_grad_norm(module.parameters(), max_norm, norm_type)
 
+    def time_allreduce(self, module, clock, record) -> bool:
+        return False  # FSDP/HSDP reduce gradients inside its backward hooks, which offer no timing hook
+
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, path, state: dict) -> None:
         """A DCP directory (``dcp_checkpoint.DCPCheckpointer.save``); loads on another mesh shape."""
         self._checkpointer.save(path, state)
 
-    def load_checkpoint(self, path, state: dict) -> dict:
-        """Restore ``state`` from a DCP directory; return the plain entries (raises FileNotFoundError,
-        CheckpointError)."""
-        return self._checkpointer.load(path, state)
+    def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
+        """Restore ``state`` from a DCP directory; return the plain entries. ``verify``: check the extra
+        file's SHA-256 and refuse it without one (raises FileNotFoundError, CheckpointError)."""
+        return self._checkpointer.load(path, state, verify)
 
     def teardown(self) -> None:
         pass

@@ -5,12 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from trainscale.runtime import checkpoint_io
-from trainscale.runtime.strategies import SYNC
+from trainscale.runtime.strategies import SYNC, clip_grad_norm
 from trainscale.runtime.world import World
 
 
 class SingleDeviceStrategy:
     name = "single"
+    checkpoint_suffix = ".pt"
+    forward_communicates = False
+    materialises_meta = False  # a model on the meta device is refused by Runtime.setup
 
     def __init__(self, device: Any, world: World) -> None:
         self.device = device
@@ -28,11 +31,20 @@ class SingleDeviceStrategy:
     def no_backward_sync(self, module, enabled: bool):
         return SYNC
 
+    def clip_gradients_norm(self, module, max_norm: float, norm_type: float = 2.0):
+        return clip_grad_norm(module, max_norm, norm_type)
+
+    def time_allreduce(self, module, clock, record) -> bool:
+        return False  # one process: no all-reduce
+
     def save_checkpoint(self, path, state: dict) -> None:
         checkpoint_io.save_replicated(path, state, self.world, self.unwrap)
 
-    def load_checkpoint(self, path, state: dict) -> dict:
-        return checkpoint_io.load_replicated(path, state, self.unwrap)
+    def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
+        return checkpoint_io.load_replicated(path, state, self.unwrap, verify)
+
+    def data_world(self, world: World) -> World:
+        return world  # every rank reads different data
 
     def teardown(self) -> None:
         pass

@@ -1,0 +1,28 @@
+"""Callbacks: code that runs at named points of ``Trainer.fit`` (Lightning's names and signatures).
+
+    from trainscale import Trainer
+    from trainscale.callbacks import EarlyStopping, ModelCheckpoint
+
+    trainer = Trainer(max_epochs=50, callbacks=[EarlyStopping("val_loss", patience=3),
+                                                ModelCheckpoint(monitor="val_loss", save_top_k=2)])
+"""
+
+from trainscale.callbacks.base import Callback
+from trainscale.callbacks.early_stopping import EarlyStopping
+from trainscale.callbacks.lr_monitor import LearningRateMonitor
+from trainscale.callbacks.model_checkpoint import ModelCheckpoint
+
+__all__ = ["Callback", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "resolve_callbacks"]
+
+
+def resolve_callbacks(callbacks) -> list[Callback]:
+    """The Trainer's callbacks as a list.
+
+    Raises:
+        TypeError: an entry that is not a :class:`Callback`.
+    """
+    callbacks = list(callbacks or [])
+    for cb in callbacks:
+        if not isinstance(cb, Callback):
+            raise TypeError(f"callbacks holds a {type(cb).__name__}; pass trainscale.callbacks.Callback instances")
+    return callbacks

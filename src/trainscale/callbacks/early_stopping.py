@@ -1,0 +1,62 @@
+"""Stop training when a monitored metric stops improving (Lightning's ``EarlyStopping``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from trainscale.callbacks.base import Callback
+
+
+class EarlyStopping(Callback):
+    """Stop ``fit`` after ``patience`` epoch ends without an improvement of ``monitor`` by more than
+    ``min_delta``. The metric is read from ``trainer.callback_metrics`` at each epoch end; those values
+    are reduced over all ranks, so every rank takes the same decision and all stop on the same epoch.
+
+    Args:
+        monitor: a metric name, e.g. "val_loss" or a name given to ``self.log``.
+        mode: "min" (lower is better) or "max".
+        patience: epoch ends without improvement before stopping.
+        min_delta: the smallest change that counts as an improvement (>= 0).
+
+    Raises:
+        ValueError: bad ``mode``/``patience``/``min_delta``; at an epoch end, a ``monitor`` that is not
+            among the metrics (their names are listed).
+    """
+
+    def __init__(self, monitor: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode={mode!r}; choose 'min' or 'max'")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+            raise ValueError(f"patience={patience!r} must be an int >= 0")
+        if not min_delta >= 0:
+            raise ValueError(f"min_delta={min_delta!r} must be >= 0")
+        self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, float(min_delta)
+        self.best = math.inf if mode == "min" else -math.inf
+        self.wait = 0
+        self.stopped_epoch: int | None = None
+
+    def _improved(self, value: float) -> bool:
+        return value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        metrics = trainer.callback_metrics
+        if self.monitor not in metrics:
+            raise ValueError(f"EarlyStopping monitors {self.monitor!r}, which is not among this epoch's metrics: "
+                             f"{', '.join(sorted(metrics))}")
+        value = metrics[self.monitor]
+        if self._improved(value):
+            self.best, self.wait = value, 0
+            return
+        self.wait += 1
+        if self.wait > self.patience:  # patience epochs without improvement have passed
+            self.stopped_epoch = trainer.current_epoch
+            trainer.should_stop = True
+            trainer.runtime.print(f"trainscale: EarlyStopping: {self.monitor} did not improve on {self.best:.6g} for "
+                                  f"{self.wait} epochs; stopping after epoch {trainer.current_epoch + 1}")
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "wait": self.wait, "stopped_epoch": self.stopped_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.wait, self.stopped_epoch = state["best"], state["wait"], state["stopped_epoch"]

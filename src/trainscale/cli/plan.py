@@ -1,0 +1,53 @@
+"""``trainscale plan``: predicted memory per device and time per epoch (see :mod:`trainscale.plan`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def add_parser(sub, ints, names) -> None:
+    """Register ``trainscale plan`` on the subcommand parsers ``sub`` (``ints``/``names``: list types)."""
+    plan = sub.add_parser(
+        "plan", help="will it fit, and how fast: memory per device and epoch time per strategy and device count",
+        description="Predict, per strategy and device count, the bytes per device of parameters, gradients, "
+                    "optimizer state, activations and the peak (traced on fake tensors: nothing is allocated), "
+                    "whether it fits, and, given a link, the time per step and epoch, gain and efficiency from "
+                    "one measured device plus a communication model. Guide: docs/plan.md. Example: "
+                    "trainscale plan --devices 1,8,64 --batch-sizes 32 --device-memory 80GB "
+                    "--bandwidth 400GB/s,latency=10us")
+    plan.add_argument("--entry", default=None, metavar="PKG.MODULE:FUNCTION",
+                      help="your workload, bench's contract (default: the ConvNet on MNIST-5k)")
+    plan.add_argument("--devices", type=ints, default=[1, 2, 4, 8], help="device counts (default 1,2,4,8)")
+    plan.add_argument("--batch-sizes", type=ints, default=[32], help="per-device batch sizes (default 32)")
+    plan.add_argument("--strategy", type=names, default=["ddp", "fsdp"], help="strategies (default ddp,fsdp)")
+    plan.add_argument("--precision", default="32-true", help="32-true | 16-mixed | bf16-mixed | bf16-true")
+    plan.add_argument("--device-memory", default=None, metavar="SIZE",
+                      help="memory per device, e.g. 80GB (default: the visible GPU's, else this machine's RAM)")
+    plan.add_argument("--bandwidth", default=None, metavar="BW[,latency=T]",
+                      help="bus bandwidth of the fabric, e.g. 400GB/s,latency=10us (nccl-tests' busbw)")
+    plan.add_argument("--probe", action="store_true", help="measure the link between 2 processes on this machine")
+    plan.add_argument("--overlap", type=float, default=0.0,
+                      help="share of backward that hides communication, 0..1 (default 0: none, an upper bound)")
+    plan.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+    plan.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the plan's tables; 0 when some configuration fits, 1 when none does."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # --entry modules are found in the current directory
+    if args.bandwidth and args.probe:
+        raise ValueError("give --bandwidth or --probe, not both")
+    from trainscale.plan import plan
+
+    result = plan(entry=args.entry, devices=args.devices, batch_sizes=args.batch_sizes, strategies=args.strategy,
+                  precision=args.precision, device_memory=args.device_memory, link=args.bandwidth,
+                  probe=args.probe, overlap=args.overlap)
+    print(result.table())
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([r.as_dict() for r in result.rows], f, indent=2)
+    return 0 if result.smallest() is not None else 1

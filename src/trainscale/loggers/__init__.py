@@ -1,0 +1,35 @@
+"""Experiment loggers: where a run's metrics and hyperparameters go, with Lightning's names.
+
+- :class:`CSVLogger` — ``metrics.csv`` and ``hparams.json`` in the run directory (no extra package).
+- :class:`TensorBoardLogger` — TensorBoard event files (``pip install 'trainscale[tensorboard]'``).
+- :class:`WandbLogger` — a Weights & Biases run, online or offline (``pip install 'trainscale[wandb]'``).
+- :class:`MLFlowLogger` — an MLflow run, by default in a local SQLite store (``pip install 'trainscale[mlflow]'``).
+
+Each follows the :class:`Logger` protocol (``setup``, ``log_hyperparams``, ``log_metrics``, ``finalize``)
+and is called on rank zero only. :func:`resolve_loggers` turns ``Trainer(logger=...)`` into a list;
+:func:`record_metrics` turns a telemetry record into the flat metrics ``log_metrics`` takes.
+Importing this package imports no logging library (nor torch): a logger checks at construction that its
+library is installed and imports it at ``setup``. User guide: docs/loggers.md.
+"""
+
+from trainscale.loggers.base import Logger, resolve_loggers
+from trainscale.telemetry.sinks import record_metrics
+
+_LAZY = {  # each logger's module is imported on first use (a run without it never loads it)
+    "CSVLogger": "trainscale.loggers.csv_logger",
+    "TensorBoardLogger": "trainscale.loggers.tensorboard_logger",
+    "WandbLogger": "trainscale.loggers.wandb_logger",
+    "MLFlowLogger": "trainscale.loggers.mlflow_logger",
+}
+
+__all__ = ["Logger", "resolve_loggers", "record_metrics", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'trainscale.loggers' has no attribute {name!r}")

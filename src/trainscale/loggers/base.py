@@ -1,0 +1,100 @@
+"""The ``Logger`` protocol, ``resolve_loggers`` and what the loggers share.
+
+Lightning's names (``lightning.pytorch.loggers.logger.Logger``): ``log_metrics``,
+``log_hyperparams``, ``finalize``; plus ``setup``, which hands a logger the run directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+STATUSES = ("success", "failed")
+
+
+@runtime_checkable
+class Logger(Protocol):
+    """Where a run's metrics and hyperparameters go. The Trainer calls a logger on rank zero only.
+
+    The calls, in order, once per run:
+
+    1. ``setup(run_dir)`` — before the first record; ``run_dir`` is the run's directory
+       (``runs/version_N``), which exists. A logger opens its files or its remote run here.
+    2. ``log_hyperparams(params)`` — the run's configuration (may be called again; keys merge).
+    3. ``log_metrics(metrics, step)`` — flat ``{name: number}`` (:func:`record_metrics` turns a
+       telemetry record into that) at the global optimizer step ``step``; many times.
+    4. ``finalize(status)`` — "success" or "failed"; the logger flushes and closes. Calling it again
+       does nothing.
+
+    A resumed run calls ``setup`` with the same ``run_dir``: the file loggers append, W&B and MLflow
+    continue the same run (its id is kept in ``run_dir``).
+    """
+
+    def setup(self, run_dir: str | os.PathLike) -> None: ...
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def finalize(self, status: str) -> None: ...
+
+
+def resolve_loggers(logger: Any) -> list[Logger]:
+    """``Trainer(logger=...)`` as a list of loggers.
+
+    None or True: ``[CSVLogger()]`` (the default); False: ``[]``; one logger: ``[logger]``; a list or tuple
+    of loggers: a list of them. A logger is any object with ``setup``, ``log_hyperparams``,
+    ``log_metrics`` and ``finalize`` (:class:`Logger`).
+
+    Raises:
+        TypeError: for anything else (a string such as "wandb", a class instead of an instance, a list
+            holding a non-logger), naming the value and the fix.
+        ValueError: the same logger object twice in a list (it would receive every record twice).
+    """
+    if logger is None or logger is True:
+        from trainscale.loggers.csv_logger import CSVLogger
+
+        return [CSVLogger()]
+    if logger is False:
+        return []
+    loggers = list(logger) if isinstance(logger, (list, tuple)) else [logger]
+    for item in loggers:
+        if isinstance(item, type) or not isinstance(item, Logger):
+            raise TypeError(f"logger={item!r} is not a logger: pass an instance such as trainscale.loggers."
+                            "CSVLogger(), TensorBoardLogger(), WandbLogger() or MLFlowLogger() (or a list of them; "
+                            "True for the default CSVLogger, False for none)")
+    if len({id(item) for item in loggers}) < len(loggers):
+        raise ValueError("logger=[...] holds the same logger object twice: pass each logger once")
+    return loggers
+
+
+def check_status(status: str) -> None:
+    """Raises ValueError unless ``status`` is "success" or "failed"."""
+    if status not in STATUSES:
+        raise ValueError(f"finalize(status={status!r}): the status is one of {', '.join(map(repr, STATUSES))}")
+
+
+def require(owner: str, extra: str, *modules: str) -> None:
+    """Raises ModuleNotFoundError naming ``pip install 'trainscale[extra]'`` when a module is not installed
+    (found without importing it)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModuleNotFoundError(f"{owner} needs {', '.join(missing)}: pip install 'trainscale[{extra}]'")
+
+
+def not_set_up(owner: str) -> RuntimeError:
+    return RuntimeError(f"{owner}.setup(run_dir) must be called before logging (the Trainer calls it on rank "
+                        "zero before the first record)")
+
+
+def run_id(run_dir: Path, filename: str) -> str | None:
+    """The id of the remote run this run directory logged to, kept in ``run_dir/filename``; None if none."""
+    path = run_dir / filename
+    return path.read_text().strip() if path.is_file() else None
+
+
+def keep_run_id(run_dir: Path, filename: str, value: str) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / filename).write_text(value + "\n")

@@ -1,0 +1,82 @@
+"""``TensorBoardLogger``: scalars and hyperparameters as TensorBoard event files.
+
+Needs the ``tensorboard`` package (``pip install 'trainscale[tensorboard]'``); it is imported at
+:meth:`TensorBoardLogger.setup`, not with this module.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from trainscale.loggers.base import check_status, not_set_up, require
+from trainscale.telemetry.sinks import TensorBoardSink, flatten
+
+
+class TensorBoardLogger:
+    """Each metric a scalar tagged with its name at ``step``; hyperparameters in TensorBoard's HParams tab.
+
+    Writes through :class:`trainscale.telemetry.sinks.TensorBoardSink` (``torch.utils.tensorboard``'s
+    ``SummaryWriter``): events reach the file every ``flush_secs`` seconds and at :meth:`finalize`.
+    Hyperparameters are flattened (``{"optim": {"lr": 0.1}}`` -> ``optim/lr``); numbers are written as
+    numbers, None is left out, other values as strings. They are written into the run's own event file,
+    as Lightning's TensorBoardLogger does, not into a sub-run as ``SummaryWriter.add_hparams`` would.
+    View with ``tensorboard --logdir runs``.
+
+    The Trainer calls a logger on rank zero only (see :class:`trainscale.loggers.Logger`).
+
+    Args:
+        save_dir: the event file directory; None (the default): ``<run dir>/tensorboard``.
+        flush_secs: seconds between writes of the queued events to the file.
+        max_queue: events queued before the writer must catch up (see TensorBoardSink).
+
+    Raises:
+        ModuleNotFoundError: tensorboard is not installed (names the pip command).
+    """
+
+    def __init__(self, save_dir: str | os.PathLike | None = None, flush_secs: float = 10.0,
+                 max_queue: int = 1000) -> None:
+        require("TensorBoardLogger", "tensorboard", "tensorboard")
+        self.save_dir = Path(save_dir) if save_dir is not None else None
+        self.flush_secs, self.max_queue = flush_secs, max_queue
+        self.log_dir: Path | None = None
+        self._sink: TensorBoardSink | None = None
+
+    @property
+    def experiment(self):
+        """The ``torch.utils.tensorboard.SummaryWriter`` (for images, histograms, ...), after setup."""
+        if self._sink is None:
+            raise not_set_up("TensorBoardLogger")
+        return self._sink.writer
+
+    def setup(self, run_dir: str | os.PathLike) -> None:
+        self.log_dir = self.save_dir or Path(run_dir) / "tensorboard"
+        self._sink = TensorBoardSink(self.log_dir, flush_secs=self.flush_secs, max_queue=self.max_queue)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        writer = self.experiment
+        flat = {k: _hparam_value(v) for k, v in flatten(dict(params), sep="/").items()}
+        for summary in hparams(flat, {}):  # experiment, session start, session end
+            writer.file_writer.add_summary(summary)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        if self._sink is None:
+            raise not_set_up("TensorBoardLogger")
+        self._sink.write_scalars(dict(metrics), step)
+
+    def finalize(self, status: str) -> None:
+        check_status(status)
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None
+
+
+def _hparam_value(value: Any) -> float | str | None:
+    """What ``torch.utils.tensorboard.summary.hparams`` takes: a Python number, a string, or None (left out)."""
+    if value is None or isinstance(value, str):
+        return value
+    return float(value) if isinstance(value, numbers.Real) else str(value)

@@ -1,0 +1,296 @@
+"""Memory per device of one training configuration, computed without allocating the model.
+
+Two parts:
+
+- **Exact bytes** of parameters, gradients, optimizer state and buffers on each rank, from the
+  parameters' shapes and dtypes (:func:`exact_bytes`). The optimizer's state layout (which tensors it
+  keeps per parameter, their shapes and dtypes: AdamW keeps ``exp_avg`` and ``exp_avg_sq`` shaped like
+  the parameter and a 0-d ``step``) is read from the optimizer itself after one ``step()`` on fake
+  tensors (``torch._subclasses.FakeTensorMode``: tensors with shapes and dtypes but no storage).
+  Sharding follows FSDP2 ``fully_shard`` (Zhao et al. 2023, "PyTorch FSDP"; the per-parameter dim-0
+  sharding of ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``): each rank holds a shard padded to
+  ``ceil(d0 / N)`` rows for parameters and gradients; the optimizer state is built on the unpadded
+  local shard, ``min(ceil(d0/N), d0 - r·ceil(d0/N))`` rows on rank ``r``. DDP keeps a full replica
+  and one flat gradient bucket copy (Li et al. 2020, VLDB; none with ``gradient_as_bucket_view``).
+- **Activations and the peak** from two traced training steps (the second one is the steady state,
+  with the optimizer state present) on fake tensors, counted by PyTorch's own trackers:
+  ``torch.distributed._tools.mem_tracker.MemTracker`` (single device; DDP adds its bucket bytes) and
+  ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`` (fsdp: the model really goes through
+  ``fully_shard`` over a device mesh of a fake process group of N ranks, so the all-gathered
+  parameters, reduce-scatter buffers and sharded states are those FSDP2 allocates). This is the
+  method of torchtitan's former ``scripts/estimate/estimation.py``. Mixed precision (autocast, FSDP's
+  ``MixedPrecisionPolicy``) and activation checkpointing are applied as the Runtime applies them
+  (``trainscale.runtime.apply.prepare_module``).
+
+All byte counts are per device (per rank), in bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+TRACED_STEPS = 2  # the first step creates the optimizer state; the second is the steady state
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted memory of one rank of one configuration (bytes).
+
+    ``parameters``, ``gradients``, ``optimizer``, ``buffers``: exact, at the end of a step (before
+    ``zero_grad``). ``comm_buffers``: DDP's gradient bucket copy. ``activations``: bytes alive at the end
+    of forward that were not alive before it (tensors saved for backward, outputs, loss).
+    ``peak``: the most bytes alive at once during a steady-state step (params, grads, states,
+    activations, temporaries, communication buffers, the input batch).
+    """
+
+    strategy: str
+    devices: int
+    rank: int
+    batch_size: int
+    precision: str
+    parameters: int
+    gradients: int
+    optimizer: int
+    buffers: int
+    comm_buffers: int
+    activations: int
+    peak: int
+
+
+# -- models without storage ------------------------------------------------------------------------
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are on the meta device (no storage).
+
+    ``copy.deepcopy`` with a memo that maps each tensor to its meta twin, so the original data is
+    never copied."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = b.detach().to("meta")
+    return copy.deepcopy(module, memo)
+
+
+def build_meta_model(model: nn.Module | Callable[[], nn.Module]) -> nn.Module:
+    """``model`` as a meta-device module: a module is copied (:func:`meta_copy`); a zero-argument
+    factory is called under ``torch.device("meta")`` so its parameters are never allocated.
+
+    Raises:
+        TypeError: neither an ``nn.Module`` nor a factory returning one.
+    """
+    if isinstance(model, nn.Module):
+        return meta_copy(model)
+    if callable(model):
+        with torch.device("meta"):
+            built = model()
+        if isinstance(built, nn.Module):
+            return meta_copy(built)  # buffers made by torch.tensor(...) outside the device context too
+    raise TypeError(f"model must be an nn.Module or a function returning one, got {type(model).__name__}")
+
+
+def _fake_copy(meta_model: nn.Module, precision: str) -> nn.Module:
+    """Inside an active ``FakeTensorMode``: a copy of ``meta_model`` with fake CPU tensors, cast to
+    bfloat16 for "bf16-true" (as ``Precision.convert_module`` does; cast while still on the meta
+    device, since ``Module.to`` cannot swap fake parameters)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # meta tensors are copied as they are, not as fake inputs
+        model = meta_copy(meta_model)
+        if precision == "bf16-true":
+            model = model.to(torch.bfloat16)
+    return model.to_empty(device="cpu")
+
+
+def _fake_mode():
+    """``FakeTensorMode`` that also takes the meta tensors of the model copies as inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _fake_batch(sample: tuple, batch_size: int) -> tuple:
+    """Inside ``FakeTensorMode``: a batch of ``batch_size`` samples shaped like ``sample``'s tensors."""
+    return tuple(torch.empty((batch_size, *t.shape), dtype=t.dtype) if isinstance(t, torch.Tensor)
+                 else torch.empty((batch_size,), dtype=torch.int64) for t in sample)
+
+
+# -- exact bytes -----------------------------------------------------------------------------------
+def _param_dtype(p: torch.Tensor, precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision == "bf16-true" and p.is_floating_point() else p.dtype
+
+
+def optimizer_layout(meta_model: nn.Module, optimizer_fn: Callable, precision: str) -> list[list[tuple]]:
+    """Per parameter (in ``parameters()`` order), the optimizer's state tensors as
+    ``(name, shape, dtype)``, read from the optimizer after one ``step()`` on fake tensors.
+
+    Raises:
+        TypeError: ``optimizer_fn`` does not return a ``torch.optim.Optimizer``.
+    """
+    with _fake_mode():
+        model = _fake_copy(meta_model, precision)
+        params = list(model.parameters())
+        optimizer = optimizer_fn(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a function params -> torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        for p in params:
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        optimizer.step()
+        return [[(name, tuple(t.shape), t.dtype) for name, t in optimizer.state.get(p, {}).items()
+                 if isinstance(t, torch.Tensor)] for p in params]
+
+
+def _nbytes(shape: tuple, dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _shard_rows(rows: int, devices: int, rank: int) -> tuple[int, int]:
+    """``(padded rows, unpadded rows)`` of rank ``rank``'s dim-0 shard under FSDP2: ``torch.chunk``
+    sizes, each rank's storage padded to the first chunk's size."""
+    padded = -(-rows // devices)
+    return padded, max(0, min(padded, rows - rank * padded))
+
+
+def exact_bytes(meta_model: nn.Module, layout: list[list[tuple]], strategy: str, devices: int, rank: int,
+                precision: str, gradient_as_bucket_view: bool = False) -> dict[str, int]:
+    """Bytes of ``parameters``, ``gradients``, ``optimizer``, ``buffers`` and ``comm_buffers`` on rank
+    ``rank`` of ``devices`` under ``strategy`` ("single", "ddp", "fsdp").
+
+    Args:
+        meta_model: the model on the meta device (:func:`build_meta_model`).
+        layout: :func:`optimizer_layout` of that model.
+        gradient_as_bucket_view: DDP's option (gradients alias the buckets: no extra copy).
+
+    Raises:
+        ValueError: an unknown strategy.
+    """
+    if strategy not in ("single", "ddp", "fsdp"):
+        raise ValueError(f"memory of strategy={strategy!r} is not modelled; choose single, ddp or fsdp")
+    out = dict(parameters=0, gradients=0, optimizer=0, comm_buffers=0,
+               buffers=sum(b.numel() * b.element_size() for b in meta_model.buffers()))
+    for p, states in zip(meta_model.parameters(), layout):
+        dtype = _param_dtype(p, precision)
+        shape = tuple(p.shape)
+        local = shape
+        if strategy == "fsdp" and shape:
+            padded, rows = _shard_rows(shape[0], devices, rank)
+            shape, local = (padded, *shape[1:]), (rows, *shape[1:])
+        out["parameters"] += _nbytes(shape, dtype)
+        if p.requires_grad:
+            out["gradients"] += _nbytes(shape, dtype)
+            if strategy == "ddp" and not gradient_as_bucket_view:
+                out["comm_buffers"] += _nbytes(shape, dtype)
+        for _, state_shape, state_dtype in states:  # states shaped like the parameter follow its shard
+            out["optimizer"] += _nbytes(local if state_shape == tuple(p.shape) else state_shape, state_dtype)
+    return out
+
+
+# -- traced peak -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fake_process_group(devices: int, rank: int):
+    """A process group of ``devices`` ranks that hallucinates its collectives (PyTorch's "fake"
+    backend, ``torch.testing._internal.distributed.fake_pg``), as this process's rank ``rank``.
+
+    Raises:
+        RuntimeError: a process group already exists (plan outside a running distributed job).
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("trainscale.plan traces FSDP on a fake process group and cannot run inside a "
+                           "distributed job: call it from a plain process (e.g. `trainscale plan`)")
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    dist.init_process_group("fake", rank=rank, world_size=devices, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _traced_steps(model, optimizer, batch, loss_fn, autocast, tracker) -> int:
+    """Run ``TRACED_STEPS`` training steps inside ``tracker``; return the activation bytes of the
+    last forward (tracker total after forward minus before it)."""
+    activations = 0
+    with tracker:
+        for _ in range(TRACED_STEPS):
+            before = tracker.get_tracker_snapshot("current")
+            with autocast():
+                loss = loss_fn(model(batch[0]), batch[1])
+            after = tracker.get_tracker_snapshot("current")
+            activations = sum(s["Total"] for s in after.values()) - sum(s["Total"] for s in before.values())
+            loss.backward()
+            optimizer.step()
+            if TRACED_STEPS > 1:
+                optimizer.zero_grad(set_to_none=True)
+            tracker.reset_mod_stats()  # MemTracker refuses a second iteration otherwise
+    return activations
+
+
+def traced_memory(meta_model: nn.Module, sample: tuple, batch_size: int, loss_fn: Callable,
+                  optimizer_fn: Callable, strategy: str, devices: int, precision: str = "32-true",
+                  activation_checkpointing: tuple = (), strategy_options: dict | None = None,
+                  rank: int = 0) -> dict[str, int]:
+    """``{"peak", "activations"}`` in bytes of rank ``rank``, from :data:`TRACED_STEPS` steps on fake
+    tensors (no storage is allocated). DDP's bucket copy is not included (see :func:`exact_bytes`).
+
+    Args:
+        sample: one training example ``(input, target)`` (tensors, or a target number).
+        loss_fn: ``(outputs, targets) -> loss``.
+        optimizer_fn: ``params -> Optimizer``.
+        strategy: "single", "ddp" (traced as one replica) or "fsdp" (traced through ``fully_shard``).
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from trainscale.runtime.apply import apply_activation_checkpointing
+    from trainscale.runtime.precision import Precision
+
+    prec = Precision(precision, "cpu")
+    group = fake_process_group(devices, rank) if strategy == "fsdp" else contextlib.nullcontext()
+    with group:
+        mesh = _mesh(devices) if strategy == "fsdp" else None
+        with _fake_mode():
+            # prepare_module's order (precision cast, then activation checkpointing) on the fake copy
+            model = apply_activation_checkpointing(_fake_copy(meta_model, precision),
+                                                   tuple(activation_checkpointing or ()))
+            if strategy == "fsdp":
+                model, tracker_of = _fake_fsdp(model, mesh, devices, precision, strategy_options)
+            optimizer = optimizer_fn(model.parameters())
+            batch = prec.convert_input(_fake_batch(sample, batch_size))
+            if strategy == "fsdp":
+                tracker = tracker_of(optimizer)
+                tracker.track_inputs(batch)
+            else:
+                tracker = MemTracker()
+                tracker.track_external(model, optimizer, *batch)
+            activations = _traced_steps(model, optimizer, batch, loss_fn, prec.autocast, tracker)
+            peak = sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+    return {"peak": int(peak), "activations": int(activations)}
+
+
+def _mesh(devices: int):
+    """A 1-D CPU device mesh of the fake group, built outside ``FakeTensorMode`` (its constructor reads
+    its rank tensor's values, which fake tensors do not have)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (devices,))
+
+
+def _fake_fsdp(model, mesh, devices: int, precision: str, strategy_options: dict | None):
+    """Shard ``model`` exactly as the fsdp strategy does; return it and a tracker factory."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from trainscale.runtime.strategies.fsdp import FSDPStrategy
+    from trainscale.runtime.world import World
+
+    strategy = FSDPStrategy(torch.device("cpu"), World(world_size=devices, local_world_size=devices),
+                            precision=precision, **(strategy_options or {}))
+    strategy.shard(model, strategy.units(model), mesh)
+    return model, (lambda optimizer: FSDPMemTracker(mod=model, optm=optimizer))

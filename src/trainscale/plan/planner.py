@@ -1,0 +1,262 @@
+"""``trainscale.plan(...)``: memory per device and time per step/epoch for each strategy, device count
+and batch size, before any cluster is booked. Memory: :mod:`trainscale.plan.memory` (no allocation);
+time: one measured single-device run (:mod:`trainscale.plan.measure`) plus the communication model
+(:mod:`trainscale.plan.comm`) over a given or probed link (:mod:`trainscale.plan.probe`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from trainscale.plan import comm
+from trainscale.plan.memory import MemoryEstimate
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+@dataclass
+class Workload:
+    """What is planned: a model (an ``nn.Module``, possibly on the meta device, or a zero-argument
+    factory), one example ``(input, target)``, the loss ``(outputs, targets) -> loss``, the optimizer
+    factory ``params -> Optimizer``, the training samples per epoch (None: no epoch time) and ``build``,
+    a factory of a real model for the timed run (default: a copy of ``model`` or ``model()``)."""
+
+    model: Any
+    sample: tuple
+    loss_fn: Callable
+    optimizer_fn: Callable
+    dataset_size: int | None = None
+    build: Callable | None = None
+
+    def real_model(self):
+        if self.build is not None:
+            return self.build()
+        from torch import nn
+
+        return copy.deepcopy(self.model) if isinstance(self.model, nn.Module) else self.model()
+
+
+@dataclass
+class PlanRow:
+    """One configuration's prediction. Bytes per device (the largest rank), seconds."""
+
+    strategy: str
+    devices: int
+    batch_size: int
+    precision: str
+    memory: MemoryEstimate | None
+    fits: bool | None
+    note: str = ""
+    step_s: float | None = None
+    comm_s: float | None = None
+    epoch_s: float | None = None
+    gain: float | None = None
+    efficiency: float | None = None
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("memory")
+        out.update({f"{k}_bytes": v for k, v in (asdict(self.memory) if self.memory else {}).items()
+                    if k not in out})
+        return out
+
+
+@dataclass
+class PlanResult:
+    """Rows (one per strategy × devices × batch size), the device memory they were held against
+    (bytes), the link (None: no time prediction) and the single-device compute times measured."""
+
+    rows: list[PlanRow]
+    device_memory: int
+    link: comm.Link | None
+    compute: dict = field(default_factory=dict)
+
+    def smallest(self) -> PlanRow | None:
+        """The configuration that fits with the least peak memory per device."""
+        fit = [r for r in self.rows if r.fits]
+        return min(fit, key=lambda r: (r.memory.peak, r.devices), default=None)
+
+    def fastest(self) -> PlanRow | None:
+        """The configuration that fits with the shortest predicted epoch (or step)."""
+        fit = [r for r in self.rows if r.fits and (r.epoch_s or r.step_s) is not None]
+        return min(fit, key=lambda r: (r.epoch_s or r.step_s, r.devices), default=None)
+
+    def table(self) -> str:
+        from trainscale.plan.report import format_plan
+
+        return format_plan(self)
+
+
+def default_device_memory() -> int:
+    """Bytes of the visible device: the first CUDA GPU's total memory, else this machine's RAM."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def workload_from_entry(entry: str | None) -> Workload:
+    """bench's ``--entry`` contract (:mod:`trainscale.bench.workload`) as a :class:`Workload`; the entry
+    is called under ``torch.device("meta")``, so its model is not allocated (its data is loaded)."""
+    import torch
+    from torch.nn import functional as F
+
+    from trainscale.bench.workload import DEFAULT_ENTRY, load_workload
+
+    name = entry or DEFAULT_ENTRY
+    with torch.device("meta"):
+        work = load_workload(name)
+    return Workload(model=work["model"], sample=tuple(work["train"][0]), loss_fn=work["loss_fn"] or F.cross_entropy,
+                    optimizer_fn=work["optimizer"] or (lambda p: torch.optim.AdamW(p, lr=1e-3)),
+                    dataset_size=len(work["train"]), build=lambda: load_workload(name)["model"])
+
+
+def _check(devices, batch_sizes, strategies, overlap) -> None:
+    if not devices or any(not isinstance(d, int) or d < 1 for d in devices):
+        raise ValueError(f"devices={devices!r} must be positive ints, e.g. [1, 2, 8]")
+    if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
+        raise ValueError(f"batch_sizes={batch_sizes!r} must be positive ints, e.g. [32, 64]")
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        raise ValueError(f"strategies={strategies!r}: plan models {', '.join(STRATEGIES)}")
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap={overlap} must be within [0, 1]")
+
+
+def _memory(meta, layout, work: Workload, strategy: str, n: int, bs: int, precision: str, ac: tuple,
+            options: dict) -> MemoryEstimate:
+    """Rank 0's estimate (under fsdp rank 0 holds the largest shards, so it is the per-device maximum)."""
+    from trainscale.plan import memory
+
+    exact = memory.exact_bytes(meta, layout, strategy, n, 0, precision,
+                               gradient_as_bucket_view=bool(options.get("gradient_as_bucket_view")))
+    traced = memory.traced_memory(meta, work.sample, bs, work.loss_fn, work.optimizer_fn, strategy, n, precision,
+                                  activation_checkpointing=ac,
+                                  strategy_options=options if strategy == "fsdp" else None)
+    return MemoryEstimate(strategy, n, 0, bs, precision, exact["parameters"], exact["gradients"],
+                          exact["optimizer"], exact["buffers"], exact["comm_buffers"], traced["activations"],
+                          traced["peak"] + exact["comm_buffers"])
+
+
+def _comm_s(row: PlanRow, meta, precision: str, options: dict, link: comm.Link) -> float:
+    """Seconds of one step's collectives for ``row`` (see :mod:`trainscale.plan.comm`)."""
+    grad_bytes = sum(p.numel() * (2 if precision == "bf16-true" else 4) for p in meta.parameters() if p.requires_grad)
+    if row.strategy == "ddp":
+        bucket = float(options.get("bucket_cap_mb", 25)) * 2**20
+        return comm.ddp_comm_s(grad_bytes, row.devices, link, bucket)
+    compute_bytes = grad_bytes // 2 if precision in ("bf16-mixed", "16-mixed") else grad_bytes
+    # fully_shard's default: units reshard after forward (gathered again in backward), the root does not
+    units = options.get("auto_wrap_policy") or ()
+    unit_params = {id(p) for m in meta.modules() if units and isinstance(m, tuple(units)) for p in m.parameters()}
+    unit_share = sum(p.numel() for p in meta.parameters() if id(p) in unit_params) / \
+        max(1, sum(p.numel() for p in meta.parameters()))
+    regather = 0.0 if options.get("reshard_after_forward") is False else compute_bytes * unit_share
+    return comm.fsdp_comm_s(compute_bytes, regather, grad_bytes, row.devices, link)
+
+
+def _add_time(rows: list[PlanRow], compute: dict, meta, precision: str, options: dict, link: comm.Link,
+              overlap: float, dataset_size: int | None) -> None:
+    """Fill step, epoch, gain and efficiency of each row from the measured compute times."""
+    for row in rows:
+        t = compute.get(row.batch_size)
+        if t is None or row.memory is None:
+            continue
+        row.comm_s = _comm_s(row, meta, precision, options, link) if row.devices > 1 else 0.0
+        optimizer_s = t.optimizer_s / row.devices if row.strategy == "fsdp" else t.optimizer_s
+        row.step_s = comm.step_s(t.forward_s, t.backward_s, optimizer_s, row.comm_s, overlap)
+        if dataset_size:
+            row.epoch_s = row.step_s * comm.steps_per_epoch(dataset_size, row.batch_size, row.devices)
+        if row.epoch_s:  # gain over one device running the same epoch alone (no communication)
+            one = comm.step_s(t.forward_s, t.backward_s, t.optimizer_s, 0.0) * \
+                comm.steps_per_epoch(dataset_size, row.batch_size, 1)
+            row.gain = one / row.epoch_s
+            row.efficiency = row.gain / row.devices
+
+
+def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = None,
+         dataset_size: int | None = None, devices=(1, 2, 4, 8), batch_sizes=(32,), strategies=STRATEGIES,
+         precision: str = "32-true", optimizer: Callable | None = None, loss_fn: Callable | None = None,
+         activation_checkpointing: Any = None, strategy_options: dict | None = None,
+         device_memory: int | str | None = None, link: comm.Link | str | None = None, probe: bool = False,
+         overlap: float = 0.0, measure: bool = True) -> PlanResult:
+    """Predict memory per device and, with a link, time per step and epoch, for each strategy,
+    device count and per-device batch size.
+
+    Args:
+        model: an ``nn.Module`` (copied to the meta device, never moved) or a zero-argument factory
+            (called under ``torch.device("meta")``). Or give ``entry`` instead.
+        entry: bench's workload contract, ``"package.module:function"`` (:mod:`trainscale.bench.workload`);
+            supplies model, sample, dataset size, loss and optimizer. None with no ``model``: the ConvNet on MNIST-5k.
+        sample: one training example ``(input, target)``, e.g. ``dataset[0]`` (with ``model``).
+        dataset_size: training samples per epoch (for epoch times).
+        devices, batch_sizes: device counts and per-device micro-batch sizes.
+        strategies: among "ddp", "fsdp" (fsdp needs 2+ devices; its 1-device rows say so).
+        precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
+        optimizer: ``params -> Optimizer`` (default AdamW, lr 1e-3); loss_fn default cross-entropy.
+        activation_checkpointing: module classes whose forward is recomputed in backward.
+        strategy_options: as for the Runtime (ddp: ``bucket_cap_mb``, ``gradient_as_bucket_view``;
+            fsdp: ``auto_wrap_policy``, ``reshard_after_forward``).
+        device_memory: bytes or "80GB" to hold each peak against (default: the visible device's).
+        link: a :class:`~trainscale.plan.comm.Link` or "400GB/s,latency=10us"; ``probe=True`` measures
+            this machine's instead. Without either, no time is predicted.
+        overlap: share of backward that hides communication (0: none, the upper bound).
+        measure: time one device's step per batch size (needed for time predictions).
+
+    Returns:
+        A :class:`PlanResult`; ``result.table()`` is the text table.
+
+    Raises:
+        ValueError: bad devices, batch sizes, strategies, precision, memory size, link or overlap.
+        RuntimeError: called inside a distributed job (fsdp is traced on a fake process group).
+    """
+    import torch
+    from torch.nn import functional as F
+
+    from trainscale.plan import memory
+    from trainscale.runtime.precision import PRECISIONS
+
+    devices, batch_sizes, strategies = list(devices), list(batch_sizes), list(strategies)
+    _check(devices, batch_sizes, strategies, overlap)
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
+    capacity = comm.parse_bytes(device_memory) if device_memory is not None else default_device_memory()
+    link = comm.parse_link(link) if isinstance(link, str) else link
+    if model is None:
+        work = workload_from_entry(entry)
+    elif sample is None:
+        raise ValueError("plan(model=...) needs sample=(input, target), one training example, e.g. dataset[0]")
+    else:
+        work = Workload(model, tuple(sample), F.cross_entropy, lambda p: torch.optim.AdamW(p, lr=1e-3), dataset_size)
+    work.loss_fn = loss_fn or work.loss_fn
+    work.optimizer_fn = optimizer or work.optimizer_fn
+    work.dataset_size = dataset_size or work.dataset_size
+    ac = tuple(activation_checkpointing or ())
+    options = dict(strategy_options or {})
+    meta = memory.build_meta_model(work.model)
+    layout = memory.optimizer_layout(meta, work.optimizer_fn, precision)
+    rows = []
+    for strategy in strategies:
+        for n in devices:
+            for bs in batch_sizes:
+                if strategy == "fsdp" and n < 2:
+                    rows.append(PlanRow(strategy, n, bs, precision, None, None, "fsdp needs 2+ devices"))
+                    continue
+                est = _memory(meta, layout, work, strategy, n, bs, precision, ac,
+                              {k: v for k, v in options.items() if strategy == "fsdp" or k != "auto_wrap_policy"})
+                rows.append(PlanRow(strategy, n, bs, precision, est, est.peak <= capacity))
+    if probe:
+        from trainscale.plan.probe import probe as run_probe
+
+        link = run_probe()[0]
+    compute = {}
+    if link is not None and measure:
+        from trainscale.plan.measure import measure_compute
+
+        compute = {bs: measure_compute(work.real_model(), work.sample, bs, work.loss_fn, work.optimizer_fn,
+                                       precision) for bs in batch_sizes}
+        _add_time(rows, compute, meta, precision, options, link, overlap, work.dataset_size)
+    return PlanResult(rows, capacity, link, compute)

@@ -1,0 +1,108 @@
+"""Validation, test and prediction loops: every sample counted once across ranks.
+
+Evaluation loaders are split without padding (``UnpaddedDistributedSampler``: rank ``r`` of ``W``
+takes samples ``r, r + W, ...``), so ranks may hold one batch more or less. No collective runs
+inside the loop, except the forwards themselves under a strategy whose forward communicates (fsdp
+all-gathers parameters): there every rank runs as many forwards as the rank with the most batches,
+the extra results discarded.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def _extra_forwards(runtime: Any, num_batches: int) -> int:
+    """Forwards this rank must add so that all ranks run the most batches of any rank.
+
+    Raises:
+        ValueError: some rank has no batch at all (fewer samples than ranks).
+    """
+    most, neg_least = runtime.all_reduce(torch.tensor([num_batches, -num_batches], device=runtime.device),
+                                         op="max").tolist()
+    if -neg_least == 0 and most > 0:
+        raise ValueError(f"strategy={runtime.config.strategy!r} evaluates through collectives, but some rank has no "
+                         "evaluation batch; give the evaluation set at least as many samples as ranks")
+    return most - num_batches
+
+
+def evaluate(runtime: Any, loop_module: Any, wrapped: Any, loader: Any, stage: str, collector: Any) -> dict[str, float]:
+    """Sample-weighted means over the whole set of what ``<stage>_step`` returned (or loss and accuracy
+    for a plain classifier), prefixed ``val_``/``test_``, plus what ``self.log`` collected (as named).
+
+    Sums and counts stay on the device; one all-reduce at the end. A collective: every rank calls it.
+    """
+    rt = runtime
+    prefix = "val_" if stage == "validation" else "test_"
+    communicates = rt.strategy.forward_communicates
+    extra = _extra_forwards(rt, len(loader)) if communicates else 0
+    wrapped.eval()
+    sums: dict[str, torch.Tensor] = {}
+    count = 0
+    batch = None
+    for batch_idx, batch in enumerate(loader):
+        batch = rt.to_device(batch)
+        collector.batch_size = _count(batch)
+        with rt.autocast():
+            metrics, n = (wrapped(batch, batch_idx, stage=stage) if communicates
+                          else loop_module.evaluate(batch, batch_idx, stage))
+        for key, value in metrics.items():
+            value = torch.as_tensor(value, device=rt.device).detach().float() * n
+            sums[key] = sums[key] + value if key in sums else value
+        count += n
+    for _ in range(extra):  # results discarded: each sample is still counted once
+        with rt.autocast():
+            wrapped(batch, 0, stage=stage)
+    keys = rt.broadcast_object(sorted(sums))  # a rank with no batch still takes part
+    vec = torch.stack([sums.get(k, torch.zeros((), device=rt.device)) for k in keys]
+                      + [torch.tensor(float(count), device=rt.device)])
+    vec = rt.all_reduce(vec).tolist()
+    wrapped.train()
+    total = vec[-1]
+    out = {f"{prefix}{k}": (v / total if total else math.nan) for k, v in zip(keys, vec[:-1])}
+    out.update(collector.take_epoch_values())
+    return out
+
+
+def _count(batch: Any) -> int:
+    from trainscale.runtime.batch import batch_size
+
+    return batch_size(batch)
+
+
+def predict(runtime: Any, loop_module: Any, wrapped: Any, loader: Any) -> Any:
+    """Every sample's prediction, gathered from all ranks in dataset order (each sample once).
+
+    Returns:
+        One tensor (the per-batch outputs concatenated along dim 0) when ``predict_step`` returns
+        tensors, else a list with one entry per batch-level output split per sample where possible.
+    """
+    rt = runtime
+    communicates = rt.strategy.forward_communicates
+    extra = _extra_forwards(rt, len(loader)) if communicates else 0
+    wrapped.eval()
+    outputs, batch = [], None
+    for batch_idx, batch in enumerate(loader):
+        batch = rt.to_device(batch)
+        with rt.autocast():
+            out = wrapped(batch, batch_idx, stage="predict") if communicates else loop_module.predict(batch, batch_idx)
+        outputs.append(out.detach().cpu() if isinstance(out, torch.Tensor) else out)
+    for _ in range(extra):
+        with rt.autocast():
+            wrapped(batch, 0, stage="predict")
+    wrapped.train()
+    return _in_dataset_order(rt, outputs)
+
+
+def _in_dataset_order(runtime: Any, outputs: list) -> Any:
+    """Interleave the ranks' outputs back into dataset order (sample j was on rank j % W, j // W-th)."""
+    tensors = bool(outputs) and all(isinstance(o, torch.Tensor) for o in outputs)
+    mine = list(torch.cat(outputs).unbind(0)) if tensors else outputs
+    per_rank = runtime.all_gather_object(mine) if runtime.world_size > 1 else [mine]
+    ordered = [per_rank[j % len(per_rank)][j // len(per_rank)] for j in range(sum(map(len, per_rank)))]
+    if ordered and all(isinstance(o, torch.Tensor) for o in ordered):
+        return torch.stack(ordered)
+    return ordered

@@ -1,0 +1,83 @@
+"""The optimizers of a ``fit``: built from the user's factory or ``configure_optimizers``, checked before
+the first step (the fix named in each message), wrapped for manual optimization."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainscale.train.optimizers import ManualOptimizer, parse_optimization
+
+
+def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, accumulate: int, runtime: Any):
+    """``(optimizers, scheduler configs, manual optimizers)`` for ``model`` wrapped as ``wrapped``; the
+    manual list is empty unless the module sets ``automatic_optimization = False``.
+
+    Raises:
+        ValueError / TypeError: see :func:`configured_optimization` and :func:`check_optimizers`.
+    """
+    optimization = parse_optimization(configured_optimization(model, wrapped, optimizer))
+    manual = not getattr(model, "automatic_optimization", True)
+    check_optimizers(optimization, wrapped, manual, accumulate, runtime)
+    optimizers = [runtime.strategy.setup_optimizer(o) for o in optimization.optimizers]
+    average = manual and runtime.config.strategy in ("ddp", "ddp_spawn")  # gradients averaged in step()
+    manuals = [ManualOptimizer(o, runtime, model, average) for o in optimizers] if manual else []
+    return optimizers, list(optimization.schedulers), manuals
+
+
+def configured_optimization(model: nn.Module, wrapped: nn.Module, optimizer: Any) -> Any:
+    """What builds the optimizers: the ``optimizer`` factory (called on the wrapped module's
+    parameters, after the strategy moved or sharded them) or ``model.configure_optimizers()``.
+
+    Raises:
+        ValueError: neither given. TypeError: ``optimizer`` is neither a factory nor an optimizer.
+    """
+    if optimizer is None and hasattr(model, "configure_optimizers"):
+        return model.configure_optimizers()
+    if optimizer is None:
+        raise ValueError("no optimizer: pass optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), "
+                         "or define configure_optimizers() on the model")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if callable(optimizer):
+        return optimizer(wrapped.parameters())
+    raise TypeError(f"optimizer must be a factory params -> Optimizer, got {type(optimizer).__name__}")
+
+
+def check_optimizers(optimization: Any, wrapped: nn.Module, manual: bool, accumulate: int, runtime: Any) -> None:
+    """Refuse optimizers the loop would misuse.
+
+    Raises:
+        ValueError: several optimizers with automatic optimization; manual optimization with
+            ``accumulate_grad_batches`` or under a strategy that shards gradients; an optimizer holding
+            parameters that are not the model's (built on another model, or before the strategy
+            replaced the parameters).
+    """
+    if len(optimization.optimizers) > 1 and not manual:
+        raise ValueError(f"configure_optimizers returned {len(optimization.optimizers)} optimizers; the Trainer steps "
+                         "one per step. For several (a GAN), set automatic_optimization = False in the module and "
+                         "step them in training_step (self.optimizers(), self.manual_backward(loss))")
+    if manual:
+        _check_manual(accumulate, runtime.config.strategy)
+    _check_parameters(optimization.optimizers, wrapped)
+
+
+def _check_manual(accumulate: int, strategy: str) -> None:
+    if accumulate != 1:
+        raise ValueError("accumulate_grad_batches must be 1 under manual optimization: accumulate in training_step "
+                         "(step the optimizer every N batches yourself)")
+    if strategy not in ("single", "ddp", "ddp_spawn"):
+        raise ValueError(f"manual optimization runs under strategy 'single' or 'ddp', not {strategy!r}")
+
+
+def _check_parameters(optimizers, wrapped: nn.Module) -> None:
+    own = {id(p) for p in wrapped.parameters()}
+    for i, opt in enumerate(optimizers):
+        foreign = sum(1 for group in opt.param_groups for p in group["params"] if id(p) not in own)
+        if foreign:
+            raise ValueError(f"optimizer {i} ({type(opt).__name__}) holds {foreign} parameter(s) that are not the "
+                             "model's (built on another model, or before the strategy moved it); pass a factory "
+                             "optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), or build it in "
+                             "configure_optimizers() from self.parameters()")

@@ -1,0 +1,57 @@
+"""The run summary (``summary.json``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainscale.telemetry.report import summary_line
+
+
+def run_summary(trainer: Any, global_batch: int, resumed_from: Path | None) -> dict:
+    """World, flags, final metrics, epoch times and throughput of a finished ``fit``."""
+    rt = trainer.runtime
+    history = trainer.state.history
+    last = history[-1] if history else {}
+    times = [h["epoch_time_s"] for h in history]
+    total_samples = sum(h["samples_per_s"] * h["epoch_time_s"] for h in history)
+    return {
+        "world_size": rt.world_size, "strategy": rt.config.strategy, "precision": rt.config.precision,
+        "accelerator": rt.config.accelerator, "device": str(rt.device), "num_nodes": rt.config.num_nodes,
+        "epochs": len(history), "steps": trainer.global_step, "global_batch_size": global_batch,
+        "accumulate_grad_batches": trainer.config.accumulate_grad_batches, "seed": trainer.config.seed,
+        "train_loss": last.get("train_loss"), "val_loss": last.get("val_loss"),
+        "val_accuracy": last.get("val_accuracy"), "epoch_time_s": times,
+        "samples_per_s": total_samples / sum(times) if times else None,
+        "torch_version": torch.__version__, "run_dir": str(trainer.run_dir),
+        "resumed_from": str(resumed_from) if resumed_from is not None else None,
+        "restart_count": rt.world.restart_count, "nonfinite_skipped": trainer._faults.skipped,
+    }
+
+
+def hyperparams(trainer: Any, model: Any) -> dict:
+    """What the loggers record as the run's hyperparameters: the Trainer's flags and the world."""
+    rt, cfg = trainer.runtime, trainer.config
+    return {**dataclasses.asdict(cfg), "default_root_dir": str(cfg.default_root_dir), "strategy": rt.config.strategy,
+            "precision": rt.config.precision, "world_size": rt.world_size, "model": type(model).__name__}
+
+
+def finish_run(trainer: Any, fit: Any, global_batch: int, resumed_from: Path | None) -> dict:
+    """The summary with the run's telemetry (a collective), printed and written to ``summary.json`` by
+    rank zero after the sinks are closed. Every rank returns it."""
+    rt = trainer.runtime
+    summary = run_summary(trainer, global_batch, resumed_from)
+    summary["telemetry"] = fit.telemetry.summary()
+    if summary["telemetry"] is not None:
+        rt.print(summary_line(summary["telemetry"]))
+    if fit.sink is not None:
+        fit.sink.close("success")
+        fit.sink = None
+        (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    rt.barrier()
+    return summary

@@ -1,0 +1,195 @@
+"""Lightning-style modules and the bodies of their multi-process tests (module level for ``spawn``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests import workers
+from trainscale.train.module import TrainingModule
+
+
+class LitClassifier(TrainingModule):
+    """The shape of Lightning's MNIST example: batch_idx, self.log, [opt], [sched]."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = workers.make_model(0)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss_logged", loss, prog_bar=True)
+        return {"loss": loss}
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y))
+        self.log("val_acc", (logits.argmax(1) == y).float().mean())
+
+    def configure_optimizers(self):
+        opt = workers.sgd(self.parameters())
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=100)]  # steps at epoch ends: lr unchanged here
+
+
+def lit_body(rank: int, root: str) -> dict:
+    from trainscale.train.trainer import Trainer
+
+    trainer = Trainer(devices="auto", max_epochs=2, seed=0, default_root_dir=root, enable_progress_bar=False,
+                      timeout=60)
+    model = LitClassifier()
+    trainer.fit(model, DataLoader(workers.tiny_dataset(96), batch_size=8, shuffle=True),
+                DataLoader(workers.tiny_dataset(50, seed=1), batch_size=8))
+    trainer.runtime.teardown()
+    return {"state": {k: v.detach().clone() for k, v in model.net.state_dict().items()}, "history": trainer.history}
+
+
+def indexed_dataset(n: int) -> TensorDataset:
+    """Sample i is (x = i as a float feature, y = i % 2)."""
+    x = torch.arange(n, dtype=torch.float32).reshape(n, 1)
+    return TensorDataset(x, torch.arange(n) % 2)
+
+
+class Logger(TrainingModule):
+    """Logs values whose exact reduction over all samples is known."""
+
+    def __init__(self, extra_on_rank: int | None = None):
+        super().__init__()
+        self.lin = nn.Linear(1, 2)
+        self.extra_on_rank = extra_on_rank
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.lin(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, _ = batch
+        self.log("mean_x", x.mean())
+        self.log("count", float(len(x)), reduce_fx="sum")
+        self.log("max_x", x.max(), reduce_fx="max")
+        if self.extra_on_rank == self.global_rank:
+            self.log("only_here", 1.0)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def log_reduction_body(rank: int, n: int, extra_on_rank: int | None = None) -> dict | str:
+    from trainscale.train.trainer import Trainer
+
+    trainer = Trainer(devices="auto", enable_progress_bar=False, timeout=60, enable_checkpointing=False,
+                      default_root_dir=f"/tmp/unused-{n}")
+    try:
+        return trainer.validate(Logger(extra_on_rank), DataLoader(indexed_dataset(n), batch_size=4))
+    except ValueError as err:
+        return f"ValueError: {err}"
+    finally:
+        trainer.runtime.teardown()
+
+
+# -- a GAN with manual optimization ------------------------------------------------------------------
+def gan_dataset(n: int = 32) -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 8, generator=g) + 1.0)  # (noise z, real x)
+
+
+def make_gan() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)), nn.Sequential(nn.Linear(8, 1))
+
+
+ACCUMULATE = 2
+
+
+def gan_losses(generator, discriminator, z, x):
+    ones, zeros = torch.ones(len(x), 1), torch.zeros(len(x), 1)
+    d_loss = lambda: (F.binary_cross_entropy_with_logits(discriminator(x), ones)  # noqa: E731
+                      + F.binary_cross_entropy_with_logits(discriminator(generator(z).detach()), zeros))
+    g_loss = lambda: F.binary_cross_entropy_with_logits(discriminator(generator(z)), ones)  # noqa: E731
+    return d_loss, g_loss
+
+
+class GAN(TrainingModule):
+    automatic_optimization = False
+
+    def __init__(self):
+        super().__init__()
+        self.generator, self.discriminator = make_gan()
+
+    def training_step(self, batch, batch_idx):
+        z, x = batch
+        opt_d, opt_g = self.optimizers()
+        d_loss, g_loss = gan_losses(self.generator, self.discriminator, z, x)
+        boundary = (batch_idx + 1) % ACCUMULATE == 0
+        for opt, loss_fn in ((opt_d, d_loss), (opt_g, g_loss)):
+            self.toggle_optimizer(opt)
+            loss = loss_fn()
+            self.manual_backward(loss / ACCUMULATE)
+            if boundary:
+                opt.step()
+                opt.zero_grad()
+            self.untoggle_optimizer(opt)
+        self.log("g_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return (torch.optim.SGD(self.discriminator.parameters(), lr=0.1),
+                torch.optim.SGD(self.generator.parameters(), lr=0.1))
+
+
+def gan_reference(batch_size: int, epochs: int) -> dict:
+    """The same GAN in a hand-written loop, one process, sequential batches."""
+    generator, discriminator = make_gan()
+    opts = (torch.optim.SGD(discriminator.parameters(), lr=0.1), torch.optim.SGD(generator.parameters(), lr=0.1))
+    for _ in range(epochs):
+        for batch_idx, (z, x) in enumerate(DataLoader(gan_dataset(), batch_size=batch_size)):
+            d_loss, g_loss = gan_losses(generator, discriminator, z, x)
+            for opt, loss_fn, other in ((opts[0], d_loss, generator), (opts[1], g_loss, discriminator)):
+                for p in other.parameters():
+                    p.requires_grad_(False)
+                (loss_fn() / ACCUMULATE).backward()
+                if (batch_idx + 1) % ACCUMULATE == 0:
+                    opt.step()
+                    opt.zero_grad()
+                for p in other.parameters():
+                    p.requires_grad_(True)
+    return {**{f"generator.{k}": v for k, v in generator.state_dict().items()},
+            **{f"discriminator.{k}": v for k, v in discriminator.state_dict().items()}}
+
+
+def gan_body(rank: int, root: str, batch_size: int, epochs: int) -> dict:
+    from trainscale.train.trainer import Trainer
+
+    trainer = Trainer(devices="auto", max_epochs=epochs, default_root_dir=root, enable_progress_bar=False, timeout=60)
+    model = GAN()
+    trainer.fit(model, DataLoader(gan_dataset(), batch_size=batch_size))
+    trainer.runtime.teardown()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# -- callbacks and prediction --------------------------------------------------------------------------
+def early_stopping_body(rank: int, root: str) -> int:
+    from trainscale.callbacks import EarlyStopping
+    from trainscale.train.trainer import Trainer
+
+    trainer = Trainer(devices="auto", max_epochs=10, default_root_dir=root, enable_progress_bar=False, timeout=60,
+                      callbacks=[EarlyStopping("mean_x", patience=1)], enable_checkpointing=False)
+    model = Logger()
+    trainer.fit(model, DataLoader(indexed_dataset(16), batch_size=4), DataLoader(indexed_dataset(9), batch_size=4))
+    trainer.runtime.teardown()
+    return len(trainer.history)
+
+
+def predict_body(rank: int, n: int) -> torch.Tensor:
+    from trainscale.train.trainer import Trainer
+
+    trainer = Trainer(devices="auto", enable_progress_bar=False, timeout=60)
+    out = trainer.predict(workers.make_model(0), DataLoader(workers.tiny_dataset(n, seed=3), batch_size=4))
+    trainer.runtime.teardown()
+    return out

@@ -1,0 +1,122 @@
+"""Saving onto a full disk, stale temporaries, filesystems that cannot fsync a directory
+(runtime/checkpoint_io.py, train/checkpoint.py, the fsdp strategy's save)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from tests import workers
+from tests.helpers import run_distributed
+from trainscale.runtime import checkpoint_io
+from trainscale.runtime.checkpoint_io import CheckpointError
+from trainscale.train import checkpoint as ckpt
+
+
+def _disk_full_at(kind: str, save_number: int = 1):
+    """A ``_write_event`` that raises ENOSPC while the ``save_number``-th write of ``kind`` ("ckpt" or
+    "sha256") holds part of its bytes, as a real full disk does mid-write."""
+    seen = {"ckpt": 0, "sha256": 0}
+
+    def event(stage, path):
+        if path.name in ("job_id", "script", "resumed_from"):
+            return  # the run directory's own small files
+        name = "sha256" if path.name.endswith(".sha256") else ("last" if path.name == "last" else "ckpt")
+        if stage == "partial" and name in seen:
+            seen[name] += 1
+            if name == kind and seen[name] == save_number:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return event
+
+
+def _fit(root, **flags):
+    from trainscale.train.trainer import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=2, seed=0, default_root_dir=root,
+                      enable_progress_bar=False, **flags)
+    trainer.fit(workers.make_model(0), DataLoader(workers.tiny_dataset(16), batch_size=8), optimizer=workers.sgd)
+    return trainer
+
+
+@pytest.mark.parametrize("kind", ["ckpt", "sha256"])
+def test_disk_full_during_a_save_names_the_cause_and_place_and_keeps_last(tmp_path, monkeypatch, kind):
+    monkeypatch.setattr(checkpoint_io, "_write_event", _disk_full_at(kind, save_number=2))  # the epoch-2 save
+    with pytest.raises(CheckpointError, match=r"no space left on device while writing '.*epoch=000002-step="
+                                              r".*MiB free on the disk holding .*last' still names the previous"):
+        _fit(tmp_path)
+    ckpt_dir = next(tmp_path.glob("version_*/checkpoints"))
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [
+        "epoch=000001-step=0000000002.pt", "epoch=000001-step=0000000002.pt.sha256", "last"]  # no temporary file
+    last = ckpt.find_last(tmp_path)
+    assert last.name == "epoch=000001-step=0000000002.pt" and checkpoint_io.load_file(last)["global_step"] == 2
+
+
+def test_other_write_errors_are_not_called_disk_full(tmp_path, monkeypatch):
+    def event(stage, path):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(checkpoint_io, "_write_event", event)
+    with pytest.raises(OSError, match="Input/output error"):
+        checkpoint_io.save_file({"w": torch.ones(3)}, tmp_path / "c.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stale_temporary_directory_of_a_killed_sharded_save_does_not_break_later_saves(tmp_path):
+    ckpt_dir = tmp_path / "checkpoints"
+    stale = ckpt_dir / f".{ckpt.checkpoint_name(1, 6, suffix='')}.tmp"  # what a killed fsdp save leaves
+    (stale / "sub").mkdir(parents=True)
+    (stale / "__0_0.distcp").write_bytes(b"x")
+    (ckpt_dir / ".epoch=000001-step=0000000004.pt.abcd.tmp").write_bytes(b"x")  # a killed file save's
+    path = ckpt_dir / ckpt.checkpoint_name(2, 12)
+    checkpoint_io.save_file({"w": torch.ones(3)}, path)
+    ckpt.mark_last(path, keep_last=1)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [path.name, f"{path.name}.sha256", "last"]
+
+
+def test_directory_fsync_einval_of_network_filesystems_is_tolerated(tmp_path, monkeypatch):
+    real_fsync = os.fsync
+
+    def fsync(fd, code=errno.EINVAL):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(code, os.strerror(code))  # what fsync(2) of a directory gives on some NFS/CIFS mounts
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    checkpoint_io.save_file({"w": torch.ones(3)}, tmp_path / "c.pt")
+    assert torch.equal(checkpoint_io.load_file(tmp_path / "c.pt")["w"], torch.ones(3))
+    monkeypatch.setattr(os, "fsync", lambda fd: fsync(fd, errno.EIO))  # a real I/O error still raises
+    with pytest.raises(OSError, match="Input/output error"):
+        checkpoint_io.save_file({"w": torch.ones(3)}, tmp_path / "d.pt")
+
+
+def _fsdp_disk_full_body(rank: int, root: str) -> dict:
+    from trainscale.runtime.runtime import Runtime
+
+    rt = Runtime(strategy="fsdp", devices="auto", timeout=60)
+    model, _ = rt.setup(workers.make_model(0))
+    rt.save(f"{root}/good", {"model": model})
+    if rank == 0:  # rank 0's extra file meets a full disk; every rank must raise, none may wait
+        checkpoint_io._write_event = _disk_full_at("ckpt")
+    try:
+        rt.save(f"{root}/full", {"model": model})
+        error = None
+    except CheckpointError as err:
+        error = str(err)
+    rt.barrier()
+    listing = sorted(os.listdir(root))
+    rt.teardown()
+    return {"error": error, "listing": listing}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_fsdp_disk_full_raises_on_every_rank_and_removes_the_temporary_directory(tmp_path):
+    ranks = run_distributed(_fsdp_disk_full_body, str(tmp_path), timeout=120)
+    for out in ranks:
+        assert out["error"] is not None and "no space left on device" in out["error"], out
+        assert out["listing"] == ["good"]  # no ".full.tmp" left, the earlier checkpoint kept

@@ -1,0 +1,410 @@
+"""Experiment loggers (trainscale.loggers), each written and read back with its own library, in one process."""
+
+import csv
+import importlib.util
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.utils.data import DataLoader
+
+from tests import workers
+from trainscale.loggers import (CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger, record_metrics,
+                                resolve_loggers)
+from trainscale.train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A step record as telemetry/processor.py writes it at world size 2 (fields as in docs/telemetry.md).
+STEP_RECORD = {
+    "kind": "step", "rank": "all", "time": 1.7e9, "epoch": 1, "step": 8, "train_loss": 0.5,
+    "step_time_s": 0.04, "phase_s": {"data": 0.01, "forward": 0.02}, "comm_s": None, "mfu": None,
+    "peak_memory_bytes": [100, 200], "peak_memory_kind": "rss", "gpu_utilization": [55.0, math.nan],
+    "slowest_rank": 1, "straggler_ranks": [1], "rank_phase_s": {"data": [0.01, 0.02]}, "tokens_per_s": math.inf,
+}
+
+
+def test_record_metrics_flattens_numbers_and_drops_the_rest():
+    assert record_metrics(STEP_RECORD) == {
+        "epoch": 1, "step/train_loss": 0.5, "step/step_time_s": 0.04,
+        "step/phase_s/data": 0.01, "step/phase_s/forward": 0.02,
+        "step/peak_memory_bytes/rank0": 100, "step/peak_memory_bytes/rank1": 200,
+        "step/gpu_utilization/rank0": 55.0, "step/slowest_rank": 1,
+        "step/rank_phase_s/data/rank0": 0.01, "step/rank_phase_s/data/rank1": 0.02,
+    }
+    epoch = record_metrics({"kind": "epoch", "epoch": 0, "step": 4, "train_loss": 0.7, "val_accuracy": 0.9})
+    assert epoch == {"epoch": 0, "epoch/train_loss": 0.7, "epoch/val_accuracy": 0.9}
+
+
+def test_record_metrics_of_every_record_a_trainer_writes(tmp_path):
+    trainer = Trainer(max_epochs=2, log_every_n_steps=2, enable_progress_bar=False, enable_checkpointing=False,
+                      default_root_dir=tmp_path)
+    trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(32), batch_size=8),
+                DataLoader(workers.tiny_dataset(16, seed=1), batch_size=8), optimizer=workers.sgd)
+    records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [record_metrics(r) for r in records]
+    assert {r["kind"] for r in records} == {"step", "epoch"}
+    for m in metrics:
+        assert m and all(type(v) in (int, float) and math.isfinite(v) for v in m.values())
+        assert all("/" in k for k in m if k != "epoch")
+    steps = [m for r, m in zip(records, metrics) if r["kind"] == "step"]
+    assert all({"step/train_loss", "step/phase_s/data", "step/samples_per_s"} <= m.keys() for m in steps)
+    assert all("epoch/val_loss" in m for r, m in zip(records, metrics) if r["kind"] == "epoch")
+
+
+def test_importing_loggers_imports_no_logging_library_and_no_higher_layer():
+    code = ("import sys; import trainscale.loggers as L; L.resolve_loggers(None); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('wandb', 'mlflow', 'tensorboard', 'torch') "
+            "or m.startswith(('trainscale.train', 'trainscale.bench', 'trainscale.cli'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+class _Recorder:
+    """A logger of this test's own: the protocol is structural."""
+
+    def setup(self, run_dir): ...
+
+    def log_hyperparams(self, params): ...
+
+    def log_metrics(self, metrics, step): ...
+
+    def finalize(self, status): ...
+
+
+def test_resolve_loggers_accepts_the_forms_trainer_logger_takes():
+    assert [type(x) for x in resolve_loggers(None)] == [CSVLogger]
+    assert [type(x) for x in resolve_loggers(True)] == [CSVLogger]
+    assert resolve_loggers(False) == []
+    one, two = CSVLogger(), _Recorder()
+    assert resolve_loggers(one) == [one]
+    assert resolve_loggers([one, two]) == [one, two] == resolve_loggers((one, two))
+    assert isinstance(two, Logger)
+
+
+@pytest.mark.parametrize("bad", ["wandb", CSVLogger, 3, [CSVLogger(), "csv"], {"csv": True}])
+def test_resolve_loggers_refuses_what_is_not_a_logger(bad):
+    with pytest.raises(TypeError, match=r"is not a logger: pass an instance such as trainscale\.loggers\.CSVLogger"):
+        resolve_loggers(bad)
+
+
+def test_resolve_loggers_refuses_the_same_logger_twice():
+    one = CSVLogger()
+    with pytest.raises(ValueError, match="same logger object twice"):
+        resolve_loggers([one, one])
+
+
+@pytest.mark.parametrize(("module", "make", "extra"), [
+    ("wandb", lambda: WandbLogger(), "wandb"),
+    ("mlflow", lambda: MLFlowLogger(), "mlflow"),
+    ("sqlalchemy", lambda: MLFlowLogger(), "mlflow"),
+    ("tensorboard", lambda: TensorBoardLogger(), "tensorboard"),
+])
+def test_a_logger_without_its_package_names_the_install(monkeypatch, module, make, extra):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setitem(sys.modules, module, None)  # find_spec then answers "not installed"
+    with pytest.raises(ModuleNotFoundError, match=rf"needs {module}: pip install 'trainscale\[{extra}\]'"):
+        make()
+
+
+def test_logging_before_setup_and_unknown_status_are_clear_errors(tmp_path):
+    logger = CSVLogger()
+    with pytest.raises(RuntimeError, match=r"CSVLogger.setup\(run_dir\) must be called before logging"):
+        logger.log_metrics({"a": 1.0}, step=1)
+    logger.setup(tmp_path)
+    with pytest.raises(ValueError, match="one of 'success', 'failed'"):
+        logger.finalize("ok")
+
+
+# CSVLogger
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_csv_logger_one_row_per_call_columns_the_union_of_keys(tmp_path):
+    logger = CSVLogger(flush_secs=0)
+    logger.setup(tmp_path)
+    logger.log_metrics({"step/train_loss": 0.5, "epoch": 0}, step=2)
+    logger.log_metrics({"epoch/val_loss": 0.4, "epoch": 0}, step=2)  # a new name: the header widens
+    logger.log_metrics({"step/train_loss": 0.25}, step=4)
+    logger.finalize("success")
+    assert _header(tmp_path / "metrics.csv") == ["step", "step/train_loss", "epoch", "epoch/val_loss"]
+    assert _rows(tmp_path / "metrics.csv") == [
+        {"step": "2", "step/train_loss": "0.5", "epoch": "0", "epoch/val_loss": ""},
+        {"step": "2", "step/train_loss": "", "epoch": "0", "epoch/val_loss": "0.4"},
+        {"step": "4", "step/train_loss": "0.25", "epoch": "", "epoch/val_loss": ""},
+    ]
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def _header(path: Path) -> list[str]:
+    return path.read_text().splitlines()[0].split(",")
+
+
+def test_csv_logger_buffers_rows_for_flush_secs_and_writes_them_at_finalize(tmp_path):
+    logger = CSVLogger(flush_secs=3600)
+    logger.setup(tmp_path)
+    for step in (1, 2, 3):
+        logger.log_metrics({"loss": 1.0 / step}, step=step)
+    assert len(_rows(tmp_path / "metrics.csv")) == 1  # the first row at once, the others wait
+    logger.finalize("failed")
+    assert [r["step"] for r in _rows(tmp_path / "metrics.csv")] == ["1", "2", "3"]
+
+
+def test_csv_logger_resumed_run_appends_and_keeps_hyperparameters(tmp_path):
+    first = CSVLogger(flush_secs=0)
+    first.setup(tmp_path)
+    first.log_hyperparams({"lr": 0.1, "model": {"width": 8}, "device": object()})
+    first.log_metrics({"loss": 1.0}, step=1)
+    first.finalize("failed")
+    second = CSVLogger(flush_secs=0)  # the resumed run: same run directory, a new logger object
+    second.setup(tmp_path)
+    second.log_hyperparams({"max_epochs": 3})
+    second.log_metrics({"loss": 0.5, "acc": 0.9}, step=2)
+    second.finalize("success")
+    assert _rows(tmp_path / "metrics.csv") == [{"step": "1", "loss": "1.0", "acc": ""},
+                                               {"step": "2", "loss": "0.5", "acc": "0.9"}]
+    hparams = json.loads((tmp_path / "hparams.json").read_text())
+    assert hparams["lr"] == 0.1 and hparams["model"] == {"width": 8} and hparams["max_epochs"] == 3
+    assert hparams["device"].startswith("<object object")
+
+
+def test_csv_logger_save_dir_wins_over_the_run_dir(tmp_path):
+    logger = CSVLogger(save_dir=tmp_path / "mine", flush_secs=0)
+    logger.setup(tmp_path / "run")
+    logger.log_metrics({"loss": 1.0}, step=1)
+    logger.finalize("success")
+    assert (tmp_path / "mine" / "metrics.csv").is_file() and not (tmp_path / "run" / "metrics.csv").exists()
+
+
+# TensorBoardLogger
+
+
+def test_tensorboard_logger_scalars_and_hparams_read_back(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install 'trainscale[tensorboard]'")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    logger = TensorBoardLogger()
+    logger.setup(tmp_path)
+    logger.log_hyperparams({"lr": 0.1, "optim": {"name": "sgd"}, "devices": [0, 1]})
+    for step in (2, 4):
+        logger.log_metrics(record_metrics({**STEP_RECORD, "step": step, "train_loss": 1.0 / step}), step=step)
+    logger.finalize("success")
+    logger.finalize("success")  # a second call does nothing
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("step/train_loss")] == [(2, 0.5), (4, 0.25)]
+    assert [e.value for e in events.Scalars("step/peak_memory_bytes/rank1")] == [200, 200]
+    start = HParamsPluginData.FromString(events.PluginTagToContent("hparams")["_hparams_/session_start_info"])
+    values = start.session_start_info.hparams
+    assert values["lr"].number_value == 0.1 and values["optim/name"].string_value == "sgd"
+    assert values["devices"].string_value == "[0, 1]"
+
+
+# WandbLogger (offline) and its run file
+
+
+def _wandb_records(run_dir: Path) -> list:
+    """The protobuf records of every offline W&B run file under ``run_dir``, in order.
+
+    A ``.wandb`` file is a 7-byte header (":W&B", magic, version) and then LevelDB's log format
+    (https://github.com/google/leveldb/blob/main/doc/log_format.md): 32 KiB blocks of chunks, each
+    ``crc32 (4) | length (2, LE) | type (1) | data``; type 1 is a whole record, 2/3/4 its first/middle/last
+    part; a block's tail shorter than a chunk header is zero padding.
+    """
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    records = []
+    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        raw, pos, data = path.read_bytes(), 7, b""
+        assert raw[:4] == b":W&B"
+        while pos + 7 <= len(raw):
+            if 32768 - pos % 32768 < 7:
+                pos += 32768 - pos % 32768
+                continue
+            _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+            chunk, pos = raw[pos + 7:pos + 7 + length], pos + 7 + length
+            data = chunk if kind in (1, 2) else data + chunk
+            if kind in (1, 4):
+                records.append(Record.FromString(data))
+    return records
+
+
+def _history(records) -> list[dict]:
+    rows = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+            for r in records if r.WhichOneof("record_type") == "history"]
+    return [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows]
+
+
+def _finished(logger: WandbLogger, status: str) -> None:
+    """``finalize``, then wait for W&B's service process to end: ``run.finish()`` may return before that
+    process has written the last records to the run file (seen with wandb 0.31 offline)."""
+    import wandb
+
+    logger.finalize(status)
+    wandb.teardown()
+
+
+@pytest.fixture
+def wandb_offline(monkeypatch, tmp_path):
+    pytest.importorskip("wandb", reason="wandb is not installed: pip install 'trainscale[wandb]'")
+    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": tmp_path / "config",
+                        "WANDB_CACHE_DIR": tmp_path / "cache", "WANDB_DATA_DIR": tmp_path / "data"}.items():
+        monkeypatch.setenv(name, str(value))
+
+
+def test_wandb_logger_offline_run_read_back(tmp_path, wandb_offline):
+    run_dir = tmp_path / "version_0"
+    run_dir.mkdir()
+    logger = WandbLogger(project="trainscale-test")
+    logger.setup(run_dir)
+    logger.log_hyperparams({"lr": 0.1, "optim": {"name": "sgd"}})
+    logger.log_metrics({"step/train_loss": 0.5, "epoch": 0}, step=2)
+    logger.log_metrics({"step/train_loss": 0.25, "epoch": 0}, step=4)
+    logger.log_metrics({"epoch/val_loss": 0.3, "epoch": 0}, step=4)  # the same step again: accepted
+    _finished(logger, "success")
+    records = _wandb_records(run_dir)
+    assert _history(records) == [
+        {"step/train_loss": 0.5, "epoch": 0, "trainer/global_step": 2},
+        {"step/train_loss": 0.25, "epoch": 0, "trainer/global_step": 4},
+        {"epoch/val_loss": 0.3, "epoch": 0, "trainer/global_step": 4},
+    ]
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert run.display_name == "version_0" and run.project == "trainscale-test"
+    assert run.run_id == (run_dir / "wandb_run_id").read_text().strip()
+    config = {u.key: json.loads(u.value_json) for r in records if r.WhichOneof("record_type") == "config"
+              for u in r.config.update}
+    assert config["lr"] == 0.1 and config["optim"] == {"name": "sgd"}
+    exits = [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"]
+    assert exits == [0]
+
+
+def test_wandb_logger_resumed_run_continues_the_same_run(tmp_path, wandb_offline):
+    records = []
+    for status, step in (("failed", 1), ("success", 2)):
+        # W&B's files in a folder per attempt: offline, W&B names a run's folder by the second it started and
+        # its id, so two attempts within one second would share one folder.
+        logger = WandbLogger(save_dir=tmp_path / f"attempt{step}")
+        logger.setup(tmp_path)
+        logger.log_metrics({"loss": 1.0 / step}, step=step)
+        _finished(logger, status)
+        records += _wandb_records(tmp_path / f"attempt{step}")
+    assert {r.run.run_id for r in records if r.WhichOneof("record_type") == "run"} == {
+        (tmp_path / "wandb_run_id").read_text().strip()}
+    assert [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"] == [1, 0]
+    assert [row["trainer/global_step"] for row in _history(records)] == [1, 2]
+
+
+# MLFlowLogger (local SQLite store)
+
+
+@pytest.fixture
+def mlflow_local(monkeypatch, tmp_path):
+    pytest.importorskip("mlflow", reason="mlflow is not installed: pip install 'trainscale[mlflow]'")
+    pytest.importorskip("sqlalchemy", reason="SQLAlchemy is not installed: pip install 'trainscale[mlflow]'")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)  # nothing may land in the working directory
+
+
+def test_mlflow_logger_run_in_the_default_sqlite_store_read_back(tmp_path, mlflow_local):
+    from mlflow import MlflowClient
+
+    run_dir = tmp_path / "runs" / "version_0"
+    run_dir.mkdir(parents=True)
+    logger = MLFlowLogger()
+    logger.setup(run_dir)
+    assert logger.tracking_uri == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+    logger.log_hyperparams({"lr": 0.1, "optim": {"name": "sgd"}, "note": "x" * 7000})
+    for step in (2, 4):
+        logger.log_metrics(record_metrics({**STEP_RECORD, "step": step, "train_loss": 1.0 / step}), step=step)
+    logger.finalize("success")
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    run = client.get_run(logger.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "version_0"
+    assert client.get_experiment(run.info.experiment_id).name == "trainscale"
+    assert [(m.step, m.value) for m in client.get_metric_history(logger.run_id, "step/train_loss")] == [
+        (2, 0.5), (4, 0.25)]
+    assert run.data.metrics["step/gpu_utilization/rank0"] == 55.0
+    assert run.data.params["lr"] == "0.1" and run.data.params["optim/name"] == "sgd"
+    assert len(run.data.params["note"]) == 6000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # no ./mlruns or ./mlflow.db
+
+
+def test_mlflow_logger_asynchronous_writes_are_all_in_the_store_after_finalize(tmp_path, mlflow_local):
+    from mlflow import MlflowClient
+
+    logger = MLFlowLogger(synchronous=False)
+    logger.setup(tmp_path / "runs" / "version_0")
+    for step in range(1, 21):
+        logger.log_metrics({"loss": 1.0 / step, "acc": step / 20}, step=step)
+    logger.finalize("success")
+    client = MlflowClient(tracking_uri=logger.tracking_uri)
+    assert [m.step for m in client.get_metric_history(logger.run_id, "acc")] == list(range(1, 21))
+    assert client.get_run(logger.run_id).info.status == "FINISHED"
+
+
+def test_mlflow_logger_resumed_run_continues_and_failure_is_recorded(tmp_path, mlflow_local):
+    from mlflow import MlflowClient
+
+    ids = []
+    for status, step in (("failed", 1), ("failed", 2)):
+        logger = MLFlowLogger(experiment_name="resume", tracking_uri=f"sqlite:///{tmp_path / 'store.db'}")
+        logger.setup(tmp_path / "version_0")
+        logger.log_metrics({"loss": 1.0 / step}, step=step)
+        ids.append(logger.run_id)
+        logger.finalize(status)
+    assert ids[0] == ids[1]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'store.db'}")
+    assert client.get_run(ids[0]).info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(ids[0], "loss")] == [1, 2]
+
+
+# docs/loggers.md: every fenced Python block runs
+
+
+def _doc_blocks() -> list:
+    text = (ROOT / "docs" / "loggers.md").read_text()
+    blocks = text.split("```python\n")[1:]
+    return [pytest.param(b.split("\n```", 1)[0], id=f"block{i}") for i, b in enumerate(blocks)]
+
+
+@pytest.mark.parametrize("code", _doc_blocks())
+def test_docs_loggers_python_blocks_run(code, tmp_path, monkeypatch):
+    for module, logger in (("tensorboard", "TensorBoardLogger"), ("wandb", "WandbLogger"), ("mlflow", "MLFlowLogger")):
+        if f"from {module}" in code or logger in code:
+            pytest.importorskip(module, reason=f"{module} is not installed: pip install 'trainscale[{module}]'")
+    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": tmp_path / "config",
+                        "WANDB_CACHE_DIR": tmp_path / "cache", "WANDB_DATA_DIR": tmp_path / "data"}.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "docs/loggers.md", "exec"), {"__name__": "__main__"})
+    if "WandbLogger" in code:
+        import wandb
+
+        wandb.teardown()
+
+
+def test_loggers_pickle_before_setup(tmp_path, monkeypatch):
+    """ddp_spawn pickles the Trainer, loggers included, to its ranks; a logger holds no open resource until setup."""
+    import pickle
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    makers = [CSVLogger, _Recorder]
+    for module, maker in (("tensorboard", TensorBoardLogger), ("wandb", WandbLogger), ("mlflow", MLFlowLogger)):
+        if importlib.util.find_spec(module) is not None:
+            makers.append(maker)
+    for maker in makers:
+        assert type(pickle.loads(pickle.dumps(maker()))) is maker

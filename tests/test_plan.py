@@ -1,0 +1,109 @@
+"""trainscale.plan: the communication formulas, the link parser and fit, plan() and its picks, the CLI.
+Memory against real runs: tests/test_plan_memory.py."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trainscale.models import ConvNet
+from trainscale.plan import comm, planner, probe
+from trainscale.plan.memory import build_meta_model, exact_bytes, optimizer_layout
+
+SAMPLE = (torch.zeros(1, 28, 28), torch.tensor(0))
+
+
+def test_collective_formulas_follow_nccl_tests_bus_bandwidth():
+    link = comm.Link(bus_bandwidth=100e9, latency=0.0)
+    assert comm.all_reduce_s(1e9, 8, link) == pytest.approx(2 * 7 / 8 * 1e9 / 100e9)
+    assert comm.all_gather_s(1e9, 8, link) == pytest.approx(7 / 8 * 1e9 / 100e9)
+    assert comm.all_reduce_s(1e9, 1, link) == 0.0
+    slow = comm.Link(bus_bandwidth=100e9, latency=10e-6)
+    assert comm.all_reduce_s(0.0, 2, slow) == 0.0 and comm.all_reduce_s(8.0, 2, slow) == pytest.approx(2e-5 + 8e-11)
+    # DDP: 60 MiB of gradients = 2 full 25 MiB buckets + one of 10 MiB, each paying the latency
+    assert comm.ddp_comm_s(60 * 2**20, 4, slow) == pytest.approx(3 * 6 * 10e-6 + 60 * 2**20 * 1.5 / 100e9)
+    assert comm.step_s(1.0, 2.0, 0.5, 3.0, overlap=0.0) == 6.5
+    assert comm.step_s(1.0, 2.0, 0.5, 3.0, overlap=1.0) == 4.5 and comm.step_s(1.0, 2.0, 0.5, 1.0, overlap=1.0) == 3.5
+    assert comm.steps_per_epoch(4000, 64, 2) == 32 and comm.steps_per_epoch(4001, 64, 1) == 63
+
+
+def test_link_and_memory_sizes_parse_or_name_the_fix():
+    link = comm.parse_link("400GB/s,latency=10us")
+    assert link.bus_bandwidth == 400e9 and link.latency == pytest.approx(10e-6)
+    assert comm.parse_link("25GiB/s").latency == 10e-6
+    assert comm.parse_bytes("80GB") == 80 * 10**9 and comm.parse_bytes("1.5GiB") == 3 * 2**29
+    for bad in ("400GB", "fast/s", "400GB/s,lat=3us", "400GB/s,latency=3 parsecs"):
+        with pytest.raises(ValueError, match="--bandwidth 400GB/s,latency=10us"):
+            comm.parse_link(bad)
+    with pytest.raises(ValueError, match="80GB"):
+        comm.parse_bytes("eighty")
+
+
+def test_fit_link_recovers_the_link_that_made_the_times():
+    truth = comm.Link(bus_bandwidth=3e9, latency=40e-6)
+    sizes = [2**12, 2**16, 2**20, 2**24]
+    fitted = probe.fit_link(sizes, [comm.all_reduce_s(s, 2, truth) for s in sizes], 2)
+    assert fitted.bus_bandwidth == pytest.approx(3e9) and fitted.latency == pytest.approx(40e-6)
+    with pytest.raises(ValueError, match="do not grow"):
+        probe.fit_link(sizes, [1.0, 0.9, 0.8, 0.7], 2)
+
+
+def test_plan_rows_fits_and_picks_follow_the_device_memory():
+    meta = build_meta_model(ConvNet)
+    exact = exact_bytes(meta, optimizer_layout(meta, lambda p: torch.optim.AdamW(p), "32-true"), "ddp", 1, 0,
+                        "32-true")
+    first = planner.plan(ConvNet, sample=SAMPLE, devices=[1, 2, 4], batch_sizes=[16], device_memory="1GB")
+    by = {(r.strategy, r.devices): r for r in first.rows}
+    assert by[("ddp", 2)].memory.parameters == exact["parameters"]
+    assert by[("fsdp", 1)].memory is None and "2+ devices" in by[("fsdp", 1)].note
+    assert by[("fsdp", 4)].memory.peak < by[("fsdp", 2)].memory.peak < by[("ddp", 2)].memory.peak
+    assert first.link is None and all(r.step_s is None for r in first.rows)
+    # a device memory between the fsdp-4 and the ddp peaks: only the sharded rows fit
+    limit = (by[("fsdp", 2)].memory.peak + by[("ddp", 2)].memory.peak) // 2
+    tight = planner.plan(ConvNet, sample=SAMPLE, devices=[1, 2, 4], batch_sizes=[16], device_memory=limit)
+    assert {(r.strategy, r.devices) for r in tight.rows if r.fits} == {("fsdp", 2), ("fsdp", 4)}
+    assert (tight.smallest().strategy, tight.smallest().devices) == ("fsdp", 4)
+    assert "Smallest memory that fits: fsdp on 4 devices at bs 16/device" in tight.table()
+    with pytest.raises(ValueError, match="sample="):
+        planner.plan(ConvNet, devices=[1])
+    with pytest.raises(ValueError, match="plan models ddp, fsdp"):
+        planner.plan(ConvNet, sample=SAMPLE, strategies=["tp"])
+
+
+def test_plan_time_adds_the_modelled_communication_to_the_measured_step():
+    link = comm.Link(bus_bandwidth=1e9, latency=1e-4)
+    result = planner.plan(ConvNet, sample=SAMPLE, dataset_size=1000, devices=[1, 2, 8], batch_sizes=[8],
+                          strategies=["ddp"], device_memory="1GB", link=link)
+    t = result.compute[8]
+    grad_bytes = 4 * sum(p.numel() for p in ConvNet().parameters())
+    for row in result.rows:
+        assert row.comm_s == pytest.approx(comm.ddp_comm_s(grad_bytes, row.devices, link))
+        assert row.step_s == pytest.approx(t.forward_s + t.backward_s + t.optimizer_s + row.comm_s)
+        assert row.epoch_s == pytest.approx(row.step_s * comm.steps_per_epoch(1000, 8, row.devices))
+        assert row.efficiency == pytest.approx(row.gain / row.devices)
+    one, eight = result.rows[0], result.rows[2]
+    assert one.gain == pytest.approx(1.0) and eight.comm_s > result.rows[1].comm_s
+    assert result.fastest() is not None and "Fastest that fits" in result.table()
+
+
+def test_cli_plan_prints_the_table_and_refuses_bad_flags(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "trainscale.cli", "plan", "--devices", "1,2", "--batch-sizes", "8",
+                          "--device-memory", "1GB", "--bandwidth", "10GB/s,latency=20us", "--json",
+                          str(tmp_path / "plan.json")], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "ddp · 32-true" in out.stdout and "fsdp · 32-true" in out.stdout and "Fastest that fits" in out.stdout
+    rows = json.loads((tmp_path / "plan.json").read_text())
+    assert {r["strategy"] for r in rows} == {"ddp", "fsdp"} and rows[0]["peak_bytes"] > rows[0]["parameters_bytes"]
+    bad = subprocess.run([sys.executable, "-m", "trainscale.cli", "plan", "--bandwidth", "fast"],
+                         capture_output=True, text=True, timeout=240)
+    assert bad.returncode == 2 and "--bandwidth 400GB/s,latency=10us" in bad.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_probe_fits_a_positive_link_from_two_gloo_processes():
+    link, raw = probe.probe(2, sizes=(2**12, 2**18, 2**22), reps=3)
+    assert link.source == "probe" and link.bus_bandwidth > 0 and link.latency >= 0
+    assert raw["world_size"] == 2 and len(raw["all_reduce"]) == len(raw["all_gather"]) == 3

@@ -1,0 +1,42 @@
+"""TrainerConfig: every loop flag validated in Trainer.__init__ (pure logic, issue 15's bad-input list)."""
+
+import pytest
+
+from trainscale.train.config import TrainerConfig, resolve_trainer_config
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"keep_last": "3"}, "keep_last='3' must be an int >= 1 or None"),
+    ({"keep_last": 0}, "keep_last=0 must be an int >= 1"),
+    ({"seed": -1}, "seed=-1 must be an int >= 0"),
+    ({"seed": 2**32}, "seed=4294967296 must be < 2\\*\\*32"),
+    ({"seed": 1.5}, "seed=1.5 must be an int"),
+    ({"gradient_clip_val": 0.0}, "gradient_clip_val=0.0 must be a finite number"),
+    ({"gradient_clip_val": float("inf")}, "gradient_clip_val=inf must be a finite number"),
+    ({"straggler_margin": -0.1}, "straggler_margin=-0.1 .* 20 % over the median"),
+    ({"log_every_n_steps": True}, "log_every_n_steps=True must be an int"),
+    ({"on_nonfinite": "ignore"}, "on_nonfinite='ignore'; choose 'raise' or 'skip'"),
+    ({"enable_checkpointing": "yes"}, "enable_checkpointing='yes' must be True or False"),
+    ({"default_root_dir": ""}, "default_root_dir='' must be a directory path"),
+    ({"checkpoint_every_n_steps": 0}, "checkpoint_every_n_steps=0 must be an int >= 1 or None"),
+])
+def test_bad_values_name_the_flag_and_what_it_accepts(flags, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_trainer_config(**flags)
+
+
+def test_default_root_dir_that_is_a_file(tmp_path):
+    path = tmp_path / "runs"
+    path.write_text("not a directory")
+    with pytest.raises(ValueError, match="is a file; pass a directory"):
+        resolve_trainer_config(default_root_dir=path)
+
+
+def test_unknown_flag_and_defaults(tmp_path):
+    with pytest.raises(TypeError, match="unknown Trainer flag.*max_epoch"):
+        resolve_trainer_config(max_epoch=3)
+    cfg = resolve_trainer_config(default_root_dir=str(tmp_path), max_steps=5)
+    assert isinstance(cfg, TrainerConfig) and cfg.default_root_dir == tmp_path and cfg.step_limit == 5
+    assert resolve_trainer_config().step_limit == float("inf")
+    with pytest.raises(Exception):
+        cfg.max_epochs = 2  # frozen

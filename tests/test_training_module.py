@@ -1,0 +1,331 @@
+"""The Lightning-style contract (issue 16): TrainingModule, self.log, configure_optimizers forms, manual
+optimization, callbacks, test/predict; and the loop's records (issue 15 items 2, 10, 11)."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests import module_workers as mw
+from tests import workers
+from tests.helpers import run_distributed
+from trainscale.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from trainscale.train import checkpoint as ckpt
+from trainscale.train.module import TrainingModule
+from trainscale.train.optimizers import parse_optimization
+from trainscale.train.trainer import Trainer
+
+
+def _trainer(tmp_path, **kw):
+    return Trainer(enable_progress_bar=False, default_root_dir=tmp_path, **{"max_epochs": 1, **kw})
+
+
+# -- configure_optimizers ---------------------------------------------------------------------------
+def _opt():
+    return torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+
+
+def test_every_lightning_configure_optimizers_form():
+    opt, opt2 = _opt(), _opt()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    assert parse_optimization(opt).optimizers == (opt,)
+    assert parse_optimization((opt, sched)).schedulers[0].scheduler is sched
+    form = parse_optimization(([opt], [sched]))
+    assert form.optimizers == (opt,) and form.schedulers[0].interval == "epoch"
+    form = parse_optimization({"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 2}})
+    assert form.schedulers[0].interval == "step" and form.schedulers[0].frequency == 2
+    form = parse_optimization({"optimizer": opt, "lr_scheduler": plateau, "monitor": "val_loss"})
+    assert form.schedulers[0].monitor == "val_loss"
+    form = parse_optimization([{"optimizer": opt}, {"optimizer": opt2, "lr_scheduler": sched}])
+    assert form.optimizers == (opt, opt2) and len(form.schedulers) == 1
+    assert parse_optimization([opt, opt2]).optimizers == (opt, opt2)
+    with pytest.raises(ValueError, match="ReduceLROnPlateau needs a metric to monitor"):
+        parse_optimization({"optimizer": opt, "lr_scheduler": plateau})
+    with pytest.raises(ValueError, match="interval='hour'"):
+        parse_optimization({"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "hour"}})
+    with pytest.raises(ValueError, match="return an optimizer"):
+        parse_optimization("adam")
+
+
+class TwoOptimizers(mw.LitClassifier):
+    def configure_optimizers(self):
+        return [workers.sgd(self.net.parameters()), torch.optim.Adam(self.net.parameters())]
+
+
+def test_a_second_optimizer_without_manual_optimization_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="returned 2 optimizers.*automatic_optimization = False"):
+        _trainer(tmp_path).fit(TwoOptimizers(), DataLoader(workers.tiny_dataset(16), batch_size=8))
+
+
+def test_optimizer_built_on_another_model_is_an_error(tmp_path):
+    other = workers.make_model()
+    with pytest.raises(ValueError, match="not the model's"):
+        _trainer(tmp_path).fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=8),
+                               optimizer=lambda params: workers.sgd(other.parameters()))
+
+
+def test_loss_fn_with_training_step_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="loss_fn was given, but LitClassifier defines training_step"):
+        _trainer(tmp_path).fit(mw.LitClassifier(), DataLoader(workers.tiny_dataset(16), batch_size=8),
+                               loss_fn=F.cross_entropy)
+
+
+def test_plain_module_with_a_dict_batch_names_training_step(tmp_path):
+    data = [{"x": torch.randn(1, 28, 28), "y": torch.tensor(0)} for _ in range(4)]
+    with pytest.raises(TypeError, match="a dict with keys \\['x', 'y'\\].*define training_step"):
+        _trainer(tmp_path).fit(workers.make_model(), DataLoader(data, batch_size=4), optimizer=workers.sgd)
+
+
+def test_a_loader_without_batch_size_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="batch_size=None.*DataLoader\\(dataset, batch_size=N\\)"):
+        _trainer(tmp_path).fit(workers.make_model(), DataLoader(workers.tiny_dataset(8), batch_size=None),
+                               optimizer=workers.sgd)
+
+
+def test_an_empty_train_loader_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="the training DataLoader is empty"):
+        _trainer(tmp_path).fit(workers.make_model(), DataLoader(workers.tiny_dataset(0), batch_size=4),
+                               optimizer=workers.sgd)
+
+
+def test_resuming_adam_with_sgd_names_both(tmp_path):
+    model = workers.make_model()
+    loader = DataLoader(workers.tiny_dataset(16), batch_size=8)
+    _trainer(tmp_path).fit(model, loader, optimizer=lambda p: torch.optim.Adam(p, lr=1e-3))
+    with pytest.raises(ValueError, match="trained with optimizer\\(s\\) Adam but SGD is configured"):
+        _trainer(tmp_path, max_epochs=2).fit(workers.make_model(), loader, optimizer=workers.sgd, ckpt_path="last")
+
+
+# -- the module contract in one process -----------------------------------------------------------------
+class Recorder(TrainingModule):
+    def __init__(self, plateau: bool = False):
+        super().__init__()
+        self.net = nn.Linear(1, 2)
+        self.seen: list[int] = []
+        self.plateau = plateau
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch_idx)
+        assert self.trainer.global_step == self.global_step and self.device.type == "cpu"
+        x, y = batch
+        return {"loss": F.cross_entropy(self.net(x), y), "other": 1}
+
+    def validation_step(self, batch, batch_idx):
+        self.log("const", 1.0)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        if not self.plateau:
+            return opt
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "const"}}
+
+
+def test_training_step_gets_batch_idx_and_may_return_a_dict(tmp_path):
+    model = Recorder()
+    _trainer(tmp_path, max_epochs=2).fit(model, DataLoader(mw.indexed_dataset(12), batch_size=4))
+    assert model.seen == [0, 1, 2, 0, 1, 2]
+
+
+def test_reduce_lr_on_plateau_steps_on_the_monitored_metric_and_every_lr_is_logged(tmp_path):
+    trainer = _trainer(tmp_path, max_epochs=3)
+    trainer.fit(Recorder(plateau=True), DataLoader(mw.indexed_dataset(12), batch_size=4),
+                DataLoader(mw.indexed_dataset(6), batch_size=4))
+    assert [r["lr-SGD"] for r in trainer.history] == [0.1, 0.1, 0.05]  # "const" never improves after epoch 1
+
+
+def test_lightning_module_on_two_ranks_matches_plain_pytorch(tmp_path):
+    ranks = run_distributed(mw.lit_body, str(tmp_path), timeout=180)
+    ref = workers.plain_pytorch_reference(16, 2)  # 2 ranks × 8 = one process at 16
+    for key, value in ref.items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=1e-5, atol=1e-6)
+    record = ranks[0]["history"][-1]
+    untimed = [[{k: v for k, v in r.items() if k not in ("epoch_time_s", "samples_per_s")} for r in rank["history"]]
+               for rank in ranks]
+    assert untimed[0] == untimed[1]  # the same reduced numbers on both ranks
+    assert {"val_loss", "val_acc", "lr-SGD"} <= record.keys()
+
+
+# -- self.log reduction ---------------------------------------------------------------------------------
+def test_self_log_counts_each_sample_once_with_uneven_last_batches():
+    n = 37  # rank 0 holds 19 samples (batches 4,4,4,4,3), rank 1 18 (4,4,4,4,2)
+    out = run_distributed(mw.log_reduction_body, n, timeout=120)
+    assert out[0] == out[1]
+    assert out[0]["mean_x"] == pytest.approx((n - 1) / 2)  # mean of 0..36, each sample once
+    assert out[0]["count"] == n and out[0]["max_x"] == n - 1
+    assert mw.log_reduction_body(0, n) == out[0]  # one process: the same numbers
+
+
+def test_names_logged_on_some_ranks_only_are_an_error_on_every_rank():
+    out = run_distributed(mw.log_reduction_body, 16, 1, timeout=120)
+    for message in out:
+        assert message.startswith("ValueError: ranks logged different epoch values") and "only_here" in message
+
+
+# -- manual optimization -----------------------------------------------------------------------------------
+def test_gan_with_manual_optimization_and_accumulation_matches_plain_pytorch(tmp_path):
+    single = mw.gan_body(0, str(tmp_path / "one"), 8, 2)
+    ref = mw.gan_reference(8, 2)
+    for key, value in ref.items():
+        torch.testing.assert_close(single[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_gan_under_ddp_needs_no_find_unused_parameters(tmp_path):
+    ranks = run_distributed(mw.gan_body, str(tmp_path), 4, 2, timeout=180)  # 2 ranks × 4 = one process at 8
+    ref = mw.gan_reference(8, 2)
+    for key, value in ref.items():
+        torch.testing.assert_close(ranks[0][key], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ranks[1][key], value, rtol=1e-5, atol=1e-6)
+
+
+# -- callbacks ---------------------------------------------------------------------------------------------
+def test_early_stopping_stops_both_ranks_on_the_same_epoch(tmp_path):
+    epochs = run_distributed(mw.early_stopping_body, str(tmp_path), timeout=180)
+    assert epochs == [3, 3]  # mean_x never improves after epoch 1: patience 1 ends it after epoch 3
+
+
+class EpochMetric(Recorder):
+    SCORES = [5.0, 3.0, 4.0, 1.0, 2.0]
+
+    def validation_step(self, batch, batch_idx):
+        self.log("score", self.SCORES[self.current_epoch])
+
+
+def test_model_checkpoint_keeps_the_top_k_by_the_monitored_metric(tmp_path):
+    callback = ModelCheckpoint(monitor="score", save_top_k=2)
+    trainer = _trainer(tmp_path, max_epochs=5, callbacks=[callback])
+    trainer.fit(EpochMetric(), DataLoader(mw.indexed_dataset(8), batch_size=4), DataLoader(mw.indexed_dataset(4)))
+    kept = sorted(p.name for p in (trainer.run_dir / "checkpoints" / "top").glob("*.pt"))
+    assert kept == ["epoch=0003-step=000000008-score=1.pt", "epoch=0004-step=000000010-score=2.pt"]
+    assert callback.best_model_path.endswith("score=1.pt")
+
+
+class Counting(Callback):
+    def __init__(self):
+        self.calls: dict[str, int] = {}
+        self.total = 0
+
+    def _count(self, name):
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def on_fit_start(self, trainer, module):
+        self._count("fit_start")
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self._count("batch_end")
+        self.total += 1
+
+    def on_train_epoch_end(self, trainer, module):
+        self._count("epoch_end")
+
+    def on_validation_end(self, trainer, module):
+        self._count("validation_end")
+
+    def on_fit_end(self, trainer, module):
+        self._count("fit_end")
+
+    def state_dict(self):
+        return {"total": self.total}
+
+    def load_state_dict(self, state):
+        self.total = state["total"]
+
+
+def test_callback_hooks_run_and_their_state_survives_a_resume(tmp_path):
+    first, stop = Counting(), EarlyStopping("const", patience=5)
+    loader, val = DataLoader(mw.indexed_dataset(12), batch_size=4), DataLoader(mw.indexed_dataset(4))
+    _trainer(tmp_path, max_epochs=2, callbacks=[first, stop]).fit(Recorder(), loader, val)
+    assert first.calls == {"fit_start": 1, "batch_end": 6, "epoch_end": 2, "validation_end": 2, "fit_end": 1}
+    again, stop_again = Counting(), EarlyStopping("const", patience=5)
+    _trainer(tmp_path, max_epochs=3, callbacks=[again, stop_again]).fit(Recorder(), loader, val, ckpt_path="last")
+    assert again.total == 6 + 3  # restored 6, then one more epoch of 3 batches
+    assert stop_again.wait == stop.wait + 1 and stop_again.best == stop.best == 1.0
+
+
+# -- test() and predict() -------------------------------------------------------------------------------------
+def test_test_uses_test_step_and_its_prefix(tmp_path):
+    class WithTest(Recorder):
+        def test_step(self, batch, batch_idx):
+            return {"loss": torch.tensor(2.0)}
+
+    out = _trainer(tmp_path).test(WithTest(), DataLoader(mw.indexed_dataset(5), batch_size=2))
+    assert out == {"test_loss": pytest.approx(2.0)}
+
+
+def test_predict_gathers_every_sample_once_in_dataset_order():
+    n = 37
+    out = run_distributed(mw.predict_body, n, timeout=120)
+    x, _ = workers.tiny_dataset(n, seed=3).tensors
+    with torch.no_grad():
+        expected = workers.make_model(0)(x)
+    for ranked in out:
+        assert ranked.shape == (n, 10)
+        torch.testing.assert_close(ranked, expected, rtol=1e-5, atol=1e-6)
+
+
+# -- tokens ------------------------------------------------------------------------------------------------------
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 16)
+
+    def forward(self, idx):  # (B, T) -> (B, T, V)
+        return self.emb(idx)
+
+
+def test_tokens_per_second_for_token_id_batches(tmp_path):
+    ids = torch.randint(0, 16, (8, 5))
+    trainer = _trainer(tmp_path)
+    trainer.fit(TinyLM(), DataLoader(TensorDataset(ids, ids), batch_size=4),
+                loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()), optimizer=workers.sgd)
+    record = trainer.history[-1]
+    assert record["tokens_per_s"] == pytest.approx(40 / record["epoch_time_s"])
+
+
+# -- records and run directories after a resume (issue 15 items 2 and 10) -------------------------------------
+def test_records_after_a_resume_equal_an_uninterrupted_run(tmp_path):
+    loader = DataLoader(workers.tiny_dataset(48), batch_size=8, shuffle=True)
+    full = _trainer(tmp_path / "full", max_epochs=2)
+    full_model = workers.make_model()
+    full.fit(full_model, loader, optimizer=workers.sgd)
+    _trainer(tmp_path / "cut", max_epochs=2, max_steps=4).fit(workers.make_model(), loader, optimizer=workers.sgd)
+    resumed = _trainer(tmp_path / "cut", max_epochs=2)
+    model = workers.make_model()
+    summary = resumed.fit(model, loader, optimizer=workers.sgd, ckpt_path="last")
+    assert summary["epochs"] == 2 and [r["epoch"] for r in resumed.history] == [0, 1]
+    for got, want in zip(resumed.history, full.history):
+        assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5) and "partial" not in got
+    for a, b in zip(model.parameters(), full_model.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def _files(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_resuming_an_older_checkpoint_never_writes_into_its_run(tmp_path):
+    loader = DataLoader(workers.tiny_dataset(16), batch_size=8)
+    _trainer(tmp_path / "a", max_epochs=3).fit(workers.make_model(), loader, optimizer=workers.sgd)
+    run_a = tmp_path / "a" / "version_0"
+    before = _files(run_a)
+    older = run_a / "checkpoints" / ckpt.checkpoint_name(1, 2)
+    assert older.exists()
+    trainer = _trainer(tmp_path / "b", max_epochs=3)
+    summary = trainer.fit(workers.make_model(), loader, optimizer=workers.sgd, ckpt_path=older)
+    assert _files(run_a) == before  # not one byte of run A changed
+    assert trainer.run_dir == tmp_path / "b" / "version_0"
+    assert summary["resumed_from"] == str(older) and (trainer.run_dir / "resumed_from").read_text().strip() == str(older)
+    assert json.loads((trainer.run_dir / "summary.json").read_text())["epochs"] == 3
+
+
+def test_last_never_resumes_another_scripts_run(tmp_path):
+    loader = DataLoader(workers.tiny_dataset(16), batch_size=8)
+    _trainer(tmp_path).fit(workers.make_model(), loader, optimizer=workers.sgd)
+    (tmp_path / "version_0" / "script").write_text("/somewhere/else.py\n")
+    with pytest.warns(UserWarning, match="starting fresh"):
+        summary = _trainer(tmp_path).fit(workers.make_model(), loader, optimizer=workers.sgd, ckpt_path="last")
+    assert summary["resumed_from"] is None and summary["run_dir"].endswith("version_1")
