@@ -303,6 +303,23 @@ def test_records_after_a_resume_equal_an_uninterrupted_run(tmp_path):
         torch.testing.assert_close(a, b)
 
 
+def test_two_mid_epoch_stops_in_one_epoch_resume_exactly(tmp_path):
+    """A checkpoint written mid-epoch after a mid-epoch resume holds the right sample position."""
+    loader = DataLoader(workers.tiny_dataset(64), batch_size=8, shuffle=True)  # 8 steps per epoch
+    full, full_model = _trainer(tmp_path / "full", max_epochs=2), workers.make_model()
+    full.fit(full_model, loader, optimizer=workers.sgd)
+    _trainer(tmp_path / "cut", max_epochs=2, max_steps=2).fit(workers.make_model(), loader, optimizer=workers.sgd)
+    _trainer(tmp_path / "cut", max_epochs=2, max_steps=5).fit(workers.make_model(), loader, optimizer=workers.sgd,
+                                                              ckpt_path="last")
+    resumed, model = _trainer(tmp_path / "cut", max_epochs=2), workers.make_model()
+    resumed.fit(model, loader, optimizer=workers.sgd, ckpt_path="last")
+    assert [r["epoch"] for r in resumed.history] == [0, 1] and resumed.global_step == 16
+    for got, want in zip(resumed.history, full.history):
+        assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5)
+    for a, b in zip(model.parameters(), full_model.parameters()):
+        torch.testing.assert_close(a, b)
+
+
 def _files(root):
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 

@@ -49,35 +49,43 @@ def torchrun_args(nproc_per_node: int, *, nnodes: str | int = 1, node_rank: int 
         ValueError: a non-positive process count, ``nnodes`` not ``N`` or ``MIN:MAX``, a negative
             ``max_restarts``, or several nodes without an endpoint or a run id.
     """
+    _check_counts(nproc_per_node, nnodes, max_restarts)
+    args = [f"--nproc-per-node={nproc_per_node}"]
+    if str(nnodes) in ("1", "1:1") and rdzv_endpoint is None:
+        args.append("--standalone")
+    else:
+        args += _rendezvous_args(nnodes, node_rank, rdzv_backend, rdzv_endpoint,
+                                 run_id or (os.environ if env is None else env).get("SLURM_JOB_ID"))
+    if max_restarts:
+        args.append(f"--max-restarts={max_restarts}")
+    return args
+
+
+def _check_counts(nproc_per_node: int, nnodes: str | int, max_restarts: int) -> None:
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node={nproc_per_node} must be >= 1")
-    if not _NNODES.match(str(nnodes)) or (":" in str(nnodes) and int(str(nnodes).split(":")[0]) > int(
-            str(nnodes).split(":")[1])):
+    low, _, high = str(nnodes).partition(":")
+    if not _NNODES.match(str(nnodes)) or (high and int(low) > int(high)):
         raise ValueError(f"--nnodes {nnodes!r} must be a node count N or an elastic range MIN:MAX (MIN <= MAX), "
                          "e.g. --nnodes 2 or --nnodes 1:4")
     if max_restarts < 0:
         raise ValueError(f"--max-restarts {max_restarts} must be >= 0 (0: no restart)")
-    args = [f"--nproc-per-node={nproc_per_node}"]
-    single_node = str(nnodes) in ("1", "1:1")
-    if single_node and rdzv_endpoint is None:
-        args.append("--standalone")
-    else:
-        if rdzv_endpoint is None:
-            raise ValueError(f"nnodes={nnodes} needs a rendezvous endpoint: pass --rdzv-endpoint HOST:PORT "
-                             "(the same on every node)")
-        args += [f"--nnodes={nnodes}", f"--rdzv-backend={rdzv_backend or 'c10d'}",
-                 f"--rdzv-endpoint={rdzv_endpoint}"]
-        if node_rank is not None:
-            args.append(f"--node-rank={node_rank}")
-        run_id = run_id or (os.environ if env is None else env).get("SLURM_JOB_ID")
-        if not run_id:
-            raise ValueError(f"nnodes={nnodes} needs a job id shared by every node and new for each job: pass "
-                             "--rdzv-id ID (the same on every node, e.g. the date and time the job was submitted); "
-                             "inside a SLURM job SLURM_JOB_ID is taken")
-        args.append(f"--rdzv-id={run_id}")
-    if max_restarts:
-        args.append(f"--max-restarts={max_restarts}")
-    return args
+
+
+def _rendezvous_args(nnodes: str | int, node_rank: int | None, rdzv_backend: str | None, rdzv_endpoint: str | None,
+                     run_id: str | None) -> list[str]:
+    """torchrun's flags for a c10d rendezvous of several nodes (see :func:`torchrun_args`)."""
+    if rdzv_endpoint is None:
+        raise ValueError(f"nnodes={nnodes} needs a rendezvous endpoint: pass --rdzv-endpoint HOST:PORT "
+                         "(the same on every node)")
+    if not run_id:
+        raise ValueError(f"nnodes={nnodes} needs a job id shared by every node and new for each job: pass "
+                         "--rdzv-id ID (the same on every node, e.g. the date and time the job was submitted); "
+                         "inside a SLURM job SLURM_JOB_ID is taken")
+    args = [f"--nnodes={nnodes}", f"--rdzv-backend={rdzv_backend or 'c10d'}", f"--rdzv-endpoint={rdzv_endpoint}"]
+    if node_rank is not None:
+        args.append(f"--node-rank={node_rank}")
+    return args + [f"--rdzv-id={run_id}"]
 
 
 def worker_env(nproc_per_node: int, env: dict | None = None) -> dict:

@@ -16,6 +16,7 @@ leaves the previous checkpoint as "last".
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import shutil
@@ -145,6 +146,22 @@ def start_epoch(loader, epoch: int, position: dict | None, world_size: int, save
         raise ValueError(f"resuming mid-epoch on world size {world_size} (saved on {saved_world_size}) needs the "
                          "sampler trainscale injects; let the Trainer shard the DataLoader (no own sampler)")
     return skip
+
+
+def epoch_batches(fit, state, epoch: int, resume, world_size: int):
+    """Point ``fit``'s training loader at ``epoch`` (at ``resume``, a ``ResumePoint``, when it continues that
+    epoch) and return the epoch's batches; set ``fit.epoch_offset`` (micro-batches done before), ``fit.epoch_batches``
+    (the epoch's micro-batches in all) and ``state.batches``. trainscale's sampler starts mid-epoch itself (its
+    ``len`` is then what is left); other samplers' first batches are skipped by iterating. A mid-epoch
+    checkpoint's RNG states are restored here, after the loader's iterator is made, as when it was saved."""
+    state.batches = fit.epoch_offset = resume.batches if resume else 0
+    skip = start_epoch(fit.train_loader, epoch, resume.position() if resume else None, world_size,
+                       resume.world_size if resume else world_size)
+    fit.epoch_batches = len(fit.train_loader) + (0 if skip else fit.epoch_offset)
+    batches = iter(fit.train_loader)
+    if resume is not None and resume.rng is not None:
+        set_rng_state(resume.rng)
+    return itertools.islice(batches, skip, None) if skip else batches
 
 
 def checkpoint_name(epoch: int, step: int, suffix: str = ".pt") -> str:

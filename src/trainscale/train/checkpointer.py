@@ -33,7 +33,7 @@ def save(runtime: Any, path: Path | None, run_dir: Path, fit: Any, state: TrainS
     complete = state.batches >= fit.epoch_batches
     totals = [*fit.epoch_loss.totals(runtime), time.perf_counter() - fit.started]  # loss sum, samples, tokens, s
     sampler = getattr(fit.train_loader, "sampler", None)
-    consumed = (sampler.consumed_after(state.batches, fit.train_loader.batch_size)
+    consumed = (sampler.consumed_after(state.batches - fit.epoch_offset, fit.train_loader.batch_size)
                 if hasattr(sampler, "consumed_after") else None)
     suffix = runtime.strategy.checkpoint_suffix
     completed = state.epoch + 1 if complete else state.epoch
@@ -65,11 +65,7 @@ def load(runtime: Any, path: Path, model: Any, optimizers, schedulers, state: Tr
     configured = [[g["lr"] for g in o.param_groups] for o in optimizers]
     objects = {"model": model, **_keyed("optimizer", optimizers), **_keyed("scheduler", [s.scheduler for s in schedulers])}
     rest = runtime.load(path, objects, verify=verify)  # verify=False: no .sha256 needed (the user's opt-out)
-    saved = rest.get("optimizer_classes")
-    current = [type(o).__name__ for o in optimizers]
-    if saved is not None and list(saved) != current:
-        raise ValueError(f"{path} was trained with optimizer(s) {', '.join(saved)} but {', '.join(current)} is configured; "
-                         "resume with the same optimizer class, or start fresh (ckpt_path=None)")
+    _check_optimizer_classes(path, rest.get("optimizer_classes"), optimizers)
     _say_which_lr_wins(runtime, configured, optimizers)
     point = _resume_point(runtime, rest, state)
     if point.rng is not None and point.complete:
@@ -77,10 +73,16 @@ def load(runtime: Any, path: Path, model: Any, optimizers, schedulers, state: Tr
     where = f"end of epoch {point.epoch + 1}" if point.complete else f"epoch {point.epoch + 1}, sample {point.consumed}"
     runtime.print(f"trainscale: resumed from {path} ({where}, step {state.global_step})")
     states = dict(rest.get("callbacks") or {})
-    for cb in callbacks:
-        if cb.state_key in states:
-            cb.load_state_dict(states[cb.state_key])
+    for cb in (cb for cb in callbacks if cb.state_key in states):
+        cb.load_state_dict(states[cb.state_key])
     return point, states
+
+
+def _check_optimizer_classes(path: Path, saved: list | None, optimizers) -> None:
+    current = [type(o).__name__ for o in optimizers]
+    if saved is not None and list(saved) != current:
+        raise ValueError(f"{path} was trained with optimizer(s) {', '.join(saved)} but {', '.join(current)} is "
+                         "configured; resume with the same optimizer class, or start fresh (ckpt_path=None)")
 
 
 def _resume_point(runtime: Any, rest: dict, state: TrainState) -> ResumePoint:

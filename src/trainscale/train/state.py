@@ -128,4 +128,5 @@ class FitRun:
     bar: Any = None
     epoch_loss: EpochLoss | None = None
     epoch_batches: int = 0  # micro-batches of the current epoch in all
+    epoch_offset: int = 0  # of them, those done before this process resumed the epoch
     started: float = 0.0

@@ -7,7 +7,6 @@ its micro-batches) → ``_end_epoch``; the same code runs at world size 1 (docs/
 
 from __future__ import annotations
 
-import itertools
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -196,22 +195,15 @@ class Trainer:
     def _train_epoch(self, fit: FitRun, epoch: int, resume: ResumePoint | None) -> None:
         rt, cfg = self.runtime, self.config
         self.state.epoch = epoch
-        saved_world = resume.world_size if resume else rt.world_size
-        skip = ckpt.start_epoch(fit.train_loader, epoch, resume.position() if resume else None, rt.world_size, saved_world)
-        fit.epoch_batches = len(fit.train_loader)
-        self.state.batches = resume.batches if resume else 0
-        batches = iter(fit.train_loader)
-        if resume is not None and resume.rng is not None:  # a mid-epoch checkpoint's RNG, restored where it was saved
-            ckpt.set_rng_state(resume.rng)
+        batches = ckpt.epoch_batches(fit, self.state, epoch, resume, rt.world_size)
         fit.wrapped.train()
-        remaining = fit.epoch_batches - skip if skip else len(fit.train_loader)
+        remaining = fit.epoch_batches - fit.epoch_offset
         fit.bar = ProgressBar(cfg.enable_progress_bar and rt.is_rank_zero, remaining, f"epoch {epoch + 1}/{cfg.max_epochs}")
         fit.epoch_loss = EpochLoss(rt.device, resume.totals if resume else (0.0, 0.0, 0.0, 0.0))
         fit.started = time.perf_counter() - (resume.totals[-1] if resume else 0.0)
         self._call("on_train_epoch_start")
         fit.telemetry.start()
-        steps = micro_batches(rt.prefetch(itertools.islice(batches, skip, None) if skip else batches),
-                              cfg.accumulate_grad_batches, remaining, start=self.state.batches)
+        steps = micro_batches(rt.prefetch(batches), cfg.accumulate_grad_batches, remaining, start=fit.epoch_offset)
         while self.state.global_step < cfg.step_limit and self._training_step(fit, steps):
             pass
         fit.bar.close()
