@@ -115,11 +115,30 @@ def resolve(
         ValueError: an unknown name (the message lists the valid ones), a non-positive count,
             more CUDA devices than exist, or a strategy that cannot run the requested world.
     """
+    accelerator = _resolve_accelerator(accelerator, cuda_count, has_mps)
+    devices = _resolve_devices(devices, accelerator, cuda_count)
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"num_nodes={num_nodes!r} must be an int >= 1")
+    compile_kwargs = _resolve_compile(compile)
+    strategy, start_method = _resolve_strategy(strategy, accelerator, devices, num_nodes, cuda_count)
+    if strategy == "dp" and compile_kwargs is not None:
+        raise ValueError(DP_COMPILE_ERROR)
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"unknown precision={precision!r}; choose one of {_choices(PRECISIONS)}")
+    _check_sync_batchnorm(sync_batchnorm, strategy, accelerator)
+    if float32_matmul_precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"unknown float32_matmul_precision={float32_matmul_precision!r}; choose one of "
+                         f"{_choices(MATMUL_PRECISIONS)} (torch.set_float32_matmul_precision's values)")
+    dims = _resolve_model_parallel(strategy, parallel, tp_plan, parallelize, devices, num_nodes)
+    return RunConfig(accelerator, devices, num_nodes, strategy, precision, start_method, sync_batchnorm,
+                     _resolve_checkpointing(activation_checkpointing), compile_kwargs, float32_matmul_precision, dims)
+
+
+def _resolve_accelerator(accelerator: Any, cuda_count: int, has_mps: bool) -> str:
+    """An accelerator flag → "cpu", "cuda" or "mps", checked against the machine (see :func:`resolve`)."""
     if not isinstance(accelerator, str) or accelerator.lower() not in ACCELERATORS:
         raise ValueError(f"unknown accelerator={accelerator!r}; choose one of {_choices(ACCELERATORS)}")
-    accelerator = accelerator.lower()
-    if accelerator == "gpu":
-        accelerator = "cuda"
+    accelerator = {"gpu": "cuda"}.get(accelerator.lower(), accelerator.lower())
     if accelerator == "auto":
         accelerator = detect_accelerator(cuda_count, has_mps)
     if accelerator == "cuda" and cuda_count == 0:
@@ -127,7 +146,11 @@ def resolve(
                          "pass accelerator='cpu' (devices=N then means N processes)")
     if accelerator == "mps" and not has_mps:
         raise ValueError("accelerator='mps' was asked for but MPS is not available; pass accelerator='cpu'")
+    return accelerator
 
+
+def _resolve_devices(devices: Any, accelerator: str, cuda_count: int) -> int:
+    """A devices flag → processes (or GPUs) per node (see :func:`resolve`)."""
     if devices == "auto":
         devices = cuda_count if accelerator == "cuda" else 1
     if isinstance(devices, bool) or not isinstance(devices, int):
@@ -139,18 +162,10 @@ def resolve(
                          f"pass devices<={cuda_count} (check CUDA_VISIBLE_DEVICES)")
     if accelerator == "mps" and devices > 1:
         raise ValueError("MPS offers one device; pass devices=1, or accelerator='cpu' for several processes")
+    return devices
 
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
-        raise ValueError(f"num_nodes={num_nodes!r} must be an int >= 1")
 
-    compile_kwargs = _resolve_compile(compile)
-    strategy, start_method = _resolve_strategy(strategy, accelerator, devices, num_nodes, cuda_count)
-    if strategy == "dp" and compile_kwargs is not None:
-        raise ValueError(DP_COMPILE_ERROR)
-
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(f"unknown precision={precision!r}; choose one of {_choices(PRECISIONS)}")
-
+def _check_sync_batchnorm(sync_batchnorm: Any, strategy: str, accelerator: str) -> None:
     if not isinstance(sync_batchnorm, bool):
         raise ValueError(f"sync_batchnorm={sync_batchnorm!r} must be True or False")
     if sync_batchnorm and strategy != "ddp":
@@ -161,12 +176,6 @@ def resolve(
                          "in training (its forward raises 'expected input tensor to be on GPU'). On CPU pass "
                          "sync_batchnorm=False (each rank normalizes with its own batch statistics), use larger "
                          "per-device batches, or use GroupNorm/LayerNorm, which need no batch statistics")
-    if float32_matmul_precision not in MATMUL_PRECISIONS:
-        raise ValueError(f"unknown float32_matmul_precision={float32_matmul_precision!r}; choose one of "
-                         f"{_choices(MATMUL_PRECISIONS)} (torch.set_float32_matmul_precision's values)")
-    dims = _resolve_model_parallel(strategy, parallel, tp_plan, parallelize, devices, num_nodes)
-    return RunConfig(accelerator, devices, num_nodes, strategy, precision, start_method, sync_batchnorm,
-                     _resolve_checkpointing(activation_checkpointing), compile_kwargs, float32_matmul_precision, dims)
 
 
 def _resolve_model_parallel(strategy: str, parallel: Any, tp_plan: Any, parallelize: Any, devices: int,

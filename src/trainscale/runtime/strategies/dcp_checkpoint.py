@@ -145,17 +145,7 @@ class DCPCheckpointer:
         import torch.distributed.checkpoint as dcp
 
         path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-        if path.is_dir() and not (path / ".metadata").is_file():
-            raise checkpoint_io.CheckpointError(
-                f"checkpoint {str(path)!r} is a directory but not a sharded checkpoint (no .metadata in it); pass "
-                f"a checkpoint directory <run>/checkpoints/epoch=E-step=S written by strategy={self.strategy!r}, or "
-                "ckpt_path='last'")
-        if not (path / ".metadata").is_file() or not (path / EXTRA).is_file():
-            raise checkpoint_io.CheckpointError(
-                f"checkpoint {str(path)!r} is not a sharded (DCP) checkpoint directory written by "
-                f"strategy={self.strategy!r}; resume a 'single'/'ddp' checkpoint file with that strategy")
+        self._check_directory(path)
         extra = checkpoint_io.load_file(path / EXTRA, verify)
         self.before()
         sharded, others = self._split(state)
@@ -170,6 +160,20 @@ class DCPCheckpointer:
                     raise checkpoint_io.CheckpointError(f"checkpoint {str(path)!r} has no entry {key!r}")
                 value.load_state_dict(extra[key])
         return {k: v for k, v in extra.items() if not (k in state and checkpoint_io._is_stateful(state[k]))}
+
+    def _check_directory(self, path: Path) -> None:
+        """Raise unless ``path`` is a DCP checkpoint directory with its extra file (see :meth:`load`)."""
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+        if path.is_dir() and not (path / ".metadata").is_file():
+            raise checkpoint_io.CheckpointError(
+                f"checkpoint {str(path)!r} is a directory but not a sharded checkpoint (no .metadata in it); pass "
+                f"a checkpoint directory <run>/checkpoints/epoch=E-step=S written by strategy={self.strategy!r}, or "
+                "ckpt_path='last'")
+        if not (path / ".metadata").is_file() or not (path / EXTRA).is_file():
+            raise checkpoint_io.CheckpointError(
+                f"checkpoint {str(path)!r} is not a sharded (DCP) checkpoint directory written by "
+                f"strategy={self.strategy!r}; resume a 'single'/'ddp' checkpoint file with that strategy")
 
     def _owner(self, key: str, optimizer, modules: dict):
         """The module of ``modules`` that holds all parameters of ``optimizer`` (DCP keys optimizer

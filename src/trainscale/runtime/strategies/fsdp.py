@@ -59,24 +59,11 @@ class FSDPStrategy:
     def __init__(self, device: Any, world: World, precision: str = "32-true",
                  auto_wrap_policy: Iterable[type] | None = None, reshard_after_forward: bool | int | None = None,
                  cpu_offload: bool = False) -> None:
-        import torch
-
         if world.world_size < 2:
             raise ValueError("strategy='fsdp' shards the model across processes and needs a world size >= 2; "
                              "with one device pass strategy='single'")
-        policy = () if isinstance(auto_wrap_policy, (str, type)) else tuple(auto_wrap_policy or ())
-        bad = [c for c in policy if not (isinstance(c, type) and issubclass(c, torch.nn.Module))]
-        if bad or isinstance(auto_wrap_policy, (str, type)):
-            raise ValueError(f"auto_wrap_policy={auto_wrap_policy!r} must be a set of nn.Module classes, "
-                             "e.g. {nn.TransformerEncoderLayer}")
-        if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
-            pass
-        elif not isinstance(reshard_after_forward, int) or not 1 < reshard_after_forward < world.world_size:
-            raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be None, True, False, or an int "
-                             f"k with 1 < k < world size ({world.world_size}) that divides it")
-        elif world.world_size % reshard_after_forward:
-            raise ValueError(f"reshard_after_forward={reshard_after_forward} must divide the world size "
-                             f"{world.world_size}")
+        policy = _wrap_policy(auto_wrap_policy)
+        _check_reshard(reshard_after_forward, world.world_size)
         if not isinstance(cpu_offload, bool):
             raise ValueError(f"cpu_offload={cpu_offload!r} must be True or False")
         self.device = device
@@ -214,3 +201,28 @@ class FSDPStrategy:
     def teardown(self) -> None:
         pass
 
+
+def _wrap_policy(auto_wrap_policy) -> tuple:
+    """``auto_wrap_policy`` as a tuple of ``nn.Module`` classes.
+
+    Raises:
+        ValueError: anything else (a class alone, a string, a non-module class).
+    """
+    import torch
+
+    policy = () if isinstance(auto_wrap_policy, (str, type)) else tuple(auto_wrap_policy or ())
+    bad = [c for c in policy if not (isinstance(c, type) and issubclass(c, torch.nn.Module))]
+    if bad or isinstance(auto_wrap_policy, (str, type)):
+        raise ValueError(f"auto_wrap_policy={auto_wrap_policy!r} must be a set of nn.Module classes, "
+                         "e.g. {nn.TransformerEncoderLayer}")
+    return policy
+
+
+def _check_reshard(reshard_after_forward, world_size: int) -> None:
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return
+    if not isinstance(reshard_after_forward, int) or not 1 < reshard_after_forward < world_size:
+        raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be None, True, False, or an int "
+                         f"k with 1 < k < world size ({world_size}) that divides it")
+    if world_size % reshard_after_forward:
+        raise ValueError(f"reshard_after_forward={reshard_after_forward} must divide the world size {world_size}")
