@@ -127,6 +127,23 @@ _LOADER_ARGS = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_l
                 "persistent_workers", "pin_memory_device")
 
 
+def _unsplittable(loader: DataLoader, world: World) -> DataLoader:
+    """``loader`` unchanged at world size 1 or for an ``IterableDataset`` with ``shards_by_rank = True``;
+    else a ``ValueError`` naming the fix."""
+    iterable = isinstance(loader.dataset, IterableDataset)
+    if world.world_size == 1 or (iterable and getattr(loader.dataset, "shards_by_rank", False) is True):
+        return loader
+    if iterable:
+        raise ValueError(
+            f"a DataLoader over an IterableDataset ({type(loader.dataset).__name__}) cannot be split across "
+            f"{world.world_size} ranks by a sampler: make its __iter__ yield only this rank's share (skip by "
+            f"int(os.environ['RANK']) of WORLD_SIZE, and by torch.utils.data.get_worker_info() across workers), "
+            f"the same number of samples on every rank, and set the class attribute shards_by_rank = True "
+            f"(example: docs/strategies.md, 'Iterable datasets')")
+    raise ValueError("this DataLoader cannot be split across ranks (a custom sampler or a batch_sampler); "
+                     "give it a torch.utils.data.DistributedSampler yourself")
+
+
 def distribute_dataloader(loader: DataLoader, world: World, *, shuffle: bool | None = None, seed: int = 0,
                           even: bool = True) -> DataLoader:
     """Rebuild ``loader`` with a sampler for this rank (see the module docstring).
@@ -148,17 +165,7 @@ def distribute_dataloader(loader: DataLoader, world: World, *, shuffle: bool | N
     splittable = (not isinstance(loader.dataset, IterableDataset) and loader.batch_size is not None
                   and isinstance(sampler, (SequentialSampler, RandomSampler)))
     if not splittable:
-        if world.world_size == 1 or getattr(loader.dataset, "shards_by_rank", False) is True:
-            return loader
-        if isinstance(loader.dataset, IterableDataset):
-            raise ValueError(
-                f"a DataLoader over an IterableDataset ({type(loader.dataset).__name__}) cannot be split across "
-                f"{world.world_size} ranks by a sampler: make its __iter__ yield only this rank's share (skip by "
-                f"int(os.environ['RANK']) of WORLD_SIZE, and by torch.utils.data.get_worker_info() across workers), "
-                f"the same number of samples on every rank, and set the class attribute shards_by_rank = True "
-                f"(example: docs/strategies.md, 'Iterable datasets')")
-        raise ValueError("this DataLoader cannot be split across ranks (a custom sampler or a batch_sampler); "
-                         "give it a torch.utils.data.DistributedSampler yourself")
+        return _unsplittable(loader, world)
     if shuffle is None:
         shuffle = isinstance(sampler, RandomSampler)
     if even:
