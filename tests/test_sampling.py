@@ -1,3 +1,4 @@
+import os
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -49,3 +50,104 @@ def test_unsplittable_loader_is_refused_when_distributed():
     assert distribute_dataloader(loader, World()) is loader
     with pytest.raises(ValueError, match="DistributedSampler yourself"):
         distribute_dataloader(loader, World(world_size=2, local_world_size=2))
+
+
+# --- IterableDataset and uneven ranks -------------------------------------------------------------
+
+from pathlib import Path  # noqa: E402
+
+from torch.utils.data import DistributedSampler, IterableDataset  # noqa: E402
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "strategies.md"
+
+
+def _docs_iterable_example() -> dict:
+    """Run the IterableDataset example of docs/strategies.md; return its names (Lines, loader, ...)."""
+    text = DOCS.read_text()
+    block = text[text.index("**Iterable datasets.**"):]
+    code = block[block.index("```python\n") + len("```python\n"):block.index("```\n", block.index("```python"))]
+    names: dict = {"__name__": "docs_example"}
+    exec(compile(code, str(DOCS), "exec"), names)
+    return names
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(10))
+
+
+def test_an_iterable_dataset_under_ddp_is_refused_with_advice_that_works():
+    loader = DataLoader(_Stream(), batch_size=2)
+    assert distribute_dataloader(loader, World()) is loader
+    with pytest.raises(ValueError, match=r"IterableDataset \(_Stream\).*RANK.*get_worker_info.*shards_by_rank = True"):
+        distribute_dataloader(loader, World(world_size=2, local_world_size=2))
+
+
+def test_the_documented_sharded_iterable_dataset_splits_ranks_and_workers(monkeypatch):
+    lines = _docs_iterable_example()["Lines"]
+    seen = []
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        loader = DataLoader(lines(22), batch_size=4, num_workers=2, multiprocessing_context="fork")
+        assert distribute_dataloader(loader, World(world_size=2, rank=rank, local_world_size=2, local_rank=rank)) \
+            is loader
+        mine = sorted(int(x[0].item()) for xb, _ in loader for x in xb)
+        assert len(mine) == 11 == len(loader.dataset)
+        seen.append(mine)
+    assert sorted(seen[0] + seen[1]) == list(range(22))  # each sample on one rank and one worker only
+
+
+class _UnevenSampler(DistributedSampler):
+    """A user's sampler that does not pad: with 9 samples rank 0 gets 5, rank 1 gets 4."""
+
+    def __iter__(self):
+        return iter(range(self.rank, len(self.dataset), self.num_replicas))
+
+    def __len__(self):
+        return len(range(self.rank, len(self.dataset), self.num_replicas))
+
+
+class _UnevenShards(IterableDataset):
+    shards_by_rank = True
+
+    def __iter__(self):
+        return iter(range(int(os.environ["RANK"]), 9, 2))
+
+    def __len__(self):
+        return len(range(int(os.environ["RANK"]), 9, 2))
+
+
+def _uneven_body(rank: int) -> list:
+    from trainscale import Runtime
+
+    rt = Runtime(accelerator="cpu", timeout=60)
+    ds = TensorDataset(torch.arange(9.0))
+    out = []
+    for loader in (DataLoader(ds, batch_size=1, sampler=_UnevenSampler(ds, num_replicas=2, rank=rank)),
+                   DataLoader(_UnevenShards(), batch_size=1)):
+        try:
+            rt.setup_dataloader(loader)
+            out.append(None)
+        except ValueError as err:
+            out.append(str(err))
+    even = DataLoader(ds, batch_size=1, sampler=DistributedSampler(ds, num_replicas=2, rank=rank))
+    out.append(rt.setup_dataloader(even) is even)  # padded: equal lengths pass
+    out.append(len(rt.setup_dataloader(DataLoader(ds, batch_size=1), even=False)))  # evaluation may differ
+    rt.teardown()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_ranks_with_different_numbers_of_batches_are_named_before_the_first_step():
+    from tests.helpers import run_distributed
+
+    results = run_distributed(_uneven_body, timeout=110)
+    for uneven_sampler, uneven_shards, even_ok, eval_len in results:  # the same error on every rank
+        assert uneven_sampler == results[0][0] and uneven_shards == results[0][1]
+        assert "rank 0: 5, rank 1: 4" in uneven_sampler and "DistributedSampler" in uneven_sampler
+        assert "drop_last=True" in uneven_sampler
+        assert "rank 0: 5, rank 1: 4" in uneven_shards and "shards_by_rank" in uneven_shards
+        assert even_ok
+    assert [r[3] for r in results] == [5, 4]

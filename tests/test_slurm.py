@@ -40,7 +40,7 @@ def test_tasks_per_node():
 
 SLURM_ENV = {"SLURM_JOB_ID": "12345", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
              "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]",
-             "SLURM_RESTART_COUNT": "2"}
+             "SLURM_RESTART_COUNT": "2", "SLURM_STEP_ID": "0"}
 
 
 def test_world_from_slurm():
@@ -107,7 +107,7 @@ def test_two_tasks_started_like_srun_train_together():
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_",
                                                                      "TORCHELASTIC", "SLURM_"))}
-    base.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", SLURM_JOB_ID="77", SLURM_NTASKS="2",
+    base.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", SLURM_JOB_ID="77", SLURM_NTASKS="2", SLURM_STEP_ID="0",
                 SLURM_TASKS_PER_NODE="2", SLURM_NODEID="0", SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port))
     procs = [subprocess.Popen([sys.executable, "-c", _TASK], env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
@@ -127,9 +127,84 @@ def test_trainscale_slurm_writes_a_valid_sbatch_script(tmp_path):
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --signal=USR1@90", "#SBATCH --requeue", "#SBATCH --time=01:00:00"):
         assert line in text
-    assert "srun --kill-on-bad-exit=1 python train.py --lr 1e-3 --name 'it'\"'\"'s'" in text
+    assert ("srun --kill-on-bad-exit=1 --cpus-per-task=\"$SLURM_CPUS_PER_TASK\" python train.py --lr 1e-3 "
+            "--name 'it'\"'\"'s'") in text
     check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
     assert check.returncode == 0, check.stderr
     bad = subprocess.run([TRAINSCALE, "slurm", "--nodes", "0", "--gpus-per-node", "4", "train.py"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "nodes=0" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--job-name", "x\necho INJECTED"), ("--job-name", "a b"), ("--job-name", "x;rm -rf ~"),
+    ("--job-name", "$(id)"), ("--job-name", ""), ("--partition", "gpu\ntouch /tmp/pwned"),
+    ("--partition", "gpu`id`"), ("--account", "lab'x"), ("--output", "log\nid"),
+])
+def test_unsafe_names_are_refused_naming_the_flag(flag, value):
+    slurm.check_sbatch_value(flag, "gpu-a100_01.x,debug")  # a plain name passes
+    with pytest.raises(ValueError, match=f"^{flag} .*no newline") as err:
+        slurm.check_sbatch_value(flag, value)
+    assert "\n" not in str(err.value)  # one line, the value shown escaped
+
+
+@pytest.mark.parametrize("value", ["30", "30:00", "04:00:00", "1-12", "1-12:30", "2-00:00:00", "UNLIMITED"])
+def test_slurm_time_formats_are_accepted(value):
+    assert slurm.check_sbatch_value("--time", value, time=True) == value
+
+
+@pytest.mark.parametrize("value", ["abc", "", "1:2:3:4", "1-", "-5", "4h", "04:00:00\nid", "1-2-3", "04:00:00 "])
+def test_bad_times_are_refused(value):
+    with pytest.raises(ValueError, match=r"^--time .*not a SLURM time"):
+        slurm.check_sbatch_value("--time", value, time=True)
+
+
+def test_an_injection_attempt_never_reaches_the_script(tmp_path):
+    with pytest.raises(ValueError, match="--job-name"):
+        slurm.sbatch_script(["python", "t.py"], nodes=1, gpus_per_node=1, job_name="x\necho INJECTED")
+    with pytest.raises(ValueError, match="--partition"):
+        slurm.sbatch_script(["python", "t.py"], nodes=1, gpus_per_node=1, partition="gpu\necho INJECTED")
+    with pytest.raises(ValueError, match="--time"):
+        slurm.sbatch_script(["python", "t.py"], nodes=1, gpus_per_node=1, time="abc")
+    text = slurm.sbatch_script(["python", "t.py", "$(echo INJECTED)", "a\necho INJECTED"], nodes=2,
+                               gpus_per_node=4, job_name="run-1", partition="gpu,debug", account="lab",
+                               time="1-12:00")
+    for line in ("#SBATCH --job-name=run-1", "#SBATCH --partition=gpu,debug", "#SBATCH --account=lab",
+                 "#SBATCH --time=1-12:00"):
+        assert line in text.splitlines()
+    path = tmp_path / "job.sbatch"
+    path.write_text(text)
+    check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stderr
+    # run the script's srun line with `srun` replaced by printing its arguments: nothing is executed
+    srun_line = text[text.index("\nsrun ") + 1:]  # to the end: a quoted argument may hold a newline
+    shown = subprocess.run(["bash", "-c", "srun() { printf '<%s>' \"$@\"; }; " + srun_line],
+                           env={"SLURM_CPUS_PER_TASK": "6", "PATH": os.environ["PATH"]},
+                           capture_output=True, text=True, timeout=30)
+    assert shown.stdout == ("<--kill-on-bad-exit=1><--cpus-per-task=6><python><t.py><$(echo INJECTED)>"
+                            "<a\necho INJECTED>"), shown
+
+
+def test_trainscale_slurm_refuses_a_bad_value_in_one_line():
+    for flags, name in ((["--job-name", "x\necho INJECTED"], "--job-name"), (["--time", "abc"], "--time")):
+        bad = subprocess.run([TRAINSCALE, "slurm", "--nodes", "1", "--gpus-per-node", "1", *flags, "train.py"],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and bad.stdout == "", bad
+        assert len(bad.stderr.strip().splitlines()) == 1 and name in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_slurm_variables_without_srun_warn_once_naming_srun(monkeypatch):
+    monkeypatch.setattr(slurm, "_warned_not_srun", False)
+    batch_env = {k: v for k, v in SLURM_ENV.items() if k != "SLURM_STEP_ID"}  # the batch script itself
+    with pytest.warns(RuntimeWarning, match=r"SLURM_NTASKS=8 but this process was not started by srun.*`srun python"):
+        World.from_env(batch_env)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        World.from_env(batch_env)  # once only
+        monkeypatch.setattr(slurm, "_warned_not_srun", False)
+        World.from_env(SLURM_ENV)  # started by srun: no warning
+        World.from_env({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "1"})  # one task: nothing to wait for
+    monkeypatch.setattr(slurm, "_warned_not_srun", False)
+    with pytest.warns(RuntimeWarning, match="not started by srun"):  # a salloc shell: no SLURM_PROCID either
+        assert slurm.warn_if_not_srun({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "4"})

@@ -72,9 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                                        "-o train.sbatch train.py --lr 1e-3; then: sbatch train.sbatch")
     slurm.add_argument("--nodes", type=int, required=True, help="machines")
     slurm.add_argument("--gpus-per-node", type=int, required=True, help="GPUs (tasks) per machine")
-    slurm.add_argument("--time", default="04:00:00", help="time limit HH:MM:SS (default 04:00:00)")
+    slurm.add_argument("--time", default="04:00:00",
+                       help="time limit in SLURM's formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS "
+                            "(default 04:00:00)")
     slurm.add_argument("--cpus-per-task", type=int, default=8, help="CPU cores per task (default 8)")
     slurm.add_argument("--partition", default=None, help="SLURM partition")
+    slurm.add_argument("--account", default=None, help="SLURM account to charge")
     slurm.add_argument("--job-name", default="trainscale", help="job name (default trainscale)")
     slurm.add_argument("--signal-seconds", type=int, default=90,
                        help="send SIGUSR1 this long before the time limit (default 90)")
@@ -178,7 +181,7 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
     text = sbatch_script([args.python, args.script, *args.script_args], nodes=args.nodes,
                          gpus_per_node=args.gpus_per_node, job_name=args.job_name, time=args.time,
                          cpus_per_task=args.cpus_per_task, partition=args.partition,
-                         signal_seconds=args.signal_seconds, cpu=args.cpu)
+                         signal_seconds=args.signal_seconds, cpu=args.cpu, account=args.account)
     if args.output == "-":
         sys.stdout.write(text)
     else:

@@ -320,13 +320,17 @@ class Runtime:
                 returned as given (it already has a distributed sampler) keeps its own setting.
 
         Raises:
-            ValueError: a loader with a custom ``batch_sampler`` or sampler under world size > 1.
+            ValueError: under world size > 1, a loader with a custom ``batch_sampler`` or sampler, over an
+                ``IterableDataset`` without ``shards_by_rank = True``, or (``even=True``) whose ranks have
+                different numbers of batches (``sampling.check_equal_lengths``; on every rank).
         """
-        from trainscale.runtime.sampling import distribute_dataloader
+        from trainscale.runtime.sampling import check_equal_lengths, distribute_dataloader
 
         self.launch()
         world = self.strategy.data_world(self.world)  # tensor-parallel ranks share their batches
         out = distribute_dataloader(loader, world, shuffle=shuffle, seed=seed, even=even)
+        if even:  # training: ranks with different numbers of steps would mismatch collectives mid-epoch
+            check_equal_lengths(out, self.world)
         if pin_memory is None:
             pin_memory = loader.pin_memory or self.device.type == "cuda"
         if out is not loader:  # ours to configure; the iterator reads it when an epoch starts

@@ -17,6 +17,7 @@ import math
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from trainscale.runtime.world import World
@@ -126,16 +127,35 @@ _LOADER_ARGS = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_l
                 "persistent_workers", "pin_memory_device")
 
 
+def _unsplittable(loader: DataLoader, world: World) -> DataLoader:
+    """``loader`` unchanged at world size 1 or for an ``IterableDataset`` with ``shards_by_rank = True``;
+    else a ``ValueError`` naming the fix."""
+    iterable = isinstance(loader.dataset, IterableDataset)
+    if world.world_size == 1 or (iterable and getattr(loader.dataset, "shards_by_rank", False) is True):
+        return loader
+    if iterable:
+        raise ValueError(
+            f"a DataLoader over an IterableDataset ({type(loader.dataset).__name__}) cannot be split across "
+            f"{world.world_size} ranks by a sampler: make its __iter__ yield only this rank's share (skip by "
+            f"int(os.environ['RANK']) of WORLD_SIZE, and by torch.utils.data.get_worker_info() across workers), "
+            f"the same number of samples on every rank, and set the class attribute shards_by_rank = True "
+            f"(example: docs/strategies.md, 'Iterable datasets')")
+    raise ValueError("this DataLoader cannot be split across ranks (a custom sampler or a batch_sampler); "
+                     "give it a torch.utils.data.DistributedSampler yourself")
+
+
 def distribute_dataloader(loader: DataLoader, world: World, *, shuffle: bool | None = None, seed: int = 0,
                           even: bool = True) -> DataLoader:
     """Rebuild ``loader`` with a sampler for this rank (see the module docstring).
 
-    A loader that already has a ``DistributedSampler`` is returned unchanged.
+    A loader that already has a ``DistributedSampler`` is returned unchanged, and so is one over an
+    ``IterableDataset`` that declares ``shards_by_rank = True`` (it yields only this rank's share
+    itself: docs/strategies.md, "Iterable datasets").
 
     Raises:
-        ValueError: under world size > 1, a loader over an ``IterableDataset`` or with a custom
-            sampler or ``batch_sampler`` (it cannot be split safely: shard it yourself and pass
-            ``DistributedSampler``).
+        ValueError: under world size > 1, a loader over an ``IterableDataset`` without
+            ``shards_by_rank = True`` (naming how to shard it), or with a custom sampler or
+            ``batch_sampler`` (naming ``DistributedSampler``).
     """
     if not isinstance(loader, DataLoader):
         raise TypeError(f"expected a torch.utils.data.DataLoader, got {type(loader).__name__}")
@@ -145,10 +165,7 @@ def distribute_dataloader(loader: DataLoader, world: World, *, shuffle: bool | N
     splittable = (not isinstance(loader.dataset, IterableDataset) and loader.batch_size is not None
                   and isinstance(sampler, (SequentialSampler, RandomSampler)))
     if not splittable:
-        if world.world_size == 1:
-            return loader
-        raise ValueError("this DataLoader cannot be split across ranks (an IterableDataset, a custom sampler or "
-                         "a batch_sampler); give it a torch.utils.data.DistributedSampler yourself")
+        return _unsplittable(loader, world)
     if shuffle is None:
         shuffle = isinstance(sampler, RandomSampler)
     if even:
@@ -160,3 +177,33 @@ def distribute_dataloader(loader: DataLoader, world: World, *, shuffle: bool | N
         kwargs.pop("prefetch_factor", None)
         kwargs["persistent_workers"] = False
     return DataLoader(loader.dataset, sampler=new_sampler, **kwargs)
+
+
+def check_equal_lengths(loader: DataLoader, world: World) -> None:
+    """Under world size > 1, check that every rank's ``loader`` has the same number of batches.
+
+    Ranks that run different numbers of steps call different collectives at the end of the shorter
+    epoch (gloo: "collective mismatch"; NCCL: a hang until the timeout), so this names the cause
+    before the first step. One small collective (``all_gather_object`` of ``len(loader)``); call it
+    on every rank. A loader without ``len`` (an IterableDataset without ``__len__``) is not checked.
+
+    Raises:
+        ValueError: on every rank, naming each rank's number of batches and the fix.
+    """
+    if world.world_size == 1 or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        mine = len(loader)
+    except TypeError:
+        mine = None
+    lengths: list = [None] * world.world_size
+    dist.all_gather_object(lengths, mine)
+    if len(set(lengths)) <= 1 or all(n is None for n in lengths):
+        return
+    per_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths))
+    raise ValueError(
+        f"the training DataLoader gives the ranks different numbers of batches per epoch ({per_rank}); every rank "
+        f"must run the same number of steps, or the ranks' collectives stop matching mid-epoch. Use "
+        f"torch.utils.data.DistributedSampler (it pads every rank to the same length; drop_last=True drops the "
+        f"remainder instead), or let trainscale add one (a sequential or random sampler); a dataset with "
+        f"shards_by_rank = True must yield the same number of samples on every rank")

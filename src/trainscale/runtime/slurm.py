@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import warnings
 from typing import Mapping
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -92,6 +93,31 @@ def is_slurm_task(env: Mapping[str, str]) -> bool:
     return "SLURM_PROCID" in env and "SLURM_NTASKS" in env
 
 
+_warned_not_srun = False
+
+
+def warn_if_not_srun(env: Mapping[str, str]) -> bool:
+    """Warn once (``RuntimeWarning``) when SLURM describes several tasks (SLURM_NTASKS > 1) but this
+    process was not started by ``srun`` (SLURM_STEP_ID or SLURM_PROCID absent): run directly in the
+    batch script, one process waits for tasks that never come until ``timeout=`` (30 minutes by
+    default), or (no SLURM_PROCID) trains alone. Returns whether the environment looks so.
+    """
+    global _warned_not_srun
+    ntasks = env.get("SLURM_NTASKS", "")
+    started_by_srun = "SLURM_STEP_ID" in env and "SLURM_PROCID" in env
+    if started_by_srun or not ntasks.isdigit() or int(ntasks) <= 1:
+        return False
+    if not _warned_not_srun:
+        _warned_not_srun = True
+        warnings.warn(
+            f"SLURM_NTASKS={ntasks} but this process was not started by srun (no SLURM_STEP_ID/SLURM_PROCID): "
+            f"launch the script with `srun python train.py ...` (as `trainscale slurm` writes it); run directly "
+            f"in the batch script, it runs alone, or waits (until timeout=) for {ntasks} tasks that never start",
+            RuntimeWarning,
+            stacklevel=3)
+    return True
+
+
 def world_fields(env: Mapping[str, str]) -> dict:
     """The :class:`~trainscale.runtime.world.World` fields of a SLURM task.
 
@@ -149,9 +175,46 @@ def check_allocation(world_size: int, local_world_size: int, num_nodes: int, dev
         f"devices={local_world_size}, num_nodes={num_nodes} (devices='auto' follows the allocation)")
 
 
+# SLURM's time formats (sbatch --time): "minutes", "minutes:seconds", "hours:minutes:seconds",
+# "days-hours", "days-hours:minutes", "days-hours:minutes:seconds"; and UNLIMITED/INFINITE.
+_TIME = re.compile(r"(\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE)")
+# Names (job name, partition, account, output file): no whitespace, quote or shell metacharacter.
+_NAME = re.compile(r"[A-Za-z0-9_.,+@%=:/-]+")
+
+
+def check_sbatch_value(flag: str, value: str, *, time: bool = False) -> str:
+    """``value`` of ``flag`` (e.g. ``"--job-name"``) if it is safe to write into an sbatch script.
+
+    Names may hold letters, digits and ``_ . , + @ % = : / -`` only: no newline (which would end
+    the ``#SBATCH`` line and start a shell command), whitespace, quote or shell metacharacter.
+    With ``time=True`` the value must be in one of SLURM's ``--time`` formats
+    (https://slurm.schedmd.com/sbatch.html#OPT_time).
+
+    Raises:
+        ValueError: one line naming the flag, the value and what is allowed.
+    """
+    if time:
+        if not _TIME.fullmatch(value):
+            raise ValueError(f"{flag} {value!r} is not a SLURM time: use minutes, minutes:seconds, "
+                             f"hours:minutes:seconds, days-hours, days-hours:minutes or days-hours:minutes:seconds "
+                             f"(e.g. 04:00:00 or 1-12)")
+    elif not _NAME.fullmatch(value):
+        raise ValueError(f"{flag} {value!r} may hold only letters, digits and _ . , + @ % = : / - "
+                         f"(no newline, space, quote or shell metacharacter)")
+    return value
+
+
+def _check_all(names: dict, time: str) -> None:
+    for flag, value in names.items():
+        if value is not None:
+            check_sbatch_value(flag, value)
+    check_sbatch_value("--time", time, time=True)
+
+
 def sbatch_script(command: list[str], *, nodes: int, gpus_per_node: int, job_name: str = "trainscale",
                   time: str = "04:00:00", cpus_per_task: int = 8, partition: str | None = None,
-                  signal_seconds: int = 90, output: str = "%x-%j.out", cpu: bool = False) -> str:
+                  signal_seconds: int = 90, output: str = "%x-%j.out", cpu: bool = False,
+                  account: str | None = None) -> str:
     """An sbatch script: ``nodes`` × ``gpus_per_node`` tasks, one per GPU, launched by ``srun``.
 
     ``--signal=USR1@{signal_seconds}`` asks SLURM to send SIGUSR1 to every task that long before the
@@ -159,28 +222,38 @@ def sbatch_script(command: list[str], *, nodes: int, gpus_per_node: int, job_nam
     ``--requeue`` lets SLURM requeue it after a preemption or node failure too; ``--open-mode=append``
     keeps the log of every attempt. With ``cpu=True`` no GPU is requested (tasks are CPU processes).
 
+    Every value is checked by :func:`check_sbatch_value` and written with ``shlex.quote``. ``srun``
+    gets ``--cpus-per-task="$SLURM_CPUS_PER_TASK"``: since Slurm 22.05 srun no longer inherits the
+    job's ``--cpus-per-task`` and would give each task one core.
+
     Raises:
-        ValueError: non-positive counts or an empty command.
+        ValueError: non-positive counts, an empty command, or a name or time that is not safe or not
+            in SLURM's format (naming the flag).
     """
     if nodes < 1 or gpus_per_node < 1 or cpus_per_task < 1 or signal_seconds < 1:
         raise ValueError(f"nodes={nodes}, gpus_per_node={gpus_per_node}, cpus_per_task={cpus_per_task} and "
                          f"signal_seconds={signal_seconds} must all be >= 1")
     if not command:
         raise ValueError("no command: pass the training script and its arguments, e.g. train.py --lr 1e-3")
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={nodes}",
+    q = shlex.quote
+    names = {"--job-name": job_name, "--partition": partition, "--account": account, "--output": output}
+    _check_all(names, time)
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={q(job_name)}", f"#SBATCH --nodes={nodes}",
              f"#SBATCH --ntasks-per-node={gpus_per_node}"]
     if not cpu:
         lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
-    lines += [f"#SBATCH --cpus-per-task={cpus_per_task}", f"#SBATCH --time={time}"]
-    if partition:
-        lines.append(f"#SBATCH --partition={partition}")
+    lines += [f"#SBATCH --cpus-per-task={cpus_per_task}", f"#SBATCH --time={q(time)}"]
+    lines += [f"#SBATCH {flag}={q(value)}" for flag, value in names.items()
+              if value is not None and flag in ("--partition", "--account")]
     lines += [f"#SBATCH --signal=USR1@{signal_seconds}", "#SBATCH --requeue", "#SBATCH --open-mode=append",
-              f"#SBATCH --output={output}", "",
+              f"#SBATCH --output={q(output)}", "",
               "# Written by `trainscale slurm`. One task per GPU; trainscale reads SLURM_PROCID/NTASKS/LOCALID/",
               "# NODEID and the node list (the first node hosts the rendezvous). On SIGUSR1 the Trainer saves a",
               "# checkpoint, requeues this job and exits; the requeued job resumes from \"last\".",
               "set -euo pipefail",
               "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}",
               'echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST"',
-              "srun --kill-on-bad-exit=1 " + " ".join(shlex.quote(c) for c in command), ""]
+              '# srun (Slurm 22.05+) does not inherit --cpus-per-task: pass it, or each task gets one core',
+              'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" '
+              + " ".join(q(c) for c in command), ""]
     return "\n".join(lines)

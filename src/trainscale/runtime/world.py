@@ -84,6 +84,7 @@ class World:
         if "WORLD_SIZE" not in env or "RANK" not in env:  # torchrun's variables take precedence over SLURM's
             from trainscale.runtime import slurm
 
+            slurm.warn_if_not_srun(env)
             if slurm.is_slurm_task(env):
                 fields = slurm.world_fields(env)
                 cls._check(fields["world_size"], fields["rank"], fields["local_rank"], fields["local_world_size"],
