@@ -346,3 +346,24 @@ def test_last_never_resumes_another_scripts_run(tmp_path):
     with pytest.warns(UserWarning, match="starting fresh"):
         summary = _trainer(tmp_path).fit(workers.make_model(), loader, optimizer=workers.sgd, ckpt_path="last")
     assert summary["resumed_from"] is None and summary["run_dir"].endswith("version_1")
+
+
+# -- batches the model cannot take (issue 15, second list) -----------------------------------------------------
+def test_float64_inputs_to_a_float32_model_name_the_conversion(tmp_path):
+    data = TensorDataset(torch.randn(8, 4, dtype=torch.float64), torch.zeros(8, dtype=torch.long))
+    with pytest.raises(TypeError, match="float64 \\(double\\) inputs but the model's parameters are float32.*x.float"):
+        _trainer(tmp_path).fit(nn.Linear(4, 3), DataLoader(data, batch_size=4), optimizer=workers.sgd)
+
+
+def test_labels_outside_the_models_outputs_are_named(tmp_path):
+    data = TensorDataset(torch.randn(8, 4), torch.tensor([0, 1, 2, 7] * 2))
+    with pytest.raises(ValueError, match="a class label is outside the model's outputs.*Target 7"):
+        _trainer(tmp_path).fit(nn.Linear(4, 3), DataLoader(data, batch_size=4), optimizer=workers.sgd)
+
+
+def test_a_data_set_that_shrank_under_a_mid_epoch_resume_is_named(tmp_path):
+    _trainer(tmp_path, max_epochs=2, max_steps=3).fit(
+        workers.make_model(), DataLoader(workers.tiny_dataset(64), batch_size=8), optimizer=workers.sgd)
+    with pytest.raises(ValueError, match="the data set now holds 16 \\(it shrank\\)"):
+        _trainer(tmp_path, max_epochs=2).fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=8),
+                                             optimizer=workers.sgd, ckpt_path="last")

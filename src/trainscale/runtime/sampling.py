@@ -59,7 +59,9 @@ class ResumableDistributedSampler(Sampler[int]):
         """Iterate epoch ``epoch`` from position ``consumed`` (samples of all ranks already trained on)."""
         n = len(self.dataset)
         if not 0 <= consumed <= n:
-            raise ValueError(f"consumed={consumed} must lie in [0, len(dataset)={n}]")
+            raise ValueError(f"consumed={consumed} must lie in [0, len(dataset)={n}]: the checkpoint resumes this "
+                             f"epoch after {consumed} samples but the data set now holds {n} (it shrank); resume "
+                             "with the data set the checkpoint was written with, or start fresh (ckpt_path=None)")
         self.epoch, self.consumed = epoch, consumed
 
     def epoch_indices(self) -> list[int]:

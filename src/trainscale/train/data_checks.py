@@ -21,3 +21,22 @@ def check_loaders(train_loader: Any, val_loader: Any) -> None:
                          "fewer samples than one batch); give it data, or a smaller batch_size")
     if val_loader is not None and len(val_loader.dataset) == 0:
         warnings.warn("the validation DataLoader is empty: no val_ metrics will be recorded", stacklevel=3)
+
+
+_DTYPE_MISMATCH = ("must have the same dtype", "expected scalar type", "Input type (double)")
+
+
+def explain_batch_error(err: BaseException) -> Exception | None:
+    """A clear error for a batch the model cannot take, from the error torch raised in the step; None for
+    any other error. Translated where it surfaces (no check per step): float64 inputs to a float32 model,
+    and class labels outside the model's outputs (``cross_entropy``'s "Target N is out of bounds")."""
+    text = str(err)
+    if isinstance(err, RuntimeError) and any(marker in text for marker in _DTYPE_MISMATCH) and "Double" in text:
+        return TypeError(f"the batch holds float64 (double) inputs but the model's parameters are float32 ({text}); "
+                         "convert the data once, e.g. TensorDataset(x.float(), y), or build the model in float64 "
+                         "(model.double())")
+    if isinstance(err, IndexError) and text.startswith("Target ") and "out of bounds" in text:
+        return ValueError(f"a class label is outside the model's outputs ({text}): labels must lie in "
+                          "[0, number of classes); check the labels (e.g. 1-based, or a class the model has no "
+                          "output for) or the model's output size")
+    return None

@@ -21,7 +21,7 @@ from trainscale.runtime.runtime import RUNTIME_FLAGS, Runtime
 from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry
 from trainscale.train import checkpoint as ckpt, checkpointer, evaluation
-from trainscale.train.data_checks import check_loaders
+from trainscale.train.data_checks import check_loaders, explain_batch_error
 from trainscale.train.config import TRAINER_FLAGS, resolve_trainer_config
 from trainscale.train.fault import STEP_PHASE, FaultTolerance
 from trainscale.train.metrics import MetricCollector
@@ -142,7 +142,8 @@ class Trainer:
             return self._run_fit(model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, ckpt_verify)
         except BaseException as err:
             self._call("on_exception", err)
-            explained = self._faults.diagnose(err, f"at epoch {self.current_epoch}, step {self.global_step}")
+            explained = explain_batch_error(err) or self._faults.diagnose(
+                err, f"at epoch {self.current_epoch}, step {self.global_step}")
             if explained is None:
                 raise
             raise explained from err
