@@ -111,17 +111,6 @@ def write_resumed_from(run_dir: Path, checkpoint: Path) -> None:
     atomic_write_bytes(run_dir / RESUMED_FROM, str(Path(checkpoint).resolve()).encode() + b"\n")
 
 
-def loop_position(epoch: int, loader, batches: int, complete: bool, skipped: int = 0) -> dict:
-    """Where the loop stands after ``batches`` micro-batches of ``epoch`` (since the sampler's start).
-
-    ``consumed`` counts samples of all ranks together (independent of the world size) when the sampler
-    is a ``ResumableDistributedSampler``; otherwise only ``batches`` is usable, on the same world size.
-    """
-    sampler = getattr(loader, "sampler", None)
-    consumed = sampler.consumed_after(batches, loader.batch_size) if hasattr(sampler, "consumed_after") else None
-    return {"epoch": epoch, "complete": complete, "consumed": consumed, "batches": skipped + batches}
-
-
 def start_epoch(loader, epoch: int, position: dict | None, world_size: int, saved_world_size: int) -> int:
     """Point ``loader``'s sampler at ``epoch`` and, when resuming that epoch, at its saved position.
 

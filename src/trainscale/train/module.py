@@ -176,6 +176,9 @@ class LoopModule(nn.Module):
         step = getattr(model, "training_step", None)
         self.has_training_step = step is not None
         self.step_takes_batch_idx = step is not None and _takes_batch_idx(step)
+        # whether each evaluation step takes batch_idx, read once (inspect is slow)
+        self.takes_batch_idx = {name: _takes_batch_idx(getattr(model, name)) for name in
+                                ("validation_step", "test_step", "predict_step") if hasattr(model, name)}
 
     def forward(self, batch: Any, batch_idx: int = 0, stage: str = "train") -> Any:
         if stage != "train":  # through the wrapper's forward, for strategies that gather parameters there (fsdp)
@@ -201,7 +204,7 @@ class LoopModule(nn.Module):
         returned dict, or loss and accuracy for a plain classifier)."""
         step = getattr(self.model, f"{stage}_step", None)
         if step is not None:
-            out = step(batch, batch_idx) if _takes_batch_idx(step) else step(batch)
+            out = step(batch, batch_idx) if self.takes_batch_idx[f"{stage}_step"] else step(batch)
             metrics = dict(out) if isinstance(out, Mapping) else {} if out is None else {"loss": out}
             return metrics, batch_size(batch)
         inputs, targets = split_batch(batch)
@@ -216,6 +219,6 @@ class LoopModule(nn.Module):
         """``predict_step(batch, batch_idx)``, or the plain model's output on the batch's inputs."""
         step = getattr(self.model, "predict_step", None)
         if step is not None:
-            return step(batch, batch_idx) if _takes_batch_idx(step) else step(batch)
+            return step(batch, batch_idx) if self.takes_batch_idx["predict_step"] else step(batch)
         inputs = split_batch(batch)[0] if isinstance(batch, (tuple, list)) else batch
         return self.model(inputs)

@@ -13,7 +13,7 @@ import torch
 from trainscale.telemetry.report import summary_line
 
 
-def run_summary(trainer: Any, global_batch: int, resumed_from: Path | None) -> dict:
+def run_summary(trainer: Any, global_batch: int, resumed_from: Path | None, nonfinite_skipped: int) -> dict:
     """World, flags, final metrics, epoch times and throughput of a finished ``fit``."""
     rt = trainer.runtime
     history = trainer.state.history
@@ -30,7 +30,7 @@ def run_summary(trainer: Any, global_batch: int, resumed_from: Path | None) -> d
         "samples_per_s": total_samples / sum(times) if times else None,
         "torch_version": torch.__version__, "run_dir": str(trainer.run_dir),
         "resumed_from": str(resumed_from) if resumed_from is not None else None,
-        "restart_count": rt.world.restart_count, "nonfinite_skipped": trainer._faults.skipped,
+        "restart_count": rt.world.restart_count, "nonfinite_skipped": nonfinite_skipped,
     }
 
 
@@ -41,11 +41,11 @@ def hyperparams(trainer: Any, model: Any) -> dict:
             "precision": rt.config.precision, "world_size": rt.world_size, "model": type(model).__name__}
 
 
-def finish_run(trainer: Any, fit: Any, global_batch: int, resumed_from: Path | None) -> dict:
+def finish_run(trainer: Any, fit: Any, global_batch: int, resumed_from: Path | None, nonfinite_skipped: int) -> dict:
     """The summary with the run's telemetry (a collective), printed and written to ``summary.json`` by
     rank zero after the sinks are closed. Every rank returns it."""
     rt = trainer.runtime
-    summary = run_summary(trainer, global_batch, resumed_from)
+    summary = run_summary(trainer, global_batch, resumed_from, nonfinite_skipped)
     summary["telemetry"] = fit.telemetry.summary()
     if summary["telemetry"] is not None:
         rt.print(summary_line(summary["telemetry"]))

@@ -171,7 +171,7 @@ class Trainer:
                 break
             self._train_epoch(fit, epoch, point if point is not None and point.resumes(epoch) else None)
             self._end_epoch(fit, epoch)
-        summary = finish_run(self, fit, global_batch, resume_from)
+        summary = finish_run(self, fit, global_batch, resume_from, self._faults.skipped)
         self._call("on_fit_end")
         return summary
 
