@@ -371,30 +371,7 @@ def test_mlflow_logger_resumed_run_continues_and_failure_is_recorded(tmp_path, m
     assert [m.step for m in client.get_metric_history(ids[0], "loss")] == [1, 2]
 
 
-# docs/loggers.md: every fenced Python block runs
-
-
-def _doc_blocks() -> list:
-    text = (ROOT / "docs" / "loggers.md").read_text()
-    blocks = text.split("```python\n")[1:]
-    return [pytest.param(b.split("\n```", 1)[0], id=f"block{i}") for i, b in enumerate(blocks)]
-
-
-@pytest.mark.parametrize("code", _doc_blocks())
-def test_docs_loggers_python_blocks_run(code, tmp_path, monkeypatch):
-    for module, logger in (("tensorboard", "TensorBoardLogger"), ("wandb", "WandbLogger"), ("mlflow", "MLFlowLogger")):
-        if f"from {module}" in code or logger in code:
-            pytest.importorskip(module, reason=f"{module} is not installed: pip install 'trainscale[{module}]'")
-    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": tmp_path / "config",
-                        "WANDB_CACHE_DIR": tmp_path / "cache", "WANDB_DATA_DIR": tmp_path / "data"}.items():
-        monkeypatch.setenv(name, str(value))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.chdir(tmp_path)
-    exec(compile(code, "docs/loggers.md", "exec"), {"__name__": "__main__"})
-    if "WandbLogger" in code:
-        import wandb
-
-        wandb.teardown()
+# docs/loggers.md's Python blocks run in tests/test_docs_examples.py (every document's blocks)
 
 
 def test_loggers_pickle_before_setup(tmp_path, monkeypatch):
