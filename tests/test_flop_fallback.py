@@ -109,3 +109,53 @@ def test_trainer_trains_a_model_whose_operator_cannot_be_counted(tmp_path):
                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     tele = summary["telemetry"]
     assert tele["flops_per_sample"] is None and tele["flops_method"] is None and tele["samples_per_s"] > 0
+
+
+class _RefusesCounting(torch.autograd.Function):
+    """Identity whose backward refuses to run under a dispatch mode, as a region compiled inside a model
+    does (eager ``flex_attention`` calls ``torch.compile(fullgraph=True)``; its CPU backward is not built)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if _get_current_dispatch_mode() is not None:
+            raise RuntimeError("this region cannot run under a dispatch mode")
+        return grad
+
+
+class UncountableNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):  # backward reaches head's gradients first, then fails under counting
+        return self.head(_RefusesCounting.apply(self.body(x)))
+
+
+def _fit_uncountable(tmp_path, count_flops: bool):
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(16, 8), torch.randint(0, 3, (16,)))
+    model = UncountableNet()
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, count_flops=count_flops,
+                      default_root_dir=tmp_path / str(count_flops), enable_progress_bar=False,
+                      enable_checkpointing=False)
+    summary = trainer.fit(model, DataLoader(data, batch_size=4), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    return model, summary
+
+
+def test_trainer_runs_a_micro_batch_that_fails_under_counting_again_uncounted(tmp_path):
+    """FlopCountError from the first micro-batch: the Trainer warns, runs it again without counting (the
+    gradients its failed backward had already made dropped), and ends at the weights of a run that never
+    counted."""
+    with pytest.warns(RuntimeWarning, match="raised while counted"):
+        counted, summary = _fit_uncountable(tmp_path, count_flops=True)
+    uncounted, _ = _fit_uncountable(tmp_path, count_flops=False)
+    assert summary["steps"] == 4 and summary["telemetry"]["flops_per_sample"] is None
+    for a, b in zip(counted.parameters(), uncounted.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

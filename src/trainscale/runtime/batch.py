@@ -135,6 +135,8 @@ def batch_size(batch: Any) -> int:
     Raises:
         ValueError: the batch holds no tensor with a leading dimension.
     """
+    if type(batch) in (list, tuple) and batch and type(batch[0]) is torch.Tensor and batch[0].ndim > 0:
+        return batch[0].shape[0]  # the usual (inputs, targets): without walking the batch
     for t in tensors(batch):
         if t.ndim > 0:
             return int(t.shape[0])
@@ -146,12 +148,12 @@ def count_tokens(batch: Any) -> int | None:
     """Tokens in a batch: the element count of ``batch["input_ids"]`` for mapping batches (dict,
     ``BatchEncoding``), or of the inputs of an ``(inputs, targets)`` batch whose inputs are token ids (an
     int32/int64 tensor of shape (B, T)); else None."""
-    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
-        return int(batch["input_ids"].numel())
     if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
         inputs = batch[0]
         if inputs.ndim == 2 and inputs.dtype in (torch.int32, torch.int64):
             return int(inputs.numel())
+    elif isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
+        return int(batch["input_ids"].numel())
     return None
 
 

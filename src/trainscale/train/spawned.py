@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -23,13 +24,15 @@ def spawned_call(trainer_flags: dict, method: str, model: nn.Module, **kwargs: A
         trainer.runtime.teardown()
 
 
-def run_spawned(trainer_flags: dict, nprocs: int, start_method: str, method: str, model: nn.Module,
-                **kwargs: Any) -> dict:
-    """Start ``nprocs`` ranks (``start_method`` "spawn" or "fork") that each run :func:`spawned_call`; load
-    rank 0's weights into ``model`` and return its answer (``result``, ``state``, ``run_dir``)."""
+def run_spawned(trainer: Any, method: str, model: nn.Module, **kwargs: Any) -> Any:
+    """Run ``trainer.<method>`` in ranks started here (``ddp_spawn``: "spawn", ``ddp_notebook``: "fork"),
+    each running :func:`spawned_call` on a Trainer rebuilt from the same flags; load rank 0's weights into
+    ``model``, take its loop state and run directory into ``trainer``, and return its result."""
     from trainscale.runtime import spawn
 
-    out = spawn.run(spawned_call, {"trainer_flags": trainer_flags, "method": method, "model": model, **kwargs},
-                    nprocs, start_method)
+    cfg = trainer.runtime.config
+    out = spawn.run(spawned_call, {"trainer_flags": trainer._init_kwargs, "method": method, "model": model, **kwargs},
+                    cfg.world_size, cfg.start_method)
     model.load_state_dict(out["state_dict"])
-    return out
+    trainer.state, trainer.run_dir = out["state"], Path(out["run_dir"]) if out["run_dir"] else None
+    return out["result"]

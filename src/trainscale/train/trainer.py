@@ -18,7 +18,7 @@ from trainscale.callbacks import Callback, resolve_callbacks
 from trainscale.loggers import resolve_loggers
 from trainscale.runtime.batch import batch_counts
 from trainscale.runtime.runtime import RUNTIME_FLAGS, Runtime
-from trainscale.telemetry.flops import resolve_count_flops
+from trainscale.telemetry.flops import FlopCountError, resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry
 from trainscale.train import checkpoint as ckpt, checkpointer, evaluation
 from trainscale.train.data_checks import check_loaders, explain_batch_error
@@ -133,8 +133,9 @@ class Trainer:
             trainscale.train.fault.NonFiniteLossError, trainscale.train.fault.Preempted: docs/fault-tolerance.md.
         """
         if self.runtime.spawns:
-            return self._spawn("fit", model, train_dataloaders=train_dataloaders, val_dataloaders=val_dataloaders,
-                               loss_fn=loss_fn, optimizer=optimizer, ckpt_path=ckpt_path, ckpt_verify=ckpt_verify)
+            return run_spawned(self, "fit", model, train_dataloaders=train_dataloaders,
+                               val_dataloaders=val_dataloaders, loss_fn=loss_fn, optimizer=optimizer,
+                               ckpt_path=ckpt_path, ckpt_verify=ckpt_verify)
         cfg = self.config
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
@@ -229,30 +230,38 @@ class Trainer:
         return True
 
     def _forward_backward(self, fit: FitRun, micro: MicroBatch) -> torch.Tensor:
-        """Forward under autocast, backward (no gradient all-reduce before the step's last micro-batch)."""
+        """One micro-batch: to the device, forward and backward, then its loss, counts and timings."""
         rt, tele = self.runtime, fit.telemetry
         batch = rt.to_device(micro.batch)  # on CUDA already there: prefetch copied it while the last step ran
         t_data = tele.clock()
         samples, tokens = batch_counts(batch)
         self.metric_collector.batch_size = samples
-        if self.manual_optimizers:  # the user's training_step steps the optimizers itself
-            with rt.autocast():
-                loss = fit.loop_module.manual_step(batch, micro.index)
-            t_forward = t_backward = tele.clock()
-        else:
-            with rt.no_backward_sync(fit.wrapped, enabled=not micro.is_last), tele.count_flops(batch):
-                with rt.autocast():
-                    loss = fit.wrapped(batch, micro.index)
-                t_forward = tele.clock()
-                rt.backward(loss / micro.group_size if micro.group_size > 1 else loss)
-            t_backward = tele.clock()
-        tele.micro_batch(t_data, t_forward, t_backward, samples, tokens)
+        try:
+            loss, t_forward = self._compute(fit, batch, micro)
+        except FlopCountError:  # the model cannot run under FlopCounterMode (warned once): again, uncounted
+            fit.wrapped.zero_grad(set_to_none=True)
+            loss, t_forward = self._compute(fit, batch, micro)
+        tele.micro_batch(t_data, t_forward, tele.clock(), samples, tokens)
         loss = loss.detach()
         self._faults.observe_loss(loss, self.state.global_step)
         fit.epoch_loss.add(loss, samples, tokens)
         self.state.batches += 1
         fit.bar.update()
         return loss
+
+    def _compute(self, fit: FitRun, batch: Any, micro: MicroBatch) -> tuple[torch.Tensor, Any]:
+        """Forward under autocast and backward (no gradient all-reduce before the step's last micro-batch), or
+        the user's manual-optimization step: the loss and the clock reading between forward and backward."""
+        rt, tele = self.runtime, fit.telemetry
+        if self.manual_optimizers:  # the user's training_step steps the optimizers itself
+            with rt.autocast():
+                return fit.loop_module.manual_step(batch, micro.index), tele.clock()
+        with rt.no_backward_sync(fit.wrapped, enabled=not micro.is_last), tele.count_flops(batch):
+            with rt.autocast():
+                loss = fit.wrapped(batch, micro.index)
+            t_forward = tele.clock()
+            rt.backward(loss / micro.group_size if micro.group_size > 1 else loss)
+        return loss, t_forward
 
     def _optimizer_step(self, fit: FitRun) -> torch.Tensor | None:
         """Clip, step (or skip a non-finite step), zero the gradients, step "step"-interval schedulers.
@@ -362,7 +371,7 @@ class Trainer:
 
     def _run_eval(self, method: str, model, dataloaders, **kwargs) -> Any:
         if self.runtime.spawns:
-            return self._spawn(method, model, dataloaders=dataloaders, **kwargs)
+            return run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
         model.__dict__["_trainer"] = self
         loop_module = LoopModule(model, kwargs.get("loss_fn"))
         wrapped, _ = self.runtime.setup(loop_module)
@@ -383,10 +392,3 @@ class Trainer:
         module = self._fit.model if self._fit is not None else None
         for cb in self.callbacks:
             getattr(cb, hook)(self, module, *args)
-
-    def _spawn(self, method: str, model: nn.Module, **kwargs: Any) -> Any:
-        """Run ``method`` in ranks this process starts (ddp_spawn, ddp_notebook); rank 0's weights go into ``model``."""
-        cfg = self.runtime.config
-        out = run_spawned(self._init_kwargs, cfg.world_size, cfg.start_method, method, model, **kwargs)
-        self.state, self.run_dir = out["state"], Path(out["run_dir"]) if out["run_dir"] else None
-        return out["result"]
