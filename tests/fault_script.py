@@ -5,6 +5,10 @@ Each rank appends the sample ids of every micro-batch it trains on to
 written before it) and, at the end, saves its weights to ``OUT/final-rank{R}.pt``.
 ``--kill-at-step S`` makes rank 1 SIGKILL itself at optimizer step S of the first attempt;
 ``--stall-at-step S`` makes it stall there for good (after writing ``OUT/stalled``).
+``--strategy fsdp --checkpoint-async --hold-async-save-at S``: checkpoints written in the background, and each
+rank's writer of the step-S checkpoint stops for good once its shards are on disk (before the metadata and
+the rename), after writing ``OUT/held-rank{R}`` (its pid); the test then kills the job. ``--resume``:
+``ckpt_path="last"``.
 """
 
 import argparse
@@ -64,6 +68,24 @@ class Recording(torch.nn.Module):
         return F.cross_entropy(self.net(x), y)
 
 
+def hold_async_save_at(step: int, out: Path, rank: int) -> None:
+    """Make the background writer of the step-``step`` checkpoint stop for good after this rank's shards."""
+    from trainscale.runtime import checkpoint_io
+
+    def event(stage, path):
+        if stage == "shards-written" and f"step={step:010d}" in path.name and threading.current_thread().name != "MainThread":
+            (out / f"held-rank{rank}").write_text(str(os.getpid()))
+            threading.Event().wait()  # the write never ends, as far as the loop can tell
+
+    checkpoint_io._write_event = event
+
+
+def final_weights(module) -> dict:
+    """Full weights (a sharded DTensor gathered: every rank calls this)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in module.state_dict().items()}
+
+
 @record
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -73,17 +95,24 @@ def main() -> None:
     p.add_argument("--stall-at-step", type=int, default=None)
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--timeout", type=float, default=60)
+    p.add_argument("--strategy", default="auto")
+    p.add_argument("--checkpoint-async", action="store_true")
+    p.add_argument("--hold-async-save-at", type=int, default=None)
+    p.add_argument("--resume", action="store_true")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(devices="auto", max_epochs=args.epochs, seed=0, default_root_dir=out / "runs",
-                      enable_progress_bar=False, checkpoint_every_n_steps=args.every, log_every_n_steps=5,
-                      timeout=args.timeout)
+    trainer = Trainer(devices="auto", strategy=args.strategy, max_epochs=args.epochs, seed=0,
+                      default_root_dir=out / "runs", enable_progress_bar=False, checkpoint_every_n_steps=args.every,
+                      log_every_n_steps=5, timeout=args.timeout, checkpoint_async=args.checkpoint_async)
     model = Recording(out, args.kill_at_step, args.stall_at_step)
     model.trainer = trainer
+    if args.hold_async_save_at is not None:
+        hold_async_save_at(args.hold_async_save_at, out, model.rank)
     trainer.fit(model, DataLoader(Indexed(96), batch_size=4, shuffle=True),
-                optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9))
-    torch.save({k: v.clone() for k, v in model.net.state_dict().items()}, out / f"final-rank{model.rank}.pt")
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+                ckpt_path="last" if args.resume else None)
+    torch.save(final_weights(model.net), out / f"final-rank{model.rank}.pt")
     trainer.runtime.teardown()
 
 

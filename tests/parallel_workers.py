@@ -37,17 +37,23 @@ def fsdp_meta_gpt(rank: int, steps: int) -> dict:
     wrapped, optimizer = rt.setup(model, lambda params: torch.optim.AdamW(params, lr=3e-3))
     shard = wrapped.blocks[0].mlp.fc.weight.to_local().detach().clone()
     out = {"full_bytes": full_bytes, "param_bytes": tensor_bytes(wrapped.parameters()), "shard": shard,
-           "finite": all(bool(torch.isfinite(p.full_tensor()).all()) for p in wrapped.parameters()), "losses": []}
-    loader = rt.setup_dataloader(text_loader(batch_size=8))
-    for _, (x, y) in zip(range(steps), loader):
+           "finite": all(bool(torch.isfinite(p.full_tensor()).all()) for p in wrapped.parameters())}
+    out["losses"] = train_steps(rt, wrapped, optimizer, rt.setup_dataloader(text_loader(batch_size=8)), steps)
+    rt.teardown()
+    return out
+
+
+def train_steps(rt, wrapped, optimizer, batches, steps: int) -> list[float]:
+    """``steps`` plain steps of a GPT on ``batches`` (no clipping); each step's loss averaged over the ranks."""
+    losses = []
+    for _, (x, y) in zip(range(steps), batches):
         x, y = rt.to_device((x, y))
         loss = lm_loss(wrapped(x), y)
         rt.backward(loss)
         rt.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
-        out["losses"].append(rt.all_reduce(loss.detach(), op="mean").item())
-    rt.teardown()
-    return out
+        losses.append(rt.all_reduce(loss.detach(), op="mean").item())
+    return losses
 
 
 def full_weights(model) -> dict:

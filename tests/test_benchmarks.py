@@ -67,3 +67,12 @@ def test_startup_times_imports_and_help_without_torch():
                     "first step, plain", "first step, Runtime", "first step, Trainer"):
         assert any(line.startswith(command + " ") for line in stdout.splitlines()), stdout
     assert "trainscale --help imports torch: no" in stdout
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_stall_compares_a_background_save_with_a_synchronous_one():
+    stdout = run_bench("checkpoint_stall.py")
+    assert "## checkpoint stall: fsdp × 2 ranks" in stdout, stdout
+    for measure in ("sync save (s)", "async stall (s)", "stall / sync", "async background write (s)"):
+        [line] = [line for line in stdout.splitlines() if line.startswith(measure)]
+        assert float(line[len(measure):].split()[0]) > 0, line

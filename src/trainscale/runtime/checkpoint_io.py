@@ -155,7 +155,8 @@ def load_file(path: str | os.PathLike, verify: bool = True) -> Any:
     path = Path(path)
     if path.is_dir() and (path / ".metadata").is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} is a directory: a sharded checkpoint written by "
-                              "strategy='fsdp'; resume it with strategy='fsdp'")
+                              "strategy='fsdp' or 'model_parallel', not a file; load it with Runtime.load or "
+                              "Trainer.fit(ckpt_path=...), which read it under any strategy")
     if path.is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} is a directory, not a checkpoint; pass a checkpoint file "
                               "(<run>/checkpoints/epoch=E-step=S.pt) or ckpt_path='last'")

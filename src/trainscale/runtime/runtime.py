@@ -39,7 +39,7 @@ from trainscale.runtime.batch import to_device
 from trainscale.runtime.connector import RunConfig, resolve
 from trainscale.runtime.meta_init import on_meta
 from trainscale.runtime.precision import Precision, float32_matmul_note
-from trainscale.runtime.strategies import create_strategy
+from trainscale.runtime.strategies import check_async_save, create_strategy
 from trainscale.runtime.world import World
 
 _REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
@@ -139,6 +139,8 @@ class Runtime:
         self._non_blocking = self.device.type == "cuda"  # to_device's copies: asynchronous from pinned memory
         self.strategy = None
         self.monitor_group = None
+        self._checkpoint_group = None  # the gloo group of background checkpoint writes (Runtime.save)
+        self._pending_save = None
         self._launched = False
         if self.spawns:  # the job runs in children; check the strategy's options here, before spawning
             create_strategy(self.config.strategy, device=self.device, world=self.world, **self.strategy_options)
@@ -443,15 +445,49 @@ class Runtime:
             print(*args, **kwargs, flush=True)
 
     # -- checkpoints -------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike, state: dict) -> None:
+    def save(self, path: str | os.PathLike, state: dict, asynchronous: bool = False) -> Any:
         """Save ``state`` (modules, optimizers, schedulers and plain values) to ``path`` atomically.
 
-        The precision's state (GradScaler) is added under the key "precision". All ranks must call it.
+        The precision's state (GradScaler) is added under the key "precision". All ranks must call it. A
+        background save still in flight is published first (:meth:`wait_for_save`).
+
+        ``asynchronous=True`` (sharded strategies: fsdp, model_parallel, hsdp, tp) returns once the state is
+        copied to host memory: a thread writes the copy (torch's ``dcp.async_save``, its collectives on a gloo
+        group of its own, made at the first such save with this Runtime's ``timeout``) into a temporary
+        directory that becomes ``path`` only when the returned ``AsyncSave``'s ``wait()`` (or the next save,
+        :meth:`wait_for_save`, :meth:`teardown`) finds the write ended, on rank zero; ``AsyncSave.write_s``
+        is then the seconds the write took.
+
+        Returns:
+            None, or the ``trainscale.runtime.strategies.dcp_checkpoint.AsyncSave`` of an asynchronous save.
+
+        Raises:
+            ValueError: ``asynchronous=True`` under a strategy that writes one file (single, ddp, dp).
+            trainscale.runtime.checkpoint_io.CheckpointError: this write, or the one in flight, failed.
         """
         self.launch()
+        if asynchronous:
+            check_async_save(self.config.strategy)
+        self.wait_for_save()
         state = {**state, "precision": self.precision.state_dict()}
+        if asynchronous:
+            if self._checkpoint_group is None:  # collectives of the background write never meet training's
+                self._checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+            self._pending_save = self.strategy.save_checkpoint(path, state, self._checkpoint_group)
+            return self._pending_save
         self.strategy.save_checkpoint(path, state)
         self.barrier()
+        return None
+
+    def wait_for_save(self) -> None:
+        """Block until the background save in flight (if any) has been written, and publish it.
+
+        Raises:
+            trainscale.runtime.checkpoint_io.CheckpointError: its write failed (nothing is published).
+        """
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.wait()
 
     def load(self, path: str | os.PathLike, state: dict | None = None, verify: bool = True) -> dict:
         """Restore the stateful objects of ``state`` in place from ``path``.
@@ -474,7 +510,10 @@ class Runtime:
         return rest
 
     def teardown(self) -> None:
-        """Destroy the process group (if this Runtime made one)."""
+        """Publish a background save in flight (:meth:`wait_for_save`), then destroy the process group (if this
+        Runtime made one)."""
+        self.wait_for_save()
+        self._checkpoint_group = None
         if self.strategy is not None:
             self.strategy.teardown()
         if dist.is_initialized():

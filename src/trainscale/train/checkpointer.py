@@ -23,12 +23,14 @@ def _keyed(prefix: str, objects) -> dict[str, Any]:
 
 
 def save(runtime: Any, path: Path | None, run_dir: Path, fit: Any, state: TrainState, optimizers, schedulers,
-         callbacks: dict) -> Path:
+         callbacks: dict, asynchronous: bool = False) -> tuple[Path, Any]:
     """Write a checkpoint of the running ``fit`` (a ``FitRun``) to ``path`` + the strategy's suffix, or by
-    default to ``run_dir/checkpoints/epoch=E-step=S``. All ranks call it; ends with a barrier.
+    default to ``run_dir/checkpoints/epoch=E-step=S``. All ranks call it; ends with a barrier, or
+    (``asynchronous``) once the state is staged (``Runtime.save``).
 
     Returns:
-        The path written (a file, or a DCP directory under a sharding strategy).
+        The path (a file, or a DCP directory under a sharding strategy) and None, or the ``AsyncSave`` that
+        publishes it there.
     """
     complete = state.batches >= fit.epoch_batches
     totals = [*fit.epoch_loss.totals(runtime), time.perf_counter() - fit.started]  # loss sum, samples, tokens, s
@@ -47,8 +49,7 @@ def save(runtime: Any, path: Path | None, run_dir: Path, fit: Any, state: TrainS
                "optimizer_classes": [type(o).__name__ for o in optimizers],
                "loop": {"epoch": state.epoch, "complete": complete, "consumed": consumed, "batches": state.batches,
                         "totals": None if complete else totals}}
-    runtime.save(target, content)
-    return target
+    return target, runtime.save(target, content, asynchronous=asynchronous)
 
 
 def load(runtime: Any, path: Path, model: Any, optimizers, schedulers, state: TrainState,

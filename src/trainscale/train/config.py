@@ -27,6 +27,10 @@ class TrainerConfig:
         enable_progress_bar: a tqdm bar on rank zero. enable_checkpointing: checkpoint at each epoch end.
         checkpoint_every_n_steps: also checkpoint every N optimizer steps, mid-epoch, with the exact position.
         keep_last: checkpoints kept on disk (None keeps all).
+        checkpoint_async: write the epoch-end and ``checkpoint_every_n_steps`` checkpoints in the background
+            (torch's ``async_save``; sharded strategies only: fsdp, model_parallel, hsdp, tp): the loop waits only
+            while the state is copied to host memory; each is published ("last" moved to it) once written, at a
+            later step or the end of ``fit`` (``train/checkpoint_writes.py``; docs/fault-tolerance.md).
         on_nonfinite: "raise" (a non-finite loss raises at the next check, about a second of steps later and
             at most ``log_every_n_steps`` apart, naming step, epoch and rank) or "skip" (skip optimizer steps
             whose gradients are not finite; more than ``max_nonfinite_skips`` in a row raise).
@@ -50,6 +54,7 @@ class TrainerConfig:
     enable_checkpointing: bool = True
     checkpoint_every_n_steps: int | None = None
     keep_last: int | None = 3
+    checkpoint_async: bool = False
     on_nonfinite: str = "raise"
     max_nonfinite_skips: int = 10
     handle_signals: bool = True
@@ -126,7 +131,8 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
     _number("straggler_margin", cfg.straggler_margin, hint=" (0.2 means 20 % over the median)")
     _choice("gradient_clip_algorithm", cfg.gradient_clip_algorithm, ("norm", "value"))
     _choice("on_nonfinite", cfg.on_nonfinite, ("raise", "skip"))
-    for name in ("enable_progress_bar", "enable_checkpointing", "handle_signals", "enable_telemetry", "tensorboard"):
+    for name in ("enable_progress_bar", "enable_checkpointing", "handle_signals", "enable_telemetry", "tensorboard",
+                 "checkpoint_async"):
         _flag(name, getattr(cfg, name))
     root = _root_dir(cfg.default_root_dir)
     if cfg.tensorboard:

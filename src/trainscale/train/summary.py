@@ -31,6 +31,7 @@ def run_summary(trainer: Any, global_batch: int, resumed_from: Path | None, nonf
         "torch_version": torch.__version__, "run_dir": str(trainer.run_dir),
         "resumed_from": str(resumed_from) if resumed_from is not None else None,
         "restart_count": rt.world.restart_count, "nonfinite_skipped": nonfinite_skipped,
+        "checkpoints": trainer.checkpoints.summary(),  # this rank's save stalls and background write seconds
     }
 
 

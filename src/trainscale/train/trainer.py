@@ -21,6 +21,7 @@ from trainscale.runtime.runtime import RUNTIME_FLAGS, Runtime
 from trainscale.telemetry.flops import FlopCountError, resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry
 from trainscale.train import checkpoint as ckpt, checkpointer, evaluation
+from trainscale.train.checkpoint_writes import CheckpointWrites
 from trainscale.train.data_checks import check_loaders, explain_batch_error
 from trainscale.train.config import TRAINER_FLAGS, resolve_trainer_config
 from trainscale.train.fault import STEP_PHASE, FaultTolerance
@@ -46,6 +47,7 @@ class Trainer:
     (FLOP/s of one device for MFU; None: the table) on :class:`~trainscale.telemetry.processor.Telemetry`;
     ``callbacks``: a list of :class:`trainscale.callbacks.Callback` (every record holds the learning rates without one);
     ``logger``: one or a list of ``trainscale.loggers`` (None: a ``CSVLogger``; False: none; docs/loggers.md).
+    ``checkpoint_async=True`` (sharded strategies): checkpoints written in the background (``train/checkpoint_writes.py``).
 
     Raises:
         ValueError: any bad flag, raised on every rank before a process group is created.
@@ -64,12 +66,13 @@ class Trainer:
                  callbacks: list[Callback] | None = None, logger: Any = None,
                  float32_matmul_precision: str | None = None, peak_flops: float | None = None,
                  parallel: dict | None = None, tp_plan: dict | None = None,
-                 parallelize: Callable | None = None) -> None:
+                 parallelize: Callable | None = None, checkpoint_async: bool = False) -> None:
         self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
         self.config = resolve_trainer_config(**{k: v for k, v in self._init_kwargs.items() if k in TRAINER_FLAGS})
         self.callbacks = resolve_callbacks(callbacks)
         self.loggers = resolve_loggers(logger)  # on every rank, so a bad value fails everywhere; used on rank zero
         self.runtime = Runtime(**{k: v for k, v in self._init_kwargs.items() if k in RUNTIME_FLAGS})
+        self.checkpoints = CheckpointWrites(self.runtime, self.config, self.log_metrics)  # checkpoint_async
         self.count_flops = resolve_count_flops(count_flops, self.runtime.device.type,
                                                self.runtime.config.compile is not None)
         if not self.runtime.spawns:  # under ddp_spawn, fit/validate start the processes
@@ -172,6 +175,7 @@ class Trainer:
                 break
             self._train_epoch(fit, epoch, point if point is not None and point.resumes(epoch) else None)
             self._end_epoch(fit, epoch)
+        self.checkpoints.wait()  # a background checkpoint write still in flight is published
         summary = finish_run(self, fit, global_batch, resume_from, self._faults.skipped)
         self._call("on_fit_end")
         return summary
@@ -319,6 +323,7 @@ class Trainer:
         """The one place that decides when to checkpoint: at epoch ends (``enable_checkpointing``), every
         ``checkpoint_every_n_steps`` steps mid-epoch, and after a signal (agreed on by all ranks in ``poll``)."""
         cfg, step = self.config, self.global_step
+        self.checkpoints.poll()  # publish a background write that has ended (a check that never blocks)
         every = cfg.checkpoint_every_n_steps
         periodic = cfg.enable_checkpointing if epoch_end else (
             every is not None and step % every == 0 and self.state.batches < fit.epoch_batches and step < cfg.step_limit)
@@ -326,23 +331,21 @@ class Trainer:
             return
         stop = self._faults.poll(step, self.current_epoch, fit.epoch_loss.sum)
         if periodic or stop:
-            path = self.save_checkpoint()
+            path = self.save_checkpoint(background=not stop)  # on a signal: on disk before the exit
             if stop:
                 self._faults.exit(stop, str(path))
 
-    def save_checkpoint(self, path: str | Path | None = None) -> Path:
+    def save_checkpoint(self, path: str | Path | None = None, background: bool = False) -> Path:
         """Checkpoint everything (model, optimizers, schedulers, loop position, RNG states, callbacks) to
         ``path`` (default: ``<run dir>/checkpoints/epoch=E-step=S``) atomically; "last" points at it when
-        no ``path`` is given. Every rank must call it at the same point. Returns the path written."""
-        rt = self.runtime
+        no ``path`` is given. Every rank must call it at the same point. Returns the path written (``background``
+        with ``checkpoint_async``: returns once the state is staged, the write goes on; ``train/checkpoint_writes.py``)."""
         previous, self._faults.phase = self._faults.phase, "checkpoint save"
         self._faults.barrier("the checkpoint save", f"at epoch {self.current_epoch}, step {self.global_step}")
         callbacks = {cb.state_key: cb.state_dict() for cb in self.callbacks}
         self._call("on_save_checkpoint", callbacks)
-        target = checkpointer.save(rt, path, self.run_dir, self._fit, self.state, self.optimizers, self.schedulers,
-                                   callbacks)
-        if path is None and rt.is_rank_zero:
-            ckpt.mark_last(target, self.config.keep_last)
+        target = self.checkpoints.save(path, self.run_dir, self._fit, self.state, self.optimizers, self.schedulers,
+                                       callbacks, background)
         self._faults.phase = previous
         return target
 

@@ -24,6 +24,8 @@ _IMPLEMENTATIONS = {
     "tp": "trainscale.runtime.strategies.model_parallel:ModelParallelStrategy",
 }
 MODEL_PARALLEL = ("model_parallel", "hsdp", "tp")
+# strategies whose checkpoints are DCP directories, each rank writing its shards: they can also write in the background
+SHARDED_CHECKPOINTS = ("fsdp", *MODEL_PARALLEL)
 STRATEGIES = ("auto", *_IMPLEMENTATIONS)
 # What ``no_backward_sync`` returns when there is nothing to skip: one stateless, reentrant instance
 # for every micro-batch (no object built per step).
@@ -71,8 +73,11 @@ class Strategy(Protocol):
         ``module`` (the wrapped module; call once, before the first backward). Returns False when nothing
         will be timed (no all-reduce of its own, or a communication hook registered outside trainscale)."""
 
-    def save_checkpoint(self, path: Any, state: dict) -> None:
-        """Write ``state`` (modules, optimizers, plain values) to ``path`` without corrupting it."""
+    def save_checkpoint(self, path: Any, state: dict, async_group: Any = None) -> Any:
+        """Write ``state`` (modules, optimizers, plain values) to ``path`` without corrupting it. With
+        ``async_group`` (a gloo process group of all ranks; strategies of :data:`SHARDED_CHECKPOINTS` only,
+        the others raise :func:`check_async_save`'s error) return once the state is staged and let a thread
+        write it: returns the ``dcp_checkpoint.AsyncSave`` whose ``wait()`` publishes it (otherwise None)."""
 
     def load_checkpoint(self, path: Any, state: dict, verify: bool = True) -> dict:
         """Restore objects of ``state`` in place from ``path``; return the entries not in ``state``.
@@ -96,6 +101,18 @@ def clip_grad_norm(module: Any, max_norm: float, norm_type: float = 2.0) -> Any:
 
     params = [p for p in module.parameters() if p.grad is not None]
     return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+
+def check_async_save(strategy: str) -> None:
+    """Raise unless ``strategy`` can write checkpoints in the background (``checkpoint_async=True``).
+
+    Raises:
+        ValueError: a strategy whose checkpoints are one file written by rank zero (single, ddp, dp).
+    """
+    if strategy not in SHARDED_CHECKPOINTS:
+        raise ValueError(f"checkpoint_async=True writes sharded (DCP) checkpoints in the background, but "
+                         f"strategy={strategy!r} writes one file from rank zero; use a sharded strategy "
+                         f"({', '.join(map(repr, SHARDED_CHECKPOINTS))}) or checkpoint_async=False")
 
 
 _COMMON = ("device", "world", "precision")

@@ -6,18 +6,106 @@ its SHA-256). Modules and optimizers are keyed by the module's own parameter nam
 loads on another world size or mesh shape (DCP reshards on load;
 https://pytorch.org/docs/stable/distributed.checkpoint.html). Written under ``.<name>.tmp`` and renamed
 by rank zero once every rank has finished: a crash leaves no half checkpoint under the final name.
+
+A save may also go on in the background (``async_group``): torch's ``async_save`` copies the state to
+host memory ("staging", the only part the caller waits for) and a thread writes the copy, its
+collectives on a separate gloo group so they never interleave with training's. The directory is
+published (renamed) by :meth:`AsyncSave.wait`, after the write ended, never before
+(https://pytorch.org/docs/stable/distributed.checkpoint.html#torch.distributed.checkpoint.state_dict_saver.async_save).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from trainscale.runtime import checkpoint_io
 
 EXTRA = "trainscale_extra.pt"  # the non-sharded entries (loop position, RNG, scheduler, scaler)
+
+
+def _shard_writer(path: Path):
+    """DCP's ``FileSystemWriter`` for ``path`` that marks the start and end of this rank's shard writes with
+    ``checkpoint_io._write_event`` ("writing-shards", "shards-written"; the kill tests stop a write there)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class _ShardWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            checkpoint_io._write_event("writing-shards", path)
+            written = super().write_data(plan, planner)  # FileSystemWriter writes before it returns
+            checkpoint_io._write_event("shards-written", path)
+            return written
+
+    return _ShardWriter(str(path))
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rank zero's last act of a save: ``tmp`` (complete on every rank) becomes ``path``."""
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    checkpoint_io._fsync_dir(path.parent)
+
+
+class AsyncSave:
+    """A checkpoint directory being written in the background; published at :attr:`path` by :meth:`wait`.
+
+    Attributes:
+        path: where the checkpoint appears once published.
+        write_s: seconds from the start of the background write to its end on this rank (None before).
+    """
+
+    def __init__(self, future: Any, tmp: Path, path: Path, rank: int) -> None:
+        self.path, self.write_s = path, None
+        self._future, self._tmp, self._rank, self._published = future, tmp, rank, False
+        self._started = time.perf_counter()
+        future.add_done_callback(self._ended)  # run by the writer thread as the write ends
+
+    def _ended(self, _future: Any = None) -> None:
+        if self.write_s is None:
+            self.write_s = time.perf_counter() - self._started
+
+    def done(self) -> bool:
+        """Whether this rank's background write has ended (a check that never blocks)."""
+        return self._future.done()
+
+    def wait(self) -> Path:
+        """Block until this rank's write has ended, then publish: rank zero renames the temporary directory to
+        :attr:`path` (its write ends after every rank's shards and the metadata are on disk: DCP gathers the
+        ranks' results there). Idempotent. Other ranks may return before rank zero has renamed.
+
+        Raises:
+            CheckpointError: the write failed on some rank (DCP reports it to every rank); the temporary
+                directory is removed and nothing is published.
+        """
+        try:
+            self._future.result()
+        except Exception as err:  # CheckpointException, OSError, ...: one message for every rank
+            if self._rank == 0:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+            raise checkpoint_io.CheckpointError(f"the background write of checkpoint {str(self.path)!r} failed: "
+                                                f"{str(err).strip()[:300]}; nothing was published") from err
+        self._ended()  # result() may return before the writer thread has run the callback
+        if self._rank == 0 and not self._published:
+            _publish(self._tmp, self.path)
+        self._published = True
+        return self.path
+
+
+def load_whole(path: Any, state: dict, rank: int, strategy: str, unwrap: Callable, verify: bool = True) -> dict:
+    """``load_checkpoint`` of the strategies whose ranks hold whole models (single, ddp, dp): a checkpoint file
+    (``checkpoint_io.load_replicated``), or a DCP directory written by a sharded strategy on any mesh, whose
+    shards every rank reads into its whole tensors (modules of ``state`` unwrapped first). Raises as those do."""
+    import torch
+
+    path = Path(path)
+    if not (path.is_dir() and (path / ".metadata").is_file()):
+        return checkpoint_io.load_replicated(path, state, unwrap, verify)
+    whole = {key: unwrap(value) if isinstance(value, torch.nn.Module) else value for key, value in state.items()}
+    return DCPCheckpointer(rank, strategy).load(path, whole, verify)
 
 
 class _ModelState:
@@ -65,6 +153,7 @@ class DCPCheckpointer:
 
     def __init__(self, rank: int, strategy: str, before: Callable[[], None] = lambda: None) -> None:
         self.rank, self.strategy, self.before = rank, strategy, before
+        self._pending: AsyncSave | None = None  # the background save in flight
 
     def _split(self, state: dict):
         """DCP ``Stateful``s for modules and optimizers; everything else goes to the extra file."""
@@ -81,18 +170,27 @@ class DCPCheckpointer:
                 extra[key] = value
         return sharded, extra
 
-    def save(self, path: Any, state: dict) -> None:
-        """Write ``path/``: each rank its shards, rank zero the other entries; all ranks must call it.
+    def save(self, path: Any, state: dict, async_group: Any = None) -> AsyncSave | None:
+        """Write ``path/``: each rank its shards, rank zero the other entries; all ranks must call it. A save
+        in flight is published first.
 
         A failed write (a full disk: "no space left on device") raises on every rank and removes the
         temporary directory.
 
+        Args:
+            async_group: None: write before returning. A gloo process group of all ranks: return once the
+                state is staged (copied to host memory) and the extra file written; the shards are written
+                by a background thread (``dcp.async_save``, its collectives on this group) and published by
+                the returned :class:`AsyncSave`'s ``wait()``.
+
         Raises:
-            CheckpointError: rank zero could not write the extra file (raised on every rank).
+            CheckpointError: rank zero could not write the extra file (raised on every rank), or the save
+                in flight before failed.
         """
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
+        self.wait()
         path = Path(path)
         tmp = path.parent / f".{path.name}.tmp"
         self.before()
@@ -102,17 +200,25 @@ class DCPCheckpointer:
             tmp.mkdir(parents=True)
         dist.barrier()
         try:
-            dcp.save(sharded, checkpoint_id=str(tmp))  # raises on every rank when one rank's write fails
             self._save_extra(extra, tmp / EXTRA)
+            if async_group is not None:
+                future = dcp.async_save(sharded, storage_writer=_shard_writer(tmp), process_group=async_group)
+                self._pending = AsyncSave(future, tmp, path, self.rank)
+                return self._pending
+            dcp.save(sharded, storage_writer=_shard_writer(tmp))  # raises on every rank when one rank's write fails
         except BaseException:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         if self.rank == 0:
-            if path.exists():
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-            checkpoint_io._fsync_dir(path.parent)
+            _publish(tmp, path)
+        return None
+
+    def wait(self) -> None:
+        """Publish the background save in flight, if any (:meth:`AsyncSave.wait`)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
 
     def _save_extra(self, extra: dict, path: Path) -> None:
         """Rank zero writes ``extra``; its error, if any, is raised on every rank (in place of a barrier,
@@ -133,8 +239,9 @@ class DCPCheckpointer:
             raise checkpoint_io.CheckpointError(f"rank 0 failed to write the checkpoint: {error[0]}")
 
     def load(self, path: Any, state: dict, verify: bool = True) -> dict:
-        """Restore the modules and optimizers of ``state`` from ``path`` (any world size or mesh), the
-        other stateful objects from its extra file; return the plain entries. ``verify``: check the extra
+        """Restore the modules and optimizers of ``state`` from ``path`` (any world size or mesh; DCP reshards,
+        the optimizer state through ``set_optimizer_state_dict``), the other stateful objects from its extra
+        file; return the plain entries. ``verify``: check the extra
         file's SHA-256 and refuse it without one (the shard files have no checksum of their own).
 
         Raises:
@@ -142,15 +249,17 @@ class DCPCheckpointer:
             CheckpointError: ``path`` is not a DCP checkpoint directory, the extra file has no checksum or
                 does not match it (``verify=True``), or it does not fit.
         """
+        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
+        self.wait()
         path = Path(path)
         self._check_directory(path)
         extra = checkpoint_io.load_file(path / EXTRA, verify)
         self.before()
         sharded, others = self._split(state)
-        try:
-            dcp.load(sharded, checkpoint_id=str(path))
+        try:  # one process without a process group (strategy "single") reads every shard itself
+            dcp.load(sharded, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         except Exception as err:  # DCP raises CheckpointException / RuntimeError / KeyError
             raise checkpoint_io.CheckpointError(f"checkpoint {str(path)!r} does not fit the model or optimizer: "
                                                 f"{str(err).strip().splitlines()[0][:300]}") from err

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from trainscale.runtime import checkpoint_io
-from trainscale.runtime.strategies import SYNC, clip_grad_norm
+from trainscale.runtime.strategies import SYNC, check_async_save, clip_grad_norm
+from trainscale.runtime.strategies.dcp_checkpoint import load_whole
 from trainscale.runtime.world import World
 
 
@@ -109,11 +110,13 @@ class DDPStrategy:
             return False
         return True
 
-    def save_checkpoint(self, path, state: dict) -> None:
+    def save_checkpoint(self, path, state: dict, async_group=None) -> None:
+        if async_group is not None:
+            check_async_save(self.name)  # one file from rank zero: never in the background
         checkpoint_io.save_replicated(path, state, self.world, self.unwrap)
 
     def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
-        return checkpoint_io.load_replicated(path, state, self.unwrap, verify)
+        return load_whole(path, state, self.world.rank, self.name, self.unwrap, verify)  # a file or a DCP directory
 
     def data_world(self, world: World) -> World:
         return world  # every rank reads different data

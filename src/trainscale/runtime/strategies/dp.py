@@ -20,7 +20,8 @@ from torch import nn
 
 from trainscale.runtime import checkpoint_io
 from trainscale.runtime.connector import DP_COMPILE_ERROR
-from trainscale.runtime.strategies import SYNC, clip_grad_norm
+from trainscale.runtime.strategies import SYNC, check_async_save, clip_grad_norm
+from trainscale.runtime.strategies.dcp_checkpoint import load_whole
 from trainscale.runtime.world import World
 
 _SCALAR = "__trainscale_dp_scalar__"
@@ -134,11 +135,13 @@ class DataParallelStrategy:
     def time_allreduce(self, module, clock, record) -> bool:
         return False  # no all-reduce: backward sums the replicas' gradients into GPU 0's parameters
 
-    def save_checkpoint(self, path, state: dict) -> None:
+    def save_checkpoint(self, path, state: dict, async_group=None) -> None:
+        if async_group is not None:
+            check_async_save(self.name)  # one file from rank zero: never in the background
         checkpoint_io.save_replicated(path, state, self.world, self.unwrap)
 
     def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
-        return checkpoint_io.load_replicated(path, state, self.unwrap, verify)
+        return load_whole(path, state, self.world.rank, self.name, self.unwrap, verify)  # a file or a DCP directory
 
     def data_world(self, world: World) -> World:
         return world  # every rank reads different data

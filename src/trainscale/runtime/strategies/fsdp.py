@@ -159,10 +159,11 @@ class FSDPStrategy:
         return False  # gradients are reduce-scattered inside FSDP's backward hooks, which offer no timing hook
 
     # -- checkpoints -------------------------------------------------------------------------
-    def save_checkpoint(self, path, state: dict) -> None:
+    def save_checkpoint(self, path, state: dict, async_group=None):
         """Write ``path/`` as a DCP directory (``dcp_checkpoint.DCPCheckpointer.save``: a full disk raises
-        on every rank and leaves no temporary directory)."""
-        self._checkpointer.save(path, state)
+        on every rank and leaves no temporary directory); with ``async_group``, in the background (returns
+        the ``AsyncSave`` that publishes it)."""
+        return self._checkpointer.save(path, state, async_group)
 
     def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
         """Restore ``state`` from the DCP directory ``path`` written on any world size; return the plain

@@ -146,9 +146,10 @@ class ModelParallelStrategy:
         return False  # FSDP/HSDP reduce gradients inside its backward hooks, which offer no timing hook
 
     # -- checkpoints -------------------------------------------------------------------------
-    def save_checkpoint(self, path, state: dict) -> None:
-        """A DCP directory (``dcp_checkpoint.DCPCheckpointer.save``); loads on another mesh shape."""
-        self._checkpointer.save(path, state)
+    def save_checkpoint(self, path, state: dict, async_group=None):
+        """A DCP directory (``dcp_checkpoint.DCPCheckpointer.save``); loads on another mesh shape or in one
+        process. With ``async_group``, written in the background (returns the ``AsyncSave`` that publishes it)."""
+        return self._checkpointer.save(path, state, async_group)
 
     def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
         """Restore ``state`` from a DCP directory; return the plain entries. ``verify``: check the extra

@@ -1,0 +1,225 @@
+"""Checkpoints for every layout (issue 17 item 4): background writes (``checkpoint_async=True``, torch's
+``async_save``) that equal synchronous ones although training moved on during each write; a job killed
+during a background write resumes from the previous complete checkpoint; DCP checkpoints saved on one mesh
+resume on another (model_parallel 2×2 → dp_shard 4 and one process; fsdp 2 → fsdp 4 and one process)
+with the saved weights and optimizer state exactly and the uninterrupted run's losses.
+
+Real gloo processes; run them under the shared lock (``flock /tmp/trainscale-heavy.lock pytest ...``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import ckpt_workers
+from tests.helpers import run_distributed
+from tests.test_fault_tolerance import ROOT, SCRIPT, TRAINSCALE, _env
+
+
+def _dcp_contents(directory: Path, tmp: Path) -> dict:
+    """Every tensor and value of a DCP checkpoint directory, read in this process (no process group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{directory.parent.parent.parent.name}-{directory.name}.pt"
+    dcp_to_torch_save(str(directory), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def _assert_equal_nested(got, want, where: str = "") -> None:
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for key in want:
+            _assert_equal_nested(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want)):
+            _assert_equal_nested(a, b, f"{where}[{i}]")
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), where
+    else:
+        assert got == want, where
+
+
+# -- bad input --------------------------------------------------------------------------------------
+def test_checkpoint_async_is_refused_where_a_checkpoint_is_one_file(tmp_path):
+    from trainscale.runtime.runtime import Runtime
+    from trainscale.train.trainer import Trainer
+
+    for strategy in ("auto", "single"):
+        with pytest.raises(ValueError, match=r"checkpoint_async=True writes sharded \(DCP\) checkpoints in the "
+                                             r"background, but strategy='single' writes one file.*'fsdp'"):
+            Trainer(devices=1, strategy=strategy, checkpoint_async=True)
+    with pytest.raises(ValueError, match="checkpoint_async='yes' must be True or False"):
+        Trainer(devices=1, checkpoint_async="yes")
+    with pytest.raises(ValueError, match="strategy='single' writes one file"):
+        Runtime(devices=1).save(tmp_path / "x.pt", {"model": torch.nn.Linear(2, 2)}, asynchronous=True)
+    assert not (tmp_path / "x.pt").exists()
+
+
+# -- background writes through the Trainer -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def async_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async")
+    return root, run_distributed(ckpt_workers.async_trainer_body, str(root), timeout=400)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(450)
+def test_background_checkpoints_equal_synchronous_ones_although_training_moved_on(async_runs, tmp_path):
+    root, ranks = async_runs
+    for rank in ranks:
+        # each held write began only after the next optimizer step was trained (the last one, at the end of fit)
+        assert sorted(rank["async"]["seen"]) == [4, 8, 12, 16, 20, 24]
+        assert all(trained > step for step, trained in rank["async"]["seen"].items() if step < 24)
+        for key, value in rank["sync"]["weights"].items():  # training itself is unchanged
+            assert torch.equal(rank["async"]["weights"][key], value), key
+    sync_dir, async_dir = (root / name / "version_0" / "checkpoints" for name in ("sync", "async"))
+    names = sorted(p.name for p in sync_dir.iterdir())
+    assert names == sorted(p.name for p in async_dir.iterdir())  # no temporary directory left behind
+    assert len(names) == 7 and (async_dir / "last").read_text() == "epoch=000002-step=0000000024\n"
+    for name in names[:-1]:  # the staged copies hold the state at the save, not the later one
+        _assert_equal_nested(_dcp_contents(async_dir / name, tmp_path), _dcp_contents(sync_dir / name, tmp_path), name)
+        got, want = (torch.load(d / name / "trainscale_extra.pt", weights_only=False) for d in (async_dir, sync_dir))
+        for key in ("global_step", "epoch", "batches"):  # (its history holds times, which differ)
+            assert got["train_state"][key] == want["train_state"][key], (name, key)
+        assert got["loop"]["consumed"] == want["loop"]["consumed"], name
+        _assert_equal_nested(got["rng"], want["rng"], name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(450)
+def test_stall_and_background_write_seconds_are_logged(async_runs):
+    root, ranks = async_runs
+    for rank in ranks:
+        sync, background = rank["sync"]["summary"]["checkpoints"], rank["async"]["summary"]["checkpoints"]
+        assert sync["async"] is False and sync["saves"] == 6 and sync["write_s"] is None and sync["stall_s"] > 0
+        assert background["async"] is True and background["saves"] == 6
+        assert background["write_s"] > 0 and background["stall_s"] > 0
+    records = [json.loads(line) for line in (root / "async" / "version_0" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("kind") == "step"]
+    assert sum("checkpoint_stall_s" in r for r in steps) >= 5  # one per save (the last one's record follows fit)
+    assert sum("checkpoint_write_s" in r for r in steps) >= 4
+    summary = json.loads((root / "async" / "version_0" / "summary.json").read_text())
+    assert summary["checkpoints"]["saves"] == 6
+
+
+# -- a job killed while a background write is under way --------------------------------------------------
+def _wait_for(paths: list[Path], proc: subprocess.Popen, deadline_s: float) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not all(p.exists() for p in paths):
+        assert proc.poll() is None, f"the job ended before its writes were held:\n{proc.stdout.read()[-4000:]}"
+        assert time.monotonic() < deadline, "the background writes were never held"
+        time.sleep(0.1)
+
+
+def _gone(pids: list[int], deadline_s: float = 60) -> None:
+    deadline = time.monotonic() + deadline_s
+    for pid in pids:
+        while os.path.exists(f"/proc/{pid}") and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower():
+            assert time.monotonic() < deadline, f"worker {pid} survived the kill of its job"
+            time.sleep(0.05)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_job_killed_during_a_background_write_resumes_from_the_previous_complete_checkpoint(tmp_path):
+    """fsdp on 2 ranks under torchrun, a checkpoint every 5 steps written in the background; each rank's writer
+    of the step-10 checkpoint stops for good once its shards are on disk (a test hook), and the test then
+    SIGKILLs the whole job (``trainscale run``, torchrun and the workers). "last" still names step 5; the
+    resumed run (``ckpt_path="last"``) loads it and ends with the weights of an uninterrupted run."""
+    common = [SCRIPT, "--strategy", "fsdp", "--timeout", "120"]
+    full = subprocess.Popen([TRAINSCALE, "run", "-n", "2", *common, "--out", str(tmp_path / "full")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
+    killed_out = tmp_path / "killed"
+    cmd = [TRAINSCALE, "run", "-n", "2", *common, "--out", str(killed_out), "--checkpoint-async"]
+    job = subprocess.Popen([*cmd, "--hold-async-save-at", "10"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env=_env(), cwd=ROOT, start_new_session=True)
+    try:
+        held = [killed_out / f"held-rank{r}" for r in (0, 1)]
+        _wait_for(held, job, 300)
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=60)
+        _gone([int(p.read_text()) for p in held])
+        assert full.wait(timeout=300) == 0, full.stdout.read()[-4000:]
+    finally:
+        for proc in (job, full):
+            if proc.poll() is None:
+                proc.kill()
+    checkpoints = killed_out / "runs" / "version_0" / "checkpoints"
+    assert (checkpoints / "last").read_text() == "epoch=000000-step=0000000005\n"
+    partial = checkpoints / ".epoch=000000-step=0000000010.tmp"
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in partial.iterdir()}  # shards written ...
+    assert not (partial / ".metadata").exists() and not (checkpoints / "epoch=000000-step=0000000010").exists()
+
+    resumed = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
+    log = resumed.stdout + resumed.stderr
+    assert "resumed from" in log and "epoch=000000-step=0000000005" in log, log[-4000:]
+    assert not partial.exists() and (checkpoints / "last").read_text() == "epoch=000002-step=0000000024\n"
+    for rank in (0, 1):
+        want, got = (torch.load(d / f"final-rank{rank}.pt") for d in (tmp_path / "full", killed_out))
+        for key, value in want.items():
+            assert torch.equal(got[key], value), f"rank {rank} {key} differs from the uninterrupted run"
+
+
+# -- resuming on another mesh shape -------------------------------------------------------------------------
+def _load_on_four(rank: int, mp_checkpoint: str, fsdp_checkpoint: str) -> dict:
+    """dp_shard 4 (model_parallel) reads the 2×2 checkpoint, then fsdp 4 reads the fsdp-2 one (same processes)."""
+    mesh = ckpt_workers.mesh_checkpoint(rank, "model_parallel", {"dp_shard": 4}, 4, load_from=(mp_checkpoint,),
+                                        teardown=False)
+    fsdp = ckpt_workers.mesh_checkpoint(rank, "fsdp", None, 4, load_from=(fsdp_checkpoint,))
+    return {**mesh, **fsdp}
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mesh")
+    mp, fsdp = str(root / "mp-2x2"), str(root / "fsdp-2")
+    saved = {"mp": run_distributed(ckpt_workers.mesh_checkpoint, "model_parallel", {"dp_shard": 2, "tp": 2}, 2,
+                                   mp, world_size=4, timeout=300),
+             "fsdp": run_distributed(ckpt_workers.mesh_checkpoint, "fsdp", None, 2, fsdp, timeout=200)}
+    loaded = {"four": run_distributed(_load_on_four, mp, fsdp, world_size=4, timeout=300),
+              "one": run_distributed(ckpt_workers.mesh_checkpoint, "single", None, 1, None, (mp, fsdp), world_size=1,
+                                     timeout=200)}
+    return mp, fsdp, saved, loaded
+
+
+def _assert_resumed(saved: dict, loaded: dict) -> None:
+    """The weights and momentum right after the load equal those at the save, bit for bit; the next steps'
+    losses (the same 16 samples each) equal the uninterrupted run's (rtol 1e-5: another reduction order)."""
+    for name in ("weights", "momentum"):
+        assert loaded[name].keys() == saved[name].keys()
+        for key, value in saved[name].items():
+            assert torch.equal(loaded[name][key], value), f"{name} {key}"
+    assert loaded["losses"] == pytest.approx(saved["losses"], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_a_model_parallel_2x2_checkpoint_resumes_on_dp_shard_4_and_in_one_process(mesh_runs):
+    mp, _, saved, loaded = mesh_runs
+    for rank in saved["mp"]:
+        assert rank["saved"]["write_s"] > 0
+    assert saved["mp"][0]["saved"]["published_before_wait"] is False  # rank zero renames in wait() only
+    reference = saved["mp"][0]["saved"]
+    for rank in loaded["four"]:
+        _assert_resumed(reference, rank[mp])
+    _assert_resumed(reference, loaded["one"][0][mp])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_an_fsdp_2_checkpoint_resumes_on_fsdp_4_and_in_one_process(mesh_runs):
+    _, fsdp, saved, loaded = mesh_runs
+    reference = saved["fsdp"][0]["saved"]
+    assert saved["fsdp"][0]["saved"]["published_before_wait"] is False
+    for rank in loaded["four"]:
+        _assert_resumed(reference, rank[fsdp])
+    _assert_resumed(reference, loaded["one"][0][fsdp])
