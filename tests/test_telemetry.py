@@ -84,6 +84,31 @@ def test_comm_readings_are_a_union_per_step_and_exposed_from_the_last_bucket_rea
     assert second.comm_s == 0.0 and second.exposed_comm_s == 0.0
 
 
+class _FakeEvent:
+    """A resolved ``torch.cuda.Event`` at ``t`` seconds (``elapsed_time`` in ms, as CUDA's)."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def elapsed_time(self, other: "_FakeEvent") -> float:
+        return (other.t - self.t) * 1e3
+
+    def synchronize(self) -> None: ...
+
+
+def test_comm_readings_as_cuda_events_resolve_against_the_step_start():
+    """The CUDA path (events resolved at collect), with events faked: the same union and exposed time."""
+    timer = StepTimer("cuda", time_comm=True)
+    timer.clock = iter(map(_FakeEvent, (10.0, 13.0))).__next__  # the step's start and end
+    timer.start()
+    for ready, done in ((10.5, 11.5), (11.0, 12.0), (12.2, 12.8)):
+        timer.record_comm(_FakeEvent(ready), _FakeEvent(done))
+    timer.end_step()
+    (st,) = timer.collect()
+    assert st.wall_s == pytest.approx(3.0)
+    assert st.comm_s == pytest.approx(2.1) and st.exposed_comm_s == pytest.approx(0.6)
+
+
 def test_comm_overlap_union_and_exposed_on_interval_lists():
     assert comm_overlap([]) == (0.0, 0.0)
     assert comm_overlap([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == pytest.approx((4.0, 1.0))  # sum 5
