@@ -100,3 +100,51 @@ def cuda_fit_body(rank: int, root: str) -> dict:
                           optimizer=workers.sgd)
     trainer.runtime.teardown()
     return summary
+
+
+class SlowRankMLP(nn.Module):
+    """An MLP of ``layers`` 64-wide Linear layers whose forward sleeps ``seconds`` on the ranks in ``ranks``
+    (a deterministic straggler: its compute is longer, nothing else differs)."""
+
+    def __init__(self, seconds: float, ranks: tuple[int, ...] = (1,), width: int = 64, layers: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)),
+                                 nn.Linear(width, 10))
+        self.seconds = seconds if int(os.environ.get("RANK", "0")) in ranks else 0.0
+
+    def forward(self, x):
+        if self.seconds:
+            time.sleep(self.seconds)
+        return self.net(x)
+
+
+class BucketCounter:
+    """DDP comm-hook state: the buckets all-reduced."""
+
+    def __init__(self) -> None:
+        self.buckets = 0
+
+
+def counting_allreduce_hook(state: BucketCounter, bucket):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    state.buckets += 1
+    return allreduce_hook(None, bucket)  # DDP's default all-reduce
+
+
+def slow_rank_body(rank: int, root: str, seconds: float, bucket_cap_mb: float) -> dict:
+    """A 2-rank fit of :class:`SlowRankMLP` whose rank 1 sleeps ``seconds`` per forward, its gradients in
+    buckets of ``bucket_cap_mb`` MiB (counted by the comm hook, which telemetry times as it would DDP's own)."""
+    from trainscale.train.trainer import Trainer
+
+    counter = BucketCounter()
+    trainer = Trainer(devices="auto", max_epochs=1, log_every_n_steps=4, default_root_dir=root,
+                      enable_progress_bar=False, enable_checkpointing=False, timeout=60,
+                      strategy_options={"bucket_cap_mb": bucket_cap_mb, "ddp_comm_hook": counting_allreduce_hook,
+                                        "ddp_comm_state": counter})
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(128, 64, generator=g), torch.randint(0, 10, (128,), generator=g))
+    summary = trainer.fit(SlowRankMLP(seconds), DataLoader(data, batch_size=4), optimizer=workers.sgd)
+    trainer.runtime.teardown()
+    return {"summary": summary, "buckets_per_step": counter.buckets / trainer.global_step}

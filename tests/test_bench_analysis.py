@@ -97,7 +97,7 @@ def tel(step, data=0.0, comm=None, fwd=None):
     rest = step - data - fwd
     phase_s = {"data": data, "forward": fwd, "backward": rest * 0.8, "optimizer": rest * 0.2}
     return {"step_time_s": step, "phase_s": phase_s, "phase_share": {k: v / step for k, v in phase_s.items()},
-            "comm_s": comm, "samples_per_s": None}
+            "comm_s": comm, "exposed_comm_s": comm, "samples_per_s": None}
 
 
 def scaled(*rows):
@@ -262,7 +262,8 @@ def test_communication_advice_recommends_larger_batches_only_when_the_table_show
                       row(2, 64, time_s=eff64_time, steps=50, telemetry=tel(0.08 * eff64_time / 4, comm=0.03)))
     helps = table_with(5.0)  # bs 64: efficiency 0.80 > 0.25
     kind, text = adv.diagnose(helps[1], helps)
-    assert kind == "communication" and "all-reduce grew most, from 0.0 ms per step on 1 device(s) to 50.0 ms" in text
+    assert kind == "communication" and "exposed communication grew most, from 0.0 ms per step on 1 device(s) to 50.0 ms" \
+        in text
     assert "A larger per-device batch amortizes it: efficiency rises to 0.80 at bs 64" in text
     assert assert_efficiencies_quoted_match(text, helps, 2) == 1
     worse = table_with(20.0)  # bs 64: efficiency 0.20 < 0.25
@@ -278,7 +279,7 @@ def test_each_class_is_named_by_the_phase_that_grew():
     base = row(1, 32, time_s=2.0, steps=100, telemetry=tel(0.02, data=0.002))
     cases = {"data": tel(0.05, data=0.03, comm=0.001), "communication": tel(0.05, data=0.002, comm=0.03),
              "compute": tel(0.05, data=0.002, comm=0.001, fwd=0.03)}
-    phases = {"data": "data grew most", "communication": "all-reduce grew most", "compute": "forward grew most"}
+    phases = {"data": "data grew most", "communication": "exposed communication grew most", "compute": "forward grew most"}
     for kind, t in cases.items():
         rows = scaled(base, row(2, 32, time_s=2.5, steps=50, telemetry=t))
         got, text = adv.diagnose(rows[1], rows)
@@ -289,3 +290,20 @@ def test_fastest_sentence_says_faster_for_a_faster_cell():
     rows = scaled(row(1, 64, time_s=10.0), row(2, 64, time_s=6.0, steps=50))
     text = adv.advise(rows)[0]
     assert "1.67× faster than 1 device(s)" in text and "the 1-device epoch time" not in text
+
+
+def test_bench_shows_exposed_communication_not_the_whole_all_reduce():
+    """A cell whose all-reduce took 30 ms of a 50 ms step, of which backward waited 10 ms: the table and the
+    shares say 20 % (exposed), not 60 %; the advice quotes the exposed time."""
+    from trainscale.bench import report
+
+    t = dict(tel(0.05, comm=0.03), exposed_comm_s=0.01)
+    rows = scaled(row(1, 4, time_s=2.0, steps=100, telemetry=tel(0.02)),
+                  row(2, 4, time_s=2.5, steps=50, telemetry=t))
+    s = shares(rows[1])
+    assert s["comm_s"] == pytest.approx(0.01) and s["comm_share"] == pytest.approx(0.2)
+    (line,) = [line for line in report.cell_table(rows) if "-d2-" in line]
+    assert line.rstrip(" |").split(" | ")[-2:] == ["20%", "0%"]  # exposed comm, data
+    assert "| exposed comm | data |" in report.cell_table(rows)[0]
+    text = adv.diagnose(rows[1], rows)[1]
+    assert "exposed communication grew most, from 0.0 ms per step on 1 device(s) to 10.0 ms" in text

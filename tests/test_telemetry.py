@@ -19,12 +19,15 @@ from tests import workers
 from trainscale.telemetry import flops, nvml
 from trainscale.telemetry.memory import PeakMemory
 from trainscale.telemetry.sinks import CsvSink, JsonlSink, TensorBoardSink, default_sinks
-from trainscale.telemetry.stragglers import busy_per_step, find_stragglers
+from trainscale.telemetry.overlap import comm_overlap
+from trainscale.telemetry.report import summary_line, text_summary
+from trainscale.telemetry.stragglers import compute_per_step, find_stragglers
 from trainscale.telemetry.timers import StepTimer
 from trainscale.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTRACT = {"step_time_s", "phase_s", "phase_share", "comm_s", "samples_per_s", "samples_per_s_per_device",
+CONTRACT = {"step_time_s", "phase_s", "phase_share", "comm_s", "exposed_comm_s", "exposed_comm_share",
+            "samples_per_s", "samples_per_s_per_device",
             "tokens_per_s", "flops_per_sample", "flops_method", "achieved_flops_per_s", "mfu", "peak_memory_bytes",
             "peak_memory_kind", "gpu_utilization", "slowest_rank", "straggler_ranks"}
 
@@ -63,15 +66,65 @@ def test_phase_context_manager_counts_only_inside():
     assert st.wall_s >= 0.04  # the step's wall time still holds everything
 
 
-def test_comm_readings_sum_per_step():
-    timer = StepTimer(time_comm=True)
+@pytest.mark.parametrize("running", [False, True])
+def test_comm_readings_are_a_union_per_step_and_exposed_from_the_last_bucket_ready(running):
+    timer = StepTimer(time_comm=True, running=running)
     timer.start()
-    timer.record_comm(1.0, 1.25)
-    timer.record_comm(2.0, 2.5)
+    timer.record_comm(1.0, 1.25)  # bucket 0: hidden behind the rest of backward
+    timer.record_comm(1.1, 1.5)  # bucket 1 overlaps bucket 0: 0.15 s counted once
+    timer.record_comm(2.0, 2.5)  # the last bucket, ready at 2.0: backward waits until 2.5
     timer.end_step()
     timer.end_step()  # a step without all-reduce (accumulation)
+    if running:
+        (row,) = timer.totals(("data",))
+        assert row[3:5] == pytest.approx([1.0, 0.5])  # comm, exposed comm over both steps
+        return
     first, second = timer.collect()
-    assert first.comm_s == pytest.approx(0.75) and second.comm_s == 0.0
+    assert first.comm_s == pytest.approx(1.0) and first.exposed_comm_s == pytest.approx(0.5)
+    assert second.comm_s == 0.0 and second.exposed_comm_s == 0.0
+
+
+class _FakeEvent:
+    """A resolved ``torch.cuda.Event`` at ``t`` seconds (``elapsed_time`` in ms, as CUDA's)."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def elapsed_time(self, other: "_FakeEvent") -> float:
+        return (other.t - self.t) * 1e3
+
+    def synchronize(self) -> None: ...
+
+
+def test_comm_readings_as_cuda_events_resolve_against_the_step_start():
+    """The CUDA path (events resolved at collect), with events faked: the same union and exposed time."""
+    timer = StepTimer("cuda", time_comm=True)
+    timer.clock = iter(map(_FakeEvent, (10.0, 13.0))).__next__  # the step's start and end
+    timer.start()
+    for ready, done in ((10.5, 11.5), (11.0, 12.0), (12.2, 12.8)):
+        timer.record_comm(_FakeEvent(ready), _FakeEvent(done))
+    timer.end_step()
+    (st,) = timer.collect()
+    assert st.wall_s == pytest.approx(3.0)
+    assert st.comm_s == pytest.approx(2.1) and st.exposed_comm_s == pytest.approx(0.6)
+
+
+def test_comm_overlap_union_and_exposed_on_interval_lists():
+    assert comm_overlap([]) == (0.0, 0.0)
+    assert comm_overlap([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == pytest.approx((4.0, 1.0))  # sum 5
+    # the last bucket ready (4.0) finished first; backward waits for the long first bucket until 5.0
+    assert comm_overlap([(0.0, 5.0), (4.0, 4.5)]) == pytest.approx((5.0, 1.0))
+    assert comm_overlap([(3.0, 4.0), (0.0, 1.0)]) == pytest.approx((2.0, 1.0))  # any order
+    assert comm_overlap([(1.0, 1.0)]) == (0.0, 0.0)
+    rng = random.Random(0)
+    for _ in range(200):  # integer end points: the union is the number of unit cells covered
+        intervals = [(a, a + rng.randint(0, 10)) for a in (rng.randint(0, 40) for _ in range(rng.randint(1, 8)))]
+        union, exposed = comm_overlap(intervals)
+        cells = {t for a, b in intervals for t in range(a, b)}
+        assert union == len(cells)
+        assert 0 <= exposed <= union <= sum(b - a for a, b in intervals)
+        assert union <= max(b for _, b in intervals) - min(a for a, _ in intervals)
+        assert exposed == max(0, max(b for _, b in intervals) - max(a for a, _ in intervals))
 
 
 def test_flops_per_sample_counts_forward_and_backward():
@@ -119,8 +172,25 @@ def test_stragglers_by_median_margin():
     assert find_stragglers([0.10, 0.11, 0.10, 0.105]) == []
     assert find_stragglers([0.10, 0.30], margin=0.2) == [1]
     assert find_stragglers([0.10]) == [] and find_stragglers([0.0, 0.0]) == []
-    assert busy_per_step(1.0, 0.4, 4) == pytest.approx(0.15)
-    assert busy_per_step(1.0, None, 4) == pytest.approx(0.25)
+    # a median of 0 (two ranks that only waited) does not turn detection off
+    assert find_stragglers([0.0, 0.0, 0.01]) == [2]
+    assert compute_per_step(1.0, 0.4, 4) == pytest.approx(0.15)
+    assert compute_per_step(1.0, None, 4) == pytest.approx(0.25)
+    assert compute_per_step(1.0, 0.4, 0) == 0.0
+
+
+def test_run_summary_shows_exposed_communication_beside_the_all_reduce_time():
+    tele = {"step_time_s": 0.05, "phase_share": dict.fromkeys(("data", "forward", "backward", "optimizer"), 0.25),
+            "phase_s": dict.fromkeys(("data", "forward", "backward", "optimizer"), 0.0125), "comm_s": 0.03,
+            "exposed_comm_s": 0.01, "exposed_comm_share": 0.2, "samples_per_s": 100.0, "samples_per_s_per_device": 50.0,
+            "peak_memory_bytes": [2**20, 2**20], "peak_memory_kind": "rss", "slowest_rank": 1, "straggler_ranks": [1]}
+    line = summary_line(tele)
+    assert "exposed communication 10.0 ms/step (20.0 % of the step; all-reduce 30.0 ms/step" in line
+    records = [{"kind": "step", "rank_compute_s": [0.01, 0.04]}]
+    text = text_summary(records, {"telemetry": tele} | dict(world_size=2, strategy="ddp", precision="32-true",
+                                                              steps=8, global_batch_size=8))
+    assert "exposed communication 10.00 ms/step, 20.0 % of the step" in text
+    assert "slowest rank: 1 (compute rank 0 10.00, rank 1 40.00 ms/step)" in text and "stragglers: rank 1" in text
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the current RSS from /proc/self/statm")
@@ -203,7 +273,7 @@ def test_timer_totals_per_step_and_running_add_up_the_times_of_collect():
     assert len(rows) == len(steps) == 3 and timers[1].totals() == [] and timers[2].totals() == []  # both drain
     for st, row in zip(steps, rows):
         assert row == [1.0, st.wall_s, st.phase_s["data"], st.phase_s["forward"], 0.0, st.phase_s["optimizer"],
-                       st.comm_s, float(st.samples), float(st.tokens or 0)]
+                       st.comm_s, st.exposed_comm_s, float(st.samples), float(st.tokens or 0)]
     assert running == pytest.approx([sum(column) for column in zip(*rows)], rel=1e-12)
     with pytest.raises(RuntimeError, match="totals"):
         timers[2].collect()

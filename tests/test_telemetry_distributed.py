@@ -17,6 +17,7 @@ from tests.helpers import run_distributed
 
 PHASES = ("data", "forward", "backward", "optimizer")
 BATCH, WORLD, LOG_EVERY, STEPS = 4, 2, 4, 12  # 96 samples / 2 ranks / batch 4 = 12 steps
+SLOW_FORWARD_S, BUCKET_CAP_MB = 0.05, 0.016  # 0.016 MiB: one 64×64 Linear layer's gradients per bucket
 BIN = Path(sys.executable).parent
 
 
@@ -65,6 +66,8 @@ def test_summary_telemetry_contract_on_two_ranks(phases_run):
     assert tele["samples_per_s_per_device"] == pytest.approx(tele["samples_per_s"] / WORLD)
     assert sum(tele["phase_share"].values()) == pytest.approx(1.0)
     assert tele["comm_s"] is not None and 0 <= tele["comm_s"] < tele["phase_s"]["backward"] + 1e-9
+    assert 0 <= tele["exposed_comm_s"] <= tele["comm_s"]
+    assert tele["exposed_comm_share"] == pytest.approx(tele["exposed_comm_s"] / tele["step_time_s"])
     assert len(tele["peak_memory_bytes"]) == WORLD and tele["peak_memory_kind"] == "rss"
     assert tele["flops_per_sample"] > 1e6 and tele["mfu"] is None  # count_flops=True on CPU: FLOP/s, no MFU
 
@@ -84,7 +87,41 @@ def test_straggler_is_named_and_its_data_wait_shows(tmp_path):
         assert data1 > data0 + BATCH * 0.01 * 0.8
     for r in steps[1:]:
         comm0, comm1 = r["rank_comm_s"]
-        assert comm0 > comm1  # rank 0 waits for rank 1 inside the all-reduce
+        assert comm0 > comm1  # rank 0 waits for rank 1 inside the all-reduce ...
+        exposed0, exposed1 = r["rank_exposed_comm_s"]
+        assert exposed0 > exposed1  # ... at the end of its backward
+        compute0, compute1 = r["rank_compute_s"]
+        assert compute1 > compute0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_slow_rank_named_while_step_times_are_equal_and_comm_is_a_union_of_buckets(tmp_path):
+    """Rank 1 sleeps in every forward (tests/telemetry_workers.py ``SlowRankMLP``); its gradients go in
+    several buckets (``bucket_cap_mb``: about one Linear layer each). The all-reduce evens the step times
+    out, so rank 0 waits for rank 1 at the end of its backward (exposed communication) and rank 1 is named
+    by its longer compute. Each of rank 0's buckets holds that same wait: summed over buckets (before the
+    union) its all-reduce time came to ~4× its step time."""
+    out = run_distributed(tw.slow_rank_body, str(tmp_path), SLOW_FORWARD_S, BUCKET_CAP_MB, timeout=180)
+    assert all(o["buckets_per_step"] > 3 for o in out)  # several buckets in flight per step
+    tele = out[0]["summary"]["telemetry"]
+    steps = [json.loads(line) for line in open(tmp_path / "version_0" / "metrics.jsonl")]
+    steps = [r for r in steps if r["kind"] == "step"]
+    for r in steps:
+        for rank in range(WORLD):  # overlapping buckets counted once: within the step
+            assert r["rank_comm_s"][rank] <= r["rank_step_time_s"][rank], (rank, r)
+            assert 0 <= r["rank_exposed_comm_s"][rank] <= r["rank_comm_s"][rank]
+    assert 0 <= tele["exposed_comm_s"] <= tele["comm_s"] <= tele["step_time_s"]
+    assert tele["exposed_comm_share"] == pytest.approx(tele["exposed_comm_s"] / tele["step_time_s"])
+    assert tele["straggler_ranks"] == [1] and tele["slowest_rank"] == 1
+    for r in steps[1:]:  # the first interval holds start-up skew
+        step0, step1 = r["rank_step_time_s"]
+        compute0, compute1 = r["rank_compute_s"]
+        exposed0, exposed1 = r["rank_exposed_comm_s"]
+        assert abs(step0 - step1) < 0.5 * SLOW_FORWARD_S  # equal step times, within noise ...
+        assert compute1 - compute0 > 0.5 * SLOW_FORWARD_S  # ... while rank 1 computes longer
+        assert exposed0 - exposed1 > 0.5 * SLOW_FORWARD_S  # and rank 0 waits for it after its backward
+        assert r["straggler_ranks"] == [1]
 
 
 @pytest.mark.multiprocess
@@ -125,6 +162,7 @@ def test_two_gpu_ddp_telemetry(tmp_path):
     tele = run_distributed(tw.cuda_fit_body, str(tmp_path), timeout=180)[0]["telemetry"]
     assert tele["peak_memory_kind"] == "cuda_allocated" and all(m > 0 for m in tele["peak_memory_bytes"])
     assert tele["comm_s"] is not None and 0 <= tele["comm_s"] <= tele["phase_s"]["backward"] * 1.05
+    assert 0 <= tele["exposed_comm_s"] <= tele["comm_s"]
     assert sum(tele["phase_s"].values()) == pytest.approx(tele["step_time_s"], rel=0.1)
     if importlib.util.find_spec("pynvml") is not None:
         assert tele["gpu_utilization"] is not None and len(tele["gpu_utilization"]) == 2

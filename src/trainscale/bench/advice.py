@@ -7,10 +7,11 @@ data loading takes at least ``DATA_SHARE`` of its step. Its class, first that ap
 - memory-bound: it ran out of memory (``oom``);
 - failed: timeout, exception or crash (the reason is quoted);
 - when the cell and its baseline (fewest devices, same batch column) both have telemetry, the phase
-  that grew most per step decides: all-reduce → communication-bound, data → data-bound, forward,
+  that grew most per step decides: exposed communication (the all-reduce backward waits for) →
+  communication-bound, data → data-bound, forward,
   backward or optimizer → compute-bound (the devices compute slower together; on CPU the processes
   share cores and memory bandwidth). The sentence names that phase with both times;
-- otherwise the shares of the step: all-reduce ≥ ``COMM_SHARE`` → communication-bound, data wait ≥
+- otherwise the shares of the step: exposed communication ≥ ``COMM_SHARE`` → communication-bound, data wait ≥
   ``DATA_SHARE`` → data-bound, else compute-bound;
 - a compute-bound cell is overhead-bound instead when its steps are tiny (the baseline's step under
   ``TINY_STEP_S``) and efficiency rises by ≥ ``OVERHEAD_RISE`` at a larger batch with the same devices;
@@ -33,6 +34,7 @@ DATA_SHARE = 0.25
 OVERHEAD_RISE = 0.10
 SUPERLINEAR = 1.10
 TINY_STEP_S = 0.05
+EXPOSED = "exposed communication"  # the phase name for the part of the all-reduce a step waits for
 
 
 def label(row: dict) -> str:
@@ -64,7 +66,8 @@ def is_poor(row: dict) -> bool:
 def phase_growth(row: dict, rows: list[dict]) -> list[tuple[str, float, float]] | None:
     """``[(phase, baseline s/step, cell s/step), ...]``, the phase that grew most first, or None when the
     cell or its baseline (fewest devices, same batch column) has no telemetry. Phases: data, forward,
-    backward (without the all-reduce), all-reduce (DDP's, timed in backward), optimizer."""
+    backward (without its exposed communication), exposed communication (the part of DDP's all-reduce that
+    backward waits for), optimizer."""
     base = find(rows, row["strategy"], row["precision"], row.get("baseline_devices", 1), row["batch_size"])
     if base is None or base is row:
         return None
@@ -74,13 +77,13 @@ def phase_growth(row: dict, rows: list[dict]) -> list[tuple[str, float, float]] 
 
     def split(tel: dict) -> dict:
         phases = dict(tel["phase_s"])
-        comm = tel.get("comm_s") or 0.0
+        comm = tel.get("exposed_comm_s") or 0.0
         phases["backward"] = phases.get("backward", 0.0) - comm
-        phases["all-reduce"] = comm
+        phases[EXPOSED] = comm
         return phases
 
     before, after = split(base_tel), split(cell_tel)
-    growth = [(k, before.get(k, 0.0), after[k]) for k in ("data", "forward", "backward", "all-reduce", "optimizer")
+    growth = [(k, before.get(k, 0.0), after[k]) for k in ("data", "forward", "backward", EXPOSED, "optimizer")
               if k in after]
     return sorted(growth, key=lambda g: g[1] - g[2])
 
@@ -107,7 +110,7 @@ def _classify(row: dict, rows: list[dict], s: dict, growth) -> str:
     """The bottleneck class of an ``ok`` poor row: by the phase that grew most when both the cell and its
     baseline were timed by phase, else by the shares of the step (module docstring)."""
     if growth is not None and growth[0][2] > growth[0][1]:
-        kind = {"all-reduce": "communication", "data": "data"}.get(growth[0][0], "compute")
+        kind = {EXPOSED: "communication", "data": "data"}.get(growth[0][0], "compute")
     elif s["comm_share"] is not None and s["comm_share"] >= COMM_SHARE and \
             (s["data_share"] is None or s["data_share"] < DATA_SHARE or s["comm_share"] >= s["data_share"]):
         kind = "communication"
@@ -180,8 +183,10 @@ def diagnose(row: dict, rows: list[dict]) -> tuple[str, str]:
 
 
 def _comm_cause(row, s, src, larger, helps) -> str:
-    taken = f"the gradient all-reduce takes {_ms(s['comm_s'])}, {s['comm_share']:.0%} of the step{src}. " \
-        if s["comm_s"] is not None else ""
+    taken = ""
+    if s["comm_s"] is not None:
+        taken = (f"{EXPOSED} (backward's wait for the gradient all-reduce) takes {_ms(s['comm_s'])}, "
+                 f"{s['comm_share']:.0%} of the step{src}. ")
     batch = ("A larger per-device batch amortizes it: " + larger + ". ") if helps else \
         (larger[0].upper() + larger[1:] + ". " if larger else "")
     return (taken + batch + "Gradient accumulation (accumulate_grad_batches=k) all-reduces once per k micro-batches; "
@@ -197,7 +202,7 @@ def _data_cause(row, s, src, larger, helps) -> str:
 
 def _compute_cause(row, s, src, larger, helps) -> str:
     measured = ", ".join(f"{what} {_ms(s[key + '_s'])} ({s[key + '_share']:.0%})" for what, key in
-                         (("all-reduce", "comm"), ("data", "data")) if s[key + "_share"] is not None)
+                         ((EXPOSED, "comm"), ("data", "data")) if s[key + "_share"] is not None)
     small = "" if s["base_step_s"] < TINY_STEP_S else \
         f" and the steps are not tiny ({_ms(s['base_step_s'])} on {s['base_devices']} device(s))"
     text = (f"neither communication nor data explains the loss ({measured}{src}){small}: the devices compute "

@@ -78,7 +78,9 @@ def shares(row: dict) -> dict:
 
     Returns a dict with ``step_time_s``, ``comm_s``, ``comm_share``, ``data_s``, ``data_share``
     (shares are fractions of the step time; None when not measured) and ``source``
-    ("telemetry", "probe" or None).
+    ("telemetry", "probe" or None). ``comm_s`` is the communication the step waits for: telemetry's
+    exposed communication (the all-reduce not hidden behind backward), else the probe's lone
+    all-reduce, which bounds it from above.
     """
     tel = row.get("telemetry") or {}
     step = tel.get("step_time_s") or row.get("step_time_s")
@@ -86,8 +88,8 @@ def shares(row: dict) -> dict:
            "source": None}
     if tel:
         out["source"] = "telemetry"
-        if tel.get("comm_s") is not None and step:
-            out["comm_s"], out["comm_share"] = tel["comm_s"], tel["comm_s"] / step
+        if tel.get("exposed_comm_s") is not None and step:
+            out["comm_s"], out["comm_share"] = tel["exposed_comm_s"], tel["exposed_comm_s"] / step
         phase_s, phase_share = tel.get("phase_s") or {}, tel.get("phase_share") or {}
         if phase_share.get("data") is not None:
             out["data_share"] = phase_share["data"]

@@ -22,7 +22,8 @@ The Trainer uses it; a hand-written Runtime loop can too::
     summary = tele.summary()                             # collective
 
 Numbers (all defined in docs/telemetry.md): per-rank step time split into data, forward,
-backward, optimizer; all-reduce time; samples/s and tokens/s; FLOPs per sample, achieved FLOP/s
+backward, optimizer; gradient communication time and the exposed part of it that the step waits for
+(``trainscale.telemetry.overlap``); samples/s and tokens/s; FLOPs per sample, achieved FLOP/s
 and MFU; peak memory per rank; GPU utilisation per device; straggler ranks. Per-rank sums are
 gathered with one ``all_gather_single`` of a small tensor (one host copy) per log interval (and one at the end) — no
 collective and no host sync per step. The first ``warmup_steps`` steps are left out of the
@@ -42,11 +43,11 @@ from trainscale.runtime.batch import batch_counts
 from trainscale.telemetry.flops import MFU_ERROR, FlopsPerSample, mfu, peak_flops_per_s, resolve_count_flops
 from trainscale.telemetry.memory import PeakMemory
 from trainscale.telemetry.nvml import GpuSampler
-from trainscale.telemetry.stragglers import busy_per_step, find_stragglers, mean, median
+from trainscale.telemetry.stragglers import compute_per_step, find_stragglers, mean, median
 from trainscale.telemetry.timers import PHASES, StepTimer
 
 # The per-rank vector gathered at log intervals (float64, NaN = not available).
-_FIELDS = ("steps", "wall", *PHASES, "comm", "samples", "tokens")
+_FIELDS = ("steps", "wall", *PHASES, "comm", "exposed_comm", "samples", "tokens")
 _EXTRA = ("loss", "memory", "memory_reserved", "gpu_util", "gpu_memory")
 _IDX = {name: i for i, name in enumerate(_FIELDS + _EXTRA)}
 _NAN = float("nan")
@@ -61,7 +62,8 @@ class Telemetry:
         count_flops: count the FLOPs of the first micro-batch (for achieved FLOP/s and MFU); None: on
             CUDA devices only, never under ``torch.compile`` (``trainscale.telemetry.flops.resolve_count_flops``).
         warmup_steps: first steps left out of :meth:`summary` (all steps are used if no others exist).
-        straggler_margin: a rank busy longer than the median by this fraction is a straggler.
+        straggler_margin: a rank computing longer per step than the median rank by this fraction is a
+            straggler (compute time: step time less exposed communication; ``telemetry.stragglers``).
         gpu_sample_interval_s: seconds between NVML samples (CUDA only).
         peak_flops: peak FLOP/s of one device for MFU, instead of trainscale's table
             (``trainscale.telemetry.flops.PEAK_FLOPS``); for devices missing from it or other clocks.
@@ -213,10 +215,10 @@ class Telemetry:
         record.update(self._numbers(rows, per_rank=True))
         stragglers = record["straggler_ranks"]
         if stragglers and stragglers != self._stragglers:
-            busy = record["rank_busy_s"]
-            self.rt.print(f"trainscale: straggler rank(s) {', '.join(map(str, stragglers))} at step {step}: busy "
-                          + ", ".join(f"{busy[r]:.4f}" for r in stragglers)
-                          + f" s/step vs median {median(busy):.4f} s/step")
+            compute = record["rank_compute_s"]
+            self.rt.print(f"trainscale: straggler rank(s) {', '.join(map(str, stragglers))} at step {step}: "
+                          "compute " + ", ".join(f"{compute[r]:.4f}" for r in stragglers)
+                          + f" s/step vs median {median(compute):.4f} s/step")
         self._stragglers = stragglers
         self.timer.start()  # leave the logging itself out of the next step
         return record
@@ -262,19 +264,19 @@ class Telemetry:
         per_step = (lambda s: s / steps) if steps > 0 else (lambda s: _NAN)
         phase_s = {p: per_step(mean(col[p])) for p in PHASES}
         total = sum(phase_s.values())
-        has_comm = self.timer.time_comm
-        comm = per_step(mean(col["comm"])) if has_comm else None
         samples_per_s = sum(col["samples"]) / wall if wall > 0 else _NAN
         tokens = sum(col["tokens"])
         achieved = self.flops.value * samples_per_s if self.flops.value is not None else None
         mfu_value, mfu_error = self._mfu(achieved, devices)
-        busy = [busy_per_step(w, c if has_comm else None, steps) for w, c in zip(col["wall"], col["comm"])]
+        has_comm = self.timer.time_comm
+        compute = [compute_per_step(wall_s, exposed if has_comm else None, steps)
+                   for wall_s, exposed in zip(col["wall"], col["exposed_comm"])]
         util = col["gpu_util"]
         out = {
             "step_time_s": per_step(wall),
             "phase_s": phase_s,
             "phase_share": {p: (v / total if total > 0 else _NAN) for p, v in phase_s.items()},
-            "comm_s": comm,
+            **_comm_numbers(col, per_step, per_step(wall), has_comm, per_rank),
             "samples_per_s": samples_per_s,
             "samples_per_s_per_device": samples_per_s / devices,
             "tokens_per_s": tokens / wall if tokens > 0 and wall > 0 else None,
@@ -285,8 +287,8 @@ class Telemetry:
             "peak_memory_bytes": [int(m) for m in col["memory"]],
             "peak_memory_kind": self.memory.kind,
             "gpu_utilization": None if all(math.isnan(u) for u in util) else util,
-            "slowest_rank": max(range(world), key=lambda r: busy[r]),
-            "straggler_ranks": find_stragglers(busy, self.straggler_margin),
+            "slowest_rank": max(range(world), key=lambda r: compute[r]),
+            "straggler_ranks": find_stragglers(compute, self.straggler_margin),
         }
         if mfu_error is not None:
             out["mfu_error"] = mfu_error
@@ -296,16 +298,28 @@ class Telemetry:
             if out["tokens_per_s"] is not None:
                 out["tokens_per_s_per_device"] = out["tokens_per_s"] / devices
             out["rank_step_time_s"] = [per_step(w) for w in col["wall"]]
-            out["rank_busy_s"] = busy
+            out["rank_compute_s"] = compute
             out["rank_phase_s"] = {p: [per_step(v) for v in col[p]] for p in PHASES}
-            if has_comm:
-                out["rank_comm_s"] = [per_step(c) for c in col["comm"]]
             if self.memory.cuda:
                 out["peak_memory_reserved_bytes"] = [int(m) for m in col["memory_reserved"]]
             if out["gpu_utilization"] is not None:
                 out["gpu_memory_used_bytes"] = col["gpu_memory"]
         return out
 
+
+def _comm_numbers(col: dict[str, list[float]], per_step, step_time_s: float, timed: bool, per_rank: bool) -> dict:
+    """``comm_s``, ``exposed_comm_s`` (seconds per step, means over ranks) and ``exposed_comm_share``
+    (of the step time), all None when the all-reduce was not timed; with ``per_rank`` and timing, also
+    ``rank_comm_s`` and ``rank_exposed_comm_s``."""
+    if not timed:
+        return {"comm_s": None, "exposed_comm_s": None, "exposed_comm_share": None}
+    exposed = per_step(mean(col["exposed_comm"]))
+    out = {"comm_s": per_step(mean(col["comm"])), "exposed_comm_s": exposed,
+           "exposed_comm_share": exposed / step_time_s if step_time_s > 0 else _NAN}
+    if per_rank:
+        out["rank_comm_s"] = [per_step(c) for c in col["comm"]]
+        out["rank_exposed_comm_s"] = [per_step(e) for e in col["exposed_comm"]]
+    return out
 
 
 class NullTelemetry:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from trainscale.runtime.batch import batch_counts
+from trainscale.telemetry.overlap import comm_overlap
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
@@ -57,7 +58,10 @@ class StepTime:
     Attributes:
         wall_s: from the step's start (``start()`` or the end of the previous step) to ``end_step``.
         phase_s: seconds per phase name (the phases marked in this step).
-        comm_s: gradient all-reduce seconds in this step (sum over buckets), or None when not timed.
+        comm_s: gradient all-reduce seconds in this step: the union of the buckets' (ready, done)
+            intervals (overlap counted once), or None when not timed.
+        exposed_comm_s: the part of ``comm_s`` the step waited for: from the last bucket ready (the last
+            gradient produced) to the last all-reduce done (``trainscale.telemetry.overlap``); None when not timed.
         samples: samples this rank processed in the step (all micro-batches).
         tokens: tokens this rank processed, or None when batches carry no tokens.
     """
@@ -67,6 +71,7 @@ class StepTime:
     comm_s: float | None = None
     samples: int = 0
     tokens: int | None = None
+    exposed_comm_s: float | None = None
 
 
 class StepTimer:
@@ -92,7 +97,7 @@ class StepTimer:
         self.running = running
         self._phase_sums: dict[str, float] = {}  # running mode: seconds per phase since the last totals()
         self._micro = [0.0, 0.0, 0.0]  # running mode: micro_batch()'s data, forward, backward seconds
-        self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # running mode: steps, wall, comm, samples, tokens
+        self._sums = [0.0] * 6  # running mode: steps, wall, comm, exposed comm, samples, tokens
         self.time_comm = time_comm
         self._step_start: Any = None
         self._last: Any = None
@@ -174,7 +179,10 @@ class StepTimer:
             self._tokens = (self._tokens or 0) + tokens
 
     def record_comm(self, start: Any, end: Any) -> None:
-        """One all-reduce's clock readings (called from a DDP comm hook, possibly on another thread)."""
+        """One bucket all-reduce's :meth:`clock` readings: when DDP handed the bucket over (its gradients
+        ready) and when the all-reduce completed (called from a DDP comm hook, possibly on another thread;
+        DDP's backward returns only after every bucket's future, so all of a step's readings are in by
+        :meth:`end_step`)."""
         self._comm.append((start, end))
 
     def end_step(self, phase: str | None = None) -> None:
@@ -190,11 +198,13 @@ class StepTimer:
             sums[1] += now - start
             if self._comm:
                 comm, self._comm = self._comm, []
-                sums[2] += sum(b - a for a, b in comm)
-            sums[3] += self._samples
+                union, exposed = comm_overlap(comm)
+                sums[2] += union
+                sums[3] += exposed
+            sums[4] += self._samples
             self._samples = 0
             if self._tokens is not None:
-                sums[4] += self._tokens
+                sums[5] += self._tokens
                 self._tokens = None
             self._step_start = self._last = now
             return
@@ -229,13 +239,14 @@ class StepTimer:
             phases: dict[str, float] = {}
             for name, a, b in marks:
                 phases[name] = phases.get(name, 0.0) + self._elapsed(a, b)
-            comm_s = sum(self._elapsed(a, b) for a, b in comm) if self.time_comm else None
-            out.append(StepTime(self._elapsed(start, end), phases, comm_s, samples, tokens))
+            comm_s, exposed_s = self._comm_seconds(start, comm) if self.time_comm else (None, None)
+            out.append(StepTime(self._elapsed(start, end), phases, comm_s, samples, tokens, exposed_s))
         return out
 
     def totals(self, phases: tuple[str, ...] = PHASES) -> list[list[float]]:
         """Drain the steps closed since the last call as rows of sums, for adding up:
-        ``[steps, wall_s, seconds of each of phases..., comm_s (0.0 when not timed), samples, tokens]``.
+        ``[steps, wall_s, seconds of each of phases..., comm_s, exposed_comm_s (both 0.0 when not timed),
+        samples, tokens]``.
 
         A ``running`` timer returns one row for all those steps (none if there was no step); otherwise
         there is one row per step (``steps`` = 1), resolved like :meth:`collect` (on CUDA: one host sync).
@@ -247,13 +258,13 @@ class StepTimer:
                 return []
             for name, seconds in zip(("data", "forward", "backward"), self._micro):
                 phase_sums[name] = phase_sums.get(name, 0.0) + seconds
-            self._sums, self._phase_sums, self._micro = [0.0] * 5, {}, [0.0, 0.0, 0.0]
+            self._sums, self._phase_sums, self._micro = [0.0] * 6, {}, [0.0, 0.0, 0.0]
             return [[sums[0], sums[1], *(phase_sums.get(p, 0.0) for p in phases), *sums[2:]]]
         column = {name: i for i, name in enumerate(phases, 2)}
         zeros = [0.0] * len(phases)
         out = []
         for start, end, marks, comm, samples, tokens in self._take():
-            row = [1.0, self._elapsed(start, end), *zeros, sum(self._elapsed(a, b) for a, b in comm),
+            row = [1.0, self._elapsed(start, end), *zeros, *self._comm_seconds(start, comm),
                    float(samples), float(tokens or 0)]
             for name, a, b in marks:
                 i = column.get(name)
@@ -261,6 +272,11 @@ class StepTimer:
                     row[i] += self._elapsed(a, b)
             out.append(row)
         return out
+
+    def _comm_seconds(self, start: Any, comm: list[tuple[Any, Any]]) -> tuple[float, float]:
+        """(communication, exposed) seconds of a step's all-reduce readings, each resolved against the
+        step's start reading (CUDA: events on the device's timeline)."""
+        return comm_overlap([(self._elapsed(start, a), self._elapsed(start, b)) for a, b in comm])
 
     def _elapsed(self, a: Any, b: Any) -> float:
         return a.elapsed_time(b) / 1000.0 if self.cuda else b - a

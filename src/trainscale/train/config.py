@@ -38,8 +38,8 @@ class TrainerConfig:
             requeue a SLURM job (SIGUSR1) and exit with ``trainscale.train.fault.Preempted``; a rank that
             cannot get there exits 20 s after SIGTERM with its stacks (docs/fault-tolerance.md).
         enable_telemetry: measure the step-phase split, throughput, MFU, memory, GPU utilisation and
-            stragglers (docs/telemetry.md). straggler_margin: a rank busy this fraction longer than the
-            median is a straggler. tensorboard: also write TensorBoard scalars (``trainscale[tensorboard]``).
+            stragglers (docs/telemetry.md). straggler_margin: a rank computing this fraction longer than
+            the median (step time less exposed communication) is a straggler. tensorboard: also write TensorBoard scalars (``trainscale[tensorboard]``).
     """
 
     max_epochs: int = 1

@@ -91,8 +91,11 @@ class DDPStrategy:
         Without ``ddp_comm_hook``, registers a DDP communication hook that does exactly DDP's default
         all-reduce (PyTorch's ``default_hooks.allreduce_hook``: divide by the world size, then
         all-reduce SUM); with one, times the user's hook. ``record(start, end)`` gets ``clock()`` read
-        when DDP hands the bucket over and when the hook's future completes (in a ``Future.then``
-        callback, so the wait for slower ranks is included). Call once, before the first backward.
+        when DDP hands the bucket over (its gradients are ready; DDP hands buckets over in order, so the
+        last hand-over is the end of gradient computation) and when the hook's future completes (in a
+        ``Future.then`` callback, so the wait for slower ranks is included). Buckets overlap each other
+        and backward: ``trainscale.telemetry.overlap`` turns a step's readings into communication and
+        exposed time. Call once, before the first backward.
         https://pytorch.org/docs/stable/ddp_comm_hooks.html
 
         Returns:
