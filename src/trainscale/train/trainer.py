@@ -21,6 +21,7 @@ from trainscale.runtime.runtime import RUNTIME_FLAGS, Runtime
 from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry
 from trainscale.train import checkpoint as ckpt, checkpointer, evaluation
+from trainscale.train.batch_size import tuned_loader
 from trainscale.train.data_checks import check_loaders, explain_batch_error
 from trainscale.train.config import TRAINER_FLAGS, resolve_trainer_config
 from trainscale.train.fault import STEP_PHASE, FaultTolerance
@@ -64,7 +65,8 @@ class Trainer:
                  callbacks: list[Callback] | None = None, logger: Any = None,
                  float32_matmul_precision: str | None = None, peak_flops: float | None = None,
                  parallel: dict | None = None, tp_plan: dict | None = None,
-                 parallelize: Callable | None = None) -> None:
+                 parallelize: Callable | None = None, batch_size: str | None = None,
+                 max_memory: int | None = None) -> None:
         self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
         self.config = resolve_trainer_config(**{k: v for k, v in self._init_kwargs.items() if k in TRAINER_FLAGS})
         self.callbacks = resolve_callbacks(callbacks)
@@ -156,6 +158,7 @@ class Trainer:
     def _run_fit(self, model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, verify) -> dict:
         rt, cfg = self.runtime, self.config
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
+        train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
         ckpt.seed_everything(cfg.seed)
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
         point = self._load(resume_from, verify) if resume_from is not None else None
