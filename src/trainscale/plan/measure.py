@@ -1,5 +1,5 @@
 """The measured part of the time prediction: one device's forward, backward and optimizer seconds per
-micro-batch, from a short real run (warm-up steps untimed, then the median of timed steps); the data
+micro-batch, from a short real run (warm-up steps untimed, then the mean of timed steps); the data
 loader's seconds per batch; and, inside ``trainscale plan --probe``'s processes, the same step with
 the collectives a DDP step issues, timed where DDP issues them (:mod:`trainscale.plan.probe`).
 
@@ -23,7 +23,7 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ComputeTime:
-    """Median seconds per micro-batch of ``batch_size`` on one device; ``comm_s``: the collectives timed
+    """Mean seconds per micro-batch of ``batch_size`` on one device; ``comm_s``: the collectives timed
     in the step (0 outside the probe); ``data_s``: the data loader's seconds per batch (0: not measured)."""
 
     batch_size: int
@@ -109,7 +109,9 @@ def measure_compute(model: nn.Module, sample: tuple, batch_size: int, loss_fn: C
     with num_threads(threads):
         times = [_timed_step(model, optimizer, x, y, loss_fn, prec, device, collectives)
                  for _ in range(warmup + steps)][warmup:]
-    fwd, bwd, comm, opt = (statistics.median(col) for col in zip(*times))
+    # the mean, not the median: an epoch is the sum of its steps, and on a shared host the slow steps
+    # (a descheduled process, a peer that wakes late) are part of that sum
+    fwd, bwd, comm, opt = (statistics.fmean(col) for col in zip(*times))
     return ComputeTime(batch_size, fwd, bwd, opt, str(device), comm_s=comm)
 
 
@@ -130,3 +132,35 @@ def measure_data(dataset: Any, batch_size: int, loader_kwargs: dict | None = Non
                 break
             n += 1
     return (time.perf_counter() - t0) / n if n else 0.0
+
+
+def counted_compute(meta_model: nn.Module, sample: tuple, batch_size: int, loss_fn: Callable, precision: str,
+                    device_flops: float) -> ComputeTime:
+    """Forward and backward seconds of a device you are not on: the step's FLOPs, counted by PyTorch's
+    ``torch.utils.flop_counter.FlopCounterMode`` on fake tensors (no storage), divided by the device's
+    FLOP/s ``device_flops`` (e.g. 989e12, an H100 SXM's dense bf16 peak in NVIDIA's datasheet).
+
+    At the peak rate (a model FLOPs utilisation of 1) these are lower bounds. The optimizer (memory-bound,
+    a few FLOPs per parameter) and the data loader are counted as 0 s.
+
+    Raises:
+        ValueError: ``device_flops`` not positive.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trainscale.plan import memory
+    from trainscale.runtime.precision import Precision
+
+    if not device_flops > 0:
+        raise ValueError(f"device_flops={device_flops!r} must be the device's FLOP/s, e.g. 989e12")
+    prec = Precision(precision, "cpu")
+    with memory._fake_mode():
+        model = memory._fake_copy(meta_model, precision)
+        x, y = prec.convert_input(memory._fake_batch(sample, batch_size))
+        with FlopCounterMode(display=False) as forward:
+            with prec.autocast():
+                loss = loss_fn(model(x), y)
+        with FlopCounterMode(display=False) as backward:
+            loss.backward()
+    return ComputeTime(batch_size, forward.get_total_flops() / device_flops,
+                       backward.get_total_flops() / device_flops, 0.0, f"{device_flops:.4g} FLOP/s (counted)")

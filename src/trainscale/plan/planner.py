@@ -253,7 +253,7 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
          precision: str = "32-true", optimizer: Callable | None = None, loss_fn: Callable | None = None,
          activation_checkpointing: Any = None, strategy_options: dict | None = None,
          device_memory: int | str | None = None, link: comm.Link | str | None = None, probe: bool = False,
-         overlap: float = 0.0, measure: bool = True) -> PlanResult:
+         overlap: float = 0.0, measure: bool = True, device_flops: float | None = None) -> PlanResult:
     """Predict memory per device and, with a link, time per step and epoch, for each strategy,
     device count and per-device batch size.
 
@@ -277,6 +277,8 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
             with DDP's collectives in place, used for the 2-device rows). Without either, no time is predicted.
         overlap: share of backward that hides communication (0: none, the upper bound).
         measure: time one device's step per batch size (needed for time predictions).
+        device_flops: FLOP/s of a device you are not on (e.g. 989e12): forward and backward time from the
+            step's counted FLOPs instead of a measured run (:func:`~trainscale.plan.measure.counted_compute`).
 
     Returns:
         A :class:`PlanResult`; ``result.table()`` is the text table.
@@ -323,7 +325,13 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
     compute, probed, threads = {}, {}, _threads(devices)
     if probe:
         link, probed = _probe(work, batch_sizes, precision, threads, options)
-    if link is not None and measure:
+    if link is not None and device_flops:
+        from trainscale.plan.measure import counted_compute
+
+        compute = {bs: counted_compute(meta, work.sample, bs, work.loss_fn, precision, device_flops)
+                   for bs in batch_sizes}
+        _add_time(rows, compute, probed, meta, precision, options, link, overlap, work.dataset_size)
+    elif link is not None and measure:
         compute = _measure(work, batch_sizes, precision, threads)
         _add_time(rows, compute, probed, meta, precision, options, link, overlap, work.dataset_size)
     return PlanResult(rows, capacity, link, compute, probed)

@@ -12,7 +12,7 @@ at once (so the compute is measured under the contention N processes on one host
 collectives of a DDP step issued where DDP issues them (:class:`DDPCollectives`: the buffers broadcast
 before forward, each gradient bucket all-reduced after backward). A collective issued after compute
 waits for the slowest rank and, on a busy host, for a descheduled peer to wake: the idle link fit
-misses both, this measurement holds them. Each rank times its own steps; the slowest rank's medians
+misses both, this measurement holds them. Each rank times its own steps; the slowest rank's means
 are returned (a synchronous step waits for it).
 """
 
@@ -58,7 +58,7 @@ class DDPCollectives:
 
 def _time_steps(rt, spec: dict) -> dict:
     """Each batch size's step (forward, backward, DDP's collectives, optimizer) timed on every rank at
-    once; per batch size the slowest rank's medians (``ComputeTime`` fields, s)."""
+    once; per batch size the slowest rank's means (``ComputeTime`` fields, s)."""
     from trainscale.plan.measure import measure_compute
 
     work = spec["workload"]
