@@ -176,3 +176,23 @@ def test_bad_flags_fail_before_any_cell_with_a_one_line_error(tmp_path):
                               *flags], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=tmp_path)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
         assert not (tmp_path / "x").exists()  # nothing ran, nothing written
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_bench_plan_adds_predicted_columns_beside_the_measured_ones(workdir):
+    import csv
+
+    out = workdir / "sweep"
+    proc = subprocess.run(bench_cmd("--entry", "benchpkg.workload:build", "--devices", "1,2", "--batch-sizes", "8,16",
+                                    "--plan", "--out", str(out)), capture_output=True, text=True, timeout=280,
+                          env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)
+    for r in rows:
+        predicted, measured = float(r["predicted_epoch_time_s"]), float(r["epoch_time_s"])
+        assert predicted > 0 and measured > 0 and int(r["predicted_peak_bytes"]) > 0
+        assert float(r["predicted_error"]) == pytest.approx(predicted / measured - 1)
+    assert "plan 2d" in proc.stdout and "err 2d" in proc.stdout

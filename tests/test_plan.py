@@ -24,6 +24,11 @@ def test_collective_formulas_follow_nccl_tests_bus_bandwidth():
     assert comm.all_reduce_s(0.0, 2, slow) == 0.0 and comm.all_reduce_s(8.0, 2, slow) == pytest.approx(2e-5 + 8e-11)
     # DDP: 60 MiB of gradients = 2 full 25 MiB buckets + one of 10 MiB, each paying the latency
     assert comm.ddp_comm_s(60 * 2**20, 4, slow) == pytest.approx(3 * 6 * 10e-6 + 60 * 2**20 * 1.5 / 100e9)
+    # DDP broadcasts the buffers before each forward: a pipelined broadcast, busbw = algbw (nccl-tests)
+    assert comm.broadcast_s(1e9, 8, link) == pytest.approx(1e9 / 100e9) and comm.broadcast_s(1e9, 1, link) == 0.0
+    assert comm.ddp_comm_s(60 * 2**20, 4, slow, buffer_bytes=800.0) == pytest.approx(
+        comm.ddp_comm_s(60 * 2**20, 4, slow) + 3 * 10e-6 + 800 / 100e9)
+    assert comm.ddp_buckets(60 * 2**20) == [25 * 2**20, 25 * 2**20, 10 * 2**20] and comm.ddp_buckets(0) == []
     assert comm.step_s(1.0, 2.0, 0.5, 3.0, overlap=0.0) == 6.5
     assert comm.step_s(1.0, 2.0, 0.5, 3.0, overlap=1.0) == 4.5 and comm.step_s(1.0, 2.0, 0.5, 1.0, overlap=1.0) == 3.5
     assert comm.steps_per_epoch(4000, 64, 2) == 32 and comm.steps_per_epoch(4001, 64, 1) == 63
@@ -78,8 +83,10 @@ def test_plan_time_adds_the_modelled_communication_to_the_measured_step():
                           strategies=["ddp"], device_memory="1GB", link=link)
     t = result.compute[8]
     grad_bytes = 4 * sum(p.numel() for p in ConvNet().parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in ConvNet().buffers())  # BatchNorm statistics
+    assert t.data_s == 0.0  # no data set given: the loader is not timed
     for row in result.rows:
-        assert row.comm_s == pytest.approx(comm.ddp_comm_s(grad_bytes, row.devices, link))
+        assert row.comm_s == pytest.approx(comm.ddp_comm_s(grad_bytes, row.devices, link, buffer_bytes=buffer_bytes))
         assert row.step_s == pytest.approx(t.forward_s + t.backward_s + t.optimizer_s + row.comm_s)
         assert row.epoch_s == pytest.approx(row.step_s * comm.steps_per_epoch(1000, 8, row.devices))
         assert row.efficiency == pytest.approx(row.gain / row.devices)
@@ -104,6 +111,54 @@ def test_cli_plan_prints_the_table_and_refuses_bad_flags(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_probe_fits_a_positive_link_from_two_gloo_processes():
-    link, raw = probe.probe(2, sizes=(2**12, 2**18, 2**22), reps=3)
+    work = planner.Workload(ConvNet(), SAMPLE, torch.nn.functional.cross_entropy, lambda p: torch.optim.AdamW(p))
+    steps = {"workload": work, "batch_sizes": [4, 16], "precision": "32-true", "threads": 1,
+             "bucket_bytes": 25 * 2**20}
+    link, raw = probe.probe(2, sizes=(2**12, 2**18, 2**22), reps=3, steps=steps)
     assert link.source == "probe" and link.bus_bandwidth > 0 and link.latency >= 0
     assert raw["world_size"] == 2 and len(raw["all_reduce"]) == len(raw["all_gather"]) == 3
+    # the ConvNet's step timed in both processes with DDP's broadcast and all-reduce in place
+    assert set(raw["steps"]) == {4, 16} and all(t["comm_s"] > 0 and t["forward_s"] > 0 for t in raw["steps"].values())
+
+
+def test_probed_rows_take_the_step_the_probe_timed_and_the_data_loader_time():
+    from trainscale.plan.measure import ComputeTime
+
+    link = comm.Link(bus_bandwidth=1e9, latency=1e-4)
+    one = ComputeTime(8, 0.010, 0.020, 0.003, "cpu", data_s=0.001)
+    together = ComputeTime(8, 0.015, 0.025, 0.004, "cpu", comm_s=0.006)  # 2 processes at once, DDP's collectives
+    result = planner.plan(ConvNet, sample=SAMPLE, devices=[1, 2, 4], batch_sizes=[8], strategies=["ddp", "fsdp"],
+                          device_memory="1GB", measure=False)
+    meta = build_meta_model(ConvNet)
+    planner._add_time(result.rows, {8: one}, {"devices": 2, 8: together}, meta, "32-true", {}, link, 0.0, 1000)
+    by = {(r.strategy, r.devices): r for r in result.rows}
+    assert by[("ddp", 1)].step_s == pytest.approx(0.001 + 0.033) and by[("ddp", 1)].comm_s == 0.0
+    assert by[("ddp", 2)].comm_s == 0.006 and "probed" in by[("ddp", 2)].note
+    assert by[("ddp", 2)].step_s == pytest.approx(0.001 + 0.015 + 0.025 + 0.004 + 0.006)
+    # other device counts and strategies: the probed compute plus the modelled collectives
+    assert by[("ddp", 4)].comm_s == pytest.approx(planner._comm_s(by[("ddp", 4)], meta, "32-true", {}, link))
+    assert by[("ddp", 4)].step_s == pytest.approx(0.001 + 0.044 + by[("ddp", 4)].comm_s)
+    fsdp = by[("fsdp", 2)]
+    assert fsdp.step_s == pytest.approx(0.001 + 0.015 + 0.025 + 0.004 / 2 + fsdp.comm_s) and not fsdp.note
+
+
+def test_measure_data_times_the_workload_loader():
+    from torch.utils.data import TensorDataset
+
+    from trainscale.plan.measure import measure_data
+
+    data = TensorDataset(torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,)))
+    assert measure_data(data, 8, {"num_workers": 0}, batches=4) > 0
+
+
+def test_gpt_worked_example_of_docs_plan_md_runs_and_prints_the_table():
+    """The command of docs/plan.md's worked example (8 GPUs of 80 GB at 400 GB/s, 989 TFLOP/s): nothing is
+    allocated (the GPT is traced on fake tensors), so it runs here; the 124M-parameter bytes are exact."""
+    cmd = [sys.executable, "-m", "trainscale.cli", "plan", "--entry", "trainscale.bench.workload:gpt_shakespeare",
+           "--devices", "8", "--batch-sizes", "8", "--strategy", "ddp,fsdp", "--precision", "bf16-mixed",
+           "--device-memory", "80GB", "--bandwidth", "400GB/s,latency=10us", "--device-flops", "989e12"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ddp · bf16-mixed" in out.stdout and "fsdp · bf16-mixed" in out.stdout
+    assert "474.4 MiB" in out.stdout  # 124,373,760 fp32 parameters (the tied output matrix counted once)
+    assert "Fastest that fits: fsdp on 8 devices at bs 8/device" in out.stdout

@@ -112,7 +112,11 @@ def _cell(row: dict | None, what: str) -> str:
         return str(row["batches_per_epoch"])
     if what == "time":
         return ("~" if row.get("epoch_time_estimated") else "") + fmt_time(row.get("epoch_time_s"))
+    if what == "predicted_epoch_time_s":
+        return fmt_time(row.get(what))
     value = row.get(what)
+    if what == "predicted_error":
+        return "—" if value is None else f"{value:+.0%}"
     return "—" if value is None else (f"{value:.2f}×" if what == "gain" else f"{value:.2f}")
 
 
@@ -120,21 +124,26 @@ def table(rows: list[dict], devices: list[int], batch_sizes: list[int], strategy
           scaling: str = "weak") -> str:
     """The classic table for one strategy and precision: bs | batches/epoch per device count |
     epoch time (mm:ss.s) per device count | gain | efficiency (one column per device count above the
-    baseline). ``rows`` must have been through :func:`add_scaling`. "~" marks an epoch time estimated
+    baseline), and when the rows carry predictions (``bench --plan``) the predicted epoch and its error
+    per device count. ``rows`` must have been through :func:`add_scaling`. "~" marks an epoch time estimated
     from ``--steps``; OOM/TIMEOUT/FAILED/CRASHED mark failed cells."""
     devices = sorted(devices)
     more = [d for d in devices if d != devices[0]]
     bs_name = "bs/device" if scaling == "weak" else "global bs"
+    predicted = devices if any("predicted_epoch_time_s" in r for r in rows) else []
     head = ([bs_name] + [f"batches/ep {d}d" for d in devices] + [f"epoch {d}d" for d in devices]
-            + [f"gain {d}d" for d in more] + [f"eff {d}d" for d in more])
+            + [f"gain {d}d" for d in more] + [f"eff {d}d" for d in more]
+            + [f"plan {d}d" for d in predicted] + [f"err {d}d" for d in predicted])
     body = []
     for bs in batch_sizes:
         cells = {d: find(rows, strategy, precision, d, bs) for d in devices}
         body.append([str(bs)] + [_cell(cells[d], "batches") for d in devices]
                     + [_cell(cells[d], "time") for d in devices]
-                    + [_cell(cells[d], "gain") for d in more] + [_cell(cells[d], "efficiency") for d in more])
+                    + [_cell(cells[d], "gain") for d in more] + [_cell(cells[d], "efficiency") for d in more]
+                    + [_cell(cells[d], "predicted_epoch_time_s") for d in predicted]
+                    + [_cell(cells[d], "predicted_error") for d in predicted])
     widths = [max(len(line[i]) for line in [head] + body) for i in range(len(head))]
-    groups = [1, len(devices), len(devices), len(more), len(more)]
+    groups = [1, len(devices), len(devices), len(more), len(more), len(predicted), len(predicted)]
 
     def render(line: list[str]) -> str:
         parts, i = [], 0
@@ -145,7 +154,8 @@ def table(rows: list[dict], devices: list[int], batch_sizes: list[int], strategy
         return " | ".join(parts)
 
     title = f"{strategy} · {precision} · {scaling} scaling (epoch time mm:ss.s; gain = epoch time on " \
-            f"{devices[0]} device{'s' if devices[0] > 1 else ''} ÷ epoch time; efficiency = gain ÷ device ratio)"
+            f"{devices[0]} device{'s' if devices[0] > 1 else ''} ÷ epoch time; efficiency = gain ÷ device ratio" \
+            + ("; plan = trainscale plan's predicted epoch, err = plan ÷ measured − 1)" if predicted else ")")
     lines = [render(head)]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join([title, *lines, *(render(b) for b in body)])

@@ -1,7 +1,8 @@
 """The sweep's files: results.json, results.csv, report.md and PNG plots (matplotlib, imported lazily, Agg).
 
 - ``results.json``: one object per cell with every measured field (telemetry nested) plus
-  ``epoch_time_s``, ``gain``, ``efficiency``.
+  ``epoch_time_s``, ``gain``, ``efficiency`` (and with ``--plan`` ``predicted_epoch_time_s``,
+  ``predicted_peak_bytes``, ``predicted_error``).
 - ``results.csv``: the same rows flattened (``telemetry.phase_share.data``, ...; lists as JSON).
 - ``scaling.png``: gain and scaling efficiency against batch size, one line per device count.
 - ``phases.png``: the step-phase split (data, forward, backward, optimizer) of each cell, when the
@@ -141,11 +142,17 @@ def cell_table(rows: list[dict]) -> list[str]:
 
 
 def write(out: Path, rows: list[dict], devices: list[int], batch_sizes: list[int], strategies: list[str],
-          precisions: list[str], scaling: str, target_accuracy: float | None, plots: bool = True):
-    """Compute gain/efficiency and advice; write every file; return a ``BenchResult``."""
+          precisions: list[str], scaling: str, target_accuracy: float | None, plots: bool = True,
+          predict_entry: str | None = None):
+    """Compute gain/efficiency and advice (and, with ``predict_entry``, the plan's predictions: see
+    :mod:`trainscale.bench.predicted`); write every file; return a ``BenchResult``."""
     from trainscale.bench.runner import BenchResult
 
     rows = analysis.add_scaling(rows, devices)
+    if predict_entry is not None:
+        from trainscale.bench.predicted import add_predictions
+
+        rows = add_predictions(rows, predict_entry, devices, strategies, precisions)
     tables = "\n\n".join(analysis.table(rows, devices, batch_sizes, s, p, scaling) for s, p in _groups(strategies, precisions))
     advice = advise(rows, target_accuracy)
     (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")

@@ -213,7 +213,7 @@ def sweep(entry: str | Callable | None = None, *, devices: Sequence[int] | None 
           precisions: Sequence[str] = ("32-true",), scaling: str = "weak", epochs: int = 1, steps: int | None = None,
           warmup_steps: int = 5, timeout: float = 900.0, out: str | os.PathLike | None = None, resume: bool = False,
           target_accuracy: float | None = None, accelerator: str = "auto", seed: int = 0, progress: bool = True,
-          plots: bool = True) -> BenchResult:
+          plots: bool = True, predict: bool = False) -> BenchResult:
     """Run the scaling grid and write the report.
 
     Args:
@@ -236,6 +236,9 @@ def sweep(entry: str | Callable | None = None, *, devices: Sequence[int] | None 
         seed: the same seed in every cell (same initial weights and data order for a given batch size).
         progress: progress lines on stderr.
         plots: write the PNG plots (needs matplotlib).
+        predict: after the sweep, run ``trainscale.plan`` for the same cells (probing this machine) and add
+            ``predicted_epoch_time_s``, ``predicted_peak_bytes`` and ``predicted_error`` to the rows and
+            the table (:mod:`trainscale.bench.predicted`).
 
     Returns:
         A :class:`BenchResult`.
@@ -305,7 +308,9 @@ def sweep(entry: str | Callable | None = None, *, devices: Sequence[int] | None 
 
     keys = {c.key for c in cells}
     rows = [r for r in read_rows(results_path) if r["key"] in keys]
+    if predict:
+        bar.say("predicting the same cells with trainscale plan --probe")
     result = report.write(out, rows, sorted(devices), sorted(batch_sizes), list(strategies), list(precisions),
-                          scaling, target_accuracy, plots=plots)
+                          scaling, target_accuracy, plots=plots, predict_entry=entry if predict else None)
     result.ran = ran
     return result

@@ -39,6 +39,22 @@ def mnist_convnet() -> dict:
             "optimizer": lambda params: torch.optim.AdamW(params, lr=2e-3)}
 
 
+def gpt_shakespeare() -> dict:
+    """GPT-2 124M (``trainscale.models.GPT("gpt2-124m")``: 12 layers, 12 heads, width 768, context 1024)
+    on byte-level Shakespeare in windows of 1,024 tokens (the ``shakespeare`` package), ``lm_loss``,
+    AdamW with lr 6e-4 (GPT-2 small's). The worked example of docs/plan.md."""
+    import torch
+
+    from trainscale.data import load_text
+    from trainscale.models import GPT
+    from trainscale.models.gpt import lm_loss
+
+    model = GPT("gpt2-124m")
+    train, val = load_text(context_length=model.config.context_length)
+    return {"model": model, "train": train, "val": val, "loss_fn": lm_loss,
+            "optimizer": lambda params: torch.optim.AdamW(params, lr=6e-4)}
+
+
 def parse_entry(entry: str) -> tuple[str, str]:
     """Split ``"package.module:function"``.
 

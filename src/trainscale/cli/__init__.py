@@ -143,6 +143,9 @@ def _add_bench(sub) -> None:
     bench.add_argument("--resume", action="store_true", help="complete the sweep in --out (default: the newest), "
                                                              "skipping cells already recorded")
     bench.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    bench.add_argument("--plan", action="store_true",
+                       help="also predict each cell with `trainscale plan --probe` and add predicted_epoch_time_s, "
+                            "predicted_peak_bytes and predicted_error to results.csv and the table")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     bench.set_defaults(func=_cmd_bench)
 

@@ -24,7 +24,7 @@ def run_bench(args: argparse.Namespace) -> int:
                        epochs=args.epochs, steps=args.steps, warmup_steps=args.warmup_steps, timeout=args.timeout,
                        out=args.out, resume=args.resume, target_accuracy=args.target_accuracy,
                        accelerator=args.accelerator, seed=args.seed, progress=not args.quiet,
-                       plots=not args.no_plots)
+                       plots=not args.no_plots, predict=args.plan)
     except KeyboardInterrupt:
         print("\ntrainscale bench: interrupted; the finished cells are kept in results.jsonl: rerun the same "
               "command with --resume (and the same --out) to complete the sweep", file=sys.stderr)

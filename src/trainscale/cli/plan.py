@@ -31,6 +31,9 @@ def add_parser(sub, ints, names) -> None:
     plan.add_argument("--probe", action="store_true", help="measure the link between 2 processes on this machine")
     plan.add_argument("--overlap", type=float, default=0.0,
                       help="share of backward that hides communication, 0..1 (default 0: none, an upper bound)")
+    plan.add_argument("--device-flops", type=float, default=None, metavar="FLOPS",
+                      help="FLOP/s of a device you are not on, e.g. 989e12 (H100 SXM, dense bf16): compute time "
+                           "from the step's counted FLOPs (a lower bound) instead of a run on this machine")
     plan.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
     plan.set_defaults(func=run_plan)
 
@@ -45,7 +48,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     result = plan(entry=args.entry, devices=args.devices, batch_sizes=args.batch_sizes, strategies=args.strategy,
                   precision=args.precision, device_memory=args.device_memory, link=args.bandwidth,
-                  probe=args.probe, overlap=args.overlap)
+                  probe=args.probe, overlap=args.overlap, device_flops=args.device_flops)
     print(result.table())
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

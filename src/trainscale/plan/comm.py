@@ -6,12 +6,14 @@ tests (nccl-tests ``doc/PERFORMANCE.md``): for a collective on N ranks over S by
 
 - all-reduce:      t = 2(N−1)·α + S · 2(N−1)/N / B    (a ring reduce-scatter then all-gather)
 - all-gather:      t = (N−1)·α + S · (N−1)/N / B      (S: the gathered, full size)
+- broadcast:       t = (N−1)·α + S / B                (pipelined ring: busbw = algbw)
 - reduce-scatter:  t = (N−1)·α + S · (N−1)/N / B      (S: the full input size)
 
 so that the bus bandwidth nccl-tests prints for a fabric is the B to use here. Per training step:
 
 - ddp (Li et al. 2020, "PyTorch Distributed", VLDB): one all-reduce of the gradients per bucket
-  (``bucket_cap_mb``, 25 MiB by default), overlapped with backward;
+  (``bucket_cap_mb``, 25 MiB by default), overlapped with backward, and a broadcast of the buffers
+  (BatchNorm statistics) from rank 0 before each forward (``broadcast_buffers=True``);
 - fsdp (Zhao et al. 2023, "PyTorch FSDP", VLDB; FSDP2 ``fully_shard``): the parameters are all-gathered
   in forward and, for the units resharded after forward, again in backward; the gradients are
   reduce-scattered; the optimizer steps 1/N of the parameters.
@@ -99,10 +101,27 @@ def all_gather_s(nbytes: float, n: int, link: Link) -> float:
     return (n - 1) * link.latency + nbytes * (n - 1) / n / link.bus_bandwidth
 
 
-def ddp_comm_s(grad_bytes: float, n: int, link: Link, bucket_bytes: float = DDP_BUCKET_BYTES) -> float:
-    """All-reduce seconds of one DDP step: full buckets of ``bucket_bytes`` and one partial bucket."""
+def broadcast_s(nbytes: float, n: int, link: Link) -> float:
+    """Seconds of a pipelined ring broadcast of ``nbytes`` from one rank to ``n`` ranks: nccl-tests'
+    bus bandwidth of broadcast equals its algorithm bandwidth (every byte crosses each link once)."""
+    if n < 2 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * link.latency + nbytes / link.bus_bandwidth
+
+
+def ddp_buckets(grad_bytes: float, bucket_bytes: float = DDP_BUCKET_BYTES) -> list[float]:
+    """Byte sizes of DDP's gradient buckets: full buckets of ``bucket_bytes`` and one partial bucket."""
     full, rest = divmod(grad_bytes, bucket_bytes)
-    return full * all_reduce_s(bucket_bytes, n, link) + all_reduce_s(rest, n, link)
+    return [float(bucket_bytes)] * int(full) + ([rest] if rest > 0 else [])
+
+
+def ddp_comm_s(grad_bytes: float, n: int, link: Link, bucket_bytes: float = DDP_BUCKET_BYTES,
+               buffer_bytes: float = 0.0) -> float:
+    """Seconds of one DDP step's collectives: an all-reduce per gradient bucket and, when the model has
+    buffers (BatchNorm statistics), their broadcast from rank 0 before each forward (DDP's default
+    ``broadcast_buffers=True``; Li et al. 2020, section 3.2)."""
+    return sum(all_reduce_s(b, n, link) for b in ddp_buckets(grad_bytes, bucket_bytes)) + \
+        broadcast_s(buffer_bytes, n, link)
 
 
 def fsdp_comm_s(gather_bytes: float, regather_bytes: float, reduce_bytes: float, n: int, link: Link) -> float:

@@ -20,9 +20,12 @@ STRATEGIES = ("ddp", "fsdp")
 @dataclass
 class Workload:
     """What is planned: a model (an ``nn.Module``, possibly on the meta device, or a zero-argument
-    factory), one example ``(input, target)``, the loss ``(outputs, targets) -> loss``, the optimizer
-    factory ``params -> Optimizer``, the training samples per epoch (None: no epoch time) and ``build``,
-    a factory of a real model for the timed run (default: a copy of ``model`` or ``model()``)."""
+    factory), one example ``(input, target)`` (its shapes and dtypes matter; it may be on the meta
+    device), the loss ``(outputs, targets) -> loss``, the optimizer factory ``params -> Optimizer``, the
+    training samples per epoch (None: no epoch time), the training ``dataset`` and its DataLoader
+    arguments (to time the data loader; None: not timed), and ``build``: a zero-argument function
+    returning bench's workload dict (a real model and data for the timed runs; None: a copy of
+    ``model`` or ``model()``, with ``sample`` and ``dataset``)."""
 
     model: Any
     sample: tuple
@@ -30,13 +33,18 @@ class Workload:
     optimizer_fn: Callable
     dataset_size: int | None = None
     build: Callable | None = None
+    dataset: Any = None
+    loader_kwargs: dict | None = None
 
-    def real_model(self):
+    def real(self) -> tuple:
+        """``(model, sample, dataset)`` with storage, for the timed runs."""
         if self.build is not None:
-            return self.build()
+            work = self.build()
+            return work["model"], tuple(work["train"][0]), work["train"]
         from torch import nn
 
-        return copy.deepcopy(self.model) if isinstance(self.model, nn.Module) else self.model()
+        model = copy.deepcopy(self.model) if isinstance(self.model, nn.Module) else self.model()
+        return model, self.sample, self.dataset
 
 
 @dataclass
@@ -67,12 +75,14 @@ class PlanRow:
 @dataclass
 class PlanResult:
     """Rows (one per strategy × devices × batch size), the device memory they were held against
-    (bytes), the link (None: no time prediction) and the single-device compute times measured."""
+    (bytes), the link (None: no time prediction), the single-device compute times measured and, with
+    ``probe=True``, the steps the probe's processes timed together (batch size → ``ComputeTime``)."""
 
     rows: list[PlanRow]
     device_memory: int
     link: comm.Link | None
     compute: dict = field(default_factory=dict)
+    probed: dict = field(default_factory=dict)
 
     def smallest(self) -> PlanRow | None:
         """The configuration that fits with the least peak memory per device."""
@@ -108,11 +118,12 @@ def workload_from_entry(entry: str | None) -> Workload:
     from trainscale.bench.workload import DEFAULT_ENTRY, load_workload
 
     name = entry or DEFAULT_ENTRY
-    with torch.device("meta"):
+    with torch.device("meta"):  # the model is not allocated (nor is data the entry makes with torch)
         work = load_workload(name)
     return Workload(model=work["model"], sample=tuple(work["train"][0]), loss_fn=work["loss_fn"] or F.cross_entropy,
                     optimizer_fn=work["optimizer"] or (lambda p: torch.optim.AdamW(p, lr=1e-3)),
-                    dataset_size=len(work["train"]), build=lambda: load_workload(name)["model"])
+                    dataset_size=len(work["train"]), build=lambda: load_workload(name),
+                    loader_kwargs=work["dataloader"])
 
 
 def _check(devices, batch_sizes, strategies, overlap) -> None:
@@ -147,7 +158,9 @@ def _comm_s(row: PlanRow, meta, precision: str, options: dict, link: comm.Link) 
     grad_bytes = sum(p.numel() * (2 if precision == "bf16-true" else 4) for p in meta.parameters() if p.requires_grad)
     if row.strategy == "ddp":
         bucket = float(options.get("bucket_cap_mb", 25)) * 2**20
-        return comm.ddp_comm_s(grad_bytes, row.devices, link, bucket)
+        broadcast = options.get("broadcast_buffers", True)
+        buffer_bytes = sum(b.numel() * b.element_size() for b in meta.buffers()) if broadcast else 0
+        return comm.ddp_comm_s(grad_bytes, row.devices, link, bucket, buffer_bytes)
     compute_bytes = grad_bytes // 2 if precision in ("bf16-mixed", "16-mixed") else grad_bytes
     # fully_shard's default: units reshard after forward (gathered again in backward), the root does not
     units = options.get("auto_wrap_policy") or ()
@@ -158,23 +171,81 @@ def _comm_s(row: PlanRow, meta, precision: str, options: dict, link: comm.Link) 
     return comm.fsdp_comm_s(compute_bytes, regather, grad_bytes, row.devices, link)
 
 
-def _add_time(rows: list[PlanRow], compute: dict, meta, precision: str, options: dict, link: comm.Link,
-              overlap: float, dataset_size: int | None) -> None:
+def _row_time(row: PlanRow, t, probed: dict, meta, precision: str, options: dict, link: comm.Link,
+              overlap: float) -> None:
+    """Step seconds of ``row``: the data loader's time plus compute plus the communication backward does
+    not hide. Compute: one device's (``t``), or for several devices on a probed machine the step the
+    probe's processes ran together; communication: the modelled collectives, or DDP's collectives as
+    the probe timed them in place when the row is ddp on the probe's own process count."""
+    measured = probed.get(row.batch_size) if row.devices > 1 else None
+    base = measured or t
+    in_place = measured is not None and row.strategy == "ddp" and row.devices == probed["devices"]
+    if in_place:
+        row.comm_s, row.note = measured.comm_s, f"step probed on {row.devices} processes"
+    else:
+        row.comm_s = _comm_s(row, meta, precision, options, link) if row.devices > 1 else 0.0
+    optimizer_s = base.optimizer_s / row.devices if row.strategy == "fsdp" else base.optimizer_s
+    row.step_s = t.data_s + comm.step_s(base.forward_s, base.backward_s, optimizer_s, row.comm_s, overlap)
+
+
+def _add_time(rows: list[PlanRow], compute: dict, probed: dict, meta, precision: str, options: dict,
+              link: comm.Link, overlap: float, dataset_size: int | None) -> None:
     """Fill step, epoch, gain and efficiency of each row from the measured compute times."""
     for row in rows:
         t = compute.get(row.batch_size)
         if t is None or row.memory is None:
             continue
-        row.comm_s = _comm_s(row, meta, precision, options, link) if row.devices > 1 else 0.0
-        optimizer_s = t.optimizer_s / row.devices if row.strategy == "fsdp" else t.optimizer_s
-        row.step_s = comm.step_s(t.forward_s, t.backward_s, optimizer_s, row.comm_s, overlap)
+        _row_time(row, t, probed, meta, precision, options, link, overlap)
         if dataset_size:
             row.epoch_s = row.step_s * comm.steps_per_epoch(dataset_size, row.batch_size, row.devices)
         if row.epoch_s:  # gain over one device running the same epoch alone (no communication)
-            one = comm.step_s(t.forward_s, t.backward_s, t.optimizer_s, 0.0) * \
+            one = (t.data_s + comm.step_s(t.forward_s, t.backward_s, t.optimizer_s, 0.0)) * \
                 comm.steps_per_epoch(dataset_size, row.batch_size, 1)
             row.gain = one / row.epoch_s
             row.efficiency = row.gain / row.devices
+
+
+def _measure(work: Workload, batch_sizes: list, precision: str, threads: int | None) -> dict:
+    """One device's compute per batch size, with the data loader's seconds per batch when the workload
+    has a data set."""
+    from dataclasses import replace
+
+    from trainscale.plan.measure import measure_compute, measure_data
+
+    model, sample, dataset = work.real()
+    out = {}
+    for bs in batch_sizes:
+        t = measure_compute(model, sample, bs, work.loss_fn, work.optimizer_fn, precision, threads=threads)
+        data_s = measure_data(dataset, bs, work.loader_kwargs, threads=threads) if dataset is not None else 0.0
+        out[bs] = replace(t, data_s=data_s)
+    return out
+
+
+def _probe(work: Workload, batch_sizes: list, precision: str, threads: int | None, options: dict,
+           nprocs: int = 2) -> tuple[comm.Link, dict]:
+    """The probed link and, per batch size, the step the probe's processes timed together."""
+    from dataclasses import replace
+
+    from trainscale.plan.measure import ComputeTime
+    from trainscale.plan.probe import probe as run_probe
+
+    shipped = replace(work, dataset=None, model=None if work.build is not None else work.model,
+                      sample=tuple(work.sample) if work.build is None else ())
+    spec = {"workload": shipped, "batch_sizes": list(batch_sizes), "precision": precision, "threads": threads,
+            "bucket_bytes": float(options.get("bucket_cap_mb", 25)) * 2**20}
+    link, raw = run_probe(nprocs, steps=spec)
+    return link, {"devices": nprocs, **{bs: ComputeTime(**t) for bs, t in raw["steps"].items()}}
+
+
+def _threads(devices: list[int]) -> int | None:
+    """Threads per process on a CPU, as bench gives each process of a grid with these device counts."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    from trainscale.bench.runner import threads_per_process
+
+    return threads_per_process(max(devices))
 
 
 def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = None,
@@ -182,7 +253,7 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
          precision: str = "32-true", optimizer: Callable | None = None, loss_fn: Callable | None = None,
          activation_checkpointing: Any = None, strategy_options: dict | None = None,
          device_memory: int | str | None = None, link: comm.Link | str | None = None, probe: bool = False,
-         overlap: float = 0.0, measure: bool = True) -> PlanResult:
+         overlap: float = 0.0, measure: bool = True, device_flops: float | None = None) -> PlanResult:
     """Predict memory per device and, with a link, time per step and epoch, for each strategy,
     device count and per-device batch size.
 
@@ -202,9 +273,12 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
             fsdp: ``auto_wrap_policy``, ``reshard_after_forward``).
         device_memory: bytes or "80GB" to hold each peak against (default: the visible device's).
         link: a :class:`~trainscale.plan.comm.Link` or "400GB/s,latency=10us"; ``probe=True`` measures
-            this machine's instead. Without either, no time is predicted.
+            this machine's instead (2 processes: the link, and the workload's step timed in both at once
+            with DDP's collectives in place, used for the 2-device rows). Without either, no time is predicted.
         overlap: share of backward that hides communication (0: none, the upper bound).
         measure: time one device's step per batch size (needed for time predictions).
+        device_flops: FLOP/s of a device you are not on (e.g. 989e12): forward and backward time from the
+            step's counted FLOPs instead of a measured run (:func:`~trainscale.plan.measure.counted_compute`).
 
     Returns:
         A :class:`PlanResult`; ``result.table()`` is the text table.
@@ -248,15 +322,16 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
                 est = _memory(meta, layout, work, strategy, n, bs, precision, ac,
                               {k: v for k, v in options.items() if strategy == "fsdp" or k != "auto_wrap_policy"})
                 rows.append(PlanRow(strategy, n, bs, precision, est, est.peak <= capacity))
+    compute, probed, threads = {}, {}, _threads(devices)
     if probe:
-        from trainscale.plan.probe import probe as run_probe
+        link, probed = _probe(work, batch_sizes, precision, threads, options)
+    if link is not None and device_flops:
+        from trainscale.plan.measure import counted_compute
 
-        link = run_probe()[0]
-    compute = {}
-    if link is not None and measure:
-        from trainscale.plan.measure import measure_compute
-
-        compute = {bs: measure_compute(work.real_model(), work.sample, bs, work.loss_fn, work.optimizer_fn,
-                                       precision) for bs in batch_sizes}
-        _add_time(rows, compute, meta, precision, options, link, overlap, work.dataset_size)
-    return PlanResult(rows, capacity, link, compute)
+        compute = {bs: counted_compute(meta, work.sample, bs, work.loss_fn, precision, device_flops)
+                   for bs in batch_sizes}
+        _add_time(rows, compute, probed, meta, precision, options, link, overlap, work.dataset_size)
+    elif link is not None and measure:
+        compute = _measure(work, batch_sizes, precision, threads)
+        _add_time(rows, compute, probed, meta, precision, options, link, overlap, work.dataset_size)
+    return PlanResult(rows, capacity, link, compute, probed)

@@ -129,6 +129,28 @@ _LOADER_ARGS = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_l
                 "persistent_workers", "pin_memory_device")
 
 
+def _loader_kwargs(loader: DataLoader) -> dict:
+    """The arguments that rebuild ``loader`` (without its dataset and sampler)."""
+    kwargs = {name: getattr(loader, name) for name in _LOADER_ARGS if hasattr(loader, name)}
+    if kwargs.get("num_workers", 0) == 0:  # DataLoader refuses these without workers
+        kwargs.pop("prefetch_factor", None)
+        kwargs["persistent_workers"] = False
+    return kwargs
+
+
+def with_batch_size(loader: DataLoader, batch_size: int) -> DataLoader:
+    """``loader`` rebuilt with another ``batch_size``: the same dataset, sampler, ``collate_fn``,
+    workers and other arguments (what ``Trainer(batch_size="max")`` does with the size it found).
+
+    Raises:
+        ValueError: a loader without ``batch_size`` (a ``batch_sampler`` of its own decides the batches).
+    """
+    if loader.batch_size is None:
+        raise ValueError("this DataLoader has a batch_sampler of its own, so its batch size cannot be changed; "
+                         "give it batch_size=... and a sampler, or choose the batch size yourself")
+    return DataLoader(loader.dataset, sampler=loader.sampler, **{**_loader_kwargs(loader), "batch_size": batch_size})
+
+
 def _unsplittable(loader: DataLoader, world: World) -> DataLoader:
     """``loader`` unchanged at world size 1 or for an ``IterableDataset`` with ``shards_by_rank = True``;
     else a ``ValueError`` naming the fix."""
@@ -174,11 +196,7 @@ def distribute_dataloader(loader: DataLoader, world: World, *, shuffle: bool | N
         new_sampler = ResumableDistributedSampler(loader.dataset, world.world_size, world.rank, shuffle, seed)
     else:
         new_sampler = UnpaddedDistributedSampler(loader.dataset, world.world_size, world.rank, shuffle, seed)
-    kwargs = {name: getattr(loader, name) for name in _LOADER_ARGS if hasattr(loader, name)}
-    if kwargs.get("num_workers", 0) == 0:  # DataLoader refuses these without workers
-        kwargs.pop("prefetch_factor", None)
-        kwargs["persistent_workers"] = False
-    return DataLoader(loader.dataset, sampler=new_sampler, **kwargs)
+    return DataLoader(loader.dataset, sampler=new_sampler, **_loader_kwargs(loader))
 
 
 def check_equal_lengths(loader: DataLoader, world: World) -> None:

@@ -39,7 +39,11 @@ class TrainerConfig:
             cannot get there exits 20 s after SIGTERM with its stacks (docs/fault-tolerance.md).
         enable_telemetry: measure the step-phase split, throughput, MFU, memory, GPU utilisation and
             stragglers (docs/telemetry.md). straggler_margin: a rank computing this fraction longer than
-            the median (step time less exposed communication) is a straggler. tensorboard: also write TensorBoard scalars (``trainscale[tensorboard]``).
+            the median (step time less exposed communication) is a straggler. tensorboard: also write
+            TensorBoard scalars (``trainscale[tensorboard]``).
+        batch_size: "max" rebuilds the training DataLoader with the largest per-device batch that trains on
+            every rank (``trainscale.train.batch_size``); None keeps the loader's. max_memory: the bytes each
+            rank's step may peak at in that search (required on CPU).
     """
 
     max_epochs: int = 1
@@ -61,6 +65,8 @@ class TrainerConfig:
     enable_telemetry: bool = True
     straggler_margin: float = 0.2
     tensorboard: bool = False
+    batch_size: str | None = None
+    max_memory: int | None = None
 
     @property
     def step_limit(self) -> float:
@@ -125,6 +131,8 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
     _int("keep_last", cfg.keep_last, 1, optional=True)
     _int("max_nonfinite_skips", cfg.max_nonfinite_skips, 0)
     _int("seed", cfg.seed, 0)
+    _int("max_memory", cfg.max_memory, 1, optional=True)
+    _choice("batch_size", cfg.batch_size, (None, "max"))
     if cfg.seed >= 2**32:
         raise ValueError(f"seed={cfg.seed} must be < 2**32 (numpy's limit)")
     _number("gradient_clip_val", cfg.gradient_clip_val, optional=True, low=1e-12)

@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from trainscale.train.metrics import MetricCollector
+from trainscale.train.module import LoopModule
+
 
 def _extra_forwards(runtime: Any, num_batches: int) -> int:
     """Forwards this rank must add so that all ranks run the most batches of any rank.
@@ -106,3 +109,27 @@ def _in_dataset_order(runtime: Any, outputs: list) -> Any:
     if ordered and all(isinstance(o, torch.Tensor) for o in ordered):
         return torch.stack(ordered)
     return ordered
+
+
+def run_stage(trainer: Any, method: str, model: Any, dataloaders: Any, loss_fn: Any = None) -> Any:
+    """``Trainer.validate``/``test``/``predict`` outside ``fit`` (``method``): ``model`` set up by the trainer's
+    runtime, the loader made sequential and unpadded (each sample once), then :func:`predict` or
+    :func:`evaluate_stage`."""
+    rt = trainer.runtime
+    model.__dict__["_trainer"] = trainer  # TrainingModule's self.log, self.trainer, ...
+    loop_module = LoopModule(model, loss_fn)
+    wrapped, _ = rt.setup(loop_module)
+    loader = rt.setup_dataloader(dataloaders, seed=trainer.config.seed, shuffle=False, even=False)
+    if method == "predict":
+        return predict(rt, loop_module, wrapped, loader)
+    return evaluate_stage(trainer, loop_module, wrapped, loader, "validation" if method == "validate" else "test")
+
+
+def evaluate_stage(trainer: Any, loop_module: Any, wrapped: Any, loader: Any, stage: str) -> dict[str, float]:
+    """:func:`evaluate`, with ``trainer.metric_collector`` (where ``self.log`` in the steps goes) a collector of
+    ``stage`` meanwhile."""
+    collector, trainer.metric_collector = trainer.metric_collector, MetricCollector(trainer.runtime, stage)
+    try:
+        return evaluate(trainer.runtime, loop_module, wrapped, loader, stage, trainer.metric_collector)
+    finally:
+        trainer.metric_collector = collector

@@ -22,6 +22,7 @@ from trainscale.telemetry.flops import FlopCountError, resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry
 from trainscale.train import checkpoint as ckpt, checkpointer, evaluation
 from trainscale.train.checkpoint_writes import CheckpointWrites
+from trainscale.train.batch_size import tuned_loader
 from trainscale.train.data_checks import check_loaders, explain_batch_error
 from trainscale.train.config import TRAINER_FLAGS, resolve_trainer_config
 from trainscale.train.fault import STEP_PHASE, FaultTolerance
@@ -66,7 +67,8 @@ class Trainer:
                  callbacks: list[Callback] | None = None, logger: Any = None,
                  float32_matmul_precision: str | None = None, peak_flops: float | None = None,
                  parallel: dict | None = None, tp_plan: dict | None = None,
-                 parallelize: Callable | None = None, checkpoint_async: bool = False) -> None:
+                 parallelize: Callable | None = None, checkpoint_async: bool = False,
+                 batch_size: str | None = None, max_memory: int | None = None) -> None:
         self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
         self.config = resolve_trainer_config(**{k: v for k, v in self._init_kwargs.items() if k in TRAINER_FLAGS})
         self.callbacks = resolve_callbacks(callbacks)
@@ -160,6 +162,7 @@ class Trainer:
     def _run_fit(self, model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, verify) -> dict:
         rt, cfg = self.runtime, self.config
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
+        train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
         ckpt.seed_everything(cfg.seed)
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
         point = self._load(resume_from, verify) if resume_from is not None else None
@@ -305,7 +308,7 @@ class Trainer:
                               complete=self.state.batches >= fit.epoch_batches, optimizers=self.optimizers)
         record.update(self.metric_collector.take_epoch_values())
         if fit.val_loader is not None:
-            record.update(self._evaluate(fit.loop_module, fit.wrapped, fit.val_loader, "validation"))
+            record.update(evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation"))
             self._call("on_validation_end")
         record.update(self._pending_epoch)
         self._pending_epoch = {}
@@ -375,20 +378,7 @@ class Trainer:
     def _run_eval(self, method: str, model, dataloaders, **kwargs) -> Any:
         if self.runtime.spawns:
             return run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
-        model.__dict__["_trainer"] = self
-        loop_module = LoopModule(model, kwargs.get("loss_fn"))
-        wrapped, _ = self.runtime.setup(loop_module)
-        loader = self.runtime.setup_dataloader(dataloaders, seed=self.config.seed, shuffle=False, even=False)
-        if method == "predict":
-            return evaluation.predict(self.runtime, loop_module, wrapped, loader)
-        return self._evaluate(loop_module, wrapped, loader, "validation" if method == "validate" else "test")
-
-    def _evaluate(self, loop_module, wrapped, loader, stage: str) -> dict[str, float]:
-        collector, self.metric_collector = self.metric_collector, MetricCollector(self.runtime, stage)
-        try:
-            return evaluation.evaluate(self.runtime, loop_module, wrapped, loader, stage, self.metric_collector)
-        finally:
-            self.metric_collector = collector
+        return evaluation.run_stage(self, method, model, dataloaders, **kwargs)
 
     # -- plumbing -------------------------------------------------------------------------------------
     def _call(self, hook: str, *args: Any) -> None:
