@@ -36,6 +36,11 @@ class TrainerConfig:
         enable_telemetry: measure the step-phase split, throughput, MFU, memory, GPU utilisation and
             stragglers (docs/telemetry.md). straggler_margin: a rank busy this fraction longer than the
             median is a straggler. tensorboard: also write TensorBoard scalars (``trainscale[tensorboard]``).
+        lr_scaling: "linear" (SGD; Goyal et al. 2017) or "sqrt" (Adam/AdamW; Malladi et al. 2022): every step
+            uses each param group's lr × the rule's factor of global batch / ``base_batch_size`` (the global
+            batch size the learning rates were tuned at); None: unscaled. lr_warmup_steps: ramp the factor
+            linearly from 1 to its value over this many optimizer steps (Goyal et al.'s warm-up; 0: none).
+            See :mod:`trainscale.train.batch_scaling`.
     """
 
     max_epochs: int = 1
@@ -56,6 +61,9 @@ class TrainerConfig:
     enable_telemetry: bool = True
     straggler_margin: float = 0.2
     tensorboard: bool = False
+    lr_scaling: str | None = None
+    base_batch_size: int | None = None
+    lr_warmup_steps: int = 0
 
     @property
     def step_limit(self) -> float:
@@ -102,6 +110,21 @@ def _root_dir(value) -> Path:
     return path
 
 
+def _check_lr_scaling(cfg: TrainerConfig) -> None:
+    """``lr_scaling`` with its ``base_batch_size``; neither of its companions without it."""
+    _choice("lr_scaling", cfg.lr_scaling, (None, "linear", "sqrt"))
+    _int("base_batch_size", cfg.base_batch_size, 1, optional=True)
+    _int("lr_warmup_steps", cfg.lr_warmup_steps, 0)
+    if cfg.lr_scaling is not None and cfg.base_batch_size is None:
+        raise ValueError(f"lr_scaling={cfg.lr_scaling!r} needs base_batch_size=: the global batch size your learning "
+                         "rates were tuned at (e.g. base_batch_size=256)")
+    given = [f"{name}={value!r}" for name, value in (("base_batch_size", cfg.base_batch_size),
+                                                     ("lr_warmup_steps", cfg.lr_warmup_steps)) if value]
+    if cfg.lr_scaling is None and given:
+        raise ValueError(f"{' and '.join(given)} has no effect without lr_scaling: pass lr_scaling='linear' (SGD) or "
+                         "'sqrt' (Adam, AdamW), or drop it")
+
+
 def resolve_trainer_config(**flags) -> TrainerConfig:
     """Validate the Trainer's flags and return them as a :class:`TrainerConfig`.
 
@@ -126,6 +149,7 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
     _number("straggler_margin", cfg.straggler_margin, hint=" (0.2 means 20 % over the median)")
     _choice("gradient_clip_algorithm", cfg.gradient_clip_algorithm, ("norm", "value"))
     _choice("on_nonfinite", cfg.on_nonfinite, ("raise", "skip"))
+    _check_lr_scaling(cfg)
     for name in ("enable_progress_bar", "enable_checkpointing", "handle_signals", "enable_telemetry", "tensorboard"):
         _flag(name, getattr(cfg, name))
     root = _root_dir(cfg.default_root_dir)
