@@ -6,6 +6,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from trainscale.callbacks import Callback
 from trainscale.models import ConvNet
 
 
@@ -90,3 +91,36 @@ def bad_ckpt_body(rank: int, path: str) -> str:
     finally:
         trainer.runtime.teardown()
     return "no error"
+
+
+class LrUsed(Callback):
+    """A callback recording, at every optimizer step, the lr of each param group as ``step()`` reads it
+    (an optimizer step pre-hook registered in ``on_fit_start``, after the Trainer's own hooks)."""
+
+    def __init__(self) -> None:
+        self.used: list[list[float]] = []
+        self.between: list[list[float]] = []  # the groups' values after each step (the schedule's)
+
+    def on_fit_start(self, trainer, module) -> None:
+        for opt in trainer.optimizers:
+            opt.register_step_pre_hook(lambda o, a, k: self.used.append([float(g["lr"]) for g in o.param_groups]))
+            opt.register_step_post_hook(lambda o, a, k: self.between.append([float(g["lr"]) for g in o.param_groups]))
+
+
+def lr_scaling_body(rank: int, root: str) -> dict:
+    """2 ranks × 8 samples × 2 accumulation = global batch 32, base 8, linear: SGD's 0.05 becomes 0.2."""
+    import json
+
+    from trainscale.train.trainer import Trainer
+
+    used = LrUsed()
+    trainer = Trainer(devices="auto", max_epochs=1, max_steps=3, accumulate_grad_batches=2, lr_scaling="linear",
+                      base_batch_size=8, log_every_n_steps=1, default_root_dir=root, enable_progress_bar=False,
+                      enable_checkpointing=False, timeout=60, callbacks=[used], logger=False)
+    summary = trainer.fit(make_model(0), DataLoader(tiny_dataset(96), batch_size=8), optimizer=sgd)
+    trainer.runtime.teardown()
+    logged = []
+    if rank == 0:
+        records = [json.loads(line) for line in open(f"{summary['run_dir']}/metrics.jsonl")]
+        logged = [r["lr-SGD"] for r in records if r.get("kind") == "step"]
+    return {"used": used.used, "logged": logged, "summary": summary, "global_batch_size": trainer.global_batch_size}

@@ -17,9 +17,10 @@ _LAZY = {
     "Runtime": "trainscale.runtime.runtime",
     "World": "trainscale.runtime.world",
     "plan": "trainscale.plan.planner",
+    "check": "trainscale.parity.runner",
 }
 
-__all__ = ["Trainer", "TrainingModule", "Runtime", "World", "plan", "__version__"]
+__all__ = ["Trainer", "TrainingModule", "Runtime", "World", "plan", "check", "__version__"]
 
 
 def __getattr__(name: str):

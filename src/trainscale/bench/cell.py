@@ -116,7 +116,8 @@ def run_cell(cfg: dict) -> dict | None:
     val_loader = DataLoader(work["val"], batch_size=max(b, 256)) if work["val"] is not None else None
     common = dict(accelerator=cfg["accelerator"], devices=cfg["devices"], strategy=cfg["strategy"],
                   precision=cfg["precision"], seed=cfg["seed"], enable_progress_bar=False,
-                  enable_checkpointing=False, log_every_n_steps=10**9, timeout=cfg.get("collective_timeout", 300))
+                  enable_checkpointing=False, log_every_n_steps=10**9, timeout=cfg.get("collective_timeout", 300),
+                  **work["trainer"])
 
     if cfg["warmup_steps"]:  # kernels, allocator, process group: paid once, not timed
         warm = Trainer(max_epochs=1, max_steps=cfg["warmup_steps"], default_root_dir=cell_dir / "warmup", **common)
@@ -153,29 +154,36 @@ def run_cell(cfg: dict) -> dict | None:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def job_main(run, argv: list[str] | None, prog: str, dir_key: str, result_name: str) -> int:
+    """The ``main`` of a job started by :func:`trainscale.bench.runner.launch_job`: read ``--config``, call
+    ``run(cfg)`` on every rank; rank zero writes what it returns to ``cfg[dir_key]/result_name``, a rank that
+    raises writes ``error.rank<R>.json`` (type, message, out of memory or not, traceback) and re-raises
+    (recorded by torchrun's ``record``). Shared by bench's cells and ``trainscale check``'s runs."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    parser = argparse.ArgumentParser(prog="python -m trainscale.bench.cell")
-    parser.add_argument("--config", required=True, help="the cell's JSON file")
-    args = parser.parse_args(argv)
-    cfg = json.loads(Path(args.config).read_text())
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--config", required=True, help="the job's JSON file")
+    cfg = json.loads(Path(parser.parse_args(argv).config).read_text())
     rank = int(os.environ.get("RANK", "0"))
 
     @record
     def _run() -> None:
         try:
-            result = run_cell(cfg)
+            result = run(cfg)
         except BaseException as err:
-            _write_json(Path(cfg["cell_dir"]) / f"error.rank{rank}.json",
+            _write_json(Path(cfg[dir_key]) / f"error.rank{rank}.json",
                         {"rank": rank, "type": type(err).__name__, "message": str(err)[:2000], "oom": is_oom(err),
                          "traceback": traceback.format_exc()[-4000:]})
             raise
         if result is not None:
-            _write_json(Path(cfg["cell_dir"]) / "result.json", result)
+            _write_json(Path(cfg[dir_key]) / result_name, result)
 
     _run()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return job_main(run_cell, argv, "python -m trainscale.bench.cell", "cell_dir", "result.json")
 
 
 if __name__ == "__main__":

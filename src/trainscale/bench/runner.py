@@ -133,26 +133,26 @@ def threads_per_process(max_devices: int, env: dict | None = None) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, max_devices))
 
 
-def run_cell(cell: Cell, cfg: dict, out: Path, timeout: float, threads: int | None = None) -> dict:
-    """Launch one cell under torchrun, wait up to ``timeout`` s, and return its row."""
+def launch_job(module: str, config: Path, devices: int, log_path: Path, timeout: float,
+               threads: int | None = None) -> tuple[int | None, bool, int]:
+    """Run ``python -m torch.distributed.run --standalone --nproc-per-node=DEVICES --module MODULE --config
+    CONFIG`` (torchrun's arguments and environment from :mod:`trainscale.runtime.launch`) in its own process
+    group, output to ``log_path``; kill the group after ``timeout`` s. Used by bench's cells and by
+    ``trainscale check``.
+
+    Returns:
+        ``(returncode, timed_out, omp_num_threads)``: the exit status (None when killed), whether the timeout
+        fired, and the threads each process was given (``threads``, or the launcher's default).
+    """
     from trainscale.runtime import launch
 
-    cell_dir = out / "cells" / cell.key
-    if cell_dir.exists():
-        shutil.rmtree(cell_dir)  # a cell interrupted before it was recorded starts afresh
-    cell_dir.mkdir(parents=True)
-    config = {**cfg, "strategy": cell.run_strategy, "precision": cell.precision, "devices": cell.devices,
-              "per_device_batch": cell.per_device_batch, "cell_dir": str(cell_dir.resolve())}
-    (cell_dir / "cell.json").write_text(json.dumps(config, indent=2) + "\n")
-    argv = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args(cell.devices),
-            "--module", "trainscale.bench.cell", "--config", str(cell_dir / "cell.json")]
-    env = launch.worker_env(cell.devices, {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None)
-    # Cells import the entry's module: the current directory first, as `python -m` would.
+    argv = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args(devices),
+            "--module", module, "--config", str(config)]
+    env = launch.worker_env(devices, {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None)
+    # Jobs import the entry's module: the current directory first, as `python -m` would.
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    t0 = time.monotonic()
     timed_out = False
-    with open(cell_dir / "log.txt", "wb") as log:
+    with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
@@ -162,9 +162,25 @@ def run_cell(cell: Cell, cfg: dict, out: Path, timeout: float, threads: int | No
         except BaseException:  # KeyboardInterrupt: leave no orphaned workers behind
             _kill_group(proc)
             raise
-    status, reason, result = _cell_outcome(cell_dir, proc.returncode, timed_out, timeout)
+    return proc.returncode, timed_out, int(env["OMP_NUM_THREADS"])
+
+
+def run_cell(cell: Cell, cfg: dict, out: Path, timeout: float, threads: int | None = None) -> dict:
+    """Launch one cell under torchrun, wait up to ``timeout`` s, and return its row."""
+    cell_dir = out / "cells" / cell.key
+    if cell_dir.exists():
+        shutil.rmtree(cell_dir)  # a cell interrupted before it was recorded starts afresh
+    cell_dir.mkdir(parents=True)
+    config = {**cfg, "strategy": cell.run_strategy, "precision": cell.precision, "devices": cell.devices,
+              "per_device_batch": cell.per_device_batch, "cell_dir": str(cell_dir.resolve())}
+    (cell_dir / "cell.json").write_text(json.dumps(config, indent=2) + "\n")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    t0 = time.monotonic()
+    returncode, timed_out, omp_threads = launch_job("trainscale.bench.cell", cell_dir / "cell.json", cell.devices,
+                                                    cell_dir / "log.txt", timeout, threads)
+    status, reason, result = _cell_outcome(cell_dir, returncode, timed_out, timeout)
     return {**cell.as_dict(), "status": status, "reason": reason, "wall_s": time.monotonic() - t0,
-            "omp_num_threads": int(env["OMP_NUM_THREADS"]), "cpu_count": os.cpu_count(), "load_avg_1m": load,
+            "omp_num_threads": omp_threads, "cpu_count": os.cpu_count(), "load_avg_1m": load,
             "finished_at": time.time(), **result}
 
 

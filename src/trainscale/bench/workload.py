@@ -8,13 +8,17 @@ The entry contract. ``function()`` takes no argument and returns a dict::
      "loss_fn": callable | None,               # optional; (outputs, targets) -> mean loss, default cross-entropy
      "optimizer": callable | None,             # optional; params -> Optimizer (or Trainer's (opt, sched) forms),
                                                #           default AdamW(lr=1e-3)
-     "dataloader": dict | None}                # optional; extra DataLoader keyword arguments for training,
+     "dataloader": dict | None,                # optional; extra DataLoader keyword arguments for training,
                                                #           e.g. {"num_workers": 2, "pin_memory": True}
+     "trainer": dict | None}                   # optional; Trainer flags the workload trains with, e.g.
+                                               #           {"lr_scaling": "sqrt", "base_batch_size": 32,
+                                               #            "accumulate_grad_batches": 2, "sync_batchnorm": True}
 
 It runs in every process of every cell (after ``torch.manual_seed(seed)``), so it must be importable
 there: the module is imported from the current directory or ``PYTHONPATH``. Keys other than these
 raise an error (a misspelt key must not silently become a default). A model may also define
-``training_step`` / ``validation_step`` as the Trainer allows.
+``training_step`` / ``validation_step`` as the Trainer allows. ``"trainer"`` may not set what the harness
+sets itself (``HARNESS_FLAGS``: devices, strategy, precision, steps, seed, ...); ``trainscale plan`` ignores it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,11 @@ import importlib
 from typing import Any, Callable
 
 DEFAULT_ENTRY = "trainscale.bench.workload:mnist_convnet"
-KEYS = ("model", "train", "val", "loss_fn", "optimizer", "dataloader")
+KEYS = ("model", "train", "val", "loss_fn", "optimizer", "dataloader", "trainer")
+# Trainer flags that bench and check set for each run: a workload's "trainer" dict may not set them.
+HARNESS_FLAGS = frozenset({"accelerator", "devices", "strategy", "num_nodes", "precision", "seed", "max_epochs",
+                           "max_steps", "default_root_dir", "enable_progress_bar", "enable_checkpointing",
+                           "log_every_n_steps", "timeout", "callbacks", "logger"})
 
 
 def mnist_convnet() -> dict:
@@ -125,4 +133,17 @@ def load_workload(entry: str) -> dict:
         raise ValueError(f"entry {entry!r}: 'train' must be a map-style Dataset with a length")
     if "batch_size" in (work.get("dataloader") or {}):
         raise ValueError(f"entry {entry!r}: 'dataloader' must not set batch_size; the sweep sets it per cell")
-    return {"val": None, "loss_fn": None, "optimizer": None, "dataloader": None, **work}
+    _check_trainer_flags(entry, work.get("trainer"))
+    return {"val": None, "loss_fn": None, "optimizer": None, "dataloader": None, **work,
+            "trainer": dict(work.get("trainer") or {})}
+
+
+def _check_trainer_flags(entry: str, flags) -> None:
+    if flags is None:
+        return
+    if not isinstance(flags, dict):
+        raise ValueError(f"entry {entry!r}: 'trainer' must be a dict of Trainer flags, got {type(flags).__name__}")
+    taken = sorted(set(flags) & HARNESS_FLAGS)
+    if taken:
+        raise ValueError(f"entry {entry!r}: 'trainer' sets {', '.join(taken)}, which bench and check set per run "
+                         "(use their command-line flags instead)")

@@ -1,4 +1,4 @@
-"""The ``trainscale`` command: run | demo | bench | plan | report | slurm | env.
+"""The ``trainscale`` command: run | demo | bench | plan | check | report | slurm | env.
 
 Parsing imports nothing heavy: ``trainscale --help`` never imports torch. Each subcommand
 imports what it needs when it runs.
@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     from trainscale.cli.plan import add_parser as _add_plan  # imports no torch
 
     _add_plan(sub, _ints, _names)
+    from trainscale.cli.check import add_parser as _add_check  # imports no torch
+
+    _add_check(sub)
     slurm = sub.add_parser("slurm", help="write an sbatch script: NODES x GPUS tasks launched by srun",
                            description="Write an sbatch script that runs SCRIPT on --nodes × --gpus-per-node tasks "
                                        "(srun, one task per GPU), checkpoints on SIGUSR1 90 s before the time limit and "

@@ -44,6 +44,11 @@ class TrainerConfig:
         batch_size: "max" rebuilds the training DataLoader with the largest per-device batch that trains on
             every rank (``trainscale.train.batch_size``); None keeps the loader's. max_memory: the bytes each
             rank's step may peak at in that search (required on CPU).
+        lr_scaling: "linear" (SGD; Goyal et al. 2017) or "sqrt" (Adam/AdamW; Malladi et al. 2022): every step
+            uses each param group's lr × the rule's factor of global batch / ``base_batch_size`` (the global
+            batch size the learning rates were tuned at); None: unscaled. lr_warmup_steps: ramp the factor
+            linearly from 1 to its value over this many optimizer steps (Goyal et al.'s warm-up; 0: none).
+            See :mod:`trainscale.train.batch_scaling`.
     """
 
     max_epochs: int = 1
@@ -67,6 +72,9 @@ class TrainerConfig:
     tensorboard: bool = False
     batch_size: str | None = None
     max_memory: int | None = None
+    lr_scaling: str | None = None
+    base_batch_size: int | None = None
+    lr_warmup_steps: int = 0
 
     @property
     def step_limit(self) -> float:
@@ -113,6 +121,21 @@ def _root_dir(value) -> Path:
     return path
 
 
+def _check_lr_scaling(cfg: TrainerConfig) -> None:
+    """``lr_scaling`` with its ``base_batch_size``; neither of its companions without it."""
+    _choice("lr_scaling", cfg.lr_scaling, (None, "linear", "sqrt"))
+    _int("base_batch_size", cfg.base_batch_size, 1, optional=True)
+    _int("lr_warmup_steps", cfg.lr_warmup_steps, 0)
+    if cfg.lr_scaling is not None and cfg.base_batch_size is None:
+        raise ValueError(f"lr_scaling={cfg.lr_scaling!r} needs base_batch_size=: the global batch size your learning "
+                         "rates were tuned at (e.g. base_batch_size=256)")
+    given = [f"{name}={value!r}" for name, value in (("base_batch_size", cfg.base_batch_size),
+                                                     ("lr_warmup_steps", cfg.lr_warmup_steps)) if value]
+    if cfg.lr_scaling is None and given:
+        raise ValueError(f"{' and '.join(given)} has no effect without lr_scaling: pass lr_scaling='linear' (SGD) or "
+                         "'sqrt' (Adam, AdamW), or drop it")
+
+
 def resolve_trainer_config(**flags) -> TrainerConfig:
     """Validate the Trainer's flags and return them as a :class:`TrainerConfig`.
 
@@ -139,6 +162,7 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
     _number("straggler_margin", cfg.straggler_margin, hint=" (0.2 means 20 % over the median)")
     _choice("gradient_clip_algorithm", cfg.gradient_clip_algorithm, ("norm", "value"))
     _choice("on_nonfinite", cfg.on_nonfinite, ("raise", "skip"))
+    _check_lr_scaling(cfg)
     for name in ("enable_progress_bar", "enable_checkpointing", "handle_signals", "enable_telemetry", "tensorboard",
                  "checkpoint_async"):
         _flag(name, getattr(cfg, name))

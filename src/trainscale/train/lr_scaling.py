@@ -1,5 +1,7 @@
-"""Learning rate scaled with the global batch size: pure functions the Trainer (or a user) calls once,
-after the optimizer is built and before its LR scheduler is.
+"""Learning rate scaled with the global batch size: pure functions. The Trainer applies :func:`lr_factor` and
+:func:`warmup` at each optimizer step (``Trainer(lr_scaling=..., base_batch_size=...)``,
+:mod:`trainscale.train.batch_scaling`); a user of ``Runtime`` with their own loop calls
+:func:`scale_learning_rates` once, after the optimizer is built and before its LR scheduler is.
 
 - "linear": lr × G / B (Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour",
   §2.1, with a gradual warm-up from lr to lr × G / B over the first epochs, §2.2) — for SGD.
@@ -18,6 +20,7 @@ from typing import Callable
 
 RULES = ("linear", "sqrt", "none")
 UNSCALED_KEY = "lr_before_scaling"  # kept in each param group: scaling again starts from it
+LR_SCALE_KEY = "lr_scale"  # the Trainer's multiplier of the next step, kept in each param group
 
 
 def lr_factor(global_batch_size: int, base_batch_size: int, rule: str = "linear") -> float:

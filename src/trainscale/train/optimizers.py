@@ -21,6 +21,8 @@ from typing import Any, Iterator
 
 import torch
 
+from trainscale.train.lr_scaling import LR_SCALE_KEY
+
 _PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
 _SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
 
@@ -142,7 +144,8 @@ def parse_optimization(configured: Any) -> Optimization:
 
 def learning_rates(optimizers) -> dict[str, float]:
     """The learning rate of every param group, named as Lightning's ``LearningRateMonitor`` names them:
-    ``lr-AdamW`` (first group), ``lr-AdamW/pg1`` ...; a second optimizer of one class ``lr-AdamW-1``."""
+    ``lr-AdamW`` (first group), ``lr-AdamW/pg1`` ...; a second optimizer of one class ``lr-AdamW-1``. Under
+    ``Trainer(lr_scaling=...)`` the lr the next step uses: the group's lr × its ``"lr_scale"``."""
     out: dict[str, float] = {}
     seen: dict[str, int] = {}
     for opt in optimizers:
@@ -150,7 +153,7 @@ def learning_rates(optimizers) -> dict[str, float]:
         name = f"lr-{cls}" + (f"-{seen[cls]}" if cls in seen else "")
         seen[cls] = seen.get(cls, 0) + 1
         for i, group in enumerate(opt.param_groups):
-            out[name if i == 0 else f"{name}/pg{i}"] = float(group["lr"])
+            out[name if i == 0 else f"{name}/pg{i}"] = float(group["lr"]) * group.get(LR_SCALE_KEY, 1.0)
     return out
 
 

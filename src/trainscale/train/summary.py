@@ -32,14 +32,17 @@ def run_summary(trainer: Any, global_batch: int, resumed_from: Path | None, nonf
         "resumed_from": str(resumed_from) if resumed_from is not None else None,
         "restart_count": rt.world.restart_count, "nonfinite_skipped": nonfinite_skipped,
         "checkpoints": trainer.checkpoints.summary(),  # this rank's save stalls and background write seconds
+        "lr_scaling": trainer.batch_scaling.summary(),
     }
 
 
 def hyperparams(trainer: Any, model: Any) -> dict:
-    """What the loggers record as the run's hyperparameters: the Trainer's flags and the world."""
+    """What the loggers record as the run's hyperparameters: the Trainer's flags, the world, the global batch
+    size and the LR scaling factor (1.0 without ``lr_scaling``)."""
     rt, cfg = trainer.runtime, trainer.config
     return {**dataclasses.asdict(cfg), "default_root_dir": str(cfg.default_root_dir), "strategy": rt.config.strategy,
-            "precision": rt.config.precision, "world_size": rt.world_size, "model": type(model).__name__}
+            "precision": rt.config.precision, "world_size": rt.world_size, "model": type(model).__name__,
+            "global_batch_size": trainer.global_batch_size, "lr_scale_factor": trainer.batch_scaling.factor}
 
 
 def finish_run(trainer: Any, fit: Any, global_batch: int, resumed_from: Path | None, nonfinite_skipped: int) -> dict:

@@ -21,8 +21,9 @@ from trainscale.runtime.runtime import RUNTIME_FLAGS, Runtime
 from trainscale.telemetry.flops import FlopCountError, resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry
 from trainscale.train import checkpoint as ckpt, checkpointer, evaluation
-from trainscale.train.checkpoint_writes import CheckpointWrites
+from trainscale.train.batch_scaling import BatchScaling
 from trainscale.train.batch_size import tuned_loader
+from trainscale.train.checkpoint_writes import CheckpointWrites
 from trainscale.train.data_checks import check_loaders, explain_batch_error
 from trainscale.train.config import TRAINER_FLAGS, resolve_trainer_config
 from trainscale.train.fault import STEP_PHASE, FaultTolerance
@@ -66,11 +67,12 @@ class Trainer:
                  straggler_margin: float = 0.2, tensorboard: bool = False, count_flops: bool | None = None,
                  callbacks: list[Callback] | None = None, logger: Any = None,
                  float32_matmul_precision: str | None = None, peak_flops: float | None = None,
-                 parallel: dict | None = None, tp_plan: dict | None = None,
-                 parallelize: Callable | None = None, checkpoint_async: bool = False,
-                 batch_size: str | None = None, max_memory: int | None = None) -> None:
+                 parallel: dict | None = None, tp_plan: dict | None = None, parallelize: Callable | None = None,
+                 checkpoint_async: bool = False, batch_size: str | None = None, max_memory: int | None = None,
+                 lr_scaling: str | None = None, base_batch_size: int | None = None, lr_warmup_steps: int = 0) -> None:
         self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
         self.config = resolve_trainer_config(**{k: v for k, v in self._init_kwargs.items() if k in TRAINER_FLAGS})
+        self.batch_scaling = BatchScaling(self.config)
         self.callbacks = resolve_callbacks(callbacks)
         self.loggers = resolve_loggers(logger)  # on every rank, so a bad value fails everywhere; used on rank zero
         self.runtime = Runtime(**{k: v for k, v in self._init_kwargs.items() if k in RUNTIME_FLAGS})
@@ -103,6 +105,11 @@ class Trainer:
     @property
     def history(self) -> list[dict]:
         return self.state.history
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """Samples per optimizer step: micro-batch × data-parallel ranks × accumulate_grad_batches; None before fit."""
+        return self.batch_scaling.global_batch_size
 
     @property
     def is_log_step(self) -> bool:
@@ -166,11 +173,11 @@ class Trainer:
         ckpt.seed_everything(cfg.seed)
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
         point = self._load(resume_from, verify) if resume_from is not None else None
+        global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers, lambda: self.state.global_step)
         self.run_dir = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)
         self._faults.start(self.run_dir)
         fit.sink = RecordWriter(self.run_dir, cfg.tensorboard, self.loggers, hyperparams(self, model)) \
             if rt.is_rank_zero else None
-        global_batch = fit.train_loader.batch_size * rt.world_size * cfg.accumulate_grad_batches
         rt.print(run_header(rt, global_batch, self.run_dir))
         self._call("on_fit_start")
         for epoch in range(point.next_epoch if point else 0, cfg.max_epochs):
