@@ -40,7 +40,7 @@ class Trainer:
     """Fit, validate, test and predict on any strategy by changing flags.
 
     The runtime's flags (accelerator, devices, strategy, num_nodes, precision, timeout, strategy_options,
-    sync_batchnorm, activation_checkpointing, compile, float32_matmul_precision, parallel, tp_plan, parallelize) are
+    sync_batchnorm, activation_checkpointing, compile, float32_matmul_precision, parallel, tp_plan, parallelize, pp_*) are
     ``Runtime``'s (with ``devices > 1`` outside a launcher the script re-executes under torchrun here). The loop's flags
     are on :class:`~trainscale.train.config.TrainerConfig`; ``count_flops`` (None: on CUDA only) and ``peak_flops``
     (FLOP/s of one device for MFU; None: the table) on :class:`~trainscale.telemetry.processor.Telemetry`;
@@ -63,8 +63,8 @@ class Trainer:
                  straggler_margin: float = 0.2, tensorboard: bool = False, count_flops: bool | None = None,
                  callbacks: list[Callback] | None = None, logger: Any = None,
                  float32_matmul_precision: str | None = None, peak_flops: float | None = None,
-                 parallel: dict | None = None, tp_plan: dict | None = None,
-                 parallelize: Callable | None = None) -> None:
+                 parallel: dict | None = None, tp_plan: dict | None = None, parallelize: Callable | None = None,
+                 pp_schedule: str | None = None, pp_microbatches: int | None = None, pp_split_points: list | None = None) -> None:
         self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
         self.config = resolve_trainer_config(**{k: v for k, v in self._init_kwargs.items() if k in TRAINER_FLAGS})
         self.callbacks = resolve_callbacks(callbacks)
@@ -163,7 +163,7 @@ class Trainer:
         self._faults.start(self.run_dir)
         fit.sink = RecordWriter(self.run_dir, cfg.tensorboard, self.loggers, hyperparams(self, model)) \
             if rt.is_rank_zero else None
-        global_batch = fit.train_loader.batch_size * rt.world_size * cfg.accumulate_grad_batches
+        global_batch = fit.train_loader.batch_size * rt.strategy.data_world(rt.world).world_size * cfg.accumulate_grad_batches
         rt.print(run_header(rt, global_batch, self.run_dir))
         self._call("on_fit_start")
         for epoch in range(point.next_epoch if point else 0, cfg.max_epochs):
@@ -238,6 +238,9 @@ class Trainer:
         if self.manual_optimizers:  # the user's training_step steps the optimizers itself
             with rt.autocast():
                 loss = fit.loop_module.manual_step(batch, micro.index)
+            t_forward = t_backward = tele.clock()
+        elif rt.strategy.pipelined:  # forward and backward in one pipeline schedule step ("pp")
+            loss = rt.forward_backward(fit.wrapped, batch, fit.loop_module.loss_fn, micro.group_size, micro.is_last)
             t_forward = t_backward = tele.clock()
         else:
             with rt.no_backward_sync(fit.wrapped, enabled=not micro.is_last), tele.count_flops(batch):
