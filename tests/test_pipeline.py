@@ -1,11 +1,13 @@
 """Pipeline parallelism (strategy "pp"): GPipe and 1F1B over 2 ranks against one process (parity),
 memory per rank, checkpoints resumed and read in one process, the split, and the resolver's refusals."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
-from tests.helpers import run_distributed
+from tests.helpers import run_distributed, run_python
 from tests.pipeline_workers import PP_CONFIG, fit_gpt, pp_resume, pp_runs
 from trainscale.runtime.connector import resolve
 from trainscale.runtime.strategies.apply_pp import gpt_split_points, keep_stage, shared_parameters, stage_names, units
@@ -13,6 +15,7 @@ from trainscale.runtime.strategies.parallel_dims import ParallelDims
 from trainscale.runtime.strategies.pipeline import bubble_fraction
 
 STEPS = 4
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "strategies.md"
 
 
 def _assert_same(got: dict, want: dict) -> None:
@@ -70,6 +73,29 @@ def test_a_pp_checkpoint_resumes_where_it_stopped_and_loads_into_one_process(tmp
     state = {"model": GPT(PP_CONFIG).state_dict()}
     dcp.load(state, checkpoint_id=str(last))
     _stages_cover([r["resumed"] for r in results], state["model"])
+
+
+def _docs_example() -> str:
+    """The code of docs/strategies.md, "Writing a pipeline split for your own model"."""
+    text = DOCS.read_text()
+    block = text[text.index("### Writing a pipeline split for your own model"):]
+    start = block.index("```python\n") + len("```python\n")
+    return block[start:block.index("```\n", start)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_the_docs_split_of_a_users_model_runs_as_a_script_and_matches_one_process(tmp_path):
+    code = _docs_example()
+    (tmp_path / "tower.py").write_text(code)
+    out, _ = run_python(["tower.py"], tmp_path, timeout=280)  # devices=2: relaunched under torchrun
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = [float(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("train_loss ")]
+    names = {"__name__": "docs_example"}
+    exec(compile(code, str(DOCS), "exec"), names)
+    torch.manual_seed(0)
+    reference = names["fit"](names["Tower"](), devices=1, strategy="single", default_root_dir=str(tmp_path / "one"))
+    assert losses and losses == pytest.approx([reference["train_loss"]] * len(losses), rel=1e-5)
 
 
 # -- the split: pure logic ----------------------------------------------------------------------
