@@ -31,6 +31,17 @@ def _stages_cover(results: list, want: dict) -> None:
         _assert_same(r["weights"], want)
 
 
+def _planned_bytes(strategy: str, devices: int, rank: int) -> int:
+    """Parameters + gradients + optimizer state that ``trainscale.plan`` predicts for the test's GPT and SGD."""
+    from trainscale.models import GPT
+    from trainscale.plan.memory import build_meta_model, exact_bytes, optimizer_layout
+
+    meta = build_meta_model(lambda: GPT(PP_CONFIG))
+    layout = optimizer_layout(meta, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), "32-true")
+    predicted = exact_bytes(meta, layout, strategy, devices, rank, "32-true")
+    return predicted["parameters"] + predicted["gradients"] + predicted["optimizer"]
+
+
 # -- parity with one process, memory (gloo, real processes) --------------------------------------
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
@@ -49,6 +60,10 @@ def test_gpipe_and_1f1b_over_two_stages_match_one_process_with_clipping_and_use_
             # parameters + gradients + momentum: each stage holds 2 of the 4 blocks and one copy of the tied embedding
             assert r["bytes"] <= 0.55 * reference["bytes"]
     _stages_cover([r["accumulate"] for r in results], accumulated["weights"])
+    # trainscale.plan predicts each stage's bytes exactly (the 1F1B run: the same stages)
+    for rank, r in enumerate(results):
+        assert _planned_bytes("pp", 2, rank) == r["1f1b"]["bytes"] == r["gpipe"]["bytes"]
+    assert _planned_bytes("single", 1, 0) == reference["bytes"]
     summary = results[0]["gpipe"]["summary"]
     assert summary["strategy"] == "pp" and summary["global_batch_size"] == 8
     assert summary["pipeline"] == {"stages": 2, "schedule": "gpipe", "microbatches": 8,

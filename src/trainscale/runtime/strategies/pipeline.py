@@ -38,6 +38,28 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
+def stage_units(model: nn.Module, stages: int, split_points: list | None = None) -> list[list[str]]:
+    """Each stage's units (``apply_pp.stage_names``) from ``split_points``, or by the built-in split of a
+    ``trainscale.models.GPT``, whose last stage also keeps the token embedding: its output projection
+    (tied weights). Pure: ``trainscale.plan`` uses it on meta-device models.
+
+    Raises:
+        ValueError: no split points for a model that is not a GPT; bad split points.
+    """
+    from trainscale.models.gpt import GPT
+
+    gpt = isinstance(model, GPT)
+    if split_points is None and not gpt:
+        raise ValueError(f"pipeline parallelism has a built-in split for trainscale.models.GPT only, and the model "
+                         f"is a {type(model).__name__}; pass pp_split_points=[names where stages 2..P begin], e.g. "
+                         "['layers.4'] (docs/strategies.md, 'Pipeline split')")
+    points = list(split_points) if split_points is not None else gpt_split_points(model, stages)
+    names = stage_names(model, points, stages)
+    if gpt and "wte" not in names[-1]:
+        names[-1].append("wte")
+    return names
+
+
 class PipelineModule(nn.Module):
     """What ``setup`` returns under pipeline parallelism: the module given (its model cut to this rank's
     stage, in place) and the stage's schedules.
@@ -117,7 +139,7 @@ class PipelineStrategy:
                 model that is not a GPT, bad split points (``apply_pp.stage_names``).
         """
         target = self._target(module)
-        names = self._stage_names(target)
+        names = stage_units(target, self.dims.pp, self.split_points)
         shared = shared_parameters(target, names)
         self.mesh = self.mesh or self.dims.build_mesh(self.device.type)
         stage = self.dims.pp_rank(self.world.rank)
@@ -139,22 +161,6 @@ class PipelineStrategy:
                              f"{type(target).__name__} defines training_step/validation_step, which need the whole "
                              "model; pass a plain nn.Module and loss_fn (docs/strategies.md, 'Pipeline split')")
         return target
-
-    def _stage_names(self, target: nn.Module) -> list[list[str]]:
-        """Each stage's units: from ``pp_split_points`` or the GPT's built-in split; a GPT's last stage
-        also keeps the token embedding, its output projection (tied weights)."""
-        from trainscale.models.gpt import GPT
-
-        gpt = isinstance(target, GPT)
-        if self.split_points is None and not gpt:
-            raise ValueError(f"pipeline parallelism has a built-in split for trainscale.models.GPT only, and the model "
-                             f"is a {type(target).__name__}; pass pp_split_points=[names where stages 2..P begin], e.g. "
-                             "['layers.4'] (docs/strategies.md, 'Pipeline split')")
-        points = list(self.split_points) if self.split_points is not None else gpt_split_points(target, self.dims.pp)
-        names = stage_names(target, points, self.dims.pp)
-        if gpt and "wte" not in names[-1]:
-            names[-1].append("wte")
-        return names
 
     def setup_optimizer(self, optimizer):
         """Check that ``optimizer`` holds this stage's parameters only.
