@@ -54,7 +54,7 @@ class Record(Callback):
 
 
 def fit_gpt(rank: int, root: str, strategy: str, *, steps: int | None = None, epochs: int = 1, train: int = 64,
-            val: int = 20, schedule: str | None = None, accumulate: int = 1, ckpt_path: str | None = None,
+            val: int = 21, schedule: str | None = None, accumulate: int = 1, ckpt_path: str | None = None,
             destroy: bool = False, **flags) -> dict:
     """Fit a GPT (seed 0) with clipping at norm 0.5; return this rank's weights, the per-step losses (and
     gradient norms from rank zero's step records), the validation loss, the peak bytes of parameters +

@@ -20,7 +20,7 @@ The schedules are torch's ``ScheduleGPipe`` (Huang et al. 2019, "GPipe") and ``S
 (Narayanan et al. 2019, "PipeDream"; https://pytorch.org/docs/stable/distributed.pipelining.html).
 A schedule fixes the shapes of the activations a stage receives at its first step, so each batch
 shape (the last, smaller batch of an epoch) gets its own ``PipelineStage`` and schedule, made on first
-use and kept.
+use and kept, with as many micro-batches as divide it (:func:`micro_batches_for`).
 """
 
 from __future__ import annotations
@@ -119,6 +119,13 @@ def keep_stage(model: nn.Module, keep: list[str]) -> nn.Module:
     return model
 
 
+def micro_batches_for(batch: int, microbatches: int) -> int:
+    """The micro-batches a batch of ``batch`` samples is cut into: the most, up to ``microbatches``, that
+    divide it evenly (torch's schedules split the inputs and the targets by different rules, which give
+    chunks of different sizes when they do not divide: ``torch.tensor_split`` against ``torch.chunk``)."""
+    return max(n for n in range(1, min(microbatches, batch) + 1) if batch % n == 0)
+
+
 class PipelineRunner:
     """This rank's stage and its schedules: one training or evaluation step of a whole batch.
 
@@ -151,7 +158,7 @@ class PipelineRunner:
 
         key = (tuple(inputs.shape), inputs.dtype, training)
         if key not in self._schedules:
-            n = min(self.microbatches, inputs.shape[0])  # a small last batch: one sample per micro-batch
+            n = micro_batches_for(inputs.shape[0], self.microbatches)
             cls = Schedule1F1B if self.schedule == "1f1b" and n >= self.stages else ScheduleGPipe  # 1F1B needs n ≥ P
             stage = PipelineStage(self.model, self.stage, self.stages, self.device, group=self.group)
             self._schedules[key] = cls(stage, n, loss_fn=self._loss, scale_grads=False)

@@ -96,7 +96,7 @@ class PipelineStrategy:
         pp_schedule: "gpipe" or "1f1b" (default; the same bubble as GPipe, activations of at most P
             micro-batches held instead of M).
         pp_microbatches: micro-batches per batch; None: 4·P (GPipe's advice, M ≥ 4·P, keeps the bubble
-            under 20 %). A batch with fewer samples runs one sample per micro-batch.
+            under 20 %). A batch that it does not divide runs in the most micro-batches that divide it.
         pp_split_points: the unit names where stages 1..P−1 begin (``apply_pp.units``); None: the
             built-in split of a ``trainscale.models.GPT``.
 
