@@ -33,7 +33,7 @@ def test_parallel_layouts_and_shorthands():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(strategy="model_parallel"), r"needs parallel=\{'dp_replicate'"),
     (dict(strategy="model_parallel", parallel={"dp_shard": 2, "tp": 4}), "multiplies to 8 ranks"),
-    (dict(strategy="model_parallel", parallel={"tp": 2, "pp": 2}), "pipeline parallelism is not supported"),
+    (dict(strategy="model_parallel", parallel={"tp": 2, "cp": 2}), "context parallelism .* is not supported"),
     (dict(strategy="model_parallel", parallel={"tp": 4, "sp": 1}), "unknown parallel dimension 'sp'"),
     (dict(strategy="model_parallel", parallel={"tp": 4.0}), "must be an int >= 1"),
     (dict(strategy="hsdp"), "strategy='hsdp' .* dp_replicate ≥ 2"),

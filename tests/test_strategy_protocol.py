@@ -25,8 +25,8 @@ def _registered():
 
 
 def test_the_protocol_declares_what_the_runtime_trainer_and_telemetry_use():
-    assert MEMBERS == sorted(["name", "checkpoint_suffix", "forward_communicates", "setup_module", "setup_optimizer",
-                              "unwrap", "no_backward_sync", "clip_gradients_norm", "time_allreduce",
+    assert MEMBERS == sorted(["name", "checkpoint_suffix", "forward_communicates", "pipelined", "setup_module",
+                              "setup_optimizer", "unwrap", "no_backward_sync", "clip_gradients_norm", "time_allreduce",
                               "save_checkpoint", "load_checkpoint", "teardown", "materialises_meta", "data_world"])
 
 

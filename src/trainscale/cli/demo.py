@@ -98,6 +98,7 @@ def _run_lm(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     train_set, val_set = load_text(context_length=context)
     model = GPT(config)
+    parameters = model.num_parameters()  # before fit: under pp the model is cut to this rank's stage
     summary = trainer.fit(model, DataLoader(train_set, batch_size=args.batch_size, shuffle=True),
                           DataLoader(val_set, batch_size=64), loss_fn=lm_loss,
                           optimizer=_one_cycle(args.lr, args.steps))
@@ -107,7 +108,7 @@ def _run_lm(args: argparse.Namespace) -> dict:
     summary["unigram_entropy"] = unigram_entropy(train_set.tokens)
     rt = trainer.runtime
     rt.print(f"run directory: {summary['run_dir']}")
-    rt.print(f"GPT {args.model} ({model.num_parameters():,} parameters), {summary['steps']} steps, "
+    rt.print(f"GPT {args.model} ({parameters:,} parameters), {summary['steps']} steps, "
              f"world size {summary['world_size']}, {summary['strategy']}")
     rt.print(f"final validation loss: {summary['val_loss']:.4f} nats/byte, perplexity {summary['val_perplexity']:.2f} "
              f"(unigram entropy of the training text: {summary['unigram_entropy']:.4f}); "

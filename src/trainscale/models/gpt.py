@@ -177,15 +177,24 @@ class GPT(nn.Module):
                 module.reset_parameters()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        B, T = idx.shape
+        # A pipeline stage holds some of the modules, the others None or left out of ``blocks`` (cut from
+        # outside, torchtitan's rule): without ``wpe`` the input is the previous stage's hidden states
+        # (B, T, C); without ``ln_f`` the output is this stage's hidden states (B, T, C).
+        x = self._embed(idx) if self.wpe is not None else idx  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)  # (B, T, C)
+        if self.ln_f is None:
+            return x
+        x = self.ln_f(x)  # (B, T, C)
+        return F.linear(x, self.wte.weight)  # (B, T, vocab_size): tied to the token embedding
+
+    def _embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids ``(B, T)`` → token plus position embeddings ``(B, T, C)``."""
+        T = idx.shape[1]
         if T > self.config.context_length:
             raise ValueError(f"sequence length {T} exceeds context_length={self.config.context_length}")
         pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)  # (B, T, C)
-        x = self.ln_f(x)  # (B, T, C)
-        return F.linear(x, self.wte.weight)  # (B, T, vocab_size): tied to the token embedding
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameters (the tied output matrix counted once); ``non_embedding`` leaves out the position

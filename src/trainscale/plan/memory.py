@@ -158,24 +158,38 @@ def _shard_rows(rows: int, devices: int, rank: int) -> tuple[int, int]:
     return padded, max(0, min(padded, rows - rank * padded))
 
 
+def _stage_parameters(meta_model: nn.Module, stages: int, rank: int, split_points: list | None) -> set[int]:
+    """Ids of the parameters pipeline stage ``rank`` holds (copies of tied weights included)."""
+    from trainscale.runtime.strategies.pipeline import stage_units
+
+    units = stage_units(meta_model, stages, split_points)[rank]
+    return {id(p) for unit in units for p in meta_model.get_submodule(unit).parameters()}
+
+
 def exact_bytes(meta_model: nn.Module, layout: list[list[tuple]], strategy: str, devices: int, rank: int,
-                precision: str, gradient_as_bucket_view: bool = False) -> dict[str, int]:
+                precision: str, gradient_as_bucket_view: bool = False,
+                split_points: list | None = None) -> dict[str, int]:
     """Bytes of ``parameters``, ``gradients``, ``optimizer``, ``buffers`` and ``comm_buffers`` on rank
-    ``rank`` of ``devices`` under ``strategy`` ("single", "ddp", "fsdp").
+    ``rank`` of ``devices`` under ``strategy`` ("single", "ddp", "fsdp", "pp").
 
     Args:
         meta_model: the model on the meta device (:func:`build_meta_model`).
         layout: :func:`optimizer_layout` of that model.
         gradient_as_bucket_view: DDP's option (gradients alias the buckets: no extra copy).
+        split_points: under "pp" (``devices`` stages, rank = stage): the ``pp_split_points``; None: the
+            built-in split of a ``trainscale.models.GPT``. Buffers are counted whole on every stage.
 
     Raises:
-        ValueError: an unknown strategy.
+        ValueError: an unknown strategy; under "pp", no split for a model that is not a GPT.
     """
-    if strategy not in ("single", "ddp", "fsdp"):
-        raise ValueError(f"memory of strategy={strategy!r} is not modelled; choose single, ddp or fsdp")
+    if strategy not in ("single", "ddp", "fsdp", "pp"):
+        raise ValueError(f"memory of strategy={strategy!r} is not modelled; choose single, ddp, fsdp or pp")
     out = dict(parameters=0, gradients=0, optimizer=0, comm_buffers=0,
                buffers=sum(b.numel() * b.element_size() for b in meta_model.buffers()))
+    stage = _stage_parameters(meta_model, devices, rank, split_points) if strategy == "pp" else None
     for p, states in zip(meta_model.parameters(), layout):
+        if stage is not None and id(p) not in stage:
+            continue
         dtype = _param_dtype(p, precision)
         shape = tuple(p.shape)
         local = shape

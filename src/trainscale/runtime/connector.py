@@ -13,7 +13,7 @@ from typing import Any
 from trainscale.runtime.devices import ACCELERATORS, detect_accelerator
 from trainscale.runtime.precision import PRECISIONS
 from trainscale.runtime.strategies import MODEL_PARALLEL, STRATEGIES
-from trainscale.runtime.strategies.parallel_dims import ParallelDims, resolve_parallel
+from trainscale.runtime.strategies.parallel_dims import PP_SCHEDULES, ParallelDims, resolve_parallel
 
 # Names that mean "ddp, with the processes started by torch.multiprocessing from this process" (Lightning's
 # names): the start method is how the processes come to be, not another strategy. Without one, a job of
@@ -43,7 +43,9 @@ class RunConfig:
         activation_checkpointing: module classes whose forward is recomputed in backward.
         compile: ``None`` (eager) or the keyword arguments of ``torch.compile`` (``{}`` for defaults).
         float32_matmul_precision: None (PyTorch's setting, left as it is) or "highest", "high", "medium".
-        parallel: the mesh sizes under "model_parallel"/"hsdp"/"tp"; None under other strategies.
+        parallel: the mesh sizes under "model_parallel"/"hsdp"/"tp"/"pp"; None under other strategies.
+        pp_schedule, pp_microbatches: under "pp" (pipeline stages): "gpipe" or "1f1b", and the micro-batches
+            each batch is cut into; None under other strategies.
     """
 
     accelerator: str
@@ -57,6 +59,8 @@ class RunConfig:
     compile: dict | None = None
     float32_matmul_precision: str | None = None
     parallel: ParallelDims | None = None
+    pp_schedule: str | None = None
+    pp_microbatches: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -89,6 +93,9 @@ def resolve(
     parallel: dict | None = None,
     tp_plan: Any = None,
     parallelize: Any = None,
+    pp_schedule: str | None = None,
+    pp_microbatches: int | None = None,
+    pp_split_points: Any = None,
 ) -> RunConfig:
     """Turn user flags into a :class:`RunConfig`.
 
@@ -110,6 +117,9 @@ def resolve(
             "dp_shard": S, "tp": T}`` with R·S·T = devices·num_nodes (``parallel_dims.resolve_parallel``).
         tp_plan: a dict ``{submodule name: ParallelStyle}``; only with tensor parallelism.
         parallelize: a callable ``fn(model, mesh) -> model``; only under the model-parallel strategies.
+        pp_schedule: "gpipe" or "1f1b" (None: "1f1b"); pp_microbatches: an int >= 1 (None: 4·pp);
+            pp_split_points: a list of pp − 1 submodule names; each only with pipeline stages (pp > 1),
+            which make the strategy "pp" and refuse mixed precision ("16-mixed", "bf16-mixed") and compile.
 
     Raises:
         ValueError: an unknown name (the message lists the valid ones), a non-positive count,
@@ -130,8 +140,11 @@ def resolve(
         raise ValueError(f"unknown float32_matmul_precision={float32_matmul_precision!r}; choose one of "
                          f"{_choices(MATMUL_PRECISIONS)} (torch.set_float32_matmul_precision's values)")
     dims = _resolve_model_parallel(strategy, parallel, tp_plan, parallelize, devices, num_nodes)
-    return RunConfig(accelerator, devices, num_nodes, strategy, precision, start_method, sync_batchnorm,
-                     _resolve_checkpointing(activation_checkpointing), compile_kwargs, float32_matmul_precision, dims)
+    schedule, microbatches = _resolve_pipeline(dims, precision, compile_kwargs, pp_schedule, pp_microbatches,
+                                               pp_split_points)
+    return RunConfig(accelerator, devices, num_nodes, "pp" if schedule else strategy, precision, start_method,
+                     sync_batchnorm, _resolve_checkpointing(activation_checkpointing), compile_kwargs,
+                     float32_matmul_precision, dims, schedule, microbatches)
 
 
 def _resolve_accelerator(accelerator: Any, cuda_count: int, has_mps: bool) -> str:
@@ -186,14 +199,58 @@ def _resolve_model_parallel(strategy: str, parallel: Any, tp_plan: Any, parallel
                  if value is not None]
         if given:
             raise ValueError(f"{', '.join(given)} describe(s) model parallelism, but strategy={strategy!r}; pass "
-                             "strategy='model_parallel' (or 'tp' / 'hsdp')")
+                             "strategy='model_parallel' (or 'tp' / 'hsdp' / 'pp')")
         return None
     dims = resolve_parallel(strategy, parallel, devices, num_nodes)
     _check_tp_flags(tp_plan, parallelize, dims)
+    if dims.pp > 1 and parallelize is not None:
+        raise ValueError("parallelize=fn applies tensor parallelism, which trainscale does not compose with pipeline "
+                         "stages yet; drop parallelize, or 'pp' from parallel")
     if dims.dp_replicate > 1 and dims.dp_shard == 1:
         raise ValueError(f"parallel={dims.as_dict()} replicates without sharding, which trainscale does not compose "
                          "with a mesh; use dp_shard for those ranks (FSDP), or strategy='ddp'")
     return dims
+
+
+def _resolve_pipeline(dims: ParallelDims | None, precision: str, compile_kwargs: dict | None, schedule: Any,
+                      microbatches: Any, split_points: Any) -> tuple[str | None, int | None]:
+    """``(schedule, micro-batches)`` with pipeline stages (pp > 1), else ``(None, None)``; the pp flags are
+    refused without stages, and what trainscale has not built with them (see :func:`resolve`)."""
+    if dims is None or dims.pp == 1:
+        given = [n for n, v in (("pp_schedule", schedule), ("pp_microbatches", microbatches),
+                                ("pp_split_points", split_points)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} configure(s) pipeline stages, but there are none; pass "
+                             "strategy='pp' (or parallel={'pp': N})")
+        return None, None
+    schedule = "1f1b" if schedule is None else schedule
+    microbatches = 4 * dims.pp if microbatches is None else microbatches
+    _check_pipeline_flags(schedule, microbatches, split_points, dims.pp)
+    _check_pipeline_support(precision, compile_kwargs)
+    return schedule, microbatches
+
+
+def _check_pipeline_flags(schedule: Any, microbatches: Any, split_points: Any, stages: int) -> None:
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"unknown pp_schedule={schedule!r}; choose one of {_choices(PP_SCHEDULES)}")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"pp_microbatches={microbatches!r} must be an int >= 1 (micro-batches per batch)")
+    if schedule == "1f1b" and microbatches < stages:
+        raise ValueError(f"pp_schedule='1f1b' needs at least one micro-batch per stage, but pp_microbatches="
+                         f"{microbatches} < pp={stages}; raise pp_microbatches (4·pp keeps the bubble under 20 %)")
+    if split_points is not None and (not isinstance(split_points, (list, tuple))
+                                     or not all(isinstance(n, str) for n in split_points)):
+        raise ValueError(f"pp_split_points={split_points!r} must be a list of submodule names, e.g. ['layers.4']")
+
+
+def _check_pipeline_support(precision: str, compile_kwargs: dict | None) -> None:
+    """Refuse what trainscale has not built with pipeline stages."""
+    if precision in ("16-mixed", "bf16-mixed"):
+        raise ValueError(f"precision={precision!r} is not built with pipeline stages yet (autocast would wrap the "
+                         "schedule's backward too); pass precision='bf16-true' (the model in bf16) or '32-true'")
+    if compile_kwargs is not None:
+        raise ValueError("compile=True is not built with pipeline stages yet (it compiles the loop module, which the "
+                         "schedule does not call); pass compile=False, or compile your model's blocks yourself")
 
 
 def _resolve_strategy(strategy: Any, accelerator: str, devices: int, num_nodes: int,

@@ -65,7 +65,7 @@ class Runtime:
         accelerator: "auto", "cpu", "cuda" ("gpu") or "mps".
         devices: processes (CPU) or GPUs per node, or "auto" (all GPUs; under a launcher, the
             launcher's processes per node; else 1).
-        strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp" (see
+        strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp" (see
             ``trainscale.runtime.strategies.STRATEGIES`` and docs/strategies.md), or "ddp_spawn"/"ddp_notebook": ddp
             with the processes started from this one by spawn/fork (``trainscale.runtime.spawn``); outside a
             launcher, then call ``launch(fn, *args)``.
@@ -83,12 +83,17 @@ class Runtime:
         float32_matmul_precision: None (leave PyTorch's setting), or "highest", "high" (TF32 on Ampere and
             newer) or "medium", applied with ``torch.set_float32_matmul_precision`` in this process. A
             "32-true" run on such a GPU left at "highest" says so once (rank zero).
-        parallel: under strategy "model_parallel" (required), "hsdp" or "tp": the device mesh
-            ``{"dp_replicate": R, "dp_shard": S, "tp": T}``, R·S·T = world size (docs/strategies.md).
+        parallel: under strategy "model_parallel" (required), "hsdp", "tp" or "pp": the device mesh
+            ``{"dp_replicate": R, "dp_shard": S, "tp": T}``, R·S·T = world size, or ``{"pp": P}``, P = world
+            size (docs/strategies.md).
         tp_plan: ``{submodule name: ColwiseParallel() | RowwiseParallel() | ...}`` (torch's
             ``parallelize_module`` styles) for your model; default: the built-in plan of ``trainscale.models.GPT``.
         parallelize: ``fn(model, mesh) -> model`` applying your own tensor parallelism instead; FSDP/HSDP
             over the data-parallel dimensions is applied after it.
+        pp_schedule: under pipeline stages (``strategy="pp"`` or ``parallel={"pp": P}``): "gpipe" or "1f1b"
+            (default). pp_microbatches: micro-batches each batch is cut into (default 4·P).
+            pp_split_points: the submodule names where stages 2..P begin (default: the built-in split of
+            ``trainscale.models.GPT``); docs/strategies.md, "Pipeline split".
 
     Raises:
         ValueError: bad or conflicting flags (raised on every rank, before any process group exists).
@@ -99,12 +104,14 @@ class Runtime:
                  strategy_options: dict | None = None, sync_batchnorm: bool = False,
                  activation_checkpointing: Any = None, compile: bool | dict = False,
                  float32_matmul_precision: str | None = None, parallel: dict | None = None,
-                 tp_plan: dict | None = None, parallelize: Callable | None = None) -> None:
+                 tp_plan: dict | None = None, parallelize: Callable | None = None, pp_schedule: str | None = None,
+                 pp_microbatches: int | None = None, pp_split_points: list | None = None) -> None:
         self._init_kwargs = dict(accelerator=accelerator, devices=devices, strategy=strategy, num_nodes=num_nodes,
                                  precision=precision, timeout=timeout, strategy_options=strategy_options,
                                  sync_batchnorm=sync_batchnorm, activation_checkpointing=activation_checkpointing,
                                  compile=compile, float32_matmul_precision=float32_matmul_precision,
-                                 parallel=parallel, tp_plan=tp_plan, parallelize=parallelize)
+                                 parallel=parallel, tp_plan=tp_plan, parallelize=parallelize, pp_schedule=pp_schedule,
+                                 pp_microbatches=pp_microbatches, pp_split_points=pp_split_points)
         self.world = world = World.from_env()
         follows_launcher = devices == "auto" and world.launcher != "none"  # nodes may differ in processes
         if follows_launcher:
@@ -116,7 +123,9 @@ class Runtime:
                                          has_mps=_devices.mps_available(), sync_batchnorm=sync_batchnorm,
                                          activation_checkpointing=activation_checkpointing, compile=compile,
                                          float32_matmul_precision=float32_matmul_precision,
-                                         parallel=parallel, tp_plan=tp_plan, parallelize=parallelize)
+                                         parallel=parallel, tp_plan=tp_plan, parallelize=parallelize,
+                                         pp_schedule=pp_schedule, pp_microbatches=pp_microbatches,
+                                         pp_split_points=pp_split_points)
         if world.launcher == "slurm" and not follows_launcher:  # the allocation must match devices × num_nodes
             from trainscale.runtime.slurm import check_allocation
 
@@ -130,7 +139,7 @@ class Runtime:
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be a positive number of seconds")
         self.timeout = timeout
-        self.strategy_options = _strategy_options(self.config, strategy_options, tp_plan, parallelize)
+        self.strategy_options = _strategy_options(self.config, strategy_options, tp_plan, parallelize, pp_split_points)
         cuda = self.config.accelerator == "cuda"
         self.device = _devices.device_for(self.config.accelerator, _devices.cuda_index(
             world.local_rank, world.local_world_size, visible, world.launcher) if cuda else world.local_rank)
@@ -374,6 +383,33 @@ class Runtime:
         """``loss.backward()``, scaled under "16-mixed"."""
         self.precision.backward(loss)
 
+    def forward_backward(self, module: torch.nn.Module, batch: Any, loss_fn: Callable, loss_divisor: int = 1,
+                         sync: bool = True) -> torch.Tensor:
+        """Under pipeline stages (``strategy.pipelined``: "pp") the step's forward and backward in one
+        schedule step, where a plain loop calls ``module(x)``, ``loss_fn`` and :meth:`backward`:
+
+            loss = rt.forward_backward(model, (x, y), loss_fn)   # then clip_gradients, step, zero_grad
+
+        Args:
+            module: what :meth:`setup` returned; batch: ``(inputs, targets)`` on the device, the same
+                batch on every stage (:meth:`setup_dataloader` sees to it).
+            loss_fn: ``loss_fn(outputs, targets)``, a mean over the samples, called on the last stage
+                for each micro-batch.
+            loss_divisor: the gradients are those of the loss divided by it (gradient accumulation).
+            sync: False before the last micro-batch of an accumulated step (weights shared by two
+                stages get their gradients summed only on the last).
+
+        Returns:
+            The batch's mean loss (0-d, detached, not divided), the same on every rank.
+
+        Raises:
+            RuntimeError: the strategy is not pipelined (call the module, then :meth:`backward`).
+        """
+        if not self.strategy.pipelined:
+            raise RuntimeError(f"forward_backward runs a pipeline schedule, but strategy={self.config.strategy!r}; "
+                               "call the module and then runtime.backward(loss)")
+        return module.forward_backward(batch, loss_fn, loss_divisor, sync)
+
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool = True):
         """Context manager: while ``enabled``, backward skips the gradient all-reduce
         (accumulate locally; sync on the boundary micro-batch). A no-op at world size 1."""
@@ -522,12 +558,16 @@ class Runtime:
         self._launched = False
 
 
-def _strategy_options(config: RunConfig, options: dict | None, tp_plan: Any, parallelize: Any) -> dict:
+def _strategy_options(config: RunConfig, options: dict | None, tp_plan: Any, parallelize: Any,
+                      split_points: Any) -> dict:
     """The strategy's options: the user's, with dp's ``device_ids`` and the model-parallel flags added."""
     out = dict(options or {})
     if config.strategy == "dp":
         out.setdefault("device_ids", list(range(config.devices)))
-    if config.parallel is not None:  # model_parallel / hsdp / tp
+    if config.strategy == "pp":
+        out.update(parallel=config.parallel, pp_schedule=config.pp_schedule, pp_microbatches=config.pp_microbatches,
+                   pp_split_points=split_points)
+    elif config.parallel is not None:  # model_parallel / hsdp / tp
         out.update(parallel=config.parallel, tp_plan=tp_plan, parallelize=parallelize)
     return out
 

@@ -45,11 +45,28 @@ def hyperparams(trainer: Any, model: Any) -> dict:
             "global_batch_size": trainer.global_batch_size, "lr_scale_factor": trainer.batch_scaling.factor}
 
 
+def pipeline_summary(runtime: Any, module: Any) -> dict | None:
+    """Under pipeline stages (strategy "pp"): stages, schedule, micro-batches per batch, the bubble fraction
+    (P − 1)/(M + P − 1) (Huang et al. 2019, "GPipe", §2.2) and each rank's parameter bytes (exact tensor
+    bytes of its stage; a collective). None under other strategies."""
+    from trainscale.runtime.strategies.pipeline import bubble_fraction
+
+    cfg = runtime.config
+    if cfg.pp_schedule is None:
+        return None
+    return {"stages": cfg.parallel.pp, "schedule": cfg.pp_schedule, "microbatches": cfg.pp_microbatches,
+            "bubble_fraction": bubble_fraction(cfg.parallel.pp, cfg.pp_microbatches),
+            "param_bytes_per_rank": runtime.all_gather_object(sum(p.nbytes for p in module.parameters()))}
+
+
 def finish_run(trainer: Any, fit: Any, global_batch: int, resumed_from: Path | None, nonfinite_skipped: int) -> dict:
     """The summary with the run's telemetry (a collective), printed and written to ``summary.json`` by
     rank zero after the sinks are closed. Every rank returns it."""
     rt = trainer.runtime
     summary = run_summary(trainer, global_batch, resumed_from, nonfinite_skipped)
+    pipeline = pipeline_summary(rt, fit.wrapped)
+    if pipeline is not None:
+        summary["pipeline"] = pipeline
     summary["telemetry"] = fit.telemetry.summary()
     if summary["telemetry"] is not None:
         rt.print(summary_line(summary["telemetry"]))

@@ -43,7 +43,7 @@ class Trainer:
     """Fit, validate, test and predict on any strategy by changing flags.
 
     The runtime's flags (accelerator, devices, strategy, num_nodes, precision, timeout, strategy_options,
-    sync_batchnorm, activation_checkpointing, compile, float32_matmul_precision, parallel, tp_plan, parallelize) are
+    sync_batchnorm, activation_checkpointing, compile, float32_matmul_precision, parallel, tp_plan, parallelize, pp_*) are
     ``Runtime``'s (with ``devices > 1`` outside a launcher the script re-executes under torchrun here). The loop's flags
     are on :class:`~trainscale.train.config.TrainerConfig`; ``count_flops`` (None: on CUDA only) and ``peak_flops``
     (FLOP/s of one device for MFU; None: the table) on :class:`~trainscale.telemetry.processor.Telemetry`;
@@ -69,7 +69,9 @@ class Trainer:
                  float32_matmul_precision: str | None = None, peak_flops: float | None = None,
                  parallel: dict | None = None, tp_plan: dict | None = None, parallelize: Callable | None = None,
                  checkpoint_async: bool = False, batch_size: str | None = None, max_memory: int | None = None,
-                 lr_scaling: str | None = None, base_batch_size: int | None = None, lr_warmup_steps: int = 0) -> None:
+                 lr_scaling: str | None = None, base_batch_size: int | None = None, lr_warmup_steps: int = 0,
+                 pp_schedule: str | None = None, pp_microbatches: int | None = None,
+                 pp_split_points: list | None = None) -> None:
         self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
         self.config = resolve_trainer_config(**{k: v for k, v in self._init_kwargs.items() if k in TRAINER_FLAGS})
         self.batch_scaling = BatchScaling(self.config)
@@ -270,6 +272,9 @@ class Trainer:
         if self.manual_optimizers:  # the user's training_step steps the optimizers itself
             with rt.autocast():
                 return fit.loop_module.manual_step(batch, micro.index), tele.clock()
+        if rt.strategy.pipelined:  # forward and backward in one pipeline schedule step ("pp")
+            loss = rt.forward_backward(fit.wrapped, batch, fit.loop_module.loss_fn, micro.group_size, micro.is_last)
+            return loss, tele.clock()
         with rt.no_backward_sync(fit.wrapped, enabled=not micro.is_last), tele.count_flops(batch):
             with rt.autocast():
                 loss = fit.wrapped(batch, micro.index)

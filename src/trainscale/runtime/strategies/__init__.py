@@ -22,8 +22,10 @@ _IMPLEMENTATIONS = {
     "model_parallel": "trainscale.runtime.strategies.model_parallel:ModelParallelStrategy",
     "hsdp": "trainscale.runtime.strategies.model_parallel:ModelParallelStrategy",
     "tp": "trainscale.runtime.strategies.model_parallel:ModelParallelStrategy",
+    # pipeline stages (parallel={"pp": P}); the resolver also maps "model_parallel" with pp > 1 here
+    "pp": "trainscale.runtime.strategies.pipeline:PipelineStrategy",
 }
-MODEL_PARALLEL = ("model_parallel", "hsdp", "tp")
+MODEL_PARALLEL = ("model_parallel", "hsdp", "tp", "pp")
 # strategies whose checkpoints are DCP directories, each rank writing its shards: they can also write in the background
 SHARDED_CHECKPOINTS = ("fsdp", *MODEL_PARALLEL)
 STRATEGIES = ("auto", *_IMPLEMENTATIONS)
@@ -38,19 +40,22 @@ class Strategy(Protocol):
     never probe with ``getattr``/``hasattr``.
 
     Attributes:
-        name: the strategy's flag ("single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp").
+        name: the strategy's flag ("single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp").
         checkpoint_suffix: the suffix of a checkpoint path: ".pt" for one file, "" for a directory
             (fsdp's sharded DCP checkpoints).
         forward_communicates: True when forward runs collectives (fsdp all-gathers parameters), so
             evaluation must call the wrapped module equally often on every rank.
         materialises_meta: True when ``setup_module`` accepts a model built on the meta device (it shards,
             then allocates and initialises only this rank's shards: ``runtime/meta_init.py``).
+        pipelined: True when forward and backward run together in a pipeline schedule: a loop calls
+            ``Runtime.forward_backward`` instead of calling the module and then ``backward`` ("pp").
     """
 
     name: str
     checkpoint_suffix: str
     forward_communicates: bool
     materialises_meta: bool
+    pipelined: bool
 
     def setup_module(self, module: Any) -> Any:
         """Move ``module`` to the device and wrap it (DDP, FSDP, ...); return the module to call."""

@@ -36,6 +36,7 @@ class DDPStrategy:
     checkpoint_suffix = ".pt"
     forward_communicates = False
     materialises_meta = False  # a model on the meta device is refused by Runtime.setup
+    pipelined = False
 
     def __init__(self, device: Any, world: World, find_unused_parameters: bool = False,
                  static_graph: bool = False, gradient_as_bucket_view: bool = False,

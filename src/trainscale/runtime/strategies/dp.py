@@ -103,6 +103,7 @@ class DataParallelStrategy:
     checkpoint_suffix = ".pt"
     forward_communicates = False
     materialises_meta = False  # a model on the meta device is refused by Runtime.setup
+    pipelined = False
 
     def __init__(self, device: Any, world: World, device_ids: list[int] | None = None) -> None:
         self.device = device

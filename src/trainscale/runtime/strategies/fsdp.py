@@ -55,6 +55,7 @@ class FSDPStrategy:
     checkpoint_suffix = ""  # checkpoints are directories
     forward_communicates = True  # forward all-gathers: evaluation goes through the root, same count on every rank
     materialises_meta = True  # setup_module takes a model built on the meta device
+    pipelined = False
 
     def __init__(self, device: Any, world: World, precision: str = "32-true",
                  auto_wrap_policy: Iterable[type] | None = None, reshard_after_forward: bool | int | None = None,

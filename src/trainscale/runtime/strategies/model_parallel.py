@@ -56,6 +56,7 @@ class ModelParallelStrategy:
     checkpoint_suffix = ""  # checkpoints are directories
     forward_communicates = True  # tensor-parallel and FSDP forwards run collectives
     materialises_meta = True
+    pipelined = False
 
     def __init__(self, device: Any, world: World, precision: str = "32-true", parallel: Any = None,
                  tp_plan: dict | None = None, parallelize: Callable | None = None,

@@ -1,10 +1,11 @@
 """The sizes of a model-parallel job's device mesh: torchtitan's ``ParallelDims`` idea, pure logic.
 
-One named ``DeviceMesh`` of shape ``(dp_replicate, dp_shard, tp)`` holds every rank
+One named ``DeviceMesh`` of shape ``(pp, dp_replicate, dp_shard, tp)`` holds every rank
 (torchtitan v0.1.0 ``distributed/parallel_dims.py``). Ranks are laid out row-major, as
-``init_device_mesh`` does: rank = (r·dp_shard + s)·tp + t, so the ``tp`` ranks of one group are
-neighbours (on one node, where tensor parallelism's per-layer all-reduces want the fastest links),
-and ``dp_replicate`` is the outermost dimension (across nodes for hsdp).
+``init_device_mesh`` does: rank = ((p·dp_replicate + r)·dp_shard + s)·tp + t, so the ``tp`` ranks of
+one group are neighbours (on one node, where tensor parallelism's per-layer all-reduces want the
+fastest links), and ``pp`` is the outermost dimension (pipeline stages exchange only activations and
+their gradients, point to point: the traffic that tolerates the slowest links, across nodes).
 """
 
 from __future__ import annotations
@@ -12,16 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-DIMS = ("dp_replicate", "dp_shard", "tp")
-_NOT_YET = {"pp": "pipeline parallelism", "cp": "context parallelism (GPU only in torch 2.13)",
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+PP_SCHEDULES = ("gpipe", "1f1b")  # torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B
+_NOT_YET = {"cp": "context parallelism (GPU only in torch 2.13)",
             "ep": "expert parallelism"}
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the three mesh dimensions; their product is the world size.
+    """Sizes of the four mesh dimensions; their product is the world size.
 
     Attributes:
+        pp: pipeline stages the model's layers are split into (``apply_pp.py``).
         dp_replicate: replicas of the model (gradients all-reduced across them, as DDP).
         dp_shard: ranks each replica's parameters, gradients and optimizer states are sharded over (FSDP).
         tp: ranks each layer's matrices are split over (tensor parallelism, Megatron-style).
@@ -30,39 +33,47 @@ class ParallelDims:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    pp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def dp_size(self) -> int:
-        """Ranks that see different data: ``dp_replicate · dp_shard`` (the ``tp`` ranks share a batch)."""
+        """Ranks that see different data: ``dp_replicate · dp_shard`` (the ``tp`` ranks and the ``pp`` stages
+        share a batch)."""
         return self.dp_replicate * self.dp_shard
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
-        """``(replicate, shard, tp)`` indices of global ``rank`` in the mesh."""
-        return rank // (self.dp_shard * self.tp), (rank // self.tp) % self.dp_shard, rank % self.tp
+        """``(replicate, shard, tp)`` indices of global ``rank`` in the mesh (its pipeline stage: :meth:`pp_rank`)."""
+        return (rank // (self.dp_shard * self.tp)) % self.dp_replicate, (rank // self.tp) % self.dp_shard, rank % self.tp
+
+    def pp_rank(self, rank: int) -> int:
+        """The pipeline stage global ``rank`` runs."""
+        return rank // (self.dp_size * self.tp)
 
     def dp_rank(self, rank: int) -> int:
         """This rank's index among the ``dp_size`` data-parallel ranks (which share of the data it reads)."""
-        return rank // self.tp
+        return (rank // self.tp) % self.dp_size
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in DIMS}
 
     def build_mesh(self, device_type: str) -> Any:
-        """The ``DeviceMesh`` of shape ``(dp_replicate, dp_shard, tp)`` named by :data:`DIMS` (needs the
+        """The ``DeviceMesh`` of shape ``(pp, dp_replicate, dp_shard, tp)`` named by :data:`DIMS` (needs the
         process group)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=DIMS)
+        return init_device_mesh(device_type, tuple(getattr(self, name) for name in DIMS), mesh_dim_names=DIMS)
 
 
 def _shorthand(strategy: str, devices: int, num_nodes: int) -> dict[str, int]:
     """The layout a shorthand means when no ``parallel`` is given."""
     if strategy == "hsdp":  # replicate across nodes, shard within a node
         return {"dp_replicate": num_nodes, "dp_shard": devices}
+    if strategy == "pp":  # every rank one stage
+        return {"pp": devices * num_nodes}
     return {"tp": devices, "dp_shard": num_nodes}  # "tp": within a node; FSDP across nodes (torchtitan's 2-D)
 
 
@@ -70,7 +81,7 @@ def resolve_parallel(strategy: str, parallel: Any, devices: int, num_nodes: int)
     """Check ``parallel`` against the strategy and world size; fill in a shorthand's default layout.
 
     Args:
-        strategy: "model_parallel", "hsdp" or "tp".
+        strategy: "model_parallel", "hsdp", "tp" or "pp".
         parallel: None (the shorthand's default; required for "model_parallel") or a dict with keys of
             :data:`DIMS` and positive int values, the missing ones 1.
         devices, num_nodes: the resolved flags (world size = devices · num_nodes).
@@ -83,7 +94,8 @@ def resolve_parallel(strategy: str, parallel: Any, devices: int, num_nodes: int)
     if parallel is None:
         if strategy == "model_parallel":
             raise ValueError("strategy='model_parallel' needs parallel={'dp_replicate': R, 'dp_shard': S, 'tp': T} "
-                             f"with R·S·T = world size ({world}); or use strategy='hsdp' / 'tp' / 'fsdp'")
+                             f"(or {{'pp': P}}) with R·S·T = world size ({world}); or use strategy='hsdp' / 'tp' / "
+                             "'pp' / 'fsdp'")
         parallel = _shorthand(strategy, devices, num_nodes)
     _check_entries(parallel)
     dims = ParallelDims(**parallel)
@@ -117,3 +129,10 @@ def _check_shorthand(strategy: str, dims: ParallelDims) -> None:
     if strategy == "tp" and dims.tp < 2:
         raise ValueError(f"strategy='tp' splits layers over tp ≥ 2 ranks, but parallel={dims.as_dict()}; "
                          "pass parallel={'tp': 2, ...} or another strategy")
+    if strategy == "pp" and dims.pp < 2:
+        raise ValueError(f"strategy='pp' splits the model into pp ≥ 2 pipeline stages, but parallel={dims.as_dict()}; "
+                         "pass parallel={'pp': 2} with 2 or more processes (devices=2), or another strategy")
+    if dims.pp > 1 and dims.world_size != dims.pp:  # torch composes them; trainscale has not built or tested it
+        raise ValueError(f"parallel={dims.as_dict()}: trainscale runs pipeline parallelism alone so far (pp = world "
+                         "size); pipeline stages combined with dp_replicate, dp_shard or tp are not built yet. Pass "
+                         "parallel={'pp': N} with N = devices×num_nodes, or drop 'pp'")

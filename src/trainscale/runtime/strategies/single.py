@@ -15,6 +15,7 @@ class SingleDeviceStrategy:
     checkpoint_suffix = ".pt"
     forward_communicates = False
     materialises_meta = False  # a model on the meta device is refused by Runtime.setup
+    pipelined = False
 
     def __init__(self, device: Any, world: World) -> None:
         self.device = device

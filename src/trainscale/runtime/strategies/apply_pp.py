@@ -1,0 +1,222 @@
+"""``apply_pp``: cut a model into pipeline stages from outside it, and run them with torch's schedules.
+
+Manual stage construction, as torchtitan does it (``distributed/pipeline_parallel.py``,
+``pipeline_module_split``): every rank holds the whole model, keeps the modules of its own stage and
+drops the others, in place: a child of a ``ModuleList``/``ModuleDict`` is deleted (``delattr``, so the
+remaining entries keep their names, and so the state-dict keys of the whole model: a checkpoint of the
+stages is a checkpoint of the model), any other child is set to ``None``. The model's ``forward`` must
+tolerate that (torchtitan's rule): it iterates over what its lists hold and skips a step whose module
+is ``None`` (``trainscale.models.GPT`` does; docs/strategies.md shows how for your own model).
+
+A *split point* is a unit's name where a new stage begins; the units are the model's children in
+registration order, a ``ModuleList``/``ModuleDict`` child entry by entry (e.g. ``"blocks.2"``).
+
+A module kept by several stages is *shared*: the GPT's token embedding is read by the first stage and,
+as the tied output projection, by the last (Press & Wolf 2017). Each of those stages holds a copy;
+after backward their gradients are summed across them (Megatron-LM's embedding group, Shoeybi et al.
+2019, §3), so the copies take identical optimizer steps, and gradient clipping counts them once.
+
+The schedules are torch's ``ScheduleGPipe`` (Huang et al. 2019, "GPipe") and ``Schedule1F1B``
+(Narayanan et al. 2019, "PipeDream"; https://pytorch.org/docs/stable/distributed.pipelining.html).
+A schedule fixes the shapes of the activations a stage receives at its first step, so each batch
+shape (the last, smaller batch of an epoch) gets its own ``PipelineStage`` and schedule, made on first
+use and kept, with as many micro-batches as divide it (:func:`micro_batches_for`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+def units(model: nn.Module) -> list[str]:
+    """The names a split point may take, in order: ``model``'s children, those of a ``ModuleList`` or
+    ``ModuleDict`` child one by one (``"blocks.0"``, ``"blocks.1"``, ...)."""
+    out = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            out.extend(f"{name}.{key}" for key, _ in child.named_children())
+        else:
+            out.append(name)
+    return out
+
+
+def gpt_split_points(gpt: nn.Module, stages: int) -> list[str]:
+    """The built-in split of ``trainscale.models.GPT``: its blocks spread evenly over ``stages`` (the
+    first stages take one more when they do not divide), the embeddings before the first block, the
+    final norm after the last.
+
+    Raises:
+        ValueError: fewer blocks than stages.
+    """
+    n = len(gpt.blocks)
+    if n < stages:
+        raise ValueError(f"pp={stages} stages need at least as many GPT blocks, but n_layer={n}; use fewer stages "
+                         "or a deeper model")
+    per, extra = divmod(n, stages)
+    points, start = [], 0
+    for s in range(stages - 1):
+        start += per + (1 if s < extra else 0)
+        points.append(f"blocks.{start}")
+    return points
+
+
+def stage_names(model: nn.Module, split_points: list[str], stages: int) -> list[list[str]]:
+    """The units of each stage: stage ``s`` runs from split point ``s - 1`` (or the first unit) up to
+    split point ``s`` (or the last unit).
+
+    Raises:
+        ValueError: not ``stages - 1`` split points, a name that is not a unit, points out of order
+            (each message lists the units).
+    """
+    names = units(model)
+    listing = f"the units of {type(model).__name__}, in order: {', '.join(names)}"
+    if not isinstance(split_points, (list, tuple)) or len(split_points) != stages - 1:
+        raise ValueError(f"pp={stages} stages need {stages - 1} split point(s) (the unit where each later stage "
+                         f"begins), got pp_split_points={split_points!r}; {listing}")
+    unknown = [p for p in split_points if p not in names]
+    if unknown:
+        raise ValueError(f"pp_split_points {unknown} name no unit of the model; {listing}")
+    bounds = [0, *(names.index(p) for p in split_points), len(names)]
+    if any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"pp_split_points={list(split_points)} must be in the model's order and leave every stage "
+                         f"at least one unit; {listing}")
+    return [names[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def shared_parameters(model: nn.Module, names: list[list[str]]) -> dict[int, list[int]]:
+    """``{id(parameter): [stages that hold it]}`` for each parameter held by more than one stage (a unit
+    in several stages' lists, or one tensor registered in units of different stages: a tied weight).
+
+    Raises:
+        ValueError: parameters registered on ``model`` itself, which belong to no unit.
+    """
+    own = [name for name, _ in model.named_parameters(recurse=False)]
+    if own:
+        raise ValueError(f"parameter(s) {own} sit on {type(model).__name__} itself, outside every pipeline unit; "
+                         "move them into a submodule so that one stage holds them")
+    holders: dict[int, list[int]] = {}
+    for stage, stage_units in enumerate(names):
+        for unit in stage_units:
+            for p in model.get_submodule(unit).parameters():
+                if stage not in holders.setdefault(id(p), []):
+                    holders[id(p)].append(stage)
+    return {pid: stages for pid, stages in holders.items() if len(stages) > 1}
+
+
+def keep_stage(model: nn.Module, keep: list[str]) -> nn.Module:
+    """Drop every unit of ``model`` not in ``keep``, in place (see the module's docstring); return ``model``."""
+    for name in units(model):
+        if name in keep:
+            continue
+        parent, _, child = name.rpartition(".")
+        if parent:
+            delattr(model.get_submodule(parent), child)  # no renumbering: the others keep their names
+        else:
+            setattr(model, child, None)
+    return model
+
+
+def micro_batches_for(batch: int, microbatches: int) -> int:
+    """The micro-batches a batch of ``batch`` samples is cut into: the most, up to ``microbatches``, that
+    divide it evenly (torch's schedules split the inputs and the targets by different rules, which give
+    chunks of different sizes when they do not divide: ``torch.tensor_split`` against ``torch.chunk``)."""
+    return max(n for n in range(1, min(microbatches, batch) + 1) if batch % n == 0)
+
+
+class PipelineRunner:
+    """This rank's stage and its schedules: one training or evaluation step of a whole batch.
+
+    Args:
+        model: the stage (the model after :func:`keep_stage`).
+        stage: this stage's index; ``stages``: how many; ``group``: the process group of the stages (rank
+            ``s`` of it runs stage ``s``).
+        schedule: "gpipe" or "1f1b"; ``microbatches``: how many micro-batches a batch is cut into.
+        shared: ``[(process group, [parameters])]``: the gradients to sum across the stages holding them.
+    """
+
+    def __init__(self, model: nn.Module, stage: int, stages: int, device: torch.device, group: Any,
+                 schedule: str, microbatches: int, shared: list) -> None:
+        import torch.distributed as dist
+
+        self.model, self.stage, self.stages, self.device, self.group = model, stage, stages, device, group
+        self.schedule, self.microbatches, self.shared = schedule, microbatches, shared
+        self.last_rank = dist.get_global_rank(group, stages - 1)
+        self._schedules: dict = {}
+        self._loss_fn: Callable | None = None
+        self._weight = 1.0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def _schedule_for(self, inputs: torch.Tensor, training: bool):
+        """The schedule of batches shaped like ``inputs`` (made on first use: one stage per shape)."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        key = (tuple(inputs.shape), inputs.dtype, training)
+        if key not in self._schedules:
+            n = micro_batches_for(inputs.shape[0], self.microbatches)
+            cls = Schedule1F1B if self.schedule == "1f1b" and n >= self.stages else ScheduleGPipe  # 1F1B needs n ≥ P
+            stage = PipelineStage(self.model, self.stage, self.stages, self.device, group=self.group)
+            self._schedules[key] = cls(stage, n, loss_fn=self._loss, scale_grads=False)
+        return self._schedules[key]
+
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        """A micro-batch's loss weighted by its share of the batch (and divided for accumulation), so the
+        micro-batches' gradients sum to those of the batch's mean loss however the batch divides."""
+        return self._loss_fn(output, target) * (target.shape[0] * self._weight)
+
+    def train_step(self, inputs: torch.Tensor, targets: Any, loss_fn: Callable, divisor: int,
+                   sync: bool) -> torch.Tensor:
+        """Forward and backward of one batch; the gradients of the batch's mean loss divided by ``divisor``
+        are added to ``.grad``; with ``sync`` the shared ones are then summed across their stages.
+        Returns the batch's mean loss (0-d, detached), the same on every stage (broadcast from the last)."""
+        self._loss_fn, self._weight = loss_fn, 1.0 / (inputs.shape[0] * divisor)
+        losses: list = []
+        self._schedule_for(inputs, True).step(*self._first(inputs), target=targets, losses=losses)
+        if sync:
+            self.sync_shared()
+        loss = torch.stack(losses).sum().detach() * divisor if self.is_last else torch.zeros((), device=self.device)
+        return self._from_last(loss)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: Any, loss_fn: Callable) -> dict[str, float]:
+        """The batch's mean loss (and accuracy for a classifier's ``(N, classes)`` logits) from a
+        forward-only schedule step, as numbers, the same on every stage."""
+        self._loss_fn, self._weight = loss_fn, 1.0 / inputs.shape[0]
+        out = self._schedule_for(inputs, False).eval(*self._first(inputs), target=targets, losses=[])
+        metrics = None
+        if self.is_last:
+            metrics = {"loss": float(loss_fn(out, targets))}
+            if out.ndim == 2 and targets.ndim == 1 and not targets.is_floating_point():
+                metrics["accuracy"] = float((out.argmax(dim=1) == targets).float().mean())
+        return self._object_from_last(metrics)
+
+    def _first(self, inputs: torch.Tensor) -> tuple:
+        return (inputs,) if self.stage == 0 else ()
+
+    def _from_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.broadcast(tensor, src=self.last_rank, group=self.group)
+        return tensor
+
+    def _object_from_last(self, obj: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.last_rank, group=self.group)
+        return box[0]
+
+    def sync_shared(self) -> None:
+        """Sum the gradients of shared parameters across the stages that hold them (one all-reduce each)."""
+        import torch.distributed as dist
+
+        for group, params in self.shared:
+            for p in params:
+                if p.grad is None:  # unused on this stage this step: its part is zero
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)

@@ -1,0 +1,219 @@
+"""Pipeline parallelism: the model's layers split into stages, one per rank, micro-batches flowing through.
+
+``strategy="pp"`` (or ``"model_parallel"`` with ``parallel={"pp": P}``), P = world size: rank ``s``
+keeps stage ``s`` of the model (``apply_pp.py``: the built-in split of ``trainscale.models.GPT`` or the
+user's ``pp_split_points``), and each batch runs through torch's GPipe or 1F1B schedule in
+``pp_microbatches`` micro-batches, forward and backward in one ``schedule.step`` (so a loop calls
+``Runtime.forward_backward``, not forward then backward). Every stage reads the same batches (the
+first needs the inputs, the last the targets); the loss is computed on the last stage and broadcast,
+so every rank logs it. Gradients are clipped by the norm over all stages (``dtensor_clip``, summed
+across the stage group); checkpoints are DCP directories keyed by the whole model's names
+(``dcp_checkpoint.py``), so they load on another number of stages or in one process.
+
+Each rank idles while the pipeline fills and drains: the bubble, a fraction (P − 1)/(M + P − 1) of
+the step for M micro-batches (Huang et al. 2019, "GPipe", §2.2; :func:`bubble_fraction`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from trainscale.runtime.strategies import SYNC
+from trainscale.runtime.strategies.apply_pp import (PipelineRunner, gpt_split_points, keep_stage, shared_parameters,
+                                                    stage_names)
+from trainscale.runtime.strategies.dcp_checkpoint import DCPCheckpointer
+from trainscale.runtime.strategies.dtensor_clip import clip_grad_norm
+from trainscale.runtime.strategies.parallel_dims import ParallelDims
+from trainscale.runtime.world import World
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """The share of a GPipe or 1F1B step each stage idles while the pipeline fills and drains:
+    (P − 1)/(M + P − 1) for P stages and M micro-batches of equal cost (Huang et al. 2019, §2.2; 1F1B
+    has the same bubble, with fewer activations held: Narayanan et al. 2021, §2.2)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def stage_units(model: nn.Module, stages: int, split_points: list | None = None) -> list[list[str]]:
+    """Each stage's units (``apply_pp.stage_names``) from ``split_points``, or by the built-in split of a
+    ``trainscale.models.GPT``, whose last stage also keeps the token embedding: its output projection
+    (tied weights). Pure: ``trainscale.plan`` uses it on meta-device models.
+
+    Raises:
+        ValueError: no split points for a model that is not a GPT; bad split points.
+    """
+    from trainscale.models.gpt import GPT
+
+    gpt = isinstance(model, GPT)
+    if split_points is None and not gpt:
+        raise ValueError(f"pipeline parallelism has a built-in split for trainscale.models.GPT only, and the model "
+                         f"is a {type(model).__name__}; pass pp_split_points=[names where stages 2..P begin], e.g. "
+                         "['layers.4'] (docs/strategies.md, 'Pipeline split')")
+    points = list(split_points) if split_points is not None else gpt_split_points(model, stages)
+    names = stage_names(model, points, stages)
+    if gpt and "wte" not in names[-1]:
+        names[-1].append("wte")
+    return names
+
+
+class PipelineModule(nn.Module):
+    """What ``setup`` returns under pipeline parallelism: the module given (its model cut to this rank's
+    stage, in place) and the stage's schedules.
+
+    ``forward_backward`` trains on a batch; calling the module as the Trainer's evaluation does
+    (``module(batch, batch_idx, stage="validation"|"test")``) evaluates it with the ``loss_fn`` of
+    the module given (the Trainer's loop module). Plain ``forward`` is refused: under a pipeline no
+    rank holds the whole forward.
+    """
+
+    def __init__(self, root: nn.Module, runner: PipelineRunner) -> None:
+        super().__init__()
+        self.root = root
+        self.runner = runner  # not a module: its stages reference the model, already registered under root
+
+    def forward(self, batch: Any, batch_idx: int = 0, stage: str = "train") -> Any:
+        if stage not in ("validation", "test"):
+            raise RuntimeError("under strategy='pp' forward and backward run together in the pipeline schedule: "
+                               "call runtime.forward_backward(module, batch, loss_fn); predict is not supported")
+        inputs, targets = batch
+        return self.runner.evaluate(inputs, targets, self.root.loss_fn), int(targets.shape[0])
+
+    def forward_backward(self, batch: Any, loss_fn: Callable, divisor: int = 1, sync: bool = True) -> torch.Tensor:
+        """See ``Runtime.forward_backward``."""
+        inputs, targets = batch
+        return self.runner.train_step(inputs, targets, loss_fn, divisor, sync)
+
+
+class PipelineStrategy:
+    """Pipeline stages on a ``pp`` mesh dimension.
+
+    Args (the Runtime passes them from its own arguments, checked by the resolver):
+        parallel: a ``ParallelDims`` (or a dict of its fields) with ``pp`` = world size.
+        pp_schedule: "gpipe" or "1f1b" (default; the same bubble as GPipe, activations of at most P
+            micro-batches held instead of M).
+        pp_microbatches: micro-batches per batch; None: 4·P (GPipe's advice, M ≥ 4·P, keeps the bubble
+            under 20 %). A batch that it does not divide runs in the most micro-batches that divide it.
+        pp_split_points: the unit names where stages 1..P−1 begin (``apply_pp.units``); None: the
+            built-in split of a ``trainscale.models.GPT``.
+
+    Raises:
+        ValueError: a world size other than the mesh's.
+    """
+
+    name = "pp"
+    checkpoint_suffix = ""  # checkpoints are directories
+    forward_communicates = True  # a forward sends activations between the stages
+    materialises_meta = False
+    pipelined = True
+
+    def __init__(self, device: Any, world: World, precision: str = "32-true", parallel: Any = None,
+                 pp_schedule: str = "1f1b", pp_microbatches: int | None = None,
+                 pp_split_points: list | None = None) -> None:
+        dims = parallel if isinstance(parallel, ParallelDims) else ParallelDims(**(parallel or {}))
+        if dims.world_size != world.world_size:
+            raise ValueError(f"parallel={dims.as_dict()} multiplies to {dims.world_size} ranks, but the world size is "
+                             f"{world.world_size}")
+        self.device, self.world, self.dims = device, world, dims
+        self.schedule, self.split_points = pp_schedule, pp_split_points
+        self.microbatches = pp_microbatches or 4 * dims.pp
+        self.mesh = None
+        self._params: set = set()
+        self._counted: set = set()  # ids of the parameters whose gradients this stage counts in the norm
+        self._checkpointer = DCPCheckpointer(world.rank, self.name)
+
+    def data_world(self, world: World) -> World:
+        """Every stage reads the same batches: the data-parallel rank and size (one, with pp alone)."""
+        return dataclasses.replace(world, rank=self.dims.dp_rank(world.rank), world_size=self.dims.dp_size)
+
+    # -- model -------------------------------------------------------------------------------
+    def setup_module(self, module):
+        """Cut ``module`` (or its child ``model``, the Trainer's loop module's) to this rank's stage in
+        place; return a :class:`PipelineModule` around ``module``.
+
+        Raises:
+            ValueError: a model that computes its own loss (``training_step``), no split points for a
+                model that is not a GPT, bad split points (``apply_pp.stage_names``).
+        """
+        target = self._target(module)
+        names = stage_units(target, self.dims.pp, self.split_points)
+        shared = shared_parameters(target, names)
+        self.mesh = self.mesh or self.dims.build_mesh(self.device.type)
+        stage = self.dims.pp_rank(self.world.rank)
+        keep_stage(target, names[stage])
+        module = module.to(self.device)
+        group = self.mesh.get_group("pp")
+        by_id = {id(p): p for p in target.parameters()}
+        runner = PipelineRunner(target, stage, self.dims.pp, self.device, group, self.schedule, self.microbatches,
+                                _shared_groups(shared, by_id, group))
+        self._params = set(by_id)
+        self._counted = {pid for pid in by_id if pid not in shared or min(shared[pid]) == stage}
+        return PipelineModule(module, runner)
+
+    def _target(self, module) -> nn.Module:
+        """The model to cut: ``module``, or its child ``model`` (the Trainer wraps the user's model)."""
+        target = module.model if isinstance(getattr(module, "model", None), nn.Module) else module
+        if any(hasattr(target, step) for step in ("training_step", "validation_step")):
+            raise ValueError("strategy='pp' computes the loss on the last stage with loss_fn(outputs, targets), but "
+                             f"{type(target).__name__} defines training_step/validation_step, which need the whole "
+                             "model; pass a plain nn.Module and loss_fn (docs/strategies.md, 'Pipeline split')")
+        return target
+
+    def setup_optimizer(self, optimizer):
+        """Check that ``optimizer`` holds this stage's parameters only.
+
+        Raises:
+            ValueError: it was built before ``setup`` on the whole model.
+        """
+        if any(id(p) not in self._params for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError("under strategy='pp' the optimizer must be built after the model is cut into stages: "
+                             "pass a factory, e.g. optimizer=lambda params: torch.optim.AdamW(params)")
+        return optimizer
+
+    def unwrap(self, module):
+        return module.root if isinstance(module, PipelineModule) else module
+
+    def no_backward_sync(self, module, enabled: bool):
+        return SYNC  # no data-parallel ranks; shared gradients are summed by forward_backward(sync=True)
+
+    def clip_gradients_norm(self, module, max_norm: float, norm_type: float = 2.0):
+        """Clip by the norm of the whole model's gradient: each stage's norm combined across the stages,
+        a shared weight counted once (``dtensor_clip.clip_grad_norm``)."""
+        params = list(module.parameters())
+        return clip_grad_norm(params, max_norm, norm_type, across=self.mesh.get_group("pp"),
+                              counted=[p for p in params if id(p) in self._counted])
+
+    def time_allreduce(self, module, clock, record) -> bool:
+        return False  # no gradient all-reduce of its own
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, path, state: dict, async_group=None):
+        """A DCP directory (``dcp_checkpoint.DCPCheckpointer.save``): each stage writes its modules' entries
+        under the whole model's names (a shared weight once); with ``async_group``, in the background
+        (returns the ``AsyncSave`` that publishes it)."""
+        return self._checkpointer.save(path, state, async_group)
+
+    def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
+        """Restore this stage's entries of ``state`` from a DCP directory; return the plain entries."""
+        return self._checkpointer.load(path, state, verify)
+
+    def teardown(self) -> None:
+        pass
+
+
+def _shared_groups(shared: dict[int, list[int]], by_id: dict, group: Any) -> list:
+    """``[(process group, [parameters])]``: this rank's shared parameters grouped by the stages holding
+    them; every rank makes every group (``new_group`` is collective), in the same order."""
+    import torch.distributed as dist
+
+    out = []
+    for stages in sorted({tuple(s) for s in shared.values()}):
+        ranks = [dist.get_global_rank(group, s) for s in stages]
+        sub = group if len(stages) == dist.get_world_size(group) else dist.new_group(ranks)
+        params = [by_id[pid] for pid, holders in shared.items() if tuple(holders) == stages and pid in by_id]
+        if params:
+            out.append((sub, params))
+    return out

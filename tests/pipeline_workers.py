@@ -1,0 +1,102 @@
+"""Bodies of the pipeline-parallel tests (module level so ``spawn`` can import them): the Trainer on the
+reference GPT, one process or two pipeline stages, with what each run measured."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from trainscale.callbacks import Callback
+from trainscale.models import GPT, GPTConfig, lm_loss
+
+# 4 blocks: with 2 stages each holds 2 of them and one copy of the tied token embedding, about 0.54 of
+# the parameters (2 blocks would leave the duplicated embedding at 0.58).
+PP_CONFIG = GPTConfig(vocab_size=256, context_length=32, n_layer=4, n_head=4, n_embd=64)
+
+
+def text_loaders(batch_size: int, train: int, val: int) -> tuple[DataLoader, DataLoader]:
+    """The first ``train`` training chunks (shuffled) and ``val`` validation chunks of the byte-level corpus."""
+    from trainscale.data import load_text
+
+    train_set, val_set = load_text(context_length=PP_CONFIG.context_length)
+    return (DataLoader(Subset(train_set, range(train)), batch_size=batch_size, shuffle=True),
+            DataLoader(Subset(val_set, range(val)), batch_size=batch_size))
+
+
+def state_bytes(optimizer) -> int:
+    """Exact bytes this rank holds for the optimizer's parameters, their gradients and its state."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return sum(t.nbytes for t in params + [p.grad for p in params if p.grad is not None] + state)
+
+
+class Record(Callback):
+    """The loss of every step on this rank, and the largest :func:`state_bytes` seen right after an
+    optimizer step (before ``zero_grad``)."""
+
+    def __init__(self) -> None:
+        self.losses, self.peak_bytes = [], 0
+
+    def on_train_batch_end(self, trainer, module, loss, batch, batch_idx) -> None:
+        if trainer.is_step_end:
+            self.losses.append(loss.item())
+
+    def sgd(self, params):
+        """SGD with momentum (AdamW's per-element normalisation magnifies rounding differences of
+        near-zero gradients), measured after each step."""
+        optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+        def measure(opt, args, kwargs):
+            self.peak_bytes = max(self.peak_bytes, state_bytes(opt))
+
+        optimizer.register_step_post_hook(measure)
+        return optimizer
+
+
+def fit_gpt(rank: int, root: str, strategy: str, *, steps: int | None = None, epochs: int = 1, train: int = 64,
+            val: int = 21, schedule: str | None = None, accumulate: int = 1, ckpt_path: str | None = None,
+            destroy: bool = False, **flags) -> dict:
+    """Fit a GPT (seed 0) with clipping at norm 0.5; return this rank's weights, the per-step losses (and
+    gradient norms from rank zero's step records), the validation loss, the peak bytes of parameters +
+    gradients + optimizer state, the summary."""
+    import json
+
+    import torch.distributed as dist
+
+    from trainscale.train.trainer import Trainer
+
+    record = Record()
+    pp = strategy == "pp"
+    trainer = Trainer(accelerator="cpu", devices="auto" if pp else 1, strategy=strategy, max_epochs=epochs,
+                      max_steps=steps, seed=0, default_root_dir=root, enable_progress_bar=False, timeout=60,
+                      log_every_n_steps=1, gradient_clip_val=0.5, accumulate_grad_batches=accumulate,
+                      callbacks=[record], logger=False, pp_schedule=schedule, **flags)
+    torch.manual_seed(0)
+    model = GPT(PP_CONFIG)
+    train_loader, val_loader = text_loaders(8, train, val)
+    summary = trainer.fit(model, train_loader, val_loader, loss_fn=lm_loss, optimizer=record.sgd, ckpt_path=ckpt_path)
+    records = ([json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+               if rank == 0 else [])
+    out = {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": record.losses,
+           "norms": [r["grad_norm"] for r in records if r.get("kind") == "step" and "grad_norm" in r],
+           "val_loss": summary["val_loss"], "bytes": record.peak_bytes, "summary": summary}
+    if destroy and dist.is_initialized():
+        dist.destroy_process_group()
+    return out
+
+
+def pp_runs(rank: int, root: str, steps: int) -> dict:
+    """GPipe and 1F1B over 2 stages for ``steps`` steps, then 1F1B with 2 accumulated micro-batches per
+    step; one process group for all."""
+    return {"gpipe": fit_gpt(rank, f"{root}/gpipe", "pp", steps=steps, schedule="gpipe"),
+            "1f1b": fit_gpt(rank, f"{root}/1f1b", "pp", steps=steps, schedule="1f1b", pp_microbatches=2),
+            "accumulate": fit_gpt(rank, f"{root}/acc", "pp", steps=2, accumulate=2, destroy=True)}
+
+
+def pp_resume(rank: int, root: str) -> dict:
+    """Two epochs uninterrupted, against one epoch then a resume from its "last" checkpoint for the second."""
+    small = dict(train=24, val=12)
+    full = fit_gpt(rank, f"{root}/full", "pp", epochs=2, **small)
+    first = fit_gpt(rank, f"{root}/stopped", "pp", epochs=1, **small)
+    resumed = fit_gpt(rank, f"{root}/stopped", "pp", epochs=2, ckpt_path="last", destroy=True, **small)
+    return {"full": full, "first": first, "resumed": resumed}

@@ -1,0 +1,207 @@
+"""Pipeline parallelism (strategy "pp"): GPipe and 1F1B over 2 ranks against one process (parity),
+memory per rank, checkpoints resumed and read in one process, the split, and the resolver's refusals."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import run_distributed, run_python
+from tests.pipeline_workers import PP_CONFIG, fit_gpt, pp_resume, pp_runs
+from trainscale.runtime.connector import resolve
+from trainscale.runtime.strategies.apply_pp import gpt_split_points, keep_stage, shared_parameters, stage_names, units
+from trainscale.runtime.strategies.parallel_dims import ParallelDims
+from trainscale.runtime.strategies.pipeline import bubble_fraction
+
+STEPS = 4
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "strategies.md"
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    """rtol 1e-5 in fp32 (atol 1e-7 for elements near zero)."""
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _stages_cover(results: list, want: dict) -> None:
+    """Every parameter of the model is on some stage, and each stage's copy equals ``want``."""
+    assert set().union(*(r["weights"] for r in results)) == set(want)
+    for r in results:
+        _assert_same(r["weights"], want)
+
+
+def _planned_bytes(strategy: str, devices: int, rank: int) -> int:
+    """Parameters + gradients + optimizer state that ``trainscale.plan`` predicts for the test's GPT and SGD."""
+    from trainscale.models import GPT
+    from trainscale.plan.memory import build_meta_model, exact_bytes, optimizer_layout
+
+    meta = build_meta_model(lambda: GPT(PP_CONFIG))
+    layout = optimizer_layout(meta, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), "32-true")
+    predicted = exact_bytes(meta, layout, strategy, devices, rank, "32-true")
+    return predicted["parameters"] + predicted["gradients"] + predicted["optimizer"]
+
+
+# -- parity with one process, memory (gloo, real processes) --------------------------------------
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_gpipe_and_1f1b_over_two_stages_match_one_process_with_clipping_and_use_about_half_the_memory(tmp_path):
+    reference = fit_gpt(0, str(tmp_path / "single"), "single", steps=STEPS)
+    accumulated = fit_gpt(0, str(tmp_path / "single_acc"), "single", steps=2, accumulate=2)
+    results = run_distributed(pp_runs, str(tmp_path), STEPS, world_size=2, timeout=280)
+    for schedule in ("gpipe", "1f1b"):
+        runs = [r[schedule] for r in results]
+        _stages_cover(runs, reference["weights"])
+        assert runs[0]["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+        assert min(reference["norms"]) > 0.5  # clipping at 0.5 was active at every step
+        for r in runs:  # the loss is the last stage's, broadcast: every rank logs the same
+            assert r["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+            assert r["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+            # parameters + gradients + momentum: each stage holds 2 of the 4 blocks and one copy of the tied embedding
+            assert r["bytes"] <= 0.55 * reference["bytes"]
+    _stages_cover([r["accumulate"] for r in results], accumulated["weights"])
+    # trainscale.plan predicts each stage's bytes exactly (the 1F1B run: the same stages)
+    for rank, r in enumerate(results):
+        assert _planned_bytes("pp", 2, rank) == r["1f1b"]["bytes"] == r["gpipe"]["bytes"]
+    assert _planned_bytes("single", 1, 0) == reference["bytes"]
+    summary = results[0]["gpipe"]["summary"]
+    assert summary["strategy"] == "pp" and summary["global_batch_size"] == 8
+    assert summary["pipeline"] == {"stages": 2, "schedule": "gpipe", "microbatches": 8,
+                                   "bubble_fraction": pytest.approx(1 / 9),
+                                   "param_bytes_per_rank": [r["gpipe"]["bytes"] // 3 for r in results]}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_pp_checkpoint_resumes_where_it_stopped_and_loads_into_one_process(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from trainscale.models import GPT
+
+    results = run_distributed(pp_resume, str(tmp_path), world_size=2, timeout=280)
+    for r in results:
+        _assert_same(r["resumed"]["weights"], r["full"]["weights"])
+        assert r["resumed"]["val_loss"] == pytest.approx(r["full"]["val_loss"], rel=1e-5)
+        assert r["resumed"]["summary"]["resumed_from"] is not None and r["resumed"]["summary"]["steps"] == 6
+    # the checkpoint of the two stages is one of the whole model, keyed by its own names
+    last = max((tmp_path / "stopped").glob("version_*/checkpoints/epoch=*-step=0000000006"))
+    state = {"model": GPT(PP_CONFIG).state_dict()}
+    dcp.load(state, checkpoint_id=str(last))
+    _stages_cover([r["resumed"] for r in results], state["model"])
+
+
+def _docs_example() -> str:
+    """The code of docs/strategies.md, "Writing a pipeline split for your own model"."""
+    text = DOCS.read_text()
+    block = text[text.index("### Writing a pipeline split for your own model"):]
+    start = block.index("```python\n") + len("```python\n")
+    return block[start:block.index("```\n", start)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_the_docs_split_of_a_users_model_runs_as_a_script_and_matches_one_process(tmp_path):
+    code = _docs_example()
+    (tmp_path / "tower.py").write_text(code)
+    out, _ = run_python(["tower.py"], tmp_path, timeout=280)  # devices=2: relaunched under torchrun
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = [float(v) for v in re.findall(r"train_loss (\d+\.\d{8})", out.stdout)]  # both ranks print, maybe interleaved
+    names = {"__name__": "docs_example"}
+    exec(compile(code, str(DOCS), "exec"), names)
+    torch.manual_seed(0)
+    reference = names["fit"](names["Tower"](), devices=1, strategy="single", default_root_dir=str(tmp_path / "one"))
+    assert losses and losses == pytest.approx([reference["train_loss"]] * len(losses), rel=1e-5)
+
+
+# -- the split: pure logic ----------------------------------------------------------------------
+def test_the_gpt_split_spreads_its_blocks_and_keeps_the_names_of_the_whole_model():
+    from trainscale.models import GPT
+
+    gpt = GPT(PP_CONFIG)
+    assert units(gpt) == ["wte", "wpe", "drop", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f"]
+    assert gpt_split_points(gpt, 2) == ["blocks.2"] and gpt_split_points(gpt, 3) == ["blocks.2", "blocks.3"]
+    names = stage_names(gpt, ["blocks.2"], 2)
+    assert names == [["wte", "wpe", "drop", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "ln_f"]]
+    names[1].append("wte")  # the tied output projection
+    assert list(shared_parameters(gpt, names).values()) == [[0, 1]]
+    keep_stage(gpt, names[1])
+    assert gpt.wpe is None and len(gpt.blocks) == 2
+    assert sorted({k.split(".")[0] + "." + k.split(".")[1] for k in gpt.state_dict() if k.startswith("blocks")}) == \
+        ["blocks.2", "blocks.3"]
+    hidden = torch.randn(3, 8, PP_CONFIG.n_embd)
+    assert gpt(hidden).shape == (3, 8, PP_CONFIG.vocab_size)  # the last stage: hidden states in, logits out
+
+
+def test_bad_split_points_name_the_units():
+    from trainscale.models import GPT
+
+    gpt = GPT(PP_CONFIG)
+    with pytest.raises(ValueError, match=r"need 1 split point.*units of GPT, in order: wte, wpe"):
+        stage_names(gpt, [], 2)
+    with pytest.raises(ValueError, match=r"\['layers.2'\] name no unit"):
+        stage_names(gpt, ["layers.2"], 2)
+    with pytest.raises(ValueError, match="in the model's order"):
+        stage_names(gpt, ["blocks.3", "blocks.1"], 3)
+    with pytest.raises(ValueError, match="n_layer=4"):
+        gpt_split_points(gpt, 5)
+
+
+def test_a_batch_is_cut_into_the_most_micro_batches_that_divide_it():
+    from trainscale.runtime.strategies.apply_pp import micro_batches_for
+
+    assert [micro_batches_for(b, 8) for b in (8, 16, 6, 5, 43, 3)] == [8, 8, 6, 5, 1, 3]
+    assert [micro_batches_for(b, 2) for b in (8, 5)] == [2, 1]
+
+
+def test_bubble_fraction_is_gpipes():
+    assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction(1, 1) == 0
+
+
+# -- the resolver: pure logic ---------------------------------------------------------------------
+def test_pp_layouts_and_flags():
+    cfg = resolve("cpu", 2, "pp")
+    assert cfg.strategy == "pp" and cfg.parallel == ParallelDims(pp=2)
+    assert (cfg.pp_schedule, cfg.pp_microbatches) == ("1f1b", 8)
+    cfg = resolve("cpu", 4, "model_parallel", parallel={"pp": 4}, pp_schedule="gpipe", pp_microbatches=2)
+    assert (cfg.strategy, cfg.pp_schedule, cfg.pp_microbatches) == ("pp", "gpipe", 2)
+    assert resolve("cpu", 4, "tp").pp_schedule is None
+    dims = ParallelDims(pp=2, dp_shard=2, tp=2)  # the mesh (pp, dp_replicate, dp_shard, tp), row-major
+    assert [dims.pp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]  # both stages read the same data
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(strategy="pp", devices=1), "pp ≥ 2 pipeline stages"),
+    (dict(strategy="pp", parallel={"pp": 2, "dp_shard": 2}), "pipeline stages combined with .* not built yet"),
+    (dict(strategy="model_parallel", parallel={"pp": 2, "tp": 2}), "pipeline stages combined with .* not built yet"),
+    (dict(strategy="pp", pp_schedule="interleaved"), "unknown pp_schedule='interleaved'"),
+    (dict(strategy="pp", pp_microbatches=0), "pp_microbatches=0 must be an int >= 1"),
+    (dict(strategy="pp", pp_microbatches=2), "1f1b' needs at least one micro-batch per stage"),
+    (dict(strategy="pp", pp_split_points="blocks.2"), "must be a list of submodule names"),
+    (dict(strategy="pp", precision="bf16-mixed"), "precision='bf16-mixed' is not built with pipeline stages"),
+    (dict(strategy="pp", precision="16-mixed"), "precision='16-mixed' is not built with pipeline stages"),
+    (dict(strategy="pp", compile=True), "compile=True is not built with pipeline stages"),
+    (dict(strategy="pp", parallelize=lambda m, mesh: m), "does not compose with pipeline stages"),
+    (dict(strategy="ddp", pp_microbatches=4), "pp_microbatches configure.*no"),
+    (dict(strategy="tp", pp_split_points=["blocks.2"]), "pp_split_points configure"),
+])
+def test_what_pp_does_not_support_is_refused_before_any_process_group(kwargs, message):
+    kwargs = {"devices": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        resolve("cpu", **kwargs)
+
+
+def test_a_model_with_its_own_training_step_or_no_split_is_refused_at_setup():
+    from trainscale.runtime.strategies.pipeline import PipelineStrategy
+    from trainscale.runtime.world import World
+
+    strategy = PipelineStrategy(torch.device("cpu"), World(world_size=2, local_world_size=2), parallel={"pp": 2})
+    stepper = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    stepper.training_step = lambda batch: None
+    with pytest.raises(ValueError, match="defines training_step"):
+        strategy.setup_module(stepper)
+    with pytest.raises(ValueError, match=r"built-in split for trainscale.models.GPT only.*pp_split_points"):
+        strategy.setup_module(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
