@@ -56,11 +56,20 @@ def full_weights(model) -> dict:
             for name, p in model.named_parameters()}
 
 
+def state_bytes(model, optimizer) -> int:
+    """This rank's exact training-state bytes: parameters + gradients + optimizer state tensors."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    states = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensor_bytes(params) + tensor_bytes(grads) + tensor_bytes(states)
+
+
 def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, steps: int,
               checkpoint: str | None = None) -> dict:
     """``steps`` SGD steps (momentum 0.9; AdamW's per-element normalisation would magnify rounding
     differences of near-zero gradients) of a GPT (seed 0) with clipping at norm 0.5 through the Runtime; the full
-    weights after, the losses and norms, this rank's parameter bytes; a DCP checkpoint if asked."""
+    weights after, the losses and norms, this rank's parameter bytes and its training-state bytes after the
+    last step (parameters + gradients + momentum buffers); a DCP checkpoint if asked."""
     from trainscale.runtime.runtime import Runtime
 
     rt = Runtime(accelerator="cpu", devices=1 if strategy == "single" else "auto", strategy=strategy, parallel=parallel,
@@ -75,6 +84,7 @@ def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, 
         rt.backward(loss)
         out["norms"].append(rt.clip_gradients(wrapped, optimizer, max_norm=0.5).item())
         rt.step(optimizer)
+        out["state_bytes"] = state_bytes(wrapped, optimizer)  # gradients still held: the step's peak state
         optimizer.zero_grad(set_to_none=True)
         out["losses"].append(rt.all_reduce(loss.detach(), op="mean").item())
     out["weights"] = full_weights(wrapped)
