@@ -92,3 +92,23 @@ def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, 
         rt.save(checkpoint, {"model": wrapped, "optimizer": optimizer, "step": steps})
     rt.teardown()
     return out
+
+
+def fit_gpt(rank: int, strategy: str, root: str, batch_size: int, steps: int) -> dict:
+    """``Trainer.fit`` of the GPT for ``steps`` steps (log every step) on 4·``batch_size`` samples; the
+    summary and the step and epoch records of rank zero's metrics.jsonl."""
+    import json
+    from pathlib import Path
+
+    from trainscale import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, max_epochs=1, max_steps=steps,
+                      log_every_n_steps=1, default_root_dir=root, enable_progress_bar=False,
+                      enable_checkpointing=False, timeout=60)
+    torch.manual_seed(0)
+    summary = trainer.fit(GPT(CONFIG), text_loader(batch_size, samples=4 * batch_size), loss_fn=lm_loss,
+                          optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    records = []
+    if rank == 0:
+        records = [json.loads(line) for line in (Path(trainer.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {"summary": summary, "records": records}

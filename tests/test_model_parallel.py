@@ -154,3 +154,19 @@ def test_clipping_plain_gradients_equals_torch():
     assert got == want and want > 0.1
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_tp_ranks_share_their_batches_so_global_batch_and_throughput_count_them_once(tmp_path):
+    from tests.parallel_workers import fit_gpt
+
+    results = run_distributed(fit_gpt, "tp", str(tmp_path), 4, 3, world_size=2, timeout=200)
+    summary, records = results[0]["summary"], results[0]["records"]
+    assert summary["global_batch_size"] == 4  # one data-parallel rank × batch 4 (not × the 2 tp ranks)
+    steps = [r for r in records if r.get("kind") == "step"]
+    epoch = next(r for r in records if r.get("kind") == "epoch")
+    assert [r["samples"] for r in steps] == [4, 4, 4]
+    assert epoch["samples_per_s"] * epoch["epoch_time_s"] == pytest.approx(12)  # 3 steps × 4 samples
+    assert epoch["tokens_per_s"] * epoch["epoch_time_s"] == pytest.approx(12 * CONFIG.context_length)
+    assert summary["samples_per_s"] * sum(summary["epoch_time_s"]) == pytest.approx(12)

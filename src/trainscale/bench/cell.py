@@ -126,7 +126,7 @@ def run_cell(cfg: dict) -> dict | None:
     rt = trainer.runtime
 
     n_train = len(work["train"])
-    batches_per_epoch = math.ceil(math.ceil(n_train / rt.world_size) / b)  # DistributedSampler pads, no drop_last
+    batches_per_epoch = math.ceil(math.ceil(n_train / rt.data_parallel_size) / b)  # the sampler pads, no drop_last
     steps = summary["steps"]
     time_s = sum(summary["epoch_time_s"])
     probe_data = _probe_data(rt, rt.setup_dataloader(train_loader, seed=cfg["seed"]), min(steps, PROBE_BATCHES))

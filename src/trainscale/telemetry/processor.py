@@ -81,6 +81,8 @@ class Telemetry:
             raise ValueError(f"peak_flops={peak_flops!r} must be a positive number of FLOP/s per device "
                              "(e.g. 989e12 for an H100 SXM in bf16), or None for trainscale's table")
         self.rt = runtime
+        # ranks that read each sample: 1, or under tensor parallelism the tp ranks of a group (same batches)
+        self._copies = runtime.world_size / runtime.data_parallel_size
         self.warmup_steps = warmup_steps
         self.straggler_margin = straggler_margin
         device = runtime.device
@@ -264,8 +266,9 @@ class Telemetry:
         total = sum(phase_s.values())
         has_comm = self.timer.time_comm
         comm = per_step(mean(col["comm"])) if has_comm else None
-        samples_per_s = sum(col["samples"]) / wall if wall > 0 else _NAN
-        tokens = sum(col["tokens"])
+        samples = sum(col["samples"]) / self._copies  # each sample once, though tp ranks all read it
+        samples_per_s = samples / wall if wall > 0 else _NAN
+        tokens = sum(col["tokens"]) / self._copies
         achieved = self.flops.value * samples_per_s if self.flops.value is not None else None
         mfu_value, mfu_error = self._mfu(achieved, devices)
         busy = [busy_per_step(w, c if has_comm else None, steps) for w, c in zip(col["wall"], col["comm"])]
@@ -292,7 +295,7 @@ class Telemetry:
             out["mfu_error"] = mfu_error
         if per_rank:
             out["steps"] = int(steps)
-            out["samples"] = int(sum(col["samples"]))
+            out["samples"] = round(samples)
             if out["tokens_per_s"] is not None:
                 out["tokens_per_s_per_device"] = out["tokens_per_s"] / devices
             out["rank_step_time_s"] = [per_step(w) for w in col["wall"]]

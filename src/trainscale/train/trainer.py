@@ -163,7 +163,7 @@ class Trainer:
         self._faults.start(self.run_dir)
         fit.sink = RecordWriter(self.run_dir, cfg.tensorboard, self.loggers, hyperparams(self, model)) \
             if rt.is_rank_zero else None
-        global_batch = fit.train_loader.batch_size * rt.world_size * cfg.accumulate_grad_batches
+        global_batch = fit.train_loader.batch_size * rt.data_parallel_size * cfg.accumulate_grad_batches
         rt.print(run_header(rt, global_batch, self.run_dir))
         self._call("on_fit_start")
         for epoch in range(point.next_epoch if point else 0, cfg.max_epochs):
