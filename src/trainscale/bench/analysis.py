@@ -111,28 +111,42 @@ def _cell(row: dict | None, what: str) -> str:
     if what == "time":
         return ("~" if row.get("epoch_time_estimated") else "") + fmt_time(row.get("epoch_time_s"))
     value = row.get(what)
-    return "—" if value is None else (f"{value:.2f}×" if what == "gain" else f"{value:.2f}")
+    if value is None:
+        return "—"
+    if what == "tokens_per_s":
+        return f"{value:,.0f}"
+    return f"{value:.2f}×" if what == "gain" else f"{value:.2f}"
+
+
+def _flops_per_token(rows: list[dict]) -> str:
+    """The workload's FLOPs per token (the same in every cell), for a table's title; "" when unknown."""
+    values = {r["flops_per_token"] for r in rows if r.get("flops_per_token")}
+    return f"; FLOPs/token {min(values):.3g}" if len(values) == 1 else ""
 
 
 def table(rows: list[dict], devices: list[int], batch_sizes: list[int], strategy: str, precision: str,
           scaling: str = "weak") -> str:
     """The classic table for one strategy and precision: bs | batches/epoch per device count |
     epoch time (mm:ss.s) per device count | gain | efficiency (one column per device count above the
-    baseline). ``rows`` must have been through :func:`add_scaling`. "~" marks an epoch time estimated
-    from ``--steps``; OOM/TIMEOUT/FAILED/CRASHED mark failed cells."""
+    baseline), and for a language-model workload (cells that counted tokens) tokens/s per device count,
+    with the FLOPs per token in the title. ``rows`` must have been through :func:`add_scaling`. "~" marks
+    an epoch time estimated from ``--steps``; OOM/TIMEOUT/FAILED/CRASHED mark failed cells."""
     devices = sorted(devices)
     more = [d for d in devices if d != devices[0]]
+    cells = {bs: {d: find(rows, strategy, precision, d, bs) for d in devices} for bs in batch_sizes}
+    mine = [c for by_device in cells.values() for c in by_device.values() if c is not None]
+    tokens = devices if any(c.get("tokens_per_s") for c in mine) else []
     bs_name = "bs/device" if scaling == "weak" else "global bs"
     head = ([bs_name] + [f"batches/ep {d}d" for d in devices] + [f"epoch {d}d" for d in devices]
-            + [f"gain {d}d" for d in more] + [f"eff {d}d" for d in more])
+            + [f"gain {d}d" for d in more] + [f"eff {d}d" for d in more] + [f"tok/s {d}d" for d in tokens])
     body = []
     for bs in batch_sizes:
-        cells = {d: find(rows, strategy, precision, d, bs) for d in devices}
-        body.append([str(bs)] + [_cell(cells[d], "batches") for d in devices]
-                    + [_cell(cells[d], "time") for d in devices]
-                    + [_cell(cells[d], "gain") for d in more] + [_cell(cells[d], "efficiency") for d in more])
+        c = cells[bs]
+        body.append([str(bs)] + [_cell(c[d], "batches") for d in devices] + [_cell(c[d], "time") for d in devices]
+                    + [_cell(c[d], "gain") for d in more] + [_cell(c[d], "efficiency") for d in more]
+                    + [_cell(c[d], "tokens_per_s") for d in tokens])
     widths = [max(len(line[i]) for line in [head] + body) for i in range(len(head))]
-    groups = [1, len(devices), len(devices), len(more), len(more)]
+    groups = [1, len(devices), len(devices), len(more), len(more), len(tokens)]
 
     def render(line: list[str]) -> str:
         parts, i = [], 0
@@ -143,7 +157,8 @@ def table(rows: list[dict], devices: list[int], batch_sizes: list[int], strategy
         return " | ".join(parts)
 
     title = f"{strategy} · {precision} · {scaling} scaling (epoch time mm:ss.s; gain = epoch time on " \
-            f"{devices[0]} device{'s' if devices[0] > 1 else ''} ÷ epoch time; efficiency = gain ÷ device ratio)"
+            f"{devices[0]} device{'s' if devices[0] > 1 else ''} ÷ epoch time; efficiency = gain ÷ device ratio" \
+            f"{'; tok/s: tokens per second over the data-parallel ranks' if tokens else ''}{_flops_per_token(mine)})"
     lines = [render(head)]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join([title, *lines, *(render(b) for b in body)])

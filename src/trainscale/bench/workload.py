@@ -8,8 +8,10 @@ The entry contract. ``function()`` takes no argument and returns a dict::
      "loss_fn": callable | None,               # optional; (outputs, targets) -> mean loss, default cross-entropy
      "optimizer": callable | None,             # optional; params -> Optimizer (or Trainer's (opt, sched) forms),
                                                #           default AdamW(lr=1e-3)
-     "dataloader": dict | None}                # optional; extra DataLoader keyword arguments for training,
+     "dataloader": dict | None,                # optional; extra DataLoader keyword arguments for training,
                                                #           e.g. {"num_workers": 2, "pin_memory": True}
+     "flops_per_token": float | None}          # optional; training FLOPs per token (forward + backward) of a
+                                               #           language model, reported with tokens/s
 
 It runs in every process of every cell (after ``torch.manual_seed(seed)``), so it must be importable
 there: the module is imported from the current directory or ``PYTHONPATH``. Keys other than these
@@ -23,7 +25,11 @@ import importlib
 from typing import Any, Callable
 
 DEFAULT_ENTRY = "trainscale.bench.workload:mnist_convnet"
-KEYS = ("model", "train", "val", "loss_fn", "optimizer", "dataloader")
+# --workload NAME: the built-in entries
+WORKLOADS = {"convnet": DEFAULT_ENTRY, "lm": "trainscale.bench.workload:shakespeare_gpt"}
+KEYS = ("model", "train", "val", "loss_fn", "optimizer", "dataloader", "flops_per_token")
+LM_PRESET = "mini"  # the demo's GPT: 0.84M parameters, context 128, 4 heads (tp 2 and 4 divide them)
+LM_VAL_SAMPLES = 512  # the first windows of the validation split (65,536 tokens)
 
 
 def mnist_convnet() -> dict:
@@ -37,6 +43,26 @@ def mnist_convnet() -> dict:
     train, val = load_mnist5k()
     return {"model": ConvNet(), "train": train, "val": val,
             "optimizer": lambda params: torch.optim.AdamW(params, lr=2e-3)}
+
+
+def shakespeare_gpt() -> dict:
+    """The language-model workload (``--workload lm``): the reference GPT ("mini" preset) on byte-level
+    Shakespeare (``load_text``, context 128; validated on the first 512 validation windows), AdamW with lr
+    3e-3, and its FLOPs per token
+    (``GPT.flops_per_token``, PaLM's 6·N + 12·L·C·T). Every strategy applies to it, ``tp`` and ``hsdp``
+    included (the built-in tensor-parallel plan)."""
+    import torch
+
+    from trainscale.data import load_text
+    from trainscale.models import GPT, PRESETS, lm_loss
+
+    config = PRESETS[LM_PRESET]
+    train, val = load_text(context_length=config.context_length)
+    model = GPT(config)
+    val = torch.utils.data.Subset(val, range(min(LM_VAL_SAMPLES, len(val))))  # validation costs little per cell
+    return {"model": model, "train": train, "val": val, "loss_fn": lm_loss,
+            "optimizer": lambda params: torch.optim.AdamW(params, lr=3e-3),
+            "flops_per_token": model.flops_per_token()}
 
 
 def parse_entry(entry: str) -> tuple[str, str]:
@@ -109,4 +135,7 @@ def load_workload(entry: str) -> dict:
         raise ValueError(f"entry {entry!r}: 'train' must be a map-style Dataset with a length")
     if "batch_size" in (work.get("dataloader") or {}):
         raise ValueError(f"entry {entry!r}: 'dataloader' must not set batch_size; the sweep sets it per cell")
-    return {"val": None, "loss_fn": None, "optimizer": None, "dataloader": None, **work}
+    fpt = work.get("flops_per_token")
+    if fpt is not None and (isinstance(fpt, bool) or not isinstance(fpt, (int, float)) or not fpt > 0):
+        raise ValueError(f"entry {entry!r}: 'flops_per_token' must be a positive number, got {fpt!r}")
+    return {"val": None, "loss_fn": None, "optimizer": None, "dataloader": None, "flops_per_token": None, **work}

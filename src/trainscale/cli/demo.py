@@ -101,7 +101,7 @@ def _run_lm(args: argparse.Namespace) -> dict:
     summary = trainer.fit(model, DataLoader(train_set, batch_size=args.batch_size, shuffle=True),
                           DataLoader(val_set, batch_size=64), loss_fn=lm_loss,
                           optimizer=_one_cycle(args.lr, args.steps))
-    # samples_per_s counts every rank's samples; each sample holds `context` tokens
+    # samples_per_s counts each sample once (over the data-parallel ranks); each holds `context` tokens
     summary["tokens_per_s"] = summary["samples_per_s"] * context
     summary["val_perplexity"] = math.exp(summary["val_loss"])
     summary["unigram_entropy"] = unigram_entropy(train_set.tokens)
