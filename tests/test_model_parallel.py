@@ -41,6 +41,9 @@ def _check_parity(results: list, reference: dict, label: str, max_state_ratio: f
         print(f"{label}: max |weight difference| {diff:.2e}, state bytes {r['state_bytes']} of "
               f"{reference['state_bytes']} ({ratio:.3f})")
         assert ratio <= max_state_ratio, (r["state_bytes"], reference["state_bytes"])
+        # gradients and momentum sharded like their parameters (a whole gradient of a split parameter
+        # would make its momentum whole too: the row-split position embedding did)
+        assert r["state_bytes"] == 3 * r["param_bytes"]
 
 
 # -- the resolver: pure logic ------------------------------------------------------------------

@@ -7,8 +7,9 @@ rank computes some heads / some hidden units from the whole input), the second b
 block in forward, two in backward; each rank holds 1/tp of the blocks' matrices.
 
 The embeddings are split too (torchtitan v0.1.0 ``apply_tp``: ``RowwiseParallel(input_layouts=Replicate())``
-on the token embedding): each rank holds 1/tp of the vocabulary rows (and of the positions), looks up
-the ids it holds, and one all-reduce completes the embedding. The GPT's output projection is tied to
+on the token embedding): each rank holds 1/tp of the vocabulary rows, looks up the ids it holds, and one
+all-reduce completes the embedding; the position embedding is split by columns (1/tp of the width,
+all-gathered after the lookup). The GPT's output projection is tied to
 the token embedding (``F.linear(x, wte.weight)``, one parameter), so it uses the same row shards: the
 final norm's output is marked replicated (``PrepareModuleOutput``), the projection then gives each rank
 the logits of its vocabulary slice (``Shard(-1)``), and the GPT's output is all-gathered to whole
@@ -37,8 +38,11 @@ def gpt_plan(gpt: Any) -> dict:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
 
-    # embeddings: vocabulary (and position) rows split, the lookup completed by one all-reduce
-    plan = {"wte": RowwiseParallel(input_layouts=Replicate()), "wpe": RowwiseParallel(input_layouts=Replicate()),
+    # token embedding: vocabulary rows split, the lookup completed by one all-reduce (torchtitan's plan).
+    # Position embedding: width columns split, the lookup all-gathered; split by rows, its lookup by the 1-D
+    # positions got a whole (replicated) gradient in torch 2.13, and with it whole optimizer state on every rank.
+    plan = {"wte": RowwiseParallel(input_layouts=Replicate()),
+            "wpe": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
             # the final norm's output as a replicated DTensor, so the tied projection F.linear(x, wte.weight)
             # multiplies it by the row shards of wte: logits sharded by vocabulary, Shard(-1)
             "ln_f": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
