@@ -188,3 +188,38 @@ def fp16_skip_body(rank: int, inject: bool) -> tuple[bool, float]:
     scale = float(rt.precision.scaler.get_scale())
     rt.teardown()
     return changed, scale
+
+
+def _bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 16),
+                         nn.BatchNorm1d(16, affine=False), nn.ReLU(), nn.Linear(16, 3))
+
+
+def batchnorm_bf16_mixed(rank: int, steps: int) -> dict:
+    """The same BatchNorm model under ddp and then fsdp, both "bf16-mixed", ``steps`` SGD steps on the
+    same per-rank batches (one process group for both); the losses, the weights after, and what fsdp
+    made of the BatchNorm layers."""
+    from trainscale.runtime.runtime import Runtime
+
+    g = torch.Generator().manual_seed(100 + rank)
+    batches = [(torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(steps)]
+    out = {}
+    for strategy in ("ddp", "fsdp"):
+        rt = Runtime(accelerator="cpu", devices="auto", strategy=strategy, precision="bf16-mixed", timeout=60)
+        model, optimizer = rt.setup(_bn_net(), lambda p: torch.optim.SGD(p, lr=0.1))
+        losses = []
+        for x, y in batches:
+            with rt.autocast():
+                loss = nn.functional.cross_entropy(model(x), y)
+            rt.backward(loss)
+            rt.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        inner = rt.strategy.unwrap(model)
+        out[strategy] = {"losses": losses, "weights": full_state(inner)}
+        if strategy == "fsdp":
+            out["bn_param_dtype"] = inner[1].weight.dtype
+            out["bn_running_mean_dtype"] = inner[1].running_mean.dtype
+    rt.teardown()
+    return out

@@ -62,11 +62,20 @@ def full_weights(model) -> dict:
             for name, p in model.named_parameters()}
 
 
+def state_bytes(model, optimizer) -> int:
+    """This rank's exact training-state bytes: parameters + gradients + optimizer state tensors."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    states = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensor_bytes(params) + tensor_bytes(grads) + tensor_bytes(states)
+
+
 def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, steps: int,
               checkpoint: str | None = None) -> dict:
     """``steps`` SGD steps (momentum 0.9; AdamW's per-element normalisation would magnify rounding
     differences of near-zero gradients) of a GPT (seed 0) with clipping at norm 0.5 through the Runtime; the full
-    weights after, the losses and norms, this rank's parameter bytes; a DCP checkpoint if asked."""
+    weights after, the losses and norms, this rank's parameter bytes and its training-state bytes after the
+    last step (parameters + gradients + momentum buffers); a DCP checkpoint if asked."""
     from trainscale.runtime.runtime import Runtime
 
     rt = Runtime(accelerator="cpu", devices=1 if strategy == "single" else "auto", strategy=strategy, parallel=parallel,
@@ -81,6 +90,7 @@ def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, 
         rt.backward(loss)
         out["norms"].append(rt.clip_gradients(wrapped, optimizer, max_norm=0.5).item())
         rt.step(optimizer)
+        out["state_bytes"] = state_bytes(wrapped, optimizer)  # gradients still held: the step's peak state
         optimizer.zero_grad(set_to_none=True)
         out["losses"].append(rt.all_reduce(loss.detach(), op="mean").item())
     out["weights"] = full_weights(wrapped)
@@ -88,3 +98,23 @@ def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, 
         rt.save(checkpoint, {"model": wrapped, "optimizer": optimizer, "step": steps})
     rt.teardown()
     return out
+
+
+def fit_gpt(rank: int, strategy: str, root: str, batch_size: int, steps: int) -> dict:
+    """``Trainer.fit`` of the GPT for ``steps`` steps (log every step) on 4·``batch_size`` samples; the
+    summary and the step and epoch records of rank zero's metrics.jsonl."""
+    import json
+    from pathlib import Path
+
+    from trainscale import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, max_epochs=1, max_steps=steps,
+                      log_every_n_steps=1, default_root_dir=root, enable_progress_bar=False,
+                      enable_checkpointing=False, timeout=60)
+    torch.manual_seed(0)
+    summary = trainer.fit(GPT(CONFIG), text_loader(batch_size, samples=4 * batch_size), loss_fn=lm_loss,
+                          optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    records = []
+    if rank == 0:
+        records = [json.loads(line) for line in (Path(trainer.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {"summary": summary, "records": records}

@@ -171,7 +171,10 @@ def test_an_interrupted_sweep_resumes_without_rerunning_finished_cells(workdir):
 def test_bad_flags_fail_before_any_cell_with_a_one_line_error(tmp_path):
     for flags, message in ((["--strategy", "ddp,nope"], "unknown strategy 'nope' for bench; choose from ddp"),
                            (["--scaling", "strong", "--batch-sizes", "6"], "6 is not divisible by 4 devices"),
-                           (["--entry", "no_such_pkg.mod:build"], "cannot import 'no_such_pkg.mod'")):
+                           (["--entry", "no_such_pkg.mod:build"], "cannot import 'no_such_pkg.mod'"),
+                           (["--strategy", "ddp,hsdp", "--devices", "1,2"], "hsdp runs 2 replicas of devices/2 shards"),
+                           (["--strategy", "model_parallel"], "unknown strategy 'model_parallel'"),
+                           (["--workload", "lm", "--entry", "pkg.mod:build"], "give --workload (lm) or --entry")):
         out = subprocess.run([str(BIN / "trainscale"), "bench", "--devices", "1,4", "--out", str(tmp_path / "x"),
                               *flags], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=tmp_path)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
@@ -196,3 +199,23 @@ def test_bench_plan_adds_predicted_columns_beside_the_measured_ones(workdir):
         assert predicted > 0 and measured > 0 and int(r["predicted_peak_bytes"]) > 0
         assert float(r["predicted_error"]) == pytest.approx(predicted / measured - 1)
     assert "plan 2d" in proc.stdout and "err 2d" in proc.stdout
+
+
+@pytest.mark.timeout(600)
+def test_lm_workload_under_ddp_fsdp_and_tp_reports_tokens_per_s_and_flops_per_token(tmp_path):
+    from trainscale.models import GPT
+
+    out = tmp_path / "lm"
+    proc = subprocess.run(bench_cmd("--workload", "lm", "--strategy", "ddp,fsdp,tp", "--devices", "1,2",
+                                    "--batch-sizes", "4", "--out", str(out)),
+                          capture_output=True, text=True, timeout=560, env=clean_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = rows_of(out)
+    assert sorted(r["run_strategy"] for r in rows) == ["ddp", "fsdp", "single", "tp"]
+    flops = GPT("mini").flops_per_token()  # PaLM's 6·N + 12·L·C·T at context 128
+    for r in rows:
+        assert r["status"] == "ok" and r["tokens_per_s"] > 0 and r["flops_per_token"] == pytest.approx(flops)
+        assert r["achieved_flops_per_s"] == pytest.approx(flops * r["tokens_per_s"])
+    tp = next(r for r in rows if r["run_strategy"] == "tp")
+    assert tp["global_batch_size"] == 4 and tp["batches_per_epoch"] == rows[0]["batches_per_epoch"]  # tp ranks share data
+    assert proc.stdout.count("tok/s 2d") == 3 and f"FLOPs/token {flops:.3g}" in proc.stdout

@@ -63,7 +63,8 @@ def test_mfu_and_per_device_throughput_count_every_gpu_under_dp():
     assert RunConfig("cuda", 4, 1, "dp", "bf16-mixed").devices_per_process == 4
     assert RunConfig("cuda", 4, 2, "ddp", "bf16-mixed").devices_per_process == 1
     config = RunConfig("cuda", 4, 1, "dp", "bf16-mixed")
-    rt = SimpleNamespace(device=torch.device("cpu"), config=config, is_rank_zero=True, world_size=1, strategy=None)
+    rt = SimpleNamespace(device=torch.device("cpu"), config=config, is_rank_zero=True, world_size=1,
+                         data_parallel_size=1, strategy=None)
     tele = Telemetry(rt, peak_flops=100e12)
     tele.flops.value = 1e9
     fields = {"steps": 10.0, "wall": 1.0, "samples": 4000.0, "loss": float("nan"), "gpu_util": float("nan")}

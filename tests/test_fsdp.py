@@ -231,3 +231,28 @@ def test_fp16_loss_scaling_agrees_across_shards(inject):
     else:
         assert [changed for changed, _ in results] == [True, True]
         assert results[0][1] == results[1][1] == 2.0 ** 16
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_batchnorm_under_fsdp_bf16_mixed_stays_in_fp32_and_trains_like_ddp():
+    # before: "expected scalar type BFloat16 but found Float" in batch_norm (bf16 parameters, fp32 statistics)
+    results = run_distributed(fsdp_workers.batchnorm_bf16_mixed, 6, timeout=150)
+    for rank, r in enumerate(results):
+        assert r["bn_param_dtype"] == torch.float32 and r["bn_running_mean_dtype"] == torch.float32
+        # the same numerics as ddp's autocast (bf16 convolution and linear layers, fp32 batch norm)
+        assert r["fsdp"]["losses"] == pytest.approx(r["ddp"]["losses"], rel=1e-5)
+        for name, want in r["ddp"]["weights"].items():
+            if rank == 0 or "running" not in name:  # ddp broadcasts rank 0's statistics; fsdp keeps each rank's
+                torch.testing.assert_close(r["fsdp"]["weights"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+        assert r["fsdp"]["weights"]["1.running_mean"].abs().sum() > 0  # statistics were updated
+
+
+def test_only_batchnorm_layers_with_state_become_full_precision_units():
+    from trainscale.runtime.strategies.apply_fsdp import full_precision_norms
+
+    model = fsdp_workers._bn_net()
+    model.append(nn.BatchNorm1d(3, affine=False, track_running_stats=False))  # nothing to keep in fp32
+    assert full_precision_norms(model, "bf16-mixed") == [model[1], model[5]]
+    assert full_precision_norms(model, "16-mixed") == [model[1], model[5]]
+    assert full_precision_norms(model, "32-true") == [] and full_precision_norms(model, "bf16-true") == []

@@ -76,3 +76,20 @@ def test_bad_config_and_sequence_length_raise():
         GPT("huge")
     with pytest.raises(ValueError, match="exceeds context_length=16"):
         GPT(TINY)(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_flops_per_token_matches_torchs_flop_counter():
+    """PaLM's 6·N + 12·L·C·T against FlopCounterMode over forward and backward, attention computed by
+    the math kernel (matrix products the counter sees); the estimate also counts the norms' parameters
+    (elementwise, 6 FLOPs each, which the counter leaves out: 0.3 % here)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = GPTConfig(vocab_size=256, context_length=32, n_layer=2, n_head=4, n_embd=64)
+    model = GPT(config)
+    x = torch.randint(0, 256, (2, 32))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        lm_loss(model(x), x).backward()
+    counted = counter.get_total_flops() / x.numel()
+    assert model.flops_per_token() == pytest.approx(counted, rel=5e-3)
+    assert model.flops_per_token(16) < model.flops_per_token(32)  # attention grows with the context

@@ -44,7 +44,7 @@ def test_32_true_uses_the_tf32_peak_for_what_runs_in_tf32():
 def _telemetry(**kwargs):
     printed = []
     rt = SimpleNamespace(device=torch.device("cpu"), config=RunConfig("cpu", 1, 1, "single", "bf16-mixed"),
-                         is_rank_zero=True, world_size=1, strategy=None, print=printed.append)
+                         is_rank_zero=True, world_size=1, data_parallel_size=1, strategy=None, print=printed.append)
     return Telemetry(rt, **kwargs), printed
 
 

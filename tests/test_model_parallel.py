@@ -1,6 +1,8 @@
 """Model parallelism on one device mesh: tensor parallel and HSDP against one process (parity), the
 flag resolver, and DCP checkpoints read back on another layout."""
 
+import functools
+
 import pytest
 import torch
 
@@ -12,11 +14,36 @@ from trainscale.runtime.strategies.parallel_dims import ParallelDims
 STEPS = 4
 
 
-def _assert_same_weights(got: dict, want: dict) -> None:
-    """rtol 1e-5 in fp32 (atol 1e-7 for elements near zero)."""
+def _assert_same_weights(got: dict, want: dict) -> float:
+    """rtol 1e-5 in fp32 (atol 1e-7 for elements near zero); returns the largest absolute difference."""
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+    return max((got[n] - want[n]).abs().max().item() for n in want)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(batch_size: int) -> dict:
+    """One process over the global batch (shared by the tests that need the same one)."""
+    return train_gpt(0, "single", None, batch_size, STEPS)
+
+
+def _check_parity(results: list, reference: dict, label: str, max_state_ratio: float) -> None:
+    """Every rank ends at the one-process weights, losses and clipped norms (clipping active at every
+    step) and holds at most ``max_state_ratio`` of its training-state bytes (parameters, gradients,
+    momentum); prints the largest weight difference and the state ratio of each rank."""
+    for r in results:
+        diff = _assert_same_weights(r["weights"], reference["weights"])
+        assert r["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        assert r["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+        assert min(r["norms"]) > 0.5  # clipping was active at every step
+        ratio = r["state_bytes"] / reference["state_bytes"]
+        print(f"{label}: max |weight difference| {diff:.2e}, state bytes {r['state_bytes']} of "
+              f"{reference['state_bytes']} ({ratio:.3f})")
+        assert ratio <= max_state_ratio, (r["state_bytes"], reference["state_bytes"])
+        # gradients and momentum sharded like their parameters (a whole gradient of a split parameter
+        # would make its momentum whole too: the row-split position embedding did)
+        assert r["state_bytes"] == 3 * r["param_bytes"]
 
 
 # -- the resolver: pure logic ------------------------------------------------------------------
@@ -62,13 +89,10 @@ def test_mesh_coordinates_are_row_major():
 def test_tp_over_two_ranks_matches_one_process_and_its_checkpoint_loads_in_one_process(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    reference = train_gpt(0, "single", None, 8, STEPS)
+    reference = _reference(8)
     results = run_distributed(train_gpt, "tp", None, 8, STEPS, str(tmp_path / "ckpt"), world_size=2, timeout=200)
-    for r in results:
-        _assert_same_weights(r["weights"], reference["weights"])
-        assert r["norms"] == pytest.approx(reference["norms"], rel=1e-5)
-        assert min(r["norms"]) > 0.5  # clipping was active at every step
-        assert r["param_bytes"] < 0.6 * reference["param_bytes"]  # blocks split; embeddings and norms replicated
+    # every matrix split, the tied embedding included; only the norms (0.1 % here) stay whole
+    _check_parity(results, reference, "tp 2", max_state_ratio=0.55)
     # the DCP checkpoint written by the 2 tensor-parallel ranks loads into a plain model in this process
     from trainscale.models import GPT
 
@@ -80,15 +104,26 @@ def test_tp_over_two_ranks_matches_one_process_and_its_checkpoint_loads_in_one_p
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_hsdp_2x2_matches_one_process_with_the_global_batch():
-    reference = train_gpt(0, "single", None, 4 * 4, STEPS)
     results = run_distributed(train_gpt, "hsdp", {"dp_replicate": 2, "dp_shard": 2}, 4, STEPS,
                               world_size=4, timeout=280)
-    for r in results:
-        _assert_same_weights(r["weights"], reference["weights"])
-        assert r["losses"] == pytest.approx(reference["losses"], rel=1e-5)
-        assert r["norms"] == pytest.approx(reference["norms"], rel=1e-5)
-        assert min(r["norms"]) > 0.5  # clipping was active at every step
-        assert r["param_bytes"] <= 0.5 * reference["param_bytes"]  # sharded over the 2 ranks of a replica
+    _check_parity(results, _reference(4 * 4), "hsdp 2x2", max_state_ratio=0.55)  # sharded over a replica's 2 ranks
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_fsdp_tp_2x2_matches_one_process_with_the_data_parallel_batch():
+    # 2 data-parallel groups of 2 tensor-parallel ranks: each tp pair reads one batch of 4, so the
+    # reference is one process over 2 × 4 samples per step
+    results = run_distributed(train_gpt, "model_parallel", {"dp_shard": 2, "tp": 2}, 4, STEPS,
+                              world_size=4, timeout=280)
+    _check_parity(results, _reference(2 * 4), "fsdp 2 x tp 2", max_state_ratio=0.27)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_fsdp_over_four_ranks_holds_a_quarter_of_the_training_state():
+    results = run_distributed(train_gpt, "fsdp", None, 4, STEPS, world_size=4, timeout=280)
+    _check_parity(results, _reference(4 * 4), "fsdp 4", max_state_ratio=0.27)
 
 
 # -- helpers that need no process group --------------------------------------------------------
@@ -122,3 +157,19 @@ def test_clipping_plain_gradients_equals_torch():
     assert got == want and want > 0.1
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_tp_ranks_share_their_batches_so_global_batch_and_throughput_count_them_once(tmp_path):
+    from tests.parallel_workers import fit_gpt
+
+    results = run_distributed(fit_gpt, "tp", str(tmp_path), 4, 3, world_size=2, timeout=200)
+    summary, records = results[0]["summary"], results[0]["records"]
+    assert summary["global_batch_size"] == 4  # one data-parallel rank × batch 4 (not × the 2 tp ranks)
+    steps = [r for r in records if r.get("kind") == "step"]
+    epoch = next(r for r in records if r.get("kind") == "epoch")
+    assert [r["samples"] for r in steps] == [4, 4, 4]
+    assert epoch["samples_per_s"] * epoch["epoch_time_s"] == pytest.approx(12)  # 3 steps × 4 samples
+    assert epoch["tokens_per_s"] * epoch["epoch_time_s"] == pytest.approx(12 * CONFIG.context_length)
+    assert summary["samples_per_s"] * sum(summary["epoch_time_s"]) == pytest.approx(12)

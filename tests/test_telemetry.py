@@ -600,3 +600,25 @@ def test_report_skips_the_torn_last_line_of_a_crashed_run_with_a_warning(tmp_pat
     (tmp_path / "metrics.jsonl").write_text('{"kind": "st\n' + text)  # damage before the end is an error
     with pytest.raises(ValueError, match="line 1 is not JSON"):
         load_run(tmp_path)
+
+
+def test_tensor_parallel_ranks_reading_the_same_batch_count_its_samples_and_tokens_once():
+    """Under tp 2 (world size 2, one data-parallel rank) both ranks train on the same 4,000 samples a
+    second: throughput is 4,000 samples/s (2,000 per device), not 8,000."""
+    from types import SimpleNamespace
+
+    from trainscale.runtime.connector import RunConfig
+    from trainscale.telemetry.processor import _IDX
+
+    from trainscale.telemetry import Telemetry
+
+    rt = SimpleNamespace(device=torch.device("cpu"), config=RunConfig("cpu", 2, 1, "tp", "32-true"),
+                         is_rank_zero=True, world_size=2, data_parallel_size=1, strategy=None)
+    tele = Telemetry(rt)
+    fields = {"steps": 10.0, "wall": 1.0, "samples": 4000.0, "tokens": 128000.0, "loss": float("nan"),
+              "gpu_util": float("nan")}
+    row = [fields.get(name, 0.0) for name in _IDX]  # each rank: 10 steps, the same 4000 samples in 1 s
+    numbers = tele._numbers([row, list(row)], per_rank=True)
+    assert numbers["samples"] == 4000 and numbers["samples_per_s"] == 4000.0
+    assert numbers["samples_per_s_per_device"] == 2000.0
+    assert numbers["tokens_per_s"] == 128000.0 and numbers["tokens_per_s_per_device"] == 64000.0

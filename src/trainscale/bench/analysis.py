@@ -115,39 +115,48 @@ def _cell(row: dict | None, what: str) -> str:
     if what == "predicted_epoch_time_s":
         return fmt_time(row.get(what))
     value = row.get(what)
+    if value is None:
+        return "—"
     if what == "predicted_error":
-        return "—" if value is None else f"{value:+.0%}"
-    return "—" if value is None else (f"{value:.2f}×" if what == "gain" else f"{value:.2f}")
+        return f"{value:+.0%}"
+    if what == "tokens_per_s":
+        return f"{value:,.0f}"
+    return f"{value:.2f}×" if what == "gain" else f"{value:.2f}"
+
+
+def _flops_per_token(rows: list[dict]) -> str:
+    """The workload's FLOPs per token (the same in every cell), for a table's title; "" when unknown."""
+    values = {r["flops_per_token"] for r in rows if r.get("flops_per_token")}
+    return f"; FLOPs/token {min(values):.3g}" if len(values) == 1 else ""
 
 
 def table(rows: list[dict], devices: list[int], batch_sizes: list[int], strategy: str, precision: str,
           scaling: str = "weak") -> str:
     """The classic table for one strategy and precision: bs | batches/epoch per device count |
     epoch time (mm:ss.s) per device count | gain | efficiency (one column per device count above the
-    baseline), and when the rows carry predictions (``bench --plan``) the predicted epoch and its error
-    per device count. ``rows`` must have been through :func:`add_scaling`. "~" marks an epoch time estimated
-    from ``--steps``; OOM/TIMEOUT/FAILED/CRASHED mark failed cells."""
+    baseline); for a language-model workload (cells that counted tokens) tokens/s per device count, with
+    the FLOPs per token in the title; when the rows carry predictions (``bench --plan``) the predicted
+    epoch and its error per device count. ``rows`` must have been through :func:`add_scaling`. "~" marks
+    an epoch time estimated from ``--steps``; OOM/TIMEOUT/FAILED/CRASHED mark failed cells."""
     devices = sorted(devices)
     more = [d for d in devices if d != devices[0]]
+    cells = {bs: {d: find(rows, strategy, precision, d, bs) for d in devices} for bs in batch_sizes}
+    mine = [c for by_device in cells.values() for c in by_device.values() if c is not None]
+    tokens = devices if any(c.get("tokens_per_s") for c in mine) else []
+    predicted = devices if any("predicted_epoch_time_s" in c for c in mine) else []
+    # (column name, cell value, device counts) per group of columns
+    groups = [("batches/ep", "batches", devices), ("epoch", "time", devices), ("gain", "gain", more),
+              ("eff", "efficiency", more), ("tok/s", "tokens_per_s", tokens),
+              ("plan", "predicted_epoch_time_s", predicted), ("err", "predicted_error", predicted)]
     bs_name = "bs/device" if scaling == "weak" else "global bs"
-    predicted = devices if any("predicted_epoch_time_s" in r for r in rows) else []
-    head = ([bs_name] + [f"batches/ep {d}d" for d in devices] + [f"epoch {d}d" for d in devices]
-            + [f"gain {d}d" for d in more] + [f"eff {d}d" for d in more]
-            + [f"plan {d}d" for d in predicted] + [f"err {d}d" for d in predicted])
-    body = []
-    for bs in batch_sizes:
-        cells = {d: find(rows, strategy, precision, d, bs) for d in devices}
-        body.append([str(bs)] + [_cell(cells[d], "batches") for d in devices]
-                    + [_cell(cells[d], "time") for d in devices]
-                    + [_cell(cells[d], "gain") for d in more] + [_cell(cells[d], "efficiency") for d in more]
-                    + [_cell(cells[d], "predicted_epoch_time_s") for d in predicted]
-                    + [_cell(cells[d], "predicted_error") for d in predicted])
+    head = [bs_name] + [f"{name} {d}d" for name, _, ds in groups for d in ds]
+    body = [[str(bs)] + [_cell(cells[bs][d], what) for _, what, ds in groups for d in ds] for bs in batch_sizes]
     widths = [max(len(line[i]) for line in [head] + body) for i in range(len(head))]
-    groups = [1, len(devices), len(devices), len(more), len(more), len(predicted), len(predicted)]
+    sizes = [1] + [len(ds) for _, _, ds in groups]
 
     def render(line: list[str]) -> str:
         parts, i = [], 0
-        for n in groups:
+        for n in sizes:
             if n:
                 parts.append("  ".join(line[j].rjust(widths[j]) for j in range(i, i + n)))
             i += n
@@ -155,6 +164,7 @@ def table(rows: list[dict], devices: list[int], batch_sizes: list[int], strategy
 
     title = f"{strategy} · {precision} · {scaling} scaling (epoch time mm:ss.s; gain = epoch time on " \
             f"{devices[0]} device{'s' if devices[0] > 1 else ''} ÷ epoch time; efficiency = gain ÷ device ratio" \
+            f"{'; tok/s: tokens per second over the data-parallel ranks' if tokens else ''}{_flops_per_token(mine)}" \
             + ("; plan = trainscale plan's predicted epoch, err = plan ÷ measured − 1)" if predicted else ")")
     lines = [render(head)]
     lines.insert(1, "-" * len(lines[0]))

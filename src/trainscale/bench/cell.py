@@ -94,6 +94,28 @@ def _probe_allreduce(rt, numel: int) -> float | None:
     return times[len(times) // 2]
 
 
+def hsdp_layout(strategy: str, devices: int) -> dict | None:
+    """The mesh of a one-node ``hsdp`` cell: 2 replicas of ``devices / 2`` shards (the grid only makes
+    hsdp cells with an even device count of at least 4); None (the strategy's own layout) otherwise."""
+    return {"dp_replicate": 2, "dp_shard": devices // 2} if strategy == "hsdp" else None
+
+
+def lm_numbers(telemetry: dict | None, history: list[dict], flops_per_token: float | None) -> dict:
+    """``tokens_per_s`` (every data-parallel rank's tokens; telemetry's, else the epochs'), ``flops_per_token``
+    (the workload's, else telemetry's counted FLOPs per sample over tokens per sample) and their product
+    ``achieved_flops_per_s``; None where the batches hold no tokens or nothing gives the FLOPs."""
+    tel = telemetry or {}
+    tokens_per_s = tel.get("tokens_per_s")
+    if tokens_per_s is None:
+        times = [h["epoch_time_s"] for h in history if h.get("tokens_per_s")]
+        tokens = sum(h["tokens_per_s"] * h["epoch_time_s"] for h in history if h.get("tokens_per_s"))
+        tokens_per_s = tokens / sum(times) if times and sum(times) > 0 else None
+    if flops_per_token is None and tel.get("flops_per_sample") and tel.get("tokens_per_s") and tel.get("samples_per_s"):
+        flops_per_token = tel["flops_per_sample"] / (tel["tokens_per_s"] / tel["samples_per_s"])
+    achieved = flops_per_token * tokens_per_s if flops_per_token and tokens_per_s else None
+    return {"tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token, "achieved_flops_per_s": achieved}
+
+
 def run_cell(cfg: dict) -> dict | None:
     """Warm up, train for ``epochs`` (or ``steps``), probe; rank zero returns the result row."""
     import torch
@@ -117,7 +139,7 @@ def run_cell(cfg: dict) -> dict | None:
     common = dict(accelerator=cfg["accelerator"], devices=cfg["devices"], strategy=cfg["strategy"],
                   precision=cfg["precision"], seed=cfg["seed"], enable_progress_bar=False,
                   enable_checkpointing=False, log_every_n_steps=10**9, timeout=cfg.get("collective_timeout", 300),
-                  **work["trainer"])
+                  parallel=hsdp_layout(cfg["strategy"], cfg["devices"]), **work["trainer"])
 
     if cfg["warmup_steps"]:  # kernels, allocator, process group: paid once, not timed
         warm = Trainer(max_epochs=1, max_steps=cfg["warmup_steps"], default_root_dir=cell_dir / "warmup", **common)
@@ -127,7 +149,7 @@ def run_cell(cfg: dict) -> dict | None:
     rt = trainer.runtime
 
     n_train = len(work["train"])
-    batches_per_epoch = math.ceil(math.ceil(n_train / rt.world_size) / b)  # DistributedSampler pads, no drop_last
+    batches_per_epoch = math.ceil(math.ceil(n_train / rt.data_parallel_size) / b)  # the sampler pads, no drop_last
     steps = summary["steps"]
     time_s = sum(summary["epoch_time_s"])
     probe_data = _probe_data(rt, rt.setup_dataloader(train_loader, seed=cfg["seed"]), min(steps, PROBE_BATCHES))
@@ -148,6 +170,7 @@ def run_cell(cfg: dict) -> dict | None:
         "train_loss": summary["train_loss"], "val_loss": summary["val_loss"], "val_accuracy": summary["val_accuracy"],
         "history": [{k: h.get(k) for k in ("epoch", "epoch_time_s", "val_accuracy", "val_loss")}
                     for h in trainer.history],
+        **lm_numbers(summary.get("telemetry"), trainer.history, work["flops_per_token"]),
         "n_params": numel, "peak_memory_bytes": [p for p, _ in peaks], "peak_memory_kind": peaks[0][1],
         "probe_data_s": probe_data, "probe_allreduce_s": probe_allreduce,
         "telemetry": summary.get("telemetry"), "device": summary["device"], "torch_version": summary["torch_version"],

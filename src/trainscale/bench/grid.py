@@ -76,9 +76,11 @@ def plan(devices, batch_sizes, strategies, precisions, scaling: str = "weak") ->
     """The cells of the grid without duplicates, ordered by precision, batch size, devices, strategy.
 
     Raises:
-        ValueError: an empty or non-positive list, an unknown strategy (only those registered in
-            ``trainscale.runtime.strategies.STRATEGIES`` are valid) or precision, an unknown scaling, or under
-            strong scaling a global batch that the device count does not divide.
+        ValueError: an empty or non-positive list, an unknown strategy (those registered in
+            ``trainscale.runtime.strategies.STRATEGIES`` but "model_parallel", whose layout bench cannot
+            choose: its shorthands "hsdp" and "tp" are valid) or precision, an unknown scaling, hsdp with a
+            device count other than 1 or an even number >= 4, or under strong scaling a global batch that the
+            device count does not divide.
     """
     from trainscale.runtime.precision import PRECISIONS
     from trainscale.runtime.strategies import STRATEGIES
@@ -87,7 +89,7 @@ def plan(devices, batch_sizes, strategies, precisions, scaling: str = "weak") ->
     batch_sizes = _positive_ints("batch_sizes", batch_sizes)
     if scaling not in SCALINGS:
         raise ValueError(f"scaling={scaling!r}; choose 'weak' (fixed per-device batch) or 'strong' (fixed global batch)")
-    valid = [s for s in STRATEGIES if s not in ("auto", "single")]
+    valid = [s for s in STRATEGIES if s not in ("auto", "single", "model_parallel")]  # its shorthands hsdp, tp
     strategies, precisions = list(strategies), list(precisions)
     for s in strategies:
         if s not in valid:
@@ -98,6 +100,10 @@ def plan(devices, batch_sizes, strategies, precisions, scaling: str = "weak") ->
             raise ValueError(f"unknown precision {p!r}; choose from {', '.join(PRECISIONS)}")
     if not strategies or not precisions:
         raise ValueError("give at least one strategy and one precision")
+    odd = [d for d in devices if d > 1 and (d < 4 or d % 2)]
+    if "hsdp" in strategies and odd:
+        raise ValueError(f"strategy hsdp runs 2 replicas of devices/2 shards on one node and needs an even device "
+                         f"count >= 4, not {odd}; pass e.g. --devices 1,4 for hsdp, or leave it out of --strategy")
     cells: dict[str, Cell] = {}
     for p in precisions:
         for s in strategies:

@@ -10,6 +10,8 @@ The entry contract. ``function()`` takes no argument and returns a dict::
                                                #           default AdamW(lr=1e-3)
      "dataloader": dict | None,                # optional; extra DataLoader keyword arguments for training,
                                                #           e.g. {"num_workers": 2, "pin_memory": True}
+     "flops_per_token": float | None,          # optional; training FLOPs per token (forward + backward) of a
+                                               #           language model, reported with tokens/s
      "trainer": dict | None}                   # optional; Trainer flags the workload trains with, e.g.
                                                #           {"lr_scaling": "sqrt", "base_batch_size": 32,
                                                #            "accumulate_grad_batches": 2, "sync_batchnorm": True}
@@ -27,11 +29,15 @@ import importlib
 from typing import Any, Callable
 
 DEFAULT_ENTRY = "trainscale.bench.workload:mnist_convnet"
-KEYS = ("model", "train", "val", "loss_fn", "optimizer", "dataloader", "trainer")
+# --workload NAME: the built-in entries
+WORKLOADS = {"convnet": DEFAULT_ENTRY, "lm": "trainscale.bench.workload:shakespeare_gpt"}
+KEYS = ("model", "train", "val", "loss_fn", "optimizer", "dataloader", "flops_per_token", "trainer")
 # Trainer flags that bench and check set for each run: a workload's "trainer" dict may not set them.
 HARNESS_FLAGS = frozenset({"accelerator", "devices", "strategy", "num_nodes", "precision", "seed", "max_epochs",
                            "max_steps", "default_root_dir", "enable_progress_bar", "enable_checkpointing",
-                           "log_every_n_steps", "timeout", "callbacks", "logger"})
+                           "log_every_n_steps", "timeout", "callbacks", "logger", "parallel"})
+LM_PRESET = "mini"  # the demo's GPT: 0.84M parameters, context 128, 4 heads (tp 2 and 4 divide them)
+LM_VAL_SAMPLES = 512  # the first windows of the validation split (65,536 tokens)
 
 
 def mnist_convnet() -> dict:
@@ -61,6 +67,26 @@ def gpt_shakespeare() -> dict:
     train, val = load_text(context_length=model.config.context_length)
     return {"model": model, "train": train, "val": val, "loss_fn": lm_loss,
             "optimizer": lambda params: torch.optim.AdamW(params, lr=6e-4)}
+
+
+def shakespeare_gpt() -> dict:
+    """The language-model workload (``--workload lm``): the reference GPT ("mini" preset) on byte-level
+    Shakespeare (``load_text``, context 128; validated on the first 512 validation windows), AdamW with lr
+    3e-3, and its FLOPs per token
+    (``GPT.flops_per_token``, PaLM's 6·N + 12·L·C·T). Every strategy applies to it, ``tp`` and ``hsdp``
+    included (the built-in tensor-parallel plan)."""
+    import torch
+
+    from trainscale.data import load_text
+    from trainscale.models import GPT, PRESETS, lm_loss
+
+    config = PRESETS[LM_PRESET]
+    train, val = load_text(context_length=config.context_length)
+    model = GPT(config)
+    val = torch.utils.data.Subset(val, range(min(LM_VAL_SAMPLES, len(val))))  # validation costs little per cell
+    return {"model": model, "train": train, "val": val, "loss_fn": lm_loss,
+            "optimizer": lambda params: torch.optim.AdamW(params, lr=3e-3),
+            "flops_per_token": model.flops_per_token()}
 
 
 def parse_entry(entry: str) -> tuple[str, str]:
@@ -134,7 +160,10 @@ def load_workload(entry: str) -> dict:
     if "batch_size" in (work.get("dataloader") or {}):
         raise ValueError(f"entry {entry!r}: 'dataloader' must not set batch_size; the sweep sets it per cell")
     _check_trainer_flags(entry, work.get("trainer"))
-    return {"val": None, "loss_fn": None, "optimizer": None, "dataloader": None, **work,
+    fpt = work.get("flops_per_token")
+    if fpt is not None and (isinstance(fpt, bool) or not isinstance(fpt, (int, float)) or not fpt > 0):
+        raise ValueError(f"entry {entry!r}: 'flops_per_token' must be a positive number, got {fpt!r}")
+    return {"val": None, "loss_fn": None, "optimizer": None, "dataloader": None, "flops_per_token": None, **work,
             "trainer": dict(work.get("trainer") or {})}
 
 

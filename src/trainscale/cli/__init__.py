@@ -120,10 +120,15 @@ def _add_bench(sub) -> None:
         description="Run each cell (devices × batch size × strategy × precision) as a fresh torchrun job, time "
                     "an epoch after a warm-up, and print batches/epoch, epoch time, gain and scaling efficiency "
                     "with advice. Files in --out: results.jsonl/.json/.csv, report.md, scaling.png. "
-                    "Example: trainscale bench --devices 1,2 --batch-sizes 16,64,256 --steps 100")
+                    "Example: trainscale bench --devices 1,2 --batch-sizes 16,64,256 --steps 100; a language model "
+                    "under every strategy: trainscale bench --workload lm --strategy ddp,fsdp,hsdp,tp --devices 1,4 "
+                    "--batch-sizes 8 --steps 20 (adds tokens/s and FLOPs/token)")
     bench.add_argument("--entry", default=None, metavar="PKG.MODULE:FUNCTION",
                        help="your workload: a function returning {'model', 'train', 'val', 'loss_fn', 'optimizer', "
-                            "'dataloader'} (default: the ConvNet on MNIST-5k)")
+                            "'dataloader', 'flops_per_token'} (default: the ConvNet on MNIST-5k)")
+    bench.add_argument("--workload", default=None, choices=("convnet", "lm"),
+                       help="a built-in workload instead of --entry: convnet (the default; MNIST-5k) or lm (the "
+                            "reference GPT 'mini' on byte-level Shakespeare; tokens/s and FLOPs/token in the table)")
     bench.add_argument("--devices", type=_ints, default=None,
                        help="device counts, e.g. 1,2 (default 1 and powers of two up to the GPUs, or CPU cores)")
     bench.add_argument("--batch-sizes", type=_ints, default=None,

@@ -17,9 +17,15 @@ def run_bench(args: argparse.Namespace) -> int:
         sys.path.insert(0, os.getcwd())  # --entry modules are found in the current directory, as with `python -m`
     from trainscale.bench import sweep
     from trainscale.bench.grid import DEFAULT_BATCH_SIZES
+    from trainscale.bench.workload import WORKLOADS
 
+    workload = getattr(args, "workload", None)
+    if workload is not None and args.entry is not None:
+        print(f"trainscale bench: give --workload ({workload}) or --entry ({args.entry}), not both", file=sys.stderr)
+        return 2
+    entry = WORKLOADS[workload] if workload is not None else args.entry
     try:
-        result = sweep(args.entry, devices=args.devices, batch_sizes=args.batch_sizes or DEFAULT_BATCH_SIZES,
+        result = sweep(entry, devices=args.devices, batch_sizes=args.batch_sizes or DEFAULT_BATCH_SIZES,
                        strategies=args.strategy, precisions=args.precision, scaling=args.scaling,
                        epochs=args.epochs, steps=args.steps, warmup_steps=args.warmup_steps, timeout=args.timeout,
                        out=args.out, resume=args.resume, target_accuracy=args.target_accuracy,

@@ -70,7 +70,7 @@ def _run_convnet(args: argparse.Namespace) -> dict:
     train_set, val_set = load_mnist5k()
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
     val_loader = DataLoader(val_set, batch_size=256)
-    steps_per_epoch = math.ceil(math.ceil(len(train_set) / trainer.runtime.world_size) / args.batch_size)
+    steps_per_epoch = math.ceil(math.ceil(len(train_set) / trainer.runtime.data_parallel_size) / args.batch_size)
     summary = trainer.fit(ConvNet(), train_loader, val_loader,
                           optimizer=_one_cycle(args.lr, args.epochs * steps_per_epoch))
     trainer.runtime.print(f"run directory: {summary['run_dir']}")
@@ -102,7 +102,7 @@ def _run_lm(args: argparse.Namespace) -> dict:
     summary = trainer.fit(model, DataLoader(train_set, batch_size=args.batch_size, shuffle=True),
                           DataLoader(val_set, batch_size=64), loss_fn=lm_loss,
                           optimizer=_one_cycle(args.lr, args.steps))
-    # samples_per_s counts every rank's samples; each sample holds `context` tokens
+    # samples_per_s counts each sample once (over the data-parallel ranks); each holds `context` tokens
     summary["tokens_per_s"] = summary["samples_per_s"] * context
     summary["val_perplexity"] = math.exp(summary["val_loss"])
     summary["unigram_entropy"] = unigram_entropy(train_set.tokens)

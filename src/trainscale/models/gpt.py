@@ -204,6 +204,18 @@ class GPT(nn.Module):
             total -= self.wte.weight.numel() + self.wpe.weight.numel()
         return total
 
+    def flops_per_token(self, context_length: int | None = None) -> float:
+        """Training FLOPs per token (forward and backward; a multiply-add is 2 FLOPs) at sequence length
+        ``context_length`` (default ``config.context_length``): ``6·N + 12·L·C·T``, PaLM's estimate
+        (Chowdhery et al. 2022, appendix B; nanoGPT ``estimate_mfu``), where ``6·N`` covers the matrix
+        products with the weights (2 forward, 4 backward per parameter) and ``12·L·C·T`` the attention
+        scores and their weighted sum (``L`` layers, width ``C``, ``T`` tokens; causal masking not
+        discounted). ``N`` counts every parameter but the position embedding (a lookup, no product); the
+        token embedding is counted because the tied output projection multiplies by it."""
+        T = self.config.context_length if context_length is None else context_length
+        n = self.num_parameters() - self.wpe.weight.numel()
+        return 6.0 * n + 12.0 * self.config.n_layer * self.config.n_embd * T
+
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy in nats: logits ``(B, T, V)``, targets ``(B, T)`` int64."""

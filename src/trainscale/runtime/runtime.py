@@ -249,6 +249,13 @@ class Runtime:
         return self.world.world_size
 
     @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read different data: the world size, or under tensor parallelism ``dp_replicate ·
+        dp_shard`` (the ``tp`` ranks of a group read the same batches). The global batch and throughput
+        count samples over these ranks only."""
+        return self.config.parallel.dp_size if self.config.parallel is not None else self.world_size
+
+    @property
     def rank(self) -> int:
         return self.world.rank
 

@@ -83,6 +83,8 @@ class Telemetry:
             raise ValueError(f"peak_flops={peak_flops!r} must be a positive number of FLOP/s per device "
                              "(e.g. 989e12 for an H100 SXM in bf16), or None for trainscale's table")
         self.rt = runtime
+        # ranks that read each sample: 1, or under tensor parallelism the tp ranks of a group (same batches)
+        self._copies = runtime.world_size / runtime.data_parallel_size
         self.warmup_steps = warmup_steps
         self.straggler_margin = straggler_margin
         device = runtime.device
@@ -264,8 +266,9 @@ class Telemetry:
         per_step = (lambda s: s / steps) if steps > 0 else (lambda s: _NAN)
         phase_s = {p: per_step(mean(col[p])) for p in PHASES}
         total = sum(phase_s.values())
-        samples_per_s = sum(col["samples"]) / wall if wall > 0 else _NAN
-        tokens = sum(col["tokens"])
+        samples = sum(col["samples"]) / self._copies  # each sample once, though tp ranks all read it
+        samples_per_s = samples / wall if wall > 0 else _NAN
+        tokens = sum(col["tokens"]) / self._copies
         achieved = self.flops.value * samples_per_s if self.flops.value is not None else None
         mfu_value, mfu_error = self._mfu(achieved, devices)
         has_comm = self.timer.time_comm
@@ -294,7 +297,7 @@ class Telemetry:
             out["mfu_error"] = mfu_error
         if per_rank:
             out["steps"] = int(steps)
-            out["samples"] = int(sum(col["samples"]))
+            out["samples"] = round(samples)
             if out["tokens_per_s"] is not None:
                 out["tokens_per_s_per_device"] = out["tokens_per_s"] / devices
             out["rank_step_time_s"] = [per_step(w) for w in col["wall"]]

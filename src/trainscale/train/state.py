@@ -107,11 +107,15 @@ class EpochLoss:
         self.tokens += tokens or 0
 
     def totals(self, runtime: Any) -> tuple[float, float, float]:
-        """(loss × samples, samples, tokens) over all ranks, with the carried part. A collective."""
+        """(loss × samples, samples, tokens) over the data-parallel ranks, with the carried part. A collective.
+
+        Every rank adds its own; under tensor parallelism the ``tp`` ranks of a group read the same samples,
+        so the sums are divided by ``world_size / data_parallel_size`` (each sample counted once)."""
         device = self.sum.device
+        copies = runtime.world_size / runtime.data_parallel_size
         vec = runtime.all_reduce(torch.stack([self.sum, torch.tensor(float(self.samples), device=device),
                                               torch.tensor(float(self.tokens), device=device)])).tolist()
-        return vec[0] + self.carried[0], vec[1] + self.carried[1], vec[2] + self.carried[2]
+        return tuple(v / copies + c for v, c in zip(vec, self.carried))
 
 
 @dataclass

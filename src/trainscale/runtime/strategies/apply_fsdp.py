@@ -29,6 +29,34 @@ def mixed_precision_policy(precision: str):
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
+def full_precision_norms(module: Any, precision: str) -> list:
+    """The batch-norm layers of ``module`` that must stay in full precision under a mixed policy.
+
+    FSDP2's ``MixedPrecisionPolicy`` casts every parameter a unit gathers to bf16/fp16, but a BatchNorm's
+    running statistics are buffers, which it leaves in fp32; on a CPU ``batch_norm`` then fails with
+    "expected scalar type BFloat16 but found Float" (torch 2.13). FSDP1 kept BatchNorm out of low precision
+    for this reason (``MixedPrecision._module_classes_to_ignore = (_BatchNorm,)``); with FSDP2 each such layer
+    becomes its own unit with a full-precision policy (:func:`apply_fsdp`). Layers without parameters or
+    statistics compute in any dtype and are left out.
+    """
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    if precision not in ("bf16-mixed", "16-mixed"):
+        return []
+    return [m for m in module.modules() if m is not module and isinstance(m, _BatchNorm)
+            and next(iter(m.state_dict().values()), None) is not None]
+
+
+def _norm_policy(norm: Any, precision: str):
+    """A BatchNorm unit's policy: parameters, statistics and gradient reduction in the layer's own (full)
+    precision, inputs cast up to it, the output cast back to the compute dtype the rest of the model uses."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    full = next(iter(norm.state_dict().values())).dtype
+    return MixedPrecisionPolicy(param_dtype=full, reduce_dtype=full,
+                                output_dtype=mixed_precision_policy(precision).param_dtype)
+
+
 def fsdp_units(module: Any, policy: tuple, strategy: str) -> list:
     """The submodules of ``module`` that are instances of a ``policy`` class, in pre-order.
 
@@ -51,6 +79,8 @@ def fsdp_units(module: Any, policy: tuple, strategy: str) -> list:
 def apply_fsdp(module: Any, units: list, mesh: Any, *, precision: str, reshard_after_forward: Any = None,
                cpu_offload: bool = False) -> Any:
     """``fully_shard`` each of ``units`` (innermost first), then ``module``; return ``module`` (in place).
+    Under a mixed precision, the batch-norm layers become units of their own first, kept in full precision
+    (:func:`full_precision_norms`).
 
     Args:
         module: the root module; ``units``: from :func:`fsdp_units`.
@@ -63,8 +93,12 @@ def apply_fsdp(module: Any, units: list, mesh: Any, *, precision: str, reshard_a
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision_policy(precision),
                   offload_policy=CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload
                   else OffloadPolicy())
+    norms = full_precision_norms(module, precision)
+    for norm in norms:  # leaves: before any unit that holds them
+        fully_shard(norm, **{**kwargs, "mp_policy": _norm_policy(norm, precision)})
     for unit in reversed(units):  # modules() is pre-order: reversed, every child precedes its parent
-        fully_shard(unit, **kwargs)
+        if unit not in norms:
+            fully_shard(unit, **kwargs)
     fully_shard(module, **kwargs)
     return module
 

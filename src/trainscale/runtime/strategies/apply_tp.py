@@ -4,14 +4,20 @@ Megatron-LM's split of a transformer block (Shoeybi et al. 2019): the first line
 attention (query, key, value) and of the MLP is split by output columns (``ColwiseParallel``: each
 rank computes some heads / some hidden units from the whole input), the second by input rows
 (``RowwiseParallel``: each rank multiplies its slice, one all-reduce sums them). Two all-reduces per
-block in forward, two in backward; each rank holds 1/tp of the blocks' matrices. Embeddings, norms
-and the tied output projection stay replicated (plain tensors, identical on the tp ranks, whose
-gradients come out identical without communication). torchtitan v0.1.0 ``apply_tp``;
-https://pytorch.org/docs/stable/distributed.tensor.parallel.html.
+block in forward, two in backward; each rank holds 1/tp of the blocks' matrices.
 
-Sequence parallelism (norms and dropout on sequence shards) is not applied: the tied output
-projection reads the replicated token embedding, which a sequence-sharded final norm would need
-gathered first.
+The embeddings are split too (torchtitan v0.1.0 ``apply_tp``: ``RowwiseParallel(input_layouts=Replicate())``
+on the token embedding): each rank holds 1/tp of the vocabulary rows, looks up the ids it holds, and one
+all-reduce completes the embedding; the position embedding is split by columns (1/tp of the width,
+all-gathered after the lookup). The GPT's output projection is tied to
+the token embedding (``F.linear(x, wte.weight)``, one parameter), so it uses the same row shards: the
+final norm's output is marked replicated (``PrepareModuleOutput``), the projection then gives each rank
+the logits of its vocabulary slice (``Shard(-1)``), and the GPT's output is all-gathered to whole
+logits (the user's loss sees a plain tensor). The tie stays one parameter whose gradient gathers both
+uses. Norms stay replicated (plain tensors, identical on the tp ranks, whose gradients come out
+identical without communication). https://pytorch.org/docs/stable/distributed.tensor.parallel.html.
+
+Sequence parallelism (norms and dropout on sequence shards) is not applied.
 """
 
 from __future__ import annotations
@@ -23,20 +29,38 @@ from torch import nn
 
 
 def gpt_plan(gpt: Any) -> dict:
-    """The built-in plan for ``trainscale.models.GPT``, keyed relative to the GPT module.
+    """The built-in plan for ``trainscale.models.GPT``'s submodules, keyed relative to the GPT module
+    (the GPT itself gets :func:`gpt_output_style`).
 
     Raises:
         ValueError: ``n_head`` not divisible by the tp size is checked in :func:`apply_tp`.
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
 
-    plan = {}
+    # token embedding: vocabulary rows split, the lookup completed by one all-reduce (torchtitan's plan).
+    # Position embedding: width columns split, the lookup all-gathered; split by rows, its lookup by the 1-D
+    # positions got a whole (replicated) gradient in torch 2.13, and with it whole optimizer state on every rank.
+    plan = {"wte": RowwiseParallel(input_layouts=Replicate()),
+            "wpe": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            # the final norm's output as a replicated DTensor, so the tied projection F.linear(x, wte.weight)
+            # multiplies it by the row shards of wte: logits sharded by vocabulary, Shard(-1)
+            "ln_f": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
+                                        use_local_output=False)}
     for i in range(len(gpt.blocks)):
         for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
             plan[f"blocks.{i}.{name}"] = ColwiseParallel()
         for name in ("attn.proj", "mlp.proj"):
             plan[f"blocks.{i}.{name}"] = RowwiseParallel()
     return plan
+
+
+def gpt_output_style() -> Any:
+    """The GPT's own output: logits sharded by vocabulary, all-gathered into a plain ``(B, T, vocab)`` tensor."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput
+
+    return PrepareModuleOutput(output_layouts=Shard(-1), desired_output_layouts=Replicate(), use_local_output=True)
 
 
 def _has(module: nn.Module, key: str) -> bool:
@@ -97,4 +121,5 @@ def apply_tp(root: nn.Module, tp_mesh: Any, plan: dict | None = None) -> nn.Modu
             raise ValueError(f"tp={tp_mesh.size()} must divide the GPT's n_head={gpt.config.n_head} (each rank "
                              "computes whole attention heads)")
         parallelize_module(gpt, tp_mesh, gpt_plan(gpt))
+        parallelize_module(gpt, tp_mesh, gpt_output_style())
     return root
