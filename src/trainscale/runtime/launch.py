@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Sequence
 
-from trainscale.runtime.worker import ERROR_FILE, die_with_parent
+from trainscale.runtime.worker import ERROR_FILE, HOLD_ENV, die_with_parent
 
 _NNODES = re.compile(r"^[1-9]\d*(:[1-9]\d*)?$")
 _FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -235,7 +235,10 @@ def run_torchrun(torchrun: Sequence[str], entry: Sequence[str], nproc_per_node: 
     log_dir = tempfile.mkdtemp(prefix="trainscale-run-")
     argv = torchrun_argv([f"--log-dir={log_dir}", *torchrun], entry)
     try:
-        proc = subprocess.Popen(argv, env=worker_env(nproc_per_node), preexec_fn=die_with_parent)
+        env = worker_env(nproc_per_node)
+        if max_restarts:  # a worker with an error a restart cannot fix waits for _wait to stop torchrun
+            env[HOLD_ENV] = "1"
+        proc = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
         previous = {sig: signal.signal(sig, lambda s, _f: proc.send_signal(s)) for sig in _FORWARDED}
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         stopped = _wait(proc, log_dir, max_restarts)

@@ -10,7 +10,9 @@ torchrun runs ``python -m trainscale.runtime.worker SCRIPT ARGS`` (or ``-m MODUL
    file with torch's own ``ErrorHandler`` (torchrun's failure summary then shows it) and in
    ``trainscale_error.json`` beside it, which ``trainscale run`` prints last. An error raised before
    any process group exists (a bad flag, a syntax or import error, a rejected argument) would recur
-   at every restart: it is marked ``"restartable": false`` and ``trainscale run`` stops the restarts.
+   at every restart: it is marked ``"restartable": false`` and ``trainscale run`` stops the restarts
+   (under ``trainscale run --max-restarts N`` the worker waits to be stopped rather than exit, so the
+   stop never races torchrun's restart).
 
 Importing this module does not import torch.
 """
@@ -34,6 +36,10 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _SETUP_ERRORS = (SyntaxError, ImportError, NameError, AttributeError, ValueError, TypeError, KeyError,
                  FileNotFoundError, SystemExit)
 ERROR_FILE = "trainscale_error.json"
+# Set by ``trainscale run --max-restarts N``, which stops torchrun when it finds a non-restartable error: such a
+# worker then waits (at most HOLD_S seconds) instead of exiting, so that torchrun cannot restart the job first.
+HOLD_ENV = "TRAINSCALE_HOLD_SETUP_ERRORS"
+HOLD_S = 60.0
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
@@ -87,6 +93,8 @@ def _record(err: BaseException) -> None:
     path = Path(error_file).with_name(ERROR_FILE)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record))
+    if not record["restartable"] and os.environ.get(HOLD_ENV) == "1":
+        time.sleep(HOLD_S)  # trainscale run terminates torchrun (and with it this worker) as soon as it reads the file
 
 
 def run(entry: list[str]) -> None:
