@@ -72,3 +72,49 @@ def measure_body(rank: int) -> dict:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def gpt_config(uneven: bool):
+    """The small GPT of tests/parallel_workers.py; ``uneven``: with 255 vocabulary rows and 33 positions, so
+    tensor-parallel shards (``torch.chunk``: 128 and 127 rows) and FSDP shards (17 and 16 rows) differ by rank."""
+    import dataclasses
+
+    from tests.parallel_workers import CONFIG
+
+    return dataclasses.replace(CONFIG, vocab_size=255, context_length=33) if uneven else CONFIG
+
+
+def _gpt_batches(uneven: bool, rt):
+    """Two batches of 4: the text data set, or (uneven vocabulary) random tokens below 255."""
+    from tests.parallel_workers import text_loader
+
+    if not uneven:
+        return zip(range(2), rt.setup_dataloader(text_loader(batch_size=4, samples=16)))
+    tokens = torch.randint(0, 255, (2, 4, 34), generator=torch.Generator().manual_seed(0))
+    return enumerate((t[:, :-1], t[:, 1:]) for t in tokens)
+
+
+def measure_gpt_body(rank: int, strategy: str, parallel: dict, uneven: bool = False) -> dict:
+    """The small GPT (:func:`gpt_config`) under ``strategy`` ("tp", "hsdp") with ``parallel``: this rank's
+    parameter, gradient (after the second backward) and optimizer-state bytes (AdamW, after the second
+    step), the sizes of the local shards' storages."""
+    import torch.distributed as dist
+
+    from trainscale.models import GPT, lm_loss
+    from trainscale.runtime.runtime import Runtime
+
+    try:
+        rt = Runtime(accelerator="cpu", devices="auto", strategy=strategy, parallel=parallel, timeout=60)
+        torch.manual_seed(0)
+        model, optimizer = rt.setup(GPT(gpt_config(uneven)), adamw)
+        for _, (x, y) in _gpt_batches(uneven, rt):
+            x, y = rt.to_device((x, y))
+            rt.backward(lm_loss(model(x), y))
+            grads = _storage_bytes(p.grad for p in model.parameters())
+            rt.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+        return {"parameters": _storage_bytes(model.parameters()), "gradients": grads,
+                "optimizer": _storage_bytes(t for s in optimizer.state.values() for t in s.values())}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

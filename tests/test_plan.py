@@ -74,7 +74,7 @@ def test_plan_rows_fits_and_picks_follow_the_device_memory():
     with pytest.raises(ValueError, match="sample="):
         planner.plan(ConvNet, devices=[1])
     with pytest.raises(ValueError, match="plan models ddp, fsdp"):
-        planner.plan(ConvNet, sample=SAMPLE, strategies=["tp"])
+        planner.plan(ConvNet, sample=SAMPLE, strategies=["cp"])
 
 
 def test_plan_time_adds_the_modelled_communication_to_the_measured_step():

@@ -166,11 +166,131 @@ def _stage_parameters(meta_model: nn.Module, stages: int, rank: int, split_point
     return {id(p) for unit in units for p in meta_model.get_submodule(unit).parameters()}
 
 
+def _chunk(size: int, parts: int, index: int) -> int:
+    """Length of part ``index`` of ``size`` split by ``torch.chunk`` into ``parts``: ``ceil(size/parts)``
+    each, the last ones shorter or empty (DTensor's ``Shard`` sizes, ``Shard._split_tensor``)."""
+    return _shard_rows(size, parts, index)[1]
+
+
+# -- tensor parallelism: the shard dim of each parameter, read from the plan -----------------------
+def _styles():
+    """``{ParallelStyle class: {module class: {parameter name: shard dim}}}`` for the styles that shard
+    parameters, as ``torch/distributed/tensor/parallel/style.py`` (torch 2.13) distributes them:
+    ColwiseParallel puts a Linear's weight and bias on ``Shard(0)`` and an Embedding's weight on
+    ``Shard(1)``; RowwiseParallel a Linear's weight on ``Shard(1)`` (its bias ``Replicate``) and an
+    Embedding's weight on ``Shard(0)``. Styles that only move inputs/outputs shard nothing."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                                   PrepareModuleOutput, RowwiseParallel, SequenceParallel)
+
+    sharding = {ColwiseParallel: {nn.Linear: {"weight": 0, "bias": 0}, nn.Embedding: {"weight": 1}},
+                RowwiseParallel: {nn.Linear: {"weight": 1}, nn.Embedding: {"weight": 0}}}
+    return sharding, (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput, SequenceParallel)
+
+
+def _matching(module: nn.Module, key: str):
+    """Submodules named by a plan key (dotted; each part an ``fnmatch`` pattern, as ``parallelize_module``
+    reads it)."""
+    import fnmatch
+
+    head, _, rest = key.partition(".")
+    for name, child in module.named_children():
+        if fnmatch.fnmatch(name, head):
+            yield from (_matching(child, rest) if rest else (child,))
+
+
+def _style_dims(module: nn.Module, style: Any, key: str) -> dict[int, int]:
+    """``{id(parameter): shard dim}`` that ``style`` gives ``module``'s own parameters.
+
+    Raises:
+        ValueError: a style or module type whose sharding the plan cannot read."""
+    sharding, movers = _styles()
+    for cls, by_module in sharding.items():
+        if type(style) is cls:
+            names = next((dims for kind, dims in by_module.items() if isinstance(module, kind)), None)
+            if names is None:
+                raise ValueError(f"tp_plan[{key!r}]: {cls.__name__} on a {type(module).__name__}: torch shards only "
+                                 "nn.Linear and nn.Embedding with it; the plan cannot predict its bytes")
+            return {id(p): names[n] for n, p in module.named_parameters(recurse=False) if n in names}
+    if isinstance(style, movers):
+        return {}
+    raise ValueError(f"tp_plan[{key!r}]: the plan cannot read how {type(style).__name__} shards parameters (it reads "
+                     "ColwiseParallel, RowwiseParallel, SequenceParallel and PrepareModule*); the memory of a custom "
+                     "style or of parallelize=fn is not modelled")
+
+
+def tp_shard_dims(meta_model: nn.Module, tp: int, tp_plan: dict | None = None) -> dict[int, int]:
+    """``{id(parameter): dim}`` for the parameters tensor parallelism shards, read from the plan that
+    ``trainscale.runtime.strategies.apply_tp.apply_tp`` applies: ``tp_plan`` (keys relative to the model),
+    or the built-in plan of each ``trainscale.models.GPT`` inside it. Parameters absent from the result
+    are replicated (whole on every tp rank).
+
+    Raises:
+        ValueError: no plan and no GPT; plan keys that match nothing; a GPT whose ``n_head`` ``tp`` does
+            not divide; a style the plan cannot read (:func:`_style_dims`).
+    """
+    from trainscale.models.gpt import GPT
+    from trainscale.runtime.strategies.apply_tp import gpt_plan, plan_target
+
+    if tp_plan is not None:
+        targets = [(plan_target(meta_model, tp_plan), tp_plan)]
+    else:
+        gpts = [m for m in meta_model.modules() if isinstance(m, GPT)]
+        if not gpts:
+            raise ValueError(f"tensor parallelism has a built-in plan for trainscale.models.GPT only, and the model "
+                             f"({type(meta_model).__name__}) holds none; pass tp_plan={{'layer.name': ColwiseParallel(), "
+                             "...}")
+        bad = [g.config.n_head for g in gpts if g.config.n_head % tp]
+        if bad:
+            raise ValueError(f"tp={tp} must divide the GPT's n_head={bad[0]} (each rank computes whole heads)")
+        targets = [(g, gpt_plan(g)) for g in gpts]
+    dims: dict[int, int] = {}
+    for target, plan in targets:
+        for key, style in plan.items():
+            for module in _matching(target, key):
+                dims.update(_style_dims(module, style, key))
+    return dims
+
+
+def _mesh_dims(strategy: str, devices: int, parallel: dict | None):
+    """The ``ParallelDims`` a "tp"/"hsdp" run on ``devices`` ranks uses (the Runtime's own resolution)."""
+    from trainscale.runtime.strategies.parallel_dims import resolve_parallel
+
+    return resolve_parallel(strategy, parallel, devices, 1)
+
+
+def _local_shapes(p: torch.Tensor, strategy: str, devices: int, rank: int, mesh: Any,
+                  tp_dims: dict) -> tuple[tuple, tuple, tuple]:
+    """``(parameter storage, gradient, unpadded local)`` shapes of parameter ``p`` on ``rank``.
+
+    Tensor parallelism first: the shard dim split by ``torch.chunk`` over the tp ranks. The parameter is
+    a view of a storage padded to the first chunk (``distribute_tensor`` scatters padded chunks and
+    narrows them, ``Shard._split_tensor(with_padding=True)``); its gradient and optimizer states are
+    built unpadded. Then FSDP2 (dim 0 of that local shard, parameter and gradient padded) over ``devices``
+    ranks (fsdp) or the ``dp_shard`` ranks of the mesh (hsdp, tp with dp_shard > 1)."""
+    shape = tuple(p.shape)
+    stored = shape
+    shards, index = devices, rank
+    if mesh is not None:
+        _, index, tp_index = mesh.coordinates(rank)
+        shards = mesh.dp_shard if mesh.dp_size > 1 else 1
+        if id(p) in tp_dims:
+            dim = tp_dims[id(p)]
+            stored = (*shape[:dim], _shard_rows(shape[dim], mesh.tp, tp_index)[0], *shape[dim + 1:])
+            shape = (*shape[:dim], _chunk(shape[dim], mesh.tp, tp_index), *shape[dim + 1:])
+    elif strategy != "fsdp":
+        return shape, shape, shape
+    if shards == 1 or not shape:
+        return stored, shape, shape
+    padded, rows = _shard_rows(shape[0], shards, index)
+    return (padded, *shape[1:]), (padded, *shape[1:]), (rows, *shape[1:])
+
+
 def exact_bytes(meta_model: nn.Module, layout: list[list[tuple]], strategy: str, devices: int, rank: int,
                 precision: str, gradient_as_bucket_view: bool = False,
-                split_points: list | None = None) -> dict[str, int]:
+                split_points: list | None = None, parallel: dict | None = None,
+                tp_plan: dict | None = None) -> dict[str, int]:
     """Bytes of ``parameters``, ``gradients``, ``optimizer``, ``buffers`` and ``comm_buffers`` on rank
-    ``rank`` of ``devices`` under ``strategy`` ("single", "ddp", "fsdp", "pp").
+    ``rank`` of ``devices`` under ``strategy`` ("single", "ddp", "fsdp", "pp", "hsdp", "tp").
 
     Args:
         meta_model: the model on the meta device (:func:`build_meta_model`).
@@ -178,29 +298,36 @@ def exact_bytes(meta_model: nn.Module, layout: list[list[tuple]], strategy: str,
         gradient_as_bucket_view: DDP's option (gradients alias the buckets: no extra copy).
         split_points: under "pp" (``devices`` stages, rank = stage): the ``pp_split_points``; None: the
             built-in split of a ``trainscale.models.GPT``. Buffers are counted whole on every stage.
+        parallel: under "hsdp"/"tp": the Runtime's ``parallel`` mesh sizes (``{"dp_replicate": R,
+            "dp_shard": S, "tp": T}``, product ``devices``); None: the Runtime's one-node default ("tp":
+            ``{"tp": devices}``; "hsdp" has none and needs it). Ranks are laid out as the Runtime's mesh
+            (``ParallelDims.coordinates``). hsdp: FSDP2 shards over the ``dp_shard`` ranks, whole per
+            replica; tp: each parameter the plan shards is split by ``torch.chunk`` along its dim
+            (:func:`tp_shard_dims`; the parameter's storage padded to the first chunk, see
+            :func:`_local_shapes`), then FSDP2-sharded over ``dp_shard`` if that is > 1.
+        tp_plan: under "tp": the Runtime's ``tp_plan`` (None: the built-in GPT plan).
 
     Raises:
-        ValueError: an unknown strategy; under "pp", no split for a model that is not a GPT.
+        ValueError: an unknown strategy; under "pp", no split for a model that is not a GPT; under
+            "hsdp"/"tp", a mesh the Runtime would refuse or a plan that cannot be read.
     """
-    if strategy not in ("single", "ddp", "fsdp", "pp"):
-        raise ValueError(f"memory of strategy={strategy!r} is not modelled; choose single, ddp, fsdp or pp")
+    if strategy not in ("single", "ddp", "fsdp", "pp", "hsdp", "tp"):
+        raise ValueError(f"memory of strategy={strategy!r} is not modelled; choose single, ddp, fsdp, pp, hsdp or tp")
     out = dict(parameters=0, gradients=0, optimizer=0, comm_buffers=0,
                buffers=sum(b.numel() * b.element_size() for b in meta_model.buffers()))
     stage = _stage_parameters(meta_model, devices, rank, split_points) if strategy == "pp" else None
+    mesh = _mesh_dims(strategy, devices, parallel) if strategy in ("hsdp", "tp") else None
+    tp_dims = tp_shard_dims(meta_model, mesh.tp, tp_plan) if mesh is not None and mesh.tp > 1 else {}
     for p, states in zip(meta_model.parameters(), layout):
         if stage is not None and id(p) not in stage:
             continue
         dtype = _param_dtype(p, precision)
-        shape = tuple(p.shape)
-        local = shape
-        if strategy == "fsdp" and shape:
-            padded, rows = _shard_rows(shape[0], devices, rank)
-            shape, local = (padded, *shape[1:]), (rows, *shape[1:])
-        out["parameters"] += _nbytes(shape, dtype)
+        stored, grad, local = _local_shapes(p, strategy, devices, rank, mesh, tp_dims)
+        out["parameters"] += _nbytes(stored, dtype)
         if p.requires_grad:
-            out["gradients"] += _nbytes(shape, dtype)
+            out["gradients"] += _nbytes(grad, dtype)
             if strategy == "ddp" and not gradient_as_bucket_view:
-                out["comm_buffers"] += _nbytes(shape, dtype)
+                out["comm_buffers"] += _nbytes(grad, dtype)
         for _, state_shape, state_dtype in states:  # states shaped like the parameter follow its shard
             out["optimizer"] += _nbytes(local if state_shape == tuple(p.shape) else state_shape, state_dtype)
     return out

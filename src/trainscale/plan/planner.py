@@ -14,7 +14,9 @@ from typing import Any, Callable
 from trainscale.plan import comm
 from trainscale.plan.memory import MemoryEstimate
 
-STRATEGIES = ("ddp", "fsdp")
+STRATEGIES = ("ddp", "fsdp", "hsdp", "tp")  # what plan() models; its default is DEFAULT_STRATEGIES
+DEFAULT_STRATEGIES = ("ddp", "fsdp")
+TIMED = ("ddp", "fsdp")  # strategies with a time model; hsdp and tp rows give memory only
 
 
 @dataclass
@@ -138,19 +140,70 @@ def _check(devices, batch_sizes, strategies, overlap) -> None:
         raise ValueError(f"overlap={overlap} must be within [0, 1]")
 
 
+def mesh_layout(strategy: str, n: int, devices_per_node: int) -> dict:
+    """The Runtime's ``parallel`` mesh sizes of an hsdp or tp row on ``n`` devices, nodes of
+    ``devices_per_node`` (the Runtime's shorthands, ``parallel_dims.resolve_parallel``): hsdp shards
+    within a node and replicates across nodes; tp splits layers within a node (at most ``n``) and
+    FSDP-shards across nodes.
+
+    Raises:
+        ValueError: a layout the Runtime refuses (tp on 1 device; hsdp on fewer than 2 whole nodes).
+    """
+    from trainscale.runtime.strategies.parallel_dims import resolve_parallel
+
+    node = min(n, devices_per_node)
+    if n % node:
+        raise ValueError(f"{n} devices are not whole nodes of {devices_per_node}")
+    return resolve_parallel(strategy, None, node, n // node).as_dict()
+
+
 def _memory(meta, layout, work: Workload, strategy: str, n: int, bs: int, precision: str, ac: tuple,
-            options: dict) -> MemoryEstimate:
-    """Rank 0's estimate (under fsdp rank 0 holds the largest shards, so it is the per-device maximum)."""
+            options: dict, parallel: dict | None = None) -> MemoryEstimate:
+    """Rank 0's estimate (under fsdp, hsdp and tp rank 0 holds the largest shards: ``torch.chunk`` gives
+    the first ranks the longer parts, so it is the per-device maximum). hsdp's activations and peak are
+    those of FSDP traced over its ``dp_shard`` ranks (what each replica runs; the all-reduce across
+    replicas works in place on the reduce-scattered gradients); tp's are not traced (None)."""
     from trainscale.plan import memory
 
     exact = memory.exact_bytes(meta, layout, strategy, n, 0, precision,
-                               gradient_as_bucket_view=bool(options.get("gradient_as_bucket_view")))
-    traced = memory.traced_memory(meta, work.sample, bs, work.loss_fn, work.optimizer_fn, strategy, n, precision,
-                                  activation_checkpointing=ac,
-                                  strategy_options=options if strategy == "fsdp" else None)
+                               gradient_as_bucket_view=bool(options.get("gradient_as_bucket_view")),
+                               parallel=parallel, tp_plan=options.get("tp_plan"))
+    if strategy == "tp":
+        return MemoryEstimate(strategy, n, 0, bs, precision, exact["parameters"], exact["gradients"],
+                              exact["optimizer"], exact["buffers"], exact["comm_buffers"], None, None)
+    traced_as, traced_n = ("fsdp", parallel["dp_shard"]) if strategy == "hsdp" else (strategy, n)
+    traced = memory.traced_memory(meta, work.sample, bs, work.loss_fn, work.optimizer_fn, traced_as, traced_n,
+                                  precision, activation_checkpointing=ac,
+                                  strategy_options=_traced_options(strategy, options))
     return MemoryEstimate(strategy, n, 0, bs, precision, exact["parameters"], exact["gradients"],
                           exact["optimizer"], exact["buffers"], exact["comm_buffers"], traced["activations"],
                           traced["peak"] + exact["comm_buffers"])
+
+
+def _traced_options(strategy: str, options: dict) -> dict | None:
+    """The options the traced fsdp strategy gets: all under fsdp, those it takes under hsdp, none otherwise."""
+    if strategy == "hsdp":
+        return {k: v for k, v in options.items() if k in ("auto_wrap_policy", "reshard_after_forward", "cpu_offload")}
+    return {k: v for k, v in options.items() if k != "tp_plan"} if strategy == "fsdp" else None
+
+
+def _row(meta, layout, work: Workload, strategy: str, n: int, bs: int, precision: str, ac: tuple, options: dict,
+         capacity: int, devices_per_node: int) -> PlanRow:
+    """The memory row of one configuration; a layout the Runtime refuses (hsdp/tp) gives a row with its reason."""
+    parallel = None
+    if strategy in ("hsdp", "tp"):
+        try:
+            parallel = mesh_layout(strategy, n, devices_per_node)
+        except ValueError:
+            need = "2+ devices" if strategy == "tp" else f"2+ whole nodes of devices_per_node={devices_per_node}"
+            return PlanRow(strategy, n, bs, precision, None, None, f"{strategy} needs {need}")
+    kept = options if strategy in ("fsdp", "hsdp") else {k: v for k, v in options.items() if k != "auto_wrap_policy"}
+    est = _memory(meta, layout, work, strategy, n, bs, precision, ac, kept, parallel)
+    fits = None if est.peak is None else est.peak <= capacity
+    note = " × ".join(f"{k} {v}" for k, v in (parallel or {}).items() if v > 1)
+    if strategy == "tp":
+        note += "; peak not traced"
+    return PlanRow(strategy, n, bs, precision, est, fits, note)
 
 
 def _comm_s(row: PlanRow, meta, precision: str, options: dict, link: comm.Link) -> float:
@@ -193,7 +246,7 @@ def _add_time(rows: list[PlanRow], compute: dict, probed: dict, meta, precision:
     """Fill step, epoch, gain and efficiency of each row from the measured compute times."""
     for row in rows:
         t = compute.get(row.batch_size)
-        if t is None or row.memory is None:
+        if t is None or row.memory is None or row.strategy not in TIMED:
             continue
         _row_time(row, t, probed, meta, precision, options, link, overlap)
         if dataset_size:
@@ -249,11 +302,12 @@ def _threads(devices: list[int]) -> int | None:
 
 
 def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = None,
-         dataset_size: int | None = None, devices=(1, 2, 4, 8), batch_sizes=(32,), strategies=STRATEGIES,
+         dataset_size: int | None = None, devices=(1, 2, 4, 8), batch_sizes=(32,), strategies=DEFAULT_STRATEGIES,
          precision: str = "32-true", optimizer: Callable | None = None, loss_fn: Callable | None = None,
          activation_checkpointing: Any = None, strategy_options: dict | None = None,
          device_memory: int | str | None = None, link: comm.Link | str | None = None, probe: bool = False,
-         overlap: float = 0.0, measure: bool = True, device_flops: float | None = None) -> PlanResult:
+         overlap: float = 0.0, measure: bool = True, device_flops: float | None = None,
+         devices_per_node: int = 8) -> PlanResult:
     """Predict memory per device and, with a link, time per step and epoch, for each strategy,
     device count and per-device batch size.
 
@@ -265,18 +319,22 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
         sample: one training example ``(input, target)``, e.g. ``dataset[0]`` (with ``model``).
         dataset_size: training samples per epoch (for epoch times).
         devices, batch_sizes: device counts and per-device micro-batch sizes.
-        strategies: among "ddp", "fsdp" (fsdp needs 2+ devices; its 1-device rows say so).
+        strategies: among "ddp", "fsdp", "hsdp", "tp" (default ddp and fsdp; fsdp needs 2+ devices, its
+            1-device rows say so). hsdp and tp rows: memory only (no time model yet); the mesh is the
+            Runtime's shorthand on nodes of ``devices_per_node`` (:func:`mesh_layout`); tp's activations
+            and peak are not traced (None, "—"), and its row's ``fits`` is None.
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
         optimizer: ``params -> Optimizer`` (default AdamW, lr 1e-3); loss_fn default cross-entropy.
         activation_checkpointing: module classes whose forward is recomputed in backward.
         strategy_options: as for the Runtime (ddp: ``bucket_cap_mb``, ``gradient_as_bucket_view``;
-            fsdp: ``auto_wrap_policy``, ``reshard_after_forward``).
+            fsdp: ``auto_wrap_policy``, ``reshard_after_forward``; tp: ``tp_plan``, default the GPT's).
         device_memory: bytes or "80GB" to hold each peak against (default: the visible device's).
         link: a :class:`~trainscale.plan.comm.Link` or "400GB/s,latency=10us"; ``probe=True`` measures
             this machine's instead (2 processes: the link, and the workload's step timed in both at once
             with DDP's collectives in place, used for the 2-device rows). Without either, no time is predicted.
         overlap: share of backward that hides communication (0: none, the upper bound).
         measure: time one device's step per batch size (needed for time predictions).
+        devices_per_node: devices of one node, for the hsdp and tp meshes.
         device_flops: FLOP/s of a device you are not on (e.g. 989e12): forward and backward time from the
             step's counted FLOPs instead of a measured run (:func:`~trainscale.plan.measure.counted_compute`).
 
@@ -319,9 +377,8 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
                 if strategy == "fsdp" and n < 2:
                     rows.append(PlanRow(strategy, n, bs, precision, None, None, "fsdp needs 2+ devices"))
                     continue
-                est = _memory(meta, layout, work, strategy, n, bs, precision, ac,
-                              {k: v for k, v in options.items() if strategy == "fsdp" or k != "auto_wrap_policy"})
-                rows.append(PlanRow(strategy, n, bs, precision, est, est.peak <= capacity))
+                rows.append(_row(meta, layout, work, strategy, n, bs, precision, ac, options, capacity,
+                                 devices_per_node))
     compute, probed, threads = {}, {}, _threads(devices)
     if probe:
         link, probed = _probe(work, batch_sizes, precision, threads, options)
