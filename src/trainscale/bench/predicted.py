@@ -10,7 +10,7 @@ the link and the 2-process step of this machine), and each measured row gets
   the interpreter and libraries);
 - ``predicted_error``: predicted ÷ measured epoch time − 1 (e.g. -0.12: 12 % too fast).
 
-Cells whose strategy the plan does not model get no prediction (the columns stay empty).
+Cells whose strategy the plan has no time model for (hsdp, tp) get no prediction (the columns stay empty).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def add_predictions(rows: list[dict], entry: str, devices: list[int], strategies
     """
     from trainscale.plan import planner
 
-    modelled = [s for s in strategies if s in planner.STRATEGIES] or ["ddp"]
+    modelled = [s for s in strategies if s in planner.TIMED] or ["ddp"]  # cells with a time prediction
     out = [dict(r) for r in rows]
     for precision in precisions:
         mine = [r for r in out if r["precision"] == precision and r.get("status") == "ok"]
