@@ -266,8 +266,8 @@ class Trainer:
         return loss
 
     def _compute(self, fit: FitRun, batch: Any, micro: MicroBatch) -> tuple[torch.Tensor, Any]:
-        """Forward under autocast and backward (no gradient all-reduce before the step's last micro-batch), or
-        the user's manual-optimization step: the loss and the clock reading between forward and backward."""
+        """Forward under autocast and backward (no gradient all-reduce before the step's last micro-batch), one
+        pipeline schedule step (pp) or the user's manual step: the loss, and the clock reading after forward."""
         rt, tele = self.runtime, fit.telemetry
         if self.manual_optimizers:  # the user's training_step steps the optimizers itself
             with rt.autocast():
