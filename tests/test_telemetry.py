@@ -622,3 +622,11 @@ def test_tensor_parallel_ranks_reading_the_same_batch_count_its_samples_and_toke
     assert numbers["samples"] == 4000 and numbers["samples_per_s"] == 4000.0
     assert numbers["samples_per_s_per_device"] == 2000.0
     assert numbers["tokens_per_s"] == 128000.0 and numbers["tokens_per_s_per_device"] == 64000.0
+
+
+def test_a_run_without_training_steps_says_so_instead_of_printing_nan():
+    nan = float("nan")
+    tele = {"step_time_s": nan, "phase_share": dict.fromkeys(("data", "forward", "backward", "optimizer"), nan),
+            "exposed_comm_s": nan, "exposed_comm_share": nan, "comm_s": nan, "samples_per_s": nan,
+            "peak_memory_bytes": [2**20], "peak_memory_kind": "rss"}
+    assert summary_line(tele) == "telemetry: no training step in this run"

@@ -64,7 +64,10 @@ def _pct(x: float) -> str:
 
 
 def summary_line(tele: dict) -> str:
-    """One line: step time and its split, throughput, peak memory (from ``summary["telemetry"]``)."""
+    """One line: step time and its split, throughput, peak memory (from ``summary["telemetry"]``); a run that
+    took no training step (e.g. resumed at its end) has no step time to show and says so."""
+    if math.isnan(tele["step_time_s"]):
+        return "telemetry: no training step in this run"
     share = tele["phase_share"]
     parts = [f"telemetry: step {tele['step_time_s'] * 1e3:.1f} ms = "
              + ", ".join(f"{p} {_pct(share[p])}" for p in PHASES)]
