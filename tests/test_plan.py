@@ -114,9 +114,9 @@ def test_probe_fits_a_positive_link_from_two_gloo_processes():
     work = planner.Workload(ConvNet(), SAMPLE, torch.nn.functional.cross_entropy, lambda p: torch.optim.AdamW(p))
     steps = {"workload": work, "batch_sizes": [4, 16], "precision": "32-true", "threads": 1,
              "bucket_bytes": 25 * 2**20}
-    link, raw = probe.probe(2, sizes=(2**12, 2**18, 2**22), reps=3, steps=steps)
+    link, raw = probe.probe(2, sizes=(2**12, 2**24), reps=5, steps=steps)  # 4 KiB vs 16 MiB: bandwidth, not noise
     assert link.source == "probe" and link.bus_bandwidth > 0 and link.latency >= 0
-    assert raw["world_size"] == 2 and len(raw["all_reduce"]) == len(raw["all_gather"]) == 3
+    assert raw["world_size"] == 2 and len(raw["all_reduce"]) == len(raw["all_gather"]) == 2
     # the ConvNet's step timed in both processes with DDP's broadcast and all-reduce in place
     assert set(raw["steps"]) == {4, 16} and all(t["comm_s"] > 0 and t["forward_s"] > 0 for t in raw["steps"].values())
 
