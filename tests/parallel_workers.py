@@ -76,7 +76,8 @@ def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, 
     differences of near-zero gradients) of a GPT (seed 0) with clipping at norm 0.5 through the Runtime; the full
     weights after, the losses and norms, this rank's parameter bytes and its training-state bytes after the
     last step (parameters + gradients + momentum buffers); a DCP checkpoint if asked. ``teardown=False``: another
-    Runtime follows in these processes, on the same process group (one cannot be started again after a teardown)."""
+    Runtime follows in these processes, on the same process group (a second process group started on the same
+    port after a teardown failed to connect here)."""
     from trainscale.runtime.runtime import Runtime
 
     rt = Runtime(accelerator="cpu", devices=1 if strategy == "single" else "auto", strategy=strategy, parallel=parallel,
