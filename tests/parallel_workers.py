@@ -71,11 +71,13 @@ def state_bytes(model, optimizer) -> int:
 
 
 def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, steps: int,
-              checkpoint: str | None = None) -> dict:
+              checkpoint: str | None = None, teardown: bool = True) -> dict:
     """``steps`` SGD steps (momentum 0.9; AdamW's per-element normalisation would magnify rounding
     differences of near-zero gradients) of a GPT (seed 0) with clipping at norm 0.5 through the Runtime; the full
     weights after, the losses and norms, this rank's parameter bytes and its training-state bytes after the
-    last step (parameters + gradients + momentum buffers); a DCP checkpoint if asked."""
+    last step (parameters + gradients + momentum buffers); a DCP checkpoint if asked. ``teardown=False``: another
+    Runtime follows in these processes, on the same process group (a second process group started on the same
+    port after a teardown failed to connect here)."""
     from trainscale.runtime.runtime import Runtime
 
     rt = Runtime(accelerator="cpu", devices=1 if strategy == "single" else "auto", strategy=strategy, parallel=parallel,
@@ -96,8 +98,17 @@ def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, 
     out["weights"] = full_weights(wrapped)
     if checkpoint is not None:
         rt.save(checkpoint, {"model": wrapped, "optimizer": optimizer, "step": steps})
-    rt.teardown()
+    if teardown:
+        rt.teardown()
     return out
+
+
+def train_gpt_layouts(rank: int, runs: tuple) -> dict:
+    """:func:`train_gpt` once per ``(label, strategy, parallel, batch_size, steps)`` of ``runs``, one after the
+    other in these processes, each with its own Runtime and mesh on one process group (torn down after the
+    last): ``{label: its result}``."""
+    return {label: train_gpt(rank, strategy, parallel, batch_size, steps, teardown=i == len(runs) - 1)
+            for i, (label, strategy, parallel, batch_size, steps) in enumerate(runs)}
 
 
 def fit_gpt(rank: int, strategy: str, root: str, batch_size: int, steps: int) -> dict:

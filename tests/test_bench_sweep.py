@@ -55,15 +55,20 @@ WORKLOAD = textwrap.dedent('''
 ''')
 
 
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    pkg = tmp_path / "benchpkg"
+def write_workload(root: Path) -> Path:
+    """The tiny workload as the package ``benchpkg`` under ``root``; returns ``root``."""
+    pkg = root / "benchpkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "workload.py").write_text(WORKLOAD)
+    return root
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # cells import the entry from the current directory
     monkeypatch.syspath_prepend(str(tmp_path))
-    return tmp_path
+    return write_workload(tmp_path)
 
 
 def bench_cmd(*args):
@@ -89,11 +94,23 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-@pytest.mark.multiprocess
-def test_user_entry_two_cell_sweep_from_the_command_line(workdir):
-    out = workdir / "sweep"
+@pytest.fixture(scope="module")
+def plan_sweep(tmp_path_factory):
+    """One ``trainscale bench --plan`` sweep of the user entry over 1 and 2 devices, run from the directory that
+    holds the entry's package (as a user runs it): ``(its output directory, the completed process)``. Both tests
+    below read it (one sweep instead of two; the sweep without --plan runs in the resume test)."""
+    root = write_workload(tmp_path_factory.mktemp("bench"))
+    out = root / "sweep"
     proc = subprocess.run(bench_cmd("--entry", "benchpkg.workload:build", "--devices", "1,2", "--batch-sizes", "8",
-                                    "--out", str(out)), capture_output=True, text=True, timeout=240, env=clean_env())
+                                    "--plan", "--out", str(out)), capture_output=True, text=True, timeout=240,
+                          env=clean_env(), cwd=root)
+    return out, proc
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_user_entry_two_cell_sweep_from_the_command_line(plan_sweep):
+    out, proc = plan_sweep
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = rows_of(out)
     assert [(r["devices"], r["run_strategy"], r["status"]) for r in rows] == [(1, "single", "ok"), (2, "ddp", "ok")]
@@ -183,17 +200,14 @@ def test_bad_flags_fail_before_any_cell_with_a_one_line_error(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_bench_plan_adds_predicted_columns_beside_the_measured_ones(workdir):
+def test_bench_plan_adds_predicted_columns_beside_the_measured_ones(plan_sweep):
     import csv
 
-    out = workdir / "sweep"
-    proc = subprocess.run(bench_cmd("--entry", "benchpkg.workload:build", "--devices", "1,2", "--batch-sizes", "8,16",
-                                    "--plan", "--out", str(out)), capture_output=True, text=True, timeout=280,
-                          env=clean_env())
+    out, proc = plan_sweep
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)
+    assert [(r["devices"], r["status"]) for r in rows] == [("1", "ok"), ("2", "ok")]
     for r in rows:
         predicted, measured = float(r["predicted_epoch_time_s"]), float(r["epoch_time_s"])
         assert predicted > 0 and measured > 0 and int(r["predicted_peak_bytes"]) > 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import run_distributed
-from tests.parallel_workers import CONFIG, train_gpt
+from tests.parallel_workers import CONFIG, train_gpt, train_gpt_layouts
 from trainscale.runtime.connector import resolve
 from trainscale.runtime.strategies.parallel_dims import ParallelDims
 
@@ -101,29 +101,41 @@ def test_tp_over_two_ranks_matches_one_process_and_its_checkpoint_loads_in_one_p
     _assert_same_weights(state["model"], reference["weights"])
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_hsdp_2x2_matches_one_process_with_the_global_batch():
-    results = run_distributed(train_gpt, "hsdp", {"dp_replicate": 2, "dp_shard": 2}, 4, STEPS,
-                              world_size=4, timeout=280)
-    _check_parity(results, _reference(4 * 4), "hsdp 2x2", max_state_ratio=0.55)  # sharded over a replica's 2 ranks
+# The three 4-rank layouts train one after the other in the same 4 processes (one start of 4 Python
+# processes instead of three; each layout builds its own Runtime and mesh on the one process group).
+FOUR_RANK_LAYOUTS = {"hsdp 2x2": ("hsdp", {"dp_replicate": 2, "dp_shard": 2}),
+                     "fsdp 2 x tp 2": ("model_parallel", {"dp_shard": 2, "tp": 2}),
+                     "fsdp 4": ("fsdp", None)}
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs() -> dict:
+    """Each layout's results on each of the 4 ranks: ``{label: [rank 0, ..., rank 3]}``."""
+    results = run_distributed(train_gpt_layouts, tuple((label, strategy, parallel, 4, STEPS)
+                                                       for label, (strategy, parallel) in FOUR_RANK_LAYOUTS.items()),
+                              world_size=4, timeout=400)
+    return {label: [rank[label] for rank in results] for label in FOUR_RANK_LAYOUTS}
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_fsdp_tp_2x2_matches_one_process_with_the_data_parallel_batch():
+@pytest.mark.timeout(450)
+def test_hsdp_2x2_matches_one_process_with_the_global_batch(four_rank_runs):
+    _check_parity(four_rank_runs["hsdp 2x2"], _reference(4 * 4), "hsdp 2x2",
+                  max_state_ratio=0.55)  # sharded over a replica's 2 ranks
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(450)
+def test_fsdp_tp_2x2_matches_one_process_with_the_data_parallel_batch(four_rank_runs):
     # 2 data-parallel groups of 2 tensor-parallel ranks: each tp pair reads one batch of 4, so the
     # reference is one process over 2 × 4 samples per step
-    results = run_distributed(train_gpt, "model_parallel", {"dp_shard": 2, "tp": 2}, 4, STEPS,
-                              world_size=4, timeout=280)
-    _check_parity(results, _reference(2 * 4), "fsdp 2 x tp 2", max_state_ratio=0.27)
+    _check_parity(four_rank_runs["fsdp 2 x tp 2"], _reference(2 * 4), "fsdp 2 x tp 2", max_state_ratio=0.27)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_fsdp_over_four_ranks_holds_a_quarter_of_the_training_state():
-    results = run_distributed(train_gpt, "fsdp", None, 4, STEPS, world_size=4, timeout=280)
-    _check_parity(results, _reference(4 * 4), "fsdp 4", max_state_ratio=0.27)
+@pytest.mark.timeout(450)
+def test_fsdp_over_four_ranks_holds_a_quarter_of_the_training_state(four_rank_runs):
+    _check_parity(four_rank_runs["fsdp 4"], _reference(4 * 4), "fsdp 4", max_state_ratio=0.27)
 
 
 # -- helpers that need no process group --------------------------------------------------------

@@ -199,6 +199,7 @@ def check_rendezvous(endpoint: str, wait: float = 5.0) -> None:
                          "the node that hosts the rendezvous (the same on every node)") from None
     except OSError:
         return  # nothing listens there yet
+    import torch.distributed  # noqa: F401 - before the clock: on a busy machine its import alone can take `wait`
     answered = []
     threading.Thread(target=_probe_store, args=(host, port, answered), daemon=True).start()
     deadline = time.monotonic() + wait
