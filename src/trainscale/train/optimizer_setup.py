@@ -22,8 +22,8 @@ def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, accum
     manual = not getattr(model, "automatic_optimization", True)
     check_optimizers(optimization, wrapped, manual, accumulate, runtime)
     optimizers = [runtime.strategy.setup_optimizer(o) for o in optimization.optimizers]
-    average = manual and runtime.config.strategy in ("ddp", "ddp_spawn")  # gradients averaged in step()
-    manuals = [ManualOptimizer(o, runtime, model, average) for o in optimizers] if manual else []
+    sync = {"ddp": "step", "ddp_spawn": "step", "fsdp": "backward"}.get(runtime.config.strategy, "none")
+    manuals = [ManualOptimizer(o, runtime, model, wrapped, sync) for o in optimizers] if manual else []
     return optimizers, list(optimization.schedulers), manuals
 
 
@@ -51,7 +51,8 @@ def check_optimizers(optimization: Any, wrapped: nn.Module, manual: bool, accumu
 
     Raises:
         ValueError: several optimizers with automatic optimization; manual optimization with
-            ``accumulate_grad_batches`` or under a strategy that shards gradients; an optimizer holding
+            ``accumulate_grad_batches``, under a strategy other than single/ddp/fsdp, or under fsdp with
+            parameters held by the model itself rather than a submodule; an optimizer holding
             parameters that are not the model's (built on another model, or before the strategy
             replaced the parameters).
     """
@@ -60,16 +61,22 @@ def check_optimizers(optimization: Any, wrapped: nn.Module, manual: bool, accumu
                          "one per step. For several (a GAN), set automatic_optimization = False in the module and "
                          "step them in training_step (self.optimizers(), self.manual_backward(loss))")
     if manual:
-        _check_manual(accumulate, runtime.config.strategy)
+        _check_manual(accumulate, runtime.config.strategy, wrapped)
     _check_parameters(optimization.optimizers, wrapped)
 
 
-def _check_manual(accumulate: int, strategy: str) -> None:
+def _check_manual(accumulate: int, strategy: str, wrapped: nn.Module) -> None:
     if accumulate != 1:
         raise ValueError("accumulate_grad_batches must be 1 under manual optimization: accumulate in training_step "
                          "(step the optimizer every N batches yourself)")
-    if strategy not in ("single", "ddp", "ddp_spawn"):
-        raise ValueError(f"manual optimization runs under strategy 'single' or 'ddp', not {strategy!r}")
+    if strategy not in ("single", "ddp", "ddp_spawn", "fsdp"):
+        raise ValueError(f"manual optimization runs under strategy 'single', 'ddp' or 'fsdp', not {strategy!r}")
+    model = getattr(wrapped, "model", None)  # the LoopModule's user model (fsdp shards in place, no wrapper)
+    direct = [n for n, _ in model.named_parameters(recurse=False)] if strategy == "fsdp" and model is not None else []
+    if direct:  # sharded with the root: resharded by the step's first backward, sharded tensors after it
+        raise ValueError(f"under strategy='fsdp' with manual optimization the parameters of {type(model).__name__} "
+                         f"must live in submodules (each is sharded apart), but it holds {', '.join(direct)} itself; "
+                         "move them into a submodule (e.g. an nn.ParameterDict or nn.Module attribute)")
 
 
 def _check_parameters(optimizers, wrapped: nn.Module) -> None:
