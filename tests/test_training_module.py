@@ -181,6 +181,12 @@ def test_clip_gradients_clips_each_optimizers_gradients_by_their_norm(tmp_path):
     assert any(not torch.allclose(single[k], v) for k, v in mw.gan_reference(8, 2).items())  # clipping mattered
 
 
+def test_gradient_clip_val_under_manual_optimization_is_an_error_naming_clip_gradients(tmp_path):
+    trainer = _trainer(tmp_path, gradient_clip_val=1.0)
+    with pytest.raises(ValueError, match=r"gradient_clip_val is for automatic optimization.*self.clip_gradients"):
+        trainer.fit(mw.GAN(), DataLoader(mw.gan_dataset(), batch_size=8))
+
+
 def test_gan_under_ddp_needs_no_find_unused_parameters(tmp_path):
     ranks = run_distributed(mw.ddp_gans_body, str(tmp_path), timeout=180)  # 2 ranks × 4 = one process at 8
     refs = {"GAN": mw.gan_reference(8, 2), "ClippedGAN": mw.gan_reference(8, 2, clip=mw.CLIP)}

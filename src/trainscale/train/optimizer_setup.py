@@ -11,16 +11,17 @@ from torch import nn
 from trainscale.train.optimizers import ManualOptimizer, parse_optimization
 
 
-def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, accumulate: int, runtime: Any):
-    """``(optimizers, scheduler configs, manual optimizers)`` for ``model`` wrapped as ``wrapped``; the
-    manual list is empty unless the module sets ``automatic_optimization = False``.
+def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, config: Any, runtime: Any):
+    """``(optimizers, scheduler configs, manual optimizers)`` for ``model`` wrapped as ``wrapped``, under the
+    Trainer's ``config`` (``TrainerConfig``); the manual list is empty unless the module sets
+    ``automatic_optimization = False``.
 
     Raises:
         ValueError / TypeError: see :func:`configured_optimization` and :func:`check_optimizers`.
     """
     optimization = parse_optimization(configured_optimization(model, wrapped, optimizer))
     manual = not getattr(model, "automatic_optimization", True)
-    check_optimizers(optimization, wrapped, manual, accumulate, runtime)
+    check_optimizers(optimization, wrapped, manual, config, runtime)
     optimizers = [runtime.strategy.setup_optimizer(o) for o in optimization.optimizers]
     sync = {"ddp": "step", "ddp_spawn": "step", "fsdp": "backward"}.get(runtime.config.strategy, "none")
     manuals = [ManualOptimizer(o, runtime, model, wrapped, sync) for o in optimizers] if manual else []
@@ -46,12 +47,12 @@ def configured_optimization(model: nn.Module, wrapped: nn.Module, optimizer: Any
     raise TypeError(f"optimizer must be a factory params -> Optimizer, got {type(optimizer).__name__}")
 
 
-def check_optimizers(optimization: Any, wrapped: nn.Module, manual: bool, accumulate: int, runtime: Any) -> None:
+def check_optimizers(optimization: Any, wrapped: nn.Module, manual: bool, config: Any, runtime: Any) -> None:
     """Refuse optimizers the loop would misuse.
 
     Raises:
         ValueError: several optimizers with automatic optimization; manual optimization with
-            ``accumulate_grad_batches``, under a strategy other than single/ddp/fsdp, or under fsdp with
+            ``accumulate_grad_batches`` or ``gradient_clip_val``, under a strategy other than single/ddp/fsdp, or under fsdp with
             parameters held by the model itself rather than a submodule; an optimizer holding
             parameters that are not the model's (built on another model, or before the strategy
             replaced the parameters).
@@ -61,14 +62,18 @@ def check_optimizers(optimization: Any, wrapped: nn.Module, manual: bool, accumu
                          "one per step. For several (a GAN), set automatic_optimization = False in the module and "
                          "step them in training_step (self.optimizers(), self.manual_backward(loss))")
     if manual:
-        _check_manual(accumulate, runtime.config.strategy, wrapped)
+        _check_manual(config, runtime.config.strategy, wrapped)
     _check_parameters(optimization.optimizers, wrapped)
 
 
-def _check_manual(accumulate: int, strategy: str, wrapped: nn.Module) -> None:
-    if accumulate != 1:
+def _check_manual(config: Any, strategy: str, wrapped: nn.Module) -> None:
+    if config.accumulate_grad_batches != 1:
         raise ValueError("accumulate_grad_batches must be 1 under manual optimization: accumulate in training_step "
                          "(step the optimizer every N batches yourself)")
+    if config.gradient_clip_val is not None:  # the Trainer never steps: the clipping would be silently skipped
+        raise ValueError("gradient_clip_val is for automatic optimization; under manual optimization clip in "
+                         "training_step before each step: self.clip_gradients(opt, gradient_clip_val=..., "
+                         "gradient_clip_algorithm='norm')")
     if strategy not in ("single", "ddp", "ddp_spawn", "fsdp"):
         raise ValueError(f"manual optimization runs under strategy 'single', 'ddp' or 'fsdp', not {strategy!r}")
     model = getattr(wrapped, "model", None)  # the LoopModule's user model (fsdp shards in place, no wrapper)
