@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -115,38 +117,81 @@ def gan_losses(generator, discriminator, z, x):
     return d_loss, g_loss
 
 
+def gan_optimizers(discriminator, generator):
+    """Both optimizers keep state (momentum), so a resume that loses it ends at other weights."""
+    return (torch.optim.SGD(discriminator.parameters(), lr=0.1, momentum=0.5),
+            torch.optim.SGD(generator.parameters(), lr=0.1, momentum=0.5))
+
+
+CLIP = 0.05  # below the gradient norms of this GAN: every step clips (asserted in gan_reference)
+
+
 class GAN(TrainingModule):
+    """Lightning's GAN with accumulation, a step every ACCUMULATE batches: toggle_optimizer/untoggle_optimizer;
+    with ``sync_control`` Lightning's ``opt.toggle_model(sync_grad=boundary)`` instead (gradients synchronised
+    on the accumulation boundary only); with ``clip``, ``self.clip_gradients(opt, gradient_clip_val=clip)``."""
+
     automatic_optimization = False
+    sync_control = False
+    clip: float | None = None
 
     def __init__(self):
         super().__init__()
         self.generator, self.discriminator = make_gan()
 
+    @contextlib.contextmanager
+    def _toggled(self, opt, boundary: bool):
+        if self.sync_control:
+            with opt.toggle_model(sync_grad=boundary):
+                yield
+            return
+        self.toggle_optimizer(opt)
+        yield
+        self.untoggle_optimizer(opt)
+
     def training_step(self, batch, batch_idx):
         z, x = batch
-        opt_d, opt_g = self.optimizers()
         d_loss, g_loss = gan_losses(self.generator, self.discriminator, z, x)
         boundary = (batch_idx + 1) % ACCUMULATE == 0
-        for opt, loss_fn in ((opt_d, d_loss), (opt_g, g_loss)):
-            self.toggle_optimizer(opt)
-            loss = loss_fn()
-            self.manual_backward(loss / ACCUMULATE)
+        for opt, loss_fn in zip(self.optimizers(), (d_loss, g_loss)):
+            with self._toggled(opt, boundary):
+                loss = loss_fn()
+                self.manual_backward(loss / ACCUMULATE)
             if boundary:
+                if self.clip is not None:
+                    self.clip_gradients(opt, gradient_clip_val=self.clip)
                 opt.step()
                 opt.zero_grad()
-            self.untoggle_optimizer(opt)
         self.log("g_loss", loss)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        z, x = batch
+        self.log("d_real", self.discriminator(x).mean())
+
     def configure_optimizers(self):
-        return (torch.optim.SGD(self.discriminator.parameters(), lr=0.1),
-                torch.optim.SGD(self.generator.parameters(), lr=0.1))
+        return gan_optimizers(self.discriminator, self.generator)
 
 
-def gan_reference(batch_size: int, epochs: int) -> dict:
-    """The same GAN in a hand-written loop, one process, sequential batches."""
+class SyncGAN(GAN):
+    sync_control = True
+
+
+class ClippedGAN(GAN):
+    clip = CLIP
+
+
+class GANWithOwnParameter(GAN):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(2))
+
+
+def gan_reference(batch_size: int, epochs: int, clip: float | None = None) -> dict:
+    """The same GAN in a hand-written loop, one process, sequential batches; ``clip``: each optimizer's
+    gradients clipped to that total norm before its step (they must exceed it)."""
     generator, discriminator = make_gan()
-    opts = (torch.optim.SGD(discriminator.parameters(), lr=0.1), torch.optim.SGD(generator.parameters(), lr=0.1))
+    opts = gan_optimizers(discriminator, generator)
     for _ in range(epochs):
         for batch_idx, (z, x) in enumerate(DataLoader(gan_dataset(), batch_size=batch_size)):
             d_loss, g_loss = gan_losses(generator, discriminator, z, x)
@@ -155,6 +200,9 @@ def gan_reference(batch_size: int, epochs: int) -> dict:
                     p.requires_grad_(False)
                 (loss_fn() / ACCUMULATE).backward()
                 if (batch_idx + 1) % ACCUMULATE == 0:
+                    if clip is not None:
+                        params = [p for group in opt.param_groups for p in group["params"]]
+                        assert torch.nn.utils.clip_grad_norm_(params, clip) > clip
                     opt.step()
                     opt.zero_grad()
                 for p in other.parameters():
@@ -163,14 +211,69 @@ def gan_reference(batch_size: int, epochs: int) -> dict:
             **{f"discriminator.{k}": v for k, v in discriminator.state_dict().items()}}
 
 
-def gan_body(rank: int, root: str, batch_size: int, epochs: int) -> dict:
+def gan_body(rank: int, root: str, batch_size: int, epochs: int, gan: type = GAN, teardown: bool = True) -> dict:
     from trainscale.train.trainer import Trainer
 
     trainer = Trainer(devices="auto", max_epochs=epochs, default_root_dir=root, enable_progress_bar=False, timeout=60)
-    model = GAN()
+    model = gan()
     trainer.fit(model, DataLoader(gan_dataset(), batch_size=batch_size))
-    trainer.runtime.teardown()
+    if teardown:  # False: another Trainer follows in these processes, on the same process group
+        trainer.runtime.teardown()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def ddp_gans_body(rank: int, root: str) -> dict:
+    """The GAN and the clipping GAN under ddp (2 ranks × batch 4, 2 epochs), in the same processes."""
+    return {"GAN": gan_body(rank, f"{root}/gan", 4, 2, GAN, teardown=False),
+            "ClippedGAN": gan_body(rank, f"{root}/clipped", 4, 2, ClippedGAN)}
+
+
+def _full_weights(model: nn.Module) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def _fit_gan(gan: type, root: str, epochs: int, ckpt_path: str | None = None) -> tuple[dict, int, object]:
+    """Fit ``gan`` under fsdp (2 ranks × batch 4): its full weights, the reduce-scatters FSDP issued, the Trainer."""
+    import torch.distributed as dist
+
+    from trainscale.train.trainer import Trainer
+
+    calls = []
+    reduce_scatter = dist.reduce_scatter_single  # what FSDP2's DefaultReduceScatter calls (torch 2.13)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return reduce_scatter(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    try:
+        trainer = Trainer(devices="auto", strategy="fsdp", max_epochs=epochs, default_root_dir=root,
+                          enable_progress_bar=False, timeout=60)
+        model = gan()
+        trainer.fit(model, DataLoader(gan_dataset(), batch_size=4), DataLoader(gan_dataset(8), batch_size=2),
+                    ckpt_path=ckpt_path)  # evaluation runs through the FSDP root
+        return {**_full_weights(model), "d_real": trainer.callback_metrics["d_real"]}, len(calls), trainer
+    finally:
+        dist.reduce_scatter_single = reduce_scatter
+
+
+def fsdp_gan_body(rank: int, root: str) -> dict:
+    """Under fsdp: the synced GAN for 2 epochs straight; for 1 epoch, then resumed to 2 from its checkpoint;
+    the toggle_optimizer GAN; the GAN clipping its gradients; the refusal of a parameter on the GAN itself."""
+    out = {}
+    out["sync"], out["sync_reduce_scatters"], _ = _fit_gan(SyncGAN, f"{root}/sync", 2)
+    _fit_gan(SyncGAN, f"{root}/resumed", 1)
+    out["resumed"], _, _ = _fit_gan(SyncGAN, f"{root}/resumed", 2, ckpt_path="last")
+    out["toggle"], out["toggle_reduce_scatters"], _ = _fit_gan(GAN, f"{root}/toggle", 2)
+    out["clipped"], _, trainer = _fit_gan(ClippedGAN, f"{root}/clipped", 2)
+    try:
+        _fit_gan(GANWithOwnParameter, f"{root}/own", 1)
+    except ValueError as err:
+        out["own_parameter"] = str(err)
+    trainer.runtime.teardown()
+    return out
 
 
 # -- callbacks and prediction --------------------------------------------------------------------------

@@ -174,12 +174,54 @@ def test_gan_with_manual_optimization_and_accumulation_matches_plain_pytorch(tmp
         torch.testing.assert_close(single[key], value, rtol=1e-5, atol=1e-6)
 
 
+def test_clip_gradients_clips_each_optimizers_gradients_by_their_norm(tmp_path):
+    single = mw.gan_body(0, str(tmp_path / "one"), 8, 2, mw.ClippedGAN)
+    for key, value in mw.gan_reference(8, 2, clip=mw.CLIP).items():
+        torch.testing.assert_close(single[key], value, rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(single[k], v) for k, v in mw.gan_reference(8, 2).items())  # clipping mattered
+
+
+def test_gradient_clip_val_under_manual_optimization_is_an_error_naming_clip_gradients(tmp_path):
+    trainer = _trainer(tmp_path, gradient_clip_val=1.0)
+    with pytest.raises(ValueError, match=r"gradient_clip_val is for automatic optimization.*self.clip_gradients"):
+        trainer.fit(mw.GAN(), DataLoader(mw.gan_dataset(), batch_size=8))
+
+
 def test_gan_under_ddp_needs_no_find_unused_parameters(tmp_path):
-    ranks = run_distributed(mw.gan_body, str(tmp_path), 4, 2, timeout=180)  # 2 ranks × 4 = one process at 8
+    ranks = run_distributed(mw.ddp_gans_body, str(tmp_path), timeout=180)  # 2 ranks × 4 = one process at 8
+    refs = {"GAN": mw.gan_reference(8, 2), "ClippedGAN": mw.gan_reference(8, 2, clip=mw.CLIP)}
+    for out in ranks:  # ClippedGAN: clip_gradients averages the ranks' gradients before taking their norm
+        for run, ref in refs.items():
+            for key, value in ref.items():
+                torch.testing.assert_close(out[run][key], value, rtol=1e-5, atol=1e-6, msg=f"{run} {key}")
+
+
+MICRO_BATCHES = 2 * 32 // 8  # 2 epochs of 32 samples, 8 per micro-batch (2 ranks × 4)
+STEPS = MICRO_BATCHES // mw.ACCUMULATE
+
+
+@pytest.mark.timeout(300)
+def test_gan_under_fsdp_matches_plain_pytorch_and_reduce_scatters_on_the_boundary_only(tmp_path):
+    """fsdp, 2 processes: generator and discriminator each sharded; the same weights as one plain process."""
+    ranks = run_distributed(mw.fsdp_gan_body, str(tmp_path), timeout=280)
     ref = mw.gan_reference(8, 2)
-    for key, value in ref.items():
-        torch.testing.assert_close(ranks[0][key], value, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(ranks[1][key], value, rtol=1e-5, atol=1e-6)
+    discriminator = mw.make_gan()[1]
+    discriminator.load_state_dict({k.removeprefix("discriminator."): v for k, v in ref.items() if "discr" in k})
+    d_real = discriminator(mw.gan_dataset(8).tensors[1]).mean().item()
+    for out in ranks:
+        for run in ("sync", "toggle", "resumed"):  # resumed: 1 epoch, then the second from its checkpoint
+            assert out[run].keys() == ref.keys() | {"d_real"}
+            assert out[run]["d_real"] == pytest.approx(d_real, rel=1e-5)  # validation after training
+            for key, value in ref.items():
+                torch.testing.assert_close(out[run][key], value, rtol=1e-5, atol=1e-6, msg=f"{run} {key}")
+        # one reduce-scatter of the discriminator's and one of the generator's gradients per optimizer step:
+        # toggle_model(sync_grad=False) holds them back on the other micro-batches; without it, every backward
+        # reduce-scatters (correct weights, twice the communication here)
+        for key, value in mw.gan_reference(8, 2, clip=mw.CLIP).items():  # self.clip_gradients: the full norm
+            torch.testing.assert_close(out["clipped"][key], value, rtol=1e-5, atol=1e-6, msg=f"clipped {key}")
+        assert out["sync_reduce_scatters"] == 2 * STEPS
+        assert out["toggle_reduce_scatters"] == 2 * MICRO_BATCHES
+        assert "holds scale itself" in out["own_parameter"] and "move them into a submodule" in out["own_parameter"]
 
 
 # -- callbacks ---------------------------------------------------------------------------------------------

@@ -110,8 +110,18 @@ class TrainingModule(nn.Module):
         return None if not scheds else scheds[0] if len(scheds) == 1 else scheds
 
     def manual_backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` through the Runtime (scaled under "16-mixed"); no communication."""
+        """``loss.backward()`` through the Runtime (scaled under "16-mixed"). No communication under ddp
+        (gradients are averaged in ``optimizer.step()``); under fsdp each sharded submodule reduce-scatters
+        its gradients in this backward unless inside ``optimizer.toggle_model(sync_grad=False)``."""
         self.trainer.runtime.backward(loss)
+
+    def clip_gradients(self, optimizer: Any, gradient_clip_val: float,
+                       gradient_clip_algorithm: str = "norm") -> torch.Tensor | None:
+        """Clip the gradients of ``optimizer``'s parameters (Lightning's ``self.clip_gradients``), after
+        the ranks' gradients are averaged; by their total norm over all shards under fsdp. Returns the
+        norm before clipping (a 0-d tensor), None for ``"value"``
+        (``trainscale.train.optimizers.ManualOptimizer.clip_gradients``; raises ValueError on a bad value)."""
+        return optimizer.clip_gradients(gradient_clip_val, gradient_clip_algorithm)
 
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Freeze the parameters ``optimizer`` does not own until :meth:`untoggle_optimizer`."""
@@ -119,6 +129,16 @@ class TrainingModule(nn.Module):
 
     def untoggle_optimizer(self, optimizer: Any) -> None:
         optimizer.untoggle()
+
+
+def shard_units(model: nn.Module) -> tuple[nn.Module, ...]:
+    """The submodules that a manual ``training_step`` calls itself (a GAN's generator and discriminator):
+    ``model``'s children that hold parameters, each sharded apart under fsdp (``FSDPStrategy.units``), so
+    that each gathers its parameters and reduce-scatters its gradients around its own forward and backward.
+    Empty under automatic optimization (the step runs through the root's forward)."""
+    if getattr(model, "automatic_optimization", True):
+        return ()
+    return tuple(m for m in model.children() if next(m.parameters(), None) is not None)
 
 
 def _takes_batch_idx(method: Callable) -> bool:
@@ -172,6 +192,7 @@ class LoopModule(nn.Module):
             raise ValueError(f"loss_fn was given, but {type(model).__name__} defines training_step, which computes "
                              "the loss itself; drop loss_fn or the training_step")
         self.model = model
+        self.shard_units = shard_units(model)  # read by FSDPStrategy.units
         self.loss_fn = loss_fn if loss_fn is not None else F.cross_entropy
         step = getattr(model, "training_step", None)
         self.has_training_step = step is not None
@@ -181,6 +202,8 @@ class LoopModule(nn.Module):
                                 ("validation_step", "test_step", "predict_step") if hasattr(model, name)}
 
     def forward(self, batch: Any, batch_idx: int = 0, stage: str = "train") -> Any:
+        if stage == "manual":
+            return self._manual_step(batch, batch_idx)
         if stage != "train":  # through the wrapper's forward, for strategies that gather parameters there (fsdp)
             return self.predict(batch, batch_idx) if stage == "predict" else self.evaluate(batch, batch_idx, stage)
         if self.has_training_step:
@@ -191,7 +214,13 @@ class LoopModule(nn.Module):
 
     def manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """``training_step`` under manual optimization (it steps the optimizers itself): the loss it
-        returned, detached, for the records; zero when it returned nothing."""
+        returned, detached, for the records; zero when it returned nothing. Called on the module itself
+        (under ddp never through the DDP wrapper: gradients are averaged in ``ManualOptimizer.step``), so
+        that under fsdp it runs inside the root's forward: FSDP2 takes the first module to run forward as
+        its root, and evaluation later runs through this one."""
+        return self(batch, batch_idx, stage="manual")
+
+    def _manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         args = (batch, batch_idx) if self.step_takes_batch_idx else (batch,)
         out = self.model.training_step(*args)
         if out is None:

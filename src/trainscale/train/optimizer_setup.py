@@ -11,19 +11,20 @@ from torch import nn
 from trainscale.train.optimizers import ManualOptimizer, parse_optimization
 
 
-def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, accumulate: int, runtime: Any):
-    """``(optimizers, scheduler configs, manual optimizers)`` for ``model`` wrapped as ``wrapped``; the
-    manual list is empty unless the module sets ``automatic_optimization = False``.
+def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, config: Any, runtime: Any):
+    """``(optimizers, scheduler configs, manual optimizers)`` for ``model`` wrapped as ``wrapped``, under the
+    Trainer's ``config`` (``TrainerConfig``); the manual list is empty unless the module sets
+    ``automatic_optimization = False``.
 
     Raises:
         ValueError / TypeError: see :func:`configured_optimization` and :func:`check_optimizers`.
     """
     optimization = parse_optimization(configured_optimization(model, wrapped, optimizer))
     manual = not getattr(model, "automatic_optimization", True)
-    check_optimizers(optimization, wrapped, manual, accumulate, runtime)
+    check_optimizers(optimization, wrapped, manual, config, runtime)
     optimizers = [runtime.strategy.setup_optimizer(o) for o in optimization.optimizers]
-    average = manual and runtime.config.strategy in ("ddp", "ddp_spawn")  # gradients averaged in step()
-    manuals = [ManualOptimizer(o, runtime, model, average) for o in optimizers] if manual else []
+    sync = {"ddp": "step", "ddp_spawn": "step", "fsdp": "backward"}.get(runtime.config.strategy, "none")
+    manuals = [ManualOptimizer(o, runtime, model, wrapped, sync) for o in optimizers] if manual else []
     return optimizers, list(optimization.schedulers), manuals
 
 
@@ -46,12 +47,13 @@ def configured_optimization(model: nn.Module, wrapped: nn.Module, optimizer: Any
     raise TypeError(f"optimizer must be a factory params -> Optimizer, got {type(optimizer).__name__}")
 
 
-def check_optimizers(optimization: Any, wrapped: nn.Module, manual: bool, accumulate: int, runtime: Any) -> None:
+def check_optimizers(optimization: Any, wrapped: nn.Module, manual: bool, config: Any, runtime: Any) -> None:
     """Refuse optimizers the loop would misuse.
 
     Raises:
         ValueError: several optimizers with automatic optimization; manual optimization with
-            ``accumulate_grad_batches`` or under a strategy that shards gradients; an optimizer holding
+            ``accumulate_grad_batches`` or ``gradient_clip_val``, under a strategy other than single/ddp/fsdp, or under fsdp with
+            parameters held by the model itself rather than a submodule; an optimizer holding
             parameters that are not the model's (built on another model, or before the strategy
             replaced the parameters).
     """
@@ -60,16 +62,26 @@ def check_optimizers(optimization: Any, wrapped: nn.Module, manual: bool, accumu
                          "one per step. For several (a GAN), set automatic_optimization = False in the module and "
                          "step them in training_step (self.optimizers(), self.manual_backward(loss))")
     if manual:
-        _check_manual(accumulate, runtime.config.strategy)
+        _check_manual(config, runtime.config.strategy, wrapped)
     _check_parameters(optimization.optimizers, wrapped)
 
 
-def _check_manual(accumulate: int, strategy: str) -> None:
-    if accumulate != 1:
+def _check_manual(config: Any, strategy: str, wrapped: nn.Module) -> None:
+    if config.accumulate_grad_batches != 1:
         raise ValueError("accumulate_grad_batches must be 1 under manual optimization: accumulate in training_step "
                          "(step the optimizer every N batches yourself)")
-    if strategy not in ("single", "ddp", "ddp_spawn"):
-        raise ValueError(f"manual optimization runs under strategy 'single' or 'ddp', not {strategy!r}")
+    if config.gradient_clip_val is not None:  # the Trainer never steps: the clipping would be silently skipped
+        raise ValueError("gradient_clip_val is for automatic optimization; under manual optimization clip in "
+                         "training_step before each step: self.clip_gradients(opt, gradient_clip_val=..., "
+                         "gradient_clip_algorithm='norm')")
+    if strategy not in ("single", "ddp", "ddp_spawn", "fsdp"):
+        raise ValueError(f"manual optimization runs under strategy 'single', 'ddp' or 'fsdp', not {strategy!r}")
+    model = getattr(wrapped, "model", None)  # the LoopModule's user model (fsdp shards in place, no wrapper)
+    direct = [n for n, _ in model.named_parameters(recurse=False)] if strategy == "fsdp" and model is not None else []
+    if direct:  # sharded with the root: resharded by the step's first backward, sharded tensors after it
+        raise ValueError(f"under strategy='fsdp' with manual optimization the parameters of {type(model).__name__} "
+                         f"must live in submodules (each is sharded apart), but it holds {', '.join(direct)} itself; "
+                         "move them into a submodule (e.g. an nn.ParameterDict or nn.Module attribute)")
 
 
 def _check_parameters(optimizers, wrapped: nn.Module) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
+from trainscale.runtime.strategies.apply_fsdp import gradient_sync_for
 from trainscale.train.lr_scaling import LR_SCALE_KEY
 
 _PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
@@ -160,19 +161,28 @@ def learning_rates(optimizers) -> dict[str, float]:
 class ManualOptimizer:
     """An optimizer as ``TrainingModule.optimizers()`` hands it out under manual optimization.
 
-    ``step()`` averages this optimizer's gradients over the ranks (one ``all_reduce`` of them
-    flattened, under ddp) and steps through the Runtime (GradScaler under "16-mixed"), so the
-    gradients are synchronised once per optimizer step whatever the accumulation: the user's
-    backward passes never communicate, and a model left unused by one step (a GAN's generator in
-    the discriminator step) needs no ``find_unused_parameters``. Everything else is the optimizer's.
+    Under ddp, ``step()`` averages this optimizer's gradients over the ranks (one ``all_reduce`` of them
+    flattened) and steps through the Runtime (GradScaler under "16-mixed"), so the gradients are
+    synchronised once per optimizer step whatever the accumulation: the user's backward passes never
+    communicate, and a model left unused by one step (a GAN's generator in the discriminator step) needs
+    no ``find_unused_parameters``. Under fsdp the parameters are sharded (DTensors) and FSDP2
+    reduce-scatters each sharded submodule's gradients in the backward pass; ``toggle_model(sync_grad=
+    False)`` turns that off for the block (``set_requires_gradient_sync(False)``: gradients accumulate
+    unsharded on each rank), so with Lightning's accumulation pattern each unit's gradients are
+    reduce-scattered once per optimizer step, on the boundary. Everything else is the optimizer's.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, runtime: Any, model: torch.nn.Module,
-                 average_gradients: bool) -> None:
+                 wrapped: torch.nn.Module, gradient_sync: str) -> None:
+        """``gradient_sync``: "step" (ddp: averaged in :meth:`step`), "backward" (fsdp: reduce-scattered by
+        FSDP2 in backward) or "none" (one process)."""
         self.optimizer = optimizer
         self._model = model
+        self._wrapped = wrapped  # what Runtime.setup returned (the FSDP root under fsdp)
         self._rt = runtime
-        self._average = average_gradients and runtime.world_size > 1
+        self._sync_in_backward = gradient_sync == "backward"
+        self._average = gradient_sync == "step" and runtime.world_size > 1
+        self._averaged = False  # this step's gradients already averaged (by clip_gradients)
         self._frozen: list[torch.Tensor] = []
 
     def __getattr__(self, name: str) -> Any:
@@ -181,25 +191,54 @@ class ManualOptimizer:
     def _params(self) -> Iterator[torch.Tensor]:
         return (p for group in self.optimizer.param_groups for p in group["params"])
 
+    def _average_gradients(self) -> None:
+        """Under ddp, average the gradients over ranks (once per step)."""
+        if not self._average or self._averaged:
+            return
+        grads = [p.grad for p in self._params() if p.grad is not None]
+        if grads:
+            flat = self._rt.all_reduce(torch.cat([g.reshape(-1) for g in grads])) / self._rt.world_size
+            for g, new in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(new.view_as(g))
+        self._averaged = True
+
     def step(self, closure: Any = None) -> None:
         """Average the gradients over ranks (ddp), then step (closure: run first, as torch does)."""
         if closure is not None:
             with torch.enable_grad():
                 closure()
-        if self._average:
-            grads = [p.grad for p in self._params() if p.grad is not None]
-            if grads:
-                flat = self._rt.all_reduce(torch.cat([g.reshape(-1) for g in grads])) / self._rt.world_size
-                for g, new in zip(grads, flat.split([g.numel() for g in grads])):
-                    g.copy_(new.view_as(g))
+        self._average_gradients()
         self._rt.step(self.optimizer)
+        self._averaged = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def clip_gradients(self, gradient_clip_val: float, gradient_clip_algorithm: str = "norm") -> torch.Tensor | None:
+        """Clip this optimizer's gradients, averaged over ranks first (ddp) and unscaled ("16-mixed"): by
+        their total norm (over all shards under fsdp: ``dtensor_clip.clip_grad_norm``) or by value.
+        Returns the norm before clipping (a 0-d tensor), None for "value".
+
+        Raises:
+            ValueError: ``gradient_clip_val`` <= 0, or an algorithm other than "norm"/"value".
+        """
+        from trainscale.runtime.strategies.dtensor_clip import clip_grad_norm
+
+        if gradient_clip_algorithm not in ("norm", "value") or not gradient_clip_val > 0:
+            raise ValueError(f"clip_gradients(gradient_clip_val={gradient_clip_val!r}, gradient_clip_algorithm="
+                             f"{gradient_clip_algorithm!r}): the value must be > 0 and the algorithm 'norm' or 'value'")
+        self._average_gradients()
+        self._rt.precision.unscale_gradients(self.optimizer)
+        params = list(self._params())
+        if gradient_clip_algorithm == "norm":
+            return clip_grad_norm(params, gradient_clip_val)
+        torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], gradient_clip_val)
+        return None
+
     def toggle(self) -> None:
         """Freeze every parameter of the model that this optimizer does not own (Lightning's
-        ``toggle_optimizer``): the other model gets no gradients from this optimizer's loss."""
+        ``toggle_optimizer``): the other model gets no gradients from this optimizer's loss. Under fsdp
+        the sharded parameters are frozen; FSDP2 carries ``requires_grad`` to the gathered ones."""
         own = {id(p) for p in self._params()}
         self._frozen = [p for p in self._model.parameters() if id(p) not in own and p.requires_grad]
         for p in self._frozen:
@@ -213,10 +252,15 @@ class ManualOptimizer:
 
     @contextlib.contextmanager
     def toggle_model(self, sync_grad: bool = True):
-        """Lightning's ``optimizer.toggle_model(sync_grad=...)``: toggled for the block. Gradients are
-        averaged in :meth:`step` only, so ``sync_grad`` needs no action here (accepted for porting)."""
+        """Lightning's ``optimizer.toggle_model(sync_grad=...)``: toggled for the block. Under fsdp the
+        backward passes in the block reduce-scatter the gradients of this optimizer's FSDP units only, and
+        only with ``sync_grad=True`` (pass it on the micro-batch that steps): the other units keep theirs
+        unsharded until their own optimizer's synced block (``apply_fsdp.gradient_sync_for``). Under ddp
+        gradients are averaged in :meth:`step` only, so ``sync_grad`` needs no action there."""
         self.toggle()
         try:
-            yield
+            with gradient_sync_for(self._wrapped, self._params(), sync_grad) if self._sync_in_backward \
+                    else contextlib.nullcontext():
+                yield
         finally:
             self.untoggle()

@@ -198,7 +198,7 @@ class Trainer:
         loop_module = LoopModule(model, loss_fn)
         wrapped, _ = rt.setup(loop_module)
         self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
-            model, wrapped, optimizer, self.config.accumulate_grad_batches, rt)
+            model, wrapped, optimizer, self.config, rt)
         train_loader = rt.setup_dataloader(train_dataloaders, seed=self.config.seed)
         val_loader = rt.setup_dataloader(val_dataloaders, seed=self.config.seed, even=False) if val_dataloaders else None
         check_loaders(train_loader, val_loader)

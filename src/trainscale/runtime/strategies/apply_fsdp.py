@@ -134,3 +134,25 @@ def _no_sync(module: Any):
         yield
     finally:
         module.set_requires_gradient_sync(True)
+
+
+@contextlib.contextmanager
+def gradient_sync_for(module: Any, params: Any, enabled: bool):
+    """Within the block, only the FSDP modules under ``module`` that hold one of ``params`` reduce-scatter
+    their gradients in backward, and none when not ``enabled`` (FSDP2's ``set_requires_gradient_sync``, set
+    per module); on exit every one does again. The others keep accumulating unsharded gradients until a
+    backward that syncs them: under manual optimization with two optimizers (a GAN), the generator's
+    gradients held back over the micro-batches are then reduce-scattered in the generator's step only,
+    once, rather than also in the discriminator's step that precedes it.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    own = {id(p) for p in params}
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_requires_gradient_sync(enabled and any(id(p) in own for p in unit.parameters()), recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_requires_gradient_sync(True, recurse=False)
