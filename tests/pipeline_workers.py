@@ -115,10 +115,14 @@ def pp_resume(rank: int, root: str, parallel: dict | None = None) -> dict:
 
 
 def pp_dp_runs(rank: int, root: str, steps: int) -> dict:
-    """On 4 ranks: 2 stages × 2 FSDP shards (1F1B), 2 stages × 2 replicas (GPipe), and 2 stages × 2 shards
-    under "bf16-mixed", each over 2 data-parallel batches of 8; one process group for all."""
+    """On 4 ranks: 2 stages × 2 FSDP shards (1F1B), 2 stages × 2 replicas (GPipe), 2 stages × 2 shards
+    under "bf16-mixed", each over 2 data-parallel batches of 8, then 2 stages × 2 shards accumulating 2
+    micro-batches per step over a ragged epoch; one process group for all."""
     return {"shard": fit_gpt(rank, f"{root}/shard", "pp", steps=steps, val=20, parallel={"pp": 2, "dp_shard": 2}),
             "replicate": fit_gpt(rank, f"{root}/replicate", "pp", steps=steps, val=20, schedule="gpipe",
                                  parallel={"pp": 2, "dp_replicate": 2}),
             "bf16": fit_gpt(rank, f"{root}/bf16", "pp", steps=steps, val=20, parallel={"pp": 2, "dp_shard": 2},
-                            precision="bf16-mixed", destroy=True)}
+                            precision="bf16-mixed"),
+            # 28 samples per rank: micro-batches 8, 8 | 8, 4 (a new batch shape inside an accumulated step)
+            "accumulate": fit_gpt(rank, f"{root}/acc", "pp", train=56, val=20, accumulate=2,
+                                  parallel={"pp": 2, "dp_shard": 2}, destroy=True)}

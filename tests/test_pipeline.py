@@ -102,7 +102,10 @@ def test_pp_composes_with_fsdp_and_with_replication_on_four_ranks_and_matches_on
     reference = fit_gpt(0, str(tmp_path / "single"), "single", steps=STEPS, val=20, batch_size=16)
     bf16 = fit_gpt(0, str(tmp_path / "single_bf16"), "single", steps=STEPS, val=20, batch_size=16,
                    precision="bf16-mixed")
+    accumulated = fit_gpt(0, str(tmp_path / "single_acc"), "single", train=56, val=20, batch_size=16, accumulate=2)
     results = run_distributed(pp_dp_runs, str(tmp_path), STEPS, world_size=4, timeout=580)
+    # the last step's second micro-batch has a new shape: a new schedule, whose set-up must keep the gradients
+    _stages_cover([r["accumulate"] for r in results], accumulated["weights"])
     stage_bytes = [_planned_bytes("pp", 2, stage) for stage in (0, 1)]  # rank r runs stage r // 2
     for layout, share in (("shard", 2), ("replicate", 1)):
         runs = [r[layout] for r in results]

@@ -184,11 +184,25 @@ class PipelineRunner:
         Returns the batch's mean loss (0-d, detached), the same on every stage (broadcast from the last)."""
         self._loss_fn, self._weight = loss_fn, 1.0 / (inputs.shape[0] * divisor)
         losses: list = []
+        fresh = (tuple(inputs.shape), inputs.dtype, True) not in self._schedules
+        kept = self._take_gradients() if fresh else {}
         self._schedule_for(inputs, True).step(*self._first(inputs), target=targets, losses=losses)
+        for p, grad in kept.items():
+            p.grad = grad if p.grad is None else p.grad + grad
         if sync:
             self.sync_shared()
         loss = torch.stack(losses).sum().detach() * divisor if self.is_last else torch.zeros((), device=self.device)
         return self._from_last(loss)
+
+    def _take_gradients(self) -> dict:
+        """Detach the stage's gradients from its parameters (returned by parameter). A new schedule's first step
+        infers the activations' shapes by a real forward and backward, after which torch 2.13 sets the
+        gradients of FSDP modules to None (``_post_metadata_inference_cleanup``): a batch of a new shape
+        inside an accumulated step would drop the earlier micro-batches' gradients."""
+        kept = {p: p.grad for p in self.model.parameters() if p.grad is not None}
+        for p in kept:
+            p.grad = None
+        return kept
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: Any, loss_fn: Callable) -> dict[str, float]:
