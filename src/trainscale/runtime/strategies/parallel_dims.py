@@ -94,8 +94,8 @@ def resolve_parallel(strategy: str, parallel: Any, devices: int, num_nodes: int)
     if parallel is None:
         if strategy == "model_parallel":
             raise ValueError("strategy='model_parallel' needs parallel={'dp_replicate': R, 'dp_shard': S, 'tp': T} "
-                             f"(or {{'pp': P}}) with R·S·T = world size ({world}); or use strategy='hsdp' / 'tp' / "
-                             "'pp' / 'fsdp'")
+                             f"(or {{'pp': P, 'dp_shard': S}}) whose product is the world size ({world}); or use "
+                             "strategy='hsdp' / 'tp' / 'pp' / 'fsdp'")
         parallel = _shorthand(strategy, devices, num_nodes)
     _check_entries(parallel)
     dims = ParallelDims(**parallel)
