@@ -95,6 +95,23 @@ def log_reduction_body(rank: int, n: int, extra_on_rank: int | None = None) -> d
         trainer.runtime.teardown()
 
 
+def tp_log_reduction_body(rank: int, n: int) -> dict:
+    """``log_reduction_body`` under tensor parallelism over all ranks (one data-parallel rank: every rank
+    reads all ``n`` samples)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from trainscale.train.trainer import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy="tp", enable_progress_bar=False, timeout=60,
+                      enable_checkpointing=False, default_root_dir=f"/tmp/unused-tp-{n}",
+                      tp_plan={"lin": ColwiseParallel(output_layouts=Replicate())})
+    try:
+        return trainer.validate(Logger(), DataLoader(indexed_dataset(n), batch_size=4))
+    finally:
+        trainer.runtime.teardown()
+
+
 # -- a GAN with manual optimization ------------------------------------------------------------------
 def gan_dataset(n: int = 32) -> TensorDataset:
     g = torch.Generator().manual_seed(3)

@@ -24,10 +24,12 @@ def text_loaders(batch_size: int, train: int, val: int) -> tuple[DataLoader, Dat
 
 
 def state_bytes(optimizer) -> int:
-    """Exact bytes this rank holds for the optimizer's parameters, their gradients and its state."""
+    """Exact bytes this rank holds for the optimizer's parameters, their gradients and its state (of a
+    DTensor, the local shard)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    return sum(t.nbytes for t in params + [p.grad for p in params if p.grad is not None] + state)
+    tensors = params + [p.grad for p in params if p.grad is not None] + state
+    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
 
 
 class Record(Callback):
@@ -55,10 +57,10 @@ class Record(Callback):
 
 def fit_gpt(rank: int, root: str, strategy: str, *, steps: int | None = None, epochs: int = 1, train: int = 64,
             val: int = 21, schedule: str | None = None, accumulate: int = 1, ckpt_path: str | None = None,
-            destroy: bool = False, **flags) -> dict:
-    """Fit a GPT (seed 0) with clipping at norm 0.5; return this rank's weights, the per-step losses (and
-    gradient norms from rank zero's step records), the validation loss, the peak bytes of parameters +
-    gradients + optimizer state, the summary."""
+            destroy: bool = False, batch_size: int = 8, **flags) -> dict:
+    """Fit a GPT (seed 0) with clipping at norm 0.5; return this rank's weights (whole: FSDP shards gathered),
+    the per-step losses (and gradient norms from rank zero's step records), the validation loss, the peak
+    bytes of parameters + gradients + optimizer state, the summary."""
     import json
 
     import torch.distributed as dist
@@ -73,30 +75,54 @@ def fit_gpt(rank: int, root: str, strategy: str, *, steps: int | None = None, ep
                       callbacks=[record], logger=False, pp_schedule=schedule, **flags)
     torch.manual_seed(0)
     model = GPT(PP_CONFIG)
-    train_loader, val_loader = text_loaders(8, train, val)
-    summary = trainer.fit(model, train_loader, val_loader, loss_fn=lm_loss, optimizer=record.sgd, ckpt_path=ckpt_path)
+    train_loader, val_loader = text_loaders(batch_size, train, val)
+    dtypes = set()  # of the logits the loss sees (under pp: on the last stage only)
+
+    def loss_fn(logits, targets):
+        dtypes.add(str(logits.dtype))
+        return lm_loss(logits, targets)
+
+    summary = trainer.fit(model, train_loader, val_loader, loss_fn=loss_fn, optimizer=record.sgd, ckpt_path=ckpt_path)
     records = ([json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
                if rank == 0 else [])
-    out = {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": record.losses,
+    weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+               for k, v in model.state_dict().items()}
+    out = {"weights": weights, "losses": record.losses,
            "norms": [r["grad_norm"] for r in records if r.get("kind") == "step" and "grad_norm" in r],
-           "val_loss": summary["val_loss"], "bytes": record.peak_bytes, "summary": summary}
+           "val_loss": summary["val_loss"], "bytes": record.peak_bytes, "summary": summary, "logit_dtypes": dtypes}
     if destroy and dist.is_initialized():
         dist.destroy_process_group()
     return out
 
 
 def pp_runs(rank: int, root: str, steps: int) -> dict:
-    """GPipe and 1F1B over 2 stages for ``steps`` steps, then 1F1B with 2 accumulated micro-batches per
-    step; one process group for all."""
+    """GPipe and 1F1B over 2 stages for ``steps`` steps, 1F1B under "bf16-mixed", then 1F1B with 2
+    accumulated micro-batches per step; one process group for all."""
     return {"gpipe": fit_gpt(rank, f"{root}/gpipe", "pp", steps=steps, schedule="gpipe"),
             "1f1b": fit_gpt(rank, f"{root}/1f1b", "pp", steps=steps, schedule="1f1b", pp_microbatches=2),
+            "bf16": fit_gpt(rank, f"{root}/bf16", "pp", steps=steps, precision="bf16-mixed"),
             "accumulate": fit_gpt(rank, f"{root}/acc", "pp", steps=2, accumulate=2, destroy=True)}
 
 
-def pp_resume(rank: int, root: str) -> dict:
-    """Two epochs uninterrupted, against one epoch then a resume from its "last" checkpoint for the second."""
-    small = dict(train=24, val=12)
+def pp_resume(rank: int, root: str, parallel: dict | None = None) -> dict:
+    """Two epochs uninterrupted, against one epoch then a resume from its "last" checkpoint for the second;
+    ``parallel``: the mesh (None: one stage per rank)."""
+    small = dict(train=24, val=12, parallel=parallel)
     full = fit_gpt(rank, f"{root}/full", "pp", epochs=2, **small)
     first = fit_gpt(rank, f"{root}/stopped", "pp", epochs=1, **small)
     resumed = fit_gpt(rank, f"{root}/stopped", "pp", epochs=2, ckpt_path="last", destroy=True, **small)
     return {"full": full, "first": first, "resumed": resumed}
+
+
+def pp_dp_runs(rank: int, root: str, steps: int) -> dict:
+    """On 4 ranks: 2 stages × 2 FSDP shards (1F1B), 2 stages × 2 replicas (GPipe), 2 stages × 2 shards
+    under "bf16-mixed", each over 2 data-parallel batches of 8, then 2 stages × 2 shards accumulating 2
+    micro-batches per step over a ragged epoch; one process group for all."""
+    return {"shard": fit_gpt(rank, f"{root}/shard", "pp", steps=steps, val=20, parallel={"pp": 2, "dp_shard": 2}),
+            "replicate": fit_gpt(rank, f"{root}/replicate", "pp", steps=steps, val=20, schedule="gpipe",
+                                 parallel={"pp": 2, "dp_replicate": 2}),
+            "bf16": fit_gpt(rank, f"{root}/bf16", "pp", steps=steps, val=20, parallel={"pp": 2, "dp_shard": 2},
+                            precision="bf16-mixed"),
+            # 28 samples per rank: micro-batches 8, 8 | 8, 4 (a new batch shape inside an accumulated step)
+            "accumulate": fit_gpt(rank, f"{root}/acc", "pp", train=56, val=20, accumulate=2,
+                                  parallel={"pp": 2, "dp_shard": 2}, destroy=True)}

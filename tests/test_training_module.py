@@ -160,6 +160,17 @@ def test_self_log_counts_each_sample_once_with_uneven_last_batches():
     assert mw.log_reduction_body(0, n) == out[0]  # one process: the same numbers
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_self_log_sums_count_each_sample_once_under_tensor_parallelism():
+    # the 2 tp ranks read the same 21 samples: a sum over all ranks counted each twice (issue 17)
+    n = 21
+    out = run_distributed(mw.tp_log_reduction_body, n, timeout=150)
+    assert out[0] == out[1]
+    assert out[0]["count"] == n and out[0]["count"] == mw.log_reduction_body(0, n)["count"]
+    assert out[0]["mean_x"] == pytest.approx((n - 1) / 2) and out[0]["max_x"] == n - 1
+
+
 def test_names_logged_on_some_ranks_only_are_an_error_on_every_rank():
     out = run_distributed(mw.log_reduction_body, 16, 1, timeout=120)
     for message in out:

@@ -119,7 +119,7 @@ def resolve(
         parallelize: a callable ``fn(model, mesh) -> model``; only under the model-parallel strategies.
         pp_schedule: "gpipe" or "1f1b" (None: "1f1b"); pp_microbatches: an int >= 1 (None: 4·pp);
             pp_split_points: a list of pp − 1 submodule names; each only with pipeline stages (pp > 1),
-            which make the strategy "pp" and refuse mixed precision ("16-mixed", "bf16-mixed") and compile.
+            which make the strategy "pp" and refuse "16-mixed", compile and tp > 1.
 
     Raises:
         ValueError: an unknown name (the message lists the valid ones), a non-positive count,
@@ -206,7 +206,7 @@ def _resolve_model_parallel(strategy: str, parallel: Any, tp_plan: Any, parallel
     if dims.pp > 1 and parallelize is not None:
         raise ValueError("parallelize=fn applies tensor parallelism, which trainscale does not compose with pipeline "
                          "stages yet; drop parallelize, or 'pp' from parallel")
-    if dims.dp_replicate > 1 and dims.dp_shard == 1:
+    if dims.dp_replicate > 1 and dims.dp_shard == 1 and dims.pp == 1:
         raise ValueError(f"parallel={dims.as_dict()} replicates without sharding, which trainscale does not compose "
                          "with a mesh; use dp_shard for those ranks (FSDP), or strategy='ddp'")
     return dims
@@ -245,9 +245,10 @@ def _check_pipeline_flags(schedule: Any, microbatches: Any, split_points: Any, s
 
 def _check_pipeline_support(precision: str, compile_kwargs: dict | None) -> None:
     """Refuse what trainscale has not built with pipeline stages."""
-    if precision in ("16-mixed", "bf16-mixed"):
-        raise ValueError(f"precision={precision!r} is not built with pipeline stages yet (autocast would wrap the "
-                         "schedule's backward too); pass precision='bf16-true' (the model in bf16) or '32-true'")
+    if precision == "16-mixed":
+        raise ValueError("precision='16-mixed' is not built with pipeline stages (its GradScaler would have to scale "
+                         "the loss inside the schedule step); pass precision='bf16-mixed' (no loss scaling needed), "
+                         "'bf16-true' or '32-true'")
     if compile_kwargs is not None:
         raise ValueError("compile=True is not built with pipeline stages yet (it compiles the loop module, which the "
                          "schedule does not call); pass compile=False, or compile your model's blocks yourself")

@@ -84,8 +84,8 @@ class Runtime:
             newer) or "medium", applied with ``torch.set_float32_matmul_precision`` in this process. A
             "32-true" run on such a GPU left at "highest" says so once (rank zero).
         parallel: under strategy "model_parallel" (required), "hsdp", "tp" or "pp": the device mesh
-            ``{"dp_replicate": R, "dp_shard": S, "tp": T}``, R·S·T = world size, or ``{"pp": P}``, P = world
-            size (docs/strategies.md).
+            ``{"dp_replicate": R, "dp_shard": S, "tp": T}``, R·S·T = world size, or pipeline stages
+            ``{"pp": P, "dp_replicate": R, "dp_shard": S}``, P·R·S = world size (docs/strategies.md).
         tp_plan: ``{submodule name: ColwiseParallel() | RowwiseParallel() | ...}`` (torch's
             ``parallelize_module`` styles) for your model; default: the built-in plan of ``trainscale.models.GPT``.
         parallelize: ``fn(model, mesh) -> model`` applying your own tensor parallelism instead; FSDP/HSDP

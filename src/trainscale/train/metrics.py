@@ -2,9 +2,12 @@
 
 Values stay on the device until a record is written: step values (``on_step``) at log intervals,
 epoch values (``on_epoch``) at the end of the epoch or evaluation. Epoch values are reduced over
-all ranks (every sample counted once): "mean" is the sample-weighted mean (``sum(value·n) / sum(n)``
-with ``n`` the micro-batch's sample count, Lightning's ``batch_size``), "sum", "max" and "min" their
-namesakes over every logged value. Step values are each rank's last value, averaged over ranks when
+the data-parallel ranks (every sample counted once): "mean" is the sample-weighted mean
+(``sum(value·n) / sum(n)`` with ``n`` the micro-batch's sample count, Lightning's ``batch_size``), "sum",
+"max" and "min" their namesakes over every logged value. The ranks of a tensor-parallel group (or of one
+pipeline) read the same samples and log the same values, so a sum over all ranks counts each of them
+``world_size / data_parallel_size`` times: it is divided by that, as the epoch's training loss is
+(``state.EpochLoss.totals``). Step values are each rank's last value, averaged over ranks when
 logged with ``sync_dist=True``.
 """
 
@@ -120,13 +123,15 @@ class MetricCollector:
         return out
 
     def _reduce_sums(self, values: dict[str, _Running]) -> dict[str, float]:
-        """"mean" and "sum" values over all ranks: one all-reduce of every total and weight."""
+        """"mean" and "sum" values over the data-parallel ranks: one all-reduce of every total and weight over
+        all ranks, a sum divided by the copies of each sample (a mean's copies cancel)."""
         if not values:
             return {}
         names = list(values)
         weights = [torch.tensor(values[n].weight, device=self.rt.device) for n in names]
         vec = self.rt.all_reduce(torch.stack([values[n].total for n in names] + weights)).tolist()
-        return {name: vec[i] / vec[len(names) + i] if values[name].fx == "mean" else vec[i]
+        copies = self.rt.world_size / self.rt.data_parallel_size
+        return {name: vec[i] / vec[len(names) + i] if values[name].fx == "mean" else vec[i] / copies
                 for i, name in enumerate(names)}
 
 

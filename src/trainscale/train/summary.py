@@ -48,7 +48,7 @@ def hyperparams(trainer: Any, model: Any) -> dict:
 def pipeline_summary(runtime: Any, module: Any) -> dict | None:
     """Under pipeline stages (strategy "pp"): stages, schedule, micro-batches per batch, the bubble fraction
     (P − 1)/(M + P − 1) (Huang et al. 2019, "GPipe", §2.2) and each rank's parameter bytes (exact tensor
-    bytes of its stage; a collective). None under other strategies."""
+    bytes of its stage, of its shard under FSDP; a collective). None under other strategies."""
     from trainscale.runtime.strategies.pipeline import bubble_fraction
 
     cfg = runtime.config
@@ -56,7 +56,8 @@ def pipeline_summary(runtime: Any, module: Any) -> dict | None:
         return None
     return {"stages": cfg.parallel.pp, "schedule": cfg.pp_schedule, "microbatches": cfg.pp_microbatches,
             "bubble_fraction": bubble_fraction(cfg.parallel.pp, cfg.pp_microbatches),
-            "param_bytes_per_rank": runtime.all_gather_object(sum(p.nbytes for p in module.parameters()))}
+            "param_bytes_per_rank": runtime.all_gather_object(sum((p.to_local() if hasattr(p, "to_local") else p).nbytes
+                                                                  for p in module.parameters()))}
 
 
 def finish_run(trainer: Any, fit: Any, global_batch: int, resumed_from: Path | None, nonfinite_skipped: int) -> dict:

@@ -135,14 +135,19 @@ class PipelineRunner:
             ``s`` of it runs stage ``s``).
         schedule: "gpipe" or "1f1b"; ``microbatches``: how many micro-batches a batch is cut into.
         shared: ``[(process group, [parameters])]``: the gradients to sum across the stages holding them.
+        autocast: None, or a factory of the autocast context (``Precision.autocast``) that the stage's forward
+            and the loss run under (mixed precision: :func:`autocast_forward`).
     """
 
     def __init__(self, model: nn.Module, stage: int, stages: int, device: torch.device, group: Any,
-                 schedule: str, microbatches: int, shared: list) -> None:
+                 schedule: str, microbatches: int, shared: list, autocast: Callable | None = None) -> None:
         import torch.distributed as dist
 
         self.model, self.stage, self.stages, self.device, self.group = model, stage, stages, device, group
         self.schedule, self.microbatches, self.shared = schedule, microbatches, shared
+        self.autocast = autocast
+        if autocast is not None:
+            autocast_forward(model, autocast)
         self.last_rank = dist.get_global_rank(group, stages - 1)
         self._schedules: dict = {}
         self._loss_fn: Callable | None = None
@@ -167,7 +172,10 @@ class PipelineRunner:
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         """A micro-batch's loss weighted by its share of the batch (and divided for accumulation), so the
         micro-batches' gradients sum to those of the batch's mean loss however the batch divides."""
-        return self._loss_fn(output, target) * (target.shape[0] * self._weight)
+        if self.autocast is None:
+            return self._loss_fn(output, target) * (target.shape[0] * self._weight)
+        with self.autocast():  # as a one-process loop computes it: e.g. cross-entropy of bf16 logits in fp32
+            return self._loss_fn(output, target) * (target.shape[0] * self._weight)
 
     def train_step(self, inputs: torch.Tensor, targets: Any, loss_fn: Callable, divisor: int,
                    sync: bool) -> torch.Tensor:
@@ -176,11 +184,25 @@ class PipelineRunner:
         Returns the batch's mean loss (0-d, detached), the same on every stage (broadcast from the last)."""
         self._loss_fn, self._weight = loss_fn, 1.0 / (inputs.shape[0] * divisor)
         losses: list = []
+        fresh = (tuple(inputs.shape), inputs.dtype, True) not in self._schedules
+        kept = self._take_gradients() if fresh else {}
         self._schedule_for(inputs, True).step(*self._first(inputs), target=targets, losses=losses)
+        for p, grad in kept.items():
+            p.grad = grad if p.grad is None else p.grad + grad
         if sync:
             self.sync_shared()
         loss = torch.stack(losses).sum().detach() * divisor if self.is_last else torch.zeros((), device=self.device)
         return self._from_last(loss)
+
+    def _take_gradients(self) -> dict:
+        """Detach the stage's gradients from its parameters (returned by parameter). A new schedule's first step
+        infers the activations' shapes by a real forward and backward, after which torch 2.13 sets the
+        gradients of FSDP modules to None (``_post_metadata_inference_cleanup``): a batch of a new shape
+        inside an accumulated step would drop the earlier micro-batches' gradients."""
+        kept = {p: p.grad for p in self.model.parameters() if p.grad is not None}
+        for p in kept:
+            p.grad = None
+        return kept
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: Any, loss_fn: Callable) -> dict[str, float]:
@@ -212,11 +234,29 @@ class PipelineRunner:
         return box[0]
 
     def sync_shared(self) -> None:
-        """Sum the gradients of shared parameters across the stages that hold them (one all-reduce each)."""
+        """Sum the gradients of shared parameters across the stages that hold them (one all-reduce each; of
+        the local shards under FSDP, which shards every stage's copy alike)."""
         import torch.distributed as dist
 
         for group, params in self.shared:
             for p in params:
                 if p.grad is None:  # unused on this stage this step: its part is zero
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=group)
+                dist.all_reduce(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, group=group)
+
+
+def autocast_forward(module: nn.Module, autocast: Callable) -> None:
+    """Run every call of ``module`` (a pipeline stage) under ``autocast()``, entered by a forward pre-hook and
+    left by a forward hook: torch's ``PipelineStage`` calls the stage itself and runs its backward (which must
+    not run under autocast: https://pytorch.org/docs/stable/amp.html#autocasting) in the same schedule step."""
+    contexts: list = []
+
+    def enter(mod, args):
+        contexts.append(autocast())
+        contexts[-1].__enter__()
+
+    def leave(mod, args, output):
+        contexts.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter, prepend=True)
+    module.register_forward_hook(leave, always_call=True)

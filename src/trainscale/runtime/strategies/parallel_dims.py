@@ -94,8 +94,8 @@ def resolve_parallel(strategy: str, parallel: Any, devices: int, num_nodes: int)
     if parallel is None:
         if strategy == "model_parallel":
             raise ValueError("strategy='model_parallel' needs parallel={'dp_replicate': R, 'dp_shard': S, 'tp': T} "
-                             f"(or {{'pp': P}}) with R·S·T = world size ({world}); or use strategy='hsdp' / 'tp' / "
-                             "'pp' / 'fsdp'")
+                             f"(or {{'pp': P, 'dp_shard': S}}) whose product is the world size ({world}); or use "
+                             "strategy='hsdp' / 'tp' / 'pp' / 'fsdp'")
         parallel = _shorthand(strategy, devices, num_nodes)
     _check_entries(parallel)
     dims = ParallelDims(**parallel)
@@ -132,7 +132,7 @@ def _check_shorthand(strategy: str, dims: ParallelDims) -> None:
     if strategy == "pp" and dims.pp < 2:
         raise ValueError(f"strategy='pp' splits the model into pp ≥ 2 pipeline stages, but parallel={dims.as_dict()}; "
                          "pass parallel={'pp': 2} with 2 or more processes (devices=2), or another strategy")
-    if dims.pp > 1 and dims.world_size != dims.pp:  # torch composes them; trainscale has not built or tested it
-        raise ValueError(f"parallel={dims.as_dict()}: trainscale runs pipeline parallelism alone so far (pp = world "
-                         "size); pipeline stages combined with dp_replicate, dp_shard or tp are not built yet. Pass "
-                         "parallel={'pp': N} with N = devices×num_nodes, or drop 'pp'")
+    if dims.pp > 1 and dims.tp > 1:  # torch composes them (torchtitan does); trainscale has not built or tested it
+        raise ValueError(f"parallel={dims.as_dict()}: pipeline stages combined with tensor parallelism (tp > 1) are "
+                         "not built in trainscale yet; pipeline stages compose with dp_shard and dp_replicate: pass "
+                         "e.g. parallel={'pp': 2, 'dp_shard': 2}, or drop 'pp' (tp with dp_shard)")

@@ -1,12 +1,23 @@
-"""Pipeline parallelism: the model's layers split into stages, one per rank, micro-batches flowing through.
+"""Pipeline parallelism: the model's layers split into stages, micro-batches flowing through them;
+with data parallelism over the other mesh dimensions.
 
-``strategy="pp"`` (or ``"model_parallel"`` with ``parallel={"pp": P}``), P = world size: rank ``s``
-keeps stage ``s`` of the model (``apply_pp.py``: the built-in split of ``trainscale.models.GPT`` or the
+``strategy="pp"`` (or ``"model_parallel"`` with ``parallel={"pp": P, ...}``): the ranks of one
+``(pp, dp_replicate, dp_shard, tp)`` mesh (``parallel_dims.py``, tp = 1) at pipeline coordinate ``s``
+keep stage ``s`` of the model (``apply_pp.py``: the built-in split of ``trainscale.models.GPT`` or the
 user's ``pp_split_points``), and each batch runs through torch's GPipe or 1F1B schedule in
 ``pp_microbatches`` micro-batches, forward and backward in one ``schedule.step`` (so a loop calls
-``Runtime.forward_backward``, not forward then backward). Every stage reads the same batches (the
-first needs the inputs, the last the targets); the loss is computed on the last stage and broadcast,
-so every rank logs it. Gradients are clipped by the norm over all stages (``dtensor_clip``, summed
+``Runtime.forward_backward``, not forward then backward). The stages of one pipeline (ranks with the
+same data-parallel coordinates) read the same batches (the first needs the inputs, the last the
+targets); the loss is computed on the last stage and broadcast, so every rank logs its pipeline's loss.
+
+With ``dp_shard`` or ``dp_replicate`` > 1, each stage is sharded by FSDP2 over the data-parallel
+dimensions of the mesh after the cut (torchtitan's order, ``distributed/pipeline_parallel.py``:
+``pipeline_module_split``, then ``parallelize_fn`` per stage): one unit per ``ModuleList``/``ModuleDict``
+entry the stage keeps, then the stage itself (``apply_fsdp.py``); ``dp_replicate`` alone is FSDP2 on a
+``(dp_replicate, dp_shard=1)`` mesh: every rank holds the whole stage, gradients are all-reduced (DDP's
+arithmetic). torch's ``PipelineStage`` defers FSDP's gradient reduction to the end of each schedule step
+(``perform_reduce_grad``), so gradients are averaged over the data-parallel ranks once per step.
+Gradients are clipped by the norm over all stages and shards (``dtensor_clip``: per mesh, then summed
 across the stage group); checkpoints are DCP directories keyed by the whole model's names
 (``dcp_checkpoint.py``), so they load on another number of stages or in one process.
 
@@ -22,7 +33,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from trainscale.runtime.precision import Precision
 from trainscale.runtime.strategies import SYNC
+from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, reshard
 from trainscale.runtime.strategies.apply_pp import (PipelineRunner, gpt_split_points, keep_stage, shared_parameters,
                                                     stage_names)
 from trainscale.runtime.strategies.dcp_checkpoint import DCPCheckpointer
@@ -89,10 +102,12 @@ class PipelineModule(nn.Module):
 
 
 class PipelineStrategy:
-    """Pipeline stages on a ``pp`` mesh dimension.
+    """Pipeline stages on the ``pp`` mesh dimension, each sharded or replicated over the data-parallel ones.
 
     Args (the Runtime passes them from its own arguments, checked by the resolver):
-        parallel: a ``ParallelDims`` (or a dict of its fields) with ``pp`` = world size.
+        precision: the precision flag: "bf16-mixed" runs each stage's forward and the loss under autocast
+            (and, sharded, FSDP's ``MixedPrecisionPolicy``); "bf16-true" and "32-true" need nothing here.
+        parallel: a ``ParallelDims`` (or a dict of its fields) with ``pp`` > 1 and ``tp`` = 1.
         pp_schedule: "gpipe" or "1f1b" (default; the same bubble as GPipe, activations of at most P
             micro-batches held instead of M).
         pp_microbatches: micro-batches per batch; None: 4·P (GPipe's advice, M ≥ 4·P, keeps the bubble
@@ -117,22 +132,24 @@ class PipelineStrategy:
         if dims.world_size != world.world_size:
             raise ValueError(f"parallel={dims.as_dict()} multiplies to {dims.world_size} ranks, but the world size is "
                              f"{world.world_size}")
-        self.device, self.world, self.dims = device, world, dims
+        self.device, self.world, self.dims, self.precision = device, world, dims, precision
         self.schedule, self.split_points = pp_schedule, pp_split_points
         self.microbatches = pp_microbatches or 4 * dims.pp
         self.mesh = None
         self._params: set = set()
         self._counted: set = set()  # ids of the parameters whose gradients this stage counts in the norm
-        self._checkpointer = DCPCheckpointer(world.rank, self.name)
+        self._roots: list = []  # the FSDP-sharded stage, if any
+        self._checkpointer = DCPCheckpointer(world.rank, self.name, before=lambda: reshard(self._roots))
 
     def data_world(self, world: World) -> World:
-        """Every stage reads the same batches: the data-parallel rank and size (one, with pp alone)."""
+        """The stages of one pipeline read the same batches: the data-parallel rank and size."""
         return dataclasses.replace(world, rank=self.dims.dp_rank(world.rank), world_size=self.dims.dp_size)
 
     # -- model -------------------------------------------------------------------------------
     def setup_module(self, module):
         """Cut ``module`` (or its child ``model``, the Trainer's loop module's) to this rank's stage in
-        place; return a :class:`PipelineModule` around ``module``.
+        place, shard it over the data-parallel ranks (if any); return a :class:`PipelineModule` around
+        ``module``.
 
         Raises:
             ValueError: a model that computes its own loss (``training_step``), no split points for a
@@ -144,14 +161,29 @@ class PipelineStrategy:
         self.mesh = self.mesh or self.dims.build_mesh(self.device.type)
         stage = self.dims.pp_rank(self.world.rank)
         keep_stage(target, names[stage])
+        # by name: FSDP replaces the parameters (their names stay)
+        shared_names = {name: shared[id(p)] for name, p in target.named_parameters() if id(p) in shared}
         module = module.to(self.device)
+        if self.dims.dp_size > 1:
+            apply_fsdp(target, [target.get_submodule(n) for n in names[stage] if "." in n], self._dp_mesh(),
+                       precision=self.precision)
+            self._roots = [target]
         group = self.mesh.get_group("pp")
-        by_id = {id(p): p for p in target.parameters()}
+        by_name = dict(target.named_parameters())
         runner = PipelineRunner(target, stage, self.dims.pp, self.device, group, self.schedule, self.microbatches,
-                                _shared_groups(shared, by_id, group))
-        self._params = set(by_id)
-        self._counted = {pid for pid in by_id if pid not in shared or min(shared[pid]) == stage}
+                                _shared_groups(shared_names, by_name, self.mesh), self._autocast())
+        self._params = {id(p) for p in by_name.values()}
+        self._counted = {id(p) for n, p in by_name.items() if n not in shared_names or min(shared_names[n]) == stage}
         return PipelineModule(module, runner)
+
+    def _dp_mesh(self):
+        """The data-parallel part of the mesh: ``dp_shard`` (FSDP), or ``(dp_replicate, dp_shard)`` (HSDP;
+        with ``dp_shard`` = 1, replication)."""
+        return self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
+
+    def _autocast(self) -> Callable | None:
+        """What each stage's forward and the loss run under: the precision's autocast ("bf16-mixed"), else None."""
+        return Precision(self.precision, self.device.type).autocast if self.precision == "bf16-mixed" else None
 
     def _target(self, module) -> nn.Module:
         """The model to cut: ``module``, or its child ``model`` (the Trainer wraps the user's model)."""
@@ -177,7 +209,9 @@ class PipelineStrategy:
         return module.root if isinstance(module, PipelineModule) else module
 
     def no_backward_sync(self, module, enabled: bool):
-        return SYNC  # no data-parallel ranks; shared gradients are summed by forward_backward(sync=True)
+        # torch's PipelineStage defers FSDP's reduction to the end of each schedule step itself; shared
+        # gradients are summed by forward_backward(sync=True)
+        return SYNC
 
     def clip_gradients_norm(self, module, max_norm: float, norm_type: float = 2.0):
         """Clip by the norm of the whole model's gradient: each stage's norm combined across the stages,
@@ -204,16 +238,21 @@ class PipelineStrategy:
         pass
 
 
-def _shared_groups(shared: dict[int, list[int]], by_id: dict, group: Any) -> list:
-    """``[(process group, [parameters])]``: this rank's shared parameters grouped by the stages holding
-    them; every rank makes every group (``new_group`` is collective), in the same order."""
+def _shared_groups(shared: dict[str, list[int]], by_name: dict, mesh: Any) -> list:
+    """``[(process group, [parameters])]``: this rank's shared parameters (``{name: [stages holding it]}``)
+    grouped by the stages holding them, among the ranks of this rank's pipeline. ``new_group`` is collective:
+    every rank makes every pipeline's groups, in the same order, and keeps its own."""
     import torch.distributed as dist
 
+    pipelines = mesh.mesh.reshape(mesh.mesh.shape[0], -1).T.tolist()  # each pipeline's ranks, in stage order
     out = []
     for stages in sorted({tuple(s) for s in shared.values()}):
-        ranks = [dist.get_global_rank(group, s) for s in stages]
-        sub = group if len(stages) == dist.get_world_size(group) else dist.new_group(ranks)
-        params = [by_id[pid] for pid, holders in shared.items() if tuple(holders) == stages and pid in by_id]
+        sub = mesh.get_group("pp")
+        if len(stages) < len(pipelines[0]):
+            for ranks in pipelines:
+                group = dist.new_group([ranks[s] for s in stages])
+                sub = group if dist.get_rank() in ranks else sub
+        params = [by_name[name] for name, holders in shared.items() if tuple(holders) == stages]
         if params:
             out.append((sub, params))
     return out
