@@ -1,7 +1,8 @@
 """trainscale.plan's exact bytes for the model-parallel layouts (tp, hsdp): predicted parameter, gradient
 and optimizer-state bytes equal those of a real gloo run of the small GPT (tp 2 on 2 processes, hsdp
 2×2 on 4), and the shard arithmetic behind them (torch.chunk sizes of DTensor shards, the plan's styles
-read per module, errors for plans that cannot be read). Measurement: tests/plan_workers.py."""
+read per module, errors for plans that cannot be read), and hsdp's predicted peak within 15 % of the run's
+live tensor bytes. Measurement: tests/plan_workers.py."""
 
 import pytest
 import torch
@@ -11,7 +12,11 @@ from tests import plan_workers
 from tests.helpers import run_distributed
 from tests.parallel_workers import CONFIG
 from trainscale.models import GPT, GPTConfig
-from trainscale.plan import memory
+from trainscale.models.gpt import lm_loss
+from trainscale.plan import memory, planner
+
+PEAK_TOLERANCE = 0.15
+SAMPLE = (torch.zeros(CONFIG.context_length, dtype=torch.long), torch.zeros(CONFIG.context_length, dtype=torch.long))
 
 
 def _gpt_layout(config=CONFIG, precision="32-true"):
@@ -38,6 +43,12 @@ def test_predicted_bytes_equal_a_real_run(strategy, parallel, uneven):
             assert exact[key] == real[key], f"{strategy} rank {rank}: {key} predicted {exact[key]} != measured {real[key]}"
     if uneven:  # the shards really differ by rank, so the per-rank arithmetic is what is checked
         assert len({r["optimizer"] for r in measured}) > 1
+    if strategy == "hsdp":  # the plan's peak (FSDP traced over the dp_shard ranks) against MemTracker in the run
+        work = planner.Workload(meta, SAMPLE, lm_loss, plan_workers.adamw)
+        peak = planner._memory(meta, layout, work, "hsdp", world_size, 4, "32-true", (), {}, parallel).peak
+        for rank, real in enumerate(measured):
+            assert abs(peak - real["peak"]) <= PEAK_TOLERANCE * real["peak"], \
+                f"hsdp rank {rank}: peak predicted {peak} vs measured {real['peak']}"
 
 
 def test_tp_shards_follow_the_plan_styles_and_torch_chunk():
