@@ -139,6 +139,14 @@ def test_a_trainer_summary_becomes_compute_times_with_the_exposed_all_reduce_out
         from_summary(8, {"steps": 10, "epoch_time_s": [0.5], "telemetry": None})
 
 
+def test_the_timed_run_lasts_the_least_steps_or_the_least_seconds_whichever_is_longer():
+    from trainscale.plan.measure import _timed_steps
+
+    assert _timed_steps({"steps": 3, "epoch_time_s": [0.03]}, 20, 2.0) == 200  # 10 ms steps: 2 s is 200 of them
+    assert _timed_steps({"steps": 3, "epoch_time_s": [3.0]}, 20, 2.0) == 20  # 1 s steps: the 20 steps are longer
+    assert _timed_steps({"steps": 3, "epoch_time_s": [0.0]}, 20, 2.0) == 20
+
+
 def test_probed_rows_take_the_ddp_run_whole_and_its_measured_overlap_elsewhere():
     from trainscale.plan.measure import ComputeTime
 

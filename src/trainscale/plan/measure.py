@@ -1,7 +1,8 @@
 """The measured part of the time prediction: short runs of the real :class:`~trainscale.train.trainer.Trainer`
 (the loop bench times), one device's in the planner's process and, inside ``trainscale plan --probe``'s
 processes, a real DDP run (:mod:`trainscale.plan.probe`). Each batch size gets a warm-up run
-(``WARMUP_STEPS``, untimed) and a timed one (``STEPS``, or the epoch if shorter); the Trainer's
+(``WARMUP_STEPS``, untimed) and a timed one of at least ``STEPS`` steps and about ``MIN_SECONDS`` of
+wall time (its length read from the warm-up's step; the epoch, if shorter); the Trainer's
 telemetry splits the timed steps into data, forward, backward (with the gradient all-reduce's exposed
 part separated) and optimizer seconds, and the rest of the loop's wall time (the Trainer's own
 per-step work: callbacks, fault checks, loss bookkeeping) is kept as ``other_s``.
@@ -29,6 +30,10 @@ from torch import nn
 
 WARMUP_STEPS = 3
 STEPS = 20
+# Seconds a timed run lasts at least: 20 steps of a 7 ms step (the ConvNet at batch 4 on 2 processes) are
+# 0.14 s, which one descheduled moment on a shared host moves by half (two probes a minute apart predicted
+# 5.3 and 3.4 s for the same epoch, docs/plan.md); the epoch averages such moments over its whole length.
+MIN_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,22 @@ def from_summary(batch_size: int, summary: dict) -> ComputeTime:
                        other_s=max(0.0, wall - sum(phases.values())), hidden_comm_s=max(0.0, total - exposed))
 
 
+def _timed_steps(warm: dict, steps: int, min_seconds: float) -> int:
+    """Steps of the timed run: ``steps``, or more to last ``min_seconds`` at the warm-up's seconds per step;
+    the largest over the ranks (all-reduced when a process group runs), so every rank runs as many."""
+    import math
+
+    import torch.distributed as dist
+
+    per_step = sum(warm["epoch_time_s"]) / max(1, warm["steps"])
+    n = max(steps, math.ceil(min_seconds / per_step) if per_step > 0 else steps)
+    if not dist.is_initialized():
+        return n
+    agreed = torch.tensor(n, device="cuda" if dist.get_backend() == "nccl" else "cpu")  # nccl reduces CUDA tensors
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return int(agreed)
+
+
 class _Repeated(torch.utils.data.Dataset):
     """``n`` copies of one example (a workload given as a model and a sample, without a data set)."""
 
@@ -107,7 +128,7 @@ class _Repeated(torch.utils.data.Dataset):
 
 def trainer_steps(model: nn.Module, dataset: Any, sample: tuple, batch_sizes: list[int], loss_fn: Callable,
                   optimizer_fn: Callable, precision: str, root: str, threads: int | None = None,
-                  loader_kwargs: dict | None = None, steps: int = STEPS,
+                  loader_kwargs: dict | None = None, steps: int = STEPS, min_seconds: float = MIN_SECONDS,
                   strategy_options: dict | None = None) -> dict[int, ComputeTime]:
     """Per batch size, the real Trainer's step on this process: one device, or this rank of the running
     process group under ``strategy="ddp"`` (every rank must call it). The Trainer's output is silenced.
@@ -118,6 +139,7 @@ def trainer_steps(model: nn.Module, dataset: Any, sample: tuple, batch_sizes: li
             of ``sample``.
         root: the runs' ``default_root_dir`` (the same path on every rank).
         threads: CPU threads for the runs (None: torch's current setting).
+        steps, min_seconds: the timed run's least steps and its least wall time (s), whichever is longer.
         strategy_options: ddp's options (``bucket_cap_mb``, ...), for several ranks.
     """
     import torch.distributed as dist
@@ -127,6 +149,7 @@ def trainer_steps(model: nn.Module, dataset: Any, sample: tuple, batch_sizes: li
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     data = dataset if dataset is not None else _Repeated(sample, max(batch_sizes) * world * (WARMUP_STEPS + steps))
+    # (copies of the sample hold WARMUP_STEPS + steps batches per rank: a timed run ends there, at the epoch's end)
     common = dict(devices=world, strategy="ddp" if world > 1 else "auto", precision=precision, seed=0,
                   max_epochs=1, enable_progress_bar=False, enable_checkpointing=False, log_every_n_steps=10**9,
                   handle_signals=False, default_root_dir=root,
@@ -135,9 +158,12 @@ def trainer_steps(model: nn.Module, dataset: Any, sample: tuple, batch_sizes: li
     with num_threads(threads), contextlib.redirect_stdout(io.StringIO()):
         for bs in batch_sizes:
             loader = DataLoader(data, batch_size=bs, shuffle=True, **(loader_kwargs or {}))
-            for n in (WARMUP_STEPS, steps):  # the warm-up run pays kernels, allocator, DDP's first buckets
-                summary = Trainer(max_steps=n, **common).fit(copy.deepcopy(model), loader, loss_fn=loss_fn,
-                                                             optimizer=optimizer_fn)
+            # the warm-up run pays kernels, allocator, DDP's first buckets, and tells the step's length
+            warm = Trainer(max_steps=WARMUP_STEPS, **common).fit(copy.deepcopy(model), loader, loss_fn=loss_fn,
+                                                                 optimizer=optimizer_fn)
+            n = _timed_steps(warm, steps, min_seconds)
+            summary = Trainer(max_steps=n, **common).fit(copy.deepcopy(model), loader, loss_fn=loss_fn,
+                                                         optimizer=optimizer_fn)
             out[bs] = from_summary(bs, summary)
     return out
 
