@@ -76,3 +76,22 @@ def test_checkpoint_stall_compares_a_background_save_with_a_synchronous_one():
     for measure in ("sync save (s)", "async stall (s)", "stall / sync", "async background write (s)"):
         [line] = [line for line in stdout.splitlines() if line.startswith(measure)]
         assert float(line[len(measure):].split()[0]) > 0, line
+
+
+# trainscale's own bytecodes per optimizer step of a default Trainer fit on the tiny workload (step records every
+# 50 steps included): 1 178 when this budget was set (session 10, Python 3.11), ~10 % of margin above it. Counted,
+# not timed (benchmarks/step_profile.py), so the same on a loaded machine: a new call per step fails it.
+OWN_BYTECODES_PER_STEP = 1300
+
+
+def test_step_profile_counts_each_variant_and_holds_the_bytecode_budget():
+    stdout = run_bench("step_profile.py", "--steps", "100", timeout=180)
+    totals = {row[0]: (float(row[1]), float(row[2])) for row in
+              (line.split() for line in stdout.splitlines()) if row[:1] and row[0] in
+              ("plain", "runtime", "trainer-lean", "trainer") and len(row) == 5}
+    assert set(totals) == {"plain", "runtime", "trainer-lean", "trainer"}, stdout
+    assert totals["plain"][1] == 0  # over itself
+    assert 0 < totals["runtime"][1] < totals["trainer-lean"][1] < totals["trainer"][1], stdout
+    own = {line.split("## ")[1].split(":")[0]: float(line.split("trainscale's own code: ")[1].split("/")[0])
+           for line in stdout.splitlines() if line.startswith("## ")}
+    assert own["trainer"] <= OWN_BYTECODES_PER_STEP, stdout

@@ -143,12 +143,13 @@ def test_plan_rows_for_tp_and_hsdp_carry_the_exact_bytes_and_no_time():
         assert (got.parameters, got.gradients, got.optimizer) == (exact["parameters"], exact["gradients"],
                                                                   exact["optimizer"])
         assert rows[strategy, n].step_s is None and rows[strategy, n].epoch_s is None  # no time model yet
-    assert rows["tp", 2].memory.peak is None and rows["tp", 2].fits is None  # not traced
+    assert rows["tp", 2].memory.peak > 0 and rows["tp", 2].fits is True  # traced on one node's 2 tp ranks
+    assert rows["tp", 4].memory.peak is None and rows["tp", 4].fits is None  # tp x fsdp across nodes: not traced
     assert rows["hsdp", 4].memory.peak > 0 and rows["hsdp", 4].fits is True  # traced as FSDP over dp_shard 2
     assert rows["ddp", 2].step_s is not None
     assert rows["tp", 1].memory is None and rows["tp", 1].note == "tp needs 2+ devices"
     assert rows["hsdp", 2].note == "hsdp needs 2+ whole nodes of devices_per_node=2"
-    assert "peak not traced" in result.table() and "dp_replicate 2 × dp_shard 2" in result.table()
+    assert "peak not traced across nodes" in result.table() and "dp_replicate 2 × dp_shard 2" in result.table()
     with pytest.raises(ValueError, match="plan models ddp, fsdp, hsdp, tp"):
         planner.plan(lambda: GPT(CONFIG), sample=(tokens, tokens), strategies=["cp"], measure=False)
     with pytest.raises(ValueError, match="built-in plan for trainscale.models.GPT only"):  # no plan for a ConvNet

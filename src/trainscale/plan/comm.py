@@ -18,6 +18,15 @@ so that the bus bandwidth nccl-tests prints for a fabric is the B to use here. P
   in forward and, for the units resharded after forward, again in backward; the gradients are
   reduce-scattered; the optimizer steps 1/N of the parameters.
 
+- hsdp (FSDP2 ``fully_shard`` on a 2-D mesh; Zhao et al. 2023, section 3.2.2, "hybrid sharding"): FSDP's
+  collectives within each group of S shard ranks, then an all-reduce of each rank's 1/S of the
+  reduce-scattered gradients across the R replicas;
+- tp (Megatron-LM, Shoeybi et al. 2019): the collectives DTensor issues for the plan's styles (an all-reduce
+  of each row-parallel layer's output in forward and of each column-parallel layer's input gradient in
+  backward, all-gathers where an output is made whole), read from one traced step
+  (``trainscale.plan.collectives``). They sit between a layer and the next, on the critical path: no
+  overlap with backward is assumed for them.
+
 Step time: ``forward + backward + optimizer + max(0, comm − overlap · backward)``: ``overlap`` is the
 share of backward that can hide communication (0: none, an upper bound; 1: all of backward).
 """
@@ -130,6 +139,35 @@ def fsdp_comm_s(gather_bytes: float, regather_bytes: float, reduce_bytes: float,
     ``reduce_bytes`` (gradients in the reduce dtype)."""
     return all_gather_s(gather_bytes, n, link) + all_gather_s(regather_bytes, n, link) + \
         all_gather_s(reduce_bytes, n, link)
+
+
+def hsdp_comm_s(gather_bytes: float, regather_bytes: float, reduce_bytes: float, shard: int, replicate: int,
+                link: Link) -> float:
+    """Seconds of one HSDP step: :func:`fsdp_comm_s` within a group of ``shard`` ranks, then the all-reduce
+    of each rank's ``reduce_bytes / shard`` across the ``replicate`` groups (one link for both)."""
+    return fsdp_comm_s(gather_bytes, regather_bytes, reduce_bytes, shard, link) + \
+        all_reduce_s(reduce_bytes / shard, replicate, link)
+
+
+def collectives_s(collectives: list, n: int, link: Link) -> float:
+    """Seconds of traced collectives (``trainscale.plan.collectives.Collective``: ``kind`` and the bytes of
+    one rank's input) on groups of ``n`` ranks. An all-gather's full size is ``n`` times its input; an
+    all-to-all moves (n−1)/n of its input over each rank's link (nccl-tests' alltoall bus bandwidth).
+
+    Raises:
+        ValueError: a kind this model has no formula for.
+    """
+    total = 0.0
+    for c in collectives:
+        if c.kind == "all_reduce":
+            total += all_reduce_s(c.nbytes, n, link)
+        elif c.kind == "all_gather":
+            total += all_gather_s(c.nbytes * n, n, link)
+        elif c.kind in ("reduce_scatter", "all_to_all"):
+            total += all_gather_s(c.nbytes, n, link)
+        else:
+            raise ValueError(f"no time model for a {c.kind!r} collective")
+    return total
 
 
 def step_s(forward_s: float, backward_s: float, optimizer_s: float, comm_s: float, overlap: float = 0.0) -> float:

@@ -378,29 +378,37 @@ def _traced_steps(model, optimizer, batch, loss_fn, autocast, tracker) -> int:
 def traced_memory(meta_model: nn.Module, sample: tuple, batch_size: int, loss_fn: Callable,
                   optimizer_fn: Callable, strategy: str, devices: int, precision: str = "32-true",
                   activation_checkpointing: tuple = (), strategy_options: dict | None = None,
-                  rank: int = 0) -> dict[str, int]:
+                  rank: int = 0, tp_plan: dict | None = None) -> dict[str, Any]:
     """``{"peak", "activations"}`` in bytes of rank ``rank``, from :data:`TRACED_STEPS` steps on fake
-    tensors (no storage is allocated). DDP's bucket copy is not included (see :func:`exact_bytes`).
+    tensors (no storage is allocated), and ``"collectives"``: the functional collectives of one step
+    (:class:`trainscale.plan.collectives.Collective`; tensor parallelism's, none otherwise). DDP's bucket copy
+    is not included (see :func:`exact_bytes`).
 
     Args:
         sample: one training example ``(input, target)`` (tensors, or a target number).
         loss_fn: ``(outputs, targets) -> loss``.
         optimizer_fn: ``params -> Optimizer``.
-        strategy: "single", "ddp" (traced as one replica) or "fsdp" (traced through ``fully_shard``).
+        strategy: "single", "ddp" (traced as one replica), "fsdp" (traced through ``fully_shard``) or "tp"
+            (``devices`` tensor-parallel ranks, one node: the model split by the Runtime's ``apply_tp`` with
+            ``tp_plan``, None: the built-in GPT plan, before activation checkpointing, as the Runtime orders them).
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from trainscale.plan.collectives import CollectiveLog, per_step
     from trainscale.runtime.apply import apply_activation_checkpointing
     from trainscale.runtime.precision import Precision
+    from trainscale.runtime.strategies.apply_tp import apply_tp
 
     prec = Precision(precision, "cpu")
-    group = fake_process_group(devices, rank) if strategy == "fsdp" else contextlib.nullcontext()
+    sharded = strategy in ("fsdp", "tp")
+    group = fake_process_group(devices, rank) if sharded else contextlib.nullcontext()
     with group:
-        mesh = _mesh(devices) if strategy == "fsdp" else None
+        mesh = _mesh(devices) if sharded else None
         with _fake_mode():
-            # prepare_module's order (precision cast, then activation checkpointing) on the fake copy
-            model = apply_activation_checkpointing(_fake_copy(meta_model, precision),
-                                                   tuple(activation_checkpointing or ()))
+            model = _fake_copy(meta_model, precision)  # prepare_module's order: precision cast, TP, checkpointing
+            if strategy == "tp":
+                model = apply_tp(model, mesh, tp_plan)
+            model = apply_activation_checkpointing(model, tuple(activation_checkpointing or ()))
             if strategy == "fsdp":
                 model, tracker_of = _fake_fsdp(model, mesh, devices, precision, strategy_options)
             optimizer = optimizer_fn(model.parameters())
@@ -411,9 +419,11 @@ def traced_memory(meta_model: nn.Module, sample: tuple, batch_size: int, loss_fn
             else:
                 tracker = MemTracker()
                 tracker.track_external(model, optimizer, *batch)
-            activations = _traced_steps(model, optimizer, batch, loss_fn, prec.autocast, tracker)
+            with CollectiveLog() as log:
+                activations = _traced_steps(model, optimizer, batch, loss_fn, prec.autocast, tracker)
             peak = sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
-    return {"peak": int(peak), "activations": int(activations)}
+    return {"peak": int(peak), "activations": int(activations),
+            "collectives": per_step(log.collectives, TRACED_STEPS)}
 
 
 def _mesh(devices: int):

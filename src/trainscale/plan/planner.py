@@ -167,19 +167,20 @@ def _memory(meta, layout, work: Workload, strategy: str, n: int, bs: int, precis
     """Rank 0's estimate (under fsdp, hsdp and tp rank 0 holds the largest shards: ``torch.chunk`` gives
     the first ranks the longer parts, so it is the per-device maximum). hsdp's activations and peak are
     those of FSDP traced over its ``dp_shard`` ranks (what each replica runs; the all-reduce across
-    replicas works in place on the reduce-scattered gradients); tp's are not traced (None)."""
+    replicas works in place on the reduce-scattered gradients); tp's are traced on one node's ``tp`` ranks
+    (the Runtime's ``apply_tp`` on a fake process group) and not across nodes (tp × fsdp: None)."""
     from trainscale.plan import memory
 
     exact = memory.exact_bytes(meta, layout, strategy, n, 0, precision,
                                gradient_as_bucket_view=bool(options.get("gradient_as_bucket_view")),
                                parallel=parallel, tp_plan=options.get("tp_plan"))
-    if strategy == "tp":
+    if strategy == "tp" and parallel["tp"] != n:
         return MemoryEstimate(strategy, n, 0, bs, precision, exact["parameters"], exact["gradients"],
                               exact["optimizer"], exact["buffers"], exact["comm_buffers"], None, None)
     traced_as, traced_n = ("fsdp", parallel["dp_shard"]) if strategy == "hsdp" else (strategy, n)
     traced = memory.traced_memory(meta, work.sample, bs, work.loss_fn, work.optimizer_fn, traced_as, traced_n,
                                   precision, activation_checkpointing=ac,
-                                  strategy_options=_traced_options(strategy, options))
+                                  strategy_options=_traced_options(strategy, options), tp_plan=options.get("tp_plan"))
     return MemoryEstimate(strategy, n, 0, bs, precision, exact["parameters"], exact["gradients"],
                           exact["optimizer"], exact["buffers"], exact["comm_buffers"], traced["activations"],
                           traced["peak"] + exact["comm_buffers"])
@@ -206,8 +207,8 @@ def _row(meta, layout, work: Workload, strategy: str, n: int, bs: int, precision
     est = _memory(meta, layout, work, strategy, n, bs, precision, ac, kept, parallel)
     fits = None if est.peak is None else est.peak <= capacity
     note = " × ".join(f"{k} {v}" for k, v in (parallel or {}).items() if v > 1)
-    if strategy == "tp":
-        note += "; peak not traced"
+    if est.peak is None:
+        note += "; peak not traced across nodes"
     return PlanRow(strategy, n, bs, precision, est, fits, note)
 
 
