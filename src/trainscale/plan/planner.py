@@ -16,7 +16,7 @@ from trainscale.plan.memory import MemoryEstimate
 
 STRATEGIES = ("ddp", "fsdp", "hsdp", "tp")  # what plan() models; its default is DEFAULT_STRATEGIES
 DEFAULT_STRATEGIES = ("ddp", "fsdp")
-TIMED = ("ddp", "fsdp")  # strategies with a time model; hsdp and tp rows give memory only
+TIMED = ("ddp", "fsdp", "hsdp", "tp")  # strategies with a time model (tp: on one node, where its step is traced)
 DDP_OPTIONS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb")  # the probe's run
 
 
@@ -61,6 +61,7 @@ class PlanRow:
     memory: MemoryEstimate | None
     fits: bool | None
     note: str = ""
+    parallel: dict | None = None  # hsdp/tp: the Runtime's mesh sizes ({"dp_replicate": R, "dp_shard": S, "tp": T})
     step_s: float | None = None
     comm_s: float | None = None
     epoch_s: float | None = None
@@ -71,7 +72,7 @@ class PlanRow:
         out = asdict(self)
         out.pop("memory")
         out.update({f"{k}_bytes": v for k, v in (asdict(self.memory) if self.memory else {}).items()
-                    if k not in out})
+                    if k not in out and k != "collectives"})
         return out
 
 
@@ -183,7 +184,7 @@ def _memory(meta, layout, work: Workload, strategy: str, n: int, bs: int, precis
                                   strategy_options=_traced_options(strategy, options), tp_plan=options.get("tp_plan"))
     return MemoryEstimate(strategy, n, 0, bs, precision, exact["parameters"], exact["gradients"],
                           exact["optimizer"], exact["buffers"], exact["comm_buffers"], traced["activations"],
-                          traced["peak"] + exact["comm_buffers"])
+                          traced["peak"] + exact["comm_buffers"], tuple(traced["collectives"]))
 
 
 def _traced_options(strategy: str, options: dict) -> dict | None:
@@ -209,7 +210,7 @@ def _row(meta, layout, work: Workload, strategy: str, n: int, bs: int, precision
     note = " × ".join(f"{k} {v}" for k, v in (parallel or {}).items() if v > 1)
     if est.peak is None:
         note += "; peak not traced across nodes"
-    return PlanRow(strategy, n, bs, precision, est, fits, note)
+    return PlanRow(strategy, n, bs, precision, est, fits, note, parallel)
 
 
 def _comm_s(row: PlanRow, meta, precision: str, options: dict, link: comm.Link) -> float:
@@ -227,26 +228,56 @@ def _comm_s(row: PlanRow, meta, precision: str, options: dict, link: comm.Link) 
     unit_share = sum(p.numel() for p in meta.parameters() if id(p) in unit_params) / \
         max(1, sum(p.numel() for p in meta.parameters()))
     regather = 0.0 if options.get("reshard_after_forward") is False else compute_bytes * unit_share
+    if row.strategy == "hsdp":
+        return comm.hsdp_comm_s(compute_bytes, regather, grad_bytes, row.parallel["dp_shard"],
+                                row.parallel["dp_replicate"], link)
     return comm.fsdp_comm_s(compute_bytes, regather, grad_bytes, row.devices, link)
+
+
+def _compute_share(row: PlanRow, meta) -> float:
+    """The share of one device's compute a rank of ``row`` does: under tp its share of the parameters (a
+    transformer's matmul FLOPs are 2 per parameter per token, Kaplan et al. 2020, and the attention scores
+    split with the heads), else 1."""
+    if row.strategy != "tp":
+        return 1.0
+    total = sum(p.numel() * p.element_size() for p in meta.parameters())
+    return row.memory.parameters / total if total else 1.0
+
+
+def _sharded_optimizer(row: PlanRow) -> int:
+    """Ranks the optimizer's work is split over: fsdp's devices, hsdp's shard ranks, else 1."""
+    return row.devices if row.strategy == "fsdp" else row.parallel["dp_shard"] if row.strategy == "hsdp" else 1
 
 
 def _row_time(row: PlanRow, t, probed: dict, meta, precision: str, options: dict, link: comm.Link,
               overlap: float) -> None:
     """Step seconds of ``row``: the data loader's wait, the loop's own work, compute and the communication
     backward does not hide (``overlap``). Compute: one device's run (``t``), or for several devices on a
-    probed machine the probe's DDP run (N processes on this host slow each other); communication: the
-    modelled collectives, or when the row is ddp on the probe's own process count the exposed all-reduce
-    that run measured (its step taken whole)."""
+    probed machine the probe's DDP run (N processes on this host slow each other), under tp scaled by the
+    rank's share (:func:`_compute_share`); communication: the modelled collectives, or when the row is ddp on
+    the probe's own process count the exposed all-reduce that run measured (its step taken whole). tp's
+    collectives (traced) sit between layers, on the critical path: none of them is taken as hidden."""
     measured = probed.get(row.batch_size) if row.devices > 1 else None
     base = measured or t
     if measured is not None and row.strategy == "ddp" and row.devices == probed["devices"]:
         row.comm_s, row.note = measured.comm_s, f"step of a {row.devices}-process DDP run (probe)"
         row.step_s = measured.step_s
         return
-    row.comm_s = _comm_s(row, meta, precision, options, link) if row.devices > 1 else 0.0
-    optimizer_s = base.optimizer_s / row.devices if row.strategy == "fsdp" else base.optimizer_s
-    row.step_s = base.data_s + base.other_s + comm.step_s(base.forward_s, base.backward_s, optimizer_s, row.comm_s,
-                                                          overlap)
+    share = _compute_share(row, meta)
+    optimizer_s = base.optimizer_s * share / _sharded_optimizer(row)
+    if row.strategy == "tp":
+        row.comm_s = comm.collectives_s(row.memory.collectives, row.parallel["tp"], link)
+        work_s = comm.step_s(base.forward_s * share, base.backward_s * share, optimizer_s, 0.0) + row.comm_s
+    else:
+        row.comm_s = _comm_s(row, meta, precision, options, link) if row.devices > 1 else 0.0
+        work_s = comm.step_s(base.forward_s, base.backward_s, optimizer_s, row.comm_s, overlap)
+    row.step_s = base.data_s + base.other_s + work_s
+
+
+def _timed(row: PlanRow) -> bool:
+    """Whether ``row`` gets a time: a strategy with a time model, memory predicted, and under tp a traced step
+    (tp across nodes is not traced)."""
+    return row.memory is not None and row.strategy in TIMED and not (row.strategy == "tp" and row.memory.peak is None)
 
 
 def _add_time(rows: list[PlanRow], compute: dict, probed: dict, meta, precision: str, options: dict,
@@ -255,11 +286,12 @@ def _add_time(rows: list[PlanRow], compute: dict, probed: dict, meta, precision:
     batch size (missing: 0)."""
     for row in rows:
         t = compute.get(row.batch_size)
-        if t is None or row.memory is None or row.strategy not in TIMED:
+        if t is None or not _timed(row):
             continue
         _row_time(row, t, probed, meta, precision, options, link, overlap.get(row.batch_size, 0.0))
-        if dataset_size:
-            row.epoch_s = row.step_s * comm.steps_per_epoch(dataset_size, row.batch_size, row.devices)
+        if dataset_size:  # tp ranks of a group read the same batch: the epoch is split over the data-parallel ranks
+            data_parallel = row.devices // row.parallel["tp"] if row.strategy == "tp" else row.devices
+            row.epoch_s = row.step_s * comm.steps_per_epoch(dataset_size, row.batch_size, data_parallel)
         if row.epoch_s:  # gain over one device running the same epoch alone (no communication)
             one = t.step_s * comm.steps_per_epoch(dataset_size, row.batch_size, 1)
             row.gain = one / row.epoch_s
@@ -327,9 +359,9 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
         dataset_size: training samples per epoch (for epoch times).
         devices, batch_sizes: device counts and per-device micro-batch sizes.
         strategies: among "ddp", "fsdp", "hsdp", "tp" (default ddp and fsdp; fsdp needs 2+ devices, its
-            1-device rows say so). hsdp and tp rows: memory only (no time model yet); the mesh is the
-            Runtime's shorthand on nodes of ``devices_per_node`` (:func:`mesh_layout`); tp's activations
-            and peak are not traced (None, "—"), and its row's ``fits`` is None.
+            1-device rows say so). hsdp and tp rows: the mesh is the Runtime's shorthand on nodes of
+            ``devices_per_node`` (:func:`mesh_layout`); tp is traced (peak, collectives, time) on one node,
+            and across nodes gives exact bytes only (peak None, "—"; ``fits`` None; no time).
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
         optimizer: ``params -> Optimizer`` (default AdamW, lr 1e-3); loss_fn default cross-entropy.
         activation_checkpointing: module classes whose forward is recomputed in backward.
