@@ -89,7 +89,9 @@ def _gpt_batches(uneven: bool, rt):
     from tests.parallel_workers import text_loader
 
     if not uneven:
-        return zip(range(2), rt.setup_dataloader(text_loader(batch_size=4, samples=16)))
+        # 32 windows: 2 batches of 4 on each rank even with 4 data-parallel ranks (hsdp 2 × 2), so the second
+        # step runs with the optimizer state allocated, as the plan's trace does (16 gave hsdp one step)
+        return zip(range(2), rt.setup_dataloader(text_loader(batch_size=4, samples=32)))
     tokens = torch.randint(0, 255, (2, 4, 34), generator=torch.Generator().manual_seed(0))
     return enumerate((t[:, :-1], t[:, 1:]) for t in tokens)
 
@@ -97,24 +99,31 @@ def _gpt_batches(uneven: bool, rt):
 def measure_gpt_body(rank: int, strategy: str, parallel: dict, uneven: bool = False) -> dict:
     """The small GPT (:func:`gpt_config`) under ``strategy`` ("tp", "hsdp") with ``parallel``: this rank's
     parameter, gradient (after the second backward) and optimizer-state bytes (AdamW, after the second
-    step), the sizes of the local shards' storages."""
+    step), the sizes of the local shards' storages, and the peak of live tensor bytes (``MemTracker`` from
+    before the model is built; the batch read before it and copied inside, so each step's batch counts once)."""
     import torch.distributed as dist
 
     from trainscale.models import GPT, lm_loss
     from trainscale.runtime.runtime import Runtime
 
+    from torch.distributed._tools.mem_tracker import MemTracker
+
     try:
         rt = Runtime(accelerator="cpu", devices="auto", strategy=strategy, parallel=parallel, timeout=60)
         torch.manual_seed(0)
-        model, optimizer = rt.setup(GPT(gpt_config(uneven)), adamw)
-        for _, (x, y) in _gpt_batches(uneven, rt):
-            x, y = rt.to_device((x, y))
-            rt.backward(lm_loss(model(x), y))
-            grads = _storage_bytes(p.grad for p in model.parameters())
-            rt.step(optimizer)
-            optimizer.zero_grad(set_to_none=True)
+        batches = [rt.to_device(b) for _, b in _gpt_batches(uneven, rt)]
+        tracker = MemTracker()
+        with tracker:
+            model, optimizer = rt.setup(GPT(gpt_config(uneven)), adamw)
+            for x, y in batches:
+                rt.backward(lm_loss(model(x.clone()), y.clone()))  # the batch's bytes counted, as the plan counts them
+                grads = _storage_bytes(p.grad for p in model.parameters())
+                rt.step(optimizer)
+                optimizer.zero_grad(set_to_none=True)
+                tracker.reset_mod_stats()
+        peak = sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
         return {"parameters": _storage_bytes(model.parameters()), "gradients": grads,
-                "optimizer": _storage_bytes(t for s in optimizer.state.values() for t in s.values())}
+                "optimizer": _storage_bytes(t for s in optimizer.state.values() for t in s.values()), "peak": peak}
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -84,10 +84,10 @@ def test_plan_time_adds_the_modelled_communication_to_the_measured_step():
     t = result.compute[8]
     grad_bytes = 4 * sum(p.numel() for p in ConvNet().parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in ConvNet().buffers())  # BatchNorm statistics
-    assert t.data_s == 0.0  # no data set given: the loader is not timed
-    for row in result.rows:
+    assert result.overlap == {8: 0.0} and result.overlap_source.startswith("assumed none")
+    for row in result.rows:  # the Trainer's loop over copies of the sample: its step, plus the collectives
         assert row.comm_s == pytest.approx(comm.ddp_comm_s(grad_bytes, row.devices, link, buffer_bytes=buffer_bytes))
-        assert row.step_s == pytest.approx(t.forward_s + t.backward_s + t.optimizer_s + row.comm_s)
+        assert row.step_s == pytest.approx(t.step_s + row.comm_s)
         assert row.epoch_s == pytest.approx(row.step_s * comm.steps_per_epoch(1000, 8, row.devices))
         assert row.efficiency == pytest.approx(row.gain / row.devices)
     one, eight = result.rows[0], result.rows[2]
@@ -109,46 +109,84 @@ def test_cli_plan_prints_the_table_and_refuses_bad_flags(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(120)
-def test_probe_fits_a_positive_link_from_two_gloo_processes():
+@pytest.mark.timeout(240)
+def test_probe_fits_a_link_and_times_a_real_ddp_run_in_two_gloo_processes(tmp_path):
     work = planner.Workload(ConvNet(), SAMPLE, torch.nn.functional.cross_entropy, lambda p: torch.optim.AdamW(p))
-    steps = {"workload": work, "batch_sizes": [4, 16], "precision": "32-true", "threads": 1,
-             "bucket_bytes": 25 * 2**20}
+    steps = {"workload": work, "batch_sizes": [4, 16], "precision": "32-true", "threads": 1, "root": str(tmp_path)}
     link, raw = probe.probe(2, sizes=(2**12, 2**24), reps=5, steps=steps)  # 4 KiB vs 16 MiB: bandwidth, not noise
     assert link.source == "probe" and link.bus_bandwidth > 0 and link.latency >= 0
     assert raw["world_size"] == 2 and len(raw["all_reduce"]) == len(raw["all_gather"]) == 2
-    # the ConvNet's step timed in both processes with DDP's broadcast and all-reduce in place
-    assert set(raw["steps"]) == {4, 16} and all(t["comm_s"] > 0 and t["forward_s"] > 0 for t in raw["steps"].values())
+    # the ConvNet trained by the Trainer under ddp in both processes: its telemetry saw the all-reduce
+    assert set(raw["steps"]) == {4, 16}
+    for t in raw["steps"].values():
+        assert t["forward_s"] > 0 and t["backward_s"] > 0 and t["comm_s"] + t["hidden_comm_s"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir())  # the runs were written under the root given
 
 
-def test_probed_rows_take_the_step_the_probe_timed_and_the_data_loader_time():
+def test_a_trainer_summary_becomes_compute_times_with_the_exposed_all_reduce_out_of_backward():
+    from trainscale.plan.measure import from_summary
+
+    summary = {"steps": 10, "epoch_time_s": [0.5], "device": "cpu",
+               "telemetry": {"phase_s": {"data": 0.001, "forward": 0.010, "backward": 0.030, "optimizer": 0.004},
+                             "comm_s": 0.012, "exposed_comm_s": 0.002}}
+    t = from_summary(8, summary)
+    assert (t.forward_s, t.backward_s, t.comm_s) == pytest.approx((0.010, 0.028, 0.002))
+    assert t.hidden_comm_s == pytest.approx(0.010) and t.overlap == pytest.approx(0.010 / 0.028)
+    assert t.other_s == pytest.approx(0.05 - 0.045) and t.step_s == pytest.approx(0.05)  # the loop's wall time
+    one = from_summary(8, {**summary, "telemetry": {**summary["telemetry"], "comm_s": None, "exposed_comm_s": None}})
+    assert one.comm_s == one.hidden_comm_s == one.overlap == 0.0 and one.backward_s == 0.030
+    with pytest.raises(ValueError, match="telemetry"):
+        from_summary(8, {"steps": 10, "epoch_time_s": [0.5], "telemetry": None})
+
+
+def test_the_timed_run_lasts_the_least_steps_or_the_least_seconds_whichever_is_longer():
+    from trainscale.plan.measure import _timed_steps
+
+    assert _timed_steps({"steps": 3, "epoch_time_s": [0.03]}, 20, 2.0) == 200  # 10 ms steps: 2 s is 200 of them
+    assert _timed_steps({"steps": 3, "epoch_time_s": [3.0]}, 20, 2.0) == 20  # 1 s steps: the 20 steps are longer
+    assert _timed_steps({"steps": 3, "epoch_time_s": [0.0]}, 20, 2.0) == 20
+
+
+def test_probed_rows_take_the_ddp_run_whole_and_its_measured_overlap_elsewhere():
     from trainscale.plan.measure import ComputeTime
 
     link = comm.Link(bus_bandwidth=1e9, latency=1e-4)
-    one = ComputeTime(8, 0.010, 0.020, 0.003, "cpu", data_s=0.001)
-    together = ComputeTime(8, 0.015, 0.025, 0.004, "cpu", comm_s=0.006)  # 2 processes at once, DDP's collectives
+    one = ComputeTime(8, 0.010, 0.020, 0.003, "cpu", data_s=0.001, other_s=0.0005)
+    # 2 processes through the Trainer under ddp: 0.006 s of the all-reduce exposed, 0.005 s hidden in backward
+    together = ComputeTime(8, 0.015, 0.025, 0.004, "cpu", comm_s=0.006, data_s=0.002, other_s=0.001,
+                           hidden_comm_s=0.005)
     result = planner.plan(ConvNet, sample=SAMPLE, devices=[1, 2, 4], batch_sizes=[8], strategies=["ddp", "fsdp"],
                           device_memory="1GB", measure=False)
     meta = build_meta_model(ConvNet)
-    planner._add_time(result.rows, {8: one}, {"devices": 2, 8: together}, meta, "32-true", {}, link, 0.0, 1000)
+    overlaps, source = planner._overlap(None, {"devices": 2, 8: together}, [8])
+    assert overlaps == {8: pytest.approx(0.2)} and "measured" in source  # 0.005 s hidden / 0.025 s of backward
+    assert planner._overlap(0.5, {"devices": 2, 8: together}, [8])[1] == "given"
+    assert planner._overlap(None, {}, [8]) == ({8: 0.0}, planner._overlap(None, {}, [8])[1])
+    planner._add_time(result.rows, {8: one}, {"devices": 2, 8: together}, meta, "32-true", {}, link, overlaps, 1000)
     by = {(r.strategy, r.devices): r for r in result.rows}
-    assert by[("ddp", 1)].step_s == pytest.approx(0.001 + 0.033) and by[("ddp", 1)].comm_s == 0.0
-    assert by[("ddp", 2)].comm_s == 0.006 and "probed" in by[("ddp", 2)].note
-    assert by[("ddp", 2)].step_s == pytest.approx(0.001 + 0.015 + 0.025 + 0.004 + 0.006)
-    # other device counts and strategies: the probed compute plus the modelled collectives
-    assert by[("ddp", 4)].comm_s == pytest.approx(planner._comm_s(by[("ddp", 4)], meta, "32-true", {}, link))
-    assert by[("ddp", 4)].step_s == pytest.approx(0.001 + 0.044 + by[("ddp", 4)].comm_s)
+    assert by[("ddp", 1)].step_s == pytest.approx(0.001 + 0.033 + 0.0005) and by[("ddp", 1)].comm_s == 0.0
+    assert by[("ddp", 2)].comm_s == 0.006 and "DDP run" in by[("ddp", 2)].note
+    assert by[("ddp", 2)].step_s == pytest.approx(together.step_s)
+    # other device counts and strategies: the probed compute plus the modelled collectives, 0.2 of backward hiding them
+    four = by[("ddp", 4)]
+    assert four.comm_s == pytest.approx(planner._comm_s(four, meta, "32-true", {}, link))
+    assert four.step_s == pytest.approx(0.003 + 0.044 + max(0.0, four.comm_s - 0.2 * 0.025))
     fsdp = by[("fsdp", 2)]
-    assert fsdp.step_s == pytest.approx(0.001 + 0.015 + 0.025 + 0.004 / 2 + fsdp.comm_s) and not fsdp.note
+    assert fsdp.step_s == pytest.approx(0.003 + 0.015 + 0.025 + 0.004 / 2 + max(0.0, fsdp.comm_s - 0.2 * 0.025))
+    assert not fsdp.note
 
 
-def test_measure_data_times_the_workload_loader():
+def test_one_device_is_timed_by_a_short_run_of_the_real_trainer(tmp_path):
     from torch.utils.data import TensorDataset
 
-    from trainscale.plan.measure import measure_data
+    from trainscale.plan.measure import trainer_steps
 
     data = TensorDataset(torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,)))
-    assert measure_data(data, 8, {"num_workers": 0}, batches=4) > 0
+    times = trainer_steps(ConvNet(), data, None, [8], torch.nn.functional.cross_entropy,
+                          lambda p: torch.optim.AdamW(p), "32-true", str(tmp_path), threads=1, steps=3)
+    t = times[8]
+    assert t.forward_s > 0 and t.backward_s > 0 and t.optimizer_s > 0 and t.data_s > 0
+    assert t.comm_s == t.hidden_comm_s == 0.0  # one process communicates nothing
 
 
 def test_gpt_worked_example_of_docs_plan_md_runs_and_prints_the_table():

@@ -2,7 +2,9 @@
 
 For every precision of the grid, :func:`trainscale.plan.plan` runs once for the same workload, device
 counts, per-device batch sizes and strategies (with ``probe=True`` when the grid has several devices:
-the link and the 2-process step of this machine), and each measured row gets
+the link, and a short 2-process DDP run of the workload through the Trainer, whose step the 2-device ddp
+cells take and whose measured overlap of communication and backward the other cells use), and each
+measured row gets
 
 - ``predicted_epoch_time_s``: the plan's epoch time for that cell (s);
 - ``predicted_peak_bytes``: the plan's peak memory per device (bytes of live tensors; the measured
@@ -10,7 +12,7 @@ the link and the 2-process step of this machine), and each measured row gets
   the interpreter and libraries);
 - ``predicted_error``: predicted ÷ measured epoch time − 1 (e.g. -0.12: 12 % too fast).
 
-Cells whose strategy the plan has no time model for (hsdp, tp) get no prediction (the columns stay empty).
+Cells whose strategy the plan has no time model for (pp; tp across nodes) get no prediction (the columns stay empty).
 """
 
 from __future__ import annotations

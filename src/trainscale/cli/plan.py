@@ -28,9 +28,12 @@ def add_parser(sub, ints, names) -> None:
                       help="memory per device, e.g. 80GB (default: the visible GPU's, else this machine's RAM)")
     plan.add_argument("--bandwidth", default=None, metavar="BW[,latency=T]",
                       help="bus bandwidth of the fabric, e.g. 400GB/s,latency=10us (nccl-tests' busbw)")
-    plan.add_argument("--probe", action="store_true", help="measure the link between 2 processes on this machine")
-    plan.add_argument("--overlap", type=float, default=0.0,
-                      help="share of backward that hides communication, 0..1 (default 0: none, an upper bound)")
+    plan.add_argument("--probe", action="store_true",
+                      help="measure this machine: the link between 2 processes, then a short 2-process DDP run of "
+                           "the workload (its step and its overlap of communication and backward)")
+    plan.add_argument("--overlap", type=float, default=None,
+                      help="share of backward that hides communication, 0..1 (default: measured by --probe's DDP "
+                           "run, else 0: none, an upper bound)")
     plan.add_argument("--device-flops", type=float, default=None, metavar="FLOPS",
                       help="FLOP/s of a device you are not on, e.g. 989e12 (H100 SXM, dense bf16): compute time "
                            "from the step's counted FLOPs (a lower bound) instead of a run on this machine")

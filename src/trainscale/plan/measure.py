@@ -1,30 +1,47 @@
-"""The measured part of the time prediction: one device's forward, backward and optimizer seconds per
-micro-batch, from a short real run (warm-up steps untimed, then the mean of timed steps); the data
-loader's seconds per batch; and, inside ``trainscale plan --probe``'s processes, the same step with
-the collectives a DDP step issues, timed where DDP issues them (:mod:`trainscale.plan.probe`).
+"""The measured part of the time prediction: short runs of the real :class:`~trainscale.train.trainer.Trainer`
+(the loop bench times), one device's in the planner's process and, inside ``trainscale plan --probe``'s
+processes, a real DDP run (:mod:`trainscale.plan.probe`). Each batch size gets a warm-up run
+(``WARMUP_STEPS``, untimed) and a timed one of at least ``STEPS`` steps and about ``MIN_SECONDS`` of
+wall time (its length read from the warm-up's step; the epoch, if shorter); the Trainer's
+telemetry splits the timed steps into data, forward, backward (with the gradient all-reduce's exposed
+part separated) and optimizer seconds, and the rest of the loop's wall time (the Trainer's own
+per-step work: callbacks, fault checks, loss bookkeeping) is kept as ``other_s``.
 
-This allocates the model on the device, unlike :mod:`trainscale.plan.memory`.
+Why the real loop and not a hand-written step: measured on this 2-core VM (docs/plan.md), a
+hand-written step of the ConvNet missed 4–10 % of the Trainer's step on one process and more on two
+(DDP's forward and its Reducer's per-bucket work, the DistributedSampler's loader), so predictions
+were systematically low.
 
-On a CPU a "device" is what a bench cell gives each process: ``cores ÷ processes`` threads
+This allocates the model on the device, unlike :mod:`trainscale.plan.memory`. On a CPU a "device" is
+what a bench cell gives each process: ``cores ÷ processes`` threads
 (``trainscale.bench.runner.threads_per_process``), so the planner passes ``threads``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
+import copy
+import io
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+WARMUP_STEPS = 3
+STEPS = 20
+# Seconds a timed run lasts at least: 20 steps of a 7 ms step (the ConvNet at batch 4 on 2 processes) are
+# 0.14 s, which one descheduled moment on a shared host moves by half (two probes a minute apart predicted
+# 5.3 and 3.4 s for the same epoch, docs/plan.md); the epoch averages such moments over its whole length.
+MIN_SECONDS = 2.0
+
 
 @dataclass(frozen=True)
 class ComputeTime:
-    """Mean seconds per micro-batch of ``batch_size`` on one device; ``comm_s``: the collectives timed
-    in the step (0 outside the probe); ``data_s``: the data loader's seconds per batch (0: not measured)."""
+    """Mean seconds per step of ``batch_size`` per device: forward, backward (compute only), optimizer;
+    ``comm_s``: the gradient communication the step waited for (exposed; 0 on one device);
+    ``hidden_comm_s``: the communication that ran while backward computed; ``data_s``: the data
+    loader's wait; ``other_s``: the rest of the loop's wall time (the Trainer's own work)."""
 
     batch_size: int
     forward_s: float
@@ -33,15 +50,18 @@ class ComputeTime:
     device: str
     comm_s: float = 0.0
     data_s: float = 0.0
+    other_s: float = 0.0
+    hidden_comm_s: float = 0.0
 
     @property
     def step_s(self) -> float:
-        return self.forward_s + self.backward_s + self.optimizer_s + self.comm_s + self.data_s
+        return self.forward_s + self.backward_s + self.optimizer_s + self.comm_s + self.data_s + self.other_s
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    @property
+    def overlap(self) -> float:
+        """The share of backward that hid communication (``hidden_comm_s / backward_s``, within [0, 1]):
+        the ``overlap`` of :func:`trainscale.plan.comm.step_s`, measured."""
+        return min(1.0, self.hidden_comm_s / self.backward_s) if self.backward_s > 0 else 0.0
 
 
 @contextlib.contextmanager
@@ -56,82 +76,96 @@ def num_threads(threads: int | None):
         torch.set_num_threads(before)
 
 
-def _timed_step(model, optimizer, x, y, loss_fn, prec, device, collectives) -> tuple[float, float, float, float]:
-    """One training step: ``(forward, backward, collectives, optimizer)`` seconds."""
-    _sync(device)
-    t0 = time.perf_counter()
-    if collectives is not None:
-        collectives.before_forward()
-    t1 = time.perf_counter()
-    with prec.autocast():
-        loss = loss_fn(model(x), y)
-    _sync(device)
-    t2 = time.perf_counter()
-    prec.backward(loss)
-    _sync(device)
-    t3 = time.perf_counter()
-    if collectives is not None:
-        collectives.after_backward()
-    t4 = time.perf_counter()
-    prec.optimizer_step(optimizer)
-    optimizer.zero_grad(set_to_none=True)
-    _sync(device)
-    return t2 - t1, t3 - t2, (t1 - t0) + (t4 - t3), time.perf_counter() - t4
-
-
-def measure_compute(model: nn.Module, sample: tuple, batch_size: int, loss_fn: Callable, optimizer_fn: Callable,
-                    precision: str = "32-true", device: torch.device | None = None, steps: int = 10,
-                    warmup: int = 3, threads: int | None = None, collectives: Any = None) -> ComputeTime:
-    """Time ``steps`` training steps of ``model`` (a real module, moved to ``device``) on a batch of
-    ``batch_size`` copies of ``sample`` after ``warmup`` untimed steps.
-
-    Args:
-        model: the module to time; it is trained (its weights change).
-        sample: one example ``(input, target)``.
-        device: default: the first CUDA device, else the CPU.
-        threads: CPU threads for the run (None: torch's current setting).
-        collectives: None, or an object whose ``before_forward()`` and ``after_backward()`` run a step's
-            collectives where DDP runs them (the probe's; see :mod:`trainscale.plan.probe`), timed as ``comm_s``.
+def from_summary(batch_size: int, summary: dict) -> ComputeTime:
+    """A :class:`ComputeTime` from ``Trainer.fit``'s summary: the telemetry's per-step phases (means over
+    ranks), its exposed and total gradient communication (``trainscale.telemetry.overlap``: backward
+    holds the exposed part, which is moved to ``comm_s``), and the loop's wall time per step (the
+    epoch times over the steps) less the phases as ``other_s``.
 
     Raises:
-        ValueError: ``steps`` < 1 or ``warmup`` < 0.
+        ValueError: the summary has no telemetry or no step.
     """
-    from trainscale.runtime.precision import Precision
-
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    prec = Precision(precision, device.type)
-    model = prec.convert_module(model.to(device))
-    optimizer = optimizer_fn(model.parameters())
-    x, y = (torch.stack([torch.as_tensor(t)] * batch_size).to(device) for t in sample)
-    x = prec.convert_input(x)
-    with num_threads(threads):
-        times = [_timed_step(model, optimizer, x, y, loss_fn, prec, device, collectives)
-                 for _ in range(warmup + steps)][warmup:]
-    # the mean, not the median: an epoch is the sum of its steps, and on a shared host the slow steps
-    # (a descheduled process, a peer that wakes late) are part of that sum
-    fwd, bwd, comm, opt = (statistics.fmean(col) for col in zip(*times))
-    return ComputeTime(batch_size, fwd, bwd, opt, str(device), comm_s=comm)
+    tel = summary.get("telemetry") or {}
+    phases, steps = tel.get("phase_s"), summary.get("steps")
+    if not phases or not steps:
+        raise ValueError("the timed run has no telemetry or no step: run the Trainer with enable_telemetry=True")
+    exposed = tel.get("exposed_comm_s") or 0.0
+    total = tel.get("comm_s") or 0.0
+    wall = sum(summary["epoch_time_s"]) / steps
+    return ComputeTime(batch_size, phases["forward"], max(0.0, phases["backward"] - exposed), phases["optimizer"],
+                       summary.get("device", ""), comm_s=exposed, data_s=phases["data"],
+                       other_s=max(0.0, wall - sum(phases.values())), hidden_comm_s=max(0.0, total - exposed))
 
 
-def measure_data(dataset: Any, batch_size: int, loader_kwargs: dict | None = None, batches: int = 20,
-                 threads: int | None = None) -> float:
-    """Seconds per batch to draw shuffled batches of ``batch_size`` from ``dataset`` through a
-    ``DataLoader`` built with the workload's ``loader_kwargs`` (bench's ``dataloader`` entry): the loop's
-    data wait when the loader runs in the training process (``num_workers=0``), an upper bound with workers."""
+def _timed_steps(warm: dict, steps: int, min_seconds: float) -> int:
+    """Steps of the timed run: ``steps``, or more to last ``min_seconds`` at the warm-up's seconds per step;
+    the largest over the ranks (all-reduced when a process group runs), so every rank runs as many."""
+    import math
+
+    import torch.distributed as dist
+
+    per_step = sum(warm["epoch_time_s"]) / max(1, warm["steps"])
+    n = max(steps, math.ceil(min_seconds / per_step) if per_step > 0 else steps)
+    if not dist.is_initialized():
+        return n
+    agreed = torch.tensor(n, device="cuda" if dist.get_backend() == "nccl" else "cpu")  # nccl reduces CUDA tensors
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return int(agreed)
+
+
+class _Repeated(torch.utils.data.Dataset):
+    """``n`` copies of one example (a workload given as a model and a sample, without a data set)."""
+
+    def __init__(self, sample: tuple, n: int) -> None:
+        self.sample, self.n = tuple(torch.as_tensor(t) for t in sample), n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple:
+        return self.sample
+
+
+def trainer_steps(model: nn.Module, dataset: Any, sample: tuple, batch_sizes: list[int], loss_fn: Callable,
+                  optimizer_fn: Callable, precision: str, root: str, threads: int | None = None,
+                  loader_kwargs: dict | None = None, steps: int = STEPS, min_seconds: float = MIN_SECONDS,
+                  strategy_options: dict | None = None) -> dict[int, ComputeTime]:
+    """Per batch size, the real Trainer's step on this process: one device, or this rank of the running
+    process group under ``strategy="ddp"`` (every rank must call it). The Trainer's output is silenced.
+
+    Args:
+        model: copied for each run (never trained itself).
+        dataset: the training set (shuffled through a ``DataLoader`` with ``loader_kwargs``); None: copies
+            of ``sample``.
+        root: the runs' ``default_root_dir`` (the same path on every rank).
+        threads: CPU threads for the runs (None: torch's current setting).
+        steps, min_seconds: the timed run's least steps and its least wall time (s), whichever is longer.
+        strategy_options: ddp's options (``bucket_cap_mb``, ...), for several ranks.
+    """
+    import torch.distributed as dist
     from torch.utils.data import DataLoader
 
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, **(loader_kwargs or {}))
-    with num_threads(threads):
-        it = iter(loader)
-        next(it, None)  # the first batch starts the workers, if any
-        t0, n = time.perf_counter(), 0
-        for _ in range(batches):
-            if next(it, None) is None:
-                break
-            n += 1
-    return (time.perf_counter() - t0) / n if n else 0.0
+    from trainscale.train.trainer import Trainer
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    data = dataset if dataset is not None else _Repeated(sample, max(batch_sizes) * world * (WARMUP_STEPS + steps))
+    # (copies of the sample hold WARMUP_STEPS + steps batches per rank: a timed run ends there, at the epoch's end)
+    common = dict(devices=world, strategy="ddp" if world > 1 else "auto", precision=precision, seed=0,
+                  max_epochs=1, enable_progress_bar=False, enable_checkpointing=False, log_every_n_steps=10**9,
+                  handle_signals=False, default_root_dir=root,
+                  strategy_options=(strategy_options or None) if world > 1 else None)
+    out = {}
+    with num_threads(threads), contextlib.redirect_stdout(io.StringIO()):
+        for bs in batch_sizes:
+            loader = DataLoader(data, batch_size=bs, shuffle=True, **(loader_kwargs or {}))
+            # the warm-up run pays kernels, allocator, DDP's first buckets, and tells the step's length
+            warm = Trainer(max_steps=WARMUP_STEPS, **common).fit(copy.deepcopy(model), loader, loss_fn=loss_fn,
+                                                                 optimizer=optimizer_fn)
+            n = _timed_steps(warm, steps, min_seconds)
+            summary = Trainer(max_steps=n, **common).fit(copy.deepcopy(model), loader, loss_fn=loss_fn,
+                                                         optimizer=optimizer_fn)
+            out[bs] = from_summary(bs, summary)
+    return out
 
 
 def counted_compute(meta_model: nn.Module, sample: tuple, batch_size: int, loss_fn: Callable, precision: str,

@@ -47,7 +47,8 @@ class MemoryEstimate:
     ``zero_grad``). ``comm_buffers``: DDP's gradient bucket copy. ``activations``: bytes alive at the end
     of forward that were not alive before it (tensors saved for backward, outputs, loss).
     ``peak``: the most bytes alive at once during a steady-state step (params, grads, states,
-    activations, temporaries, communication buffers, the input batch).
+    activations, temporaries, communication buffers, the input batch). ``collectives``: the functional
+    collectives of one traced step (tensor parallelism's; ``trainscale.plan.collectives``), else empty.
     """
 
     strategy: str
@@ -62,6 +63,7 @@ class MemoryEstimate:
     comm_buffers: int
     activations: int
     peak: int
+    collectives: tuple = ()
 
 
 # -- models without storage ------------------------------------------------------------------------

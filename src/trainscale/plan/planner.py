@@ -16,7 +16,8 @@ from trainscale.plan.memory import MemoryEstimate
 
 STRATEGIES = ("ddp", "fsdp", "hsdp", "tp")  # what plan() models; its default is DEFAULT_STRATEGIES
 DEFAULT_STRATEGIES = ("ddp", "fsdp")
-TIMED = ("ddp", "fsdp")  # strategies with a time model; hsdp and tp rows give memory only
+TIMED = ("ddp", "fsdp", "hsdp", "tp")  # strategies with a time model (tp: on one node, where its step is traced)
+DDP_OPTIONS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb")  # the probe's run
 
 
 @dataclass
@@ -60,6 +61,7 @@ class PlanRow:
     memory: MemoryEstimate | None
     fits: bool | None
     note: str = ""
+    parallel: dict | None = None  # hsdp/tp: the Runtime's mesh sizes ({"dp_replicate": R, "dp_shard": S, "tp": T})
     step_s: float | None = None
     comm_s: float | None = None
     epoch_s: float | None = None
@@ -70,7 +72,7 @@ class PlanRow:
         out = asdict(self)
         out.pop("memory")
         out.update({f"{k}_bytes": v for k, v in (asdict(self.memory) if self.memory else {}).items()
-                    if k not in out})
+                    if k not in out and k != "collectives"})
         return out
 
 
@@ -78,13 +80,17 @@ class PlanRow:
 class PlanResult:
     """Rows (one per strategy × devices × batch size), the device memory they were held against
     (bytes), the link (None: no time prediction), the single-device compute times measured and, with
-    ``probe=True``, the steps the probe's processes timed together (batch size → ``ComputeTime``)."""
+    ``probe=True``, the steps of the probe's DDP run (batch size → ``ComputeTime``); ``overlap``: the
+    share of backward that hides communication in the modelled rows (batch size → 0..1) and
+    ``overlap_source``, where it came from."""
 
     rows: list[PlanRow]
     device_memory: int
     link: comm.Link | None
     compute: dict = field(default_factory=dict)
     probed: dict = field(default_factory=dict)
+    overlap: dict = field(default_factory=dict)
+    overlap_source: str = ""
 
     def smallest(self) -> PlanRow | None:
         """The configuration that fits with the least peak memory per device."""
@@ -136,8 +142,8 @@ def _check(devices, batch_sizes, strategies, overlap) -> None:
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
         raise ValueError(f"strategies={strategies!r}: plan models {', '.join(STRATEGIES)}")
-    if not 0.0 <= overlap <= 1.0:
-        raise ValueError(f"overlap={overlap} must be within [0, 1]")
+    if overlap is not None and not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap={overlap} must be within [0, 1] (or None: measured by the probe's DDP run)")
 
 
 def mesh_layout(strategy: str, n: int, devices_per_node: int) -> dict:
@@ -178,7 +184,7 @@ def _memory(meta, layout, work: Workload, strategy: str, n: int, bs: int, precis
                                   strategy_options=_traced_options(strategy, options), tp_plan=options.get("tp_plan"))
     return MemoryEstimate(strategy, n, 0, bs, precision, exact["parameters"], exact["gradients"],
                           exact["optimizer"], exact["buffers"], exact["comm_buffers"], traced["activations"],
-                          traced["peak"] + exact["comm_buffers"])
+                          traced["peak"] + exact["comm_buffers"], tuple(traced["collectives"]))
 
 
 def _traced_options(strategy: str, options: dict) -> dict | None:
@@ -204,7 +210,7 @@ def _row(meta, layout, work: Workload, strategy: str, n: int, bs: int, precision
     note = " × ".join(f"{k} {v}" for k, v in (parallel or {}).items() if v > 1)
     if est.peak is None:
         note += "; peak not traced across nodes"
-    return PlanRow(strategy, n, bs, precision, est, fits, note)
+    return PlanRow(strategy, n, bs, precision, est, fits, note, parallel)
 
 
 def _comm_s(row: PlanRow, meta, precision: str, options: dict, link: comm.Link) -> float:
@@ -222,62 +228,92 @@ def _comm_s(row: PlanRow, meta, precision: str, options: dict, link: comm.Link) 
     unit_share = sum(p.numel() for p in meta.parameters() if id(p) in unit_params) / \
         max(1, sum(p.numel() for p in meta.parameters()))
     regather = 0.0 if options.get("reshard_after_forward") is False else compute_bytes * unit_share
+    if row.strategy == "hsdp":
+        return comm.hsdp_comm_s(compute_bytes, regather, grad_bytes, row.parallel["dp_shard"],
+                                row.parallel["dp_replicate"], link)
     return comm.fsdp_comm_s(compute_bytes, regather, grad_bytes, row.devices, link)
+
+
+def _compute_share(row: PlanRow, meta) -> float:
+    """The share of one device's compute a rank of ``row`` does: under tp its share of the parameters (a
+    transformer's matmul FLOPs are 2 per parameter per token, Kaplan et al. 2020, and the attention scores
+    split with the heads), else 1."""
+    if row.strategy != "tp":
+        return 1.0
+    total = sum(p.numel() * p.element_size() for p in meta.parameters())
+    return row.memory.parameters / total if total else 1.0
+
+
+def _sharded_optimizer(row: PlanRow) -> int:
+    """Ranks the optimizer's work is split over: fsdp's devices, hsdp's shard ranks, else 1."""
+    return row.devices if row.strategy == "fsdp" else row.parallel["dp_shard"] if row.strategy == "hsdp" else 1
 
 
 def _row_time(row: PlanRow, t, probed: dict, meta, precision: str, options: dict, link: comm.Link,
               overlap: float) -> None:
-    """Step seconds of ``row``: the data loader's time plus compute plus the communication backward does
-    not hide. Compute: one device's (``t``), or for several devices on a probed machine the step the
-    probe's processes ran together; communication: the modelled collectives, or DDP's collectives as
-    the probe timed them in place when the row is ddp on the probe's own process count."""
+    """Step seconds of ``row``: the data loader's wait, the loop's own work, compute and the communication
+    backward does not hide (``overlap``). Compute: one device's run (``t``), or for several devices on a
+    probed machine the probe's DDP run (N processes on this host slow each other), under tp scaled by the
+    rank's share (:func:`_compute_share`); communication: the modelled collectives, or when the row is ddp on
+    the probe's own process count the exposed all-reduce that run measured (its step taken whole). tp's
+    collectives (traced) sit between layers, on the critical path: none of them is taken as hidden."""
     measured = probed.get(row.batch_size) if row.devices > 1 else None
     base = measured or t
-    in_place = measured is not None and row.strategy == "ddp" and row.devices == probed["devices"]
-    if in_place:
-        row.comm_s, row.note = measured.comm_s, f"step probed on {row.devices} processes"
+    if measured is not None and row.strategy == "ddp" and row.devices == probed["devices"]:
+        row.comm_s, row.note = measured.comm_s, f"step of a {row.devices}-process DDP run (probe)"
+        row.step_s = measured.step_s
+        return
+    share = _compute_share(row, meta)
+    optimizer_s = base.optimizer_s * share / _sharded_optimizer(row)
+    if row.strategy == "tp":
+        row.comm_s = comm.collectives_s(row.memory.collectives, row.parallel["tp"], link)
+        work_s = comm.step_s(base.forward_s * share, base.backward_s * share, optimizer_s, 0.0) + row.comm_s
     else:
         row.comm_s = _comm_s(row, meta, precision, options, link) if row.devices > 1 else 0.0
-    optimizer_s = base.optimizer_s / row.devices if row.strategy == "fsdp" else base.optimizer_s
-    row.step_s = t.data_s + comm.step_s(base.forward_s, base.backward_s, optimizer_s, row.comm_s, overlap)
+        work_s = comm.step_s(base.forward_s, base.backward_s, optimizer_s, row.comm_s, overlap)
+    row.step_s = base.data_s + base.other_s + work_s
+
+
+def _timed(row: PlanRow) -> bool:
+    """Whether ``row`` gets a time: a strategy with a time model, memory predicted, and under tp a traced step
+    (tp across nodes is not traced)."""
+    return row.memory is not None and row.strategy in TIMED and not (row.strategy == "tp" and row.memory.peak is None)
 
 
 def _add_time(rows: list[PlanRow], compute: dict, probed: dict, meta, precision: str, options: dict,
-              link: comm.Link, overlap: float, dataset_size: int | None) -> None:
-    """Fill step, epoch, gain and efficiency of each row from the measured compute times."""
+              link: comm.Link, overlap: dict, dataset_size: int | None) -> None:
+    """Fill step, epoch, gain and efficiency of each row from the measured compute times; ``overlap``: per
+    batch size (missing: 0)."""
     for row in rows:
         t = compute.get(row.batch_size)
-        if t is None or row.memory is None or row.strategy not in TIMED:
+        if t is None or not _timed(row):
             continue
-        _row_time(row, t, probed, meta, precision, options, link, overlap)
-        if dataset_size:
-            row.epoch_s = row.step_s * comm.steps_per_epoch(dataset_size, row.batch_size, row.devices)
+        _row_time(row, t, probed, meta, precision, options, link, overlap.get(row.batch_size, 0.0))
+        if dataset_size:  # tp ranks of a group read the same batch: the epoch is split over the data-parallel ranks
+            data_parallel = row.devices // row.parallel["tp"] if row.strategy == "tp" else row.devices
+            row.epoch_s = row.step_s * comm.steps_per_epoch(dataset_size, row.batch_size, data_parallel)
         if row.epoch_s:  # gain over one device running the same epoch alone (no communication)
-            one = (t.data_s + comm.step_s(t.forward_s, t.backward_s, t.optimizer_s, 0.0)) * \
-                comm.steps_per_epoch(dataset_size, row.batch_size, 1)
+            one = t.step_s * comm.steps_per_epoch(dataset_size, row.batch_size, 1)
             row.gain = one / row.epoch_s
             row.efficiency = row.gain / row.devices
 
 
 def _measure(work: Workload, batch_sizes: list, precision: str, threads: int | None) -> dict:
-    """One device's compute per batch size, with the data loader's seconds per batch when the workload
-    has a data set."""
-    from dataclasses import replace
+    """One device's step per batch size: a short run of the real Trainer in this process."""
+    import tempfile
 
-    from trainscale.plan.measure import measure_compute, measure_data
+    from trainscale.plan.measure import trainer_steps
 
     model, sample, dataset = work.real()
-    out = {}
-    for bs in batch_sizes:
-        t = measure_compute(model, sample, bs, work.loss_fn, work.optimizer_fn, precision, threads=threads)
-        data_s = measure_data(dataset, bs, work.loader_kwargs, threads=threads) if dataset is not None else 0.0
-        out[bs] = replace(t, data_s=data_s)
-    return out
+    with tempfile.TemporaryDirectory(prefix="trainscale-plan-") as root:
+        return trainer_steps(model, dataset, sample, batch_sizes, work.loss_fn, work.optimizer_fn, precision, root,
+                             threads=threads, loader_kwargs=work.loader_kwargs)
 
 
 def _probe(work: Workload, batch_sizes: list, precision: str, threads: int | None, options: dict,
            nprocs: int = 2) -> tuple[comm.Link, dict]:
-    """The probed link and, per batch size, the step the probe's processes timed together."""
+    """The probed link and, per batch size, the step of the probe's DDP run."""
+    import tempfile
     from dataclasses import replace
 
     from trainscale.plan.measure import ComputeTime
@@ -285,9 +321,11 @@ def _probe(work: Workload, batch_sizes: list, precision: str, threads: int | Non
 
     shipped = replace(work, dataset=None, model=None if work.build is not None else work.model,
                       sample=tuple(work.sample) if work.build is None else ())
-    spec = {"workload": shipped, "batch_sizes": list(batch_sizes), "precision": precision, "threads": threads,
-            "bucket_bytes": float(options.get("bucket_cap_mb", 25)) * 2**20}
-    link, raw = run_probe(nprocs, steps=spec)
+    with tempfile.TemporaryDirectory(prefix="trainscale-probe-") as root:
+        ddp_options = {k: v for k, v in options.items() if k in DDP_OPTIONS}
+        spec = {"workload": shipped, "batch_sizes": list(batch_sizes), "precision": precision, "threads": threads,
+                "root": root, "strategy_options": ddp_options}
+        link, raw = run_probe(nprocs, steps=spec)
     return link, {"devices": nprocs, **{bs: ComputeTime(**t) for bs, t in raw["steps"].items()}}
 
 
@@ -307,7 +345,7 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
          precision: str = "32-true", optimizer: Callable | None = None, loss_fn: Callable | None = None,
          activation_checkpointing: Any = None, strategy_options: dict | None = None,
          device_memory: int | str | None = None, link: comm.Link | str | None = None, probe: bool = False,
-         overlap: float = 0.0, measure: bool = True, device_flops: float | None = None,
+         overlap: float | None = None, measure: bool = True, device_flops: float | None = None,
          devices_per_node: int = 8) -> PlanResult:
     """Predict memory per device and, with a link, time per step and epoch, for each strategy,
     device count and per-device batch size.
@@ -321,9 +359,9 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
         dataset_size: training samples per epoch (for epoch times).
         devices, batch_sizes: device counts and per-device micro-batch sizes.
         strategies: among "ddp", "fsdp", "hsdp", "tp" (default ddp and fsdp; fsdp needs 2+ devices, its
-            1-device rows say so). hsdp and tp rows: memory only (no time model yet); the mesh is the
-            Runtime's shorthand on nodes of ``devices_per_node`` (:func:`mesh_layout`); tp's activations
-            and peak are not traced (None, "—"), and its row's ``fits`` is None.
+            1-device rows say so). hsdp and tp rows: the mesh is the Runtime's shorthand on nodes of
+            ``devices_per_node`` (:func:`mesh_layout`); tp is traced (peak, collectives, time) on one node,
+            and across nodes gives exact bytes only (peak None, "—"; ``fits`` None; no time).
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
         optimizer: ``params -> Optimizer`` (default AdamW, lr 1e-3); loss_fn default cross-entropy.
         activation_checkpointing: module classes whose forward is recomputed in backward.
@@ -331,10 +369,13 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
             fsdp: ``auto_wrap_policy``, ``reshard_after_forward``; tp: ``tp_plan``, default the GPT's).
         device_memory: bytes or "80GB" to hold each peak against (default: the visible device's).
         link: a :class:`~trainscale.plan.comm.Link` or "400GB/s,latency=10us"; ``probe=True`` measures
-            this machine's instead (2 processes: the link, and the workload's step timed in both at once
-            with DDP's collectives in place, used for the 2-device rows). Without either, no time is predicted.
-        overlap: share of backward that hides communication (0: none, the upper bound).
-        measure: time one device's step per batch size (needed for time predictions).
+            this machine's instead (2 processes: the link, then a short DDP run of the workload through
+            the Trainer in both, whose step the 2-device ddp rows take whole and whose compute and overlap
+            the other rows use). Without either, no time is predicted.
+        overlap: share of backward that hides communication in the modelled rows (0: none, an upper bound
+            of the step; 1: all of backward). None: measured by the probe's DDP run with ``probe=True``
+            (per batch size), else 0. ``result.overlap_source`` says which.
+        measure: time one device's step per batch size (a short run of the real Trainer; needed for time predictions).
         devices_per_node: devices of one node, for the hsdp and tp meshes.
         device_flops: FLOP/s of a device you are not on (e.g. 989e12): forward and backward time from the
             step's counted FLOPs instead of a measured run (:func:`~trainscale.plan.measure.counted_compute`).
@@ -383,13 +424,26 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
     compute, probed, threads = {}, {}, _threads(devices)
     if probe:
         link, probed = _probe(work, batch_sizes, precision, threads, options)
+    overlaps, source = _overlap(overlap, probed, batch_sizes)
     if link is not None and device_flops:
         from trainscale.plan.measure import counted_compute
 
         compute = {bs: counted_compute(meta, work.sample, bs, work.loss_fn, precision, device_flops)
                    for bs in batch_sizes}
-        _add_time(rows, compute, probed, meta, precision, options, link, overlap, work.dataset_size)
+        _add_time(rows, compute, probed, meta, precision, options, link, overlaps, work.dataset_size)
     elif link is not None and measure:
         compute = _measure(work, batch_sizes, precision, threads)
-        _add_time(rows, compute, probed, meta, precision, options, link, overlap, work.dataset_size)
-    return PlanResult(rows, capacity, link, compute, probed)
+        _add_time(rows, compute, probed, meta, precision, options, link, overlaps, work.dataset_size)
+    return PlanResult(rows, capacity, link, compute, probed, overlaps, source)
+
+
+def _overlap(given: float | None, probed: dict, batch_sizes: list) -> tuple[dict, str]:
+    """Per batch size the share of backward that hides communication, and where it comes from: the
+    value given; else the probe's DDP run (hidden all-reduce seconds over backward's, per batch size);
+    else 0 (none, an upper bound of the step)."""
+    if given is not None:
+        return {bs: given for bs in batch_sizes}, "given"
+    if probed:
+        return ({bs: probed[bs].overlap for bs in batch_sizes},
+                f"measured in the probe's {probed['devices']}-process DDP run")
+    return {bs: 0.0 for bs in batch_sizes}, "assumed none: --probe measures it in a DDP run, --overlap sets it"

@@ -7,13 +7,13 @@ line ``t = a + b·S`` fitted to the all-reduce times by least squares gives, wit
 definitions (``doc/PERFORMANCE.md``; see :mod:`trainscale.plan.comm`), the bus bandwidth
 ``B = 2(N−1)/N / b`` and the latency per ring step ``α = a / (2(N−1))``.
 
-Given a workload, the same processes then time its single-device step at each batch size, all of them
-at once (so the compute is measured under the contention N processes on one host cause) and with the
-collectives of a DDP step issued where DDP issues them (:class:`DDPCollectives`: the buffers broadcast
-before forward, each gradient bucket all-reduced after backward). A collective issued after compute
-waits for the slowest rank and, on a busy host, for a descheduled peer to wake: the idle link fit
-misses both, this measurement holds them. Each rank times its own steps; the slowest rank's means
-are returned (a synchronous step waits for it).
+Given a workload, the same processes then run it through the real Trainer under ``strategy="ddp"``, a
+short run per batch size (:func:`trainscale.plan.measure.trainer_steps`), all ranks at once: the step
+as this machine runs it with N processes (their contention for the host, DDP's forward and its
+Reducer's bucketed all-reduce, the distributed sampler's loader, the Trainer's own work), and the
+share of backward that hid the all-reduce (the Trainer's telemetry, :mod:`trainscale.telemetry.overlap`).
+A collective issued after compute waits for the slowest rank and, on a busy host, for a descheduled
+peer to wake: the idle link fit misses both, this run holds them.
 """
 
 from __future__ import annotations
@@ -22,59 +22,28 @@ import statistics
 import time
 from dataclasses import asdict
 
-from trainscale.plan import comm
 from trainscale.plan.comm import Link
 
 SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)  # bytes: 4 KiB … 16 MiB
 REPS = 5
 
 
-class DDPCollectives:
-    """The collectives of one DDP step on buffers of the model's sizes: ``before_forward`` broadcasts the
-    buffers' bytes from rank 0 (``broadcast_buffers=True``), ``after_backward`` all-reduces one buffer per
-    gradient bucket (:func:`trainscale.plan.comm.ddp_buckets`)."""
-
-    def __init__(self, model, bucket_bytes: float, device) -> None:
-        import torch
-
-        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-        self.buckets = [torch.zeros(max(1, int(b) // 4), device=device)
-                        for b in comm.ddp_buckets(grad_bytes, bucket_bytes)]
-        self.buffers = torch.zeros(max(1, buffer_bytes // 4), device=device) if buffer_bytes else None
-
-    def before_forward(self) -> None:
-        import torch.distributed as dist
-
-        if self.buffers is not None:
-            dist.broadcast(self.buffers, 0)
-
-    def after_backward(self) -> None:
-        import torch.distributed as dist
-
-        for bucket in self.buckets:
-            dist.all_reduce(bucket)
-
-
-def _time_steps(rt, spec: dict) -> dict:
-    """Each batch size's step (forward, backward, DDP's collectives, optimizer) timed on every rank at
-    once; per batch size the slowest rank's means (``ComputeTime`` fields, s)."""
-    from trainscale.plan.measure import measure_compute
+def _time_steps(spec: dict) -> dict:
+    """Each batch size's step in a real DDP run on every rank at once (``ComputeTime`` fields, s; the
+    Trainer's telemetry averages its phases over the ranks)."""
+    from trainscale.plan.measure import trainer_steps
 
     work = spec["workload"]
-    model, sample, _ = work.real()
-    collectives = DDPCollectives(model, spec["bucket_bytes"], rt.device)
-    mine = {bs: asdict(measure_compute(model, sample, bs, work.loss_fn, work.optimizer_fn, spec["precision"],
-                                       rt.device, threads=spec["threads"], collectives=collectives))
-            for bs in spec["batch_sizes"]}
-    ranks = rt.all_gather_object(mine)
-    return {bs: max((r[bs] for r in ranks), key=lambda t: t["forward_s"] + t["backward_s"] + t["comm_s"]
-                    + t["optimizer_s"]) for bs in spec["batch_sizes"]}
+    model, sample, dataset = work.real()
+    times = trainer_steps(model, dataset, sample, spec["batch_sizes"], work.loss_fn, work.optimizer_fn,
+                          spec["precision"], spec["root"], threads=spec["threads"], loader_kwargs=work.loader_kwargs,
+                          strategy_options=spec.get("strategy_options"))
+    return {bs: asdict(t) for bs, t in times.items()}
 
 
 def _time_collectives(sizes: tuple[int, ...], reps: int, steps: dict | None = None) -> dict:
     """Body of each probe process: median seconds per size of all_reduce and all_gather (rank 0's), and
-    with ``steps`` (workload, batch_sizes, precision, threads, bucket_bytes) the timed steps."""
+    with ``steps`` (workload, batch_sizes, precision, threads, root) the timed DDP steps."""
     import torch
     import torch.distributed as dist
 
@@ -99,7 +68,7 @@ def _time_collectives(sizes: tuple[int, ...], reps: int, steps: dict | None = No
                         samples.append(time.perf_counter() - t0)
                 out[name].append(statistics.median(samples))
         if steps:
-            out["steps"] = _time_steps(rt, steps)
+            out["steps"] = _time_steps(steps)
     finally:
         dist.destroy_process_group()
     return {"sizes": list(sizes), "world_size": rt.world_size, **out}
@@ -127,10 +96,11 @@ def probe(nprocs: int = 2, sizes: tuple[int, ...] = SIZES, reps: int = REPS,
     :class:`~trainscale.plan.comm.Link` and the raw times (``{"sizes", "all_reduce", "all_gather"}``, s).
 
     Args:
-        steps: also time a workload's step in every process at once: ``{"workload": Workload,
-            "batch_sizes", "precision", "threads" (per process; None: torch's default),
-            "bucket_bytes"}``; the raw times then hold ``"steps"``: per batch size the slowest rank's
-            ``ComputeTime`` fields (seconds), ``comm_s`` being DDP's collectives timed in place.
+        steps: also run a workload through the Trainer under ddp in every process at once: ``{"workload":
+            Workload, "batch_sizes", "precision", "threads" (per process; None: torch's default), "root"
+            (a directory for the runs), "strategy_options" (ddp's)}``; the raw times then hold ``"steps"``: per batch size the
+            ``ComputeTime`` fields (seconds; ``comm_s`` the all-reduce's exposed part, ``hidden_comm_s``
+            the part backward hid).
 
     Raises:
         ValueError: ``nprocs`` < 2.

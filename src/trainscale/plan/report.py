@@ -32,6 +32,10 @@ def format_plan(result) -> str:
             "epoch", "gain", "eff", ""]
     out = [f"Device memory {fmt_bytes(result.device_memory)}; "
            + (f"link: {result.link}" if result.link else "no link given (--bandwidth or --probe): memory only")]
+    if result.link and result.overlap:
+        shares = sorted(set(result.overlap.values()))
+        span = f"{shares[0]:.2f}" if len(shares) == 1 else f"{shares[0]:.2f}–{shares[-1]:.2f}"
+        out.append(f"Overlap of communication and backward: {span} of backward ({result.overlap_source})")
     for strategy in dict.fromkeys(r.strategy for r in result.rows):
         rows = [r for r in result.rows if r.strategy == strategy]
         body = [_line(r) for r in rows]
