@@ -71,17 +71,18 @@ def state_bytes(model, optimizer) -> int:
 
 
 def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, steps: int,
-              checkpoint: str | None = None, teardown: bool = True) -> dict:
+              checkpoint: str | None = None, teardown: bool = True, strategy_options: dict | None = None) -> dict:
     """``steps`` SGD steps (momentum 0.9; AdamW's per-element normalisation would magnify rounding
     differences of near-zero gradients) of a GPT (seed 0) with clipping at norm 0.5 through the Runtime; the full
     weights after, the losses and norms, this rank's parameter bytes and its training-state bytes after the
-    last step (parameters + gradients + momentum buffers); a DCP checkpoint if asked. ``teardown=False``: another
-    Runtime follows in these processes, on the same process group (a second process group started on the same
-    port after a teardown failed to connect here)."""
+    last step (parameters + gradients + momentum buffers), the parameters whose last gradient was a DTensor
+    of partial sums; a DCP checkpoint if asked. ``teardown=False``: another Runtime follows in these processes, on
+    the same process group (a second process group started on the same port after a teardown failed to connect
+    here)."""
     from trainscale.runtime.runtime import Runtime
 
     rt = Runtime(accelerator="cpu", devices=1 if strategy == "single" else "auto", strategy=strategy, parallel=parallel,
-                 timeout=60)
+                 timeout=60, strategy_options=strategy_options)
     torch.manual_seed(0)
     model = GPT(CONFIG)
     wrapped, optimizer = rt.setup(model, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
@@ -91,6 +92,8 @@ def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, 
         loss = lm_loss(wrapped(x), y)
         rt.backward(loss)
         out["norms"].append(rt.clip_gradients(wrapped, optimizer, max_norm=0.5).item())
+        out["partial"] = [n for n, p in wrapped.named_parameters()  # partial sums would reach momentum and checkpoints
+                          if any(pl.is_partial() for pl in getattr(p.grad, "placements", ()))]
         rt.step(optimizer)
         out["state_bytes"] = state_bytes(wrapped, optimizer)  # gradients still held: the step's peak state
         optimizer.zero_grad(set_to_none=True)
@@ -129,3 +132,46 @@ def fit_gpt(rank: int, strategy: str, root: str, batch_size: int, steps: int) ->
     if rank == 0:
         records = [json.loads(line) for line in (Path(trainer.run_dir) / "metrics.jsonl").read_text().splitlines()]
     return {"summary": summary, "records": records}
+
+
+def saved_activation_bytes(rank: int, batch_size: int) -> dict:
+    """Bytes of the tensors one forward of the GPT (``CONFIG``, seed 0) saves for backward on this rank
+    (``torch.autograd.graph.saved_tensors_hooks``; each storage once, a DTensor by its local shard,
+    parameters left out), in one process ("single") and under the built-in tp plan over all ranks with
+    and without sequence parallelism; and the largest logits difference from one process."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainscale.runtime.strategies.apply_tp import apply_tp
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)  # the same batch on every rank
+    x = next(iter(text_loader(batch_size)))[0]
+    out = {}
+    for label, sp in (("single", None), ("tp", False), ("tp+sp", True)):
+        torch.manual_seed(0)
+        model = GPT(CONFIG)
+        if sp is not None:
+            apply_tp(model, mesh, sequence_parallel=sp)
+        out[label], logits = _saved_bytes(model, x)
+        out[f"{label} logits"] = logits.detach()
+    dist.destroy_process_group()
+    return out
+
+
+def _saved_bytes(model, x) -> tuple[int, torch.Tensor]:
+    """Bytes saved for backward by ``model(x)`` (parameters excluded, each storage once) and the output."""
+    params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        ptr = local.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = local.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(x)
+    return sum(seen.values()), logits

@@ -85,14 +85,15 @@ def gpt_config(uneven: bool):
 
 
 def _gpt_batches(uneven: bool, rt):
-    """Two batches of 4: the text data set, or (uneven vocabulary) random tokens below 255."""
+    """Two batches of 4: the text data set, or (uneven vocabulary) random tokens below 255, 32 per sequence
+    (of the 33 positions: sequence parallelism splits the sequence evenly over tp)."""
     from tests.parallel_workers import text_loader
 
     if not uneven:
         # 32 windows: 2 batches of 4 on each rank even with 4 data-parallel ranks (hsdp 2 × 2), so the second
         # step runs with the optimizer state allocated, as the plan's trace does (16 gave hsdp one step)
         return zip(range(2), rt.setup_dataloader(text_loader(batch_size=4, samples=32)))
-    tokens = torch.randint(0, 255, (2, 4, 34), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 255, (2, 4, 33), generator=torch.Generator().manual_seed(0))
     return enumerate((t[:, :-1], t[:, 1:]) for t in tokens)
 
 

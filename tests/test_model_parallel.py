@@ -44,6 +44,8 @@ def _check_parity(results: list, reference: dict, label: str, max_state_ratio: f
         # gradients and momentum sharded like their parameters (a whole gradient of a split parameter
         # would make its momentum whole too: the row-split position embedding did)
         assert r["state_bytes"] == 3 * r["param_bytes"]
+        # gradients are laid out as their parameters: the sequence-parallel norms' partial sums are reduced
+        assert r["partial"] == []
 
 
 # -- the resolver: pure logic ------------------------------------------------------------------
@@ -99,6 +101,32 @@ def test_tp_over_two_ranks_matches_one_process_and_its_checkpoint_loads_in_one_p
     state = {"model": GPT(CONFIG).state_dict()}
     dcp.load(state, checkpoint_id=str(tmp_path / "ckpt"))
     _assert_same_weights(state["model"], reference["weights"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_tp_without_sequence_parallelism_matches_one_process():
+    results = run_distributed(train_gpt, "tp", None, 8, STEPS, None, {"sequence_parallel": False}, world_size=2,
+                              timeout=200)
+    _check_parity(results, _reference(8), "tp 2 without sequence parallelism", max_state_ratio=0.55)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_sequence_parallelism_keeps_the_norms_inputs_for_half_the_tokens_and_the_same_logits():
+    from tests.parallel_workers import saved_activation_bytes
+
+    B, T, C, L, tp = 8, CONFIG.context_length, CONFIG.n_embd, CONFIG.n_layer, 2
+    for r in run_distributed(saved_activation_bytes, B, world_size=tp, timeout=200):
+        for label in ("tp", "tp+sp"):
+            torch.testing.assert_close(r[f"{label} logits"], r["single logits"], rtol=1e-5, atol=1e-6)
+        # each LayerNorm (2 per block, and ln_f) saves its input (B, T, C) and mean and rstd (B, T, 1) in fp32;
+        # under sequence parallelism for T/tp tokens. The all-gathered inputs of q/k/v and mlp.fc stay whole.
+        norms = (2 * L + 1) * B * T * (C + 2) * 4
+        print(f"saved for backward per rank: one process {r['single']}, tp {r['tp']}, tp+sp {r['tp+sp']} bytes")
+        assert r["tp"] - r["tp+sp"] == norms * (tp - 1) // tp
+        assert r["tp+sp"] < r["tp"] < r["single"]
+
 
 
 # The three 4-rank layouts train one after the other in the same 4 processes (one start of 4 Python
@@ -185,3 +213,43 @@ def test_tp_ranks_share_their_batches_so_global_batch_and_throughput_count_them_
     assert epoch["samples_per_s"] * epoch["epoch_time_s"] == pytest.approx(12)  # 3 steps × 4 samples
     assert epoch["tokens_per_s"] * epoch["epoch_time_s"] == pytest.approx(12 * CONFIG.context_length)
     assert summary["samples_per_s"] * sum(summary["epoch_time_s"]) == pytest.approx(12)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(sequence_parallel="yes"), "must be True, False or None"),
+    (dict(sequence_parallel=True, tp_plan={"fc": None}), "applies to the built-in GPT tensor-parallel plan"),
+    (dict(sequence_parallel=True, parallel={"dp_shard": 2}), "applies to the built-in GPT tensor-parallel plan"),
+])
+def test_sequence_parallel_flag_is_checked_when_the_strategy_is_built(options, message):
+    from trainscale.runtime.strategies.model_parallel import ModelParallelStrategy
+    from trainscale.runtime.world import World
+
+    options = {"parallel": {"tp": 2}, **options}
+    with pytest.raises(ValueError, match=message):
+        ModelParallelStrategy(torch.device("cpu"), World(world_size=2, local_world_size=2), **options)
+
+
+def test_sequence_parallel_is_on_by_default_with_the_built_in_plan_only():
+    from trainscale.runtime.strategies.model_parallel import ModelParallelStrategy
+    from trainscale.runtime.world import World
+
+    world = World(world_size=2, local_world_size=2)
+    on = ModelParallelStrategy(torch.device("cpu"), world, parallel={"tp": 2})
+    users = ModelParallelStrategy(torch.device("cpu"), world, parallel={"tp": 2}, tp_plan={"fc": None})
+    hsdp = ModelParallelStrategy(torch.device("cpu"), world, parallel={"dp_shard": 2})
+    assert (on.sequence_parallel, users.sequence_parallel, hsdp.sequence_parallel) == (True, False, False)
+
+
+def test_sequence_parallelism_refuses_dropout_and_an_uneven_sequence():
+    from trainscale.models import GPT, GPTConfig
+    from trainscale.runtime.strategies.apply_tp import _check_sequence_length, apply_tp
+
+    class Mesh:  # apply_tp refuses before it splits anything: only the size is read
+        def size(self):
+            return 2
+
+    with pytest.raises(ValueError, match=r"dropout=0.1: .*strategy_options=\{'sequence_parallel': False\}"):
+        apply_tp(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, dropout=0.1)), Mesh(), sequence_parallel=True)
+    with pytest.raises(ValueError, match="T=7 tokens: use a context length divisible by 2"):
+        _check_sequence_length(2)(None, (torch.zeros(3, 7, dtype=torch.long),))
+    _check_sequence_length(2)(None, (torch.zeros(3, 8, dtype=torch.long),))

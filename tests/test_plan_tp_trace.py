@@ -18,13 +18,14 @@ BATCH = 4
 SAMPLE = (torch.zeros(CONFIG.context_length, dtype=torch.long), torch.zeros(CONFIG.context_length, dtype=torch.long))
 
 
-def _traced(strategy: str, devices: int) -> dict:
+def _traced(strategy: str, devices: int, sequence_parallel: bool | None = None) -> dict:
     meta = memory.build_meta_model(lambda: GPT(CONFIG))
-    return memory.traced_memory(meta, SAMPLE, BATCH, lm_loss, plan_workers.adamw, strategy, devices)
+    return memory.traced_memory(meta, SAMPLE, BATCH, lm_loss, plan_workers.adamw, strategy, devices,
+                                sequence_parallel=sequence_parallel)
 
 
 def test_a_tp_step_issues_megatrons_collectives():
-    traced = _traced("tp", 2)
+    traced = _traced("tp", 2, sequence_parallel=False)
     kinds = collections.Counter(c.kind for c in traced["collectives"])
     layers = CONFIG.n_layer
     # all-reduces: the row-split token embedding's output (1); per block the outputs of the two row-parallel
@@ -39,6 +40,22 @@ def test_a_tp_step_issues_megatrons_collectives():
     assert gathers == [CONFIG.context_length * CONFIG.n_embd // 2 * 4,  # one rank's half of the (T, C) positions
                        BATCH * CONFIG.context_length * CONFIG.vocab_size // 2 * 4]  # half the (B, T, V) logits
     assert _traced("single", 1)["collectives"] == []
+
+
+def test_with_sequence_parallelism_the_all_reduces_become_all_gathers_and_reduce_scatters():
+    traced = _traced("tp", 2)  # the default with the built-in plan, as the strategy applies it
+    kinds = collections.Counter(c.kind for c in traced["collectives"])
+    layers, B, T, C = CONFIG.n_layer, BATCH, CONFIG.context_length, CONFIG.n_embd
+    # Korthikanti et al. 2022: per block an all-gather before attention and before the MLP and a reduce-scatter
+    # after each row-parallel projection in forward, and their conjugates in backward (4 + 4); the token
+    # embedding's reduce-scatter and the final norm's all-gather for the tied projection (each with its
+    # conjugate); the position embedding's gather and its gradient's; the logits; the norms' weight gradients,
+    # partial sums over each rank's tokens, all-reduced (2 per block and the final norm)
+    assert kinds == {"reduce_scatter": 4 * layers + 2, "all_gather": 4 * layers + 2 + 3,
+                     "all_reduce": 2 * layers + 1}, kinds
+    assert {c.nbytes for c in traced["collectives"] if c.kind == "reduce_scatter"} == {B * T * C * 4}
+    assert {c.nbytes for c in traced["collectives"] if c.kind == "all_reduce"} == {C * 4}  # a LayerNorm's weight
+    assert traced["peak"] < _traced("tp", 2, sequence_parallel=False)["peak"]  # the norms' inputs split by sequence
 
 
 def test_tp_halves_the_traced_peak_of_the_weights_and_states():

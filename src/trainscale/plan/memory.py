@@ -380,7 +380,7 @@ def _traced_steps(model, optimizer, batch, loss_fn, autocast, tracker) -> int:
 def traced_memory(meta_model: nn.Module, sample: tuple, batch_size: int, loss_fn: Callable,
                   optimizer_fn: Callable, strategy: str, devices: int, precision: str = "32-true",
                   activation_checkpointing: tuple = (), strategy_options: dict | None = None,
-                  rank: int = 0, tp_plan: dict | None = None) -> dict[str, Any]:
+                  rank: int = 0, tp_plan: dict | None = None, sequence_parallel: bool | None = None) -> dict[str, Any]:
     """``{"peak", "activations"}`` in bytes of rank ``rank``, from :data:`TRACED_STEPS` steps on fake
     tensors (no storage is allocated), and ``"collectives"``: the functional collectives of one step
     (:class:`trainscale.plan.collectives.Collective`; tensor parallelism's, none otherwise). DDP's bucket copy
@@ -392,7 +392,8 @@ def traced_memory(meta_model: nn.Module, sample: tuple, batch_size: int, loss_fn
         optimizer_fn: ``params -> Optimizer``.
         strategy: "single", "ddp" (traced as one replica), "fsdp" (traced through ``fully_shard``) or "tp"
             (``devices`` tensor-parallel ranks, one node: the model split by the Runtime's ``apply_tp`` with
-            ``tp_plan``, None: the built-in GPT plan, before activation checkpointing, as the Runtime orders them).
+            ``tp_plan``, None: the built-in GPT plan, before activation checkpointing, as the Runtime orders them;
+            ``sequence_parallel`` as the strategy option, None: on with the built-in plan).
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -400,6 +401,7 @@ def traced_memory(meta_model: nn.Module, sample: tuple, batch_size: int, loss_fn
     from trainscale.runtime.apply import apply_activation_checkpointing
     from trainscale.runtime.precision import Precision
     from trainscale.runtime.strategies.apply_tp import apply_tp
+    from trainscale.runtime.strategies.model_parallel import resolve_sequence_parallel
 
     prec = Precision(precision, "cpu")
     sharded = strategy in ("fsdp", "tp")
@@ -409,7 +411,7 @@ def traced_memory(meta_model: nn.Module, sample: tuple, batch_size: int, loss_fn
         with _fake_mode():
             model = _fake_copy(meta_model, precision)  # prepare_module's order: precision cast, TP, checkpointing
             if strategy == "tp":
-                model = apply_tp(model, mesh, tp_plan)
+                model = apply_tp(model, mesh, tp_plan, resolve_sequence_parallel(sequence_parallel, tp_plan is None))
             model = apply_activation_checkpointing(model, tuple(activation_checkpointing or ()))
             if strategy == "fsdp":
                 model, tracker_of = _fake_fsdp(model, mesh, devices, precision, strategy_options)

@@ -181,7 +181,8 @@ def _memory(meta, layout, work: Workload, strategy: str, n: int, bs: int, precis
     traced_as, traced_n = ("fsdp", parallel["dp_shard"]) if strategy == "hsdp" else (strategy, n)
     traced = memory.traced_memory(meta, work.sample, bs, work.loss_fn, work.optimizer_fn, traced_as, traced_n,
                                   precision, activation_checkpointing=ac,
-                                  strategy_options=_traced_options(strategy, options), tp_plan=options.get("tp_plan"))
+                                  strategy_options=_traced_options(strategy, options), tp_plan=options.get("tp_plan"),
+                                  sequence_parallel=options.get("sequence_parallel"))
     return MemoryEstimate(strategy, n, 0, bs, precision, exact["parameters"], exact["gradients"],
                           exact["optimizer"], exact["buffers"], exact["comm_buffers"], traced["activations"],
                           traced["peak"] + exact["comm_buffers"], tuple(traced["collectives"]))
@@ -191,7 +192,7 @@ def _traced_options(strategy: str, options: dict) -> dict | None:
     """The options the traced fsdp strategy gets: all under fsdp, those it takes under hsdp, none otherwise."""
     if strategy == "hsdp":
         return {k: v for k, v in options.items() if k in ("auto_wrap_policy", "reshard_after_forward", "cpu_offload")}
-    return {k: v for k, v in options.items() if k != "tp_plan"} if strategy == "fsdp" else None
+    return {k: v for k, v in options.items() if k not in ("tp_plan", "sequence_parallel")} if strategy == "fsdp" else None
 
 
 def _row(meta, layout, work: Workload, strategy: str, n: int, bs: int, precision: str, ac: tuple, options: dict,

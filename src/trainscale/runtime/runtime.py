@@ -74,7 +74,7 @@ class Runtime:
         timeout: seconds a collective may wait before it fails (passed to ``init_process_group``).
         strategy_options: keyword options of the strategy (ddp: ``find_unused_parameters``,
             ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``; dp: ``device_ids``; fsdp: ``auto_wrap_policy``, ``reshard_after_forward``,
-            ``cpu_offload``).
+            ``cpu_offload``; model_parallel/tp: ``sequence_parallel``, default on with the built-in GPT plan).
         sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp, CUDA only).
         activation_checkpointing: ``nn.Module`` classes whose instances recompute their forward in
             backward (``torch.utils.checkpoint``, non-reentrant): less activation memory, ~1 more forward.

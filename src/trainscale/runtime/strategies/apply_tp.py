@@ -14,10 +14,28 @@ the token embedding (``F.linear(x, wte.weight)``, one parameter), so it uses the
 final norm's output is marked replicated (``PrepareModuleOutput``), the projection then gives each rank
 the logits of its vocabulary slice (``Shard(-1)``), and the GPT's output is all-gathered to whole
 logits (the user's loss sees a plain tensor). The tie stays one parameter whose gradient gathers both
-uses. Norms stay replicated (plain tensors, identical on the tp ranks, whose gradients come out
-identical without communication). https://pytorch.org/docs/stable/distributed.tensor.parallel.html.
+uses. https://pytorch.org/docs/stable/distributed.tensor.parallel.html.
 
-Sequence parallelism (norms and dropout on sequence shards) is not applied.
+Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", section 4.2.2), on by default as torchtitan applies it with every TP plan (v0.1.0
+``models/llama3/infra/parallelize.py`` ``apply_tp``): between the blocks' matrix products the residual
+stream ``(B, T, C)`` is split by sequence, each rank holding ``(B, T/tp, C)``. The norms run on their
+rank's tokens (``SequenceParallel``: weights replicated DTensors); the input of the attention and of the
+MLP is all-gathered to the whole sequence (``PrepareModuleInput(Shard(1) -> Replicate())``); their output
+projections reduce-scatter instead of all-reducing (``RowwiseParallel(output_layouts=Shard(1))``); the
+token embedding reduce-scatters too, and the position embedding's rows are cut to the rank's positions.
+The final norm's output is all-gathered for the tied projection. Same communication volume (an
+all-reduce is a reduce-scatter plus an all-gather); what is saved is activation memory: the norms'
+inputs, the residual stream and the dropout inputs are held for 1/tp of the tokens. torch's
+``ColwiseParallel`` saves the all-gathered input of q/k/v and of the MLP's first layer for backward (the
+paper's implementation re-gathers it in backward instead), so the saving is smaller than the paper's
+``1/tp`` of everything: docs/strategies.md gives the measured bytes. Runs on CPU with gloo in torch 2.13.
+The norms' weight gradients come out of backward as partial sums over the tp ranks; a gradient hook
+all-reduces them (Megatron-LM's ``allreduce_layernorm_grads``; FSDP does it itself when it shards the
+model on top). Not with dropout > 0 (each rank would draw its shard's mask from the same seeded generator,
+so masks repeat every ``T/tp`` tokens; Megatron forks a per-rank generator here), and the sequence length
+must be a multiple of tp; both are refused with an error. ``sequence_parallel=False`` gives the plain
+Megatron split, with norms as plain replicated tensors.
 """
 
 from __future__ import annotations
@@ -28,31 +46,54 @@ from typing import Any
 from torch import nn
 
 
-def gpt_plan(gpt: Any) -> dict:
+def gpt_plan(gpt: Any, sequence_parallel: bool = False) -> dict:
     """The built-in plan for ``trainscale.models.GPT``'s submodules, keyed relative to the GPT module
-    (the GPT itself gets :func:`gpt_output_style`).
+    (the GPT itself gets :func:`gpt_output_style`, and with ``sequence_parallel`` the second pass
+    :func:`gpt_sequence_outputs`).
 
     Raises:
         ValueError: ``n_head`` not divisible by the tp size is checked in :func:`apply_tp`.
     """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel)
 
-    # token embedding: vocabulary rows split, the lookup completed by one all-reduce (torchtitan's plan).
-    # Position embedding: width columns split, the lookup all-gathered; split by rows, its lookup by the 1-D
-    # positions got a whole (replicated) gradient in torch 2.13, and with it whole optimizer state on every rank.
-    plan = {"wte": RowwiseParallel(input_layouts=Replicate()),
-            "wpe": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            # the final norm's output as a replicated DTensor, so the tied projection F.linear(x, wte.weight)
-            # multiplies it by the row shards of wte: logits sharded by vocabulary, Shard(-1)
-            "ln_f": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
-                                        use_local_output=False)}
+    # token embedding: vocabulary rows split, the lookup completed by one all-reduce (torchtitan's plan), or
+    # by a reduce-scatter to sequence shards. Position embedding: width columns split, the lookup all-gathered;
+    # split by rows, its lookup by the 1-D positions got a whole (replicated) gradient in torch 2.13, and with
+    # it whole optimizer state on every rank.
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "wpe": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    # the final norm's output as a replicated DTensor, so the tied projection F.linear(x, wte.weight)
+    # multiplies it by the row shards of wte: logits sharded by vocabulary, Shard(-1)
+    plan["ln_f"] = (SequenceParallel() if sequence_parallel else
+                    PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
+                                        use_local_output=False))
     for i in range(len(gpt.blocks)):
         for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
             plan[f"blocks.{i}.{name}"] = ColwiseParallel()
         for name in ("attn.proj", "mlp.proj"):
-            plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+            plan[f"blocks.{i}.{name}"] = RowwiseParallel(output_layouts=seq)
+        if sequence_parallel:  # norms on sequence shards; attention and MLP all-gather their input
+            for norm, layer in (("ln_1", "attn"), ("ln_2", "mlp")):
+                plan[f"blocks.{i}.{norm}"] = SequenceParallel()
+                plan[f"blocks.{i}.{layer}"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                 desired_input_layouts=(Replicate(),))
     return plan
+
+
+def gpt_sequence_outputs() -> dict:
+    """Under sequence parallelism, the second pass on the GPT's submodules (a module takes one style per
+    ``parallelize_module`` call): the position embedding ``(T, C)``, whole after its all-gather, cut to
+    the rank's positions ``(T/tp, C)`` (a local slice); the final norm's ``(B, T/tp, C)`` output
+    all-gathered to ``(B, T, C)`` for the tied projection."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput
+
+    return {"wpe": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)),
+            "ln_f": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                        use_local_output=False)}
 
 
 def gpt_output_style() -> Any:
@@ -61,6 +102,38 @@ def gpt_output_style() -> Any:
     from torch.distributed.tensor.parallel import PrepareModuleOutput
 
     return PrepareModuleOutput(output_layouts=Shard(-1), desired_output_layouts=Replicate(), use_local_output=True)
+
+
+def _replicate_partial_grad(param: Any) -> None:
+    """A replicated weight applied to sequence shards (a norm's) gets a ``Partial`` gradient, each rank's
+    sum over its tokens: all-reduce it into the replicated gradient the optimizer and checkpoints expect."""
+    from torch.distributed.tensor import Replicate
+
+    if param.grad is not None and any(p.is_partial() for p in param.grad.placements):
+        param.grad = param.grad.redistribute(placements=[Replicate()] * param.grad.device_mesh.ndim)
+
+
+def _check_sequence_length(tp: int) -> Any:
+    """A forward pre-hook of the GPT: the sequence length must split evenly over the tp ranks."""
+    def hook(module: nn.Module, args: tuple) -> None:
+        T = args[0].shape[1]
+        if T % tp:
+            raise ValueError(f"sequence parallelism splits the sequence over tp={tp} ranks, but the input has "
+                             f"T={T} tokens: use a context length divisible by {tp}, or "
+                             "strategy_options={'sequence_parallel': False}")
+    return hook
+
+
+def _sequence_parallel_gpt(gpt: nn.Module, tp_mesh: Any) -> None:
+    """The second pass, the norms' gradient hooks and the length check of a GPT under sequence parallelism."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(gpt, tp_mesh, gpt_sequence_outputs())
+    for module in gpt.modules():
+        if isinstance(module, nn.LayerNorm):
+            for p in module.parameters():
+                p.register_post_accumulate_grad_hook(_replicate_partial_grad)
+    gpt.register_forward_pre_hook(_check_sequence_length(tp_mesh.size()))
 
 
 def _has(module: nn.Module, key: str) -> bool:
@@ -90,7 +163,7 @@ def plan_target(root: nn.Module, plan: dict) -> nn.Module:
                      "or 'layers.*.mlp.fc'")
 
 
-def apply_tp(root: nn.Module, tp_mesh: Any, plan: dict | None = None) -> nn.Module:
+def apply_tp(root: nn.Module, tp_mesh: Any, plan: dict | None = None, sequence_parallel: bool = False) -> nn.Module:
     """Split ``root``'s layers over ``tp_mesh`` (1-D) by ``plan``, or by the built-in plan of every
     ``trainscale.models.GPT`` inside ``root`` when ``plan`` is None. In place; returns ``root``.
 
@@ -99,10 +172,13 @@ def apply_tp(root: nn.Module, tp_mesh: Any, plan: dict | None = None) -> nn.Modu
         tp_mesh: the ``tp`` dimension of the job's mesh.
         plan: ``{submodule name: ParallelStyle}`` (``ColwiseParallel()``, ``RowwiseParallel()``,
             ``SequenceParallel()``, ``PrepareModuleInput(...)``), names relative to the user's model.
+        sequence_parallel: with the built-in plan, split norms and the residual stream by sequence
+            (module docstring); the strategy passes True by default.
 
     Raises:
         ValueError: no plan and no GPT inside ``root``; plan keys that match nothing; a GPT whose
-            ``n_head`` is not divisible by the tp size.
+            ``n_head`` is not divisible by the tp size; under ``sequence_parallel``, a GPT with dropout > 0
+            (and, at forward, a sequence length tp does not divide).
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -120,6 +196,12 @@ def apply_tp(root: nn.Module, tp_mesh: Any, plan: dict | None = None) -> nn.Modu
         if gpt.config.n_head % tp_mesh.size():
             raise ValueError(f"tp={tp_mesh.size()} must divide the GPT's n_head={gpt.config.n_head} (each rank "
                              "computes whole attention heads)")
-        parallelize_module(gpt, tp_mesh, gpt_plan(gpt))
+        if sequence_parallel and gpt.config.dropout > 0:
+            raise ValueError(f"sequence parallelism with GPT dropout={gpt.config.dropout}: the tp ranks would draw "
+                             "the same dropout masks for their sequence shards; use dropout=0 or "
+                             "strategy_options={'sequence_parallel': False}")
+        parallelize_module(gpt, tp_mesh, gpt_plan(gpt, sequence_parallel))
+        if sequence_parallel:
+            _sequence_parallel_gpt(gpt, tp_mesh)
         parallelize_module(gpt, tp_mesh, gpt_output_style())
     return root

@@ -45,11 +45,15 @@ class ModelParallelStrategy:
             "dp_replicate", "dp_shard", "tp"; take ``mesh["tp"]``). FSDP/HSDP is still applied after it.
         auto_wrap_policy: module classes that become FSDP units (as for ``strategy="fsdp"``).
         reshard_after_forward: as for ``strategy="fsdp"``.
+        sequence_parallel: sequence parallelism in the built-in GPT plan (``apply_tp.py``); None (the
+            default) means on wherever that plan is used (tp ≥ 2, no ``tp_plan``/``parallelize``), as in
+            torchtitan. A user's plan says it itself, with ``SequenceParallel()`` entries.
 
     The flags are checked by the resolver (``connector._resolve_model_parallel``) before this exists.
 
     Raises:
-        ValueError: a world size other than the mesh's.
+        ValueError: a world size other than the mesh's; ``sequence_parallel`` not a bool, or True where the
+            built-in GPT plan is not used.
     """
 
     name = "model_parallel"
@@ -60,13 +64,16 @@ class ModelParallelStrategy:
 
     def __init__(self, device: Any, world: World, precision: str = "32-true", parallel: Any = None,
                  tp_plan: dict | None = None, parallelize: Callable | None = None,
-                 auto_wrap_policy: Iterable[type] | None = None, reshard_after_forward: bool | None = None) -> None:
+                 auto_wrap_policy: Iterable[type] | None = None, reshard_after_forward: bool | None = None,
+                 sequence_parallel: bool | None = None) -> None:
         dims = parallel if isinstance(parallel, ParallelDims) else ParallelDims(**(parallel or {}))
         if dims.world_size != world.world_size:
             raise ValueError(f"parallel={dims.as_dict()} multiplies to {dims.world_size} ranks, but the world size is "
                              f"{world.world_size}")
         self.device, self.world, self.precision, self.dims = device, world, precision, dims
         self.tp_plan, self.parallelize = tp_plan, parallelize
+        self.sequence_parallel = resolve_sequence_parallel(sequence_parallel, dims.tp > 1 and tp_plan is None
+                                                    and parallelize is None)
         self.auto_wrap_policy = tuple(auto_wrap_policy or ())
         self.reshard_after_forward = reshard_after_forward
         self.mesh = None
@@ -96,7 +103,7 @@ class ModelParallelStrategy:
         if self.parallelize is not None:
             module = self.parallelize(module, self.mesh)
         elif self.dims.tp > 1:
-            apply_tp(module, self.mesh["tp"], self.tp_plan)
+            apply_tp(module, self.mesh["tp"], self.tp_plan, self.sequence_parallel)
         if self.dims.dp_size > 1:
             dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
             apply_fsdp(module, units, dp_mesh, precision=self.precision,
@@ -159,3 +166,19 @@ class ModelParallelStrategy:
 
     def teardown(self) -> None:
         pass
+
+
+def resolve_sequence_parallel(flag: bool | None, builtin_plan: bool) -> bool:
+    """Whether the built-in GPT plan is applied with sequence parallelism: ``flag``, default on.
+
+    Raises:
+        ValueError: ``flag`` not None or a bool; True where the built-in plan is not applied.
+    """
+    if flag is not None and not isinstance(flag, bool):
+        raise ValueError(f"sequence_parallel={flag!r} must be True, False or None (the default: on with the "
+                         "built-in GPT plan)")
+    if flag and not builtin_plan:
+        raise ValueError("sequence_parallel=True applies to the built-in GPT tensor-parallel plan (tp ≥ 2, no "
+                         "tp_plan, no parallelize); in your own plan put SequenceParallel() on the norms "
+                         "(docs/strategies.md, 'Writing a TP plan')")
+    return builtin_plan if flag is None else flag
