@@ -37,23 +37,17 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _measure(strategy: str, precision: str, checkpointing: bool, batchnorm: bool) -> dict:
+def _tracked_run(rt, build, losses) -> dict:
+    """Under ``MemTracker`` from before the model is built: ``build()`` set up by ``rt`` with AdamW, one optimizer
+    step per ``loss(model)`` of ``losses``; this rank's parameter, gradient (after the last backward) and
+    optimizer-state bytes (the local shards' storages) and the peak of live tensor bytes."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from trainscale.models import ConvNet
-    from trainscale.runtime.runtime import Runtime
-
-    torch.manual_seed(0)
-    rt = Runtime(accelerator="cpu", devices="auto", strategy=strategy, precision=precision, timeout=60,
-                 activation_checkpointing={torch.nn.Sequential} if checkpointing else None)
     tracker = MemTracker()
     with tracker:
-        model, optimizer = rt.setup(ConvNet(batchnorm=batchnorm), adamw)
-        x, y = torch.randn(BATCH, 1, 28, 28), torch.randint(0, 10, (BATCH,))
-        for _ in range(2):
-            with rt.autocast():
-                loss = F.cross_entropy(model(x), y)
-            rt.backward(loss)
+        model, optimizer = rt.setup(build(), adamw)
+        for loss in losses:
+            rt.backward(loss(model))
             grads = _storage_bytes(p.grad for p in model.parameters())
             rt.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
@@ -61,6 +55,22 @@ def _measure(strategy: str, precision: str, checkpointing: bool, batchnorm: bool
     peak = sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
     return {"parameters": _storage_bytes(model.parameters()), "gradients": grads,
             "optimizer": _storage_bytes(t for s in optimizer.state.values() for t in s.values()), "peak": peak}
+
+
+def _measure(strategy: str, precision: str, checkpointing: bool, batchnorm: bool) -> dict:
+    from trainscale.models import ConvNet
+    from trainscale.runtime.runtime import Runtime
+
+    torch.manual_seed(0)
+    rt = Runtime(accelerator="cpu", devices="auto", strategy=strategy, precision=precision, timeout=60,
+                 activation_checkpointing={torch.nn.Sequential} if checkpointing else None)
+    x, y = torch.randn(BATCH, 1, 28, 28), torch.randint(0, 10, (BATCH,))
+
+    def loss(model):
+        with rt.autocast():
+            return F.cross_entropy(model(x.clone()), y.clone())  # the batch's bytes counted, as the plan counts them
+
+    return _tracked_run(rt, lambda: ConvNet(batchnorm=batchnorm), [loss, loss])
 
 
 def measure_body(rank: int) -> dict:
@@ -107,24 +117,12 @@ def measure_gpt_body(rank: int, strategy: str, parallel: dict, uneven: bool = Fa
     from trainscale.models import GPT, lm_loss
     from trainscale.runtime.runtime import Runtime
 
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     try:
         rt = Runtime(accelerator="cpu", devices="auto", strategy=strategy, parallel=parallel, timeout=60)
         torch.manual_seed(0)
         batches = [rt.to_device(b) for _, b in _gpt_batches(uneven, rt)]
-        tracker = MemTracker()
-        with tracker:
-            model, optimizer = rt.setup(GPT(gpt_config(uneven)), adamw)
-            for x, y in batches:
-                rt.backward(lm_loss(model(x.clone()), y.clone()))  # the batch's bytes counted, as the plan counts them
-                grads = _storage_bytes(p.grad for p in model.parameters())
-                rt.step(optimizer)
-                optimizer.zero_grad(set_to_none=True)
-                tracker.reset_mod_stats()
-        peak = sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
-        return {"parameters": _storage_bytes(model.parameters()), "gradients": grads,
-                "optimizer": _storage_bytes(t for s in optimizer.state.values() for t in s.values()), "peak": peak}
+        losses = [lambda model, x=x, y=y: lm_loss(model(x.clone()), y.clone()) for x, y in batches]
+        return _tracked_run(rt, lambda: GPT(gpt_config(uneven)), losses)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
