@@ -293,6 +293,29 @@ def fsdp_gan_body(rank: int, root: str) -> dict:
     return out
 
 
+def mesh_gan_body(rank: int, root: str) -> dict:
+    """The synced GAN under model_parallel with dp_shard 2 (FSDP2 on the mesh's data-parallel dimension, as
+    hsdp shards within a replica) and under tp (each Linear split over 2 ranks, which share every batch), 2 epochs each, in the same
+    processes: full weights and the discriminator's validation output."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from trainscale.train.trainer import Trainer
+
+    runs = {"dp_shard": dict(strategy="model_parallel", parallel={"dp_shard": 2}),
+            "tp": dict(strategy="tp", tp_plan={"generator.0": ColwiseParallel(), "generator.2": RowwiseParallel(),
+                                               "discriminator.0": RowwiseParallel(input_layouts=Replicate())})}
+    out = {}
+    for name, flags in runs.items():
+        trainer = Trainer(devices="auto", max_epochs=2, default_root_dir=f"{root}/{name}", enable_progress_bar=False,
+                          timeout=60, **flags)
+        model = SyncGAN()
+        trainer.fit(model, DataLoader(gan_dataset(), batch_size=4), DataLoader(gan_dataset(8), batch_size=2))
+        out[name] = {**_full_weights(model), "d_real": trainer.callback_metrics["d_real"]}
+    trainer.runtime.teardown()
+    return out
+
+
 # -- callbacks and prediction --------------------------------------------------------------------------
 def early_stopping_body(rank: int, root: str) -> int:
     from trainscale.callbacks import EarlyStopping

@@ -198,6 +198,21 @@ def test_gradient_clip_val_under_manual_optimization_is_an_error_naming_clip_gra
         trainer.fit(mw.GAN(), DataLoader(mw.gan_dataset(), batch_size=8))
 
 
+@pytest.mark.parametrize("strategy, cause", [("dp", "DataParallel's per-device replicas"),
+                                              ("pp", "a pipeline schedule")])
+def test_manual_optimization_under_dp_or_pp_is_an_error_naming_the_strategies_that_host_it(strategy, cause):
+    from types import SimpleNamespace
+
+    from trainscale.train.optimizer_setup import check_optimizers
+
+    model = mw.GAN()
+    runtime = SimpleNamespace(config=SimpleNamespace(strategy=strategy), strategy=object())
+    config = SimpleNamespace(accumulate_grad_batches=1, gradient_clip_val=None)
+    optimization = parse_optimization(model.configure_optimizers())
+    with pytest.raises(ValueError, match=rf"strategy='{strategy}'.*{cause}.*use 'ddp', 'fsdp', 'hsdp' or 'tp'"):
+        check_optimizers(optimization, model, True, config, runtime)
+
+
 def test_gan_under_ddp_needs_no_find_unused_parameters(tmp_path):
     ranks = run_distributed(mw.ddp_gans_body, str(tmp_path), timeout=180)  # 2 ranks × 4 = one process at 8
     refs = {"GAN": mw.gan_reference(8, 2), "ClippedGAN": mw.gan_reference(8, 2, clip=mw.CLIP)}
@@ -233,6 +248,19 @@ def test_gan_under_fsdp_matches_plain_pytorch_and_reduce_scatters_on_the_boundar
         assert out["sync_reduce_scatters"] == 2 * STEPS
         assert out["toggle_reduce_scatters"] == 2 * MICRO_BATCHES
         assert "holds scale itself" in out["own_parameter"] and "move them into a submodule" in out["own_parameter"]
+
+
+@pytest.mark.timeout(240)
+def test_gan_on_a_device_mesh_matches_plain_pytorch(tmp_path):
+    """Manual optimization on a device mesh, 2 processes: dp_shard 2 (global batch 8) and tp 2 (one
+    data-parallel rank, global batch 4) each end at the weights of one plain process over the same samples."""
+    ranks = run_distributed(mw.mesh_gan_body, str(tmp_path), timeout=220)
+    for name, global_batch in (("dp_shard", 8), ("tp", 4)):
+        ref = mw.gan_reference(global_batch, 2)
+        for out in ranks:
+            assert out[name].keys() == ref.keys() | {"d_real"}
+            for key, value in ref.items():
+                torch.testing.assert_close(out[name][key], value, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
 
 
 # -- callbacks ---------------------------------------------------------------------------------------------

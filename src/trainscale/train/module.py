@@ -133,7 +133,7 @@ class TrainingModule(nn.Module):
 
 def shard_units(model: nn.Module) -> tuple[nn.Module, ...]:
     """The submodules that a manual ``training_step`` calls itself (a GAN's generator and discriminator):
-    ``model``'s children that hold parameters, each sharded apart under fsdp (``FSDPStrategy.units``), so
+    ``model``'s children that hold parameters, each sharded apart under fsdp/hsdp/model_parallel (``apply_fsdp.fsdp_units``), so
     that each gathers its parameters and reduce-scatters its gradients around its own forward and backward.
     Empty under automatic optimization (the step runs through the root's forward)."""
     if getattr(model, "automatic_optimization", True):
@@ -192,7 +192,7 @@ class LoopModule(nn.Module):
             raise ValueError(f"loss_fn was given, but {type(model).__name__} defines training_step, which computes "
                              "the loss itself; drop loss_fn or the training_step")
         self.model = model
-        self.shard_units = shard_units(model)  # read by FSDPStrategy.units
+        self.shard_units = shard_units(model)  # read by apply_fsdp.fsdp_units
         self.loss_fn = loss_fn if loss_fn is not None else F.cross_entropy
         step = getattr(model, "training_step", None)
         self.has_training_step = step is not None

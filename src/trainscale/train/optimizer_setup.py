@@ -23,7 +23,7 @@ def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, confi
     manual = not getattr(model, "automatic_optimization", True)
     check_optimizers(optimization, wrapped, manual, config, runtime)
     optimizers = [runtime.strategy.setup_optimizer(o) for o in optimization.optimizers]
-    sync = {"ddp": "step", "ddp_spawn": "step", "fsdp": "backward"}.get(runtime.config.strategy, "none")
+    sync = "backward" if _fsdp_sharded(runtime) else {"ddp": "step", "ddp_spawn": "step"}.get(runtime.config.strategy, "none")
     manuals = [ManualOptimizer(o, runtime, model, wrapped, sync) for o in optimizers] if manual else []
     return optimizers, list(optimization.schedulers), manuals
 
@@ -52,8 +52,8 @@ def check_optimizers(optimization: Any, wrapped: nn.Module, manual: bool, config
 
     Raises:
         ValueError: several optimizers with automatic optimization; manual optimization with
-            ``accumulate_grad_batches`` or ``gradient_clip_val``, under a strategy other than single/ddp/fsdp, or under fsdp with
-            parameters held by the model itself rather than a submodule; an optimizer holding
+            ``accumulate_grad_batches`` or ``gradient_clip_val``, under dp or pp, or under an FSDP-sharded
+            strategy with parameters held by the model itself rather than a submodule; an optimizer holding
             parameters that are not the model's (built on another model, or before the strategy
             replaced the parameters).
     """
@@ -62,11 +62,11 @@ def check_optimizers(optimization: Any, wrapped: nn.Module, manual: bool, config
                          "one per step. For several (a GAN), set automatic_optimization = False in the module and "
                          "step them in training_step (self.optimizers(), self.manual_backward(loss))")
     if manual:
-        _check_manual(config, runtime.config.strategy, wrapped)
+        _check_manual(config, runtime, wrapped)
     _check_parameters(optimization.optimizers, wrapped)
 
 
-def _check_manual(config: Any, strategy: str, wrapped: nn.Module) -> None:
+def _check_manual(config: Any, runtime: Any, wrapped: nn.Module) -> None:
     if config.accumulate_grad_batches != 1:
         raise ValueError("accumulate_grad_batches must be 1 under manual optimization: accumulate in training_step "
                          "(step the optimizer every N batches yourself)")
@@ -74,14 +74,25 @@ def _check_manual(config: Any, strategy: str, wrapped: nn.Module) -> None:
         raise ValueError("gradient_clip_val is for automatic optimization; under manual optimization clip in "
                          "training_step before each step: self.clip_gradients(opt, gradient_clip_val=..., "
                          "gradient_clip_algorithm='norm')")
-    if strategy not in ("single", "ddp", "ddp_spawn", "fsdp"):
-        raise ValueError(f"manual optimization runs under strategy 'single', 'ddp' or 'fsdp', not {strategy!r}")
-    model = getattr(wrapped, "model", None)  # the LoopModule's user model (fsdp shards in place, no wrapper)
-    direct = [n for n, _ in model.named_parameters(recurse=False)] if strategy == "fsdp" and model is not None else []
+    strategy = runtime.config.strategy
+    if strategy in ("dp", "pp"):  # dp: training_step would run in each replica's thread; pp: the schedule steps
+        raise ValueError(f"manual optimization cannot run under strategy={strategy!r}: its training_step calls "
+                         "backward itself, which " + ("DataParallel's per-device replicas" if strategy == "dp" else
+                         "a pipeline schedule (which runs forward and backward by stages)") + " cannot host; "
+                         "use 'ddp', 'fsdp', 'hsdp' or 'tp', or automatic optimization")
+    model = getattr(wrapped, "model", None)  # the LoopModule's user model (FSDP shards in place, no wrapper)
+    direct = [n for n, _ in model.named_parameters(recurse=False)] if _fsdp_sharded(runtime) and model is not None else []
     if direct:  # sharded with the root: resharded by the step's first backward, sharded tensors after it
-        raise ValueError(f"under strategy='fsdp' with manual optimization the parameters of {type(model).__name__} "
-                         f"must live in submodules (each is sharded apart), but it holds {', '.join(direct)} itself; "
-                         "move them into a submodule (e.g. an nn.ParameterDict or nn.Module attribute)")
+        raise ValueError(f"under strategy={strategy!r} with manual optimization the parameters of "
+                         f"{type(model).__name__} must live in submodules (each is sharded apart), but it holds "
+                         f"{', '.join(direct)} itself; move them into a submodule (e.g. an nn.ParameterDict or "
+                         "nn.Module attribute)")
+
+
+def _fsdp_sharded(runtime: Any) -> bool:
+    """Whether the strategy shards the model with FSDP2 (fsdp, or a mesh with data-parallel ranks)."""
+    dims = getattr(runtime.strategy, "dims", None)
+    return runtime.config.strategy == "fsdp" or (dims is not None and dims.dp_size > 1)
 
 
 def _check_parameters(optimizers, wrapped: nn.Module) -> None:

@@ -58,7 +58,11 @@ def _norm_policy(norm: Any, precision: str):
 
 
 def fsdp_units(module: Any, policy: tuple, strategy: str) -> list:
-    """The submodules of ``module`` that are instances of a ``policy`` class, in pre-order.
+    """The submodules of ``module`` that become FSDP units, in pre-order: instances of a ``policy`` class,
+    and those ``module`` names in its attribute ``shard_units``: the submodules a training step calls
+    itself rather than through the root's forward (the Trainer's module under manual optimization: a
+    GAN's generator and discriminator). Each of those must be a unit, so that calling it gathers its
+    parameters and its backward reduce-scatters its gradients.
 
     Raises:
         ValueError: ``module`` has no parameters, or a policy class does not occur in it (the message
@@ -73,7 +77,8 @@ def fsdp_units(module: Any, policy: tuple, strategy: str) -> list:
         present = sorted({type(m).__name__ for m in module.modules()})
         raise ValueError(f"auto_wrap_policy class(es) {', '.join(missing)} do not occur in the model; "
                          f"its module classes are: {', '.join(present)}")
-    return units
+    chosen = set(units) | set(getattr(module, "shard_units", ()))
+    return [m for m in module.modules() if m in chosen]
 
 
 def apply_fsdp(module: Any, units: list, mesh: Any, *, precision: str, reshard_after_forward: Any = None,

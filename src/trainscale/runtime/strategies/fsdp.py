@@ -115,18 +115,13 @@ class FSDPStrategy:
                    cpu_offload=self.cpu_offload)
 
     def units(self, module) -> list:
-        """The submodules of ``module`` that become FSDP units, in ``modules()`` order: instances of
-        ``auto_wrap_policy`` (``apply_fsdp.fsdp_units``), and those ``module`` names in its attribute
-        ``shard_units``: the submodules a training step calls itself rather than through the root's
-        forward (the Trainer's module under manual optimization: a GAN's generator and discriminator).
-        Each of those must be a unit, so that calling it gathers its parameters and its backward
-        reduce-scatters its gradients.
+        """The submodules of ``module`` that become FSDP units (``apply_fsdp.fsdp_units``: instances of
+        ``auto_wrap_policy``, and the module's ``shard_units`` under manual optimization).
 
         Raises:
             ValueError: ``module`` has no parameters, or a policy class does not occur in it.
         """
-        chosen = set(fsdp_units(module, self.auto_wrap_policy, self.name)) | set(getattr(module, "shard_units", ()))
-        return [m for m in module.modules() if m in chosen]
+        return fsdp_units(module, self.auto_wrap_policy, self.name)
 
     def _reshard(self) -> None:
         reshard(self._roots)
