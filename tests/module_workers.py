@@ -295,8 +295,9 @@ def fsdp_gan_body(rank: int, root: str) -> dict:
 
 def mesh_gan_body(rank: int, root: str) -> dict:
     """The synced GAN under model_parallel with dp_shard 2 (FSDP2 on the mesh's data-parallel dimension, as
-    hsdp shards within a replica) and under tp (each Linear split over 2 ranks, which share every batch), 2 epochs each, in the same
-    processes: full weights and the discriminator's validation output."""
+    hsdp shards within a replica), under tp (each Linear split over 2 ranks, which share every batch) and
+    under fsdp with "16-mixed" (float16 autocast, GradScaler), 2 epochs each, in the same processes: full
+    weights and the discriminator's validation output."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -304,7 +305,8 @@ def mesh_gan_body(rank: int, root: str) -> dict:
 
     runs = {"dp_shard": dict(strategy="model_parallel", parallel={"dp_shard": 2}),
             "tp": dict(strategy="tp", tp_plan={"generator.0": ColwiseParallel(), "generator.2": RowwiseParallel(),
-                                               "discriminator.0": RowwiseParallel(input_layouts=Replicate())})}
+                                               "discriminator.0": RowwiseParallel(input_layouts=Replicate())}),
+            "fsdp-16-mixed": dict(strategy="fsdp", precision="16-mixed")}
     out = {}
     for name, flags in runs.items():
         trainer = Trainer(devices="auto", max_epochs=2, default_root_dir=f"{root}/{name}", enable_progress_bar=False,
