@@ -126,3 +126,9 @@ def pp_dp_runs(rank: int, root: str, steps: int) -> dict:
             # 28 samples per rank: micro-batches 8, 8 | 8, 4 (a new batch shape inside an accumulated step)
             "accumulate": fit_gpt(rank, f"{root}/acc", "pp", train=56, val=20, accumulate=2,
                                   parallel={"pp": 2, "dp_shard": 2}, destroy=True)}
+
+
+def pp_hsdp_run(rank: int, root: str, steps: int) -> dict:
+    """On 8 ranks: 2 stages × HSDP (2 replicas × 2 FSDP shards), 1F1B, each data-parallel rank reading batches of 8."""
+    return fit_gpt(rank, root, "pp", steps=steps, val=20, parallel={"pp": 2, "dp_replicate": 2, "dp_shard": 2},
+                   destroy=True)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tests.helpers import run_distributed, run_python
-from tests.pipeline_workers import PP_CONFIG, fit_gpt, pp_dp_runs, pp_resume, pp_runs
+from tests.pipeline_workers import PP_CONFIG, fit_gpt, pp_dp_runs, pp_hsdp_run, pp_resume, pp_runs
 from trainscale.runtime.connector import resolve
 from trainscale.runtime.strategies.apply_pp import gpt_split_points, keep_stage, shared_parameters, stage_names, units
 from trainscale.runtime.strategies.parallel_dims import ParallelDims
@@ -121,6 +121,20 @@ def test_pp_composes_with_fsdp_and_with_replication_on_four_ranks_and_matches_on
     assert max(r["shard"]["bytes"] for r in results) <= 0.28 * reference["bytes"]
     # bf16-mixed with FSDP: autocast in each stage's forward and the loss, and FSDP's bf16 policy
     _bf16_close([r["bf16"] for r in results], bf16, pipelines=2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_pp_composes_with_hsdp_on_eight_ranks_and_matches_one_process(tmp_path):
+    # 2 stages × 2 replicas × 2 shards: 4 data-parallel ranks reading 8 each, one process reads 32 per step
+    reference = fit_gpt(0, str(tmp_path / "single"), "single", steps=STEPS, val=20, batch_size=32)
+    runs = run_distributed(pp_hsdp_run, str(tmp_path / "pp_hsdp"), STEPS, world_size=8, timeout=280)
+    _stages_cover(runs, reference["weights"])
+    assert runs[0]["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+    assert [r["val_loss"] for r in runs] == pytest.approx([reference["val_loss"]] * 8, rel=1e-5)
+    assert runs[0]["summary"]["global_batch_size"] == 32
+    stage_bytes = [_planned_bytes("pp", 2, stage) for stage in (0, 1)]  # rank r runs stage r // 4
+    assert [r["bytes"] for r in runs] == [stage_bytes[rank // 4] // 2 for rank in range(8)]  # 2 shards per replica
 
 
 @pytest.mark.multiprocess
