@@ -32,14 +32,15 @@ def _stages_cover(results: list, want: dict) -> None:
         _assert_same(r["weights"], want)
 
 
-def _planned_bytes(strategy: str, devices: int, rank: int) -> int:
-    """Parameters + gradients + optimizer state that ``trainscale.plan`` predicts for the test's GPT and SGD."""
+def _planned_bytes(strategy: str, devices: int, rank: int, parallel: dict | None = None) -> int:
+    """Parameters + gradients + optimizer state that ``trainscale.plan`` predicts for the test's GPT and SGD
+    on ``rank`` of ``devices`` (under "pp", mesh sizes ``parallel``; None: one stage per rank)."""
     from trainscale.models import GPT
     from trainscale.plan.memory import build_meta_model, exact_bytes, optimizer_layout
 
     meta = build_meta_model(lambda: GPT(PP_CONFIG))
     layout = optimizer_layout(meta, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), "32-true")
-    predicted = exact_bytes(meta, layout, strategy, devices, rank, "32-true")
+    predicted = exact_bytes(meta, layout, strategy, devices, rank, "32-true", parallel=parallel)
     return predicted["parameters"] + predicted["gradients"] + predicted["optimizer"]
 
 
@@ -95,19 +96,64 @@ def _pipeline_means(runs: list, key: str) -> list:
     return [(a + b) / 2 for a, b in zip(runs[0][key], runs[1][key])]
 
 
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory) -> dict:
+    """The 4-rank layouts (``pp_dp_runs``), one start of 4 processes for all, and the one-process runs they
+    are compared with: 16 samples per step (2 stages × 2 data-parallel ranks reading batches of 8, or 2
+    stages × 2 tensor-parallel ranks reading the same batches of 16)."""
+    root = tmp_path_factory.mktemp("pp4")
+    return {"reference": fit_gpt(0, str(root / "single"), "single", steps=STEPS, val=20, batch_size=16),
+            "bf16": fit_gpt(0, str(root / "single_bf16"), "single", steps=STEPS, val=20, batch_size=16,
+                            precision="bf16-mixed"),
+            "accumulated": fit_gpt(0, str(root / "single_acc"), "single", train=56, val=20, batch_size=16,
+                                   accumulate=2),
+            "results": run_distributed(pp_dp_runs, str(root), STEPS, world_size=4, timeout=580), "root": root}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_pp_composes_with_fsdp_and_with_replication_on_four_ranks_and_matches_one_process(tmp_path):
-    # 2 stages × 2 data-parallel ranks, each reading batches of 8: one process reads the same 16 per step
-    reference = fit_gpt(0, str(tmp_path / "single"), "single", steps=STEPS, val=20, batch_size=16)
-    bf16 = fit_gpt(0, str(tmp_path / "single_bf16"), "single", steps=STEPS, val=20, batch_size=16,
-                   precision="bf16-mixed")
-    accumulated = fit_gpt(0, str(tmp_path / "single_acc"), "single", train=56, val=20, batch_size=16, accumulate=2)
-    results = run_distributed(pp_dp_runs, str(tmp_path), STEPS, world_size=4, timeout=580)
+def test_pp_composes_with_tp_with_and_without_sequence_parallelism_and_matches_one_process(four_rank_runs):
+    import torch.distributed.checkpoint as dcp
+
+    from trainscale.models import GPT
+
+    reference, results = four_rank_runs["reference"], four_rank_runs["results"]
+    # each stage's blocks and tied embedding split over its 2 tp ranks (ranks 0, 1: stage 0; 2, 3: stage 1)
+    stage_bytes = [_planned_bytes("pp", 4, rank, {"pp": 2, "tp": 2}) for rank in range(4)]
+    for layout in ("tp", "tp_gpipe"):
+        runs = [r[layout] for r in results]
+        _stages_cover(runs, reference["weights"])
+        for r in runs:  # the tp ranks and stages of the one pipeline log the same loss and clipped norm
+            assert r["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+            assert r["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+        assert runs[0]["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+        assert min(reference["norms"]) > 0.5  # clipping at 0.5 was active at every step
+        assert runs[0]["summary"]["global_batch_size"] == 16
+        assert [r["bytes"] for r in runs] == stage_bytes
+        print(f"pp 2 x {layout}: state bytes per rank {[r['bytes'] for r in runs]} of {reference['bytes']} "
+              f"({max(r['bytes'] for r in runs) / reference['bytes']:.3f}), max |weight difference| "
+              f"{max(_max_diff(r['weights'], reference['weights']) for r in runs):.2e}")
+    # a quarter, plus the tied embedding's second copy and the whole norms on every rank
+    assert max(stage_bytes) <= 0.28 * reference["bytes"]
+    # the checkpoint of the 2 × 2 tensor-parallel stages loads into a plain model in one process
+    last = max((four_rank_runs["root"] / "tp").glob(f"version_*/checkpoints/epoch=*-step={STEPS:010d}"))
+    state = {"model": GPT(PP_CONFIG).state_dict()}
+    dcp.load(state, checkpoint_id=str(last))
+    _assert_same(state["model"], reference["weights"])
+
+
+def _max_diff(got: dict, want: dict) -> float:
+    return max((got[name] - want[name]).abs().max().item() for name in got)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_pp_composes_with_fsdp_and_with_replication_on_four_ranks_and_matches_one_process(four_rank_runs):
+    reference, bf16, accumulated = (four_rank_runs[k] for k in ("reference", "bf16", "accumulated"))
+    results = four_rank_runs["results"]
     # the last step's second micro-batch has a new shape: a new schedule, whose set-up must keep the gradients
     _stages_cover([r["accumulate"] for r in results], accumulated["weights"])
-    stage_bytes = [_planned_bytes("pp", 2, stage) for stage in (0, 1)]  # rank r runs stage r // 2
-    for layout, share in (("shard", 2), ("replicate", 1)):
+    for layout, dp in (("shard", "dp_shard"), ("replicate", "dp_replicate")):
         runs = [r[layout] for r in results]
         _stages_cover(runs, reference["weights"])
         assert runs[0]["norms"] == pytest.approx(reference["norms"], rel=1e-5)  # across stages and shards
@@ -117,7 +163,9 @@ def test_pp_composes_with_fsdp_and_with_replication_on_four_ranks_and_matches_on
         assert runs[0]["summary"]["global_batch_size"] == 16
         assert runs[0]["summary"]["pipeline"]["param_bytes_per_rank"] == [r["bytes"] // 3 for r in runs]
         # exact bytes: the stage's parameters, gradients and momentum, divided over the FSDP shards
-        assert [r["bytes"] for r in runs] == [stage_bytes[rank // 2] // share for rank in range(4)]
+        assert [r["bytes"] for r in runs] == [_planned_bytes("pp", 4, rank, {"pp": 2, dp: 2}) for rank in range(4)]
+        if layout == "shard":  # rank r runs stage r // 2
+            assert [r["bytes"] for r in runs] == [_planned_bytes("pp", 2, rank // 2) // 2 for rank in range(4)]
     assert max(r["shard"]["bytes"] for r in results) <= 0.28 * reference["bytes"]
     # bf16-mixed with FSDP: autocast in each stage's forward and the loss, and FSDP's bf16 policy
     _bf16_close([r["bf16"] for r in results], bf16, pipelines=2)
@@ -250,6 +298,8 @@ def test_pp_layouts_and_flags():
     cfg = resolve("cpu", 4, "pp", parallel={"pp": 2, "dp_shard": 2}, precision="bf16-mixed")
     assert (cfg.strategy, cfg.parallel.dp_size, cfg.pp_microbatches) == ("pp", 2, 8)
     assert resolve("cpu", 4, "model_parallel", parallel={"pp": 2, "dp_replicate": 2}).strategy == "pp"
+    cfg = resolve("cpu", 8, "model_parallel", parallel={"pp": 2, "dp_shard": 2, "tp": 2})
+    assert (cfg.strategy, cfg.parallel.dp_size) == ("pp", 2)
     dims = ParallelDims(pp=2, dp_shard=2, tp=2)  # the mesh (pp, dp_replicate, dp_shard, tp), row-major
     assert [dims.pp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]  # both stages read the same data
@@ -257,15 +307,16 @@ def test_pp_layouts_and_flags():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(strategy="pp", devices=1), "pp ≥ 2 pipeline stages"),
-    (dict(strategy="model_parallel", parallel={"pp": 2, "tp": 2}), "combined with tensor parallelism .* not built"),
-    (dict(strategy="pp", parallel={"pp": 2, "dp_shard": 1, "tp": 2}), "compose with dp_shard and dp_replicate"),
+    (dict(strategy="pp", parallel={"pp": 2, "tp": 2}, tp_plan={"blocks.0.mlp.fc": None}),
+     "tp_plan with pipeline stages: .* built-in plan of trainscale.models.GPT only"),
+    (dict(strategy="pp", parallel={"pp": 2, "tp": 2}, parallelize=lambda m, mesh: m), "parallelize=fn with pipeline"),
     (dict(strategy="pp", pp_schedule="interleaved"), "unknown pp_schedule='interleaved'"),
     (dict(strategy="pp", pp_microbatches=0), "pp_microbatches=0 must be an int >= 1"),
     (dict(strategy="pp", pp_microbatches=2), "1f1b' needs at least one micro-batch per stage"),
     (dict(strategy="pp", pp_split_points="blocks.2"), "must be a list of submodule names"),
     (dict(strategy="pp", precision="16-mixed"), "precision='16-mixed' is not built with pipeline stages.*bf16-mixed"),
     (dict(strategy="pp", compile=True), "compile=True is not built with pipeline stages"),
-    (dict(strategy="pp", parallelize=lambda m, mesh: m), "does not compose with pipeline stages"),
+    (dict(strategy="pp", parallelize=lambda m, mesh: m), "parallelize=fn with pipeline stages"),
     (dict(strategy="ddp", pp_microbatches=4), "pp_microbatches configure.*no"),
     (dict(strategy="tp", pp_split_points=["blocks.2"]), "pp_split_points configure"),
 ])

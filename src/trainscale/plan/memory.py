@@ -260,6 +260,18 @@ def _mesh_dims(strategy: str, devices: int, parallel: dict | None):
     return resolve_parallel(strategy, parallel, devices, 1)
 
 
+def _stage_and_mesh(meta_model: nn.Module, strategy: str, devices: int, rank: int, split_points: list | None,
+                    parallel: dict | None) -> tuple:
+    """``(ids of the parameters rank ``rank`` holds, or None: all; the mesh sizes, or None: no mesh)``. Under
+    "pp" the stage is the rank's pipeline coordinate, and a mesh with tp or data-parallel ranks splits each
+    stage as "tp"/"hsdp" split a model (the Runtime's order: cut, tensor parallelism, FSDP)."""
+    if strategy == "pp":
+        dims = _mesh_dims("pp", devices, parallel)
+        stage = _stage_parameters(meta_model, dims.pp, dims.pp_rank(rank), split_points)
+        return stage, (dims if dims.world_size > dims.pp else None)
+    return None, (_mesh_dims(strategy, devices, parallel) if strategy in ("hsdp", "tp") else None)
+
+
 def _local_shapes(p: torch.Tensor, strategy: str, devices: int, rank: int, mesh: Any,
                   tp_dims: dict) -> tuple[tuple, tuple, tuple]:
     """``(parameter storage, gradient, unpadded local)`` shapes of parameter ``p`` on ``rank``.
@@ -298,11 +310,12 @@ def exact_bytes(meta_model: nn.Module, layout: list[list[tuple]], strategy: str,
         meta_model: the model on the meta device (:func:`build_meta_model`).
         layout: :func:`optimizer_layout` of that model.
         gradient_as_bucket_view: DDP's option (gradients alias the buckets: no extra copy).
-        split_points: under "pp" (``devices`` stages, rank = stage): the ``pp_split_points``; None: the
-            built-in split of a ``trainscale.models.GPT``. Buffers are counted whole on every stage.
-        parallel: under "hsdp"/"tp": the Runtime's ``parallel`` mesh sizes (``{"dp_replicate": R,
-            "dp_shard": S, "tp": T}``, product ``devices``); None: the Runtime's one-node default ("tp":
-            ``{"tp": devices}``; "hsdp" has none and needs it). Ranks are laid out as the Runtime's mesh
+        split_points: under "pp": the ``pp_split_points``; None: the built-in split of a
+            ``trainscale.models.GPT``. Buffers are counted whole on every stage.
+        parallel: under "hsdp"/"tp"/"pp": the Runtime's ``parallel`` mesh sizes (``{"dp_replicate": R,
+            "dp_shard": S, "tp": T, "pp": P}``, product ``devices``); None: the Runtime's one-node default
+            ("tp": ``{"tp": devices}``; "pp": ``{"pp": devices}``, rank = stage; "hsdp" has none and needs
+            it). Under "pp" the rank's stage is then split as under "tp"/"hsdp". Ranks are laid out as the Runtime's mesh
             (``ParallelDims.coordinates``). hsdp: FSDP2 shards over the ``dp_shard`` ranks, whole per
             replica; tp: each parameter the plan shards is split by ``torch.chunk`` along its dim
             (:func:`tp_shard_dims`; the parameter's storage padded to the first chunk, see
@@ -317,8 +330,7 @@ def exact_bytes(meta_model: nn.Module, layout: list[list[tuple]], strategy: str,
         raise ValueError(f"memory of strategy={strategy!r} is not modelled; choose single, ddp, fsdp, pp, hsdp or tp")
     out = dict(parameters=0, gradients=0, optimizer=0, comm_buffers=0,
                buffers=sum(b.numel() * b.element_size() for b in meta_model.buffers()))
-    stage = _stage_parameters(meta_model, devices, rank, split_points) if strategy == "pp" else None
-    mesh = _mesh_dims(strategy, devices, parallel) if strategy in ("hsdp", "tp") else None
+    stage, mesh = _stage_and_mesh(meta_model, strategy, devices, rank, split_points, parallel)
     tp_dims = tp_shard_dims(meta_model, mesh.tp, tp_plan) if mesh is not None and mesh.tp > 1 else {}
     for p, states in zip(meta_model.parameters(), layout):
         if stage is not None and id(p) not in stage:

@@ -119,7 +119,8 @@ def resolve(
         parallelize: a callable ``fn(model, mesh) -> model``; only under the model-parallel strategies.
         pp_schedule: "gpipe" or "1f1b" (None: "1f1b"); pp_microbatches: an int >= 1 (None: 4·pp);
             pp_split_points: a list of pp − 1 submodule names; each only with pipeline stages (pp > 1),
-            which make the strategy "pp" and refuse "16-mixed", compile and tp > 1.
+            which make the strategy "pp" and refuse "16-mixed", compile, and ``tp_plan``/``parallelize`` (with
+            tp > 1 each stage gets the built-in GPT plan).
 
     Raises:
         ValueError: an unknown name (the message lists the valid ones), a non-positive count,
@@ -203,9 +204,10 @@ def _resolve_model_parallel(strategy: str, parallel: Any, tp_plan: Any, parallel
         return None
     dims = resolve_parallel(strategy, parallel, devices, num_nodes)
     _check_tp_flags(tp_plan, parallelize, dims)
-    if dims.pp > 1 and parallelize is not None:
-        raise ValueError("parallelize=fn applies tensor parallelism, which trainscale does not compose with pipeline "
-                         "stages yet; drop parallelize, or 'pp' from parallel")
+    if dims.pp > 1 and (parallelize is not None or tp_plan is not None):
+        raise ValueError(f"{'parallelize=fn' if parallelize is not None else 'tp_plan'} with pipeline stages: "
+                         "trainscale applies tensor parallelism to each stage with the built-in plan of "
+                         "trainscale.models.GPT only; drop it (a GPT needs no plan), or 'pp' from parallel")
     if dims.dp_replicate > 1 and dims.dp_shard == 1 and dims.pp == 1:
         raise ValueError(f"parallel={dims.as_dict()} replicates without sharding, which trainscale does not compose "
                          "with a mesh; use dp_shard for those ranks (FSDP), or strategy='ddp'")

@@ -36,6 +36,14 @@ model on top). Not with dropout > 0 (each rank would draw its shard's mask from 
 so masks repeat every ``T/tp`` tokens; Megatron forks a per-rank generator here), and the sequence length
 must be a multiple of tp; both are refused with an error. ``sequence_parallel=False`` gives the plain
 Megatron split, with norms as plain replicated tensors.
+
+A pipeline stage of the GPT (``apply_pp.keep_stage``: some blocks, the others dropped or None) gets the
+plan of the modules it keeps; a stage without ``ln_f`` returns its residual stream as a plain local tensor
+(``(B, T/tp, C)`` under sequence parallelism) for the next stage's first block, whose norm (or attention,
+without sequence parallelism) takes it as it is. The token embedding's gradient is laid out as its
+parameter by a gradient hook (``_grad_like_param``): the lookup's backward alone (the first stage's, which
+lacks the tied projection) gives a whole ``Replicate`` gradient in torch 2.13, the rows of the other ranks
+included.
 """
 
 from __future__ import annotations
@@ -70,7 +78,8 @@ def gpt_plan(gpt: Any, sequence_parallel: bool = False) -> dict:
     plan["ln_f"] = (SequenceParallel() if sequence_parallel else
                     PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
                                         use_local_output=False))
-    for i in range(len(gpt.blocks)):
+    plan = {name: style for name, style in plan.items() if getattr(gpt, name) is not None}  # a pipeline stage's
+    for i, _ in gpt.blocks.named_children():  # a pipeline stage keeps some blocks, under their own indices
         for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
             plan[f"blocks.{i}.{name}"] = ColwiseParallel()
         for name in ("attn.proj", "mlp.proj"):
@@ -83,17 +92,19 @@ def gpt_plan(gpt: Any, sequence_parallel: bool = False) -> dict:
     return plan
 
 
-def gpt_sequence_outputs() -> dict:
+def gpt_sequence_outputs(gpt: Any = None) -> dict:
     """Under sequence parallelism, the second pass on the GPT's submodules (a module takes one style per
     ``parallelize_module`` call): the position embedding ``(T, C)``, whole after its all-gather, cut to
     the rank's positions ``(T/tp, C)`` (a local slice); the final norm's ``(B, T/tp, C)`` output
-    all-gathered to ``(B, T, C)`` for the tied projection."""
+    all-gathered to ``(B, T, C)`` for the tied projection. Of a pipeline stage ``gpt``, the entries of the
+    modules it keeps."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleOutput
 
-    return {"wpe": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)),
+    plan = {"wpe": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)),
             "ln_f": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
                                         use_local_output=False)}
+    return {name: style for name, style in plan.items() if gpt is None or getattr(gpt, name) is not None}
 
 
 def gpt_output_style() -> Any:
@@ -104,13 +115,15 @@ def gpt_output_style() -> Any:
     return PrepareModuleOutput(output_layouts=Shard(-1), desired_output_layouts=Replicate(), use_local_output=True)
 
 
-def _replicate_partial_grad(param: Any) -> None:
-    """A replicated weight applied to sequence shards (a norm's) gets a ``Partial`` gradient, each rank's
-    sum over its tokens: all-reduce it into the replicated gradient the optimizer and checkpoints expect."""
-    from torch.distributed.tensor import Replicate
-
-    if param.grad is not None and any(p.is_partial() for p in param.grad.placements):
-        param.grad = param.grad.redistribute(placements=[Replicate()] * param.grad.device_mesh.ndim)
+def _grad_like_param(param: Any) -> None:
+    """Lay a DTensor gradient out as its parameter: a replicated weight applied to sequence shards (a norm's)
+    gets a ``Partial`` gradient, each rank's sum over its tokens (all-reduced here); the vocabulary-split token
+    embedding gets a whole ``Replicate`` gradient from its lookup's backward in torch 2.13 (cut here to the
+    rank's rows, no communication). The optimizer, the checkpoints and the pipeline's sum of the tied
+    embedding's gradient across stages (``apply_pp.PipelineRunner.sync_shared``) expect the parameter's layout."""
+    grad = param.grad
+    if grad is not None and tuple(grad.placements) != tuple(param.placements):
+        param.grad = grad.redistribute(placements=param.placements)
 
 
 def _check_sequence_length(tp: int) -> Any:
@@ -128,12 +141,13 @@ def _sequence_parallel_gpt(gpt: nn.Module, tp_mesh: Any) -> None:
     """The second pass, the norms' gradient hooks and the length check of a GPT under sequence parallelism."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(gpt, tp_mesh, gpt_sequence_outputs())
+    parallelize_module(gpt, tp_mesh, gpt_sequence_outputs(gpt))
     for module in gpt.modules():
         if isinstance(module, nn.LayerNorm):
             for p in module.parameters():
-                p.register_post_accumulate_grad_hook(_replicate_partial_grad)
-    gpt.register_forward_pre_hook(_check_sequence_length(tp_mesh.size()))
+                p.register_post_accumulate_grad_hook(_grad_like_param)
+    if gpt.wpe is not None:  # token ids in (a later pipeline stage receives T/tp positions of hidden states)
+        gpt.register_forward_pre_hook(_check_sequence_length(tp_mesh.size()))
 
 
 def _has(module: nn.Module, key: str) -> bool:
@@ -201,7 +215,10 @@ def apply_tp(root: nn.Module, tp_mesh: Any, plan: dict | None = None, sequence_p
                              "the same dropout masks for their sequence shards; use dropout=0 or "
                              "strategy_options={'sequence_parallel': False}")
         parallelize_module(gpt, tp_mesh, gpt_plan(gpt, sequence_parallel))
+        if gpt.wte is not None:
+            gpt.wte.weight.register_post_accumulate_grad_hook(_grad_like_param)
         if sequence_parallel:
             _sequence_parallel_gpt(gpt, tp_mesh)
-        parallelize_module(gpt, tp_mesh, gpt_output_style())
+        if gpt.ln_f is not None:  # logits out: not a pipeline stage that sends hidden states on
+            parallelize_module(gpt, tp_mesh, gpt_output_style())
     return root

@@ -132,7 +132,3 @@ def _check_shorthand(strategy: str, dims: ParallelDims) -> None:
     if strategy == "pp" and dims.pp < 2:
         raise ValueError(f"strategy='pp' splits the model into pp ≥ 2 pipeline stages, but parallel={dims.as_dict()}; "
                          "pass parallel={'pp': 2} with 2 or more processes (devices=2), or another strategy")
-    if dims.pp > 1 and dims.tp > 1:  # torch composes them (torchtitan does); trainscale has not built or tested it
-        raise ValueError(f"parallel={dims.as_dict()}: pipeline stages combined with tensor parallelism (tp > 1) are "
-                         "not built in trainscale yet; pipeline stages compose with dp_shard and dp_replicate: pass "
-                         "e.g. parallel={'pp': 2, 'dp_shard': 2}, or drop 'pp' (tp with dp_shard)")

@@ -2,7 +2,7 @@
 with data parallelism over the other mesh dimensions.
 
 ``strategy="pp"`` (or ``"model_parallel"`` with ``parallel={"pp": P, ...}``): the ranks of one
-``(pp, dp_replicate, dp_shard, tp)`` mesh (``parallel_dims.py``, tp = 1) at pipeline coordinate ``s``
+``(pp, dp_replicate, dp_shard, tp)`` mesh (``parallel_dims.py``) at pipeline coordinate ``s``
 keep stage ``s`` of the model (``apply_pp.py``: the built-in split of ``trainscale.models.GPT`` or the
 user's ``pp_split_points``), and each batch runs through torch's GPipe or 1F1B schedule in
 ``pp_microbatches`` micro-batches, forward and backward in one ``schedule.step`` (so a loop calls
@@ -10,9 +10,18 @@ user's ``pp_split_points``), and each batch runs through torch's GPipe or 1F1B s
 same data-parallel coordinates) read the same batches (the first needs the inputs, the last the
 targets); the loss is computed on the last stage and broadcast, so every rank logs its pipeline's loss.
 
+With ``tp`` > 1, each stage's own layers are split over its tp ranks after the cut by the built-in plan
+of ``trainscale.models.GPT`` (``apply_tp.py``; torchtitan's order, ``distributed/pipeline_parallel.py``:
+``pipeline_module_split``, then ``parallelize_fn`` per stage, TP before FSDP). The activations crossing a
+stage boundary are the residual stream as plain local tensors: ``(B, T, C)``, or ``(B, T/tp, C)`` under
+sequence parallelism (its Shard(1) local part, which the next stage's first norm takes as it is), so each
+tp rank sends to and receives from the rank of the same tp coordinate in the neighbouring stage, 1/tp of
+the activations; torch's ``PipelineStage`` infers those shapes with a first forward and backward. The
+tied embedding's gradient is laid out as its parameter (rows split over tp) before it is summed across the
+first and last stage (``apply_tp._grad_like_param``).
+
 With ``dp_shard`` or ``dp_replicate`` > 1, each stage is sharded by FSDP2 over the data-parallel
-dimensions of the mesh after the cut (torchtitan's order, ``distributed/pipeline_parallel.py``:
-``pipeline_module_split``, then ``parallelize_fn`` per stage): one unit per ``ModuleList``/``ModuleDict``
+dimensions of the mesh after the cut (and after TP): one unit per ``ModuleList``/``ModuleDict``
 entry the stage keeps, then the stage itself (``apply_fsdp.py``); ``dp_replicate`` alone is FSDP2 on a
 ``(dp_replicate, dp_shard=1)`` mesh: every rank holds the whole stage, gradients are all-reduced (DDP's
 arithmetic). torch's ``PipelineStage`` defers FSDP's gradient reduction to the end of each schedule step
@@ -38,8 +47,10 @@ from trainscale.runtime.strategies import SYNC
 from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, reshard
 from trainscale.runtime.strategies.apply_pp import (PipelineRunner, gpt_split_points, keep_stage, shared_parameters,
                                                     stage_names)
+from trainscale.runtime.strategies.apply_tp import apply_tp
 from trainscale.runtime.strategies.dcp_checkpoint import DCPCheckpointer
 from trainscale.runtime.strategies.dtensor_clip import clip_grad_norm
+from trainscale.runtime.strategies.model_parallel import resolve_sequence_parallel
 from trainscale.runtime.strategies.parallel_dims import ParallelDims
 from trainscale.runtime.world import World
 
@@ -107,16 +118,18 @@ class PipelineStrategy:
     Args (the Runtime passes them from its own arguments, checked by the resolver):
         precision: the precision flag: "bf16-mixed" runs each stage's forward and the loss under autocast
             (and, sharded, FSDP's ``MixedPrecisionPolicy``); "bf16-true" and "32-true" need nothing here.
-        parallel: a ``ParallelDims`` (or a dict of its fields) with ``pp`` > 1 and ``tp`` = 1.
+        parallel: a ``ParallelDims`` (or a dict of its fields) with ``pp`` > 1.
         pp_schedule: "gpipe" or "1f1b" (default; the same bubble as GPipe, activations of at most P
             micro-batches held instead of M).
         pp_microbatches: micro-batches per batch; None: 4·P (GPipe's advice, M ≥ 4·P, keeps the bubble
             under 20 %). A batch that it does not divide runs in the most micro-batches that divide it.
         pp_split_points: the unit names where stages 1..P−1 begin (``apply_pp.units``); None: the
             built-in split of a ``trainscale.models.GPT``.
+        sequence_parallel: with tp > 1, sequence parallelism in the built-in GPT plan (``apply_tp.py``);
+            None: on.
 
     Raises:
-        ValueError: a world size other than the mesh's.
+        ValueError: a world size other than the mesh's; ``sequence_parallel`` not a bool, or True with tp = 1.
     """
 
     name = "pp"
@@ -127,12 +140,13 @@ class PipelineStrategy:
 
     def __init__(self, device: Any, world: World, precision: str = "32-true", parallel: Any = None,
                  pp_schedule: str = "1f1b", pp_microbatches: int | None = None,
-                 pp_split_points: list | None = None) -> None:
+                 pp_split_points: list | None = None, sequence_parallel: bool | None = None) -> None:
         dims = parallel if isinstance(parallel, ParallelDims) else ParallelDims(**(parallel or {}))
         if dims.world_size != world.world_size:
             raise ValueError(f"parallel={dims.as_dict()} multiplies to {dims.world_size} ranks, but the world size is "
                              f"{world.world_size}")
         self.device, self.world, self.dims, self.precision = device, world, dims, precision
+        self.sequence_parallel = resolve_sequence_parallel(sequence_parallel, dims.tp > 1)
         self.schedule, self.split_points = pp_schedule, pp_split_points
         self.microbatches = pp_microbatches or 4 * dims.pp
         self.mesh = None
@@ -148,12 +162,13 @@ class PipelineStrategy:
     # -- model -------------------------------------------------------------------------------
     def setup_module(self, module):
         """Cut ``module`` (or its child ``model``, the Trainer's loop module's) to this rank's stage in
-        place, shard it over the data-parallel ranks (if any); return a :class:`PipelineModule` around
-        ``module``.
+        place, split its layers over the tp ranks and shard it over the data-parallel ranks (if any);
+        return a :class:`PipelineModule` around ``module``.
 
         Raises:
             ValueError: a model that computes its own loss (``training_step``), no split points for a
-                model that is not a GPT, bad split points (``apply_pp.stage_names``).
+                model that is not a GPT, bad split points (``apply_pp.stage_names``); with tp > 1, a model
+                that is not a GPT and the GPT's own conditions (``apply_tp.apply_tp``).
         """
         target = self._target(module)
         names = stage_units(target, self.dims.pp, self.split_points)
@@ -164,6 +179,8 @@ class PipelineStrategy:
         # by name: FSDP replaces the parameters (their names stay)
         shared_names = {name: shared[id(p)] for name, p in target.named_parameters() if id(p) in shared}
         module = module.to(self.device)
+        if self.dims.tp > 1:  # the stage's own layers, split over its tp ranks (apply_tp.py)
+            apply_tp(target, self.mesh["tp"], sequence_parallel=self.sequence_parallel)
         if self.dims.dp_size > 1:
             apply_fsdp(target, [target.get_submodule(n) for n in names[stage] if "." in n], self._dp_mesh(),
                        precision=self.precision)
