@@ -164,6 +164,11 @@ def test_pp_composes_with_tp_with_and_without_sequence_parallelism_and_matches_o
     _bf16_close([r["tp_bf16"] for r in results], four_rank_runs["bf16"], pipelines=1)  # one pipeline
     # a quarter, plus the tied embedding's second copy and the whole norms on every rank
     assert max(stage_bytes) <= 0.28 * reference["bytes"]
+    # one epoch, then a resume from its checkpoint on the same mesh: the weights of two uninterrupted epochs
+    for r in results:
+        _assert_same(r["tp_resume"]["resumed"]["weights"], r["tp_resume"]["full"]["weights"])
+        assert r["tp_resume"]["resumed"]["val_loss"] == pytest.approx(r["tp_resume"]["full"]["val_loss"], rel=1e-5)
+        assert r["tp_resume"]["resumed"]["summary"]["resumed_from"] is not None
     # the checkpoint of the 2 × 2 tensor-parallel stages loads into a plain model in one process
     last = max((four_rank_runs["root"] / "tp").glob(f"version_*/checkpoints/epoch=*-step={STEPS:010d}"))
     state = {"model": GPT(PP_CONFIG).state_dict()}
