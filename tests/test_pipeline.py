@@ -357,6 +357,9 @@ def test_a_model_with_its_own_training_step_or_no_split_is_refused_at_setup():
         strategy.setup_module(stepper)
     with pytest.raises(ValueError, match=r"built-in split for trainscale.models.GPT only.*pp_split_points"):
         strategy.setup_module(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    with_tp = PipelineStrategy(torch.device("cpu"), World(world_size=4, local_world_size=4), parallel={"pp": 2, "tp": 2})
+    with pytest.raises(ValueError, match=r"plan of trainscale.models.GPT, and the model is a Sequential; drop 'tp'"):
+        with_tp.setup_module(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
 
 
 def test_a_meta_device_model_under_pp_with_tp_on_cpu_is_refused_at_setup_before_any_process_group():

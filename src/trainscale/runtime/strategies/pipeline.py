@@ -223,12 +223,23 @@ class PipelineStrategy:
         return Precision(self.precision, self.device.type).autocast if self.precision == "bf16-mixed" else None
 
     def _target(self, module) -> nn.Module:
-        """The model to cut: ``module``, or its child ``model`` (the Trainer wraps the user's model)."""
+        """The model to cut: ``module``, or its child ``model`` (the Trainer wraps the user's model).
+
+        Raises:
+            ValueError: a model with its own ``training_step``; with tp > 1, a model that is not a GPT.
+        """
         target = module.model if isinstance(getattr(module, "model", None), nn.Module) else module
         if any(hasattr(target, step) for step in ("training_step", "validation_step")):
             raise ValueError("strategy='pp' computes the loss on the last stage with loss_fn(outputs, targets), but "
                              f"{type(target).__name__} defines training_step/validation_step, which need the whole "
                              "model; pass a plain nn.Module and loss_fn (docs/strategies.md, 'Pipeline split')")
+        from trainscale.models.gpt import GPT
+
+        if self.dims.tp > 1 and not isinstance(target, GPT):
+            raise ValueError(f"pipeline stages with tp={self.dims.tp} split each stage by the built-in tensor-parallel "
+                             f"plan of trainscale.models.GPT, and the model is a {type(target).__name__}; drop 'tp' "
+                             "(e.g. parallel={'pp': P, 'dp_shard': S}), or 'pp' and pass tp_plan "
+                             "(docs/strategies.md, 'Writing a TP plan')")
         return target
 
     def setup_optimizer(self, optimizer):
