@@ -14,9 +14,9 @@ With ``tp`` > 1, each stage's own layers are split over its tp ranks after the c
 of ``trainscale.models.GPT`` (``apply_tp.py``; torchtitan's order, ``distributed/pipeline_parallel.py``:
 ``pipeline_module_split``, then ``parallelize_fn`` per stage, TP before FSDP). The activations crossing a
 stage boundary are the residual stream as plain local tensors: ``(B, T, C)``, or ``(B, T/tp, C)`` under
-sequence parallelism (its Shard(1) local part, which the next stage's first norm takes as it is), so each
-tp rank sends to and receives from the rank of the same tp coordinate in the neighbouring stage, 1/tp of
-the activations; torch's ``PipelineStage`` infers those shapes with a first forward and backward. The
+sequence parallelism (its Shard(1) local part, which the next stage's first norm takes as it is): each
+tp rank sends to and receives from the rank of the same tp coordinate in the neighbouring stage, under
+sequence parallelism 1/tp of the activations; torch's ``PipelineStage`` infers those shapes with a first forward and backward. The
 tied embedding's gradient is laid out as its parameter (rows split over tp) before it is summed across the
 first and last stage (``apply_tp._grad_like_param``).
 
