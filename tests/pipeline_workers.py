@@ -57,8 +57,9 @@ class Record(Callback):
 
 def fit_gpt(rank: int, root: str, strategy: str, *, steps: int | None = None, epochs: int = 1, train: int = 64,
             val: int = 21, schedule: str | None = None, accumulate: int = 1, ckpt_path: str | None = None,
-            destroy: bool = False, batch_size: int = 8, **flags) -> dict:
-    """Fit a GPT (seed 0) with clipping at norm 0.5; return this rank's weights (whole: FSDP shards gathered),
+            destroy: bool = False, batch_size: int = 8, meta: bool = False, **flags) -> dict:
+    """Fit a GPT (seed 0; built on the meta device if ``meta``) with clipping at norm 0.5; return this rank's
+    weights (whole: FSDP shards gathered),
     the per-step losses (and gradient norms from rank zero's step records), the validation loss, the peak
     bytes of parameters + gradients + optimizer state, the summary."""
     import json
@@ -74,7 +75,8 @@ def fit_gpt(rank: int, root: str, strategy: str, *, steps: int | None = None, ep
                       log_every_n_steps=1, gradient_clip_val=0.5, accumulate_grad_batches=accumulate,
                       callbacks=[record], logger=False, pp_schedule=schedule, **flags)
     torch.manual_seed(0)
-    model = GPT(PP_CONFIG)
+    with torch.device("meta" if meta else "cpu"):
+        model = GPT(PP_CONFIG)
     train_loader, val_loader = text_loaders(batch_size, train, val)
     dtypes = set()  # of the logits the loss sees (under pp: on the last stage only)
 
@@ -96,33 +98,37 @@ def fit_gpt(rank: int, root: str, strategy: str, *, steps: int | None = None, ep
 
 
 def pp_runs(rank: int, root: str, steps: int) -> dict:
-    """GPipe and 1F1B over 2 stages for ``steps`` steps, 1F1B under "bf16-mixed", then 1F1B with 2
-    accumulated micro-batches per step; one process group for all."""
+    """GPipe and 1F1B over 2 stages for ``steps`` steps, 1F1B under "bf16-mixed", 1F1B of a GPT built on the
+    meta device, then 1F1B with 2 accumulated micro-batches per step; one process group for all."""
     return {"gpipe": fit_gpt(rank, f"{root}/gpipe", "pp", steps=steps, schedule="gpipe"),
             "1f1b": fit_gpt(rank, f"{root}/1f1b", "pp", steps=steps, schedule="1f1b", pp_microbatches=2),
             "bf16": fit_gpt(rank, f"{root}/bf16", "pp", steps=steps, precision="bf16-mixed"),
+            "meta": fit_gpt(rank, f"{root}/meta", "pp", steps=steps, meta=True),
             "accumulate": fit_gpt(rank, f"{root}/acc", "pp", steps=2, accumulate=2, destroy=True)}
 
 
-def pp_resume(rank: int, root: str, parallel: dict | None = None) -> dict:
+def pp_resume(rank: int, root: str, parallel: dict | None = None, destroy: bool = True) -> dict:
     """Two epochs uninterrupted, against one epoch then a resume from its "last" checkpoint for the second;
-    ``parallel``: the mesh (None: one stage per rank)."""
+    ``parallel``: the mesh (None: one stage per rank); ``destroy=False``: more runs follow in these processes."""
     small = dict(train=24, val=12, parallel=parallel)
     full = fit_gpt(rank, f"{root}/full", "pp", epochs=2, **small)
     first = fit_gpt(rank, f"{root}/stopped", "pp", epochs=1, **small)
-    resumed = fit_gpt(rank, f"{root}/stopped", "pp", epochs=2, ckpt_path="last", destroy=True, **small)
+    resumed = fit_gpt(rank, f"{root}/stopped", "pp", epochs=2, ckpt_path="last", destroy=destroy, **small)
     return {"full": full, "first": first, "resumed": resumed}
 
 
 def pp_dp_runs(rank: int, root: str, steps: int) -> dict:
     """On 4 ranks: 2 stages × 2 tensor-parallel ranks over batches of 16, with sequence parallelism (1F1B,
-    a checkpoint at the end) and without (GPipe); 2 stages × 2 FSDP shards (1F1B), 2 stages × 2 replicas
+    a checkpoint at the end) and without (GPipe), under "bf16-mixed", and resumed from a checkpoint
+    (:func:`pp_resume`); 2 stages × 2 FSDP shards (1F1B), 2 stages × 2 replicas
     (GPipe), 2 stages × 2 shards under "bf16-mixed", each over 2 data-parallel batches of 8, then 2 stages ×
     2 shards accumulating 2 micro-batches per step over a ragged epoch; one process group for all."""
     pp_tp = dict(steps=steps, val=20, batch_size=16, parallel={"pp": 2, "tp": 2})
     return {"tp": fit_gpt(rank, f"{root}/tp", "pp", **pp_tp),
             "tp_gpipe": fit_gpt(rank, f"{root}/tp_gpipe", "pp", schedule="gpipe",
                                 strategy_options={"sequence_parallel": False}, **pp_tp),
+            "tp_bf16": fit_gpt(rank, f"{root}/tp_bf16", "pp", precision="bf16-mixed", **pp_tp),
+            "tp_resume": pp_resume(rank, f"{root}/tp_resume", {"pp": 2, "tp": 2}, destroy=False),
             "shard": fit_gpt(rank, f"{root}/shard", "pp", steps=steps, val=20, parallel={"pp": 2, "dp_shard": 2}),
             "replicate": fit_gpt(rank, f"{root}/replicate", "pp", steps=steps, val=20, schedule="gpipe",
                                  parallel={"pp": 2, "dp_replicate": 2}),

@@ -45,13 +45,21 @@ def _planned_bytes(strategy: str, devices: int, rank: int, parallel: dict | None
 
 
 # -- parity with one process, memory (gloo, real processes) --------------------------------------
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> dict:
+    """The 2-stage runs (``pp_runs``), one start of 2 processes for all, and the one-process runs."""
+    root = tmp_path_factory.mktemp("pp2")
+    return {"reference": fit_gpt(0, str(root / "single"), "single", steps=STEPS),
+            "accumulated": fit_gpt(0, str(root / "single_acc"), "single", steps=2, accumulate=2),
+            "bf16": fit_gpt(0, str(root / "single_bf16"), "single", steps=STEPS, precision="bf16-mixed"),
+            "results": run_distributed(pp_runs, str(root), STEPS, world_size=2, timeout=280)}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_gpipe_and_1f1b_over_two_stages_match_one_process_with_clipping_and_use_about_half_the_memory(tmp_path):
-    reference = fit_gpt(0, str(tmp_path / "single"), "single", steps=STEPS)
-    accumulated = fit_gpt(0, str(tmp_path / "single_acc"), "single", steps=2, accumulate=2)
-    bf16 = fit_gpt(0, str(tmp_path / "single_bf16"), "single", steps=STEPS, precision="bf16-mixed")
-    results = run_distributed(pp_runs, str(tmp_path), STEPS, world_size=2, timeout=280)
+def test_gpipe_and_1f1b_over_two_stages_match_one_process_with_clipping_and_use_about_half_the_memory(two_rank_runs):
+    reference, accumulated, bf16 = (two_rank_runs[k] for k in ("reference", "accumulated", "bf16"))
+    results = two_rank_runs["results"]
     for schedule in ("gpipe", "1f1b"):
         runs = [r[schedule] for r in results]
         _stages_cover(runs, reference["weights"])
@@ -73,6 +81,25 @@ def test_gpipe_and_1f1b_over_two_stages_match_one_process_with_clipping_and_use_
     assert summary["pipeline"] == {"stages": 2, "schedule": "gpipe", "microbatches": 8,
                                    "bubble_fraction": pytest.approx(1 / 9),
                                    "param_bytes_per_rank": [r["gpipe"]["bytes"] // 3 for r in results]}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_meta_device_gpt_is_materialised_stage_by_stage_and_trains(two_rank_runs):
+    runs = [r["meta"] for r in two_rank_runs["results"]]
+    # each rank allocated its own stage only: exactly the bytes of the stage built on the CPU
+    assert [r["bytes"] for r in runs] == [r["1f1b"]["bytes"] for r in two_rank_runs["results"]]
+    # the two copies of the tied embedding started equal (broadcast from the first stage; each stage draws
+    # from its own seed) and so stayed equal
+    torch.testing.assert_close(runs[0]["weights"]["wte.weight"], runs[1]["weights"]["wte.weight"], rtol=0, atol=0)
+    for r in runs:
+        assert all(bool(torch.isfinite(w).all()) for w in r["weights"].values())
+        assert r["weights"]["blocks.0.attn.q.weight" if "blocks.0.attn.q.weight" in r["weights"]
+                            else "blocks.2.attn.q.weight"].std() == pytest.approx(0.02, rel=0.1)  # GPT-2's init
+    assert runs[0]["losses"][-1] < runs[0]["losses"][0] - 0.2  # from ~ln 256 = 5.5
+    # the stages were not drawn from one stream: the blocks of stage 1 are not those of stage 0
+    q0, q1 = runs[0]["weights"]["blocks.0.attn.q.weight"], runs[1]["weights"]["blocks.2.attn.q.weight"]
+    assert not torch.allclose(q0, q1)
 
 
 def _bf16_close(runs: list, reference: dict, pipelines: int) -> None:
@@ -133,8 +160,15 @@ def test_pp_composes_with_tp_with_and_without_sequence_parallelism_and_matches_o
         print(f"pp 2 x {layout}: state bytes per rank {[r['bytes'] for r in runs]} of {reference['bytes']} "
               f"({max(r['bytes'] for r in runs) / reference['bytes']:.3f}), max |weight difference| "
               f"{max(_max_diff(r['weights'], reference['weights']) for r in runs):.2e}")
+    # "bf16-mixed": logits in bf16 on the last stage (ranks 2, 3), near the one-process bf16 run
+    _bf16_close([r["tp_bf16"] for r in results], four_rank_runs["bf16"], pipelines=1)  # one pipeline
     # a quarter, plus the tied embedding's second copy and the whole norms on every rank
     assert max(stage_bytes) <= 0.28 * reference["bytes"]
+    # one epoch, then a resume from its checkpoint on the same mesh: the weights of two uninterrupted epochs
+    for r in results:
+        _assert_same(r["tp_resume"]["resumed"]["weights"], r["tp_resume"]["full"]["weights"])
+        assert r["tp_resume"]["resumed"]["val_loss"] == pytest.approx(r["tp_resume"]["full"]["val_loss"], rel=1e-5)
+        assert r["tp_resume"]["resumed"]["summary"]["resumed_from"] is not None
     # the checkpoint of the 2 × 2 tensor-parallel stages loads into a plain model in one process
     last = max((four_rank_runs["root"] / "tp").glob(f"version_*/checkpoints/epoch=*-step={STEPS:010d}"))
     state = {"model": GPT(PP_CONFIG).state_dict()}
@@ -337,3 +371,19 @@ def test_a_model_with_its_own_training_step_or_no_split_is_refused_at_setup():
         strategy.setup_module(stepper)
     with pytest.raises(ValueError, match=r"built-in split for trainscale.models.GPT only.*pp_split_points"):
         strategy.setup_module(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    with_tp = PipelineStrategy(torch.device("cpu"), World(world_size=4, local_world_size=4), parallel={"pp": 2, "tp": 2})
+    with pytest.raises(ValueError, match=r"plan of trainscale.models.GPT, and the model is a Sequential; drop 'tp'"):
+        with_tp.setup_module(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+
+
+def test_a_meta_device_model_under_pp_with_tp_on_cpu_is_refused_at_setup_before_any_process_group():
+    from trainscale.models import GPT
+    from trainscale.runtime.strategies.pipeline import PipelineStrategy
+    from trainscale.runtime.world import World
+
+    strategy = PipelineStrategy(torch.device("cpu"), World(world_size=4, local_world_size=4),
+                                parallel={"pp": 2, "tp": 2})
+    with torch.device("meta"):
+        model = GPT(PP_CONFIG)
+    with pytest.raises(ValueError, match="meta-device model under tensor parallelism needs a CUDA mesh"):
+        strategy.setup_module(model)

@@ -72,6 +72,23 @@ def check_initialisable(module: nn.Module) -> None:
                          "init_weights() on the model (see trainscale.models.GPT), or build it on a real device")
 
 
+def check_meta(module: nn.Module, tensor_parallel: bool, device_type: str) -> bool:
+    """Whether ``module`` is on the meta device (:func:`on_meta`), checked to be materialisable by a strategy
+    that shards it, with ``tensor_parallel`` layers, on a ``device_type`` mesh.
+
+    Raises:
+        ValueError: partly on meta; submodules nothing initialises (:func:`check_initialisable`); tensor
+            parallelism on a CPU mesh (DTensor's RNG keeps the shards of one tensor distinct on CUDA only).
+    """
+    if not on_meta(module):
+        return False
+    check_initialisable(module)
+    if tensor_parallel and device_type == "cpu":
+        raise ValueError("a meta-device model under tensor parallelism needs a CUDA mesh (DTensor's RNG keeps "
+                         "the shards of one tensor distinct on CUDA only); on CPU build the model on the CPU")
+    return True
+
+
 def initialise(module: nn.Module) -> None:
     """Fill ``module``'s tensors in place: ``init_weights()`` where defined (covering its subtree), else
     ``reset_parameters()``, from the root down."""

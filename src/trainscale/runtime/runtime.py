@@ -74,7 +74,8 @@ class Runtime:
         timeout: seconds a collective may wait before it fails (passed to ``init_process_group``).
         strategy_options: keyword options of the strategy (ddp: ``find_unused_parameters``,
             ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``; dp: ``device_ids``; fsdp: ``auto_wrap_policy``, ``reshard_after_forward``,
-            ``cpu_offload``; model_parallel/tp: ``sequence_parallel``, default on with the built-in GPT plan).
+            ``cpu_offload``; model_parallel/tp, and pp with tp > 1: ``sequence_parallel``, default on with the built-in
+            GPT plan).
         sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp, CUDA only).
         activation_checkpointing: ``nn.Module`` classes whose instances recompute their forward in
             backward (``torch.utils.checkpoint``, non-reentrant): less activation memory, ~1 more forward.
@@ -85,7 +86,8 @@ class Runtime:
             "32-true" run on such a GPU left at "highest" says so once (rank zero).
         parallel: under strategy "model_parallel" (required), "hsdp", "tp" or "pp": the device mesh
             ``{"dp_replicate": R, "dp_shard": S, "tp": T}``, R·S·T = world size, or pipeline stages
-            ``{"pp": P, "dp_replicate": R, "dp_shard": S}``, P·R·S = world size (docs/strategies.md).
+            ``{"pp": P, "dp_replicate": R, "dp_shard": S, "tp": T}``, P·R·S·T = world size (with tp > 1 each stage
+            gets the built-in GPT plan; docs/strategies.md).
         tp_plan: ``{submodule name: ColwiseParallel() | RowwiseParallel() | ...}`` (torch's
             ``parallelize_module`` styles) for your model; default: the built-in plan of ``trainscale.models.GPT``.
         parallelize: ``fn(model, mesh) -> model`` applying your own tensor parallelism instead; FSDP/HSDP

@@ -233,6 +233,17 @@ class PipelineRunner:
         dist.broadcast_object_list(box, src=self.last_rank, group=self.group)
         return box[0]
 
+    @torch.no_grad()
+    def broadcast_shared(self) -> None:
+        """Give every copy of a shared parameter the values of the first stage holding it (one broadcast
+        each, of the local shards): after a meta-device model is materialised stage by stage."""
+        import torch.distributed as dist
+
+        for group, params in self.shared:
+            for p in params:
+                local = p.to_local() if hasattr(p, "to_local") else p
+                dist.broadcast(local, src=dist.get_global_rank(group, 0), group=group)
+
     def sync_shared(self) -> None:
         """Sum the gradients of shared parameters across the stages that hold them (one all-reduce each; of
         the local shards under FSDP, which shards every stage's copy alike)."""

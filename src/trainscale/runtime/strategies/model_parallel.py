@@ -96,7 +96,7 @@ class ModelParallelStrategy:
             ValueError: see :func:`apply_tp` and :func:`fsdp_units`; a meta model with tp > 1 on CPU.
         """
         units = fsdp_units(module, self.auto_wrap_policy, self.name) if self.dims.dp_size > 1 else []
-        meta = self._check_meta(module)
+        meta = meta_init.check_meta(module, self.dims.tp > 1, self.device.type)
         if not meta:
             module = module.to(self.device)
         self.mesh = self.mesh or self.dims.build_mesh(self.device.type)
@@ -114,16 +114,6 @@ class ModelParallelStrategy:
         self._roots.append(module)
         self._params = {id(p) for root in self._roots for p in root.parameters()}
         return module
-
-    def _check_meta(self, module) -> bool:
-        """Whether ``module`` is on the meta device, checked to be materialisable here."""
-        if not meta_init.on_meta(module):
-            return False
-        meta_init.check_initialisable(module)
-        if self.dims.tp > 1 and self.device.type == "cpu":
-            raise ValueError("a meta-device model under tensor parallelism needs a CUDA mesh (DTensor's RNG keeps "
-                             "the shards of one tensor distinct on CUDA only); on CPU build the model on the CPU")
-        return True
 
     def setup_optimizer(self, optimizer):
         """Check that ``optimizer`` holds the parallelised parameters.

@@ -14,9 +14,9 @@ With ``tp`` > 1, each stage's own layers are split over its tp ranks after the c
 of ``trainscale.models.GPT`` (``apply_tp.py``; torchtitan's order, ``distributed/pipeline_parallel.py``:
 ``pipeline_module_split``, then ``parallelize_fn`` per stage, TP before FSDP). The activations crossing a
 stage boundary are the residual stream as plain local tensors: ``(B, T, C)``, or ``(B, T/tp, C)`` under
-sequence parallelism (its Shard(1) local part, which the next stage's first norm takes as it is), so each
-tp rank sends to and receives from the rank of the same tp coordinate in the neighbouring stage, 1/tp of
-the activations; torch's ``PipelineStage`` infers those shapes with a first forward and backward. The
+sequence parallelism (its Shard(1) local part, which the next stage's first norm takes as it is): each
+tp rank sends to and receives from the rank of the same tp coordinate in the neighbouring stage, under
+sequence parallelism 1/tp of the activations; torch's ``PipelineStage`` infers those shapes with a first forward and backward. The
 tied embedding's gradient is laid out as its parameter (rows split over tp) before it is summed across the
 first and last stage (``apply_tp._grad_like_param``).
 
@@ -42,6 +42,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from trainscale.runtime import meta_init
 from trainscale.runtime.precision import Precision
 from trainscale.runtime.strategies import SYNC
 from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, reshard
@@ -135,7 +136,7 @@ class PipelineStrategy:
     name = "pp"
     checkpoint_suffix = ""  # checkpoints are directories
     forward_communicates = True  # a forward sends activations between the stages
-    materialises_meta = False
+    materialises_meta = True
     pipelined = True
 
     def __init__(self, device: Any, world: World, precision: str = "32-true", parallel: Any = None,
@@ -168,30 +169,49 @@ class PipelineStrategy:
         Raises:
             ValueError: a model that computes its own loss (``training_step``), no split points for a
                 model that is not a GPT, bad split points (``apply_pp.stage_names``); with tp > 1, a model
-                that is not a GPT and the GPT's own conditions (``apply_tp.apply_tp``).
+                that is not a GPT and the GPT's own conditions (``apply_tp.apply_tp``); a meta-device model
+                that cannot be materialised (``meta_init.check_meta``: with tp > 1 on CPU, for one).
+
+        A model built on the meta device is cut, split and sharded on meta, then only this rank's part is
+        allocated and initialised (its ``init_weights()``); the copies of a tied weight then get the first
+        stage's values.
         """
         target = self._target(module)
         names = stage_units(target, self.dims.pp, self.split_points)
         shared = shared_parameters(target, names)
+        meta = meta_init.check_meta(module, self.dims.tp > 1, self.device.type)
         self.mesh = self.mesh or self.dims.build_mesh(self.device.type)
         stage = self.dims.pp_rank(self.world.rank)
         keep_stage(target, names[stage])
         # by name: FSDP replaces the parameters (their names stay)
         shared_names = {name: shared[id(p)] for name, p in target.named_parameters() if id(p) in shared}
-        module = module.to(self.device)
-        if self.dims.tp > 1:  # the stage's own layers, split over its tp ranks (apply_tp.py)
-            apply_tp(target, self.mesh["tp"], sequence_parallel=self.sequence_parallel)
-        if self.dims.dp_size > 1:
-            apply_fsdp(target, [target.get_submodule(n) for n in names[stage] if "." in n], self._dp_mesh(),
-                       precision=self.precision)
-            self._roots = [target]
+        module = self._parallelize_stage(module, target, names[stage], meta)
         group = self.mesh.get_group("pp")
         by_name = dict(target.named_parameters())
         runner = PipelineRunner(target, stage, self.dims.pp, self.device, group, self.schedule, self.microbatches,
                                 _shared_groups(shared_names, by_name, self.mesh), self._autocast())
+        if meta:
+            runner.broadcast_shared()  # the copies of a tied weight start equal: the first stage's values
         self._params = {id(p) for p in by_name.values()}
         self._counted = {id(p) for n, p in by_name.items() if n not in shared_names or min(shared_names[n]) == stage}
         return PipelineModule(module, runner)
+
+    def _parallelize_stage(self, module, target: nn.Module, units: list[str], meta: bool):
+        """The cut ``target`` (inside ``module``) split over its tp ranks, then sharded over its data-parallel
+        ranks (torchtitan's order), then, if built on the meta device, materialised: this rank's stage and
+        shard only, each (stage, shard) seeded apart (``meta_init``). Returns ``module``."""
+        if not meta:
+            module = module.to(self.device)
+        if self.dims.tp > 1:  # the stage's own layers, split over its tp ranks (apply_tp.py)
+            apply_tp(target, self.mesh["tp"], sequence_parallel=self.sequence_parallel)
+        if self.dims.dp_size > 1:
+            apply_fsdp(target, [target.get_submodule(n) for n in units if "." in n], self._dp_mesh(),
+                       precision=self.precision)
+            self._roots = [target]
+        if meta:
+            stage, shard = self.dims.pp_rank(self.world.rank), self.dims.coordinates(self.world.rank)[1]
+            meta_init.materialise(module, self.device, seed_offset=stage * self.dims.dp_shard + shard)
+        return module
 
     def _dp_mesh(self):
         """The data-parallel part of the mesh: ``dp_shard`` (FSDP), or ``(dp_replicate, dp_shard)`` (HSDP;
@@ -203,12 +223,23 @@ class PipelineStrategy:
         return Precision(self.precision, self.device.type).autocast if self.precision == "bf16-mixed" else None
 
     def _target(self, module) -> nn.Module:
-        """The model to cut: ``module``, or its child ``model`` (the Trainer wraps the user's model)."""
+        """The model to cut: ``module``, or its child ``model`` (the Trainer wraps the user's model).
+
+        Raises:
+            ValueError: a model with its own ``training_step``; with tp > 1, a model that is not a GPT.
+        """
         target = module.model if isinstance(getattr(module, "model", None), nn.Module) else module
         if any(hasattr(target, step) for step in ("training_step", "validation_step")):
             raise ValueError("strategy='pp' computes the loss on the last stage with loss_fn(outputs, targets), but "
                              f"{type(target).__name__} defines training_step/validation_step, which need the whole "
                              "model; pass a plain nn.Module and loss_fn (docs/strategies.md, 'Pipeline split')")
+        from trainscale.models.gpt import GPT
+
+        if self.dims.tp > 1 and not isinstance(target, GPT):
+            raise ValueError(f"pipeline stages with tp={self.dims.tp} split each stage by the built-in tensor-parallel "
+                             f"plan of trainscale.models.GPT, and the model is a {type(target).__name__}; drop 'tp' "
+                             "(e.g. parallel={'pp': P, 'dp_shard': S}), or 'pp' and pass tp_plan "
+                             "(docs/strategies.md, 'Writing a TP plan')")
         return target
 
     def setup_optimizer(self, optimizer):
