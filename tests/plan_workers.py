@@ -87,7 +87,7 @@ def _tracked_run(rt, build, steps) -> dict:
     and the peak of live tensor bytes."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = LiveBytes() if rt.strategy.pipelined else MemTracker()
+    tracker = LiveBytes() if rt.config.strategy == "pp" else MemTracker()
     with tracker:
         model, optimizer = rt.setup(build(), adamw)
         for forward_backward in steps:
@@ -159,7 +159,7 @@ def _gpt_step(rt, x, y):
     pipeline's schedule step under "pp", else the module's call and the Runtime's backward."""
     from trainscale.models import lm_loss
 
-    if rt.strategy.pipelined:
+    if rt.config.strategy == "pp":
         return lambda model: rt.forward_backward(model, (x.clone(), y.clone()), lm_loss)
     return lambda model: rt.backward(lm_loss(model(x.clone()), y.clone()))
 

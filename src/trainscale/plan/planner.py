@@ -1,7 +1,9 @@
 """``trainscale.plan(...)``: memory per device and time per step/epoch for each strategy, device count
 and batch size, before any cluster is booked. Memory: :mod:`trainscale.plan.memory` (no allocation);
 time: one measured single-device run (:mod:`trainscale.plan.measure`) plus the communication model
-(:mod:`trainscale.plan.comm`) over a given or probed link (:mod:`trainscale.plan.probe`).
+(:mod:`trainscale.plan.comm`) over a given or probed link (:mod:`trainscale.plan.probe`). Pipeline stages (pp):
+:mod:`trainscale.plan.pipeline` (each stage's peak composed from one traced micro-batch and torch's schedule; the
+step (M + P − 1) slots of the slowest stage, so the bubble (P − 1)/(M + P − 1) of GPipe, Huang et al. 2019).
 """
 
 from __future__ import annotations
