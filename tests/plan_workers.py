@@ -37,22 +37,68 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _tracked_run(rt, build, losses) -> dict:
-    """Under ``MemTracker`` from before the model is built: ``build()`` set up by ``rt`` with AdamW, one optimizer
-    step per ``loss(model)`` of ``losses``; this rank's parameter, gradient (after the last backward) and
-    optimizer-state bytes (the local shards' storages) and the peak of live tensor bytes."""
+class LiveBytes:
+    """The peak of live tensor bytes, as ``MemTracker`` counts them (each storage once, from its creation by an
+    op until it is freed), without its module hooks: those register multi-grad hooks on module inputs, which
+    ``torch.autograd.grad`` refuses ("A leaf node was passed to _will_engine_execute_node"), and a pipeline
+    stage's first schedule step infers its shapes with ``autograd.grad`` (torch 2.13 ``PipelineStage``).
+    ``with LiveBytes() as live: ...``; then ``live.peak`` (bytes)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        outer._add(t.untyped_storage())
+                return out
+
+        self.mode, self.live, self.current, self.peak = Mode(), WeakIdKeyDictionary(), 0, 0
+
+    def _add(self, storage) -> None:
+        import weakref
+
+        if storage in self.live or storage.nbytes() == 0:
+            return
+        self.live[storage] = weakref.finalize(storage, self._free, storage.nbytes())
+        self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+
+    def _free(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def _tracked_run(rt, build, steps) -> dict:
+    """Under ``MemTracker`` (:class:`LiveBytes` for pipeline stages) from before the model is built: ``build()``
+    set up by ``rt`` with AdamW, one optimizer step after each ``forward_backward(model)`` of ``steps``; this
+    rank's parameter, gradient (after the last backward) and optimizer-state bytes (the local shards' storages)
+    and the peak of live tensor bytes."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
+    tracker = LiveBytes() if rt.config.strategy == "pp" else MemTracker()
     with tracker:
         model, optimizer = rt.setup(build(), adamw)
-        for loss in losses:
-            rt.backward(loss(model))
+        for forward_backward in steps:
+            forward_backward(model)
             grads = _storage_bytes(p.grad for p in model.parameters())
             rt.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
-            tracker.reset_mod_stats()
-    peak = sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+            if isinstance(tracker, MemTracker):
+                tracker.reset_mod_stats()
+    peak = tracker.peak if isinstance(tracker, LiveBytes) else \
+        sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
     return {"parameters": _storage_bytes(model.parameters()), "gradients": grads,
             "optimizer": _storage_bytes(t for s in optimizer.state.values() for t in s.values()), "peak": peak}
 
@@ -66,11 +112,12 @@ def _measure(strategy: str, precision: str, checkpointing: bool, batchnorm: bool
                  activation_checkpointing={torch.nn.Sequential} if checkpointing else None)
     x, y = torch.randn(BATCH, 1, 28, 28), torch.randint(0, 10, (BATCH,))
 
-    def loss(model):
+    def step(model):
         with rt.autocast():
-            return F.cross_entropy(model(x.clone()), y.clone())  # the batch's bytes counted, as the plan counts them
+            loss = F.cross_entropy(model(x.clone()), y.clone())  # the batch's bytes counted, as the plan counts them
+        rt.backward(loss)
 
-    return _tracked_run(rt, lambda: ConvNet(batchnorm=batchnorm), [loss, loss])
+    return _tracked_run(rt, lambda: ConvNet(batchnorm=batchnorm), [step, step])
 
 
 def measure_body(rank: int) -> dict:
@@ -107,6 +154,25 @@ def _gpt_batches(uneven: bool, rt):
     return enumerate((t[:, :-1], t[:, 1:]) for t in tokens)
 
 
+def _gpt_step(rt, x, y):
+    """One forward and backward of the GPT on ``(x, y)``, copied inside so each step's batch counts once: a
+    pipeline's schedule step under "pp", else the module's call and the Runtime's backward."""
+    from trainscale.models import lm_loss
+
+    if rt.config.strategy == "pp":
+        return lambda model: rt.forward_backward(model, (x.clone(), y.clone()), lm_loss)
+    return lambda model: rt.backward(lm_loss(model(x.clone()), y.clone()))
+
+
+def _gpt_run(rt, uneven: bool) -> dict:
+    """:func:`_tracked_run` of the GPT (:func:`gpt_config`) set up by ``rt``, over :func:`_gpt_batches`."""
+    from trainscale.models import GPT
+
+    torch.manual_seed(0)
+    batches = [rt.to_device(b) for _, b in _gpt_batches(uneven, rt)]
+    return _tracked_run(rt, lambda: GPT(gpt_config(uneven)), [_gpt_step(rt, x, y) for x, y in batches])
+
+
 def measure_gpt_body(rank: int, strategy: str, parallel: dict, uneven: bool = False) -> dict:
     """The small GPT (:func:`gpt_config`) under ``strategy`` ("tp", "hsdp") with ``parallel``: this rank's
     parameter, gradient (after the second backward) and optimizer-state bytes (AdamW, after the second
@@ -114,15 +180,26 @@ def measure_gpt_body(rank: int, strategy: str, parallel: dict, uneven: bool = Fa
     before the model is built; the batch read before it and copied inside, so each step's batch counts once)."""
     import torch.distributed as dist
 
-    from trainscale.models import GPT, lm_loss
     from trainscale.runtime.runtime import Runtime
 
     try:
-        rt = Runtime(accelerator="cpu", devices="auto", strategy=strategy, parallel=parallel, timeout=60)
-        torch.manual_seed(0)
-        batches = [rt.to_device(b) for _, b in _gpt_batches(uneven, rt)]
-        losses = [lambda model, x=x, y=y: lm_loss(model(x.clone()), y.clone()) for x, y in batches]
-        return _tracked_run(rt, lambda: GPT(gpt_config(uneven)), losses)
+        return _gpt_run(Runtime(accelerator="cpu", devices="auto", strategy=strategy, parallel=parallel, timeout=60),
+                        uneven)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measure_pp_body(rank: int, schedules: tuple) -> dict:
+    """The small GPT on 2 pipeline stages under each of ``schedules`` ("1f1b", "gpipe") in turn, in one process
+    group: per schedule, :func:`measure_gpt_body`'s bytes of this rank (= stage)."""
+    import torch.distributed as dist
+
+    from trainscale.runtime.runtime import Runtime
+
+    try:
+        return {schedule: _gpt_run(Runtime(accelerator="cpu", devices="auto", strategy="pp", timeout=60,
+                                           pp_schedule=schedule), False) for schedule in schedules}
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

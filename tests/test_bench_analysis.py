@@ -307,3 +307,18 @@ def test_bench_shows_exposed_communication_not_the_whole_all_reduce():
     assert "| exposed comm | data |" in report.cell_table(rows)[0]
     text = adv.diagnose(rows[1], rows)[1]
     assert "exposed communication grew most, from 0.0 ms per step on 1 device(s) to 10.0 ms" in text
+
+
+def test_a_pipeline_cell_probes_no_gradient_all_reduce():
+    """Under pp each stage holds different parameters and all-reduces no gradients: the cell's all-reduce probe
+    (sized by this rank's parameters) would all-reduce different sizes on the stages and abort gloo
+    ("Received data size doesn't match expected size"), so it is skipped before any collective."""
+    from types import SimpleNamespace
+
+    from trainscale.bench.cell import _probe_allreduce
+
+    def no_collective():
+        raise AssertionError("the probe issued a collective")
+
+    rt = SimpleNamespace(world_size=2, strategy=SimpleNamespace(pipelined=True), barrier=no_collective)
+    assert _probe_allreduce(rt, 1000) is None

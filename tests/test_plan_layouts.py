@@ -52,6 +52,64 @@ def test_predicted_bytes_equal_a_real_run(strategy, parallel, uneven):
                 f"{strategy} rank {rank}: peak predicted {peak} vs measured {real['peak']}"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_pp_stages_bytes_and_peaks_equal_a_real_run():
+    """2 pipeline stages of the small GPT, 1F1B (the default) and GPipe, batch 4 in 4 micro-batches, in one pair of
+    processes: each stage's exact bytes equal the run's, and its composed peak (trainscale.plan.pipeline: one traced
+    micro-batch and torch's schedule) is within 15 % of the run's live tensor bytes, on both stages."""
+    schedules = ("1f1b", "gpipe")
+    measured = run_distributed(plan_workers.measure_pp_body, schedules, world_size=2, timeout=240)
+    meta, layout = _gpt_layout()
+    tokens = torch.zeros(32, dtype=torch.long)
+    work = planner.Workload(meta, (tokens, tokens), lm_loss, plan_workers.adamw)
+    for schedule in schedules:
+        row = planner._pp_row(meta, layout, work, 2, 4, "32-true", (), {"pp_schedule": schedule}, 2**30)
+        assert row.pipeline["schedule"] == schedule and row.pipeline["microbatches"] == 4
+        for rank, real in enumerate(r[schedule] for r in measured):
+            exact = memory.exact_bytes(meta, layout, "pp", 2, rank, "32-true")
+            for key in ("parameters", "gradients", "optimizer"):
+                assert exact[key] == real[key], f"{schedule} stage {rank}: {key} {exact[key]} != measured {real[key]}"
+            peak = row.pipeline["peaks"][rank]
+            assert abs(peak - real["peak"]) <= PEAK_TOLERANCE * real["peak"], \
+                f"{schedule} stage {rank}: peak predicted {peak} vs measured {real['peak']}"
+        assert row.memory.peak == max(row.pipeline["peaks"])  # the row shows the largest stage
+    # GPipe holds all 4 micro-batches' activations, 1F1B at most P − s: the run and the plan see the difference
+    assert all(r["gpipe"]["peak"] > r["1f1b"]["peak"] for r in measured)
+
+
+def test_pp_rows_carry_the_bubble_in_their_time_and_name_what_cannot_be_split():
+    from trainscale.plan import pipeline
+
+    tokens = torch.zeros(CONFIG.context_length, dtype=torch.long)
+    result = planner.plan(lambda: GPT(CONFIG), sample=(tokens, tokens), loss_fn=lm_loss, optimizer=plan_workers.adamw,
+                          dataset_size=64, devices=[1, 2, 4], batch_sizes=[8], strategies=["pp"], device_memory="1GB",
+                          link="10GB/s,latency=20us", device_flops=1e12)
+    rows = {r.devices: r for r in result.rows}
+    pp, t = rows[2], result.compute[8]
+    # 4·P = 8 micro-batches of 1 sequence: the bubble is (P − 1)/(M + P − 1) = 1/9 of the step
+    assert pp.pipeline["microbatches"] == 8 and pp.pipeline["bubble"] == pytest.approx(1 / 9)
+    assert "1f1b, 8 micro-batches, bubble 11%" in pp.note
+    share = pp.pipeline["compute_share"]  # stage 1 computes the tied output projection over the vocabulary too
+    assert 0.5 < share < 1
+    transfer = 20e-6 + 4 * CONFIG.context_length * CONFIG.n_embd / 10e9  # one fp32 (1, T, C) activation
+    slots = 8 + 2 - 1
+    assert pp.comm_s == pytest.approx(2 * slots * transfer)
+    assert pp.step_s == pytest.approx(t.data_s + t.other_s + slots * ((t.forward_s + t.backward_s) * share / 8
+                                      + 2 * transfer) + t.optimizer_s * pp.pipeline["optimizer_share"])
+    assert pp.epoch_s == pytest.approx(pp.step_s * 8)  # one pipeline reads every batch: 64 samples / 8
+    assert pp.efficiency == pytest.approx(pp.gain / 2)
+    assert rows[1].note == "pp needs 2+ devices" and rows[1].memory is None
+    assert rows[4].note.startswith("pp: pp=4 stages need at least as many GPT blocks") and rows[4].step_s is None
+    assert "pp · 32-true" in result.table()
+    # torch's Schedule1F1B: stage s runs min(M, P − s) forwards before its first backward; GPipe all M
+    assert [pipeline.warmup("1f1b", 8, 4, s) for s in range(4)] == [4, 3, 2, 1]
+    assert pipeline.warmup("gpipe", 8, 4, 3) == 8 and pipeline.warmup("1f1b", 2, 4, 3) == 2  # M < P: GPipe
+    convnet = planner.plan(lambda: nn.Sequential(nn.Linear(4, 2)), sample=(torch.zeros(4), torch.tensor(0)),
+                           strategies=["pp"], devices=[2], measure=False)
+    assert "built-in split for trainscale.models.GPT only" in convnet.rows[0].note
+
+
 def test_tp_shards_follow_the_plan_styles_and_torch_chunk():
     """The built-in GPT plan read per module: colwise linears on dim 0, rowwise on dim 1, the token
     embedding (tied output) by rows, the position embedding by columns; norms replicated. An uneven

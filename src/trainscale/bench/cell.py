@@ -72,11 +72,13 @@ def _probe_allreduce(rt, numel: int) -> float | None:
     """Median seconds of one all-reduce of a float32 buffer the size of the gradients, measured alone.
 
     DDP overlaps its bucketed all-reduce with backward (Li et al. 2020), so this bounds the
-    communication a step waits for from above."""
+    communication a step waits for from above. None under pipeline stages: they all-reduce no gradients, and
+    each stage's gradient size differs (an all-reduce of different sizes aborts gloo: "Received data size
+    doesn't match expected size")."""
     import torch
     import torch.distributed as dist
 
-    if rt.world_size < 2 or numel < 1:
+    if rt.world_size < 2 or numel < 1 or rt.strategy.pipelined:
         return None
     buf = torch.zeros(numel, dtype=torch.float32, device=rt.device)
     times = []

@@ -12,7 +12,8 @@ measured row gets
   the interpreter and libraries);
 - ``predicted_error``: predicted ÷ measured epoch time − 1 (e.g. -0.12: 12 % too fast).
 
-Cells whose strategy the plan has no time model for (pp; tp across nodes) get no prediction (the columns stay empty).
+Cells whose strategy the plan has no time model for (tp across nodes) or cannot split (pp of a model with
+fewer blocks than stages) get no prediction (the columns stay empty).
 """
 
 from __future__ import annotations

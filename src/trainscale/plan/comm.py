@@ -27,6 +27,12 @@ so that the bus bandwidth nccl-tests prints for a fabric is the B to use here. P
   (``trainscale.plan.collectives``). They sit between a layer and the next, on the critical path: no
   overlap with backward is assumed for them.
 
+- pp (GPipe, Huang et al. 2019, §2.2; 1F1B, Narayanan et al. 2021, §2.2): P stages run M micro-batches in
+  M + P − 1 slots of the slowest stage's micro-batch (forward and backward), idle in P − 1 of them while the
+  pipeline fills and drains (the bubble, (P − 1)/(M + P − 1) of the step); each slot waits for a point-to-point
+  transfer of a micro-batch's boundary activation in forward and of its gradient in backward
+  (t = α + S / B: nccl-tests' sendrecv, whose bus bandwidth is its algorithm bandwidth), none hidden.
+
 Step time: ``forward + backward + optimizer + max(0, comm − overlap · backward)``: ``overlap`` is the
 share of backward that can hide communication (0: none, an upper bound; 1: all of backward).
 """
@@ -168,6 +174,20 @@ def collectives_s(collectives: list, n: int, link: Link) -> float:
         else:
             raise ValueError(f"no time model for a {c.kind!r} collective")
     return total
+
+
+def p2p_s(nbytes: float, link: Link) -> float:
+    """Seconds of one point-to-point transfer of ``nbytes`` (a send and its receive; nccl-tests' sendrecv: bus
+    bandwidth = algorithm bandwidth)."""
+    return link.latency + nbytes / link.bus_bandwidth if nbytes > 0 else 0.0
+
+
+def pipeline_s(slot_s: float, transfer_s: float, stages: int, microbatches: int) -> float:
+    """Seconds of a pipeline's forward and backward over ``stages`` stages and ``microbatches`` micro-batches:
+    (M + P − 1) slots of the slowest stage's micro-batch compute ``slot_s`` (forward and backward), each with a
+    forward and a backward transfer ``transfer_s`` (Huang et al. 2019, "GPipe", §2.2: the bubble is
+    (P − 1)/(M + P − 1) of the step)."""
+    return (microbatches + stages - 1) * (slot_s + 2 * transfer_s)
 
 
 def step_s(forward_s: float, backward_s: float, optimizer_s: float, comm_s: float, overlap: float = 0.0) -> float:

@@ -1,7 +1,9 @@
 """``trainscale.plan(...)``: memory per device and time per step/epoch for each strategy, device count
 and batch size, before any cluster is booked. Memory: :mod:`trainscale.plan.memory` (no allocation);
 time: one measured single-device run (:mod:`trainscale.plan.measure`) plus the communication model
-(:mod:`trainscale.plan.comm`) over a given or probed link (:mod:`trainscale.plan.probe`).
+(:mod:`trainscale.plan.comm`) over a given or probed link (:mod:`trainscale.plan.probe`). Pipeline stages (pp):
+:mod:`trainscale.plan.pipeline` (each stage's peak composed from one traced micro-batch and torch's schedule; the
+step (M + P − 1) slots of the slowest stage, so the bubble (P − 1)/(M + P − 1) of GPipe, Huang et al. 2019).
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from typing import Any, Callable
 from trainscale.plan import comm
 from trainscale.plan.memory import MemoryEstimate
 
-STRATEGIES = ("ddp", "fsdp", "hsdp", "tp")  # what plan() models; its default is DEFAULT_STRATEGIES
+STRATEGIES = ("ddp", "fsdp", "hsdp", "tp", "pp")  # what plan() models; its default is DEFAULT_STRATEGIES
 DEFAULT_STRATEGIES = ("ddp", "fsdp")
-TIMED = ("ddp", "fsdp", "hsdp", "tp")  # strategies with a time model (tp: on one node, where its step is traced)
+# strategies with a time model (tp: on one node, where its step is traced; pp: (M + P − 1) slots, GPipe's bubble)
+TIMED = ("ddp", "fsdp", "hsdp", "tp", "pp")
+PP_OPTIONS = ("pp_schedule", "pp_microbatches", "pp_split_points")  # the Runtime's pipeline flags, as plan options
 DDP_OPTIONS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb")  # the probe's run
 
 
@@ -62,6 +66,7 @@ class PlanRow:
     fits: bool | None
     note: str = ""
     parallel: dict | None = None  # hsdp/tp: the Runtime's mesh sizes ({"dp_replicate": R, "dp_shard": S, "tp": T})
+    pipeline: dict | None = None  # pp: stages, micro-batches, schedule, bubble, shares, peaks (plan.pipeline.estimate)
     step_s: float | None = None
     comm_s: float | None = None
     epoch_s: float | None = None
@@ -192,12 +197,15 @@ def _traced_options(strategy: str, options: dict) -> dict | None:
     """The options the traced fsdp strategy gets: all under fsdp, those it takes under hsdp, none otherwise."""
     if strategy == "hsdp":
         return {k: v for k, v in options.items() if k in ("auto_wrap_policy", "reshard_after_forward", "cpu_offload")}
-    return {k: v for k, v in options.items() if k not in ("tp_plan", "sequence_parallel")} if strategy == "fsdp" else None
+    kept = {k: v for k, v in options.items() if k not in ("tp_plan", "sequence_parallel", *PP_OPTIONS)}
+    return kept if strategy == "fsdp" else None
 
 
 def _row(meta, layout, work: Workload, strategy: str, n: int, bs: int, precision: str, ac: tuple, options: dict,
          capacity: int, devices_per_node: int) -> PlanRow:
-    """The memory row of one configuration; a layout the Runtime refuses (hsdp/tp) gives a row with its reason."""
+    """The memory row of one configuration; a layout the Runtime refuses (hsdp/tp/pp) gives a row with its reason."""
+    if strategy == "pp":
+        return _pp_row(meta, layout, work, n, bs, precision, ac, options, capacity)
     parallel = None
     if strategy in ("hsdp", "tp"):
         try:
@@ -212,6 +220,24 @@ def _row(meta, layout, work: Workload, strategy: str, n: int, bs: int, precision
     if est.peak is None:
         note += "; peak not traced across nodes"
     return PlanRow(strategy, n, bs, precision, est, fits, note, parallel)
+
+
+def _pp_row(meta, layout, work: Workload, n: int, bs: int, precision: str, ac: tuple, options: dict,
+            capacity: int) -> PlanRow:
+    """The row of ``n`` pipeline stages (one per device; :func:`trainscale.plan.pipeline.estimate`): the stage with
+    the largest peak; a model the pp strategy cannot split into ``n`` stages gives a row with the reason."""
+    from trainscale.plan import pipeline
+
+    if n < 2:
+        return PlanRow("pp", n, bs, precision, None, None, "pp needs 2+ devices")
+    try:
+        est, schedule = pipeline.estimate(meta, layout, work.sample, work.loss_fn, work.optimizer_fn, n, bs, precision,
+                                          ac, {k: v for k, v in options.items() if k in PP_OPTIONS})
+    except ValueError as err:  # no split for this model on n stages: the strategy's own message, up to its advice
+        return PlanRow("pp", n, bs, precision, None, None, "pp: " + str(err).split(";")[0])
+    note = (f"{schedule['schedule']}, {schedule['microbatches']} micro-batches, bubble {schedule['bubble']:.0%}; "
+            f"stage {est.rank} the largest")
+    return PlanRow("pp", n, bs, precision, est, est.peak <= capacity, note, pipeline=schedule)
 
 
 def _comm_s(row: PlanRow, meta, precision: str, options: dict, link: comm.Link) -> float:
@@ -257,12 +283,18 @@ def _row_time(row: PlanRow, t, probed: dict, meta, precision: str, options: dict
     probed machine the probe's DDP run (N processes on this host slow each other), under tp scaled by the
     rank's share (:func:`_compute_share`); communication: the modelled collectives, or when the row is ddp on
     the probe's own process count the exposed all-reduce that run measured (its step taken whole). tp's
-    collectives (traced) sit between layers, on the critical path: none of them is taken as hidden."""
+    collectives (traced) sit between layers, on the critical path: none of them is taken as hidden. pp: (M + P − 1)
+    slots of the slowest stage's micro-batch and its transfers (:func:`trainscale.plan.pipeline.step_s`)."""
     measured = probed.get(row.batch_size) if row.devices > 1 else None
     base = measured or t
     if measured is not None and row.strategy == "ddp" and row.devices == probed["devices"]:
         row.comm_s, row.note = measured.comm_s, f"step of a {row.devices}-process DDP run (probe)"
         row.step_s = measured.step_s
+        return
+    if row.strategy == "pp":
+        from trainscale.plan import pipeline
+
+        row.step_s, row.comm_s = pipeline.step_s(base, row.pipeline, link)
         return
     share = _compute_share(row, meta)
     optimizer_s = base.optimizer_s * share / _sharded_optimizer(row)
@@ -290,13 +322,19 @@ def _add_time(rows: list[PlanRow], compute: dict, probed: dict, meta, precision:
         if t is None or not _timed(row):
             continue
         _row_time(row, t, probed, meta, precision, options, link, overlap.get(row.batch_size, 0.0))
-        if dataset_size:  # tp ranks of a group read the same batch: the epoch is split over the data-parallel ranks
-            data_parallel = row.devices // row.parallel["tp"] if row.strategy == "tp" else row.devices
-            row.epoch_s = row.step_s * comm.steps_per_epoch(dataset_size, row.batch_size, data_parallel)
+        if dataset_size:  # the epoch is split over the ranks that read different batches
+            row.epoch_s = row.step_s * comm.steps_per_epoch(dataset_size, row.batch_size, _data_parallel(row))
         if row.epoch_s:  # gain over one device running the same epoch alone (no communication)
             one = t.step_s * comm.steps_per_epoch(dataset_size, row.batch_size, 1)
             row.gain = one / row.epoch_s
             row.efficiency = row.gain / row.devices
+
+
+def _data_parallel(row: PlanRow) -> int:
+    """Ranks that read different batches: tp's groups and a pipeline's stages read the same ones."""
+    if row.strategy == "tp":
+        return row.devices // row.parallel["tp"]
+    return row.devices // row.pipeline["stages"] if row.strategy == "pp" else row.devices
 
 
 def _measure(work: Workload, batch_sizes: list, precision: str, threads: int | None) -> dict:
@@ -359,15 +397,19 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
         sample: one training example ``(input, target)``, e.g. ``dataset[0]`` (with ``model``).
         dataset_size: training samples per epoch (for epoch times).
         devices, batch_sizes: device counts and per-device micro-batch sizes.
-        strategies: among "ddp", "fsdp", "hsdp", "tp" (default ddp and fsdp; fsdp needs 2+ devices, its
-            1-device rows say so). hsdp and tp rows: the mesh is the Runtime's shorthand on nodes of
+        strategies: among "ddp", "fsdp", "hsdp", "tp", "pp" (default ddp and fsdp; fsdp and pp need 2+ devices,
+            their 1-device rows say so). pp: one stage per device, the batch in micro-batches
+            (``trainscale.plan.pipeline``: each stage's peak composed from one traced micro-batch and torch's
+            schedule; time (M + P − 1) slots of the slowest stage, the bubble (P − 1)/(M + P − 1) of GPipe).
+            hsdp and tp rows: the mesh is the Runtime's shorthand on nodes of
             ``devices_per_node`` (:func:`mesh_layout`); tp is traced (peak, collectives, time) on one node,
             and across nodes gives exact bytes only (peak None, "—"; ``fits`` None; no time).
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
         optimizer: ``params -> Optimizer`` (default AdamW, lr 1e-3); loss_fn default cross-entropy.
         activation_checkpointing: module classes whose forward is recomputed in backward.
         strategy_options: as for the Runtime (ddp: ``bucket_cap_mb``, ``gradient_as_bucket_view``;
-            fsdp: ``auto_wrap_policy``, ``reshard_after_forward``; tp: ``tp_plan``, default the GPT's).
+            fsdp: ``auto_wrap_policy``, ``reshard_after_forward``; tp: ``tp_plan``, default the GPT's; pp:
+            ``pp_schedule``, ``pp_microbatches``, ``pp_split_points``, default 1F1B, 4·P and the GPT's split).
         device_memory: bytes or "80GB" to hold each peak against (default: the visible device's).
         link: a :class:`~trainscale.plan.comm.Link` or "400GB/s,latency=10us"; ``probe=True`` measures
             this machine's instead (2 processes: the link, then a short DDP run of the workload through
