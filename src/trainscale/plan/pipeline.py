@@ -18,13 +18,13 @@ The schedule is then composed from torch 2.13's own implementation (``torch/dist
   gradients on every stage but the last;
 - the gradient of each received input (the buffer's ``.grad``, set by backward and cleared only at the next
   step, ``clear_runtime_states``) on every stage but the first: one more per finished backward;
-- on the last stage, each micro-batch's output (``output_chunks``, detached after its backward and kept to the
-  end of the step), and at the end ``_merge_outputs`` concatenates them into the whole batch's output;
+- no output kept on the last stage: the runner's ``schedule.step(..., return_outputs=False)`` leaves
+  ``output_chunks`` empty (the losses are all it reads);
 - the whole batch (inputs and targets) on every stage, as the loop gives it to each.
 
 The peak is the largest of: backward ``j`` (the traced forward-backward peak plus the other in-flight
-activations, the earlier input gradients and outputs), the merge of the outputs, and the optimizer step (its
-traced peak plus what the step keeps). All in bytes, per stage (rank = stage).
+activations and the earlier input gradients), the end of the step, and the optimizer step (its traced peak
+plus what the step keeps). All in bytes, per stage (rank = stage).
 
 **Time.** (M + P − 1) slots of the slowest stage's micro-batch compute: each stage works M slots and idles
 P − 1 while the pipeline fills and drains, the bubble (P − 1)/(M + P − 1) of the step (Huang et al. 2019,
@@ -98,8 +98,7 @@ def _forward(model, x, target, last: bool, loss_fn, autocast) -> tuple:
 def _traced_backward(model, optimizer, x, target, grad_out, loss_fn, autocast, keep: bool = False) -> tuple:
     """Forward and backward of one micro-batch under ``MemTracker`` (the stage's parameters, gradients and optimizer
     state counted, the received input and output gradient not: the composition counts those buffers); ``keep``:
-    keep the gradients of an earlier micro-batch. Returns ``(peak, activations, output)`` (bytes; the output: for
-    its size)."""
+    keep the gradients of an earlier micro-batch. Returns ``(peak, activations)`` (bytes)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     if not keep:
@@ -112,8 +111,8 @@ def _traced_backward(model, optimizer, x, target, grad_out, loss_fn, autocast, k
         out, root = _forward(model, x, target, grad_out is None, loss_fn, autocast)
         activations = _total(tracker, "current") - before
         root.backward(grad_out)
-        del root
-    return _total(tracker, "peak"), activations, out
+        del out, root
+    return _total(tracker, "peak"), activations
 
 
 def trace_stage(meta, sample: tuple, micro_batch: int, loss_fn: Callable, optimizer_fn: Callable, stages: int,
@@ -124,8 +123,7 @@ def trace_stage(meta, sample: tuple, micro_batch: int, loss_fn: Callable, optimi
     gradients allocated (parameters, gradients, optimizer state, activations, temporaries, the received input's
     gradient), ``activations`` (alive after forward that were not before it), ``opt_peak`` (the optimizer step's peak),
     ``rest`` (parameters, gradients, optimizer state and buffers before the optimizer step), ``input`` (the received
-    activation; 0 on the first stage), ``output`` (the activation sent on; 0 on the last), ``last_output`` (the
-    last stage's output, e.g. the logits; else 0); and ``flops``, of the micro-batch's forward and backward
+    activation; 0 on the first stage), ``output`` (the activation sent on; 0 on the last); and ``flops``, of the micro-batch's forward and backward
     (``torch.utils.flop_counter.FlopCounterMode``).
 
     Raises:
@@ -149,9 +147,9 @@ def trace_stage(meta, sample: tuple, micro_batch: int, loss_fn: Callable, optimi
         with FlopCounterMode(display=False) as flops:
             _forward(model, x, micro[1], last, loss_fn, autocast)[1].backward(grad_out)
         optimizer.step()  # the optimizer state now exists, as in a steady-state step
-        first, activations, _ = _traced_backward(model, optimizer, x, micro[1], grad_out, loss_fn, autocast)
+        first, activations = _traced_backward(model, optimizer, x, micro[1], grad_out, loss_fn, autocast)
         # the second micro-batch's backward finds the gradients of the first allocated
-        following, _, out = _traced_backward(model, optimizer, x, micro[1], grad_out, loss_fn, autocast, keep=True)
+        following, _ = _traced_backward(model, optimizer, x, micro[1], grad_out, loss_fn, autocast, keep=True)
         step = MemTracker()
         step.track_external(model, optimizer)
         rest = _total(step, "current")
@@ -159,7 +157,7 @@ def trace_stage(meta, sample: tuple, micro_batch: int, loss_fn: Callable, optimi
             optimizer.step()
     return {"fb_first": first, "fb_next": following, "activations": activations, "opt_peak": _total(step, "peak"),
             "rest": rest, "input": _nbytes([x]) if stage else 0, "output": 0 if last else _nbytes([sent[stage]]),
-            "last_output": _nbytes([out]) if last else 0, "flops": flops.get_total_flops()}
+            "flops": flops.get_total_flops()}
 
 
 def stage_peak(trace: dict, schedule: str, microbatches: int, stages: int, stage: int, batch_bytes: int) -> int:
@@ -174,11 +172,9 @@ def stage_peak(trace: dict, schedule: str, microbatches: int, stages: int, stage
     def backward(j: int) -> int:
         in_flight = min(m, k + j) - j
         sent = j * (trace["input"] + trace["output"]) if gpipe else min(j, 1) * trace["input"]
-        return (trace["fb_next" if j else "fb_first"] + (in_flight - 1) * trace["activations"]
-                + j * trace["last_output"] + sent)
+        return trace["fb_next" if j else "fb_first"] + (in_flight - 1) * trace["activations"] + sent
 
-    outputs = m * trace["last_output"]  # kept to the end of the step, then merged into one more batch's worth
-    ends = (trace["rest"] + 2 * outputs, trace["opt_peak"] + outputs)
+    ends = (trace["rest"], trace["opt_peak"])
     buffers = m * (trace["input"] + trace["output"]) + batch_bytes
     return buffers + max(*(backward(j) for j in range(m)), *ends)
 

@@ -186,7 +186,8 @@ class PipelineRunner:
         losses: list = []
         fresh = (tuple(inputs.shape), inputs.dtype, True) not in self._schedules
         kept = self._take_gradients() if fresh else {}
-        self._schedule_for(inputs, True).step(*self._first(inputs), target=targets, losses=losses)
+        # return_outputs=False: the last stage keeps no micro-batch's output (the logits) to the end of the step
+        self._schedule_for(inputs, True).step(*self._first(inputs), target=targets, losses=losses, return_outputs=False)
         for p, grad in kept.items():
             p.grad = grad if p.grad is None else p.grad + grad
         if sync:
