@@ -97,13 +97,25 @@ def fit_gpt(rank: int, root: str, strategy: str, *, steps: int | None = None, ep
     return out
 
 
+def _compiled(rank: int, root: str, steps: int) -> dict:
+    """1F1B with ``compile`` (dynamo with AOT autograd and no code generation, ``backend="aot_eager"``: no
+    C++ compiler run); ``graphs``: the graphs dynamo compiled in this process."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    out = fit_gpt(rank, root, "pp", steps=steps, compile={"backend": "aot_eager"})
+    return {**out, "graphs": counters["stats"]["unique_graphs"]}
+
+
 def pp_runs(rank: int, root: str, steps: int) -> dict:
     """GPipe and 1F1B over 2 stages for ``steps`` steps, 1F1B under "bf16-mixed", 1F1B of a GPT built on the
-    meta device, then 1F1B with 2 accumulated micro-batches per step; one process group for all."""
+    meta device, 1F1B with each stage's blocks compiled, then 1F1B with 2 accumulated micro-batches per step;
+    one process group for all."""
     return {"gpipe": fit_gpt(rank, f"{root}/gpipe", "pp", steps=steps, schedule="gpipe"),
             "1f1b": fit_gpt(rank, f"{root}/1f1b", "pp", steps=steps, schedule="1f1b", pp_microbatches=2),
             "bf16": fit_gpt(rank, f"{root}/bf16", "pp", steps=steps, precision="bf16-mixed"),
             "meta": fit_gpt(rank, f"{root}/meta", "pp", steps=steps, meta=True),
+            "compiled": _compiled(rank, f"{root}/compiled", steps),
             "accumulate": fit_gpt(rank, f"{root}/acc", "pp", steps=2, accumulate=2, destroy=True)}
 
 

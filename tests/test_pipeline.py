@@ -85,6 +85,15 @@ def test_gpipe_and_1f1b_over_two_stages_match_one_process_with_clipping_and_use_
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+def test_compile_compiles_each_stages_blocks_and_matches_one_process(two_rank_runs):
+    runs = [r["compiled"] for r in two_rank_runs["results"]]
+    assert all(r["graphs"] > 0 for r in runs), "a stage ran eagerly: compile did not reach the blocks it keeps"
+    _stages_cover(runs, two_rank_runs["reference"]["weights"])
+    assert runs[0]["losses"] == pytest.approx(two_rank_runs["reference"]["losses"], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 def test_a_meta_device_gpt_is_materialised_stage_by_stage_and_trains(two_rank_runs):
     runs = [r["meta"] for r in two_rank_runs["results"]]
     # each rank allocated its own stage only: exactly the bytes of the stage built on the CPU
@@ -349,7 +358,6 @@ def test_pp_layouts_and_flags():
     (dict(strategy="pp", pp_microbatches=2), "1f1b' needs at least one micro-batch per stage"),
     (dict(strategy="pp", pp_split_points="blocks.2"), "must be a list of submodule names"),
     (dict(strategy="pp", precision="16-mixed"), "precision='16-mixed' is not built with pipeline stages.*bf16-mixed"),
-    (dict(strategy="pp", compile=True), "compile=True is not built with pipeline stages"),
     (dict(strategy="pp", parallelize=lambda m, mesh: m), "parallelize=fn with pipeline stages"),
     (dict(strategy="ddp", pp_microbatches=4), "pp_microbatches configure.*no"),
     (dict(strategy="tp", pp_split_points=["blocks.2"]), "pp_split_points configure"),

@@ -119,7 +119,7 @@ def resolve(
         parallelize: a callable ``fn(model, mesh) -> model``; only under the model-parallel strategies.
         pp_schedule: "gpipe" or "1f1b" (None: "1f1b"); pp_microbatches: an int >= 1 (None: 4·pp);
             pp_split_points: a list of pp − 1 submodule names; each only with pipeline stages (pp > 1),
-            which make the strategy "pp" and refuse "16-mixed", compile, and ``tp_plan``/``parallelize`` (with
+            which make the strategy "pp" and refuse "16-mixed" and ``tp_plan``/``parallelize`` (with
             tp > 1 each stage gets the built-in GPT plan).
 
     Raises:
@@ -141,7 +141,7 @@ def resolve(
         raise ValueError(f"unknown float32_matmul_precision={float32_matmul_precision!r}; choose one of "
                          f"{_choices(MATMUL_PRECISIONS)} (torch.set_float32_matmul_precision's values)")
     dims = _resolve_model_parallel(strategy, parallel, tp_plan, parallelize, devices, num_nodes)
-    schedule, microbatches = _resolve_pipeline(dims, precision, compile_kwargs, pp_schedule, pp_microbatches,
+    schedule, microbatches = _resolve_pipeline(dims, precision, pp_schedule, pp_microbatches,
                                                pp_split_points)
     return RunConfig(accelerator, devices, num_nodes, "pp" if schedule else strategy, precision, start_method,
                      sync_batchnorm, _resolve_checkpointing(activation_checkpointing), compile_kwargs,
@@ -214,7 +214,7 @@ def _resolve_model_parallel(strategy: str, parallel: Any, tp_plan: Any, parallel
     return dims
 
 
-def _resolve_pipeline(dims: ParallelDims | None, precision: str, compile_kwargs: dict | None, schedule: Any,
+def _resolve_pipeline(dims: ParallelDims | None, precision: str, schedule: Any,
                       microbatches: Any, split_points: Any) -> tuple[str | None, int | None]:
     """``(schedule, micro-batches)`` with pipeline stages (pp > 1), else ``(None, None)``; the pp flags are
     refused without stages, and what trainscale has not built with them (see :func:`resolve`)."""
@@ -228,7 +228,7 @@ def _resolve_pipeline(dims: ParallelDims | None, precision: str, compile_kwargs:
     schedule = "1f1b" if schedule is None else schedule
     microbatches = 4 * dims.pp if microbatches is None else microbatches
     _check_pipeline_flags(schedule, microbatches, split_points, dims.pp)
-    _check_pipeline_support(precision, compile_kwargs)
+    _check_pipeline_support(precision)
     return schedule, microbatches
 
 
@@ -245,15 +245,12 @@ def _check_pipeline_flags(schedule: Any, microbatches: Any, split_points: Any, s
         raise ValueError(f"pp_split_points={split_points!r} must be a list of submodule names, e.g. ['layers.4']")
 
 
-def _check_pipeline_support(precision: str, compile_kwargs: dict | None) -> None:
+def _check_pipeline_support(precision: str) -> None:
     """Refuse what trainscale has not built with pipeline stages."""
     if precision == "16-mixed":
         raise ValueError("precision='16-mixed' is not built with pipeline stages (its GradScaler would have to scale "
                          "the loss inside the schedule step); pass precision='bf16-mixed' (no loss scaling needed), "
                          "'bf16-true' or '32-true'")
-    if compile_kwargs is not None:
-        raise ValueError("compile=True is not built with pipeline stages yet (it compiles the loop module, which the "
-                         "schedule does not call); pass compile=False, or compile your model's blocks yourself")
 
 
 def _resolve_strategy(strategy: Any, accelerator: str, devices: int, num_nodes: int,

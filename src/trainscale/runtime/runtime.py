@@ -293,7 +293,8 @@ class Runtime:
                              "materialise; use strategy='fsdp' or 'model_parallel' (they shard, then initialise each rank's "
                              "shards with init_weights()/reset_parameters()), or build the model on a real device")
         module = prepare_module(module, precision=self.precision, sync_batchnorm=c.sync_batchnorm,
-                                activation_checkpointing=c.activation_checkpointing, compile=c.compile)
+                                activation_checkpointing=c.activation_checkpointing,
+                                compile=None if c.strategy == "pp" else c.compile)  # pp compiles each stage's blocks
         wrapped = self.strategy.setup_module(module)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             if not callable(optimizer):
@@ -575,7 +576,7 @@ def _strategy_options(config: RunConfig, options: dict | None, tp_plan: Any, par
         out.setdefault("device_ids", list(range(config.devices)))
     if config.strategy == "pp":
         out.update(parallel=config.parallel, pp_schedule=config.pp_schedule, pp_microbatches=config.pp_microbatches,
-                   pp_split_points=split_points)
+                   pp_split_points=split_points, compile=config.compile)
     elif config.parallel is not None:  # model_parallel / hsdp / tp
         out.update(parallel=config.parallel, tp_plan=tp_plan, parallelize=parallelize)
     return out

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from trainscale.runtime import meta_init
+from trainscale.runtime.apply import apply_compile
 from trainscale.runtime.precision import Precision
 from trainscale.runtime.strategies import SYNC
 from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, reshard
@@ -128,6 +129,8 @@ class PipelineStrategy:
             built-in split of a ``trainscale.models.GPT``.
         sequence_parallel: with tp > 1, sequence parallelism in the built-in GPT plan (``apply_tp.py``);
             None: on.
+        compile: ``torch.compile`` keyword arguments (the resolved ``compile`` flag), or None: each block the
+            stage keeps (a unit inside a ``ModuleList``/``ModuleDict``, e.g. ``h.0``) is compiled in place.
 
     Raises:
         ValueError: a world size other than the mesh's; ``sequence_parallel`` not a bool, or True with tp = 1.
@@ -141,14 +144,15 @@ class PipelineStrategy:
 
     def __init__(self, device: Any, world: World, precision: str = "32-true", parallel: Any = None,
                  pp_schedule: str = "1f1b", pp_microbatches: int | None = None,
-                 pp_split_points: list | None = None, sequence_parallel: bool | None = None) -> None:
+                 pp_split_points: list | None = None, sequence_parallel: bool | None = None,
+                 compile: dict | None = None) -> None:
         dims = parallel if isinstance(parallel, ParallelDims) else ParallelDims(**(parallel or {}))
         if dims.world_size != world.world_size:
             raise ValueError(f"parallel={dims.as_dict()} multiplies to {dims.world_size} ranks, but the world size is "
                              f"{world.world_size}")
         self.device, self.world, self.dims, self.precision = device, world, dims, precision
         self.sequence_parallel = resolve_sequence_parallel(sequence_parallel, dims.tp > 1)
-        self.schedule, self.split_points = pp_schedule, pp_split_points
+        self.schedule, self.split_points, self.compile = pp_schedule, pp_split_points, compile
         self.microbatches = pp_microbatches or 4 * dims.pp
         self.mesh = None
         self._params: set = set()
@@ -197,13 +201,16 @@ class PipelineStrategy:
         return PipelineModule(module, runner)
 
     def _parallelize_stage(self, module, target: nn.Module, units: list[str], meta: bool):
-        """The cut ``target`` (inside ``module``) split over its tp ranks, then sharded over its data-parallel
-        ranks (torchtitan's order), then, if built on the meta device, materialised: this rank's stage and
+        """The cut ``target`` (inside ``module``) split over its tp ranks, its blocks compiled (``compile``), then
+        sharded over its data-parallel ranks (torchtitan's order), then, if built on the meta device, materialised: this rank's stage and
         shard only, each (stage, shard) seeded apart (``meta_init``). Returns ``module``."""
         if not meta:
             module = module.to(self.device)
         if self.dims.tp > 1:  # the stage's own layers, split over its tp ranks (apply_tp.py)
             apply_tp(target, self.mesh["tp"], sequence_parallel=self.sequence_parallel)
+        if self.compile is not None:  # each block the stage keeps, as torchtitan's apply_compile: the schedule
+            for block in [n for n in units if "." in n]:  # calls the stage, never the loop module
+                apply_compile(target.get_submodule(block), self.compile)
         if self.dims.dp_size > 1:
             apply_fsdp(target, [target.get_submodule(n) for n in units if "." in n], self._dp_mesh(),
                        precision=self.precision)
