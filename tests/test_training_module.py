@@ -206,7 +206,7 @@ def test_manual_optimization_under_dp_or_pp_is_an_error_naming_the_strategies_th
     from trainscale.train.optimizer_setup import check_optimizers
 
     model = mw.GAN()
-    runtime = SimpleNamespace(config=SimpleNamespace(strategy=strategy), strategy=object())
+    runtime = SimpleNamespace(config=SimpleNamespace(strategy=strategy, parallel=None), strategy=object())
     config = SimpleNamespace(accumulate_grad_batches=1, gradient_clip_val=None)
     optimization = parse_optimization(model.configure_optimizers())
     with pytest.raises(ValueError, match=rf"strategy='{strategy}'.*{cause}.*use 'ddp', 'fsdp', 'hsdp' or 'tp'"):

@@ -91,8 +91,8 @@ def _check_manual(config: Any, runtime: Any, wrapped: nn.Module) -> None:
 
 def _fsdp_sharded(runtime: Any) -> bool:
     """Whether the strategy shards the model with FSDP2 (fsdp, or a mesh with data-parallel ranks)."""
-    dims = getattr(runtime.strategy, "dims", None)
-    return runtime.config.strategy == "fsdp" or (dims is not None and dims.dp_size > 1)
+    parallel = runtime.config.parallel  # the mesh sizes (ParallelDims) under the model-parallel strategies, else None
+    return runtime.config.strategy == "fsdp" or (parallel is not None and parallel.dp_size > 1)
 
 
 def _check_parameters(optimizers, wrapped: nn.Module) -> None:
