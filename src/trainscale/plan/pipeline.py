@@ -123,8 +123,8 @@ def trace_stage(meta, sample: tuple, micro_batch: int, loss_fn: Callable, optimi
     gradients allocated (parameters, gradients, optimizer state, activations, temporaries, the received input's
     gradient), ``activations`` (alive after forward that were not before it), ``opt_peak`` (the optimizer step's peak),
     ``rest`` (parameters, gradients, optimizer state and buffers before the optimizer step), ``input`` (the received
-    activation; 0 on the first stage), ``output`` (the activation sent on; 0 on the last); and ``flops``, of the micro-batch's forward and backward
-    (``torch.utils.flop_counter.FlopCounterMode``).
+    activation; 0 on the first stage), ``output`` (the activation sent on; 0 on the last); and ``flops``, of the
+    micro-batch's forward and backward (``torch.utils.flop_counter.FlopCounterMode``).
 
     Raises:
         ValueError: no split for a model that is not a GPT, bad split points (``pipeline.stage_units``).

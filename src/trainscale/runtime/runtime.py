@@ -294,7 +294,7 @@ class Runtime:
                              "shards with init_weights()/reset_parameters()), or build the model on a real device")
         module = prepare_module(module, precision=self.precision, sync_batchnorm=c.sync_batchnorm,
                                 activation_checkpointing=c.activation_checkpointing,
-                                compile=None if c.strategy == "pp" else c.compile)  # pp compiles each stage's blocks
+                                compile=None if c.strategy == "pp" else c.compile)  # pp: the stages' blocks
         wrapped = self.strategy.setup_module(module)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             if not callable(optimizer):

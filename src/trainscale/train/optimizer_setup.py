@@ -23,7 +23,8 @@ def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, confi
     manual = not getattr(model, "automatic_optimization", True)
     check_optimizers(optimization, wrapped, manual, config, runtime)
     optimizers = [runtime.strategy.setup_optimizer(o) for o in optimization.optimizers]
-    sync = "backward" if _fsdp_sharded(runtime) else {"ddp": "step", "ddp_spawn": "step"}.get(runtime.config.strategy, "none")
+    sync = ("backward" if _fsdp_sharded(runtime)
+            else {"ddp": "step", "ddp_spawn": "step"}.get(runtime.config.strategy, "none"))
     manuals = [ManualOptimizer(o, runtime, model, wrapped, sync) for o in optimizers] if manual else []
     return optimizers, list(optimization.schedulers), manuals
 
@@ -81,7 +82,8 @@ def _check_manual(config: Any, runtime: Any, wrapped: nn.Module) -> None:
                          "a pipeline schedule (which runs forward and backward by stages)") + " cannot host; "
                          "use 'ddp', 'fsdp', 'hsdp' or 'tp', or automatic optimization")
     model = getattr(wrapped, "model", None)  # the LoopModule's user model (FSDP shards in place, no wrapper)
-    direct = [n for n, _ in model.named_parameters(recurse=False)] if _fsdp_sharded(runtime) and model is not None else []
+    sharded = _fsdp_sharded(runtime) and model is not None
+    direct = [n for n, _ in model.named_parameters(recurse=False)] if sharded else []
     if direct:  # sharded with the root: resharded by the step's first backward, sharded tensors after it
         raise ValueError(f"under strategy={strategy!r} with manual optimization the parameters of "
                          f"{type(model).__name__} must live in submodules (each is sharded apart), but it holds "

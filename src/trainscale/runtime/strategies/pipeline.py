@@ -202,8 +202,8 @@ class PipelineStrategy:
 
     def _parallelize_stage(self, module, target: nn.Module, units: list[str], meta: bool):
         """The cut ``target`` (inside ``module``) split over its tp ranks, its blocks compiled (``compile``), then
-        sharded over its data-parallel ranks (torchtitan's order), then, if built on the meta device, materialised: this rank's stage and
-        shard only, each (stage, shard) seeded apart (``meta_init``). Returns ``module``."""
+        sharded over its data-parallel ranks (torchtitan's order), then, if built on the meta device, materialised:
+        this rank's stage and shard only, each (stage, shard) seeded apart (``meta_init``). Returns ``module``."""
         if not meta:
             module = module.to(self.device)
         if self.dims.tp > 1:  # the stage's own layers, split over its tp ranks (apply_tp.py)
