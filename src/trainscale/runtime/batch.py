@@ -135,8 +135,6 @@ def batch_size(batch: Any) -> int:
     Raises:
         ValueError: the batch holds no tensor with a leading dimension.
     """
-    if type(batch) in (list, tuple) and batch and type(batch[0]) is torch.Tensor and batch[0].ndim > 0:
-        return batch[0].shape[0]  # the usual (inputs, targets): without walking the batch
     for t in tensors(batch):
         if t.ndim > 0:
             return int(t.shape[0])
@@ -149,14 +147,20 @@ def count_tokens(batch: Any) -> int | None:
     ``BatchEncoding``), or of the inputs of an ``(inputs, targets)`` batch whose inputs are token ids (an
     int32/int64 tensor of shape (B, T)); else None."""
     if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
-        inputs = batch[0]
-        if inputs.ndim == 2 and inputs.dtype in (torch.int32, torch.int64):
-            return int(inputs.numel())
-    elif isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
+        return _token_ids(batch[0])
+    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
         return int(batch["input_ids"].numel())
     return None
 
 
+def _token_ids(inputs: torch.Tensor) -> int | None:
+    """The element count of ``inputs`` if they are token ids (int32/int64 of shape (B, T)), else None."""
+    return int(inputs.numel()) if inputs.ndim == 2 and inputs.dtype in (torch.int32, torch.int64) else None
+
+
 def batch_counts(batch: Any) -> tuple[int, int | None]:
-    """``(batch_size(batch), count_tokens(batch))``: samples, and tokens or None."""
+    """``(batch_size(batch), count_tokens(batch))``: samples, and tokens or None. Once per micro-batch: the
+    DataLoader's usual ``(inputs, targets)`` of tensors is read directly, without walking the batch."""
+    if type(batch) in (list, tuple) and batch and type(batch[0]) is torch.Tensor and batch[0].ndim > 0:
+        return batch[0].shape[0], _token_ids(batch[0])
     return batch_size(batch), count_tokens(batch)

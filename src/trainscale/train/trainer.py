@@ -337,7 +337,7 @@ class Trainer:
     def _checkpoint_if_due(self, fit: FitRun, epoch_end: bool) -> None:
         """The one place that decides when to checkpoint: at epoch ends (``enable_checkpointing``), every
         ``checkpoint_every_n_steps`` steps mid-epoch, and after a signal (agreed on by all ranks in ``poll``)."""
-        cfg, step = self.config, self.global_step
+        cfg, step = self.config, self.state.global_step
         self.checkpoints.poll()  # publish a background write that has ended (a check that never blocks)
         every = cfg.checkpoint_every_n_steps
         periodic = cfg.enable_checkpointing if epoch_end else (
