@@ -43,12 +43,21 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from trainscale.runtime.batch import batch_counts
 from trainscale.telemetry.overlap import comm_overlap
 
 PHASES = ("data", "forward", "backward", "optimizer")
+
+
+def _cuda_event() -> Any:
+    """A recorded CUDA event (``torch.cuda.Event(enable_timing=True)``): a time reading resolved later."""
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 @dataclass
@@ -106,18 +115,8 @@ class StepTimer:
         self._samples = 0
         self._tokens: int | None = None
         self._done: list[tuple] = []
-        if not self.cuda:  # the bound C function itself: one Python frame less per reading (5 per step)
-            self.clock = time.perf_counter
-
-    def clock(self) -> Any:
-        """A time reading: seconds (CPU) or a recorded CUDA event."""
-        if self.cuda:
-            import torch
-
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+        # a time reading: seconds (time.perf_counter on CPU) or a recorded CUDA event
+        self.clock: Callable[[], Any] = _cuda_event if self.cuda else time.perf_counter
 
     def start(self) -> None:
         """Begin a step now (at the top of an epoch, or to leave out time spent between steps)."""
