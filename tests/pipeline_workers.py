@@ -4,7 +4,8 @@ reference GPT, one process or two pipeline stages, with what each run measured."
 from __future__ import annotations
 
 import torch
-from torch.utils.data import DataLoader, Subset
+from torch import nn
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from trainscale.callbacks import Callback
 from trainscale.models import GPT, GPTConfig, lm_loss
@@ -57,11 +58,11 @@ class Record(Callback):
 
 def fit_gpt(rank: int, root: str, strategy: str, *, steps: int | None = None, epochs: int = 1, train: int = 64,
             val: int = 21, schedule: str | None = None, accumulate: int = 1, ckpt_path: str | None = None,
-            destroy: bool = False, batch_size: int = 8, meta: bool = False, **flags) -> dict:
-    """Fit a GPT (seed 0; built on the meta device if ``meta``) with clipping at norm 0.5; return this rank's
-    weights (whole: FSDP shards gathered),
-    the per-step losses (and gradient norms from rank zero's step records), the validation loss, the peak
-    bytes of parameters + gradients + optimizer state, the summary."""
+            destroy: bool = False, batch_size: int = 8, meta: bool = False, net: bool = False, **flags) -> dict:
+    """Fit a GPT (seed 0; built on the meta device if ``meta``; with ``net``, a :class:`Net` on
+    :func:`net_loaders` instead) with clipping at norm 0.5; return this rank's weights (whole: FSDP and
+    tensor-parallel shards gathered), the per-step losses (and gradient norms from rank zero's step records),
+    the validation loss, the peak bytes of parameters + gradients + optimizer state, the summary."""
     import json
 
     import torch.distributed as dist
@@ -76,13 +77,13 @@ def fit_gpt(rank: int, root: str, strategy: str, *, steps: int | None = None, ep
                       callbacks=[record], logger=False, pp_schedule=schedule, **flags)
     torch.manual_seed(0)
     with torch.device("meta" if meta else "cpu"):
-        model = GPT(PP_CONFIG)
-    train_loader, val_loader = text_loaders(batch_size, train, val)
+        model = Net() if net else GPT(PP_CONFIG)
+    train_loader, val_loader = (net_loaders if net else text_loaders)(batch_size, train, val)
     dtypes = set()  # of the logits the loss sees (under pp: on the last stage only)
 
     def loss_fn(logits, targets):
         dtypes.add(str(logits.dtype))
-        return lm_loss(logits, targets)
+        return (torch.nn.functional.cross_entropy if net else lm_loss)(logits, targets)
 
     summary = trainer.fit(model, train_loader, val_loader, loss_fn=loss_fn, optimizer=record.sgd, ckpt_path=ckpt_path)
     records = ([json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -155,3 +156,130 @@ def pp_hsdp_run(rank: int, root: str, steps: int) -> dict:
     """On 8 ranks: 2 stages × HSDP (2 replicas × 2 FSDP shards), 1F1B, each data-parallel rank reading batches of 8."""
     return fit_gpt(rank, root, "pp", steps=steps, val=20, parallel={"pp": 2, "dp_replicate": 2, "dp_shard": 2},
                    destroy=True)
+
+
+class Block(nn.Module):
+    """A residual MLP block whose two weights a Megatron pair splits (no bias on the row-split layer, so
+    that every parameter is split)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    """A user's model (not a GPT) that tolerates a pipeline cut: inputs ``(B, 16)``, logits ``(B, 16)``."""
+
+    def __init__(self, features: int = 16, width: int = 32, depth: int = 4, classes: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(features, width)
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x) if self.head is not None else x
+
+
+def net_loaders(batch_size: int, train: int, val: int) -> tuple[DataLoader, DataLoader]:
+    """Random inputs and labels (seed 1), ``train`` shuffled for training and ``val`` for validation."""
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(train + val, 16, generator=generator), torch.randint(0, 16, (train + val,), generator=generator)
+    return (DataLoader(TensorDataset(x[:train], y[:train]), batch_size=batch_size, shuffle=True),
+            DataLoader(TensorDataset(x[train:], y[train:]), batch_size=batch_size))
+
+
+def net_plan() -> dict:
+    """A tensor-parallel plan covering every weight of :class:`Net` (keys against the whole model)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"embed": ColwiseParallel(output_layouts=Replicate()), "layers.*.up": ColwiseParallel(),
+            "layers.*.down": RowwiseParallel(), "head": ColwiseParallel(output_layouts=Replicate())}
+
+
+def parallelize_net(stage: Net, mesh) -> Net:
+    """:func:`net_plan` written as a function of the stage, which holds only the modules it keeps."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for layer in stage.layers:  # this stage's blocks only
+        parallelize_module(layer, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    for name in ("embed", "head"):  # on the first stage, on the last
+        if getattr(stage, name) is not None:
+            parallelize_module(getattr(stage, name), mesh["tp"], ColwiseParallel(output_layouts=Replicate()))
+    return stage
+
+
+def pp_tp_user_runs(rank: int, root: str, steps: int) -> dict:
+    """On 4 ranks, 2 stages × 2 tensor-parallel ranks of a :class:`Net` cut at ``layers.2``, split by
+    :func:`net_plan` given as ``tp_plan``, by :func:`parallelize_net`, and by a plan of the blocks only (the
+    embedding and the head plain, replicated), then that plan under "16-mixed" (``fp16_error``: the message
+    of the ValueError it raised); one process group for all."""
+    import torch.distributed as dist
+
+    flags = dict(steps=steps, val=16, batch_size=16, net=True, parallel={"pp": 2, "tp": 2},
+                 pp_split_points=["layers.2"])
+    blocks = {k: v for k, v in net_plan().items() if k.startswith("layers")}
+    out = {"plan": fit_gpt(rank, f"{root}/plan", "pp", tp_plan=net_plan(), **flags),
+           "fn": fit_gpt(rank, f"{root}/fn", "pp", parallelize=parallelize_net, **flags),
+           "blocks": fit_gpt(rank, f"{root}/blocks", "pp", tp_plan=blocks, **flags)}
+    try:
+        fit_gpt(rank, f"{root}/fp16", "pp", tp_plan=blocks, precision="16-mixed", **flags)
+    except ValueError as error:
+        out["fp16_error"] = str(error)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return out
+
+
+def planted_inf(rank: int, root: str, agree: bool, steps: int = 3, poisoned: int = 1) -> dict:
+    """A hand-written loop on 2 stages of a :class:`Net` under "16-mixed" (SGD with momentum, no clipping), in
+    which stage 0's ``embed.weight`` gets an infinite gradient at step ``poisoned`` only; per step: the loss
+    scale before it and whether this rank's weights changed. ``agree=False`` swaps in torch's plain
+    ``GradScaler`` (each rank checks only its own stage's gradients). With ``agree``, the scaler's state is
+    then saved, overwritten and loaded back: ``resumed_scale``."""
+    from trainscale.runtime.runtime import Runtime
+
+    rt = Runtime(accelerator="cpu", devices="auto", strategy="pp", precision="16-mixed", timeout=60,
+                 pp_split_points=["layers.2"], pp_microbatches=2)
+    if not agree:
+        rt.precision.scaler = torch.amp.GradScaler("cpu")
+    torch.manual_seed(0)
+    model = Net()
+    module, optimizer = rt.setup(model, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    poison = [False]
+    if model.embed is not None:  # stage 0
+        model.embed.weight.register_hook(lambda g: torch.full_like(g, float("inf")) if poison[0] else g)
+    x, y = next(iter(net_loaders(16, 16, 0)[0]))
+    out = []
+    for step in range(steps):
+        poison[0] = step == poisoned
+        before, scale = [p.detach().clone() for p in model.parameters()], rt.precision.scaler.get_scale()
+        loss = rt.forward_backward(module, (x, y), torch.nn.functional.cross_entropy)
+        rt.step(optimizer)
+        optimizer.zero_grad()
+        out.append({"scale": scale, "loss": float(loss),
+                    "changed": any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))})
+    result = {"steps": out, "scale": rt.precision.scaler.get_scale()}
+    if agree:
+        rt.save(f"{root}/ckpt", {"model": module, "optimizer": optimizer})
+        rt.precision.scaler.update(new_scale=1.0)
+        rt.load(f"{root}/ckpt", {"model": module, "optimizer": optimizer})
+        result["resumed_scale"] = rt.precision.scaler.get_scale()
+    return result
+
+
+def pp_fp16_runs(rank: int, root: str, steps: int) -> dict:
+    """On 2 ranks: 2 stages of a :class:`Net` cut at ``layers.2`` under "16-mixed" (the Trainer, clipping at
+    0.5), then :func:`planted_inf` with trainscale's scaler and with torch's plain one; one process group."""
+    return {"fit": fit_gpt(rank, f"{root}/fit", "pp", steps=steps, val=16, batch_size=16, net=True,
+                           pp_split_points=["layers.2"], precision="16-mixed"),
+            "agreed": planted_inf(rank, f"{root}/agreed", agree=True),
+            "plain": planted_inf(rank, f"{root}/plain", agree=False)}

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from tests.helpers import run_distributed, run_python
-from tests.pipeline_workers import PP_CONFIG, fit_gpt, pp_dp_runs, pp_hsdp_run, pp_resume, pp_runs
+from tests.pipeline_workers import (PP_CONFIG, Net, fit_gpt, net_plan, pp_dp_runs, pp_fp16_runs, pp_hsdp_run, pp_resume,
+                                    pp_runs, pp_tp_user_runs)
 from trainscale.runtime.connector import resolve
 from trainscale.runtime.strategies.apply_pp import gpt_split_points, keep_stage, shared_parameters, stage_names, units
 from trainscale.runtime.strategies.parallel_dims import ParallelDims
@@ -32,15 +33,17 @@ def _stages_cover(results: list, want: dict) -> None:
         _assert_same(r["weights"], want)
 
 
-def _planned_bytes(strategy: str, devices: int, rank: int, parallel: dict | None = None) -> int:
-    """Parameters + gradients + optimizer state that ``trainscale.plan`` predicts for the test's GPT and SGD
-    on ``rank`` of ``devices`` (under "pp", mesh sizes ``parallel``; None: one stage per rank)."""
+def _planned_bytes(strategy: str, devices: int, rank: int, parallel: dict | None = None, net: bool = False,
+                   **options) -> int:
+    """Parameters + gradients + optimizer state that ``trainscale.plan`` predicts for the test's GPT (or, with
+    ``net``, its ``Net``) and SGD on ``rank`` of ``devices`` (under "pp", mesh sizes ``parallel``; None: one
+    stage per rank; ``options``: ``exact_bytes``'s ``split_points``, ``tp_plan``)."""
     from trainscale.models import GPT
     from trainscale.plan.memory import build_meta_model, exact_bytes, optimizer_layout
 
-    meta = build_meta_model(lambda: GPT(PP_CONFIG))
+    meta = build_meta_model(lambda: Net() if net else GPT(PP_CONFIG))
     layout = optimizer_layout(meta, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), "32-true")
-    predicted = exact_bytes(meta, layout, strategy, devices, rank, "32-true", parallel=parallel)
+    predicted = exact_bytes(meta, layout, strategy, devices, rank, "32-true", parallel=parallel, **options)
     return predicted["parameters"] + predicted["gradients"] + predicted["optimizer"]
 
 
@@ -230,6 +233,108 @@ def test_pp_composes_with_hsdp_on_eight_ranks_and_matches_one_process(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+def test_pp_composes_with_a_users_tp_plan_and_parallelize_fn_and_matches_one_process(tmp_path):
+    # 2 stages × 2 tp ranks of a user's Net (not a GPT) cut at layers.2; every rank reads the same batches of 16
+    reference = fit_gpt(0, str(tmp_path / "single"), "single", steps=STEPS, val=16, batch_size=16, net=True)
+    results = run_distributed(pp_tp_user_runs, str(tmp_path), STEPS, world_size=4, timeout=280)
+    # tp_plan={...}, each stage taking its entries; parallelize=fn(stage, mesh); a plan of the blocks only
+    for way in ("plan", "fn", "blocks"):
+        runs = [r[way] for r in results]
+        _stages_cover(runs, reference["weights"])
+        assert [sorted(r["weights"])[0] for r in runs] == ["embed.bias"] * 2 + ["head.bias"] * 2  # ranks 0, 1: stage 0
+        for r in runs:
+            assert r["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+            assert r["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+        assert runs[0]["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+        assert min(reference["norms"]) > 0.5  # clipping at 0.5 was active at every step
+        print(f"pp 2 x tp 2, {way}: state bytes per rank {[r['bytes'] for r in runs]} of {reference['bytes']}, "
+              f"max |weight difference| {max(_max_diff(r['weights'], reference['weights']) for r in runs):.2e}")
+        if way == "blocks":  # the embedding and the head whole on both tp ranks: more than a quarter
+            continue
+        # every weight split over 2 tp ranks on 2 stages: the 4 ranks together hold one process's bytes exactly
+        assert sum(r["bytes"] for r in runs) == reference["bytes"]
+        assert max(r["bytes"] for r in runs) <= 0.251 * reference["bytes"]
+        planned = [_planned_bytes("pp", 4, rank, {"pp": 2, "tp": 2}, net=True, tp_plan=net_plan(),
+                                  split_points=["layers.2"]) for rank in range(4)]
+        assert [r["bytes"] for r in runs] == planned  # trainscale.plan predicts each rank's bytes exactly
+    # "16-mixed" with a stage that mixes tp-split and plain parameters: refused at set-up on every rank, the
+    # stage 1 ranks (plain head) as the stage 0 ranks (plain embedding)
+    assert [re.search(r"plain on this rank: \['(\w+)", r["fp16_error"]).group(1) for r in results] == \
+        ["embed", "embed", "head", "head"]
+
+
+def test_a_tp_plan_key_that_names_no_module_of_the_whole_model_is_refused_before_the_cut():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from trainscale.runtime.strategies.pipeline import PipelineStrategy
+    from trainscale.runtime.world import World
+
+    # no process group exists here: the keys are checked against the whole model, the same on every rank
+    strategy = PipelineStrategy(torch.device("cpu"), World(world_size=4, local_world_size=4),
+                                parallel={"pp": 2, "tp": 2}, pp_split_points=["layers.2"],
+                                tp_plan={**net_plan(), "blocks.*.fc": ColwiseParallel()})
+    model = Net()
+    with pytest.raises(ValueError, match=r"tp_plan key\(s\) \['blocks.\*.fc'\] name no submodule"):
+        strategy.setup_module(model)
+    assert len(model.layers) == 4 and model.head is not None  # refused before the cut
+
+
+def test_a_parallelize_fn_must_act_on_the_stage_in_place():
+    from trainscale.runtime.strategies.pipeline import PipelineStrategy
+    from trainscale.runtime.world import World
+
+    strategy = PipelineStrategy(torch.device("cpu"), World(world_size=4, local_world_size=4),
+                                parallel={"pp": 2, "tp": 2}, parallelize=lambda stage, mesh: nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="parallelize=fn must parallelise the stage it is given in place.*Linear"):
+        strategy._tensor_parallel(Net())
+
+
+@pytest.fixture(scope="module")
+def fp16_runs(tmp_path_factory) -> dict:
+    """``pp_fp16_runs`` on 2 ranks, and the one-process "16-mixed" and "32-true" runs of the same Net."""
+    root = tmp_path_factory.mktemp("pp_fp16")
+    flags = dict(steps=STEPS, val=16, batch_size=16, net=True)
+    return {"reference": fit_gpt(0, str(root / "single"), "single", precision="16-mixed", **flags),
+            "fp32": fit_gpt(0, str(root / "single32"), "single", **flags),
+            "results": run_distributed(pp_fp16_runs, str(root), STEPS, world_size=2, timeout=280)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_16_mixed_on_two_stages_ends_near_one_16_mixed_process(fp16_runs):
+    reference, runs = fp16_runs["reference"], [r["fit"] for r in fp16_runs["results"]]
+    assert reference["logit_dtypes"] == runs[1]["logit_dtypes"] == {"torch.float16"}  # the last stage's logits
+    # micro-batches of 2 round in fp16 differently from one batch of 16 (measured: 8.1e-6 at most on the
+    # weights), far closer than "32-true" is to "16-mixed" (measured 5.1e-4)
+    for r in runs:
+        assert _max_diff(r["weights"], reference["weights"]) < 5e-5
+        assert r["losses"] == pytest.approx(reference["losses"], rel=5e-5)  # reported unscaled
+    assert runs[0]["norms"] == pytest.approx(reference["norms"], rel=5e-5)
+    worst, fp32 = (max(_max_diff(r["weights"], reference["weights"]) for r in runs),
+                   _max_diff(fp16_runs["fp32"]["weights"], reference["weights"]))
+    assert worst < fp32 / 5
+    print(f"pp 2, 16-mixed: max |weight difference| {worst:.2e} (32-true against 16-mixed in one process: {fp32:.2e})")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_an_inf_gradient_on_one_stage_makes_every_stage_skip_the_step_and_halve_the_scale(fp16_runs):
+    agreed = [r["agreed"] for r in fp16_runs["results"]]
+    for r in agreed:  # step 1 poisoned stage 0's gradient: both stages skipped it and halved the scale
+        assert [s["changed"] for s in r["steps"]] == [True, False, True]
+        assert [s["scale"] for s in r["steps"]] == [65536.0, 65536.0, 32768.0]
+        assert r["resumed_scale"] == 32768.0  # the scaler's state is saved with the checkpoint and loaded back
+    assert agreed[0]["steps"] == agreed[1]["steps"]
+    # torch's plain GradScaler checks each stage's own gradients only: stage 0 skips, stage 1 steps, and the
+    # two stages' weights and scales part (what the cross-stage agreement prevents)
+    plain = [r["plain"] for r in fp16_runs["results"]]
+    assert [s["changed"] for s in plain[0]["steps"]] == [True, False, True]
+    assert [s["changed"] for s in plain[1]["steps"]] == [True, True, True]
+    assert (plain[0]["scale"], plain[1]["scale"]) == (32768.0, 65536.0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size, parallel, steps", [(2, None, 6), (4, {"pp": 2, "dp_shard": 2}, 4)],
                          ids=["pp2", "pp2xfsdp2"])
 def test_a_pp_checkpoint_resumes_where_it_stopped_and_loads_into_one_process(tmp_path, world_size, parallel, steps):
@@ -343,6 +448,10 @@ def test_pp_layouts_and_flags():
     assert resolve("cpu", 4, "model_parallel", parallel={"pp": 2, "dp_replicate": 2}).strategy == "pp"
     cfg = resolve("cpu", 8, "model_parallel", parallel={"pp": 2, "dp_shard": 2, "tp": 2})
     assert (cfg.strategy, cfg.parallel.dp_size) == ("pp", 2)
+    # a user's tensor-parallel plan or function per stage, and "16-mixed" (its loss scaled inside the schedule)
+    assert resolve("cpu", 4, "pp", parallel={"pp": 2, "tp": 2}, tp_plan={"layers.*.up": None}).strategy == "pp"
+    assert resolve("cpu", 4, "pp", parallel={"pp": 2, "tp": 2}, parallelize=lambda m, mesh: m).strategy == "pp"
+    assert resolve("cpu", 2, "pp", precision="16-mixed").precision == "16-mixed"
     dims = ParallelDims(pp=2, dp_shard=2, tp=2)  # the mesh (pp, dp_replicate, dp_shard, tp), row-major
     assert [dims.pp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]  # both stages read the same data
@@ -350,15 +459,13 @@ def test_pp_layouts_and_flags():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(strategy="pp", devices=1), "pp ≥ 2 pipeline stages"),
-    (dict(strategy="pp", parallel={"pp": 2, "tp": 2}, tp_plan={"blocks.0.mlp.fc": None}),
-     "tp_plan with pipeline stages: .* built-in plan of trainscale.models.GPT only"),
-    (dict(strategy="pp", parallel={"pp": 2, "tp": 2}, parallelize=lambda m, mesh: m), "parallelize=fn with pipeline"),
+    (dict(strategy="pp", tp_plan={"blocks.0.mlp.fc": None}), "tp_plan splits layers over the tp ranks.*tp=1"),
     (dict(strategy="pp", pp_schedule="interleaved"), "unknown pp_schedule='interleaved'"),
     (dict(strategy="pp", pp_microbatches=0), "pp_microbatches=0 must be an int >= 1"),
     (dict(strategy="pp", pp_microbatches=2), "1f1b' needs at least one micro-batch per stage"),
     (dict(strategy="pp", pp_split_points="blocks.2"), "must be a list of submodule names"),
-    (dict(strategy="pp", precision="16-mixed"), "precision='16-mixed' is not built with pipeline stages.*bf16-mixed"),
-    (dict(strategy="pp", parallelize=lambda m, mesh: m), "parallelize=fn with pipeline stages"),
+    (dict(strategy="pp", parallel={"pp": 2, "tp": 2}, tp_plan={"h": None}, parallelize=lambda m, mesh: m),
+     "pass tp_plan or parallelize, not both"),
     (dict(strategy="ddp", pp_microbatches=4), "pp_microbatches configure.*no"),
     (dict(strategy="tp", pp_split_points=["blocks.2"]), "pp_split_points configure"),
 ])
@@ -380,7 +487,7 @@ def test_a_model_with_its_own_training_step_or_no_split_is_refused_at_setup():
     with pytest.raises(ValueError, match=r"built-in split for trainscale.models.GPT only.*pp_split_points"):
         strategy.setup_module(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
     with_tp = PipelineStrategy(torch.device("cpu"), World(world_size=4, local_world_size=4), parallel={"pp": 2, "tp": 2})
-    with pytest.raises(ValueError, match=r"plan of trainscale.models.GPT, and the model is a Sequential; drop 'tp'"):
+    with pytest.raises(ValueError, match=r"plan of trainscale.models.GPT, and the model is a Sequential; pass tp_plan"):
         with_tp.setup_module(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
 
 

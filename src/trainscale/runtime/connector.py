@@ -119,8 +119,8 @@ def resolve(
         parallelize: a callable ``fn(model, mesh) -> model``; only under the model-parallel strategies.
         pp_schedule: "gpipe" or "1f1b" (None: "1f1b"); pp_microbatches: an int >= 1 (None: 4·pp);
             pp_split_points: a list of pp − 1 submodule names; each only with pipeline stages (pp > 1),
-            which make the strategy "pp" and refuse "16-mixed" and ``tp_plan``/``parallelize`` (with
-            tp > 1 each stage gets the built-in GPT plan).
+            which make the strategy "pp" (with tp > 1 each stage gets the ``tp_plan`` entries of the
+            modules it keeps, or ``parallelize(stage, mesh)``, or the built-in GPT plan).
 
     Raises:
         ValueError: an unknown name (the message lists the valid ones), a non-positive count,
@@ -141,8 +141,7 @@ def resolve(
         raise ValueError(f"unknown float32_matmul_precision={float32_matmul_precision!r}; choose one of "
                          f"{_choices(MATMUL_PRECISIONS)} (torch.set_float32_matmul_precision's values)")
     dims = _resolve_model_parallel(strategy, parallel, tp_plan, parallelize, devices, num_nodes)
-    schedule, microbatches = _resolve_pipeline(dims, precision, pp_schedule, pp_microbatches,
-                                               pp_split_points)
+    schedule, microbatches = _resolve_pipeline(dims, pp_schedule, pp_microbatches, pp_split_points)
     return RunConfig(accelerator, devices, num_nodes, "pp" if schedule else strategy, precision, start_method,
                      sync_batchnorm, _resolve_checkpointing(activation_checkpointing), compile_kwargs,
                      float32_matmul_precision, dims, schedule, microbatches)
@@ -204,20 +203,16 @@ def _resolve_model_parallel(strategy: str, parallel: Any, tp_plan: Any, parallel
         return None
     dims = resolve_parallel(strategy, parallel, devices, num_nodes)
     _check_tp_flags(tp_plan, parallelize, dims)
-    if dims.pp > 1 and (parallelize is not None or tp_plan is not None):
-        raise ValueError(f"{'parallelize=fn' if parallelize is not None else 'tp_plan'} with pipeline stages: "
-                         "trainscale applies tensor parallelism to each stage with the built-in plan of "
-                         "trainscale.models.GPT only; drop it (a GPT needs no plan), or 'pp' from parallel")
     if dims.dp_replicate > 1 and dims.dp_shard == 1 and dims.pp == 1:
         raise ValueError(f"parallel={dims.as_dict()} replicates without sharding, which trainscale does not compose "
                          "with a mesh; use dp_shard for those ranks (FSDP), or strategy='ddp'")
     return dims
 
 
-def _resolve_pipeline(dims: ParallelDims | None, precision: str, schedule: Any,
-                      microbatches: Any, split_points: Any) -> tuple[str | None, int | None]:
+def _resolve_pipeline(dims: ParallelDims | None, schedule: Any, microbatches: Any,
+                      split_points: Any) -> tuple[str | None, int | None]:
     """``(schedule, micro-batches)`` with pipeline stages (pp > 1), else ``(None, None)``; the pp flags are
-    refused without stages, and what trainscale has not built with them (see :func:`resolve`)."""
+    refused without stages (see :func:`resolve`)."""
     if dims is None or dims.pp == 1:
         given = [n for n, v in (("pp_schedule", schedule), ("pp_microbatches", microbatches),
                                 ("pp_split_points", split_points)) if v is not None]
@@ -228,7 +223,6 @@ def _resolve_pipeline(dims: ParallelDims | None, precision: str, schedule: Any,
     schedule = "1f1b" if schedule is None else schedule
     microbatches = 4 * dims.pp if microbatches is None else microbatches
     _check_pipeline_flags(schedule, microbatches, split_points, dims.pp)
-    _check_pipeline_support(precision)
     return schedule, microbatches
 
 
@@ -243,14 +237,6 @@ def _check_pipeline_flags(schedule: Any, microbatches: Any, split_points: Any, s
     if split_points is not None and (not isinstance(split_points, (list, tuple))
                                      or not all(isinstance(n, str) for n in split_points)):
         raise ValueError(f"pp_split_points={split_points!r} must be a list of submodule names, e.g. ['layers.4']")
-
-
-def _check_pipeline_support(precision: str) -> None:
-    """Refuse what trainscale has not built with pipeline stages."""
-    if precision == "16-mixed":
-        raise ValueError("precision='16-mixed' is not built with pipeline stages (its GradScaler would have to scale "
-                         "the loss inside the schedule step); pass precision='bf16-mixed' (no loss scaling needed), "
-                         "'bf16-true' or '32-true'")
 
 
 def _resolve_strategy(strategy: Any, accelerator: str, devices: int, num_nodes: int,

@@ -2,7 +2,9 @@
 
 - "32-true": fp32 everywhere.
 - "16-mixed": autocast to float16 with a ``torch.amp.GradScaler`` (dynamic loss scaling,
-  Micikevicius et al. 2018, "Mixed Precision Training"); the scaler's state is checkpointed.
+  Micikevicius et al. 2018, "Mixed Precision Training"); the scaler's state is checkpointed. Where the
+  ranks hold different parameters (pipeline stages), torch's ``ShardedGradScaler`` instead: its ``unscale_``
+  all-reduces the inf/NaN flag over every rank, so all of them skip a step, or none.
 - "bf16-mixed": autocast to bfloat16; no scaler is needed (bf16 has fp32's exponent range).
 - "bf16-true": parameters and floating inputs cast to bfloat16, no autocast.
 
@@ -31,16 +33,22 @@ def float32_matmul_note(name: str, device_type: str, capability: tuple[int, int]
 
 
 class Precision:
-    """One precision setting for one device type ("cpu", "cuda", "mps")."""
+    """One precision setting for one device type ("cpu", "cuda", "mps").
 
-    def __init__(self, name: str, device_type: str) -> None:
+    ``across_ranks``: under "16-mixed", whether the inf/NaN check of the gradients is agreed over all ranks
+    of the default process group (``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``, one
+    all-reduce of a flag per step): needed where ranks hold different parameters that no gradient reduction
+    joins (pipeline stages), else one stage would step and another skip.
+    """
+
+    def __init__(self, name: str, device_type: str, across_ranks: bool = False) -> None:
         if name not in PRECISIONS:
             raise ValueError(f"unknown precision={name!r}; choose one of {', '.join(map(repr, PRECISIONS))}")
         import torch
 
         self.name = name
         self.device_type = device_type
-        self.scaler = torch.amp.GradScaler(device_type) if name == "16-mixed" else None
+        self.scaler = _grad_scaler(device_type, across_ranks) if name == "16-mixed" else None
         self._autocast_dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name)
         self._true_dtype = torch.bfloat16 if name == "bf16-true" else None
         self.casts_input = self._true_dtype is not None  # whether convert_input changes a batch
@@ -66,8 +74,12 @@ class Precision:
 
         return torch.autocast(self.device_type, dtype=self._autocast_dtype)
 
+    def scale(self, loss):
+        """``loss`` multiplied by the loss scale under "16-mixed", else ``loss`` itself."""
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
     def backward(self, loss) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        self.scale(loss).backward()
 
     def unscale_gradients(self, optimizer) -> None:
         """Divide gradients by the loss scale in place, so clipping sees true magnitudes.
@@ -99,3 +111,15 @@ class Precision:
     def load_state_dict(self, state: dict) -> None:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+def _grad_scaler(device_type: str, across_ranks: bool) -> Any:
+    """torch's GradScaler, or with ``across_ranks`` its ``ShardedGradScaler`` on the default process group
+    (``process_group=None``: the group at the time of each all-reduce, so it may be made before the group)."""
+    import torch
+
+    if not across_ranks:
+        return torch.amp.GradScaler(device_type)
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device_type, process_group=None)

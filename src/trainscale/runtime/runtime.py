@@ -87,7 +87,8 @@ class Runtime:
         parallel: under strategy "model_parallel" (required), "hsdp", "tp" or "pp": the device mesh
             ``{"dp_replicate": R, "dp_shard": S, "tp": T}``, R·S·T = world size, or pipeline stages
             ``{"pp": P, "dp_replicate": R, "dp_shard": S, "tp": T}``, P·R·S·T = world size (with tp > 1 each stage
-            gets the built-in GPT plan; docs/strategies.md).
+            gets its entries of ``tp_plan``, or ``parallelize(stage, mesh)``, or the built-in GPT plan;
+            docs/strategies.md).
         tp_plan: ``{submodule name: ColwiseParallel() | RowwiseParallel() | ...}`` (torch's
             ``parallelize_module`` styles) for your model; default: the built-in plan of ``trainscale.models.GPT``.
         parallelize: ``fn(model, mesh) -> model`` applying your own tensor parallelism instead; FSDP/HSDP
@@ -145,7 +146,8 @@ class Runtime:
         cuda = self.config.accelerator == "cuda"
         self.device = _devices.device_for(self.config.accelerator, _devices.cuda_index(
             world.local_rank, world.local_world_size, visible, world.launcher) if cuda else world.local_rank)
-        self.precision = Precision(self.config.precision, self.device.type)
+        # pipeline stages hold different parameters: their GradScaler agrees on inf/NaN across all ranks
+        self.precision = Precision(self.config.precision, self.device.type, across_ranks=self.config.strategy == "pp")
         self._set_matmul_precision()
         self._non_blocking = self.device.type == "cuda"  # to_device's copies: asynchronous from pinned memory
         self.strategy = None
@@ -410,7 +412,8 @@ class Runtime:
                 stages get their gradients summed only on the last).
 
         Returns:
-            The batch's mean loss (0-d, detached, not divided), the same on every rank.
+            The batch's mean loss (0-d, detached, not divided; under "16-mixed" scaled inside the schedule
+            step, returned unscaled), the same on every rank.
 
         Raises:
             RuntimeError: the strategy is not pipelined (call the module, then :meth:`backward`).
@@ -418,7 +421,7 @@ class Runtime:
         if not self.strategy.pipelined:
             raise RuntimeError(f"forward_backward runs a pipeline schedule, but strategy={self.config.strategy!r}; "
                                "call the module and then runtime.backward(loss)")
-        return module.forward_backward(batch, loss_fn, loss_divisor, sync)
+        return module.forward_backward(batch, loss_fn, loss_divisor, sync, scale=self.precision.scale)
 
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool = True):
         """Context manager: while ``enabled``, backward skips the gradient all-reduce
@@ -575,9 +578,9 @@ def _strategy_options(config: RunConfig, options: dict | None, tp_plan: Any, par
     if config.strategy == "dp":
         out.setdefault("device_ids", list(range(config.devices)))
     if config.strategy == "pp":
-        out.update(parallel=config.parallel, pp_schedule=config.pp_schedule, pp_microbatches=config.pp_microbatches,
+        out.update(pp_schedule=config.pp_schedule, pp_microbatches=config.pp_microbatches,
                    pp_split_points=split_points, compile=config.compile)
-    elif config.parallel is not None:  # model_parallel / hsdp / tp
+    if config.parallel is not None:  # model_parallel / hsdp / tp / pp
         out.update(parallel=config.parallel, tp_plan=tp_plan, parallelize=parallelize)
     return out
 

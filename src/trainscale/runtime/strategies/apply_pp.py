@@ -152,6 +152,7 @@ class PipelineRunner:
         self._schedules: dict = {}
         self._loss_fn: Callable | None = None
         self._weight = 1.0
+        self._scale: Callable | None = None  # the loss scaling of this step ("16-mixed"), or None
 
     @property
     def is_last(self) -> bool:
@@ -171,18 +172,25 @@ class PipelineRunner:
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         """A micro-batch's loss weighted by its share of the batch (and divided for accumulation), so the
-        micro-batches' gradients sum to those of the batch's mean loss however the batch divides."""
+        micro-batches' gradients sum to those of the batch's mean loss however the batch divides; multiplied
+        by the loss scale under "16-mixed" (the schedule runs backward from what this returns)."""
         if self.autocast is None:
-            return self._loss_fn(output, target) * (target.shape[0] * self._weight)
-        with self.autocast():  # as a one-process loop computes it: e.g. cross-entropy of bf16 logits in fp32
-            return self._loss_fn(output, target) * (target.shape[0] * self._weight)
+            loss = self._loss_fn(output, target) * (target.shape[0] * self._weight)
+        else:
+            with self.autocast():  # as a one-process loop computes it: e.g. cross-entropy of bf16 logits in fp32
+                loss = self._loss_fn(output, target) * (target.shape[0] * self._weight)
+        return loss if self._scale is None else self._scale(loss)
 
     def train_step(self, inputs: torch.Tensor, targets: Any, loss_fn: Callable, divisor: int,
-                   sync: bool) -> torch.Tensor:
+                   sync: bool, scale: Callable | None = None) -> torch.Tensor:
         """Forward and backward of one batch; the gradients of the batch's mean loss divided by ``divisor``
-        are added to ``.grad``; with ``sync`` the shared ones are then summed across their stages.
-        Returns the batch's mean loss (0-d, detached), the same on every stage (broadcast from the last)."""
-        self._loss_fn, self._weight = loss_fn, 1.0 / (inputs.shape[0] * divisor)
+        (and multiplied by ``scale``, the GradScaler's ``scale`` under "16-mixed") are added to ``.grad``;
+        with ``sync`` the shared ones are then summed across their stages.
+        Returns the batch's mean loss (0-d, detached, unscaled), the same on every stage (broadcast from the last)."""
+        self._loss_fn, self._weight, self._scale = loss_fn, 1.0 / (inputs.shape[0] * divisor), scale
+        # the loss scale, a power of 2, without a host sync; on every stage, as it starts the scaler of a stage
+        # that computes no loss (GradScaler.unscale_ refuses to run on a scaler whose scale() was never called)
+        factor = scale(torch.ones((), device=self.device)) if scale is not None else None
         losses: list = []
         fresh = (tuple(inputs.shape), inputs.dtype, True) not in self._schedules
         kept = self._take_gradients() if fresh else {}
@@ -192,7 +200,10 @@ class PipelineRunner:
             p.grad = grad if p.grad is None else p.grad + grad
         if sync:
             self.sync_shared()
-        loss = torch.stack(losses).sum().detach() * divisor if self.is_last else torch.zeros((), device=self.device)
+        loss = torch.zeros((), device=self.device)
+        if self.is_last:
+            loss = torch.stack(losses).detach().float().sum() * divisor
+            loss = loss if factor is None else loss / factor  # exact for GradScaler's powers of 2
         return self._from_last(loss)
 
     def _take_gradients(self) -> dict:
@@ -209,7 +220,7 @@ class PipelineRunner:
     def evaluate(self, inputs: torch.Tensor, targets: Any, loss_fn: Callable) -> dict[str, float]:
         """The batch's mean loss (and accuracy for a classifier's ``(N, classes)`` logits) from a
         forward-only schedule step, as numbers, the same on every stage."""
-        self._loss_fn, self._weight = loss_fn, 1.0 / inputs.shape[0]
+        self._loss_fn, self._weight, self._scale = loss_fn, 1.0 / inputs.shape[0], None
         out = self._schedule_for(inputs, False).eval(*self._first(inputs), target=targets, losses=[])
         metrics = None
         if self.is_last:

@@ -170,11 +170,30 @@ def plan_target(root: nn.Module, plan: dict) -> nn.Module:
     for candidate in (root, *root.children()):
         if all(_has(candidate, key) for key in plan):
             return candidate
-    missing = sorted(key for key in plan if not _has(root, key))
-    names = [n for n, _ in root.named_modules() if n][:12]
-    raise ValueError(f"tp_plan key(s) {missing} name no submodule of the model; its submodules include: "
-                     f"{', '.join(names)}. Keys are module names relative to your model, e.g. 'layers.0.mlp.fc' "
-                     "or 'layers.*.mlp.fc'")
+    check_plan_keys(root, plan)  # raises: some key names nothing in root, or root would have been returned
+    return root
+
+
+def check_plan_keys(model: nn.Module, plan: dict) -> None:
+    """Every key of ``plan`` names at least one submodule of ``model``.
+
+    Raises:
+        ValueError: naming the keys that match nothing, and listing some of the submodules.
+    """
+    missing = sorted(key for key in plan if not _has(model, key))
+    if missing:
+        names = [n for n, _ in model.named_modules() if n][:12]
+        raise ValueError(f"tp_plan key(s) {missing} name no submodule of the model; its submodules include: "
+                         f"{', '.join(names)}. Keys are module names relative to your model, e.g. "
+                         "'layers.0.mlp.fc' or 'layers.*.mlp.fc'")
+
+
+def stage_plan(stage: nn.Module, plan: dict) -> dict:
+    """The entries of a user's ``plan`` (keyed against the whole model) whose submodules the pipeline
+    ``stage`` keeps (``apply_pp.keep_stage`` leaves the kept modules under their own names), so that each
+    stage applies its part of the plan (torchtitan applies its ``parallelize_fn`` to each model part after
+    the cut)."""
+    return {key: style for key, style in plan.items() if _has(stage, key)}
 
 
 def apply_tp(root: nn.Module, tp_mesh: Any, plan: dict | None = None, sequence_parallel: bool = False) -> nn.Module:

@@ -11,7 +11,8 @@ same data-parallel coordinates) read the same batches (the first needs the input
 targets); the loss is computed on the last stage and broadcast, so every rank logs its pipeline's loss.
 
 With ``tp`` > 1, each stage's own layers are split over its tp ranks after the cut by the built-in plan
-of ``trainscale.models.GPT`` (``apply_tp.py``; torchtitan's order, ``distributed/pipeline_parallel.py``:
+of ``trainscale.models.GPT``, by the entries of the user's ``tp_plan`` whose modules the stage keeps, or by the
+user's ``parallelize(stage, mesh)`` (``apply_tp.py``; torchtitan's order, ``distributed/pipeline_parallel.py``:
 ``pipeline_module_split``, then ``parallelize_fn`` per stage, TP before FSDP). The activations crossing a
 stage boundary are the residual stream as plain local tensors: ``(B, T, C)``, or ``(B, T/tp, C)`` under
 sequence parallelism (its Shard(1) local part, which the next stage's first norm takes as it is): each
@@ -29,6 +30,10 @@ arithmetic). torch's ``PipelineStage`` defers FSDP's gradient reduction to the e
 Gradients are clipped by the norm over all stages and shards (``dtensor_clip``: per mesh, then summed
 across the stage group); checkpoints are DCP directories keyed by the whole model's names
 (``dcp_checkpoint.py``), so they load on another number of stages or in one process.
+
+Under "16-mixed" the loss, which exists on the last stage only, is multiplied by the GradScaler's scale inside
+the schedule's ``loss_fn`` (``apply_pp.PipelineRunner``), and the Runtime's scaler is torch's ``ShardedGradScaler``
+(``precision.py``), whose inf/NaN check is all-reduced over every rank: all stages skip a step, or none.
 
 Each rank idles while the pipeline fills and drains: the bubble, a fraction (P − 1)/(M + P − 1) of
 the step for M micro-batches (Huang et al. 2019, "GPipe", §2.2; :func:`bubble_fraction`).
@@ -49,7 +54,7 @@ from trainscale.runtime.strategies import SYNC
 from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, reshard
 from trainscale.runtime.strategies.apply_pp import (PipelineRunner, gpt_split_points, keep_stage, shared_parameters,
                                                     stage_names)
-from trainscale.runtime.strategies.apply_tp import apply_tp
+from trainscale.runtime.strategies.apply_tp import apply_tp, check_plan_keys, stage_plan
 from trainscale.runtime.strategies.dcp_checkpoint import DCPCheckpointer
 from trainscale.runtime.strategies.dtensor_clip import clip_grad_norm
 from trainscale.runtime.strategies.model_parallel import resolve_sequence_parallel
@@ -108,18 +113,20 @@ class PipelineModule(nn.Module):
         inputs, targets = batch
         return self.runner.evaluate(inputs, targets, self.root.loss_fn), int(targets.shape[0])
 
-    def forward_backward(self, batch: Any, loss_fn: Callable, divisor: int = 1, sync: bool = True) -> torch.Tensor:
-        """See ``Runtime.forward_backward``."""
+    def forward_backward(self, batch: Any, loss_fn: Callable, divisor: int = 1, sync: bool = True,
+                         scale: Callable | None = None) -> torch.Tensor:
+        """See ``Runtime.forward_backward``; ``scale``: the loss scaling of "16-mixed" (``Precision.scale``)."""
         inputs, targets = batch
-        return self.runner.train_step(inputs, targets, loss_fn, divisor, sync)
+        return self.runner.train_step(inputs, targets, loss_fn, divisor, sync, scale)
 
 
 class PipelineStrategy:
     """Pipeline stages on the ``pp`` mesh dimension, each sharded or replicated over the data-parallel ones.
 
     Args (the Runtime passes them from its own arguments, checked by the resolver):
-        precision: the precision flag: "bf16-mixed" runs each stage's forward and the loss under autocast
-            (and, sharded, FSDP's ``MixedPrecisionPolicy``); "bf16-true" and "32-true" need nothing here.
+        precision: the precision flag: "bf16-mixed" and "16-mixed" run each stage's forward and the loss under
+            autocast (and, sharded, FSDP's ``MixedPrecisionPolicy``); "16-mixed" scales the loss inside the
+            schedule step (``forward_backward``'s ``scale``); "bf16-true" and "32-true" need nothing here.
         parallel: a ``ParallelDims`` (or a dict of its fields) with ``pp`` > 1.
         pp_schedule: "gpipe" or "1f1b" (default; the same bubble as GPipe, activations of at most P
             micro-batches held instead of M).
@@ -127,8 +134,14 @@ class PipelineStrategy:
             under 20 %). A batch that it does not divide runs in the most micro-batches that divide it.
         pp_split_points: the unit names where stages 1..P−1 begin (``apply_pp.units``); None: the
             built-in split of a ``trainscale.models.GPT``.
+        tp_plan: ``{submodule name: ParallelStyle}`` keyed against the whole model (every key must name a
+            submodule of it); each stage applies the entries of the modules it keeps after the cut. None: the
+            built-in plan of a ``trainscale.models.GPT`` (with tp > 1).
+        parallelize: ``fn(stage, mesh)``, called on this rank's stage after the cut (the stage keeps the
+            whole model's submodule names; the mesh has the dimensions "pp", "dp_replicate", "dp_shard", "tp");
+            it must act in place and return the stage (or None). FSDP is still applied after it.
         sequence_parallel: with tp > 1, sequence parallelism in the built-in GPT plan (``apply_tp.py``);
-            None: on.
+            None: on where that plan is used.
         compile: ``torch.compile`` keyword arguments (the resolved ``compile`` flag), or None: each block the
             stage keeps (a unit inside a ``ModuleList``/``ModuleDict``, e.g. ``h.0``) is compiled in place.
 
@@ -145,13 +158,16 @@ class PipelineStrategy:
     def __init__(self, device: Any, world: World, precision: str = "32-true", parallel: Any = None,
                  pp_schedule: str = "1f1b", pp_microbatches: int | None = None,
                  pp_split_points: list | None = None, sequence_parallel: bool | None = None,
-                 compile: dict | None = None) -> None:
+                 compile: dict | None = None, tp_plan: dict | None = None,
+                 parallelize: Callable | None = None) -> None:
         dims = parallel if isinstance(parallel, ParallelDims) else ParallelDims(**(parallel or {}))
         if dims.world_size != world.world_size:
             raise ValueError(f"parallel={dims.as_dict()} multiplies to {dims.world_size} ranks, but the world size is "
                              f"{world.world_size}")
         self.device, self.world, self.dims, self.precision = device, world, dims, precision
-        self.sequence_parallel = resolve_sequence_parallel(sequence_parallel, dims.tp > 1)
+        self.tp_plan, self.parallelize = tp_plan, parallelize
+        self.sequence_parallel = resolve_sequence_parallel(sequence_parallel, dims.tp > 1 and tp_plan is None
+                                                           and parallelize is None)
         self.schedule, self.split_points, self.compile = pp_schedule, pp_split_points, compile
         self.microbatches = pp_microbatches or 4 * dims.pp
         self.mesh = None
@@ -172,15 +188,20 @@ class PipelineStrategy:
 
         Raises:
             ValueError: a model that computes its own loss (``training_step``), no split points for a
-                model that is not a GPT, bad split points (``apply_pp.stage_names``); with tp > 1, a model
-                that is not a GPT and the GPT's own conditions (``apply_tp.apply_tp``); a meta-device model
-                that cannot be materialised (``meta_init.check_meta``: with tp > 1 on CPU, for one).
+                model that is not a GPT, bad split points (``apply_pp.stage_names``); a ``tp_plan`` key that
+                names no submodule of the whole model (``apply_tp.check_plan_keys``); with tp > 1 and neither
+                ``tp_plan`` nor ``parallelize``, a model that is not a GPT and the GPT's own conditions
+                (``apply_tp.apply_tp``); a ``parallelize`` that returns another module; a meta-device model
+                that cannot be materialised (``meta_init.check_meta``: with tp > 1 on CPU, for one); under
+                "16-mixed", a stage with both tensor-parallel and plain parameters (:func:`_check_loss_scaling`).
 
         A model built on the meta device is cut, split and sharded on meta, then only this rank's part is
         allocated and initialised (its ``init_weights()``); the copies of a tied weight then get the first
         stage's values.
         """
         target = self._target(module)
+        if self.tp_plan is not None:  # against the whole model, before the cut: the same verdict on every rank
+            check_plan_keys(target, self.tp_plan)
         names = stage_units(target, self.dims.pp, self.split_points)
         shared = shared_parameters(target, names)
         meta = meta_init.check_meta(module, self.dims.tp > 1, self.device.type)
@@ -192,6 +213,8 @@ class PipelineStrategy:
         module = self._parallelize_stage(module, target, names[stage], meta)
         group = self.mesh.get_group("pp")
         by_name = dict(target.named_parameters())
+        if self.precision == "16-mixed":
+            _check_loss_scaling(by_name, self.device)
         runner = PipelineRunner(target, stage, self.dims.pp, self.device, group, self.schedule, self.microbatches,
                                 _shared_groups(shared_names, by_name, self.mesh), self._autocast())
         if meta:
@@ -206,8 +229,7 @@ class PipelineStrategy:
         this rank's stage and shard only, each (stage, shard) seeded apart (``meta_init``). Returns ``module``."""
         if not meta:
             module = module.to(self.device)
-        if self.dims.tp > 1:  # the stage's own layers, split over its tp ranks (apply_tp.py)
-            apply_tp(target, self.mesh["tp"], sequence_parallel=self.sequence_parallel)
+        self._tensor_parallel(target)
         if self.compile is not None:  # each block the stage keeps, as torchtitan's apply_compile: the schedule
             for block in [n for n in units if "." in n]:  # calls the stage, never the loop module
                 apply_compile(target.get_submodule(block), self.compile)
@@ -220,20 +242,43 @@ class PipelineStrategy:
             meta_init.materialise(module, self.device, seed_offset=stage * self.dims.dp_shard + shard)
         return module
 
+    def _tensor_parallel(self, stage: nn.Module) -> None:
+        """The stage's own layers split over its tp ranks: by ``parallelize(stage, mesh)``, by the entries of
+        ``tp_plan`` whose modules it keeps, or by the built-in GPT plan (``apply_tp.py``); in place.
+
+        Raises:
+            ValueError: ``parallelize`` returned another module than the stage.
+        """
+        if self.parallelize is not None:
+            out = self.parallelize(stage, self.mesh)
+            if out is not None and out is not stage:
+                raise ValueError(f"under strategy='pp' parallelize=fn must parallelise the stage it is given in place "
+                                 f"(e.g. with parallelize_module) and return it, but it returned a "
+                                 f"{type(out).__name__}; return the stage, or None")
+        elif self.tp_plan is not None:
+            plan = stage_plan(stage, self.tp_plan)
+            if plan:  # a stage may hold no planned module
+                apply_tp(stage, self.mesh["tp"], plan)
+        elif self.dims.tp > 1:
+            apply_tp(stage, self.mesh["tp"], sequence_parallel=self.sequence_parallel)
+
     def _dp_mesh(self):
         """The data-parallel part of the mesh: ``dp_shard`` (FSDP), or ``(dp_replicate, dp_shard)`` (HSDP;
         with ``dp_shard`` = 1, replication)."""
         return self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
 
     def _autocast(self) -> Callable | None:
-        """What each stage's forward and the loss run under: the precision's autocast ("bf16-mixed"), else None."""
-        return Precision(self.precision, self.device.type).autocast if self.precision == "bf16-mixed" else None
+        """What each stage's forward and the loss run under: the precision's autocast ("bf16-mixed", "16-mixed"),
+        else None."""
+        mixed = self.precision in ("bf16-mixed", "16-mixed")
+        return Precision(self.precision, self.device.type).autocast if mixed else None
 
     def _target(self, module) -> nn.Module:
         """The model to cut: ``module``, or its child ``model`` (the Trainer wraps the user's model).
 
         Raises:
-            ValueError: a model with its own ``training_step``; with tp > 1, a model that is not a GPT.
+            ValueError: a model with its own ``training_step``; with tp > 1 and neither ``tp_plan`` nor
+                ``parallelize``, a model that is not a GPT.
         """
         target = module.model if isinstance(getattr(module, "model", None), nn.Module) else module
         if any(hasattr(target, step) for step in ("training_step", "validation_step")):
@@ -242,11 +287,13 @@ class PipelineStrategy:
                              "model; pass a plain nn.Module and loss_fn (docs/strategies.md, 'Pipeline split')")
         from trainscale.models.gpt import GPT
 
-        if self.dims.tp > 1 and not isinstance(target, GPT):
-            raise ValueError(f"pipeline stages with tp={self.dims.tp} split each stage by the built-in tensor-parallel "
-                             f"plan of trainscale.models.GPT, and the model is a {type(target).__name__}; drop 'tp' "
-                             "(e.g. parallel={'pp': P, 'dp_shard': S}), or 'pp' and pass tp_plan "
-                             "(docs/strategies.md, 'Writing a TP plan')")
+        own_plan = self.tp_plan is not None or self.parallelize is not None
+        if self.dims.tp > 1 and not own_plan and not isinstance(target, GPT):
+            raise ValueError(f"pipeline stages with tp={self.dims.tp} and no tp_plan split each stage by the built-in "
+                             f"tensor-parallel plan of trainscale.models.GPT, and the model is a "
+                             f"{type(target).__name__}; pass tp_plan={{name: ColwiseParallel() | RowwiseParallel() "
+                             "| ...}} or parallelize=fn(stage, mesh), or drop 'tp' (docs/strategies.md, "
+                             "'Tensor parallelism inside your pipeline stages')")
         return target
 
     def setup_optimizer(self, optimizer):
@@ -311,3 +358,28 @@ def _shared_groups(shared: dict[str, list[int]], by_name: dict, mesh: Any) -> li
         if params:
             out.append((sub, params))
     return out
+
+
+def _check_loss_scaling(params: dict, device: Any) -> None:
+    """Under "16-mixed", each stage's parameters must be of one kind: all plain tensors, or all DTensors on one
+    mesh. torch 2.13's GradScaler (and its ``ShardedGradScaler``) unscales the gradients of one device and dtype
+    in one ``torch._amp_foreach_non_finite_check_and_unscale_`` call, which DTensor refuses for a mix ("got mixed
+    torch.Tensor and DTensor"): e.g. a ``tp_plan`` that leaves a norm or an embedding out. Agreed over all ranks
+    (one all-reduce of a flag, at set-up), so that every rank raises, or none.
+
+    Raises:
+        ValueError: some stage mixes them (the message names this rank's plain parameters, if any).
+    """
+    import torch.distributed as dist
+
+    kinds = {getattr(p, "device_mesh", None) for p in params.values()}
+    mixed = torch.tensor(float(len(kinds) > 1), device=device)
+    dist.all_reduce(mixed, op=dist.ReduceOp.MAX)
+    if mixed.item():
+        plain = [name for name, p in params.items() if not hasattr(p, "device_mesh")]
+        raise ValueError("precision='16-mixed' under pipeline stages needs each stage's parameters all split by "
+                         "tensor parallelism (DTensors on one mesh) or all plain: torch's GradScaler unscales them "
+                         "in one call, which refuses a mix, and some stage mixes them (plain on this rank: "
+                         f"{plain[:6]}); put every parameter in tp_plan/parallelize (e.g. an embedding "
+                         "RowwiseParallel(input_layouts=Replicate()), a norm SequenceParallel()), or pass "
+                         "precision='bf16-mixed' (no loss scaling)")
