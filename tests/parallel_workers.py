@@ -71,7 +71,8 @@ def state_bytes(model, optimizer) -> int:
 
 
 def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, steps: int,
-              checkpoint: str | None = None, teardown: bool = True, strategy_options: dict | None = None) -> dict:
+              checkpoint: str | None = None, teardown: bool = True, strategy_options: dict | None = None,
+              precision: str = "32-true") -> dict:
     """``steps`` SGD steps (momentum 0.9; AdamW's per-element normalisation would magnify rounding
     differences of near-zero gradients) of a GPT (seed 0) with clipping at norm 0.5 through the Runtime; the full
     weights after, the losses and norms, this rank's parameter bytes and its training-state bytes after the
@@ -82,7 +83,7 @@ def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, 
     from trainscale.runtime.runtime import Runtime
 
     rt = Runtime(accelerator="cpu", devices=1 if strategy == "single" else "auto", strategy=strategy, parallel=parallel,
-                 timeout=60, strategy_options=strategy_options)
+                 timeout=60, strategy_options=strategy_options, precision=precision)
     torch.manual_seed(0)
     model = GPT(CONFIG)
     wrapped, optimizer = rt.setup(model, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
@@ -104,6 +105,22 @@ def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, 
     if teardown:
         rt.teardown()
     return out
+
+
+def tp_fp16_setup_error(rank: int) -> str:
+    """The error of setting up the GPT under tp 2, "16-mixed", without sequence parallelism (its norms stay
+    plain tensors beside the DTensors), or "" when there is none."""
+    from trainscale.runtime.runtime import Runtime
+
+    rt = Runtime(accelerator="cpu", devices="auto", strategy="tp", timeout=60, precision="16-mixed",
+                 strategy_options={"sequence_parallel": False})
+    try:
+        rt.setup(GPT(CONFIG), lambda params: torch.optim.SGD(params, lr=0.1))
+        return ""
+    except ValueError as err:
+        return str(err)
+    finally:
+        rt.teardown()
 
 
 def train_gpt_layouts(rank: int, runs: tuple) -> dict:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import run_distributed
-from tests.parallel_workers import CONFIG, train_gpt, train_gpt_layouts
+from tests.parallel_workers import CONFIG, tp_fp16_setup_error, train_gpt, train_gpt_layouts
 from trainscale.runtime.connector import resolve
 from trainscale.runtime.strategies.parallel_dims import ParallelDims
 
@@ -109,6 +109,23 @@ def test_tp_without_sequence_parallelism_matches_one_process():
     results = run_distributed(train_gpt, "tp", None, 8, STEPS, None, {"sequence_parallel": False}, world_size=2,
                               timeout=200)
     _check_parity(results, _reference(8), "tp 2 without sequence parallelism", max_state_ratio=0.55)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_tp_under_16_mixed_trains_with_the_built_in_plan_and_refuses_plain_norms_on_every_rank():
+    """torch's GradScaler unscales a rank's gradients in one call, which DTensor refuses for a mix of DTensors and
+    plain tensors: the built-in plan with sequence parallelism (every parameter a DTensor) trains and ends near one
+    "16-mixed" process; without it the plain norms are refused at set-up on both ranks, naming them (before the
+    fix: a deep DTensor RuntimeError at the first optimizer step)."""
+    reference = train_gpt(0, "single", None, 8, STEPS, precision="16-mixed")
+    for r in run_distributed(train_gpt, "tp", None, 8, STEPS, None, True, None, "16-mixed", world_size=2, timeout=200):
+        for name, want in reference["weights"].items():
+            torch.testing.assert_close(r["weights"][name], want, rtol=0, atol=5e-5)
+        assert r["losses"] == pytest.approx(reference["losses"], rel=5e-5)
+    errors = run_distributed(tp_fp16_setup_error, world_size=2, timeout=200)
+    for err in errors:
+        assert "precision='16-mixed' under tensor parallelism" in err and "plain on this rank: ['blocks.0.ln_1" in err
 
 
 @pytest.mark.multiprocess

@@ -123,3 +123,31 @@ def _grad_scaler(device_type: str, across_ranks: bool) -> Any:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     return ShardedGradScaler(device_type, process_group=None)
+
+
+def check_loss_scaling(params: dict, device: Any, where: str) -> None:
+    """Under "16-mixed", the parameters of each rank must be of one kind: all plain tensors, or all DTensors on
+    one mesh. torch 2.13's GradScaler (and its ``ShardedGradScaler``) unscales the gradients of one device and
+    dtype in one ``torch._amp_foreach_non_finite_check_and_unscale_`` call, which DTensor refuses for a mix ("got
+    mixed torch.Tensor and DTensor"): e.g. a ``tp_plan`` that leaves a norm or an embedding out, or the built-in
+    GPT plan without sequence parallelism (its norms stay plain). Agreed over all ranks (one all-reduce of a
+    flag, at set-up), so that every rank raises, or none. ``params``: ``{name: parameter}`` of this rank;
+    ``where``: the layout, for the message ("pipeline stages", "tensor parallelism").
+
+    Raises:
+        ValueError: some rank mixes them (the message names this rank's plain parameters, if any).
+    """
+    import torch
+    import torch.distributed as dist
+
+    kinds = {getattr(p, "device_mesh", None) for p in params.values()}
+    mixed = torch.tensor(float(len(kinds) > 1), device=device)
+    dist.all_reduce(mixed, op=dist.ReduceOp.MAX)
+    if mixed.item():
+        plain = [name for name, p in params.items() if not hasattr(p, "device_mesh")]
+        raise ValueError(f"precision='16-mixed' under {where} needs each rank's parameters all split by tensor "
+                         "parallelism (DTensors on one mesh) or all plain: torch's GradScaler unscales them in one "
+                         f"call, which refuses a mix, and some rank mixes them (plain on this rank: {plain[:6]}); "
+                         "put every parameter in tp_plan/parallelize (e.g. an embedding "
+                         "RowwiseParallel(input_layouts=Replicate()), a norm SequenceParallel()), keep the built-in "
+                         "GPT plan's sequence parallelism on, or pass precision='bf16-mixed' (no loss scaling)")

@@ -24,6 +24,7 @@ import dataclasses
 from typing import Any, Callable, Iterable
 
 from trainscale.runtime import meta_init
+from trainscale.runtime.precision import check_loss_scaling
 from trainscale.runtime.strategies import SYNC
 from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, fsdp_units, no_gradient_sync, reshard
 from trainscale.runtime.strategies.apply_tp import apply_tp
@@ -100,6 +101,17 @@ class ModelParallelStrategy:
         if not meta:
             module = module.to(self.device)
         self.mesh = self.mesh or self.dims.build_mesh(self.device.type)
+        module = self._parallelize(module, units)
+        if meta:  # tp = 1 on CPU: a rank's shard index is its dp_shard coordinate (replicas draw alike)
+            offset = self.dims.coordinates(self.world.rank)[1] if self.device.type == "cpu" else None
+            meta_init.materialise(module, self.device, seed_offset=offset)
+        self._roots.append(module)
+        self._params = {id(p) for root in self._roots for p in root.parameters()}
+        return module
+
+    def _parallelize(self, module, units: list):
+        """The user's ``parallelize(module, mesh)`` or tensor parallelism, then FSDP over the data-parallel
+        ranks; without FSDP under "16-mixed", the GradScaler's one-kind check (``check_loss_scaling``)."""
         if self.parallelize is not None:
             module = self.parallelize(module, self.mesh)
         elif self.dims.tp > 1:
@@ -108,11 +120,8 @@ class ModelParallelStrategy:
             dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
             apply_fsdp(module, units, dp_mesh, precision=self.precision,
                        reshard_after_forward=self.reshard_after_forward)
-        if meta:  # tp = 1 on CPU: a rank's shard index is its dp_shard coordinate (replicas draw alike)
-            offset = self.dims.coordinates(self.world.rank)[1] if self.device.type == "cpu" else None
-            meta_init.materialise(module, self.device, seed_offset=offset)
-        self._roots.append(module)
-        self._params = {id(p) for root in self._roots for p in root.parameters()}
+        elif self.precision == "16-mixed":  # tp alone: no FSDP makes every parameter a DTensor
+            check_loss_scaling(dict(module.named_parameters()), self.device, "tensor parallelism")
         return module
 
     def setup_optimizer(self, optimizer):

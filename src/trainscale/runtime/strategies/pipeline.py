@@ -49,7 +49,7 @@ from torch import nn
 
 from trainscale.runtime import meta_init
 from trainscale.runtime.apply import apply_compile
-from trainscale.runtime.precision import Precision
+from trainscale.runtime.precision import Precision, check_loss_scaling
 from trainscale.runtime.strategies import SYNC
 from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, reshard
 from trainscale.runtime.strategies.apply_pp import (PipelineRunner, gpt_split_points, keep_stage, shared_parameters,
@@ -193,7 +193,7 @@ class PipelineStrategy:
                 ``tp_plan`` nor ``parallelize``, a model that is not a GPT and the GPT's own conditions
                 (``apply_tp.apply_tp``); a ``parallelize`` that returns another module; a meta-device model
                 that cannot be materialised (``meta_init.check_meta``: with tp > 1 on CPU, for one); under
-                "16-mixed", a stage with both tensor-parallel and plain parameters (:func:`_check_loss_scaling`).
+                "16-mixed", a stage with both tensor-parallel and plain parameters (``precision.check_loss_scaling``).
 
         A model built on the meta device is cut, split and sharded on meta, then only this rank's part is
         allocated and initialised (its ``init_weights()``); the copies of a tied weight then get the first
@@ -214,7 +214,7 @@ class PipelineStrategy:
         group = self.mesh.get_group("pp")
         by_name = dict(target.named_parameters())
         if self.precision == "16-mixed":
-            _check_loss_scaling(by_name, self.device)
+            check_loss_scaling(by_name, self.device, "pipeline stages")
         runner = PipelineRunner(target, stage, self.dims.pp, self.device, group, self.schedule, self.microbatches,
                                 _shared_groups(shared_names, by_name, self.mesh), self._autocast())
         if meta:
@@ -359,27 +359,3 @@ def _shared_groups(shared: dict[str, list[int]], by_name: dict, mesh: Any) -> li
             out.append((sub, params))
     return out
 
-
-def _check_loss_scaling(params: dict, device: Any) -> None:
-    """Under "16-mixed", each stage's parameters must be of one kind: all plain tensors, or all DTensors on one
-    mesh. torch 2.13's GradScaler (and its ``ShardedGradScaler``) unscales the gradients of one device and dtype
-    in one ``torch._amp_foreach_non_finite_check_and_unscale_`` call, which DTensor refuses for a mix ("got mixed
-    torch.Tensor and DTensor"): e.g. a ``tp_plan`` that leaves a norm or an embedding out. Agreed over all ranks
-    (one all-reduce of a flag, at set-up), so that every rank raises, or none.
-
-    Raises:
-        ValueError: some stage mixes them (the message names this rank's plain parameters, if any).
-    """
-    import torch.distributed as dist
-
-    kinds = {getattr(p, "device_mesh", None) for p in params.values()}
-    mixed = torch.tensor(float(len(kinds) > 1), device=device)
-    dist.all_reduce(mixed, op=dist.ReduceOp.MAX)
-    if mixed.item():
-        plain = [name for name, p in params.items() if not hasattr(p, "device_mesh")]
-        raise ValueError("precision='16-mixed' under pipeline stages needs each stage's parameters all split by "
-                         "tensor parallelism (DTensors on one mesh) or all plain: torch's GradScaler unscales them "
-                         "in one call, which refuses a mix, and some stage mixes them (plain on this rank: "
-                         f"{plain[:6]}); put every parameter in tp_plan/parallelize (e.g. an embedding "
-                         "RowwiseParallel(input_layouts=Replicate()), a norm SequenceParallel()), or pass "
-                         "precision='bf16-mixed' (no loss scaling)")
