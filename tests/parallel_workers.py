@@ -107,6 +107,19 @@ def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, 
     return out
 
 
+def predict_gpt(rank: int, n: int) -> torch.Tensor:
+    """``Trainer.predict`` of the GPT (seed 0) under tp 2 on ``n`` sequences of token ids (seed 3), 4 per batch."""
+    from trainscale.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    ids = torch.randint(0, CONFIG.vocab_size, (n, CONFIG.context_length), generator=torch.Generator().manual_seed(3))
+    trainer = Trainer(devices="auto", strategy="tp", enable_progress_bar=False, timeout=60)
+    out = trainer.predict(model, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, ids), batch_size=4))
+    trainer.runtime.teardown()
+    return out
+
+
 def tp_fp16_setup_error(rank: int) -> str:
     """The error of setting up the GPT under tp 2, "16-mixed", without sequence parallelism (its norms stay
     plain tensors beside the DTensors), or "" when there is none."""

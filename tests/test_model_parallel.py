@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import run_distributed
-from tests.parallel_workers import CONFIG, tp_fp16_setup_error, train_gpt, train_gpt_layouts
+from tests.parallel_workers import CONFIG, predict_gpt, tp_fp16_setup_error, train_gpt, train_gpt_layouts
 from trainscale.runtime.connector import resolve
 from trainscale.runtime.strategies.parallel_dims import ParallelDims
 
@@ -109,6 +109,24 @@ def test_tp_without_sequence_parallelism_matches_one_process():
     results = run_distributed(train_gpt, "tp", None, 8, STEPS, None, {"sequence_parallel": False}, world_size=2,
                               timeout=200)
     _check_parity(results, _reference(8), "tp 2 without sequence parallelism", max_state_ratio=0.55)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_predict_under_tp_returns_each_sample_once_in_dataset_order():
+    """The two tp ranks read the same batches: their predictions are one copy, not two interleaved (before the
+    fix: 20 rows for 10 sequences, each twice)."""
+    from trainscale.models import GPT
+
+    n = 10  # batches of 4, 4, 2
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    ids = torch.randint(0, CONFIG.vocab_size, (n, CONFIG.context_length), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids)
+    for out in run_distributed(predict_gpt, n, world_size=2, timeout=200):
+        assert out.shape == expected.shape
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.multiprocess

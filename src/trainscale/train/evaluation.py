@@ -101,10 +101,17 @@ def predict(runtime: Any, loop_module: Any, wrapped: Any, loader: Any) -> Any:
 
 
 def _in_dataset_order(runtime: Any, outputs: list) -> Any:
-    """Interleave the ranks' outputs back into dataset order (sample j was on rank j % W, j // W-th)."""
+    """Interleave the data-parallel ranks' outputs back into dataset order (sample j was on data-parallel rank
+    j % D, its j // D-th). Ranks that share their batches (the ``tp`` ranks of a group) hold the same outputs:
+    the first of each group is taken, so each sample is returned once."""
     tensors = bool(outputs) and all(isinstance(o, torch.Tensor) for o in outputs)
     mine = list(torch.cat(outputs).unbind(0)) if tensors else outputs
-    per_rank = runtime.all_gather_object(mine) if runtime.world_size > 1 else [mine]
+    data_rank = runtime.strategy.data_world(runtime.world).rank
+    gathered = runtime.all_gather_object((data_rank, mine)) if runtime.world_size > 1 else [(data_rank, mine)]
+    by_data_rank: dict[int, list] = {}
+    for rank, theirs in gathered:
+        by_data_rank.setdefault(rank, theirs)
+    per_rank = [by_data_rank[r] for r in sorted(by_data_rank)]
     ordered = [per_rank[j % len(per_rank)][j // len(per_rank)] for j in range(sum(map(len, per_rank)))]
     if ordered and all(isinstance(o, torch.Tensor) for o in ordered):
         return torch.stack(ordered)
