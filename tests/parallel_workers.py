@@ -107,14 +107,15 @@ def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, 
     return out
 
 
-def predict_gpt(rank: int, n: int) -> torch.Tensor:
-    """``Trainer.predict`` of the GPT (seed 0) under tp 2 on ``n`` sequences of token ids (seed 3), 4 per batch."""
+def predict_gpt(rank: int, n: int, strategy: str = "tp", parallel: dict | None = None) -> torch.Tensor:
+    """``Trainer.predict`` of the GPT (seed 0) under ``strategy`` (tp 2 by default) on ``n`` sequences of token
+    ids (seed 3), 4 per batch."""
     from trainscale.train.trainer import Trainer
 
     torch.manual_seed(0)
     model = GPT(CONFIG)
     ids = torch.randint(0, CONFIG.vocab_size, (n, CONFIG.context_length), generator=torch.Generator().manual_seed(3))
-    trainer = Trainer(devices="auto", strategy="tp", enable_progress_bar=False, timeout=60)
+    trainer = Trainer(devices="auto", strategy=strategy, parallel=parallel, enable_progress_bar=False, timeout=60)
     out = trainer.predict(model, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, ids), batch_size=4))
     trainer.runtime.teardown()
     return out

@@ -113,18 +113,21 @@ def test_tp_without_sequence_parallelism_matches_one_process():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_predict_under_tp_returns_each_sample_once_in_dataset_order():
-    """The two tp ranks read the same batches: their predictions are one copy, not two interleaved (before the
-    fix: 20 rows for 10 sequences, each twice)."""
+@pytest.mark.parametrize("strategy, parallel, world_size", [("tp", None, 2), ("pp", {"pp": 2}, 2),
+                                                           ("model_parallel", {"pp": 2, "dp_shard": 2}, 4)])
+def test_predict_under_tp_and_pp_returns_each_sample_once_in_dataset_order(strategy, parallel, world_size):
+    """The ranks that read the same batches (tp ranks, pipeline stages) give one copy of their predictions, not
+    one each interleaved (before the fix, tp: 20 rows for 10 sequences, each twice); under pp the last stage's
+    outputs of a forward-only schedule step without loss, on every rank (before: refused)."""
     from trainscale.models import GPT
 
-    n = 10  # batches of 4, 4, 2
+    n = 10  # batches of 4, 4, 2 (over 2 data-parallel ranks: uneven)
     torch.manual_seed(0)
     model = GPT(CONFIG)
     ids = torch.randint(0, CONFIG.vocab_size, (n, CONFIG.context_length), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = model(ids)
-    for out in run_distributed(predict_gpt, n, world_size=2, timeout=200):
+    for out in run_distributed(predict_gpt, n, strategy, parallel, world_size=world_size, timeout=200):
         assert out.shape == expected.shape
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 

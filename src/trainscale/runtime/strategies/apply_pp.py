@@ -158,16 +158,17 @@ class PipelineRunner:
     def is_last(self) -> bool:
         return self.stage == self.stages - 1
 
-    def _schedule_for(self, inputs: torch.Tensor, training: bool):
-        """The schedule of batches shaped like ``inputs`` (made on first use: one stage per shape)."""
+    def _schedule_for(self, inputs: torch.Tensor, training: bool, with_loss: bool = True):
+        """The schedule of batches shaped like ``inputs`` (made on first use: one stage per shape); without
+        ``with_loss`` one that computes no loss (prediction: the last stage's outputs only)."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        key = (tuple(inputs.shape), inputs.dtype, training)
+        key = (tuple(inputs.shape), inputs.dtype, training, with_loss)
         if key not in self._schedules:
             n = micro_batches_for(inputs.shape[0], self.microbatches)
             cls = Schedule1F1B if self.schedule == "1f1b" and n >= self.stages else ScheduleGPipe  # 1F1B needs n ≥ P
             stage = PipelineStage(self.model, self.stage, self.stages, self.device, group=self.group)
-            self._schedules[key] = cls(stage, n, loss_fn=self._loss, scale_grads=False)
+            self._schedules[key] = cls(stage, n, loss_fn=self._loss if with_loss else None, scale_grads=False)
         return self._schedules[key]
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
@@ -228,6 +229,13 @@ class PipelineRunner:
             if out.ndim == 2 and targets.ndim == 1 and not targets.is_floating_point():
                 metrics["accuracy"] = float((out.argmax(dim=1) == targets).float().mean())
         return self._object_from_last(metrics)
+
+    @torch.no_grad()
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's outputs on the batch ``inputs`` (the micro-batches' outputs concatenated, on the host)
+        from a forward-only schedule step without a loss, the same on every stage (sent from the last)."""
+        out = self._schedule_for(inputs, False, with_loss=False).eval(*self._first(inputs))
+        return self._object_from_last(out.detach().cpu() if self.is_last else None)
 
     def _first(self, inputs: torch.Tensor) -> tuple:
         return (inputs,) if self.stage == 0 else ()

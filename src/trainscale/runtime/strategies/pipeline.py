@@ -97,8 +97,9 @@ class PipelineModule(nn.Module):
 
     ``forward_backward`` trains on a batch; calling the module as the Trainer's evaluation does
     (``module(batch, batch_idx, stage="validation"|"test")``) evaluates it with the ``loss_fn`` of
-    the module given (the Trainer's loop module). Plain ``forward`` is refused: under a pipeline no
-    rank holds the whole forward.
+    the module given (the Trainer's loop module), and ``stage="predict"`` returns the model's outputs on
+    the batch's inputs, on every stage. Plain ``forward`` is refused: under a pipeline no rank holds the
+    whole forward.
     """
 
     def __init__(self, root: nn.Module, runner: PipelineRunner) -> None:
@@ -107,9 +108,11 @@ class PipelineModule(nn.Module):
         self.runner = runner  # not a module: its stages reference the model, already registered under root
 
     def forward(self, batch: Any, batch_idx: int = 0, stage: str = "train") -> Any:
+        if stage == "predict":  # the inputs of an (inputs, targets) batch, or the batch itself
+            return self.runner.predict(batch[0] if isinstance(batch, (tuple, list)) else batch)
         if stage not in ("validation", "test"):
             raise RuntimeError("under strategy='pp' forward and backward run together in the pipeline schedule: "
-                               "call runtime.forward_backward(module, batch, loss_fn); predict is not supported")
+                               "call runtime.forward_backward(module, batch, loss_fn)")
         inputs, targets = batch
         return self.runner.evaluate(inputs, targets, self.root.loss_fn), int(targets.shape[0])
 
@@ -281,9 +284,9 @@ class PipelineStrategy:
                 ``parallelize``, a model that is not a GPT.
         """
         target = module.model if isinstance(getattr(module, "model", None), nn.Module) else module
-        if any(hasattr(target, step) for step in ("training_step", "validation_step")):
+        if any(hasattr(target, step) for step in ("training_step", "validation_step", "predict_step")):
             raise ValueError("strategy='pp' computes the loss on the last stage with loss_fn(outputs, targets), but "
-                             f"{type(target).__name__} defines training_step/validation_step, which need the whole "
+                             f"{type(target).__name__} defines training_step/validation_step/predict_step, which need the whole "
                              "model; pass a plain nn.Module and loss_fn (docs/strategies.md, 'Pipeline split')")
         from trainscale.models.gpt import GPT
 
