@@ -126,6 +126,11 @@ def micro_batches_for(batch: int, microbatches: int) -> int:
     return max(n for n in range(1, min(microbatches, batch) + 1) if batch % n == 0)
 
 
+def _schedule_key(inputs: torch.Tensor, training: bool, with_loss: bool = True) -> tuple:
+    """What a schedule is made for: the batch's shape and dtype, training or not, with a loss or not."""
+    return tuple(inputs.shape), inputs.dtype, training, with_loss
+
+
 class PipelineRunner:
     """This rank's stage and its schedules: one training or evaluation step of a whole batch.
 
@@ -163,7 +168,7 @@ class PipelineRunner:
         ``with_loss`` one that computes no loss (prediction: the last stage's outputs only)."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        key = (tuple(inputs.shape), inputs.dtype, training, with_loss)
+        key = _schedule_key(inputs, training, with_loss)
         if key not in self._schedules:
             n = micro_batches_for(inputs.shape[0], self.microbatches)
             cls = Schedule1F1B if self.schedule == "1f1b" and n >= self.stages else ScheduleGPipe  # 1F1B needs n ≥ P
@@ -193,7 +198,7 @@ class PipelineRunner:
         # that computes no loss (GradScaler.unscale_ refuses to run on a scaler whose scale() was never called)
         factor = scale(torch.ones((), device=self.device)) if scale is not None else None
         losses: list = []
-        fresh = (tuple(inputs.shape), inputs.dtype, True) not in self._schedules
+        fresh = _schedule_key(inputs, True) not in self._schedules
         kept = self._take_gradients() if fresh else {}
         # return_outputs=False: the last stage keeps no micro-batch's output (the logits) to the end of the step
         self._schedule_for(inputs, True).step(*self._first(inputs), target=targets, losses=losses, return_outputs=False)
