@@ -122,12 +122,16 @@ def predict_gpt(rank: int, n: int, strategy: str = "tp", parallel: dict | None =
 
 
 def tp_fp16_setup_error(rank: int) -> str:
-    """The error of setting up the GPT under tp 2, "16-mixed", without sequence parallelism (its norms stay
-    plain tensors beside the DTensors), or "" when there is none."""
+    """The error of setting up the GPT under tp 2, "16-mixed", with a user's plan of its blocks' linear layers only
+    (the norms and embeddings stay plain tensors beside the DTensors), or "" when there is none."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     from trainscale.runtime.runtime import Runtime
 
-    rt = Runtime(accelerator="cpu", devices="auto", strategy="tp", timeout=60, precision="16-mixed",
-                 strategy_options={"sequence_parallel": False})
+    plan = {**{f"blocks.*.attn.{name}": ColwiseParallel() for name in ("q", "k", "v")},
+            "blocks.*.mlp.fc": ColwiseParallel(), "blocks.*.attn.proj": RowwiseParallel(),
+            "blocks.*.mlp.proj": RowwiseParallel()}
+    rt = Runtime(accelerator="cpu", devices="auto", strategy="tp", timeout=60, precision="16-mixed", tp_plan=plan)
     try:
         rt.setup(GPT(CONFIG), lambda params: torch.optim.SGD(params, lr=0.1))
         return ""

@@ -137,8 +137,9 @@ def test_predict_under_tp_and_pp_returns_each_sample_once_in_dataset_order(strat
 def test_tp_under_16_mixed_trains_with_the_built_in_plan_and_refuses_plain_norms_on_every_rank():
     """torch's GradScaler unscales a rank's gradients in one call, which DTensor refuses for a mix of DTensors and
     plain tensors: the built-in plan with sequence parallelism (every parameter a DTensor) trains and ends near one
-    "16-mixed" process; without it the plain norms are refused at set-up on both ranks, naming them (before the
-    fix: a deep DTensor RuntimeError at the first optimizer step)."""
+    "16-mixed" process; a user's plan that leaves the norms plain is refused at set-up on both ranks, naming them
+    (before the fix: a deep DTensor RuntimeError at the first optimizer step). The built-in plan without sequence
+    parallelism is refused when the strategy is built (test_sequence_parallel_flag_is_checked_when_the_strategy_is_built)."""
     reference = train_gpt(0, "single", None, 8, STEPS, precision="16-mixed")
     for r in run_distributed(train_gpt, "tp", None, 8, STEPS, None, True, None, "16-mixed", world_size=2, timeout=200):
         for name, want in reference["weights"].items():
@@ -146,7 +147,8 @@ def test_tp_under_16_mixed_trains_with_the_built_in_plan_and_refuses_plain_norms
         assert r["losses"] == pytest.approx(reference["losses"], rel=5e-5)
     errors = run_distributed(tp_fp16_setup_error, world_size=2, timeout=200)
     for err in errors:
-        assert "precision='16-mixed' under tensor parallelism" in err and "plain on this rank: ['blocks.0.ln_1" in err
+        assert "precision='16-mixed' under tensor parallelism" in err
+        assert "plain on this rank: ['wte.weight', 'wpe.weight', 'blocks.0.ln_1.weight'" in err
 
 
 @pytest.mark.multiprocess
@@ -257,6 +259,7 @@ def test_tp_ranks_share_their_batches_so_global_batch_and_throughput_count_them_
     (dict(sequence_parallel="yes"), "must be True, False or None"),
     (dict(sequence_parallel=True, tp_plan={"fc": None}), "applies to the built-in GPT tensor-parallel plan"),
     (dict(sequence_parallel=True, parallel={"dp_shard": 2}), "applies to the built-in GPT tensor-parallel plan"),
+    (dict(sequence_parallel=False, precision="16-mixed"), r"16-mixed' under tp with .*'sequence_parallel': False"),
 ])
 def test_sequence_parallel_flag_is_checked_when_the_strategy_is_built(options, message):
     from trainscale.runtime.strategies.model_parallel import ModelParallelStrategy

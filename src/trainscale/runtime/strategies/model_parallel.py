@@ -73,8 +73,13 @@ class ModelParallelStrategy:
                              f"{world.world_size}")
         self.device, self.world, self.precision, self.dims = device, world, precision, dims
         self.tp_plan, self.parallelize = tp_plan, parallelize
-        self.sequence_parallel = resolve_sequence_parallel(sequence_parallel, dims.tp > 1 and tp_plan is None
-                                                    and parallelize is None)
+        builtin_plan = dims.tp > 1 and tp_plan is None and parallelize is None
+        self.sequence_parallel = resolve_sequence_parallel(sequence_parallel, builtin_plan)
+        if precision == "16-mixed" and builtin_plan and dims.dp_size == 1 and not self.sequence_parallel:
+            raise ValueError("precision='16-mixed' under tp with strategy_options={'sequence_parallel': False}: the "
+                             "built-in GPT plan then leaves the norms plain beside DTensors, which torch's GradScaler "
+                             "cannot unscale together; keep sequence parallelism on (the default), shard over "
+                             "dp_shard (FSDP), or pass precision='bf16-mixed'")
         self.auto_wrap_policy = tuple(auto_wrap_policy or ())
         self.reshard_after_forward = reshard_after_forward
         self.mesh = None
