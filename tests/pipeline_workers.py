@@ -3,6 +3,8 @@ reference GPT, one process or two pipeline stages, with what each run measured."
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
@@ -108,11 +110,29 @@ def _compiled(rank: int, root: str, steps: int) -> dict:
     return {**out, "graphs": counters["stats"]["unique_graphs"]}
 
 
+def _counting_gradient_takes(run: Callable[[], dict]) -> dict:
+    """``run()``, with ``takes``: how often a pipeline runner took its stage's gradients aside (on the first step of
+    each batch shape only: ``PipelineRunner.train_step``'s ``fresh``)."""
+    from trainscale.runtime.strategies.apply_pp import PipelineRunner
+
+    original, takes = PipelineRunner._take_gradients, []
+
+    def counted(self):
+        takes.append(1)
+        return original(self)
+
+    PipelineRunner._take_gradients = counted
+    try:
+        return {**run(), "takes": len(takes)}
+    finally:
+        PipelineRunner._take_gradients = original
+
+
 def pp_runs(rank: int, root: str, steps: int) -> dict:
     """GPipe and 1F1B over 2 stages for ``steps`` steps, 1F1B under "bf16-mixed", 1F1B of a GPT built on the
     meta device, 1F1B with each stage's blocks compiled, then 1F1B with 2 accumulated micro-batches per step;
     one process group for all."""
-    return {"gpipe": fit_gpt(rank, f"{root}/gpipe", "pp", steps=steps, schedule="gpipe"),
+    return {"gpipe": _counting_gradient_takes(lambda: fit_gpt(rank, f"{root}/gpipe", "pp", steps=steps, schedule="gpipe")),
             "1f1b": fit_gpt(rank, f"{root}/1f1b", "pp", steps=steps, schedule="1f1b", pp_microbatches=2),
             "bf16": fit_gpt(rank, f"{root}/bf16", "pp", steps=steps, precision="bf16-mixed"),
             "meta": fit_gpt(rank, f"{root}/meta", "pp", steps=steps, meta=True),

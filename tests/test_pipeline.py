@@ -73,6 +73,8 @@ def test_gpipe_and_1f1b_over_two_stages_match_one_process_with_clipping_and_use_
             assert r["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
             # parameters + gradients + momentum: each stage holds 2 of the 4 blocks and one copy of the tied embedding
             assert r["bytes"] <= 0.55 * reference["bytes"]
+    # every batch has one shape: the gradients are taken aside at the first step only (a new schedule's shape inference)
+    assert [r["gpipe"]["takes"] for r in results] == [1, 1]
     _stages_cover([r["accumulate"] for r in results], accumulated["weights"])
     _bf16_close([r["bf16"] for r in results], bf16, pipelines=1)
     # trainscale.plan predicts each stage's bytes exactly (the 1F1B run: the same stages)
@@ -198,6 +200,8 @@ def test_pp_composes_with_fsdp_and_with_replication_on_four_ranks_and_matches_on
     reference, bf16, accumulated = (four_rank_runs[k] for k in ("reference", "bf16", "accumulated"))
     results = four_rank_runs["results"]
     # the last step's second micro-batch has a new shape: a new schedule, whose set-up must keep the gradients
+    # every batch has one shape: the gradients are taken aside at the first step only (a new schedule's shape inference)
+    assert [r["gpipe"]["takes"] for r in results] == [1, 1]
     _stages_cover([r["accumulate"] for r in results], accumulated["weights"])
     for layout, dp in (("shard", "dp_shard"), ("replicate", "dp_replicate")):
         runs = [r[layout] for r in results]
