@@ -200,8 +200,6 @@ def test_pp_composes_with_fsdp_and_with_replication_on_four_ranks_and_matches_on
     reference, bf16, accumulated = (four_rank_runs[k] for k in ("reference", "bf16", "accumulated"))
     results = four_rank_runs["results"]
     # the last step's second micro-batch has a new shape: a new schedule, whose set-up must keep the gradients
-    # every batch has one shape: the gradients are taken aside at the first step only (a new schedule's shape inference)
-    assert [r["gpipe"]["takes"] for r in results] == [1, 1]
     _stages_cover([r["accumulate"] for r in results], accumulated["weights"])
     for layout, dp in (("shard", "dp_shard"), ("replicate", "dp_replicate")):
         runs = [r[layout] for r in results]
