@@ -132,7 +132,8 @@ def pp_runs(rank: int, root: str, steps: int) -> dict:
     """GPipe and 1F1B over 2 stages for ``steps`` steps, 1F1B under "bf16-mixed", 1F1B of a GPT built on the
     meta device, 1F1B with each stage's blocks compiled, then 1F1B with 2 accumulated micro-batches per step;
     one process group for all."""
-    return {"gpipe": _counting_gradient_takes(lambda: fit_gpt(rank, f"{root}/gpipe", "pp", steps=steps, schedule="gpipe")),
+    gpipe = _counting_gradient_takes(lambda: fit_gpt(rank, f"{root}/gpipe", "pp", steps=steps, schedule="gpipe"))
+    return {"gpipe": gpipe,
             "1f1b": fit_gpt(rank, f"{root}/1f1b", "pp", steps=steps, schedule="1f1b", pp_microbatches=2),
             "bf16": fit_gpt(rank, f"{root}/bf16", "pp", steps=steps, precision="bf16-mixed"),
             "meta": fit_gpt(rank, f"{root}/meta", "pp", steps=steps, meta=True),

@@ -139,7 +139,8 @@ def test_tp_under_16_mixed_trains_with_the_built_in_plan_and_refuses_plain_norms
     plain tensors: the built-in plan with sequence parallelism (every parameter a DTensor) trains and ends near one
     "16-mixed" process; a user's plan that leaves the norms plain is refused at set-up on both ranks, naming them
     (before the fix: a deep DTensor RuntimeError at the first optimizer step). The built-in plan without sequence
-    parallelism is refused when the strategy is built (test_sequence_parallel_flag_is_checked_when_the_strategy_is_built)."""
+    parallelism is refused when the strategy is built
+    (test_sequence_parallel_flag_is_checked_when_the_strategy_is_built)."""
     reference = train_gpt(0, "single", None, 8, STEPS, precision="16-mixed")
     for r in run_distributed(train_gpt, "tp", None, 8, STEPS, None, True, None, "16-mixed", world_size=2, timeout=200):
         for name, want in reference["weights"].items():

@@ -280,14 +280,15 @@ class PipelineStrategy:
         """The model to cut: ``module``, or its child ``model`` (the Trainer wraps the user's model).
 
         Raises:
-            ValueError: a model with its own ``training_step``; with tp > 1 and neither ``tp_plan`` nor
-                ``parallelize``, a model that is not a GPT.
+            ValueError: a model with its own ``training_step``, ``validation_step`` or ``predict_step``; with
+                tp > 1 and neither ``tp_plan`` nor ``parallelize``, a model that is not a GPT.
         """
         target = module.model if isinstance(getattr(module, "model", None), nn.Module) else module
         if any(hasattr(target, step) for step in ("training_step", "validation_step", "predict_step")):
             raise ValueError("strategy='pp' computes the loss on the last stage with loss_fn(outputs, targets), but "
-                             f"{type(target).__name__} defines training_step/validation_step/predict_step, which need the whole "
-                             "model; pass a plain nn.Module and loss_fn (docs/strategies.md, 'Pipeline split')")
+                             f"{type(target).__name__} defines training_step/validation_step/predict_step, which "
+                             "need the whole model; pass a plain nn.Module and loss_fn (docs/strategies.md, "
+                             "'Pipeline split')")
         from trainscale.models.gpt import GPT
 
         own_plan = self.tp_plan is not None or self.parallelize is not None
@@ -361,4 +362,3 @@ def _shared_groups(shared: dict[str, list[int]], by_name: dict, mesh: Any) -> li
         if params:
             out.append((sub, params))
     return out
-
