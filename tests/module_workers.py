@@ -338,3 +338,25 @@ def predict_body(rank: int, n: int) -> torch.Tensor:
     out = trainer.predict(workers.make_model(0), DataLoader(workers.tiny_dataset(n, seed=3), batch_size=4))
     trainer.runtime.teardown()
     return out
+
+
+def evaluate_checkpoint_body(rank: int, root: str, strategy: str) -> dict:
+    """Fit 3 epochs with a ModelCheckpoint that keeps the epoch of the lowest val_loss (random labels: the first,
+    the model overfits), then validate with the model's own weights, with ckpt_path="best", and predict with
+    ckpt_path="last"; the full weights after each (DTensors gathered under fsdp)."""
+    from trainscale.callbacks import ModelCheckpoint
+    from trainscale.train.trainer import Trainer
+
+    callback = ModelCheckpoint(monitor="val_loss", mode="min")
+    trainer = Trainer(devices="auto", strategy=strategy, max_epochs=3, default_root_dir=root, timeout=60,
+                      enable_progress_bar=False, callbacks=[callback])
+    model, val = workers.make_model(0), DataLoader(workers.tiny_dataset(20, seed=3), batch_size=4)
+    trainer.fit(model, DataLoader(workers.tiny_dataset(48), batch_size=8), val, optimizer=workers.sgd)
+    out = {"history": [r["val_loss"] for r in trainer.history], "best_path": callback.best_model_path,
+           "own": trainer.validate(model, val)["val_loss"]}
+    out["best"] = trainer.validate(model, val, ckpt_path="best")["val_loss"]
+    out["best_weights"] = _full_weights(model)
+    out["last_predictions"] = trainer.predict(model, val, ckpt_path="last")
+    out["last_weights"] = _full_weights(model)
+    trainer.runtime.teardown()
+    return out

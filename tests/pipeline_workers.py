@@ -304,3 +304,18 @@ def pp_fp16_runs(rank: int, root: str, steps: int) -> dict:
                            pp_split_points=["layers.2"], precision="16-mixed"),
             "agreed": planted_inf(rank, f"{root}/agreed", agree=True),
             "plain": planted_inf(rank, f"{root}/plain", agree=False)}
+
+
+def fit_then_evaluate(rank: int, root: str, strategy: str) -> dict:
+    """Fit a GPT for 2 epochs, then validate the same model object, with its own weights and with
+    ckpt_path="last", on the same Trainer (the model was sharded or cut by the fit: set up once, reused)."""
+    from trainscale.train.trainer import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, max_epochs=2, seed=0, timeout=60,
+                      default_root_dir=root, enable_progress_bar=False, logger=False)
+    torch.manual_seed(0)
+    model = GPT(PP_CONFIG)
+    train_loader, val_loader = text_loaders(8, 32, 16)
+    summary = trainer.fit(model, train_loader, val_loader, loss_fn=lm_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    return {"fit": summary["val_loss"], "validate": trainer.validate(model, val_loader, loss_fn=lm_loss)["val_loss"],
+            "last": trainer.validate(model, val_loader, loss_fn=lm_loss, ckpt_path="last")["val_loss"]}

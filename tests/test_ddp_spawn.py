@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from tests import workers, workers_strategies
 from tests.helpers import run_python
+from trainscale.callbacks import ModelCheckpoint
 from trainscale.runtime.runtime import Runtime
 from trainscale.train.trainer import Trainer
 
@@ -34,6 +35,22 @@ def test_trainer_fit_in_spawned_ranks_equals_plain_pytorch_and_returns_weights(t
         assert not torch.equal(before[key], ref)  # training moved the weights...
         torch.testing.assert_close(model.state_dict()[key], ref, rtol=1e-5, atol=1e-6)  # ...and they came back
 
+
+
+def test_a_spawned_fit_returns_the_best_checkpoint_which_test_then_evaluates(tmp_path):
+    """The ModelCheckpoint's state and the metrics come back from the spawned ranks (the callback in this process
+    never saw the fit), so ``trainer.test(model, loader, ckpt_path="best")`` finds the best checkpoint."""
+    callback = ModelCheckpoint(monitor="val_loss")
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=3, seed=0, timeout=60,
+                      default_root_dir=tmp_path, enable_progress_bar=False, callbacks=[callback])
+    model, val = workers.make_model(0), DataLoader(workers.tiny_dataset(20, seed=3), batch_size=4)
+    trainer.fit(model, DataLoader(workers.tiny_dataset(48), batch_size=8), val, optimizer=workers.sgd)
+    history = [r["val_loss"] for r in trainer.history]
+    best = history.index(min(history))
+    assert best < len(history) - 1  # the best checkpoint is not the fitted weights
+    assert callback.best_model_path is not None and f"epoch={best:04d}-" in callback.best_model_path
+    assert trainer.callback_metrics["val_loss"] == pytest.approx(history[-1])
+    assert trainer.test(model, val, ckpt_path="best")["test_loss"] == pytest.approx(history[best], rel=1e-6)
 
 def test_runtime_launch_function_runs_on_each_spawned_rank_with_ddp_options():
     rt = Runtime(accelerator="cpu", devices=2, strategy="ddp_spawn", timeout=60,

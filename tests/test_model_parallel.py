@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import run_distributed
+from tests.pipeline_workers import fit_then_evaluate
 from tests.parallel_workers import CONFIG, predict_gpt, tp_fp16_setup_error, train_gpt, train_gpt_layouts
 from trainscale.runtime.connector import resolve
 from trainscale.runtime.strategies.parallel_dims import ParallelDims
@@ -295,3 +296,14 @@ def test_sequence_parallelism_refuses_dropout_and_an_uneven_sequence():
     with pytest.raises(ValueError, match="T=7 tokens: use a context length divisible by 2"):
         _check_sequence_length(2)(None, (torch.zeros(3, 7, dtype=torch.long),))
     _check_sequence_length(2)(None, (torch.zeros(3, 8, dtype=torch.long),))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["tp", "pp"])
+def test_the_fitted_model_validates_on_the_same_trainer_without_being_parallelized_twice(tmp_path, strategy):
+    """Lightning's ``trainer.fit(model)`` then ``trainer.validate(model)``: the model the fit parallelized in place is
+    reused as it was set up (before the fix: tp raised DTensor's "distribute_module should only be called once",
+    pp a ValueError about split points, as the model had been cut; fsdp: tests/test_training_module.py)."""
+    for r in run_distributed(fit_then_evaluate, str(tmp_path), strategy, timeout=240):
+        assert r["validate"] == pytest.approx(r["fit"], rel=1e-6) and r["last"] == pytest.approx(r["fit"], rel=1e-6)

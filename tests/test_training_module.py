@@ -289,6 +289,40 @@ def test_model_checkpoint_keeps_the_top_k_by_the_monitored_metric(tmp_path):
     assert callback.best_model_path.endswith("score=1.pt")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_validate_and_predict_evaluate_the_best_and_the_last_checkpoint_on_two_ranks(tmp_path, strategy):
+    """Lightning's ``trainer.validate(model, loader, ckpt_path="best")``: the weights of the ModelCheckpoint's best
+    (the lowest val_loss), loaded into the model on both ranks (ddp: one file; fsdp: a sharded DCP directory);
+    "last": the final epoch's checkpoint, whose predictions equal the fitted model's."""
+    ranks = run_distributed(mw.evaluate_checkpoint_body, str(tmp_path), strategy, timeout=240)
+    history = ranks[0]["history"]
+    best = history.index(min(history))
+    assert best < len(history) - 1  # the best is not the fitted weights: loading it changes the model
+    assert f"epoch={best:04d}-" in ranks[0]["best_path"] and ranks[1]["best_path"] == ranks[0]["best_path"]
+    for r in ranks:
+        assert r["own"] == pytest.approx(history[-1], rel=1e-6)  # without ckpt_path: the fitted weights
+        assert r["best"] == pytest.approx(history[best], rel=1e-6)  # with it: the best epoch's
+    for name, value in ranks[0]["best_weights"].items():
+        torch.testing.assert_close(ranks[1]["best_weights"][name], value, rtol=0, atol=0)
+    predictions = ranks[0]["last_predictions"]
+    assert predictions.shape == (20, 10) and torch.equal(ranks[1]["last_predictions"], predictions)
+    assert any(not torch.equal(ranks[0]["last_weights"][k], v) for k, v in ranks[0]["best_weights"].items())
+
+
+def test_ckpt_path_of_an_evaluation_is_checked_before_anything_runs(tmp_path):
+    model, loader = mw.Logger(), DataLoader(mw.indexed_dataset(4))
+    with pytest.raises(ValueError, match=r"ckpt_path='best' needs a ModelCheckpoint\(monitor=...\)"):
+        _trainer(tmp_path).validate(model, loader, ckpt_path="best")
+    with pytest.raises(FileNotFoundError, match="ckpt_path='last' but no run of .* has a checkpoint"):
+        _trainer(tmp_path / "empty").test(model, loader, ckpt_path="last")
+    with pytest.raises(FileNotFoundError, match="does not exist; pass an existing checkpoint, 'best', 'last' or None"):
+        _trainer(tmp_path).predict(model, loader, ckpt_path=tmp_path / "nope.pt")
+    with pytest.raises(ValueError, match="pass a checkpoint path, 'best', 'last' or None"):
+        _trainer(tmp_path).validate(model, loader, ckpt_path=3)
+
+
 class Counting(Callback):
     def __init__(self):
         self.calls: dict[str, int] = {}

@@ -10,12 +10,14 @@ the extra results discarded.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainscale.train import checkpoint as ckpt
 from trainscale.train.metrics import MetricCollector
-from trainscale.train.module import LoopModule
+from trainscale.train.module import set_up_model
 
 
 def _extra_forwards(runtime: Any, num_batches: int) -> int:
@@ -118,14 +120,52 @@ def _in_dataset_order(runtime: Any, outputs: list) -> Any:
     return ordered
 
 
-def run_stage(trainer: Any, method: str, model: Any, dataloaders: Any, loss_fn: Any = None) -> Any:
+def checkpoint_to_evaluate(trainer: Any, ckpt_path: Any) -> Path | None:
+    """The checkpoint whose weights ``validate``/``test``/``predict`` evaluate, as Lightning's ``ckpt_path``:
+    None (the model's own weights), "best" (the ``best_model_path`` of the trainer's ``ModelCheckpoint``), "last"
+    (the newest checkpoint of this script's runs under ``default_root_dir``, as ``fit(ckpt_path="last")``) or a path.
+    Resolved in the calling process, before any ``ddp_spawn`` start, so every rank loads the same file.
+
+    Raises:
+        ValueError: "best" without a ``ModelCheckpoint`` that has saved a checkpoint; a value of another type.
+        FileNotFoundError: "last" when no run of this script has a checkpoint; a path that does not exist.
+    """
+    from trainscale.callbacks import ModelCheckpoint
+    from trainscale.train.runs import script_key
+
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "best":
+        best = [cb.best_model_path for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.best_model_path]
+        if not best:
+            raise ValueError("ckpt_path='best' needs a ModelCheckpoint(monitor=...) among the Trainer's callbacks that "
+                             "has saved a checkpoint (fit first); or pass a checkpoint's path, 'last' or None")
+        return Path(best[0])
+    if ckpt_path == "last":
+        found = ckpt.find_last(trainer.config.default_root_dir, script=script_key())
+        if found is None:
+            raise FileNotFoundError(f"ckpt_path='last' but no run of {script_key()} under "
+                                    f"{str(trainer.config.default_root_dir)!r} has a checkpoint; pass a path or None")
+        return found
+    if not isinstance(ckpt_path, (str, Path)):
+        raise ValueError(f"ckpt_path={ckpt_path!r}; pass a checkpoint path, 'best', 'last' or None")
+    if not Path(ckpt_path).exists():
+        raise FileNotFoundError(f"ckpt_path={str(ckpt_path)!r} does not exist; pass an existing checkpoint, 'best', "
+                                "'last' or None (the model's own weights)")
+    return Path(ckpt_path)
+
+
+def run_stage(trainer: Any, method: str, model: Any, dataloaders: Any, loss_fn: Any = None,
+              ckpt_path: Path | None = None) -> Any:
     """``Trainer.validate``/``test``/``predict`` outside ``fit`` (``method``): ``model`` set up by the trainer's
-    runtime, the loader made sequential and unpadded (each sample once), then :func:`predict` or
+    runtime, with the weights of ``ckpt_path`` when given (:func:`checkpoint_to_evaluate`; only the model's, the
+    SHA-256 verified), the loader made sequential and unpadded (each sample once), then :func:`predict` or
     :func:`evaluate_stage`."""
     rt = trainer.runtime
-    model.__dict__["_trainer"] = trainer  # TrainingModule's self.log, self.trainer, ...
-    loop_module = LoopModule(model, loss_fn)
-    wrapped, _ = rt.setup(loop_module)
+    loop_module, wrapped = set_up_model(trainer, model, loss_fn)  # the model of an earlier fit: as it was set up
+    if ckpt_path is not None:
+        rt.load(ckpt_path, {"model": model})
+        rt.print(f"trainscale: {method} with the weights of {ckpt_path}")
     loader = rt.setup_dataloader(dataloaders, seed=trainer.config.seed, shuffle=False, even=False)
     if method == "predict":
         return predict(rt, loop_module, wrapped, loader)

@@ -188,18 +188,26 @@ class LoopModule(nn.Module):
 
     def __init__(self, model: nn.Module, loss_fn: Callable | None) -> None:
         super().__init__()
-        if loss_fn is not None and hasattr(model, "training_step"):
-            raise ValueError(f"loss_fn was given, but {type(model).__name__} defines training_step, which computes "
-                             "the loss itself; drop loss_fn or the training_step")
         self.model = model
         self.shard_units = shard_units(model)  # read by apply_fsdp.fsdp_units
-        self.loss_fn = loss_fn if loss_fn is not None else F.cross_entropy
+        self.use_loss_fn(loss_fn)
         step = getattr(model, "training_step", None)
         self.has_training_step = step is not None
         self.step_takes_batch_idx = step is not None and _takes_batch_idx(step)
         # whether each evaluation step takes batch_idx, read once (inspect is slow)
         self.takes_batch_idx = {name: _takes_batch_idx(getattr(model, name)) for name in
                                 ("validation_step", "test_step", "predict_step") if hasattr(model, name)}
+
+    def use_loss_fn(self, loss_fn: Callable | None) -> None:
+        """Compute the loss with ``loss_fn(outputs, targets)`` from now on (None: ``F.cross_entropy``).
+
+        Raises:
+            ValueError: ``loss_fn`` given together with a model that defines ``training_step``.
+        """
+        if loss_fn is not None and hasattr(self.model, "training_step"):
+            raise ValueError(f"loss_fn was given, but {type(self.model).__name__} defines training_step, which "
+                             "computes the loss itself; drop loss_fn or the training_step")
+        self.loss_fn = loss_fn if loss_fn is not None else F.cross_entropy
 
     def forward(self, batch: Any, batch_idx: int = 0, stage: str = "train") -> Any:
         if stage == "manual":
@@ -251,3 +259,25 @@ class LoopModule(nn.Module):
             return step(batch, batch_idx) if self.takes_batch_idx["predict_step"] else step(batch)
         inputs = split_batch(batch)[0] if isinstance(batch, (tuple, list)) else batch
         return self.model(inputs)
+
+
+def set_up_model(trainer: Any, model: nn.Module, loss_fn: Callable | None) -> tuple[LoopModule, nn.Module]:
+    """``model`` in a :class:`LoopModule` with ``loss_fn``, set up by ``trainer.runtime`` (``Runtime.setup``: the
+    strategy's wrapper or in-place sharding, compile, activation checkpointing): ``(loop_module, wrapped)``.
+
+    The model of the trainer's last ``fit``/``validate``/``test``/``predict`` is set up once and reused, as
+    Lightning's ``trainer.fit(model)`` then ``trainer.test(model)``: fsdp and tp shard the model in place and
+    cannot shard it twice, and a second DDP wrapper would register a second set of gradient hooks.
+
+    Raises:
+        ValueError: ``loss_fn`` given together with a model that defines ``training_step``.
+    """
+    model.__dict__["_trainer"] = trainer  # TrainingModule's self.trainer, self.log, ... (not a submodule)
+    if trainer.last_setup is not None and trainer.last_setup[0] is model:
+        _, loop_module, wrapped = trainer.last_setup
+        loop_module.use_loss_fn(loss_fn)
+        return loop_module, wrapped
+    loop_module = LoopModule(model, loss_fn)
+    wrapped, _ = trainer.runtime.setup(loop_module)
+    trainer.last_setup = (model, loop_module, wrapped)
+    return loop_module, wrapped

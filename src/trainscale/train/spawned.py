@@ -10,7 +10,7 @@ from torch import nn
 
 def spawned_call(trainer_flags: dict, method: str, model: nn.Module, **kwargs: Any) -> dict:
     """Run ``Trainer(**trainer_flags).<method>(model, **kwargs)``; rank 0's result, trained weights (on
-    CPU) and training state go back to the parent."""
+    CPU), training state, callback states and ``callback_metrics`` go back to the parent."""
     from trainscale.train.trainer import Trainer
 
     trainer = Trainer(**trainer_flags)
@@ -19,7 +19,9 @@ def spawned_call(trainer_flags: dict, method: str, model: nn.Module, **kwargs: A
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         model.__dict__.pop("_trainer", None)
         return {"result": result, "state_dict": state, "state": trainer.state,
-                "run_dir": str(trainer.run_dir) if trainer.run_dir else None}
+                "run_dir": str(trainer.run_dir) if trainer.run_dir else None,
+                "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
+                "callback_metrics": trainer.callback_metrics}
     finally:
         trainer.runtime.teardown()
 
@@ -27,7 +29,8 @@ def spawned_call(trainer_flags: dict, method: str, model: nn.Module, **kwargs: A
 def run_spawned(trainer: Any, method: str, model: nn.Module, **kwargs: Any) -> Any:
     """Run ``trainer.<method>`` in ranks started here (``ddp_spawn``: "spawn", ``ddp_notebook``: "fork"),
     each running :func:`spawned_call` on a Trainer rebuilt from the same flags; load rank 0's weights into
-    ``model``, take its loop state and run directory into ``trainer``, and return its result."""
+    ``model``, take its loop state, run directory, metrics and callback states (a ``ModelCheckpoint``'s
+    ``best_model_path``, as Lightning's ddp_spawn returns it) into ``trainer``, and return its result."""
     from trainscale.runtime import spawn
 
     cfg = trainer.runtime.config
@@ -35,4 +38,7 @@ def run_spawned(trainer: Any, method: str, model: nn.Module, **kwargs: Any) -> A
                     cfg.world_size, cfg.start_method)
     model.load_state_dict(out["state_dict"])
     trainer.state, trainer.run_dir = out["state"], Path(out["run_dir"]) if out["run_dir"] else None
+    trainer.callback_metrics = out["callback_metrics"]
+    for cb in trainer.callbacks:
+        cb.load_state_dict(out["callbacks"][cb.state_key])
     return out["result"]

@@ -28,7 +28,7 @@ from trainscale.train.data_checks import check_loaders, explain_batch_error
 from trainscale.train.config import TRAINER_FLAGS, resolve_trainer_config
 from trainscale.train.fault import STEP_PHASE, FaultTolerance
 from trainscale.train.metrics import MetricCollector
-from trainscale.train.module import LoopModule
+from trainscale.train.module import set_up_model
 from trainscale.train.optimizers import ManualOptimizer, step_schedulers
 from trainscale.train.progress import ProgressBar
 from trainscale.train.records import RecordWriter, epoch_line, epoch_record, run_header, step_record
@@ -91,9 +91,9 @@ class Trainer:
         self.schedulers: list = []
         self.manual_optimizers: list[ManualOptimizer] = []
         self.metric_collector = MetricCollector(self.runtime, "train")
-        self._pending: dict[str, float] = {}  # log_metrics() values for the next step record
-        self._pending_epoch: dict[str, float] = {}
+        self._pending: dict[str, dict[str, float]] = {}  # log_metrics() values for the next "step" or "epoch" record
         self._fit: FitRun | None = None
+        self.last_setup: tuple | None = None  # (model, LoopModule, wrapped) of the last fit or evaluation: reused
         self.is_step_end = False  # in on_train_batch_end: this micro-batch ended an optimizer step
 
     @property
@@ -120,7 +120,7 @@ class Trainer:
 
     def log_metrics(self, metrics: dict[str, float], epoch: bool = False) -> None:
         """Add numbers to the next step record (or, ``epoch=True``, to this epoch's record)."""
-        (self._pending_epoch if epoch else self._pending).update(metrics)
+        self._pending.setdefault("epoch" if epoch else "step", {}).update(metrics)
 
     # -- fit ----------------------------------------------------------------------------------------
     def fit(self, model: nn.Module, train_dataloaders: torch.utils.data.DataLoader,
@@ -194,9 +194,7 @@ class Trainer:
 
     def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
         rt = self.runtime
-        model.__dict__["_trainer"] = self  # TrainingModule's self.trainer, self.log, ... (not a submodule)
-        loop_module = LoopModule(model, loss_fn)
-        wrapped, _ = rt.setup(loop_module)
+        loop_module, wrapped = set_up_model(self, model, loss_fn)  # reused from an earlier fit or evaluation
         self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
             model, wrapped, optimizer, self.config, rt)
         train_loader = rt.setup_dataloader(train_dataloaders, seed=self.config.seed)
@@ -304,8 +302,7 @@ class Trainer:
     def _log_step(self, fit: FitRun, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
         record = step_record(fit.telemetry, self.global_step, self.current_epoch, loss, grad_norm, self.optimizers)
         record.update(self.metric_collector.take_step_values())
-        record.update(self._pending)
-        self._pending = {}
+        record.update(self._pending.pop("step", {}))
         self.callback_metrics.update((k, v) for k, v in record.items() if isinstance(v, float))
         shown = {k: record[k] for k in ("train_loss", *sorted(self.metric_collector.prog_bar)) if k in record}
         fit.bar.set_postfix(**{k: f"{v:.4g}" for k, v in shown.items()})
@@ -322,8 +319,7 @@ class Trainer:
         if fit.val_loader is not None:
             record.update(evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation"))
             self._call("on_validation_end")
-        record.update(self._pending_epoch)
-        self._pending_epoch = {}
+        record.update(self._pending.pop("epoch", {}))
         self.callback_metrics.update(record)
         step_schedulers(self.schedulers, "epoch", epoch + 1, self.callback_metrics)
         self.state.history.append(record)
@@ -372,22 +368,25 @@ class Trainer:
 
     # -- evaluation ----------------------------------------------------------------------------------
     def validate(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader, *,
-                 loss_fn: Callable | None = None) -> dict[str, float]:
+                 loss_fn: Callable | None = None, ckpt_path: str | Path | None = None) -> dict[str, float]:
         """Evaluate ``model`` across all ranks, each sample counted once: ``{"val_loss": ..., "val_accuracy": ...}``
-        (or ``validation_step``'s keys prefixed ``val_``, and what it logged), sample-weighted means."""
-        return self._run_eval("validate", model, dataloaders, loss_fn=loss_fn)
+        (or ``validation_step``'s keys prefixed ``val_``, and what it logged), sample-weighted means. ``ckpt_path``:
+        "best", "last" or a path evaluates that checkpoint's weights (``evaluation.checkpoint_to_evaluate``)."""
+        return self._run_eval("validate", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path)
 
     def test(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader, *,
-             loss_fn: Callable | None = None) -> dict[str, float]:
+             loss_fn: Callable | None = None, ckpt_path: str | Path | None = None) -> dict[str, float]:
         """As :meth:`validate`, with ``test_step`` and the prefix ``test_``."""
-        return self._run_eval("test", model, dataloaders, loss_fn=loss_fn)
+        return self._run_eval("test", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path)
 
-    def predict(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader) -> Any:
-        """``predict_step(batch, batch_idx)`` (or the model's output) for every sample, gathered from all
-        ranks in dataset order, each sample once: one tensor of shape (N, ...) when the outputs are tensors."""
-        return self._run_eval("predict", model, dataloaders)
+    def predict(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader, *,
+                ckpt_path: str | Path | None = None) -> Any:
+        """``predict_step(batch, batch_idx)`` (or the model's output) for every sample, from all ranks in dataset order,
+        each sample once: one tensor of shape (N, ...) when the outputs are tensors; ``ckpt_path`` as :meth:`validate`'s."""
+        return self._run_eval("predict", model, dataloaders, ckpt_path=ckpt_path)
 
-    def _run_eval(self, method: str, model, dataloaders, **kwargs) -> Any:
+    def _run_eval(self, method: str, model, dataloaders, ckpt_path=None, **kwargs) -> Any:
+        kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path)  # before any ddp_spawn start
         if self.runtime.spawns:
             return run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
         return evaluation.run_stage(self, method, model, dataloaders, **kwargs)
