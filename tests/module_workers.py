@@ -360,3 +360,47 @@ def evaluate_checkpoint_body(rank: int, root: str, strategy: str) -> dict:
     out["last_weights"] = _full_weights(model)
     trainer.runtime.teardown()
     return out
+
+
+class MNISTShapedData:
+    """A LightningDataModule's shape (duck-typed: no base class): the data of ``lit_body`` behind the hooks."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def prepare_data(self):
+        self.calls.append("prepare_data")
+
+    def setup(self, stage):
+        self.calls.append(f"setup:{stage}")
+        self.train, self.val = workers.tiny_dataset(96), workers.tiny_dataset(50, seed=1)
+
+    def train_dataloader(self):
+        return DataLoader(self.train, batch_size=8, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val, batch_size=8)
+
+    def test_dataloader(self):
+        return DataLoader(self.val, batch_size=8)
+
+
+class LitClassifierWithTest(LitClassifier):
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("loss", F.cross_entropy(self(x), y))
+
+
+def datamodule_body(rank: int, root: str) -> dict:
+    """``lit_body`` with its loaders in a data module: ``fit(model, datamodule=dm)``, then ``test``."""
+    from trainscale.train.trainer import Trainer
+
+    trainer = Trainer(devices="auto", max_epochs=2, seed=0, default_root_dir=root, enable_progress_bar=False,
+                      timeout=60)
+    model, dm = LitClassifierWithTest(), MNISTShapedData()
+    trainer.fit(model, datamodule=dm)
+    calls = list(dm.calls)
+    tested = trainer.test(model, datamodule=dm)
+    trainer.runtime.teardown()
+    return {"state": {k: v.detach().clone() for k, v in model.net.state_dict().items()}, "calls": calls,
+            "test": tested}

@@ -14,13 +14,14 @@ __version__ = "0.1.0"
 _LAZY = {
     "Trainer": "trainscale.train.trainer",
     "TrainingModule": "trainscale.train.module",
+    "DataModule": "trainscale.train.data_sources",
     "Runtime": "trainscale.runtime.runtime",
     "World": "trainscale.runtime.world",
     "plan": "trainscale.plan.planner",
     "check": "trainscale.parity.runner",
 }
 
-__all__ = ["Trainer", "TrainingModule", "Runtime", "World", "plan", "check", "__version__"]
+__all__ = ["Trainer", "TrainingModule", "DataModule", "Runtime", "World", "plan", "check", "__version__"]
 
 
 def __getattr__(name: str):

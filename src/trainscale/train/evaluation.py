@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from trainscale.train import checkpoint as ckpt
+from trainscale.train.data_sources import resolve_loaders
 from trainscale.train.metrics import MetricCollector
 from trainscale.train.module import set_up_model
 
@@ -156,12 +157,13 @@ def checkpoint_to_evaluate(trainer: Any, ckpt_path: Any) -> Path | None:
 
 
 def run_stage(trainer: Any, method: str, model: Any, dataloaders: Any, loss_fn: Any = None,
-              ckpt_path: Path | None = None) -> Any:
+              ckpt_path: Path | None = None, datamodule: Any = None) -> Any:
     """``Trainer.validate``/``test``/``predict`` outside ``fit`` (``method``): ``model`` set up by the trainer's
     runtime, with the weights of ``ckpt_path`` when given (:func:`checkpoint_to_evaluate`; only the model's, the
-    SHA-256 verified), the loader made sequential and unpadded (each sample once), then :func:`predict` or
-    :func:`evaluate_stage`."""
+    SHA-256 verified), the loader (passed, or from ``datamodule``'s or the model's hook: ``data_sources``) made
+    sequential and unpadded (each sample once), then :func:`predict` or :func:`evaluate_stage`."""
     rt = trainer.runtime
+    dataloaders, _ = resolve_loaders(rt, method, model, dataloaders, datamodule)
     loop_module, wrapped = set_up_model(trainer, model, loss_fn)  # the model of an earlier fit: as it was set up
     if ckpt_path is not None:
         rt.load(ckpt_path, {"model": model})

@@ -26,9 +26,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from trainscale.runtime.batch import batch_size
+from trainscale.train.hparams import HyperparametersMixin
 
 
-class TrainingModule(nn.Module):
+class TrainingModule(HyperparametersMixin, nn.Module):
     """Optional base class with Lightning's ``LightningModule`` API (the parts trainscale runs).
 
     Define ``training_step(batch, batch_idx)`` (returning the loss, or a dict with ``"loss"``),
@@ -36,7 +37,8 @@ class TrainingModule(nn.Module):
     and optionally ``validation_step``/``test_step``/``predict_step(batch, batch_idx)``. Set
     ``automatic_optimization = False`` to step optimizers yourself (``self.optimizers()``,
     ``self.manual_backward(loss)``). Attributes set by the Trainer during ``fit``: ``trainer``,
-    ``global_rank``, ``current_epoch``, ``global_step``, ``device``.
+    ``global_rank``, ``current_epoch``, ``global_step``, ``device``. ``self.save_hyperparameters()`` in
+    ``__init__`` keeps its arguments in ``self.hparams`` (``trainscale.train.hparams``).
     """
 
     automatic_optimization: bool = True

@@ -38,11 +38,13 @@ def run_summary(trainer: Any, global_batch: int, resumed_from: Path | None, nonf
 
 def hyperparams(trainer: Any, model: Any) -> dict:
     """What the loggers record as the run's hyperparameters: the Trainer's flags, the world, the global batch
-    size and the LR scaling factor (1.0 without ``lr_scaling``)."""
+    size and the LR scaling factor (1.0 without ``lr_scaling``), then the model's ``hparams``
+    (``save_hyperparameters()``), whose names win."""
     rt, cfg = trainer.runtime, trainer.config
     return {**dataclasses.asdict(cfg), "default_root_dir": str(cfg.default_root_dir), "strategy": rt.config.strategy,
             "precision": rt.config.precision, "world_size": rt.world_size, "model": type(model).__name__,
-            "global_batch_size": trainer.global_batch_size, "lr_scale_factor": trainer.batch_scaling.factor}
+            "global_batch_size": trainer.global_batch_size, "lr_scale_factor": trainer.batch_scaling.factor,
+            **dict(getattr(model, "hparams", None) or {})}
 
 
 def pipeline_summary(runtime: Any, module: Any) -> dict | None:

@@ -25,6 +25,7 @@ from trainscale.train.batch_scaling import BatchScaling
 from trainscale.train.batch_size import tuned_loader
 from trainscale.train.checkpoint_writes import CheckpointWrites
 from trainscale.train.data_checks import check_loaders, explain_batch_error
+from trainscale.train.data_sources import resolve_fit_loaders
 from trainscale.train.config import TRAINER_FLAGS, resolve_trainer_config
 from trainscale.train.fault import STEP_PHASE, FaultTolerance
 from trainscale.train.metrics import MetricCollector
@@ -96,17 +97,9 @@ class Trainer:
         self.last_setup: tuple | None = None  # (model, LoopModule, wrapped) of the last fit or evaluation: reused
         self.is_step_end = False  # in on_train_batch_end: this micro-batch ended an optimizer step
 
-    @property
-    def global_step(self) -> int:
-        return self.state.global_step
-
-    @property
-    def current_epoch(self) -> int:
-        return self.state.epoch
-
-    @property
-    def history(self) -> list[dict]:
-        return self.state.history
+    global_step = property(lambda self: self.state.global_step, doc="Optimizer steps taken so far (int).")
+    current_epoch = property(lambda self: self.state.epoch, doc="The epoch running, or the last one run (from 0).")
+    history = property(lambda self: self.state.history, doc="One record (a dict) per finished epoch.")
 
     @property
     def global_batch_size(self) -> int | None:
@@ -123,15 +116,16 @@ class Trainer:
         self._pending.setdefault("epoch" if epoch else "step", {}).update(metrics)
 
     # -- fit ----------------------------------------------------------------------------------------
-    def fit(self, model: nn.Module, train_dataloaders: torch.utils.data.DataLoader,
+    def fit(self, model: nn.Module, train_dataloaders: torch.utils.data.DataLoader | None = None,
             val_dataloaders: torch.utils.data.DataLoader | None = None, *, loss_fn: Callable | None = None,
             optimizer: Callable | torch.optim.Optimizer | None = None, ckpt_path: str | Path | None = None,
-            ckpt_verify: bool = True) -> dict:
+            ckpt_verify: bool = True, datamodule: Any = None) -> dict:
         """Train ``model``; validate and checkpoint at each epoch end. Returns the run summary (``summary.json``).
 
         ``model``: a plain ``nn.Module`` (``(inputs, targets)`` batches, ``loss_fn``, default cross-entropy) or
         one with ``training_step``. ``train_dataloaders``: per-device ``batch_size``; its sampler is replaced by a
-        distributed one. ``val_dataloaders``: evaluated on all ranks, each sample once. ``optimizer``: a factory
+        distributed one (None: ``datamodule``'s or the model's ``train_dataloader()``, ``train/data_sources.py``).
+        ``val_dataloaders``: evaluated on all ranks, each sample once. ``optimizer``: a factory
         ``params -> Optimizer`` (built after the strategy wraps the model) or None for ``configure_optimizers()``;
         either may return any of Lightning's forms. ``ckpt_path``: a checkpoint, "last" (this script's newest
         run under ``default_root_dir``; a warning and a fresh start when there is none) or None; resuming a
@@ -149,7 +143,9 @@ class Trainer:
         if self.runtime.spawns:
             return run_spawned(self, "fit", model, train_dataloaders=train_dataloaders,
                                val_dataloaders=val_dataloaders, loss_fn=loss_fn, optimizer=optimizer,
-                               ckpt_path=ckpt_path, ckpt_verify=ckpt_verify)
+                               ckpt_path=ckpt_path, ckpt_verify=ckpt_verify, datamodule=datamodule)
+        train_dataloaders, val_dataloaders = resolve_fit_loaders(self.runtime, model, train_dataloaders,
+                                                                 val_dataloaders, datamodule)
         cfg = self.config
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
@@ -367,23 +363,27 @@ class Trainer:
         return point
 
     # -- evaluation ----------------------------------------------------------------------------------
-    def validate(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader, *,
-                 loss_fn: Callable | None = None, ckpt_path: str | Path | None = None) -> dict[str, float]:
+    def validate(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader | None = None, *,
+                 loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
+                 datamodule: Any = None) -> dict[str, float]:
         """Evaluate ``model`` across all ranks, each sample counted once: ``{"val_loss": ..., "val_accuracy": ...}``
         (or ``validation_step``'s keys prefixed ``val_``, and what it logged), sample-weighted means. ``ckpt_path``:
-        "best", "last" or a path evaluates that checkpoint's weights (``evaluation.checkpoint_to_evaluate``)."""
-        return self._run_eval("validate", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path)
+        "best", "last" or a path evaluates that checkpoint's weights (``evaluation.checkpoint_to_evaluate``).
+        ``dataloaders`` None: ``datamodule``'s or the model's ``val_dataloader()`` (``train/data_sources.py``)."""
+        return self._run_eval("validate", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path,
+                              datamodule=datamodule)
 
-    def test(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader, *,
-             loss_fn: Callable | None = None, ckpt_path: str | Path | None = None) -> dict[str, float]:
-        """As :meth:`validate`, with ``test_step`` and the prefix ``test_``."""
-        return self._run_eval("test", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path)
+    def test(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader | None = None, *,
+             loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
+             datamodule: Any = None) -> dict[str, float]:
+        """As :meth:`validate`, with ``test_step``, ``test_dataloader()`` and the prefix ``test_``."""
+        return self._run_eval("test", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path, datamodule=datamodule)
 
-    def predict(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader, *,
-                ckpt_path: str | Path | None = None) -> Any:
+    def predict(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader | None = None, *,
+                ckpt_path: str | Path | None = None, datamodule: Any = None) -> Any:
         """``predict_step(batch, batch_idx)`` (or the model's output) for every sample, from all ranks in dataset order,
         each sample once: one tensor of shape (N, ...) when the outputs are tensors; ``ckpt_path`` as :meth:`validate`'s."""
-        return self._run_eval("predict", model, dataloaders, ckpt_path=ckpt_path)
+        return self._run_eval("predict", model, dataloaders, ckpt_path=ckpt_path, datamodule=datamodule)
 
     def _run_eval(self, method: str, model, dataloaders, ckpt_path=None, **kwargs) -> Any:
         kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path)  # before any ddp_spawn start

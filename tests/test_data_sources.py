@@ -1,0 +1,171 @@
+"""Lightning's data hooks and hyperparameters (issue 16, "port by changing imports and base class"):
+``fit(model, datamodule=dm)``, ``test(model, datamodule=dm)``, a model's own ``train_dataloader()``,
+``save_hyperparameters()``/``hparams``."""
+
+import json
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from tests import module_workers as mw
+from tests import workers
+from tests.helpers import run_distributed
+from trainscale.train.data_sources import DataModule, resolve_loaders
+from trainscale.train.module import TrainingModule
+from trainscale.train.trainer import Trainer
+
+
+class Classifier(TrainingModule):
+    def __init__(self, hidden: int = 8, lr: float = 0.1, **extra):
+        super().__init__()
+        self.save_hyperparameters(ignore="hidden")
+        self.lin = torch.nn.Linear(1, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.lin(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.lin(x), y))
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("loss", torch.nn.functional.cross_entropy(self.lin(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+class Indexed(DataModule):
+    """Counts its hooks; train 12 samples, val 6, test 5."""
+
+    def __init__(self, batch_size: int = 4):
+        self.save_hyperparameters()
+        self.calls: list[str] = []
+
+    def prepare_data(self):
+        self.calls.append("prepare_data")
+
+    def setup(self, stage):
+        self.calls.append(f"setup:{stage}")
+        self.train, self.val, self.test = mw.indexed_dataset(12), mw.indexed_dataset(6), mw.indexed_dataset(5)
+
+    def train_dataloader(self):
+        return DataLoader(self.train, batch_size=self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val, batch_size=self.hparams.batch_size)
+
+    def test_dataloader(self):
+        return DataLoader(self.test, batch_size=self.hparams.batch_size)
+
+
+def _trainer(tmp_path, **kw):
+    return Trainer(enable_progress_bar=False, default_root_dir=tmp_path, **{"max_epochs": 2, **kw})
+
+
+# -- hyperparameters ----------------------------------------------------------------------------------
+def test_save_hyperparameters_keeps_the_init_arguments_by_name():
+    model = Classifier(lr=0.5, extra_flag=True)
+    assert model.hparams == {"lr": 0.5, "extra_flag": True}  # hidden ignored, **extra spread, self never kept
+    assert model.hparams.lr == 0.5
+    model.hparams.lr = 0.2
+    assert model.hparams["lr"] == 0.2
+    with pytest.raises(AttributeError, match="no hyperparameter 'momentum'; saved: lr, extra_flag"):
+        model.hparams.momentum
+
+    class Named(TrainingModule):
+        def __init__(self, a=1, b=2):
+            super().__init__()
+            self.save_hyperparameters("b")
+
+    assert Named().hparams == {"b": 2}
+
+    class Wrong(TrainingModule):
+        def __init__(self, a=1):
+            super().__init__()
+            self.save_hyperparameters("c")
+
+    with pytest.raises(ValueError, match=r"save_hyperparameters\('c'\): c not among the arguments of the caller \(a\)"):
+        Wrong()
+    assert "hparams" not in dict(Classifier().named_modules())  # a plain attribute, never a submodule or state
+
+
+def test_the_models_hyperparameters_reach_the_loggers(tmp_path):
+    trainer = _trainer(tmp_path, max_epochs=1)
+    trainer.fit(Classifier(lr=0.25), datamodule=Indexed())
+    logged = json.loads((trainer.run_dir / "hparams.json").read_text())
+    assert logged["lr"] == 0.25 and logged["max_epochs"] == 1  # the model's next to the Trainer's flags
+
+
+# -- data modules and the model's own loaders ------------------------------------------------------
+def test_fit_and_test_with_a_datamodule_equal_fit_and_test_with_its_loaders(tmp_path):
+    dm = Indexed()
+    torch.manual_seed(0)
+    by_module = Classifier()
+    trainer = _trainer(tmp_path / "dm")
+    trainer.fit(by_module, datamodule=dm)
+    tested = trainer.test(by_module, datamodule=dm)
+    assert dm.calls == ["prepare_data", "setup:fit", "prepare_data", "setup:test"]
+
+    reference = Indexed()
+    reference.setup("fit")
+    torch.manual_seed(0)
+    by_loaders = Classifier()
+    trainer = _trainer(tmp_path / "loaders")
+    trainer.fit(by_loaders, reference.train_dataloader(), reference.val_dataloader())
+    for name, value in by_loaders.state_dict().items():
+        torch.testing.assert_close(by_module.state_dict()[name], value, rtol=0, atol=0)
+    assert tested == trainer.test(by_loaders, reference.test_dataloader())
+    assert trainer.test(by_loaders, dm)["loss"] == tested["loss"]  # a data module where the loader goes
+
+
+def test_a_model_with_its_own_train_dataloader_fits_without_loaders(tmp_path):
+    class WithLoaders(Classifier):
+        def train_dataloader(self):
+            return DataLoader(mw.indexed_dataset(8), batch_size=4)
+
+    trainer = _trainer(tmp_path)
+    trainer.fit(WithLoaders())
+    assert trainer.global_step == 4  # 2 epochs of 2 batches
+    assert "val_loss" not in trainer.history[-1]  # no val_dataloader(): no validation
+
+
+def test_missing_or_doubled_data_is_refused_naming_the_fix(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"fit: no DataLoader was passed and Classifier defines no train_dataloader\(\)"):
+        _trainer(tmp_path).fit(Classifier())
+    with pytest.raises(ValueError, match="fit: pass DataLoaders or datamodule=, not both"):
+        _trainer(tmp_path).fit(Classifier(), DataLoader(mw.indexed_dataset(4)), datamodule=Indexed())
+    with pytest.raises(ValueError, match=r"predict: .*Indexed \(the datamodule\) defines no predict_dataloader\(\)"):
+        _trainer(tmp_path).predict(Classifier(), datamodule=Indexed())
+    with pytest.raises(ValueError, match="passed both as the loader and as datamodule="):
+        _trainer(tmp_path).validate(Classifier(), Indexed(), datamodule=Indexed())
+
+    class Runtime:  # the order of the hooks, without a process group
+        world = type("World", (), {"local_rank": 1})()
+
+        def barrier(self):
+            calls.append("barrier")
+
+    calls = []
+    dm = Indexed()
+    main, val = resolve_loaders(Runtime(), "validate", Classifier(), None, dm)
+    assert dm.calls == ["setup:validate"] and calls == ["barrier"] and val is None  # local rank 1: no prepare_data
+    assert len(main.dataset) == 6
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_lightning_mnist_shaped_module_and_datamodule_on_two_ranks_match_plain_pytorch(tmp_path):
+    """The Lightning MNIST example's shape with its data in a data module, ported by base classes only, under ddp
+    on 2 ranks: the weights of one plain-PyTorch process at the global batch; prepare_data once (local rank 0),
+    setup on both ranks."""
+    ranks = run_distributed(mw.datamodule_body, str(tmp_path), timeout=200)
+    reference = workers.plain_pytorch_reference(16, 2)
+    for key, value in reference.items():
+        for r in ranks:
+            torch.testing.assert_close(r["state"][key], value, rtol=1e-5, atol=1e-6)
+    assert [r["calls"] for r in ranks] == [["prepare_data", "setup:fit"], ["setup:fit"]]
+    assert ranks[0]["test"] == ranks[1]["test"] and "loss" in ranks[0]["test"]
