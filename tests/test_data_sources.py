@@ -169,3 +169,48 @@ def test_a_lightning_mnist_shaped_module_and_datamodule_on_two_ranks_match_plain
             torch.testing.assert_close(r["state"][key], value, rtol=1e-5, atol=1e-6)
     assert [r["calls"] for r in ranks] == [["prepare_data", "setup:fit"], ["setup:fit"]]
     assert ranks[0]["test"] == ranks[1]["test"] and "loss" in ranks[0]["test"]
+
+
+# -- limit_train_batches ------------------------------------------------------------------------------
+class Seen(Classifier):
+    def __init__(self):
+        super().__init__()
+        self.seen: list[list[float]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch[0].flatten().tolist())
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("limit", [3, 0.5])
+def test_limit_train_batches_trains_the_first_batches_of_each_epochs_shuffle(tmp_path, limit):
+    """Lightning's ``limit_train_batches`` (a count, or a fraction of the epoch's 6 batches): each epoch trains on
+    the first 3 batches of the order the full run would see, and counts as complete."""
+    full, limited = Seen(), Seen()
+    _trainer(tmp_path / "full").fit(full, DataLoader(mw.indexed_dataset(12), batch_size=2, shuffle=True))
+    trainer = _trainer(tmp_path / "limited", limit_train_batches=limit)
+    trainer.fit(limited, DataLoader(mw.indexed_dataset(12), batch_size=2, shuffle=True))
+    assert limited.seen == full.seen[:3] + full.seen[6:9]
+    assert trainer.global_step == 6 and not any("partial" in r for r in trainer.history)  # complete epochs
+
+
+def test_limit_train_batches_resumes_mid_epoch_within_the_limit(tmp_path):
+    """A checkpoint after 2 of the epoch's 4 allowed batches: the resumed run trains the other 2, then the next
+    epoch's first 4, as the uninterrupted run did."""
+    loader = DataLoader(mw.indexed_dataset(16), batch_size=2, shuffle=True)  # 8 batches, 4 of them trained
+    whole = Seen()
+    _trainer(tmp_path / "whole", limit_train_batches=4).fit(whole, loader)
+    first = Seen()
+    trainer = _trainer(tmp_path / "cut", limit_train_batches=4, checkpoint_every_n_steps=2, max_steps=2)
+    trainer.fit(first, loader)
+    resumed = Seen()
+    resumed.load_state_dict(first.state_dict())
+    _trainer(tmp_path / "cut", limit_train_batches=4).fit(resumed, loader, ckpt_path="last")
+    assert first.seen + resumed.seen == whole.seen and len(whole.seen) == 8
+
+
+def test_limit_train_batches_is_checked_when_the_trainer_is_built(tmp_path):
+    for bad in (0, 1.5, 0.0, True, "3"):
+        with pytest.raises(ValueError, match=r"limit_train_batches=.* must be an int >= 1 \(batches per epoch\), a "
+                                             r"float in \(0, 1\]"):
+            _trainer(tmp_path, limit_train_batches=bad)

@@ -137,20 +137,21 @@ def start_epoch(loader, epoch: int, position: dict | None, world_size: int, save
     return skip
 
 
-def epoch_batches(fit, state, epoch: int, resume, world_size: int):
+def epoch_batches(fit, state, epoch: int, resume, world_size: int, limit=lambda full: full):
     """Point ``fit``'s training loader at ``epoch`` (at ``resume``, a ``ResumePoint``, when it continues that
     epoch) and return the epoch's batches; set ``fit.epoch_offset`` (micro-batches done before), ``fit.epoch_batches``
-    (the epoch's micro-batches in all) and ``state.batches``. trainscale's sampler starts mid-epoch itself (its
-    ``len`` is then what is left); other samplers' first batches are skipped by iterating. A mid-epoch
-    checkpoint's RNG states are restored here, after the loader's iterator is made, as when it was saved."""
+    (the epoch's micro-batches in all: ``limit`` of the loader's, ``TrainerConfig.train_batches``) and
+    ``state.batches``. trainscale's sampler starts mid-epoch itself (its ``len`` is then what is left); other
+    samplers' first batches are skipped by iterating. A mid-epoch checkpoint's RNG states are restored here,
+    after the loader's iterator is made, as when it was saved."""
     state.batches = fit.epoch_offset = resume.batches if resume else 0
     skip = start_epoch(fit.train_loader, epoch, resume.position() if resume else None, world_size,
                        resume.world_size if resume else world_size)
-    fit.epoch_batches = len(fit.train_loader) + (0 if skip else fit.epoch_offset)
+    fit.epoch_batches = limit(len(fit.train_loader) + (0 if skip else fit.epoch_offset))
     batches = iter(fit.train_loader)
     if resume is not None and resume.rng is not None:
         set_rng_state(resume.rng)
-    return itertools.islice(batches, skip, None) if skip else batches
+    return itertools.islice(batches, skip, skip + max(0, fit.epoch_batches - fit.epoch_offset))
 
 
 def checkpoint_name(epoch: int, step: int, suffix: str = ".pt") -> str:

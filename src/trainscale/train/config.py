@@ -49,6 +49,8 @@ class TrainerConfig:
             batch size the learning rates were tuned at); None: unscaled. lr_warmup_steps: ramp the factor
             linearly from 1 to its value over this many optimizer steps (Goyal et al.'s warm-up; 0: none).
             See :mod:`trainscale.train.batch_scaling`.
+        limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction
+            of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`).
     """
 
     max_epochs: int = 1
@@ -75,6 +77,14 @@ class TrainerConfig:
     lr_scaling: str | None = None
     base_batch_size: int | None = None
     lr_warmup_steps: int = 0
+    limit_train_batches: int | float | None = None
+
+    def train_batches(self, full: int) -> int:
+        """An epoch's micro-batches under ``limit_train_batches``, of ``full`` without it."""
+        limit = self.limit_train_batches
+        if limit is None or full == 0:
+            return full
+        return min(full, limit) if isinstance(limit, int) else max(1, int(full * limit))
 
     @property
     def step_limit(self) -> float:
@@ -98,6 +108,14 @@ def _number(name: str, value, optional: bool = False, low: float = 0.0, hint: st
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
         raise ValueError(f"{name}={value!r} must be a finite number >= {low}" + (" or None" if optional else "")
                          + hint)
+
+
+def _limit(name: str, value) -> None:
+    """None, an int >= 1 (a count) or a float in (0, 1] (a fraction), as Lightning's ``limit_*_batches``."""
+    count = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    if not (value is None or count or (isinstance(value, float) and 0.0 < value <= 1.0)):
+        raise ValueError(f"{name}={value!r} must be an int >= 1 (batches per epoch), a float in (0, 1] (a fraction "
+                         "of them) or None (all)")
 
 
 def _choice(name: str, value, choices: tuple) -> None:
@@ -156,6 +174,7 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
     _int("seed", cfg.seed, 0)
     _int("max_memory", cfg.max_memory, 1, optional=True)
     _choice("batch_size", cfg.batch_size, (None, "max"))
+    _limit("limit_train_batches", cfg.limit_train_batches)
     if cfg.seed >= 2**32:
         raise ValueError(f"seed={cfg.seed} must be < 2**32 (numpy's limit)")
     _number("gradient_clip_val", cfg.gradient_clip_val, optional=True, low=1e-12)

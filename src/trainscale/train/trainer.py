@@ -72,7 +72,7 @@ class Trainer:
                  checkpoint_async: bool = False, batch_size: str | None = None, max_memory: int | None = None,
                  lr_scaling: str | None = None, base_batch_size: int | None = None, lr_warmup_steps: int = 0,
                  pp_schedule: str | None = None, pp_microbatches: int | None = None,
-                 pp_split_points: list | None = None) -> None:
+                 pp_split_points: list | None = None, limit_train_batches: int | float | None = None) -> None:
         self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
         self.config = resolve_trainer_config(**{k: v for k, v in self._init_kwargs.items() if k in TRAINER_FLAGS})
         self.batch_scaling = BatchScaling(self.config)
@@ -207,7 +207,7 @@ class Trainer:
     def _train_epoch(self, fit: FitRun, epoch: int, resume: ResumePoint | None) -> None:
         rt, cfg = self.runtime, self.config
         self.state.epoch = epoch
-        batches = ckpt.epoch_batches(fit, self.state, epoch, resume, rt.world_size)
+        batches = ckpt.epoch_batches(fit, self.state, epoch, resume, rt.world_size, cfg.train_batches)
         fit.wrapped.train()
         remaining = fit.epoch_batches - fit.epoch_offset
         fit.bar = ProgressBar(cfg.enable_progress_bar and rt.is_rank_zero, remaining, f"epoch {epoch + 1}/{cfg.max_epochs}")
