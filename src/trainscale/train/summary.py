@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,11 @@ def hyperparams(trainer: Any, model: Any) -> dict:
     size and the LR scaling factor (1.0 without ``lr_scaling``), then the model's ``hparams``
     (``save_hyperparameters()``), whose names win."""
     rt, cfg = trainer.runtime, trainer.config
+    saved = getattr(model, "hparams", None)  # a TrainingModule's; a plain nn.Module has none
     return {**dataclasses.asdict(cfg), "default_root_dir": str(cfg.default_root_dir), "strategy": rt.config.strategy,
             "precision": rt.config.precision, "world_size": rt.world_size, "model": type(model).__name__,
             "global_batch_size": trainer.global_batch_size, "lr_scale_factor": trainer.batch_scaling.factor,
-            **dict(getattr(model, "hparams", None) or {})}
+            **(saved if isinstance(saved, Mapping) else {})}
 
 
 def pipeline_summary(runtime: Any, module: Any) -> dict | None:
