@@ -82,11 +82,11 @@ class Logger(TrainingModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def log_reduction_body(rank: int, n: int, extra_on_rank: int | None = None) -> dict | str:
+def log_reduction_body(rank: int, n: int, extra_on_rank: int | None = None, strategy: str = "auto") -> dict | str:
     from trainscale.train.trainer import Trainer
 
-    trainer = Trainer(devices="auto", enable_progress_bar=False, timeout=60, enable_checkpointing=False,
-                      default_root_dir=f"/tmp/unused-{n}")
+    trainer = Trainer(devices="auto", strategy=strategy, enable_progress_bar=False, timeout=60,
+                      enable_checkpointing=False, default_root_dir=f"/tmp/unused-{n}")
     try:
         return trainer.validate(Logger(extra_on_rank), DataLoader(indexed_dataset(n), batch_size=4))
     except ValueError as err:

@@ -214,3 +214,17 @@ def test_limit_train_batches_is_checked_when_the_trainer_is_built(tmp_path):
         with pytest.raises(ValueError, match=r"limit_train_batches=.* must be an int >= 1 \(batches per epoch\), a "
                                              r"float in \(0, 1\]"):
             _trainer(tmp_path, limit_train_batches=bad)
+
+
+def test_limit_val_batches_validates_each_ranks_first_batches_in_fit_and_validate(tmp_path):
+    """10 validation samples in batches of 4 (3 batches): a limit of 1 batch (or a fraction 0.5 of 3: 1) counts
+    the first 4 samples, 0..3, in the fit's validation and in ``validate``."""
+    for limit in (1, 0.5):
+        trainer = _trainer(tmp_path / str(limit), max_epochs=1, limit_val_batches=limit)
+        val = DataLoader(mw.indexed_dataset(10), batch_size=4)
+        trainer.fit(mw.Logger(), DataLoader(mw.indexed_dataset(4)), val)
+        assert trainer.history[-1]["count"] == 4 and trainer.history[-1]["mean_x"] == pytest.approx(1.5)
+        assert trainer.validate(mw.Logger(), val)["count"] == 4
+    assert _trainer(tmp_path / "all").validate(mw.Logger(), val)["count"] == 10
+    with pytest.raises(ValueError, match=r"limit_val_batches=-1 must be an int >= 1"):
+        _trainer(tmp_path, limit_val_batches=-1)

@@ -51,6 +51,7 @@ class TrainerConfig:
             See :mod:`trainscale.train.batch_scaling`.
         limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction
             of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`).
+            limit_val_batches: the same for each rank's validation batches, in ``fit`` and ``validate``.
     """
 
     max_epochs: int = 1
@@ -78,13 +79,15 @@ class TrainerConfig:
     base_batch_size: int | None = None
     lr_warmup_steps: int = 0
     limit_train_batches: int | float | None = None
+    limit_val_batches: int | float | None = None
 
     def train_batches(self, full: int) -> int:
         """An epoch's micro-batches under ``limit_train_batches``, of ``full`` without it."""
-        limit = self.limit_train_batches
-        if limit is None or full == 0:
-            return full
-        return min(full, limit) if isinstance(limit, int) else max(1, int(full * limit))
+        return _limited(self.limit_train_batches, full)
+
+    def val_batches(self, full: int) -> int:
+        """A rank's validation batches under ``limit_val_batches``, of ``full`` without it."""
+        return _limited(self.limit_val_batches, full)
 
     @property
     def step_limit(self) -> float:
@@ -108,6 +111,13 @@ def _number(name: str, value, optional: bool = False, low: float = 0.0, hint: st
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
         raise ValueError(f"{name}={value!r} must be a finite number >= {low}" + (" or None" if optional else "")
                          + hint)
+
+
+def _limited(limit: int | float | None, full: int) -> int:
+    """``full`` batches cut to ``limit``: a count, or a fraction (at least one batch when there are any)."""
+    if limit is None or full == 0:
+        return full
+    return min(full, limit) if isinstance(limit, int) else max(1, int(full * limit))
 
 
 def _limit(name: str, value) -> None:
@@ -175,6 +185,7 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
     _int("max_memory", cfg.max_memory, 1, optional=True)
     _choice("batch_size", cfg.batch_size, (None, "max"))
     _limit("limit_train_batches", cfg.limit_train_batches)
+    _limit("limit_val_batches", cfg.limit_val_batches)
     if cfg.seed >= 2**32:
         raise ValueError(f"seed={cfg.seed} must be < 2**32 (numpy's limit)")
     _number("gradient_clip_val", cfg.gradient_clip_val, optional=True, low=1e-12)

@@ -9,6 +9,7 @@ the extra results discarded.
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -35,21 +36,24 @@ def _extra_forwards(runtime: Any, num_batches: int) -> int:
     return most - num_batches
 
 
-def evaluate(runtime: Any, loop_module: Any, wrapped: Any, loader: Any, stage: str, collector: Any) -> dict[str, float]:
-    """Sample-weighted means over the whole set of what ``<stage>_step`` returned (or loss and accuracy
-    for a plain classifier), prefixed ``val_``/``test_``, plus what ``self.log`` collected (as named).
+def evaluate(runtime: Any, loop_module: Any, wrapped: Any, loader: Any, stage: str, collector: Any,
+             num_batches: int | None = None) -> dict[str, float]:
+    """Sample-weighted means over the whole set (or its first ``num_batches`` batches on each rank) of what
+    ``<stage>_step`` returned (or loss and accuracy for a plain classifier), prefixed ``val_``/``test_``, plus
+    what ``self.log`` collected (as named).
 
     Sums and counts stay on the device; one all-reduce at the end. A collective: every rank calls it.
     """
     rt = runtime
     prefix = "val_" if stage == "validation" else "test_"
+    num_batches = len(loader) if num_batches is None else num_batches
     communicates = rt.strategy.forward_communicates
-    extra = _extra_forwards(rt, len(loader)) if communicates else 0
+    extra = _extra_forwards(rt, num_batches) if communicates else 0
     wrapped.eval()
     sums: dict[str, torch.Tensor] = {}
     count = 0
     batch = None
-    for batch_idx, batch in enumerate(loader):
+    for batch_idx, batch in enumerate(itertools.islice(loader, num_batches)):
         batch = rt.to_device(batch)
         collector.batch_size = _count(batch)
         with rt.autocast():
@@ -59,9 +63,11 @@ def evaluate(runtime: Any, loop_module: Any, wrapped: Any, loader: Any, stage: s
             value = torch.as_tensor(value, device=rt.device).detach().float() * n
             sums[key] = sums[key] + value if key in sums else value
         count += n
-    for _ in range(extra):  # results discarded: each sample is still counted once
+    collector.discard = True  # results and self.log values discarded: each sample is still counted once
+    for _ in range(extra):
         with rt.autocast():
             wrapped(batch, 0, stage=stage)
+    collector.discard = False
     keys = rt.broadcast_object(sorted(sums))  # a rank with no batch still takes part
     vec = torch.stack([sums.get(k, torch.zeros((), device=rt.device)) for k in keys]
                       + [torch.tensor(float(count), device=rt.device)])
@@ -137,7 +143,8 @@ def checkpoint_to_evaluate(trainer: Any, ckpt_path: Any) -> Path | None:
     if ckpt_path is None:
         return None
     if ckpt_path == "best":
-        best = [cb.best_model_path for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.best_model_path]
+        best = [cb.best_model_path for cb in trainer.callbacks
+                if isinstance(cb, ModelCheckpoint) and cb.best_model_path is not None]
         if not best:
             raise ValueError("ckpt_path='best' needs a ModelCheckpoint(monitor=...) among the Trainer's callbacks that "
                              "has saved a checkpoint (fit first); or pass a checkpoint's path, 'last' or None")
@@ -176,9 +183,10 @@ def run_stage(trainer: Any, method: str, model: Any, dataloaders: Any, loss_fn: 
 
 def evaluate_stage(trainer: Any, loop_module: Any, wrapped: Any, loader: Any, stage: str) -> dict[str, float]:
     """:func:`evaluate`, with ``trainer.metric_collector`` (where ``self.log`` in the steps goes) a collector of
-    ``stage`` meanwhile."""
+    ``stage`` meanwhile; validation on ``limit_val_batches`` of each rank's batches."""
     collector, trainer.metric_collector = trainer.metric_collector, MetricCollector(trainer.runtime, stage)
+    num_batches = trainer.config.val_batches(len(loader)) if stage == "validation" else len(loader)
     try:
-        return evaluate(trainer.runtime, loop_module, wrapped, loader, stage, trainer.metric_collector)
+        return evaluate(trainer.runtime, loop_module, wrapped, loader, stage, trainer.metric_collector, num_batches)
     finally:
         trainer.metric_collector = collector

@@ -41,6 +41,7 @@ class MetricCollector:
         self.rt = runtime
         self.stage = stage
         self.batch_size = 1  # set by the loop before each step: the weight of a "mean"
+        self.discard = False  # True while evaluation runs forwards whose results are dropped (fsdp's extra ones)
         self.step_values: dict[str, tuple[torch.Tensor, bool]] = {}
         self.epoch_values: dict[str, _Running] = {}
         self.prog_bar: set[str] = set()
@@ -55,6 +56,8 @@ class MetricCollector:
         """
         if reduce_fx not in REDUCE_FX:
             raise ValueError(f"reduce_fx={reduce_fx!r}; choose one of {', '.join(map(repr, REDUCE_FX))}")
+        if self.discard:
+            return
         default_step, default_epoch = _DEFAULTS[self.stage]
         on_step = default_step if on_step is None else on_step
         on_epoch = default_epoch if on_epoch is None else on_epoch

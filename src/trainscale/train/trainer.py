@@ -72,7 +72,8 @@ class Trainer:
                  checkpoint_async: bool = False, batch_size: str | None = None, max_memory: int | None = None,
                  lr_scaling: str | None = None, base_batch_size: int | None = None, lr_warmup_steps: int = 0,
                  pp_schedule: str | None = None, pp_microbatches: int | None = None,
-                 pp_split_points: list | None = None, limit_train_batches: int | float | None = None) -> None:
+                 pp_split_points: list | None = None, limit_train_batches: int | float | None = None,
+                 limit_val_batches: int | float | None = None) -> None:
         self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
         self.config = resolve_trainer_config(**{k: v for k, v in self._init_kwargs.items() if k in TRAINER_FLAGS})
         self.batch_scaling = BatchScaling(self.config)
