@@ -115,7 +115,7 @@ def async_trainer_body(rank: int, root: str) -> dict:
 
     from tests.fault_workers import Indexed
     from trainscale.callbacks import Callback
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     class Saved(Callback):  # a save at global step S: the writer may go on once step S + 1 has been trained
         def on_save_checkpoint(self, trainer, module, checkpoint):

@@ -25,7 +25,7 @@ def full_state(model: nn.Module) -> dict:
 
 
 def _fit(root, strategy, *, epochs=2, batch_size=8, n=96, val_n=49, ckpt_path=None, options=None, **extra):
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(devices="auto", strategy=strategy, max_epochs=epochs, seed=0, default_root_dir=root,
                       enable_progress_bar=False, timeout=60, strategy_options=options, **extra)
@@ -54,7 +54,7 @@ def _counting_allreduce_hook(state: _HookState, bucket):
 def _count_ddp_allreduces(root, k: int) -> tuple[int, int]:
     """(bucket all-reduces, optimizer steps) of one epoch with ``accumulate_grad_batches=k``:
     88 samples, 44 per rank, 11 micro-batches of 4 (k=4: groups of 4, 4 and a last partial 3)."""
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(devices="auto", strategy="ddp", max_epochs=1, seed=0, default_root_dir=root,
                       enable_progress_bar=False, enable_checkpointing=False, timeout=60,
@@ -79,7 +79,7 @@ def _count_fsdp_reduce_scatters(root, k: int, options=None) -> tuple[int, int, i
     FSDP2 reduces gradients (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py); the
     wrapper calls the real one, so the count is of communication that happened.
     """
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     calls = {"n": 0, "bytes": 0}
     real = dist.reduce_scatter_single

@@ -10,7 +10,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests import workers
-from trainscale.train.module import TrainingModule
+from trainscale.lightning.module import TrainingModule
 
 
 class LitClassifier(TrainingModule):
@@ -41,7 +41,7 @@ class LitClassifier(TrainingModule):
 
 
 def lit_body(rank: int, root: str) -> dict:
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(devices="auto", max_epochs=2, seed=0, default_root_dir=root, enable_progress_bar=False,
                       timeout=60)
@@ -83,7 +83,7 @@ class Logger(TrainingModule):
 
 
 def log_reduction_body(rank: int, n: int, extra_on_rank: int | None = None, strategy: str = "auto") -> dict | str:
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(devices="auto", strategy=strategy, enable_progress_bar=False, timeout=60,
                       enable_checkpointing=False, default_root_dir=f"/tmp/unused-{n}")
@@ -101,7 +101,7 @@ def tp_log_reduction_body(rank: int, n: int) -> dict:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(accelerator="cpu", devices="auto", strategy="tp", enable_progress_bar=False, timeout=60,
                       enable_checkpointing=False, default_root_dir=f"/tmp/unused-tp-{n}",
@@ -229,7 +229,7 @@ def gan_reference(batch_size: int, epochs: int, clip: float | None = None) -> di
 
 
 def gan_body(rank: int, root: str, batch_size: int, epochs: int, gan: type = GAN, teardown: bool = True) -> dict:
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(devices="auto", max_epochs=epochs, default_root_dir=root, enable_progress_bar=False, timeout=60)
     model = gan()
@@ -255,7 +255,7 @@ def _fit_gan(gan: type, root: str, epochs: int, ckpt_path: str | None = None) ->
     """Fit ``gan`` under fsdp (2 ranks × batch 4): its full weights, the reduce-scatters FSDP issued, the Trainer."""
     import torch.distributed as dist
 
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     calls = []
     reduce_scatter = dist.reduce_scatter_single  # what FSDP2's DefaultReduceScatter calls (torch 2.13)
@@ -301,7 +301,7 @@ def mesh_gan_body(rank: int, root: str) -> dict:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     runs = {"dp_shard": dict(strategy="model_parallel", parallel={"dp_shard": 2}),
             "tp": dict(strategy="tp", tp_plan={"generator.0": ColwiseParallel(), "generator.2": RowwiseParallel(),
@@ -321,7 +321,7 @@ def mesh_gan_body(rank: int, root: str) -> dict:
 # -- callbacks and prediction --------------------------------------------------------------------------
 def early_stopping_body(rank: int, root: str) -> int:
     from trainscale.callbacks import EarlyStopping
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(devices="auto", max_epochs=10, default_root_dir=root, enable_progress_bar=False, timeout=60,
                       callbacks=[EarlyStopping("mean_x", patience=1)], enable_checkpointing=False)
@@ -332,7 +332,7 @@ def early_stopping_body(rank: int, root: str) -> int:
 
 
 def predict_body(rank: int, n: int) -> torch.Tensor:
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(devices="auto", enable_progress_bar=False, timeout=60)
     out = trainer.predict(workers.make_model(0), DataLoader(workers.tiny_dataset(n, seed=3), batch_size=4))
@@ -345,7 +345,7 @@ def evaluate_checkpoint_body(rank: int, root: str, strategy: str) -> dict:
     the model overfits), then validate with the model's own weights, with ckpt_path="best", and predict with
     ckpt_path="last"; the full weights after each (DTensors gathered under fsdp)."""
     from trainscale.callbacks import ModelCheckpoint
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     callback = ModelCheckpoint(monitor="val_loss", mode="min")
     trainer = Trainer(devices="auto", strategy=strategy, max_epochs=3, default_root_dir=root, timeout=60,
@@ -393,7 +393,7 @@ class LitClassifierWithTest(LitClassifier):
 
 def datamodule_body(rank: int, root: str) -> dict:
     """``lit_body`` with its loaders in a data module: ``fit(model, datamodule=dm)``, then ``test``."""
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(devices="auto", max_epochs=2, seed=0, default_root_dir=root, enable_progress_bar=False,
                       timeout=60)

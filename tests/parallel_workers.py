@@ -110,7 +110,7 @@ def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, 
 def predict_gpt(rank: int, n: int, strategy: str = "tp", parallel: dict | None = None) -> torch.Tensor:
     """``Trainer.predict`` of the GPT (seed 0) under ``strategy`` (tp 2 by default) on ``n`` sequences of token
     ids (seed 3), 4 per batch."""
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     torch.manual_seed(0)
     model = GPT(CONFIG)

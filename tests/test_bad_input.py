@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 from tests import workers
 from tests.helpers import run_distributed
 from trainscale.runtime.checkpoint_io import CheckpointError
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 
 @pytest.mark.parametrize("devices", [0, -2])

@@ -5,7 +5,7 @@ import pytest
 from trainscale.bench import advice as adv
 from trainscale.bench.analysis import add_scaling, fmt_time, shares, table
 from trainscale.bench.grid import plan
-from trainscale.bench.workload import entry_name, parse_entry
+from trainscale.jobs.workload import entry_name, parse_entry
 
 
 def row(devices, bs, *, time_s=None, steps=100, batches=None, full=True, status="ok", strategy="ddp",
@@ -86,7 +86,7 @@ def test_entry_strings():
     for bad in ("pkg.mod", "pkg.mod:", ":f", "pkg mod:f"):
         with pytest.raises(ValueError, match="package.module:function"):
             parse_entry(bad)
-    assert entry_name(None) == "trainscale.bench.workload:mnist_convnet"
+    assert entry_name(None) == "trainscale.jobs.workload:mnist_convnet"
     with pytest.raises(ValueError, match="cannot be imported"):
         entry_name(lambda: {})
 

@@ -50,7 +50,7 @@ def _assert_equal_nested(got, want, where: str = "") -> None:
 # -- bad input --------------------------------------------------------------------------------------
 def test_checkpoint_async_is_refused_where_a_checkpoint_is_one_file(tmp_path):
     from trainscale.runtime.runtime import Runtime
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     for strategy in ("auto", "single"):
         with pytest.raises(ValueError, match=r"checkpoint_async=True writes sharded \(DCP\) checkpoints in the "

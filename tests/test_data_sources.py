@@ -11,9 +11,9 @@ from torch.utils.data import DataLoader
 from tests import module_workers as mw
 from tests import workers
 from tests.helpers import run_distributed
-from trainscale.train.data_sources import DataModule, resolve_loaders
-from trainscale.train.module import TrainingModule
-from trainscale.train.trainer import Trainer
+from trainscale.lightning.data_sources import DataModule, resolve_loaders
+from trainscale.lightning.module import TrainingModule
+from trainscale.loop.trainer import Trainer
 
 
 class Classifier(TrainingModule):

@@ -27,7 +27,7 @@ def _fit_counting(rank: int, root: str) -> dict:
     import torch
     from torch.utils.data import DataLoader
 
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     counter = _Counter()
     # 96 samples / 2 ranks / batch 8 = 6 micro-batches per epoch: groups of 4 and 2 (a short last group)

@@ -12,7 +12,7 @@ from tests import workers, workers_strategies
 from tests.helpers import run_python
 from trainscale.callbacks import ModelCheckpoint
 from trainscale.runtime.runtime import Runtime
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 pytestmark = pytest.mark.multiprocess
 
@@ -106,7 +106,7 @@ import functools
 from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 x, y = torch.randn(16384, 8), torch.randint(0, 2, (16384,))
 trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, enable_progress_bar=False,

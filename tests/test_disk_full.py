@@ -1,5 +1,5 @@
 """Saving onto a full disk, stale temporaries, filesystems that cannot fsync a directory
-(runtime/checkpoint_io.py, train/checkpoint.py, the fsdp strategy's save)."""
+(runtime/checkpoint_io.py, checkpointing/run_dirs.py, the fsdp strategy's save)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests import workers
 from tests.helpers import run_distributed
 from trainscale.runtime import checkpoint_io
 from trainscale.runtime.checkpoint_io import CheckpointError
-from trainscale.train import checkpoint as ckpt
+from trainscale.checkpointing import run_dirs as ckpt
 
 
 def _disk_full_at(kind: str, save_number: int = 1):
@@ -35,7 +35,7 @@ def _disk_full_at(kind: str, save_number: int = 1):
 
 
 def _fit(root, **flags):
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(accelerator="cpu", devices=1, max_epochs=2, seed=0, default_root_dir=root,
                       enable_progress_bar=False, **flags)

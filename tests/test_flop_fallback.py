@@ -12,7 +12,7 @@ from torch.utils import flop_counter
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainscale.telemetry import flops
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 
 def _input_loop(x: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,8 @@ from tests import fsdp_workers, workers
 from tests.helpers import run_distributed
 from trainscale.runtime.checkpoint_io import CheckpointError
 from trainscale.runtime.world import World
-from trainscale.train import checkpoint as ckpt
-from trainscale.train.trainer import Trainer
+from trainscale.checkpointing import run_dirs as ckpt
+from trainscale.loop.trainer import Trainer
 
 PARAMS_BYTES = sum(p.numel() * 4 for p in workers.make_model().parameters())  # fp32 ConvNet
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from tests import workers
 from trainscale.loggers import (CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger, record_metrics,
                                 resolve_loggers)
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ def test_record_metrics_of_every_record_a_trainer_writes(tmp_path):
 def test_importing_loggers_imports_no_logging_library_and_no_higher_layer():
     code = ("import sys; import trainscale.loggers as L; L.resolve_loggers(None); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('wandb', 'mlflow', 'tensorboard', 'torch') "
-            "or m.startswith(('trainscale.train', 'trainscale.bench', 'trainscale.cli'))))")
+            "or m.startswith(('trainscale.loop', 'trainscale.lightning', 'trainscale.bench', 'trainscale.cli'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert out.returncode == 0, out.stderr

@@ -13,7 +13,7 @@ from tests import workers_strategies as ws
 from trainscale.models import ConvNet
 from trainscale.runtime.apply import apply_activation_checkpointing, apply_sync_batchnorm, is_compiled
 from trainscale.runtime.runtime import Runtime
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)

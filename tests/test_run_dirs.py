@@ -1,4 +1,4 @@
-"""Run directories and checkpoint names (train/checkpoint.py): atomic version_N claims, rotation order, old names."""
+"""Run directories and checkpoint names (checkpointing/run_dirs.py): atomic version_N claims, rotation order, old names."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from trainscale.train import checkpoint as ckpt
+from trainscale.checkpointing import run_dirs as ckpt
 
 
 def _save(ckpt_dir, name, keep_last):

@@ -8,7 +8,7 @@ from torch import nn
 from trainscale.runtime.connector import resolve
 from trainscale.runtime.strategies.dp import DataParallelModule, DataParallelStrategy
 from trainscale.runtime.world import World
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 
 def test_dp_needs_two_cuda_gpus_and_recommends_ddp():

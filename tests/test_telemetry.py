@@ -23,7 +23,7 @@ from trainscale.telemetry.overlap import comm_overlap
 from trainscale.telemetry.report import summary_line, text_summary
 from trainscale.telemetry.stragglers import compute_per_step, find_stragglers
 from trainscale.telemetry.timers import StepTimer
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = {"step_time_s", "phase_s", "phase_share", "comm_s", "exposed_comm_s", "exposed_comm_share",

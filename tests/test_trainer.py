@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from tests import workers
 from tests.helpers import run_distributed
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 SUMMARY_KEYS = {"world_size", "strategy", "epochs", "global_batch_size", "train_loss", "val_loss", "val_accuracy",
                 "epoch_time_s", "samples_per_s", "torch_version", "device"}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainscale.train.config import TrainerConfig, resolve_trainer_config
+from trainscale.loop.config import TrainerConfig, resolve_trainer_config
 
 
 @pytest.mark.parametrize("flags, message", [

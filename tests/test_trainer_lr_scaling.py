@@ -1,5 +1,5 @@
 """Trainer(lr_scaling=..., base_batch_size=..., lr_warmup_steps=...): the lr each optimizer step uses, its
-composition with LR schedulers, the logged values, resume, and 2-process ddp (train/batch_scaling.py)."""
+composition with LR schedulers, the logged values, resume, and 2-process ddp (scaling/batch_scaling.py)."""
 
 import json
 import math
@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from tests import workers
 from tests.helpers import run_distributed
 from trainscale.runtime.checkpoint_io import load_file
-from trainscale.train.config import resolve_trainer_config
-from trainscale.train.trainer import Trainer
+from trainscale.loop.config import resolve_trainer_config
+from trainscale.loop.trainer import Trainer
 
 
 def data(n: int = 64) -> TensorDataset:

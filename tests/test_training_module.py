@@ -13,10 +13,10 @@ from tests import module_workers as mw
 from tests import workers
 from tests.helpers import run_distributed
 from trainscale.callbacks import Callback, EarlyStopping, ModelCheckpoint
-from trainscale.train import checkpoint as ckpt
-from trainscale.train.module import TrainingModule
-from trainscale.train.optimizers import parse_optimization
-from trainscale.train.trainer import Trainer
+from trainscale.checkpointing import run_dirs as ckpt
+from trainscale.lightning.module import TrainingModule
+from trainscale.lightning.optimizers import parse_optimization
+from trainscale.loop.trainer import Trainer
 
 
 def _trainer(tmp_path, **kw):
@@ -206,7 +206,7 @@ def test_gradient_clip_val_under_manual_optimization_is_an_error_naming_clip_gra
 def test_manual_optimization_under_dp_or_pp_is_an_error_naming_the_strategies_that_host_it(strategy, cause):
     from types import SimpleNamespace
 
-    from trainscale.train.optimizer_setup import check_optimizers
+    from trainscale.lightning.optimizer_setup import check_optimizers
 
     model = mw.GAN()
     runtime = SimpleNamespace(config=SimpleNamespace(strategy=strategy, parallel=None), strategy=object())

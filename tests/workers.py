@@ -46,7 +46,7 @@ def plain_pytorch_reference(batch_size: int, epochs: int, seed: int = 0, n: int 
 
 def trainer_fit(rank: int, root: str, batch_size: int, epochs: int, extra: dict | None = None,
                 ckpt_path=None, n: int = 96, teardown: bool = True) -> dict:
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     flags = {"devices": "auto", "max_epochs": epochs, "seed": 0, "default_root_dir": root,
              "enable_progress_bar": False, "timeout": 60, **(extra or {})}
@@ -61,7 +61,7 @@ def trainer_fit(rank: int, root: str, batch_size: int, epochs: int, extra: dict 
 
 def resume_body(rank: int, root: str) -> dict:
     """Uninterrupted 3 epochs against 1 epoch, then resume from "last" for the rest."""
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     full = trainer_fit(rank, f"{root}/full", 8, 3, teardown=False)
     first = trainer_fit(rank, f"{root}/stopped", 8, 1, teardown=False)
@@ -70,7 +70,7 @@ def resume_body(rank: int, root: str) -> dict:
 
 
 def validate_body(rank: int, n: int) -> dict:
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(devices="auto", enable_progress_bar=False, timeout=60)
     model = make_model(0)
@@ -81,7 +81,7 @@ def validate_body(rank: int, n: int) -> dict:
 
 def bad_ckpt_body(rank: int, path: str) -> str:
     """Both ranks must raise at once (no hang) on a missing or corrupted checkpoint."""
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(devices="auto", enable_progress_bar=False, timeout=60, default_root_dir=path + ".root")
     try:
@@ -111,7 +111,7 @@ def lr_scaling_body(rank: int, root: str) -> dict:
     """2 ranks × 8 samples × 2 accumulation = global batch 32, base 8, linear: SGD's 0.05 becomes 0.2."""
     import json
 
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     used = LrUsed()
     trainer = Trainer(devices="auto", max_epochs=1, max_steps=3, accumulate_grad_batches=2, lr_scaling="linear",

@@ -12,16 +12,17 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Trainer": "trainscale.train.trainer",
-    "TrainingModule": "trainscale.train.module",
-    "DataModule": "trainscale.train.data_sources",
+    "Trainer": "trainscale.loop.trainer",
+    "TrainingModule": "trainscale.lightning.module",
+    "DataModule": "trainscale.lightning.data_sources",
     "Runtime": "trainscale.runtime.runtime",
     "World": "trainscale.runtime.world",
-    "plan": "trainscale.plan.planner",
-    "check": "trainscale.parity.runner",
+    "seed_everything": "trainscale.checkpointing.rng",
 }
 
-__all__ = ["Trainer", "TrainingModule", "DataModule", "Runtime", "World", "plan", "check", "__version__"]
+__all__ = ["Trainer", "TrainingModule", "DataModule", "Runtime", "World", "seed_everything", "__version__"]
+# The commands' Python forms live in their subpackages, named after the commands:
+# ``from trainscale.plan import plan``, ``from trainscale.check import check``, ``from trainscale.bench import sweep``.
 
 
 def __getattr__(name: str):

@@ -7,7 +7,7 @@ Each cell (devices × batch size × strategy × precision) is a fresh torchrun j
 (:mod:`trainscale.bench.cell`); rows go to ``results.jsonl`` as cells finish; the table, gain,
 scaling efficiency, plots and advice are computed from the measured times
 (:mod:`~trainscale.bench.analysis`, :mod:`~trainscale.bench.advice`, :mod:`~trainscale.bench.report`).
-The workload contract is in :mod:`trainscale.bench.workload`. Importing this package does not import torch.
+The workload contract is in :mod:`trainscale.jobs.workload`. Importing this package does not import torch.
 """
 
 from __future__ import annotations

@@ -12,33 +12,21 @@ out-of-memory error) before exiting non-zero, so the sweep can record why.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import math
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
+
+from trainscale.jobs.launcher import job_main
 
 WARMUP_STEPS = 5
 PROBE_BATCHES = 50
 PROBE_ALLREDUCE_REPS = 5
 
 
-def is_oom(err: BaseException) -> bool:
-    """True for out-of-memory errors: ``torch.OutOfMemoryError``, ``MemoryError``, or a message saying so."""
-    import torch
-
-    oom_types = (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))
-    return isinstance(err, oom_types) or "out of memory" in str(err).lower()
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def _peak_memory(device) -> tuple[int, str]:
@@ -123,8 +111,8 @@ def run_cell(cfg: dict) -> dict | None:
     import torch
     from torch.utils.data import DataLoader
 
-    from trainscale.bench.workload import load_workload
-    from trainscale.train.trainer import Trainer
+    from trainscale.jobs.workload import load_workload
+    from trainscale.loop.trainer import Trainer
 
     cell_dir = Path(cfg["cell_dir"])
     torch.manual_seed(cfg["seed"])
@@ -179,32 +167,6 @@ def run_cell(cfg: dict) -> dict | None:
     }
 
 
-def job_main(run, argv: list[str] | None, prog: str, dir_key: str, result_name: str) -> int:
-    """The ``main`` of a job started by :func:`trainscale.bench.runner.launch_job`: read ``--config``, call
-    ``run(cfg)`` on every rank; rank zero writes what it returns to ``cfg[dir_key]/result_name``, a rank that
-    raises writes ``error.rank<R>.json`` (type, message, out of memory or not, traceback) and re-raises
-    (recorded by torchrun's ``record``). Shared by bench's cells and ``trainscale check``'s runs."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    parser = argparse.ArgumentParser(prog=prog)
-    parser.add_argument("--config", required=True, help="the job's JSON file")
-    cfg = json.loads(Path(parser.parse_args(argv).config).read_text())
-    rank = int(os.environ.get("RANK", "0"))
-
-    @record
-    def _run() -> None:
-        try:
-            result = run(cfg)
-        except BaseException as err:
-            _write_json(Path(cfg[dir_key]) / f"error.rank{rank}.json",
-                        {"rank": rank, "type": type(err).__name__, "message": str(err)[:2000], "oom": is_oom(err),
-                         "traceback": traceback.format_exc()[-4000:]})
-            raise
-        if result is not None:
-            _write_json(Path(cfg[dir_key]) / result_name, result)
-
-    _run()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """plan: will my model fit, and how fast will it be? Predictions before the GPU hours are spent.
 
-    import trainscale
-    result = trainscale.plan(entry="mypkg.work:build", devices=[1, 8, 64], batch_sizes=[32],
+    from trainscale.plan import plan
+    result = plan(entry="mypkg.work:build", devices=[1, 8, 64], batch_sizes=[32],
                              device_memory="80GB", link="400GB/s,latency=10us")
     print(result.table())
 

@@ -1,4 +1,4 @@
-"""``trainscale.plan(...)``: memory per device and time per step/epoch for each strategy, device count
+"""``trainscale.plan.plan(...)``: memory per device and time per step/epoch for each strategy, device count
 and batch size, before any cluster is booked. Memory: :mod:`trainscale.plan.memory` (no allocation);
 time: one measured single-device run (:mod:`trainscale.plan.measure`) plus the communication model
 (:mod:`trainscale.plan.comm`) over a given or probed link (:mod:`trainscale.plan.probe`). Pipeline stages (pp):
@@ -123,12 +123,12 @@ def default_device_memory() -> int:
 
 
 def workload_from_entry(entry: str | None) -> Workload:
-    """bench's ``--entry`` contract (:mod:`trainscale.bench.workload`) as a :class:`Workload`; the entry
+    """bench's ``--entry`` contract (:mod:`trainscale.jobs.workload`) as a :class:`Workload`; the entry
     is called under ``torch.device("meta")``, so its model is not allocated (its data is loaded)."""
     import torch
     from torch.nn import functional as F
 
-    from trainscale.bench.workload import DEFAULT_ENTRY, load_workload
+    from trainscale.jobs.workload import DEFAULT_ENTRY, load_workload
 
     name = entry or DEFAULT_ENTRY
     with torch.device("meta"):  # the model is not allocated (nor is data the entry makes with torch)
@@ -374,7 +374,7 @@ def _threads(devices: list[int]) -> int | None:
 
     if torch.cuda.is_available():
         return None
-    from trainscale.bench.runner import threads_per_process
+    from trainscale.jobs.launcher import threads_per_process
 
     return threads_per_process(max(devices))
 
@@ -392,7 +392,7 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
     Args:
         model: an ``nn.Module`` (copied to the meta device, never moved) or a zero-argument factory
             (called under ``torch.device("meta")``). Or give ``entry`` instead.
-        entry: bench's workload contract, ``"package.module:function"`` (:mod:`trainscale.bench.workload`);
+        entry: bench's workload contract, ``"package.module:function"`` (:mod:`trainscale.jobs.workload`);
             supplies model, sample, dataset size, loss and optimizer. None with no ``model``: the ConvNet on MNIST-5k.
         sample: one training example ``(input, target)``, e.g. ``dataset[0]`` (with ``model``).
         dataset_size: training samples per epoch (for epoch times).

@@ -1,0 +1,402 @@
+"""Trainer: the training loop, built on Runtime. ``Trainer(devices=2).fit(model, train_loader, optimizer=...)``
+
+``model`` is a plain ``nn.Module`` with ``loss_fn``, or a Lightning-style ``trainscale.TrainingModule``.
+The loop reads top to bottom: ``fit`` → ``_train_epoch`` → ``_training_step`` (one optimizer step over
+its micro-batches) → ``_end_epoch``; the same code runs at world size 1 (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from trainscale.callbacks import Callback, resolve_callbacks
+from trainscale.loggers import resolve_loggers
+from trainscale.runtime.batch import batch_counts
+from trainscale.runtime.runtime import RUNTIME_FLAGS, Runtime
+from trainscale.telemetry.flops import FlopCountError, resolve_count_flops
+from trainscale.telemetry.processor import create_telemetry
+from trainscale.checkpointing import checkpointer
+from trainscale.checkpointing.rng import seed_everything
+from trainscale.loop import evaluation
+from trainscale.scaling.batch_scaling import BatchScaling
+from trainscale.tune.batch_size import tuned_loader
+from trainscale.checkpointing.writes import CheckpointWrites
+from trainscale.loop.data_checks import check_loaders, explain_batch_error
+from trainscale.lightning.data_sources import resolve_fit_loaders
+from trainscale.loop.config import TRAINER_FLAGS, resolve_trainer_config
+from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
+from trainscale.lightning.metrics import MetricCollector
+from trainscale.lightning.module import set_up_model
+from trainscale.lightning.optimizers import ManualOptimizer, step_schedulers
+from trainscale.loop.progress import ProgressBar
+from trainscale.loop.records import RecordWriter, epoch_line, epoch_record, run_header, step_record
+from trainscale.loop.spawned import run_spawned
+from trainscale.checkpointing.runs import choose_run_dir, resolve_ckpt_path
+from trainscale.loop.summary import finish_run, hyperparams
+from trainscale.lightning.optimizer_setup import build_optimizers
+from trainscale.checkpointing.train_state import ResumePoint, TrainState
+from trainscale.loop.state import EpochLoss, FitRun, MicroBatch, epoch_batches, micro_batches
+
+
+class Trainer:
+    """Fit, validate, test and predict on any strategy by changing flags.
+
+    The runtime's flags (accelerator, devices, strategy, num_nodes, precision, timeout, strategy_options,
+    sync_batchnorm, activation_checkpointing, compile, float32_matmul_precision, parallel, tp_plan, parallelize, pp_*) are
+    ``Runtime``'s (with ``devices > 1`` outside a launcher the script re-executes under torchrun here). The loop's flags
+    are on :class:`~trainscale.loop.config.TrainerConfig`; ``count_flops`` (None: on CUDA only) and ``peak_flops``
+    (FLOP/s of one device for MFU; None: the table) on :class:`~trainscale.telemetry.processor.Telemetry`;
+    ``callbacks``: a list of :class:`trainscale.callbacks.Callback` (every record holds the learning rates without one);
+    ``logger``: one or a list of ``trainscale.loggers`` (None: a ``CSVLogger``; False: none; docs/loggers.md).
+    ``checkpoint_async=True`` (sharded strategies): checkpoints written in the background (``checkpointing/writes.py``).
+
+    Raises:
+        ValueError: any bad flag, raised on every rank before a process group is created.
+    """
+
+    def __init__(self, accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
+                 num_nodes: int = 1, precision: str = "32-true", max_epochs: int = 1, max_steps: int | None = None,
+                 accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None,
+                 gradient_clip_algorithm: str = "norm", seed: int = 0, default_root_dir: str | Path = "runs",
+                 log_every_n_steps: int = 50, enable_progress_bar: bool = True, enable_checkpointing: bool = True,
+                 keep_last: int | None = 3, timeout: float = 1800.0, strategy_options: dict | None = None,
+                 sync_batchnorm: bool = False, activation_checkpointing: Any = None, compile: bool | dict = False,
+                 checkpoint_every_n_steps: int | None = None, on_nonfinite: str = "raise",
+                 max_nonfinite_skips: int = 10, handle_signals: bool = True, enable_telemetry: bool = True,
+                 straggler_margin: float = 0.2, tensorboard: bool = False, count_flops: bool | None = None,
+                 callbacks: list[Callback] | None = None, logger: Any = None,
+                 float32_matmul_precision: str | None = None, peak_flops: float | None = None,
+                 parallel: dict | None = None, tp_plan: dict | None = None, parallelize: Callable | None = None,
+                 checkpoint_async: bool = False, batch_size: str | None = None, max_memory: int | None = None,
+                 lr_scaling: str | None = None, base_batch_size: int | None = None, lr_warmup_steps: int = 0,
+                 pp_schedule: str | None = None, pp_microbatches: int | None = None,
+                 pp_split_points: list | None = None, limit_train_batches: int | float | None = None,
+                 limit_val_batches: int | float | None = None) -> None:
+        self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
+        self.config = resolve_trainer_config(**{k: v for k, v in self._init_kwargs.items() if k in TRAINER_FLAGS})
+        self.batch_scaling = BatchScaling(self.config)
+        self.callbacks = resolve_callbacks(callbacks)
+        self.loggers = resolve_loggers(logger)  # on every rank, so a bad value fails everywhere; used on rank zero
+        self.runtime = Runtime(**{k: v for k, v in self._init_kwargs.items() if k in RUNTIME_FLAGS})
+        self.checkpoints = CheckpointWrites(self.runtime, self.config, self.log_metrics)  # checkpoint_async
+        self.count_flops = resolve_count_flops(count_flops, self.runtime.device.type,
+                                               self.runtime.config.compile is not None)
+        if not self.runtime.spawns:  # under ddp_spawn, fit/validate start the processes
+            self.runtime.launch()
+        self.state = TrainState()
+        self.run_dir: Path | None = None
+        self.callback_metrics: dict[str, float] = {}  # the latest number of each name (epoch records, logs)
+        self.should_stop = False  # set by a callback (EarlyStopping): stop after this epoch, on every rank
+        self.optimizers: list = []
+        self.schedulers: list = []
+        self.manual_optimizers: list[ManualOptimizer] = []
+        self.metric_collector = MetricCollector(self.runtime, "train")
+        self._pending: dict[str, dict[str, float]] = {}  # log_metrics() values for the next "step" or "epoch" record
+        self._fit: FitRun | None = None
+        self.last_setup: tuple | None = None  # (model, LoopModule, wrapped) of the last fit or evaluation: reused
+        self.is_step_end = False  # in on_train_batch_end: this micro-batch ended an optimizer step
+
+    global_step = property(lambda self: self.state.global_step, doc="Optimizer steps taken so far (int).")
+    current_epoch = property(lambda self: self.state.epoch, doc="The epoch running, or the last one run (from 0).")
+    history = property(lambda self: self.state.history, doc="One record (a dict) per finished epoch.")
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """Samples per optimizer step: micro-batch × data-parallel ranks × accumulate_grad_batches; None before fit."""
+        return self.batch_scaling.global_batch_size
+
+    @property
+    def is_log_step(self) -> bool:
+        """True right after an optimizer step whose step record is written."""
+        return self.is_step_end and self.state.global_step % self.config.log_every_n_steps == 0
+
+    def log_metrics(self, metrics: dict[str, float], epoch: bool = False) -> None:
+        """Add numbers to the next step record (or, ``epoch=True``, to this epoch's record)."""
+        self._pending.setdefault("epoch" if epoch else "step", {}).update(metrics)
+
+    # -- fit ----------------------------------------------------------------------------------------
+    def fit(self, model: nn.Module, train_dataloaders: torch.utils.data.DataLoader | None = None,
+            val_dataloaders: torch.utils.data.DataLoader | None = None, *, loss_fn: Callable | None = None,
+            optimizer: Callable | torch.optim.Optimizer | None = None, ckpt_path: str | Path | None = None,
+            ckpt_verify: bool = True, datamodule: Any = None) -> dict:
+        """Train ``model``; validate and checkpoint at each epoch end. Returns the run summary (``summary.json``).
+
+        ``model``: a plain ``nn.Module`` (``(inputs, targets)`` batches, ``loss_fn``, default cross-entropy) or
+        one with ``training_step``. ``train_dataloaders``: per-device ``batch_size``; its sampler is replaced by a
+        distributed one (None: ``datamodule``'s or the model's ``train_dataloader()``, ``lightning/data_sources.py``).
+        ``val_dataloaders``: evaluated on all ranks, each sample once. ``optimizer``: a factory
+        ``params -> Optimizer`` (built after the strategy wraps the model) or None for ``configure_optimizers()``;
+        either may return any of Lightning's forms. ``ckpt_path``: a checkpoint, "last" (this script's newest
+        run under ``default_root_dir``; a warning and a fresh start when there is none) or None; resuming a
+        run's newest checkpoint continues its directory, any other starts a new ``version_N``. After a
+        torchrun restart or a SLURM requeue, None resumes this job's "last". ``ckpt_verify=False`` loads a
+        checkpoint whose ``.sha256`` is missing (refused by default). Under "ddp_spawn"/"ddp_notebook" the body
+        runs in processes started here and rank 0's weights are loaded back into ``model``.
+
+        Raises:
+            FileNotFoundError / CheckpointError: a missing or corrupted ``ckpt_path``.
+            ValueError / TypeError: a bad model, optimizer or batch, named with its fix.
+            trainscale.runtime.hangs.CollectiveTimeout: a collective timed out or a peer crashed.
+            trainscale.faults.tolerance.NonFiniteLossError, trainscale.faults.tolerance.Preempted: docs/fault-tolerance.md.
+        """
+        if self.runtime.spawns:
+            return run_spawned(self, "fit", model, train_dataloaders=train_dataloaders,
+                               val_dataloaders=val_dataloaders, loss_fn=loss_fn, optimizer=optimizer,
+                               ckpt_path=ckpt_path, ckpt_verify=ckpt_verify, datamodule=datamodule)
+        train_dataloaders, val_dataloaders = resolve_fit_loaders(self.runtime, model, train_dataloaders,
+                                                                 val_dataloaders, datamodule)
+        cfg = self.config
+        self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
+                                      cfg.handle_signals)
+        try:
+            return self._run_fit(model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, ckpt_verify)
+        except BaseException as err:
+            self._call("on_exception", err)
+            explained = explain_batch_error(err) or self._faults.diagnose(
+                err, f"at epoch {self.current_epoch}, step {self.global_step}")
+            if explained is None:
+                raise
+            raise explained from err
+        finally:
+            self._faults.stop()
+            if self._fit is not None and self._fit.sink is not None:  # fit raised (finish_run closes it otherwise)
+                self._fit.sink.close("failed")
+            self._fit = None
+
+    def _run_fit(self, model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, verify) -> dict:
+        rt, cfg = self.runtime, self.config
+        resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
+        train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
+        seed_everything(cfg.seed)
+        fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
+        point = self._load(resume_from, verify) if resume_from is not None else None
+        global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers, lambda: self.state.global_step)
+        self.run_dir = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)
+        self._faults.start(self.run_dir)
+        fit.sink = RecordWriter(self.run_dir, cfg.tensorboard, self.loggers, hyperparams(self, model)) \
+            if rt.is_rank_zero else None
+        rt.print(run_header(rt, global_batch, self.run_dir))
+        self._call("on_fit_start")
+        for epoch in range(point.next_epoch if point else 0, cfg.max_epochs):
+            if self.state.global_step >= cfg.step_limit or self.should_stop:
+                break
+            self._train_epoch(fit, epoch, point if point is not None and point.resumes(epoch) else None)
+            self._end_epoch(fit, epoch)
+        self.checkpoints.wait()  # a background checkpoint write still in flight is published
+        summary = finish_run(self, fit, global_batch, resume_from, self._faults.skipped)
+        self._call("on_fit_end")
+        return summary
+
+    def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
+        rt = self.runtime
+        loop_module, wrapped = set_up_model(self, model, loss_fn)  # reused from an earlier fit or evaluation
+        self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
+            model, wrapped, optimizer, self.config, rt)
+        train_loader = rt.setup_dataloader(train_dataloaders, seed=self.config.seed)
+        val_loader = rt.setup_dataloader(val_dataloaders, seed=self.config.seed, even=False) if val_dataloaders else None
+        check_loaders(train_loader, val_loader)
+        telemetry = create_telemetry(rt, self.config.enable_telemetry, count_flops=self.count_flops,
+                                     peak_flops=self._init_kwargs["peak_flops"],
+                              straggler_margin=self.config.straggler_margin)
+        telemetry.attach(wrapped)
+        self._fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, telemetry)
+        return self._fit
+
+    # -- one epoch ----------------------------------------------------------------------------------
+    def _train_epoch(self, fit: FitRun, epoch: int, resume: ResumePoint | None) -> None:
+        rt, cfg = self.runtime, self.config
+        self.state.epoch = epoch
+        batches = epoch_batches(fit, self.state, epoch, resume, rt.world_size, cfg.train_batches)
+        fit.wrapped.train()
+        remaining = fit.epoch_batches - fit.epoch_offset
+        fit.bar = ProgressBar(cfg.enable_progress_bar and rt.is_rank_zero, remaining, f"epoch {epoch + 1}/{cfg.max_epochs}")
+        fit.epoch_loss = EpochLoss(rt.device, resume.totals if resume else (0.0, 0.0, 0.0, 0.0))
+        fit.started = time.perf_counter() - (resume.totals[-1] if resume else 0.0)
+        self._call("on_train_epoch_start")
+        fit.telemetry.start()
+        steps = micro_batches(rt.prefetch(batches), cfg.accumulate_grad_batches, remaining, start=fit.epoch_offset)
+        while self.state.global_step < cfg.step_limit and self._training_step(fit, steps):
+            pass
+        fit.bar.close()
+
+    def _training_step(self, fit: FitRun, steps) -> bool:
+        """One optimizer step over its micro-batches; False when the epoch has no batch left."""
+        self.is_step_end = False
+        for micro in steps:
+            loss = self._forward_backward(fit, micro)
+            if micro.is_last:
+                break
+            self._call("on_train_batch_end", loss, micro.batch, micro.index)
+        else:
+            return False
+        grad_norm = self._optimizer_step(fit)
+        self.state.global_step += 1
+        self.is_step_end = True
+        self._call("on_train_batch_end", loss, micro.batch, micro.index)
+        if self.is_log_step:
+            self._log_step(fit, loss, grad_norm)
+        self._checkpoint_if_due(fit, epoch_end=False)
+        return True
+
+    def _forward_backward(self, fit: FitRun, micro: MicroBatch) -> torch.Tensor:
+        """One micro-batch: to the device, forward and backward, then its loss, counts and timings."""
+        rt, tele = self.runtime, fit.telemetry
+        batch = rt.to_device(micro.batch)  # on CUDA already there: prefetch copied it while the last step ran
+        t_data = tele.clock()
+        samples, tokens = batch_counts(batch)
+        self.metric_collector.batch_size = samples
+        try:
+            loss, t_forward = self._compute(fit, batch, micro)
+        except FlopCountError:  # the model cannot run under FlopCounterMode (warned once): again, uncounted
+            fit.wrapped.zero_grad(set_to_none=True)
+            loss, t_forward = self._compute(fit, batch, micro)
+        tele.micro_batch(t_data, t_forward, tele.clock(), samples, tokens)
+        loss = loss.detach()
+        self._faults.observe_loss(loss, self.state.global_step)
+        fit.epoch_loss.add(loss, samples, tokens)
+        self.state.batches += 1
+        fit.bar.update()
+        return loss
+
+    def _compute(self, fit: FitRun, batch: Any, micro: MicroBatch) -> tuple[torch.Tensor, Any]:
+        """Forward under autocast and backward (no gradient all-reduce before the step's last micro-batch), one
+        pipeline schedule step (pp) or the user's manual step: the loss, and the clock reading after forward."""
+        rt, tele = self.runtime, fit.telemetry
+        if self.manual_optimizers:  # the user's training_step steps the optimizers itself
+            with rt.autocast():
+                return fit.loop_module.manual_step(batch, micro.index), tele.clock()
+        if rt.strategy.pipelined:  # forward and backward in one pipeline schedule step ("pp")
+            loss = rt.forward_backward(fit.wrapped, batch, fit.loop_module.loss_fn, micro.group_size, micro.is_last)
+            return loss, tele.clock()
+        with rt.no_backward_sync(fit.wrapped, enabled=not micro.is_last), tele.count_flops(batch):
+            with rt.autocast():
+                loss = fit.wrapped(batch, micro.index)
+            t_forward = tele.clock()
+            rt.backward(loss / micro.group_size if micro.group_size > 1 else loss)
+        return loss, t_forward
+
+    def _optimizer_step(self, fit: FitRun) -> torch.Tensor | None:
+        """Clip, step (or skip a non-finite step), zero the gradients, step "step"-interval schedulers.
+        Under manual optimization only the schedulers' bookkeeping is the Trainer's."""
+        rt, cfg = self.runtime, self.config
+        grad_norm = None
+        if not self.manual_optimizers:
+            optimizer = self.optimizers[0]
+            if cfg.gradient_clip_val is not None:
+                by_norm = cfg.gradient_clip_algorithm == "norm"
+                grad_norm = rt.clip_gradients(fit.wrapped, optimizer, max_norm=cfg.gradient_clip_val if by_norm else None,
+                                              clip_val=None if by_norm else cfg.gradient_clip_val)
+            if not (cfg.on_nonfinite == "skip" and self._faults.skip_step(fit.wrapped, optimizer, grad_norm,
+                                                                         step=self.global_step, epoch=self.current_epoch)):
+                rt.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+        fit.telemetry.end_step()  # marks "optimizer"
+        step_schedulers(self.schedulers, "step", self.state.global_step + 1, self.callback_metrics)
+        return grad_norm
+
+    def _log_step(self, fit: FitRun, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        record = step_record(fit.telemetry, self.global_step, self.current_epoch, loss, grad_norm, self.optimizers)
+        record.update(self.metric_collector.take_step_values())
+        record.update(self._pending.pop("step", {}))
+        self.callback_metrics.update((k, v) for k, v in record.items() if isinstance(v, float))
+        shown = {k: record[k] for k in ("train_loss", *sorted(self.metric_collector.prog_bar)) if k in record}
+        fit.bar.set_postfix(**{k: f"{v:.4g}" for k, v in shown.items()})
+        if fit.sink is not None:
+            fit.sink.write(record)
+
+    # -- epoch end and checkpoints -------------------------------------------------------------------
+    def _end_epoch(self, fit: FitRun, epoch: int) -> None:
+        rt = self.runtime
+        self._faults.phase = "epoch end (loss all-reduce, validation)"
+        record = epoch_record(epoch, self.global_step, fit.epoch_loss.totals(rt), time.perf_counter() - fit.started,
+                              complete=self.state.batches >= fit.epoch_batches, optimizers=self.optimizers)
+        record.update(self.metric_collector.take_epoch_values())
+        if fit.val_loader is not None:
+            record.update(evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation"))
+            self._call("on_validation_end")
+        record.update(self._pending.pop("epoch", {}))
+        self.callback_metrics.update(record)
+        step_schedulers(self.schedulers, "epoch", epoch + 1, self.callback_metrics)
+        self.state.history.append(record)
+        if fit.sink is not None:
+            fit.sink.write({"kind": "epoch", "rank": "all", "time": time.time(), **record})
+        rt.print(epoch_line(record, self.config.max_epochs))
+        self._call("on_train_epoch_end")
+        self._checkpoint_if_due(fit, epoch_end=True)
+        self._faults.phase = STEP_PHASE
+
+    def _checkpoint_if_due(self, fit: FitRun, epoch_end: bool) -> None:
+        """The one place that decides when to checkpoint: at epoch ends (``enable_checkpointing``), every
+        ``checkpoint_every_n_steps`` steps mid-epoch, and after a signal (agreed on by all ranks in ``poll``)."""
+        cfg, step = self.config, self.state.global_step
+        self.checkpoints.poll()  # publish a background write that has ended (a check that never blocks)
+        every = cfg.checkpoint_every_n_steps
+        periodic = cfg.enable_checkpointing if epoch_end else (
+            every is not None and step % every == 0 and self.state.batches < fit.epoch_batches and step < cfg.step_limit)
+        if not (epoch_end or periodic or self._faults.due(step)):
+            return
+        stop = self._faults.poll(step, self.current_epoch, fit.epoch_loss.sum)
+        if periodic or stop:
+            path = self.save_checkpoint(background=not stop)  # on a signal: on disk before the exit
+            if stop:
+                self._faults.exit(stop, str(path))
+
+    def save_checkpoint(self, path: str | Path | None = None, background: bool = False) -> Path:
+        """Checkpoint everything (model, optimizers, schedulers, loop position, RNG states, callbacks) to
+        ``path`` (default: ``<run dir>/checkpoints/epoch=E-step=S``) atomically; "last" points at it when
+        no ``path`` is given. Every rank must call it at the same point. Returns the path written (``background``
+        with ``checkpoint_async``: returns once the state is staged, the write goes on; ``checkpointing/writes.py``)."""
+        previous, self._faults.phase = self._faults.phase, "checkpoint save"
+        self._faults.barrier("the checkpoint save", f"at epoch {self.current_epoch}, step {self.global_step}")
+        callbacks = {cb.state_key: cb.state_dict() for cb in self.callbacks}
+        self._call("on_save_checkpoint", callbacks)
+        target = self.checkpoints.save(path, self.run_dir, self._fit, self.state, self.optimizers, self.schedulers,
+                                       callbacks, background)
+        self._faults.phase = previous
+        return target
+
+    def _load(self, path: Path, verify: bool) -> ResumePoint:
+        point, states = checkpointer.load(self.runtime, path, self._fit.model, self.optimizers, self.schedulers,
+                                          self.state, self.callbacks, verify)
+        self._call("on_load_checkpoint", states)
+        return point
+
+    # -- evaluation ----------------------------------------------------------------------------------
+    def validate(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader | None = None, *,
+                 loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
+                 datamodule: Any = None) -> dict[str, float]:
+        """Evaluate ``model`` across all ranks, each sample counted once: ``{"val_loss": ..., "val_accuracy": ...}``
+        (or ``validation_step``'s keys prefixed ``val_``, and what it logged), sample-weighted means. ``ckpt_path``:
+        "best", "last" or a path evaluates that checkpoint's weights (``evaluation.checkpoint_to_evaluate``).
+        ``dataloaders`` None: ``datamodule``'s or the model's ``val_dataloader()`` (``lightning/data_sources.py``)."""
+        return self._run_eval("validate", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path,
+                              datamodule=datamodule)
+
+    def test(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader | None = None, *,
+             loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
+             datamodule: Any = None) -> dict[str, float]:
+        """As :meth:`validate`, with ``test_step``, ``test_dataloader()`` and the prefix ``test_``."""
+        return self._run_eval("test", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path, datamodule=datamodule)
+
+    def predict(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader | None = None, *,
+                ckpt_path: str | Path | None = None, datamodule: Any = None) -> Any:
+        """``predict_step(batch, batch_idx)`` (or the model's output) for every sample, from all ranks in dataset order,
+        each sample once: one tensor of shape (N, ...) when the outputs are tensors; ``ckpt_path`` as :meth:`validate`'s."""
+        return self._run_eval("predict", model, dataloaders, ckpt_path=ckpt_path, datamodule=datamodule)
+
+    def _run_eval(self, method: str, model, dataloaders, ckpt_path=None, **kwargs) -> Any:
+        kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path)  # before any ddp_spawn start
+        if self.runtime.spawns:
+            return run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
+        return evaluation.run_stage(self, method, model, dataloaders, **kwargs)
+
+    # -- plumbing -------------------------------------------------------------------------------------
+    def _call(self, hook: str, *args: Any) -> None:
+        module = self._fit.model if self._fit is not None else None
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, module, *args)
