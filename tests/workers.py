@@ -95,16 +95,20 @@ def bad_ckpt_body(rank: int, path: str) -> str:
 
 class LrUsed(Callback):
     """A callback recording, at every optimizer step, the lr of each param group as ``step()`` reads it
-    (an optimizer step pre-hook registered in ``on_fit_start``, after the Trainer's own hooks)."""
+    (an optimizer step pre-hook registered in ``on_fit_start``), and the groups' values after each whole
+    training step (``on_train_batch_end`` of a step's last micro-batch: the schedule's, after it stepped)."""
 
     def __init__(self) -> None:
         self.used: list[list[float]] = []
-        self.between: list[list[float]] = []  # the groups' values after each step (the schedule's)
+        self.between: list[list[float]] = []
 
     def on_fit_start(self, trainer, module) -> None:
         for opt in trainer.optimizers:
             opt.register_step_pre_hook(lambda o, a, k: self.used.append([float(g["lr"]) for g in o.param_groups]))
-            opt.register_step_post_hook(lambda o, a, k: self.between.append([float(g["lr"]) for g in o.param_groups]))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.is_step_end:
+            self.between.append([float(g["lr"]) for opt in trainer.optimizers for g in opt.param_groups])
 
 
 def lr_scaling_body(rank: int, root: str) -> dict:

@@ -11,10 +11,12 @@ from torch import nn
 from trainscale.lightning.optimizers import ManualOptimizer, parse_optimization
 
 
-def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, config: Any, runtime: Any):
+def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, config: Any, runtime: Any,
+                     scaled_lr: Any = None):
     """``(optimizers, scheduler configs, manual optimizers)`` for ``model`` wrapped as ``wrapped``, under the
     Trainer's ``config`` (``TrainerConfig``); the manual list is empty unless the module sets
-    ``automatic_optimization = False``.
+    ``automatic_optimization = False``. ``scaled_lr``: the context each manual ``step()`` runs in
+    (``BatchScaling.scaled_lr``).
 
     Raises:
         ValueError / TypeError: see :func:`configured_optimization` and :func:`check_optimizers`.
@@ -25,7 +27,8 @@ def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, confi
     optimizers = [runtime.strategy.setup_optimizer(o) for o in optimization.optimizers]
     sync = ("backward" if _fsdp_sharded(runtime)
             else {"ddp": "step", "ddp_spawn": "step"}.get(runtime.config.strategy, "none"))
-    manuals = [ManualOptimizer(o, runtime, model, wrapped, sync) for o in optimizers] if manual else []
+    extra = {} if scaled_lr is None else {"scaled_lr": scaled_lr}
+    manuals = [ManualOptimizer(o, runtime, model, wrapped, sync, **extra) for o in optimizers] if manual else []
     return optimizers, list(optimization.schedulers), manuals
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -173,9 +173,12 @@ class ManualOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, runtime: Any, model: torch.nn.Module,
-                 wrapped: torch.nn.Module, gradient_sync: str) -> None:
+                 wrapped: torch.nn.Module, gradient_sync: str,
+                 scaled_lr: Callable[[torch.optim.Optimizer], ContextManager] = lambda opt: contextlib.nullcontext()
+                 ) -> None:
         """``gradient_sync``: "step" (ddp: averaged in :meth:`step`), "backward" (fsdp: reduce-scattered by
-        FSDP2 in backward) or "none" (one process)."""
+        FSDP2 in backward) or "none" (one process). ``scaled_lr(optimizer)``: the context the step runs in
+        (the Trainer's ``BatchScaling.scaled_lr`` under ``lr_scaling``)."""
         self.optimizer = optimizer
         self._model = model
         self._wrapped = wrapped  # what Runtime.setup returned (the FSDP root under fsdp)
@@ -184,6 +187,7 @@ class ManualOptimizer:
         self._average = gradient_sync == "step" and runtime.world_size > 1
         self._averaged = False  # this step's gradients already averaged (by clip_gradients)
         self._frozen: list[torch.Tensor] = []
+        self._scaled_lr = scaled_lr
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["optimizer"], name)
@@ -203,12 +207,13 @@ class ManualOptimizer:
         self._averaged = True
 
     def step(self, closure: Any = None) -> None:
-        """Average the gradients over ranks (ddp), then step (closure: run first, as torch does)."""
+        """Average the gradients over ranks (ddp), then step at the scaled lr (closure: run first, as torch does)."""
         if closure is not None:
             with torch.enable_grad():
                 closure()
         self._average_gradients()
-        self._rt.step(self.optimizer)
+        with self._scaled_lr(self.optimizer):
+            self._rt.step(self.optimizer)
         self._averaged = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,4 +1,4 @@
-"""Training progress as values: where the loop stands, where a resume starts, micro-batch grouping.
+"""The loop's values: micro-batch grouping, per-micro-batch books, the epoch loss, the objects of a fit.
 
 - :func:`micro_batches` — the micro-batches of an epoch, each knowing whether it ends an optimizer step.
 """
@@ -12,6 +12,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 import torch
 
 from trainscale.checkpointing.rng import set_rng_state
+from trainscale.runtime.batch import batch_counts
 
 
 class MicroBatch(NamedTuple):
@@ -60,6 +61,33 @@ class EpochLoss:
         return tuple(v / copies + c for v, c in zip(vec, self.carried))
 
 
+class MicroBatchBooks:
+    """What the loop counts for each micro-batch, in one place: the data phase's end, samples and tokens (and
+    ``self.log``'s batch size), then the telemetry phases, the epoch's loss sum (on the device), the non-finite
+    watch, the loop position and the progress bar. Nothing here waits for the device."""
+
+    def __init__(self, telemetry: Any, faults: Any, state: Any, metrics: Any, epoch_loss: EpochLoss, bar: Any) -> None:
+        self.telemetry, self.faults, self.state, self.metrics = telemetry, faults, state, metrics
+        self.epoch_loss, self.bar = epoch_loss, bar
+        self._t_data: Any = None
+        self._counts: tuple[int, int | None] = (0, None)
+
+    def batch_ready(self, batch: Any) -> None:
+        """The micro-batch is on the device: the data phase ends; its samples and tokens are counted."""
+        self._t_data = self.telemetry.clock()
+        self._counts = batch_counts(batch)
+        self.metrics.batch_size = self._counts[0]
+
+    def backward_done(self, loss: torch.Tensor, t_forward: Any) -> None:
+        """Forward and backward ended (``t_forward``: the clock reading between them); ``loss`` is detached."""
+        samples, tokens = self._counts
+        self.telemetry.micro_batch(self._t_data, t_forward, self.telemetry.clock(), samples, tokens)
+        self.faults.observe_loss(loss, self.state.global_step)
+        self.epoch_loss.add(loss, samples, tokens)
+        self.state.batches += 1
+        self.bar.update()
+
+
 @dataclass
 class FitRun:
     """The objects of one ``fit`` (or evaluation) call, made in ``Trainer._setup``."""
@@ -73,6 +101,7 @@ class FitRun:
     sink: Any = None
     bar: Any = None
     epoch_loss: EpochLoss | None = None
+    books: MicroBatchBooks | None = None
     epoch_batches: int = 0  # micro-batches of the current epoch in all
     epoch_offset: int = 0  # of them, those done before this process resumed the epoch
     started: float = 0.0

@@ -1,24 +1,24 @@
 """Trainer: the training loop, built on Runtime. ``Trainer(devices=2).fit(model, train_loader, optimizer=...)``
 
 ``model`` is a plain ``nn.Module`` with ``loss_fn``, or a Lightning-style ``trainscale.TrainingModule``.
-The loop reads top to bottom: ``fit`` → ``_train_epoch`` → ``_training_step`` (one optimizer step over
-its micro-batches) → ``_end_epoch``; the same code runs at world size 1 (docs/architecture.md).
+The loop reads top to bottom: ``fit`` → ``_train_epoch`` → :meth:`Trainer.train_step` (one optimizer step over
+its micro-batches, every effect of it named there in order) → ``_end_epoch``; the same code runs at world
+size 1 (docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from trainscale.callbacks import Callback, resolve_callbacks
 from trainscale.loggers import resolve_loggers
-from trainscale.runtime.batch import batch_counts
 from trainscale.runtime.runtime import RUNTIME_FLAGS, Runtime
-from trainscale.telemetry.flops import FlopCountError, resolve_count_flops
+from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry
 from trainscale.checkpointing import checkpointer
 from trainscale.checkpointing.rng import seed_everything
@@ -40,7 +40,7 @@ from trainscale.checkpointing.runs import choose_run_dir, resolve_ckpt_path
 from trainscale.loop.summary import finish_run, hyperparams
 from trainscale.lightning.optimizer_setup import build_optimizers
 from trainscale.checkpointing.train_state import ResumePoint, TrainState
-from trainscale.loop.state import EpochLoss, FitRun, MicroBatch, epoch_batches, micro_batches
+from trainscale.loop.state import EpochLoss, FitRun, MicroBatch, MicroBatchBooks, epoch_batches, micro_batches
 
 
 class Trainer:
@@ -196,7 +196,7 @@ class Trainer:
         rt = self.runtime
         loop_module, wrapped = set_up_model(self, model, loss_fn)  # reused from an earlier fit or evaluation
         self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
-            model, wrapped, optimizer, self.config, rt)
+            model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr)
         train_loader = rt.setup_dataloader(train_dataloaders, seed=self.config.seed)
         val_loader = rt.setup_dataloader(val_dataloaders, seed=self.config.seed, even=False) if val_dataloaders else None
         check_loaders(train_loader, val_loader)
@@ -216,56 +216,84 @@ class Trainer:
         remaining = fit.epoch_batches - fit.epoch_offset
         fit.bar = ProgressBar(cfg.enable_progress_bar and rt.is_rank_zero, remaining, f"epoch {epoch + 1}/{cfg.max_epochs}")
         fit.epoch_loss = EpochLoss(rt.device, resume.totals if resume else (0.0, 0.0, 0.0, 0.0))
+        fit.books = MicroBatchBooks(fit.telemetry, self._faults, self.state, self.metric_collector, fit.epoch_loss,
+                                    fit.bar)
         fit.started = time.perf_counter() - (resume.totals[-1] if resume else 0.0)
         self._call("on_train_epoch_start")
         fit.telemetry.start()
         steps = micro_batches(rt.prefetch(batches), cfg.accumulate_grad_batches, remaining, start=fit.epoch_offset)
-        while self.state.global_step < cfg.step_limit and self._training_step(fit, steps):
+        while self.state.global_step < cfg.step_limit and self.train_step(fit, steps):
             pass
         fit.bar.close()
 
-    def _training_step(self, fit: FitRun, steps) -> bool:
-        """One optimizer step over its micro-batches; False when the epoch has no batch left."""
+    def train_step(self, fit: FitRun, steps: Iterator[MicroBatch]) -> bool:
+        """One optimizer step over its micro-batches, every effect of it named here in order. False when the
+        epoch had no micro-batch left.
+
+        1. Each micro-batch: to the device, forward under autocast, backward of the loss ÷ micro-batches per
+           step; the gradient all-reduce (ddp) or reduce-scatter (fsdp) runs on the step's last micro-batch
+           only (``no_backward_sync``). Under pp one schedule step does forward and backward; under manual
+           optimization the module's ``training_step`` does it all, stepping its own optimizers.
+        2. Clipping (after the GradScaler's unscale under "16-mixed"; DTensor-aware under fsdp/tp/pp).
+        3. Non-finite gradients: skipped with ``on_nonfinite="skip"`` (one host sync); with "raise" the
+           losses are checked at the agreed check steps in step 6, without a host sync per step.
+        4. The optimizer step at the learning rate scaled to the global batch (``lr_scaling``, this step
+           only), through the GradScaler under "16-mixed"; then ``zero_grad(set_to_none=True)``.
+        5. Learning-rate schedulers with ``interval="step"``; the step count; ``on_train_batch_end``; the step
+           record every ``log_every_n_steps``.
+        6. Faults and checkpoints (:meth:`_checkpoint_if_due`): signals and the non-finite check at the steps
+           every rank agreed on, a checkpoint every ``checkpoint_every_n_steps``.
+        """
+        rt, cfg, tele = self.runtime, self.config, fit.telemetry
         self.is_step_end = False
+        # 1. Forward and backward, micro-batch by micro-batch.
         for micro in steps:
-            loss = self._forward_backward(fit, micro)
+            batch = rt.to_device(micro.batch)  # on CUDA already there: prefetch copied it while the last step ran
+            fit.books.batch_ready(batch)  # the data phase ends; samples and tokens (self.log's batch size)
+            if tele.counting_flops:  # the run's first micro-batch: its FLOPs counted once, for MFU
+                loss, t_forward = tele.count_flops_of(lambda: self._forward_backward(fit, batch, micro), fit.wrapped,
+                                                      batch)
+            else:
+                loss, t_forward = self._forward_backward(fit, batch, micro)
+            loss = loss.detach()
+            fit.books.backward_done(loss, t_forward)  # phases, epoch loss sum, non-finite watch, progress bar
             if micro.is_last:
                 break
             self._call("on_train_batch_end", loss, micro.batch, micro.index)
         else:
             return False
-        grad_norm = self._optimizer_step(fit)
+        grad_norm = None
+        if not self.manual_optimizers:
+            optimizer = self.optimizers[0]
+            # 2. Clip.
+            if cfg.gradient_clip_val is not None:
+                by_norm = cfg.gradient_clip_algorithm == "norm"
+                grad_norm = rt.clip_gradients(fit.wrapped, optimizer, max_norm=cfg.gradient_clip_val if by_norm else None,
+                                              clip_val=None if by_norm else cfg.gradient_clip_val)
+            # 3. Skip a step whose gradients are not finite ("skip" mode).
+            skip = cfg.on_nonfinite == "skip" and self._faults.skip_step(fit.wrapped, optimizer, grad_norm,
+                                                                         step=self.global_step, epoch=self.current_epoch)
+            # 4. Step at the scaled learning rate, then zero the gradients.
+            if not skip:
+                with self.batch_scaling.scaled_lr(optimizer):
+                    rt.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+        tele.end_step()  # the "optimizer" phase ends
+        # 5. Schedulers, the step count, callbacks, the step record.
+        step_schedulers(self.schedulers, "step", self.state.global_step + 1, self.callback_metrics)
         self.state.global_step += 1
         self.is_step_end = True
         self._call("on_train_batch_end", loss, micro.batch, micro.index)
         if self.is_log_step:
             self._log_step(fit, loss, grad_norm)
+        # 6. Signals, the non-finite check and checkpoints, when due.
         self._checkpoint_if_due(fit, epoch_end=False)
         return True
 
-    def _forward_backward(self, fit: FitRun, micro: MicroBatch) -> torch.Tensor:
-        """One micro-batch: to the device, forward and backward, then its loss, counts and timings."""
-        rt, tele = self.runtime, fit.telemetry
-        batch = rt.to_device(micro.batch)  # on CUDA already there: prefetch copied it while the last step ran
-        t_data = tele.clock()
-        samples, tokens = batch_counts(batch)
-        self.metric_collector.batch_size = samples
-        try:
-            loss, t_forward = self._compute(fit, batch, micro)
-        except FlopCountError:  # the model cannot run under FlopCounterMode (warned once): again, uncounted
-            fit.wrapped.zero_grad(set_to_none=True)
-            loss, t_forward = self._compute(fit, batch, micro)
-        tele.micro_batch(t_data, t_forward, tele.clock(), samples, tokens)
-        loss = loss.detach()
-        self._faults.observe_loss(loss, self.state.global_step)
-        fit.epoch_loss.add(loss, samples, tokens)
-        self.state.batches += 1
-        fit.bar.update()
-        return loss
-
-    def _compute(self, fit: FitRun, batch: Any, micro: MicroBatch) -> tuple[torch.Tensor, Any]:
-        """Forward under autocast and backward (no gradient all-reduce before the step's last micro-batch), one
-        pipeline schedule step (pp) or the user's manual step: the loss, and the clock reading after forward."""
+    def _forward_backward(self, fit: FitRun, batch: Any, micro: MicroBatch) -> tuple[torch.Tensor, Any]:
+        """One micro-batch's forward under autocast and backward, without the gradient all-reduce before the
+        step's last micro-batch; one pipeline schedule step (pp); or the user's manual ``training_step``.
+        Returns the loss and the clock reading between forward and backward."""
         rt, tele = self.runtime, fit.telemetry
         if self.manual_optimizers:  # the user's training_step steps the optimizers itself
             with rt.autocast():
@@ -273,31 +301,12 @@ class Trainer:
         if rt.strategy.pipelined:  # forward and backward in one pipeline schedule step ("pp")
             loss = rt.forward_backward(fit.wrapped, batch, fit.loop_module.loss_fn, micro.group_size, micro.is_last)
             return loss, tele.clock()
-        with rt.no_backward_sync(fit.wrapped, enabled=not micro.is_last), tele.count_flops(batch):
+        with rt.no_backward_sync(fit.wrapped, enabled=not micro.is_last):
             with rt.autocast():
                 loss = fit.wrapped(batch, micro.index)
             t_forward = tele.clock()
             rt.backward(loss / micro.group_size if micro.group_size > 1 else loss)
         return loss, t_forward
-
-    def _optimizer_step(self, fit: FitRun) -> torch.Tensor | None:
-        """Clip, step (or skip a non-finite step), zero the gradients, step "step"-interval schedulers.
-        Under manual optimization only the schedulers' bookkeeping is the Trainer's."""
-        rt, cfg = self.runtime, self.config
-        grad_norm = None
-        if not self.manual_optimizers:
-            optimizer = self.optimizers[0]
-            if cfg.gradient_clip_val is not None:
-                by_norm = cfg.gradient_clip_algorithm == "norm"
-                grad_norm = rt.clip_gradients(fit.wrapped, optimizer, max_norm=cfg.gradient_clip_val if by_norm else None,
-                                              clip_val=None if by_norm else cfg.gradient_clip_val)
-            if not (cfg.on_nonfinite == "skip" and self._faults.skip_step(fit.wrapped, optimizer, grad_norm,
-                                                                         step=self.global_step, epoch=self.current_epoch)):
-                rt.step(optimizer)
-            optimizer.zero_grad(set_to_none=True)
-        fit.telemetry.end_step()  # marks "optimizer"
-        step_schedulers(self.schedulers, "step", self.state.global_step + 1, self.callback_metrics)
-        return grad_norm
 
     def _log_step(self, fit: FitRun, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
         record = step_record(fit.telemetry, self.global_step, self.current_epoch, loss, grad_norm, self.optimizers)

@@ -8,8 +8,9 @@ Adaptive Gradient Algorithms", NeurIPS) — and m ramps linearly from 1 at step 
 f (Goyal et al.'s gradual warm-up, §2.2: from the tuned lr to the scaled one in constant increments).
 G, the global batch size, is the per-device micro-batch × the data-parallel ranks × ``accumulate_grad_batches``.
 
-Why at step time. The factor is applied by an optimizer step pre-hook and the group's value put back by a
-post-hook, so between steps ``param_groups[i]["lr"]`` holds what the user's schedule set. Every schedule then
+Why at step time. The training step scales the lr around ``optimizer.step()`` only (:meth:`BatchScaling.scaled_lr`,
+called by name in ``Trainer._train_step`` and in a manual optimizer's ``step()``), so between steps
+``param_groups[i]["lr"]`` holds what the user's schedule set. Every schedule then
 composes unchanged — ``LambdaLR`` (base_lr × λ), ``OneCycleLR`` (its ``max_lr`` is the tuned peak), chainable
 schedulers, ``ReduceLROnPlateau`` (its ``min_lr`` is in tuned units, scaled like the rest), a hand-written loop
 that sets ``group["lr"]`` each step (nanoGPT's) — where scaling ``initial_lr``/``base_lrs`` once would be undone
@@ -21,11 +22,10 @@ are lr × lr_scale, the lr the step uses (:func:`trainscale.lightning.optimizers
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 from trainscale.scaling.lr_scaling import LR_SCALE_KEY, lr_factor, warmup
-
-_HANDLES = "_trainscale_lr_scaling"  # the hook handles, kept on the optimizer: a later fit removes them first
 
 
 def global_batch_size(loader: Any, runtime: Any, accumulate: int) -> int | None:
@@ -39,7 +39,7 @@ def global_batch_size(loader: Any, runtime: Any, accumulate: int) -> int | None:
 
 class BatchScaling:
     """The Trainer's global batch size and LR scaling (module docstring), from a
-    :class:`~trainscale.loop.config.TrainerConfig` (``lr_scaling`` None: no scaling, no hooks)."""
+    :class:`~trainscale.loop.config.TrainerConfig` (``lr_scaling`` None: no scaling)."""
 
     def __init__(self, config: Any) -> None:
         self.rule, self.base_batch_size = config.lr_scaling, config.base_batch_size
@@ -47,7 +47,6 @@ class BatchScaling:
         self.global_batch_size: int | None = None
         self.factor = 1.0
         self._step: Callable[[], int] = lambda: 0
-        self._saved: dict[int, list] = {}
 
     def multiplier(self, step: int) -> float:
         """The lr multiplier of optimizer step ``step`` (0-based): f after the warm-up, 1 → f during it."""
@@ -56,17 +55,16 @@ class BatchScaling:
         return self.factor * warmup(self.warmup_steps, self.factor)(step)
 
     def attach(self, runtime: Any, loader: Any, optimizers, step: Callable[[], int]) -> int | None:
-        """Compute the global batch size; with a rule, hook ``optimizers`` (after any checkpoint was loaded into
-        them) and print the scaled learning rates on rank zero. ``step()`` is the number of optimizer steps
+        """Compute the global batch size; with a rule, mark ``optimizers`` (after any checkpoint was loaded into
+        them) with the next step's multiplier and print the scaled learning rates on rank zero. ``step()`` is the number of optimizer steps
         taken so far. Returns the global batch size.
 
         Raises:
             ValueError: ``lr_scaling`` with a loader that has no fixed ``batch_size``.
         """
         self.global_batch_size = global_batch_size(loader, runtime, self.accumulate)
+        self.factor = 1.0
         for opt in optimizers:
-            for handle in opt.__dict__.pop(_HANDLES, ()):
-                handle.remove()
             for group in opt.param_groups:
                 group.pop(LR_SCALE_KEY, None)  # a checkpoint of a scaled run may carry it
         if self.rule is None:
@@ -77,8 +75,6 @@ class BatchScaling:
         self.factor = lr_factor(self.global_batch_size, self.base_batch_size, self.rule)
         self._step = step
         for opt in optimizers:
-            opt.__dict__[_HANDLES] = (opt.register_step_pre_hook(self._scale),
-                                      opt.register_step_post_hook(self._restore))
             _set_scale(opt, self.multiplier(step()))
         runtime.print(self.describe(optimizers, loader.batch_size))
         return self.global_batch_size
@@ -101,7 +97,13 @@ class BatchScaling:
         return {"rule": self.rule, "base_batch_size": self.base_batch_size, "factor": self.factor,
                 "warmup_steps": self.warmup_steps}
 
-    def _scale(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    @contextlib.contextmanager
+    def scaled_lr(self, optimizer: Any) -> Iterator[None]:
+        """Around one ``optimizer.step()``: each param group's lr × the multiplier of this step, the schedule's
+        value put back after it (and the next step's multiplier recorded for the records). Nothing without a rule."""
+        if self.rule is None:
+            yield
+            return
         m = self.multiplier(self._step())
         saved = []
         for group in optimizer.param_groups:
@@ -112,15 +114,15 @@ class BatchScaling:
             else:
                 saved.append(lr)
                 group["lr"] = lr * m
-        self._saved[id(optimizer)] = saved
-
-    def _restore(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        for group, lr in zip(optimizer.param_groups, self._saved.pop(id(optimizer))):
-            if hasattr(group["lr"], "copy_"):
-                group["lr"].copy_(lr)
-            else:
-                group["lr"] = lr
-        _set_scale(optimizer, self.multiplier(self._step() + 1))
+        try:
+            yield
+        finally:
+            for group, lr in zip(optimizer.param_groups, saved):
+                if hasattr(group["lr"], "copy_"):
+                    group["lr"].copy_(lr)
+                else:
+                    group["lr"] = lr
+            _set_scale(optimizer, self.multiplier(self._step() + 1))
 
 
 def _set_scale(optimizer: Any, multiplier: float) -> None:

@@ -35,12 +35,12 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from trainscale.runtime.batch import batch_counts
-from trainscale.telemetry.flops import MFU_ERROR, FlopsPerSample, mfu, peak_flops_per_s, resolve_count_flops
+from trainscale.telemetry.flops import MFU_ERROR, FlopCountError, FlopsPerSample, mfu, peak_flops_per_s, resolve_count_flops
 from trainscale.telemetry.memory import PeakMemory
 from trainscale.telemetry.nvml import GpuSampler
 from trainscale.telemetry.stragglers import compute_per_step, find_stragglers, mean, median
@@ -153,6 +153,23 @@ class Telemetry:
             self.flops.done = True
             return _NO_COUNT
         return self.flops.measure(samples, tokens)
+
+    @property
+    def counting_flops(self) -> bool:
+        """True until the run's FLOPs per sample are known (counted on the first micro-batch)."""
+        return not self.flops.done
+
+    def count_flops_of(self, forward_backward: Callable[[], Any], module: Any, batch: Any) -> Any:
+        """``forward_backward()`` (one micro-batch's forward and backward) with its FLOPs counted: returns what it
+        returns. A model that fails only while counted (e.g. a compiled region such as eager ``flex_attention``)
+        runs again uncounted after ``module``'s gradients are cleared, and MFU falls back to the analytic
+        estimate (one warning)."""
+        try:
+            with self.count_flops(batch):
+                return forward_backward()
+        except FlopCountError:
+            module.zero_grad(set_to_none=True)
+            return forward_backward()
 
     def end_step(self) -> None:
         """Mark "optimizer" and close the optimizer step."""
@@ -345,6 +362,8 @@ class NullTelemetry:
 
     def count_flops(self, batch: Any):
         return _NO_COUNT
+
+    counting_flops = False
 
     def end_step(self) -> None: ...
 
