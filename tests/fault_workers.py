@@ -181,7 +181,7 @@ def crash_scenarios(root: str) -> None:
         out = {"case": f"{name}-{stage}", "killed": os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL,
                "last": last.name if last else None}
         try:
-            out["step"] = int(checkpoint_io.load_file(last)["global_step"]) if last else None
+            out["step"] = int(checkpoint_io.load_file(last)["train_state"]["global_step"]) if last else None
         except Exception as err:  # noqa: BLE001
             out["error"] = f"{type(err).__name__}: {err}"
         out["tmp_left"] = len(list((case_root / "version_0" / "checkpoints").glob(".*.tmp")))

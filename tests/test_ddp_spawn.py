@@ -48,7 +48,7 @@ def test_a_spawned_fit_returns_the_best_checkpoint_which_test_then_evaluates(tmp
     history = [r["val_loss"] for r in trainer.history]
     best = history.index(min(history))
     assert best < len(history) - 1  # the best checkpoint is not the fitted weights
-    assert callback.best_model_path is not None and f"epoch={best:04d}-" in callback.best_model_path
+    assert callback.best_model_path is not None and f"epoch={best + 1:06d}-" in callback.best_model_path
     assert trainer.callback_metrics["val_loss"] == pytest.approx(history[-1])
     assert trainer.test(model, val, ckpt_path="best")["test_loss"] == pytest.approx(history[best], rel=1e-6)
 

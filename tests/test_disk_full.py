@@ -53,7 +53,7 @@ def test_disk_full_during_a_save_names_the_cause_and_place_and_keeps_last(tmp_pa
     assert sorted(p.name for p in ckpt_dir.iterdir()) == [
         "epoch=000001-step=0000000002.pt", "epoch=000001-step=0000000002.pt.sha256", "last"]  # no temporary file
     last = ckpt.find_last(tmp_path)
-    assert last.name == "epoch=000001-step=0000000002.pt" and checkpoint_io.load_file(last)["global_step"] == 2
+    assert last.name == "epoch=000001-step=0000000002.pt" and checkpoint_io.load_file(last)["train_state"]["global_step"] == 2
 
 
 def test_other_write_errors_are_not_called_disk_full(tmp_path, monkeypatch):
@@ -74,7 +74,7 @@ def test_a_stale_temporary_directory_of_a_killed_sharded_save_does_not_break_lat
     (ckpt_dir / ".epoch=000001-step=0000000004.pt.abcd.tmp").write_bytes(b"x")  # a killed file save's
     path = ckpt_dir / ckpt.checkpoint_name(2, 12)
     checkpoint_io.save_file({"w": torch.ones(3)}, path)
-    ckpt.mark_last(path, keep_last=1)
+    ckpt.mark_last(path, ckpt_dir)
     assert sorted(p.name for p in ckpt_dir.iterdir()) == [path.name, f"{path.name}.sha256", "last"]
 
 

@@ -172,13 +172,14 @@ def test_fsdp_model_without_parameters_or_with_a_policy_class_not_in_it():
 
 
 def test_last_pointer_and_rotation_with_checkpoint_directories(tmp_path):
-    """``last``/``find_last``/rotation treat a sharded checkpoint directory like a file."""
+    """``last``/``find_last``/removal treat a sharded checkpoint directory like a file."""
     ckpt_dir = tmp_path / "version_0" / "checkpoints"
     for epoch in (1, 2, 3):
         path = ckpt_dir / ckpt.checkpoint_name(epoch, 6 * epoch, suffix="")
         (path / "sub").mkdir(parents=True)
         (path / ".metadata").write_text("x")
-        ckpt.mark_last(path, keep_last=2)
+        ckpt.mark_last(path, ckpt_dir)
+    ckpt.remove_checkpoint(ckpt_dir / ckpt.checkpoint_name(1, 6, suffix=""))
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["epoch=000002-step=0000000012", "epoch=000003-step=0000000018", "last"]
     assert ckpt.find_last(tmp_path) == ckpt_dir / "epoch=000003-step=0000000018"
 

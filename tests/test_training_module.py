@@ -287,9 +287,12 @@ def test_model_checkpoint_keeps_the_top_k_by_the_monitored_metric(tmp_path):
     callback = ModelCheckpoint(monitor="score", save_top_k=2)
     trainer = _trainer(tmp_path, max_epochs=5, callbacks=[callback])
     trainer.fit(EpochMetric(), DataLoader(mw.indexed_dataset(8), batch_size=4), DataLoader(mw.indexed_dataset(4)))
-    kept = sorted(p.name for p in (trainer.run_dir / "checkpoints" / "top").glob("*.pt"))
-    assert kept == ["epoch=0003-step=000000008-score=1.pt", "epoch=0004-step=000000010-score=2.pt"]
-    assert callback.best_model_path.endswith("score=1.pt")
+    kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.pt"))
+    # scores 5, 3, 4, 1, 2 at the ends of epochs 1..5: the best two are kept (the newest is also "last")
+    assert kept == ["epoch=000004-step=0000000008.pt", "epoch=000005-step=0000000010.pt"]
+    assert callback.best_model_path.endswith("epoch=000004-step=0000000008.pt")
+    assert (trainer.run_dir / "checkpoints" / "last").read_text().strip() == "epoch=000005-step=0000000010.pt"
+    assert trainer.checkpoints.summary()["saves"] == 5  # one checkpoint per epoch end: the callback is the only writer
 
 
 @pytest.mark.multiprocess
@@ -303,7 +306,7 @@ def test_validate_and_predict_evaluate_the_best_and_the_last_checkpoint_on_two_r
     history = ranks[0]["history"]
     best = history.index(min(history))
     assert best < len(history) - 1  # the best is not the fitted weights: loading it changes the model
-    assert f"epoch={best:04d}-" in ranks[0]["best_path"] and ranks[1]["best_path"] == ranks[0]["best_path"]
+    assert f"epoch={best + 1:06d}-" in ranks[0]["best_path"] and ranks[1]["best_path"] == ranks[0]["best_path"]
     for r in ranks:
         assert r["own"] == pytest.approx(history[-1], rel=1e-6)  # without ckpt_path: the fitted weights
         assert r["best"] == pytest.approx(history[best], rel=1e-6)  # with it: the best epoch's

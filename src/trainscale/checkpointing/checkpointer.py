@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trainscale.checkpointing import rng, run_dirs as ckpt
 from trainscale.checkpointing.train_state import ResumePoint, TrainState
@@ -22,11 +22,18 @@ def _keyed(prefix: str, objects) -> dict[str, Any]:
     return {prefix if i == 0 else f"{prefix}_{i}": obj for i, obj in enumerate(objects)}
 
 
-def save(runtime: Any, path: Path | None, run_dir: Path, fit: Any, state: TrainState, optimizers, schedulers,
-         callbacks: dict, asynchronous: bool = False) -> tuple[Path, Any]:
-    """Write a checkpoint of the running ``fit`` (a ``FitRun``) to ``path`` + the strategy's suffix, or by
-    default to ``run_dir/checkpoints/epoch=E-step=S``. All ranks call it; ends with a barrier, or
-    (``asynchronous``) once the state is staged (``Runtime.save``).
+def default_name(fit: Any, state: TrainState) -> str:
+    """The one checkpoint name, without the strategy's suffix: ``epoch=E-step=S``, E the epochs completed."""
+    completed = state.epoch + 1 if state.batches >= fit.epoch_batches else state.epoch
+    return ckpt.checkpoint_name(completed, state.global_step, "")
+
+
+def save(runtime: Any, target: Path, fit: Any, state: TrainState, optimizers, schedulers, callbacks: dict,
+         on_save: Callable[[dict], None] | None = None, asynchronous: bool = False) -> tuple[Path, Any]:
+    """Write a checkpoint of the running ``fit`` (a ``FitRun``) to ``target`` + the strategy's suffix. All ranks
+    call it; ends with a barrier, or (``asynchronous``) once the state is staged (``Runtime.save``).
+    ``on_save(checkpoint)`` sees the dict before it is written and may add keys (Lightning's
+    ``Callback.on_save_checkpoint``).
 
     Returns:
         The path (a file, or a DCP directory under a sharding strategy) and None, or the ``AsyncSave`` that
@@ -37,18 +44,16 @@ def save(runtime: Any, path: Path | None, run_dir: Path, fit: Any, state: TrainS
     sampler = getattr(fit.train_loader, "sampler", None)
     consumed = (sampler.consumed_after(state.batches - fit.epoch_offset, fit.train_loader.batch_size)
                 if hasattr(sampler, "consumed_after") else None)
-    suffix = runtime.strategy.checkpoint_suffix
-    completed = state.epoch + 1 if complete else state.epoch
-    target = Path(f"{path}{suffix}") if path is not None else (
-        run_dir / "checkpoints" / ckpt.checkpoint_name(completed, state.global_step, suffix))
+    target = Path(f"{target}{runtime.strategy.checkpoint_suffix}")
     content = {"model": fit.model, **_keyed("optimizer", optimizers),
                **_keyed("scheduler", [s.scheduler for s in schedulers]),
-               "train_state": state.state_dict(), "global_step": state.global_step, "history": list(state.history),
-               "epoch": state.epoch, "rng": runtime.all_gather_object(rng.rng_state()),
+               "train_state": state.state_dict(), "rng": runtime.all_gather_object(rng.rng_state()),
                "world_size": runtime.world_size, "callbacks": callbacks,
                "optimizer_classes": [type(o).__name__ for o in optimizers],
                "loop": {"epoch": state.epoch, "complete": complete, "consumed": consumed, "batches": state.batches,
                         "totals": None if complete else totals}}
+    if on_save is not None:
+        on_save(content)
     return target, runtime.save(target, content, asynchronous=asynchronous)
 
 
@@ -57,7 +62,8 @@ def load(runtime: Any, path: Path, model: Any, optimizers, schedulers, state: Tr
     """Restore model, optimizers, schedulers, ``state`` and the ``callbacks``' states in place from ``path``.
 
     Returns:
-        The resume point and the callbacks' saved states (``{state_key: state}``).
+        The resume point and the checkpoint's other entries (``train_state``, ``loop``, ``callbacks``: the
+        callbacks' saved states by ``state_key``, and any key a callback's ``on_save_checkpoint`` added).
 
     Raises:
         ValueError: the checkpoint's optimizers are of other classes than the configured ones (e.g. Adam
@@ -76,7 +82,7 @@ def load(runtime: Any, path: Path, model: Any, optimizers, schedulers, state: Tr
     states = dict(rest.get("callbacks") or {})
     for cb in (cb for cb in callbacks if cb.state_key in states):
         cb.load_state_dict(states[cb.state_key])
-    return point, states
+    return point, rest
 
 
 def _check_optimizer_classes(path: Path, saved: list | None, optimizers) -> None:
@@ -87,11 +93,9 @@ def _check_optimizer_classes(path: Path, saved: list | None, optimizers) -> None
 
 
 def _resume_point(runtime: Any, rest: dict, state: TrainState) -> ResumePoint:
-    """Fill ``state`` from a loaded checkpoint's plain values (older layouts too) and say where to resume."""
-    train = rest.get("train_state") or {"global_step": rest["global_step"], "history": rest.get("history", [])}
+    """Fill ``state`` from a loaded checkpoint's plain values and say where to resume."""
+    train, loop = rest["train_state"], rest["loop"]
     state.global_step = int(train["global_step"])
-    loop = rest.get("loop") or {"epoch": int(rest["epoch"]), "complete": True, "consumed": None, "batches": 0,
-                                "totals": None}
     # an epoch resumed mid-way gets its record again at its end: the partial one goes
     state.history = [r for r in train["history"] if loop["complete"] or r["epoch"] != loop["epoch"]]
     rngs = rest.get("rng") or []

@@ -31,7 +31,6 @@ def set_rng_state(state: dict) -> None:
     """Restore states made by :func:`rng_state`."""
     torch.set_rng_state(state["torch"])
     name, keys, pos, has_gauss, cached = state["numpy"]
-    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys  # a tensor in checkpoints before 2026-11-22
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), cached))
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))

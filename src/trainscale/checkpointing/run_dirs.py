@@ -24,7 +24,7 @@ from pathlib import Path
 from trainscale.runtime.checkpoint_io import atomic_write_bytes
 
 _VERSION = re.compile(r"^version_(\d+)$")
-# Names before 2026-11 had 4 and 6 digits (epoch=0002-step=000126): still parsed and rotated.
+# Parsed with any zero padding, so the order never depends on the width of the numbers.
 _CHECKPOINT = re.compile(r"^epoch=(\d+)-step=(\d+)(?:\.pt)?$")
 LAST = "last"
 JOB_ID = "job_id"
@@ -106,10 +106,6 @@ def write_resumed_from(run_dir: Path, checkpoint: Path) -> None:
     atomic_write_bytes(run_dir / RESUMED_FROM, str(Path(checkpoint).resolve()).encode() + b"\n")
 
 
-
-
-
-
 def checkpoint_name(epoch: int, step: int, suffix: str = ".pt") -> str:
     """``epoch=EEEEEE-step=SSSSSSSSSS`` + ``suffix`` (".pt" for a file, "" for a directory).
 
@@ -125,32 +121,21 @@ def checkpoint_order(name: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def mark_last(path: Path, keep_last: int | None) -> None:
-    """Point "last" at ``path`` (atomically), then delete all but the ``keep_last`` newest checkpoints."""
-    atomic_write_bytes(path.parent / LAST, path.name.encode() + b"\n")
+def mark_last(path: Path, last_dir: Path) -> None:
+    """Point ``last_dir/last`` at ``path`` atomically (its name when it lies in ``last_dir``, else its absolute
+    path), and delete the temporary files of writes that a killed process left in ``path``'s directory."""
+    name = path.name if path.parent.resolve() == Path(last_dir).resolve() else str(path.resolve())
+    atomic_write_bytes(Path(last_dir) / LAST, name.encode() + b"\n")
     for stale in path.parent.glob(".*.tmp"):  # left by a process killed while writing (all writes are done here):
-        _remove(stale)                         # files, and directories of a killed sharded (fsdp) save
-    if keep_last is None:
-        return
-    # ordered by the parsed (epoch, step), never as text: "step=1000000" < "step=999999" as text
-    existing = sorted((order, p) for p in path.parent.iterdir() if (order := checkpoint_order(p.name)))
-    existing = [p for _, p in existing]
-    for old in existing[:-keep_last] if keep_last > 0 else []:
-        if old != path:
-            _remove(old)
-            Path(f"{old}.sha256").unlink(missing_ok=True)
+        remove_checkpoint(stale)               # files, and directories of a killed sharded (fsdp) save
 
 
-
-
-def _remove(path: Path) -> None:
-    """Delete a checkpoint file or a sharded checkpoint directory."""
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint file (and its ``.sha256``) or a sharded checkpoint directory."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
-
-
-
+        Path(f"{path}.sha256").unlink(missing_ok=True)
 
 

@@ -5,7 +5,8 @@ By default a save returns once the checkpoint is on disk, and "last" then names 
 scheduled checkpoints (epoch ends, ``checkpoint_every_n_steps``) are written in the background by torch's
 ``async_save`` (``Runtime.save(asynchronous=True)``): the loop waits only while the state is copied to host
 memory, then trains on. The "never corrupt" rule holds: the shards go to a temporary directory that is
-renamed, and "last" moved to it (rank zero; ``keep_last`` rotation), only after the write has ended, which
+renamed, and "last" moved to it (rank zero; then the older checkpoints its ``ModelCheckpoint`` drops are
+deleted), only after the write has ended, which
 a step finds with a check that never blocks (:meth:`CheckpointWrites.poll`), or the end of ``fit``
 (:meth:`CheckpointWrites.wait`). A run killed before that leaves "last" at the previous complete checkpoint;
 the next good save removes the temporary directory. At most one write is in flight: a save first waits for
@@ -34,7 +35,7 @@ class CheckpointWrites:
     Args:
         runtime: the Trainer's ``Runtime``.
         config: the Trainer's ``TrainerConfig``: ``checkpoint_async`` (write scheduled checkpoints in the
-            background) and ``keep_last`` (checkpoints kept when "last" moves; None keeps all).
+            background).
         log: receives ``{"checkpoint_stall_s": s}`` and ``{"checkpoint_write_s": s}`` (``Trainer.log_metrics``).
 
     Raises:
@@ -44,27 +45,42 @@ class CheckpointWrites:
     def __init__(self, runtime: Any, config: Any, log: Callable[[dict], None]) -> None:
         if config.checkpoint_async:
             check_async_save(runtime.config.strategy)
-        self.runtime, self.asynchronous, self.keep_last, self._log = runtime, config.checkpoint_async, config.keep_last, log
-        self._pending: tuple[Any, bool] | None = None  # (AsyncSave, whether "last" moves to it)
+        self.runtime, self.asynchronous, self._log = runtime, config.checkpoint_async, log
+        self._pending: tuple[Any, Path | None] | None = None  # (AsyncSave, the "last" pointer's directory or None)
+        self._discards: list[Path] = []  # checkpoints to delete once the save in flight is published
         self.stall_s: list[float] = []  # one per save
         self.write_s: list[float] = []  # one per background write, when published
 
-    def save(self, path: Path | None, run_dir: Path, fit: Any, state: Any, optimizers, schedulers, callbacks: dict,
-             background: bool) -> Path:
-        """``checkpointer.save`` after the write in flight is published; in the background when ``background``
-        and ``checkpoint_async``. Without ``path`` "last" moves to it once it is published. Returns its path."""
+    def save(self, target: Path, last_dir: Path | None, fit: Any, state: Any, optimizers, schedulers, callbacks: dict,
+             on_save: Callable[[dict], None], background: bool) -> Path:
+        """``checkpointer.save`` to ``target`` (+ the strategy's suffix) after the write in flight is published; in
+        the background when ``background`` and ``checkpoint_async``. With ``last_dir``, ``last_dir/last`` names it
+        once it is published. Returns its path."""
         started = time.perf_counter()
         self.wait()
-        target, pending = checkpointer.save(self.runtime, path, run_dir, fit, state, optimizers, schedulers,
-                                            callbacks, asynchronous=background and self.asynchronous)
+        target, pending = checkpointer.save(self.runtime, target, fit, state, optimizers, schedulers, callbacks,
+                                            on_save, asynchronous=background and self.asynchronous)
         stall = time.perf_counter() - started
         self.stall_s.append(stall)
         self._log({"checkpoint_stall_s": stall})
         if pending is None:
-            self._published(target, path is None)
+            self._published(target, last_dir)
         else:
-            self._pending = (pending, path is None)
+            self._pending = (pending, last_dir)
         return target
+
+    def discard(self, paths: list[Path]) -> None:
+        """Delete these checkpoints (rank zero) once the save in flight is published; now when none is.
+        A save that fails deletes nothing."""
+        self._discards.extend(paths)
+        if self._pending is None:
+            self._delete_discards()
+
+    def _delete_discards(self) -> None:
+        paths, self._discards = self._discards, []
+        if self.runtime.is_rank_zero:
+            for path in paths:
+                ckpt.remove_checkpoint(path)
 
     def poll(self) -> None:
         """Publish the write in flight if it has ended (never blocks; called at every step)."""
@@ -79,14 +95,20 @@ class CheckpointWrites:
         """
         if self._pending is None:
             return
-        (pending, mark), self._pending = self._pending, None
-        self._published(pending.wait(), mark)
+        (pending, last_dir), self._pending = self._pending, None
+        try:
+            target = pending.wait()
+        except BaseException:
+            self._discards = []  # the older checkpoints stay: the new one is not on disk
+            raise
+        self._published(target, last_dir)
         self.write_s.append(pending.write_s)
         self._log({"checkpoint_write_s": pending.write_s})
 
-    def _published(self, target: Path, mark: bool) -> None:
-        if mark and self.runtime.is_rank_zero:
-            ckpt.mark_last(target, self.keep_last)
+    def _published(self, target: Path, last_dir: Path | None) -> None:
+        if last_dir is not None and self.runtime.is_rank_zero:
+            ckpt.mark_last(target, last_dir)
+        self._delete_discards()
 
     def summary(self) -> dict:
         """This rank's totals: ``{"async", "saves", "stall_s", "stall_s_max", "write_s"}`` (seconds;

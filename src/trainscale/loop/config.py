@@ -26,7 +26,8 @@ class TrainerConfig:
             all_gather of a small tensor each).
         enable_progress_bar: a tqdm bar on rank zero. enable_checkpointing: checkpoint at each epoch end.
         checkpoint_every_n_steps: also checkpoint every N optimizer steps, mid-epoch, with the exact position.
-        keep_last: checkpoints kept on disk (None keeps all).
+        keep_last: checkpoints kept on disk besides "last" (None keeps all). These three configure the default
+            :class:`~trainscale.callbacks.ModelCheckpoint`, added when the user's callbacks hold none.
         checkpoint_async: write the epoch-end and ``checkpoint_every_n_steps`` checkpoints in the background
             (torch's ``async_save``; sharded strategies only: fsdp, model_parallel, hsdp, tp): the loop waits only
             while the state is copied to host memory; each is published ("last" moved to it) once written, at a

@@ -144,7 +144,7 @@ def checkpoint_to_evaluate(trainer: Any, ckpt_path: Any) -> Path | None:
         return None
     if ckpt_path == "best":
         best = [cb.best_model_path for cb in trainer.callbacks
-                if isinstance(cb, ModelCheckpoint) and cb.best_model_path is not None]
+                if isinstance(cb, ModelCheckpoint) and cb.monitor is not None and cb.best_model_path is not None]
         if not best:
             raise ValueError("ckpt_path='best' needs a ModelCheckpoint(monitor=...) among the Trainer's callbacks that "
                              "has saved a checkpoint (fit first); or pass a checkpoint's path, 'last' or None")

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from trainscale.callbacks import Callback, resolve_callbacks
+from trainscale.callbacks import Callback, ModelCheckpoint, resolve_callbacks
 from trainscale.loggers import resolve_loggers
 from trainscale.runtime.runtime import RUNTIME_FLAGS, Runtime
 from trainscale.telemetry.flops import resolve_count_flops
@@ -80,7 +80,7 @@ class Trainer:
         self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
         self.config = resolve_trainer_config(**{k: v for k, v in self._init_kwargs.items() if k in TRAINER_FLAGS})
         self.batch_scaling = BatchScaling(self.config)
-        self.callbacks = resolve_callbacks(callbacks)
+        self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint())
         self.loggers = resolve_loggers(logger)  # on every rank, so a bad value fails everywhere; used on rank zero
         self.runtime = Runtime(**{k: v for k, v in self._init_kwargs.items() if k in RUNTIME_FLAGS})
         self.checkpoints = CheckpointWrites(self.runtime, self.config, self.log_metrics)  # checkpoint_async
@@ -100,6 +100,20 @@ class Trainer:
         self._fit: FitRun | None = None
         self.last_setup: tuple | None = None  # (model, LoopModule, wrapped) of the last fit or evaluation: reused
         self.is_step_end = False  # in on_train_batch_end: this micro-batch ended an optimizer step
+
+    def _default_checkpoint(self) -> ModelCheckpoint | None:
+        """The checkpoint callback the Trainer's flags ask for, used when the user gives no ``ModelCheckpoint``."""
+        cfg = self.config
+        if not (cfg.enable_checkpointing or cfg.checkpoint_every_n_steps):
+            return None
+        return ModelCheckpoint(every_n_epochs=1 if cfg.enable_checkpointing else 0,
+                               every_n_train_steps=cfg.checkpoint_every_n_steps,
+                               save_top_k=-1 if cfg.keep_last is None else cfg.keep_last)
+
+    @property
+    def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
+        """The ``ModelCheckpoint`` callbacks: the user's, or the default one (``enable_checkpointing``)."""
+        return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
 
     global_step = property(lambda self: self.state.global_step, doc="Optimizer steps taken so far (int).")
     current_epoch = property(lambda self: self.state.epoch, doc="The epoch running, or the last one run (from 0).")
@@ -151,6 +165,7 @@ class Trainer:
         train_dataloaders, val_dataloaders = resolve_fit_loaders(self.runtime, model, train_dataloaders,
                                                                  val_dataloaders, datamodule)
         cfg = self.config
+        self._fit = None
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
         try:
@@ -166,7 +181,8 @@ class Trainer:
             self._faults.stop()
             if self._fit is not None and self._fit.sink is not None:  # fit raised (finish_run closes it otherwise)
                 self._fit.sink.close("failed")
-            self._fit = None
+                self._fit.sink = None
+            # self._fit stays: save_checkpoint() after fit writes the fitted state
 
     def _run_fit(self, model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, verify) -> dict:
         rt, cfg = self.runtime, self.config
@@ -178,6 +194,8 @@ class Trainer:
         global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers, lambda: self.state.global_step)
         self.run_dir = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)
         self._faults.start(self.run_dir)
+        for cb in self.checkpoint_callbacks:
+            cb.setup(self)
         fit.sink = RecordWriter(self.run_dir, cfg.tensorboard, self.loggers, hyperparams(self, model)) \
             if rt.is_rank_zero else None
         rt.print(run_header(rt, global_batch, self.run_dir))
@@ -340,39 +358,62 @@ class Trainer:
         self._faults.phase = STEP_PHASE
 
     def _checkpoint_if_due(self, fit: FitRun, epoch_end: bool) -> None:
-        """The one place that decides when to checkpoint: at epoch ends (``enable_checkpointing``), every
-        ``checkpoint_every_n_steps`` steps mid-epoch, and after a signal (agreed on by all ranks in ``poll``)."""
-        cfg, step = self.config, self.state.global_step
+        """The one place that decides when to checkpoint, after every optimizer step and at every epoch end:
+        first the fault check (signals, non-finite losses; at the steps every rank agreed on, and at epoch
+        ends), which on a signal saves and exits; then each ``ModelCheckpoint`` saves when the step or epoch
+        is one of its own."""
+        step = self.state.global_step
         self.checkpoints.poll()  # publish a background write that has ended (a check that never blocks)
-        every = cfg.checkpoint_every_n_steps
-        periodic = cfg.enable_checkpointing if epoch_end else (
-            every is not None and step % every == 0 and self.state.batches < fit.epoch_batches and step < cfg.step_limit)
-        if not (epoch_end or periodic or self._faults.due(step)):
-            return
-        stop = self._faults.poll(step, self.current_epoch, fit.epoch_loss.sum)
-        if periodic or stop:
-            path = self.save_checkpoint(background=not stop)  # on a signal: on disk before the exit
+        if epoch_end or self._faults.due(step):
+            stop = self._faults.poll(step, self.current_epoch, fit.epoch_loss.sum)
             if stop:
+                path = self.save_checkpoint()  # on disk before the exit
                 self._faults.exit(stop, str(path))
+        ends_epoch = self.state.batches >= fit.epoch_batches or step >= self.config.step_limit
+        for cb in self.checkpoint_callbacks:
+            cb.save_if_due(self, epoch_end, ends_epoch)
 
     def save_checkpoint(self, path: str | Path | None = None, background: bool = False) -> Path:
         """Checkpoint everything (model, optimizers, schedulers, loop position, RNG states, callbacks) to
-        ``path`` (default: ``<run dir>/checkpoints/epoch=E-step=S``) atomically; "last" points at it when
-        no ``path`` is given. Every rank must call it at the same point. Returns the path written (``background``
-        with ``checkpoint_async``: returns once the state is staged, the write goes on; ``checkpointing/writes.py``)."""
+        ``path`` (+ ".pt" for a one-file checkpoint) atomically; without ``path`` to
+        ``<run dir>/checkpoints/epoch=E-step=S``, and "last" then names it. During ``fit`` every rank must call
+        it at the same point; after ``fit`` it writes the fitted state. Returns the path written
+        (``background`` with ``checkpoint_async``: returns once the state is staged, the write goes on;
+        ``checkpointing/writes.py``).
+
+        Raises:
+            RuntimeError: called before any ``fit`` of this Trainer (nothing to save yet).
+        """
+        if self._fit is None:
+            raise RuntimeError("save_checkpoint() needs a fit first: there is no training state yet; call "
+                               "trainer.fit(model, ...) (or save the weights with torch.save(model.state_dict(), path))")
+        if path is None:
+            return self.write_checkpoint(self.run_dir / "checkpoints", background)
+        path = Path(path)
+        suffix = self.runtime.strategy.checkpoint_suffix
+        stem = path.with_name(path.name[: -len(suffix)]) if suffix and path.name.endswith(suffix) else path
+        return self._save(stem, None, background)
+
+    def write_checkpoint(self, directory: Path, background: bool = False) -> Path:
+        """A checkpoint named ``epoch=E-step=S`` in ``directory``, then "last" moved to it (what a
+        ``ModelCheckpoint`` calls). Every rank calls it at the same point. Returns its path."""
+        return self._save(Path(directory) / checkpointer.default_name(self._fit, self.state),
+                          self.run_dir / "checkpoints", background)
+
+    def _save(self, target: Path, last_dir: Path | None, background: bool) -> Path:
         previous, self._faults.phase = self._faults.phase, "checkpoint save"
         self._faults.barrier("the checkpoint save", f"at epoch {self.current_epoch}, step {self.global_step}")
         callbacks = {cb.state_key: cb.state_dict() for cb in self.callbacks}
-        self._call("on_save_checkpoint", callbacks)
-        target = self.checkpoints.save(path, self.run_dir, self._fit, self.state, self.optimizers, self.schedulers,
-                                       callbacks, background)
+        written = self.checkpoints.save(target, last_dir, self._fit, self.state, self.optimizers, self.schedulers,
+                                        callbacks, lambda content: self._call("on_save_checkpoint", content),
+                                        background)
         self._faults.phase = previous
-        return target
+        return written
 
     def _load(self, path: Path, verify: bool) -> ResumePoint:
-        point, states = checkpointer.load(self.runtime, path, self._fit.model, self.optimizers, self.schedulers,
-                                          self.state, self.callbacks, verify)
-        self._call("on_load_checkpoint", states)
+        point, checkpoint = checkpointer.load(self.runtime, path, self._fit.model, self.optimizers, self.schedulers,
+                                              self.state, self.callbacks, verify)
+        self._call("on_load_checkpoint", checkpoint)
         return point
 
     # -- evaluation ----------------------------------------------------------------------------------
