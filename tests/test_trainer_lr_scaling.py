@@ -12,6 +12,7 @@ from tests import workers
 from tests.helpers import run_distributed
 from trainscale.runtime.checkpoint_io import load_file
 from trainscale.loop.config import resolve_trainer_config
+from trainscale.lightning.module import TrainingModule
 from trainscale.loop.trainer import Trainer
 
 
@@ -128,7 +129,7 @@ def test_ddp_two_processes_log_the_lr_times_the_factor(tmp_path):
     assert ranks[0]["logged"] == pytest.approx([0.2] * 3, rel=1e-12)
 
 
-class _ManualLinear(__import__("trainscale").TrainingModule):
+class _ManualLinear(TrainingModule):
     """Manual optimization: one SGD step per batch, taken by the module itself."""
 
     automatic_optimization = False
