@@ -112,3 +112,16 @@ def test_complex_functions_are_listed_with_a_reason():
     stale = sorted(set(ALLOWED_COMPLEX) - set(found))
     assert not unlisted, "simplify, or list with a reason in ALLOWED_COMPLEX:\n" + "\n".join(unlisted)
     assert not stale, f"no longer above {MAX_COMPLEXITY}: remove from ALLOWED_COMPLEX: {stale}"
+
+
+def test_the_architecture_page_shows_the_training_step_as_it_is():
+    """docs/architecture.md holds a copy of ``Trainer.train_step``'s source: the copy must be exact."""
+    import inspect
+    import textwrap
+
+    from trainscale.loop.trainer import Trainer
+
+    page = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    copy = page.split("<!-- train_step: begin -->\n```py\n", 1)[1].split("```\n<!-- train_step: end -->", 1)[0]
+    assert copy == textwrap.dedent(inspect.getsource(Trainer.train_step)), \
+        "docs/architecture.md: paste Trainer.train_step's current source between the train_step markers"
