@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from trainscale.callbacks.base import Callback
+
+if TYPE_CHECKING:
+    from trainscale.loop.trainer import Trainer
 
 OWNER = ".trainscale-run"  # in a user's dirpath: the run directory whose checkpoints it holds
 
@@ -60,7 +63,7 @@ class ModelCheckpoint(Callback):
         self._directory: Path | None = None  # this fit's resolved dirpath
         self._written: list[str] = []  # this run's files in _directory, oldest first
 
-    def setup(self, trainer: Any) -> None:
+    def setup(self, trainer: Trainer) -> None:
         """At the start of a fit, after its run directory is chosen (every rank): resolve ``dirpath`` and claim
         it for this run.
 
@@ -83,7 +86,7 @@ class ModelCheckpoint(Callback):
             self.dirpath.mkdir(parents=True, exist_ok=True)
             owner_file.write_text(run + "\n")
 
-    def save_if_due(self, trainer: Any, epoch_end: bool, ends_epoch: bool) -> None:
+    def save_if_due(self, trainer: Trainer, epoch_end: bool, ends_epoch: bool) -> None:
         """Save when this step or epoch end is one of this callback's (every rank calls it at the same point).
         ``ends_epoch``: this optimizer step is the last of its epoch (an epoch-end save follows it)."""
         if epoch_end:
@@ -94,7 +97,7 @@ class ModelCheckpoint(Callback):
         if due:
             self._save(trainer)
 
-    def _score(self, trainer: Any) -> float:
+    def _score(self, trainer: Trainer) -> float:
         if self.monitor is None:
             return -float(trainer.global_step)  # newest first
         metrics = trainer.callback_metrics
@@ -106,7 +109,7 @@ class ModelCheckpoint(Callback):
             return math.inf  # worst, whatever the mode
         return value if self.mode == "min" else -value
 
-    def _save(self, trainer: Any) -> None:
+    def _save(self, trainer: Trainer) -> None:
         score = self._score(trainer)
         path = str(trainer.write_checkpoint(self._directory, background=True))
         self._written.append(path)

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainscale.callbacks.base import Callback
+
+if TYPE_CHECKING:
+    from trainscale.loop.trainer import Trainer
 
 IGNORE_INDEX = -100  # PyTorch's default ignore_index (F.cross_entropy, nn.CrossEntropyLoss, NLLLoss)
 PROBE_VALUES = 256  # eval outputs kept per rank (the first values of the flattened output)
@@ -55,7 +58,7 @@ class Recorder(Callback):
         self.micro: list[list] = []  # [loss, samples, targets or None, checksum]
         self.steps: list[dict] = []  # {"grad_norm", "lr"}
 
-    def on_fit_start(self, trainer: Any, module: Any) -> None:
+    def on_fit_start(self, trainer: Trainer, module: Any) -> None:
         for opt in trainer.optimizers:  # registered after the Trainer's LR-scaling hook: sees the lr step() reads
             opt.register_step_pre_hook(self._on_step)
 
@@ -66,7 +69,7 @@ class Recorder(Callback):
         self.steps.append({"grad_norm": float(total_norm(grads)),
                            "lr": [float(group["lr"]) for group in optimizer.param_groups]})
 
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         from trainscale.runtime.batch import batch_size
 
         target = _targets(batch)
@@ -108,7 +111,7 @@ def _probe(model: Any, dataset: Any, samples: int, device: Any) -> list[float] |
     return [float(v) for v in out.detach().flatten()[:PROBE_VALUES].to(torch.float64)]
 
 
-def finals(trainer: Any, model: Any, work: dict, probe_samples: int) -> dict:
+def finals(trainer: Trainer, model: Any, work: dict, probe_samples: int) -> dict:
     """After the run, on every rank (collectives under fsdp): the norm of all weights, this rank's buffers and
     eval outputs, gathered to every rank."""
     from trainscale.runtime.strategies.dtensor_clip import total_norm

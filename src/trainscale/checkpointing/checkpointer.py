@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from trainscale.checkpointing import rng, run_dirs as ckpt
 from trainscale.checkpointing.train_state import ResumePoint, TrainState
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
 
 
 def _keyed(prefix: str, objects) -> dict[str, Any]:
@@ -28,7 +31,7 @@ def default_name(fit: Any, state: TrainState) -> str:
     return ckpt.checkpoint_name(completed, state.global_step, "")
 
 
-def save(runtime: Any, target: Path, fit: Any, state: TrainState, optimizers, schedulers, callbacks: dict,
+def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers, schedulers, callbacks: dict,
          on_save: Callable[[dict], None] | None = None, asynchronous: bool = False) -> tuple[Path, Any]:
     """Write a checkpoint of the running ``fit`` (a ``FitRun``) to ``target`` + the strategy's suffix. All ranks
     call it; ends with a barrier, or (``asynchronous``) once the state is staged (``Runtime.save``).
@@ -57,7 +60,7 @@ def save(runtime: Any, target: Path, fit: Any, state: TrainState, optimizers, sc
     return target, runtime.save(target, content, asynchronous=asynchronous)
 
 
-def load(runtime: Any, path: Path, model: Any, optimizers, schedulers, state: TrainState,
+def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state: TrainState,
          callbacks=(), verify: bool = True) -> tuple[ResumePoint, dict]:
     """Restore model, optimizers, schedulers, ``state`` and the ``callbacks``' states in place from ``path``.
 
@@ -92,7 +95,7 @@ def _check_optimizer_classes(path: Path, saved: list | None, optimizers) -> None
                          "configured; resume with the same optimizer class, or start fresh (ckpt_path=None)")
 
 
-def _resume_point(runtime: Any, rest: dict, state: TrainState) -> ResumePoint:
+def _resume_point(runtime: Runtime, rest: dict, state: TrainState) -> ResumePoint:
     """Fill ``state`` from a loaded checkpoint's plain values and say where to resume."""
     train, loop = rest["train_state"], rest["loop"]
     state.global_step = int(train["global_step"])
@@ -104,7 +107,7 @@ def _resume_point(runtime: Any, rest: dict, state: TrainState) -> ResumePoint:
                        tuple(loop.get("totals") or (0.0, 0.0, 0.0)), rng, int(rest.get("world_size", runtime.world_size)))
 
 
-def _say_which_lr_wins(runtime: Any, configured: list[list[float]], optimizers) -> None:
+def _say_which_lr_wins(runtime: Runtime, configured: list[list[float]], optimizers) -> None:
     restored = [[g["lr"] for g in o.param_groups] for o in optimizers]
     if restored != configured:
         runtime.print(f"trainscale: the checkpoint's learning rate(s) {restored} replace the configured {configured} "

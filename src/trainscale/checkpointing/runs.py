@@ -12,9 +12,12 @@ from __future__ import annotations
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainscale.checkpointing import run_dirs as ckpt
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
 
 
 def script_key() -> str:
@@ -22,7 +25,7 @@ def script_key() -> str:
     return str(Path(sys.argv[0]).resolve()) if sys.argv and sys.argv[0] else "<interactive>"
 
 
-def resolve_ckpt_path(runtime: Any, ckpt_path: Any, root: Path) -> tuple[Path | None, bool]:
+def resolve_ckpt_path(runtime: Runtime, ckpt_path: Any, root: Path) -> tuple[Path | None, bool]:
     """The checkpoint to resume from and whether its run directory is continued in place.
 
     Raises:
@@ -63,7 +66,7 @@ def _is_newest_of_its_run(path: Path, root: Path) -> bool:
     return pointer.is_file() and pointer.read_text().strip() == path.name
 
 
-def choose_run_dir(runtime: Any, root: Path, resume_from: Path | None, in_place: bool) -> Path:
+def choose_run_dir(runtime: Runtime, root: Path, resume_from: Path | None, in_place: bool) -> Path:
     """The run directory (same on every rank; made by rank 0): the resumed run's own when ``in_place``,
     a restarted job's directory, or a new ``version_N`` claimed atomically. A collective."""
     rt = runtime

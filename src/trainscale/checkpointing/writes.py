@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from trainscale.runtime.strategies import check_async_save
 from trainscale.checkpointing import checkpointer, run_dirs as ckpt
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
 
 
 class CheckpointWrites:
@@ -42,7 +45,7 @@ class CheckpointWrites:
         ValueError: ``checkpoint_async`` under a strategy that writes one file (single, ddp, dp), on every rank.
     """
 
-    def __init__(self, runtime: Any, config: Any, log: Callable[[dict], None]) -> None:
+    def __init__(self, runtime: Runtime, config: Any, log: Callable[[dict], None]) -> None:
         if config.checkpoint_async:
             check_async_save(runtime.config.strategy)
         self.runtime, self.asynchronous, self._log = runtime, config.checkpoint_async, log

@@ -10,9 +10,12 @@ with the hooks works). The loaders the hooks return are set up as passed ones ar
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainscale.lightning.hparams import HyperparametersMixin
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
 
 LOADER_HOOKS = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader",
                 "predict": "predict_dataloader"}
@@ -36,7 +39,7 @@ def is_data_source(obj: Any) -> bool:
     return any(hasattr(obj, hook) for hook in LOADER_HOOKS.values()) and not hasattr(obj, "__iter__")
 
 
-def resolve_loaders(runtime: Any, stage: str, model: Any, loaders: Any, datamodule: Any) -> tuple[Any, Any]:
+def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, datamodule: Any) -> tuple[Any, Any]:
     """The stage's loaders: ``(train, val or None)`` for "fit", ``(loader, None)`` for "validate", "test" and
     "predict". ``loaders`` when given (a data module passed there counts as ``datamodule``, as Lightning allows);
     else the hooks of ``datamodule`` or, without one, of the model: ``prepare_data()`` on each node's local rank
@@ -60,7 +63,7 @@ def resolve_loaders(runtime: Any, stage: str, model: Any, loaders: Any, datamodu
     return main, (None if val is None or val == [] else val)
 
 
-def _prepare(runtime: Any, source: Any, stage: str) -> None:
+def _prepare(runtime: Runtime, source: Any, stage: str) -> None:
     """Lightning's order: ``prepare_data()`` once per node (local rank 0) while the other ranks wait, then
     ``setup(stage)`` on every rank; either hook may be missing."""
     if hasattr(source, "prepare_data"):
@@ -87,7 +90,7 @@ def _only(datamodule: Any, passed: Any, stage: str) -> Any:
     return passed
 
 
-def resolve_fit_loaders(runtime: Any, model: Any, train: Any, val: Any, datamodule: Any) -> tuple[Any, Any]:
+def resolve_fit_loaders(runtime: Runtime, model: Any, train: Any, val: Any, datamodule: Any) -> tuple[Any, Any]:
     """``fit``'s ``(train, val)``: :func:`resolve_loaders` for "fit", with ``val`` when it was passed.
 
     Raises:

@@ -14,9 +14,12 @@ logged with ``sync_dist=True``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
 
 REDUCE_FX = ("mean", "sum", "max", "min")
 _DEFAULTS = {"train": (True, False), "validation": (False, True), "test": (False, True)}  # (on_step, on_epoch)
@@ -37,7 +40,7 @@ class MetricCollector:
         stage: sets Lightning's defaults: training logs per step, evaluation per epoch.
     """
 
-    def __init__(self, runtime: Any, stage: str) -> None:
+    def __init__(self, runtime: Runtime, stage: str) -> None:
         self.rt = runtime
         self.stage = stage
         self.batch_size = 1  # set by the loop before each step: the weight of a "mean"
@@ -138,7 +141,7 @@ class MetricCollector:
                 for i, name in enumerate(names)}
 
 
-def _check_same_names(runtime: Any, names: list, what: str) -> None:
+def _check_same_names(runtime: Runtime, names: list, what: str) -> None:
     """Raise on every rank when the ranks' ``names`` differ (one ``all_gather_object``)."""
     every = [{str(n) for n in rank_names} for rank_names in runtime.all_gather_object(names)]
     different = sorted(set().union(*every) - set.intersection(*every))

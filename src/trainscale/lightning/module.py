@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from torch.nn import functional as F
 
 from trainscale.runtime.batch import batch_size
 from trainscale.lightning.hparams import HyperparametersMixin
+
+if TYPE_CHECKING:
+    from trainscale.loop.trainer import Trainer
 
 
 class TrainingModule(HyperparametersMixin, nn.Module):
@@ -263,7 +266,7 @@ class LoopModule(nn.Module):
         return self.model(inputs)
 
 
-def set_up_model(trainer: Any, model: nn.Module, loss_fn: Callable | None) -> tuple[LoopModule, nn.Module]:
+def set_up_model(trainer: Trainer, model: nn.Module, loss_fn: Callable | None) -> tuple[LoopModule, nn.Module]:
     """``model`` in a :class:`LoopModule` with ``loss_fn``, set up by ``trainer.runtime`` (``Runtime.setup``: the
     strategy's wrapper or in-place sharding, compile, activation checkpointing): ``(loop_module, wrapped)``.
 

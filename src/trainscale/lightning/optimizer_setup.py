@@ -3,15 +3,18 @@ the first step (the fix named in each message), wrapped for manual optimization.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from trainscale.lightning.optimizers import ManualOptimizer, parse_optimization
 
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
 
-def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, config: Any, runtime: Any,
+
+def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, config: Any, runtime: Runtime,
                      scaled_lr: Any = None):
     """``(optimizers, scheduler configs, manual optimizers)`` for ``model`` wrapped as ``wrapped``, under the
     Trainer's ``config`` (``TrainerConfig``); the manual list is empty unless the module sets
@@ -51,7 +54,7 @@ def configured_optimization(model: nn.Module, wrapped: nn.Module, optimizer: Any
     raise TypeError(f"optimizer must be a factory params -> Optimizer, got {type(optimizer).__name__}")
 
 
-def check_optimizers(optimization: Any, wrapped: nn.Module, manual: bool, config: Any, runtime: Any) -> None:
+def check_optimizers(optimization: Any, wrapped: nn.Module, manual: bool, config: Any, runtime: Runtime) -> None:
     """Refuse optimizers the loop would misuse.
 
     Raises:
@@ -70,7 +73,7 @@ def check_optimizers(optimization: Any, wrapped: nn.Module, manual: bool, config
     _check_parameters(optimization.optimizers, wrapped)
 
 
-def _check_manual(config: Any, runtime: Any, wrapped: nn.Module) -> None:
+def _check_manual(config: Any, runtime: Runtime, wrapped: nn.Module) -> None:
     if config.accumulate_grad_batches != 1:
         raise ValueError("accumulate_grad_batches must be 1 under manual optimization: accumulate in training_step "
                          "(step the optimizer every N batches yourself)")
@@ -94,7 +97,7 @@ def _check_manual(config: Any, runtime: Any, wrapped: nn.Module) -> None:
                          "nn.Module attribute)")
 
 
-def _fsdp_sharded(runtime: Any) -> bool:
+def _fsdp_sharded(runtime: Runtime) -> bool:
     """Whether the strategy shards the model with FSDP2 (fsdp, or a mesh with data-parallel ranks)."""
     parallel = runtime.config.parallel  # the mesh sizes (ParallelDims) under the model-parallel strategies, else None
     return runtime.config.strategy == "fsdp" or (parallel is not None and parallel.dp_size > 1)

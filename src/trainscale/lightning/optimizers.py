@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 import torch
 
 from trainscale.runtime.strategies.apply_fsdp import gradient_sync_for
 from trainscale.scaling.lr_scaling import LR_SCALE_KEY
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
 
 _PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
 _SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
@@ -172,7 +175,7 @@ class ManualOptimizer:
     reduce-scattered once per optimizer step, on the boundary. Everything else is the optimizer's.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, runtime: Any, model: torch.nn.Module,
+    def __init__(self, optimizer: torch.optim.Optimizer, runtime: Runtime, model: torch.nn.Module,
                  wrapped: torch.nn.Module, gradient_sync: str,
                  scaled_lr: Callable[[torch.optim.Optimizer], ContextManager] = lambda opt: contextlib.nullcontext()
                  ) -> None:

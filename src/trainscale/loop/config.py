@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainscale.runtime.connector import make_flags
+
 
 @dataclass(frozen=True)
 class TrainerConfig:
@@ -53,6 +55,9 @@ class TrainerConfig:
         limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction
             of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`).
             limit_val_batches: the same for each rank's validation batches, in ``fit`` and ``validate``.
+        count_flops: count the FLOPs of the run's first micro-batch with ``FlopCounterMode`` for MFU (None: on
+            CUDA only, never under ``compile``). peak_flops: FLOP/s of one device for MFU (None: the table of
+            ``trainscale.telemetry.flops``).
     """
 
     max_epochs: int = 1
@@ -81,6 +86,8 @@ class TrainerConfig:
     lr_warmup_steps: int = 0
     limit_train_batches: int | float | None = None
     limit_val_batches: int | float | None = None
+    count_flops: bool | None = None
+    peak_flops: float | None = None
 
     def train_batches(self, full: int) -> int:
         """An epoch's micro-batches under ``limit_train_batches``, of ``full`` without it."""
@@ -96,7 +103,6 @@ class TrainerConfig:
         return math.inf if self.max_steps is None else self.max_steps
 
 
-TRAINER_FLAGS = frozenset(TrainerConfig.__dataclass_fields__)
 
 
 def _int(name: str, value, low: int, optional: bool = False) -> None:
@@ -172,10 +178,7 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
         ValueError: a value of the wrong type or range, naming the flag and what it accepts.
         TypeError: an unknown flag.
     """
-    unknown = set(flags) - set(TrainerConfig.__dataclass_fields__)
-    if unknown:
-        raise TypeError(f"unknown Trainer flag(s): {', '.join(sorted(unknown))}")
-    cfg = TrainerConfig(**flags)
+    cfg = make_flags(TrainerConfig, "Trainer", (), flags)
     for name in ("max_epochs", "accumulate_grad_batches", "log_every_n_steps"):
         _int(name, getattr(cfg, name), 1)
     _int("max_steps", cfg.max_steps, 1, optional=True)
@@ -191,6 +194,9 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
         raise ValueError(f"seed={cfg.seed} must be < 2**32 (numpy's limit)")
     _number("gradient_clip_val", cfg.gradient_clip_val, optional=True, low=1e-12)
     _number("straggler_margin", cfg.straggler_margin, hint=" (0.2 means 20 % over the median)")
+    _number("peak_flops", cfg.peak_flops, optional=True, low=1.0)
+    if cfg.count_flops is not None:
+        _flag("count_flops", cfg.count_flops)
     _choice("gradient_clip_algorithm", cfg.gradient_clip_algorithm, ("norm", "value"))
     _choice("on_nonfinite", cfg.on_nonfinite, ("raise", "skip"))
     _check_lr_scaling(cfg)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,8 +21,12 @@ from trainscale.lightning.data_sources import resolve_loaders
 from trainscale.lightning.metrics import MetricCollector
 from trainscale.lightning.module import set_up_model
 
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
+    from trainscale.loop.trainer import Trainer
 
-def _extra_forwards(runtime: Any, num_batches: int) -> int:
+
+def _extra_forwards(runtime: Runtime, num_batches: int) -> int:
     """Forwards this rank must add so that all ranks run the most batches of any rank.
 
     Raises:
@@ -36,7 +40,7 @@ def _extra_forwards(runtime: Any, num_batches: int) -> int:
     return most - num_batches
 
 
-def evaluate(runtime: Any, loop_module: Any, wrapped: Any, loader: Any, stage: str, collector: Any,
+def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stage: str, collector: Any,
              num_batches: int | None = None) -> dict[str, float]:
     """Sample-weighted means over the whole set (or its first ``num_batches`` batches on each rank) of what
     ``<stage>_step`` returned (or loss and accuracy for a plain classifier), prefixed ``val_``/``test_``, plus
@@ -85,7 +89,7 @@ def _count(batch: Any) -> int:
     return batch_size(batch)
 
 
-def predict(runtime: Any, loop_module: Any, wrapped: Any, loader: Any) -> Any:
+def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any) -> Any:
     """Every sample's prediction, gathered from all ranks in dataset order (each sample once).
 
     Returns:
@@ -109,7 +113,7 @@ def predict(runtime: Any, loop_module: Any, wrapped: Any, loader: Any) -> Any:
     return _in_dataset_order(rt, outputs)
 
 
-def _in_dataset_order(runtime: Any, outputs: list) -> Any:
+def _in_dataset_order(runtime: Runtime, outputs: list) -> Any:
     """Interleave the data-parallel ranks' outputs back into dataset order (sample j was on data-parallel rank
     j % D, its j // D-th). Ranks that share their batches (the ``tp`` ranks of a group) hold the same outputs:
     the first of each group is taken, so each sample is returned once."""
@@ -127,7 +131,7 @@ def _in_dataset_order(runtime: Any, outputs: list) -> Any:
     return ordered
 
 
-def checkpoint_to_evaluate(trainer: Any, ckpt_path: Any) -> Path | None:
+def checkpoint_to_evaluate(trainer: Trainer, ckpt_path: Any) -> Path | None:
     """The checkpoint whose weights ``validate``/``test``/``predict`` evaluate, as Lightning's ``ckpt_path``:
     None (the model's own weights), "best" (the ``best_model_path`` of the trainer's ``ModelCheckpoint``), "last"
     (the newest checkpoint of this script's runs under ``default_root_dir``, as ``fit(ckpt_path="last")``) or a path.
@@ -163,7 +167,7 @@ def checkpoint_to_evaluate(trainer: Any, ckpt_path: Any) -> Path | None:
     return Path(ckpt_path)
 
 
-def run_stage(trainer: Any, method: str, model: Any, dataloaders: Any, loss_fn: Any = None,
+def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_fn: Any = None,
               ckpt_path: Path | None = None, datamodule: Any = None) -> Any:
     """``Trainer.validate``/``test``/``predict`` outside ``fit`` (``method``): ``model`` set up by the trainer's
     runtime, with the weights of ``ckpt_path`` when given (:func:`checkpoint_to_evaluate`; only the model's, the
@@ -181,7 +185,7 @@ def run_stage(trainer: Any, method: str, model: Any, dataloaders: Any, loss_fn: 
     return evaluate_stage(trainer, loop_module, wrapped, loader, "validation" if method == "validate" else "test")
 
 
-def evaluate_stage(trainer: Any, loop_module: Any, wrapped: Any, loader: Any, stage: str) -> dict[str, float]:
+def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loader: Any, stage: str) -> dict[str, float]:
     """:func:`evaluate`, with ``trainer.metric_collector`` (where ``self.log`` in the steps goes) a collector of
     ``stage`` meanwhile; validation on ``limit_val_batches`` of each rank's batches."""
     collector, trainer.metric_collector = trainer.metric_collector, MetricCollector(trainer.runtime, stage)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainscale.loggers import record_metrics
 from trainscale.lightning.optimizers import learning_rates
 from trainscale.telemetry.sinks import default_sinks
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
 
 
 class RecordWriter:
@@ -67,7 +70,7 @@ def epoch_record(epoch: int, step: int, totals: tuple[float, float, float], seco
     return record
 
 
-def run_header(runtime: Any, global_batch: int, run_dir: Any) -> str:
+def run_header(runtime: Runtime, global_batch: int, run_dir: Any) -> str:
     """The line printed on rank zero when training starts."""
     rt = runtime
     return (f"trainscale: {rt.config.strategy} × {rt.world_size} ({rt.device.type}), precision {rt.config.precision}, "

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from trainscale.loop.trainer import Trainer
 
 
 def spawned_call(trainer_flags: dict, method: str, model: nn.Module, **kwargs: Any) -> dict:
@@ -26,7 +29,7 @@ def spawned_call(trainer_flags: dict, method: str, model: nn.Module, **kwargs: A
         trainer.runtime.teardown()
 
 
-def run_spawned(trainer: Any, method: str, model: nn.Module, **kwargs: Any) -> Any:
+def run_spawned(trainer: Trainer, method: str, model: nn.Module, **kwargs: Any) -> Any:
     """Run ``trainer.<method>`` in ranks started here (``ddp_spawn``: "spawn", ``ddp_notebook``: "fork"),
     each running :func:`spawned_call` on a Trainer rebuilt from the same flags; load rank 0's weights into
     ``model``, take its loop state, run directory, metrics and callback states (a ``ModelCheckpoint``'s
@@ -34,7 +37,7 @@ def run_spawned(trainer: Any, method: str, model: nn.Module, **kwargs: Any) -> A
     from trainscale.runtime import spawn
 
     cfg = trainer.runtime.config
-    out = spawn.run(spawned_call, {"trainer_flags": trainer._init_kwargs, "method": method, "model": model, **kwargs},
+    out = spawn.run(spawned_call, {"trainer_flags": trainer.flags, "method": method, "model": model, **kwargs},
                     cfg.world_size, cfg.start_method)
     model.load_state_dict(out["state_dict"])
     trainer.state, trainer.run_dir = out["state"], Path(out["run_dir"]) if out["run_dir"] else None

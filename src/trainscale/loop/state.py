@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
 
 import torch
 
 from trainscale.checkpointing.rng import set_rng_state
 from trainscale.runtime.batch import batch_counts
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
 
 
 class MicroBatch(NamedTuple):
@@ -49,7 +52,7 @@ class EpochLoss:
         self.samples += samples
         self.tokens += tokens or 0
 
-    def totals(self, runtime: Any) -> tuple[float, float, float]:
+    def totals(self, runtime: Runtime) -> tuple[float, float, float]:
         """(loss × samples, samples, tokens) over the data-parallel ranks, with the carried part. A collective.
 
         Every rank adds its own; under tensor parallelism the ``tp`` ranks of a group read the same samples,

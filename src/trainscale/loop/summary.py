@@ -7,14 +7,18 @@ import json
 from collections.abc import Mapping
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainscale.telemetry.report import summary_line
 
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
+    from trainscale.loop.trainer import Trainer
 
-def run_summary(trainer: Any, global_batch: int, resumed_from: Path | None, nonfinite_skipped: int) -> dict:
+
+def run_summary(trainer: Trainer, global_batch: int, resumed_from: Path | None, nonfinite_skipped: int) -> dict:
     """World, flags, final metrics, epoch times and throughput of a finished ``fit``."""
     rt = trainer.runtime
     history = trainer.state.history
@@ -37,7 +41,7 @@ def run_summary(trainer: Any, global_batch: int, resumed_from: Path | None, nonf
     }
 
 
-def hyperparams(trainer: Any, model: Any) -> dict:
+def hyperparams(trainer: Trainer, model: Any) -> dict:
     """What the loggers record as the run's hyperparameters: the Trainer's flags, the world, the global batch
     size and the LR scaling factor (1.0 without ``lr_scaling``), then the model's ``hparams``
     (``save_hyperparameters()``), whose names win."""
@@ -49,7 +53,7 @@ def hyperparams(trainer: Any, model: Any) -> dict:
             **(saved if isinstance(saved, Mapping) else {})}
 
 
-def pipeline_summary(runtime: Any, module: Any) -> dict | None:
+def pipeline_summary(runtime: Runtime, module: Any) -> dict | None:
     """Under pipeline stages (strategy "pp"): stages, schedule, micro-batches per batch, the bubble fraction
     (P − 1)/(M + P − 1) (Huang et al. 2019, "GPipe", §2.2) and each rank's parameter bytes (exact tensor
     bytes of its stage, of its shard under FSDP; a collective). None under other strategies."""
@@ -64,7 +68,7 @@ def pipeline_summary(runtime: Any, module: Any) -> dict | None:
                                                                   for p in module.parameters()))}
 
 
-def finish_run(trainer: Any, fit: Any, global_batch: int, resumed_from: Path | None, nonfinite_skipped: int) -> dict:
+def finish_run(trainer: Trainer, fit: Any, global_batch: int, resumed_from: Path | None, nonfinite_skipped: int) -> dict:
     """The summary with the run's telemetry (a collective), printed and written to ``summary.json`` by
     rank zero after the sinks are closed. Every rank returns it."""
     rt = trainer.runtime

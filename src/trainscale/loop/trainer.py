@@ -8,7 +8,9 @@ size 1 (docs/architecture.md).
 
 from __future__ import annotations
 
+import inspect
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -17,7 +19,8 @@ from torch import nn
 
 from trainscale.callbacks import Callback, ModelCheckpoint, resolve_callbacks
 from trainscale.loggers import resolve_loggers
-from trainscale.runtime.runtime import RUNTIME_FLAGS, Runtime
+from trainscale.runtime.connector import RuntimeFlags, check_flag_names, flag_signature
+from trainscale.runtime.runtime import Runtime
 from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry
 from trainscale.checkpointing import checkpointer
@@ -28,7 +31,7 @@ from trainscale.tune.batch_size import tuned_loader
 from trainscale.checkpointing.writes import CheckpointWrites
 from trainscale.loop.data_checks import check_loaders, explain_batch_error
 from trainscale.lightning.data_sources import resolve_fit_loaders
-from trainscale.loop.config import TRAINER_FLAGS, resolve_trainer_config
+from trainscale.loop.config import TrainerConfig, resolve_trainer_config
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector
 from trainscale.lightning.module import set_up_model
@@ -46,12 +49,11 @@ from trainscale.loop.state import EpochLoss, FitRun, MicroBatch, MicroBatchBooks
 class Trainer:
     """Fit, validate, test and predict on any strategy by changing flags.
 
-    The runtime's flags (accelerator, devices, strategy, num_nodes, precision, timeout, strategy_options,
-    sync_batchnorm, activation_checkpointing, compile, float32_matmul_precision, parallel, tp_plan, parallelize, pp_*) are
-    ``Runtime``'s (with ``devices > 1`` outside a launcher the script re-executes under torchrun here). The loop's flags
-    are on :class:`~trainscale.loop.config.TrainerConfig`; ``count_flops`` (None: on CUDA only) and ``peak_flops``
-    (FLOP/s of one device for MFU; None: the table) on :class:`~trainscale.telemetry.processor.Telemetry`;
-    ``callbacks``: a list of :class:`trainscale.callbacks.Callback` (every record holds the learning rates without one);
+    ``Trainer(**flags)`` takes keyword flags only, each declared and documented once: the runtime's on
+    :class:`~trainscale.runtime.connector.RuntimeFlags` (accelerator, devices, strategy, precision, ...; with
+    ``devices > 1`` outside a launcher the script re-executes under torchrun here), the loop's on
+    :class:`~trainscale.loop.config.TrainerConfig` (max_epochs, accumulate_grad_batches, ...). A misspelt flag is a
+    ``TypeError`` naming the closest one. ``callbacks``: a list of :class:`trainscale.callbacks.Callback` (every record holds the learning rates without one);
     ``logger``: one or a list of ``trainscale.loggers`` (None: a ``CSVLogger``; False: none; docs/loggers.md).
     ``checkpoint_async=True`` (sharded strategies): checkpoints written in the background (``checkpointing/writes.py``).
 
@@ -59,32 +61,17 @@ class Trainer:
         ValueError: any bad flag, raised on every rank before a process group is created.
     """
 
-    def __init__(self, accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
-                 num_nodes: int = 1, precision: str = "32-true", max_epochs: int = 1, max_steps: int | None = None,
-                 accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None,
-                 gradient_clip_algorithm: str = "norm", seed: int = 0, default_root_dir: str | Path = "runs",
-                 log_every_n_steps: int = 50, enable_progress_bar: bool = True, enable_checkpointing: bool = True,
-                 keep_last: int | None = 3, timeout: float = 1800.0, strategy_options: dict | None = None,
-                 sync_batchnorm: bool = False, activation_checkpointing: Any = None, compile: bool | dict = False,
-                 checkpoint_every_n_steps: int | None = None, on_nonfinite: str = "raise",
-                 max_nonfinite_skips: int = 10, handle_signals: bool = True, enable_telemetry: bool = True,
-                 straggler_margin: float = 0.2, tensorboard: bool = False, count_flops: bool | None = None,
-                 callbacks: list[Callback] | None = None, logger: Any = None,
-                 float32_matmul_precision: str | None = None, peak_flops: float | None = None,
-                 parallel: dict | None = None, tp_plan: dict | None = None, parallelize: Callable | None = None,
-                 checkpoint_async: bool = False, batch_size: str | None = None, max_memory: int | None = None,
-                 lr_scaling: str | None = None, base_batch_size: int | None = None, lr_warmup_steps: int = 0,
-                 pp_schedule: str | None = None, pp_microbatches: int | None = None,
-                 pp_split_points: list | None = None, limit_train_batches: int | float | None = None,
-                 limit_val_batches: int | float | None = None) -> None:
-        self._init_kwargs = {k: v for k, v in locals().items() if k != "self"}  # rebuilt in ddp_spawn children
-        self.config = resolve_trainer_config(**{k: v for k, v in self._init_kwargs.items() if k in TRAINER_FLAGS})
+    def __init__(self, *, callbacks: list[Callback] | None = None, logger: Any = None, **flags: Any) -> None:
+        self.flags = dict(flags, callbacks=callbacks, logger=logger)  # as given: a ddp_spawn rank rebuilds from them
+        check_flag_names("Trainer", flags, RUNTIME_FLAG_NAMES + tuple(f.name for f in fields(TrainerConfig)))
+        runtime_flags = {name: flags.pop(name) for name in RUNTIME_FLAG_NAMES if name in flags}
+        self.config = resolve_trainer_config(**flags)
         self.batch_scaling = BatchScaling(self.config)
         self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint())
         self.loggers = resolve_loggers(logger)  # on every rank, so a bad value fails everywhere; used on rank zero
-        self.runtime = Runtime(**{k: v for k, v in self._init_kwargs.items() if k in RUNTIME_FLAGS})
+        self.runtime = Runtime(**runtime_flags)
         self.checkpoints = CheckpointWrites(self.runtime, self.config, self.log_metrics)  # checkpoint_async
-        self.count_flops = resolve_count_flops(count_flops, self.runtime.device.type,
+        self.count_flops = resolve_count_flops(self.config.count_flops, self.runtime.device.type,
                                                self.runtime.config.compile is not None)
         if not self.runtime.spawns:  # under ddp_spawn, fit/validate start the processes
             self.runtime.launch()
@@ -219,7 +206,7 @@ class Trainer:
         val_loader = rt.setup_dataloader(val_dataloaders, seed=self.config.seed, even=False) if val_dataloaders else None
         check_loaders(train_loader, val_loader)
         telemetry = create_telemetry(rt, self.config.enable_telemetry, count_flops=self.count_flops,
-                                     peak_flops=self._init_kwargs["peak_flops"],
+                                     peak_flops=self.config.peak_flops,
                               straggler_margin=self.config.straggler_margin)
         telemetry.attach(wrapped)
         self._fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, telemetry)
@@ -450,3 +437,11 @@ class Trainer:
         module = self._fit.model if self._fit is not None else None
         for cb in self.callbacks:
             getattr(cb, hook)(self, module, *args)
+
+
+RUNTIME_FLAG_NAMES = tuple(f.name for f in fields(RuntimeFlags))
+# help(Trainer) and editors show every flag, declared once in RuntimeFlags and TrainerConfig
+Trainer.__init__.__signature__ = flag_signature(
+    RuntimeFlags, TrainerConfig,
+    extra=(inspect.Parameter("callbacks", inspect.Parameter.KEYWORD_ONLY, default=None),
+           inspect.Parameter("logger", inspect.Parameter.KEYWORD_ONLY, default=None)))

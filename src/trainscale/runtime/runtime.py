@@ -24,7 +24,6 @@ Run it with ``python script.py`` (devices=N relaunches it under torchrun) or
 from __future__ import annotations
 
 import atexit
-import inspect
 import os
 from datetime import timedelta
 from typing import Any, Callable, Iterable
@@ -36,7 +35,7 @@ from trainscale.runtime import devices as _devices
 from trainscale.runtime import hangs, launch
 from trainscale.runtime.apply import prepare_module
 from trainscale.runtime.batch import to_device
-from trainscale.runtime.connector import RunConfig, resolve
+from trainscale.runtime.connector import RunConfig, RuntimeFlags, flag_signature, make_flags, resolve
 from trainscale.runtime.meta_init import on_meta
 from trainscale.runtime.precision import Precision, float32_matmul_note
 from trainscale.runtime.strategies import check_async_save, create_strategy
@@ -61,74 +60,26 @@ def _destroy_process_group() -> None:
 class Runtime:
     """Devices, processes, strategy and precision for a hand-written loop.
 
-    Args:
-        accelerator: "auto", "cpu", "cuda" ("gpu") or "mps".
-        devices: processes (CPU) or GPUs per node, or "auto" (all GPUs; under a launcher, the
-            launcher's processes per node; else 1).
-        strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp" (see
-            ``trainscale.runtime.strategies.STRATEGIES`` and docs/strategies.md), or "ddp_spawn"/"ddp_notebook": ddp
-            with the processes started from this one by spawn/fork (``trainscale.runtime.spawn``); outside a
-            launcher, then call ``launch(fn, *args)``.
-        num_nodes: machines in the job.
-        precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
-        timeout: seconds a collective may wait before it fails (passed to ``init_process_group``).
-        strategy_options: keyword options of the strategy (ddp: ``find_unused_parameters``,
-            ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``; dp: ``device_ids``; fsdp: ``auto_wrap_policy``, ``reshard_after_forward``,
-            ``cpu_offload``; model_parallel/tp, and pp with tp > 1: ``sequence_parallel``, default on with the built-in
-            GPT plan).
-        sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp, CUDA only).
-        activation_checkpointing: ``nn.Module`` classes whose instances recompute their forward in
-            backward (``torch.utils.checkpoint``, non-reentrant): less activation memory, ~1 more forward.
-        compile: ``torch.compile`` the module before the strategy wraps it; True, or a dict of
-            ``torch.compile`` arguments (e.g. ``{"mode": "max-autotune"}``).
-        float32_matmul_precision: None (leave PyTorch's setting), or "highest", "high" (TF32 on Ampere and
-            newer) or "medium", applied with ``torch.set_float32_matmul_precision`` in this process. A
-            "32-true" run on such a GPU left at "highest" says so once (rank zero).
-        parallel: under strategy "model_parallel" (required), "hsdp", "tp" or "pp": the device mesh
-            ``{"dp_replicate": R, "dp_shard": S, "tp": T}``, R·S·T = world size, or pipeline stages
-            ``{"pp": P, "dp_replicate": R, "dp_shard": S, "tp": T}``, P·R·S·T = world size (with tp > 1 each stage
-            gets its entries of ``tp_plan``, or ``parallelize(stage, mesh)``, or the built-in GPT plan;
-            docs/strategies.md).
-        tp_plan: ``{submodule name: ColwiseParallel() | RowwiseParallel() | ...}`` (torch's
-            ``parallelize_module`` styles) for your model; default: the built-in plan of ``trainscale.models.GPT``.
-        parallelize: ``fn(model, mesh) -> model`` applying your own tensor parallelism instead; FSDP/HSDP
-            over the data-parallel dimensions is applied after it.
-        pp_schedule: under pipeline stages (``strategy="pp"`` or ``parallel={"pp": P}``): "gpipe" or "1f1b"
-            (default). pp_microbatches: micro-batches each batch is cut into (default 4·P).
-            pp_split_points: the submodule names where stages 2..P begin (default: the built-in split of
-            ``trainscale.models.GPT``); docs/strategies.md, "Pipeline split".
+    ``Runtime(accelerator="auto", devices="auto", strategy="auto", num_nodes=1, precision="32-true", *, timeout=...,
+    ...)``: the flags are the fields of :class:`~trainscale.runtime.connector.RuntimeFlags`, where each is declared
+    and documented once (``runtime.flags`` holds them as given, ``runtime.config`` resolved).
 
     Raises:
         ValueError: bad or conflicting flags (raised on every rank, before any process group exists).
     """
 
-    def __init__(self, accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
-                 num_nodes: int = 1, precision: str = "32-true", *, timeout: float = 1800.0,
-                 strategy_options: dict | None = None, sync_batchnorm: bool = False,
-                 activation_checkpointing: Any = None, compile: bool | dict = False,
-                 float32_matmul_precision: str | None = None, parallel: dict | None = None,
-                 tp_plan: dict | None = None, parallelize: Callable | None = None, pp_schedule: str | None = None,
-                 pp_microbatches: int | None = None, pp_split_points: list | None = None) -> None:
-        self._init_kwargs = dict(accelerator=accelerator, devices=devices, strategy=strategy, num_nodes=num_nodes,
-                                 precision=precision, timeout=timeout, strategy_options=strategy_options,
-                                 sync_batchnorm=sync_batchnorm, activation_checkpointing=activation_checkpointing,
-                                 compile=compile, float32_matmul_precision=float32_matmul_precision,
-                                 parallel=parallel, tp_plan=tp_plan, parallelize=parallelize, pp_schedule=pp_schedule,
-                                 pp_microbatches=pp_microbatches, pp_split_points=pp_split_points)
+    def __init__(self, *args: Any, **flags: Any) -> None:
+        self.flags = f = make_flags(RuntimeFlags, "Runtime", args, flags)
+        devices, num_nodes = f.devices, f.num_nodes
         self.world = world = World.from_env()
         follows_launcher = devices == "auto" and world.launcher != "none"  # nodes may differ in processes
         if follows_launcher:
             devices, num_nodes = world.local_world_size, world.num_nodes
         visible = _devices.cuda_device_count()
-        self.config: RunConfig = resolve(accelerator, devices, strategy, num_nodes, precision,
-                                         cuda_count=_devices.node_cuda_count(visible, world.local_world_size,
+        self.config: RunConfig = resolve(cuda_count=_devices.node_cuda_count(visible, world.local_world_size,
                                                                              world.launcher),
-                                         has_mps=_devices.mps_available(), sync_batchnorm=sync_batchnorm,
-                                         activation_checkpointing=activation_checkpointing, compile=compile,
-                                         float32_matmul_precision=float32_matmul_precision,
-                                         parallel=parallel, tp_plan=tp_plan, parallelize=parallelize,
-                                         pp_schedule=pp_schedule, pp_microbatches=pp_microbatches,
-                                         pp_split_points=pp_split_points)
+                                         has_mps=_devices.mps_available(),
+                                         **{**vars(f), "devices": devices, "num_nodes": num_nodes})
         if world.launcher == "slurm" and not follows_launcher:  # the allocation must match devices × num_nodes
             from trainscale.runtime.slurm import check_allocation
 
@@ -139,10 +90,11 @@ class Runtime:
                              f"devices×num_nodes={self.config.devices}×{self.config.num_nodes}="
                              f"{self.config.world_size}; pass devices={self.world.local_world_size}, "
                              f"num_nodes={self.world.num_nodes} (or devices='auto')")
-        if timeout <= 0:
-            raise ValueError(f"timeout={timeout} must be a positive number of seconds")
-        self.timeout = timeout
-        self.strategy_options = _strategy_options(self.config, strategy_options, tp_plan, parallelize, pp_split_points)
+        if not isinstance(f.timeout, (int, float)) or f.timeout <= 0:
+            raise ValueError(f"timeout={f.timeout!r} must be a positive number of seconds")
+        self.timeout = f.timeout
+        self.strategy_options = _strategy_options(self.config, f.strategy_options, f.tp_plan, f.parallelize,
+                                                  f.pp_split_points)
         cuda = self.config.accelerator == "cuda"
         self.device = _devices.device_for(self.config.accelerator, _devices.cuda_index(
             world.local_rank, world.local_world_size, visible, world.launcher) if cuda else world.local_rank)
@@ -200,14 +152,14 @@ class Runtime:
             if self.spawns:
                 from trainscale.runtime import spawn
 
-                return spawn.run(_run_spawned, {"runtime_flags": self._init_kwargs, "function": function,
+                return spawn.run(_run_spawned, {"runtime_flags": dict(vars(self.flags)), "function": function,
                                                 "args": args}, self.config.world_size, self.config.start_method)
             self.launch()
             return function(self, *args)
         if self._launched:
             return self
         if self.spawns:
-            raise RuntimeError(f"strategy={self._init_kwargs['strategy']!r} runs the job in child processes started "
+            raise RuntimeError(f"strategy={self.flags.strategy!r} runs the job in child processes started "
                                "from this one: put the training code in a function fn(runtime, ...) and call "
                                "runtime.launch(fn, ...), or use Trainer.fit")
         if self.config.world_size > 1 and self.world.launcher == "none":
@@ -585,7 +537,7 @@ def _strategy_options(config: RunConfig, options: dict | None, tp_plan: Any, par
     return out
 
 
-RUNTIME_FLAGS = frozenset(inspect.signature(Runtime).parameters)  # what a Trainer passes on to its Runtime
+Runtime.__init__.__signature__ = flag_signature(RuntimeFlags, positional=True)  # help(Runtime) shows every flag
 
 
 def _run_spawned(**kwargs: Any) -> Any:

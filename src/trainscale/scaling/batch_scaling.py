@@ -23,12 +23,15 @@ are lr × lr_scale, the lr the step uses (:func:`trainscale.lightning.optimizers
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from trainscale.scaling.lr_scaling import LR_SCALE_KEY, lr_factor, warmup
 
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
 
-def global_batch_size(loader: Any, runtime: Any, accumulate: int) -> int | None:
+
+def global_batch_size(loader: Any, runtime: Runtime, accumulate: int) -> int | None:
     """Samples per optimizer step: ``loader.batch_size`` × data-parallel ranks (tensor-parallel ranks share a
     batch: ``Strategy.data_world``) × ``accumulate``; None for a loader without a fixed ``batch_size``."""
     batch = getattr(loader, "batch_size", None)
@@ -54,7 +57,7 @@ class BatchScaling:
             return self.factor
         return self.factor * warmup(self.warmup_steps, self.factor)(step)
 
-    def attach(self, runtime: Any, loader: Any, optimizers, step: Callable[[], int]) -> int | None:
+    def attach(self, runtime: Runtime, loader: Any, optimizers, step: Callable[[], int]) -> int | None:
         """Compute the global batch size; with a rule, mark ``optimizers`` (after any checkpoint was loaded into
         them) with the next step's multiplier and print the scaled learning rates on rank zero. ``step()`` is the number of optimizer steps
         taken so far. Returns the global batch size.

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -45,6 +45,9 @@ from trainscale.telemetry.memory import PeakMemory
 from trainscale.telemetry.nvml import GpuSampler
 from trainscale.telemetry.stragglers import compute_per_step, find_stragglers, mean, median
 from trainscale.telemetry.timers import PHASES, StepTimer
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
 
 # The per-rank vector gathered at log intervals (float64, NaN = not available).
 _FIELDS = ("steps", "wall", *PHASES, "comm", "exposed_comm", "samples", "tokens")
@@ -73,7 +76,7 @@ class Telemetry:
             ``peak_flops`` that is not a positive number.
     """
 
-    def __init__(self, runtime: Any, *, count_flops: bool | None = None,
+    def __init__(self, runtime: Runtime, *, count_flops: bool | None = None,
                  warmup_steps: int = 2, straggler_margin: float = 0.2, gpu_sample_interval_s: float = 0.5,
                  peak_flops: float | None = None) -> None:
         if straggler_margin < 0:
@@ -376,7 +379,7 @@ class NullTelemetry:
     def close(self) -> None: ...
 
 
-def create_telemetry(runtime: Any, enabled: bool = True, **options: Any) -> Telemetry | NullTelemetry:
+def create_telemetry(runtime: Runtime, enabled: bool = True, **options: Any) -> Telemetry | NullTelemetry:
     """A :class:`Telemetry` (``options`` are its keyword arguments), or a :class:`NullTelemetry` when not
     ``enabled``."""
     return Telemetry(runtime, **options) if enabled else NullTelemetry()

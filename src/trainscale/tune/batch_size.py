@@ -41,10 +41,13 @@ import copy
 import gc
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
 
 MAX_TRIALS = 25
 # strategies whose only collective in a step is the gradient all-reduce, skipped in trials
@@ -111,7 +114,7 @@ class Trial:
 class _TrialRun:
     """The wrapped copy, its optimizer and what the trials need."""
 
-    runtime: Any
+    runtime: Runtime
     wrapped: nn.Module
     optimizer: Any
     make_batch: Callable[[int], Any]
@@ -128,7 +131,7 @@ class _TrialHost:
     current_epoch = 0
     global_step = 0
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.metric_collector = self
 
@@ -136,7 +139,7 @@ class _TrialHost:
         pass
 
 
-def _trial_copy(model: nn.Module, runtime: Any) -> nn.Module:
+def _trial_copy(model: nn.Module, runtime: Runtime) -> nn.Module:
     """A deep copy of ``model`` for the trials (without the Trainer a previous fit attached to it)."""
     attached = model.__dict__.get("_trainer")
     clone = copy.deepcopy(model, {id(attached): None} if attached is not None else None)
@@ -171,7 +174,7 @@ def _tracker(device: torch.device, max_memory: int | None):
     return MemTracker()
 
 
-def _setup(model: nn.Module, loss_fn: Callable | None, optimizer: Any, runtime: Any, tracker) -> tuple:
+def _setup(model: nn.Module, loss_fn: Callable | None, optimizer: Any, runtime: Runtime, tracker) -> tuple:
     """Copy, wrap (inside the tracker, so wrapping's buffers count) and build one optimizer."""
     from trainscale.lightning.module import LoopModule
     from trainscale.lightning.optimizer_setup import configured_optimization
@@ -244,7 +247,7 @@ def _check(max_memory: Any, start: Any, max_batch_size: Any) -> None:
 
 
 def find_batch_size(model: nn.Module, loss_fn: Callable | None = None, data: Any = None, *, optimizer: Any = None,
-                    runtime: Any = None, accelerator: str = "auto", devices: int | str = "auto",
+                    runtime: Runtime = None, accelerator: str = "auto", devices: int | str = "auto",
                     strategy: str = "auto", precision: str = "32-true", max_memory: int | None = None,
                     start: int = 1, max_batch_size: int | None = None, max_trials: int = MAX_TRIALS,
                     trials: list | None = None) -> int:
@@ -297,7 +300,7 @@ def find_batch_size(model: nn.Module, loss_fn: Callable | None = None, data: Any
     return found
 
 
-def tuned_loader(runtime: Any, config: Any, model: nn.Module, loss_fn: Callable | None, optimizer: Any,
+def tuned_loader(runtime: Runtime, config: Any, model: nn.Module, loss_fn: Callable | None, optimizer: Any,
                  loader: Any) -> Any:
     """``Trainer(batch_size="max")``: the training ``loader`` rebuilt with the size :func:`find_batch_size`
     finds (its dataset, sampler, ``collate_fn`` and workers kept: ``sampling.with_batch_size``); the
