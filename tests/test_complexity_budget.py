@@ -1,4 +1,4 @@
-"""The readability budget of issue 16, checked on the code itself: in ``train/`` and ``runtime/`` no
+"""The readability budget, checked on the code itself: in ``train/`` and ``runtime/`` no
 function is longer than 50 lines or has a cyclomatic complexity over 12 (radon's count: McCabe 1976,
 one plus each branch point), and ``trainer.py`` stays under 400 lines."""
 

@@ -98,9 +98,9 @@ def test_bad_ddp_option_and_launch_without_function_fail_in_the_parent():
         rt.setup(torch.nn.Linear(2, 2))
 
 
-# A user's script as issue 15 item 7 found it: no `if __name__ == "__main__":` guard. The data (512 KiB) is larger
-# than a pipe's 64 KiB buffer, so the parent used to block forever writing it into the pipe of a child that had
-# already died while importing the script again.
+# A user's script with no `if __name__ == "__main__":` guard. The data (512 KiB) is larger
+# than a pipe's 64 KiB buffer: a parent writing it into a pipe would block forever on a child that has already
+# died while importing the script again.
 _UNGUARDED_SCRIPT = """
 import functools
 from pathlib import Path
