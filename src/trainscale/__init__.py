@@ -9,7 +9,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # the same names as _LAZY, for type checkers and the API reference (docs/api.md)
+    from trainscale.parity.runner import check
+    from trainscale.plan.planner import plan
+    from trainscale.runtime.runtime import Runtime
+    from trainscale.runtime.world import World
+    from trainscale.train.data_sources import DataModule
+    from trainscale.train.module import TrainingModule
+    from trainscale.train.trainer import Trainer
 
 _LAZY = {
     "Trainer": "trainscale.train.trainer",
