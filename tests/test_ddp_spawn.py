@@ -121,7 +121,7 @@ print("trained")
 def test_script_without_main_guard_fails_fast_naming_the_guard(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_UNGUARDED_SCRIPT.format(root=str(tmp_path / "runs")))
-    out, seconds = run_python([str(script)], tmp_path)  # used to hang: subprocess.TimeoutExpired
+    out, seconds = run_python([str(script)], tmp_path)  # a hang ends in subprocess.TimeoutExpired
     assert out.returncode != 0 and "trained" not in out.stdout
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("RuntimeError: strategy='ddp_spawn': the process of rank") and "died while starting" in last
@@ -134,7 +134,7 @@ def test_script_without_main_guard_fails_fast_naming_the_guard(tmp_path):
 def test_script_read_from_stdin_fails_fast_naming_the_fix(tmp_path):
     guarded = "def main():\n" + "".join(f"    {line}\n" for line in _UNGUARDED_SCRIPT.format(
         root=str(tmp_path / "runs")).splitlines()) + "\nif __name__ == '__main__':\n    main()\n"
-    out, seconds = run_python(["-"], tmp_path, stdin=guarded)  # used to hang: subprocess.TimeoutExpired
+    out, seconds = run_python(["-"], tmp_path, stdin=guarded)  # a hang ends in subprocess.TimeoutExpired
     assert out.returncode != 0 and "trained" not in out.stdout
     last = out.stderr.strip().splitlines()[-1]
     assert "died while starting" in last and "add `if __name__ == '__main__':`" in last
