@@ -45,7 +45,7 @@ ALLOWED_COMPLEX = {
     "plan/planner.py:plan": "the public entry point: argument checks with messages, then one row per cell",
     "plan/report.py:format_plan": "one optional column per branch of the printed table",
     "telemetry/processor.py:Telemetry._numbers": "the defined numbers of docs/telemetry.md, each optional by device",
-    "telemetry/report.py:make_report": "one plot per block, each drawn only when the run recorded its numbers",
+    "telemetry/report.py:write_plots": "one plot per block, each drawn only when the run recorded its numbers",
     "telemetry/report.py:text_summary": "one optional line of report.txt per branch",
 }
 

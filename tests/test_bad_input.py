@@ -58,7 +58,7 @@ def test_missing_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist; pass an existing checkpoint file, 'last', or None"):
         trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=4), optimizer=workers.sgd,
                     ckpt_path=tmp_path / "missing.pt")
-    # issue 15: "last" on a first run warns and starts fresh, as Lightning does
+    # "last" on a first run warns and starts fresh, as Lightning does
     with pytest.warns(UserWarning, match="no run of .* has a checkpoint; starting fresh"):
         summary = trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=4),
                               optimizer=workers.sgd, ckpt_path="last")

@@ -92,7 +92,7 @@ def test_entry_strings():
 
 
 def tel(step, data=0.0, comm=None, fwd=None):
-    """Telemetry in the contract's shape (issue 4)."""
+    """Telemetry in the shape of a run's summary.json (``telemetry`` section)."""
     fwd = step * 0.3 if fwd is None else fwd
     rest = step - data - fwd
     phase_s = {"data": data, "forward": fwd, "backward": rest * 0.8, "optimizer": rest * 0.2}

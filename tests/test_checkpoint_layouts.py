@@ -1,4 +1,4 @@
-"""Checkpoints for every layout (issue 17 item 4): background writes (``checkpoint_async=True``, torch's
+"""Checkpoints for every layout: background writes (``checkpoint_async=True``, torch's
 ``async_save``) that equal synchronous ones although training moved on during each write; a job killed
 during a background write resumes from the previous complete checkpoint; DCP checkpoints saved on one mesh
 resume on another (model_parallel 2×2 → dp_shard 4 and one process; fsdp 2 → fsdp 4 and one process)

@@ -1,5 +1,5 @@
 """CUDA RNG states saved by a process that saw the whole node restore on one that sees fewer GPUs, e.g. one GPU
-bound per SLURM task (issue 18 item 7). torch.cuda's RNG calls are faked; nothing here needs a GPU."""
+bound per SLURM task. torch.cuda's RNG calls are faked; nothing here needs a GPU."""
 
 import pytest
 import torch

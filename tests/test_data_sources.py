@@ -1,4 +1,4 @@
-"""Lightning's data hooks and hyperparameters (issue 16, "port by changing imports and base class"):
+"""Lightning's data hooks and hyperparameters, so a Lightning project ports by changing imports and base class:
 ``fit(model, datamodule=dm)``, ``test(model, datamodule=dm)``, a model's own ``train_dataloader()``,
 ``save_hyperparameters()``/``hparams``."""
 

@@ -98,9 +98,9 @@ def test_bad_ddp_option_and_launch_without_function_fail_in_the_parent():
         rt.setup(torch.nn.Linear(2, 2))
 
 
-# A user's script as issue 15 item 7 found it: no `if __name__ == "__main__":` guard. The data (512 KiB) is larger
-# than a pipe's 64 KiB buffer, so the parent used to block forever writing it into the pipe of a child that had
-# already died while importing the script again.
+# A user's script with no `if __name__ == "__main__":` guard. The data (512 KiB) is larger
+# than a pipe's 64 KiB buffer: a parent writing it into a pipe would block forever on a child that has already
+# died while importing the script again.
 _UNGUARDED_SCRIPT = """
 import functools
 from pathlib import Path
@@ -121,7 +121,7 @@ print("trained")
 def test_script_without_main_guard_fails_fast_naming_the_guard(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_UNGUARDED_SCRIPT.format(root=str(tmp_path / "runs")))
-    out, seconds = run_python([str(script)], tmp_path)  # used to hang: subprocess.TimeoutExpired
+    out, seconds = run_python([str(script)], tmp_path)  # a hang ends in subprocess.TimeoutExpired
     assert out.returncode != 0 and "trained" not in out.stdout
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("RuntimeError: strategy='ddp_spawn': the process of rank") and "died while starting" in last
@@ -134,7 +134,7 @@ def test_script_without_main_guard_fails_fast_naming_the_guard(tmp_path):
 def test_script_read_from_stdin_fails_fast_naming_the_fix(tmp_path):
     guarded = "def main():\n" + "".join(f"    {line}\n" for line in _UNGUARDED_SCRIPT.format(
         root=str(tmp_path / "runs")).splitlines()) + "\nif __name__ == '__main__':\n    main()\n"
-    out, seconds = run_python(["-"], tmp_path, stdin=guarded)  # used to hang: subprocess.TimeoutExpired
+    out, seconds = run_python(["-"], tmp_path, stdin=guarded)  # a hang ends in subprocess.TimeoutExpired
     assert out.returncode != 0 and "trained" not in out.stdout
     last = out.stderr.strip().splitlines()[-1]
     assert "died while starting" in last and "add `if __name__ == '__main__':`" in last

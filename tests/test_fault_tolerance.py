@@ -1,4 +1,4 @@
-"""Issue 6: exact mid-epoch resume, elastic restarts, resume on another world size, two nodes,
+"""Fault tolerance: exact mid-epoch resume, elastic restarts, resume on another world size, two nodes,
 hangs, never-corrupt saves, non-finite losses and signals. Real processes, each under a timeout."""
 
 from __future__ import annotations
@@ -332,7 +332,7 @@ def test_poll_tests_the_running_sum_and_reads_the_kept_losses_only_when_it_is_no
         ft.poll(3, 0, torch.tensor(float("inf")))
 
 
-# -- signals (issue 15 item 4) ---------------------------------------------------------------------
+# -- signals ----------------------------------------------------------------------------------------
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_sigterm_with_slow_steps_checkpoints_within_a_few_steps_on_every_rank(tmp_path):
@@ -468,7 +468,7 @@ def test_checks_are_about_a_second_of_the_slowest_ranks_steps():
     assert steps_between_checks(0.0, 50) == 1  # not measured yet: the next step
 
 
-# -- process groups (issue 18 item 1) --------------------------------------------------------------
+# -- process groups ---------------------------------------------------------------------------------
 _NCCL_NAMES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT",
                "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_ENABLE_MONITORING")
 

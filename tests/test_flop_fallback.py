@@ -1,4 +1,4 @@
-"""FLOP counting never breaks training (issue 18 item 3): a formula that raises, a higher-order operator the
+"""FLOP counting never breaks training: a formula that raises, a higher-order operator the
 counter has no rule for, or a step that fails only while counted -> the step's result is unchanged, one warning,
 and an analytic estimate (6·N per token) or no FLOPs."""
 

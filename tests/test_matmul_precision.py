@@ -1,4 +1,4 @@
-"""float32_matmul_precision= (issue 18 item 11): resolved with the other flags, applied with
+"""float32_matmul_precision=: resolved with the other flags, applied with
 torch.set_float32_matmul_precision, and a "32-true" run on an Ampere-or-newer GPU left at "highest" says so once.
 The GPU is faked (device count and compute capability); nothing here needs one."""
 

@@ -91,7 +91,7 @@ def test_sync_batchnorm_on_cpu_fails_early_and_torch_refuses_cpu_tensors(tmp_pat
 
 
 def test_compile_is_applied_inside_ddp_not_around_it(tmp_path):
-    """torch.compile(DDP(model)) silently runs eager; DDP(compiled model) compiles (shared/FACTS)."""
+    """torch.compile(DDP(model)) silently runs eager (torch 2.13, gloo); DDP(compiled model) compiles."""
     graphs = []
 
     def recording_backend(gm, example_inputs):

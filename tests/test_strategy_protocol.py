@@ -1,5 +1,5 @@
 """The Strategy protocol declares every member the code uses, and every registered strategy defines each
-one itself (issue 16 item 1): no caller probes a strategy with getattr/hasattr and a default."""
+one itself: no caller probes a strategy with getattr/hasattr and a default."""
 
 import ast
 import importlib

@@ -1,4 +1,4 @@
-"""TrainerConfig: every loop flag validated in Trainer.__init__ (pure logic, issue 15's bad-input list)."""
+"""TrainerConfig: every loop flag validated in Trainer.__init__ (pure logic)."""
 
 import pytest
 

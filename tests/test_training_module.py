@@ -1,5 +1,5 @@
-"""The Lightning-style contract (issue 16): TrainingModule, self.log, configure_optimizers forms, manual
-optimization, callbacks, test/predict; and the loop's records (issue 15 items 2, 10, 11)."""
+"""The Lightning-style contract: TrainingModule, self.log, configure_optimizers forms, manual
+optimization, callbacks, test/predict; and the loop's records."""
 
 import json
 
@@ -166,7 +166,7 @@ def test_self_log_counts_each_sample_once_with_uneven_last_batches(strategy):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_self_log_sums_count_each_sample_once_under_tensor_parallelism():
-    # the 2 tp ranks read the same 21 samples: a sum over all ranks counted each twice (issue 17)
+    # the 2 tp ranks read the same 21 samples: a sum over all ranks would count each twice
     n = 21
     out = run_distributed(mw.tp_log_reduction_body, n, timeout=150)
     assert out[0] == out[1]
@@ -411,7 +411,7 @@ def test_tokens_per_second_for_token_id_batches(tmp_path):
     assert record["tokens_per_s"] == pytest.approx(40 / record["epoch_time_s"])
 
 
-# -- records and run directories after a resume (issue 15 items 2 and 10) -------------------------------------
+# -- records and run directories after a resume ---------------------------------------------------------------
 def test_records_after_a_resume_equal_an_uninterrupted_run(tmp_path):
     loader = DataLoader(workers.tiny_dataset(48), batch_size=8, shuffle=True)
     full = _trainer(tmp_path / "full", max_epochs=2)
@@ -473,7 +473,7 @@ def test_last_never_resumes_another_scripts_run(tmp_path):
     assert summary["resumed_from"] is None and summary["run_dir"].endswith("version_1")
 
 
-# -- batches the model cannot take (issue 15, second list) -----------------------------------------------------
+# -- batches the model cannot take -----------------------------------------------------------------------------
 def test_float64_inputs_to_a_float32_model_name_the_conversion(tmp_path):
     data = TensorDataset(torch.randn(8, 4, dtype=torch.float64), torch.zeros(8, dtype=torch.long))
     with pytest.raises(TypeError, match="float64 \\(double\\) inputs but the model's parameters are float32.*x.float"):

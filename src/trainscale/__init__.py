@@ -9,7 +9,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # the same names as _LAZY, for type checkers and the API reference (docs/api.md)
+    from trainscale.checkpointing.rng import seed_everything
+    from trainscale.lightning.data_sources import DataModule
+    from trainscale.lightning.module import TrainingModule
+    from trainscale.loop.trainer import Trainer
+    from trainscale.runtime.runtime import Runtime
+    from trainscale.runtime.world import World
 
 _LAZY = {
     "Trainer": "trainscale.loop.trainer",

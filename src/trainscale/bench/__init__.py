@@ -12,6 +12,11 @@ The workload contract is in :mod:`trainscale.jobs.workload`. Importing this pack
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names of __all__, for type checkers and the API reference (docs/api.md)
+    from trainscale.bench.runner import BenchResult, sweep
+
 __all__ = ["sweep", "BenchResult"]
 
 

@@ -146,8 +146,8 @@ def run_cell(cfg: dict) -> dict | None:
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     probe_allreduce = _probe_allreduce(rt, numel)
     peaks = rt.all_gather_object(_peak_memory(rt.device))
-    # Tear the process group down here rather than at interpreter exit, where a loaded machine
-    # occasionally aborted a DDP worker ("terminate called without an active exception"; shared/FACTS).
+    # Tear the process group down here rather than at interpreter exit, which on a loaded machine
+    # occasionally aborts a gloo worker ("terminate called without an active exception", pytorch/pytorch#190489).
     rt.teardown()
     if not rt.is_rank_zero:
         return None

@@ -9,7 +9,12 @@ import torch
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python's, numpy's and torch's generators (every rank the same seed)."""
+    """Seed Python's ``random``, numpy's global generator and torch's (CPU and every CUDA device) with ``seed``.
+
+    ``Trainer.fit`` calls it with ``Trainer(seed=...)`` (default 0) on every rank; in a hand-written
+    ``Runtime`` loop, call it yourself (the same seed on every rank, as Lightning's ``seed_everything``);
+    ``trainscale.seed_everything`` is this function.
+    """
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

@@ -22,7 +22,12 @@ class TrainerConfig:
         max_epochs: epochs to train (>= 1). max_steps: stop after this many optimizer steps (None: no limit).
         accumulate_grad_batches: micro-batches per optimizer step (gradients all-reduced on the last only).
         gradient_clip_val: clip the total gradient norm (or each value: ``gradient_clip_algorithm="value"``).
-        seed: seeds torch/numpy/random on every rank and the samplers' shuffling.
+        seed: at the start of each ``fit``, Python's ``random``, numpy and torch (CPU and every CUDA device) are
+            seeded with it on every rank alike (``trainscale.seed_everything``), before the
+            model is set up (a model built on the meta device is initialised from it); the training samplers
+            shuffle epoch ``e`` with ``seed + e``. Default 0, so runs repeat unless it is changed. A model
+            built before ``fit`` takes its initial weights from the script's own random state: seed before
+            building it. A resumed run restores each rank's saved RNG states instead.
         default_root_dir: runs are written to ``default_root_dir/version_N``.
         log_every_n_steps: optimizer steps between step records (one host sync and, with telemetry, one
             all_gather of a small tensor each).

@@ -12,6 +12,11 @@ Guide and formulas: docs/plan.md. Importing this package does not import torch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names of __all__, for type checkers and the API reference (docs/api.md)
+    from trainscale.plan.planner import PlanResult, PlanRow, Workload, plan
+
 __all__ = ["plan", "PlanResult", "PlanRow", "Workload"]
 
 

@@ -410,7 +410,20 @@ class Runtime:
 
     # -- collectives -------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce ``tensor`` across ranks in place ("sum", "mean", "max", "min") and return it."""
+        """Reduce ``tensor`` over every rank of the job, in place, and return it.
+
+        A collective: every rank must call it, with a tensor of the same shape on its own device
+        (``self.device``). At world size 1 the tensor is returned unchanged.
+
+        Args:
+            tensor: the value to reduce; it is overwritten with the result.
+            op: "sum" (the default, as ``torch.distributed.all_reduce``), "mean" (the sum divided by the
+                world size, in place: the tensor must be floating point), "max" or "min". Lightning Fabric's
+                ``all_reduce`` defaults to "mean": pass ``op="mean"`` where a Fabric loop relied on that.
+
+        Raises:
+            ValueError: an ``op`` other than these four.
+        """
         if op not in _REDUCE_OPS:
             raise ValueError(f"unknown op={op!r}; choose one of {', '.join(map(repr, _REDUCE_OPS))}")
         if self.world_size > 1:

@@ -33,8 +33,8 @@ from typing import Iterator
 
 # Dense (no sparsity) peak FLOP/s per GPU by compute dtype: "bf16"/"fp16"/"tf32" on tensor cores, "fp32"
 # the plain (non-tensor) FP32 rate. NVIDIA quotes tensor-core figures "with sparsity" (2:4 structured);
-# those are halved here. Sources (NVIDIA data sheets and product pages; the figures were taken from these
-# documents as published, not re-fetched in the session of 2026-11-23, which had no web access):
+# those are halved here. Sources (NVIDIA data sheets and product pages; the figures as these documents publish
+# them, written down without web access on 2026-11-23, so not re-checked against the live pages):
 #   V100:  https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf
 #          (SXM2: 125 TFLOPS tensor, 15.7 FP32; PCIe: 112, 14)
 #   T4:    https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf

@@ -10,6 +10,11 @@ step on a copy of the model; under ddp/fsdp every rank searches and the ranks ag
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names of __all__, for type checkers and the API reference (docs/api.md)
+    from trainscale.tune.batch_size import BatchSizeError, Trial, find_batch_size, search
+
 __all__ = ["find_batch_size", "search", "BatchSizeError", "Trial"]
 
 

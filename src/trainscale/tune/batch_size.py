@@ -31,7 +31,7 @@ broadcast in the first trial's forward), so an out-of-memory error on one rank i
 the ranks meet again at the agreement. FSDP and model parallelism gather parameters inside forward, so
 their trials keep their collectives: a budget (``max_memory``, checked after the trial) keeps the ranks
 in step, while a real out-of-memory error under them is raised (it would leave the peers waiting).
-Lightning's finder refuses DDP altogether (its issues #4424, #10560, #20994).
+Lightning's finder refuses DDP altogether (Lightning-AI/pytorch-lightning#4424, #10560, #20994).
 """
 
 from __future__ import annotations
