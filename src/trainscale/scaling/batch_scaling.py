@@ -23,12 +23,15 @@ are lr × lr_scale, the lr the step uses (:func:`trainscale.lightning.optimizers
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 from trainscale.scaling.lr_scaling import LR_SCALE_KEY, lr_factor, warmup
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
+
+
+_UNSCALED = contextlib.nullcontext()  # no lr_scaling: the step runs as it is
 
 
 def global_batch_size(loader: Any, runtime: Runtime, accumulate: int) -> int | None:
@@ -100,13 +103,13 @@ class BatchScaling:
         return {"rule": self.rule, "base_batch_size": self.base_batch_size, "factor": self.factor,
                 "warmup_steps": self.warmup_steps}
 
-    @contextlib.contextmanager
-    def scaled_lr(self, optimizer: Any) -> Iterator[None]:
+    def scaled_lr(self, optimizer: Any) -> ContextManager[None]:
         """Around one ``optimizer.step()``: each param group's lr × the multiplier of this step, the schedule's
         value put back after it (and the next step's multiplier recorded for the records). Nothing without a rule."""
-        if self.rule is None:
-            yield
-            return
+        return _UNSCALED if self.rule is None else self._scaled(optimizer)
+
+    @contextlib.contextmanager
+    def _scaled(self, optimizer: Any) -> Iterator[None]:
         m = self.multiplier(self._step())
         saved = []
         for group in optimizer.param_groups:
