@@ -38,7 +38,7 @@ from trainscale.runtime.apply import prepare_module
 from trainscale.runtime.batch import to_device
 from trainscale.runtime.connector import RunConfig, resolve
 from trainscale.runtime.meta_init import on_meta
-from trainscale.runtime.precision import Precision, float32_matmul_note
+from trainscale.runtime.precision import Precision, float32_matmul_note, tf32_enabled
 from trainscale.runtime.strategies import check_async_save, create_strategy
 from trainscale.runtime.world import World
 
@@ -159,15 +159,19 @@ class Runtime:
             create_strategy(self.config.strategy, device=self.device, world=self.world, **self.strategy_options)
 
     def _set_matmul_precision(self) -> None:
-        """Apply ``float32_matmul_precision``, or say once what "32-true" leaves on the table (Lightning's note)."""
+        """Apply ``float32_matmul_precision``, or say once what "32-true" leaves on the table (Lightning's note).
+
+        In the parent of a "ddp_spawn"/"ddp_notebook" job nothing is asked of the GPU: rank 0's child says the
+        note, and ``get_device_capability`` would initialise CUDA here, which a fork ("ddp_notebook") cannot
+        survive (``trainscale.runtime.spawn`` refuses to fork then)."""
         if self.config.float32_matmul_precision is not None:
             torch.set_float32_matmul_precision(self.config.float32_matmul_precision)
             return
-        cuda_32 = self.device.type == "cuda" and self.config.precision == "32-true"
-        capability = torch.cuda.get_device_capability(self.device) if cuda_32 else None
-        note = float32_matmul_note(self.config.precision, self.device.type, capability,
-                                   torch.get_float32_matmul_precision())
-        if note is not None and not self.spawns:  # under ddp_spawn, rank 0's child says it
+        if self.spawns or self.device.type != "cuda" or self.config.precision != "32-true":
+            return
+        note = float32_matmul_note(self.config.precision, self.device.type,
+                                   torch.cuda.get_device_capability(self.device), tf32_enabled()[0])
+        if note is not None:
             self.print(note)
 
     @property

@@ -102,8 +102,8 @@ def peak_flops_per_s(device_name: str | None, precision: str, *, tf32_matmul: bo
     """Peak dense FLOP/s of one device for a precision ("32-true", "bf16-mixed", ...).
 
     Under "32-true" float32 matmuls and convolutions run on TF32 tensor cores when enabled
-    (``torch.get_float32_matmul_precision() != "highest"``; ``torch.backends.cudnn.allow_tf32``, True by
-    default), else at the FP32 rate. The peak of the step is then the rate at which its FLOPs could run
+    (``trainscale.runtime.precision.tf32_enabled``: matmuls off by default, cuDNN convolutions on), else at
+    the FP32 rate. The peak of the step is then the rate at which its FLOPs could run
     at best: ``1 / (conv_share / conv_peak + (1 - conv_share) / matmul_peak)``.
 
     Args:

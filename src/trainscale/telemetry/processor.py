@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from trainscale.runtime.batch import batch_counts
+from trainscale.runtime.precision import tf32_enabled
 from trainscale.telemetry.flops import MFU_ERROR, FlopsPerSample, mfu, peak_flops_per_s, resolve_count_flops
 from trainscale.telemetry.memory import PeakMemory
 from trainscale.telemetry.nvml import GpuSampler
@@ -242,9 +243,9 @@ class Telemetry:
         "32-true" with the TF32 settings of now and the counted step's share of convolutions."""
         if self.peak_flops is not None:
             return float(self.peak_flops)
-        return peak_flops_per_s(self._device_name, self.rt.config.precision,
-                                tf32_matmul=torch.get_float32_matmul_precision() != "highest",
-                                tf32_conv=torch.backends.cudnn.allow_tf32, conv_share=self.flops.conv_share)
+        tf32_matmul, tf32_conv = tf32_enabled()
+        return peak_flops_per_s(self._device_name, self.rt.config.precision, tf32_matmul=tf32_matmul,
+                                tf32_conv=tf32_conv, conv_share=self.flops.conv_share)
 
     def _mfu(self, achieved: float | None, devices: int) -> tuple[float | None, str | None]:
         """MFU and, when it exceeds 1, the error that says why it cannot be (printed once, rank zero)."""
