@@ -107,27 +107,3 @@ def test_the_peak_flops_follow_the_new_api():
     assert tele.peak_flops_per_device() == 67e12
     tele.close()
 
-
-def test_a_ddp_notebook_parent_does_not_initialise_cuda(monkeypatch, tmp_path):
-    """Under "ddp_notebook" the ranks are forked from this process, which they cannot survive once CUDA is
-    initialised here: the Trainer's and Runtime's constructors must not ask the GPU anything under "32-true"
-    (``get_device_capability`` initialises CUDA). Every torch.cuda call that initialises goes through
-    ``torch.cuda._lazy_init``, recorded here."""
-    from trainscale import Trainer
-
-    initialised = []
-    monkeypatch.setattr(devices, "cuda_device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: initialised.append(True))
-
-    def capability(device=None):
-        torch.cuda._lazy_init()
-        return (9, 0)
-
-    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
-    rt = Runtime(accelerator="cuda", devices=2, strategy="ddp_notebook")
-    assert rt.spawns and initialised == []
-    Trainer(accelerator="cuda", devices=2, strategy="ddp_notebook", default_root_dir=tmp_path,
-            enable_progress_bar=False)
-    assert initialised == []
-    Runtime(accelerator="cuda", devices=1)  # a process that owns its GPU asks it (and says the note)
-    assert initialised == [True]
