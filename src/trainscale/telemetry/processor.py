@@ -92,6 +92,7 @@ class Telemetry:
         self.timer = StepTimer(device, running=device.type != "cuda")  # CUDA: events, resolved at log intervals
         self.clock = self.timer.clock  # the loop's clock for micro_batch(): perf_counter, or a recorded CUDA event
         self.memory = PeakMemory(device)
+        self.memory.reset()  # CUDA: this run's peak, not that of an earlier fit in the same process
         self.flops = FlopsPerSample(warn=runtime.is_rank_zero)  # a fallback is said once, on rank zero
         compiled = runtime.config.compile is not None
         self.flops.done = not resolve_count_flops(count_flops, device.type, compiled)

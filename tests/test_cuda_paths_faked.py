@@ -1,0 +1,60 @@
+"""CUDA code paths checked on CPU with torch.cuda's calls faked: when the clocks of the bench cell's data probe are
+read, whether each run's peak CUDA memory starts afresh, and a finished Trainer being freed (the bench cell drops
+its warm-up run's). Nothing here needs a GPU; the same paths on a GPU are in benchmarks/gpu_check.py."""
+
+import gc
+import time
+import weakref
+from types import SimpleNamespace
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainscale.bench import cell
+from trainscale.telemetry import nvml
+from trainscale.telemetry.processor import Telemetry
+
+
+def test_the_data_probe_reads_its_clock_after_the_copies_have_landed(monkeypatch):
+    """``to_device``'s copies to a CUDA device are asynchronous (pinned memory, ``non_blocking``): a clock read
+    without a synchronize would time the issuing of the copies, not the copies."""
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    clock = time.perf_counter
+    monkeypatch.setattr(cell.time, "perf_counter", lambda: events.append("clock") or clock())
+    rt = SimpleNamespace(device=torch.device("cuda", 0), set_epoch=lambda loader, epoch: None,
+                         to_device=lambda batch: events.append("copy"))
+    assert cell._probe_data(rt, [1, 2, 3, 4], batches=3) > 0
+    assert events == ["sync", "clock", "copy", "copy", "copy", "sync", "clock"]
+
+
+def test_each_telemetry_starts_a_new_cuda_peak(monkeypatch):
+    """A second fit in one process (the bench cell's timed run after its warm-up) reported the first's peak:
+    ``max_memory_allocated`` counts from the process start until ``reset_peak_memory_stats``."""
+    resets = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: resets.append(device))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(nvml, "_nvml_reader", lambda index: None)
+    rt = SimpleNamespace(device=torch.device("cuda", 0), is_rank_zero=True, world_size=1, data_parallel_size=1,
+                         config=SimpleNamespace(compile=None, precision="bf16-mixed"), print=print)
+    for _ in range(2):
+        Telemetry(rt).close()
+    assert resets == [torch.device("cuda", 0)] * 2
+
+
+def test_a_finished_trainer_is_freed_once_dropped(tmp_path):
+    """The bench cell drops its warm-up Trainer before the timed run, so that the warm-up's model copy and optimizer
+    state are not held (on a GPU: not in the timed run's memory). The model refers back to its trainer: a cycle,
+    freed by the collector."""
+    from trainscale import Trainer
+    from trainscale.models import GPT, lm_loss
+
+    data = TensorDataset(torch.randint(0, 256, (16, 8)), torch.randint(0, 256, (16, 8)))
+    trainer = Trainer(accelerator="cpu", max_steps=2, enable_progress_bar=False, enable_checkpointing=False,
+                      default_root_dir=tmp_path, logger=False)
+    model = GPT("tiny")
+    trainer.fit(model, DataLoader(data, batch_size=4), loss_fn=lm_loss, optimizer=torch.optim.AdamW)
+    refs = [weakref.ref(trainer), weakref.ref(model), weakref.ref(trainer.optimizers[0])]
+    del trainer, model
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
