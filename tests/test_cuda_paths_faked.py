@@ -7,6 +7,7 @@ import time
 import weakref
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -58,3 +59,43 @@ def test_a_finished_trainer_is_freed_once_dropped(tmp_path):
     del trainer, model
     gc.collect()
     assert [r() for r in refs] == [None, None, None]
+
+
+def test_a_compiled_gpt_gets_its_mfu_from_its_declared_flops_per_token(tmp_path):
+    """Under ``compile`` FLOPs are not counted (a dispatch mode would make dynamo skip the model), so the MFU was
+    null; the model's own ``flops_per_token`` (``GPT``'s, at the batch's sequence length) gives it."""
+    from trainscale import Trainer
+    from trainscale.models import GPT, lm_loss
+    from trainscale.telemetry.flops import DECLARED
+
+    compiled = []
+
+    def backend(gm, example_inputs):  # dynamo traces the model; the graph then runs as traced, uncompiled
+        compiled.append(gm)
+        return gm.forward
+
+    T = 16
+    data = TensorDataset(torch.randint(0, 256, (32, T)), torch.randint(0, 256, (32, T)))
+    model = GPT("tiny")
+    trainer = Trainer(accelerator="cpu", max_steps=4, enable_progress_bar=False, enable_checkpointing=False,
+                      default_root_dir=tmp_path, logger=False, compile={"backend": backend}, peak_flops=1e12)
+    tele = trainer.fit(model, DataLoader(data, batch_size=4), loss_fn=lm_loss,
+                       optimizer=torch.optim.AdamW)["telemetry"]
+    torch._dynamo.reset()
+    assert compiled, "the model ran eagerly"
+    assert tele["flops_method"] == DECLARED
+    assert tele["flops_per_sample"] == pytest.approx(model.flops_per_token(T) * T)
+    assert tele["mfu"] == pytest.approx(tele["flops_per_sample"] * tele["samples_per_s"] / 1e12)
+
+
+def test_declared_flops_per_token_is_found_inside_wrappers():
+    from torch import nn
+
+    from trainscale.telemetry.flops import declared_flops_per_token
+
+    class Fixed(nn.Linear):
+        def flops_per_token(self):
+            return 6.0 * 12
+
+    assert declared_flops_per_token(nn.Sequential(nn.ReLU(), nn.Sequential(Fixed(3, 4))))(99) == 72.0
+    assert declared_flops_per_token(nn.Sequential(nn.Linear(3, 4))) is None
