@@ -343,15 +343,17 @@ class Runtime:
                 rank only, ranks may differ by one sample.
             pin_memory: batches in page-locked host memory, so that ``to_device``'s ``non_blocking``
                 copy to a CUDA device is asynchronous (https://pytorch.org/docs/stable/data.html#memory-pinning).
-                None: on for CUDA, else ``loader``'s own setting. Applies to the rebuilt loader; a loader
-                returned as given (it already has a distributed sampler) keeps its own setting.
+                None: on for CUDA, else ``loader``'s own setting. A loader that needs no new sampler (one with
+                a distributed sampler, an ``IterableDataset`` at world size 1 or with ``shards_by_rank``) is
+                returned as given unless it must be pinned: then a pinning copy of it
+                (``sampling.with_pinned_memory``; never for a DataLoader subclass); ``loader`` is never changed.
 
         Raises:
             ValueError: under world size > 1, a loader with a custom ``batch_sampler`` or sampler, over an
                 ``IterableDataset`` without ``shards_by_rank = True``, or (``even=True``) whose ranks have
                 different numbers of batches (``sampling.check_equal_lengths``; on every rank).
         """
-        from trainscale.runtime.sampling import check_equal_lengths, distribute_dataloader
+        from trainscale.runtime.sampling import check_equal_lengths, distribute_dataloader, with_pinned_memory
 
         self.launch()
         world = self.strategy.data_world(self.world)  # tensor-parallel ranks share their batches
@@ -362,6 +364,8 @@ class Runtime:
             pin_memory = loader.pin_memory or self.device.type == "cuda"
         if out is not loader:  # ours to configure; the iterator reads it when an epoch starts
             out.pin_memory = pin_memory
+        elif pin_memory:  # the user's loader as given: a copy that pins, the user's object left alone
+            out = with_pinned_memory(loader)
         return out
 
     @staticmethod
