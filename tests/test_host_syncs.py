@@ -2,7 +2,8 @@
 (``item``, ``tolist``, ``bool``, ``float``, ``int``, ``cpu``, ``numpy``) is recorded with its caller, and each optimizer
 step's reads are collected between two ``on_train_batch_end`` calls. On a GPU each of these waits for the device;
 trainscale's own must happen only at log intervals and at the fault-tolerance check, never in an ordinary step.
-(torch's own reads, e.g. the optimizer's ``.item()`` of its step count, a CPU tensor on GPUs too, are not trainscale's.)"""
+(torch's own reads, e.g. the optimizer's ``.item()`` of its step count, a CPU tensor on GPUs too, are not
+trainscale's.)"""
 
 import sys
 from pathlib import Path

@@ -228,8 +228,9 @@ class Runtime:
         """The default process group, unless one exists, and the gloo monitor group where it serves
         (:func:`trainscale.runtime.hangs.wants_monitor_group`)."""
         # ddp on one process (e.g. one GPU) still needs a process group: DDP refuses to run without one; so does
-        # model_parallel's device mesh (init_device_mesh would otherwise start one from env://, unset outside a launcher).
-        if (self.world.world_size > 1 or self.config.strategy in ("ddp", "model_parallel")) and not dist.is_initialized():
+        # model_parallel's device mesh (init_device_mesh would start one from env://, unset outside a launcher).
+        one_process_needs_group = self.config.strategy in ("ddp", "model_parallel")
+        if (self.world.world_size > 1 or one_process_needs_group) and not dist.is_initialized():
             self._init_process_group()
         if (self.monitor_group is None and dist.is_initialized()
                 and hangs.wants_monitor_group(str(dist.get_backend()), self.world.world_size)):
