@@ -99,3 +99,21 @@ def test_declared_flops_per_token_is_found_inside_wrappers():
 
     assert declared_flops_per_token(nn.Sequential(nn.ReLU(), nn.Sequential(Fixed(3, 4))))(99) == 72.0
     assert declared_flops_per_token(nn.Sequential(nn.Linear(3, 4))) is None
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_second_fit_reports_its_own_peak(tmp_path):
+    from trainscale import Trainer
+    from trainscale.models import MLP
+
+    peaks = []
+    for hidden in (8192, 16):
+        data = TensorDataset(torch.randn(256, 784), torch.randint(0, 10, (256,)))
+        trainer = Trainer(accelerator="cuda", devices=1, max_steps=2, enable_progress_bar=False,
+                          enable_checkpointing=False, logger=False, default_root_dir=tmp_path / str(hidden))
+        summary = trainer.fit(MLP(hidden=hidden), DataLoader(data, batch_size=128), optimizer=torch.optim.AdamW)
+        peaks.append(summary["telemetry"]["peak_memory_bytes"][0])
+        del trainer
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert peaks[1] < peaks[0] / 10  # 8192 hidden units: ~80 MB of weights and AdamW state; 16: ~0.2 MB

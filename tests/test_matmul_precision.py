@@ -107,3 +107,14 @@ def test_the_peak_flops_follow_the_new_api():
     assert tele.peak_flops_per_device() == 67e12
     tele.close()
 
+
+
+@pytest.mark.gpu
+@new_api_only
+def test_on_a_gpu_tf32_set_through_the_new_api_is_read(capsys, tmp_path):
+    from trainscale import Trainer
+
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    Runtime(accelerator="cuda", devices=1)
+    Trainer(accelerator="cuda", devices=1, default_root_dir=tmp_path, enable_progress_bar=False)
+    assert "full precision" not in capsys.readouterr().out
