@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import platform
@@ -525,6 +526,7 @@ def stage_mfu(report: Report, smoke: bool, scratch: Path) -> None:
                                       telemetry_flops_per_token=tele["flops_per_sample"] / T if tele["flops_per_sample"]
                                       else None, telemetry_peak_memory_GiB=tele["peak_memory_bytes"][0] / 2**30)
                 del trainer
+                gc.collect()  # the model refers back to its trainer: free that run's optimizer state now
             print(f"round {r} {variant}: {tokens / clock.seconds:.0f} tokens/s", flush=True)
             if r:
                 rates[variant].append(tokens / clock.seconds)
