@@ -63,7 +63,8 @@ def fit(root, *, hook=None, n=96, batch=4, epochs=2, ckpt_path=None, teardown=Tr
 
     from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(devices="auto", max_epochs=epochs, seed=0, default_root_dir=root, enable_progress_bar=False,
+    trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=epochs, seed=0, default_root_dir=root,
+                      enable_progress_bar=False,
                       log_every_n_steps=kwargs.pop("log_every_n_steps", 5), timeout=kwargs.pop("timeout", 60), **kwargs)
     model = Recorder(hook)
     model.trainer = trainer

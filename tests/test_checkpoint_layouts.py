@@ -55,11 +55,12 @@ def test_checkpoint_async_is_refused_where_a_checkpoint_is_one_file(tmp_path):
     for strategy in ("auto", "single"):
         with pytest.raises(ValueError, match=r"checkpoint_async=True writes sharded \(DCP\) checkpoints in the "
                                              r"background, but strategy='single' writes one file.*'fsdp'"):
-            Trainer(devices=1, strategy=strategy, checkpoint_async=True)
+            Trainer(accelerator="cpu", devices=1, strategy=strategy, checkpoint_async=True)
     with pytest.raises(ValueError, match="checkpoint_async='yes' must be True or False"):
-        Trainer(devices=1, checkpoint_async="yes")
+        Trainer(accelerator="cpu", devices=1, checkpoint_async="yes")
     with pytest.raises(ValueError, match="strategy='single' writes one file"):
-        Runtime(devices=1).save(tmp_path / "x.pt", {"model": torch.nn.Linear(2, 2)}, asynchronous=True)
+        Runtime(accelerator="cpu", devices=1).save(tmp_path / "x.pt", {"model": torch.nn.Linear(2, 2)},
+                asynchronous=True)
     assert not (tmp_path / "x.pt").exists()
 
 

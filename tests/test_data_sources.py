@@ -63,7 +63,7 @@ class Indexed(DataModule):
 
 
 def _trainer(tmp_path, **kw):
-    return Trainer(enable_progress_bar=False, default_root_dir=tmp_path, **{"max_epochs": 2, **kw})
+    return Trainer(accelerator="cpu", enable_progress_bar=False, default_root_dir=tmp_path, **{"max_epochs": 2, **kw})
 
 
 # -- hyperparameters ----------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def test_directory_fsync_einval_of_network_filesystems_is_tolerated(tmp_path, mo
 def _fsdp_disk_full_body(rank: int, root: str) -> dict:
     from trainscale.runtime.runtime import Runtime
 
-    rt = Runtime(strategy="fsdp", devices="auto", timeout=60)
+    rt = Runtime(accelerator="cpu", strategy="fsdp", devices="auto", timeout=60)
     model, _ = rt.setup(workers.make_model(0))
     rt.save(f"{root}/good", {"model": model})
     if rank == 0:  # rank 0's extra file meets a full disk; every rank must raise, none may wait

@@ -244,7 +244,7 @@ def test_bad_fault_flags(kwargs, message):
     from trainscale.loop.trainer import Trainer
 
     with pytest.raises(ValueError, match=message):
-        Trainer(**kwargs)
+        Trainer(accelerator="cpu", **kwargs)
 
 
 def _poll_body(rank: int) -> dict:

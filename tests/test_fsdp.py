@@ -127,12 +127,12 @@ def test_full_state_dict_export_loads_into_a_plain_module(resumed):
 def test_unknown_fsdp_option_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"strategy='fsdp' does not accept option\(s\) 'wrap_policy'; its options "
                                          r"are: auto_wrap_policy, reshard_after_forward, cpu_offload"):
-        Trainer(strategy="fsdp", devices=1, strategy_options={"wrap_policy": {nn.Linear}})
+        Trainer(accelerator="cpu", strategy="fsdp", devices=1, strategy_options={"wrap_policy": {nn.Linear}})
 
 
 def test_fsdp_on_one_process():
     with pytest.raises(ValueError, match="needs a world size >= 2; with one device pass strategy='single'"):
-        Trainer(strategy="fsdp", devices=1)
+        Trainer(accelerator="cpu", strategy="fsdp", devices=1)
 
 
 @pytest.mark.parametrize("options, message", [

@@ -42,8 +42,8 @@ def test_record_metrics_flattens_numbers_and_drops_the_rest():
 
 
 def test_record_metrics_of_every_record_a_trainer_writes(tmp_path):
-    trainer = Trainer(max_epochs=2, log_every_n_steps=2, enable_progress_bar=False, enable_checkpointing=False,
-                      default_root_dir=tmp_path)
+    trainer = Trainer(accelerator="cpu", max_epochs=2, log_every_n_steps=2, enable_progress_bar=False,
+                      enable_checkpointing=False, default_root_dir=tmp_path)
     trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(32), batch_size=8),
                 DataLoader(workers.tiny_dataset(16, seed=1), batch_size=8), optimizer=workers.sgd)
     records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -34,7 +34,8 @@ def fit(root, *, scheduler=None, steps=None, epochs=1, accumulate=1, ckpt_path=N
             return opt
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler(opt), "interval": "step"}}
 
-    trainer = Trainer(devices=1, max_epochs=epochs, max_steps=steps, accumulate_grad_batches=accumulate,
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=epochs, max_steps=steps,
+                      accumulate_grad_batches=accumulate,
                       log_every_n_steps=1, default_root_dir=root, enable_progress_bar=False, logger=False,
                       callbacks=[used], **flags)
     summary = trainer.fit(model, DataLoader(data(n), batch_size=8, shuffle=True), optimizer=optimizer,

@@ -20,7 +20,7 @@ from trainscale.loop.trainer import Trainer
 
 
 def _trainer(tmp_path, **kw):
-    return Trainer(enable_progress_bar=False, default_root_dir=tmp_path, **{"max_epochs": 1, **kw})
+    return Trainer(accelerator="cpu", enable_progress_bar=False, default_root_dir=tmp_path, **{"max_epochs": 1, **kw})
 
 
 # -- configure_optimizers ---------------------------------------------------------------------------

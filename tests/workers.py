@@ -50,7 +50,7 @@ def trainer_fit(rank: int, root: str, batch_size: int, epochs: int, extra: dict 
 
     flags = {"devices": "auto", "max_epochs": epochs, "seed": 0, "default_root_dir": root,
              "enable_progress_bar": False, "timeout": 60, **(extra or {})}
-    trainer = Trainer(**flags)
+    trainer = Trainer(accelerator="cpu", **flags)
     model = make_model(0)
     summary = trainer.fit(model, DataLoader(tiny_dataset(n), batch_size=batch_size, shuffle=True),
                           DataLoader(tiny_dataset(50, seed=1), batch_size=8), optimizer=sgd, ckpt_path=ckpt_path)
@@ -72,7 +72,7 @@ def resume_body(rank: int, root: str) -> dict:
 def validate_body(rank: int, n: int) -> dict:
     from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(devices="auto", enable_progress_bar=False, timeout=60)
+    trainer = Trainer(accelerator="cpu", devices="auto", enable_progress_bar=False, timeout=60)
     model = make_model(0)
     out = trainer.validate(model, DataLoader(tiny_dataset(n, seed=3), batch_size=8))
     trainer.runtime.teardown()
@@ -83,7 +83,8 @@ def bad_ckpt_body(rank: int, path: str) -> str:
     """Both ranks must raise at once (no hang) on a missing or corrupted checkpoint."""
     from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(devices="auto", enable_progress_bar=False, timeout=60, default_root_dir=path + ".root")
+    trainer = Trainer(accelerator="cpu", devices="auto", enable_progress_bar=False, timeout=60,
+                      default_root_dir=path + ".root")
     try:
         trainer.fit(make_model(0), DataLoader(tiny_dataset(16), batch_size=4), optimizer=sgd, ckpt_path=path)
     except Exception as err:  # noqa: BLE001 - returned to the test to check type and message
@@ -118,7 +119,8 @@ def lr_scaling_body(rank: int, root: str) -> dict:
     from trainscale.loop.trainer import Trainer
 
     used = LrUsed()
-    trainer = Trainer(devices="auto", max_epochs=1, max_steps=3, accumulate_grad_batches=2, lr_scaling="linear",
+    trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=1, max_steps=3, accumulate_grad_batches=2,
+                      lr_scaling="linear",
                       base_batch_size=8, log_every_n_steps=1, default_root_dir=root, enable_progress_bar=False,
                       enable_checkpointing=False, timeout=60, callbacks=[used], logger=False)
     summary = trainer.fit(make_model(0), DataLoader(tiny_dataset(96), batch_size=8), optimizer=sgd)

@@ -61,7 +61,8 @@ def clipping_body(rank: int, root: str, batch_size: int, epochs: int, max_norm: 
     out = {}
     for kind, flags in (("norm", {"gradient_clip_val": max_norm}),
                         ("value", {"gradient_clip_val": clip_val, "gradient_clip_algorithm": "value"})):
-        trainer = Trainer(devices="auto", max_epochs=epochs, seed=0, default_root_dir=f"{root}/{kind}",
+        trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=epochs, seed=0,
+                          default_root_dir=f"{root}/{kind}",
                           enable_progress_bar=False, enable_checkpointing=False, log_every_n_steps=1, timeout=60,
                           **flags)
         model = workers.make_model(0)

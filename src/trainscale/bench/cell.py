@@ -13,6 +13,7 @@ out-of-memory error) before exiting non-zero, so the sweep can record why.
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import sys
 import time
@@ -42,10 +43,16 @@ def _peak_memory(device) -> tuple[int, str]:
 
 def _probe_data(rt, loader, batches: int) -> float | None:
     """Seconds per batch to fetch and move batches with no compute (the loop's data wait when the
-    loader is the bottleneck; an upper bound of it otherwise)."""
+    loader is the bottleneck; an upper bound of it otherwise). On CUDA ``to_device``'s copies from pinned
+    memory are asynchronous: the clock is read after ``torch.cuda.synchronize``, once they have landed."""
+    import torch
+
     if batches < 1:
         return None
     rt.set_epoch(loader, 0)
+    cuda = rt.device.type == "cuda"
+    if cuda:  # nothing queued before the probe is counted in it
+        torch.cuda.synchronize(rt.device)
     t0 = time.perf_counter()
     n = 0
     for batch in loader:
@@ -53,6 +60,8 @@ def _probe_data(rt, loader, batches: int) -> float | None:
         n += 1
         if n >= batches:
             break
+    if cuda:
+        torch.cuda.synchronize(rt.device)
     return (time.perf_counter() - t0) / n if n else None
 
 
@@ -134,6 +143,10 @@ def run_cell(cfg: dict) -> dict | None:
     if cfg["warmup_steps"]:  # kernels, allocator, process group: paid once, not timed
         warm = Trainer(max_epochs=1, max_steps=cfg["warmup_steps"], default_root_dir=cell_dir / "warmup", **common)
         warm.fit(copy.deepcopy(model), train_loader, None, loss_fn=work["loss_fn"], optimizer=optimizer)
+        # Its model copy and optimizer state would stay allocated through the timed run (and in its peak memory);
+        # the model refers back to its trainer, a cycle that only the collector frees.
+        del warm
+        gc.collect()
     trainer = Trainer(max_epochs=cfg["epochs"], max_steps=cfg["steps"], default_root_dir=cell_dir / "timed", **common)
     summary = trainer.fit(model, train_loader, val_loader, loss_fn=work["loss_fn"], optimizer=optimizer)
     rt = trainer.runtime

@@ -37,7 +37,7 @@ from trainscale.runtime.apply import prepare_module
 from trainscale.runtime.batch import to_device
 from trainscale.runtime.connector import RunConfig, RuntimeFlags, flag_signature, make_flags, resolve
 from trainscale.runtime.meta_init import on_meta
-from trainscale.runtime.precision import Precision, float32_matmul_note
+from trainscale.runtime.precision import Precision, float32_matmul_note, tf32_enabled
 from trainscale.runtime.strategies import check_async_save, create_strategy
 from trainscale.runtime.world import World
 
@@ -111,15 +111,19 @@ class Runtime:
             create_strategy(self.config.strategy, device=self.device, world=self.world, **self.strategy_options)
 
     def _set_matmul_precision(self) -> None:
-        """Apply ``float32_matmul_precision``, or say once what "32-true" leaves on the table (Lightning's note)."""
+        """Apply ``float32_matmul_precision``, or say once what "32-true" leaves on the table (Lightning's note).
+
+        In the parent of a "ddp_spawn"/"ddp_notebook" job nothing is asked of the GPU: rank 0's child says the
+        note, and ``get_device_capability`` would initialise CUDA here, which a fork ("ddp_notebook") cannot
+        survive (``trainscale.runtime.spawn`` refuses to fork then)."""
         if self.config.float32_matmul_precision is not None:
             torch.set_float32_matmul_precision(self.config.float32_matmul_precision)
             return
-        cuda_32 = self.device.type == "cuda" and self.config.precision == "32-true"
-        capability = torch.cuda.get_device_capability(self.device) if cuda_32 else None
-        note = float32_matmul_note(self.config.precision, self.device.type, capability,
-                                   torch.get_float32_matmul_precision())
-        if note is not None and not self.spawns:  # under ddp_spawn, rank 0's child says it
+        if self.spawns or self.device.type != "cuda" or self.config.precision != "32-true":
+            return
+        note = float32_matmul_note(self.config.precision, self.device.type,
+                                   torch.cuda.get_device_capability(self.device), tf32_enabled()[0])
+        if note is not None:
             self.print(note)
 
     @property
@@ -175,8 +179,10 @@ class Runtime:
     def _start_process_groups(self) -> None:
         """The default process group, unless one exists, and the gloo monitor group where it serves
         (:func:`trainscale.runtime.hangs.wants_monitor_group`)."""
-        # ddp on one process (e.g. one GPU) still needs a process group: DDP refuses to run without one.
-        if (self.world.world_size > 1 or self.config.strategy == "ddp") and not dist.is_initialized():
+        # ddp on one process (e.g. one GPU) still needs a process group: DDP refuses to run without one; so does
+        # model_parallel's device mesh (init_device_mesh would start one from env://, unset outside a launcher).
+        one_process_needs_group = self.config.strategy in ("ddp", "model_parallel")
+        if (self.world.world_size > 1 or one_process_needs_group) and not dist.is_initialized():
             self._init_process_group()
         if (self.monitor_group is None and dist.is_initialized()
                 and hangs.wants_monitor_group(str(dist.get_backend()), self.world.world_size)):
@@ -291,15 +297,17 @@ class Runtime:
                 rank only, ranks may differ by one sample.
             pin_memory: batches in page-locked host memory, so that ``to_device``'s ``non_blocking``
                 copy to a CUDA device is asynchronous (https://pytorch.org/docs/stable/data.html#memory-pinning).
-                None: on for CUDA, else ``loader``'s own setting. Applies to the rebuilt loader; a loader
-                returned as given (it already has a distributed sampler) keeps its own setting.
+                None: on for CUDA, else ``loader``'s own setting. A loader that needs no new sampler (one with
+                a distributed sampler, an ``IterableDataset`` at world size 1 or with ``shards_by_rank``) is
+                returned as given unless it must be pinned: then a pinning copy of it
+                (``sampling.with_pinned_memory``; never for a DataLoader subclass); ``loader`` is never changed.
 
         Raises:
             ValueError: under world size > 1, a loader with a custom ``batch_sampler`` or sampler, over an
                 ``IterableDataset`` without ``shards_by_rank = True``, or (``even=True``) whose ranks have
                 different numbers of batches (``sampling.check_equal_lengths``; on every rank).
         """
-        from trainscale.runtime.sampling import check_equal_lengths, distribute_dataloader
+        from trainscale.runtime.sampling import check_equal_lengths, distribute_dataloader, with_pinned_memory
 
         self.launch()
         world = self.strategy.data_world(self.world)  # tensor-parallel ranks share their batches
@@ -310,6 +318,8 @@ class Runtime:
             pin_memory = loader.pin_memory or self.device.type == "cuda"
         if out is not loader:  # ours to configure; the iterator reads it when an epoch starts
             out.pin_memory = pin_memory
+        elif pin_memory:  # the user's loader as given: a copy that pins, the user's object left alone
+            out = with_pinned_memory(loader)
         return out
 
     @staticmethod
