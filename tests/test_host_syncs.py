@@ -68,6 +68,6 @@ def test_trainscale_reads_tensors_on_the_host_only_at_log_intervals_and_checks(m
     # A step's window holds what ran after the previous step's on_train_batch_end: the log of step 4 shows in
     # step 5's window. Log records after steps 4 and 8 (the loss, the telemetry's numbers); the fault check after
     # step 1 and then every log_every_n_steps steps (world size 1): 1, 5, 9. Nothing else, in any step.
-    assert by_step == {2: ["fault.py"], 5: ["processor.py", "records.py"], 6: ["fault.py"],
-                       9: ["processor.py", "records.py"], 10: ["fault.py"]}
+    assert by_step == {2: ["tolerance.py"], 5: ["processor.py", "records.py"], 6: ["tolerance.py"],
+                       9: ["processor.py", "records.py"], 10: ["tolerance.py"]}
     assert len(windows.per_step) == 10
