@@ -64,16 +64,11 @@ def test_nodes_with_different_numbers_of_processes_under_slurm(monkeypatch):
 
 def test_nodes_with_different_numbers_of_processes_under_torchrun(monkeypatch):
     _env(monkeypatch, {"RANK": "0", "WORLD_SIZE": "12", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8",
-                       "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2"})
+                       "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none"})
     rt = Runtime(accelerator="cpu")
     assert (rt.world.num_nodes, rt.config.devices, rt.config.num_nodes) == (2, 8, 2)
     with pytest.raises(ValueError, match="WORLD_SIZE=12"):
         Runtime(accelerator="cpu", devices=8, num_nodes=2)  # explicit flags must still match the job
-
-
-def test_world_without_group_world_size_assumes_equal_nodes():
-    w = World.from_env({"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"})
-    assert (w.group_world_size, w.num_nodes) == (None, 2)
 
 
 def test_backend_string_adds_gloo_for_cpu_tensors_when_offloading():

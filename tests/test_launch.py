@@ -31,7 +31,7 @@ def test_multi_node_needs_a_job_id_and_takes_slurms():
 def test_world_job_id_takes_slurms_over_torchruns_none():
     from trainscale.runtime.world import World
 
-    torchrun = {"RANK": "0", "WORLD_SIZE": "2"}
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     assert World.from_env({**torchrun, "TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "77"}).job_id == "77"
     assert World.from_env({**torchrun, "TORCHELASTIC_RUN_ID": "none"}).job_id == "none"  # nothing better known
     assert World.from_env({**torchrun, "TORCHELASTIC_RUN_ID": "abc", "SLURM_JOB_ID": "77"}).job_id == "abc"
