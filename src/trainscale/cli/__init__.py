@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory holding metrics.jsonl")
     report.set_defaults(func=_cmd_report)
 
-    env = sub.add_parser("env", help="print what this machine offers: versions, devices, backends")
+    env = sub.add_parser("env", help="print what this machine offers: versions, devices, backends, and the launcher "
+                                      "detected (and why)")
     env.set_defaults(func=_cmd_env)
     return parser
 
