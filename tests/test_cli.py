@@ -21,7 +21,7 @@ def run(args, timeout=240, **kwargs):
 def test_help_lists_commands_without_importing_torch():
     out = run([str(BIN / "trainscale"), "--help"])
     assert out.returncode == 0
-    for command in ("run", "demo", "bench", "report", "slurm", "env"):
+    for command in ("run", "demo", "bench", "report", "slurm", "k8s", "env"):
         assert command in out.stdout
     probe = run([sys.executable, "-c", "import sys; from trainscale.cli import build_parser; build_parser(); "
                  "print('torch' in sys.modules)"])

@@ -1,4 +1,4 @@
-"""The ``trainscale`` command: run | demo | bench | plan | check | report | slurm | env.
+"""The ``trainscale`` command: run | demo | bench | plan | check | report | slurm | k8s | env.
 
 Parsing imports nothing heavy: ``trainscale --help`` never imports torch. Each subcommand
 imports what it needs when it runs.
@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     slurm.set_defaults(func=_cmd_slurm)
 
+    from trainscale.cli.k8s import add_parser as _add_k8s  # imports no torch
+
+    _add_k8s(sub)
     report = sub.add_parser("report", help="plots and a text summary of a run directory",
                             description="Write PNG plots (loss and accuracy, throughput, step-phase split, memory "
                                         "per rank, GPU utilisation) and report.txt into RUN_DIR, and print where "

@@ -24,6 +24,8 @@ at the master address, ``launch.start_node_ranks``). Elastic PyTorchJobs (PET_RD
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Mapping
 
 from trainscale.runtime.world import launcher_error, read_int
@@ -121,3 +123,135 @@ class _Pod:
             raise self.error(f"{nodes} pods but no rendezvous address: MASTER_ADDR/PET_MASTER_ADDR and "
                              "MASTER_PORT/PET_MASTER_PORT must name the first pod's host and port")
         return addr or "127.0.0.1", self.int(port, 29500)
+
+
+# -- trainscale k8s: a PyTorchJob manifest ---------------------------------------------------------------------
+MANIFEST_MARK = "# Written by `trainscale k8s`"
+# A DNS-1123 label short enough for the operator's "<name>-worker-<index>" pod and service names (63 at most).
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?")
+_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+PYTORCHJOB_PORT = 23456  # the operator's default port of the container port "pytorchjob-port"
+
+
+def pytorchjob_manifest(command: list[str], *, nodes: int, gpus_per_node: int, image: str,
+                        job_name: str = "trainscale", cpus_per_node: int | None = None, memory: str | None = None,
+                        cpu: bool = False, max_restarts: int = 3, checkpoint_claim: str | None = None,
+                        checkpoint_size: str = "100Gi", checkpoint_dir: str = "/checkpoints") -> list[dict]:
+    """The Kubernetes objects of a job on ``nodes`` pods × ``gpus_per_node`` processes: a Kubeflow PyTorchJob
+    (kubeflow.org/v1), preceded by its checkpoint volume's PersistentVolumeClaim unless ``checkpoint_claim``
+    names an existing one.
+
+    Each pod runs ``command`` (``python train.py ...``) in the container "pytorch" with the port
+    "pytorchjob-port" (the operator looks both up by name); trainscale reads the operator's variables
+    (``read``) and starts ``nprocPerNode`` processes per pod with torchrun. Pods restart ``OnFailure``, at most
+    ``max_restarts`` times (``runPolicy.backoffLimit``). The claim (ReadWriteMany: every pod writes to it) is
+    mounted at ``checkpoint_dir``; /dev/shm is a memory volume (DataLoader workers and NCCL use it, and a
+    container's default is 64 MiB). With ``cpu=True`` the pods ask for no GPU and run ``gpus_per_node`` CPU
+    processes.
+
+    Raises:
+        ValueError: non-positive counts, an empty command or image, a name that is not a DNS label, a
+            size that is not a Kubernetes quantity, or a relative ``checkpoint_dir``.
+    """
+    _check_manifest_flags(command, nodes, gpus_per_node, image, job_name, cpus_per_node, memory, max_restarts,
+                          checkpoint_claim, checkpoint_size, checkpoint_dir)
+    claim = checkpoint_claim or f"{job_name}-checkpoints"
+    limits = {} if cpu else {"nvidia.com/gpu": gpus_per_node}
+    requests = {"cpu": str(cpus_per_node or (gpus_per_node if cpu else 8 * gpus_per_node))}
+    if memory:
+        requests["memory"] = limits["memory"] = memory
+    container = {"name": "pytorch", "image": image, "command": list(command),
+                 "ports": [{"name": "pytorchjob-port", "containerPort": PYTORCHJOB_PORT}],
+                 "resources": {"requests": requests, **({"limits": limits} if limits else {})},
+                 "volumeMounts": [{"name": "checkpoints", "mountPath": checkpoint_dir},
+                                  {"name": "dshm", "mountPath": "/dev/shm"}]}
+    template = {"spec": {"containers": [container],
+                         "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim}},
+                                     {"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}
+    replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
+    if nodes > 1:
+        replicas["Worker"] = {"replicas": nodes - 1, "restartPolicy": "OnFailure", "template": template}
+    labels = {"app.kubernetes.io/name": job_name, "app.kubernetes.io/managed-by": "trainscale"}
+    job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": job_name, "labels": labels},
+           "spec": {"nprocPerNode": str(gpus_per_node), "runPolicy": {"backoffLimit": max_restarts},
+                    "pytorchReplicaSpecs": replicas}}
+    if checkpoint_claim:
+        return [job]
+    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim, "labels": labels},
+           "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": checkpoint_size}}}}
+    return [pvc, job]
+
+
+def _check_manifest_flags(command, nodes, gpus_per_node, image, job_name, cpus_per_node, memory, max_restarts,
+                          checkpoint_claim, checkpoint_size, checkpoint_dir) -> None:
+    counts = {"--nodes": nodes, "--gpus-per-node": gpus_per_node, "--cpus-per-node": cpus_per_node or 1}
+    bad = [f"{flag} {value}" for flag, value in counts.items() if value < 1]
+    if bad or max_restarts < 0:
+        raise ValueError(f"{', '.join(bad) or f'--max-restarts {max_restarts}'}: counts must be >= 1 "
+                         "(--max-restarts >= 0)")
+    if not command:
+        raise ValueError("no command: pass the training script and its arguments, e.g. train.py --lr 1e-3")
+    if not image.strip() or any(c.isspace() for c in image):
+        raise ValueError(f"--image {image!r} must name a container image (registry/name:tag), without spaces")
+    _check_names({"--job-name": job_name, "--checkpoint-claim": checkpoint_claim},
+                 {"--checkpoint-size": checkpoint_size, "--memory-per-node": memory})
+    if not checkpoint_dir.startswith("/"):
+        raise ValueError(f"--checkpoint-dir {checkpoint_dir!r} must be an absolute path in the container")
+
+
+def _check_names(names: dict, sizes: dict) -> None:
+    """DNS labels and Kubernetes quantities (None: not given)."""
+    for flag, name in names.items():
+        if name is not None and not _NAME.fullmatch(name):
+            raise ValueError(f"{flag} {name!r} must be a DNS label of at most 40 characters: lowercase letters, "
+                             "digits and '-', starting and ending with a letter or digit")
+    for flag, size in sizes.items():
+        if size is not None and not _QUANTITY.fullmatch(size):
+            raise ValueError(f"{flag} {size!r} is not a Kubernetes quantity, e.g. 100Gi or 512Mi")
+
+
+def to_yaml(documents: list[dict], comments: tuple[str, ...] = ()) -> str:
+    """The documents as YAML (block style, keys plain, every string value double-quoted with JSON's escapes,
+    which YAML reads alike), after :data:`MANIFEST_MARK` (how ``trainscale k8s -o`` recognises a file of its
+    own) and ``comments``."""
+    lines = [f"{MANIFEST_MARK}. Submit it with `kubectl apply -f FILE` (the Kubeflow training operator runs it)."]
+    lines += [f"# {line}" for line in comments]
+    for doc in documents:
+        lines.append("---")
+        _yaml_lines(doc, 0, lines)
+    return "\n".join(lines) + "\n"
+
+
+def _scalar(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    # YAML folds these line breaks inside double quotes, where JSON leaves them raw: escape them too
+    text = json.dumps(str(value), ensure_ascii=False)
+    return text.replace("\u0085", "\\N").replace("\u2028", "\\L").replace("\u2029", "\\P")
+
+
+def _empty_or_scalar(value) -> str:
+    return "{}" if value == {} else "[]" if value == [] else _scalar(value)
+
+
+def _yaml_lines(value, indent: int, lines: list[str]) -> None:
+    """Append ``value`` (dicts with the manifest's own plain keys, lists, scalars) to ``lines``."""
+    pad = " " * indent
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(item, (dict, list)) and item:
+                lines.append(f"{pad}{key}:")
+                _yaml_lines(item, indent + 2, lines)
+            else:
+                lines.append(f"{pad}{key}: {_empty_or_scalar(item)}")
+    else:  # a list
+        for item in value:
+            if isinstance(item, (dict, list)) and item:
+                nested: list[str] = []
+                _yaml_lines(item, indent + 2, nested)
+                lines.append(f"{pad}- {nested[0].lstrip()}")
+                lines.extend(nested[1:])
+            else:
+                lines.append(f"{pad}- {_empty_or_scalar(item)}")
