@@ -48,11 +48,12 @@ def backend_for(accelerator: str, cpu_collectives: bool = False) -> str:
 
 def bound_per_task(visible: int, local_world_size: int, launcher: str) -> bool:
     """Whether SLURM bound one GPU to each task (``--gpus-per-task=1``, ``--gpu-bind=single:1`` or
-    ``map_gpu``): a task sees one CUDA device, its own, while the node runs several tasks. torchrun's
+    ``map_gpu``), or LSF's jsrun gave each task a resource set of one GPU (``-a 1 -g 1``): a task sees
+    one CUDA device, its own, while the node runs several tasks. torchrun's
     workers all inherit the agent's CUDA_VISIBLE_DEVICES, so under torchrun one visible GPU for several
     workers is a shared GPU, not a binding. (Tasks that share one GPU anyway fail in NCCL's
     "Duplicate GPU detected" check at the first collective.)"""
-    return launcher == "slurm" and visible == 1 and local_world_size > 1
+    return launcher in ("slurm", "lsf") and visible == 1 and local_world_size > 1
 
 
 def node_cuda_count(visible: int, local_world_size: int, launcher: str) -> int:
