@@ -104,3 +104,14 @@ def test_fsdp_cpu_offload_creates_the_group_with_a_cpu_backend(monkeypatch, opti
     with pytest.raises(_Stop):
         rt.launch()
     assert asked["backend"] == backend and rt.device == torch.device("cuda", 1)
+
+
+def test_a_one_gpu_pod_takes_cuda_0_whatever_its_rank(monkeypatch):
+    """A PyTorchJob worker pod (RANK=1, no LOCAL_RANK) on a one-GPU node: local rank 0, cuda:0 (local rank was
+    taken to be RANK, and devices.cuda_index raised)."""
+    _env(monkeypatch, {"MASTER_ADDR": "t-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "2", "RANK": "1",
+                       "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "auto", "PET_NNODES": "2"})
+    _fake_cuda(monkeypatch, 1)
+    rt = Runtime(accelerator="cuda")
+    assert rt.device == torch.device("cuda", 0)
+    assert (rt.world.rank, rt.world.local_rank, rt.world.world_size, rt.world.per_node) == (1, 0, 2, None)
