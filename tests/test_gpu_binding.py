@@ -30,7 +30,8 @@ def test_cuda_index_per_task_binding_and_shared_visibility():
     assert devices.cuda_index(0, 1, visible=1, launcher="none") == 0
     assert devices.node_cuda_count(1, 4, "slurm") == 4 and devices.node_cuda_count(8, 4, "slurm") == 8
     assert devices.node_cuda_count(1, 4, "torchrun") == 1  # torchrun's workers share the agent's visibility
-    assert devices.cuda_index(3, 4, visible=1, launcher="lsf") == 0  # jsrun -a 1 -g 1: one GPU per resource set
+    for launcher in ("lsf", "ray", "mpi"):  # jsrun -a 1 -g 1, a Ray worker's own GPU, an MPI wrapper's binding
+        assert devices.cuda_index(3, 4, visible=1, launcher=launcher) == 0
     with pytest.raises(ValueError, match="--gpus-per-task=1"):
         devices.cuda_index(3, 4, visible=2, launcher="slurm")  # --gpus-per-task=2: one process per GPU
     with pytest.raises(ValueError, match="sees 1 CUDA device"):
