@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -104,10 +105,11 @@ def _time(cmd: list[str], first_step: bool) -> tuple[float, float]:
         sys.exit(f"{cmd} failed (exit {proc.returncode}):\n{stderr[-3000:]}")
     cpu = usage.ru_utime + usage.ru_stime
     if first_step:
-        lines = [ln for ln in stdout.splitlines() if ln.startswith("FIRST_STEP ")]
-        if not lines:
+        # two ranks print to one pipe: their lines may interleave mid-line, so find the stamps, not the lines
+        stamps = [float(t) for t in re.findall(r"FIRST_STEP (\d+\.\d{6})", stdout)]
+        if not stamps:
             sys.exit(f"{cmd} never reached an optimizer step:\n{stdout[-2000:]}\n{stderr[-2000:]}")
-        return max(float(ln.split()[1]) for ln in lines) - t0, cpu  # the later rank's, under ddp
+        return max(stamps) - t0, cpu  # the later rank's, under ddp
     return end - t0, cpu
 
 
