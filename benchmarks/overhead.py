@@ -46,7 +46,7 @@ whatever that loop is; the cause was not found), so the reported *ratio* divides
 "vs ref" by plain's of the same round: each variant against the plain loop, both measured by the
 same instrument, the machine's drift cancelled by the reference. Two ratios are reported: from
 each round's *mean* steps (what an epoch costs: the step that writes the step-50 record and runs
-the non-finite/signal check is in it) and from its *median* steps (the issue's "median step time",
+the non-finite/signal check is in it) and from its *median* steps (the "median step time",
 as Fabric's parity test measures it: the typical step, which leaves that one-in-50 step out). The timing runs in
 ``PROCESSES`` (3) fresh processes one after the other, whose rounds are pooled: one process's
 rounds share its memory layout and warm-up, and single-process runs of identical code gave Trainer
@@ -462,7 +462,7 @@ def main() -> None:
           "\n# the same way (plain's own 'vs ref' shows the instrument's bias: the reference runs inside a hook);"
           "\n# mean steps: what an epoch costs, the step-50 record and check included;"
           f"\n# ratio 95 % CI: of the median ratio, {BOOTSTRAP} bootstrap resamples of the rounds; ratio IQR: of the rounds;"
-          "\n# med ratio: the same ratio from each round's median steps (the issue's 'median step time'; a step in"
+          "\n# med ratio: the same ratio from each round's median steps (the 'median step time'; a step in"
           "\n# 50 that writes the record is an outlier it leaves out), med 95 % CI: its bootstrap interval;"
           "\n# µs/step over plain: the median step's extra time, (variant/ref - plain/ref) x the reference's median step,"
           "\n# per round (medians of the round's steps), median over rounds"

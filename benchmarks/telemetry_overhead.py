@@ -103,7 +103,7 @@ def _trainer(dataset, batch_size: int, epochs: int, seed: int, telemetry: bool, 
     from torch.utils.data import DataLoader
 
     from trainscale.models import ConvNet
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     with contextlib.redirect_stdout(io.StringIO()):
         trainer = Trainer(devices="auto", max_epochs=epochs, seed=seed, default_root_dir=root,

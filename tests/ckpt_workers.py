@@ -115,7 +115,7 @@ def async_trainer_body(rank: int, root: str) -> dict:
 
     from tests.fault_workers import Indexed
     from trainscale.callbacks import Callback
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     class Saved(Callback):  # a save at global step S: the writer may go on once step S + 1 has been trained
         def on_save_checkpoint(self, trainer, module, checkpoint):
@@ -124,7 +124,8 @@ def async_trainer_body(rank: int, root: str) -> dict:
 
     out = {}
     for name, asynchronous in (("sync", False), ("async", True)):
-        trainer = Trainer(devices="auto", strategy="fsdp", max_epochs=2, seed=0, default_root_dir=Path(root) / name,
+        trainer = Trainer(accelerator="cpu", devices="auto", strategy="fsdp", max_epochs=2, seed=0,
+                          default_root_dir=Path(root) / name,
                           enable_progress_bar=False, log_every_n_steps=1, checkpoint_every_n_steps=4, keep_last=None,
                           checkpoint_async=asynchronous, callbacks=[Saved()], timeout=120)
         model = Watched()

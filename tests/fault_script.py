@@ -102,7 +102,7 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(devices="auto", strategy=args.strategy, max_epochs=args.epochs, seed=0,
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy=args.strategy, max_epochs=args.epochs, seed=0,
                       default_root_dir=out / "runs", enable_progress_bar=False, checkpoint_every_n_steps=args.every,
                       log_every_n_steps=5, timeout=args.timeout, checkpoint_async=args.checkpoint_async)
     model = Recording(out, args.kill_at_step, args.stall_at_step)

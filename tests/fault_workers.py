@@ -61,9 +61,10 @@ def fit(root, *, hook=None, n=96, batch=4, epochs=2, ckpt_path=None, teardown=Tr
     replica, which the Trainer keeps (and resumes mid-epoch by skipping batches)."""
     from torch.utils.data import DistributedSampler
 
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(devices="auto", max_epochs=epochs, seed=0, default_root_dir=root, enable_progress_bar=False,
+    trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=epochs, seed=0, default_root_dir=root,
+                      enable_progress_bar=False,
                       log_every_n_steps=kwargs.pop("log_every_n_steps", 5), timeout=kwargs.pop("timeout", 60), **kwargs)
     model = Recorder(hook)
     model.trainer = trainer
@@ -116,7 +117,7 @@ def hang_body(rank: int, root: str, timeout: float) -> dict:
 def slow_steps_sigterm_body(rank: int, root: str, step_s: float, signal_at: int) -> dict:
     """Steps of at least ``step_s`` seconds, ``log_every_n_steps=50``; rank 1 alone receives SIGTERM
     during optimizer step ``signal_at``. Returns what ``Preempted`` carried (or that fit ended)."""
-    from trainscale.train.fault import Preempted
+    from trainscale.faults.tolerance import Preempted
 
     def hook(model, step):
         time.sleep(step_s)
@@ -151,7 +152,7 @@ def crash_scenarios(root: str) -> None:
     stage; print one JSON line per scenario: what "last" points to and whether it loads."""
     torch.set_num_threads(1)  # a forked child must not inherit a busy OpenMP pool
     from trainscale.runtime import checkpoint_io
-    from trainscale.train import checkpoint as ckpt
+    from trainscale.checkpointing import run_dirs as ckpt
 
     fit(str(Path(root) / "warm-up"), epochs=1, n=8)  # imports and first-call costs, paid once before forking
     stages = [(name, stage) for name in ("ckpt", "sha256", "last") for stage in ("partial", "before-rename",
@@ -181,7 +182,7 @@ def crash_scenarios(root: str) -> None:
         out = {"case": f"{name}-{stage}", "killed": os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL,
                "last": last.name if last else None}
         try:
-            out["step"] = int(checkpoint_io.load_file(last)["global_step"]) if last else None
+            out["step"] = int(checkpoint_io.load_file(last)["train_state"]["global_step"]) if last else None
         except Exception as err:  # noqa: BLE001
             out["error"] = f"{type(err).__name__}: {err}"
         out["tmp_left"] = len(list((case_root / "version_0" / "checkpoints").glob(".*.tmp")))

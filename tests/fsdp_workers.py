@@ -25,10 +25,10 @@ def full_state(model: nn.Module) -> dict:
 
 
 def _fit(root, strategy, *, epochs=2, batch_size=8, n=96, val_n=49, ckpt_path=None, options=None, **extra):
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(devices="auto", strategy=strategy, max_epochs=epochs, seed=0, default_root_dir=root,
-                      enable_progress_bar=False, timeout=60, strategy_options=options, **extra)
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, max_epochs=epochs, seed=0,
+                      default_root_dir=root, enable_progress_bar=False, timeout=60, strategy_options=options, **extra)
     model = make_model(0)
     val = DataLoader(tiny_dataset(val_n, seed=1), batch_size=8) if val_n else None
     summary = trainer.fit(model, DataLoader(tiny_dataset(n), batch_size=batch_size, shuffle=True), val,
@@ -54,9 +54,9 @@ def _counting_allreduce_hook(state: _HookState, bucket):
 def _count_ddp_allreduces(root, k: int) -> tuple[int, int]:
     """(bucket all-reduces, optimizer steps) of one epoch with ``accumulate_grad_batches=k``:
     88 samples, 44 per rank, 11 micro-batches of 4 (k=4: groups of 4, 4 and a last partial 3)."""
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(devices="auto", strategy="ddp", max_epochs=1, seed=0, default_root_dir=root,
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy="ddp", max_epochs=1, seed=0, default_root_dir=root,
                       enable_progress_bar=False, enable_checkpointing=False, timeout=60,
                       accumulate_grad_batches=k)
     state = _HookState()
@@ -79,7 +79,7 @@ def _count_fsdp_reduce_scatters(root, k: int, options=None) -> tuple[int, int, i
     FSDP2 reduces gradients (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py); the
     wrapper calls the real one, so the count is of communication that happened.
     """
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     calls = {"n": 0, "bytes": 0}
     real = dist.reduce_scatter_single
@@ -91,8 +91,8 @@ def _count_fsdp_reduce_scatters(root, k: int, options=None) -> tuple[int, int, i
 
     dist.reduce_scatter_single = counting
     try:
-        trainer = Trainer(devices="auto", strategy="fsdp", max_epochs=1, seed=0, default_root_dir=root,
-                          enable_progress_bar=False, enable_checkpointing=False, timeout=60,
+        trainer = Trainer(accelerator="cpu", devices="auto", strategy="fsdp", max_epochs=1, seed=0,
+                          default_root_dir=root, enable_progress_bar=False, enable_checkpointing=False, timeout=60,
                           accumulate_grad_batches=k, strategy_options=options)
         summary = trainer.fit(make_model(0), DataLoader(tiny_dataset(88), batch_size=4, shuffle=True),
                               optimizer=sgd)
@@ -105,7 +105,7 @@ def _state_bytes(strategy: str) -> dict:
     """Bytes this rank holds for parameters and AdamW states after one step (local shards only)."""
     from trainscale.runtime.runtime import Runtime
 
-    rt = Runtime(devices="auto", strategy=strategy, timeout=60)
+    rt = Runtime(accelerator="cpu", devices="auto", strategy=strategy, timeout=60)
     model, opt = rt.setup(make_model(0), adamw)
     x, y = rt.to_device(tiny_dataset(8)[:8])
     rt.backward(nn.functional.cross_entropy(model(x), y))
@@ -161,7 +161,7 @@ def resume_body(rank: int, root: str) -> dict:
     # the exported file loads back into a freshly sharded model (rank zero reads, broadcasts)
     from trainscale.runtime.runtime import Runtime
 
-    rt = Runtime(devices="auto", strategy="fsdp", timeout=60)
+    rt = Runtime(accelerator="cpu", devices="auto", strategy="fsdp", timeout=60)
     fresh, _ = rt.setup(make_model(1))
     rt.strategy.load_full_state_dict(export, fresh)
     out["reimported"] = full_state(fresh)
@@ -174,7 +174,7 @@ def fp16_skip_body(rank: int, inject: bool) -> tuple[bool, float]:
     (torch 2.13's GradScaler checks DTensor gradients across the mesh); without it, every rank steps."""
     from trainscale.runtime.runtime import Runtime
 
-    rt = Runtime(devices="auto", strategy="fsdp", precision="16-mixed", timeout=60)
+    rt = Runtime(accelerator="cpu", devices="auto", strategy="fsdp", precision="16-mixed", timeout=60)
     torch.manual_seed(0)
     model, opt = rt.setup(torch.nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=0.1))
     before = [p.to_local().detach().clone() for p in model.parameters()]

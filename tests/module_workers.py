@@ -10,7 +10,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests import workers
-from trainscale.train.module import TrainingModule
+from trainscale.lightning.module import TrainingModule
 
 
 class LitClassifier(TrainingModule):
@@ -41,10 +41,10 @@ class LitClassifier(TrainingModule):
 
 
 def lit_body(rank: int, root: str) -> dict:
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(devices="auto", max_epochs=2, seed=0, default_root_dir=root, enable_progress_bar=False,
-                      timeout=60)
+    trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=2, seed=0, default_root_dir=root,
+                      enable_progress_bar=False, timeout=60)
     model = LitClassifier()
     trainer.fit(model, DataLoader(workers.tiny_dataset(96), batch_size=8, shuffle=True),
                 DataLoader(workers.tiny_dataset(50, seed=1), batch_size=8))
@@ -83,9 +83,9 @@ class Logger(TrainingModule):
 
 
 def log_reduction_body(rank: int, n: int, extra_on_rank: int | None = None, strategy: str = "auto") -> dict | str:
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(devices="auto", strategy=strategy, enable_progress_bar=False, timeout=60,
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, enable_progress_bar=False, timeout=60,
                       enable_checkpointing=False, default_root_dir=f"/tmp/unused-{n}")
     try:
         return trainer.validate(Logger(extra_on_rank), DataLoader(indexed_dataset(n), batch_size=4))
@@ -101,7 +101,7 @@ def tp_log_reduction_body(rank: int, n: int) -> dict:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(accelerator="cpu", devices="auto", strategy="tp", enable_progress_bar=False, timeout=60,
                       enable_checkpointing=False, default_root_dir=f"/tmp/unused-tp-{n}",
@@ -229,9 +229,10 @@ def gan_reference(batch_size: int, epochs: int, clip: float | None = None) -> di
 
 
 def gan_body(rank: int, root: str, batch_size: int, epochs: int, gan: type = GAN, teardown: bool = True) -> dict:
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(devices="auto", max_epochs=epochs, default_root_dir=root, enable_progress_bar=False, timeout=60)
+    trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=epochs, default_root_dir=root,
+                      enable_progress_bar=False, timeout=60)
     model = gan()
     trainer.fit(model, DataLoader(gan_dataset(), batch_size=batch_size))
     if teardown:  # False: another Trainer follows in these processes, on the same process group
@@ -255,7 +256,7 @@ def _fit_gan(gan: type, root: str, epochs: int, ckpt_path: str | None = None) ->
     """Fit ``gan`` under fsdp (2 ranks × batch 4): its full weights, the reduce-scatters FSDP issued, the Trainer."""
     import torch.distributed as dist
 
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     calls = []
     reduce_scatter = dist.reduce_scatter_single  # what FSDP2's DefaultReduceScatter calls (torch 2.13)
@@ -266,7 +267,7 @@ def _fit_gan(gan: type, root: str, epochs: int, ckpt_path: str | None = None) ->
 
     dist.reduce_scatter_single = counted
     try:
-        trainer = Trainer(devices="auto", strategy="fsdp", max_epochs=epochs, default_root_dir=root,
+        trainer = Trainer(accelerator="cpu", devices="auto", strategy="fsdp", max_epochs=epochs, default_root_dir=root,
                           enable_progress_bar=False, timeout=60)
         model = gan()
         trainer.fit(model, DataLoader(gan_dataset(), batch_size=4), DataLoader(gan_dataset(8), batch_size=2),
@@ -301,7 +302,7 @@ def mesh_gan_body(rank: int, root: str) -> dict:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     runs = {"dp_shard": dict(strategy="model_parallel", parallel={"dp_shard": 2}),
             "tp": dict(strategy="tp", tp_plan={"generator.0": ColwiseParallel(), "generator.2": RowwiseParallel(),
@@ -309,8 +310,8 @@ def mesh_gan_body(rank: int, root: str) -> dict:
             "fsdp-16-mixed": dict(strategy="fsdp", precision="16-mixed")}
     out = {}
     for name, flags in runs.items():
-        trainer = Trainer(devices="auto", max_epochs=2, default_root_dir=f"{root}/{name}", enable_progress_bar=False,
-                          timeout=60, **flags)
+        trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=2, default_root_dir=f"{root}/{name}",
+                          enable_progress_bar=False, timeout=60, **flags)
         model = SyncGAN()
         trainer.fit(model, DataLoader(gan_dataset(), batch_size=4), DataLoader(gan_dataset(8), batch_size=2))
         out[name] = {**_full_weights(model), "d_real": trainer.callback_metrics["d_real"]}
@@ -321,9 +322,10 @@ def mesh_gan_body(rank: int, root: str) -> dict:
 # -- callbacks and prediction --------------------------------------------------------------------------
 def early_stopping_body(rank: int, root: str) -> int:
     from trainscale.callbacks import EarlyStopping
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(devices="auto", max_epochs=10, default_root_dir=root, enable_progress_bar=False, timeout=60,
+    trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=10, default_root_dir=root,
+                      enable_progress_bar=False, timeout=60,
                       callbacks=[EarlyStopping("mean_x", patience=1)], enable_checkpointing=False)
     model = Logger()
     trainer.fit(model, DataLoader(indexed_dataset(16), batch_size=4), DataLoader(indexed_dataset(9), batch_size=4))
@@ -332,9 +334,9 @@ def early_stopping_body(rank: int, root: str) -> int:
 
 
 def predict_body(rank: int, n: int) -> torch.Tensor:
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(devices="auto", enable_progress_bar=False, timeout=60)
+    trainer = Trainer(accelerator="cpu", devices="auto", enable_progress_bar=False, timeout=60)
     out = trainer.predict(workers.make_model(0), DataLoader(workers.tiny_dataset(n, seed=3), batch_size=4))
     trainer.runtime.teardown()
     return out
@@ -345,11 +347,11 @@ def evaluate_checkpoint_body(rank: int, root: str, strategy: str) -> dict:
     the model overfits), then validate with the model's own weights, with ckpt_path="best", and predict with
     ckpt_path="last"; the full weights after each (DTensors gathered under fsdp)."""
     from trainscale.callbacks import ModelCheckpoint
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     callback = ModelCheckpoint(monitor="val_loss", mode="min")
-    trainer = Trainer(devices="auto", strategy=strategy, max_epochs=3, default_root_dir=root, timeout=60,
-                      enable_progress_bar=False, callbacks=[callback])
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, max_epochs=3, default_root_dir=root,
+                      timeout=60, enable_progress_bar=False, callbacks=[callback])
     model, val = workers.make_model(0), DataLoader(workers.tiny_dataset(20, seed=3), batch_size=4)
     trainer.fit(model, DataLoader(workers.tiny_dataset(48), batch_size=8), val, optimizer=workers.sgd)
     out = {"history": [r["val_loss"] for r in trainer.history], "best_path": callback.best_model_path,
@@ -393,10 +395,10 @@ class LitClassifierWithTest(LitClassifier):
 
 def datamodule_body(rank: int, root: str) -> dict:
     """``lit_body`` with its loaders in a data module: ``fit(model, datamodule=dm)``, then ``test``."""
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(devices="auto", max_epochs=2, seed=0, default_root_dir=root, enable_progress_bar=False,
-                      timeout=60)
+    trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=2, seed=0, default_root_dir=root,
+                      enable_progress_bar=False, timeout=60)
     model, dm = LitClassifierWithTest(), MNISTShapedData()
     trainer.fit(model, datamodule=dm)
     calls = list(dm.calls)

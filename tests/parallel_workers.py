@@ -29,7 +29,8 @@ def fsdp_meta_gpt(rank: int, steps: int) -> dict:
     """A GPT built on the meta device, sharded by fsdp (one unit per Block), trained ``steps`` steps."""
     from trainscale.runtime.runtime import Runtime
 
-    rt = Runtime(devices="auto", strategy="fsdp", timeout=60, strategy_options={"auto_wrap_policy": {Block}})
+    rt = Runtime(accelerator="cpu", devices="auto", strategy="fsdp", timeout=60,
+                 strategy_options={"auto_wrap_policy": {Block}})
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(CONFIG)
@@ -110,12 +111,13 @@ def train_gpt(rank: int, strategy: str, parallel: dict | None, batch_size: int, 
 def predict_gpt(rank: int, n: int, strategy: str = "tp", parallel: dict | None = None) -> torch.Tensor:
     """``Trainer.predict`` of the GPT (seed 0) under ``strategy`` (tp 2 by default) on ``n`` sequences of token
     ids (seed 3), 4 per batch."""
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     torch.manual_seed(0)
     model = GPT(CONFIG)
     ids = torch.randint(0, CONFIG.vocab_size, (n, CONFIG.context_length), generator=torch.Generator().manual_seed(3))
-    trainer = Trainer(devices="auto", strategy=strategy, parallel=parallel, enable_progress_bar=False, timeout=60)
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, parallel=parallel,
+                      enable_progress_bar=False, timeout=60)
     out = trainer.predict(model, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, ids), batch_size=4))
     trainer.runtime.teardown()
     return out

@@ -69,7 +69,7 @@ def fit_gpt(rank: int, root: str, strategy: str, *, steps: int | None = None, ep
 
     import torch.distributed as dist
 
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     record = Record()
     pp = strategy == "pp"
@@ -309,7 +309,7 @@ def pp_fp16_runs(rank: int, root: str, steps: int) -> dict:
 def fit_then_evaluate(rank: int, root: str, strategy: str) -> dict:
     """Fit a GPT for 2 epochs, then validate the same model object, with its own weights and with
     ckpt_path="last", on the same Trainer (the model was sharded or cut by the fit: set up once, reused)."""
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, max_epochs=2, seed=0, timeout=60,
                       default_root_dir=root, enable_progress_bar=False, logger=False)

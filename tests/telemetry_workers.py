@@ -66,9 +66,9 @@ class SleepySGD(torch.optim.SGD):
 
 def phases_body(rank: int, root: str) -> dict:
     """A short 2-rank fit with a known sleep in every phase."""
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(devices="auto", max_epochs=1, log_every_n_steps=4, default_root_dir=root,
+    trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=1, log_every_n_steps=4, default_root_dir=root,
                       enable_progress_bar=False, enable_checkpointing=False, timeout=60, count_flops=True)
     loader = DataLoader(SleepyDataset(96, SLEEP["data_per_sample"], ranks=(0, 1)), batch_size=4)
     summary = trainer.fit(SleepyModel(), loader, optimizer=lambda p: SleepySGD(p, lr=0.01))
@@ -78,11 +78,12 @@ def phases_body(rank: int, root: str) -> dict:
 
 def straggler_body(rank: int, root: str, seconds: float) -> dict:
     """A baseline fit, then the same fit with rank 1's data loading sleeping ``seconds`` per sample."""
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     out = {}
     for name, sleep in (("baseline", 0.0), ("straggler", seconds)):
-        trainer = Trainer(devices="auto", max_epochs=1, log_every_n_steps=4, default_root_dir=f"{root}/{name}",
+        trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=1, log_every_n_steps=4,
+                          default_root_dir=f"{root}/{name}",
                           enable_progress_bar=False, enable_checkpointing=False, timeout=60)
         loader = DataLoader(SleepyDataset(96, sleep, ranks=(1,)), batch_size=4)
         out[name] = trainer.fit(workers.make_model(0), loader, optimizer=workers.sgd)
@@ -92,7 +93,7 @@ def straggler_body(rank: int, root: str, seconds: float) -> dict:
 
 def cuda_fit_body(rank: int, root: str) -> dict:
     """A short 2-GPU DDP fit (NCCL): CUDA-event timers, all-reduce timing, CUDA memory, NVML."""
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(accelerator="cuda", devices="auto", max_epochs=1, log_every_n_steps=4, default_root_dir=root,
                       enable_progress_bar=False, enable_checkpointing=False, timeout=60)
@@ -136,10 +137,10 @@ def counting_allreduce_hook(state: BucketCounter, bucket):
 def slow_rank_body(rank: int, root: str, seconds: float, bucket_cap_mb: float) -> dict:
     """A 2-rank fit of :class:`SlowRankMLP` whose rank 1 sleeps ``seconds`` per forward, its gradients in
     buckets of ``bucket_cap_mb`` MiB (counted by the comm hook, which telemetry times as it would DDP's own)."""
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     counter = BucketCounter()
-    trainer = Trainer(devices="auto", max_epochs=1, log_every_n_steps=4, default_root_dir=root,
+    trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=1, log_every_n_steps=4, default_root_dir=root,
                       enable_progress_bar=False, enable_checkpointing=False, timeout=60,
                       strategy_options={"bucket_cap_mb": bucket_cap_mb, "ddp_comm_hook": counting_allreduce_hook,
                                         "ddp_comm_state": counter})

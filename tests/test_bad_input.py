@@ -9,18 +9,18 @@ from torch.utils.data import DataLoader
 from tests import workers
 from tests.helpers import run_distributed
 from trainscale.runtime.checkpoint_io import CheckpointError
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 
 @pytest.mark.parametrize("devices", [0, -2])
 def test_devices_zero_or_negative(devices):
     with pytest.raises(ValueError, match=r"devices=-?\d+ must be >= 1"):
-        Trainer(devices=devices)
+        Trainer(accelerator="cpu", devices=devices)
 
 
 def test_unknown_strategy_lists_valid_ones():
     with pytest.raises(ValueError, match=r"unknown strategy='fsdpp'; choose one of 'auto', 'single', 'ddp'"):
-        Trainer(strategy="fsdpp")
+        Trainer(accelerator="cpu", strategy="fsdpp")
 
 
 def test_more_cuda_devices_than_exist(monkeypatch):
@@ -45,20 +45,20 @@ def test_cuda_on_a_machine_without_cuda():
 ])
 def test_bad_loop_flags(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        Trainer(**kwargs)
+        Trainer(accelerator="cpu", **kwargs)
 
 
 def test_count_flops_with_compile_is_refused():
     with pytest.raises(ValueError, match="count_flops=True cannot be combined with compile.*pass count_flops=None"):
-        Trainer(compile=True, count_flops=True)
+        Trainer(accelerator="cpu", compile=True, count_flops=True)
 
 
 def test_missing_checkpoint(tmp_path):
-    trainer = Trainer(enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer = Trainer(accelerator="cpu", enable_progress_bar=False, default_root_dir=tmp_path)
     with pytest.raises(FileNotFoundError, match="does not exist; pass an existing checkpoint file, 'last', or None"):
         trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=4), optimizer=workers.sgd,
                     ckpt_path=tmp_path / "missing.pt")
-    # issue 15: "last" on a first run warns and starts fresh, as Lightning does
+    # "last" on a first run warns and starts fresh, as Lightning does
     with pytest.warns(UserWarning, match="no run of .* has a checkpoint; starting fresh"):
         summary = trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=4),
                               optimizer=workers.sgd, ckpt_path="last")
@@ -72,7 +72,7 @@ def test_corrupted_checkpoint(tmp_path):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte
     path.write_bytes(bytes(data))
-    trainer = Trainer(enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer = Trainer(accelerator="cpu", enable_progress_bar=False, default_root_dir=tmp_path)
     with pytest.raises(CheckpointError, match="corrupted or truncated.*resume from an earlier checkpoint"):
         trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=4), optimizer=workers.sgd,
                     ckpt_path="last")
@@ -80,7 +80,7 @@ def test_corrupted_checkpoint(tmp_path):
 
 
 def test_no_optimizer():
-    trainer = Trainer(enable_progress_bar=False)
+    trainer = Trainer(accelerator="cpu", enable_progress_bar=False)
     with pytest.raises(ValueError, match="pass optimizer=lambda params"):
         trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=4))
 

@@ -74,13 +74,13 @@ def test_bad_finder_input_names_the_fix():
     with pytest.raises(ValueError, match="max_memory=0"):
         find_batch_size(ConvNet(), F.cross_entropy, _data(), max_memory=0)
     with pytest.raises(ValueError, match="batch_size='maximum'; choose None or 'max'"):
-        from trainscale.train.trainer import Trainer
+        from trainscale.loop.trainer import Trainer
 
         Trainer(accelerator="cpu", devices=1, batch_size="maximum")
 
 
 def test_trainer_batch_size_max_rebuilds_the_loader_with_the_found_size(tmp_path):
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     budget = 6 * 2**20
     expected = find_batch_size(ConvNet(), F.cross_entropy, _data(), optimizer=tune_workers.adamw,

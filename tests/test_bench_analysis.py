@@ -5,7 +5,7 @@ import pytest
 from trainscale.bench import advice as adv
 from trainscale.bench.analysis import add_scaling, fmt_time, shares, table
 from trainscale.bench.grid import plan
-from trainscale.bench.workload import entry_name, parse_entry
+from trainscale.jobs.workload import entry_name, parse_entry
 
 
 def row(devices, bs, *, time_s=None, steps=100, batches=None, full=True, status="ok", strategy="ddp",
@@ -86,13 +86,13 @@ def test_entry_strings():
     for bad in ("pkg.mod", "pkg.mod:", ":f", "pkg mod:f"):
         with pytest.raises(ValueError, match="package.module:function"):
             parse_entry(bad)
-    assert entry_name(None) == "trainscale.bench.workload:mnist_convnet"
+    assert entry_name(None) == "trainscale.jobs.workload:mnist_convnet"
     with pytest.raises(ValueError, match="cannot be imported"):
         entry_name(lambda: {})
 
 
 def tel(step, data=0.0, comm=None, fwd=None):
-    """Telemetry in the contract's shape (issue 4)."""
+    """Telemetry in the shape of a run's summary.json (``telemetry`` section)."""
     fwd = step * 0.3 if fwd is None else fwd
     rest = step - data - fwd
     phase_s = {"data": data, "forward": fwd, "backward": rest * 0.8, "optimizer": rest * 0.2}

@@ -81,7 +81,7 @@ def test_checkpoint_stall_compares_a_background_save_with_a_synchronous_one():
 
 
 # trainscale's own bytecodes per optimizer step of a default Trainer fit on the tiny workload (step records every
-# 50 steps included): 1 178 when this budget was set (session 10, Python 3.11), ~10 % of margin above it. Counted,
+# 50 steps included): 1 178 measured with Python 3.11, so ~10 % of margin above it. Counted,
 # not timed (benchmarks/step_profile.py), so the same on a loaded machine: a new call per step fails it.
 OWN_BYTECODES_PER_STEP = 1300
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import trainscale
-from trainscale.parity import causes, compare, runner
+from trainscale.check import causes, compare, runner
 
 ROOT = Path(__file__).resolve().parents[1]
 

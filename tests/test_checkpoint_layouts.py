@@ -1,4 +1,4 @@
-"""Checkpoints for every layout (issue 17 item 4): background writes (``checkpoint_async=True``, torch's
+"""Checkpoints for every layout: background writes (``checkpoint_async=True``, torch's
 ``async_save``) that equal synchronous ones although training moved on during each write; a job killed
 during a background write resumes from the previous complete checkpoint; DCP checkpoints saved on one mesh
 resume on another (model_parallel 2×2 → dp_shard 4 and one process; fsdp 2 → fsdp 4 and one process)
@@ -50,16 +50,17 @@ def _assert_equal_nested(got, want, where: str = "") -> None:
 # -- bad input --------------------------------------------------------------------------------------
 def test_checkpoint_async_is_refused_where_a_checkpoint_is_one_file(tmp_path):
     from trainscale.runtime.runtime import Runtime
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     for strategy in ("auto", "single"):
         with pytest.raises(ValueError, match=r"checkpoint_async=True writes sharded \(DCP\) checkpoints in the "
                                              r"background, but strategy='single' writes one file.*'fsdp'"):
-            Trainer(devices=1, strategy=strategy, checkpoint_async=True)
+            Trainer(accelerator="cpu", devices=1, strategy=strategy, checkpoint_async=True)
     with pytest.raises(ValueError, match="checkpoint_async='yes' must be True or False"):
-        Trainer(devices=1, checkpoint_async="yes")
+        Trainer(accelerator="cpu", devices=1, checkpoint_async="yes")
     with pytest.raises(ValueError, match="strategy='single' writes one file"):
-        Runtime(devices=1).save(tmp_path / "x.pt", {"model": torch.nn.Linear(2, 2)}, asynchronous=True)
+        Runtime(accelerator="cpu", devices=1).save(tmp_path / "x.pt", {"model": torch.nn.Linear(2, 2)},
+                asynchronous=True)
     assert not (tmp_path / "x.pt").exists()
 
 

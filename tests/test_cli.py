@@ -89,3 +89,25 @@ def test_bad_flag_is_a_one_line_error(tmp_path):
     out = run([str(BIN / "trainscale"), "demo", "--devices", "0", "--out", str(tmp_path)])
     assert out.returncode == 2
     assert "devices=0 must be >= 1" in out.stderr and "Traceback" not in out.stderr
+
+
+# A child Python in which `import matplotlib` fails, as after `make demo` (which does not install it).
+_NO_MATPLOTLIB = ("import sys; sys.modules['matplotlib'] = None; "
+                  "from trainscale.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def test_report_without_matplotlib_writes_report_txt_and_says_how_to_get_plots(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from tests import workers
+    from trainscale import Trainer
+
+    trainer = Trainer(max_epochs=1, log_every_n_steps=2, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(32), batch_size=8), optimizer=workers.sgd)
+    out = run([sys.executable, "-c", _NO_MATPLOTLIB, "report", str(trainer.run_dir)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "Traceback" not in out.stdout
+    assert (trainer.run_dir / "report.txt").read_text() in out.stdout
+    assert not list(trainer.run_dir.glob("*.png"))
+    hints = [line for line in out.stdout.splitlines() if "trainscale[plot]" in line]
+    assert hints == ["plots skipped: matplotlib is not installed (pip install 'trainscale[plot]' adds them)"]

@@ -1,10 +1,10 @@
 """CUDA RNG states saved by a process that saw the whole node restore on one that sees fewer GPUs, e.g. one GPU
-bound per SLURM task (issue 18 item 7). torch.cuda's RNG calls are faked; nothing here needs a GPU."""
+bound per SLURM task. torch.cuda's RNG calls are faked; nothing here needs a GPU."""
 
 import pytest
 import torch
 
-from trainscale.train import checkpoint as ckpt
+from trainscale.checkpointing import rng
 
 
 class FakeCuda:
@@ -42,26 +42,26 @@ class FakeCuda:
 
 def test_a_rank_restores_its_own_gpus_state_when_it_sees_one_gpu(monkeypatch):
     FakeCuda(monkeypatch, count=8, current=3)  # saved by local rank 3 of a node whose tasks saw all 8 GPUs
-    saved = ckpt.rng_state()
+    saved = rng.rng_state()
     assert saved["cuda_device"] == 3 and len(saved["cuda"]) == 8
     now = FakeCuda(monkeypatch, count=1, current=0)  # restarted with one GPU bound per task
-    ckpt.set_rng_state(saved)
+    rng.set_rng_state(saved)
     assert now.states[0].item() == 3
 
 
 def test_as_many_gpus_restore_every_state(monkeypatch):
     FakeCuda(monkeypatch, count=2, current=1)
-    saved = ckpt.rng_state()
+    saved = rng.rng_state()
     now = FakeCuda(monkeypatch, count=2, current=1)
     now.states = {0: torch.tensor([9], dtype=torch.uint8), 1: torch.tensor([9], dtype=torch.uint8)}
-    ckpt.set_rng_state(saved)
+    rng.set_rng_state(saved)
     assert [now.states[i].item() for i in (0, 1)] == [0, 1]
 
 
 def test_an_older_checkpoint_without_the_device_restores_the_first_states(monkeypatch):
     FakeCuda(monkeypatch, count=4, current=0)
-    saved = ckpt.rng_state()
+    saved = rng.rng_state()
     del saved["cuda_device"]
     now = FakeCuda(monkeypatch, count=2, current=0)
-    ckpt.set_rng_state(saved)  # no IndexError / invalid device ordinal
+    rng.set_rng_state(saved)  # no IndexError / invalid device ordinal
     assert [now.states[i].item() for i in (0, 1)] == [0, 1]

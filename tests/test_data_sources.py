@@ -1,4 +1,4 @@
-"""Lightning's data hooks and hyperparameters (issue 16, "port by changing imports and base class"):
+"""Lightning's data hooks and hyperparameters, so a Lightning project ports by changing imports and base class:
 ``fit(model, datamodule=dm)``, ``test(model, datamodule=dm)``, a model's own ``train_dataloader()``,
 ``save_hyperparameters()``/``hparams``."""
 
@@ -11,9 +11,9 @@ from torch.utils.data import DataLoader
 from tests import module_workers as mw
 from tests import workers
 from tests.helpers import run_distributed
-from trainscale.train.data_sources import DataModule, resolve_loaders
-from trainscale.train.module import TrainingModule
-from trainscale.train.trainer import Trainer
+from trainscale.lightning.data_sources import DataModule, resolve_loaders
+from trainscale.lightning.module import TrainingModule
+from trainscale.loop.trainer import Trainer
 
 
 class Classifier(TrainingModule):
@@ -63,7 +63,7 @@ class Indexed(DataModule):
 
 
 def _trainer(tmp_path, **kw):
-    return Trainer(enable_progress_bar=False, default_root_dir=tmp_path, **{"max_epochs": 2, **kw})
+    return Trainer(accelerator="cpu", enable_progress_bar=False, default_root_dir=tmp_path, **{"max_epochs": 2, **kw})
 
 
 # -- hyperparameters ----------------------------------------------------------------------------------

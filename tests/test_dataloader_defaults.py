@@ -24,7 +24,40 @@ def test_cpu_leaves_pin_memory_off_and_keeps_the_users_choices():
 def test_a_loader_returned_as_given_is_not_mutated():
     rt = Runtime(accelerator="cpu", devices=1)
     loader = DataLoader(DATA, batch_size=4, sampler=torch.utils.data.DistributedSampler(DATA, num_replicas=1, rank=0))
-    assert rt.setup_dataloader(loader, pin_memory=True) is loader and loader.pin_memory is False
+    assert rt.setup_dataloader(loader) is loader
+    pinned = rt.setup_dataloader(loader, pin_memory=True)  # a copy that pins, with the same sampler
+    assert pinned is not loader and pinned.pin_memory and pinned.sampler is loader.sampler
+    assert loader.pin_memory is False
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(DATA)
+
+
+def test_loaders_returned_as_given_are_pinned_on_cuda():
+    """An IterableDataset at world size 1, a custom batch sampler, a DistributedSampler: no new sampler, so the loader
+    was returned as given, and on CUDA its batches stayed in pageable memory (the non_blocking copies then wait for
+    the host). The device is faked: only its type is read."""
+    rt = Runtime(accelerator="cpu", devices=1).launch()
+    rt.device = torch.device("cuda", 0)
+    batches = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(DATA), batch_size=5, drop_last=False)
+    loaders = [DataLoader(Stream(), batch_size=4), DataLoader(DATA, batch_sampler=batches),
+               DataLoader(DATA, batch_size=4, sampler=torch.utils.data.DistributedSampler(DATA, 1, 0, shuffle=False))]
+    for loader in loaders:
+        out = rt.setup_dataloader(loader)
+        assert out.pin_memory and not loader.pin_memory
+        out.pin_memory = False  # the same batches (pinning itself needs a GPU)
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(out, loader)) and len(list(out)) == len(list(loader))
+
+
+def test_a_dataloader_subclass_is_never_rebuilt():
+    class Mine(DataLoader):
+        pass
+
+    rt = Runtime(accelerator="cpu", devices=1)
+    loader = Mine(Stream(), batch_size=4)
+    assert rt.setup_dataloader(loader, pin_memory=True) is loader
 
 
 def test_recommended_workers_split_this_processs_cpus_across_the_ranks_of_the_node(monkeypatch):
@@ -46,6 +79,8 @@ def test_cuda_pins_batches_by_default_and_can_opt_out():
     assert x.is_pinned()
     x, _ = next(iter(rt.setup_dataloader(DataLoader(DATA, batch_size=4), pin_memory=False)))
     assert not x.is_pinned()
+    x, _ = next(iter(rt.setup_dataloader(DataLoader(Stream(), batch_size=4))))  # returned as given before
+    assert x.is_pinned()
 
 
 def test_prefetch_is_the_batches_themselves_off_cuda():

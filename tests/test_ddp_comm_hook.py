@@ -27,11 +27,11 @@ def _fit_counting(rank: int, root: str) -> dict:
     import torch
     from torch.utils.data import DataLoader
 
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     counter = _Counter()
     # 96 samples / 2 ranks / batch 8 = 6 micro-batches per epoch: groups of 4 and 2 (a short last group)
-    trainer = Trainer(devices="auto", max_epochs=2, accumulate_grad_batches=4, default_root_dir=root,
+    trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=2, accumulate_grad_batches=4, default_root_dir=root,
                       enable_progress_bar=False, enable_checkpointing=False, timeout=60,
                       strategy_options={"ddp_comm_hook": _counting_hook, "ddp_comm_state": counter})
     model = workers.make_model(0)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from trainscale.runtime.runtime import Runtime
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 torch.set_num_threads(2)
 (torch.randn(512, 512) @ torch.randn(512, 512)).sum()

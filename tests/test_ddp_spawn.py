@@ -12,7 +12,7 @@ from tests import workers, workers_strategies
 from tests.helpers import run_python
 from trainscale.callbacks import ModelCheckpoint
 from trainscale.runtime.runtime import Runtime
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 pytestmark = pytest.mark.multiprocess
 
@@ -48,7 +48,7 @@ def test_a_spawned_fit_returns_the_best_checkpoint_which_test_then_evaluates(tmp
     history = [r["val_loss"] for r in trainer.history]
     best = history.index(min(history))
     assert best < len(history) - 1  # the best checkpoint is not the fitted weights
-    assert callback.best_model_path is not None and f"epoch={best:04d}-" in callback.best_model_path
+    assert callback.best_model_path is not None and f"epoch={best + 1:06d}-" in callback.best_model_path
     assert trainer.callback_metrics["val_loss"] == pytest.approx(history[-1])
     assert trainer.test(model, val, ckpt_path="best")["test_loss"] == pytest.approx(history[best], rel=1e-6)
 
@@ -98,15 +98,15 @@ def test_bad_ddp_option_and_launch_without_function_fail_in_the_parent():
         rt.setup(torch.nn.Linear(2, 2))
 
 
-# A user's script as issue 15 item 7 found it: no `if __name__ == "__main__":` guard. The data (512 KiB) is larger
-# than a pipe's 64 KiB buffer, so the parent used to block forever writing it into the pipe of a child that had
-# already died while importing the script again.
+# A user's script with no `if __name__ == "__main__":` guard. The data (512 KiB) is larger
+# than a pipe's 64 KiB buffer: a parent writing it into a pipe would block forever on a child that has already
+# died while importing the script again.
 _UNGUARDED_SCRIPT = """
 import functools
 from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 x, y = torch.randn(16384, 8), torch.randint(0, 2, (16384,))
 trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, enable_progress_bar=False,
@@ -121,7 +121,7 @@ print("trained")
 def test_script_without_main_guard_fails_fast_naming_the_guard(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_UNGUARDED_SCRIPT.format(root=str(tmp_path / "runs")))
-    out, seconds = run_python([str(script)], tmp_path)  # used to hang: subprocess.TimeoutExpired
+    out, seconds = run_python([str(script)], tmp_path)  # a hang ends in subprocess.TimeoutExpired
     assert out.returncode != 0 and "trained" not in out.stdout
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("RuntimeError: strategy='ddp_spawn': the process of rank") and "died while starting" in last
@@ -134,7 +134,7 @@ def test_script_without_main_guard_fails_fast_naming_the_guard(tmp_path):
 def test_script_read_from_stdin_fails_fast_naming_the_fix(tmp_path):
     guarded = "def main():\n" + "".join(f"    {line}\n" for line in _UNGUARDED_SCRIPT.format(
         root=str(tmp_path / "runs")).splitlines()) + "\nif __name__ == '__main__':\n    main()\n"
-    out, seconds = run_python(["-"], tmp_path, stdin=guarded)  # used to hang: subprocess.TimeoutExpired
+    out, seconds = run_python(["-"], tmp_path, stdin=guarded)  # a hang ends in subprocess.TimeoutExpired
     assert out.returncode != 0 and "trained" not in out.stdout
     last = out.stderr.strip().splitlines()[-1]
     assert "died while starting" in last and "add `if __name__ == '__main__':`" in last

@@ -1,5 +1,5 @@
 """Saving onto a full disk, stale temporaries, filesystems that cannot fsync a directory
-(runtime/checkpoint_io.py, train/checkpoint.py, the fsdp strategy's save)."""
+(runtime/checkpoint_io.py, checkpointing/run_dirs.py, the fsdp strategy's save)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests import workers
 from tests.helpers import run_distributed
 from trainscale.runtime import checkpoint_io
 from trainscale.runtime.checkpoint_io import CheckpointError
-from trainscale.train import checkpoint as ckpt
+from trainscale.checkpointing import run_dirs as ckpt
 
 
 def _disk_full_at(kind: str, save_number: int = 1):
@@ -35,7 +35,7 @@ def _disk_full_at(kind: str, save_number: int = 1):
 
 
 def _fit(root, **flags):
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(accelerator="cpu", devices=1, max_epochs=2, seed=0, default_root_dir=root,
                       enable_progress_bar=False, **flags)
@@ -53,7 +53,7 @@ def test_disk_full_during_a_save_names_the_cause_and_place_and_keeps_last(tmp_pa
     assert sorted(p.name for p in ckpt_dir.iterdir()) == [
         "epoch=000001-step=0000000002.pt", "epoch=000001-step=0000000002.pt.sha256", "last"]  # no temporary file
     last = ckpt.find_last(tmp_path)
-    assert last.name == "epoch=000001-step=0000000002.pt" and checkpoint_io.load_file(last)["global_step"] == 2
+    assert last.name == "epoch=000001-step=0000000002.pt" and checkpoint_io.load_file(last)["train_state"]["global_step"] == 2
 
 
 def test_other_write_errors_are_not_called_disk_full(tmp_path, monkeypatch):
@@ -74,7 +74,7 @@ def test_a_stale_temporary_directory_of_a_killed_sharded_save_does_not_break_lat
     (ckpt_dir / ".epoch=000001-step=0000000004.pt.abcd.tmp").write_bytes(b"x")  # a killed file save's
     path = ckpt_dir / ckpt.checkpoint_name(2, 12)
     checkpoint_io.save_file({"w": torch.ones(3)}, path)
-    ckpt.mark_last(path, keep_last=1)
+    ckpt.mark_last(path, ckpt_dir)
     assert sorted(p.name for p in ckpt_dir.iterdir()) == [path.name, f"{path.name}.sha256", "last"]
 
 
@@ -97,7 +97,7 @@ def test_directory_fsync_einval_of_network_filesystems_is_tolerated(tmp_path, mo
 def _fsdp_disk_full_body(rank: int, root: str) -> dict:
     from trainscale.runtime.runtime import Runtime
 
-    rt = Runtime(strategy="fsdp", devices="auto", timeout=60)
+    rt = Runtime(accelerator="cpu", strategy="fsdp", devices="auto", timeout=60)
     model, _ = rt.setup(workers.make_model(0))
     rt.save(f"{root}/good", {"model": model})
     if rank == 0:  # rank 0's extra file meets a full disk; every rank must raise, none may wait

@@ -1,4 +1,4 @@
-"""DataParallel (issue 18 item 6): the replicas run at the caller's autocast dtype, compiled modules are
+"""DataParallel: the replicas run at the caller's autocast dtype, compiled modules are
 refused, and MFU counts every GPU. nn.DataParallel needs CUDA; its thread behaviour is reproduced on CPU."""
 
 import threading

@@ -1,4 +1,4 @@
-"""FLOP counting never breaks training (issue 18 item 3): a formula that raises, a higher-order operator the
+"""FLOP counting never breaks training: a formula that raises, a higher-order operator the
 counter has no rule for, or a step that fails only while counted -> the step's result is unchanged, one warning,
 and an analytic estimate (6·N per token) or no FLOPs."""
 
@@ -12,7 +12,7 @@ from torch.utils import flop_counter
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainscale.telemetry import flops
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 
 def _input_loop(x: torch.Tensor) -> torch.Tensor:

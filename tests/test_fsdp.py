@@ -14,8 +14,8 @@ from tests import fsdp_workers, workers
 from tests.helpers import run_distributed
 from trainscale.runtime.checkpoint_io import CheckpointError
 from trainscale.runtime.world import World
-from trainscale.train import checkpoint as ckpt
-from trainscale.train.trainer import Trainer
+from trainscale.checkpointing import run_dirs as ckpt
+from trainscale.loop.trainer import Trainer
 
 PARAMS_BYTES = sum(p.numel() * 4 for p in workers.make_model().parameters())  # fp32 ConvNet
 
@@ -127,12 +127,12 @@ def test_full_state_dict_export_loads_into_a_plain_module(resumed):
 def test_unknown_fsdp_option_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"strategy='fsdp' does not accept option\(s\) 'wrap_policy'; its options "
                                          r"are: auto_wrap_policy, reshard_after_forward, cpu_offload"):
-        Trainer(strategy="fsdp", devices=1, strategy_options={"wrap_policy": {nn.Linear}})
+        Trainer(accelerator="cpu", strategy="fsdp", devices=1, strategy_options={"wrap_policy": {nn.Linear}})
 
 
 def test_fsdp_on_one_process():
     with pytest.raises(ValueError, match="needs a world size >= 2; with one device pass strategy='single'"):
-        Trainer(strategy="fsdp", devices=1)
+        Trainer(accelerator="cpu", strategy="fsdp", devices=1)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -172,13 +172,14 @@ def test_fsdp_model_without_parameters_or_with_a_policy_class_not_in_it():
 
 
 def test_last_pointer_and_rotation_with_checkpoint_directories(tmp_path):
-    """``last``/``find_last``/rotation treat a sharded checkpoint directory like a file."""
+    """``last``/``find_last``/removal treat a sharded checkpoint directory like a file."""
     ckpt_dir = tmp_path / "version_0" / "checkpoints"
     for epoch in (1, 2, 3):
         path = ckpt_dir / ckpt.checkpoint_name(epoch, 6 * epoch, suffix="")
         (path / "sub").mkdir(parents=True)
         (path / ".metadata").write_text("x")
-        ckpt.mark_last(path, keep_last=2)
+        ckpt.mark_last(path, ckpt_dir)
+    ckpt.remove_checkpoint(ckpt_dir / ckpt.checkpoint_name(1, 6, suffix=""))
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["epoch=000002-step=0000000012", "epoch=000003-step=0000000018", "last"]
     assert ckpt.find_last(tmp_path) == ckpt_dir / "epoch=000003-step=0000000018"
 

@@ -1,4 +1,4 @@
-"""SLURM with one GPU per task, and nodes with different numbers of processes (issue 18 item 4).
+"""SLURM with one GPU per task, and nodes with different numbers of processes.
 The machine's CUDA device count is faked; nothing here needs a GPU."""
 
 import pytest

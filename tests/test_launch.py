@@ -19,7 +19,7 @@ def test_multi_node_needs_endpoint():
 
 
 def test_multi_node_needs_a_job_id_and_takes_slurms():
-    """Issue 18 item 7: without --rdzv-id torchrun's run id is "none" for every job."""
+    """Several nodes need a job id: without --rdzv-id torchrun's run id is "none" for every job."""
     endpoint = {"nnodes": 2, "rdzv_endpoint": "10.0.0.1:29400"}
     with pytest.raises(ValueError, match="--rdzv-id ID"):
         launch.torchrun_args(4, **endpoint, env={})

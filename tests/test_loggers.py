@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from tests import workers
 from trainscale.loggers import (CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger, record_metrics,
                                 resolve_loggers)
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,8 +42,8 @@ def test_record_metrics_flattens_numbers_and_drops_the_rest():
 
 
 def test_record_metrics_of_every_record_a_trainer_writes(tmp_path):
-    trainer = Trainer(max_epochs=2, log_every_n_steps=2, enable_progress_bar=False, enable_checkpointing=False,
-                      default_root_dir=tmp_path)
+    trainer = Trainer(accelerator="cpu", max_epochs=2, log_every_n_steps=2, enable_progress_bar=False,
+                      enable_checkpointing=False, default_root_dir=tmp_path)
     trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(32), batch_size=8),
                 DataLoader(workers.tiny_dataset(16, seed=1), batch_size=8), optimizer=workers.sgd)
     records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -60,7 +60,7 @@ def test_record_metrics_of_every_record_a_trainer_writes(tmp_path):
 def test_importing_loggers_imports_no_logging_library_and_no_higher_layer():
     code = ("import sys; import trainscale.loggers as L; L.resolve_loggers(None); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('wandb', 'mlflow', 'tensorboard', 'torch') "
-            "or m.startswith(('trainscale.train', 'trainscale.bench', 'trainscale.cli'))))")
+            "or m.startswith(('trainscale.loop', 'trainscale.lightning', 'trainscale.bench', 'trainscale.cli'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert out.returncode == 0, out.stderr

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trainscale.train.lr_scaling import lr_factor, scale_learning_rates, warmup
+from trainscale.scaling.lr_scaling import lr_factor, scale_learning_rates, warmup
 
 
 def two_group_sgd():

@@ -1,6 +1,6 @@
-"""Peak FLOP/s and MFU (issue 18 item 8): exact product matching, the newer GPUs, TF32 under "32-true",
+"""Peak FLOP/s and MFU: exact product matching, the newer GPUs, TF32 under "32-true",
 the user's peak_flops=, and MFU > 1 flagged as a measurement error; and the log interval's one gather and one
-host copy (item 12). Pure logic: no GPU needed."""
+host copy. Pure logic: no GPU needed."""
 
 from types import SimpleNamespace
 
@@ -74,7 +74,7 @@ def test_mfu_over_one_is_flagged_as_a_measurement_error_once():
 
 
 def test_logging_gathers_once_and_copies_to_the_host_once(monkeypatch):
-    """Issue 18 item 12: W ranks' rows come back with one collective and one device-to-host copy."""
+    """W ranks' rows come back with one collective and one device-to-host copy."""
     import torch.distributed as dist
 
     tele, _ = _telemetry()

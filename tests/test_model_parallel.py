@@ -307,3 +307,21 @@ def test_the_fitted_model_validates_on_the_same_trainer_without_being_paralleliz
     pp a ValueError about split points, as the model had been cut; fsdp: tests/test_training_module.py)."""
     for r in run_distributed(fit_then_evaluate, str(tmp_path), strategy, timeout=240):
         assert r["validate"] == pytest.approx(r["fit"], rel=1e-6) and r["last"] == pytest.approx(r["fit"], rel=1e-6)
+
+
+def test_model_parallel_on_one_process_starts_its_own_process_group(tmp_path):
+    """parallel={"dp_shard": 1} is a valid one-device layout; outside a launcher its device mesh needed a process
+    group that nothing started (init_device_mesh fell back to env://: "environment variable RANK expected")."""
+    from trainscale import Runtime
+    from trainscale.models import GPT, lm_loss
+
+    rt = Runtime(accelerator="cpu", devices=1, strategy="model_parallel", parallel={"dp_shard": 1})
+    try:
+        model, opt = rt.setup(GPT("tiny"), torch.optim.AdamW)
+        x = torch.randint(0, 256, (2, 16))
+        rt.backward(lm_loss(model(x), x))
+        rt.step(opt)
+        rt.save(tmp_path / "ckpt", {"model": model, "optimizer": opt, "step": 1})
+        assert rt.load(tmp_path / "ckpt", {"model": model, "optimizer": opt}) == {"step": 1}
+    finally:
+        rt.teardown()

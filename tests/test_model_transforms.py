@@ -13,7 +13,7 @@ from tests import workers_strategies as ws
 from trainscale.models import ConvNet
 from trainscale.runtime.apply import apply_activation_checkpointing, apply_sync_batchnorm, is_compiled
 from trainscale.runtime.runtime import Runtime
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +52,7 @@ def test_activation_checkpointing_with_a_class_not_in_the_model():
     with pytest.raises(ValueError, match=r"matches no module of the model; its module classes are: .*Block.*Linear"):
         apply_activation_checkpointing(ws.BlockNet(), (nn.Conv2d,))
     with pytest.raises(ValueError, match="nn.Module classes"):
-        Runtime(activation_checkpointing={"Block"})
+        Runtime(accelerator="cpu", activation_checkpointing={"Block"})
 
 
 def test_sync_batchnorm_conversion_keeps_weights_and_changes_types():
@@ -91,7 +91,7 @@ def test_sync_batchnorm_on_cpu_fails_early_and_torch_refuses_cpu_tensors(tmp_pat
 
 
 def test_compile_is_applied_inside_ddp_not_around_it(tmp_path):
-    """torch.compile(DDP(model)) silently runs eager; DDP(compiled model) compiles (shared/FACTS)."""
+    """torch.compile(DDP(model)) silently runs eager (torch 2.13, gloo); DDP(compiled model) compiles."""
     graphs = []
 
     def recording_backend(gm, example_inputs):
@@ -121,9 +121,9 @@ def test_compile_is_applied_inside_ddp_not_around_it(tmp_path):
 
 def test_bad_compile_arguments():
     with pytest.raises(ValueError, match=r"unknown torch.compile arguments \['mdoe'\]; valid ones: .*mode"):
-        Runtime(compile={"mdoe": "max-autotune"})
+        Runtime(accelerator="cpu", compile={"mdoe": "max-autotune"})
     with pytest.raises(ValueError, match="must be True, False or a dict"):
-        Runtime(compile="yes")
+        Runtime(accelerator="cpu", compile="yes")
 
 
 class _Probe(nn.Module):

@@ -1,4 +1,4 @@
-"""NVML finds the GPU that CUDA calls device i by its UUID (issue 18 item 10), whatever CUDA_DEVICE_ORDER
+"""NVML finds the GPU that CUDA calls device i by its UUID, whatever CUDA_DEVICE_ORDER
 and CUDA_VISIBLE_DEVICES (indices, partial UUIDs) say. pynvml and the CUDA device properties are faked."""
 
 import types

@@ -194,7 +194,7 @@ def test_gpt_worked_example_of_docs_plan_md_runs_and_prints_the_table():
     allocated (the GPT is traced on fake tensors), so it runs here; the 124M-parameter bytes are exact. pp: 8
     stages of the 12 blocks; the largest peak is stage 0's, which holds the token embedding and 2 blocks (204.4 MiB
     of fp32 parameters) and runs 8 forwards before its first backward."""
-    cmd = [sys.executable, "-m", "trainscale.cli", "plan", "--entry", "trainscale.bench.workload:gpt_shakespeare",
+    cmd = [sys.executable, "-m", "trainscale.cli", "plan", "--entry", "trainscale.jobs.workload:gpt_shakespeare",
            "--devices", "8", "--batch-sizes", "8", "--strategy", "ddp,fsdp,pp", "--precision", "bf16-mixed",
            "--device-memory", "80GB", "--bandwidth", "400GB/s,latency=10us", "--device-flops", "989e12"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=280)

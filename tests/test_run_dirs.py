@@ -1,43 +1,85 @@
-"""Run directories and checkpoint names (train/checkpoint.py): atomic version_N claims, rotation order, old names."""
+"""Run directories, checkpoint names and the one pruning rule: atomic version_N claims, ModelCheckpoint's
+top-k by number (not by text), non-finite scores, and only this run's files deleted."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
 import threading
+import types
 
 import pytest
 
-from trainscale.train import checkpoint as ckpt
+from trainscale.callbacks import ModelCheckpoint
+from trainscale.checkpointing import run_dirs as ckpt
 
 
-def _save(ckpt_dir, name, keep_last):
-    path = ckpt_dir / name
-    path.write_bytes(b"x")
-    (ckpt_dir / f"{name}.sha256").write_text("0" * 64)
-    ckpt.mark_last(path, keep_last=keep_last)
-    return path
+class _Trainer:
+    """What ModelCheckpoint uses of a Trainer, writing empty checkpoint files (one process)."""
+
+    def __init__(self, run_dir):
+        self.run_dir, self.global_step, self.current_epoch, self.callback_metrics = run_dir, 0, 0, {}
+        self.runtime = types.SimpleNamespace(is_rank_zero=True, barrier=lambda: None)
+        self.checkpoints = types.SimpleNamespace(discard=lambda paths: [ckpt.remove_checkpoint(p) for p in paths])
+
+    def write_checkpoint(self, directory, background=False):
+        path = directory / ckpt.checkpoint_name(self.current_epoch, self.global_step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+        (path.parent / f"{path.name}.sha256").write_text("0" * 64)
+        ckpt.mark_last(path, self.run_dir / "checkpoints")
+        return path
 
 
-def test_keep_last_keeps_the_newest_checkpoints_past_step_999999(tmp_path):
-    ckpt_dir = tmp_path / "checkpoints"
-    ckpt_dir.mkdir()
-    for step in (999_998, 999_999, 1_000_000, 1_000_001):
-        _save(ckpt_dir, ckpt.checkpoint_name(3, step), keep_last=2)
+def _steps(callback, trainer, steps, scores=None):
+    for i, step in enumerate(steps):
+        trainer.global_step = step
+        if scores is not None:
+            trainer.callback_metrics["loss"] = scores[i]
+        callback.save_if_due(trainer, epoch_end=True, ends_epoch=True)
+
+
+def test_the_newest_checkpoints_are_kept_past_step_999999(tmp_path):
+    trainer = _Trainer(tmp_path / "version_0")
+    callback = ModelCheckpoint(save_top_k=2)
+    callback.setup(trainer)
+    _steps(callback, trainer, (999_998, 999_999, 1_000_000, 1_000_001))
+    ckpt_dir = trainer.run_dir / "checkpoints"
     kept = sorted(p.name for p in ckpt_dir.glob("*.pt"))
-    assert kept == [ckpt.checkpoint_name(3, 1_000_000), ckpt.checkpoint_name(3, 1_000_001)]
-    assert (ckpt_dir / "last").read_text().strip() == ckpt.checkpoint_name(3, 1_000_001)
+    assert kept == [ckpt.checkpoint_name(0, 1_000_000), ckpt.checkpoint_name(0, 1_000_001)]
+    assert sorted(p.name for p in ckpt_dir.glob("*.sha256")) == [f"{name}.sha256" for name in kept]
+    assert (ckpt_dir / "last").read_text().strip() == ckpt.checkpoint_name(0, 1_000_001)
 
 
-def test_keep_last_orders_old_six_digit_names_by_epoch_and_step(tmp_path):
-    # names written before the wider padding, in one run with new ones (a resumed old run)
-    ckpt_dir = tmp_path / "checkpoints"
-    ckpt_dir.mkdir()
-    for name in ("epoch=0009-step=999999.pt", "epoch=0010-step=1000000.pt"):
-        (ckpt_dir / name).write_bytes(b"x")
-    _save(ckpt_dir, ckpt.checkpoint_name(10, 1_000_001), keep_last=2)
-    assert sorted(p.name for p in ckpt_dir.glob("*.pt")) == ["epoch=000010-step=0001000001.pt",
-                                                            "epoch=0010-step=1000000.pt"]
+def test_a_non_finite_score_never_evicts_the_best_checkpoint(tmp_path):
+    trainer = _Trainer(tmp_path / "version_0")
+    callback = ModelCheckpoint(monitor="loss", save_top_k=1)
+    callback.setup(trainer)
+    _steps(callback, trainer, (1, 2, 3), scores=[0.5, float("nan"), float("inf")])
+    assert callback.best_model_path.endswith(ckpt.checkpoint_name(0, 1))
+    kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.pt"))
+    assert kept == [ckpt.checkpoint_name(0, 1), ckpt.checkpoint_name(0, 3)]  # the best, and "last"
+
+
+def test_pruning_deletes_only_this_runs_files_and_a_shared_dirpath_is_refused(tmp_path):
+    first = _Trainer(tmp_path / "version_0")
+    callback = ModelCheckpoint(save_top_k=1)
+    callback.setup(first)
+    _steps(callback, first, (1, 2))
+    theirs = sorted((first.run_dir / "checkpoints").glob("*.pt"))
+    # a second run resumes from the first one's callback state: it keeps its own top 1, deleting none of theirs
+    second = _Trainer(tmp_path / "version_1")
+    resumed = ModelCheckpoint(save_top_k=1)
+    resumed.load_state_dict(callback.state_dict())
+    resumed.setup(second)
+    _steps(resumed, second, (3, 4, 5))
+    assert sorted((first.run_dir / "checkpoints").glob("*.pt")) == theirs
+    assert [p.name for p in (second.run_dir / "checkpoints").glob("*.pt")] == [ckpt.checkpoint_name(0, 5)]
+    shared = tmp_path / "shared"
+    ModelCheckpoint(dirpath=shared).setup(first)
+    ModelCheckpoint(dirpath=shared).setup(first)  # the same run again (a resume in place): allowed
+    with pytest.raises(ValueError, match="holds the checkpoints of the run .*version_0.*give this run its own dirpath"):
+        ModelCheckpoint(dirpath=shared).setup(second)
 
 
 def test_checkpoint_names_sort_as_text_in_training_order():

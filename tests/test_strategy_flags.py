@@ -8,7 +8,7 @@ from torch import nn
 from trainscale.runtime.connector import resolve
 from trainscale.runtime.strategies.dp import DataParallelModule, DataParallelStrategy
 from trainscale.runtime.world import World
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 
 def test_dp_needs_two_cuda_gpus_and_recommends_ddp():
@@ -29,7 +29,7 @@ def test_dp_without_gpus_from_the_trainer():
     if torch.cuda.device_count() >= 2:
         pytest.skip("this machine has several GPUs")
     with pytest.raises(ValueError, match="pass strategy='ddp'"):
-        Trainer(strategy="dp")
+        Trainer(accelerator="cpu", strategy="dp")
 
 
 def test_ddp_spawn_is_one_machine():
@@ -138,4 +138,4 @@ def test_16_mixed_with_grad_scaler_on_cuda():
 def test_unsupported_precisions_list_the_valid_ones(precision):
     with pytest.raises(ValueError, match=rf"unknown precision='{precision}'; choose one of '32-true', '16-mixed', "
                                          r"'bf16-mixed', 'bf16-true'"):
-        Trainer(precision=precision)
+        Trainer(accelerator="cpu", precision=precision)

@@ -1,5 +1,5 @@
 """The Strategy protocol declares every member the code uses, and every registered strategy defines each
-one itself (issue 16 item 1): no caller probes a strategy with getattr/hasattr and a default."""
+one itself: no caller probes a strategy with getattr/hasattr and a default."""
 
 import ast
 import importlib
@@ -14,8 +14,7 @@ from trainscale.runtime.strategies import Strategy
 SRC = Path(strategies.__file__).resolve().parents[2]  # src/trainscale
 MEMBERS = sorted({name for name in vars(Strategy) if not name.startswith("_")} | set(Strategy.__annotations__))
 METHODS = [name for name in MEMBERS if callable(vars(Strategy).get(name))]
-# Probes in train/trainer.py, which is being rewritten elsewhere: they go with that rewrite, and none may be added.
-PENDING: set = set()  # probes still to replace: none
+PENDING: set = set()  # probes allowed: none
 
 
 def _registered():

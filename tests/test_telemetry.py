@@ -23,7 +23,7 @@ from trainscale.telemetry.overlap import comm_overlap
 from trainscale.telemetry.report import summary_line, text_summary
 from trainscale.telemetry.stragglers import compute_per_step, find_stragglers
 from trainscale.telemetry.timers import StepTimer
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = {"step_time_s", "phase_s", "phase_share", "comm_s", "exposed_comm_s", "exposed_comm_share",
@@ -421,8 +421,8 @@ def test_trainer_on_cpu_counts_no_flops_unless_asked(tmp_path, monkeypatch):
 
 
 def test_trainer_with_telemetry_off(tmp_path):
-    trainer = Trainer(max_epochs=1, log_every_n_steps=2, enable_progress_bar=False, default_root_dir=tmp_path,
-                      enable_checkpointing=False, enable_telemetry=False)
+    trainer = Trainer(accelerator="cpu", max_epochs=1, log_every_n_steps=2, enable_progress_bar=False,
+                      default_root_dir=tmp_path, enable_checkpointing=False, enable_telemetry=False)
     summary = trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(32), batch_size=8),
                           optimizer=workers.sgd)
     assert summary["telemetry"] is None
@@ -436,8 +436,8 @@ def test_tensorboard_is_written_on_request_only(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     for flag in (False, True):
-        trainer = Trainer(max_epochs=1, log_every_n_steps=2, enable_progress_bar=False, enable_checkpointing=False,
-                          default_root_dir=tmp_path / str(flag), tensorboard=flag)
+        trainer = Trainer(accelerator="cpu", max_epochs=1, log_every_n_steps=2, enable_progress_bar=False,
+                          enable_checkpointing=False, default_root_dir=tmp_path / str(flag), tensorboard=flag)
         trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(32), batch_size=8), optimizer=workers.sgd)
         assert (trainer.run_dir / "tensorboard").is_dir() == flag
     events = EventAccumulator(str(trainer.run_dir / "tensorboard"))
@@ -448,7 +448,7 @@ def test_tensorboard_is_written_on_request_only(tmp_path):
 def test_tensorboard_without_the_package_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(TensorBoardSink, "available", staticmethod(lambda: False))
     with pytest.raises(ValueError, match=r"pip install 'trainscale\[tensorboard\]'"):
-        Trainer(tensorboard=True)
+        Trainer(accelerator="cpu", tensorboard=True)
 
 
 def test_default_fit_does_not_import_tensorboard():
@@ -465,7 +465,7 @@ def test_default_fit_does_not_import_tensorboard():
 
 def test_bad_straggler_margin_is_a_clear_error():
     with pytest.raises(ValueError, match="straggler_margin"):
-        Trainer(straggler_margin=-1)
+        Trainer(accelerator="cpu", straggler_margin=-1)
 
 
 def test_runtime_loop_uses_the_same_telemetry(tmp_path):
@@ -482,7 +482,7 @@ def test_runtime_loop_uses_the_same_telemetry(tmp_path):
         def forward(self, input_ids):
             return self.head(self.emb(input_ids))  # (B, T, V)
 
-    rt = Runtime(devices=1)
+    rt = Runtime(accelerator="cpu", devices=1)
     torch.manual_seed(0)
     model, optimizer = rt.setup(TokenModel(), lambda p: torch.optim.SGD(p, lr=0.1))
     tele = Telemetry(rt, warmup_steps=1, count_flops=True)

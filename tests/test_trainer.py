@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from tests import workers
 from tests.helpers import run_distributed
-from trainscale.train.trainer import Trainer
+from trainscale.loop.trainer import Trainer
 
 SUMMARY_KEYS = {"world_size", "strategy", "epochs", "global_batch_size", "train_loss", "val_loss", "val_accuracy",
                 "epoch_time_s", "samples_per_s", "torch_version", "device"}
@@ -54,7 +54,7 @@ def test_summary_and_metrics_files(tmp_path):
 
 def test_model_with_its_own_steps(tmp_path):
     model = StepModel()
-    trainer = Trainer(max_epochs=2, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer = Trainer(accelerator="cpu", max_epochs=2, enable_progress_bar=False, default_root_dir=tmp_path)
     summary = trainer.fit(model, DataLoader(workers.tiny_dataset(32), batch_size=8, shuffle=True),
                           DataLoader(workers.tiny_dataset(13, seed=2), batch_size=4))
     assert summary["steps"] == 8
@@ -64,7 +64,8 @@ def test_model_with_its_own_steps(tmp_path):
 
 
 def test_max_steps_stops_mid_epoch(tmp_path):
-    trainer = Trainer(max_epochs=5, max_steps=3, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer = Trainer(accelerator="cpu", max_epochs=5, max_steps=3, enable_progress_bar=False,
+                      default_root_dir=tmp_path)
     summary = trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(64), batch_size=8),
                           optimizer=workers.sgd)
     assert summary["steps"] == 3 and summary["epochs"] == 1
@@ -73,14 +74,15 @@ def test_max_steps_stops_mid_epoch(tmp_path):
 def test_the_users_model_is_called_as_a_module_so_its_hooks_run(tmp_path):
     model, calls = workers.make_model(), []
     model.register_forward_hook(lambda module, args, out: calls.append(out.shape[0]))
-    Trainer(max_epochs=1, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path).fit(
+    Trainer(accelerator="cpu", max_epochs=1, enable_progress_bar=False, enable_checkpointing=False,
+            default_root_dir=tmp_path).fit(
         model, DataLoader(workers.tiny_dataset(24), batch_size=8), optimizer=workers.sgd)
     assert calls == [8, 8, 8]
 
 
 def test_gradient_clipping_by_norm_matches_plain_pytorch(tmp_path):
-    trainer = Trainer(max_epochs=1, gradient_clip_val=0.01, enable_progress_bar=False, default_root_dir=tmp_path,
-                      enable_checkpointing=False)
+    trainer = Trainer(accelerator="cpu", max_epochs=1, gradient_clip_val=0.01, enable_progress_bar=False,
+                      default_root_dir=tmp_path, enable_checkpointing=False)
     model = workers.make_model()
     loader = DataLoader(workers.tiny_dataset(32), batch_size=16)
     trainer.fit(model, loader, optimizer=workers.sgd)

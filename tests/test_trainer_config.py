@@ -1,8 +1,8 @@
-"""TrainerConfig: every loop flag validated in Trainer.__init__ (pure logic, issue 15's bad-input list)."""
+"""TrainerConfig: every loop flag validated in Trainer.__init__ (pure logic)."""
 
 import pytest
 
-from trainscale.train.config import TrainerConfig, resolve_trainer_config
+from trainscale.loop.config import TrainerConfig, resolve_trainer_config
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -33,10 +33,30 @@ def test_default_root_dir_that_is_a_file(tmp_path):
 
 
 def test_unknown_flag_and_defaults(tmp_path):
-    with pytest.raises(TypeError, match="unknown Trainer flag.*max_epoch"):
+    with pytest.raises(TypeError, match="unexpected flag 'max_epoch'; did you mean 'max_epochs'"):
         resolve_trainer_config(max_epoch=3)
     cfg = resolve_trainer_config(default_root_dir=str(tmp_path), max_steps=5)
     assert isinstance(cfg, TrainerConfig) and cfg.default_root_dir == tmp_path and cfg.step_limit == 5
     assert resolve_trainer_config().step_limit == float("inf")
     with pytest.raises(Exception):
         cfg.max_epochs = 2  # frozen
+
+
+def test_each_flag_is_declared_once_and_the_constructors_show_them_all():
+    """The Trainer's and the Runtime's signatures are made from RuntimeFlags and TrainerConfig, and a misspelt
+    flag of either kind names the closest one."""
+    import inspect
+    from dataclasses import fields
+
+    from trainscale import Runtime, Trainer
+    from trainscale.runtime.connector import RuntimeFlags
+
+    runtime_names = [f.name for f in fields(RuntimeFlags)]
+    trainer_names = [f.name for f in fields(TrainerConfig)]
+    assert not set(runtime_names) & set(trainer_names)
+    assert list(inspect.signature(Runtime).parameters) == runtime_names
+    assert list(inspect.signature(Trainer).parameters) == ["callbacks", "logger", *runtime_names, *trainer_names]
+    with pytest.raises(TypeError, match="Trainer\\(\\) got an unexpected flag 'acelerator'; did you mean 'accelerator'"):
+        Trainer(acelerator="cpu")
+    with pytest.raises(TypeError, match="Runtime\\(\\) got an unexpected flag 'precison'; did you mean 'precision'"):
+        Runtime(precison="bf16-mixed")

@@ -1,5 +1,5 @@
 """Trainer(lr_scaling=..., base_batch_size=..., lr_warmup_steps=...): the lr each optimizer step uses, its
-composition with LR schedulers, the logged values, resume, and 2-process ddp (train/batch_scaling.py)."""
+composition with LR schedulers, the logged values, resume, and 2-process ddp (scaling/batch_scaling.py)."""
 
 import json
 import math
@@ -11,8 +11,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from tests import workers
 from tests.helpers import run_distributed
 from trainscale.runtime.checkpoint_io import load_file
-from trainscale.train.config import resolve_trainer_config
-from trainscale.train.trainer import Trainer
+from trainscale.loop.config import resolve_trainer_config
+from trainscale.lightning.module import TrainingModule
+from trainscale.loop.trainer import Trainer
 
 
 def data(n: int = 64) -> TensorDataset:
@@ -33,7 +34,8 @@ def fit(root, *, scheduler=None, steps=None, epochs=1, accumulate=1, ckpt_path=N
             return opt
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler(opt), "interval": "step"}}
 
-    trainer = Trainer(devices=1, max_epochs=epochs, max_steps=steps, accumulate_grad_batches=accumulate,
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=epochs, max_steps=steps,
+                      accumulate_grad_batches=accumulate,
                       log_every_n_steps=1, default_root_dir=root, enable_progress_bar=False, logger=False,
                       callbacks=[used], **flags)
     summary = trainer.fit(model, DataLoader(data(n), batch_size=8, shuffle=True), optimizer=optimizer,
@@ -82,8 +84,8 @@ def test_each_step_uses_the_schedule_times_the_warmed_up_factor(tmp_path, capsys
     assert first(plain["used"].used) == pytest.approx([0.1, 0.05, 0.1 / 3, 0.025], rel=1e-12)
     expected = [lr * m for lr, m in zip(first(plain["used"].used), multipliers)]
     assert first(scaled["used"].used) == pytest.approx(expected, rel=1e-12)
-    # after each step the groups hold the schedule's value again; the records show the lr the next step uses
-    assert first(scaled["used"].between) == pytest.approx(first(plain["used"].used), rel=1e-12)
+    # between steps the groups hold the schedule's values (after its step); the records show the lr the next step uses
+    assert first(scaled["used"].between) == pytest.approx([0.1 / (s + 2) for s in range(4)], rel=1e-12)
     assert scaled["logged"] == pytest.approx([0.1 / (s + 2) * multipliers[s + 1] for s in range(4)], rel=1e-12)
     out = capsys.readouterr().out
     assert out.count("lr scaling") == 1
@@ -126,3 +128,40 @@ def test_ddp_two_processes_log_the_lr_times_the_factor(tmp_path):
         assert first(rank["used"]) == pytest.approx([0.2] * 3, rel=1e-12)
         assert rank["summary"]["lr_scaling"]["factor"] == 4.0
     assert ranks[0]["logged"] == pytest.approx([0.2] * 3, rel=1e-12)
+
+
+class _ManualLinear(TrainingModule):
+    """Manual optimization: one SGD step per batch, taken by the module itself."""
+
+    automatic_optimization = False
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.layer(x), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_manual_optimization_steps_at_the_scaled_lr_the_records_show(tmp_path):
+    torch.manual_seed(0)
+    used = workers.LrUsed()
+    trainer = Trainer(devices=1, max_steps=3, lr_scaling="linear", base_batch_size=2, log_every_n_steps=1,
+                      default_root_dir=tmp_path, enable_progress_bar=False, logger=False, callbacks=[used])
+    summary = trainer.fit(_ManualLinear(), DataLoader(data(), batch_size=8))
+    trainer.runtime.teardown()
+    records = [json.loads(line) for line in open(f"{summary['run_dir']}/metrics.jsonl")]
+    logged = [r["lr-SGD"] for r in records if r.get("kind") == "step"]
+    # global batch 8, base 2: × 4 on every step (no warm-up)
+    assert first(used.used) == pytest.approx([0.4, 0.4, 0.4], rel=1e-12)
+    assert logged == pytest.approx([0.4, 0.4, 0.4], rel=1e-12)
+    assert first(used.between) == pytest.approx([0.1, 0.1, 0.1], rel=1e-12)

@@ -1,5 +1,5 @@
-"""The Lightning-style contract (issue 16): TrainingModule, self.log, configure_optimizers forms, manual
-optimization, callbacks, test/predict; and the loop's records (issue 15 items 2, 10, 11)."""
+"""The Lightning-style contract: TrainingModule, self.log, configure_optimizers forms, manual
+optimization, callbacks, test/predict; and the loop's records."""
 
 import json
 
@@ -13,14 +13,14 @@ from tests import module_workers as mw
 from tests import workers
 from tests.helpers import run_distributed
 from trainscale.callbacks import Callback, EarlyStopping, ModelCheckpoint
-from trainscale.train import checkpoint as ckpt
-from trainscale.train.module import TrainingModule
-from trainscale.train.optimizers import parse_optimization
-from trainscale.train.trainer import Trainer
+from trainscale.checkpointing import run_dirs as ckpt
+from trainscale.lightning.module import TrainingModule
+from trainscale.lightning.optimizers import parse_optimization
+from trainscale.loop.trainer import Trainer
 
 
 def _trainer(tmp_path, **kw):
-    return Trainer(enable_progress_bar=False, default_root_dir=tmp_path, **{"max_epochs": 1, **kw})
+    return Trainer(accelerator="cpu", enable_progress_bar=False, default_root_dir=tmp_path, **{"max_epochs": 1, **kw})
 
 
 # -- configure_optimizers ---------------------------------------------------------------------------
@@ -166,7 +166,7 @@ def test_self_log_counts_each_sample_once_with_uneven_last_batches(strategy):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_self_log_sums_count_each_sample_once_under_tensor_parallelism():
-    # the 2 tp ranks read the same 21 samples: a sum over all ranks counted each twice (issue 17)
+    # the 2 tp ranks read the same 21 samples: a sum over all ranks would count each twice
     n = 21
     out = run_distributed(mw.tp_log_reduction_body, n, timeout=150)
     assert out[0] == out[1]
@@ -206,7 +206,7 @@ def test_gradient_clip_val_under_manual_optimization_is_an_error_naming_clip_gra
 def test_manual_optimization_under_dp_or_pp_is_an_error_naming_the_strategies_that_host_it(strategy, cause):
     from types import SimpleNamespace
 
-    from trainscale.train.optimizer_setup import check_optimizers
+    from trainscale.lightning.optimizer_setup import check_optimizers
 
     model = mw.GAN()
     runtime = SimpleNamespace(config=SimpleNamespace(strategy=strategy, parallel=None), strategy=object())
@@ -287,9 +287,12 @@ def test_model_checkpoint_keeps_the_top_k_by_the_monitored_metric(tmp_path):
     callback = ModelCheckpoint(monitor="score", save_top_k=2)
     trainer = _trainer(tmp_path, max_epochs=5, callbacks=[callback])
     trainer.fit(EpochMetric(), DataLoader(mw.indexed_dataset(8), batch_size=4), DataLoader(mw.indexed_dataset(4)))
-    kept = sorted(p.name for p in (trainer.run_dir / "checkpoints" / "top").glob("*.pt"))
-    assert kept == ["epoch=0003-step=000000008-score=1.pt", "epoch=0004-step=000000010-score=2.pt"]
-    assert callback.best_model_path.endswith("score=1.pt")
+    kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.pt"))
+    # scores 5, 3, 4, 1, 2 at the ends of epochs 1..5: the best two are kept (the newest is also "last")
+    assert kept == ["epoch=000004-step=0000000008.pt", "epoch=000005-step=0000000010.pt"]
+    assert callback.best_model_path.endswith("epoch=000004-step=0000000008.pt")
+    assert (trainer.run_dir / "checkpoints" / "last").read_text().strip() == "epoch=000005-step=0000000010.pt"
+    assert trainer.checkpoints.summary()["saves"] == 5  # one checkpoint per epoch end: the callback is the only writer
 
 
 @pytest.mark.multiprocess
@@ -303,7 +306,7 @@ def test_validate_and_predict_evaluate_the_best_and_the_last_checkpoint_on_two_r
     history = ranks[0]["history"]
     best = history.index(min(history))
     assert best < len(history) - 1  # the best is not the fitted weights: loading it changes the model
-    assert f"epoch={best:04d}-" in ranks[0]["best_path"] and ranks[1]["best_path"] == ranks[0]["best_path"]
+    assert f"epoch={best + 1:06d}-" in ranks[0]["best_path"] and ranks[1]["best_path"] == ranks[0]["best_path"]
     for r in ranks:
         assert r["own"] == pytest.approx(history[-1], rel=1e-6)  # without ckpt_path: the fitted weights
         assert r["best"] == pytest.approx(history[best], rel=1e-6)  # with it: the best epoch's
@@ -408,7 +411,7 @@ def test_tokens_per_second_for_token_id_batches(tmp_path):
     assert record["tokens_per_s"] == pytest.approx(40 / record["epoch_time_s"])
 
 
-# -- records and run directories after a resume (issue 15 items 2 and 10) -------------------------------------
+# -- records and run directories after a resume ---------------------------------------------------------------
 def test_records_after_a_resume_equal_an_uninterrupted_run(tmp_path):
     loader = DataLoader(workers.tiny_dataset(48), batch_size=8, shuffle=True)
     full = _trainer(tmp_path / "full", max_epochs=2)
@@ -470,7 +473,7 @@ def test_last_never_resumes_another_scripts_run(tmp_path):
     assert summary["resumed_from"] is None and summary["run_dir"].endswith("version_1")
 
 
-# -- batches the model cannot take (issue 15, second list) -----------------------------------------------------
+# -- batches the model cannot take -----------------------------------------------------------------------------
 def test_float64_inputs_to_a_float32_model_name_the_conversion(tmp_path):
     data = TensorDataset(torch.randn(8, 4, dtype=torch.float64), torch.zeros(8, dtype=torch.long))
     with pytest.raises(TypeError, match="float64 \\(double\\) inputs but the model's parameters are float32.*x.float"):

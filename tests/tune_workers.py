@@ -25,7 +25,7 @@ def search_then_train(rank: int, tmp: str, budgets=BUDGETS) -> dict:
 
     from trainscale.callbacks import Callback
     from trainscale.models import ConvNet
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
     from trainscale.tune import find_batch_size
 
     tracker = MemTracker()

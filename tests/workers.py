@@ -46,11 +46,11 @@ def plain_pytorch_reference(batch_size: int, epochs: int, seed: int = 0, n: int 
 
 def trainer_fit(rank: int, root: str, batch_size: int, epochs: int, extra: dict | None = None,
                 ckpt_path=None, n: int = 96, teardown: bool = True) -> dict:
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     flags = {"devices": "auto", "max_epochs": epochs, "seed": 0, "default_root_dir": root,
              "enable_progress_bar": False, "timeout": 60, **(extra or {})}
-    trainer = Trainer(**flags)
+    trainer = Trainer(accelerator="cpu", **flags)
     model = make_model(0)
     summary = trainer.fit(model, DataLoader(tiny_dataset(n), batch_size=batch_size, shuffle=True),
                           DataLoader(tiny_dataset(50, seed=1), batch_size=8), optimizer=sgd, ckpt_path=ckpt_path)
@@ -61,7 +61,7 @@ def trainer_fit(rank: int, root: str, batch_size: int, epochs: int, extra: dict 
 
 def resume_body(rank: int, root: str) -> dict:
     """Uninterrupted 3 epochs against 1 epoch, then resume from "last" for the rest."""
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     full = trainer_fit(rank, f"{root}/full", 8, 3, teardown=False)
     first = trainer_fit(rank, f"{root}/stopped", 8, 1, teardown=False)
@@ -70,9 +70,9 @@ def resume_body(rank: int, root: str) -> dict:
 
 
 def validate_body(rank: int, n: int) -> dict:
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(devices="auto", enable_progress_bar=False, timeout=60)
+    trainer = Trainer(accelerator="cpu", devices="auto", enable_progress_bar=False, timeout=60)
     model = make_model(0)
     out = trainer.validate(model, DataLoader(tiny_dataset(n, seed=3), batch_size=8))
     trainer.runtime.teardown()
@@ -81,9 +81,10 @@ def validate_body(rank: int, n: int) -> dict:
 
 def bad_ckpt_body(rank: int, path: str) -> str:
     """Both ranks must raise at once (no hang) on a missing or corrupted checkpoint."""
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(devices="auto", enable_progress_bar=False, timeout=60, default_root_dir=path + ".root")
+    trainer = Trainer(accelerator="cpu", devices="auto", enable_progress_bar=False, timeout=60,
+                      default_root_dir=path + ".root")
     try:
         trainer.fit(make_model(0), DataLoader(tiny_dataset(16), batch_size=4), optimizer=sgd, ckpt_path=path)
     except Exception as err:  # noqa: BLE001 - returned to the test to check type and message
@@ -95,26 +96,31 @@ def bad_ckpt_body(rank: int, path: str) -> str:
 
 class LrUsed(Callback):
     """A callback recording, at every optimizer step, the lr of each param group as ``step()`` reads it
-    (an optimizer step pre-hook registered in ``on_fit_start``, after the Trainer's own hooks)."""
+    (an optimizer step pre-hook registered in ``on_fit_start``), and the groups' values after each whole
+    training step (``on_train_batch_end`` of a step's last micro-batch: the schedule's, after it stepped)."""
 
     def __init__(self) -> None:
         self.used: list[list[float]] = []
-        self.between: list[list[float]] = []  # the groups' values after each step (the schedule's)
+        self.between: list[list[float]] = []
 
     def on_fit_start(self, trainer, module) -> None:
         for opt in trainer.optimizers:
             opt.register_step_pre_hook(lambda o, a, k: self.used.append([float(g["lr"]) for g in o.param_groups]))
-            opt.register_step_post_hook(lambda o, a, k: self.between.append([float(g["lr"]) for g in o.param_groups]))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.is_step_end:
+            self.between.append([float(g["lr"]) for opt in trainer.optimizers for g in opt.param_groups])
 
 
 def lr_scaling_body(rank: int, root: str) -> dict:
     """2 ranks × 8 samples × 2 accumulation = global batch 32, base 8, linear: SGD's 0.05 becomes 0.2."""
     import json
 
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     used = LrUsed()
-    trainer = Trainer(devices="auto", max_epochs=1, max_steps=3, accumulate_grad_batches=2, lr_scaling="linear",
+    trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=1, max_steps=3, accumulate_grad_batches=2,
+                      lr_scaling="linear",
                       base_batch_size=8, log_every_n_steps=1, default_root_dir=root, enable_progress_bar=False,
                       enable_checkpointing=False, timeout=60, callbacks=[used], logger=False)
     summary = trainer.fit(make_model(0), DataLoader(tiny_dataset(96), batch_size=8), optimizer=sgd)

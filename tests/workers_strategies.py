@@ -56,12 +56,13 @@ def clipping_body(rank: int, root: str, batch_size: int, epochs: int, max_norm: 
     """Trainer under ddp: clipping by norm, then by value, in the same two processes (no validation)."""
     from torch.utils.data import DataLoader
 
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     out = {}
     for kind, flags in (("norm", {"gradient_clip_val": max_norm}),
                         ("value", {"gradient_clip_val": clip_val, "gradient_clip_algorithm": "value"})):
-        trainer = Trainer(devices="auto", max_epochs=epochs, seed=0, default_root_dir=f"{root}/{kind}",
+        trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=epochs, seed=0,
+                          default_root_dir=f"{root}/{kind}",
                           enable_progress_bar=False, enable_checkpointing=False, log_every_n_steps=1, timeout=60,
                           **flags)
         model = workers.make_model(0)
@@ -121,7 +122,7 @@ def sync_batchnorm_cuda_body(rank: int) -> dict:
     from torch.utils.data import DataLoader
 
     from trainscale.models import ConvNet
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(accelerator="cuda", devices="auto", strategy="ddp", sync_batchnorm=True, max_epochs=1,
                       enable_progress_bar=False, enable_checkpointing=False, timeout=60,

@@ -9,19 +9,30 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:  # the same names as _LAZY, for type checkers and the API reference (docs/api.md)
+    from trainscale.checkpointing.rng import seed_everything
+    from trainscale.lightning.data_sources import DataModule
+    from trainscale.lightning.module import TrainingModule
+    from trainscale.loop.trainer import Trainer
+    from trainscale.runtime.runtime import Runtime
+    from trainscale.runtime.world import World
+
 _LAZY = {
-    "Trainer": "trainscale.train.trainer",
-    "TrainingModule": "trainscale.train.module",
-    "DataModule": "trainscale.train.data_sources",
+    "Trainer": "trainscale.loop.trainer",
+    "TrainingModule": "trainscale.lightning.module",
+    "DataModule": "trainscale.lightning.data_sources",
     "Runtime": "trainscale.runtime.runtime",
     "World": "trainscale.runtime.world",
-    "plan": "trainscale.plan.planner",
-    "check": "trainscale.parity.runner",
+    "seed_everything": "trainscale.checkpointing.rng",
 }
 
-__all__ = ["Trainer", "TrainingModule", "DataModule", "Runtime", "World", "plan", "check", "__version__"]
+__all__ = ["Trainer", "TrainingModule", "DataModule", "Runtime", "World", "seed_everything", "__version__"]
+# The commands' Python forms live in their subpackages, named after the commands:
+# ``from trainscale.plan import plan``, ``from trainscale.check import check``, ``from trainscale.bench import sweep``.
 
 
 def __getattr__(name: str):

@@ -7,10 +7,15 @@ Each cell (devices × batch size × strategy × precision) is a fresh torchrun j
 (:mod:`trainscale.bench.cell`); rows go to ``results.jsonl`` as cells finish; the table, gain,
 scaling efficiency, plots and advice are computed from the measured times
 (:mod:`~trainscale.bench.analysis`, :mod:`~trainscale.bench.advice`, :mod:`~trainscale.bench.report`).
-The workload contract is in :mod:`trainscale.bench.workload`. Importing this package does not import torch.
+The workload contract is in :mod:`trainscale.jobs.workload`. Importing this package does not import torch.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names of __all__, for type checkers and the API reference (docs/api.md)
+    from trainscale.bench.runner import BenchResult, sweep
 
 __all__ = ["sweep", "BenchResult"]
 

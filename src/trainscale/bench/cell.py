@@ -12,33 +12,22 @@ out-of-memory error) before exiting non-zero, so the sweep can record why.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
+import gc
 import math
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
+
+from trainscale.jobs.launcher import job_main
 
 WARMUP_STEPS = 5
 PROBE_BATCHES = 50
 PROBE_ALLREDUCE_REPS = 5
 
 
-def is_oom(err: BaseException) -> bool:
-    """True for out-of-memory errors: ``torch.OutOfMemoryError``, ``MemoryError``, or a message saying so."""
-    import torch
-
-    oom_types = (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))
-    return isinstance(err, oom_types) or "out of memory" in str(err).lower()
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def _peak_memory(device) -> tuple[int, str]:
@@ -54,10 +43,16 @@ def _peak_memory(device) -> tuple[int, str]:
 
 def _probe_data(rt, loader, batches: int) -> float | None:
     """Seconds per batch to fetch and move batches with no compute (the loop's data wait when the
-    loader is the bottleneck; an upper bound of it otherwise)."""
+    loader is the bottleneck; an upper bound of it otherwise). On CUDA ``to_device``'s copies from pinned
+    memory are asynchronous: the clock is read after ``torch.cuda.synchronize``, once they have landed."""
+    import torch
+
     if batches < 1:
         return None
     rt.set_epoch(loader, 0)
+    cuda = rt.device.type == "cuda"
+    if cuda:  # nothing queued before the probe is counted in it
+        torch.cuda.synchronize(rt.device)
     t0 = time.perf_counter()
     n = 0
     for batch in loader:
@@ -65,6 +60,8 @@ def _probe_data(rt, loader, batches: int) -> float | None:
         n += 1
         if n >= batches:
             break
+    if cuda:
+        torch.cuda.synchronize(rt.device)
     return (time.perf_counter() - t0) / n if n else None
 
 
@@ -123,8 +120,8 @@ def run_cell(cfg: dict) -> dict | None:
     import torch
     from torch.utils.data import DataLoader
 
-    from trainscale.bench.workload import load_workload
-    from trainscale.train.trainer import Trainer
+    from trainscale.jobs.workload import load_workload
+    from trainscale.loop.trainer import Trainer
 
     cell_dir = Path(cfg["cell_dir"])
     torch.manual_seed(cfg["seed"])
@@ -146,6 +143,10 @@ def run_cell(cfg: dict) -> dict | None:
     if cfg["warmup_steps"]:  # kernels, allocator, process group: paid once, not timed
         warm = Trainer(max_epochs=1, max_steps=cfg["warmup_steps"], default_root_dir=cell_dir / "warmup", **common)
         warm.fit(copy.deepcopy(model), train_loader, None, loss_fn=work["loss_fn"], optimizer=optimizer)
+        # Its model copy and optimizer state would stay allocated through the timed run (and in its peak memory);
+        # the model refers back to its trainer, a cycle that only the collector frees.
+        del warm
+        gc.collect()
     trainer = Trainer(max_epochs=cfg["epochs"], max_steps=cfg["steps"], default_root_dir=cell_dir / "timed", **common)
     summary = trainer.fit(model, train_loader, val_loader, loss_fn=work["loss_fn"], optimizer=optimizer)
     rt = trainer.runtime
@@ -158,8 +159,8 @@ def run_cell(cfg: dict) -> dict | None:
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     probe_allreduce = _probe_allreduce(rt, numel)
     peaks = rt.all_gather_object(_peak_memory(rt.device))
-    # Tear the process group down here rather than at interpreter exit, where a loaded machine
-    # occasionally aborted a DDP worker ("terminate called without an active exception"; shared/FACTS).
+    # Tear the process group down here rather than at interpreter exit, which on a loaded machine
+    # occasionally aborts a gloo worker ("terminate called without an active exception", pytorch/pytorch#190489).
     rt.teardown()
     if not rt.is_rank_zero:
         return None
@@ -179,32 +180,6 @@ def run_cell(cfg: dict) -> dict | None:
     }
 
 
-def job_main(run, argv: list[str] | None, prog: str, dir_key: str, result_name: str) -> int:
-    """The ``main`` of a job started by :func:`trainscale.bench.runner.launch_job`: read ``--config``, call
-    ``run(cfg)`` on every rank; rank zero writes what it returns to ``cfg[dir_key]/result_name``, a rank that
-    raises writes ``error.rank<R>.json`` (type, message, out of memory or not, traceback) and re-raises
-    (recorded by torchrun's ``record``). Shared by bench's cells and ``trainscale check``'s runs."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    parser = argparse.ArgumentParser(prog=prog)
-    parser.add_argument("--config", required=True, help="the job's JSON file")
-    cfg = json.loads(Path(parser.parse_args(argv).config).read_text())
-    rank = int(os.environ.get("RANK", "0"))
-
-    @record
-    def _run() -> None:
-        try:
-            result = run(cfg)
-        except BaseException as err:
-            _write_json(Path(cfg[dir_key]) / f"error.rank{rank}.json",
-                        {"rank": rank, "type": type(err).__name__, "message": str(err)[:2000], "oom": is_oom(err),
-                         "traceback": traceback.format_exc()[-4000:]})
-            raise
-        if result is not None:
-            _write_json(Path(cfg[dir_key]) / result_name, result)
-
-    _run()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,9 +24,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from trainscale.bench.grid import DEFAULT_BATCH_SIZES, Cell, default_devices, plan
-from trainscale.bench.workload import entry_name, resolve_entry
+from trainscale.jobs.launcher import launch_job, next_version_dir, threads_per_process
+from trainscale.jobs.workload import entry_name, resolve_entry
 
-KILL_GRACE_S = 5.0
 
 
 @dataclass
@@ -50,11 +48,6 @@ class BenchResult:
     ran: list[str] = field(default_factory=list)
 
 
-def _next_dir(root: Path) -> Path:
-    n = 0
-    while (root / f"version_{n}").exists():
-        n += 1
-    return root / f"version_{n}"
 
 
 def _latest_dir(root: Path) -> Path | None:
@@ -84,7 +77,7 @@ class Progress:
 
     def say(self, text: str) -> None:
         if self.enabled:
-            from trainscale.bench.analysis import fmt_time
+            from trainscale.jobs.format import fmt_time
 
             print(f"bench [{self.done:>{len(str(self.total))}}/{self.total} done, {fmt_time(time.monotonic() - self.t0)}"
                   f"] {text}", file=self.stream, flush=True)
@@ -118,51 +111,8 @@ def _cell_outcome(cell_dir: Path, returncode: int | None, timed_out: bool, timeo
     return "crashed", f"{why}; log: {telling[-1][:300] if telling else '(empty)'}", {}
 
 
-def threads_per_process(max_devices: int, env: dict | None = None) -> int:
-    """CPU threads of every process in every cell: ``OMP_NUM_THREADS`` when the user set it, else
-    cores ÷ the largest device count of the grid.
-
-    The same in every cell, so that a CPU "device" has the same compute whether 1 or N of them run
-    (as a GPU does), and N processes never oversubscribe the cores. (With cores ÷ devices threads
-    instead, on a loaded 2-core machine a 1-process step at batch 16 took 296 ms against 46 ms for
-    each of 2 one-thread processes: OpenMP threads wait on each other when cores are short.)
-    """
-    env = os.environ if env is None else env
-    if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
-        return int(env["OMP_NUM_THREADS"])
-    return max(1, (os.cpu_count() or 1) // max(1, max_devices))
 
 
-def launch_job(module: str, config: Path, devices: int, log_path: Path, timeout: float,
-               threads: int | None = None) -> tuple[int | None, bool, int]:
-    """Run ``python -m torch.distributed.run --standalone --nproc-per-node=DEVICES --module MODULE --config
-    CONFIG`` (torchrun's arguments and environment from :mod:`trainscale.runtime.launch`) in its own process
-    group, output to ``log_path``; kill the group after ``timeout`` s. Used by bench's cells and by
-    ``trainscale check``.
-
-    Returns:
-        ``(returncode, timed_out, omp_num_threads)``: the exit status (None when killed), whether the timeout
-        fired, and the threads each process was given (``threads``, or the launcher's default).
-    """
-    from trainscale.runtime import launch
-
-    argv = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args(devices),
-            "--module", module, "--config", str(config)]
-    env = launch.worker_env(devices, {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None)
-    # Jobs import the entry's module: the current directory first, as `python -m` would.
-    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
-    timed_out = False
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc)
-        except BaseException:  # KeyboardInterrupt: leave no orphaned workers behind
-            _kill_group(proc)
-            raise
-    return proc.returncode, timed_out, int(env["OMP_NUM_THREADS"])
 
 
 def run_cell(cell: Cell, cfg: dict, out: Path, timeout: float, threads: int | None = None) -> dict:
@@ -184,44 +134,8 @@ def run_cell(cell: Cell, cfg: dict, out: Path, timeout: float, threads: int | No
             "finished_at": time.time(), **result}
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (Linux /proc; [] elsewhere). torchrun puts its workers in their own
-    sessions, so killing torchrun's process group alone could leave them running."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the cell's process group (torchrun forwards it to its workers), then SIGKILL whatever of
-    the group and its descendants is left after a grace period."""
-    below = _descendants(proc.pid)
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=KILL_GRACE_S)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    for pid in below:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def sweep(entry: str | Callable | None = None, *, devices: Sequence[int] | None = None,
@@ -234,7 +148,7 @@ def sweep(entry: str | Callable | None = None, *, devices: Sequence[int] | None 
 
     Args:
         entry: ``"package.module:function"`` or an importable function returning the workload dict
-            (see :mod:`trainscale.bench.workload`); None: the ConvNet on MNIST-5k.
+            (see :mod:`trainscale.jobs.workload`); None: the ConvNet on MNIST-5k.
         devices: device counts (CPU: processes); default 1 and every power of two up to the GPUs, or CPU cores.
         batch_sizes: per-device (weak) or global (strong) batch sizes.
         strategies: among ``trainscale.runtime.strategies.STRATEGIES`` (not "auto"/"single").
@@ -282,7 +196,7 @@ def sweep(entry: str | Callable | None = None, *, devices: Sequence[int] | None 
 
     root = Path("runs/bench")
     if out is None:
-        out = (_latest_dir(root) if resume else None) or _next_dir(root)
+        out = (_latest_dir(root) if resume else None) or next_version_dir(root)
     out = Path(out)
     settings = {"entry": entry, "scaling": scaling, "epochs": epochs, "steps": steps, "warmup_steps": warmup_steps,
                 "seed": seed, "accelerator": accelerator}

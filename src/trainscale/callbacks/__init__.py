@@ -15,8 +15,9 @@ from trainscale.callbacks.model_checkpoint import ModelCheckpoint
 __all__ = ["Callback", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "resolve_callbacks"]
 
 
-def resolve_callbacks(callbacks) -> list[Callback]:
-    """The Trainer's callbacks as a list.
+def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = None) -> list[Callback]:
+    """The Trainer's callbacks as a list, with ``default_checkpoint`` appended when it is given and the user's
+    list holds no :class:`ModelCheckpoint` (Lightning adds its default checkpoint callback the same way).
 
     Raises:
         TypeError: an entry that is not a :class:`Callback`.
@@ -25,4 +26,6 @@ def resolve_callbacks(callbacks) -> list[Callback]:
     for cb in callbacks:
         if not isinstance(cb, Callback):
             raise TypeError(f"callbacks holds a {type(cb).__name__}; pass trainscale.callbacks.Callback instances")
+    if default_checkpoint is not None and not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
+        callbacks.append(default_checkpoint)
     return callbacks

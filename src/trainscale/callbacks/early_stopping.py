@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainscale.callbacks.base import Callback
+
+if TYPE_CHECKING:
+    from trainscale.loop.trainer import Trainer
 
 
 class EarlyStopping(Callback):
@@ -39,7 +42,7 @@ class EarlyStopping(Callback):
     def _improved(self, value: float) -> bool:
         return value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
 
-    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, module: Any) -> None:
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             raise ValueError(f"EarlyStopping monitors {self.monitor!r}, which is not among this epoch's metrics: "

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainscale.callbacks.base import Callback
+
+if TYPE_CHECKING:
+    from trainscale.loop.trainer import Trainer
 
 
 class LearningRateMonitor(Callback):
@@ -23,7 +26,7 @@ class LearningRateMonitor(Callback):
         self.logging_interval = logging_interval
         self.log_momentum = log_momentum
 
-    def _momenta(self, trainer: Any) -> dict[str, float]:
+    def _momenta(self, trainer: Trainer) -> dict[str, float]:
         out = {}
         for opt in trainer.optimizers:
             for i, group in enumerate(opt.param_groups):
@@ -32,10 +35,10 @@ class LearningRateMonitor(Callback):
                     out[f"momentum-{type(opt).__name__}" + (f"/pg{i}" if i else "")] = float(value)
         return out
 
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.log_momentum and self.logging_interval != "epoch" and trainer.is_log_step:
             trainer.log_metrics(self._momenta(trainer))
 
-    def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+    def on_train_epoch_start(self, trainer: Trainer, module: Any) -> None:
         if self.log_momentum and self.logging_interval != "step":
             trainer.log_metrics(self._momenta(trainer), epoch=True)

@@ -1,53 +1,103 @@
-"""Keep the best checkpoints by a monitored metric (Lightning's ``ModelCheckpoint``)."""
+"""The one checkpoint system of a fit (Lightning's ``ModelCheckpoint``)."""
 
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from trainscale.callbacks.base import Callback
 
+if TYPE_CHECKING:
+    from trainscale.loop.trainer import Trainer
+
+OWNER = ".trainscale-run"  # in a user's dirpath: the run directory whose checkpoints it holds
+
 
 class ModelCheckpoint(Callback):
-    """Save a full, resumable checkpoint (atomic, with its SHA-256, as the Trainer's own) at each epoch
-    end, or every ``every_n_train_steps`` optimizer steps, and keep the ``save_top_k`` best by ``monitor``
-    (the newest ones without a monitor). These files are this callback's own: the Trainer's rotation
-    (``keep_last``) and ``last`` pointer never touch them.
+    """Save full, resumable checkpoints and keep the best ones (Lightning's ``ModelCheckpoint``).
+
+    It is the only thing that writes a fit's scheduled checkpoints. When the user gives none (and
+    ``enable_checkpointing`` is on), the Trainer adds one from its own flags:
+    ``ModelCheckpoint(every_n_epochs=1, every_n_train_steps=checkpoint_every_n_steps, save_top_k=keep_last)``
+    (``keep_last=None``: ``save_top_k=-1``). The Trainer asks every ``ModelCheckpoint`` at the end of each
+    optimizer step and each epoch (:meth:`save_if_due`, called by name in ``Trainer._checkpoint_if_due``).
+
+    One name format: ``epoch=EEEEEE-step=SSSSSSSSSS`` (+ ".pt" for a one-file checkpoint, none for a sharded
+    directory), EEEEEE the epochs completed, written atomically with its SHA-256. After each save
+    ``<run dir>/checkpoints/last`` names it, so ``fit(ckpt_path="last")`` resumes from the newest save.
+
+    One pruning rule: the ``save_top_k`` best by ``monitor`` (without a monitor: the newest) are kept, and the
+    file "last" names; only files this callback wrote into its own ``dirpath`` during this run are ever
+    deleted (never another run's, e.g. the checkpoints a resumed run started from). A non-finite monitored
+    value ranks worst, as in Lightning: a NaN epoch never evicts a good checkpoint.
 
     Args:
-        dirpath: where to write; default ``<run dir>/checkpoints/top``.
+        dirpath: where to write; default ``<run dir>/checkpoints``. A directory that holds another run's
+            checkpoints is refused at the start of ``fit`` (two runs would replace each other's files).
         monitor: metric name in ``trainer.callback_metrics`` (e.g. "val_loss"); None: keep the newest.
         mode: "min" or "max".
-        save_top_k: checkpoints kept (>= 1).
-        every_n_train_steps: save mid-epoch every N optimizer steps instead of at epoch ends.
+        save_top_k: checkpoints kept besides "last" (``-1``: all).
+        every_n_train_steps: save every N optimizer steps (mid-epoch).
+        every_n_epochs: save at the end of every N-th epoch; default 1 without ``every_n_train_steps``, else 0
+            (never at epoch ends). With both, a step that ends an epoch saves once, at the epoch end.
 
     Raises:
         ValueError: bad arguments; at a save, a ``monitor`` not among the metrics.
     """
 
     def __init__(self, dirpath: str | Path | None = None, monitor: str | None = None, mode: str = "min",
-                 save_top_k: int = 1, every_n_train_steps: int | None = None) -> None:
+                 save_top_k: int = 1, every_n_train_steps: int | None = None, every_n_epochs: int | None = None) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r}; choose 'min' or 'max'")
-        for name, value in (("save_top_k", save_top_k), ("every_n_train_steps", every_n_train_steps or 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1 or save_top_k == 0:
+            raise ValueError(f"save_top_k={save_top_k!r} must be an int >= 1, or -1 to keep every checkpoint")
+        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name}={value!r} must be an int >= 0 or None")
         self.dirpath = Path(dirpath) if dirpath is not None else None
-        self.monitor, self.mode, self.save_top_k, self.every_n_train_steps = monitor, mode, save_top_k, every_n_train_steps
+        self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
+        self.every_n_train_steps = every_n_train_steps or None
+        self.every_n_epochs = (1 if self.every_n_train_steps is None else 0) if every_n_epochs is None else every_n_epochs
         self.best_k: dict[str, float] = {}  # path -> score (lower is better after the sign for "max")
+        self._directory: Path | None = None  # this fit's resolved dirpath
+        self._written: list[str] = []  # this run's files in _directory, oldest first
 
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        n = self.every_n_train_steps
-        if n is not None and trainer.is_step_end and trainer.global_step % n == 0:
+    def setup(self, trainer: Trainer) -> None:
+        """At the start of a fit, after its run directory is chosen (every rank): resolve ``dirpath`` and claim
+        it for this run.
+
+        Raises:
+            ValueError: ``dirpath`` holds the checkpoints of another run.
+        """
+        self._directory = Path(trainer.run_dir) / "checkpoints" if self.dirpath is None else self.dirpath
+        # resumed in place: the kept files of the run's earlier processes are this run's too
+        self._written = [p for p in self.best_k if Path(p).parent.resolve() == self._directory.resolve()]
+        if self.dirpath is None:
+            return
+        owner_file = self.dirpath / OWNER
+        owner = owner_file.read_text().strip() if owner_file.is_file() else None
+        run = str(Path(trainer.run_dir).resolve())
+        if owner is not None and owner != run:
+            raise ValueError(f"ModelCheckpoint(dirpath={str(self.dirpath)!r}) holds the checkpoints of the run {owner}; "
+                             "two runs writing there would replace each other's files: give this run its own dirpath")
+        trainer.runtime.barrier()  # every rank has read the owner before rank zero writes it
+        if owner is None and trainer.runtime.is_rank_zero:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            owner_file.write_text(run + "\n")
+
+    def save_if_due(self, trainer: Trainer, epoch_end: bool, ends_epoch: bool) -> None:
+        """Save when this step or epoch end is one of this callback's (every rank calls it at the same point).
+        ``ends_epoch``: this optimizer step is the last of its epoch (an epoch-end save follows it)."""
+        if epoch_end:
+            due = bool(self.every_n_epochs) and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+        else:
+            n = self.every_n_train_steps
+            due = n is not None and trainer.global_step % n == 0 and not (ends_epoch and self.every_n_epochs)
+        if due:
             self._save(trainer)
 
-    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
-        if self.every_n_train_steps is None:
-            self._save(trainer)
-
-    def _score(self, trainer: Any) -> float:
+    def _score(self, trainer: Trainer) -> float:
         if self.monitor is None:
             return -float(trainer.global_step)  # newest first
         metrics = trainer.callback_metrics
@@ -55,26 +105,26 @@ class ModelCheckpoint(Callback):
             raise ValueError(f"ModelCheckpoint monitors {self.monitor!r}, which is not among the metrics: "
                              f"{', '.join(sorted(metrics))}")
         value = float(metrics[self.monitor])
+        if not math.isfinite(value):
+            return math.inf  # worst, whatever the mode
         return value if self.mode == "min" else -value
 
-    def _save(self, trainer: Any) -> None:
+    def _save(self, trainer: Trainer) -> None:
         score = self._score(trainer)
-        if len(self.best_k) >= self.save_top_k and score >= max(self.best_k.values()):
-            return  # not among the best: nothing written
-        directory = self.dirpath or trainer.run_dir / "checkpoints" / "top"
-        name = f"epoch={trainer.current_epoch:04d}-step={trainer.global_step:09d}"
-        if self.monitor is not None and math.isfinite(score):
-            name += f"-{self.monitor}={abs(score):.6g}"
-        path = trainer.save_checkpoint(directory / name)
-        self.best_k[str(path)] = score
-        while len(self.best_k) > self.save_top_k:
-            worst = max(self.best_k, key=self.best_k.get)
-            del self.best_k[worst]
-            if trainer.runtime.is_rank_zero:
-                _remove(Path(worst))
+        path = str(trainer.write_checkpoint(self._directory, background=True))
+        self._written.append(path)
+        self.best_k[path] = score
+        if self.save_top_k > 0:
+            for dropped in sorted(self.best_k, key=self.best_k.get)[self.save_top_k:]:  # ties: the older stays
+                del self.best_k[dropped]
+        keep = set(self.best_k) | {path}  # the newest is "last"
+        stale = [p for p in self._written if p not in keep]
+        self._written = [p for p in self._written if p in keep]
+        trainer.checkpoints.discard([Path(p) for p in stale])  # once the new one is on disk
 
     @property
     def best_model_path(self) -> str | None:
+        """The best checkpoint kept (the newest without a monitor), or None before the first save."""
         return min(self.best_k, key=self.best_k.get) if self.best_k else None
 
     def state_dict(self) -> dict:
@@ -82,11 +132,3 @@ class ModelCheckpoint(Callback):
 
     def load_state_dict(self, state: dict) -> None:
         self.best_k = dict(state["best_k"])
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-        Path(f"{path}.sha256").unlink(missing_ok=True)

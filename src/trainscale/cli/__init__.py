@@ -95,9 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_k8s(sub)
     report = sub.add_parser("report", help="plots and a text summary of a run directory",
-                            description="Write PNG plots (loss and accuracy, throughput, step-phase split, memory "
-                                        "per rank, GPU utilisation) and report.txt into RUN_DIR, and print where "
-                                        "the time goes. Example: trainscale report runs/demo/version_0")
+                            description="Write report.txt and PNG plots (loss and accuracy, throughput, step-phase "
+                                        "split, memory per rank, GPU utilisation; the plots need matplotlib: pip "
+                                        "install 'trainscale[plot]') into RUN_DIR, and print where the time goes. "
+                                        "Example: trainscale report runs/demo/version_0")
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory holding metrics.jsonl")
     report.set_defaults(func=_cmd_report)
 
@@ -208,11 +209,13 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from trainscale.telemetry.report import make_report
+    from trainscale.telemetry.report import PLOTS_SKIPPED, make_report
 
     written, text = make_report(args.run_dir)
     print(text, end="")
     print("wrote " + ", ".join(str(p) for p in written))
+    if not any(p.suffix == ".png" for p in written):
+        print(PLOTS_SKIPPED)
     return 0
 
 

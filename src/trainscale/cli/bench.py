@@ -17,7 +17,7 @@ def run_bench(args: argparse.Namespace) -> int:
         sys.path.insert(0, os.getcwd())  # --entry modules are found in the current directory, as with `python -m`
     from trainscale.bench import sweep
     from trainscale.bench.grid import DEFAULT_BATCH_SIZES
-    from trainscale.bench.workload import WORKLOADS
+    from trainscale.jobs.workload import WORKLOADS
 
     workload = getattr(args, "workload", None)
     if workload is not None and args.entry is not None:

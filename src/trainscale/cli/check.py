@@ -1,4 +1,4 @@
-"""``trainscale check``: the same K steps on 1 device and on N processes, compared (see :mod:`trainscale.parity`)."""
+"""``trainscale check``: the same K steps on 1 device and on N processes, compared (see :mod:`trainscale.check`)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def run_check(args: argparse.Namespace) -> int:
     """Print the report; 0 when the runs agree, 1 when they differ, 3 when a run failed."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # --entry modules are found in the current directory
-    from trainscale.parity import CheckRunError, check
+    from trainscale.check import CheckRunError, check
 
     try:
         result = check(args.entry, devices=args.devices, strategy=args.strategy, steps=args.steps,

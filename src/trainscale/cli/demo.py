@@ -35,7 +35,7 @@ def run_demo(args: argparse.Namespace) -> dict:
 
 def _trainer(args: argparse.Namespace, **extra):
     from trainscale.runtime.devices import cuda_device_count
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     devices = args.devices
     if devices is None:

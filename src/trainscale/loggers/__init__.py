@@ -12,8 +12,16 @@ Importing this package imports no logging library (nor torch): a logger checks a
 library is installed and imports it at ``setup``. User guide: docs/loggers.md.
 """
 
+from typing import TYPE_CHECKING
+
 from trainscale.loggers.base import Logger, resolve_loggers
 from trainscale.telemetry.sinks import record_metrics
+
+if TYPE_CHECKING:  # the same names as _LAZY, for type checkers and the API reference (docs/api.md)
+    from trainscale.loggers.csv_logger import CSVLogger
+    from trainscale.loggers.mlflow_logger import MLFlowLogger
+    from trainscale.loggers.tensorboard_logger import TensorBoardLogger
+    from trainscale.loggers.wandb_logger import WandbLogger
 
 _LAZY = {  # each logger's module is imported on first use (a run without it never loads it)
     "CSVLogger": "trainscale.loggers.csv_logger",

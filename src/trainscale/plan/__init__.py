@@ -1,7 +1,7 @@
 """plan: will my model fit, and how fast will it be? Predictions before the GPU hours are spent.
 
-    import trainscale
-    result = trainscale.plan(entry="mypkg.work:build", devices=[1, 8, 64], batch_sizes=[32],
+    from trainscale.plan import plan
+    result = plan(entry="mypkg.work:build", devices=[1, 8, 64], batch_sizes=[32],
                              device_memory="80GB", link="400GB/s,latency=10us")
     print(result.table())
 
@@ -11,6 +11,11 @@ Guide and formulas: docs/plan.md. Importing this package does not import torch.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names of __all__, for type checkers and the API reference (docs/api.md)
+    from trainscale.plan.planner import PlanResult, PlanRow, Workload, plan
 
 __all__ = ["plan", "PlanResult", "PlanRow", "Workload"]
 

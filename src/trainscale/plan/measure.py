@@ -1,4 +1,4 @@
-"""The measured part of the time prediction: short runs of the real :class:`~trainscale.train.trainer.Trainer`
+"""The measured part of the time prediction: short runs of the real :class:`~trainscale.loop.trainer.Trainer`
 (the loop bench times), one device's in the planner's process and, inside ``trainscale plan --probe``'s
 processes, a real DDP run (:mod:`trainscale.plan.probe`). Each batch size gets a warm-up run
 (``WARMUP_STEPS``, untimed) and a timed one of at least ``STEPS`` steps and about ``MIN_SECONDS`` of
@@ -14,7 +14,7 @@ were systematically low.
 
 This allocates the model on the device, unlike :mod:`trainscale.plan.memory`. On a CPU a "device" is
 what a bench cell gives each process: ``cores ÷ processes`` threads
-(``trainscale.bench.runner.threads_per_process``), so the planner passes ``threads``.
+(``trainscale.jobs.launcher.threads_per_process``), so the planner passes ``threads``.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def trainer_steps(model: nn.Module, dataset: Any, sample: tuple, batch_sizes: li
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
-    from trainscale.train.trainer import Trainer
+    from trainscale.loop.trainer import Trainer
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     data = dataset if dataset is not None else _Repeated(sample, max(batch_sizes) * world * (WARMUP_STEPS + steps))

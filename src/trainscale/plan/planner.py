@@ -1,4 +1,4 @@
-"""``trainscale.plan(...)``: memory per device and time per step/epoch for each strategy, device count
+"""``trainscale.plan.plan(...)``: memory per device and time per step/epoch for each strategy, device count
 and batch size, before any cluster is booked. Memory: :mod:`trainscale.plan.memory` (no allocation);
 time: one measured single-device run (:mod:`trainscale.plan.measure`) plus the communication model
 (:mod:`trainscale.plan.comm`) over a given or probed link (:mod:`trainscale.plan.probe`). Pipeline stages (pp):
@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from trainscale.plan import comm
 from trainscale.plan.memory import MemoryEstimate
@@ -123,12 +123,12 @@ def default_device_memory() -> int:
 
 
 def workload_from_entry(entry: str | None) -> Workload:
-    """bench's ``--entry`` contract (:mod:`trainscale.bench.workload`) as a :class:`Workload`; the entry
+    """bench's ``--entry`` contract (:mod:`trainscale.jobs.workload`) as a :class:`Workload`; the entry
     is called under ``torch.device("meta")``, so its model is not allocated (its data is loaded)."""
     import torch
     from torch.nn import functional as F
 
-    from trainscale.bench.workload import DEFAULT_ENTRY, load_workload
+    from trainscale.jobs.workload import DEFAULT_ENTRY, load_workload
 
     name = entry or DEFAULT_ENTRY
     with torch.device("meta"):  # the model is not allocated (nor is data the entry makes with torch)
@@ -374,13 +374,14 @@ def _threads(devices: list[int]) -> int | None:
 
     if torch.cuda.is_available():
         return None
-    from trainscale.bench.runner import threads_per_process
+    from trainscale.jobs.launcher import threads_per_process
 
     return threads_per_process(max(devices))
 
 
 def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = None,
-         dataset_size: int | None = None, devices=(1, 2, 4, 8), batch_sizes=(32,), strategies=DEFAULT_STRATEGIES,
+         dataset_size: int | None = None, devices: Sequence[int] = (1, 2, 4, 8), batch_sizes: Sequence[int] = (32,),
+         strategies: Sequence[str] = DEFAULT_STRATEGIES,
          precision: str = "32-true", optimizer: Callable | None = None, loss_fn: Callable | None = None,
          activation_checkpointing: Any = None, strategy_options: dict | None = None,
          device_memory: int | str | None = None, link: comm.Link | str | None = None, probe: bool = False,
@@ -392,11 +393,12 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
     Args:
         model: an ``nn.Module`` (copied to the meta device, never moved) or a zero-argument factory
             (called under ``torch.device("meta")``). Or give ``entry`` instead.
-        entry: bench's workload contract, ``"package.module:function"`` (:mod:`trainscale.bench.workload`);
+        entry: bench's workload contract, ``"package.module:function"`` (:mod:`trainscale.jobs.workload`);
             supplies model, sample, dataset size, loss and optimizer. None with no ``model``: the ConvNet on MNIST-5k.
         sample: one training example ``(input, target)``, e.g. ``dataset[0]`` (with ``model``).
         dataset_size: training samples per epoch (for epoch times).
-        devices, batch_sizes: device counts and per-device micro-batch sizes.
+        devices: device counts.
+        batch_sizes: per-device micro-batch sizes.
         strategies: among "ddp", "fsdp", "hsdp", "tp", "pp" (default ddp and fsdp; fsdp and pp need 2+ devices,
             their 1-device rows say so). pp: one stage per device, the batch in micro-batches
             (``trainscale.plan.pipeline``: each stage's peak composed from one traced micro-batch and torch's
@@ -405,7 +407,8 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
             ``devices_per_node`` (:func:`mesh_layout`); tp is traced (peak, collectives, time) on one node,
             and across nodes gives exact bytes only (peak None, "—"; ``fits`` None; no time).
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
-        optimizer: ``params -> Optimizer`` (default AdamW, lr 1e-3); loss_fn default cross-entropy.
+        optimizer: ``params -> Optimizer`` (default AdamW, lr 1e-3).
+        loss_fn: ``loss_fn(outputs, targets)`` (default cross-entropy).
         activation_checkpointing: module classes whose forward is recomputed in backward.
         strategy_options: as for the Runtime (ddp: ``bucket_cap_mb``, ``gradient_as_bucket_view``;
             fsdp: ``auto_wrap_policy``, ``reshard_after_forward``; tp: ``tp_plan``, default the GPT's; pp:

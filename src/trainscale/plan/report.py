@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainscale.bench.analysis import fmt_time
+from trainscale.jobs.format import fmt_time
 
 
 def fmt_bytes(n: int | None) -> str:

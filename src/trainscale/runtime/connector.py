@@ -7,8 +7,10 @@ valid choices or the flag to change, before any process or process group exists.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import difflib
+import inspect
+from dataclasses import KW_ONLY, dataclass, fields
+from typing import Any, Callable
 
 from trainscale.runtime.devices import ACCELERATORS, detect_accelerator
 from trainscale.runtime.precision import PRECISIONS
@@ -25,6 +27,96 @@ MATMUL_PRECISIONS = (None, "highest", "high", "medium")
 DP_COMPILE_ERROR = ("strategy='dp' cannot run a compiled module: nn.DataParallel copies the compiled forward into "
                     "every replica, and each copy calls GPU 0's module with GPU 0's weights. Pass strategy='ddp' "
                     "(one process per GPU, each compiling its own module) or compile=False")
+
+
+@dataclass(frozen=True)
+class RuntimeFlags:
+    """The flags of :class:`~trainscale.runtime.runtime.Runtime` as the user gave them, declared here once: the
+    Runtime's and the Trainer's signatures are made from these fields (:func:`flag_signature`), and
+    :func:`resolve` turns them into a :class:`RunConfig`.
+
+    Attributes:
+        accelerator: "auto", "cpu", "cuda" ("gpu") or "mps".
+        devices: processes (CPU) or GPUs per node, or "auto" (all GPUs; under a launcher, the launcher's
+            processes per node; else 1).
+        strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp" (docs/strategies.md),
+            or "ddp_spawn"/"ddp_notebook": ddp with the processes started from this one by spawn/fork.
+        num_nodes: machines in the job.
+        precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
+        timeout: seconds a collective may wait before it fails (``init_process_group``'s timeout).
+        strategy_options: keyword options of the strategy (ddp: ``find_unused_parameters``, ``static_graph``,
+            ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``ddp_comm_hook``; dp: ``device_ids``; fsdp:
+            ``auto_wrap_policy``, ``reshard_after_forward``, ``cpu_offload``; tp: ``sequence_parallel``).
+        sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp, CUDA only).
+        activation_checkpointing: ``nn.Module`` classes whose instances recompute their forward in backward
+            (``torch.utils.checkpoint``, non-reentrant): less activation memory, about one more forward.
+        compile: ``torch.compile`` the module before the strategy wraps it; True, or a dict of its arguments.
+        float32_matmul_precision: None (leave PyTorch's setting), or "highest", "high" (TF32 on Ampere and newer)
+            or "medium", applied with ``torch.set_float32_matmul_precision``.
+        parallel: the device mesh under "model_parallel" (required), "hsdp", "tp" or "pp":
+            ``{"pp": P, "dp_replicate": R, "dp_shard": S, "tp": T}``, P·R·S·T = world size.
+        tp_plan: ``{submodule name: ColwiseParallel() | RowwiseParallel() | ...}`` for your model; default: the
+            built-in plan of ``trainscale.models.GPT``.
+        parallelize: ``fn(model, mesh) -> model`` applying your own tensor parallelism instead.
+        pp_schedule: "gpipe" or "1f1b" (default) under pipeline stages. pp_microbatches: micro-batches each batch
+            is cut into (default 4·P). pp_split_points: the submodule names where stages 2..P begin (default: the
+            built-in split of ``trainscale.models.GPT``).
+    """
+
+    accelerator: str = "auto"
+    devices: int | str = "auto"
+    strategy: str = "auto"
+    num_nodes: int = 1
+    precision: str = "32-true"
+    _: KW_ONLY
+    timeout: float = 1800.0
+    strategy_options: dict | None = None
+    sync_batchnorm: bool = False
+    activation_checkpointing: Any = None
+    compile: bool | dict = False
+    float32_matmul_precision: str | None = None
+    parallel: dict | None = None
+    tp_plan: dict | None = None
+    parallelize: Callable | None = None
+    pp_schedule: str | None = None
+    pp_microbatches: int | None = None
+    pp_split_points: list | None = None
+
+
+def make_flags(cls: type, owner: str, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """``cls(*args, **kwargs)`` for a flags dataclass, with an unknown or misspelt flag named as ``owner``'s
+    (``TypeError: Trainer() got an unexpected flag 'max_epoch'; did you mean 'max_epochs'?``).
+
+    Raises:
+        TypeError: an unknown flag, or too many positional arguments.
+    """
+    kwargs = kwargs or {}
+    check_flag_names(owner, kwargs, [f.name for f in fields(cls)])
+    try:
+        return cls(*args, **kwargs)
+    except TypeError as err:
+        raise TypeError(f"{owner}(): {err}".replace(f"{cls.__name__}.__init__() ", "")) from None
+
+
+def check_flag_names(owner: str, names, known) -> None:
+    """Raise ``TypeError`` for the first of ``names`` not in ``known``, naming the closest known flag."""
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            raise TypeError(f"{owner}() got an unexpected flag {name!r}"
+                            + (f"; did you mean {close[0]!r}?" if close else f"; its flags are: {', '.join(known)}"))
+
+
+def flag_signature(*classes: type, extra: tuple = (), positional: bool = False) -> inspect.Signature:
+    """The signature of these flags dataclasses' fields (in order, with their defaults and types), after ``extra``
+    parameters: what ``help(Trainer)`` and editors show for a constructor that takes ``**flags``. With
+    ``positional``, the fields before a dataclass's ``KW_ONLY`` marker may be passed by position too."""
+    kinds = inspect.Parameter
+    params = [kinds("self", kinds.POSITIONAL_OR_KEYWORD), *extra]
+    for cls in classes:
+        params += [kinds(f.name, kinds.POSITIONAL_OR_KEYWORD if positional and not f.kw_only else kinds.KEYWORD_ONLY,
+                         default=f.default, annotation=f.type) for f in fields(cls)]
+    return inspect.Signature(params)
 
 
 @dataclass(frozen=True)
@@ -77,61 +169,33 @@ def _choices(names) -> str:
     return ", ".join(repr(n) for n in names)
 
 
-def resolve(
-    accelerator: str = "auto",
-    devices: int | str = "auto",
-    strategy: str = "auto",
-    num_nodes: int = 1,
-    precision: str = "32-true",
-    *,
-    cuda_count: int = 0,
-    has_mps: bool = False,
-    sync_batchnorm: bool = False,
-    activation_checkpointing: Any = None,
-    compile: bool | dict = False,
-    float32_matmul_precision: str | None = None,
-    parallel: dict | None = None,
-    tp_plan: Any = None,
-    parallelize: Any = None,
-    pp_schedule: str | None = None,
-    pp_microbatches: int | None = None,
-    pp_split_points: Any = None,
-) -> RunConfig:
-    """Turn user flags into a :class:`RunConfig`.
+def resolve(*args: Any, cuda_count: int = 0, has_mps: bool = False, **flags: Any) -> RunConfig:
+    """Turn user flags (:class:`RuntimeFlags`: ``args`` and ``flags`` as the Runtime takes them) into a
+    :class:`RunConfig`; ``timeout`` and ``strategy_options`` are checked by the Runtime.
+
+    Rules: "gpu" is an alias of "cuda"; ``devices="auto"`` is every CUDA device (one process on cpu/mps); strategy
+    "auto" is "single" for one device in total, else "ddp"; "ddp_spawn"/"ddp_notebook"/"ddp_fork" are "ddp" with a
+    start method; ``sync_batchnorm`` only under ddp on CUDA (torch's SyncBatchNorm refuses CPU tensors);
+    ``parallel``/``tp_plan``/``parallelize`` only under the model-parallel strategies, and the ``pp_*`` flags only with
+    pipeline stages (pp > 1), which make the strategy "pp" (``parallel_dims.resolve_parallel``).
 
     Args:
-        accelerator: one of ``ACCELERATORS``; "gpu" is an alias of "cuda".
-        devices: a positive int, or "auto" (every CUDA device; one process on cpu/mps).
-            On cpu, ``devices=N`` means N processes.
-        strategy: one of ``STRATEGIES`` or ``START_METHOD_NAMES``; "auto" means "single" for one device in
-            total, else "ddp"; "ddp_spawn"/"ddp_notebook"/"ddp_fork" mean "ddp" with a start method.
-        num_nodes: machines in the job, >= 1.
-        precision: one of ``PRECISIONS``.
         cuda_count, has_mps: the machine's facts (see ``trainscale.runtime.devices``).
-        sync_batchnorm: bool; only under ddp (any start method) on CUDA (torch's SyncBatchNorm refuses CPU tensors).
-        activation_checkpointing: None, or an ``nn.Module`` subclass or a collection of them.
-        compile: bool, or a dict of ``torch.compile`` keyword arguments (e.g. ``{"mode": "max-autotune"}``).
-        float32_matmul_precision: None, or a value of ``torch.set_float32_matmul_precision``: "highest"
-            (full float32), "high" (TF32 tensor cores on Ampere and newer), "medium" (bfloat16).
-        parallel: under "model_parallel" (required), "hsdp" or "tp": mesh sizes ``{"dp_replicate": R,
-            "dp_shard": S, "tp": T}`` with R·S·T = devices·num_nodes (``parallel_dims.resolve_parallel``).
-        tp_plan: a dict ``{submodule name: ParallelStyle}``; only with tensor parallelism.
-        parallelize: a callable ``fn(model, mesh) -> model``; only under the model-parallel strategies.
-        pp_schedule: "gpipe" or "1f1b" (None: "1f1b"); pp_microbatches: an int >= 1 (None: 4·pp);
-            pp_split_points: a list of pp − 1 submodule names; each only with pipeline stages (pp > 1),
-            which make the strategy "pp" (with tp > 1 each stage gets the ``tp_plan`` entries of the
-            modules it keeps, or ``parallelize(stage, mesh)``, or the built-in GPT plan).
 
     Raises:
         ValueError: an unknown name (the message lists the valid ones), a non-positive count,
             more CUDA devices than exist, or a strategy that cannot run the requested world.
+        TypeError: an unknown flag.
     """
-    accelerator = _resolve_accelerator(accelerator, cuda_count, has_mps)
+    f = make_flags(RuntimeFlags, "Runtime", args, flags)
+    accelerator = _resolve_accelerator(f.accelerator, cuda_count, has_mps)
+    devices, num_nodes, precision, sync_batchnorm = f.devices, f.num_nodes, f.precision, f.sync_batchnorm
+    float32_matmul_precision = f.float32_matmul_precision
     devices = _resolve_devices(devices, accelerator, cuda_count)
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} must be an int >= 1")
-    compile_kwargs = _resolve_compile(compile)
-    strategy, start_method = _resolve_strategy(strategy, accelerator, devices, num_nodes, cuda_count)
+    compile_kwargs = _resolve_compile(f.compile)
+    strategy, start_method = _resolve_strategy(f.strategy, accelerator, devices, num_nodes, cuda_count)
     if strategy == "dp" and compile_kwargs is not None:
         raise ValueError(DP_COMPILE_ERROR)
     if not isinstance(precision, str) or precision not in PRECISIONS:
@@ -140,10 +204,10 @@ def resolve(
     if float32_matmul_precision not in MATMUL_PRECISIONS:
         raise ValueError(f"unknown float32_matmul_precision={float32_matmul_precision!r}; choose one of "
                          f"{_choices(MATMUL_PRECISIONS)} (torch.set_float32_matmul_precision's values)")
-    dims = _resolve_model_parallel(strategy, parallel, tp_plan, parallelize, devices, num_nodes)
-    schedule, microbatches = _resolve_pipeline(dims, pp_schedule, pp_microbatches, pp_split_points)
+    dims = _resolve_model_parallel(strategy, f.parallel, f.tp_plan, f.parallelize, devices, num_nodes)
+    schedule, microbatches = _resolve_pipeline(dims, f.pp_schedule, f.pp_microbatches, f.pp_split_points)
     return RunConfig(accelerator, devices, num_nodes, "pp" if schedule else strategy, precision, start_method,
-                     sync_batchnorm, _resolve_checkpointing(activation_checkpointing), compile_kwargs,
+                     sync_batchnorm, _resolve_checkpointing(f.activation_checkpointing), compile_kwargs,
                      float32_matmul_precision, dims, schedule, microbatches)
 
 

@@ -10,10 +10,15 @@ ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 
 
 def cuda_device_count() -> int:
-    """Number of visible CUDA devices (0 without CUDA)."""
+    """Number of visible CUDA devices (0 without CUDA).
+
+    ``torch.cuda.device_count()`` asks NVML first and leaves CUDA uninitialised when NVML answers, where
+    ``torch.cuda.is_available()`` calls ``cudaGetDeviceCount`` (``cuInit``), which torch's documentation says
+    poisons a later fork (unless ``PYTORCH_NVML_BASED_CUDA_CHECK=1``): the parent of "ddp_notebook" counts its
+    GPUs before it forks the ranks. As Lightning's ``num_cuda_devices``."""
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count()
 
 
 def mps_available() -> bool:

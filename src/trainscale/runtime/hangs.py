@@ -2,7 +2,7 @@
 
 - The collective timeout itself is ``init_process_group(timeout=...)`` (Runtime ``timeout=``): a
   rank waiting longer raises (gloo: ``Timed out waiting 5000ms for recv operation``) and the process
-  group is dead afterwards (shared/FACTS).
+  group is dead afterwards: raise, tear down, let the launcher restart (no collective works on it again).
 - **gloo** (CPU): :func:`missing_ranks` asks a separate gloo group (:func:`new_monitor_group`) with
   ``torch.distributed.monitored_barrier`` which ranks do not answer; rank 0's barrier names them
   (``Ranks 1 failed to pass monitoredBarrier in 1000 ms``). Only rank 0 can know: the other ranks

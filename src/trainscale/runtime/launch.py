@@ -95,8 +95,9 @@ def worker_env(nproc_per_node: int, env: dict | None = None) -> dict:
     """The environment for torchrun: the caller's, plus sane defaults it does not override.
 
     - OMP_NUM_THREADS: CPU cores shared among the node's processes (torchrun would force 1).
-    - TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: restarted gloo workers otherwise may read the previous
-      round's addresses from the shared store and hang (seen with torch 2.13; shared/FACTS).
+    - TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torchrun's agent otherwise shares its rendezvous store with
+      the workers across restart rounds, and restarted gloo workers may read the previous round's addresses
+      and hang in init_process_group (seen with torch 2.13; pytorch/pytorch#135712).
     """
     env = dict(os.environ if env is None else env)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc_per_node))))

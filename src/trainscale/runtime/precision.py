@@ -20,12 +20,30 @@ PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
 _NO_AUTOCAST = contextlib.nullcontext()  # stateless and reentrant: one instance serves every step
 
 
-def float32_matmul_note(name: str, device_type: str, capability: tuple[int, int] | None, current: str) -> str | None:
+def tf32_enabled() -> tuple[bool, bool]:
+    """Whether float32 matmuls (cuBLAS) and cuDNN convolutions on CUDA may run on TF32 tensor cores, as
+    ``(matmul, conv)``, read through torch's per-backend API where it has one (torch >= 2.9:
+    ``torch.backends.cuda.matmul.fp32_precision`` and ``torch.backends.cudnn.conv.fp32_precision``, "ieee",
+    "tf32", or "none" for the parent's setting). Once a user sets that API, the legacy getters
+    (``torch.get_float32_matmul_precision()``, ``torch.backends.cuda.matmul.allow_tf32``,
+    ``torch.backends.cudnn.allow_tf32``) raise "mix of the legacy and new APIs"; the per-backend values reflect
+    the legacy setters too (``set_float32_matmul_precision("high")`` reads back as "tf32").
+    https://pytorch.org/docs/stable/notes/cuda.html#tensorfloat-32-tf32-on-ampere-and-later-devices"""
+    import torch
+
+    matmul = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if matmul is None:  # torch < 2.9: only the legacy API exists
+        return torch.get_float32_matmul_precision() != "highest", bool(torch.backends.cudnn.allow_tf32)
+    return matmul not in ("ieee", "none"), torch.backends.cudnn.conv.fp32_precision not in ("ieee", "none")
+
+
+def float32_matmul_note(name: str, device_type: str, capability: tuple[int, int] | None,
+                        tf32_matmul: bool) -> str | None:
     """What to tell a "32-true" run on a GPU with TF32 tensor cores (compute capability 8.0, Ampere, or
-    newer) whose float32 matmuls run at full precision (``torch.get_float32_matmul_precision()`` is
-    "highest", PyTorch's default), as Lightning does; None otherwise.
+    newer) whose float32 matmuls run at full precision (``tf32_matmul`` False: PyTorch's default,
+    :func:`tf32_enabled`), as Lightning does; None otherwise.
     https://pytorch.org/docs/stable/generated/torch.set_float32_matmul_precision.html"""
-    if name != "32-true" or device_type != "cuda" or capability is None or capability < (8, 0) or current != "highest":
+    if name != "32-true" or device_type != "cuda" or capability is None or capability < (8, 0) or tf32_matmul:
         return None
     return ("trainscale: float32 matmuls run at full precision on this GPU, which has TF32 tensor cores; "
             "float32_matmul_precision='high' (TF32) or 'medium' (bfloat16) trades precision for speed "

@@ -24,7 +24,6 @@ Run it with ``python script.py`` (devices=N relaunches it under torchrun) or
 from __future__ import annotations
 
 import atexit
-import inspect
 import os
 import sys
 from datetime import timedelta
@@ -37,9 +36,9 @@ from trainscale.runtime import devices as _devices
 from trainscale.runtime import hangs, launch
 from trainscale.runtime.apply import prepare_module
 from trainscale.runtime.batch import to_device
-from trainscale.runtime.connector import RunConfig, resolve
+from trainscale.runtime.connector import RunConfig, RuntimeFlags, flag_signature, make_flags, resolve
 from trainscale.runtime.meta_init import on_meta
-from trainscale.runtime.precision import Precision, float32_matmul_note
+from trainscale.runtime.precision import Precision, float32_matmul_note, tf32_enabled
 from trainscale.runtime.strategies import check_async_save, create_strategy
 from trainscale.runtime.world import World
 
@@ -84,80 +83,33 @@ def _match_launcher(world: World, config: RunConfig, follows_launcher: bool) -> 
 class Runtime:
     """Devices, processes, strategy and precision for a hand-written loop.
 
-    Args:
-        accelerator: "auto", "cpu", "cuda" ("gpu") or "mps".
-        devices: processes (CPU) or GPUs per node, or "auto" (all GPUs; under a launcher, the
-            launcher's processes per node; else 1).
-        strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp" (see
-            ``trainscale.runtime.strategies.STRATEGIES`` and docs/strategies.md), or "ddp_spawn"/"ddp_notebook": ddp
-            with the processes started from this one by spawn/fork (``trainscale.runtime.spawn``); outside a
-            launcher, then call ``launch(fn, *args)``.
-        num_nodes: machines in the job.
-        precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
-        timeout: seconds a collective may wait before it fails (passed to ``init_process_group``).
-        strategy_options: keyword options of the strategy (ddp: ``find_unused_parameters``,
-            ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``; dp: ``device_ids``; fsdp: ``auto_wrap_policy``, ``reshard_after_forward``,
-            ``cpu_offload``; model_parallel/tp, and pp with tp > 1: ``sequence_parallel``, default on with the built-in
-            GPT plan).
-        sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp, CUDA only).
-        activation_checkpointing: ``nn.Module`` classes whose instances recompute their forward in
-            backward (``torch.utils.checkpoint``, non-reentrant): less activation memory, ~1 more forward.
-        compile: ``torch.compile`` the module before the strategy wraps it; True, or a dict of
-            ``torch.compile`` arguments (e.g. ``{"mode": "max-autotune"}``).
-        float32_matmul_precision: None (leave PyTorch's setting), or "highest", "high" (TF32 on Ampere and
-            newer) or "medium", applied with ``torch.set_float32_matmul_precision`` in this process. A
-            "32-true" run on such a GPU left at "highest" says so once (rank zero).
-        parallel: under strategy "model_parallel" (required), "hsdp", "tp" or "pp": the device mesh
-            ``{"dp_replicate": R, "dp_shard": S, "tp": T}``, R·S·T = world size, or pipeline stages
-            ``{"pp": P, "dp_replicate": R, "dp_shard": S, "tp": T}``, P·R·S·T = world size (with tp > 1 each stage
-            gets its entries of ``tp_plan``, or ``parallelize(stage, mesh)``, or the built-in GPT plan;
-            docs/strategies.md).
-        tp_plan: ``{submodule name: ColwiseParallel() | RowwiseParallel() | ...}`` (torch's
-            ``parallelize_module`` styles) for your model; default: the built-in plan of ``trainscale.models.GPT``.
-        parallelize: ``fn(model, mesh) -> model`` applying your own tensor parallelism instead; FSDP/HSDP
-            over the data-parallel dimensions is applied after it.
-        pp_schedule: under pipeline stages (``strategy="pp"`` or ``parallel={"pp": P}``): "gpipe" or "1f1b"
-            (default). pp_microbatches: micro-batches each batch is cut into (default 4·P).
-            pp_split_points: the submodule names where stages 2..P begin (default: the built-in split of
-            ``trainscale.models.GPT``); docs/strategies.md, "Pipeline split".
+    ``Runtime(accelerator="auto", devices="auto", strategy="auto", num_nodes=1, precision="32-true", *, timeout=...,
+    ...)``: the flags are the fields of :class:`~trainscale.runtime.connector.RuntimeFlags`, where each is declared
+    and documented once (``runtime.flags`` holds them as given, ``runtime.config`` resolved).
 
     Raises:
         ValueError: bad or conflicting flags (raised on every rank, before any process group exists).
     """
 
-    def __init__(self, accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
-                 num_nodes: int = 1, precision: str = "32-true", *, timeout: float = 1800.0,
-                 strategy_options: dict | None = None, sync_batchnorm: bool = False,
-                 activation_checkpointing: Any = None, compile: bool | dict = False,
-                 float32_matmul_precision: str | None = None, parallel: dict | None = None,
-                 tp_plan: dict | None = None, parallelize: Callable | None = None, pp_schedule: str | None = None,
-                 pp_microbatches: int | None = None, pp_split_points: list | None = None) -> None:
-        self._init_kwargs = dict(accelerator=accelerator, devices=devices, strategy=strategy, num_nodes=num_nodes,
-                                 precision=precision, timeout=timeout, strategy_options=strategy_options,
-                                 sync_batchnorm=sync_batchnorm, activation_checkpointing=activation_checkpointing,
-                                 compile=compile, float32_matmul_precision=float32_matmul_precision,
-                                 parallel=parallel, tp_plan=tp_plan, parallelize=parallelize, pp_schedule=pp_schedule,
-                                 pp_microbatches=pp_microbatches, pp_split_points=pp_split_points)
+    def __init__(self, *args: Any, **flags: Any) -> None:
+        self.flags = f = make_flags(RuntimeFlags, "Runtime", args, flags)
+        devices, num_nodes = f.devices, f.num_nodes
         world = World.from_env()
         follows_launcher = devices == "auto" and world.launcher != "none"  # nodes may differ in processes
         if follows_launcher:  # a pod that left its process count to the job: "auto" devices, the launcher's nodes
             devices = "auto" if world.per_node == "auto" else world.local_world_size
             num_nodes = world.num_nodes
         visible = _devices.cuda_device_count()
-        self.config: RunConfig = resolve(accelerator, devices, strategy, num_nodes, precision,
-                                         cuda_count=_devices.node_cuda_count(visible, world.local_world_size,
+        self.config: RunConfig = resolve(cuda_count=_devices.node_cuda_count(visible, world.local_world_size,
                                                                              world.launcher),
-                                         has_mps=_devices.mps_available(), sync_batchnorm=sync_batchnorm,
-                                         activation_checkpointing=activation_checkpointing, compile=compile,
-                                         float32_matmul_precision=float32_matmul_precision,
-                                         parallel=parallel, tp_plan=tp_plan, parallelize=parallelize,
-                                         pp_schedule=pp_schedule, pp_microbatches=pp_microbatches,
-                                         pp_split_points=pp_split_points)
+                                         has_mps=_devices.mps_available(),
+                                         **{**vars(f), "devices": devices, "num_nodes": num_nodes})
         self.world = world = _match_launcher(world, self.config, follows_launcher)
-        if timeout <= 0:
-            raise ValueError(f"timeout={timeout} must be a positive number of seconds")
-        self.timeout = timeout
-        self.strategy_options = _strategy_options(self.config, strategy_options, tp_plan, parallelize, pp_split_points)
+        if not isinstance(f.timeout, (int, float)) or f.timeout <= 0:
+            raise ValueError(f"timeout={f.timeout!r} must be a positive number of seconds")
+        self.timeout = f.timeout
+        self.strategy_options = _strategy_options(self.config, f.strategy_options, f.tp_plan, f.parallelize,
+                                                  f.pp_split_points)
         cuda = self.config.accelerator == "cuda"
         self.device = _devices.device_for(self.config.accelerator, _devices.cuda_index(
             world.local_rank, world.local_world_size, visible, world.launcher) if cuda else world.local_rank)
@@ -174,15 +126,19 @@ class Runtime:
             create_strategy(self.config.strategy, device=self.device, world=self.world, **self.strategy_options)
 
     def _set_matmul_precision(self) -> None:
-        """Apply ``float32_matmul_precision``, or say once what "32-true" leaves on the table (Lightning's note)."""
+        """Apply ``float32_matmul_precision``, or say once what "32-true" leaves on the table (Lightning's note).
+
+        In the parent of a "ddp_spawn"/"ddp_notebook" job nothing is asked of the GPU: rank 0's child says the
+        note, and ``get_device_capability`` would initialise CUDA here, which a fork ("ddp_notebook") cannot
+        survive (``trainscale.runtime.spawn`` refuses to fork then)."""
         if self.config.float32_matmul_precision is not None:
             torch.set_float32_matmul_precision(self.config.float32_matmul_precision)
             return
-        cuda_32 = self.device.type == "cuda" and self.config.precision == "32-true"
-        capability = torch.cuda.get_device_capability(self.device) if cuda_32 else None
-        note = float32_matmul_note(self.config.precision, self.device.type, capability,
-                                   torch.get_float32_matmul_precision())
-        if note is not None and not self.spawns:  # under ddp_spawn, rank 0's child says it
+        if self.spawns or self.device.type != "cuda" or self.config.precision != "32-true":
+            return
+        note = float32_matmul_note(self.config.precision, self.device.type,
+                                   torch.cuda.get_device_capability(self.device), tf32_enabled()[0])
+        if note is not None:
             self.print(note)
 
     @property
@@ -215,14 +171,14 @@ class Runtime:
             if self.spawns:
                 from trainscale.runtime import spawn
 
-                return spawn.run(_run_spawned, {"runtime_flags": self._init_kwargs, "function": function,
+                return spawn.run(_run_spawned, {"runtime_flags": dict(vars(self.flags)), "function": function,
                                                 "args": args}, self.config.world_size, self.config.start_method)
             self.launch()
             return function(self, *args)
         if self._launched:
             return self
         if self.spawns:
-            raise RuntimeError(f"strategy={self._init_kwargs['strategy']!r} runs the job in child processes started "
+            raise RuntimeError(f"strategy={self.flags.strategy!r} runs the job in child processes started "
                                "from this one: put the training code in a function fn(runtime, ...) and call "
                                "runtime.launch(fn, ...), or use Trainer.fit")
         if self.world.per_node is not None:  # a pod's process starts the pod's ranks (does not return)
@@ -240,8 +196,10 @@ class Runtime:
     def _start_process_groups(self) -> None:
         """The default process group, unless one exists, and the gloo monitor group where it serves
         (:func:`trainscale.runtime.hangs.wants_monitor_group`)."""
-        # ddp on one process (e.g. one GPU) still needs a process group: DDP refuses to run without one.
-        if (self.world.world_size > 1 or self.config.strategy == "ddp") and not dist.is_initialized():
+        # ddp on one process (e.g. one GPU) still needs a process group: DDP refuses to run without one; so does
+        # model_parallel's device mesh (init_device_mesh would start one from env://, unset outside a launcher).
+        one_process_needs_group = self.config.strategy in ("ddp", "model_parallel")
+        if (self.world.world_size > 1 or one_process_needs_group) and not dist.is_initialized():
             self._init_process_group()
         if (self.monitor_group is None and dist.is_initialized()
                 and hangs.wants_monitor_group(str(dist.get_backend()), self.world.world_size)):
@@ -363,15 +321,17 @@ class Runtime:
                 rank only, ranks may differ by one sample.
             pin_memory: batches in page-locked host memory, so that ``to_device``'s ``non_blocking``
                 copy to a CUDA device is asynchronous (https://pytorch.org/docs/stable/data.html#memory-pinning).
-                None: on for CUDA, else ``loader``'s own setting. Applies to the rebuilt loader; a loader
-                returned as given (it already has a distributed sampler) keeps its own setting.
+                None: on for CUDA, else ``loader``'s own setting. A loader that needs no new sampler (one with
+                a distributed sampler, an ``IterableDataset`` at world size 1 or with ``shards_by_rank``) is
+                returned as given unless it must be pinned: then a pinning copy of it
+                (``sampling.with_pinned_memory``; never for a DataLoader subclass); ``loader`` is never changed.
 
         Raises:
             ValueError: under world size > 1, a loader with a custom ``batch_sampler`` or sampler, over an
                 ``IterableDataset`` without ``shards_by_rank = True``, or (``even=True``) whose ranks have
                 different numbers of batches (``sampling.check_equal_lengths``; on every rank).
         """
-        from trainscale.runtime.sampling import check_equal_lengths, distribute_dataloader
+        from trainscale.runtime.sampling import check_equal_lengths, distribute_dataloader, with_pinned_memory
 
         self.launch()
         world = self.strategy.data_world(self.world)  # tensor-parallel ranks share their batches
@@ -382,6 +342,8 @@ class Runtime:
             pin_memory = loader.pin_memory or self.device.type == "cuda"
         if out is not loader:  # ours to configure; the iterator reads it when an epoch starts
             out.pin_memory = pin_memory
+        elif pin_memory:  # the user's loader as given: a copy that pins, the user's object left alone
+            out = with_pinned_memory(loader)
         return out
 
     @staticmethod
@@ -482,7 +444,20 @@ class Runtime:
 
     # -- collectives -------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce ``tensor`` across ranks in place ("sum", "mean", "max", "min") and return it."""
+        """Reduce ``tensor`` over every rank of the job, in place, and return it.
+
+        A collective: every rank must call it, with a tensor of the same shape on its own device
+        (``self.device``). At world size 1 the tensor is returned unchanged.
+
+        Args:
+            tensor: the value to reduce; it is overwritten with the result.
+            op: "sum" (the default, as ``torch.distributed.all_reduce``), "mean" (the sum divided by the
+                world size, in place: the tensor must be floating point), "max" or "min". Lightning Fabric's
+                ``all_reduce`` defaults to "mean": pass ``op="mean"`` where a Fabric loop relied on that.
+
+        Raises:
+            ValueError: an ``op`` other than these four.
+        """
         if op not in _REDUCE_OPS:
             raise ValueError(f"unknown op={op!r}; choose one of {', '.join(map(repr, _REDUCE_OPS))}")
         if self.world_size > 1:
@@ -609,7 +584,7 @@ def _strategy_options(config: RunConfig, options: dict | None, tp_plan: Any, par
     return out
 
 
-RUNTIME_FLAGS = frozenset(inspect.signature(Runtime).parameters)  # what a Trainer passes on to its Runtime
+Runtime.__init__.__signature__ = flag_signature(RuntimeFlags, positional=True)  # help(Runtime) shows every flag
 
 
 def _run_spawned(**kwargs: Any) -> Any:

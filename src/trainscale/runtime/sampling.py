@@ -151,6 +151,22 @@ def with_batch_size(loader: DataLoader, batch_size: int) -> DataLoader:
     return DataLoader(loader.dataset, sampler=loader.sampler, **{**_loader_kwargs(loader), "batch_size": batch_size})
 
 
+def with_pinned_memory(loader: DataLoader) -> DataLoader:
+    """``loader`` rebuilt with ``pin_memory=True``: the same dataset, sampler (or batch sampler) and other arguments,
+    so that its batches come in page-locked memory, which a ``non_blocking`` copy to a CUDA device needs to be
+    asynchronous. A loader that pins already, or of a DataLoader subclass (whose ``__init__`` may take other
+    arguments), is returned as given."""
+    if loader.pin_memory or type(loader) is not DataLoader:
+        return loader
+    kwargs = {**_loader_kwargs(loader), "pin_memory": True}
+    if isinstance(loader.dataset, IterableDataset):  # no sampler: the data set yields the samples itself
+        return DataLoader(loader.dataset, **kwargs)
+    if loader.batch_size is None and loader.batch_sampler is not None:  # the user's own batch_sampler
+        return DataLoader(loader.dataset, batch_sampler=loader.batch_sampler,
+                          **{**kwargs, "batch_size": 1, "drop_last": False})  # DataLoader's defaults: required
+    return DataLoader(loader.dataset, sampler=loader.sampler, **kwargs)
+
+
 def _unsplittable(loader: DataLoader, world: World) -> DataLoader:
     """``loader`` unchanged at world size 1 or for an ``IterableDataset`` with ``shards_by_rank = True``;
     else a ``ValueError`` naming the fix."""

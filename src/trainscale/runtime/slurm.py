@@ -223,13 +223,6 @@ def check_sbatch_value(flag: str, value: str, *, time: bool = False) -> str:
     return value
 
 
-def _check_all(names: dict, time: str) -> None:
-    for flag, value in names.items():
-        if value is not None:
-            check_sbatch_value(flag, value)
-    check_sbatch_value("--time", time, time=True)
-
-
 def sbatch_script(command: list[str], *, nodes: int, gpus_per_node: int, job_name: str = "trainscale",
                   time: str = "04:00:00", cpus_per_task: int = 8, partition: str | None = None,
                   signal_seconds: int = 90, output: str = "%x-%j.out", cpu: bool = False,
@@ -256,7 +249,10 @@ def sbatch_script(command: list[str], *, nodes: int, gpus_per_node: int, job_nam
         raise ValueError("no command: pass the training script and its arguments, e.g. train.py --lr 1e-3")
     q = shlex.quote
     names = {"--job-name": job_name, "--partition": partition, "--account": account, "--output": output}
-    _check_all(names, time)
+    for flag, value in names.items():
+        if value is not None:
+            check_sbatch_value(flag, value)
+    check_sbatch_value("--time", time, time=True)
     lines = ["#!/bin/bash", f"#SBATCH --job-name={q(job_name)}", f"#SBATCH --nodes={nodes}",
              f"#SBATCH --ntasks-per-node={gpus_per_node}"]
     if not cpu:

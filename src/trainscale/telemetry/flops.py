@@ -28,13 +28,14 @@ skip the model's frame for good, so counting would silently turn compilation off
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
-from typing import Iterator
+from typing import Callable, Iterator
 
 # Dense (no sparsity) peak FLOP/s per GPU by compute dtype: "bf16"/"fp16"/"tf32" on tensor cores, "fp32"
 # the plain (non-tensor) FP32 rate. NVIDIA quotes tensor-core figures "with sparsity" (2:4 structured);
-# those are halved here. Sources (NVIDIA data sheets and product pages; the figures were taken from these
-# documents as published, not re-fetched in the session of 2026-11-23, which had no web access):
+# those are halved here. Sources (NVIDIA data sheets and product pages; the figures as these documents publish
+# them, written down without web access on 2026-11-23, so not re-checked against the live pages):
 #   V100:  https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf
 #          (SXM2: 125 TFLOPS tensor, 15.7 FP32; PCIe: 112, 14)
 #   T4:    https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf
@@ -102,8 +103,8 @@ def peak_flops_per_s(device_name: str | None, precision: str, *, tf32_matmul: bo
     """Peak dense FLOP/s of one device for a precision ("32-true", "bf16-mixed", ...).
 
     Under "32-true" float32 matmuls and convolutions run on TF32 tensor cores when enabled
-    (``torch.get_float32_matmul_precision() != "highest"``; ``torch.backends.cudnn.allow_tf32``, True by
-    default), else at the FP32 rate. The peak of the step is then the rate at which its FLOPs could run
+    (``trainscale.runtime.precision.tf32_enabled``: matmuls off by default, cuDNN convolutions on), else at
+    the FP32 rate. The peak of the step is then the rate at which its FLOPs could run
     at best: ``1 / (conv_share / conv_peak + (1 - conv_share) / matmul_peak)``.
 
     Args:
@@ -177,6 +178,30 @@ def analytic_flops_per_sample(parameters: int | None, tokens_per_sample: float |
     if not parameters or not tokens_per_sample:
         return None
     return 6.0 * parameters * tokens_per_sample
+
+
+ANALYTIC = "analytic (6N per token)"
+DECLARED = "declared (the model's flops_per_token)"
+
+
+def declared_flops_per_token(module) -> Callable[[int], float] | None:
+    """``tokens_per_sample -> FLOPs per token`` from the ``flops_per_token`` method of the outermost submodule of
+    ``module`` that has one (``trainscale.models.GPT``'s, found inside DDP's and the loop's wrappers), or None.
+
+    The method is the model's own training FLOPs per token (forward and backward), as torchtitan's models give
+    theirs (``components/metrics.py``). Called with the sequence length when it takes an argument
+    (``GPT.flops_per_token(context_length)``: the attention term grows with it), else with none."""
+    for sub in module.modules():
+        method = getattr(sub, "flops_per_token", None)
+        if callable(method):
+            break
+    else:
+        return None
+    try:
+        takes_length = bool(inspect.signature(method).parameters)
+    except (TypeError, ValueError):
+        takes_length = False
+    return (lambda length: float(method(length))) if takes_length else (lambda length: float(method()))
 
 
 class FlopsPerSample:
@@ -259,7 +284,7 @@ class FlopsPerSample:
         torch.compiler.reset()
         per_sample = tokens / samples if tokens and samples > 0 else None
         self.value = analytic_flops_per_sample(self.parameters, per_sample)
-        self.method = "analytic (6N per token)" if self.value is not None else None
+        self.method = ANALYTIC if self.value is not None else None
         if self.warn:
             instead = (f"the analytic estimate 6·N·tokens = {self.value:.4g} FLOPs per sample" if self.value is not None
                        else "no FLOPs per sample (no MFU)")

@@ -35,16 +35,21 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from trainscale.runtime.batch import batch_counts
-from trainscale.telemetry.flops import MFU_ERROR, FlopsPerSample, mfu, peak_flops_per_s, resolve_count_flops
+from trainscale.runtime.precision import tf32_enabled
+from trainscale.telemetry.flops import (ANALYTIC, DECLARED, MFU_ERROR, FlopCountError, FlopsPerSample,
+                                        declared_flops_per_token, mfu, peak_flops_per_s, resolve_count_flops)
 from trainscale.telemetry.memory import PeakMemory
 from trainscale.telemetry.nvml import GpuSampler
 from trainscale.telemetry.stragglers import compute_per_step, find_stragglers, mean, median
 from trainscale.telemetry.timers import PHASES, StepTimer
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
 
 # The per-rank vector gathered at log intervals (float64, NaN = not available).
 _FIELDS = ("steps", "wall", *PHASES, "comm", "exposed_comm", "samples", "tokens")
@@ -61,6 +66,8 @@ class Telemetry:
         runtime: the :class:`trainscale.runtime.runtime.Runtime` (device, world size, precision).
         count_flops: count the FLOPs of the first micro-batch (for achieved FLOP/s and MFU); None: on
             CUDA devices only, never under ``torch.compile`` (``trainscale.telemetry.flops.resolve_count_flops``).
+            Where nothing is counted (or counting failed), a model that declares ``flops_per_token`` (as
+            ``trainscale.models.GPT`` does) gives the FLOPs per sample instead (``flops.declared_flops_per_token``).
         warmup_steps: first steps left out of :meth:`summary` (all steps are used if no others exist).
         straggler_margin: a rank computing longer per step than the median rank by this fraction is a
             straggler (compute time: step time less exposed communication; ``telemetry.stragglers``).
@@ -73,7 +80,7 @@ class Telemetry:
             ``peak_flops`` that is not a positive number.
     """
 
-    def __init__(self, runtime: Any, *, count_flops: bool | None = None,
+    def __init__(self, runtime: Runtime, *, count_flops: bool | None = None,
                  warmup_steps: int = 2, straggler_margin: float = 0.2, gpu_sample_interval_s: float = 0.5,
                  peak_flops: float | None = None) -> None:
         if straggler_margin < 0:
@@ -91,6 +98,7 @@ class Telemetry:
         self.timer = StepTimer(device, running=device.type != "cuda")  # CUDA: events, resolved at log intervals
         self.clock = self.timer.clock  # the loop's clock for micro_batch(): perf_counter, or a recorded CUDA event
         self.memory = PeakMemory(device)
+        self.memory.reset()  # CUDA: this run's peak, not that of an earlier fit in the same process
         self.flops = FlopsPerSample(warn=runtime.is_rank_zero)  # a fallback is said once, on rank zero
         compiled = runtime.config.compile is not None
         self.flops.done = not resolve_count_flops(count_flops, device.type, compiled)
@@ -100,6 +108,7 @@ class Telemetry:
         self._device_name = torch.cuda.get_device_name(device) if cuda else None
         self.peak_flops = peak_flops  # the user's figure, or None: the table's (peak_flops_per_device)
         self._mfu_error_said = False
+        self._flops_per_token = None  # the model's declared FLOPs per token (attach), used when nothing was counted
         self._interval = [0.0] * len(_FIELDS)  # per-rank sums of _FIELDS since the last log
         self._timed = [0.0] * len(_FIELDS)  # since the end of warm-up
         self._all = [0.0] * len(_FIELDS)
@@ -111,9 +120,12 @@ class Telemetry:
     def attach(self, module: Any) -> None:
         """Time the gradient all-reduce of ``module`` (the wrapped module) when the strategy can
         (``Strategy.time_allreduce``; False under single, dp and fsdp); its parameter count serves the
-        analytic FLOP estimate if counting fails."""
+        analytic FLOP estimate if counting fails, and its (or a submodule's) ``flops_per_token`` the FLOPs
+        where nothing is counted (not under pipeline stages, which hold part of the model each)."""
         if not self.flops.done:
             self.flops.parameters = sum(p.numel() for p in module.parameters())
+        if not getattr(self.rt.strategy, "pipelined", False):  # a pipeline stage holds part of the model
+            self._flops_per_token = declared_flops_per_token(module)
         if self.rt.world_size > 1:
             self.timer.time_comm = self.rt.strategy.time_allreduce(module, self.timer.clock, self.timer.record_comm)
 
@@ -153,6 +165,23 @@ class Telemetry:
             self.flops.done = True
             return _NO_COUNT
         return self.flops.measure(samples, tokens)
+
+    @property
+    def counting_flops(self) -> bool:
+        """True until the run's FLOPs per sample are known (counted on the first micro-batch)."""
+        return not self.flops.done
+
+    def count_flops_of(self, forward_backward: Callable[[], Any], module: Any, batch: Any) -> Any:
+        """``forward_backward()`` (one micro-batch's forward and backward) with its FLOPs counted: returns what it
+        returns. A model that fails only while counted (e.g. a compiled region such as eager ``flex_attention``)
+        runs again uncounted after ``module``'s gradients are cleared, and MFU falls back to the analytic
+        estimate (one warning)."""
+        try:
+            with self.count_flops(batch):
+                return forward_backward()
+        except FlopCountError:
+            module.zero_grad(set_to_none=True)
+            return forward_backward()
 
     def end_step(self) -> None:
         """Mark "optimizer" and close the optimizer step."""
@@ -242,9 +271,9 @@ class Telemetry:
         "32-true" with the TF32 settings of now and the counted step's share of convolutions."""
         if self.peak_flops is not None:
             return float(self.peak_flops)
-        return peak_flops_per_s(self._device_name, self.rt.config.precision,
-                                tf32_matmul=torch.get_float32_matmul_precision() != "highest",
-                                tf32_conv=torch.backends.cudnn.allow_tf32, conv_share=self.flops.conv_share)
+        tf32_matmul, tf32_conv = tf32_enabled()
+        return peak_flops_per_s(self._device_name, self.rt.config.precision, tf32_matmul=tf32_matmul,
+                                tf32_conv=tf32_conv, conv_share=self.flops.conv_share)
 
     def _mfu(self, achieved: float | None, devices: int) -> tuple[float | None, str | None]:
         """MFU and, when it exceeds 1, the error that says why it cannot be (printed once, rank zero)."""
@@ -269,6 +298,9 @@ class Telemetry:
         samples = sum(col["samples"]) / self._copies  # each sample once, though tp ranks all read it
         samples_per_s = samples / wall if wall > 0 else _NAN
         tokens = sum(col["tokens"]) / self._copies
+        if self._flops_per_token is not None and self.flops.method in (None, ANALYTIC) and tokens > 0 and samples > 0:
+            length = round(tokens / samples)  # under compile, or where counting is off or failed
+            self.flops.value, self.flops.method = self._flops_per_token(length) * length, DECLARED
         achieved = self.flops.value * samples_per_s if self.flops.value is not None else None
         mfu_value, mfu_error = self._mfu(achieved, devices)
         has_comm = self.timer.time_comm
@@ -346,6 +378,8 @@ class NullTelemetry:
     def count_flops(self, batch: Any):
         return _NO_COUNT
 
+    counting_flops = False
+
     def end_step(self) -> None: ...
 
     def log(self, step: int, epoch: int, loss: Any = None) -> None:
@@ -357,7 +391,7 @@ class NullTelemetry:
     def close(self) -> None: ...
 
 
-def create_telemetry(runtime: Any, enabled: bool = True, **options: Any) -> Telemetry | NullTelemetry:
+def create_telemetry(runtime: Runtime, enabled: bool = True, **options: Any) -> Telemetry | NullTelemetry:
     """A :class:`Telemetry` (``options`` are its keyword arguments), or a :class:`NullTelemetry` when not
     ``enabled``."""
     return Telemetry(runtime, **options) if enabled else NullTelemetry()

@@ -9,7 +9,9 @@ Reads ``metrics.jsonl`` and ``summary.json`` of a run directory and writes, next
 - ``gpu_utilization.png`` — NVML GPU utilisation per device, when the run had it;
 - ``report.txt`` — where the time goes in per cent, throughput, MFU, memory, the slowest rank.
 
-matplotlib is imported only when plotting, with the non-interactive Agg backend.
+matplotlib is imported only when plotting, with the non-interactive Agg backend. Without it
+(``make demo`` does not install it) ``report.txt`` is still written and the plots are skipped;
+``pip install 'trainscale[plot]'`` adds them.
 """
 
 from __future__ import annotations
@@ -156,25 +158,41 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def make_report(run_dir: str | os.PathLike) -> tuple[list[Path], str]:
-    """Write the PNG plots and report.txt into ``run_dir``.
+PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install 'trainscale[plot]' adds them)"
 
-    Returns:
-        ``(paths of the files written, the text summary)``.
 
-    Raises:
-        ValueError: no metrics.jsonl in ``run_dir``.
-        ModuleNotFoundError: matplotlib missing (``pip install 'trainscale[plot]'``).
-    """
-    run_dir = Path(run_dir)
-    records, summary = load_run(run_dir)
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or None when matplotlib cannot be imported."""
     try:
         import matplotlib
-    except ModuleNotFoundError:
-        raise ModuleNotFoundError("trainscale report plots with matplotlib: pip install 'trainscale[plot]'") from None
+    except ImportError:
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def make_report(run_dir: str | os.PathLike) -> tuple[list[Path], str]:
+    """Write report.txt and, when matplotlib is installed, the PNG plots into ``run_dir``.
+
+    Returns:
+        ``(paths of the files written, the text summary)``; without matplotlib only ``report.txt``.
+
+    Raises:
+        ValueError: no metrics.jsonl in ``run_dir``.
+    """
+    run_dir = Path(run_dir)
+    records, summary = load_run(run_dir)
+    text = text_summary(records, summary)
+    (run_dir / "report.txt").write_text(text)
+    plt = pyplot()
+    plots = write_plots(plt, run_dir, records, summary) if plt is not None else []
+    return [*plots, run_dir / "report.txt"], text
+
+
+def write_plots(plt: Any, run_dir: Path, records: list[dict], summary: dict | None) -> list[Path]:
+    """The PNG plots of a run's records, drawn with ``plt`` (:func:`pyplot`); the paths written."""
     steps = [r for r in records if r.get("kind") == "step"]
     epochs = [r for r in records if r.get("kind") == "epoch"]
     timed = [r for r in steps if "phase_s" in r]
@@ -271,8 +289,4 @@ def make_report(run_dir: str | os.PathLike) -> tuple[list[Path], str]:
         ax.set(xlabel="optimizer step", ylabel="%", ylim=(0, 100), title="GPU utilisation (NVML)")
         ax.legend()
         save(fig, "gpu_utilization.png")
-
-    text = text_summary(records, summary)
-    (run_dir / "report.txt").write_text(text)
-    written.append(run_dir / "report.txt")
-    return written, text
+    return written

@@ -1,0 +1,58 @@
+"""The text ``trainscale check`` prints: the runs, a table of the steps, the run's end, the verdict, the causes."""
+
+from __future__ import annotations
+
+from trainscale.check.causes import FOUND, POSSIBLE, Finding
+from trainscale.check.compare import Comparison
+
+MAX_MISMATCHES = 8  # sentences listed; the rest counted
+
+
+def header(ref: dict, dist: dict, workload: str, lr_scaling: str | None, steps: int) -> str:
+    n, g = dist["world_size"], dist["global_batch_size"]
+    mode = (f"per-device batch fixed, lr scaled by --lr-scaling {lr_scaling} in the reference" if lr_scaling else
+            "same global batch")
+    return (f"trainscale check: {workload}, {dist['strategy']} × {n} against 1 device, {steps} step(s), {mode}\n"
+            f"  global batch {g}: 1 × {ref['micro_batch']} (× {ref['accumulate']} accumulation) against {n} × "
+            f"{dist['micro_batch']} (× {dist['accumulate']})")
+
+
+def step_table(comparison: Comparison, n: int) -> str:
+    lines = [f"{'step':>4}  {'loss 1 dev':>12} {f'loss {n} dev':>12} {'rel':>8}  {'grad 1 dev':>11} "
+             f"{f'grad {n} dev':>11} {'rel':>8}  {'lr 1 dev':>10} {f'lr {n} dev':>10}"]
+    for r in comparison.rows:
+        (la, lb), (ga, gb), (ra, rb) = r["loss"], r["grad_norm"], r["lr"]
+        mark = "  ← samples differ" if r["samples_differ"] else ""
+        lines.append(f"{r['step']:>4}  {la:>12.7g} {lb:>12.7g} {r['loss_rel']:>8.1e}  {ga:>11.6g} {gb:>11.6g} "
+                     f"{r['grad_norm_rel']:>8.1e}  {ra:>10.4g} {rb:>10.4g}{mark}")
+    return "\n".join(lines)
+
+
+def end_lines(comparison: Comparison) -> str:
+    fin = comparison.finals
+    values = ", ".join(f"{k} {a:.6g} / {b:.6g}" if isinstance(b, (int, float)) else f"{k} {a:.6g} / -"
+                       for k, (a, b) in fin["values"].items())
+    diffs = ", ".join(f"{k} {v:.1e}" for k, v in fin["differences"].items())
+    return f"end (1 device / N): {values}\n  relative differences: {diffs}"
+
+
+def verdict(comparison: Comparison, findings: list[Finding]) -> str:
+    tol = f"tolerance: relative {comparison.rtol:g} (float32 reduction order; docs/check.md)"
+    if comparison.ok:
+        return f"{tol}\nPASS: every step and the run's end agree within the tolerance"
+    shown = comparison.mismatches[:MAX_MISMATCHES]
+    more = len(comparison.mismatches) - len(shown)
+    lines = [tol, f"FAIL: {len(comparison.mismatches)} difference(s) beyond the tolerance, the first at step "
+                  f"{comparison.first_step}" if comparison.first_step is not None else
+             f"FAIL: {len(comparison.mismatches)} difference(s) beyond the tolerance at the run's end"]
+    lines += [f"  - {m}" for m in shown] + ([f"  ... and {more} more"] if more else [])
+    found = [f for f in findings if f.status == FOUND]
+    lines.append("cause(s) found:" if found else "no cause found among the usual ones; check them in this order:")
+    primary = found or [f for f in findings if f.status == POSSIBLE] or findings
+    for f in primary:
+        lines.append(f"  * {f.cause}: {f.evidence}\n    fix: {f.fix}")
+    rest = [f for f in findings if f not in primary]
+    if rest:
+        lines.append("other usual causes:")
+        lines += [f"  - {f.cause} ({f.status}): {f.evidence}" for f in rest]
+    return "\n".join(lines)

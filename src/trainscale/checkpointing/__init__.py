@@ -1,0 +1,1 @@
+"""Checkpoints: run directories and "last", the checkpointer, background writes, RNG states."""

@@ -1,0 +1,141 @@
+"""Where a run's checkpoints live and which one is "last".
+
+Layout of a run directory::
+
+    <default_root_dir>/version_<N>/
+        metrics.jsonl  summary.json
+        checkpoints/epoch=000002-step=0000000126.pt  (+ .sha256)   written atomically (single, ddp)
+        checkpoints/epoch=000002-step=0000000126/                  a sharded DCP directory (fsdp), renamed into place
+        checkpoints/last                                     the name of the newest complete one
+        job_id                                               the torchrun/SLURM job that made it
+        stacks/rank<R>.txt                                   watchdog stack dumps (only after a stall)
+
+"last" is written only after its checkpoint and checksum are on disk, so a crash during a save
+leaves the previous checkpoint as "last".
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import re
+from pathlib import Path
+
+from trainscale.runtime.checkpoint_io import atomic_write_bytes
+
+_VERSION = re.compile(r"^version_(\d+)$")
+# Parsed with any zero padding, so the order never depends on the width of the numbers.
+_CHECKPOINT = re.compile(r"^epoch=(\d+)-step=(\d+)(?:\.pt)?$")
+LAST = "last"
+JOB_ID = "job_id"
+SCRIPT = "script"
+RESUMED_FROM = "resumed_from"
+
+
+def next_run_dir(root: str | os.PathLike) -> Path:
+    """``root/version_N`` with N one more than the largest existing (0 for the first). It claims
+    nothing: two runs started together get the same answer; create a run's directory with
+    :func:`claim_run_dir`."""
+    root = Path(root)
+    versions = [int(m.group(1)) for p in (root.iterdir() if root.is_dir() else []) if (m := _VERSION.match(p.name))]
+    return root / f"version_{max(versions, default=-1) + 1}"
+
+
+def claim_run_dir(root: str | os.PathLike) -> Path:
+    """Create and return ``root/version_N``, N one more than the largest existing, claimed atomically:
+    of several processes or threads racing under one ``root``, each gets its own directory.
+
+    ``mkdir`` without ``exist_ok`` succeeds for exactly one caller (also on NFS v3+ and Lustre, where
+    directory creation is atomic on the server); a loser looks again and takes the next number. Each
+    retry follows a directory made by another caller, so the loop ends.
+
+    Raises:
+        OSError: ``root`` cannot be created (e.g. it is a file, or permission denied).
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    while True:
+        candidate = next_run_dir(root)
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue  # another run took this number between our listing and our mkdir
+        return candidate
+
+
+def _runs(root: Path, job_id: str | None, script: str | None = None) -> list[Path]:
+    runs = sorted(((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
+                   if (m := _VERSION.match(p.name))), reverse=True)
+    return [run for _, run in runs if (job_id is None or _read(run / JOB_ID) == job_id)
+            and (script is None or _read(run / SCRIPT) == script)]
+
+
+def _read(path: Path) -> str | None:
+    return path.read_text().strip() if path.is_file() else None
+
+
+def find_last(root: str | os.PathLike, job_id: str | None = None, script: str | None = None) -> Path | None:
+    """The "last" checkpoint of the newest run under ``root`` that has one, or None.
+    With ``job_id``, only runs started by that job (the id torchrun or SLURM keeps across restarts);
+    with ``script``, only runs of that script (``trainscale.checkpointing.runs.script_key``)."""
+    for run in _runs(Path(root), job_id, script):
+        pointer = run / "checkpoints" / LAST
+        if pointer.is_file():
+            return run / "checkpoints" / pointer.read_text().strip()
+    return None
+
+
+def find_job_run(root: str | os.PathLike, job_id: str) -> Path | None:
+    """The newest run directory started by ``job_id`` (a restarted job keeps its directory)."""
+    runs = _runs(Path(root), job_id)
+    return runs[0] if runs else None
+
+
+def write_job_id(run_dir: Path, job_id: str | None) -> None:
+    if job_id:
+        atomic_write_bytes(run_dir / JOB_ID, job_id.encode() + b"\n")
+
+
+def write_script(run_dir: Path, script: str) -> None:
+    """Record which script made the run (``ckpt_path="last"`` resumes only that script's runs)."""
+    atomic_write_bytes(run_dir / SCRIPT, script.encode() + b"\n")
+
+
+def write_resumed_from(run_dir: Path, checkpoint: Path) -> None:
+    """Record the checkpoint (of another run) this run started from."""
+    atomic_write_bytes(run_dir / RESUMED_FROM, str(Path(checkpoint).resolve()).encode() + b"\n")
+
+
+def checkpoint_name(epoch: int, step: int, suffix: str = ".pt") -> str:
+    """``epoch=EEEEEE-step=SSSSSSSSSS`` + ``suffix`` (".pt" for a file, "" for a directory).
+
+    Zero-padded wide enough (10**6 epochs, 10**10 optimizer steps) that names list in training order;
+    rotation does not rely on it (:func:`checkpoint_order`)."""
+    return f"epoch={epoch:06d}-step={step:010d}{suffix}"
+
+
+def checkpoint_order(name: str) -> tuple[int, int] | None:
+    """``(epoch, step)`` parsed from a checkpoint's file or directory name (any zero padding), or None
+    for a name that is not a checkpoint's."""
+    m = _CHECKPOINT.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def mark_last(path: Path, last_dir: Path) -> None:
+    """Point ``last_dir/last`` at ``path`` atomically (its name when it lies in ``last_dir``, else its absolute
+    path), and delete the temporary files of writes that a killed process left in ``path``'s directory."""
+    name = path.name if path.parent.resolve() == Path(last_dir).resolve() else str(path.resolve())
+    atomic_write_bytes(Path(last_dir) / LAST, name.encode() + b"\n")
+    for stale in path.parent.glob(".*.tmp"):  # left by a process killed while writing (all writes are done here):
+        remove_checkpoint(stale)               # files, and directories of a killed sharded (fsdp) save
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint file (and its ``.sha256``) or a sharded checkpoint directory."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+        Path(f"{path}.sha256").unlink(missing_ok=True)
+
+

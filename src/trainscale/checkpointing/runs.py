@@ -1,0 +1,86 @@
+"""Which checkpoint a ``fit`` resumes and which run directory it writes to.
+
+Rules (docs/fault-tolerance.md): "last" is the newest checkpoint of *this script's* newest run under
+``default_root_dir`` (a first run warns and starts fresh, as Lightning does); after a torchrun restart
+or a SLURM requeue, this job's "last". A run continues in its own directory only when it resumes that
+run's newest checkpoint; resuming any other checkpoint starts a new ``version_N`` under
+``default_root_dir`` and records where it came from, so no file of another run is ever overwritten.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainscale.checkpointing import run_dirs as ckpt
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
+
+
+def script_key() -> str:
+    """What ties a run to the program that made it: the absolute path of the running script."""
+    return str(Path(sys.argv[0]).resolve()) if sys.argv and sys.argv[0] else "<interactive>"
+
+
+def resolve_ckpt_path(runtime: Runtime, ckpt_path: Any, root: Path) -> tuple[Path | None, bool]:
+    """The checkpoint to resume from and whether its run directory is continued in place.
+
+    Raises:
+        FileNotFoundError: an explicit ``ckpt_path`` that does not exist (checked on every rank).
+        ValueError: ``ckpt_path`` of another type.
+    """
+    world = runtime.world
+    if ckpt_path is None and world.restart_count > 0:
+        if world.job_id in (None, "", "none"):  # any run would match: never resume another job's "last"
+            runtime.print("trainscale: restarted without a job id (pass --rdzv-id): starting over")
+            return None, False
+        found = ckpt.find_last(root, job_id=world.job_id)
+        runtime.print(f"trainscale: restart {world.restart_count} of job {world.job_id}: "
+                      + (f"resuming from {found}" if found else "no checkpoint yet, starting over"))
+        return found, found is not None
+    if ckpt_path is None:
+        return None, False
+    if ckpt_path == "last":
+        found = ckpt.find_last(root, script=script_key())
+        if found is None:
+            warnings.warn(f"ckpt_path='last' but no run of {script_key()} under {str(root)!r} has a checkpoint; "
+                          "starting fresh", stacklevel=4)
+        return found, found is not None
+    if not isinstance(ckpt_path, (str, Path)):
+        raise ValueError(f"ckpt_path={ckpt_path!r}; pass a checkpoint path, 'last', or None")
+    path = Path(ckpt_path)
+    if not path.exists():
+        raise FileNotFoundError(f"ckpt_path={str(path)!r} does not exist; pass an existing checkpoint file, 'last', "
+                                "or None to start fresh")
+    return path, _is_newest_of_its_run(path, root)
+
+
+def _is_newest_of_its_run(path: Path, root: Path) -> bool:
+    run = path.parent.parent
+    if path.parent.name != "checkpoints" or run.parent.resolve() != root.resolve():
+        return False
+    pointer = path.parent / ckpt.LAST
+    return pointer.is_file() and pointer.read_text().strip() == path.name
+
+
+def choose_run_dir(runtime: Runtime, root: Path, resume_from: Path | None, in_place: bool) -> Path:
+    """The run directory (same on every rank; made by rank 0): the resumed run's own when ``in_place``,
+    a restarted job's directory, or a new ``version_N`` claimed atomically. A collective."""
+    rt = runtime
+    run_dir = None
+    if rt.is_rank_zero:
+        if in_place:
+            run_dir = resume_from.parent.parent
+        elif rt.world.restart_count > 0 and rt.world.job_id:
+            run_dir = ckpt.find_job_run(root, rt.world.job_id)
+        if run_dir is None:
+            run_dir = ckpt.claim_run_dir(root)
+        (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+        ckpt.write_job_id(run_dir, rt.world.job_id)
+        ckpt.write_script(run_dir, script_key())
+        if resume_from is not None and not in_place:
+            ckpt.write_resumed_from(run_dir, resume_from)
+    return Path(rt.broadcast_object(str(run_dir) if run_dir is not None else None))

@@ -1,0 +1,68 @@
+"""Training progress as values, saved in every checkpoint.
+
+- :class:`TrainState` — the one stateful value of the loop's progress (torchtitan's ``TrainState``):
+  optimizer steps, the epoch, micro-batches done in it, the epoch records.
+- :class:`ResumePoint` — what a checkpoint says about where to continue (frozen, returned by the load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainState:
+    """Where training stands.
+
+    Attributes:
+        global_step: optimizer steps taken since the start of the run.
+        epoch: the current (0-based) epoch.
+        batches: micro-batches of ``epoch`` consumed since its sampler started (a resumed epoch counts the
+            batches before the resume too).
+        history: one record per completed epoch (``kind`` "epoch" metrics, without ``kind``/``time``).
+    """
+
+    global_step: int = 0
+    epoch: int = 0
+    batches: int = 0
+    history: list[dict] = field(default_factory=list)
+
+    def state_dict(self) -> dict:
+        return {"global_step": self.global_step, "epoch": self.epoch, "batches": self.batches,
+                "history": list(self.history)}
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a checkpoint leaves off.
+
+    Attributes:
+        epoch: the epoch the checkpoint was written in.
+        complete: True when that epoch had ended; training continues with ``epoch + 1``.
+        consumed: samples of all ranks consumed in ``epoch`` (mid-epoch, with trainscale's sampler), else None.
+        batches: micro-batches of ``epoch`` done (for other samplers, on the same world size).
+        totals: (loss × samples summed, samples, tokens, seconds) of the part of ``epoch`` done, so that its
+            record after the resume covers the whole epoch (older checkpoints: without tokens).
+        rng: this rank's RNG states, restored when the resumed epoch's loader iterator is made.
+        world_size: the world size that wrote it.
+    """
+
+    epoch: int
+    complete: bool
+    consumed: int | None
+    batches: int
+    totals: tuple
+    rng: dict | None
+    world_size: int
+
+    @property
+    def next_epoch(self) -> int:
+        return self.epoch + 1 if self.complete else self.epoch
+
+    def position(self) -> dict:
+        """The form ``trainscale.checkpointing.run_dirs.start_epoch`` reads."""
+        return {"epoch": self.epoch, "complete": self.complete, "consumed": self.consumed, "batches": self.batches}
+
+    def resumes(self, epoch: int) -> bool:
+        """True when ``epoch`` is the one this point continues mid-way."""
+        return not self.complete and epoch == self.epoch

@@ -1,0 +1,1 @@
+"""What a fit does when things go wrong: signals, non-finite losses, stalls."""

@@ -1,0 +1,1 @@
+"""Lightning's module contract: TrainingModule, hyperparameters, configure_optimizers, self.log, data hooks."""

@@ -1,0 +1,100 @@
+"""Where a fit or an evaluation gets its DataLoaders: the ones passed, or Lightning's data hooks.
+
+    trainer.fit(model, datamodule=dm)        # dm.prepare_data(), dm.setup("fit"), dm.train_dataloader(), ...
+    trainer.test(model, datamodule=dm)       # dm.setup("test"), dm.test_dataloader()
+    trainer.fit(model)                       # the model's own train_dataloader() / val_dataloader()
+
+A ``LightningDataModule`` ports by changing its base class to :class:`DataModule` (or keeps none: any object
+with the hooks works). The loaders the hooks return are set up as passed ones are (distributed sampler).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from trainscale.lightning.hparams import HyperparametersMixin
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
+
+LOADER_HOOKS = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader",
+                "predict": "predict_dataloader"}
+
+
+class DataModule(HyperparametersMixin):
+    """Optional base class with Lightning's ``LightningDataModule`` API. Define ``train_dataloader()`` and any of
+    ``val_dataloader()``, ``test_dataloader()``, ``predict_dataloader()`` (each returning a DataLoader, with the
+    per-device ``batch_size``); optionally ``prepare_data()`` (downloads: once per node, on local rank 0, before
+    any ``setup``) and ``setup(stage)`` (every rank; stage "fit", "validate", "test" or "predict")."""
+
+    def prepare_data(self) -> None:
+        """Once per node (local rank 0), the other ranks waiting: write files here, assign no state."""
+
+    def setup(self, stage: str) -> None:
+        """On every rank before the stage's loaders are asked for: build the data sets."""
+
+
+def is_data_source(obj: Any) -> bool:
+    """Whether ``obj`` is a data module (has a loader hook) rather than a DataLoader."""
+    return any(hasattr(obj, hook) for hook in LOADER_HOOKS.values()) and not hasattr(obj, "__iter__")
+
+
+def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, datamodule: Any) -> tuple[Any, Any]:
+    """The stage's loaders: ``(train, val or None)`` for "fit", ``(loader, None)`` for "validate", "test" and
+    "predict". ``loaders`` when given (a data module passed there counts as ``datamodule``, as Lightning allows);
+    else the hooks of ``datamodule`` or, without one, of the model: ``prepare_data()`` on each node's local rank
+    0 then a barrier, ``setup(stage)`` on every rank, then ``train_dataloader()`` (and ``val_dataloader()`` if
+    defined; None or ``[]`` from it: no validation) or the stage's hook (Lightning's ``DataHooks``).
+
+    Raises:
+        ValueError: both ``loaders`` and ``datamodule``; neither, and the model has no such hook (named with the
+            fix). Raised on every rank before any collective.
+    """
+    if loaders is not None and is_data_source(loaders):
+        loaders, datamodule = None, _only(datamodule, loaders, stage)
+    if loaders is not None:
+        if datamodule is not None:
+            raise ValueError(f"{stage}: pass DataLoaders or datamodule=, not both")
+        return loaders, None
+    source = _source(stage, model, datamodule)
+    _prepare(runtime, source, stage)
+    main = getattr(source, LOADER_HOOKS[stage])()
+    val = source.val_dataloader() if stage == "fit" and hasattr(source, "val_dataloader") else None
+    return main, (None if val is None or val == [] else val)
+
+
+def _prepare(runtime: Runtime, source: Any, stage: str) -> None:
+    """Lightning's order: ``prepare_data()`` once per node (local rank 0) while the other ranks wait, then
+    ``setup(stage)`` on every rank; either hook may be missing."""
+    if hasattr(source, "prepare_data"):
+        if runtime.world.local_rank == 0:
+            source.prepare_data()
+        runtime.barrier()
+    if hasattr(source, "setup"):
+        source.setup(stage)
+
+
+def _source(stage: str, model: Any, datamodule: Any) -> Any:
+    """``datamodule``, else ``model``: the one whose hook gives the stage's loader."""
+    source, hook = (datamodule if datamodule is not None else model), LOADER_HOOKS[stage]
+    if not hasattr(source, hook):
+        where = f"{type(source).__name__} (the datamodule)" if datamodule is not None else type(model).__name__
+        raise ValueError(f"{stage}: no DataLoader was passed and {where} defines no {hook}(); pass the loader, or "
+                         f"define {hook}() on a DataModule given as datamodule=")
+    return source
+
+
+def _only(datamodule: Any, passed: Any, stage: str) -> Any:
+    if datamodule is not None:
+        raise ValueError(f"{stage}: a data module was passed both as the loader and as datamodule=; pass it once")
+    return passed
+
+
+def resolve_fit_loaders(runtime: Runtime, model: Any, train: Any, val: Any, datamodule: Any) -> tuple[Any, Any]:
+    """``fit``'s ``(train, val)``: :func:`resolve_loaders` for "fit", with ``val`` when it was passed.
+
+    Raises:
+        ValueError: as :func:`resolve_loaders`.
+    """
+    train, hooked_val = resolve_loaders(runtime, "fit", model, train, datamodule)
+    return train, val if val is not None else hooked_val

@@ -1,0 +1,150 @@
+"""What ``TrainingModule.log`` collects, and its reduction across ranks.
+
+Values stay on the device until a record is written: step values (``on_step``) at log intervals,
+epoch values (``on_epoch``) at the end of the epoch or evaluation. Epoch values are reduced over
+the data-parallel ranks (every sample counted once): "mean" is the sample-weighted mean
+(``sum(value·n) / sum(n)`` with ``n`` the micro-batch's sample count, Lightning's ``batch_size``), "sum",
+"max" and "min" their namesakes over every logged value. The ranks of a tensor-parallel group (or of one
+pipeline) read the same samples and log the same values, so a sum over all ranks counts each of them
+``world_size / data_parallel_size`` times: it is divided by that, as the epoch's training loss is
+(``state.EpochLoss.totals``). Step values are each rank's last value, averaged over ranks when
+logged with ``sync_dist=True``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
+
+REDUCE_FX = ("mean", "sum", "max", "min")
+_DEFAULTS = {"train": (True, False), "validation": (False, True), "test": (False, True)}  # (on_step, on_epoch)
+
+
+@dataclass
+class _Running:
+    fx: str
+    total: torch.Tensor
+    weight: float
+
+
+class MetricCollector:
+    """Collects ``log`` calls of one stage ("train", "validation", "test") on one rank.
+
+    Args:
+        runtime: the Trainer's Runtime (device, collectives).
+        stage: sets Lightning's defaults: training logs per step, evaluation per epoch.
+    """
+
+    def __init__(self, runtime: Runtime, stage: str) -> None:
+        self.rt = runtime
+        self.stage = stage
+        self.batch_size = 1  # set by the loop before each step: the weight of a "mean"
+        self.discard = False  # True while evaluation runs forwards whose results are dropped (fsdp's extra ones)
+        self.step_values: dict[str, tuple[torch.Tensor, bool]] = {}
+        self.epoch_values: dict[str, _Running] = {}
+        self.prog_bar: set[str] = set()
+
+    def log(self, name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | None = None,
+            prog_bar: bool = False, sync_dist: bool = False, reduce_fx: str = "mean",
+            batch_size: int | None = None) -> None:
+        """Record ``value`` (a number or one-element tensor) under ``name``; see ``TrainingModule.log``.
+
+        Raises:
+            ValueError: an unknown ``reduce_fx``, or a value with more than one element.
+        """
+        if reduce_fx not in REDUCE_FX:
+            raise ValueError(f"reduce_fx={reduce_fx!r}; choose one of {', '.join(map(repr, REDUCE_FX))}")
+        if self.discard:
+            return
+        default_step, default_epoch = _DEFAULTS[self.stage]
+        on_step = default_step if on_step is None else on_step
+        on_epoch = default_epoch if on_epoch is None else on_epoch
+        value = self._scalar(name, value)
+        step_name, epoch_name = (f"{name}_step", f"{name}_epoch") if on_step and on_epoch else (name, name)
+        if on_step:
+            self.step_values[step_name] = (value, sync_dist)
+        if on_epoch:
+            self._accumulate(epoch_name, value, reduce_fx, self.batch_size if batch_size is None else batch_size)
+        if prog_bar:
+            self.prog_bar.add(step_name if on_step else epoch_name)
+
+    def _scalar(self, name: str, value: Any) -> torch.Tensor:
+        value = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value,
+                                dtype=torch.float32, device=self.rt.device)
+        if value.numel() != 1:
+            raise ValueError(f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; log a scalar "
+                             "(e.g. value.mean())")
+        return value.reshape(())
+
+    def _accumulate(self, name: str, value: torch.Tensor, fx: str, n: int) -> None:
+        running = self.epoch_values.get(name)
+        if running is None:
+            self.epoch_values[name] = _Running(fx, value * n if fx == "mean" else value.clone(), float(n))
+            return
+        if running.fx != fx:
+            raise ValueError(f"{name!r} was logged with reduce_fx={running.fx!r} and then {fx!r}; use one")
+        if fx == "mean":
+            running.total += value * n
+        elif fx == "sum":
+            running.total += value
+        else:
+            running.total = torch.maximum(running.total, value) if fx == "max" else torch.minimum(running.total, value)
+        running.weight += n
+
+    def take_step_values(self) -> dict[str, float]:
+        """The last step values as floats (averaged over ranks where ``sync_dist``); cleared. Every rank
+        calls it at the same step (a collective when some value has ``sync_dist``)."""
+        values, self.step_values = self.step_values, {}
+        synced = sorted(name for name, (_, sync) in values.items() if sync)
+        out = {name: value for name, (value, sync) in values.items() if not sync}
+        if synced and self.rt.world_size > 1:
+            _check_same_names(self.rt, synced, "sync_dist=True step values")
+            reduced = self.rt.all_reduce(torch.stack([values[n][0] for n in synced])) / self.rt.world_size
+            out.update(zip(synced, reduced.unbind()))
+        else:
+            out.update((name, values[name][0]) for name in synced)
+        return {name: float(v) for name, v in out.items()}
+
+    def take_epoch_values(self) -> dict[str, float]:
+        """The epoch values reduced over all ranks (a collective: every rank calls it); cleared.
+
+        Raises:
+            ValueError: ranks logged different names (the names that differ are listed).
+        """
+        values, self.epoch_values = self.epoch_values, {}
+        names = sorted(values)
+        if self.rt.world_size > 1:
+            _check_same_names(self.rt, [(n, values[n].fx) for n in names], "epoch values")
+        out = self._reduce_sums({n: values[n] for n in names if values[n].fx in ("mean", "sum")})
+        for fx in ("max", "min"):
+            chosen = [n for n in names if values[n].fx == fx]
+            if chosen:
+                reduced = self.rt.all_reduce(torch.stack([values[n].total for n in chosen]), op=fx).tolist()
+                out.update(zip(chosen, reduced))
+        return out
+
+    def _reduce_sums(self, values: dict[str, _Running]) -> dict[str, float]:
+        """"mean" and "sum" values over the data-parallel ranks: one all-reduce of every total and weight over
+        all ranks, a sum divided by the copies of each sample (a mean's copies cancel)."""
+        if not values:
+            return {}
+        names = list(values)
+        weights = [torch.tensor(values[n].weight, device=self.rt.device) for n in names]
+        vec = self.rt.all_reduce(torch.stack([values[n].total for n in names] + weights)).tolist()
+        copies = self.rt.world_size / self.rt.data_parallel_size
+        return {name: vec[i] / vec[len(names) + i] if values[name].fx == "mean" else vec[i] / copies
+                for i, name in enumerate(names)}
+
+
+def _check_same_names(runtime: Runtime, names: list, what: str) -> None:
+    """Raise on every rank when the ranks' ``names`` differ (one ``all_gather_object``)."""
+    every = [{str(n) for n in rank_names} for rank_names in runtime.all_gather_object(names)]
+    different = sorted(set().union(*every) - set.intersection(*every))
+    if different:
+        raise ValueError(f"ranks logged different {what}: {', '.join(different)} not logged on every rank; "
+                         "call self.log with the same names on every rank (log 0 where a rank has nothing)")

@@ -1,0 +1,288 @@
+"""The model contract: a plain ``nn.Module`` + loss, or a Lightning-style :class:`TrainingModule`.
+
+A LightningModule ports by changing its base class and import::
+
+    from trainscale import TrainingModule          # was: from lightning import LightningModule
+
+    class LitMNIST(TrainingModule):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self(x), y)
+            self.log("train_loss", loss, prog_bar=True)
+            return loss                                 # or {"loss": loss, ...}
+
+:class:`LoopModule` puts the step inside ``forward`` so that DDP and FSDP see the whole training
+step, whichever kind the user gave.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from trainscale.runtime.batch import batch_size
+from trainscale.lightning.hparams import HyperparametersMixin
+
+if TYPE_CHECKING:
+    from trainscale.loop.trainer import Trainer
+
+
+class TrainingModule(HyperparametersMixin, nn.Module):
+    """Optional base class with Lightning's ``LightningModule`` API (the parts trainscale runs).
+
+    Define ``training_step(batch, batch_idx)`` (returning the loss, or a dict with ``"loss"``),
+    ``configure_optimizers()`` (any of Lightning's return forms, see ``trainscale.lightning.optimizers``)
+    and optionally ``validation_step``/``test_step``/``predict_step(batch, batch_idx)``. Set
+    ``automatic_optimization = False`` to step optimizers yourself (``self.optimizers()``,
+    ``self.manual_backward(loss)``). Attributes set by the Trainer during ``fit``: ``trainer``,
+    ``global_rank``, ``current_epoch``, ``global_step``, ``device``. ``self.save_hyperparameters()`` in
+    ``__init__`` keeps its arguments in ``self.hparams`` (``trainscale.lightning.hparams``).
+    """
+
+    automatic_optimization: bool = True
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        raise NotImplementedError("define training_step(self, batch, batch_idx) returning the loss")
+
+    def configure_optimizers(self) -> Any:
+        raise NotImplementedError("define configure_optimizers(self) returning an optimizer (or pass optimizer=...)")
+
+    # -- what the Trainer attached -------------------------------------------------------------
+    @property
+    def trainer(self) -> Any:
+        trainer = self.__dict__.get("_trainer")
+        if trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer; call it inside trainer.fit()")
+        return trainer
+
+    @property
+    def global_rank(self) -> int:
+        return self.trainer.runtime.rank
+
+    @property
+    def current_epoch(self) -> int:
+        return self.trainer.current_epoch
+
+    @property
+    def global_step(self) -> int:
+        return self.trainer.global_step
+
+    @property
+    def device(self) -> torch.device:
+        return self.trainer.runtime.device
+
+    # -- logging ---------------------------------------------------------------------------------
+    def log(self, name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | None = None,
+            prog_bar: bool = False, sync_dist: bool = False, reduce_fx: str = "mean",
+            batch_size: int | None = None, logger: bool = True) -> None:
+        """Log a scalar, as Lightning's ``self.log``.
+
+        In ``training_step`` the default is ``on_step=True, on_epoch=False``; in validation and test
+        ``on_step=False, on_epoch=True``. Epoch values are always reduced over all ranks, each sample
+        counted once (``reduce_fx="mean"`` weights each value by its micro-batch's sample count or
+        ``batch_size``); step values are each rank's, averaged over ranks with ``sync_dist=True``.
+        Both on_step and on_epoch: recorded as ``name_step`` and ``name_epoch``. Nothing is read from
+        the device until a record is written (log intervals, epoch ends).
+
+        Raises:
+            ValueError: an unknown ``reduce_fx``, a non-scalar value; at the epoch end, names logged on
+                some ranks only.
+        """
+        collector = self.trainer.metric_collector
+        collector.log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar, sync_dist=sync_dist,
+                      reduce_fx=reduce_fx, batch_size=batch_size)
+
+    def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:
+        """``self.log`` for each item of ``metrics`` with the same keyword arguments."""
+        for name, value in metrics.items():
+            self.log(name, value, **kwargs)
+
+    # -- manual optimization -----------------------------------------------------------------------
+    def optimizers(self) -> Any:
+        """The optimizer (or list of them) from ``configure_optimizers``, wrapped so that ``step()``
+        synchronises gradients across ranks (``trainscale.lightning.optimizers.ManualOptimizer``)."""
+        opts = self.trainer.manual_optimizers
+        return opts[0] if len(opts) == 1 else list(opts)
+
+    def lr_schedulers(self) -> Any:
+        """The scheduler (or list of them), None when there is none; step them yourself."""
+        scheds = [s.scheduler for s in self.trainer.schedulers]
+        return None if not scheds else scheds[0] if len(scheds) == 1 else scheds
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` through the Runtime (scaled under "16-mixed"). No communication under ddp
+        (gradients are averaged in ``optimizer.step()``); under fsdp each sharded submodule reduce-scatters
+        its gradients in this backward unless inside ``optimizer.toggle_model(sync_grad=False)``."""
+        self.trainer.runtime.backward(loss)
+
+    def clip_gradients(self, optimizer: Any, gradient_clip_val: float,
+                       gradient_clip_algorithm: str = "norm") -> torch.Tensor | None:
+        """Clip the gradients of ``optimizer``'s parameters (Lightning's ``self.clip_gradients``), after
+        the ranks' gradients are averaged; by their total norm over all shards under fsdp. Returns the
+        norm before clipping (a 0-d tensor), None for ``"value"``
+        (``trainscale.lightning.optimizers.ManualOptimizer.clip_gradients``; raises ValueError on a bad value)."""
+        return optimizer.clip_gradients(gradient_clip_val, gradient_clip_algorithm)
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Freeze the parameters ``optimizer`` does not own until :meth:`untoggle_optimizer`."""
+        optimizer.toggle()
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        optimizer.untoggle()
+
+
+def shard_units(model: nn.Module) -> tuple[nn.Module, ...]:
+    """The submodules that a manual ``training_step`` calls itself (a GAN's generator and discriminator):
+    ``model``'s children that hold parameters, each sharded apart under fsdp/hsdp/model_parallel (``apply_fsdp.fsdp_units``), so
+    that each gathers its parameters and reduce-scatters its gradients around its own forward and backward.
+    Empty under automatic optimization (the step runs through the root's forward)."""
+    if getattr(model, "automatic_optimization", True):
+        return ()
+    return tuple(m for m in model.children() if next(m.parameters(), None) is not None)
+
+
+def _takes_batch_idx(method: Callable) -> bool:
+    params = [p for p in inspect.signature(method).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    return len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def loss_of(output: Any, where: str = "training_step") -> torch.Tensor:
+    """The loss in what ``training_step`` returned: a tensor, or a dict's ``"loss"``.
+
+    Raises:
+        TypeError: anything else (names the fix).
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    raise TypeError(f"{where} returned {type(output).__name__}; return the loss tensor or a dict with a 'loss' tensor")
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of a plain model's batch.
+
+    Raises:
+        TypeError: another batch shape, naming ``training_step`` as the fix.
+    """
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    shape = (f"a dict with keys {sorted(batch)}" if isinstance(batch, Mapping) else
+             f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else type(batch).__name__)
+    raise TypeError(f"a plain model is fed (inputs, targets) batches, but the loader gave {shape}; define "
+                    "training_step(self, batch, batch_idx) (and validation_step) on the model to unpack it "
+                    "(trainscale.TrainingModule)")
+
+
+class LoopModule(nn.Module):
+    """The model and its loss in one ``forward``, for strategies to wrap.
+
+    ``forward(batch, batch_idx)`` returns the training loss (a 0-dim tensor);
+    ``forward(batch, batch_idx, stage="validation"|"test")`` returns ``(metrics, samples)``;
+    ``stage="predict"`` the predictions.
+
+    Raises:
+        ValueError: ``loss_fn`` given together with a model that defines ``training_step``.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable | None) -> None:
+        super().__init__()
+        self.model = model
+        self.shard_units = shard_units(model)  # read by apply_fsdp.fsdp_units
+        self.use_loss_fn(loss_fn)
+        step = getattr(model, "training_step", None)
+        self.has_training_step = step is not None
+        self.step_takes_batch_idx = step is not None and _takes_batch_idx(step)
+        # whether each evaluation step takes batch_idx, read once (inspect is slow)
+        self.takes_batch_idx = {name: _takes_batch_idx(getattr(model, name)) for name in
+                                ("validation_step", "test_step", "predict_step") if hasattr(model, name)}
+
+    def use_loss_fn(self, loss_fn: Callable | None) -> None:
+        """Compute the loss with ``loss_fn(outputs, targets)`` from now on (None: ``F.cross_entropy``).
+
+        Raises:
+            ValueError: ``loss_fn`` given together with a model that defines ``training_step``.
+        """
+        if loss_fn is not None and hasattr(self.model, "training_step"):
+            raise ValueError(f"loss_fn was given, but {type(self.model).__name__} defines training_step, which "
+                             "computes the loss itself; drop loss_fn or the training_step")
+        self.loss_fn = loss_fn if loss_fn is not None else F.cross_entropy
+
+    def forward(self, batch: Any, batch_idx: int = 0, stage: str = "train") -> Any:
+        if stage == "manual":
+            return self._manual_step(batch, batch_idx)
+        if stage != "train":  # through the wrapper's forward, for strategies that gather parameters there (fsdp)
+            return self.predict(batch, batch_idx) if stage == "predict" else self.evaluate(batch, batch_idx, stage)
+        if self.has_training_step:
+            args = (batch, batch_idx) if self.step_takes_batch_idx else (batch,)
+            return loss_of(self.model.training_step(*args))
+        inputs, targets = split_batch(batch)
+        return self.loss_fn(self.model(inputs), targets)
+
+    def manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """``training_step`` under manual optimization (it steps the optimizers itself): the loss it
+        returned, detached, for the records; zero when it returned nothing. Called on the module itself
+        (under ddp never through the DDP wrapper: gradients are averaged in ``ManualOptimizer.step``), so
+        that under fsdp it runs inside the root's forward: FSDP2 takes the first module to run forward as
+        its root, and evaluation later runs through this one."""
+        return self(batch, batch_idx, stage="manual")
+
+    def _manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        args = (batch, batch_idx) if self.step_takes_batch_idx else (batch,)
+        out = self.model.training_step(*args)
+        if out is None:
+            return torch.zeros((), device=next(self.model.parameters()).device)
+        return loss_of(out).detach()
+
+    @torch.no_grad()
+    def evaluate(self, batch: Any, batch_idx: int, stage: str = "validation") -> tuple[dict[str, torch.Tensor], int]:
+        """Per-batch mean metrics and the batch's sample count (``validation_step``/``test_step``'s
+        returned dict, or loss and accuracy for a plain classifier)."""
+        step = getattr(self.model, f"{stage}_step", None)
+        if step is not None:
+            out = step(batch, batch_idx) if self.takes_batch_idx[f"{stage}_step"] else step(batch)
+            metrics = dict(out) if isinstance(out, Mapping) else {} if out is None else {"loss": out}
+            return metrics, batch_size(batch)
+        inputs, targets = split_batch(batch)
+        logits = self.model(inputs)
+        metrics = {"loss": self.loss_fn(logits, targets)}
+        if logits.ndim == 2 and targets.ndim == 1 and not targets.is_floating_point():
+            metrics["accuracy"] = (logits.argmax(dim=1) == targets).float().mean()
+        return metrics, int(targets.shape[0])
+
+    @torch.no_grad()
+    def predict(self, batch: Any, batch_idx: int) -> Any:
+        """``predict_step(batch, batch_idx)``, or the plain model's output on the batch's inputs."""
+        step = getattr(self.model, "predict_step", None)
+        if step is not None:
+            return step(batch, batch_idx) if self.takes_batch_idx["predict_step"] else step(batch)
+        inputs = split_batch(batch)[0] if isinstance(batch, (tuple, list)) else batch
+        return self.model(inputs)
+
+
+def set_up_model(trainer: Trainer, model: nn.Module, loss_fn: Callable | None) -> tuple[LoopModule, nn.Module]:
+    """``model`` in a :class:`LoopModule` with ``loss_fn``, set up by ``trainer.runtime`` (``Runtime.setup``: the
+    strategy's wrapper or in-place sharding, compile, activation checkpointing): ``(loop_module, wrapped)``.
+
+    The model of the trainer's last ``fit``/``validate``/``test``/``predict`` is set up once and reused, as
+    Lightning's ``trainer.fit(model)`` then ``trainer.test(model)``: fsdp and tp shard the model in place and
+    cannot shard it twice, and a second DDP wrapper would register a second set of gradient hooks.
+
+    Raises:
+        ValueError: ``loss_fn`` given together with a model that defines ``training_step``.
+    """
+    model.__dict__["_trainer"] = trainer  # TrainingModule's self.trainer, self.log, ... (not a submodule)
+    if trainer.last_setup is not None and trainer.last_setup[0] is model:
+        _, loop_module, wrapped = trainer.last_setup
+        loop_module.use_loss_fn(loss_fn)
+        return loop_module, wrapped
+    loop_module = LoopModule(model, loss_fn)
+    wrapped, _ = trainer.runtime.setup(loop_module)
+    trainer.last_setup = (model, loop_module, wrapped)
+    return loop_module, wrapped

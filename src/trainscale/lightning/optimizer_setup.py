@@ -1,0 +1,114 @@
+"""The optimizers of a ``fit``: built from the user's factory or ``configure_optimizers``, checked before
+the first step (the fix named in each message), wrapped for manual optimization."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from trainscale.lightning.optimizers import ManualOptimizer, parse_optimization
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
+
+
+def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, config: Any, runtime: Runtime,
+                     scaled_lr: Any = None):
+    """``(optimizers, scheduler configs, manual optimizers)`` for ``model`` wrapped as ``wrapped``, under the
+    Trainer's ``config`` (``TrainerConfig``); the manual list is empty unless the module sets
+    ``automatic_optimization = False``. ``scaled_lr``: the context each manual ``step()`` runs in
+    (``BatchScaling.scaled_lr``).
+
+    Raises:
+        ValueError / TypeError: see :func:`configured_optimization` and :func:`check_optimizers`.
+    """
+    optimization = parse_optimization(configured_optimization(model, wrapped, optimizer))
+    manual = not getattr(model, "automatic_optimization", True)
+    check_optimizers(optimization, wrapped, manual, config, runtime)
+    optimizers = [runtime.strategy.setup_optimizer(o) for o in optimization.optimizers]
+    sync = ("backward" if _fsdp_sharded(runtime)
+            else {"ddp": "step", "ddp_spawn": "step"}.get(runtime.config.strategy, "none"))
+    extra = {} if scaled_lr is None else {"scaled_lr": scaled_lr}
+    manuals = [ManualOptimizer(o, runtime, model, wrapped, sync, **extra) for o in optimizers] if manual else []
+    return optimizers, list(optimization.schedulers), manuals
+
+
+def configured_optimization(model: nn.Module, wrapped: nn.Module, optimizer: Any) -> Any:
+    """What builds the optimizers: the ``optimizer`` factory (called on the wrapped module's
+    parameters, after the strategy moved or sharded them) or ``model.configure_optimizers()``.
+
+    Raises:
+        ValueError: neither given. TypeError: ``optimizer`` is neither a factory nor an optimizer.
+    """
+    if optimizer is None and hasattr(model, "configure_optimizers"):
+        return model.configure_optimizers()
+    if optimizer is None:
+        raise ValueError("no optimizer: pass optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), "
+                         "or define configure_optimizers() on the model")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if callable(optimizer):
+        return optimizer(wrapped.parameters())
+    raise TypeError(f"optimizer must be a factory params -> Optimizer, got {type(optimizer).__name__}")
+
+
+def check_optimizers(optimization: Any, wrapped: nn.Module, manual: bool, config: Any, runtime: Runtime) -> None:
+    """Refuse optimizers the loop would misuse.
+
+    Raises:
+        ValueError: several optimizers with automatic optimization; manual optimization with
+            ``accumulate_grad_batches`` or ``gradient_clip_val``, under dp or pp, or under an FSDP-sharded
+            strategy with parameters held by the model itself rather than a submodule; an optimizer holding
+            parameters that are not the model's (built on another model, or before the strategy
+            replaced the parameters).
+    """
+    if len(optimization.optimizers) > 1 and not manual:
+        raise ValueError(f"configure_optimizers returned {len(optimization.optimizers)} optimizers; the Trainer steps "
+                         "one per step. For several (a GAN), set automatic_optimization = False in the module and "
+                         "step them in training_step (self.optimizers(), self.manual_backward(loss))")
+    if manual:
+        _check_manual(config, runtime, wrapped)
+    _check_parameters(optimization.optimizers, wrapped)
+
+
+def _check_manual(config: Any, runtime: Runtime, wrapped: nn.Module) -> None:
+    if config.accumulate_grad_batches != 1:
+        raise ValueError("accumulate_grad_batches must be 1 under manual optimization: accumulate in training_step "
+                         "(step the optimizer every N batches yourself)")
+    if config.gradient_clip_val is not None:  # the Trainer never steps: the clipping would be silently skipped
+        raise ValueError("gradient_clip_val is for automatic optimization; under manual optimization clip in "
+                         "training_step before each step: self.clip_gradients(opt, gradient_clip_val=..., "
+                         "gradient_clip_algorithm='norm')")
+    strategy = runtime.config.strategy
+    if strategy in ("dp", "pp"):  # dp: training_step would run in each replica's thread; pp: the schedule steps
+        raise ValueError(f"manual optimization cannot run under strategy={strategy!r}: its training_step calls "
+                         "backward itself, which " + ("DataParallel's per-device replicas" if strategy == "dp" else
+                         "a pipeline schedule (which runs forward and backward by stages)") + " cannot host; "
+                         "use 'ddp', 'fsdp', 'hsdp' or 'tp', or automatic optimization")
+    model = getattr(wrapped, "model", None)  # the LoopModule's user model (FSDP shards in place, no wrapper)
+    sharded = _fsdp_sharded(runtime) and model is not None
+    direct = [n for n, _ in model.named_parameters(recurse=False)] if sharded else []
+    if direct:  # sharded with the root: resharded by the step's first backward, sharded tensors after it
+        raise ValueError(f"under strategy={strategy!r} with manual optimization the parameters of "
+                         f"{type(model).__name__} must live in submodules (each is sharded apart), but it holds "
+                         f"{', '.join(direct)} itself; move them into a submodule (e.g. an nn.ParameterDict or "
+                         "nn.Module attribute)")
+
+
+def _fsdp_sharded(runtime: Runtime) -> bool:
+    """Whether the strategy shards the model with FSDP2 (fsdp, or a mesh with data-parallel ranks)."""
+    parallel = runtime.config.parallel  # the mesh sizes (ParallelDims) under the model-parallel strategies, else None
+    return runtime.config.strategy == "fsdp" or (parallel is not None and parallel.dp_size > 1)
+
+
+def _check_parameters(optimizers, wrapped: nn.Module) -> None:
+    own = {id(p) for p in wrapped.parameters()}
+    for i, opt in enumerate(optimizers):
+        foreign = sum(1 for group in opt.param_groups for p in group["params"] if id(p) not in own)
+        if foreign:
+            raise ValueError(f"optimizer {i} ({type(opt).__name__}) holds {foreign} parameter(s) that are not the "
+                             "model's (built on another model, or before the strategy moved it); pass a factory "
+                             "optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), or build it in "
+                             "configure_optimizers() from self.parameters()")

@@ -1,0 +1,274 @@
+"""Optimizers and learning-rate schedulers as Lightning's ``configure_optimizers`` returns them.
+
+Every form Lightning documents (``LightningModule.configure_optimizers``) is accepted:
+
+- an optimizer;
+- ``(optimizer, scheduler)`` (trainscale's earlier form);
+- two lists ``[optimizers], [schedulers]``;
+- a dict ``{"optimizer": opt, "lr_scheduler": sched | {"scheduler", "interval", "frequency", "monitor"},
+  "monitor": ...}``, or a list/tuple of such dicts;
+- a list of optimizers (several optimizers: manual optimization only).
+
+Scheduler configs follow Lightning's keys: ``interval`` "epoch" (default) or "step", ``frequency``
+(every N epochs or steps), ``monitor`` (the metric a ``ReduceLROnPlateau`` reads, e.g. "val_loss").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
+
+import torch
+
+from trainscale.runtime.strategies.apply_fsdp import gradient_sync_for
+from trainscale.scaling.lr_scaling import LR_SCALE_KEY
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
+
+_PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
+_SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """One learning-rate scheduler and when it steps (Lightning's ``lr_scheduler`` dict)."""
+
+    scheduler: Any
+    interval: str = "epoch"
+    frequency: int = 1
+    monitor: str | None = None
+
+    def due(self, count: int) -> bool:
+        """Step after ``count`` epochs or optimizer steps (counted from 1)?"""
+        return count % self.frequency == 0
+
+    def step(self, metrics: dict[str, float]) -> None:
+        """Step the scheduler; a ``ReduceLROnPlateau`` reads ``metrics[monitor]``.
+
+        Raises:
+            KeyError: the monitored metric is not among ``metrics`` (the available names are listed).
+        """
+        if isinstance(self.scheduler, _PLATEAU):
+            if self.monitor not in metrics:
+                raise KeyError(f"ReduceLROnPlateau monitors {self.monitor!r}, which is not among the metrics of this "
+                               f"{self.interval}: {', '.join(sorted(metrics))}; log it or change 'monitor'")
+            self.scheduler.step(metrics[self.monitor])
+        else:
+            self.scheduler.step()
+
+
+def step_schedulers(schedulers, interval: str, count: int, metrics: dict[str, float]) -> None:
+    """Step the ``interval`` ("epoch" or "step") schedulers due after ``count`` of them (counted from 1)."""
+    for sched in schedulers:
+        if sched.interval == interval and sched.due(count):
+            sched.step(metrics)
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """What ``configure_optimizers`` (or the ``optimizer`` factory) returned, normalised."""
+
+    optimizers: tuple
+    schedulers: tuple[SchedulerConfig, ...] = ()
+
+
+def _scheduler(entry: Any, monitor: str | None = None) -> SchedulerConfig:
+    if not isinstance(entry, dict):
+        entry = {"scheduler": entry}
+    unknown = set(entry) - _SCHEDULER_KEYS
+    if unknown or "scheduler" not in entry:
+        raise ValueError(f"lr_scheduler dict has keys {sorted(entry)}; it needs 'scheduler' and may have "
+                         f"{sorted(_SCHEDULER_KEYS - {'scheduler'})}")
+    config = SchedulerConfig(entry["scheduler"], entry.get("interval", "epoch"), entry.get("frequency", 1),
+                             entry.get("monitor", monitor))
+    if config.interval not in ("epoch", "step"):
+        raise ValueError(f"lr_scheduler interval={config.interval!r}; choose 'epoch' or 'step'")
+    if isinstance(config.frequency, bool) or not isinstance(config.frequency, int) or config.frequency < 1:
+        raise ValueError(f"lr_scheduler frequency={config.frequency!r} must be an int >= 1")
+    if isinstance(config.scheduler, _PLATEAU) and config.monitor is None:
+        raise ValueError("ReduceLROnPlateau needs a metric to monitor: return {'optimizer': opt, 'lr_scheduler': "
+                         "{'scheduler': sched, 'monitor': 'val_loss'}}")
+    return config
+
+
+def _from_dict(entry: dict) -> Optimization:
+    if "optimizer" not in entry:
+        raise ValueError(f"configure_optimizers returned a dict with keys {sorted(entry)}; it needs 'optimizer' "
+                         "(and optionally 'lr_scheduler', 'monitor')")
+    sched = entry.get("lr_scheduler")
+    schedulers = () if sched is None else (_scheduler(sched, entry.get("monitor")),)
+    return Optimization((entry["optimizer"],), schedulers)
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, _PLATEAU, dict))
+
+
+def _from_dicts(configured: list | tuple) -> Optimization:
+    parts = [_from_dict(e) for e in configured]
+    return Optimization(sum((p.optimizers for p in parts), ()), sum((p.schedulers for p in parts), ()))
+
+
+def _from_sequence(configured: list | tuple) -> Optimization | None:
+    """The list/tuple forms, or None when ``configured`` is none of them."""
+    if all(isinstance(e, dict) for e in configured):  # a list of {"optimizer", "lr_scheduler"} dicts
+        return _from_dicts(configured)
+    if all(isinstance(e, torch.optim.Optimizer) for e in configured):  # several optimizers
+        return Optimization(tuple(configured))
+    if len(configured) != 2:
+        return None
+    first, second = configured
+    if isinstance(first, (list, tuple)):  # [optimizers], [schedulers]
+        schedulers = second if isinstance(second, (list, tuple)) else [second]
+        return Optimization(tuple(first), tuple(map(_scheduler, schedulers)))
+    if isinstance(first, torch.optim.Optimizer) and _is_scheduler(second):  # (optimizer, scheduler)
+        return Optimization((first,), (_scheduler(second),))
+    return None
+
+
+def parse_optimization(configured: Any) -> Optimization:
+    """Normalise any of the forms in the module docstring.
+
+    Raises:
+        ValueError: an unrecognised form, a bad scheduler config, or no optimizer at all.
+    """
+    if isinstance(configured, torch.optim.Optimizer):
+        return Optimization((configured,))
+    if isinstance(configured, dict):
+        return _from_dict(configured)
+    parsed = _from_sequence(configured) if isinstance(configured, (list, tuple)) and configured else None
+    if parsed is None:
+        raise ValueError(f"configure_optimizers returned {type(configured).__name__}: return an optimizer, "
+                         "(optimizer, scheduler), [optimizers], [schedulers], or a dict with 'optimizer' and "
+                         "'lr_scheduler' (Lightning's forms)")
+    return parsed
+
+
+def learning_rates(optimizers) -> dict[str, float]:
+    """The learning rate of every param group, named as Lightning's ``LearningRateMonitor`` names them:
+    ``lr-AdamW`` (first group), ``lr-AdamW/pg1`` ...; a second optimizer of one class ``lr-AdamW-1``. Under
+    ``Trainer(lr_scaling=...)`` the lr the next step uses: the group's lr × its ``"lr_scale"``."""
+    out: dict[str, float] = {}
+    seen: dict[str, int] = {}
+    for opt in optimizers:
+        cls = type(getattr(opt, "optimizer", opt)).__name__
+        name = f"lr-{cls}" + (f"-{seen[cls]}" if cls in seen else "")
+        seen[cls] = seen.get(cls, 0) + 1
+        for i, group in enumerate(opt.param_groups):
+            out[name if i == 0 else f"{name}/pg{i}"] = float(group["lr"]) * group.get(LR_SCALE_KEY, 1.0)
+    return out
+
+
+class ManualOptimizer:
+    """An optimizer as ``TrainingModule.optimizers()`` hands it out under manual optimization.
+
+    Under ddp, ``step()`` averages this optimizer's gradients over the ranks (one ``all_reduce`` of them
+    flattened) and steps through the Runtime (GradScaler under "16-mixed"), so the gradients are
+    synchronised once per optimizer step whatever the accumulation: the user's backward passes never
+    communicate, and a model left unused by one step (a GAN's generator in the discriminator step) needs
+    no ``find_unused_parameters``. Under fsdp the parameters are sharded (DTensors) and FSDP2
+    reduce-scatters each sharded submodule's gradients in the backward pass; ``toggle_model(sync_grad=
+    False)`` turns that off for the block (``set_requires_gradient_sync(False)``: gradients accumulate
+    unsharded on each rank), so with Lightning's accumulation pattern each unit's gradients are
+    reduce-scattered once per optimizer step, on the boundary. Everything else is the optimizer's.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, runtime: Runtime, model: torch.nn.Module,
+                 wrapped: torch.nn.Module, gradient_sync: str,
+                 scaled_lr: Callable[[torch.optim.Optimizer], ContextManager] = lambda opt: contextlib.nullcontext()
+                 ) -> None:
+        """``gradient_sync``: "step" (ddp: averaged in :meth:`step`), "backward" (fsdp: reduce-scattered by
+        FSDP2 in backward) or "none" (one process). ``scaled_lr(optimizer)``: the context the step runs in
+        (the Trainer's ``BatchScaling.scaled_lr`` under ``lr_scaling``)."""
+        self.optimizer = optimizer
+        self._model = model
+        self._wrapped = wrapped  # what Runtime.setup returned (the FSDP root under fsdp)
+        self._rt = runtime
+        self._sync_in_backward = gradient_sync == "backward"
+        self._average = gradient_sync == "step" and runtime.world_size > 1
+        self._averaged = False  # this step's gradients already averaged (by clip_gradients)
+        self._frozen: list[torch.Tensor] = []
+        self._scaled_lr = scaled_lr
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["optimizer"], name)
+
+    def _params(self) -> Iterator[torch.Tensor]:
+        return (p for group in self.optimizer.param_groups for p in group["params"])
+
+    def _average_gradients(self) -> None:
+        """Under ddp, average the gradients over ranks (once per step)."""
+        if not self._average or self._averaged:
+            return
+        grads = [p.grad for p in self._params() if p.grad is not None]
+        if grads:
+            flat = self._rt.all_reduce(torch.cat([g.reshape(-1) for g in grads])) / self._rt.world_size
+            for g, new in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(new.view_as(g))
+        self._averaged = True
+
+    def step(self, closure: Any = None) -> None:
+        """Average the gradients over ranks (ddp), then step at the scaled lr (closure: run first, as torch does)."""
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        self._average_gradients()
+        with self._scaled_lr(self.optimizer):
+            self._rt.step(self.optimizer)
+        self._averaged = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def clip_gradients(self, gradient_clip_val: float, gradient_clip_algorithm: str = "norm") -> torch.Tensor | None:
+        """Clip this optimizer's gradients, averaged over ranks first (ddp) and unscaled ("16-mixed"): by
+        their total norm (over all shards under fsdp: ``dtensor_clip.clip_grad_norm``) or by value.
+        Returns the norm before clipping (a 0-d tensor), None for "value".
+
+        Raises:
+            ValueError: ``gradient_clip_val`` <= 0, or an algorithm other than "norm"/"value".
+        """
+        from trainscale.runtime.strategies.dtensor_clip import clip_grad_norm
+
+        if gradient_clip_algorithm not in ("norm", "value") or not gradient_clip_val > 0:
+            raise ValueError(f"clip_gradients(gradient_clip_val={gradient_clip_val!r}, gradient_clip_algorithm="
+                             f"{gradient_clip_algorithm!r}): the value must be > 0 and the algorithm 'norm' or 'value'")
+        self._average_gradients()
+        self._rt.precision.unscale_gradients(self.optimizer)
+        params = list(self._params())
+        if gradient_clip_algorithm == "norm":
+            return clip_grad_norm(params, gradient_clip_val)
+        torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], gradient_clip_val)
+        return None
+
+    def toggle(self) -> None:
+        """Freeze every parameter of the model that this optimizer does not own (Lightning's
+        ``toggle_optimizer``): the other model gets no gradients from this optimizer's loss. Under fsdp
+        the sharded parameters are frozen; FSDP2 carries ``requires_grad`` to the gathered ones."""
+        own = {id(p) for p in self._params()}
+        self._frozen = [p for p in self._model.parameters() if id(p) not in own and p.requires_grad]
+        for p in self._frozen:
+            p.requires_grad_(False)
+
+    def untoggle(self) -> None:
+        """Undo :meth:`toggle`."""
+        for p in self._frozen:
+            p.requires_grad_(True)
+        self._frozen = []
+
+    @contextlib.contextmanager
+    def toggle_model(self, sync_grad: bool = True):
+        """Lightning's ``optimizer.toggle_model(sync_grad=...)``: toggled for the block. Under fsdp the
+        backward passes in the block reduce-scatter the gradients of this optimizer's FSDP units only, and
+        only with ``sync_grad=True`` (pass it on the micro-batch that steps): the other units keep theirs
+        unsharded until their own optimizer's synced block (``apply_fsdp.gradient_sync_for``). Under ddp
+        gradients are averaged in :meth:`step` only, so ``sync_grad`` needs no action there."""
+        self.toggle()
+        try:
+            with gradient_sync_for(self._wrapped, self._params(), sync_grad) if self._sync_in_backward \
+                    else contextlib.nullcontext():
+                yield
+        finally:
+            self.untoggle()

@@ -1,0 +1,1 @@
+"""The training loop: Trainer, its configuration, evaluation, records and progress."""

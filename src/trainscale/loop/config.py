@@ -1,0 +1,218 @@
+"""The Trainer's own flags, validated once into a frozen value (the runtime's flags go to ``Runtime``).
+
+``resolve_trainer_config(**flags)`` is pure logic: every rule is unit-tested, and a bad value raises
+``ValueError`` naming the fix in ``Trainer.__init__``, on every rank, before any process group exists
+(the same pattern as ``trainscale.runtime.connector.resolve``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainscale.runtime.connector import make_flags
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Resolved Trainer flags.
+
+    Attributes:
+        max_epochs: epochs to train (>= 1). max_steps: stop after this many optimizer steps (None: no limit).
+        accumulate_grad_batches: micro-batches per optimizer step (gradients all-reduced on the last only).
+        gradient_clip_val: clip the total gradient norm (or each value: ``gradient_clip_algorithm="value"``).
+        seed: at the start of each ``fit``, Python's ``random``, numpy and torch (CPU and every CUDA device) are
+            seeded with it on every rank alike (``trainscale.seed_everything``), before the
+            model is set up (a model built on the meta device is initialised from it); the training samplers
+            shuffle epoch ``e`` with ``seed + e``. Default 0, so runs repeat unless it is changed. A model
+            built before ``fit`` takes its initial weights from the script's own random state: seed before
+            building it. A resumed run restores each rank's saved RNG states instead.
+        default_root_dir: runs are written to ``default_root_dir/version_N``.
+        log_every_n_steps: optimizer steps between step records (one host sync and, with telemetry, one
+            all_gather of a small tensor each).
+        enable_progress_bar: a tqdm bar on rank zero. enable_checkpointing: checkpoint at each epoch end.
+        checkpoint_every_n_steps: also checkpoint every N optimizer steps, mid-epoch, with the exact position.
+        keep_last: checkpoints kept on disk besides "last" (None keeps all). These three configure the default
+            :class:`~trainscale.callbacks.ModelCheckpoint`, added when the user's callbacks hold none.
+        checkpoint_async: write the epoch-end and ``checkpoint_every_n_steps`` checkpoints in the background
+            (torch's ``async_save``; sharded strategies only: fsdp, model_parallel, hsdp, tp): the loop waits only
+            while the state is copied to host memory; each is published ("last" moved to it) once written, at a
+            later step or the end of ``fit`` (``checkpointing/writes.py``; docs/fault-tolerance.md).
+        on_nonfinite: "raise" (a non-finite loss raises at the next check, about a second of steps later and
+            at most ``log_every_n_steps`` apart, naming step, epoch and rank) or "skip" (skip optimizer steps
+            whose gradients are not finite; more than ``max_nonfinite_skips`` in a row raise).
+        handle_signals: on SIGTERM/SIGUSR1 checkpoint at the next check (about a second of steps later),
+            requeue a SLURM job (SIGUSR1) and exit with ``trainscale.faults.tolerance.Preempted``; a rank that
+            cannot get there exits 20 s after SIGTERM with its stacks (docs/fault-tolerance.md).
+        enable_telemetry: measure the step-phase split, throughput, MFU, memory, GPU utilisation and
+            stragglers (docs/telemetry.md). straggler_margin: a rank computing this fraction longer than
+            the median (step time less exposed communication) is a straggler. tensorboard: also write
+            TensorBoard scalars (``trainscale[tensorboard]``).
+        batch_size: "max" rebuilds the training DataLoader with the largest per-device batch that trains on
+            every rank (``trainscale.tune.batch_size``); None keeps the loader's. max_memory: the bytes each
+            rank's step may peak at in that search (required on CPU).
+        lr_scaling: "linear" (SGD; Goyal et al. 2017) or "sqrt" (Adam/AdamW; Malladi et al. 2022): every step
+            uses each param group's lr × the rule's factor of global batch / ``base_batch_size`` (the global
+            batch size the learning rates were tuned at); None: unscaled. lr_warmup_steps: ramp the factor
+            linearly from 1 to its value over this many optimizer steps (Goyal et al.'s warm-up; 0: none).
+            See :mod:`trainscale.scaling.batch_scaling`.
+        limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction
+            of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`).
+            limit_val_batches: the same for each rank's validation batches, in ``fit`` and ``validate``.
+        count_flops: count the FLOPs of the run's first micro-batch with ``FlopCounterMode`` for MFU (None: on
+            CUDA only, never under ``compile``). peak_flops: FLOP/s of one device for MFU (None: the table of
+            ``trainscale.telemetry.flops``).
+    """
+
+    max_epochs: int = 1
+    max_steps: int | None = None
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str = "norm"
+    seed: int = 0
+    default_root_dir: Path = Path("runs")
+    log_every_n_steps: int = 50
+    enable_progress_bar: bool = True
+    enable_checkpointing: bool = True
+    checkpoint_every_n_steps: int | None = None
+    keep_last: int | None = 3
+    checkpoint_async: bool = False
+    on_nonfinite: str = "raise"
+    max_nonfinite_skips: int = 10
+    handle_signals: bool = True
+    enable_telemetry: bool = True
+    straggler_margin: float = 0.2
+    tensorboard: bool = False
+    batch_size: str | None = None
+    max_memory: int | None = None
+    lr_scaling: str | None = None
+    base_batch_size: int | None = None
+    lr_warmup_steps: int = 0
+    limit_train_batches: int | float | None = None
+    limit_val_batches: int | float | None = None
+    count_flops: bool | None = None
+    peak_flops: float | None = None
+
+    def train_batches(self, full: int) -> int:
+        """An epoch's micro-batches under ``limit_train_batches``, of ``full`` without it."""
+        return _limited(self.limit_train_batches, full)
+
+    def val_batches(self, full: int) -> int:
+        """A rank's validation batches under ``limit_val_batches``, of ``full`` without it."""
+        return _limited(self.limit_val_batches, full)
+
+    @property
+    def step_limit(self) -> float:
+        """``max_steps``, or infinity when there is none."""
+        return math.inf if self.max_steps is None else self.max_steps
+
+
+
+
+def _int(name: str, value, low: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low}" + (" or None" if optional else ""))
+
+
+def _number(name: str, value, optional: bool = False, low: float = 0.0, hint: str = "") -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
+        raise ValueError(f"{name}={value!r} must be a finite number >= {low}" + (" or None" if optional else "")
+                         + hint)
+
+
+def _limited(limit: int | float | None, full: int) -> int:
+    """``full`` batches cut to ``limit``: a count, or a fraction (at least one batch when there are any)."""
+    if limit is None or full == 0:
+        return full
+    return min(full, limit) if isinstance(limit, int) else max(1, int(full * limit))
+
+
+def _limit(name: str, value) -> None:
+    """None, an int >= 1 (a count) or a float in (0, 1] (a fraction), as Lightning's ``limit_*_batches``."""
+    count = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    if not (value is None or count or (isinstance(value, float) and 0.0 < value <= 1.0)):
+        raise ValueError(f"{name}={value!r} must be an int >= 1 (batches per epoch), a float in (0, 1] (a fraction "
+                         "of them) or None (all)")
+
+
+def _choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        names = [repr(c) for c in choices]
+        raise ValueError(f"{name}={value!r}; choose {', '.join(names[:-1])} or {names[-1]}")
+
+
+def _flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False")
+
+
+def _root_dir(value) -> Path:
+    if not isinstance(value, (str, Path)) or str(value) == "":
+        raise ValueError(f"default_root_dir={value!r} must be a directory path (str or Path)")
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"default_root_dir={str(path)!r} is a file; pass a directory (runs go to "
+                         "<default_root_dir>/version_N)")
+    return path
+
+
+def _check_lr_scaling(cfg: TrainerConfig) -> None:
+    """``lr_scaling`` with its ``base_batch_size``; neither of its companions without it."""
+    _choice("lr_scaling", cfg.lr_scaling, (None, "linear", "sqrt"))
+    _int("base_batch_size", cfg.base_batch_size, 1, optional=True)
+    _int("lr_warmup_steps", cfg.lr_warmup_steps, 0)
+    if cfg.lr_scaling is not None and cfg.base_batch_size is None:
+        raise ValueError(f"lr_scaling={cfg.lr_scaling!r} needs base_batch_size=: the global batch size your learning "
+                         "rates were tuned at (e.g. base_batch_size=256)")
+    given = [f"{name}={value!r}" for name, value in (("base_batch_size", cfg.base_batch_size),
+                                                     ("lr_warmup_steps", cfg.lr_warmup_steps)) if value]
+    if cfg.lr_scaling is None and given:
+        raise ValueError(f"{' and '.join(given)} has no effect without lr_scaling: pass lr_scaling='linear' (SGD) or "
+                         "'sqrt' (Adam, AdamW), or drop it")
+
+
+def resolve_trainer_config(**flags) -> TrainerConfig:
+    """Validate the Trainer's flags and return them as a :class:`TrainerConfig`.
+
+    Raises:
+        ValueError: a value of the wrong type or range, naming the flag and what it accepts.
+        TypeError: an unknown flag.
+    """
+    cfg = make_flags(TrainerConfig, "Trainer", (), flags)
+    for name in ("max_epochs", "accumulate_grad_batches", "log_every_n_steps"):
+        _int(name, getattr(cfg, name), 1)
+    _int("max_steps", cfg.max_steps, 1, optional=True)
+    _int("checkpoint_every_n_steps", cfg.checkpoint_every_n_steps, 1, optional=True)
+    _int("keep_last", cfg.keep_last, 1, optional=True)
+    _int("max_nonfinite_skips", cfg.max_nonfinite_skips, 0)
+    _int("seed", cfg.seed, 0)
+    _int("max_memory", cfg.max_memory, 1, optional=True)
+    _choice("batch_size", cfg.batch_size, (None, "max"))
+    _limit("limit_train_batches", cfg.limit_train_batches)
+    _limit("limit_val_batches", cfg.limit_val_batches)
+    if cfg.seed >= 2**32:
+        raise ValueError(f"seed={cfg.seed} must be < 2**32 (numpy's limit)")
+    _number("gradient_clip_val", cfg.gradient_clip_val, optional=True, low=1e-12)
+    _number("straggler_margin", cfg.straggler_margin, hint=" (0.2 means 20 % over the median)")
+    _number("peak_flops", cfg.peak_flops, optional=True, low=1.0)
+    if cfg.count_flops is not None:
+        _flag("count_flops", cfg.count_flops)
+    _choice("gradient_clip_algorithm", cfg.gradient_clip_algorithm, ("norm", "value"))
+    _choice("on_nonfinite", cfg.on_nonfinite, ("raise", "skip"))
+    _check_lr_scaling(cfg)
+    for name in ("enable_progress_bar", "enable_checkpointing", "handle_signals", "enable_telemetry", "tensorboard",
+                 "checkpoint_async"):
+        _flag(name, getattr(cfg, name))
+    root = _root_dir(cfg.default_root_dir)
+    if cfg.tensorboard:
+        from trainscale.telemetry.sinks import TensorBoardSink
+
+        if not TensorBoardSink.available():
+            raise ValueError("tensorboard=True needs the tensorboard package: pip install 'trainscale[tensorboard]' "
+                             "(or pass tensorboard=False; metrics.jsonl and CSV files are always written)")
+    return TrainerConfig(**{**flags, "default_root_dir": root})

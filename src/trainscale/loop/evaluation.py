@@ -1,0 +1,196 @@
+"""Validation, test and prediction loops: every sample counted once across ranks.
+
+Evaluation loaders are split without padding (``UnpaddedDistributedSampler``: rank ``r`` of ``W``
+takes samples ``r, r + W, ...``), so ranks may hold one batch more or less. No collective runs
+inside the loop, except the forwards themselves under a strategy whose forward communicates (fsdp
+all-gathers parameters): there every rank runs as many forwards as the rank with the most batches,
+the extra results discarded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainscale.checkpointing import run_dirs as ckpt
+from trainscale.lightning.data_sources import resolve_loaders
+from trainscale.lightning.metrics import MetricCollector
+from trainscale.lightning.module import set_up_model
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
+    from trainscale.loop.trainer import Trainer
+
+
+def _extra_forwards(runtime: Runtime, num_batches: int) -> int:
+    """Forwards this rank must add so that all ranks run the most batches of any rank.
+
+    Raises:
+        ValueError: some rank has no batch at all (fewer samples than ranks).
+    """
+    most, neg_least = runtime.all_reduce(torch.tensor([num_batches, -num_batches], device=runtime.device),
+                                         op="max").tolist()
+    if -neg_least == 0 and most > 0:
+        raise ValueError(f"strategy={runtime.config.strategy!r} evaluates through collectives, but some rank has no "
+                         "evaluation batch; give the evaluation set at least as many samples as ranks")
+    return most - num_batches
+
+
+def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stage: str, collector: Any,
+             num_batches: int | None = None) -> dict[str, float]:
+    """Sample-weighted means over the whole set (or its first ``num_batches`` batches on each rank) of what
+    ``<stage>_step`` returned (or loss and accuracy for a plain classifier), prefixed ``val_``/``test_``, plus
+    what ``self.log`` collected (as named).
+
+    Sums and counts stay on the device; one all-reduce at the end. A collective: every rank calls it.
+    """
+    rt = runtime
+    prefix = "val_" if stage == "validation" else "test_"
+    num_batches = len(loader) if num_batches is None else num_batches
+    communicates = rt.strategy.forward_communicates
+    extra = _extra_forwards(rt, num_batches) if communicates else 0
+    wrapped.eval()
+    sums: dict[str, torch.Tensor] = {}
+    count = 0
+    batch = None
+    for batch_idx, batch in enumerate(itertools.islice(loader, num_batches)):
+        batch = rt.to_device(batch)
+        collector.batch_size = _count(batch)
+        with rt.autocast():
+            metrics, n = (wrapped(batch, batch_idx, stage=stage) if communicates
+                          else loop_module.evaluate(batch, batch_idx, stage))
+        for key, value in metrics.items():
+            value = torch.as_tensor(value, device=rt.device).detach().float() * n
+            sums[key] = sums[key] + value if key in sums else value
+        count += n
+    collector.discard = True  # results and self.log values discarded: each sample is still counted once
+    for _ in range(extra):
+        with rt.autocast():
+            wrapped(batch, 0, stage=stage)
+    collector.discard = False
+    keys = rt.broadcast_object(sorted(sums))  # a rank with no batch still takes part
+    vec = torch.stack([sums.get(k, torch.zeros((), device=rt.device)) for k in keys]
+                      + [torch.tensor(float(count), device=rt.device)])
+    vec = rt.all_reduce(vec).tolist()
+    wrapped.train()
+    total = vec[-1]
+    out = {f"{prefix}{k}": (v / total if total else math.nan) for k, v in zip(keys, vec[:-1])}
+    out.update(collector.take_epoch_values())
+    return out
+
+
+def _count(batch: Any) -> int:
+    from trainscale.runtime.batch import batch_size
+
+    return batch_size(batch)
+
+
+def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any) -> Any:
+    """Every sample's prediction, gathered from all ranks in dataset order (each sample once).
+
+    Returns:
+        One tensor (the per-batch outputs concatenated along dim 0) when ``predict_step`` returns
+        tensors, else a list with one entry per batch-level output split per sample where possible.
+    """
+    rt = runtime
+    communicates = rt.strategy.forward_communicates
+    extra = _extra_forwards(rt, len(loader)) if communicates else 0
+    wrapped.eval()
+    outputs, batch = [], None
+    for batch_idx, batch in enumerate(loader):
+        batch = rt.to_device(batch)
+        with rt.autocast():
+            out = wrapped(batch, batch_idx, stage="predict") if communicates else loop_module.predict(batch, batch_idx)
+        outputs.append(out.detach().cpu() if isinstance(out, torch.Tensor) else out)
+    for _ in range(extra):
+        with rt.autocast():
+            wrapped(batch, 0, stage="predict")
+    wrapped.train()
+    return _in_dataset_order(rt, outputs)
+
+
+def _in_dataset_order(runtime: Runtime, outputs: list) -> Any:
+    """Interleave the data-parallel ranks' outputs back into dataset order (sample j was on data-parallel rank
+    j % D, its j // D-th). Ranks that share their batches (the ``tp`` ranks of a group) hold the same outputs:
+    the first of each group is taken, so each sample is returned once."""
+    tensors = bool(outputs) and all(isinstance(o, torch.Tensor) for o in outputs)
+    mine = list(torch.cat(outputs).unbind(0)) if tensors else outputs
+    data_rank = runtime.strategy.data_world(runtime.world).rank
+    gathered = runtime.all_gather_object((data_rank, mine)) if runtime.world_size > 1 else [(data_rank, mine)]
+    by_data_rank: dict[int, list] = {}
+    for rank, theirs in gathered:
+        by_data_rank.setdefault(rank, theirs)
+    per_rank = [by_data_rank[r] for r in sorted(by_data_rank)]
+    ordered = [per_rank[j % len(per_rank)][j // len(per_rank)] for j in range(sum(map(len, per_rank)))]
+    if ordered and all(isinstance(o, torch.Tensor) for o in ordered):
+        return torch.stack(ordered)
+    return ordered
+
+
+def checkpoint_to_evaluate(trainer: Trainer, ckpt_path: Any) -> Path | None:
+    """The checkpoint whose weights ``validate``/``test``/``predict`` evaluate, as Lightning's ``ckpt_path``:
+    None (the model's own weights), "best" (the ``best_model_path`` of the trainer's ``ModelCheckpoint``), "last"
+    (the newest checkpoint of this script's runs under ``default_root_dir``, as ``fit(ckpt_path="last")``) or a path.
+    Resolved in the calling process, before any ``ddp_spawn`` start, so every rank loads the same file.
+
+    Raises:
+        ValueError: "best" without a ``ModelCheckpoint`` that has saved a checkpoint; a value of another type.
+        FileNotFoundError: "last" when no run of this script has a checkpoint; a path that does not exist.
+    """
+    from trainscale.callbacks import ModelCheckpoint
+    from trainscale.checkpointing.runs import script_key
+
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "best":
+        best = [cb.best_model_path for cb in trainer.callbacks
+                if isinstance(cb, ModelCheckpoint) and cb.monitor is not None and cb.best_model_path is not None]
+        if not best:
+            raise ValueError("ckpt_path='best' needs a ModelCheckpoint(monitor=...) among the Trainer's callbacks that "
+                             "has saved a checkpoint (fit first); or pass a checkpoint's path, 'last' or None")
+        return Path(best[0])
+    if ckpt_path == "last":
+        found = ckpt.find_last(trainer.config.default_root_dir, script=script_key())
+        if found is None:
+            raise FileNotFoundError(f"ckpt_path='last' but no run of {script_key()} under "
+                                    f"{str(trainer.config.default_root_dir)!r} has a checkpoint; pass a path or None")
+        return found
+    if not isinstance(ckpt_path, (str, Path)):
+        raise ValueError(f"ckpt_path={ckpt_path!r}; pass a checkpoint path, 'best', 'last' or None")
+    if not Path(ckpt_path).exists():
+        raise FileNotFoundError(f"ckpt_path={str(ckpt_path)!r} does not exist; pass an existing checkpoint, 'best', "
+                                "'last' or None (the model's own weights)")
+    return Path(ckpt_path)
+
+
+def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_fn: Any = None,
+              ckpt_path: Path | None = None, datamodule: Any = None) -> Any:
+    """``Trainer.validate``/``test``/``predict`` outside ``fit`` (``method``): ``model`` set up by the trainer's
+    runtime, with the weights of ``ckpt_path`` when given (:func:`checkpoint_to_evaluate`; only the model's, the
+    SHA-256 verified), the loader (passed, or from ``datamodule``'s or the model's hook: ``data_sources``) made
+    sequential and unpadded (each sample once), then :func:`predict` or :func:`evaluate_stage`."""
+    rt = trainer.runtime
+    dataloaders, _ = resolve_loaders(rt, method, model, dataloaders, datamodule)
+    loop_module, wrapped = set_up_model(trainer, model, loss_fn)  # the model of an earlier fit: as it was set up
+    if ckpt_path is not None:
+        rt.load(ckpt_path, {"model": model})
+        rt.print(f"trainscale: {method} with the weights of {ckpt_path}")
+    loader = rt.setup_dataloader(dataloaders, seed=trainer.config.seed, shuffle=False, even=False)
+    if method == "predict":
+        return predict(rt, loop_module, wrapped, loader)
+    return evaluate_stage(trainer, loop_module, wrapped, loader, "validation" if method == "validate" else "test")
+
+
+def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loader: Any, stage: str) -> dict[str, float]:
+    """:func:`evaluate`, with ``trainer.metric_collector`` (where ``self.log`` in the steps goes) a collector of
+    ``stage`` meanwhile; validation on ``limit_val_batches`` of each rank's batches."""
+    collector, trainer.metric_collector = trainer.metric_collector, MetricCollector(trainer.runtime, stage)
+    num_batches = trainer.config.val_batches(len(loader)) if stage == "validation" else len(loader)
+    try:
+        return evaluate(trainer.runtime, loop_module, wrapped, loader, stage, trainer.metric_collector, num_batches)
+    finally:
+        trainer.metric_collector = collector

@@ -1,0 +1,151 @@
+"""The loop's values: micro-batch grouping, per-micro-batch books, the epoch loss, the objects of a fit.
+
+- :func:`micro_batches` — the micro-batches of an epoch, each knowing whether it ends an optimizer step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
+
+import torch
+
+from trainscale.checkpointing.rng import set_rng_state
+from trainscale.runtime.batch import batch_counts
+
+if TYPE_CHECKING:
+    from trainscale.runtime.runtime import Runtime
+
+
+class MicroBatch(NamedTuple):
+    batch: Any
+    index: int  # position in the epoch (Lightning's batch_idx)
+    is_last: bool  # the last micro-batch of its optimizer step: gradients are synchronised and stepped
+    group_size: int  # micro-batches in its optimizer step (the epoch's last step may have fewer than k)
+
+
+def micro_batches(batches: Iterable, k: int, total: int, start: int = 0) -> Iterator[MicroBatch]:
+    """Number ``batches`` (``total`` of them, the first at index ``start``) and group them by ``k``.
+
+    >>> [(m.index, m.is_last, m.group_size) for m in micro_batches("abcde", 2, 5)]
+    [(0, False, 2), (1, True, 2), (2, False, 2), (3, True, 2), (4, True, 1)]
+    """
+    for i, batch in enumerate(batches):
+        first = (i // k) * k
+        group_size = min(k, total - first)
+        yield MicroBatch(batch, start + i, i - first == group_size - 1, group_size)
+
+
+class EpochLoss:
+    """The epoch's training loss, summed on the device (no host sync per step), its samples and tokens."""
+
+    def __init__(self, device: torch.device, carried: tuple = (0.0, 0.0, 0.0, 0.0)) -> None:
+        self.sum = torch.zeros((), device=device)
+        self.samples = 0
+        self.tokens = 0
+        # from the part of the epoch before a resume: loss sum, samples, (tokens,) seconds
+        self.carried = (*carried[:2], carried[2] if len(carried) == 4 else 0.0)
+
+    def add(self, loss: torch.Tensor, samples: int, tokens: int | None = None) -> None:
+        self.sum.add_(loss, alpha=samples)  # bf16 losses promote to fp32
+        self.samples += samples
+        self.tokens += tokens or 0
+
+    def totals(self, runtime: Runtime) -> tuple[float, float, float]:
+        """(loss × samples, samples, tokens) over the data-parallel ranks, with the carried part. A collective.
+
+        Every rank adds its own; under tensor parallelism the ``tp`` ranks of a group read the same samples,
+        so the sums are divided by ``world_size / data_parallel_size`` (each sample counted once)."""
+        device = self.sum.device
+        copies = runtime.world_size / runtime.data_parallel_size
+        vec = runtime.all_reduce(torch.stack([self.sum, torch.tensor(float(self.samples), device=device),
+                                              torch.tensor(float(self.tokens), device=device)])).tolist()
+        return tuple(v / copies + c for v, c in zip(vec, self.carried))
+
+
+class MicroBatchBooks:
+    """What the loop counts for each micro-batch, in one place: the data phase's end, samples and tokens (and
+    ``self.log``'s batch size), then the telemetry phases, the epoch's loss sum (on the device), the non-finite
+    watch, the loop position and the progress bar. Nothing here waits for the device."""
+
+    def __init__(self, telemetry: Any, faults: Any, state: Any, metrics: Any, epoch_loss: EpochLoss, bar: Any) -> None:
+        self.telemetry, self.faults, self.state, self.metrics = telemetry, faults, state, metrics
+        self.epoch_loss, self.bar = epoch_loss, bar
+        self._t_data: Any = None
+        self._counts: tuple[int, int | None] = (0, None)
+
+    def batch_ready(self, batch: Any) -> None:
+        """The micro-batch is on the device: the data phase ends; its samples and tokens are counted."""
+        self._t_data = self.telemetry.clock()
+        self._counts = batch_counts(batch)
+        self.metrics.batch_size = self._counts[0]
+
+    def backward_done(self, loss: torch.Tensor, t_forward: Any) -> None:
+        """Forward and backward ended (``t_forward``: the clock reading between them); ``loss`` is detached."""
+        samples, tokens = self._counts
+        self.telemetry.micro_batch(self._t_data, t_forward, self.telemetry.clock(), samples, tokens)
+        self.faults.observe_loss(loss, self.state.global_step)
+        self.epoch_loss.add(loss, samples, tokens)
+        self.state.batches += 1
+        self.bar.update()
+
+
+@dataclass
+class FitRun:
+    """The objects of one ``fit`` (or evaluation) call, made in ``Trainer._setup``."""
+
+    model: Any
+    loop_module: Any  # trainscale.lightning.module.LoopModule
+    wrapped: Any
+    train_loader: Any
+    val_loader: Any
+    telemetry: Any
+    sink: Any = None
+    bar: Any = None
+    epoch_loss: EpochLoss | None = None
+    books: MicroBatchBooks | None = None
+    epoch_batches: int = 0  # micro-batches of the current epoch in all
+    epoch_offset: int = 0  # of them, those done before this process resumed the epoch
+    started: float = 0.0
+
+def start_epoch(loader, epoch: int, position: dict | None, world_size: int, saved_world_size: int) -> int:
+    """Point ``loader``'s sampler at ``epoch`` and, when resuming that epoch, at its saved position.
+
+    Returns:
+        Micro-batches to skip by iterating (only for samplers that cannot start mid-epoch; 0 otherwise).
+
+    Raises:
+        ValueError: a mid-epoch position with a sampler that cannot start there on another world size.
+    """
+    sampler = getattr(loader, "sampler", None)
+    resume = position is not None and position["epoch"] == epoch and not position["complete"]
+    if hasattr(sampler, "consumed_after"):
+        sampler.set_epoch(epoch, position["consumed"] if resume and position["consumed"] is not None else 0)
+        if resume and position["consumed"] is None:
+            raise ValueError("the checkpoint holds no sample position for this epoch; resume with the loader "
+                             "it was written with")
+        return 0
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    skip = position["batches"] if resume else 0
+    if skip and world_size != saved_world_size:
+        raise ValueError(f"resuming mid-epoch on world size {world_size} (saved on {saved_world_size}) needs the "
+                         "sampler trainscale injects; let the Trainer shard the DataLoader (no own sampler)")
+    return skip
+
+def epoch_batches(fit, state, epoch: int, resume, world_size: int, limit=lambda full: full):
+    """Point ``fit``'s training loader at ``epoch`` (at ``resume``, a ``ResumePoint``, when it continues that
+    epoch) and return the epoch's batches; set ``fit.epoch_offset`` (micro-batches done before), ``fit.epoch_batches``
+    (the epoch's micro-batches in all: ``limit`` of the loader's, ``TrainerConfig.train_batches``) and
+    ``state.batches``. trainscale's sampler starts mid-epoch itself (its ``len`` is then what is left); other
+    samplers' first batches are skipped by iterating. A mid-epoch checkpoint's RNG states are restored here,
+    after the loader's iterator is made, as when it was saved."""
+    state.batches = fit.epoch_offset = resume.batches if resume else 0
+    skip = start_epoch(fit.train_loader, epoch, resume.position() if resume else None, world_size,
+                       resume.world_size if resume else world_size)
+    fit.epoch_batches = limit(len(fit.train_loader) + (0 if skip else fit.epoch_offset))
+    batches = iter(fit.train_loader)
+    if resume is not None and resume.rng is not None:
+        set_rng_state(resume.rng)
+    return itertools.islice(batches, skip, skip + max(0, fit.epoch_batches - fit.epoch_offset))

@@ -1,0 +1,447 @@
+"""Trainer: the training loop, built on Runtime. ``Trainer(devices=2).fit(model, train_loader, optimizer=...)``
+
+``model`` is a plain ``nn.Module`` with ``loss_fn``, or a Lightning-style ``trainscale.TrainingModule``.
+The loop reads top to bottom: ``fit`` → ``_train_epoch`` → :meth:`Trainer.train_step` (one optimizer step over
+its micro-batches, every effect of it named there in order) → ``_end_epoch``; the same code runs at world
+size 1 (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from trainscale.callbacks import Callback, ModelCheckpoint, resolve_callbacks
+from trainscale.loggers import resolve_loggers
+from trainscale.runtime.connector import RuntimeFlags, check_flag_names, flag_signature
+from trainscale.runtime.runtime import Runtime
+from trainscale.telemetry.flops import resolve_count_flops
+from trainscale.telemetry.processor import create_telemetry
+from trainscale.checkpointing import checkpointer
+from trainscale.checkpointing.rng import seed_everything
+from trainscale.loop import evaluation
+from trainscale.scaling.batch_scaling import BatchScaling
+from trainscale.tune.batch_size import tuned_loader
+from trainscale.checkpointing.writes import CheckpointWrites
+from trainscale.loop.data_checks import check_loaders, explain_batch_error
+from trainscale.lightning.data_sources import resolve_fit_loaders
+from trainscale.loop.config import TrainerConfig, resolve_trainer_config
+from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
+from trainscale.lightning.metrics import MetricCollector
+from trainscale.lightning.module import set_up_model
+from trainscale.lightning.optimizers import ManualOptimizer, step_schedulers
+from trainscale.loop.progress import ProgressBar
+from trainscale.loop.records import RecordWriter, epoch_line, epoch_record, run_header, step_record
+from trainscale.loop.spawned import run_spawned
+from trainscale.checkpointing.runs import choose_run_dir, resolve_ckpt_path
+from trainscale.loop.summary import finish_run, hyperparams
+from trainscale.lightning.optimizer_setup import build_optimizers
+from trainscale.checkpointing.train_state import ResumePoint, TrainState
+from trainscale.loop.state import EpochLoss, FitRun, MicroBatch, MicroBatchBooks, epoch_batches, micro_batches
+
+
+class Trainer:
+    """Fit, validate, test and predict on any strategy by changing flags.
+
+    ``Trainer(**flags)`` takes keyword flags only, each declared and documented once: the runtime's on
+    :class:`~trainscale.runtime.connector.RuntimeFlags` (accelerator, devices, strategy, precision, ...; with
+    ``devices > 1`` outside a launcher the script re-executes under torchrun here), the loop's on
+    :class:`~trainscale.loop.config.TrainerConfig` (max_epochs, accumulate_grad_batches, ...). A misspelt flag is a
+    ``TypeError`` naming the closest one. ``callbacks``: a list of :class:`trainscale.callbacks.Callback` (every record holds the learning rates without one);
+    ``logger``: one or a list of ``trainscale.loggers`` (None: a ``CSVLogger``; False: none; docs/loggers.md).
+    ``checkpoint_async=True`` (sharded strategies): checkpoints written in the background (``checkpointing/writes.py``).
+
+    Raises:
+        ValueError: any bad flag, raised on every rank before a process group is created.
+    """
+
+    def __init__(self, *, callbacks: list[Callback] | None = None, logger: Any = None, **flags: Any) -> None:
+        self.flags = dict(flags, callbacks=callbacks, logger=logger)  # as given: a ddp_spawn rank rebuilds from them
+        check_flag_names("Trainer", flags, RUNTIME_FLAG_NAMES + tuple(f.name for f in fields(TrainerConfig)))
+        runtime_flags = {name: flags.pop(name) for name in RUNTIME_FLAG_NAMES if name in flags}
+        self.config = resolve_trainer_config(**flags)
+        self.batch_scaling = BatchScaling(self.config)
+        self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint())
+        self.loggers = resolve_loggers(logger)  # on every rank, so a bad value fails everywhere; used on rank zero
+        self.runtime = Runtime(**runtime_flags)
+        self.checkpoints = CheckpointWrites(self.runtime, self.config, self.log_metrics)  # checkpoint_async
+        self.count_flops = resolve_count_flops(self.config.count_flops, self.runtime.device.type,
+                                               self.runtime.config.compile is not None)
+        if not self.runtime.spawns:  # under ddp_spawn, fit/validate start the processes
+            self.runtime.launch()
+        self.state = TrainState()
+        self.run_dir: Path | None = None
+        self.callback_metrics: dict[str, float] = {}  # the latest number of each name (epoch records, logs)
+        self.should_stop = False  # set by a callback (EarlyStopping): stop after this epoch, on every rank
+        self.optimizers: list = []
+        self.schedulers: list = []
+        self.manual_optimizers: list[ManualOptimizer] = []
+        self.metric_collector = MetricCollector(self.runtime, "train")
+        self._pending: dict[str, dict[str, float]] = {}  # log_metrics() values for the next "step" or "epoch" record
+        self._fit: FitRun | None = None
+        self.last_setup: tuple | None = None  # (model, LoopModule, wrapped) of the last fit or evaluation: reused
+        self.is_step_end = False  # in on_train_batch_end: this micro-batch ended an optimizer step
+
+    def _default_checkpoint(self) -> ModelCheckpoint | None:
+        """The checkpoint callback the Trainer's flags ask for, used when the user gives no ``ModelCheckpoint``."""
+        cfg = self.config
+        if not (cfg.enable_checkpointing or cfg.checkpoint_every_n_steps):
+            return None
+        return ModelCheckpoint(every_n_epochs=1 if cfg.enable_checkpointing else 0,
+                               every_n_train_steps=cfg.checkpoint_every_n_steps,
+                               save_top_k=-1 if cfg.keep_last is None else cfg.keep_last)
+
+    @property
+    def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
+        """The ``ModelCheckpoint`` callbacks: the user's, or the default one (``enable_checkpointing``)."""
+        return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+
+    global_step = property(lambda self: self.state.global_step, doc="Optimizer steps taken so far (int).")
+    current_epoch = property(lambda self: self.state.epoch, doc="The epoch running, or the last one run (from 0).")
+    history = property(lambda self: self.state.history, doc="One record (a dict) per finished epoch.")
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """Samples per optimizer step: micro-batch × data-parallel ranks × accumulate_grad_batches; None before fit."""
+        return self.batch_scaling.global_batch_size
+
+    @property
+    def is_log_step(self) -> bool:
+        """True right after an optimizer step whose step record is written."""
+        return self.is_step_end and self.state.global_step % self.config.log_every_n_steps == 0
+
+    def log_metrics(self, metrics: dict[str, float], epoch: bool = False) -> None:
+        """Add numbers to the next step record (or, ``epoch=True``, to this epoch's record)."""
+        self._pending.setdefault("epoch" if epoch else "step", {}).update(metrics)
+
+    # -- fit ----------------------------------------------------------------------------------------
+    def fit(self, model: nn.Module, train_dataloaders: torch.utils.data.DataLoader | None = None,
+            val_dataloaders: torch.utils.data.DataLoader | None = None, *, loss_fn: Callable | None = None,
+            optimizer: Callable | torch.optim.Optimizer | None = None, ckpt_path: str | Path | None = None,
+            ckpt_verify: bool = True, datamodule: Any = None) -> dict:
+        """Train ``model``; validate and checkpoint at each epoch end. Returns the run summary (``summary.json``).
+
+        ``model``: a plain ``nn.Module`` (``(inputs, targets)`` batches, ``loss_fn``, default cross-entropy) or
+        one with ``training_step``. ``train_dataloaders``: per-device ``batch_size``; its sampler is replaced by a
+        distributed one (None: ``datamodule``'s or the model's ``train_dataloader()``, ``lightning/data_sources.py``).
+        ``val_dataloaders``: evaluated on all ranks, each sample once. ``optimizer``: a factory
+        ``params -> Optimizer`` (built after the strategy wraps the model) or None for ``configure_optimizers()``;
+        either may return any of Lightning's forms. ``ckpt_path``: a checkpoint, "last" (this script's newest
+        run under ``default_root_dir``; a warning and a fresh start when there is none) or None; resuming a
+        run's newest checkpoint continues its directory, any other starts a new ``version_N``. After a
+        torchrun restart or a SLURM requeue, None resumes this job's "last". ``ckpt_verify=False`` loads a
+        checkpoint whose ``.sha256`` is missing (refused by default). Under "ddp_spawn"/"ddp_notebook" the body
+        runs in processes started here and rank 0's weights are loaded back into ``model``.
+
+        Raises:
+            FileNotFoundError / CheckpointError: a missing or corrupted ``ckpt_path``.
+            ValueError / TypeError: a bad model, optimizer or batch, named with its fix.
+            trainscale.runtime.hangs.CollectiveTimeout: a collective timed out or a peer crashed.
+            trainscale.faults.tolerance.NonFiniteLossError, trainscale.faults.tolerance.Preempted: docs/fault-tolerance.md.
+        """
+        if self.runtime.spawns:
+            return run_spawned(self, "fit", model, train_dataloaders=train_dataloaders,
+                               val_dataloaders=val_dataloaders, loss_fn=loss_fn, optimizer=optimizer,
+                               ckpt_path=ckpt_path, ckpt_verify=ckpt_verify, datamodule=datamodule)
+        train_dataloaders, val_dataloaders = resolve_fit_loaders(self.runtime, model, train_dataloaders,
+                                                                 val_dataloaders, datamodule)
+        cfg = self.config
+        self._fit = None
+        self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
+                                      cfg.handle_signals)
+        try:
+            return self._run_fit(model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, ckpt_verify)
+        except BaseException as err:
+            self._call("on_exception", err)
+            explained = explain_batch_error(err) or self._faults.diagnose(
+                err, f"at epoch {self.current_epoch}, step {self.global_step}")
+            if explained is None:
+                raise
+            raise explained from err
+        finally:
+            self._faults.stop()
+            if self._fit is not None and self._fit.sink is not None:  # fit raised (finish_run closes it otherwise)
+                self._fit.sink.close("failed")
+                self._fit.sink = None
+            # self._fit stays: save_checkpoint() after fit writes the fitted state
+
+    def _run_fit(self, model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, verify) -> dict:
+        rt, cfg = self.runtime, self.config
+        resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
+        train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
+        seed_everything(cfg.seed)
+        fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
+        point = self._load(resume_from, verify) if resume_from is not None else None
+        global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers, lambda: self.state.global_step)
+        self.run_dir = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)
+        self._faults.start(self.run_dir)
+        for cb in self.checkpoint_callbacks:
+            cb.setup(self)
+        fit.sink = RecordWriter(self.run_dir, cfg.tensorboard, self.loggers, hyperparams(self, model)) \
+            if rt.is_rank_zero else None
+        rt.print(run_header(rt, global_batch, self.run_dir))
+        self._call("on_fit_start")
+        for epoch in range(point.next_epoch if point else 0, cfg.max_epochs):
+            if self.state.global_step >= cfg.step_limit or self.should_stop:
+                break
+            self._train_epoch(fit, epoch, point if point is not None and point.resumes(epoch) else None)
+            self._end_epoch(fit, epoch)
+        self.checkpoints.wait()  # a background checkpoint write still in flight is published
+        summary = finish_run(self, fit, global_batch, resume_from, self._faults.skipped)
+        self._call("on_fit_end")
+        return summary
+
+    def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
+        rt = self.runtime
+        loop_module, wrapped = set_up_model(self, model, loss_fn)  # reused from an earlier fit or evaluation
+        self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
+            model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr)
+        train_loader = rt.setup_dataloader(train_dataloaders, seed=self.config.seed)
+        val_loader = rt.setup_dataloader(val_dataloaders, seed=self.config.seed, even=False) if val_dataloaders else None
+        check_loaders(train_loader, val_loader)
+        telemetry = create_telemetry(rt, self.config.enable_telemetry, count_flops=self.count_flops,
+                                     peak_flops=self.config.peak_flops,
+                              straggler_margin=self.config.straggler_margin)
+        telemetry.attach(wrapped)
+        self._fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, telemetry)
+        return self._fit
+
+    # -- one epoch ----------------------------------------------------------------------------------
+    def _train_epoch(self, fit: FitRun, epoch: int, resume: ResumePoint | None) -> None:
+        rt, cfg = self.runtime, self.config
+        self.state.epoch = epoch
+        batches = epoch_batches(fit, self.state, epoch, resume, rt.world_size, cfg.train_batches)
+        fit.wrapped.train()
+        remaining = fit.epoch_batches - fit.epoch_offset
+        fit.bar = ProgressBar(cfg.enable_progress_bar and rt.is_rank_zero, remaining, f"epoch {epoch + 1}/{cfg.max_epochs}")
+        fit.epoch_loss = EpochLoss(rt.device, resume.totals if resume else (0.0, 0.0, 0.0, 0.0))
+        fit.books = MicroBatchBooks(fit.telemetry, self._faults, self.state, self.metric_collector, fit.epoch_loss,
+                                    fit.bar)
+        fit.started = time.perf_counter() - (resume.totals[-1] if resume else 0.0)
+        self._call("on_train_epoch_start")
+        fit.telemetry.start()
+        steps = micro_batches(rt.prefetch(batches), cfg.accumulate_grad_batches, remaining, start=fit.epoch_offset)
+        while self.state.global_step < cfg.step_limit and self.train_step(fit, steps):
+            pass
+        fit.bar.close()
+
+    def train_step(self, fit: FitRun, steps: Iterator[MicroBatch]) -> bool:
+        """One optimizer step over its micro-batches, every effect of it named here in order. False when the
+        epoch had no micro-batch left.
+
+        1. Each micro-batch: to the device, forward under autocast, backward of the loss ÷ micro-batches per
+           step; the gradient all-reduce (ddp) or reduce-scatter (fsdp) runs on the step's last micro-batch
+           only (``no_backward_sync``). Under pp one schedule step does forward and backward; under manual
+           optimization the module's ``training_step`` does it all, stepping its own optimizers.
+        2. Clipping (after the GradScaler's unscale under "16-mixed"; DTensor-aware under fsdp/tp/pp).
+        3. Non-finite gradients: skipped with ``on_nonfinite="skip"`` (one host sync); with "raise" the
+           losses are checked at the agreed check steps in step 6, without a host sync per step.
+        4. The optimizer step at the learning rate scaled to the global batch (``lr_scaling``, this step
+           only), through the GradScaler under "16-mixed"; then ``zero_grad(set_to_none=True)``.
+        5. Learning-rate schedulers with ``interval="step"``; the step count; ``on_train_batch_end``; the step
+           record every ``log_every_n_steps``.
+        6. Faults and checkpoints (:meth:`_checkpoint_if_due`): signals and the non-finite check at the steps
+           every rank agreed on, a checkpoint every ``checkpoint_every_n_steps``.
+        """
+        rt, cfg, tele = self.runtime, self.config, fit.telemetry
+        self.is_step_end = False
+        # 1. Forward and backward, micro-batch by micro-batch.
+        for micro in steps:
+            batch = rt.to_device(micro.batch)  # on CUDA already there: prefetch copied it while the last step ran
+            fit.books.batch_ready(batch)  # the data phase ends; samples and tokens (self.log's batch size)
+            if tele.counting_flops:  # the run's first micro-batch: its FLOPs counted once, for MFU
+                loss, t_forward = tele.count_flops_of(lambda: self._forward_backward(fit, batch, micro), fit.wrapped,
+                                                      batch)
+            else:
+                loss, t_forward = self._forward_backward(fit, batch, micro)
+            loss = loss.detach()
+            fit.books.backward_done(loss, t_forward)  # phases, epoch loss sum, non-finite watch, progress bar
+            if micro.is_last:
+                break
+            self._call("on_train_batch_end", loss, micro.batch, micro.index)
+        else:
+            return False
+        grad_norm = None
+        if not self.manual_optimizers:
+            optimizer = self.optimizers[0]
+            # 2. Clip.
+            if cfg.gradient_clip_val is not None:
+                by_norm = cfg.gradient_clip_algorithm == "norm"
+                grad_norm = rt.clip_gradients(fit.wrapped, optimizer, max_norm=cfg.gradient_clip_val if by_norm else None,
+                                              clip_val=None if by_norm else cfg.gradient_clip_val)
+            # 3. Skip a step whose gradients are not finite ("skip" mode).
+            skip = cfg.on_nonfinite == "skip" and self._faults.skip_step(fit.wrapped, optimizer, grad_norm,
+                                                                         step=self.global_step, epoch=self.current_epoch)
+            # 4. Step at the scaled learning rate, then zero the gradients.
+            if not skip:
+                with self.batch_scaling.scaled_lr(optimizer):
+                    rt.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+        tele.end_step()  # the "optimizer" phase ends
+        # 5. Schedulers, the step count, callbacks, the step record.
+        step_schedulers(self.schedulers, "step", self.state.global_step + 1, self.callback_metrics)
+        self.state.global_step += 1
+        self.is_step_end = True
+        self._call("on_train_batch_end", loss, micro.batch, micro.index)
+        if self.is_log_step:
+            self._log_step(fit, loss, grad_norm)
+        # 6. Signals, the non-finite check and checkpoints, when due.
+        self._checkpoint_if_due(fit, epoch_end=False)
+        return True
+
+    def _forward_backward(self, fit: FitRun, batch: Any, micro: MicroBatch) -> tuple[torch.Tensor, Any]:
+        """One micro-batch's forward under autocast and backward, without the gradient all-reduce before the
+        step's last micro-batch; one pipeline schedule step (pp); or the user's manual ``training_step``.
+        Returns the loss and the clock reading between forward and backward."""
+        rt, tele = self.runtime, fit.telemetry
+        if self.manual_optimizers:  # the user's training_step steps the optimizers itself
+            with rt.autocast():
+                return fit.loop_module.manual_step(batch, micro.index), tele.clock()
+        if rt.strategy.pipelined:  # forward and backward in one pipeline schedule step ("pp")
+            loss = rt.forward_backward(fit.wrapped, batch, fit.loop_module.loss_fn, micro.group_size, micro.is_last)
+            return loss, tele.clock()
+        with rt.no_backward_sync(fit.wrapped, enabled=not micro.is_last):
+            with rt.autocast():
+                loss = fit.wrapped(batch, micro.index)
+            t_forward = tele.clock()
+            rt.backward(loss / micro.group_size if micro.group_size > 1 else loss)
+        return loss, t_forward
+
+    def _log_step(self, fit: FitRun, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        record = step_record(fit.telemetry, self.global_step, self.current_epoch, loss, grad_norm, self.optimizers)
+        record.update(self.metric_collector.take_step_values())
+        record.update(self._pending.pop("step", {}))
+        self.callback_metrics.update((k, v) for k, v in record.items() if isinstance(v, float))
+        shown = {k: record[k] for k in ("train_loss", *sorted(self.metric_collector.prog_bar)) if k in record}
+        fit.bar.set_postfix(**{k: f"{v:.4g}" for k, v in shown.items()})
+        if fit.sink is not None:
+            fit.sink.write(record)
+
+    # -- epoch end and checkpoints -------------------------------------------------------------------
+    def _end_epoch(self, fit: FitRun, epoch: int) -> None:
+        rt = self.runtime
+        self._faults.phase = "epoch end (loss all-reduce, validation)"
+        record = epoch_record(epoch, self.global_step, fit.epoch_loss.totals(rt), time.perf_counter() - fit.started,
+                              complete=self.state.batches >= fit.epoch_batches, optimizers=self.optimizers)
+        record.update(self.metric_collector.take_epoch_values())
+        if fit.val_loader is not None:
+            record.update(evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation"))
+            self._call("on_validation_end")
+        record.update(self._pending.pop("epoch", {}))
+        self.callback_metrics.update(record)
+        step_schedulers(self.schedulers, "epoch", epoch + 1, self.callback_metrics)
+        self.state.history.append(record)
+        if fit.sink is not None:
+            fit.sink.write({"kind": "epoch", "rank": "all", "time": time.time(), **record})
+        rt.print(epoch_line(record, self.config.max_epochs))
+        self._call("on_train_epoch_end")
+        self._checkpoint_if_due(fit, epoch_end=True)
+        self._faults.phase = STEP_PHASE
+
+    def _checkpoint_if_due(self, fit: FitRun, epoch_end: bool) -> None:
+        """The one place that decides when to checkpoint, after every optimizer step and at every epoch end:
+        first the fault check (signals, non-finite losses; at the steps every rank agreed on, and at epoch
+        ends), which on a signal saves and exits; then each ``ModelCheckpoint`` saves when the step or epoch
+        is one of its own."""
+        step = self.state.global_step
+        self.checkpoints.poll()  # publish a background write that has ended (a check that never blocks)
+        if epoch_end or self._faults.due(step):
+            stop = self._faults.poll(step, self.current_epoch, fit.epoch_loss.sum)
+            if stop:
+                path = self.save_checkpoint()  # on disk before the exit
+                self._faults.exit(stop, str(path))
+        ends_epoch = self.state.batches >= fit.epoch_batches or step >= self.config.step_limit
+        for cb in self.checkpoint_callbacks:
+            cb.save_if_due(self, epoch_end, ends_epoch)
+
+    def save_checkpoint(self, path: str | Path | None = None, background: bool = False) -> Path:
+        """Checkpoint everything (model, optimizers, schedulers, loop position, RNG states, callbacks) to
+        ``path`` (+ ".pt" for a one-file checkpoint) atomically; without ``path`` to
+        ``<run dir>/checkpoints/epoch=E-step=S``, and "last" then names it. During ``fit`` every rank must call
+        it at the same point; after ``fit`` it writes the fitted state. Returns the path written
+        (``background`` with ``checkpoint_async``: returns once the state is staged, the write goes on;
+        ``checkpointing/writes.py``).
+
+        Raises:
+            RuntimeError: called before any ``fit`` of this Trainer (nothing to save yet).
+        """
+        if self._fit is None:
+            raise RuntimeError("save_checkpoint() needs a fit first: there is no training state yet; call "
+                               "trainer.fit(model, ...) (or save the weights with torch.save(model.state_dict(), path))")
+        if path is None:
+            return self.write_checkpoint(self.run_dir / "checkpoints", background)
+        path = Path(path)
+        suffix = self.runtime.strategy.checkpoint_suffix
+        stem = path.with_name(path.name[: -len(suffix)]) if suffix and path.name.endswith(suffix) else path
+        return self._save(stem, None, background)
+
+    def write_checkpoint(self, directory: Path, background: bool = False) -> Path:
+        """A checkpoint named ``epoch=E-step=S`` in ``directory``, then "last" moved to it (what a
+        ``ModelCheckpoint`` calls). Every rank calls it at the same point. Returns its path."""
+        return self._save(Path(directory) / checkpointer.default_name(self._fit, self.state),
+                          self.run_dir / "checkpoints", background)
+
+    def _save(self, target: Path, last_dir: Path | None, background: bool) -> Path:
+        previous, self._faults.phase = self._faults.phase, "checkpoint save"
+        self._faults.barrier("the checkpoint save", f"at epoch {self.current_epoch}, step {self.global_step}")
+        callbacks = {cb.state_key: cb.state_dict() for cb in self.callbacks}
+        written = self.checkpoints.save(target, last_dir, self._fit, self.state, self.optimizers, self.schedulers,
+                                        callbacks, lambda content: self._call("on_save_checkpoint", content),
+                                        background)
+        self._faults.phase = previous
+        return written
+
+    def _load(self, path: Path, verify: bool) -> ResumePoint:
+        point, checkpoint = checkpointer.load(self.runtime, path, self._fit.model, self.optimizers, self.schedulers,
+                                              self.state, self.callbacks, verify)
+        self._call("on_load_checkpoint", checkpoint)
+        return point
+
+    # -- evaluation ----------------------------------------------------------------------------------
+    def validate(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader | None = None, *,
+                 loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
+                 datamodule: Any = None) -> dict[str, float]:
+        """Evaluate ``model`` across all ranks, each sample counted once: ``{"val_loss": ..., "val_accuracy": ...}``
+        (or ``validation_step``'s keys prefixed ``val_``, and what it logged), sample-weighted means. ``ckpt_path``:
+        "best", "last" or a path evaluates that checkpoint's weights (``evaluation.checkpoint_to_evaluate``).
+        ``dataloaders`` None: ``datamodule``'s or the model's ``val_dataloader()`` (``lightning/data_sources.py``)."""
+        return self._run_eval("validate", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path,
+                              datamodule=datamodule)
+
+    def test(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader | None = None, *,
+             loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
+             datamodule: Any = None) -> dict[str, float]:
+        """As :meth:`validate`, with ``test_step``, ``test_dataloader()`` and the prefix ``test_``."""
+        return self._run_eval("test", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path, datamodule=datamodule)
+
+    def predict(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader | None = None, *,
+                ckpt_path: str | Path | None = None, datamodule: Any = None) -> Any:
+        """``predict_step(batch, batch_idx)`` (or the model's output) for every sample, from all ranks in dataset order,
+        each sample once: one tensor of shape (N, ...) when the outputs are tensors; ``ckpt_path`` as :meth:`validate`'s."""
+        return self._run_eval("predict", model, dataloaders, ckpt_path=ckpt_path, datamodule=datamodule)
+
+    def _run_eval(self, method: str, model, dataloaders, ckpt_path=None, **kwargs) -> Any:
+        kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path)  # before any ddp_spawn start
+        if self.runtime.spawns:
+            return run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
+        return evaluation.run_stage(self, method, model, dataloaders, **kwargs)
+
+    # -- plumbing -------------------------------------------------------------------------------------
+    def _call(self, hook: str, *args: Any) -> None:
+        module = self._fit.model if self._fit is not None else None
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, module, *args)
+
+
+RUNTIME_FLAG_NAMES = tuple(f.name for f in fields(RuntimeFlags))
+# help(Trainer) and editors show every flag, declared once in RuntimeFlags and TrainerConfig
+Trainer.__init__.__signature__ = flag_signature(
+    RuntimeFlags, TrainerConfig,
+    extra=(inspect.Parameter("callbacks", inspect.Parameter.KEYWORD_ONLY, default=None),
+           inspect.Parameter("logger", inspect.Parameter.KEYWORD_ONLY, default=None)))

@@ -1,0 +1,91 @@
+"""Learning rate scaled with the global batch size: pure functions. The Trainer applies :func:`lr_factor` and
+:func:`warmup` at each optimizer step (``Trainer(lr_scaling=..., base_batch_size=...)``,
+:mod:`trainscale.scaling.batch_scaling`); a user of ``Runtime`` with their own loop calls
+:func:`scale_learning_rates` once, after the optimizer is built and before its LR scheduler is.
+
+- "linear": lr × G / B (Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour",
+  §2.1, with a gradual warm-up from lr to lr × G / B over the first epochs, §2.2) — for SGD.
+- "sqrt": lr × sqrt(G / B) (Malladi et al. 2022, "On the SDEs and Scaling Rules for Adaptive Gradient
+  Algorithms", NeurIPS) — for adaptive optimizers (Adam, AdamW).
+- "none": unchanged.
+
+G is the global batch size (per-device batch × devices × accumulation steps), B the batch size the
+learning rates were tuned for.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+RULES = ("linear", "sqrt", "none")
+UNSCALED_KEY = "lr_before_scaling"  # kept in each param group: scaling again starts from it
+LR_SCALE_KEY = "lr_scale"  # the Trainer's multiplier of the next step, kept in each param group
+
+
+def lr_factor(global_batch_size: int, base_batch_size: int, rule: str = "linear") -> float:
+    """The factor a learning rate tuned at ``base_batch_size`` is multiplied by at ``global_batch_size``.
+
+    Raises:
+        ValueError: an unknown rule, or a batch size that is not a positive int.
+    """
+    if rule not in RULES:
+        raise ValueError(f"lr_scaling={rule!r} is not a rule; choose one of {', '.join(map(repr, RULES))}")
+    for name, value in (("global_batch_size", global_batch_size), ("base_batch_size", base_batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int (samples per optimizer step)")
+    ratio = global_batch_size / base_batch_size
+    return {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
+
+
+def scale_learning_rates(optimizer, global_batch_size: int, base_batch_size: int,
+                         rule: str = "linear") -> list[float]:
+    """Set each param group's ``lr`` to its unscaled value × :func:`lr_factor`; return the new values.
+
+    The unscaled value is kept in the group as ``"lr_before_scaling"`` (saved with the optimizer's
+    ``state_dict``), so calling this again — after a resume, or with another world size — scales the
+    tuned value, never an already scaled one.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` (float or tensor ``lr``).
+        global_batch_size: per-device batch × devices × accumulation steps.
+        base_batch_size: the global batch size the learning rates were tuned for.
+        rule: "linear", "sqrt" or "none".
+
+    Raises:
+        ValueError: bad rule or batch sizes; or an LR scheduler already built on ``optimizer`` (its
+            ``initial_lr`` would keep the unscaled value): build the scheduler after scaling.
+    """
+    factor = lr_factor(global_batch_size, base_batch_size, rule)
+    if any("initial_lr" in group and UNSCALED_KEY not in group for group in optimizer.param_groups):
+        raise ValueError("scale the learning rates before building the LR scheduler: a scheduler already took "
+                         "'initial_lr' from this optimizer and would undo the scaling")
+    scaled = []
+    for group in optimizer.param_groups:
+        unscaled = group.setdefault(UNSCALED_KEY, float(group["lr"]))
+        new = unscaled * factor
+        if hasattr(group["lr"], "fill_"):  # a tensor lr (capturable/fused optimizers): keep the tensor
+            group["lr"].fill_(new)
+        else:
+            group["lr"] = new
+        scaled.append(new)
+    return scaled
+
+
+def warmup(warmup_steps: int, factor: float) -> Callable[[int], float]:
+    """Goyal et al.'s gradual warm-up as a ``torch.optim.lr_scheduler.LambdaLR`` multiplier: from
+    ``1 / factor`` of the scaled lr (the unscaled lr) at step 0, linearly to 1 at ``warmup_steps``.
+
+    Raises:
+        ValueError: ``warmup_steps`` < 0 or ``factor`` <= 0.
+    """
+    if warmup_steps < 0 or factor <= 0:
+        raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 and factor={factor} > 0")
+    start = 1.0 / factor
+
+    def multiplier(step: int) -> float:
+        if step >= warmup_steps:
+            return 1.0
+        return start + (1.0 - start) * step / warmup_steps
+
+    return multiplier

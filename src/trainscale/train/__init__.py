@@ -1,1 +1,0 @@
-"""The high-level loop (Trainer), built on Runtime."""

@@ -1,0 +1,91 @@
+"""The public surface as a user meets it: the top-level names, the commands' Python forms after their
+subpackages are imported, ``Trainer.save_checkpoint`` around ``fit``, and the checkpoint dict that callbacks see."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainscale.callbacks import Callback
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_documented_call_works_after_the_subpackages_are_imported():
+    code = """
+import trainscale.plan, trainscale.check, trainscale.bench, trainscale.tune
+import trainscale
+from trainscale.plan import plan
+from trainscale.check import check
+from trainscale.bench import sweep
+from trainscale.tune import find_batch_size
+for name in trainscale.__all__:
+    getattr(trainscale, name)
+assert callable(plan) and callable(check) and callable(sweep) and callable(find_batch_size)
+assert trainscale.plan.plan is plan and trainscale.check.check is check
+trainscale.seed_everything(3)
+w = trainscale.World()
+assert w.world_size == 1 and trainscale.Trainer and trainscale.Runtime and trainscale.TrainingModule
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, generator=g)
+    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8)
+
+
+class _Seen(Callback):
+    def __init__(self):
+        self.saved, self.loaded = [], []
+
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        self.saved.append(sorted(checkpoint))
+        checkpoint["my_note"] = {"step": trainer.global_step}  # a callback may add its own entries
+
+    def on_load_checkpoint(self, trainer, module, checkpoint):
+        self.loaded.append(checkpoint)
+
+
+def test_save_checkpoint_after_fit_writes_a_loadable_checkpoint_of_the_fitted_state(tmp_path):
+    from trainscale import Trainer
+    from trainscale.runtime.checkpoint_io import load_file
+
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=2, default_root_dir=tmp_path, enable_progress_bar=False,
+                      logger=False, enable_checkpointing=False)
+    with pytest.raises(RuntimeError, match="needs a fit first"):
+        trainer.save_checkpoint(tmp_path / "early.pt")
+    model = torch.nn.Linear(4, 2)
+    trainer.fit(model, _data(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    path = trainer.save_checkpoint(tmp_path / "model.ckpt")
+    assert path == tmp_path / "model.ckpt.pt" and path.is_file()
+    assert trainer.save_checkpoint(tmp_path / "again.pt") == tmp_path / "again.pt"  # the suffix is not doubled
+    saved = load_file(path)
+    assert saved["train_state"]["global_step"] == 8 and saved["loop"]["complete"]
+    assert torch.equal(saved["model"]["weight"], model.weight.detach())
+    resumed = Trainer(accelerator="cpu", devices=1, max_epochs=3, default_root_dir=tmp_path,
+                      enable_progress_bar=False, logger=False, enable_checkpointing=False)
+    resumed.fit(torch.nn.Linear(4, 2), _data(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), ckpt_path=path)
+    assert resumed.global_step == 12  # epochs 1-2 from the checkpoint, epoch 3 trained
+
+
+def test_callbacks_see_and_extend_the_checkpoint_dict(tmp_path):
+    from trainscale import Trainer
+
+    seen = _Seen()
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, default_root_dir=tmp_path, enable_progress_bar=False,
+                      logger=False, callbacks=[seen])
+    trainer.fit(torch.nn.Linear(4, 2), _data(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert len(seen.saved) == 1  # one checkpoint per epoch end
+    assert {"model", "optimizer", "train_state", "loop", "rng", "callbacks"} <= set(seen.saved[0])
+    again = _Seen()
+    resumed = Trainer(accelerator="cpu", devices=1, max_epochs=2, default_root_dir=tmp_path, enable_progress_bar=False,
+                      logger=False, callbacks=[again])
+    resumed.fit(torch.nn.Linear(4, 2), _data(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), ckpt_path="last")
+    assert again.loaded and again.loaded[0]["my_note"] == {"step": 4}
