@@ -1,4 +1,5 @@
-"""What one "ddp_spawn" rank runs: a Trainer rebuilt from the parent's flags."""
+"""What one "ddp_spawn"/"ddp_notebook" rank runs: a Trainer rebuilt from the parent's flags, on the Runtime that
+``Runtime.launch`` made for the rank (the one spawn path of trainscale)."""
 
 from __future__ import annotations
 
@@ -9,36 +10,30 @@ from torch import nn
 
 if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
+    from trainscale.runtime.runtime import Runtime
 
 
-def spawned_call(trainer_flags: dict, method: str, model: nn.Module, **kwargs: Any) -> dict:
-    """Run ``Trainer(**trainer_flags).<method>(model, **kwargs)``; rank 0's result, trained weights (on
-    CPU), training state, callback states and ``callback_metrics`` go back to the parent."""
+def spawned_call(runtime: Runtime, trainer_flags: dict, method: str, model: nn.Module, **kwargs: Any) -> dict:
+    """On one rank: ``Trainer(**trainer_flags).<method>(model, **kwargs)`` on ``runtime``; rank 0's result, trained
+    weights (on CPU), training state, callback states and ``callback_metrics`` go back to the parent."""
     from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(**trainer_flags)
-    try:
-        result = getattr(trainer, method)(model, **kwargs)
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        model.__dict__.pop("_trainer", None)
-        return {"result": result, "state_dict": state, "state": trainer.state,
-                "run_dir": str(trainer.run_dir) if trainer.run_dir else None,
-                "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
-                "callback_metrics": trainer.callback_metrics}
-    finally:
-        trainer.runtime.teardown()
+    trainer = Trainer(**trainer_flags, runtime=runtime)
+    result = getattr(trainer, method)(model, **kwargs)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    model.__dict__.pop("_trainer", None)
+    return {"result": result, "state_dict": state, "state": trainer.state,
+            "run_dir": str(trainer.run_dir) if trainer.run_dir else None,
+            "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
+            "callback_metrics": trainer.callback_metrics}
 
 
 def run_spawned(trainer: Trainer, method: str, model: nn.Module, **kwargs: Any) -> Any:
-    """Run ``trainer.<method>`` in ranks started here (``ddp_spawn``: "spawn", ``ddp_notebook``: "fork"),
-    each running :func:`spawned_call` on a Trainer rebuilt from the same flags; load rank 0's weights into
-    ``model``, take its loop state, run directory, metrics and callback states (a ``ModelCheckpoint``'s
-    ``best_model_path``, as Lightning's ddp_spawn returns it) into ``trainer``, and return its result."""
-    from trainscale.runtime import spawn
-
-    cfg = trainer.runtime.config
-    out = spawn.run(spawned_call, {"trainer_flags": trainer.flags, "method": method, "model": model, **kwargs},
-                    cfg.world_size, cfg.start_method)
+    """Run ``trainer.<method>`` in ranks started here through ``Runtime.launch`` (``ddp_spawn``: "spawn",
+    ``ddp_notebook``: "fork"), each running :func:`spawned_call`; load rank 0's weights into ``model``, take its
+    loop state, run directory, metrics and callback states (a ``ModelCheckpoint``'s ``best_model_path``, as
+    Lightning's ddp_spawn returns it) into ``trainer``, and return its result."""
+    out = trainer.runtime.launch(spawned_call, trainer_flags=trainer.flags, method=method, model=model, **kwargs)
     model.load_state_dict(out["state_dict"])
     trainer.state, trainer.run_dir = out["state"], Path(out["run_dir"]) if out["run_dir"] else None
     trainer.callback_metrics = out["callback_metrics"]

@@ -61,7 +61,8 @@ class Trainer:
         ValueError: any bad flag, raised on every rank before a process group is created.
     """
 
-    def __init__(self, *, callbacks: list[Callback] | None = None, logger: Any = None, **flags: Any) -> None:
+    def __init__(self, *, callbacks: list[Callback] | None = None, logger: Any = None, runtime: Runtime | None = None,
+                 **flags: Any) -> None:
         self.flags = dict(flags, callbacks=callbacks, logger=logger)  # as given: a ddp_spawn rank rebuilds from them
         check_flag_names("Trainer", flags, RUNTIME_FLAG_NAMES + tuple(f.name for f in fields(TrainerConfig)))
         runtime_flags = {name: flags.pop(name) for name in RUNTIME_FLAG_NAMES if name in flags}
@@ -69,7 +70,8 @@ class Trainer:
         self.batch_scaling = BatchScaling(self.config)
         self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint())
         self.loggers = resolve_loggers(logger)  # on every rank, so a bad value fails everywhere; used on rank zero
-        self.runtime = Runtime(**runtime_flags)
+        # ``runtime``: the one Runtime.launch made for a ddp_spawn rank, built from the same flags
+        self.runtime = runtime if runtime is not None else Runtime(**runtime_flags)
         self.checkpoints = CheckpointWrites(self.runtime, self.config, self.log_metrics)  # checkpoint_async
         self.count_flops = resolve_count_flops(self.config.count_flops, self.runtime.device.type,
                                                self.runtime.config.compile is not None)

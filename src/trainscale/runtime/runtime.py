@@ -149,14 +149,14 @@ class Runtime:
                 and self.config.world_size > 1)
 
     # -- processes ---------------------------------------------------------------------------
-    def launch(self, function: Callable | None = None, *args: Any) -> Any:
+    def launch(self, function: Callable | None = None, *args: Any, **kwargs: Any) -> Any:
         """Make sure this process is one rank of a started job; idempotent.
 
         Outside a launcher with world size > 1, the running script is re-executed under
         torchrun (this call then never returns in the original process). Under a launcher, the
         process group is created with the backend of the accelerator (nccl/gloo).
 
-        With ``function``: run ``function(runtime, *args)`` on every rank and return its value.
+        With ``function``: run ``function(runtime, *args, **kwargs)`` on every rank and return its value.
         Under "ddp_spawn"/"ddp_notebook" (notebooks, functions) the ranks are child processes started
         from this one by ``trainscale.runtime.spawn`` (spawn: ``function`` and ``args`` pickled with
         cloudpickle; fork: inherited), each with its own Runtime built from this one's flags; rank 0's
@@ -171,10 +171,10 @@ class Runtime:
             if self.spawns:
                 from trainscale.runtime import spawn
 
-                return spawn.run(_run_spawned, {"runtime_flags": dict(vars(self.flags)), "function": function,
+                return spawn.run(_run_spawned, {**kwargs, "runtime_flags": dict(vars(self.flags)), "function": function,
                                                 "args": args}, self.config.world_size, self.config.start_method)
             self.launch()
-            return function(self, *args)
+            return function(self, *args, **kwargs)
         if self._launched:
             return self
         if self.spawns:
@@ -587,12 +587,12 @@ def _strategy_options(config: RunConfig, options: dict | None, tp_plan: Any, par
 Runtime.__init__.__signature__ = flag_signature(RuntimeFlags, positional=True)  # help(Runtime) shows every flag
 
 
-def _run_spawned(**kwargs: Any) -> Any:
-    """A "ddp_spawn"/"ddp_notebook" child of ``Runtime.launch(function, ...)``: this rank's Runtime, then the
-    function."""
-    runtime = Runtime(**kwargs["runtime_flags"])
+def _run_spawned(runtime_flags: dict, function: Callable, args: tuple, **kwargs: Any) -> Any:
+    """A "ddp_spawn"/"ddp_notebook" child of ``Runtime.launch(function, *args, **kwargs)``: this rank's Runtime,
+    then the function."""
+    runtime = Runtime(**runtime_flags)
     runtime.launch()
     try:
-        return runtime.launch(kwargs["function"], *kwargs["args"])
+        return runtime.launch(function, *args, **kwargs)
     finally:
         runtime.teardown()
