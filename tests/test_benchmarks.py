@@ -64,9 +64,11 @@ def test_ddp_counts_one_all_reduce_per_optimizer_step():
 def test_startup_times_imports_and_help_without_torch():
     stdout = run_bench("startup.py")
     for command in ("import torch", "import trainscale", "from trainscale import Trainer", "trainscale --help",
-                    "first step, plain", "first step, Runtime", "first step, Trainer"):
+                    "first step, plain", "first step, Runtime", "first step, Trainer", "2 ranks, python (relaunch)",
+                    "2 ranks, torchrun"):
         assert any(line.startswith(command + " ") for line in stdout.splitlines()), stdout
     assert "trainscale --help imports torch: no" in stdout
+    assert "devices=2 from `python script.py` (relaunched under torchrun) against raw torchrun:" in stdout
 
 
 @pytest.mark.multiprocess

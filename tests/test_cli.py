@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ def run(args, timeout=240, **kwargs):
 def test_help_lists_commands_without_importing_torch():
     out = run([str(BIN / "trainscale"), "--help"])
     assert out.returncode == 0
-    for command in ("run", "demo", "bench", "report", "slurm", "env"):
+    for command in ("run", "demo", "bench", "report", "slurm", "k8s", "env"):
         assert command in out.stdout
     probe = run([sys.executable, "-c", "import sys; from trainscale.cli import build_parser; build_parser(); "
                  "print('torch' in sys.modules)"])
@@ -30,6 +31,18 @@ def test_help_lists_commands_without_importing_torch():
 def test_env():
     out = run([str(BIN / "trainscale"), "env"])
     assert out.returncode == 0 and "torch" in out.stdout and "gloo" in out.stdout
+    assert "launcher       none" in out.stdout
+
+
+def test_env_names_the_launcher_detected_and_why():
+    pod = {"MASTER_ADDR": "t-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "4", "RANK": "1", "PET_NODE_RANK": "1",
+           "PET_NPROC_PER_NODE": "2", "PET_NNODES": "2"}  # a PyTorchJob worker pod, 2 processes per pod
+    out = subprocess.run([str(BIN / "trainscale"), "env"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **pod})
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^launcher +kubernetes$", out.stdout, re.M)
+    assert re.search(r"^detected from +RANK, WORLD_SIZE, PET_NNODES.*Kubeflow PyTorchJob pod", out.stdout, re.M)
+    assert re.search(r"^world +node 1 of 2, rendezvous t-master-0:23456; .*\(2 processes", out.stdout, re.M)
 
 
 @pytest.mark.multiprocess

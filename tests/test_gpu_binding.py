@@ -30,6 +30,8 @@ def test_cuda_index_per_task_binding_and_shared_visibility():
     assert devices.cuda_index(0, 1, visible=1, launcher="none") == 0
     assert devices.node_cuda_count(1, 4, "slurm") == 4 and devices.node_cuda_count(8, 4, "slurm") == 8
     assert devices.node_cuda_count(1, 4, "torchrun") == 1  # torchrun's workers share the agent's visibility
+    for launcher in ("lsf", "ray", "mpi"):  # jsrun -a 1 -g 1, a Ray worker's own GPU, an MPI wrapper's binding
+        assert devices.cuda_index(3, 4, visible=1, launcher=launcher) == 0
     with pytest.raises(ValueError, match="--gpus-per-task=1"):
         devices.cuda_index(3, 4, visible=2, launcher="slurm")  # --gpus-per-task=2: one process per GPU
     with pytest.raises(ValueError, match="sees 1 CUDA device"):
@@ -64,16 +66,11 @@ def test_nodes_with_different_numbers_of_processes_under_slurm(monkeypatch):
 
 def test_nodes_with_different_numbers_of_processes_under_torchrun(monkeypatch):
     _env(monkeypatch, {"RANK": "0", "WORLD_SIZE": "12", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8",
-                       "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2"})
+                       "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none"})
     rt = Runtime(accelerator="cpu")
     assert (rt.world.num_nodes, rt.config.devices, rt.config.num_nodes) == (2, 8, 2)
     with pytest.raises(ValueError, match="WORLD_SIZE=12"):
         Runtime(accelerator="cpu", devices=8, num_nodes=2)  # explicit flags must still match the job
-
-
-def test_world_without_group_world_size_assumes_equal_nodes():
-    w = World.from_env({"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"})
-    assert (w.group_world_size, w.num_nodes) == (None, 2)
 
 
 def test_backend_string_adds_gloo_for_cpu_tensors_when_offloading():
@@ -108,3 +105,14 @@ def test_fsdp_cpu_offload_creates_the_group_with_a_cpu_backend(monkeypatch, opti
     with pytest.raises(_Stop):
         rt.launch()
     assert asked["backend"] == backend and rt.device == torch.device("cuda", 1)
+
+
+def test_a_one_gpu_pod_takes_cuda_0_whatever_its_rank(monkeypatch):
+    """A PyTorchJob worker pod (RANK=1, no LOCAL_RANK) on a one-GPU node: local rank 0, cuda:0 (local rank was
+    taken to be RANK, and devices.cuda_index raised)."""
+    _env(monkeypatch, {"MASTER_ADDR": "t-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "2", "RANK": "1",
+                       "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "auto", "PET_NNODES": "2"})
+    _fake_cuda(monkeypatch, 1)
+    rt = Runtime(accelerator="cuda")
+    assert rt.device == torch.device("cuda", 0)
+    assert (rt.world.rank, rt.world.local_rank, rt.world.world_size, rt.world.per_node) == (1, 0, 2, None)

@@ -31,7 +31,7 @@ def test_multi_node_needs_a_job_id_and_takes_slurms():
 def test_world_job_id_takes_slurms_over_torchruns_none():
     from trainscale.runtime.world import World
 
-    torchrun = {"RANK": "0", "WORLD_SIZE": "2"}
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     assert World.from_env({**torchrun, "TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "77"}).job_id == "77"
     assert World.from_env({**torchrun, "TORCHELASTIC_RUN_ID": "none"}).job_id == "none"  # nothing better known
     assert World.from_env({**torchrun, "TORCHELASTIC_RUN_ID": "abc", "SLURM_JOB_ID": "77"}).job_id == "abc"
@@ -71,3 +71,62 @@ def test_entry_point_of_a_script(monkeypatch, tmp_path):
 def test_several_nodes_are_not_relaunched():
     with pytest.raises(RuntimeError, match="--nnodes N --node-rank R"):
         launch.relaunch_current_script(2, num_nodes=2)
+
+
+# -- a per-node launch (a Kubernetes pod started as `python train.py`) -------------------------------
+POD = {"PYTHONUNBUFFERED": "1", "MASTER_PORT": "23456", "PET_MASTER_PORT": "23456", "MASTER_ADDR": "t-master-0",
+       "PET_MASTER_ADDR": "t-master-0", "WORLD_SIZE": "4", "RANK": "1", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "2",
+       "PET_NNODES": "2"}  # the PyTorchJob operator's variables for worker pod 0 (node 1), nprocPerNode 2
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_pod_with_two_processes_becomes_torchrun_with_the_operators_rendezvous(monkeypatch):
+    from trainscale.runtime.runtime import Runtime
+
+    for key, value in POD.items():
+        monkeypatch.setenv(key, value)
+    started = {}
+
+    def exec_torchrun(torchrun, entry, nproc):
+        started.update(torchrun=torchrun, entry=entry, nproc=nproc)
+        raise _Stop
+
+    monkeypatch.setattr(launch, "exec_torchrun", exec_torchrun)
+    monkeypatch.setattr(launch, "current_entry_point", lambda: ["train.py", "--lr", "1"])
+    rt = Runtime(accelerator="cpu")  # devices="auto": the operator's 2 per pod, its 2 pods
+    assert (rt.config.devices, rt.config.num_nodes, rt.world.world_size, rt.world.per_node) == (2, 2, 4, "2")
+    with pytest.raises(_Stop):
+        rt.launch()
+    assert started == {"torchrun": ["--nproc-per-node=2", "--nnodes=2", "--node-rank=1", "--rdzv-backend=static",
+                                    "--master-addr=t-master-0", "--master-port=23456"],
+                       "entry": ["train.py", "--lr", "1"], "nproc": 2}
+    with pytest.raises(ValueError, match=r"asked for 2 process\(es\) per node.*devices=4"):
+        Runtime(accelerator="cpu", devices=4, num_nodes=2)
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=4 processes but devices×num_nodes=2×1"):
+        Runtime(accelerator="cpu", devices=2)  # num_nodes must match the pods too
+
+
+def test_a_pod_with_one_process_is_the_rank_and_says_where_it_waits(monkeypatch, capsys):
+    import torch.distributed as dist
+
+    from trainscale.runtime.runtime import Runtime
+
+    for key, value in {**POD, "WORLD_SIZE": "2", "PET_NPROC_PER_NODE": "auto"}.items():  # the operator's default
+        monkeypatch.setenv(key, value)
+    asked = {}
+
+    def init_process_group(**kwargs):
+        asked.update(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    rt = Runtime(accelerator="cpu", timeout=30)  # devices="auto" on CPU: one process per pod
+    assert (rt.world.rank, rt.world.local_rank, rt.world.world_size, rt.world.per_node) == (1, 0, 2, None)
+    with pytest.raises(_Stop):
+        rt.launch()
+    assert (asked["init_method"], asked["rank"], asked["world_size"]) == ("tcp://t-master-0:23456", 1, 2)
+    err = capsys.readouterr().err
+    assert "rank 1 of 2 (kubernetes: " in err and "waiting at the rendezvous t-master-0:23456" in err

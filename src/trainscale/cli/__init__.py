@@ -1,4 +1,4 @@
-"""The ``trainscale`` command: run | demo | bench | plan | check | report | slurm | env.
+"""The ``trainscale`` command: run | demo | bench | plan | check | report | slurm | k8s | env.
 
 Parsing imports nothing heavy: ``trainscale --help`` never imports torch. Each subcommand
 imports what it needs when it runs.
@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     slurm.set_defaults(func=_cmd_slurm)
 
+    from trainscale.cli.k8s import add_parser as _add_k8s  # imports no torch
+
+    _add_k8s(sub)
     report = sub.add_parser("report", help="plots and a text summary of a run directory",
                             description="Write report.txt and PNG plots (loss and accuracy, throughput, step-phase "
                                         "split, memory per rank, GPU utilisation; the plots need matplotlib: pip "
@@ -99,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory holding metrics.jsonl")
     report.set_defaults(func=_cmd_report)
 
-    env = sub.add_parser("env", help="print what this machine offers: versions, devices, backends")
+    env = sub.add_parser("env", help="print what this machine offers: versions, devices, backends, and the launcher "
+                                      "detected (and why)")
     env.set_defaults(func=_cmd_env)
     return parser
 

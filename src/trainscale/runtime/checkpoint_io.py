@@ -137,13 +137,15 @@ def save_file(obj: Any, path: str | os.PathLike) -> None:
         raise
 
 
-def load_file(path: str | os.PathLike, verify: bool = True) -> Any:
+def load_file(path: str | os.PathLike, verify: bool = True, read: Callable | None = None) -> Any:
     """Load a file written by :func:`save_file` on the CPU, verifying its checksum.
 
     Args:
         verify: check the bytes against ``<path>.sha256`` and refuse a file without one (the default).
             ``False`` loads without any check: only for a file you trust that was written some other
             way (e.g. a plain ``torch.save``); a flipped bit then goes unnoticed.
+        read: ``read(path, verify) -> bytes`` in place of :func:`read_checked` (a strategy's ranks may
+            share one read per node: ``strategies.node_read``).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -153,6 +155,28 @@ def load_file(path: str | os.PathLike, verify: bool = True) -> Any:
     import torch
 
     path = Path(path)
+    data = (read or read_checked)(path, verify)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several types for bad bytes
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}); it is corrupted, truncated "
+                              "or not a trainscale checkpoint: resume from an earlier one or delete it") from err
+
+
+def read_checked(path: Path, verify: bool = True) -> bytes:
+    """The bytes of checkpoint file ``path``, checked against ``<path>.sha256`` when ``verify``. Raises as
+    :func:`load_file` does before decoding."""
+    check_is_file(path)
+    data = path.read_bytes()
+    if verify:
+        _verify(path, data)
+    return data
+
+
+def check_is_file(path: Path) -> None:
+    """Raise unless ``path`` is a file: FileNotFoundError, or CheckpointError for a directory (a sharded
+    checkpoint or another one), each naming what to pass instead."""
     if path.is_dir() and (path / ".metadata").is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} is a directory: a sharded checkpoint written by "
                               "strategy='fsdp' or 'model_parallel', not a file; load it with Runtime.load or "
@@ -163,15 +187,6 @@ def load_file(path: str | os.PathLike, verify: bool = True) -> Any:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; pass an existing file, "
                                 "ckpt_path='last' to resume the newest run, or ckpt_path=None to start fresh")
-    data = path.read_bytes()
-    if verify:
-        _verify(path, data)
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises several types for bad bytes
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0] if str(err) else ''}); it is corrupted, truncated "
-                              "or not a trainscale checkpoint: resume from an earlier one or delete it") from err
 
 
 def _verify(path: Path, data: bytes) -> None:
@@ -211,9 +226,9 @@ def save_replicated(path, state: dict, world, unwrap: Callable) -> None:
     save_file(out, path)
 
 
-def load_replicated(path, state: dict, unwrap: Callable, verify: bool = True) -> dict:
-    """Load ``path`` on every rank (``verify``: as in :func:`load_file`); restore stateful objects of
-    ``state`` in place.
+def load_replicated(path, state: dict, unwrap: Callable, verify: bool = True, read: Callable | None = None) -> dict:
+    """Load ``path`` on every rank (``verify``, ``read``: as in :func:`load_file`); restore stateful objects
+    of ``state`` in place.
 
     Returns:
         The checkpoint's entries whose keys are not stateful objects in ``state``.
@@ -224,7 +239,7 @@ def load_replicated(path, state: dict, unwrap: Callable, verify: bool = True) ->
     """
     import torch
 
-    loaded = load_file(path, verify)
+    loaded = load_file(path, verify, read)
     for key, value in state.items():
         if not _is_stateful(value):
             continue

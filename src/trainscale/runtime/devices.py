@@ -52,12 +52,14 @@ def backend_for(accelerator: str, cpu_collectives: bool = False) -> str:
 
 
 def bound_per_task(visible: int, local_world_size: int, launcher: str) -> bool:
-    """Whether SLURM bound one GPU to each task (``--gpus-per-task=1``, ``--gpu-bind=single:1`` or
-    ``map_gpu``): a task sees one CUDA device, its own, while the node runs several tasks. torchrun's
+    """Whether the launcher bound one GPU to each of the node's processes: SLURM (``--gpus-per-task=1``,
+    ``--gpu-bind=single:1`` or ``map_gpu``), LSF's jsrun (resource sets of one GPU: ``-a 1 -g 1``), Ray
+    (a worker given one GPU of its own) or an MPI rank whose wrapper set CUDA_VISIBLE_DEVICES from its local
+    rank: a process sees one CUDA device, its own, while the node runs several. torchrun's
     workers all inherit the agent's CUDA_VISIBLE_DEVICES, so under torchrun one visible GPU for several
     workers is a shared GPU, not a binding. (Tasks that share one GPU anyway fail in NCCL's
     "Duplicate GPU detected" check at the first collective.)"""
-    return launcher == "slurm" and visible == 1 and local_world_size > 1
+    return launcher in ("slurm", "lsf", "ray", "mpi") and visible == 1 and local_world_size > 1
 
 
 def node_cuda_count(visible: int, local_world_size: int, launcher: str) -> int:

@@ -1,5 +1,8 @@
 """How N processes come to be: torchrun (``torch.distributed.run``), never a launcher of our own.
 
+- A process that a launcher started once per node with several processes to run there (a Kubernetes
+  pod started as ``python train.py``: ``World.per_node``) becomes torchrun with that launcher's node count,
+  node rank and address (:func:`start_node_ranks`).
 - ``trainscale run -n N script.py ARGS`` and a script that asks for ``devices=N`` outside any
   launcher both become ``python -m torch.distributed.run --nproc-per-node N ... script.py ARGS``.
   torchrun starts the workers, sets RANK/WORLD_SIZE/LOCAL_RANK/..., hosts the rendezvous and,
@@ -150,6 +153,30 @@ def relaunch_current_script(nproc_per_node: int, num_nodes: int = 1) -> None:
         raise RuntimeError(f"num_nodes={num_nodes}: start the script on every node with "
                            "`trainscale run --nnodes N --node-rank R --rdzv-endpoint HOST:PORT -n DEVICES script.py`")
     exec_torchrun(torchrun_args(nproc_per_node), current_entry_point(), nproc_per_node)
+
+
+def node_torchrun_args(world) -> list[str]:
+    """torchrun's flags for a per-node launch (``World.per_node``, e.g. a Kubernetes pod): the node's
+    ``local_world_size`` processes, with the launcher's node count and this node's rank, meeting at the
+    launcher's address in torchrun's static rendezvous, hosted by node 0's agent (the workers then use
+    its store: no other port has to be reachable)."""
+    return [f"--nproc-per-node={world.local_world_size}", f"--nnodes={world.num_nodes}",
+            f"--node-rank={world.node_rank}", "--rdzv-backend=static", f"--master-addr={world.master_addr}",
+            f"--master-port={world.master_port}"]
+
+
+def start_node_ranks(world) -> None:
+    """Replace this process, the one a per-node launcher started on this node (``World.per_node``), by
+    torchrun starting the node's ranks (:func:`node_torchrun_args`). Does not return.
+
+    Raises:
+        RuntimeError: the program cannot be relaunched (see :func:`current_entry_point`).
+    """
+    entry = current_entry_point()
+    print(f"trainscale: {world.detected_from}; node {world.node_rank} of {world.num_nodes} starts "
+          f"{world.local_world_size} processes with torchrun, meeting at {world.master_addr}:{world.master_port}",
+          file=sys.stderr, flush=True)
+    exec_torchrun(node_torchrun_args(world), entry, world.local_world_size)
 
 
 # -- trainscale run: checks before the launch, torchrun as a child, the failure printed last ----------

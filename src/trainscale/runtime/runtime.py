@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from datetime import timedelta
 from typing import Any, Callable, Iterable
 
@@ -57,6 +58,28 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _match_launcher(world: World, config: RunConfig, follows_launcher: bool) -> World:
+    """The world of this process once the flags are resolved: a per-node launch's ranks (``World.per_node``)
+    take ``config.devices``; flags given explicitly must describe the launcher's job.
+
+    Raises:
+        ValueError: the flags and the launcher's job disagree, naming the flags to pass.
+    """
+    if world.per_node is not None:  # a pod's process: the node's ranks now that devices are known
+        world = world.node_ranks(config.devices)
+    if follows_launcher or world.launcher == "none":
+        return world
+    if world.launcher == "slurm":  # the allocation must match devices × num_nodes
+        from trainscale.runtime.slurm import check_allocation
+
+        check_allocation(world.world_size, world.local_world_size, world.num_nodes, config.devices, config.num_nodes)
+    if world.world_size != config.world_size:
+        raise ValueError(f"the launcher started WORLD_SIZE={world.world_size} processes but devices×num_nodes="
+                         f"{config.devices}×{config.num_nodes}={config.world_size}; pass devices="
+                         f"{world.local_world_size}, num_nodes={world.num_nodes} (or devices='auto')")
+    return world
+
+
 class Runtime:
     """Devices, processes, strategy and precision for a hand-written loop.
 
@@ -71,25 +94,17 @@ class Runtime:
     def __init__(self, *args: Any, **flags: Any) -> None:
         self.flags = f = make_flags(RuntimeFlags, "Runtime", args, flags)
         devices, num_nodes = f.devices, f.num_nodes
-        self.world = world = World.from_env()
+        world = World.from_env()
         follows_launcher = devices == "auto" and world.launcher != "none"  # nodes may differ in processes
-        if follows_launcher:
-            devices, num_nodes = world.local_world_size, world.num_nodes
+        if follows_launcher:  # a pod that left its process count to the job: "auto" devices, the launcher's nodes
+            devices = "auto" if world.per_node == "auto" else world.local_world_size
+            num_nodes = world.num_nodes
         visible = _devices.cuda_device_count()
         self.config: RunConfig = resolve(cuda_count=_devices.node_cuda_count(visible, world.local_world_size,
                                                                              world.launcher),
                                          has_mps=_devices.mps_available(),
                                          **{**vars(f), "devices": devices, "num_nodes": num_nodes})
-        if world.launcher == "slurm" and not follows_launcher:  # the allocation must match devices × num_nodes
-            from trainscale.runtime.slurm import check_allocation
-
-            check_allocation(world.world_size, world.local_world_size, world.num_nodes,
-                             self.config.devices, self.config.num_nodes)
-        if world.launcher != "none" and not follows_launcher and world.world_size != self.config.world_size:
-            raise ValueError(f"the launcher started WORLD_SIZE={self.world.world_size} processes but "
-                             f"devices×num_nodes={self.config.devices}×{self.config.num_nodes}="
-                             f"{self.config.world_size}; pass devices={self.world.local_world_size}, "
-                             f"num_nodes={self.world.num_nodes} (or devices='auto')")
+        self.world = world = _match_launcher(world, self.config, follows_launcher)
         if not isinstance(f.timeout, (int, float)) or f.timeout <= 0:
             raise ValueError(f"timeout={f.timeout!r} must be a positive number of seconds")
         self.timeout = f.timeout
@@ -166,6 +181,8 @@ class Runtime:
             raise RuntimeError(f"strategy={self.flags.strategy!r} runs the job in child processes started "
                                "from this one: put the training code in a function fn(runtime, ...) and call "
                                "runtime.launch(fn, ...), or use Trainer.fit")
+        if self.world.per_node is not None:  # a pod's process starts the pod's ranks (does not return)
+            launch.start_node_ranks(self.world)
         if self.config.world_size > 1 and self.world.launcher == "none":
             launch.relaunch_current_script(self.config.devices, self.config.num_nodes)
         if self.device.type == "cuda":
@@ -196,12 +213,19 @@ class Runtime:
         backend = _devices.backend_for(self.config.accelerator, cpu_collectives=offload)
         if "nccl" in backend:
             os.environ.update(hangs.nccl_debug_env(os.environ))
-        # torchrun exports MASTER_ADDR/PORT (env://); srun does not, so SLURM tasks name the address;
-        # a lone process without a launcher takes a free local port.
-        init_method = (f"tcp://{self.world.master_addr}:{self.world.master_port}"
-                       if self.world.launcher == "slurm" else None)
+        # torchrun exports MASTER_ADDR/PORT (env://: its workers may share the agent's store); the other
+        # launchers' address is the World's (srun, MPI and jsrun export none); a lone process without a
+        # launcher takes a free local port.
+        init_method = None if self.world.launcher in ("torchrun", "env") else \
+            f"tcp://{self.world.master_addr}:{self.world.master_port}"
         if self.world.launcher == "none":
             init_method = f"tcp://127.0.0.1:{_free_port()}"
+        elif self.world.world_size > 1 and self.world.local_rank == 0 and self.world.launcher != "torchrun":
+            # a missing peer would otherwise leave the job silent until `timeout`
+            print(f"trainscale: rank {self.world.rank} of {self.world.world_size} ({self.world.launcher}: "
+                  f"{self.world.detected_from}) waiting at the rendezvous {self.world.master_addr}:"
+                  f"{self.world.master_port} for the other processes (timeout {self.timeout:.0f} s)",
+                  file=sys.stderr, flush=True)
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=self.timeout), init_method=init_method,
                                 rank=self.world.rank, world_size=self.world.world_size)
         atexit.register(_destroy_process_group)

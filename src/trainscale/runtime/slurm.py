@@ -114,8 +114,33 @@ def warn_if_not_srun(env: Mapping[str, str]) -> bool:
             f"launch the script with `srun python train.py ...` (as `trainscale slurm` writes it); run directly "
             f"in the batch script, it runs alone, or waits (until timeout=) for {ntasks} tasks that never start",
             RuntimeWarning,
-            stacklevel=3)
+            stacklevel=4)
     return True
+
+
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_NODEID",
+              "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_ID",
+              "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "MASTER_ADDR", "MASTER_PORT")
+# The world size an MPI launcher gives each process it starts (trainscale.runtime.mpi).
+_MPI_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def read(env: Mapping[str, str]) -> dict | None:
+    """The World fields of a task started by ``srun``, or None when this process is not one.
+
+    Inside an allocation another launcher may start the processes from SLURM tasks, which they then
+    inherit the variables of: ``mpirun`` starts one daemon task per node (SLURM_NTASKS counts the daemons,
+    not the ranks), Ray and DeepSpeed set RANK and WORLD_SIZE per process. Their readers take those.
+    """
+    warn_if_not_srun(env)
+    if not is_slurm_task(env) or ("RANK" in env and "WORLD_SIZE" in env):
+        return None
+    tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
+    if any(env.get(name, tasks) != tasks for name in _MPI_SIZES):
+        return None  # mpirun's ranks inside the allocation
+    fields = world_fields(env)
+    fields.update(launcher="slurm", detected_from="SLURM_PROCID and SLURM_NTASKS (a task started by srun)")
+    return fields
 
 
 def world_fields(env: Mapping[str, str]) -> dict:
@@ -127,16 +152,10 @@ def world_fields(env: Mapping[str, str]) -> dict:
     Raises:
         ValueError: a variable that is not an integer, or that disagrees with the others.
     """
+    from trainscale.runtime.world import launcher_error, port_from_job_id, read_int
+
     def geti(name: str, default: int | None = None) -> int:
-        raw = env.get(name)
-        if raw in (None, ""):
-            if default is None:
-                raise ValueError(f"SLURM environment variable {name} is missing")
-            return default
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(f"SLURM environment variable {name}={raw!r} is not an integer") from None
+        return read_int(env, name, "slurm", SLURM_VARS, default)
 
     world_size = geti("SLURM_STEP_NUM_TASKS", geti("SLURM_NTASKS"))  # the step's tasks, when srun set them
     rank = geti("SLURM_PROCID")
@@ -145,7 +164,8 @@ def world_fields(env: Mapping[str, str]) -> dict:
     if spec:  # per node, so nodes may differ (e.g. "8,4")
         per_node = tasks_per_node(spec)
         if not 0 <= node_rank < len(per_node):
-            raise ValueError(f"SLURM_NODEID={node_rank} but the tasks per node are {spec!r}")
+            raise launcher_error("slurm", env, SLURM_VARS, f"SLURM_NODEID={node_rank} but the tasks per node are "
+                                                           f"{spec!r}")
         local_world_size, nodes = per_node[node_rank], len(per_node)
     else:
         local_world_size = geti("SLURM_NTASKS_PER_NODE", world_size)
@@ -153,9 +173,8 @@ def world_fields(env: Mapping[str, str]) -> dict:
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     master_addr = env.get("MASTER_ADDR") or (expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1")
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
-    default_port = 15000 + int(job_id) % 20000 if job_id and job_id.isdigit() else 29500
     return dict(world_size=world_size, rank=rank, local_rank=local_rank, local_world_size=local_world_size,
-                node_rank=node_rank, master_addr=master_addr, master_port=geti("MASTER_PORT", default_port),
+                node_rank=node_rank, master_addr=master_addr, master_port=geti("MASTER_PORT", port_from_job_id(job_id)),
                 restart_count=geti("SLURM_RESTART_COUNT", 0), job_id=job_id, group_world_size=nodes)
 
 

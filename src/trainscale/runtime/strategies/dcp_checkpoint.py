@@ -95,15 +95,17 @@ class AsyncSave:
         return self.path
 
 
-def load_whole(path: Any, state: dict, rank: int, strategy: str, unwrap: Callable, verify: bool = True) -> dict:
+def load_whole(path: Any, state: dict, rank: int, strategy: str, unwrap: Callable, verify: bool = True,
+               read: Callable | None = None) -> dict:
     """``load_checkpoint`` of the strategies whose ranks hold whole models (single, ddp, dp): a checkpoint file
-    (``checkpoint_io.load_replicated``), or a DCP directory written by a sharded strategy on any mesh, whose
-    shards every rank reads into its whole tensors (modules of ``state`` unwrapped first). Raises as those do."""
+    (``checkpoint_io.load_replicated``, its bytes from ``read``: as in ``checkpoint_io.load_file``), or a DCP
+    directory written by a sharded strategy on any mesh, whose shards every rank reads into its whole tensors
+    (modules of ``state`` unwrapped first). Raises as those do."""
     import torch
 
     path = Path(path)
     if not (path.is_dir() and (path / ".metadata").is_file()):
-        return checkpoint_io.load_replicated(path, state, unwrap, verify)
+        return checkpoint_io.load_replicated(path, state, unwrap, verify, read)
     whole = {key: unwrap(value) if isinstance(value, torch.nn.Module) else value for key, value in state.items()}
     return DCPCheckpointer(rank, strategy).load(path, whole, verify)
 

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from trainscale.runtime import checkpoint_io
 from trainscale.runtime.strategies import SYNC, check_async_save, clip_grad_norm
 from trainscale.runtime.strategies.dcp_checkpoint import load_whole
+from trainscale.runtime.strategies.node_read import NodeReader
 from trainscale.runtime.world import World
 
 
@@ -44,6 +45,7 @@ class DDPStrategy:
         self.device = device
         self.world = world
         self.comm_hook, self.comm_state = ddp_comm_hook, ddp_comm_state
+        self._node_reader = NodeReader(world)  # a checkpoint file is read once per node
         self._timing: tuple[Callable, Callable] | None = None  # (clock, record) once telemetry asks
         self.ddp_kwargs = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
                                gradient_as_bucket_view=gradient_as_bucket_view)
@@ -120,7 +122,9 @@ class DDPStrategy:
         checkpoint_io.save_replicated(path, state, self.world, self.unwrap)
 
     def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
-        return load_whole(path, state, self.world.rank, self.name, self.unwrap, verify)  # a file or a DCP directory
+        """A checkpoint file is read once per node and shared with the node's ranks (``node_read``); a DCP
+        directory is read by every rank, its shards into whole tensors."""
+        return load_whole(path, state, self.world.rank, self.name, self.unwrap, verify, self._node_reader.read)
 
     def data_world(self, world: World) -> World:
         return world  # every rank reads different data

@@ -1,0 +1,57 @@
+"""The tiny ddp job of the launcher tests (tests/test_launchers.py): whatever started it (torchrun, Kubernetes
+pods, mpirun, jsrun, Ray Train), ``Trainer(devices="auto")`` on a fixed seed must end with torchrun's weights.
+
+    python tests/launcher_job.py OUT.pt ROOT_DIR         # rank 0 saves the final weights to OUT.pt
+    python tests/launcher_job.py --ray OUT.pt ROOT_DIR   # the same in Ray Train's TorchTrainer, 2 CPU workers
+"""
+
+import sys
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainscale import Trainer
+
+
+def train(out: str, root: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = (x.sum(1) > 0).long()
+    torch.manual_seed(0)  # the model's initial weights (DDP then broadcasts rank 0's)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy="ddp", max_steps=4, seed=0, timeout=60,
+                      default_root_dir=root, enable_progress_bar=False, enable_checkpointing=False,
+                      enable_telemetry=False, handle_signals=False)
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    world = trainer.runtime.world
+    print(f"RANK {world.rank} OF {world.world_size} LAUNCHER {world.launcher}", flush=True)
+    if world.rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
+
+
+def _ray_worker(config: dict) -> None:
+    train(config["out"], config["root"])
+
+
+def train_with_ray(out: str, root: str) -> None:
+    """Ray Train starts 2 CPU workers and creates their gloo process group before ``train`` runs."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        TorchTrainer(_ray_worker, train_loop_config={"out": out, "root": root},
+                     scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                     run_config=RunConfig(storage_path=f"{root}/ray")).fit()
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--ray":
+        train_with_ray(sys.argv[2], sys.argv[3])
+    else:
+        train(sys.argv[1], sys.argv[2])

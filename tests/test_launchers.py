@@ -1,0 +1,184 @@
+"""Real processes under each launcher, started with exactly the variables that launcher sets, each training
+the tiny ddp job of tests/launcher_job.py (``Trainer(devices="auto")``, seed 0) and ending with the weights
+of the same job under torchrun: Kubeflow PyTorchJob pods (2 × 2 processes), TrainJob pods started with
+``python``, Volcano pods, LSF jsrun with a generated rank file, Debian's Open MPI ``mpirun -np 2`` and Ray
+Train's TorchTrainer. The pods and tasks are processes on localhost; every process group is killed at the end."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.multiprocess
+ROOT = Path(__file__).resolve().parents[1]
+JOB = str(ROOT / "tests" / "launcher_job.py")
+# Launchers' variables the test process may carry (pytest inside a job): none reaches the "pods".
+_LAUNCHER_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "ROLE_", "NODE_RANK", "MASTER_", "TORCHELASTIC",
+                      "SLURM_", "PET_", "OMPI_", "PMI", "MPI_", "MV2_", "JSM_", "LSB_", "RAY_", "VC_", "VK_",
+                      "KUBERNETES_")
+
+
+def _clean_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _run_all(commands: list[tuple[list[str], dict]], tmp_path: Path, timeout: float = 50) -> str:
+    """Start every (argv, env) at once, each in its own process group; wait for all; kill every group at
+    the end (a hang or a failure leaves nothing behind). Returns the joined logs; fails with them."""
+    procs = []
+    for i, (argv, env) in enumerate(commands):
+        log = open(tmp_path / f"process{i}.log", "w+")
+        procs.append((subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                       start_new_session=True), log))
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        for p, _ in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    logs = []
+    for p, log in procs:
+        log.seek(0)
+        logs.append(log.read())
+        log.close()
+    text = "\n".join(f"--- process {i} (exit {p.returncode})\n{out[-3000:]}" for i, ((p, _), out) in
+                     enumerate(zip(procs, logs)))
+    assert all(p.returncode == 0 for p, _ in procs), text
+    return text
+
+
+@pytest.fixture(scope="module")
+def torchrun_weights(tmp_path_factory):
+    """The job's final weights under ``torchrun --standalone --nproc-per-node N`` (each N run once)."""
+    done = {}
+
+    def weights(nproc: int) -> dict:
+        if nproc not in done:
+            tmp = tmp_path_factory.mktemp(f"torchrun{nproc}")
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", JOB,
+                    str(tmp / "weights.pt"), str(tmp)]
+            _run_all([(argv, _clean_env())], tmp)
+            done[nproc] = torch.load(tmp / "weights.pt")
+        return done[nproc]
+
+    return weights
+
+
+def _same_weights(path: Path, expected: dict) -> None:
+    got = torch.load(path)
+    assert got.keys() == expected.keys()
+    for name in expected:  # the same reductions in the same order: equal to the bit
+        assert torch.equal(got[name], expected[name]), f"{name}: max difference " \
+            f"{(got[name] - expected[name]).abs().max().item():.3g}"
+
+
+def _pods(tmp_path: Path, per_pod: list[dict]) -> list[tuple[list[str], dict]]:
+    """One ``python launcher_job.py`` per pod, each with its own environment and run directory."""
+    return [([sys.executable, JOB, str(tmp_path / "weights.pt"), str(tmp_path / f"pod{i}")], {**_clean_env(), **env})
+            for i, env in enumerate(per_pod)]
+
+
+@pytest.mark.timeout(60)
+def test_pytorchjob_pods_of_two_processes_each_start_them_with_torchrun(tmp_path, torchrun_weights):
+    """A PyTorchJob with a master and one worker, nprocPerNode 2, each container `python train.py`: the
+    operator's variables (training-operator v1.9; MASTER_ADDR is the master pod's service, here localhost)."""
+    expected = torchrun_weights(4)
+    port = str(free_port())
+
+    def pod(index: int) -> dict:
+        return {"PYTHONUNBUFFERED": "1", "MASTER_PORT": port, "PET_MASTER_PORT": port, "MASTER_ADDR": "localhost",
+                "PET_MASTER_ADDR": "localhost", "WORLD_SIZE": "4", "RANK": str(index), "PET_NODE_RANK": str(index),
+                "PET_NPROC_PER_NODE": "2", "PET_NNODES": "2"}
+
+    logs = _run_all(_pods(tmp_path, [pod(0), pod(1)]), tmp_path)
+    assert logs.count("starts 2 processes with torchrun") == 2 and logs.count("LAUNCHER torchrun") == 4
+    _same_weights(tmp_path / "weights.pt", expected)
+
+
+@pytest.mark.timeout(60)
+def test_trainjob_and_volcano_pods_started_with_python_are_the_ranks(tmp_path, torchrun_weights):
+    """Two jobs at once, one process per pod: a TrainJob's PET_* variables (Trainer v2's torch plugin: CPU pods
+    get PET_NPROC_PER_NODE from their CPU count, 1 here) and a Volcano job's (pytorch plugin: master + 1 worker)."""
+    expected = torchrun_weights(2)
+    trainjob, volcano = tmp_path / "trainjob", tmp_path / "volcano"
+    trainjob.mkdir()
+    volcano.mkdir()
+    pet_port, vc_port = str(free_port()), str(free_port())
+    commands = _pods(trainjob, [{"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(i),
+                                 "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": pet_port} for i in (0, 1)])
+    commands += _pods(volcano, [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": vc_port, "WORLD_SIZE": "2",
+                                 "RANK": str(i), "VC_TASK_INDEX": "0", "VK_TASK_INDEX": "0"} for i in (0, 1)])
+    logs = _run_all(commands, tmp_path)
+    assert logs.count("LAUNCHER kubernetes") == 4 and "waiting at the rendezvous 127.0.0.1:" in logs
+    _same_weights(trainjob / "weights.pt", expected)
+    _same_weights(volcano / "weights.pt", expected)
+
+
+def _free_lsf_job_id() -> str:
+    """An LSB_JOBID whose derived port (15000 + id % 20000, as the LSF reader computes it) is free here."""
+    for _ in range(100):
+        job_id = random.randrange(1, 10**6)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 15000 + job_id % 20000))
+                return str(job_id)
+            except OSError:
+                continue
+    raise RuntimeError("no free port in 15000-34999")
+
+
+@pytest.mark.timeout(60)
+def test_lsf_jsrun_processes_meet_at_the_rank_files_first_compute_host(tmp_path, torchrun_weights):
+    expected = torchrun_weights(2)
+    rankfile = tmp_path / "rankfile"
+    rankfile.write_text(f"launch-node\n{socket.gethostname()}\n{socket.gethostname()}\n")
+    base = {"LSB_JOBID": _free_lsf_job_id(), "LSB_DJOB_RANKFILE": str(rankfile), "JSM_NAMESPACE_SIZE": "2",
+            "JSM_NAMESPACE_LOCAL_SIZE": "2"}
+    logs = _run_all(_pods(tmp_path, [{**base, "JSM_NAMESPACE_RANK": str(r), "JSM_NAMESPACE_LOCAL_RANK": str(r)}
+                                     for r in (0, 1)]), tmp_path)
+    assert logs.count("LAUNCHER lsf") == 2
+    _same_weights(tmp_path / "weights.pt", expected)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(shutil.which("mpirun") is None,
+                    reason="mpirun not found: `make test` installs Debian's openmpi-bin where apt-get runs as root")
+def test_mpirun_two_processes(tmp_path, torchrun_weights):
+    expected = torchrun_weights(2)
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    argv = ["mpirun", *root, "--oversubscribe", "-np", "2", sys.executable, JOB, str(tmp_path / "weights.pt"),
+            str(tmp_path)]
+    logs = _run_all([(argv, _clean_env())], tmp_path)
+    assert logs.count("LAUNCHER mpi") == 2
+    _same_weights(tmp_path / "weights.pt", expected)
+
+
+@pytest.mark.timeout(60)
+def test_ray_train_torch_trainer_with_two_cpu_workers(tmp_path, torchrun_weights):
+    pytest.importorskip("ray.train.torch", reason="Ray Train is the optional extra `ray` (pip install -e .[ray])")
+    expected = torchrun_weights(2)
+    env = {**_clean_env(), "RAY_USAGE_STATS_ENABLED": "0"}
+    logs = _run_all([([sys.executable, JOB, "--ray", str(tmp_path / "weights.pt"), str(tmp_path)], env)], tmp_path,
+                    timeout=55)
+    assert "LAUNCHER ray" in logs
+    _same_weights(tmp_path / "weights.pt", expected)
