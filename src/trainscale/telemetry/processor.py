@@ -124,7 +124,7 @@ class Telemetry:
         where nothing is counted (not under pipeline stages, which hold part of the model each)."""
         if not self.flops.done:
             self.flops.parameters = sum(p.numel() for p in module.parameters())
-        if not getattr(self.rt.strategy, "pipelined", False):  # a pipeline stage holds part of the model
+        if not self.rt.strategy.pipelined:  # a pipeline stage holds part of the model
             self._flops_per_token = declared_flops_per_token(module)
         if self.rt.world_size > 1:
             self.timer.time_comm = self.rt.strategy.time_allreduce(module, self.timer.clock, self.timer.record_comm)
