@@ -487,6 +487,8 @@ def main() -> None:
                         help="interleaved rounds per accumulation after a warm-up round (default 16, quick 1)")
     parser.add_argument("--launches", type=int, default=None,
                         help="launches per variant for whole-process time (default 1; 0: skip)")
+    parser.add_argument("--no-throughput", action="store_true",
+                        help="skip the interleaved throughput launch (only the whole-process launches)")
     parser.add_argument("--workload", choices=("convnet", "mlp"), default="convnet")
     parser.add_argument("--steps", type=int, default=None, help="micro-batches per rank per epoch (default 16)")
     parser.add_argument("--epochs", type=int, default=None,
@@ -525,8 +527,9 @@ def main() -> None:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "interleaved.json"
-        wall_interleaved = _launch("interleaved", args, out, log)
-        inter = json.loads(out.read_text())
+        if not args.no_throughput:
+            wall_interleaved = _launch("interleaved", args, out, log)
+            inter = json.loads(out.read_text())
         walls = {v: [] for v in variants}
         counts = {}
         for r in range(launches):
@@ -535,34 +538,35 @@ def main() -> None:
                 walls[v].append(_launch(v, args, out, log))
                 counts.setdefault(v, []).append(json.loads(out.read_text()))
 
-    print(f"\n## Throughput: one launch, {', '.join(interleaved)} epoch by epoch in rotated order, "
-          f"{args.rounds} rounds per accumulation after a warm-up round ({wall_interleaved:.0f} s)")
-    header = (f"{'variant':<17} {'accum':>5} {'step ms':>8} {'timed':>6} {'vs ref':>6} {'samples/s':>9} "
-              f"{'thru ratio':>10} {'95 % interval':>13} {'CPU ratio':>9} {'95 % interval':>13} "
-              f"{'opt steps':>9} {'all-reduces':>11} {'per step':>8}")
-    print(header)
-    print("-" * len(header))
-    for k in ACCUMULATIONS:
-        res = inter[str(k)]
-        plain = res["plain"]
-        for v in interleaved:
-            steps = [t for rnd in res[v]["step_s"] for t in rnd]
-            vs_ref = paired_median(res[v])
-            ratio = paired_median(plain) / vs_ref  # throughput = inverse step time
-            low, high = bootstrap_ratio(plain, res[v])
-            cpu_ratio = paired_median(plain, cpu=True) / paired_median(res[v], cpu=True)
-            cpu_low, cpu_high = bootstrap_ratio(plain, res[v], cpu=True)
-            print(f"{v:<17} {k:>5} {statistics.median(steps) * 1e3:>8.1f} {len(steps):>6} {vs_ref:>6.3f} "
-                  f"{2 * BATCH * k / statistics.median(steps):>9.0f} {ratio:>10.3f} {low:>6.3f}–{high:<6.3f} "
-                  f"{cpu_ratio:>9.3f} {cpu_low:>6.3f}–{cpu_high:<6.3f} "
-                  f"{_per_step(res[v]['steps'], res[v]['allreduces'])}")
-    print("\n# step ms: rank 0's median optimizer step (steps 2..n of each epoch; timed: how many, all rounds);"
-          "\n# plain-2: a second, identical plain loop (A/A control: its ratio is the instrument's error);"
-          "\n# vs ref: median over those steps of (step / the reference step right after it); thru ratio: plain's"
-          "\n# 'vs ref' over the variant's (throughput against plain DDP, both measured against the same reference);"
-          f"\n# 95 % interval: of the ratio, {BOOTSTRAP} bootstrap resamples of the rounds (percentiles 2.5, 97.5);"
-          "\n# CPU ratio: the same with rank 0's process CPU time (all threads) instead of wall time: work, not waiting;"
-          "\n# opt steps, all-reduces: rank 0, all rounds incl. warm-up; per step 1.00 = exactly one per optimizer step")
+    if not args.no_throughput:
+        print(f"\n## Throughput: one launch, {', '.join(interleaved)} epoch by epoch in rotated order, "
+              f"{args.rounds} rounds per accumulation after a warm-up round ({wall_interleaved:.0f} s)")
+        header = (f"{'variant':<17} {'accum':>5} {'step ms':>8} {'timed':>6} {'vs ref':>6} {'samples/s':>9} "
+                  f"{'thru ratio':>10} {'95 % interval':>13} {'CPU ratio':>9} {'95 % interval':>13} "
+                  f"{'opt steps':>9} {'all-reduces':>11} {'per step':>8}")
+        print(header)
+        print("-" * len(header))
+        for k in ACCUMULATIONS:
+            res = inter[str(k)]
+            plain = res["plain"]
+            for v in interleaved:
+                steps = [t for rnd in res[v]["step_s"] for t in rnd]
+                vs_ref = paired_median(res[v])
+                ratio = paired_median(plain) / vs_ref  # throughput = inverse step time
+                low, high = bootstrap_ratio(plain, res[v])
+                cpu_ratio = paired_median(plain, cpu=True) / paired_median(res[v], cpu=True)
+                cpu_low, cpu_high = bootstrap_ratio(plain, res[v], cpu=True)
+                print(f"{v:<17} {k:>5} {statistics.median(steps) * 1e3:>8.1f} {len(steps):>6} {vs_ref:>6.3f} "
+                      f"{2 * BATCH * k / statistics.median(steps):>9.0f} {ratio:>10.3f} {low:>6.3f}–{high:<6.3f} "
+                      f"{cpu_ratio:>9.3f} {cpu_low:>6.3f}–{cpu_high:<6.3f} "
+                      f"{_per_step(res[v]['steps'], res[v]['allreduces'])}")
+        print("\n# step ms: rank 0's median optimizer step (steps 2..n of each epoch; timed: how many, all rounds);"
+              "\n# plain-2: a second, identical plain loop (A/A control: its ratio is the instrument's error);"
+              "\n# vs ref: median over those steps of (step / the reference step right after it); thru ratio: plain's"
+              "\n# 'vs ref' over the variant's (throughput against plain DDP, both measured against the same reference);"
+              f"\n# 95 % interval: of the ratio, {BOOTSTRAP} bootstrap resamples of the rounds (percentiles 2.5, 97.5);"
+              "\n# CPU ratio: the same with rank 0's process CPU time (all threads) instead of wall time: work, not waiting;"
+              "\n# opt steps, all-reduces: rank 0, all rounds incl. warm-up; per step 1.00 = exactly one per optimizer step")
 
     if launches:
         _print_process_table(variants, walls, counts, launches, args.epochs)
