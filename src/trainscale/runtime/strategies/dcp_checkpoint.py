@@ -17,6 +17,7 @@ published (renamed) by :meth:`AsyncSave.wait`, after the write ended, never befo
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import time
 from pathlib import Path
@@ -42,6 +43,61 @@ def _shard_writer(path: Path):
     return _ShardWriter(str(path))
 
 
+def _shard_reader(path: Path):
+    """DCP's ``FileSystemReader`` for ``path`` that names the shard files this rank reads when one is missing or
+    cannot be read (DCP's own error names no file)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class _ShardReader(FileSystemReader):
+        def read_data(self, plan, planner):
+            files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
+            for name in files:
+                if not (path / name).is_file():
+                    raise checkpoint_io.CheckpointError(
+                        f"checkpoint {str(path)!r} is missing its shard file {name!r}: the directory was copied in "
+                        "part or a file was deleted; copy the whole checkpoint directory, or resume from an earlier "
+                        "checkpoint")
+            try:
+                return super().read_data(plan, planner)
+            except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
+                raise checkpoint_io.CheckpointError(
+                    f"checkpoint {str(path)!r}: shard file(s) {', '.join(map(repr, files))} cannot be read "
+                    f"({type(err).__name__}: {_first_line(err)}); truncated or corrupted: resume from an earlier "
+                    "checkpoint or delete this one") from err
+
+    return _ShardReader(str(path))
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:300]
+
+
+def _clear_error(err: BaseException, path: Path, otherwise: str) -> checkpoint_io.CheckpointError:
+    """One clear error for what a DCP save or load raised. torch's ``CheckpointException`` derives from
+    ``BaseException`` (an ``except Exception`` misses it) and holds every failing rank's own error, each one
+    the same on every rank: ours (a shard missing or unreadable, already clear), a full disk (named as such),
+    or another, reported as ``otherwise`` with the first rank's error."""
+    failures = getattr(err, "failures", None) or {None: (err, None)}
+    causes = [(rank, failure[0] if isinstance(failure, tuple) else failure)
+              for rank, failure in sorted(failures.items(), key=lambda item: str(item[0]))]
+    for _, cause in causes:
+        if isinstance(cause, checkpoint_io.CheckpointError):
+            return checkpoint_io.CheckpointError(str(cause))
+        if isinstance(cause, OSError) and cause.errno in checkpoint_io._DISK_FULL:
+            return checkpoint_io.disk_full_error(path, cause)
+    rank, cause = causes[0]
+    where = "" if rank is None else f" (rank {rank})"
+    return checkpoint_io.CheckpointError(f"{otherwise}{where}: {type(cause).__name__}: {_first_line(cause)}")
+
+
+def _is_checkpoint_failure(err: BaseException) -> bool:
+    """An error of a DCP save or load: any ``Exception`` or torch's ``CheckpointException`` (a ``BaseException``),
+    not a ``KeyboardInterrupt`` or ``SystemExit``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return isinstance(err, (Exception, CheckpointException))
+
+
 def _publish(tmp: Path, path: Path) -> None:
     """Rank zero's last act of a save: ``tmp`` (complete on every rank) becomes ``path``."""
     if path.exists():
@@ -60,7 +116,7 @@ class AsyncSave:
 
     def __init__(self, future: Any, tmp: Path, path: Path, rank: int) -> None:
         self.path, self.write_s = path, None
-        self._future, self._tmp, self._rank, self._published = future, tmp, rank, False
+        self._future, self._tmp, self._rank, self._published, self._failed = future, tmp, rank, False, False
         self._started = time.perf_counter()
         future.add_done_callback(self._ended)  # run by the writer thread as the write ends
 
@@ -72,22 +128,27 @@ class AsyncSave:
         """Whether this rank's background write has ended (a check that never blocks)."""
         return self._future.done()
 
-    def wait(self) -> Path:
+    def wait(self) -> Path | None:
         """Block until this rank's write has ended, then publish: rank zero renames the temporary directory to
         :attr:`path` (its write ends after every rank's shards and the metadata are on disk: DCP gathers the
         ranks' results there). Idempotent. Other ranks may return before rank zero has renamed.
 
         Raises:
             CheckpointError: the write failed on some rank (DCP reports it to every rank); the temporary
-                directory is removed and nothing is published.
+                directory is removed and nothing is published. Raised once: a later call returns None.
         """
+        if self._failed:
+            return None
         try:
             self._future.result()
-        except Exception as err:  # CheckpointException, OSError, ...: one message for every rank
+        except BaseException as err:  # CheckpointException is a BaseException: one message for every rank
+            if not _is_checkpoint_failure(err):
+                raise
+            self._failed = True
             if self._rank == 0:
                 shutil.rmtree(self._tmp, ignore_errors=True)
-            raise checkpoint_io.CheckpointError(f"the background write of checkpoint {str(self.path)!r} failed: "
-                                                f"{str(err).strip()[:300]}; nothing was published") from err
+            raise _clear_error(err, self.path, f"the background write of checkpoint {str(self.path)!r} failed "
+                                               "and nothing was published") from err
         self._ended()  # result() may return before the writer thread has run the callback
         if self._rank == 0 and not self._published:
             _publish(self._tmp, self.path)
@@ -206,10 +267,12 @@ class DCPCheckpointer:
                 self._pending = AsyncSave(future, tmp, path, self.rank)
                 return self._pending
             dcp.save(sharded, storage_writer=_shard_writer(tmp))  # raises on every rank when one rank's write fails
-        except BaseException:
+        except BaseException as err:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            if not _is_checkpoint_failure(err) or isinstance(err, checkpoint_io.CheckpointError):
+                raise
+            raise _clear_error(err, path, f"the write of checkpoint {str(path)!r} failed") from err
         if self.rank == 0:
             _publish(tmp, path)
         return None
@@ -259,10 +322,11 @@ class DCPCheckpointer:
         self.before()
         sharded, others = self._split(state)
         try:  # one process without a process group (strategy "single") reads every shard itself
-            dcp.load(sharded, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-        except Exception as err:  # DCP raises CheckpointException / RuntimeError / KeyError
-            raise checkpoint_io.CheckpointError(f"checkpoint {str(path)!r} does not fit the model or optimizer: "
-                                                f"{str(err).strip().splitlines()[0][:300]}") from err
+            dcp.load(sharded, storage_reader=_shard_reader(path), no_dist=not dist.is_initialized())
+        except BaseException as err:  # DCP raises CheckpointException (a BaseException) / RuntimeError / KeyError
+            if not _is_checkpoint_failure(err):
+                raise
+            raise _clear_error(err, path, f"checkpoint {str(path)!r} does not fit the model or optimizer") from err
         for key, value in others.items():
             if checkpoint_io._is_stateful(value):
                 if key not in extra:
