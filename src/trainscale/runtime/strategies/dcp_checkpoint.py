@@ -2,7 +2,9 @@
 
 A checkpoint is a directory: every rank writes its own shards of the modules and optimizers
 (``__<rank>_0.distcp`` and ``.metadata``), rank zero the other entries (``trainscale_extra.pt``, with
-its SHA-256). Modules and optimizers are keyed by the module's own parameter names, so a checkpoint
+its SHA-256). Every file has its SHA-256 in the manifest ``shards.sha256`` (``sha256sum -c`` reads it): each
+rank hashes the shards it wrote, and rank zero, once every rank has written and the ``.metadata`` is on disk,
+gathers their digests into it; a load verifies ``.metadata`` and every shard file it reads against it. Modules and optimizers are keyed by the module's own parameter names, so a checkpoint
 loads on another world size or mesh shape (DCP reshards on load;
 https://pytorch.org/docs/stable/distributed.checkpoint.html). Written under ``.<name>.tmp`` and renamed
 by rank zero once every rank has finished: a crash leaves no half checkpoint under the final name.
@@ -16,6 +18,7 @@ published (renamed) by :meth:`AsyncSave.wait`, after the write ended, never befo
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import shutil
@@ -26,26 +29,82 @@ from typing import Any, Callable
 from trainscale.runtime import checkpoint_io
 
 EXTRA = "trainscale_extra.pt"  # the non-sharded entries (loop position, RNG, scheduler, scaler)
+MANIFEST = "shards.sha256"  # "<sha256>  <file>" per line, for every file of the checkpoint
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _shard_writer(path: Path):
-    """DCP's ``FileSystemWriter`` for ``path`` that marks the start and end of this rank's shard writes with
-    ``checkpoint_io._write_event`` ("writing-shards", "shards-written"; the kill tests stop a write there)."""
+    """DCP's ``FileSystemWriter`` for ``path`` that records the SHA-256 of every file (:data:`MANIFEST`) and marks
+    the start and end of this rank's shard writes with ``checkpoint_io._write_event`` ("writing-shards",
+    "shards-written"; the kill tests stop a write there).
+
+    Each rank hashes the files it wrote (just written: read back from the page cache) into ``.<prefix>sha256.part``;
+    ``finish`` runs on rank zero after every rank's ``write_data`` has returned, writes ``.metadata``, then merges
+    the parts and the digests of ``.metadata`` and the extra file into the manifest."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     class _ShardWriter(FileSystemWriter):
         def write_data(self, plan, planner):
             checkpoint_io._write_event("writing-shards", path)
             written = super().write_data(plan, planner)  # FileSystemWriter writes before it returns
+            files = sorted({result.storage_data.relative_path for result in written.value()})
+            lines = "".join(f"{_sha256(path / name)}  {name}\n" for name in files)
+            checkpoint_io.atomic_write_bytes(path / f".{plan.storage_data.prefix}sha256.part", lines.encode())
             checkpoint_io._write_event("shards-written", path)
             return written
+
+        def finish(self, metadata, results) -> None:
+            super().finish(metadata, results)
+            parts = sorted(path.glob(".*sha256.part"))
+            lines = "".join(part.read_text() for part in parts)
+            lines += "".join(f"{_sha256(path / name)}  {name}\n" for name in (".metadata", EXTRA)
+                             if (path / name).is_file())
+            checkpoint_io.atomic_write_bytes(path / MANIFEST, lines.encode())
+            for part in parts:
+                part.unlink()
 
     return _ShardWriter(str(path))
 
 
-def _shard_reader(path: Path):
-    """DCP's ``FileSystemReader`` for ``path`` that names the shard files this rank reads when one is missing or
-    cannot be read (DCP's own error names no file)."""
+def _read_manifest(path: Path) -> dict[str, str]:
+    """The file → SHA-256 record of checkpoint ``path`` (:data:`MANIFEST`).
+
+    Raises:
+        CheckpointError: the checkpoint has none (written before trainscale recorded one, or not by trainscale).
+    """
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise checkpoint_io.CheckpointError(
+            f"checkpoint {str(path)!r} has no checksum manifest {MANIFEST!r}, so its shard files cannot be verified "
+            "(a flipped bit would load silently); resume from a checkpoint written by this trainscale, or, if you "
+            "trust this one, load it unverified with verify=False (Trainer.fit(ckpt_verify=False))")
+    digests = {}
+    for line in manifest.read_text().splitlines():
+        digest, _, name = line.partition("  ")
+        digests[name] = digest
+    return digests
+
+
+def _verify_files(path: Path, names: list[str], digests: dict[str, str]) -> None:
+    """Raise unless every file of ``names`` in checkpoint ``path`` has the SHA-256 the manifest records."""
+    for name in names:
+        if name not in digests:
+            raise checkpoint_io.CheckpointError(f"checkpoint {str(path)!r}: {name!r} is not in its checksum manifest "
+                                                f"{MANIFEST!r}; resume from an earlier checkpoint or delete this one")
+        if (path / name).is_file() and _sha256(path / name) != digests[name]:
+            raise checkpoint_io.CheckpointError(
+                f"checkpoint {str(path)!r}: {name!r} is corrupted ({(path / name).stat().st_size} bytes whose sha256 is "
+                f"not the {digests[name][:12]}… recorded when it was written); resume from an earlier checkpoint or "
+                "delete this one")
+
+
+def _shard_reader(path: Path, digests: dict[str, str] | None):
+    """DCP's ``FileSystemReader`` for ``path`` that verifies the shard files this rank reads against ``digests``
+    (None: unverified), and names the file when one is missing or cannot be read (DCP's own error names none)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     class _ShardReader(FileSystemReader):
@@ -57,6 +116,8 @@ def _shard_reader(path: Path):
                         f"checkpoint {str(path)!r} is missing its shard file {name!r}: the directory was copied in "
                         "part or a file was deleted; copy the whole checkpoint directory, or resume from an earlier "
                         "checkpoint")
+            if digests is not None:
+                _verify_files(path, files, digests)
             try:
                 return super().read_data(plan, planner)
             except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
@@ -305,12 +366,13 @@ class DCPCheckpointer:
         """Restore the modules and optimizers of ``state`` from ``path`` (any world size or mesh; DCP reshards,
         the optimizer state through ``set_optimizer_state_dict``), the other stateful objects from its extra
         file; return the plain entries. ``verify``: check the extra
-        file's SHA-256 and refuse it without one (the shard files have no checksum of their own).
+        file's SHA-256, and ``.metadata`` and every shard file this rank reads against the checkpoint's manifest
+        (:data:`MANIFEST`); refuse a checkpoint without them.
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
-            CheckpointError: ``path`` is not a DCP checkpoint directory, the extra file has no checksum or
-                does not match it (``verify=True``), or it does not fit.
+            CheckpointError: ``path`` is not a DCP checkpoint directory, a file has no checksum or does not
+                match it (``verify=True``, naming the file), a shard file is missing, or it does not fit.
         """
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
@@ -319,10 +381,13 @@ class DCPCheckpointer:
         path = Path(path)
         self._check_directory(path)
         extra = checkpoint_io.load_file(path / EXTRA, verify)
+        digests = _read_manifest(path) if verify else None
+        if digests is not None:
+            _verify_files(path, [".metadata"], digests)
         self.before()
         sharded, others = self._split(state)
         try:  # one process without a process group (strategy "single") reads every shard itself
-            dcp.load(sharded, storage_reader=_shard_reader(path), no_dist=not dist.is_initialized())
+            dcp.load(sharded, storage_reader=_shard_reader(path, digests), no_dist=not dist.is_initialized())
         except BaseException as err:  # DCP raises CheckpointException (a BaseException) / RuntimeError / KeyError
             if not _is_checkpoint_failure(err):
                 raise
