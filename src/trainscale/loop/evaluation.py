@@ -143,38 +143,50 @@ def _in_dataset_order(runtime: Runtime, outputs: list) -> Any:
     j % D, its j // D-th). Ranks that share their batches (the ``tp`` ranks of a group) hold the same outputs:
     the first of each group is taken, so each sample is returned once."""
     split = [_per_sample(o) for o in outputs]
-    mine = [sample for samples in split for sample in samples] if all(s is not None for s in split) else None
-    data_rank = runtime.strategy.data_world(runtime.world).rank
+    mine = None if any(samples is None for samples in split) else [sample for samples in split for sample in samples]
     by_data_rank: dict[int, list | None] = {}
-    for rank, samples in runtime.all_gather_object((data_rank, mine)):
+    for rank, samples in runtime.all_gather_object((runtime.strategy.data_world(runtime.world).rank, mine)):
         by_data_rank.setdefault(rank, samples)
-    if any(samples is None for samples in by_data_rank.values()):  # decided on the gathered lists: on every rank
-        if len(by_data_rank) == 1:
+    per_rank = [by_data_rank[r] for r in sorted(by_data_rank)]
+    if any(samples is None for samples in per_rank):  # decided on the gathered lists: the same on every rank
+        if len(per_rank) == 1:
             return outputs
         raise ValueError("predict_step returned outputs that cannot be split per sample (a tensor, or a dict of "
                          "tensors or lists, with the batch's length first), so several ranks' predictions cannot be "
                          "put back in dataset order; return per-sample values")
-    per_rank = [by_data_rank[r] for r in sorted(by_data_rank)]
     ordered = [per_rank[j % len(per_rank)][j // len(per_rank)] for j in range(sum(map(len, per_rank)))]
-    if ordered and all(isinstance(o, torch.Tensor) for o in ordered):
-        return torch.stack(ordered)
-    if ordered and all(isinstance(o, dict) for o in ordered) and len({tuple(o) for o in ordered}) == 1:
-        return {key: torch.stack([o[key] for o in ordered]) if isinstance(ordered[0][key], torch.Tensor)
-                else [o[key] for o in ordered] for key in ordered[0]}
-    return ordered
+    return _stacked(ordered)
 
 
 def _per_sample(out: Any) -> list | None:
     """One batch's prediction split per sample: a tensor along dim 0, a dict of tensors or lists of one length
     item by item. None when it cannot be split."""
-    if isinstance(out, torch.Tensor) and out.dim() > 0:
-        return list(out.unbind(0))
-    if isinstance(out, dict) and out and all(isinstance(v, (torch.Tensor, list)) for v in out.values()):
-        lengths = {len(v) if isinstance(v, list) else v.shape[0] if v.dim() > 0 else None for v in out.values()}
-        if len(lengths) == 1 and None not in lengths:
-            out = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
-            return [{k: v[i] for k, v in out.items()} for i in range(lengths.pop())]
-    return None
+    if isinstance(out, torch.Tensor):
+        return list(out.unbind(0)) if out.dim() > 0 else None
+    if not isinstance(out, dict) or not out:
+        return None
+    values = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+    lengths = {_length(v) for v in values.values()}
+    if len(lengths) != 1 or None in lengths:
+        return None
+    return [{k: v[i] for k, v in values.items()} for i in range(lengths.pop())]
+
+
+def _length(value: Any) -> int | None:
+    """The leading length of a tensor (not 0-d) or a list; None for anything else."""
+    if isinstance(value, list):
+        return len(value)
+    return value.shape[0] if isinstance(value, torch.Tensor) and value.dim() > 0 else None
+
+
+def _stacked(samples: list) -> Any:
+    """Per-sample predictions as one tensor, or one dict of tensors (or lists), when all are of that kind."""
+    if samples and all(isinstance(o, torch.Tensor) for o in samples):
+        return torch.stack(samples)
+    if samples and all(isinstance(o, dict) for o in samples) and len({tuple(o) for o in samples}) == 1:
+        columns = {key: [o[key] for o in samples] for key in samples[0]}
+        return {key: torch.stack(c) if isinstance(c[0], torch.Tensor) else c for key, c in columns.items()}
+    return samples
 
 
 def checkpoint_to_evaluate(trainer: Trainer, ckpt_path: Any) -> Path | None:
