@@ -174,6 +174,31 @@ def test_self_log_sums_count_each_sample_once_under_tensor_parallelism():
     assert out[0]["mean_x"] == pytest.approx((n - 1) / 2) and out[0]["max_x"] == n - 1
 
 
+class _LogsReservedName(TrainingModule):
+    def __init__(self, name: str, stage: str):
+        super().__init__()
+        self.lin, self.name, self.stage = nn.Linear(1, 2), name, stage
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.stage == "train":
+            self.log(self.name, 1.0)
+        return F.cross_entropy(self.lin(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.log(self.name, 1.0)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("name, stage", [("step", "train"), ("epoch", "train"), ("epoch", "validation")])
+def test_self_log_of_a_records_own_field_names_the_alternative(tmp_path, name, stage):
+    loader = DataLoader(mw.indexed_dataset(8), batch_size=4)
+    with pytest.raises(ValueError, match=rf"self.log\('{name}', ...\): every record already holds '{name}'.*'my_{name}'"):
+        _trainer(tmp_path, enable_checkpointing=False).fit(_LogsReservedName(name, stage), loader, loader)
+
+
 def test_names_logged_on_some_ranks_only_are_an_error_on_every_rank():
     out = run_distributed(mw.log_reduction_body, 16, 1, timeout=120)
     for message in out:
