@@ -95,6 +95,51 @@ def log_reduction_body(rank: int, n: int, extra_on_rank: int | None = None, stra
         trainer.runtime.teardown()
 
 
+class Returner(TrainingModule):
+    """``validation_step`` returns "mean_x" for every batch, "odd_x" only for batches of odd ``batch_idx``, and
+    "only_here" on rank ``extra_on_rank`` only; ``predict_step`` returns a dict of the sample's index and an
+    output tensor."""
+
+    def __init__(self, extra_on_rank: int | None = None):
+        super().__init__()
+        self.lin = nn.Linear(1, 2)
+        self.extra_on_rank = extra_on_rank
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.lin(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, _ = batch
+        out = {"mean_x": x.mean()}
+        if batch_idx % 2 == 1:
+            out["odd_x"] = x.mean()
+        if self.extra_on_rank == self.global_rank:
+            out["only_here"] = x.mean()
+        return out
+
+    def predict_step(self, batch, batch_idx):
+        x, _ = batch
+        return {"index": x[:, 0].long(), "doubled": 2 * x, "names": [f"s{int(v)}" for v in x[:, 0]]}
+
+
+def returned_keys_body(rank: int, n: int) -> dict:
+    """What ``validate`` reports for :class:`Returner` (and the error when a key is returned on rank 1 only), and
+    what ``predict`` gathers, with batches of 4 samples of :func:`indexed_dataset`."""
+    from trainscale.loop.trainer import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices="auto", enable_progress_bar=False, timeout=60,
+                      enable_checkpointing=False, default_root_dir=f"/tmp/unused-{n}")
+    loader = DataLoader(indexed_dataset(n), batch_size=4)
+    out = {"validated": trainer.validate(Returner(), loader), "predicted": trainer.predict(Returner(), loader)}
+    try:
+        trainer.validate(Returner(extra_on_rank=1), loader)
+    except ValueError as err:
+        out["error"] = str(err)
+    trainer.runtime.teardown()
+    return out
+
+
 def tp_log_reduction_body(rank: int, n: int) -> dict:
     """``log_reduction_body`` under tensor parallelism over all ranks (one data-parallel rank: every rank
     reads all ``n`` samples)."""

@@ -103,3 +103,10 @@ def test_step_profile_counts_each_variant_and_holds_the_bytecode_budget():
     own = {line.split("## ")[1].split(":")[0]: float(line.split("trainscale's own code: ")[1].split("/")[0])
            for line in stdout.splitlines() if line.startswith("## ")}
     assert own["trainer"] <= OWN_BYTECODES_PER_STEP, stdout
+
+
+@pytest.mark.timeout(60)
+def test_checkpoint_digests_prints_the_cost_per_gb():
+    stdout = run_bench("checkpoint_digests.py", timeout=55)
+    for row in ("hash at save", "verify at load", "load verify=False"):
+        assert row in stdout, stdout

@@ -1,5 +1,6 @@
-"""Saving onto a full disk, stale temporaries, filesystems that cannot fsync a directory
-(runtime/checkpoint_io.py, checkpointing/run_dirs.py, the fsdp strategy's save)."""
+"""Saving onto a full disk, stale temporaries, filesystems that cannot fsync a directory, sharded checkpoints
+with a missing or damaged shard file (runtime/checkpoint_io.py, checkpointing/run_dirs.py, the fsdp strategy's
+save and load)."""
 
 from __future__ import annotations
 
@@ -120,3 +121,122 @@ def test_fsdp_disk_full_raises_on_every_rank_and_removes_the_temporary_directory
     for out in ranks:
         assert out["error"] is not None and "no space left on device" in out["error"], out
         assert out["listing"] == ["good"]  # no ".full.tmp" left, the earlier checkpoint kept
+
+
+def _shards_full_on(rank_to_fail: int, rank: int):
+    """A ``_write_event`` that raises ENOSPC on ``rank_to_fail`` as DCP starts writing its shards (in the
+    background writer thread of an asynchronous save)."""
+    def event(stage, path):
+        if stage == "writing-shards" and rank == rank_to_fail:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return event
+
+
+def _caught(call) -> str | None:
+    """The message of the CheckpointError that ``call`` raised (None if it returned); any other exception,
+    torch's CheckpointException (a BaseException) included, propagates and fails the test."""
+    try:
+        call()
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def _dcp_failures_body(rank: int, root: str) -> dict:
+    import shutil
+
+    from trainscale.runtime.runtime import Runtime
+
+    rt = Runtime(accelerator="cpu", strategy="fsdp", devices="auto", timeout=60)
+    model, _ = rt.setup(workers.make_model(0))
+    rt.save(f"{root}/good", {"model": model})
+    out = {}
+    checkpoint_io._write_event = _shards_full_on(1, rank)  # rank 1's shard write meets a full disk
+    out["sync"] = _caught(lambda: rt.save(f"{root}/sync", {"model": model}))
+    rt.barrier()
+    checkpoint_io._write_event = _shards_full_on(0, rank)  # rank 0's, in the background writer thread
+    rt.save(f"{root}/async", {"model": model}, asynchronous=True)
+    out["async"] = _caught(rt.wait_for_save)
+    checkpoint_io._write_event = lambda stage, path: None
+    rt.barrier()
+    out["listing"] = sorted(os.listdir(root))
+    rt.barrier()
+    if rank == 0:
+        shutil.copytree(f"{root}/good", f"{root}/missing")
+        os.remove(f"{root}/missing/__1_0.distcp")
+        shutil.copytree(f"{root}/good", f"{root}/truncated")
+        data = open(f"{root}/truncated/__0_0.distcp", "rb").read()
+        open(f"{root}/truncated/__0_0.distcp", "wb").write(data[: len(data) // 2])
+    rt.barrier()
+    out["missing"] = _caught(lambda: rt.load(f"{root}/missing", {"model": model}))
+    out["truncated"] = _caught(lambda: rt.load(f"{root}/truncated", {"model": model}, verify=False))
+    out.update(_flipped_bits(rank, root, rt, model))
+    rt.teardown()
+    return out
+
+
+def _flipped_bits(rank: int, root: str, rt, model) -> dict:
+    """Loads of copies of ``root/good`` with one bit flipped in a weight of ``__1_0.distcp`` (read by rank 1
+    only), or in ``.metadata``, or without the manifest; verified, and the first unverified."""
+    import shutil
+
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if rank == 0:
+        for name in ("flipped", "flipped_metadata", "no_manifest"):
+            shutil.copytree(f"{root}/good", f"{root}/{name}")
+        shard = f"{root}/flipped/__1_0.distcp"
+        data = bytearray(open(shard, "rb").read())
+        data[len(data) // 2] ^= 0x10  # inside the tensor bytes: torch.load reads it without complaint
+        open(shard, "wb").write(bytes(data))
+        meta = bytearray(open(f"{root}/flipped_metadata/.metadata", "rb").read())
+        meta[-20] ^= 0x01
+        open(f"{root}/flipped_metadata/.metadata", "wb").write(bytes(meta))
+        os.remove(f"{root}/no_manifest/shards.sha256")
+    rt.barrier()
+    before = {k: v.full_tensor().clone() for k, v in get_model_state_dict(model).items()}
+    out = {name: _caught(lambda: rt.load(f"{root}/{name}", {"model": model}))
+           for name in ("good", "flipped", "flipped_metadata", "no_manifest")}
+    rt.load(f"{root}/flipped", {"model": model}, verify=False)  # what every load did before the manifest
+    after = {k: v.full_tensor() for k, v in get_model_state_dict(model).items()}
+    out["unverified_changed"] = sum(int((before[k] != after[k]).sum()) for k in before)
+    out["manifest"] = open(f"{root}/good/shards.sha256").read()
+    rt.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def dcp_damage(tmp_path_factory):
+    return run_distributed(_dcp_failures_body, str(tmp_path_factory.mktemp("dcp_damage")), timeout=50)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_sharded_save_and_load_failures_are_clear_errors_on_every_rank(dcp_damage):
+    """torch's CheckpointException derives from BaseException: a full disk during a shard write (synchronous or
+    in the background) and a missing or truncated shard file must still be clear CheckpointErrors."""
+    for out in dcp_damage:
+        for save in ("sync", "async"):
+            assert out[save] is not None and "no space left on device while writing" in out[save], out
+            assert f"/{save}'" in out[save], out
+        assert out["listing"] == ["good"], out  # no temporary directory left, nothing published
+        assert out["missing"] is not None and "missing its shard file '__1_0.distcp'" in out["missing"], out
+        assert "copy the whole checkpoint directory" in out["missing"]
+        assert out["truncated"] is not None and "'__0_0.distcp'" in out["truncated"], out
+        assert "cannot be read" in out["truncated"] and "earlier checkpoint" in out["truncated"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_flipped_bit_in_a_sharded_checkpoint_is_refused_naming_the_file(dcp_damage):
+    """Every DCP checkpoint carries the SHA-256 of each of its files (shards.sha256, `sha256sum -c` format); a load
+    verifies .metadata and the shards each rank reads, and refuses a mismatch (on every rank, naming the file) or a
+    checkpoint without the manifest unless verify=False."""
+    for out in dcp_damage:
+        names = sorted(line.split("  ")[1] for line in out["manifest"].splitlines())
+        assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "trainscale_extra.pt"], out["manifest"]
+        assert out["good"] is None
+        assert out["flipped"] is not None and "'__1_0.distcp' is corrupted" in out["flipped"], out
+        assert "'.metadata' is corrupted" in out["flipped_metadata"], out
+        assert "no checksum manifest 'shards.sha256'" in out["no_manifest"] and "verify=False" in out["no_manifest"]
+        assert out["unverified_changed"] == 1  # unverified, the flipped bit loads silently into one weight

@@ -135,3 +135,62 @@ def test_claim_run_dir_starts_at_version_0_and_skips_existing(tmp_path):
     assert ckpt.claim_run_dir(tmp_path / "new" / "runs") == tmp_path / "new" / "runs" / "version_0"
     (tmp_path / "version_7").mkdir()
     assert ckpt.claim_run_dir(tmp_path) == tmp_path / "version_8"
+
+
+_HOLD_LOCK = ("import fcntl, os, sys, time\n"
+              "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+              "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+              "print('held', flush=True)\n"
+              "time.sleep(60)\n")
+
+
+@pytest.mark.timeout(60)
+def test_a_run_held_by_another_process_is_not_continued_in_place(tmp_path):
+    """Two runs resuming ckpt_path="last" together: the first holds version_0's lock for its whole fit, so the
+    second (here a process holding that lock, as the first fit does) continues in version_1 recording
+    resumed_from; version_0 is untouched. The lock goes with the fit: the next "last" continues in place."""
+    import subprocess
+    import sys
+
+    from torch.utils.data import DataLoader
+
+    from tests import workers
+    from trainscale.callbacks import Callback
+    from trainscale.checkpointing.runs import RunLock
+    from trainscale.loop.trainer import Trainer
+
+    def fit(**kw):
+        trainer = Trainer(accelerator="cpu", enable_progress_bar=False, default_root_dir=tmp_path, max_epochs=kw.pop(
+            "max_epochs"), callbacks=[HeldDuringFit()])
+        trainer.fit(workers.make_model(0), DataLoader(workers.tiny_dataset(16), batch_size=8), optimizer=workers.sgd,
+                    **kw)
+        return trainer
+
+    held = []
+
+    class HeldDuringFit(Callback):
+        def on_fit_start(self, trainer, module=None):
+            lock = RunLock.acquire(trainer.run_dir)  # another process's view: a second open file description
+            held.append(lock is None)
+
+    fit(max_epochs=1)
+    first = tmp_path / "version_0"
+    before = {p.name: p.read_bytes() for p in sorted((first / "checkpoints").iterdir())}
+    other = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(first / RunLock.FILE)], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        second = fit(max_epochs=2, ckpt_path="last")
+    finally:
+        other.kill()
+        other.wait()
+    assert second.run_dir == tmp_path / "version_1"
+    assert (second.run_dir / "resumed_from").read_text().strip() == str(first / "checkpoints" /
+                                                                        ckpt.checkpoint_name(1, 2))
+    assert {p.name: p.read_bytes() for p in sorted((first / "checkpoints").iterdir())} == before
+    free = RunLock.acquire(second.run_dir)
+    assert free is not None  # released when fit returned
+    free.release()
+    third = fit(max_epochs=3, ckpt_path="last")  # version_1 is free: continued in place
+    assert third.run_dir == tmp_path / "version_1"
+    assert held == [True, True, True]  # every fit held its run directory's lock

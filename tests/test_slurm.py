@@ -193,6 +193,21 @@ def test_trainscale_slurm_refuses_a_bad_value_in_one_line():
         assert len(bad.stderr.strip().splitlines()) == 1 and name in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_trainscale_slurm_never_overwrites_the_script_or_a_file_it_did_not_write(tmp_path):
+    script, notes, job = tmp_path / "train.py", tmp_path / "notes.txt", tmp_path / "job.sbatch"
+    script.write_text("print('train')\n")
+    notes.write_text("my notes\n")
+    args = [TRAINSCALE, "slurm", "--nodes", "1", "--gpus-per-node", "1"]
+    for output, name in ((script, "training script itself"), (notes, "not an sbatch script"),
+                         (tmp_path, "is a directory")):
+        bad = subprocess.run([*args, "-o", str(output), str(script)], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and name in bad.stderr and "Traceback" not in bad.stderr, bad
+    assert script.read_text() == "print('train')\n" and notes.read_text() == "my notes\n"
+    for _ in range(2):  # a new file, then a previous sbatch script of ours: both written
+        ok = subprocess.run([*args, "-o", str(job), str(script)], capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0 and slurm.SBATCH_MARK in job.read_text(), ok
+
+
 def test_slurm_variables_without_srun_warn_once_naming_srun(monkeypatch):
     monkeypatch.setattr(slurm, "_warned_not_srun", False)
     batch_env = {k: v for k, v in SLURM_ENV.items() if k != "SLURM_STEP_ID"}  # the batch script itself

@@ -174,10 +174,77 @@ def test_self_log_sums_count_each_sample_once_under_tensor_parallelism():
     assert out[0]["mean_x"] == pytest.approx((n - 1) / 2) and out[0]["max_x"] == n - 1
 
 
+class _LogsReservedName(TrainingModule):
+    def __init__(self, name: str, stage: str):
+        super().__init__()
+        self.lin, self.name, self.stage = nn.Linear(1, 2), name, stage
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.stage == "train":
+            self.log(self.name, 1.0)
+        return F.cross_entropy(self.lin(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.log(self.name, 1.0)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("name, stage", [("step", "train"), ("epoch", "train"), ("epoch", "validation")])
+def test_self_log_of_a_records_own_field_names_the_alternative(tmp_path, name, stage):
+    loader = DataLoader(mw.indexed_dataset(8), batch_size=4)
+    with pytest.raises(ValueError, match=rf"self.log\('{name}', ...\): every record already holds '{name}'.*'my_{name}'"):
+        _trainer(tmp_path, enable_checkpointing=False).fit(_LogsReservedName(name, stage), loader, loader)
+
+
 def test_names_logged_on_some_ranks_only_are_an_error_on_every_rank():
     out = run_distributed(mw.log_reduction_body, 16, 1, timeout=120)
     for message in out:
         assert message.startswith("ValueError: ranks logged different epoch values") and "only_here" in message
+
+
+def _returned_keys_expected(n: int, world_size: int) -> tuple[float, float]:
+    """The exact "mean_x" and "odd_x" of :class:`mw.Returner` on ``indexed_dataset(n)`` (x = sample index) split
+    like the evaluation sampler (rank r: samples r, r + W, ...) into batches of 4."""
+    odd = []
+    for rank in range(world_size):
+        samples = list(range(rank, n, world_size))
+        odd += [x for b in range(1, (len(samples) + 3) // 4, 2) for x in samples[4 * b: 4 * b + 4]]
+    return (n - 1) / 2, sum(odd) / len(odd)
+
+
+@pytest.mark.timeout(60)
+def test_returned_keys_and_predicted_dicts_keep_dataset_order_and_exact_means_on_two_ranks():
+    """``predict_step`` returning a dict comes back as one dict in dataset order; a ``validation_step`` key
+    returned by some batches only is the mean over those batches' samples; a key returned on one rank only is an
+    error on every rank naming it (as names logged with ``self.log`` on some ranks only)."""
+    n = 22
+    mean_x, odd_x = _returned_keys_expected(n, 2)
+    assert odd_x != pytest.approx(mean_x)  # the batches that return "odd_x" are not a fair sample of all
+    for out in run_distributed(mw.returned_keys_body, n, timeout=50):
+        assert out["validated"]["val_mean_x"] == pytest.approx(mean_x)
+        assert out["validated"]["val_odd_x"] == pytest.approx(odd_x)
+        predicted = out["predicted"]
+        assert predicted["index"].tolist() == list(range(n))
+        torch.testing.assert_close(predicted["doubled"], 2 * torch.arange(n, dtype=torch.float32).reshape(n, 1))
+        assert predicted["names"] == [f"s{i}" for i in range(n)]
+        assert "validation_step returned keys on some ranks only ('only_here' not on rank(s) 0)" in out["error"]
+
+
+def test_a_key_returned_by_some_batches_is_averaged_over_those_batches_in_one_process():
+    from trainscale.loop.trainer import Trainer
+
+    n = 22
+    trainer = Trainer(accelerator="cpu", devices=1, enable_progress_bar=False, enable_checkpointing=False,
+                      default_root_dir="/tmp/unused-returned-keys")
+    loader = DataLoader(mw.indexed_dataset(n), batch_size=4)
+    mean_x, odd_x = _returned_keys_expected(n, 1)
+    assert trainer.validate(mw.Returner(), loader) == {"val_mean_x": pytest.approx(mean_x),
+                                                       "val_odd_x": pytest.approx(odd_x)}
+    predicted = trainer.predict(mw.Returner(), loader)
+    assert predicted["index"].tolist() == list(range(n)) and predicted["names"][:2] == ["s0", "s1"]
 
 
 # -- manual optimization -----------------------------------------------------------------------------------
@@ -186,6 +253,37 @@ def test_gan_with_manual_optimization_and_accumulation_matches_plain_pytorch(tmp
     ref = mw.gan_reference(8, 2)
     for key, value in ref.items():
         torch.testing.assert_close(single[key], value, rtol=1e-5, atol=1e-6)
+
+
+class _ForgetsManualBackward(TrainingModule):
+    automatic_optimization = False
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(1, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        F.cross_entropy(self.lin(x), y)  # the loss, but no self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_optimizer_step_without_manual_backward_warns_once(recwarn):
+    from trainscale.loop.trainer import Trainer
+
+    model = _ForgetsManualBackward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    Trainer(accelerator="cpu", devices=1, max_epochs=1, enable_progress_bar=False, enable_checkpointing=False,
+            default_root_dir="/tmp/unused-no-backward").fit(model, DataLoader(mw.indexed_dataset(12), batch_size=4))
+    warned = [w for w in recwarn if "with no gradients" in str(w.message)]
+    assert len(warned) == 1 and "SGD.step() on rank 0" in str(warned[0].message)  # 3 steps, one warning
+    assert "self.manual_backward(loss)" in str(warned[0].message)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_clip_gradients_clips_each_optimizers_gradients_by_their_norm(tmp_path):

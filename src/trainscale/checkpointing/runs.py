@@ -5,10 +5,16 @@ Rules (docs/fault-tolerance.md): "last" is the newest checkpoint of *this script
 or a SLURM requeue, this job's "last". A run continues in its own directory only when it resumes that
 run's newest checkpoint; resuming any other checkpoint starts a new ``version_N`` under
 ``default_root_dir`` and records where it came from, so no file of another run is ever overwritten.
+Rank zero holds an advisory lock (``fcntl.flock`` on ``<run>/.lock``) on the run directory it writes to
+for the whole ``fit``: a second process that would continue the same run (two ``ckpt_path="last"`` started
+together) finds it held and starts a new ``version_N`` instead. The kernel drops the lock when the process
+dies, so a restart after a crash continues in place.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -66,21 +72,55 @@ def _is_newest_of_its_run(path: Path, root: Path) -> bool:
     return pointer.is_file() and pointer.read_text().strip() == path.name
 
 
-def choose_run_dir(runtime: Runtime, root: Path, resume_from: Path | None, in_place: bool) -> Path:
-    """The run directory (same on every rank; made by rank 0): the resumed run's own when ``in_place``,
-    a restarted job's directory, or a new ``version_N`` claimed atomically. A collective."""
+class RunLock:
+    """Rank zero's advisory lock on a run directory (``fcntl.flock`` of ``<run>/.lock``), held until
+    :meth:`release` or the process's end. The lock file stays (removing it would let two holders lock two
+    different files)."""
+
+    FILE = ".lock"
+
+    def __init__(self, fd: int | None = None) -> None:
+        self._fd = fd
+
+    @classmethod
+    def acquire(cls, run_dir: Path) -> RunLock | None:
+        """The lock of ``run_dir``, or None when another process holds it."""
+        fd = os.open(run_dir / cls.FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return cls(fd)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+
+def choose_run_dir(runtime: Runtime, root: Path, resume_from: Path | None, in_place: bool) -> tuple[Path, RunLock]:
+    """The run directory (same on every rank; made by rank 0) and rank zero's lock on it (an unheld
+    :class:`RunLock` on other ranks): the resumed run's own when ``in_place``, a restarted job's directory, or
+    a new ``version_N`` claimed atomically. A run whose lock another process holds is not continued: a new
+    ``version_N`` records ``resumed_from`` instead. A collective."""
     rt = runtime
-    run_dir = None
+    run_dir, lock = None, RunLock()
     if rt.is_rank_zero:
         if in_place:
             run_dir = resume_from.parent.parent
         elif rt.world.restart_count > 0 and rt.world.job_id:
             run_dir = ckpt.find_job_run(root, rt.world.job_id)
+        if run_dir is not None and (lock := RunLock.acquire(run_dir)) is None:
+            rt.print(f"trainscale: {run_dir} is in use by another process (it holds {run_dir / RunLock.FILE}); "
+                     "continuing in a new run directory")
+            run_dir, in_place = None, False
         if run_dir is None:
             run_dir = ckpt.claim_run_dir(root)
+            lock = RunLock.acquire(run_dir)  # a directory just made: no other process holds it
         (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         ckpt.write_job_id(run_dir, rt.world.job_id)
         ckpt.write_script(run_dir, script_key())
         if resume_from is not None and not in_place:
             ckpt.write_resumed_from(run_dir, resume_from)
-    return Path(rt.broadcast_object(str(run_dir) if run_dir is not None else None))
+    return Path(rt.broadcast_object(str(run_dir) if run_dir is not None else None)), lock

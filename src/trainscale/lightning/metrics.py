@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
 
 REDUCE_FX = ("mean", "sum", "max", "min")
+# The fields that say what a record is: a logged value of that name would replace them in the records
+RESERVED = {"step": "the optimizer step", "epoch": "the epoch", "kind": "the record's kind", "rank": "the rank",
+            "time": "the wall-clock time"}
 _DEFAULTS = {"train": (True, False), "validation": (False, True), "test": (False, True)}  # (on_step, on_epoch)
 
 
@@ -55,10 +58,14 @@ class MetricCollector:
         """Record ``value`` (a number or one-element tensor) under ``name``; see ``TrainingModule.log``.
 
         Raises:
-            ValueError: an unknown ``reduce_fx``, or a value with more than one element.
+            ValueError: an unknown ``reduce_fx``, a value with more than one element, or a name of
+                :data:`RESERVED` (naming another).
         """
         if reduce_fx not in REDUCE_FX:
             raise ValueError(f"reduce_fx={reduce_fx!r}; choose one of {', '.join(map(repr, REDUCE_FX))}")
+        if name in RESERVED:
+            raise ValueError(f"self.log({name!r}, ...): every record already holds {name!r} ({RESERVED[name]}), "
+                             f"which this value would replace; log it under another name, e.g. 'my_{name}'")
         if self.discard:
             return
         default_step, default_epoch = _DEFAULTS[self.stage]

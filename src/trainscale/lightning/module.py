@@ -90,8 +90,8 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         the device until a record is written (log intervals, epoch ends).
 
         Raises:
-            ValueError: an unknown ``reduce_fx``, a non-scalar value; at the epoch end, names logged on
-                some ranks only.
+            ValueError: an unknown ``reduce_fx``, a non-scalar value, a name every record holds ("step",
+                "epoch", "kind", "rank", "time"); at the epoch end, names logged on some ranks only.
         """
         collector = self.trainer.metric_collector
         collector.log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar, sync_dist=sync_dist,

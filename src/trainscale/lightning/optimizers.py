@@ -16,6 +16,7 @@ Scheduler configs follow Lightning's keys: ``interval`` "epoch" (default) or "st
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
@@ -191,6 +192,7 @@ class ManualOptimizer:
         self._averaged = False  # this step's gradients already averaged (by clip_gradients)
         self._frozen: list[torch.Tensor] = []
         self._scaled_lr = scaled_lr
+        self._warned_no_gradients = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["optimizer"], name)
@@ -214,6 +216,7 @@ class ManualOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 closure()
+        self._warn_if_no_gradients()
         self._average_gradients()
         with self._scaled_lr(self.optimizer):
             self._rt.step(self.optimizer)
@@ -221,6 +224,17 @@ class ManualOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _warn_if_no_gradients(self) -> None:
+        """Warn once when this optimizer steps with no gradient at all: the step changes nothing (torch's
+        optimizers skip parameters without one), the usual cause a missing ``self.manual_backward(loss)``."""
+        if self._warned_no_gradients or any(p.grad is not None for p in self._params()):
+            return
+        self._warned_no_gradients = True
+        warnings.warn(f"{type(self.optimizer).__name__}.step() on rank {self._rt.rank} with no gradients: "
+                      "the step changes nothing. Under manual optimization call self.manual_backward(loss) before "
+                      "opt.step(); under ddp every rank must call it (a rank that skips it while the others call "
+                      "it stops the job at the gradient all-reduce)", RuntimeWarning, stacklevel=3)
 
     def clip_gradients(self, gradient_clip_val: float, gradient_clip_algorithm: str = "norm") -> torch.Tensor | None:
         """Clip this optimizer's gradients, averaged over ranks first (ddp) and unscaled ("16-mixed"): by

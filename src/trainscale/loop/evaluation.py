@@ -44,9 +44,14 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stag
              num_batches: int | None = None) -> dict[str, float]:
     """Sample-weighted means over the whole set (or its first ``num_batches`` batches on each rank) of what
     ``<stage>_step`` returned (or loss and accuracy for a plain classifier), prefixed ``val_``/``test_``, plus
-    what ``self.log`` collected (as named).
+    what ``self.log`` collected (as named). A key returned by some batches only is the mean over those batches'
+    samples.
 
     Sums and counts stay on the device; one all-reduce at the end. A collective: every rank calls it.
+
+    Raises:
+        ValueError: on every rank, when a key was returned on some ranks and never on another that had
+            batches (as ``self.log`` names logged on some ranks only), naming the key and the ranks.
     """
     rt = runtime
     prefix = "val_" if stage == "validation" else "test_"
@@ -55,6 +60,7 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stag
     extra = _extra_forwards(rt, num_batches) if communicates else 0
     wrapped.eval()
     sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}  # samples of the batches that returned each key
     count = 0
     batch = None
     for batch_idx, batch in enumerate(itertools.islice(loader, num_batches)):
@@ -66,21 +72,35 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stag
         for key, value in metrics.items():
             value = torch.as_tensor(value, device=rt.device).detach().float() * n
             sums[key] = sums[key] + value if key in sums else value
+            counts[key] = counts.get(key, 0) + n
         count += n
     collector.discard = True  # results and self.log values discarded: each sample is still counted once
     for _ in range(extra):
         with rt.autocast():
             wrapped(batch, 0, stage=stage)
     collector.discard = False
-    keys = rt.broadcast_object(sorted(sums))  # a rank with no batch still takes part
-    vec = torch.stack([sums.get(k, torch.zeros((), device=rt.device)) for k in keys]
-                      + [torch.tensor(float(count), device=rt.device)])
-    vec = rt.all_reduce(vec).tolist()
+    keys = _same_keys_on_every_rank(rt, sorted(sums), count > 0, f"{stage}_step")  # a rank with no batch takes part
+    zero = torch.zeros((), device=rt.device)
+    vec = rt.all_reduce(torch.stack([sums.get(k, zero) for k in keys] + [zero + counts.get(k, 0) for k in keys]
+                                    )).tolist() if keys else []
     wrapped.train()
-    total = vec[-1]
-    out = {f"{prefix}{k}": (v / total if total else math.nan) for k, v in zip(keys, vec[:-1])}
+    out = {f"{prefix}{k}": (total / n if n else math.nan) for k, total, n in zip(keys, vec, vec[len(keys):])}
     out.update(collector.take_epoch_values())
     return out
+
+
+def _same_keys_on_every_rank(runtime: Runtime, keys: list[str], had_batches: bool, step: str) -> list[str]:
+    """The keys of every rank (one ``all_gather_object``); raise on every rank when a rank that had batches never
+    returned a key that another rank returned: its mean would silently cover some ranks' samples only."""
+    every = runtime.all_gather_object((keys, had_batches))
+    union = sorted(set().union(*(set(k) for k, _ in every)))
+    missing = {key: [r for r, (k, had) in enumerate(every) if had and key not in k] for key in union}
+    missing = {key: ranks for key, ranks in missing.items() if ranks}
+    if missing:
+        named = "; ".join(f"{key!r} not on rank(s) {', '.join(map(str, ranks))}" for key, ranks in missing.items())
+        raise ValueError(f"{step} returned keys on some ranks only ({named}); return the same keys on every rank "
+                         "(a key may be left out of some batches: its mean is over the batches that returned it)")
+    return union
 
 
 def _count(batch: Any) -> int:
@@ -93,8 +113,13 @@ def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any) -> An
     """Every sample's prediction, gathered from all ranks in dataset order (each sample once).
 
     Returns:
-        One tensor (the per-batch outputs concatenated along dim 0) when ``predict_step`` returns
-        tensors, else a list with one entry per batch-level output split per sample where possible.
+        One tensor (the per-batch outputs concatenated along dim 0) when ``predict_step`` returns tensors; one
+        dict of such tensors (or lists) when it returns dicts of tensors (or lists) of the batch's length; else,
+        in one process only, the list of per-batch outputs.
+
+    Raises:
+        ValueError: under several data-parallel ranks, outputs that cannot be split per sample (dataset order
+            is per sample: each rank's batches hold every D-th sample).
     """
     rt = runtime
     communicates = rt.strategy.forward_communicates
@@ -117,18 +142,51 @@ def _in_dataset_order(runtime: Runtime, outputs: list) -> Any:
     """Interleave the data-parallel ranks' outputs back into dataset order (sample j was on data-parallel rank
     j % D, its j // D-th). Ranks that share their batches (the ``tp`` ranks of a group) hold the same outputs:
     the first of each group is taken, so each sample is returned once."""
-    tensors = bool(outputs) and all(isinstance(o, torch.Tensor) for o in outputs)
-    mine = list(torch.cat(outputs).unbind(0)) if tensors else outputs
-    data_rank = runtime.strategy.data_world(runtime.world).rank
-    gathered = runtime.all_gather_object((data_rank, mine)) if runtime.world_size > 1 else [(data_rank, mine)]
-    by_data_rank: dict[int, list] = {}
-    for rank, theirs in gathered:
-        by_data_rank.setdefault(rank, theirs)
+    split = [_per_sample(o) for o in outputs]
+    mine = None if any(samples is None for samples in split) else [sample for samples in split for sample in samples]
+    by_data_rank: dict[int, list | None] = {}
+    for rank, samples in runtime.all_gather_object((runtime.strategy.data_world(runtime.world).rank, mine)):
+        by_data_rank.setdefault(rank, samples)
     per_rank = [by_data_rank[r] for r in sorted(by_data_rank)]
+    if any(samples is None for samples in per_rank):  # decided on the gathered lists: the same on every rank
+        if len(per_rank) == 1:
+            return outputs
+        raise ValueError("predict_step returned outputs that cannot be split per sample (a tensor, or a dict of "
+                         "tensors or lists, with the batch's length first), so several ranks' predictions cannot be "
+                         "put back in dataset order; return per-sample values")
     ordered = [per_rank[j % len(per_rank)][j // len(per_rank)] for j in range(sum(map(len, per_rank)))]
-    if ordered and all(isinstance(o, torch.Tensor) for o in ordered):
-        return torch.stack(ordered)
-    return ordered
+    return _stacked(ordered)
+
+
+def _per_sample(out: Any) -> list | None:
+    """One batch's prediction split per sample: a tensor along dim 0, a dict of tensors or lists of one length
+    item by item. None when it cannot be split."""
+    if isinstance(out, torch.Tensor):
+        return list(out.unbind(0)) if out.dim() > 0 else None
+    if not isinstance(out, dict) or not out:
+        return None
+    values = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+    lengths = {_length(v) for v in values.values()}
+    if len(lengths) != 1 or None in lengths:
+        return None
+    return [{k: v[i] for k, v in values.items()} for i in range(lengths.pop())]
+
+
+def _length(value: Any) -> int | None:
+    """The leading length of a tensor (not 0-d) or a list; None for anything else."""
+    if isinstance(value, list):
+        return len(value)
+    return value.shape[0] if isinstance(value, torch.Tensor) and value.dim() > 0 else None
+
+
+def _stacked(samples: list) -> Any:
+    """Per-sample predictions as one tensor, or one dict of tensors (or lists), when all are of that kind."""
+    if samples and all(isinstance(o, torch.Tensor) for o in samples):
+        return torch.stack(samples)
+    if samples and all(isinstance(o, dict) for o in samples) and len({tuple(o) for o in samples}) == 1:
+        columns = {key: [o[key] for o in samples] for key in samples[0]}
+        return {key: torch.stack(c) if isinstance(c[0], torch.Tensor) else c for key, c in columns.items()}
+    return samples
 
 
 def checkpoint_to_evaluate(trainer: Trainer, ckpt_path: Any) -> Path | None:

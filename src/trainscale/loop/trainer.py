@@ -39,7 +39,7 @@ from trainscale.lightning.optimizers import ManualOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
 from trainscale.loop.records import RecordWriter, epoch_line, epoch_record, run_header, step_record
 from trainscale.loop.spawned import run_spawned
-from trainscale.checkpointing.runs import choose_run_dir, resolve_ckpt_path
+from trainscale.checkpointing.runs import RunLock, choose_run_dir, resolve_ckpt_path
 from trainscale.loop.summary import finish_run, hyperparams
 from trainscale.lightning.optimizer_setup import build_optimizers
 from trainscale.checkpointing.train_state import ResumePoint, TrainState
@@ -154,7 +154,7 @@ class Trainer:
         train_dataloaders, val_dataloaders = resolve_fit_loaders(self.runtime, model, train_dataloaders,
                                                                  val_dataloaders, datamodule)
         cfg = self.config
-        self._fit = None
+        self._fit, self._run_lock = None, RunLock()  # the run directory's lock: taken by _run_fit, released below
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
         try:
@@ -168,6 +168,7 @@ class Trainer:
             raise explained from err
         finally:
             self._faults.stop()
+            self._run_lock.release()
             if self._fit is not None and self._fit.sink is not None:  # fit raised (finish_run closes it otherwise)
                 self._fit.sink.close("failed")
                 self._fit.sink = None
@@ -181,7 +182,7 @@ class Trainer:
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
         point = self._load(resume_from, verify) if resume_from is not None else None
         global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers, lambda: self.state.global_step)
-        self.run_dir = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)
+        self.run_dir, self._run_lock = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)  # held by fit
         self._faults.start(self.run_dir)
         for cb in self.checkpoint_callbacks:
             cb.setup(self)

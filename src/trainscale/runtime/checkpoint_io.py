@@ -54,11 +54,16 @@ def disk_full_is_clear(path: Path) -> Iterator[None]:
     except OSError as err:
         if err.errno not in _DISK_FULL:
             raise
-        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
-        raise CheckpointError(f"no space left on device while writing {str(path)!r} ({os.strerror(err.errno)}; "
-                              f"{free / 2**20:.1f} MiB free on the disk holding {str(path.parent)!r}); the "
-                              "file there before is unchanged and 'last' still names the previous checkpoint. "
-                              "Free space there, lower keep_last, or set default_root_dir to a larger disk") from err
+        raise disk_full_error(path, err) from err
+
+
+def disk_full_error(path: Path, err: OSError) -> CheckpointError:
+    """The error of a write of ``path`` that met a full disk (or quota): where, how much is free, what to do."""
+    free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+    return CheckpointError(f"no space left on device while writing {str(path)!r} ({os.strerror(err.errno)}; "
+                           f"{free / 2**20:.1f} MiB free on the disk holding {str(path.parent)!r}); the "
+                           "file there before is unchanged and 'last' still names the previous checkpoint. "
+                           "Free space there, lower keep_last, or set default_root_dir to a larger disk")
 
 
 def _write_event(stage: str, path: Path) -> None:

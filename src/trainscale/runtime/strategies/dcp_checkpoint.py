@@ -2,7 +2,9 @@
 
 A checkpoint is a directory: every rank writes its own shards of the modules and optimizers
 (``__<rank>_0.distcp`` and ``.metadata``), rank zero the other entries (``trainscale_extra.pt``, with
-its SHA-256). Modules and optimizers are keyed by the module's own parameter names, so a checkpoint
+its SHA-256). Every file has its SHA-256 in the manifest ``shards.sha256`` (``sha256sum -c`` reads it): each
+rank hashes the shards it wrote, and rank zero, once every rank has written and the ``.metadata`` is on disk,
+gathers their digests into it; a load verifies ``.metadata`` and every shard file it reads against it. Modules and optimizers are keyed by the module's own parameter names, so a checkpoint
 loads on another world size or mesh shape (DCP reshards on load;
 https://pytorch.org/docs/stable/distributed.checkpoint.html). Written under ``.<name>.tmp`` and renamed
 by rank zero once every rank has finished: a crash leaves no half checkpoint under the final name.
@@ -16,7 +18,9 @@ published (renamed) by :meth:`AsyncSave.wait`, after the write ended, never befo
 
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
 import shutil
 import time
 from pathlib import Path
@@ -25,21 +29,134 @@ from typing import Any, Callable
 from trainscale.runtime import checkpoint_io
 
 EXTRA = "trainscale_extra.pt"  # the non-sharded entries (loop position, RNG, scheduler, scaler)
+MANIFEST = "shards.sha256"  # "<sha256>  <file>" per line, for every file of the checkpoint
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _shard_writer(path: Path):
-    """DCP's ``FileSystemWriter`` for ``path`` that marks the start and end of this rank's shard writes with
-    ``checkpoint_io._write_event`` ("writing-shards", "shards-written"; the kill tests stop a write there)."""
+    """DCP's ``FileSystemWriter`` for ``path`` that records the SHA-256 of every file (:data:`MANIFEST`) and marks
+    the start and end of this rank's shard writes with ``checkpoint_io._write_event`` ("writing-shards",
+    "shards-written"; the kill tests stop a write there).
+
+    Each rank hashes the files it wrote (just written: read back from the page cache) into ``.<prefix>sha256.part``;
+    ``finish`` runs on rank zero after every rank's ``write_data`` has returned, writes ``.metadata``, then merges
+    the parts and the digests of ``.metadata`` and the extra file into the manifest."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     class _ShardWriter(FileSystemWriter):
         def write_data(self, plan, planner):
             checkpoint_io._write_event("writing-shards", path)
             written = super().write_data(plan, planner)  # FileSystemWriter writes before it returns
+            files = sorted({result.storage_data.relative_path for result in written.value()})
+            lines = "".join(f"{_sha256(path / name)}  {name}\n" for name in files)
+            checkpoint_io.atomic_write_bytes(path / f".{plan.storage_data.prefix}sha256.part", lines.encode())
             checkpoint_io._write_event("shards-written", path)
             return written
 
+        def finish(self, metadata, results) -> None:
+            super().finish(metadata, results)
+            parts = sorted(path.glob(".*sha256.part"))
+            lines = "".join(part.read_text() for part in parts)
+            lines += "".join(f"{_sha256(path / name)}  {name}\n" for name in (".metadata", EXTRA)
+                             if (path / name).is_file())
+            checkpoint_io.atomic_write_bytes(path / MANIFEST, lines.encode())
+            for part in parts:
+                part.unlink()
+
     return _ShardWriter(str(path))
+
+
+def _read_manifest(path: Path) -> dict[str, str]:
+    """The file → SHA-256 record of checkpoint ``path`` (:data:`MANIFEST`).
+
+    Raises:
+        CheckpointError: the checkpoint has none (written before trainscale recorded one, or not by trainscale).
+    """
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise checkpoint_io.CheckpointError(
+            f"checkpoint {str(path)!r} has no checksum manifest {MANIFEST!r}, so its shard files cannot be verified "
+            "(a flipped bit would load silently); resume from a checkpoint written by this trainscale, or, if you "
+            "trust this one, load it unverified with verify=False (Trainer.fit(ckpt_verify=False))")
+    digests = {}
+    for line in manifest.read_text().splitlines():
+        digest, _, name = line.partition("  ")
+        digests[name] = digest
+    return digests
+
+
+def _verify_files(path: Path, names: list[str], digests: dict[str, str]) -> None:
+    """Raise unless every file of ``names`` in checkpoint ``path`` has the SHA-256 the manifest records."""
+    for name in names:
+        if name not in digests:
+            raise checkpoint_io.CheckpointError(f"checkpoint {str(path)!r}: {name!r} is not in its checksum manifest "
+                                                f"{MANIFEST!r}; resume from an earlier checkpoint or delete this one")
+        if (path / name).is_file() and _sha256(path / name) != digests[name]:
+            raise checkpoint_io.CheckpointError(
+                f"checkpoint {str(path)!r}: {name!r} is corrupted ({(path / name).stat().st_size} bytes whose sha256 is "
+                f"not the {digests[name][:12]}… recorded when it was written); resume from an earlier checkpoint or "
+                "delete this one")
+
+
+def _shard_reader(path: Path, digests: dict[str, str] | None):
+    """DCP's ``FileSystemReader`` for ``path`` that verifies the shard files this rank reads against ``digests``
+    (None: unverified), and names the file when one is missing or cannot be read (DCP's own error names none)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class _ShardReader(FileSystemReader):
+        def read_data(self, plan, planner):
+            files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
+            for name in files:
+                if not (path / name).is_file():
+                    raise checkpoint_io.CheckpointError(
+                        f"checkpoint {str(path)!r} is missing its shard file {name!r}: the directory was copied in "
+                        "part or a file was deleted; copy the whole checkpoint directory, or resume from an earlier "
+                        "checkpoint")
+            if digests is not None:
+                _verify_files(path, files, digests)
+            try:
+                return super().read_data(plan, planner)
+            except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
+                raise checkpoint_io.CheckpointError(
+                    f"checkpoint {str(path)!r}: shard file(s) {', '.join(map(repr, files))} cannot be read "
+                    f"({type(err).__name__}: {_first_line(err)}); truncated or corrupted: resume from an earlier "
+                    "checkpoint or delete this one") from err
+
+    return _ShardReader(str(path))
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:300]
+
+
+def _clear_error(err: BaseException, path: Path, otherwise: str) -> checkpoint_io.CheckpointError:
+    """One clear error for what a DCP save or load raised. torch's ``CheckpointException`` derives from
+    ``BaseException`` (an ``except Exception`` misses it) and holds every failing rank's own error, each one
+    the same on every rank: ours (a shard missing or unreadable, already clear), a full disk (named as such),
+    or another, reported as ``otherwise`` with the first rank's error."""
+    failures = getattr(err, "failures", None) or {None: (err, None)}
+    causes = [(rank, failure[0] if isinstance(failure, tuple) else failure)
+              for rank, failure in sorted(failures.items(), key=lambda item: str(item[0]))]
+    for _, cause in causes:
+        if isinstance(cause, checkpoint_io.CheckpointError):
+            return checkpoint_io.CheckpointError(str(cause))
+        if isinstance(cause, OSError) and cause.errno in checkpoint_io._DISK_FULL:
+            return checkpoint_io.disk_full_error(path, cause)
+    rank, cause = causes[0]
+    where = "" if rank is None else f" (rank {rank})"
+    return checkpoint_io.CheckpointError(f"{otherwise}{where}: {type(cause).__name__}: {_first_line(cause)}")
+
+
+def _is_checkpoint_failure(err: BaseException) -> bool:
+    """An error of a DCP save or load: any ``Exception`` or torch's ``CheckpointException`` (a ``BaseException``),
+    not a ``KeyboardInterrupt`` or ``SystemExit``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return isinstance(err, (Exception, CheckpointException))
 
 
 def _publish(tmp: Path, path: Path) -> None:
@@ -60,7 +177,7 @@ class AsyncSave:
 
     def __init__(self, future: Any, tmp: Path, path: Path, rank: int) -> None:
         self.path, self.write_s = path, None
-        self._future, self._tmp, self._rank, self._published = future, tmp, rank, False
+        self._future, self._tmp, self._rank, self._published, self._failed = future, tmp, rank, False, False
         self._started = time.perf_counter()
         future.add_done_callback(self._ended)  # run by the writer thread as the write ends
 
@@ -72,22 +189,27 @@ class AsyncSave:
         """Whether this rank's background write has ended (a check that never blocks)."""
         return self._future.done()
 
-    def wait(self) -> Path:
+    def wait(self) -> Path | None:
         """Block until this rank's write has ended, then publish: rank zero renames the temporary directory to
         :attr:`path` (its write ends after every rank's shards and the metadata are on disk: DCP gathers the
         ranks' results there). Idempotent. Other ranks may return before rank zero has renamed.
 
         Raises:
             CheckpointError: the write failed on some rank (DCP reports it to every rank); the temporary
-                directory is removed and nothing is published.
+                directory is removed and nothing is published. Raised once: a later call returns None.
         """
+        if self._failed:
+            return None
         try:
             self._future.result()
-        except Exception as err:  # CheckpointException, OSError, ...: one message for every rank
+        except BaseException as err:  # CheckpointException is a BaseException: one message for every rank
+            if not _is_checkpoint_failure(err):
+                raise
+            self._failed = True
             if self._rank == 0:
                 shutil.rmtree(self._tmp, ignore_errors=True)
-            raise checkpoint_io.CheckpointError(f"the background write of checkpoint {str(self.path)!r} failed: "
-                                                f"{str(err).strip()[:300]}; nothing was published") from err
+            raise _clear_error(err, self.path, f"the background write of checkpoint {str(self.path)!r} failed "
+                                               "and nothing was published") from err
         self._ended()  # result() may return before the writer thread has run the callback
         if self._rank == 0 and not self._published:
             _publish(self._tmp, self.path)
@@ -208,10 +330,12 @@ class DCPCheckpointer:
                 self._pending = AsyncSave(future, tmp, path, self.rank)
                 return self._pending
             dcp.save(sharded, storage_writer=_shard_writer(tmp))  # raises on every rank when one rank's write fails
-        except BaseException:
+        except BaseException as err:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            if not _is_checkpoint_failure(err) or isinstance(err, checkpoint_io.CheckpointError):
+                raise
+            raise _clear_error(err, path, f"the write of checkpoint {str(path)!r} failed") from err
         if self.rank == 0:
             _publish(tmp, path)
         return None
@@ -244,12 +368,13 @@ class DCPCheckpointer:
         """Restore the modules and optimizers of ``state`` from ``path`` (any world size or mesh; DCP reshards,
         the optimizer state through ``set_optimizer_state_dict``), the other stateful objects from its extra
         file; return the plain entries. ``verify``: check the extra
-        file's SHA-256 and refuse it without one (the shard files have no checksum of their own).
+        file's SHA-256, and ``.metadata`` and every shard file this rank reads against the checkpoint's manifest
+        (:data:`MANIFEST`); refuse a checkpoint without them.
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
-            CheckpointError: ``path`` is not a DCP checkpoint directory, the extra file has no checksum or
-                does not match it (``verify=True``), or it does not fit.
+            CheckpointError: ``path`` is not a DCP checkpoint directory, a file has no checksum or does not
+                match it (``verify=True``, naming the file), a shard file is missing, or it does not fit.
         """
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
@@ -258,13 +383,17 @@ class DCPCheckpointer:
         path = Path(path)
         self._check_directory(path)
         extra = checkpoint_io.load_file(path / EXTRA, verify)
+        digests = _read_manifest(path) if verify else None
+        if digests is not None:
+            _verify_files(path, [".metadata"], digests)
         self.before()
         sharded, others = self._split(state)
         try:  # one process without a process group (strategy "single") reads every shard itself
-            dcp.load(sharded, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-        except Exception as err:  # DCP raises CheckpointException / RuntimeError / KeyError
-            raise checkpoint_io.CheckpointError(f"checkpoint {str(path)!r} does not fit the model or optimizer: "
-                                                f"{str(err).strip().splitlines()[0][:300]}") from err
+            dcp.load(sharded, storage_reader=_shard_reader(path, digests), no_dist=not dist.is_initialized())
+        except BaseException as err:  # DCP raises CheckpointException (a BaseException) / RuntimeError / KeyError
+            if not _is_checkpoint_failure(err):
+                raise
+            raise _clear_error(err, path, f"checkpoint {str(path)!r} does not fit the model or optimizer") from err
         for key, value in others.items():
             if checkpoint_io._is_stateful(value):
                 if key not in extra:
