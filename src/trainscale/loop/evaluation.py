@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -40,12 +40,19 @@ def _extra_forwards(runtime: Runtime, num_batches: int) -> int:
     return most - num_batches
 
 
+def _no_hook(name: str, *args: Any) -> None:
+    pass
+
+
 def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stage: str, collector: Any,
-             num_batches: int | None = None) -> dict[str, float]:
+             num_batches: int | None = None, hook: Callable[..., Any] = _no_hook) -> dict[str, float]:
     """Sample-weighted means over the whole set (or its first ``num_batches`` batches on each rank) of what
     ``<stage>_step`` returned (or loss and accuracy for a plain classifier), prefixed ``val_``/``test_``, plus
-    what ``self.log`` collected (as named).
+    what ``self.log`` collected (as named, also in ``on_<stage>_epoch_end``).
 
+    ``hook(name, *args)`` runs Lightning's ``on_<stage>_epoch_start``, ``on_<stage>_batch_start(batch,
+    batch_idx)``, ``on_<stage>_batch_end(outputs, batch, batch_idx)`` (outputs: the step's dict, a tensor as
+    ``{"loss": tensor}``) and ``on_<stage>_epoch_end`` (``Trainer._hook``).
     Sums and counts stay on the device; one all-reduce at the end. A collective: every rank calls it.
     """
     rt = runtime
@@ -57,12 +64,15 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stag
     sums: dict[str, torch.Tensor] = {}
     count = 0
     batch = None
+    hook(f"on_{stage}_epoch_start")
     for batch_idx, batch in enumerate(itertools.islice(loader, num_batches)):
         batch = rt.to_device(batch)
         collector.batch_size = _count(batch)
+        hook(f"on_{stage}_batch_start", batch, batch_idx)
         with rt.autocast():
             metrics, n = (wrapped(batch, batch_idx, stage=stage) if communicates
                           else loop_module.evaluate(batch, batch_idx, stage))
+        hook(f"on_{stage}_batch_end", metrics, batch, batch_idx)
         for key, value in metrics.items():
             value = torch.as_tensor(value, device=rt.device).detach().float() * n
             sums[key] = sums[key] + value if key in sums else value
@@ -72,6 +82,7 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stag
         with rt.autocast():
             wrapped(batch, 0, stage=stage)
     collector.discard = False
+    hook(f"on_{stage}_epoch_end")  # what it logs is among this stage's values
     keys = rt.broadcast_object(sorted(sums))  # a rank with no batch still takes part
     vec = torch.stack([sums.get(k, torch.zeros((), device=rt.device)) for k in keys]
                       + [torch.tensor(float(count), device=rt.device)])
@@ -89,8 +100,10 @@ def _count(batch: Any) -> int:
     return batch_size(batch)
 
 
-def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any) -> Any:
-    """Every sample's prediction, gathered from all ranks in dataset order (each sample once).
+def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, hook: Callable[..., Any] = _no_hook) -> Any:
+    """Every sample's prediction, gathered from all ranks in dataset order (each sample once), between
+    Lightning's ``on_predict_epoch_start`` and ``on_predict_epoch_end``, with ``on_predict_batch_start(batch,
+    batch_idx)`` and ``on_predict_batch_end(outputs, batch, batch_idx)`` around each batch (``hook(name, *args)``).
 
     Returns:
         One tensor (the per-batch outputs concatenated along dim 0) when ``predict_step`` returns
@@ -101,14 +114,18 @@ def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any) -> An
     extra = _extra_forwards(rt, len(loader)) if communicates else 0
     wrapped.eval()
     outputs, batch = [], None
+    hook("on_predict_epoch_start")
     for batch_idx, batch in enumerate(loader):
         batch = rt.to_device(batch)
+        hook("on_predict_batch_start", batch, batch_idx)
         with rt.autocast():
             out = wrapped(batch, batch_idx, stage="predict") if communicates else loop_module.predict(batch, batch_idx)
+        hook("on_predict_batch_end", out, batch, batch_idx)
         outputs.append(out.detach().cpu() if isinstance(out, torch.Tensor) else out)
     for _ in range(extra):
         with rt.autocast():
             wrapped(batch, 0, stage="predict")
+    hook("on_predict_epoch_end")
     wrapped.train()
     return _in_dataset_order(rt, outputs)
 
@@ -181,16 +198,26 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
         rt.print(f"trainscale: {method} with the weights of {ckpt_path}")
     loader = rt.setup_dataloader(dataloaders, seed=trainer.config.seed, shuffle=False, even=False)
     if method == "predict":
-        return predict(rt, loop_module, wrapped, loader)
+        trainer._hook("on_predict_start")
+        predictions = predict(rt, loop_module, wrapped, loader, trainer._hook)
+        trainer._hook("on_predict_end")
+        return predictions
     return evaluate_stage(trainer, loop_module, wrapped, loader, "validation" if method == "validate" else "test")
 
 
 def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loader: Any, stage: str) -> dict[str, float]:
-    """:func:`evaluate`, with ``trainer.metric_collector`` (where ``self.log`` in the steps goes) a collector of
-    ``stage`` meanwhile; validation on ``limit_val_batches`` of each rank's batches."""
+    """:func:`evaluate` between Lightning's ``on_<stage>_start`` and ``on_<stage>_end`` hooks, with
+    ``trainer.metric_collector`` (where ``self.log`` in the steps and hooks goes) a collector of ``stage``
+    meanwhile; validation on ``limit_val_batches`` of each rank's batches. The results are in
+    ``trainer.callback_metrics`` by ``on_<stage>_end`` (where Lightning's checkpoint callbacks read them)."""
     collector, trainer.metric_collector = trainer.metric_collector, MetricCollector(trainer.runtime, stage)
     num_batches = trainer.config.val_batches(len(loader)) if stage == "validation" else len(loader)
     try:
-        return evaluate(trainer.runtime, loop_module, wrapped, loader, stage, trainer.metric_collector, num_batches)
+        trainer._hook(f"on_{stage}_start")
+        results = evaluate(trainer.runtime, loop_module, wrapped, loader, stage, trainer.metric_collector,
+                           num_batches, trainer._hook)
     finally:
         trainer.metric_collector = collector
+    trainer.callback_metrics.update(results)
+    trainer._hook(f"on_{stage}_end")
+    return results

@@ -87,6 +87,7 @@ class Trainer:
         self._fit: FitRun | None = None
         self.last_setup: tuple | None = None  # (model, LoopModule, wrapped) of the last fit or evaluation: reused
         self.is_step_end = False  # in on_train_batch_end: this micro-batch ended an optimizer step
+        self._step_before = 0  # global_step before the last optimizer step (is_log_step)
 
     def _default_checkpoint(self) -> ModelCheckpoint | None:
         """The checkpoint callback the Trainer's flags ask for, used when the user gives no ``ModelCheckpoint``."""
@@ -114,7 +115,13 @@ class Trainer:
     @property
     def is_log_step(self) -> bool:
         """True right after an optimizer step whose step record is written."""
-        return self.is_step_end and self.state.global_step % self.config.log_every_n_steps == 0
+        return self.reached_multiple(self.config.log_every_n_steps)
+
+    def reached_multiple(self, n: int) -> bool:
+        """True right after an optimizer step that brought ``global_step`` to a multiple of ``n`` (Lightning's
+        ``global_step % n == 0``; under manual optimization a ``training_step`` that took no step reaches none)."""
+        step = self.state.global_step
+        return self.is_step_end and step != self._step_before and step % n == 0
 
     def log_metrics(self, metrics: dict[str, float], epoch: bool = False) -> None:
         """Add numbers to the next step record (or, ``epoch=True``, to this epoch's record)."""
@@ -158,7 +165,7 @@ class Trainer:
         try:
             return self._run_fit(model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, ckpt_verify)
         except BaseException as err:
-            self._call("on_exception", err)
+            self._hook("on_exception", err)
             explained = explain_batch_error(err) or self._faults.diagnose(
                 err, f"at epoch {self.current_epoch}, step {self.global_step}")
             if explained is None:
@@ -186,22 +193,25 @@ class Trainer:
         fit.sink = RecordWriter(self.run_dir, cfg.tensorboard, self.loggers, hyperparams(self, model)) \
             if rt.is_rank_zero else None
         rt.print(run_header(rt, global_batch, self.run_dir))
-        self._call("on_fit_start")
+        self._hook("on_fit_start")
+        self._hook("on_train_start")
         for epoch in range(point.next_epoch if point else 0, cfg.max_epochs):
             if self.state.global_step >= cfg.step_limit or self.should_stop:
                 break
             self._train_epoch(fit, epoch, point if point is not None and point.resumes(epoch) else None)
             self._end_epoch(fit, epoch)
         self.checkpoints.wait()  # a background checkpoint write still in flight is published
+        self._hook("on_train_end")
         summary = finish_run(self, fit, global_batch, resume_from, self._faults.skipped)
-        self._call("on_fit_end")
+        self._hook("on_fit_end")
         return summary
 
     def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
         rt = self.runtime
         loop_module, wrapped = set_up_model(self, model, loss_fn)  # reused from an earlier fit or evaluation
         self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
-            model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr)
+            model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
+            before_step=lambda opt: self._hook("on_before_optimizer_step", opt))
         train_loader = rt.setup_dataloader(train_dataloaders, seed=self.config.seed)
         val_loader = rt.setup_dataloader(val_dataloaders, seed=self.config.seed, even=False) if val_dataloaders else None
         check_loaders(train_loader, val_loader)
@@ -224,7 +234,8 @@ class Trainer:
         fit.books = MicroBatchBooks(fit.telemetry, self._faults, self.state, self.metric_collector, fit.epoch_loss,
                                     fit.bar)
         fit.started = time.perf_counter() - (resume.totals[-1] if resume else 0.0)
-        self._call("on_train_epoch_start")
+        with self.metric_collector.epoch_hook():
+            self._hook("on_train_epoch_start")
         fit.telemetry.start()
         steps = micro_batches(rt.prefetch(batches), cfg.accumulate_grad_batches, remaining, start=fit.epoch_offset)
         while self.state.global_step < cfg.step_limit and self.train_step(fit, steps):
@@ -232,20 +243,27 @@ class Trainer:
         fit.bar.close()
 
     def train_step(self, fit: FitRun, steps: Iterator[MicroBatch]) -> bool:
-        """One optimizer step over its micro-batches, every effect of it named here in order. False when the
+        """One optimizer step over its micro-batches, every effect of it named here in order, with Lightning's
+        hooks where Lightning calls them (each callback's, then the module's: :meth:`_hook`). False when the
         epoch had no micro-batch left.
 
-        1. Each micro-batch: to the device, forward under autocast, backward of the loss ÷ micro-batches per
-           step; the gradient all-reduce (ddp) or reduce-scatter (fsdp) runs on the step's last micro-batch
-           only (``no_backward_sync``). Under pp one schedule step does forward and backward; under manual
-           optimization the module's ``training_step`` does it all, stepping its own optimizers.
-        2. Clipping (after the GradScaler's unscale under "16-mixed"; DTensor-aware under fsdp/tp/pp).
+        1. Each micro-batch: to the device, ``on_train_batch_start``, forward under autocast, backward of the
+           loss ÷ micro-batches per step between ``on_before_backward`` and ``on_after_backward``; the gradient
+           all-reduce (ddp) or reduce-scatter (fsdp) runs on the step's last micro-batch only
+           (``no_backward_sync``). Under pp one schedule step does forward and backward; under manual
+           optimization the module's ``training_step`` does it all, stepping its own optimizers (the backward
+           and step hooks run in ``manual_backward`` and ``step()``). ``on_train_batch_end`` after each
+           micro-batch that does not end the step.
+        2. ``on_before_optimizer_step`` (after the GradScaler's unscale under "16-mixed", as in Lightning),
+           then clipping (DTensor-aware under fsdp/tp/pp).
         3. Non-finite gradients: skipped with ``on_nonfinite="skip"`` (one host sync); with "raise" the
            losses are checked at the agreed check steps in step 6, without a host sync per step.
         4. The optimizer step at the learning rate scaled to the global batch (``lr_scaling``, this step
-           only), through the GradScaler under "16-mixed"; then ``zero_grad(set_to_none=True)``.
-        5. Learning-rate schedulers with ``interval="step"``; the step count; ``on_train_batch_end``; the step
-           record every ``log_every_n_steps``.
+           only), through the GradScaler under "16-mixed"; then ``on_before_zero_grad`` and
+           ``zero_grad(set_to_none=True)``.
+        5. Learning-rate schedulers with ``interval="step"`` (under manual optimization the module steps its
+           own, as in Lightning); the step count (under manual optimization, the optimizer steps the
+           ``training_step`` took); ``on_train_batch_end``; the step record every ``log_every_n_steps``.
         6. Faults and checkpoints (:meth:`_checkpoint_if_due`): signals and the non-finite check at the steps
            every rank agreed on, a checkpoint every ``checkpoint_every_n_steps``.
         """
@@ -255,6 +273,7 @@ class Trainer:
         for micro in steps:
             batch = rt.to_device(micro.batch)  # on CUDA already there: prefetch copied it while the last step ran
             fit.books.batch_ready(batch)  # the data phase ends; samples and tokens (self.log's batch size)
+            self._hook("on_train_batch_start", batch, micro.index)
             if tele.counting_flops:  # the run's first micro-batch: its FLOPs counted once, for MFU
                 loss, t_forward = tele.count_flops_of(lambda: self._forward_backward(fit, batch, micro), fit.wrapped,
                                                       batch)
@@ -264,13 +283,15 @@ class Trainer:
             fit.books.backward_done(loss, t_forward)  # phases, epoch loss sum, non-finite watch, progress bar
             if micro.is_last:
                 break
-            self._call("on_train_batch_end", loss, micro.batch, micro.index)
+            self._hook("on_train_batch_end", loss, batch, micro.index)
         else:
             return False
         grad_norm = None
         if not self.manual_optimizers:
             optimizer = self.optimizers[0]
-            # 2. Clip.
+            # 2. The hook before the step (on unscaled gradients), then clip.
+            rt.precision.unscale_gradients(optimizer)  # "16-mixed" only; once per step (the step skips its own)
+            self._hook("on_before_optimizer_step", optimizer)
             if cfg.gradient_clip_val is not None:
                 by_norm = cfg.gradient_clip_algorithm == "norm"
                 grad_norm = rt.clip_gradients(fit.wrapped, optimizer, max_norm=cfg.gradient_clip_val if by_norm else None,
@@ -282,13 +303,16 @@ class Trainer:
             if not skip:
                 with self.batch_scaling.scaled_lr(optimizer):
                     rt.step(optimizer)
+            self._hook("on_before_zero_grad", optimizer)
             optimizer.zero_grad(set_to_none=True)
         tele.end_step()  # the "optimizer" phase ends
         # 5. Schedulers, the step count, callbacks, the step record.
-        step_schedulers(self.schedulers, "step", self.state.global_step + 1, self.callback_metrics)
-        self.state.global_step += 1
+        if not self.manual_optimizers:
+            step_schedulers(self.schedulers, "step", self.state.global_step + 1, self.callback_metrics)
+        self._step_before = self.state.global_step
+        self.state.global_step += sum(o.take_steps() for o in self.manual_optimizers) if self.manual_optimizers else 1
         self.is_step_end = True
-        self._call("on_train_batch_end", loss, micro.batch, micro.index)
+        self._hook("on_train_batch_end", loss, batch, micro.index)
         if self.is_log_step:
             self._log_step(fit, loss, grad_norm)
         # 6. Signals, the non-finite check and checkpoints, when due.
@@ -296,21 +320,26 @@ class Trainer:
         return True
 
     def _forward_backward(self, fit: FitRun, batch: Any, micro: MicroBatch) -> tuple[torch.Tensor, Any]:
-        """One micro-batch's forward under autocast and backward, without the gradient all-reduce before the
-        step's last micro-batch; one pipeline schedule step (pp); or the user's manual ``training_step``.
-        Returns the loss and the clock reading between forward and backward."""
+        """One micro-batch's forward under autocast and backward (between the ``on_before_backward(loss)`` and
+        ``on_after_backward`` hooks), without the gradient all-reduce before the step's last micro-batch; one
+        pipeline schedule step (pp: ``on_after_backward`` only, the loss is known once the schedule has run); or
+        the user's manual ``training_step``. Returns the loss and the clock reading between forward and backward."""
         rt, tele = self.runtime, fit.telemetry
         if self.manual_optimizers:  # the user's training_step steps the optimizers itself
             with rt.autocast():
                 return fit.loop_module.manual_step(batch, micro.index), tele.clock()
         if rt.strategy.pipelined:  # forward and backward in one pipeline schedule step ("pp")
             loss = rt.forward_backward(fit.wrapped, batch, fit.loop_module.loss_fn, micro.group_size, micro.is_last)
+            self._hook("on_after_backward")
             return loss, tele.clock()
         with rt.no_backward_sync(fit.wrapped, enabled=not micro.is_last):
             with rt.autocast():
                 loss = fit.wrapped(batch, micro.index)
             t_forward = tele.clock()
-            rt.backward(loss / micro.group_size if micro.group_size > 1 else loss)
+            scaled = loss / micro.group_size if micro.group_size > 1 else loss
+            self._hook("on_before_backward", scaled)  # the loss backward receives, as Lightning's closure passes it
+            rt.backward(scaled)
+            self._hook("on_after_backward")
         return loss, t_forward
 
     def _log_step(self, fit: FitRun, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
@@ -325,6 +354,10 @@ class Trainer:
 
     # -- epoch end and checkpoints -------------------------------------------------------------------
     def _end_epoch(self, fit: FitRun, epoch: int) -> None:
+        """The epoch record, validation (with its hooks), ``on_train_epoch_end`` in Lightning's order (the
+        callbacks that monitor a metric after the module's hook, so that they see what it logged: Lightning's
+        ``fit_loop.on_advance_end``), the "epoch" schedulers (automatic optimization only), the record written,
+        then the epoch-end check and checkpoints."""
         rt = self.runtime
         self._faults.phase = "epoch end (loss all-reduce, validation)"
         record = epoch_record(epoch, self.global_step, fit.epoch_loss.totals(rt), time.perf_counter() - fit.started,
@@ -332,15 +365,19 @@ class Trainer:
         record.update(self.metric_collector.take_epoch_values())
         if fit.val_loader is not None:
             record.update(evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation"))
-            self._call("on_validation_end")
         record.update(self._pending.pop("epoch", {}))
         self.callback_metrics.update(record)
-        step_schedulers(self.schedulers, "epoch", epoch + 1, self.callback_metrics)
+        with self.metric_collector.epoch_hook():
+            self._hook("on_train_epoch_end", monitoring=False)
+        record.update(self.metric_collector.take_epoch_values())  # what the module's on_train_epoch_end logged
+        self.callback_metrics.update(record)
+        self._hook("on_train_epoch_end", monitoring=True)
+        if not self.manual_optimizers:  # under manual optimization the module steps its schedulers (Lightning)
+            step_schedulers(self.schedulers, "epoch", epoch + 1, self.callback_metrics)
         self.state.history.append(record)
         if fit.sink is not None:
             fit.sink.write({"kind": "epoch", "rank": "all", "time": time.time(), **record})
         rt.print(epoch_line(record, self.config.max_epochs))
-        self._call("on_train_epoch_end")
         self._checkpoint_if_due(fit, epoch_end=True)
         self._faults.phase = STEP_PHASE
 
@@ -392,7 +429,7 @@ class Trainer:
         self._faults.barrier("the checkpoint save", f"at epoch {self.current_epoch}, step {self.global_step}")
         callbacks = {cb.state_key: cb.state_dict() for cb in self.callbacks}
         written = self.checkpoints.save(target, last_dir, self._fit, self.state, self.optimizers, self.schedulers,
-                                        callbacks, lambda content: self._call("on_save_checkpoint", content),
+                                        callbacks, lambda content: self._hook("on_save_checkpoint", content),
                                         background)
         self._faults.phase = previous
         return written
@@ -400,7 +437,7 @@ class Trainer:
     def _load(self, path: Path, verify: bool) -> ResumePoint:
         point, checkpoint = checkpointer.load(self.runtime, path, self._fit.model, self.optimizers, self.schedulers,
                                               self.state, self.callbacks, verify)
-        self._call("on_load_checkpoint", checkpoint)
+        self._hook("on_load_checkpoint", checkpoint, module_first=True)  # Lightning: the module's hook first here
         return point
 
     # -- evaluation ----------------------------------------------------------------------------------
@@ -433,10 +470,21 @@ class Trainer:
         return evaluation.run_stage(self, method, model, dataloaders, **kwargs)
 
     # -- plumbing -------------------------------------------------------------------------------------
-    def _call(self, hook: str, *args: Any) -> None:
-        module = self._fit.model if self._fit is not None else None
+    def _hook(self, hook: str, *args: Any, monitoring: bool | None = None, module_first: bool = False) -> None:
+        """Lightning's hook ``hook``: each callback's (``hook(trainer, module, *args)``), then the module's
+        (``hook(*args)``, when it defines it), as Lightning's ``_call_callback_hooks`` then
+        ``_call_lightning_module_hook``. ``monitoring``: only the callbacks that do (True; no module hook) or
+        only the others (False); ``module_first``: the module's hook before the callbacks' (``on_load_checkpoint``)."""
+        setup = self.last_setup  # (model, loop module, wrapped) of the fit or evaluation running
+        module = setup[0] if setup is not None else None
+        call_module = setup is not None and monitoring is not True and hook in setup[1].hooks
+        if call_module and module_first:
+            getattr(module, hook)(*args)
         for cb in self.callbacks:
-            getattr(cb, hook)(self, module, *args)
+            if monitoring is None or cb.monitors_metrics == monitoring:
+                getattr(cb, hook)(self, module, *args)
+        if call_module and not module_first:
+            getattr(module, hook)(*args)
 
 
 RUNTIME_FLAG_NAMES = tuple(f.name for f in fields(RuntimeFlags))
