@@ -95,3 +95,10 @@ def test_step_profile_counts_each_variant_and_holds_the_bytecode_budget():
     own = {line.split("## ")[1].split(":")[0]: float(line.split("trainscale's own code: ")[1].split("/")[0])
            for line in stdout.splitlines() if line.startswith("## ")}
     assert own["trainer"] <= OWN_BYTECODES_PER_STEP, stdout
+
+
+@pytest.mark.timeout(60)
+def test_predict_prints_a_row_per_size():
+    stdout = run_bench("predict.py", timeout=55)
+    rows = table_rows(stdout, "100") + table_rows(stdout, "1000")
+    assert len(rows) == 2 and all(float(row[1]) > 0 for row in rows), stdout

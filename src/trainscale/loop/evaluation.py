@@ -133,16 +133,25 @@ def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, hook:
 def _in_dataset_order(runtime: Runtime, outputs: list) -> Any:
     """Interleave the data-parallel ranks' outputs back into dataset order (sample j was on data-parallel rank
     j % D, its j // D-th). Ranks that share their batches (the ``tp`` ranks of a group) hold the same outputs:
-    the first of each group is taken, so each sample is returned once."""
+    the first of each group is taken, so each sample is returned once.
+
+    Tensor outputs travel as one contiguous tensor per rank and are placed with one strided copy per rank (a
+    per-sample view would pickle its whole storage: the cost would grow with the square of the samples)."""
     tensors = bool(outputs) and all(isinstance(o, torch.Tensor) for o in outputs)
-    mine = list(torch.cat(outputs).unbind(0)) if tensors else outputs
+    mine = torch.cat(outputs) if tensors else outputs
     data_rank = runtime.strategy.data_world(runtime.world).rank
     gathered = runtime.all_gather_object((data_rank, mine)) if runtime.world_size > 1 else [(data_rank, mine)]
-    by_data_rank: dict[int, list] = {}
+    by_data_rank: dict[int, Any] = {}
     for rank, theirs in gathered:
         by_data_rank.setdefault(rank, theirs)
     per_rank = [by_data_rank[r] for r in sorted(by_data_rank)]
-    ordered = [per_rank[j % len(per_rank)][j // len(per_rank)] for j in range(sum(map(len, per_rank)))]
+    ranks, total = len(per_rank), sum(map(len, per_rank))
+    if per_rank and all(isinstance(o, torch.Tensor) for o in per_rank):
+        ordered = per_rank[0].new_empty((total, *per_rank[0].shape[1:]))
+        for r, theirs in enumerate(per_rank):
+            ordered[r::ranks] = theirs
+        return ordered
+    ordered = [per_rank[j % ranks][j // ranks] for j in range(total)]
     if ordered and all(isinstance(o, torch.Tensor) for o in ordered):
         return torch.stack(ordered)
     return ordered
