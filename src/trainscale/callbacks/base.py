@@ -104,3 +104,12 @@ class Callback:
         return {}
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+HOOKS = frozenset(name for name in vars(Callback) if name.startswith("on_"))
+
+
+def overridden_hooks(callback: Callback) -> frozenset[str]:
+    """The hooks ``callback`` overrides (on its class or its instance): the others do nothing."""
+    return frozenset(name for name in HOOKS if name in vars(callback)
+                     or getattr(type(callback), name) is not getattr(Callback, name))

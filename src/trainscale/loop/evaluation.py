@@ -202,6 +202,7 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     rt = trainer.runtime
     dataloaders, _ = resolve_loaders(rt, method, model, dataloaders, datamodule)
     loop_module, wrapped = set_up_model(trainer, model, loss_fn)  # the model of an earlier fit: as it was set up
+    trainer._arm_hooks(model)
     if ckpt_path is not None:
         rt.load(ckpt_path, {"model": model})
         rt.print(f"trainscale: {method} with the weights of {ckpt_path}")

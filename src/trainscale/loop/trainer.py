@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from trainscale.callbacks import Callback, ModelCheckpoint, resolve_callbacks
+from trainscale.callbacks.base import HOOKS, overridden_hooks
 from trainscale.loggers import resolve_loggers
 from trainscale.runtime.connector import RuntimeFlags, check_flag_names, flag_signature
 from trainscale.runtime.runtime import Runtime
@@ -34,7 +35,7 @@ from trainscale.lightning.data_sources import resolve_fit_loaders
 from trainscale.loop.config import TrainerConfig, resolve_trainer_config
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector
-from trainscale.lightning.module import set_up_model
+from trainscale.lightning.module import defined_hooks, set_up_model
 from trainscale.lightning.optimizers import ManualOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
 from trainscale.loop.records import RecordWriter, epoch_line, epoch_record, run_header, step_record
@@ -88,6 +89,7 @@ class Trainer:
         self.last_setup: tuple | None = None  # (model, LoopModule, wrapped) of the last fit or evaluation: reused
         self.is_step_end = False  # in on_train_batch_end: this micro-batch ended an optimizer step
         self._step_before = 0  # global_step before the last optimizer step (is_log_step)
+        self._active_hooks = HOOKS  # the hooks someone defines (_arm_hooks); all until a model is set up
 
     def _default_checkpoint(self) -> ModelCheckpoint | None:
         """The checkpoint callback the Trainer's flags ask for, used when the user gives no ``ModelCheckpoint``."""
@@ -209,6 +211,7 @@ class Trainer:
     def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
         rt = self.runtime
         loop_module, wrapped = set_up_model(self, model, loss_fn)  # reused from an earlier fit or evaluation
+        self._arm_hooks(model)
         self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
             model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
             before_step=lambda opt: self._hook("on_before_optimizer_step", opt))
@@ -470,11 +473,18 @@ class Trainer:
         return evaluation.run_stage(self, method, model, dataloaders, **kwargs)
 
     # -- plumbing -------------------------------------------------------------------------------------
+    def _arm_hooks(self, model: nn.Module) -> None:
+        """Read once per fit or evaluation which hooks some callback overrides or ``model`` defines: :meth:`_hook`
+        returns at once for the others (six hook points per step cost no lookup when nobody listens)."""
+        self._active_hooks = defined_hooks(model).union(*(overridden_hooks(cb) for cb in self.callbacks))
+
     def _hook(self, hook: str, *args: Any, monitoring: bool | None = None, module_first: bool = False) -> None:
         """Lightning's hook ``hook``: each callback's (``hook(trainer, module, *args)``), then the module's
         (``hook(*args)``, when it defines it), as Lightning's ``_call_callback_hooks`` then
         ``_call_lightning_module_hook``. ``monitoring``: only the callbacks that do (True; no module hook) or
         only the others (False); ``module_first``: the module's hook before the callbacks' (``on_load_checkpoint``)."""
+        if hook not in self._active_hooks:
+            return
         setup = self.last_setup  # (model, loop module, wrapped) of the fit or evaluation running
         module = setup[0] if setup is not None else None
         call_module = setup is not None and monitoring is not True and hook in setup[1].hooks
