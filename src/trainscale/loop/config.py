@@ -125,11 +125,19 @@ def _number(name: str, value, optional: bool = False, low: float = 0.0, hint: st
                          + hint)
 
 
-def _limited(limit: int | float | None, full: int) -> int:
-    """``full`` batches cut to ``limit``: a count, or a fraction (at least one batch when there are any)."""
+def _limited(limit: int | float | None, full: float) -> float:
+    """``full`` batches cut to ``limit``: a count, or a fraction (at least one batch when there are any). ``full``
+    infinite (an iterable data set, whose iterator ends the epoch): a count, or the fraction 1.0.
+
+    Raises:
+        ValueError: a fraction below 1.0 of an iterable's unknown number of batches (Lightning refuses it too).
+    """
     if limit is None or full == 0:
         return full
-    return min(full, limit) if isinstance(limit, int) else max(1, int(full * limit))
+    if full == math.inf and isinstance(limit, float) and limit < 1.0:
+        raise ValueError(f"a limit_*_batches fraction ({limit}) of an IterableDataset, whose number of batches is "
+                         "unknown; pass a number of batches (an int) or 1.0")
+    return min(full, limit) if isinstance(limit, int) else full if full == math.inf else max(1, int(full * limit))
 
 
 def _limit(name: str, value) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -20,6 +21,7 @@ from trainscale.checkpointing import run_dirs as ckpt
 from trainscale.lightning.data_sources import resolve_loaders
 from trainscale.lightning.metrics import MetricCollector
 from trainscale.lightning.module import set_up_model
+from trainscale.loop.state import loader_length
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
@@ -57,15 +59,18 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stag
     """
     rt = runtime
     prefix = "val_" if stage == "validation" else "test_"
-    num_batches = len(loader) if num_batches is None else num_batches
+    num_batches = loader_length(loader) if num_batches is None else num_batches  # inf: an iterable, to its end
     communicates = rt.strategy.forward_communicates
+    if communicates and num_batches == math.inf:
+        raise ValueError(f"strategy={rt.config.strategy!r} evaluates through collectives, so every rank must know its "
+                         "number of batches: give the evaluation loader a map-style data set, or limit_val_batches")
     extra = _extra_forwards(rt, num_batches) if communicates else 0
     wrapped.eval()
     sums: dict[str, torch.Tensor] = {}
     count = 0
     batch = None
     hook(f"on_{stage}_epoch_start")
-    for batch_idx, batch in enumerate(itertools.islice(loader, num_batches)):
+    for batch_idx, batch in enumerate(itertools.islice(loader, None if num_batches == math.inf else num_batches)):
         batch = rt.to_device(batch)
         collector.batch_size = _count(batch)
         hook(f"on_{stage}_batch_start", batch, batch_idx)
@@ -193,6 +198,31 @@ def checkpoint_to_evaluate(trainer: Trainer, ckpt_path: Any) -> Path | None:
     return Path(ckpt_path)
 
 
+def fitted_model(trainer: Trainer, method: str, ckpt_path: Any) -> tuple[Any, Any]:
+    """``(model, ckpt_path)`` for ``validate``/``test``/``predict`` called without a model: the model of the
+    trainer's last ``fit``, and, when ``ckpt_path`` is None, its best checkpoint (the first ``ModelCheckpoint``'s
+    ``best_model_path``: the newest without a monitor), with Lightning's warning (``_parse_ckpt_path``).
+
+    Raises:
+        ValueError: no fit ran on this trainer; ``ckpt_path`` None and no ``ModelCheckpoint`` has saved.
+    """
+    from trainscale.callbacks import ModelCheckpoint
+
+    if trainer.last_setup is None or trainer._fit is None:
+        raise ValueError(f"{method}() without a model needs an earlier fit() on this Trainer; pass the model: "
+                         f"trainer.{method}(model, loader)")
+    if ckpt_path is not None:
+        return trainer._fit.model, ckpt_path
+    saved = [cb.best_model_path for cb in trainer.callbacks
+             if isinstance(cb, ModelCheckpoint) and cb.best_model_path is not None]
+    if not saved:
+        raise ValueError(f"{method}() without a model evaluates the best checkpoint of the last fit (as Lightning), "
+                         "but no ModelCheckpoint has saved one; pass the model (its current weights) or a ckpt_path")
+    warnings.warn(f"{method}(ckpt_path=None) was called without a model: the best checkpoint of the last fit is used "
+                  f"({saved[0]}); pass ckpt_path='best', 'last' or a path to silence this", stacklevel=3)
+    return trainer._fit.model, Path(saved[0])
+
+
 def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_fn: Any = None,
               ckpt_path: Path | None = None, datamodule: Any = None) -> Any:
     """``Trainer.validate``/``test``/``predict`` outside ``fit`` (``method``): ``model`` set up by the trainer's
@@ -203,6 +233,10 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     dataloaders, _ = resolve_loaders(rt, method, model, dataloaders, datamodule)
     loop_module, wrapped = set_up_model(trainer, model, loss_fn)  # the model of an earlier fit: as it was set up
     trainer._arm_hooks(model)
+    step = {"validate": "validation_step", "test": "test_step"}.get(method)
+    if step is not None and loop_module.has_training_step and not hasattr(model, step):
+        raise ValueError(f"{method}() needs {type(model).__name__}.{step}(batch, batch_idx); it defines training_step "
+                         f"but no {step}, so there is nothing to evaluate (Lightning refuses it too)")
     if ckpt_path is not None:
         rt.load(ckpt_path, {"model": model})
         rt.print(f"trainscale: {method} with the weights of {ckpt_path}")
@@ -221,7 +255,7 @@ def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loader: Any
     meanwhile; validation on ``limit_val_batches`` of each rank's batches. The results are in
     ``trainer.callback_metrics`` by ``on_<stage>_end`` (where Lightning's checkpoint callbacks read them)."""
     collector, trainer.metric_collector = trainer.metric_collector, MetricCollector(trainer.runtime, stage)
-    num_batches = trainer.config.val_batches(len(loader)) if stage == "validation" else len(loader)
+    num_batches = trainer.config.val_batches(loader_length(loader)) if stage == "validation" else loader_length(loader)
     try:
         trainer._hook(f"on_{stage}_start")
         results = evaluate(trainer.runtime, loop_module, wrapped, loader, stage, trainer.metric_collector,

@@ -9,7 +9,9 @@ size 1 (docs/architecture.md).
 from __future__ import annotations
 
 import inspect
+import math
 import time
+import warnings
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -216,7 +218,12 @@ class Trainer:
             model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
             before_step=lambda opt: self._hook("on_before_optimizer_step", opt))
         train_loader = rt.setup_dataloader(train_dataloaders, seed=self.config.seed)
-        val_loader = rt.setup_dataloader(val_dataloaders, seed=self.config.seed, even=False) if val_dataloaders else None
+        if val_dataloaders is not None and loop_module.has_training_step and not hasattr(model, "validation_step"):
+            warnings.warn(f"a validation DataLoader was passed but {type(model).__name__} defines no validation_step: "
+                          "validation is skipped (as in Lightning); define validation_step to validate", stacklevel=3)
+            val_dataloaders = None
+        val_loader = (rt.setup_dataloader(val_dataloaders, seed=self.config.seed, even=False)
+                      if val_dataloaders is not None else None)
         check_loaders(train_loader, val_loader)
         telemetry = create_telemetry(rt, self.config.enable_telemetry, count_flops=self.count_flops,
                                      peak_flops=self.config.peak_flops,
@@ -231,8 +238,9 @@ class Trainer:
         self.state.epoch = epoch
         batches = epoch_batches(fit, self.state, epoch, resume, rt.world_size, cfg.train_batches)
         fit.wrapped.train()
-        remaining = fit.epoch_batches - fit.epoch_offset
-        fit.bar = ProgressBar(cfg.enable_progress_bar and rt.is_rank_zero, remaining, f"epoch {epoch + 1}/{cfg.max_epochs}")
+        remaining = fit.epoch_batches - fit.epoch_offset  # inf: an iterable data set, until its iterator ends
+        fit.bar = ProgressBar(cfg.enable_progress_bar and rt.is_rank_zero, None if remaining == math.inf else remaining,
+                              f"epoch {epoch + 1}/{cfg.max_epochs}")
         fit.epoch_loss = EpochLoss(rt.device, resume.totals if resume else (0.0, 0.0, 0.0, 0.0))
         fit.books = MicroBatchBooks(fit.telemetry, self._faults, self.state, self.metric_collector, fit.epoch_loss,
                                     fit.bar)
@@ -243,6 +251,8 @@ class Trainer:
         steps = micro_batches(rt.prefetch(batches), cfg.accumulate_grad_batches, remaining, start=fit.epoch_offset)
         while self.state.global_step < cfg.step_limit and self.train_step(fit, steps):
             pass
+        if fit.epoch_batches == math.inf and self.state.global_step < cfg.step_limit:  # the iterator ended the epoch
+            fit.epoch_batches = self.state.batches
         fit.bar.close()
 
     def train_step(self, fit: FitRun, steps: Iterator[MicroBatch]) -> bool:
@@ -444,29 +454,36 @@ class Trainer:
         return point
 
     # -- evaluation ----------------------------------------------------------------------------------
-    def validate(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader | None = None, *,
+    def validate(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
                  loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
                  datamodule: Any = None) -> dict[str, float]:
         """Evaluate ``model`` across all ranks, each sample counted once: ``{"val_loss": ..., "val_accuracy": ...}``
         (or ``validation_step``'s keys prefixed ``val_``, and what it logged), sample-weighted means. ``ckpt_path``:
         "best", "last" or a path evaluates that checkpoint's weights (``evaluation.checkpoint_to_evaluate``).
-        ``dataloaders`` None: ``datamodule``'s or the model's ``val_dataloader()`` (``lightning/data_sources.py``)."""
+        ``dataloaders`` None: ``datamodule``'s or the model's ``val_dataloader()`` (``lightning/data_sources.py``).
+        ``model`` None (also for ``test`` and ``predict``): the model of this trainer's last ``fit``, with the weights of
+        its best checkpoint when ``ckpt_path`` is None, as Lightning (``evaluation.fitted_model``).
+
+        Raises:
+            ValueError: ``model`` None before any fit; a module with ``training_step`` but no ``validation_step``."""
         return self._run_eval("validate", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path,
                               datamodule=datamodule)
 
-    def test(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader | None = None, *,
+    def test(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
              loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
              datamodule: Any = None) -> dict[str, float]:
         """As :meth:`validate`, with ``test_step``, ``test_dataloader()`` and the prefix ``test_``."""
         return self._run_eval("test", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path, datamodule=datamodule)
 
-    def predict(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader | None = None, *,
+    def predict(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
                 ckpt_path: str | Path | None = None, datamodule: Any = None) -> Any:
         """``predict_step(batch, batch_idx)`` (or the model's output) for every sample, from all ranks in dataset order,
         each sample once: one tensor of shape (N, ...) when the outputs are tensors; ``ckpt_path`` as :meth:`validate`'s."""
         return self._run_eval("predict", model, dataloaders, ckpt_path=ckpt_path, datamodule=datamodule)
 
     def _run_eval(self, method: str, model, dataloaders, ckpt_path=None, **kwargs) -> Any:
+        if model is None:
+            model, ckpt_path = evaluation.fitted_model(self, method, ckpt_path)
         kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path)  # before any ddp_spawn start
         if self.runtime.spawns:
             return run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
