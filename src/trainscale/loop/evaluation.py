@@ -105,7 +105,8 @@ def _count(batch: Any) -> int:
     return batch_size(batch)
 
 
-def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, hook: Callable[..., Any] = _no_hook) -> Any:
+def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, hook: Callable[..., Any] = _no_hook,
+            num_batches: float | None = None) -> Any:
     """Every sample's prediction, gathered from all ranks in dataset order (each sample once), between
     Lightning's ``on_predict_epoch_start`` and ``on_predict_epoch_end``, with ``on_predict_batch_start(batch,
     batch_idx)`` and ``on_predict_batch_end(outputs, batch, batch_idx)`` around each batch (``hook(name, *args)``).
@@ -116,11 +117,12 @@ def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, hook:
     """
     rt = runtime
     communicates = rt.strategy.forward_communicates
-    extra = _extra_forwards(rt, len(loader)) if communicates else 0
+    num_batches = loader_length(loader) if num_batches is None else num_batches  # each rank's first ones
+    extra = _extra_forwards(rt, num_batches) if communicates else 0
     wrapped.eval()
     outputs, batch = [], None
     hook("on_predict_epoch_start")
-    for batch_idx, batch in enumerate(loader):
+    for batch_idx, batch in enumerate(itertools.islice(loader, None if num_batches == math.inf else num_batches)):
         batch = rt.to_device(batch)
         hook("on_predict_batch_start", batch, batch_idx)
         with rt.autocast():
@@ -243,7 +245,8 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     loader = rt.setup_dataloader(dataloaders, seed=trainer.config.seed, shuffle=False, even=False)
     if method == "predict":
         trainer._hook("on_predict_start")
-        predictions = predict(rt, loop_module, wrapped, loader, trainer._hook)
+        predictions = predict(rt, loop_module, wrapped, loader, trainer._hook,
+                              trainer.config.eval_batches("predict", loader_length(loader)))
         trainer._hook("on_predict_end")
         return predictions
     return evaluate_stage(trainer, loop_module, wrapped, loader, "validation" if method == "validate" else "test")
@@ -252,10 +255,10 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
 def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loader: Any, stage: str) -> dict[str, float]:
     """:func:`evaluate` between Lightning's ``on_<stage>_start`` and ``on_<stage>_end`` hooks, with
     ``trainer.metric_collector`` (where ``self.log`` in the steps and hooks goes) a collector of ``stage``
-    meanwhile; validation on ``limit_val_batches`` of each rank's batches. The results are in
+    meanwhile; on ``limit_val_batches``/``limit_test_batches`` of each rank's batches. The results are in
     ``trainer.callback_metrics`` by ``on_<stage>_end`` (where Lightning's checkpoint callbacks read them)."""
     collector, trainer.metric_collector = trainer.metric_collector, MetricCollector(trainer.runtime, stage)
-    num_batches = trainer.config.val_batches(loader_length(loader)) if stage == "validation" else loader_length(loader)
+    num_batches = trainer.config.eval_batches(stage, loader_length(loader))
     try:
         trainer._hook(f"on_{stage}_start")
         results = evaluate(trainer.runtime, loop_module, wrapped, loader, stage, trainer.metric_collector,

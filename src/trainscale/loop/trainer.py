@@ -200,7 +200,7 @@ class Trainer:
         self._hook("on_fit_start")
         self._hook("on_train_start")
         for epoch in range(point.next_epoch if point else 0, cfg.max_epochs):
-            if self.state.global_step >= cfg.step_limit or self.should_stop:
+            if self.state.global_step >= cfg.step_limit or (self.should_stop and cfg.can_stop(epoch, self.global_step)):
                 break
             self._train_epoch(fit, epoch, point if point is not None and point.resumes(epoch) else None)
             self._end_epoch(fit, epoch)
