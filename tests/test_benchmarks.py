@@ -110,3 +110,10 @@ def test_checkpoint_digests_prints_the_cost_per_gb():
     stdout = run_bench("checkpoint_digests.py", timeout=55)
     for row in ("hash at save", "verify at load", "load verify=False"):
         assert row in stdout, stdout
+
+
+@pytest.mark.timeout(60)
+def test_predict_prints_a_row_per_size():
+    stdout = run_bench("predict.py", timeout=55)
+    rows = table_rows(stdout, "100") + table_rows(stdout, "1000")
+    assert len(rows) == 2 and all(float(row[1]) > 0 for row in rows), stdout

@@ -371,7 +371,42 @@ def test_gan_on_a_device_mesh_and_under_fsdp_16_mixed_matches_plain_pytorch(tmp_
 # -- callbacks ---------------------------------------------------------------------------------------------
 def test_early_stopping_stops_both_ranks_on_the_same_epoch(tmp_path):
     epochs = run_distributed(mw.early_stopping_body, str(tmp_path), timeout=180)
-    assert epochs == [3, 3]  # mean_x never improves after epoch 1: patience 1 ends it after epoch 3
+    # mean_x is the same every epoch: the first epoch sets the best, the second does not improve on it, and
+    # Lightning's rule (wait_count >= patience) with patience 1 stops after it
+    assert epochs == [2, 2]
+
+
+class Scored(TrainingModule):
+    """Logs the score of its epoch in ``validation_step`` (and nothing else trains)."""
+
+    def __init__(self, scores):
+        super().__init__()
+        self.scores = scores
+        self.lin = nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.lin(batch[0][:, :1].float()).sum() * 0
+
+    def validation_step(self, batch, batch_idx):
+        self.log("score", self.scores[self.current_epoch])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("mode", "sign"), [("min", 1.0), ("max", -1.0)])
+def test_early_stopping_stops_on_the_epoch_lightnings_rule_gives(tmp_path, mode, sign):
+    # Lightning's EarlyStopping._evaluate_stopping_criteria: an improvement resets wait_count to 0, any other
+    # check adds 1, and training stops when wait_count >= patience. Scores 5, 3, 4, 1, 2, 2 with patience 2:
+    # best 5, 3 (epochs 0, 1), wait 1 (epoch 2), best 1 (epoch 3), wait 1, 2 (epochs 4, 5): the last epoch
+    # trained is epoch 5, 6 epochs in all (a rule of wait > patience would train a 7th).
+    scores = [sign * v for v in (5.0, 3.0, 4.0, 1.0, 2.0, 2.0, 3.0, 3.0, 3.0, 3.0)]
+    stop = EarlyStopping("score", mode=mode, patience=2)
+    trainer = _trainer(tmp_path, max_epochs=10, callbacks=[stop], enable_checkpointing=False)
+    trainer.fit(Scored(scores), DataLoader(mw.indexed_dataset(4), batch_size=4), DataLoader(mw.indexed_dataset(2)))
+    assert len(trainer.history) == 6 and stop.stopped_epoch == 5
+    assert stop.best == sign * 1.0 and stop.wait == 2
 
 
 class EpochMetric(Recorder):
@@ -590,3 +625,58 @@ def test_a_data_set_that_shrank_under_a_mid_epoch_resume_is_named(tmp_path):
     with pytest.raises(ValueError, match="the data set now holds 16 \\(it shrank\\)"):
         _trainer(tmp_path, max_epochs=2).fit(workers.make_model(), DataLoader(workers.tiny_dataset(16), batch_size=8),
                                              optimizer=workers.sgd, ckpt_path="last")
+
+
+# -- manual optimization: the step count and schedulers, as Lightning ------------------------------------------
+class ManualPair(TrainingModule):
+    """Two optimizers stepping on every batch, each with a StepLR that halves its lr per step (interval "step");
+    ``step_schedulers``: whether ``training_step`` steps them itself (Lightning leaves them to it)."""
+
+    automatic_optimization = False
+
+    def __init__(self, step_schedulers: bool):
+        super().__init__()
+        self.a, self.b = nn.Linear(1, 1), nn.Linear(1, 1)
+        self.step_schedulers = step_schedulers
+        self.seen_steps = []
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        for opt, layer in zip(self.optimizers(), (self.a, self.b)):
+            opt.zero_grad()
+            self.manual_backward(layer(x).pow(2).mean())
+            opt.step()
+            self.seen_steps.append(self.global_step)
+        if self.step_schedulers:
+            for sched in self.lr_schedulers():
+                sched.step()
+
+    def configure_optimizers(self):
+        opts = [torch.optim.SGD(self.a.parameters(), lr=1.0), torch.optim.SGD(self.b.parameters(), lr=1.0)]
+        scheds = [{"scheduler": torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5), "interval": "step"} for o in opts]
+        return opts, scheds
+
+
+@pytest.mark.timeout(60)
+def test_global_step_counts_each_optimizer_step_under_manual_optimization(tmp_path):
+    # Lightning: trainer.global_step is the number of optimizer steps taken (under manual optimization each
+    # optimizer.step() counts), and fit stops once global_step >= max_steps
+    model = ManualPair(step_schedulers=False)
+    trainer = _trainer(tmp_path, max_epochs=1)
+    trainer.fit(model, DataLoader(mw.indexed_dataset(6), batch_size=2))
+    assert trainer.global_step == 6  # 3 batches × 2 optimizers
+    assert model.seen_steps == [0, 0, 2, 2, 4, 4]  # self.global_step inside training_step: counted after it
+    limited = _trainer(tmp_path, max_epochs=1, max_steps=3)
+    limited.fit(ManualPair(step_schedulers=False), DataLoader(mw.indexed_dataset(6), batch_size=2))
+    assert limited.global_step == 4  # 2 batches: after the first, 2 < 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("by_module", [False, True])
+def test_schedulers_are_the_modules_to_step_under_manual_optimization(tmp_path, by_module):
+    model = ManualPair(step_schedulers=by_module)
+    trainer = _trainer(tmp_path, max_epochs=2)
+    trainer.fit(model, DataLoader(mw.indexed_dataset(6), batch_size=2))
+    # Lightning never steps schedulers under manual optimization: 6 batches stepping both halve each lr 6 times
+    expected = 0.5 ** 6 if by_module else 1.0
+    assert [opt.param_groups[0]["lr"] for opt in trainer.optimizers] == [expected, expected]

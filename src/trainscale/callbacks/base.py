@@ -12,13 +12,23 @@ class Callback:
     """Override the hooks you need. Every rank calls every hook at the same point, so a callback may
     run collectives (e.g. save a checkpoint) as long as it does so on every rank.
 
-    Hook order in ``fit``: ``on_fit_start`` → per epoch ``on_train_epoch_start``, per micro-batch
-    ``on_train_batch_end`` (after the optimizer step when the micro-batch ended one), after the
-    epoch's validation ``on_validation_end``, then ``on_train_epoch_end`` (the epoch's numbers are in
-    ``trainer.callback_metrics``) → ``on_fit_end``. ``on_save_checkpoint``/``on_load_checkpoint`` see
-    the checkpoint dict; ``on_exception`` sees what ``fit`` raised. ``state_dict``/``load_state_dict``
-    are saved in every checkpoint under ``state_key`` and restored on resume.
+    Lightning's hooks, names and arguments, called at Lightning's points in Lightning's order; each callback's
+    hook runs before the module's hook of the same name (Lightning's ``_call_callback_hooks`` then
+    ``_call_lightning_module_hook``). In ``fit``: ``on_fit_start`` → ``on_train_start`` → per epoch
+    ``on_train_epoch_start``, per micro-batch ``on_train_batch_start``, ``on_before_backward``,
+    ``on_after_backward``, and on a micro-batch that ends an optimizer step ``on_before_optimizer_step`` and
+    ``on_before_zero_grad``, then ``on_train_batch_end``; at the epoch end the validation hooks
+    (``on_validation_start``, ``on_validation_epoch_start``, per batch ``on_validation_batch_start``/``_end``,
+    ``on_validation_epoch_end``, ``on_validation_end``), then ``on_train_epoch_end`` (the epoch's numbers are
+    in ``trainer.callback_metrics``; a callback with ``monitors_metrics`` runs after the module's hook, so it
+    sees what the module logged there) → ``on_train_end`` → ``on_fit_end``. ``validate``/``test``/``predict``
+    call the ``on_validation_*``/``on_test_*``/``on_predict_*`` hooks. ``on_save_checkpoint``/
+    ``on_load_checkpoint`` see the checkpoint dict; ``on_exception`` sees what ``fit`` raised.
+    ``state_dict``/``load_state_dict`` are saved in every checkpoint under ``state_key`` and restored on resume.
+    The table of hooks and the one difference from Lightning's order: docs/lightning.md.
     """
+
+    monitors_metrics = False  # True: on_train_epoch_end runs after the module's (Lightning's monitoring callbacks)
 
     @property
     def state_key(self) -> str:
@@ -28,13 +38,61 @@ class Callback:
 
     def on_fit_end(self, trainer: Trainer, module: Any) -> None: ...
 
+    def on_train_start(self, trainer: Trainer, module: Any) -> None: ...
+
+    def on_train_end(self, trainer: Trainer, module: Any) -> None: ...
+
     def on_train_epoch_start(self, trainer: Trainer, module: Any) -> None: ...
 
     def on_train_epoch_end(self, trainer: Trainer, module: Any) -> None: ...
 
+    def on_train_batch_start(self, trainer: Trainer, module: Any, batch: Any, batch_idx: int) -> None: ...
+
     def on_train_batch_end(self, trainer: Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None: ...
 
+    def on_before_backward(self, trainer: Trainer, module: Any, loss: Any) -> None: ...
+
+    def on_after_backward(self, trainer: Trainer, module: Any) -> None: ...
+
+    def on_before_optimizer_step(self, trainer: Trainer, module: Any, optimizer: Any) -> None: ...
+
+    def on_before_zero_grad(self, trainer: Trainer, module: Any, optimizer: Any) -> None: ...
+
+    def on_validation_start(self, trainer: Trainer, module: Any) -> None: ...
+
     def on_validation_end(self, trainer: Trainer, module: Any) -> None: ...
+
+    def on_validation_epoch_start(self, trainer: Trainer, module: Any) -> None: ...
+
+    def on_validation_epoch_end(self, trainer: Trainer, module: Any) -> None: ...
+
+    def on_validation_batch_start(self, trainer: Trainer, module: Any, batch: Any, batch_idx: int) -> None: ...
+
+    def on_validation_batch_end(self, trainer: Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+
+    def on_test_start(self, trainer: Trainer, module: Any) -> None: ...
+
+    def on_test_end(self, trainer: Trainer, module: Any) -> None: ...
+
+    def on_test_epoch_start(self, trainer: Trainer, module: Any) -> None: ...
+
+    def on_test_epoch_end(self, trainer: Trainer, module: Any) -> None: ...
+
+    def on_test_batch_start(self, trainer: Trainer, module: Any, batch: Any, batch_idx: int) -> None: ...
+
+    def on_test_batch_end(self, trainer: Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+
+    def on_predict_start(self, trainer: Trainer, module: Any) -> None: ...
+
+    def on_predict_end(self, trainer: Trainer, module: Any) -> None: ...
+
+    def on_predict_epoch_start(self, trainer: Trainer, module: Any) -> None: ...
+
+    def on_predict_epoch_end(self, trainer: Trainer, module: Any) -> None: ...
+
+    def on_predict_batch_start(self, trainer: Trainer, module: Any, batch: Any, batch_idx: int) -> None: ...
+
+    def on_predict_batch_end(self, trainer: Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None: ...
 
     def on_save_checkpoint(self, trainer: Trainer, module: Any, checkpoint: dict) -> None: ...
 
@@ -46,3 +104,12 @@ class Callback:
         return {}
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+HOOKS = frozenset(name for name in vars(Callback) if name.startswith("on_"))
+
+
+def overridden_hooks(callback: Callback) -> frozenset[str]:
+    """The hooks ``callback`` overrides (on its class or its instance): the others do nothing."""
+    return frozenset(name for name in HOOKS if name in vars(callback)
+                     or getattr(type(callback), name) is not getattr(Callback, name))

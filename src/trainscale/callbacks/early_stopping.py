@@ -12,20 +12,24 @@ if TYPE_CHECKING:
 
 
 class EarlyStopping(Callback):
-    """Stop ``fit`` after ``patience`` epoch ends without an improvement of ``monitor`` by more than
-    ``min_delta``. The metric is read from ``trainer.callback_metrics`` at each epoch end; those values
-    are reduced over all ranks, so every rank takes the same decision and all stop on the same epoch.
+    """Stop ``fit`` after ``patience`` epoch ends in a row without an improvement of ``monitor`` by more than
+    ``min_delta``: Lightning's rule (``wait_count >= patience``), so with ``patience=2`` and the best value at
+    epoch 3 the last epoch trained is epoch 5 (0-based). The metric is read from ``trainer.callback_metrics`` at
+    each epoch end, after the module's ``on_train_epoch_end`` (what it logs there counts); those values are
+    reduced over all ranks, so every rank takes the same decision and all stop on the same epoch.
 
     Args:
         monitor: a metric name, e.g. "val_loss" or a name given to ``self.log``.
         mode: "min" (lower is better) or "max".
-        patience: epoch ends without improvement before stopping.
+        patience: epoch ends in a row without improvement that stop training (0: the first one does).
         min_delta: the smallest change that counts as an improvement (>= 0).
 
     Raises:
         ValueError: bad ``mode``/``patience``/``min_delta``; at an epoch end, a ``monitor`` that is not
             among the metrics (their names are listed).
     """
+
+    monitors_metrics = True  # its on_train_epoch_end after the module's (Lightning's monitoring callbacks)
 
     def __init__(self, monitor: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0) -> None:
         if mode not in ("min", "max"):
@@ -52,7 +56,7 @@ class EarlyStopping(Callback):
             self.best, self.wait = value, 0
             return
         self.wait += 1
-        if self.wait > self.patience:  # patience epochs without improvement have passed
+        if self.wait >= self.patience:  # Lightning's EarlyStopping._evaluate_stopping_criteria
             self.stopped_epoch = trainer.current_epoch
             trainer.should_stop = True
             trainer.runtime.print(f"trainscale: EarlyStopping: {self.monitor} did not improve on {self.best:.6g} for "

@@ -46,6 +46,8 @@ class ModelCheckpoint(Callback):
         ValueError: bad arguments; at a save, a ``monitor`` not among the metrics.
     """
 
+    monitors_metrics = True  # its on_train_epoch_end after the module's (Lightning's monitoring callbacks)
+
     def __init__(self, dirpath: str | Path | None = None, monitor: str | None = None, mode: str = "min",
                  save_top_k: int = 1, every_n_train_steps: int | None = None, every_n_epochs: int | None = None) -> None:
         if mode not in ("min", "max"):
@@ -93,7 +95,7 @@ class ModelCheckpoint(Callback):
             due = bool(self.every_n_epochs) and (trainer.current_epoch + 1) % self.every_n_epochs == 0
         else:
             n = self.every_n_train_steps
-            due = n is not None and trainer.global_step % n == 0 and not (ends_epoch and self.every_n_epochs)
+            due = n is not None and trainer.reached_multiple(n) and not (ends_epoch and self.every_n_epochs)
         if due:
             self._save(trainer)
 

@@ -13,6 +13,7 @@ logged with ``sync_dist=True``.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,17 @@ class MetricCollector:
         self.step_values: dict[str, tuple[torch.Tensor, bool]] = {}
         self.epoch_values: dict[str, _Running] = {}
         self.prog_bar: set[str] = set()
+        self.in_epoch_hook = False  # in on_train_epoch_start/end: Lightning's defaults there are on_epoch=True
+
+    @contextlib.contextmanager
+    def epoch_hook(self):
+        """For a block that runs ``on_train_epoch_start``/``_end`` hooks: ``self.log`` there defaults to
+        ``on_step=False, on_epoch=True`` (Lightning's ``_FxValidator``), each rank's value weighted alike."""
+        self.in_epoch_hook, batch_size, self.batch_size = True, self.batch_size, 1
+        try:
+            yield
+        finally:
+            self.in_epoch_hook, self.batch_size = False, batch_size
 
     def log(self, name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | None = None,
             prog_bar: bool = False, sync_dist: bool = False, reduce_fx: str = "mean",
@@ -68,7 +80,7 @@ class MetricCollector:
                              f"which this value would replace; log it under another name, e.g. 'my_{name}'")
         if self.discard:
             return
-        default_step, default_epoch = _DEFAULTS[self.stage]
+        default_step, default_epoch = (False, True) if self.in_epoch_hook else _DEFAULTS[self.stage]
         on_step = default_step if on_step is None else on_step
         on_epoch = default_epoch if on_epoch is None else on_epoch
         value = self._scalar(name, value)

@@ -32,6 +32,18 @@ if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
 
 
+# Lightning's LightningModule hooks the Trainer calls (``lightning.pytorch.core.hooks.ModelHooks``, and the
+# checkpoint hooks of ``CheckpointHooks``), each right after the callbacks' hook of the same name.
+MODULE_HOOKS = (
+    "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "on_train_epoch_start", "on_train_epoch_end",
+    "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+    "on_before_optimizer_step", "on_before_zero_grad",
+    *(f"on_{stage}_{point}" for stage in ("validation", "test", "predict")
+      for point in ("start", "end", "epoch_start", "epoch_end", "batch_start", "batch_end")),
+    "on_save_checkpoint", "on_load_checkpoint",
+)
+
+
 class TrainingModule(HyperparametersMixin, nn.Module):
     """Optional base class with Lightning's ``LightningModule`` API (the parts trainscale runs).
 
@@ -42,6 +54,11 @@ class TrainingModule(HyperparametersMixin, nn.Module):
     ``self.manual_backward(loss)``). Attributes set by the Trainer during ``fit``: ``trainer``,
     ``global_rank``, ``current_epoch``, ``global_step``, ``device``. ``self.save_hyperparameters()`` in
     ``__init__`` keeps its arguments in ``self.hparams`` (``trainscale.lightning.hparams``).
+
+    Lightning's hooks (``on_fit_start``, ``on_train_batch_end(outputs, batch, batch_idx)``,
+    ``on_before_optimizer_step(optimizer)``, ``on_validation_epoch_end``, ``on_save_checkpoint(checkpoint)``, ...:
+    :data:`MODULE_HOOKS`) are called where and in the order Lightning calls them, after the callbacks' hook of
+    the same name (docs/lightning.md). Only hooks the module defines are called.
     """
 
     automatic_optimization: bool = True
@@ -117,8 +134,12 @@ class TrainingModule(HyperparametersMixin, nn.Module):
     def manual_backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` through the Runtime (scaled under "16-mixed"). No communication under ddp
         (gradients are averaged in ``optimizer.step()``); under fsdp each sharded submodule reduce-scatters
-        its gradients in this backward unless inside ``optimizer.toggle_model(sync_grad=False)``."""
-        self.trainer.runtime.backward(loss)
+        its gradients in this backward unless inside ``optimizer.toggle_model(sync_grad=False)``. As in
+        Lightning, the ``on_before_backward(loss)`` and ``on_after_backward()`` hooks run around it."""
+        trainer = self.trainer
+        trainer._hook("on_before_backward", loss)
+        trainer.runtime.backward(loss)
+        trainer._hook("on_after_backward")
 
     def clip_gradients(self, optimizer: Any, gradient_clip_val: float,
                        gradient_clip_algorithm: str = "norm") -> torch.Tensor | None:
@@ -134,6 +155,21 @@ class TrainingModule(HyperparametersMixin, nn.Module):
 
     def untoggle_optimizer(self, optimizer: Any) -> None:
         optimizer.untoggle()
+
+
+def _no_hook(self, *args: Any) -> None:
+    """A hook the module does not define: never called (``defined_hooks``); here for ``super().<hook>()``."""
+
+
+for _name in MODULE_HOOKS:
+    setattr(TrainingModule, _name, _no_hook)
+
+
+def defined_hooks(model: nn.Module) -> frozenset[str]:
+    """The names of :data:`MODULE_HOOKS` that ``model`` defines (on its class or on the instance), read once per
+    setup so that a step looks up no missing attribute."""
+    return frozenset(name for name in MODULE_HOOKS
+                     if callable(fn := model.__dict__.get(name, getattr(type(model), name, None))) and fn is not _no_hook)
 
 
 def shard_units(model: nn.Module) -> tuple[nn.Module, ...]:
@@ -196,6 +232,7 @@ class LoopModule(nn.Module):
         self.model = model
         self.shard_units = shard_units(model)  # read by apply_fsdp.fsdp_units
         self.use_loss_fn(loss_fn)
+        self.hooks = defined_hooks(model)  # the Lightning hooks the Trainer calls on the model
         step = getattr(model, "training_step", None)
         self.has_training_step = step is not None
         self.step_takes_batch_idx = step is not None and _takes_batch_idx(step)

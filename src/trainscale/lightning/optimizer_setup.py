@@ -15,11 +15,11 @@ if TYPE_CHECKING:
 
 
 def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, config: Any, runtime: Runtime,
-                     scaled_lr: Any = None):
+                     scaled_lr: Any = None, before_step: Any = None):
     """``(optimizers, scheduler configs, manual optimizers)`` for ``model`` wrapped as ``wrapped``, under the
     Trainer's ``config`` (``TrainerConfig``); the manual list is empty unless the module sets
     ``automatic_optimization = False``. ``scaled_lr``: the context each manual ``step()`` runs in
-    (``BatchScaling.scaled_lr``).
+    (``BatchScaling.scaled_lr``); ``before_step(optimizer)``: the ``on_before_optimizer_step`` hooks of each manual step.
 
     Raises:
         ValueError / TypeError: see :func:`configured_optimization` and :func:`check_optimizers`.
@@ -30,7 +30,7 @@ def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, confi
     optimizers = [runtime.strategy.setup_optimizer(o) for o in optimization.optimizers]
     sync = ("backward" if _fsdp_sharded(runtime)
             else {"ddp": "step", "ddp_spawn": "step"}.get(runtime.config.strategy, "none"))
-    extra = {} if scaled_lr is None else {"scaled_lr": scaled_lr}
+    extra = {name: fn for name, fn in (("scaled_lr", scaled_lr), ("before_step", before_step)) if fn is not None}
     manuals = [ManualOptimizer(o, runtime, model, wrapped, sync, **extra) for o in optimizers] if manual else []
     return optimizers, list(optimization.schedulers), manuals
 

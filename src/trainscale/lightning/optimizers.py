@@ -178,11 +178,13 @@ class ManualOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, runtime: Runtime, model: torch.nn.Module,
                  wrapped: torch.nn.Module, gradient_sync: str,
-                 scaled_lr: Callable[[torch.optim.Optimizer], ContextManager] = lambda opt: contextlib.nullcontext()
-                 ) -> None:
+                 scaled_lr: Callable[[torch.optim.Optimizer], ContextManager] = lambda opt: contextlib.nullcontext(),
+                 before_step: Callable[[torch.optim.Optimizer], None] = lambda opt: None) -> None:
         """``gradient_sync``: "step" (ddp: averaged in :meth:`step`), "backward" (fsdp: reduce-scattered by
         FSDP2 in backward) or "none" (one process). ``scaled_lr(optimizer)``: the context the step runs in
-        (the Trainer's ``BatchScaling.scaled_lr`` under ``lr_scaling``)."""
+        (the Trainer's ``BatchScaling.scaled_lr`` under ``lr_scaling``). ``before_step(optimizer)``: the
+        ``on_before_optimizer_step`` hooks, called with the gradients averaged and unscaled (Lightning calls
+        them after the closure, before the step)."""
         self.optimizer = optimizer
         self._model = model
         self._wrapped = wrapped  # what Runtime.setup returned (the FSDP root under fsdp)
@@ -193,6 +195,8 @@ class ManualOptimizer:
         self._frozen: list[torch.Tensor] = []
         self._scaled_lr = scaled_lr
         self._warned_no_gradients = False
+        self._before_step = before_step
+        self._steps = 0  # steps since the Trainer last counted them (take_steps): Lightning's global_step counts each
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["optimizer"], name)
@@ -212,15 +216,24 @@ class ManualOptimizer:
         self._averaged = True
 
     def step(self, closure: Any = None) -> None:
-        """Average the gradients over ranks (ddp), then step at the scaled lr (closure: run first, as torch does)."""
+        """Average the gradients over ranks (ddp), unscale them ("16-mixed"), run the ``on_before_optimizer_step``
+        hooks, then step at the scaled lr (closure: run first, as torch does)."""
         if closure is not None:
             with torch.enable_grad():
                 closure()
         self._warn_if_no_gradients()
         self._average_gradients()
+        self._rt.precision.unscale_gradients(self.optimizer)
+        self._before_step(self.optimizer)
         with self._scaled_lr(self.optimizer):
             self._rt.step(self.optimizer)
         self._averaged = False
+        self._steps += 1
+
+    def take_steps(self) -> int:
+        """The optimizer steps taken since the last call (the Trainer adds them to ``global_step``)."""
+        steps, self._steps = self._steps, 0
+        return steps
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

@@ -59,7 +59,10 @@ class TrainerConfig:
             See :mod:`trainscale.scaling.batch_scaling`.
         limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction
             of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`).
-            limit_val_batches: the same for each rank's validation batches, in ``fit`` and ``validate``.
+            limit_val_batches: the same for each rank's validation batches, in ``fit`` and ``validate``;
+            limit_test_batches, limit_predict_batches: for ``test`` and ``predict`` (:meth:`eval_batches`).
+        min_epochs, min_steps: a stop asked by a callback (``trainer.should_stop``, e.g. ``EarlyStopping``) waits until
+            this many epochs and optimizer steps are done, as Lightning's (None: no minimum).
         count_flops: count the FLOPs of the run's first micro-batch with ``FlopCounterMode`` for MFU (None: on
             CUDA only, never under ``compile``). peak_flops: FLOP/s of one device for MFU (None: the table of
             ``trainscale.telemetry.flops``).
@@ -91,6 +94,10 @@ class TrainerConfig:
     lr_warmup_steps: int = 0
     limit_train_batches: int | float | None = None
     limit_val_batches: int | float | None = None
+    limit_test_batches: int | float | None = None
+    limit_predict_batches: int | float | None = None
+    min_epochs: int | None = None
+    min_steps: int | None = None
     count_flops: bool | None = None
     peak_flops: float | None = None
 
@@ -101,6 +108,17 @@ class TrainerConfig:
     def val_batches(self, full: int) -> int:
         """A rank's validation batches under ``limit_val_batches``, of ``full`` without it."""
         return _limited(self.limit_val_batches, full)
+
+    def eval_batches(self, stage: str, full: float) -> float:
+        """A rank's batches of ``stage`` ("validation", "test" or "predict") under its ``limit_*_batches``."""
+        limit = {"validation": self.limit_val_batches, "test": self.limit_test_batches,
+                 "predict": self.limit_predict_batches}[stage]
+        return _limited(limit, full)
+
+    def can_stop(self, epochs_done: int, global_step: int) -> bool:
+        """Whether a stop asked by a callback may happen now (``min_epochs``, ``min_steps``: Lightning's
+        ``_FitLoop._can_stop_early``)."""
+        return epochs_done >= (self.min_epochs or 0) and global_step >= (self.min_steps or 0)
 
     @property
     def step_limit(self) -> float:
@@ -125,11 +143,19 @@ def _number(name: str, value, optional: bool = False, low: float = 0.0, hint: st
                          + hint)
 
 
-def _limited(limit: int | float | None, full: int) -> int:
-    """``full`` batches cut to ``limit``: a count, or a fraction (at least one batch when there are any)."""
+def _limited(limit: int | float | None, full: float) -> float:
+    """``full`` batches cut to ``limit``: a count, or a fraction (at least one batch when there are any). ``full``
+    infinite (an iterable data set, whose iterator ends the epoch): a count, or the fraction 1.0.
+
+    Raises:
+        ValueError: a fraction below 1.0 of an iterable's unknown number of batches (Lightning refuses it too).
+    """
     if limit is None or full == 0:
         return full
-    return min(full, limit) if isinstance(limit, int) else max(1, int(full * limit))
+    if full == math.inf and isinstance(limit, float) and limit < 1.0:
+        raise ValueError(f"a limit_*_batches fraction ({limit}) of an IterableDataset, whose number of batches is "
+                         "unknown; pass a number of batches (an int) or 1.0")
+    return min(full, limit) if isinstance(limit, int) else full if full == math.inf else max(1, int(full * limit))
 
 
 def _limit(name: str, value) -> None:
@@ -194,7 +220,10 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
     _int("max_memory", cfg.max_memory, 1, optional=True)
     _choice("batch_size", cfg.batch_size, (None, "max"))
     _limit("limit_train_batches", cfg.limit_train_batches)
-    _limit("limit_val_batches", cfg.limit_val_batches)
+    for name in ("limit_val_batches", "limit_test_batches", "limit_predict_batches"):
+        _limit(name, getattr(cfg, name))
+    _int("min_epochs", cfg.min_epochs, 1, optional=True)
+    _int("min_steps", cfg.min_steps, 1, optional=True)
     if cfg.seed >= 2**32:
         raise ValueError(f"seed={cfg.seed} must be < 2**32 (numpy's limit)")
     _number("gradient_clip_val", cfg.gradient_clip_val, optional=True, low=1e-12)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from torch.utils.data import IterableDataset
+
 
 def check_loaders(train_loader: Any, val_loader: Any) -> None:
-    """Refuse a training loader the loop cannot count; warn about an empty validation loader.
+    """Refuse a training loader the loop cannot count; warn about an empty validation loader. Loaders over an
+    ``IterableDataset`` are not measured (no ``len``: their iterator ends each epoch).
 
     Raises:
         ValueError: a loader built with ``batch_size=None`` (the Trainer needs the per-device batch size
@@ -16,10 +19,10 @@ def check_loaders(train_loader: Any, val_loader: Any) -> None:
     if getattr(train_loader, "batch_size", None) is None:
         raise ValueError("the training DataLoader has batch_size=None (it yields ready-made batches); build it as "
                          "DataLoader(dataset, batch_size=N) with the per-device batch size")
-    if len(train_loader) == 0:
+    if not isinstance(train_loader.dataset, IterableDataset) and len(train_loader) == 0:
         raise ValueError("the training DataLoader is empty on this rank (a dataset of no samples, or drop_last with "
                          "fewer samples than one batch); give it data, or a smaller batch_size")
-    if val_loader is not None and len(val_loader.dataset) == 0:
+    if val_loader is not None and not isinstance(val_loader.dataset, IterableDataset) and len(val_loader.dataset) == 0:
         warnings.warn("the validation DataLoader is empty: no val_ metrics will be recorded", stacklevel=3)
 
 

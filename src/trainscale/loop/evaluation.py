@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -20,6 +21,7 @@ from trainscale.checkpointing import run_dirs as ckpt
 from trainscale.lightning.data_sources import resolve_loaders
 from trainscale.lightning.metrics import MetricCollector
 from trainscale.lightning.module import set_up_model
+from trainscale.loop.state import loader_length
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
@@ -40,13 +42,20 @@ def _extra_forwards(runtime: Runtime, num_batches: int) -> int:
     return most - num_batches
 
 
+def _no_hook(name: str, *args: Any) -> None:
+    pass
+
+
 def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stage: str, collector: Any,
-             num_batches: int | None = None) -> dict[str, float]:
+             num_batches: int | None = None, hook: Callable[..., Any] = _no_hook) -> dict[str, float]:
     """Sample-weighted means over the whole set (or its first ``num_batches`` batches on each rank) of what
     ``<stage>_step`` returned (or loss and accuracy for a plain classifier), prefixed ``val_``/``test_``, plus
-    what ``self.log`` collected (as named). A key returned by some batches only is the mean over those batches'
-    samples.
+    what ``self.log`` collected (as named, also in ``on_<stage>_epoch_end``). A key returned by some batches only
+    is the mean over those batches' samples.
 
+    ``hook(name, *args)`` runs Lightning's ``on_<stage>_epoch_start``, ``on_<stage>_batch_start(batch,
+    batch_idx)``, ``on_<stage>_batch_end(outputs, batch, batch_idx)`` (outputs: the step's dict, a tensor as
+    ``{"loss": tensor}``) and ``on_<stage>_epoch_end`` (``Trainer._hook``).
     Sums and counts stay on the device; one all-reduce at the end. A collective: every rank calls it.
 
     Raises:
@@ -55,20 +64,26 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stag
     """
     rt = runtime
     prefix = "val_" if stage == "validation" else "test_"
-    num_batches = len(loader) if num_batches is None else num_batches
+    num_batches = loader_length(loader) if num_batches is None else num_batches  # inf: an iterable, to its end
     communicates = rt.strategy.forward_communicates
+    if communicates and num_batches == math.inf:
+        raise ValueError(f"strategy={rt.config.strategy!r} evaluates through collectives, so every rank must know its "
+                         "number of batches: give the evaluation loader a map-style data set, or limit_val_batches")
     extra = _extra_forwards(rt, num_batches) if communicates else 0
     wrapped.eval()
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}  # samples of the batches that returned each key
     count = 0
     batch = None
-    for batch_idx, batch in enumerate(itertools.islice(loader, num_batches)):
+    hook(f"on_{stage}_epoch_start")
+    for batch_idx, batch in enumerate(itertools.islice(loader, None if num_batches == math.inf else num_batches)):
         batch = rt.to_device(batch)
         collector.batch_size = _count(batch)
+        hook(f"on_{stage}_batch_start", batch, batch_idx)
         with rt.autocast():
             metrics, n = (wrapped(batch, batch_idx, stage=stage) if communicates
                           else loop_module.evaluate(batch, batch_idx, stage))
+        hook(f"on_{stage}_batch_end", metrics, batch, batch_idx)
         for key, value in metrics.items():
             value = torch.as_tensor(value, device=rt.device).detach().float() * n
             sums[key] = sums[key] + value if key in sums else value
@@ -79,6 +94,7 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stag
         with rt.autocast():
             wrapped(batch, 0, stage=stage)
     collector.discard = False
+    hook(f"on_{stage}_epoch_end")  # what it logs is among this stage's values
     keys = _same_keys_on_every_rank(rt, sorted(sums), count > 0, f"{stage}_step")  # a rank with no batch takes part
     zero = torch.zeros((), device=rt.device)
     vec = rt.all_reduce(torch.stack([sums.get(k, zero) for k in keys] + [zero + counts.get(k, 0) for k in keys]
@@ -109,8 +125,11 @@ def _count(batch: Any) -> int:
     return batch_size(batch)
 
 
-def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any) -> Any:
-    """Every sample's prediction, gathered from all ranks in dataset order (each sample once).
+def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, hook: Callable[..., Any] = _no_hook,
+            num_batches: float | None = None) -> Any:
+    """Every sample's prediction, gathered from all ranks in dataset order (each sample once), between
+    Lightning's ``on_predict_epoch_start`` and ``on_predict_epoch_end``, with ``on_predict_batch_start(batch,
+    batch_idx)`` and ``on_predict_batch_end(outputs, batch, batch_idx)`` around each batch (``hook(name, *args)``).
 
     Returns:
         One tensor (the per-batch outputs concatenated along dim 0) when ``predict_step`` returns tensors; one
@@ -123,17 +142,22 @@ def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any) -> An
     """
     rt = runtime
     communicates = rt.strategy.forward_communicates
-    extra = _extra_forwards(rt, len(loader)) if communicates else 0
+    num_batches = loader_length(loader) if num_batches is None else num_batches  # each rank's first ones
+    extra = _extra_forwards(rt, num_batches) if communicates else 0
     wrapped.eval()
     outputs, batch = [], None
-    for batch_idx, batch in enumerate(loader):
+    hook("on_predict_epoch_start")
+    for batch_idx, batch in enumerate(itertools.islice(loader, None if num_batches == math.inf else num_batches)):
         batch = rt.to_device(batch)
+        hook("on_predict_batch_start", batch, batch_idx)
         with rt.autocast():
             out = wrapped(batch, batch_idx, stage="predict") if communicates else loop_module.predict(batch, batch_idx)
+        hook("on_predict_batch_end", out, batch, batch_idx)
         outputs.append(out.detach().cpu() if isinstance(out, torch.Tensor) else out)
     for _ in range(extra):
         with rt.autocast():
             wrapped(batch, 0, stage="predict")
+    hook("on_predict_epoch_end")
     wrapped.train()
     return _in_dataset_order(rt, outputs)
 
@@ -141,35 +165,57 @@ def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any) -> An
 def _in_dataset_order(runtime: Runtime, outputs: list) -> Any:
     """Interleave the data-parallel ranks' outputs back into dataset order (sample j was on data-parallel rank
     j % D, its j // D-th). Ranks that share their batches (the ``tp`` ranks of a group) hold the same outputs:
-    the first of each group is taken, so each sample is returned once."""
-    split = [_per_sample(o) for o in outputs]
-    mine = None if any(samples is None for samples in split) else [sample for samples in split for sample in samples]
-    by_data_rank: dict[int, list | None] = {}
-    for rank, samples in runtime.all_gather_object((runtime.strategy.data_world(runtime.world).rank, mine)):
-        by_data_rank.setdefault(rank, samples)
+    the first of each group is taken, so each sample is returned once.
+
+    Each rank sends its outputs as columns: one contiguous tensor (a dict: one per key, or one list), placed with
+    one strided copy per rank (a per-sample view would pickle its whole storage: the cost would grow with the
+    square of the samples)."""
+    mine = _columns(outputs)
+    data_rank = runtime.strategy.data_world(runtime.world).rank
+    gathered = runtime.all_gather_object((data_rank, mine)) if runtime.world_size > 1 else [(data_rank, mine)]
+    by_data_rank: dict[int, Any] = {}
+    for rank, theirs in gathered:
+        by_data_rank.setdefault(rank, theirs)
     per_rank = [by_data_rank[r] for r in sorted(by_data_rank)]
-    if any(samples is None for samples in per_rank):  # decided on the gathered lists: the same on every rank
+    if any(columns is None for columns in per_rank):  # decided on the gathered values: the same on every rank
         if len(per_rank) == 1:
             return outputs
         raise ValueError("predict_step returned outputs that cannot be split per sample (a tensor, or a dict of "
                          "tensors or lists, with the batch's length first), so several ranks' predictions cannot be "
                          "put back in dataset order; return per-sample values")
-    ordered = [per_rank[j % len(per_rank)][j // len(per_rank)] for j in range(sum(map(len, per_rank)))]
-    return _stacked(ordered)
+    per_rank = [columns for columns in per_rank if _rows(columns)]  # ranks that predicted nothing
+    if not per_rank:
+        return [] if not outputs or not isinstance(outputs[0], dict) else {}
+    if isinstance(per_rank[0], dict):
+        return {key: _interleave([columns[key] for columns in per_rank]) for key in per_rank[0]}
+    return _interleave(per_rank)
 
 
-def _per_sample(out: Any) -> list | None:
-    """One batch's prediction split per sample: a tensor along dim 0, a dict of tensors or lists of one length
-    item by item. None when it cannot be split."""
-    if isinstance(out, torch.Tensor):
-        return list(out.unbind(0)) if out.dim() > 0 else None
-    if not isinstance(out, dict) or not out:
+def _columns(outputs: list) -> Any:
+    """One rank's per-batch predictions joined along the samples: a tensor, or a dict of tensors (or lists) with
+    the same keys in every batch; ``[]`` for no batch; None when they cannot be split per sample."""
+    if not outputs:
+        return []
+    if all(isinstance(o, torch.Tensor) and o.dim() > 0 for o in outputs):
+        return torch.cat([o.detach() for o in outputs])
+    if not _per_sample_dicts(outputs):
         return None
-    values = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
-    lengths = {_length(v) for v in values.values()}
-    if len(lengths) != 1 or None in lengths:
-        return None
-    return [{k: v[i] for k, v in values.items()} for i in range(lengths.pop())]
+    return {key: _joined([o[key] for o in outputs]) for key in outputs[0]}
+
+
+def _per_sample_dicts(outputs: list) -> bool:
+    """Dicts with the same keys in every batch, each value a tensor or list with the batch's length first."""
+    if not all(isinstance(o, dict) and o for o in outputs) or len({tuple(o) for o in outputs}) != 1:
+        return False
+    lengths = [{_length(v) for v in o.values()} for o in outputs]
+    return all(len(n) == 1 and None not in n for n in lengths)
+
+
+def _joined(values: list) -> Any:
+    """One key's per-batch values as one column: tensors concatenated (on the CPU), lists chained."""
+    if all(isinstance(v, torch.Tensor) for v in values):
+        return torch.cat([v.detach().cpu() for v in values])
+    return [item for v in values for item in v]
 
 
 def _length(value: Any) -> int | None:
@@ -179,14 +225,19 @@ def _length(value: Any) -> int | None:
     return value.shape[0] if isinstance(value, torch.Tensor) and value.dim() > 0 else None
 
 
-def _stacked(samples: list) -> Any:
-    """Per-sample predictions as one tensor, or one dict of tensors (or lists), when all are of that kind."""
-    if samples and all(isinstance(o, torch.Tensor) for o in samples):
-        return torch.stack(samples)
-    if samples and all(isinstance(o, dict) for o in samples) and len({tuple(o) for o in samples}) == 1:
-        columns = {key: [o[key] for o in samples] for key in samples[0]}
-        return {key: torch.stack(c) if isinstance(c[0], torch.Tensor) else c for key, c in columns.items()}
-    return samples
+def _rows(columns: Any) -> int:
+    return _length(next(iter(columns.values()))) if isinstance(columns, dict) else len(columns)
+
+
+def _interleave(parts: list) -> Any:
+    """The data-parallel ranks' columns back in dataset order: sample j from rank j % R, its j // R-th."""
+    ranks, total = len(parts), sum(map(len, parts))
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        ordered = parts[0].new_empty((total, *parts[0].shape[1:]))
+        for r, part in enumerate(parts):
+            ordered[r::ranks] = part
+        return ordered
+    return [parts[j % ranks][j // ranks] for j in range(total)]
 
 
 def checkpoint_to_evaluate(trainer: Trainer, ckpt_path: Any) -> Path | None:
@@ -225,6 +276,31 @@ def checkpoint_to_evaluate(trainer: Trainer, ckpt_path: Any) -> Path | None:
     return Path(ckpt_path)
 
 
+def fitted_model(trainer: Trainer, method: str, ckpt_path: Any) -> tuple[Any, Any]:
+    """``(model, ckpt_path)`` for ``validate``/``test``/``predict`` called without a model: the model of the
+    trainer's last ``fit``, and, when ``ckpt_path`` is None, its best checkpoint (the first ``ModelCheckpoint``'s
+    ``best_model_path``: the newest without a monitor), with Lightning's warning (``_parse_ckpt_path``).
+
+    Raises:
+        ValueError: no fit ran on this trainer; ``ckpt_path`` None and no ``ModelCheckpoint`` has saved.
+    """
+    from trainscale.callbacks import ModelCheckpoint
+
+    if trainer.last_setup is None or trainer._fit is None:
+        raise ValueError(f"{method}() without a model needs an earlier fit() on this Trainer; pass the model: "
+                         f"trainer.{method}(model, loader)")
+    if ckpt_path is not None:
+        return trainer._fit.model, ckpt_path
+    saved = [cb.best_model_path for cb in trainer.callbacks
+             if isinstance(cb, ModelCheckpoint) and cb.best_model_path is not None]
+    if not saved:
+        raise ValueError(f"{method}() without a model evaluates the best checkpoint of the last fit (as Lightning), "
+                         "but no ModelCheckpoint has saved one; pass the model (its current weights) or a ckpt_path")
+    warnings.warn(f"{method}(ckpt_path=None) was called without a model: the best checkpoint of the last fit is used "
+                  f"({saved[0]}); pass ckpt_path='best', 'last' or a path to silence this", stacklevel=3)
+    return trainer._fit.model, Path(saved[0])
+
+
 def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_fn: Any = None,
               ckpt_path: Path | None = None, datamodule: Any = None) -> Any:
     """``Trainer.validate``/``test``/``predict`` outside ``fit`` (``method``): ``model`` set up by the trainer's
@@ -234,21 +310,37 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     rt = trainer.runtime
     dataloaders, _ = resolve_loaders(rt, method, model, dataloaders, datamodule)
     loop_module, wrapped = set_up_model(trainer, model, loss_fn)  # the model of an earlier fit: as it was set up
+    trainer._arm_hooks(model)
+    step = {"validate": "validation_step", "test": "test_step"}.get(method)
+    if step is not None and loop_module.has_training_step and not hasattr(model, step):
+        raise ValueError(f"{method}() needs {type(model).__name__}.{step}(batch, batch_idx); it defines training_step "
+                         f"but no {step}, so there is nothing to evaluate (Lightning refuses it too)")
     if ckpt_path is not None:
         rt.load(ckpt_path, {"model": model})
         rt.print(f"trainscale: {method} with the weights of {ckpt_path}")
     loader = rt.setup_dataloader(dataloaders, seed=trainer.config.seed, shuffle=False, even=False)
     if method == "predict":
-        return predict(rt, loop_module, wrapped, loader)
+        trainer._hook("on_predict_start")
+        predictions = predict(rt, loop_module, wrapped, loader, trainer._hook,
+                              trainer.config.eval_batches("predict", loader_length(loader)))
+        trainer._hook("on_predict_end")
+        return predictions
     return evaluate_stage(trainer, loop_module, wrapped, loader, "validation" if method == "validate" else "test")
 
 
 def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loader: Any, stage: str) -> dict[str, float]:
-    """:func:`evaluate`, with ``trainer.metric_collector`` (where ``self.log`` in the steps goes) a collector of
-    ``stage`` meanwhile; validation on ``limit_val_batches`` of each rank's batches."""
+    """:func:`evaluate` between Lightning's ``on_<stage>_start`` and ``on_<stage>_end`` hooks, with
+    ``trainer.metric_collector`` (where ``self.log`` in the steps and hooks goes) a collector of ``stage``
+    meanwhile; on ``limit_val_batches``/``limit_test_batches`` of each rank's batches. The results are in
+    ``trainer.callback_metrics`` by ``on_<stage>_end`` (where Lightning's checkpoint callbacks read them)."""
     collector, trainer.metric_collector = trainer.metric_collector, MetricCollector(trainer.runtime, stage)
-    num_batches = trainer.config.val_batches(len(loader)) if stage == "validation" else len(loader)
+    num_batches = trainer.config.eval_batches(stage, loader_length(loader))
     try:
-        return evaluate(trainer.runtime, loop_module, wrapped, loader, stage, trainer.metric_collector, num_batches)
+        trainer._hook(f"on_{stage}_start")
+        results = evaluate(trainer.runtime, loop_module, wrapped, loader, stage, trainer.metric_collector,
+                           num_batches, trainer._hook)
     finally:
         trainer.metric_collector = collector
+    trainer.callback_metrics.update(results)
+    trainer._hook(f"on_{stage}_end")
+    return results

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
 
@@ -30,11 +31,40 @@ def micro_batches(batches: Iterable, k: int, total: int, start: int = 0) -> Iter
 
     >>> [(m.index, m.is_last, m.group_size) for m in micro_batches("abcde", 2, 5)]
     [(0, False, 2), (1, True, 2), (2, False, 2), (3, True, 2), (4, True, 1)]
+
+    ``total`` infinite (an iterable data set: the epoch ends when its iterator does): the last micro-batch is found
+    by reading one ahead, and every step divides by ``k``, as Lightning does for every step:
+
+    >>> [(m.index, m.is_last, m.group_size) for m in micro_batches(iter("abc"), 2, math.inf)]
+    [(0, False, 2), (1, True, 2), (2, True, 2)]
     """
+    if total == math.inf:
+        yield from _open_ended(iter(batches), k, start)
+        return
     for i, batch in enumerate(batches):
         first = (i // k) * k
         group_size = min(k, total - first)
         yield MicroBatch(batch, start + i, i - first == group_size - 1, group_size)
+
+
+_END = object()
+
+
+def _open_ended(batches: Iterator, k: int, start: int) -> Iterator[MicroBatch]:
+    ahead = next(batches, _END)
+    i = 0
+    while ahead is not _END:
+        batch, ahead = ahead, next(batches, _END)
+        yield MicroBatch(batch, start + i, i % k == k - 1 or ahead is _END, k)
+        i += 1
+
+
+def loader_length(loader: Any) -> float:
+    """Batches in ``loader``, or infinity for an ``IterableDataset`` (its iterator decides where an epoch ends,
+    whatever its ``__len__`` says: a generator may yield a different number of samples every epoch)."""
+    if isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset):
+        return math.inf
+    return len(loader)
 
 
 class EpochLoss:
@@ -105,7 +135,7 @@ class FitRun:
     bar: Any = None
     epoch_loss: EpochLoss | None = None
     books: MicroBatchBooks | None = None
-    epoch_batches: int = 0  # micro-batches of the current epoch in all
+    epoch_batches: float = 0  # micro-batches of the current epoch in all (an int; inf for an iterable until it ends)
     epoch_offset: int = 0  # of them, those done before this process resumed the epoch
     started: float = 0.0
 
@@ -144,8 +174,10 @@ def epoch_batches(fit, state, epoch: int, resume, world_size: int, limit=lambda 
     state.batches = fit.epoch_offset = resume.batches if resume else 0
     skip = start_epoch(fit.train_loader, epoch, resume.position() if resume else None, world_size,
                        resume.world_size if resume else world_size)
-    fit.epoch_batches = limit(len(fit.train_loader) + (0 if skip else fit.epoch_offset))
+    fit.epoch_batches = limit(loader_length(fit.train_loader) + (0 if skip else fit.epoch_offset))
     batches = iter(fit.train_loader)
     if resume is not None and resume.rng is not None:
         set_rng_state(resume.rng)
+    if fit.epoch_batches == math.inf:  # an iterable: until its iterator ends
+        return itertools.islice(batches, skip, None)
     return itertools.islice(batches, skip, skip + max(0, fit.epoch_batches - fit.epoch_offset))

@@ -9,7 +9,9 @@ size 1 (docs/architecture.md).
 from __future__ import annotations
 
 import inspect
+import math
 import time
+import warnings
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from trainscale.callbacks import Callback, ModelCheckpoint, resolve_callbacks
+from trainscale.callbacks.base import HOOKS, overridden_hooks
 from trainscale.loggers import resolve_loggers
 from trainscale.runtime.connector import RuntimeFlags, check_flag_names, flag_signature
 from trainscale.runtime.runtime import Runtime
@@ -34,7 +37,7 @@ from trainscale.lightning.data_sources import resolve_fit_loaders
 from trainscale.loop.config import TrainerConfig, resolve_trainer_config
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector
-from trainscale.lightning.module import set_up_model
+from trainscale.lightning.module import defined_hooks, set_up_model
 from trainscale.lightning.optimizers import ManualOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
 from trainscale.loop.records import RecordWriter, epoch_line, epoch_record, run_header, step_record
@@ -89,6 +92,8 @@ class Trainer:
         self._fit: FitRun | None = None
         self.last_setup: tuple | None = None  # (model, LoopModule, wrapped) of the last fit or evaluation: reused
         self.is_step_end = False  # in on_train_batch_end: this micro-batch ended an optimizer step
+        self._step_before = 0  # global_step before the last optimizer step (is_log_step)
+        self._active_hooks = HOOKS  # the hooks someone defines (_arm_hooks); all until a model is set up
 
     def _default_checkpoint(self) -> ModelCheckpoint | None:
         """The checkpoint callback the Trainer's flags ask for, used when the user gives no ``ModelCheckpoint``."""
@@ -116,7 +121,13 @@ class Trainer:
     @property
     def is_log_step(self) -> bool:
         """True right after an optimizer step whose step record is written."""
-        return self.is_step_end and self.state.global_step % self.config.log_every_n_steps == 0
+        return self.reached_multiple(self.config.log_every_n_steps)
+
+    def reached_multiple(self, n: int) -> bool:
+        """True right after an optimizer step that brought ``global_step`` to a multiple of ``n`` (Lightning's
+        ``global_step % n == 0``; under manual optimization a ``training_step`` that took no step reaches none)."""
+        step = self.state.global_step
+        return self.is_step_end and step != self._step_before and step % n == 0
 
     def log_metrics(self, metrics: dict[str, float], epoch: bool = False) -> None:
         """Add numbers to the next step record (or, ``epoch=True``, to this epoch's record)."""
@@ -160,7 +171,7 @@ class Trainer:
         try:
             return self._run_fit(model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, ckpt_verify)
         except BaseException as err:
-            self._call("on_exception", err)
+            self._hook("on_exception", err)
             explained = explain_batch_error(err) or self._faults.diagnose(
                 err, f"at epoch {self.current_epoch}, step {self.global_step}")
             if explained is None:
@@ -189,24 +200,33 @@ class Trainer:
         fit.sink = RecordWriter(self.run_dir, cfg.tensorboard, self.loggers, hyperparams(self, model)) \
             if rt.is_rank_zero else None
         rt.print(run_header(rt, global_batch, self.run_dir))
-        self._call("on_fit_start")
+        self._hook("on_fit_start")
+        self._hook("on_train_start")
         for epoch in range(point.next_epoch if point else 0, cfg.max_epochs):
-            if self.state.global_step >= cfg.step_limit or self.should_stop:
+            if self.state.global_step >= cfg.step_limit or (self.should_stop and cfg.can_stop(epoch, self.global_step)):
                 break
             self._train_epoch(fit, epoch, point if point is not None and point.resumes(epoch) else None)
             self._end_epoch(fit, epoch)
         self.checkpoints.wait()  # a background checkpoint write still in flight is published
+        self._hook("on_train_end")
         summary = finish_run(self, fit, global_batch, resume_from, self._faults.skipped)
-        self._call("on_fit_end")
+        self._hook("on_fit_end")
         return summary
 
     def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
         rt = self.runtime
         loop_module, wrapped = set_up_model(self, model, loss_fn)  # reused from an earlier fit or evaluation
+        self._arm_hooks(model)
         self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
-            model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr)
+            model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
+            before_step=lambda opt: self._hook("on_before_optimizer_step", opt))
         train_loader = rt.setup_dataloader(train_dataloaders, seed=self.config.seed)
-        val_loader = rt.setup_dataloader(val_dataloaders, seed=self.config.seed, even=False) if val_dataloaders else None
+        if val_dataloaders is not None and loop_module.has_training_step and not hasattr(model, "validation_step"):
+            warnings.warn(f"a validation DataLoader was passed but {type(model).__name__} defines no validation_step: "
+                          "validation is skipped (as in Lightning); define validation_step to validate", stacklevel=3)
+            val_dataloaders = None
+        val_loader = (rt.setup_dataloader(val_dataloaders, seed=self.config.seed, even=False)
+                      if val_dataloaders is not None else None)
         check_loaders(train_loader, val_loader)
         telemetry = create_telemetry(rt, self.config.enable_telemetry, count_flops=self.count_flops,
                                      peak_flops=self.config.peak_flops,
@@ -221,34 +241,45 @@ class Trainer:
         self.state.epoch = epoch
         batches = epoch_batches(fit, self.state, epoch, resume, rt.world_size, cfg.train_batches)
         fit.wrapped.train()
-        remaining = fit.epoch_batches - fit.epoch_offset
-        fit.bar = ProgressBar(cfg.enable_progress_bar and rt.is_rank_zero, remaining, f"epoch {epoch + 1}/{cfg.max_epochs}")
+        remaining = fit.epoch_batches - fit.epoch_offset  # inf: an iterable data set, until its iterator ends
+        fit.bar = ProgressBar(cfg.enable_progress_bar and rt.is_rank_zero, None if remaining == math.inf else remaining,
+                              f"epoch {epoch + 1}/{cfg.max_epochs}")
         fit.epoch_loss = EpochLoss(rt.device, resume.totals if resume else (0.0, 0.0, 0.0, 0.0))
         fit.books = MicroBatchBooks(fit.telemetry, self._faults, self.state, self.metric_collector, fit.epoch_loss,
                                     fit.bar)
         fit.started = time.perf_counter() - (resume.totals[-1] if resume else 0.0)
-        self._call("on_train_epoch_start")
+        with self.metric_collector.epoch_hook():
+            self._hook("on_train_epoch_start")
         fit.telemetry.start()
         steps = micro_batches(rt.prefetch(batches), cfg.accumulate_grad_batches, remaining, start=fit.epoch_offset)
         while self.state.global_step < cfg.step_limit and self.train_step(fit, steps):
             pass
+        if fit.epoch_batches == math.inf and self.state.global_step < cfg.step_limit:  # the iterator ended the epoch
+            fit.epoch_batches = self.state.batches
         fit.bar.close()
 
     def train_step(self, fit: FitRun, steps: Iterator[MicroBatch]) -> bool:
-        """One optimizer step over its micro-batches, every effect of it named here in order. False when the
+        """One optimizer step over its micro-batches, every effect of it named here in order, with Lightning's
+        hooks where Lightning calls them (each callback's, then the module's: :meth:`_hook`). False when the
         epoch had no micro-batch left.
 
-        1. Each micro-batch: to the device, forward under autocast, backward of the loss ÷ micro-batches per
-           step; the gradient all-reduce (ddp) or reduce-scatter (fsdp) runs on the step's last micro-batch
-           only (``no_backward_sync``). Under pp one schedule step does forward and backward; under manual
-           optimization the module's ``training_step`` does it all, stepping its own optimizers.
-        2. Clipping (after the GradScaler's unscale under "16-mixed"; DTensor-aware under fsdp/tp/pp).
+        1. Each micro-batch: to the device, ``on_train_batch_start``, forward under autocast, backward of the
+           loss ÷ micro-batches per step between ``on_before_backward`` and ``on_after_backward``; the gradient
+           all-reduce (ddp) or reduce-scatter (fsdp) runs on the step's last micro-batch only
+           (``no_backward_sync``). Under pp one schedule step does forward and backward; under manual
+           optimization the module's ``training_step`` does it all, stepping its own optimizers (the backward
+           and step hooks run in ``manual_backward`` and ``step()``). ``on_train_batch_end`` after each
+           micro-batch that does not end the step.
+        2. ``on_before_optimizer_step`` (after the GradScaler's unscale under "16-mixed", as in Lightning),
+           then clipping (DTensor-aware under fsdp/tp/pp).
         3. Non-finite gradients: skipped with ``on_nonfinite="skip"`` (one host sync); with "raise" the
            losses are checked at the agreed check steps in step 6, without a host sync per step.
         4. The optimizer step at the learning rate scaled to the global batch (``lr_scaling``, this step
-           only), through the GradScaler under "16-mixed"; then ``zero_grad(set_to_none=True)``.
-        5. Learning-rate schedulers with ``interval="step"``; the step count; ``on_train_batch_end``; the step
-           record every ``log_every_n_steps``.
+           only), through the GradScaler under "16-mixed"; then ``on_before_zero_grad`` and
+           ``zero_grad(set_to_none=True)``.
+        5. Learning-rate schedulers with ``interval="step"`` (under manual optimization the module steps its
+           own, as in Lightning); the step count (under manual optimization, the optimizer steps the
+           ``training_step`` took); ``on_train_batch_end``; the step record every ``log_every_n_steps``.
         6. Faults and checkpoints (:meth:`_checkpoint_if_due`): signals and the non-finite check at the steps
            every rank agreed on, a checkpoint every ``checkpoint_every_n_steps``.
         """
@@ -258,6 +289,7 @@ class Trainer:
         for micro in steps:
             batch = rt.to_device(micro.batch)  # on CUDA already there: prefetch copied it while the last step ran
             fit.books.batch_ready(batch)  # the data phase ends; samples and tokens (self.log's batch size)
+            self._hook("on_train_batch_start", batch, micro.index)
             if tele.counting_flops:  # the run's first micro-batch: its FLOPs counted once, for MFU
                 loss, t_forward = tele.count_flops_of(lambda: self._forward_backward(fit, batch, micro), fit.wrapped,
                                                       batch)
@@ -267,13 +299,15 @@ class Trainer:
             fit.books.backward_done(loss, t_forward)  # phases, epoch loss sum, non-finite watch, progress bar
             if micro.is_last:
                 break
-            self._call("on_train_batch_end", loss, micro.batch, micro.index)
+            self._hook("on_train_batch_end", loss, batch, micro.index)
         else:
             return False
         grad_norm = None
         if not self.manual_optimizers:
             optimizer = self.optimizers[0]
-            # 2. Clip.
+            # 2. The hook before the step (on unscaled gradients), then clip.
+            rt.precision.unscale_gradients(optimizer)  # "16-mixed" only; once per step (the step skips its own)
+            self._hook("on_before_optimizer_step", optimizer)
             if cfg.gradient_clip_val is not None:
                 by_norm = cfg.gradient_clip_algorithm == "norm"
                 grad_norm = rt.clip_gradients(fit.wrapped, optimizer, max_norm=cfg.gradient_clip_val if by_norm else None,
@@ -285,13 +319,16 @@ class Trainer:
             if not skip:
                 with self.batch_scaling.scaled_lr(optimizer):
                     rt.step(optimizer)
+            self._hook("on_before_zero_grad", optimizer)
             optimizer.zero_grad(set_to_none=True)
         tele.end_step()  # the "optimizer" phase ends
         # 5. Schedulers, the step count, callbacks, the step record.
-        step_schedulers(self.schedulers, "step", self.state.global_step + 1, self.callback_metrics)
-        self.state.global_step += 1
+        if not self.manual_optimizers:
+            step_schedulers(self.schedulers, "step", self.state.global_step + 1, self.callback_metrics)
+        self._step_before = self.state.global_step
+        self.state.global_step += sum(o.take_steps() for o in self.manual_optimizers) if self.manual_optimizers else 1
         self.is_step_end = True
-        self._call("on_train_batch_end", loss, micro.batch, micro.index)
+        self._hook("on_train_batch_end", loss, batch, micro.index)
         if self.is_log_step:
             self._log_step(fit, loss, grad_norm)
         # 6. Signals, the non-finite check and checkpoints, when due.
@@ -299,21 +336,26 @@ class Trainer:
         return True
 
     def _forward_backward(self, fit: FitRun, batch: Any, micro: MicroBatch) -> tuple[torch.Tensor, Any]:
-        """One micro-batch's forward under autocast and backward, without the gradient all-reduce before the
-        step's last micro-batch; one pipeline schedule step (pp); or the user's manual ``training_step``.
-        Returns the loss and the clock reading between forward and backward."""
+        """One micro-batch's forward under autocast and backward (between the ``on_before_backward(loss)`` and
+        ``on_after_backward`` hooks), without the gradient all-reduce before the step's last micro-batch; one
+        pipeline schedule step (pp: ``on_after_backward`` only, the loss is known once the schedule has run); or
+        the user's manual ``training_step``. Returns the loss and the clock reading between forward and backward."""
         rt, tele = self.runtime, fit.telemetry
         if self.manual_optimizers:  # the user's training_step steps the optimizers itself
             with rt.autocast():
                 return fit.loop_module.manual_step(batch, micro.index), tele.clock()
         if rt.strategy.pipelined:  # forward and backward in one pipeline schedule step ("pp")
             loss = rt.forward_backward(fit.wrapped, batch, fit.loop_module.loss_fn, micro.group_size, micro.is_last)
+            self._hook("on_after_backward")
             return loss, tele.clock()
         with rt.no_backward_sync(fit.wrapped, enabled=not micro.is_last):
             with rt.autocast():
                 loss = fit.wrapped(batch, micro.index)
             t_forward = tele.clock()
-            rt.backward(loss / micro.group_size if micro.group_size > 1 else loss)
+            scaled = loss / micro.group_size if micro.group_size > 1 else loss
+            self._hook("on_before_backward", scaled)  # the loss backward receives, as Lightning's closure passes it
+            rt.backward(scaled)
+            self._hook("on_after_backward")
         return loss, t_forward
 
     def _log_step(self, fit: FitRun, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
@@ -328,6 +370,10 @@ class Trainer:
 
     # -- epoch end and checkpoints -------------------------------------------------------------------
     def _end_epoch(self, fit: FitRun, epoch: int) -> None:
+        """The epoch record, validation (with its hooks), ``on_train_epoch_end`` in Lightning's order (the
+        callbacks that monitor a metric after the module's hook, so that they see what it logged: Lightning's
+        ``fit_loop.on_advance_end``), the "epoch" schedulers (automatic optimization only), the record written,
+        then the epoch-end check and checkpoints."""
         rt = self.runtime
         self._faults.phase = "epoch end (loss all-reduce, validation)"
         record = epoch_record(epoch, self.global_step, fit.epoch_loss.totals(rt), time.perf_counter() - fit.started,
@@ -335,15 +381,19 @@ class Trainer:
         record.update(self.metric_collector.take_epoch_values())
         if fit.val_loader is not None:
             record.update(evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation"))
-            self._call("on_validation_end")
         record.update(self._pending.pop("epoch", {}))
         self.callback_metrics.update(record)
-        step_schedulers(self.schedulers, "epoch", epoch + 1, self.callback_metrics)
+        with self.metric_collector.epoch_hook():
+            self._hook("on_train_epoch_end", monitoring=False)
+        record.update(self.metric_collector.take_epoch_values())  # what the module's on_train_epoch_end logged
+        self.callback_metrics.update(record)
+        self._hook("on_train_epoch_end", monitoring=True)
+        if not self.manual_optimizers:  # under manual optimization the module steps its schedulers (Lightning)
+            step_schedulers(self.schedulers, "epoch", epoch + 1, self.callback_metrics)
         self.state.history.append(record)
         if fit.sink is not None:
             fit.sink.write({"kind": "epoch", "rank": "all", "time": time.time(), **record})
         rt.print(epoch_line(record, self.config.max_epochs))
-        self._call("on_train_epoch_end")
         self._checkpoint_if_due(fit, epoch_end=True)
         self._faults.phase = STEP_PHASE
 
@@ -395,7 +445,7 @@ class Trainer:
         self._faults.barrier("the checkpoint save", f"at epoch {self.current_epoch}, step {self.global_step}")
         callbacks = {cb.state_key: cb.state_dict() for cb in self.callbacks}
         written = self.checkpoints.save(target, last_dir, self._fit, self.state, self.optimizers, self.schedulers,
-                                        callbacks, lambda content: self._call("on_save_checkpoint", content),
+                                        callbacks, lambda content: self._hook("on_save_checkpoint", content),
                                         background)
         self._faults.phase = previous
         return written
@@ -403,43 +453,68 @@ class Trainer:
     def _load(self, path: Path, verify: bool) -> ResumePoint:
         point, checkpoint = checkpointer.load(self.runtime, path, self._fit.model, self.optimizers, self.schedulers,
                                               self.state, self.callbacks, verify)
-        self._call("on_load_checkpoint", checkpoint)
+        self._hook("on_load_checkpoint", checkpoint, module_first=True)  # Lightning: the module's hook first here
         return point
 
     # -- evaluation ----------------------------------------------------------------------------------
-    def validate(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader | None = None, *,
+    def validate(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
                  loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
                  datamodule: Any = None) -> dict[str, float]:
         """Evaluate ``model`` across all ranks, each sample counted once: ``{"val_loss": ..., "val_accuracy": ...}``
         (or ``validation_step``'s keys prefixed ``val_``, and what it logged), sample-weighted means. ``ckpt_path``:
         "best", "last" or a path evaluates that checkpoint's weights (``evaluation.checkpoint_to_evaluate``).
-        ``dataloaders`` None: ``datamodule``'s or the model's ``val_dataloader()`` (``lightning/data_sources.py``)."""
+        ``dataloaders`` None: ``datamodule``'s or the model's ``val_dataloader()`` (``lightning/data_sources.py``).
+        ``model`` None (also for ``test`` and ``predict``): the model of this trainer's last ``fit``, with the weights of
+        its best checkpoint when ``ckpt_path`` is None, as Lightning (``evaluation.fitted_model``).
+
+        Raises:
+            ValueError: ``model`` None before any fit; a module with ``training_step`` but no ``validation_step``."""
         return self._run_eval("validate", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path,
                               datamodule=datamodule)
 
-    def test(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader | None = None, *,
+    def test(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
              loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
              datamodule: Any = None) -> dict[str, float]:
         """As :meth:`validate`, with ``test_step``, ``test_dataloader()`` and the prefix ``test_``."""
         return self._run_eval("test", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path, datamodule=datamodule)
 
-    def predict(self, model: nn.Module, dataloaders: torch.utils.data.DataLoader | None = None, *,
+    def predict(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
                 ckpt_path: str | Path | None = None, datamodule: Any = None) -> Any:
         """``predict_step(batch, batch_idx)`` (or the model's output) for every sample, from all ranks in dataset order,
         each sample once: one tensor of shape (N, ...) when the outputs are tensors; ``ckpt_path`` as :meth:`validate`'s."""
         return self._run_eval("predict", model, dataloaders, ckpt_path=ckpt_path, datamodule=datamodule)
 
     def _run_eval(self, method: str, model, dataloaders, ckpt_path=None, **kwargs) -> Any:
+        if model is None:
+            model, ckpt_path = evaluation.fitted_model(self, method, ckpt_path)
         kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path)  # before any ddp_spawn start
         if self.runtime.spawns:
             return run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
         return evaluation.run_stage(self, method, model, dataloaders, **kwargs)
 
     # -- plumbing -------------------------------------------------------------------------------------
-    def _call(self, hook: str, *args: Any) -> None:
-        module = self._fit.model if self._fit is not None else None
+    def _arm_hooks(self, model: nn.Module) -> None:
+        """Read once per fit or evaluation which hooks some callback overrides or ``model`` defines: :meth:`_hook`
+        returns at once for the others (six hook points per step cost no lookup when nobody listens)."""
+        self._active_hooks = defined_hooks(model).union(*(overridden_hooks(cb) for cb in self.callbacks))
+
+    def _hook(self, hook: str, *args: Any, monitoring: bool | None = None, module_first: bool = False) -> None:
+        """Lightning's hook ``hook``: each callback's (``hook(trainer, module, *args)``), then the module's
+        (``hook(*args)``, when it defines it), as Lightning's ``_call_callback_hooks`` then
+        ``_call_lightning_module_hook``. ``monitoring``: only the callbacks that do (True; no module hook) or
+        only the others (False); ``module_first``: the module's hook before the callbacks' (``on_load_checkpoint``)."""
+        if hook not in self._active_hooks:
+            return
+        setup = self.last_setup  # (model, loop module, wrapped) of the fit or evaluation running
+        module = setup[0] if setup is not None else None
+        call_module = setup is not None and monitoring is not True and hook in setup[1].hooks
+        if call_module and module_first:
+            getattr(module, hook)(*args)
         for cb in self.callbacks:
-            getattr(cb, hook)(self, module, *args)
+            if monitoring is None or cb.monitors_metrics == monitoring:
+                getattr(cb, hook)(self, module, *args)
+        if call_module and not module_first:
+            getattr(module, hook)(*args)
 
 
 RUNTIME_FLAG_NAMES = tuple(f.name for f in fields(RuntimeFlags))
