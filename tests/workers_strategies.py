@@ -21,7 +21,21 @@ def clipped_reference(batch_size: int, epochs: int, max_norm: float | None = Non
     this reference agrees to rtol 1e-5. Which op amplifies the rounding was not pinned down (a
     discontinuity such as ReLU at 0 before max-pool is the likely one).
 
+    Computed with one thread, as each rank computes (``run_distributed`` gives every rank one thread): with
+    more, a convolution's backward may sum in another order (seen on an Intel Xeon host: 5e-5 apart after one
+    epoch of clipping by value).
+
     Returns the final state and the total gradient norm before clipping at every step."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _clipped_reference(batch_size, epochs, max_norm, clip_val, seed, n, ranks)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _clipped_reference(batch_size: int, epochs: int, max_norm: float | None, clip_val: float | None, seed: int,
+                       n: int, ranks: int) -> dict:
     ds = workers.tiny_dataset(n)
     model = workers.make_model(seed)
     opt = workers.sgd(model.parameters())
