@@ -64,8 +64,8 @@ def test_save_checkpoint_after_fit_writes_a_loadable_checkpoint_of_the_fitted_st
     model = torch.nn.Linear(4, 2)
     trainer.fit(model, _data(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     path = trainer.save_checkpoint(tmp_path / "model.ckpt")
-    assert path == tmp_path / "model.ckpt.pt" and path.is_file()
-    assert trainer.save_checkpoint(tmp_path / "again.pt") == tmp_path / "again.pt"  # the suffix is not doubled
+    assert path == tmp_path / "model.ckpt" and path.is_file()  # where Lightning writes it: the path as given
+    assert (tmp_path / "model.ckpt.sha256").is_file()
     saved = load_file(path)
     assert saved["train_state"]["global_step"] == 8 and saved["loop"]["complete"]
     assert torch.equal(saved["model"]["weight"], model.weight.detach())

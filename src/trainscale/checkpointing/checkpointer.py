@@ -25,15 +25,17 @@ def _keyed(prefix: str, objects) -> dict[str, Any]:
     return {prefix if i == 0 else f"{prefix}_{i}": obj for i, obj in enumerate(objects)}
 
 
-def default_name(fit: Any, state: TrainState) -> str:
-    """The one checkpoint name, without the strategy's suffix: ``epoch=E-step=S``, E the epochs completed."""
+def default_name(fit: Any, state: TrainState, suffix: str) -> str:
+    """The one checkpoint name: ``epoch=E-step=S`` + ``suffix`` (the strategy's: ".pt" for one file, "" for a
+    sharded directory), E the epochs completed."""
     completed = state.epoch + 1 if state.batches >= fit.epoch_batches else state.epoch
-    return ckpt.checkpoint_name(completed, state.global_step, "")
+    return ckpt.checkpoint_name(completed, state.global_step, suffix)
 
 
 def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers, schedulers, callbacks: dict,
          on_save: Callable[[dict], None] | None = None, asynchronous: bool = False) -> tuple[Path, Any]:
-    """Write a checkpoint of the running ``fit`` (a ``FitRun``) to ``target`` + the strategy's suffix. All ranks
+    """Write a checkpoint of the running ``fit`` (a ``FitRun``) to ``target`` (a file, or a directory under a
+    sharding strategy). All ranks
     call it; ends with a barrier, or (``asynchronous``) once the state is staged (``Runtime.save``).
     ``on_save(checkpoint)`` sees the dict before it is written and may add keys (Lightning's
     ``Callback.on_save_checkpoint``).
@@ -47,7 +49,6 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
     sampler = getattr(fit.train_loader, "sampler", None)
     consumed = (sampler.consumed_after(state.batches - fit.epoch_offset, fit.train_loader.batch_size)
                 if hasattr(sampler, "consumed_after") else None)
-    target = Path(f"{target}{runtime.strategy.checkpoint_suffix}")
     content = {"model": fit.model, **_keyed("optimizer", optimizers),
                **_keyed("scheduler", [s.scheduler for s in schedulers]),
                "train_state": state.state_dict(), "rng": runtime.all_gather_object(rng.rng_state()),

@@ -415,7 +415,8 @@ class Trainer:
 
     def save_checkpoint(self, path: str | Path | None = None, background: bool = False) -> Path:
         """Checkpoint everything (model, optimizers, schedulers, loop position, RNG states, callbacks) to
-        ``path`` (+ ".pt" for a one-file checkpoint) atomically; without ``path`` to
+        ``path`` atomically (a file, with its ``.sha256`` beside it; a directory under a sharding strategy), as
+        Lightning's ``trainer.save_checkpoint(path)``; ``fit(ckpt_path=path)`` resumes from it. Without ``path`` to
         ``<run dir>/checkpoints/epoch=E-step=S``, and "last" then names it. During ``fit`` every rank must call
         it at the same point; after ``fit`` it writes the fitted state. Returns the path written
         (``background`` with ``checkpoint_async``: returns once the state is staged, the write goes on;
@@ -429,16 +430,13 @@ class Trainer:
                                "trainer.fit(model, ...) (or save the weights with torch.save(model.state_dict(), path))")
         if path is None:
             return self.write_checkpoint(self.run_dir / "checkpoints", background)
-        path = Path(path)
-        suffix = self.runtime.strategy.checkpoint_suffix
-        stem = path.with_name(path.name[: -len(suffix)]) if suffix and path.name.endswith(suffix) else path
-        return self._save(stem, None, background)
+        return self._save(Path(path), None, background)
 
     def write_checkpoint(self, directory: Path, background: bool = False) -> Path:
         """A checkpoint named ``epoch=E-step=S`` in ``directory``, then "last" moved to it (what a
         ``ModelCheckpoint`` calls). Every rank calls it at the same point. Returns its path."""
-        return self._save(Path(directory) / checkpointer.default_name(self._fit, self.state),
-                          self.run_dir / "checkpoints", background)
+        name = checkpointer.default_name(self._fit, self.state, self.runtime.strategy.checkpoint_suffix)
+        return self._save(Path(directory) / name, self.run_dir / "checkpoints", background)
 
     def _save(self, target: Path, last_dir: Path | None, background: bool) -> Path:
         previous, self._faults.phase = self._faults.phase, "checkpoint save"
