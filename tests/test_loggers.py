@@ -385,3 +385,25 @@ def test_loggers_pickle_before_setup(tmp_path, monkeypatch):
             makers.append(maker)
     for maker in makers:
         assert type(pickle.loads(pickle.dumps(maker()))) is maker
+
+
+@pytest.mark.timeout(60)
+def test_an_mlflow_server_out_of_reach_is_dropped_with_a_warning_and_training_goes_on(tmp_path):
+    pytest.importorskip("mlflow")
+    import time
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from trainscale import Trainer
+    from trainscale.loggers import MLFlowLogger
+
+    x = torch.randn(16, 4)
+    loader = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8)
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, default_root_dir=tmp_path, enable_progress_bar=False,
+                      logger=MLFlowLogger(tracking_uri="http://127.0.0.1:9"))  # port 9 (discard): nothing listens
+    started = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="no MLflow tracking server answers at http://127.0.0.1:9.*trains without "
+                                            "MLFlowLogger"):
+        summary = trainer.fit(torch.nn.Linear(4, 2), loader, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert summary["steps"] == 2 and time.monotonic() - started < 30

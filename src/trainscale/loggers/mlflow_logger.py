@@ -8,6 +8,7 @@ not with this module. https://mlflow.org/docs/latest/api_reference/python_api/ml
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -19,6 +20,27 @@ RUN_ID_FILE = "mlflow_run_id"
 _BATCH = 1000  # MLflow's limit of metrics in one log_batch call (MAX_METRICS_PER_BATCH)
 _PARAM_BATCH = 100  # and of params (MAX_PARAMS_TAGS_PER_BATCH)
 _PARAM_VALUE_LENGTH = 6000  # MLflow 3's MAX_PARAM_VAL_LENGTH: longer values are refused
+CONNECT_TIMEOUT_S = 5.0
+# MLflow's REST client settings (environment variables it reads), set when the user has not: a tracking server
+# that stops answering fails a call within about a minute instead of retrying 7 times with backoff.
+_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+
+
+def _check_reachable(uri: str) -> None:
+    """Open (and close) a TCP connection to an ``http(s)://`` tracking server, within ``CONNECT_TIMEOUT_S``.
+
+    Raises:
+        ConnectionError: nothing accepts it, naming the URI and the fixes.
+    """
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        raise ConnectionError(f"MLFlowLogger: no MLflow tracking server answers at {uri} ({err}); start it, check "
+                              "the address, or drop the logger") from None
 
 
 class MLFlowLogger:
@@ -82,6 +104,16 @@ class MLFlowLogger:
         return self._client
 
     def setup(self, run_dir: str | os.PathLike) -> None:
+        """Find or create the experiment and start (or continue) the run.
+
+        Raises:
+            ConnectionError: an ``http(s)://`` server that does not accept a connection within
+                ``CONNECT_TIMEOUT_S`` (the Trainer then warns and trains without this logger).
+        """
+        if self._uri is not None and self._uri.split(":", 1)[0] in ("http", "https"):
+            _check_reachable(self._uri)
+            for name, value in _HTTP_DEFAULTS.items():  # MLflow's own: 7 retries with backoff took minutes
+                os.environ.setdefault(name, value)
         from mlflow import MlflowClient
 
         run_dir = Path(run_dir).resolve()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,14 +18,21 @@ if TYPE_CHECKING:
 
 class RecordWriter:
     """Rank zero's destinations of records: the run's own files (``metrics.jsonl``, CSV; TensorBoard with
-    ``tensorboard``) and every experiment logger (``trainscale.loggers``), set up with ``hparams``."""
+    ``tensorboard``) and every experiment logger (``trainscale.loggers``), set up with ``hparams``; a logger whose
+    setup raises ``ConnectionError`` (its server out of reach) is dropped with a warning."""
 
     def __init__(self, run_dir: Any, tensorboard: bool, loggers: list, hparams: dict) -> None:
         self.sinks = default_sinks(run_dir, tensorboard=tensorboard)
-        self.loggers = loggers
+        self.loggers = []
         for lg in loggers:
-            lg.setup(run_dir)
+            try:
+                lg.setup(run_dir)
+            except ConnectionError as err:  # a tracker out of reach: training does not wait for it
+                warnings.warn(f"{err}; this run trains without {type(lg).__name__} (its metrics are in "
+                              f"{run_dir}/metrics.jsonl)", RuntimeWarning, stacklevel=2)
+                continue
             lg.log_hyperparams(hparams)
+            self.loggers.append(lg)
 
     def write(self, record: dict) -> None:
         self.sinks.write(record)
