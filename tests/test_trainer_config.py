@@ -60,3 +60,18 @@ def test_each_flag_is_declared_once_and_the_constructors_show_them_all():
         Trainer(acelerator="cpu")
     with pytest.raises(TypeError, match="Runtime\\(\\) got an unexpected flag 'precison'; did you mean 'precision'"):
         Runtime(precison="bf16-mixed")
+
+
+def test_a_read_only_or_over_long_root_dir_is_one_line_before_training(tmp_path, monkeypatch):
+    import os
+
+    from trainscale.loop import config
+
+    # the permission as the OS answers it for this user (faked: root may write to a read-only directory)
+    monkeypatch.setattr(config.os, "access", lambda path, mode: str(path) != str(tmp_path))
+    with pytest.raises(ValueError, match="cannot be written .*read-only for this user.*pass a writable directory"):
+        resolve_trainer_config(default_root_dir=tmp_path / "runs")
+    monkeypatch.setattr(config.os, "access", os.access)
+    assert resolve_trainer_config(default_root_dir=tmp_path / "runs").default_root_dir == tmp_path / "runs"
+    with pytest.raises(ValueError, match="a name of 300 bytes .*file systems allow 255: pass a shorter"):
+        resolve_trainer_config(default_root_dir=tmp_path / ("x" * 300))
