@@ -68,10 +68,11 @@ def test_a_read_only_or_over_long_root_dir_is_one_line_before_training(tmp_path,
     from trainscale.loop import config
 
     # the permission as the OS answers it for this user (faked: root may write to a read-only directory)
+    real_access = os.access
     monkeypatch.setattr(config.os, "access", lambda path, mode: str(path) != str(tmp_path))
     with pytest.raises(ValueError, match="cannot be written .*read-only for this user.*pass a writable directory"):
         resolve_trainer_config(default_root_dir=tmp_path / "runs")
-    monkeypatch.setattr(config.os, "access", os.access)
+    monkeypatch.setattr(config.os, "access", real_access)
     assert resolve_trainer_config(default_root_dir=tmp_path / "runs").default_root_dir == tmp_path / "runs"
     with pytest.raises(ValueError, match="a name of 300 bytes .*file systems allow 255: pass a shorter"):
         resolve_trainer_config(default_root_dir=tmp_path / ("x" * 300))
