@@ -182,13 +182,13 @@ def _root_dir(value) -> Path:
     if not isinstance(value, (str, Path)) or str(value) == "":
         raise ValueError(f"default_root_dir={value!r} must be a directory path (str or Path)")
     path = Path(value)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"default_root_dir={str(path)!r} is a file; pass a directory (runs go to "
-                         "<default_root_dir>/version_N)")
     too_long = [part for part in path.parts if len(part.encode()) > 255]  # NAME_MAX of Linux and macOS filesystems
     if too_long:
         raise ValueError(f"default_root_dir has a name of {len(too_long[0].encode())} bytes ({too_long[0][:40]}...); "
                          "file systems allow 255: pass a shorter directory name")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"default_root_dir={str(path)!r} is a file; pass a directory (runs go to "
+                         "<default_root_dir>/version_N)")
     existing = next((p for p in (path, *path.absolute().parents) if p.exists()), None)
     if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"default_root_dir={str(path)!r} cannot be written ({str(existing)!r} is read-only for this "
