@@ -233,12 +233,12 @@ def test_returned_keys_and_predicted_dicts_keep_dataset_order_and_exact_means_on
         assert "validation_step returned keys on some ranks only ('only_here' not on rank(s) 0)" in out["error"]
 
 
-def test_a_key_returned_by_some_batches_is_averaged_over_those_batches_in_one_process():
+def test_a_key_returned_by_some_batches_is_averaged_over_those_batches_in_one_process(tmp_path):
     from trainscale.loop.trainer import Trainer
 
     n = 22
     trainer = Trainer(accelerator="cpu", devices=1, enable_progress_bar=False, enable_checkpointing=False,
-                      default_root_dir="/tmp/unused-returned-keys")
+                      default_root_dir=tmp_path)
     loader = DataLoader(mw.indexed_dataset(n), batch_size=4)
     mean_x, odd_x = _returned_keys_expected(n, 1)
     assert trainer.validate(mw.Returner(), loader) == {"val_mean_x": pytest.approx(mean_x),
@@ -273,13 +273,13 @@ class _ForgetsManualBackward(TrainingModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_an_optimizer_step_without_manual_backward_warns_once(recwarn):
+def test_an_optimizer_step_without_manual_backward_warns_once(recwarn, tmp_path):
     from trainscale.loop.trainer import Trainer
 
     model = _ForgetsManualBackward()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     Trainer(accelerator="cpu", devices=1, max_epochs=1, enable_progress_bar=False, enable_checkpointing=False,
-            default_root_dir="/tmp/unused-no-backward").fit(model, DataLoader(mw.indexed_dataset(12), batch_size=4))
+            default_root_dir=tmp_path).fit(model, DataLoader(mw.indexed_dataset(12), batch_size=4))
     warned = [w for w in recwarn if "with no gradients" in str(w.message)]
     assert len(warned) == 1 and "SGD.step() on rank 0" in str(warned[0].message)  # 3 steps, one warning
     assert "self.manual_backward(loss)" in str(warned[0].message)
