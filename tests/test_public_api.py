@@ -89,3 +89,21 @@ def test_callbacks_see_and_extend_the_checkpoint_dict(tmp_path):
                       logger=False, callbacks=[again])
     resumed.fit(torch.nn.Linear(4, 2), _data(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), ckpt_path="last")
     assert again.loaded and again.loaded[0]["my_note"] == {"step": 4}
+
+
+def test_resuming_last_of_a_run_whose_checkpoints_are_in_its_own_dirpath_continues_that_run(tmp_path):
+    from trainscale import Trainer
+    from trainscale.callbacks import ModelCheckpoint
+
+    def fit(epochs):
+        trainer = Trainer(accelerator="cpu", devices=1, max_epochs=epochs, default_root_dir=tmp_path / "runs",
+                          enable_progress_bar=False, logger=False,
+                          callbacks=[ModelCheckpoint(dirpath=tmp_path / "mine", save_top_k=-1)])
+        trainer.fit(torch.nn.Linear(4, 2), _data(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), ckpt_path="last")
+        return trainer
+
+    first = fit(1)
+    resumed = fit(2)
+    assert resumed.run_dir == first.run_dir == tmp_path / "runs" / "version_0"  # not the dirpath's parent
+    assert resumed.global_step == 8 and sorted(p.name for p in (tmp_path / "mine").glob("*.pt")) == [
+        "epoch=000001-step=0000000004.pt", "epoch=000002-step=0000000008.pt"]

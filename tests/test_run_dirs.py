@@ -22,6 +22,9 @@ class _Trainer:
         self.runtime = types.SimpleNamespace(is_rank_zero=True, barrier=lambda: None)
         self.checkpoints = types.SimpleNamespace(discard=lambda paths: [ckpt.remove_checkpoint(p) for p in paths])
 
+    def reached_multiple(self, n):
+        return self.global_step % n == 0
+
     def write_checkpoint(self, directory, background=False):
         path = directory / ckpt.checkpoint_name(self.current_epoch, self.global_step)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,3 +197,33 @@ def test_a_run_held_by_another_process_is_not_continued_in_place(tmp_path):
     third = fit(max_epochs=3, ckpt_path="last")  # version_1 is free: continued in place
     assert third.run_dir == tmp_path / "version_1"
     assert held == [True, True, True]  # every fit held its run directory's lock
+
+
+def test_a_step_save_is_folded_into_the_epoch_end_only_when_that_epoch_end_saves(tmp_path):
+    trainer = _Trainer(tmp_path / "version_0")
+    callback = ModelCheckpoint(every_n_train_steps=4, every_n_epochs=2, save_top_k=-1)
+    callback.setup(trainer)
+    trainer.global_step = 4  # the last step of epoch 0, whose end does not save (every 2nd epoch)
+    callback.save_if_due(trainer, epoch_end=False, ends_epoch=True)
+    callback.save_if_due(trainer, epoch_end=True, ends_epoch=True)
+    assert [p.name for p in (trainer.run_dir / "checkpoints").glob("*.pt")] == [ckpt.checkpoint_name(0, 4)]
+    trainer.current_epoch, trainer.global_step = 1, 8  # epoch 1 ends at step 8: its end saves, the step does not
+    callback.save_if_due(trainer, epoch_end=False, ends_epoch=True)
+    assert len(list((trainer.run_dir / "checkpoints").glob("*.pt"))) == 1
+    callback.save_if_due(trainer, epoch_end=True, ends_epoch=True)
+    assert len(list((trainer.run_dir / "checkpoints").glob("*.pt"))) == 2
+
+
+def test_a_monitored_step_save_before_the_first_validation_warns_and_ranks_last(tmp_path):
+    trainer = _Trainer(tmp_path / "version_0")
+    callback = ModelCheckpoint(monitor="val_loss", every_n_train_steps=2, every_n_epochs=1, save_top_k=1)
+    callback.setup(trainer)
+    trainer.global_step = 2
+    with pytest.warns(RuntimeWarning, match="monitors 'val_loss', not among the metrics yet at step 2"):
+        callback.save_if_due(trainer, epoch_end=False, ends_epoch=False)
+    trainer.global_step, trainer.callback_metrics["val_loss"] = 3, 0.5
+    callback.save_if_due(trainer, epoch_end=True, ends_epoch=True)
+    assert callback.best_model_path.endswith(ckpt.checkpoint_name(0, 3))
+    del trainer.callback_metrics["val_loss"]
+    with pytest.raises(ValueError, match="monitors 'val_loss', which is not among the metrics"):
+        callback.save_if_due(trainer, epoch_end=True, ends_epoch=True)

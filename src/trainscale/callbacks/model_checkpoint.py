@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,7 +44,8 @@ class ModelCheckpoint(Callback):
             (never at epoch ends). With both, a step that ends an epoch saves once, at the epoch end.
 
     Raises:
-        ValueError: bad arguments; at a save, a ``monitor`` not among the metrics.
+        ValueError: bad arguments; at an epoch-end save, a ``monitor`` not among the metrics (at a step save
+            before the first validation: a warning, and the checkpoint ranks last).
     """
 
     monitors_metrics = True  # its on_train_epoch_end after the module's (Lightning's monitoring callbacks)
@@ -64,6 +66,7 @@ class ModelCheckpoint(Callback):
         self.best_k: dict[str, float] = {}  # path -> score (lower is better after the sign for "max")
         self._directory: Path | None = None  # this fit's resolved dirpath
         self._written: list[str] = []  # this run's files in _directory, oldest first
+        self._warned_missing = False
 
     def setup(self, trainer: Trainer) -> None:
         """At the start of a fit, after its run directory is chosen (every rank): resolve ``dirpath`` and claim
@@ -91,18 +94,25 @@ class ModelCheckpoint(Callback):
     def save_if_due(self, trainer: Trainer, epoch_end: bool, ends_epoch: bool) -> None:
         """Save when this step or epoch end is one of this callback's (every rank calls it at the same point).
         ``ends_epoch``: this optimizer step is the last of its epoch (an epoch-end save follows it)."""
+        epoch_due = bool(self.every_n_epochs) and (trainer.current_epoch + 1) % self.every_n_epochs == 0
         if epoch_end:
-            due = bool(self.every_n_epochs) and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+            due = epoch_due
         else:
             n = self.every_n_train_steps
-            due = n is not None and trainer.reached_multiple(n) and not (ends_epoch and self.every_n_epochs)
+            due = n is not None and trainer.reached_multiple(n) and not (ends_epoch and epoch_due)
         if due:
-            self._save(trainer)
+            self._save(trainer, epoch_end)
 
-    def _score(self, trainer: Trainer) -> float:
+    def _score(self, trainer: Trainer, epoch_end: bool) -> float:
         if self.monitor is None:
             return -float(trainer.global_step)  # newest first
         metrics = trainer.callback_metrics
+        if self.monitor not in metrics and not epoch_end:  # a step save before the first validation: as Lightning,
+            if not self._warned_missing:                    # a warning, and this checkpoint ranks last
+                warnings.warn(f"ModelCheckpoint monitors {self.monitor!r}, not among the metrics yet at step "
+                              f"{trainer.global_step}: this checkpoint ranks last", RuntimeWarning, stacklevel=2)
+                self._warned_missing = True
+            return math.inf
         if self.monitor not in metrics:
             raise ValueError(f"ModelCheckpoint monitors {self.monitor!r}, which is not among the metrics: "
                              f"{', '.join(sorted(metrics))}")
@@ -111,8 +121,8 @@ class ModelCheckpoint(Callback):
             return math.inf  # worst, whatever the mode
         return value if self.mode == "min" else -value
 
-    def _save(self, trainer: Trainer) -> None:
-        score = self._score(trainer)
+    def _save(self, trainer: Trainer, epoch_end: bool) -> None:
+        score = self._score(trainer, epoch_end)
         path = str(trainer.write_checkpoint(self._directory, background=True))
         self._written.append(path)
         self.best_k[path] = score

@@ -78,10 +78,18 @@ def find_last(root: str | os.PathLike, job_id: str | None = None, script: str | 
     """The "last" checkpoint of the newest run under ``root`` that has one, or None.
     With ``job_id``, only runs started by that job (the id torchrun or SLURM keeps across restarts);
     with ``script``, only runs of that script (``trainscale.checkpointing.runs.script_key``)."""
+    found = find_last_of_run(root, job_id, script)
+    return found[0] if found is not None else None
+
+
+def find_last_of_run(root: str | os.PathLike, job_id: str | None = None,
+                     script: str | None = None) -> tuple[Path, Path] | None:
+    """As :func:`find_last`, with the run directory whose ``checkpoints/last`` names it: ``(checkpoint, run)``.
+    The checkpoint may lie outside the run (a ``ModelCheckpoint(dirpath=...)``: "last" holds its absolute path)."""
     for run in _runs(Path(root), job_id, script):
         pointer = run / "checkpoints" / LAST
         if pointer.is_file():
-            return run / "checkpoints" / pointer.read_text().strip()
+            return run / "checkpoints" / pointer.read_text().strip(), run
     return None
 
 

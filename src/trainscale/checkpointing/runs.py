@@ -31,8 +31,8 @@ def script_key() -> str:
     return str(Path(sys.argv[0]).resolve()) if sys.argv and sys.argv[0] else "<interactive>"
 
 
-def resolve_ckpt_path(runtime: Runtime, ckpt_path: Any, root: Path) -> tuple[Path | None, bool]:
-    """The checkpoint to resume from and whether its run directory is continued in place.
+def resolve_ckpt_path(runtime: Runtime, ckpt_path: Any, root: Path) -> tuple[Path | None, Path | None]:
+    """The checkpoint to resume from, and the run directory continued in place (None: a new ``version_N``).
 
     Raises:
         FileNotFoundError: an explicit ``ckpt_path`` that does not exist (checked on every rank).
@@ -42,26 +42,26 @@ def resolve_ckpt_path(runtime: Runtime, ckpt_path: Any, root: Path) -> tuple[Pat
     if ckpt_path is None and world.restart_count > 0:
         if world.job_id in (None, "", "none"):  # any run would match: never resume another job's "last"
             runtime.print("trainscale: restarted without a job id (pass --rdzv-id): starting over")
-            return None, False
-        found = ckpt.find_last(root, job_id=world.job_id)
+            return None, None
+        found = ckpt.find_last_of_run(root, job_id=world.job_id)
         runtime.print(f"trainscale: restart {world.restart_count} of job {world.job_id}: "
-                      + (f"resuming from {found}" if found else "no checkpoint yet, starting over"))
-        return found, found is not None
+                      + (f"resuming from {found[0]}" if found else "no checkpoint yet, starting over"))
+        return found if found is not None else (None, None)
     if ckpt_path is None:
-        return None, False
+        return None, None
     if ckpt_path == "last":
-        found = ckpt.find_last(root, script=script_key())
+        found = ckpt.find_last_of_run(root, script=script_key())
         if found is None:
             warnings.warn(f"ckpt_path='last' but no run of {script_key()} under {str(root)!r} has a checkpoint; "
                           "starting fresh", stacklevel=4)
-        return found, found is not None
+        return found if found is not None else (None, None)
     if not isinstance(ckpt_path, (str, Path)):
         raise ValueError(f"ckpt_path={ckpt_path!r}; pass a checkpoint path, 'last', or None")
     path = Path(ckpt_path)
     if not path.exists():
         raise FileNotFoundError(f"ckpt_path={str(path)!r} does not exist; pass an existing checkpoint file, 'last', "
                                 "or None to start fresh")
-    return path, _is_newest_of_its_run(path, root)
+    return path, path.parent.parent if _is_newest_of_its_run(path, root) else None
 
 
 def _is_newest_of_its_run(path: Path, root: Path) -> bool:
@@ -99,22 +99,23 @@ class RunLock:
             self._fd = None
 
 
-def choose_run_dir(runtime: Runtime, root: Path, resume_from: Path | None, in_place: bool) -> tuple[Path, RunLock]:
+def choose_run_dir(runtime: Runtime, root: Path, resume_from: Path | None,
+                   in_place: Path | None) -> tuple[Path, RunLock]:
     """The run directory (same on every rank; made by rank 0) and rank zero's lock on it (an unheld
-    :class:`RunLock` on other ranks): the resumed run's own when ``in_place``, a restarted job's directory, or
+    :class:`RunLock` on other ranks): ``in_place`` (the resumed run's own directory) when given, a restarted job's directory, or
     a new ``version_N`` claimed atomically. A run whose lock another process holds is not continued: a new
     ``version_N`` records ``resumed_from`` instead. A collective."""
     rt = runtime
     run_dir, lock = None, RunLock()
     if rt.is_rank_zero:
         if in_place:
-            run_dir = resume_from.parent.parent
+            run_dir = in_place
         elif rt.world.restart_count > 0 and rt.world.job_id:
             run_dir = ckpt.find_job_run(root, rt.world.job_id)
         if run_dir is not None and (lock := RunLock.acquire(run_dir)) is None:
             rt.print(f"trainscale: {run_dir} is in use by another process (it holds {run_dir / RunLock.FILE}); "
                      "continuing in a new run directory")
-            run_dir, in_place = None, False
+            run_dir, in_place = None, None
         if run_dir is None:
             run_dir = ckpt.claim_run_dir(root)
             lock = RunLock.acquire(run_dir)  # a directory just made: no other process holds it

@@ -72,6 +72,8 @@ class Trainer:
         self.config = resolve_trainer_config(**flags)
         self.batch_scaling = BatchScaling(self.config)
         self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint())
+        # the ModelCheckpoint callbacks: the user's, or the default one; asked at every step end (_checkpoint_if_due)
+        self.checkpoint_callbacks: list[ModelCheckpoint] = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
         self.loggers = resolve_loggers(logger)  # on every rank, so a bad value fails everywhere; used on rank zero
         # ``runtime``: the one Runtime.launch made for a ddp_spawn rank, built from the same flags
         self.runtime = runtime if runtime is not None else Runtime(**runtime_flags)
@@ -103,11 +105,6 @@ class Trainer:
         return ModelCheckpoint(every_n_epochs=1 if cfg.enable_checkpointing else 0,
                                every_n_train_steps=cfg.checkpoint_every_n_steps,
                                save_top_k=-1 if cfg.keep_last is None else cfg.keep_last)
-
-    @property
-    def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
-        """The ``ModelCheckpoint`` callbacks: the user's, or the default one (``enable_checkpointing``)."""
-        return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
 
     global_step = property(lambda self: self.state.global_step, doc="Optimizer steps taken so far (int).")
     current_epoch = property(lambda self: self.state.epoch, doc="The epoch running, or the last one run (from 0).")
@@ -228,9 +225,12 @@ class Trainer:
         val_loader = (rt.setup_dataloader(val_dataloaders, seed=self.config.seed, even=False)
                       if val_dataloaders is not None else None)
         check_loaders(train_loader, val_loader)
-        telemetry = create_telemetry(rt, self.config.enable_telemetry, count_flops=self.count_flops,
-                                     peak_flops=self.config.peak_flops,
-                              straggler_margin=self.config.straggler_margin)
+        # FLOPs are counted on a plain forward and backward only: the user's manual training_step steps optimizers
+        # (a retry after a failed count would step them twice) and a pipeline stage holds part of the model (and
+        # its schedule's sends must not run twice); there MFU comes from the model's declared FLOPs, if any
+        counted = self.count_flops and not self.manual_optimizers and not rt.strategy.pipelined
+        telemetry = create_telemetry(rt, self.config.enable_telemetry, count_flops=counted,
+                                     peak_flops=self.config.peak_flops, straggler_margin=self.config.straggler_margin)
         telemetry.attach(wrapped)
         self._fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, telemetry)
         return self._fit

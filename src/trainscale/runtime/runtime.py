@@ -171,8 +171,9 @@ class Runtime:
             if self.spawns:
                 from trainscale.runtime import spawn
 
-                return spawn.run(_run_spawned, {**kwargs, "runtime_flags": dict(vars(self.flags)), "function": function,
-                                                "args": args}, self.config.world_size, self.config.start_method)
+                return spawn.run(_run_spawned, {"runtime_flags": dict(vars(self.flags)), "function": function,
+                                                "args": args, "kwargs": kwargs},
+                                 self.config.world_size, self.config.start_method)
             self.launch()
             return function(self, *args, **kwargs)
         if self._launched:
@@ -587,7 +588,7 @@ def _strategy_options(config: RunConfig, options: dict | None, tp_plan: Any, par
 Runtime.__init__.__signature__ = flag_signature(RuntimeFlags, positional=True)  # help(Runtime) shows every flag
 
 
-def _run_spawned(runtime_flags: dict, function: Callable, args: tuple, **kwargs: Any) -> Any:
+def _run_spawned(runtime_flags: dict, function: Callable, args: tuple, kwargs: dict) -> Any:
     """A "ddp_spawn"/"ddp_notebook" child of ``Runtime.launch(function, *args, **kwargs)``: this rank's Runtime,
     then the function."""
     runtime = Runtime(**runtime_flags)

@@ -73,7 +73,8 @@ def dump_checked(function: Callable, kwargs: dict[str, Any], file: Any) -> None:
     try:
         cloudpickle.dump((function, kwargs), file)
     except Exception:  # noqa: BLE001 - find the argument that fails, then re-raise with the fix
-        for name, value in {"the function": function, **kwargs}.items():
+        named = {"the function": function, **kwargs.get("kwargs", {}), **kwargs}  # Runtime.launch keywords first, by name
+        for name, value in named.items():
             try:
                 cloudpickle.dumps(value)
             except Exception as err:  # noqa: BLE001

@@ -61,7 +61,7 @@ def _send(path: Path, verify: bool, group, source: int) -> bytes:
 
     try:
         data, error = read_checked(path, verify), None
-    except (OSError, CheckpointError) as err:
+    except Exception as err:  # noqa: BLE001 - any failure (MemoryError too) is sent, or the node's ranks would wait
         data, error = f"{type(err).__name__}: {err}".encode(), err
     dist.broadcast(torch.tensor([error is None, len(data)], dtype=torch.int64), src=source, group=group)
     if data:
