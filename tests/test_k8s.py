@@ -109,7 +109,7 @@ def test_output_paths_that_are_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("my notes\n")
     (tmp_path / "train.py").write_text("print('train')\n")
     os.symlink("train.py", tmp_path / "link.py")
-    for path, message in (("notes.txt", "exists and is not a manifest written by `trainscale k8s`"),
+    for path, message in (("notes.txt", "exists and was not written by `trainscale k8s`"),
                           ("train.py", "is the training script"), ("link.py", "is the training script"),
                           (".", "exists and is not a file")):
         out = _k8s(*common, "-o", path, "train.py", cwd=tmp_path)

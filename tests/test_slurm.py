@@ -198,8 +198,8 @@ def test_trainscale_slurm_never_overwrites_the_script_or_a_file_it_did_not_write
     script.write_text("print('train')\n")
     notes.write_text("my notes\n")
     args = [TRAINSCALE, "slurm", "--nodes", "1", "--gpus-per-node", "1"]
-    for output, name in ((script, "training script itself"), (notes, "not an sbatch script"),
-                         (tmp_path, "is a directory")):
+    for output, name in ((script, "training script itself"), (notes, "was not written by `trainscale slurm`"),
+                         (tmp_path, "is not a file")):
         bad = subprocess.run([*args, "-o", str(output), str(script)], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and name in bad.stderr and "Traceback" not in bad.stderr, bad
     assert script.read_text() == "print('train')\n" and notes.read_text() == "my notes\n"

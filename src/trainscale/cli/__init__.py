@@ -192,7 +192,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_slurm(args: argparse.Namespace) -> int:
-    from trainscale.runtime.slurm import check_sbatch_output, sbatch_script
+    from trainscale.cli.output_file import check_output_file
+    from trainscale.runtime.slurm import SBATCH_MARK, sbatch_script
 
     text = sbatch_script([args.python, args.script, *args.script_args], nodes=args.nodes,
                          gpus_per_node=args.gpus_per_node, job_name=args.job_name, time=args.time,
@@ -201,7 +202,7 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
     if args.output == "-":
         sys.stdout.write(text)
     else:
-        check_sbatch_output(args.output, args.script)
+        check_output_file(args.output, args.script, SBATCH_MARK, "trainscale slurm", "job.sbatch")
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(text)
         print(f"wrote {args.output}: {args.nodes} node(s) × {args.gpus_per_node} task(s); submit with: "

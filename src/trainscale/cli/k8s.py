@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -51,32 +50,12 @@ def run_k8s(args: argparse.Namespace) -> int:
     if args.output == "-":
         sys.stdout.write(text)
         return 0
-    check_output_path(args.output, args.script)
+    from trainscale.cli.output_file import check_output_file
+    from trainscale.runtime.kubernetes import MANIFEST_MARK
+
+    check_output_file(args.output, args.script, MANIFEST_MARK, "trainscale k8s", "job.yaml")
     with open(args.output, "w", encoding="utf-8") as f:
         f.write(text)
     print(f"wrote {args.output}: PyTorchJob {args.job_name}, {args.nodes} pod(s) × {args.gpus_per_node} "
           f"process(es); submit with: kubectl apply -f {args.output}")
     return 0
-
-
-def check_output_path(path: str, script: str) -> None:
-    """``-o`` may name a new file or a manifest that ``trainscale k8s`` wrote before (its first line), never
-    the training script or any other existing file.
-
-    Raises:
-        ValueError: naming the path and what to do.
-    """
-    from trainscale.runtime.kubernetes import MANIFEST_MARK
-
-    if os.path.abspath(path) == os.path.abspath(script) or (
-            os.path.exists(path) and os.path.exists(script) and os.path.samefile(path, script)):
-        raise ValueError(f"-o {path} is the training script: write the manifest to another file, e.g. -o job.yaml")
-    if not os.path.lexists(path):
-        return
-    if not os.path.isfile(path):
-        raise ValueError(f"-o {path} exists and is not a file: choose another path")
-    with open(path, "rb") as f:
-        first = f.readline(len(MANIFEST_MARK) + 1)
-    if not first.startswith(MANIFEST_MARK.encode()):
-        raise ValueError(f"-o {path} exists and is not a manifest written by `trainscale k8s`: choose another path, "
-                         "or move that file away first")

@@ -16,11 +16,9 @@ trainscale run --nnodes $SLURM_NNODES -n GPUS --rdzv-endpoint $HEAD:29500 ...`` 
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import warnings
-from pathlib import Path
 from typing import Mapping
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -226,33 +224,6 @@ def check_sbatch_value(flag: str, value: str, *, time: bool = False) -> str:
 
 
 SBATCH_MARK = "# Written by `trainscale slurm`."  # how an sbatch script of ours is recognised before it is replaced
-
-
-def check_sbatch_output(output: str, script: str) -> None:
-    """Refuse to write the sbatch script over a file that is not a previous sbatch script of ours.
-
-    ``trainscale slurm -o train.py train.py`` would otherwise replace the training script with the sbatch
-    text. A path that does not exist, or holds a script this command wrote (its :data:`SBATCH_MARK` line),
-    may be written.
-
-    Raises:
-        ValueError: ``output`` is the training script, a directory, or a file of someone else's (naming it).
-    """
-    out = Path(output)
-    if out.is_file() and os.path.isfile(script) and os.path.samefile(out, script):
-        raise ValueError(f"-o {output!r} is the training script itself: writing there would replace it; "
-                         f"pick another name, e.g. -o job.sbatch")
-    if out.is_dir():
-        raise ValueError(f"-o {output!r} is a directory: name a file, e.g. -o {out / 'job.sbatch'}")
-    if out.exists():
-        try:
-            with open(out, encoding="utf-8", errors="replace") as f:
-                head = [f.readline() for _ in range(40)]
-        except OSError as err:
-            raise ValueError(f"-o {output!r} exists and cannot be read ({err}); pick another name") from None
-        if not any(line.startswith(SBATCH_MARK) for line in head):
-            raise ValueError(f"-o {output!r} exists and is not an sbatch script written by `trainscale slurm`: "
-                             f"it is left as it is; pick another name or delete it first")
 
 
 def sbatch_script(command: list[str], *, nodes: int, gpus_per_node: int, job_name: str = "trainscale",
