@@ -70,6 +70,17 @@ def test_min_epochs_and_min_steps_hold_back_an_early_stop(tmp_path, flags, epoch
     assert len(trainer.history) == epochs
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("flags", "step", "epochs"), [({"val_check_interval": 3}, 8, 2),
+                                                       ({"check_val_every_n_epoch": 2}, 20, 4)])
+def test_early_stopping_checks_after_each_validation_when_it_is_not_at_every_epoch_end(tmp_path, flags, step, epochs):
+    # Lightning's check_on_train_epoch_end=None: 5 batches per epoch; score constant, patience 1: the second
+    # validation stops training (mid-epoch validations at steps 3, 8; or the ends of epochs 2 and 4)
+    trainer = _trainer(tmp_path, max_epochs=10, callbacks=[EarlyStopping("score", patience=1)], **flags)
+    trainer.fit(Counted(), _loader(), _loader(2))
+    assert (trainer.global_step, len(trainer.history)) == (step, epochs)
+
+
 def test_the_new_flags_are_validated():
     for flags in ({"limit_test_batches": 0}, {"limit_predict_batches": 1.5}, {"min_epochs": 0}, {"min_steps": -1}):
         with pytest.raises(ValueError, match=next(iter(flags))):
@@ -188,6 +199,16 @@ def test_fast_dev_run_runs_n_batches_of_each_loop_and_writes_nothing(tmp_path):
     assert model.val_batches == 2
     assert trainer.test(model, _loader(20)) and trainer.predict(model, _loader(20)).tolist() == [0.0, 1.0, 2.0, 3.0]
     assert list(tmp_path.rglob("*")) == []  # no run directory, record, logger file or checkpoint
+
+
+@pytest.mark.timeout(60)
+def test_a_monitored_checkpoint_saves_only_in_the_epochs_that_validate(tmp_path):
+    from trainscale.callbacks import ModelCheckpoint
+
+    _fit_watched(tmp_path, max_epochs=4, check_val_every_n_epoch=2,
+                 callbacks=[ModelCheckpoint(monitor="val_loss", save_top_k=-1)])
+    assert sorted(p.name for p in tmp_path.rglob("epoch=*.pt")) == ["epoch=000002-step=0000000020.pt",
+                                                                  "epoch=000004-step=0000000040.pt"]
 
 
 @pytest.mark.timeout(60)

@@ -92,6 +92,7 @@ class Trainer:
         self.run_dir: Path | None = None
         self.callback_metrics: dict[str, float] = {}  # the latest number of each name (epoch records, logs)
         self.should_stop = False  # set by a callback (EarlyStopping) or max_time: stop, on every rank
+        self.fitting = False  # True during fit (Lightning's trainer.state.fn == "fit"); validate() after it: False
         self.sanity_checking = False  # True while the sanity check's validation runs (num_sanity_val_steps)
         self.validated_at: list[int] = []  # global steps at which the last fit validated (sanity check excluded)
         self._deadline = math.inf  # time.monotonic() at which max_time runs out
@@ -174,6 +175,7 @@ class Trainer:
         self._fit, self._run_lock = None, RunLock()  # the run directory's lock: taken by _run_fit, released below
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
+        self.fitting = True
         try:
             return self._run_fit(model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, ckpt_verify)
         except BaseException as err:
@@ -184,6 +186,7 @@ class Trainer:
                 raise
             raise explained from err
         finally:
+            self.fitting = False
             self._faults.stop()
             self._run_lock.release()
             if self._fit is not None and self._fit.sink is not None:  # fit raised (finish_run closes it otherwise)
