@@ -132,6 +132,10 @@ def parity_counts_memory_body(rank: int, root: str) -> dict:
                                                     options={"auto_wrap_policy": {nn.Conv2d, nn.Linear}})
     out["fsdp_state"] = full_state(fsdp_model)
     out["fsdp_param_types"] = sorted({type(p).__name__ for p in fsdp_model.parameters()})
+    from trainscale.callbacks.model_summary import summarize
+
+    out["summary_params"] = {"ddp": summarize(ddp_model, -1).total_params, "fsdp": summarize(fsdp_model, -1).total_params,
+                             "fsdp_local": sum(p.to_local().numel() for p in fsdp_model.parameters())}
     out["fsdp_rank0_export"] = get_model_state_dict(
         fsdp_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 

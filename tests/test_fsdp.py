@@ -82,6 +82,15 @@ def test_fsdp_holds_half_the_parameter_and_optimizer_bytes_of_ddp(runs):
 
 
 @pytest.mark.multiprocess
+def test_model_summary_counts_fsdp_shards_by_their_global_shapes(runs):
+    full = PARAMS_BYTES // 4
+    for rank in runs:  # a DTensor's shape is global: every rank counts the whole model, as under ddp
+        assert rank["summary_params"]["ddp"] == rank["summary_params"]["fsdp"] == full
+        assert rank["summary_params"]["fsdp_local"] < full
+    assert sum(rank["summary_params"]["fsdp_local"] for rank in runs) == full
+
+
+@pytest.mark.multiprocess
 def test_runtime_clip_gradients_returns_the_global_norm_under_fsdp(runs):
     """Runtime.clip_gradients under fsdp: the norm of the whole gradient (all shards), as a plain
     tensor, equal to DDP's for the same step."""

@@ -3,8 +3,9 @@
 The expected lists are Lightning's (``tests/tests_pytorch/models/test_hooks.py``: ``HookedModel._auto_train_batch``,
 ``_manual_train_batch``, ``_eval_epoch``, ``_predict_batch`` and ``test_trainer_model_hook_system_fit``), keeping the
 hooks trainscale runs and leaving out those it has no counterpart for (batch transfer hooks, ``configure_*``,
-``setup``/``teardown``, the data hooks, the sanity check: trainscale has none, as Lightning with
-``num_sanity_val_steps=0``). As in Lightning's test, a call is recorded when it returns, so ``training_step`` comes
+``setup``/``teardown``, the data hooks). The sanity check runs as Lightning's (``num_sanity_val_steps=2`` by default:
+``Callback.on_sanity_check_start``, a validation epoch of at most 2 batches, ``Callback.on_sanity_check_end``, between
+``on_fit_start`` and ``on_train_start``). As in Lightning's test, a call is recorded when it returns, so ``training_step`` comes
 after the hooks that run inside it under manual optimization. One documented difference is applied to Lightning's
 list explicitly: ``on_before_zero_grad``.
 """
@@ -120,9 +121,11 @@ def eval_epoch(stage, step, batches):
             *both(f"on_{stage}_end")]
 
 
-def fit_hooks(train_batch, batches, val_batches):
-    # test_trainer_model_hook_system_fit, without the sanity check
-    return [*both("on_fit_start"), *both("on_train_start"), *both("on_train_epoch_start"),
+def fit_hooks(train_batch, batches, val_batches, sanity_batches=2):
+    # test_trainer_model_hook_system_fit: the sanity check (callbacks only have its own hooks) before on_train_start
+    sanity = ["Callback.on_sanity_check_start", *eval_epoch("validation", "validation_step", sanity_batches),
+              "Callback.on_sanity_check_end"] if sanity_batches else []
+    return [*both("on_fit_start"), *sanity, *both("on_train_start"), *both("on_train_epoch_start"),
             *[e for i in range(batches) for e in train_batch(i)],
             *eval_epoch("validation", "validation_step", val_batches),
             *both("on_train_epoch_end"), *both("on_save_checkpoint"), *both("on_train_end"), *both("on_fit_end")]

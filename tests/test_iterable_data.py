@@ -116,7 +116,8 @@ def test_a_validation_loader_without_a_length_is_validated(tmp_path):
     trainer = _trainer(tmp_path, max_epochs=1, limit_train_batches=2)
     val = DataLoader(RandomLength(seed=0), batch_size=100)  # one batch of 5..11 samples: 0, 1, ...
     trainer.fit(Validated(), DataLoader(Stream(), batch_size=2), val)
-    n = val.dataset.lengths[0]
+    n = val.dataset.lengths[-1]  # the epoch end's pass (the sanity check, num_sanity_val_steps=2, read one before)
+    assert len(val.dataset.lengths) == 2
     assert trainer.history[0]["val_mean_x"] == pytest.approx((n - 1) / 2)
 
 

@@ -1,4 +1,9 @@
-"""Lightning's loop flags with Lightning's semantics: limit_test_batches, limit_predict_batches, min_epochs, min_steps."""
+"""Lightning's loop flags with Lightning's semantics: limit_test_batches, limit_predict_batches, min_epochs, min_steps,
+val_check_interval, check_val_every_n_epoch, num_sanity_val_steps, fast_dev_run, max_time, overfit_batches,
+deterministic, enable_model_summary (``ModelSummary``)."""
+
+import json
+import os
 
 import pytest
 import torch
@@ -65,7 +70,226 @@ def test_min_epochs_and_min_steps_hold_back_an_early_stop(tmp_path, flags, epoch
     assert len(trainer.history) == epochs
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("flags", "step", "epochs"), [({"val_check_interval": 3}, 8, 2),
+                                                       ({"check_val_every_n_epoch": 2}, 20, 4)])
+def test_early_stopping_checks_after_each_validation_when_it_is_not_at_every_epoch_end(tmp_path, flags, step, epochs):
+    # Lightning's check_on_train_epoch_end=None: 5 batches per epoch; score constant, patience 1: the second
+    # validation stops training (mid-epoch validations at steps 3, 8; or the ends of epochs 2 and 4)
+    trainer = _trainer(tmp_path, max_epochs=10, callbacks=[EarlyStopping("score", patience=1)], **flags)
+    trainer.fit(Counted(), _loader(), _loader(2))
+    assert (trainer.global_step, len(trainer.history)) == (step, epochs)
+
+
 def test_the_new_flags_are_validated():
     for flags in ({"limit_test_batches": 0}, {"limit_predict_batches": 1.5}, {"min_epochs": 0}, {"min_steps": -1}):
         with pytest.raises(ValueError, match=next(iter(flags))):
             resolve_trainer_config(**flags)
+
+
+# -- val_check_interval, check_val_every_n_epoch, num_sanity_val_steps, fast_dev_run, max_time, overfit_batches,
+#    deterministic, enable_model_summary ----------------------------------------------------------------------------
+
+class Watched(TrainingModule):
+    """Records each validation's global step (and whether it was the sanity check) and each training batch's first
+    sample; dropout makes the training depend on the random state."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Sequential(nn.Dropout(0.5), nn.Linear(2, 2))
+        self.validations, self.val_batches, self.trained = [], 0, []
+
+    def training_step(self, batch, batch_idx):
+        self.trained.append(batch[0][0, 0].item())
+        return self.layer(batch[0] / 20).pow(2).mean()
+
+    def on_validation_start(self):
+        self.validations.append(("sanity" if self.trainer.sanity_checking else "fit", self.trainer.global_step))
+
+    def validation_step(self, batch, batch_idx):
+        self.val_batches += 1
+        self.log("val_loss", self.layer(batch[0] / 20).pow(2).mean())
+
+    def test_step(self, batch, batch_idx):
+        self.log("t", batch[0].sum())
+
+    def predict_step(self, batch, batch_idx):
+        return batch[0][:, 0]
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_watched(root, n_train=20, n_val=8, **flags):
+    torch.manual_seed(0)  # the same initial weights in every run
+    model = Watched()
+    trainer = _trainer(root, **{"max_epochs": 2, "enable_model_summary": False, **flags})
+    trainer.fit(model, _loader(n_train), _loader(n_val))
+    return trainer, model
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("flags", "steps"), [
+    ({}, [10, 20]),  # 10 batches per epoch: each epoch end
+    ({"val_check_interval": 3}, [3, 6, 9, 13, 16, 19]),  # every 3rd batch of each epoch (not at its end)
+    ({"val_check_interval": 0.25}, [2, 4, 6, 8, 10, 12, 14, 16, 18, 20]),  # int(10 × 0.25) = 2
+    ({"val_check_interval": 0.5, "check_val_every_n_epoch": 2}, [15, 20]),  # the 2nd epoch only
+    ({"val_check_interval": 7, "check_val_every_n_epoch": None}, [7, 14]),  # every 7th batch of the run
+    # accumulate 3: steps train batches 0-2, 3-5, 6-8, 9; batches 4 and 8 (1-based) are due, so validation runs
+    # after steps 2 and 3 (Lightning validates mid-step, after batch 4 at step 1: the documented difference)
+    ({"val_check_interval": 4, "accumulate_grad_batches": 3}, [2, 3, 6, 7]),
+])
+def test_validation_runs_at_the_batches_lightning_runs_it(tmp_path, flags, steps):
+    trainer, model = _fit_watched(tmp_path, num_sanity_val_steps=0, **flags)
+    assert [step for kind, step in model.validations] == steps == trainer.validated_at
+    with pytest.raises(ValueError, match="check_val_every_n_epoch=None"):  # Lightning's error, at the fit's start
+        _fit_watched(tmp_path, val_check_interval=11)
+
+
+@pytest.mark.timeout(60)
+def test_resume_after_a_mid_epoch_validation_equals_the_uninterrupted_run(tmp_path):
+    # ModelCheckpoint(monitor="val_loss") every 3 steps, after the validation of that step: it sees its val_loss
+    from trainscale.callbacks import ModelCheckpoint
+
+    def run(root, ckpt_path=None):
+        model = Watched()
+        trainer = _trainer(root, max_epochs=2, val_check_interval=3, enable_model_summary=False, callbacks=[
+            ModelCheckpoint(monitor="val_loss", every_n_train_steps=3, save_top_k=-1)])
+        trainer.fit(model, _loader(20), _loader(8), ckpt_path=ckpt_path)
+        return trainer, model
+
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        full, full_model = run(tmp_path / "a")
+    assert not [w for w in caught if "ranks last" in str(w.message)]  # each step save found the step's val_loss
+    step6 = next((tmp_path / "a").rglob("epoch=000000-step=0000000006.pt"))
+    resumed, resumed_model = run(tmp_path / "b", ckpt_path=step6)
+    assert [s for _, s in resumed_model.validations] == [9, 13, 16, 19]  # no sanity check when resuming
+    for key, value in full_model.state_dict().items():
+        torch.testing.assert_close(resumed_model.state_dict()[key], value, rtol=0, atol=0)
+    assert resumed.callback_metrics["val_loss"] == full.callback_metrics["val_loss"]
+    assert [h["train_loss"] for h in resumed.history] == [h["train_loss"] for h in full.history]
+    records = [json.loads(line) for line in open(next((tmp_path / "a").rglob("metrics.jsonl")))]
+    assert [r["step"] for r in records if r["kind"] == "validation"] == [3, 6, 9, 13, 16, 19]
+    assert all("val_loss" in r for r in records if r["kind"] == "validation")
+
+
+@pytest.mark.timeout(60)
+def test_sanity_check_runs_two_batches_first_and_leaves_no_trace(tmp_path):
+    checked, model = _fit_watched(tmp_path, max_epochs=1, limit_val_batches=3)
+    assert model.validations == [("sanity", 0), ("fit", 10)] and model.val_batches == 2 + 3
+    assert checked.validated_at == [10]
+    _, plain = _fit_watched(tmp_path, max_epochs=1, limit_val_batches=3, num_sanity_val_steps=0)
+    for key, value in plain.state_dict().items():  # the random states were restored after it: the same training
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0)
+    _, every = _fit_watched(tmp_path, max_epochs=1, num_sanity_val_steps=-1)
+    assert every.val_batches == 4 + 4  # -1: all 4 validation batches, then the epoch end's
+
+
+@pytest.mark.timeout(60)
+def test_fast_dev_run_runs_n_batches_of_each_loop_and_writes_nothing(tmp_path):
+    from trainscale.callbacks import ModelCheckpoint
+
+    root = tmp_path / "root"
+    model = Watched()
+    trainer = _trainer(root, fast_dev_run=2, max_epochs=5, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts")])
+    summary = trainer.fit(model, _loader(20), _loader(8))
+    assert summary["steps"] == 2 and len(model.trained) == 2 and model.validations == [("fit", 2)]
+    assert model.val_batches == 2
+    assert trainer.test(model, _loader(20)) and trainer.predict(model, _loader(20)).tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert list(tmp_path.rglob("*")) == []  # no run directory, record, logger file or checkpoint
+
+
+@pytest.mark.timeout(60)
+def test_a_monitored_checkpoint_saves_only_in_the_epochs_that_validate(tmp_path):
+    from trainscale.callbacks import ModelCheckpoint
+
+    _fit_watched(tmp_path, max_epochs=4, check_val_every_n_epoch=2,
+                 callbacks=[ModelCheckpoint(monitor="val_loss", save_top_k=-1)])
+    assert sorted(p.name for p in tmp_path.rglob("epoch=*.pt")) == ["epoch=000002-step=0000000020.pt",
+                                                                  "epoch=000004-step=0000000040.pt"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("max_time", "min_steps", "steps"), [("00:00:00:00", None, 1), ({"seconds": 0}, 3, 3)])
+def test_max_time_stops_after_a_step_and_checkpoints(tmp_path, max_time, min_steps, steps):
+    # a zero duration has run out after the first step, whatever the machine's speed; min_steps holds it back
+    trainer, model = _fit_watched(tmp_path, max_time=max_time, min_steps=min_steps, max_epochs=3,
+                                  num_sanity_val_steps=0)
+    assert trainer.global_step == steps and len(trainer.history) == 1
+    assert trainer.validated_at == [steps]  # the stopping step validates, as Lightning
+    assert [p.name for p in tmp_path.rglob("epoch=*.pt")] == [f"epoch=000000-step={steps:010d}.pt"]
+
+
+@pytest.mark.timeout(60)
+def test_overfit_batches_trains_on_the_first_batches_unshuffled(tmp_path):
+    x = torch.arange(20, dtype=torch.float32).repeat(2, 1).T
+    shuffled = DataLoader(TensorDataset(x, torch.zeros(20, dtype=torch.long)), batch_size=2, shuffle=True)
+    model = Watched()
+    _trainer(tmp_path, overfit_batches=2, max_epochs=2, num_sanity_val_steps=0, enable_model_summary=False).fit(
+        model, shuffled, _loader(8))
+    assert model.trained == [0.0, 2.0, 0.0, 2.0] and model.val_batches == 2 * 2
+
+
+def test_deterministic_sets_torch_as_lightning(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        _trainer("runs", deterministic="warn")
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        _trainer("runs", deterministic=True)
+        assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_model_summary_counts_layers_trainable_and_total_parameters(tmp_path, capsys):
+    from trainscale.callbacks import ModelSummary
+    from trainscale.callbacks.model_summary import summarize
+
+    net = nn.Sequential(nn.Linear(10, 20), nn.Sequential(nn.Linear(20, 5), nn.ReLU()), nn.Linear(5, 1))
+    net[2].requires_grad_(False)
+    summary = summarize(net, max_depth=1)
+    assert [(l.name, l.type, l.params) for l in summary.layers] == [("0", "Linear", 220), ("1", "Sequential", 105),
+                                                                   ("2", "Linear", 6)]
+    assert (summary.trainable_params, summary.total_params) == (325, 331)
+    assert summary.size_mb == pytest.approx(331 * 4 / 1e6)
+    assert [l.name for l in summarize(net, max_depth=-1).layers] == ["0", "1", "1.0", "1.1", "2"]
+    text = str(summary)
+    for line in ("325       Trainable params", "6         Non-trainable params", "331       Total params",
+                 "0.001     Total estimated model params size (MB)"):
+        assert line in text
+    with pytest.raises(ValueError, match="max_depth"):
+        ModelSummary(max_depth=-2)
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(Watched(), _loader(4))
+    assert "Total estimated model params size (MB)" in capsys.readouterr().out  # the default ModelSummary
+    _trainer(tmp_path, max_epochs=1, enable_model_summary=False).fit(Watched(), _loader(4))
+    assert "Total params" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("flags", "match"), [
+    ({"val_check_interval": 0}, "val_check_interval"), ({"val_check_interval": 1.5}, "val_check_interval"),
+    ({"check_val_every_n_epoch": 0}, "check_val_every_n_epoch"),
+    ({"check_val_every_n_epoch": None, "val_check_interval": 0.5}, "must then be an int|must be an int"),
+    ({"num_sanity_val_steps": -2}, "num_sanity_val_steps"), ({"fast_dev_run": -1}, "fast_dev_run"),
+    ({"max_time": "1:00:00"}, "DD:HH:MM:SS"), ({"max_time": {"hourz": 1}}, "max_time"), ({"max_time": 5}, "max_time"),
+    ({"overfit_batches": 1.5}, "overfit_batches"), ({"deterministic": "yes"}, "deterministic"),
+    ({"enable_model_summary": 1}, "enable_model_summary")])
+def test_loop_flags_are_validated(flags, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_trainer_config(**flags)
+
+
+def test_debugging_flags_resolve_as_lightnings():
+    from datetime import timedelta
+
+    cfg = resolve_trainer_config(fast_dev_run=True, max_epochs=7, val_check_interval=3)
+    assert (cfg.fast_dev_run, cfg.max_steps, cfg.max_epochs, cfg.num_sanity_val_steps, cfg.val_check_interval) == (
+        True, 1, 1, 0, None)
+    assert (cfg.limit_train_batches, cfg.limit_val_batches, cfg.limit_test_batches) == (1, 1, 1)
+    cfg = resolve_trainer_config(overfit_batches=0.1, limit_train_batches=5)
+    assert (cfg.limit_train_batches, cfg.limit_val_batches) == (0.1, 0.1)
+    assert resolve_trainer_config(max_time="01:02:03:04").max_time == timedelta(days=1, hours=2, minutes=3, seconds=4)
+    assert resolve_trainer_config(max_time={"minutes": 90}).max_time == timedelta(minutes=90)

@@ -58,7 +58,8 @@ def test_model_with_its_own_steps(tmp_path):
     summary = trainer.fit(model, DataLoader(workers.tiny_dataset(32), batch_size=8, shuffle=True),
                           DataLoader(workers.tiny_dataset(13, seed=2), batch_size=4))
     assert summary["steps"] == 8
-    assert model.seen_validation == 26  # 13 samples, each once per epoch
+    # the sanity check's 2 batches of 4 (num_sanity_val_steps=2, Lightning's default), then 13 samples once per epoch
+    assert model.seen_validation == 2 * 4 + 26
     assert trainer.history[-1]["val_ten"] == pytest.approx(10.0)
     assert trainer.history[-1]["val_loss"] > 0
 

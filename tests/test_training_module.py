@@ -497,7 +497,8 @@ def test_callback_hooks_run_and_their_state_survives_a_resume(tmp_path):
     first, stop = Counting(), EarlyStopping("const", patience=5)
     loader, val = DataLoader(mw.indexed_dataset(12), batch_size=4), DataLoader(mw.indexed_dataset(4))
     _trainer(tmp_path, max_epochs=2, callbacks=[first, stop]).fit(Recorder(), loader, val)
-    assert first.calls == {"fit_start": 1, "batch_end": 6, "epoch_end": 2, "validation_end": 2, "fit_end": 1}
+    # validation ends: the sanity check's (num_sanity_val_steps=2, as Lightning), then one per epoch
+    assert first.calls == {"fit_start": 1, "batch_end": 6, "epoch_end": 2, "validation_end": 1 + 2, "fit_end": 1}
     again, stop_again = Counting(), EarlyStopping("const", patience=5)
     _trainer(tmp_path, max_epochs=3, callbacks=[again, stop_again]).fit(Recorder(), loader, val, ckpt_path="last")
     assert again.total == 6 + 3  # restored 6, then one more epoch of 3 batches

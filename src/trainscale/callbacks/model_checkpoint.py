@@ -95,6 +95,9 @@ class ModelCheckpoint(Callback):
         """Save when this step or epoch end is one of this callback's (every rank calls it at the same point).
         ``ends_epoch``: this optimizer step is the last of its epoch (an epoch-end save follows it)."""
         epoch_due = bool(self.every_n_epochs) and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+        if self.monitor is not None and not trainer.config.validates_in(trainer.current_epoch):
+            epoch_due = False  # an epoch check_val_every_n_epoch skips: no fresh value to rank by (Lightning saves
+                               # at validation ends then)
         if epoch_end:
             due = epoch_due
         else:

@@ -100,6 +100,7 @@ def _resume_point(runtime: Runtime, rest: dict, state: TrainState) -> ResumePoin
     """Fill ``state`` from a loaded checkpoint's plain values and say where to resume."""
     train, loop = rest["train_state"], rest["loop"]
     state.global_step = int(train["global_step"])
+    state.total_batches = int(train.get("total_batches", 0))  # absent from checkpoints written before it was kept
     # an epoch resumed mid-way gets its record again at its end: the partial one goes
     state.history = [r for r in train["history"] if loop["complete"] or r["epoch"] != loop["epoch"]]
     rngs = rest.get("rng") or []

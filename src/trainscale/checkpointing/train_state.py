@@ -19,17 +19,20 @@ class TrainState:
         epoch: the current (0-based) epoch.
         batches: micro-batches of ``epoch`` consumed since its sampler started (a resumed epoch counts the
             batches before the resume too).
+        total_batches: micro-batches trained since the start of the run (Lightning's ``total_batch_idx`` + 1;
+            ``val_check_interval`` with ``check_val_every_n_epoch=None`` counts them).
         history: one record per completed epoch (``kind`` "epoch" metrics, without ``kind``/``time``).
     """
 
     global_step: int = 0
     epoch: int = 0
     batches: int = 0
+    total_batches: int = 0
     history: list[dict] = field(default_factory=list)
 
     def state_dict(self) -> dict:
         return {"global_step": self.global_step, "epoch": self.epoch, "batches": self.batches,
-                "history": list(self.history)}
+                "total_batches": self.total_batches, "history": list(self.history)}
 
 
 @dataclass(frozen=True)

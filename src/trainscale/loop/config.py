@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 
 from trainscale.runtime.connector import make_flags
@@ -67,6 +69,32 @@ class TrainerConfig:
         count_flops: count the FLOPs of the run's first micro-batch with ``FlopCounterMode`` for MFU (None: on
             CUDA only, never under ``compile``). peak_flops: FLOP/s of one device for MFU (None: the table of
             ``trainscale.telemetry.flops``).
+        val_check_interval: when to validate within an epoch, as Lightning: an int N validates after every N-th
+            training batch (micro-batch) of the epoch (with ``check_val_every_n_epoch=None``: of the run, across
+            epochs; it may then exceed an epoch's batches), a float in (0, 1] after every ``int(batches × f)``-th
+            (at least 1); None (= 1.0): at each epoch end. Validation runs at the end of the optimizer step that
+            holds that batch (with ``accumulate_grad_batches`` > 1, Lightning validates mid-step), before the step's
+            checkpoints, so a checkpoint written there resumes exactly. check_val_every_n_epoch: validate only in
+            every N-th epoch (None: by ``val_check_interval``'s batches alone, which must then be an int).
+        num_sanity_val_steps: validation batches run before training (Lightning's sanity check, default 2; -1: all;
+            0: none), with ``trainer.sanity_checking`` True; its results are not recorded, ``callback_metrics`` and
+            the random states are as before it. Not when resuming, as Lightning.
+        fast_dev_run: True or an int N (True = 1): N batches of training (``max_steps=N``, one epoch), validation,
+            test and predict, no sanity check, and nothing written: no run directory, checkpoint, logger or record
+            (Lightning's; its loggers become a dummy).
+        max_time: stop training once this much time has passed since ``fit`` began training (Lightning's
+            ``Timer``): "DD:HH:MM:SS", a ``datetime.timedelta`` or a dict of its keyword arguments; resolved to a
+            ``timedelta``. Checked after every optimizer step (rank zero's clock, broadcast when there are several
+            ranks); the epoch then ends as usual (its validation, epoch-end checkpoint and hooks) and ``fit`` returns.
+            ``min_epochs``/``min_steps`` hold it back, as Lightning. The time before a resume is not counted.
+        overfit_batches: train on the first N batches (an int) or fraction (a float in (0, 1]) of the training set,
+            unshuffled, every epoch, and validate on as many of the validation batches (Lightning 2's; 0: off).
+            It replaces ``limit_train_batches`` and ``limit_val_batches``.
+        deterministic: True: ``torch.use_deterministic_algorithms(True)``, ``cudnn.benchmark`` off and
+            ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (Lightning's accelerator connector); "warn": the same with
+            ``warn_only=True``; False: deterministic algorithms off; None: left as they are. Set in ``Trainer()``.
+        enable_model_summary: print a :class:`~trainscale.callbacks.ModelSummary` (layers, parameters, size) on rank
+            zero at the start of ``fit``, unless the callbacks hold one (Lightning's default).
     """
 
     max_epochs: int = 1
@@ -101,6 +129,14 @@ class TrainerConfig:
     min_steps: int | None = None
     count_flops: bool | None = None
     peak_flops: float | None = None
+    val_check_interval: int | float | None = None
+    check_val_every_n_epoch: int | None = 1
+    num_sanity_val_steps: int = 2
+    fast_dev_run: bool | int = False
+    max_time: str | timedelta | dict | None = None
+    overfit_batches: int | float = 0.0
+    deterministic: bool | str | None = None
+    enable_model_summary: bool = True
 
     def train_batches(self, full: int) -> int:
         """An epoch's micro-batches under ``limit_train_batches``, of ``full`` without it."""
@@ -125,6 +161,57 @@ class TrainerConfig:
     def step_limit(self) -> float:
         """``max_steps``, or infinity when there is none."""
         return math.inf if self.max_steps is None else self.max_steps
+
+    def validates_in(self, epoch: int) -> bool:
+        """Whether epoch ``epoch`` (0-based) validates at all: Lightning's ``_should_check_val_epoch``."""
+        every = self.check_val_every_n_epoch
+        return every is None or (epoch + 1) % every == 0
+
+    def val_check_batch(self, epoch_batches: float) -> float:
+        """Training batches between validations (Lightning's ``trainer.val_check_batch``) in an epoch of
+        ``epoch_batches`` (after ``limit_train_batches``; infinite for an iterable data set): the int
+        ``val_check_interval``, or ``max(1, int(epoch_batches × fraction))``; infinite: at the epoch end only.
+
+        Raises:
+            ValueError: an int interval above the epoch's batches while ``check_val_every_n_epoch`` is set; a
+                fraction below 1.0 of an iterable data set's unknown number of batches (Lightning's errors).
+        """
+        interval = self.val_check_interval
+        if isinstance(interval, int):
+            if interval > epoch_batches and self.check_val_every_n_epoch is not None:
+                raise ValueError(f"val_check_interval={interval} must be <= the epoch's {epoch_batches} training batches; "
+                                 "to validate every N batches across epochs pass check_val_every_n_epoch=None")
+            return interval
+        fraction = 1.0 if interval is None else interval
+        if epoch_batches == math.inf:
+            if fraction < 1.0:
+                raise ValueError(f"val_check_interval={interval} is a fraction of an IterableDataset's epoch, whose "
+                                 "number of batches is unknown; pass an int (every N batches) or None")
+            return math.inf
+        return max(1, int(epoch_batches * fraction))
+
+    def validation_due(self, epoch: int, batches: range, total_before: int, epoch_batches: float) -> bool:
+        """Whether validation runs after an optimizer step of epoch ``epoch`` that trained the epoch's batches
+        ``batches`` (0-based indices; ``total_before``: batches of the run before them): Lightning's
+        ``_should_check_val_fx`` for any of them (``(batch_idx + 1) % val_check_batch == 0``, the run's batch
+        index with ``check_val_every_n_epoch=None``), or the epoch's last batch of an iterable data set."""
+        if not self.validates_in(epoch):
+            return False
+        every = self.val_check_batch(epoch_batches)
+        if every == math.inf:
+            return batches.stop >= epoch_batches
+        offset = total_before - batches.start if self.check_val_every_n_epoch is None else 0
+        return any((offset + i + 1) % every == 0 for i in batches)
+
+    @property
+    def sanity_val_batches(self) -> float:
+        """Validation batches of the sanity check (``num_sanity_val_steps``; -1: all)."""
+        return math.inf if self.num_sanity_val_steps == -1 else self.num_sanity_val_steps
+
+    @property
+    def writes_files(self) -> bool:
+        """False under ``fast_dev_run``: no run directory, checkpoint, logger or record."""
+        return not self.fast_dev_run
 
 
 
@@ -196,6 +283,73 @@ def _root_dir(value) -> Path:
     return path
 
 
+def parse_max_time(value) -> timedelta | None:
+    """``max_time`` as a ``timedelta`` (Lightning's ``Timer``: "DD:HH:MM:SS", a ``timedelta``, or a dict of
+    ``timedelta`` keyword arguments such as ``{"hours": 1, "minutes": 30}``).
+
+    Raises:
+        ValueError: another type, a string of another format, a dict ``timedelta`` refuses, a negative duration.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", value.strip())
+        if match is None:
+            raise ValueError(f"max_time={value!r} must be 'DD:HH:MM:SS' (days, hours, minutes, seconds), e.g. "
+                             "'00:12:00:00' for 12 hours")
+        days, hours, minutes, seconds = map(int, match.groups())
+        value = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+    elif isinstance(value, dict):
+        try:
+            value = timedelta(**value)
+        except TypeError as err:
+            raise ValueError(f"max_time={value!r}: {err}; pass timedelta's keywords, e.g. {{'hours': 2}}") from None
+    if not isinstance(value, timedelta) or value < timedelta(0):
+        raise ValueError(f"max_time={value!r} must be 'DD:HH:MM:SS', a datetime.timedelta or a dict of its keywords, "
+                         "not negative, or None")
+    return value
+
+
+def _check_loop_flags(cfg: TrainerConfig) -> None:
+    """Lightning's debugging and validation-schedule flags (``trainer/setup.py``, ``loops/fit_loop.py``)."""
+    interval = cfg.val_check_interval
+    count = isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1
+    if not (interval is None or count or (isinstance(interval, float) and 0.0 < interval <= 1.0)):
+        raise ValueError(f"val_check_interval={interval!r} must be an int >= 1 (every N training batches), a float in "
+                         "(0, 1] (a fraction of the epoch) or None (each epoch end)")
+    _int("check_val_every_n_epoch", cfg.check_val_every_n_epoch, 1, optional=True)
+    if cfg.check_val_every_n_epoch is None and not count:
+        raise ValueError(f"check_val_every_n_epoch=None validates by batches only, so val_check_interval must be an "
+                         f"int (every N training batches of the run), not {interval!r}")
+    _int("num_sanity_val_steps", cfg.num_sanity_val_steps, -1)
+    _choice("deterministic", cfg.deterministic, (None, True, False, "warn"))
+    _flag("enable_model_summary", cfg.enable_model_summary)
+
+
+def _check_debugging_flags(cfg: TrainerConfig) -> None:
+    fast = cfg.fast_dev_run
+    if not isinstance(fast, bool) and (not isinstance(fast, int) or fast < 0):
+        raise ValueError(f"fast_dev_run={fast!r} must be True, False or an int >= 0 (batches to run)")
+    overfit = cfg.overfit_batches
+    if isinstance(overfit, bool) or not isinstance(overfit, (int, float)) or not 0 <= overfit <= (
+            math.inf if isinstance(overfit, int) else 1.0):
+        raise ValueError(f"overfit_batches={overfit!r} must be an int >= 0 (batches) or a float in [0, 1] (a "
+                         "fraction of the training batches); 0 turns it off")
+
+
+def _debugging_overrides(cfg: TrainerConfig) -> dict:
+    """What ``overfit_batches`` and ``fast_dev_run`` set, as Lightning's ``_init_debugging_flags``."""
+    out: dict = {}
+    if cfg.fast_dev_run:
+        n = int(cfg.fast_dev_run)
+        out = {"limit_train_batches": n, "limit_val_batches": n, "limit_test_batches": n, "limit_predict_batches": n,
+               "max_steps": n, "max_epochs": 1, "num_sanity_val_steps": 0, "val_check_interval": None,
+               "check_val_every_n_epoch": 1}
+    if cfg.overfit_batches:
+        out.update(limit_train_batches=cfg.overfit_batches, limit_val_batches=cfg.overfit_batches)
+    return out
+
+
 def _check_lr_scaling(cfg: TrainerConfig) -> None:
     """``lr_scaling`` with its ``base_batch_size``; neither of its companions without it."""
     _choice("lr_scaling", cfg.lr_scaling, (None, "linear", "sqrt"))
@@ -243,6 +397,9 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
     _choice("gradient_clip_algorithm", cfg.gradient_clip_algorithm, ("norm", "value"))
     _choice("on_nonfinite", cfg.on_nonfinite, ("raise", "skip"))
     _check_lr_scaling(cfg)
+    _check_loop_flags(cfg)
+    _check_debugging_flags(cfg)
+    max_time = parse_max_time(cfg.max_time)
     for name in ("enable_progress_bar", "enable_checkpointing", "handle_signals", "enable_telemetry", "tensorboard",
                  "checkpoint_async"):
         _flag(name, getattr(cfg, name))
@@ -253,4 +410,6 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
         if not TensorBoardSink.available():
             raise ValueError("tensorboard=True needs the tensorboard package: pip install 'trainscale[tensorboard]' "
                              "(or pass tensorboard=False; metrics.jsonl and CSV files are always written)")
-    return TrainerConfig(**{**flags, "default_root_dir": root})
+    resolved = replace(cfg, default_root_dir=root, max_time=max_time,
+                       fast_dev_run=cfg.fast_dev_run if cfg.fast_dev_run != 1 else True)
+    return replace(resolved, **_debugging_overrides(resolved))

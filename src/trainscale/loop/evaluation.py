@@ -328,13 +328,16 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     return evaluate_stage(trainer, loop_module, wrapped, loader, "validation" if method == "validate" else "test")
 
 
-def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loader: Any, stage: str) -> dict[str, float]:
+def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loader: Any, stage: str,
+                   num_batches: float | None = None) -> dict[str, float]:
     """:func:`evaluate` between Lightning's ``on_<stage>_start`` and ``on_<stage>_end`` hooks, with
     ``trainer.metric_collector`` (where ``self.log`` in the steps and hooks goes) a collector of ``stage``
-    meanwhile; on ``limit_val_batches``/``limit_test_batches`` of each rank's batches. The results are in
-    ``trainer.callback_metrics`` by ``on_<stage>_end`` (where Lightning's checkpoint callbacks read them)."""
+    meanwhile; on ``num_batches`` (default: ``limit_val_batches``/``limit_test_batches``) of each rank's batches.
+    The results are in ``trainer.callback_metrics`` by ``on_<stage>_end`` (where Lightning's checkpoint callbacks
+    read them)."""
     collector, trainer.metric_collector = trainer.metric_collector, MetricCollector(trainer.runtime, stage)
-    num_batches = trainer.config.eval_batches(stage, loader_length(loader))
+    if num_batches is None:
+        num_batches = trainer.config.eval_batches(stage, loader_length(loader))
     try:
         trainer._hook(f"on_{stage}_start")
         results = evaluate(trainer.runtime, loop_module, wrapped, loader, stage, trainer.metric_collector,

@@ -118,6 +118,7 @@ class MicroBatchBooks:
         self.faults.observe_loss(loss, self.state.global_step)
         self.epoch_loss.add(loss, samples, tokens)
         self.state.batches += 1
+        self.state.total_batches += 1
         self.bar.update()
 
 
@@ -137,6 +138,7 @@ class FitRun:
     books: MicroBatchBooks | None = None
     epoch_batches: float = 0  # micro-batches of the current epoch in all (an int; inf for an iterable until it ends)
     epoch_offset: int = 0  # of them, those done before this process resumed the epoch
+    validated_after: int = -1  # the epoch's micro-batches done when validation last ran in it (-1: not yet)
     started: float = 0.0
 
 def start_epoch(loader, epoch: int, position: dict | None, world_size: int, saved_world_size: int) -> int:

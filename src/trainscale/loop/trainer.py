@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import time
 import warnings
 from dataclasses import fields
@@ -19,7 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from trainscale.callbacks import Callback, ModelCheckpoint, resolve_callbacks
+from trainscale.callbacks import Callback, ModelCheckpoint, ModelSummary, resolve_callbacks
 from trainscale.callbacks.base import HOOKS, overridden_hooks
 from trainscale.loggers import resolve_loggers
 from trainscale.runtime.connector import RuntimeFlags, check_flag_names, flag_signature
@@ -27,7 +28,7 @@ from trainscale.runtime.runtime import Runtime
 from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry
 from trainscale.checkpointing import checkpointer
-from trainscale.checkpointing.rng import seed_everything
+from trainscale.checkpointing.rng import rng_state, seed_everything, set_rng_state
 from trainscale.loop import evaluation
 from trainscale.scaling.batch_scaling import BatchScaling
 from trainscale.tune.batch_size import tuned_loader
@@ -70,10 +71,15 @@ class Trainer:
         check_flag_names("Trainer", flags, RUNTIME_FLAG_NAMES + tuple(f.name for f in fields(TrainerConfig)))
         runtime_flags = {name: flags.pop(name) for name in RUNTIME_FLAG_NAMES if name in flags}
         self.config = resolve_trainer_config(**flags)
+        set_torch_flags(self.config.deterministic)
         self.batch_scaling = BatchScaling(self.config)
         self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint())
-        # the ModelCheckpoint callbacks: the user's, or the default one; asked at every step end (_checkpoint_if_due)
-        self.checkpoint_callbacks: list[ModelCheckpoint] = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+        if self.config.enable_model_summary and not any(isinstance(cb, ModelSummary) for cb in self.callbacks):
+            self.callbacks.append(ModelSummary())  # Lightning's default, unless the user gave one
+        # the ModelCheckpoint callbacks: the user's, or the default one; asked at every step end (_checkpoint_if_due);
+        # none under fast_dev_run, which writes nothing (Lightning's ModelCheckpoint skips it too)
+        self.checkpoint_callbacks: list[ModelCheckpoint] = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)
+                                                            and self.config.writes_files]
         self.loggers = resolve_loggers(logger)  # on every rank, so a bad value fails everywhere; used on rank zero
         # ``runtime``: the one Runtime.launch made for a ddp_spawn rank, built from the same flags
         self.runtime = runtime if runtime is not None else Runtime(**runtime_flags)
@@ -85,7 +91,11 @@ class Trainer:
         self.state = TrainState()
         self.run_dir: Path | None = None
         self.callback_metrics: dict[str, float] = {}  # the latest number of each name (epoch records, logs)
-        self.should_stop = False  # set by a callback (EarlyStopping): stop after this epoch, on every rank
+        self.should_stop = False  # set by a callback (EarlyStopping) or max_time: stop, on every rank
+        self.fitting = False  # True during fit (Lightning's trainer.state.fn == "fit"); validate() after it: False
+        self.sanity_checking = False  # True while the sanity check's validation runs (num_sanity_val_steps)
+        self.validated_at: list[int] = []  # global steps at which the last fit validated (sanity check excluded)
+        self._deadline = math.inf  # time.monotonic() at which max_time runs out
         self.optimizers: list = []
         self.schedulers: list = []
         self.manual_optimizers: list[ManualOptimizer] = []
@@ -165,6 +175,7 @@ class Trainer:
         self._fit, self._run_lock = None, RunLock()  # the run directory's lock: taken by _run_fit, released below
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
+        self.fitting = True
         try:
             return self._run_fit(model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, ckpt_verify)
         except BaseException as err:
@@ -175,6 +186,7 @@ class Trainer:
                 raise
             raise explained from err
         finally:
+            self.fitting = False
             self._faults.stop()
             self._run_lock.release()
             if self._fit is not None and self._fit.sink is not None:  # fit raised (finish_run closes it otherwise)
@@ -190,14 +202,19 @@ class Trainer:
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
         point = self._load(resume_from, verify) if resume_from is not None else None
         global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers, lambda: self.state.global_step)
-        self.run_dir, self._run_lock = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)  # held by fit
-        self._faults.start(self.run_dir)
+        if cfg.writes_files:  # fast_dev_run: no run directory, records, loggers or checkpoints
+            self.run_dir, self._run_lock = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)  # held by fit
+            self._faults.start(self.run_dir)
         for cb in self.checkpoint_callbacks:
             cb.setup(self)
         fit.sink = RecordWriter(self.run_dir, cfg.tensorboard, self.loggers, hyperparams(self, model)) \
-            if rt.is_rank_zero else None
+            if rt.is_rank_zero and cfg.writes_files else None
         rt.print(run_header(rt, global_batch, self.run_dir))
+        self.validated_at = []
         self._hook("on_fit_start")
+        if point is None:  # not when resuming, as Lightning
+            self._sanity_check(fit)
+        self._deadline = time.monotonic() + (cfg.max_time.total_seconds() if cfg.max_time is not None else math.inf)
         self._hook("on_train_start")
         for epoch in range(point.next_epoch if point else 0, cfg.max_epochs):
             if self.state.global_step >= cfg.step_limit or (self.should_stop and cfg.can_stop(epoch, self.global_step)):
@@ -217,7 +234,8 @@ class Trainer:
         self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
             model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
             before_step=lambda opt: self._hook("on_before_optimizer_step", opt))
-        train_loader = rt.setup_dataloader(train_dataloaders, seed=self.config.seed)
+        train_loader = rt.setup_dataloader(train_dataloaders, seed=self.config.seed,
+                                           shuffle=False if self.config.overfit_batches else None)  # Lightning's
         if val_dataloaders is not None and loop_module.has_training_step and not hasattr(model, "validation_step"):
             warnings.warn(f"a validation DataLoader was passed but {type(model).__name__} defines no validation_step: "
                           "validation is skipped (as in Lightning); define validation_step to validate", stacklevel=3)
@@ -248,11 +266,15 @@ class Trainer:
         fit.books = MicroBatchBooks(fit.telemetry, self._faults, self.state, self.metric_collector, fit.epoch_loss,
                                     fit.bar)
         fit.started = time.perf_counter() - (resume.totals[-1] if resume else 0.0)
+        fit.validated_after = -1
+        if fit.val_loader is not None and cfg.validates_in(epoch):
+            cfg.val_check_batch(fit.epoch_batches)  # a val_check_interval the epoch cannot hold fails here
         with self.metric_collector.epoch_hook():
             self._hook("on_train_epoch_start")
         fit.telemetry.start()
         steps = micro_batches(rt.prefetch(batches), cfg.accumulate_grad_batches, remaining, start=fit.epoch_offset)
-        while self.state.global_step < cfg.step_limit and self.train_step(fit, steps):
+        while (self.state.global_step < cfg.step_limit and not (self.should_stop and cfg.can_stop(epoch, self.global_step))
+               and self.train_step(fit, steps)):
             pass
         if fit.epoch_batches == math.inf and self.state.global_step < cfg.step_limit:  # the iterator ended the epoch
             fit.epoch_batches = self.state.batches
@@ -280,11 +302,14 @@ class Trainer:
         5. Learning-rate schedulers with ``interval="step"`` (under manual optimization the module steps its
            own, as in Lightning); the step count (under manual optimization, the optimizer steps the
            ``training_step`` took); ``on_train_batch_end``; the step record every ``log_every_n_steps``.
-        6. Faults and checkpoints (:meth:`_checkpoint_if_due`): signals and the non-finite check at the steps
-           every rank agreed on, a checkpoint every ``checkpoint_every_n_steps``.
+        6. Validation when ``val_check_interval`` and ``check_val_every_n_epoch`` say it is due within the epoch
+           (its last batch validates in ``_end_epoch``); then faults and checkpoints (:meth:`_checkpoint_if_due`):
+           signals and the non-finite check at the steps every rank agreed on, a checkpoint every
+           ``checkpoint_every_n_steps``; then ``max_time``: out of time, the epoch ends here.
         """
         rt, cfg, tele = self.runtime, self.config, fit.telemetry
         self.is_step_end = False
+        first_batch = self.state.batches  # this step's first micro-batch in the epoch
         # 1. Forward and backward, micro-batch by micro-batch.
         for micro in steps:
             batch = rt.to_device(micro.batch)  # on CUDA already there: prefetch copied it while the last step ran
@@ -331,8 +356,12 @@ class Trainer:
         self._hook("on_train_batch_end", loss, batch, micro.index)
         if self.is_log_step:
             self._log_step(fit, loss, grad_norm)
-        # 6. Signals, the non-finite check and checkpoints, when due.
+        # 6. Validation, signals, the non-finite check and checkpoints, when due; the time limit.
+        if self._validation_due(fit, trained=range(first_batch, self.state.batches)):
+            self._validate(fit, mid_epoch=True)
         self._checkpoint_if_due(fit, epoch_end=False)
+        if self._out_of_time():
+            self.should_stop = True  # max_time (Lightning's Timer): the epoch ends after this step
         return True
 
     def _forward_backward(self, fit: FitRun, batch: Any, micro: MicroBatch) -> tuple[torch.Tensor, Any]:
@@ -379,8 +408,8 @@ class Trainer:
         record = epoch_record(epoch, self.global_step, fit.epoch_loss.totals(rt), time.perf_counter() - fit.started,
                               complete=self.state.batches >= fit.epoch_batches, optimizers=self.optimizers)
         record.update(self.metric_collector.take_epoch_values())
-        if fit.val_loader is not None:
-            record.update(evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation"))
+        if fit.val_loader is not None and self._validates_at_epoch_end(fit, epoch):
+            record.update(self._validate(fit, mid_epoch=False))
         record.update(self._pending.pop("epoch", {}))
         self.callback_metrics.update(record)
         with self.metric_collector.epoch_hook():
@@ -396,6 +425,63 @@ class Trainer:
         rt.print(epoch_line(record, self.config.max_epochs))
         self._checkpoint_if_due(fit, epoch_end=True)
         self._faults.phase = STEP_PHASE
+
+    def _validation_due(self, fit: FitRun, trained: range) -> bool:
+        """Whether validation runs after the optimizer step that trained the epoch's micro-batches ``trained``
+        (``TrainerConfig.validation_due``: Lightning's ``_should_check_val_fx``), before the epoch's last batch
+        (that one validates in ``_end_epoch``, before the epoch's hooks)."""
+        return fit.val_loader is not None and trained.stop < fit.epoch_batches and self.config.validation_due(
+            self.current_epoch, trained, self.state.total_batches - len(trained), fit.epoch_batches)
+
+    def _validates_at_epoch_end(self, fit: FitRun, epoch: int) -> bool:
+        """Validation at the epoch's end, in the epochs ``check_val_every_n_epoch`` names, unless it ran after the
+        same batch: when the last batch is one of ``val_check_interval``'s, when an iterable data set's epoch
+        ended (Lightning's rules), or when the epoch was cut short (a stop asked by ``max_time`` or a callback, as
+        Lightning; by ``max_steps``, where Lightning does not validate, trainscale validates the final model)."""
+        done = self.state.batches
+        if fit.validated_after == done or not self.config.validates_in(epoch):
+            return False
+        if done < fit.epoch_batches or evaluation.loader_length(fit.train_loader) == math.inf:
+            return True
+        return self.config.validation_due(epoch, range(done - 1, done), self.state.total_batches - 1, fit.epoch_batches)
+
+    def _validate(self, fit: FitRun, mid_epoch: bool) -> dict[str, float]:
+        """Validation during ``fit`` (``evaluation.evaluate_stage``: its hooks, ``callback_metrics``); a mid-epoch
+        one is also written as a "validation" record (an epoch-end one goes in the epoch record)."""
+        results = evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation")
+        self.validated_at.append(self.global_step)
+        fit.validated_after = self.state.batches
+        if mid_epoch and fit.sink is not None:
+            fit.sink.write({"kind": "validation", "rank": "all", "time": time.time(), "epoch": self.current_epoch,
+                            "step": self.global_step, **results})
+        return results
+
+    def _sanity_check(self, fit: FitRun) -> None:
+        """Lightning's sanity check: ``num_sanity_val_steps`` validation batches before training, between
+        ``on_sanity_check_start`` and ``on_sanity_check_end``, with ``sanity_checking`` True; its results are not
+        kept (``callback_metrics`` as before) and the random states are restored after it, so training is the
+        same with or without it (Lightning re-seeds instead). None without a validation loader."""
+        if fit.val_loader is None or self.config.sanity_val_batches == 0:
+            return
+        saved_rng, saved_metrics = rng_state(), dict(self.callback_metrics)
+        self.sanity_checking = True
+        self._hook("on_sanity_check_start")
+        limit = self.config.sanity_val_batches
+        batches = evaluation.loader_length(fit.val_loader)
+        evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation",
+                                  num_batches=min(limit, self.config.val_batches(batches)))
+        self._hook("on_sanity_check_end")
+        self.sanity_checking = False
+        self.callback_metrics = saved_metrics
+        set_rng_state(saved_rng)
+
+    def _out_of_time(self) -> bool:
+        """``max_time`` has run out (Lightning's ``Timer``): rank zero's clock, broadcast so that every rank stops
+        after the same step (one broadcast per step, only with ``max_time`` on several ranks)."""
+        if self._deadline == math.inf:
+            return False
+        out = time.monotonic() >= self._deadline
+        return bool(self.runtime.broadcast_object(out)) if self.runtime.world_size > 1 else out
 
     def _checkpoint_if_due(self, fit: FitRun, epoch_end: bool) -> None:
         """The one place that decides when to checkpoint, after every optimizer step and at every epoch end:
@@ -521,3 +607,17 @@ Trainer.__init__.__signature__ = flag_signature(
     RuntimeFlags, TrainerConfig,
     extra=(inspect.Parameter("callbacks", inspect.Parameter.KEYWORD_ONLY, default=None),
            inspect.Parameter("logger", inspect.Parameter.KEYWORD_ONLY, default=None)))
+
+
+def set_torch_flags(deterministic: bool | str | None) -> None:
+    """``deterministic`` as Lightning's accelerator connector sets it: True: deterministic algorithms,
+    ``cudnn.benchmark`` off, ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS's reproducibility setting,
+    https://docs.nvidia.com/cuda/cublas/index.html#results-reproducibility); "warn": the same, warning instead of
+    raising on an op without a deterministic implementation; False: off; None: untouched."""
+    if deterministic:
+        torch.backends.cudnn.benchmark = False
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    if deterministic == "warn":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    elif isinstance(deterministic, bool):
+        torch.use_deterministic_algorithms(deterministic)
