@@ -90,11 +90,11 @@ def test_a_pod_with_two_processes_becomes_torchrun_with_the_operators_rendezvous
         monkeypatch.setenv(key, value)
     started = {}
 
-    def exec_torchrun(torchrun, entry, nproc):
+    def become_torchrun(torchrun, entry, nproc):
         started.update(torchrun=torchrun, entry=entry, nproc=nproc)
         raise _Stop
 
-    monkeypatch.setattr(launch, "exec_torchrun", exec_torchrun)
+    monkeypatch.setattr(launch, "become_torchrun", become_torchrun)
     monkeypatch.setattr(launch, "current_entry_point", lambda: ["train.py", "--lr", "1"])
     rt = Runtime(accelerator="cpu")  # devices="auto": the operator's 2 per pod, its 2 pods
     assert (rt.config.devices, rt.config.num_nodes, rt.world.world_size, rt.world.per_node) == (2, 2, 4, "2")
