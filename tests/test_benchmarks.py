@@ -71,10 +71,24 @@ def test_startup_times_imports_and_help_without_torch():
     stdout = run_bench("startup.py")
     for command in ("import torch", "import trainscale", "from trainscale import Trainer", "trainscale --help",
                     "first step, plain", "first step, Runtime", "first step, Trainer", "2 ranks, python (relaunch)",
-                    "2 ranks, torchrun"):
+                    "2 ranks, torchrun", "2 ranks factory, python", "2 ranks factory, torchrun"):
         assert any(line.startswith(command + " ") for line in stdout.splitlines()), stdout
     assert "trainscale --help imports torch: no" in stdout
     assert "devices=2 from `python script.py` (relaunched under torchrun) against raw torchrun:" in stdout
+    assert "(relaunched under torchrun, optimizer factory) against raw torchrun:" in stdout
+
+
+def test_scale_simulates_first_middle_and_last_rank_at_each_world_size():
+    # one process, the fake process group: world sizes 8 and 64, ranks 0, W/2 and W-1
+    stdout = run_bench("scale.py", "--repeats", "1")
+    rows = [cells for line in stdout.splitlines() if line.startswith("|")
+            and (cells := [c.strip() for c in line.strip("|").split("|")])[0].isdigit()]
+    assert [(int(row[0]), int(row[1])) for row in rows] == [(8, 0), (8, 4), (8, 7), (64, 0), (64, 32), (64, 63)]
+    for row in rows:
+        assert all(cell.endswith(" ms") and float(cell.split()[0]) >= 0 for cell in row[2:-2]), stdout
+    # every rank creates every layout's groups, its own or not (all ranks call new_group for each subgroup)
+    groups = {size: {int(row[-2]) for row in rows if row[0] == size} for size in ("8", "64")}
+    assert len(groups["8"]) == 1 and len(groups["64"]) == 1 and min(groups["64"]) > max(groups["8"]), stdout
 
 
 @pytest.mark.multiprocess

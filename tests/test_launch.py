@@ -90,11 +90,11 @@ def test_a_pod_with_two_processes_becomes_torchrun_with_the_operators_rendezvous
         monkeypatch.setenv(key, value)
     started = {}
 
-    def exec_torchrun(torchrun, entry, nproc):
+    def become_torchrun(torchrun, entry, nproc):
         started.update(torchrun=torchrun, entry=entry, nproc=nproc)
         raise _Stop
 
-    monkeypatch.setattr(launch, "exec_torchrun", exec_torchrun)
+    monkeypatch.setattr(launch, "become_torchrun", become_torchrun)
     monkeypatch.setattr(launch, "current_entry_point", lambda: ["train.py", "--lr", "1"])
     rt = Runtime(accelerator="cpu")  # devices="auto": the operator's 2 per pod, its 2 pods
     assert (rt.config.devices, rt.config.num_nodes, rt.world.world_size, rt.world.per_node) == (2, 2, 4, "2")
@@ -130,3 +130,80 @@ def test_a_pod_with_one_process_is_the_rank_and_says_where_it_waits(monkeypatch,
     assert (asked["init_method"], asked["rank"], asked["world_size"]) == ("tcp://t-master-0:23456", 1, 2)
     err = capsys.readouterr().err
     assert "rank 1 of 2 (kubernetes: " in err and "waiting at the rendezvous t-master-0:23456" in err
+
+
+# -- which process runs torchrun's agent -------------------------------------------------------------
+class _Exit(Exception):
+    pass
+
+
+def test_agent_in_process_is_refused_with_a_cuda_context_or_much_memory(monkeypatch):
+    import torch
+
+    assert "GiB" in launch.agent_in_process_refusal(max_rss=1)  # any process holds more than a byte
+    if not torch.cuda.is_initialized():
+        assert launch.agent_in_process_refusal(max_rss=1 << 50) is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert "CUDA context" in launch.agent_in_process_refusal(max_rss=1 << 50)
+
+
+def test_a_light_process_runs_torchruns_main_and_exits_with_its_status(monkeypatch):
+    from torch.distributed import run as torchrun_main
+
+    ran, done = {}, {}
+    monkeypatch.setattr(launch, "agent_in_process_refusal", lambda: None)
+    monkeypatch.setattr(launch.os, "execve", lambda *a: pytest.fail("a light process must not exec"))
+
+    def main(args):
+        ran.update(args=args, omp=launch.os.environ.get("OMP_NUM_THREADS"))
+        raise SystemExit(3)
+
+    def exit_(status):
+        done["status"] = status
+        raise _Exit
+
+    monkeypatch.setattr(torchrun_main, "main", main)
+    monkeypatch.setattr(launch.os, "_exit", exit_)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with pytest.raises(_Exit):
+        launch.become_torchrun(["--standalone", "--nproc-per-node=2"], ["train.py", "--lr", "1"], 2)
+    assert ran["args"] == ["--standalone", "--nproc-per-node=2", "--module", "--", "trainscale.runtime.worker",
+                           "train.py", "--lr", "1"]
+    assert ran["omp"] is not None and done == {"status": 3}  # worker_env's defaults, torchrun's exit status
+
+
+def test_a_heavy_process_is_replaced_by_torchrun(monkeypatch):
+    execed = {}
+    monkeypatch.setattr(launch, "agent_in_process_refusal", lambda: "a CUDA context is initialised in this process")
+
+    def execve(path, argv, env):
+        execed.update(path=path, argv=argv, env=env)
+        raise _Exit
+
+    monkeypatch.setattr(launch.os, "execve", execve)
+    with pytest.raises(_Exit):
+        launch.become_torchrun(["--standalone", "--nproc-per-node=2"], ["train.py"], 2)
+    assert execed["path"] == sys.executable
+    assert execed["argv"][1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert execed["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+_FAILING_RANK = """
+from trainscale import Runtime
+rt = Runtime(accelerator="cpu", devices=2, timeout=30)
+rt.launch()
+if rt.rank == 1:
+    raise RuntimeError("rank one fails on purpose")
+rt.barrier()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_a_relaunch_whose_worker_fails_exits_1_with_the_error(tmp_path):
+    from tests.helpers import run_python
+
+    (tmp_path / "fails.py").write_text(_FAILING_RANK)
+    out, _ = run_python(["fails.py"], tmp_path, timeout=80)  # devices=2: torchrun's agent in this light process
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "rank one fails on purpose" in out.stderr

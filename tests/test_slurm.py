@@ -24,6 +24,7 @@ TRAINSCALE = str(Path(sys.executable).parent / "trainscale")
 ])
 def test_expand_hostlist(text, hosts):
     assert slurm.expand_hostlist(text) == hosts
+    assert slurm.first_host(text) == hosts[0]  # what the World reads, without expanding the rest
 
 
 @pytest.mark.parametrize("text", ["node[01-03", "node01]", "node[a-b]", "node[5-3]"])
@@ -36,6 +37,10 @@ def test_tasks_per_node():
     assert slurm.tasks_per_node("4(x2),3") == [4, 4, 3]
     with pytest.raises(ValueError, match="SLURM_TASKS_PER_NODE"):
         slurm.tasks_per_node("4(2)")
+    for spec in ("4(x2),3", "8", "2,8(x3),1(x2)"):
+        per_node = slurm.tasks_per_node(spec)
+        assert [slurm.tasks_on_node(spec, n) for n in range(len(per_node) + 1)] == \
+            [(t, len(per_node)) for t in per_node] + [(None, len(per_node))]
 
 
 SLURM_ENV = {"SLURM_JOB_ID": "12345", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",

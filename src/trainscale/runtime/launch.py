@@ -135,15 +135,59 @@ def torchrun_argv(torchrun: Sequence[str], entry: Sequence[str]) -> list[str]:
             "trainscale.runtime.worker", *entry]
 
 
-def exec_torchrun(torchrun: Sequence[str], entry: Sequence[str], nproc_per_node: int) -> None:
-    """Replace this process by ``python -m torch.distributed.run TORCHRUN ENTRY``. Does not return.
+# The most resident memory a script's process may hold and still become torchrun's agent itself (see
+# become_torchrun): what it built before Trainer() then stays for the whole job, so at most this much.
+AGENT_IN_PROCESS_MAX_RSS = 1 << 30  # bytes
 
-    A new interpreter (about 1 s more to the first step than raw torchrun, which imports torch once): running
-    torchrun's agent in this process instead would keep what the script built before ``Trainer()`` (its data, a
-    model, a CUDA context on the first GPU) alive for the whole job."""
+
+def agent_in_process_refusal(max_rss: int = AGENT_IN_PROCESS_MAX_RSS) -> str | None:
+    """Why this process must not host torchrun's agent (None: it may): a CUDA context is initialised (it would
+    hold GPU memory on the first GPU for the whole job, beside the workers), or the resident memory is ``max_rss``
+    bytes or more (the script's data and model, kept while the workers run), or it cannot be read
+    (``/proc/self/statm``: Linux only)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "a CUDA context is initialised in this process"
+    try:
+        with open("/proc/self/statm") as statm:
+            rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return "its resident memory cannot be read"
+    if rss >= max_rss:
+        return f"it holds {rss / 2**30:.2f} GiB (>= {max_rss / 2**30:.2f} GiB)"
+    return None
+
+
+def become_torchrun(torchrun: Sequence[str], entry: Sequence[str], nproc_per_node: int) -> None:
+    """Become ``python -m torch.distributed.run TORCHRUN ENTRY``, torchrun's agent starting the workers. Does not
+    return.
+
+    A light process (:func:`agent_in_process_refusal` is None: no CUDA context, under 1 GiB resident) runs
+    torchrun's own ``main`` itself, with the torch it has imported; then exits with torchrun's status (after its
+    failure report, as torchrun prints it) without the script's atexit handlers, which belong to the workers.
+    Any other process is replaced (``exec``) by a new interpreter running torchrun, which imports torch again
+    (about 1.2 s more to the first step here, docs/clusters.md) but keeps nothing of the script."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, torchrun_argv(torchrun, entry), worker_env(nproc_per_node))
+    env = worker_env(nproc_per_node)
+    if agent_in_process_refusal() is not None:
+        os.execve(sys.executable, torchrun_argv(torchrun, entry), env)
+    import traceback
+
+    from torch.distributed import run as torchrun_main
+
+    os.environ.update(env)
+    status = 0
+    try:
+        torchrun_main.main(torchrun_argv(torchrun, entry)[3:])  # without "python -m torch.distributed.run"
+    except SystemExit as done:
+        status = done.code if isinstance(done.code, int) else 1
+    except BaseException:  # a worker failed (ChildFailedError) or the agent did: its report, then exit 1
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # as exec would
 
 
 def relaunch_current_script(nproc_per_node: int, num_nodes: int = 1) -> None:
@@ -156,7 +200,7 @@ def relaunch_current_script(nproc_per_node: int, num_nodes: int = 1) -> None:
     if num_nodes > 1:
         raise RuntimeError(f"num_nodes={num_nodes}: start the script on every node with "
                            "`trainscale run --nnodes N --node-rank R --rdzv-endpoint HOST:PORT -n DEVICES script.py`")
-    exec_torchrun(torchrun_args(nproc_per_node), current_entry_point(), nproc_per_node)
+    become_torchrun(torchrun_args(nproc_per_node), current_entry_point(), nproc_per_node)
 
 
 def node_torchrun_args(world) -> list[str]:
@@ -170,8 +214,8 @@ def node_torchrun_args(world) -> list[str]:
 
 
 def start_node_ranks(world) -> None:
-    """Replace this process, the one a per-node launcher started on this node (``World.per_node``), by
-    torchrun starting the node's ranks (:func:`node_torchrun_args`). Does not return.
+    """Make this process, the one a per-node launcher started on this node (``World.per_node``), torchrun
+    (:func:`become_torchrun`) starting the node's ranks (:func:`node_torchrun_args`). Does not return.
 
     Raises:
         RuntimeError: the program cannot be relaunched (see :func:`current_entry_point`).
@@ -180,7 +224,7 @@ def start_node_ranks(world) -> None:
     print(f"trainscale: {world.detected_from}; node {world.node_rank} of {world.num_nodes} starts "
           f"{world.local_world_size} processes with torchrun, meeting at {world.master_addr}:{world.master_port}",
           file=sys.stderr, flush=True)
-    exec_torchrun(node_torchrun_args(world), entry, world.local_world_size)
+    become_torchrun(node_torchrun_args(world), entry, world.local_world_size)
 
 
 # -- trainscale run: checks before the launch, torchrun as a child, the failure printed last ----------

@@ -338,7 +338,7 @@ class Runtime:
         world = self.strategy.data_world(self.world)  # tensor-parallel ranks share their batches
         out = distribute_dataloader(loader, world, shuffle=shuffle, seed=seed, even=even)
         if even:  # training: ranks with different numbers of steps would mismatch collectives mid-epoch
-            check_equal_lengths(out, self.world)
+            check_equal_lengths(out, self.world, self.device)
         if pin_memory is None:
             pin_memory = loader.pin_memory or self.device.type == "cuda"
         if out is not loader:  # ours to configure; the iterator reads it when an epoch starts

@@ -215,13 +215,18 @@ def distribute_dataloader(loader: DataLoader, world: World, *, shuffle: bool | N
     return DataLoader(loader.dataset, sampler=new_sampler, **_loader_kwargs(loader))
 
 
-def check_equal_lengths(loader: DataLoader, world: World) -> None:
+def check_equal_lengths(loader: DataLoader, world: World, device: torch.device | str = "cpu") -> None:
     """Under world size > 1, check that every rank's ``loader`` has the same number of batches.
 
     Ranks that run different numbers of steps call different collectives at the end of the shorter
     epoch (gloo: "collective mismatch"; NCCL: a hang until the timeout), so this names the cause
-    before the first step. One small collective (``all_gather_object`` of ``len(loader)``); call it
-    on every rank. A loader without ``len`` (an IterableDataset without ``__len__``) is not checked.
+    before the first step. One all-reduce of two integers (the largest length and minus the smallest),
+    so its cost per rank does not grow with the world size; only when the lengths differ are they
+    gathered (``all_gather_object``) to name each rank's. Call it on every rank. A loader without
+    ``len`` (an IterableDataset without ``__len__``) is not checked.
+
+    Args:
+        device: where the all-reduce's tensor lives: the rank's device (NCCL reduces CUDA tensors only).
 
     Raises:
         ValueError: on every rank, naming each rank's number of batches and the fix.
@@ -232,10 +237,13 @@ def check_equal_lengths(loader: DataLoader, world: World) -> None:
         mine = len(loader)
     except TypeError:
         mine = None
+    code = -1 if mine is None else mine  # a loader without len: -1, so that a mix of both counts as uneven
+    extremes = torch.tensor([code, -code], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    if int(extremes[0]) == -int(extremes[1]):
+        return
     lengths: list = [None] * world.world_size
     dist.all_gather_object(lengths, mine)
-    if len(set(lengths)) <= 1 or all(n is None for n in lengths):
-        return
     per_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths))
     raise ValueError(
         f"the training DataLoader gives the ranks different numbers of batches per epoch ({per_rank}); every rank "

@@ -75,15 +75,49 @@ def expand_hostlist(hostlist: str) -> list[str]:
     return hosts
 
 
-def tasks_per_node(spec: str) -> list[int]:
-    """SLURM_TASKS_PER_NODE's ``"4(x2),3"`` → ``[4, 4, 3]``."""
-    out: list[int] = []
+def first_host(hostlist: str) -> str:
+    """The first host of SLURM's compressed hostlist, ``expand_hostlist(hostlist)[0]`` without expanding the
+    others (a job of N nodes would otherwise build N names on every rank): ``"node[0001-1024]"`` → ``"node0001"``.
+
+    Raises:
+        ValueError: unbalanced brackets or a malformed first range.
+    """
+    pattern, host = _split_top(hostlist.strip())[0], ""
+    while (open_at := pattern.find("[")) >= 0:
+        close_at = pattern.index("]", open_at)
+        first = pattern[open_at + 1:close_at].split(",")[0]
+        m = _RANGE.match(first.strip())
+        if not m:
+            raise ValueError(f"bad range {first!r} in hostlist pattern {pattern!r}")
+        host, pattern = host + pattern[:open_at] + m.group(1), pattern[close_at + 1:]
+    return host + pattern
+
+
+def _tasks_entries(spec: str) -> list[tuple[int, int]]:
+    """SLURM_TASKS_PER_NODE's ``"4(x2),3"`` → ``[(4, 2), (3, 1)]``: (tasks, nodes with that many)."""
+    out = []
     for item in spec.split(","):
         m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
         if not m:
             raise ValueError(f"bad SLURM_TASKS_PER_NODE entry {item!r} in {spec!r}")
-        out += [int(m.group(1))] * int(m.group(2) or 1)
+        out.append((int(m.group(1)), int(m.group(2) or 1)))
     return out
+
+
+def tasks_per_node(spec: str) -> list[int]:
+    """SLURM_TASKS_PER_NODE's ``"4(x2),3"`` → ``[4, 4, 3]``."""
+    return [tasks for tasks, nodes in _tasks_entries(spec) for _ in range(nodes)]
+
+
+def tasks_on_node(spec: str, node: int) -> tuple[int | None, int]:
+    """``(tasks on node index node, nodes)`` from SLURM_TASKS_PER_NODE, without expanding ``"8(x1024)"`` to a
+    list per node: ``tasks_on_node("4(x2),3", 2)`` → ``(3, 3)``; tasks None when ``node`` is not in it."""
+    entries, tasks, first = _tasks_entries(spec), None, 0
+    for count, nodes in entries:
+        if tasks is None and first <= node < first + nodes:
+            tasks = count
+        first += nodes
+    return tasks, first
 
 
 def is_slurm_task(env: Mapping[str, str]) -> bool:
@@ -162,16 +196,15 @@ def world_fields(env: Mapping[str, str]) -> dict:
     node_rank, local_rank = geti("SLURM_NODEID", 0), geti("SLURM_LOCALID", 0)
     spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
     if spec:  # per node, so nodes may differ (e.g. "8,4")
-        per_node = tasks_per_node(spec)
-        if not 0 <= node_rank < len(per_node):
+        local_world_size, nodes = tasks_on_node(spec, node_rank)
+        if local_world_size is None or node_rank < 0:
             raise launcher_error("slurm", env, SLURM_VARS, f"SLURM_NODEID={node_rank} but the tasks per node are "
                                                            f"{spec!r}")
-        local_world_size, nodes = per_node[node_rank], len(per_node)
     else:
         local_world_size = geti("SLURM_NTASKS_PER_NODE", world_size)
         nodes = geti("SLURM_STEP_NUM_NODES", geti("SLURM_NNODES", 0)) or None
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    master_addr = env.get("MASTER_ADDR") or (expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1")
+    master_addr = env.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else "127.0.0.1")
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
     return dict(world_size=world_size, rank=rank, local_rank=local_rank, local_world_size=local_world_size,
                 node_rank=node_rank, master_addr=master_addr, master_port=geti("MASTER_PORT", port_from_job_id(job_id)),
