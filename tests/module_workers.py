@@ -179,10 +179,10 @@ def gan_losses(generator, discriminator, z, x):
     return d_loss, g_loss
 
 
-def gan_optimizers(discriminator, generator):
+def gan_optimizers(discriminator, generator, momentum: float = 0.5):
     """Both optimizers keep state (momentum), so a resume that loses it ends at other weights."""
-    return (torch.optim.SGD(discriminator.parameters(), lr=0.1, momentum=0.5),
-            torch.optim.SGD(generator.parameters(), lr=0.1, momentum=0.5))
+    return (torch.optim.SGD(discriminator.parameters(), lr=0.1, momentum=momentum),
+            torch.optim.SGD(generator.parameters(), lr=0.1, momentum=momentum))
 
 
 CLIP = 0.05  # below the gradient norms of this GAN: every step clips (asserted in gan_reference)
@@ -197,8 +197,9 @@ class GAN(TrainingModule):
     sync_control = False
     clip: float | None = None
 
-    def __init__(self):
+    def __init__(self, momentum: float = 0.5):
         super().__init__()
+        self.save_hyperparameters()  # saved in its checkpoints: load_from_checkpoint rebuilds it
         self.generator, self.discriminator = make_gan()
 
     @contextlib.contextmanager
@@ -232,7 +233,7 @@ class GAN(TrainingModule):
         self.log("d_real", self.discriminator(x).mean())
 
     def configure_optimizers(self):
-        return gan_optimizers(self.discriminator, self.generator)
+        return gan_optimizers(self.discriminator, self.generator, self.hparams.momentum)
 
 
 class SyncGAN(GAN):

@@ -20,13 +20,16 @@ class _Trainer:
     def __init__(self, run_dir):
         self.run_dir, self.global_step, self.current_epoch, self.callback_metrics = run_dir, 0, 0, {}
         self.runtime = types.SimpleNamespace(is_rank_zero=True, barrier=lambda: None)
-        self.checkpoints = types.SimpleNamespace(discard=lambda paths: [ckpt.remove_checkpoint(p) for p in paths])
+        self.checkpoints = types.SimpleNamespace(discard=lambda paths: [ckpt.remove_checkpoint(p) for p in paths],
+                                                 link=ckpt.link_last)
+        self.runtime.strategy = types.SimpleNamespace(checkpoint_suffix=".pt")
+        self.runtime.broadcast_object = lambda value: value
 
     def reached_multiple(self, n):
         return self.global_step % n == 0
 
-    def write_checkpoint(self, directory, background=False):
-        path = directory / ckpt.checkpoint_name(self.current_epoch, self.global_step)
+    def write_checkpoint(self, directory, background=False, name=None):
+        path = directory / (ckpt.checkpoint_name(self.current_epoch, self.global_step) if name is None else name + ".pt")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"x")
         (path.parent / f"{path.name}.sha256").write_text("0" * 64)
@@ -227,3 +230,43 @@ def test_a_monitored_step_save_before_the_first_validation_warns_and_ranks_last(
     del trainer.callback_metrics["val_loss"]
     with pytest.raises(ValueError, match="monitors 'val_loss', which is not among the metrics"):
         callback.save_if_due(trainer, epoch_end=True, ends_epoch=True)
+
+
+def test_filename_templates_follow_lightnings_format_and_never_overwrite(tmp_path):
+    callback = ModelCheckpoint(filename="{epoch}-{val_loss:.2f}")
+    # Lightning's format_checkpoint_name doctests (without the directory and ".ckpt")
+    assert callback.format_checkpoint_name({"epoch": 2, "val_loss": 0.123456}) == "epoch=2-val_loss=0.12"
+    assert callback.format_checkpoint_name({"epoch": 5}, filename="{epoch:03d}") == "epoch=005"
+    assert callback.format_checkpoint_name({}, filename="{missing:d}") == "missing=0"
+    assert callback.format_checkpoint_name({"epoch": 1, "epoch_test": 7}, filename="{epoch}-{epoch_test}") == \
+        "epoch=1-epoch_test=7"
+    plain = ModelCheckpoint(filename="e{epoch}-vl={val_loss:.1f}", auto_insert_metric_name=False)
+    assert plain.format_checkpoint_name({"epoch": 2, "val_loss": 0.26}, ver=1) == "e2-vl=0.3-v1"
+    with pytest.raises(ValueError, match="formats to 'val/loss=0.10', a path"):
+        ModelCheckpoint(filename="{val/loss:.2f}").format_checkpoint_name({"val/loss": 0.1})
+    with pytest.raises(ValueError, match="not 'last'"):
+        ModelCheckpoint(filename="last")
+    # in a run: the same name twice gets -v1 (a template without {step}); save_last links last.ckpt to the newest
+    trainer = _Trainer(tmp_path / "version_0")
+    callback = ModelCheckpoint(filename="{epoch}", save_top_k=-1, save_last=True)
+    callback.setup(trainer)
+    _steps(callback, trainer, (1, 2))
+    ckpt_dir = trainer.run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpt_dir.glob("*.pt")) == ["epoch=0-v1.pt", "epoch=0.pt"]
+    link = ckpt_dir / "last.ckpt"
+    assert link.is_symlink() and link.resolve() == (ckpt_dir / "epoch=0-v1.pt").resolve()
+    assert callback.last_model_path == str(link) and (ckpt_dir / "last").read_text().strip() == "epoch=0-v1.pt"
+
+
+def test_save_top_k_0_saves_nothing_but_the_last_when_asked(tmp_path):
+    trainer = _Trainer(tmp_path / "version_0")
+    nothing = ModelCheckpoint(save_top_k=0)
+    nothing.setup(trainer)
+    _steps(nothing, trainer, (1, 2))
+    assert list((trainer.run_dir / "checkpoints").glob("*")) == [] and nothing.best_model_path is None
+    only_last = ModelCheckpoint(save_top_k=0, save_last="link")
+    only_last.setup(trainer)
+    _steps(only_last, trainer, (3, 4))
+    ckpt_dir = trainer.run_dir / "checkpoints"
+    assert [p.name for p in ckpt_dir.glob("*.pt")] == [ckpt.checkpoint_name(0, 4)]
+    assert (ckpt_dir / "last.ckpt").resolve() == (ckpt_dir / ckpt.checkpoint_name(0, 4)).resolve()

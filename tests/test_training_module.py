@@ -148,6 +148,10 @@ def test_lightning_module_on_two_ranks_matches_plain_pytorch(tmp_path):
                for rank in ranks]
     assert untimed[0] == untimed[1]  # the same reduced numbers on both ranks
     assert {"val_loss", "val_acc", "lr-SGD"} <= record.keys()
+    # the ddp run's last checkpoint file, loaded in this plain process (no process group): the trained weights
+    loaded = mw.LitClassifier.load_from_checkpoint(ckpt.find_last(tmp_path))
+    for key, value in ranks[0]["state"].items():
+        torch.testing.assert_close(loaded.net.state_dict()[key], value, rtol=0, atol=0)
 
 
 # -- self.log reduction ---------------------------------------------------------------------------------
@@ -349,6 +353,15 @@ def test_gan_under_fsdp_matches_plain_pytorch_and_reduce_scatters_on_the_boundar
         assert out["sync_reduce_scatters"] == 2 * STEPS
         assert out["toggle_reduce_scatters"] == 2 * MICRO_BATCHES
         assert "holds scale itself" in out["own_parameter"] and "move them into a submodule" in out["own_parameter"]
+    # the fsdp run's last checkpoint, a sharded (DCP) directory, loaded whole in this plain process with its
+    # saved hyperparameters (and one replaced)
+    last = ckpt.find_last(tmp_path / "sync")
+    assert last.is_dir()
+    loaded = mw.SyncGAN.load_from_checkpoint(last, momentum=0.9)
+    assert dict(loaded.hparams) == {"momentum": 0.9}
+    assert dict(mw.SyncGAN.load_from_checkpoint(last).hparams) == {"momentum": 0.5}
+    for key, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, ranks[0]["sync"][key], rtol=0, atol=0, msg=key)
 
 
 @pytest.mark.timeout(240)
@@ -406,7 +419,7 @@ def test_early_stopping_stops_on_the_epoch_lightnings_rule_gives(tmp_path, mode,
     trainer = _trainer(tmp_path, max_epochs=10, callbacks=[stop], enable_checkpointing=False)
     trainer.fit(Scored(scores), DataLoader(mw.indexed_dataset(4), batch_size=4), DataLoader(mw.indexed_dataset(2)))
     assert len(trainer.history) == 6 and stop.stopped_epoch == 5
-    assert stop.best == sign * 1.0 and stop.wait == 2
+    assert stop.best_score == sign * 1.0 and stop.wait_count == 2
 
 
 class EpochMetric(Recorder):
@@ -452,7 +465,7 @@ def test_validate_and_predict_evaluate_the_best_and_the_last_checkpoint_on_two_r
 
 def test_ckpt_path_of_an_evaluation_is_checked_before_anything_runs(tmp_path):
     model, loader = mw.Logger(), DataLoader(mw.indexed_dataset(4))
-    with pytest.raises(ValueError, match=r"ckpt_path='best' needs a ModelCheckpoint\(monitor=...\)"):
+    with pytest.raises(ValueError, match=r"ckpt_path='best' needs a ModelCheckpoint .* that has saved a checkpoint"):
         _trainer(tmp_path).validate(model, loader, ckpt_path="best")
     with pytest.raises(FileNotFoundError, match="ckpt_path='last' but no run of .* has a checkpoint"):
         _trainer(tmp_path / "empty").test(model, loader, ckpt_path="last")
@@ -502,7 +515,7 @@ def test_callback_hooks_run_and_their_state_survives_a_resume(tmp_path):
     again, stop_again = Counting(), EarlyStopping("const", patience=5)
     _trainer(tmp_path, max_epochs=3, callbacks=[again, stop_again]).fit(Recorder(), loader, val, ckpt_path="last")
     assert again.total == 6 + 3  # restored 6, then one more epoch of 3 batches
-    assert stop_again.wait == stop.wait + 1 and stop_again.best == stop.best == 1.0
+    assert stop_again.wait_count == stop.wait_count + 1 and stop_again.best_score == stop.best_score == 1.0
 
 
 # -- test() and predict() -------------------------------------------------------------------------------------

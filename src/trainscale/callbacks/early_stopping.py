@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import warnings
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from trainscale.callbacks.base import Callback
@@ -11,30 +13,62 @@ if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
 
 
+class EarlyStoppingReason(Enum):
+    """Why :class:`EarlyStopping` stopped training (Lightning's enum of the same name)."""
+
+    NOT_STOPPED = 0
+    STOPPING_THRESHOLD = 1
+    DIVERGENCE_THRESHOLD = 2
+    PATIENCE_EXHAUSTED = 3
+    NON_FINITE_METRIC = 4
+
+
 class EarlyStopping(Callback):
-    """Stop ``fit`` after ``patience`` checks in a row without an improvement of ``monitor`` by more than
-    ``min_delta``: Lightning's rule (``wait_count >= patience``), so with ``patience=2`` and the best value at
-    epoch 3 the last epoch trained is epoch 5 (0-based). The metric is read from ``trainer.callback_metrics`` at
-    each epoch end, after the module's ``on_train_epoch_end`` (what it logs there counts); those values are
-    reduced over all ranks, so every rank takes the same decision and all stop on the same epoch. With
-    ``val_check_interval`` or ``check_val_every_n_epoch`` set so that validation does not run exactly at each epoch
-    end, it checks after each validation of ``fit`` instead (Lightning's default ``check_on_train_epoch_end``), and
-    the stop comes at the next optimizer step (once ``min_epochs``/``min_steps`` allow it).
+    """Stop ``fit`` when ``monitor`` stops improving, with Lightning's arguments and rules
+    (``lightning.pytorch.callbacks.early_stopping``, ``_evaluate_stopping_criteria``), checked in this order at each
+    check: a non-finite value (``check_finite``), ``stopping_threshold`` reached, ``divergence_threshold`` passed,
+    an improvement by more than ``min_delta`` (resets the count), else one more check without one; training stops
+    when that count reaches ``patience``. So with ``patience=2`` and the best value at epoch 3 the last epoch trained
+    is epoch 5 (0-based). The metric is read from ``trainer.callback_metrics``, whose values are reduced over all
+    ranks, so every rank takes the same decision and all stop on the same epoch.
+
+    When: at each training epoch end, after the module's ``on_train_epoch_end`` (what it logs there counts), when
+    ``check_on_train_epoch_end`` is True, or None and validation runs once per epoch (Lightning's rule:
+    ``val_check_interval`` 1.0 and ``check_val_every_n_epoch`` 1); otherwise at the end of each validation
+    during ``fit`` (``on_validation_end``), and the stop comes at the next optimizer step (once ``min_epochs``/
+    ``min_steps`` allow it). ``patience`` counts checks, not epochs.
 
     Args:
         monitor: a metric name, e.g. "val_loss" or a name given to ``self.log``.
-        mode: "min" (lower is better) or "max".
+        min_delta: the smallest change that counts as an improvement (an absolute change <= ``min_delta`` does not).
         patience: checks in a row without improvement that stop training (0: the first one does).
-        min_delta: the smallest change that counts as an improvement (>= 0).
+        verbose: print each decision (improvement, stop) on every rank (rank zero only with ``log_rank_zero_only``);
+            without it only the stop is printed, on rank zero.
+        mode: "min" (lower is better) or "max".
+        strict: a ``monitor`` missing from the metrics raises; False: the check is skipped (with a warning when
+            ``verbose``).
+        check_finite: stop when the value is NaN or infinite.
+        stopping_threshold: stop as soon as the value is better than this.
+        divergence_threshold: stop as soon as the value is worse than this.
+        check_on_train_epoch_end: see "When" above.
+        log_rank_zero_only: with ``verbose``, print on rank zero only.
+
+    Attributes:
+        stopped_epoch: the epoch (0-based) after which training stopped; 0 if it did not.
+        stopping_reason: an :class:`EarlyStoppingReason`; ``stopping_reason_message`` says it in words.
+        best_score, wait_count: the best value so far and the checks since it.
 
     Raises:
-        ValueError: bad ``mode``/``patience``/``min_delta``; at an epoch end, a ``monitor`` that is not
-            among the metrics (their names are listed).
+        ValueError: bad ``mode``/``patience``/``min_delta``; at a check, with ``strict``, a ``monitor`` that is
+            not among the metrics (their names are listed).
     """
 
     monitors_metrics = True  # its on_train_epoch_end after the module's (Lightning's monitoring callbacks)
 
-    def __init__(self, monitor: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0) -> None:
+    def __init__(self, monitor: str, min_delta: float = 0.0, patience: int = 3, verbose: bool = False,
+                 mode: str = "min", strict: bool = True, check_finite: bool = True,
+                 stopping_threshold: float | None = None, divergence_threshold: float | None = None,
+                 check_on_train_epoch_end: bool | None = None, log_rank_zero_only: bool = False) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r}; choose 'min' or 'max'")
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
@@ -42,47 +76,90 @@ class EarlyStopping(Callback):
         if not min_delta >= 0:
             raise ValueError(f"min_delta={min_delta!r} must be >= 0")
         self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, float(min_delta)
-        self.best = math.inf if mode == "min" else -math.inf
-        self.wait = 0
-        self.stopped_epoch: int | None = None
+        self.verbose, self.strict, self.check_finite = verbose, strict, check_finite
+        self.stopping_threshold, self.divergence_threshold = stopping_threshold, divergence_threshold
+        self.check_on_train_epoch_end, self.log_rank_zero_only = check_on_train_epoch_end, log_rank_zero_only
+        self.best_score = math.inf if mode == "min" else -math.inf
+        self.wait_count = 0
+        self.stopped_epoch = 0
+        self.stopping_reason = EarlyStoppingReason.NOT_STOPPED
+        self.stopping_reason_message: str | None = None
 
-    def _improved(self, value: float) -> bool:
-        return value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
+    def _better(self, value: float, than: float) -> bool:
+        return value < than if self.mode == "min" else value > than
 
-    @staticmethod
-    def _checks_at_validation_end(trainer: Trainer) -> bool:
-        """Lightning's ``check_on_train_epoch_end=None``: at each epoch end when validation runs exactly there
-        (``val_check_interval`` None or 1.0, ``check_val_every_n_epoch=1``), else after each validation of ``fit``."""
-        cfg = trainer.config
-        return not (cfg.val_check_interval in (None, 1.0) and cfg.check_val_every_n_epoch == 1)
-
-    def on_validation_end(self, trainer: Trainer, module: Any) -> None:
-        if self._checks_at_validation_end(trainer) and trainer.fitting and not trainer.sanity_checking:
-            self._check(trainer)
+    def _at_epoch_end(self, trainer: Trainer) -> bool:
+        if self.check_on_train_epoch_end is not None:
+            return self.check_on_train_epoch_end
+        cfg = trainer.config  # Lightning's EarlyStopping.setup: validation once per epoch, at its end
+        return cfg.val_check_interval in (1.0, None) and cfg.check_val_every_n_epoch == 1
 
     def on_train_epoch_end(self, trainer: Trainer, module: Any) -> None:
-        if not self._checks_at_validation_end(trainer):
+        if self._at_epoch_end(trainer):
+            self._check(trainer)
+
+    def on_validation_end(self, trainer: Trainer, module: Any) -> None:
+        # Lightning checks during fit only (not in trainer.validate), and not in the sanity check
+        if trainer.fitting and not trainer.sanity_checking and not self._at_epoch_end(trainer):
             self._check(trainer)
 
     def _check(self, trainer: Trainer) -> None:
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
-            raise ValueError(f"EarlyStopping monitors {self.monitor!r}, which is not among this epoch's metrics: "
-                             f"{', '.join(sorted(metrics))}")
-        value = metrics[self.monitor]
-        if self._improved(value):
-            self.best, self.wait = value, 0
+            message = (f"EarlyStopping monitors {self.monitor!r}, which is not among the metrics: "
+                       f"{', '.join(sorted(metrics))}; log it, or pass strict=False to skip such checks")
+            if self.strict:
+                raise ValueError(message)
+            if self.verbose:
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
             return
-        self.wait += 1
-        if self.wait >= self.patience:  # Lightning's EarlyStopping._evaluate_stopping_criteria
+        stop, reason = self._evaluate(float(metrics[self.monitor]))
+        if stop:
             self.stopped_epoch = trainer.current_epoch
+            self.stopping_reason_message = reason
             trainer.should_stop = True
-            trainer.runtime.print(f"trainscale: EarlyStopping: {self.monitor} did not improve on {self.best:.6g} for "
-                                  f"{self.wait} checks; stopping at step {trainer.global_step}, epoch "
-                                  f"{trainer.current_epoch + 1}")
+        rt = trainer.runtime
+        if reason and self.verbose and (rt.is_rank_zero or not self.log_rank_zero_only):
+            print(f"trainscale: EarlyStopping{f' [rank {rt.rank}]' if rt.world_size > 1 else ''}: {reason}", flush=True)
+        elif stop:  # the stop is always said, once
+            rt.print(f"trainscale: EarlyStopping: {reason} (after epoch {trainer.current_epoch + 1})")
+
+    def _evaluate(self, value: float) -> tuple[bool, str | None]:
+        """Lightning's ``_evaluate_stopping_criteria``: ``(stop, reason)``; updates the best score and the count."""
+        op = "<" if self.mode == "min" else ">"
+        if self.check_finite and not math.isfinite(value):
+            self.stopping_reason = EarlyStoppingReason.NON_FINITE_METRIC
+            return True, (f"monitored metric {self.monitor} = {value} is not finite; previous best value was "
+                          f"{self.best_score:.3f}; stopping")
+        if self.stopping_threshold is not None and self._better(value, self.stopping_threshold):
+            self.stopping_reason = EarlyStoppingReason.STOPPING_THRESHOLD
+            return True, f"stopping threshold reached: {self.monitor} = {value} {op} {self.stopping_threshold}; stopping"
+        if self.divergence_threshold is not None and self._better(self.divergence_threshold, value):
+            self.stopping_reason = EarlyStoppingReason.DIVERGENCE_THRESHOLD
+            return True, (f"divergence threshold reached: {self.monitor} = {value} {op} {self.divergence_threshold}"
+                          "; stopping")
+        delta = self.min_delta if self.mode == "max" else -self.min_delta  # Lightning's signed min_delta
+        if self._better(value - delta, self.best_score):
+            previous, self.best_score, self.wait_count = self.best_score, value, 0
+            by = f" by {abs(previous - value):.3f} >= min_delta = {self.min_delta}" if math.isfinite(previous) else ""
+            return False, f"metric {self.monitor} improved{by}; new best score: {value:.3f}"
+        self.wait_count += 1
+        if self.wait_count >= self.patience:
+            self.stopping_reason = EarlyStoppingReason.PATIENCE_EXHAUSTED
+            return True, (f"monitored metric {self.monitor} did not improve in the last {self.wait_count} records; "
+                          f"best score: {self.best_score:.3f}; stopping")
+        return False, None
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "wait": self.wait, "stopped_epoch": self.stopped_epoch}
+        return {"wait_count": self.wait_count, "stopped_epoch": self.stopped_epoch, "best_score": self.best_score,
+                "patience": self.patience, "stopping_reason": self.stopping_reason.value,
+                "stopping_reason_message": self.stopping_reason_message}
 
     def load_state_dict(self, state: dict) -> None:
-        self.best, self.wait, self.stopped_epoch = state["best"], state["wait"], state["stopped_epoch"]
+        if "wait" in state:  # a checkpoint written before the Lightning names
+            state = {"wait_count": state["wait"], "best_score": state["best"], "stopped_epoch": state["stopped_epoch"] or 0}
+        self.wait_count, self.best_score = state["wait_count"], state["best_score"]
+        self.stopped_epoch = state["stopped_epoch"]
+        self.patience = state.get("patience", self.patience)
+        self.stopping_reason = EarlyStoppingReason(state.get("stopping_reason", 0))
+        self.stopping_reason_message = state.get("stopping_reason_message")

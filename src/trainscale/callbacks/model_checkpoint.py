@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +14,7 @@ if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
 
 OWNER = ".trainscale-run"  # in a user's dirpath: the run directory whose checkpoints it holds
+LAST_LINK = "last.ckpt"  # Lightning's CHECKPOINT_NAME_LAST + FILE_EXTENSION
 
 
 class ModelCheckpoint(Callback):
@@ -24,38 +26,54 @@ class ModelCheckpoint(Callback):
     (``keep_last=None``: ``save_top_k=-1``). The Trainer asks every ``ModelCheckpoint`` at the end of each
     optimizer step and each epoch (:meth:`save_if_due`, called by name in ``Trainer._checkpoint_if_due``).
 
-    One name format: ``epoch=EEEEEE-step=SSSSSSSSSS`` (+ ".pt" for a one-file checkpoint, none for a sharded
-    directory), EEEEEE the epochs completed, written atomically with its SHA-256. After each save
-    ``<run dir>/checkpoints/last`` names it, so ``fit(ckpt_path="last")`` resumes from the newest save.
+    Names: by default ``epoch=EEEEEE-step=SSSSSSSSSS`` (+ ".pt" for a one-file checkpoint, none for a sharded
+    directory), EEEEEE the epochs completed; with ``filename``, Lightning's template (:meth:`format_checkpoint_name`)
+    + the same suffix. Written atomically with its SHA-256. After each save ``<run dir>/checkpoints/last`` names it,
+    so ``fit(ckpt_path="last")`` resumes from the newest save; with ``save_last``, ``<dirpath>/last.ckpt`` is
+    also a symbolic link to it (for ``load_from_checkpoint``, ``ckpt_path=".../last.ckpt"``).
 
     One pruning rule: the ``save_top_k`` best by ``monitor`` (without a monitor: the newest) are kept, and the
-    file "last" names; only files this callback wrote into its own ``dirpath`` during this run are ever
+    newest (the one "last" names); only files this callback wrote into its own ``dirpath`` during this run are ever
     deleted (never another run's, e.g. the checkpoints a resumed run started from). A non-finite monitored
-    value ranks worst, as in Lightning: a NaN epoch never evicts a good checkpoint.
+    value ranks worst, as in Lightning: a NaN epoch never evicts a good checkpoint. A name that exists already
+    (a template without ``{step}``, a run resumed in place) gets Lightning's version suffix ``-v1``, ``-v2``...:
+    no file is ever overwritten.
 
     Args:
         dirpath: where to write; default ``<run dir>/checkpoints``. A directory that holds another run's
             checkpoints is refused at the start of ``fit`` (two runs would replace each other's files).
+        filename: Lightning's template, e.g. ``"{epoch}-{val_loss:.2f}"`` → ``epoch=3-val_loss=0.12``: fields
+            are ``epoch`` (the epoch being trained, from 0, as Lightning), ``step`` (optimizer steps so far)
+            and any metric in ``trainer.callback_metrics`` (0 when missing, as Lightning). None: the default name.
         monitor: metric name in ``trainer.callback_metrics`` (e.g. "val_loss"); None: keep the newest.
+        save_last: True or "link": keep ``last.ckpt`` in ``dirpath`` pointing at the newest checkpoint. Both are a
+            link here (Lightning's True writes a second copy; trainscale keeps the newest checkpoint anyway).
+        save_top_k: checkpoints kept besides the newest (``-1``: all; ``0``: none, and nothing is saved
+            unless ``save_last``, which then keeps only the newest).
         mode: "min" or "max".
-        save_top_k: checkpoints kept besides "last" (``-1``: all).
+        auto_insert_metric_name: the template's ``{name}`` becomes ``name={name}`` (Lightning's default).
         every_n_train_steps: save every N optimizer steps (mid-epoch).
         every_n_epochs: save at the end of every N-th epoch; default 1 without ``every_n_train_steps``, else 0
             (never at epoch ends). With both, a step that ends an epoch saves once, at the epoch end.
 
     Raises:
-        ValueError: bad arguments; at an epoch-end save, a ``monitor`` not among the metrics (at a step save
-            before the first validation: a warning, and the checkpoint ranks last).
+        ValueError: bad arguments (a ``filename`` of "last" or one that formats to a path with "/"); at an
+            epoch-end save, a ``monitor`` not among the metrics (at a step save before the first validation: a
+            warning, and the checkpoint ranks last).
     """
 
     monitors_metrics = True  # its on_train_epoch_end after the module's (Lightning's monitoring callbacks)
 
-    def __init__(self, dirpath: str | Path | None = None, monitor: str | None = None, mode: str = "min",
-                 save_top_k: int = 1, every_n_train_steps: int | None = None, every_n_epochs: int | None = None) -> None:
+    def __init__(self, dirpath: str | Path | None = None, filename: str | None = None, monitor: str | None = None,
+                 save_last: bool | str | None = None, save_top_k: int = 1, mode: str = "min",
+                 auto_insert_metric_name: bool = True, every_n_train_steps: int | None = None,
+                 every_n_epochs: int | None = None) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r}; choose 'min' or 'max'")
-        if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1 or save_top_k == 0:
-            raise ValueError(f"save_top_k={save_top_k!r} must be an int >= 1, or -1 to keep every checkpoint")
+        if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
+            raise ValueError(f"save_top_k={save_top_k!r} must be an int >= 0, or -1 to keep every checkpoint")
+        _check_naming(filename, save_last)
+        self.filename, self.save_last, self.auto_insert_metric_name = filename, save_last, auto_insert_metric_name
         for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name}={value!r} must be an int >= 0 or None")
@@ -91,6 +109,47 @@ class ModelCheckpoint(Callback):
             self.dirpath.mkdir(parents=True, exist_ok=True)
             owner_file.write_text(run + "\n")
 
+    def format_checkpoint_name(self, metrics: dict, filename: str | None = None, ver: int | None = None) -> str:
+        """Lightning's ``ModelCheckpoint.format_checkpoint_name`` (``_format_checkpoint_name``), without the
+        directory and extension (the strategy adds ".pt" for a file): ``"{epoch}-{val_loss:.2f}"`` with
+        ``{"epoch": 2, "val_loss": 0.123456}`` → ``"epoch=2-val_loss=0.12"``; a missing field formats 0;
+        ``ver`` adds ``-v<ver>``.
+
+        Raises:
+            ValueError: no template (``filename`` None); a name with "/" (a metric named "a/b": pass
+                ``auto_insert_metric_name=False`` and a template without it).
+        """
+        template = filename or self.filename
+        if not template:
+            raise ValueError("format_checkpoint_name needs a filename template (ModelCheckpoint(filename=...))")
+        metrics = dict(metrics)
+        # longest first, so that "{epoch}" does not replace part of "{epoch_test}" (as Lightning)
+        for group in sorted(re.findall(r"(\{.*?)[:\}]", template), key=len, reverse=True):
+            name = group[1:]
+            if self.auto_insert_metric_name:
+                template = template.replace(group, f"{name}={{{name}")
+            template = template.replace(group, f"{{0[{name}]")  # keys with dots, as Lightning
+            metrics.setdefault(name, 0)
+        name = template.format(metrics) + (f"-v{ver}" if ver is not None else "")
+        if "/" in name:
+            raise ValueError(f"ModelCheckpoint(filename={self.filename!r}) formats to {name!r}, a path: metric names "
+                             "with '/' make directories; pass auto_insert_metric_name=False and a template without '/'")
+        return name
+
+    def _file_name(self, trainer: Trainer) -> str | None:
+        """This save's name (without suffix) from the template, versioned past any existing file (checked on rank
+        zero, the same answer on every rank); None for the default name."""
+        if self.filename is None:
+            return None
+        metrics = {**trainer.callback_metrics, "epoch": trainer.current_epoch, "step": trainer.global_step}
+        suffix = trainer.runtime.strategy.checkpoint_suffix
+        name, ver = self.format_checkpoint_name(metrics), 0
+        if trainer.runtime.is_rank_zero:
+            while (self._directory / f"{name}{suffix}").exists():
+                ver += 1
+                name = self.format_checkpoint_name(metrics, ver=ver)
+        return trainer.runtime.broadcast_object(name)
+
     def save_if_due(self, trainer: Trainer, epoch_end: bool, ends_epoch: bool) -> None:
         """Save when this step or epoch end is one of this callback's (every rank calls it at the same point).
         ``ends_epoch``: this optimizer step is the last of its epoch (an epoch-end save follows it)."""
@@ -125,17 +184,26 @@ class ModelCheckpoint(Callback):
         return value if self.mode == "min" else -value
 
     def _save(self, trainer: Trainer, epoch_end: bool) -> None:
+        if self.save_top_k == 0 and not self.save_last:
+            return  # Lightning: save_top_k=0 saves nothing (but "last" when asked)
         score = self._score(trainer, epoch_end)
-        path = str(trainer.write_checkpoint(self._directory, background=True))
+        path = str(trainer.write_checkpoint(self._directory, background=True, name=self._file_name(trainer)))
         self._written.append(path)
         self.best_k[path] = score
-        if self.save_top_k > 0:
+        if self.save_top_k >= 0:
             for dropped in sorted(self.best_k, key=self.best_k.get)[self.save_top_k:]:  # ties: the older stays
                 del self.best_k[dropped]
         keep = set(self.best_k) | {path}  # the newest is "last"
         stale = [p for p in self._written if p not in keep]
         self._written = [p for p in self._written if p in keep]
-        trainer.checkpoints.discard([Path(p) for p in stale])  # once the new one is on disk
+        if self.save_last:
+            trainer.checkpoints.link(Path(path), self._directory / LAST_LINK)  # once the new one is on disk
+        trainer.checkpoints.discard([Path(p) for p in stale])  # then, the ones it replaces
+
+    @property
+    def last_model_path(self) -> str | None:
+        """``<dirpath>/last.ckpt`` with ``save_last`` once a checkpoint is saved, else None (Lightning's name)."""
+        return str(self._directory / LAST_LINK) if self.save_last and self._written else None
 
     @property
     def best_model_path(self) -> str | None:
@@ -147,3 +215,13 @@ class ModelCheckpoint(Callback):
 
     def load_state_dict(self, state: dict) -> None:
         self.best_k = dict(state["best_k"])
+
+
+def _check_naming(filename: str | None, save_last: bool | str | None) -> None:
+    """Raise ValueError for a ``save_last`` other than None/False/True/"link", or a ``filename`` that is not a
+    non-empty template or is "last" (the name of the link to the newest checkpoint)."""
+    if save_last not in (None, False, True, "link"):
+        raise ValueError(f"save_last={save_last!r}; choose True, 'link', False or None")
+    if filename is not None and (not isinstance(filename, str) or not filename or filename in ("last", LAST_LINK)):
+        raise ValueError(f"filename={filename!r}: give a template such as '{{epoch}}-{{val_loss:.2f}}' (not "
+                         "'last', the name of the link to the newest checkpoint), or None for the default name")

@@ -3,7 +3,9 @@
 State (torchtitan's fixed keys): ``model``, ``optimizer`` (``optimizer_1``... for more),
 ``scheduler`` (``scheduler_1``...), ``train_state`` (:class:`~trainscale.loop.state.TrainState`),
 ``loop`` (the position in the epoch), ``rng`` (every rank's RNG states), ``callbacks`` (each
-callback's ``state_dict``), ``world_size`` and ``optimizer_classes``. Writing is the Runtime's
+callback's ``state_dict``), ``world_size``, ``optimizer_classes`` and, for a module with
+``save_hyperparameters()``, ``hyper_parameters`` (Lightning's key) and ``module_class``, which
+``TrainingModule.load_from_checkpoint`` rebuilds the module from (:func:`read_module_checkpoint`). Writing is the Runtime's
 (atomic file + SHA-256, or a DCP directory under fsdp); naming, ``last`` and rotation are
 ``trainscale.checkpointing.run_dirs``'s.
 """
@@ -56,6 +58,7 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
                "optimizer_classes": [type(o).__name__ for o in optimizers],
                "loop": {"epoch": state.epoch, "complete": complete, "consumed": consumed, "batches": state.batches,
                         "totals": None if complete else totals}}
+    content.update(hparams_entries(fit.model))
     if on_save is not None:
         on_save(content)
     return target, runtime.save(target, content, asynchronous=asynchronous)
@@ -87,6 +90,63 @@ def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state
     for cb in (cb for cb in callbacks if cb.state_key in states):
         cb.load_state_dict(states[cb.state_key])
     return point, rest
+
+
+# what a checkpoint read with ``torch.load(weights_only=True)`` may hold: a hyperparameter of another type
+# (a module, a function) would make the whole checkpoint unreadable, so it is left out (and named)
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return isinstance(value, _PLAIN) or type(value).__name__ == "Tensor" and type(value).__module__ == "torch"
+
+
+def hparams_entries(model: Any) -> dict:
+    """The checkpoint entries of ``model``'s saved hyperparameters (``save_hyperparameters()``): none for a
+    module without them; else ``hyper_parameters`` (those of plain types: None, bool, int, float, str, tensors,
+    and lists, tuples and str-keyed dicts of them; Lightning's key), ``hparams_left_out`` (the names of the
+    others, which ``load_from_checkpoint`` asks for) and ``module_class`` (``module.QualName``)."""
+    saved = dict(getattr(model, "hparams", None) or {})
+    if not saved:
+        return {}
+    kept = {k: v for k, v in saved.items() if _is_plain(v)}
+    return {"hyper_parameters": kept, "hparams_left_out": sorted(set(saved) - set(kept)),
+            "module_class": f"{type(model).__module__}.{type(model).__qualname__}"}
+
+
+def read_module_checkpoint(path: Path, verify: bool = True) -> tuple[dict, Callable[[], dict]]:
+    """Read a checkpoint in this one process, without a process group: a file of a single/ddp run or a sharded
+    (DCP) directory of an fsdp/model_parallel run. Returns its plain entries (``hyper_parameters``, ...; no
+    ``model``) and a function that reads the model's whole state dict (tensors on the CPU; from a DCP
+    directory every shard is read, ``dcp_checkpoint.read_whole``).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CheckpointError: not a trainscale checkpoint (no ``model``/``train_state`` entry), a failed checksum
+            (``verify``), an unreadable file.
+    """
+    from trainscale.runtime import checkpoint_io
+    from trainscale.runtime.strategies import dcp_checkpoint
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; pass a checkpoint file "
+                                "(<run>/checkpoints/epoch=E-step=S.pt) or a sharded checkpoint directory")
+    sharded = path.is_dir() and (path / ".metadata").is_file()
+    entries = checkpoint_io.load_file(path / dcp_checkpoint.EXTRA if sharded else path, verify)
+    if not isinstance(entries, dict) or "train_state" not in entries or not (sharded or "model" in entries):
+        keys = sorted(entries)[:8] if isinstance(entries, dict) else type(entries).__name__
+        hint = (" (a Lightning checkpoint: load its weights with module.load_state_dict(torch.load(path)"
+                "['state_dict']))" if isinstance(entries, dict) and "state_dict" in entries else "")
+        raise checkpoint_io.CheckpointError(
+            f"{str(path)!r} is not a trainscale checkpoint: it has no 'model' and 'train_state' entries (it holds "
+            f"{keys}){hint}; pass a checkpoint written by Trainer.fit or Trainer.save_checkpoint")
+    model_state = entries.pop("model", None)
+    return entries, ((lambda: dcp_checkpoint.read_whole(path, "model", verify)) if sharded else (lambda: model_state))
 
 
 def _check_optimizer_classes(path: Path, saved: list | None, optimizers) -> None:

@@ -138,6 +138,23 @@ def mark_last(path: Path, last_dir: Path) -> None:
         remove_checkpoint(stale)               # files, and directories of a killed sharded (fsdp) save
 
 
+def link_last(path: Path, link: Path) -> None:
+    """Make ``link`` (a ``ModelCheckpoint``'s ``last.ckpt``) a symbolic link to checkpoint ``path`` (a file or a
+    sharded directory), relative when both lie in one directory; replaced atomically (a new link renamed over it),
+    so a reader sees the old or the new target, never none. Lightning's ``save_last="link"``
+    (``ModelCheckpoint._link_checkpoint``).
+
+    Raises:
+        OSError: the file system refuses symbolic links.
+    """
+    link = Path(link)
+    target = path.name if path.parent.resolve() == link.parent.resolve() else str(path.resolve())
+    tmp = link.parent / f".{link.name}.link.tmp"
+    tmp.unlink(missing_ok=True)
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
 def remove_checkpoint(path: Path) -> None:
     """Delete a checkpoint file (and its ``.sha256``) or a sharded checkpoint directory."""
     if path.is_dir() and not path.is_symlink():

@@ -58,6 +58,8 @@ def resolve_ckpt_path(runtime: Runtime, ckpt_path: Any, root: Path) -> tuple[Pat
     if not isinstance(ckpt_path, (str, Path)):
         raise ValueError(f"ckpt_path={ckpt_path!r}; pass a checkpoint path, 'last', or None")
     path = Path(ckpt_path)
+    if path.is_symlink():  # a ModelCheckpoint's last.ckpt: the checkpoint it names (its run continues in place)
+        path = path.resolve()
     if not path.exists():
         raise FileNotFoundError(f"ckpt_path={str(path)!r} does not exist; pass an existing checkpoint file, 'last', "
                                 "or None to start fresh")

@@ -51,6 +51,7 @@ class CheckpointWrites:
         self.runtime, self.asynchronous, self._log = runtime, config.checkpoint_async, log
         self._pending: tuple[Any, Path | None] | None = None  # (AsyncSave, the "last" pointer's directory or None)
         self._discards: list[Path] = []  # checkpoints to delete once the save in flight is published
+        self._links: list[tuple[Path, Path]] = []  # (checkpoint, link) to make once the save in flight is published
         self.stall_s: list[float] = []  # one per save
         self.write_s: list[float] = []  # one per background write, when published
 
@@ -79,6 +80,19 @@ class CheckpointWrites:
         if self._pending is None:
             self._delete_discards()
 
+    def link(self, path: Path, link: Path) -> None:
+        """Make ``link`` a symbolic link to checkpoint ``path`` (rank zero; ``run_dirs.link_last``) once the save in
+        flight is published, before the discards are deleted; now when none is. A save that fails links nothing."""
+        self._links.append((path, link))
+        if self._pending is None:
+            self._make_links()
+
+    def _make_links(self) -> None:
+        links, self._links = self._links, []
+        if self.runtime.is_rank_zero:
+            for path, link in links:
+                ckpt.link_last(path, link)
+
     def _delete_discards(self) -> None:
         paths, self._discards = self._discards, []
         if self.runtime.is_rank_zero:
@@ -102,7 +116,7 @@ class CheckpointWrites:
         try:
             target = pending.wait()
         except BaseException:
-            self._discards = []  # the older checkpoints stay: the new one is not on disk
+            self._discards, self._links = [], []  # the older checkpoints stay: the new one is not on disk
             raise
         self._published(target, last_dir)
         self.write_s.append(pending.write_s)
@@ -111,6 +125,7 @@ class CheckpointWrites:
     def _published(self, target: Path, last_dir: Path | None) -> None:
         if last_dir is not None and self.runtime.is_rank_zero:
             ckpt.mark_last(target, last_dir)
+        self._make_links()
         self._delete_discards()
 
     def summary(self) -> dict:

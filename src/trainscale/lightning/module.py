@@ -18,7 +18,9 @@ step, whichever kind the user gave.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -52,7 +54,7 @@ class TrainingModule(HyperparametersMixin, nn.Module):
     and optionally ``validation_step``/``test_step``/``predict_step(batch, batch_idx)``. Set
     ``automatic_optimization = False`` to step optimizers yourself (``self.optimizers()``,
     ``self.manual_backward(loss)``). Attributes set by the Trainer during ``fit``: ``trainer``,
-    ``global_rank``, ``current_epoch``, ``global_step``, ``device``. ``self.save_hyperparameters()`` in
+    ``global_rank``, ``current_epoch``, ``global_step``, ``device``, ``logger``, ``loggers``. ``self.save_hyperparameters()`` in
     ``__init__`` keeps its arguments in ``self.hparams`` (``trainscale.lightning.hparams``).
 
     Lightning's hooks (``on_fit_start``, ``on_train_batch_end(outputs, batch, batch_idx)``,
@@ -68,6 +70,42 @@ class TrainingModule(HyperparametersMixin, nn.Module):
 
     def configure_optimizers(self) -> Any:
         raise NotImplementedError("define configure_optimizers(self) returning an optimizer (or pass optimizer=...)")
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, map_location: str | torch.device | None = None,
+                             strict: bool = True, verify: bool = True, **overrides: Any) -> TrainingModule:
+        """The module rebuilt from a checkpoint, as Lightning's ``LightningModule.load_from_checkpoint``
+        (``lightning.pytorch.core.saving._load_from_checkpoint``): ``cls(**hyper_parameters, **overrides)``, the
+        hyperparameters those ``save_hyperparameters()`` kept (saved in every checkpoint under
+        "hyper_parameters"), then its ``on_load_checkpoint(checkpoint)`` (the plain entries) and the weights.
+        Works in one plain process, without a process group, on a checkpoint file of a single/ddp run and on a
+        sharded (DCP) directory of an fsdp/model_parallel run, whatever its world size (every shard is read:
+        ``dcp_checkpoint.read_whole``). As in Lightning, arguments ``__init__`` does not take are dropped (unless it
+        takes ``**kwargs``), and the module is returned in training mode: call ``.eval()`` for inference.
+
+        Args:
+            checkpoint_path: ``<run>/checkpoints/epoch=E-step=S.pt``, its sharded directory, or ``last.ckpt``.
+            map_location: the device the module is moved to (None: the CPU).
+            strict: the weights' names must match the module's exactly (``nn.Module.load_state_dict``).
+            verify: check the SHA-256 recorded at the save (refuses a file without one).
+            overrides: arguments for ``__init__`` that replace the saved ones (or give those not saved).
+
+        Raises:
+            FileNotFoundError: no such checkpoint.
+            CheckpointError: not a trainscale checkpoint, a failed checksum.
+            TypeError: ``__init__`` needs arguments the checkpoint does not hold (named, with why).
+            RuntimeError: ``strict`` and the weights' names do not match the module's.
+        """
+        from trainscale.checkpointing.checkpointer import read_module_checkpoint
+
+        entries, read_model = read_module_checkpoint(Path(checkpoint_path), verify)
+        saved = dict(entries.get("hyper_parameters") or {})
+        kwargs = _init_arguments(cls, {**saved, **overrides}, entries, checkpoint_path)
+        module = cls(**kwargs)
+        if "on_load_checkpoint" in defined_hooks(module):
+            module.on_load_checkpoint(entries)
+        module.load_state_dict(read_model(), strict=strict)
+        return module.to(map_location) if map_location is not None else module
 
     # -- what the Trainer attached -------------------------------------------------------------
     @property
@@ -92,6 +130,16 @@ class TrainingModule(HyperparametersMixin, nn.Module):
     @property
     def device(self) -> torch.device:
         return self.trainer.runtime.device
+
+    @property
+    def loggers(self) -> list:
+        """The Trainer's loggers (``trainscale.loggers``; empty with ``logger=False``), as Lightning's ``self.loggers``."""
+        return list(self.trainer.loggers)
+
+    @property
+    def logger(self) -> Any:
+        """The first of :attr:`loggers`, or None, as Lightning's ``self.logger``."""
+        return next(iter(self.trainer.loggers), None)
 
     # -- logging ---------------------------------------------------------------------------------
     def log(self, name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | None = None,
@@ -180,6 +228,33 @@ def shard_units(model: nn.Module) -> tuple[nn.Module, ...]:
     if getattr(model, "automatic_optimization", True):
         return ()
     return tuple(m for m in model.children() if next(m.parameters(), None) is not None)
+
+
+def _init_arguments(cls: type, given: dict[str, Any], entries: dict, path: Any) -> dict[str, Any]:
+    """The keyword arguments of ``cls.__init__`` among ``given`` (all of them when it takes ``**kwargs``).
+
+    Raises:
+        TypeError: a required argument of ``cls.__init__`` not in ``given``, named with why it is missing.
+    """
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # without self
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        given = {k: v for k, v in given.items() if k in {p.name for p in params}}
+    required = (p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    missing = [name for name in required if name not in given]
+    if missing:
+        raise TypeError(f"{cls.__name__}.load_from_checkpoint({str(path)!r}): __init__ needs {', '.join(missing)}: "
+                        f"{_why_missing(missing, entries)}; pass them: {cls.__name__}.load_from_checkpoint(path, "
+                        f"{', '.join(f'{name}=...' for name in missing)})")
+    return given
+
+
+def _why_missing(missing: list[str], entries: dict) -> str:
+    left_out = [name for name in missing if name in (entries.get("hparams_left_out") or ())]
+    if left_out:
+        return f"{', '.join(left_out)} not saved (not of a plain type, so left out of the checkpoint)"
+    if not entries.get("hyper_parameters"):
+        return "the checkpoint holds no hyperparameters (call self.save_hyperparameters() in __init__)"
+    return "not among the saved hyperparameters"
 
 
 def _takes_batch_idx(method: Callable) -> bool:

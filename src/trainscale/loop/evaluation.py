@@ -242,7 +242,8 @@ def _interleave(parts: list) -> Any:
 
 def checkpoint_to_evaluate(trainer: Trainer, ckpt_path: Any) -> Path | None:
     """The checkpoint whose weights ``validate``/``test``/``predict`` evaluate, as Lightning's ``ckpt_path``:
-    None (the model's own weights), "best" (the ``best_model_path`` of the trainer's ``ModelCheckpoint``), "last"
+    None (the model's own weights), "best" (the ``best_model_path`` of the trainer's first ``ModelCheckpoint``: by its
+    ``monitor``, the newest without one, as Lightning), "last"
     (the newest checkpoint of this script's runs under ``default_root_dir``, as ``fit(ckpt_path="last")``) or a path.
     Resolved in the calling process, before any ``ddp_spawn`` start, so every rank loads the same file.
 
@@ -256,11 +257,10 @@ def checkpoint_to_evaluate(trainer: Trainer, ckpt_path: Any) -> Path | None:
     if ckpt_path is None:
         return None
     if ckpt_path == "best":
-        best = [cb.best_model_path for cb in trainer.callbacks
-                if isinstance(cb, ModelCheckpoint) and cb.monitor is not None and cb.best_model_path is not None]
-        if not best:
-            raise ValueError("ckpt_path='best' needs a ModelCheckpoint(monitor=...) among the Trainer's callbacks that "
-                             "has saved a checkpoint (fit first); or pass a checkpoint's path, 'last' or None")
+        best = [cb.best_model_path for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)][:1]
+        if not best or best[0] is None:  # Lightning: the first ModelCheckpoint's (the newest without a monitor)
+            raise ValueError("ckpt_path='best' needs a ModelCheckpoint among the Trainer's callbacks that has saved a "
+                             "checkpoint (fit first); or pass a checkpoint's path, 'last' or None")
         return Path(best[0])
     if ckpt_path == "last":
         found = ckpt.find_last(trainer.config.default_root_dir, script=script_key())
@@ -302,11 +302,12 @@ def fitted_model(trainer: Trainer, method: str, ckpt_path: Any) -> tuple[Any, An
 
 
 def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_fn: Any = None,
-              ckpt_path: Path | None = None, datamodule: Any = None) -> Any:
+              ckpt_path: Path | None = None, datamodule: Any = None, verbose: bool = False) -> Any:
     """``Trainer.validate``/``test``/``predict`` outside ``fit`` (``method``): ``model`` set up by the trainer's
     runtime, with the weights of ``ckpt_path`` when given (:func:`checkpoint_to_evaluate`; only the model's, the
     SHA-256 verified), the loader (passed, or from ``datamodule``'s or the model's hook: ``data_sources``) made
-    sequential and unpadded (each sample once), then :func:`predict` or :func:`evaluate_stage`."""
+    sequential and unpadded (each sample once), then :func:`predict` or :func:`evaluate_stage`; ``verbose``: rank
+    zero prints the results (:func:`results_table`)."""
     rt = trainer.runtime
     dataloaders, _ = resolve_loaders(rt, method, model, dataloaders, datamodule)
     loop_module, wrapped = set_up_model(trainer, model, loss_fn)  # the model of an earlier fit: as it was set up
@@ -325,7 +326,29 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
                               trainer.config.eval_batches("predict", loader_length(loader)))
         trainer._hook("on_predict_end")
         return predictions
-    return evaluate_stage(trainer, loop_module, wrapped, loader, "validation" if method == "validate" else "test")
+    stage = "validation" if method == "validate" else "test"
+    results = evaluate_stage(trainer, loop_module, wrapped, loader, stage)
+    if verbose:
+        rt.print(results_table(stage, results))
+    return results
+
+
+def results_table(stage: str, results: dict[str, float]) -> str:
+    """The results of ``validate``/``test`` as the table Lightning prints (``_EvaluationLoop._print_results``
+    without rich): a "<Stage> metric" column and one "DataLoader 0" column, metrics sorted by name::
+
+        ──────────────────────────────────────────────────
+               Test metric              DataLoader 0
+        ──────────────────────────────────────────────────
+                test_loss                 0.4321
+        ──────────────────────────────────────────────────
+    """
+    width = max(25, *(len(name) for name in results))
+    rule = "─" * (2 * width)
+    lines = [rule, f"{f'{stage} metric'.capitalize():^{width}}{'DataLoader 0':^{width}}", rule]
+    lines += [f"{name:^{width}}{f'{value:.6g}' if isinstance(value, float) else str(value):^{width}}"
+              for name, value in sorted(results.items())]
+    return "\n".join([*lines, rule])
 
 
 def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loader: Any, stage: str,

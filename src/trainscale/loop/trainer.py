@@ -518,10 +518,11 @@ class Trainer:
             return self.write_checkpoint(self.run_dir / "checkpoints", background)
         return self._save(Path(path), None, background)
 
-    def write_checkpoint(self, directory: Path, background: bool = False) -> Path:
-        """A checkpoint named ``epoch=E-step=S`` in ``directory``, then "last" moved to it (what a
-        ``ModelCheckpoint`` calls). Every rank calls it at the same point. Returns its path."""
-        name = checkpointer.default_name(self._fit, self.state, self.runtime.strategy.checkpoint_suffix)
+    def write_checkpoint(self, directory: Path, background: bool = False, name: str | None = None) -> Path:
+        """A checkpoint named ``name`` (+ the strategy's suffix; None: ``epoch=E-step=S``) in ``directory``, then
+        "last" moved to it (what a ``ModelCheckpoint`` calls). Every rank calls it at the same point. Returns its path."""
+        suffix = self.runtime.strategy.checkpoint_suffix
+        name = checkpointer.default_name(self._fit, self.state, suffix) if name is None else name + suffix
         return self._save(Path(directory) / name, self.run_dir / "checkpoints", background)
 
     def _save(self, target: Path, last_dir: Path | None, background: bool) -> Path:
@@ -543,24 +544,26 @@ class Trainer:
     # -- evaluation ----------------------------------------------------------------------------------
     def validate(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
                  loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
-                 datamodule: Any = None) -> dict[str, float]:
+                 datamodule: Any = None, verbose: bool = True) -> dict[str, float]:
         """Evaluate ``model`` across all ranks, each sample counted once: ``{"val_loss": ..., "val_accuracy": ...}``
         (or ``validation_step``'s keys prefixed ``val_``, and what it logged), sample-weighted means. ``ckpt_path``:
         "best", "last" or a path evaluates that checkpoint's weights (``evaluation.checkpoint_to_evaluate``).
         ``dataloaders`` None: ``datamodule``'s or the model's ``val_dataloader()`` (``lightning/data_sources.py``).
         ``model`` None (also for ``test`` and ``predict``): the model of this trainer's last ``fit``, with the weights of
-        its best checkpoint when ``ckpt_path`` is None, as Lightning (``evaluation.fitted_model``).
+        its best checkpoint when ``ckpt_path`` is None, as Lightning (``evaluation.fitted_model``). ``verbose``: rank zero
+        prints the results as a table, as Lightning (``evaluation.results_table``); False prints nothing.
 
         Raises:
             ValueError: ``model`` None before any fit; a module with ``training_step`` but no ``validation_step``."""
         return self._run_eval("validate", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path,
-                              datamodule=datamodule)
+                              datamodule=datamodule, verbose=verbose)
 
     def test(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
              loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
-             datamodule: Any = None) -> dict[str, float]:
+             datamodule: Any = None, verbose: bool = True) -> dict[str, float]:
         """As :meth:`validate`, with ``test_step``, ``test_dataloader()`` and the prefix ``test_``."""
-        return self._run_eval("test", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path, datamodule=datamodule)
+        return self._run_eval("test", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path, datamodule=datamodule,
+                              verbose=verbose)
 
     def predict(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
                 ckpt_path: str | Path | None = None, datamodule: Any = None) -> Any:

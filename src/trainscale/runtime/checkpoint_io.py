@@ -171,7 +171,9 @@ def load_file(path: str | os.PathLike, verify: bool = True, read: Callable | Non
 
 def read_checked(path: Path, verify: bool = True) -> bytes:
     """The bytes of checkpoint file ``path``, checked against ``<path>.sha256`` when ``verify``. Raises as
-    :func:`load_file` does before decoding."""
+    :func:`load_file` does before decoding. A symbolic link (``last.ckpt``) reads its target, with the target's
+    checksum file."""
+    path = path.resolve() if path.is_symlink() else path
     check_is_file(path)
     data = path.read_bytes()
     if verify:

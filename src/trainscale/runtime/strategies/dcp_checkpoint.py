@@ -232,6 +232,35 @@ def load_whole(path: Any, state: dict, rank: int, strategy: str, unwrap: Callabl
     return DCPCheckpointer(rank, strategy).load(path, whole, verify)
 
 
+def read_whole(path: Any, key: str, verify: bool = True) -> dict:
+    """Entry ``key`` (e.g. "model") of the DCP checkpoint ``path`` read whole into this one process, whatever mesh
+    wrote it: ``{name: tensor}`` on the CPU, each tensor allocated from the checkpoint's metadata (its global
+    shape and dtype) and filled from every shard by ``dcp.load(..., no_dist=True)``, which needs no process group
+    (and starts no collective when one exists). Non-tensor items of the entry are left out. ``verify``: the
+    ``.metadata`` and shard files are checked against the manifest first (:data:`MANIFEST`).
+
+    Raises:
+        CheckpointError: the checkpoint has no entry ``key``, a file fails its checksum, a shard is missing.
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    digests = _read_manifest(path) if verify else None
+    if digests is not None:
+        _verify_files(path, [".metadata"], digests)
+    reader = _shard_reader(path, digests)
+    prefix = f"{key}."
+    whole = {name[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for name, meta in reader.read_metadata().state_dict_metadata.items()
+             if name.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    if not whole:
+        raise checkpoint_io.CheckpointError(f"checkpoint {str(path)!r} holds no tensors under {key!r}")
+    dcp.load({key: whole}, storage_reader=reader, no_dist=True)
+    return whole
+
+
 class _ModelState:
     """DCP ``Stateful`` view of a (sharded) module: its keys are the module's own FQNs."""
 

@@ -1,0 +1,186 @@
+"""Lightning's object API, in one process: ``TrainingModule.load_from_checkpoint``, the results table of
+``validate``/``test`` (verbose), ``EarlyStopping``'s arguments and ``ModelCheckpoint``'s file names and ``last.ckpt``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainscale.callbacks import EarlyStopping, ModelCheckpoint
+from trainscale.checkpointing import run_dirs as ckpt
+from trainscale.lightning.module import TrainingModule
+from trainscale.loop.trainer import Trainer
+from trainscale.runtime.checkpoint_io import CheckpointError
+
+
+def _data(n: int = 16) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+class Classifier(TrainingModule):
+    """A module whose __init__ needs an argument, kept by save_hyperparameters (a module argument is left out)."""
+
+    def __init__(self, hidden: int, lr: float = 0.1, head: nn.Module | None = None, scores=None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), head or nn.Linear(hidden, 3))
+        self.lr, self.scores = lr, scores  # scores: per epoch, logged as "score" by validation_step when given
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+        if self.scores is not None:
+            self.log("score", self.scores[self.current_epoch])
+
+    test_step = validation_step
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _trainer(tmp_path, **kw) -> Trainer:
+    return Trainer(accelerator="cpu", enable_progress_bar=False, default_root_dir=tmp_path, logger=False,
+                   **{"max_epochs": 1, **kw})
+
+
+def _fit(tmp_path, model, epochs: int = 1, **kw) -> Trainer:
+    trainer = _trainer(tmp_path, max_epochs=epochs, **kw)
+    trainer.fit(model, DataLoader(_data(), batch_size=8), DataLoader(_data(8), batch_size=8))
+    return trainer
+
+
+# -- load_from_checkpoint ------------------------------------------------------------------------------
+def test_load_from_checkpoint_rebuilds_the_module_from_its_hyperparameters(tmp_path, capsys):
+    model = Classifier(hidden=5, lr=0.05, head=nn.Linear(5, 3))
+    trainer = _fit(tmp_path, model)
+    path = ckpt.find_last(tmp_path)
+    assert torch.load(path, weights_only=True)["hyper_parameters"] == {"hidden": 5, "lr": 0.05, "scores": None}
+    loaded = Classifier.load_from_checkpoint(path, head=nn.Linear(5, 3))  # the module argument, not saved, given
+    assert loaded.hparams.hidden == 5 and loaded.hparams.lr == 0.05
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0)
+    assert Classifier.load_from_checkpoint(path, lr=0.5, unknown=1).hparams.lr == 0.5  # unknown dropped, as Lightning
+    capsys.readouterr()
+    assert trainer.validate(loaded, DataLoader(_data(8), batch_size=8), verbose=False) == \
+        trainer.validate(model, DataLoader(_data(8), batch_size=8), verbose=False)
+    assert "metric" not in capsys.readouterr().out  # verbose=False: no table
+    results = trainer.test(loaded, DataLoader(_data(8), batch_size=8))  # verbose by default, as Lightning
+    table = capsys.readouterr().out
+    assert "Test metric" in table and "DataLoader 0" in table
+    assert any(line.split() == ["val_loss", f"{results['val_loss']:.6g}"] for line in table.splitlines())
+
+
+def test_load_from_checkpoint_names_what_is_missing(tmp_path):
+    class NoHparams(Classifier):
+        def save_hyperparameters(self, *args, **kwargs):  # as a module that never calls it
+            pass
+
+    _fit(tmp_path / "a", NoHparams(hidden=5))
+    with pytest.raises(TypeError, match=r"__init__ needs hidden: the checkpoint holds no hyperparameters.*"
+                                        r"save_hyperparameters.*load_from_checkpoint\(path, hidden=\.\.\.\)"):
+        NoHparams.load_from_checkpoint(ckpt.find_last(tmp_path / "a"))
+    assert NoHparams.load_from_checkpoint(ckpt.find_last(tmp_path / "a"), hidden=5).net[0].out_features == 5
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        NoHparams.load_from_checkpoint(ckpt.find_last(tmp_path / "a"), hidden=6)
+    plain = tmp_path / "plain.pt"
+    torch.save({"state_dict": Classifier(2).state_dict()}, plain)
+    with pytest.raises(CheckpointError, match="not a trainscale checkpoint.*a Lightning checkpoint"):
+        Classifier.load_from_checkpoint(plain, verify=False)
+    with pytest.raises(FileNotFoundError):
+        Classifier.load_from_checkpoint(tmp_path / "missing.pt")
+
+
+# -- EarlyStopping ---------------------------------------------------------------------------------------
+class _Loop:
+    """What EarlyStopping reads of a Trainer (one process)."""
+
+    def __init__(self, **config):
+        self.callback_metrics, self.current_epoch, self.should_stop = {}, 0, False
+        self.config = type("Config", (), config)()
+        self.runtime = type("Rt", (), {"is_rank_zero": True, "rank": 0, "world_size": 1, "print": print})()
+
+
+def _checks(stop: EarlyStopping, values, hook: str = "on_train_epoch_end", **config) -> _Loop:
+    """Feed ``values`` one check each, as ``fit`` does; returns the loop (``current_epoch``: where it stopped)."""
+    loop = _Loop(**config)
+    stop.on_fit_start(loop, None)
+    for epoch, value in enumerate(values):
+        loop.current_epoch = epoch
+        loop.callback_metrics["m"] = value
+        getattr(stop, hook)(loop, None)
+        if loop.should_stop:
+            break
+    return loop
+
+
+@pytest.mark.parametrize(("kwargs", "values", "epoch", "reason"), [
+    ({"stopping_threshold": 0.5}, [1.0, 0.7, 0.5, 0.4, 0.3], 3, "STOPPING_THRESHOLD"),  # strictly better: 0.4
+    ({"divergence_threshold": 2.0}, [1.0, 1.5, 2.0, 2.5, 0.1], 3, "DIVERGENCE_THRESHOLD"),  # strictly worse: 2.5
+    ({}, [1.0, float("nan"), 0.5], 1, "NON_FINITE_METRIC"),
+    ({"check_finite": False, "patience": 2}, [1.0, float("nan"), float("nan"), 0.5], 2, "PATIENCE_EXHAUSTED"),
+    ({"min_delta": 0.1, "patience": 2}, [1.0, 0.95, 0.91, 0.5], 2, "PATIENCE_EXHAUSTED"),  # 0.05, 0.09 <= min_delta
+    ({"mode": "max", "min_delta": 0.1, "patience": 1}, [1.0, 1.2, 1.25], 2, "PATIENCE_EXHAUSTED"),
+])
+def test_early_stopping_follows_lightnings_criteria(kwargs, values, epoch, reason):
+    stop = EarlyStopping("m", **kwargs)
+    loop = _checks(stop, values)
+    assert loop.should_stop and stop.stopped_epoch == loop.current_epoch == epoch
+    assert stop.stopping_reason.name == reason and stop.stopping_reason_message
+    again = EarlyStopping("m", **kwargs)
+    again.load_state_dict(stop.state_dict())
+    assert again.state_dict() == pytest.approx(stop.state_dict(), nan_ok=True)
+
+
+def test_early_stopping_strict_when_and_verbose(capsys):
+    with pytest.raises(ValueError, match="monitors 'missing'.*among the metrics: m.*strict=False"):
+        _checks(EarlyStopping("missing"), [1.0])
+    with pytest.warns(RuntimeWarning, match="monitors 'missing'"):
+        assert not _checks(EarlyStopping("missing", strict=False, verbose=True, patience=0), [1.0]).should_stop
+    # validation more than once per epoch (Lightning's rule): checked at each validation end during fit only
+    stop = EarlyStopping("m", patience=1)
+    assert not _checks(stop, [1.0, 2.0], val_check_interval=0.5).should_stop  # epoch ends: not checked
+    assert _checks(stop, [1.0, 2.0], "on_validation_end", val_check_interval=0.5).should_stop
+    late = EarlyStopping("m", patience=0, check_on_train_epoch_end=False)
+    late.on_fit_end(None, None)  # trainer.validate() after fit: no check
+    loop = _Loop()
+    loop.callback_metrics["m"] = 1.0
+    late.on_validation_end(loop, None)
+    assert late.wait_count == 0 and not loop.should_stop
+    capsys.readouterr()
+    _checks(EarlyStopping("m", patience=1, verbose=True), [1.0, 0.5, 0.7])
+    out = capsys.readouterr().out
+    assert "m improved by 0.500 >= min_delta = 0.0; new best score: 0.500" in out and "did not improve" in out
+
+
+# -- ModelCheckpoint in a fit ----------------------------------------------------------------------------
+def test_model_checkpoint_template_and_last_ckpt_in_a_fit(tmp_path):
+    callback = ModelCheckpoint(filename="{epoch}-{val_loss:.2f}", monitor="val_loss", save_top_k=1, save_last=True)
+    trainer = _fit(tmp_path, Classifier(hidden=4), epochs=2, callbacks=[callback])
+    ckpt_dir = trainer.run_dir / "checkpoints"
+    losses = [r["val_loss"] for r in trainer.history]
+    names = {f"epoch={e}-val_loss={loss:.2f}.pt" for e, loss in enumerate(losses)}  # Lightning's epoch: from 0
+    kept = {p.name for p in ckpt_dir.glob("*.pt")}
+    assert kept <= names and f"epoch=1-val_loss={losses[1]:.2f}.pt" in kept  # the newest is always kept
+    assert callback.best_model_path.endswith(f"epoch={losses.index(min(losses))}-val_loss={min(losses):.2f}.pt")
+    last = ckpt_dir / "last.ckpt"
+    assert last.resolve().name == f"epoch=1-val_loss={losses[1]:.2f}.pt"
+    loaded = Classifier.load_from_checkpoint(last)
+    assert loaded.hparams.hidden == 4 and loaded.net[0].out_features == 4
+    # fit(ckpt_path=".../last.ckpt") resumes the checkpoint it names and continues that run in place
+    again = _trainer(tmp_path, max_epochs=3, callbacks=[ModelCheckpoint(filename="{epoch}-{val_loss:.2f}",
+                                                                        save_last=True)])
+    again.fit(Classifier(hidden=4), DataLoader(_data(), batch_size=8), DataLoader(_data(8), batch_size=8),
+              ckpt_path=last)
+    assert again.run_dir == trainer.run_dir and len(again.history) == 3
+    assert last.resolve().name.startswith("epoch=2-")
