@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainscale.callbacks import EarlyStopping, ModelCheckpoint
 from trainscale.checkpointing import run_dirs as ckpt
 from trainscale.lightning.module import TrainingModule
+from trainscale.loop.config import TrainerConfig
 from trainscale.loop.trainer import Trainer
 from trainscale.runtime.checkpoint_io import CheckpointError
 
@@ -107,14 +108,14 @@ class _Loop:
 
     def __init__(self, **config):
         self.callback_metrics, self.current_epoch, self.should_stop = {}, 0, False
-        self.config = type("Config", (), config)()
+        self.fitting, self.sanity_checking = True, False
+        self.config = TrainerConfig(**config)
         self.runtime = type("Rt", (), {"is_rank_zero": True, "rank": 0, "world_size": 1, "print": print})()
 
 
 def _checks(stop: EarlyStopping, values, hook: str = "on_train_epoch_end", **config) -> _Loop:
     """Feed ``values`` one check each, as ``fit`` does; returns the loop (``current_epoch``: where it stopped)."""
     loop = _Loop(**config)
-    stop.on_fit_start(loop, None)
     for epoch, value in enumerate(values):
         loop.current_epoch = epoch
         loop.callback_metrics["m"] = value

@@ -11,6 +11,7 @@ import types
 import pytest
 
 from trainscale.callbacks import ModelCheckpoint
+from trainscale.loop.config import TrainerConfig
 from trainscale.checkpointing import run_dirs as ckpt
 
 
@@ -24,6 +25,7 @@ class _Trainer:
                                                  link=ckpt.link_last)
         self.runtime.strategy = types.SimpleNamespace(checkpoint_suffix=".pt")
         self.runtime.broadcast_object = lambda value: value
+        self.config = TrainerConfig()
 
     def reached_multiple(self, n):
         return self.global_step % n == 0
