@@ -145,7 +145,8 @@ class Trainer:
             val_dataloaders: torch.utils.data.DataLoader | None = None, *, loss_fn: Callable | None = None,
             optimizer: Callable | torch.optim.Optimizer | None = None, ckpt_path: str | Path | None = None,
             ckpt_verify: bool = True, datamodule: Any = None) -> dict:
-        """Train ``model``; validate and checkpoint at each epoch end. Returns the run summary (``summary.json``).
+        """Train ``model``; validate and checkpoint at each epoch end (or as ``val_check_interval``,
+        ``check_val_every_n_epoch`` and the ``ModelCheckpoint`` say). Returns the run summary (``summary.json``).
 
         ``model``: a plain ``nn.Module`` (``(inputs, targets)`` batches, ``loss_fn``, default cross-entropy) or
         one with ``training_step``. ``train_dataloaders``: per-device ``batch_size``; its sampler is replaced by a
@@ -209,7 +210,8 @@ class Trainer:
             cb.setup(self)
         fit.sink = RecordWriter(self.run_dir, cfg.tensorboard, self.loggers, hyperparams(self, model)) \
             if rt.is_rank_zero and cfg.writes_files else None
-        rt.print(run_header(rt, global_batch, self.run_dir))
+        rt.print(run_header(rt, global_batch, self.run_dir if cfg.writes_files else
+                            f"none (fast_dev_run: {cfg.max_steps} batch(es) of each loop, nothing written)"))
         self.validated_at = []
         self._hook("on_fit_start")
         if point is None:  # not when resuming, as Lightning
