@@ -214,8 +214,7 @@ class Trainer:
                             f"none (fast_dev_run: {cfg.max_steps} batch(es) of each loop, nothing written)"))
         self.validated_at = []
         self._hook("on_fit_start")
-        if point is None:  # not when resuming, as Lightning
-            self._sanity_check(fit)
+        self._sanity_check(fit, resumed=point is not None)
         self._deadline = time.monotonic() + (cfg.max_time.total_seconds() if cfg.max_time is not None else math.inf)
         self._hook("on_train_start")
         for epoch in range(point.next_epoch if point else 0, cfg.max_epochs):
@@ -458,12 +457,13 @@ class Trainer:
                             "step": self.global_step, **results})
         return results
 
-    def _sanity_check(self, fit: FitRun) -> None:
+    def _sanity_check(self, fit: FitRun, resumed: bool) -> None:
         """Lightning's sanity check: ``num_sanity_val_steps`` validation batches before training, between
         ``on_sanity_check_start`` and ``on_sanity_check_end``, with ``sanity_checking`` True; its results are not
         kept (``callback_metrics`` as before) and the random states are restored after it, so training is the
-        same with or without it (Lightning re-seeds instead). None without a validation loader."""
-        if fit.val_loader is None or self.config.sanity_val_batches == 0:
+        same with or without it (Lightning re-seeds instead). None without a validation loader, nor when resuming
+        (as Lightning)."""
+        if resumed or fit.val_loader is None or self.config.sanity_val_batches == 0:
             return
         saved_rng, saved_metrics = rng_state(), dict(self.callback_metrics)
         self.sanity_checking = True
