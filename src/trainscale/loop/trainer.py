@@ -145,7 +145,8 @@ class Trainer:
             val_dataloaders: torch.utils.data.DataLoader | None = None, *, loss_fn: Callable | None = None,
             optimizer: Callable | torch.optim.Optimizer | None = None, ckpt_path: str | Path | None = None,
             ckpt_verify: bool = True, datamodule: Any = None) -> dict:
-        """Train ``model``; validate and checkpoint at each epoch end. Returns the run summary (``summary.json``).
+        """Train ``model``; validate and checkpoint at each epoch end (or as ``val_check_interval``,
+        ``check_val_every_n_epoch`` and the ``ModelCheckpoint`` say). Returns the run summary (``summary.json``).
 
         ``model``: a plain ``nn.Module`` (``(inputs, targets)`` batches, ``loss_fn``, default cross-entropy) or
         one with ``training_step``. ``train_dataloaders``: per-device ``batch_size``; its sampler is replaced by a
@@ -209,11 +210,11 @@ class Trainer:
             cb.setup(self)
         fit.sink = RecordWriter(self.run_dir, cfg.tensorboard, self.loggers, hyperparams(self, model)) \
             if rt.is_rank_zero and cfg.writes_files else None
-        rt.print(run_header(rt, global_batch, self.run_dir))
+        rt.print(run_header(rt, global_batch, self.run_dir if cfg.writes_files else
+                            f"none (fast_dev_run: {cfg.max_steps} batch(es) of each loop, nothing written)"))
         self.validated_at = []
         self._hook("on_fit_start")
-        if point is None:  # not when resuming, as Lightning
-            self._sanity_check(fit)
+        self._sanity_check(fit, resumed=point is not None)
         self._deadline = time.monotonic() + (cfg.max_time.total_seconds() if cfg.max_time is not None else math.inf)
         self._hook("on_train_start")
         for epoch in range(point.next_epoch if point else 0, cfg.max_epochs):
@@ -456,12 +457,13 @@ class Trainer:
                             "step": self.global_step, **results})
         return results
 
-    def _sanity_check(self, fit: FitRun) -> None:
+    def _sanity_check(self, fit: FitRun, resumed: bool) -> None:
         """Lightning's sanity check: ``num_sanity_val_steps`` validation batches before training, between
         ``on_sanity_check_start`` and ``on_sanity_check_end``, with ``sanity_checking`` True; its results are not
         kept (``callback_metrics`` as before) and the random states are restored after it, so training is the
-        same with or without it (Lightning re-seeds instead). None without a validation loader."""
-        if fit.val_loader is None or self.config.sanity_val_batches == 0:
+        same with or without it (Lightning re-seeds instead). None without a validation loader, nor when resuming
+        (as Lightning)."""
+        if resumed or fit.val_loader is None or self.config.sanity_val_batches == 0:
             return
         saved_rng, saved_metrics = rng_state(), dict(self.callback_metrics)
         self.sanity_checking = True
