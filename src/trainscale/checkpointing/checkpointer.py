@@ -2,7 +2,8 @@
 
 State (torchtitan's fixed keys): ``model``, ``optimizer`` (``optimizer_1``... for more),
 ``scheduler`` (``scheduler_1``...), ``train_state`` (:class:`~trainscale.loop.state.TrainState`),
-``loop`` (the position in the epoch), ``rng`` (every rank's RNG states), ``callbacks`` (each
+``loop`` (the position in the epoch; mid-epoch, with every rank's state of a training loader that keeps
+its own, ``loader_states``: ``checkpointing/loader_state.py``), ``rng`` (every rank's RNG states), ``callbacks`` (each
 callback's ``state_dict``), ``world_size`` and ``optimizer_classes``. Writing is the Runtime's
 (atomic file + SHA-256, or a DCP directory under fsdp); naming, ``last`` and rotation are
 ``trainscale.checkpointing.run_dirs``'s.
@@ -49,13 +50,16 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
     sampler = getattr(fit.train_loader, "sampler", None)
     consumed = (sampler.consumed_after(state.batches - fit.epoch_offset, fit.train_loader.batch_size)
                 if hasattr(sampler, "consumed_after") else None)
+    positions = fit.loader_positions  # a loader that keeps its own position: its state per rank, mid-epoch
+    loader_states = None if positions is None or complete else runtime.all_gather_object(
+        positions.state_after(state.batches - fit.epoch_offset))
     content = {"model": fit.model, **_keyed("optimizer", optimizers),
                **_keyed("scheduler", [s.scheduler for s in schedulers]),
                "train_state": state.state_dict(), "rng": runtime.all_gather_object(rng.rng_state()),
                "world_size": runtime.world_size, "callbacks": callbacks,
                "optimizer_classes": [type(o).__name__ for o in optimizers],
                "loop": {"epoch": state.epoch, "complete": complete, "consumed": consumed, "batches": state.batches,
-                        "totals": None if complete else totals}}
+                        "totals": None if complete else totals, "loader_states": loader_states}}
     if on_save is not None:
         on_save(content)
     return target, runtime.save(target, content, asynchronous=asynchronous)
@@ -81,7 +85,8 @@ def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state
     point = _resume_point(runtime, rest, state)
     if point.rng is not None and point.complete:
         rng.set_rng_state(point.rng)  # mid-epoch: restored after the epoch's loader iterator is made, as when saved
-    where = f"end of epoch {point.epoch + 1}" if point.complete else f"epoch {point.epoch + 1}, sample {point.consumed}"
+    where = (f"end of epoch {point.epoch + 1}" if point.complete else f"epoch {point.epoch + 1}, "
+             + (f"batch {point.batches}" if point.consumed is None else f"sample {point.consumed}"))
     runtime.print(f"trainscale: resumed from {path} ({where}, step {state.global_step})")
     states = dict(rest.get("callbacks") or {})
     for cb in (cb for cb in callbacks if cb.state_key in states):
@@ -104,8 +109,10 @@ def _resume_point(runtime: Runtime, rest: dict, state: TrainState) -> ResumePoin
     state.history = [r for r in train["history"] if loop["complete"] or r["epoch"] != loop["epoch"]]
     rngs = rest.get("rng") or []
     rng = rngs[runtime.rank] if len(rngs) == runtime.world_size else (rngs[0] if rngs else None)
+    loaders = loop.get("loader_states") or []
     return ResumePoint(loop["epoch"], bool(loop["complete"]), loop["consumed"], int(loop["batches"]),
-                       tuple(loop.get("totals") or (0.0, 0.0, 0.0)), rng, int(rest.get("world_size", runtime.world_size)))
+                       tuple(loop.get("totals") or (0.0, 0.0, 0.0)), rng, int(rest.get("world_size", runtime.world_size)),
+                       loaders[runtime.rank] if len(loaders) == runtime.world_size else None, len(loaders))
 
 
 def _say_which_lr_wins(runtime: Runtime, configured: list[list[float]], optimizers) -> None:
