@@ -9,10 +9,11 @@
 
 from trainscale.callbacks.base import Callback
 from trainscale.callbacks.early_stopping import EarlyStopping
+from trainscale.callbacks.ema import EMA
 from trainscale.callbacks.lr_monitor import LearningRateMonitor
 from trainscale.callbacks.model_checkpoint import ModelCheckpoint
 
-__all__ = ["Callback", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "resolve_callbacks"]
+__all__ = ["Callback", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "resolve_callbacks"]
 
 
 def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = None) -> list[Callback]:

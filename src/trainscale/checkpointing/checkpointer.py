@@ -4,7 +4,8 @@ State (torchtitan's fixed keys): ``model``, ``optimizer`` (``optimizer_1``... fo
 ``scheduler`` (``scheduler_1``...), ``train_state`` (:class:`~trainscale.loop.state.TrainState`),
 ``loop`` (the position in the epoch; mid-epoch, with every rank's state of a training loader that keeps
 its own, ``loader_states``: ``checkpointing/loader_state.py``), ``rng`` (every rank's RNG states), ``callbacks`` (each
-callback's ``state_dict``), ``world_size`` and ``optimizer_classes``. Writing is the Runtime's
+callback's ``state_dict``; its ``TensorState`` values as entries of their own, ``callbacks/<key>/<name>``, sharded
+like the model: a callback with ``setup_state(model)`` makes them before a load), ``world_size`` and ``optimizer_classes``. Writing is the Runtime's
 (atomic file + SHA-256, or a DCP directory under fsdp); naming, ``last`` and rotation are
 ``trainscale.checkpointing.run_dirs``'s.
 """
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from trainscale.checkpointing import rng, run_dirs as ckpt
 from trainscale.checkpointing.train_state import ResumePoint, TrainState
+from trainscale.runtime.checkpoint_io import TensorState
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
@@ -62,7 +64,8 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
                         "totals": None if complete else totals, "loader_states": loader_states}}
     if on_save is not None:
         on_save(content)
-    return target, runtime.save(target, content, asynchronous=asynchronous)
+    content["callbacks"], tensor_states = _split_tensor_states(content["callbacks"])
+    return target, runtime.save(target, {**content, **tensor_states}, asynchronous=asynchronous)
 
 
 def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state: TrainState,
@@ -78,7 +81,12 @@ def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state
             saved, SGD configured): resume with the same optimizer, or start fresh.
     """
     configured = [[g["lr"] for g in o.param_groups] for o in optimizers]
-    objects = {"model": model, **_keyed("optimizer", optimizers), **_keyed("scheduler", [s.scheduler for s in schedulers])}
+    for cb in callbacks:
+        if hasattr(cb, "setup_state"):  # its tensors made (for the model) before the checkpoint is read into them
+            cb.setup_state(model)
+    _, tensor_states = _split_tensor_states({cb.state_key: cb.state_dict() for cb in callbacks})
+    objects = {"model": model, **_keyed("optimizer", optimizers), **_keyed("scheduler", [s.scheduler for s in schedulers]),
+               **tensor_states}
     rest = runtime.load(path, objects, verify=verify)  # verify=False: no .sha256 needed (the user's opt-out)
     _check_optimizer_classes(path, rest.get("optimizer_classes"), optimizers)
     _say_which_lr_wins(runtime, configured, optimizers)
@@ -92,6 +100,18 @@ def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state
     for cb in (cb for cb in callbacks if cb.state_key in states):
         cb.load_state_dict(states[cb.state_key])
     return point, rest
+
+
+def _split_tensor_states(states: dict) -> tuple[dict, dict]:
+    """The callbacks' states without their ``TensorState`` values, and those values as checkpoint entries
+    ``callbacks/<state_key>/<name>``: written beside the model (sharded through DCP under the sharding strategies),
+    not pickled whole by rank zero with the other callback values."""
+    plain, tensors = {}, {}
+    for key, state in states.items():
+        items = state.items() if isinstance(state, dict) else ()
+        plain[key] = {k: v for k, v in items if not isinstance(v, TensorState)} if items else state
+        tensors.update((f"callbacks/{key}/{k}", v) for k, v in items if isinstance(v, TensorState))
+    return plain, tensors
 
 
 def _check_optimizer_classes(path: Path, saved: list | None, optimizers) -> None:
