@@ -2,10 +2,13 @@
 
 State (torchtitan's fixed keys): ``model``, ``optimizer`` (``optimizer_1``... for more),
 ``scheduler`` (``scheduler_1``...), ``train_state`` (:class:`~trainscale.loop.state.TrainState`),
-``loop`` (the position in the epoch), ``rng`` (every rank's RNG states), ``callbacks`` (each
-callback's ``state_dict``), ``world_size``, ``optimizer_classes`` and, for a module with
-``save_hyperparameters()``, ``hyper_parameters`` (Lightning's key) and ``module_class``, which
-``TrainingModule.load_from_checkpoint`` rebuilds the module from (:func:`read_module_checkpoint`). Writing is the Runtime's
+``loop`` (the position in the epoch; mid-epoch, with every rank's state of a training loader that keeps
+its own, ``loader_states``: ``checkpointing/loader_state.py``), ``rng`` (every rank's RNG states), ``callbacks`` (each
+callback's ``state_dict``; its ``TensorState`` values as entries of their own, ``callbacks/<key>/<name>``, sharded
+like the model: a callback with ``setup_state(model)`` makes them before a load), ``world_size``,
+``optimizer_classes`` and, for a module with ``save_hyperparameters()``, ``hyper_parameters`` (Lightning's key)
+and ``module_class``, which ``TrainingModule.load_from_checkpoint`` rebuilds the module from
+(:func:`read_module_checkpoint`). Writing is the Runtime's
 (atomic file + SHA-256, or a DCP directory under fsdp); naming, ``last`` and rotation are
 ``trainscale.checkpointing.run_dirs``'s.
 """
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from trainscale.checkpointing import rng, run_dirs as ckpt
 from trainscale.checkpointing.train_state import ResumePoint, TrainState
+from trainscale.runtime.checkpoint_io import TensorState
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
@@ -51,17 +55,21 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
     sampler = getattr(fit.train_loader, "sampler", None)
     consumed = (sampler.consumed_after(state.batches - fit.epoch_offset, fit.train_loader.batch_size)
                 if hasattr(sampler, "consumed_after") else None)
+    positions = fit.loader_positions  # a loader that keeps its own position: its state per rank, mid-epoch
+    loader_states = None if positions is None or complete else runtime.all_gather_object(
+        positions.state_after(state.batches - fit.epoch_offset))
     content = {"model": fit.model, **_keyed("optimizer", optimizers),
                **_keyed("scheduler", [s.scheduler for s in schedulers]),
                "train_state": state.state_dict(), "rng": runtime.all_gather_object(rng.rng_state()),
                "world_size": runtime.world_size, "callbacks": callbacks,
                "optimizer_classes": [type(o).__name__ for o in optimizers],
                "loop": {"epoch": state.epoch, "complete": complete, "consumed": consumed, "batches": state.batches,
-                        "totals": None if complete else totals}}
+                        "totals": None if complete else totals, "loader_states": loader_states}}
     content.update(hparams_entries(fit.model))
     if on_save is not None:
         on_save(content)
-    return target, runtime.save(target, content, asynchronous=asynchronous)
+    content["callbacks"], tensor_states = _split_tensor_states(content["callbacks"])
+    return target, runtime.save(target, {**content, **tensor_states}, asynchronous=asynchronous)
 
 
 def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state: TrainState,
@@ -77,14 +85,20 @@ def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state
             saved, SGD configured): resume with the same optimizer, or start fresh.
     """
     configured = [[g["lr"] for g in o.param_groups] for o in optimizers]
-    objects = {"model": model, **_keyed("optimizer", optimizers), **_keyed("scheduler", [s.scheduler for s in schedulers])}
+    for cb in callbacks:
+        if hasattr(cb, "setup_state"):  # its tensors made (for the model) before the checkpoint is read into them
+            cb.setup_state(model)
+    _, tensor_states = _split_tensor_states({cb.state_key: cb.state_dict() for cb in callbacks})
+    objects = {"model": model, **_keyed("optimizer", optimizers), **_keyed("scheduler", [s.scheduler for s in schedulers]),
+               **tensor_states}
     rest = runtime.load(path, objects, verify=verify)  # verify=False: no .sha256 needed (the user's opt-out)
     _check_optimizer_classes(path, rest.get("optimizer_classes"), optimizers)
     _say_which_lr_wins(runtime, configured, optimizers)
     point = _resume_point(runtime, rest, state)
     if point.rng is not None and point.complete:
         rng.set_rng_state(point.rng)  # mid-epoch: restored after the epoch's loader iterator is made, as when saved
-    where = f"end of epoch {point.epoch + 1}" if point.complete else f"epoch {point.epoch + 1}, sample {point.consumed}"
+    where = (f"end of epoch {point.epoch + 1}" if point.complete else f"epoch {point.epoch + 1}, "
+             + (f"batch {point.batches}" if point.consumed is None else f"sample {point.consumed}"))
     runtime.print(f"trainscale: resumed from {path} ({where}, step {state.global_step})")
     states = dict(rest.get("callbacks") or {})
     for cb in (cb for cb in callbacks if cb.state_key in states):
@@ -149,6 +163,18 @@ def read_module_checkpoint(path: Path, verify: bool = True) -> tuple[dict, Calla
     return entries, ((lambda: dcp_checkpoint.read_whole(path, "model", verify)) if sharded else (lambda: model_state))
 
 
+def _split_tensor_states(states: dict) -> tuple[dict, dict]:
+    """The callbacks' states without their ``TensorState`` values, and those values as checkpoint entries
+    ``callbacks/<state_key>/<name>``: written beside the model (sharded through DCP under the sharding strategies),
+    not pickled whole by rank zero with the other callback values."""
+    plain, tensors = {}, {}
+    for key, state in states.items():
+        items = state.items() if isinstance(state, dict) else ()
+        plain[key] = {k: v for k, v in items if not isinstance(v, TensorState)} if items else state
+        tensors.update((f"callbacks/{key}/{k}", v) for k, v in items if isinstance(v, TensorState))
+    return plain, tensors
+
+
 def _check_optimizer_classes(path: Path, saved: list | None, optimizers) -> None:
     current = [type(o).__name__ for o in optimizers]
     if saved is not None and list(saved) != current:
@@ -165,8 +191,10 @@ def _resume_point(runtime: Runtime, rest: dict, state: TrainState) -> ResumePoin
     state.history = [r for r in train["history"] if loop["complete"] or r["epoch"] != loop["epoch"]]
     rngs = rest.get("rng") or []
     rng = rngs[runtime.rank] if len(rngs) == runtime.world_size else (rngs[0] if rngs else None)
+    loaders = loop.get("loader_states") or []
     return ResumePoint(loop["epoch"], bool(loop["complete"]), loop["consumed"], int(loop["batches"]),
-                       tuple(loop.get("totals") or (0.0, 0.0, 0.0)), rng, int(rest.get("world_size", runtime.world_size)))
+                       tuple(loop.get("totals") or (0.0, 0.0, 0.0)), rng, int(rest.get("world_size", runtime.world_size)),
+                       loaders[runtime.rank] if len(loaders) == runtime.world_size else None, len(loaders))
 
 
 def _say_which_lr_wins(runtime: Runtime, configured: list[list[float]], optimizers) -> None:

@@ -48,6 +48,9 @@ class ResumePoint:
             record after the resume covers the whole epoch (older checkpoints: without tokens).
         rng: this rank's RNG states, restored when the resumed epoch's loader iterator is made.
         world_size: the world size that wrote it.
+        loader_state: this rank's training-loader state (``state_dict()`` of a loader that keeps its own
+            position, e.g. a ``StatefulDataLoader``) after the batches trained on, mid-epoch; else None.
+        loader_ranks: how many ranks' loader states the checkpoint holds (0: none).
     """
 
     epoch: int
@@ -57,6 +60,8 @@ class ResumePoint:
     totals: tuple
     rng: dict | None
     world_size: int
+    loader_state: dict | None = None
+    loader_ranks: int = 0
 
     @property
     def next_epoch(self) -> int:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
 
 import torch
 
+from trainscale.checkpointing.loader_state import LoaderPositions, check_same_world_size, resumes_itself
 from trainscale.checkpointing.rng import set_rng_state
 from trainscale.runtime.batch import batch_counts
 
@@ -140,6 +141,7 @@ class FitRun:
     epoch_offset: int = 0  # of them, those done before this process resumed the epoch
     validated_after: int = -1  # the epoch's micro-batches done when validation last ran in it (-1: not yet)
     started: float = 0.0
+    loader_positions: LoaderPositions | None = None  # the epoch's iterator of a loader that keeps its own position
 
 def start_epoch(loader, epoch: int, position: dict | None, world_size: int, saved_world_size: int) -> int:
     """Point ``loader``'s sampler at ``epoch`` and, when resuming that epoch, at its saved position.
@@ -170,14 +172,28 @@ def epoch_batches(fit, state, epoch: int, resume, world_size: int, limit=lambda 
     """Point ``fit``'s training loader at ``epoch`` (at ``resume``, a ``ResumePoint``, when it continues that
     epoch) and return the epoch's batches; set ``fit.epoch_offset`` (micro-batches done before), ``fit.epoch_batches``
     (the epoch's micro-batches in all: ``limit`` of the loader's, ``TrainerConfig.train_batches``) and
-    ``state.batches``. trainscale's sampler starts mid-epoch itself (its ``len`` is then what is left); other
-    samplers' first batches are skipped by iterating. A mid-epoch checkpoint's RNG states are restored here,
-    after the loader's iterator is made, as when it was saved."""
+    ``state.batches``. trainscale's sampler starts mid-epoch itself (its ``len`` is then what is left); a loader
+    that keeps its own position (a ``StatefulDataLoader``) gets its saved state back (``fit.loader_positions``
+    then records its state after each batch, for the next checkpoint); other samplers' first batches are skipped
+    by iterating. A mid-epoch checkpoint's RNG states are restored here, after the loader's iterator is made, as
+    when it was saved.
+
+    Raises:
+        ValueError: a mid-epoch resume on another world size that the loader cannot follow (``start_epoch``,
+            ``loader_state.check_same_world_size``).
+    """
+    loader = fit.train_loader
     state.batches = fit.epoch_offset = resume.batches if resume else 0
-    skip = start_epoch(fit.train_loader, epoch, resume.position() if resume else None, world_size,
+    own = resumes_itself(loader)
+    restored = own and resume is not None and resume.loader_ranks > 0
+    if restored:
+        check_same_world_size(resume.loader_ranks, world_size)
+        loader.load_state_dict(resume.loader_state)
+    skip = start_epoch(loader, epoch, resume.position() if resume and not restored else None, world_size,
                        resume.world_size if resume else world_size)
-    fit.epoch_batches = limit(loader_length(fit.train_loader) + (0 if skip else fit.epoch_offset))
-    batches = iter(fit.train_loader)
+    fit.epoch_batches = limit(loader_length(loader) + (0 if skip or restored else fit.epoch_offset))
+    fit.loader_positions = LoaderPositions(loader, skip) if own else None
+    batches = fit.loader_positions if own else iter(loader)
     if resume is not None and resume.rng is not None:
         set_rng_state(resume.rng)
     if fit.epoch_batches == math.inf:  # an iterable: until its iterator ends

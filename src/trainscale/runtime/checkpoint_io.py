@@ -215,6 +215,35 @@ def _is_stateful(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
+class TensorState:
+    """Tensors laid out like the model's parameters (e.g. an average of the weights), as one checkpoint entry:
+    under the sharded strategies (fsdp, hsdp, tp) written by every rank through DCP, each its own shards of
+    its DTensors, and read back into them (resharded on another mesh), as the model is; under the others in the
+    checkpoint file. A DCP ``Stateful``: :meth:`state_dict` is ``tensors`` itself, :meth:`load_state_dict`
+    copies into them in place. A checkpoint without this entry (written before it existed) leaves the tensors
+    as they are and :attr:`loaded` False.
+
+    Args:
+        tensors: name -> tensor (a ``DTensor`` under a sharding strategy), read and written in place.
+    """
+
+    def __init__(self, tensors: dict) -> None:
+        self.tensors = tensors
+        self.loaded = False
+
+    def state_dict(self) -> dict:
+        return self.tensors
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = sorted(set(self.tensors) - set(state))
+        if missing:
+            raise KeyError(f"the saved tensors lack {missing[:3]} ({len(missing)} in all): saved for another model")
+        for name, tensor in self.tensors.items():
+            if state[name] is not tensor:  # DCP reads into the tensors themselves
+                tensor.detach().copy_(state[name])
+        self.loaded = True
+
+
 def save_replicated(path, state: dict, world, unwrap: Callable) -> None:
     """Save where every rank holds the full state: rank 0 writes, the others write nothing.
 
@@ -248,7 +277,7 @@ def load_replicated(path, state: dict, unwrap: Callable, verify: bool = True, re
 
     loaded = load_file(path, verify, read)
     for key, value in state.items():
-        if not _is_stateful(value):
+        if not _is_stateful(value) or (key not in loaded and isinstance(value, TensorState)):
             continue
         if key not in loaded:
             raise CheckpointError(f"checkpoint {str(path)!r} has no entry {key!r} (it has {sorted(loaded)})")

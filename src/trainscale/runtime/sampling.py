@@ -14,6 +14,7 @@ counts never count a sample twice.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Iterator
 
 import torch
@@ -184,13 +185,22 @@ def _unsplittable(loader: DataLoader, world: World) -> DataLoader:
                      "give it a torch.utils.data.DistributedSampler yourself")
 
 
+def _is_random(sampler: Sampler) -> bool:
+    """torch's ``RandomSampler``, or torchdata's (a ``StatefulDataLoader(shuffle=True)`` makes one; not a subclass
+    of torch's), which trainscale's sampler replaces alike: it resumes by sample count on any world size."""
+    stateful = sys.modules.get("torchdata.stateful_dataloader.sampler")  # imported when torchdata's loader was
+    return isinstance(sampler, RandomSampler) or (stateful is not None and isinstance(sampler, stateful.RandomSampler))
+
+
 def distribute_dataloader(loader: DataLoader, world: World, *, shuffle: bool | None = None, seed: int = 0,
                           even: bool = True) -> DataLoader:
     """Rebuild ``loader`` with a sampler for this rank (see the module docstring).
 
     A loader that already has a ``DistributedSampler`` is returned unchanged, and so is one over an
     ``IterableDataset`` that declares ``shards_by_rank = True`` (it yields only this rank's share
-    itself: docs/strategies.md, "Iterable datasets").
+    itself: docs/strategies.md, "Iterable datasets"); a torchdata ``StatefulDataLoader`` over either
+    keeps its own position (``checkpointing/loader_state.py``). A map-style loader with a sequential or random
+    sampler (torch's or torchdata's) is rebuilt as a ``DataLoader`` with trainscale's sampler.
 
     Raises:
         ValueError: under world size > 1, a loader over an ``IterableDataset`` without
@@ -203,11 +213,11 @@ def distribute_dataloader(loader: DataLoader, world: World, *, shuffle: bool | N
     if isinstance(sampler, (DistributedSampler, ResumableDistributedSampler, UnpaddedDistributedSampler)):
         return loader
     splittable = (not isinstance(loader.dataset, IterableDataset) and loader.batch_size is not None
-                  and isinstance(sampler, (SequentialSampler, RandomSampler)))
+                  and (isinstance(sampler, SequentialSampler) or _is_random(sampler)))
     if not splittable:
         return _unsplittable(loader, world)
     if shuffle is None:
-        shuffle = isinstance(sampler, RandomSampler)
+        shuffle = _is_random(sampler)
     if even:
         new_sampler = ResumableDistributedSampler(loader.dataset, world.world_size, world.rank, shuffle, seed)
     else:

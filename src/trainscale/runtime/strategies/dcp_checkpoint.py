@@ -261,6 +261,14 @@ def read_whole(path: Any, key: str, verify: bool = True) -> dict:
     return whole
 
 
+def _without_absent_tensor_states(sharded: dict, metadata) -> dict:
+    """``sharded`` without the ``TensorState`` entries the checkpoint lacks (written before they existed): those
+    keep their tensors, as a checkpoint file does (``checkpoint_io.load_replicated``)."""
+    saved = list(metadata.state_dict_metadata)
+    return {k: v for k, v in sharded.items()
+            if not isinstance(v, checkpoint_io.TensorState) or any(fqn.startswith(f"{k}.") for fqn in saved)}
+
+
 class _ModelState:
     """DCP ``Stateful`` view of a (sharded) module: its keys are the module's own FQNs."""
 
@@ -309,7 +317,7 @@ class DCPCheckpointer:
         self._pending: AsyncSave | None = None  # the background save in flight
 
     def _split(self, state: dict):
-        """DCP ``Stateful``s for modules and optimizers; everything else goes to the extra file."""
+        """DCP ``Stateful``s for modules, optimizers and ``TensorState``s; everything else goes to the extra file."""
         import torch
 
         modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
@@ -319,6 +327,8 @@ class DCPCheckpointer:
                 sharded[key] = _ModelState(value)
             elif isinstance(value, torch.optim.Optimizer):
                 sharded[key] = _OptimizerState(self._owner(key, value, modules), value)
+            elif isinstance(value, checkpoint_io.TensorState):  # e.g. an average of the weights: sharded alike
+                sharded[key] = value
             else:
                 extra[key] = value
         return sharded, extra
@@ -417,6 +427,7 @@ class DCPCheckpointer:
             _verify_files(path, [".metadata"], digests)
         self.before()
         sharded, others = self._split(state)
+        sharded = _without_absent_tensor_states(sharded, _shard_reader(path, None).read_metadata())
         try:  # one process without a process group (strategy "single") reads every shard itself
             dcp.load(sharded, storage_reader=_shard_reader(path, digests), no_dist=not dist.is_initialized())
         except BaseException as err:  # DCP raises CheckpointException (a BaseException) / RuntimeError / KeyError
