@@ -90,6 +90,7 @@ class Trainer:
             self.runtime.launch()
         self.state = TrainState()
         self.run_dir: Path | None = None
+        self.ckpt_path: Path | None = None  # the checkpoint the running (or last) fit resumed from (Lightning's name)
         self.callback_metrics: dict[str, float] = {}  # the latest number of each name (epoch records, logs)
         self.should_stop = False  # set by a callback (EarlyStopping) or max_time: stop, on every rank
         self.fitting = False  # True during fit (Lightning's trainer.state.fn == "fit"); validate() after it: False
@@ -197,6 +198,7 @@ class Trainer:
     def _run_fit(self, model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, verify) -> dict:
         rt, cfg = self.runtime, self.config
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
+        self.ckpt_path = resume_from
         train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
         seed_everything(cfg.seed)
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
@@ -518,12 +520,17 @@ class Trainer:
             return self.write_checkpoint(self.run_dir / "checkpoints", background)
         return self._save(Path(path), None, background)
 
-    def write_checkpoint(self, directory: Path, background: bool = False, name: str | None = None) -> Path:
-        """A checkpoint named ``name`` (+ the strategy's suffix; None: ``epoch=E-step=S``) in ``directory``, then
-        "last" moved to it (what a ``ModelCheckpoint`` calls). Every rank calls it at the same point. Returns its path."""
+    def checkpoint_path(self, directory: Path, name: str | None = None) -> Path:
+        """Where :meth:`write_checkpoint` writes ``name`` now: ``directory/name`` + the strategy's suffix (None:
+        ``epoch=E-step=S``)."""
         suffix = self.runtime.strategy.checkpoint_suffix
-        name = checkpointer.default_name(self._fit, self.state, suffix) if name is None else name + suffix
-        return self._save(Path(directory) / name, self.run_dir / "checkpoints", background)
+        return Path(directory) / (checkpointer.default_name(self._fit, self.state, suffix) if name is None
+                                  else name + suffix)
+
+    def write_checkpoint(self, directory: Path, background: bool = False, name: str | None = None) -> Path:
+        """A checkpoint at :meth:`checkpoint_path`, then "last" moved to it (what a ``ModelCheckpoint`` calls). Every
+        rank calls it at the same point. Returns its path."""
+        return self._save(self.checkpoint_path(directory, name), self.run_dir / "checkpoints", background)
 
     def _save(self, target: Path, last_dir: Path | None, background: bool) -> Path:
         previous, self._faults.phase = self._faults.phase, "checkpoint save"
