@@ -361,7 +361,7 @@ class Trainer:
         # 6. Validation, signals, the non-finite check and checkpoints, when due; the time limit.
         if self._validation_due(fit, trained=range(first_batch, self.state.batches)):
             self._validate(fit, mid_epoch=True)
-        self._checkpoint_if_due(fit, epoch_end=False)
+        self._checkpoint_if_due(fit, epoch_end=False, ends_epoch=micro.ends_epoch)
         if self._out_of_time():
             self.should_stop = True  # max_time (Lightning's Timer): the epoch ends after this step
         return True
@@ -485,11 +485,12 @@ class Trainer:
         out = time.monotonic() >= self._deadline
         return bool(self.runtime.broadcast_object(out)) if self.runtime.world_size > 1 else out
 
-    def _checkpoint_if_due(self, fit: FitRun, epoch_end: bool) -> None:
+    def _checkpoint_if_due(self, fit: FitRun, epoch_end: bool, ends_epoch: bool = False) -> None:
         """The one place that decides when to checkpoint, after every optimizer step and at every epoch end:
         first the fault check (signals, non-finite losses; at the steps every rank agreed on, and at epoch
         ends), which on a signal saves and exits; then each ``ModelCheckpoint`` saves when the step or epoch
-        is one of its own."""
+        is one of its own. ``ends_epoch``: the step trained the epoch's last micro-batch (``MicroBatch.ends_epoch``,
+        known for an iterable data set too), so an epoch-end save follows it, as it does after ``max_steps``."""
         step = self.state.global_step
         self.checkpoints.poll()  # publish a background write that has ended (a check that never blocks)
         if epoch_end or self._faults.due(step):
@@ -497,7 +498,7 @@ class Trainer:
             if stop:
                 path = self.save_checkpoint()  # on disk before the exit
                 self._faults.exit(stop, str(path))
-        ends_epoch = self.state.batches >= fit.epoch_batches or step >= self.config.step_limit
+        ends_epoch = ends_epoch or step >= self.config.step_limit
         for cb in self.checkpoint_callbacks:
             cb.save_if_due(self, epoch_end, ends_epoch)
 
