@@ -164,6 +164,34 @@ def test_early_stopping_strict_when_and_verbose(capsys):
     assert "m improved by 0.500 >= min_delta = 0.0; new best score: 0.500" in out and "did not improve" in out
 
 
+def test_two_early_stoppings_keep_their_own_states_and_a_class_named_state_still_loads(tmp_path):
+    from trainscale.callbacks import resolve_callbacks
+    from trainscale.runtime.checkpoint_io import save_file
+
+    # Lightning's keys (Callback._generate_state_key): the class name and the arguments that tell instances apart
+    assert EarlyStopping("val_loss").state_key == "EarlyStopping{'monitor': 'val_loss', 'mode': 'min'}"
+    assert ModelCheckpoint(monitor="val_loss", mode="max").state_key == (
+        "ModelCheckpoint{'monitor': 'val_loss', 'mode': 'max', 'every_n_train_steps': 0, 'every_n_epochs': 1, "
+        "'train_time_interval': None}")
+    with pytest.raises(ValueError, match="two callbacks save their state under .*EarlyStopping.*val_loss"):
+        resolve_callbacks([EarlyStopping("val_loss"), EarlyStopping("val_loss", patience=9)])
+    stops = [EarlyStopping("val_loss", patience=5), EarlyStopping("train_loss", mode="max", patience=5)]
+    trainer = _fit(tmp_path, Classifier(hidden=4), epochs=1, callbacks=stops)
+    assert [s.best_score for s in stops] == [trainer.callback_metrics["val_loss"], trainer.callback_metrics["train_loss"]]
+    path = ckpt.find_last(tmp_path)
+    resumed = [EarlyStopping("val_loss", patience=5), EarlyStopping("train_loss", mode="max", patience=5)]
+    _trainer(tmp_path, callbacks=resumed).fit(Classifier(hidden=4), DataLoader(_data(), batch_size=8), ckpt_path=path)
+    assert [s.best_score for s in resumed] == [s.best_score for s in stops]  # each its own
+    # a checkpoint written when the key was the class name ("EarlyStopping"): still restored
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["callbacks"] = {"EarlyStopping": stops[0].state_dict()}
+    old = tmp_path / "old.pt"
+    save_file(checkpoint, old)
+    legacy = EarlyStopping("val_loss", patience=5)
+    _trainer(tmp_path, callbacks=[legacy]).fit(Classifier(hidden=4), DataLoader(_data(), batch_size=8), ckpt_path=old)
+    assert legacy.best_score == stops[0].best_score
+
+
 # -- ModelCheckpoint in a fit ----------------------------------------------------------------------------
 def test_model_checkpoint_template_and_last_ckpt_in_a_fit(tmp_path):
     callback = ModelCheckpoint(filename="{epoch}-{val_loss:.2f}", monitor="val_loss", save_top_k=1, save_last=True)

@@ -90,6 +90,14 @@ class ModelCheckpoint(Callback):
         self._newest: str | None = None  # the last checkpoint this callback wrote (kept, as "last" names it)
         self._warned_missing = False
 
+    @property
+    def state_key(self) -> str:
+        """Lightning's key: the class name and ``monitor``, ``mode``, ``every_n_train_steps`` (0 for none),
+        ``every_n_epochs`` and ``train_time_interval`` (None: trainscale has no time trigger)."""
+        return self._generate_state_key(monitor=self.monitor, mode=self.mode,
+                                        every_n_train_steps=self.every_n_train_steps or 0,
+                                        every_n_epochs=self.every_n_epochs, train_time_interval=None)
+
     def setup(self, trainer: Trainer) -> None:
         """At the start of a fit, after its run directory is chosen (every rank): resolve ``dirpath`` and claim
         it for this run.

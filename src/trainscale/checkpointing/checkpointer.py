@@ -70,7 +70,9 @@ def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state
 
     Returns:
         The resume point and the checkpoint's other entries (``train_state``, ``loop``, ``callbacks``: the
-        callbacks' saved states by ``state_key``, and any key a callback's ``on_save_checkpoint`` added).
+        callbacks' saved states by ``state_key``, and any key a callback's ``on_save_checkpoint`` added). A
+        callback whose ``state_key`` is absent reads the class-named entry of an older checkpoint, if any
+        (Lightning's ``_legacy_state_key``).
 
     Raises:
         ValueError: the checkpoint's optimizers are of other classes than the configured ones (e.g. Adam
@@ -87,8 +89,10 @@ def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state
     where = f"end of epoch {point.epoch + 1}" if point.complete else f"epoch {point.epoch + 1}, sample {point.consumed}"
     runtime.print(f"trainscale: resumed from {path} ({where}, step {state.global_step})")
     states = dict(rest.get("callbacks") or {})
-    for cb in (cb for cb in callbacks if cb.state_key in states):
-        cb.load_state_dict(states[cb.state_key])
+    for cb in callbacks:
+        state = states.get(cb.state_key, states.get(cb._legacy_state_key))
+        if state is not None:
+            cb.load_state_dict(state)
     return point, rest
 
 
