@@ -102,6 +102,38 @@ def test_load_from_checkpoint_names_what_is_missing(tmp_path):
         Classifier.load_from_checkpoint(tmp_path / "missing.pt")
 
 
+def test_load_from_checkpoint_takes_every_form_of_torch_loads_map_location(tmp_path):
+    model = Classifier(hidden=4)
+    _fit(tmp_path, model)
+    path = ckpt.find_last(tmp_path)
+    for device in ("cpu", torch.device("cpu")):
+        loaded = Classifier.load_from_checkpoint(path, map_location=device)
+        torch.testing.assert_close(loaded.net[0].weight, model.net[0].weight, rtol=0, atol=0)
+    # a dict maps the location each tensor was saved from ("cpu" here); the module follows its weights, as Lightning
+    for moved in (Classifier.load_from_checkpoint(path, map_location={"cpu": "meta"}),
+                  Classifier.load_from_checkpoint(path, map_location="meta")):
+        assert {p.device.type for p in moved.parameters()} == {"meta"}
+    locations = []
+
+    def keep_here(storage, location):  # torch.load's callable form
+        locations.append(location)
+        return storage
+
+    loaded = Classifier.load_from_checkpoint(path, map_location=keep_here)
+    assert locations and set(locations) == {"cpu"}
+    torch.testing.assert_close(loaded.net[2].bias, model.net[2].bias, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="map_location=3; pass a device or its name"):
+        Classifier.load_from_checkpoint(path, map_location=3)
+    # a sharded (DCP) checkpoint is read on the CPU, then each tensor is placed as torch.load places it
+    from trainscale.checkpointing.checkpointer import _mapped
+
+    weights = {"w": torch.ones(2)}
+    assert _mapped(weights, {"cpu": "meta"})["w"].device.type == "meta" and _mapped(weights, "cpu") is weights
+    locations.clear()
+    torch.testing.assert_close(_mapped(weights, keep_here)["w"], weights["w"], rtol=0, atol=0)
+    assert locations == ["cpu"]
+
+
 # -- EarlyStopping ---------------------------------------------------------------------------------------
 class _Loop:
     """What EarlyStopping reads of a Trainer (one process)."""
