@@ -209,7 +209,8 @@ def test_two_early_stoppings_keep_their_own_states_and_a_class_named_state_still
         resolve_callbacks([EarlyStopping("val_loss"), EarlyStopping("val_loss", patience=9)])
     stops = [EarlyStopping("val_loss", patience=5), EarlyStopping("train_loss", mode="max", patience=5)]
     trainer = _fit(tmp_path, Classifier(hidden=4), epochs=1, callbacks=stops)
-    assert [s.best_score for s in stops] == [trainer.callback_metrics["val_loss"], trainer.callback_metrics["train_loss"]]
+    metrics = trainer.callback_metrics
+    assert [s.best_score for s in stops] == [metrics["val_loss"], metrics["train_loss"]]
     path = ckpt.find_last(tmp_path)
     resumed = [EarlyStopping("val_loss", patience=5), EarlyStopping("train_loss", mode="max", patience=5)]
     _trainer(tmp_path, callbacks=resumed).fit(Classifier(hidden=4), DataLoader(_data(), batch_size=8), ckpt_path=path)

@@ -32,7 +32,8 @@ class _Trainer:
         return self.global_step % n == 0
 
     def checkpoint_path(self, directory, name=None):
-        return directory / (ckpt.checkpoint_name(self.current_epoch, self.global_step) if name is None else name + ".pt")
+        name = ckpt.checkpoint_name(self.current_epoch, self.global_step) if name is None else name + ".pt"
+        return directory / name
 
     def write_checkpoint(self, directory, background=False, name=None):
         path = self.checkpoint_path(directory, name)

@@ -37,10 +37,10 @@ class ModelCheckpoint(Callback):
     deleted (never another run's, e.g. the checkpoints a run resumed into a new ``version_N`` started from). A run
     resumed in place (``fit(ckpt_path="last")`` continuing its directory) is the same run: the files its earlier
     processes kept, the one it resumed from included, are ranked by their scores and pruned as its own (each
-    checkpoint's callback state already counts the checkpoint itself, as Lightning's ``best_k_models``). A non-finite monitored
-    value ranks worst, as in Lightning: a NaN epoch never evicts a good checkpoint. A name that exists already
-    (a template without ``{step}``, a run resumed in place) gets Lightning's version suffix ``-v1``, ``-v2``...:
-    no file is ever overwritten.
+    checkpoint's callback state already counts the checkpoint itself, as Lightning's ``best_k_models``).
+    A non-finite monitored value ranks worst, as in Lightning: a NaN epoch never evicts a good checkpoint. A name
+    that exists already (a template without ``{step}``, a run resumed in place) gets Lightning's version suffix
+    ``-v1``, ``-v2``...: no file is ever overwritten.
 
     Args:
         dirpath: where to write; default ``<run dir>/checkpoints``. A directory that holds another run's

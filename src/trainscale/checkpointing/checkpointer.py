@@ -122,7 +122,8 @@ def hparams_entries(model: Any) -> dict:
             "module_class": f"{type(model).__module__}.{type(model).__qualname__}"}
 
 
-def read_module_checkpoint(path: Path, verify: bool = True, map_location: Any = "cpu") -> tuple[dict, Callable[[], dict]]:
+def read_module_checkpoint(path: Path, verify: bool = True,
+                           map_location: Any = "cpu") -> tuple[dict, Callable[[], dict]]:
     """Read a checkpoint in this one process, without a process group: a file of a single/ddp run or a sharded
     (DCP) directory of an fsdp/model_parallel run. Returns its plain entries (``hyper_parameters``, ...; no
     ``model``) and a function that reads the model's whole state dict (from a DCP directory every shard is read,
