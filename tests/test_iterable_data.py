@@ -89,6 +89,30 @@ def test_an_endless_iterable_trains_by_max_steps_or_limit_train_batches(tmp_path
         _trainer(tmp_path, limit_train_batches=0.5).fit(Seen(), DataLoader(Stream(), batch_size=2))
 
 
+class Eight(IterableDataset):
+    """Eight samples, without ``__len__``: the epoch's length is known only when its iterator ends."""
+
+    def __iter__(self):
+        for i in range(8):
+            yield torch.full((2,), float(i)), torch.tensor(i % 2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("data", [Eight(), TensorDataset(torch.zeros(8, 2), torch.zeros(8, dtype=torch.long))],
+                         ids=["iterable", "map-style"])
+def test_a_step_save_on_the_last_step_of_an_iterables_epoch_folds_into_the_epoch_end_save(tmp_path, data):
+    """As for a map-style set: the step save due on the epoch's last step is the epoch-end save, written once."""
+    from trainscale.callbacks import ModelCheckpoint
+    from trainscale.checkpointing.run_dirs import checkpoint_name
+
+    trainer = _trainer(tmp_path, max_epochs=1, enable_model_summary=False,
+                       callbacks=[ModelCheckpoint(every_n_train_steps=2, every_n_epochs=1, save_top_k=-1)])
+    trainer.fit(Seen(), DataLoader(data, batch_size=2))  # 4 steps: step saves at 2 and 4, the epoch ends at 4
+    assert trainer.checkpoints.summary()["saves"] == 2
+    assert sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.pt")) == \
+        [checkpoint_name(0, 2), checkpoint_name(1, 4)]
+
+
 def stream_body(rank: int, root: str) -> list:
     trainer = Trainer(accelerator="cpu", devices="auto", strategy="ddp", max_epochs=1, limit_train_batches=3,
                       enable_progress_bar=False, default_root_dir=root, timeout=60)

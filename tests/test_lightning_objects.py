@@ -102,6 +102,38 @@ def test_load_from_checkpoint_names_what_is_missing(tmp_path):
         Classifier.load_from_checkpoint(tmp_path / "missing.pt")
 
 
+def test_load_from_checkpoint_takes_every_form_of_torch_loads_map_location(tmp_path):
+    model = Classifier(hidden=4)
+    _fit(tmp_path, model)
+    path = ckpt.find_last(tmp_path)
+    for device in ("cpu", torch.device("cpu")):
+        loaded = Classifier.load_from_checkpoint(path, map_location=device)
+        torch.testing.assert_close(loaded.net[0].weight, model.net[0].weight, rtol=0, atol=0)
+    # a dict maps the location each tensor was saved from ("cpu" here); the module follows its weights, as Lightning
+    for moved in (Classifier.load_from_checkpoint(path, map_location={"cpu": "meta"}),
+                  Classifier.load_from_checkpoint(path, map_location="meta")):
+        assert {p.device.type for p in moved.parameters()} == {"meta"}
+    locations = []
+
+    def keep_here(storage, location):  # torch.load's callable form
+        locations.append(location)
+        return storage
+
+    loaded = Classifier.load_from_checkpoint(path, map_location=keep_here)
+    assert locations and set(locations) == {"cpu"}
+    torch.testing.assert_close(loaded.net[2].bias, model.net[2].bias, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="map_location=3; pass a device or its name"):
+        Classifier.load_from_checkpoint(path, map_location=3)
+    # a sharded (DCP) checkpoint is read on the CPU, then each tensor is placed as torch.load places it
+    from trainscale.checkpointing.checkpointer import _mapped
+
+    weights = {"w": torch.ones(2)}
+    assert _mapped(weights, {"cpu": "meta"})["w"].device.type == "meta" and _mapped(weights, "cpu") is weights
+    locations.clear()
+    torch.testing.assert_close(_mapped(weights, keep_here)["w"], weights["w"], rtol=0, atol=0)
+    assert locations == ["cpu"]
+
+
 # -- EarlyStopping ---------------------------------------------------------------------------------------
 class _Loop:
     """What EarlyStopping reads of a Trainer (one process)."""
@@ -162,6 +194,35 @@ def test_early_stopping_strict_when_and_verbose(capsys):
     _checks(EarlyStopping("m", patience=1, verbose=True), [1.0, 0.5, 0.7])
     out = capsys.readouterr().out
     assert "m improved by 0.500 >= min_delta = 0.0; new best score: 0.500" in out and "did not improve" in out
+
+
+def test_two_early_stoppings_keep_their_own_states_and_a_class_named_state_still_loads(tmp_path):
+    from trainscale.callbacks import resolve_callbacks
+    from trainscale.runtime.checkpoint_io import save_file
+
+    # Lightning's keys (Callback._generate_state_key): the class name and the arguments that tell instances apart
+    assert EarlyStopping("val_loss").state_key == "EarlyStopping{'monitor': 'val_loss', 'mode': 'min'}"
+    assert ModelCheckpoint(monitor="val_loss", mode="max").state_key == (
+        "ModelCheckpoint{'monitor': 'val_loss', 'mode': 'max', 'every_n_train_steps': 0, 'every_n_epochs': 1, "
+        "'train_time_interval': None}")
+    with pytest.raises(ValueError, match="two callbacks save their state under .*EarlyStopping.*val_loss"):
+        resolve_callbacks([EarlyStopping("val_loss"), EarlyStopping("val_loss", patience=9)])
+    stops = [EarlyStopping("val_loss", patience=5), EarlyStopping("train_loss", mode="max", patience=5)]
+    trainer = _fit(tmp_path, Classifier(hidden=4), epochs=1, callbacks=stops)
+    metrics = trainer.callback_metrics
+    assert [s.best_score for s in stops] == [metrics["val_loss"], metrics["train_loss"]]
+    path = ckpt.find_last(tmp_path)
+    resumed = [EarlyStopping("val_loss", patience=5), EarlyStopping("train_loss", mode="max", patience=5)]
+    _trainer(tmp_path, callbacks=resumed).fit(Classifier(hidden=4), DataLoader(_data(), batch_size=8), ckpt_path=path)
+    assert [s.best_score for s in resumed] == [s.best_score for s in stops]  # each its own
+    # a checkpoint written when the key was the class name ("EarlyStopping"): still restored
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["callbacks"] = {"EarlyStopping": stops[0].state_dict()}
+    old = tmp_path / "old.pt"
+    save_file(checkpoint, old)
+    legacy = EarlyStopping("val_loss", patience=5)
+    _trainer(tmp_path, callbacks=[legacy]).fit(Classifier(hidden=4), DataLoader(_data(), batch_size=8), ckpt_path=old)
+    assert legacy.best_score == stops[0].best_score
 
 
 # -- ModelCheckpoint in a fit ----------------------------------------------------------------------------

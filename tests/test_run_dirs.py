@@ -26,12 +26,17 @@ class _Trainer:
         self.runtime.strategy = types.SimpleNamespace(checkpoint_suffix=".pt")
         self.runtime.broadcast_object = lambda value: value
         self.config = TrainerConfig()
+        self.ckpt_path = None
 
     def reached_multiple(self, n):
         return self.global_step % n == 0
 
+    def checkpoint_path(self, directory, name=None):
+        name = ckpt.checkpoint_name(self.current_epoch, self.global_step) if name is None else name + ".pt"
+        return directory / name
+
     def write_checkpoint(self, directory, background=False, name=None):
-        path = directory / (ckpt.checkpoint_name(self.current_epoch, self.global_step) if name is None else name + ".pt")
+        path = self.checkpoint_path(directory, name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"x")
         (path.parent / f"{path.name}.sha256").write_text("0" * 64)
@@ -272,3 +277,58 @@ def test_save_top_k_0_saves_nothing_but_the_last_when_asked(tmp_path):
     ckpt_dir = trainer.run_dir / "checkpoints"
     assert [p.name for p in ckpt_dir.glob("*.pt")] == [ckpt.checkpoint_name(0, 4)]
     assert (ckpt_dir / "last.ckpt").resolve() == (ckpt_dir / ckpt.checkpoint_name(0, 4)).resolve()
+
+
+@pytest.mark.timeout(60)
+def test_a_run_resumed_in_place_prunes_the_checkpoint_it_resumed_from(tmp_path):
+    """The checkpoint a run resumes from in place is one of its own (ranked by its score, pruned by save_top_k);
+    a new run resumed from another run's checkpoint deletes none of that run's files."""
+    from torch.utils.data import DataLoader
+
+    from tests import workers
+    from trainscale.callbacks import Callback
+    from trainscale.loop.trainer import Trainer
+
+    scores = [0.5, 0.4, 0.3, 0.2, 0.9, 0.8]  # by epoch: each better than the last, then two worse ones
+
+    class Score(Callback):  # a metric the ModelCheckpoint ranks by, logged before it runs
+        def on_train_epoch_end(self, trainer, module=None):
+            trainer.callback_metrics["score"] = scores[trainer.current_epoch]
+
+    def fit(epochs, ckpt_path=None):
+        checkpoint = ModelCheckpoint(monitor="score", save_top_k=1)
+        trainer = Trainer(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
+                          default_root_dir=tmp_path, max_epochs=epochs, callbacks=[Score(), checkpoint])
+        trainer.fit(workers.make_model(0), DataLoader(workers.tiny_dataset(8), batch_size=8), optimizer=workers.sgd,
+                    ckpt_path=ckpt_path)
+        return trainer, checkpoint
+
+    def kept(trainer):
+        return sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.pt"))
+
+    first, _ = fit(2)
+    assert kept(first) == [ckpt.checkpoint_name(2, 2)]
+    resumed, checkpoint = fit(4, ckpt_path="last")  # continues version_0: its epoch-2 file is this run's own
+    assert resumed.run_dir == first.run_dir and kept(resumed) == [ckpt.checkpoint_name(4, 4)]
+    assert checkpoint.best_model_path == str(resumed.run_dir / "checkpoints" / ckpt.checkpoint_name(4, 4))
+    copy = tmp_path / "elsewhere.pt"  # not version_0's newest: the next fit starts version_1
+    resumed.save_checkpoint(copy)
+    other, checkpoint = fit(6, ckpt_path=copy)
+    assert other.run_dir == tmp_path / "version_1" and kept(first) == [ckpt.checkpoint_name(4, 4)]
+    assert kept(other) == [ckpt.checkpoint_name(6, 6)]  # the newest; the best is version_0's, kept there
+    assert checkpoint.best_model_path == str(first.run_dir / "checkpoints" / ckpt.checkpoint_name(4, 4))
+
+
+def test_a_checkpoint_saved_outside_the_callback_and_resumed_from_in_place_is_pruned(tmp_path):
+    trainer = _Trainer(tmp_path / "version_0")
+    callback = ModelCheckpoint(save_top_k=1)
+    callback.setup(trainer)
+    _steps(callback, trainer, (1,))
+    trainer.global_step = 2  # a save on a signal (Trainer.save_checkpoint), then the process exits
+    on_signal = trainer.write_checkpoint(trainer.run_dir / "checkpoints")
+    resumed = ModelCheckpoint(save_top_k=1)
+    resumed.load_state_dict({"best_k": callback.state_dict()["best_k"]})  # as written before "newest" was kept
+    trainer.ckpt_path = on_signal  # fit(ckpt_path="last") continues version_0 from it
+    resumed.setup(trainer)
+    _steps(resumed, trainer, (3,))
+    assert [p.name for p in (trainer.run_dir / "checkpoints").glob("*.pt")] == [ckpt.checkpoint_name(0, 3)]

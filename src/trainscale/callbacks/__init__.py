@@ -23,11 +23,19 @@ def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = No
 
     Raises:
         TypeError: an entry that is not a :class:`Callback`.
+        ValueError: two callbacks with state under one ``state_key`` (e.g. two ``EarlyStopping`` on the same
+            metric and mode): a checkpoint would keep one state for both (Lightning raises the same).
     """
     callbacks = list(callbacks or [])
     for cb in callbacks:
         if not isinstance(cb, Callback):
             raise TypeError(f"callbacks holds a {type(cb).__name__}; pass trainscale.callbacks.Callback instances")
+    keys = [cb.state_key for cb in callbacks if type(cb).state_dict is not Callback.state_dict]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"two callbacks save their state under {twice[0]!r}: a checkpoint would keep one state for "
+                         "both; drop one, or make them differ (another monitor or mode; a subclass may override "
+                         "state_key)")
     if default_checkpoint is not None and not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
         callbacks.append(default_checkpoint)
     return callbacks

@@ -24,7 +24,9 @@ class Callback:
     sees what the module logged there) → ``on_train_end`` → ``on_fit_end``. ``validate``/``test``/``predict``
     call the ``on_validation_*``/``on_test_*``/``on_predict_*`` hooks. ``on_save_checkpoint``/
     ``on_load_checkpoint`` see the checkpoint dict; ``on_exception`` sees what ``fit`` raised.
-    ``state_dict``/``load_state_dict`` are saved in every checkpoint under ``state_key`` and restored on resume.
+    ``state_dict``/``load_state_dict`` are saved in every checkpoint under ``state_key`` and restored on resume
+    (a callback with state that may be used twice in one Trainer builds a key from the arguments that tell its
+    instances apart, with :meth:`_generate_state_key`, as Lightning's ``EarlyStopping`` and ``ModelCheckpoint``).
     The table of hooks and the one difference from Lightning's order: docs/lightning.md.
     """
 
@@ -32,7 +34,20 @@ class Callback:
 
     @property
     def state_key(self) -> str:
+        """The key of this callback's state in a checkpoint's "callbacks" entry: unique among the Trainer's
+        callbacks with state (Lightning's ``Callback.state_key``; by default the class name)."""
         return type(self).__name__
+
+    @property
+    def _legacy_state_key(self) -> str:
+        """The key trainscale checkpoints used before the keys built by :meth:`_generate_state_key`: the class
+        name; read when a checkpoint has no entry under ``state_key`` (Lightning's ``_legacy_state_key``)."""
+        return type(self).__name__
+
+    def _generate_state_key(self, **kwargs: Any) -> str:
+        """Lightning's ``Callback._generate_state_key``: ``"<class name>{repr(kwargs)}"``, e.g.
+        ``EarlyStopping{'monitor': 'val_loss', 'mode': 'min'}``."""
+        return f"{type(self).__qualname__}{kwargs!r}"
 
     def on_fit_start(self, trainer: Trainer, module: Any) -> None: ...
 

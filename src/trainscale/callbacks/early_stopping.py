@@ -85,6 +85,12 @@ class EarlyStopping(Callback):
         self.stopping_reason = EarlyStoppingReason.NOT_STOPPED
         self.stopping_reason_message: str | None = None
 
+    @property
+    def state_key(self) -> str:
+        """Lightning's key: ``EarlyStopping{'monitor': ..., 'mode': ...}`` (two callbacks on two metrics keep two
+        states)."""
+        return self._generate_state_key(monitor=self.monitor, mode=self.mode)
+
     def _better(self, value: float, than: float) -> bool:
         return value < than if self.mode == "min" else value > than
 

@@ -34,10 +34,13 @@ class ModelCheckpoint(Callback):
 
     One pruning rule: the ``save_top_k`` best by ``monitor`` (without a monitor: the newest) are kept, and the
     newest (the one "last" names); only files this callback wrote into its own ``dirpath`` during this run are ever
-    deleted (never another run's, e.g. the checkpoints a resumed run started from). A non-finite monitored
-    value ranks worst, as in Lightning: a NaN epoch never evicts a good checkpoint. A name that exists already
-    (a template without ``{step}``, a run resumed in place) gets Lightning's version suffix ``-v1``, ``-v2``...:
-    no file is ever overwritten.
+    deleted (never another run's, e.g. the checkpoints a run resumed into a new ``version_N`` started from). A run
+    resumed in place (``fit(ckpt_path="last")`` continuing its directory) is the same run: the files its earlier
+    processes kept, the one it resumed from included, are ranked by their scores and pruned as its own (each
+    checkpoint's callback state already counts the checkpoint itself, as Lightning's ``best_k_models``).
+    A non-finite monitored value ranks worst, as in Lightning: a NaN epoch never evicts a good checkpoint. A name
+    that exists already (a template without ``{step}``, a run resumed in place) gets Lightning's version suffix
+    ``-v1``, ``-v2``...: no file is ever overwritten.
 
     Args:
         dirpath: where to write; default ``<run dir>/checkpoints``. A directory that holds another run's
@@ -84,7 +87,16 @@ class ModelCheckpoint(Callback):
         self.best_k: dict[str, float] = {}  # path -> score (lower is better after the sign for "max")
         self._directory: Path | None = None  # this fit's resolved dirpath
         self._written: list[str] = []  # this run's files in _directory, oldest first
+        self._newest: str | None = None  # the last checkpoint this callback wrote (kept, as "last" names it)
         self._warned_missing = False
+
+    @property
+    def state_key(self) -> str:
+        """Lightning's key: the class name and ``monitor``, ``mode``, ``every_n_train_steps`` (0 for none),
+        ``every_n_epochs`` and ``train_time_interval`` (None: trainscale has no time trigger)."""
+        return self._generate_state_key(monitor=self.monitor, mode=self.mode,
+                                        every_n_train_steps=self.every_n_train_steps or 0,
+                                        every_n_epochs=self.every_n_epochs, train_time_interval=None)
 
     def setup(self, trainer: Trainer) -> None:
         """At the start of a fit, after its run directory is chosen (every rank): resolve ``dirpath`` and claim
@@ -94,8 +106,11 @@ class ModelCheckpoint(Callback):
             ValueError: ``dirpath`` holds the checkpoints of another run.
         """
         self._directory = Path(trainer.run_dir) / "checkpoints" if self.dirpath is None else self.dirpath
-        # resumed in place: the kept files of the run's earlier processes are this run's too
-        self._written = [p for p in self.best_k if Path(p).parent.resolve() == self._directory.resolve()]
+        # resumed in place: the kept files of the run's earlier processes are this run's too, and so is the one it
+        # resumed from (e.g. a checkpoint saved on a signal); another run's directory is never this one
+        resumed_from = [str(trainer.ckpt_path)] if trainer.ckpt_path is not None else []
+        earlier = dict.fromkeys([*self.best_k, *([self._newest] if self._newest else []), *resumed_from])
+        self._written = [p for p in earlier if Path(p).parent.resolve() == self._directory.resolve()]
         if self.dirpath is None:
             return
         owner_file = self.dirpath / OWNER
@@ -187,12 +202,17 @@ class ModelCheckpoint(Callback):
         if self.save_top_k == 0 and not self.save_last:
             return  # Lightning: save_top_k=0 saves nothing (but "last" when asked)
         score = self._score(trainer, epoch_end)
-        path = str(trainer.write_checkpoint(self._directory, background=True, name=self._file_name(trainer)))
+        name = self._file_name(trainer)
+        path = str(trainer.checkpoint_path(self._directory, name))
+        # ranked before the write (Lightning's order), so that the state this checkpoint holds counts it: a run
+        # resumed from it in place knows it as its own, with its score
         self._written.append(path)
+        self._newest = path
         self.best_k[path] = score
         if self.save_top_k >= 0:
             for dropped in sorted(self.best_k, key=self.best_k.get)[self.save_top_k:]:  # ties: the older stays
                 del self.best_k[dropped]
+        trainer.write_checkpoint(self._directory, background=True, name=name)
         keep = set(self.best_k) | {path}  # the newest is "last"
         stale = [p for p in self._written if p not in keep]
         self._written = [p for p in self._written if p in keep]
@@ -211,10 +231,11 @@ class ModelCheckpoint(Callback):
         return min(self.best_k, key=self.best_k.get) if self.best_k else None
 
     def state_dict(self) -> dict:
-        return {"best_k": dict(self.best_k)}
+        return {"best_k": dict(self.best_k), "newest": self._newest}
 
     def load_state_dict(self, state: dict) -> None:
         self.best_k = dict(state["best_k"])
+        self._newest = state.get("newest")  # absent from checkpoints written before it was kept
 
 
 def _check_naming(filename: str | None, save_last: bool | str | None) -> None:

@@ -78,7 +78,9 @@ def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state
 
     Returns:
         The resume point and the checkpoint's other entries (``train_state``, ``loop``, ``callbacks``: the
-        callbacks' saved states by ``state_key``, and any key a callback's ``on_save_checkpoint`` added).
+        callbacks' saved states by ``state_key``, and any key a callback's ``on_save_checkpoint`` added). A
+        callback whose ``state_key`` is absent reads the class-named entry of an older checkpoint, if any
+        (Lightning's ``_legacy_state_key``).
 
     Raises:
         ValueError: the checkpoint's optimizers are of other classes than the configured ones (e.g. Adam
@@ -101,8 +103,10 @@ def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state
              + (f"batch {point.batches}" if point.consumed is None else f"sample {point.consumed}"))
     runtime.print(f"trainscale: resumed from {path} ({where}, step {state.global_step})")
     states = dict(rest.get("callbacks") or {})
-    for cb in (cb for cb in callbacks if cb.state_key in states):
-        cb.load_state_dict(states[cb.state_key])
+    for cb in callbacks:
+        state = states.get(cb.state_key, states.get(cb._legacy_state_key))
+        if state is not None:
+            cb.load_state_dict(state)
     return point, rest
 
 
@@ -132,11 +136,15 @@ def hparams_entries(model: Any) -> dict:
             "module_class": f"{type(model).__module__}.{type(model).__qualname__}"}
 
 
-def read_module_checkpoint(path: Path, verify: bool = True) -> tuple[dict, Callable[[], dict]]:
+def read_module_checkpoint(path: Path, verify: bool = True,
+                           map_location: Any = "cpu") -> tuple[dict, Callable[[], dict]]:
     """Read a checkpoint in this one process, without a process group: a file of a single/ddp run or a sharded
     (DCP) directory of an fsdp/model_parallel run. Returns its plain entries (``hyper_parameters``, ...; no
-    ``model``) and a function that reads the model's whole state dict (tensors on the CPU; from a DCP
-    directory every shard is read, ``dcp_checkpoint.read_whole``).
+    ``model``) and a function that reads the model's whole state dict (from a DCP directory every shard is read,
+    ``dcp_checkpoint.read_whole``). Tensors are placed by ``map_location``, ``torch.load``'s argument (a device
+    or its name, a dict from saved to new locations, or ``f(storage, location)``): applied by ``torch.load``
+    to a file (each tensor's location: the device it was saved from); a DCP directory is read on the CPU, so
+    there every tensor's location is "cpu".
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -151,7 +159,8 @@ def read_module_checkpoint(path: Path, verify: bool = True) -> tuple[dict, Calla
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; pass a checkpoint file "
                                 "(<run>/checkpoints/epoch=E-step=S.pt) or a sharded checkpoint directory")
     sharded = path.is_dir() and (path / ".metadata").is_file()
-    entries = checkpoint_io.load_file(path / dcp_checkpoint.EXTRA if sharded else path, verify)
+    entries = checkpoint_io.load_file(path / dcp_checkpoint.EXTRA if sharded else path, verify,
+                                      map_location=map_location)
     if not isinstance(entries, dict) or "train_state" not in entries or not (sharded or "model" in entries):
         keys = sorted(entries)[:8] if isinstance(entries, dict) else type(entries).__name__
         hint = (" (a Lightning checkpoint: load its weights with module.load_state_dict(torch.load(path)"
@@ -160,7 +169,27 @@ def read_module_checkpoint(path: Path, verify: bool = True) -> tuple[dict, Calla
             f"{str(path)!r} is not a trainscale checkpoint: it has no 'model' and 'train_state' entries (it holds "
             f"{keys}){hint}; pass a checkpoint written by Trainer.fit or Trainer.save_checkpoint")
     model_state = entries.pop("model", None)
-    return entries, ((lambda: dcp_checkpoint.read_whole(path, "model", verify)) if sharded else (lambda: model_state))
+    if not sharded:
+        return entries, lambda: model_state
+    return entries, lambda: _mapped(dcp_checkpoint.read_whole(path, "model", verify), map_location)
+
+
+def _mapped(tensors: dict, map_location: Any) -> dict:
+    """``torch.load``'s ``map_location`` applied to ``{name: tensor}`` on the CPU: each tensor goes through
+    ``torch.save``/``torch.load`` in memory (one at a time), so that every form acts exactly as in ``torch.load``."""
+    import io
+
+    import torch
+
+    if map_location in (None, "cpu"):
+        return tensors
+    out = {}
+    for name, tensor in tensors.items():
+        buffer = io.BytesIO()
+        torch.save(tensor, buffer)
+        buffer.seek(0)
+        out[name] = torch.load(buffer, map_location=map_location, weights_only=True)
+    return out
 
 
 def _split_tensor_states(states: dict) -> tuple[dict, dict]:

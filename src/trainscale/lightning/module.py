@@ -72,7 +72,7 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         raise NotImplementedError("define configure_optimizers(self) returning an optimizer (or pass optimizer=...)")
 
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, map_location: str | torch.device | None = None,
+    def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, map_location: Any = None,
                              strict: bool = True, verify: bool = True, **overrides: Any) -> TrainingModule:
         """The module rebuilt from a checkpoint, as Lightning's ``LightningModule.load_from_checkpoint``
         (``lightning.pytorch.core.saving._load_from_checkpoint``): ``cls(**hyper_parameters, **overrides)``, the
@@ -85,27 +85,39 @@ class TrainingModule(HyperparametersMixin, nn.Module):
 
         Args:
             checkpoint_path: ``<run>/checkpoints/epoch=E-step=S.pt``, its sharded directory, or ``last.ckpt``.
-            map_location: the device the module is moved to (None: the CPU).
+            map_location: where the weights go, in any form of ``torch.load``'s ``map_location`` (Lightning's
+                argument): a device or its name ("cuda:0"), a dict from the locations the checkpoint was saved
+                from to new ones (``{"cuda:1": "cuda:0"}``), or ``f(storage, location)`` returning a storage (or
+                None: where it was saved). The module is moved to the device of its first weight, as Lightning.
+                None: the CPU (Lightning keeps a GPU checkpoint on that GPU when there is one).
             strict: the weights' names must match the module's exactly (``nn.Module.load_state_dict``).
             verify: check the SHA-256 recorded at the save (refuses a file without one).
             overrides: arguments for ``__init__`` that replace the saved ones (or give those not saved).
 
         Raises:
             FileNotFoundError: no such checkpoint.
+            TypeError: a ``map_location`` of another type.
             CheckpointError: not a trainscale checkpoint, a failed checksum.
             TypeError: ``__init__`` needs arguments the checkpoint does not hold (named, with why).
             RuntimeError: ``strict`` and the weights' names do not match the module's.
         """
         from trainscale.checkpointing.checkpointer import read_module_checkpoint
 
-        entries, read_model = read_module_checkpoint(Path(checkpoint_path), verify)
+        if not (map_location is None or isinstance(map_location, (str, torch.device, dict)) or callable(map_location)):
+            raise TypeError(f"map_location={map_location!r}; pass a device or its name ('cuda:0'), a dict such as "
+                            "{'cuda:1': 'cuda:0'}, a function (storage, location) -> storage, or None (the CPU)")
+        entries, read_model = read_module_checkpoint(Path(checkpoint_path), verify, map_location or "cpu")
         saved = dict(entries.get("hyper_parameters") or {})
         kwargs = _init_arguments(cls, {**saved, **overrides}, entries, checkpoint_path)
         module = cls(**kwargs)
         if "on_load_checkpoint" in defined_hooks(module):
             module.on_load_checkpoint(entries)
-        module.load_state_dict(read_model(), strict=strict)
-        return module.to(map_location) if map_location is not None else module
+        state = read_model()
+        # Lightning (core/saving.py): the module goes where map_location put its first weight (moved before the
+        # load here, so that each weight is copied once, on its device)
+        device = next((t.device for t in state.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        module.to(device).load_state_dict(state, strict=strict)
+        return module
 
     # -- what the Trainer attached -------------------------------------------------------------
     @property

@@ -25,19 +25,20 @@ class MicroBatch(NamedTuple):
     index: int  # position in the epoch (Lightning's batch_idx)
     is_last: bool  # the last micro-batch of its optimizer step: gradients are synchronised and stepped
     group_size: int  # micro-batches in its optimizer step (the epoch's last step may have fewer than k)
+    ends_epoch: bool  # the last micro-batch of its epoch (of an iterable data set too: found by reading one ahead)
 
 
 def micro_batches(batches: Iterable, k: int, total: int, start: int = 0) -> Iterator[MicroBatch]:
     """Number ``batches`` (``total`` of them, the first at index ``start``) and group them by ``k``.
 
-    >>> [(m.index, m.is_last, m.group_size) for m in micro_batches("abcde", 2, 5)]
-    [(0, False, 2), (1, True, 2), (2, False, 2), (3, True, 2), (4, True, 1)]
+    >>> [(m.index, m.is_last, m.group_size, m.ends_epoch) for m in micro_batches("abcde", 2, 5)][-2:]
+    [(3, True, 2, False), (4, True, 1, True)]
 
     ``total`` infinite (an iterable data set: the epoch ends when its iterator does): the last micro-batch is found
     by reading one ahead, and every step divides by ``k``, as Lightning does for every step:
 
-    >>> [(m.index, m.is_last, m.group_size) for m in micro_batches(iter("abc"), 2, math.inf)]
-    [(0, False, 2), (1, True, 2), (2, True, 2)]
+    >>> [(m.index, m.is_last, m.group_size, m.ends_epoch) for m in micro_batches(iter("abc"), 2, math.inf)]
+    [(0, False, 2, False), (1, True, 2, False), (2, True, 2, True)]
     """
     if total == math.inf:
         yield from _open_ended(iter(batches), k, start)
@@ -45,7 +46,7 @@ def micro_batches(batches: Iterable, k: int, total: int, start: int = 0) -> Iter
     for i, batch in enumerate(batches):
         first = (i // k) * k
         group_size = min(k, total - first)
-        yield MicroBatch(batch, start + i, i - first == group_size - 1, group_size)
+        yield MicroBatch(batch, start + i, i - first == group_size - 1, group_size, i == total - 1)
 
 
 _END = object()
@@ -56,7 +57,7 @@ def _open_ended(batches: Iterator, k: int, start: int) -> Iterator[MicroBatch]:
     i = 0
     while ahead is not _END:
         batch, ahead = ahead, next(batches, _END)
-        yield MicroBatch(batch, start + i, i % k == k - 1 or ahead is _END, k)
+        yield MicroBatch(batch, start + i, i % k == k - 1 or ahead is _END, k, ahead is _END)
         i += 1
 
 

@@ -90,6 +90,7 @@ class Trainer:
             self.runtime.launch()
         self.state = TrainState()
         self.run_dir: Path | None = None
+        self.ckpt_path: Path | None = None  # the checkpoint the running (or last) fit resumed from (Lightning's name)
         self.callback_metrics: dict[str, float] = {}  # the latest number of each name (epoch records, logs)
         self.should_stop = False  # set by a callback (EarlyStopping) or max_time: stop, on every rank
         self.fitting = False  # True during fit (Lightning's trainer.state.fn == "fit"); validate() after it: False
@@ -198,6 +199,7 @@ class Trainer:
     def _run_fit(self, model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, verify) -> dict:
         rt, cfg = self.runtime, self.config
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
+        self.ckpt_path = resume_from
         train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
         seed_everything(cfg.seed)
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
@@ -360,7 +362,7 @@ class Trainer:
         # 6. Validation, signals, the non-finite check and checkpoints, when due; the time limit.
         if self._validation_due(fit, trained=range(first_batch, self.state.batches)):
             self._validate(fit, mid_epoch=True)
-        self._checkpoint_if_due(fit, epoch_end=False)
+        self._checkpoint_if_due(fit, epoch_end=False, ends_epoch=micro.ends_epoch)
         if self._out_of_time():
             self.should_stop = True  # max_time (Lightning's Timer): the epoch ends after this step
         return True
@@ -485,11 +487,12 @@ class Trainer:
         out = time.monotonic() >= self._deadline
         return bool(self.runtime.broadcast_object(out)) if self.runtime.world_size > 1 else out
 
-    def _checkpoint_if_due(self, fit: FitRun, epoch_end: bool) -> None:
+    def _checkpoint_if_due(self, fit: FitRun, epoch_end: bool, ends_epoch: bool = False) -> None:
         """The one place that decides when to checkpoint, after every optimizer step and at every epoch end:
         first the fault check (signals, non-finite losses; at the steps every rank agreed on, and at epoch
         ends), which on a signal saves and exits; then each ``ModelCheckpoint`` saves when the step or epoch
-        is one of its own."""
+        is one of its own. ``ends_epoch``: the step trained the epoch's last micro-batch (``MicroBatch.ends_epoch``,
+        known for an iterable data set too), so an epoch-end save follows it, as it does after ``max_steps``."""
         step = self.state.global_step
         self.checkpoints.poll()  # publish a background write that has ended (a check that never blocks)
         if epoch_end or self._faults.due(step):
@@ -497,7 +500,7 @@ class Trainer:
             if stop:
                 path = self.save_checkpoint()  # on disk before the exit
                 self._faults.exit(stop, str(path))
-        ends_epoch = self.state.batches >= fit.epoch_batches or step >= self.config.step_limit
+        ends_epoch = ends_epoch or step >= self.config.step_limit
         for cb in self.checkpoint_callbacks:
             cb.save_if_due(self, epoch_end, ends_epoch)
 
@@ -520,12 +523,17 @@ class Trainer:
             return self.write_checkpoint(self.run_dir / "checkpoints", background)
         return self._save(Path(path), None, background)
 
-    def write_checkpoint(self, directory: Path, background: bool = False, name: str | None = None) -> Path:
-        """A checkpoint named ``name`` (+ the strategy's suffix; None: ``epoch=E-step=S``) in ``directory``, then
-        "last" moved to it (what a ``ModelCheckpoint`` calls). Every rank calls it at the same point. Returns its path."""
+    def checkpoint_path(self, directory: Path, name: str | None = None) -> Path:
+        """Where :meth:`write_checkpoint` writes ``name`` now: ``directory/name`` + the strategy's suffix (None:
+        ``epoch=E-step=S``)."""
         suffix = self.runtime.strategy.checkpoint_suffix
-        name = checkpointer.default_name(self._fit, self.state, suffix) if name is None else name + suffix
-        return self._save(Path(directory) / name, self.run_dir / "checkpoints", background)
+        return Path(directory) / (checkpointer.default_name(self._fit, self.state, suffix) if name is None
+                                  else name + suffix)
+
+    def write_checkpoint(self, directory: Path, background: bool = False, name: str | None = None) -> Path:
+        """A checkpoint at :meth:`checkpoint_path`, then "last" moved to it (what a ``ModelCheckpoint`` calls). Every
+        rank calls it at the same point. Returns its path."""
+        return self._save(self.checkpoint_path(directory, name), self.run_dir / "checkpoints", background)
 
     def _save(self, target: Path, last_dir: Path | None, background: bool) -> Path:
         previous, self._faults.phase = self._faults.phase, "checkpoint save"

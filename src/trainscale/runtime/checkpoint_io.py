@@ -142,8 +142,10 @@ def save_file(obj: Any, path: str | os.PathLike) -> None:
         raise
 
 
-def load_file(path: str | os.PathLike, verify: bool = True, read: Callable | None = None) -> Any:
-    """Load a file written by :func:`save_file` on the CPU, verifying its checksum.
+def load_file(path: str | os.PathLike, verify: bool = True, read: Callable | None = None,
+              map_location: Any = "cpu") -> Any:
+    """Load a file written by :func:`save_file` on the CPU (or where ``map_location`` says: ``torch.load``'s
+    argument), verifying its checksum.
 
     Args:
         verify: check the bytes against ``<path>.sha256`` and refuse a file without one (the default).
@@ -162,7 +164,7 @@ def load_file(path: str | os.PathLike, verify: bool = True, read: Callable | Non
     path = Path(path)
     data = (read or read_checked)(path, verify)
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except Exception as err:  # torch raises several types for bad bytes
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''}); it is corrupted, truncated "
