@@ -111,6 +111,9 @@ class ModelCheckpoint(Callback):
         resumed_from = [str(trainer.ckpt_path)] if trainer.ckpt_path is not None else []
         earlier = dict.fromkeys([*self.best_k, *([self._newest] if self._newest else []), *resumed_from])
         self._written = [p for p in earlier if Path(p).parent.resolve() == self._directory.resolve()]
+        for path in resumed_from:  # one this callback did not rank (a save on a signal, another configuration): by
+            if path in self._written and path not in self.best_k:  # its step without a monitor, else ranked last
+                self.best_k[path] = -float(trainer.global_step) if self.monitor is None else math.inf
         if self.dirpath is None:
             return
         owner_file = self.dirpath / OWNER
