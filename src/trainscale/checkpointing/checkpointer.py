@@ -3,7 +3,8 @@
 State (torchtitan's fixed keys): ``model``, ``optimizer`` (``optimizer_1``... for more),
 ``scheduler`` (``scheduler_1``...), ``train_state`` (:class:`~trainscale.loop.state.TrainState`),
 ``loop`` (the position in the epoch), ``rng`` (every rank's RNG states), ``callbacks`` (each
-callback's ``state_dict``), ``world_size`` and ``optimizer_classes``. Writing is the Runtime's
+callback's ``state_dict``), ``world_size``, ``optimizer_classes``, and for a Hugging Face model ``hf_config`` (its
+``config.to_dict()``). Writing is the Runtime's
 (atomic file + SHA-256, or a DCP directory under fsdp); naming, ``last`` and rotation are
 ``trainscale.checkpointing.run_dirs``'s.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from trainscale.checkpointing import rng, run_dirs as ckpt
+from trainscale.runtime import hf
 from trainscale.checkpointing.train_state import ResumePoint, TrainState
 
 if TYPE_CHECKING:
@@ -56,6 +58,8 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
                "optimizer_classes": [type(o).__name__ for o in optimizers],
                "loop": {"epoch": state.epoch, "complete": complete, "consumed": consumed, "batches": state.batches,
                         "totals": None if complete else totals}}
+    if (hf_config := hf.config_dict(fit.model)) is not None:  # config.json for `trainscale export`
+        content["hf_config"] = hf_config
     if on_save is not None:
         on_save(content)
     return target, runtime.save(target, content, asynchronous=asynchronous)

@@ -232,6 +232,41 @@ def load_whole(path: Any, state: dict, rank: int, strategy: str, unwrap: Callabl
     return DCPCheckpointer(rank, strategy).load(path, whole, verify)
 
 
+def read_module(path: Any, key: str = "model", verify: bool = True) -> tuple[dict, dict]:
+    """One module's whole tensors from the DCP checkpoint directory ``path`` (any mesh, any world size), read
+    into this process without a process group, and the checkpoint's other entries (its extra file).
+
+    The tensors are allocated from the checkpoint's ``.metadata`` (their stored shapes and dtypes) and filled
+    by ``dcp.load`` with ``no_dist=True``: the whole module is in this process's memory, as in torch's
+    ``format_utils.dcp_to_torch_save``. ``verify``: as in :meth:`DCPCheckpointer.load`.
+
+    Returns:
+        ``({parameter or buffer name: tensor}, extra entries)``; names without the ``key.`` prefix.
+
+    Raises:
+        FileNotFoundError, CheckpointError: as :meth:`DCPCheckpointer.load`; the checkpoint holds no ``key``.
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    DCPCheckpointer(0, "fsdp")._check_directory(path)
+    extra = checkpoint_io.load_file(path / EXTRA, verify)
+    digests = _read_manifest(path) if verify else None
+    if digests is not None:
+        _verify_files(path, [".metadata"], digests)
+    reader = _shard_reader(path, digests)
+    stored = reader.read_metadata().state_dict_metadata
+    prefix = f"{key}."
+    whole = {name[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in stored.items()
+             if name.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    if not whole:
+        raise checkpoint_io.CheckpointError(f"checkpoint {str(path)!r} holds no {key!r} tensors")
+    dcp.load({key: whole}, storage_reader=_shard_reader(path, digests), no_dist=True)
+    return whole, extra
+
+
 class _ModelState:
     """DCP ``Stateful`` view of a (sharded) module: its keys are the module's own FQNs."""
 
