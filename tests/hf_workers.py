@@ -61,9 +61,11 @@ def _fit(root: str, strategy: str, tie: bool, **flags):
 
 
 def hf_body(rank: int, root: str) -> dict:
-    """ddp (tied embeddings), then fsdp with the default units and activation checkpointing by class name, on
-    one process group: each run's final weights (whole), checkpoint and telemetry; the fsdp units."""
+    """ddp (tied embeddings), fsdp with the default units and activation checkpointing by class name, then tp by
+    the model's own plan, on one process group: each run's final weights (whole), checkpoint and telemetry; the
+    fsdp units; the tp placements."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
     from tests.fsdp_workers import full_state
 
@@ -73,5 +75,10 @@ def hf_body(rank: int, root: str) -> dict:
     trainer, model, summary = _fit(f"{root}/fsdp", "fsdp", tie=False, activation_checkpointing={"LlamaDecoderLayer"})
     out["fsdp"] = {"state": full_state(model), "summary": summary, "dir": str(trainer.run_dir),
                    "units": [type(m).__name__ for m in trainer.last_setup[1].modules() if isinstance(m, FSDPModule)]}
+    trainer, model, summary = _fit(f"{root}/tp", "tp", tie=False)
+    out["tp"] = {"state": full_state(model), "summary": summary, "dir": str(trainer.run_dir),
+                 "placements": {k: str(p.placements[0]) if isinstance(p, DTensor) else "plain"
+                                for k, p in model.named_parameters()}}
     trainer.runtime.teardown()
     return out
+

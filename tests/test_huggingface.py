@@ -1,9 +1,10 @@
 """Hugging Face ``transformers`` models: trained by ``Trainer.fit`` on dict batches (the loss from the model's
 output), under ddp equal to one plain PyTorch process, under fsdp sharded per decoder layer by default
-(``_no_split_modules``); their checkpoints exported (``trainscale export``) to a directory that
-``from_pretrained`` loads with the trained weights, from a ddp checkpoint file and an fsdp DCP directory.
+(``_no_split_modules``), under tp split by the model's own plan; their checkpoints exported (``trainscale
+export``) to a directory that ``from_pretrained`` loads with the trained weights, from a ddp checkpoint file and
+fsdp and tp DCP directories.
 
-One 2-rank launch (ddp then fsdp on one process group) serves the distributed tests; run under the shared lock
+One 2-rank launch (ddp, fsdp, then tp on one process group) serves the distributed tests; run under the shared lock
 (``flock /tmp/trainscale-heavy.lock pytest ...``)."""
 
 from __future__ import annotations
@@ -56,6 +57,36 @@ def test_fsdp_shards_each_decoder_layer_by_default(runs):
     _assert_states_close(fsdp["state"], hf_workers.plain_reference(tie=False))
 
 
+def test_tp_splits_by_the_models_own_plan(runs):
+    """No tp_plan: LlamaForCausalLM's own (base_model_tp_plan and the head's), translated to torch styles: q/k/v
+    and the MLP's first layers by columns, o_proj/down_proj by rows, the embedding by vocabulary rows, the head by
+    columns with whole logits out, norms plain; the weights those of one process with the same batch of 4."""
+    tp = runs[0]["tp"]
+    placements = tp["placements"]
+    assert placements["model.layers.0.self_attn.q_proj.weight"] == "S(0)"
+    assert placements["model.layers.1.mlp.down_proj.weight"] == "S(1)"
+    assert placements["model.embed_tokens.weight"] == placements["lm_head.weight"] == "S(0)"
+    assert placements["model.norm.weight"] == "plain"
+    assert tp["summary"]["steps"] == 6  # both ranks read the same batches: data parallel size 1
+    for key, want in hf_workers.plain_reference(batch_size=4).items():
+        torch.testing.assert_close(tp["state"][key], want, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_tp_plan_styles_without_a_translation_are_named():
+    from trainscale.lightning.module import LoopModule
+    from trainscale.runtime.strategies.apply_tp import hf_plan
+
+    loop = LoopModule(hf_workers.tiny_llama(), None)
+    assert hf_plan(loop, 2)["model.model.layers.*.self_attn.o_proj"].__class__.__name__ == "RowwiseParallel"
+    loop.model._tp_plan = {"model.layers.*.mlp.gate_proj": "local_colwise", "lm_head": "colwise"}
+    with pytest.raises(ValueError, match="style\\(s\\) 'local_colwise', which trainscale does not translate"):
+        hf_plan(loop, 2)
+    with pytest.raises(ValueError, match="tp=3 must divide LlamaForCausalLM's num_attention_heads=4"):
+        hf_plan(LoopModule(hf_workers.tiny_llama(), None), 3)
+    with pytest.raises(ValueError, match="tie_word_embeddings=True"):
+        hf_plan(LoopModule(hf_workers.tiny_llama(tie=True), None), 2)
+
+
 def _loaded_logits(directory: Path, state: dict, tie: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(logits of ``from_pretrained(directory)``, logits of the tiny Llama given ``state``, the loaded weights)."""
     from transformers import AutoModelForCausalLM
@@ -78,6 +109,16 @@ def test_export_of_a_ddp_checkpoint_loads_with_from_pretrained(runs, tmp_path):
     assert all(torch.equal(state[k], v) for k, v in runs[0]["ddp"]["state"].items())
     with pytest.raises(ValueError, match="not an empty directory"):
         export(_checkpoint(runs[0]["ddp"]["dir"]), out)
+
+
+def test_export_of_a_tp_checkpoint(runs, tmp_path):
+    """The tensor-parallel DCP directory (vocabulary rows and heads split over 2 ranks) exports whole."""
+    from trainscale.export import export
+
+    out = export(_checkpoint(runs[0]["tp"]["dir"]), tmp_path / "model")
+    loaded, trained, state = _loaded_logits(out, runs[0]["tp"]["state"], tie=False)
+    assert torch.equal(loaded, trained)
+    assert all(torch.equal(state[k], v) for k, v in runs[0]["tp"]["state"].items())
 
 
 def test_cli_exports_an_fsdp_checkpoint(runs, tmp_path):
