@@ -61,17 +61,26 @@ def _fit(root: str, strategy: str, tie: bool, **flags):
 
 
 def hf_body(rank: int, root: str) -> dict:
-    """ddp (tied embeddings), fsdp with the default units and activation checkpointing by class name, then tp by
-    the model's own plan, on one process group: each run's final weights (whole), checkpoint and telemetry; the
-    fsdp units; the tp placements."""
+    """ddp (tied embeddings; its checkpoint exported by rank 0), fsdp with the default units and activation
+    checkpointing by class name, tp by the model's own plan, then the exported directory loaded into a new
+    fsdp-sharded model built on the meta device, on one process group: each run's final weights (whole),
+    checkpoint and telemetry; the fsdp units; the tp placements; the loaded weights."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     from tests.fsdp_workers import full_state
 
+    import torch.distributed as dist
+
+    from trainscale.export import export, load_pretrained
+    from trainscale.runtime.runtime import Runtime
+
     out = {}
     trainer, model, summary = _fit(f"{root}/ddp", "ddp", tie=True)
     out["ddp"] = {"state": full_state(model), "summary": summary, "dir": str(trainer.run_dir)}
+    if rank == 0:
+        export(trainer.run_dir / "checkpoints" / "last", f"{root}/exported")
+    dist.barrier()
     trainer, model, summary = _fit(f"{root}/fsdp", "fsdp", tie=False, activation_checkpointing={"LlamaDecoderLayer"})
     out["fsdp"] = {"state": full_state(model), "summary": summary, "dir": str(trainer.run_dir),
                    "units": [type(m).__name__ for m in trainer.last_setup[1].modules() if isinstance(m, FSDPModule)]}
@@ -79,6 +88,13 @@ def hf_body(rank: int, root: str) -> dict:
     out["tp"] = {"state": full_state(model), "summary": summary, "dir": str(trainer.run_dir),
                  "placements": {k: str(p.placements[0]) if isinstance(p, DTensor) else "plain"
                                 for k, p in model.named_parameters()}}
+    # the exported directory loaded into a model built on the meta device, sharded by fsdp (each rank allocates
+    # and initialises its shards only), each rank reading the slices of its shards: never whole on one rank
+    with torch.device("meta"):
+        fresh = tiny_llama(seed=1, tie=True)
+    Runtime(accelerator="cpu", devices="auto", strategy="fsdp", timeout=60).setup(fresh)
+    load_pretrained(fresh, f"{root}/exported")
+    out["imported"] = {"state": full_state(fresh), "sharded": isinstance(fresh.model.embed_tokens.weight, DTensor)}
     trainer.runtime.teardown()
     return out
 

@@ -111,6 +111,15 @@ def test_export_of_a_ddp_checkpoint_loads_with_from_pretrained(runs, tmp_path):
         export(_checkpoint(runs[0]["ddp"]["dir"]), out)
 
 
+def test_a_from_pretrained_directory_loads_into_a_sharded_model(runs):
+    """``load_pretrained`` into a model built on the meta device and sharded by fsdp: the exported ddp weights, each
+    rank reading its own slices, the tied head restored with the embedding."""
+    imported = runs[0]["imported"]
+    assert imported["sharded"]
+    for rank in runs:
+        assert all(torch.equal(rank["imported"]["state"][k], v) for k, v in runs[0]["ddp"]["state"].items())
+
+
 def test_export_of_a_tp_checkpoint(runs, tmp_path):
     """The tensor-parallel DCP directory (vocabulary rows and heads split over 2 ranks) exports whole."""
     from trainscale.export import export

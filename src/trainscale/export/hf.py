@@ -66,6 +66,38 @@ def export(checkpoint: str | Path, out: str | Path, format: str = "safetensors",
     return out
 
 
+def load_pretrained(model: Any, directory: str | Path) -> None:
+    """Load the weights of a Hugging Face model directory (the safetensors files that ``from_pretrained`` reads and
+    :func:`export` writes) into ``model`` in place, whole or sharded: after fsdp, hsdp or tp sharded it, each rank
+    reads only the slices of its own shards (torch's ``torch.distributed.checkpoint.HuggingFaceStorageReader``
+    through ``dcp.load``), so the whole model is never in one process. Call it on every rank of the job (after
+    ``Runtime.setup``, or in a callback's ``on_fit_start``), with the model whose class wrote the files.
+
+    Raises:
+        ValueError: a parameter or buffer of ``model`` is not in the files (a tied copy of one that is, e.g. a
+            head tied to the token embedding, may be absent), naming the first ones.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    stored = HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
+    state = get_model_state_dict(model)
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied names share one Parameter
+    stored_params = {id(params[name]) for name in stored if name in params}
+    tied = {name for name in state if name not in stored and name in params and id(params[name]) in stored_params}
+    missing = sorted(set(state) - set(stored) - tied)
+    if missing:
+        raise ValueError(f"{str(directory)!r} has no {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} of "
+                         f"{type(model).__name__}: load the directory of this model's class")
+    wanted = {name: tensor for name, tensor in state.items() if name in stored}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*")
+        dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not dist.is_initialized())
+    set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
+
+
 def _require(*packages: str) -> None:
     import importlib.util
 
