@@ -203,8 +203,8 @@ def loss_of(output: Any, where: str = "training_step") -> torch.Tensor:
 
 
 def output_loss(output: Any, model: nn.Module) -> torch.Tensor:
-    """The ``loss`` of a model called with a dict batch as keywords (a Hugging Face model's ``ModelOutput``, a
-    mapping, holds one when the batch has ``labels``).
+    """The ``loss`` of a Hugging Face model called with a dict batch as keywords (its ``ModelOutput``, a mapping,
+    holds one when the batch has ``labels``).
 
     Raises:
         TypeError: the output holds no loss tensor (names the fix).
@@ -229,7 +229,7 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
              f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else type(batch).__name__)
     raise TypeError(f"a plain model is fed (inputs, targets) batches, but the loader gave {shape}; define "
                     "training_step(self, batch, batch_idx) (and validation_step) on the model to unpack it "
-                    "(trainscale.TrainingModule)")
+                    "(trainscale.TrainingModule); a Hugging Face transformers model takes dict batches as they are")
 
 
 class LoopModule(nn.Module):
@@ -247,7 +247,7 @@ class LoopModule(nn.Module):
         super().__init__()
         self.model = model
         self.shard_units = shard_units(model)  # read by apply_fsdp.fsdp_units
-        self.is_hf_model = hf.pretrained_model(model) is not None
+        self.is_hf_model = hf.pretrained_model(model) is model  # transformers: dict batches go in as keywords
         self.use_loss_fn(loss_fn)
         self.hooks = defined_hooks(model)  # the Lightning hooks the Trainer calls on the model
         step = getattr(model, "training_step", None)
@@ -270,8 +270,8 @@ class LoopModule(nn.Module):
         self.loss_fn_given = loss_fn is not None
 
     def keyword_call(self, batch: Any) -> Any:
-        """A plain model's output on a dict batch, its keys as keywords (``input_ids``, ``attention_mask``,
-        ``labels``: Hugging Face's convention, ``model(**batch)``).
+        """A Hugging Face model's output on a dict batch, its keys as keywords (``input_ids``, ``attention_mask``,
+        ``labels``: ``model(**batch)``).
 
         Raises:
             ValueError: a ``loss_fn`` was given: with dict batches the loss is the output's own.
@@ -290,7 +290,7 @@ class LoopModule(nn.Module):
         if self.has_training_step:
             args = (batch, batch_idx) if self.step_takes_batch_idx else (batch,)
             return loss_of(self.model.training_step(*args))
-        if isinstance(batch, Mapping):
+        if self.is_hf_model and isinstance(batch, Mapping):
             return output_loss(self.keyword_call(batch), self.model)
         inputs, targets = split_batch(batch)
         return self.loss_fn(self.model(inputs), targets)
@@ -319,7 +319,7 @@ class LoopModule(nn.Module):
             out = step(batch, batch_idx) if self.takes_batch_idx[f"{stage}_step"] else step(batch)
             metrics = dict(out) if isinstance(out, Mapping) else {} if out is None else {"loss": out}
             return metrics, batch_size(batch)
-        if isinstance(batch, Mapping):
+        if self.is_hf_model and isinstance(batch, Mapping):
             return {"loss": output_loss(self.keyword_call(batch), self.model)}, batch_size(batch)
         inputs, targets = split_batch(batch)
         logits = self.model(inputs)

@@ -232,8 +232,8 @@ def hf_plan(root: nn.Module, tp: int) -> dict | None:
     styles = _hf_styles()
     unknown = sorted({style for style in plan.values() if style not in styles})
     if unknown:
-        raise ValueError(f"{name}'s tensor-parallel plan uses style(s) {', '.join(map(repr, unknown))}, which trainscale "
-                         f"does not translate (it translates {', '.join(map(repr, styles))}); pass your own tp_plan of "
+        raise ValueError(f"{name}'s tensor-parallel plan uses style(s) {', '.join(map(repr, unknown))}, which "
+                         f"trainscale does not translate (it translates {', '.join(map(repr, styles))}); pass your own tp_plan of "
                          "torch ParallelStyles or parallelize=fn(model, mesh)")
     _check_hf_config(name, model.config, tp)
     prefix = next(n for n, m in root.named_modules() if m is model)
