@@ -142,14 +142,20 @@ def test_cli_exports_an_fsdp_checkpoint(runs, tmp_path):
 
 
 def test_export_without_a_config_names_the_fix(tmp_path):
-    """A checkpoint of a model that was no transformers model: the error asks for --config."""
+    """A checkpoint without the model's config (a model that was no transformers model when saved): the error asks
+    for it; given as a directory holding config.json, the export loads."""
     from trainscale.export import export
     from trainscale.runtime import checkpoint_io
 
-    checkpoint_io.save_file({"model": {"w": torch.zeros(2)}}, tmp_path / "plain.pt")
+    model = hf_workers.tiny_llama(2)
+    checkpoint_io.save_file({"model": model.state_dict()}, tmp_path / "plain.pt")
     with pytest.raises(ValueError, match="pass config="):
         export(tmp_path / "plain.pt", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    model.config.save_pretrained(tmp_path / "config")  # the fix: the config given as a directory holding config.json
+    _, _, state = _loaded_logits(export(tmp_path / "plain.pt", tmp_path / "out", config=tmp_path / "config"),
+                                 model.state_dict(), tie=False)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
 
 def test_dict_batches_need_the_models_own_loss():
