@@ -18,7 +18,7 @@ LAYERS = [
     {"lightning"},
     {"tune"},
     {"loop"},
-    {"plan", "check"},
+    {"plan", "check", "export"},
     {"bench"},
     {"cli"},
 ]

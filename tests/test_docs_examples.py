@@ -29,7 +29,8 @@ FENCE = re.compile(r"^( *)```python\n(.*?)^\1```", re.S | re.M)  # also indented
 SKIP = re.compile(r"<!-- not run: (.+?) -->\s*$")
 ALLOWED_REASONS = ("needs a GPU", "needs several machines")
 EXTRAS = {"tensorboard": ("tensorboard", "TensorBoardLogger"), "wandb": ("wandb", "WandbLogger"),
-          "mlflow": ("mlflow", "MLFlowLogger"), "stream": ("torchdata", "StatefulDataLoader")}
+          "mlflow": ("mlflow", "MLFlowLogger"), "stream": ("torchdata", "StatefulDataLoader"),
+          "hf": ("transformers", "from_pretrained")}
 
 
 def _blocks() -> list:

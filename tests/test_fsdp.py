@@ -147,7 +147,8 @@ def test_fsdp_on_one_process():
 
 @pytest.mark.parametrize("options, message", [
     ({"auto_wrap_policy": nn.Linear}, "must be a set of nn.Module classes"),
-    ({"auto_wrap_policy": {"Linear"}}, "must be a set of nn.Module classes"),
+    ({"auto_wrap_policy": "Linear"}, "must be a set of nn.Module classes or class names"),
+    ({"auto_wrap_policy": {"Linear", 3}}, "takes nn.Module classes or class names"),
     ({"reshard_after_forward": 2}, "reshard_after_forward=2 must be None, True, False, or an int"),
     ({"cpu_offload": "yes"}, "cpu_offload='yes' must be True or False"),
 ])

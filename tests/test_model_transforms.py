@@ -51,8 +51,18 @@ def test_activation_checkpointing_gives_the_same_gradients_and_recomputes():
 def test_activation_checkpointing_with_a_class_not_in_the_model():
     with pytest.raises(ValueError, match=r"matches no module of the model; its module classes are: .*Block.*Linear"):
         apply_activation_checkpointing(ws.BlockNet(), (nn.Conv2d,))
-    with pytest.raises(ValueError, match="nn.Module classes"):
-        Runtime(accelerator="cpu", activation_checkpointing={"Block"})
+    with pytest.raises(ValueError, match="matches no module of the model"):
+        apply_activation_checkpointing(ws.BlockNet(), ("Conv2d",))
+    with pytest.raises(ValueError, match="nn.Module classes or class names"):
+        Runtime(accelerator="cpu", activation_checkpointing={"Block", 3})
+
+
+def test_activation_checkpointing_by_class_name():
+    """A class name (Hugging Face's ``_no_split_modules`` style, e.g. "LlamaDecoderLayer") selects as the class does."""
+    assert Runtime(accelerator="cpu", activation_checkpointing={"Block"}).config.activation_checkpointing == ("Block",)
+    net = apply_activation_checkpointing(ws.BlockNet(), ("Block",))
+    wrapped = [type(m).__name__ for m in net.modules() if "forward" in m.__dict__]
+    assert wrapped and set(wrapped) == {"Block"}
 
 
 def test_sync_batchnorm_conversion_keeps_weights_and_changes_types():

@@ -6,7 +6,7 @@ State (torchtitan's fixed keys): ``model``, ``optimizer`` (``optimizer_1``... fo
 its own, ``loader_states``: ``checkpointing/loader_state.py``), ``rng`` (every rank's RNG states), ``callbacks`` (each
 callback's ``state_dict``; its ``TensorState`` values as entries of their own, ``callbacks/<key>/<name>``, sharded
 like the model: a callback with ``setup_state(model)`` makes them before a load), ``world_size``,
-``optimizer_classes`` and, for a module with ``save_hyperparameters()``, ``hyper_parameters`` (Lightning's key)
+``optimizer_classes``, for a Hugging Face model ``hf_config`` (its ``config.to_dict()``) and, for a module with ``save_hyperparameters()``, ``hyper_parameters`` (Lightning's key)
 and ``module_class``, which ``TrainingModule.load_from_checkpoint`` rebuilds the module from
 (:func:`read_module_checkpoint`). Writing is the Runtime's
 (atomic file + SHA-256, or a DCP directory under fsdp); naming, ``last`` and rotation are
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from trainscale.checkpointing import rng, run_dirs as ckpt
+from trainscale.runtime import hf
 from trainscale.checkpointing.train_state import ResumePoint, TrainState
 from trainscale.runtime.checkpoint_io import TensorState
 
@@ -66,6 +67,8 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
                "loop": {"epoch": state.epoch, "complete": complete, "consumed": consumed, "batches": state.batches,
                         "totals": None if complete else totals, "loader_states": loader_states}}
     content.update(hparams_entries(fit.model))
+    if (hf_config := hf.config_dict(fit.model)) is not None:  # config.json for `trainscale export`
+        content["hf_config"] = hf_config
     if on_save is not None:
         on_save(content)
     content["callbacks"], tensor_states = _split_tensor_states(content["callbacks"])

@@ -1,4 +1,4 @@
-"""The ``trainscale`` command: run | demo | bench | plan | check | report | slurm | k8s | env.
+"""The ``trainscale`` command: run | demo | bench | plan | check | report | export | slurm | k8s | env.
 
 Parsing imports nothing heavy: ``trainscale --help`` never imports torch. Each subcommand
 imports what it needs when it runs.
@@ -101,6 +101,23 @@ def build_parser() -> argparse.ArgumentParser:
                                         "Example: trainscale report runs/demo/version_0")
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory holding metrics.jsonl")
     report.set_defaults(func=_cmd_report)
+
+    export = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face directory (safetensors)",
+                            description="Write the model of a trainscale checkpoint (a file from single/ddp, or a "
+                                        "sharded directory from fsdp/hsdp/tp) to OUT as config.json and safetensors "
+                                        "files, which transformers' from_pretrained(OUT) loads. Needs: pip install "
+                                        "'trainscale[hf]'. Example: trainscale export runs/version_0/checkpoints/last "
+                                        "--format safetensors my-model")
+    export.add_argument("checkpoint", metavar="CKPT", help="a checkpoint file or directory, or a run's checkpoints/last")
+    export.add_argument("out", metavar="OUT", help="the directory to write (new, or empty)")
+    export.add_argument("--format", default="safetensors", choices=("safetensors",),
+                        help="safetensors: a Hugging Face model directory (default)")
+    export.add_argument("--config", default=None, metavar="PATH",
+                        help="config.json (or a directory holding one) to write with the weights; default: the "
+                             "config the checkpoint holds (saved when the model was a transformers model)")
+    export.add_argument("--no-verify", action="store_true",
+                        help="do not check the checkpoint's SHA-256 files (one you trust that has none)")
+    export.set_defaults(func=_cmd_export)
 
     env = sub.add_parser("env", help="print what this machine offers: versions, devices, backends, and the launcher "
                                       "detected (and why)")
@@ -218,6 +235,19 @@ def _cmd_report(args: argparse.Namespace) -> int:
     print("wrote " + ", ".join(str(p) for p in written))
     if not any(p.suffix == ".png" for p in written):
         print(PLOTS_SKIPPED)
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from trainscale.export import export
+    from trainscale.runtime.checkpoint_io import CheckpointError
+
+    try:
+        out = export(args.checkpoint, args.out, format=args.format, config=args.config, verify=not args.no_verify)
+    except (FileNotFoundError, ModuleNotFoundError, CheckpointError) as err:
+        print(f"trainscale export: error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 

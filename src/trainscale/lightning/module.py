@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from trainscale.runtime import hf
 from trainscale.runtime.batch import batch_size
 from trainscale.lightning.hparams import HyperparametersMixin
 
@@ -288,6 +289,21 @@ def loss_of(output: Any, where: str = "training_step") -> torch.Tensor:
     raise TypeError(f"{where} returned {type(output).__name__}; return the loss tensor or a dict with a 'loss' tensor")
 
 
+def output_loss(output: Any, model: nn.Module) -> torch.Tensor:
+    """The ``loss`` of a Hugging Face model called with a dict batch as keywords (its ``ModelOutput``, a mapping,
+    holds one when the batch has ``labels``).
+
+    Raises:
+        TypeError: the output holds no loss tensor (names the fix).
+    """
+    loss = output.get("loss") if isinstance(output, Mapping) else None
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"{type(model).__name__} was called with the batch's keys as keywords and returned "
+                        f"{type(output).__name__} without a 'loss': put 'labels' in the batch (a Hugging Face model "
+                        "computes its loss from them), or define training_step(self, batch, batch_idx)")
+    return loss
+
+
 def split_batch(batch: Any) -> tuple[Any, Any]:
     """``(inputs, targets)`` of a plain model's batch.
 
@@ -300,7 +316,7 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
              f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else type(batch).__name__)
     raise TypeError(f"a plain model is fed (inputs, targets) batches, but the loader gave {shape}; define "
                     "training_step(self, batch, batch_idx) (and validation_step) on the model to unpack it "
-                    "(trainscale.TrainingModule)")
+                    "(trainscale.TrainingModule); a Hugging Face transformers model takes dict batches as they are")
 
 
 class LoopModule(nn.Module):
@@ -318,6 +334,7 @@ class LoopModule(nn.Module):
         super().__init__()
         self.model = model
         self.shard_units = shard_units(model)  # read by apply_fsdp.fsdp_units
+        self.is_hf_model = hf.pretrained_model(model) is model  # transformers: dict batches go in as keywords
         self.use_loss_fn(loss_fn)
         self.hooks = defined_hooks(model)  # the Lightning hooks the Trainer calls on the model
         step = getattr(model, "training_step", None)
@@ -337,6 +354,20 @@ class LoopModule(nn.Module):
             raise ValueError(f"loss_fn was given, but {type(self.model).__name__} defines training_step, which "
                              "computes the loss itself; drop loss_fn or the training_step")
         self.loss_fn = loss_fn if loss_fn is not None else F.cross_entropy
+        self.loss_fn_given = loss_fn is not None
+
+    def keyword_call(self, batch: Any) -> Any:
+        """A Hugging Face model's output on a dict batch, its keys as keywords (``input_ids``, ``attention_mask``,
+        ``labels``: ``model(**batch)``).
+
+        Raises:
+            ValueError: a ``loss_fn`` was given: with dict batches the loss is the output's own.
+        """
+        if self.loss_fn_given:
+            raise ValueError("a dict batch is passed to the model as keywords and the loss is the one its output "
+                             "holds (Hugging Face models: 'labels' in the batch); drop loss_fn, or define "
+                             "training_step(self, batch, batch_idx) to compute the loss yourself")
+        return self.model(**batch)
 
     def forward(self, batch: Any, batch_idx: int = 0, stage: str = "train") -> Any:
         if stage == "manual":
@@ -346,6 +377,8 @@ class LoopModule(nn.Module):
         if self.has_training_step:
             args = (batch, batch_idx) if self.step_takes_batch_idx else (batch,)
             return loss_of(self.model.training_step(*args))
+        if self.is_hf_model and isinstance(batch, Mapping):
+            return output_loss(self.keyword_call(batch), self.model)
         inputs, targets = split_batch(batch)
         return self.loss_fn(self.model(inputs), targets)
 
@@ -373,6 +406,8 @@ class LoopModule(nn.Module):
             out = step(batch, batch_idx) if self.takes_batch_idx[f"{stage}_step"] else step(batch)
             metrics = dict(out) if isinstance(out, Mapping) else {} if out is None else {"loss": out}
             return metrics, batch_size(batch)
+        if self.is_hf_model and isinstance(batch, Mapping):
+            return {"loss": output_loss(self.keyword_call(batch), self.model)}, batch_size(batch)
         inputs, targets = split_batch(batch)
         logits = self.model(inputs)
         metrics = {"loss": self.loss_fn(logits, targets)}
@@ -382,10 +417,14 @@ class LoopModule(nn.Module):
 
     @torch.no_grad()
     def predict(self, batch: Any, batch_idx: int) -> Any:
-        """``predict_step(batch, batch_idx)``, or the plain model's output on the batch's inputs."""
+        """``predict_step(batch, batch_idx)``, or the plain model's output on the batch's inputs (a Hugging Face
+        model's on a dict batch: ``model(**batch)``'s logits)."""
         step = getattr(self.model, "predict_step", None)
         if step is not None:
             return step(batch, batch_idx) if self.takes_batch_idx["predict_step"] else step(batch)
+        if isinstance(batch, Mapping) and self.is_hf_model:  # its logits
+            out = self.keyword_call(batch)
+            return out["logits"] if isinstance(out, Mapping) and "logits" in out else out
         inputs = split_batch(batch)[0] if isinstance(batch, (tuple, list)) else batch
         return self.model(inputs)
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 from trainscale.plan import comm
 from trainscale.plan.memory import MemoryEstimate
+from trainscale.runtime import hf
 
 STRATEGIES = ("ddp", "fsdp", "hsdp", "tp", "pp")  # what plan() models; its default is DEFAULT_STRATEGIES
 DEFAULT_STRATEGIES = ("ddp", "fsdp")
@@ -251,7 +252,9 @@ def _comm_s(row: PlanRow, meta, precision: str, options: dict, link: comm.Link) 
     compute_bytes = grad_bytes // 2 if precision in ("bf16-mixed", "16-mixed") else grad_bytes
     # fully_shard's default: units reshard after forward (gathered again in backward), the root does not
     units = options.get("auto_wrap_policy") or ()
-    unit_params = {id(p) for m in meta.modules() if units and isinstance(m, tuple(units)) for p in m.parameters()}
+    classes, names = tuple(u for u in units if isinstance(u, type)), frozenset(u for u in units if isinstance(u, str))
+    unit_params = {id(p) for m in meta.modules() if units and hf.class_matches(m, classes, names)
+                   for p in m.parameters()}
     unit_share = sum(p.numel() for p in meta.parameters() if id(p) in unit_params) / \
         max(1, sum(p.numel() for p in meta.parameters()))
     regather = 0.0 if options.get("reshard_after_forward") is False else compute_bytes * unit_share

@@ -20,6 +20,8 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from trainscale.runtime import hf
+
 
 def apply_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Replace every ``BatchNorm*d`` by ``SyncBatchNorm`` (statistics all-reduced across ranks).
@@ -43,7 +45,8 @@ class _Checkpointed:
 
 
 def apply_activation_checkpointing(module: nn.Module, classes: tuple) -> nn.Module:
-    """Checkpoint every outermost submodule (or ``module`` itself) that is an instance of ``classes``.
+    """Checkpoint every outermost submodule (or ``module`` itself) that is an instance of ``classes`` or whose
+    class ``classes`` names (a string, e.g. ``"LlamaDecoderLayer"``).
 
     The instance's ``forward`` is replaced in place (no wrapper module), so parameter names and
     ``state_dict`` keys stay unchanged. Idempotent.
@@ -53,11 +56,12 @@ def apply_activation_checkpointing(module: nn.Module, classes: tuple) -> nn.Modu
     """
     if not classes:
         return module
+    types, names = tuple(c for c in classes if isinstance(c, type)), frozenset(c for c in classes if isinstance(c, str))
     found = 0
     stack = [module]
     while stack:
         sub = stack.pop()
-        if isinstance(sub, classes):
+        if hf.class_matches(sub, types, names):
             found += 1
             if not isinstance(sub.__dict__.get("forward"), _Checkpointed):
                 sub.forward = _Checkpointed(sub.forward)
@@ -65,7 +69,8 @@ def apply_activation_checkpointing(module: nn.Module, classes: tuple) -> nn.Modu
         stack.extend(sub.children())
     if not found:
         present = sorted({type(m).__name__ for m in module.modules()})
-        raise ValueError(f"activation_checkpointing={{{', '.join(c.__name__ for c in classes)}}} matches no module "
+        raise ValueError(f"activation_checkpointing={{{', '.join(getattr(c, '__name__', c) for c in classes)}}} "
+                         "matches no module "
                          f"of the model; its module classes are: {', '.join(present)}")
     return module
 

@@ -12,6 +12,7 @@ import inspect
 from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any, Callable
 
+from trainscale.runtime import hf
 from trainscale.runtime.devices import ACCELERATORS, detect_accelerator
 from trainscale.runtime.precision import PRECISIONS
 from trainscale.runtime.strategies import MODEL_PARALLEL, STRATEGIES
@@ -48,8 +49,9 @@ class RuntimeFlags:
             ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``ddp_comm_hook``; dp: ``device_ids``; fsdp:
             ``auto_wrap_policy``, ``reshard_after_forward``, ``cpu_offload``; tp: ``sequence_parallel``).
         sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp, CUDA only).
-        activation_checkpointing: ``nn.Module`` classes whose instances recompute their forward in backward
-            (``torch.utils.checkpoint``, non-reentrant): less activation memory, about one more forward.
+        activation_checkpointing: ``nn.Module`` classes, or class names (``{"LlamaDecoderLayer"}``), whose
+            instances recompute their forward in backward (``torch.utils.checkpoint``, non-reentrant): less
+            activation memory, about one more forward.
         compile: ``torch.compile`` the module before the strategy wraps it; True, or a dict of its arguments.
         float32_matmul_precision: None (leave PyTorch's setting), or "highest", "high" (TF32 on Ampere and newer)
             or "medium", applied with ``torch.set_float32_matmul_precision``.
@@ -132,7 +134,7 @@ class RunConfig:
         start_method: how this process starts the ranks: "spawn" ("ddp_spawn"), "fork" ("ddp_notebook",
             "ddp_fork"), or None (the ranks are started by a launcher: torchrun, srun).
         sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp on CUDA).
-        activation_checkpointing: module classes whose forward is recomputed in backward.
+        activation_checkpointing: module classes, then class names, whose forward is recomputed in backward.
         compile: ``None`` (eager) or the keyword arguments of ``torch.compile`` (``{}`` for defaults).
         float32_matmul_precision: None (PyTorch's setting, left as it is) or "highest", "high", "medium".
         parallel: the mesh sizes under "model_parallel"/"hsdp"/"tp"/"pp"; None under other strategies.
@@ -336,22 +338,14 @@ def _check_dp(accelerator: str, devices: int, num_nodes: int, cuda_count: int) -
 
 
 def _resolve_checkpointing(classes: Any) -> tuple:
-    """None → (); a Module subclass or a collection of them → a tuple of classes."""
+    """None → (); a Module subclass, or a collection of them and of class names (strings, as Hugging Face's
+    ``_no_split_modules`` names a decoder layer) → a tuple of classes, then names."""
     if classes is None:
         return ()
-    import torch
-
     if isinstance(classes, type):
         classes = (classes,)
-    if isinstance(classes, (str, bytes)) or not hasattr(classes, "__iter__"):
-        raise ValueError(f"activation_checkpointing={classes!r} must be a set of nn.Module classes, "
-                         "e.g. {TransformerBlock}")
-    classes = tuple(classes)
-    bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, torch.nn.Module))]
-    if bad:
-        raise ValueError(f"activation_checkpointing takes nn.Module classes (not instances or names); got {bad!r}. "
-                         "Pass e.g. activation_checkpointing={TransformerBlock}")
-    return classes
+    types, names = hf.split_policy(classes, "activation_checkpointing")
+    return (*types, *sorted(names))
 
 
 def _resolve_compile(compile: Any) -> dict | None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from trainscale.runtime import hf
+
 
 def mixed_precision_policy(precision: str):
     """FSDP2's ``MixedPrecisionPolicy`` for a precision flag.
@@ -58,11 +60,15 @@ def _norm_policy(norm: Any, precision: str):
 
 
 def fsdp_units(module: Any, policy: tuple, strategy: str) -> list:
-    """The submodules of ``module`` that become FSDP units, in pre-order: instances of a ``policy`` class,
-    and those ``module`` names in its attribute ``shard_units``: the submodules a training step calls
-    itself rather than through the root's forward (the Trainer's module under manual optimization: a
-    GAN's generator and discriminator). Each of those must be a unit, so that calling it gathers its
-    parameters and its backward reduce-scatters its gradients.
+    """The submodules of ``module`` that become FSDP units, in pre-order: instances of a ``policy`` class or of
+    a class ``policy`` names (a string), and those ``module`` names in its attribute ``shard_units``: the
+    submodules a training step calls itself rather than through the root's forward (the Trainer's module under
+    manual optimization: a GAN's generator and discriminator). Each of those must be a unit, so that calling it
+    gathers its parameters and its backward reduce-scatters its gradients.
+
+    An empty ``policy`` on a Hugging Face model means its ``_no_split_modules`` (its decoder layers; Accelerate's
+    ``TRANSFORMER_BASED_WRAP``, ``trainscale.runtime.hf.no_split_modules``); on any other model, no unit but the
+    root.
 
     Raises:
         ValueError: ``module`` has no parameters, or a policy class does not occur in it (the message
@@ -71,14 +77,24 @@ def fsdp_units(module: Any, policy: tuple, strategy: str) -> list:
     if next(iter(module.parameters()), None) is None:
         raise ValueError(f"strategy={strategy!r} got a model with no parameters ({type(module).__name__}); "
                          "there is nothing to shard: check the model, or use strategy='ddp'")
-    units = [m for m in module.modules() if m is not module and isinstance(m, policy)]
-    missing = [c.__name__ for c in policy if not any(isinstance(m, c) for m in units)]
+    classes, names = _policy(module, policy)
+    units = [m for m in module.modules() if m is not module and hf.class_matches(m, classes, names)]
+    found = {type(m) for m in units}
+    missing = [c.__name__ for c in classes if not any(issubclass(f, c) for f in found)]
+    missing += sorted(names - {f.__name__ for f in found})
     if missing:
         present = sorted({type(m).__name__ for m in module.modules()})
         raise ValueError(f"auto_wrap_policy class(es) {', '.join(missing)} do not occur in the model; "
                          f"its module classes are: {', '.join(present)}")
     chosen = set(units) | set(getattr(module, "shard_units", ()))
     return [m for m in module.modules() if m in chosen]
+
+
+def _policy(module: Any, policy: tuple) -> tuple[tuple, frozenset]:
+    """``(classes, names)`` of a policy; of an empty one, the names of a Hugging Face model's ``_no_split_modules``."""
+    if not policy:
+        return (), frozenset(hf.no_split_modules(module))
+    return tuple(c for c in policy if isinstance(c, type)), frozenset(c for c in policy if isinstance(c, str))
 
 
 def apply_fsdp(module: Any, units: list, mesh: Any, *, precision: str, reshard_after_forward: Any = None,

@@ -53,6 +53,8 @@ from typing import Any
 
 from torch import nn
 
+from trainscale.runtime import hf
+
 
 def gpt_plan(gpt: Any, sequence_parallel: bool = False) -> dict:
     """The built-in plan for ``trainscale.models.GPT``'s submodules, keyed relative to the GPT module
@@ -196,9 +198,64 @@ def stage_plan(stage: nn.Module, plan: dict) -> dict:
     return {key: style for key, style in plan.items() if _has(stage, key)}
 
 
+def _hf_styles() -> dict:
+    """Hugging Face's tensor-parallel style names (``transformers/integrations/tensor_parallel.py``) that have a
+    torch ``ParallelStyle`` here, each tested on a Llama (tests/test_huggingface.py): Megatron's column and row
+    splits, the vocabulary-row split of the token embedding (completed by one all-reduce, as torchtitan's
+    plan), and a column split whose output is gathered whole (the language-model head: the loss sees whole
+    logits)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate())}
+
+
+def hf_plan(root: nn.Module, tp: int) -> dict | None:
+    """The tensor-parallel plan a Hugging Face model in ``root`` declares (its ``tp_plan``: the config's
+    ``base_model_tp_plan`` under the base model's prefix, and the head's ``_tp_plan``), as torch
+    ``ParallelStyle``s keyed relative to ``root``; None when ``root`` holds no Hugging Face model.
+
+    Raises:
+        ValueError: the model declares no plan; a style other than those of :func:`_hf_styles` (naming them);
+            ``tp`` does not divide its attention or key/value heads; tied input and output embeddings.
+    """
+    model = hf.pretrained_model(root)
+    if model is None:
+        return None
+    plan = dict(getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {})
+    name = type(model).__name__
+    if not plan:
+        raise ValueError(f"{name} declares no tensor-parallel plan (base_model_tp_plan); pass "
+                         "tp_plan={'layer.name': ColwiseParallel(), ...} or parallelize=fn(model, mesh)")
+    styles = _hf_styles()
+    unknown = sorted({style for style in plan.values() if style not in styles})
+    if unknown:
+        raise ValueError(f"{name}'s tensor-parallel plan uses style(s) {', '.join(map(repr, unknown))}, which "
+                         f"trainscale does not translate (it translates {', '.join(map(repr, styles))}); pass your own tp_plan of "
+                         "torch ParallelStyles or parallelize=fn(model, mesh)")
+    _check_hf_config(name, model.config, tp)
+    prefix = next(n for n, m in root.named_modules() if m is model)
+    return {f"{prefix}.{key}" if prefix else key: styles[style]() for key, style in plan.items()}
+
+
+def _check_hf_config(name: str, config: Any, tp: int) -> None:
+    """Raise unless ``tp`` divides the attention and key/value heads and the embeddings are untied."""
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(config, field, None) and getattr(config, field) % tp:
+            raise ValueError(f"tp={tp} must divide {name}'s {field}={getattr(config, field)} (each rank computes "
+                             "whole attention heads)")
+    if getattr(config, "tie_word_embeddings", False):
+        raise ValueError(f"{name} ties its output head to its token embedding (tie_word_embeddings=True), which its "
+                         "tensor-parallel plan splits in two different ways; build it with tie_word_embeddings=False, "
+                         "or pass your own tp_plan")
+
+
 def apply_tp(root: nn.Module, tp_mesh: Any, plan: dict | None = None, sequence_parallel: bool = False) -> nn.Module:
-    """Split ``root``'s layers over ``tp_mesh`` (1-D) by ``plan``, or by the built-in plan of every
-    ``trainscale.models.GPT`` inside ``root`` when ``plan`` is None. In place; returns ``root``.
+    """Split ``root``'s layers over ``tp_mesh`` (1-D) by ``plan``, or when ``plan`` is None by the built-in plan of
+    every ``trainscale.models.GPT`` inside ``root``, or by the plan a Hugging Face model in ``root`` declares
+    (:func:`hf_plan`; without sequence parallelism). In place; returns ``root``.
 
     Args:
         root: the module given to the strategy (the user's model, or the Trainer's loop module around it).
@@ -221,6 +278,9 @@ def apply_tp(root: nn.Module, tp_mesh: Any, plan: dict | None = None, sequence_p
         parallelize_module(plan_target(root, plan), tp_mesh, plan)
         return root
     gpts = [m for m in root.modules() if isinstance(m, GPT)]
+    if not gpts and (hf_styles := hf_plan(root, tp_mesh.size())) is not None:  # a Hugging Face model's own plan
+        parallelize_module(root, tp_mesh, hf_styles)
+        return root
     if not gpts:
         raise ValueError(f"tensor parallelism has a built-in plan for trainscale.models.GPT only, and the model "
                          f"({type(root).__name__}) holds none; pass tp_plan={{'layer.name': ColwiseParallel(), ...}} "

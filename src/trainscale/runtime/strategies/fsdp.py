@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from trainscale.runtime import checkpoint_io, meta_init
+from trainscale.runtime import checkpoint_io, hf, meta_init
 from trainscale.runtime.strategies import SYNC
 from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, fsdp_units, no_gradient_sync, reshard
 from trainscale.runtime.strategies.apply_fsdp import mixed_precision_policy as _mixed_precision_policy  # noqa: F401
@@ -30,10 +30,12 @@ class FSDPStrategy:
     """Shard parameters, gradients and optimizer states across all ranks with FSDP2.
 
     Options (``strategy_options={...}`` of ``Runtime``/``Trainer``):
-        auto_wrap_policy: module classes that become FSDP units, e.g. ``{TransformerBlock}``.
-            Each instance is sharded separately (bottom-up), then the root module; a unit's
-            parameters are all-gathered only while it runs, so peak memory holds the shards plus
-            one unit. Default: none, the whole model is one unit (one all-gather and one
+        auto_wrap_policy: module classes, or class names, that become FSDP units, e.g.
+            ``{TransformerBlock}`` or ``{"LlamaDecoderLayer"}``. Each instance is sharded separately
+            (bottom-up), then the root module; a unit's parameters are all-gathered only while it runs,
+            so peak memory holds the shards plus one unit. Default: a Hugging Face model's
+            ``_no_split_modules`` (its decoder layers, as Accelerate's ``TRANSFORMER_BASED_WRAP``);
+            for any other model none, the whole model is one unit (one all-gather and one
             reduce-scatter per step; no memory saving on the all-gathered parameters).
         reshard_after_forward: free the all-gathered parameters after each unit's forward and
             gather them again in backward (True: less memory, one more all-gather per unit;
@@ -58,7 +60,8 @@ class FSDPStrategy:
     pipelined = False
 
     def __init__(self, device: Any, world: World, precision: str = "32-true",
-                 auto_wrap_policy: Iterable[type] | None = None, reshard_after_forward: bool | int | None = None,
+                 auto_wrap_policy: Iterable[type | str] | None = None,
+                 reshard_after_forward: bool | int | None = None,
                  cpu_offload: bool = False) -> None:
         if world.world_size < 2:
             raise ValueError("strategy='fsdp' shards the model across processes and needs a world size >= 2; "
@@ -205,19 +208,15 @@ class FSDPStrategy:
 
 
 def _wrap_policy(auto_wrap_policy) -> tuple:
-    """``auto_wrap_policy`` as a tuple of ``nn.Module`` classes.
+    """``auto_wrap_policy`` as a tuple of ``nn.Module`` classes and class names (strings).
 
     Raises:
-        ValueError: anything else (a class alone, a string, a non-module class).
+        ValueError: anything else (a class or a string alone, a non-module class).
     """
-    import torch
-
-    policy = () if isinstance(auto_wrap_policy, (str, type)) else tuple(auto_wrap_policy or ())
-    bad = [c for c in policy if not (isinstance(c, type) and issubclass(c, torch.nn.Module))]
-    if bad or isinstance(auto_wrap_policy, (str, type)):
-        raise ValueError(f"auto_wrap_policy={auto_wrap_policy!r} must be a set of nn.Module classes, "
-                         "e.g. {nn.TransformerEncoderLayer}")
-    return policy
+    if auto_wrap_policy is None:
+        return ()
+    classes, names = hf.split_policy(auto_wrap_policy, "auto_wrap_policy")
+    return (*classes, *sorted(names))
 
 
 def _check_reshard(reshard_after_forward, world_size: int) -> None:

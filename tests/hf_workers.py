@@ -1,0 +1,100 @@
+"""Bodies of the Hugging Face ``transformers`` tests: a tiny Llama (built from its config, nothing
+downloaded) trained by ``Trainer.fit`` on dict batches, under ddp and fsdp in the same pair of processes."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+VOCAB, SEQ = 128, 8
+
+
+def tiny_llama(seed: int = 0, tie: bool = False):
+    """LlamaForCausalLM with 2 decoder layers of width 32 (~26k parameters), seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
+                                        tie_word_embeddings=tie, use_cache=False))
+
+
+class TokenDicts(Dataset):
+    """``n`` samples of ``{"input_ids", "attention_mask", "labels"}`` (random token ids, labels = inputs: the
+    model shifts them), what a tokenizer's collator gives a causal language model."""
+
+    def __init__(self, n: int = 24, seed: int = 0) -> None:
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": self.ids[i]}
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def plain_reference(batch_size: int = 8, tie: bool = False) -> dict:
+    """One process, plain PyTorch: the same samples in order, ``model(**batch).loss``, SGD."""
+    model = tiny_llama(0, tie)
+    opt = sgd(model.parameters())
+    for batch in DataLoader(TokenDicts(), batch_size=batch_size):
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _fit(root: str, strategy: str, tie: bool, **flags):
+    from trainscale.loop.trainer import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, max_epochs=1, seed=0,
+                      default_root_dir=root, enable_progress_bar=False, timeout=60, **flags)
+    model = tiny_llama(0, tie)
+    # not shuffled: rank r reads samples r, r + 2, ...; the two ranks' batches of 4 are the reference's batch of 8
+    summary = trainer.fit(model, DataLoader(TokenDicts(), batch_size=4), DataLoader(TokenDicts(8, seed=1), batch_size=4),
+                          optimizer=sgd)
+    return trainer, model, summary
+
+
+def hf_body(rank: int, root: str) -> dict:
+    """ddp (tied embeddings; its checkpoint exported by rank 0), fsdp with the default units and activation
+    checkpointing by class name, tp by the model's own plan, then the exported directory loaded into a new
+    fsdp-sharded model built on the meta device, on one process group: each run's final weights (whole),
+    checkpoint and telemetry; the fsdp units; the tp placements; the loaded weights."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from tests.fsdp_workers import full_state
+
+    import torch.distributed as dist
+
+    from trainscale.export import export, load_pretrained
+    from trainscale.runtime.runtime import Runtime
+
+    out = {}
+    trainer, model, summary = _fit(f"{root}/ddp", "ddp", tie=True)
+    out["ddp"] = {"state": full_state(model), "summary": summary, "dir": str(trainer.run_dir)}
+    if rank == 0:
+        export(trainer.run_dir / "checkpoints" / "last", f"{root}/exported")
+    dist.barrier()
+    trainer, model, summary = _fit(f"{root}/fsdp", "fsdp", tie=False, activation_checkpointing={"LlamaDecoderLayer"})
+    out["fsdp"] = {"state": full_state(model), "summary": summary, "dir": str(trainer.run_dir),
+                   "units": [type(m).__name__ for m in trainer.last_setup[1].modules() if isinstance(m, FSDPModule)]}
+    trainer, model, summary = _fit(f"{root}/tp", "tp", tie=False)
+    out["tp"] = {"state": full_state(model), "summary": summary, "dir": str(trainer.run_dir),
+                 "placements": {k: str(p.placements[0]) if isinstance(p, DTensor) else "plain"
+                                for k, p in model.named_parameters()}}
+    # the exported directory loaded into a model built on the meta device, sharded by fsdp (each rank allocates
+    # and initialises its shards only), each rank reading the slices of its shards: never whole on one rank
+    with torch.device("meta"):
+        fresh = tiny_llama(seed=1, tie=True)
+    Runtime(accelerator="cpu", devices="auto", strategy="fsdp", timeout=60).setup(fresh)
+    load_pretrained(fresh, f"{root}/exported")
+    out["imported"] = {"state": full_state(fresh), "sharded": isinstance(fresh.model.embed_tokens.weight, DTensor)}
+    trainer.runtime.teardown()
+    return out
+

@@ -1,0 +1,190 @@
+"""Hugging Face ``transformers`` models: trained by ``Trainer.fit`` on dict batches (the loss from the model's
+output), under ddp equal to one plain PyTorch process, under fsdp sharded per decoder layer by default
+(``_no_split_modules``), under tp split by the model's own plan; their checkpoints exported (``trainscale
+export``) to a directory that ``from_pretrained`` loads with the trained weights, from a ddp checkpoint file and
+fsdp and tp DCP directories.
+
+One 2-rank launch (ddp, fsdp, then tp on one process group) serves the distributed tests; run under the shared lock
+(``flock /tmp/trainscale-heavy.lock pytest ...``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the hf extra: pip install 'trainscale[hf]'")
+
+from tests import hf_workers  # noqa: E402
+from tests.helpers import run_distributed, run_python  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return run_distributed(hf_workers.hf_body, str(root), timeout=120)
+
+
+def _assert_states_close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _checkpoint(run_dir: str) -> Path:
+    last = Path(run_dir) / "checkpoints" / "last"
+    return last.parent / last.read_text().strip()
+
+
+def test_ddp_trains_a_transformers_model_as_one_process(runs):
+    """2 ranks × batch 4 = one plain process with batch 8 (``model(**batch).loss``, SGD), tied embeddings;
+    samples and tokens counted from the dict batches; validation loss from the model's own loss."""
+    ddp = runs[0]["ddp"]
+    _assert_states_close(ddp["state"], hf_workers.plain_reference(tie=True))
+    _assert_states_close(runs[1]["ddp"]["state"], ddp["state"])
+    tele = ddp["summary"]["telemetry"]
+    assert tele["tokens_per_s"] == pytest.approx(tele["samples_per_s"] * hf_workers.SEQ)
+    assert ddp["summary"]["steps"] == 3 and ddp["summary"]["val_loss"] > 0
+
+
+def test_fsdp_shards_each_decoder_layer_by_default(runs):
+    """No auto_wrap_policy: the units are LlamaForCausalLM's ``_no_split_modules`` (each LlamaDecoderLayer), then
+    the root; the decoder layers checkpointed by class name; the weights those of one plain process."""
+    fsdp = runs[0]["fsdp"]
+    assert fsdp["units"] == ["FSDPLoopModule", "FSDPLlamaDecoderLayer", "FSDPLlamaDecoderLayer"]
+    _assert_states_close(fsdp["state"], hf_workers.plain_reference(tie=False))
+
+
+def test_tp_splits_by_the_models_own_plan(runs):
+    """No tp_plan: LlamaForCausalLM's own (base_model_tp_plan and the head's), translated to torch styles: q/k/v
+    and the MLP's first layers by columns, o_proj/down_proj by rows, the embedding by vocabulary rows, the head by
+    columns with whole logits out, norms plain; the weights those of one process with the same batch of 4."""
+    tp = runs[0]["tp"]
+    placements = tp["placements"]
+    assert placements["model.layers.0.self_attn.q_proj.weight"] == "S(0)"
+    assert placements["model.layers.1.mlp.down_proj.weight"] == "S(1)"
+    assert placements["model.embed_tokens.weight"] == placements["lm_head.weight"] == "S(0)"
+    assert placements["model.norm.weight"] == "plain"
+    assert tp["summary"]["steps"] == 6  # both ranks read the same batches: data parallel size 1
+    for key, want in hf_workers.plain_reference(batch_size=4).items():
+        torch.testing.assert_close(tp["state"][key], want, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_tp_plan_styles_without_a_translation_are_named():
+    from trainscale.lightning.module import LoopModule
+    from trainscale.runtime.strategies.apply_tp import hf_plan
+
+    loop = LoopModule(hf_workers.tiny_llama(), None)
+    assert hf_plan(loop, 2)["model.model.layers.*.self_attn.o_proj"].__class__.__name__ == "RowwiseParallel"
+    loop.model._tp_plan = {"model.layers.*.mlp.gate_proj": "local_colwise", "lm_head": "colwise"}
+    with pytest.raises(ValueError, match="style\\(s\\) 'local_colwise', which trainscale does not translate"):
+        hf_plan(loop, 2)
+    with pytest.raises(ValueError, match="tp=3 must divide LlamaForCausalLM's num_attention_heads=4"):
+        hf_plan(LoopModule(hf_workers.tiny_llama(), None), 3)
+    with pytest.raises(ValueError, match="tie_word_embeddings=True"):
+        hf_plan(LoopModule(hf_workers.tiny_llama(tie=True), None), 2)
+
+
+def _loaded_logits(directory: Path, state: dict, tie: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(logits of ``from_pretrained(directory)``, logits of the tiny Llama given ``state``, the loaded weights)."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(directory)
+    trained = hf_workers.tiny_llama(1, tie)
+    trained.load_state_dict(state)
+    ids = hf_workers.TokenDicts(2, seed=5).ids
+    with torch.no_grad():
+        return loaded(input_ids=ids).logits, trained(input_ids=ids).logits, loaded.state_dict()
+
+
+def test_export_of_a_ddp_checkpoint_loads_with_from_pretrained(runs, tmp_path):
+    """The checkpoint file (tied embeddings kept once) → config.json + safetensors → the same weights and logits."""
+    from trainscale.export import export
+
+    out = export(Path(runs[0]["ddp"]["dir"]) / "checkpoints" / "last", tmp_path / "model")
+    loaded, trained, state = _loaded_logits(out, runs[0]["ddp"]["state"], tie=True)
+    assert torch.equal(loaded, trained)
+    assert all(torch.equal(state[k], v) for k, v in runs[0]["ddp"]["state"].items())
+    with pytest.raises(ValueError, match="not an empty directory"):
+        export(_checkpoint(runs[0]["ddp"]["dir"]), out)
+
+
+def test_a_from_pretrained_directory_loads_into_a_sharded_model(runs):
+    """``load_pretrained`` into a model built on the meta device and sharded by fsdp: the exported ddp weights, each
+    rank reading its own slices, the tied head restored with the embedding."""
+    imported = runs[0]["imported"]
+    assert imported["sharded"]
+    for rank in runs:
+        assert all(torch.equal(rank["imported"]["state"][k], v) for k, v in runs[0]["ddp"]["state"].items())
+
+
+def test_export_of_a_tp_checkpoint(runs, tmp_path):
+    """The tensor-parallel DCP directory (vocabulary rows and heads split over 2 ranks) exports whole."""
+    from trainscale.export import export
+
+    out = export(_checkpoint(runs[0]["tp"]["dir"]), tmp_path / "model")
+    loaded, trained, state = _loaded_logits(out, runs[0]["tp"]["state"], tie=False)
+    assert torch.equal(loaded, trained)
+    assert all(torch.equal(state[k], v) for k, v in runs[0]["tp"]["state"].items())
+
+
+def test_cli_exports_an_fsdp_checkpoint(runs, tmp_path):
+    """``trainscale export DIR --format safetensors OUT`` in a subprocess, from the sharded DCP directory."""
+    ckpt = _checkpoint(runs[0]["fsdp"]["dir"])
+    done, _ = run_python(["-m", "trainscale.cli", "export", str(ckpt), "--format", "safetensors", "out"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "from_pretrained" in done.stdout
+    loaded, trained, state = _loaded_logits(tmp_path / "out", runs[0]["fsdp"]["state"], tie=False)
+    assert torch.equal(loaded, trained)
+    assert all(torch.equal(state[k], v) for k, v in runs[0]["fsdp"]["state"].items())
+
+
+def test_export_without_a_config_names_the_fix(tmp_path):
+    """A checkpoint without the model's config (a model that was no transformers model when saved): the error asks
+    for it; given as a directory holding config.json, the export loads."""
+    from trainscale.export import export
+    from trainscale.runtime import checkpoint_io
+
+    model = hf_workers.tiny_llama(2)
+    checkpoint_io.save_file({"model": model.state_dict()}, tmp_path / "plain.pt")
+    with pytest.raises(ValueError, match="pass config="):
+        export(tmp_path / "plain.pt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    model.config.save_pretrained(tmp_path / "config")  # the fix: the config given as a directory holding config.json
+    _, _, state = _loaded_logits(export(tmp_path / "plain.pt", tmp_path / "out", config=tmp_path / "config"),
+                                 model.state_dict(), tie=False)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_dict_batches_need_the_models_own_loss():
+    """A dict batch goes to the model as keywords: a given loss_fn, or an output without a loss, is refused."""
+    from trainscale.lightning.module import LoopModule
+
+    batch = next(iter(torch.utils.data.DataLoader(hf_workers.TokenDicts(2), batch_size=2)))
+    model = hf_workers.tiny_llama()
+    with pytest.raises(ValueError, match="drop loss_fn"):
+        LoopModule(model, torch.nn.functional.cross_entropy)(batch)
+    with pytest.raises(TypeError, match="put 'labels' in the batch"):
+        LoopModule(model, None)({k: v for k, v in batch.items() if k != "labels"})
+    assert LoopModule(model, None)(batch).ndim == 0
+    assert "transformers" in sys.modules  # (imported by the tiny model, as a user's script does)
+
+
+def test_fsdp_units_from_no_split_modules_or_names():
+    """Units without a policy: the model's ``_no_split_modules``; a policy may name classes as strings; a name
+    absent from the model, or a lone string, is refused with the fix."""
+    from trainscale.lightning.module import LoopModule
+    from trainscale.runtime.strategies.apply_fsdp import fsdp_units
+    from trainscale.runtime.strategies.fsdp import _wrap_policy
+
+    loop = LoopModule(hf_workers.tiny_llama(), None)
+    layers = list(loop.model.model.layers)
+    assert fsdp_units(loop, (), "fsdp") == layers
+    assert fsdp_units(loop, _wrap_policy({"LlamaDecoderLayer", torch.nn.Embedding}), "fsdp") == \
+        [loop.model.model.embed_tokens, *layers]
+    with pytest.raises(ValueError, match="GPT2Block do not occur in the model; its module classes are: .*LlamaMLP"):
+        fsdp_units(loop, ("GPT2Block",), "fsdp")
+    with pytest.raises(ValueError, match="must be a set of nn.Module classes or class names"):
+        _wrap_policy("LlamaDecoderLayer")
