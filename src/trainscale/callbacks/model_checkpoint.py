@@ -106,14 +106,7 @@ class ModelCheckpoint(Callback):
             ValueError: ``dirpath`` holds the checkpoints of another run.
         """
         self._directory = Path(trainer.run_dir) / "checkpoints" if self.dirpath is None else self.dirpath
-        # resumed in place: the kept files of the run's earlier processes are this run's too, and so is the one it
-        # resumed from (e.g. a checkpoint saved on a signal); another run's directory is never this one
-        resumed_from = [str(trainer.ckpt_path)] if trainer.ckpt_path is not None else []
-        earlier = dict.fromkeys([*self.best_k, *([self._newest] if self._newest else []), *resumed_from])
-        self._written = [p for p in earlier if Path(p).parent.resolve() == self._directory.resolve()]
-        for path in resumed_from:  # one this callback did not rank (a save on a signal, another configuration): by
-            if path in self._written and path not in self.best_k:  # its step without a monitor, else ranked last
-                self.best_k[path] = -float(trainer.global_step) if self.monitor is None else math.inf
+        self._adopt_earlier_files(trainer)
         if self.dirpath is None:
             return
         owner_file = self.dirpath / OWNER
@@ -126,6 +119,17 @@ class ModelCheckpoint(Callback):
         if owner is None and trainer.runtime.is_rank_zero:
             self.dirpath.mkdir(parents=True, exist_ok=True)
             owner_file.write_text(run + "\n")
+
+    def _adopt_earlier_files(self, trainer: Trainer) -> None:
+        """Resumed in place: the kept files of the run's earlier processes are this run's too, and so is the one it
+        resumed from (e.g. a checkpoint saved on a signal); another run's directory is never this one. One this
+        callback did not rank (a save on a signal, another configuration) ranks by its step (no monitor), else last."""
+        resumed_from = [str(trainer.ckpt_path)] if trainer.ckpt_path is not None else []
+        earlier = dict.fromkeys([*self.best_k, *([self._newest] if self._newest else []), *resumed_from])
+        self._written = [p for p in earlier if Path(p).parent.resolve() == self._directory.resolve()]
+        for path in resumed_from:
+            if path in self._written and path not in self.best_k:
+                self.best_k[path] = -float(trainer.global_step) if self.monitor is None else math.inf
 
     def format_checkpoint_name(self, metrics: dict, filename: str | None = None, ver: int | None = None) -> str:
         """Lightning's ``ModelCheckpoint.format_checkpoint_name`` (``_format_checkpoint_name``), without the

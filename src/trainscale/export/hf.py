@@ -114,14 +114,20 @@ def _resolve(path: Path) -> Path:
 
 
 def _read_model(path: Path, verify: bool) -> tuple[dict, dict]:
-    """``({name: tensor}, the checkpoint's other entries)`` of the model in checkpoint ``path`` (a file, or a
-    sharded directory of any mesh read whole: ``checkpointer.read_module_checkpoint``)."""
+    """``({name: tensor}, the checkpoint's other entries)`` of the model in checkpoint ``path``: a file holding a
+    ``model`` state dict, or a sharded directory of any mesh read whole (``checkpointer.read_module_checkpoint``)."""
     from trainscale.checkpointing.checkpointer import read_module_checkpoint
+    from trainscale.runtime import checkpoint_io
 
-    with warnings.catch_warnings():  # DCP's note that it reads in one process: what is meant here
-        warnings.filterwarnings("ignore", message="torch.distributed is .*")
-        entries, read_model = read_module_checkpoint(path, verify)
-        return read_model(), entries
+    if path.is_dir():
+        with warnings.catch_warnings():  # DCP's note that it reads in one process: what is meant here
+            warnings.filterwarnings("ignore", message="torch.distributed is .*")
+            entries, read_model = read_module_checkpoint(path, verify)
+            return read_model(), entries
+    content = checkpoint_io.load_file(path, verify)
+    if not isinstance(content, dict) or not isinstance(content.get("model"), dict):
+        raise checkpoint_io.CheckpointError(f"{str(path)!r} is not a trainscale checkpoint (no 'model' state dict)")
+    return content["model"], content
 
 
 def _config(config: Any, saved: dict | None, checkpoint: Any) -> Any:
