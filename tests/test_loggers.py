@@ -407,3 +407,18 @@ def test_an_mlflow_server_out_of_reach_is_dropped_with_a_warning_and_training_go
                                             "MLFlowLogger"):
         summary = trainer.fit(torch.nn.Linear(4, 2), loader, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     assert summary["steps"] == 2 and time.monotonic() - started < 30
+
+
+def test_experiment_is_a_no_op_on_other_ranks_and_an_error_on_rank_zero_before_setup(monkeypatch, tmp_path):
+    """Lightning's rank_zero_experiment: the Trainer sets loggers up on rank zero only, so a hook's
+    ``self.logger.experiment.add_image(...)`` must do nothing on the other ranks."""
+    pytest.importorskip("tensorboard")
+    logger = TensorBoardLogger()
+    monkeypatch.setenv("RANK", "1")
+    assert logger.experiment.add_image("x", None, 0) is None and logger.experiment["any"].log() is None
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match=r"setup\(run_dir\) must be called"):
+        logger.experiment
+    logger.setup(tmp_path)
+    assert type(logger.experiment).__name__ == "SummaryWriter"
+    logger.finalize("success")

@@ -1,5 +1,5 @@
-"""Lightning's examples/pytorch/bug_report/bug_report_model.py, ported to trainscale: only the imports changed,
-and the two Trainer flags trainscale does not have are commented out (docs/lightning.md, "What to change").
+"""Lightning's examples/pytorch/bug_report/bug_report_model.py, ported to trainscale: only the imports changed
+(docs/lightning.md, "What to change"), and ``devices`` is passed through for the 2-process run.
 
     python examples/lightning/bug_report_model.py
     python examples/lightning/bug_report_model.py --devices 2     # trainscale: 2 processes (ddp on CPUs)
@@ -63,9 +63,9 @@ def run(devices=1):
         limit_train_batches=1,
         limit_val_batches=1,
         limit_test_batches=1,
-        # num_sanity_val_steps=0,     trainscale runs no sanity validation
+        num_sanity_val_steps=0,
         max_epochs=1,
-        # enable_model_summary=False,
+        enable_model_summary=False,
         devices=devices,  # trainscale: for the 2-process run
     )
     trainer.fit(model, train_dataloaders=train_data, val_dataloaders=val_data)

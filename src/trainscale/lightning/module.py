@@ -142,7 +142,17 @@ class TrainingModule(HyperparametersMixin, nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.trainer.runtime.device
+        """The Trainer's device during fit/validate/test/predict; outside a Trainer (after
+        ``load_from_checkpoint``), where the parameters are (the CPU without any), as Lightning's ``self.device``."""
+        trainer = self.__dict__.get("_trainer")
+        if trainer is not None:
+            return trainer.runtime.device
+        return next((p.device for p in self.parameters()), torch.device("cpu"))
+
+    @property
+    def on_gpu(self) -> bool:
+        """True on a CUDA device (Lightning's ``on_gpu``)."""
+        return self.device.type == "cuda"
 
     @property
     def loggers(self) -> list:

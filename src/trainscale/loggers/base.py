@@ -89,6 +89,38 @@ def not_set_up(owner: str) -> RuntimeError:
                         "zero before the first record)")
 
 
+class DummyExperiment:
+    """``logger.experiment`` on a rank other than zero, where the Trainer sets no logger up: every method a
+    no-op, as Lightning's ``DummyExperiment`` (``lightning.fabric.loggers.logger.rank_zero_experiment``), so that
+    ``self.logger.experiment.add_image(...)`` in a hook runs on every rank."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+    def __getitem__(self, index: Any) -> DummyExperiment:
+        return self
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        pass
+
+
+def experiment_or_dummy(experiment: Any, owner: str) -> Any:
+    """A logger's ``experiment``: ``experiment`` once set up (not None); before that a :class:`DummyExperiment` on a
+    rank other than zero (``torch.distributed``'s rank, else the ``RANK`` variable).
+
+    Raises:
+        RuntimeError: not set up, on rank zero.
+    """
+    if experiment is not None:
+        return experiment
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        return DummyExperiment()
+    raise not_set_up(owner)
+
+
 def run_id(run_dir: Path, filename: str) -> str | None:
     """The id of the remote run this run directory logged to, kept in ``run_dir/filename``; None if none."""
     path = run_dir / filename

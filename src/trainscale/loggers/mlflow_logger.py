@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainscale.loggers.base import check_status, keep_run_id, not_set_up, require, run_id
+from trainscale.loggers.base import check_status, experiment_or_dummy, keep_run_id, require, run_id
 from trainscale.telemetry.sinks import flatten
 
 RUN_ID_FILE = "mlflow_run_id"
@@ -98,10 +98,9 @@ class MLFlowLogger:
 
     @property
     def experiment(self):
-        """The ``mlflow.MlflowClient`` (for artifacts, models, ...; use with :attr:`run_id`), after setup."""
-        if self._client is None:
-            raise not_set_up("MLFlowLogger")
-        return self._client
+        """The ``mlflow.MlflowClient`` (for artifacts, models, ...; use with :attr:`run_id`), after setup; on the
+        other ranks a no-op ``DummyExperiment`` (``trainscale.loggers.base.experiment_or_dummy``)."""
+        return experiment_or_dummy(self._client, "MLFlowLogger")
 
     def setup(self, run_dir: str | os.PathLike) -> None:
         """Find or create the experiment and start (or continue) the run.

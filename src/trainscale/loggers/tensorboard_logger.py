@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainscale.loggers.base import check_status, not_set_up, require
+from trainscale.loggers.base import check_status, experiment_or_dummy, not_set_up, require
 from trainscale.telemetry.sinks import TensorBoardSink, flatten
 
 
@@ -46,10 +46,9 @@ class TensorBoardLogger:
 
     @property
     def experiment(self):
-        """The ``torch.utils.tensorboard.SummaryWriter`` (for images, histograms, ...), after setup."""
-        if self._sink is None:
-            raise not_set_up("TensorBoardLogger")
-        return self._sink.writer
+        """The ``torch.utils.tensorboard.SummaryWriter`` (for images, histograms, ...), after setup; on the other
+        ranks a no-op ``DummyExperiment`` (``trainscale.loggers.base.experiment_or_dummy``)."""
+        return experiment_or_dummy(self._sink.writer if self._sink is not None else None, "TensorBoardLogger")
 
     def setup(self, run_dir: str | os.PathLike) -> None:
         self.log_dir = self.save_dir or Path(run_dir) / "tensorboard"

@@ -11,7 +11,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainscale.loggers.base import check_status, keep_run_id, not_set_up, require, run_id
+from trainscale.loggers.base import check_status, experiment_or_dummy, keep_run_id, require, run_id
 
 STEP_METRIC = "trainer/global_step"  # Lightning's name, so ported dashboards keep their x-axis
 RUN_ID_FILE = "wandb_run_id"
@@ -56,10 +56,9 @@ class WandbLogger:
 
     @property
     def experiment(self):
-        """The ``wandb.Run`` (for tables, images, artifacts, ...), after setup."""
-        if self._run is None:
-            raise not_set_up("WandbLogger")
-        return self._run
+        """The ``wandb.Run`` (for tables, images, artifacts, ...), after setup; on the other ranks a no-op
+        ``DummyExperiment`` (``trainscale.loggers.base.experiment_or_dummy``)."""
+        return experiment_or_dummy(self._run, "WandbLogger")
 
     def setup(self, run_dir: str | os.PathLike) -> None:
         import wandb

@@ -120,6 +120,8 @@ class Trainer:
     global_step = property(lambda self: self.state.global_step, doc="Optimizer steps taken so far (int).")
     current_epoch = property(lambda self: self.state.epoch, doc="The epoch running, or the last one run (from 0).")
     history = property(lambda self: self.state.history, doc="One record (a dict) per finished epoch.")
+    checkpoint_callback = property(lambda self: next(iter(self.checkpoint_callbacks), None),
+                                   doc="The first ModelCheckpoint, or None (Lightning's ``trainer.checkpoint_callback``).")
 
     @property
     def global_batch_size(self) -> int | None:
