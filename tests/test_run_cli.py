@@ -69,16 +69,25 @@ def test_the_scripts_own_flags_are_never_parsed_by_torchrun(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-def test_a_self_relaunching_script_keeps_its_own_flags(tmp_path):
+def test_a_self_relaunching_script_keeps_its_own_flags_and_prints_the_failing_ranks_error_last(tmp_path):
     script = _script(tmp_path, "relaunch.py", (
-        "import argparse, sys\nfrom trainscale import Runtime\n"
+        "import argparse, os, time\nfrom trainscale import Runtime\n"
         "p = argparse.ArgumentParser(); p.add_argument('--d', type=int); args = p.parse_args()\n"
         "rt = Runtime(accelerator='cpu', devices=2, timeout=60)\nrt.launch()\n"
-        "rt.print('WORLD', rt.world_size, 'D', args.d)\nrt.teardown()\n"))
+        "rt.print('WORLD', rt.world_size, 'D', args.d)\n"
+        "def load_shard(rank):\n"
+        "    if rank == 1:\n"
+        "        raise FileNotFoundError(f'checkpoint is missing its shard file __{rank}_0.distcp')\n"
+        "    time.sleep(20)\n"
+        "load_shard(int(os.environ['RANK']))\n"))
     out = subprocess.run([sys.executable, script, "--d", "192"], capture_output=True, text=True, timeout=150,
                          env=_env())
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "WORLD 2 D 192" in out.stdout
+    assert "WORLD 2 D 192" in out.stdout, out.stderr[-3000:]  # the script's own flag reached the relaunched ranks
+    assert out.returncode != 0
+    tail = out.stderr.rstrip().splitlines()
+    assert "ChildFailedError" in out.stderr  # torchrun's own summary comes first ...
+    assert tail[-1] == "FileNotFoundError: checkpoint is missing its shard file __1_0.distcp", tail[-12:]  # ... then this
+    assert "trainscale: rank 1 (node 0, local rank 1) failed first" in "\n".join(tail[-8:])
 
 
 # -- failures: the rank's own error last, no restart of errors that recur ----------------------------
