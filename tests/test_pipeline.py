@@ -299,8 +299,8 @@ def test_a_tp_plan_that_leaves_the_last_stages_output_sharded_is_refused_before_
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_plan_errors_are_raised_on_every_rank_before_the_first_step():
-    results = run_distributed(plan_errors, "unused", world_size=2, timeout=100)
+def test_plan_errors_are_raised_on_every_rank_before_the_first_step(tmp_path):
+    results = run_distributed(plan_errors, str(tmp_path), world_size=2, timeout=100)
     assert results[0] == results[1]  # every rank raises, the same error
     errors = results[0]
     assert "leave stage 0 without a unit; 'embed' is the model's first unit" in errors["empty_stage"]

@@ -112,6 +112,31 @@ def test_the_failing_ranks_own_error_is_printed_last(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
+def test_a_rank_that_exits_before_the_first_collective_is_named_with_its_exit_code(tmp_path):
+    script = _script(tmp_path, "exits.py", (
+        "import os, torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+        "from trainscale import Trainer\nfrom trainscale.callbacks import Callback\n"
+        "class Leave(Callback):\n"
+        "    def on_fit_start(self, trainer, module):\n"
+        "        if trainer.runtime.world.rank == 1:\n"
+        "            os._exit(3)\n"
+        "data = TensorDataset(torch.randn(32, 8), torch.randint(0, 4, (32,)))\n"
+        "trainer = Trainer(accelerator='cpu', devices='auto', max_steps=2, callbacks=[Leave()], logger=False,\n"
+        f"                  enable_progress_bar=False, timeout=30, default_root_dir={str(tmp_path / 'runs')!r})\n"
+        "trainer.fit(torch.nn.Linear(8, 4), DataLoader(data, batch_size=8),\n"
+        "            optimizer=lambda params: torch.optim.SGD(params, lr=0.1))\n"))
+    out = _run(["run", "-n", "2", script])
+    assert out.returncode != 0
+    tail = out.stderr.rstrip().splitlines()
+    assert tail[-1] == ("trainscale run: rank 1 (local rank 1) exited with code 3 without a Python exception (os._exit, "
+                        "a crash in C code, or a signal: see its output above); the error above follows from it (a "
+                        "peer that left)"), tail[-6:]
+    assert "rank 0 (node 0, local rank 0) failed first" in out.stderr  # rank 0's own error, just before
+    assert "failed because a peer closed its connection" in "\n".join(tail[-4:])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
 def test_an_error_that_recurs_is_not_restarted(tmp_path):
     script = _script(tmp_path, "flags.py", (
         "import argparse\np = argparse.ArgumentParser(); p.add_argument('--lr', type=float); p.parse_args()\n"))

@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Sequence
 
+from trainscale.runtime.agent import EXITS_ENV, EXITS_FILE
 from trainscale.runtime.worker import ERROR_FILE, HOLD_ENV, die_with_parent
 
 _NNODES = re.compile(r"^[1-9]\d*(:[1-9]\d*)?$")
@@ -129,11 +130,12 @@ def current_entry_point() -> list[str]:
 
 
 def torchrun_argv(torchrun: Sequence[str], entry: Sequence[str]) -> list[str]:
-    """``python -m torch.distributed.run TORCHRUN --module -- trainscale.runtime.worker ENTRY``.
+    """``python -m trainscale.runtime.agent TORCHRUN --module -- trainscale.runtime.worker ENTRY``: torchrun
+    (``torch.distributed.run``), which also writes down the exit codes of failed workers (``agent.py``).
 
     After ``--`` torchrun parses nothing: the script's flags reach the script as they are.
     """
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun, "--module", "--",
+    return [sys.executable, "-m", "trainscale.runtime.agent", *torchrun, "--module", "--",
             "trainscale.runtime.worker", *entry]
 
 
@@ -283,6 +285,7 @@ def run_torchrun(torchrun: Sequence[str], entry: Sequence[str], nproc_per_node: 
     argv = torchrun_argv([f"--log-dir={log_dir}", *torchrun], entry)
     try:
         env = worker_env(nproc_per_node)
+        env[EXITS_ENV] = log_dir
         if max_restarts:  # a worker with an error a restart cannot fix waits for _wait to stop torchrun
             env[HOLD_ENV] = "1"
         proc = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
@@ -327,10 +330,33 @@ def _records(log_dir: str) -> list[dict]:
 
 def failure_report(log_dir: str, label: str = "trainscale run") -> str | None:
     """The first failed worker's error as recorded by ``worker.py`` (rank, type, message, the user's
-    frames), or None when no worker recorded one (e.g. it was killed by a signal)."""
+    frames), then, last, each rank that ended without a Python exception (``os._exit``, a crash in C code, a
+    signal other than the agent's own SIGTERM) with its exit code from torchrun (``agent.py``): its peers' errors
+    (a collective whose peer left) follow from it. None when there is neither."""
     records = _records(log_dir)
-    if not records:
-        return None
-    first = min(records, key=lambda r: (r["time"], int(r["rank"] or 0)))
-    return (f"\n{label}: rank {first['rank']} (node {first['node_rank']}, local rank {first['local_rank']}) "
-            f"failed first:\n{first['traceback'].rstrip()}")
+    parts = []
+    if records:
+        first = min(records, key=lambda r: (r["time"], int(r["rank"] or 0)))
+        parts.append(f"\n{label}: rank {first['rank']} (node {first['node_rank']}, local rank {first['local_rank']}) "
+                     f"failed first:\n{first['traceback'].rstrip()}")
+    recorded = {str(r["rank"]) for r in records}
+    for ended in _silent_exits(log_dir):
+        if str(ended["rank"]) in recorded:
+            continue
+        code = ended["exitcode"]
+        how = f"exited with code {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
+        after = "; the error above follows from it (a peer that left)" if records else ""
+        parts.append(f"\n{label}: rank {ended['rank']} (local rank {ended['local_rank']}) {how} without a Python "
+                     f"exception (os._exit, a crash in C code, or a signal: see its output above){after}")
+    return "\n".join(parts) or None
+
+
+def _silent_exits(log_dir: str) -> list[dict]:
+    """The failed workers torchrun's agent reported (``agent.EXITS_FILE``), but those it stopped itself (SIGTERM to
+    the group after the first failure)."""
+    try:
+        with open(os.path.join(log_dir, EXITS_FILE), encoding="utf-8") as f:
+            exits = json.load(f)
+    except (OSError, ValueError):
+        return []
+    return [e for e in exits if e["exitcode"] != -signal.SIGTERM]
