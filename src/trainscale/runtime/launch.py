@@ -4,9 +4,9 @@
   pod started as ``python train.py``: ``World.per_node``) becomes torchrun with that launcher's node count,
   node rank and address (:func:`start_node_ranks`).
 - ``trainscale run -n N script.py ARGS`` and a script that asks for ``devices=N`` outside any
-  launcher both run ``python -m torch.distributed.run --nproc-per-node N ... script.py ARGS`` as a child
-  (:func:`run_torchrun`; the script's own process is replaced by a small one that does it:
-  :func:`exec_torchrun`).
+  launcher both become torchrun (``python -m trainscale.runtime.agent --nproc-per-node N ... script.py ARGS``,
+  ``agent.py``): ``trainscale run`` as its child (:func:`run_torchrun`), the script by ``exec``
+  (:func:`exec_torchrun`); either prints the failing rank's own error last.
   torchrun starts the workers, sets RANK/WORLD_SIZE/LOCAL_RANK/..., hosts the rendezvous and,
   with ``--max-restarts``, restarts failed workers
   (https://pytorch.org/docs/stable/elastic/run.html).
@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Sequence
 
-from trainscale.runtime.agent import EXITS_ENV, EXITS_FILE
+from trainscale.runtime.agent import EXITS_ENV, EXITS_FILE, REPORT_FLAG
 from trainscale.runtime.worker import ERROR_FILE, HOLD_ENV, die_with_parent
 
 _NNODES = re.compile(r"^[1-9]\d*(:[1-9]\d*)?$")
@@ -140,25 +140,17 @@ def torchrun_argv(torchrun: Sequence[str], entry: Sequence[str]) -> list[str]:
 
 
 def exec_torchrun(torchrun: Sequence[str], entry: Sequence[str], nproc_per_node: int) -> None:
-    """Replace this process by a small one (this module, without torch) that runs ``python -m
-    torch.distributed.run TORCHRUN ENTRY`` as its child with :func:`run_torchrun`, as ``trainscale run`` does: the
-    failing rank's own error is printed last, after torchrun's ``ChildFailedError`` summary, and signals sent to
-    this process id reach torchrun. Does not return.
+    """Replace this process by ``python -m trainscale.runtime.agent --trainscale-report TORCHRUN ENTRY``: torchrun,
+    which prints the failing rank's own error last, after its ``ChildFailedError`` summary, as ``trainscale run``
+    does (``agent.main_reporting``). Does not return.
 
     A new interpreter (about 1 s more to the first step than raw torchrun, which imports torch once): running
     torchrun's agent in this process instead would keep what the script built before ``Trainer()`` (its data, a
     model, a CUDA context on the first GPU) alive for the whole job."""
     sys.stdout.flush()
     sys.stderr.flush()
-    code = "import sys; from trainscale.runtime.launch import relaunched; sys.exit(relaunched(sys.argv[1:]))"
-    os.execv(sys.executable, [sys.executable, "-c", code, str(nproc_per_node), *torchrun, "--", *entry])
-
-
-def relaunched(argv: Sequence[str]) -> int:
-    """The process :func:`exec_torchrun` becomes: ``argv`` is ``NPROC TORCHRUN... -- ENTRY...``; returns
-    torchrun's exit code."""
-    split = list(argv).index("--")
-    return run_torchrun(argv[1:split], argv[split + 1:], int(argv[0]), label="trainscale")
+    argv = torchrun_argv(torchrun, entry)
+    os.execve(sys.executable, [*argv[:3], REPORT_FLAG, *argv[3:]], worker_env(nproc_per_node))
 
 
 def relaunch_current_script(nproc_per_node: int, num_nodes: int = 1) -> None:
@@ -271,15 +263,14 @@ def _probe_store(host: str, port: int, answered: list) -> None:
         answered.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
 
 
-def run_torchrun(torchrun: Sequence[str], entry: Sequence[str], nproc_per_node: int, max_restarts: int = 0,
-                 label: str = "trainscale run") -> int:
+def run_torchrun(torchrun: Sequence[str], entry: Sequence[str], nproc_per_node: int, max_restarts: int = 0) -> int:
     """Run torchrun as a child of this process and return its exit code.
 
     The child dies with this process (``PR_SET_PDEATHSIG``), its workers with it. SIGTERM, SIGHUP,
     SIGQUIT, SIGUSR1 and SIGUSR2 sent to this process are passed on; SIGINT (Ctrl-C) reaches the
     whole process group from the terminal. A worker error that would recur at every restart (see
     ``worker.py``) stops torchrun at once. When the job fails, the first failed rank's own error is
-    printed last on stderr, after torchrun's summary, headed by ``label``.
+    printed last on stderr, after torchrun's summary.
     """
     log_dir = tempfile.mkdtemp(prefix="trainscale-run-")
     argv = torchrun_argv([f"--log-dir={log_dir}", *torchrun], entry)
@@ -298,7 +289,7 @@ def run_torchrun(torchrun: Sequence[str], entry: Sequence[str], nproc_per_node: 
             print(f"\ntrainscale run: not restarted (--max-restarts {max_restarts}): the error below happened before "
                   "the process group existed and would recur at every restart; fix it and run again",
                   file=sys.stderr, flush=True)
-        report = failure_report(log_dir, label) if proc.returncode != 0 else None
+        report = failure_report(log_dir) if proc.returncode != 0 else None
         if report:
             print(report, file=sys.stderr, flush=True)
         return proc.returncode
