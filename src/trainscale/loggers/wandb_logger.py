@@ -1,7 +1,7 @@
 """``WandbLogger``: a Weights & Biases run.
 
 Needs ``wandb`` (``pip install 'trainscale[wandb]'``), imported at :meth:`WandbLogger.setup`, not with
-this module. https://docs.wandb.ai/ref/python/init
+this module (and, to look up credentials, when an online logger is made without ``WANDB_API_KEY``: about 1 s). https://docs.wandb.ai/ref/python/init
 """
 
 from __future__ import annotations
