@@ -452,3 +452,59 @@ def datamodule_body(rank: int, root: str) -> dict:
     trainer.runtime.teardown()
     return {"state": {k: v.detach().clone() for k, v in model.net.state_dict().items()}, "calls": calls,
             "test": tested}
+
+
+class SyncDistOnOneRank(TrainingModule):
+    """Logs "acc" with ``sync_dist=True`` on rank 1 only (a branch some ranks take)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(1, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.lin(x)
+        if self.global_rank == 1:
+            self.log("acc", (logits.argmax(1) == y).float().mean(), sync_dist=True)
+        return F.cross_entropy(logits, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class BackwardSkippedOnOneRank(SyncDistOnOneRank):
+    """Manual optimization whose rank 1 skips ``self.manual_backward`` (its batch "has nothing to learn")."""
+
+    automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        loss = F.cross_entropy(self.lin(x), y)
+        if self.global_rank != 1:
+            self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+
+def rank_mismatch_body(rank: int, root: str) -> dict:
+    """Under ddp on 2 ranks, one process group for both: :class:`SyncDistOnOneRank` and
+    :class:`BackwardSkippedOnOneRank`; each one's error as "Type: message" ("none" if it trained)."""
+    import warnings
+
+    from trainscale.loop.trainer import Trainer
+
+    out = {}
+    for name, model in (("sync_dist", SyncDistOnOneRank()), ("manual_backward", BackwardSkippedOnOneRank())):
+        trainer = Trainer(accelerator="cpu", devices="auto", max_steps=2, log_every_n_steps=1, logger=False,
+                          default_root_dir=f"{root}/{name}", enable_progress_bar=False, timeout=30)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # rank 1's own "step() with no gradients" warning
+                trainer.fit(model, DataLoader(indexed_dataset(16), batch_size=4))
+            out[name] = "none"
+        except (ValueError, RuntimeError) as err:
+            out[name] = f"{type(err).__name__}: {err}"
+    trainer.runtime.teardown()
+    return out

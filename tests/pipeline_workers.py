@@ -319,3 +319,29 @@ def fit_then_evaluate(rank: int, root: str, strategy: str) -> dict:
     summary = trainer.fit(model, train_loader, val_loader, loss_fn=lm_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     return {"fit": summary["val_loss"], "validate": trainer.validate(model, val_loader, loss_fn=lm_loss)["val_loss"],
             "last": trainer.validate(model, val_loader, loss_fn=lm_loss, ckpt_path="last")["val_loss"]}
+
+
+def plan_errors(rank: int, root: str) -> dict:
+    """On 2 ranks, one process group for all: a :class:`Net` under pp with a split point that leaves the first stage
+    empty, under pp with ``pp_microbatches`` above the batch, and under tp=2 with a plan whose head returns each
+    rank's slice of the logits; each case's error message (``"none"`` if a case trained)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from trainscale.loop.trainer import Trainer
+
+    cases = {"empty_stage": dict(strategy="pp", pp_split_points=["embed"]),
+             "microbatches": dict(strategy="pp", pp_split_points=["layers.2"], pp_microbatches=8),
+             "sharded_output": dict(strategy="tp", tp_plan={**net_plan(), "head": ColwiseParallel()})}
+    out = {}
+    for name, flags in cases.items():
+        trainer = Trainer(accelerator="cpu", devices=2, max_steps=1, default_root_dir=f"{root}/{name}", logger=False,
+                          enable_progress_bar=False, timeout=60, **flags)
+        try:
+            trainer.fit(Net(), net_loaders(batch_size=4, train=8, val=0)[0], loss_fn=nn.functional.cross_entropy,
+                        optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+            out[name] = "none"
+        except ValueError as error:
+            out[name] = str(error)
+    dist.destroy_process_group()
+    return out

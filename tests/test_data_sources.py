@@ -156,6 +156,36 @@ def test_missing_or_doubled_data_is_refused_naming_the_fix(tmp_path, monkeypatch
     assert len(main.dataset) == 6
 
 
+def test_several_evaluation_loaders_are_refused_naming_the_alternatives_and_a_list_of_one_is_used(tmp_path):
+    class TwoValSets(Indexed):
+        def val_dataloader(self):
+            return [DataLoader(self.val, batch_size=4), DataLoader(self.test, batch_size=4)]
+
+    with pytest.raises(ValueError, match=r"validation: 2 DataLoaders were given.*'/dataloader_idx_N' are not supported"
+                                         r".*ConcatDataset.*trainer.validate\(model, loader\)"):
+        _trainer(tmp_path).fit(Classifier(), datamodule=TwoValSets())
+    loader = DataLoader(mw.indexed_dataset(6), batch_size=4)
+    with pytest.raises(ValueError, match="test: 2 DataLoaders were given"):
+        _trainer(tmp_path).test(Classifier(), [loader, loader])
+    trainer = _trainer(tmp_path, max_epochs=1)
+    trainer.fit(Classifier(), DataLoader(mw.indexed_dataset(8), batch_size=4), [loader])  # Lightning's list of one
+    assert "val_loss" in trainer.history[-1]
+
+
+def test_self_optimizers_under_automatic_optimization_is_the_optimizer_the_trainer_steps(tmp_path):
+    seen = []
+
+    class Looking(Classifier):
+        def training_step(self, batch, batch_idx):
+            seen.append(self.optimizers())
+            return super().training_step(batch, batch_idx)
+
+    trainer = _trainer(tmp_path, max_epochs=1)
+    trainer.fit(Looking(), DataLoader(mw.indexed_dataset(8), batch_size=4))
+    assert len(seen) == 2 and all(opt is trainer.optimizers[0] for opt in seen)
+    assert isinstance(seen[0], torch.optim.SGD) and seen[0].param_groups[0]["lr"] == 0.1
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_a_lightning_mnist_shaped_module_and_datamodule_on_two_ranks_match_plain_pytorch(tmp_path):

@@ -167,8 +167,9 @@ def test_a_light_process_runs_torchruns_main_and_exits_with_its_status(monkeypat
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     with pytest.raises(_Exit):
         launch.become_torchrun(["--standalone", "--nproc-per-node=2"], ["train.py", "--lr", "1"], 2)
-    assert ran["args"] == ["--standalone", "--nproc-per-node=2", "--module", "--", "trainscale.runtime.worker",
-                           "train.py", "--lr", "1"]
+    assert ran["args"][0].startswith("--log-dir=")  # the failing rank's error file is read from there
+    assert ran["args"][1:] == ["--standalone", "--nproc-per-node=2", "--module", "--", "trainscale.runtime.worker",
+                               "train.py", "--lr", "1"]
     assert ran["omp"] is not None and done == {"status": 3}  # worker_env's defaults, torchrun's exit status
 
 
@@ -184,7 +185,7 @@ def test_a_heavy_process_is_replaced_by_torchrun(monkeypatch):
     with pytest.raises(_Exit):
         launch.become_torchrun(["--standalone", "--nproc-per-node=2"], ["train.py"], 2)
     assert execed["path"] == sys.executable
-    assert execed["argv"][1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert execed["argv"][1:5] == ["-m", "trainscale.runtime.agent", "--trainscale-report", "--standalone"]
     assert execed["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 

@@ -123,6 +123,58 @@ def test_logging_before_setup_and_unknown_status_are_clear_errors(tmp_path):
         logger.finalize("ok")
 
 
+def test_a_read_only_or_file_save_dir_is_refused_when_the_logger_is_made(tmp_path, monkeypatch):
+    import os
+
+    from trainscale.loggers import base
+
+    makers = [CSVLogger] + ([TensorBoardLogger] if importlib.util.find_spec("tensorboard") else [])
+    real_access = os.access
+    # the permission as the OS answers it for this user (faked: root may write to a read-only directory)
+    monkeypatch.setattr(base.os, "access", lambda path, mode: str(path) != str(tmp_path))
+    for maker in makers:
+        with pytest.raises(ValueError, match=rf"{maker.__name__}\(save_dir='.*logs'\) cannot be written .*read-only "
+                                             r"for this user\); pass a directory you can write, or save_dir=None"):
+            maker(save_dir=tmp_path / "logs")
+    monkeypatch.setattr(base.os, "access", real_access)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"CSVLogger\(save_dir='.*file/logs'\): '.*file' is a file; pass a directory"):
+        CSVLogger(save_dir=tmp_path / "file" / "logs")
+    assert CSVLogger(save_dir=tmp_path / "new" / "logs").save_dir == tmp_path / "new" / "logs"  # made at setup
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/mlruns", "ftp://host/x", "mlflow-artifacts://host/a"])
+def test_an_mlflow_tracking_uri_of_an_unsupported_scheme_is_refused_when_the_logger_is_made(uri):
+    if importlib.util.find_spec("mlflow") is None:
+        pytest.skip("mlflow is not installed: pip install 'trainscale[mlflow]'")
+    with pytest.raises(ValueError, match=rf"MLFlowLogger\(tracking_uri='{uri}'\): MLflow has no tracking store for "
+                                         r"'[\w-]+://'; use a tracking server \(http://HOST:5000\)"):
+        MLFlowLogger(tracking_uri=uri)
+    for good in ("sqlite:///x/mlflow.db", "postgresql+psycopg2://u@h/db", "http://h:5000", "databricks", "/tmp/mlruns"):
+        from trainscale.loggers.mlflow_logger import check_tracking_uri
+
+        check_tracking_uri(good)
+
+
+def test_an_online_wandb_logger_without_credentials_is_refused_when_it_is_made(tmp_path, monkeypatch, request):
+    wandb = pytest.importorskip("wandb")
+    request.addfinalizer(wandb.teardown)  # W&B's settings singleton read this test's environment
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no entry: none is written there
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    with pytest.raises(ValueError, match=r"WandbLogger: no W&B credentials for https://api.wandb.ai .*run `wandb "
+                                         r"login` once, or set WANDB_API_KEY, or .*WandbLogger\(offline=True\)"):
+        WandbLogger(project="p")
+    WandbLogger(project="p", offline=True)  # offline, or with a key: nothing to check
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    WandbLogger(project="p")
+    monkeypatch.delenv("WANDB_API_KEY")
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "y" * 40 + "\n")
+    (tmp_path / "netrc").chmod(0o600)
+    WandbLogger(project="p")  # `wandb login` wrote the key to the netrc file
+
+
 # CSVLogger
 
 
@@ -379,6 +431,7 @@ def test_loggers_pickle_before_setup(tmp_path, monkeypatch):
     import pickle
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")  # an online WandbLogger needs credentials when it is made
     makers = [CSVLogger, _Recorder]
     for module, maker in (("tensorboard", TensorBoardLogger), ("wandb", WandbLogger), ("mlflow", MLFlowLogger)):
         if importlib.util.find_spec(module) is not None:

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from tests.helpers import run_distributed, run_python
-from tests.pipeline_workers import (PP_CONFIG, Net, fit_gpt, net_plan, pp_dp_runs, pp_fp16_runs, pp_hsdp_run, pp_resume,
-                                    pp_runs, pp_tp_user_runs)
+from tests.pipeline_workers import (PP_CONFIG, Net, fit_gpt, net_plan, plan_errors, pp_dp_runs, pp_fp16_runs, pp_hsdp_run,
+                                    pp_resume, pp_runs, pp_tp_user_runs)
 from trainscale.runtime.connector import resolve
 from trainscale.runtime.strategies.apply_pp import gpt_split_points, keep_stage, shared_parameters, stage_names, units
 from trainscale.runtime.strategies.parallel_dims import ParallelDims
@@ -281,6 +281,59 @@ def test_a_tp_plan_key_that_names_no_module_of_the_whole_model_is_refused_before
     assert len(model.layers) == 4 and model.head is not None  # refused before the cut
 
 
+def test_a_tp_plan_that_leaves_the_last_stages_output_sharded_is_refused_before_the_cut():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from trainscale.runtime.strategies.pipeline import PipelineStrategy
+    from trainscale.runtime.world import World
+
+    strategy = PipelineStrategy(torch.device("cpu"), World(world_size=4, local_world_size=4),
+                                parallel={"pp": 2, "tp": 2}, pp_split_points=["layers.2"],
+                                tp_plan={**net_plan(), "head": ColwiseParallel()})
+    model = Net()
+    with pytest.raises(ValueError, match=r"leaves the model's output sharded: its output comes from 'head'.*"
+                                         r"ColwiseParallel\(output_layouts=Replicate\(\)\)"):
+        strategy.setup_module(model)
+    assert model.embed is not None and model.head is not None  # refused before the cut, the same on every rank
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_plan_errors_are_raised_on_every_rank_before_the_first_step(tmp_path):
+    results = run_distributed(plan_errors, str(tmp_path), world_size=2, timeout=100)
+    assert results[0] == results[1]  # every rank raises, the same error
+    errors = results[0]
+    assert "leave stage 0 without a unit; 'embed' is the model's first unit" in errors["empty_stage"]
+    assert "e.g. pp_split_points=['layers.2']" in errors["empty_stage"]
+    assert "pp_microbatches=8 is more than the batch of 4 samples" in errors["microbatches"]
+    assert "use pp_microbatches <= 4" in errors["microbatches"]
+    assert "tp_plan leaves the model's output sharded: its output comes from 'head'" in errors["sharded_output"]
+
+
+def test_a_stage_forward_that_calls_a_module_the_stage_does_not_hold_is_explained():
+    from trainscale.runtime.strategies.apply_pp import StageForwardError, _unwrapped, explain_missing_modules
+
+    class Unguarded(Net):  # calls the embedding and the head on every stage
+        def forward(self, x):
+            x = self.embed(x)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    model = Unguarded()
+    names = stage_names(model, ["layers.2"], 2)
+    keep_stage(model, names[1])
+    explain_missing_modules(model, 1, names[1])
+    with pytest.raises(StageForwardError, match=r"stage 1 holds only the units \['layers.2', 'layers.3', 'head'\].*"
+                                                r"'NoneType' object is not callable.*skips a module that is None") as info:
+        model(torch.randn(2, 16))
+    assert isinstance(info.value.__cause__, TypeError)
+    wrapped = RuntimeError("[Stage 1] failed to run forward")  # as torch's PipelineStage re-raises it
+    wrapped.__cause__ = info.value
+    assert _unwrapped(wrapped) is info.value
+    assert model.layers[0](torch.randn(2, 32)).shape == (2, 32)  # other errors and calls pass unchanged
+
+
 def test_a_parallelize_fn_must_act_on_the_stage_in_place():
     from trainscale.runtime.strategies.pipeline import PipelineStrategy
     from trainscale.runtime.world import World
@@ -408,6 +461,9 @@ def test_bad_split_points_name_the_units():
         stage_names(gpt, ["layers.2"], 2)
     with pytest.raises(ValueError, match="in the model's order"):
         stage_names(gpt, ["blocks.3", "blocks.1"], 3)
+    with pytest.raises(ValueError, match=r"leave stage 0 without a unit; 'wte' is the model's first unit.*"
+                                         r"e.g. pp_split_points=\['blocks.1'\]"):
+        stage_names(gpt, ["wte"], 2)
     with pytest.raises(ValueError, match="n_layer=4"):
         gpt_split_points(gpt, 5)
 
@@ -466,6 +522,8 @@ def test_pp_layouts_and_flags():
     (dict(strategy="pp", pp_microbatches=0), "pp_microbatches=0 must be an int >= 1"),
     (dict(strategy="pp", pp_microbatches=2), "1f1b' needs at least one micro-batch per stage"),
     (dict(strategy="pp", pp_split_points="blocks.2"), "must be a list of submodule names"),
+    (dict(strategy="pp", parallel={"pp": 2, "tp": 2}, tp_plan={"layers.*.up": "colwise"}),
+     r"are strings \(Hugging Face's tp_plan names\).*'colwise' -> ColwiseParallel\(\)"),
     (dict(strategy="pp", parallel={"pp": 2, "tp": 2}, tp_plan={"h": None}, parallelize=lambda m, mesh: m),
      "pass tp_plan or parallelize, not both"),
     (dict(strategy="ddp", pp_microbatches=4), "pp_microbatches configure.*no"),

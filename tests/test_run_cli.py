@@ -69,16 +69,25 @@ def test_the_scripts_own_flags_are_never_parsed_by_torchrun(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-def test_a_self_relaunching_script_keeps_its_own_flags(tmp_path):
+def test_a_self_relaunching_script_keeps_its_own_flags_and_prints_the_failing_ranks_error_last(tmp_path):
     script = _script(tmp_path, "relaunch.py", (
-        "import argparse, sys\nfrom trainscale import Runtime\n"
+        "import argparse, os, time\nfrom trainscale import Runtime\n"
         "p = argparse.ArgumentParser(); p.add_argument('--d', type=int); args = p.parse_args()\n"
         "rt = Runtime(accelerator='cpu', devices=2, timeout=60)\nrt.launch()\n"
-        "rt.print('WORLD', rt.world_size, 'D', args.d)\nrt.teardown()\n"))
+        "rt.print('WORLD', rt.world_size, 'D', args.d)\n"
+        "def load_shard(rank):\n"
+        "    if rank == 1:\n"
+        "        raise FileNotFoundError(f'checkpoint is missing its shard file __{rank}_0.distcp')\n"
+        "    time.sleep(20)\n"
+        "load_shard(int(os.environ['RANK']))\n"))
     out = subprocess.run([sys.executable, script, "--d", "192"], capture_output=True, text=True, timeout=150,
                          env=_env())
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "WORLD 2 D 192" in out.stdout
+    assert "WORLD 2 D 192" in out.stdout, out.stderr[-3000:]  # the script's own flag reached the relaunched ranks
+    assert out.returncode != 0
+    tail = out.stderr.rstrip().splitlines()
+    assert "ChildFailedError" in out.stderr  # torchrun's own summary comes first ...
+    assert tail[-1] == "FileNotFoundError: checkpoint is missing its shard file __1_0.distcp", tail[-12:]  # ... then this
+    assert "trainscale: rank 1 (node 0, local rank 1) failed first" in "\n".join(tail[-8:])
 
 
 # -- failures: the rank's own error last, no restart of errors that recur ----------------------------
@@ -99,6 +108,31 @@ def test_the_failing_ranks_own_error_is_printed_last(tmp_path):
     assert tail[-1] == "KeyError: 'shard 1 missing'", tail[-12:]  # ... the rank's error last
     report = "\n".join(tail[-8:])
     assert "rank 1 (node 0, local rank 1) failed first" in report and 'fail.py", line 4, in load_shard' in report
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_a_rank_that_exits_before_the_first_collective_is_named_with_its_exit_code(tmp_path):
+    script = _script(tmp_path, "exits.py", (
+        "import os, torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+        "from trainscale import Trainer\nfrom trainscale.callbacks import Callback\n"
+        "class Leave(Callback):\n"
+        "    def on_fit_start(self, trainer, module):\n"
+        "        if trainer.runtime.world.rank == 1:\n"
+        "            os._exit(3)\n"
+        "data = TensorDataset(torch.randn(32, 8), torch.randint(0, 4, (32,)))\n"
+        "trainer = Trainer(accelerator='cpu', devices='auto', max_steps=2, callbacks=[Leave()], logger=False,\n"
+        f"                  enable_progress_bar=False, timeout=30, default_root_dir={str(tmp_path / 'runs')!r})\n"
+        "trainer.fit(torch.nn.Linear(8, 4), DataLoader(data, batch_size=8),\n"
+        "            optimizer=lambda params: torch.optim.SGD(params, lr=0.1))\n"))
+    out = _run(["run", "-n", "2", script])
+    assert out.returncode != 0
+    tail = out.stderr.rstrip().splitlines()
+    assert tail[-1] == ("trainscale run: rank 1 (local rank 1) exited with code 3 without a Python exception (os._exit, "
+                        "a crash in C code, or a signal: see its output above); the error above follows from it (a "
+                        "peer that left)"), tail[-6:]
+    assert "rank 0 (node 0, local rank 0) failed first" in out.stderr  # rank 0's own error, just before
+    assert "failed because a peer closed its connection" in "\n".join(tail[-4:])
 
 
 @pytest.mark.multiprocess

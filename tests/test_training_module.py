@@ -209,6 +209,19 @@ def test_names_logged_on_some_ranks_only_are_an_error_on_every_rank():
         assert message.startswith("ValueError: ranks logged different epoch values") and "only_here" in message
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_sync_dist_or_manual_backward_on_some_ranks_only_is_an_error_on_every_rank_naming_them(tmp_path):
+    """Both stalled until the collective timeout (sync_dist: reported as "a transient stall") or aborted the job
+    (a skipped manual_backward: SIGABRT inside gloo)."""
+    out = run_distributed(mw.rank_mismatch_body, str(tmp_path), timeout=80)
+    assert out[0] == out[1]  # every rank raises the same error
+    assert out[0]["sync_dist"].startswith("ValueError: self.log('acc', ..., sync_dist=True) was called on rank(s) [1] "
+                                          "and not on rank(s) [0]")
+    assert out[0]["manual_backward"].startswith("RuntimeError: SGD.step(): rank(s) [1] have no gradients while the "
+                                                "other ranks have theirs: self.manual_backward(loss) was skipped there")
+
+
 def _returned_keys_expected(n: int, world_size: int) -> tuple[float, float]:
     """The exact "mean_x" and "odd_x" of :class:`mw.Returner` on ``indexed_dataset(n)`` (x = sample index) split
     like the evaluation sampler (rank r: samples r, r + W, ...) into batches of 4."""

@@ -48,19 +48,37 @@ def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, data
 
     Raises:
         ValueError: both ``loaders`` and ``datamodule``; neither, and the model has no such hook (named with the
-            fix). Raised on every rank before any collective.
+            fix); several evaluation loaders (:func:`one_loader`). Raised on every rank before any collective.
     """
     if loaders is not None and is_data_source(loaders):
         loaders, datamodule = None, _only(datamodule, loaders, stage)
     if loaders is not None:
         if datamodule is not None:
             raise ValueError(f"{stage}: pass DataLoaders or datamodule=, not both")
-        return loaders, None
+        return (loaders if stage == "fit" else one_loader(loaders, stage)), None
     source = _source(stage, model, datamodule)
     _prepare(runtime, source, stage)
     main = getattr(source, LOADER_HOOKS[stage])()
     val = source.val_dataloader() if stage == "fit" and hasattr(source, "val_dataloader") else None
-    return main, (None if val is None or val == [] else val)
+    return (main if stage == "fit" else one_loader(main, stage)), (None if val is None or val == []
+                                                                   else one_loader(val, "validation"))
+
+
+def one_loader(loaders: Any, stage: str) -> Any:
+    """The one evaluation loader of ``loaders``: itself, or the only item of a list or tuple (Lightning's form).
+
+    Raises:
+        ValueError: a list or tuple of several (Lightning evaluates each, suffixing the metrics
+            ``/dataloader_idx_N``; trainscale evaluates one), naming the ways to get the same numbers.
+    """
+    if not isinstance(loaders, (list, tuple)):
+        return loaders
+    if len(loaders) == 1:
+        return loaders[0]
+    raise ValueError(f"{stage}: {len(loaders)} DataLoaders were given, and trainscale evaluates one per stage "
+                     "(Lightning's several loaders with metrics suffixed '/dataloader_idx_N' are not supported): "
+                     "concatenate the sets into one loader (torch.utils.data.ConcatDataset), or evaluate each set with "
+                     "its own trainer.validate(model, loader) / trainer.test(model, loader) call")
 
 
 def _prepare(runtime: Runtime, source: Any, stage: str) -> None:
@@ -94,7 +112,7 @@ def resolve_fit_loaders(runtime: Runtime, model: Any, train: Any, val: Any, data
     """``fit``'s ``(train, val)``: :func:`resolve_loaders` for "fit", with ``val`` when it was passed.
 
     Raises:
-        ValueError: as :func:`resolve_loaders`.
+        ValueError: as :func:`resolve_loaders` (several validation loaders included).
     """
     train, hooked_val = resolve_loaders(runtime, "fit", model, train, datamodule)
-    return train, val if val is not None else hooked_val
+    return train, one_loader(val, "validation") if val is not None else hooked_val

@@ -117,10 +117,18 @@ class MetricCollector:
 
     def take_step_values(self) -> dict[str, float]:
         """The last step values as floats (averaged over ranks where ``sync_dist``); cleared. Every rank
-        calls it at the same step (a collective when some value has ``sync_dist``)."""
+        calls it at the same step: a collective with several ranks (:func:`_check_sync_dist_everywhere`, then the
+        average when some value has ``sync_dist``).
+
+        Raises:
+            ValueError: on every rank, when ``sync_dist`` values were logged on some ranks only, or under other
+                names on each (naming the ranks and the names).
+        """
         values, self.step_values = self.step_values, {}
         synced = sorted(name for name, (_, sync) in values.items() if sync)
         out = {name: value for name, (value, sync) in values.items() if not sync}
+        if self.rt.world_size > 1:
+            _check_sync_dist_everywhere(self.rt, synced)
         if synced and self.rt.world_size > 1:
             _check_same_names(self.rt, synced, "sync_dist=True step values")
             reduced = self.rt.all_reduce(torch.stack([values[n][0] for n in synced])) / self.rt.world_size
@@ -158,6 +166,27 @@ class MetricCollector:
         copies = self.rt.world_size / self.rt.data_parallel_size
         return {name: vec[i] / vec[len(names) + i] if values[name].fx == "mean" else vec[i] / copies
                 for i, name in enumerate(names)}
+
+
+def _check_sync_dist_everywhere(runtime: Runtime, synced: list[str]) -> None:
+    """Whether this rank has ``sync_dist`` step values to average, compared across ranks in one all-reduce of a
+    flag per rank (``world_size`` numbers, one host read, at log intervals only): a rank that logged such a value
+    while another did not would wait in the average's all-reduce that the other never joins, until the
+    collective timeout. The names are gathered (``all_gather_object``) only when the flags differ.
+
+    Raises:
+        ValueError: on every rank, naming the metrics and the ranks that logged them and those that did not.
+    """
+    flags = torch.zeros(runtime.world_size, device=runtime.device)
+    flags[runtime.rank] = 1.0 if synced else 0.0
+    logged = runtime.all_reduce(flags).tolist()
+    if 0 < sum(logged) < len(logged):
+        names = sorted({n for rank_names in runtime.all_gather_object(synced) for n in rank_names})
+        ranks = [r for r, flag in enumerate(logged) if flag]
+        others = [r for r, flag in enumerate(logged) if not flag]
+        raise ValueError(f"self.log({', '.join(map(repr, names))}, ..., sync_dist=True) was called on rank(s) {ranks} "
+                         f"and not on rank(s) {others} in this log interval: a sync_dist value is averaged over every "
+                         "rank, so every rank must log it (log 0 where a rank has nothing, or drop sync_dist=True)")
 
 
 def _check_same_names(runtime: Runtime, names: list, what: str) -> None:

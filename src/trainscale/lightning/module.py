@@ -191,11 +191,16 @@ class TrainingModule(HyperparametersMixin, nn.Module):
             self.log(name, value, **kwargs)
 
     # -- manual optimization -----------------------------------------------------------------------
-    def optimizers(self) -> Any:
-        """The optimizer (or list of them) from ``configure_optimizers``, wrapped so that ``step()``
-        synchronises gradients across ranks (``trainscale.lightning.optimizers.ManualOptimizer``)."""
-        opts = self.trainer.manual_optimizers
-        return opts[0] if len(opts) == 1 else list(opts)
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        """The optimizer (a list when there are several; ``[]`` before ``fit`` builds them) from
+        ``configure_optimizers``, as Lightning's ``self.optimizers()``. Under manual optimization, wrapped so that
+        ``step()`` synchronises gradients across ranks (``trainscale.lightning.optimizers.ManualOptimizer``;
+        ``use_pl_optimizer=False``: the torch optimizer inside). Under automatic optimization, the torch optimizer
+        the Trainer steps (read its ``param_groups`` or state; the Trainer steps it)."""
+        manual = self.trainer.manual_optimizers
+        opts = ([m if use_pl_optimizer else m.optimizer for m in manual] if manual
+                else list(self.trainer.optimizers))
+        return opts[0] if len(opts) == 1 else opts
 
     def lr_schedulers(self) -> Any:
         """The scheduler (or list of them), None when there is none; step them yourself."""

@@ -209,11 +209,32 @@ class ManualOptimizer:
         if not self._average or self._averaged:
             return
         grads = [p.grad for p in self._params() if p.grad is not None]
+        self._check_every_rank_has_gradients(bool(grads))
         if grads:
             flat = self._rt.all_reduce(torch.cat([g.reshape(-1) for g in grads])) / self._rt.world_size
             for g, new in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(new.view_as(g))
         self._averaged = True
+
+    def _check_every_rank_has_gradients(self, has: bool) -> None:
+        """Before the gradient all-reduce, under ddp: whether each rank has gradients for this optimizer, in one
+        all-reduce of a flag per rank (``world_size`` numbers, one host read per optimizer step: manual
+        optimization only). A rank that skipped ``self.manual_backward`` has none and would not join the
+        all-reduce of the others (gloo aborts the job with SIGABRT, "collective mismatch"; NCCL times out).
+
+        Raises:
+            RuntimeError: on every rank, naming the ranks without gradients and the fix.
+        """
+        flags = torch.zeros(self._rt.world_size, device=self._rt.device)
+        flags[self._rt.rank] = 1.0 if has else 0.0
+        having = self._rt.all_reduce(flags).tolist()
+        if 0 < sum(having) < len(having):
+            missing = [r for r, flag in enumerate(having) if not flag]
+            raise RuntimeError(f"{type(self.optimizer).__name__}.step(): rank(s) {missing} have no gradients while the "
+                               "other ranks have theirs: self.manual_backward(loss) was skipped there this step (e.g. "
+                               "in a branch taken on some ranks only); under ddp every rank must call it before "
+                               "opt.step(), whose gradient all-reduce needs every rank (backward a zero loss, e.g. "
+                               "0 * loss, where a rank has nothing to learn)")
 
     def step(self, closure: Any = None) -> None:
         """Average the gradients over ranks (ddp), unscale them ("16-mixed"), run the ``on_before_optimizer_step``

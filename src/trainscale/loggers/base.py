@@ -84,6 +84,24 @@ def require(owner: str, extra: str, *modules: str) -> None:
         raise ModuleNotFoundError(f"{owner} needs {', '.join(missing)}: pip install 'trainscale[{extra}]'")
 
 
+def check_save_dir(owner: str, save_dir: Path | None) -> None:
+    """A logger's own ``save_dir`` can be written: it, or the nearest parent that exists (where it will be made).
+    Checked when the logger is made, on every rank, so that a bad directory stops the job before training rather
+    than rank zero alone at its first record (the run directory, the default, is checked by the Trainer).
+
+    Raises:
+        ValueError: a file, or a directory this user cannot write, naming it and the fix.
+    """
+    if save_dir is None:
+        return
+    existing = next(p for p in (save_dir, *save_dir.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{owner}(save_dir={str(save_dir)!r}): {str(existing)!r} is a file; pass a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{owner}(save_dir={str(save_dir)!r}) cannot be written ({str(existing)!r} is read-only for "
+                         "this user); pass a directory you can write, or save_dir=None (the run directory)")
+
+
 def not_set_up(owner: str) -> RuntimeError:
     return RuntimeError(f"{owner}.setup(run_dir) must be called before logging (the Trainer calls it on rank "
                         "zero before the first record)")

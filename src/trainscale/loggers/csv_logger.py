@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainscale.loggers.base import check_status, not_set_up
+from trainscale.loggers.base import check_save_dir, check_status, not_set_up
 
 
 class CSVLogger:
@@ -29,12 +29,16 @@ class CSVLogger:
         save_dir: the directory of the two files; None (the default): the run directory given to
             :meth:`setup`.
         flush_secs: the longest time, in seconds, a row waits in memory; 0 writes each row at once.
+
+    Raises:
+        ValueError: a negative ``flush_secs``; a ``save_dir`` that is a file or cannot be written.
     """
 
     def __init__(self, save_dir: str | os.PathLike | None = None, flush_secs: float = 5.0) -> None:
         if flush_secs < 0:
             raise ValueError(f"CSVLogger(flush_secs={flush_secs!r}): give a number of seconds >= 0")
         self.save_dir = Path(save_dir) if save_dir is not None else None
+        check_save_dir("CSVLogger", self.save_dir)
         self.flush_secs = flush_secs
         self.path: Path | None = None  # metrics.csv, known after setup
         self._columns: list[str] = []  # the header the rows need

@@ -26,6 +26,33 @@ CONNECT_TIMEOUT_S = 5.0
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 
 
+# The schemes of MLflow's own tracking stores (mlflow/tracking/_tracking_service/utils.py,
+# _register_tracking_stores); a plug-in adds its own through the "mlflow.tracking_store" entry points.
+_STORE_SCHEMES = ("", "file", "http", "https", "databricks", "databricks-uc", "uc", "sqlite", "postgresql", "mysql",
+                  "mssql")
+
+
+def check_tracking_uri(uri: str) -> None:
+    """``uri`` names a kind of store MLflow can track to: one of ``_STORE_SCHEMES`` (a database scheme with its
+    driver, ``postgresql+psycopg2://``, included), a plain path, or a plug-in's scheme. Checked when the logger is
+    made, on every rank: MLflow itself would refuse it at rank zero's first record.
+
+    Raises:
+        ValueError: naming the scheme and the stores to use instead.
+    """
+    import importlib.metadata
+    from urllib.parse import urlsplit
+
+    scheme = urlsplit(uri).scheme.lower()
+    scheme = "" if len(scheme) == 1 else scheme.split("+")[0]  # C:\\ is a Windows path
+    plugins = {entry.name for entry in importlib.metadata.entry_points(group="mlflow.tracking_store")}
+    if scheme not in _STORE_SCHEMES and scheme not in plugins:
+        raise ValueError(f"MLFlowLogger(tracking_uri={uri!r}): MLflow has no tracking store for '{scheme}://'; use a "
+                         "tracking server (http://HOST:5000), a database (sqlite:///path/mlflow.db, postgresql://, "
+                         "mysql://, mssql://), databricks, or None for the default SQLite store. Artifact stores "
+                         "(s3://, gs://, ...) are the server's --artifacts-destination, not a tracking URI")
+
+
 def _check_reachable(uri: str) -> None:
     """Open (and close) a TCP connection to an ``http(s)://`` tracking server, within ``CONNECT_TIMEOUT_S``.
 
@@ -77,12 +104,15 @@ class MLFlowLogger:
 
     Raises:
         ModuleNotFoundError: mlflow, or SQLAlchemy/Alembic for a database store, is not installed.
+        ValueError: a ``tracking_uri`` whose scheme MLflow cannot track to (:func:`check_tracking_uri`).
     """
 
     def __init__(self, experiment_name: str = "trainscale", run_name: str | None = None,
                  tracking_uri: str | None = None, save_dir: str | os.PathLike | None = None,
                  tags: Mapping[str, str] | None = None, synchronous: bool = True) -> None:
         self._uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if self._uri is not None:
+            check_tracking_uri(self._uri)
         database = self._uri is None or self._uri.split(":", 1)[0].split("+")[0] in (
             "sqlite", "postgresql", "mysql", "mssql")
         require("MLFlowLogger", "mlflow", "mlflow", *(("sqlalchemy", "alembic") if database else ()))

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainscale.loggers.base import check_status, experiment_or_dummy, not_set_up, require
+from trainscale.loggers.base import check_save_dir, check_status, experiment_or_dummy, not_set_up, require
 from trainscale.telemetry.sinks import TensorBoardSink, flatten
 
 
@@ -34,12 +34,14 @@ class TensorBoardLogger:
 
     Raises:
         ModuleNotFoundError: tensorboard is not installed (names the pip command).
+        ValueError: a ``save_dir`` that is a file or cannot be written.
     """
 
     def __init__(self, save_dir: str | os.PathLike | None = None, flush_secs: float = 10.0,
                  max_queue: int = 1000) -> None:
         require("TensorBoardLogger", "tensorboard", "tensorboard")
         self.save_dir = Path(save_dir) if save_dir is not None else None
+        check_save_dir("TensorBoardLogger", self.save_dir)
         self.flush_secs, self.max_queue = flush_secs, max_queue
         self.log_dir: Path | None = None
         self._sink: TensorBoardSink | None = None

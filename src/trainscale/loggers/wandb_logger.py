@@ -1,7 +1,7 @@
 """``WandbLogger``: a Weights & Biases run.
 
 Needs ``wandb`` (``pip install 'trainscale[wandb]'``), imported at :meth:`WandbLogger.setup`, not with
-this module. https://docs.wandb.ai/ref/python/init
+this module (and, to look up credentials, when an online logger is made without ``WANDB_API_KEY``: about 1 s). https://docs.wandb.ai/ref/python/init
 """
 
 from __future__ import annotations
@@ -15,6 +15,30 @@ from trainscale.loggers.base import check_status, experiment_or_dummy, keep_run_
 
 STEP_METRIC = "trainer/global_step"  # Lightning's name, so ported dashboards keep their x-axis
 RUN_ID_FILE = "wandb_run_id"
+_LOCAL_MODES = ("offline", "dryrun", "disabled")
+
+
+def check_login(offline: bool, init_kwargs: dict) -> None:
+    """An online run needs W&B credentials: ``WANDB_API_KEY``, a netrc entry for the W&B host (``wandb login``) or
+    ones W&B's settings hold, looked up by W&B's own ``authenticate_session(prompt=False)``. Without them
+    ``wandb.init`` asks on the terminal (rank zero only: the other ranks wait) or fails at rank zero's setup.
+    Checked when the logger is made, on every rank. Offline, disabled and anonymous runs need none.
+
+    Raises:
+        ValueError: one line naming the fixes.
+    """
+    mode = "offline" if offline else init_kwargs.get("mode") or os.environ.get("WANDB_MODE", "online")
+    if mode in _LOCAL_MODES or init_kwargs.get("anonymous") in ("allow", "must") or os.environ.get("WANDB_API_KEY"):
+        return
+    try:
+        from wandb.sdk.lib.wbauth import authenticate_session
+    except ImportError:  # another wandb version: wandb.init reports it itself
+        return
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    if authenticate_session(host=host, source="WandbLogger", prompt=False, update_session=False) is None:
+        raise ValueError(f"WandbLogger: no W&B credentials for {host} (WANDB_API_KEY is not set and no netrc entry): "
+                         "run `wandb login` once, or set WANDB_API_KEY, or log locally with WandbLogger(offline=True) "
+                         "(or WANDB_MODE=offline) and upload later with `wandb sync`")
 
 
 class WandbLogger:
@@ -44,11 +68,13 @@ class WandbLogger:
 
     Raises:
         ModuleNotFoundError: wandb is not installed (names the pip command).
+        ValueError: an online run without W&B credentials (:func:`check_login`).
     """
 
     def __init__(self, project: str | None = None, name: str | None = None, save_dir: str | os.PathLike | None = None,
                  offline: bool = False, **init_kwargs: Any) -> None:
         require("WandbLogger", "wandb", "wandb")
+        check_login(offline, init_kwargs)
         self.project, self.name, self.offline = project, name, offline
         self.save_dir = Path(save_dir) if save_dir is not None else None
         self.init_kwargs = init_kwargs

@@ -368,12 +368,19 @@ def _resolve_compile(compile: Any) -> dict | None:
 
 
 def _check_tp_flags(tp_plan: Any, parallelize: Any, dims: ParallelDims) -> None:
-    """``tp_plan`` a dict of names, only with tp > 1; ``parallelize`` a callable; not both."""
+    """``tp_plan`` a dict of names to styles (not Hugging Face's strings), only with tp > 1; ``parallelize`` a
+    callable; not both."""
     if tp_plan is not None and parallelize is not None:
         raise ValueError("pass tp_plan or parallelize, not both (parallelize replaces the tensor-parallel step)")
     if tp_plan is not None and (not isinstance(tp_plan, dict) or not all(isinstance(k, str) for k in tp_plan)):
         raise ValueError(f"tp_plan={tp_plan!r} must be a dict {{submodule name: ColwiseParallel() | RowwiseParallel() "
                          "| ...}}")
+    hf_styles = {k: v for k, v in (tp_plan or {}).items() if isinstance(v, str)}
+    if hf_styles:
+        raise ValueError(f"tp_plan values must be torch ParallelStyle objects, but {hf_styles} are strings (Hugging "
+                         "Face's tp_plan names); write them as torch.distributed.tensor.parallel styles: 'colwise' -> "
+                         "ColwiseParallel(), 'rowwise' -> RowwiseParallel(), 'sequence_parallel' -> SequenceParallel(), "
+                         "e.g. tp_plan={'layers.*.up': ColwiseParallel(), 'layers.*.down': RowwiseParallel()}")
     if tp_plan is not None and dims.tp < 2:
         raise ValueError(f"tp_plan splits layers over the tp ranks, but parallel={dims.as_dict()} has tp=1; "
                          "add 'tp': N to parallel")

@@ -4,7 +4,10 @@
   pod started as ``python train.py``: ``World.per_node``) becomes torchrun with that launcher's node count,
   node rank and address (:func:`start_node_ranks`).
 - ``trainscale run -n N script.py ARGS`` and a script that asks for ``devices=N`` outside any
-  launcher both become ``python -m torch.distributed.run --nproc-per-node N ... script.py ARGS``.
+  launcher both become torchrun (``python -m trainscale.runtime.agent --nproc-per-node N ... script.py ARGS``,
+  ``agent.py``): ``trainscale run`` as its child (:func:`run_torchrun`), the script by
+  :func:`become_torchrun` (torchrun's agent in its own process when light, else ``exec``); either prints the
+  failing rank's own error last.
   torchrun starts the workers, sets RANK/WORLD_SIZE/LOCAL_RANK/..., hosts the rendezvous and,
   with ``--max-restarts``, restarts failed workers
   (https://pytorch.org/docs/stable/elastic/run.html).
@@ -31,6 +34,7 @@ import threading
 import time
 from typing import Sequence
 
+from trainscale.runtime.agent import EXITS_ENV, EXITS_FILE, REPORT_FLAG
 from trainscale.runtime.worker import ERROR_FILE, HOLD_ENV, die_with_parent
 
 _NNODES = re.compile(r"^[1-9]\d*(:[1-9]\d*)?$")
@@ -127,11 +131,12 @@ def current_entry_point() -> list[str]:
 
 
 def torchrun_argv(torchrun: Sequence[str], entry: Sequence[str]) -> list[str]:
-    """``python -m torch.distributed.run TORCHRUN --module -- trainscale.runtime.worker ENTRY``.
+    """``python -m trainscale.runtime.agent TORCHRUN --module -- trainscale.runtime.worker ENTRY``: torchrun
+    (``torch.distributed.run``), which also writes down the exit codes of failed workers (``agent.py``).
 
     After ``--`` torchrun parses nothing: the script's flags reach the script as they are.
     """
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun, "--module", "--",
+    return [sys.executable, "-m", "trainscale.runtime.agent", *torchrun, "--module", "--",
             "trainscale.runtime.worker", *entry]
 
 
@@ -170,19 +175,19 @@ def become_torchrun(torchrun: Sequence[str], entry: Sequence[str], nproc_per_nod
     sys.stdout.flush()
     sys.stderr.flush()
     env = worker_env(nproc_per_node)
+    argv = torchrun_argv(torchrun, entry)  # python -m trainscale.runtime.agent TORCHRUN ...
     if agent_in_process_refusal() is not None:
-        os.execve(sys.executable, torchrun_argv(torchrun, entry), env)
-    import traceback
-
-    from torch.distributed import run as torchrun_main
+        os.execve(sys.executable, [*argv[:3], REPORT_FLAG, *argv[3:]], env)
+    from trainscale.runtime.agent import main_reporting
 
     os.environ.update(env)
-    status = 0
-    try:
-        torchrun_main.main(torchrun_argv(torchrun, entry)[3:])  # without "python -m torch.distributed.run"
-    except SystemExit as done:
+    try:  # the failing rank's own error printed last, after torchrun's summary (as trainscale run does)
+        status = main_reporting(argv[3:])
+    except SystemExit as done:  # torchrun refused its arguments
         status = done.code if isinstance(done.code, int) else 1
-    except BaseException:  # a worker failed (ChildFailedError) or the agent did: its report, then exit 1
+    except BaseException:  # the agent itself failed: its traceback, then exit 1
+        import traceback
+
         traceback.print_exc()
         status = 1
     sys.stdout.flush()
@@ -313,6 +318,7 @@ def run_torchrun(torchrun: Sequence[str], entry: Sequence[str], nproc_per_node: 
     argv = torchrun_argv([f"--log-dir={log_dir}", *torchrun], entry)
     try:
         env = worker_env(nproc_per_node)
+        env[EXITS_ENV] = log_dir
         if max_restarts:  # a worker with an error a restart cannot fix waits for _wait to stop torchrun
             env[HOLD_ENV] = "1"
         proc = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
@@ -355,12 +361,35 @@ def _records(log_dir: str) -> list[dict]:
     return out
 
 
-def failure_report(log_dir: str) -> str | None:
+def failure_report(log_dir: str, label: str = "trainscale run") -> str | None:
     """The first failed worker's error as recorded by ``worker.py`` (rank, type, message, the user's
-    frames), or None when no worker recorded one (e.g. it was killed by a signal)."""
+    frames), then, last, each rank that ended without a Python exception (``os._exit``, a crash in C code, a
+    signal other than the agent's own SIGTERM) with its exit code from torchrun (``agent.py``): its peers' errors
+    (a collective whose peer left) follow from it. None when there is neither."""
     records = _records(log_dir)
-    if not records:
-        return None
-    first = min(records, key=lambda r: (r["time"], int(r["rank"] or 0)))
-    return (f"\ntrainscale run: rank {first['rank']} (node {first['node_rank']}, local rank {first['local_rank']}) "
-            f"failed first:\n{first['traceback'].rstrip()}")
+    parts = []
+    if records:
+        first = min(records, key=lambda r: (r["time"], int(r["rank"] or 0)))
+        parts.append(f"\n{label}: rank {first['rank']} (node {first['node_rank']}, local rank {first['local_rank']}) "
+                     f"failed first:\n{first['traceback'].rstrip()}")
+    recorded = {str(r["rank"]) for r in records}
+    for ended in _silent_exits(log_dir):
+        if str(ended["rank"]) in recorded:
+            continue
+        code = ended["exitcode"]
+        how = f"exited with code {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
+        after = "; the error above follows from it (a peer that left)" if records else ""
+        parts.append(f"\n{label}: rank {ended['rank']} (local rank {ended['local_rank']}) {how} without a Python "
+                     f"exception (os._exit, a crash in C code, or a signal: see its output above){after}")
+    return "\n".join(parts) or None
+
+
+def _silent_exits(log_dir: str) -> list[dict]:
+    """The failed workers torchrun's agent reported (``agent.EXITS_FILE``), but those it stopped itself (SIGTERM to
+    the group after the first failure)."""
+    try:
+        with open(os.path.join(log_dir, EXITS_FILE), encoding="utf-8") as f:
+            exits = json.load(f)
+    except (OSError, ValueError):
+        return []
+    return [e for e in exits if e["exitcode"] != -signal.SIGTERM]

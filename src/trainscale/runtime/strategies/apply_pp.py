@@ -80,9 +80,14 @@ def stage_names(model: nn.Module, split_points: list[str], stages: int) -> list[
     if unknown:
         raise ValueError(f"pp_split_points {unknown} name no unit of the model; {listing}")
     bounds = [0, *(names.index(p) for p in split_points), len(names)]
-    if any(a >= b for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"pp_split_points={list(split_points)} must be in the model's order and leave every stage "
-                         f"at least one unit; {listing}")
+    empty = [s for s, (a, b) in enumerate(zip(bounds, bounds[1:])) if a >= b]
+    if empty:
+        even = [names[len(names) * s // stages] for s in range(1, stages)]
+        first = (f"; {split_points[0]!r} is the model's first unit, where stage 0 begins anyway (a split point names "
+                 "where a later stage begins)" if bounds[1] == 0 else "")
+        raise ValueError(f"pp_split_points={list(split_points)} leave stage {empty[0]} without a unit{first}: they must "
+                         f"be in the model's order, each stage at least one unit, e.g. pp_split_points={even}; "
+                         f"{listing}")
     return [names[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
@@ -119,6 +124,44 @@ def keep_stage(model: nn.Module, keep: list[str]) -> nn.Module:
     return model
 
 
+class StageForwardError(RuntimeError):
+    """A pipeline stage's forward used a module that this stage does not hold (see :func:`explain_missing_modules`)."""
+
+
+def explain_missing_modules(stage: nn.Module, index: int, kept: list[str]) -> None:
+    """Wrap ``stage.forward`` (in place, an instance attribute) so that a forward that calls a module this stage
+    dropped (``keep_stage``: a plain child set to None, a list entry deleted) raises :class:`StageForwardError`
+    naming the stage, its units and the fix, instead of torch's ``'NoneType' object is not callable`` inside the
+    schedule. Other errors pass unchanged."""
+    import functools
+
+    forward = stage.forward
+
+    @functools.wraps(forward)
+    def guarded(*args, **kwargs):
+        try:
+            return forward(*args, **kwargs)
+        except (AttributeError, TypeError, KeyError, IndexError) as err:
+            if not (isinstance(err, (KeyError, IndexError)) or "NoneType" in str(err)):
+                raise
+            raise StageForwardError(
+                f"pipeline stage {index} holds only the units {kept}, and its forward used a module it does not hold "
+                f"({type(err).__name__}: {err}): under strategy='pp' each stage's copy of the model keeps its own "
+                "units; the others are None (plain children) or deleted (ModuleList/ModuleDict entries). Write the "
+                "forward so that it skips a module that is None and iterates over what its lists hold, e.g. "
+                "`if self.embed is not None: x = self.embed(x)` and `for layer in self.layers: x = layer(x)` "
+                "(docs/strategies.md, 'Pipeline split')") from err
+
+    stage.forward = guarded
+
+
+def _unwrapped(err: BaseException) -> BaseException:
+    """The :class:`StageForwardError` that torch's ``PipelineStage`` wrapped in its "failed to run forward"
+    RuntimeError, else ``err``."""
+    cause = err.__cause__
+    return cause if isinstance(cause, StageForwardError) else err
+
+
 def micro_batches_for(batch: int, microbatches: int) -> int:
     """The micro-batches a batch of ``batch`` samples is cut into: the most, up to ``microbatches``, that
     divide it evenly (torch's schedules split the inputs and the targets by different rules, which give
@@ -145,12 +188,14 @@ class PipelineRunner:
     """
 
     def __init__(self, model: nn.Module, stage: int, stages: int, device: torch.device, group: Any,
-                 schedule: str, microbatches: int, shared: list, autocast: Callable | None = None) -> None:
+                 schedule: str, microbatches: int, shared: list, autocast: Callable | None = None,
+                 strict_microbatches: bool = False, units: list[str] | None = None) -> None:
         import torch.distributed as dist
 
         self.model, self.stage, self.stages, self.device, self.group = model, stage, stages, device, group
         self.schedule, self.microbatches, self.shared = schedule, microbatches, shared
-        self.autocast = autocast
+        self.autocast, self.strict_microbatches = autocast, strict_microbatches
+        explain_missing_modules(model, stage, units or [])
         if autocast is not None:
             autocast_forward(model, autocast)
         self.last_rank = dist.get_global_rank(group, stages - 1)
@@ -169,12 +214,37 @@ class PipelineRunner:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         key = _schedule_key(inputs, training, with_loss)
+        if training and self.strict_microbatches and not any(k[2] for k in self._schedules):
+            self._check_first_batch(inputs.shape[0])
         if key not in self._schedules:
             n = micro_batches_for(inputs.shape[0], self.microbatches)
             cls = Schedule1F1B if self.schedule == "1f1b" and n >= self.stages else ScheduleGPipe  # 1F1B needs n ≥ P
             stage = PipelineStage(self.model, self.stage, self.stages, self.device, group=self.group)
             self._schedules[key] = cls(stage, n, loss_fn=self._loss if with_loss else None, scale_grads=False)
         return self._schedules[key]
+
+    def _check_first_batch(self, batch: int) -> None:
+        """The first training batch (each rank's, before any communication) holds at least ``pp_microbatches``
+        samples; a later, smaller batch (an epoch's last) runs in fewer micro-batches.
+
+        Raises:
+            ValueError: on every rank, naming both numbers and the fixes.
+        """
+        if batch < self.microbatches:
+            raise ValueError(f"pp_microbatches={self.microbatches} is more than the batch of {batch} samples each "
+                             f"pipeline reads (a micro-batch needs at least one sample): use pp_microbatches <= "
+                             f"{batch}, or a per-device batch size of at least {self.microbatches} (a multiple of it "
+                             "keeps the micro-batches equal)")
+
+    def _run(self, step: Callable, *args, **kwargs) -> Any:
+        """A schedule's ``step``/``eval``, a stage's missing-module error raised as itself (:func:`_unwrapped`)."""
+        try:
+            return step(*args, **kwargs)
+        except RuntimeError as err:
+            cause = _unwrapped(err)
+            if cause is err:
+                raise
+            raise cause from cause.__cause__
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         """A micro-batch's loss weighted by its share of the batch (and divided for accumulation), so the
@@ -201,7 +271,8 @@ class PipelineRunner:
         fresh = _schedule_key(inputs, True) not in self._schedules
         kept = self._take_gradients() if fresh else {}
         # return_outputs=False: the last stage keeps no micro-batch's output (the logits) to the end of the step
-        self._schedule_for(inputs, True).step(*self._first(inputs), target=targets, losses=losses, return_outputs=False)
+        self._run(self._schedule_for(inputs, True).step, *self._first(inputs), target=targets, losses=losses,
+                  return_outputs=False)
         for p, grad in kept.items():
             p.grad = grad if p.grad is None else p.grad + grad
         if sync:
@@ -227,7 +298,7 @@ class PipelineRunner:
         """The batch's mean loss (and accuracy for a classifier's ``(N, classes)`` logits) from a
         forward-only schedule step, as numbers, the same on every stage."""
         self._loss_fn, self._weight, self._scale = loss_fn, 1.0 / inputs.shape[0], None
-        out = self._schedule_for(inputs, False).eval(*self._first(inputs), target=targets, losses=[])
+        out = self._run(self._schedule_for(inputs, False).eval, *self._first(inputs), target=targets, losses=[])
         metrics = None
         if self.is_last:
             metrics = {"loss": float(loss_fn(out, targets))}
@@ -239,7 +310,7 @@ class PipelineRunner:
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
         """The model's outputs on the batch ``inputs`` (the micro-batches' outputs concatenated, on the host)
         from a forward-only schedule step without a loss, the same on every stage (sent from the last)."""
-        out = self._schedule_for(inputs, False, with_loss=False).eval(*self._first(inputs))
+        out = self._run(self._schedule_for(inputs, False, with_loss=False).eval, *self._first(inputs))
         return self._object_from_last(out.detach().cpu() if self.is_last else None)
 
     def _first(self, inputs: torch.Tensor) -> tuple:

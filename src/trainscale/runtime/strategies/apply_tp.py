@@ -51,6 +51,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
+import torch
 from torch import nn
 
 from trainscale.runtime import hf
@@ -190,6 +191,115 @@ def check_plan_keys(model: nn.Module, plan: dict) -> None:
                          "'layers.0.mlp.fc' or 'layers.*.mlp.fc'")
 
 
+def check_plan_styles(plan: dict) -> None:
+    """Every value of ``plan`` is a torch ``ParallelStyle``.
+
+    Raises:
+        ValueError: naming the entries that are not (a Hugging Face-style string is refused earlier, by the
+            resolver, with its translation).
+    """
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    bad = {key: style for key, style in plan.items() if not isinstance(style, ParallelStyle)}
+    if bad:
+        raise ValueError(f"tp_plan entries {bad!r} are not torch ParallelStyle objects; use ColwiseParallel(), "
+                         "RowwiseParallel(), SequenceParallel(), PrepareModuleInput(...) or PrepareModuleOutput(...) "
+                         "from torch.distributed.tensor.parallel")
+
+
+def planned_style(name: str, plan: dict) -> tuple[str, Any] | None:
+    """The ``(key, style)`` of ``plan`` that applies to the submodule ``name`` (dotted, relative to the plan's
+    module): a key of as many parts, each an ``fnmatch`` pattern of the name's part, as ``parallelize_module``
+    reads it; None when no key names it."""
+    parts = name.split(".")
+    for key, style in plan.items():
+        patterns = key.split(".")
+        if len(patterns) == len(parts) and all(fnmatch.fnmatch(n, k) for n, k in zip(parts, patterns)):
+            return key, style
+    return None
+
+
+def leaves_output_sharded(style: Any) -> bool:
+    """Whether a module under ``style`` returns less than its whole output as a plain tensor: its slice
+    (``ColwiseParallel()``'s ``Shard(-1)``, ``SequenceParallel``'s ``Shard(1)``) or a DTensor
+    (``use_local_output=False``), which the user's loss cannot take with plain targets."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    if isinstance(style, PrepareModuleInput):  # leaves the output as the module made it
+        return False
+    style = getattr(style, "prepare_module_output", style)  # PrepareModuleInputOutput: its output part
+    if isinstance(style, SequenceParallel) or not getattr(style, "use_local_output", True):
+        return True
+    layouts = getattr(style, "desired_output_layouts", None) or getattr(style, "output_layouts", None) or ()
+    layouts = layouts if isinstance(layouts, (tuple, list)) else (layouts,)
+    return any(layout is not None and not isinstance(layout, Replicate) for layout in layouts)
+
+
+def _sharded_output_error(name: str, style: Any) -> ValueError:
+    return ValueError(
+        f"tp_plan leaves the model's output sharded: its output comes from '{name}', planned as {style!r}, which "
+        "returns each tp rank's slice of it (or a DTensor), so the loss would see part of the outputs (or fail on "
+        "mixed tensor types). Give the output layer RowwiseParallel() (after a ColwiseParallel() layer), or "
+        "ColwiseParallel(output_layouts=Replicate()) (all-gathers the whole output), or leave it out of the plan")
+
+
+def check_last_unit_output(model: nn.Module, plan: dict, last_unit: str) -> None:
+    """Under pipeline parallelism, before the cut, on every rank: the last unit (``apply_pp.units``, in the
+    model's order, which the pipeline takes for its forward order) must not end in a planned layer whose
+    output stays sharded: the last stage's output goes to the loss.
+
+    Raises:
+        ValueError: naming the layer, its style and the fixes.
+    """
+    unit = model.get_submodule(last_unit)
+    leaves = [f"{last_unit}.{n}" if n else last_unit for n, m in unit.named_modules()
+              if not list(m.children()) and any(True for _ in m.parameters(recurse=False))]
+    found = planned_style(leaves[-1], plan) if leaves else None
+    if found is not None and leaves_output_sharded(found[1]):
+        raise _sharded_output_error(leaves[-1], found[1])
+
+
+def check_output_at_first_forward(model: nn.Module, plan: dict) -> None:
+    """Refuse, at ``model``'s first forward (on every rank: each runs the same forward), an output that is a
+    DTensor or that is the very tensor a planned layer returned as its slice (``leaves_output_sharded``). The
+    hooks remove themselves after that forward.
+
+    Raises (at that forward):
+        ValueError: naming the layer, its style and the fixes.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
+
+    sliced: list = []  # (output, name, style) of the planned layers that return slices, this forward only
+    handles = []
+
+    def keep(name: str, style: Any):
+        return lambda module, args, out: sliced.append((out, name, style))
+
+    for name, module in model.named_modules():
+        found = planned_style(name, plan) if name else None
+        if found is not None and leaves_output_sharded(found[1]):
+            handles.append(module.register_forward_hook(keep(name, found[1])))
+
+    def check(module, args, out):
+        for handle in handles:
+            handle.remove()
+        leaves = [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+        try:
+            for leaf in leaves:
+                for tensor, name, style in sliced:
+                    if leaf is tensor:
+                        raise _sharded_output_error(name, style)
+            if any(isinstance(leaf, DTensor) for leaf in leaves):
+                raise _sharded_output_error(type(model).__name__, "a plan that returns a DTensor (use_local_output="
+                                            "False)")
+        finally:
+            sliced.clear()
+
+    handles.append(model.register_forward_hook(check))
+
+
 def stage_plan(stage: nn.Module, plan: dict) -> dict:
     """The entries of a user's ``plan`` (keyed against the whole model) whose submodules the pipeline
     ``stage`` keeps (``apply_pp.keep_stage`` leaves the kept modules under their own names), so that each
@@ -252,7 +362,8 @@ def _check_hf_config(name: str, config: Any, tp: int) -> None:
                          "or pass your own tp_plan")
 
 
-def apply_tp(root: nn.Module, tp_mesh: Any, plan: dict | None = None, sequence_parallel: bool = False) -> nn.Module:
+def apply_tp(root: nn.Module, tp_mesh: Any, plan: dict | None = None, sequence_parallel: bool = False,
+             whole_output: bool = True) -> nn.Module:
     """Split ``root``'s layers over ``tp_mesh`` (1-D) by ``plan``, or when ``plan`` is None by the built-in plan of
     every ``trainscale.models.GPT`` inside ``root``, or by the plan a Hugging Face model in ``root`` declares
     (:func:`hf_plan`; without sequence parallelism). In place; returns ``root``.
@@ -264,9 +375,13 @@ def apply_tp(root: nn.Module, tp_mesh: Any, plan: dict | None = None, sequence_p
             ``SequenceParallel()``, ``PrepareModuleInput(...)``), names relative to the user's model.
         sequence_parallel: with the built-in plan, split norms and the residual stream by sequence
             (module docstring); the strategy passes True by default.
+        whole_output: with ``plan``, refuse at the first forward a model output left sharded by the plan
+            (:func:`check_output_at_first_forward`); False for a pipeline stage, whose output may go on sharded
+            to the next stage (the last stage's is checked before the cut: :func:`check_last_unit_output`).
 
     Raises:
-        ValueError: no plan and no GPT inside ``root``; plan keys that match nothing; a GPT whose
+        ValueError: no plan and no GPT inside ``root``; plan values that are not ``ParallelStyle``
+            objects; plan keys that match nothing; at the first forward, an output the plan leaves sharded; a GPT whose
             ``n_head`` is not divisible by the tp size; under ``sequence_parallel``, a GPT with dropout > 0
             (and, at forward, a sequence length tp does not divide).
     """
@@ -275,7 +390,11 @@ def apply_tp(root: nn.Module, tp_mesh: Any, plan: dict | None = None, sequence_p
     from trainscale.models.gpt import GPT
 
     if plan is not None:
-        parallelize_module(plan_target(root, plan), tp_mesh, plan)
+        check_plan_styles(plan)
+        target = plan_target(root, plan)
+        parallelize_module(target, tp_mesh, plan)
+        if whole_output:
+            check_output_at_first_forward(target, plan)
         return root
     gpts = [m for m in root.modules() if isinstance(m, GPT)]
     if not gpts and (hf_styles := hf_plan(root, tp_mesh.size())) is not None:  # a Hugging Face model's own plan

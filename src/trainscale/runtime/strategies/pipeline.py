@@ -53,8 +53,9 @@ from trainscale.runtime.precision import Precision, check_loss_scaling
 from trainscale.runtime.strategies import SYNC
 from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, reshard
 from trainscale.runtime.strategies.apply_pp import (PipelineRunner, gpt_split_points, keep_stage, shared_parameters,
-                                                    stage_names)
-from trainscale.runtime.strategies.apply_tp import apply_tp, check_plan_keys, stage_plan
+                                                    stage_names, units as model_units)
+from trainscale.runtime.strategies.apply_tp import (apply_tp, check_last_unit_output, check_plan_keys,
+                                                    check_plan_styles, stage_plan)
 from trainscale.runtime.strategies.dcp_checkpoint import DCPCheckpointer
 from trainscale.runtime.strategies.dtensor_clip import clip_grad_norm
 from trainscale.runtime.strategies.model_parallel import resolve_sequence_parallel
@@ -173,6 +174,7 @@ class PipelineStrategy:
                                                            and parallelize is None)
         self.schedule, self.split_points, self.compile = pp_schedule, pp_split_points, compile
         self.microbatches = pp_microbatches or 4 * dims.pp
+        self.microbatches_given = pp_microbatches is not None  # the default 4·P adapts to a smaller batch
         self.mesh = None
         self._params: set = set()
         self._counted: set = set()  # ids of the parameters whose gradients this stage counts in the norm
@@ -203,9 +205,11 @@ class PipelineStrategy:
         stage's values.
         """
         target = self._target(module)
-        if self.tp_plan is not None:  # against the whole model, before the cut: the same verdict on every rank
-            check_plan_keys(target, self.tp_plan)
         names = stage_units(target, self.dims.pp, self.split_points)
+        if self.tp_plan is not None:  # against the whole model, before the cut: the same verdict on every rank
+            check_plan_styles(self.tp_plan)
+            check_plan_keys(target, self.tp_plan)
+            check_last_unit_output(target, self.tp_plan, model_units(target)[-1])
         shared = shared_parameters(target, names)
         meta = meta_init.check_meta(module, self.dims.tp > 1, self.device.type)
         self.mesh = self.mesh or self.dims.build_mesh(self.device.type)
@@ -219,7 +223,8 @@ class PipelineStrategy:
         if self.precision == "16-mixed":
             check_loss_scaling(by_name, self.device, "pipeline stages")
         runner = PipelineRunner(target, stage, self.dims.pp, self.device, group, self.schedule, self.microbatches,
-                                _shared_groups(shared_names, by_name, self.mesh), self._autocast())
+                                _shared_groups(shared_names, by_name, self.mesh), self._autocast(),
+                                strict_microbatches=self.microbatches_given, units=names[stage])
         if meta:
             runner.broadcast_shared()  # the copies of a tied weight start equal: the first stage's values
         self._params = {id(p) for p in by_name.values()}
@@ -261,7 +266,7 @@ class PipelineStrategy:
         elif self.tp_plan is not None:
             plan = stage_plan(stage, self.tp_plan)
             if plan:  # a stage may hold no planned module
-                apply_tp(stage, self.mesh["tp"], plan)
+                apply_tp(stage, self.mesh["tp"], plan, whole_output=False)
         elif self.dims.tp > 1:
             apply_tp(stage, self.mesh["tp"], sequence_parallel=self.sequence_parallel)
 
