@@ -107,3 +107,11 @@ def test_resuming_last_of_a_run_whose_checkpoints_are_in_its_own_dirpath_continu
     assert resumed.run_dir == first.run_dir == tmp_path / "runs" / "version_0"  # not the dirpath's parent
     assert resumed.global_step == 8 and sorted(p.name for p in (tmp_path / "mine").glob("*.pt")) == [
         "epoch=000001-step=0000000004.pt", "epoch=000002-step=0000000008.pt"]
+
+
+def test_trainer_names_its_place_in_the_job_as_lightning():
+    from trainscale import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    assert (trainer.global_rank, trainer.local_rank, trainer.node_rank) == (0, 0, 0)
+    assert (trainer.world_size, trainer.num_nodes, trainer.is_global_zero) == (1, 1, True)

@@ -122,6 +122,13 @@ class Trainer:
     history = property(lambda self: self.state.history, doc="One record (a dict) per finished epoch.")
     checkpoint_callback = property(lambda self: next(iter(self.checkpoint_callbacks), None),
                                    doc="The first ModelCheckpoint, or None (Lightning's ``trainer.checkpoint_callback``).")
+    # Lightning's names for this process's place in the job (``runtime.world``: trainscale.runtime.world.World)
+    global_rank = property(lambda self: self.runtime.world.rank, doc="This process's rank in the job, 0 .. world_size-1.")
+    local_rank = property(lambda self: self.runtime.world.local_rank, doc="This process's rank on its node.")
+    node_rank = property(lambda self: self.runtime.world.node_rank, doc="The index of this process's node.")
+    world_size = property(lambda self: self.runtime.world.world_size, doc="Processes in the job (all nodes).")
+    num_nodes = property(lambda self: self.runtime.world.num_nodes, doc="Nodes in the job.")
+    is_global_zero = property(lambda self: self.runtime.world.rank == 0, doc="True on rank 0 (Lightning's name).")
 
     @property
     def global_batch_size(self) -> int | None:
