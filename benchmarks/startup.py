@@ -3,6 +3,7 @@ asking for ``devices=2`` from plain ``python`` costs against the same script und
 
     python benchmarks/startup.py             # about 1 minute here
     python benchmarks/startup.py --quick     # smoke run
+    python benchmarks/startup.py --part two-ranks   # only the 2-rank launches (--part one-process: the rest)
 
 Every measurement is a fresh Python process (``sys.executable``, OMP_NUM_THREADS=1), timed from
 just before it is started to its exit (imports, ``--help``) or to the end of its first
@@ -146,6 +147,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 timed round")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 7, quick 1)")
+    parser.add_argument("--part", choices=("all", "one-process", "two-ranks"), default="all",
+                        help="time only the one-process commands (imports, --help, first steps) or only the 2-rank "
+                             "launches (default: all)")
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 7)
 
@@ -160,18 +164,22 @@ def main() -> None:
         factory_script = os.path.join(root, "ddp_factory_first_step.py")
         Path(factory_script).write_text(DDP_FACTORY_SCRIPT)
         torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        commands = {
+        one_process = {
             "python -c pass": ([py, "-c", "pass"], False),
             "import torch": ([py, "-c", "import torch"], False),
             "import trainscale": ([py, "-c", "import trainscale"], False),
             "from trainscale import Trainer": ([py, "-c", "from trainscale import Trainer"], False),
             "trainscale --help": (help_cmd, False),
             **{name: ([py, "-c", code, root], True) for name, code in FIRST_STEP.items()},
+        }
+        two_ranks = {
+            "import torch": ([py, "-c", "import torch"], False),  # the baseline of the "− torch" columns
             "2 ranks, python (relaunch)": ([py, ddp_script, root], True),
             "2 ranks, torchrun": ([*torchrun, ddp_script, root], True),
             "2 ranks factory, python": ([py, factory_script, root], True),
             "2 ranks factory, torchrun": ([*torchrun, factory_script, root], True),
         }
+        commands = {"all": {**one_process, **two_ranks}, "one-process": one_process, "two-ranks": two_ranks}[args.part]
         print(f"# startup: Python {platform.python_version()}, {os.cpu_count()} CPUs, load average "
               f"{os.getloadavg()[0]:.2f} at start, {rounds} interleaved rounds after {0 if args.quick else 1} warm-up round"
               f"{', QUICK (smoke run, numbers not meaningful)' if args.quick else ''}")
@@ -185,10 +193,11 @@ def main() -> None:
                 if r >= warmup:
                     times[name].append(t)
                     cpus[name].append(cpu)
-        probe = subprocess.run([py, "-c", HELP_PROBE], env=_env(), capture_output=True, text=True, timeout=120)
-        torch_in_help = "TORCH_IMPORTED True" in probe.stdout
-        if "TORCH_IMPORTED" not in probe.stdout:
-            sys.exit(f"the --help probe failed:\n{probe.stderr[-2000:]}")
+        if "trainscale --help" in commands:
+            probe = subprocess.run([py, "-c", HELP_PROBE], env=_env(), capture_output=True, text=True, timeout=120)
+            torch_in_help = "TORCH_IMPORTED True" in probe.stdout
+            if "TORCH_IMPORTED" not in probe.stdout:
+                sys.exit(f"the --help probe failed:\n{probe.stderr[-2000:]}")
 
     torch_wall, torch_cpu = times["import torch"], cpus["import torch"]
     header = (f"{'command':<32} {'wall s':>7} {'wall min–max':>13} {'wall − torch':>12} "
@@ -202,12 +211,16 @@ def main() -> None:
         d_cpu = statistics.median([a - b for a, b in zip(cpu, torch_cpu)])
         print(f"{name:<32} {statistics.median(wall):>7.3f} {min(wall):>6.3f}–{max(wall):<6.3f} {d_wall:>+12.3f} "
               f"{statistics.median(cpu):>6.3f} {min(cpu):>5.3f}–{max(cpu):<6.3f} {d_cpu:>+11.3f}")
-    print(f"\n# trainscale --help imports torch: {'YES' if torch_in_help else 'no'}")
-    print(f"# python -X importtime: trainscale's modules after torch (from trainscale import Trainer) take "
-          f"{trainscale_import_ms(py):.1f} ms")
+    print()
+    if "trainscale --help" in commands:
+        print(f"# trainscale --help imports torch: {'YES' if torch_in_help else 'no'}")
+        print(f"# python -X importtime: trainscale's modules after torch (from trainscale import Trainer) take "
+              f"{trainscale_import_ms(py):.1f} ms")
     print("# 'first step' = from process start to the end of the first optimizer.step()")
     for label, python, raw in (("", "2 ranks, python (relaunch)", "2 ranks, torchrun"),
                                (", optimizer factory", "2 ranks factory, python", "2 ranks factory, torchrun")):
+        if python not in commands:
+            continue
         relaunch = statistics.median([a - b for a, b in zip(times[python], times[raw])])
         print(f"# devices=2 from `python script.py` (relaunched under torchrun{label}) against raw torchrun: "
               f"{relaunch:+.3f} s to the first step (median of {rounds} paired differences)")

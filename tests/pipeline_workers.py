@@ -151,19 +151,21 @@ def pp_resume(rank: int, root: str, parallel: dict | None = None, destroy: bool 
     return {"full": full, "first": first, "resumed": resumed}
 
 
-def pp_dp_runs(rank: int, root: str, steps: int) -> dict:
+def pp_tp_runs(rank: int, root: str, steps: int) -> dict:
     """On 4 ranks: 2 stages × 2 tensor-parallel ranks over batches of 16, with sequence parallelism (1F1B,
-    a checkpoint at the end) and without (GPipe), under "bf16-mixed", and resumed from a checkpoint
-    (:func:`pp_resume`); 2 stages × 2 FSDP shards (1F1B), 2 stages × 2 replicas
-    (GPipe), 2 stages × 2 shards under "bf16-mixed", each over 2 data-parallel batches of 8, then 2 stages ×
-    2 shards accumulating 2 micro-batches per step over a ragged epoch; one process group for all."""
+    a checkpoint at the end) and without (GPipe), and under "bf16-mixed"; one process group for all."""
     pp_tp = dict(steps=steps, val=20, batch_size=16, parallel={"pp": 2, "tp": 2})
     return {"tp": fit_gpt(rank, f"{root}/tp", "pp", **pp_tp),
             "tp_gpipe": fit_gpt(rank, f"{root}/tp_gpipe", "pp", schedule="gpipe",
                                 strategy_options={"sequence_parallel": False}, **pp_tp),
-            "tp_bf16": fit_gpt(rank, f"{root}/tp_bf16", "pp", precision="bf16-mixed", **pp_tp),
-            "tp_resume": pp_resume(rank, f"{root}/tp_resume", {"pp": 2, "tp": 2}, destroy=False),
-            "shard": fit_gpt(rank, f"{root}/shard", "pp", steps=steps, val=20, parallel={"pp": 2, "dp_shard": 2}),
+            "tp_bf16": fit_gpt(rank, f"{root}/tp_bf16", "pp", precision="bf16-mixed", destroy=True, **pp_tp)}
+
+
+def pp_dp_runs(rank: int, root: str, steps: int) -> dict:
+    """On 4 ranks: 2 stages × 2 FSDP shards (1F1B), 2 stages × 2 replicas (GPipe), 2 stages × 2 shards under
+    "bf16-mixed", each over 2 data-parallel batches of 8, then 2 stages × 2 shards accumulating 2 micro-batches
+    per step over a ragged epoch; one process group for all."""
+    return {"shard": fit_gpt(rank, f"{root}/shard", "pp", steps=steps, val=20, parallel={"pp": 2, "dp_shard": 2}),
             "replicate": fit_gpt(rank, f"{root}/replicate", "pp", steps=steps, val=20, schedule="gpipe",
                                  parallel={"pp": 2, "dp_replicate": 2}),
             "bf16": fit_gpt(rank, f"{root}/bf16", "pp", steps=steps, val=20, parallel={"pp": 2, "dp_shard": 2},
