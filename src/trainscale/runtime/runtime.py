@@ -109,7 +109,7 @@ class Runtime:
             raise ValueError(f"timeout={f.timeout!r} must be a positive number of seconds")
         self.timeout = f.timeout
         self.strategy_options = _strategy_options(self.config, f.strategy_options, f.tp_plan, f.parallelize,
-                                                  f.pp_split_points)
+                                                  f.pp_split_points, f.pp_microbatches)
         cuda = self.config.accelerator == "cuda"
         self.device = _devices.device_for(self.config.accelerator, _devices.cuda_index(
             world.local_rank, world.local_world_size, visible, world.launcher) if cuda else world.local_rank)
@@ -572,13 +572,14 @@ class Runtime:
 
 
 def _strategy_options(config: RunConfig, options: dict | None, tp_plan: Any, parallelize: Any,
-                      split_points: Any) -> dict:
-    """The strategy's options: the user's, with dp's ``device_ids`` and the model-parallel flags added."""
+                      split_points: Any, microbatches: int | None) -> dict:
+    """The strategy's options: the user's, with dp's ``device_ids`` and the model-parallel flags added
+    (``pp_microbatches`` as the user gave it: None lets the pipeline fit its default 4·P to a smaller batch)."""
     out = dict(options or {})
     if config.strategy == "dp":
         out.setdefault("device_ids", list(range(config.devices)))
     if config.strategy == "pp":
-        out.update(pp_schedule=config.pp_schedule, pp_microbatches=config.pp_microbatches,
+        out.update(pp_schedule=config.pp_schedule, pp_microbatches=microbatches,
                    pp_split_points=split_points, compile=config.compile)
     if config.parallel is not None:  # model_parallel / hsdp / tp / pp
         out.update(parallel=config.parallel, tp_plan=tp_plan, parallelize=parallelize)
