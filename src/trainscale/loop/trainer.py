@@ -369,7 +369,7 @@ class Trainer:
         if self.is_log_step:
             self._log_step(fit, loss, grad_norm)
         # 6. Validation, signals, the non-finite check and checkpoints, when due; the time limit.
-        if self._validation_due(fit, trained=range(first_batch, self.state.batches)):
+        if self._validation_due(fit, first_batch):
             self._validate(fit, mid_epoch=True)
         self._checkpoint_if_due(fit, epoch_end=False, ends_epoch=micro.ends_epoch)
         if self._out_of_time():
@@ -438,11 +438,15 @@ class Trainer:
         self._checkpoint_if_due(fit, epoch_end=True)
         self._faults.phase = STEP_PHASE
 
-    def _validation_due(self, fit: FitRun, trained: range) -> bool:
-        """Whether validation runs after the optimizer step that trained the epoch's micro-batches ``trained``
-        (``TrainerConfig.validation_due``: Lightning's ``_should_check_val_fx``), before the epoch's last batch
-        (that one validates in ``_end_epoch``, before the epoch's hooks)."""
-        return fit.val_loader is not None and trained.stop < fit.epoch_batches and self.config.validation_due(
+    def _validation_due(self, fit: FitRun, first_batch: int) -> bool:
+        """Whether validation runs after the optimizer step that trained the epoch's micro-batches from
+        ``first_batch`` on (``TrainerConfig.validation_due``: Lightning's ``_should_check_val_fx``), before the epoch's
+        last batch (that one validates in ``_end_epoch``, before the epoch's hooks). Never mid-epoch without a
+        ``val_check_interval`` below an epoch (None or 1.0), so then no per-step work."""
+        if fit.val_loader is None or self.config.val_check_interval in (None, 1.0):
+            return False
+        trained = range(first_batch, self.state.batches)
+        return trained.stop < fit.epoch_batches and self.config.validation_due(
             self.current_epoch, trained, self.state.total_batches - len(trained), fit.epoch_batches)
 
     def _validates_at_epoch_end(self, fit: FitRun, epoch: int) -> bool:
