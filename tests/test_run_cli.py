@@ -128,11 +128,13 @@ def test_a_rank_that_exits_before_the_first_collective_is_named_with_its_exit_co
     out = _run(["run", "-n", "2", script])
     assert out.returncode != 0
     tail = out.stderr.rstrip().splitlines()
-    assert tail[-1] == ("trainscale run: rank 1 (local rank 1) exited with code 3 without a Python exception (os._exit, "
-                        "a crash in C code, or a signal: see its output above); the error above follows from it (a "
-                        "peer that left)"), tail[-6:]
-    assert "rank 0 (node 0, local rank 0) failed first" in out.stderr  # rank 0's own error, just before
-    assert "failed because a peer closed its connection" in "\n".join(tail[-4:])
+    assert tail[-1].startswith("trainscale run: rank 1 (local rank 1) exited with code 3 without a Python exception "
+                               "(os._exit, a crash in C code, or a signal: see its output above)"), tail[-6:]
+    # rank 0 either saw its peer leave and raised (its own error just before, and the last line says it follows),
+    # or torchrun stopped it first (then rank 1's line is the whole report): which comes first is a race
+    if "rank 0 (node 0, local rank 0) failed first" in out.stderr:
+        assert tail[-1].endswith("; the error above follows from it (a peer that left)"), tail[-6:]
+        assert "failed because a peer closed its connection" in "\n".join(tail[-4:])
 
 
 @pytest.mark.multiprocess
