@@ -322,3 +322,45 @@ def test_a_pipeline_cell_probes_no_gradient_all_reduce():
 
     rt = SimpleNamespace(world_size=2, strategy=SimpleNamespace(pipelined=True), barrier=no_collective)
     assert _probe_allreduce(rt, 1000) is None
+
+
+def test_a_ctrl_c_while_a_job_starts_is_held_until_the_job_can_be_stopped():
+    import os
+    import signal
+
+    from trainscale.jobs.launcher import _interrupt_deferred
+
+    with _interrupt_deferred() as interrupted:
+        os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt inside the block
+    assert interrupted
+    with _interrupt_deferred() as interrupted:
+        pass
+    assert not interrupted
+    with pytest.raises(KeyboardInterrupt):  # the usual handler is back
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_stopping_a_job_kills_a_worker_it_started_and_returns_when_it_is_gone(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import time
+
+    from trainscale.jobs import launcher
+    from trainscale.jobs.launcher import _alive, _kill_group
+
+    monkeypatch.setattr(launcher, "KILL_GRACE_S", 0.5)
+    # a parent that ignores SIGTERM (so it gets SIGKILL after the grace period) and a child in its own session,
+    # as torchrun's workers are: killing the parent's process group alone would leave the child running
+    script = ("import subprocess, sys, time, signal\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+              f"open({str(tmp_path / 'child')!r}, 'w').write(str(p.pid))\n"
+              "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    child = tmp_path / "child"
+    while not (child.is_file() and child.read_text()):
+        assert proc.poll() is None
+        time.sleep(0.01)
+    pid = int(child.read_text())
+    _kill_group(proc)
+    assert proc.returncode is not None and not _alive(pid)

@@ -8,11 +8,14 @@ rank's error) as JSON beside the config.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -61,8 +64,11 @@ def launch_job(module: str, config: Path, devices: int, log_path: Path, timeout:
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
     timed_out = False
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        with _interrupt_deferred() as interrupted:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
+            if interrupted:  # Ctrl-C while the job was starting: it is stopped below, as after its start
+                raise KeyboardInterrupt
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
@@ -71,6 +77,23 @@ def launch_job(module: str, config: Path, devices: int, log_path: Path, timeout:
             _kill_group(proc)
             raise
     return proc.returncode, timed_out, int(env["OMP_NUM_THREADS"])
+
+
+@contextlib.contextmanager
+def _interrupt_deferred():
+    """Hold a SIGINT (Ctrl-C) that arrives inside the block and report it after, as a list that is non-empty
+    when one came: a KeyboardInterrupt raised inside ``Popen`` would leave the job it had just started
+    running with nothing to stop it. Only the main thread receives signals; elsewhere, or where SIGINT is
+    ignored, nothing is deferred."""
+    came: list[int] = []
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield came
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -91,16 +114,31 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGTERM the cell's process group (torchrun forwards it to its workers), then SIGKILL whatever of
-    the group and its descendants is left after a grace period."""
-    below = _descendants(proc.pid)
+    the group and its descendants is left after a grace period, and wait until they are gone.
+
+    Descendants are collected while torchrun lives (a worker it starts during the grace period counts too);
+    once torchrun is gone its orphans belong to init and can no longer be found from its pid."""
+    below = set(_descendants(proc.pid))
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=KILL_GRACE_S)
     except ProcessLookupError:
         pass
-    except subprocess.TimeoutExpired:
+    deadline = time.monotonic() + KILL_GRACE_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        below.update(_descendants(proc.pid))
+        time.sleep(0.05)
+    if proc.poll() is None:
+        below.update(_descendants(proc.pid))
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -111,6 +149,10 @@ def _kill_group(proc: subprocess.Popen) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    # SIGKILL is delivered asynchronously: return only when none of them runs any more.
+    deadline = time.monotonic() + KILL_GRACE_S
+    while any(_alive(pid) for pid in below) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def is_oom(err: BaseException) -> bool:
