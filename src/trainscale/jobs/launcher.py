@@ -48,7 +48,8 @@ def launch_job(module: str, config: Path, devices: int, log_path: Path, timeout:
                threads: int | None = None) -> tuple[int | None, bool, int]:
     """Run ``python -m torch.distributed.run --standalone --nproc-per-node=DEVICES --module MODULE --config
     CONFIG`` (torchrun's arguments and environment from :mod:`trainscale.runtime.launch`) in its own process
-    group, output to ``log_path``; kill the group after ``timeout`` s. Used by bench's cells and by
+    group, output to ``log_path``; kill the group after ``timeout`` s. One device runs ``python -m MODULE
+    --config CONFIG`` alone, as a single-process run without a launcher. Used by bench's cells and by
     ``trainscale check``.
 
     Returns:
@@ -57,8 +58,11 @@ def launch_job(module: str, config: Path, devices: int, log_path: Path, timeout:
     """
     from trainscale.runtime import launch
 
-    argv = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args(devices),
-            "--module", module, "--config", str(config)]
+    if devices == 1:  # one process needs no agent: torchrun's would cost a second interpreter and a rendezvous
+        argv = [sys.executable, "-m", module, "--config", str(config)]
+    else:
+        argv = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args(devices),
+                "--module", module, "--config", str(config)]
     env = launch.worker_env(devices, {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None)
     # Jobs import the entry's module: the current directory first, as `python -m` would.
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
