@@ -3,7 +3,7 @@
 blocking CI.
 
 The processes are started with ``forkserver``: one server process, started once per test session, imports
-torch (:data:`PRELOAD`) and forks each rank from that state, so a rank does not pay torch's import again
+torch and torch._dynamo (:data:`PRELOAD`) and forks each rank from that state, so a rank does not pay torch's import again
 (``spawn`` did, twice per 2-process test on the 2 cores here). Nothing else is shared: the server never
 runs a torch operation or starts a thread before it forks, and each rank takes the test's environment,
 current directory and ``sys.path`` at the time of the call, as ``spawn`` gives them."""
@@ -31,7 +31,9 @@ def free_port() -> int:
 
 
 START_METHOD = "forkserver"
-PRELOAD = ["torch", "torch.distributed"]
+# torch._dynamo too: the first optimizer a rank builds imports it (torch's optimizers wrap ``add_param_group`` in
+# ``torch._disable_dynamo``), about 1 s of CPU per rank here; imported once in the server, it starts no thread.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
 def _child(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple,
