@@ -157,8 +157,9 @@ def pp_resume(rank: int, root: str, parallel: dict | None = None, destroy: bool 
 def pp_tp_runs(rank: int, root: str, steps: int) -> dict:
     """On 4 ranks: 2 stages × 2 tensor-parallel ranks over batches of 16, with sequence parallelism (1F1B,
     a checkpoint at the end) and without (GPipe), and under "bf16-mixed", then :func:`pp_resume` on that
-    mesh; one process group for all."""
-    pp_tp = dict(steps=steps, val=20, batch_size=16, parallel={"pp": 2, "tp": 2})
+    mesh; one process group for all. 2 micro-batches of 8 per batch (the default number, 4 · stages, is
+    ``pp_runs``'s GPipe run): each micro-batch is a pass of DTensor collectives through both stages."""
+    pp_tp = dict(steps=steps, val=20, batch_size=16, parallel={"pp": 2, "tp": 2}, pp_microbatches=2)
     return {"tp": fit_gpt(rank, f"{root}/tp", "pp", **pp_tp),
             "tp_gpipe": fit_gpt(rank, f"{root}/tp_gpipe", "pp", schedule="gpipe",
                                 strategy_options={"sequence_parallel": False}, **pp_tp),
