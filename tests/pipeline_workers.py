@@ -170,12 +170,15 @@ def pp_tp_runs(rank: int, root: str, steps: int) -> dict:
 def pp_dp_runs(rank: int, root: str, steps: int) -> dict:
     """On 4 ranks: 2 stages × 2 FSDP shards (1F1B), 2 stages × 2 replicas (GPipe), 2 stages × 2 shards under
     "bf16-mixed", each over 2 data-parallel batches of 8, then 2 stages × 2 shards accumulating 2 micro-batches
-    per step over a ragged epoch, then :func:`pp_resume` on 2 stages × 2 shards; one process group for all."""
-    return {"shard": fit_gpt(rank, f"{root}/shard", "pp", steps=steps, val=20, parallel={"pp": 2, "dp_shard": 2}),
-            "replicate": fit_gpt(rank, f"{root}/replicate", "pp", steps=steps, val=20, schedule="gpipe",
-                                 parallel={"pp": 2, "dp_replicate": 2}),
-            "bf16": fit_gpt(rank, f"{root}/bf16", "pp", steps=steps, val=20, parallel={"pp": 2, "dp_shard": 2},
-                            precision="bf16-mixed"),
+    per step over a ragged epoch, then :func:`pp_resume` on 2 stages × 2 shards; one process group for all.
+    The first three cut each batch into 2 micro-batches; the accumulating run keeps the default count (4 · stages),
+    which adapts to its batch of 4."""
+    two = dict(steps=steps, val=20, pp_microbatches=2)
+    return {"shard": fit_gpt(rank, f"{root}/shard", "pp", parallel={"pp": 2, "dp_shard": 2}, **two),
+            "replicate": fit_gpt(rank, f"{root}/replicate", "pp", schedule="gpipe",
+                                 parallel={"pp": 2, "dp_replicate": 2}, **two),
+            "bf16": fit_gpt(rank, f"{root}/bf16", "pp", parallel={"pp": 2, "dp_shard": 2}, precision="bf16-mixed",
+                            **two),
             # 28 samples per rank: micro-batches 8, 8 | 8, 4 (a new batch shape inside an accumulated step)
             "accumulate": fit_gpt(rank, f"{root}/acc", "pp", train=56, val=20, accumulate=2,
                                   parallel={"pp": 2, "dp_shard": 2}),
