@@ -133,10 +133,18 @@ def slow_steps_sigterm_body(rank: int, root: str, step_s: float, signal_at: int)
     return {"code": None, "steps": summary["steps"]}
 
 
-def stuck_rank_body(rank: int, root: str) -> None:
+def stuck_rank_body(rank: int, root: str, grace_s: float) -> None:
     """Rank 1 stalls for good in optimizer step 2 (after writing ``rank1-stuck``); rank 0 then blocks in
-    the gradient all-reduce. The collective timeout (300 s) is far away: only a signal ends them."""
+    the gradient all-reduce. The collective timeout (300 s) is far away: only a signal ends them, after a
+    SIGTERM grace of ``grace_s`` seconds (``FaultTolerance(signal_grace_s=...)``, which the Trainer does not
+    pass: its FaultTolerance is given this value here)."""
+    import functools
     import threading
+
+    from trainscale.faults import tolerance
+
+    tolerance.FaultTolerance.__init__ = functools.partialmethod(tolerance.FaultTolerance.__init__,
+                                                                signal_grace_s=grace_s)
 
     def hook(model, step):
         if rank == 1 and step == 2:

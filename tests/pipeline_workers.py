@@ -130,21 +130,24 @@ def _counting_gradient_takes(run: Callable[[], dict]) -> dict:
 
 def pp_runs(rank: int, root: str, steps: int) -> dict:
     """GPipe and 1F1B over 2 stages for ``steps`` steps, 1F1B under "bf16-mixed", 1F1B of a GPT built on the
-    meta device, 1F1B with each stage's blocks compiled, then 1F1B with 2 accumulated micro-batches per step;
-    one process group for all."""
+    meta device, 1F1B with each stage's blocks compiled, then 1F1B with 2 accumulated micro-batches per step,
+    then :func:`pp_resume` (one stage per rank); one process group for all."""
     gpipe = _counting_gradient_takes(lambda: fit_gpt(rank, f"{root}/gpipe", "pp", steps=steps, schedule="gpipe"))
     return {"gpipe": gpipe,
             "1f1b": fit_gpt(rank, f"{root}/1f1b", "pp", steps=steps, schedule="1f1b", pp_microbatches=2),
             "bf16": fit_gpt(rank, f"{root}/bf16", "pp", steps=steps, precision="bf16-mixed"),
             "meta": fit_gpt(rank, f"{root}/meta", "pp", steps=steps, meta=True),
             "compiled": _compiled(rank, f"{root}/compiled", steps),
-            "accumulate": fit_gpt(rank, f"{root}/acc", "pp", steps=2, accumulate=2, destroy=True)}
+            "accumulate": fit_gpt(rank, f"{root}/acc", "pp", steps=2, accumulate=2),
+            "resume": pp_resume(rank, f"{root}/resume")}
 
 
 def pp_resume(rank: int, root: str, parallel: dict | None = None, destroy: bool = True) -> dict:
     """Two epochs uninterrupted, against one epoch then a resume from its "last" checkpoint for the second;
-    ``parallel``: the mesh (None: one stage per rank); ``destroy=False``: more runs follow in these processes."""
-    small = dict(train=24, val=12, parallel=parallel)
+    ``parallel``: the mesh (None: one stage per rank); ``destroy=False``: more runs follow in these processes.
+    2 micro-batches per batch (not the default 4 · stages): what is checked is the resume, not the schedule, and
+    each micro-batch costs a pass through every stage (most of the time under tp: its DTensor collectives)."""
+    small = dict(train=24, val=12, parallel=parallel, pp_microbatches=2)
     full = fit_gpt(rank, f"{root}/full", "pp", epochs=2, **small)
     first = fit_gpt(rank, f"{root}/stopped", "pp", epochs=1, **small)
     resumed = fit_gpt(rank, f"{root}/stopped", "pp", epochs=2, ckpt_path="last", destroy=destroy, **small)
@@ -153,26 +156,33 @@ def pp_resume(rank: int, root: str, parallel: dict | None = None, destroy: bool 
 
 def pp_tp_runs(rank: int, root: str, steps: int) -> dict:
     """On 4 ranks: 2 stages × 2 tensor-parallel ranks over batches of 16, with sequence parallelism (1F1B,
-    a checkpoint at the end) and without (GPipe), and under "bf16-mixed"; one process group for all."""
-    pp_tp = dict(steps=steps, val=20, batch_size=16, parallel={"pp": 2, "tp": 2})
+    a checkpoint at the end) and without (GPipe), and under "bf16-mixed", then :func:`pp_resume` on that
+    mesh; one process group for all. 2 micro-batches of 8 per batch (the default number, 4 · stages, is
+    ``pp_runs``'s GPipe run): each micro-batch is a pass of DTensor collectives through both stages."""
+    pp_tp = dict(steps=steps, val=20, batch_size=16, parallel={"pp": 2, "tp": 2}, pp_microbatches=2)
     return {"tp": fit_gpt(rank, f"{root}/tp", "pp", **pp_tp),
             "tp_gpipe": fit_gpt(rank, f"{root}/tp_gpipe", "pp", schedule="gpipe",
                                 strategy_options={"sequence_parallel": False}, **pp_tp),
-            "tp_bf16": fit_gpt(rank, f"{root}/tp_bf16", "pp", precision="bf16-mixed", destroy=True, **pp_tp)}
+            "tp_bf16": fit_gpt(rank, f"{root}/tp_bf16", "pp", precision="bf16-mixed", **pp_tp),
+            "resume": pp_resume(rank, f"{root}/resume", {"pp": 2, "tp": 2})}
 
 
 def pp_dp_runs(rank: int, root: str, steps: int) -> dict:
     """On 4 ranks: 2 stages × 2 FSDP shards (1F1B), 2 stages × 2 replicas (GPipe), 2 stages × 2 shards under
     "bf16-mixed", each over 2 data-parallel batches of 8, then 2 stages × 2 shards accumulating 2 micro-batches
-    per step over a ragged epoch; one process group for all."""
-    return {"shard": fit_gpt(rank, f"{root}/shard", "pp", steps=steps, val=20, parallel={"pp": 2, "dp_shard": 2}),
-            "replicate": fit_gpt(rank, f"{root}/replicate", "pp", steps=steps, val=20, schedule="gpipe",
-                                 parallel={"pp": 2, "dp_replicate": 2}),
-            "bf16": fit_gpt(rank, f"{root}/bf16", "pp", steps=steps, val=20, parallel={"pp": 2, "dp_shard": 2},
-                            precision="bf16-mixed"),
+    per step over a ragged epoch, then :func:`pp_resume` on 2 stages × 2 shards; one process group for all.
+    The first three cut each batch into 2 micro-batches; the accumulating run keeps the default count (4 · stages),
+    which adapts to its batch of 4."""
+    two = dict(steps=steps, val=20, pp_microbatches=2)
+    return {"shard": fit_gpt(rank, f"{root}/shard", "pp", parallel={"pp": 2, "dp_shard": 2}, **two),
+            "replicate": fit_gpt(rank, f"{root}/replicate", "pp", schedule="gpipe",
+                                 parallel={"pp": 2, "dp_replicate": 2}, **two),
+            "bf16": fit_gpt(rank, f"{root}/bf16", "pp", parallel={"pp": 2, "dp_shard": 2}, precision="bf16-mixed",
+                            **two),
             # 28 samples per rank: micro-batches 8, 8 | 8, 4 (a new batch shape inside an accumulated step)
             "accumulate": fit_gpt(rank, f"{root}/acc", "pp", train=56, val=20, accumulate=2,
-                                  parallel={"pp": 2, "dp_shard": 2}, destroy=True)}
+                                  parallel={"pp": 2, "dp_shard": 2}),
+            "resume": pp_resume(rank, f"{root}/resume", {"pp": 2, "dp_shard": 2})}
 
 
 def pp_hsdp_run(rank: int, root: str, steps: int) -> dict:

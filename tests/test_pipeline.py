@@ -10,7 +10,7 @@ from torch import nn
 
 from tests.helpers import run_distributed, run_python
 from tests.pipeline_workers import (PP_CONFIG, Net, fit_gpt, net_plan, plan_errors, pp_dp_runs, pp_fp16_runs, pp_hsdp_run,
-                                    pp_resume, pp_runs, pp_tp_runs, pp_tp_user_runs)
+                                    pp_runs, pp_tp_runs, pp_tp_user_runs)
 from trainscale.runtime.connector import resolve
 from trainscale.runtime.strategies.apply_pp import gpt_split_points, keep_stage, shared_parameters, stage_names, units
 from trainscale.runtime.strategies.parallel_dims import ParallelDims
@@ -52,7 +52,7 @@ def _planned_bytes(strategy: str, devices: int, rank: int, parallel: dict | None
 def two_rank_runs(tmp_path_factory) -> dict:
     """The 2-stage runs (``pp_runs``), one start of 2 processes for all, and the one-process runs."""
     root = tmp_path_factory.mktemp("pp2")
-    return {"reference": fit_gpt(0, str(root / "single"), "single", steps=STEPS),
+    return {"root": root, "reference": fit_gpt(0, str(root / "single"), "single", steps=STEPS),
             "accumulated": fit_gpt(0, str(root / "single_acc"), "single", steps=2, accumulate=2),
             "bf16": fit_gpt(0, str(root / "single_bf16"), "single", steps=STEPS, precision="bf16-mixed"),
             "results": run_distributed(pp_runs, str(root), STEPS, world_size=2, timeout=280)}
@@ -400,21 +400,23 @@ def test_an_inf_gradient_on_one_stage_makes_every_stage_skip_the_step_and_halve_
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size, parallel, steps",
-                         [(2, None, 6), (4, {"pp": 2, "dp_shard": 2}, 4), (4, {"pp": 2, "tp": 2}, 6)],
+@pytest.mark.parametrize("runs, steps", [("two_rank_runs", 6), ("four_rank_dp_runs", 4), ("four_rank_tp_runs", 6)],
                          ids=["pp2", "pp2xfsdp2", "pp2xtp2"])
-def test_a_pp_checkpoint_resumes_where_it_stopped_and_loads_into_one_process(tmp_path, world_size, parallel, steps):
+def test_a_pp_checkpoint_resumes_where_it_stopped_and_loads_into_one_process(request, runs, steps):
+    """``pp_resume`` (one stage per rank, 2 stages × 2 FSDP shards, 2 stages × 2 tp ranks), run at the end of
+    the processes of the other tests of that layout (one start of the processes for all)."""
     import torch.distributed.checkpoint as dcp
 
     from trainscale.models import GPT
 
-    results = run_distributed(pp_resume, str(tmp_path), parallel, world_size=world_size, timeout=280)
+    fixture = request.getfixturevalue(runs)
+    results = [r["resume"] for r in fixture["results"]]
     for r in results:
         _assert_same(r["resumed"]["weights"], r["full"]["weights"])
         assert r["resumed"]["val_loss"] == pytest.approx(r["full"]["val_loss"], rel=1e-5)
         assert r["resumed"]["summary"]["resumed_from"] is not None and r["resumed"]["summary"]["steps"] == steps
     # the checkpoint of the stages (and their shards) is one of the whole model, keyed by its own names
-    last = max((tmp_path / "stopped").glob(f"version_*/checkpoints/epoch=*-step={steps:010d}"))
+    last = max((fixture["root"] / "resume" / "stopped").glob(f"version_*/checkpoints/epoch=*-step={steps:010d}"))
     state = {"model": GPT(PP_CONFIG).state_dict()}
     dcp.load(state, checkpoint_id=str(last))
     _stages_cover([r["resumed"] for r in results], state["model"])
