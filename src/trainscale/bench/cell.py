@@ -5,7 +5,9 @@ Started by the sweep under torchrun, one process per device::
     python -m torch.distributed.run --standalone --nproc-per-node=N -m trainscale.bench.cell --config CELL.json
 
 ``CELL.json`` holds: entry, accelerator, strategy, precision, devices, per_device_batch, epochs,
-steps (or null), warmup_steps, seed, cell_dir. Rank zero writes ``cell_dir/result.json``; a rank
+steps (or null), warmup_steps, seed, cell_dir. The timed run validates after its epoch(s) but runs no sanity
+check of validation batches before training (``num_sanity_val_steps=0`` unless the workload's ``"trainer"`` flags
+set it). Rank zero writes ``cell_dir/result.json``; a rank
 that fails writes ``cell_dir/error.rank<R>.json`` (exception type, message, whether it is an
 out-of-memory error) before exiting non-zero, so the sweep can record why.
 """
@@ -138,7 +140,10 @@ def run_cell(cfg: dict) -> dict | None:
     common = dict(accelerator=cfg["accelerator"], devices=cfg["devices"], strategy=cfg["strategy"],
                   precision=cfg["precision"], seed=cfg["seed"], enable_progress_bar=False,
                   enable_checkpointing=False, log_every_n_steps=10**9, timeout=cfg.get("collective_timeout", 300),
-                  parallel=hsdp_layout(cfg["strategy"], cfg["devices"]), **work["trainer"])
+                  parallel=hsdp_layout(cfg["strategy"], cfg["devices"]),
+                  # no sanity check: its validation batches (all 512 windows of the lm workload) would run once more
+                  # before training, untimed; validation after the timed epoch reads the same loader
+                  **{"num_sanity_val_steps": 0, **work["trainer"]})
 
     if cfg["warmup_steps"]:  # kernels, allocator, process group: paid once, not timed
         warm = Trainer(max_epochs=1, max_steps=cfg["warmup_steps"], default_root_dir=cell_dir / "warmup", **common)
