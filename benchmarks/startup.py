@@ -28,6 +28,8 @@ time of the process (``os.wait4``), which a busy machine inflates far less than 
 - 2 ranks factory: the same with ``optimizer=`` a factory (``params -> AdamW``, as for fsdp): the script's top
   level builds no optimizer, so its process does not import ``torch._dynamo`` (which the first optimizer
   construction does, about 1.1 s) before it becomes torchrun's agent.
+- 2 ranks Trainer first: the first script with ``Trainer(devices=2)`` made before the model and the AdamW (as
+  README's example orders it): the script becomes torchrun at that line, so only the workers build them.
 """
 
 from __future__ import annotations
@@ -97,6 +99,15 @@ Trainer(accelerator="cpu", devices=2, default_root_dir=sys.argv[1]).fit(model, D
                                                                      optimizer=adamw)
 """
 
+# The same job with the Trainer made first, as README's example does: `Trainer(devices=2)` is where the script
+# becomes torchrun, so the model and the AdamW built after it are built by the workers only.
+DDP_TRAINER_FIRST_SCRIPT = """import sys
+from trainscale import Trainer
+trainer = Trainer(accelerator="cpu", devices=2, default_root_dir=sys.argv[1])
+""" + _SETUP + """
+trainer.fit(model, DataLoader(data, batch_size=64), optimizer=optimizer)
+"""
+
 HELP_PROBE = ("import sys\nfrom trainscale.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
               "print('TORCH_IMPORTED', 'torch' in sys.modules)")
 
@@ -163,6 +174,8 @@ def main() -> None:
         Path(ddp_script).write_text(DDP_SCRIPT)
         factory_script = os.path.join(root, "ddp_factory_first_step.py")
         Path(factory_script).write_text(DDP_FACTORY_SCRIPT)
+        first_script = os.path.join(root, "ddp_trainer_first_step.py")
+        Path(first_script).write_text(DDP_TRAINER_FIRST_SCRIPT)
         torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
         one_process = {
             "python -c pass": ([py, "-c", "pass"], False),
@@ -178,6 +191,8 @@ def main() -> None:
             "2 ranks, torchrun": ([*torchrun, ddp_script, root], True),
             "2 ranks factory, python": ([py, factory_script, root], True),
             "2 ranks factory, torchrun": ([*torchrun, factory_script, root], True),
+            "2 ranks Trainer first, python": ([py, first_script, root], True),
+            "2 ranks Trainer first, torchrun": ([*torchrun, first_script, root], True),
         }
         commands = {"all": {**one_process, **two_ranks}, "one-process": one_process, "two-ranks": two_ranks}[args.part]
         print(f"# startup: Python {platform.python_version()}, {os.cpu_count()} CPUs, load average "
@@ -218,7 +233,8 @@ def main() -> None:
               f"{trainscale_import_ms(py):.1f} ms")
     print("# 'first step' = from process start to the end of the first optimizer.step()")
     for label, python, raw in (("", "2 ranks, python (relaunch)", "2 ranks, torchrun"),
-                               (", optimizer factory", "2 ranks factory, python", "2 ranks factory, torchrun")):
+                               (", optimizer factory", "2 ranks factory, python", "2 ranks factory, torchrun"),
+                               (", Trainer first", "2 ranks Trainer first, python", "2 ranks Trainer first, torchrun")):
         if python not in commands:
             continue
         relaunch = statistics.median([a - b for a, b in zip(times[python], times[raw])])

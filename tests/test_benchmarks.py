@@ -84,9 +84,10 @@ def test_startup_times_imports_first_steps_and_help_without_torch():
 def test_startup_times_a_relaunch_against_raw_torchrun():
     stdout = run_bench("startup.py", "--part", "two-ranks")
     _has_rows(stdout, "2 ranks, python (relaunch)", "2 ranks, torchrun", "2 ranks factory, python",
-              "2 ranks factory, torchrun")
+              "2 ranks factory, torchrun", "2 ranks Trainer first, python", "2 ranks Trainer first, torchrun")
     assert "devices=2 from `python script.py` (relaunched under torchrun) against raw torchrun:" in stdout
     assert "(relaunched under torchrun, optimizer factory) against raw torchrun:" in stdout
+    assert "(relaunched under torchrun, Trainer first) against raw torchrun:" in stdout
 
 
 def test_scale_simulates_first_middle_and_last_rank_at_each_world_size():

@@ -47,6 +47,7 @@ def test_worker_env_defaults_do_not_override(monkeypatch):
     assert env["OMP_NUM_THREADS"] == "7"
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert int(launch.worker_env(2, {})["OMP_NUM_THREADS"]) >= 1
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in launch.worker_env(2, {}, restarts=False)  # one round
 
 
 def test_entry_point_of_a_non_script(monkeypatch):
@@ -186,6 +187,10 @@ def test_a_heavy_process_is_replaced_by_torchrun(monkeypatch):
         launch.become_torchrun(["--standalone", "--nproc-per-node=2"], ["train.py"], 2)
     assert execed["path"] == sys.executable
     assert execed["argv"][1:5] == ["-m", "trainscale.runtime.agent", "--trainscale-report", "--standalone"]
+    assert "OMP_NUM_THREADS" in execed["env"]  # worker_env's
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in execed["env"]  # one round: the workers use the agent's store
+    with pytest.raises(_Exit):
+        launch.become_torchrun(["--standalone", "--nproc-per-node=2", "--max-restarts=1"], ["train.py"], 2)
     assert execed["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 

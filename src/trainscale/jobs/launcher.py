@@ -63,7 +63,8 @@ def launch_job(module: str, config: Path, devices: int, log_path: Path, timeout:
     else:
         argv = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args(devices),
                 "--module", module, "--config", str(config)]
-    env = launch.worker_env(devices, {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None)
+    env = launch.worker_env(devices, {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None,
+                            restarts=False)
     # Jobs import the entry's module: the current directory first, as `python -m` would.
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
     timed_out = False

@@ -95,17 +95,20 @@ def _rendezvous_args(nnodes: str | int, node_rank: int | None, rdzv_backend: str
     return args + [f"--rdzv-id={run_id}"]
 
 
-def worker_env(nproc_per_node: int, env: dict | None = None) -> dict:
+def worker_env(nproc_per_node: int, env: dict | None = None, restarts: bool = True) -> dict:
     """The environment for torchrun: the caller's, plus sane defaults it does not override.
 
     - OMP_NUM_THREADS: CPU cores shared among the node's processes (torchrun would force 1).
-    - TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torchrun's agent otherwise shares its rendezvous store with
+    - TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, when torchrun may start the workers again (``restarts``:
+      ``--max-restarts``, or an elastic node count): torchrun's agent otherwise shares its rendezvous store with
       the workers across restart rounds, and restarted gloo workers may read the previous round's addresses
-      and hang in init_process_group (seen with torch 2.13; pytorch/pytorch#135712).
+      and hang in init_process_group (seen with torch 2.13; pytorch/pytorch#135712). With one round only, the
+      workers keep the agent's store (as under plain torchrun) instead of starting one of their own.
     """
     env = dict(os.environ if env is None else env)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc_per_node))))
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if restarts:
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return env
 
 
@@ -174,7 +177,8 @@ def become_torchrun(torchrun: Sequence[str], entry: Sequence[str], nproc_per_nod
     (about 1.2 s more to the first step here, docs/clusters.md) but keeps nothing of the script."""
     sys.stdout.flush()
     sys.stderr.flush()
-    env = worker_env(nproc_per_node)
+    # one round: a relaunch and a pod's launch have no --max-restarts and a fixed node count
+    env = worker_env(nproc_per_node, restarts=any(a.startswith("--max-restarts") for a in torchrun))
     argv = torchrun_argv(torchrun, entry)  # python -m trainscale.runtime.agent TORCHRUN ...
     if agent_in_process_refusal() is not None:
         os.execve(sys.executable, [*argv[:3], REPORT_FLAG, *argv[3:]], env)
