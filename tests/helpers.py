@@ -3,8 +3,8 @@
 blocking CI.
 
 The processes are started with ``forkserver``: one server process, started once per test session, imports
-torch and torch._dynamo (:data:`PRELOAD`) and forks each rank from that state, so a rank does not pay torch's import again
-(``spawn`` did, twice per 2-process test on the 2 cores here). Nothing else is shared: the server never
+torch and torch._dynamo (:data:`PRELOAD`) and forks each rank from that state, so a rank does not pay those
+imports again (``spawn`` did, twice per 2-process test on the 2 cores here). Nothing else is shared: the server never
 runs a torch operation or starts a thread before it forks, and each rank takes the test's environment,
 current directory and ``sys.path`` at the time of the call, as ``spawn`` gives them."""
 

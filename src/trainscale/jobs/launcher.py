@@ -101,16 +101,23 @@ def _interrupt_deferred():
         signal.signal(signal.SIGINT, previous)
 
 
+def _stat(path: Path) -> list[str] | None:
+    """The fields of a ``/proc/PID/stat`` file after the command name (proc(5): state, then the parent's pid,
+    ...); None when the process is gone or the file cannot be read (not Linux)."""
+    try:
+        return path.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (Linux /proc; [] elsewhere). torchrun puts its workers in their own
     sessions, so killing torchrun's process group alone could leave them running."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        fields = _stat(stat)
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -121,10 +128,8 @@ def _descendants(pid: int) -> list[int]:
 
 def _alive(pid: int) -> bool:
     """Whether ``pid`` still runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    fields = _stat(Path(f"/proc/{pid}/stat"))
+    return fields is not None and fields[0] != "Z"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
