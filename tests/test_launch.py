@@ -213,3 +213,23 @@ def test_a_relaunch_whose_worker_fails_exits_1_with_the_error(tmp_path):
     out, _ = run_python(["fails.py"], tmp_path, timeout=80)  # devices=2: torchrun's agent in this light process
     assert out.returncode == 1, out.stderr[-3000:]
     assert "rank one fails on purpose" in out.stderr
+
+
+@pytest.mark.parametrize("exit_code", [0, 3])
+def test_run_torchrun_gives_every_signal_disposition_back(monkeypatch, exit_code):
+    """Ctrl-C is ignored only while torchrun runs (the terminal sends it to torchrun's group too); afterwards the
+    caller's own SIGINT handler and the forwarded signals' handlers are back, whether the job passed or failed."""
+    import signal
+
+    monkeypatch.setattr(launch, "torchrun_argv", lambda torchrun, entry: [sys.executable, "-c",
+                                                                          f"raise SystemExit({exit_code})"])
+    watched = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    before = {sig: signal.getsignal(sig) for sig in watched}
+    mine = lambda signum, frame: None  # noqa: E731 - a handler only compared by identity
+    previous_int = signal.signal(signal.SIGINT, mine)
+    try:
+        assert launch.run_torchrun(["--standalone"], ["x.py"], nproc_per_node=1) == exit_code
+        assert signal.getsignal(signal.SIGINT) is mine
+        assert {sig: signal.getsignal(sig) for sig in watched[1:]} == {sig: before[sig] for sig in watched[1:]}
+    finally:
+        signal.signal(signal.SIGINT, previous_int)

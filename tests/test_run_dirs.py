@@ -332,3 +332,28 @@ def test_a_checkpoint_saved_outside_the_callback_and_resumed_from_in_place_is_pr
     resumed.setup(trainer)
     _steps(resumed, trainer, (3,))
     assert [p.name for p in (trainer.run_dir / "checkpoints").glob("*.pt")] == [ckpt.checkpoint_name(0, 3)]
+
+
+def test_save_checkpoint_never_replaces_another_runs_checkpoint_and_an_existing_file_only_when_asked(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from tests import workers
+    from trainscale.loop.trainer import Trainer
+
+    def fit():
+        trainer = Trainer(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
+                          default_root_dir=tmp_path, max_epochs=1)
+        trainer.fit(workers.make_model(0), DataLoader(workers.tiny_dataset(8), batch_size=8), optimizer=workers.sgd)
+        return trainer
+
+    first, second = fit(), fit()
+    theirs = first.run_dir / "checkpoints" / (first.run_dir / "checkpoints" / ckpt.LAST).read_text().strip()
+    before = {p: p.read_bytes() for p in (theirs, theirs.with_name(theirs.name + ".sha256"))}
+    with pytest.raises(FileExistsError, match="belongs to another run"):
+        second.save_checkpoint(theirs, overwrite=True)  # never, even when asked
+    assert {p: p.read_bytes() for p in before} == before
+    mine = second.save_checkpoint(tmp_path / "final.pt")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        second.save_checkpoint(mine)
+    assert second.save_checkpoint(mine, overwrite=True) == mine
+    assert second.save_checkpoint(second.run_dir / "checkpoints" / "own.pt").is_file()

@@ -196,11 +196,33 @@ class _LogsReservedName(TrainingModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize("name, stage", [("step", "train"), ("epoch", "train"), ("epoch", "validation")])
+@pytest.mark.parametrize("name, stage", [("step", "train"), ("epoch", "train"), ("epoch", "validation"),
+                                         ("lr-SGD", "train"), ("samples_per_s", "train"), ("epoch_time_s", "validation")])
 def test_self_log_of_a_records_own_field_names_the_alternative(tmp_path, name, stage):
     loader = DataLoader(mw.indexed_dataset(8), batch_size=4)
-    with pytest.raises(ValueError, match=rf"self.log\('{name}', ...\): every record already holds '{name}'.*'my_{name}'"):
+    with pytest.raises(ValueError, match=rf"self.log\('{name}', ...\): trainscale's records already hold '{name}'"
+                                         rf".*'my_{name}'"):
         _trainer(tmp_path, enable_checkpointing=False).fit(_LogsReservedName(name, stage), loader, loader)
+
+
+def test_every_field_of_the_runs_own_records_and_summary_is_reserved_but_the_losses(tmp_path):
+    """A value logged under a field the step or epoch records (or summary.json) already hold would replace the
+    learning rate, the throughput or the epoch time that `report`, `check` and `bench` read: each such name is
+    refused. The losses stay free: a module's own train_loss/val_loss is what a Lightning user logs."""
+    import json
+
+    from trainscale.lightning.metrics import RESERVED, RESERVED_PREFIXES
+
+    loader = DataLoader(mw.indexed_dataset(8), batch_size=4)
+    trainer = _trainer(tmp_path, enable_checkpointing=False, log_every_n_steps=1)
+    trainer.fit(_LogsReservedName("mine", "train"), loader, loader)
+    fields = set()
+    for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines():
+        fields.update(json.loads(line))
+    fields |= set(json.loads((trainer.run_dir / "summary.json").read_text())["telemetry"] or {})
+    free = {"train_loss", "val_loss", "val_accuracy", "mine"}
+    unreserved = {f for f in fields - free if f not in RESERVED and not f.startswith(tuple(RESERVED_PREFIXES))}
+    assert "lr-SGD" in fields and "samples_per_s" in fields and unreserved == set()
 
 
 def test_names_logged_on_some_ranks_only_are_an_error_on_every_rank():

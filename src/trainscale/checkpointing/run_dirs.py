@@ -41,6 +41,11 @@ def next_run_dir(root: str | os.PathLike) -> Path:
     return root / f"version_{max(versions, default=-1) + 1}"
 
 
+def is_run_dir(path: Path) -> bool:
+    """Whether ``path`` is named as a run directory is (``version_N``)."""
+    return _VERSION.match(Path(path).name) is not None
+
+
 def claim_run_dir(root: str | os.PathLike) -> Path:
     """Create and return ``root/version_N``, N one more than the largest existing, claimed atomically:
     of several processes or threads racing under one ``root``, each gets its own directory.

@@ -74,6 +74,34 @@ def _is_newest_of_its_run(path: Path, root: Path) -> bool:
     return pointer.is_file() and pointer.read_text().strip() == path.name
 
 
+def run_of(path: Path) -> Path | None:
+    """The run directory ``path`` lies in (the nearest parent ``version_N`` holding a run's lock file or the
+    script that made it), or None outside every run."""
+    for parent in Path(path).resolve().parents:
+        if ckpt.is_run_dir(parent) and ((parent / RunLock.FILE).is_file() or (parent / ckpt.SCRIPT).is_file()):
+            return parent
+    return None
+
+
+def overwrite_refusal(target: Path, own_run: Path | None, overwrite: bool) -> str | None:
+    """Why ``trainer.save_checkpoint(target)`` must not write, or None when it may.
+
+    A checkpoint (or its ``.sha256``) that already exists is replaced only with ``overwrite=True``; one that belongs
+    to another run's directory never is (that run's "best", "last" and resumes would load foreign weights that
+    still verify)."""
+    existing = [p for p in (Path(target), Path(f"{target}.sha256")) if p.exists() or p.is_symlink()]
+    if not existing:
+        return None
+    owner = run_of(existing[0])
+    if owner is not None and (own_run is None or owner != Path(own_run).resolve()):
+        return (f"save_checkpoint: {existing[0]} belongs to another run ({owner}) and is never overwritten; save to a "
+                f"path of this run's own (e.g. trainer.run_dir / 'checkpoints' / 'final.pt') or a new file")
+    if not overwrite:
+        return (f"save_checkpoint: {existing[0]} already exists; pass overwrite=True to replace it, or choose a new "
+                "path")
+    return None
+
+
 class RunLock:
     """Rank zero's advisory lock on a run directory (``fcntl.flock`` of ``<run>/.lock``), held until
     :meth:`release` or the process's end. The lock file stays (removing it would let two holders lock two

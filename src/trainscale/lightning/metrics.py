@@ -19,13 +19,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainscale.telemetry.processor import RECORD_FIELDS
+
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
 
 REDUCE_FX = ("mean", "sum", "max", "min")
-# The fields that say what a record is: a logged value of that name would replace them in the records
+# Every field trainscale's own records hold: a logged value of that name would replace it in the step and epoch
+# records and in summary.json (which `trainscale report`, `check` and `bench` read). The losses are not here: a
+# module's own "train_loss" or "val_loss" is what Lightning users log, and theirs is the one recorded.
 RESERVED = {"step": "the optimizer step", "epoch": "the epoch", "kind": "the record's kind", "rank": "the rank",
-            "time": "the wall-clock time"}
+            "time": "the wall-clock time", "epoch_time_s": "the epoch's duration", "partial": "a cut-short epoch",
+            "grad_norm": "the gradient norm before clipping",
+            **{name: "a telemetry figure" for name in RECORD_FIELDS}}
+RESERVED_PREFIXES = {"lr-": "the learning rates (LearningRateMonitor's names)"}
 _DEFAULTS = {"train": (True, False), "validation": (False, True), "test": (False, True)}  # (on_step, on_epoch)
 
 
@@ -75,9 +82,10 @@ class MetricCollector:
         """
         if reduce_fx not in REDUCE_FX:
             raise ValueError(f"reduce_fx={reduce_fx!r}; choose one of {', '.join(map(repr, REDUCE_FX))}")
-        if name in RESERVED:
-            raise ValueError(f"self.log({name!r}, ...): every record already holds {name!r} ({RESERVED[name]}), "
-                             f"which this value would replace; log it under another name, e.g. 'my_{name}'")
+        what = RESERVED.get(name) or next((v for k, v in RESERVED_PREFIXES.items() if name.startswith(k)), None)
+        if what is not None:
+            raise ValueError(f"self.log({name!r}, ...): trainscale's records already hold {name!r} ({what}), which "
+                             f"this value would replace; log it under another name, e.g. 'my_{name}'")
         if self.discard:
             return
         default_step, default_epoch = (False, True) if self.in_epoch_hook else _DEFAULTS[self.stage]

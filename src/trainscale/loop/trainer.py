@@ -43,7 +43,7 @@ from trainscale.lightning.optimizers import ManualOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
 from trainscale.loop.records import RecordWriter, epoch_line, epoch_record, run_header, step_record
 from trainscale.loop.spawned import run_spawned
-from trainscale.checkpointing.runs import RunLock, choose_run_dir, resolve_ckpt_path
+from trainscale.checkpointing.runs import RunLock, choose_run_dir, overwrite_refusal, resolve_ckpt_path
 from trainscale.loop.summary import finish_run, hyperparams
 from trainscale.lightning.optimizer_setup import build_optimizers
 from trainscale.checkpointing.train_state import ResumePoint, TrainState
@@ -517,7 +517,8 @@ class Trainer:
         for cb in self.checkpoint_callbacks:
             cb.save_if_due(self, epoch_end, ends_epoch)
 
-    def save_checkpoint(self, path: str | Path | None = None, background: bool = False) -> Path:
+    def save_checkpoint(self, path: str | Path | None = None, background: bool = False, *,
+                        overwrite: bool = False) -> Path:
         """Checkpoint everything (model, optimizers, schedulers, loop position, RNG states, callbacks) to
         ``path`` atomically (a file, with its ``.sha256`` beside it; a directory under a sharding strategy), as
         Lightning's ``trainer.save_checkpoint(path)``; ``fit(ckpt_path=path)`` resumes from it. Without ``path`` to
@@ -526,14 +527,24 @@ class Trainer:
         (``background`` with ``checkpoint_async``: returns once the state is staged, the write goes on;
         ``checkpointing/writes.py``).
 
+        An existing ``path`` is replaced only with ``overwrite=True``, and one in another run's directory never is
+        (unlike Lightning, which overwrites silently).
+
         Raises:
             RuntimeError: called before any ``fit`` of this Trainer (nothing to save yet).
+            FileExistsError: ``path`` exists and ``overwrite`` is False, or it belongs to another run (on every
+                rank, before anything is written).
         """
         if self._fit is None:
             raise RuntimeError("save_checkpoint() needs a fit first: there is no training state yet; call "
                                "trainer.fit(model, ...) (or save the weights with torch.save(model.state_dict(), path))")
         if path is None:
             return self.write_checkpoint(self.run_dir / "checkpoints", background)
+        rt = self.runtime
+        refusal = rt.broadcast_object(overwrite_refusal(Path(path), self.run_dir, overwrite) if rt.is_rank_zero
+                                      else None)  # rank zero's file system decides, so every rank raises together
+        if refusal:
+            raise FileExistsError(refusal)
         return self._save(Path(path), None, background)
 
     def checkpoint_path(self, directory: Path, name: str | None = None) -> Path:

@@ -60,7 +60,8 @@ def disk_full_is_clear(path: Path) -> Iterator[None]:
 def disk_full_error(path: Path, err: OSError) -> CheckpointError:
     """The error of a write of ``path`` that met a full disk (or quota): where, how much is free, what to do."""
     free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
-    return CheckpointError(f"no space left on device while writing {str(path)!r} ({os.strerror(err.errno)}; "
+    why = err.strerror or os.strerror(err.errno)
+    return CheckpointError(f"no space left on device while writing {str(path)!r} ({why}; "
                            f"{free / 2**20:.1f} MiB free on the disk holding {str(path.parent)!r}); the "
                            "file there before is unchanged and 'last' still names the previous checkpoint. "
                            "Free space there, lower keep_last, or set default_root_dir to a larger disk")

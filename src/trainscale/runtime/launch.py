@@ -327,10 +327,12 @@ def run_torchrun(torchrun: Sequence[str], entry: Sequence[str], nproc_per_node: 
             env[HOLD_ENV] = "1"
         proc = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
         previous = {sig: signal.signal(sig, lambda s, _f: proc.send_signal(s)) for sig in _FORWARDED}
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        stopped = _wait(proc, log_dir, max_restarts)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches torchrun itself
+        try:
+            stopped = _wait(proc, log_dir, max_restarts)
+        finally:  # every disposition as it was, Ctrl-C included, whatever the caller does next
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         if stopped:
             print(f"\ntrainscale run: not restarted (--max-restarts {max_restarts}): the error below happened before "
                   "the process group existed and would recur at every restart; fix it and run again",

@@ -55,6 +55,14 @@ if TYPE_CHECKING:
 _FIELDS = ("steps", "wall", *PHASES, "comm", "exposed_comm", "samples", "tokens")
 _EXTRA = ("loss", "memory", "memory_reserved", "gpu_util", "gpu_memory")
 _IDX = {name: i for i, name in enumerate(_FIELDS + _EXTRA)}
+# Every number a step record of :meth:`Telemetry.log` (and the epoch record, and summary.json) may hold: names a
+# module's ``self.log`` may not take (``lightning.metrics.RESERVED``), or it would replace them.
+RECORD_FIELDS = ("step_time_s", "phase_s", "phase_share", "comm_s", "exposed_comm_s", "exposed_comm_share",
+                 "samples", "steps", "samples_per_s", "samples_per_s_per_device", "tokens_per_s",
+                 "tokens_per_s_per_device", "achieved_flops_per_s", "flops_method", "flops_per_sample", "mfu",
+                 "mfu_error", "peak_memory_bytes", "peak_memory_kind", "peak_memory_reserved_bytes", "gpu_utilization",
+                 "gpu_memory_used_bytes", "slowest_rank", "straggler_ranks", "rank_step_time_s", "rank_compute_s",
+                 "rank_phase_s", "rank_comm_s", "rank_exposed_comm_s")
 _NAN = float("nan")
 _NO_COUNT = contextlib.nullcontext()  # stateless and reentrant: one instance serves every step
 

@@ -18,6 +18,7 @@ published (renamed) by :meth:`AsyncSave.wait`, after the write ended, never befo
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import pickle
@@ -129,6 +130,11 @@ def _shard_reader(path: Path, digests: dict[str, str] | None):
     return _ShardReader(str(path))
 
 
+# What torch's zip writer (``torch.save`` into a DCP shard file) raises when the file system takes fewer bytes than it
+# wrote: a full disk or quota, seen as "unexpected pos 64 vs 0" (caffe2/serialize/inline_container.cc).
+_SHORT_WRITE = ("unexpected pos", "PytorchStreamWriter failed writing")
+
+
 def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [""])[0][:300]
 
@@ -146,6 +152,10 @@ def _clear_error(err: BaseException, path: Path, otherwise: str) -> checkpoint_i
             return checkpoint_io.CheckpointError(str(cause))
         if isinstance(cause, OSError) and cause.errno in checkpoint_io._DISK_FULL:
             return checkpoint_io.disk_full_error(path, cause)
+        if isinstance(cause, RuntimeError) and any(s in str(cause) for s in _SHORT_WRITE):
+            return checkpoint_io.disk_full_error(path, OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}, or "
+                                                                             "the write was cut short: torch's "
+                                                                             f"writer said {_first_line(cause)!r}"))
     rank, cause = causes[0]
     where = "" if rank is None else f" (rank {rank})"
     return checkpoint_io.CheckpointError(f"{otherwise}{where}: {type(cause).__name__}: {_first_line(cause)}")
@@ -257,7 +267,13 @@ def read_whole(path: Any, key: str, verify: bool = True) -> dict:
              if name.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
     if not whole:
         raise checkpoint_io.CheckpointError(f"checkpoint {str(path)!r} holds no tensors under {key!r}")
-    dcp.load({key: whole}, storage_reader=reader, no_dist=True)
+    try:
+        dcp.load({key: whole}, storage_reader=reader, no_dist=True)
+    except BaseException as err:  # CheckpointException is a BaseException: `except Exception` would miss it
+        if not _is_checkpoint_failure(err):
+            raise
+        raise _clear_error(err, path, f"checkpoint {str(path)!r} cannot be read: a shard is corrupted or "
+                                      "truncated; resume from an earlier checkpoint or delete it") from err
     return whole
 
 
