@@ -240,3 +240,40 @@ def test_a_flipped_bit_in_a_sharded_checkpoint_is_refused_naming_the_file(dcp_da
         assert "'.metadata' is corrupted" in out["flipped_metadata"], out
         assert "no checksum manifest 'shards.sha256'" in out["no_manifest"] and "verify=False" in out["no_manifest"]
         assert out["unverified_changed"] == 1  # unverified, the flipped bit loads silently into one weight
+
+
+def _one_process_dcp_checkpoint(path):
+    import torch.distributed.checkpoint as dcp
+
+    from trainscale.runtime.strategies import dcp_checkpoint
+
+    dcp.save({"model": {"w": torch.arange(64.0)}}, storage_writer=dcp_checkpoint._shard_writer(path), no_dist=True)
+    return next(path.glob("*.distcp"))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_flipped_bit_in_a_shard_read_whole_is_a_checkpoint_error_not_torchs_base_exception(tmp_path, verify):
+    """torch's CheckpointException derives from BaseException: `except Exception` (and `except CheckpointError`)
+    would miss it, as the whole-model read of `load_from_checkpoint` and `trainscale export` let it through."""
+    from trainscale.runtime.strategies import dcp_checkpoint
+
+    shard = _one_process_dcp_checkpoint(tmp_path / "ckpt")
+    data = bytearray(shard.read_bytes())
+    shard.write_bytes(bytes(data[: len(data) // 2]))  # truncated: unreadable whether or not the bytes are checked
+    with pytest.raises(CheckpointError, match="ckpt"):
+        dcp_checkpoint.read_whole(tmp_path / "ckpt", "model", verify=verify)
+
+
+def test_a_short_write_of_torchs_zip_writer_in_a_sharded_save_is_named_a_full_disk(tmp_path):
+    """A full disk under `dcp.save` surfaces as torch's "unexpected pos 64 vs 0" (its zip writer's check) inside a
+    CheckpointException; the message names the disk, its free space and the fixes, as a full disk elsewhere does."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from trainscale.runtime.strategies import dcp_checkpoint
+
+    err = CheckpointException("save", {0: RuntimeError("[enforce fail at inline_container.cc:778] . unexpected pos "
+                                                         "64 vs 0")})
+    clear = dcp_checkpoint._clear_error(err, tmp_path / "epoch=1", "the write failed")
+    assert isinstance(clear, CheckpointError)
+    assert "no space left on device while writing" in str(clear) and "unexpected pos 64 vs 0" in str(clear)
+    assert "MiB free" in str(clear) and "default_root_dir" in str(clear)
