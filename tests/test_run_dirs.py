@@ -357,3 +357,47 @@ def test_save_checkpoint_never_replaces_another_runs_checkpoint_and_an_existing_
         second.save_checkpoint(mine)
     assert second.save_checkpoint(mine, overwrite=True) == mine
     assert second.save_checkpoint(second.run_dir / "checkpoints" / "own.pt").is_file()
+
+
+def _fitted_run(root, epochs=2):
+    from torch.utils.data import DataLoader
+
+    from tests import workers
+    from trainscale.loop.trainer import Trainer
+
+    trainer = Trainer(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                      max_epochs=epochs, callbacks=[ModelCheckpoint(save_top_k=-1)])
+    trainer.fit(workers.make_model(0), DataLoader(workers.tiny_dataset(8), batch_size=8), optimizer=workers.sgd)
+    return trainer
+
+
+def test_a_runs_last_file_given_as_a_path_loads_the_checkpoint_it_names(tmp_path):
+    """`<run>/checkpoints/last` is a line naming a checkpoint: as a path it means that checkpoint, not a file to
+    verify (it has no .sha256) or to unpickle."""
+    from trainscale.checkpointing.checkpointer import read_module_checkpoint
+
+    trainer = _fitted_run(tmp_path)
+    entries, _ = read_module_checkpoint(trainer.run_dir / "checkpoints" / ckpt.LAST)
+    assert entries["train_state"]["global_step"] == 2
+
+
+def test_a_checksum_file_given_as_the_checkpoint_names_the_checkpoint(tmp_path):
+    from trainscale.runtime.checkpoint_io import CheckpointError, load_file
+
+    trainer = _fitted_run(tmp_path)
+    newest = ckpt.find_last(tmp_path)
+    with pytest.raises(CheckpointError, match=r"is the checksum file of checkpoint .*epoch=000002.*pass that path"):
+        load_file(f"{newest}.sha256")
+    assert trainer.global_step == 2
+
+
+@pytest.mark.parametrize("content", ["", "epoch=000009-step=0000000099.pt"])
+def test_a_last_file_empty_or_naming_a_deleted_checkpoint_names_the_intact_ones_beside_it(tmp_path, content):
+    trainer = _fitted_run(tmp_path)
+    (trainer.run_dir / "checkpoints" / ckpt.LAST).write_text(content + "\n")
+    newest = trainer.run_dir / "checkpoints" / ckpt.checkpoint_name(2, 2)
+    what = "is empty" if not content else "names 'epoch=000009-step=0000000099.pt', which does not exist \(deleted or moved\)"
+    with pytest.raises(FileNotFoundError, match=rf"{what}; the intact checkpoints beside it: "
+                                                rf"epoch=000001-step=0000000001.pt, {newest.name}; resume from the "
+                                                rf"newest with ckpt_path='{newest}'"):
+        ckpt.find_last(tmp_path)

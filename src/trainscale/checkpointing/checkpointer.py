@@ -161,6 +161,8 @@ def read_module_checkpoint(path: Path, verify: bool = True,
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; pass a checkpoint file "
                                 "(<run>/checkpoints/epoch=E-step=S.pt) or a sharded checkpoint directory")
+    if ckpt.is_last_pointer(path):  # <run>/checkpoints/last: the checkpoint it names
+        path = ckpt.read_last(path)
     sharded = path.is_dir() and (path / ".metadata").is_file()
     entries = checkpoint_io.load_file(path / dcp_checkpoint.EXTRA if sharded else path, verify,
                                       map_location=map_location)

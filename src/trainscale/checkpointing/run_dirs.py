@@ -94,8 +94,36 @@ def find_last_of_run(root: str | os.PathLike, job_id: str | None = None,
     for run in _runs(Path(root), job_id, script):
         pointer = run / "checkpoints" / LAST
         if pointer.is_file():
-            return run / "checkpoints" / pointer.read_text().strip(), run
+            return read_last(pointer), run
     return None
+
+
+def is_last_pointer(path: Path) -> bool:
+    """Whether ``path`` is a run's "last" file (a line naming a checkpoint), not a checkpoint itself."""
+    path = Path(path)
+    return path.name == LAST and path.is_file() and path.stat().st_size < 4096
+
+
+def read_last(pointer: Path) -> Path:
+    """The checkpoint a "last" file names (its name in that directory, or an absolute path).
+
+    Raises:
+        FileNotFoundError: "last" is empty or names a checkpoint that is gone; the message lists the intact
+            checkpoints beside it and names the newest to pass instead.
+    """
+    pointer = Path(pointer)
+    named = pointer.read_text().strip()
+    target = pointer.parent / named if named else None
+    if target is not None and target.exists():
+        return target
+    intact = sorted((p for p in pointer.parent.iterdir() if checkpoint_order(p.name) is not None
+                     and (Path(f"{p}.sha256").is_file() or (p / ".metadata").is_file())),
+                    key=lambda p: checkpoint_order(p.name))
+    what = f"names {named!r}, which does not exist (deleted or moved)" if named else "is empty"
+    instead = (f"the intact checkpoints beside it: {', '.join(p.name for p in intact)}; resume from the newest with "
+               f"ckpt_path={str(intact[-1])!r}" if intact else
+               "no intact checkpoint is beside it: pass ckpt_path=None to start fresh")
+    raise FileNotFoundError(f"{str(pointer)!r} {what}; {instead}")
 
 
 def find_job_run(root: str | os.PathLike, job_id: str) -> Path | None:

@@ -60,6 +60,8 @@ def resolve_ckpt_path(runtime: Runtime, ckpt_path: Any, root: Path) -> tuple[Pat
     path = Path(ckpt_path)
     if path.is_symlink():  # a ModelCheckpoint's last.ckpt: the checkpoint it names (its run continues in place)
         path = path.resolve()
+    if ckpt.is_last_pointer(path):  # <run>/checkpoints/last: the checkpoint it names
+        path = ckpt.read_last(path)
     if not path.exists():
         raise FileNotFoundError(f"ckpt_path={str(path)!r} does not exist; pass an existing checkpoint file, 'last', "
                                 "or None to start fresh")

@@ -191,6 +191,9 @@ def check_is_file(path: Path) -> None:
         raise CheckpointError(f"checkpoint {str(path)!r} is a directory: a sharded checkpoint written by "
                               "strategy='fsdp' or 'model_parallel', not a file; load it with Runtime.load or "
                               "Trainer.fit(ckpt_path=...), which read it under any strategy")
+    if path.name.endswith(".sha256") and Path(str(path)[:-len(".sha256")]).exists():
+        raise CheckpointError(f"{str(path)!r} is the checksum file of checkpoint {str(path)[:-len('.sha256')]!r}, "
+                              "not a checkpoint; pass that path")
     if path.is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} is a directory, not a checkpoint; pass a checkpoint file "
                               "(<run>/checkpoints/epoch=E-step=S.pt) or ckpt_path='last'")
