@@ -2,7 +2,7 @@ import sys
 
 import pytest
 
-from trainscale.runtime import launch
+from trainscale.runtime import launch, rendezvous
 
 
 def test_single_node_is_standalone():
@@ -123,12 +123,18 @@ def test_a_pod_with_one_process_is_the_rank_and_says_where_it_waits(monkeypatch,
         asked.update(kwargs)
         raise _Stop
 
+    def join(world, timeout_s, report):  # the ranks meet on rank zero's store (runtime/rendezvous.py)
+        asked["met"] = (world.master_addr, world.master_port, world.rank, timeout_s)
+        return "the store"
+
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(rendezvous, "join", join)
     rt = Runtime(accelerator="cpu", timeout=30)  # devices="auto" on CPU: one process per pod
     assert (rt.world.rank, rt.world.local_rank, rt.world.world_size, rt.world.per_node) == (1, 0, 2, None)
     with pytest.raises(_Stop):
         rt.launch()
-    assert (asked["init_method"], asked["rank"], asked["world_size"]) == ("tcp://t-master-0:23456", 1, 2)
+    assert asked["met"] == ("t-master-0", 23456, 1, 30)
+    assert (asked["store"], asked["init_method"], asked["rank"], asked["world_size"]) == ("the store", None, 1, 2)
     err = capsys.readouterr().err
     assert "rank 1 of 2 (kubernetes: " in err and "waiting at the rendezvous t-master-0:23456" in err
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from trainscale.runtime import devices as _devices
-from trainscale.runtime import hangs, launch
+from trainscale.runtime import hangs, launch, rendezvous
 from trainscale.runtime.apply import prepare_module
 from trainscale.runtime.batch import to_device
 from trainscale.runtime.connector import RunConfig, RuntimeFlags, flag_signature, make_flags, resolve
@@ -217,18 +217,25 @@ class Runtime:
         # torchrun exports MASTER_ADDR/PORT (env://: its workers may share the agent's store); the other
         # launchers' address is the World's (srun, MPI and jsrun export none); a lone process without a
         # launcher takes a free local port.
-        init_method = None if self.world.launcher in ("torchrun", "env") else \
-            f"tcp://{self.world.master_addr}:{self.world.master_port}"
-        if self.world.launcher == "none":
+        world, init_method, store = self.world, None, None
+        if world.launcher == "ray":  # Ray Train makes the process group before the train function runs
+            raise RuntimeError(f"Ray's variables are set ({world.detected_from}) but no process group exists: Ray "
+                               "Train creates it before train_loop_per_worker runs; start this code from a "
+                               "TorchTrainer's train_loop_per_worker, or unset RANK/WORLD_SIZE to run it alone")
+        if world.launcher == "none":
             init_method = f"tcp://127.0.0.1:{_free_port()}"
-        elif self.world.world_size > 1 and self.world.local_rank == 0 and self.world.launcher != "torchrun":
-            # a missing peer would otherwise leave the job silent until `timeout`
-            print(f"trainscale: rank {self.world.rank} of {self.world.world_size} ({self.world.launcher}: "
-                  f"{self.world.detected_from}) waiting at the rendezvous {self.world.master_addr}:"
-                  f"{self.world.master_port} for the other processes (timeout {self.timeout:.0f} s)",
-                  file=sys.stderr, flush=True)
+        elif world.launcher not in ("torchrun", "env") and world.world_size > 1:
+            # srun, mpirun, jsrun and pods start every rank themselves: meet on rank zero's store first, so that a
+            # missing rank is named while the others wait instead of silence until `timeout`
+            if world.local_rank == 0:
+                print(f"trainscale: rank {world.rank} of {world.world_size} ({world.launcher}: "
+                      f"{world.detected_from}) waiting at the rendezvous {world.master_addr}:{world.master_port} for "
+                      f"the other processes (timeout {self.timeout:.0f} s)", file=sys.stderr, flush=True)
+            store = rendezvous.join(world, self.timeout, lambda line: print(line, file=sys.stderr, flush=True))
+        elif world.launcher not in ("torchrun", "env"):
+            init_method = f"tcp://{world.master_addr}:{world.master_port}"
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=self.timeout), init_method=init_method,
-                                rank=self.world.rank, world_size=self.world.world_size)
+                                store=store, rank=world.rank, world_size=world.world_size)
         atexit.register(_destroy_process_group)
 
     @property

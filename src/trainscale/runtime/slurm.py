@@ -203,8 +203,15 @@ def world_fields(env: Mapping[str, str]) -> dict:
     else:
         local_world_size = geti("SLURM_NTASKS_PER_NODE", world_size)
         nodes = geti("SLURM_STEP_NUM_NODES", geti("SLURM_NNODES", 0)) or None
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    master_addr = env.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else "127.0.0.1")
+    nodelist_var = next((n for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(n)), None)
+    master_addr = env.get("MASTER_ADDR") or "127.0.0.1"
+    if nodelist_var and not env.get("MASTER_ADDR"):
+        try:
+            master_addr = first_host(env[nodelist_var])
+        except ValueError as err:  # the rendezvous host cannot be known: say which variable, of which launcher
+            raise launcher_error("slurm", env, SLURM_VARS, f"{nodelist_var}={env[nodelist_var]!r} is not a SLURM "
+                                                           f"hostlist ({err}); set MASTER_ADDR to rank 0's host, or "
+                                                           "run under srun, which sets it") from None
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
     return dict(world_size=world_size, rank=rank, local_rank=local_rank, local_world_size=local_world_size,
                 node_rank=node_rank, master_addr=master_addr, master_port=geti("MASTER_PORT", port_from_job_id(job_id)),
