@@ -105,8 +105,11 @@ class Runtime:
                                          has_mps=_devices.mps_available(),
                                          **{**vars(f), "devices": devices, "num_nodes": num_nodes})
         self.world = world = _match_launcher(world, self.config, follows_launcher)
-        if not isinstance(f.timeout, (int, float)) or f.timeout <= 0:
-            raise ValueError(f"timeout={f.timeout!r} must be a positive number of seconds")
+        if isinstance(f.timeout, bool) or not isinstance(f.timeout, (int, float)) or not 0 < f.timeout < 1e9:
+            raise ValueError(f"timeout={f.timeout!r} must be a positive, finite number of seconds (e.g. 1800)")
+        if f.strategy_options is not None and not isinstance(f.strategy_options, dict):
+            raise ValueError(f"strategy_options={f.strategy_options!r} must be a dict of the strategy's keyword "
+                             "options (e.g. {'find_unused_parameters': True}) or None")
         self.timeout = f.timeout
         self.strategy_options = _strategy_options(self.config, f.strategy_options, f.tp_plan, f.parallelize,
                                                   f.pp_split_points, f.pp_microbatches)
