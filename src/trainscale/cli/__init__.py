@@ -212,6 +212,9 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
     from trainscale.cli.output_file import check_output_file
     from trainscale.runtime.slurm import SBATCH_MARK, sbatch_script
 
+    if not args.python.strip():
+        raise ValueError("--python '' names no command: pass the Python on the nodes, e.g. --python python3 or "
+                         "--python /opt/venv/bin/python")
     text = sbatch_script([args.python, args.script, *args.script_args], nodes=args.nodes,
                          gpus_per_node=args.gpus_per_node, job_name=args.job_name, time=args.time,
                          cpus_per_task=args.cpus_per_task, partition=args.partition,

@@ -13,13 +13,17 @@ def check_output_file(path: str, script: str, mark: str, command: str, example: 
     training script.
 
     Raises:
-        ValueError: ``path`` is the training script, a directory or other non-file, unreadable, or a file
-            ``command`` did not write; the message names it and suggests ``example`` instead.
+        ValueError: ``path`` is the training script, a directory or other non-file, unreadable, in a directory
+            that does not exist, or a file ``command`` did not write; the message names it and suggests ``example`` instead.
     """
     if os.path.abspath(path) == os.path.abspath(script) or (
             os.path.exists(path) and os.path.exists(script) and os.path.samefile(path, script)):
         raise ValueError(f"-o {path} is the training script itself: writing there would replace it; pick another "
                          f"name, e.g. -o {example}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"-o {path}: the directory {parent} does not exist; create it first (mkdir -p {parent}) or "
+                         f"pick another path, e.g. -o {example}")
     if not os.path.lexists(path):
         return
     if not os.path.isfile(path):
