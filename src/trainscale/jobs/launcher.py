@@ -101,35 +101,25 @@ def _interrupt_deferred():
         signal.signal(signal.SIGINT, previous)
 
 
-def _stat(path: Path) -> list[str] | None:
-    """The fields of a ``/proc/PID/stat`` file after the command name (proc(5): state, then the parent's pid,
-    ...); None when the process is gone or the file cannot be read (not Linux)."""
-    try:
-        return path.read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (Linux /proc; [] elsewhere). torchrun puts its workers in their own
-    sessions, so killing torchrun's process group alone could leave them running."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        fields = _stat(stat)
-        if fields is not None:
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+    """Every process below ``pid`` (psutil's process tree; [] once ``pid`` is gone). torchrun puts its workers in
+    their own sessions, so killing torchrun's process group alone could leave them running."""
+    import psutil
+
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def _alive(pid: int) -> bool:
     """Whether ``pid`` still runs (a zombie, dead but not yet reaped, does not)."""
-    fields = _stat(Path(f"/proc/{pid}/stat"))
-    return fields is not None and fields[0] != "Z"
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -151,15 +151,15 @@ AGENT_IN_PROCESS_MAX_RSS = 1 << 30  # bytes
 def agent_in_process_refusal(max_rss: int = AGENT_IN_PROCESS_MAX_RSS) -> str | None:
     """Why this process must not host torchrun's agent (None: it may): a CUDA context is initialised (it would
     hold GPU memory on the first GPU for the whole job, beside the workers), or the resident memory is ``max_rss``
-    bytes or more (the script's data and model, kept while the workers run), or it cannot be read
-    (``/proc/self/statm``: Linux only)."""
+    bytes or more (the script's data and model, kept while the workers run), or it cannot be read (psutil)."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "a CUDA context is initialised in this process"
+    import psutil
+
     try:
-        with open("/proc/self/statm") as statm:
-            rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+        rss = psutil.Process().memory_info().rss
+    except psutil.Error:
         return "its resident memory cannot be read"
     if rss >= max_rss:
         return f"it holds {rss / 2**30:.2f} GiB (>= {max_rss / 2**30:.2f} GiB)"
