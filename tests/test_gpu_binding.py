@@ -105,6 +105,7 @@ def test_fsdp_cpu_offload_creates_the_group_with_a_cpu_backend(monkeypatch, opti
     with pytest.raises(_Stop):
         rt.launch()
     assert asked["backend"] == backend and rt.device == torch.device("cuda", 1)
+    assert asked["device_id"] == torch.device("cuda", 1)  # bound: device meshes split their groups from it
 
 
 def test_a_one_gpu_pod_takes_cuda_0_whatever_its_rank(monkeypatch):

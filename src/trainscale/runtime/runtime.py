@@ -237,8 +237,12 @@ class Runtime:
             store = rendezvous.join(world, self.timeout, lambda line: print(line, file=sys.stderr, flush=True))
         elif world.launcher not in ("torchrun", "env"):
             init_method = f"tcp://{world.master_addr}:{world.master_port}"
+        # On CUDA the group is bound to this rank's GPU (`device_id`): NCCL connects at once, and every device mesh
+        # then splits its sub-groups from it, one `split_group` per mesh dimension, where an unbound group makes each
+        # rank call `new_group` for every sub-group of the mesh (O(world size); torch's DeviceMesh._init_process_groups)
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=self.timeout), init_method=init_method,
-                                store=store, rank=world.rank, world_size=world.world_size)
+                                store=store, rank=world.rank, world_size=world.world_size,
+                                device_id=self.device if self.device.type == "cuda" else None)
         atexit.register(_destroy_process_group)
 
     @property
