@@ -1,0 +1,47 @@
+"""The speed-up account against faults of known size, on 2 real gloo ranks (tests/account_workers.py).
+
+One launch runs four fits on the same two processes: a loader that sleeps per batch, rank 1 sleeping per step, the
+all-reduce started late by a DDP comm hook, and all three at once; the baseline is one device in this process. Each
+term must recover its injected delay within 15 %, the other two fault terms must stay under 15 % of it, and the
+named terms must add up to the measured gap within 5 % (the residual is what is left).
+"""
+
+import pytest
+import torch
+
+from tests import account_workers as aw
+from tests.helpers import run_distributed
+from trainscale.telemetry.account import COMM, DATA, RESIDUAL, WAIT, WEAK, account, render, step_split
+
+TERM = {"data": DATA, "straggler": WAIT, "comm": COMM}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs
+    try:
+        baseline, _ = aw.fit(1, str(root / "baseline"), {})
+    finally:
+        torch.set_num_threads(threads)
+    return baseline, run_distributed(aw.faults_body, str(root), timeout=50)[0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(aw.CASES))
+def test_each_term_recovers_its_injected_delay_and_the_terms_add_up(runs, case):
+    baseline, faulted = runs
+    acc = account(step_split(faulted[case]["telemetry"], 2, aw.BATCH), step_split(baseline["telemetry"], 1, aw.BATCH),
+                  WEAK)
+    print(f"\n{case}: " + render(acc))  # the recovered values, with pytest -s
+    injected = aw.CASES[case]
+    for fault, name in TERM.items():
+        got = acc.term(name).seconds
+        if fault in injected:
+            assert got == pytest.approx(injected[fault], rel=0.15), (name, got, injected[fault])
+        else:  # the other faults' terms stay near 0: the delay did not leak into them
+            assert abs(got) < 0.15 * min(injected.values()), (name, got)
+    residual = acc.term(RESIDUAL).seconds
+    assert abs(residual) <= 0.05 * acc.gap_s, (residual, acc.gap_s)
