@@ -106,5 +106,8 @@ def test_text_shows_a_bar_as_long_as_the_step_and_each_term_with_its_fix():
                            "(weak scaling")
     assert "W waiting for the slowest rank     30.0 ms  51% of the gap; without it efficiency 0.58 → 0.73" in text
     assert "rank 1 is slower than rank 0" in text
-    assert "includes any per-step fixed overhead" in text
+    assert "includes any per-step fixed overhead: not separated" in text
     assert "? residual" in text and "not a loss" in text and ", ? residual" not in text  # 0 s: listed, not drawn
+    short = render(acc, detail=False).splitlines()
+    assert len(short) == 2 and short[1].endswith("= ideal, W waiting for the slowest rank 30.0 ms, D data wait "
+                                                 "20.0 ms, C exposed communication 5.0 ms, S compute slowdown 4.0 ms")

@@ -7,6 +7,9 @@
 - ``scaling.png``: gain and scaling efficiency against batch size, one line per device count.
 - ``phases.png``: the step-phase split (data, forward, backward, optimizer) of each cell, when the
   cells recorded telemetry.
+- ``account.png``: each multi-device cell's step as the ideal plus the terms of its speed-up account
+  (:func:`trainscale.bench.analysis.cell_account`), when it and its baseline recorded telemetry; report.md holds
+  the same accounts as text.
 """
 
 from __future__ import annotations
@@ -122,6 +125,41 @@ def plot_phases(path: Path, rows: list[dict]) -> bool:
     return True
 
 
+def plot_account(path: Path, rows: list[dict]) -> bool:
+    """Stacked bars, one per cell with an account: the ideal step, then each term that cost time (ms per step);
+    terms below zero (faster than ideal) are not drawn."""
+    from trainscale.telemetry.account import RESIDUAL
+
+    cells = [(r, acc) for r in rows if (acc := analysis.cell_account(r, rows)) is not None]
+    if not cells:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells.sort(key=lambda c: (c[0]["precision"], c[0]["run_strategy"], c[0]["batch_size"], c[0]["devices"]))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(cells) + 4.0), 4.2))
+    x = range(len(cells))
+    ax.bar(x, [1e3 * acc.ideal_s for _, acc in cells], color="lightgrey", label="ideal")
+    bottom = [1e3 * acc.ideal_s for _, acc in cells]
+    for name in [t.name for t in cells[0][1].terms]:
+        ms = [1e3 * max(0.0, acc.term(name).seconds) if acc.term(name) else 0.0 for _, acc in cells]
+        if any(ms):
+            ax.bar(x, ms, bottom=bottom, label=name, hatch="//" if name == RESIDUAL else None)
+            bottom = [b + m for b, m in zip(bottom, ms)]
+    ax.set_xticks(list(x), [f"{r['devices']}d bs{r['batch_size']} {r['run_strategy']}" for r, _ in cells], rotation=60,
+                  ha="right", fontsize=8)
+    ax.set_ylabel("ms per step")
+    ax.set_title("where the speed-up went: ideal step + the terms of the gap")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def cell_table(rows: list[dict]) -> list[str]:
     """A markdown table with one line per cell: status, epoch time, samples/s, gain, efficiency, peak
     memory (largest rank, MiB), validation accuracy, exposed communication (the all-reduce a step waits for) and
@@ -164,6 +202,8 @@ def write(out: Path, rows: list[dict], devices: list[int], batch_sizes: list[int
                 pngs.append("scaling.png")
             if plot_phases(out / "phases.png", rows):
                 pngs.append("phases.png")
+            if plot_account(out / "account.png", rows):
+                pngs.append("account.png")
         except ImportError:
             advice.append("Plots skipped: matplotlib is not installed (pip install 'trainscale[plot]').")
     settings = json.loads((out / "sweep.json").read_text())["settings"] if (out / "sweep.json").is_file() else {}
@@ -171,9 +211,14 @@ def write(out: Path, rows: list[dict], devices: list[int], batch_sizes: list[int
     env = f"torch {ok[0].get('torch_version')}, device {ok[0].get('device')}." if ok else ""
     md = ["# trainscale bench", "", f"Settings: `{json.dumps(settings)}`; {len(rows)} cells, {len(ok)} ok. {env}", ""]
     md += ["```text", tables, "```", "", "## Advice", ""] + [f"- {a}" for a in advice] + [""]
+    accounts = analysis.accounts_text(rows, detail=True)
+    if accounts:
+        md += ["## Where the speed-up went", "", "Per step, against the ideal (docs/bench.md, \"Where the speed-up "
+               "went\"); `=` is the ideal step, each letter a term of the gap.", "", "```text", accounts, "```", ""]
     md += ["## Cells", "", *cell_table(rows), ""]
     if "phases.png" not in pngs:
         md += ["No step-phase plot: no cell recorded telemetry (`summary.json` \"telemetry\").", ""]
     md += [f"![{p}]({p})" for p in pngs]
     (out / "report.md").write_text("\n".join(md) + "\n")
-    return BenchResult(out=out, rows=rows, tables=tables, advice=advice)
+    return BenchResult(out=out, rows=rows, tables=tables, advice=advice,
+                       accounts=analysis.accounts_text(rows, detail=False))

@@ -17,11 +17,16 @@ shows alone, plus its wait for that rank. Each term is the run's part minus the 
 exposed communication          slowest rank's exposed communication (the all-reduce backward waits for)
 data wait                      the data phase: waiting for the loader, moving the batch, the loop between steps
 waiting for the slowest rank   the waiting rank's exposed communication − the slowest rank's (load imbalance)
-per-step fixed overhead        a fit's intercept: the compute a step costs at batch 0 (needs ≥ 2 batch sizes)
-compute slowdown               the fit's slope × the per-device batch (devices sharing cores or memory bandwidth);
-                               with one batch size: all the growth of compute, with any fixed overhead in it
-residual                       gap − the terms above: time outside the phases, the ranks' clocks, the fit's misfit
+per-step fixed overhead        the growth of compute that does not depend on the batch
+compute slowdown               the growth of compute per sample × the per-device batch (devices sharing cores or
+                               memory bandwidth)
+residual                       gap − the terms above: time outside the phases, the ranks' clocks
 =============================  =================================================================================
+
+The compute growth (the run's compute − the ideal's) is split between per-step fixed overhead and compute slowdown
+in the proportion that fits of compute time against per-device batch give (:func:`fit_compute`, one per device
+count, over two or more batch sizes: the intercepts' growth, the slopes' growth × the batch); without fits, or where
+they do not give two parts ≥ 0, one term, compute slowdown, holds all of it (with any fixed overhead).
 
 Each term names its fix and the efficiency the run would have without it: ideal ÷ (measured − term).
 Pure arithmetic on telemetry's dicts (``summary.json["telemetry"]``); nothing here imports torch.
@@ -191,7 +196,7 @@ def _fixes(run: StepSplit, scaling: str) -> dict[str, str]:
                                                                         if scaling == STRONG else "")
                   + ", torch.compile or CUDA graphs for the per-step launch cost",
         SLOWDOWN: "devices that do not share cores or memory bandwidth (on CPU: more cores per process, or GPUs)",
-        RESIDUAL: "not attributed: time outside the timed phases, the ranks' clocks, the compute fit's misfit",
+        RESIDUAL: "not attributed: time outside the timed phases, unequal step times across ranks",
     }
 
 
@@ -221,19 +226,29 @@ def account(run: StepSplit, baseline: StepSplit, scaling: str, fits: tuple[Compu
     ideal = baseline.step_s / s
     parts = {COMM: run.comm_s - baseline.comm_s / s, DATA: run.data_s - baseline.data_s / s,
              WAIT: run.wait_s - baseline.wait_s / s}
-    compute_growth = run.compute_s - baseline.compute_s / s
-    if fits is not None:
-        mine, base = fits
-        parts[OVERHEAD] = mine.fixed_s - base.fixed_s / s
-        parts[SLOWDOWN] = (mine.per_sample_s - base.per_sample_s) * run.per_device_batch
+    growth = run.compute_s - baseline.compute_s / s
+    fixed, per_sample = _fitted_growth(fits, s, run.per_device_batch)
+    if fixed is not None:
+        parts[OVERHEAD], parts[SLOWDOWN] = growth * fixed / (fixed + per_sample), growth * per_sample / (fixed + per_sample)
     else:
-        parts[SLOWDOWN] = compute_growth
+        parts[SLOWDOWN] = growth
     gap = run.step_s - ideal
     parts[RESIDUAL] = gap - math.fsum(parts.values())
     fixes = _fixes(run, scaling)
     terms = [Term(name, sec, sec / gap if gap else math.nan, ideal / (run.step_s - sec), fixes[name])
              for name, sec in parts.items()]
     return Account(scaling, run.devices, baseline.devices, ideal, run.step_s, terms, note)
+
+
+def _fitted_growth(fits, s: float, batch: int) -> tuple[float | None, float | None]:
+    """What the fits say compute grew by at ``batch`` per device: ``(fixed part, per-sample part)``, or
+    ``(None, None)`` without fits or when the two parts are not both ≥ 0 with a positive sum (fits over a few noisy
+    cells: they do not separate the two there)."""
+    if fits is None:
+        return None, None
+    mine, base = fits
+    fixed, per_sample = mine.fixed_s - base.fixed_s / s, (mine.per_sample_s - base.per_sample_s) * batch
+    return (fixed, per_sample) if fixed >= 0 and per_sample >= 0 and fixed + per_sample > 0 else (None, None)
 
 
 def _ms(seconds: float) -> str:
@@ -252,23 +267,26 @@ def bar(acc: Account, width: int = 60) -> str:
     return "[" + "".join(out)[:width].ljust(width) + "]"
 
 
-def render(acc: Account, title: str = "") -> str:
-    """The account as text: a head line, the stacked bar, one line per term (seconds, share of the gap, the
-    efficiency without it, the fix)."""
+def render(acc: Account, title: str = "", detail: bool = True) -> str:
+    """The account as text: a head line, the stacked bar with each drawn term's seconds, and with ``detail`` one
+    line per term (seconds, share of the gap, the efficiency without it, the fix)."""
     kind = (f"weak scaling: ideal = the {acc.baseline_devices}-device step" if acc.scaling == WEAK else
             f"strong scaling: ideal = the {acc.baseline_devices}-device step ÷ {acc.devices / acc.baseline_devices:g}")
     head = (f"{title + ': ' if title else ''}ideal {_ms(acc.ideal_s)}, measured {_ms(acc.measured_s)}, gap "
             f"{_ms(acc.gap_s)}, efficiency {acc.efficiency:.2f} ({kind})")
-    lines = [head, "  " + bar(acc) + "  = ideal, " + ", ".join(f"{SYMBOLS[t.name]} {t.name}" for t in acc.terms
-                                                                if _loss(t, acc))]
-    for t in sorted(acc.terms, key=lambda t: (t.name == RESIDUAL, -t.seconds)):
+    ordered = sorted(acc.terms, key=lambda t: (t.name == RESIDUAL, -t.seconds))
+    legend = ", ".join(f"{SYMBOLS[t.name]} {t.name} {_ms(t.seconds)}" for t in ordered if _loss(t, acc))
+    lines = [head, f"  {bar(acc)}  = ideal" + (f", {legend}" if legend else "")]
+    if not detail:
+        return "\n".join(lines)
+    for t in ordered:
         share = f"{t.share:4.0%}" if _finite(t.share) else "  — "
         buys = f"without it efficiency {acc.efficiency:.2f} → {t.efficiency_without:.2f}" if _loss(t, acc) else \
             "not a loss"
         lines.append(f"  {SYMBOLS[t.name]} {t.name:<29} {_ms(t.seconds):>10} {share} of the gap; {buys}: {t.fix}")
     if acc.term(OVERHEAD) is None:
-        lines.append(f"  ({SLOWDOWN} includes any {OVERHEAD}: one batch size measured; a bench over two or more "
-                     "batch sizes separates them)")
+        lines.append(f"  ({SLOWDOWN} includes any {OVERHEAD}: not separated without timings at two or more batch "
+                     "sizes on both device counts that fit a fixed and a per-sample part ≥ 0)")
     if acc.note:
         lines.append(f"  ({acc.note})")
     return "\n".join(lines)
