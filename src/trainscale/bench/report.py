@@ -113,16 +113,22 @@ def plot_phases(path: Path, rows: list[dict]) -> bool:
     if comm:
         ax.bar([i for i, _, _ in comm], [c for _, c, _ in comm], bottom=[top - c for _, c, top in comm], fill=False,
                hatch="///", edgecolor="black", linewidth=0.5, label="exposed communication (part of backward)")
-    ax.set_xticks(list(x), [f"{r['devices']}d bs{r['batch_size']}" + ("" if len({h['precision'] for h in have}) == 1
-                            else f" {r['precision']}") for r in have], rotation=60, ha="right", fontsize=8)
+    _save_cells(plt, fig, ax, path, "step-phase split per cell",
+                [f"{r['devices']}d bs{r['batch_size']}" + ("" if len({h['precision'] for h in have}) == 1
+                 else f" {r['precision']}") for r in have])
+    return True
+
+
+def _save_cells(plt, fig, ax, path: Path, title: str, labels: list[str]) -> None:
+    """A per-cell bar chart's labels, axis, legend and file."""
+    ax.set_xticks(list(range(len(labels))), labels, rotation=60, ha="right", fontsize=8)
     ax.set_ylabel("ms per step")
-    ax.set_title("step-phase split per cell")
+    ax.set_title(title)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return True
 
 
 def plot_account(path: Path, rows: list[dict]) -> bool:
@@ -148,15 +154,8 @@ def plot_account(path: Path, rows: list[dict]) -> bool:
         if any(ms):
             ax.bar(x, ms, bottom=bottom, label=name, hatch="//" if name == RESIDUAL else None)
             bottom = [b + m for b, m in zip(bottom, ms)]
-    ax.set_xticks(list(x), [f"{r['devices']}d bs{r['batch_size']} {r['run_strategy']}" for r, _ in cells], rotation=60,
-                  ha="right", fontsize=8)
-    ax.set_ylabel("ms per step")
-    ax.set_title("where the speed-up went: ideal step + the terms of the gap")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_cells(plt, fig, ax, path, "where the speed-up went: ideal step + the terms of the gap",
+                [f"{r['devices']}d bs{r['batch_size']} {r['run_strategy']}" for r, _ in cells])
     return True
 
 
