@@ -6,6 +6,11 @@ term must recover its injected delay within 15 %, the other two fault terms must
 named terms must add up to the measured gap within 5 % (the residual is what is left).
 """
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,14 +30,14 @@ def runs(tmp_path_factory):
         baseline, _ = aw.fit(1, str(root / "baseline"), {})
     finally:
         torch.set_num_threads(threads)
-    return baseline, run_distributed(aw.faults_body, str(root), timeout=50)[0]
+    return baseline, run_distributed(aw.faults_body, str(root), timeout=50)[0], root
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", list(aw.CASES))
 def test_each_term_recovers_its_injected_delay_and_the_terms_add_up(runs, case):
-    baseline, faulted = runs
+    baseline, faulted, _ = runs
     acc = account(step_split(faulted[case]["telemetry"], 2, aw.BATCH), step_split(baseline["telemetry"], 1, aw.BATCH),
                   WEAK)
     print(f"\n{case}: " + render(acc))  # the recovered values, with pytest -s
@@ -45,3 +50,25 @@ def test_each_term_recovers_its_injected_delay_and_the_terms_add_up(runs, case):
             assert abs(got) < 0.15 * min(injected.values()), (name, got)
     residual = acc.term(RESIDUAL).seconds
     assert abs(residual) <= 0.05 * acc.gap_s, (residual, acc.gap_s)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_report_cli_prints_the_account_against_a_baseline_run(runs):
+    _, _, root = runs
+    trainscale = str(Path(sys.executable).parent / "trainscale")
+    run, base = root / "all_three" / "version_0", root / "baseline" / "version_0"
+    out = subprocess.run([trainscale, "report", str(run), "--baseline", str(base)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "speed-up account, 2 devices against 1: ideal" in out.stdout and "(weak scaling" in out.stdout
+    for fault, name in TERM.items():
+        ms = float(re.search(rf"{name} +(-?[\d.]+) ms", out.stdout).group(1))
+        assert ms == pytest.approx(1e3 * aw.CASES["all three"][fault], rel=0.15), (name, ms)
+    assert "account" in (run / "report.txt").read_text()
+    alone = subprocess.run([trainscale, "report", str(run)], capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 0 and "within this run, per step: exposed communication" in alone.stdout
+    assert "--baseline" in alone.stdout
+    wrong = subprocess.run([trainscale, "report", str(base), "--baseline", str(run)], capture_output=True, text=True,
+                           timeout=60)
+    assert wrong.returncode == 2 and "swap the two directories" in wrong.stderr and "Traceback" not in wrong.stderr

@@ -165,26 +165,31 @@ def _from_account(row: dict, rows: list[dict], acc: Account) -> tuple[str, str]:
     kind = KINDS[losses[0].name]
     if kind == "compute" and acc.term(OVERHEAD) is None and _tiny_steps_and_batch_helps(row, rows, acc.measured_s):
         kind = "overhead"
-    eff = row.get("efficiency")
-    eff_txt = f"efficiency {eff:.2f}, " if eff is not None else ""
-    quoted = [t for t in losses if t is losses[0] or t.share >= QUOTED_SHARE]
-    terms = "; ".join(f"{t.name} {_ms(t.seconds)} ({t.share:.0%} of it; without it efficiency {acc.efficiency:.2f} → "
-                      f"about {t.efficiency_without:.2f}): {t.fix}" for t in quoted if t.name != RESIDUAL)
+    quoted = [t for t in losses if (t is losses[0] or t.share >= QUOTED_SHARE) and t.name != RESIDUAL]
+    terms = "".join(f"{t.name} {_ms(t.seconds)} ({t.share:.0%} of it; without it efficiency {acc.efficiency:.2f} → "
+                    f"about {t.efficiency_without:.2f}): {t.fix}; " for t in quoted)
     residual = acc.term(RESIDUAL)
     if abs(residual.seconds) < 5e-5:  # under 0.05 ms: printed as 0.0, not as "-0.0 ms (-0%)"
         residual = RESIDUAL_NONE
-    text = (f"{label(row)} is {kind}-bound ({eff_txt}step {_ms(acc.measured_s)}): against the ideal "
-            f"{_ms(acc.ideal_s)} ({acc.scaling} scaling) each step loses {_ms(acc.gap_s)}; "
-            + (terms + "; " if terms else "") + f"unattributed residual {_ms(residual.seconds)} "
-            f"({residual.share:.0%}).")
+    eff = f"efficiency {row['efficiency']:.2f}, " if row.get("efficiency") is not None else ""
+    text = (f"{label(row)} is {kind}-bound ({eff}step {_ms(acc.measured_s)}): against the ideal {_ms(acc.ideal_s)} "
+            f"({acc.scaling} scaling) each step loses {_ms(acc.gap_s)}; {terms}unattributed residual "
+            f"{_ms(residual.seconds)} ({residual.share:.0%}).")
+    return kind, text + _table_notes(row, rows, kind)
+
+
+def _table_notes(row: dict, rows: list[dict], kind: str) -> str:
+    """What the table adds to an account: whether larger batches on the same devices were more efficient, and for
+    a compute-bound CPU cell that its processes share the machine."""
     larger, helps = _larger_batches(row, rows)
+    text = ""
     if larger:
-        text += " " + ("A larger per-device batch helps here: " if helps else "") + \
-            (larger if helps else larger[0].upper() + larger[1:]) + "."
+        text += " A larger per-device batch helps here: " + larger + "." if helps else \
+            " " + larger[0].upper() + larger[1:] + "."
     if kind == "compute" and str(row.get("device", "")).startswith("cpu"):
         text += (f" On CPU the {row['devices']} processes share the machine's cores and memory bandwidth "
                  f"({row.get('omp_num_threads', '?')} thread(s) each).")
-    return kind, text
+    return text
 
 
 def _comm_cause(row, s, src, larger, helps) -> str:

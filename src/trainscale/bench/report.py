@@ -197,12 +197,10 @@ def write(out: Path, rows: list[dict], devices: list[int], batch_sizes: list[int
     pngs = []
     if plots:
         try:
-            if plot_scaling(out / "scaling.png", rows, devices, batch_sizes, strategies, precisions):
-                pngs.append("scaling.png")
-            if plot_phases(out / "phases.png", rows):
-                pngs.append("phases.png")
-            if plot_account(out / "account.png", rows):
-                pngs.append("account.png")
+            drawn = {"scaling.png": plot_scaling(out / "scaling.png", rows, devices, batch_sizes, strategies, precisions),
+                     "phases.png": plot_phases(out / "phases.png", rows),
+                     "account.png": plot_account(out / "account.png", rows)}
+            pngs = [name for name, done in drawn.items() if done]
         except ImportError:
             advice.append("Plots skipped: matplotlib is not installed (pip install 'trainscale[plot]').")
     settings = json.loads((out / "sweep.json").read_text())["settings"] if (out / "sweep.json").is_file() else {}
