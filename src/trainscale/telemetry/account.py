@@ -256,15 +256,17 @@ def _ms(seconds: float) -> str:
 
 
 def bar(acc: Account, width: int = 60) -> str:
-    """The measured step as a text stacked bar ``width`` characters long: ``=`` the ideal, then one letter per
-    positive term in the order of ``acc.terms`` (C, D, W, O, S, ? as in :data:`SYMBOLS`). Negative terms (faster than ideal) are not drawn; the legend lists them."""
-    scale = width / max(acc.measured_s, acc.ideal_s)
+    """The step as a text stacked bar ``width`` characters long: ``=`` the ideal, then one letter per term that cost
+    time, in the order of ``acc.terms`` (C, D, W, O, S, ? as in :data:`SYMBOLS`). The bar spans the ideal plus those
+    terms: the measured step when no term is negative (terms below zero, faster than ideal, are not drawn; the text
+    lists them)."""
     cells = [("=", acc.ideal_s)] + [(SYMBOLS[t.name], t.seconds) for t in acc.terms if _loss(t, acc)]
+    scale = width / math.fsum(seconds for _, seconds in cells)
     out, used = [], 0.0
-    for symbol, seconds in cells:  # round the running total, so the bar's length is the measured step's
+    for symbol, seconds in cells:  # round the running total, so the bar is exactly width long
         start, used = round(used * scale), used + seconds
-        out.append(symbol * max(0, round(used * scale) - start))
-    return "[" + "".join(out)[:width].ljust(width) + "]"
+        out.append(symbol * (round(used * scale) - start))
+    return "[" + "".join(out) + "]"
 
 
 def render(acc: Account, title: str = "", detail: bool = True) -> str:
