@@ -106,7 +106,7 @@ def test_text_shows_a_bar_as_long_as_the_step_and_each_term_with_its_fix():
                            "(weak scaling")
     assert "W waiting for the slowest rank     30.0 ms  51% of the gap; without it efficiency 0.58 → 0.73" in text
     assert "rank 1 is slower than rank 0" in text
-    assert "includes any per-step fixed overhead: not separated" in text
+    assert "includes any per-step fixed overhead: they are separated by timings" in text
     faster = account(step_split(RUN, 2, 32), step_split(tele([0.080], [0.002], [0.028], [0.040], [0.010]), 1, 32),
                      WEAK)  # compute 4 ms faster than on one device: a negative term, not drawn
     assert faster.term(SLOWDOWN).seconds < 0 and len(bar(faster, 40)) == 42 and "S" not in bar(faster, 40)

@@ -119,10 +119,10 @@ def plot_phases(path: Path, rows: list[dict]) -> bool:
     return True
 
 
-def _save_cells(plt, fig, ax, path: Path, title: str, labels: list[str]) -> None:
+def _save_cells(plt, fig, ax, path: Path, title: str, labels: list[str], ylabel: str = "ms per step") -> None:
     """A per-cell bar chart's labels, axis, legend and file."""
     ax.set_xticks(list(range(len(labels))), labels, rotation=60, ha="right", fontsize=8)
-    ax.set_ylabel("ms per step")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
@@ -132,8 +132,9 @@ def _save_cells(plt, fig, ax, path: Path, title: str, labels: list[str]) -> None
 
 
 def plot_account(path: Path, rows: list[dict]) -> bool:
-    """Stacked bars, one per cell with an account: the ideal step, then each term that cost time (ms per step);
-    terms below zero (faster than ideal) are not drawn."""
+    """Stacked bars, one per cell with an account, in per cent of the cell's measured step (so cells of any step
+    time compare): the ideal step (the efficiency), then each term that cost time; terms below zero (faster than
+    ideal) are not drawn."""
     from trainscale.telemetry.account import RESIDUAL
 
     cells = [(r, acc) for r in rows if (acc := analysis.cell_account(r, rows)) is not None]
@@ -147,15 +148,16 @@ def plot_account(path: Path, rows: list[dict]) -> bool:
     cells.sort(key=lambda c: (c[0]["precision"], c[0]["run_strategy"], c[0]["batch_size"], c[0]["devices"]))
     fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(cells) + 4.0), 4.2))
     x = range(len(cells))
-    ax.bar(x, [1e3 * acc.ideal_s for _, acc in cells], color="lightgrey", label="ideal")
-    bottom = [1e3 * acc.ideal_s for _, acc in cells]
+    ax.bar(x, [100 * acc.efficiency for _, acc in cells], color="lightgrey", label="ideal (the efficiency)")
+    bottom = [100 * acc.efficiency for _, acc in cells]
     for name in [t.name for t in cells[0][1].terms]:
-        ms = [1e3 * max(0.0, acc.term(name).seconds) if acc.term(name) else 0.0 for _, acc in cells]
+        ms = [100 * max(0.0, acc.term(name).seconds) / acc.measured_s if acc.term(name) else 0.0 for _, acc in cells]
         if any(ms):
             ax.bar(x, ms, bottom=bottom, label=name, hatch="//" if name == RESIDUAL else None)
             bottom = [b + m for b, m in zip(bottom, ms)]
-    _save_cells(plt, fig, ax, path, "where the speed-up went: ideal step + the terms of the gap",
-                [f"{r['devices']}d bs{r['batch_size']} {r['run_strategy']}" for r, _ in cells])
+    _save_cells(plt, fig, ax, path, "where the speed-up went", [f"{r['devices']}d bs{r['batch_size']} "
+                                                              f"{r['run_strategy']}" for r, _ in cells],
+                "% of the measured step")
     return True
 
 

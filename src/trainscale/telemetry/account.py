@@ -25,8 +25,9 @@ residual                       gap − the terms above: time outside the phases,
 
 The compute growth (the run's compute − the ideal's) is split between per-step fixed overhead and compute slowdown
 in the proportion that fits of compute time against per-device batch give (:func:`fit_compute`, one per device
-count, over two or more batch sizes: the intercepts' growth, the slopes' growth × the batch); without fits, or where
-they do not give two parts ≥ 0, one term, compute slowdown, holds all of it (with any fixed overhead).
+count, over two or more batch sizes: the intercepts' growth, the slopes' growth × the batch; a part that shrank counts
+as 0); without fits, or where neither part grew, one term, compute slowdown, holds all of it (with any fixed
+overhead).
 
 Each term names its fix and the efficiency the run would have without it: ideal ÷ (measured − term).
 Pure arithmetic on telemetry's dicts (``summary.json["telemetry"]``); nothing here imports torch.
@@ -241,14 +242,14 @@ def account(run: StepSplit, baseline: StepSplit, scaling: str, fits: tuple[Compu
 
 
 def _fitted_growth(fits, s: float, batch: int) -> tuple[float | None, float | None]:
-    """What the fits say compute grew by at ``batch`` per device: ``(fixed part, per-sample part)``, or
-    ``(None, None)`` without fits or when the two parts are not both ≥ 0 with a positive sum (fits over a few noisy
-    cells: they do not separate the two there)."""
+    """What the fits say compute grew by at ``batch`` per device: ``(fixed part, per-sample part)``, a part that
+    shrank counted as 0; ``(None, None)`` without fits or when neither part grew (they do not separate the two)."""
     if fits is None:
         return None, None
     mine, base = fits
-    fixed, per_sample = mine.fixed_s - base.fixed_s / s, (mine.per_sample_s - base.per_sample_s) * batch
-    return (fixed, per_sample) if fixed >= 0 and per_sample >= 0 and fixed + per_sample > 0 else (None, None)
+    fixed = max(0.0, mine.fixed_s - base.fixed_s / s)
+    per_sample = max(0.0, (mine.per_sample_s - base.per_sample_s) * batch)
+    return (fixed, per_sample) if fixed + per_sample > 0 else (None, None)
 
 
 def _ms(seconds: float) -> str:
@@ -287,16 +288,16 @@ def render(acc: Account, title: str = "", detail: bool = True) -> str:
             "not a loss"
         lines.append(f"  {SYMBOLS[t.name]} {t.name:<29} {_ms(t.seconds):>10} {share} of the gap; {buys}: {t.fix}")
     if acc.term(OVERHEAD) is None:
-        lines.append(f"  ({SLOWDOWN} includes any {OVERHEAD}: not separated without timings at two or more batch "
-                     "sizes on both device counts that fit a fixed and a per-sample part ≥ 0)")
+        lines.append(f"  ({SLOWDOWN} includes any {OVERHEAD}: they are separated by timings at two or more batch "
+                     "sizes on both device counts, as bench takes them)")
     if acc.note:
         lines.append(f"  ({acc.note})")
     return "\n".join(lines)
 
 
 def _loss(term: Term, acc: Account) -> bool:
-    """Whether ``term`` costs time worth drawing: more than a millionth of the measured step."""
-    return term.seconds > 1e-6 * acc.measured_s
+    """Whether ``term`` costs time worth drawing and listing: more than a thousandth of the measured step."""
+    return term.seconds > 1e-3 * acc.measured_s
 
 
 def _finite(v) -> bool:
