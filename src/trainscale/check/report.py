@@ -38,8 +38,8 @@ def end_lines(comparison: Comparison) -> str:
 
 def speed(ref: dict, dist: dict) -> str:
     """Where the N-process run's speed-up went against the 1-device run: the account of their telemetry
-    (:func:`trainscale.telemetry.report.account_text`: strong scaling for the same global batch, weak with
-    ``--lr-scaling``), from the few steps the check times; a line saying why when there is none."""
+    (:func:`trainscale.telemetry.report.account_text`; strong scaling: both runs train the same global batch, with
+    ``--lr-scaling`` too), from the few steps the check times; a line saying why when there is none."""
     from trainscale.telemetry.report import account_text
 
     if not (ref.get("telemetry") and dist.get("telemetry")):
