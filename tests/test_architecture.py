@@ -30,7 +30,6 @@ LAYER = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 MAX_COMPLEXITY = 15
 ALLOWED_COMPLEX = {
     "bench/advice.py:advise": "independent advice rules in priority order; each branch is one rule, read top to bottom",
-    "bench/advice.py:_classify": "one bottleneck class per branch (data, communication, small batch, memory)",
     "bench/analysis.py:shares": "the phases of a step, each optional in a row (CPU rows lack some)",
     "bench/analysis.py:table": "one optional column per branch of the printed table",
     "bench/grid.py:plan": "the sweep grid's flag checks, each with its own message naming the fix",

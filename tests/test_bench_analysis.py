@@ -109,14 +109,18 @@ def test_advice_communication_bound():
                   row(2, 4, time_s=2.5, steps=50, telemetry=tel(0.05, comm=0.02)))
     kind, text = adv.diagnose(rows[1], rows)
     assert kind == "communication"
-    assert "20.0 ms, 40% of the step" in text and "efficiency 0.40" in text and "source: telemetry" in text
+    assert "efficiency 0.40, step 50.0 ms): against the ideal 20.0 ms (weak scaling) each step loses 30.0 ms" in text
+    assert "exposed communication 20.0 ms (67% of it; without it efficiency 0.40 → about 0.67)" in text
+    assert "compute slowdown 10.0 ms (33% of it" in text and "unattributed residual 0.0 ms (0%)" in text
+    assert rows[1]["account"]["gap_s"] == pytest.approx(0.03)  # in results.json too
 
 
 def test_advice_data_bound():
     rows = scaled(row(1, 64, time_s=4.0, telemetry=tel(0.04, data=0.02)),
                   row(2, 64, time_s=3.0, steps=50, telemetry=tel(0.06, data=0.03, comm=0.001)))
     kind, text = adv.diagnose(rows[1], rows)
-    assert kind == "data" and "30.0 ms, 50% of the step" in text and "num_workers" in text
+    assert kind == "data" and "data wait 10.0 ms (50% of it; without it efficiency 0.67 → about 0.80)" in text
+    assert "num_workers=1" in text
     assert adv.is_poor(rows[0]) and adv.diagnose(rows[0], rows)[0] == "data"  # data-bound on 1 device too
 
 
@@ -125,20 +129,26 @@ def test_advice_overhead_bound_and_compute_bound():
                   row(2, 4, time_s=1.25, steps=50, telemetry=tel(0.025, comm=0.001)),
                   row(1, 512, time_s=10.0, telemetry=tel(0.1)),
                   row(2, 512, time_s=6.0, steps=50, telemetry=tel(0.12, comm=0.002)))
-    kind, text = adv.diagnose(rows[1], rows)
+    kind, text = adv.diagnose(rows[1], rows)  # fits over bs 4 and 512 split the compute growth
     assert kind == "overhead" and "efficiency 0.40" in text and "rises to 0.83 at bs 512" in text
+    assert "per-step fixed overhead 14.0 ms (93% of it" in text
     flat = scaled(row(1, 4, time_s=1.0, telemetry=tel(0.01)),
                   row(2, 4, time_s=0.8, steps=50, telemetry=tel(0.016, comm=0.001)),
                   row(1, 512, time_s=10.0, telemetry=tel(0.1)),
                   row(2, 512, time_s=8.0, steps=50, telemetry=tel(0.16, comm=0.002)))
-    kind, text = adv.diagnose(flat[1], flat)
-    assert kind == "compute" and "efficiency 0.62" in text and "share the machine's cores" in text
-    big_steps = scaled(row(1, 4, time_s=10.0, telemetry=tel(0.1)),  # 100 ms steps are not tiny
-                       row(2, 4, time_s=12.5, steps=50, telemetry=tel(0.25, comm=0.001)),
-                       row(1, 512, time_s=10.0, telemetry=tel(0.1)),
-                       row(2, 512, time_s=6.0, steps=50, telemetry=tel(0.12, comm=0.002)))
-    kind, text = adv.diagnose(big_steps[1], big_steps)
-    assert kind == "compute" and "the steps are not tiny (100.0 ms on 1 device(s))" in text
+    kind, text = adv.diagnose(flat[1], flat)  # at bs 4 the fixed part dominates, at bs 512 the per-sample part
+    assert kind == "overhead" and "per-step fixed overhead 4.6 ms (76% of it" in text
+    assert "Larger batches did not help here (best efficiency 0.62, at bs 512)" in text
+    kind, text = adv.diagnose(flat[3], flat)
+    assert kind == "compute" and "compute slowdown 53.4 ms (89% of it" in text and "share the machine's cores" in text
+    one_batch = scaled(row(1, 4, time_s=10.0, telemetry=tel(0.1)),  # no fit: slowdown holds all the compute growth
+                       row(2, 4, time_s=12.5, steps=50, telemetry=tel(0.25, comm=0.001)))
+    kind, text = adv.diagnose(one_batch[1], one_batch)
+    assert kind == "compute" and "compute slowdown 149.0 ms (99% of it" in text
+    tiny = scaled(row(1, 4, time_s=1.0, telemetry=tel(0.01)),  # no fit, tiny steps, a larger batch more efficient
+                  row(2, 4, time_s=1.25, steps=50, telemetry=tel(0.025, comm=0.001)),
+                  row(1, 512, time_s=10.0), row(2, 512, time_s=6.0, steps=50))
+    assert adv.diagnose(tiny[1], tiny)[0] == "overhead"
 
 
 def test_advice_memory_failed_and_unexplained():
@@ -203,6 +213,12 @@ def test_report_files_from_synthetic_rows_with_telemetry(tmp_path):
     assert table_rows[2]["status"] == "crashed"
     md = (tmp_path / "report.md").read_text()
     assert result.tables in md and "![phases.png](phases.png)" in md and "CRASHED" in md
+    assert (tmp_path / "account.png").stat().st_size > 0 and "![account.png](account.png)" in md
+    # 1 device: 10 ms; 2 devices: 25 ms, of which 8 ms exposed communication; the rest is compute slowdown
+    assert "## Where the speed-up went" in md and "ideal 10.0 ms, measured 25.0 ms, gap 15.0 ms" in md
+    assert "C exposed communication             8.0 ms  53% of the gap" in md
+    assert result.accounts.splitlines()[0] == ("ddp · 32-true · bs 4 on 2 devices: ideal 10.0 ms, measured 25.0 ms, "
+                                               "gap 15.0 ms, efficiency 0.40 (weak scaling: ideal = the 1-device step)")
 
 
 def test_cell_outcome_from_what_the_cell_left(tmp_path):
@@ -249,8 +265,8 @@ def test_forward_that_slowed_is_compute_not_communication_and_no_false_batch_tip
                   row(2, 64, time_s=12.0, steps=50, telemetry=tel(0.24, comm=0.01, fwd=0.1)))
     kind, text = adv.diagnose(rows[1], rows)
     assert kind == "compute"
-    assert "forward grew most, from 6.0 ms per step on 1 device(s) to 20.0 ms (+14.0 ms)" in text
-    assert "amortize" not in text and "Larger batches did not help here (best efficiency 0.33, at bs 64)" in text
+    assert "compute slowdown 17.0 ms (57% of it" in text and "exposed communication 13.0 ms (43% of it" in text
+    assert "helps here" not in text and "Larger batches did not help here (best efficiency 0.33, at bs 64)" in text
     assert assert_efficiencies_quoted_match(text, rows, 2) == 1
 
 
@@ -262,24 +278,28 @@ def test_communication_advice_recommends_larger_batches_only_when_the_table_show
                       row(2, 64, time_s=eff64_time, steps=50, telemetry=tel(0.08 * eff64_time / 4, comm=0.03)))
     helps = table_with(5.0)  # bs 64: efficiency 0.80 > 0.25
     kind, text = adv.diagnose(helps[1], helps)
-    assert kind == "communication" and "exposed communication grew most, from 0.0 ms per step on 1 device(s) to 50.0 ms" \
-        in text
-    assert "A larger per-device batch amortizes it: efficiency rises to 0.80 at bs 64" in text
+    assert kind == "communication" and "exposed communication 50.0 ms (83% of it" in text
+    assert "A larger per-device batch helps here: efficiency rises to 0.80 at bs 64" in text
     assert assert_efficiencies_quoted_match(text, helps, 2) == 1
     worse = table_with(20.0)  # bs 64: efficiency 0.20 < 0.25
     kind, text = adv.diagnose(worse[1], worse)
-    assert kind == "communication" and "amortize" not in text
+    assert kind == "communication" and "helps here" not in text
     assert "Larger batches did not help here (best efficiency 0.20, at bs 64)" in text
     assert "accumulate_grad_batches" in text
     assert assert_efficiencies_quoted_match(text, worse, 2) == 1
 
 
-def test_each_class_is_named_by_the_phase_that_grew():
-    """One table per class, built so that class is true; the advice names it and its phase."""
+def test_each_class_is_named_by_the_largest_term_of_the_account():
+    """One table per class, built so that class is true; the advice names it and its term."""
     base = row(1, 32, time_s=2.0, steps=100, telemetry=tel(0.02, data=0.002))
+    # rank 1 computes 28 ms longer; rank 0 waits for it at the end of backward
+    waits = dict(tel(0.05, data=0.002, comm=0.015), rank_step_time_s=[0.05, 0.05], rank_exposed_comm_s=[0.028, 0.002],
+                 rank_phase_s={"data": [0.002, 0.002], "forward": [0.015, 0.041], "backward": [0.030, 0.004],
+                               "optimizer": [0.003, 0.003]})
     cases = {"data": tel(0.05, data=0.03, comm=0.001), "communication": tel(0.05, data=0.002, comm=0.03),
-             "compute": tel(0.05, data=0.002, comm=0.001, fwd=0.03)}
-    phases = {"data": "data grew most", "communication": "exposed communication grew most", "compute": "forward grew most"}
+             "compute": tel(0.05, data=0.002, comm=0.001, fwd=0.03), "imbalance": waits}
+    phases = {"data": "data wait 28.0 ms", "communication": "exposed communication 30.0 ms",
+              "compute": "compute slowdown", "imbalance": "waiting for the slowest rank 26.0 ms (87% of it"}
     for kind, t in cases.items():
         rows = scaled(base, row(2, 32, time_s=2.5, steps=50, telemetry=t))
         got, text = adv.diagnose(rows[1], rows)
@@ -306,7 +326,7 @@ def test_bench_shows_exposed_communication_not_the_whole_all_reduce():
     assert line.rstrip(" |").split(" | ")[-2:] == ["20%", "0%"]  # exposed comm, data
     assert "| exposed comm | data |" in report.cell_table(rows)[0]
     text = adv.diagnose(rows[1], rows)[1]
-    assert "exposed communication grew most, from 0.0 ms per step on 1 device(s) to 10.0 ms" in text
+    assert "exposed communication 10.0 ms (33% of it" in text
 
 
 def test_a_pipeline_cell_probes_no_gradient_all_reduce():

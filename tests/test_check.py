@@ -36,6 +36,9 @@ def test_the_demo_convnet_passes(tmp_path, strategy):
     assert report["passed"] and len(report["rows"]) == 3
     assert max(r["loss_rel"] for r in report["rows"]) < report["rtol"]  # and the loss was not trivially equal:
     assert len({r["loss"][0] for r in report["rows"]}) == 3  # three different steps were trained
+    # the speed-up account of the same two runs: the same global batch is strong scaling
+    assert "speed-up account, 2 devices against 1: ideal" in proc.stdout and "(strong scaling" in proc.stdout
+    assert ("communication was not timed" in proc.stdout) == (strategy == "fsdp")
 
 
 @pytest.mark.multiprocess
@@ -66,6 +69,8 @@ def test_the_lr_scaled_by_the_trainer_passes_the_lr_scaling_check(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "check" / "report.json").read_text())["rows"]
     assert [r["lr"] for r in rows] == [[0.2, 0.2]] * 3  # SGD's 0.1 tuned at 8, × 2 for 2 × 8 in both runs
+    # the reference trains the same global batch (2 × 8) on one device: strong scaling here too
+    assert "speed-up account, 2 devices against 1" in proc.stdout and "(strong scaling" in proc.stdout
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = {"step_time_s", "phase_s", "phase_share", "comm_s", "exposed_comm_s", "exposed_comm_share",
             "samples_per_s", "samples_per_s_per_device",
             "tokens_per_s", "flops_per_sample", "flops_method", "achieved_flops_per_s", "mfu", "peak_memory_bytes",
-            "peak_memory_kind", "gpu_utilization", "slowest_rank", "straggler_ranks"}
+            "peak_memory_kind", "gpu_utilization", "slowest_rank", "straggler_ranks",
+            "rank_step_time_s", "rank_phase_s", "rank_exposed_comm_s", "rank_compute_s"}
 
 
 def test_marks_attribute_each_phase_its_own_time():

@@ -1,32 +1,34 @@
-"""Advice from measured rows: the fastest configuration, time-to-accuracy, and for each poor cell the
-bottleneck its numbers show. Every sentence quotes the numbers it rests on. Pure logic, no torch.
+"""Advice from measured rows: the fastest configuration, time-to-accuracy, and for each poor cell where its
+speed-up went. Every sentence quotes the numbers it rests on. Pure logic, no torch.
 
 A cell is *poor* when it failed, when its scaling efficiency is below ``POOR_EFFICIENCY``, or when
 data loading takes at least ``DATA_SHARE`` of its step. Its class, first that applies:
 
 - memory-bound: it ran out of memory (``oom``);
 - failed: timeout, exception or crash (the reason is quoted);
-- when the cell and its baseline (fewest devices, same batch column) both have telemetry, the phase
-  that grew most per step decides: exposed communication (the all-reduce backward waits for) →
-  communication-bound, data → data-bound, forward,
-  backward or optimizer → compute-bound (the devices compute slower together; on CPU the processes
-  share cores and memory bandwidth). The sentence names that phase with both times;
+- when the cell and its baseline (fewest devices, same batch column) both have telemetry, the speed-up account
+  (:func:`trainscale.bench.analysis.cell_account`) decides: its largest term names the class (exposed
+  communication → communication-bound, data wait → data-bound, waiting for the slowest rank → imbalance-bound,
+  per-step fixed overhead → overhead-bound, compute slowdown → compute-bound, residual → unexplained), and the
+  sentence quotes each large term with its share of the lost time, its fix, and the efficiency without it;
 - otherwise the shares of the step: exposed communication ≥ ``COMM_SHARE`` → communication-bound, data wait ≥
   ``DATA_SHARE`` → data-bound, else compute-bound;
-- a compute-bound cell is overhead-bound instead when its steps are tiny (the baseline's step under
-  ``TINY_STEP_S``) and efficiency rises by ≥ ``OVERHEAD_RISE`` at a larger batch with the same devices;
+- a compute-bound cell whose compute growth was not split by a fit (one batch size timed) is overhead-bound instead
+  when its steps are tiny (the baseline's step under ``TINY_STEP_S``) and efficiency rises by ≥ ``OVERHEAD_RISE``
+  at a larger batch with the same devices;
 - unexplained: nothing was measured.
 
 What would help is said only where the table supports it: a larger batch is recommended when a larger
 batch with the same devices was more efficient, and reported as no help when it was not.
 
-Shares come from telemetry (``summary["telemetry"]``) when the run recorded it, else from the cell's
-probes (a lone gradient-sized all-reduce; a data-only pass over the loader), which bound them from above.
+Without telemetry on both cells the shares come from the cell's probes (a lone gradient-sized all-reduce; a
+data-only pass over the loader), which bound them from above.
 """
 
 from __future__ import annotations
 
-from trainscale.bench.analysis import find, fmt_time, shares
+from trainscale.bench.analysis import cell_account, find, fmt_time, shares
+from trainscale.telemetry.account import COMM, DATA, OVERHEAD, RESIDUAL, SLOWDOWN, WAIT, Account, Term
 
 POOR_EFFICIENCY = 0.75
 COMM_SHARE = 0.25
@@ -34,7 +36,11 @@ DATA_SHARE = 0.25
 OVERHEAD_RISE = 0.10
 SUPERLINEAR = 1.10
 TINY_STEP_S = 0.05
-EXPOSED = "exposed communication"  # the phase name for the part of the all-reduce a step waits for
+EXPOSED = COMM  # the part of the all-reduce a step waits for
+KINDS = {COMM: "communication", DATA: "data", WAIT: "imbalance", OVERHEAD: "overhead", SLOWDOWN: "compute",
+         RESIDUAL: "unexplained"}
+RESIDUAL_NONE = Term(RESIDUAL, 0.0, 0.0, 0.0, "")
+QUOTED_SHARE = 0.10  # terms quoted besides the largest: at least this share of the lost time
 
 
 def label(row: dict) -> str:
@@ -63,37 +69,6 @@ def is_poor(row: dict) -> bool:
     return s["data_share"] is not None and s["data_share"] >= DATA_SHARE
 
 
-def phase_growth(row: dict, rows: list[dict]) -> list[tuple[str, float, float]] | None:
-    """``[(phase, baseline s/step, cell s/step), ...]``, the phase that grew most first, or None when the
-    cell or its baseline (fewest devices, same batch column) has no telemetry. Phases: data, forward,
-    backward (without its exposed communication), exposed communication (the part of DDP's all-reduce that
-    backward waits for), optimizer."""
-    base = find(rows, row["strategy"], row["precision"], row.get("baseline_devices", 1), row["batch_size"])
-    if base is None or base is row:
-        return None
-    cell_tel, base_tel = row.get("telemetry") or {}, base.get("telemetry") or {}
-    if not cell_tel.get("phase_s") or not base_tel.get("phase_s"):
-        return None
-
-    def split(tel: dict) -> dict:
-        phases = dict(tel["phase_s"])
-        comm = tel.get("exposed_comm_s") or 0.0
-        phases["backward"] = phases.get("backward", 0.0) - comm
-        phases[EXPOSED] = comm
-        return phases
-
-    before, after = split(base_tel), split(cell_tel)
-    growth = [(k, before.get(k, 0.0), after[k]) for k in ("data", "forward", "backward", EXPOSED, "optimizer")
-              if k in after]
-    return sorted(growth, key=lambda g: g[1] - g[2])
-
-
-def _grew(growth: list[tuple[str, float, float]], base_devices: int) -> str:
-    phase, before, after = growth[0]
-    return (f"{phase} grew most, from {_ms(before)} per step on {base_devices} device(s) to {_ms(after)} "
-            f"(+{_ms(after - before)})")
-
-
 def _larger_batches(row: dict, rows: list[dict]) -> tuple[str, bool]:
     """What the table's larger batches with the same devices show: ``(sentence, efficiency rose?)``."""
     best = _best_larger(row, rows)
@@ -106,27 +81,27 @@ def _larger_batches(row: dict, rows: list[dict]) -> tuple[str, bool]:
             f"{best['batch_size']})"), False
 
 
-def _classify(row: dict, rows: list[dict], s: dict, growth) -> str:
-    """The bottleneck class of an ``ok`` poor row: by the phase that grew most when both the cell and its
-    baseline were timed by phase, else by the shares of the step (module docstring)."""
-    if growth is not None and growth[0][2] > growth[0][1]:
-        kind = {EXPOSED: "communication", "data": "data"}.get(growth[0][0], "compute")
-    elif s["comm_share"] is not None and s["comm_share"] >= COMM_SHARE and \
+def _classify(row: dict, rows: list[dict], s: dict) -> str:
+    """The bottleneck class of an ``ok`` poor row without an account, by the shares of its step (module
+    docstring)."""
+    if s["comm_share"] is not None and s["comm_share"] >= COMM_SHARE and \
             (s["data_share"] is None or s["data_share"] < DATA_SHARE or s["comm_share"] >= s["data_share"]):
-        kind = "communication"
-    elif s["data_share"] is not None and s["data_share"] >= DATA_SHARE:
-        kind = "data"
-    elif s["comm_share"] is None and s["data_share"] is None and growth is None:
+        return "communication"
+    if s["data_share"] is not None and s["data_share"] >= DATA_SHARE:
+        return "data"
+    if s["comm_share"] is None and s["data_share"] is None:
         return "unexplained"
-    else:
-        kind = "compute"
-    if kind == "compute":
-        base = find(rows, row["strategy"], row["precision"], row.get("baseline_devices", 1), row["batch_size"])
-        base_step = (base or row).get("step_time_s") or s["step_time_s"]
-        best = _best_larger(row, rows)
-        if best is not None and base_step < TINY_STEP_S and best["efficiency"] >= row["efficiency"] + OVERHEAD_RISE:
-            return "overhead"
-    return kind
+    return "overhead" if _tiny_steps_and_batch_helps(row, rows, s["step_time_s"]) else "compute"
+
+
+def _tiny_steps_and_batch_helps(row: dict, rows: list[dict], step_s: float | None) -> bool:
+    """The baseline's step is under ``TINY_STEP_S`` and a larger batch on the same devices is ``OVERHEAD_RISE``
+    more efficient: a fixed cost per step, read from the table when no fit separated it."""
+    base = find(rows, row["strategy"], row["precision"], row.get("baseline_devices", 1), row["batch_size"])
+    base_step = (base or row).get("step_time_s") or step_s
+    best = _best_larger(row, rows)
+    return best is not None and base_step is not None and base_step < TINY_STEP_S \
+        and best["efficiency"] >= row["efficiency"] + OVERHEAD_RISE
 
 
 def _best_larger(row: dict, rows: list[dict]) -> dict | None:
@@ -159,27 +134,62 @@ def diagnose(row: dict, rows: list[dict]) -> tuple[str, str]:
     """``(class, sentence)`` for one poor row (see the module docstring for the classes).
 
     ``rows`` (all rows, after :func:`trainscale.bench.analysis.add_scaling`) supply the comparison
-    cells: the baseline at the same batch size (which phase grew), the efficiency at larger batches
+    cells: the baseline at the same batch size (the account, or which share), the efficiency at larger batches
     (whether a larger batch helps). Every number quoted is one of the table's or the telemetry's.
     """
     name = label(row)
     if row.get("status") != "ok":
         return _failed(row, rows, name)
+    acc = cell_account(row, rows)
+    if acc is not None and any(t.seconds > 0 for t in acc.terms):
+        return _from_account(row, rows, acc)
     s = shares(row)
     step, eff = s["step_time_s"], row.get("efficiency")
-    growth = phase_growth(row, rows)
-    kind = _classify(row, rows, s, growth)
+    kind = _classify(row, rows, s)
     eff_txt = f"efficiency {eff:.2f}, " if eff is not None and row["devices"] > row.get("baseline_devices", 1) else ""
     head = f"{name} is {kind}-bound ({eff_txt}step {_ms(step) if step else '—'})"
     if kind == "unexplained":
         return kind, (f"{name} scales poorly ({eff_txt}step {_ms(step) if step else '—'}) but the step-phase "
                       "split was not measured (no telemetry and no probe), so the cause cannot be named.")
     src = f" (source: {s['source']})" if s["source"] else ""
-    what = f"{_grew(growth, row.get('baseline_devices', 1))}; " if growth is not None else ""
     larger, helps = _larger_batches(row, rows)
     base = find(rows, row["strategy"], row["precision"], row.get("baseline_devices", 1), row["batch_size"]) or row
     s = dict(s, base_step_s=base.get("step_time_s") or step, base_devices=base["devices"])
-    return kind, head + ": " + what + _CAUSES[kind](row, s, src, larger, helps)
+    return kind, head + ": " + _CAUSES[kind](row, s, src, larger, helps)
+
+
+def _from_account(row: dict, rows: list[dict], acc: Account) -> tuple[str, str]:
+    """``(class, sentence)`` of a cell with an account: its largest term names the class; each term of at least
+    ``QUOTED_SHARE`` of the lost time is quoted with its fix and the efficiency without it."""
+    losses = sorted((t for t in acc.terms if t.seconds > 0), key=lambda t: -t.seconds)
+    kind = KINDS[losses[0].name]
+    if kind == "compute" and acc.term(OVERHEAD) is None and _tiny_steps_and_batch_helps(row, rows, acc.measured_s):
+        kind = "overhead"
+    quoted = [t for t in losses if (t is losses[0] or t.share >= QUOTED_SHARE) and t.name != RESIDUAL]
+    terms = "".join(f"{t.name} {_ms(t.seconds)} ({t.share:.0%} of it; without it efficiency {acc.efficiency:.2f} → "
+                    f"about {t.efficiency_without:.2f}): {t.fix}; " for t in quoted)
+    residual = acc.term(RESIDUAL)
+    if abs(residual.seconds) < 5e-5:  # under 0.05 ms: printed as 0.0, not as "-0.0 ms (-0%)"
+        residual = RESIDUAL_NONE
+    eff = f"efficiency {row['efficiency']:.2f}, " if row.get("efficiency") is not None else ""
+    text = (f"{label(row)} is {kind}-bound ({eff}step {_ms(acc.measured_s)}): against the ideal {_ms(acc.ideal_s)} "
+            f"({acc.scaling} scaling) each step loses {_ms(acc.gap_s)}; {terms}unattributed residual "
+            f"{_ms(residual.seconds)} ({residual.share:.0%}).")
+    return kind, text + _table_notes(row, rows, kind)
+
+
+def _table_notes(row: dict, rows: list[dict], kind: str) -> str:
+    """What the table adds to an account: whether larger batches on the same devices were more efficient, and for
+    a compute-bound CPU cell that its processes share the machine."""
+    larger, helps = _larger_batches(row, rows)
+    text = ""
+    if larger:
+        text += " A larger per-device batch helps here: " + larger + "." if helps else \
+            " " + larger[0].upper() + larger[1:] + "."
+    if kind == "compute" and str(row.get("device", "")).startswith("cpu"):
+        text += (f" On CPU the {row['devices']} processes share the machine's cores and memory bandwidth "
+                 f"({row.get('omp_num_threads', '?')} thread(s) each).")
+    return text
 
 
 def _comm_cause(row, s, src, larger, helps) -> str:

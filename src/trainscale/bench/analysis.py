@@ -9,6 +9,9 @@ imports torch.
   fewest devices of the grid (normally 1) at the same batch-size column, strategy and precision. Both
   cells process the same epoch of data, so the gain is the speed-up of an epoch.
 - scaling efficiency = gain ÷ (devices ÷ baseline devices): 1.0 is perfect linear scaling.
+- the speed-up account of a cell (:func:`cell_account`): its step against its baseline's, the gap split into
+  terms that add up (:mod:`trainscale.telemetry.account`), per-step fixed overhead and compute slowdown separated by
+  fits over the batch sizes of the grid.
 """
 
 from __future__ import annotations
@@ -16,8 +19,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from trainscale.jobs.format import fmt_time
-
-
+from trainscale.telemetry.account import Account, account, fit_compute, render, step_split
 
 
 def epoch_time(row: dict) -> tuple[float | None, bool]:
@@ -55,7 +57,46 @@ def add_scaling(rows: list[dict], devices: Iterable[int]) -> list[dict]:
             r["efficiency"] = r["gain"] / (r["devices"] / base_devices)
         else:
             r["gain"] = r["efficiency"] = None
+    for r in out:
+        acc = cell_account(r, out)
+        r["account"] = acc.as_dict() if acc is not None else None
     return out
+
+
+def _timed(row: dict | None) -> bool:
+    return row is not None and row.get("status") == "ok" and bool((row.get("telemetry") or {}).get("phase_s"))
+
+
+def _split(row: dict):
+    return step_split(row["telemetry"], row["devices"], row["per_device_batch"])
+
+
+def cell_account(row: dict, rows: list[dict]) -> Account | None:
+    """The speed-up account of a cell on more devices than its baseline (fewest devices, same batch column), when
+    both recorded telemetry; per-step fixed overhead and compute slowdown are separated when the grid timed at
+    least two batch sizes on both device counts (:func:`trainscale.telemetry.account.fit_compute`). None
+    otherwise. ``rows`` must carry ``baseline_devices`` (:func:`add_scaling`)."""
+    base_devices = row.get("baseline_devices", 1)
+    base = find(rows, row["strategy"], row["precision"], base_devices, row["batch_size"])
+    if not (_timed(row) and _timed(base)) or row["devices"] <= base_devices:
+        return None
+    mine = [_split(r) for r in rows if _timed(r) and r["devices"] == row["devices"]
+            and r["run_strategy"] == row["run_strategy"] and r["precision"] == row["precision"]]
+    theirs = [_split(r) for r in rows if _timed(r) and find(rows, row["strategy"], row["precision"], base_devices,
+                                                           r["batch_size"]) is r]
+    fits = fit_compute(mine), fit_compute(theirs)
+    return account(_split(row), _split(base), row.get("scaling", "weak"), fits if None not in fits else None)
+
+
+def accounts_text(rows: list[dict], detail: bool = False) -> str:
+    """Every cell's account (:func:`cell_account`) as text stacked bars, one block per cell; "" when none."""
+    blocks = []
+    for r in sorted(rows, key=lambda r: (r["strategy"], r["precision"], r["batch_size"], r["devices"])):
+        acc = cell_account(r, rows)
+        if acc is not None:
+            blocks.append(render(acc, f"{r['run_strategy']} · {r['precision']} · bs {r['batch_size']} on "
+                                      f"{r['devices']} devices", detail))
+    return "\n".join(blocks)
 
 
 def find(rows: list[dict], strategy: str, precision: str, devices: int, batch_size: int) -> dict | None:

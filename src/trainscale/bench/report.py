@@ -7,6 +7,9 @@
 - ``scaling.png``: gain and scaling efficiency against batch size, one line per device count.
 - ``phases.png``: the step-phase split (data, forward, backward, optimizer) of each cell, when the
   cells recorded telemetry.
+- ``account.png``: each multi-device cell's step as the ideal plus the terms of its speed-up account
+  (:func:`trainscale.bench.analysis.cell_account`), when it and its baseline recorded telemetry; report.md holds
+  the same accounts as text.
 """
 
 from __future__ import annotations
@@ -110,15 +113,51 @@ def plot_phases(path: Path, rows: list[dict]) -> bool:
     if comm:
         ax.bar([i for i, _, _ in comm], [c for _, c, _ in comm], bottom=[top - c for _, c, top in comm], fill=False,
                hatch="///", edgecolor="black", linewidth=0.5, label="exposed communication (part of backward)")
-    ax.set_xticks(list(x), [f"{r['devices']}d bs{r['batch_size']}" + ("" if len({h['precision'] for h in have}) == 1
-                            else f" {r['precision']}") for r in have], rotation=60, ha="right", fontsize=8)
-    ax.set_ylabel("ms per step")
-    ax.set_title("step-phase split per cell")
+    _save_cells(plt, fig, ax, path, "step-phase split per cell",
+                [f"{r['devices']}d bs{r['batch_size']}" + ("" if len({h['precision'] for h in have}) == 1
+                 else f" {r['precision']}") for r in have])
+    return True
+
+
+def _save_cells(plt, fig, ax, path: Path, title: str, labels: list[str], ylabel: str = "ms per step") -> None:
+    """A per-cell bar chart's labels, axis, legend and file."""
+    ax.set_xticks(list(range(len(labels))), labels, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_account(path: Path, rows: list[dict]) -> bool:
+    """Stacked bars, one per cell with an account, in per cent of the cell's measured step (so cells of any step
+    time compare): the ideal step (the efficiency), then each term that cost time; terms below zero (faster than
+    ideal) are not drawn."""
+    from trainscale.telemetry.account import RESIDUAL
+
+    cells = [(r, acc) for r in rows if (acc := analysis.cell_account(r, rows)) is not None]
+    if not cells:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells.sort(key=lambda c: (c[0]["precision"], c[0]["run_strategy"], c[0]["batch_size"], c[0]["devices"]))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(cells) + 4.0), 4.2))
+    x = range(len(cells))
+    ax.bar(x, [100 * acc.efficiency for _, acc in cells], color="lightgrey", label="ideal (the efficiency)")
+    bottom = [100 * acc.efficiency for _, acc in cells]
+    for name in [t.name for t in cells[0][1].terms]:
+        ms = [100 * max(0.0, acc.term(name).seconds) / acc.measured_s if acc.term(name) else 0.0 for _, acc in cells]
+        if any(ms):
+            ax.bar(x, ms, bottom=bottom, label=name, hatch="//" if name == RESIDUAL else None)
+            bottom = [b + m for b, m in zip(bottom, ms)]
+    _save_cells(plt, fig, ax, path, "where the speed-up went", [f"{r['devices']}d bs{r['batch_size']} "
+                                                              f"{r['run_strategy']}" for r, _ in cells],
+                "% of the measured step")
     return True
 
 
@@ -160,10 +199,10 @@ def write(out: Path, rows: list[dict], devices: list[int], batch_sizes: list[int
     pngs = []
     if plots:
         try:
-            if plot_scaling(out / "scaling.png", rows, devices, batch_sizes, strategies, precisions):
-                pngs.append("scaling.png")
-            if plot_phases(out / "phases.png", rows):
-                pngs.append("phases.png")
+            drawn = {"scaling.png": plot_scaling(out / "scaling.png", rows, devices, batch_sizes, strategies, precisions),
+                     "phases.png": plot_phases(out / "phases.png", rows),
+                     "account.png": plot_account(out / "account.png", rows)}
+            pngs = [name for name, done in drawn.items() if done]
         except ImportError:
             advice.append("Plots skipped: matplotlib is not installed (pip install 'trainscale[plot]').")
     settings = json.loads((out / "sweep.json").read_text())["settings"] if (out / "sweep.json").is_file() else {}
@@ -171,9 +210,14 @@ def write(out: Path, rows: list[dict], devices: list[int], batch_sizes: list[int
     env = f"torch {ok[0].get('torch_version')}, device {ok[0].get('device')}." if ok else ""
     md = ["# trainscale bench", "", f"Settings: `{json.dumps(settings)}`; {len(rows)} cells, {len(ok)} ok. {env}", ""]
     md += ["```text", tables, "```", "", "## Advice", ""] + [f"- {a}" for a in advice] + [""]
+    accounts = analysis.accounts_text(rows, detail=True)
+    if accounts:
+        md += ["## Where the speed-up went", "", "Per step, against the ideal (docs/bench.md, \"Where the speed-up "
+               "went\"); `=` is the ideal step, each letter a term of the gap.", "", "```text", accounts, "```", ""]
     md += ["## Cells", "", *cell_table(rows), ""]
     if "phases.png" not in pngs:
         md += ["No step-phase plot: no cell recorded telemetry (`summary.json` \"telemetry\").", ""]
     md += [f"![{p}]({p})" for p in pngs]
     (out / "report.md").write_text("\n".join(md) + "\n")
-    return BenchResult(out=out, rows=rows, tables=tables, advice=advice)
+    return BenchResult(out=out, rows=rows, tables=tables, advice=advice,
+                       accounts=analysis.accounts_text(rows, detail=False))

@@ -39,6 +39,8 @@ class BenchResult:
         tables: the terminal tables, one per strategy × precision.
         advice: advice sentences.
         ran: keys of the cells run by this call (not skipped by ``resume``).
+        accounts: each multi-device cell's speed-up account as a text stacked bar ("" when no cell and its
+            baseline recorded telemetry).
     """
 
     out: Path
@@ -46,6 +48,7 @@ class BenchResult:
     tables: str
     advice: list[str]
     ran: list[str] = field(default_factory=list)
+    accounts: str = ""
 
 
 

@@ -36,6 +36,18 @@ def end_lines(comparison: Comparison) -> str:
     return f"end (1 device / N): {values}\n  relative differences: {diffs}"
 
 
+def speed(ref: dict, dist: dict) -> str:
+    """Where the N-process run's speed-up went against the 1-device run: the account of their telemetry
+    (:func:`trainscale.telemetry.report.account_text`; strong scaling: both runs train the same global batch, with
+    ``--lr-scaling`` too), from the few steps the check times; a line saying why when there is none."""
+    from trainscale.telemetry.report import account_text
+
+    if not (ref.get("telemetry") and dist.get("telemetry")):
+        return "speed-up account: none (a run recorded no telemetry)"
+    text = account_text(dist, ref).rstrip("\n")
+    return f"{text}\n  (timed over the run's steps after 2 warm-up steps: few steps are noisy; more --steps firm it up)"
+
+
 def verdict(comparison: Comparison, findings: list[Finding]) -> str:
     tol = f"tolerance: relative {comparison.rtol:g} (float32 reduction order; docs/check.md)"
     if comparison.ok:

@@ -194,7 +194,7 @@ def check(entry: str | Callable | None = None, *, devices: int = 2, strategy: st
     comparison, ref_view, dist_view = compare.compare(ref, dist, tol)
     findings = causes.diagnose(causes.Context(ref, dist, ref_view, dist_view, comparison, lr_scaling))
     text = "\n".join([report.header(ref, dist, entry, lr_scaling, steps), report.step_table(comparison, devices),
-                      report.end_lines(comparison), report.verdict(comparison, findings)])
+                      report.end_lines(comparison), report.verdict(comparison, findings), report.speed(ref, dist)])
     result = CheckResult(comparison.ok, text, comparison.rows, comparison.mismatches, findings, tol, out)
     (out / "report.txt").write_text(text + "\n")
     (out / "report.json").write_text(json.dumps(

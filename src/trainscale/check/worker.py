@@ -155,7 +155,8 @@ def run(cfg: dict) -> dict | None:
             "micro_batch": cfg["micro_batch"], "accumulate": trainer.config.accumulate_grad_batches,
             "lr_scale_factor": trainer.batch_scaling.factor, "trainer": cfg["trainer"], "model": facts,
             "dataset_len": len(work["train"]), "val_len": len(work["val"]) if work["val"] is not None else None,
-            "micro": micro, "steps": recorder.steps, "history": trainer.history, "final": end}
+            "micro": micro, "steps": recorder.steps, "history": trainer.history, "final": end,
+            "telemetry": summary.get("telemetry")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "install 'trainscale[plot]') into RUN_DIR, and print where the time goes. "
                                         "Example: trainscale report runs/demo/version_0")
     report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory holding metrics.jsonl")
+    report.add_argument("--baseline", metavar="RUN_DIR_1", default=None,
+                        help="the run directory of the same job on fewer devices (normally one): adds the speed-up "
+                             "account, where the gap between the ideal and the measured step went")
     report.set_defaults(func=_cmd_report)
 
     export = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face directory (safetensors)",
@@ -233,7 +236,7 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from trainscale.telemetry.report import PLOTS_SKIPPED, make_report
 
-    written, text = make_report(args.run_dir)
+    written, text = make_report(args.run_dir, baseline=args.baseline)  # ValueError: main's one-line error
     print(text, end="")
     print("wrote " + ", ".join(str(p) for p in written))
     if not any(p.suffix == ".png" for p in written):

@@ -36,6 +36,10 @@ def run_bench(args: argparse.Namespace) -> int:
               "command with --resume (and the same --out) to complete the sweep", file=sys.stderr)
         return 130
     print(result.tables)
+    if result.accounts:
+        print("\nWhere the speed-up went, per step (= the ideal step; C exposed communication, D data wait, W waiting "
+              "for the slowest rank, O per-step fixed overhead, S compute slowdown, ? residual):")
+        print(result.accounts)
     print("\nAdvice:")
     for sentence in result.advice:
         print(f"- {sentence}")

@@ -335,14 +335,16 @@ class Telemetry:
         }
         if mfu_error is not None:
             out["mfu_error"] = mfu_error
+        # every rank's step, its phases and its compute (with rank_exposed_comm_s from _comm_numbers): the speed-up
+        # account (trainscale.telemetry.account) reads the step of the rank that waited most
+        out["rank_step_time_s"] = [per_step(w) for w in col["wall"]]
+        out["rank_compute_s"] = compute
+        out["rank_phase_s"] = {p: [per_step(v) for v in col[p]] for p in PHASES}
         if per_rank:
             out["steps"] = int(steps)
             out["samples"] = round(samples)
             if out["tokens_per_s"] is not None:
                 out["tokens_per_s_per_device"] = out["tokens_per_s"] / devices
-            out["rank_step_time_s"] = [per_step(w) for w in col["wall"]]
-            out["rank_compute_s"] = compute
-            out["rank_phase_s"] = {p: [per_step(v) for v in col[p]] for p in PHASES}
             if self.memory.cuda:
                 out["peak_memory_reserved_bytes"] = [int(m) for m in col["memory_reserved"]]
             if out["gpu_utilization"] is not None:
@@ -351,17 +353,17 @@ class Telemetry:
 
 
 def _comm_numbers(col: dict[str, list[float]], per_step, step_time_s: float, timed: bool, per_rank: bool) -> dict:
-    """``comm_s``, ``exposed_comm_s`` (seconds per step, means over ranks) and ``exposed_comm_share``
-    (of the step time), all None when the all-reduce was not timed; with ``per_rank`` and timing, also
-    ``rank_comm_s`` and ``rank_exposed_comm_s``."""
+    """``comm_s``, ``exposed_comm_s`` (seconds per step, means over ranks), ``exposed_comm_share``
+    (of the step time) and ``rank_exposed_comm_s`` (per rank), all None when the all-reduce was not timed;
+    with ``per_rank`` and timing, also ``rank_comm_s``."""
     if not timed:
-        return {"comm_s": None, "exposed_comm_s": None, "exposed_comm_share": None}
+        return {"comm_s": None, "exposed_comm_s": None, "exposed_comm_share": None, "rank_exposed_comm_s": None}
     exposed = per_step(mean(col["exposed_comm"]))
     out = {"comm_s": per_step(mean(col["comm"])), "exposed_comm_s": exposed,
-           "exposed_comm_share": exposed / step_time_s if step_time_s > 0 else _NAN}
+           "exposed_comm_share": exposed / step_time_s if step_time_s > 0 else _NAN,
+           "rank_exposed_comm_s": [per_step(e) for e in col["exposed_comm"]]}
     if per_rank:
         out["rank_comm_s"] = [per_step(c) for c in col["comm"]]
-        out["rank_exposed_comm_s"] = [per_step(e) for e in col["exposed_comm"]]
     return out
 
 

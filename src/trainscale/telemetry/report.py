@@ -7,7 +7,9 @@ Reads ``metrics.jsonl`` and ``summary.json`` of a run directory and writes, next
 - ``step_phases.png`` — stacked step-phase split per log interval, and per rank;
 - ``memory.png`` — peak memory per rank;
 - ``gpu_utilization.png`` — NVML GPU utilisation per device, when the run had it;
-- ``report.txt`` — where the time goes in per cent, throughput, MFU, memory, the slowest rank.
+- ``report.txt`` — where the time goes in per cent, throughput, MFU, memory, the slowest rank; for a run on several
+  devices, the speed-up account against a ``baseline`` run directory (``trainscale report RUN --baseline RUN1``:
+  :mod:`trainscale.telemetry.account`), or without one the parts of it the run measures alone.
 
 matplotlib is imported only when plotting, with the non-interactive Agg backend. Without it
 (``make demo`` does not install it) ``report.txt`` is still written and the plots are skipped;
@@ -173,18 +175,61 @@ def pyplot() -> Any:
     return plt
 
 
-def make_report(run_dir: str | os.PathLike) -> tuple[list[Path], str]:
+def account_text(summary: dict | None, baseline: dict | None) -> str:
+    """The speed-up account of a run on several devices (``summary``, its summary.json) against ``baseline`` (the
+    summary.json of the same job on fewer devices, normally one), scaling inferred from the global batches; without a
+    baseline, the terms the run measures alone. "" for a run on one device or without telemetry.
+
+    Raises:
+        ValueError: the baseline has no telemetry, does not run on fewer devices, or trains neither the same global
+            batch nor the same per-device batch.
+    """
+    from trainscale.telemetry.account import COMM, DATA, WAIT, account, infer_scaling, render, step_split
+
+    tele = (summary or {}).get("telemetry")
+    if baseline is not None and summary is not None and baseline["world_size"] >= summary["world_size"]:
+        raise ValueError(f"the run is on {summary['world_size']} device(s), the baseline on {baseline['world_size']}: "
+                         "the baseline needs fewer devices (normally one); swap the two directories?")
+    if not tele or summary["world_size"] < 2 or math.isnan(tele["step_time_s"]):
+        return ""
+    world = summary["world_size"]
+    run = step_split(tele, world, summary["global_batch_size"] // world)
+    if baseline is None:
+        return (f"within this run, per step: {COMM} {run.comm_s * 1e3:.1f} ms, {WAIT} {run.wait_s * 1e3:.1f} ms "
+                f"(rank {run.rank} for rank {run.slowest_rank}), {DATA} {run.data_s * 1e3:.1f} ms; the account of the "
+                "whole speed-up needs the same job on one device: trainscale report RUN_DIR --baseline RUN_DIR_1\n")
+    if not baseline.get("telemetry"):
+        raise ValueError("the baseline run has no telemetry (summary.json \"telemetry\" is null): rerun it with "
+                         "enable_telemetry=True, the default")
+    base_world = baseline["world_size"]
+    scaling = infer_scaling(summary["global_batch_size"], world, baseline["global_batch_size"], base_world)
+    base = step_split(baseline["telemetry"], base_world, baseline["global_batch_size"] // base_world)
+    note = "" if tele.get("exposed_comm_s") is not None else \
+        "communication was not timed (no DDP hook under this strategy): its exposed part counts as compute here"
+    return "speed-up account, " + render(account(run, base, scaling, note=note),
+                                         f"{world} devices against {base_world}") + "\n"
+
+
+def make_report(run_dir: str | os.PathLike, baseline: str | os.PathLike | None = None) -> tuple[list[Path], str]:
     """Write report.txt and, when matplotlib is installed, the PNG plots into ``run_dir``.
+
+    Args:
+        run_dir: the run directory (metrics.jsonl, summary.json).
+        baseline: the run directory of the same job on fewer devices, normally one: report.txt then holds the
+            speed-up account of ``run_dir`` against it (:func:`account_text`).
 
     Returns:
         ``(paths of the files written, the text summary)``; without matplotlib only ``report.txt``.
 
     Raises:
-        ValueError: no metrics.jsonl in ``run_dir``.
+        ValueError: no metrics.jsonl in ``run_dir`` or ``baseline``; a baseline that cannot be compared.
     """
     run_dir = Path(run_dir)
     records, summary = load_run(run_dir)
-    text = text_summary(records, summary)
+    base_summary = load_run(baseline)[1] if baseline is not None else None
+    if baseline is not None and base_summary is None:
+        raise ValueError(f"{str(baseline)!r} has no summary.json: the baseline run did not finish")
+    text = text_summary(records, summary) + account_text(summary, base_summary)
     (run_dir / "report.txt").write_text(text)
     plt = pyplot()
     plots = write_plots(plt, run_dir, records, summary) if plt is not None else []
