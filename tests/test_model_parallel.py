@@ -264,10 +264,13 @@ def test_tp_ranks_share_their_batches_so_global_batch_and_throughput_count_them_
     (dict(sequence_parallel=False, precision="16-mixed"), r"16-mixed' under tp with .*'sequence_parallel': False"),
 ])
 def test_sequence_parallel_flag_is_checked_when_the_strategy_is_built(options, message):
+    from trainscale.runtime.precision import Precision
     from trainscale.runtime.strategies.model_parallel import ModelParallelStrategy
     from trainscale.runtime.world import World
 
     options = {"parallel": {"tp": 2}, **options}
+    if "precision" in options:  # the run's Precision, as the Runtime passes it
+        options["precision"] = Precision(options["precision"], "cpu")
     with pytest.raises(ValueError, match=message):
         ModelParallelStrategy(torch.device("cpu"), World(world_size=2, local_world_size=2), **options)
 

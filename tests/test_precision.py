@@ -134,3 +134,44 @@ def test_clipping_under_16_mixed_unscales_once_per_step():
     scaler.unscale_(opt)
     with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
         scaler.unscale_(opt)
+
+
+def _count_constructions(monkeypatch) -> list:
+    """Each ``Precision(...)`` built from now on, as its name (restored by monkeypatch)."""
+    from trainscale.runtime import precision
+
+    built, init = [], precision.Precision.__init__
+
+    def counting(self, name, *args, **kwargs):
+        built.append(name)
+        init(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(precision.Precision, "__init__", counting)
+    return built
+
+
+def test_a_run_builds_one_precision_and_its_strategy_gets_that_object(monkeypatch, tmp_path):
+    from trainscale.loop.trainer import Trainer
+
+    built = _count_constructions(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g))
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, precision="bf16-mixed", default_root_dir=tmp_path,
+                      enable_progress_bar=False, enable_checkpointing=False)
+    trainer.fit(torch.nn.Linear(4, 2), torch.utils.data.DataLoader(data, batch_size=8), loss_fn=F.cross_entropy,
+                optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert built == ["bf16-mixed"]
+    assert trainer.runtime.strategy.precision is trainer.runtime.precision
+
+
+def test_pipeline_stages_run_under_the_runs_precision_without_building_another(monkeypatch):
+    from trainscale.runtime.precision import Precision
+    from trainscale.runtime.strategies.pipeline import PipelineStrategy
+    from trainscale.runtime.world import World
+
+    run_precision = Precision("bf16-mixed", "cpu")
+    built = _count_constructions(monkeypatch)
+    strategy = PipelineStrategy(torch.device("cpu"), World(world_size=2, local_world_size=2), precision=run_precision,
+                                parallel={"pp": 2})
+    assert strategy._autocast() == run_precision.autocast  # the run's object's autocast, no second Precision
+    assert built == []

@@ -1,5 +1,6 @@
-"""The Strategy protocol declares every member the code uses, and every registered strategy defines each
-one itself: no caller probes a strategy with getattr/hasattr and a default."""
+"""The Strategy base declares every member the code uses, with defaults; every registered strategy subclasses it and
+overrides members with the base's signatures; no caller probes a strategy with getattr/hasattr, and no code outside
+runtime/strategies/ compares a strategy's name (it asks a member instead)."""
 
 import ast
 import importlib
@@ -9,38 +10,47 @@ from pathlib import Path
 import pytest
 
 from trainscale.runtime import strategies
-from trainscale.runtime.strategies import Strategy
+from trainscale.runtime.strategies import STRATEGY_CLASSES, Strategy
 
 SRC = Path(strategies.__file__).resolve().parents[2]  # src/trainscale
 MEMBERS = sorted({name for name in vars(Strategy) if not name.startswith("_")} | set(Strategy.__annotations__))
-METHODS = [name for name in MEMBERS if callable(vars(Strategy).get(name))]
+METHODS = [name for name in MEMBERS if inspect.isfunction(vars(Strategy).get(name))]
 PENDING: set = set()  # probes allowed: none
+FLAGS = ("check_run", "check_options", "options_from", "check_async_save")  # class methods: before a strategy exists
+BOOLS = ("forward_communicates", "materialises_meta", "pipelined", "drives_all_devices", "uses_mesh",
+         "needs_process_group", "applies_compile", "supports_sync_batchnorm")
 
 
-def _registered():
-    for name, target in strategies._IMPLEMENTATIONS.items():
-        module, cls = target.split(":")
-        yield name, getattr(importlib.import_module(module), cls)
+def test_the_base_declares_what_the_runtime_trainer_and_telemetry_use():
+    assert MEMBERS == sorted([
+        "name", "checkpoint_suffix", "forward_communicates", "pipelined", "materialises_meta", "drives_all_devices",
+        "uses_mesh", "needs_process_group", "applies_compile", "supports_sync_batchnorm",
+        "manual_optimization_refusal", "gradient_sync", "precision_name", *FLAGS,
+        "setup_module", "setup_optimizer", "unwrap", "no_backward_sync", "clip_gradients_norm", "time_allreduce",
+        "save_checkpoint", "load_checkpoint", "teardown", "data_world"])
 
 
-def test_the_protocol_declares_what_the_runtime_trainer_and_telemetry_use():
-    assert MEMBERS == sorted(["name", "checkpoint_suffix", "forward_communicates", "pipelined", "setup_module",
-                              "setup_optimizer", "unwrap", "no_backward_sync", "clip_gradients_norm", "time_allreduce",
-                              "save_checkpoint", "load_checkpoint", "teardown", "materialises_meta", "data_world"])
-
-
-@pytest.mark.parametrize("name, cls", list(_registered()), ids=list(strategies._IMPLEMENTATIONS))
-def test_every_registered_strategy_defines_every_protocol_member_itself(name, cls):
-    missing = [member for member in MEMBERS if member not in vars(cls)]  # its own, not inherited or defaulted
-    assert not missing, f"{cls.__name__} lacks {missing}"
+@pytest.mark.parametrize("name, cls", list(STRATEGY_CLASSES.items()), ids=list(STRATEGY_CLASSES))
+def test_every_registered_strategy_subclasses_the_base_with_its_signatures(name, cls):
+    assert issubclass(cls, Strategy) and cls is not Strategy
     # an alias ("hsdp", "tp": layouts of "model_parallel") names the class its strategy's own name does
-    assert cls.name == name or strategies._IMPLEMENTATIONS[cls.name] == strategies._IMPLEMENTATIONS[name]
-    assert isinstance(cls.checkpoint_suffix, str) and isinstance(cls.forward_communicates, bool)
-    assert isinstance(cls.materialises_meta, bool)
-    for method in METHODS:
+    assert STRATEGY_CLASSES[cls.name] is cls
+    assert cls.checkpoint_suffix in (".pt", "")
+    assert all(isinstance(getattr(cls, flag), bool) for flag in BOOLS)
+    for method in [m for m in METHODS if m in vars(cls)]:  # the overrides keep the base's parameters
         ours = list(inspect.signature(vars(cls)[method]).parameters)
         declared = list(inspect.signature(vars(Strategy)[method]).parameters)
-        assert ours == declared, f"{cls.__name__}.{method}{ours} differs from the protocol's {declared}"
+        assert ours == declared, f"{cls.__name__}.{method}{ours} differs from the base's {declared}"
+    for method in FLAGS:
+        assert isinstance(inspect.getattr_static(cls, method), classmethod)
+
+
+def test_each_strategy_defines_only_what_differs_from_the_base():
+    """A member overridden with the base's own value is a duplicate default (they were, before the base)."""
+    for cls in set(STRATEGY_CLASSES.values()):
+        same = [m for m in MEMBERS if m in vars(cls) and not callable(vars(cls)[m])
+                and not isinstance(vars(cls)[m], property) and m != "name" and vars(cls)[m] == vars(Strategy)[m]]
+        assert not same, f"{cls.__name__} repeats the base's defaults {same}"
 
 
 def _strategy_uses(tree: ast.AST):
@@ -49,12 +59,12 @@ def _strategy_uses(tree: ast.AST):
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
             target, member = node.args[0], node.args[1] if len(node.args) > 1 else None
-            probes_strategy = isinstance(target, ast.Attribute) and target.attr == "strategy"
+            probes_strategy = isinstance(target, ast.Attribute) and target.attr in ("strategy", "strategy_class")
             named = member.value if isinstance(member, ast.Constant) else None
             if probes_strategy or named in MEMBERS:
                 yield node.func.id, named
         elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-              and node.value.attr == "strategy"):
+              and node.value.attr in ("strategy", "strategy_class")):
             yield "attribute", node.attr
 
 
@@ -67,5 +77,69 @@ def test_no_code_probes_a_strategy_and_every_member_read_is_declared():
                 undeclared.add((rel, member))
             elif kind != "attribute":
                 probes.add((rel, kind, member))
-    assert not undeclared, f"strategy members read but not declared in the Strategy protocol: {sorted(undeclared)}"
+    assert not undeclared, f"strategy members read but not declared in the Strategy base: {sorted(undeclared)}"
     assert probes <= PENDING, f"getattr/hasattr on strategy members (use the protocol's): {sorted(probes - PENDING)}"
+
+
+# Where a strategy's name may be compared: the strategies themselves, and the commands that choose strategies by
+# their flags (the planner and bench model each strategy's layout and cost; check runs ddp or fsdp; the CLI parses).
+NAME_CHECKS_ALLOWED = ("runtime/strategies/", "plan/", "cli/", "bench/", "check/")
+NAMES = {*STRATEGY_CLASSES, "ddp_spawn", "ddp_notebook", "ddp_fork"}
+
+
+def _names(node: ast.AST, constants: set) -> bool:
+    """Whether ``node`` is a strategy name, a tuple/list/set holding one, or a module constant holding one."""
+    if isinstance(node, ast.Constant):
+        return node.value in NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names(e, constants) for e in node.elts)
+    return isinstance(node, ast.Name) and node.id in constants
+
+
+def _imported_constants(tree: ast.Module) -> set:
+    """Names imported from trainscale whose values are collections holding a strategy's name."""
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trainscale"):
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                value = getattr(module, alias.name, None)
+                if isinstance(value, (tuple, list, set, frozenset, dict)) and NAMES & {v for v in value
+                                                                                         if isinstance(v, str)}:
+                    out.add(alias.asname or alias.name)
+    return out
+
+
+def name_checks(source: str) -> list[int]:
+    """Lines comparing something with a strategy's name (``==``, ``!=``, ``in`` a tuple or a constant of names,
+    defined in the module or imported from trainscale), or looking one up in a dict literal keyed by names."""
+    tree = ast.parse(source)
+    constants = {t.id for node in tree.body if isinstance(node, ast.Assign) and _names(node.value, set())
+                 for t in node.targets if isinstance(t, ast.Name)} | _imported_constants(tree)
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(_names(n, constants) for n in (node.left, *node.comparators)):
+            lines.append(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+              and isinstance(node.func.value, ast.Dict) and any(_names(k, constants) for k in node.func.value.keys)):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_name_check_finds_each_form():
+    forms = ['x == "ddp"', 'x != "pp"', 'x in ("dp", "pp")', 'x not in SHARDED', '{"ddp": 1}.get(x)',
+             '"fsdp" == x']
+    for form in forms:
+        assert name_checks(f'SHARDED = ("fsdp", "tp")\nif {form}:\n    pass\n') == [2], form
+    assert name_checks('from trainscale.runtime.strategies import STRATEGIES\nif x in STRATEGIES:\n    pass\n') == [2]
+    assert name_checks('x == "auto"\ny = mesh["tp"]\nz = "ddp" if a else b\n') == []
+
+
+def test_no_strategy_name_comparisons_outside_the_strategies():
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if not rel.startswith(NAME_CHECKS_ALLOWED):
+            source = path.read_text()
+            found += [f"{rel}:{n}: {source.splitlines()[n - 1].strip()}" for n in name_checks(source)]
+    assert not found, "ask the strategy (a member of runtime/strategies/base.py) instead:\n" + "\n".join(found)

@@ -1,5 +1,9 @@
 """TrainerConfig: every loop flag validated in Trainer.__init__ (pure logic)."""
 
+import inspect
+import re
+from dataclasses import MISSING, fields
+
 import pytest
 
 from trainscale.loop.config import TrainerConfig, resolve_trainer_config
@@ -54,8 +58,8 @@ def test_each_flag_is_declared_once_and_the_constructors_show_them_all():
     runtime_names = [f.name for f in fields(RuntimeFlags)]
     trainer_names = [f.name for f in fields(TrainerConfig)]
     assert not set(runtime_names) & set(trainer_names)
-    assert list(inspect.signature(Runtime).parameters) == runtime_names
-    assert list(inspect.signature(Trainer).parameters) == ["callbacks", "logger", *runtime_names, *trainer_names]
+    assert _flag_names(Runtime) == runtime_names
+    assert _flag_names(Trainer) == ["callbacks", "logger", "runtime", *runtime_names, *trainer_names]
     with pytest.raises(TypeError, match="Trainer\\(\\) got an unexpected flag 'acelerator'; did you mean 'accelerator'"):
         Trainer(acelerator="cpu")
     with pytest.raises(TypeError, match="Runtime\\(\\) got an unexpected flag 'precison'; did you mean 'precision'"):
@@ -76,3 +80,75 @@ def test_a_read_only_or_over_long_root_dir_is_one_line_before_training(tmp_path,
     assert resolve_trainer_config(default_root_dir=tmp_path / "runs").default_root_dir == tmp_path / "runs"
     with pytest.raises(ValueError, match="a name of 300 bytes .*file systems allow 255: pass a shorter"):
         resolve_trainer_config(default_root_dir=tmp_path / ("x" * 300))
+
+
+def _flag_names(cls) -> list:
+    """The named parameters of ``cls``'s constructor (not ``**misspelt``, which only names the closest flag)."""
+    return [p.name for p in inspect.signature(cls).parameters.values() if p.kind is not p.VAR_KEYWORD]
+
+
+def _doc_entries(doc: str, section: str) -> dict:
+    """``{name: description}`` of a Google-style docstring section ("Args", "Attributes"), whitespace collapsed."""
+    lines = inspect.cleandoc(doc).splitlines()
+    out, name = {}, None
+    for line in lines[lines.index(f"{section}:") + 1:]:
+        if not line.startswith("    "):  # a blank line or the next section ends it
+            break
+        entry = re.match(r"    (\w+): (.*)", line)
+        if entry:
+            name = entry[1]
+            out[name] = entry[2]
+        else:
+            out[name] += " " + line.strip()
+    return out
+
+
+def _declared(init) -> tuple[list, dict]:
+    """A constructor's parameters as ``[(name, default, annotation, keyword-only)]`` and its "Args" descriptions."""
+    params = [p for p in inspect.signature(init).parameters.values()
+              if p.kind is not p.VAR_KEYWORD and p.name != "self"]
+    return ([(p.name, p.default, p.annotation, p.kind is p.KEYWORD_ONLY) for p in params],
+            _doc_entries(init.__doc__, "Args"))
+
+
+def _fields(*classes, keyword_only: bool = False) -> tuple[list, dict]:
+    out, docs = [], {}
+    for cls in classes:
+        out += [(f.name, f.default if f.default is not MISSING else f.default_factory(), f.type,
+                 keyword_only or f.kw_only) for f in fields(cls)]
+        docs.update(_doc_entries(cls.__doc__, "Attributes"))
+    return out, docs  # the same, read from the dataclasses' fields and "Attributes" sections
+
+
+def test_the_runtime_names_each_flag_with_the_type_default_and_description_of_its_field():
+    from trainscale.runtime.connector import RuntimeFlags
+    from trainscale.runtime.runtime import Runtime
+
+    params, docs = _declared(Runtime.__init__)
+    expected, expected_docs = _fields(RuntimeFlags)
+    assert params == expected
+    assert docs == expected_docs and len(docs) == len(expected)  # one description per flag
+
+
+def test_a_changed_default_or_description_would_be_seen():
+    """The comparison reads what it compares: a description or default that differs is found."""
+    from trainscale.runtime.connector import RuntimeFlags
+
+    doc = RuntimeFlags.__doc__.replace("machines in the job.", "machines.")
+    assert _doc_entries(doc, "Attributes")["num_nodes"] == "machines."
+    assert _doc_entries(doc, "Attributes")["precision"] == '"32-true", "16-mixed", "bf16-mixed" or "bf16-true".'
+
+
+def test_the_trainer_names_each_flag_with_the_type_default_and_description_of_its_field():
+    from trainscale import Trainer
+    from trainscale.runtime.connector import RuntimeFlags
+
+    params, docs = _declared(Trainer.__init__)
+    runtime_params, _ = _fields(RuntimeFlags, keyword_only=True)
+    loop_params, loop_docs = _fields(TrainerConfig, keyword_only=True)
+    own = [("callbacks", None, "list[Callback] | None", True), ("logger", None, "Any", True),
+           ("runtime", None, "Runtime | None", True)]
+    assert params == own + runtime_params + loop_params
+    assert docs == {**{name: docs[name] for name, *_ in own}, **loop_docs}  # the Runtime's flags: in Runtime.__init__
+    preamble = inspect.cleandoc(Trainer.__init__.__doc__).split("Args:")[0]
+    assert all(re.search(rf"\b{name}\b", preamble) for name, *_ in runtime_params)

@@ -344,9 +344,12 @@ def test_manual_optimization_under_dp_or_pp_is_an_error_naming_the_strategies_th
     from types import SimpleNamespace
 
     from trainscale.lightning.optimizer_setup import check_optimizers
+    from trainscale.runtime.strategies import STRATEGY_CLASSES
 
     model = mw.GAN()
-    runtime = SimpleNamespace(config=SimpleNamespace(strategy=strategy, parallel=None), strategy=object())
+    # the strategy's class answers what the check asks (manual_optimization_refusal is a class attribute)
+    runtime = SimpleNamespace(config=SimpleNamespace(strategy=strategy, parallel=None),
+                              strategy=STRATEGY_CLASSES[strategy])
     config = SimpleNamespace(accumulate_grad_batches=1, gradient_clip_val=None)
     optimization = parse_optimization(model.configure_optimizers())
     with pytest.raises(ValueError, match=rf"strategy='{strategy}'.*{cause}.*use 'ddp', 'fsdp', 'hsdp' or 'tp'"):

@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from trainscale.runtime.strategies import check_async_save
 from trainscale.checkpointing import checkpointer, run_dirs as ckpt
 
 if TYPE_CHECKING:
@@ -47,7 +46,7 @@ class CheckpointWrites:
 
     def __init__(self, runtime: Runtime, config: Any, log: Callable[[dict], None]) -> None:
         if config.checkpoint_async:
-            check_async_save(runtime.config.strategy)
+            runtime.config.strategy_class.check_async_save()
         self.runtime, self.asynchronous, self._log = runtime, config.checkpoint_async, log
         self._pending: tuple[Any, Path | None] | None = None  # (AsyncSave, the "last" pointer's directory or None)
         self._discards: list[Path] = []  # checkpoints to delete once the save in flight is published

@@ -28,8 +28,7 @@ def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, confi
     manual = not getattr(model, "automatic_optimization", True)
     check_optimizers(optimization, wrapped, manual, config, runtime)
     optimizers = [runtime.strategy.setup_optimizer(o) for o in optimization.optimizers]
-    sync = ("backward" if _fsdp_sharded(runtime)
-            else {"ddp": "step", "ddp_spawn": "step"}.get(runtime.config.strategy, "none"))
+    sync = runtime.strategy.gradient_sync
     extra = {name: fn for name, fn in (("scaled_lr", scaled_lr), ("before_step", before_step)) if fn is not None}
     manuals = [ManualOptimizer(o, runtime, model, wrapped, sync, **extra) for o in optimizers] if manual else []
     return optimizers, list(optimization.schedulers), manuals
@@ -81,26 +80,19 @@ def _check_manual(config: Any, runtime: Runtime, wrapped: nn.Module) -> None:
         raise ValueError("gradient_clip_val is for automatic optimization; under manual optimization clip in "
                          "training_step before each step: self.clip_gradients(opt, gradient_clip_val=..., "
                          "gradient_clip_algorithm='norm')")
-    strategy = runtime.config.strategy
-    if strategy in ("dp", "pp"):  # dp: training_step would run in each replica's thread; pp: the schedule steps
+    strategy, refusal = runtime.config.strategy, runtime.strategy.manual_optimization_refusal
+    if refusal is not None:  # dp: training_step would run in each replica's thread; pp: the schedule steps
         raise ValueError(f"manual optimization cannot run under strategy={strategy!r}: its training_step calls "
-                         "backward itself, which " + ("DataParallel's per-device replicas" if strategy == "dp" else
-                         "a pipeline schedule (which runs forward and backward by stages)") + " cannot host; "
-                         "use 'ddp', 'fsdp', 'hsdp' or 'tp', or automatic optimization")
+                         f"backward itself, which {refusal} cannot host; use 'ddp', 'fsdp', 'hsdp' or 'tp', or "
+                         "automatic optimization")
     model = getattr(wrapped, "model", None)  # the LoopModule's user model (FSDP shards in place, no wrapper)
-    sharded = _fsdp_sharded(runtime) and model is not None
+    sharded = runtime.strategy.gradient_sync == "backward" and model is not None  # FSDP2-sharded
     direct = [n for n, _ in model.named_parameters(recurse=False)] if sharded else []
     if direct:  # sharded with the root: resharded by the step's first backward, sharded tensors after it
         raise ValueError(f"under strategy={strategy!r} with manual optimization the parameters of "
                          f"{type(model).__name__} must live in submodules (each is sharded apart), but it holds "
                          f"{', '.join(direct)} itself; move them into a submodule (e.g. an nn.ParameterDict or "
                          "nn.Module attribute)")
-
-
-def _fsdp_sharded(runtime: Runtime) -> bool:
-    """Whether the strategy shards the model with FSDP2 (fsdp, or a mesh with data-parallel ranks)."""
-    parallel = runtime.config.parallel  # the mesh sizes (ParallelDims) under the model-parallel strategies, else None
-    return runtime.config.strategy == "fsdp" or (parallel is not None and parallel.dp_size > 1)
 
 
 def _check_parameters(optimizers, wrapped: nn.Module) -> None:

@@ -19,77 +19,90 @@ from trainscale.runtime.connector import make_flags
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    """Resolved Trainer flags.
+    """Resolved Trainer flags. ``Trainer.__init__`` names each of them in its signature, with these types, defaults
+    and descriptions (tests/test_trainer_config.py keeps them equal).
 
     Attributes:
-        max_epochs: epochs to train (>= 1). max_steps: stop after this many optimizer steps (None: no limit).
+        max_epochs: epochs to train (>= 1).
+        max_steps: stop after this many optimizer steps (None: no limit).
         accumulate_grad_batches: micro-batches per optimizer step (gradients all-reduced on the last only).
         gradient_clip_val: clip the total gradient norm (or each value: ``gradient_clip_algorithm="value"``).
-        seed: at the start of each ``fit``, Python's ``random``, numpy and torch (CPU and every CUDA device) are
-            seeded with it on every rank alike (``trainscale.seed_everything``), before the
-            model is set up (a model built on the meta device is initialised from it); the training samplers
-            shuffle epoch ``e`` with ``seed + e``. Default 0, so runs repeat unless it is changed. A model
-            built before ``fit`` takes its initial weights from the script's own random state: seed before
-            building it. A resumed run restores each rank's saved RNG states instead.
+        gradient_clip_algorithm: "norm" (clip the total gradient norm to ``gradient_clip_val``) or "value" (clip each
+            gradient value to it).
+        seed: at the start of each ``fit``, Python's ``random``, numpy and torch (CPU and every CUDA device) are seeded
+            with it on every rank alike (``trainscale.seed_everything``), before the model is set up (a model built on
+            the meta device is initialised from it); the training samplers shuffle epoch ``e`` with ``seed + e``.
+            Default 0, so runs repeat unless it is changed. A model built before ``fit`` takes its initial weights from
+            the script's own random state: seed before building it. A resumed run restores each rank's saved RNG states
+            instead.
         default_root_dir: runs are written to ``default_root_dir/version_N``.
-        log_every_n_steps: optimizer steps between step records (one host sync and, with telemetry, one
-            all_gather of a small tensor each).
-        enable_progress_bar: a tqdm bar on rank zero. enable_checkpointing: checkpoint at each epoch end.
+        log_every_n_steps: optimizer steps between step records (one host sync and, with telemetry, one all_gather of a
+            small tensor each).
+        enable_progress_bar: a tqdm bar on rank zero.
+        enable_checkpointing: checkpoint at each epoch end.
         checkpoint_every_n_steps: also checkpoint every N optimizer steps, mid-epoch, with the exact position.
-        keep_last: checkpoints kept on disk besides "last" (None keeps all). These three configure the default
-            :class:`~trainscale.callbacks.ModelCheckpoint`, added when the user's callbacks hold none.
-        checkpoint_async: write the epoch-end and ``checkpoint_every_n_steps`` checkpoints in the background
-            (torch's ``async_save``; sharded strategies only: fsdp, model_parallel, hsdp, tp): the loop waits only
-            while the state is copied to host memory; each is published ("last" moved to it) once written, at a
-            later step or the end of ``fit`` (``checkpointing/writes.py``; docs/fault-tolerance.md).
-        on_nonfinite: "raise" (a non-finite loss raises at the next check, about a second of steps later and
-            at most ``log_every_n_steps`` apart, naming step, epoch and rank) or "skip" (skip optimizer steps
-            whose gradients are not finite; more than ``max_nonfinite_skips`` in a row raise).
-        handle_signals: on SIGTERM/SIGUSR1 checkpoint at the next check (about a second of steps later),
-            requeue a SLURM job (SIGUSR1) and exit with ``trainscale.faults.tolerance.Preempted``; a rank that
-            cannot get there exits 20 s after SIGTERM with its stacks (docs/fault-tolerance.md).
-        enable_telemetry: measure the step-phase split, throughput, MFU, memory, GPU utilisation and
-            stragglers (docs/telemetry.md). straggler_margin: a rank computing this fraction longer than
-            the median (step time less exposed communication) is a straggler. tensorboard: also write
-            TensorBoard scalars (``trainscale[tensorboard]``).
-        batch_size: "max" rebuilds the training DataLoader with the largest per-device batch that trains on
-            every rank (``trainscale.tune.batch_size``); None keeps the loader's. max_memory: the bytes each
-            rank's step may peak at in that search (required on CPU).
-        lr_scaling: "linear" (SGD; Goyal et al. 2017) or "sqrt" (Adam/AdamW; Malladi et al. 2022): every step
-            uses each param group's lr × the rule's factor of global batch / ``base_batch_size`` (the global
-            batch size the learning rates were tuned at); None: unscaled. lr_warmup_steps: ramp the factor
-            linearly from 1 to its value over this many optimizer steps (Goyal et al.'s warm-up; 0: none).
-            See :mod:`trainscale.scaling.batch_scaling`.
-        limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction
-            of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`).
-            limit_val_batches: the same for each rank's validation batches, in ``fit`` and ``validate``;
-            limit_test_batches, limit_predict_batches: for ``test`` and ``predict`` (:meth:`eval_batches`).
-        min_epochs, min_steps: a stop asked by a callback (``trainer.should_stop``, e.g. ``EarlyStopping``) waits until
-            this many epochs and optimizer steps are done, as Lightning's (None: no minimum).
-        count_flops: count the FLOPs of the run's first micro-batch with ``FlopCounterMode`` for MFU (None: on
-            CUDA only, never under ``compile``). peak_flops: FLOP/s of one device for MFU (None: the table of
-            ``trainscale.telemetry.flops``).
-        val_check_interval: when to validate within an epoch, as Lightning: an int N validates after every N-th
-            training batch (micro-batch) of the epoch (with ``check_val_every_n_epoch=None``: of the run, across
-            epochs; it may then exceed an epoch's batches), a float in (0, 1] after every ``int(batches × f)``-th
-            (at least 1); None (= 1.0): at each epoch end. Validation runs at the end of the optimizer step that
-            holds that batch (with ``accumulate_grad_batches`` > 1, Lightning validates mid-step), before the step's
-            checkpoints, so a checkpoint written there resumes exactly. check_val_every_n_epoch: validate only in
-            every N-th epoch (None: by ``val_check_interval``'s batches alone, which must then be an int).
-        num_sanity_val_steps: validation batches run before training (Lightning's sanity check, default 2; -1: all;
-            0: none), with ``trainer.sanity_checking`` True; its results are not recorded, ``callback_metrics`` and
-            the random states are as before it. Not when resuming, as Lightning.
-        fast_dev_run: True or an int N (True = 1): N batches of training (``max_steps=N``, one epoch), validation,
-            test and predict, no sanity check, and nothing written: no run directory, checkpoint, logger or record
+        keep_last: checkpoints kept on disk besides "last" (None keeps all). With ``enable_checkpointing`` and
+            ``checkpoint_every_n_steps`` it configures the default :class:`~trainscale.callbacks.ModelCheckpoint`, added
+            when the user's callbacks hold none.
+        checkpoint_async: write the epoch-end and ``checkpoint_every_n_steps`` checkpoints in the background (torch's
+            ``async_save``; sharded strategies only: fsdp, model_parallel, hsdp, tp): the loop waits only while the
+            state is copied to host memory; each is published ("last" moved to it) once written, at a later step or the
+            end of ``fit`` (``checkpointing/writes.py``; docs/fault-tolerance.md).
+        on_nonfinite: "raise" (a non-finite loss raises at the next check, about a second of steps later and at most
+            ``log_every_n_steps`` apart, naming step, epoch and rank) or "skip" (skip optimizer steps whose gradients
+            are not finite; more than ``max_nonfinite_skips`` in a row raise).
+        max_nonfinite_skips: under ``on_nonfinite="skip"``, more than this many skipped steps in a row raise.
+        handle_signals: on SIGTERM/SIGUSR1 checkpoint at the next check (about a second of steps later), requeue a SLURM
+            job (SIGUSR1) and exit with ``trainscale.faults.tolerance.Preempted``; a rank that cannot get there exits 20
+            s after SIGTERM with its stacks (docs/fault-tolerance.md).
+        enable_telemetry: measure the step-phase split, throughput, MFU, memory, GPU utilisation and stragglers
+            (docs/telemetry.md).
+        straggler_margin: a rank computing this fraction longer than the median (step time less exposed communication)
+            is a straggler.
+        tensorboard: also write TensorBoard scalars (``trainscale[tensorboard]``).
+        batch_size: "max" rebuilds the training DataLoader with the largest per-device batch that trains on every rank
+            (``trainscale.tune.batch_size``); None keeps the loader's.
+        max_memory: the bytes each rank's step may peak at in the ``batch_size="max"`` search (required on CPU).
+        lr_scaling: "linear" (SGD; Goyal et al. 2017) or "sqrt" (Adam/AdamW; Malladi et al. 2022): every step uses each
+            param group's lr × the rule's factor of global batch / ``base_batch_size`` (the global batch size the
+            learning rates were tuned at); None: unscaled.
+        base_batch_size: the global batch size the learning rates were tuned at (what ``lr_scaling`` scales from).
+        lr_warmup_steps: ramp ``lr_scaling``'s factor linearly from 1 to its value over this many optimizer steps (Goyal
+            et al.'s warm-up; 0: none). See :mod:`trainscale.scaling.batch_scaling`.
+        limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction of
+            them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`).
+        limit_val_batches: as ``limit_train_batches``, for each rank's validation batches, in ``fit`` and ``validate``
+            (:meth:`eval_batches`).
+        limit_test_batches: as ``limit_train_batches``, for ``test`` (:meth:`eval_batches`).
+        limit_predict_batches: as ``limit_train_batches``, for ``predict`` (:meth:`eval_batches`).
+        min_epochs: a stop asked by a callback (``trainer.should_stop``, e.g. ``EarlyStopping``) waits until this many
+            epochs are done, as Lightning's (None: no minimum).
+        min_steps: as ``min_epochs``, in optimizer steps.
+        count_flops: count the FLOPs of the run's first micro-batch with ``FlopCounterMode`` for MFU (None: on CUDA
+            only, never under ``compile``).
+        peak_flops: FLOP/s of one device for MFU (None: the table of ``trainscale.telemetry.flops``).
+        val_check_interval: when to validate within an epoch, as Lightning: an int N validates after every N-th training
+            batch (micro-batch) of the epoch (with ``check_val_every_n_epoch=None``: of the run, across epochs; it may
+            then exceed an epoch's batches), a float in (0, 1] after every ``int(batches × f)``-th (at least 1); None (=
+            1.0): at each epoch end. Validation runs at the end of the optimizer step that holds that batch (with
+            ``accumulate_grad_batches`` > 1, Lightning validates mid-step), before the step's checkpoints, so a
+            checkpoint written there resumes exactly.
+        check_val_every_n_epoch: validate only in every N-th epoch (None: by ``val_check_interval``'s batches alone,
+            which must then be an int).
+        num_sanity_val_steps: validation batches run before training (Lightning's sanity check, default 2; -1: all; 0:
+            none), with ``trainer.sanity_checking`` True; its results are not recorded, ``callback_metrics`` and the
+            random states are as before it. Not when resuming, as Lightning.
+        fast_dev_run: True or an int N (True = 1): N batches of training (``max_steps=N``, one epoch), validation, test
+            and predict, no sanity check, and nothing written: no run directory, checkpoint, logger or record
             (Lightning's; its loggers become a dummy).
-        max_time: stop training once this much time has passed since ``fit`` began training (Lightning's
-            ``Timer``): "DD:HH:MM:SS", a ``datetime.timedelta`` or a dict of its keyword arguments; resolved to a
-            ``timedelta``. Checked after every optimizer step (rank zero's clock, broadcast when there are several
-            ranks); the epoch then ends as usual (its validation, epoch-end checkpoint and hooks) and ``fit`` returns.
+        max_time: stop training once this much time has passed since ``fit`` began training (Lightning's ``Timer``):
+            "DD:HH:MM:SS", a ``datetime.timedelta`` or a dict of its keyword arguments; resolved to a ``timedelta``.
+            Checked after every optimizer step (rank zero's clock, broadcast when there are several ranks); the epoch
+            then ends as usual (its validation, epoch-end checkpoint and hooks) and ``fit`` returns.
             ``min_epochs``/``min_steps`` hold it back, as Lightning. The time before a resume is not counted.
         overfit_batches: train on the first N batches (an int) or fraction (a float in (0, 1]) of the training set,
-            unshuffled, every epoch, and validate on as many of the validation batches (Lightning 2's; 0: off).
-            It replaces ``limit_train_batches`` and ``limit_val_batches``.
+            unshuffled, every epoch, and validate on as many of the validation batches (Lightning 2's; 0: off). It
+            replaces ``limit_train_batches`` and ``limit_val_batches``.
         deterministic: True: ``torch.use_deterministic_algorithms(True)``, ``cudnn.benchmark`` off and
             ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (Lightning's accelerator connector); "warn": the same with
             ``warn_only=True``; False: deterministic algorithms off; None: left as they are. Set in ``Trainer()``.
@@ -103,7 +116,7 @@ class TrainerConfig:
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
     seed: int = 0
-    default_root_dir: Path = Path("runs")
+    default_root_dir: str | Path = Path("runs")  # a Path once resolved
     log_every_n_steps: int = 50
     enable_progress_bar: bool = True
     enable_checkpointing: bool = True

@@ -8,14 +8,14 @@ size 1 (docs/architecture.md).
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import time
 import warnings
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from datetime import timedelta
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from torch import nn
 from trainscale.callbacks import Callback, ModelCheckpoint, ModelSummary, resolve_callbacks
 from trainscale.callbacks.base import HOOKS, overridden_hooks
 from trainscale.loggers import resolve_loggers
-from trainscale.runtime.connector import RuntimeFlags, check_flag_names, flag_signature
+from trainscale.runtime.connector import RUNTIME_FLAG_NAMES, check_flag_names
 from trainscale.runtime.runtime import Runtime
 from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry
@@ -51,26 +51,164 @@ from trainscale.loop.state import EpochLoss, FitRun, MicroBatch, MicroBatchBooks
 
 
 class Trainer:
-    """Fit, validate, test and predict on any strategy by changing flags.
-
-    ``Trainer(**flags)`` takes keyword flags only, each declared and documented once: the runtime's on
-    :class:`~trainscale.runtime.connector.RuntimeFlags` (accelerator, devices, strategy, precision, ...; with
-    ``devices > 1`` outside a launcher the script re-executes under torchrun here), the loop's on
-    :class:`~trainscale.loop.config.TrainerConfig` (max_epochs, accumulate_grad_batches, ...). A misspelt flag is a
-    ``TypeError`` naming the closest one. ``callbacks``: a list of :class:`trainscale.callbacks.Callback` (every record holds the learning rates without one);
-    ``logger``: one or a list of ``trainscale.loggers`` (None: a ``CSVLogger``; False: none; docs/loggers.md).
-    ``checkpoint_async=True`` (sharded strategies): checkpoints written in the background (``checkpointing/writes.py``).
-
-    Raises:
-        ValueError: any bad flag, raised on every rank before a process group is created.
+    """Fit, validate, test and predict on any strategy by changing flags (keyword only; :meth:`__init__` names and
+    describes each). With ``devices > 1`` outside a launcher the script re-executes under torchrun in ``Trainer()``.
     """
 
     def __init__(self, *, callbacks: list[Callback] | None = None, logger: Any = None, runtime: Runtime | None = None,
-                 **flags: Any) -> None:
-        self.flags = dict(flags, callbacks=callbacks, logger=logger)  # as given: a ddp_spawn rank rebuilds from them
-        check_flag_names("Trainer", flags, RUNTIME_FLAG_NAMES + tuple(f.name for f in fields(TrainerConfig)))
-        runtime_flags = {name: flags.pop(name) for name in RUNTIME_FLAG_NAMES if name in flags}
-        self.config = resolve_trainer_config(**flags)
+                 # the Runtime's flags (RuntimeFlags), described in Runtime.__init__
+                 accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto", num_nodes: int = 1,
+                 precision: str = "32-true", timeout: float = 1800.0, strategy_options: dict | None = None,
+                 sync_batchnorm: bool = False, activation_checkpointing: Any = None, compile: bool | dict = False,
+                 float32_matmul_precision: str | None = None, parallel: dict | None = None,
+                 tp_plan: dict | None = None, parallelize: Callable | None = None, pp_schedule: str | None = None,
+                 pp_microbatches: int | None = None, pp_split_points: list | None = None,
+                 # the loop's flags (TrainerConfig)
+                 max_epochs: int = 1, max_steps: int | None = None, accumulate_grad_batches: int = 1,
+                 gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm", seed: int = 0,
+                 default_root_dir: str | Path = Path("runs"), log_every_n_steps: int = 50,
+                 enable_progress_bar: bool = True, enable_checkpointing: bool = True,
+                 checkpoint_every_n_steps: int | None = None, keep_last: int | None = 3,
+                 checkpoint_async: bool = False, on_nonfinite: str = "raise", max_nonfinite_skips: int = 10,
+                 handle_signals: bool = True, enable_telemetry: bool = True, straggler_margin: float = 0.2,
+                 tensorboard: bool = False, batch_size: str | None = None, max_memory: int | None = None,
+                 lr_scaling: str | None = None, base_batch_size: int | None = None, lr_warmup_steps: int = 0,
+                 limit_train_batches: int | float | None = None, limit_val_batches: int | float | None = None,
+                 limit_test_batches: int | float | None = None, limit_predict_batches: int | float | None = None,
+                 min_epochs: int | None = None, min_steps: int | None = None, count_flops: bool | None = None,
+                 peak_flops: float | None = None, val_check_interval: int | float | None = None,
+                 check_val_every_n_epoch: int | None = 1, num_sanity_val_steps: int = 2,
+                 fast_dev_run: bool | int = False, max_time: str | timedelta | dict | None = None,
+                 overfit_batches: int | float = 0.0, deterministic: bool | str | None = None,
+                 enable_model_summary: bool = True,
+                 **misspelt: NoReturn) -> None:
+        """The Runtime's flags (accelerator, devices, strategy, num_nodes, precision, timeout, strategy_options,
+        sync_batchnorm, activation_checkpointing, compile, float32_matmul_precision, parallel, tp_plan, parallelize,
+        pp_schedule, pp_microbatches, pp_split_points) are described in ``Runtime.__init__``; the loop's are fields of
+        :class:`~trainscale.loop.config.TrainerConfig` with these types, defaults and descriptions
+        (tests/test_trainer_config.py keeps them equal).
+
+        Args:
+            callbacks: a list of :class:`trainscale.callbacks.Callback` (every record holds the learning rates without
+                one).
+            logger: one or a list of ``trainscale.loggers`` (None: a ``CSVLogger``; False: none; docs/loggers.md).
+            runtime: the Runtime a "ddp_spawn"/"ddp_notebook" rank made from the same flags (None: one is made here).
+            max_epochs: epochs to train (>= 1).
+            max_steps: stop after this many optimizer steps (None: no limit).
+            accumulate_grad_batches: micro-batches per optimizer step (gradients all-reduced on the last only).
+            gradient_clip_val: clip the total gradient norm (or each value: ``gradient_clip_algorithm="value"``).
+            gradient_clip_algorithm: "norm" (clip the total gradient norm to ``gradient_clip_val``) or "value" (clip
+                each gradient value to it).
+            seed: at the start of each ``fit``, Python's ``random``, numpy and torch (CPU and every CUDA device) are
+                seeded with it on every rank alike (``trainscale.seed_everything``), before the model is set up (a model
+                built on the meta device is initialised from it); the training samplers shuffle epoch ``e`` with ``seed
+                + e``. Default 0, so runs repeat unless it is changed. A model built before ``fit`` takes its initial
+                weights from the script's own random state: seed before building it. A resumed run restores each rank's
+                saved RNG states instead.
+            default_root_dir: runs are written to ``default_root_dir/version_N``.
+            log_every_n_steps: optimizer steps between step records (one host sync and, with telemetry, one all_gather
+                of a small tensor each).
+            enable_progress_bar: a tqdm bar on rank zero.
+            enable_checkpointing: checkpoint at each epoch end.
+            checkpoint_every_n_steps: also checkpoint every N optimizer steps, mid-epoch, with the exact position.
+            keep_last: checkpoints kept on disk besides "last" (None keeps all). With ``enable_checkpointing`` and
+                ``checkpoint_every_n_steps`` it configures the default :class:`~trainscale.callbacks.ModelCheckpoint`,
+                added when the user's callbacks hold none.
+            checkpoint_async: write the epoch-end and ``checkpoint_every_n_steps`` checkpoints in the background
+                (torch's ``async_save``; sharded strategies only: fsdp, model_parallel, hsdp, tp): the loop waits only
+                while the state is copied to host memory; each is published ("last" moved to it) once written, at a
+                later step or the end of ``fit`` (``checkpointing/writes.py``; docs/fault-tolerance.md).
+            on_nonfinite: "raise" (a non-finite loss raises at the next check, about a second of steps later and at most
+                ``log_every_n_steps`` apart, naming step, epoch and rank) or "skip" (skip optimizer steps whose
+                gradients are not finite; more than ``max_nonfinite_skips`` in a row raise).
+            max_nonfinite_skips: under ``on_nonfinite="skip"``, more than this many skipped steps in a row raise.
+            handle_signals: on SIGTERM/SIGUSR1 checkpoint at the next check (about a second of steps later), requeue a
+                SLURM job (SIGUSR1) and exit with ``trainscale.faults.tolerance.Preempted``; a rank that cannot get
+                there exits 20 s after SIGTERM with its stacks (docs/fault-tolerance.md).
+            enable_telemetry: measure the step-phase split, throughput, MFU, memory, GPU utilisation and stragglers
+                (docs/telemetry.md).
+            straggler_margin: a rank computing this fraction longer than the median (step time less exposed
+                communication) is a straggler.
+            tensorboard: also write TensorBoard scalars (``trainscale[tensorboard]``).
+            batch_size: "max" rebuilds the training DataLoader with the largest per-device batch that trains on every
+                rank (``trainscale.tune.batch_size``); None keeps the loader's.
+            max_memory: the bytes each rank's step may peak at in the ``batch_size="max"`` search (required on CPU).
+            lr_scaling: "linear" (SGD; Goyal et al. 2017) or "sqrt" (Adam/AdamW; Malladi et al. 2022): every step uses
+                each param group's lr × the rule's factor of global batch / ``base_batch_size`` (the global batch size
+                the learning rates were tuned at); None: unscaled.
+            base_batch_size: the global batch size the learning rates were tuned at (what ``lr_scaling`` scales from).
+            lr_warmup_steps: ramp ``lr_scaling``'s factor linearly from 1 to its value over this many optimizer steps
+                (Goyal et al.'s warm-up; 0: none). See :mod:`trainscale.scaling.batch_scaling`.
+            limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction
+                of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`).
+            limit_val_batches: as ``limit_train_batches``, for each rank's validation batches, in ``fit`` and
+                ``validate`` (:meth:`eval_batches`).
+            limit_test_batches: as ``limit_train_batches``, for ``test`` (:meth:`eval_batches`).
+            limit_predict_batches: as ``limit_train_batches``, for ``predict`` (:meth:`eval_batches`).
+            min_epochs: a stop asked by a callback (``trainer.should_stop``, e.g. ``EarlyStopping``) waits until this
+                many epochs are done, as Lightning's (None: no minimum).
+            min_steps: as ``min_epochs``, in optimizer steps.
+            count_flops: count the FLOPs of the run's first micro-batch with ``FlopCounterMode`` for MFU (None: on CUDA
+                only, never under ``compile``).
+            peak_flops: FLOP/s of one device for MFU (None: the table of ``trainscale.telemetry.flops``).
+            val_check_interval: when to validate within an epoch, as Lightning: an int N validates after every N-th
+                training batch (micro-batch) of the epoch (with ``check_val_every_n_epoch=None``: of the run, across
+                epochs; it may then exceed an epoch's batches), a float in (0, 1] after every ``int(batches × f)``-th
+                (at least 1); None (= 1.0): at each epoch end. Validation runs at the end of the optimizer step that
+                holds that batch (with ``accumulate_grad_batches`` > 1, Lightning validates mid-step), before the step's
+                checkpoints, so a checkpoint written there resumes exactly.
+            check_val_every_n_epoch: validate only in every N-th epoch (None: by ``val_check_interval``'s batches alone,
+                which must then be an int).
+            num_sanity_val_steps: validation batches run before training (Lightning's sanity check, default 2; -1: all;
+                0: none), with ``trainer.sanity_checking`` True; its results are not recorded, ``callback_metrics`` and
+                the random states are as before it. Not when resuming, as Lightning.
+            fast_dev_run: True or an int N (True = 1): N batches of training (``max_steps=N``, one epoch), validation,
+                test and predict, no sanity check, and nothing written: no run directory, checkpoint, logger or record
+                (Lightning's; its loggers become a dummy).
+            max_time: stop training once this much time has passed since ``fit`` began training (Lightning's ``Timer``):
+                "DD:HH:MM:SS", a ``datetime.timedelta`` or a dict of its keyword arguments; resolved to a ``timedelta``.
+                Checked after every optimizer step (rank zero's clock, broadcast when there are several ranks); the
+                epoch then ends as usual (its validation, epoch-end checkpoint and hooks) and ``fit`` returns.
+                ``min_epochs``/``min_steps`` hold it back, as Lightning. The time before a resume is not counted.
+            overfit_batches: train on the first N batches (an int) or fraction (a float in (0, 1]) of the training set,
+                unshuffled, every epoch, and validate on as many of the validation batches (Lightning 2's; 0: off). It
+                replaces ``limit_train_batches`` and ``limit_val_batches``.
+            deterministic: True: ``torch.use_deterministic_algorithms(True)``, ``cudnn.benchmark`` off and
+                ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (Lightning's accelerator connector); "warn": the same with
+                ``warn_only=True``; False: deterministic algorithms off; None: left as they are. Set in ``Trainer()``.
+            enable_model_summary: print a :class:`~trainscale.callbacks.ModelSummary` (layers, parameters, size) on rank
+                zero at the start of ``fit``, unless the callbacks hold one (Lightning's default).
+
+        Raises:
+            TypeError: a misspelt flag (naming the closest one; type checkers refuse it too: ``NoReturn``).
+            ValueError: any bad flag, raised on every rank before a process group is created.
+        """
+        check_flag_names("Trainer", misspelt, RUNTIME_FLAG_NAMES + TRAINER_FLAG_NAMES)
+        runtime_flags = dict(
+            accelerator=accelerator, devices=devices, strategy=strategy, num_nodes=num_nodes, precision=precision,
+            timeout=timeout, strategy_options=strategy_options, sync_batchnorm=sync_batchnorm,
+            activation_checkpointing=activation_checkpointing, compile=compile,
+            float32_matmul_precision=float32_matmul_precision, parallel=parallel, tp_plan=tp_plan,
+            parallelize=parallelize, pp_schedule=pp_schedule, pp_microbatches=pp_microbatches,
+            pp_split_points=pp_split_points)
+        loop_flags = dict(
+            max_epochs=max_epochs, max_steps=max_steps, accumulate_grad_batches=accumulate_grad_batches,
+            gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm, seed=seed,
+            default_root_dir=default_root_dir, log_every_n_steps=log_every_n_steps,
+            enable_progress_bar=enable_progress_bar, enable_checkpointing=enable_checkpointing,
+            checkpoint_every_n_steps=checkpoint_every_n_steps, keep_last=keep_last, checkpoint_async=checkpoint_async,
+            on_nonfinite=on_nonfinite, max_nonfinite_skips=max_nonfinite_skips, handle_signals=handle_signals,
+            enable_telemetry=enable_telemetry, straggler_margin=straggler_margin, tensorboard=tensorboard,
+            batch_size=batch_size, max_memory=max_memory, lr_scaling=lr_scaling, base_batch_size=base_batch_size,
+            lr_warmup_steps=lr_warmup_steps, limit_train_batches=limit_train_batches,
+            limit_val_batches=limit_val_batches, limit_test_batches=limit_test_batches,
+            limit_predict_batches=limit_predict_batches, min_epochs=min_epochs, min_steps=min_steps,
+            count_flops=count_flops, peak_flops=peak_flops, val_check_interval=val_check_interval,
+            check_val_every_n_epoch=check_val_every_n_epoch, num_sanity_val_steps=num_sanity_val_steps,
+            fast_dev_run=fast_dev_run, max_time=max_time, overfit_batches=overfit_batches, deterministic=deterministic,
+            enable_model_summary=enable_model_summary)
+        self.flags = dict(runtime_flags, **loop_flags, callbacks=callbacks, logger=logger)  # a ddp_spawn rank rebuilds
+        self.config = resolve_trainer_config(**loop_flags)
         set_torch_flags(self.config.deterministic)
         self.batch_scaling = BatchScaling(self.config)
         self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint())
@@ -638,12 +776,7 @@ class Trainer:
             getattr(module, hook)(*args)
 
 
-RUNTIME_FLAG_NAMES = tuple(f.name for f in fields(RuntimeFlags))
-# help(Trainer) and editors show every flag, declared once in RuntimeFlags and TrainerConfig
-Trainer.__init__.__signature__ = flag_signature(
-    RuntimeFlags, TrainerConfig,
-    extra=(inspect.Parameter("callbacks", inspect.Parameter.KEYWORD_ONLY, default=None),
-           inspect.Parameter("logger", inspect.Parameter.KEYWORD_ONLY, default=None)))
+TRAINER_FLAG_NAMES = tuple(f.name for f in fields(TrainerConfig))
 
 
 def set_torch_flags(deterministic: bool | str | None) -> None:

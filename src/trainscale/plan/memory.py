@@ -454,10 +454,11 @@ def _fake_fsdp(model, mesh, devices: int, precision: str, strategy_options: dict
     """Shard ``model`` exactly as the fsdp strategy does; return it and a tracker factory."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+    from trainscale.runtime.precision import Precision
     from trainscale.runtime.strategies.fsdp import FSDPStrategy
     from trainscale.runtime.world import World
 
     strategy = FSDPStrategy(torch.device("cpu"), World(world_size=devices, local_world_size=devices),
-                            precision=precision, **(strategy_options or {}))
+                            precision=Precision(precision, "cpu"), **(strategy_options or {}))
     strategy.shard(model, strategy.units(model), mesh)
     return model, (lambda optimizer: FSDPMemTracker(mod=model, optm=optimizer))

@@ -8,14 +8,13 @@ valid choices or the flag to change, before any process or process group exists.
 from __future__ import annotations
 
 import difflib
-import inspect
 from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any, Callable
 
 from trainscale.runtime import hf
 from trainscale.runtime.devices import ACCELERATORS, detect_accelerator
 from trainscale.runtime.precision import PRECISIONS
-from trainscale.runtime.strategies import MODEL_PARALLEL, STRATEGIES
+from trainscale.runtime.strategies import STRATEGIES, STRATEGY_CLASSES, Strategy
 from trainscale.runtime.strategies.parallel_dims import PP_SCHEDULES, ParallelDims, resolve_parallel
 
 # Names that mean "ddp, with the processes started by torch.multiprocessing from this process" (Lightning's
@@ -25,16 +24,13 @@ START_METHOD_NAMES = {"ddp_spawn": "spawn", "ddp_notebook": "fork", "ddp_fork": 
 
 
 MATMUL_PRECISIONS = (None, "highest", "high", "medium")
-DP_COMPILE_ERROR = ("strategy='dp' cannot run a compiled module: nn.DataParallel copies the compiled forward into "
-                    "every replica, and each copy calls GPU 0's module with GPU 0's weights. Pass strategy='ddp' "
-                    "(one process per GPU, each compiling its own module) or compile=False")
 
 
 @dataclass(frozen=True)
 class RuntimeFlags:
-    """The flags of :class:`~trainscale.runtime.runtime.Runtime` as the user gave them, declared here once: the
-    Runtime's and the Trainer's signatures are made from these fields (:func:`flag_signature`), and
-    :func:`resolve` turns them into a :class:`RunConfig`.
+    """The flags of :class:`~trainscale.runtime.runtime.Runtime` as the user gave them; :func:`resolve` turns them
+    into a :class:`RunConfig`. ``Runtime.__init__`` and ``Trainer.__init__`` name each of them in their signatures,
+    with these types, defaults and descriptions (tests/test_trainer_config.py keeps them equal).
 
     Attributes:
         accelerator: "auto", "cpu", "cuda" ("gpu") or "mps".
@@ -60,9 +56,10 @@ class RuntimeFlags:
         tp_plan: ``{submodule name: ColwiseParallel() | RowwiseParallel() | ...}`` for your model; default: the
             built-in plan of ``trainscale.models.GPT``.
         parallelize: ``fn(model, mesh) -> model`` applying your own tensor parallelism instead.
-        pp_schedule: "gpipe" or "1f1b" (default) under pipeline stages. pp_microbatches: micro-batches each batch
-            is cut into (default 4·P). pp_split_points: the submodule names where stages 2..P begin (default: the
-            built-in split of ``trainscale.models.GPT``).
+        pp_schedule: "gpipe" or "1f1b" (default) under pipeline stages.
+        pp_microbatches: micro-batches each batch is cut into (default 4·P).
+        pp_split_points: the submodule names where stages 2..P begin (default: the built-in split of
+            ``trainscale.models.GPT``).
     """
 
     accelerator: str = "auto"
@@ -83,6 +80,9 @@ class RuntimeFlags:
     pp_schedule: str | None = None
     pp_microbatches: int | None = None
     pp_split_points: list | None = None
+
+
+RUNTIME_FLAG_NAMES = tuple(f.name for f in fields(RuntimeFlags))
 
 
 def make_flags(cls: type, owner: str, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -107,18 +107,6 @@ def check_flag_names(owner: str, names, known) -> None:
             close = difflib.get_close_matches(name, known, n=1)
             raise TypeError(f"{owner}() got an unexpected flag {name!r}"
                             + (f"; did you mean {close[0]!r}?" if close else f"; its flags are: {', '.join(known)}"))
-
-
-def flag_signature(*classes: type, extra: tuple = (), positional: bool = False) -> inspect.Signature:
-    """The signature of these flags dataclasses' fields (in order, with their defaults and types), after ``extra``
-    parameters: what ``help(Trainer)`` and editors show for a constructor that takes ``**flags``. With
-    ``positional``, the fields before a dataclass's ``KW_ONLY`` marker may be passed by position too."""
-    kinds = inspect.Parameter
-    params = [kinds("self", kinds.POSITIONAL_OR_KEYWORD), *extra]
-    for cls in classes:
-        params += [kinds(f.name, kinds.POSITIONAL_OR_KEYWORD if positional and not f.kw_only else kinds.KEYWORD_ONLY,
-                         default=f.default, annotation=f.type) for f in fields(cls)]
-    return inspect.Signature(params)
 
 
 @dataclass(frozen=True)
@@ -157,14 +145,20 @@ class RunConfig:
     pp_microbatches: int | None = None
 
     @property
+    def strategy_class(self) -> type[Strategy]:
+        """The class of :attr:`strategy` (``trainscale.runtime.strategies.STRATEGY_CLASSES``): what the Runtime, the
+        Trainer and the checkpoints ask of the strategy before it exists."""
+        return STRATEGY_CLASSES[self.strategy]
+
+    @property
     def world_size(self) -> int:
         """Processes in the job: ``dp`` drives all its GPUs from one process."""
-        return 1 if self.strategy == "dp" else self.devices * self.num_nodes
+        return 1 if self.strategy_class.drives_all_devices else self.devices * self.num_nodes
 
     @property
     def devices_per_process(self) -> int:
         """Devices each process drives: all ``devices`` under ``dp``, else 1 (what MFU divides by)."""
-        return self.devices if self.strategy == "dp" else 1
+        return self.devices if self.strategy_class.drives_all_devices else 1
 
 
 def _choices(names) -> str:
@@ -197,9 +191,8 @@ def resolve(*args: Any, cuda_count: int = 0, has_mps: bool = False, **flags: Any
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} must be an int >= 1")
     compile_kwargs = _resolve_compile(f.compile)
-    strategy, start_method = _resolve_strategy(f.strategy, accelerator, devices, num_nodes, cuda_count)
-    if strategy == "dp" and compile_kwargs is not None:
-        raise ValueError(DP_COMPILE_ERROR)
+    strategy, start_method = _resolve_strategy(f.strategy, accelerator, devices, num_nodes, cuda_count,
+                                               compile_kwargs is not None)
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}; choose one of {_choices(PRECISIONS)}")
     _check_sync_batchnorm(sync_batchnorm, strategy, accelerator)
@@ -247,7 +240,7 @@ def _resolve_devices(devices: Any, accelerator: str, cuda_count: int) -> int:
 def _check_sync_batchnorm(sync_batchnorm: Any, strategy: str, accelerator: str) -> None:
     if not isinstance(sync_batchnorm, bool):
         raise ValueError(f"sync_batchnorm={sync_batchnorm!r} must be True or False")
-    if sync_batchnorm and strategy != "ddp":
+    if sync_batchnorm and not STRATEGY_CLASSES[strategy].supports_sync_batchnorm:
         raise ValueError(f"sync_batchnorm=True synchronizes batch statistics across ddp processes, but "
                          f"strategy={strategy!r}; pass strategy='ddp' (or sync_batchnorm=False)")
     if sync_batchnorm and accelerator != "cuda":
@@ -260,7 +253,7 @@ def _check_sync_batchnorm(sync_batchnorm: Any, strategy: str, accelerator: str) 
 def _resolve_model_parallel(strategy: str, parallel: Any, tp_plan: Any, parallelize: Any, devices: int,
                             num_nodes: int) -> ParallelDims | None:
     """The mesh sizes under a model-parallel strategy; ``parallel``/``tp_plan``/``parallelize`` refused elsewhere."""
-    if strategy not in MODEL_PARALLEL:
+    if not STRATEGY_CLASSES[strategy].uses_mesh:
         given = [name for name, value in (("parallel", parallel), ("tp_plan", tp_plan), ("parallelize", parallelize))
                  if value is not None]
         if given:
@@ -305,9 +298,10 @@ def _check_pipeline_flags(schedule: Any, microbatches: Any, split_points: Any, s
         raise ValueError(f"pp_split_points={split_points!r} must be a list of submodule names, e.g. ['layers.4']")
 
 
-def _resolve_strategy(strategy: Any, accelerator: str, devices: int, num_nodes: int,
-                      cuda_count: int) -> tuple[str, str | None]:
-    """A strategy flag → ``(strategy, start_method)`` (see :func:`resolve`); raises ``ValueError``."""
+def _resolve_strategy(strategy: Any, accelerator: str, devices: int, num_nodes: int, cuda_count: int,
+                      compiled: bool) -> tuple[str, str | None]:
+    """A strategy flag → ``(strategy, start_method)`` (see :func:`resolve`), checked by its class
+    (``Strategy.check_run``: one process for "single", 2+ CUDA GPUs and no compile for "dp"); raises ``ValueError``."""
     names = (*STRATEGIES, *START_METHOD_NAMES)
     if not isinstance(strategy, str) or strategy not in names:
         raise ValueError(f"unknown strategy={strategy!r}; choose one of {_choices(names)}")
@@ -320,21 +314,9 @@ def _resolve_strategy(strategy: Any, accelerator: str, devices: int, num_nodes: 
     world_size = devices * num_nodes
     if strategy == "auto":
         strategy = "single" if world_size == 1 else "ddp"
-    if strategy == "single" and world_size > 1:
-        raise ValueError(f"strategy='single' runs one process but devices×num_nodes={world_size}; "
-                         "pass strategy='ddp' (or devices=1)")
-    if strategy == "dp":
-        _check_dp(accelerator, devices, num_nodes, cuda_count)
+    STRATEGY_CLASSES[strategy].check_run(accelerator=accelerator, devices=devices, num_nodes=num_nodes,
+                                         cuda_count=cuda_count, compiled=compiled)
     return strategy, start_method
-
-
-def _check_dp(accelerator: str, devices: int, num_nodes: int, cuda_count: int) -> None:
-    if accelerator != "cuda" or cuda_count < 2 or devices < 2 or num_nodes > 1:
-        # nn.DataParallel without CUDA silently calls the module directly: no parallelism at all.
-        raise ValueError(f"strategy='dp' (nn.DataParallel) drives 2 or more CUDA GPUs from one process on one "
-                         f"machine, but here accelerator={accelerator!r}, {cuda_count} CUDA device(s) visible, "
-                         f"devices={devices}, num_nodes={num_nodes}; pass strategy='ddp' (one process per device, "
-                         "faster than dp on GPUs and also runs on CPU)")
 
 
 def _resolve_checkpointing(classes: Any) -> tuple:

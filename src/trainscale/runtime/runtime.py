@@ -27,7 +27,7 @@ import atexit
 import os
 import sys
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -36,10 +36,10 @@ from trainscale.runtime import devices as _devices
 from trainscale.runtime import hangs, launch, rendezvous
 from trainscale.runtime.apply import prepare_module
 from trainscale.runtime.batch import to_device
-from trainscale.runtime.connector import RunConfig, RuntimeFlags, flag_signature, make_flags, resolve
+from trainscale.runtime.connector import RUNTIME_FLAG_NAMES, RunConfig, RuntimeFlags, check_flag_names, resolve
 from trainscale.runtime.meta_init import on_meta
 from trainscale.runtime.precision import Precision, float32_matmul_note, tf32_enabled
-from trainscale.runtime.strategies import check_async_save, create_strategy
+from trainscale.runtime.strategies import create_strategy
 from trainscale.runtime.world import World
 
 _REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
@@ -83,16 +83,61 @@ def _match_launcher(world: World, config: RunConfig, follows_launcher: bool) -> 
 class Runtime:
     """Devices, processes, strategy and precision for a hand-written loop.
 
-    ``Runtime(accelerator="auto", devices="auto", strategy="auto", num_nodes=1, precision="32-true", *, timeout=...,
-    ...)``: the flags are the fields of :class:`~trainscale.runtime.connector.RuntimeFlags`, where each is declared
-    and documented once (``runtime.flags`` holds them as given, ``runtime.config`` resolved).
-
-    Raises:
-        ValueError: bad or conflicting flags (raised on every rank, before any process group exists).
+    ``runtime.flags`` holds the flags as given (a :class:`~trainscale.runtime.connector.RuntimeFlags`),
+    ``runtime.config`` resolved (a :class:`~trainscale.runtime.connector.RunConfig`).
     """
 
-    def __init__(self, *args: Any, **flags: Any) -> None:
-        self.flags = f = make_flags(RuntimeFlags, "Runtime", args, flags)
+    def __init__(self, accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
+                 num_nodes: int = 1, precision: str = "32-true", *, timeout: float = 1800.0,
+                 strategy_options: dict | None = None, sync_batchnorm: bool = False, activation_checkpointing: Any = None,
+                 compile: bool | dict = False, float32_matmul_precision: str | None = None,
+                 parallel: dict | None = None, tp_plan: dict | None = None, parallelize: Callable | None = None,
+                 pp_schedule: str | None = None, pp_microbatches: int | None = None,
+                 pp_split_points: list | None = None, **misspelt: NoReturn) -> None:
+        """The flags, each a field of :class:`~trainscale.runtime.connector.RuntimeFlags` with this type, default
+        and description (tests/test_trainer_config.py keeps them equal).
+
+        Args:
+            accelerator: "auto", "cpu", "cuda" ("gpu") or "mps".
+            devices: processes (CPU) or GPUs per node, or "auto" (all GPUs; under a launcher, the launcher's
+                processes per node; else 1).
+            strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp"
+                (docs/strategies.md), or "ddp_spawn"/"ddp_notebook": ddp with the processes started from this one
+                by spawn/fork.
+            num_nodes: machines in the job.
+            precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
+            timeout: seconds a collective may wait before it fails (``init_process_group``'s timeout).
+            strategy_options: keyword options of the strategy (ddp: ``find_unused_parameters``, ``static_graph``,
+                ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``ddp_comm_hook``; dp: ``device_ids``; fsdp:
+                ``auto_wrap_policy``, ``reshard_after_forward``, ``cpu_offload``; tp: ``sequence_parallel``).
+            sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp, CUDA only).
+            activation_checkpointing: ``nn.Module`` classes, or class names (``{"LlamaDecoderLayer"}``), whose
+                instances recompute their forward in backward (``torch.utils.checkpoint``, non-reentrant): less
+                activation memory, about one more forward.
+            compile: ``torch.compile`` the module before the strategy wraps it; True, or a dict of its arguments.
+            float32_matmul_precision: None (leave PyTorch's setting), or "highest", "high" (TF32 on Ampere and
+                newer) or "medium", applied with ``torch.set_float32_matmul_precision``.
+            parallel: the device mesh under "model_parallel" (required), "hsdp", "tp" or "pp":
+                ``{"pp": P, "dp_replicate": R, "dp_shard": S, "tp": T}``, P·R·S·T = world size.
+            tp_plan: ``{submodule name: ColwiseParallel() | RowwiseParallel() | ...}`` for your model; default:
+                the built-in plan of ``trainscale.models.GPT``.
+            parallelize: ``fn(model, mesh) -> model`` applying your own tensor parallelism instead.
+            pp_schedule: "gpipe" or "1f1b" (default) under pipeline stages.
+            pp_microbatches: micro-batches each batch is cut into (default 4·P).
+            pp_split_points: the submodule names where stages 2..P begin (default: the built-in split of
+                ``trainscale.models.GPT``).
+
+        Raises:
+            TypeError: a misspelt flag (naming the closest one; type checkers refuse it too: ``NoReturn``).
+            ValueError: bad or conflicting flags (raised on every rank, before any process group exists).
+        """
+        check_flag_names("Runtime", misspelt, RUNTIME_FLAG_NAMES)
+        self.flags = f = RuntimeFlags(
+            accelerator, devices, strategy, num_nodes, precision, timeout=timeout, strategy_options=strategy_options,
+            sync_batchnorm=sync_batchnorm, activation_checkpointing=activation_checkpointing, compile=compile,
+            float32_matmul_precision=float32_matmul_precision, parallel=parallel, tp_plan=tp_plan,
+            parallelize=parallelize, pp_schedule=pp_schedule, pp_microbatches=pp_microbatches,
+            pp_split_points=pp_split_points)
         devices, num_nodes = f.devices, f.num_nodes
         world = World.from_env()
         follows_launcher = devices == "auto" and world.launcher != "none"  # nodes may differ in processes
@@ -111,13 +156,14 @@ class Runtime:
             raise ValueError(f"strategy_options={f.strategy_options!r} must be a dict of the strategy's keyword "
                              "options (e.g. {'find_unused_parameters': True}) or None")
         self.timeout = f.timeout
-        self.strategy_options = _strategy_options(self.config, f.strategy_options, f.tp_plan, f.parallelize,
-                                                  f.pp_split_points, f.pp_microbatches)
+        strategy_class = self.config.strategy_class
+        self.strategy_options = strategy_class.options_from(f.strategy_options, self.config, f)
         cuda = self.config.accelerator == "cuda"
         self.device = _devices.device_for(self.config.accelerator, _devices.cuda_index(
             world.local_rank, world.local_world_size, visible, world.launcher) if cuda else world.local_rank)
-        # pipeline stages hold different parameters: their GradScaler agrees on inf/NaN across all ranks
-        self.precision = Precision(self.config.precision, self.device.type, across_ranks=self.config.strategy == "pp")
+        # built once per run and handed to the strategy; pipeline stages hold different parameters: their
+        # GradScaler agrees on inf/NaN across all ranks
+        self.precision = Precision(self.config.precision, self.device.type, across_ranks=strategy_class.pipelined)
         self._set_matmul_precision()
         self._non_blocking = self.device.type == "cuda"  # to_device's copies: asynchronous from pinned memory
         self.strategy = None
@@ -126,7 +172,7 @@ class Runtime:
         self._pending_save = None
         self._launched = False
         if self.spawns:  # the job runs in children; check the strategy's options here, before spawning
-            create_strategy(self.config.strategy, device=self.device, world=self.world, **self.strategy_options)
+            strategy_class.check_options(self.strategy_options, self.config.strategy)
 
     def _set_matmul_precision(self) -> None:
         """Apply ``float32_matmul_precision``, or say once what "32-true" leaves on the table (Lightning's note).
@@ -193,7 +239,7 @@ class Runtime:
             torch.cuda.set_device(self.device)
         self._start_process_groups()
         self.strategy = create_strategy(self.config.strategy, device=self.device, world=self.world,
-                                        precision=self.config.precision, **self.strategy_options)
+                                        precision=self.precision, **self.strategy_options)
         self._launched = True
         return self
 
@@ -202,8 +248,8 @@ class Runtime:
         (:func:`trainscale.runtime.hangs.wants_monitor_group`)."""
         # ddp on one process (e.g. one GPU) still needs a process group: DDP refuses to run without one; so does
         # model_parallel's device mesh (init_device_mesh would start one from env://, unset outside a launcher).
-        one_process_needs_group = self.config.strategy in ("ddp", "model_parallel")
-        if (self.world.world_size > 1 or one_process_needs_group) and not dist.is_initialized():
+        needs_group = self.world.world_size > 1 or self.config.strategy_class.needs_process_group
+        if needs_group and not dist.is_initialized():
             self._init_process_group()
         if (self.monitor_group is None and dist.is_initialized()
                 and hangs.wants_monitor_group(str(dist.get_backend()), self.world.world_size)):
@@ -293,7 +339,7 @@ class Runtime:
                              "shards with init_weights()/reset_parameters()), or build the model on a real device")
         module = prepare_module(module, precision=self.precision, sync_batchnorm=c.sync_batchnorm,
                                 activation_checkpointing=c.activation_checkpointing,
-                                compile=None if c.strategy == "pp" else c.compile)  # pp: the stages' blocks
+                                compile=None if self.strategy.applies_compile else c.compile)  # pp: its blocks
         wrapped = self.strategy.setup_module(module)
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             if not callable(optimizer):
@@ -530,7 +576,7 @@ class Runtime:
         """
         self.launch()
         if asynchronous:
-            check_async_save(self.config.strategy)
+            self.strategy.check_async_save()
         self.wait_for_save()
         state = {**state, "precision": self.precision.state_dict()}
         if asynchronous:
@@ -583,24 +629,6 @@ class Runtime:
             dist.destroy_process_group()
         self.monitor_group = None
         self._launched = False
-
-
-def _strategy_options(config: RunConfig, options: dict | None, tp_plan: Any, parallelize: Any,
-                      split_points: Any, microbatches: int | None) -> dict:
-    """The strategy's options: the user's, with dp's ``device_ids`` and the model-parallel flags added
-    (``pp_microbatches`` as the user gave it: None lets the pipeline fit its default 4·P to a smaller batch)."""
-    out = dict(options or {})
-    if config.strategy == "dp":
-        out.setdefault("device_ids", list(range(config.devices)))
-    if config.strategy == "pp":
-        out.update(pp_schedule=config.pp_schedule, pp_microbatches=microbatches,
-                   pp_split_points=split_points, compile=config.compile)
-    if config.parallel is not None:  # model_parallel / hsdp / tp / pp
-        out.update(parallel=config.parallel, tp_plan=tp_plan, parallelize=parallelize)
-    return out
-
-
-Runtime.__init__.__signature__ = flag_signature(RuntimeFlags, positional=True)  # help(Runtime) shows every flag
 
 
 def _run_spawned(runtime_flags: dict, function: Callable, args: tuple, kwargs: dict) -> Any:

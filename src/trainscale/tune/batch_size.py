@@ -50,8 +50,6 @@ if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
 
 MAX_TRIALS = 25
-# strategies whose only collective in a step is the gradient all-reduce, skipped in trials
-_NO_SYNC_TRIALS = ("single", "dp", "ddp")
 
 
 class BatchSizeError(RuntimeError):
@@ -288,7 +286,7 @@ def find_batch_size(model: nn.Module, loss_fn: Callable | None = None, data: Any
     scaler_state = copy.deepcopy(runtime.precision.state_dict())
     wrapped, opt = _setup(model, loss_fn, optimizer, runtime, tracker)
     run = _TrialRun(runtime, wrapped, opt, make_batch, max_memory,
-                    runtime.strategy.name not in _NO_SYNC_TRIALS, tracker, trials if trials is not None else [])
+                    runtime.strategy.forward_communicates, tracker, trials if trials is not None else [])
     try:
         found = search(lambda size: _fits(run, size), start, max_batch_size or limit, max_trials)
     finally:

@@ -10,19 +10,17 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from trainscale.runtime import checkpoint_io
-from trainscale.runtime.strategies import SYNC, check_async_save, clip_grad_norm
+from trainscale.runtime.strategies.base import SYNC, Strategy
 from trainscale.runtime.strategies.dcp_checkpoint import load_whole
 from trainscale.runtime.strategies.node_read import NodeReader
 from trainscale.runtime.world import World
 
 
-class DDPStrategy:
+class DDPStrategy(Strategy):
     """Wrap the module in ``DistributedDataParallel``.
 
     Args:
-        device: the device this rank owns (``torch.device``).
-        world: this process's :class:`World`.
+        device, world, precision: as for :class:`~trainscale.runtime.strategies.base.Strategy`.
         find_unused_parameters: set when some parameters get no gradient in a step (slower).
         static_graph: set when the graph is the same every step (enables DDP optimizations).
         gradient_as_bucket_view: gradients alias the all-reduce buckets (saves one copy of the grads).
@@ -34,16 +32,14 @@ class DDPStrategy:
     """
 
     name = "ddp"
-    checkpoint_suffix = ".pt"
-    forward_communicates = False
-    materialises_meta = False  # a model on the meta device is refused by Runtime.setup
-    pipelined = False
+    needs_process_group = True  # DDP refuses to run without a process group, even in one process (one GPU)
+    supports_sync_batchnorm = True
+    gradient_sync = "step"  # a manual optimizer averages the gradients in its step()
 
-    def __init__(self, device: Any, world: World, find_unused_parameters: bool = False,
+    def __init__(self, device: Any, world: World, precision: Any = None, find_unused_parameters: bool = False,
                  static_graph: bool = False, gradient_as_bucket_view: bool = False,
                  bucket_cap_mb: float | None = None, ddp_comm_hook: Any = None, ddp_comm_state: Any = None) -> None:
-        self.device = device
-        self.world = world
+        super().__init__(device, world, precision)
         self.comm_hook, self.comm_state = ddp_comm_hook, ddp_comm_state
         self._node_reader = NodeReader(world)  # a checkpoint file is read once per node
         self._timing: tuple[Callable, Callable] | None = None  # (clock, record) once telemetry asks
@@ -68,9 +64,6 @@ class DDPStrategy:
             return self.comm_hook(state, bucket)
         return _timed(self.comm_hook, state, bucket, *self._timing)
 
-    def setup_optimizer(self, optimizer):
-        return optimizer
-
     def unwrap(self, module):
         from torch.nn.parallel import DistributedDataParallel
 
@@ -83,10 +76,6 @@ class DDPStrategy:
         if not hasattr(module, "no_sync"):
             raise TypeError("no_backward_sync needs the module returned by Runtime.setup (a DDP wrapper)")
         return module.no_sync()
-
-    def clip_gradients_norm(self, module, max_norm: float, norm_type: float = 2.0):
-        """Clip by the total norm; the gradients are already all-reduced, so it is the global one."""
-        return clip_grad_norm(module, max_norm, norm_type)
 
     def time_allreduce(self, module, clock: Callable[[], Any], record: Callable[[Any, Any], None]) -> bool:
         """Time each bucket's gradient all-reduce (telemetry calls it at world size > 1).
@@ -116,21 +105,10 @@ class DDPStrategy:
             return False
         return True
 
-    def save_checkpoint(self, path, state: dict, async_group=None) -> None:
-        if async_group is not None:
-            check_async_save(self.name)  # one file from rank zero: never in the background
-        checkpoint_io.save_replicated(path, state, self.world, self.unwrap)
-
     def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
         """A checkpoint file is read once per node and shared with the node's ranks (``node_read``); a DCP
         directory is read by every rank, its shards into whole tensors."""
         return load_whole(path, state, self.world.rank, self.name, self.unwrap, verify, self._node_reader.read)
-
-    def data_world(self, world: World) -> World:
-        return world  # every rank reads different data
-
-    def teardown(self) -> None:
-        pass
 
 
 def _timed(hook: Callable, state: Any, bucket: Any, clock: Callable, record: Callable):

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainscale.runtime import checkpoint_io
-from trainscale.runtime.connector import DP_COMPILE_ERROR
-from trainscale.runtime.strategies import SYNC, check_async_save, clip_grad_norm
-from trainscale.runtime.strategies.dcp_checkpoint import load_whole
+from trainscale.runtime.strategies.base import Strategy
 from trainscale.runtime.world import World
 
 _SCALAR = "__trainscale_dp_scalar__"
+DP_COMPILE_ERROR = ("strategy='dp' cannot run a compiled module: nn.DataParallel copies the compiled forward into "
+                    "every replica, and each copy calls GPU 0's module with GPU 0's weights. Pass strategy='ddp' "
+                    "(one process per GPU, each compiling its own module) or compile=False")
 
 
 class _ScalarsAsVectors(nn.Module):
@@ -87,7 +87,7 @@ class DataParallelModule(nn.Module):
         return out
 
 
-class DataParallelStrategy:
+class DataParallelStrategy(Strategy):
     """Wrap the module in ``nn.DataParallel`` over ``device_ids`` (GPU-only; one process).
 
     The data loader is not sharded: its ``batch_size`` is the batch of the whole step, split
@@ -96,18 +96,16 @@ class DataParallelStrategy:
     Args:
         device: GPU 0 of ``device_ids`` (parameters, outputs and the optimizer live there).
         world: a world of one process.
+        precision: the run's ``Precision`` (its autocast is re-entered in each replica by :class:`DataParallelModule`).
         device_ids: the CUDA device indices to use (the Runtime passes ``range(devices)``).
     """
 
     name = "dp"
-    checkpoint_suffix = ".pt"
-    forward_communicates = False
-    materialises_meta = False  # a model on the meta device is refused by Runtime.setup
-    pipelined = False
+    drives_all_devices = True  # one process for all the GPUs of one machine
+    manual_optimization_refusal = "DataParallel's per-device replicas"  # training_step would run in their threads
 
-    def __init__(self, device: Any, world: World, device_ids: list[int] | None = None) -> None:
-        self.device = device
-        self.world = world
+    def __init__(self, device: Any, world: World, precision: Any = None, device_ids: list[int] | None = None) -> None:
+        super().__init__(device, world, precision)
         self.device_ids = list(device_ids) if device_ids is not None else list(range(torch.cuda.device_count()))
 
     def setup_module(self, module):
@@ -121,31 +119,22 @@ class DataParallelStrategy:
             raise ValueError(DP_COMPILE_ERROR)
         return DataParallelModule(module.to(self.device), self.device_ids)
 
-    def setup_optimizer(self, optimizer):
-        return optimizer
+    @classmethod
+    def check_run(cls, *, accelerator: str, devices: int, num_nodes: int, cuda_count: int, compiled: bool) -> None:
+        """Raises ``ValueError`` without 2 or more CUDA GPUs on one machine (without CUDA, ``nn.DataParallel``
+        silently calls the module directly: no parallelism at all), or with ``compile``."""
+        if accelerator != "cuda" or cuda_count < 2 or devices < 2 or num_nodes > 1:
+            raise ValueError(f"strategy='dp' (nn.DataParallel) drives 2 or more CUDA GPUs from one process on one "
+                             f"machine, but here accelerator={accelerator!r}, {cuda_count} CUDA device(s) visible, "
+                             f"devices={devices}, num_nodes={num_nodes}; pass strategy='ddp' (one process per "
+                             "device, faster than dp on GPUs and also runs on CPU)")
+        if compiled:
+            raise ValueError(DP_COMPILE_ERROR)
+
+    @classmethod
+    def options_from(cls, options, config, flags) -> dict:
+        """The user's options, with ``device_ids`` all the node's ``devices`` unless given."""
+        return {"device_ids": list(range(config.devices)), **(options or {})}
 
     def unwrap(self, module):
         return module.module if isinstance(module, DataParallelModule) else module
-
-    def no_backward_sync(self, module, enabled: bool):
-        return SYNC
-
-    def clip_gradients_norm(self, module, max_norm: float, norm_type: float = 2.0):
-        return clip_grad_norm(module, max_norm, norm_type)  # the replicas' gradients are summed on GPU 0
-
-    def time_allreduce(self, module, clock, record) -> bool:
-        return False  # no all-reduce: backward sums the replicas' gradients into GPU 0's parameters
-
-    def save_checkpoint(self, path, state: dict, async_group=None) -> None:
-        if async_group is not None:
-            check_async_save(self.name)  # one file from rank zero: never in the background
-        checkpoint_io.save_replicated(path, state, self.world, self.unwrap)
-
-    def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
-        return load_whole(path, state, self.world.rank, self.name, self.unwrap, verify)  # a file or a DCP directory
-
-    def data_world(self, world: World) -> World:
-        return world  # every rank reads different data
-
-    def teardown(self) -> None:
-        pass

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from trainscale.runtime import checkpoint_io, hf, meta_init
-from trainscale.runtime.strategies import SYNC
+from trainscale.runtime.strategies.base import SYNC, Strategy
 from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, fsdp_units, no_gradient_sync, reshard
 from trainscale.runtime.strategies.apply_fsdp import mixed_precision_policy as _mixed_precision_policy  # noqa: F401
 from trainscale.runtime.strategies.dcp_checkpoint import DCPCheckpointer
@@ -26,7 +26,7 @@ from trainscale.runtime.strategies.dtensor_clip import clip_grad_norm
 from trainscale.runtime.world import World
 
 
-class FSDPStrategy:
+class FSDPStrategy(Strategy):
     """Shard parameters, gradients and optimizer states across all ranks with FSDP2.
 
     Options (``strategy_options={...}`` of ``Runtime``/``Trainer``):
@@ -46,7 +46,7 @@ class FSDPStrategy:
             (``CPUOffloadPolicy``); the optimizer step then runs on the CPU. Slower; for models
             whose shards do not fit in accelerator memory.
 
-    The ``MixedPrecisionPolicy`` follows the precision flag (see :func:`_mixed_precision_policy`).
+    The ``MixedPrecisionPolicy`` follows the run's ``Precision`` (see :func:`_mixed_precision_policy`).
     Checkpoints are directories (DCP) on a file system that all ranks share.
 
     Raises:
@@ -57,9 +57,9 @@ class FSDPStrategy:
     checkpoint_suffix = ""  # checkpoints are directories
     forward_communicates = True  # forward all-gathers: evaluation goes through the root, same count on every rank
     materialises_meta = True  # setup_module takes a model built on the meta device
-    pipelined = False
+    gradient_sync = "backward"  # reduce-scattered in backward (a manual optimizer's units: gradient_sync_for)
 
-    def __init__(self, device: Any, world: World, precision: str = "32-true",
+    def __init__(self, device: Any, world: World, precision: Any = None,
                  auto_wrap_policy: Iterable[type | str] | None = None,
                  reshard_after_forward: bool | int | None = None,
                  cpu_offload: bool = False) -> None:
@@ -70,9 +70,7 @@ class FSDPStrategy:
         _check_reshard(reshard_after_forward, world.world_size)
         if not isinstance(cpu_offload, bool):
             raise ValueError(f"cpu_offload={cpu_offload!r} must be True or False")
-        self.device = device
-        self.world = world
-        self.precision = precision
+        super().__init__(device, world, precision)
         self.auto_wrap_policy = policy
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
@@ -114,8 +112,8 @@ class FSDPStrategy:
         """``fully_shard`` each of ``units`` (innermost first), then ``module``, over ``mesh`` with this
         strategy's options (``apply_fsdp.apply_fsdp``). Separate from :meth:`setup_module` so that
         ``trainscale.plan`` can shard a model of fake tensors over a mesh built outside ``FakeTensorMode``."""
-        apply_fsdp(module, units, mesh, precision=self.precision, reshard_after_forward=self.reshard_after_forward,
-                   cpu_offload=self.cpu_offload)
+        apply_fsdp(module, units, mesh, precision=self.precision_name,
+                   reshard_after_forward=self.reshard_after_forward, cpu_offload=self.cpu_offload)
 
     def units(self, module) -> list:
         """The submodules of ``module`` that become FSDP units (``apply_fsdp.fsdp_units``: instances of
@@ -144,9 +142,6 @@ class FSDPStrategy:
                              "built on model.parameters() before setup")
         return optimizer
 
-    def unwrap(self, module):
-        return module  # fully_shard changes the module in place; there is no wrapper
-
     def no_backward_sync(self, module, enabled: bool):
         """FSDP2's ``set_requires_gradient_sync(False)`` while ``enabled``: gradients accumulate
         unsharded on each rank, with no reduce-scatter, until the boundary micro-batch."""
@@ -158,9 +153,6 @@ class FSDPStrategy:
         """Clip by the norm of the full (all shards) gradient (``dtensor_clip.clip_grad_norm``: the
         per-shard norms reduced across the mesh); returned as a plain 0-d tensor."""
         return clip_grad_norm(module.parameters(), max_norm, norm_type)
-
-    def time_allreduce(self, module, clock, record) -> bool:
-        return False  # gradients are reduce-scattered inside FSDP's backward hooks, which offer no timing hook
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, path, state: dict, async_group=None):
@@ -199,12 +191,6 @@ class FSDPStrategy:
         full = checkpoint_io.load_file(path, verify) if self.world.rank == 0 else {}
         self._reshard()
         set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-
-    def data_world(self, world: World) -> World:
-        return world  # every rank reads different data
-
-    def teardown(self) -> None:
-        pass
 
 
 def _wrap_policy(auto_wrap_policy) -> tuple:

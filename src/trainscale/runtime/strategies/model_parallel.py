@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 
 from trainscale.runtime import meta_init
 from trainscale.runtime.precision import check_loss_scaling
-from trainscale.runtime.strategies import SYNC
+from trainscale.runtime.strategies.base import SYNC, Strategy
 from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, fsdp_units, no_gradient_sync, reshard
 from trainscale.runtime.strategies.apply_tp import apply_tp
 from trainscale.runtime.strategies.dcp_checkpoint import DCPCheckpointer
@@ -34,7 +34,7 @@ from trainscale.runtime.strategies.parallel_dims import ParallelDims
 from trainscale.runtime.world import World
 
 
-class ModelParallelStrategy:
+class ModelParallelStrategy(Strategy):
     """Tensor parallel × FSDP × replication on one device mesh.
 
     Args (the Runtime passes them from its own arguments; ``parallel`` is already resolved):
@@ -61,9 +61,10 @@ class ModelParallelStrategy:
     checkpoint_suffix = ""  # checkpoints are directories
     forward_communicates = True  # tensor-parallel and FSDP forwards run collectives
     materialises_meta = True
-    pipelined = False
+    uses_mesh = True
+    needs_process_group = True  # init_device_mesh would start one from env://, unset outside a launcher
 
-    def __init__(self, device: Any, world: World, precision: str = "32-true", parallel: Any = None,
+    def __init__(self, device: Any, world: World, precision: Any = None, parallel: Any = None,
                  tp_plan: dict | None = None, parallelize: Callable | None = None,
                  auto_wrap_policy: Iterable[type] | None = None, reshard_after_forward: bool | None = None,
                  sequence_parallel: bool | None = None) -> None:
@@ -71,11 +72,12 @@ class ModelParallelStrategy:
         if dims.world_size != world.world_size:
             raise ValueError(f"parallel={dims.as_dict()} multiplies to {dims.world_size} ranks, but the world size is "
                              f"{world.world_size}")
-        self.device, self.world, self.precision, self.dims = device, world, precision, dims
+        super().__init__(device, world, precision)
+        self.dims = dims
         self.tp_plan, self.parallelize = tp_plan, parallelize
         builtin_plan = dims.tp > 1 and tp_plan is None and parallelize is None
         self.sequence_parallel = resolve_sequence_parallel(sequence_parallel, builtin_plan)
-        if precision == "16-mixed" and builtin_plan and dims.dp_size == 1 and not self.sequence_parallel:
+        if self.precision_name == "16-mixed" and builtin_plan and dims.dp_size == 1 and not self.sequence_parallel:
             raise ValueError("precision='16-mixed' under tp with strategy_options={'sequence_parallel': False}: the "
                              "built-in GPT plan then leaves the norms plain beside DTensors, which torch's GradScaler "
                              "cannot unscale together; keep sequence parallelism on (the default), shard over "
@@ -85,6 +87,17 @@ class ModelParallelStrategy:
         self.mesh = None
         self._roots: list = []
         self._checkpointer = DCPCheckpointer(world.rank, self.name, before=lambda: reshard(self._roots))
+
+    @classmethod
+    def options_from(cls, options, config, flags) -> dict:
+        """The user's options, with the resolved mesh sizes (``parallel``), ``tp_plan`` and ``parallelize``."""
+        return {**(options or {}), "parallel": config.parallel, "tp_plan": flags.tp_plan,
+                "parallelize": flags.parallelize}
+
+    @property
+    def gradient_sync(self) -> str:
+        """FSDP reduce-scatters in backward where there are data-parallel ranks; tp alone has nothing to sync."""
+        return "backward" if self.dims.dp_size > 1 else "none"
 
     def data_world(self, world: World) -> World:
         """``world`` as the data loader must see it: the data-parallel rank and size (tp ranks share data)."""
@@ -123,9 +136,9 @@ class ModelParallelStrategy:
             apply_tp(module, self.mesh["tp"], self.tp_plan, self.sequence_parallel)
         if self.dims.dp_size > 1:
             dp_mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
-            apply_fsdp(module, units, dp_mesh, precision=self.precision,
+            apply_fsdp(module, units, dp_mesh, precision=self.precision_name,
                        reshard_after_forward=self.reshard_after_forward)
-        elif self.precision == "16-mixed":  # tp alone: no FSDP makes every parameter a DTensor
+        elif self.precision_name == "16-mixed":  # tp alone: no FSDP makes every parameter a DTensor
             check_loss_scaling(dict(module.named_parameters()), self.device, "tensor parallelism")
         return module
 
@@ -140,9 +153,6 @@ class ModelParallelStrategy:
                              "parallelised: pass a factory, e.g. optimizer=lambda params: torch.optim.AdamW(params)")
         return optimizer
 
-    def unwrap(self, module):
-        return module  # everything is applied in place
-
     def no_backward_sync(self, module, enabled: bool):
         """Under FSDP/HSDP, ``set_requires_gradient_sync(False)`` while ``enabled``; with tensor
         parallelism alone gradients are never synchronised across data-parallel ranks (there are none)."""
@@ -154,9 +164,6 @@ class ModelParallelStrategy:
         """Clip by the norm of the whole gradient across every mesh dimension (``dtensor_clip``)."""
         return clip_grad_norm(module.parameters(), max_norm, norm_type)
 
-    def time_allreduce(self, module, clock, record) -> bool:
-        return False  # FSDP/HSDP reduce gradients inside its backward hooks, which offer no timing hook
-
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, path, state: dict, async_group=None):
         """A DCP directory (``dcp_checkpoint.DCPCheckpointer.save``); loads on another mesh shape or in one
@@ -167,9 +174,6 @@ class ModelParallelStrategy:
         """Restore ``state`` from a DCP directory; return the plain entries. ``verify``: check the extra
         file's SHA-256 and refuse it without one (raises FileNotFoundError, CheckpointError)."""
         return self._checkpointer.load(path, state, verify)
-
-    def teardown(self) -> None:
-        pass
 
 
 def resolve_sequence_parallel(flag: bool | None, builtin_plan: bool) -> bool:

@@ -49,8 +49,8 @@ from torch import nn
 
 from trainscale.runtime import meta_init
 from trainscale.runtime.apply import apply_compile
-from trainscale.runtime.precision import Precision, check_loss_scaling
-from trainscale.runtime.strategies import SYNC
+from trainscale.runtime.precision import check_loss_scaling
+from trainscale.runtime.strategies.base import Strategy
 from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, reshard
 from trainscale.runtime.strategies.apply_pp import (PipelineRunner, gpt_split_points, keep_stage, shared_parameters,
                                                     stage_names, units as model_units)
@@ -124,11 +124,11 @@ class PipelineModule(nn.Module):
         return self.runner.train_step(inputs, targets, loss_fn, divisor, sync, scale)
 
 
-class PipelineStrategy:
+class PipelineStrategy(Strategy):
     """Pipeline stages on the ``pp`` mesh dimension, each sharded or replicated over the data-parallel ones.
 
     Args (the Runtime passes them from its own arguments, checked by the resolver):
-        precision: the precision flag: "bf16-mixed" and "16-mixed" run each stage's forward and the loss under
+        precision: the run's ``Precision``: "bf16-mixed" and "16-mixed" run each stage's forward and the loss under
             autocast (and, sharded, FSDP's ``MixedPrecisionPolicy``); "16-mixed" scales the loss inside the
             schedule step (``forward_backward``'s ``scale``); "bf16-true" and "32-true" need nothing here.
         parallel: a ``ParallelDims`` (or a dict of its fields) with ``pp`` > 1.
@@ -158,8 +158,11 @@ class PipelineStrategy:
     forward_communicates = True  # a forward sends activations between the stages
     materialises_meta = True
     pipelined = True
+    uses_mesh = True
+    applies_compile = True  # each block the stage keeps: the schedule calls the stage, never the loop module
+    manual_optimization_refusal = "a pipeline schedule (which runs forward and backward by stages)"
 
-    def __init__(self, device: Any, world: World, precision: str = "32-true", parallel: Any = None,
+    def __init__(self, device: Any, world: World, precision: Any = None, parallel: Any = None,
                  pp_schedule: str = "1f1b", pp_microbatches: int | None = None,
                  pp_split_points: list | None = None, sequence_parallel: bool | None = None,
                  compile: dict | None = None, tp_plan: dict | None = None,
@@ -168,7 +171,8 @@ class PipelineStrategy:
         if dims.world_size != world.world_size:
             raise ValueError(f"parallel={dims.as_dict()} multiplies to {dims.world_size} ranks, but the world size is "
                              f"{world.world_size}")
-        self.device, self.world, self.dims, self.precision = device, world, dims, precision
+        super().__init__(device, world, precision)
+        self.dims = dims
         self.tp_plan, self.parallelize = tp_plan, parallelize
         self.sequence_parallel = resolve_sequence_parallel(sequence_parallel, dims.tp > 1 and tp_plan is None
                                                            and parallelize is None)
@@ -180,6 +184,20 @@ class PipelineStrategy:
         self._counted: set = set()  # ids of the parameters whose gradients this stage counts in the norm
         self._roots: list = []  # the FSDP-sharded stage, if any
         self._checkpointer = DCPCheckpointer(world.rank, self.name, before=lambda: reshard(self._roots))
+
+    @classmethod
+    def options_from(cls, options, config, flags) -> dict:
+        """The user's options, with the mesh and the pipeline's flags (``pp_microbatches`` as the user gave it:
+        None lets the pipeline fit its default 4·P to a smaller batch; ``compile`` resolved)."""
+        return {**(options or {}), "parallel": config.parallel, "tp_plan": flags.tp_plan,
+                "parallelize": flags.parallelize, "pp_schedule": config.pp_schedule,
+                "pp_microbatches": flags.pp_microbatches, "pp_split_points": flags.pp_split_points,
+                "compile": config.compile}
+
+    @property
+    def gradient_sync(self) -> str:
+        """FSDP reduce-scatters in backward where there are data-parallel ranks."""
+        return "backward" if self.dims.dp_size > 1 else "none"
 
     def data_world(self, world: World) -> World:
         """The stages of one pipeline read the same batches: the data-parallel rank and size."""
@@ -220,7 +238,7 @@ class PipelineStrategy:
         module = self._parallelize_stage(module, target, names[stage], meta)
         group = self.mesh.get_group("pp")
         by_name = dict(target.named_parameters())
-        if self.precision == "16-mixed":
+        if self.precision_name == "16-mixed":
             check_loss_scaling(by_name, self.device, "pipeline stages")
         runner = PipelineRunner(target, stage, self.dims.pp, self.device, group, self.schedule, self.microbatches,
                                 _shared_groups(shared_names, by_name, self.mesh), self._autocast(),
@@ -243,7 +261,7 @@ class PipelineStrategy:
                 apply_compile(target.get_submodule(block), self.compile)
         if self.dims.dp_size > 1:
             apply_fsdp(target, [target.get_submodule(n) for n in units if "." in n], self._dp_mesh(),
-                       precision=self.precision)
+                       precision=self.precision_name)
             self._roots = [target]
         if meta:
             stage, shard = self.dims.pp_rank(self.world.rank), self.dims.coordinates(self.world.rank)[1]
@@ -276,10 +294,10 @@ class PipelineStrategy:
         return self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
 
     def _autocast(self) -> Callable | None:
-        """What each stage's forward and the loss run under: the precision's autocast ("bf16-mixed", "16-mixed"),
+        """What each stage's forward and the loss run under: the run's autocast ("bf16-mixed", "16-mixed"),
         else None."""
-        mixed = self.precision in ("bf16-mixed", "16-mixed")
-        return Precision(self.precision, self.device.type).autocast if mixed else None
+        mixed = self.precision_name in ("bf16-mixed", "16-mixed")
+        return self.precision.autocast if mixed else None
 
     def _target(self, module) -> nn.Module:
         """The model to cut: ``module``, or its child ``model`` (the Trainer wraps the user's model).
@@ -319,10 +337,8 @@ class PipelineStrategy:
     def unwrap(self, module):
         return module.root if isinstance(module, PipelineModule) else module
 
-    def no_backward_sync(self, module, enabled: bool):
-        # torch's PipelineStage defers FSDP's reduction to the end of each schedule step itself; shared
-        # gradients are summed by forward_backward(sync=True)
-        return SYNC
+    # no_backward_sync: the base's no-op. torch's PipelineStage defers FSDP's reduction to the end of each schedule
+    # step itself; shared gradients are summed by forward_backward(sync=True).
 
     def clip_gradients_norm(self, module, max_norm: float, norm_type: float = 2.0):
         """Clip by the norm of the whole model's gradient: each stage's norm combined across the stages,
@@ -330,9 +346,6 @@ class PipelineStrategy:
         params = list(module.parameters())
         return clip_grad_norm(params, max_norm, norm_type, across=self.mesh.get_group("pp"),
                               counted=[p for p in params if id(p) in self._counted])
-
-    def time_allreduce(self, module, clock, record) -> bool:
-        return False  # no gradient all-reduce of its own
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, path, state: dict, async_group=None):
@@ -344,9 +357,6 @@ class PipelineStrategy:
     def load_checkpoint(self, path, state: dict, verify: bool = True) -> dict:
         """Restore this stage's entries of ``state`` from a DCP directory; return the plain entries."""
         return self._checkpointer.load(path, state, verify)
-
-    def teardown(self) -> None:
-        pass
 
 
 def _shared_groups(shared: dict[str, list[int]], by_name: dict, mesh: Any) -> list:
