@@ -36,6 +36,11 @@ RESERVED_PREFIXES = {"lr-": "the learning rates (LearningRateMonitor's names)"}
 _DEFAULTS = {"train": (True, False), "validation": (False, True), "test": (False, True)}  # (on_step, on_epoch)
 
 
+def reserved_field(name: str) -> str | None:
+    """What the run's own records hold under ``name`` (:data:`RESERVED`, :data:`RESERVED_PREFIXES`), or None."""
+    return RESERVED.get(name) or next((v for k, v in RESERVED_PREFIXES.items() if name.startswith(k)), None)
+
+
 @dataclass
 class _Running:
     fx: str
@@ -82,7 +87,7 @@ class MetricCollector:
         """
         if reduce_fx not in REDUCE_FX:
             raise ValueError(f"reduce_fx={reduce_fx!r}; choose one of {', '.join(map(repr, REDUCE_FX))}")
-        what = RESERVED.get(name) or next((v for k, v in RESERVED_PREFIXES.items() if name.startswith(k)), None)
+        what = reserved_field(name)
         if what is not None:
             raise ValueError(f"self.log({name!r}, ...): trainscale's records already hold {name!r} ({what}), which "
                              f"this value would replace; log it under another name, e.g. 'my_{name}'")
