@@ -39,8 +39,8 @@ DLE = "NVIDIA/DeepLearningExamples PyTorch/Classification/ConvNets/resnet50v1.5/
 # Llama 3.1 (Meta's model cards; torchtitan's llama3 model args): hidden, layers, heads, kv heads, ffn hidden
 LLAMA = {"8B": (4096, 32, 32, 8, 14336), "70B": (8192, 80, 64, 8, 28672), "405B": (16384, 126, 128, 8, 53248)}
 VOCAB = 128256
-ERROR_BOUND = 0.65  # |error| a row may have outside its interval: what the model reaches (docs/plan.md), not the 20 % aimed at
-MEDIAN_BOUND = 0.40  # median |error| over the rows, likewise
+ERROR_BOUND = 0.50  # |error| a row may have outside its interval: what the model reaches (docs/plan.md), not the 20 % aimed at
+MEDIAN_BOUND = 0.30  # median |error| over the rows, likewise
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,14 @@ def _titan(table, model, gpus, layout, batch, ac, compile_, float8, published, m
 
 
 def _dle(precision, gpus, published):
-    name = "TF32" if precision == "32-true" else "AMP (fp16)"
+    """A row of NVIDIA's table; the configuration of ``PyTorch/Classification/ConvNets/configs.yml`` (DGXA100: batch
+    256 for both, AMP with ``memory_format: nhwc`` and a static loss scale, TF32 in PyTorch's default NCHW; SGD with
+    momentum 0.875, label smoothing 0.1)."""
+    name = "TF32, NCHW" if precision == "32-true" else "AMP (fp16), NHWC"
     return Row(DLE, "Training performance: NVIDIA DGX A100 (8x A100 80GB)", f"{gpus} × A100 80GB SXM (DGX A100)",
                "ResNet-50 v1.5", f"{name}, batch 256 per GPU, DDP, SGD with momentum, 224 × 224", "images/s (all GPUs)",
-               published, None, {"kind": "resnet", "precision": precision, "gpus": gpus, "batch": 256})
+               published, None, {"kind": "resnet", "precision": precision, "gpus": gpus, "batch": 256,
+                                 "channels_last": precision != "32-true"})
 
 
 ROWS = [
@@ -204,7 +208,8 @@ def predict_resnet(spec: dict) -> dict:
     grad_bytes = 4 * sum(p.numel() for p in meta.parameters())
     out = {}
     for s in gpu_time.SCENARIOS:
-        parts = cl.ddp_step(gpu_time.phases(ops, gpu, s), grad_bytes, spec["gpus"], cluster, s)
+        phases = gpu_time.phases(ops, gpu, s, channels_last=spec["channels_last"])
+        parts = cl.ddp_step(phases, grad_bytes, spec["gpus"], cluster, s)
         out[s] = spec["batch"] * spec["gpus"] / parts["step_s"]
         if s == "mid":
             out["parts"] = parts

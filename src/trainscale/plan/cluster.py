@@ -15,7 +15,8 @@ per collective are nccl-tests' (:mod:`trainscale.plan.comm`: all-reduce 2(n−1)
   all-reduce, or all that backward cannot cover;
 - fsdp (FSDP2, Zhao et al. 2023): per layer, the all-gather of the next layer prefetched under the current one's
   compute (forward: ``max(compute, all-gather)``; backward: ``max(compute, all-gather + reduce-scatter)``, the
-  parameters gathered again after ``reshard_after_forward``), the first all-gather exposed;
+  parameters gathered again after ``reshard_after_forward``), the first all-gather exposed; each gather's copy out
+  of the all-gather buffer (read and written once, on the compute stream) added to the layer's compute;
 - tp (Megatron-LM, Shoeybi et al. 2019): the activations' all-reduces (2 per layer in forward, 2 in backward, 2 more
   when the forward is recomputed) block the next layer: all exposed;
 - pp (1F1B, Narayanan et al. 2021; GPipe, Huang et al. 2019): (m + p − 1) slots of the slowest stage's micro-batch,
@@ -99,7 +100,13 @@ def transformer_step(work: Transformer, layout: Layout, cluster: Cluster, scenar
     tp_f, tp_b = _tp_s(work, layout, tp_link)
     gather = comm.all_gather_s(work.layer_params * work.gather_bytes, layout.dp_shard, fs_link)
     reduce = comm.all_gather_s(work.layer_params * work.reduce_bytes, layout.dp_shard, fs_link)
-    f, b = work.layer.forward_s + tp_f, work.layer.backward_s + tp_b
+    # FSDP2 copies each gathered layer out of the all-gather buffer into its parameters on the compute stream
+    # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_all_gather_copy_out, from wait_for_unshard)
+    copy_out = 2 * work.layer_params * work.gather_bytes / (cluster.gpu.hbm_bandwidth * eff.HBM.at(scenario)) \
+        if layout.dp_shard > 1 else 0.0
+    f, b = work.layer.forward_s + tp_f + copy_out, work.layer.backward_s + tp_b
+    if layout.pp == 1:
+        b += copy_out  # gathered again for backward (reshard_after_forward); under pp once per step
     layers = work.layers / layout.pp
     if layout.pp == 1:
         per_layer = max(f, gather) + max(b, gather + reduce)

@@ -12,7 +12,10 @@ Each operator the traced step runs (:mod:`trainscale.plan.op_trace`) costs, on a
 - every other operator: ``bytes / (HBM bandwidth · hbm_fraction)``; a normalization (batch or layer norm, forward
   and backward) reads its input twice, once for the statistics and once to normalize (Ioffe & Szegedy 2015,
   Algorithm 1: the mean and variance over the batch come before any output), a tensor too large for the cache;
-- every kernel: plus ``kernel_gap``.
+- every kernel: plus ``kernel_gap``;
+- a Tensor Core convolution on NCHW tensors (PyTorch's default layout): plus a transpose of its operands into NHWC
+  and back, each read and written once more (NVIDIA, 'Convolutional Layers User's Guide': Tensor Core convolutions
+  run in NHWC, and cuDNN transposes NCHW tensors around them); none with ``channels_last``.
 
 Float8 training (torchao's dynamic scaling, as torchtitan's float8 converter applies it to ``nn.Linear``) runs the
 linear layers' matmuls at the fp8 peak and adds, per matmul, reading each bf16 operand twice (its absolute maximum,
@@ -72,9 +75,11 @@ def _peak(gpu: GPU, dtype: str, scenario: str) -> float:
     return high if scenario == "fast" else low if scenario == "slow" else (low * high) ** 0.5
 
 
-def op_seconds(op: Op, gpu: GPU, scenario: str, tf32: bool = True, float8: bool = False) -> float:
+def op_seconds(op: Op, gpu: GPU, scenario: str, tf32: bool = True, float8: bool = False,
+               channels_last: bool = False) -> float:
     """Seconds of one operator (see the module's docstring). ``tf32``: fp32 matmuls on TF32 Tensor Cores (what
-    NVIDIA's examples and ``torch.backends.cuda.matmul.allow_tf32`` give); ``float8``: matmuls in fp8."""
+    NVIDIA's examples and ``torch.backends.cuda.matmul.allow_tf32`` give); ``float8``: matmuls in fp8;
+    ``channels_last``: convolutions get NHWC tensors (else each Tensor Core convolution transposes its operands)."""
     memory_s = (op.nbytes + op.second_pass) / (gpu.hbm_bandwidth * eff.HBM.at(scenario))
     gap = eff.LAUNCH.at(scenario)
     if op.kind == "memory":
@@ -86,11 +91,14 @@ def op_seconds(op: Op, gpu: GPU, scenario: str, tf32: bool = True, float8: bool 
         dtype = "fp8"
         memory_s += 2.5 * sum(b for _, b in op.reads) / (gpu.hbm_bandwidth * eff.HBM.at(scenario))
     fraction = eff.GEMM.at(scenario) * quantization(op.gemm, gpu)
-    return max(op.flops / (_peak(gpu, dtype, scenario) * fraction), memory_s) + gap
+    transposes = 0.0
+    if "convolution" in op.name and not channels_last and dtype != "fp32":
+        transposes = 2 * op.nbytes / (gpu.hbm_bandwidth * eff.HBM.at(scenario)) + 2 * gap
+    return max(op.flops / (_peak(gpu, dtype, scenario) * fraction), memory_s) + gap + transposes
 
 
 def phases(ops: list[Op], gpu: GPU, scenario: str, *, tf32: bool = True, float8: bool = False,
-           compile: bool = False, recompute: str | None = None) -> Phases:
+           compile: bool = False, recompute: str | None = None, channels_last: bool = False) -> Phases:
     """Seconds of ``ops`` by phase ("forward", "backward", "optimizer"); ``recompute`` None, "full" or
     "selective" adds the recomputed forward to backward (see the module's docstring).
 
@@ -102,7 +110,7 @@ def phases(ops: list[Op], gpu: GPU, scenario: str, *, tf32: bool = True, float8:
     seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     recomputed, matmuls = 0.0, 0
     for op in kernels:
-        t = op_seconds(op, gpu, scenario, tf32, float8 and op.kind == "matmul" and op.phase != "optimizer")
+        t = op_seconds(op, gpu, scenario, tf32, float8 and op.kind == "matmul" and op.phase != "optimizer", channels_last)
         seconds[op.phase] = seconds.get(op.phase, 0.0) + t
         if op.phase == "forward" and recompute:
             matmuls += op.kind == "matmul"
