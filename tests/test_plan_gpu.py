@@ -132,3 +132,22 @@ def test_cli_plan_gpu_prints_the_interval_hardware_and_constants():
     bad = subprocess.run([sys.executable, "-m", "trainscale.cli", "plan", "--gpu", "h1000"], capture_output=True,
                          text=True, timeout=240)
     assert bad.returncode == 2 and "unknown GPU 'h1000'" in bad.stderr
+
+
+def test_plan_on_a_catalogue_gpu_gives_each_row_an_interval_and_names_its_constants():
+    from trainscale.models import ConvNet
+    from trainscale.plan import planner
+
+    sample = (torch.zeros(1, 28, 28), torch.tensor(0))
+    result = planner.plan(ConvNet, sample=sample, devices=[8, 16], batch_sizes=[256], strategies=["ddp"],
+                          gpu="a100-80gb", nodes=2, interconnect="ib-200")
+    assert result.device_memory == 80e9 and result.hardware.startswith("2 × 8 a100-80gb")
+    assert result.overlap == {256: 1.0} and result.overlap_source.startswith("modelled")
+    assert any(c.startswith("network_busbw_fraction") for c in result.constants)
+    eight, sixteen = result.rows
+    for row in result.rows:
+        fast, slow = row.step_interval
+        assert fast < row.step_s < slow
+    # 16 GPUs span 2 nodes: the all-reduce crosses 8 × 200 Gb/s instead of NVLink
+    assert sixteen.comm_s > eight.comm_s
+    assert result.compute[256].device == "a100-80gb (modelled, mid)"

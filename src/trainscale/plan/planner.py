@@ -492,6 +492,9 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
         link, probed = _probe(work, batch_sizes, precision, threads, options)
     overlaps, source = _overlap(overlap, probed, batch_sizes)
     if cluster is not None:
+        if overlap is None:  # on a GPU, DDP's buckets and FSDP2's prefetched collectives run on their own streams
+            overlaps = {bs: 1.0 for bs in batch_sizes}
+            source = "modelled: DDP's buckets and FSDP2's collectives run beside backward (--overlap sets it)"
         compute = _gpu_time(rows, cluster, meta, work, batch_sizes, precision, options, overlaps, link)
         return PlanResult(rows, capacity, link or _cluster_link(cluster, "mid")(max(devices)), compute, probed,
                           overlaps, source, _describe(cluster), _constants(cluster))
