@@ -14,7 +14,7 @@ systems), per direction: a 400 Gb/s NDR InfiniBand port is 50e9 bytes/s.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from trainscale.telemetry.flops import PEAK_FLOPS
 
@@ -124,7 +124,6 @@ class Cluster:
     nodes: int = 1
     gpus_per_node: int = 8
     interconnect: Interconnect | None = None
-    notes: tuple = field(default=())
 
     @property
     def devices(self) -> int:
