@@ -20,7 +20,8 @@ def add_parser(sub, ints, names) -> None:
                     "--bandwidth 400GB/s,latency=10us")
     plan.add_argument("--entry", default=None, metavar="PKG.MODULE:FUNCTION",
                       help="your workload, bench's contract (default: the ConvNet on MNIST-5k)")
-    plan.add_argument("--devices", type=ints, default=[1, 2, 4, 8], help="device counts (default 1,2,4,8)")
+    plan.add_argument("--devices", type=ints, default=None,
+                      help="device counts (default 1,2,4,8; with --gpu: nodes × gpus-per-node)")
     plan.add_argument("--batch-sizes", type=ints, default=[32], help="per-device batch sizes (default 32)")
     plan.add_argument("--strategy", type=names, default=["ddp", "fsdp"], help="strategies (default ddp,fsdp)")
     plan.add_argument("--precision", default="32-true", help="32-true | 16-mixed | bf16-mixed | bf16-true")
@@ -37,6 +38,14 @@ def add_parser(sub, ints, names) -> None:
     plan.add_argument("--device-flops", type=float, default=None, metavar="FLOPS",
                       help="FLOP/s of a device you are not on, e.g. 989e12 (H100 SXM, dense bf16): compute time "
                            "from the step's counted FLOPs (a lower bound) instead of a run on this machine")
+    plan.add_argument("--gpu", default=None, metavar="NAME",
+                      help="a catalogue GPU you are not on (a100-40gb, a100-80gb, h100-sxm, h100-pcie, h100-hbm2e-500w, "
+                           "h200, b200, l4, mi300x, v100): each traced operator costed on it, with an interval and the "
+                           "constants' sources; its memory and links unless --device-memory/--bandwidth are given")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes of --gpu (default 1)")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    plan.add_argument("--interconnect", default=None, metavar="NAME",
+                      help="network between nodes, per GPU: ib-100, ib-200, ib-400, roce-100, roce-200, roce-400")
     plan.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
     plan.set_defaults(func=run_plan)
 
@@ -47,11 +56,15 @@ def run_plan(args: argparse.Namespace) -> int:
         sys.path.insert(0, os.getcwd())  # --entry modules are found in the current directory
     if args.bandwidth and args.probe:
         raise ValueError("give --bandwidth or --probe, not both")
+    if args.gpu and (args.probe or args.device_flops):
+        raise ValueError("--gpu models a GPU you are not on: give it without --probe and --device-flops")
     from trainscale.plan import plan
 
-    result = plan(entry=args.entry, devices=args.devices, batch_sizes=args.batch_sizes, strategies=args.strategy,
+    devices = args.devices or ([args.nodes * args.gpus_per_node] if args.gpu else [1, 2, 4, 8])
+    result = plan(entry=args.entry, devices=devices, batch_sizes=args.batch_sizes, strategies=args.strategy,
                   precision=args.precision, device_memory=args.device_memory, link=args.bandwidth,
-                  probe=args.probe, overlap=args.overlap, device_flops=args.device_flops)
+                  probe=args.probe, overlap=args.overlap, device_flops=args.device_flops, gpu=args.gpu,
+                  nodes=args.nodes, devices_per_node=args.gpus_per_node, interconnect=args.interconnect)
     print(result.table())
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -69,6 +69,7 @@ class PlanRow:
     parallel: dict | None = None  # hsdp/tp: the Runtime's mesh sizes ({"dp_replicate": R, "dp_shard": S, "tp": T})
     pipeline: dict | None = None  # pp: stages, micro-batches, schedule, bubble, shares, peaks (plan.pipeline.estimate)
     step_s: float | None = None
+    step_interval: tuple | None = None  # (fast, slow) step seconds of a catalogue GPU's time model (plan.efficiency)
     comm_s: float | None = None
     epoch_s: float | None = None
     gain: float | None = None
@@ -97,6 +98,8 @@ class PlanResult:
     probed: dict = field(default_factory=dict)
     overlap: dict = field(default_factory=dict)
     overlap_source: str = ""
+    hardware: str = ""  # the catalogue cluster the times are modelled for ("" : measured or --device-flops)
+    constants: tuple = ()  # the time model's named constants with their intervals and sources (printed)
 
     def smallest(self) -> PlanRow | None:
         """The configuration that fits with the least peak memory per device."""
@@ -324,7 +327,8 @@ def _add_time(rows: list[PlanRow], compute: dict, probed: dict, meta, precision:
         t = compute.get(row.batch_size)
         if t is None or not _timed(row):
             continue
-        _row_time(row, t, probed, meta, precision, options, link, overlap.get(row.batch_size, 0.0))
+        row_link = link(row.devices) if callable(link) else link  # a cluster's link depends on the group's span
+        _row_time(row, t, probed, meta, precision, options, row_link, overlap.get(row.batch_size, 0.0))
         if dataset_size:  # the epoch is split over the ranks that read different batches
             row.epoch_s = row.step_s * comm.steps_per_epoch(dataset_size, row.batch_size, _data_parallel(row))
         if row.epoch_s:  # gain over one device running the same epoch alone (no communication)
@@ -389,7 +393,8 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
          activation_checkpointing: Any = None, strategy_options: dict | None = None,
          device_memory: int | str | None = None, link: comm.Link | str | None = None, probe: bool = False,
          overlap: float | None = None, measure: bool = True, device_flops: float | None = None,
-         devices_per_node: int = 8) -> PlanResult:
+         devices_per_node: int = 8, gpu: str | None = None, nodes: int = 1,
+         interconnect: str | None = None) -> PlanResult:
     """Predict memory per device and, with a link, time per step and epoch, for each strategy,
     device count and per-device batch size.
 
@@ -428,6 +433,12 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
         devices_per_node: devices of one node, for the hsdp and tp meshes.
         device_flops: FLOP/s of a device you are not on (e.g. 989e12): forward and backward time from the
             step's counted FLOPs instead of a measured run (:func:`~trainscale.plan.measure.counted_compute`).
+        gpu: a GPU of the catalogue (:mod:`trainscale.plan.hardware`, e.g. "h100-sxm") you are not on: each
+            operator of the traced step costed on it (:mod:`trainscale.plan.gpu_time`), the links from the catalogue
+            (NVLink within a node of ``devices_per_node``, ``interconnect`` across ``nodes``), the device memory its
+            HBM unless given; each row's step gets an interval (``step_interval``) from the constants' ranges, and
+            ``result.constants`` lists them with their sources.
+        nodes, interconnect: the cluster of ``gpu`` (e.g. 16 and "ib-400").
 
     Returns:
         A :class:`PlanResult`; ``result.table()`` is the text table.
@@ -446,6 +457,12 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
     _check(devices, batch_sizes, strategies, overlap)
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
+    cluster = None
+    if gpu is not None:
+        from trainscale.plan import hardware
+
+        cluster = hardware.cluster(gpu, nodes, devices_per_node, interconnect)
+        device_memory = device_memory if device_memory is not None else cluster.gpu.hbm_bytes
     capacity = comm.parse_bytes(device_memory) if device_memory is not None else default_device_memory()
     link = comm.parse_link(link) if isinstance(link, str) else link
     if model is None:
@@ -474,6 +491,13 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
     if probe:
         link, probed = _probe(work, batch_sizes, precision, threads, options)
     overlaps, source = _overlap(overlap, probed, batch_sizes)
+    if cluster is not None:
+        if overlap is None:  # on a GPU, DDP's buckets and FSDP2's prefetched collectives run on their own streams
+            overlaps = {bs: 1.0 for bs in batch_sizes}
+            source = "modelled: DDP's buckets and FSDP2's collectives run beside backward (--overlap sets it)"
+        compute = _gpu_time(rows, cluster, meta, work, batch_sizes, precision, options, overlaps, link)
+        return PlanResult(rows, capacity, link or _cluster_link(cluster, "mid")(max(devices)), compute, probed,
+                          overlaps, source, _describe(cluster), _constants(cluster))
     if link is not None and device_flops:
         from trainscale.plan.measure import counted_compute
 
@@ -496,3 +520,48 @@ def _overlap(given: float | None, probed: dict, batch_sizes: list) -> tuple[dict
         return ({bs: probed[bs].overlap for bs in batch_sizes},
                 f"measured in the probe's {probed['devices']}-process DDP run")
     return {bs: 0.0 for bs in batch_sizes}, "assumed none: --probe measures it in a DDP run, --overlap sets it"
+
+
+def _cluster_link(cluster, scenario: str) -> Callable:
+    """``devices -> Link`` of a data-parallel group of that many ranks on ``cluster`` (:func:`plan.cluster.axis_link`)."""
+    from trainscale.plan.cluster import axis_link
+
+    return lambda n: axis_link(cluster, n, 1, scenario)
+
+
+def _gpu_time(rows: list[PlanRow], cluster, meta, work: Workload, batch_sizes: list, precision: str, options: dict,
+              overlaps: dict, link: comm.Link | None) -> dict:
+    """Fill the rows' times on a catalogue GPU (``step_s`` the middle scenario, ``step_interval`` the fast and slow
+    ones); returns the middle's compute per batch size. A given ``link`` replaces the catalogue's."""
+    from trainscale.plan import gpu_time
+    from trainscale.plan.measure import ComputeTime
+
+    ops = {bs: gpu_time.trace_step(meta, work.sample, bs, work.loss_fn, work.optimizer_fn, precision)
+           for bs in batch_sizes}
+    ends = {}
+    for scenario in ("fast", "slow", "mid"):
+        compute = {}
+        for bs in batch_sizes:
+            ph = gpu_time.phases(ops[bs], cluster.gpu, scenario)
+            compute[bs] = ComputeTime(bs, ph.forward_s, ph.backward_s, ph.optimizer_s,
+                                      f"{cluster.gpu.name} (modelled, {scenario})")
+        target = rows if scenario == "mid" else [copy.copy(r) for r in rows]
+        _add_time(target, compute, {}, meta, precision, options, link or _cluster_link(cluster, scenario), overlaps,
+                  work.dataset_size)
+        ends[scenario] = [r.step_s for r in target]
+    for row, fast, slow in zip(rows, ends["fast"], ends["slow"]):
+        row.step_interval = (fast, slow) if fast is not None else None
+    return compute
+
+
+def _describe(cluster) -> str:
+    across = f", {cluster.interconnect.name} across nodes" if cluster.interconnect else ""
+    return f"{cluster.nodes} × {cluster.gpus_per_node} {cluster.gpu.name} (NVLink within a node{across}; modelled)"
+
+
+def _constants(cluster) -> tuple:
+    from trainscale.plan import efficiency
+
+    used = [efficiency.GEMM, efficiency.attention(cluster.gpu.arch), efficiency.HBM, efficiency.LAUNCH,
+            efficiency.NVLINK, efficiency.LATENCY] + ([efficiency.NETWORK] if cluster.interconnect else [])
+    return tuple(str(c) for c in used)

@@ -19,7 +19,8 @@ def _line(row) -> list[str]:
     m = row.memory
     mem = [fmt_bytes(getattr(m, k, None)) for k in ("parameters", "gradients", "optimizer", "activations", "peak")]
     fits = "—" if row.fits is None else ("yes" if row.fits else "NO")
-    time = [f"{row.step_s * 1e3:.1f} ms" if row.step_s is not None else "—",
+    span = f" ({row.step_interval[0] * 1e3:.1f}–{row.step_interval[1] * 1e3:.1f})" if row.step_interval else ""
+    time = [f"{row.step_s * 1e3:.1f} ms{span}" if row.step_s is not None else "—",
             f"{row.comm_s * 1e3:.1f} ms" if row.comm_s is not None else "—", fmt_time(row.epoch_s),
             f"{row.gain:.2f}×" if row.gain is not None else "—",
             f"{row.efficiency:.2f}" if row.efficiency is not None else "—"]
@@ -32,6 +33,8 @@ def format_plan(result) -> str:
             "epoch", "gain", "eff", ""]
     out = [f"Device memory {fmt_bytes(result.device_memory)}; "
            + (f"link: {result.link}" if result.link else "no link given (--bandwidth or --probe): memory only")]
+    if result.hardware:
+        out.append(f"Hardware: {result.hardware}")
     if result.link and result.overlap:
         shares = sorted(set(result.overlap.values()))
         span = f"{shares[0]:.2f}" if len(shares) == 1 else f"{shares[0]:.2f}–{shares[-1]:.2f}"
@@ -49,6 +52,9 @@ def format_plan(result) -> str:
     if result.link:
         out.append(f"Fastest that fits: {_name(fast)}" + (f", epoch {fmt_time(fast.epoch_s)}, step "
                                                           f"{fast.step_s * 1e3:.1f} ms" if fast else ""))
+    if result.constants:
+        out.append("Time model constants (the step's interval spans their ranges):")
+        out.extend(f"  - {c}" for c in result.constants)
     return "\n".join(out)
 
 
