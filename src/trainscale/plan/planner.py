@@ -438,7 +438,8 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
             (NVLink within a node of ``devices_per_node``, ``interconnect`` across ``nodes``), the device memory its
             HBM unless given; each row's step gets an interval (``step_interval``) from the constants' ranges, and
             ``result.constants`` lists them with their sources.
-        nodes, interconnect: the cluster of ``gpu`` (e.g. 16 and "ib-400").
+        nodes: the machines of ``gpu``'s cluster (e.g. 16).
+        interconnect: the link between those machines, a name of ``plan.hardware`` (e.g. "ib-400").
 
     Returns:
         A :class:`PlanResult`; ``result.table()`` is the text table.
