@@ -59,7 +59,8 @@ def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, data
     source = _source(stage, model, datamodule)
     _prepare(runtime, source, stage)
     main = getattr(source, LOADER_HOOKS[stage])()
-    val = source.val_dataloader() if stage == "fit" and hasattr(source, "val_dataloader") else None
+    val_hook = getattr(source, "val_dataloader", None) if stage == "fit" else None  # None: no validation (Lightning)
+    val = val_hook() if val_hook is not None else None
     return (main if stage == "fit" else one_loader(main, stage)), (None if val is None or val == []
                                                                    else one_loader(val, "validation"))
 
@@ -95,7 +96,7 @@ def _prepare(runtime: Runtime, source: Any, stage: str) -> None:
 def _source(stage: str, model: Any, datamodule: Any) -> Any:
     """``datamodule``, else ``model``: the one whose hook gives the stage's loader."""
     source, hook = (datamodule if datamodule is not None else model), LOADER_HOOKS[stage]
-    if not hasattr(source, hook):
+    if getattr(source, hook, None) is None:
         where = f"{type(source).__name__} (the datamodule)" if datamodule is not None else type(model).__name__
         raise ValueError(f"{stage}: no DataLoader was passed and {where} defines no {hook}(); pass the loader, or "
                          f"define {hook}() on a DataModule given as datamodule=")

@@ -9,6 +9,7 @@ size 1 (docs/architecture.md).
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import os
 import time
@@ -33,15 +34,15 @@ from trainscale.loop import evaluation
 from trainscale.scaling.batch_scaling import BatchScaling
 from trainscale.tune.batch_size import tuned_loader
 from trainscale.checkpointing.writes import CheckpointWrites
-from trainscale.loop.data_checks import check_loaders, explain_batch_error
+from trainscale.loop.data_checks import check_loaders, explain_batch_error, warn_unshuffled
 from trainscale.lightning.data_sources import resolve_fit_loaders
 from trainscale.loop.config import TrainerConfig, resolve_trainer_config
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector
-from trainscale.lightning.module import defined_hooks, set_up_model
+from trainscale.lightning.module import attach_trainer, defined_hooks, set_up_model
 from trainscale.lightning.optimizers import ManualOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
-from trainscale.loop.records import RecordWriter, epoch_line, epoch_record, run_header, step_record
+from trainscale.loop.records import RecordWriter, epoch_label, epoch_line, epoch_record, run_header, step_record
 from trainscale.loop.spawned import run_spawned
 from trainscale.checkpointing.runs import RunLock, choose_run_dir, resolve_ckpt_path
 from trainscale.loop.summary import finish_run, hyperparams
@@ -90,8 +91,10 @@ class Trainer:
             self.runtime.launch()
         self.state = TrainState()
         self.run_dir: Path | None = None
+        self.datamodule: Any = None  # the data module of the last fit (Lightning's trainer.datamodule)
         self.ckpt_path: Path | None = None  # the checkpoint the running (or last) fit resumed from (Lightning's name)
-        self.callback_metrics: dict[str, float] = {}  # the latest number of each name (epoch records, logs)
+        # the latest number of each name (epoch records, logs): floats, and step values as device tensors until read
+        self.callback_metrics: dict[str, float | torch.Tensor] = {}
         self.should_stop = False  # set by a callback (EarlyStopping) or max_time: stop, on every rank
         self.fitting = False  # True during fit (Lightning's trainer.state.fn == "fit"); validate() after it: False
         self.sanity_checking = False  # True while the sanity check's validation runs (num_sanity_val_steps)
@@ -118,7 +121,9 @@ class Trainer:
                                save_top_k=-1 if cfg.keep_last is None else cfg.keep_last)
 
     global_step = property(lambda self: self.state.global_step, doc="Optimizer steps taken so far (int).")
-    current_epoch = property(lambda self: self.state.epoch, doc="The epoch running, or the last one run (from 0).")
+    current_epoch = property(lambda self: self.state.current_epoch,
+                             doc="The epoch running (from 0), or the epochs completed once an epoch has ended "
+                                 "(Lightning's: 2 after fit with max_epochs=2; TrainState.current_epoch).")
     history = property(lambda self: self.state.history, doc="One record (a dict) per finished epoch.")
     checkpoint_callback = property(lambda self: next(iter(self.checkpoint_callbacks), None),
                                    doc="The first ModelCheckpoint, or None (Lightning's ``trainer.checkpoint_callback``).")
@@ -129,6 +134,23 @@ class Trainer:
     world_size = property(lambda self: self.runtime.world.world_size, doc="Processes in the job (all nodes).")
     num_nodes = property(lambda self: self.runtime.world.num_nodes, doc="Nodes in the job.")
     is_global_zero = property(lambda self: self.runtime.world.rank == 0, doc="True on rank 0 (Lightning's name).")
+    # Lightning's names for the loop's limits and what callbacks read of it
+    max_epochs = property(lambda self: self.config.max_epochs, doc="Epochs to train; -1: no limit.")
+    max_steps = property(lambda self: -1 if self.config.max_steps is None else self.config.max_steps,
+                         doc="Optimizer steps to train; -1: no limit (Lightning's spelling).")
+    min_epochs = property(lambda self: self.config.min_epochs, doc="Epochs before a callback may stop the fit.")
+    min_steps = property(lambda self: self.config.min_steps, doc="Steps before a callback may stop the fit.")
+    num_sanity_val_steps = property(lambda self: self.config.sanity_val_batches,
+                                    doc="Validation batches of the sanity check (inf for -1).")
+    lr_scheduler_configs = property(lambda self: list(self.schedulers),
+                                    doc="The schedulers with their interval, frequency and monitor (SchedulerConfig).")
+
+    @property
+    def num_val_batches(self) -> list[int | float]:
+        """Validation batches per validation run of this rank, in a list (Lightning's, one per loader; empty
+        without validation or before ``fit``)."""
+        loader = self._fit.val_loader if self._fit is not None else None
+        return [] if loader is None else [self.config.val_batches(evaluation.loader_length(loader))]
 
     @property
     def global_batch_size(self) -> int | None:
@@ -180,16 +202,21 @@ class Trainer:
             return run_spawned(self, "fit", model, train_dataloaders=train_dataloaders,
                                val_dataloaders=val_dataloaders, loss_fn=loss_fn, optimizer=optimizer,
                                ckpt_path=ckpt_path, ckpt_verify=ckpt_verify, datamodule=datamodule)
+        attach_trainer(model, self)  # self.trainer inside the module's setup(stage), as Lightning
+        self.datamodule = datamodule
         train_dataloaders, val_dataloaders = resolve_fit_loaders(self.runtime, model, train_dataloaders,
                                                                  val_dataloaders, datamodule)
         cfg = self.config
         self._fit, self._run_lock = None, RunLock()  # the run directory's lock: taken by _run_fit, released below
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
-        self.fitting = True
+        self.fitting, self.state.status = True, "running"
         try:
-            return self._run_fit(model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, ckpt_verify)
+            summary = self._run_fit(model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, ckpt_verify)
+            self.state.status = "finished"
+            return summary
         except BaseException as err:
+            self.state.status = "interrupted"
             self._hook("on_exception", err)
             explained = explain_batch_error(err) or self._faults.diagnose(
                 err, f"at epoch {self.current_epoch}, step {self.global_step}")
@@ -225,11 +252,11 @@ class Trainer:
                             f"none (fast_dev_run: {cfg.max_steps} batch(es) of each loop, nothing written)"))
         self.validated_at = []
         self._hook("on_fit_start")
-        self._sanity_check(fit, resumed=point is not None)
+        self._sanity_check(fit, point)
         self._deadline = time.monotonic() + (cfg.max_time.total_seconds() if cfg.max_time is not None else math.inf)
         self._hook("on_train_start")
-        for epoch in range(point.next_epoch if point else 0, cfg.max_epochs):
-            if self.state.global_step >= cfg.step_limit or (self.should_stop and cfg.can_stop(epoch, self.global_step)):
+        for epoch in itertools.count(point.next_epoch if point else 0):
+            if self._fit_done(epoch):
                 break
             self._train_epoch(fit, epoch, point if point is not None and point.resumes(epoch) else None)
             self._end_epoch(fit, epoch)
@@ -239,6 +266,13 @@ class Trainer:
         self._hook("on_fit_end")
         return summary
 
+    def _fit_done(self, epoch: int) -> bool:
+        """Whether ``fit`` ends before epoch ``epoch`` (0-based): ``max_epochs`` trained, ``max_steps`` reached, or a
+        stop asked by a callback once ``min_epochs``/``min_steps`` are met (Lightning's ``_FitLoop.done``)."""
+        cfg = self.config
+        return (epoch >= cfg.epoch_limit or self.state.global_step >= cfg.step_limit
+                or (self.should_stop and cfg.can_stop(epoch, self.global_step)))
+
     def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
         rt = self.runtime
         loop_module, wrapped = set_up_model(self, model, loss_fn)  # reused from an earlier fit or evaluation
@@ -246,14 +280,19 @@ class Trainer:
         self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
             model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
             before_step=lambda opt: self._hook("on_before_optimizer_step", opt))
-        train_loader = rt.setup_dataloader(train_dataloaders, seed=self.config.seed,
-                                           shuffle=False if self.config.overfit_batches else None)  # Lightning's
-        if val_dataloaders is not None and loop_module.has_training_step and not hasattr(model, "validation_step"):
+        if not self.config.use_distributed_sampler:  # Lightning's flag: the loader as given, on every rank
+            train_loader = train_dataloaders
+        else:
+            if rt.is_rank_zero and not self.config.overfit_batches:
+                warn_unshuffled(train_dataloaders, rt.data_parallel_size)  # Lightning would shuffle it
+            train_loader = rt.setup_dataloader(train_dataloaders, seed=self.config.seed,
+                                               shuffle=False if self.config.overfit_batches else None)  # Lightning's
+        if val_dataloaders is not None and loop_module.has_training_step and getattr(model, "validation_step", None) is None:
             warnings.warn(f"a validation DataLoader was passed but {type(model).__name__} defines no validation_step: "
                           "validation is skipped (as in Lightning); define validation_step to validate", stacklevel=3)
             val_dataloaders = None
         val_loader = (rt.setup_dataloader(val_dataloaders, seed=self.config.seed, even=False)
-                      if val_dataloaders is not None else None)
+                      if val_dataloaders is not None and self.config.limit_val_batches != 0 else None)  # 0: off
         check_loaders(train_loader, val_loader)
         # FLOPs are counted on a plain forward and backward only: the user's manual training_step steps optimizers
         # (a retry after a failed count would step them twice) and a pipeline stage holds part of the model (and
@@ -268,12 +307,12 @@ class Trainer:
     # -- one epoch ----------------------------------------------------------------------------------
     def _train_epoch(self, fit: FitRun, epoch: int, resume: ResumePoint | None) -> None:
         rt, cfg = self.runtime, self.config
-        self.state.epoch = epoch
+        self.state.epoch, self.state.epoch_ended = epoch, False
         batches = epoch_batches(fit, self.state, epoch, resume, rt.world_size, cfg.train_batches)
         fit.wrapped.train()
         remaining = fit.epoch_batches - fit.epoch_offset  # inf: an iterable data set, until its iterator ends
         fit.bar = ProgressBar(cfg.enable_progress_bar and rt.is_rank_zero, None if remaining == math.inf else remaining,
-                              f"epoch {epoch + 1}/{cfg.max_epochs}")
+                              epoch_label(epoch, cfg.max_epochs))
         fit.epoch_loss = EpochLoss(rt.device, resume.totals if resume else (0.0, 0.0, 0.0, 0.0))
         fit.books = MicroBatchBooks(fit.telemetry, self._faults, self.state, self.metric_collector, fit.epoch_loss,
                                     fit.bar)
@@ -313,7 +352,8 @@ class Trainer:
            ``zero_grad(set_to_none=True)``.
         5. Learning-rate schedulers with ``interval="step"`` (under manual optimization the module steps its
            own, as in Lightning); the step count (under manual optimization, the optimizer steps the
-           ``training_step`` took); ``on_train_batch_end``; the step record every ``log_every_n_steps``.
+           ``training_step`` took); the step's ``self.log`` values into ``callback_metrics`` (device tensors, no host
+           sync); ``on_train_batch_end``; the step record every ``log_every_n_steps``.
         6. Validation when ``val_check_interval`` and ``check_val_every_n_epoch`` say it is due within the epoch
            (its last batch validates in ``_end_epoch``); then faults and checkpoints (:meth:`_checkpoint_if_due`):
            signals and the non-finite check at the steps every rank agreed on, a checkpoint every
@@ -365,6 +405,7 @@ class Trainer:
         self._step_before = self.state.global_step
         self.state.global_step += sum(o.take_steps() for o in self.manual_optimizers) if self.manual_optimizers else 1
         self.is_step_end = True
+        self.callback_metrics.update(self.metric_collector.step_metrics())  # every step, on the device (Lightning's)
         self._hook("on_train_batch_end", loss, batch, micro.index)
         if self.is_log_step:
             self._log_step(fit, loss, grad_norm)
@@ -400,14 +441,22 @@ class Trainer:
         return loss, t_forward
 
     def _log_step(self, fit: FitRun, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
-        record = step_record(fit.telemetry, self.global_step, self.current_epoch, loss, grad_norm, self.optimizers)
-        record.update(self.metric_collector.take_step_values())
-        record.update(self._pending.pop("step", {}))
-        self.callback_metrics.update((k, v) for k, v in record.items() if isinstance(v, float))
+        own = step_record(fit.telemetry, self.global_step, self.current_epoch, loss, grad_norm, self.optimizers)
+        user = self.metric_collector.take_step_values()
+        record = {**own, **user, **self._pending.pop("step", {})}
+        self._publish({k: v for k, v in record.items() if isinstance(v, float)}, own, user)
         shown = {k: record[k] for k in ("train_loss", *sorted(self.metric_collector.prog_bar)) if k in record}
         fit.bar.set_postfix(**{k: f"{v:.4g}" for k, v in shown.items()})
         if fit.sink is not None:
             fit.sink.write(record)
+
+    def _publish(self, values: dict, own: dict, user: dict) -> None:
+        """``values`` into ``callback_metrics``, except trainscale's own numbers (``own``: the loss, throughput, ...)
+        under a name the module logs itself (``self.log("train_loss", ...)``): the user's value wins there, the only
+        one Lightning has; the user's ``user`` values also under their bare names (``MetricCollector.with_bare_names``)."""
+        logged = self.metric_collector.logged
+        self.callback_metrics.update((k, v) for k, v in values.items() if k not in own or k not in logged or k in user)
+        self.callback_metrics.update(self.metric_collector.with_bare_names(user))
 
     # -- epoch end and checkpoints -------------------------------------------------------------------
     def _end_epoch(self, fit: FitRun, epoch: int) -> None:
@@ -417,17 +466,20 @@ class Trainer:
         then the epoch-end check and checkpoints."""
         rt = self.runtime
         self._faults.phase = "epoch end (loss all-reduce, validation)"
-        record = epoch_record(epoch, self.global_step, fit.epoch_loss.totals(rt), time.perf_counter() - fit.started,
-                              complete=self.state.batches >= fit.epoch_batches, optimizers=self.optimizers)
-        record.update(self.metric_collector.take_epoch_values())
+        own = epoch_record(epoch, self.global_step, fit.epoch_loss.totals(rt), time.perf_counter() - fit.started,
+                           complete=self.state.batches >= fit.epoch_batches, optimizers=self.optimizers)
+        user = self.metric_collector.take_epoch_values()
+        record = {**own, **user}
         if fit.val_loader is not None and self._validates_at_epoch_end(fit, epoch):
             record.update(self._validate(fit, mid_epoch=False))
         record.update(self._pending.pop("epoch", {}))
-        self.callback_metrics.update(record)
+        self._publish(record, own, user)
         with self.metric_collector.epoch_hook():
             self._hook("on_train_epoch_end", monitoring=False)
-        record.update(self.metric_collector.take_epoch_values())  # what the module's on_train_epoch_end logged
-        self.callback_metrics.update(record)
+        late = self.metric_collector.take_epoch_values()  # what the module's on_train_epoch_end logged
+        record.update(late)
+        user.update(late)
+        self._publish(record, own, user)
         self._hook("on_train_epoch_end", monitoring=True)
         if not self.manual_optimizers:  # under manual optimization the module steps its schedulers (Lightning)
             step_schedulers(self.schedulers, "epoch", epoch + 1, self.callback_metrics)
@@ -436,6 +488,7 @@ class Trainer:
             fit.sink.write({"kind": "epoch", "rank": "all", "time": time.time(), **record})
         rt.print(epoch_line(record, self.config.max_epochs))
         self._checkpoint_if_due(fit, epoch_end=True)
+        self.state.epoch_ended = True  # current_epoch counts it from here, as Lightning's after on_advance_end
         self._faults.phase = STEP_PHASE
 
     def _validation_due(self, fit: FitRun, first_batch: int) -> bool:
@@ -472,13 +525,15 @@ class Trainer:
                             "step": self.global_step, **results})
         return results
 
-    def _sanity_check(self, fit: FitRun, resumed: bool) -> None:
+    def _sanity_check(self, fit: FitRun, resume: ResumePoint | None) -> None:
         """Lightning's sanity check: ``num_sanity_val_steps`` validation batches before training, between
         ``on_sanity_check_start`` and ``on_sanity_check_end``, with ``sanity_checking`` True; its results are not
         kept (``callback_metrics`` as before) and the random states are restored after it, so training is the
-        same with or without it (Lightning re-seeds instead). None without a validation loader, nor when resuming
-        (as Lightning)."""
-        if resumed or fit.val_loader is None or self.config.sanity_val_batches == 0:
+        same with or without it (Lightning isolates the RNG likewise). None without a validation loader. A resumed
+        fit runs it when it continues after a completed epoch, and skips it when it continues mid-epoch or with
+        ``max_steps`` set, as Lightning 2.6 (its loops are "restarting" then: ``_FitLoop.restarting``)."""
+        restarting = resume is not None and (not resume.complete or self.config.max_steps is not None)
+        if restarting or fit.val_loader is None or self.config.sanity_val_batches == 0:
             return
         saved_rng, saved_metrics = rng_state(), dict(self.callback_metrics)
         self.sanity_checking = True
