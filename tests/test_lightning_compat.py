@@ -288,3 +288,34 @@ def test_seed_everything_without_a_seed_seeds_0_with_a_warning():
         assert trainscale.seed_everything(0) == 0 and torch.equal(torch.rand(3), first)
     finally:
         set_rng_state(state)
+
+
+class Reloaded(Probe):
+    """Its ``train_dataloader()`` gives a new loader on each call, whose inputs are all the call's number."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {"train": 0, "val": 0}
+        self.first_inputs: list[float] = []
+
+    def train_dataloader(self):
+        self.calls["train"] += 1
+        return DataLoader(TensorDataset(torch.full((4, 2), float(self.calls["train"])), torch.zeros(4)), batch_size=2)
+
+    def val_dataloader(self):
+        self.calls["val"] += 1
+        return _loader(4)
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            self.first_inputs.append(float(batch[0][0, 0]))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("every", "calls", "inputs"), [(0, 1, [1.0, 1.0, 1.0]), (1, 3, [1.0, 2.0, 3.0]),
+                                                        (2, 2, [1.0, 1.0, 2.0])])
+def test_reload_dataloaders_every_n_epochs_asks_the_hooks_again(tmp_path, every, calls, inputs):
+    model = Reloaded()
+    _trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0, reload_dataloaders_every_n_epochs=every).fit(model)
+    assert model.calls == {"train": calls, "val": calls} and model.first_inputs == inputs

@@ -102,6 +102,9 @@ class TrainerConfig:
             loader's own order: shuffled when it shuffled, sequential (with a warning: Lightning shuffles it) when not.
             False: the training loader is used as given on every rank (Lightning's meaning: your sampler decides
             what each rank reads; a mid-epoch resume then skips the batches done, on the same world size).
+        reload_dataloaders_every_n_epochs: N > 0: at the start of every N-th epoch since the loaders were made, ask the
+            data hooks (``train_dataloader()``, ``val_dataloader()`` of the data module or the model; not ``setup``)
+            for new loaders, as Lightning's; loaders passed to ``fit`` stay. 0: never.
         enable_model_summary: print a :class:`~trainscale.callbacks.ModelSummary` (layers, parameters, size) on rank
             zero at the start of ``fit``, unless the callbacks hold one (Lightning's default).
     """
@@ -147,6 +150,7 @@ class TrainerConfig:
     deterministic: bool | str | None = None
     enable_model_summary: bool = True
     use_distributed_sampler: bool = True
+    reload_dataloaders_every_n_epochs: int = 0
 
     def train_batches(self, full: int) -> int:
         """An epoch's micro-batches under ``limit_train_batches``, of ``full`` without it."""
@@ -361,6 +365,7 @@ def _check_loop_flags(cfg: TrainerConfig) -> None:
     _choice("deterministic", cfg.deterministic, (None, True, False, "warn"))
     _flag("enable_model_summary", cfg.enable_model_summary)
     _flag("use_distributed_sampler", cfg.use_distributed_sampler)
+    _int("reload_dataloaders_every_n_epochs", cfg.reload_dataloaders_every_n_epochs, 0)
 
 
 def _check_debugging_flags(cfg: TrainerConfig) -> None:

@@ -35,7 +35,7 @@ from trainscale.scaling.batch_scaling import BatchScaling
 from trainscale.tune.batch_size import tuned_loader
 from trainscale.checkpointing.writes import CheckpointWrites
 from trainscale.loop.data_checks import check_loaders, explain_batch_error, warn_unshuffled
-from trainscale.lightning.data_sources import resolve_fit_loaders
+from trainscale.lightning.data_sources import fit_loader_hooks, resolve_fit_loaders
 from trainscale.loop.config import TrainerConfig, resolve_trainer_config
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector
@@ -204,6 +204,7 @@ class Trainer:
                                ckpt_path=ckpt_path, ckpt_verify=ckpt_verify, datamodule=datamodule)
         attach_trainer(model, self)  # self.trainer inside the module's setup(stage), as Lightning
         self.datamodule = datamodule
+        reload = fit_loader_hooks(model, train_dataloaders, val_dataloaders, datamodule)
         train_dataloaders, val_dataloaders = resolve_fit_loaders(self.runtime, model, train_dataloaders,
                                                                  val_dataloaders, datamodule)
         cfg = self.config
@@ -212,7 +213,8 @@ class Trainer:
                                       cfg.handle_signals)
         self.fitting, self.state.status = True, "running"
         try:
-            summary = self._run_fit(model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, ckpt_verify)
+            summary = self._run_fit(model, (train_dataloaders, val_dataloaders, reload), loss_fn, optimizer, ckpt_path,
+                                    ckpt_verify)
             self.state.status = "finished"
             return summary
         except BaseException as err:
@@ -232,14 +234,18 @@ class Trainer:
                 self._fit.sink = None
             # self._fit stays: save_checkpoint() after fit writes the fitted state
 
-    def _run_fit(self, model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, verify) -> dict:
+    def _run_fit(self, model, loaders, loss_fn, optimizer, ckpt_path, verify) -> dict:
+        """``fit``'s body; ``loaders``: the training and validation loaders and :func:`fit_loader_hooks`'s reload."""
+        train_dataloaders, val_dataloaders, reload_hooks = loaders
         rt, cfg = self.runtime, self.config
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
         self.ckpt_path = resume_from
         train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
         seed_everything(cfg.seed)
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
+        fit.reload = reload_hooks
         point = self._load(resume_from, verify) if resume_from is not None else None
+        fit.loaded_epoch = point.next_epoch if point else 0
         global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers, lambda: self.state.global_step)
         if cfg.writes_files:  # fast_dev_run: no run directory, records, loggers or checkpoints
             self.run_dir, self._run_lock = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)  # held by fit
@@ -280,20 +286,7 @@ class Trainer:
         self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
             model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
             before_step=lambda opt: self._hook("on_before_optimizer_step", opt))
-        if not self.config.use_distributed_sampler:  # Lightning's flag: the loader as given, on every rank
-            train_loader = train_dataloaders
-        else:
-            if rt.is_rank_zero and not self.config.overfit_batches:
-                warn_unshuffled(train_dataloaders, rt.data_parallel_size)  # Lightning would shuffle it
-            train_loader = rt.setup_dataloader(train_dataloaders, seed=self.config.seed,
-                                               shuffle=False if self.config.overfit_batches else None)  # Lightning's
-        if val_dataloaders is not None and loop_module.has_training_step and getattr(model, "validation_step", None) is None:
-            warnings.warn(f"a validation DataLoader was passed but {type(model).__name__} defines no validation_step: "
-                          "validation is skipped (as in Lightning); define validation_step to validate", stacklevel=3)
-            val_dataloaders = None
-        val_loader = (rt.setup_dataloader(val_dataloaders, seed=self.config.seed, even=False)
-                      if val_dataloaders is not None and self.config.limit_val_batches != 0 else None)  # 0: off
-        check_loaders(train_loader, val_loader)
+        train_loader, val_loader = self._distribute_loaders(model, loop_module, train_dataloaders, val_dataloaders)
         # FLOPs are counted on a plain forward and backward only: the user's manual training_step steps optimizers
         # (a retry after a failed count would step them twice) and a pipeline stage holds part of the model (and
         # its schedule's sends must not run twice); there MFU comes from the model's declared FLOPs, if any
@@ -304,10 +297,43 @@ class Trainer:
         self._fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, telemetry)
         return self._fit
 
+    def _distribute_loaders(self, model, loop_module, train_dataloaders, val_dataloaders) -> tuple[Any, Any]:
+        """The training and validation loaders as the loop reads them: each rank's share (``Runtime.setup_dataloader``;
+        the training loader as given with ``use_distributed_sampler=False``), no validation loader with
+        ``limit_val_batches=0`` or without a ``validation_step`` (Lightning's warning), both checked."""
+        rt, cfg = self.runtime, self.config
+        if not cfg.use_distributed_sampler:  # Lightning's flag: the loader as given, on every rank
+            train_loader = train_dataloaders
+        else:
+            if rt.is_rank_zero and not cfg.overfit_batches:
+                warn_unshuffled(train_dataloaders, rt.data_parallel_size)  # Lightning would shuffle it
+            train_loader = rt.setup_dataloader(train_dataloaders, seed=cfg.seed,
+                                               shuffle=False if cfg.overfit_batches else None)  # Lightning's
+        if val_dataloaders is not None and loop_module.has_training_step and getattr(model, "validation_step", None) is None:
+            warnings.warn(f"a validation DataLoader was passed but {type(model).__name__} defines no validation_step: "
+                          "validation is skipped (as in Lightning); define validation_step to validate", stacklevel=4)
+            val_dataloaders = None
+        val_loader = (rt.setup_dataloader(val_dataloaders, seed=cfg.seed, even=False)
+                      if val_dataloaders is not None and cfg.limit_val_batches != 0 else None)  # 0: off
+        check_loaders(train_loader, val_loader)
+        return train_loader, val_loader
+
+    def _reload_loaders(self, fit: FitRun, epoch: int) -> None:
+        """Lightning's ``reload_dataloaders_every_n_epochs``: at the start of every N-th epoch since the loaders were
+        last made, ask the data hooks (the data module's or the model's ``train_dataloader()``/``val_dataloader()``;
+        not ``setup``) for new ones. Loaders passed to ``fit`` are the same objects again, so nothing changes."""
+        every = self.config.reload_dataloaders_every_n_epochs
+        if fit.reload is None or not every or epoch - fit.loaded_epoch < every:
+            return
+        train, val = fit.reload()
+        fit.train_loader, fit.val_loader = self._distribute_loaders(fit.model, fit.loop_module, train, val)
+        fit.loaded_epoch = epoch
+
     # -- one epoch ----------------------------------------------------------------------------------
     def _train_epoch(self, fit: FitRun, epoch: int, resume: ResumePoint | None) -> None:
         rt, cfg = self.runtime, self.config
         self.state.epoch, self.state.epoch_ended = epoch, False
+        self._reload_loaders(fit, epoch)
         batches = epoch_batches(fit, self.state, epoch, resume, rt.world_size, cfg.train_batches)
         fit.wrapped.train()
         remaining = fit.epoch_batches - fit.epoch_offset  # inf: an iterable data set, until its iterator ends
