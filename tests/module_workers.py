@@ -366,17 +366,24 @@ def mesh_gan_body(rank: int, root: str) -> dict:
 
 
 # -- callbacks and prediction --------------------------------------------------------------------------
-def early_stopping_body(rank: int, root: str) -> int:
+def early_stopping_body(rank: int, root: str) -> tuple[int, int, int, bool]:
+    """(epochs recorded, the stopped epoch, ``trainer.current_epoch`` after fit, whether this rank warned that the
+    sequential training loader is not shuffled)."""
+    import warnings
+
     from trainscale.callbacks import EarlyStopping
     from trainscale.loop.trainer import Trainer
 
+    stop = EarlyStopping("mean_x", patience=1)
     trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=10, default_root_dir=root,
-                      enable_progress_bar=False, timeout=60,
-                      callbacks=[EarlyStopping("mean_x", patience=1)], enable_checkpointing=False)
+                      enable_progress_bar=False, timeout=60, callbacks=[stop], enable_checkpointing=False)
     model = Logger()
-    trainer.fit(model, DataLoader(indexed_dataset(16), batch_size=4), DataLoader(indexed_dataset(9), batch_size=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, DataLoader(indexed_dataset(16), batch_size=4), DataLoader(indexed_dataset(9), batch_size=4))
     trainer.runtime.teardown()
-    return len(trainer.history)
+    warned = any("Lightning would shuffle it" in str(w.message) for w in caught)
+    return len(trainer.history), stop.stopped_epoch, trainer.current_epoch, warned
 
 
 def predict_body(rank: int, n: int) -> torch.Tensor:

@@ -256,5 +256,5 @@ def test_limit_val_batches_validates_each_ranks_first_batches_in_fit_and_validat
         assert trainer.history[-1]["count"] == 4 and trainer.history[-1]["mean_x"] == pytest.approx(1.5)
         assert trainer.validate(mw.Logger(), val)["count"] == 4
     assert _trainer(tmp_path / "all").validate(mw.Logger(), val)["count"] == 10
-    with pytest.raises(ValueError, match=r"limit_val_batches=-1 must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"limit_val_batches=-1 must be an int >= 0"):  # 0 turns validation off
         _trainer(tmp_path, limit_val_batches=-1)

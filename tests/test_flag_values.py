@@ -25,6 +25,10 @@ ACCEPTED = {
     ("fast_dev_run", "zero"): "off (Lightning's)",
     ("overfit_batches", "zero"): "off (Lightning's)",
     ("deterministic", "zero"): "False (Lightning's flag takes a bool)",
+    ("max_epochs", "a negative"): "-1: no limit (Lightning's)",
+    ("max_steps", "a negative"): "-1: no limit (Lightning's)",
+    ("limit_val_batches", "zero"): "no validation (Lightning's)",
+    ("reload_dataloaders_every_n_epochs", "zero"): "never (the default)",
 }
 FLAGS = [f.name for f in dataclasses.fields(TrainerConfig)] + [f.name for f in dataclasses.fields(RuntimeFlags)]
 

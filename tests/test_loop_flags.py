@@ -165,7 +165,7 @@ def test_resume_after_a_mid_epoch_validation_equals_the_uninterrupted_run(tmp_pa
     assert not [w for w in caught if "ranks last" in str(w.message)]  # each step save found the step's val_loss
     step6 = next((tmp_path / "a").rglob("epoch=000000-step=0000000006.pt"))
     resumed, resumed_model = run(tmp_path / "b", ckpt_path=step6)
-    assert [s for _, s in resumed_model.validations] == [9, 13, 16, 19]  # no sanity check when resuming
+    assert [s for _, s in resumed_model.validations] == [9, 13, 16, 19]  # no sanity check when resuming mid-epoch
     for key, value in full_model.state_dict().items():
         torch.testing.assert_close(resumed_model.state_dict()[key], value, rtol=0, atol=0)
     assert resumed.callback_metrics["val_loss"] == full.callback_metrics["val_loss"]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # the same names as _LAZY, for type checkers and the API reference (docs/api.md)
+    from trainscale.callbacks.base import Callback
     from trainscale.checkpointing.rng import seed_everything
     from trainscale.lightning.data_sources import DataModule
     from trainscale.lightning.module import TrainingModule
@@ -28,9 +29,10 @@ _LAZY = {
     "Runtime": "trainscale.runtime.runtime",
     "World": "trainscale.runtime.world",
     "seed_everything": "trainscale.checkpointing.rng",
+    "Callback": "trainscale.callbacks.base",
 }
 
-__all__ = ["Trainer", "TrainingModule", "DataModule", "Runtime", "World", "seed_everything", "__version__"]
+__all__ = ["Trainer", "TrainingModule", "DataModule", "Callback", "Runtime", "World", "seed_everything", "__version__"]
 # The commands' Python forms live in their subpackages, named after the commands:
 # ``from trainscale.plan import plan``, ``from trainscale.check import check``, ``from trainscale.bench import sweep``.
 

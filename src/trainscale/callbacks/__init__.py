@@ -18,7 +18,7 @@ __all__ = ["Callback", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelChec
 
 
 def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = None) -> list[Callback]:
-    """The Trainer's callbacks as a list, with ``default_checkpoint`` appended when it is given and the user's
+    """The Trainer's callbacks (one :class:`Callback` or a list, as Lightning's flag) as a list, with ``default_checkpoint`` appended when it is given and the user's
     list holds no :class:`ModelCheckpoint` (Lightning adds its default checkpoint callback the same way).
 
     Raises:
@@ -26,7 +26,7 @@ def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = No
         ValueError: two callbacks with state under one ``state_key`` (e.g. two ``EarlyStopping`` on the same
             metric and mode): a checkpoint would keep one state for both (Lightning raises the same).
     """
-    callbacks = list(callbacks or [])
+    callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
     for cb in callbacks:
         if not isinstance(cb, Callback):
             raise TypeError(f"callbacks holds a {type(cb).__name__}; pass trainscale.callbacks.Callback instances")

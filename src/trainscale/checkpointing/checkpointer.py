@@ -6,7 +6,8 @@ State (torchtitan's fixed keys): ``model``, ``optimizer`` (``optimizer_1``... fo
 its own, ``loader_states``: ``checkpointing/loader_state.py``), ``rng`` (every rank's RNG states), ``callbacks`` (each
 callback's ``state_dict``; its ``TensorState`` values as entries of their own, ``callbacks/<key>/<name>``, sharded
 like the model: a callback with ``setup_state(model)`` makes them before a load), ``world_size``,
-``optimizer_classes``, for a Hugging Face model ``hf_config`` (its ``config.to_dict()``) and, for a module with ``save_hyperparameters()``, ``hyper_parameters`` (Lightning's key)
+``optimizer_classes``, ``epoch`` and ``global_step`` (Lightning's keys: ``trainer.current_epoch`` and
+``trainer.global_step`` when written; a resume reads ``loop``), for a Hugging Face model ``hf_config`` (its ``config.to_dict()``) and, for a module with ``save_hyperparameters()``, ``hyper_parameters`` (Lightning's key)
 and ``module_class``, which ``TrainingModule.load_from_checkpoint`` rebuilds the module from
 (:func:`read_module_checkpoint`). Writing is the Runtime's
 (atomic file + SHA-256, or a DCP directory under fsdp); naming, ``last`` and rotation are
@@ -63,6 +64,7 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
                **_keyed("scheduler", [s.scheduler for s in schedulers]),
                "train_state": state.state_dict(), "rng": runtime.all_gather_object(rng.rng_state()),
                "world_size": runtime.world_size, "callbacks": callbacks,
+               "epoch": state.current_epoch, "global_step": state.global_step,  # Lightning's keys
                "optimizer_classes": [type(o).__name__ for o in optimizers],
                "loop": {"epoch": state.epoch, "complete": complete, "consumed": consumed, "batches": state.batches,
                         "totals": None if complete else totals, "loader_states": loader_states}}
@@ -220,6 +222,7 @@ def _resume_point(runtime: Runtime, rest: dict, state: TrainState) -> ResumePoin
     """Fill ``state`` from a loaded checkpoint's plain values and say where to resume."""
     train, loop = rest["train_state"], rest["loop"]
     state.global_step = int(train["global_step"])
+    state.epoch, state.epoch_ended = int(loop["epoch"]), bool(loop["complete"])  # current_epoch until the loop runs
     state.total_batches = int(train.get("total_batches", 0))  # absent from checkpoints written before it was kept
     # an epoch resumed mid-way gets its record again at its end: the partial one goes
     state.history = [r for r in train["history"] if loop["complete"] or r["epoch"] != loop["epoch"]]

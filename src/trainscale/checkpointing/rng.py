@@ -3,21 +3,33 @@
 from __future__ import annotations
 
 import random
+import warnings
 
 import numpy as np
 import torch
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python's ``random``, numpy's global generator and torch's (CPU and every CUDA device) with ``seed``.
+def seed_everything(seed: int | None = None) -> int:
+    """Seed Python's ``random``, numpy's global generator and torch's (CPU and every CUDA device) with ``seed``
+    (an int in [0, 2**32); None: 0, with a warning, as Lightning's when no seed is found); returns it.
 
     ``Trainer.fit`` calls it with ``Trainer(seed=...)`` (default 0) on every rank; in a hand-written
     ``Runtime`` loop, call it yourself (the same seed on every rank, as Lightning's ``seed_everything``);
-    ``trainscale.seed_everything`` is this function.
+    ``trainscale.seed_everything`` is this function. Unlike Lightning's it reads no ``PL_GLOBAL_SEED``.
+
+    Raises:
+        ValueError: a seed outside [0, 2**32) (numpy's range).
     """
+    if seed is None:
+        seed = 0
+        warnings.warn("seed_everything() got no seed: seed set to 0 (as Lightning's)", UserWarning, stacklevel=2)
+    seed = int(seed)
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed={seed} must lie in [0, 2**32) (numpy's range)")
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    return seed
 
 def rng_state() -> dict:
     """This process's RNG states (torch CPU and CUDA, numpy, Python), in types ``weights_only`` loads."""

@@ -22,6 +22,10 @@ class TrainState:
         total_batches: micro-batches trained since the start of the run (Lightning's ``total_batch_idx`` + 1;
             ``val_check_interval`` with ``check_val_every_n_epoch=None`` counts them).
         history: one record per completed epoch (``kind`` "epoch" metrics, without ``kind``/``time``).
+        status: "initializing", "running" (in ``fit``), "finished" (``fit`` returned) or "interrupted" (it raised):
+            Lightning's ``trainer.state.status``, not saved.
+        epoch_ended: True once ``epoch``'s end (validation, ``on_train_epoch_end``, its checkpoints) has run, or
+            after a resume from a checkpoint written at its end; :attr:`current_epoch` then counts it.
     """
 
     global_step: int = 0
@@ -29,6 +33,20 @@ class TrainState:
     batches: int = 0
     total_batches: int = 0
     history: list[dict] = field(default_factory=list)
+    epoch_ended: bool = False
+    status: str = "initializing"
+
+    @property
+    def finished(self) -> bool:
+        """The last ``fit`` ran to its end (Lightning's ``trainer.state.finished``)."""
+        return self.status == "finished"
+
+    @property
+    def current_epoch(self) -> int:
+        """Lightning's ``trainer.current_epoch``: the running epoch (0-based), or the epochs completed once an
+        epoch's end hooks have run (so ``max_epochs=2`` ends ``fit`` at 2, a stop by ``max_steps`` or a callback at
+        the stopped epoch + 1)."""
+        return self.epoch + 1 if self.epoch_ended else self.epoch
 
     def state_dict(self) -> dict:
         return {"global_step": self.global_step, "epoch": self.epoch, "batches": self.batches,

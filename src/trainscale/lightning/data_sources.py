@@ -10,7 +10,7 @@ with the hooks works). The loaders the hooks return are set up as passed ones ar
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from trainscale.lightning.hparams import HyperparametersMixin
 
@@ -59,9 +59,15 @@ def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, data
     source = _source(stage, model, datamodule)
     _prepare(runtime, source, stage)
     main = getattr(source, LOADER_HOOKS[stage])()
-    val = source.val_dataloader() if stage == "fit" and hasattr(source, "val_dataloader") else None
-    return (main if stage == "fit" else one_loader(main, stage)), (None if val is None or val == []
-                                                                   else one_loader(val, "validation"))
+    return (main if stage == "fit" else one_loader(main, stage)), (_hooked_val(source) if stage == "fit" else None)
+
+
+def _hooked_val(source: Any) -> Any:
+    """``source.val_dataloader()``'s one loader; None when the hook is missing or None, or returns None or ``[]``
+    (no validation, as Lightning)."""
+    hook = getattr(source, "val_dataloader", None)
+    val = hook() if hook is not None else None
+    return None if val is None or val == [] else one_loader(val, "validation")
 
 
 def one_loader(loaders: Any, stage: str) -> Any:
@@ -95,7 +101,7 @@ def _prepare(runtime: Runtime, source: Any, stage: str) -> None:
 def _source(stage: str, model: Any, datamodule: Any) -> Any:
     """``datamodule``, else ``model``: the one whose hook gives the stage's loader."""
     source, hook = (datamodule if datamodule is not None else model), LOADER_HOOKS[stage]
-    if not hasattr(source, hook):
+    if getattr(source, hook, None) is None:
         where = f"{type(source).__name__} (the datamodule)" if datamodule is not None else type(model).__name__
         raise ValueError(f"{stage}: no DataLoader was passed and {where} defines no {hook}(); pass the loader, or "
                          f"define {hook}() on a DataModule given as datamodule=")
@@ -106,6 +112,18 @@ def _only(datamodule: Any, passed: Any, stage: str) -> Any:
     if datamodule is not None:
         raise ValueError(f"{stage}: a data module was passed both as the loader and as datamodule=; pass it once")
     return passed
+
+
+def fit_loader_hooks(model: Any, train: Any, val: Any, datamodule: Any) -> Callable[[], tuple[Any, Any]] | None:
+    """For ``reload_dataloaders_every_n_epochs``: a function asking the data hooks again for ``fit``'s ``(train,
+    val)`` (only the ``*_dataloader()`` hooks, not ``prepare_data``/``setup``, as Lightning's reload), a passed
+    ``val`` kept; None when the training loader was passed (nothing to ask)."""
+    if train is not None and is_data_source(train):
+        train, datamodule = None, train
+    if train is not None:
+        return None
+    source = datamodule if datamodule is not None else model
+    return lambda: (source.train_dataloader(), one_loader(val, "validation") if val is not None else _hooked_val(source))
 
 
 def resolve_fit_loaders(runtime: Runtime, model: Any, train: Any, val: Any, datamodule: Any) -> tuple[Any, Any]:

@@ -65,6 +65,8 @@ class MetricCollector:
         self.epoch_values: dict[str, _Running] = {}
         self.prog_bar: set[str] = set()
         self.in_epoch_hook = False  # in on_train_epoch_start/end: Lightning's defaults there are on_epoch=True
+        self.logged: set[str] = set()  # every name logged so far (in callback_metrics the user's value wins)
+        self.bare: dict[str, str] = {}  # "x_step" and "x_epoch" -> "x", for a value logged on_step and on_epoch
 
     @contextlib.contextmanager
     def epoch_hook(self):
@@ -77,7 +79,7 @@ class MetricCollector:
             self.in_epoch_hook, self.batch_size = False, batch_size
 
     def log(self, name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | None = None,
-            prog_bar: bool = False, sync_dist: bool = False, reduce_fx: str = "mean",
+            prog_bar: bool = False, sync_dist: bool = False, reduce_fx: Any = "mean",
             batch_size: int | None = None) -> None:
         """Record ``value`` (a number or one-element tensor) under ``name``; see ``TrainingModule.log``.
 
@@ -85,8 +87,7 @@ class MetricCollector:
             ValueError: an unknown ``reduce_fx``, a value with more than one element, or a name of
                 :data:`RESERVED` (naming another).
         """
-        if reduce_fx not in REDUCE_FX:
-            raise ValueError(f"reduce_fx={reduce_fx!r}; choose one of {', '.join(map(repr, REDUCE_FX))}")
+        reduce_fx = reduction_name(reduce_fx)
         what = reserved_field(name)
         if what is not None:
             raise ValueError(f"self.log({name!r}, ...): trainscale's records already hold {name!r} ({what}), which "
@@ -98,6 +99,9 @@ class MetricCollector:
         on_epoch = default_epoch if on_epoch is None else on_epoch
         value = self._scalar(name, value)
         step_name, epoch_name = (f"{name}_step", f"{name}_epoch") if on_step and on_epoch else (name, name)
+        if on_step and on_epoch:
+            self.bare[step_name] = self.bare[epoch_name] = name
+        self.logged.update((name, step_name, epoch_name))
         if on_step:
             self.step_values[step_name] = (value, sync_dist)
         if on_epoch:
@@ -127,6 +131,18 @@ class MetricCollector:
         else:
             running.total = torch.maximum(running.total, value) if fx == "max" else torch.minimum(running.total, value)
         running.weight += n
+
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        """The step values as they stand (device tensors: no host sync, no collective), for
+        ``trainer.callback_metrics`` after every optimizer step, as Lightning's; on several ranks without the
+        ``sync_dist`` ones, which are averaged over the ranks at the log steps (:meth:`take_step_values`)."""
+        local = self.rt.world_size == 1
+        return self.with_bare_names({name: v for name, (v, sync) in self.step_values.items() if local or not sync})
+
+    def with_bare_names(self, values: dict) -> dict:
+        """``values`` and, for a value logged ``on_step`` and ``on_epoch``, its bare name too (``x`` beside ``x_step``
+        or ``x_epoch``), as Lightning's ``callback_metrics`` hold it."""
+        return {**values, **{self.bare[n]: v for n, v in values.items() if n in self.bare}}
 
     def take_step_values(self) -> dict[str, float]:
         """The last step values as floats (averaged over ranks where ``sync_dist``); cleared. Every rank
@@ -179,6 +195,27 @@ class MetricCollector:
         copies = self.rt.world_size / self.rt.data_parallel_size
         return {name: vec[i] / vec[len(names) + i] if values[name].fx == "mean" else vec[i] / copies
                 for i, name in enumerate(names)}
+
+
+def reduction_name(reduce_fx: Any) -> str:
+    """``reduce_fx`` as one of :data:`REDUCE_FX`, from every spelling Lightning's ``self.log`` takes: the names in any
+    case, "avg" for "mean", and ``torch.mean``, ``torch.sum``/``sum``, ``torch.max``/``max``, ``torch.min``/``min``.
+
+    Raises:
+        ValueError: any other value (Lightning refuses custom reductions too).
+    """
+    if isinstance(reduce_fx, str):
+        name = {"avg": "mean"}.get(reduce_fx.lower(), reduce_fx.lower())
+        if name in REDUCE_FX:
+            return name
+    for name, functions in _REDUCE_FUNCTIONS.items():
+        if any(reduce_fx is fn for fn in functions):
+            return name
+    raise ValueError(f"reduce_fx={reduce_fx!r}; choose one of {', '.join(map(repr, REDUCE_FX))} (or torch.mean, "
+                     "torch.sum, torch.max, torch.min, or the builtins sum, max, min)")
+
+
+_REDUCE_FUNCTIONS = {"mean": (torch.mean,), "sum": (torch.sum, sum), "max": (torch.max, max), "min": (torch.min, min)}
 
 
 def _check_sync_dist_everywhere(runtime: Runtime, synced: list[str]) -> None:

@@ -166,7 +166,7 @@ class TrainingModule(HyperparametersMixin, nn.Module):
 
     # -- logging ---------------------------------------------------------------------------------
     def log(self, name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | None = None,
-            prog_bar: bool = False, sync_dist: bool = False, reduce_fx: str = "mean",
+            prog_bar: bool = False, sync_dist: bool = False, reduce_fx: Any = "mean",
             batch_size: int | None = None, logger: bool = True) -> None:
         """Log a scalar, as Lightning's ``self.log``.
 
@@ -174,8 +174,11 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         ``on_step=False, on_epoch=True``. Epoch values are always reduced over all ranks, each sample
         counted once (``reduce_fx="mean"`` weights each value by its micro-batch's sample count or
         ``batch_size``); step values are each rank's, averaged over ranks with ``sync_dist=True``.
-        Both on_step and on_epoch: recorded as ``name_step`` and ``name_epoch``. Nothing is read from
-        the device until a record is written (log intervals, epoch ends).
+        Both on_step and on_epoch: recorded as ``name_step`` and ``name_epoch`` (``trainer.callback_metrics``
+        also holds ``name``, the latest of the two, as Lightning's). ``reduce_fx``: "mean", "sum", "max", "min"
+        (any case; "avg"), or ``torch.mean``/``torch.sum``/``torch.max``/``torch.min`` and the builtins ``sum``,
+        ``max``, ``min``. Step values reach ``trainer.callback_metrics`` after every optimizer step (as device
+        tensors); nothing is read from the device until a record is written (log intervals, epoch ends).
 
         Raises:
             ValueError: an unknown ``reduce_fx``, a non-scalar value, a name every record holds ("step",
@@ -356,8 +359,9 @@ class LoopModule(nn.Module):
         self.has_training_step = step is not None
         self.step_takes_batch_idx = step is not None and _takes_batch_idx(step)
         # whether each evaluation step takes batch_idx, read once (inspect is slow)
+        # (a step set to None counts as none, as Lightning's ``is_overridden``)
         self.takes_batch_idx = {name: _takes_batch_idx(getattr(model, name)) for name in
-                                ("validation_step", "test_step", "predict_step") if hasattr(model, name)}
+                                ("validation_step", "test_step", "predict_step") if getattr(model, name, None) is not None}
 
     def use_loss_fn(self, loss_fn: Callable | None) -> None:
         """Compute the loss with ``loss_fn(outputs, targets)`` from now on (None: ``F.cross_entropy``).
@@ -444,6 +448,12 @@ class LoopModule(nn.Module):
         return self.model(inputs)
 
 
+def attach_trainer(model: nn.Module, trainer: Trainer) -> None:
+    """``model.trainer`` (TrainingModule's ``self.trainer``, ``self.log``, ...) is ``trainer`` from here on: before its
+    data hooks (``setup(stage)``) run, as in Lightning. Kept out of ``nn.Module``'s submodules."""
+    model.__dict__["_trainer"] = trainer
+
+
 def set_up_model(trainer: Trainer, model: nn.Module, loss_fn: Callable | None) -> tuple[LoopModule, nn.Module]:
     """``model`` in a :class:`LoopModule` with ``loss_fn``, set up by ``trainer.runtime`` (``Runtime.setup``: the
     strategy's wrapper or in-place sharding, compile, activation checkpointing): ``(loop_module, wrapped)``.
@@ -455,7 +465,7 @@ def set_up_model(trainer: Trainer, model: nn.Module, loss_fn: Callable | None) -
     Raises:
         ValueError: ``loss_fn`` given together with a model that defines ``training_step``.
     """
-    model.__dict__["_trainer"] = trainer  # TrainingModule's self.trainer, self.log, ... (not a submodule)
+    attach_trainer(model, trainer)
     if trainer.last_setup is not None and trainer.last_setup[0] is model:
         _, loop_module, wrapped = trainer.last_setup
         loop_module.use_loss_fn(loss_fn)

@@ -23,8 +23,9 @@ class TrainerConfig:
     and descriptions (tests/test_trainer_config.py keeps them equal).
 
     Attributes:
-        max_epochs: epochs to train (>= 1).
-        max_steps: stop after this many optimizer steps (None: no limit).
+        max_epochs: epochs to train (>= 1; -1: no limit). None (the default): no limit when ``max_steps`` or
+            ``max_time`` is set (Lightning's rule), else 1 (Lightning: 1000 with a warning).
+        max_steps: stop after this many optimizer steps (None or -1: no limit; resolved to None).
         accumulate_grad_batches: micro-batches per optimizer step (gradients all-reduced on the last only).
         gradient_clip_val: clip the total gradient norm (or each value: ``gradient_clip_algorithm="value"``).
         gradient_clip_algorithm: "norm" (clip the total gradient norm to ``gradient_clip_val``) or "value" (clip each
@@ -72,7 +73,7 @@ class TrainerConfig:
         limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction of
             them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`).
         limit_val_batches: as ``limit_train_batches``, for each rank's validation batches, in ``fit`` and ``validate``
-            (:meth:`eval_batches`).
+            (:meth:`eval_batches`); 0 (or 0.0): no validation in ``fit`` (and no sanity check), as Lightning's.
         limit_test_batches: as ``limit_train_batches``, for ``test`` (:meth:`eval_batches`).
         limit_predict_batches: as ``limit_train_batches``, for ``predict`` (:meth:`eval_batches`).
         min_epochs: a stop asked by a callback (``trainer.should_stop``, e.g. ``EarlyStopping``) waits until this many
@@ -91,7 +92,8 @@ class TrainerConfig:
             which must then be an int).
         num_sanity_val_steps: validation batches run before training (Lightning's sanity check, default 2; -1: all; 0:
             none), with ``trainer.sanity_checking`` True; its results are not recorded, ``callback_metrics`` and the
-            random states are as before it. Not when resuming, as Lightning.
+            random states are as before it. A resumed fit runs it after a completed epoch, not mid-epoch nor with
+            ``max_steps`` set (Lightning 2.6).
         fast_dev_run: True or an int N (True = 1): N batches of training (``max_steps=N``, one epoch), validation, test
             and predict, no sanity check, and nothing written: no run directory, checkpoint, logger or record
             (Lightning's; its loggers become a dummy).
@@ -106,11 +108,19 @@ class TrainerConfig:
         deterministic: True: ``torch.use_deterministic_algorithms(True)``, ``cudnn.benchmark`` off and
             ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (Lightning's accelerator connector); "warn": the same with
             ``warn_only=True``; False: deterministic algorithms off; None: left as they are. Set in ``Trainer()``.
+        use_distributed_sampler: True: on several data-parallel ranks the training loader gets trainscale's
+            distributed sampler (each rank its share, each sample once per epoch, resumable mid-epoch), in the
+            loader's own order: shuffled when it shuffled, sequential (with a warning: Lightning shuffles it) when not.
+            False: the training loader is used as given on every rank (Lightning's meaning: your sampler decides
+            what each rank reads; a mid-epoch resume then skips the batches done, on the same world size).
+        reload_dataloaders_every_n_epochs: N > 0: at the start of every N-th epoch since the loaders were made, ask the
+            data hooks (``train_dataloader()``, ``val_dataloader()`` of the data module or the model; not ``setup``)
+            for new loaders, as Lightning's; loaders passed to ``fit`` stay. 0: never.
         enable_model_summary: print a :class:`~trainscale.callbacks.ModelSummary` (layers, parameters, size) on rank
             zero at the start of ``fit``, unless the callbacks hold one (Lightning's default).
     """
 
-    max_epochs: int = 1
+    max_epochs: int | None = None
     max_steps: int | None = None
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
@@ -150,6 +160,8 @@ class TrainerConfig:
     overfit_batches: int | float = 0.0
     deterministic: bool | str | None = None
     enable_model_summary: bool = True
+    use_distributed_sampler: bool = True
+    reload_dataloaders_every_n_epochs: int = 0
 
     def train_batches(self, full: int) -> int:
         """An epoch's micro-batches under ``limit_train_batches``, of ``full`` without it."""
@@ -169,6 +181,11 @@ class TrainerConfig:
         """Whether a stop asked by a callback may happen now (``min_epochs``, ``min_steps``: Lightning's
         ``_FitLoop._can_stop_early``)."""
         return epochs_done >= (self.min_epochs or 0) and global_step >= (self.min_steps or 0)
+
+    @property
+    def epoch_limit(self) -> float:
+        """``max_epochs``, or infinity for -1."""
+        return math.inf if self.max_epochs == -1 else self.max_epochs
 
     @property
     def step_limit(self) -> float:
@@ -229,11 +246,11 @@ class TrainerConfig:
 
 
 
-def _int(name: str, value, low: int, optional: bool = False) -> None:
+def _int(name: str, value, low: int, optional: bool = False, hint: str = "") -> None:
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} must be an int >= {low}" + (" or None" if optional else ""))
+        raise ValueError(f"{name}={value!r} must be an int >= {low}" + (" or None" if optional and not hint else "") + hint)
 
 
 def _number(name: str, value, optional: bool = False, low: float = 0.0, hint: str = "") -> None:
@@ -259,12 +276,15 @@ def _limited(limit: int | float | None, full: float) -> float:
     return min(full, limit) if isinstance(limit, int) else full if full == math.inf else max(1, int(full * limit))
 
 
-def _limit(name: str, value) -> None:
-    """None, an int >= 1 (a count) or a float in (0, 1] (a fraction), as Lightning's ``limit_*_batches``."""
-    count = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    if not (value is None or count or (isinstance(value, float) and 0.0 < value <= 1.0)):
-        raise ValueError(f"{name}={value!r} must be an int >= 1 (batches per epoch), a float in (0, 1] (a fraction "
-                         "of them) or None (all)")
+def _limit(name: str, value, zero: bool = False) -> None:
+    """None, an int >= 1 (a count) or a float in (0, 1] (a fraction), as Lightning's ``limit_*_batches``; with
+    ``zero``, also 0 or 0.0 (Lightning's ``limit_val_batches=0``: no validation)."""
+    count = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if zero else 1)
+    fraction = isinstance(value, float) and value <= 1.0 and (value >= 0.0 if zero else value > 0.0)
+    if not (value is None or count or fraction):
+        raise ValueError(f"{name}={value!r} must be an int >= {0 if zero else 1} (batches per epoch), a float in "
+                         f"{'[0' if zero else '(0'}, 1] (a fraction of them) or None (all)"
+                         + ("; 0 turns validation off" if zero else ""))
 
 
 def _choice(name: str, value, choices: tuple) -> None:
@@ -323,6 +343,24 @@ def parse_max_time(value) -> timedelta | None:
     return value
 
 
+def _loop_limits(cfg: TrainerConfig) -> TrainerConfig:
+    """``max_epochs`` and ``max_steps`` with Lightning's spellings of "no limit" (``_parse_loop_limits``):
+    ``max_steps`` -1 becomes None; ``max_epochs`` None becomes -1 (no limit) when ``max_steps`` or ``max_time`` is
+    set, else 1 (trainscale's default; Lightning's is 1000 epochs, with a warning).
+
+    Raises:
+        ValueError: ``max_epochs`` not an int >= 1, -1 or None; ``max_steps`` not an int >= 1, -1 or None.
+    """
+    max_steps = None if cfg.max_steps == -1 else cfg.max_steps
+    _int("max_steps", max_steps, 1, optional=True, hint=" (-1 or None: no limit)")
+    max_epochs = cfg.max_epochs
+    if max_epochs is None:
+        max_epochs = -1 if max_steps is not None or cfg.max_time is not None else 1
+    if max_epochs != -1:
+        _int("max_epochs", max_epochs, 1, hint=" (-1 or None: no limit)")
+    return replace(cfg, max_epochs=max_epochs, max_steps=max_steps)
+
+
 def _check_loop_flags(cfg: TrainerConfig) -> None:
     """Lightning's debugging and validation-schedule flags (``trainer/setup.py``, ``loops/fit_loop.py``)."""
     interval = cfg.val_check_interval
@@ -337,6 +375,8 @@ def _check_loop_flags(cfg: TrainerConfig) -> None:
     _int("num_sanity_val_steps", cfg.num_sanity_val_steps, -1)
     _choice("deterministic", cfg.deterministic, (None, True, False, "warn"))
     _flag("enable_model_summary", cfg.enable_model_summary)
+    _flag("use_distributed_sampler", cfg.use_distributed_sampler)
+    _int("reload_dataloaders_every_n_epochs", cfg.reload_dataloaders_every_n_epochs, 0)
 
 
 def _check_debugging_flags(cfg: TrainerConfig) -> None:
@@ -385,10 +425,9 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
         ValueError: a value of the wrong type or range, naming the flag and what it accepts.
         TypeError: an unknown flag.
     """
-    cfg = make_flags(TrainerConfig, "Trainer", (), flags)
-    for name in ("max_epochs", "accumulate_grad_batches", "log_every_n_steps"):
+    cfg = _loop_limits(make_flags(TrainerConfig, "Trainer", (), flags))
+    for name in ("accumulate_grad_batches", "log_every_n_steps"):
         _int(name, getattr(cfg, name), 1)
-    _int("max_steps", cfg.max_steps, 1, optional=True)
     _int("checkpoint_every_n_steps", cfg.checkpoint_every_n_steps, 1, optional=True)
     _int("keep_last", cfg.keep_last, 1, optional=True)
     _int("max_nonfinite_skips", cfg.max_nonfinite_skips, 0)
@@ -397,7 +436,7 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
     _choice("batch_size", cfg.batch_size, (None, "max"))
     _limit("limit_train_batches", cfg.limit_train_batches)
     for name in ("limit_val_batches", "limit_test_batches", "limit_predict_batches"):
-        _limit(name, getattr(cfg, name))
+        _limit(name, getattr(cfg, name), zero=name == "limit_val_batches")
     _int("min_epochs", cfg.min_epochs, 1, optional=True)
     _int("min_steps", cfg.min_steps, 1, optional=True)
     if cfg.seed >= 2**32:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, SequentialSampler
 
 
 def check_loaders(train_loader: Any, val_loader: Any) -> None:
@@ -24,6 +24,18 @@ def check_loaders(train_loader: Any, val_loader: Any) -> None:
                          "fewer samples than one batch); give it data, or a smaller batch_size")
     if val_loader is not None and not isinstance(val_loader.dataset, IterableDataset) and len(val_loader.dataset) == 0:
         warnings.warn("the validation DataLoader is empty: no val_ metrics will be recorded", stacklevel=3)
+
+
+def warn_unshuffled(loader: Any, data_parallel_size: int) -> None:
+    """Say (a ``UserWarning``, shown once per script) that a training loader without shuffling keeps its order on
+    several data-parallel ranks, where Lightning's default (``use_distributed_sampler=True``) shuffles every training
+    loader it distributes (``DistributedSampler(shuffle=True)``): a ported script's results would differ silently."""
+    if data_parallel_size > 1 and isinstance(getattr(loader, "sampler", None), SequentialSampler):
+        warnings.warn(f"the training DataLoader does not shuffle: on {data_parallel_size} data-parallel ranks each "
+                      "reads its share in the loader's order, where Lightning would shuffle it (its DistributedSampler "
+                      "default); pass DataLoader(..., shuffle=True) for a shuffled order (seed + epoch, the same on "
+                      "every rank), or Trainer(use_distributed_sampler=False) to use the loader as given",
+                      UserWarning, stacklevel=3)
 
 
 _DTYPE_MISMATCH = ("must have the same dtype", "expected scalar type", "Input type (double)")

@@ -20,7 +20,7 @@ import torch
 from trainscale.checkpointing import run_dirs as ckpt
 from trainscale.lightning.data_sources import resolve_loaders
 from trainscale.lightning.metrics import MetricCollector
-from trainscale.lightning.module import set_up_model
+from trainscale.lightning.module import attach_trainer, set_up_model
 from trainscale.loop.state import loader_length
 
 if TYPE_CHECKING:
@@ -309,11 +309,14 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     sequential and unpadded (each sample once), then :func:`predict` or :func:`evaluate_stage`; ``verbose``: rank
     zero prints the results (:func:`results_table`)."""
     rt = trainer.runtime
+    attach_trainer(model, trainer)  # self.trainer inside the module's setup(stage), as Lightning
+    if datamodule is not None:
+        trainer.datamodule = datamodule
     dataloaders, _ = resolve_loaders(rt, method, model, dataloaders, datamodule)
     loop_module, wrapped = set_up_model(trainer, model, loss_fn)  # the model of an earlier fit: as it was set up
     trainer._arm_hooks(model)
     step = {"validate": "validation_step", "test": "test_step"}.get(method)
-    if step is not None and loop_module.has_training_step and not hasattr(model, step):
+    if step is not None and loop_module.has_training_step and getattr(model, step, None) is None:
         raise ValueError(f"{method}() needs {type(model).__name__}.{step}(batch, batch_idx); it defines training_step "
                          f"but no {step}, so there is nothing to evaluate (Lightning refuses it too)")
     if ckpt_path is not None:

@@ -85,9 +85,14 @@ def run_header(runtime: Runtime, global_batch: int, run_dir: Any) -> str:
             f"global batch {global_batch}, run dir {run_dir}")
 
 
+def epoch_label(epoch: int, max_epochs: int) -> str:
+    """``epoch 3/10`` for the 0-based ``epoch`` 2 (``epoch 3`` when ``max_epochs`` is -1: no limit)."""
+    return f"epoch {epoch + 1}" + (f"/{max_epochs}" if max_epochs != -1 else "")
+
+
 def epoch_line(record: dict, max_epochs: int) -> str:
     """The line printed on rank zero at an epoch end."""
-    parts = [f"epoch {record['epoch'] + 1}/{max_epochs}", f"train_loss {record['train_loss']:.4f}"]
+    parts = [epoch_label(record["epoch"], max_epochs), f"train_loss {record['train_loss']:.4f}"]
     parts += [f"{k} {record[k]:.4f}" for k in ("val_loss", "val_accuracy") if k in record]
     parts.append(f"{record['samples_per_s']:.0f} samples/s")
     if record.get("tokens_per_s"):

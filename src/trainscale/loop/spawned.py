@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -25,7 +26,8 @@ def spawned_call(runtime: Runtime, trainer_flags: dict, method: str, model: nn.M
     return {"result": result, "state_dict": state, "state": trainer.state,
             "run_dir": str(trainer.run_dir) if trainer.run_dir else None,
             "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
-            "callback_metrics": trainer.callback_metrics}
+            "callback_metrics": {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                                 for k, v in trainer.callback_metrics.items()}}
 
 
 def run_spawned(trainer: Trainer, method: str, model: nn.Module, **kwargs: Any) -> Any:

@@ -143,6 +143,8 @@ class FitRun:
     validated_after: int = -1  # the epoch's micro-batches done when validation last ran in it (-1: not yet)
     started: float = 0.0
     loader_positions: LoaderPositions | None = None  # the epoch's iterator of a loader that keeps its own position
+    reload: Any = None  # () -> (train, val) from the data hooks (reload_dataloaders_every_n_epochs); None: passed
+    loaded_epoch: int = 0  # the epoch at whose start the loaders were last made
 
 def start_epoch(loader, epoch: int, position: dict | None, world_size: int, saved_world_size: int) -> int:
     """Point ``loader``'s sampler at ``epoch`` and, when resuming that epoch, at its saved position.

@@ -8,6 +8,7 @@ size 1 (docs/architecture.md).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -33,15 +34,15 @@ from trainscale.loop import evaluation
 from trainscale.scaling.batch_scaling import BatchScaling
 from trainscale.tune.batch_size import tuned_loader
 from trainscale.checkpointing.writes import CheckpointWrites
-from trainscale.loop.data_checks import check_loaders, explain_batch_error
-from trainscale.lightning.data_sources import resolve_fit_loaders
+from trainscale.loop.data_checks import check_loaders, explain_batch_error, warn_unshuffled
+from trainscale.lightning.data_sources import fit_loader_hooks, resolve_fit_loaders
 from trainscale.loop.config import TrainerConfig, resolve_trainer_config
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector
-from trainscale.lightning.module import defined_hooks, set_up_model
+from trainscale.lightning.module import attach_trainer, defined_hooks, set_up_model
 from trainscale.lightning.optimizers import ManualOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
-from trainscale.loop.records import RecordWriter, epoch_line, epoch_record, run_header, step_record
+from trainscale.loop.records import RecordWriter, epoch_label, epoch_line, epoch_record, run_header, step_record
 from trainscale.loop.spawned import run_spawned
 from trainscale.checkpointing.runs import RunLock, choose_run_dir, overwrite_refusal, resolve_ckpt_path
 from trainscale.loop.summary import finish_run, hyperparams
@@ -64,7 +65,7 @@ class Trainer:
                  tp_plan: dict | None = None, parallelize: Callable | None = None, pp_schedule: str | None = None,
                  pp_microbatches: int | None = None, pp_split_points: list | None = None,
                  # the loop's flags (TrainerConfig)
-                 max_epochs: int = 1, max_steps: int | None = None, accumulate_grad_batches: int = 1,
+                 max_epochs: int | None = None, max_steps: int | None = None, accumulate_grad_batches: int = 1,
                  gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm", seed: int = 0,
                  default_root_dir: str | Path = Path("runs"), log_every_n_steps: int = 50,
                  enable_progress_bar: bool = True, enable_checkpointing: bool = True,
@@ -80,7 +81,8 @@ class Trainer:
                  check_val_every_n_epoch: int | None = 1, num_sanity_val_steps: int = 2,
                  fast_dev_run: bool | int = False, max_time: str | timedelta | dict | None = None,
                  overfit_batches: int | float = 0.0, deterministic: bool | str | None = None,
-                 enable_model_summary: bool = True,
+                 enable_model_summary: bool = True, use_distributed_sampler: bool = True,
+                 reload_dataloaders_every_n_epochs: int = 0,
                  **misspelt: NoReturn) -> None:
         """The Runtime's flags (accelerator, devices, strategy, num_nodes, precision, timeout, strategy_options,
         sync_batchnorm, activation_checkpointing, compile, float32_matmul_precision, parallel, tp_plan, parallelize,
@@ -93,8 +95,9 @@ class Trainer:
                 one).
             logger: one or a list of ``trainscale.loggers`` (None: a ``CSVLogger``; False: none; docs/loggers.md).
             runtime: the Runtime a "ddp_spawn"/"ddp_notebook" rank made from the same flags (None: one is made here).
-            max_epochs: epochs to train (>= 1).
-            max_steps: stop after this many optimizer steps (None: no limit).
+            max_epochs: epochs to train (>= 1; -1: no limit). None (the default): no limit when ``max_steps`` or
+                ``max_time`` is set (Lightning's rule), else 1 (Lightning: 1000 with a warning).
+            max_steps: stop after this many optimizer steps (None or -1: no limit; resolved to None).
             accumulate_grad_batches: micro-batches per optimizer step (gradients all-reduced on the last only).
             gradient_clip_val: clip the total gradient norm (or each value: ``gradient_clip_algorithm="value"``).
             gradient_clip_algorithm: "norm" (clip the total gradient norm to ``gradient_clip_val``) or "value" (clip
@@ -141,8 +144,8 @@ class Trainer:
                 (Goyal et al.'s warm-up; 0: none). See :mod:`trainscale.scaling.batch_scaling`.
             limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction
                 of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`).
-            limit_val_batches: as ``limit_train_batches``, for each rank's validation batches, in ``fit`` and
-                ``validate`` (:meth:`eval_batches`).
+            limit_val_batches: as ``limit_train_batches``, for each rank's validation batches, in ``fit`` and ``validate``
+                (:meth:`eval_batches`); 0 (or 0.0): no validation in ``fit`` (and no sanity check), as Lightning's.
             limit_test_batches: as ``limit_train_batches``, for ``test`` (:meth:`eval_batches`).
             limit_predict_batches: as ``limit_train_batches``, for ``predict`` (:meth:`eval_batches`).
             min_epochs: a stop asked by a callback (``trainer.should_stop``, e.g. ``EarlyStopping``) waits until this
@@ -159,9 +162,10 @@ class Trainer:
                 checkpoints, so a checkpoint written there resumes exactly.
             check_val_every_n_epoch: validate only in every N-th epoch (None: by ``val_check_interval``'s batches alone,
                 which must then be an int).
-            num_sanity_val_steps: validation batches run before training (Lightning's sanity check, default 2; -1: all;
-                0: none), with ``trainer.sanity_checking`` True; its results are not recorded, ``callback_metrics`` and
-                the random states are as before it. Not when resuming, as Lightning.
+            num_sanity_val_steps: validation batches run before training (Lightning's sanity check, default 2; -1: all; 0:
+                none), with ``trainer.sanity_checking`` True; its results are not recorded, ``callback_metrics`` and the
+                random states are as before it. A resumed fit runs it after a completed epoch, not mid-epoch nor with
+                ``max_steps`` set (Lightning 2.6).
             fast_dev_run: True or an int N (True = 1): N batches of training (``max_steps=N``, one epoch), validation,
                 test and predict, no sanity check, and nothing written: no run directory, checkpoint, logger or record
                 (Lightning's; its loggers become a dummy).
@@ -178,6 +182,14 @@ class Trainer:
                 ``warn_only=True``; False: deterministic algorithms off; None: left as they are. Set in ``Trainer()``.
             enable_model_summary: print a :class:`~trainscale.callbacks.ModelSummary` (layers, parameters, size) on rank
                 zero at the start of ``fit``, unless the callbacks hold one (Lightning's default).
+            use_distributed_sampler: True: on several data-parallel ranks the training loader gets trainscale's
+                distributed sampler (each rank its share, each sample once per epoch, resumable mid-epoch), in the
+                loader's own order: shuffled when it shuffled, sequential (with a warning: Lightning shuffles it) when not.
+                False: the training loader is used as given on every rank (Lightning's meaning: your sampler decides
+                what each rank reads; a mid-epoch resume then skips the batches done, on the same world size).
+            reload_dataloaders_every_n_epochs: N > 0: at the start of every N-th epoch since the loaders were made, ask the
+                data hooks (``train_dataloader()``, ``val_dataloader()`` of the data module or the model; not ``setup``)
+                for new loaders, as Lightning's; loaders passed to ``fit`` stay. 0: never.
 
         Raises:
             TypeError: a misspelt flag (naming the closest one; type checkers refuse it too: ``NoReturn``).
@@ -206,7 +218,8 @@ class Trainer:
             count_flops=count_flops, peak_flops=peak_flops, val_check_interval=val_check_interval,
             check_val_every_n_epoch=check_val_every_n_epoch, num_sanity_val_steps=num_sanity_val_steps,
             fast_dev_run=fast_dev_run, max_time=max_time, overfit_batches=overfit_batches, deterministic=deterministic,
-            enable_model_summary=enable_model_summary)
+            enable_model_summary=enable_model_summary, use_distributed_sampler=use_distributed_sampler,
+            reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs)
         self.flags = dict(runtime_flags, **loop_flags, callbacks=callbacks, logger=logger)  # a ddp_spawn rank rebuilds
         self.config = resolve_trainer_config(**loop_flags)
         set_torch_flags(self.config.deterministic)
@@ -228,8 +241,10 @@ class Trainer:
             self.runtime.launch()
         self.state = TrainState()
         self.run_dir: Path | None = None
+        self.datamodule: Any = None  # the data module of the last fit (Lightning's trainer.datamodule)
         self.ckpt_path: Path | None = None  # the checkpoint the running (or last) fit resumed from (Lightning's name)
-        self.callback_metrics: dict[str, float] = {}  # the latest number of each name (epoch records, logs)
+        # the latest number of each name (epoch records, logs): floats, and step values as device tensors until read
+        self.callback_metrics: dict[str, float | torch.Tensor] = {}
         self.should_stop = False  # set by a callback (EarlyStopping) or max_time: stop, on every rank
         self.fitting = False  # True during fit (Lightning's trainer.state.fn == "fit"); validate() after it: False
         self.sanity_checking = False  # True while the sanity check's validation runs (num_sanity_val_steps)
@@ -256,7 +271,9 @@ class Trainer:
                                save_top_k=-1 if cfg.keep_last is None else cfg.keep_last)
 
     global_step = property(lambda self: self.state.global_step, doc="Optimizer steps taken so far (int).")
-    current_epoch = property(lambda self: self.state.epoch, doc="The epoch running, or the last one run (from 0).")
+    current_epoch = property(lambda self: self.state.current_epoch,
+                             doc="The epoch running (from 0), or the epochs completed once an epoch has ended "
+                                 "(Lightning's: 2 after fit with max_epochs=2; TrainState.current_epoch).")
     history = property(lambda self: self.state.history, doc="One record (a dict) per finished epoch.")
     checkpoint_callback = property(lambda self: next(iter(self.checkpoint_callbacks), None),
                                    doc="The first ModelCheckpoint, or None (Lightning's ``trainer.checkpoint_callback``).")
@@ -267,6 +284,23 @@ class Trainer:
     world_size = property(lambda self: self.runtime.world.world_size, doc="Processes in the job (all nodes).")
     num_nodes = property(lambda self: self.runtime.world.num_nodes, doc="Nodes in the job.")
     is_global_zero = property(lambda self: self.runtime.world.rank == 0, doc="True on rank 0 (Lightning's name).")
+    # Lightning's names for the loop's limits and what callbacks read of it
+    max_epochs = property(lambda self: self.config.max_epochs, doc="Epochs to train; -1: no limit.")
+    max_steps = property(lambda self: -1 if self.config.max_steps is None else self.config.max_steps,
+                         doc="Optimizer steps to train; -1: no limit (Lightning's spelling).")
+    min_epochs = property(lambda self: self.config.min_epochs, doc="Epochs before a callback may stop the fit.")
+    min_steps = property(lambda self: self.config.min_steps, doc="Steps before a callback may stop the fit.")
+    num_sanity_val_steps = property(lambda self: self.config.sanity_val_batches,
+                                    doc="Validation batches of the sanity check (inf for -1).")
+    lr_scheduler_configs = property(lambda self: list(self.schedulers),
+                                    doc="The schedulers with their interval, frequency and monitor (SchedulerConfig).")
+
+    @property
+    def num_val_batches(self) -> list[int | float]:
+        """Validation batches per validation run of this rank, in a list (Lightning's, one per loader; empty
+        without validation or before ``fit``)."""
+        loader = self._fit.val_loader if self._fit is not None else None
+        return [] if loader is None else [self.config.val_batches(evaluation.loader_length(loader))]
 
     @property
     def global_batch_size(self) -> int | None:
@@ -318,16 +352,23 @@ class Trainer:
             return run_spawned(self, "fit", model, train_dataloaders=train_dataloaders,
                                val_dataloaders=val_dataloaders, loss_fn=loss_fn, optimizer=optimizer,
                                ckpt_path=ckpt_path, ckpt_verify=ckpt_verify, datamodule=datamodule)
+        attach_trainer(model, self)  # self.trainer inside the module's setup(stage), as Lightning
+        self.datamodule = datamodule
+        reload = fit_loader_hooks(model, train_dataloaders, val_dataloaders, datamodule)
         train_dataloaders, val_dataloaders = resolve_fit_loaders(self.runtime, model, train_dataloaders,
                                                                  val_dataloaders, datamodule)
         cfg = self.config
         self._fit, self._run_lock = None, RunLock()  # the run directory's lock: taken by _run_fit, released below
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
-        self.fitting = True
+        self.fitting, self.state.status = True, "running"
         try:
-            return self._run_fit(model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, ckpt_verify)
+            summary = self._run_fit(model, (train_dataloaders, val_dataloaders, reload), loss_fn, optimizer, ckpt_path,
+                                    ckpt_verify)
+            self.state.status = "finished"
+            return summary
         except BaseException as err:
+            self.state.status = "interrupted"
             self._hook("on_exception", err)
             explained = explain_batch_error(err) or self._faults.diagnose(
                 err, f"at epoch {self.current_epoch}, step {self.global_step}")
@@ -343,14 +384,18 @@ class Trainer:
                 self._fit.sink = None
             # self._fit stays: save_checkpoint() after fit writes the fitted state
 
-    def _run_fit(self, model, train_dataloaders, val_dataloaders, loss_fn, optimizer, ckpt_path, verify) -> dict:
+    def _run_fit(self, model, loaders, loss_fn, optimizer, ckpt_path, verify) -> dict:
+        """``fit``'s body; ``loaders``: the training and validation loaders and :func:`fit_loader_hooks`'s reload."""
+        train_dataloaders, val_dataloaders, reload_hooks = loaders
         rt, cfg = self.runtime, self.config
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
         self.ckpt_path = resume_from
         train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
         seed_everything(cfg.seed)
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
+        fit.reload = reload_hooks
         point = self._load(resume_from, verify) if resume_from is not None else None
+        fit.loaded_epoch = point.next_epoch if point else 0
         global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers, lambda: self.state.global_step)
         if cfg.writes_files:  # fast_dev_run: no run directory, records, loggers or checkpoints
             self.run_dir, self._run_lock = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)  # held by fit
@@ -363,11 +408,11 @@ class Trainer:
                             f"none (fast_dev_run: {cfg.max_steps} batch(es) of each loop, nothing written)"))
         self.validated_at = []
         self._hook("on_fit_start")
-        self._sanity_check(fit, resumed=point is not None)
+        self._sanity_check(fit, point)
         self._deadline = time.monotonic() + (cfg.max_time.total_seconds() if cfg.max_time is not None else math.inf)
         self._hook("on_train_start")
-        for epoch in range(point.next_epoch if point else 0, cfg.max_epochs):
-            if self.state.global_step >= cfg.step_limit or (self.should_stop and cfg.can_stop(epoch, self.global_step)):
+        for epoch in itertools.count(point.next_epoch if point else 0):
+            if self._fit_done(epoch):
                 break
             self._train_epoch(fit, epoch, point if point is not None and point.resumes(epoch) else None)
             self._end_epoch(fit, epoch)
@@ -377,6 +422,13 @@ class Trainer:
         self._hook("on_fit_end")
         return summary
 
+    def _fit_done(self, epoch: int) -> bool:
+        """Whether ``fit`` ends before epoch ``epoch`` (0-based): ``max_epochs`` trained, ``max_steps`` reached, or a
+        stop asked by a callback once ``min_epochs``/``min_steps`` are met (Lightning's ``_FitLoop.done``)."""
+        cfg = self.config
+        return (epoch >= cfg.epoch_limit or self.state.global_step >= cfg.step_limit
+                or (self.should_stop and cfg.can_stop(epoch, self.global_step)))
+
     def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
         rt = self.runtime
         loop_module, wrapped = set_up_model(self, model, loss_fn)  # reused from an earlier fit or evaluation
@@ -384,15 +436,7 @@ class Trainer:
         self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
             model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
             before_step=lambda opt: self._hook("on_before_optimizer_step", opt))
-        train_loader = rt.setup_dataloader(train_dataloaders, seed=self.config.seed,
-                                           shuffle=False if self.config.overfit_batches else None)  # Lightning's
-        if val_dataloaders is not None and loop_module.has_training_step and not hasattr(model, "validation_step"):
-            warnings.warn(f"a validation DataLoader was passed but {type(model).__name__} defines no validation_step: "
-                          "validation is skipped (as in Lightning); define validation_step to validate", stacklevel=3)
-            val_dataloaders = None
-        val_loader = (rt.setup_dataloader(val_dataloaders, seed=self.config.seed, even=False)
-                      if val_dataloaders is not None else None)
-        check_loaders(train_loader, val_loader)
+        train_loader, val_loader = self._distribute_loaders(model, loop_module, train_dataloaders, val_dataloaders)
         # FLOPs are counted on a plain forward and backward only: the user's manual training_step steps optimizers
         # (a retry after a failed count would step them twice) and a pipeline stage holds part of the model (and
         # its schedule's sends must not run twice); there MFU comes from the model's declared FLOPs, if any
@@ -403,15 +447,48 @@ class Trainer:
         self._fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, telemetry)
         return self._fit
 
+    def _distribute_loaders(self, model, loop_module, train_dataloaders, val_dataloaders) -> tuple[Any, Any]:
+        """The training and validation loaders as the loop reads them: each rank's share (``Runtime.setup_dataloader``;
+        the training loader as given with ``use_distributed_sampler=False``), no validation loader with
+        ``limit_val_batches=0`` or without a ``validation_step`` (Lightning's warning), both checked."""
+        rt, cfg = self.runtime, self.config
+        if not cfg.use_distributed_sampler:  # Lightning's flag: the loader as given, on every rank
+            train_loader = train_dataloaders
+        else:
+            if rt.is_rank_zero and not cfg.overfit_batches:
+                warn_unshuffled(train_dataloaders, rt.data_parallel_size)  # Lightning would shuffle it
+            train_loader = rt.setup_dataloader(train_dataloaders, seed=cfg.seed,
+                                               shuffle=False if cfg.overfit_batches else None)  # Lightning's
+        if val_dataloaders is not None and loop_module.has_training_step and getattr(model, "validation_step", None) is None:
+            warnings.warn(f"a validation DataLoader was passed but {type(model).__name__} defines no validation_step: "
+                          "validation is skipped (as in Lightning); define validation_step to validate", stacklevel=4)
+            val_dataloaders = None
+        val_loader = (rt.setup_dataloader(val_dataloaders, seed=cfg.seed, even=False)
+                      if val_dataloaders is not None and cfg.limit_val_batches != 0 else None)  # 0: off
+        check_loaders(train_loader, val_loader)
+        return train_loader, val_loader
+
+    def _reload_loaders(self, fit: FitRun, epoch: int) -> None:
+        """Lightning's ``reload_dataloaders_every_n_epochs``: at the start of every N-th epoch since the loaders were
+        last made, ask the data hooks (the data module's or the model's ``train_dataloader()``/``val_dataloader()``;
+        not ``setup``) for new ones. Loaders passed to ``fit`` are the same objects again, so nothing changes."""
+        every = self.config.reload_dataloaders_every_n_epochs
+        if fit.reload is None or not every or epoch - fit.loaded_epoch < every:
+            return
+        train, val = fit.reload()
+        fit.train_loader, fit.val_loader = self._distribute_loaders(fit.model, fit.loop_module, train, val)
+        fit.loaded_epoch = epoch
+
     # -- one epoch ----------------------------------------------------------------------------------
     def _train_epoch(self, fit: FitRun, epoch: int, resume: ResumePoint | None) -> None:
         rt, cfg = self.runtime, self.config
-        self.state.epoch = epoch
+        self.state.epoch, self.state.epoch_ended = epoch, False
+        self._reload_loaders(fit, epoch)
         batches = epoch_batches(fit, self.state, epoch, resume, rt.world_size, cfg.train_batches)
         fit.wrapped.train()
         remaining = fit.epoch_batches - fit.epoch_offset  # inf: an iterable data set, until its iterator ends
         fit.bar = ProgressBar(cfg.enable_progress_bar and rt.is_rank_zero, None if remaining == math.inf else remaining,
-                              f"epoch {epoch + 1}/{cfg.max_epochs}")
+                              epoch_label(epoch, cfg.max_epochs))
         fit.epoch_loss = EpochLoss(rt.device, resume.totals if resume else (0.0, 0.0, 0.0, 0.0))
         fit.books = MicroBatchBooks(fit.telemetry, self._faults, self.state, self.metric_collector, fit.epoch_loss,
                                     fit.bar)
@@ -451,7 +528,8 @@ class Trainer:
            ``zero_grad(set_to_none=True)``.
         5. Learning-rate schedulers with ``interval="step"`` (under manual optimization the module steps its
            own, as in Lightning); the step count (under manual optimization, the optimizer steps the
-           ``training_step`` took); ``on_train_batch_end``; the step record every ``log_every_n_steps``.
+           ``training_step`` took); the step's ``self.log`` values into ``callback_metrics`` (device tensors, no host
+           sync); ``on_train_batch_end``; the step record every ``log_every_n_steps``.
         6. Validation when ``val_check_interval`` and ``check_val_every_n_epoch`` say it is due within the epoch
            (its last batch validates in ``_end_epoch``); then faults and checkpoints (:meth:`_checkpoint_if_due`):
            signals and the non-finite check at the steps every rank agreed on, a checkpoint every
@@ -503,6 +581,7 @@ class Trainer:
         self._step_before = self.state.global_step
         self.state.global_step += sum(o.take_steps() for o in self.manual_optimizers) if self.manual_optimizers else 1
         self.is_step_end = True
+        self.callback_metrics.update(self.metric_collector.step_metrics())  # every step, on the device (Lightning's)
         self._hook("on_train_batch_end", loss, batch, micro.index)
         if self.is_log_step:
             self._log_step(fit, loss, grad_norm)
@@ -538,14 +617,22 @@ class Trainer:
         return loss, t_forward
 
     def _log_step(self, fit: FitRun, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
-        record = step_record(fit.telemetry, self.global_step, self.current_epoch, loss, grad_norm, self.optimizers)
-        record.update(self.metric_collector.take_step_values())
-        record.update(self._pending.pop("step", {}))
-        self.callback_metrics.update((k, v) for k, v in record.items() if isinstance(v, float))
+        own = step_record(fit.telemetry, self.global_step, self.current_epoch, loss, grad_norm, self.optimizers)
+        user = self.metric_collector.take_step_values()
+        record = {**own, **user, **self._pending.pop("step", {})}
+        self._publish({k: v for k, v in record.items() if isinstance(v, float)}, own, user)
         shown = {k: record[k] for k in ("train_loss", *sorted(self.metric_collector.prog_bar)) if k in record}
         fit.bar.set_postfix(**{k: f"{v:.4g}" for k, v in shown.items()})
         if fit.sink is not None:
             fit.sink.write(record)
+
+    def _publish(self, values: dict, own: dict, user: dict) -> None:
+        """``values`` into ``callback_metrics``, except trainscale's own numbers (``own``: the loss, throughput, ...)
+        under a name the module logs itself (``self.log("train_loss", ...)``): the user's value wins there, the only
+        one Lightning has; the user's ``user`` values also under their bare names (``MetricCollector.with_bare_names``)."""
+        logged = self.metric_collector.logged
+        self.callback_metrics.update((k, v) for k, v in values.items() if k not in own or k not in logged or k in user)
+        self.callback_metrics.update(self.metric_collector.with_bare_names(user))
 
     # -- epoch end and checkpoints -------------------------------------------------------------------
     def _end_epoch(self, fit: FitRun, epoch: int) -> None:
@@ -555,17 +642,20 @@ class Trainer:
         then the epoch-end check and checkpoints."""
         rt = self.runtime
         self._faults.phase = "epoch end (loss all-reduce, validation)"
-        record = epoch_record(epoch, self.global_step, fit.epoch_loss.totals(rt), time.perf_counter() - fit.started,
-                              complete=self.state.batches >= fit.epoch_batches, optimizers=self.optimizers)
-        record.update(self.metric_collector.take_epoch_values())
+        own = epoch_record(epoch, self.global_step, fit.epoch_loss.totals(rt), time.perf_counter() - fit.started,
+                           complete=self.state.batches >= fit.epoch_batches, optimizers=self.optimizers)
+        user = self.metric_collector.take_epoch_values()
+        record = {**own, **user}
         if fit.val_loader is not None and self._validates_at_epoch_end(fit, epoch):
             record.update(self._validate(fit, mid_epoch=False))
         record.update(self._pending.pop("epoch", {}))
-        self.callback_metrics.update(record)
+        self._publish(record, own, user)
         with self.metric_collector.epoch_hook():
             self._hook("on_train_epoch_end", monitoring=False)
-        record.update(self.metric_collector.take_epoch_values())  # what the module's on_train_epoch_end logged
-        self.callback_metrics.update(record)
+        late = self.metric_collector.take_epoch_values()  # what the module's on_train_epoch_end logged
+        record.update(late)
+        user.update(late)
+        self._publish(record, own, user)
         self._hook("on_train_epoch_end", monitoring=True)
         if not self.manual_optimizers:  # under manual optimization the module steps its schedulers (Lightning)
             step_schedulers(self.schedulers, "epoch", epoch + 1, self.callback_metrics)
@@ -574,6 +664,7 @@ class Trainer:
             fit.sink.write({"kind": "epoch", "rank": "all", "time": time.time(), **record})
         rt.print(epoch_line(record, self.config.max_epochs))
         self._checkpoint_if_due(fit, epoch_end=True)
+        self.state.epoch_ended = True  # current_epoch counts it from here, as Lightning's after on_advance_end
         self._faults.phase = STEP_PHASE
 
     def _validation_due(self, fit: FitRun, first_batch: int) -> bool:
@@ -610,13 +701,15 @@ class Trainer:
                             "step": self.global_step, **results})
         return results
 
-    def _sanity_check(self, fit: FitRun, resumed: bool) -> None:
+    def _sanity_check(self, fit: FitRun, resume: ResumePoint | None) -> None:
         """Lightning's sanity check: ``num_sanity_val_steps`` validation batches before training, between
         ``on_sanity_check_start`` and ``on_sanity_check_end``, with ``sanity_checking`` True; its results are not
         kept (``callback_metrics`` as before) and the random states are restored after it, so training is the
-        same with or without it (Lightning re-seeds instead). None without a validation loader, nor when resuming
-        (as Lightning)."""
-        if resumed or fit.val_loader is None or self.config.sanity_val_batches == 0:
+        same with or without it (Lightning isolates the RNG likewise). None without a validation loader. A resumed
+        fit runs it when it continues after a completed epoch, and skips it when it continues mid-epoch or with
+        ``max_steps`` set, as Lightning 2.6 (its loops are "restarting" then: ``_FitLoop.restarting``)."""
+        restarting = resume is not None and (not resume.complete or self.config.max_steps is not None)
+        if restarting or fit.val_loader is None or self.config.sanity_val_batches == 0:
             return
         saved_rng, saved_metrics = rng_state(), dict(self.callback_metrics)
         self.sanity_checking = True

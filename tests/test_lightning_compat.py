@@ -1,0 +1,321 @@
+"""Lightning 2.6's documented behaviour where the same script would otherwise give other numbers: the epoch count
+after ``fit``, step values in ``callback_metrics``, ``max_steps`` without ``max_epochs``, the order of a training
+loader on several ranks, the sanity check of a resumed ``fit``; and Lightning's spellings that ports meet."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import trainscale
+from trainscale.callbacks import Callback, EarlyStopping
+from trainscale.lightning.module import TrainingModule
+from trainscale.loop.config import resolve_trainer_config
+from trainscale.loop.data_checks import warn_unshuffled
+from trainscale.loop.trainer import Trainer
+
+
+class Probe(TrainingModule):
+    """A linear model that logs the batch index (on_step), a constant ``train_loss`` and ``both`` (on_step and
+    on_epoch), and notes ``self.current_epoch`` at each epoch's start and end."""
+
+    def __init__(self, train_loss: float | None = None):
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+        self.train_loss = train_loss
+        self.epochs_seen: list[tuple[str, int]] = []
+        self.saved_epoch = None
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch[0]).pow(2).mean()
+        self.log("idx", float(batch_idx))
+        self.log("both", float(batch_idx), on_step=True, on_epoch=True, reduce_fx="max")
+        if self.train_loss is not None:
+            self.log("train_loss", self.train_loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.layer(batch[0]).pow(2).mean())
+
+    def on_train_epoch_start(self):
+        self.epochs_seen.append(("start", self.current_epoch))
+
+    def on_train_epoch_end(self):
+        self.epochs_seen.append(("end", self.current_epoch))
+
+    def on_save_checkpoint(self, checkpoint):
+        self.saved_epoch = checkpoint["epoch"]
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class StepWatch(Callback):
+    """Notes ``callback_metrics`` after every optimizer step, and counts the sanity checks."""
+
+    def __init__(self):
+        self.seen: list[dict] = []
+        self.sanity_checks = 0
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.seen.append({k: float(v) for k, v in trainer.callback_metrics.items() if k in ("idx", "both", "both_step")})
+
+    def on_sanity_check_start(self, trainer, module):
+        self.sanity_checks += 1
+
+
+def _loader(n=8, batch_size=2):
+    x = torch.linspace(-1, 1, 2 * n).reshape(n, 2)
+    return DataLoader(TensorDataset(x, torch.zeros(n)), batch_size=batch_size)
+
+
+def _trainer(tmp_path, **kw):
+    kw.setdefault("enable_model_summary", False)
+    return Trainer(accelerator="cpu", enable_progress_bar=False, default_root_dir=tmp_path, **kw)
+
+
+# -- the epoch count ------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_current_epoch_counts_completed_epochs_after_fit_and_in_a_checkpoint_saved_then(tmp_path):
+    torch.manual_seed(0)
+    model = Probe()
+    trainer = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0)
+    trainer.fit(model, _loader())
+    assert model.epochs_seen == [("start", 0), ("end", 0), ("start", 1), ("end", 1)]  # inside: the running epoch
+    assert trainer.current_epoch == 2  # after fit: the epochs completed, as Lightning's
+    path = trainer.save_checkpoint(tmp_path / "after.pt")
+    assert model.saved_epoch == 2
+    assert torch.load(path, weights_only=True)["epoch"] == 2 and torch.load(path, weights_only=True)["global_step"] == 8
+
+    # resumed from it for a third epoch: the same weights as three epochs in one run, and the same count
+    torch.manual_seed(0)
+    resumed_model = Probe()
+    resumed = _trainer(tmp_path / "r", max_epochs=3, num_sanity_val_steps=0)
+    resumed.fit(resumed_model, _loader(), ckpt_path=path)
+    assert resumed_model.epochs_seen == [("start", 2), ("end", 2)] and resumed.current_epoch == 3
+    torch.manual_seed(0)
+    full_model = Probe()
+    _trainer(tmp_path / "f", max_epochs=3, num_sanity_val_steps=0).fit(full_model, _loader())
+    for key, value in full_model.state_dict().items():
+        torch.testing.assert_close(resumed_model.state_dict()[key], value, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(60)
+def test_current_epoch_after_a_stop_by_max_steps_or_early_stopping(tmp_path):
+    trainer = _trainer(tmp_path / "a", max_epochs=5, max_steps=6, num_sanity_val_steps=0)
+    trainer.fit(Probe(), _loader())  # 4 steps an epoch: the second epoch stops after its second step
+    assert (trainer.global_step, trainer.current_epoch) == (6, 2)
+
+    stop = EarlyStopping("val_loss", patience=1, min_delta=1e9)  # never improves: stops after the second epoch
+    trainer = _trainer(tmp_path / "b", max_epochs=5, num_sanity_val_steps=0, callbacks=[stop])
+    trainer.fit(Probe(), _loader(), _loader(4))
+    assert stop.stopped_epoch == 1 and trainer.current_epoch == 2  # Lightning: current_epoch - 1 == stopped epoch
+
+
+# -- step values in callback_metrics -------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_step_values_reach_callback_metrics_after_every_step(tmp_path):
+    watch = StepWatch()
+    trainer = _trainer(tmp_path, max_steps=12, log_every_n_steps=5, num_sanity_val_steps=0, callbacks=[watch])
+    trainer.fit(Probe(), _loader(24))
+    assert [seen["idx"] for seen in watch.seen] == [float(i) for i in range(12)]  # not only at steps 5 and 10
+    assert [seen["both_step"] for seen in watch.seen] == [float(i) for i in range(12)]
+    assert [seen["both"] for seen in watch.seen] == [float(i) for i in range(12)]  # the bare name too, as Lightning
+    assert float(trainer.callback_metrics["idx"]) == 11.0
+    assert float(trainer.callback_metrics["both_epoch"]) == 11.0 == float(trainer.callback_metrics["both"])
+
+
+@pytest.mark.timeout(60)
+def test_a_logged_train_loss_is_not_replaced_by_the_trainers_own(tmp_path):
+    trainer = _trainer(tmp_path, max_epochs=2, log_every_n_steps=1, num_sanity_val_steps=0)
+    trainer.fit(Probe(train_loss=7.0), _loader())
+    assert float(trainer.callback_metrics["train_loss"]) == 7.0  # the user's, as Lightning's
+    assert trainer.history[-1]["train_loss"] != 7.0  # the records keep trainscale's epoch mean of the returned loss
+    # without a user value of that name, trainscale's own epoch mean is there
+    plain = _trainer(tmp_path / "p", max_epochs=1, num_sanity_val_steps=0)
+    plain.fit(Probe(), _loader())
+    assert plain.callback_metrics["train_loss"] == plain.history[-1]["train_loss"]
+
+
+# -- max_steps, max_epochs ------------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_max_steps_without_max_epochs_trains_that_many_steps(tmp_path):
+    trainer = _trainer(tmp_path, max_steps=10, num_sanity_val_steps=0)
+    trainer.fit(Probe(), _loader())  # 4 steps an epoch
+    assert trainer.global_step == 10 and len(trainer.history) == 3
+
+
+@pytest.mark.parametrize(("flags", "epochs", "steps"), [
+    ({}, 1, None),  # neither given: trainscale's 1 epoch (Lightning: 1000, with a warning)
+    ({"max_steps": -1}, 1, None), ({"max_epochs": None}, 1, None), ({"max_epochs": -1}, -1, None),
+    ({"max_steps": 12}, -1, 12), ({"max_steps": 12, "max_epochs": None}, -1, 12), ({"max_time": {"hours": 1}}, -1, None),
+    ({"max_epochs": 3, "max_steps": -1}, 3, None),
+])
+def test_lightnings_spellings_of_no_limit(flags, epochs, steps):
+    cfg = resolve_trainer_config(**flags)
+    assert (cfg.max_epochs, cfg.max_steps) == (epochs, steps)
+
+
+@pytest.mark.parametrize("flags", [{"max_epochs": 0}, {"max_epochs": -2}, {"max_steps": 0}, {"max_steps": -3}])
+def test_other_limits_are_refused_naming_no_limit(flags):
+    with pytest.raises(ValueError, match="-1 or None: no limit"):
+        resolve_trainer_config(**flags)
+
+
+# -- the training loader's order on several ranks -------------------------------------------------------------------
+def test_an_unshuffled_training_loader_on_several_ranks_is_said():
+    with pytest.warns(UserWarning, match="Lightning would shuffle it"):
+        warn_unshuffled(_loader(), data_parallel_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_unshuffled(_loader(), data_parallel_size=1)
+        warn_unshuffled(DataLoader(_loader().dataset, batch_size=2, shuffle=True), data_parallel_size=2)
+
+
+@pytest.mark.timeout(60)
+def test_use_distributed_sampler_false_trains_on_the_loader_as_given(tmp_path):
+    loader = _loader()
+    trainer = _trainer(tmp_path, use_distributed_sampler=False, num_sanity_val_steps=0)
+    trainer.fit(Probe(), loader)
+    assert trainer._fit.train_loader is loader and trainer.global_step == 4
+
+
+# -- the sanity check of a resumed fit ------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_a_resumed_fit_runs_the_sanity_check_after_a_completed_epoch_only(tmp_path):
+    first = _trainer(tmp_path / "a", max_epochs=1, checkpoint_every_n_steps=2)
+    first.fit(Probe(), _loader(), _loader(4))
+    ckpts = {p.name: p for p in (tmp_path / "a").rglob("epoch=*.pt")}
+    epoch_end, mid_epoch = ckpts["epoch=000001-step=0000000004.pt"], ckpts["epoch=000000-step=0000000002.pt"]
+
+    def sanity_checks(ckpt, **flags):
+        watch = StepWatch()
+        _trainer(tmp_path / "r", max_epochs=2, callbacks=[watch], **flags).fit(Probe(), _loader(), _loader(4),
+                                                                               ckpt_path=ckpt)
+        return watch.sanity_checks
+
+    assert sanity_checks(epoch_end) == 1  # Lightning 2.6: its loops are not restarting after a finished epoch
+    assert sanity_checks(mid_epoch) == 0  # restarting mid-epoch: no sanity check
+    assert sanity_checks(epoch_end, max_steps=6) == 0  # iteration-based training always restarts
+
+
+# -- Lightning's spellings --------------------------------------------------------------------------------------------
+def test_callback_is_exported_at_the_top_level():
+    assert trainscale.Callback is Callback
+
+
+@pytest.mark.timeout(60)
+def test_one_callback_object_and_the_trainer_attributes_callbacks_read(tmp_path):
+    watch = StepWatch()
+    trainer = _trainer(tmp_path, callbacks=watch, max_steps=3, num_sanity_val_steps=1)
+    assert watch in trainer.callbacks
+    assert (trainer.max_epochs, trainer.max_steps, trainer.num_sanity_val_steps) == (-1, 3, 1)
+    assert not trainer.state.finished and trainer.num_val_batches == []
+    model = Probe()
+    model.configure_optimizers = lambda: {"optimizer": (opt := torch.optim.SGD(model.parameters(), lr=0.1)),
+                                          "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1),
+                                                           "interval": "step"}}
+    trainer.fit(model, _loader(), _loader(6))
+    assert trainer.state.finished and trainer.num_val_batches == [3] and len(watch.seen) == 3
+    (config,) = trainer.lr_scheduler_configs
+    assert isinstance(config.scheduler, torch.optim.lr_scheduler.StepLR) and config.interval == "step"
+    assert _trainer(tmp_path, max_epochs=None).max_steps == -1
+
+
+class SetupReadsTrainer(Probe):
+    def setup(self, stage):
+        self.stage_seen = (stage, self.trainer.max_epochs)
+
+    def train_dataloader(self):
+        return _loader()
+
+
+@pytest.mark.timeout(60)
+def test_self_trainer_is_there_in_the_modules_setup_hook(tmp_path):
+    model = SetupReadsTrainer()
+    _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0).fit(model)
+    assert model.stage_seen == ("fit", 1)
+
+
+@pytest.mark.timeout(60)
+def test_no_validation_by_limit_val_batches_0_or_a_hook_set_to_none(tmp_path):
+    watch = StepWatch()
+    trainer = _trainer(tmp_path / "a", max_epochs=1, limit_val_batches=0, callbacks=[watch])
+    trainer.fit(Probe(), _loader(), _loader(4))
+    assert "val_loss" not in trainer.callback_metrics and watch.sanity_checks == 0
+    with pytest.raises(ValueError, match="0 turns validation off"):
+        resolve_trainer_config(limit_val_batches=-1)
+
+    model = Probe()
+    model.validation_step = None  # Lightning's way to switch a step off
+    with pytest.warns(UserWarning, match="defines no validation_step"):
+        _trainer(tmp_path / "b", max_epochs=1).fit(model, _loader(), _loader(4))
+    with_hook = SetupReadsTrainer()
+    with_hook.val_dataloader = None
+    trainer = _trainer(tmp_path / "c", max_epochs=1)
+    trainer.fit(with_hook)
+    assert "val_loss" not in trainer.callback_metrics
+
+
+class Reduced(Probe):
+    def training_step(self, batch, batch_idx):
+        for name, fx in (("mx", torch.max), ("mn", min), ("avg", "avg"), ("sm", "SUM"), ("mean", torch.mean)):
+            self.log(name, float(batch_idx), on_step=False, on_epoch=True, reduce_fx=fx)
+        return self.layer(batch[0]).pow(2).mean()
+
+
+@pytest.mark.timeout(60)
+def test_reduce_fx_takes_lightnings_spellings(tmp_path):
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(Reduced(), _loader())  # batch indices 0..3
+    got = {k: trainer.callback_metrics[k] for k in ("mx", "mn", "avg", "sm", "mean")}
+    assert got == {"mx": 3.0, "mn": 0.0, "avg": 1.5, "sm": 6.0, "mean": 1.5}
+    from trainscale.lightning.metrics import reduction_name
+    with pytest.raises(ValueError, match="reduce_fx"):
+        reduction_name(torch.median)
+
+
+def test_seed_everything_without_a_seed_seeds_0_with_a_warning():
+    from trainscale.checkpointing.rng import rng_state, set_rng_state
+
+    state = rng_state()  # Python's, numpy's and torch's, restored after
+    try:
+        with pytest.warns(UserWarning, match="seed set to 0"):
+            assert trainscale.seed_everything() == 0
+        first = torch.rand(3)
+        assert trainscale.seed_everything(0) == 0 and torch.equal(torch.rand(3), first)
+    finally:
+        set_rng_state(state)
+
+
+class Reloaded(Probe):
+    """Its ``train_dataloader()`` gives a new loader on each call, whose inputs are all the call's number."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {"train": 0, "val": 0}
+        self.first_inputs: list[float] = []
+
+    def train_dataloader(self):
+        self.calls["train"] += 1
+        return DataLoader(TensorDataset(torch.full((4, 2), float(self.calls["train"])), torch.zeros(4)), batch_size=2)
+
+    def val_dataloader(self):
+        self.calls["val"] += 1
+        return _loader(4)
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            self.first_inputs.append(float(batch[0][0, 0]))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("every", "calls", "inputs"), [(0, 1, [1.0, 1.0, 1.0]), (1, 3, [1.0, 2.0, 3.0]),
+                                                        (2, 2, [1.0, 1.0, 2.0])])
+def test_reload_dataloaders_every_n_epochs_asks_the_hooks_again(tmp_path, every, calls, inputs):
+    model = Reloaded()
+    _trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0, reload_dataloaders_every_n_epochs=every).fit(model)
+    assert model.calls == {"train": calls, "val": calls} and model.first_inputs == inputs
