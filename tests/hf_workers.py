@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from trainscale.callbacks import Callback
+
 VOCAB, SEQ = 128, 8
 
 
@@ -48,6 +50,31 @@ def plain_reference(batch_size: int = 8, tie: bool = False) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+PROMPT = torch.tensor([[3, 17, 42, 5], [9, 9, 1, 77]])
+
+
+def greedy(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(model(input_ids=PROMPT).logits, model.generate(PROMPT, 4 greedy new tokens))``: what a user does with a
+    fitted model (evaluation, generation), called on the model itself."""
+    with torch.no_grad():
+        logits = model(input_ids=PROMPT).logits
+        tokens = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=4, do_sample=False,
+                                pad_token_id=0)
+    return logits, tokens
+
+
+class ForwardAtFitStart(Callback):
+    """A callback that calls the model itself in ``on_fit_start`` (after it is sharded, before the first step),
+    as a user checking the loaded weights does: its logits on ``PROMPT``."""
+
+    def __init__(self) -> None:
+        self.logits = None
+
+    def on_fit_start(self, trainer, module) -> None:
+        with torch.no_grad():
+            self.logits = module(input_ids=PROMPT).logits
+
+
 def _fit(root: str, strategy: str, tie: bool, **flags):
     from trainscale.loop.trainer import Trainer
 
@@ -62,7 +89,8 @@ def _fit(root: str, strategy: str, tie: bool, **flags):
 
 def hf_body(rank: int, root: str) -> dict:
     """ddp (tied embeddings; its checkpoint exported by rank 0), fsdp with the default units and activation
-    checkpointing by class name, tp by the model's own plan, then the exported directory loaded into a new
+    checkpointing by class name (the model called in ``on_fit_start`` and, after ``fit``, called and
+    ``generate``d), tp by the model's own plan, then the exported directory loaded into a new
     fsdp-sharded model built on the meta device, on one process group: each run's final weights (whole),
     checkpoint and telemetry; the fsdp units; the tp placements; the loaded weights."""
     from torch.distributed.fsdp import FSDPModule
@@ -81,9 +109,13 @@ def hf_body(rank: int, root: str) -> dict:
     if rank == 0:
         export(trainer.run_dir / "checkpoints" / "last", f"{root}/exported")
     dist.barrier()
-    trainer, model, summary = _fit(f"{root}/fsdp", "fsdp", tie=False, activation_checkpointing={"LlamaDecoderLayer"})
+    at_start = ForwardAtFitStart()
+    trainer, model, summary = _fit(f"{root}/fsdp", "fsdp", tie=False, activation_checkpointing={"LlamaDecoderLayer"},
+                                   callbacks=[at_start])
+    logits, tokens = greedy(model)  # the fitted, still sharded model called as it is
     out["fsdp"] = {"state": full_state(model), "summary": summary, "dir": str(trainer.run_dir),
-                   "units": [type(m).__name__ for m in trainer.last_setup[1].modules() if isinstance(m, FSDPModule)]}
+                   "units": [type(m).__name__ for m in trainer.last_setup[1].modules() if isinstance(m, FSDPModule)],
+                   "at_start": at_start.logits, "logits": logits, "tokens": tokens}
     trainer, model, summary = _fit(f"{root}/tp", "tp", tie=False)
     out["tp"] = {"state": full_state(model), "summary": summary, "dir": str(trainer.run_dir),
                  "placements": {k: str(p.placements[0]) if isinstance(p, DTensor) else "plain"

@@ -53,8 +53,24 @@ def test_fsdp_shards_each_decoder_layer_by_default(runs):
     """No auto_wrap_policy: the units are LlamaForCausalLM's ``_no_split_modules`` (each LlamaDecoderLayer), then
     the root; the decoder layers checkpointed by class name; the weights those of one plain process."""
     fsdp = runs[0]["fsdp"]
-    assert fsdp["units"] == ["FSDPLoopModule", "FSDPLlamaDecoderLayer", "FSDPLlamaDecoderLayer"]
+    assert fsdp["units"] == ["FSDPLlamaForCausalLM", "FSDPLlamaDecoderLayer", "FSDPLlamaDecoderLayer"]
     _assert_states_close(fsdp["state"], hf_workers.plain_reference(tie=False))
+
+
+def test_the_fsdp_fitted_model_is_called_and_generates(runs):
+    """The user's own model is FSDP's root: called in ``on_fit_start`` (sharded, before the first step) it gives the
+    initial model's logits; after ``fit``, still sharded, ``model(input_ids=...)`` and greedy ``generate()`` give
+    on both ranks what the trained weights give in one plain process."""
+    initial, trained = hf_workers.tiny_llama(0), hf_workers.tiny_llama(0)
+    trained.load_state_dict(runs[0]["fsdp"]["state"])
+    with torch.no_grad():
+        start = initial(input_ids=hf_workers.PROMPT).logits
+    logits, tokens = hf_workers.greedy(trained)
+    assert tokens.shape == (2, hf_workers.PROMPT.shape[1] + 4)
+    for rank in runs:
+        torch.testing.assert_close(rank["fsdp"]["at_start"], start, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rank["fsdp"]["logits"], logits, rtol=1e-5, atol=1e-6)
+        assert torch.equal(rank["fsdp"]["tokens"], tokens)
 
 
 def test_tp_splits_by_the_models_own_plan(runs):
