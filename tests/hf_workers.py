@@ -21,6 +21,15 @@ def tiny_llama(seed: int = 0, tie: bool = False):
                                         tie_word_embeddings=tie, use_cache=False))
 
 
+def tiny_gpt2(seed: int = 0):
+    """GPT2LMHeadModel with 2 blocks of width 32, its head tied to the token embedding (GPT-2's default), seeded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=2 * SEQ,
+                                      bos_token_id=0, eos_token_id=0, use_cache=False))
+
+
 class TokenDicts(Dataset):
     """``n`` samples of ``{"input_ids", "attention_mask", "labels"}`` (random token ids, labels = inputs: the
     model shifts them), what a tokenizer's collator gives a causal language model."""
@@ -75,12 +84,12 @@ class ForwardAtFitStart(Callback):
             self.logits = module(input_ids=PROMPT).logits
 
 
-def _fit(root: str, strategy: str, tie: bool, **flags):
+def _fit(root: str, strategy: str, tie: bool, model=None, **flags):
     from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, max_epochs=1, seed=0,
                       default_root_dir=root, enable_progress_bar=False, timeout=60, **flags)
-    model = tiny_llama(0, tie)
+    model = tiny_llama(0, tie) if model is None else model
     # not shuffled: rank r reads samples r, r + 2, ...; the two ranks' batches of 4 are the reference's batch of 8
     summary = trainer.fit(model, DataLoader(TokenDicts(), batch_size=4), DataLoader(TokenDicts(8, seed=1), batch_size=4),
                           optimizer=sgd)
@@ -90,8 +99,8 @@ def _fit(root: str, strategy: str, tie: bool, **flags):
 def hf_body(rank: int, root: str) -> dict:
     """ddp (tied embeddings; its checkpoint exported by rank 0), fsdp with the default units and activation
     checkpointing by class name (the model called in ``on_fit_start`` and, after ``fit``, called and
-    ``generate``d), tp by the model's own plan, then the exported directory loaded into a new
-    fsdp-sharded model built on the meta device, on one process group: each run's final weights (whole),
+    ``generate``d), a tied GPT-2 under fsdp for one step, tp by the model's own plan, then the exported directory
+    loaded into a new fsdp-sharded model built on the meta device, on one process group: each run's final weights (whole),
     checkpoint and telemetry; the fsdp units; the tp placements; the loaded weights."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
@@ -116,6 +125,8 @@ def hf_body(rank: int, root: str) -> dict:
     out["fsdp"] = {"state": full_state(model), "summary": summary, "dir": str(trainer.run_dir),
                    "units": [type(m).__name__ for m in trainer.last_setup[1].modules() if isinstance(m, FSDPModule)],
                    "at_start": at_start.logits, "logits": logits, "tokens": tokens}
+    trainer, model, _ = _fit(f"{root}/gpt2", "fsdp", tie=True, model=tiny_gpt2(), max_steps=1)
+    out["gpt2"] = {"state": full_state(model), "dir": str(trainer.run_dir)}
     trainer, model, summary = _fit(f"{root}/tp", "tp", tie=False)
     out["tp"] = {"state": full_state(model), "summary": summary, "dir": str(trainer.run_dir),
                  "placements": {k: str(p.placements[0]) if isinstance(p, DTensor) else "plain"
