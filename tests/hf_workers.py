@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from trainscale.callbacks import Callback
+
 VOCAB, SEQ = 128, 8
 
 
@@ -17,6 +19,15 @@ def tiny_llama(seed: int = 0, tie: bool = False):
     return LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                         num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
                                         tie_word_embeddings=tie, use_cache=False))
+
+
+def tiny_gpt2(seed: int = 0):
+    """GPT2LMHeadModel with 2 blocks of width 32, its head tied to the token embedding (GPT-2's default), seeded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=2 * SEQ,
+                                      bos_token_id=0, eos_token_id=0, use_cache=False))
 
 
 class TokenDicts(Dataset):
@@ -48,12 +59,37 @@ def plain_reference(batch_size: int = 8, tie: bool = False) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _fit(root: str, strategy: str, tie: bool, **flags):
+PROMPT = torch.tensor([[3, 17, 42, 5], [9, 9, 1, 77]])
+
+
+def greedy(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(model(input_ids=PROMPT).logits, model.generate(PROMPT, 4 greedy new tokens))``: what a user does with a
+    fitted model (evaluation, generation), called on the model itself."""
+    with torch.no_grad():
+        logits = model(input_ids=PROMPT).logits
+        tokens = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=4, do_sample=False,
+                                pad_token_id=0)
+    return logits, tokens
+
+
+class ForwardAtFitStart(Callback):
+    """A callback that calls the model itself in ``on_fit_start`` (after it is sharded, before the first step),
+    as a user checking the loaded weights does: its logits on ``PROMPT``."""
+
+    def __init__(self) -> None:
+        self.logits = None
+
+    def on_fit_start(self, trainer, module) -> None:
+        with torch.no_grad():
+            self.logits = module(input_ids=PROMPT).logits
+
+
+def _fit(root: str, strategy: str, tie: bool, model=None, **flags):
     from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, max_epochs=1, seed=0,
                       default_root_dir=root, enable_progress_bar=False, timeout=60, **flags)
-    model = tiny_llama(0, tie)
+    model = tiny_llama(0, tie) if model is None else model
     # not shuffled: rank r reads samples r, r + 2, ...; the two ranks' batches of 4 are the reference's batch of 8
     summary = trainer.fit(model, DataLoader(TokenDicts(), batch_size=4), DataLoader(TokenDicts(8, seed=1), batch_size=4),
                           optimizer=sgd)
@@ -62,8 +98,9 @@ def _fit(root: str, strategy: str, tie: bool, **flags):
 
 def hf_body(rank: int, root: str) -> dict:
     """ddp (tied embeddings; its checkpoint exported by rank 0), fsdp with the default units and activation
-    checkpointing by class name, tp by the model's own plan, then the exported directory loaded into a new
-    fsdp-sharded model built on the meta device, on one process group: each run's final weights (whole),
+    checkpointing by class name (the model called in ``on_fit_start`` and, after ``fit``, called and
+    ``generate``d), a tied GPT-2 under fsdp for one step, tp by the model's own plan, then the exported directory
+    loaded into a new fsdp-sharded model built on the meta device, on one process group: each run's final weights (whole),
     checkpoint and telemetry; the fsdp units; the tp placements; the loaded weights."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
@@ -81,9 +118,15 @@ def hf_body(rank: int, root: str) -> dict:
     if rank == 0:
         export(trainer.run_dir / "checkpoints" / "last", f"{root}/exported")
     dist.barrier()
-    trainer, model, summary = _fit(f"{root}/fsdp", "fsdp", tie=False, activation_checkpointing={"LlamaDecoderLayer"})
+    at_start = ForwardAtFitStart()
+    trainer, model, summary = _fit(f"{root}/fsdp", "fsdp", tie=False, activation_checkpointing={"LlamaDecoderLayer"},
+                                   callbacks=[at_start])
+    logits, tokens = greedy(model)  # the fitted, still sharded model called as it is
     out["fsdp"] = {"state": full_state(model), "summary": summary, "dir": str(trainer.run_dir),
-                   "units": [type(m).__name__ for m in trainer.last_setup[1].modules() if isinstance(m, FSDPModule)]}
+                   "units": [type(m).__name__ for m in trainer.last_setup[1].modules() if isinstance(m, FSDPModule)],
+                   "at_start": at_start.logits, "logits": logits, "tokens": tokens}
+    trainer, model, _ = _fit(f"{root}/gpt2", "fsdp", tie=True, model=tiny_gpt2(), max_steps=1)
+    out["gpt2"] = {"state": full_state(model), "dir": str(trainer.run_dir)}
     trainer, model, summary = _fit(f"{root}/tp", "tp", tie=False)
     out["tp"] = {"state": full_state(model), "summary": summary, "dir": str(trainer.run_dir),
                  "placements": {k: str(p.placements[0]) if isinstance(p, DTensor) else "plain"

@@ -9,6 +9,7 @@ One 2-rank launch (ddp, fsdp, then tp on one process group) serves the distribut
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -53,8 +54,24 @@ def test_fsdp_shards_each_decoder_layer_by_default(runs):
     """No auto_wrap_policy: the units are LlamaForCausalLM's ``_no_split_modules`` (each LlamaDecoderLayer), then
     the root; the decoder layers checkpointed by class name; the weights those of one plain process."""
     fsdp = runs[0]["fsdp"]
-    assert fsdp["units"] == ["FSDPLoopModule", "FSDPLlamaDecoderLayer", "FSDPLlamaDecoderLayer"]
+    assert fsdp["units"] == ["FSDPLlamaForCausalLM", "FSDPLlamaDecoderLayer", "FSDPLlamaDecoderLayer"]
     _assert_states_close(fsdp["state"], hf_workers.plain_reference(tie=False))
+
+
+def test_the_fsdp_fitted_model_is_called_and_generates(runs):
+    """The user's own model is FSDP's root: called in ``on_fit_start`` (sharded, before the first step) it gives the
+    initial model's logits; after ``fit``, still sharded, ``model(input_ids=...)`` and greedy ``generate()`` give
+    on both ranks what the trained weights give in one plain process."""
+    initial, trained = hf_workers.tiny_llama(0), hf_workers.tiny_llama(0)
+    trained.load_state_dict(runs[0]["fsdp"]["state"])
+    with torch.no_grad():
+        start = initial(input_ids=hf_workers.PROMPT).logits
+    logits, tokens = hf_workers.greedy(trained)
+    assert tokens.shape == (2, hf_workers.PROMPT.shape[1] + 4)
+    for rank in runs:
+        torch.testing.assert_close(rank["fsdp"]["at_start"], start, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rank["fsdp"]["logits"], logits, rtol=1e-5, atol=1e-6)
+        assert torch.equal(rank["fsdp"]["tokens"], tokens)
 
 
 def test_tp_splits_by_the_models_own_plan(runs):
@@ -99,16 +116,50 @@ def _loaded_logits(directory: Path, state: dict, tie: bool) -> tuple[torch.Tenso
         return loaded(input_ids=ids).logits, trained(input_ids=ids).logits, loaded.state_dict()
 
 
+def _tensors(directory: Path) -> dict:
+    """Every tensor in the safetensors files of ``directory``."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
 def test_export_of_a_ddp_checkpoint_loads_with_from_pretrained(runs, tmp_path):
-    """The checkpoint file (tied embeddings kept once) → config.json + safetensors → the same weights and logits."""
+    """The checkpoint file (tied embeddings kept once) → config.json naming the class and dtype, generation_config.json,
+    safetensors split at max_shard_size with save_pretrained's index → from_pretrained gives the same weights and
+    logits."""
     from trainscale.export import export
 
-    out = export(Path(runs[0]["ddp"]["dir"]) / "checkpoints" / "last", tmp_path / "model")
+    out = export(Path(runs[0]["ddp"]["dir"]) / "checkpoints" / "last", tmp_path / "model", max_shard_size=20_000)
     loaded, trained, state = _loaded_logits(out, runs[0]["ddp"]["state"], tie=True)
     assert torch.equal(loaded, trained)
     assert all(torch.equal(state[k], v) for k, v in runs[0]["ddp"]["state"].items())
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
+    assert json.loads((out / "generation_config.json").read_text())["_from_model_config"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files, tensors = sorted(out.glob("model-*-of-*.safetensors")), _tensors(out)
+    assert len(files) > 1 and set(index["weight_map"].values()) == {f.name for f in files}
+    assert index["weight_map"].keys() == tensors.keys() and "lm_head.weight" not in tensors  # tied: written once
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
     with pytest.raises(ValueError, match="not an empty directory"):
         export(_checkpoint(runs[0]["ddp"]["dir"]), out)
+
+
+def test_an_fsdp_export_of_a_tied_model_equals_save_pretrained(runs, tmp_path):
+    """GPT-2 (head tied to the token embedding) trained under fsdp: its sharded checkpoint holds the tied weight under
+    both names; the export writes what ``save_pretrained`` of the same weights writes, tensor for tensor."""
+    from trainscale.export import export
+
+    gpt2 = runs[0]["gpt2"]
+    out = export(_checkpoint(gpt2["dir"]), tmp_path / "export")
+    reference = hf_workers.tiny_gpt2()
+    reference.load_state_dict(gpt2["state"])
+    reference.save_pretrained(tmp_path / "reference")
+    got, want = _tensors(out), _tensors(tmp_path / "reference")
+    assert got.keys() == want.keys() and "lm_head.weight" not in got
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
+    assert (out / "generation_config.json").is_file()
 
 
 def test_a_from_pretrained_directory_loads_into_a_sharded_model(runs):
@@ -130,15 +181,44 @@ def test_export_of_a_tp_checkpoint(runs, tmp_path):
     assert all(torch.equal(state[k], v) for k, v in runs[0]["tp"]["state"].items())
 
 
-def test_cli_exports_an_fsdp_checkpoint(runs, tmp_path):
-    """``trainscale export DIR --format safetensors OUT`` in a subprocess, from the sharded DCP directory."""
+def _tokenizer_dir(directory: Path) -> Path:
+    """A word-level tokenizer of the tiny vocabulary, saved as ``save_pretrained`` saves one (nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(hf_workers.VOCAB - 1)} | {"[UNK]": hf_workers.VOCAB - 1}
+    backend = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(directory)
+    return directory
+
+
+def test_cli_exports_an_fsdp_checkpoint_with_its_tokenizer(runs, tmp_path):
+    """``trainscale export DIR --format safetensors --tokenizer TOK OUT`` in a subprocess, from the sharded DCP
+    directory: the weights, and the tokenizer that ``AutoTokenizer.from_pretrained(OUT)`` loads."""
+    from transformers import AutoTokenizer
+
     ckpt = _checkpoint(runs[0]["fsdp"]["dir"])
-    done, _ = run_python(["-m", "trainscale.cli", "export", str(ckpt), "--format", "safetensors", "out"], tmp_path)
+    tokenizer = _tokenizer_dir(tmp_path / "tokenizer")
+    done, _ = run_python(["-m", "trainscale.cli", "export", str(ckpt), "--format", "safetensors", "--tokenizer",
+                          str(tokenizer), "out"], tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "from_pretrained" in done.stdout
+    assert "LlamaForCausalLM.from_pretrained" in done.stdout
     loaded, trained, state = _loaded_logits(tmp_path / "out", runs[0]["fsdp"]["state"], tie=False)
     assert torch.equal(loaded, trained)
     assert all(torch.equal(state[k], v) for k, v in runs[0]["fsdp"]["state"].items())
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")("w3 w7 w120")["input_ids"] == [3, 7, 120]
+
+
+def test_cli_refuses_a_config_of_another_architecture(runs, tmp_path):
+    """``trainscale export --config`` with a GPT-2 config for Llama weights: exit 2, an error naming the disagreement
+    and the fix, nothing written."""
+    hf_workers.tiny_gpt2().config.save_pretrained(tmp_path / "gpt2")
+    done, _ = run_python(["-m", "trainscale.cli", "export", str(_checkpoint(runs[0]["ddp"]["dir"])), "--config",
+                          str(tmp_path / "gpt2"), "out"], tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "disagree" in done.stderr and "GPT2LMHeadModel" in done.stderr and "--config" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
 
 
 def test_export_without_a_config_names_the_fix(tmp_path):

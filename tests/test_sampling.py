@@ -1,4 +1,6 @@
 import os
+import warnings
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -76,11 +78,48 @@ class _Stream(IterableDataset):
         return iter(range(10))
 
 
-def test_an_iterable_dataset_under_ddp_is_refused_with_advice_that_works():
-    loader = DataLoader(_Stream(), batch_size=2)
+def test_an_iterable_dataset_on_two_ranks_is_shared_by_batches_and_said_once():
+    """Rank r of 2 keeps batches r, r + 2, ... of the 5 batches every rank reads; training drops the last, incomplete
+    round (the same 2 steps on each rank), evaluation keeps it (each batch on one rank); rank 0 says so in a warning,
+    rank 1 says nothing; world size 1 and a loader of a data set that shards itself are left alone."""
+    loader = DataLoader(_Stream(), batch_size=2)  # batches [0, 1], [2, 3], ..., [8, 9]
     assert distribute_dataloader(loader, World()) is loader
-    with pytest.raises(ValueError, match=r"IterableDataset \(_Stream\).*RANK.*get_worker_info.*shards_by_rank = True"):
-        distribute_dataloader(loader, World(world_size=2, local_world_size=2))
+    worlds = [World(world_size=2, rank=r, local_world_size=2, local_rank=r) for r in (0, 1)]
+    with pytest.warns(UserWarning, match=r"_Stream is an IterableDataset: every rank reads it whole and rank r of 2 "
+                                         r"keeps batches r, r \+ 2, .*last round .* dropped.*shards_by_rank = True"):
+        train0 = distribute_dataloader(loader, worlds[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rank 1 is silent
+        train1 = distribute_dataloader(loader, worlds[1])
+        eval1 = distribute_dataloader(loader, worlds[1], even=False)
+    with pytest.warns(UserWarning, match="none is dropped"):
+        eval0 = distribute_dataloader(loader, worlds[0], even=False)
+    assert [b.tolist() for b in train0] == [[0, 1], [4, 5]] and [b.tolist() for b in train1] == [[2, 3], [6, 7]]
+    assert [b.tolist() for b in eval0] == [[0, 1], [4, 5], [8, 9]] and [b.tolist() for b in eval1] == [[2, 3], [6, 7]]
+    assert train0.dataset is loader.dataset and train0.batch_size == 2
+    with pytest.raises(TypeError):
+        len(train0)  # an iterable's epoch ends when its iterator does
+
+    _Stream.shards_by_rank = True
+    try:
+        assert distribute_dataloader(loader, worlds[1]) is loader
+    finally:
+        del _Stream.shards_by_rank
+
+
+def test_a_shared_iterable_resumes_from_its_loaders_state_at_a_round_boundary():
+    """A StatefulDataLoader shared by batches: its state after a batch is the end of that batch's round, so a loader
+    given that state continues with the rank's next batch, none read twice or skipped."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is the stream extra")
+    from trainscale.runtime.iterable_shard import ShardedIterableLoader
+
+    shared = ShardedIterableLoader(stateful.StatefulDataLoader(list(range(12)), batch_size=2), 1, 2)
+    batches = iter(shared)
+    assert next(batches).tolist() == [2, 3]
+    state = shared.state_dict()
+    resumed = ShardedIterableLoader(stateful.StatefulDataLoader(list(range(12)), batch_size=2), 1, 2)
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == [[6, 7], [10, 11]] == [b.tolist() for b in batches]
 
 
 def test_the_documented_sharded_iterable_dataset_splits_ranks_and_workers(monkeypatch):

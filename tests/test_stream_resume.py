@@ -3,6 +3,7 @@ run reads no consumed sample again, trains on exactly the samples the uninterrup
 (the loop's read-ahead is not counted as trained), and ends with the same weights; on one process and 2-rank ddp."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -18,15 +19,18 @@ stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader", reaso
 
 class Counter(IterableDataset):
     """``n`` samples per rank per epoch (rank r of W: r, r + W, ...), its read position kept as its own state
-    (torchdata restores it instead of re-reading); ``reads`` records every sample read."""
+    (torchdata restores it instead of re-reading); ``reads`` records every sample read. ``whole``: every rank yields
+    the same ``n`` samples 0, 1, ... (no ``shards_by_rank``: the Trainer shares its batches among the ranks)."""
 
     shards_by_rank = True
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, whole: bool = False):
         self.n, self.pos, self.reads = n, 0, []
+        self.shards_by_rank = not whole
 
     def __iter__(self):
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        rank, world = (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))) if self.shards_by_rank \
+            else (0, 1)
         while self.pos < self.n:
             i = rank + world * self.pos
             self.pos += 1
@@ -49,8 +53,8 @@ class Seen(iterable_tests.Seen):
         super().__init__()
 
 
-def _fit(root, ckpt_path=None, teardown=False, **flags):
-    model, data = Seen(), Counter(6)  # 3 batches of 2 per epoch
+def _fit(root, ckpt_path=None, teardown=False, n=6, whole=False, **flags):
+    model, data = Seen(), Counter(n, whole)  # 6: 3 batches of 2 per epoch
     trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=2, enable_progress_bar=False,
                       default_root_dir=root, timeout=60, **flags)
     trainer.fit(model, stateful_dataloader.StatefulDataLoader(data, batch_size=2), ckpt_path=ckpt_path)
@@ -59,12 +63,22 @@ def _fit(root, ckpt_path=None, teardown=False, **flags):
     return {"seen": model.seen, "reads": data.reads, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def stop_and_resume_body(rank: int, root: str) -> dict:
+def stop_and_resume_body(rank: int, root: str, teardown: bool = True, **data) -> dict:
     """The uninterrupted run; a run stopped after step 2 (mid-epoch 0) with a checkpoint there; its resume."""
-    whole = _fit(os.path.join(root, "whole"))
-    cut = _fit(os.path.join(root, "cut"), checkpoint_every_n_steps=2, max_steps=2)
-    resumed = _fit(os.path.join(root, "cut"), ckpt_path="last", teardown=True)
+    whole = _fit(os.path.join(root, "whole"), **data)
+    cut = _fit(os.path.join(root, "cut"), checkpoint_every_n_steps=2, max_steps=2, **data)
+    resumed = _fit(os.path.join(root, "cut"), ckpt_path="last", teardown=teardown, **data)
     return {"whole": whole, "cut": cut, "resumed": resumed}
+
+
+def own_and_shared_body(rank: int, root: str) -> dict:
+    """``stop_and_resume_body`` with a data set that shards itself, then with one every rank reads whole (12 samples:
+    6 batches, 3 per rank), with the warning rank 0 gives about it."""
+    own = stop_and_resume_body(rank, os.path.join(root, "own"), teardown=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shared = stop_and_resume_body(rank, os.path.join(root, "shared"), n=12, whole=True)
+    return {"own": own, "shared": shared, "said": [str(w.message) for w in caught if "IterableDataset" in str(w.message)]}
 
 
 def _check_exact(run: dict, per_rank: list) -> None:
@@ -86,10 +100,21 @@ def test_a_stateful_dataloader_resumes_an_iterable_mid_epoch_exactly(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_under_ddp_each_rank_resumes_its_own_loader_state_and_another_world_size_is_refused(tmp_path):
-    results = run_distributed(stop_and_resume_body, str(tmp_path), timeout=50)
+    """Each rank's loader state resumed exactly: of a data set that shards itself, and of one every rank reads whole,
+    which the Trainer shares by batches (rank r keeps batches r, r + 2, ...; rank 0 says so once): the resumed run
+    reads from the round after the last trained batch and ends with the uninterrupted run's weights."""
+    results = run_distributed(own_and_shared_body, str(tmp_path), timeout=50)
     for rank, run in enumerate(results):
-        _check_exact(run, [rank + 2 * k for k in range(6)])
-    mid_epoch = next((tmp_path / "cut").glob("version_0/checkpoints/epoch=000000-step=0000000002.pt"))
+        _check_exact(run["own"], [rank + 2 * k for k in range(6)])
+        shared, mine = run["shared"], [i for b in (rank, rank + 2, rank + 4) for i in (2 * b, 2 * b + 1)]
+        assert shared["whole"]["seen"] == mine * 2 and shared["cut"]["seen"] == mine[:4]
+        assert shared["cut"]["seen"] + shared["resumed"]["seen"] == shared["whole"]["seen"]
+        assert shared["resumed"]["reads"] == list(range(8, 12)) + list(range(12))  # from round 2 of epoch 0 on
+        for key, value in shared["whole"]["state"].items():
+            torch.testing.assert_close(shared["resumed"]["state"][key], value, rtol=0, atol=0)
+    assert len(results[0]["said"]) == 3 and "rank r of 2 keeps batches r, r + 2" in results[0]["said"][0]
+    assert results[1]["said"] == []
+    mid_epoch = next((tmp_path / "own" / "cut").glob("version_0/checkpoints/epoch=000000-step=0000000002.pt"))
     with pytest.raises(ValueError, match=r"saved for each of its 2 ranks.*Resume on 2 ranks, or use a map-style"):
         _fit(str(tmp_path / "one"), ckpt_path=mid_epoch)
 

@@ -109,7 +109,7 @@ class EMA(Callback):
             raise ValueError("EMA does not support pipeline parallelism (strategy 'pp': each rank holds a stage); "
                              "use it with single, ddp, fsdp, hsdp or tp")
         self.setup_state(module)
-        # the FSDP modules around the model too: the Trainer shards the module that wraps it (its root)
+        # the FSDP modules around the model too (the loop module is the root when it holds parameters of its own)
         self._units = _fsdp_units(trainer.last_setup[2] if trainer.last_setup else module)
 
     def on_train_batch_end(self, trainer: Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--config", default=None, metavar="PATH",
                         help="config.json (or a directory holding one) to write with the weights; default: the "
                              "config the checkpoint holds (saved when the model was a transformers model)")
+    export.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="a tokenizer directory (tokenizer.save_pretrained's, or the model directory it came "
+                             "with) to write beside the weights")
+    export.add_argument("--max-shard-size", default="50GB", metavar="SIZE",
+                        help="the largest safetensors file, e.g. 5GB or a byte count; larger models are split, with "
+                             "model.safetensors.index.json (default: 50GB, save_pretrained's)")
     export.add_argument("--no-verify", action="store_true",
                         help="do not check the checkpoint's SHA-256 files (one you trust that has none)")
     export.set_defaults(func=_cmd_export)
@@ -245,15 +251,21 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
     from trainscale.export import export
     from trainscale.runtime.checkpoint_io import CheckpointError
 
     try:
-        out = export(args.checkpoint, args.out, format=args.format, config=args.config, verify=not args.no_verify)
+        size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
+        out = export(args.checkpoint, args.out, format=args.format, config=args.config, verify=not args.no_verify,
+                     tokenizer=args.tokenizer, max_shard_size=size)
     except (FileNotFoundError, ModuleNotFoundError, CheckpointError) as err:
         print(f"trainscale export: error: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    architecture = json.loads((Path(out) / "config.json").read_text()).get("architectures", ["AutoModel"])[0]
+    print(f"wrote {out}: load it with transformers.{architecture}.from_pretrained({str(out)!r})")
     return 0
 
 

@@ -337,6 +337,9 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
                     "(trainscale.TrainingModule); a Hugging Face transformers model takes dict batches as they are")
 
 
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
 class LoopModule(nn.Module):
     """The model and its loss in one ``forward``, for strategies to wrap.
 
@@ -352,6 +355,8 @@ class LoopModule(nn.Module):
         super().__init__()
         self.model = model
         self.shard_units = shard_units(model)  # read by apply_fsdp.fsdp_units
+        # read by apply_fsdp.apply_fsdp: the steps run as the sharded model's forward, its root hooks around them
+        self.forward_methods = tuple(name for name in STEP_METHODS if hasattr(model, name))
         self.is_hf_model = hf.pretrained_model(model) is model  # transformers: dict batches go in as keywords
         self.use_loss_fn(loss_fn)
         self.hooks = defined_hooks(model)  # the Lightning hooks the Trainer calls on the model
@@ -362,6 +367,15 @@ class LoopModule(nn.Module):
         # (a step set to None counts as none, as Lightning's ``is_overridden``)
         self.takes_batch_idx = {name: _takes_batch_idx(getattr(model, name)) for name in
                                 ("validation_step", "test_step", "predict_step") if getattr(model, name, None) is not None}
+
+    @property
+    def shard_root(self) -> nn.Module:
+        """The module fsdp/hsdp shard as FSDP's root (read by ``apply_fsdp.apply_fsdp``): the user's model, which
+        then stays callable on its own, during and after ``fit`` (``model(**batch)``, ``model.generate(...)``), as
+        under Lightning and torchtitan; this loop module itself when it holds parameters outside the model (a
+        ``loss_fn`` module with parameters), so that those are sharded and their gradients reduced too."""
+        own = {id(p) for p in self.model.parameters()}
+        return self.model if all(id(p) in own for p in self.parameters()) else self
 
     def use_loss_fn(self, loss_fn: Callable | None) -> None:
         """Compute the loss with ``loss_fn(outputs, targets)`` from now on (None: ``F.cross_entropy``).
@@ -404,9 +418,9 @@ class LoopModule(nn.Module):
     def manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """``training_step`` under manual optimization (it steps the optimizers itself): the loss it
         returned, detached, for the records; zero when it returned nothing. Called on the module itself
-        (under ddp never through the DDP wrapper: gradients are averaged in ``ManualOptimizer.step``), so
-        that under fsdp it runs inside the root's forward: FSDP2 takes the first module to run forward as
-        its root, and evaluation later runs through this one."""
+        (under ddp never through the DDP wrapper: gradients are averaged in ``ManualOptimizer.step``). Under
+        fsdp the model's ``training_step`` runs as its FSDP root's forward (``apply_fsdp.apply_fsdp``): FSDP2
+        takes the first module to run forward as its root, and evaluation later runs through the same one."""
         return self(batch, batch_idx, stage="manual")
 
     def _manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

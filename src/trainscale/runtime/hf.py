@@ -35,10 +35,13 @@ def no_split_modules(module: Any) -> tuple[str, ...]:
 
 
 def config_dict(module: Any) -> dict | None:
-    """``model.config.to_dict()`` of the Hugging Face model in ``module`` (what ``config.json`` holds), or None.
-    Saved in checkpoints as ``hf_config`` so that ``trainscale export`` can write ``config.json``."""
+    """``model.config.to_dict()`` of the Hugging Face model in ``module`` (what ``config.json`` holds), with the
+    model's class as ``architectures`` (as ``save_pretrained`` sets it; FSDP2's ``FSDP`` class prefix removed), or
+    None. Saved in checkpoints as ``hf_config`` so that ``trainscale export`` can write ``config.json``."""
     model = pretrained_model(module)
-    return model.config.to_dict() if model is not None else None
+    if model is None:
+        return None
+    return {**model.config.to_dict(), "architectures": [type(model).__name__.removeprefix("FSDP")]}
 
 
 def class_matches(module: Any, classes: tuple, names: frozenset) -> bool:

@@ -374,7 +374,10 @@ class Runtime:
         model parallelism, its data-parallel group's share: the ``tp`` ranks of a group read the same batches).
 
         Args:
-            loader: a DataLoader built with ``batch_size`` (per device) and a sequential or random sampler.
+            loader: a DataLoader built with ``batch_size`` (per device) and a sequential or random sampler; or over
+                an ``IterableDataset``, which every rank then reads whole, rank r keeping batches r, r + W, ...
+                (``iterable_shard``; training drops each epoch's last round of fewer than W), unless the data set
+                sets ``shards_by_rank = True`` (it yields only its rank's share itself).
             shuffle: shuffle each epoch; default: whether ``loader`` shuffled.
             seed: shuffling seed, the same on every rank; epoch ``e`` uses ``seed + e``.
             even: True (training): ``DistributedSampler`` pads by repeating samples so every rank
@@ -388,8 +391,8 @@ class Runtime:
                 (``sampling.with_pinned_memory``; never for a DataLoader subclass); ``loader`` is never changed.
 
         Raises:
-            ValueError: under world size > 1, a loader with a custom ``batch_sampler`` or sampler, over an
-                ``IterableDataset`` without ``shards_by_rank = True``, or (``even=True``) whose ranks have
+            ValueError: under world size > 1, a loader with a custom ``batch_sampler`` or sampler, or (``even=True``)
+                whose ranks have
                 different numbers of batches (``sampling.check_equal_lengths``; on every rank).
         """
         from trainscale.runtime.sampling import check_equal_lengths, distribute_dataloader, with_pinned_memory

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Iterator
+import warnings
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
+from trainscale.runtime.iterable_shard import ShardedIterableLoader
 from trainscale.runtime.world import World
 
 
@@ -168,19 +170,22 @@ def with_pinned_memory(loader: DataLoader) -> DataLoader:
     return DataLoader(loader.dataset, sampler=loader.sampler, **kwargs)
 
 
-def _unsplittable(loader: DataLoader, world: World) -> DataLoader:
-    """``loader`` unchanged at world size 1 or for an ``IterableDataset`` with ``shards_by_rank = True``;
+def _unsplittable(loader: DataLoader, world: World, even: bool) -> Any:
+    """``loader`` unchanged at world size 1 or for an ``IterableDataset`` with ``shards_by_rank = True``; an
+    ``IterableDataset``'s loader shared by batches (``iterable_shard.ShardedIterableLoader``, said once on rank 0);
     else a ``ValueError`` naming the fix."""
     iterable = isinstance(loader.dataset, IterableDataset)
     if world.world_size == 1 or (iterable and getattr(loader.dataset, "shards_by_rank", False) is True):
         return loader
     if iterable:
-        raise ValueError(
-            f"a DataLoader over an IterableDataset ({type(loader.dataset).__name__}) cannot be split across "
-            f"{world.world_size} ranks by a sampler: make its __iter__ yield only this rank's share (skip by "
-            f"int(os.environ['RANK']) of WORLD_SIZE, and by torch.utils.data.get_worker_info() across workers), "
-            f"the same number of samples on every rank, and set the class attribute shards_by_rank = True "
-            f"(example: docs/strategies.md, 'Iterable datasets')")
+        if world.rank == 0:
+            dropped = ("the last round of fewer than that is dropped, so every rank runs the same number of steps"
+                       if even else "none is dropped")
+            warnings.warn(f"trainscale: {type(loader.dataset).__name__} is an IterableDataset: every rank reads it "
+                          f"whole and rank r of {world.world_size} keeps batches r, r + {world.world_size}, ... "
+                          f"({dropped}); a data set that yields only its rank's share sets shards_by_rank = True",
+                          stacklevel=4)
+        return ShardedIterableLoader(loader, world.rank, world.world_size, even)
     raise ValueError("this DataLoader cannot be split across ranks (a custom sampler or a batch_sampler); "
                      "give it a torch.utils.data.DistributedSampler yourself")
 
@@ -198,14 +203,15 @@ def distribute_dataloader(loader: DataLoader, world: World, *, shuffle: bool | N
 
     A loader that already has a ``DistributedSampler`` is returned unchanged, and so is one over an
     ``IterableDataset`` that declares ``shards_by_rank = True`` (it yields only this rank's share
-    itself: docs/strategies.md, "Iterable datasets"); a torchdata ``StatefulDataLoader`` over either
-    keeps its own position (``checkpointing/loader_state.py``). A map-style loader with a sequential or random
-    sampler (torch's or torchdata's) is rebuilt as a ``DataLoader`` with trainscale's sampler.
+    itself: docs/strategies.md, "Iterable datasets"); any other ``IterableDataset``'s loader is shared by
+    batches, rank r keeping batches r, r + W, ... (``iterable_shard.ShardedIterableLoader``; with ``even``, the
+    last incomplete round dropped), which rank 0 says once in a warning. A torchdata ``StatefulDataLoader`` over an
+    iterable keeps its own position (``checkpointing/loader_state.py``). A map-style loader with a sequential or
+    random sampler (torch's or torchdata's) is rebuilt as a ``DataLoader`` with trainscale's sampler.
 
     Raises:
-        ValueError: under world size > 1, a loader over an ``IterableDataset`` without
-            ``shards_by_rank = True`` (naming how to shard it), or with a custom sampler or
-            ``batch_sampler`` (naming ``DistributedSampler``).
+        ValueError: under world size > 1, a map-style loader with a custom sampler or ``batch_sampler`` (naming
+            ``DistributedSampler``).
     """
     if not isinstance(loader, DataLoader):
         raise TypeError(f"expected a torch.utils.data.DataLoader, got {type(loader).__name__}")
@@ -215,7 +221,7 @@ def distribute_dataloader(loader: DataLoader, world: World, *, shuffle: bool | N
     splittable = (not isinstance(loader.dataset, IterableDataset) and loader.batch_size is not None
                   and (isinstance(sampler, SequentialSampler) or _is_random(sampler)))
     if not splittable:
-        return _unsplittable(loader, world)
+        return _unsplittable(loader, world, even)
     if shuffle is None:
         shuffle = _is_random(sampler)
     if even:

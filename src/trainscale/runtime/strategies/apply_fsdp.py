@@ -99,17 +99,23 @@ def _policy(module: Any, policy: tuple) -> tuple[tuple, frozenset]:
 
 def apply_fsdp(module: Any, units: list, mesh: Any, *, precision: str, reshard_after_forward: Any = None,
                cpu_offload: bool = False) -> Any:
-    """``fully_shard`` each of ``units`` (innermost first), then ``module``; return ``module`` (in place).
+    """``fully_shard`` each of ``units`` (innermost first), then the root; return ``module`` (in place).
     Under a mixed precision, the batch-norm layers become units of their own first, kept in full precision
     (:func:`full_precision_norms`).
 
+    The root is ``module.shard_root`` where ``module`` names one (the Trainer's loop module names the user's
+    model, which then stays callable on its own after ``fit``, as under Lightning and torchtitan), else
+    ``module``. A ``shard_root`` below ``module`` also runs each method ``module.forward_methods`` names (the
+    Lightning steps, e.g. ``training_step``) as a forward (``register_fsdp_forward_method``): FSDP's root
+    hooks gather the root's own parameters around it and reduce-scatter their gradients in backward.
+
     Args:
-        module: the root module; ``units``: from :func:`fsdp_units`.
+        module: the module to shard; ``units``: from :func:`fsdp_units`.
         mesh: a 1-D ``DeviceMesh`` (FSDP) or 2-D ``(replicate, shard)`` one (HSDP).
         precision: the precision flag (:func:`mixed_precision_policy`).
         reshard_after_forward, cpu_offload: see ``FSDPStrategy``.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision_policy(precision),
                   offload_policy=CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload
@@ -117,10 +123,13 @@ def apply_fsdp(module: Any, units: list, mesh: Any, *, precision: str, reshard_a
     norms = full_precision_norms(module, precision)
     for norm in norms:  # leaves: before any unit that holds them
         fully_shard(norm, **{**kwargs, "mp_policy": _norm_policy(norm, precision)})
+    root = getattr(module, "shard_root", module)
     for unit in reversed(units):  # modules() is pre-order: reversed, every child precedes its parent
-        if unit not in norms:
+        if unit not in norms and unit is not root:
             fully_shard(unit, **kwargs)
-    fully_shard(module, **kwargs)
+    fully_shard(root, **kwargs)
+    for name in getattr(module, "forward_methods", ()) if root is not module else ():
+        register_fsdp_forward_method(root, name)
     return module
 
 
@@ -137,15 +146,19 @@ def reshard(roots: list) -> None:
 
 
 def no_gradient_sync(module: Any):
-    """FSDP2's ``set_requires_gradient_sync(False)`` on ``module`` (a root from :func:`apply_fsdp`) as
-    a context: gradients accumulate unsharded on each rank, with no reduce-scatter, until it exits.
+    """FSDP2's ``set_requires_gradient_sync(False)`` on the FSDP root in ``module`` (``module`` itself or its
+    ``shard_root``, from :func:`apply_fsdp`) as a context: gradients accumulate unsharded on each rank, with no
+    reduce-scatter, until it exits.
 
     Raises:
-        TypeError: ``module`` is not an FSDP module (not the one ``Runtime.setup`` returned).
+        TypeError: ``module`` holds no FSDP module (not the one ``Runtime.setup`` returned).
     """
-    if not callable(getattr(module, "set_requires_gradient_sync", None)):
+    from torch.distributed.fsdp import FSDPModule
+
+    root = next((m for m in module.modules() if isinstance(m, FSDPModule)), None)
+    if root is None:
         raise TypeError("no_backward_sync needs the module returned by Runtime.setup (an FSDP module)")
-    return _no_sync(module)
+    return _no_sync(root)
 
 
 @contextlib.contextmanager
