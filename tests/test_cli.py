@@ -41,8 +41,14 @@ def test_env_names_the_launcher_detected_and_why():
                          env={**os.environ, **pod})
     assert out.returncode == 0, out.stderr
     assert re.search(r"^launcher +kubernetes$", out.stdout, re.M)
-    assert re.search(r"^detected from +RANK, WORLD_SIZE, PET_NNODES.*Kubeflow PyTorchJob pod", out.stdout, re.M)
+    assert re.search(r"^detected from +RANK=1, WORLD_SIZE=4, PET_NNODES=2.*Kubeflow PyTorchJob pod", out.stdout, re.M)
     assert re.search(r"^world +node 1 of 2, rendezvous t-master-0:23456; .*\(2 processes", out.stdout, re.M)
+    volcano = {"MASTER_ADDR": "job-master-0.job", "MASTER_PORT": "23456", "WORLD_SIZE": "2", "RANK": "1",
+               "VC_MASTER_HOSTS": "job-master-0.job", "VC_MASTER_NUM": "1", "VC_WORKER_HOSTS": "job-worker-0.job",
+               "VC_WORKER_NUM": "1", "KUBERNETES_SERVICE_HOST": "10.96.0.1"}  # Volcano's pytorch + svc plugins
+    out = subprocess.run([str(BIN / "trainscale"), "env"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **volcano})
+    assert re.search(r"^detected from +RANK=1, WORLD_SIZE=2, VC_MASTER_HOSTS=.*\(a Volcano pod", out.stdout, re.M)
 
 
 @pytest.mark.multiprocess

@@ -78,6 +78,19 @@ def test_manifest_for_two_nodes_of_eight_gpus_is_valid(tmp_path):
     assert {"name": "checkpoints", "mountPath": "/checkpoints"} in container["volumeMounts"]
     assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "trainscale-checkpoints"}} in \
         master["template"]["spec"]["volumes"]
+    # /dev/shm in memory, bounded: without sizeLimit it could take the node's RAM (no memory limit on a pod)
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in master["template"]["spec"]["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+
+def test_the_shm_size_flag_sets_the_limit(tmp_path):
+    out = _k8s("--nodes", "1", "--gpus-per-node", "2", "--image", "img", "--shm-size", "64Gi", "train.py",
+               cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    [_, job] = list(yaml.safe_load_all(out.stdout))
+    _validate([job])
+    volumes = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["volumes"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in volumes
 
 
 def test_cpu_pods_on_an_existing_claim_and_one_node(tmp_path):
@@ -124,6 +137,7 @@ def test_output_paths_that_are_refused(tmp_path):
     (["--nodes", "0"], "--nodes 0"), (["--job-name", "My_Job"], "--job-name 'My_Job' must be a DNS label"),
     (["--checkpoint-size", "lots"], "--checkpoint-size 'lots' is not a Kubernetes quantity"),
     (["--image", "a b"], "--image 'a b'"), (["--checkpoint-dir", "ckpt"], "must be an absolute path"),
+    (["--shm-size", "half"], "--shm-size 'half' is not a Kubernetes quantity"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, flags, message):
     args = {"--nodes": "2", "--gpus-per-node": "1", "--image": "img"}

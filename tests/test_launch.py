@@ -106,8 +106,28 @@ def test_a_pod_with_two_processes_becomes_torchrun_with_the_operators_rendezvous
                        "entry": ["train.py", "--lr", "1"], "nproc": 2}
     with pytest.raises(ValueError, match=r"asked for 2 process\(es\) per node.*devices=4"):
         Runtime(accelerator="cpu", devices=4, num_nodes=2)
-    with pytest.raises(ValueError, match=r"WORLD_SIZE=4 processes but devices×num_nodes=2×1"):
-        Runtime(accelerator="cpu", devices=2)  # num_nodes must match the pods too
+    assert Runtime(accelerator="cpu", devices=2).config.num_nodes == 2  # num_nodes not given: the operator's pods
+    with pytest.raises(ValueError, match=r"job is 2 node\(s\) × 2 process\(es\) = 4 but devices×num_nodes=2×1=2"
+                                         r".*variables seen: .*WORLD_SIZE=4 .*PET_NNODES=2"):
+        Runtime(accelerator="cpu", devices=2, num_nodes=1)  # given, num_nodes must match the pods
+
+
+def test_a_volcano_pod_with_devices_takes_its_nodes_from_the_job(monkeypatch):
+    """Volcano's pytorch plugin (MASTER_ADDR, MASTER_PORT, WORLD_SIZE = pods, RANK = pod index): Trainer(devices=2)
+    runs 2 processes in each of the 3 pods without num_nodes, and an explicit num_nodes that disagrees is refused
+    with the variables Volcano set (WORLD_SIZE=3), not the 6 processes trainscale computed."""
+    from trainscale.runtime.runtime import Runtime
+
+    volcano = {"MASTER_ADDR": "job-master-0.job", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "1",
+               "VC_TASK_INDEX": "0", "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+    for key, value in volcano.items():
+        monkeypatch.setenv(key, value)
+    rt = Runtime(accelerator="cpu", devices=2)
+    assert (rt.config.num_nodes, rt.world.world_size, rt.world.rank, rt.world.per_node) == (3, 6, 2, "2")
+    with pytest.raises(ValueError) as err:
+        Runtime(accelerator="cpu", devices=2, num_nodes=1)
+    assert "variables seen: RANK=1 WORLD_SIZE=3 MASTER_ADDR=job-master-0.job" in str(err.value)
+    assert "WORLD_SIZE=6" not in str(err.value)
 
 
 def test_a_pod_with_one_process_is_the_rank_and_says_where_it_waits(monkeypatch, capsys):

@@ -118,7 +118,8 @@ def test_pytorchjob_pods_of_two_processes_each_start_them_with_torchrun(tmp_path
 @pytest.mark.timeout(60)
 def test_trainjob_and_volcano_pods_started_with_python_are_the_ranks(tmp_path, torchrun_weights):
     """Two jobs at once, one process per pod: a TrainJob's PET_* variables (Trainer v2's torch plugin: CPU pods
-    get PET_NPROC_PER_NODE from their CPU count, 1 here) and a Volcano job's (pytorch plugin: master + 1 worker)."""
+    get PET_NPROC_PER_NODE from their CPU count, 1 here) and a Volcano job's (pytorch and svc plugins: master + 1
+    worker, without the env plugin's VC_TASK_INDEX)."""
     expected = torchrun_weights(2)
     trainjob, volcano = tmp_path / "trainjob", tmp_path / "volcano"
     trainjob.mkdir()
@@ -126,8 +127,10 @@ def test_trainjob_and_volcano_pods_started_with_python_are_the_ranks(tmp_path, t
     pet_port, vc_port = str(free_port()), str(free_port())
     commands = _pods(trainjob, [{"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(i),
                                  "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": pet_port} for i in (0, 1)])
+    # Volcano's default set-up (pytorch + svc plugins, no env plugin): VC_<TASK>_HOSTS/_NUM, no VC_TASK_INDEX
     commands += _pods(volcano, [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": vc_port, "WORLD_SIZE": "2",
-                                 "RANK": str(i), "VC_TASK_INDEX": "0", "VK_TASK_INDEX": "0"} for i in (0, 1)])
+                                 "RANK": str(i), "VC_MASTER_HOSTS": "job-master-0.job", "VC_MASTER_NUM": "1",
+                                 "VC_WORKER_HOSTS": "job-worker-0.job", "VC_WORKER_NUM": "1"} for i in (0, 1)])
     logs = _run_all(commands, tmp_path)
     assert logs.count("LAUNCHER kubernetes") == 4 and "waiting at the rendezvous 127.0.0.1:" in logs
     _same_weights(trainjob / "weights.pt", expected)

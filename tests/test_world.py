@@ -17,21 +17,31 @@ TORCHRUN = {"LOCAL_RANK": "1", "RANK": "5", "GROUP_RANK": "1", "ROLE_RANK": "5",
 PYTORCHJOB = {"PYTHONUNBUFFERED": "1", "MASTER_PORT": "23456", "PET_MASTER_PORT": "23456",
               "MASTER_ADDR": "train-master-0", "PET_MASTER_ADDR": "train-master-0", "WORLD_SIZE": "4", "RANK": "1", "PET_NODE_RANK": "1",
               "PET_NPROC_PER_NODE": "2", "PET_NNODES": "2", "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
-# Node 1 of a TrainJob on 2 nodes (Trainer v2, pkg/runtime/framework/plugins/torch/torch.go)
+# Node 1 of a TrainJob "train" on 2 nodes (Trainer v2, pkg/runtime/framework/plugins/torch/torch.go: PET_MASTER_ADDR
+# "<job>-node-0-0.<job>", PET_MASTER_PORT constants.ContainerTrainerPort = 29500)
 TRAINJOB = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "auto", "PET_NODE_RANK": "1",
-            "PET_MASTER_ADDR": "train-node-0-0.train", "PET_MASTER_PORT": "29400",
+            "PET_MASTER_ADDR": "train-node-0-0.train", "PET_MASTER_PORT": "29500",
             "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
-# Worker 0 of a Volcano job with a master and 2 workers (pytorch plugin), 3 pods
-VOLCANO = {"MASTER_ADDR": "job-master-0.job", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "1",
-           "VC_TASK_INDEX": "0", "VK_TASK_INDEX": "0", "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+# Worker 0 of a Volcano job "job" with a master and 2 workers, 3 pods: the pytorch plugin's MASTER_ADDR, MASTER_PORT,
+# WORLD_SIZE and RANK (distributed-framework/pytorch/pytorch.go), the svc plugin's VC_<TASK>_HOSTS and _NUM
+# (plugins/svc/svc.go), and the env plugin's VC_TASK_INDEX and VK_TASK_INDEX (plugins/env)
+VOLCANO_SVC = {"MASTER_ADDR": "job-master-0.job", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "1",
+               "VC_MASTER_HOSTS": "job-master-0.job", "VC_MASTER_NUM": "1",
+               "VC_WORKER_HOSTS": "job-worker-0.job,job-worker-1.job", "VC_WORKER_NUM": "2",
+               "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+VOLCANO = {**VOLCANO_SVC, "VC_TASK_INDEX": "0", "VK_TASK_INDEX": "0"}
 # mpirun -np 4 on two nodes, rank 3 (Open MPI 4.1, as printed by `mpirun env` here)
 OPENMPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
            "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "1", "OMPI_MCA_orte_num_nodes": "2",
            "OMPI_MCA_ess_base_jobid": "1318649857", "OMPI_UNIVERSE_SIZE": "4", "PMIX_RANK": "3",
            "PMIX_NAMESPACE": "1318649857"}
 MPICH = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "PMI_FD": "5"}
+# MVAPICH2's mpirun_rsh: its MV2_COMM_WORLD_* set, and PMI_RANK / PMI_SIZE beside it (no MPI_LOCALRANKID)
 MVAPICH = {"MV2_COMM_WORLD_RANK": "3", "MV2_COMM_WORLD_SIZE": "4", "MV2_COMM_WORLD_LOCAL_RANK": "1",
-           "MV2_COMM_WORLD_LOCAL_SIZE": "2"}
+           "MV2_COMM_WORLD_LOCAL_SIZE": "2", "PMI_RANK": "3", "PMI_SIZE": "4"}
+# HPE Cray MPICH under PALS (`mpiexec -n 4 --ppn 2`): Cray PMI's PMI_* and PALS's own PALS_*
+CRAY_PALS = {"PMI_RANK": "3", "PMI_SIZE": "4", "PMI_LOCAL_RANK": "1", "PMI_LOCAL_SIZE": "2", "PALS_RANKID": "3",
+             "PALS_LOCAL_RANKID": "1", "PALS_LOCAL_SIZE": "2", "PALS_NODEID": "1", "PALS_APID": "8e4c"}
 # Ray Train worker 1 of 2 on one node (ray/train/torch/config.py, and Ray's own variables)
 RAY = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0",
        "MASTER_ADDR": "192.0.2.2", "MASTER_PORT": "44329", "ACCELERATE_TORCH_DEVICE": "cpu", "RAY_RAYLET_PID": "10432",
@@ -90,15 +100,41 @@ def test_pytorchjob_pod_default_nproc_auto_is_one_process_per_pod_or_devices():
 
 def test_trainjob_pod():
     w = World.from_env(TRAINJOB)
-    assert fields(w) == ("kubernetes", 2, 1, 0, 1, 1, 2, "train-node-0-0.train", 29400)
+    assert fields(w) == ("kubernetes", 2, 1, 0, 1, 1, 2, "train-node-0-0.train", 29500)
     assert w.per_node == "auto" and "TrainJob" in w.detected_from
     assert World.from_env({**TRAINJOB, "PET_NPROC_PER_NODE": "4"}).node_ranks(4).rank == 4
 
 
-def test_volcano_pod():
-    w = World.from_env(VOLCANO)
+@pytest.mark.parametrize("env", [VOLCANO, VOLCANO_SVC], ids=["env plugin", "svc plugin only"])
+def test_volcano_pod(env):
+    """With or without Volcano's env plugin (VC_TASK_INDEX): its svc plugin's VC_<TASK>_HOSTS name Volcano too."""
+    w = World.from_env(env)
     assert fields(w) == ("kubernetes", 3, 1, 0, 1, 1, 3, "job-master-0.job", 23456)
-    assert "Volcano" in w.detected_from and w.node_ranks(1).per_node is None
+    assert "(a Volcano pod" in w.detected_from and w.node_ranks(1).per_node is None
+    assert "RANK=1, WORLD_SIZE=3" in w.detected_from  # the values Volcano set, for `trainscale env` and errors
+
+
+def test_a_cpu_trainjob_pods_count_is_its_cpus_and_devices_win_on_cpu():
+    """Trainer v2 turns numProcPerNode "auto" into the CPU count of a pod without GPUs (torch.go,
+    calculateNumProcPerNode): on CPU an explicit devices wins; on GPUs a count still binds."""
+    w = World.from_env({**TRAINJOB, "PET_NPROC_PER_NODE": "8"})
+    assert w.per_node == "8" and w.per_node_may_be_cpus
+    one = w.node_ranks(1, cpu=True)
+    assert (one.world_size, one.rank, one.per_node) == (2, 1, None)
+    with pytest.raises(ValueError, match=r"asked for 8 process\(es\)"):
+        w.node_ranks(1)
+    pytorchjob = World.from_env({**PYTORCHJOB, "WORLD_SIZE": "16", "PET_NPROC_PER_NODE": "8"})
+    with pytest.raises(ValueError, match=r"asked for 8 process\(es\)"):  # a PyTorchJob's count is the user's
+        pytorchjob.node_ranks(1, cpu=True)
+
+
+def test_pods_with_pet_variables_are_labelled_by_what_set_them():
+    elastic = {"PET_RDZV_ENDPOINT": "train-worker-0:23456", "PET_RDZV_BACKEND": "c10d", "PET_NNODES": "1:3"}
+    with pytest.raises(ValueError, match=r"launcher assumed: kubernetes \(Kubeflow PyTorchJob pod\)"):
+        World.from_env(elastic)
+    own = World.from_env({"PET_NNODES": "1", "PET_NODE_RANK": "0"})  # torchrun's PET_* set by hand, one node
+    assert "pod with torchrun's PET_* variables" in own.detected_from and "TrainJob" not in own.detected_from
+    assert "TrainJob" in World.from_env(TRAINJOB).detected_from
 
 
 def test_a_torchrun_inside_a_pod_is_torchrun():
@@ -121,7 +157,7 @@ def test_pytorchjob_conflicts_name_the_variables(change, message):
 
 def test_pods_without_an_address_and_elastic_jobs_are_refused():
     no_addr = {k: v for k, v in TRAINJOB.items() if k != "PET_MASTER_ADDR"}
-    with pytest.raises(ValueError, match=r"2 pods but no rendezvous address.*TrainJob"):
+    with pytest.raises(ValueError, match=r"2 pods but no rendezvous address.*PET_NNODES=2"):
         World.from_env(no_addr)
     assert World.from_env({**no_addr, "PET_NNODES": "1", "PET_NODE_RANK": "0"}).master_addr == "127.0.0.1"
     elastic = {"PET_RDZV_ENDPOINT": "train-worker-0:23456", "PET_RDZV_BACKEND": "c10d", "PET_NNODES": "1:3"}
@@ -129,15 +165,26 @@ def test_pods_without_an_address_and_elastic_jobs_are_refused():
         World.from_env(elastic)
 
 
-@pytest.mark.parametrize("env, name", [(OPENMPI, "Open MPI"), (MPICH, "MPICH"), (MVAPICH, "MVAPICH")])
+@pytest.mark.parametrize("env, name", [(OPENMPI, "Open MPI"), (MPICH, "MPICH"), (MVAPICH, "MVAPICH"),
+                                       (CRAY_PALS, "Cray MPICH")])
 def test_mpi_launchers(env, name):
     with pytest.raises(ValueError, match=rf"{name}.*started 4 processes on 2 nodes.*MASTER_ADDR=\$\(hostname\)"):
         World.from_env(env)
     w = World.from_env({**env, "MASTER_ADDR": "n0", "MASTER_PORT": "29511"})
     assert fields(w) == ("mpi", 4, 3, 1, 2, 1, 2, "n0", 29511) and name in w.detected_from
     one_node = {**env, **{k: "4" for k in env if k.endswith(("LOCAL_SIZE", "LOCALNRANKS"))},
-                "OMPI_MCA_orte_num_nodes": "1"}
+                "OMPI_MCA_orte_num_nodes": "1", "PALS_NODEID": "0"}
     assert World.from_env(one_node).master_addr == "127.0.0.1"  # one node: rank 0 is on this machine
+
+
+def test_the_mpi_flavour_with_complete_variables_wins():
+    """PMI_RANK and PMI_SIZE are MPICH's, Cray's and MVAPICH's: the flavour whose four variables are set is read;
+    alone, they are MPICH's, and its missing local rank is named."""
+    assert "MVAPICH" in World.from_env({**MVAPICH, "MASTER_ADDR": "n0"}).detected_from
+    cray = World.from_env({**CRAY_PALS, "MASTER_ADDR": "n0", "PALS_NODEID": "0"})
+    assert "Cray MPICH" in cray.detected_from and cray.node_rank == 0  # PALS_NODEID, not rank // local size
+    with pytest.raises(ValueError, match=r"MPI_LOCALRANKID is not set.*launcher assumed: mpi \(MPICH"):
+        World.from_env({"PMI_RANK": "3", "PMI_SIZE": "4"})
 
 
 def test_mpi_port_follows_the_job_id():

@@ -27,6 +27,9 @@ def add_parser(sub) -> None:
                           "JOB_NAME-checkpoints, ReadWriteMany)")
     k8s.add_argument("--checkpoint-size", default="100Gi", help="size of the claim it creates (default 100Gi)")
     k8s.add_argument("--checkpoint-dir", default="/checkpoints", help="where pods mount it (default /checkpoints)")
+    k8s.add_argument("--shm-size", default=None, metavar="QUANTITY",
+                     help="sizeLimit of the memory-backed /dev/shm in each pod (default 16Gi; it counts against the "
+                          "pod's memory)")
     k8s.add_argument("--cpu", action="store_true", help="request no GPU (GPUS CPU processes per pod)")
     k8s.add_argument("--python", default="python", help="the Python in the image (default python)")
     k8s.add_argument("-o", "--output", default="-", help="file to write (default: standard output)")
@@ -36,13 +39,14 @@ def add_parser(sub) -> None:
 
 
 def run_k8s(args: argparse.Namespace) -> int:
-    from trainscale.runtime.kubernetes import pytorchjob_manifest, to_yaml
+    from trainscale.runtime.kubernetes import SHM_SIZE, pytorchjob_manifest, to_yaml
 
     docs = pytorchjob_manifest([args.python, args.script, *args.script_args], nodes=args.nodes,
                                gpus_per_node=args.gpus_per_node, image=args.image, job_name=args.job_name,
                                cpus_per_node=args.cpus_per_node, memory=args.memory_per_node, cpu=args.cpu,
                                max_restarts=args.max_restarts, checkpoint_claim=args.checkpoint_claim,
-                               checkpoint_size=args.checkpoint_size, checkpoint_dir=args.checkpoint_dir)
+                               checkpoint_size=args.checkpoint_size, checkpoint_dir=args.checkpoint_dir,
+                               shm_size=args.shm_size or SHM_SIZE)
     claim = args.checkpoint_claim or f"{args.job_name}-checkpoints"
     text = to_yaml(docs, (f"Checkpoints: the claim {claim} is mounted at {args.checkpoint_dir} in every pod; have the "
                           f"script write there (Trainer(default_root_dir='{args.checkpoint_dir}/runs')) and resume with "

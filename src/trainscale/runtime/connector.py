@@ -38,7 +38,8 @@ class RuntimeFlags:
             processes per node; else 1).
         strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp" (docs/strategies.md),
             or "ddp_spawn"/"ddp_notebook": ddp with the processes started from this one by spawn/fork.
-        num_nodes: machines in the job.
+        num_nodes: machines in the job; when not given, the launcher's count of nodes (pods, SLURM nodes, torchrun's
+            agents), 1 without a launcher.
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
         timeout: seconds a collective may wait before it fails (``init_process_group``'s timeout).
         strategy_options: keyword options of the strategy (ddp: ``find_unused_parameters``, ``static_graph``,

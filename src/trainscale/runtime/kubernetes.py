@@ -9,10 +9,15 @@ The operators start one container per pod and give it the pod's place in the job
   "auto", its default) and WORLD_SIZE = pods × nprocPerNode (× 1 when it is not a count). It expects the
   container to run ``torchrun``, which reads the PET_* variables as its flags. No LOCAL_RANK.
 - Kubeflow TrainJob (Trainer v2, pkg/runtime/framework/plugins/torch/torch.go): PET_NNODES, PET_NPROC_PER_NODE
-  (a count, "auto" or "gpu"), PET_NODE_RANK (the job completion index), PET_MASTER_ADDR and PET_MASTER_PORT
-  (29400); no RANK or WORLD_SIZE.
-- Volcano (the ``pytorch`` job plugin): MASTER_ADDR, MASTER_PORT (23456), WORLD_SIZE (the pods), RANK (the
-  pod's index) and, as on every Volcano pod, VC_TASK_INDEX.
+  (a count, "auto" or "gpu"), PET_NODE_RANK (the job completion index), PET_MASTER_ADDR
+  (``<job>-node-0-0.<job>``) and PET_MASTER_PORT (``constants.ContainerTrainerPort``, 29500); no RANK or
+  WORLD_SIZE. With numProcPerNode "auto" (its default) on a pod whose resources name no GPU, the operator writes
+  the pod's CPU count as PET_NPROC_PER_NODE: on CPU that count is what the operator read off the pod, not a
+  request of processes, so an explicit ``devices`` wins over it (``World.per_node_may_be_cpus``).
+- Volcano (the ``pytorch`` job plugin, pkg/controllers/job/plugins/distributed-framework/pytorch): MASTER_ADDR,
+  MASTER_PORT (23456), WORLD_SIZE (the pods), RANK (the pod's index). The ``svc`` plugin it runs with gives every
+  pod VC_<TASK>_HOSTS and VC_<TASK>_NUM for each task (plugins/svc/const.go); VC_TASK_INDEX comes only with the
+  ``env`` plugin.
 - Older PyTorchJob versions set MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK only; every pod has
   KUBERNETES_SERVICE_HOST.
 
@@ -37,13 +42,21 @@ KUBE_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "
 _NPROC_WORDS = ("auto", "cpu", "gpu")
 
 
+TRAINJOB = "Kubeflow TrainJob pod"
+_VOLCANO_HOSTS = re.compile(r"VC_[A-Z0-9_]+_HOSTS")  # the svc plugin's VC_<TASK>_HOSTS
+
+
 def _kind(env: Mapping[str, str]) -> str | None:
     """Which operator started this pod's process, or None when it is not such a pod."""
     if "PET_NNODES" in env or "PET_NODE_RANK" in env:
-        return "Kubeflow PyTorchJob pod" if "RANK" in env else "Kubeflow TrainJob pod"
+        if "RANK" in env or "PET_RDZV_ENDPOINT" in env:  # v1 sets RANK, and PET_RDZV_* when elastic
+            return "Kubeflow PyTorchJob pod"
+        if all(n in env for n in ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR")):  # Trainer v2 sets all three
+            return TRAINJOB
+        return "pod with torchrun's PET_* variables"
     if "RANK" not in env or "WORLD_SIZE" not in env or "LOCAL_RANK" in env:
         return None  # a rank's own variables (torchrun's, Ray's): not a pod-level launch
-    if "VC_TASK_INDEX" in env:
+    if "VC_TASK_INDEX" in env or any(_VOLCANO_HOSTS.fullmatch(name) for name in env):
         return "Volcano pod"
     if "KUBERNETES_SERVICE_HOST" in env:
         return "Kubernetes pod"
@@ -68,11 +81,12 @@ def read(env: Mapping[str, str]) -> dict | None:
         raise pod.error(f"WORLD_SIZE={env['WORLD_SIZE']} but PET_NNODES × PET_NPROC_PER_NODE = {nodes} × "
                         f"{env.get('PET_NPROC_PER_NODE', 1)}: the pods would not agree on the job's size")
     addr, port = pod.rendezvous(nodes)
-    seen = ", ".join(n for n in ("RANK", "WORLD_SIZE", "PET_NNODES", "PET_NODE_RANK", "PET_NPROC_PER_NODE",
-                                 "VC_TASK_INDEX") if n in env)
+    names = ("RANK", "WORLD_SIZE", "PET_NNODES", "PET_NODE_RANK", "PET_NPROC_PER_NODE", "VC_TASK_INDEX")
+    seen = ", ".join([*(f"{n}={env[n]}" for n in names if n in env),
+                      *sorted(f"{n}={env[n]}" for n in env if _VOLCANO_HOSTS.fullmatch(n))])
     return dict(world_size=nodes * declared, rank=node_rank * declared, local_rank=0, local_world_size=declared,
                 node_rank=node_rank, master_addr=addr, master_port=port, launcher="kubernetes",
-                group_world_size=nodes, per_node=per_node,
+                group_world_size=nodes, per_node=per_node, per_node_may_be_cpus=kind == TRAINJOB,
                 detected_from=f"{seen} without LOCAL_RANK (a {kind}: one process per pod)")
 
 
@@ -131,12 +145,14 @@ MANIFEST_MARK = "# Written by `trainscale k8s`"
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?")
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
 PYTORCHJOB_PORT = 23456  # the operator's default port of the container port "pytorchjob-port"
+SHM_SIZE = "16Gi"  # /dev/shm's sizeLimit: room for DataLoader workers' batches and NCCL's buffers, and a bound
 
 
 def pytorchjob_manifest(command: list[str], *, nodes: int, gpus_per_node: int, image: str,
                         job_name: str = "trainscale", cpus_per_node: int | None = None, memory: str | None = None,
                         cpu: bool = False, max_restarts: int = 3, checkpoint_claim: str | None = None,
-                        checkpoint_size: str = "100Gi", checkpoint_dir: str = "/checkpoints") -> list[dict]:
+                        checkpoint_size: str = "100Gi", checkpoint_dir: str = "/checkpoints",
+                        shm_size: str = SHM_SIZE) -> list[dict]:
     """The Kubernetes objects of a job on ``nodes`` pods × ``gpus_per_node`` processes: a Kubeflow PyTorchJob
     (kubeflow.org/v1), preceded by its checkpoint volume's PersistentVolumeClaim unless ``checkpoint_claim``
     names an existing one.
@@ -145,16 +161,17 @@ def pytorchjob_manifest(command: list[str], *, nodes: int, gpus_per_node: int, i
     "pytorchjob-port" (the operator looks both up by name); trainscale reads the operator's variables
     (``read``) and starts ``nprocPerNode`` processes per pod with torchrun. Pods restart ``OnFailure``, at most
     ``max_restarts`` times (``runPolicy.backoffLimit``). The claim (ReadWriteMany: every pod writes to it) is
-    mounted at ``checkpoint_dir``; /dev/shm is a memory volume (DataLoader workers and NCCL use it, and a
-    container's default is 64 MiB). With ``cpu=True`` the pods ask for no GPU and run ``gpus_per_node`` CPU
-    processes.
+    mounted at ``checkpoint_dir``; /dev/shm is a memory volume of at most ``shm_size`` (DataLoader workers and
+    NCCL use it, and a container's default is 64 MiB; without a limit it could fill the node's memory when the
+    pod has no memory limit, and what it holds counts against the pod's memory). With ``cpu=True`` the pods ask
+    for no GPU and run ``gpus_per_node`` CPU processes.
 
     Raises:
         ValueError: non-positive counts, an empty command or image, a name that is not a DNS label, a
             size that is not a Kubernetes quantity, or a relative ``checkpoint_dir``.
     """
     _check_manifest_flags(command, nodes, gpus_per_node, image, job_name, cpus_per_node, memory, max_restarts,
-                          checkpoint_claim, checkpoint_size, checkpoint_dir)
+                          checkpoint_claim, checkpoint_size, checkpoint_dir, shm_size)
     claim = checkpoint_claim or f"{job_name}-checkpoints"
     limits = {} if cpu else {"nvidia.com/gpu": gpus_per_node}
     requests = {"cpu": str(cpus_per_node or (gpus_per_node if cpu else 8 * gpus_per_node))}
@@ -167,7 +184,7 @@ def pytorchjob_manifest(command: list[str], *, nodes: int, gpus_per_node: int, i
                                   {"name": "dshm", "mountPath": "/dev/shm"}]}
     template = {"spec": {"containers": [container],
                          "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim}},
-                                     {"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}
+                                     {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}}]}}
     replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
     if nodes > 1:
         replicas["Worker"] = {"replicas": nodes - 1, "restartPolicy": "OnFailure", "template": template}
@@ -183,7 +200,7 @@ def pytorchjob_manifest(command: list[str], *, nodes: int, gpus_per_node: int, i
 
 
 def _check_manifest_flags(command, nodes, gpus_per_node, image, job_name, cpus_per_node, memory, max_restarts,
-                          checkpoint_claim, checkpoint_size, checkpoint_dir) -> None:
+                          checkpoint_claim, checkpoint_size, checkpoint_dir, shm_size) -> None:
     counts = {"--nodes": nodes, "--gpus-per-node": gpus_per_node, "--cpus-per-node": cpus_per_node or 1}
     bad = [f"{flag} {value}" for flag, value in counts.items() if value < 1]
     if bad or max_restarts < 0:
@@ -194,7 +211,7 @@ def _check_manifest_flags(command, nodes, gpus_per_node, image, job_name, cpus_p
     if not image.strip() or any(c.isspace() for c in image):
         raise ValueError(f"--image {image!r} must name a container image (registry/name:tag), without spaces")
     _check_names({"--job-name": job_name, "--checkpoint-claim": checkpoint_claim},
-                 {"--checkpoint-size": checkpoint_size, "--memory-per-node": memory})
+                 {"--checkpoint-size": checkpoint_size, "--memory-per-node": memory, "--shm-size": shm_size})
     if not checkpoint_dir.startswith("/"):
         raise ValueError(f"--checkpoint-dir {checkpoint_dir!r} must be an absolute path in the container")
 

@@ -4,17 +4,23 @@ Each MPI implementation's launcher gives every process its rank in the environme
 
 - Open MPI: OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_SIZE;
 - MPICH and Intel MPI (Hydra): PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS;
+- Cray MPICH under PALS (HPE Cray's ``mpiexec``): PMI_RANK, PMI_SIZE, PMI_LOCAL_RANK, PMI_LOCAL_SIZE, and PALS's
+  own PALS_RANKID, PALS_LOCAL_RANKID, PALS_LOCAL_SIZE and PALS_NODEID (the node's index);
 - MVAPICH: MV2_COMM_WORLD_RANK, MV2_COMM_WORLD_SIZE, MV2_COMM_WORLD_LOCAL_RANK, MV2_COMM_WORLD_LOCAL_SIZE
-  (rank, world size, local rank, processes on this node).
+  (rank, world size, local rank, processes on this node), with PMI_RANK and PMI_SIZE beside them.
+
+Several flavours share names (PMI_RANK and PMI_SIZE are MPICH's, Cray's and MVAPICH's), so the flavour read is
+the first whose four variables are all set; only when none is complete is the first with a rank variable
+assumed, and its missing variable named.
 
 (Open MPI: docs/tuning-apps/environment-var.rst; its OMPI_COMM_WORLD_NODE_RANK is a rank within the node,
-not the node's index.) None of them says where rank 0 runs. On one node (local size = world size) that is
-this machine; on several, MASTER_ADDR must name rank 0's host (``mpirun -x MASTER_ADDR=$(hostname) ...``),
-else a clear error. The port is MASTER_PORT, else derived from the job id (Open MPI's
-OMPI_MCA_ess_base_jobid or PMIX_NAMESPACE) so that every rank computes the same one. The node index
-assumes ranks are placed node by node (``--map-by slot``, the default): rank // local size. Under LSF's
-``jsrun`` (JSM_NAMESPACE_RANK), whose Spectrum MPI also sets Open MPI's variables, the LSF reader knows
-rank 0's host and reads the world instead. Nothing here imports torch.
+not the node's index; PALS_NODEID is one, and is read.) None of them says where rank 0 runs. On one node
+(local size = world size) that is this machine; on several, MASTER_ADDR must name rank 0's host
+(``mpirun -x MASTER_ADDR=$(hostname) ...``), else a clear error. The port is MASTER_PORT, else derived from
+the job id (Open MPI's OMPI_MCA_ess_base_jobid or PMIX_NAMESPACE) so that every rank computes the same one.
+The node index (without PALS_NODEID) assumes ranks are placed node by node (``--map-by slot``, the default):
+rank // local size. Under LSF's ``jsrun`` (JSM_NAMESPACE_RANK), whose Spectrum MPI also sets Open MPI's
+variables, the LSF reader knows rank 0's host and reads the world instead. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -28,15 +34,18 @@ FLAVOURS = (
     ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
      "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("MPICH / Intel MPI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("Cray MPICH (PALS)", "PMI_RANK", "PMI_SIZE", "PMI_LOCAL_RANK", "PMI_LOCAL_SIZE"),
     ("MVAPICH", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
 )
 
 
 def _flavour(env: Mapping[str, str]) -> tuple | None:
-    """The FLAVOURS entry whose rank variable is set, or None (and None under jsrun: trainscale.runtime.lsf)."""
+    """The first FLAVOURS entry whose four variables are all set, else the first whose rank variable is (its
+    reader then names what is missing); None when there is none, and under jsrun (trainscale.runtime.lsf)."""
     if "JSM_NAMESPACE_RANK" in env:
         return None
-    return next((flavour for flavour in FLAVOURS if flavour[1] in env), None)
+    complete = (flavour for flavour in FLAVOURS if all(env.get(name) for name in flavour[1:]))
+    return next(complete, None) or next((flavour for flavour in FLAVOURS if flavour[1] in env), None)
 
 
 def read(env: Mapping[str, str]) -> dict | None:
@@ -49,7 +58,8 @@ def read(env: Mapping[str, str]) -> dict | None:
     if flavour is None:
         return None
     name, rank_var, size_var, local_var, local_size_var = flavour
-    names = (rank_var, size_var, local_var, local_size_var, "OMPI_MCA_orte_num_nodes", "MASTER_ADDR", "MASTER_PORT")
+    names = (rank_var, size_var, local_var, local_size_var, "OMPI_MCA_orte_num_nodes", "PALS_NODEID", "MASTER_ADDR",
+             "MASTER_PORT")
     launcher = f"mpi ({name})"
 
     def geti(var: str, default: int | None = None) -> int:
@@ -68,7 +78,7 @@ def read(env: Mapping[str, str]) -> dict | None:
                              "-x MASTER_PORT=29500 ...` run from rank 0's node")
     job_id = _job_id(env)
     return dict(world_size=world_size, rank=rank, local_rank=local_rank, local_world_size=local_size,
-                node_rank=rank // local_size, master_addr=addr or "127.0.0.1",
+                node_rank=geti("PALS_NODEID", rank // local_size), master_addr=addr or "127.0.0.1",
                 master_port=geti("MASTER_PORT", port_from_job_id("".join(c for c in job_id or "" if c.isdigit())[-9:])),
                 launcher="mpi", job_id=job_id, group_world_size=nodes,
                 detected_from=f"{rank_var} and {size_var} (a process of {name}'s mpirun)")

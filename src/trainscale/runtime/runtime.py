@@ -40,7 +40,7 @@ from trainscale.runtime.connector import RUNTIME_FLAG_NAMES, RunConfig, RuntimeF
 from trainscale.runtime.meta_init import on_meta
 from trainscale.runtime.precision import Precision, float32_matmul_note, tf32_enabled
 from trainscale.runtime.strategies import create_strategy
-from trainscale.runtime.world import World
+from trainscale.runtime.world import World, launcher_variables
 
 _REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
 
@@ -66,7 +66,7 @@ def _match_launcher(world: World, config: RunConfig, follows_launcher: bool) -> 
         ValueError: the flags and the launcher's job disagree, naming the flags to pass.
     """
     if world.per_node is not None:  # a pod's process: the node's ranks now that devices are known
-        world = world.node_ranks(config.devices)
+        world = world.node_ranks(config.devices, cpu=config.accelerator == "cpu")
     if follows_launcher or world.launcher == "none":
         return world
     if world.launcher == "slurm":  # the allocation must match devices × num_nodes
@@ -74,9 +74,11 @@ def _match_launcher(world: World, config: RunConfig, follows_launcher: bool) -> 
 
         check_allocation(world.world_size, world.local_world_size, world.num_nodes, config.devices, config.num_nodes)
     if world.world_size != config.world_size:
-        raise ValueError(f"the launcher started WORLD_SIZE={world.world_size} processes but devices×num_nodes="
-                         f"{config.devices}×{config.num_nodes}={config.world_size}; pass devices="
-                         f"{world.local_world_size}, num_nodes={world.num_nodes} (or devices='auto')")
+        raise ValueError(f"the launcher's job is {world.num_nodes} node(s) × {world.local_world_size} process(es) = "
+                         f"{world.world_size} but devices×num_nodes={config.devices}×{config.num_nodes}="
+                         f"{config.world_size}; pass devices={world.local_world_size}, num_nodes={world.num_nodes} "
+                         f"(or leave num_nodes out and devices='auto') [launcher: {world.launcher}; variables seen: "
+                         f"{launcher_variables(os.environ)}]")
     return world
 
 
@@ -143,7 +145,8 @@ class Runtime:
         follows_launcher = devices == "auto" and world.launcher != "none"  # nodes may differ in processes
         if follows_launcher:  # a pod that left its process count to the job: "auto" devices, the launcher's nodes
             devices = "auto" if world.per_node == "auto" else world.local_world_size
-            num_nodes = world.num_nodes
+        if world.launcher != "none" and "num_nodes" not in flags and len(args) < 4:
+            num_nodes = world.num_nodes  # not given: the launcher's nodes (the same script runs under any launcher)
         visible = _devices.cuda_device_count()
         self.config: RunConfig = resolve(cuda_count=_devices.node_cuda_count(visible, world.local_world_size,
                                                                              world.launcher),

@@ -41,6 +41,16 @@ def launcher_error(launcher: str, env: Mapping[str, str], names, problem: str) -
     return ValueError(f"{problem} [launcher assumed: {launcher}; variables seen: {seen}]")
 
 
+def launcher_variables(env: Mapping[str, str]) -> str:
+    """``NAME=value`` of every launcher variable set in ``env`` (each reader's names), for errors that must show
+    what the launcher set rather than what trainscale computed from it."""
+    from trainscale.runtime import kubernetes, lsf, mpi, slurm
+
+    names = dict.fromkeys((*TORCHRUN_VARS, *slurm.SLURM_VARS, *kubernetes.KUBE_VARS,
+                           *(name for flavour in mpi.FLAVOURS for name in flavour[1:]), *lsf.LSF_VARS))
+    return " ".join(f"{n}={env[n]}" for n in names if n in env) or "none"
+
+
 def read_int(env: Mapping[str, str], name: str, launcher: str, names, default: int | None = None) -> int:
     """``env[name]`` as an int; ``default`` when it is unset or empty (None: required).
 
@@ -97,6 +107,9 @@ class World:
             ("2"), or "auto" (the job's ``devices`` decide). Such a process is the node's only rank when the
             node runs one (then ``rank == node_rank``), else it starts the node's ranks with torchrun
             (``launch.start_node_ranks``); ``rank`` and ``local_rank`` are then those of the node's first rank.
+        per_node_may_be_cpus: ``per_node``'s count may be the pod's CPU count rather than a number of processes
+            asked for (a Kubeflow TrainJob writes it there for numProcPerNode "auto" on a pod without GPUs): on
+            CPU an explicit ``devices`` then wins over it.
         detected_from: which variables made the reader choose the launcher, for ``trainscale env`` and errors.
     """
 
@@ -112,6 +125,7 @@ class World:
     job_id: str | None = None
     group_world_size: int | None = None
     per_node: str | None = None
+    per_node_may_be_cpus: bool = field(default=False, compare=False)
     detected_from: str = field(default="no launcher variable is set", compare=False)
 
     @property
@@ -135,15 +149,16 @@ class World:
         """The processes per node a per-node launcher asked for (``per_node`` as a count), else None."""
         return int(self.per_node) if self.per_node is not None and self.per_node.isdigit() else None
 
-    def node_ranks(self, nproc: int) -> "World":
+    def node_ranks(self, nproc: int, cpu: bool = False) -> "World":
         """This node's first rank when each node of a per-node launch (``per_node``) runs ``nproc`` ranks:
         still ``per_node`` (this process starts them) when ``nproc > 1``, else this process is the rank.
+        ``cpu``: the processes run on CPU (where a count that may be the pod's CPUs does not bind).
 
         Raises:
             ValueError: ``nproc`` differs from the count the launcher gave (``per_node``).
         """
         declared = self.declared_per_node
-        if declared is not None and nproc != declared:
+        if declared is not None and nproc != declared and not (cpu and self.per_node_may_be_cpus):
             raise ValueError(f"the launcher asked for {declared} process(es) per node ({self.detected_from}) but "
                              f"devices={nproc}; pass devices={declared} or devices='auto'")
         nodes = self.num_nodes
