@@ -3,6 +3,7 @@ run reads no consumed sample again, trains on exactly the samples the uninterrup
 (the loop's read-ahead is not counted as trained), and ends with the same weights; on one process and 2-rank ddp."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -59,12 +60,18 @@ def _fit(root, ckpt_path=None, teardown=False, **flags):
     return {"seen": model.seen, "reads": data.reads, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def stop_and_resume_body(rank: int, root: str) -> dict:
-    """The uninterrupted run; a run stopped after step 2 (mid-epoch 0) with a checkpoint there; its resume."""
+def stop_and_resume_body(rank: int, root: str, saved_elsewhere: str | None = None) -> dict:
+    """The uninterrupted run; a run stopped after step 2 (mid-epoch 0) with a checkpoint there; its resume.
+    ``saved_elsewhere``: a mid-epoch checkpoint of another world size, resumed first ("refused": its error)."""
     whole = _fit(os.path.join(root, "whole"))
     cut = _fit(os.path.join(root, "cut"), checkpoint_every_n_steps=2, max_steps=2)
-    resumed = _fit(os.path.join(root, "cut"), ckpt_path="last", teardown=True)
-    return {"whole": whole, "cut": cut, "resumed": resumed}
+    out = {"whole": whole, "cut": cut}
+    if saved_elsewhere is not None:
+        with pytest.raises(ValueError) as refused:
+            _fit(os.path.join(root, "elsewhere"), ckpt_path=saved_elsewhere)
+        out["refused"] = str(refused.value)
+    out["resumed"] = _fit(os.path.join(root, "cut"), ckpt_path="last", teardown=True)
+    return out
 
 
 def _check_exact(run: dict, per_rank: list) -> None:
@@ -86,12 +93,18 @@ def test_a_stateful_dataloader_resumes_an_iterable_mid_epoch_exactly(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_under_ddp_each_rank_resumes_its_own_loader_state_and_another_world_size_is_refused(tmp_path):
-    results = run_distributed(stop_and_resume_body, str(tmp_path), timeout=50)
+    """2 ranks resume exactly; a mid-epoch checkpoint of 2 ranks resumed on 1, or of 1 resumed on 2, is refused
+    before the first step naming both fixes."""
+    _fit(str(tmp_path / "one"), checkpoint_every_n_steps=2, max_steps=2)  # one process, stopped mid-epoch 0
+    saved_on_one = next((tmp_path / "one").glob("version_0/checkpoints/epoch=000000-step=0000000002.pt"))
+    results = run_distributed(stop_and_resume_body, str(tmp_path), str(saved_on_one), timeout=50)
     for rank, run in enumerate(results):
         _check_exact(run, [rank + 2 * k for k in range(6)])
+        assert re.search(r"saved for each of its 1 ranks.*over 2 ranks\. Resume on 1 ranks, or use a map-style",
+                         run["refused"]), run["refused"]
     mid_epoch = next((tmp_path / "cut").glob("version_0/checkpoints/epoch=000000-step=0000000002.pt"))
     with pytest.raises(ValueError, match=r"saved for each of its 2 ranks.*Resume on 2 ranks, or use a map-style"):
-        _fit(str(tmp_path / "one"), ckpt_path=mid_epoch)
+        _fit(str(tmp_path / "one-from-two"), ckpt_path=mid_epoch)
 
 
 def test_loader_positions_give_the_state_after_the_batches_trained_not_those_read_ahead():
