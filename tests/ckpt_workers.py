@@ -24,10 +24,12 @@ def full_momentum(model, optimizer) -> dict:
 
 
 def mesh_checkpoint(rank: int, strategy: str, parallel: dict | None, data_ranks: int, save_to: str | None = None,
-                    load_from: tuple = (), before: int = 2, after: int = 2, teardown: bool = True) -> dict:
+                    load_from: tuple = (), before: int = 2, after: int = 2, teardown: bool = True,
+                    asynchronous: bool = True) -> dict:
     """A GPT (seed 0, SGD with momentum) under ``strategy``/``parallel`` through the Runtime.
 
-    Saving (``save_to``): ``before`` steps, a background save, ``after`` more steps while it is written;
+    Saving (``save_to``): ``before`` steps, a background save (a synchronous one when not ``asynchronous``: the
+    single/ddp file), ``after`` more steps while it is written;
     returns the full weights and momentum at the save and the losses after. Loading (``load_from``, one or
     more checkpoints in turn, each into a fresh model): the full weights and momentum right after the load,
     then the losses of the ``after`` steps that follow the saved ``before`` (same 16 samples a step)."""
@@ -42,7 +44,8 @@ def mesh_checkpoint(rank: int, strategy: str, parallel: dict | None, data_ranks:
         batches = iter(rt.setup_dataloader(text_loader(GLOBAL_BATCH // data_ranks)))
         if checkpoint is None:
             train_steps(rt, wrapped, optimizer, batches, before)
-            pending = rt.save(save_to, {"model": wrapped, "optimizer": optimizer, "step": before}, asynchronous=True)
+            pending = rt.save(save_to, {"model": wrapped, "optimizer": optimizer, "step": before},
+                              asynchronous=asynchronous)
         else:
             rest = rt.load(checkpoint, {"model": wrapped, "optimizer": optimizer})
             assert rest["step"] == before
@@ -53,11 +56,28 @@ def mesh_checkpoint(rank: int, strategy: str, parallel: dict | None, data_ranks:
         if checkpoint is None:
             result["published_before_wait"] = Path(save_to).exists()
             rt.wait_for_save()
-            result["write_s"] = pending.write_s
+            result["write_s"] = pending.write_s if asynchronous else None
         out[key] = result
     rt.barrier()
     if teardown:  # False: another Runtime follows in these processes, on the same process group
         rt.teardown()
+    return out
+
+
+def fsdp_and_ddp_resume_each_other(rank: int, fsdp_checkpoint: str, ddp_checkpoint: str) -> dict:
+    """In the same 2 processes: fsdp saves (DCP directory) and ddp reads it back; ddp saves (one file) and fsdp
+    is asked to read it ("refused": its error)."""
+    from trainscale.runtime.checkpoint_io import CheckpointError
+
+    out = {"fsdp": mesh_checkpoint(rank, "fsdp", None, 2, fsdp_checkpoint, teardown=False)}
+    out["ddp"] = mesh_checkpoint(rank, "ddp", None, 2, load_from=(fsdp_checkpoint,), teardown=False)
+    weights = out["ddp"][fsdp_checkpoint]["weights"]  # named through DDP's wrapper: "module.<name>"
+    out["ddp"][fsdp_checkpoint]["weights"] = {k.removeprefix("module."): v for k, v in weights.items()}
+    out["ddp_saved"] = mesh_checkpoint(rank, "ddp", None, 2, ddp_checkpoint, teardown=False, asynchronous=False)
+    try:
+        mesh_checkpoint(rank, "fsdp", None, 2, load_from=(ddp_checkpoint,))
+    except CheckpointError as err:
+        out["refused"] = str(err)
     return out
 
 

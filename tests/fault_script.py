@@ -7,8 +7,10 @@ written before it) and, at the end, saves its weights to ``OUT/final-rank{R}.pt`
 ``--stall-at-step S`` makes it stall there for good (after writing ``OUT/stalled``).
 ``--strategy fsdp --checkpoint-async --hold-async-save-at S``: checkpoints written in the background, and each
 rank's writer of the step-S checkpoint stops for good once its shards are on disk (before the metadata and
-the rename), after writing ``OUT/held-rank{R}`` (its pid); the test then kills the job. ``--resume``:
-``ckpt_path="last"``.
+the rename), after writing ``OUT/held-rank{R}`` (its pid); the test then kills the job. ``--hold-save-at S
+--hold-rank R``: the same for rank R only, in whichever thread writes (synchronous or background saves): a
+checkpoint file stops half written (rank 0 writes it), a sharded one once rank R's shards are on disk; the test
+then kills that rank alone. ``--resume``: ``ckpt_path="last"``.
 """
 
 import argparse
@@ -80,6 +82,20 @@ def hold_async_save_at(step: int, out: Path, rank: int) -> None:
     checkpoint_io._write_event = event
 
 
+def hold_save_of_one_rank_at(step: int, out: Path, rank: int, seconds: float | None = None) -> None:
+    """Make this rank's write of the step-``step`` checkpoint stop for good, half written (a checkpoint file:
+    stage "partial") or once its shards are on disk (sharded: "shards-written"), in any thread; for ``seconds``
+    only, when given."""
+    from trainscale.runtime import checkpoint_io
+
+    def event(stage, path):
+        if stage in ("partial", "shards-written") and f"step={step:010d}" in path.name:
+            (out / f"held-rank{rank}").write_text(str(os.getpid()))
+            threading.Event().wait(seconds)
+
+    checkpoint_io._write_event = event
+
+
 def final_weights(module) -> dict:
     """Full weights (a sharded DTensor gathered: every rank calls this)."""
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
@@ -98,6 +114,9 @@ def main() -> None:
     p.add_argument("--strategy", default="auto")
     p.add_argument("--checkpoint-async", action="store_true")
     p.add_argument("--hold-async-save-at", type=int, default=None)
+    p.add_argument("--hold-save-at", type=int, default=None)
+    p.add_argument("--hold-rank", type=int, default=0)
+    p.add_argument("--hold-for", type=float, default=None)
     p.add_argument("--resume", action="store_true")
     args = p.parse_args()
     out = Path(args.out)
@@ -109,6 +128,8 @@ def main() -> None:
     model.trainer = trainer
     if args.hold_async_save_at is not None:
         hold_async_save_at(args.hold_async_save_at, out, model.rank)
+    if args.hold_save_at is not None and model.rank == args.hold_rank:
+        hold_save_of_one_rank_at(args.hold_save_at, out, model.rank, args.hold_for)
     trainer.fit(model, DataLoader(Indexed(96), batch_size=4, shuffle=True),
                 optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
                 ckpt_path="last" if args.resume else None)

@@ -496,16 +496,20 @@ class BackwardSkippedOnOneRank(SyncDistOnOneRank):
 
 
 def rank_mismatch_body(rank: int, root: str) -> dict:
-    """Under ddp on 2 ranks, one process group for both: :class:`SyncDistOnOneRank` and
-    :class:`BackwardSkippedOnOneRank`; each one's error as "Type: message" ("none" if it trained)."""
+    """Under ddp, then fsdp, on 2 ranks, one process group for all: :class:`SyncDistOnOneRank` and
+    :class:`BackwardSkippedOnOneRank`; each one's error as "Type: message" ("none" if it trained), keyed
+    "sync_dist", "manual_backward" (ddp) and "fsdp/sync_dist", "fsdp/manual_backward"."""
     import warnings
 
     from trainscale.loop.trainer import Trainer
 
     out = {}
-    for name, model in (("sync_dist", SyncDistOnOneRank()), ("manual_backward", BackwardSkippedOnOneRank())):
-        trainer = Trainer(accelerator="cpu", devices="auto", max_steps=2, log_every_n_steps=1, logger=False,
-                          default_root_dir=f"{root}/{name}", enable_progress_bar=False, timeout=30)
+    for name, strategy, model in (("sync_dist", "ddp", SyncDistOnOneRank()),
+                                  ("manual_backward", "ddp", BackwardSkippedOnOneRank()),
+                                  ("fsdp/sync_dist", "fsdp", SyncDistOnOneRank()),
+                                  ("fsdp/manual_backward", "fsdp", BackwardSkippedOnOneRank())):
+        trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, max_steps=2, log_every_n_steps=1,
+                          logger=False, default_root_dir=f"{root}/{name}", enable_progress_bar=False, timeout=30)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # rank 1's own "step() with no gradients" warning

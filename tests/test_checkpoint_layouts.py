@@ -1,8 +1,9 @@
 """Checkpoints for every layout: background writes (``checkpoint_async=True``, torch's
 ``async_save``) that equal synchronous ones although training moved on during each write; a job killed
-during a background write resumes from the previous complete checkpoint; DCP checkpoints saved on one mesh
-resume on another (model_parallel 2×2 → dp_shard 4 and one process; fsdp 2 → fsdp 4 and one process)
-with the saved weights and optimizer state exactly and the uninterrupted run's losses.
+during a background write resumes from the previous complete checkpoint; a rank killed while it writes a
+checkpoint file leaves "last" intact and no process; DCP checkpoints saved on one mesh resume on another
+(model_parallel 2×2 → dp_shard 4 and one process; fsdp 2 → fsdp 4, ddp 2 and one process) with the saved weights
+and optimizer state exactly and the uninterrupted run's losses; a ddp file resumed under fsdp is refused.
 
 Real gloo processes; run them under the shared lock (``flock /tmp/trainscale-heavy.lock pytest ...``)."""
 
@@ -170,6 +171,44 @@ def test_a_job_killed_during_a_background_write_resumes_from_the_previous_comple
             assert torch.equal(got[key], value), f"rank {rank} {key} differs from the uninterrupted run"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_rank_killed_while_it_writes_a_checkpoint_file_leaves_last_intact_and_no_process(tmp_path):
+    """ddp on 2 ranks under torchrun, a checkpoint every 5 steps; rank 0's write of the step-10 file stops half
+    written (a test hook) and the test SIGKILLs rank 0 alone. The job ends with no process left (rank 1, torchrun),
+    "last" still names step 5, the half-written temporary is never taken for a checkpoint, and ``ckpt_path="last"``
+    resumes from step 5 to the end (the temporary removed by the next good save)."""
+    from trainscale.jobs.launcher import _descendants
+
+    out = tmp_path / "killed"
+    cmd = [TRAINSCALE, "run", "-n", "2", SCRIPT, "--strategy", "ddp", "--timeout", "20", "--epochs", "1",
+           "--out", str(out)]
+    job = subprocess.Popen([*cmd, "--hold-save-at", "10", "--hold-rank", "0"], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT, start_new_session=True)
+    try:
+        held = out / "held-rank0"
+        _wait_for([held], job, 40)
+        processes = _descendants(job.pid)  # torchrun's agent and both workers
+        os.kill(int(held.read_text()), signal.SIGKILL)
+        assert job.wait(timeout=30) != 0
+        _gone(processes, 10)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    checkpoints = out / "runs" / "version_0" / "checkpoints"
+    assert (checkpoints / "last").read_text() == "epoch=000000-step=0000000005.pt\n"
+    partial = [p.name for p in checkpoints.iterdir() if p.name.startswith(".epoch=000000-step=0000000010.pt")]
+    assert len(partial) == 1 and partial[0].endswith(".tmp")  # the half-written file, under a temporary name
+    assert not (checkpoints / "epoch=000000-step=0000000010.pt").exists()
+
+    resumed = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=40)
+    log = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, log[-4000:]
+    assert "resumed from" in log and "epoch=000000-step=0000000005" in log, log[-4000:]
+    assert (checkpoints / "last").read_text() == "epoch=000001-step=0000000012.pt\n"
+    assert not [p for p in checkpoints.iterdir() if p.name.endswith(".tmp")]
+
+
 # -- resuming on another mesh shape -------------------------------------------------------------------------
 def _save_and_load_on_four(rank: int, mp_checkpoint: str, fsdp_checkpoint: str) -> dict:
     """In the same 4 processes: model_parallel 2×2 saves; dp_shard 4 (model_parallel) reads that checkpoint back
@@ -186,11 +225,13 @@ def _save_and_load_on_four(rank: int, mp_checkpoint: str, fsdp_checkpoint: str) 
 def mesh_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("mesh")
     mp, fsdp = str(root / "mp-2x2"), str(root / "fsdp-2")
-    saved = {"fsdp": run_distributed(ckpt_workers.mesh_checkpoint, "fsdp", None, 2, fsdp, timeout=200)}
+    two = run_distributed(ckpt_workers.fsdp_and_ddp_resume_each_other, fsdp, str(root / "ddp.pt"), timeout=200)
+    saved = {"fsdp": [rank["fsdp"] for rank in two]}
     four = run_distributed(_save_and_load_on_four, mp, fsdp, world_size=4, timeout=400)
     saved["mp"] = [{"saved": rank["saved"]} for rank in four]
     # one process needs no process group: it runs here, in the test's process
-    loaded = {"four": [rank["loaded"] for rank in four],
+    loaded = {"four": [rank["loaded"] for rank in four], "ddp": [rank["ddp"] for rank in two],
+              "refused under fsdp": [rank.get("refused") for rank in two],
               "one": [ckpt_workers.mesh_checkpoint(0, "single", None, 1, None, (mp, fsdp))]}
     return mp, fsdp, saved, loaded
 
@@ -216,6 +257,20 @@ def test_a_model_parallel_2x2_checkpoint_resumes_on_dp_shard_4_and_in_one_proces
     for rank in loaded["four"]:
         _assert_resumed(reference, rank[mp])
     _assert_resumed(reference, loaded["one"][0][mp])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_an_fsdp_checkpoint_resumes_under_ddp_and_a_ddp_one_under_fsdp_is_refused_naming_the_fix(mesh_runs):
+    """In the same 2 processes as the fsdp save: ddp reads the DCP directory (each rank the whole tensors) with the
+    saved weights and momentum and the uninterrupted run's losses; fsdp asked for ddp's file names the fix."""
+    _, fsdp, saved, loaded = mesh_runs
+    reference = saved["fsdp"][0]["saved"]
+    for rank in loaded["ddp"]:
+        _assert_resumed(reference, rank[fsdp])
+    for refused in loaded["refused under fsdp"]:
+        assert refused is not None and "ddp.pt' is not a sharded (DCP) checkpoint directory written by " \
+            "strategy='fsdp'; resume a 'single'/'ddp' checkpoint file with that strategy" in refused, refused
 
 
 @pytest.mark.multiprocess

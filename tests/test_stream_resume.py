@@ -3,6 +3,7 @@ run reads no consumed sample again, trains on exactly the samples the uninterrup
 (the loop's read-ahead is not counted as trained), and ends with the same weights; on one process and 2-rank ddp."""
 
 import os
+import re
 import warnings
 
 import pytest
@@ -63,18 +64,26 @@ def _fit(root, ckpt_path=None, teardown=False, n=6, whole=False, **flags):
     return {"seen": model.seen, "reads": data.reads, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def stop_and_resume_body(rank: int, root: str, teardown: bool = True, **data) -> dict:
-    """The uninterrupted run; a run stopped after step 2 (mid-epoch 0) with a checkpoint there; its resume."""
+def stop_and_resume_body(rank: int, root: str, teardown: bool = True, saved_elsewhere: str | None = None,
+                         **data) -> dict:
+    """The uninterrupted run; a run stopped after step 2 (mid-epoch 0) with a checkpoint there; its resume.
+    ``saved_elsewhere``: a mid-epoch checkpoint of another world size, resumed first ("refused": its error)."""
     whole = _fit(os.path.join(root, "whole"), **data)
     cut = _fit(os.path.join(root, "cut"), checkpoint_every_n_steps=2, max_steps=2, **data)
-    resumed = _fit(os.path.join(root, "cut"), ckpt_path="last", teardown=teardown, **data)
-    return {"whole": whole, "cut": cut, "resumed": resumed}
+    out = {"whole": whole, "cut": cut}
+    if saved_elsewhere is not None:
+        with pytest.raises(ValueError) as refused:
+            _fit(os.path.join(root, "elsewhere"), ckpt_path=saved_elsewhere, **data)
+        out["refused"] = str(refused.value)
+    out["resumed"] = _fit(os.path.join(root, "cut"), ckpt_path="last", teardown=teardown, **data)
+    return out
 
 
-def own_and_shared_body(rank: int, root: str) -> dict:
-    """``stop_and_resume_body`` with a data set that shards itself, then with one every rank reads whole (12 samples:
-    6 batches, 3 per rank), with the warning rank 0 gives about it."""
-    own = stop_and_resume_body(rank, os.path.join(root, "own"), teardown=False)
+def own_and_shared_body(rank: int, root: str, saved_elsewhere: str) -> dict:
+    """``stop_and_resume_body`` with a data set that shards itself (and a checkpoint of another world size refused),
+    then with one every rank reads whole (12 samples: 6 batches, 3 per rank), with the warning rank 0 gives about
+    it."""
+    own = stop_and_resume_body(rank, os.path.join(root, "own"), teardown=False, saved_elsewhere=saved_elsewhere)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         shared = stop_and_resume_body(rank, os.path.join(root, "shared"), n=12, whole=True)
@@ -102,10 +111,15 @@ def test_a_stateful_dataloader_resumes_an_iterable_mid_epoch_exactly(tmp_path):
 def test_under_ddp_each_rank_resumes_its_own_loader_state_and_another_world_size_is_refused(tmp_path):
     """Each rank's loader state resumed exactly: of a data set that shards itself, and of one every rank reads whole,
     which the Trainer shares by batches (rank r keeps batches r, r + 2, ...; rank 0 says so once): the resumed run
-    reads from the round after the last trained batch and ends with the uninterrupted run's weights."""
-    results = run_distributed(own_and_shared_body, str(tmp_path), timeout=50)
+    reads from the round after the last trained batch and ends with the uninterrupted run's weights. A mid-epoch
+    checkpoint of 2 ranks resumed on 1, or of 1 resumed on 2, is refused before the first step naming both fixes."""
+    _fit(str(tmp_path / "one"), checkpoint_every_n_steps=2, max_steps=2)  # one process, stopped mid-epoch 0
+    saved_on_one = next((tmp_path / "one").glob("version_0/checkpoints/epoch=000000-step=0000000002.pt"))
+    results = run_distributed(own_and_shared_body, str(tmp_path), str(saved_on_one), timeout=50)
     for rank, run in enumerate(results):
         _check_exact(run["own"], [rank + 2 * k for k in range(6)])
+        assert re.search(r"saved for each of its 1 ranks.*over 2 ranks\. Resume on 1 ranks, or use a map-style",
+                         run["own"]["refused"]), run["own"]["refused"]
         shared, mine = run["shared"], [i for b in (rank, rank + 2, rank + 4) for i in (2 * b, 2 * b + 1)]
         assert shared["whole"]["seen"] == mine * 2 and shared["cut"]["seen"] == mine[:4]
         assert shared["cut"]["seen"] + shared["resumed"]["seen"] == shared["whole"]["seen"]
@@ -116,7 +130,7 @@ def test_under_ddp_each_rank_resumes_its_own_loader_state_and_another_world_size
     assert results[1]["said"] == []
     mid_epoch = next((tmp_path / "own" / "cut").glob("version_0/checkpoints/epoch=000000-step=0000000002.pt"))
     with pytest.raises(ValueError, match=r"saved for each of its 2 ranks.*Resume on 2 ranks, or use a map-style"):
-        _fit(str(tmp_path / "one"), ckpt_path=mid_epoch)
+        _fit(str(tmp_path / "one-from-two"), ckpt_path=mid_epoch)
 
 
 def test_loader_positions_give_the_state_after_the_batches_trained_not_those_read_ahead():

@@ -234,14 +234,18 @@ def test_names_logged_on_some_ranks_only_are_an_error_on_every_rank():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_sync_dist_or_manual_backward_on_some_ranks_only_is_an_error_on_every_rank_naming_them(tmp_path):
-    """Both stalled until the collective timeout (sync_dist: reported as "a transient stall") or aborted the job
-    (a skipped manual_backward: SIGABRT inside gloo)."""
+    """Under ddp and fsdp. Both stalled until the collective timeout (sync_dist: reported as "a transient stall")
+    or aborted the job (a skipped manual_backward: SIGABRT inside gloo, "collective mismatch"; under fsdp at the
+    next forward's all-gather, which met the other rank's reduce-scatter of its backward)."""
     out = run_distributed(mw.rank_mismatch_body, str(tmp_path), timeout=80)
     assert out[0] == out[1]  # every rank raises the same error
-    assert out[0]["sync_dist"].startswith("ValueError: self.log('acc', ..., sync_dist=True) was called on rank(s) [1] "
-                                          "and not on rank(s) [0]")
+    for prefix in ("", "fsdp/"):
+        assert out[0][f"{prefix}sync_dist"].startswith("ValueError: self.log('acc', ..., sync_dist=True) was called on "
+                                                       "rank(s) [1] and not on rank(s) [0]")
     assert out[0]["manual_backward"].startswith("RuntimeError: SGD.step(): rank(s) [1] have no gradients while the "
                                                 "other ranks have theirs: self.manual_backward(loss) was skipped there")
+    assert out[0]["fsdp/manual_backward"].startswith("RuntimeError: self.manual_backward(loss) was called on rank(s) "
+                                                     "[0] and not on rank(s) [1] before their opt.step()")
 
 
 def _returned_keys_expected(n: int, world_size: int) -> tuple[float, float]:

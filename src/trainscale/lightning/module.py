@@ -213,10 +213,14 @@ class TrainingModule(HyperparametersMixin, nn.Module):
     def manual_backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` through the Runtime (scaled under "16-mixed"). No communication under ddp
         (gradients are averaged in ``optimizer.step()``); under fsdp each sharded submodule reduce-scatters
-        its gradients in this backward unless inside ``optimizer.toggle_model(sync_grad=False)``. As in
-        Lightning, the ``on_before_backward(loss)`` and ``on_after_backward()`` hooks run around it."""
+        its gradients in this backward unless inside ``optimizer.toggle_model(sync_grad=False)``, after the ranks
+        agree that each of them runs it (``trainscale.lightning.optimizers.BackwardAgreement``: a RuntimeError on
+        every rank naming those that skipped it). As in Lightning, the ``on_before_backward(loss)`` and ``on_after_backward()`` hooks run around it."""
         trainer = self.trainer
         trainer._hook("on_before_backward", loss)
+        agreement = trainer.manual_optimizers[0].agreement if trainer.manual_optimizers else None
+        if agreement is not None:  # fsdp on several ranks: every rank's backward reduce-scatters together
+            agreement.before_backward()
         trainer.runtime.backward(loss)
         trainer._hook("on_after_backward")
 

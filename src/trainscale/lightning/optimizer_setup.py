@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from trainscale.lightning.optimizers import ManualOptimizer, parse_optimization
+from trainscale.lightning.optimizers import BackwardAgreement, ManualOptimizer, parse_optimization
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
@@ -30,6 +30,8 @@ def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, confi
     optimizers = [runtime.strategy.setup_optimizer(o) for o in optimization.optimizers]
     sync = runtime.strategy.gradient_sync
     extra = {name: fn for name, fn in (("scaled_lr", scaled_lr), ("before_step", before_step)) if fn is not None}
+    if manual and sync == "backward" and runtime.world_size > 1:
+        extra["agreement"] = BackwardAgreement(runtime)  # one for the fit: manual_backward and every optimizer
     manuals = [ManualOptimizer(o, runtime, model, wrapped, sync, **extra) for o in optimizers] if manual else []
     return optimizers, list(optimization.schedulers), manuals
 

@@ -162,6 +162,59 @@ def learning_rates(optimizers) -> dict[str, float]:
     return out
 
 
+def rank_flags(runtime: Runtime, flag: bool) -> list[float]:
+    """Every rank's ``flag`` (1.0 or 0.0, indexed by rank), in one all-reduce of ``world_size`` numbers."""
+    flags = torch.zeros(runtime.world_size, device=runtime.device)
+    flags[runtime.rank] = 1.0 if flag else 0.0
+    return runtime.all_reduce(flags).tolist()
+
+
+class BackwardAgreement:
+    """Under fsdp on several ranks with manual optimization: whether every rank runs each backward that
+    reduce-scatters gradients (FSDP2 does it inside the backward, a collective of every rank). A rank that skips
+    ``self.manual_backward(loss)`` (a branch some ranks take) would meet the others' reduce-scatter with its next
+    collective: gloo aborts the job with SIGABRT ("collective mismatch"), NCCL waits for the timeout.
+
+    Each synchronising ``manual_backward`` agrees first, in one all-reduce of a flag per rank (``world_size``
+    numbers, one host read); a rank that reaches ``opt.step()`` (or ``clip_gradients``) without one since its last
+    step agrees there with a flag of 0, which the others' backward meets. A rank that skips both its backward and its step is not
+    caught (its next collective is the next forward's all-gather).
+
+    Raises:
+        RuntimeError: on every rank, naming the ranks that called ``manual_backward`` and those that did not.
+    """
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+        self.syncing = True  # False inside toggle_model(sync_grad=False): that backward does not communicate
+        self._agreed = False  # since the last step: a synchronising backward agreed on, or a clip that agreed
+
+    def before_backward(self) -> None:
+        if self.syncing:
+            self._agree(True)
+            self._agreed = True
+
+    def before_update(self) -> None:
+        """Before ``clip_gradients`` or ``step()``, whose collectives must not meet another rank's agreement."""
+        if not self._agreed:
+            self._agree(False)
+        self._agreed = True
+
+    def after_step(self) -> None:
+        self._agreed = False
+
+    def _agree(self, backward: bool) -> None:
+        flags = rank_flags(self._rt, backward)
+        if 0 < sum(flags) < len(flags):
+            called = [r for r, f in enumerate(flags) if f]
+            skipped = [r for r, f in enumerate(flags) if not f]
+            raise RuntimeError(f"self.manual_backward(loss) was called on rank(s) {called} and not on rank(s) "
+                               f"{skipped} before their opt.step() (e.g. in a branch taken on some ranks only): "
+                               "under fsdp each backward reduce-scatters the gradients with every rank, so every "
+                               "rank must call it (backward a zero loss, e.g. 0 * loss, where a rank has nothing "
+                               "to learn)")
+
+
 class ManualOptimizer:
     """An optimizer as ``TrainingModule.optimizers()`` hands it out under manual optimization.
 
@@ -179,12 +232,14 @@ class ManualOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, runtime: Runtime, model: torch.nn.Module,
                  wrapped: torch.nn.Module, gradient_sync: str,
                  scaled_lr: Callable[[torch.optim.Optimizer], ContextManager] = lambda opt: contextlib.nullcontext(),
-                 before_step: Callable[[torch.optim.Optimizer], None] = lambda opt: None) -> None:
+                 before_step: Callable[[torch.optim.Optimizer], None] = lambda opt: None,
+                 agreement: BackwardAgreement | None = None) -> None:
         """``gradient_sync``: "step" (ddp: averaged in :meth:`step`), "backward" (fsdp: reduce-scattered by
         FSDP2 in backward) or "none" (one process). ``scaled_lr(optimizer)``: the context the step runs in
         (the Trainer's ``BatchScaling.scaled_lr`` under ``lr_scaling``). ``before_step(optimizer)``: the
         ``on_before_optimizer_step`` hooks, called with the gradients averaged and unscaled (Lightning calls
-        them after the closure, before the step)."""
+        them after the closure, before the step). ``agreement``: the fit's :class:`BackwardAgreement` (fsdp
+        on several ranks; shared by its optimizers and ``manual_backward``)."""
         self.optimizer = optimizer
         self._model = model
         self._wrapped = wrapped  # what Runtime.setup returned (the FSDP root under fsdp)
@@ -197,6 +252,7 @@ class ManualOptimizer:
         self._warned_no_gradients = False
         self._before_step = before_step
         self._steps = 0  # steps since the Trainer last counted them (take_steps): Lightning's global_step counts each
+        self.agreement = agreement
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["optimizer"], name)
@@ -225,9 +281,7 @@ class ManualOptimizer:
         Raises:
             RuntimeError: on every rank, naming the ranks without gradients and the fix.
         """
-        flags = torch.zeros(self._rt.world_size, device=self._rt.device)
-        flags[self._rt.rank] = 1.0 if has else 0.0
-        having = self._rt.all_reduce(flags).tolist()
+        having = rank_flags(self._rt, has)
         if 0 < sum(having) < len(having):
             missing = [r for r, flag in enumerate(having) if not flag]
             raise RuntimeError(f"{type(self.optimizer).__name__}.step(): rank(s) {missing} have no gradients while the "
@@ -243,12 +297,16 @@ class ManualOptimizer:
             with torch.enable_grad():
                 closure()
         self._warn_if_no_gradients()
+        if self.agreement is not None:
+            self.agreement.before_update()
         self._average_gradients()
         self._rt.precision.unscale_gradients(self.optimizer)
         self._before_step(self.optimizer)
         with self._scaled_lr(self.optimizer):
             self._rt.step(self.optimizer)
         self._averaged = False
+        if self.agreement is not None:
+            self.agreement.after_step()
         self._steps += 1
 
     def take_steps(self) -> int:
@@ -283,6 +341,8 @@ class ManualOptimizer:
         if gradient_clip_algorithm not in ("norm", "value") or not gradient_clip_val > 0:
             raise ValueError(f"clip_gradients(gradient_clip_val={gradient_clip_val!r}, gradient_clip_algorithm="
                              f"{gradient_clip_algorithm!r}): the value must be > 0 and the algorithm 'norm' or 'value'")
+        if self.agreement is not None:
+            self.agreement.before_update()
         self._average_gradients()
         self._rt.precision.unscale_gradients(self.optimizer)
         params = list(self._params())
@@ -314,9 +374,14 @@ class ManualOptimizer:
         unsharded until their own optimizer's synced block (``apply_fsdp.gradient_sync_for``). Under ddp
         gradients are averaged in :meth:`step` only, so ``sync_grad`` needs no action there."""
         self.toggle()
+        syncing = self.agreement.syncing if self.agreement is not None else True
         try:
             with gradient_sync_for(self._wrapped, self._params(), sync_grad) if self._sync_in_backward \
                     else contextlib.nullcontext():
+                if self.agreement is not None:
+                    self.agreement.syncing = sync_grad
                 yield
         finally:
+            if self.agreement is not None:
+                self.agreement.syncing = syncing
             self.untoggle()

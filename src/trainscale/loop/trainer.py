@@ -58,7 +58,7 @@ class Trainer:
 
     def __init__(self, *, callbacks: list[Callback] | None = None, logger: Any = None, runtime: Runtime | None = None,
                  # the Runtime's flags (RuntimeFlags), described in Runtime.__init__
-                 accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto", num_nodes: int = 1,
+                 accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto", num_nodes: int | None = None,
                  precision: str = "32-true", timeout: float = 1800.0, strategy_options: dict | None = None,
                  sync_batchnorm: bool = False, activation_checkpointing: Any = None, compile: bool | dict = False,
                  float32_matmul_precision: str | None = None, parallel: dict | None = None,

@@ -38,8 +38,8 @@ class RuntimeFlags:
             processes per node; else 1).
         strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp" (docs/strategies.md),
             or "ddp_spawn"/"ddp_notebook": ddp with the processes started from this one by spawn/fork.
-        num_nodes: machines in the job; when not given, the launcher's count of nodes (pods, SLURM nodes, torchrun's
-            agents), 1 without a launcher.
+        num_nodes: machines in the job; None (not given): the launcher's count of nodes (pods, SLURM nodes,
+            torchrun's agents), 1 without a launcher.
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
         timeout: seconds a collective may wait before it fails (``init_process_group``'s timeout).
         strategy_options: keyword options of the strategy (ddp: ``find_unused_parameters``, ``static_graph``,
@@ -66,7 +66,7 @@ class RuntimeFlags:
     accelerator: str = "auto"
     devices: int | str = "auto"
     strategy: str = "auto"
-    num_nodes: int = 1
+    num_nodes: int | None = None
     precision: str = "32-true"
     _: KW_ONLY
     timeout: float = 1800.0
@@ -187,6 +187,7 @@ def resolve(*args: Any, cuda_count: int = 0, has_mps: bool = False, **flags: Any
     f = make_flags(RuntimeFlags, "Runtime", args, flags)
     accelerator = _resolve_accelerator(f.accelerator, cuda_count, has_mps)
     devices, num_nodes, precision, sync_batchnorm = f.devices, f.num_nodes, f.precision, f.sync_batchnorm
+    num_nodes = 1 if num_nodes is None else num_nodes  # no launcher's count given (Runtime passes the launcher's)
     float32_matmul_precision = f.float32_matmul_precision
     devices = _resolve_devices(devices, accelerator, cuda_count)
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:

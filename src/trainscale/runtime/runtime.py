@@ -90,7 +90,7 @@ class Runtime:
     """
 
     def __init__(self, accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
-                 num_nodes: int = 1, precision: str = "32-true", *, timeout: float = 1800.0,
+                 num_nodes: int | None = None, precision: str = "32-true", *, timeout: float = 1800.0,
                  strategy_options: dict | None = None, sync_batchnorm: bool = False, activation_checkpointing: Any = None,
                  compile: bool | dict = False, float32_matmul_precision: str | None = None,
                  parallel: dict | None = None, tp_plan: dict | None = None, parallelize: Callable | None = None,
@@ -106,7 +106,8 @@ class Runtime:
             strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp"
                 (docs/strategies.md), or "ddp_spawn"/"ddp_notebook": ddp with the processes started from this one
                 by spawn/fork.
-            num_nodes: machines in the job.
+            num_nodes: machines in the job; None (not given): the launcher's count of nodes (pods, SLURM nodes,
+                torchrun's agents), 1 without a launcher.
             precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
             timeout: seconds a collective may wait before it fails (``init_process_group``'s timeout).
             strategy_options: keyword options of the strategy (ddp: ``find_unused_parameters``, ``static_graph``,
@@ -145,8 +146,8 @@ class Runtime:
         follows_launcher = devices == "auto" and world.launcher != "none"  # nodes may differ in processes
         if follows_launcher:  # a pod that left its process count to the job: "auto" devices, the launcher's nodes
             devices = "auto" if world.per_node == "auto" else world.local_world_size
-        if world.launcher != "none" and "num_nodes" not in flags and len(args) < 4:
-            num_nodes = world.num_nodes  # not given: the launcher's nodes (the same script runs under any launcher)
+        if num_nodes is None:  # not given: the launcher's nodes (the same script runs under any launcher)
+            num_nodes = world.num_nodes if world.launcher != "none" else 1
         visible = _devices.cuda_device_count()
         self.config: RunConfig = resolve(cuda_count=_devices.node_cuda_count(visible, world.local_world_size,
                                                                              world.launcher),
