@@ -268,3 +268,14 @@ def test_fsdp_units_from_no_split_modules_or_names():
         fsdp_units(loop, ("GPT2Block",), "fsdp")
     with pytest.raises(ValueError, match="must be a set of nn.Module classes or class names"):
         _wrap_policy("LlamaDecoderLayer")
+
+
+def test_load_pretrained_of_a_directory_without_safetensors_names_what_it_needs(tmp_path):
+    from trainscale.export import load_pretrained
+
+    model = hf_workers.tiny_llama(2)
+    model.config.save_pretrained(tmp_path / "config_only")  # config.json and no weights
+    with pytest.raises(ValueError, match=r"config_only' holds no \.safetensors file: pass the directory"):
+        load_pretrained(model, tmp_path / "config_only")
+    with pytest.raises(ValueError, match="is not a directory"):
+        load_pretrained(model, tmp_path / "missing")

@@ -94,14 +94,20 @@ def load_pretrained(model: Any, directory: str | Path) -> None:
     ``Runtime.setup``, or in a callback's ``on_fit_start``), with the model whose class wrote the files.
 
     Raises:
-        ValueError: a parameter or buffer of ``model`` is not in the files (a tied copy of one that is, e.g. a
-            head tied to the token embedding, may be absent), naming the first ones.
+        ValueError: ``directory`` holds no safetensors file; a parameter or buffer of ``model`` is not in the files
+            (a tied copy of one that is, e.g. a head tied to the token embedding, may be absent), naming the first
+            ones.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+    directory = Path(directory)
+    if not directory.is_dir() or not any(directory.glob("*.safetensors")):
+        what = "is not a directory" if not directory.is_dir() else "holds no .safetensors file"
+        raise ValueError(f"{str(directory)!r} {what}: pass the directory `trainscale export` or save_pretrained wrote "
+                         "(model.safetensors, or model-*.safetensors with model.safetensors.index.json)")
     stored = HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
     state = get_model_state_dict(model)
     params = dict(model.named_parameters(remove_duplicate=False))  # tied names share one Parameter
