@@ -58,7 +58,8 @@ class Trainer:
 
     def __init__(self, *, callbacks: list[Callback] | None = None, logger: Any = None, runtime: Runtime | None = None,
                  # the Runtime's flags (RuntimeFlags), described in Runtime.__init__
-                 accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto", num_nodes: int | None = None,
+                 accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
+                 num_nodes: int | None = None,
                  precision: str = "32-true", timeout: float = 1800.0, strategy_options: dict | None = None,
                  sync_batchnorm: bool = False, activation_checkpointing: Any = None, compile: bool | dict = False,
                  float32_matmul_precision: str | None = None, parallel: dict | None = None,
@@ -583,7 +584,7 @@ class Trainer:
         self.is_step_end = True
         self.callback_metrics.update(self.metric_collector.step_metrics())  # every step, on the device (Lightning's)
         self._hook("on_train_batch_end", loss, batch, micro.index)
-        if self.is_log_step:
+        if self.is_log_step:  # two collectives: telemetry's all_gather of each rank's interval, sync_dist's all-reduce
             self._log_step(fit, loss, grad_norm)
         # 6. Validation, signals, the non-finite check and checkpoints, when due; the time limit.
         if self._validation_due(fit, first_batch):
