@@ -61,10 +61,13 @@ def _run_all(commands: list[tuple[list[str], dict]], tmp_path: Path, timeout: fl
         log.seek(0)
         logs.append(log.read())
         log.close()
-    text = "\n".join(f"--- process {i} (exit {p.returncode})\n{out[-3000:]}" for i, ((p, _), out) in
+    tails = "\n".join(f"--- process {i} (exit {p.returncode})\n{out[-3000:]}" for i, ((p, _), out) in
+                      enumerate(zip(procs, logs)))
+    assert all(p.returncode == 0 for p, _ in procs), tails
+    # Whole logs: a non-master torchrun agent may end with a long traceback of the master's store closing
+    # first (exit 0), which would push the launch lines out of a tail.
+    return "\n".join(f"--- process {i} (exit {p.returncode})\n{out}" for i, ((p, _), out) in
                      enumerate(zip(procs, logs)))
-    assert all(p.returncode == 0 for p, _ in procs), text
-    return text
 
 
 @pytest.fixture(scope="module")
