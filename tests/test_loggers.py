@@ -89,6 +89,50 @@ def test_resolve_loggers_accepts_the_forms_trainer_logger_takes():
     assert isinstance(two, Logger)
 
 
+def test_tensorboard_flag_adds_one_tensorboard_logger():
+    pytest.importorskip("tensorboard")
+    assert [type(x) for x in resolve_loggers(None, tensorboard=True)] == [CSVLogger, TensorBoardLogger]
+    assert [type(x) for x in resolve_loggers(False, tensorboard=True)] == [TensorBoardLogger]
+    own = TensorBoardLogger()
+    assert resolve_loggers(own, tensorboard=True) == [own]  # the user's, not a second one
+
+
+class _Counting(_Recorder):
+    def __init__(self):
+        self.calls = []
+
+    def setup(self, run_dir):
+        self.calls.append("setup")
+
+    def log_hyperparams(self, params):
+        self.calls.append("hparams")
+
+    def log_metrics(self, metrics, step):
+        self.calls.append((step, dict(metrics)))
+
+    def finalize(self, status):
+        self.calls.append(status)
+
+
+def test_metrics_processor_writes_each_record_once_per_destination(tmp_path):
+    from trainscale.loop.records import MetricsProcessor
+
+    lg = _Counting()
+    out = MetricsProcessor(None, None, tmp_path, [lg], {"lr": 0.1})
+    records = [{"kind": "step", "rank": "all", "step": 2, "epoch": 0, "train_loss": 0.5},
+               {"kind": "epoch", "rank": "all", "step": 2, "epoch": 0, "train_loss": 0.4}]
+    for record in records:
+        out.write(record)
+    out.close("failed")
+    out.close("success")  # once closed, closing again does nothing
+    assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == records
+    assert lg.calls == ["setup", "hparams", (2, {"epoch": 0, "step/train_loss": 0.5}),
+                        (2, {"epoch": 0, "epoch/train_loss": 0.4}), "failed"]
+    other_rank = _Counting()
+    MetricsProcessor(None, None, None, [other_rank], {}).write(records[0])  # a rank that does not write
+    assert other_rank.calls == []
+
+
 @pytest.mark.parametrize("bad", ["wandb", CSVLogger, 3, [CSVLogger(), "csv"], {"csv": True}])
 def test_resolve_loggers_refuses_what_is_not_a_logger(bad):
     with pytest.raises(TypeError, match=r"is not a logger: pass an instance such as trainscale\.loggers\.CSVLogger"):

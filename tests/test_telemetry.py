@@ -1,4 +1,4 @@
-"""Telemetry pieces in one process: timers, FLOPs, MFU, memory, NVML sampler, stragglers, sinks."""
+"""Telemetry pieces in one process: timers, FLOPs, MFU, memory, NVML sampler, stragglers, metrics.jsonl."""
 
 import csv
 import json
@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from tests import workers
 from trainscale.telemetry import flops, nvml
 from trainscale.telemetry.memory import PeakMemory
-from trainscale.telemetry.sinks import CsvSink, JsonlSink, TensorBoardSink, default_sinks
+from trainscale.telemetry.sinks import JsonlSink
 from trainscale.telemetry.overlap import comm_overlap
 from trainscale.telemetry.report import summary_line, text_summary
 from trainscale.telemetry.stragglers import compute_per_step, find_stragglers
@@ -229,31 +229,6 @@ def test_nvml_degrades_to_not_available(monkeypatch):
     assert not nvml.GpuSampler(None).available  # CPU rank: nothing to sample
 
 
-def test_csv_sink_one_file_per_kind_flattened(tmp_path):
-    sink = CsvSink(tmp_path)
-    sink.write({"kind": "step", "step": 1, "phase_s": {"data": 0.5}, "peak_memory_bytes": [1, 2]})
-    sink.write({"kind": "step", "step": 2, "phase_s": {"data": 0.25}, "peak_memory_bytes": [3, 4], "new": 1})
-    sink.write({"kind": "epoch", "step": 2, "val_loss": 1.5})
-    sink.close()
-    rows = list(csv.DictReader(open(tmp_path / "metrics_step.csv")))
-    assert [r["phase_s.data"] for r in rows] == ["0.5", "0.25"] and "new" not in rows[0]
-    assert json.loads(rows[1]["peak_memory_bytes"]) == [3, 4]
-    assert list(csv.DictReader(open(tmp_path / "metrics_epoch.csv")))[0]["val_loss"] == "1.5"
-
-
-def test_csv_sink_opens_known_kinds_early_keeps_a_resumed_header_and_drops_unused_files(tmp_path):
-    (tmp_path / "metrics_epoch.csv").write_text("epoch,val_loss\n0,2.0\n")  # a resumed run's file
-    sink = CsvSink(tmp_path, kinds=("step", "epoch", "never"))
-    assert (tmp_path / "metrics_step.csv").is_file()  # opened before any record
-    sink.write({"kind": "step", "step": 1, "loss": 0.5})
-    sink.write({"kind": "epoch", "epoch": 1, "val_loss": 1.5, "extra": 3})
-    sink.close()
-    assert not (tmp_path / "metrics_never.csv").exists()  # no record of that kind: no empty file left
-    assert list(csv.DictReader(open(tmp_path / "metrics_step.csv"))) == [{"kind": "step", "step": "1", "loss": "0.5"}]
-    assert list(csv.DictReader(open(tmp_path / "metrics_epoch.csv"))) == [
-        {"epoch": "0", "val_loss": "2.0"}, {"epoch": "1", "val_loss": "1.5"}]  # appended under its header
-
-
 def test_timer_totals_per_step_and_running_add_up_the_times_of_collect():
     phases = ("data", "forward", "backward", "optimizer")
     timers = [StepTimer("cpu", time_comm=True), StepTimer("cpu", time_comm=True),
@@ -312,52 +287,31 @@ def test_micro_batch_equals_three_marks(running):
         assert a[-1][-2:] == [8.0, 5.0]
 
 
-def test_tensorboard_sink_writes_scalars(tmp_path):
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    sink = TensorBoardSink(tmp_path / "tb")
-    sink.write({"kind": "step", "step": 4, "rank": "all", "samples_per_s": 120.0, "phase_s": {"data": 0.1},
-                "peak_memory_bytes": [10, 20], "mfu": None})
-    sink.close()
-    events = EventAccumulator(str(tmp_path / "tb"))
-    events.Reload()
-    tags = set(events.Tags()["scalars"])
-    assert {"step/samples_per_s", "step/phase_s/data", "step/peak_memory_bytes/rank1"} <= tags
-    assert events.Scalars("step/samples_per_s")[0].step == 4 and events.Scalars("step/samples_per_s")[0].value == 120
-
-
 def test_file_sinks_flush_at_epoch_records_after_flush_secs_and_at_close(tmp_path):
-    sinks = [JsonlSink(tmp_path / "metrics.jsonl", flush_secs=3600), CsvSink(tmp_path, kinds=("step",), flush_secs=3600)]
-    files = (tmp_path / "metrics.jsonl", tmp_path / "metrics_step.csv")
-    for sink in sinks:
-        sink.write({"kind": "step", "step": 1, "loss": 0.5})  # the first record flushes (nothing flushed yet)
-        sink.write({"kind": "step", "step": 2, "loss": 0.4})  # buffered: flush_secs not reached
-    assert [len(f.read_text().splitlines()) for f in files] == [1, 2]  # JSONL: 1 record; CSV: header + 1 row
-    for sink in sinks:
-        sink.write({"kind": "epoch", "epoch": 0, "loss": 0.45})  # an epoch record: everything reaches the files
-    assert [len(f.read_text().splitlines()) for f in files] == [3, 3]
-    for sink in sinks:
-        sink.flush_secs = 0.0
-        sink.write({"kind": "step", "step": 3, "loss": 0.3})  # flush_secs passed: flushed
-    assert [len(f.read_text().splitlines()) for f in files] == [4, 4]
-    for sink in sinks:
-        sink.flush_secs = 3600
-        sink._flushed = time.monotonic()
-        sink.write({"kind": "step", "step": 4, "loss": 0.2})
-        sink.close()
-    assert [len(f.read_text().splitlines()) for f in files] == [5, 5]
+    sink, file = JsonlSink(tmp_path / "metrics.jsonl", flush_secs=3600), tmp_path / "metrics.jsonl"
+    sink.write({"kind": "step", "step": 1, "loss": 0.5})  # the first record flushes (nothing flushed yet)
+    sink.write({"kind": "step", "step": 2, "loss": 0.4})  # buffered: flush_secs not reached
+    assert len(file.read_text().splitlines()) == 1
+    sink.write({"kind": "epoch", "epoch": 0, "loss": 0.45})  # an epoch record: everything reaches the file
+    assert len(file.read_text().splitlines()) == 3
+    sink.flush_secs = 0.0
+    sink.write({"kind": "step", "step": 3, "loss": 0.3})  # flush_secs passed: flushed
+    assert len(file.read_text().splitlines()) == 4
+    sink.flush_secs = 3600
+    sink._flushed = time.monotonic()
+    sink.write({"kind": "step", "step": 4, "loss": 0.2})
+    assert len(file.read_text().splitlines()) == 4
+    sink.close()
+    assert len(file.read_text().splitlines()) == 5
 
 
 def test_file_sinks_flush_the_first_record_on_a_machine_booted_a_minute_ago(tmp_path, monkeypatch):
     # time.monotonic() counts from boot on Linux: a minute after boot it reads ~60, less than flush_secs
     monkeypatch.setattr(time, "monotonic", lambda: 60.0)
-    sinks = [JsonlSink(tmp_path / "metrics.jsonl", flush_secs=3600), CsvSink(tmp_path, kinds=("step",), flush_secs=3600)]
-    for sink in sinks:
-        sink.write({"kind": "step", "step": 1, "loss": 0.5})
-    assert [len(f.read_text().splitlines()) for f in (tmp_path / "metrics.jsonl", tmp_path / "metrics_step.csv")] == [1, 2]
-    for sink in sinks:
-        sink.close()
+    sink = JsonlSink(tmp_path / "metrics.jsonl", flush_secs=3600)
+    sink.write({"kind": "step", "step": 1, "loss": 0.5})
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+    sink.close()
 
 
 def test_trainer_closes_its_sinks_when_fit_raises(tmp_path):
@@ -402,7 +356,13 @@ def test_trainer_summary_has_the_telemetry_contract(tmp_path):
     steps = [json.loads(line) for line in open(tmp_path / "version_0" / "metrics.jsonl")]
     steps = [r for r in steps if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [3, 6, 9, 12] and all(r["rank"] == "all" for r in steps)
-    assert (tmp_path / "version_0" / "metrics_step.csv").is_file()
+    # one output path: metrics.jsonl and the default CSVLogger's metrics.csv, each record once in each
+    run_dir = tmp_path / "version_0"
+    assert sorted(p.name for p in run_dir.glob("metrics*")) == ["metrics.csv", "metrics.jsonl"]
+    rows = list(csv.DictReader(open(run_dir / "metrics.csv")))
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [int(r["step"]) for r in rows] == [r["step"] for r in records]
+    assert [float(r["step/train_loss"]) for r in rows if r["step/train_loss"]] == [r["train_loss"] for r in steps]
 
 
 def test_trainer_on_cpu_counts_no_flops_unless_asked(tmp_path, monkeypatch):
@@ -447,7 +407,10 @@ def test_tensorboard_is_written_on_request_only(tmp_path):
 
 
 def test_tensorboard_without_the_package_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(TensorBoardSink, "available", staticmethod(lambda: False))
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
     with pytest.raises(ValueError, match=r"pip install 'trainscale\[tensorboard\]'"):
         Trainer(accelerator="cpu", tensorboard=True)
 

@@ -33,6 +33,7 @@ from trainscale.lightning.hparams import HyperparametersMixin
 
 if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
+    from trainscale.runtime.runtime import Runtime
 
 
 # Lightning's LightningModule hooks the Trainer calls (``lightning.pytorch.core.hooks.ModelHooks``, and the
@@ -472,22 +473,25 @@ def attach_trainer(model: nn.Module, trainer: Trainer) -> None:
     model.__dict__["_trainer"] = trainer
 
 
-def set_up_model(trainer: Trainer, model: nn.Module, loss_fn: Callable | None) -> tuple[LoopModule, nn.Module]:
-    """``model`` in a :class:`LoopModule` with ``loss_fn``, set up by ``trainer.runtime`` (``Runtime.setup``: the
-    strategy's wrapper or in-place sharding, compile, activation checkpointing): ``(loop_module, wrapped)``.
+def set_up_model(runtime: Runtime, model: nn.Module, loss_fn: Callable | None,
+                 last_setup: tuple | None) -> tuple[nn.Module, LoopModule, nn.Module]:
+    """``model`` in a :class:`LoopModule` with ``loss_fn``, set up by ``runtime`` (``Runtime.setup``: the strategy's
+    wrapper or in-place sharding, compile, activation checkpointing): ``(model, loop_module, wrapped)``, which the
+    caller keeps and passes back as ``last_setup``.
 
-    The model of the trainer's last ``fit``/``validate``/``test``/``predict`` is set up once and reused, as
+    The model of the last ``fit``/``validate``/``test``/``predict`` (``last_setup[0]``) is set up once and reused, as
     Lightning's ``trainer.fit(model)`` then ``trainer.test(model)``: fsdp and tp shard the model in place and
     cannot shard it twice, and a second DDP wrapper would register a second set of gradient hooks.
 
     Raises:
         ValueError: ``loss_fn`` given together with a model that defines ``training_step``.
     """
-    attach_trainer(model, trainer)
-    if trainer.last_setup is not None and trainer.last_setup[0] is model:
-        _, loop_module, wrapped = trainer.last_setup
-        loop_module.use_loss_fn(loss_fn)
-        return loop_module, wrapped
+    if last_setup is not None and last_setup[0] is model:
+        last_setup[1].use_loss_fn(loss_fn)
+        return last_setup
+    loop_module = LoopModule(model, loss_fn)
+    wrapped, _ = runtime.setup(loop_module)
+    return model, loop_module, wrapped
     loop_module = LoopModule(model, loss_fn)
     wrapped, _ = trainer.runtime.setup(loop_module)
     trainer.last_setup = (model, loop_module, wrapped)

@@ -14,8 +14,7 @@ library is installed and imports it at ``setup``. User guide: docs/loggers.md.
 
 from typing import TYPE_CHECKING
 
-from trainscale.loggers.base import Logger, resolve_loggers
-from trainscale.telemetry.sinks import record_metrics
+from trainscale.loggers.base import Logger, record_metrics, resolve_loggers
 
 if TYPE_CHECKING:  # the same names as _LAZY, for type checkers and the API reference (docs/api.md)
     from trainscale.loggers.csv_logger import CSVLogger

@@ -1,4 +1,4 @@
-"""The ``Logger`` protocol, ``resolve_loggers`` and what the loggers share.
+"""The ``Logger`` protocol, ``resolve_loggers``, ``record_metrics`` and what the loggers share.
 
 Lightning's names (``lightning.pytorch.loggers.logger.Logger``): ``log_metrics``,
 ``log_hyperparams``, ``finalize``; plus ``setup``, which hands a logger the run directory.
@@ -7,6 +7,8 @@ Lightning's names (``lightning.pytorch.loggers.logger.Logger``): ``log_metrics``
 from __future__ import annotations
 
 import importlib.util
+import math
+import numbers
 import os
 from pathlib import Path
 from typing import Any, Mapping, Protocol, runtime_checkable
@@ -41,18 +43,30 @@ class Logger(Protocol):
     def finalize(self, status: str) -> None: ...
 
 
-def resolve_loggers(logger: Any) -> list[Logger]:
-    """``Trainer(logger=...)`` as a list of loggers.
+def resolve_loggers(logger: Any, tensorboard: bool = False) -> list[Logger]:
+    """``Trainer(logger=..., tensorboard=...)`` as a list of loggers.
 
     None or True: ``[CSVLogger()]`` (the default); False: ``[]``; one logger: ``[logger]``; a list or tuple
     of loggers: a list of them. A logger is any object with ``setup``, ``log_hyperparams``,
-    ``log_metrics`` and ``finalize`` (:class:`Logger`).
+    ``log_metrics`` and ``finalize`` (:class:`Logger`). ``tensorboard=True`` adds a ``TensorBoardLogger()``
+    unless the list holds one.
 
     Raises:
         TypeError: for anything else (a string such as "wandb", a class instead of an instance, a list
             holding a non-logger), naming the value and the fix.
         ValueError: the same logger object twice in a list (it would receive every record twice).
+        ModuleNotFoundError: ``tensorboard=True`` without the tensorboard package (names the pip command).
     """
+    loggers = _given_loggers(logger)
+    if tensorboard:
+        from trainscale.loggers.tensorboard_logger import TensorBoardLogger
+
+        if not any(isinstance(lg, TensorBoardLogger) for lg in loggers):
+            loggers.append(TensorBoardLogger())
+    return loggers
+
+
+def _given_loggers(logger: Any) -> list[Logger]:
     if logger is None or logger is True:
         from trainscale.loggers.csv_logger import CSVLogger
 
@@ -68,6 +82,54 @@ def resolve_loggers(logger: Any) -> list[Logger]:
     if len({id(item) for item in loggers}) < len(loggers):
         raise ValueError("logger=[...] holds the same logger object twice: pass each logger once")
     return loggers
+
+
+def flatten(record: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """``{"phase_s": {"data": 1.0}}`` -> ``{"phase_s.data": 1.0}`` (``sep`` joins the keys); other values
+    unchanged."""
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        if isinstance(value, Mapping):
+            out.update(flatten(value, f"{prefix}{key}{sep}", sep))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+# Record fields that are not metrics: the position (``step`` is passed beside the metrics), labels, the
+# wall clock, and ``straggler_ranks`` (a list of rank numbers, not one value per rank).
+_NOT_METRICS = frozenset(("kind", "rank", "time", "step", "straggler_ranks"))
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def record_metrics(record: Mapping[str, Any]) -> dict[str, float]:
+    """The numbers of a telemetry record as the flat metrics a logger's ``log_metrics`` takes.
+
+    ``{"kind": "step", "step": 8, "epoch": 0, "train_loss": 0.5, "phase_s": {"data": 0.01},
+    "peak_memory_bytes": [10, 20], "mfu": None}`` ->
+    ``{"epoch": 0, "step/train_loss": 0.5, "step/phase_s/data": 0.01,
+    "step/peak_memory_bytes/rank0": 10, "step/peak_memory_bytes/rank1": 20}``.
+
+    Names are ``<kind>/<field>`` (the record's ``kind``, "step" or "epoch", keeps an interval's
+    ``train_loss`` apart from an epoch's), nested fields joined by "/", per-rank lists as ``/rank<i>``;
+    ``epoch`` is kept as it is. Left out: ``kind``, ``rank``, ``time``, ``step`` (give it beside the
+    metrics), ``straggler_ranks``, and every value that is not a finite real number (None, strings,
+    NaN, inf; metrics.jsonl keeps them). Integers stay ``int``, other numbers become ``float``.
+    """
+    kind = record.get("kind", "record")
+    out: dict[str, float] = {}
+    for key, value in flatten(record, sep="/").items():
+        if key in _NOT_METRICS:
+            continue
+        name = key if key == "epoch" else f"{kind}/{key}"
+        pairs = ([(f"{name}/rank{i}", v) for i, v in enumerate(value)] if isinstance(value, (list, tuple))
+                 else [(name, value)])
+        out.update((n, int(v) if isinstance(v, numbers.Integral) else float(v)) for n, v in pairs
+                   if _finite_number(v))
+    return out
 
 
 def check_status(status: str) -> None:

@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainscale.loggers.base import check_status, experiment_or_dummy, keep_run_id, require, run_id
-from trainscale.telemetry.sinks import flatten
+from trainscale.loggers.base import check_status, experiment_or_dummy, flatten, keep_run_id, require, run_id
 
 RUN_ID_FILE = "mlflow_run_id"
 _BATCH = 1000  # MLflow's limit of metrics in one log_batch call (MAX_METRICS_PER_BATCH)

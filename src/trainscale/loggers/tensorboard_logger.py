@@ -11,15 +11,16 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainscale.loggers.base import check_save_dir, check_status, experiment_or_dummy, not_set_up, require
-from trainscale.telemetry.sinks import TensorBoardSink, flatten
+from trainscale.loggers.base import check_save_dir, check_status, experiment_or_dummy, flatten, not_set_up, require
 
 
 class TensorBoardLogger:
     """Each metric a scalar tagged with its name at ``step``; hyperparameters in TensorBoard's HParams tab.
 
-    Writes through :class:`trainscale.telemetry.sinks.TensorBoardSink` (``torch.utils.tensorboard``'s
-    ``SummaryWriter``): events reach the file every ``flush_secs`` seconds and at :meth:`finalize`.
+    Writes through ``torch.utils.tensorboard.SummaryWriter``
+    (https://pytorch.org/docs/stable/tensorboard.html): events reach the file every ``flush_secs`` seconds and
+    at :meth:`finalize`, not at each call (metrics.jsonl is the run's flushed record). ``Trainer(tensorboard=True)``
+    adds one with the defaults.
     Hyperparameters are flattened (``{"optim": {"lr": 0.1}}`` -> ``optim/lr``); numbers are written as
     numbers, None is left out, other values as strings. They are written into the run's own event file,
     as Lightning's TensorBoardLogger does, not into a sub-run as ``SummaryWriter.add_hparams`` would.
@@ -30,7 +31,8 @@ class TensorBoardLogger:
     Args:
         save_dir: the event file directory; None (the default): ``<run dir>/tensorboard``.
         flush_secs: seconds between writes of the queued events to the file.
-        max_queue: events queued before the writer must catch up (see TensorBoardSink).
+        max_queue: events queued before the training thread waits for the writer thread (SummaryWriter's
+            default of 10 made it wait at every record of ~40 scalars).
 
     Raises:
         ModuleNotFoundError: tensorboard is not installed (names the pip command).
@@ -44,17 +46,19 @@ class TensorBoardLogger:
         check_save_dir("TensorBoardLogger", self.save_dir)
         self.flush_secs, self.max_queue = flush_secs, max_queue
         self.log_dir: Path | None = None
-        self._sink: TensorBoardSink | None = None
+        self._writer: Any = None  # the SummaryWriter, after setup
 
     @property
     def experiment(self):
         """The ``torch.utils.tensorboard.SummaryWriter`` (for images, histograms, ...), after setup; on the other
         ranks a no-op ``DummyExperiment`` (``trainscale.loggers.base.experiment_or_dummy``)."""
-        return experiment_or_dummy(self._sink.writer if self._sink is not None else None, "TensorBoardLogger")
+        return experiment_or_dummy(self._writer, "TensorBoardLogger")
 
     def setup(self, run_dir: str | os.PathLike) -> None:
         self.log_dir = self.save_dir or Path(run_dir) / "tensorboard"
-        self._sink = TensorBoardSink(self.log_dir, flush_secs=self.flush_secs, max_queue=self.max_queue)
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), max_queue=self.max_queue, flush_secs=self.flush_secs)
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         from torch.utils.tensorboard.summary import hparams
@@ -65,15 +69,16 @@ class TensorBoardLogger:
             writer.file_writer.add_summary(summary)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        if self._sink is None:
+        if self._writer is None:
             raise not_set_up("TensorBoardLogger")
-        self._sink.write_scalars(dict(metrics), step)
+        for tag, value in metrics.items():
+            self._writer.add_scalar(tag, value, global_step=step)
 
     def finalize(self, status: str) -> None:
         check_status(status)
-        if self._sink is not None:
-            self._sink.close()
-            self._sink = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 def _hparam_value(value: Any) -> float | str | None:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -60,7 +61,7 @@ class TrainerConfig:
             (docs/telemetry.md).
         straggler_margin: a rank computing this fraction longer than the median (step time less exposed communication)
             is a straggler.
-        tensorboard: also write TensorBoard scalars (``trainscale[tensorboard]``).
+        tensorboard: add a ``TensorBoardLogger()`` to the loggers (``trainscale[tensorboard]``).
         batch_size: "max" rebuilds the training DataLoader with the largest per-device batch that trains on every rank
             (``trainscale.tune.batch_size``); None keeps the loader's.
         max_memory: the bytes each rank's step may peak at in the ``batch_size="max"`` search (required on CPU).
@@ -456,12 +457,9 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
                  "checkpoint_async"):
         _flag(name, getattr(cfg, name))
     root = _root_dir(cfg.default_root_dir)
-    if cfg.tensorboard:
-        from trainscale.telemetry.sinks import TensorBoardSink
-
-        if not TensorBoardSink.available():
-            raise ValueError("tensorboard=True needs the tensorboard package: pip install 'trainscale[tensorboard]' "
-                             "(or pass tensorboard=False; metrics.jsonl and CSV files are always written)")
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("tensorboard=True needs the tensorboard package: pip install 'trainscale[tensorboard]' "
+                         "(or pass tensorboard=False; metrics.jsonl is always written)")
     resolved = replace(cfg, default_root_dir=root, max_time=max_time,
                        fast_dev_run=cfg.fast_dev_run if cfg.fast_dev_run != 1 else True)
     return replace(resolved, **_debugging_overrides(resolved))

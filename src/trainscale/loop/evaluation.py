@@ -313,7 +313,8 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     if datamodule is not None:
         trainer.datamodule = datamodule
     dataloaders, _ = resolve_loaders(rt, method, model, dataloaders, datamodule)
-    loop_module, wrapped = set_up_model(trainer, model, loss_fn)  # the model of an earlier fit: as it was set up
+    trainer.last_setup = set_up_model(rt, model, loss_fn, trainer.last_setup)  # an earlier fit's: as it was
+    _, loop_module, wrapped = trainer.last_setup
     trainer._arm_hooks(model)
     step = {"validate": "validation_step", "test": "test_step"}.get(method)
     if step is not None and loop_module.has_training_step and getattr(model, step, None) is None:

@@ -1,30 +1,44 @@
-"""The step and epoch records the Trainer writes (definitions of every number: docs/telemetry.md)."""
+"""The step's one output path, and the step and epoch records (definitions of every number: docs/telemetry.md)."""
 
 from __future__ import annotations
 
 import time
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainscale.loggers import record_metrics
 from trainscale.lightning.optimizers import learning_rates
-from trainscale.telemetry.sinks import default_sinks
+from trainscale.telemetry.sinks import JsonlSink
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
 
 
-class RecordWriter:
-    """Rank zero's destinations of records: the run's own files (``metrics.jsonl``, CSV; TensorBoard with
-    ``tensorboard``) and every experiment logger (``trainscale.loggers``), set up with ``hparams``; a logger whose
-    setup raises ``ConnectionError`` (its server out of reach) is dropped with a warning."""
+class MetricsProcessor:
+    """Where a fit's records go, once each (torchtitan's ``components/metrics.py`` ``MetricsProcessor`` and its
+    loggers): :meth:`reduce_step` reduces a log interval's numbers over the ranks, :meth:`write` hands a record
+    to each destination once: the run's own ``metrics.jsonl`` (what ``trainscale report``, ``check`` and
+    ``bench`` read) and the experiment loggers the user chose (``trainscale.loggers``: CSV, TensorBoard, W&B,
+    MLflow), which get its numbers as flat metrics (:func:`trainscale.loggers.record_metrics`).
 
-    def __init__(self, run_dir: Any, tensorboard: bool, loggers: list, hparams: dict) -> None:
-        self.sinks = default_sinks(run_dir, tensorboard=tensorboard)
+    Args:
+        telemetry: the fit's ``Telemetry`` (or ``NullTelemetry``): its ``log`` gathers every rank's interval.
+        collector: the module's ``self.log`` values (``lightning.metrics.MetricCollector``): its
+            ``take_step_values`` all-reduces those logged with ``sync_dist=True``.
+        run_dir: the run directory on the rank that writes (rank zero); None on the others and under
+            ``fast_dev_run``, which take part in the reductions and write nothing.
+        loggers: set up here with ``hparams``; one whose setup raises ``ConnectionError`` (its server out of
+            reach) is dropped with a warning.
+    """
+
+    def __init__(self, telemetry: Any, collector: Any, run_dir: Path | None, loggers: list, hparams: dict) -> None:
+        self.telemetry, self.collector = telemetry, collector
+        self.jsonl = JsonlSink(run_dir / "metrics.jsonl") if run_dir is not None else None
         self.loggers = []
-        for lg in loggers:
+        for lg in loggers if run_dir is not None else ():
             try:
                 lg.setup(run_dir)
             except ConnectionError as err:  # a tracker out of reach: training does not wait for it
@@ -34,32 +48,39 @@ class RecordWriter:
             lg.log_hyperparams(hparams)
             self.loggers.append(lg)
 
+    def reduce_step(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor | None,
+                    optimizers: list) -> tuple[dict, dict]:
+        """A log interval's numbers, on every rank (every rank must call it at the same step): trainscale's own
+        (telemetry's, through one ``all_gather_single`` of each rank's interval sums; with telemetry off the
+        loss alone), the gradient norm before clipping and every param group's learning rate
+        (``lr-AdamW``, ...), and the module's ``self.log`` values (one all-reduce of those with
+        ``sync_dist=True``). Reads ``loss`` and ``grad_norm``: one host sync each. Returns ``(own, user)``."""
+        own = self.telemetry.log(step, epoch, loss)  # collective: all_gather_single
+        if own is None:
+            own = {"kind": "step", "rank": 0, "time": time.time(), "epoch": epoch, "step": step,
+                   "train_loss": loss.item()}
+        if grad_norm is not None:
+            own["grad_norm"] = grad_norm.item()
+        own.update(learning_rates(optimizers))
+        return own, self.collector.take_step_values()  # collective: sync_dist's all-reduce
+
     def write(self, record: dict) -> None:
-        self.sinks.write(record)
+        """``record`` (with ``kind``, ``step``, ``epoch``) into metrics.jsonl and to each logger, once; nothing on
+        a rank that does not write."""
+        if self.jsonl is None:
+            return
+        self.jsonl.write(record)
         metrics = record_metrics(record)
         for lg in self.loggers:
             lg.log_metrics(metrics, record["step"])
 
     def close(self, status: str = "success") -> None:
-        """Flush the files and finalize the loggers (``status``: "success" or "failed")."""
-        self.sinks.close()
-        for lg in self.loggers:
-            lg.finalize(status)
-
-
-def step_record(telemetry: Any, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor | None,
-                optimizers) -> dict:
-    """The record of a log interval: telemetry's (a collective on every rank), or with telemetry off the
-    loss alone, and every param group's learning rate (``lr-AdamW``, ...). Reads ``loss`` and ``grad_norm``
-    (the total norm before clipping): one host sync each."""
-    record = telemetry.log(step, epoch, loss)
-    if record is None:
-        record = {"kind": "step", "rank": 0, "time": time.time(), "epoch": epoch, "step": step,
-                  "train_loss": loss.item()}
-    if grad_norm is not None:
-        record["grad_norm"] = grad_norm.item()
-    record.update(learning_rates(optimizers))
-    return record
+        """Flush metrics.jsonl and finalize the loggers (``status``: "success" or "failed"); once."""
+        if self.jsonl is not None:
+            self.jsonl.close()
+            for lg in self.loggers:
+                lg.finalize(status)
+        self.jsonl, self.loggers = None, []
 
 
 def epoch_record(epoch: int, step: int, totals: tuple[float, float, float], seconds: float, complete: bool,

@@ -134,7 +134,7 @@ class FitRun:
     train_loader: Any
     val_loader: Any
     telemetry: Any
-    sink: Any = None
+    metrics: Any = None  # trainscale.loop.records.MetricsProcessor, made in Trainer._run_fit
     bar: Any = None
     epoch_loss: EpochLoss | None = None
     books: MicroBatchBooks | None = None

@@ -70,7 +70,7 @@ def pipeline_summary(runtime: Runtime, module: Any) -> dict | None:
 
 def finish_run(trainer: Trainer, fit: Any, global_batch: int, resumed_from: Path | None, nonfinite_skipped: int) -> dict:
     """The summary with the run's telemetry (a collective), printed and written to ``summary.json`` by
-    rank zero after the sinks are closed. Every rank returns it."""
+    rank zero after metrics.jsonl and the loggers are closed. Every rank returns it."""
     rt = trainer.runtime
     summary = run_summary(trainer, global_batch, resumed_from, nonfinite_skipped)
     pipeline = pipeline_summary(rt, fit.wrapped)
@@ -79,9 +79,8 @@ def finish_run(trainer: Trainer, fit: Any, global_batch: int, resumed_from: Path
     summary["telemetry"] = fit.telemetry.summary()
     if summary["telemetry"] is not None:
         rt.print(summary_line(summary["telemetry"]))
-    if fit.sink is not None:
-        fit.sink.close("success")
-        fit.sink = None
+    if fit.metrics.jsonl is not None:  # the rank that writes
+        fit.metrics.close("success")
         (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     rt.barrier()
     return summary

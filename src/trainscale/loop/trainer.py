@@ -42,7 +42,7 @@ from trainscale.lightning.metrics import MetricCollector
 from trainscale.lightning.module import attach_trainer, defined_hooks, set_up_model
 from trainscale.lightning.optimizers import ManualOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
-from trainscale.loop.records import RecordWriter, epoch_label, epoch_line, epoch_record, run_header, step_record
+from trainscale.loop.records import MetricsProcessor, epoch_label, epoch_line, epoch_record, run_header
 from trainscale.loop.spawned import run_spawned
 from trainscale.checkpointing.runs import RunLock, choose_run_dir, overwrite_refusal, resolve_ckpt_path
 from trainscale.loop.summary import finish_run, hyperparams
@@ -133,7 +133,7 @@ class Trainer:
                 (docs/telemetry.md).
             straggler_margin: a rank computing this fraction longer than the median (step time less exposed
                 communication) is a straggler.
-            tensorboard: also write TensorBoard scalars (``trainscale[tensorboard]``).
+            tensorboard: add a ``TensorBoardLogger()`` to the loggers (``trainscale[tensorboard]``).
             batch_size: "max" rebuilds the training DataLoader with the largest per-device batch that trains on every
                 rank (``trainscale.tune.batch_size``); None keeps the loader's.
             max_memory: the bytes each rank's step may peak at in the ``batch_size="max"`` search (required on CPU).
@@ -232,7 +232,8 @@ class Trainer:
         # none under fast_dev_run, which writes nothing (Lightning's ModelCheckpoint skips it too)
         self.checkpoint_callbacks: list[ModelCheckpoint] = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)
                                                             and self.config.writes_files]
-        self.loggers = resolve_loggers(logger)  # on every rank, so a bad value fails everywhere; used on rank zero
+        # on every rank, so a bad value fails everywhere; set up and called on rank zero (MetricsProcessor)
+        self.loggers = resolve_loggers(logger, tensorboard=self.config.tensorboard)
         # ``runtime``: the one Runtime.launch made for a ddp_spawn rank, built from the same flags
         self.runtime = runtime if runtime is not None else Runtime(**runtime_flags)
         self.checkpoints = CheckpointWrites(self.runtime, self.config, self.log_metrics)  # checkpoint_async
@@ -380,9 +381,8 @@ class Trainer:
             self.fitting = False
             self._faults.stop()
             self._run_lock.release()
-            if self._fit is not None and self._fit.sink is not None:  # fit raised (finish_run closes it otherwise)
-                self._fit.sink.close("failed")
-                self._fit.sink = None
+            if self._fit is not None and self._fit.metrics is not None:  # fit raised (finish_run closed it otherwise)
+                self._fit.metrics.close("failed")
             # self._fit stays: save_checkpoint() after fit writes the fitted state
 
     def _run_fit(self, model, loaders, loss_fn, optimizer, ckpt_path, verify) -> dict:
@@ -403,8 +403,10 @@ class Trainer:
             self._faults.start(self.run_dir)
         for cb in self.checkpoint_callbacks:
             cb.setup(self)
-        fit.sink = RecordWriter(self.run_dir, cfg.tensorboard, self.loggers, hyperparams(self, model)) \
-            if rt.is_rank_zero and cfg.writes_files else None
+        # the one output path: metrics.jsonl and the loggers, written by rank zero
+        fit.metrics = MetricsProcessor(fit.telemetry, self.metric_collector,
+                                       self.run_dir if rt.is_rank_zero and cfg.writes_files else None, self.loggers,
+                                       hyperparams(self, model))
         rt.print(run_header(rt, global_batch, self.run_dir if cfg.writes_files else
                             f"none (fast_dev_run: {cfg.max_steps} batch(es) of each loop, nothing written)"))
         self.validated_at = []
@@ -432,7 +434,8 @@ class Trainer:
 
     def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
         rt = self.runtime
-        loop_module, wrapped = set_up_model(self, model, loss_fn)  # reused from an earlier fit or evaluation
+        self.last_setup = set_up_model(rt, model, loss_fn, self.last_setup)  # reused from an earlier fit or evaluation
+        _, loop_module, wrapped = self.last_setup
         self._arm_hooks(model)
         self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
             model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
@@ -444,7 +447,9 @@ class Trainer:
         counted = self.count_flops and not self.manual_optimizers and not rt.strategy.pipelined
         telemetry = create_telemetry(rt, self.config.enable_telemetry, count_flops=counted,
                                      peak_flops=self.config.peak_flops, straggler_margin=self.config.straggler_margin)
-        telemetry.attach(wrapped)
+        telemetry.attach(wrapped)  # its parameter count and declared FLOPs per token, for MFU
+        if self.config.enable_telemetry and rt.world_size > 1:  # DDP's gradient all-reduce, timed by a comm hook
+            telemetry.comm_timed = rt.strategy.time_allreduce(wrapped, telemetry.clock, telemetry.record_comm)
         self._fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, telemetry)
         return self._fit
 
@@ -618,14 +623,12 @@ class Trainer:
         return loss, t_forward
 
     def _log_step(self, fit: FitRun, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
-        own = step_record(fit.telemetry, self.global_step, self.current_epoch, loss, grad_norm, self.optimizers)
-        user = self.metric_collector.take_step_values()
+        own, user = fit.metrics.reduce_step(self.global_step, self.current_epoch, loss, grad_norm, self.optimizers)
         record = {**own, **user, **self._pending.pop("step", {})}
         self._publish({k: v for k, v in record.items() if isinstance(v, float)}, own, user)
         shown = {k: record[k] for k in ("train_loss", *sorted(self.metric_collector.prog_bar)) if k in record}
         fit.bar.set_postfix(**{k: f"{v:.4g}" for k, v in shown.items()})
-        if fit.sink is not None:
-            fit.sink.write(record)
+        fit.metrics.write(record)
 
     def _publish(self, values: dict, own: dict, user: dict) -> None:
         """``values`` into ``callback_metrics``, except trainscale's own numbers (``own``: the loss, throughput, ...)
@@ -661,8 +664,7 @@ class Trainer:
         if not self.manual_optimizers:  # under manual optimization the module steps its schedulers (Lightning)
             step_schedulers(self.schedulers, "epoch", epoch + 1, self.callback_metrics)
         self.state.history.append(record)
-        if fit.sink is not None:
-            fit.sink.write({"kind": "epoch", "rank": "all", "time": time.time(), **record})
+        fit.metrics.write({"kind": "epoch", "rank": "all", "time": time.time(), **record})
         rt.print(epoch_line(record, self.config.max_epochs))
         self._checkpoint_if_due(fit, epoch_end=True)
         self.state.epoch_ended = True  # current_epoch counts it from here, as Lightning's after on_advance_end
@@ -697,8 +699,8 @@ class Trainer:
         results = evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation")
         self.validated_at.append(self.global_step)
         fit.validated_after = self.state.batches
-        if mid_epoch and fit.sink is not None:
-            fit.sink.write({"kind": "validation", "rank": "all", "time": time.time(), "epoch": self.current_epoch,
+        if mid_epoch:
+            fit.metrics.write({"kind": "validation", "rank": "all", "time": time.time(), "epoch": self.current_epoch,
                             "step": self.global_step, **results})
         return results
 

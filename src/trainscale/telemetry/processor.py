@@ -3,8 +3,10 @@
 The Trainer uses it; a hand-written Runtime loop can too::
 
     from trainscale.telemetry import Telemetry
-    tele = Telemetry(rt, log_every_n_steps=50)
-    tele.attach(model)                                   # times DDP's all-reduce (after rt.setup)
+    tele = Telemetry(rt)
+    tele.attach(model)                                   # parameter count, declared FLOPs per token (after rt.setup)
+    if rt.world_size > 1:                                # DDP's all-reduce timed by a comm hook (False: not timed)
+        tele.comm_timed = rt.strategy.time_allreduce(model, tele.clock, tele.record_comm)
     tele.start()
     for step, batch in enumerate(loader, 1):
         batch = rt.to_device(batch)
@@ -105,6 +107,8 @@ class Telemetry:
         device = runtime.device
         self.timer = StepTimer(device, running=device.type != "cuda")  # CUDA: events, resolved at log intervals
         self.clock = self.timer.clock  # the loop's clock for micro_batch(): perf_counter, or a recorded CUDA event
+        # (ready, done) readings of each gradient bucket's all-reduce, fed by the hook Strategy.time_allreduce installs
+        self.record_comm = self.timer.record_comm
         self.memory = PeakMemory(device)
         self.memory.reset()  # CUDA: this run's peak, not that of an earlier fit in the same process
         self.flops = FlopsPerSample(warn=runtime.is_rank_zero)  # a fallback is said once, on rank zero
@@ -126,16 +130,24 @@ class Telemetry:
 
     # -- the hot path: no host sync, no collective ------------------------------------------
     def attach(self, module: Any) -> None:
-        """Time the gradient all-reduce of ``module`` (the wrapped module) when the strategy can
-        (``Strategy.time_allreduce``; False under single, dp and fsdp); its parameter count serves the
-        analytic FLOP estimate if counting fails, and its (or a submodule's) ``flops_per_token`` the FLOPs
-        where nothing is counted (not under pipeline stages, which hold part of the model each)."""
+        """What MFU needs of ``module`` (the wrapped module): its parameter count serves the analytic FLOP
+        estimate if counting fails, and its (or a submodule's) ``flops_per_token`` the FLOPs where nothing is
+        counted (not under pipeline stages, which hold part of the model each)."""
         if not self.flops.done:
             self.flops.parameters = sum(p.numel() for p in module.parameters())
         if not self.rt.strategy.pipelined:  # a pipeline stage holds part of the model
             self._flops_per_token = declared_flops_per_token(module)
-        if self.rt.world_size > 1:
-            self.timer.time_comm = self.rt.strategy.time_allreduce(module, self.timer.clock, self.timer.record_comm)
+
+    @property
+    def comm_timed(self) -> bool:
+        """Whether the gradient all-reduce is timed (then ``comm_s`` is a number, else None): set it to what
+        ``Strategy.time_allreduce(module, tele.clock, tele.record_comm)`` returns, which installs the timing hook
+        (DDP's) or returns False (single, dp, fsdp: nothing timed)."""
+        return self.timer.time_comm
+
+    @comm_timed.setter
+    def comm_timed(self, value: bool) -> None:
+        self.timer.time_comm = bool(value)
 
     def start(self) -> None:
         """Begin timing now (top of each epoch; time between epochs is left out)."""
@@ -311,7 +323,7 @@ class Telemetry:
             self.flops.value, self.flops.method = self._flops_per_token(length) * length, DECLARED
         achieved = self.flops.value * samples_per_s if self.flops.value is not None else None
         mfu_value, mfu_error = self._mfu(achieved, devices)
-        has_comm = self.timer.time_comm
+        has_comm = self.comm_timed
         compute = [compute_per_step(wall_s, exposed if has_comm else None, steps)
                    for wall_s, exposed in zip(col["wall"], col["exposed_comm"])]
         util = col["gpu_util"]
