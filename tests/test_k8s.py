@@ -73,6 +73,8 @@ def test_manifest_for_two_nodes_of_eight_gpus_is_valid(tmp_path):
     assert container["name"] == "pytorch"
     assert container["ports"] == [{"name": "pytorchjob-port", "containerPort": 23456}]
     assert container["command"] == ["python", "train.py", "--lr", "1e-3", "--name", "it's \"x\"\nnext"]
+    # string values quoted: a YAML 1.2 reader (Kubernetes') takes a plain 1e-3 for a number; keys plain
+    assert '- "1e-3"' in (tmp_path / "job.yaml").read_text() and "\n  nprocPerNode: \"8\"\n" in (tmp_path / "job.yaml").read_text()
     assert container["resources"] == {"requests": {"cpu": "64", "memory": "200Gi"},
                                       "limits": {"nvidia.com/gpu": 8, "memory": "200Gi"}}
     assert {"name": "checkpoints", "mountPath": "/checkpoints"} in container["volumeMounts"]

@@ -29,7 +29,6 @@ at the master address, ``launch.start_node_ranks``). Elastic PyTorchJobs (PET_RD
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Mapping
 
@@ -228,47 +227,26 @@ def _check_names(names: dict, sizes: dict) -> None:
 
 
 def to_yaml(documents: list[dict], comments: tuple[str, ...] = ()) -> str:
-    """The documents as YAML (block style, keys plain, every string value double-quoted with JSON's escapes,
-    which YAML reads alike), after :data:`MANIFEST_MARK` (how ``trainscale k8s -o`` recognises a file of its
-    own) and ``comments``."""
-    lines = [f"{MANIFEST_MARK}. Submit it with `kubectl apply -f FILE` (the Kubeflow training operator runs it)."]
-    lines += [f"# {line}" for line in comments]
-    for doc in documents:
-        lines.append("---")
-        _yaml_lines(doc, 0, lines)
-    return "\n".join(lines) + "\n"
+    """The documents as YAML, written by PyYAML's safe dumper (block style, keys in the manifest's order, no
+    aliases, no line folding) with every string value double-quoted: Kubernetes reads manifests with a YAML 1.2
+    parser, for which a plain ``1e-3`` or ``0o17`` in a command line is a number. After :data:`MANIFEST_MARK` (how
+    ``trainscale k8s -o`` recognises a file of its own) and ``comments``."""
+    import yaml
 
+    class ManifestDumper(yaml.SafeDumper):
+        def ignore_aliases(self, data) -> bool:
+            return True
 
-def _scalar(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    # YAML folds these line breaks inside double quotes, where JSON leaves them raw: escape them too
-    text = json.dumps(str(value), ensure_ascii=False)
-    return text.replace("\u0085", "\\N").replace("\u2028", "\\L").replace("\u2029", "\\P")
+        def represent_mapping(self, tag, mapping, flow_style=None):
+            node = super().represent_mapping(tag, mapping, flow_style)
+            for key, _ in node.value:
+                key.style = None  # keys plain: only values are quoted
+            return node
 
-
-def _empty_or_scalar(value) -> str:
-    return "{}" if value == {} else "[]" if value == [] else _scalar(value)
-
-
-def _yaml_lines(value, indent: int, lines: list[str]) -> None:
-    """Append ``value`` (dicts with the manifest's own plain keys, lists, scalars) to ``lines``."""
-    pad = " " * indent
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if isinstance(item, (dict, list)) and item:
-                lines.append(f"{pad}{key}:")
-                _yaml_lines(item, indent + 2, lines)
-            else:
-                lines.append(f"{pad}{key}: {_empty_or_scalar(item)}")
-    else:  # a list
-        for item in value:
-            if isinstance(item, (dict, list)) and item:
-                nested: list[str] = []
-                _yaml_lines(item, indent + 2, nested)
-                lines.append(f"{pad}- {nested[0].lstrip()}")
-                lines.extend(nested[1:])
-            else:
-                lines.append(f"{pad}- {_empty_or_scalar(item)}")
+    ManifestDumper.add_representer(
+        str, lambda dumper, value: dumper.represent_scalar("tag:yaml.org,2002:str", value, style='"'))
+    head = [f"{MANIFEST_MARK}. Submit it with `kubectl apply -f FILE` (the Kubeflow training operator runs it).",
+            *(f"# {line}" for line in comments)]
+    body = yaml.dump_all(documents, Dumper=ManifestDumper, sort_keys=False, explicit_start=True,
+                         default_flow_style=False, allow_unicode=True, width=1 << 30)
+    return "\n".join(head) + "\n" + body
