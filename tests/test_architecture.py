@@ -46,7 +46,6 @@ ALLOWED_COMPLEX = {
     "check/report.py:verdict": "one finding per branch, in the order the report prints them",
     "plan/planner.py:_comm_s": "one collective pattern per strategy and mesh axis",
     "plan/planner.py:plan": "the public entry point: argument checks with messages, then one row per cell",
-    "plan/report.py:format_plan": "one optional column per branch of the printed table",
     "telemetry/processor.py:Telemetry._numbers": "the defined numbers of docs/telemetry.md, each optional by device",
     "telemetry/report.py:write_plots": "one plot per block, each drawn only when the run recorded its numbers",
     "telemetry/report.py:text_summary": "one optional line of report.txt per branch",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from trainscale.jobs.format import fmt_time
+from trainscale.jobs.format import fmt_time, text_table
 from trainscale.telemetry.account import Account, account, fit_compute, render, step_split
 
 
@@ -187,21 +187,8 @@ def table(rows: list[dict], devices: list[int], batch_sizes: list[int], strategy
     bs_name = "bs/device" if scaling == "weak" else "global bs"
     head = [bs_name] + [f"{name} {d}d" for name, _, ds in groups for d in ds]
     body = [[str(bs)] + [_cell(cells[bs][d], what) for _, what, ds in groups for d in ds] for bs in batch_sizes]
-    widths = [max(len(line[i]) for line in [head] + body) for i in range(len(head))]
-    sizes = [1] + [len(ds) for _, _, ds in groups]
-
-    def render(line: list[str]) -> str:
-        parts, i = [], 0
-        for n in sizes:
-            if n:
-                parts.append("  ".join(line[j].rjust(widths[j]) for j in range(i, i + n)))
-            i += n
-        return " | ".join(parts)
-
     title = f"{strategy} · {precision} · {scaling} scaling (epoch time mm:ss.s; gain = epoch time on " \
             f"{devices[0]} device{'s' if devices[0] > 1 else ''} ÷ epoch time; efficiency = gain ÷ device ratio" \
             f"{'; tok/s: tokens per second over the data-parallel ranks' if tokens else ''}{_flops_per_token(mine)}" \
             + ("; plan = trainscale plan's predicted epoch, err = plan ÷ measured − 1)" if predicted else ")")
-    lines = [render(head)]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join([title, *lines, *(render(b) for b in body)])
+    return f"{title}\n{text_table(head, body)}"

@@ -57,12 +57,11 @@ class Summary:
         return self.total_params * BYTES_PER_PARAM / 1e6
 
     def __str__(self) -> str:
-        rows = [("", "Name", "Type", "Params")] + [(str(i), layer.name, layer.type, readable_count(layer.params))
-                                                  for i, layer in enumerate(self.layers)]
-        widths = [max(len(row[c]) for row in rows) for c in range(4)]
-        lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        rule = "-" * max(len(line) for line in lines)
-        lines = [lines[0], rule, *lines[1:], rule]
+        from tabulate import tabulate  # on rank zero at fit start only
+
+        rows = [(str(i), layer.name, layer.type, readable_count(layer.params)) for i, layer in enumerate(self.layers)]
+        table = tabulate(rows, ("", "Name", "Type", "Params"), tablefmt="presto", disable_numparse=True)
+        lines = [table, "-" * len(table.splitlines()[1])]
         lines += [f"{readable_count(self.trainable_params):<10}Trainable params",
                   f"{readable_count(self.total_params - self.trainable_params):<10}Non-trainable params",
                   f"{readable_count(self.total_params):<10}Total params",

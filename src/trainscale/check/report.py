@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from trainscale.check.causes import FOUND, POSSIBLE, Finding
 from trainscale.check.compare import Comparison
+from trainscale.jobs.format import text_table
 
 MAX_MISMATCHES = 8  # sentences listed; the rest counted
 
@@ -18,14 +19,14 @@ def header(ref: dict, dist: dict, workload: str, lr_scaling: str | None, steps: 
 
 
 def step_table(comparison: Comparison, n: int) -> str:
-    lines = [f"{'step':>4}  {'loss 1 dev':>12} {f'loss {n} dev':>12} {'rel':>8}  {'grad 1 dev':>11} "
-             f"{f'grad {n} dev':>11} {'rel':>8}  {'lr 1 dev':>10} {f'lr {n} dev':>10}"]
-    for r in comparison.rows:
-        (la, lb), (ga, gb), (ra, rb) = r["loss"], r["grad_norm"], r["lr"]
-        mark = "  ← samples differ" if r["samples_differ"] else ""
-        lines.append(f"{r['step']:>4}  {la:>12.7g} {lb:>12.7g} {r['loss_rel']:>8.1e}  {ga:>11.6g} {gb:>11.6g} "
-                     f"{r['grad_norm_rel']:>8.1e}  {ra:>10.4g} {rb:>10.4g}{mark}")
-    return "\n".join(lines)
+    """One line per step: loss, gradient norm and learning rate of each run with their relative differences; a
+    step whose runs saw different samples marked."""
+    head = ["step", "loss 1 dev", f"loss {n} dev", "rel", "grad 1 dev", f"grad {n} dev", "rel", "lr 1 dev",
+            f"lr {n} dev", ""]
+    rows = [[str(r["step"]), f"{r['loss'][0]:.7g}", f"{r['loss'][1]:.7g}", f"{r['loss_rel']:.1e}",
+             f"{r['grad_norm'][0]:.6g}", f"{r['grad_norm'][1]:.6g}", f"{r['grad_norm_rel']:.1e}", f"{r['lr'][0]:.4g}",
+             f"{r['lr'][1]:.4g}", "← samples differ" if r["samples_differ"] else ""] for r in comparison.rows]
+    return text_table(head, rows)
 
 
 def end_lines(comparison: Comparison) -> str:

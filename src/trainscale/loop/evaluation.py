@@ -338,21 +338,18 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
 
 
 def results_table(stage: str, results: dict[str, float]) -> str:
-    """The results of ``validate``/``test`` as the table Lightning prints (``_EvaluationLoop._print_results``
-    without rich): a "<Stage> metric" column and one "DataLoader 0" column, metrics sorted by name::
+    """The results of ``validate``/``test`` as the table Lightning prints (``_EvaluationLoop._print_results``): a
+    "<Stage> metric" column and one "DataLoader 0" column, metrics sorted by name, centred::
 
-        ──────────────────────────────────────────────────
-               Test metric              DataLoader 0
-        ──────────────────────────────────────────────────
-                test_loss                 0.4321
-        ──────────────────────────────────────────────────
+        Test metric    DataLoader 0
+        -------------  --------------
+          test_loss        0.4321
     """
-    width = max(25, *(len(name) for name in results))
-    rule = "─" * (2 * width)
-    lines = [rule, f"{f'{stage} metric'.capitalize():^{width}}{'DataLoader 0':^{width}}", rule]
-    lines += [f"{name:^{width}}{f'{value:.6g}' if isinstance(value, float) else str(value):^{width}}"
-              for name, value in sorted(results.items())]
-    return "\n".join([*lines, rule])
+    from tabulate import tabulate  # on rank zero, when verbose
+
+    rows = [(name, f"{value:.6g}" if isinstance(value, float) else str(value)) for name, value in sorted(results.items())]
+    return tabulate(rows, (f"{stage} metric".capitalize(), "DataLoader 0"), tablefmt="simple", disable_numparse=True,
+                    colalign=("center", "center"))
 
 
 def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loader: Any, stage: str,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainscale.jobs.format import fmt_time
+from trainscale.jobs.format import fmt_time, text_table
 
 
 def fmt_bytes(n: int | None) -> str:
@@ -31,21 +31,11 @@ def format_plan(result) -> str:
     """Tables of ``result`` (a :class:`~trainscale.plan.planner.PlanResult`) and the two picks."""
     head = ["devices", "bs/device", "params", "grads", "optimizer", "activations", "peak", "fits", "step", "comm",
             "epoch", "gain", "eff", ""]
-    out = [f"Device memory {fmt_bytes(result.device_memory)}; "
-           + (f"link: {result.link}" if result.link else "no link given (--bandwidth or --probe): memory only")]
-    if result.hardware:
-        out.append(f"Hardware: {result.hardware}")
-    if result.link and result.overlap:
-        shares = sorted(set(result.overlap.values()))
-        span = f"{shares[0]:.2f}" if len(shares) == 1 else f"{shares[0]:.2f}–{shares[-1]:.2f}"
-        out.append(f"Overlap of communication and backward: {span} of backward ({result.overlap_source})")
+    out = _setting_lines(result)
     for strategy in dict.fromkeys(r.strategy for r in result.rows):
         rows = [r for r in result.rows if r.strategy == strategy]
-        body = [_line(r) for r in rows]
-        widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
         out.append(f"\n{strategy} · {rows[0].precision} (bytes per device; epoch mm:ss.s; gain over 1 device)")
-        out.append("  ".join(h.rjust(w) for h, w in zip(head, widths)).rstrip())
-        out.extend("  ".join(c.rjust(w) for c, w in zip(line, widths)).rstrip() for line in body)
+        out.append(text_table(head, [_line(r) for r in rows]))
     small, fast = result.smallest(), result.fastest()
     out.append("")
     out.append(f"Smallest memory that fits: {_name(small)}" + (f", peak {fmt_bytes(small.memory.peak)}" if small else ""))
@@ -56,6 +46,19 @@ def format_plan(result) -> str:
         out.append("Time model constants (the step's interval spans their ranges):")
         out.extend(f"  - {c}" for c in result.constants)
     return "\n".join(out)
+
+
+def _setting_lines(result) -> list[str]:
+    """The lines above the tables: the device memory, the link (or none), the hardware, the overlap used."""
+    out = [f"Device memory {fmt_bytes(result.device_memory)}; "
+           + (f"link: {result.link}" if result.link else "no link given (--bandwidth or --probe): memory only")]
+    if result.hardware:
+        out.append(f"Hardware: {result.hardware}")
+    if result.link and result.overlap:
+        shares = sorted(set(result.overlap.values()))
+        span = f"{shares[0]:.2f}" if len(shares) == 1 else f"{shares[0]:.2f}–{shares[-1]:.2f}"
+        out.append(f"Overlap of communication and backward: {span} of backward ({result.overlap_source})")
+    return out
 
 
 def _name(row) -> str:

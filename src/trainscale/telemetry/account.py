@@ -282,11 +282,13 @@ def render(acc: Account, title: str = "", detail: bool = True) -> str:
     lines = [head, f"  {bar(acc)}  = ideal" + (f", {legend}" if legend else "")]
     if not detail:
         return "\n".join(lines)
-    for t in ordered:
-        share = f"{t.share:4.0%}" if _finite(t.share) else "  — "
-        buys = f"without it efficiency {acc.efficiency:.2f} → {t.efficiency_without:.2f}" if _loss(t, acc) else \
-            "not a loss"
-        lines.append(f"  {SYMBOLS[t.name]} {t.name:<29} {_ms(t.seconds):>10} {share} of the gap; {buys}: {t.fix}")
+    from tabulate import tabulate
+
+    rows = [(f"{SYMBOLS[t.name]} {t.name}", _ms(t.seconds), f"{t.share:.0%}" if _finite(t.share) else "—",
+             "of the gap; " + (f"without it efficiency {acc.efficiency:.2f} → {t.efficiency_without:.2f}"
+                               if _loss(t, acc) else "not a loss") + f": {t.fix}") for t in ordered]
+    table = tabulate(rows, tablefmt="plain", disable_numparse=True, colalign=("left", "right", "right", "left"))
+    lines += [f"  {line}" for line in table.splitlines()]
     if acc.term(OVERHEAD) is None:
         lines.append(f"  ({SLOWDOWN} includes any {OVERHEAD}: they are separated by timings at two or more batch "
                      "sizes on both device counts, as bench takes them)")

@@ -102,8 +102,11 @@ def text_summary(records: list[dict], summary: dict | None) -> str:
         return "\n".join(lines) + "\n"
     share, phase_s = tele["phase_share"], tele["phase_s"]
     lines.append(f"where the time goes (mean step {tele['step_time_s'] * 1e3:.2f} ms, warm-up steps excluded):")
-    for p in PHASES:
-        lines.append(f"  {p:<10} {100 * share[p]:5.1f} %   {phase_s[p] * 1e3:8.2f} ms")
+    from tabulate import tabulate
+
+    phases = tabulate([(p, f"{100 * share[p]:.1f} %", f"{phase_s[p] * 1e3:.2f} ms") for p in PHASES], tablefmt="plain",
+                      disable_numparse=True, colalign=("left", "right", "right"))
+    lines += [f"  {line}" for line in phases.splitlines()]
     if tele.get("exposed_comm_s") is not None:
         lines.append(f"  (exposed communication {tele['exposed_comm_s'] * 1e3:.2f} ms/step, "
                      f"{_pct(tele['exposed_comm_share'])} of the step: backward's wait for the all-reduce, which "
