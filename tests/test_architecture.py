@@ -127,3 +127,18 @@ def test_the_architecture_page_shows_the_training_step_as_it_is():
     copy = page.split("<!-- train_step: begin -->\n```py\n", 1)[1].split("```\n<!-- train_step: end -->", 1)[0]
     assert copy == textwrap.dedent(inspect.getsource(Trainer.train_step)), \
         "docs/architecture.md: paste Trainer.train_step's current source between the train_step markers"
+
+
+def test_no_package_below_the_loop_writes_a_trainer_attribute():
+    """Each layer owns its state: below ``loop/`` a function gets the values it uses, not the Trainer to write into.
+    Callbacks are the exception Lightning's contract makes (``EarlyStopping`` sets ``trainer.should_stop``)."""
+    writes = []
+    for path in sorted(SRC.rglob("*.py")):
+        if _package(path) in (None, "loop", "callbacks", "cli") or LAYER[_package(path)] > LAYER["loop"]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            writes += [f"{path.relative_to(SRC)}:{node.lineno}" for t in targets if isinstance(t, ast.Attribute)
+                       and isinstance(t.value, ast.Name) and t.value.id == "trainer"]
+    assert not writes, f"pass the values instead of writing the Trainer's attributes: {writes}"

@@ -492,7 +492,3 @@ def set_up_model(runtime: Runtime, model: nn.Module, loss_fn: Callable | None,
     loop_module = LoopModule(model, loss_fn)
     wrapped, _ = runtime.setup(loop_module)
     return model, loop_module, wrapped
-    loop_module = LoopModule(model, loss_fn)
-    wrapped, _ = trainer.runtime.setup(loop_module)
-    trainer.last_setup = (model, loop_module, wrapped)
-    return loop_module, wrapped
