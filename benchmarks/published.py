@@ -1,19 +1,21 @@
 """trainscale's GPU time model against published training throughput nobody here measured.
 
-    PYTHONPATH=src python benchmarks/published.py            # the accuracy table (about 20 s on 2 CPU cores)
+    PYTHONPATH=src python benchmarks/published.py            # the accuracy table (about 15 s on 2 CPU cores)
     PYTHONPATH=src python benchmarks/published.py --json out.json
 
 Each row gives the source, the hardware, the model and its configuration as published, and trainscale's prediction
 (an interval from the constants' ranges, :mod:`trainscale.plan.efficiency`, and its middle) with the error of the
-middle. Models are built from their published configurations on the meta device and traced on fake tensors
-(nothing downloads, nothing is allocated): Llama 3.1 from transformers' ``LlamaConfig`` (one decoder layer traced
-with each tensor-parallel rank's shapes, times the number of layers, plus the embedding, output projection and loss
-traced once: the layers are identical, so this is the whole step at the cost of one layer), ResNet-50 v1.5 from
-``trainscale.models.resnet``. Nothing here is fitted to these rows.
+middle, and for the torchtitan rows the memory per GPU against the published one. Models are built from their
+published configurations on the meta device and traced on fake tensors (nothing downloads, nothing is allocated):
+Llama 3.1 from transformers' ``LlamaConfig`` (one decoder layer traced with each tensor-parallel rank's shapes, times
+the number of layers, plus the embedding, output projection and loss traced once: the layers are identical, so this
+is the whole step at the cost of one layer; rows of one model and shapes share the trace), ResNet-50 v1.5 from
+``trainscale.models.resnet``. What a published table leaves out is read from the code of the commit it names (see
+:func:`_titan`). Nothing here is fitted to these rows.
 
 Not modelled (each row that uses one says so): asynchronous tensor parallelism (AsyncTP: its collectives are taken as
-blocking), the data loader (NVIDIA's runs use DALI on the GPU), torchao's float8 all-gather (off in torchtitan's
-configurations).
+blocking), the data loader (NVIDIA's runs use DALI), the caching allocator's fragmentation (torchtitan publishes
+reserved memory; the prediction is allocated bytes).
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ axis, the accuracy table against published results, and ``trainscale plan --gpu`
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
@@ -186,17 +185,18 @@ def test_published_rows_lie_in_their_interval_or_within_the_documented_error(mon
     assert f"Median absolute error over {len(results)} rows" in published.format_table(results)
 
 
-def test_cli_plan_gpu_prints_the_interval_hardware_and_constants():
-    cmd = [sys.executable, "-m", "trainscale.cli", "plan", "--gpu", "h100-sxm", "--nodes", "2", "--gpus-per-node", "8",
-           "--interconnect", "ib-400", "--batch-sizes", "32", "--strategy", "ddp"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr
-    assert "Hardware: 2 × 8 h100-sxm" in out.stdout and "gemm_fraction[hopper] = 0.66–0.80" in out.stdout
-    line = next(x for x in out.stdout.splitlines() if x.split()[:2] == ["16", "32"])
+def test_cli_plan_gpu_prints_the_interval_hardware_and_constants(capsys):
+    from trainscale.cli import main  # in-process: the subprocess cost 10 s of interpreter and import start-up
+
+    args = ["plan", "--gpu", "h100-sxm", "--nodes", "2", "--gpus-per-node", "8", "--interconnect", "ib-400",
+            "--batch-sizes", "32", "--strategy", "ddp"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Hardware: 2 × 8 h100-sxm" in out and "gemm_fraction[hopper] = 0.66–0.80" in out
+    line = next(x for x in out.splitlines() if x.split()[:2] == ["16", "32"])
     assert "ms (" in line  # the step with its interval
-    bad = subprocess.run([sys.executable, "-m", "trainscale.cli", "plan", "--gpu", "h1000"], capture_output=True,
-                         text=True, timeout=240)
-    assert bad.returncode == 2 and "unknown GPU 'h1000'" in bad.stderr
+    assert main(["plan", "--gpu", "h1000"]) == 2
+    assert "unknown GPU 'h1000'" in capsys.readouterr().err
 
 
 def test_plan_on_a_catalogue_gpu_gives_each_row_an_interval_and_names_its_constants():
