@@ -151,6 +151,10 @@ def test_links_per_mesh_axis_and_the_strategies_overlap():
     link = cl.axis_link(c, 8, 1, "mid")
     saved = 8 * 2 * (comm.all_gather_s(1e6, 8, link) - comm.all_gather_s(0.5e6, 8, link))
     assert fp8["tp_s"] == pytest.approx(tp["tp_s"] - saved)
+    # selective checkpointing saves the reduce-scatters' outputs, not the all-gathers': those run again in backward
+    sac = cl.transformer_step(cl.Transformer(layer, outer, 0.0, 8, 1e6, 1e6, recompute="selective"), cl.Layout(tp=8),
+                              c, "mid")
+    assert sac["tp_s"] == pytest.approx(tp["tp_s"] + 8 * 2 * comm.all_gather_s(1e6, 8, link))
     # the root unit (embedding, output projection) is gathered before the first layer and reduced after the last
     rooted = cl.transformer_step(cl.Transformer(layer, outer, 0.0, 8, 1e6, 1e6, outer_params=4e6),
                                  cl.Layout(dp_shard=8), c, "mid")
