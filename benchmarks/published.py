@@ -195,7 +195,7 @@ def llama_ops(size: str, tp: int, micro: int, seq: int) -> dict:
 def predict_llama(spec: dict) -> dict:
     """Tokens/s per GPU in each scenario (torchtitan's TPS/GPU: a data-parallel rank's tokens per second over its
     tp × pp GPUs), the middle's step breakdown and MFU against the H100 SXM's 989 TFLOP/s (torchtitan's own MFU
-    peak, with its FLOPs per token 6·N + 12·L·H·T over the non-embedding parameters N)."""
+    peak, :func:`titan_flops_per_token`), and the memory per GPU (:func:`llama_memory`)."""
     lay = cl.Layout(**spec["layout"])
     micro = spec["batch"] // lay.microbatches
     ops = llama_ops(spec["size"], lay.tp, micro, spec["seq"])
