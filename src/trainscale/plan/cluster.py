@@ -17,8 +17,9 @@ per collective are nccl-tests' (:mod:`trainscale.plan.comm`: all-reduce 2(n−1)
   compute (forward: ``max(compute, all-gather)``; backward: ``max(compute, all-gather + reduce-scatter)``, the
   parameters gathered again after ``reshard_after_forward``), the first all-gather exposed; each gather's copy out
   of the all-gather buffer (read and written once, on the compute stream) added to the layer's compute;
-- tp (Megatron-LM, Shoeybi et al. 2019): the activations' all-reduces (2 per layer in forward, 2 in backward, 2 more
-  when the forward is recomputed) block the next layer: all exposed;
+- tp (Megatron-LM, Shoeybi et al. 2019, with sequence parallelism, Korthikanti et al. 2022): the activations'
+  all-gathers and reduce-scatters (2 each per layer in forward, 2 each in backward, the forward's again when it is
+  recomputed) block the next layer: all exposed;
 - pp (1F1B, Narayanan et al. 2021; GPipe, Huang et al. 2019): (m + p − 1) slots of the slowest stage's micro-batch,
   the bubble (p − 1)/(m + p − 1), and a point-to-point transfer of the boundary activation per slot each way; under
   pp FSDP gathers once per step and reduces once (torchtitan keeps the parameters unsharded across micro-batches),
@@ -69,8 +70,11 @@ class Transformer:
     norm, output projection and loss) :class:`Phases` in one scenario (tp-sharded shapes when tp > 1),
     ``optimizer_s`` (the whole step's optimizer on this GPU's shard), ``layers`` (L), ``layer_params`` (parameters
     of one layer on one tp rank), ``activation_bytes`` (one micro-batch's (B, T, hidden) in the compute dtype: tp's
-    all-reduce size and pp's transfer), ``recompute`` (None, "selective", "full": how many tp all-reduces forward
-    runs again), ``gather_bytes``/``reduce_bytes`` per parameter (2 and 4: bf16 all-gather, fp32 reduce-scatter)."""
+    all-reduce size and pp's transfer), ``recompute`` (None, "selective", "full": which tp collectives forward
+    runs again), ``gather_bytes``/``reduce_bytes`` per parameter (2 and 4: bf16 all-gather, fp32 reduce-scatter; 1
+    for torchao's float8 all-gather), ``tp_gather_fraction`` (see :func:`_tp_s`), ``outer_params`` (the embedding,
+    final norm and output projection on one tp rank: the root FSDP unit, gathered in the compute dtype, 2 bytes,
+    before the first layer and reduce-scattered after the last layer's backward, both exposed)."""
 
     layer: Phases
     outer: Phases
@@ -81,15 +85,26 @@ class Transformer:
     recompute: str | None = None
     gather_bytes: float = 2.0
     reduce_bytes: float = 4.0
+    tp_gather_fraction: float = 1.0
+    outer_params: float = 0.0
 
 
 def _tp_s(work: Transformer, layout: Layout, link: comm.Link) -> tuple[float, float]:
-    """(forward, backward) seconds of one layer's tp all-reduces, all on the critical path."""
+    """(forward, backward) seconds of one layer's sequence-parallel collectives, all on the critical path: forward
+    gathers the (B, T, hidden) activation before attention and before the feed-forward and reduce-scatters each
+    one's output (torchtitan's plan: ``PrepareModuleInput`` Shard(1) → Replicate, ``RowwiseParallel(output_layouts=
+    Shard(1))``); backward runs the reverse (the gradient of an all-gather is a reduce-scatter and vice versa), in
+    the compute dtype; a full recompute runs the forward's again, a selective one its all-gathers (torchtitan's
+    per-op policy saves ``reduce_scatter_tensor``'s output, not the all-gather's). Under float8 the forward gathers
+    the fp8 cast (``tp_gather_fraction`` 0.5: torchao's ``Float8ColwiseParallel`` casts its input before the
+    all-gather)."""
     if layout.tp < 2:
         return 0.0, 0.0
-    one = comm.all_reduce_s(work.activation_bytes, layout.tp, link)
-    again = 2 * one if work.recompute == "full" else 0.0
-    return 2 * one, 2 * one + again
+    scatter = comm.all_gather_s(work.activation_bytes, layout.tp, link)
+    gather = comm.all_gather_s(work.activation_bytes * work.tp_gather_fraction, layout.tp, link)
+    forward = 2 * (gather + scatter)
+    again = {"full": forward, "selective": 2 * gather}.get(work.recompute, 0.0)
+    return forward, 2 * 2 * scatter + again
 
 
 def transformer_step(work: Transformer, layout: Layout, cluster: Cluster, scenario: str) -> dict:
@@ -110,8 +125,11 @@ def transformer_step(work: Transformer, layout: Layout, cluster: Cluster, scenar
     layers = work.layers / layout.pp
     if layout.pp == 1:
         per_layer = max(f, gather) + max(b, gather + reduce)
-        step = layers * per_layer + gather + work.outer.forward_s + work.outer.backward_s
-        exposed = layers * (per_layer - f - b) + gather
+        # the root unit (embedding, norm, output projection): gathered before anything runs, reduced after
+        root = comm.all_gather_s(work.outer_params * 2.0, layout.dp_shard, fs_link) + \
+            comm.all_gather_s(work.outer_params * work.reduce_bytes, layout.dp_shard, fs_link)
+        step = layers * per_layer + gather + root + work.outer.forward_s + work.outer.backward_s
+        exposed = layers * (per_layer - f - b) + gather + root
         bubble = p2p = 0.0
     else:
         m, p = layout.microbatches, layout.pp

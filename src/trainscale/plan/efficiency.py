@@ -41,18 +41,43 @@ class Constant:
 
 GEMM = Constant(
     "gemm_fraction", 0.70, 0.85, "of dense peak",
-    "the fraction of the Tensor Core peak a cuBLAS GEMM with full tiles and waves reaches: NVIDIA, 'Matrix "
-    "Multiplication Background User's Guide' (docs.nvidia.com/deeplearning/performance), large fp16 GEMMs on A100 "
-    "at 80-90 % of peak; public 8192³ bf16 cuBLAS runs on H100 SXM at 70-80 %. Smaller GEMMs lose tile and wave "
-    "quantization on top (same guide), and below the ridge point they are bandwidth-bound (roofline, Williams et al. "
-    "2009)")
+    "the fraction of the Tensor Core peak a cuBLAS GEMM with full tiles and waves reaches, for a part without a "
+    "published measurement: NVIDIA, 'Matrix Multiplication Background User's Guide' (docs.nvidia.com/deeplearning/"
+    "performance), large fp16 GEMMs at 80-90 % of peak. Smaller GEMMs lose tile and wave quantization on top (same "
+    "guide), and below the ridge point they are bandwidth-bound (roofline, Williams et al. 2009)")
+_MAMF = ("S. Bekman, 'Machine Learning Engineering', compute/accelerator/README.md, 'Maximum Achievable Matmul FLOPS "
+         "comparison table' (github.com/stas00/ml-engineering; mamf-finder.py, torch.matmul, mean of 100 iterations "
+         "at the best shape found): {}. That best shape is the high end; the low end is {:.0%} of it, the relative "
+         "width of NVIDIA's 80-90 %-of-peak range less the same source's 5 % and more between GPUs of one node (a "
+         "synchronous job runs at its slowest GPU's pace)")
+_LOW = 0.82
+
+
+def _mamf(name: str, high: float, measured: str) -> Constant:
+    return Constant(f"gemm_fraction[{name}]", round(high * _LOW, 3), high, "of dense peak",
+                    _MAMF.format(measured, _LOW))
+
+
+# (architecture, dtype class) -> the GEMM constant; the 16-bit class (bf16, fp16) also stands for tf32, which no
+# published table measures
+GEMMS = {
+    ("ampere", "16-bit"): _mamf("ampere", 0.869, "A100 SXM bf16 271.2 of 312 TFLOP/s"),
+    ("hopper", "16-bit"): _mamf("hopper", 0.803, "H100 SXM bf16 794.5 of 989 TFLOP/s (H200 the same)"),
+    ("hopper", "fp8"): _mamf("hopper,fp8", 0.709, "H100 SXM float8_e4m3fn 1,402.6 of 1,979 TFLOP/s"),
+    ("blackwell", "16-bit"): _mamf("blackwell", 0.776, "B200 SXM bf16 1,745 of 2,250 TFLOP/s"),
+    ("blackwell", "fp8"): _mamf("blackwell,fp8", 0.763, "B200 SXM float8_e4m3fn 3,432.5 of 4,500 TFLOP/s"),
+    ("cdna3", "16-bit"): _mamf("cdna3", 0.514, "MI300X bf16 668.4 of 1,300 TFLOP/s, PYTORCH_TUNABLEOP_ENABLED=1"),
+}
 ATTENTION = {
     "ampere": Constant("attention_fraction[ampere]", 0.45, 0.70, "of dense peak",
                        "FlashAttention-2 (Dao 2023, §4.1): 50-73 % of A100's peak in forward, 45-63 % forward and "
                        "backward together"),
-    "hopper": Constant("attention_fraction[hopper]", 0.35, 0.60, "of dense peak",
-                       "FlashAttention-3 (Shah et al. 2024, §4.1): FlashAttention-2 reaches 35 % of H100's bf16 "
-                       "peak, FlashAttention-3 and cuDNN 60-75 % in forward, less in backward"),
+    "hopper": Constant("attention_fraction[hopper]", 0.30, 0.40, "of dense peak",
+                       "FlashAttention-2 on H100: 35 % of the bf16 peak (Shah et al. 2024, 'FlashAttention-3', "
+                       "abstract and §1), ±5 points between forward and its slower backward. It is what "
+                       "torch.nn.functional.scaled_dot_product_attention runs on Hopper: its flash backend is "
+                       "FlashAttention-2, and cuDNN attention is opt-in below cuDNN 9.15.1 (pytorch/pytorch#138522, "
+                       "check_prefer_cudnn_attention in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp)"),
 }
 TILE = (128, 128)  # the output tile of cuBLAS's large-GEMM kernels (NVIDIA, 'Matrix Multiplication Background')
 HBM = Constant(
@@ -76,7 +101,13 @@ LATENCY = Constant("ring_step_latency", 5e-6, 15e-6, "s",
                    "latency of one ring step of an NCCL collective (nccl-tests small-message times: 10-30 µs for "
                    "an all-reduce within a node)", faster="low")
 
-ALL = (GEMM, *ATTENTION.values(), HBM, LAUNCH, NVLINK, NETWORK, LATENCY)
+ALL = (GEMM, *GEMMS.values(), *ATTENTION.values(), HBM, LAUNCH, NVLINK, NETWORK, LATENCY)
+
+
+def gemm(arch: str, dtype: str) -> Constant:
+    """The GEMM constant of a GPU architecture for a matmul in ``dtype`` ("fp32", "tf32", "bf16", "fp16", "fp8"):
+    the measured one where :data:`GEMMS` has it, else :data:`GEMM`."""
+    return GEMMS.get((arch, "fp8" if dtype == "fp8" else "16-bit"), GEMM)
 
 
 def attention(arch: str) -> Constant:

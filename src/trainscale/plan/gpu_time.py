@@ -17,14 +17,19 @@ Each operator the traced step runs (:mod:`trainscale.plan.op_trace`) costs, on a
   and back, each read and written once more (NVIDIA, 'Convolutional Layers User's Guide': Tensor Core convolutions
   run in NHWC, and cuDNN transposes NCHW tensors around them); none with ``channels_last``.
 
-Float8 training (torchao's dynamic scaling, as torchtitan's float8 converter applies it to ``nn.Linear``) runs the
-linear layers' matmuls at the fp8 peak and adds, per matmul, reading each bf16 operand twice (its absolute maximum,
-then the cast) and writing its fp8 copy: 2.5 × the operands' bf16 bytes. ``compile=True`` costs Inductor's fused
-kernels instead of the eager operators (:func:`trainscale.plan.op_trace.fused`).
+Float8 training (torchao's dynamic tensorwise scaling, as torchtitan's float8 converter applies it to ``nn.Linear``)
+runs the linear layers' matmuls at the fp8 peak (with the fp8 GEMM constant) and adds, before a matmul, the scaling
+kernels of each operand not cast before in the step: reading the bf16 operand twice (its absolute maximum, then the
+cast) and writing its fp8 copy, 2.5 × its bf16 bytes, or 1.5 × under torch.compile when a kernel of the step produced
+it (Inductor computes the maximum in that kernel); these are kernels of their own, added to the matmul's time, not
+hidden under it (:func:`cast_bytes`). ``compile=True`` costs Inductor's fused kernels instead of the eager operators
+(:func:`trainscale.plan.op_trace.fused`).
 
-Activation checkpointing recomputes in backward: "full" the whole forward; "selective" (torchtitan's per-op policy:
-matmul outputs saved except every other one, attention saved) the memory-bound forward operators and half the
-forward matmuls. The optimizer step is traced too (its second step, with the state present): memory-bound.
+Activation checkpointing recomputes in backward: "full" the whole forward; "selective" (torchtitan's per-op policy,
+``_save_list`` in its ``parallelize_llama.py``: ``aten.mm`` outputs saved except every other one, attention saved)
+the memory-bound forward operators and half the forward matmuls (under float8 too: torchao's linear calls
+``torch.mm`` on its float8 tensor subclass, which the policy sees as ``aten.mm``). The optimizer step is traced too (its second step, with the state present):
+memory-bound.
 """
 
 from __future__ import annotations
@@ -76,10 +81,12 @@ def _peak(gpu: GPU, dtype: str, scenario: str) -> float:
 
 
 def op_seconds(op: Op, gpu: GPU, scenario: str, tf32: bool = True, float8: bool = False,
-               channels_last: bool = False) -> float:
+               channels_last: bool = False, cast_bytes: float | None = None) -> float:
     """Seconds of one operator (see the module's docstring). ``tf32``: fp32 matmuls on TF32 Tensor Cores (what
     NVIDIA's examples and ``torch.backends.cuda.matmul.allow_tf32`` give); ``float8``: matmuls in fp8;
-    ``channels_last``: convolutions get NHWC tensors (else each Tensor Core convolution transposes its operands)."""
+    ``channels_last``: convolutions get NHWC tensors (else each Tensor Core convolution transposes its operands);
+    ``cast_bytes``: under ``float8``, the bytes the scaling kernels before it move (None: 2.5 × its operands' bytes,
+    see :func:`cast_bytes`)."""
     memory_s = (op.nbytes + op.second_pass) / (gpu.hbm_bandwidth * eff.HBM.at(scenario))
     gap = eff.LAUNCH.at(scenario)
     if op.kind == "memory":
@@ -87,18 +94,44 @@ def op_seconds(op: Op, gpu: GPU, scenario: str, tf32: bool = True, float8: bool 
     dtype = "tf32" if op.dtype == "fp32" and tf32 and "tf32" in gpu.flops else op.dtype
     if op.kind == "attention":
         return max(op.flops / (_peak(gpu, dtype, scenario) * eff.attention(gpu.arch).at(scenario)), memory_s) + gap
+    casts = 0.0
     if float8:
         dtype = "fp8"
-        memory_s += 2.5 * sum(b for _, b in op.reads) / (gpu.hbm_bandwidth * eff.HBM.at(scenario))
-    fraction = eff.GEMM.at(scenario) * quantization(op.gemm, gpu)
+        moved = EAGER_CAST * sum(b for _, b in op.reads) if cast_bytes is None else cast_bytes
+        casts = moved / (gpu.hbm_bandwidth * eff.HBM.at(scenario)) + gap * (moved > 0)
+    fraction = eff.gemm(gpu.arch, dtype).at(scenario) * quantization(op.gemm, gpu)
     transposes = 0.0
     if "convolution" in op.name and not channels_last and dtype != "fp32":
         transposes = 2 * op.nbytes / (gpu.hbm_bandwidth * eff.HBM.at(scenario)) + 2 * gap
-    return max(op.flops / (_peak(gpu, dtype, scenario) * fraction), memory_s) + gap + transposes
+    return max(op.flops / (_peak(gpu, dtype, scenario) * fraction), memory_s) + gap + transposes + casts
+
+
+EAGER_CAST = 2.5  # per bf16 byte of an operand: read for its absolute maximum, read again to cast, fp8 written
+FUSED_CAST = 1.5  # the maximum taken in the kernel that produced the operand (Inductor): read once, fp8 written
+
+
+def cast_bytes(op: Op, cast: set, produced: set, compile: bool, weights_fp8: bool = False) -> float:
+    """Bytes torchao's dynamic (tensorwise) float8 scaling moves before the matmul ``op``: each operand not cast
+    before in the step (``cast``: storage keys already cast, updated; a cast made in forward is saved for backward,
+    and torch.compile's common-subexpression elimination casts an input shared by several matmuls once) costs
+    :data:`EAGER_CAST` × its bf16 bytes, or under ``compile`` :data:`FUSED_CAST` when another kernel of the step
+    produced it (``produced``: keys written so far); a weight (an operand nothing produced) gathered in fp8 by FSDP
+    (``weights_fp8``) costs nothing."""
+    total = 0.0
+    for key, nbytes in op.reads:
+        if key in cast:
+            continue
+        cast.add(key)
+        if key not in produced:
+            total += 0.0 if weights_fp8 else EAGER_CAST * nbytes
+        else:
+            total += (FUSED_CAST if compile else EAGER_CAST) * nbytes
+    return total
 
 
 def phases(ops: list[Op], gpu: GPU, scenario: str, *, tf32: bool = True, float8: bool = False,
-           compile: bool = False, recompute: str | None = None, channels_last: bool = False) -> Phases:
+           compile: bool = False, recompute: str | None = None, channels_last: bool = False,
+           weights_fp8: bool = False) -> Phases:
     """Seconds of ``ops`` by phase ("forward", "backward", "optimizer"); ``recompute`` None, "full" or
     "selective" adds the recomputed forward to backward (see the module's docstring).
 
@@ -109,8 +142,12 @@ def phases(ops: list[Op], gpu: GPU, scenario: str, *, tf32: bool = True, float8:
     kernels = fused(ops) if compile else ops
     seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     recomputed, matmuls = 0.0, 0
+    cast, produced = set(), set()
     for op in kernels:
-        t = op_seconds(op, gpu, scenario, tf32, float8 and op.kind == "matmul" and op.phase != "optimizer", channels_last)
+        in_fp8 = float8 and op.kind == "matmul" and op.phase != "optimizer"
+        moved = cast_bytes(op, cast, produced, compile, weights_fp8) if in_fp8 else None
+        t = op_seconds(op, gpu, scenario, tf32, in_fp8, channels_last, moved)
+        produced.update(key for key, _ in op.writes)
         seconds[op.phase] = seconds.get(op.phase, 0.0) + t
         if op.phase == "forward" and recompute:
             matmuls += op.kind == "matmul"

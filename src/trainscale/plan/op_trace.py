@@ -193,3 +193,60 @@ def fused(ops: list[Op]) -> list[Op]:
             out.append(op)
     close()
     return out
+
+
+def live_peak(ops: list[Op]) -> float:
+    """The most bytes alive at once over ``ops`` (bytes): each storage an operator writes lives from its first write to
+    its last read (to its write when never read), which is what the caching allocator holds when every tensor is
+    freed at its last use; storages nothing here writes (parameters, the inputs) are not counted."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    size: dict[int, float] = {}
+    for i, op in enumerate(ops):
+        for key, _ in op.reads:
+            if key in first:
+                last[key] = i
+        for key, nbytes in op.writes:
+            first.setdefault(key, i)
+            last[key] = max(last.get(key, i), i)
+            size[key] = max(size.get(key, 0.0), float(nbytes))
+    change = [0.0] * (len(ops) + 1)
+    for key, i in first.items():
+        change[i] += size[key]
+        change[last[key] + 1] -= size[key]
+    peak = alive = 0.0
+    for c in change:
+        alive += c
+        peak = max(peak, alive)
+    return peak
+
+
+def saved_bytes(ops: list[Op], recompute: str | None) -> float:
+    """Bytes a traced forward keeps for its backward (bytes), besides the region's input: with ``recompute`` None every
+    storage forward writes and backward reads; "full" none; "selective" what torchtitan's per-op policy saves (its
+    ``_save_list``): the outputs of ``aten.mm`` except every other one (torchao's float8 linear calls ``torch.mm`` on
+    its float8 tensor subclass: the same) and of fused attention.
+
+    Raises:
+        ValueError: an unknown ``recompute``."""
+    if recompute not in (None, "full", "selective"):
+        raise ValueError(f"recompute={recompute!r}: None, 'full' or 'selective'")
+    if recompute == "full":
+        return 0.0
+    forward = [op for op in ops if op.phase == "forward"]
+    return _kept_for_backward(ops, forward) if recompute is None else _policy_saved(forward)
+
+
+def _kept_for_backward(ops: list[Op], forward: list[Op]) -> float:
+    read_later = {key for op in ops if op.phase == "backward" for key, _ in op.reads}
+    written = {key: b for op in forward for key, b in op.writes}
+    return float(sum(b for key, b in written.items() if key in read_later))
+
+
+def _policy_saved(forward: list[Op]) -> float:
+    total, matmuls = 0.0, 0
+    for op in forward:
+        matmuls += op.name == "mm"
+        if op.kind == "attention" or (op.name == "mm" and matmuls % 2 == 1):
+            total += sum(b for _, b in op.writes)
+    return total

@@ -563,6 +563,7 @@ def _describe(cluster) -> str:
 def _constants(cluster) -> tuple:
     from trainscale.plan import efficiency
 
-    used = [efficiency.GEMM, efficiency.attention(cluster.gpu.arch), efficiency.HBM, efficiency.LAUNCH,
-            efficiency.NVLINK, efficiency.LATENCY] + ([efficiency.NETWORK] if cluster.interconnect else [])
+    used = [efficiency.gemm(cluster.gpu.arch, "bf16"), efficiency.attention(cluster.gpu.arch), efficiency.HBM,
+            efficiency.LAUNCH, efficiency.NVLINK, efficiency.LATENCY]
+    used += [efficiency.NETWORK] if cluster.interconnect else []
     return tuple(str(c) for c in used)
