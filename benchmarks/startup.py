@@ -161,6 +161,10 @@ def main() -> None:
     parser.add_argument("--part", choices=("all", "one-process", "two-ranks"), default="all",
                         help="time only the one-process commands (imports, --help, first steps) or only the 2-rank "
                              "launches (default: all)")
+    parser.add_argument("--scripts", default="plain,factory,trainer-first",
+                        help="the 2-rank jobs to time, comma-separated: plain (the optimizer built before fit), "
+                             "factory (an optimizer factory), trainer-first (the Trainer made first, as README's "
+                             "example); default all three")
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 7)
 
@@ -185,15 +189,17 @@ def main() -> None:
             "trainscale --help": (help_cmd, False),
             **{name: ([py, "-c", code, root], True) for name, code in FIRST_STEP.items()},
         }
-        two_ranks = {
-            "import torch": ([py, "-c", "import torch"], False),  # the baseline of the "− torch" columns
-            "2 ranks, python (relaunch)": ([py, ddp_script, root], True),
-            "2 ranks, torchrun": ([*torchrun, ddp_script, root], True),
-            "2 ranks factory, python": ([py, factory_script, root], True),
-            "2 ranks factory, torchrun": ([*torchrun, factory_script, root], True),
-            "2 ranks Trainer first, python": ([py, first_script, root], True),
-            "2 ranks Trainer first, torchrun": ([*torchrun, first_script, root], True),
-        }
+        jobs = {"plain": ("2 ranks, python (relaunch)", "2 ranks, torchrun", ddp_script),
+                "factory": ("2 ranks factory, python", "2 ranks factory, torchrun", factory_script),
+                "trainer-first": ("2 ranks Trainer first, python", "2 ranks Trainer first, torchrun", first_script)}
+        unknown = set(args.scripts.split(",")) - set(jobs)
+        if unknown:
+            parser.error(f"--scripts: unknown {', '.join(sorted(unknown))}; choose from {', '.join(jobs)}")
+        two_ranks = {"import torch": ([py, "-c", "import torch"], False)}  # the baseline of the "− torch" columns
+        for key in args.scripts.split(","):
+            python_name, torchrun_name, script = jobs[key]
+            two_ranks[python_name] = ([py, script, root], True)
+            two_ranks[torchrun_name] = ([*torchrun, script, root], True)
         commands = {"all": {**one_process, **two_ranks}, "one-process": one_process, "two-ranks": two_ranks}[args.part]
         print(f"# startup: Python {platform.python_version()}, {os.cpu_count()} CPUs, load average "
               f"{os.getloadavg()[0]:.2f} at start, {rounds} interleaved rounds after {0 if args.quick else 1} warm-up round"
