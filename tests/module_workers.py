@@ -88,7 +88,7 @@ def log_reduction_body(rank: int, n: int, extra_on_rank: int | None = None, stra
     trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, enable_progress_bar=False, timeout=60,
                       enable_checkpointing=False, default_root_dir=f"/tmp/unused-{n}")
     try:
-        return trainer.validate(Logger(extra_on_rank), DataLoader(indexed_dataset(n), batch_size=4))
+        return trainer.validate(Logger(extra_on_rank), DataLoader(indexed_dataset(n), batch_size=4))[0]
     except ValueError as err:
         return f"ValueError: {err}"
     finally:
@@ -131,7 +131,7 @@ def returned_keys_body(rank: int, n: int) -> dict:
     trainer = Trainer(accelerator="cpu", devices="auto", enable_progress_bar=False, timeout=60,
                       enable_checkpointing=False, default_root_dir=f"/tmp/unused-{n}")
     loader = DataLoader(indexed_dataset(n), batch_size=4)
-    out = {"validated": trainer.validate(Returner(), loader), "predicted": trainer.predict(Returner(), loader)}
+    out = {"validated": trainer.validate(Returner(), loader)[0], "predicted": trainer.predict(Returner(), loader)}
     try:
         trainer.validate(Returner(extra_on_rank=1), loader)
     except ValueError as err:
@@ -152,7 +152,7 @@ def tp_log_reduction_body(rank: int, n: int) -> dict:
                       enable_checkpointing=False, default_root_dir=f"/tmp/unused-tp-{n}",
                       tp_plan={"lin": ColwiseParallel(output_layouts=Replicate())})
     try:
-        return trainer.validate(Logger(), DataLoader(indexed_dataset(n), batch_size=4))
+        return trainer.validate(Logger(), DataLoader(indexed_dataset(n), batch_size=4))[0]
     finally:
         trainer.runtime.teardown()
 
@@ -408,8 +408,8 @@ def evaluate_checkpoint_body(rank: int, root: str, strategy: str) -> dict:
     model, val = workers.make_model(0), DataLoader(workers.tiny_dataset(20, seed=3), batch_size=4)
     trainer.fit(model, DataLoader(workers.tiny_dataset(48), batch_size=8), val, optimizer=workers.sgd)
     out = {"history": [r["val_loss"] for r in trainer.history], "best_path": callback.best_model_path,
-           "own": trainer.validate(model, val)["val_loss"]}
-    out["best"] = trainer.validate(model, val, ckpt_path="best")["val_loss"]
+           "own": trainer.validate(model, val)[0]["val_loss"]}
+    out["best"] = trainer.validate(model, val, ckpt_path="best")[0]["val_loss"]
     out["best_weights"] = _full_weights(model)
     out["last_predictions"] = trainer.predict(model, val, ckpt_path="last")
     out["last_weights"] = _full_weights(model)
@@ -455,7 +455,7 @@ def datamodule_body(rank: int, root: str) -> dict:
     model, dm = LitClassifierWithTest(), MNISTShapedData()
     trainer.fit(model, datamodule=dm)
     calls = list(dm.calls)
-    tested = trainer.test(model, datamodule=dm)
+    (tested,) = trainer.test(model, datamodule=dm)
     trainer.runtime.teardown()
     return {"state": {k: v.detach().clone() for k, v in model.net.state_dict().items()}, "calls": calls,
             "test": tested}

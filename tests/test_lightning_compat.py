@@ -319,3 +319,19 @@ def test_reload_dataloaders_every_n_epochs_asks_the_hooks_again(tmp_path, every,
     model = Reloaded()
     _trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0, reload_dataloaders_every_n_epochs=every).fit(model)
     assert model.calls == {"train": calls, "val": calls} and model.first_inputs == inputs
+
+
+# -- what validate/test return ----------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_validate_and_test_return_one_dict_of_floats_per_loader(tmp_path):
+    """Lightning: ``trainer.validate``/``test`` return a list with one dict per evaluation loader, its values
+    Python floats (``res[0]["val_loss"]``)."""
+    model = Probe()
+    model.test_step = model.validation_step
+    trainer = _trainer(tmp_path)
+    validated = trainer.validate(model, _loader(4), verbose=False)
+    tested = trainer.test(model, _loader(4), verbose=False)
+    assert isinstance(validated, list) and len(validated) == 1 and isinstance(tested, list) and len(tested) == 1
+    expected = float(model.layer(_loader(4).dataset.tensors[0]).pow(2).mean())
+    assert validated[0]["val_loss"] == pytest.approx(expected) and isinstance(validated[0]["val_loss"], float)
+    assert tested[0]["val_loss"] == validated[0]["val_loss"]  # the step logs "val_loss" by that name

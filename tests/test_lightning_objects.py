@@ -76,7 +76,7 @@ def test_load_from_checkpoint_rebuilds_the_module_from_its_hyperparameters(tmp_p
     assert trainer.validate(loaded, DataLoader(_data(8), batch_size=8), verbose=False) == \
         trainer.validate(model, DataLoader(_data(8), batch_size=8), verbose=False)
     assert "metric" not in capsys.readouterr().out  # verbose=False: no table
-    results = trainer.test(loaded, DataLoader(_data(8), batch_size=8))  # verbose by default, as Lightning
+    (results,) = trainer.test(loaded, DataLoader(_data(8), batch_size=8))  # verbose by default, as Lightning
     table = capsys.readouterr().out
     assert "Test metric" in table and "DataLoader 0" in table
     assert any(line.split() == ["val_loss", f"{results['val_loss']:.6g}"] for line in table.splitlines())
@@ -223,6 +223,37 @@ def test_two_early_stoppings_keep_their_own_states_and_a_class_named_state_still
     legacy = EarlyStopping("val_loss", patience=5)
     _trainer(tmp_path, callbacks=[legacy]).fit(Classifier(hidden=4), DataLoader(_data(), batch_size=8), ckpt_path=old)
     assert legacy.best_score == stops[0].best_score
+
+
+# -- the checkpoint's keys --------------------------------------------------------------------------------------
+def test_a_checkpoint_file_holds_the_weights_under_state_dict_and_one_under_model_still_loads(tmp_path):
+    """Lightning's checkpointing guide reads ``torch.load(path)["state_dict"]``; a file that holds them under
+    ``model`` (the key trainscale wrote before) still resumes, loads and evaluates."""
+    from trainscale.runtime.checkpoint_io import save_file
+
+    model = Classifier(hidden=4)
+    _fit(tmp_path / "a", model)
+    path = ckpt.find_last(tmp_path / "a")
+    checkpoint = torch.load(path, weights_only=True)
+    assert "model" not in checkpoint and set(checkpoint["state_dict"]) == set(model.state_dict())
+    plain = Classifier(hidden=4)
+    plain.load_state_dict(checkpoint["state_dict"])  # the guide's way, with no trainscale call
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(plain.state_dict()[key], value, rtol=0, atol=0)
+
+    checkpoint["model"] = checkpoint.pop("state_dict")
+    old = tmp_path / "old.pt"
+    save_file(checkpoint, old)
+    loaded = Classifier.load_from_checkpoint(old)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0)
+    trainer = _trainer(tmp_path / "b")
+    (own,) = trainer.validate(model, DataLoader(_data(8), batch_size=8), verbose=False)
+    assert trainer.validate(Classifier(hidden=4), DataLoader(_data(8), batch_size=8), ckpt_path=old,
+                            verbose=False) == [own]
+    resumed = Classifier(hidden=4)
+    _trainer(tmp_path / "b", max_epochs=2).fit(resumed, DataLoader(_data(), batch_size=8), ckpt_path=old)
+    assert resumed.trainer.global_step == 4  # 2 steps per epoch: the first epoch's came from the checkpoint
 
 
 # -- ModelCheckpoint in a fit ----------------------------------------------------------------------------

@@ -284,8 +284,8 @@ def test_a_key_returned_by_some_batches_is_averaged_over_those_batches_in_one_pr
                       default_root_dir=tmp_path)
     loader = DataLoader(mw.indexed_dataset(n), batch_size=4)
     mean_x, odd_x = _returned_keys_expected(n, 1)
-    assert trainer.validate(mw.Returner(), loader) == {"val_mean_x": pytest.approx(mean_x),
-                                                       "val_odd_x": pytest.approx(odd_x)}
+    assert trainer.validate(mw.Returner(), loader) == [{"val_mean_x": pytest.approx(mean_x),
+                                                        "val_odd_x": pytest.approx(odd_x)}]
     predicted = trainer.predict(mw.Returner(), loader)
     assert predicted["index"].tolist() == list(range(n)) and predicted["names"][:2] == ["s0", "s1"]
 
@@ -568,7 +568,7 @@ def test_test_uses_test_step_and_its_prefix(tmp_path):
             return {"loss": torch.tensor(2.0)}
 
     out = _trainer(tmp_path).test(WithTest(), DataLoader(mw.indexed_dataset(5), batch_size=2))
-    assert out == {"test_loss": pytest.approx(2.0)}
+    assert out == [{"test_loss": pytest.approx(2.0)}]
 
 
 def test_predict_gathers_every_sample_once_in_dataset_order():

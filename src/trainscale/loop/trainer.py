@@ -810,9 +810,10 @@ class Trainer:
     # -- evaluation ----------------------------------------------------------------------------------
     def validate(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
                  loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
-                 datamodule: Any = None, verbose: bool = True) -> dict[str, float]:
-        """Evaluate ``model`` across all ranks, each sample counted once: ``{"val_loss": ..., "val_accuracy": ...}``
-        (or ``validation_step``'s keys prefixed ``val_``, and what it logged), sample-weighted means. ``ckpt_path``:
+                 datamodule: Any = None, verbose: bool = True) -> list[dict[str, float]]:
+        """Evaluate ``model`` across all ranks, each sample counted once. Returns Lightning's list of one dict per
+        loader (one loader here): ``[{"val_loss": ..., "val_accuracy": ...}]`` (or ``validation_step``'s keys prefixed
+        ``val_``, and what it logged), sample-weighted means; ``trainer.validate(...)[0]["val_loss"]``. ``ckpt_path``:
         "best", "last" or a path evaluates that checkpoint's weights (``evaluation.checkpoint_to_evaluate``).
         ``dataloaders`` None: ``datamodule``'s or the model's ``val_dataloader()`` (``lightning/data_sources.py``).
         ``model`` None (also for ``test`` and ``predict``): the model of this trainer's last ``fit``, with the weights of
@@ -826,7 +827,7 @@ class Trainer:
 
     def test(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
              loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
-             datamodule: Any = None, verbose: bool = True) -> dict[str, float]:
+             datamodule: Any = None, verbose: bool = True) -> list[dict[str, float]]:
         """As :meth:`validate`, with ``test_step``, ``test_dataloader()`` and the prefix ``test_``."""
         return self._run_eval("test", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path, datamodule=datamodule,
                               verbose=verbose)
