@@ -519,3 +519,17 @@ def rank_mismatch_body(rank: int, root: str) -> dict:
             out[name] = f"{type(err).__name__}: {err}"
     trainer.runtime.teardown()
     return out
+
+
+# -- the PyTorch profiler on two ranks ----------------------------------------------------------------
+def pytorch_profiler_body(rank: int, root: str) -> dict:
+    """3 optimizer steps under ``Trainer(profiler="pytorch")`` (Lightning's default schedule records the 3rd):
+    each rank's trace files and the run directory."""
+    from trainscale.loop.trainer import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices="auto", profiler="pytorch", max_steps=3, timeout=60,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      logger=False, default_root_dir=root)
+    trainer.fit(workers.make_model(0), DataLoader(workers.tiny_dataset(24), batch_size=4), optimizer=workers.sgd)
+    trainer.runtime.teardown()
+    return {"traces": [str(p) for p in trainer.profiler.trace_paths], "run_dir": str(trainer.run_dir)}

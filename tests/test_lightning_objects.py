@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -277,3 +279,98 @@ def test_model_checkpoint_template_and_last_ckpt_in_a_fit(tmp_path):
               ckpt_path=last)
     assert again.run_dir == trainer.run_dir and len(again.history) == 3
     assert last.resolve().name.startswith("epoch=2-")
+
+
+# -- profilers -----------------------------------------------------------------------------------------------------
+def test_the_profiler_flag_takes_lightnings_names_or_objects():
+    from trainscale.profilers import (AdvancedProfiler, PassThroughProfiler, PyTorchProfiler, SimpleProfiler,
+                                      resolve_profiler)
+
+    assert isinstance(resolve_profiler(None), PassThroughProfiler)
+    for name, cls in (("simple", SimpleProfiler), ("Advanced", AdvancedProfiler), ("pytorch", PyTorchProfiler)):
+        assert type(resolve_profiler(name)) is cls
+    mine = SimpleProfiler(extended=False)
+    assert resolve_profiler(mine) is mine
+    with pytest.raises(ValueError, match="'xla' is not a profiler name; pass one of"):
+        resolve_profiler("xla")
+    with pytest.raises(TypeError, match="pass one of"):
+        resolve_profiler(3)
+
+
+def test_simple_and_advanced_profilers_report_each_action_as_lightnings(tmp_path):
+    from trainscale.profilers import AdvancedProfiler, SimpleProfiler
+
+    simple = SimpleProfiler()
+    for _ in range(3):
+        with simple.profile("a"):
+            sum(range(1000))
+    with simple.profile("b"):
+        pass
+    assert [len(simple.recorded_durations[k]) for k in ("a", "b")] == [3, 1]
+    report = simple.summary()
+    assert "Profiler Report" in report and "Mean duration (s)" in report and "Percentage %" in report
+    (a_row,) = [line for line in report.splitlines() if line.count("|") > 2 and line.split("|")[1].strip() == "a"]
+    assert a_row.split("|")[3].strip() == "3"  # the number of calls
+    with pytest.raises(ValueError, match="which has already started"):
+        simple.start("c")
+        simple.start("c")
+    with pytest.raises(ValueError, match="never started"):
+        simple.stop("d")
+
+    advanced = AdvancedProfiler(dirpath=tmp_path, filename="adv", dump_stats=True)
+    advanced.setup("fit", local_rank=1)
+    with advanced.profile("sorting"):
+        sorted(range(1000), key=lambda i: -i)
+    text = advanced.summary()
+    assert "FIT Profiler Report" in text and "Profile stats for: sorting rank: 1" in text and "sorted" in text
+    assert (tmp_path / "fit-adv-1-sorting.prof").is_file()  # Lightning's file name: stage-filename-rank-action
+    advanced.describe()
+    assert "Profile stats for: sorting" in (tmp_path / "fit-adv-1.txt").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_fit_times_the_regions_train_step_names(tmp_path, capsys):
+    trainer = _trainer(tmp_path, max_epochs=2, profiler="simple", accumulate_grad_batches=2)
+    trainer.fit(Classifier(hidden=4), DataLoader(_data(), batch_size=4), DataLoader(_data(8), batch_size=8))
+    calls = {k: len(v) for k, v in trainer.profiler.recorded_durations.items()}
+    # 4 micro-batches of 4 per epoch, 2 per step; validation at each epoch end; a checkpoint check per step
+    assert calls["training_step_and_backward"] == 8 and calls["optimizer_step"] == 4
+    assert calls["validation"] == 2 and calls["checkpoint_if_due"] == 4
+    assert "FIT Profiler Report" in capsys.readouterr().out  # printed at the end of fit, as Lightning
+
+
+@pytest.mark.timeout(60)
+def test_the_pytorch_profiler_writes_a_chrome_trace_and_an_operator_table_that_report_lists(tmp_path, monkeypatch):
+    import json
+
+    from trainscale.telemetry import report
+
+    trainer = _trainer(tmp_path, max_epochs=1, profiler="pytorch")  # 4 steps: the 3rd and 4th are recorded
+    trainer.fit(Classifier(hidden=4), DataLoader(_data(), batch_size=4))
+    (trace,) = trainer.profiler.trace_paths
+    assert trace == trainer.run_dir / "fit.pt.trace.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    regions = [e for e in events if e.get("name") == "training_step_and_backward"]
+    assert len(regions) == 2 and any(e.get("name", "").startswith("aten::addmm") for e in events)
+    table = (trainer.run_dir / "fit-ops.txt").read_text()
+    assert "Name" in table and "CPU total" in table and "aten::" in table
+    monkeypatch.setattr(report, "pyplot", lambda: None)  # the text only: no plots drawn
+    _, text = report.make_report(trainer.run_dir)
+    assert str(trace) in text and str(trainer.run_dir / "fit-ops.txt") in text
+
+
+@pytest.mark.timeout(90)
+def test_the_pytorch_profiler_on_two_ranks_writes_one_loadable_trace_per_rank(tmp_path):
+    import json
+
+    from tests import module_workers as mw
+    from tests.helpers import run_distributed
+    from trainscale.telemetry.report import profiler_text
+
+    results = run_distributed(mw.pytorch_profiler_body, str(tmp_path), timeout=80)
+    run_dir = Path(results[0]["run_dir"])
+    assert [r["traces"] for r in results] == [[str(run_dir / f"fit-{rank}.pt.trace.json")] for rank in (0, 1)]
+    for rank in (0, 1):
+        events = json.loads((run_dir / f"fit-{rank}.pt.trace.json").read_text())["traceEvents"]
+        assert sum(e.get("name") == "training_step_and_backward" for e in events) == 1  # the 3rd step
+        assert str(run_dir / f"fit-{rank}.pt.trace.json") in profiler_text(run_dir)

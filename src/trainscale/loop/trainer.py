@@ -48,6 +48,7 @@ from trainscale.checkpointing.runs import RunLock, choose_run_dir, overwrite_ref
 from trainscale.loop.summary import finish_run, hyperparams
 from trainscale.lightning.optimizer_setup import build_optimizers
 from trainscale.checkpointing.train_state import ResumePoint, TrainState
+from trainscale.profilers import Profiler, resolve_profiler
 from trainscale.loop.state import EpochLoss, FitRun, MicroBatch, MicroBatchBooks, epoch_batches, micro_batches
 
 
@@ -57,6 +58,7 @@ class Trainer:
     """
 
     def __init__(self, *, callbacks: list[Callback] | None = None, logger: Any = None, runtime: Runtime | None = None,
+                 profiler: Profiler | str | None = None,
                  # the Runtime's flags (RuntimeFlags), described in Runtime.__init__
                  accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
                  num_nodes: int | None = None,
@@ -96,6 +98,9 @@ class Trainer:
                 one).
             logger: one or a list of ``trainscale.loggers`` (None: a ``CSVLogger``; False: none; docs/loggers.md).
             runtime: the Runtime a "ddp_spawn"/"ddp_notebook" rank made from the same flags (None: one is made here).
+            profiler: "simple", "advanced", "pytorch" or a ``trainscale.profilers.Profiler`` (Lightning's flag; None:
+                none). It times the regions ``train_step`` names (``with prof.profile(...)``) during ``fit``; its
+                report at the end of ``fit``; "pytorch" writes a Chrome trace per rank into the run directory.
             max_epochs: epochs to train (>= 1; -1: no limit). None (the default): no limit when ``max_steps`` or
                 ``max_time`` is set (Lightning's rule), else 1 (Lightning: 1000 with a warning).
             max_steps: stop after this many optimizer steps (None or -1: no limit; resolved to None).
@@ -221,7 +226,9 @@ class Trainer:
             fast_dev_run=fast_dev_run, max_time=max_time, overfit_batches=overfit_batches, deterministic=deterministic,
             enable_model_summary=enable_model_summary, use_distributed_sampler=use_distributed_sampler,
             reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs)
-        self.flags = dict(runtime_flags, **loop_flags, callbacks=callbacks, logger=logger)  # a ddp_spawn rank rebuilds
+        self.flags = dict(runtime_flags, **loop_flags, callbacks=callbacks, logger=logger,
+                          profiler=profiler)  # a ddp_spawn rank rebuilds the Trainer from them
+        self.profiler = resolve_profiler(profiler)  # Lightning's trainer.profiler
         self.config = resolve_trainer_config(**loop_flags)
         set_torch_flags(self.config.deterministic)
         self.batch_scaling = BatchScaling(self.config)
@@ -378,6 +385,7 @@ class Trainer:
             raise explained from err
         finally:
             self.fitting = False
+            self.profiler.describe()  # its report (and files), as Lightning's teardown, also after an error
             self._faults.stop()
             self._run_lock.release()
             if self._fit is not None and self._fit.sink is not None:  # fit raised (finish_run closes it otherwise)
@@ -408,6 +416,7 @@ class Trainer:
         rt.print(run_header(rt, global_batch, self.run_dir if cfg.writes_files else
                             f"none (fast_dev_run: {cfg.max_steps} batch(es) of each loop, nothing written)"))
         self.validated_at = []
+        self.profiler.setup("fit", rt.rank if rt.world_size > 1 else None, self.run_dir)  # its files: the run dir
         self._hook("on_fit_start")
         self._sanity_check(fit, point)
         self._deadline = time.monotonic() + (cfg.max_time.total_seconds() if cfg.max_time is not None else math.inf)
@@ -535,8 +544,12 @@ class Trainer:
            (its last batch validates in ``_end_epoch``); then faults and checkpoints (:meth:`_checkpoint_if_due`):
            signals and the non-finite check at the steps every rank agreed on, a checkpoint every
            ``checkpoint_every_n_steps``; then ``max_time``: out of time, the epoch ends here.
+
+        The profiler's regions (``Trainer(profiler=...)``; a no-op context without one) are the ``prof.profile``
+        blocks below: ``training_step_and_backward`` (each micro-batch), ``optimizer_step``, ``log_step``,
+        ``validation`` and ``checkpoint_if_due``.
         """
-        rt, cfg, tele = self.runtime, self.config, fit.telemetry
+        rt, cfg, tele, prof = self.runtime, self.config, fit.telemetry, self.profiler  # prof: Trainer(profiler=...)
         self.is_step_end = False
         first_batch = self.state.batches  # this step's first micro-batch in the epoch
         # 1. Forward and backward, micro-batch by micro-batch.
@@ -544,11 +557,12 @@ class Trainer:
             batch = rt.to_device(micro.batch)  # on CUDA already there: prefetch copied it while the last step ran
             fit.books.batch_ready(batch)  # the data phase ends; samples and tokens (self.log's batch size)
             self._hook("on_train_batch_start", batch, micro.index)
-            if tele.counting_flops:  # the run's first micro-batch: its FLOPs counted once, for MFU
-                loss, t_forward = tele.count_flops_of(lambda: self._forward_backward(fit, batch, micro), fit.wrapped,
-                                                      batch)
-            else:
-                loss, t_forward = self._forward_backward(fit, batch, micro)
+            with prof.profile("training_step_and_backward"):  # its end advances PyTorchProfiler's schedule
+                if tele.counting_flops:  # the run's first micro-batch: its FLOPs counted once, for MFU
+                    loss, t_forward = tele.count_flops_of(lambda: self._forward_backward(fit, batch, micro), fit.wrapped,
+                                                          batch)
+                else:
+                    loss, t_forward = self._forward_backward(fit, batch, micro)
             loss = loss.detach()
             fit.books.backward_done(loss, t_forward)  # phases, epoch loss sum, non-finite watch, progress bar
             if micro.is_last:
@@ -571,7 +585,7 @@ class Trainer:
                                                                          step=self.global_step, epoch=self.current_epoch)
             # 4. Step at the scaled learning rate, then zero the gradients.
             if not skip:
-                with self.batch_scaling.scaled_lr(optimizer):
+                with self.batch_scaling.scaled_lr(optimizer), prof.profile("optimizer_step"):
                     rt.step(optimizer)
             self._hook("on_before_zero_grad", optimizer)
             optimizer.zero_grad(set_to_none=True)
@@ -585,11 +599,14 @@ class Trainer:
         self.callback_metrics.update(self.metric_collector.step_metrics())  # every step, on the device (Lightning's)
         self._hook("on_train_batch_end", loss, batch, micro.index)
         if self.is_log_step:  # two collectives: telemetry's all_gather of each rank's interval, sync_dist's all-reduce
-            self._log_step(fit, loss, grad_norm)
+            with prof.profile("log_step"):
+                self._log_step(fit, loss, grad_norm)
         # 6. Validation, signals, the non-finite check and checkpoints, when due; the time limit.
         if self._validation_due(fit, first_batch):
-            self._validate(fit, mid_epoch=True)
-        self._checkpoint_if_due(fit, epoch_end=False, ends_epoch=micro.ends_epoch)
+            with prof.profile("validation"):
+                self._validate(fit, mid_epoch=True)
+        with prof.profile("checkpoint_if_due"):
+            self._checkpoint_if_due(fit, epoch_end=False, ends_epoch=micro.ends_epoch)
         if self._out_of_time():
             self.should_stop = True  # max_time (Lightning's Timer): the epoch ends after this step
         return True
@@ -648,7 +665,8 @@ class Trainer:
         user = self.metric_collector.take_epoch_values()
         record = {**own, **user}
         if fit.val_loader is not None and self._validates_at_epoch_end(fit, epoch):
-            record.update(self._validate(fit, mid_epoch=False))
+            with self.profiler.profile("validation"):
+                record.update(self._validate(fit, mid_epoch=False))
         record.update(self._pending.pop("epoch", {}))
         self._publish(record, own, user)
         with self.metric_collector.epoch_hook():
