@@ -62,9 +62,12 @@ class Logger(TrainingModule):
     """Logs values whose exact reduction over all samples is known."""
 
     def __init__(self, extra_on_rank: int | None = None):
+        import torchmetrics
+
         super().__init__()
         self.lin = nn.Linear(1, 2)
         self.extra_on_rank = extra_on_rank
+        self.metric_x = torchmetrics.MeanMetric()  # logged as the Metric object: compute() syncs its states
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -75,6 +78,8 @@ class Logger(TrainingModule):
         self.log("mean_x", x.mean())
         self.log("count", float(len(x)), reduce_fx="sum")
         self.log("max_x", x.max(), reduce_fx="max")
+        self.metric_x.update(x)
+        self.log("metric_mean_x", self.metric_x)
         if self.extra_on_rank == self.global_rank:
             self.log("only_here", 1.0)
 
@@ -101,9 +106,12 @@ class Returner(TrainingModule):
     output tensor."""
 
     def __init__(self, extra_on_rank: int | None = None):
+        import torchmetrics
+
         super().__init__()
         self.lin = nn.Linear(1, 2)
         self.extra_on_rank = extra_on_rank
+        self.metric_x = torchmetrics.MeanMetric()  # logged as the Metric object: compute() syncs its states
 
     def training_step(self, batch, batch_idx):
         x, y = batch

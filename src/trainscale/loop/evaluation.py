@@ -19,7 +19,7 @@ import torch
 
 from trainscale.checkpointing import checkpointer, run_dirs as ckpt
 from trainscale.lightning.data_sources import resolve_loaders
-from trainscale.lightning.metrics import MetricCollector
+from trainscale.lightning.metrics import MetricCollector, metric_states_kept
 from trainscale.lightning.module import attach_trainer, set_up_model
 from trainscale.loop.state import loader_length
 
@@ -90,9 +90,10 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stag
             counts[key] = counts.get(key, 0) + n
         count += n
     collector.discard = True  # results and self.log values discarded: each sample is still counted once
-    for _ in range(extra):
-        with rt.autocast():
-            wrapped(batch, 0, stage=stage)
+    with metric_states_kept(loop_module):  # and what a torchmetrics Metric's update() took from them is undone
+        for _ in range(extra):
+            with rt.autocast():
+                wrapped(batch, 0, stage=stage)
     collector.discard = False
     hook(f"on_{stage}_epoch_end")  # what it logs is among this stage's values
     keys = _same_keys_on_every_rank(rt, sorted(sums), count > 0, f"{stage}_step")  # a rank with no batch takes part
@@ -102,6 +103,7 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stag
     wrapped.train()
     out = {f"{prefix}{k}": (total / n if n else math.nan) for k, total, n in zip(keys, vec, vec[len(keys):])}
     out.update(collector.take_epoch_values())
+    collector.reset_metrics()
     return out
 
 

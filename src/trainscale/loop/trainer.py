@@ -672,6 +672,7 @@ class Trainer:
         with self.metric_collector.epoch_hook():
             self._hook("on_train_epoch_end", monitoring=False)
         late = self.metric_collector.take_epoch_values()  # what the module's on_train_epoch_end logged
+        self.metric_collector.reset_metrics()  # torchmetrics Metrics, after the epoch end hooks (Lightning's)
         record.update(late)
         user.update(late)
         self._publish(record, own, user)
