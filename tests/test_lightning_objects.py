@@ -374,3 +374,85 @@ def test_the_pytorch_profiler_on_two_ranks_writes_one_loadable_trace_per_rank(tm
         events = json.loads((run_dir / f"fit-{rank}.pt.trace.json").read_text())["traceEvents"]
         assert sum(e.get("name") == "training_step_and_backward" for e in events) == 1  # the 3rd step
         assert str(run_dir / f"fit-{rank}.pt.trace.json") in profiler_text(run_dir)
+
+
+# -- BaseFinetuning and the progress-bar callbacks -----------------------------------------------------------------
+class Backboned(TrainingModule):
+    """A backbone (with a BatchNorm) and a head; the optimizer takes the parameters that require gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU())
+        self.head = nn.Linear(6, 3)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1)
+
+
+def test_base_finetuning_freezes_before_the_optimizer_and_unfreezes_into_a_new_group(tmp_path):
+    from trainscale.callbacks import BaseFinetuning
+
+    class UnfreezeAtOne(BaseFinetuning):
+        def __init__(self):
+            self.groups: list[int] = []
+
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.backbone, train_bn=False)
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.backbone, optimizer)  # lr: 0.1 / 10
+            self.groups.append(len(optimizer.param_groups))
+
+    model = Backboned()
+    frozen = {k: v.detach().clone() for k, v in model.backbone.state_dict().items()}
+    callback = UnfreezeAtOne()
+    trainer = _trainer(tmp_path, max_epochs=1, callbacks=[callback], enable_checkpointing=False)
+    trainer.fit(model, DataLoader(_data(), batch_size=8))
+    (group,) = trainer.optimizers[0].param_groups  # the optimizer was built after the freeze: the head only
+    assert {id(p) for p in group["params"]} == {id(p) for p in model.head.parameters()}
+    for key, value in model.backbone.state_dict().items():  # untrained: weights and BatchNorm statistics
+        torch.testing.assert_close(value, frozen[key], rtol=0, atol=0)
+    assert not model.backbone[1].track_running_stats  # train_bn=False froze the BatchNorm too
+
+    model, callback = Backboned(), UnfreezeAtOne()
+    trainer = _trainer(tmp_path, max_epochs=2, callbacks=[callback], enable_checkpointing=False)
+    before = model.backbone[0].weight.detach().clone()
+    trainer.fit(model, DataLoader(_data(), batch_size=8))
+    assert callback.groups == [1, 2]
+    added = trainer.optimizers[0].param_groups[1]
+    assert added["lr"] == pytest.approx(0.01) and {id(p) for p in added["params"]} == {
+        id(p) for p in model.backbone.parameters()}
+    assert not torch.equal(model.backbone[0].weight, before)  # trained in the second epoch
+    assert list(BaseFinetuning.filter_params(model, requires_grad=False)) == []
+    with pytest.warns(UserWarning, match="already exist within another group"):
+        BaseFinetuning.unfreeze_and_add_param_group(model.head, trainer.optimizers[0])
+
+
+def test_progress_bar_callbacks_set_the_trainers_bar(tmp_path):
+    from trainscale.callbacks import RichProgressBar, TQDMProgressBar
+    from trainscale.loop.progress import ProgressBar
+
+    bar = TQDMProgressBar(refresh_rate=3)
+    assert Trainer(accelerator="cpu", callbacks=[bar], default_root_dir=tmp_path).progress_bar_callback is bar
+    assert isinstance(Trainer(accelerator="cpu", default_root_dir=tmp_path).progress_bar_callback, TQDMProgressBar)
+    assert Trainer(accelerator="cpu", enable_progress_bar=False, default_root_dir=tmp_path).progress_bar_callback is None
+    with pytest.raises(ValueError, match="enable_progress_bar=False"):
+        Trainer(accelerator="cpu", enable_progress_bar=False, callbacks=[RichProgressBar()], default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="several progress bars"):
+        Trainer(accelerator="cpu", callbacks=[bar, RichProgressBar()], default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="refresh_rate=-1"):
+        TQDMProgressBar(refresh_rate=-1)
+    drawn = ProgressBar(True, 10, "epoch 1", refresh_rate=3)
+    if drawn._bar is None:
+        pytest.skip("tqdm is not installed")
+    for _ in range(7):
+        drawn.update()
+    assert drawn._bar.n == 6  # drawn at every 3rd micro-batch
+    drawn.close()
+    assert drawn._bar.n == 7
+    assert ProgressBar(True, 10, "epoch 1", refresh_rate=0)._bar is None  # 0: no bar, as Lightning

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, NoReturn
 import torch
 from torch import nn
 
-from trainscale.callbacks import Callback, ModelCheckpoint, ModelSummary, resolve_callbacks
+from trainscale.callbacks import Callback, ModelCheckpoint, ModelSummary, TQDMProgressBar, resolve_callbacks
 from trainscale.callbacks.base import HOOKS, overridden_hooks
 from trainscale.loggers import resolve_loggers
 from trainscale.runtime.connector import RUNTIME_FLAG_NAMES, check_flag_names
@@ -233,6 +233,12 @@ class Trainer:
         set_torch_flags(self.config.deterministic)
         self.batch_scaling = BatchScaling(self.config)
         self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint())
+        bars = [cb for cb in self.callbacks if isinstance(cb, TQDMProgressBar)]
+        if bars and not self.config.enable_progress_bar:  # Lightning refuses the same
+            raise ValueError(f"Trainer(enable_progress_bar=False) with a {type(bars[0]).__name__} in callbacks; drop "
+                             "one of the two")
+        # Lightning's trainer.progress_bar_callback: the one given, or the default bar's settings (None: no bar)
+        self.progress_bar_callback = next(iter(bars), TQDMProgressBar() if self.config.enable_progress_bar else None)
         if self.config.enable_model_summary and not any(isinstance(cb, ModelSummary) for cb in self.callbacks):
             self.callbacks.append(ModelSummary())  # Lightning's default, unless the user gave one
         # the ModelCheckpoint callbacks: the user's, or the default one; asked at every step end (_checkpoint_if_due);
@@ -410,7 +416,7 @@ class Trainer:
             self.run_dir, self._run_lock = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)  # held by fit
             self._faults.start(self.run_dir)
         for cb in self.checkpoint_callbacks:
-            cb.setup(self)
+            cb.setup_directory(self)
         fit.sink = RecordWriter(self.run_dir, cfg.tensorboard, self.loggers, hyperparams(self, model)) \
             if rt.is_rank_zero and cfg.writes_files else None
         rt.print(run_header(rt, global_batch, self.run_dir if cfg.writes_files else
@@ -441,6 +447,8 @@ class Trainer:
 
     def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
         rt = self.runtime
+        for cb in self.callbacks:  # Lightning's Callback.setup: before the model is wrapped and its optimizers built
+            cb.setup(self, model, "fit")
         loop_module, wrapped = set_up_model(self, model, loss_fn)  # reused from an earlier fit or evaluation
         self._arm_hooks(model)
         self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
@@ -497,8 +505,10 @@ class Trainer:
         batches = epoch_batches(fit, self.state, epoch, resume, rt.world_size, cfg.train_batches)
         fit.wrapped.train()
         remaining = fit.epoch_batches - fit.epoch_offset  # inf: an iterable data set, until its iterator ends
-        fit.bar = ProgressBar(cfg.enable_progress_bar and rt.is_rank_zero, None if remaining == math.inf else remaining,
-                              epoch_label(epoch, cfg.max_epochs))
+        bar = self.progress_bar_callback
+        fit.bar = ProgressBar(bar is not None and rt.is_rank_zero, None if remaining == math.inf else remaining,
+                              epoch_label(epoch, cfg.max_epochs), refresh_rate=bar.refresh_rate if bar else 0,
+                              leave=bar is not None and bar.leave)
         fit.epoch_loss = EpochLoss(rt.device, resume.totals if resume else (0.0, 0.0, 0.0, 0.0))
         fit.books = MicroBatchBooks(fit.telemetry, self._faults, self.state, self.metric_collector, fit.epoch_loss,
                                     fit.bar)
