@@ -61,13 +61,15 @@ def indexed_dataset(n: int) -> TensorDataset:
 class Logger(TrainingModule):
     """Logs values whose exact reduction over all samples is known."""
 
-    def __init__(self, extra_on_rank: int | None = None):
-        import torchmetrics
-
+    def __init__(self, extra_on_rank: int | None = None, with_metric: bool = False):
         super().__init__()
         self.lin = nn.Linear(1, 2)
         self.extra_on_rank = extra_on_rank
-        self.metric_x = torchmetrics.MeanMetric()  # logged as the Metric object: compute() syncs its states
+        self.metric_x = None
+        if with_metric:  # a torchmetrics Metric logged as the object: compute() syncs its states (3 s to import)
+            import torchmetrics
+
+            self.metric_x = torchmetrics.MeanMetric()
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -78,8 +80,9 @@ class Logger(TrainingModule):
         self.log("mean_x", x.mean())
         self.log("count", float(len(x)), reduce_fx="sum")
         self.log("max_x", x.max(), reduce_fx="max")
-        self.metric_x.update(x)
-        self.log("metric_mean_x", self.metric_x)
+        if self.metric_x is not None:
+            self.metric_x.update(x)
+            self.log("metric_mean_x", self.metric_x)
         if self.extra_on_rank == self.global_rank:
             self.log("only_here", 1.0)
 
@@ -87,13 +90,14 @@ class Logger(TrainingModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def log_reduction_body(rank: int, n: int, extra_on_rank: int | None = None, strategy: str = "auto") -> dict | str:
+def log_reduction_body(rank: int, n: int, extra_on_rank: int | None = None, strategy: str = "auto",
+                       with_metric: bool = False) -> dict | str:
     from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, enable_progress_bar=False, timeout=60,
                       enable_checkpointing=False, default_root_dir=f"/tmp/unused-{n}")
     try:
-        return trainer.validate(Logger(extra_on_rank), DataLoader(indexed_dataset(n), batch_size=4))[0]
+        return trainer.validate(Logger(extra_on_rank, with_metric), DataLoader(indexed_dataset(n), batch_size=4))[0]
     except ValueError as err:
         return f"ValueError: {err}"
     finally:
@@ -105,13 +109,15 @@ class Returner(TrainingModule):
     "only_here" on rank ``extra_on_rank`` only; ``predict_step`` returns a dict of the sample's index and an
     output tensor."""
 
-    def __init__(self, extra_on_rank: int | None = None):
-        import torchmetrics
-
+    def __init__(self, extra_on_rank: int | None = None, with_metric: bool = False):
         super().__init__()
         self.lin = nn.Linear(1, 2)
         self.extra_on_rank = extra_on_rank
-        self.metric_x = torchmetrics.MeanMetric()  # logged as the Metric object: compute() syncs its states
+        self.metric_x = None
+        if with_metric:  # a torchmetrics Metric logged as the object: compute() syncs its states (3 s to import)
+            import torchmetrics
+
+            self.metric_x = torchmetrics.MeanMetric()
 
     def training_step(self, batch, batch_idx):
         x, y = batch

@@ -410,3 +410,18 @@ def test_two_metric_objects_under_one_name_are_refused():
     with pytest.raises(ValueError, match="two different Metric objects"):
         collector.log("x", two)
     assert collector.take_epoch_values() == {"x": 1.0}
+
+
+def test_forwards_whose_results_are_discarded_leave_no_sample_in_a_metric():
+    """fsdp's extra evaluation forwards on a rank with fewer batches (``evaluation.evaluate``) run inside
+    ``metric_states_kept``: a Metric they update is as before them."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+    from trainscale.lightning.metrics import metric_states_kept
+
+    model = WithMetrics()
+    model.val_mean.update(torch.tensor([1.0, 3.0]))
+    with metric_states_kept(model):
+        model.val_mean.update(torch.tensor([100.0]))
+        assert float(model.val_mean.compute()) == pytest.approx(104 / 3)
+    assert float(model.val_mean.compute()) == 2.0 and model.val_mean._update_count == 1
+    assert isinstance(model.val_mean, torchmetrics.MeanMetric)
