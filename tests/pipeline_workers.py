@@ -329,8 +329,8 @@ def fit_then_evaluate(rank: int, root: str, strategy: str) -> dict:
     model = GPT(PP_CONFIG)
     train_loader, val_loader = text_loaders(8, 32, 16)
     summary = trainer.fit(model, train_loader, val_loader, loss_fn=lm_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    return {"fit": summary["val_loss"], "validate": trainer.validate(model, val_loader, loss_fn=lm_loss)["val_loss"],
-            "last": trainer.validate(model, val_loader, loss_fn=lm_loss, ckpt_path="last")["val_loss"]}
+    return {"fit": summary["val_loss"], "validate": trainer.validate(model, val_loader, loss_fn=lm_loss)[0]["val_loss"],
+            "last": trainer.validate(model, val_loader, loss_fn=lm_loss, ckpt_path="last")[0]["val_loss"]}
 
 
 def plan_errors(rank: int, root: str) -> dict:

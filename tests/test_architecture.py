@@ -14,7 +14,7 @@ LAYERS = [
     {"models", "data"},
     {"runtime"},
     {"telemetry"},
-    {"loggers", "checkpointing", "faults", "scaling", "callbacks", "jobs"},
+    {"loggers", "checkpointing", "faults", "scaling", "callbacks", "jobs", "profilers"},
     {"lightning"},
     {"tune"},
     {"loop"},

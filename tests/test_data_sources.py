@@ -107,7 +107,7 @@ def test_fit_and_test_with_a_datamodule_equal_fit_and_test_with_its_loaders(tmp_
     by_module = Classifier()
     trainer = _trainer(tmp_path / "dm")
     trainer.fit(by_module, datamodule=dm)
-    tested = trainer.test(by_module, datamodule=dm)
+    (tested,) = trainer.test(by_module, datamodule=dm)
     assert dm.calls == ["prepare_data", "setup:fit", "prepare_data", "setup:test"]
 
     reference = Indexed()
@@ -118,8 +118,8 @@ def test_fit_and_test_with_a_datamodule_equal_fit_and_test_with_its_loaders(tmp_
     trainer.fit(by_loaders, reference.train_dataloader(), reference.val_dataloader())
     for name, value in by_loaders.state_dict().items():
         torch.testing.assert_close(by_module.state_dict()[name], value, rtol=0, atol=0)
-    assert tested == trainer.test(by_loaders, reference.test_dataloader())
-    assert trainer.test(by_loaders, dm)["loss"] == tested["loss"]  # a data module where the loader goes
+    assert [tested] == trainer.test(by_loaders, reference.test_dataloader())
+    assert trainer.test(by_loaders, dm)[0]["loss"] == tested["loss"]  # a data module where the loader goes
 
 
 def test_a_model_with_its_own_train_dataloader_fits_without_loaders(tmp_path):
@@ -254,7 +254,7 @@ def test_limit_val_batches_validates_each_ranks_first_batches_in_fit_and_validat
         val = DataLoader(mw.indexed_dataset(10), batch_size=4)
         trainer.fit(mw.Logger(), DataLoader(mw.indexed_dataset(4)), val)
         assert trainer.history[-1]["count"] == 4 and trainer.history[-1]["mean_x"] == pytest.approx(1.5)
-        assert trainer.validate(mw.Logger(), val)["count"] == 4
-    assert _trainer(tmp_path / "all").validate(mw.Logger(), val)["count"] == 10
+        assert trainer.validate(mw.Logger(), val)[0]["count"] == 4
+    assert _trainer(tmp_path / "all").validate(mw.Logger(), val)[0]["count"] == 10
     with pytest.raises(ValueError, match=r"limit_val_batches=-1 must be an int >= 0"):  # 0 turns validation off
         _trainer(tmp_path, limit_val_batches=-1)

@@ -50,7 +50,7 @@ def test_a_spawned_fit_returns_the_best_checkpoint_which_test_then_evaluates(tmp
     assert best < len(history) - 1  # the best checkpoint is not the fitted weights
     assert callback.best_model_path is not None and f"epoch={best + 1:06d}-" in callback.best_model_path
     assert trainer.callback_metrics["val_loss"] == pytest.approx(history[-1])
-    assert trainer.test(model, val, ckpt_path="best")["test_loss"] == pytest.approx(history[best], rel=1e-6)
+    assert trainer.test(model, val, ckpt_path="best")[0]["test_loss"] == pytest.approx(history[best], rel=1e-6)
 
 def test_runtime_launch_function_runs_on_each_spawned_rank_with_ddp_options():
     rt = Runtime(accelerator="cpu", devices=2, strategy="ddp_spawn", timeout=60,

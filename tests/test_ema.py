@@ -108,7 +108,7 @@ def test_ema_matches_averaged_model_validates_with_it_and_resumes_from_a_checkpo
     checkpoint = torch.load(next(Path(tmp_path, "cut").glob("version_0/checkpoints/epoch=000000-step=0000000003.pt")),
                             weights_only=True)
     assert checkpoint["callbacks"]["EMA"] == {"decay": DECAY, "n_averaged": 1, "latest_update_step": 3}
-    assert set(checkpoint["callbacks/EMA/average"]) == set(checkpoint["model"])  # the average beside the weights
+    assert set(checkpoint["callbacks/EMA/average"]) == set(checkpoint["state_dict"])  # the average beside the weights
 
 
 @pytest.mark.multiprocess

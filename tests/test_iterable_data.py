@@ -181,4 +181,4 @@ def test_test_and_predict_without_a_model_use_the_fitted_one(tmp_path):
     torch.testing.assert_close(predicted, trainer.predict(model, loader))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert trainer.validate(dataloaders=loader, ckpt_path="last")  # a given ckpt_path: no warning
+        assert trainer.validate(dataloaders=loader, ckpt_path="last")[0]  # a given ckpt_path: no warning

@@ -319,3 +319,109 @@ def test_reload_dataloaders_every_n_epochs_asks_the_hooks_again(tmp_path, every,
     model = Reloaded()
     _trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0, reload_dataloaders_every_n_epochs=every).fit(model)
     assert model.calls == {"train": calls, "val": calls} and model.first_inputs == inputs
+
+
+# -- what validate/test return ----------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_validate_and_test_return_one_dict_of_floats_per_loader(tmp_path):
+    """Lightning: ``trainer.validate``/``test`` return a list with one dict per evaluation loader, its values
+    Python floats (``res[0]["val_loss"]``)."""
+    model = Probe()
+    model.test_step = model.validation_step
+    trainer = _trainer(tmp_path)
+    validated = trainer.validate(model, _loader(4), verbose=False)
+    tested = trainer.test(model, _loader(4), verbose=False)
+    assert isinstance(validated, list) and len(validated) == 1 and isinstance(tested, list) and len(tested) == 1
+    expected = float(model.layer(_loader(4).dataset.tensors[0]).pow(2).mean())
+    assert validated[0]["val_loss"] == pytest.approx(expected) and isinstance(validated[0]["val_loss"], float)
+    assert tested[0]["val_loss"] == validated[0]["val_loss"]  # the step logs "val_loss" by that name
+
+
+# -- torchmetrics -----------------------------------------------------------------------------------------------------
+class WithMetrics(Probe):
+    """Logs a torchmetrics ``MeanMetric`` of the inputs' first column (plus the epoch, so each epoch's mean differs)
+    on_step and on_epoch in training, and one in validation (Lightning's default there: on_epoch)."""
+
+    def __init__(self):
+        import torchmetrics
+
+        super().__init__()
+        self.train_mean = torchmetrics.MeanMetric()
+        self.val_mean = torchmetrics.MeanMetric()
+        self.computed_in_hook: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        self.train_mean(batch[0][:, 0] + self.current_epoch)  # forward: the batch's mean, and the epoch's update
+        self.log("m", self.train_mean, on_step=True, on_epoch=True)
+        return self.layer(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.val_mean.update(batch[0][:, 0])
+        self.log("vm", self.val_mean)
+
+    def on_train_epoch_end(self):
+        self.computed_in_hook.append(float(self.train_mean.compute()))  # not yet reset, as in Lightning
+
+
+class MetricWatch(Callback):
+    def __init__(self):
+        self.steps: list[float] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.steps.append(float(trainer.callback_metrics["m_step"]))
+
+
+@pytest.mark.timeout(60)
+def test_a_logged_torchmetrics_metric_is_its_batch_value_per_step_computed_per_epoch_and_reset(tmp_path):
+    """Lightning's rules for ``self.log(name, metric)``: the step value is the last forward's batch value, the epoch
+    value ``compute()`` over every sample of the epoch (10 samples in batches of 4, 4, 2: not the mean of the three
+    batch means), then the metric is reset (epoch 1's value holds epoch 1's samples only)."""
+    pytest.importorskip("torchmetrics")
+    loader = _loader(n=10, batch_size=4)
+    first = loader.dataset.tensors[0][:, 0]
+    watch = MetricWatch()
+    model = WithMetrics()
+    trainer = _trainer(tmp_path, max_epochs=2, callbacks=[watch], num_sanity_val_steps=0)
+    trainer.fit(model, loader, _loader(6, batch_size=4))
+    batch_means = [float(first[i:i + 4].mean()) for i in (0, 4, 8)]
+    assert watch.steps == pytest.approx(batch_means + [m + 1 for m in batch_means])
+    epoch_means = [float(first.mean()) + e for e in (0, 1)]
+    assert float(first.mean()) != pytest.approx(sum(batch_means) / 3)  # the test tells the two apart
+    assert [r["m_epoch"] for r in trainer.history] == pytest.approx(epoch_means)
+    assert model.computed_in_hook == pytest.approx(epoch_means)
+    assert trainer.callback_metrics["m"] == pytest.approx(epoch_means[1])
+    val_first = _loader(6).dataset.tensors[0][:, 0]
+    assert trainer.callback_metrics["vm"] == pytest.approx(float(val_first.mean()))
+    assert model.train_mean._update_count == 0 and model.val_mean._update_count == 0  # reset after each epoch
+    (validated,) = trainer.validate(model, _loader(6, batch_size=4), verbose=False)
+    assert validated["vm"] == pytest.approx(float(val_first.mean()))  # not doubled: reset after the fit's validation
+
+
+def test_two_metric_objects_under_one_name_are_refused():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    from trainscale.lightning.metrics import MetricCollector
+    from trainscale.runtime.runtime import Runtime
+
+    collector = MetricCollector(Runtime(accelerator="cpu"), "validation")
+    one, two = torchmetrics.MeanMetric(), torchmetrics.MeanMetric()
+    one.update(1.0)
+    collector.log("x", one)
+    collector.log("x", one)  # the same object again: fine
+    with pytest.raises(ValueError, match="two different Metric objects"):
+        collector.log("x", two)
+    assert collector.take_epoch_values() == {"x": 1.0}
+
+
+def test_forwards_whose_results_are_discarded_leave_no_sample_in_a_metric():
+    """fsdp's extra evaluation forwards on a rank with fewer batches (``evaluation.evaluate``) run inside
+    ``metric_states_kept``: a Metric they update is as before them."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+    from trainscale.lightning.metrics import metric_states_kept
+
+    model = WithMetrics()
+    model.val_mean.update(torch.tensor([1.0, 3.0]))
+    with metric_states_kept(model):
+        model.val_mean.update(torch.tensor([100.0]))
+        assert float(model.val_mean.compute()) == pytest.approx(104 / 3)
+    assert float(model.val_mean.compute()) == 2.0 and model.val_mean._update_count == 1
+    assert isinstance(model.val_mean, torchmetrics.MeanMetric)

@@ -24,7 +24,7 @@ def _flags(tmp_path) -> dict:
 
 def test_bug_report_model_runs_as_lightning_runs_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # it writes under os.getcwd(), as in Lightning
-    results = bug_report_model.run()
+    (results,) = bug_report_model.run()  # Lightning's list of one dict per test loader
     assert set(results) == {"test_loss"} and torch.isfinite(torch.tensor(results["test_loss"]))
 
 
@@ -54,10 +54,10 @@ def test_boring_models_fit_validate_test_and_predict(tmp_path, model):
     trainer.fit(module)  # the model's own *_dataloader hooks
     assert not torch.equal(module.layer.weight, before) and trainer.global_step == 4
     # nothing logged: trainscale reports the returned dicts' values (Lightning returns {} here; docs/lightning.md)
-    assert set(trainer.validate(module, verbose=False)) == {"val_x"}
-    assert set(trainer.test(module, verbose=False)) == {"test_y"}
+    assert set(trainer.validate(module, verbose=False)[0]) == {"val_x"}
+    assert set(trainer.test(module, verbose=False)[0]) == {"test_y"}
     assert trainer.predict(module).shape == (2, 2)
-    assert set(trainer.test(module, datamodule=boring_classes.BoringDataModule(), verbose=False)) == {"test_y"}
+    assert set(trainer.test(module, datamodule=boring_classes.BoringDataModule(), verbose=False)[0]) == {"test_y"}
 
 
 def test_demo_model_trains(tmp_path):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -76,7 +78,7 @@ def test_load_from_checkpoint_rebuilds_the_module_from_its_hyperparameters(tmp_p
     assert trainer.validate(loaded, DataLoader(_data(8), batch_size=8), verbose=False) == \
         trainer.validate(model, DataLoader(_data(8), batch_size=8), verbose=False)
     assert "metric" not in capsys.readouterr().out  # verbose=False: no table
-    results = trainer.test(loaded, DataLoader(_data(8), batch_size=8))  # verbose by default, as Lightning
+    (results,) = trainer.test(loaded, DataLoader(_data(8), batch_size=8))  # verbose by default, as Lightning
     table = capsys.readouterr().out
     assert "Test metric" in table and "DataLoader 0" in table
     assert any(line.split() == ["val_loss", f"{results['val_loss']:.6g}"] for line in table.splitlines())
@@ -225,6 +227,37 @@ def test_two_early_stoppings_keep_their_own_states_and_a_class_named_state_still
     assert legacy.best_score == stops[0].best_score
 
 
+# -- the checkpoint's keys --------------------------------------------------------------------------------------
+def test_a_checkpoint_file_holds_the_weights_under_state_dict_and_one_under_model_still_loads(tmp_path):
+    """Lightning's checkpointing guide reads ``torch.load(path)["state_dict"]``; a file that holds them under
+    ``model`` (the key trainscale wrote before) still resumes, loads and evaluates."""
+    from trainscale.runtime.checkpoint_io import save_file
+
+    model = Classifier(hidden=4)
+    _fit(tmp_path / "a", model)
+    path = ckpt.find_last(tmp_path / "a")
+    checkpoint = torch.load(path, weights_only=True)
+    assert "model" not in checkpoint and set(checkpoint["state_dict"]) == set(model.state_dict())
+    plain = Classifier(hidden=4)
+    plain.load_state_dict(checkpoint["state_dict"])  # the guide's way, with no trainscale call
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(plain.state_dict()[key], value, rtol=0, atol=0)
+
+    checkpoint["model"] = checkpoint.pop("state_dict")
+    old = tmp_path / "old.pt"
+    save_file(checkpoint, old)
+    loaded = Classifier.load_from_checkpoint(old)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0)
+    trainer = _trainer(tmp_path / "b")
+    (own,) = trainer.validate(model, DataLoader(_data(8), batch_size=8), verbose=False)
+    assert trainer.validate(Classifier(hidden=4), DataLoader(_data(8), batch_size=8), ckpt_path=old,
+                            verbose=False) == [own]
+    resumed = Classifier(hidden=4)
+    _trainer(tmp_path / "b", max_epochs=2).fit(resumed, DataLoader(_data(), batch_size=8), ckpt_path=old)
+    assert resumed.trainer.global_step == 4  # 2 steps per epoch: the first epoch's came from the checkpoint
+
+
 # -- ModelCheckpoint in a fit ----------------------------------------------------------------------------
 def test_model_checkpoint_template_and_last_ckpt_in_a_fit(tmp_path):
     callback = ModelCheckpoint(filename="{epoch}-{val_loss:.2f}", monitor="val_loss", save_top_k=1, save_last=True)
@@ -246,3 +279,180 @@ def test_model_checkpoint_template_and_last_ckpt_in_a_fit(tmp_path):
               ckpt_path=last)
     assert again.run_dir == trainer.run_dir and len(again.history) == 3
     assert last.resolve().name.startswith("epoch=2-")
+
+
+# -- profilers -----------------------------------------------------------------------------------------------------
+def test_the_profiler_flag_takes_lightnings_names_or_objects():
+    from trainscale.profilers import (AdvancedProfiler, PassThroughProfiler, PyTorchProfiler, SimpleProfiler,
+                                      resolve_profiler)
+
+    assert isinstance(resolve_profiler(None), PassThroughProfiler)
+    for name, cls in (("simple", SimpleProfiler), ("Advanced", AdvancedProfiler), ("pytorch", PyTorchProfiler)):
+        assert type(resolve_profiler(name)) is cls
+    mine = SimpleProfiler(extended=False)
+    assert resolve_profiler(mine) is mine
+    with pytest.raises(ValueError, match="'xla' is not a profiler name; pass one of"):
+        resolve_profiler("xla")
+    with pytest.raises(TypeError, match="pass one of"):
+        resolve_profiler(3)
+
+
+def test_simple_and_advanced_profilers_report_each_action_as_lightnings(tmp_path):
+    from trainscale.profilers import AdvancedProfiler, SimpleProfiler
+
+    simple = SimpleProfiler()
+    for _ in range(3):
+        with simple.profile("a"):
+            sum(range(1000))
+    with simple.profile("b"):
+        pass
+    assert [len(simple.recorded_durations[k]) for k in ("a", "b")] == [3, 1]
+    report = simple.summary()
+    assert "Profiler Report" in report and "Mean duration (s)" in report and "Percentage %" in report
+    (a_row,) = [line for line in report.splitlines() if line.count("|") > 2 and line.split("|")[1].strip() == "a"]
+    assert a_row.split("|")[3].strip() == "3"  # the number of calls
+    with pytest.raises(ValueError, match="which has already started"):
+        simple.start("c")
+        simple.start("c")
+    with pytest.raises(ValueError, match="never started"):
+        simple.stop("d")
+
+    advanced = AdvancedProfiler(dirpath=tmp_path, filename="adv", dump_stats=True)
+    advanced.setup("fit", local_rank=1)
+    with advanced.profile("sorting"):
+        sorted(range(1000), key=lambda i: -i)
+    text = advanced.summary()
+    assert "FIT Profiler Report" in text and "Profile stats for: sorting rank: 1" in text and "sorted" in text
+    assert (tmp_path / "fit-adv-1-sorting.prof").is_file()  # Lightning's file name: stage-filename-rank-action
+    advanced.describe()
+    assert "Profile stats for: sorting" in (tmp_path / "fit-adv-1.txt").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_fit_times_the_regions_train_step_names(tmp_path, capsys):
+    trainer = _trainer(tmp_path, max_epochs=2, profiler="simple", accumulate_grad_batches=2)
+    trainer.fit(Classifier(hidden=4), DataLoader(_data(), batch_size=4), DataLoader(_data(8), batch_size=8))
+    calls = {k: len(v) for k, v in trainer.profiler.recorded_durations.items()}
+    # 4 micro-batches of 4 per epoch, 2 per step; validation at each epoch end; a checkpoint check per step
+    assert calls["training_step_and_backward"] == 8 and calls["optimizer_step"] == 4
+    assert calls["validation"] == 2 and calls["checkpoint_if_due"] == 4
+    assert "FIT Profiler Report" in capsys.readouterr().out  # printed at the end of fit, as Lightning
+
+
+@pytest.mark.timeout(60)
+def test_the_pytorch_profiler_writes_a_chrome_trace_and_an_operator_table_that_report_lists(tmp_path, monkeypatch):
+    import json
+
+    from trainscale.telemetry import report
+
+    trainer = _trainer(tmp_path, max_epochs=1, profiler="pytorch")  # 4 steps: the 3rd and 4th are recorded
+    trainer.fit(Classifier(hidden=4), DataLoader(_data(), batch_size=4))
+    (trace,) = trainer.profiler.trace_paths
+    assert trace == trainer.run_dir / "fit.pt.trace.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    regions = [e for e in events if e.get("name") == "training_step_and_backward"]
+    assert len(regions) == 2 and any(e.get("name", "").startswith("aten::addmm") for e in events)
+    table = (trainer.run_dir / "fit-ops.txt").read_text()
+    assert "Name" in table and "CPU total" in table and "aten::" in table
+    monkeypatch.setattr(report, "pyplot", lambda: None)  # the text only: no plots drawn
+    _, text = report.make_report(trainer.run_dir)
+    assert str(trace) in text and str(trainer.run_dir / "fit-ops.txt") in text
+
+
+@pytest.mark.timeout(90)
+def test_the_pytorch_profiler_on_two_ranks_writes_one_loadable_trace_per_rank(tmp_path):
+    import json
+
+    from tests import module_workers as mw
+    from tests.helpers import run_distributed
+    from trainscale.telemetry.report import profiler_text
+
+    results = run_distributed(mw.pytorch_profiler_body, str(tmp_path), timeout=80)
+    run_dir = Path(results[0]["run_dir"])
+    assert [r["traces"] for r in results] == [[str(run_dir / f"fit-{rank}.pt.trace.json")] for rank in (0, 1)]
+    for rank in (0, 1):
+        events = json.loads((run_dir / f"fit-{rank}.pt.trace.json").read_text())["traceEvents"]
+        assert sum(e.get("name") == "training_step_and_backward" for e in events) == 1  # the 3rd step
+        assert str(run_dir / f"fit-{rank}.pt.trace.json") in profiler_text(run_dir)
+
+
+# -- BaseFinetuning and the progress-bar callbacks -----------------------------------------------------------------
+class Backboned(TrainingModule):
+    """A backbone (with a BatchNorm) and a head; the optimizer takes the parameters that require gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU())
+        self.head = nn.Linear(6, 3)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1)
+
+
+def test_base_finetuning_freezes_before_the_optimizer_and_unfreezes_into_a_new_group(tmp_path):
+    from trainscale.callbacks import BaseFinetuning
+
+    class UnfreezeAtOne(BaseFinetuning):
+        def __init__(self):
+            self.groups: list[int] = []
+
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.backbone, train_bn=False)
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == 1:
+                self.unfreeze_and_add_param_group(pl_module.backbone, optimizer)  # lr: 0.1 / 10
+            self.groups.append(len(optimizer.param_groups))
+
+    model = Backboned()
+    frozen = {k: v.detach().clone() for k, v in model.backbone.state_dict().items()}
+    callback = UnfreezeAtOne()
+    trainer = _trainer(tmp_path, max_epochs=1, callbacks=[callback], enable_checkpointing=False)
+    trainer.fit(model, DataLoader(_data(), batch_size=8))
+    (group,) = trainer.optimizers[0].param_groups  # the optimizer was built after the freeze: the head only
+    assert {id(p) for p in group["params"]} == {id(p) for p in model.head.parameters()}
+    for key, value in model.backbone.state_dict().items():  # untrained: weights and BatchNorm statistics
+        torch.testing.assert_close(value, frozen[key], rtol=0, atol=0)
+    assert not model.backbone[1].track_running_stats  # train_bn=False froze the BatchNorm too
+
+    model, callback = Backboned(), UnfreezeAtOne()
+    trainer = _trainer(tmp_path, max_epochs=2, callbacks=[callback], enable_checkpointing=False)
+    before = model.backbone[0].weight.detach().clone()
+    trainer.fit(model, DataLoader(_data(), batch_size=8))
+    assert callback.groups == [1, 2]
+    added = trainer.optimizers[0].param_groups[1]
+    assert added["lr"] == pytest.approx(0.01) and {id(p) for p in added["params"]} == {
+        id(p) for p in model.backbone.parameters()}
+    assert not torch.equal(model.backbone[0].weight, before)  # trained in the second epoch
+    assert list(BaseFinetuning.filter_params(model, requires_grad=False)) == []
+    with pytest.warns(UserWarning, match="already exist within another group"):
+        BaseFinetuning.unfreeze_and_add_param_group(model.head, trainer.optimizers[0])
+
+
+def test_progress_bar_callbacks_set_the_trainers_bar(tmp_path):
+    from trainscale.callbacks import RichProgressBar, TQDMProgressBar
+    from trainscale.loop.progress import ProgressBar
+
+    bar = TQDMProgressBar(refresh_rate=3)
+    assert Trainer(accelerator="cpu", callbacks=[bar], default_root_dir=tmp_path).progress_bar_callback is bar
+    assert isinstance(Trainer(accelerator="cpu", default_root_dir=tmp_path).progress_bar_callback, TQDMProgressBar)
+    assert Trainer(accelerator="cpu", enable_progress_bar=False, default_root_dir=tmp_path).progress_bar_callback is None
+    with pytest.raises(ValueError, match="enable_progress_bar=False"):
+        Trainer(accelerator="cpu", enable_progress_bar=False, callbacks=[RichProgressBar()], default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="several progress bars"):
+        Trainer(accelerator="cpu", callbacks=[bar, RichProgressBar()], default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="refresh_rate=-1"):
+        TQDMProgressBar(refresh_rate=-1)
+    drawn = ProgressBar(True, 10, "epoch 1", refresh_rate=3)
+    if drawn._bar is None:
+        pytest.skip("tqdm is not installed")
+    for _ in range(7):
+        drawn.update()
+    assert drawn._bar.n == 6  # drawn at every 3rd micro-batch
+    drawn.close()
+    assert drawn._bar.n == 7
+    assert ProgressBar(True, 10, "epoch 1", refresh_rate=0)._bar is None  # 0: no bar, as Lightning

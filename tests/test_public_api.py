@@ -68,7 +68,7 @@ def test_save_checkpoint_after_fit_writes_a_loadable_checkpoint_of_the_fitted_st
     assert (tmp_path / "model.ckpt.sha256").is_file()
     saved = load_file(path)
     assert saved["train_state"]["global_step"] == 8 and saved["loop"]["complete"]
-    assert torch.equal(saved["model"]["weight"], model.weight.detach())
+    assert torch.equal(saved["state_dict"]["weight"], model.weight.detach())
     resumed = Trainer(accelerator="cpu", devices=1, max_epochs=3, default_root_dir=tmp_path,
                       enable_progress_bar=False, logger=False, enable_checkpointing=False)
     resumed.fit(torch.nn.Linear(4, 2), _data(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), ckpt_path=path)
@@ -83,7 +83,7 @@ def test_callbacks_see_and_extend_the_checkpoint_dict(tmp_path):
                       logger=False, callbacks=[seen])
     trainer.fit(torch.nn.Linear(4, 2), _data(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     assert len(seen.saved) == 1  # one checkpoint per epoch end
-    assert {"model", "optimizer", "train_state", "loop", "rng", "callbacks"} <= set(seen.saved[0])
+    assert {"state_dict", "optimizer", "train_state", "loop", "rng", "callbacks"} <= set(seen.saved[0])
     again = _Seen()
     resumed = Trainer(accelerator="cpu", devices=1, max_epochs=2, default_root_dir=tmp_path, enable_progress_bar=False,
                       logger=False, callbacks=[again])

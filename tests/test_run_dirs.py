@@ -55,7 +55,7 @@ def _steps(callback, trainer, steps, scores=None):
 def test_the_newest_checkpoints_are_kept_past_step_999999(tmp_path):
     trainer = _Trainer(tmp_path / "version_0")
     callback = ModelCheckpoint(save_top_k=2)
-    callback.setup(trainer)
+    callback.setup_directory(trainer)
     _steps(callback, trainer, (999_998, 999_999, 1_000_000, 1_000_001))
     ckpt_dir = trainer.run_dir / "checkpoints"
     kept = sorted(p.name for p in ckpt_dir.glob("*.pt"))
@@ -67,7 +67,7 @@ def test_the_newest_checkpoints_are_kept_past_step_999999(tmp_path):
 def test_a_non_finite_score_never_evicts_the_best_checkpoint(tmp_path):
     trainer = _Trainer(tmp_path / "version_0")
     callback = ModelCheckpoint(monitor="loss", save_top_k=1)
-    callback.setup(trainer)
+    callback.setup_directory(trainer)
     _steps(callback, trainer, (1, 2, 3), scores=[0.5, float("nan"), float("inf")])
     assert callback.best_model_path.endswith(ckpt.checkpoint_name(0, 1))
     kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.pt"))
@@ -77,22 +77,22 @@ def test_a_non_finite_score_never_evicts_the_best_checkpoint(tmp_path):
 def test_pruning_deletes_only_this_runs_files_and_a_shared_dirpath_is_refused(tmp_path):
     first = _Trainer(tmp_path / "version_0")
     callback = ModelCheckpoint(save_top_k=1)
-    callback.setup(first)
+    callback.setup_directory(first)
     _steps(callback, first, (1, 2))
     theirs = sorted((first.run_dir / "checkpoints").glob("*.pt"))
     # a second run resumes from the first one's callback state: it keeps its own top 1, deleting none of theirs
     second = _Trainer(tmp_path / "version_1")
     resumed = ModelCheckpoint(save_top_k=1)
     resumed.load_state_dict(callback.state_dict())
-    resumed.setup(second)
+    resumed.setup_directory(second)
     _steps(resumed, second, (3, 4, 5))
     assert sorted((first.run_dir / "checkpoints").glob("*.pt")) == theirs
     assert [p.name for p in (second.run_dir / "checkpoints").glob("*.pt")] == [ckpt.checkpoint_name(0, 5)]
     shared = tmp_path / "shared"
-    ModelCheckpoint(dirpath=shared).setup(first)
-    ModelCheckpoint(dirpath=shared).setup(first)  # the same run again (a resume in place): allowed
+    ModelCheckpoint(dirpath=shared).setup_directory(first)
+    ModelCheckpoint(dirpath=shared).setup_directory(first)  # the same run again (a resume in place): allowed
     with pytest.raises(ValueError, match="holds the checkpoints of the run .*version_0.*give this run its own dirpath"):
-        ModelCheckpoint(dirpath=shared).setup(second)
+        ModelCheckpoint(dirpath=shared).setup_directory(second)
 
 
 def test_checkpoint_names_sort_as_text_in_training_order():
@@ -212,7 +212,7 @@ def test_a_run_held_by_another_process_is_not_continued_in_place(tmp_path):
 def test_a_step_save_is_folded_into_the_epoch_end_only_when_that_epoch_end_saves(tmp_path):
     trainer = _Trainer(tmp_path / "version_0")
     callback = ModelCheckpoint(every_n_train_steps=4, every_n_epochs=2, save_top_k=-1)
-    callback.setup(trainer)
+    callback.setup_directory(trainer)
     trainer.global_step = 4  # the last step of epoch 0, whose end does not save (every 2nd epoch)
     callback.save_if_due(trainer, epoch_end=False, ends_epoch=True)
     callback.save_if_due(trainer, epoch_end=True, ends_epoch=True)
@@ -227,7 +227,7 @@ def test_a_step_save_is_folded_into_the_epoch_end_only_when_that_epoch_end_saves
 def test_a_monitored_step_save_before_the_first_validation_warns_and_ranks_last(tmp_path):
     trainer = _Trainer(tmp_path / "version_0")
     callback = ModelCheckpoint(monitor="val_loss", every_n_train_steps=2, every_n_epochs=1, save_top_k=1)
-    callback.setup(trainer)
+    callback.setup_directory(trainer)
     trainer.global_step = 2
     with pytest.warns(RuntimeWarning, match="monitors 'val_loss', not among the metrics yet at step 2"):
         callback.save_if_due(trainer, epoch_end=False, ends_epoch=False)
@@ -256,7 +256,7 @@ def test_filename_templates_follow_lightnings_format_and_never_overwrite(tmp_pat
     # in a run: the same name twice gets -v1 (a template without {step}); save_last links last.ckpt to the newest
     trainer = _Trainer(tmp_path / "version_0")
     callback = ModelCheckpoint(filename="{epoch}", save_top_k=-1, save_last=True)
-    callback.setup(trainer)
+    callback.setup_directory(trainer)
     _steps(callback, trainer, (1, 2))
     ckpt_dir = trainer.run_dir / "checkpoints"
     assert sorted(p.name for p in ckpt_dir.glob("*.pt")) == ["epoch=0-v1.pt", "epoch=0.pt"]
@@ -268,11 +268,11 @@ def test_filename_templates_follow_lightnings_format_and_never_overwrite(tmp_pat
 def test_save_top_k_0_saves_nothing_but_the_last_when_asked(tmp_path):
     trainer = _Trainer(tmp_path / "version_0")
     nothing = ModelCheckpoint(save_top_k=0)
-    nothing.setup(trainer)
+    nothing.setup_directory(trainer)
     _steps(nothing, trainer, (1, 2))
     assert list((trainer.run_dir / "checkpoints").glob("*")) == [] and nothing.best_model_path is None
     only_last = ModelCheckpoint(save_top_k=0, save_last="link")
-    only_last.setup(trainer)
+    only_last.setup_directory(trainer)
     _steps(only_last, trainer, (3, 4))
     ckpt_dir = trainer.run_dir / "checkpoints"
     assert [p.name for p in ckpt_dir.glob("*.pt")] == [ckpt.checkpoint_name(0, 4)]
@@ -322,14 +322,14 @@ def test_a_run_resumed_in_place_prunes_the_checkpoint_it_resumed_from(tmp_path):
 def test_a_checkpoint_saved_outside_the_callback_and_resumed_from_in_place_is_pruned(tmp_path):
     trainer = _Trainer(tmp_path / "version_0")
     callback = ModelCheckpoint(save_top_k=1)
-    callback.setup(trainer)
+    callback.setup_directory(trainer)
     _steps(callback, trainer, (1,))
     trainer.global_step = 2  # a save on a signal (Trainer.save_checkpoint), then the process exits
     on_signal = trainer.write_checkpoint(trainer.run_dir / "checkpoints")
     resumed = ModelCheckpoint(save_top_k=1)
     resumed.load_state_dict({"best_k": callback.state_dict()["best_k"]})  # as written before "newest" was kept
     trainer.ckpt_path = on_signal  # fit(ckpt_path="last") continues version_0 from it
-    resumed.setup(trainer)
+    resumed.setup_directory(trainer)
     _steps(resumed, trainer, (3,))
     assert [p.name for p in (trainer.run_dir / "checkpoints").glob("*.pt")] == [ckpt.checkpoint_name(0, 3)]
 

@@ -59,7 +59,7 @@ def test_each_flag_is_declared_once_and_the_constructors_show_them_all():
     trainer_names = [f.name for f in fields(TrainerConfig)]
     assert not set(runtime_names) & set(trainer_names)
     assert _flag_names(Runtime) == runtime_names
-    assert _flag_names(Trainer) == ["callbacks", "logger", "runtime", *runtime_names, *trainer_names]
+    assert _flag_names(Trainer) == ["callbacks", "logger", "runtime", "profiler", *runtime_names, *trainer_names]
     with pytest.raises(TypeError, match="Trainer\\(\\) got an unexpected flag 'acelerator'; did you mean 'accelerator'"):
         Trainer(acelerator="cpu")
     with pytest.raises(TypeError, match="Runtime\\(\\) got an unexpected flag 'precison'; did you mean 'precision'"):
@@ -146,7 +146,7 @@ def test_the_trainer_names_each_flag_with_the_type_default_and_description_of_it
     runtime_params, _ = _fields(RuntimeFlags, keyword_only=True)
     loop_params, loop_docs = _fields(TrainerConfig, keyword_only=True)
     own = [("callbacks", None, "list[Callback] | None", True), ("logger", None, "Any", True),
-           ("runtime", None, "Runtime | None", True)]
+           ("runtime", None, "Runtime | None", True), ("profiler", None, "Profiler | str | None", True)]
     assert params == own + runtime_params + loop_params
     assert docs == {**{name: docs[name] for name, *_ in own}, **loop_docs}  # the Runtime's flags: in Runtime.__init__
     preamble = inspect.cleandoc(Trainer.__init__.__doc__).split("Args:")[0]

@@ -158,13 +158,17 @@ def test_lightning_module_on_two_ranks_matches_plain_pytorch(tmp_path):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_self_log_counts_each_sample_once_with_uneven_last_batches(strategy):
     """Under fsdp the rank with fewer batches runs extra forwards (the collectives must match), whose results and
-    logs are dropped (before the fix the count read 13: rank 1's extra forward of a batch of 4 was logged)."""
+    logs are dropped (before the fix the count read 13: rank 1's extra forward of a batch of 4 was logged). Under
+    ddp a torchmetrics Metric logged as such is computed over every rank's states."""
     n = 37 if strategy == "ddp" else 9  # ddp: rank 0 holds 19 samples (batches 4,4,4,4,3), rank 1 18 (4,4,4,4,2)
-    out = run_distributed(mw.log_reduction_body, n, None, strategy, timeout=120)  # fsdp: batches of 4: 5 and 4
+    metric = strategy == "ddp"  # a torchmetrics Metric too (its fsdp path: test_lightning_compat's metric tests)
+    out = run_distributed(mw.log_reduction_body, n, None, strategy, metric, timeout=120)  # fsdp: batches of 4, 5 and 4
     assert out[0] == out[1]
     assert out[0]["mean_x"] == pytest.approx((n - 1) / 2)  # mean of 0..36, each sample once
     assert out[0]["count"] == n and out[0]["max_x"] == n - 1
-    assert mw.log_reduction_body(0, n) == out[0]  # one process: the same numbers
+    if metric:
+        assert out[0]["metric_mean_x"] == pytest.approx((n - 1) / 2)  # compute() over every rank's states
+    assert mw.log_reduction_body(0, n, None, "auto", metric) == out[0]  # one process: the same numbers
 
 
 @pytest.mark.multiprocess
@@ -284,8 +288,8 @@ def test_a_key_returned_by_some_batches_is_averaged_over_those_batches_in_one_pr
                       default_root_dir=tmp_path)
     loader = DataLoader(mw.indexed_dataset(n), batch_size=4)
     mean_x, odd_x = _returned_keys_expected(n, 1)
-    assert trainer.validate(mw.Returner(), loader) == {"val_mean_x": pytest.approx(mean_x),
-                                                       "val_odd_x": pytest.approx(odd_x)}
+    assert trainer.validate(mw.Returner(), loader) == [{"val_mean_x": pytest.approx(mean_x),
+                                                        "val_odd_x": pytest.approx(odd_x)}]
     predicted = trainer.predict(mw.Returner(), loader)
     assert predicted["index"].tolist() == list(range(n)) and predicted["names"][:2] == ["s0", "s1"]
 
@@ -568,7 +572,7 @@ def test_test_uses_test_step_and_its_prefix(tmp_path):
             return {"loss": torch.tensor(2.0)}
 
     out = _trainer(tmp_path).test(WithTest(), DataLoader(mw.indexed_dataset(5), batch_size=2))
-    assert out == {"test_loss": pytest.approx(2.0)}
+    assert out == [{"test_loss": pytest.approx(2.0)}]
 
 
 def test_predict_gathers_every_sample_once_in_dataset_order():

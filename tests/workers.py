@@ -74,7 +74,7 @@ def validate_body(rank: int, n: int) -> dict:
 
     trainer = Trainer(accelerator="cpu", devices="auto", enable_progress_bar=False, timeout=60)
     model = make_model(0)
-    out = trainer.validate(model, DataLoader(tiny_dataset(n, seed=3), batch_size=8))
+    (out,) = trainer.validate(model, DataLoader(tiny_dataset(n, seed=3), batch_size=8))
     trainer.runtime.teardown()
     return out
 

@@ -10,11 +10,14 @@
 from trainscale.callbacks.base import Callback
 from trainscale.callbacks.early_stopping import EarlyStopping
 from trainscale.callbacks.ema import EMA
+from trainscale.callbacks.finetuning import BaseFinetuning
 from trainscale.callbacks.lr_monitor import LearningRateMonitor
 from trainscale.callbacks.model_checkpoint import ModelCheckpoint
 from trainscale.callbacks.model_summary import ModelSummary
+from trainscale.callbacks.progress_bar import RichProgressBar, TQDMProgressBar
 
-__all__ = ["Callback", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary", "resolve_callbacks"]
+__all__ = ["BaseFinetuning", "Callback", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
+           "RichProgressBar", "TQDMProgressBar", "resolve_callbacks"]
 
 
 def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = None) -> list[Callback]:
@@ -36,6 +39,8 @@ def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = No
         raise ValueError(f"two callbacks save their state under {twice[0]!r}: a checkpoint would keep one state for "
                          "both; drop one, or make them differ (another monitor or mode; a subclass may override "
                          "state_key)")
+    if sum(isinstance(cb, TQDMProgressBar) for cb in callbacks) > 1:
+        raise ValueError("callbacks holds several progress bars (TQDMProgressBar/RichProgressBar); keep one")
     if default_checkpoint is not None and not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
         callbacks.append(default_checkpoint)
     return callbacks

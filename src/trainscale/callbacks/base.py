@@ -49,6 +49,11 @@ class Callback:
         ``EarlyStopping{'monitor': 'val_loss', 'mode': 'min'}``."""
         return f"{type(self).__qualname__}{kwargs!r}"
 
+    def setup(self, trainer: Trainer, module: Any, stage: str) -> None:
+        """Lightning's ``Callback.setup``: at the start of ``fit`` (``stage`` "fit"), before the model is wrapped by
+        its strategy and before ``configure_optimizers`` (``BaseFinetuning`` freezes there). Not called by
+        ``validate``/``test``/``predict``."""
+
     def on_fit_start(self, trainer: Trainer, module: Any) -> None: ...
 
     def on_fit_end(self, trainer: Trainer, module: Any) -> None: ...

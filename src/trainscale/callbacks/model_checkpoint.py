@@ -98,7 +98,7 @@ class ModelCheckpoint(Callback):
                                         every_n_train_steps=self.every_n_train_steps or 0,
                                         every_n_epochs=self.every_n_epochs, train_time_interval=None)
 
-    def setup(self, trainer: Trainer) -> None:
+    def setup_directory(self, trainer: Trainer) -> None:
         """At the start of a fit, after its run directory is chosen (every rank): resolve ``dirpath`` and claim
         it for this run.
 

@@ -1,6 +1,8 @@
 """The one place that collects all training state into a checkpoint and puts it back.
 
-State (torchtitan's fixed keys): ``model``, ``optimizer`` (``optimizer_1``... for more),
+State (torchtitan's fixed keys, with Lightning's name for the weights): ``state_dict`` (the model's weights, in a
+checkpoint file as in Lightning's; ``model`` in a sharded DCP directory, as Lightning's ``FSDPStrategy`` writes it,
+and in the checkpoint files written before: :func:`weights_key`), ``optimizer`` (``optimizer_1``... for more),
 ``scheduler`` (``scheduler_1``...), ``train_state`` (:class:`~trainscale.loop.state.TrainState`),
 ``loop`` (the position in the epoch; mid-epoch, with every rank's state of a training loader that keeps
 its own, ``loader_states``: ``checkpointing/loader_state.py``), ``rng`` (every rank's RNG states), ``callbacks`` (each
@@ -33,6 +35,19 @@ def _keyed(prefix: str, objects) -> dict[str, Any]:
     return {prefix if i == 0 else f"{prefix}_{i}": obj for i, obj in enumerate(objects)}
 
 
+def weights_key(sharded: bool) -> str:
+    """The checkpoint entry of the model's weights: "state_dict" in a checkpoint file (Lightning's key:
+    ``torch.load(path)["state_dict"]``), "model" in a sharded (DCP) directory (its tensors' names start with
+    ``model.``, as in Lightning's ``FSDPStrategy``). A file written with "model" still loads
+    (``checkpoint_io.FORMER_NAMES``)."""
+    return "model" if sharded else "state_dict"
+
+
+def is_sharded(path: Path) -> bool:
+    """Whether checkpoint ``path`` is a sharded (DCP) directory rather than one file."""
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
 def default_name(fit: Any, state: TrainState, suffix: str) -> str:
     """The one checkpoint name: ``epoch=E-step=S`` + ``suffix`` (the strategy's: ".pt" for one file, "" for a
     sharded directory), E the epochs completed."""
@@ -60,7 +75,7 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
     positions = fit.loader_positions  # a loader that keeps its own position: its state per rank, mid-epoch
     loader_states = None if positions is None or complete else runtime.all_gather_object(
         positions.state_after(state.batches - fit.epoch_offset))
-    content = {"model": fit.model, **_keyed("optimizer", optimizers),
+    content = {weights_key(not runtime.strategy.checkpoint_suffix): fit.model, **_keyed("optimizer", optimizers),
                **_keyed("scheduler", [s.scheduler for s in schedulers]),
                "train_state": state.state_dict(), "rng": runtime.all_gather_object(rng.rng_state()),
                "world_size": runtime.world_size, "callbacks": callbacks,
@@ -96,8 +111,8 @@ def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state
         if hasattr(cb, "setup_state"):  # its tensors made (for the model) before the checkpoint is read into them
             cb.setup_state(model)
     _, tensor_states = _split_tensor_states({cb.state_key: cb.state_dict() for cb in callbacks})
-    objects = {"model": model, **_keyed("optimizer", optimizers), **_keyed("scheduler", [s.scheduler for s in schedulers]),
-               **tensor_states}
+    objects = {weights_key(is_sharded(Path(path))): model, **_keyed("optimizer", optimizers),
+               **_keyed("scheduler", [s.scheduler for s in schedulers]), **tensor_states}
     rest = runtime.load(path, objects, verify=verify)  # verify=False: no .sha256 needed (the user's opt-out)
     _check_optimizer_classes(path, rest.get("optimizer_classes"), optimizers)
     _say_which_lr_wins(runtime, configured, optimizers)
@@ -165,20 +180,23 @@ def read_module_checkpoint(path: Path, verify: bool = True,
                                 "(<run>/checkpoints/epoch=E-step=S.pt) or a sharded checkpoint directory")
     if ckpt.is_last_pointer(path):  # <run>/checkpoints/last: the checkpoint it names
         path = ckpt.read_last(path)
-    sharded = path.is_dir() and (path / ".metadata").is_file()
+    sharded = is_sharded(path)
     entries = checkpoint_io.load_file(path / dcp_checkpoint.EXTRA if sharded else path, verify,
                                       map_location=map_location)
-    if not isinstance(entries, dict) or "train_state" not in entries or not (sharded or "model" in entries):
+    key = weights_key(sharded)
+    if isinstance(entries, dict) and key not in entries:  # a file written before "state_dict"
+        key = checkpoint_io.FORMER_NAMES.get(key, key)
+    if not isinstance(entries, dict) or "train_state" not in entries or not (sharded or key in entries):
         keys = sorted(entries)[:8] if isinstance(entries, dict) else type(entries).__name__
         hint = (" (a Lightning checkpoint: load its weights with module.load_state_dict(torch.load(path)"
                 "['state_dict']))" if isinstance(entries, dict) and "state_dict" in entries else "")
         raise checkpoint_io.CheckpointError(
-            f"{str(path)!r} is not a trainscale checkpoint: it has no 'model' and 'train_state' entries (it holds "
+            f"{str(path)!r} is not a trainscale checkpoint: it has no 'state_dict' and 'train_state' entries (it holds "
             f"{keys}){hint}; pass a checkpoint written by Trainer.fit or Trainer.save_checkpoint")
-    model_state = entries.pop("model", None)
+    model_state = entries.pop(key, None)
     if not sharded:
         return entries, lambda: model_state
-    return entries, lambda: _mapped(dcp_checkpoint.read_whole(path, "model", verify), map_location)
+    return entries, lambda: _mapped(dcp_checkpoint.read_whole(path, weights_key(True), verify), map_location)
 
 
 def _mapped(tensors: dict, map_location: Any) -> dict:

@@ -141,7 +141,7 @@ def _resolve(path: Path) -> Path:
 
 def _read_model(path: Path, verify: bool) -> tuple[dict, dict]:
     """``({name: tensor}, the checkpoint's other entries)`` of the model in checkpoint ``path``: a file holding a
-    ``model`` state dict, or a sharded directory of any mesh read whole (``checkpointer.read_module_checkpoint``)."""
+    ``state_dict`` (or ``model``) state dict, or a sharded directory of any mesh read whole (``checkpointer.read_module_checkpoint``)."""
     from trainscale.checkpointing.checkpointer import read_module_checkpoint
     from trainscale.runtime import checkpoint_io
 
@@ -151,9 +151,12 @@ def _read_model(path: Path, verify: bool) -> tuple[dict, dict]:
             entries, read_model = read_module_checkpoint(path, verify)
             return read_model(), entries
     content = checkpoint_io.load_file(path, verify)
-    if not isinstance(content, dict) or not isinstance(content.get("model"), dict):
-        raise checkpoint_io.CheckpointError(f"{str(path)!r} is not a trainscale checkpoint (no 'model' state dict)")
-    return content["model"], content
+    weights = next((content[k] for k in ("state_dict", "model") if isinstance(content, dict)
+                    and isinstance(content.get(k), dict)), None)  # the Trainer's key, or a file written before it
+    if weights is None:
+        raise checkpoint_io.CheckpointError(f"{str(path)!r} is not a trainscale checkpoint (no 'state_dict' or "
+                                            "'model' state dict)")
+    return weights, content
 
 
 def _config(config: Any, saved: dict | None, checkpoint: Any) -> Any:

@@ -9,11 +9,18 @@ pipeline) read the same samples and log the same values, so a sum over all ranks
 ``world_size / data_parallel_size`` times: it is divided by that, as the epoch's training loss is
 (``state.EpochLoss.totals``). Step values are each rank's last value, averaged over ranks when
 logged with ``sync_dist=True``.
+
+A torchmetrics ``Metric`` logged as the value is treated as Lightning treats it: its step value is the batch value
+of its last ``forward`` (``metric(preds, target)``; nothing when only ``update`` was called), its epoch value
+``metric.compute()`` (torchmetrics gathers the states of every rank itself), after which it is reset; ``reduce_fx``
+and ``sync_dist`` do not apply. torchmetrics is never imported here: a ``Metric`` is recognised only once its
+package is loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +70,8 @@ class MetricCollector:
         self.discard = False  # True while evaluation runs forwards whose results are dropped (fsdp's extra ones)
         self.step_values: dict[str, tuple[torch.Tensor, bool]] = {}
         self.epoch_values: dict[str, _Running] = {}
+        self.epoch_metrics: dict[str, Any] = {}  # name -> a torchmetrics Metric logged on_epoch: computed at the end
+        self.metrics_seen: dict[int, Any] = {}  # every Metric logged since the last epoch end: reset there
         self.prog_bar: set[str] = set()
         self.in_epoch_hook = False  # in on_train_epoch_start/end: Lightning's defaults there are on_epoch=True
         self.logged: set[str] = set()  # every name logged so far (in callback_metrics the user's value wins)
@@ -94,20 +103,43 @@ class MetricCollector:
                              f"this value would replace; log it under another name, e.g. 'my_{name}'")
         if self.discard:
             return
-        default_step, default_epoch = (False, True) if self.in_epoch_hook else _DEFAULTS[self.stage]
-        on_step = default_step if on_step is None else on_step
-        on_epoch = default_epoch if on_epoch is None else on_epoch
+        on_step, on_epoch, step_name, epoch_name = self._names(name, on_step, on_epoch)
+        if prog_bar:
+            self.prog_bar.add(step_name if on_step else epoch_name)
+        if is_metric(value):
+            self._log_metric(step_name if on_step else None, epoch_name if on_epoch else None, value)
+            return
         value = self._scalar(name, value)
-        step_name, epoch_name = (f"{name}_step", f"{name}_epoch") if on_step and on_epoch else (name, name)
-        if on_step and on_epoch:
-            self.bare[step_name] = self.bare[epoch_name] = name
-        self.logged.update((name, step_name, epoch_name))
         if on_step:
             self.step_values[step_name] = (value, sync_dist)
         if on_epoch:
             self._accumulate(epoch_name, value, reduce_fx, self.batch_size if batch_size is None else batch_size)
-        if prog_bar:
-            self.prog_bar.add(step_name if on_step else epoch_name)
+
+    def _names(self, name: str, on_step: bool | None, on_epoch: bool | None) -> tuple[bool, bool, str, str]:
+        """``on_step`` and ``on_epoch`` with Lightning's defaults for this stage or hook, and the names the value is
+        kept under (``name_step``/``name_epoch`` when both), noted in :attr:`logged` and :attr:`bare`."""
+        default_step, default_epoch = (False, True) if self.in_epoch_hook else _DEFAULTS[self.stage]
+        on_step = default_step if on_step is None else on_step
+        on_epoch = default_epoch if on_epoch is None else on_epoch
+        step_name, epoch_name = (f"{name}_step", f"{name}_epoch") if on_step and on_epoch else (name, name)
+        if on_step and on_epoch:
+            self.bare[step_name] = self.bare[epoch_name] = name
+        self.logged.update((name, step_name, epoch_name))
+        return on_step, on_epoch, step_name, epoch_name
+
+    def _log_metric(self, step_name: str | None, epoch_name: str | None, metric: Any) -> None:
+        """A torchmetrics ``Metric``, as Lightning logs it: per step the batch value of its last ``forward``
+        (none when only ``update()`` was called), per epoch kept for ``compute()`` (:meth:`take_epoch_values`);
+        not averaged by ``sync_dist`` (torchmetrics syncs its own states in ``compute()``)."""
+        self.metrics_seen[id(metric)] = metric
+        if step_name is not None and metric._forward_cache is not None:
+            self.step_values[step_name] = (self._scalar(step_name, metric._forward_cache), False)
+        if epoch_name is None:
+            return
+        kept = self.epoch_metrics.setdefault(epoch_name, metric)
+        if kept is not metric:
+            raise ValueError(f"self.log({epoch_name!r}, metric) was given two different Metric objects in one epoch; "
+                             "log one Metric object per name (make one attribute per metric in __init__)")
 
     def _scalar(self, name: str, value: Any) -> torch.Tensor:
         value = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value,
@@ -167,22 +199,34 @@ class MetricCollector:
         return {name: float(v) for name, v in out.items()}
 
     def take_epoch_values(self) -> dict[str, float]:
-        """The epoch values reduced over all ranks (a collective: every rank calls it); cleared.
+        """The epoch values reduced over all ranks (a collective: every rank calls it), and each ``Metric`` logged
+        ``on_epoch``'s ``compute()`` (it gathers every rank's states); cleared (the Metrics: :meth:`reset_metrics`).
 
         Raises:
             ValueError: ranks logged different names (the names that differ are listed).
         """
         values, self.epoch_values = self.epoch_values, {}
+        metrics, self.epoch_metrics = self.epoch_metrics, {}
         names = sorted(values)
         if self.rt.world_size > 1:
-            _check_same_names(self.rt, [(n, values[n].fx) for n in names], "epoch values")
+            _check_same_names(self.rt, [(n, values[n].fx) for n in names] + [(n, "Metric") for n in sorted(metrics)],
+                              "epoch values")
         out = self._reduce_sums({n: values[n] for n in names if values[n].fx in ("mean", "sum")})
+        # every rank computes the same Metrics in the same order: each compute() gathers that metric's states
+        out.update((n, float(metrics[n].compute())) for n in sorted(metrics))
         for fx in ("max", "min"):
             chosen = [n for n in names if values[n].fx == fx]
             if chosen:
                 reduced = self.rt.all_reduce(torch.stack([values[n].total for n in chosen]), op=fx).tolist()
                 out.update(zip(chosen, reduced))
         return out
+
+    def reset_metrics(self) -> None:
+        """Reset every torchmetrics ``Metric`` logged since the last call (also those logged ``on_step`` only), as
+        Lightning does once an epoch's end hooks have run (until then ``metric.compute()`` returns the epoch value)."""
+        seen, self.metrics_seen = self.metrics_seen, {}
+        for metric in seen.values():
+            metric.reset()
 
     def _reduce_sums(self, values: dict[str, _Running]) -> dict[str, float]:
         """"mean" and "sum" values over the data-parallel ranks: one all-reduce of every total and weight over
@@ -195,6 +239,30 @@ class MetricCollector:
         copies = self.rt.world_size / self.rt.data_parallel_size
         return {name: vec[i] / vec[len(names) + i] if values[name].fx == "mean" else vec[i] / copies
                 for i, name in enumerate(names)}
+
+
+def is_metric(value: Any) -> bool:
+    """Whether ``value`` is a torchmetrics ``Metric`` (without importing torchmetrics: one exists only once it is)."""
+    torchmetrics = sys.modules.get("torchmetrics")
+    return torchmetrics is not None and isinstance(value, torchmetrics.Metric)
+
+
+@contextlib.contextmanager
+def metric_states_kept(module: torch.nn.Module):
+    """The states of ``module``'s torchmetrics ``Metric`` submodules put back after the block: forwards whose results
+    are discarded (the extra evaluation forwards of a rank with fewer batches under fsdp) leave no sample in them.
+    Reads torchmetrics' ``metric_state`` and ``_update_count`` (torchmetrics 1.x)."""
+    torchmetrics = sys.modules.get("torchmetrics")
+    metrics = [m for m in module.modules() if isinstance(m, torchmetrics.Metric)] if torchmetrics else []
+    saved = [(m, {k: v.clone() if isinstance(v, torch.Tensor) else list(v) for k, v in m.metric_state.items()},
+              m._update_count) for m in metrics]
+    try:
+        yield
+    finally:
+        for metric, state, count in saved:
+            for name, value in state.items():
+                setattr(metric, name, value)
+            metric._update_count, metric._computed = count, None
 
 
 def reduction_name(reduce_fx: Any) -> str:

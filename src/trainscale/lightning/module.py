@@ -180,6 +180,9 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         (any case; "avg"), or ``torch.mean``/``torch.sum``/``torch.max``/``torch.min`` and the builtins ``sum``,
         ``max``, ``min``. Step values reach ``trainer.callback_metrics`` after every optimizer step (as device
         tensors); nothing is read from the device until a record is written (log intervals, epoch ends).
+        ``value`` may be a torchmetrics ``Metric`` (extra ``metrics``), as in Lightning: the step value is its last
+        ``forward``'s batch value, the epoch value its ``compute()`` over every rank, and it is reset after the
+        epoch's end hooks (``reduce_fx`` and ``sync_dist`` do not apply to it).
 
         Raises:
             ValueError: an unknown ``reduce_fx``, a non-scalar value, a name every record holds ("step",

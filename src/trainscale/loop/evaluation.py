@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from trainscale.checkpointing import run_dirs as ckpt
+from trainscale.checkpointing import checkpointer, run_dirs as ckpt
 from trainscale.lightning.data_sources import resolve_loaders
-from trainscale.lightning.metrics import MetricCollector
+from trainscale.lightning.metrics import MetricCollector, metric_states_kept
 from trainscale.lightning.module import attach_trainer, set_up_model
 from trainscale.loop.state import loader_length
 
@@ -90,9 +90,10 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stag
             counts[key] = counts.get(key, 0) + n
         count += n
     collector.discard = True  # results and self.log values discarded: each sample is still counted once
-    for _ in range(extra):
-        with rt.autocast():
-            wrapped(batch, 0, stage=stage)
+    with metric_states_kept(loop_module):  # and what a torchmetrics Metric's update() took from them is undone
+        for _ in range(extra):
+            with rt.autocast():
+                wrapped(batch, 0, stage=stage)
     collector.discard = False
     hook(f"on_{stage}_epoch_end")  # what it logs is among this stage's values
     keys = _same_keys_on_every_rank(rt, sorted(sums), count > 0, f"{stage}_step")  # a rank with no batch takes part
@@ -102,6 +103,7 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stag
     wrapped.train()
     out = {f"{prefix}{k}": (total / n if n else math.nan) for k, total, n in zip(keys, vec, vec[len(keys):])}
     out.update(collector.take_epoch_values())
+    collector.reset_metrics()
     return out
 
 
@@ -306,8 +308,8 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     """``Trainer.validate``/``test``/``predict`` outside ``fit`` (``method``): ``model`` set up by the trainer's
     runtime, with the weights of ``ckpt_path`` when given (:func:`checkpoint_to_evaluate`; only the model's, the
     SHA-256 verified), the loader (passed, or from ``datamodule``'s or the model's hook: ``data_sources``) made
-    sequential and unpadded (each sample once), then :func:`predict` or :func:`evaluate_stage`; ``verbose``: rank
-    zero prints the results (:func:`results_table`)."""
+    sequential and unpadded (each sample once), then :func:`predict` or :func:`evaluate_stage` (its results as
+    Lightning's list of one dict per loader); ``verbose``: rank zero prints the results (:func:`results_table`)."""
     rt = trainer.runtime
     attach_trainer(model, trainer)  # self.trainer inside the module's setup(stage), as Lightning
     if datamodule is not None:
@@ -321,7 +323,7 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
         raise ValueError(f"{method}() needs {type(model).__name__}.{step}(batch, batch_idx); it defines training_step "
                          f"but no {step}, so there is nothing to evaluate (Lightning refuses it too)")
     if ckpt_path is not None:
-        rt.load(ckpt_path, {"model": model})
+        rt.load(ckpt_path, {checkpointer.weights_key(checkpointer.is_sharded(ckpt_path)): model})
         rt.print(f"trainscale: {method} with the weights of {ckpt_path}")
     loader = rt.setup_dataloader(dataloaders, seed=trainer.config.seed, shuffle=False, even=False)
     if method == "predict":
@@ -334,7 +336,7 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     results = evaluate_stage(trainer, loop_module, wrapped, loader, stage)
     if verbose:
         rt.print(results_table(stage, results))
-    return results
+    return [results]  # Lightning's shape: one dict per evaluation loader (trainscale takes one)
 
 
 def results_table(stage: str, results: dict[str, float]) -> str:

@@ -8,20 +8,26 @@ import sys
 class ProgressBar:
     """``update()`` once per micro-batch; ``set_postfix`` at log intervals; ``close()`` at epoch end."""
 
-    def __init__(self, enabled: bool, total: int, desc: str) -> None:
+    def __init__(self, enabled: bool, total: int, desc: str, refresh_rate: int = 1, leave: bool = False) -> None:
+        """``refresh_rate``: redraw every this many micro-batches (a ``TQDMProgressBar``'s; 0: no bar); ``leave``: keep
+        the finished bar on the screen."""
         self._bar = None
-        if enabled:
+        self._every, self._pending = max(refresh_rate, 1), 0
+        if enabled and refresh_rate > 0:
             try:
                 from tqdm.auto import tqdm
             except ImportError:
                 return
-            self._bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True, file=sys.stderr,
+            self._bar = tqdm(total=total, desc=desc, leave=leave, dynamic_ncols=True, file=sys.stderr,
                              mininterval=0.5)
 
     def update(self, n: int = 1) -> None:
-        """Advance by ``n`` micro-batches."""
+        """Advance by ``n`` micro-batches (drawn every ``refresh_rate``)."""
         if self._bar is not None:
-            self._bar.update(n)
+            self._pending += n
+            if self._pending >= self._every:
+                self._bar.update(self._pending)
+                self._pending = 0
 
     def set_postfix(self, **values) -> None:
         if self._bar is not None:
@@ -29,4 +35,5 @@ class ProgressBar:
 
     def close(self) -> None:
         if self._bar is not None:
+            self._bar.update(self._pending)
             self._bar.close()

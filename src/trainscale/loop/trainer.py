@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, NoReturn
 import torch
 from torch import nn
 
-from trainscale.callbacks import Callback, ModelCheckpoint, ModelSummary, resolve_callbacks
+from trainscale.callbacks import Callback, ModelCheckpoint, ModelSummary, TQDMProgressBar, resolve_callbacks
 from trainscale.callbacks.base import HOOKS, overridden_hooks
 from trainscale.loggers import resolve_loggers
 from trainscale.runtime.connector import RUNTIME_FLAG_NAMES, check_flag_names
@@ -48,6 +48,7 @@ from trainscale.checkpointing.runs import RunLock, choose_run_dir, overwrite_ref
 from trainscale.loop.summary import finish_run, hyperparams
 from trainscale.lightning.optimizer_setup import build_optimizers
 from trainscale.checkpointing.train_state import ResumePoint, TrainState
+from trainscale.profilers import Profiler, resolve_profiler
 from trainscale.loop.state import EpochLoss, FitRun, MicroBatch, MicroBatchBooks, epoch_batches, micro_batches
 
 
@@ -57,6 +58,7 @@ class Trainer:
     """
 
     def __init__(self, *, callbacks: list[Callback] | None = None, logger: Any = None, runtime: Runtime | None = None,
+                 profiler: Profiler | str | None = None,
                  # the Runtime's flags (RuntimeFlags), described in Runtime.__init__
                  accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
                  num_nodes: int | None = None,
@@ -96,6 +98,9 @@ class Trainer:
                 one).
             logger: one or a list of ``trainscale.loggers`` (None: a ``CSVLogger``; False: none; docs/loggers.md).
             runtime: the Runtime a "ddp_spawn"/"ddp_notebook" rank made from the same flags (None: one is made here).
+            profiler: "simple", "advanced", "pytorch" or a ``trainscale.profilers.Profiler`` (Lightning's flag; None:
+                none). It times the regions ``train_step`` names (``with prof.profile(...)``) during ``fit``; its
+                report at the end of ``fit``; "pytorch" writes a Chrome trace per rank into the run directory.
             max_epochs: epochs to train (>= 1; -1: no limit). None (the default): no limit when ``max_steps`` or
                 ``max_time`` is set (Lightning's rule), else 1 (Lightning: 1000 with a warning).
             max_steps: stop after this many optimizer steps (None or -1: no limit; resolved to None).
@@ -221,11 +226,19 @@ class Trainer:
             fast_dev_run=fast_dev_run, max_time=max_time, overfit_batches=overfit_batches, deterministic=deterministic,
             enable_model_summary=enable_model_summary, use_distributed_sampler=use_distributed_sampler,
             reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs)
-        self.flags = dict(runtime_flags, **loop_flags, callbacks=callbacks, logger=logger)  # a ddp_spawn rank rebuilds
+        self.flags = dict(runtime_flags, **loop_flags, callbacks=callbacks, logger=logger,
+                          profiler=profiler)  # a ddp_spawn rank rebuilds the Trainer from them
+        self.profiler = resolve_profiler(profiler)  # Lightning's trainer.profiler
         self.config = resolve_trainer_config(**loop_flags)
         set_torch_flags(self.config.deterministic)
         self.batch_scaling = BatchScaling(self.config)
         self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint())
+        bars = [cb for cb in self.callbacks if isinstance(cb, TQDMProgressBar)]
+        if bars and not self.config.enable_progress_bar:  # Lightning refuses the same
+            raise ValueError(f"Trainer(enable_progress_bar=False) with a {type(bars[0]).__name__} in callbacks; drop "
+                             "one of the two")
+        # Lightning's trainer.progress_bar_callback: the one given, or the default bar's settings (None: no bar)
+        self.progress_bar_callback = next(iter(bars), TQDMProgressBar() if self.config.enable_progress_bar else None)
         if self.config.enable_model_summary and not any(isinstance(cb, ModelSummary) for cb in self.callbacks):
             self.callbacks.append(ModelSummary())  # Lightning's default, unless the user gave one
         # the ModelCheckpoint callbacks: the user's, or the default one; asked at every step end (_checkpoint_if_due);
@@ -379,6 +392,7 @@ class Trainer:
             raise explained from err
         finally:
             self.fitting = False
+            self.profiler.describe()  # its report (and files), as Lightning's teardown, also after an error
             self._faults.stop()
             self._run_lock.release()
             if self._fit is not None and self._fit.metrics is not None:  # fit raised (finish_run closed it otherwise)
@@ -402,7 +416,7 @@ class Trainer:
             self.run_dir, self._run_lock = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)  # held by fit
             self._faults.start(self.run_dir)
         for cb in self.checkpoint_callbacks:
-            cb.setup(self)
+            cb.setup_directory(self)
         # the one output path: metrics.jsonl and the loggers, written by rank zero
         fit.metrics = MetricsProcessor(fit.telemetry, self.metric_collector,
                                        self.run_dir if rt.is_rank_zero and cfg.writes_files else None, self.loggers,
@@ -410,6 +424,7 @@ class Trainer:
         rt.print(run_header(rt, global_batch, self.run_dir if cfg.writes_files else
                             f"none (fast_dev_run: {cfg.max_steps} batch(es) of each loop, nothing written)"))
         self.validated_at = []
+        self.profiler.setup("fit", rt.rank if rt.world_size > 1 else None, self.run_dir)  # its files: the run dir
         self._hook("on_fit_start")
         self._sanity_check(fit, point)
         self._deadline = time.monotonic() + (cfg.max_time.total_seconds() if cfg.max_time is not None else math.inf)
@@ -434,6 +449,8 @@ class Trainer:
 
     def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
         rt = self.runtime
+        for cb in self.callbacks:  # Lightning's Callback.setup: before the model is wrapped and its optimizers built
+            cb.setup(self, model, "fit")
         self.last_setup = set_up_model(rt, model, loss_fn, self.last_setup)  # reused from an earlier fit or evaluation
         _, loop_module, wrapped = self.last_setup
         self._arm_hooks(model)
@@ -493,8 +510,10 @@ class Trainer:
         batches = epoch_batches(fit, self.state, epoch, resume, rt.world_size, cfg.train_batches)
         fit.wrapped.train()
         remaining = fit.epoch_batches - fit.epoch_offset  # inf: an iterable data set, until its iterator ends
-        fit.bar = ProgressBar(cfg.enable_progress_bar and rt.is_rank_zero, None if remaining == math.inf else remaining,
-                              epoch_label(epoch, cfg.max_epochs))
+        bar = self.progress_bar_callback
+        fit.bar = ProgressBar(bar is not None and rt.is_rank_zero, None if remaining == math.inf else remaining,
+                              epoch_label(epoch, cfg.max_epochs), refresh_rate=bar.refresh_rate if bar else 0,
+                              leave=bar is not None and bar.leave)
         fit.epoch_loss = EpochLoss(rt.device, resume.totals if resume else (0.0, 0.0, 0.0, 0.0))
         fit.books = MicroBatchBooks(fit.telemetry, self._faults, self.state, self.metric_collector, fit.epoch_loss,
                                     fit.bar)
@@ -540,8 +559,12 @@ class Trainer:
            (its last batch validates in ``_end_epoch``); then faults and checkpoints (:meth:`_checkpoint_if_due`):
            signals and the non-finite check at the steps every rank agreed on, a checkpoint every
            ``checkpoint_every_n_steps``; then ``max_time``: out of time, the epoch ends here.
+
+        The profiler's regions (``Trainer(profiler=...)``; a no-op context without one) are the ``prof.profile``
+        blocks below: ``training_step_and_backward`` (each micro-batch), ``optimizer_step``, ``log_step``,
+        ``validation`` and ``checkpoint_if_due``.
         """
-        rt, cfg, tele = self.runtime, self.config, fit.telemetry
+        rt, cfg, tele, prof = self.runtime, self.config, fit.telemetry, self.profiler  # prof: Trainer(profiler=...)
         self.is_step_end = False
         first_batch = self.state.batches  # this step's first micro-batch in the epoch
         # 1. Forward and backward, micro-batch by micro-batch.
@@ -549,11 +572,12 @@ class Trainer:
             batch = rt.to_device(micro.batch)  # on CUDA already there: prefetch copied it while the last step ran
             fit.books.batch_ready(batch)  # the data phase ends; samples and tokens (self.log's batch size)
             self._hook("on_train_batch_start", batch, micro.index)
-            if tele.counting_flops:  # the run's first micro-batch: its FLOPs counted once, for MFU
-                loss, t_forward = tele.count_flops_of(lambda: self._forward_backward(fit, batch, micro), fit.wrapped,
-                                                      batch)
-            else:
-                loss, t_forward = self._forward_backward(fit, batch, micro)
+            with prof.profile("training_step_and_backward"):  # its end advances PyTorchProfiler's schedule
+                if tele.counting_flops:  # the run's first micro-batch: its FLOPs counted once, for MFU
+                    loss, t_forward = tele.count_flops_of(lambda: self._forward_backward(fit, batch, micro), fit.wrapped,
+                                                          batch)
+                else:
+                    loss, t_forward = self._forward_backward(fit, batch, micro)
             loss = loss.detach()
             fit.books.backward_done(loss, t_forward)  # phases, epoch loss sum, non-finite watch, progress bar
             if micro.is_last:
@@ -576,7 +600,7 @@ class Trainer:
                                                                          step=self.global_step, epoch=self.current_epoch)
             # 4. Step at the scaled learning rate, then zero the gradients.
             if not skip:
-                with self.batch_scaling.scaled_lr(optimizer):
+                with self.batch_scaling.scaled_lr(optimizer), prof.profile("optimizer_step"):
                     rt.step(optimizer)
             self._hook("on_before_zero_grad", optimizer)
             optimizer.zero_grad(set_to_none=True)
@@ -590,11 +614,14 @@ class Trainer:
         self.callback_metrics.update(self.metric_collector.step_metrics())  # every step, on the device (Lightning's)
         self._hook("on_train_batch_end", loss, batch, micro.index)
         if self.is_log_step:  # two collectives: telemetry's all_gather of each rank's interval, sync_dist's all-reduce
-            self._log_step(fit, loss, grad_norm)
+            with prof.profile("log_step"):
+                self._log_step(fit, loss, grad_norm)
         # 6. Validation, signals, the non-finite check and checkpoints, when due; the time limit.
         if self._validation_due(fit, first_batch):
-            self._validate(fit, mid_epoch=True)
-        self._checkpoint_if_due(fit, epoch_end=False, ends_epoch=micro.ends_epoch)
+            with prof.profile("validation"):
+                self._validate(fit, mid_epoch=True)
+        with prof.profile("checkpoint_if_due"):
+            self._checkpoint_if_due(fit, epoch_end=False, ends_epoch=micro.ends_epoch)
         if self._out_of_time():
             self.should_stop = True  # max_time (Lightning's Timer): the epoch ends after this step
         return True
@@ -651,12 +678,14 @@ class Trainer:
         user = self.metric_collector.take_epoch_values()
         record = {**own, **user}
         if fit.val_loader is not None and self._validates_at_epoch_end(fit, epoch):
-            record.update(self._validate(fit, mid_epoch=False))
+            with self.profiler.profile("validation"):
+                record.update(self._validate(fit, mid_epoch=False))
         record.update(self._pending.pop("epoch", {}))
         self._publish(record, own, user)
         with self.metric_collector.epoch_hook():
             self._hook("on_train_epoch_end", monitoring=False)
         late = self.metric_collector.take_epoch_values()  # what the module's on_train_epoch_end logged
+        self.metric_collector.reset_metrics()  # torchmetrics Metrics, after the epoch end hooks (Lightning's)
         record.update(late)
         user.update(late)
         self._publish(record, own, user)
@@ -812,9 +841,10 @@ class Trainer:
     # -- evaluation ----------------------------------------------------------------------------------
     def validate(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
                  loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
-                 datamodule: Any = None, verbose: bool = True) -> dict[str, float]:
-        """Evaluate ``model`` across all ranks, each sample counted once: ``{"val_loss": ..., "val_accuracy": ...}``
-        (or ``validation_step``'s keys prefixed ``val_``, and what it logged), sample-weighted means. ``ckpt_path``:
+                 datamodule: Any = None, verbose: bool = True) -> list[dict[str, float]]:
+        """Evaluate ``model`` across all ranks, each sample counted once. Returns Lightning's list of one dict per
+        loader (one loader here): ``[{"val_loss": ..., "val_accuracy": ...}]`` (or ``validation_step``'s keys prefixed
+        ``val_``, and what it logged), sample-weighted means; ``trainer.validate(...)[0]["val_loss"]``. ``ckpt_path``:
         "best", "last" or a path evaluates that checkpoint's weights (``evaluation.checkpoint_to_evaluate``).
         ``dataloaders`` None: ``datamodule``'s or the model's ``val_dataloader()`` (``lightning/data_sources.py``).
         ``model`` None (also for ``test`` and ``predict``): the model of this trainer's last ``fit``, with the weights of
@@ -828,7 +858,7 @@ class Trainer:
 
     def test(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
              loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
-             datamodule: Any = None, verbose: bool = True) -> dict[str, float]:
+             datamodule: Any = None, verbose: bool = True) -> list[dict[str, float]]:
         """As :meth:`validate`, with ``test_step``, ``test_dataloader()`` and the prefix ``test_``."""
         return self._run_eval("test", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path, datamodule=datamodule,
                               verbose=verbose)

@@ -268,9 +268,14 @@ def save_replicated(path, state: dict, world, unwrap: Callable) -> None:
     save_file(out, path)
 
 
+# Entries a checkpoint file may hold under a former name, read there when the current name is absent: the model's
+# weights, "state_dict" (Lightning's key) since the Trainer writes it, "model" in the files it wrote before.
+FORMER_NAMES = {"state_dict": "model"}
+
+
 def load_replicated(path, state: dict, unwrap: Callable, verify: bool = True, read: Callable | None = None) -> dict:
     """Load ``path`` on every rank (``verify``, ``read``: as in :func:`load_file`); restore stateful objects
-    of ``state`` in place.
+    of ``state`` in place (an entry absent under its key is read under its :data:`FORMER_NAMES` name).
 
     Returns:
         The checkpoint's entries whose keys are not stateful objects in ``state``.
@@ -282,6 +287,9 @@ def load_replicated(path, state: dict, unwrap: Callable, verify: bool = True, re
     import torch
 
     loaded = load_file(path, verify, read)
+    for key, former in FORMER_NAMES.items():
+        if key in state and key not in loaded and former in loaded:
+            loaded[key] = loaded.pop(former)
     for key, value in state.items():
         if not _is_stateful(value) or (key not in loaded and isinstance(value, TensorState)):
             continue

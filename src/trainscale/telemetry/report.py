@@ -232,11 +232,22 @@ def make_report(run_dir: str | os.PathLike, baseline: str | os.PathLike | None =
     base_summary = load_run(baseline)[1] if baseline is not None else None
     if baseline is not None and base_summary is None:
         raise ValueError(f"{str(baseline)!r} has no summary.json: the baseline run did not finish")
-    text = text_summary(records, summary) + account_text(summary, base_summary)
+    text = text_summary(records, summary) + account_text(summary, base_summary) + profiler_text(run_dir)
     (run_dir / "report.txt").write_text(text)
     plt = pyplot()
     plots = write_plots(plt, run_dir, records, summary) if plt is not None else []
     return [*plots, run_dir / "report.txt"], text
+
+
+def profiler_text(run_dir: Path) -> str:
+    """The files ``Trainer(profiler="pytorch")`` wrote into ``run_dir``: each rank's Chrome/Perfetto trace
+    (``*.pt.trace.json``, torch's suffix) and operator table (``*-ops.txt``); "" when there are none."""
+    traces, tables = sorted(run_dir.glob("*.pt.trace.json")), sorted(run_dir.glob("*-ops.txt"))
+    if not traces and not tables:
+        return ""
+    lines = ["profiler traces (open in https://ui.perfetto.dev or chrome://tracing):", *(f"  {p}" for p in traces)]
+    lines += ["profiler operator tables:", *(f"  {p}" for p in tables)] if tables else []
+    return "\n".join(lines) + "\n"
 
 
 def write_plots(plt: Any, run_dir: Path, records: list[dict], summary: dict | None) -> list[Path]:

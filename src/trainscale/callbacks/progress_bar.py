@@ -1,0 +1,39 @@
+"""Progress-bar callbacks with Lightning's names: ``TQDMProgressBar(refresh_rate, leave)`` and ``RichProgressBar``,
+both the Trainer's tqdm bar on rank zero (``loop/progress.py``) with their settings."""
+
+from __future__ import annotations
+
+from trainscale.callbacks.base import Callback
+
+
+class TQDMProgressBar(Callback):
+    """The training bar's settings, as Lightning's ``TQDMProgressBar``.
+
+    Args:
+        refresh_rate: redraw every this many micro-batches (0: no bar at all).
+        process_position: accepted for Lightning's signature; the bar is drawn on rank zero only.
+        leave: keep each epoch's finished bar on the screen.
+
+    Raises:
+        ValueError: ``refresh_rate`` below 0.
+    """
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
+        if not isinstance(refresh_rate, int) or refresh_rate < 0:
+            raise ValueError(f"refresh_rate={refresh_rate!r} must be an int >= 0 (0: no bar)")
+        self.refresh_rate, self.process_position, self.leave = refresh_rate, process_position, leave
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.refresh_rate > 0
+
+
+class RichProgressBar(TQDMProgressBar):
+    """Lightning's ``RichProgressBar(refresh_rate=1, leave=False, theme=None, console_kwargs=None)``: here the same
+    tqdm bar as :class:`TQDMProgressBar` (rich is not used); ``theme`` and ``console_kwargs`` are accepted and
+    ignored."""
+
+    def __init__(self, refresh_rate: int = 1, leave: bool = False, theme: object = None,
+                 console_kwargs: dict | None = None) -> None:
+        super().__init__(refresh_rate=refresh_rate, leave=leave)
+        self.theme, self.console_kwargs = theme, console_kwargs
