@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
-from trainscale.runtime.connector import make_flags
+from trainscale.runtime.flags import make_flags
 
 
 @dataclass(frozen=True)

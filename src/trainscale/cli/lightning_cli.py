@@ -1,0 +1,224 @@
+"""``LightningCLI``: a command line for your own module and data module, with Lightning's names and semantics,
+built on jsonargparse (the library Lightning's own ``LightningCLI`` uses).
+
+    # train.py
+    from trainscale.cli import LightningCLI
+    LightningCLI(MyModule, MyDataModule)
+
+    python train.py fit --config config.yaml --trainer.max_epochs 3 --model.lr 0.01
+    python train.py fit --print_config > config.yaml     # every option with its value, as YAML
+    python train.py validate --config config.yaml --ckpt_path last
+
+``--model.*`` are your module's ``__init__`` parameters, ``--data.*`` your data module's, ``--trainer.*`` the
+Trainer's flags (taken from their declarations, :mod:`trainscale.cli.flags`, with their types and descriptions),
+``--config`` a YAML or JSON file of the same keys (``trainer: {devices: 2}``); the subcommands ``fit``, ``validate``,
+``test`` and ``predict`` call the Trainer's method of that name with the method's own options (``--ckpt_path``).
+A script that asks for several devices (``trainer: {devices: 2}``) is started again under torchrun by the Trainer,
+which parses the same command line on every rank. Guide: docs/lightning.md ("A command line for your modules").
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from trainscale.cli.flags import DECLARATIONS, add_trainer_flags
+
+# The Trainer's parameters that are not flags of a declaration: objects from the config as class_path/init_args.
+TRAINER_OBJECTS = ("callbacks", "logger")
+# Each subcommand: the Trainer method's parameters the CLI fills itself (not options).
+SUBCOMMANDS = {
+    "fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule", "loss_fn", "optimizer"},
+    "validate": {"model", "dataloaders", "datamodule", "loss_fn"},
+    "test": {"model", "dataloaders", "datamodule", "loss_fn"},
+    "predict": {"model", "dataloaders", "datamodule"},
+}
+
+
+class LightningCLI:
+    """Parse the command line (and ``--config`` files) into your module, data module and a Trainer, then run the
+    subcommand, as Lightning's ``LightningCLI``.
+
+    Args:
+        model_class: your module's class (a ``TrainingModule``/``LightningModule`` subclass or any ``nn.Module``);
+            None: any module, named on the command line (``--model my_pkg.MyModule``).
+        datamodule_class: your data module's class; None: ``--data`` is optional (a module with its own
+            ``train_dataloader()``) and may name any data module class.
+        trainer_class: the Trainer class (default ``trainscale.Trainer``) or a subclass.
+        trainer_defaults: Trainer flags that replace the declared defaults (the command line and config still
+            override them); ``callbacks`` here are always added, after those of the config.
+        seed_everything_default: ``--seed_everything``'s default: an int seeds Python, numpy and torch with it before
+            the classes are built and becomes the Trainer's ``seed`` (which seeds each ``fit``); True: the Trainer's
+            ``seed`` (0 unless ``--trainer.seed`` is given; Lightning: 0 too, unless ``PL_GLOBAL_SEED``); False: no
+            seeding before the classes are built.
+        parser_kwargs: keyword arguments of each jsonargparse ``ArgumentParser``; a key that is a subcommand's
+            name holds that subcommand parser's (``{"fit": {"default_config_files": ["fit.yaml"]}}``).
+        subclass_mode_model: ``--model`` takes any subclass of ``model_class`` (``class_path``/``init_args``).
+        subclass_mode_data: ``--data`` takes any subclass of ``datamodule_class``.
+        args: the arguments to parse instead of ``sys.argv[1:]``: a list of strings, or a dict of the config.
+        run: False: no subcommands; the classes are built (``cli.model``, ``cli.datamodule``, ``cli.trainer``) and
+            you call the Trainer yourself.
+
+    Attributes after construction: ``parser``, ``config`` (the parsed namespace), ``subcommand``, ``config_init``
+    (with the classes built), ``model``, ``datamodule``, ``trainer``.
+
+    Raises:
+        SystemExit: an unknown option, a value of the wrong type or a missing required one (the parser's message,
+            exit status 2), and after ``--help`` or ``--print_config``.
+    """
+
+    def __init__(self, model_class: type | None = None, datamodule_class: type | None = None,
+                 trainer_class: type | None = None, trainer_defaults: dict[str, Any] | None = None,
+                 seed_everything_default: bool | int = True, parser_kwargs: dict[str, Any] | None = None,
+                 subclass_mode_model: bool = False, subclass_mode_data: bool = False,
+                 args: list[str] | dict | None = None, run: bool = True) -> None:
+        import torch
+
+        from trainscale.lightning.data_sources import DataModule
+        from trainscale.loop.trainer import Trainer
+
+        self.trainer_class = trainer_class or Trainer
+        self.trainer_defaults = dict(trainer_defaults or {})
+        self.seed_everything_default = seed_everything_default
+        self.model_class = model_class or torch.nn.Module
+        self.subclass_mode_model = model_class is None or subclass_mode_model
+        self.datamodule_class = datamodule_class
+        self._data_base = datamodule_class or DataModule
+        self.subclass_mode_data = datamodule_class is None or subclass_mode_data
+        parser_kwargs = dict(parser_kwargs or {})
+        sub_kwargs = {name: parser_kwargs.pop(name) for name in SUBCOMMANDS if name in parser_kwargs}
+        self.parser = self.init_parser(**parser_kwargs)
+        self._method_options: dict[str, list[str]] = {}
+        if run:
+            self._add_subcommands(sub_kwargs)
+        else:
+            self._add_arguments(self.parser)
+        self.config = self.parser.parse_object(args) if isinstance(args, dict) else self.parser.parse_args(args)
+        self.subcommand = self.config.get("subcommand") if run else None
+        self._set_seed()
+        self.before_instantiate_classes()
+        self.instantiate_classes()
+        self.after_instantiate_classes()
+        if self.subcommand is not None:
+            self._run_subcommand(self.subcommand)
+
+    # -- the parser ----------------------------------------------------------------------------------
+    def init_parser(self, **kwargs: Any):
+        """A jsonargparse ``ArgumentParser`` with ``-c/--config`` (and jsonargparse's ``--print_config``)."""
+        from jsonargparse import ActionConfigFile, ArgumentParser
+
+        parser = ArgumentParser(**kwargs)
+        parser.add_argument("-c", "--config", action=ActionConfigFile,
+                            help="a configuration file in YAML or JSON, with the keys of the options below")
+        return parser
+
+    def add_arguments_to_parser(self, parser) -> None:
+        """Override to add your own options or ``parser.link_arguments(...)``, as in Lightning."""
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """The subcommands, each with the parameters of its Trainer method that are not options."""
+        return {name: set(skip) for name, skip in SUBCOMMANDS.items()}
+
+    def _add_subcommands(self, sub_kwargs: dict) -> None:
+        subcommands = self.parser.add_subcommands()
+        self._subcommand_parsers = {}
+        for name, skip in self.subcommands().items():
+            method = getattr(self.trainer_class, name)
+            summary = (method.__doc__ or name).strip().splitlines()[0]
+            parser = self.init_parser(**{"description": summary, **sub_kwargs.get(name, {})})
+            self._add_arguments(parser)
+            self._method_options[name] = parser.add_method_arguments(self.trainer_class, name, skip=skip,
+                                                                     fail_untyped=False)
+            self._subcommand_parsers[name] = parser
+            subcommands.add_subcommand(name, parser, help=summary)
+
+    def _add_arguments(self, parser) -> None:
+        parser.add_argument("--seed_everything", type=bool | int, default=self.seed_everything_default,
+                            help="an int seeds Python, numpy and torch with it before the classes are built and "
+                                 "becomes the Trainer's seed; True: seed with the Trainer's seed; False: no seeding "
+                                 "before the classes are built")
+        self.add_trainer_arguments(parser)
+        if self.subclass_mode_model:
+            parser.add_subclass_arguments(self.model_class, "model", fail_untyped=False, required=True)
+        else:
+            parser.add_class_arguments(self.model_class, "model", fail_untyped=False)
+        if self.subclass_mode_data:
+            parser.add_subclass_arguments(self._data_base, "data", fail_untyped=False,
+                                          required=self.datamodule_class is not None)
+        else:
+            parser.add_class_arguments(self._data_base, "data", fail_untyped=False)
+        self.add_arguments_to_parser(parser)
+
+    def add_trainer_arguments(self, parser) -> None:
+        """``--trainer.*``: each flag of the declarations (:data:`trainscale.cli.flags.DECLARATIONS`) with its type
+        and description, then the Trainer's ``callbacks`` and ``logger`` (class_path/init_args, as Lightning)."""
+        flags = {f.name for cls in DECLARATIONS for f in fields(cls)}
+        own = set(_init_parameters(self.trainer_class)) - flags - set(TRAINER_OBJECTS)
+        parser.add_class_arguments(self.trainer_class, "trainer", skip=flags | own, instantiate=False,
+                                   fail_untyped=False, sub_configs=True)
+        add_trainer_flags(parser, nested_key="trainer")
+        defaults = {f"trainer.{k}": v for k, v in self.trainer_defaults.items() if k != "callbacks"}
+        if defaults:
+            parser.set_defaults(defaults)
+
+    # -- building and running ------------------------------------------------------------------------
+    def _get(self, config, key: str, default: Any = None) -> Any:
+        section = config.get(self.subcommand, config) if self.subcommand else config
+        return section.get(key, default)
+
+    def _set_seed(self) -> None:
+        from trainscale.checkpointing.rng import seed_everything
+
+        seed = self._get(self.config, "seed_everything")
+        if seed is False:
+            return
+        trainer = self._get(self.config, "trainer")
+        if seed is True:
+            seed = trainer.seed
+        trainer.seed = seed_everything(seed)  # the Trainer seeds each fit with it again
+
+    def before_instantiate_classes(self) -> None:
+        """Override to run code before the classes are built."""
+
+    def after_instantiate_classes(self) -> None:
+        """Override to run code after the classes are built."""
+
+    def instantiate_classes(self) -> None:
+        """Build the data module, the module (and the callbacks and logger of the config), then the Trainer."""
+        self.config_init = self.parser.instantiate(self.config)
+        self.datamodule = self._get(self.config_init, "data")
+        self.model = self._get(self.config_init, "model")
+        self.trainer = self.instantiate_trainer()
+
+    def instantiate_trainer(self, **kwargs: Any):
+        """The Trainer of the parsed ``--trainer.*`` flags, ``kwargs`` over them; ``trainer_defaults``' callbacks
+        after the config's."""
+        config = {**self._get(self.config_init, "trainer").as_dict(), **kwargs}
+        callbacks = config.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        extra = self.trainer_defaults.get("callbacks") or []
+        config["callbacks"] = callbacks + (list(extra) if isinstance(extra, (list, tuple)) else [extra])
+        return self.trainer_class(**config)
+
+    def _run_subcommand(self, subcommand: str) -> Any:
+        before = getattr(self, f"before_{subcommand}", None)
+        if callable(before):
+            before()
+        options = self.config_init[subcommand]
+        kwargs = {name: options[name] for name in self._method_options[subcommand] if name in options}
+        kwargs["model"] = self.model
+        if self.datamodule is not None:
+            kwargs["datamodule"] = self.datamodule
+        result = getattr(self, subcommand, getattr(self.trainer, subcommand))(**kwargs)
+        after = getattr(self, f"after_{subcommand}", None)
+        if callable(after):
+            after()
+        return result
+
+
+def _init_parameters(cls: type) -> list[str]:
+    import inspect
+
+    return [p.name for p in inspect.signature(cls).parameters.values() if p.kind is not p.VAR_KEYWORD]
+
