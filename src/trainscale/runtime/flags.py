@@ -2,13 +2,17 @@
 descriptions the ``Runtime`` and ``Trainer`` signatures repeat (tests/test_trainer_config.py keeps them equal) and
 from which the command lines are generated (``trainscale.cli.flags``, ``trainscale.cli.LightningCLI``).
 
-Imports no torch, so ``trainscale demo --help`` stays light.
+Each flag's own rule is declared on its field (:func:`flag`: a least value, the choices, or a check of its own; the
+kind of value from the field's type) and applied by one function, :func:`check_flags`; rules across flags are code
+in the resolvers (``resolve``, ``resolve_trainer_config``). Imports no torch, so ``trainscale demo --help`` stays light.
 """
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import KW_ONLY, dataclass, fields
+import math
+import typing
+from dataclasses import KW_ONLY, dataclass, field, fields
 from typing import Any, Callable
 
 
@@ -95,3 +99,68 @@ def check_flag_names(owner: str, names, known) -> None:
             close = difflib.get_close_matches(name, known, n=1)
             raise TypeError(f"{owner}() got an unexpected flag {name!r}"
                             + (f"; did you mean {close[0]!r}?" if close else f"; its flags are: {', '.join(known)}"))
+
+
+def flag(default: Any, *, low: float | None = None, choices: tuple | None = None,
+         check: Callable[[str, Any], None] | None = None, hint: str = "") -> Any:
+    """A flag's dataclass field: its default and the rule :func:`check_flags` applies to its value.
+
+    Args:
+        default: the flag's default.
+        low: the least value of an int or number flag (which of the two, and whether None is allowed, the field's
+            type says; a bool flag needs no rule but ``flag(default)``).
+        choices: the values allowed.
+        check: ``check(name, value)`` raising ``ValueError``: a rule of its own.
+        hint: words added to the error message.
+    """
+    return field(default=default, metadata={"rule": {"low": low, "choices": choices, "check": check, "hint": hint}})
+
+
+def check_flags(flags: Any) -> None:
+    """Check each field of the flags dataclass ``flags`` that has a rule (:func:`flag`) against its type and rule.
+
+    Raises:
+        ValueError: the first value that breaks its rule, naming the flag, the value and what it accepts.
+    """
+    types = typing.get_type_hints(type(flags))
+    for f in fields(flags):
+        if "rule" in f.metadata:
+            _check_value(f.name, getattr(flags, f.name), typing.get_args(types[f.name]) or (types[f.name],),
+                         **f.metadata["rule"])
+
+
+def _check_value(name: str, value: Any, kinds: tuple, low, choices, check, hint) -> None:
+    optional = type(None) in kinds
+    if check is not None:
+        check(name, value)
+    elif choices is not None:
+        if value not in choices:
+            names = [repr(c) for c in choices]
+            raise ValueError(f"{name}={value!r}; choose {', '.join(names[:-1])} or {names[-1]}")
+    elif optional and value is None:
+        return
+    elif bool in kinds:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be True or False")
+    elif float in kinds:
+        check_number(name, value, low, optional=optional, hint=hint)
+    elif int in kinds:
+        check_int(name, value, low, optional=optional, hint=hint)
+
+
+def check_int(name: str, value: Any, low: int, optional: bool = False, hint: str = "") -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= ``low`` (or None, when ``optional``)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low}" + (" or None" if optional and not hint else "")
+                         + hint)
+
+
+def check_number(name: str, value: Any, low: float, optional: bool = False, hint: str = "") -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is a finite number >= ``low`` (or None: ``optional``)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
+        raise ValueError(f"{name}={value!r} must be a finite number >= {low}" + (" or None" if optional else "")
+                         + hint)
