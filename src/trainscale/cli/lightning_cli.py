@@ -86,7 +86,7 @@ class LightningCLI:
         self._data_base = datamodule_class or DataModule
         self.subclass_mode_data = datamodule_class is None or subclass_mode_data
         parser_kwargs = dict(parser_kwargs or {})
-        sub_kwargs = {name: parser_kwargs.pop(name) for name in SUBCOMMANDS if name in parser_kwargs}
+        sub_kwargs = {name: parser_kwargs.pop(name) for name in self.subcommands() if name in parser_kwargs}
         self.parser = self.init_parser(**parser_kwargs)
         self._method_options: dict[str, list[str]] = {}
         if run:
