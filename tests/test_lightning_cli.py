@@ -85,7 +85,6 @@ def test_lightning_cli_exposes_every_declared_flag_and_a_new_field_becomes_an_op
         warmup_ratio: float = 0.1
 
     monkeypatch.setattr(flags, "DECLARATIONS", (RuntimeFlags, Extended))
-    monkeypatch.setattr("trainscale.cli.lightning_cli.DECLARATIONS", (RuntimeFlags, Extended))
     parser = LightningCLI(torch.nn.Linear, args=["--model.in_features=2", "--model.out_features=1"],
                           trainer_class=_TrainerTakingAnyFlag, run=False).parser
     action = _declared_options(parser, "trainer.")["warmup_ratio"]

@@ -34,19 +34,18 @@ def new_parser(prog: str, description: str):
 
 
 def add_trainer_flags(parser, names: list[str] | None = None, nested_key: str | None = None,
-                      defaults: dict | None = None, declarations: tuple[type, ...] | None = None) -> None:
+                      defaults: dict | None = None) -> None:
     """Add the Trainer flags ``names`` (None: all of them) to a jsonargparse ``parser`` as ``--NAME`` (or
     ``--NESTED_KEY.NAME``), each with its declared type and description; ``defaults`` replaces a declared default.
 
     Raises:
         ValueError: a name that is no declared flag.
     """
-    declarations = DECLARATIONS if declarations is None else declarations
-    declared = {f.name for cls in declarations for f in fields(cls)}
+    declared = {f.name for cls in DECLARATIONS for f in fields(cls)}
     unknown = set(names or ()) - declared
     if unknown:
         raise ValueError(f"{sorted(unknown)} are not Trainer flags; declared: {', '.join(sorted(declared))}")
-    for cls in declarations:
+    for cls in DECLARATIONS:
         own = {f.name for f in fields(cls)}
         chosen = own if names is None else own & set(names)
         if chosen:

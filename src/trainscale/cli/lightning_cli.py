@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from trainscale.cli.flags import DECLARATIONS, add_trainer_flags
+from trainscale.cli import flags as declared
 
 # The Trainer's parameters that are not flags of a declaration: objects from the config as class_path/init_args.
 TRAINER_OBJECTS = ("callbacks", "logger")
@@ -153,11 +153,11 @@ class LightningCLI:
     def add_trainer_arguments(self, parser) -> None:
         """``--trainer.*``: each flag of the declarations (:data:`trainscale.cli.flags.DECLARATIONS`) with its type
         and description, then the Trainer's ``callbacks`` and ``logger`` (class_path/init_args, as Lightning)."""
-        flags = {f.name for cls in DECLARATIONS for f in fields(cls)}
+        flags = {f.name for cls in declared.DECLARATIONS for f in fields(cls)}
         own = set(_init_parameters(self.trainer_class)) - flags - set(TRAINER_OBJECTS)
         parser.add_class_arguments(self.trainer_class, "trainer", skip=flags | own, instantiate=False,
                                    fail_untyped=False, sub_configs=True)
-        add_trainer_flags(parser, nested_key="trainer")
+        declared.add_trainer_flags(parser, nested_key="trainer")
         defaults = {f"trainer.{k}": v for k, v in self.trainer_defaults.items() if k != "callbacks"}
         if defaults:
             parser.set_defaults(defaults)
