@@ -129,7 +129,7 @@ def _fit_from_yaml(rank: int, script: str, config: str, root: str) -> dict:
     sys.argv = [script, "fit", "--config", config, "--trainer.default_root_dir", root, "--model.hidden", "8"]
     cli = runpy.run_path(script, run_name="__main__")["cli"]
     return {"world_size": cli.trainer.world_size, "steps": cli.trainer.global_step, "hidden": cli.model.hparams.hidden,
-            "callbacks": [type(c).__name__ for c in cli.trainer.callbacks],
+            "callbacks": [type(c).__name__ for c in cli.trainer.callbacks], "run_dir": str(cli.trainer.run_dir),
             "weights": [p.detach().clone() for p in cli.model.parameters()]}
 
 
@@ -141,5 +141,7 @@ def test_a_lightning_cli_script_fits_from_yaml_on_two_processes(tmp_path):
     assert [r["hidden"] for r in ranks] == [8, 8]  # the command line over the YAML's 16
     assert ranks[0]["steps"] == 16  # 2 epochs × 256 samples / (2 ranks × 16)
     assert "EarlyStopping" in ranks[0]["callbacks"]  # a class_path/init_args callback of the YAML
+    saved = (Path(ranks[0]["run_dir"]) / "config.yaml").read_text()  # SaveConfigCallback's, by rank zero
+    assert re.search(r"^  hidden: 8$", saved, re.M) and re.search(r"^  devices: 2$", saved, re.M)
     for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]):
         assert torch.equal(a, b)  # one model, trained under ddp

@@ -14,9 +14,9 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainscale.cli.lightning_cli import LightningCLI
+    from trainscale.cli.lightning_cli import LightningCLI, SaveConfigCallback
 
-__all__ = ["LightningCLI", "main", "build_parser"]
+__all__ = ["LightningCLI", "SaveConfigCallback", "main", "build_parser"]
 
 # Commands whose options are generated from the Trainer's flag declarations: module with HELP, build_parser, run.
 DECLARED = {"demo": "trainscale.cli.demo", "bench": "trainscale.cli.bench", "plan": "trainscale.cli.plan",
@@ -24,10 +24,10 @@ DECLARED = {"demo": "trainscale.cli.demo", "bench": "trainscale.cli.bench", "pla
 
 
 def __getattr__(name: str):
-    if name == "LightningCLI":  # imported on first use: `trainscale --help` does not read the flag declarations
-        from trainscale.cli.lightning_cli import LightningCLI
+    if name in ("LightningCLI", "SaveConfigCallback"):  # on first use: `trainscale --help` reads no declaration
+        from trainscale.cli import lightning_cli
 
-        return LightningCLI
+        return getattr(lightning_cli, name)
     raise AttributeError(f"module 'trainscale.cli' has no attribute {name!r}")
 
 

@@ -20,8 +20,10 @@ which parses the same command line on every rank. Guide: docs/lightning.md ("A c
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
+from trainscale.callbacks.base import Callback
 from trainscale.cli import flags as declared
 
 # The Trainer's parameters that are not flags of a declaration: objects from the config as class_path/init_args.
@@ -35,6 +37,38 @@ SUBCOMMANDS = {
 }
 
 
+class SaveConfigCallback(Callback):
+    """Writes the parsed configuration as ``config.yaml`` into the run directory when ``fit`` starts, on rank zero,
+    as Lightning's ``SaveConfigCallback`` (``python script.py fit --config runs/version_0/config.yaml`` repeats the
+    run).
+
+    Args:
+        parser, config: the parser and the configuration it parsed.
+        config_filename: the file's name in the run directory.
+        overwrite: replace a file of that name (a run resumed in its own directory has one).
+        multifile: also write each sub-configuration that came from a file of its own, as jsonargparse's ``save``.
+
+    Raises:
+        RuntimeError: the file exists and ``overwrite`` is False (on every rank).
+    """
+
+    def __init__(self, parser, config, config_filename: str = "config.yaml", overwrite: bool = False,
+                 multifile: bool = False) -> None:
+        self.parser, self.config, self.config_filename = parser, config, config_filename
+        self.overwrite, self.multifile, self.already_saved = overwrite, multifile, False
+
+    def on_fit_start(self, trainer, module) -> None:
+        if self.already_saved or trainer.run_dir is None:
+            return
+        path = Path(trainer.run_dir) / self.config_filename
+        if not self.overwrite and trainer.runtime.broadcast_object(path.exists()):
+            raise RuntimeError(f"{path} exists: SaveConfigCallback does not replace it; pass "
+                               "save_config_kwargs={'overwrite': True} to LightningCLI, or save_config_callback=None")
+        if trainer.is_global_zero:
+            self.parser.save(self.config, path, skip_none=False, overwrite=self.overwrite, multifile=self.multifile)
+        self.already_saved = True
+
+
 class LightningCLI:
     """Parse the command line (and ``--config`` files) into your module, data module and a Trainer, then run the
     subcommand, as Lightning's ``LightningCLI``.
@@ -44,6 +78,9 @@ class LightningCLI:
             None: any module, named on the command line (``--model my_pkg.MyModule``).
         datamodule_class: your data module's class; None: ``--data`` is optional (a module with its own
             ``train_dataloader()``) and may name any data module class.
+        save_config_callback: the callback that writes the configuration into the run directory when ``fit``
+            starts (:class:`SaveConfigCallback`: ``config.yaml``); None: none (nor under ``fast_dev_run``).
+        save_config_kwargs: its keyword arguments (``{"overwrite": True}``, ``config_filename``, ``multifile``).
         trainer_class: the Trainer class (default ``trainscale.Trainer``) or a subclass.
         trainer_defaults: Trainer flags that replace the declared defaults (the command line and config still
             override them); ``callbacks`` here are always added, after those of the config.
@@ -68,6 +105,7 @@ class LightningCLI:
     """
 
     def __init__(self, model_class: type | None = None, datamodule_class: type | None = None,
+                 save_config_callback: type | None = SaveConfigCallback, save_config_kwargs: dict | None = None,
                  trainer_class: type | None = None, trainer_defaults: dict[str, Any] | None = None,
                  seed_everything_default: bool | int = True, parser_kwargs: dict[str, Any] | None = None,
                  subclass_mode_model: bool = False, subclass_mode_data: bool = False,
@@ -77,6 +115,7 @@ class LightningCLI:
         from trainscale.lightning.data_sources import DataModule
         from trainscale.loop.trainer import Trainer
 
+        self.save_config_callback, self.save_config_kwargs = save_config_callback, dict(save_config_kwargs or {})
         self.trainer_class = trainer_class or Trainer
         self.trainer_defaults = dict(trainer_defaults or {})
         self.seed_everything_default = seed_everything_default
@@ -199,6 +238,10 @@ class LightningCLI:
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         extra = self.trainer_defaults.get("callbacks") or []
         config["callbacks"] = callbacks + (list(extra) if isinstance(extra, (list, tuple)) else [extra])
+        if self.save_config_callback is not None and not config.get("fast_dev_run"):
+            parser = self._subcommand_parsers[self.subcommand] if self.subcommand else self.parser
+            section = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+            config["callbacks"].append(self.save_config_callback(parser, section, **self.save_config_kwargs))
         return self.trainer_class(**config)
 
     def _run_subcommand(self, subcommand: str) -> Any:
