@@ -145,3 +145,24 @@ def test_a_lightning_cli_script_fits_from_yaml_on_two_processes(tmp_path):
     assert re.search(r"^  hidden: 8$", saved, re.M) and re.search(r"^  devices: 2$", saved, re.M)
     for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]):
         assert torch.equal(a, b)  # one model, trained under ddp
+
+
+def test_optimizer_and_lr_scheduler_options_replace_configure_optimizers(tmp_path):
+    """Lightning's automatic ``--optimizer``/``--lr_scheduler``: built from the module's parameters when asked."""
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        example = runpy.run_path(str(EXAMPLE))
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    args = ["--trainer.default_root_dir", str(tmp_path), "--optimizer", "torch.optim.Adam", "--optimizer.lr", "0.02",
+            "--lr_scheduler", "torch.optim.lr_scheduler.StepLR", "--lr_scheduler.step_size", "3"]
+    with pytest.warns(UserWarning, match="Regression.configure_optimizers is replaced by --optimizer torch.optim.Adam"):
+        cli = LightningCLI(example["Regression"], example["Points"], run=False, args=args)
+    configured = cli.model.configure_optimizers()
+    assert isinstance(configured["optimizer"], torch.optim.Adam)
+    assert configured["optimizer"].param_groups[0]["lr"] == 0.02 and configured["lr_scheduler"].step_size == 3
+    plain = LightningCLI(example["Regression"], example["Points"], run=False, args=args[:2])
+    assert isinstance(plain.model.configure_optimizers(), torch.optim.SGD)  # none given: the module's own
+    with pytest.raises(ValueError, match="needs the metric it monitors"):
+        LightningCLI(example["Regression"], example["Points"], run=False,
+                     args=[*args[:6], "--lr_scheduler", "ReduceLROnPlateau"])

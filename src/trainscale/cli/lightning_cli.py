@@ -19,6 +19,9 @@ which parses the same command line on every rank. Guide: docs/lightning.md ("A c
 
 from __future__ import annotations
 
+import importlib
+import types
+import warnings
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -95,6 +98,10 @@ class LightningCLI:
         args: the arguments to parse instead of ``sys.argv[1:]``: a list of strings, or a dict of the config.
         run: False: no subcommands; the classes are built (``cli.model``, ``cli.datamodule``, ``cli.trainer``) and
             you call the Trainer yourself.
+        auto_configure_optimizers: add ``--optimizer`` (any ``torch.optim.Optimizer``: ``--optimizer Adam
+            --optimizer.lr 0.01``) and ``--lr_scheduler`` (any ``LRScheduler``); given, they replace the module's
+            ``configure_optimizers`` (with a warning when it has one), built from its parameters when the Trainer
+            asks, after the strategy set them up.
 
     Attributes after construction: ``parser``, ``config`` (the parsed namespace), ``subcommand``, ``config_init``
     (with the classes built), ``model``, ``datamodule``, ``trainer``.
@@ -109,7 +116,7 @@ class LightningCLI:
                  trainer_class: type | None = None, trainer_defaults: dict[str, Any] | None = None,
                  seed_everything_default: bool | int = True, parser_kwargs: dict[str, Any] | None = None,
                  subclass_mode_model: bool = False, subclass_mode_data: bool = False,
-                 args: list[str] | dict | None = None, run: bool = True) -> None:
+                 args: list[str] | dict | None = None, run: bool = True, auto_configure_optimizers: bool = True) -> None:
         import torch
 
         from trainscale.lightning.data_sources import DataModule
@@ -119,6 +126,7 @@ class LightningCLI:
         self.trainer_class = trainer_class or Trainer
         self.trainer_defaults = dict(trainer_defaults or {})
         self.seed_everything_default = seed_everything_default
+        self.auto_configure_optimizers = auto_configure_optimizers
         self.model_class = model_class or torch.nn.Module
         self.subclass_mode_model = model_class is None or subclass_mode_model
         self.datamodule_class = datamodule_class
@@ -188,6 +196,15 @@ class LightningCLI:
         else:
             parser.add_class_arguments(self._data_base, "data", fail_untyped=False)
         self.add_arguments_to_parser(parser)
+        if self.auto_configure_optimizers:
+            from torch.optim import Optimizer
+            from torch.optim.lr_scheduler import LRScheduler
+
+            taken = {action.dest.split(".")[0] for action in parser._actions}  # added by add_arguments_to_parser
+            for key, base, first in (("optimizer", Optimizer, "params"), ("lr_scheduler", LRScheduler, "optimizer")):
+                if key not in taken:
+                    parser.add_subclass_arguments(base, key, skip={first}, instantiate=False, required=False,
+                                                  fail_untyped=False)
 
     def add_trainer_arguments(self, parser) -> None:
         """``--trainer.*``: each flag of the declarations (:data:`trainscale.cli.flags.DECLARATIONS`) with its type
@@ -228,7 +245,28 @@ class LightningCLI:
         self.config_init = self.parser.instantiate(self.config)
         self.datamodule = self._get(self.config_init, "data")
         self.model = self._get(self.config_init, "model")
+        self._add_configure_optimizers()
         self.trainer = self.instantiate_trainer()
+
+    def _add_configure_optimizers(self) -> None:
+        from torch.optim.lr_scheduler import ReduceLROnPlateau
+
+        optimizer, scheduler = self._get(self.config_init, "optimizer"), self._get(self.config_init, "lr_scheduler")
+        if not self.auto_configure_optimizers or not optimizer:
+            return
+        if scheduler and issubclass(_class(scheduler), ReduceLROnPlateau):
+            raise ValueError(f"--lr_scheduler {scheduler.class_path} needs the metric it monitors, which this option "
+                             "has no place for: return it from configure_optimizers as {'optimizer': opt, "
+                             "'lr_scheduler': {'scheduler': sched, 'monitor': 'val_loss'}}")
+        if "configure_optimizers" in _defined_below(type(self.model)):
+            warnings.warn(f"{type(self.model).__name__}.configure_optimizers is replaced by --optimizer "
+                          f"{optimizer.class_path} (Lightning's LightningCLI does the same)", UserWarning, stacklevel=2)
+
+        def configure_optimizers(module):
+            built = _build(optimizer, module.parameters())
+            return {"optimizer": built, "lr_scheduler": _build(scheduler, built)} if scheduler else built
+
+        self.model.configure_optimizers = types.MethodType(configure_optimizers, self.model)
 
     def instantiate_trainer(self, **kwargs: Any):
         """The Trainer of the parsed ``--trainer.*`` flags, ``kwargs`` over them; ``trainer_defaults``' callbacks
@@ -258,6 +296,26 @@ class LightningCLI:
         if callable(after):
             after()
         return result
+
+
+def _class(spec) -> type:
+    module, name = spec.class_path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def _build(spec, first: Any) -> Any:
+    """``class_path(first, **init_args)`` of an ``--optimizer``/``--lr_scheduler`` value."""
+    init_args = spec.get("init_args")
+    return _class(spec)(first, **(init_args.as_dict() if init_args else {}))
+
+
+def _defined_below(cls: type) -> set[str]:
+    """The names ``cls`` and its bases define below trainscale's ``TrainingModule`` (and ``nn.Module``)."""
+    from torch import nn
+
+    from trainscale.lightning.module import TrainingModule
+
+    return {name for klass in cls.__mro__ if klass not in (TrainingModule, nn.Module, object) for name in vars(klass)}
 
 
 def _init_parameters(cls: type) -> list[str]:
