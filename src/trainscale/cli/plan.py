@@ -7,24 +7,26 @@ import json
 import os
 import sys
 
+HELP = "will it fit, and how fast: memory per device and epoch time per strategy and device count"
+DESCRIPTION = ("Predict, per strategy and device count, the bytes per device of parameters, gradients, optimizer "
+               "state, activations and the peak (traced on fake tensors: nothing is allocated), whether it fits, and, "
+               "given a link, the time per step and epoch, gain and efficiency from one measured device plus a "
+               "communication model. Guide: docs/plan.md. Example: trainscale plan --devices 1,8,64 --batch-sizes 32 "
+               "--device-memory 80GB --bandwidth 400GB/s,latency=10us")
 
-def add_parser(sub, ints, names) -> None:
-    """Register ``trainscale plan`` on the subcommand parsers ``sub`` (``ints``/``names``: list types)."""
-    plan = sub.add_parser(
-        "plan", help="will it fit, and how fast: memory per device and epoch time per strategy and device count",
-        description="Predict, per strategy and device count, the bytes per device of parameters, gradients, "
-                    "optimizer state, activations and the peak (traced on fake tensors: nothing is allocated), "
-                    "whether it fits, and, given a link, the time per step and epoch, gain and efficiency from "
-                    "one measured device plus a communication model. Guide: docs/plan.md. Example: "
-                    "trainscale plan --devices 1,8,64 --batch-sizes 32 --device-memory 80GB "
-                    "--bandwidth 400GB/s,latency=10us")
+
+def build_parser(prog: str = "trainscale plan"):
+    """The options of ``trainscale plan``: the Trainer's flags from their declarations, then its own."""
+    from trainscale.cli.flags import add_sweep_flag, add_trainer_flags, ints, new_parser
+
+    plan = new_parser(prog, DESCRIPTION)
     plan.add_argument("--entry", default=None, metavar="PKG.MODULE:FUNCTION",
                       help="your workload, bench's contract (default: the ConvNet on MNIST-5k)")
-    plan.add_argument("--devices", type=ints, default=None,
-                      help="device counts (default 1,2,4,8; with --gpu: nodes × gpus-per-node)")
-    plan.add_argument("--batch-sizes", type=ints, default=[32], help="per-device batch sizes (default 32)")
-    plan.add_argument("--strategy", type=names, default=["ddp", "fsdp"], help="strategies (default ddp,fsdp)")
-    plan.add_argument("--precision", default="32-true", help="32-true | 16-mixed | bf16-mixed | bf16-true")
+    add_sweep_flag(plan, "devices", "device counts (default 1,2,4,8; with --gpu: nodes × gpus-per-node)", None,
+                   element=int)
+    plan.add_argument("--batch-sizes", type=ints, default=[32], help="per-device batch sizes")
+    add_sweep_flag(plan, "strategy", "strategies, comma-separated", ["ddp", "fsdp"])
+    add_trainer_flags(plan, ["precision"])
     plan.add_argument("--device-memory", default=None, metavar="SIZE",
                       help="memory per device, e.g. 80GB (default: the visible GPU's, else this machine's RAM)")
     plan.add_argument("--bandwidth", default=None, metavar="BW[,latency=T]",
@@ -42,15 +44,15 @@ def add_parser(sub, ints, names) -> None:
                       help="a catalogue GPU you are not on (a100-40gb, a100-80gb, h100-sxm, h100-pcie, h100-hbm2e-500w, "
                            "h200, b200, l4, mi300x, v100): each traced operator costed on it, with an interval and the "
                            "constants' sources; its memory and links unless --device-memory/--bandwidth are given")
-    plan.add_argument("--nodes", type=int, default=1, help="nodes of --gpu (default 1)")
-    plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes of --gpu")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node")
     plan.add_argument("--interconnect", default=None, metavar="NAME",
                       help="network between nodes, per GPU: ib-100, ib-200, ib-400, roce-100, roce-200, roce-400")
     plan.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
-    plan.set_defaults(func=run_plan)
+    return plan
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Print the plan's tables; 0 when some configuration fits, 1 when none does."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # --entry modules are found in the current directory

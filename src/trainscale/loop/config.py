@@ -15,7 +15,41 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
-from trainscale.runtime.connector import make_flags
+from trainscale.runtime.flags import check_flags, check_int, flag, make_flags
+
+
+# The rules of single flags that are more than a least value or a list of choices (see ``flag``).
+def _seed(name: str, value) -> None:
+    check_int(name, value, 0)
+    if value >= 2**32:
+        raise ValueError(f"{name}={value} must be < 2**32 (numpy's limit)")
+
+
+def _limit_or_zero(name: str, value) -> None:
+    _limit(name, value, zero=True)
+
+
+def _limit(name: str, value, zero: bool = False) -> None:
+    """None, an int >= 1 (a count) or a float in (0, 1] (a fraction), as Lightning's ``limit_*_batches``; with
+    ``zero``, also 0 or 0.0 (Lightning's ``limit_val_batches=0``: no validation)."""
+    count = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if zero else 1)
+    fraction = isinstance(value, float) and value <= 1.0 and (value >= 0.0 if zero else value > 0.0)
+    if not (value is None or count or fraction):
+        raise ValueError(f"{name}={value!r} must be an int >= {0 if zero else 1} (batches per epoch), a float in "
+                         f"{'[0' if zero else '(0'}, 1] (a fraction of them) or None (all)"
+                         + ("; 0 turns validation off" if zero else ""))
+
+
+def _fast_dev_run(name: str, fast) -> None:
+    if not isinstance(fast, bool) and (not isinstance(fast, int) or fast < 0):
+        raise ValueError(f"{name}={fast!r} must be True, False or an int >= 0 (batches to run)")
+
+
+def _overfit_batches(name: str, overfit) -> None:
+    if isinstance(overfit, bool) or not isinstance(overfit, (int, float)) or not 0 <= overfit <= (
+            math.inf if isinstance(overfit, int) else 1.0):
+        raise ValueError(f"{name}={overfit!r} must be an int >= 0 (batches) or a float in [0, 1] (a "
+                         "fraction of the training batches); 0 turns it off")
 
 
 @dataclass(frozen=True)
@@ -121,48 +155,48 @@ class TrainerConfig:
             zero at the start of ``fit``, unless the callbacks hold one (Lightning's default).
     """
 
-    max_epochs: int | None = None
+    max_epochs: int | None = None  # the rules of max_epochs and max_steps: _loop_limits
     max_steps: int | None = None
-    accumulate_grad_batches: int = 1
-    gradient_clip_val: float | None = None
-    gradient_clip_algorithm: str = "norm"
-    seed: int = 0
-    default_root_dir: str | Path = Path("runs")  # a Path once resolved
-    log_every_n_steps: int = 50
-    enable_progress_bar: bool = True
-    enable_checkpointing: bool = True
-    checkpoint_every_n_steps: int | None = None
-    keep_last: int | None = 3
-    checkpoint_async: bool = False
-    on_nonfinite: str = "raise"
-    max_nonfinite_skips: int = 10
-    handle_signals: bool = True
-    enable_telemetry: bool = True
-    straggler_margin: float = 0.2
-    tensorboard: bool = False
-    batch_size: str | None = None
-    max_memory: int | None = None
-    lr_scaling: str | None = None
-    base_batch_size: int | None = None
-    lr_warmup_steps: int = 0
-    limit_train_batches: int | float | None = None
-    limit_val_batches: int | float | None = None
-    limit_test_batches: int | float | None = None
-    limit_predict_batches: int | float | None = None
-    min_epochs: int | None = None
-    min_steps: int | None = None
-    count_flops: bool | None = None
-    peak_flops: float | None = None
-    val_check_interval: int | float | None = None
-    check_val_every_n_epoch: int | None = 1
-    num_sanity_val_steps: int = 2
-    fast_dev_run: bool | int = False
-    max_time: str | timedelta | dict | None = None
-    overfit_batches: int | float = 0.0
-    deterministic: bool | str | None = None
-    enable_model_summary: bool = True
-    use_distributed_sampler: bool = True
-    reload_dataloaders_every_n_epochs: int = 0
+    accumulate_grad_batches: int = flag(1, low=1)
+    gradient_clip_val: float | None = flag(None, low=1e-12)
+    gradient_clip_algorithm: str = flag("norm", choices=("norm", "value"))
+    seed: int = flag(0, check=_seed)
+    default_root_dir: str | Path = Path("runs")  # made a Path, and checked, by _root_dir
+    log_every_n_steps: int = flag(50, low=1)
+    enable_progress_bar: bool = flag(True)
+    enable_checkpointing: bool = flag(True)
+    checkpoint_every_n_steps: int | None = flag(None, low=1)
+    keep_last: int | None = flag(3, low=1)
+    checkpoint_async: bool = flag(False)
+    on_nonfinite: str = flag("raise", choices=("raise", "skip"))
+    max_nonfinite_skips: int = flag(10, low=0)
+    handle_signals: bool = flag(True)
+    enable_telemetry: bool = flag(True)
+    straggler_margin: float = flag(0.2, low=0.0, hint=" (0.2 means 20 % over the median)")
+    tensorboard: bool = flag(False)
+    batch_size: str | None = flag(None, choices=(None, "max"))
+    max_memory: int | None = flag(None, low=1)
+    lr_scaling: str | None = flag(None, choices=(None, "linear", "sqrt"))  # with base_batch_size: _check_lr_scaling
+    base_batch_size: int | None = flag(None, low=1)
+    lr_warmup_steps: int = flag(0, low=0)
+    limit_train_batches: int | float | None = flag(None, check=_limit)
+    limit_val_batches: int | float | None = flag(None, check=_limit_or_zero)
+    limit_test_batches: int | float | None = flag(None, check=_limit)
+    limit_predict_batches: int | float | None = flag(None, check=_limit)
+    min_epochs: int | None = flag(None, low=1)
+    min_steps: int | None = flag(None, low=1)
+    count_flops: bool | None = flag(None)
+    peak_flops: float | None = flag(None, low=1.0)
+    val_check_interval: int | float | None = None  # with check_val_every_n_epoch: _check_val_schedule
+    check_val_every_n_epoch: int | None = flag(1, low=1)
+    num_sanity_val_steps: int = flag(2, low=-1)
+    fast_dev_run: bool | int = flag(False, check=_fast_dev_run)
+    max_time: str | timedelta | dict | None = None  # made a timedelta, and checked, by parse_max_time
+    overfit_batches: int | float = flag(0.0, check=_overfit_batches)
+    deterministic: bool | str | None = flag(None, choices=(None, True, False, "warn"))
+    enable_model_summary: bool = flag(True)
+    use_distributed_sampler: bool = flag(True)
+    reload_dataloaders_every_n_epochs: int = flag(0, low=0)
 
     def train_batches(self, full: int) -> int:
         """An epoch's micro-batches under ``limit_train_batches``, of ``full`` without it."""
@@ -247,21 +281,6 @@ class TrainerConfig:
 
 
 
-def _int(name: str, value, low: int, optional: bool = False, hint: str = "") -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} must be an int >= {low}" + (" or None" if optional and not hint else "") + hint)
-
-
-def _number(name: str, value, optional: bool = False, low: float = 0.0, hint: str = "") -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
-        raise ValueError(f"{name}={value!r} must be a finite number >= {low}" + (" or None" if optional else "")
-                         + hint)
-
-
 def _limited(limit: int | float | None, full: float) -> float:
     """``full`` batches cut to ``limit``: a count, or a fraction (at least one batch when there are any). ``full``
     infinite (an iterable data set, whose iterator ends the epoch): a count, or the fraction 1.0.
@@ -275,28 +294,6 @@ def _limited(limit: int | float | None, full: float) -> float:
         raise ValueError(f"a limit_*_batches fraction ({limit}) of an IterableDataset, whose number of batches is "
                          "unknown; pass a number of batches (an int) or 1.0")
     return min(full, limit) if isinstance(limit, int) else full if full == math.inf else max(1, int(full * limit))
-
-
-def _limit(name: str, value, zero: bool = False) -> None:
-    """None, an int >= 1 (a count) or a float in (0, 1] (a fraction), as Lightning's ``limit_*_batches``; with
-    ``zero``, also 0 or 0.0 (Lightning's ``limit_val_batches=0``: no validation)."""
-    count = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if zero else 1)
-    fraction = isinstance(value, float) and value <= 1.0 and (value >= 0.0 if zero else value > 0.0)
-    if not (value is None or count or fraction):
-        raise ValueError(f"{name}={value!r} must be an int >= {0 if zero else 1} (batches per epoch), a float in "
-                         f"{'[0' if zero else '(0'}, 1] (a fraction of them) or None (all)"
-                         + ("; 0 turns validation off" if zero else ""))
-
-
-def _choice(name: str, value, choices: tuple) -> None:
-    if value not in choices:
-        names = [repr(c) for c in choices]
-        raise ValueError(f"{name}={value!r}; choose {', '.join(names[:-1])} or {names[-1]}")
-
-
-def _flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} must be True or False")
 
 
 def _root_dir(value) -> Path:
@@ -353,42 +350,25 @@ def _loop_limits(cfg: TrainerConfig) -> TrainerConfig:
         ValueError: ``max_epochs`` not an int >= 1, -1 or None; ``max_steps`` not an int >= 1, -1 or None.
     """
     max_steps = None if cfg.max_steps == -1 else cfg.max_steps
-    _int("max_steps", max_steps, 1, optional=True, hint=" (-1 or None: no limit)")
+    check_int("max_steps", max_steps, 1, optional=True, hint=" (-1 or None: no limit)")
     max_epochs = cfg.max_epochs
     if max_epochs is None:
         max_epochs = -1 if max_steps is not None or cfg.max_time is not None else 1
     if max_epochs != -1:
-        _int("max_epochs", max_epochs, 1, hint=" (-1 or None: no limit)")
+        check_int("max_epochs", max_epochs, 1, hint=" (-1 or None: no limit)")
     return replace(cfg, max_epochs=max_epochs, max_steps=max_steps)
 
 
-def _check_loop_flags(cfg: TrainerConfig) -> None:
-    """Lightning's debugging and validation-schedule flags (``trainer/setup.py``, ``loops/fit_loop.py``)."""
+def _check_val_schedule(cfg: TrainerConfig) -> None:
+    """``val_check_interval`` with ``check_val_every_n_epoch`` (Lightning's ``trainer/setup.py``, ``loops/fit_loop.py``)."""
     interval = cfg.val_check_interval
     count = isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1
     if not (interval is None or count or (isinstance(interval, float) and 0.0 < interval <= 1.0)):
         raise ValueError(f"val_check_interval={interval!r} must be an int >= 1 (every N training batches), a float in "
                          "(0, 1] (a fraction of the epoch) or None (each epoch end)")
-    _int("check_val_every_n_epoch", cfg.check_val_every_n_epoch, 1, optional=True)
     if cfg.check_val_every_n_epoch is None and not count:
         raise ValueError(f"check_val_every_n_epoch=None validates by batches only, so val_check_interval must be an "
                          f"int (every N training batches of the run), not {interval!r}")
-    _int("num_sanity_val_steps", cfg.num_sanity_val_steps, -1)
-    _choice("deterministic", cfg.deterministic, (None, True, False, "warn"))
-    _flag("enable_model_summary", cfg.enable_model_summary)
-    _flag("use_distributed_sampler", cfg.use_distributed_sampler)
-    _int("reload_dataloaders_every_n_epochs", cfg.reload_dataloaders_every_n_epochs, 0)
-
-
-def _check_debugging_flags(cfg: TrainerConfig) -> None:
-    fast = cfg.fast_dev_run
-    if not isinstance(fast, bool) and (not isinstance(fast, int) or fast < 0):
-        raise ValueError(f"fast_dev_run={fast!r} must be True, False or an int >= 0 (batches to run)")
-    overfit = cfg.overfit_batches
-    if isinstance(overfit, bool) or not isinstance(overfit, (int, float)) or not 0 <= overfit <= (
-            math.inf if isinstance(overfit, int) else 1.0):
-        raise ValueError(f"overfit_batches={overfit!r} must be an int >= 0 (batches) or a float in [0, 1] (a "
-                         "fraction of the training batches); 0 turns it off")
 
 
 def _debugging_overrides(cfg: TrainerConfig) -> dict:
@@ -406,9 +386,6 @@ def _debugging_overrides(cfg: TrainerConfig) -> dict:
 
 def _check_lr_scaling(cfg: TrainerConfig) -> None:
     """``lr_scaling`` with its ``base_batch_size``; neither of its companions without it."""
-    _choice("lr_scaling", cfg.lr_scaling, (None, "linear", "sqrt"))
-    _int("base_batch_size", cfg.base_batch_size, 1, optional=True)
-    _int("lr_warmup_steps", cfg.lr_warmup_steps, 0)
     if cfg.lr_scaling is not None and cfg.base_batch_size is None:
         raise ValueError(f"lr_scaling={cfg.lr_scaling!r} needs base_batch_size=: the global batch size your learning "
                          "rates were tuned at (e.g. base_batch_size=256)")
@@ -427,39 +404,13 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
         TypeError: an unknown flag.
     """
     cfg = _loop_limits(make_flags(TrainerConfig, "Trainer", (), flags))
-    for name in ("accumulate_grad_batches", "log_every_n_steps"):
-        _int(name, getattr(cfg, name), 1)
-    _int("checkpoint_every_n_steps", cfg.checkpoint_every_n_steps, 1, optional=True)
-    _int("keep_last", cfg.keep_last, 1, optional=True)
-    _int("max_nonfinite_skips", cfg.max_nonfinite_skips, 0)
-    _int("seed", cfg.seed, 0)
-    _int("max_memory", cfg.max_memory, 1, optional=True)
-    _choice("batch_size", cfg.batch_size, (None, "max"))
-    _limit("limit_train_batches", cfg.limit_train_batches)
-    for name in ("limit_val_batches", "limit_test_batches", "limit_predict_batches"):
-        _limit(name, getattr(cfg, name), zero=name == "limit_val_batches")
-    _int("min_epochs", cfg.min_epochs, 1, optional=True)
-    _int("min_steps", cfg.min_steps, 1, optional=True)
-    if cfg.seed >= 2**32:
-        raise ValueError(f"seed={cfg.seed} must be < 2**32 (numpy's limit)")
-    _number("gradient_clip_val", cfg.gradient_clip_val, optional=True, low=1e-12)
-    _number("straggler_margin", cfg.straggler_margin, hint=" (0.2 means 20 % over the median)")
-    _number("peak_flops", cfg.peak_flops, optional=True, low=1.0)
-    if cfg.count_flops is not None:
-        _flag("count_flops", cfg.count_flops)
-    _choice("gradient_clip_algorithm", cfg.gradient_clip_algorithm, ("norm", "value"))
-    _choice("on_nonfinite", cfg.on_nonfinite, ("raise", "skip"))
-    _check_lr_scaling(cfg)
-    _check_loop_flags(cfg)
-    _check_debugging_flags(cfg)
-    max_time = parse_max_time(cfg.max_time)
-    for name in ("enable_progress_bar", "enable_checkpointing", "handle_signals", "enable_telemetry", "tensorboard",
-                 "checkpoint_async"):
-        _flag(name, getattr(cfg, name))
-    root = _root_dir(cfg.default_root_dir)
+    check_flags(cfg)  # each flag by the rule declared on its field
+    _check_lr_scaling(cfg)  # the rules across flags
+    _check_val_schedule(cfg)
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("tensorboard=True needs the tensorboard package: pip install 'trainscale[tensorboard]' "
                          "(or pass tensorboard=False; metrics.jsonl is always written)")
+    max_time, root = parse_max_time(cfg.max_time), _root_dir(cfg.default_root_dir)
     resolved = replace(cfg, default_root_dir=root, max_time=max_time,
                        fast_dev_run=cfg.fast_dev_run if cfg.fast_dev_run != 1 else True)
     return replace(resolved, **_debugging_overrides(resolved))

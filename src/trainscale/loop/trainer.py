@@ -24,7 +24,7 @@ from torch import nn
 from trainscale.callbacks import Callback, ModelCheckpoint, ModelSummary, TQDMProgressBar, resolve_callbacks
 from trainscale.callbacks.base import HOOKS, overridden_hooks
 from trainscale.loggers import resolve_loggers
-from trainscale.runtime.connector import RUNTIME_FLAG_NAMES, check_flag_names
+from trainscale.runtime.flags import RUNTIME_FLAG_NAMES, check_flag_names
 from trainscale.runtime.runtime import Runtime
 from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry

@@ -36,7 +36,8 @@ from trainscale.runtime import devices as _devices
 from trainscale.runtime import hangs, launch, rendezvous
 from trainscale.runtime.apply import prepare_module
 from trainscale.runtime.batch import to_device
-from trainscale.runtime.connector import RUNTIME_FLAG_NAMES, RunConfig, RuntimeFlags, check_flag_names, resolve
+from trainscale.runtime.connector import RunConfig, resolve
+from trainscale.runtime.flags import RUNTIME_FLAG_NAMES, RuntimeFlags, check_flag_names
 from trainscale.runtime.meta_init import on_meta
 from trainscale.runtime.precision import Precision, float32_matmul_note, tf32_enabled
 from trainscale.runtime.strategies import create_strategy
@@ -85,7 +86,7 @@ def _match_launcher(world: World, config: RunConfig, follows_launcher: bool) -> 
 class Runtime:
     """Devices, processes, strategy and precision for a hand-written loop.
 
-    ``runtime.flags`` holds the flags as given (a :class:`~trainscale.runtime.connector.RuntimeFlags`),
+    ``runtime.flags`` holds the flags as given (a :class:`~trainscale.runtime.flags.RuntimeFlags`),
     ``runtime.config`` resolved (a :class:`~trainscale.runtime.connector.RunConfig`).
     """
 
@@ -96,7 +97,7 @@ class Runtime:
                  parallel: dict | None = None, tp_plan: dict | None = None, parallelize: Callable | None = None,
                  pp_schedule: str | None = None, pp_microbatches: int | None = None,
                  pp_split_points: list | None = None, **misspelt: NoReturn) -> None:
-        """The flags, each a field of :class:`~trainscale.runtime.connector.RuntimeFlags` with this type, default
+        """The flags, each a field of :class:`~trainscale.runtime.flags.RuntimeFlags` with this type, default
         and description (tests/test_trainer_config.py keeps them equal).
 
         Args:

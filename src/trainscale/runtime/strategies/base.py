@@ -14,7 +14,8 @@ from trainscale.runtime import checkpoint_io
 from trainscale.runtime.strategies.dcp_checkpoint import load_whole
 
 if TYPE_CHECKING:  # the resolver's value, read by the class methods below
-    from trainscale.runtime.connector import RunConfig, RuntimeFlags
+    from trainscale.runtime.connector import RunConfig
+    from trainscale.runtime.flags import RuntimeFlags
     from trainscale.runtime.precision import Precision
     from trainscale.runtime.world import World
 

@@ -1,0 +1,166 @@
+"""The Runtime's flags as the user gives them, declared once: a dataclass whose fields' types, defaults and
+descriptions the ``Runtime`` and ``Trainer`` signatures repeat (tests/test_trainer_config.py keeps them equal) and
+from which the command lines are generated (``trainscale.cli.flags``, ``trainscale.cli.LightningCLI``).
+
+Each flag's own rule is declared on its field (:func:`flag`: a least value, the choices, or a check of its own; the
+kind of value from the field's type) and applied by one function, :func:`check_flags`; rules across flags are code
+in the resolvers (``resolve``, ``resolve_trainer_config``). Imports no torch, so ``trainscale demo --help`` stays light.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import typing
+from dataclasses import KW_ONLY, dataclass, field, fields
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class RuntimeFlags:
+    """The flags of :class:`~trainscale.runtime.runtime.Runtime` as the user gave them;
+    :func:`~trainscale.runtime.connector.resolve` turns them into a ``RunConfig``. ``Runtime.__init__`` and
+    ``Trainer.__init__`` name each of them in their signatures, with these types, defaults and descriptions
+    (tests/test_trainer_config.py keeps them equal); the command lines take their options from here.
+
+    Attributes:
+        accelerator: "auto", "cpu", "cuda" ("gpu") or "mps".
+        devices: processes (CPU) or GPUs per node, or "auto" (all GPUs; under a launcher, the launcher's
+            processes per node; else 1).
+        strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp" (docs/strategies.md),
+            or "ddp_spawn"/"ddp_notebook": ddp with the processes started from this one by spawn/fork.
+        num_nodes: machines in the job; None (not given): the launcher's count of nodes (pods, SLURM nodes,
+            torchrun's agents), 1 without a launcher.
+        precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
+        timeout: seconds a collective may wait before it fails (``init_process_group``'s timeout).
+        strategy_options: keyword options of the strategy (ddp: ``find_unused_parameters``, ``static_graph``,
+            ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``ddp_comm_hook``; dp: ``device_ids``; fsdp:
+            ``auto_wrap_policy``, ``reshard_after_forward``, ``cpu_offload``; tp: ``sequence_parallel``).
+        sync_batchnorm: convert BatchNorm layers to ``SyncBatchNorm`` (ddp, CUDA only).
+        activation_checkpointing: ``nn.Module`` classes, or class names (``{"LlamaDecoderLayer"}``), whose
+            instances recompute their forward in backward (``torch.utils.checkpoint``, non-reentrant): less
+            activation memory, about one more forward.
+        compile: ``torch.compile`` the module before the strategy wraps it; True, or a dict of its arguments.
+        float32_matmul_precision: None (leave PyTorch's setting), or "highest", "high" (TF32 on Ampere and newer)
+            or "medium", applied with ``torch.set_float32_matmul_precision``.
+        parallel: the device mesh under "model_parallel" (required), "hsdp", "tp" or "pp":
+            ``{"pp": P, "dp_replicate": R, "dp_shard": S, "tp": T}``, P·R·S·T = world size.
+        tp_plan: ``{submodule name: ColwiseParallel() | RowwiseParallel() | ...}`` for your model; default: the
+            built-in plan of ``trainscale.models.GPT``.
+        parallelize: ``fn(model, mesh) -> model`` applying your own tensor parallelism instead.
+        pp_schedule: "gpipe" or "1f1b" (default) under pipeline stages.
+        pp_microbatches: micro-batches each batch is cut into (default 4·P).
+        pp_split_points: the submodule names where stages 2..P begin (default: the built-in split of
+            ``trainscale.models.GPT``).
+    """
+
+    accelerator: str = "auto"
+    devices: int | str = "auto"
+    strategy: str = "auto"
+    num_nodes: int | None = None
+    precision: str = "32-true"
+    _: KW_ONLY
+    timeout: float = 1800.0
+    strategy_options: dict | None = None
+    sync_batchnorm: bool = False
+    activation_checkpointing: Any = None
+    compile: bool | dict = False
+    float32_matmul_precision: str | None = None
+    parallel: dict | None = None
+    tp_plan: dict | None = None
+    parallelize: Callable | None = None
+    pp_schedule: str | None = None
+    pp_microbatches: int | None = None
+    pp_split_points: list | None = None
+
+
+RUNTIME_FLAG_NAMES = tuple(f.name for f in fields(RuntimeFlags))
+
+
+def make_flags(cls: type, owner: str, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """``cls(*args, **kwargs)`` for a flags dataclass, with an unknown or misspelt flag named as ``owner``'s
+    (``TypeError: Trainer() got an unexpected flag 'max_epoch'; did you mean 'max_epochs'?``).
+
+    Raises:
+        TypeError: an unknown flag, or too many positional arguments.
+    """
+    kwargs = kwargs or {}
+    check_flag_names(owner, kwargs, [f.name for f in fields(cls)])
+    try:
+        return cls(*args, **kwargs)
+    except TypeError as err:
+        raise TypeError(f"{owner}(): {err}".replace(f"{cls.__name__}.__init__() ", "")) from None
+
+
+def check_flag_names(owner: str, names, known) -> None:
+    """Raise ``TypeError`` for the first of ``names`` not in ``known``, naming the closest known flag."""
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            raise TypeError(f"{owner}() got an unexpected flag {name!r}"
+                            + (f"; did you mean {close[0]!r}?" if close else f"; its flags are: {', '.join(known)}"))
+
+
+def flag(default: Any, *, low: float | None = None, choices: tuple | None = None,
+         check: Callable[[str, Any], None] | None = None, hint: str = "") -> Any:
+    """A flag's dataclass field: its default and the rule :func:`check_flags` applies to its value.
+
+    Args:
+        default: the flag's default.
+        low: the least value of an int or number flag (which of the two, and whether None is allowed, the field's
+            type says; a bool flag needs no rule but ``flag(default)``).
+        choices: the values allowed.
+        check: ``check(name, value)`` raising ``ValueError``: a rule of its own.
+        hint: words added to the error message.
+    """
+    return field(default=default, metadata={"rule": {"low": low, "choices": choices, "check": check, "hint": hint}})
+
+
+def check_flags(flags: Any) -> None:
+    """Check each field of the flags dataclass ``flags`` that has a rule (:func:`flag`) against its type and rule.
+
+    Raises:
+        ValueError: the first value that breaks its rule, naming the flag, the value and what it accepts.
+    """
+    types = typing.get_type_hints(type(flags))
+    for f in fields(flags):
+        if "rule" in f.metadata:
+            _check_value(f.name, getattr(flags, f.name), typing.get_args(types[f.name]) or (types[f.name],),
+                         **f.metadata["rule"])
+
+
+def _check_value(name: str, value: Any, kinds: tuple, low, choices, check, hint) -> None:
+    optional = type(None) in kinds
+    if check is not None:
+        check(name, value)
+    elif choices is not None:
+        if value not in choices:
+            names = [repr(c) for c in choices]
+            raise ValueError(f"{name}={value!r}; choose {', '.join(names[:-1])} or {names[-1]}")
+    elif optional and value is None:
+        return
+    elif bool in kinds:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be True or False")
+    elif float in kinds:
+        check_number(name, value, low, optional=optional, hint=hint)
+    elif int in kinds:
+        check_int(name, value, low, optional=optional, hint=hint)
+
+
+def check_int(name: str, value: Any, low: int, optional: bool = False, hint: str = "") -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int >= ``low`` (or None, when ``optional``)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low}" + (" or None" if optional and not hint else "")
+                         + hint)
+
+
+def check_number(name: str, value: Any, low: float, optional: bool = False, hint: str = "") -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is a finite number >= ``low`` (or None: ``optional``)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
+        raise ValueError(f"{name}={value!r} must be a finite number >= {low}" + (" or None" if optional else "")
+                         + hint)
