@@ -77,15 +77,17 @@ def test_the_fsdp_fitted_model_is_called_and_generates(runs):
 def test_tp_splits_by_the_models_own_plan(runs):
     """No tp_plan: LlamaForCausalLM's own (base_model_tp_plan and the head's), translated to torch styles: q/k/v
     and the MLP's first layers by columns, o_proj/down_proj by rows, the embedding by vocabulary rows, the head by
-    columns with whole logits out, norms plain; the weights those of one process with the same batch of 4."""
+    columns with whole logits out, norms plain; the head tied to the embedding stays one parameter; the weights
+    those of one process with the same batch of 4."""
     tp = runs[0]["tp"]
     placements = tp["placements"]
     assert placements["model.layers.0.self_attn.q_proj.weight"] == "S(0)"
     assert placements["model.layers.1.mlp.down_proj.weight"] == "S(1)"
     assert placements["model.embed_tokens.weight"] == placements["lm_head.weight"] == "S(0)"
     assert placements["model.norm.weight"] == "plain"
+    assert all(rank["tp"]["tied"] for rank in runs)
     assert tp["summary"]["steps"] == 6  # both ranks read the same batches: data parallel size 1
-    for key, want in hf_workers.plain_reference(batch_size=4).items():
+    for key, want in hf_workers.plain_reference(batch_size=4, tie=True).items():
         torch.testing.assert_close(tp["state"][key], want, rtol=1e-5, atol=1e-5, msg=key)
 
 
@@ -100,8 +102,8 @@ def test_tp_plan_styles_without_a_translation_are_named():
         hf_plan(loop, 2)
     with pytest.raises(ValueError, match="tp=3 must divide LlamaForCausalLM's num_attention_heads=4"):
         hf_plan(LoopModule(hf_workers.tiny_llama(), None), 3)
-    with pytest.raises(ValueError, match="tie_word_embeddings=True"):
-        hf_plan(LoopModule(hf_workers.tiny_llama(tie=True), None), 2)
+    tied = hf_plan(LoopModule(hf_workers.tiny_llama(tie=True), None), 2)  # tied embeddings: split alike, kept tied
+    assert {"model.model.embed_tokens", "model.lm_head"} <= tied.keys()
 
 
 def _loaded_logits(directory: Path, state: dict, tie: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -148,9 +150,15 @@ def test_export_of_a_ddp_checkpoint_loads_with_from_pretrained(runs, tmp_path):
 def test_an_fsdp_export_of_a_tied_model_equals_save_pretrained(runs, tmp_path):
     """GPT-2 (head tied to the token embedding) trained under fsdp: its sharded checkpoint holds the tied weight under
     both names; the export writes what ``save_pretrained`` of the same weights writes, tensor for tensor."""
+    out = _export_equals_save_pretrained(runs[0]["gpt2"], tmp_path)
+    assert (out / "generation_config.json").is_file()
+
+
+def _export_equals_save_pretrained(gpt2: dict, tmp_path: Path) -> Path:
+    """Export the GPT-2 run ``gpt2``'s last checkpoint and check it holds the tensors ``save_pretrained`` of its
+    trained weights writes (the tied head once) and names the class; the export's directory."""
     from trainscale.export import export
 
-    gpt2 = runs[0]["gpt2"]
     out = export(_checkpoint(gpt2["dir"]), tmp_path / "export")
     reference = hf_workers.tiny_gpt2()
     reference.load_state_dict(gpt2["state"])
@@ -159,7 +167,20 @@ def test_an_fsdp_export_of_a_tied_model_equals_save_pretrained(runs, tmp_path):
     assert got.keys() == want.keys() and "lm_head.weight" not in got
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert json.loads((out / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
-    assert (out / "generation_config.json").is_file()
+    return out
+
+
+def test_a_tp_export_of_a_tied_model_equals_save_pretrained(runs, tmp_path):
+    """GPT-2 under tp by a user's plan that splits the vocabulary rows of the token embedding and of the head tied to
+    it: the tie stays one parameter through ``parallelize_module``, one step gives the weights of one plain process
+    with the same batch of 4, and the export of its DCP directory writes what ``save_pretrained`` of the same weights
+    writes, tensor for tensor (the tied head once). A plan that splits only the head is refused, naming both."""
+    tp = runs[0]["gpt2_tp"]
+    assert all(rank["gpt2_tp"]["tied"] for rank in runs) and tp["placement"] == "(Shard(dim=0),)"
+    _assert_states_close(tp["state"], hf_workers.plain_reference(batch_size=4, model=hf_workers.tiny_gpt2(), steps=1))
+    _export_equals_save_pretrained(tp, tmp_path)
+    assert "tied weights transformer.wte.weight, lm_head.weight" in tp["half_plan"]
+    assert "RowwiseParallel(input_layouts=Replicate()) on the token embedding" in tp["half_plan"]
 
 
 def test_a_from_pretrained_directory_loads_into_a_sharded_model(runs):
@@ -172,12 +193,13 @@ def test_a_from_pretrained_directory_loads_into_a_sharded_model(runs):
 
 
 def test_export_of_a_tp_checkpoint(runs, tmp_path):
-    """The tensor-parallel DCP directory (vocabulary rows and heads split over 2 ranks) exports whole."""
+    """The tensor-parallel DCP directory (vocabulary rows and heads split over 2 ranks) exports whole, the head tied
+    to the embedding written once."""
     from trainscale.export import export
 
     out = export(_checkpoint(runs[0]["tp"]["dir"]), tmp_path / "model")
-    loaded, trained, state = _loaded_logits(out, runs[0]["tp"]["state"], tie=False)
-    assert torch.equal(loaded, trained)
+    loaded, trained, state = _loaded_logits(out, runs[0]["tp"]["state"], tie=True)
+    assert torch.equal(loaded, trained) and "lm_head.weight" not in _tensors(out)
     assert all(torch.equal(state[k], v) for k, v in runs[0]["tp"]["state"].items())
 
 
