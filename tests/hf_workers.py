@@ -32,6 +32,17 @@ def tiny_gpt2(seed: int = 0):
                                       embd_pdrop=0.0, attn_pdrop=0.0))
 
 
+def tiny_t5(seed: int = 0):
+    """T5ForConditionalGeneration with 1 encoder and 1 decoder block of width 32, its shared embedding tied to the
+    encoder's, the decoder's and the head (T5's default: one weight under four names), seeded; no dropout."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    return T5ForConditionalGeneration(T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                               vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0,
+                                               pad_token_id=0, eos_token_id=1, use_cache=False))
+
+
 def gpt2_tp_plan() -> dict:
     """A user's tensor-parallel plan of :func:`tiny_gpt2` (GPT-2 declares none; its blocks' ``Conv1D`` layers take no
     torch ``ParallelStyle``): the vocabulary rows of the token embedding and of the head tied to it split alike."""
@@ -112,7 +123,7 @@ def _fit(root: str, strategy: str, tie: bool, model=None, **flags):
 def hf_body(rank: int, root: str) -> dict:
     """ddp (tied embeddings; its checkpoint exported by rank 0), fsdp with the default units and activation
     checkpointing by class name (the model called in ``on_fit_start`` and, after ``fit``, called and
-    ``generate``d), a tied GPT-2 under fsdp and under tp (a user's plan) for one step, tp by the model's own plan (tied), then the exported directory
+    ``generate``d), a tied GPT-2 under fsdp and under tp (a user's plan) and a T5 under fsdp for one step, tp by the model's own plan (tied), then the exported directory
     loaded into a new fsdp-sharded model built on the meta device, on one process group: each run's final weights (whole),
     checkpoint and telemetry; the fsdp units; the tp placements; the loaded weights."""
     from torch.distributed.fsdp import FSDPModule
@@ -141,6 +152,8 @@ def hf_body(rank: int, root: str) -> dict:
                    "at_start": at_start.logits, "logits": logits, "tokens": tokens}
     trainer, model, _ = _fit(f"{root}/gpt2", "fsdp", tie=True, model=tiny_gpt2(), max_steps=1)
     out["gpt2"] = {"state": full_state(model), "dir": str(trainer.run_dir)}
+    trainer, model, _ = _fit(f"{root}/t5", "fsdp", tie=True, model=tiny_t5(), max_steps=1)
+    out["t5"] = {"state": full_state(model), "dir": str(trainer.run_dir)}
     trainer, model, _ = _fit(f"{root}/gpt2_tp", "tp", tie=True, model=tiny_gpt2(), max_steps=1, tp_plan=gpt2_tp_plan())
     out["gpt2_tp"] = {"state": full_state(model), "dir": str(trainer.run_dir),
                       "tied": model.lm_head.weight is model.transformer.wte.weight,

@@ -2,7 +2,7 @@
 output), under ddp equal to one plain PyTorch process, under fsdp sharded per decoder layer by default
 (``_no_split_modules``), under tp split by the model's own plan; their checkpoints exported (``trainscale
 export``) to a directory that ``from_pretrained`` loads with the trained weights, from a ddp checkpoint file and
-fsdp and tp DCP directories.
+fsdp and tp DCP directories, tied weights (Llama, GPT-2, T5) written once as ``save_pretrained`` writes them.
 
 One 2-rank launch (ddp, fsdp, then tp on one process group) serves the distributed tests; run under the shared lock
 (``flock /tmp/trainscale-heavy.lock pytest ...``)."""
@@ -154,20 +154,28 @@ def test_an_fsdp_export_of_a_tied_model_equals_save_pretrained(runs, tmp_path):
     assert (out / "generation_config.json").is_file()
 
 
-def _export_equals_save_pretrained(gpt2: dict, tmp_path: Path) -> Path:
-    """Export the GPT-2 run ``gpt2``'s last checkpoint and check it holds the tensors ``save_pretrained`` of its
-    trained weights writes (the tied head once) and names the class; the export's directory."""
+def _export_equals_save_pretrained(run: dict, tmp_path: Path, build=hf_workers.tiny_gpt2) -> Path:
+    """Export the run ``run``'s last checkpoint and check it holds the tensors ``save_pretrained`` of its trained
+    weights in a ``build()`` model writes (each tied weight once) and names the class; the export's directory."""
     from trainscale.export import export
 
-    out = export(_checkpoint(gpt2["dir"]), tmp_path / "export")
-    reference = hf_workers.tiny_gpt2()
-    reference.load_state_dict(gpt2["state"])
+    out = export(_checkpoint(run["dir"]), tmp_path / "export")
+    reference = build()
+    reference.load_state_dict(run["state"])
     reference.save_pretrained(tmp_path / "reference")
     got, want = _tensors(out), _tensors(tmp_path / "reference")
     assert got.keys() == want.keys() and "lm_head.weight" not in got
     assert all(torch.equal(got[k], want[k]) for k in want)
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
+    assert json.loads((out / "config.json").read_text())["architectures"] == [type(reference).__name__]
     return out
+
+
+def test_an_fsdp_export_of_t5_writes_its_shared_embedding_once(runs, tmp_path):
+    """T5 ties one weight under four names (shared, the encoder's and decoder's token embeddings, the head): its
+    fsdp checkpoint holds all four, the export what ``save_pretrained`` of the same weights writes."""
+    assert {"shared.weight", "encoder.embed_tokens.weight", "lm_head.weight"} <= runs[0]["t5"]["state"].keys()
+    out = _export_equals_save_pretrained(runs[0]["t5"], tmp_path, hf_workers.tiny_t5)
+    assert "shared.weight" in _tensors(out) and "encoder.embed_tokens.weight" not in _tensors(out)
 
 
 def test_a_tp_export_of_a_tied_model_equals_save_pretrained(runs, tmp_path):
