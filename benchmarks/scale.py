@@ -1,6 +1,6 @@
 """Set-up work per rank against the world size, simulated in one process with torch's fake process group.
 
-    python benchmarks/scale.py                  # world sizes 8, 64, 256, 1024 (about a minute here)
+    python benchmarks/scale.py                  # world sizes 8, 64, 256, 1024, 4096, 16384 (about 2 minutes here)
     python benchmarks/scale.py --quick          # smoke run: world sizes 8 and 64, few repeats
 
 For each world size W, ranks 0, W/2 and W-1 are simulated one after another: torchrun's variables for that
@@ -235,10 +235,10 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: world sizes 8 and 64, 3 repeats")
-    parser.add_argument("--sizes", default=None, help="comma-separated world sizes (default 8,64,256,1024)")
+    parser.add_argument("--sizes", default=None, help="comma-separated world sizes (default 8,64,256,1024,4096,16384)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per part (default 7, quick 3)")
     args = parser.parse_args()
-    sizes = [int(s) for s in (args.sizes or ("8,64" if args.quick else "8,64,256,1024")).split(",")]
+    sizes = [int(s) for s in (args.sizes or ("8,64" if args.quick else "8,64,256,1024,4096,16384")).split(",")]
     for size in sizes:
         if size < PER_NODE or size % (2 * PER_NODE) and size != PER_NODE:
             sys.exit(f"--sizes: {size} must be 8 or a multiple of {2 * PER_NODE} ({PER_NODE} ranks per node)")

@@ -6,12 +6,16 @@ Trainer/Runtime is built on the group the first one created; the last run tears 
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from tests.workers import make_model, sgd, tiny_dataset
+from trainscale.lightning.module import TrainingModule
 
 
 def adamw(params):
@@ -72,33 +76,105 @@ def _count_ddp_allreduces(root, k: int) -> tuple[int, int]:
     return state.calls, summary["steps"]
 
 
-def _count_fsdp_reduce_scatters(root, k: int, options=None) -> tuple[int, int, int, float]:
-    """(reduce-scatters, bytes reduce-scattered, optimizer steps, train loss) of one epoch under fsdp.
+@contextlib.contextmanager
+def fsdp_collectives():
+    """Counts the collectives FSDP2 issues within the block: the calls of ``torch.distributed.all_gather_single``
+    (parameters) and ``reduce_scatter_single`` (gradients) made from FSDP2's collectives module
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py); other callers (telemetry's gather) are not
+    counted. The wrappers call the real ones, so the count is of communication that happened. Yields
+    ``{"all_gather": [...], "reduce_scatter": [...]}``, the input bytes of each call in order."""
+    calls = {"all_gather": [], "reduce_scatter": []}
+    real = {name: getattr(dist, f"{name}_single") for name in calls}
 
-    Counts calls of ``torch.distributed.reduce_scatter_single``, the collective through which
-    FSDP2 reduces gradients (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py); the
-    wrapper calls the real one, so the count is of communication that happened.
-    """
+    def counting(name):
+        def collective(output, input, *args, **kwargs):
+            if sys._getframe(1).f_globals.get("__name__", "").endswith("._fsdp_collectives"):
+                calls[name].append(input.numel() * input.element_size())
+            return real[name](output, input, *args, **kwargs)
+        return collective
+
+    for name in calls:
+        setattr(dist, f"{name}_single", counting(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in real.items():
+            setattr(dist, f"{name}_single", fn)
+
+
+def _count_fsdp_reduce_scatters(root, k: int, options=None) -> tuple[int, int, int, float]:
+    """(reduce-scatters, bytes reduce-scattered, optimizer steps, train loss) of one epoch under fsdp."""
     from trainscale.loop.trainer import Trainer
 
-    calls = {"n": 0, "bytes": 0}
-    real = dist.reduce_scatter_single
-
-    def counting(output, input, *args, **kwargs):
-        calls["n"] += 1
-        calls["bytes"] += input.numel() * input.element_size()
-        return real(output, input, *args, **kwargs)
-
-    dist.reduce_scatter_single = counting
-    try:
+    with fsdp_collectives() as calls:
         trainer = Trainer(accelerator="cpu", devices="auto", strategy="fsdp", max_epochs=1, seed=0,
                           default_root_dir=root, enable_progress_bar=False, enable_checkpointing=False, timeout=60,
                           accumulate_grad_batches=k, strategy_options=options)
         summary = trainer.fit(make_model(0), DataLoader(tiny_dataset(88), batch_size=4, shuffle=True),
                               optimizer=sgd)
-    finally:
-        dist.reduce_scatter_single = real
-    return calls["n"], calls["bytes"], summary["steps"], summary["train_loss"]
+    return len(calls["reduce_scatter"]), sum(calls["reduce_scatter"]), summary["steps"], summary["train_loss"]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+class BlocksNet(nn.Module):
+    """Two ``Block``s and a head the root holds: 2 units and the root under ``auto_wrap_policy={Block}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class LitBlocksNet(BlocksNet, TrainingModule):
+    """The same network whose steps call ``self(x)``, the Lightning pattern."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        return sgd(self.parameters())
+
+
+def _blocks_data(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g))
+
+
+def _count_step_collectives(root: str, model: nn.Module, options) -> dict:
+    """One epoch of 4 micro-batches per rank (no accumulation) and a validation of 2 batches per rank, with
+    FSDP2's collectives counted; then the fitted model called on its own."""
+    from trainscale.loop.trainer import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy="fsdp", max_epochs=1, seed=0, default_root_dir=root,
+                      enable_progress_bar=False, enable_checkpointing=False, num_sanity_val_steps=0, timeout=60,
+                      strategy_options=options)
+    with fsdp_collectives() as calls:
+        summary = trainer.fit(model, DataLoader(_blocks_data(32, 0), batch_size=4),
+                              DataLoader(_blocks_data(16, 1), batch_size=4),
+                              optimizer=None if isinstance(model, TrainingModule) else sgd)
+    with torch.no_grad():
+        after = model(_blocks_data(4, 2).tensors[0])
+    return {"all_gather": calls["all_gather"], "reduce_scatter": calls["reduce_scatter"], "steps": summary["steps"],
+            "state": full_state(model), "after_fit": after}
 
 
 def _state_bytes(strategy: str) -> dict:
@@ -143,6 +219,10 @@ def parity_counts_memory_body(rank: int, root: str) -> dict:
     out["fsdp_counts"] = {k: _count_fsdp_reduce_scatters(f"{root}/cf{k}", k) for k in (4, 1)}
     out["fsdp_counts_3_units"] = _count_fsdp_reduce_scatters(
         f"{root}/cf3", 4, {"auto_wrap_policy": {nn.Conv2d, nn.Linear}, "cpu_offload": True})
+    units = {"auto_wrap_policy": {Block}}
+    out["step_collectives"] = {name: _count_step_collectives(f"{root}/{name}", model, options) for name, model, options in
+                               (("plain", BlocksNet(), None), ("training_step", LitBlocksNet(), None),
+                                ("plain_units", BlocksNet(), units), ("training_step_units", LitBlocksNet(), units))}
 
     out["ddp_bytes"] = _state_bytes("ddp")
     out["fsdp_bytes"] = _state_bytes("fsdp")

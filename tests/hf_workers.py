@@ -22,12 +22,35 @@ def tiny_llama(seed: int = 0, tie: bool = False):
 
 
 def tiny_gpt2(seed: int = 0):
-    """GPT2LMHeadModel with 2 blocks of width 32, its head tied to the token embedding (GPT-2's default), seeded."""
+    """GPT2LMHeadModel with 2 blocks of width 32, its head tied to the token embedding (GPT-2's default), seeded;
+    no dropout (runs compared with a plain process draw other masks)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=2 * SEQ,
-                                      bos_token_id=0, eos_token_id=0, use_cache=False))
+                                      bos_token_id=0, eos_token_id=0, use_cache=False, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def tiny_t5(seed: int = 0):
+    """T5ForConditionalGeneration with 1 encoder and 1 decoder block of width 32, its shared embedding tied to the
+    encoder's, the decoder's and the head (T5's default: one weight under four names), seeded; no dropout."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    return T5ForConditionalGeneration(T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                               vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0,
+                                               pad_token_id=0, eos_token_id=1, use_cache=False))
+
+
+def gpt2_tp_plan() -> dict:
+    """A user's tensor-parallel plan of :func:`tiny_gpt2` (GPT-2 declares none; its blocks' ``Conv1D`` layers take no
+    torch ``ParallelStyle``): the vocabulary rows of the token embedding and of the head tied to it split alike."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"transformer.wte": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate())}
 
 
 class TokenDicts(Dataset):
@@ -48,11 +71,12 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.5)
 
 
-def plain_reference(batch_size: int = 8, tie: bool = False) -> dict:
-    """One process, plain PyTorch: the same samples in order, ``model(**batch).loss``, SGD."""
-    model = tiny_llama(0, tie)
+def plain_reference(batch_size: int = 8, tie: bool = False, model=None, steps: int | None = None) -> dict:
+    """One process, plain PyTorch: the same samples in order, ``model(**batch).loss``, SGD; ``model`` (default: the
+    tiny Llama) trained ``steps`` steps (default: one epoch)."""
+    model = tiny_llama(0, tie) if model is None else model
     opt = sgd(model.parameters())
-    for batch in DataLoader(TokenDicts(), batch_size=batch_size):
+    for batch in list(DataLoader(TokenDicts(), batch_size=batch_size))[:steps]:
         model(**batch).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -99,7 +123,7 @@ def _fit(root: str, strategy: str, tie: bool, model=None, **flags):
 def hf_body(rank: int, root: str) -> dict:
     """ddp (tied embeddings; its checkpoint exported by rank 0), fsdp with the default units and activation
     checkpointing by class name (the model called in ``on_fit_start`` and, after ``fit``, called and
-    ``generate``d), a tied GPT-2 under fsdp for one step, tp by the model's own plan, then the exported directory
+    ``generate``d), a tied GPT-2 under fsdp and under tp (a user's plan) and a T5 under fsdp for one step, tp by the model's own plan (tied), then the exported directory
     loaded into a new fsdp-sharded model built on the meta device, on one process group: each run's final weights (whole),
     checkpoint and telemetry; the fsdp units; the tp placements; the loaded weights."""
     from torch.distributed.fsdp import FSDPModule
@@ -110,6 +134,7 @@ def hf_body(rank: int, root: str) -> dict:
     import torch.distributed as dist
 
     from trainscale.export import export, load_pretrained
+    from trainscale.runtime.strategies.apply_tp import apply_tp
     from trainscale.runtime.runtime import Runtime
 
     out = {}
@@ -127,10 +152,21 @@ def hf_body(rank: int, root: str) -> dict:
                    "at_start": at_start.logits, "logits": logits, "tokens": tokens}
     trainer, model, _ = _fit(f"{root}/gpt2", "fsdp", tie=True, model=tiny_gpt2(), max_steps=1)
     out["gpt2"] = {"state": full_state(model), "dir": str(trainer.run_dir)}
-    trainer, model, summary = _fit(f"{root}/tp", "tp", tie=False)
+    trainer, model, _ = _fit(f"{root}/t5", "fsdp", tie=True, model=tiny_t5(), max_steps=1)
+    out["t5"] = {"state": full_state(model), "dir": str(trainer.run_dir)}
+    trainer, model, _ = _fit(f"{root}/gpt2_tp", "tp", tie=True, model=tiny_gpt2(), max_steps=1, tp_plan=gpt2_tp_plan())
+    out["gpt2_tp"] = {"state": full_state(model), "dir": str(trainer.run_dir),
+                      "tied": model.lm_head.weight is model.transformer.wte.weight,
+                      "placement": str(model.lm_head.weight.placements)}
+    try:  # the head split, its tied embedding not: refused at setup
+        apply_tp(tiny_gpt2(), trainer.runtime.strategy.mesh["tp"], {"lm_head": gpt2_tp_plan()["lm_head"]})
+    except ValueError as err:
+        out["gpt2_tp"]["half_plan"] = str(err)
+    trainer, model, summary = _fit(f"{root}/tp", "tp", tie=True)
     out["tp"] = {"state": full_state(model), "summary": summary, "dir": str(trainer.run_dir),
+                 "tied": model.lm_head.weight is model.model.embed_tokens.weight,
                  "placements": {k: str(p.placements[0]) if isinstance(p, DTensor) else "plain"
-                                for k, p in model.named_parameters()}}
+                                for k, p in model.named_parameters(remove_duplicate=False)}}
     # the exported directory loaded into a model built on the meta device, sharded by fsdp (each rank allocates
     # and initialises its shards only), each rank reading the slices of its shards: never whole on one rank
     with torch.device("meta"):

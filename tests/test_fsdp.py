@@ -72,6 +72,36 @@ def test_fsdp_reduce_scatters_once_per_optimizer_step(runs):
 
 
 @pytest.mark.multiprocess
+def test_a_training_step_that_calls_the_model_gathers_each_unit_as_often_as_a_plain_model(runs):
+    """A model of 2 Linear blocks and a head, trained one epoch (4 micro-batches per rank, no accumulation) and
+    validated (2 batches per rank), as a plain model with a loss function and as a TrainingModule whose
+    training_step and validation_step call ``self(x)`` (the step runs as the FSDP root's forward, the call nested
+    in it): the same collectives the structure needs, the same weights, callable after fit.
+
+    Per micro-batch each unit's parameters are all-gathered once in forward, and once more in backward for the
+    units other than the root (which keeps its parameters gathered from forward to backward); per optimizer step
+    each unit's gradients are reduce-scattered once. In validation each unit is all-gathered per batch, the root
+    only on the first."""
+    block, head = 72 * 4 // 2, 36 * 4 // 2  # bytes of one rank's shard: Linear(8, 8), Linear(8, 4) in fp32
+    structures = {False: ([block + block + head], []),  # the root alone: one unit of everything
+                  True: ([head, block, block], [block, block])}  # auto_wrap_policy={Block}: root, 2 units
+    steps, val_batches = 4, 2
+    for rank in runs:
+        counts = rank["step_collectives"]
+        for name, run in counts.items():
+            units, regathered = structures[name.endswith("_units")]
+            step = units + regathered
+            validation = units + units[1:] * (val_batches - 1)
+            assert run["steps"] == steps
+            assert sorted(run["all_gather"]) == sorted(step * steps + validation), name
+            assert sorted(run["reduce_scatter"]) == sorted([2 * b for b in units] * steps), name  # unsharded grads
+        for name in ("training_step", "plain_units", "training_step_units"):
+            for key, ref in counts["plain"]["state"].items():
+                torch.testing.assert_close(counts[name]["state"][key], ref, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(counts[name]["after_fit"], counts["plain"]["after_fit"], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.multiprocess
 def test_fsdp_holds_half_the_parameter_and_optimizer_bytes_of_ddp(runs):
     for rank in runs:
         ddp = rank["ddp_bytes"]["params"] + rank["ddp_bytes"]["optimizer"]

@@ -2,7 +2,7 @@
 output), under ddp equal to one plain PyTorch process, under fsdp sharded per decoder layer by default
 (``_no_split_modules``), under tp split by the model's own plan; their checkpoints exported (``trainscale
 export``) to a directory that ``from_pretrained`` loads with the trained weights, from a ddp checkpoint file and
-fsdp and tp DCP directories.
+fsdp and tp DCP directories, tied weights (Llama, GPT-2, T5) written once as ``save_pretrained`` writes them.
 
 One 2-rank launch (ddp, fsdp, then tp on one process group) serves the distributed tests; run under the shared lock
 (``flock /tmp/trainscale-heavy.lock pytest ...``)."""
@@ -77,15 +77,17 @@ def test_the_fsdp_fitted_model_is_called_and_generates(runs):
 def test_tp_splits_by_the_models_own_plan(runs):
     """No tp_plan: LlamaForCausalLM's own (base_model_tp_plan and the head's), translated to torch styles: q/k/v
     and the MLP's first layers by columns, o_proj/down_proj by rows, the embedding by vocabulary rows, the head by
-    columns with whole logits out, norms plain; the weights those of one process with the same batch of 4."""
+    columns with whole logits out, norms plain; the head tied to the embedding stays one parameter; the weights
+    those of one process with the same batch of 4."""
     tp = runs[0]["tp"]
     placements = tp["placements"]
     assert placements["model.layers.0.self_attn.q_proj.weight"] == "S(0)"
     assert placements["model.layers.1.mlp.down_proj.weight"] == "S(1)"
     assert placements["model.embed_tokens.weight"] == placements["lm_head.weight"] == "S(0)"
     assert placements["model.norm.weight"] == "plain"
+    assert all(rank["tp"]["tied"] for rank in runs)
     assert tp["summary"]["steps"] == 6  # both ranks read the same batches: data parallel size 1
-    for key, want in hf_workers.plain_reference(batch_size=4).items():
+    for key, want in hf_workers.plain_reference(batch_size=4, tie=True).items():
         torch.testing.assert_close(tp["state"][key], want, rtol=1e-5, atol=1e-5, msg=key)
 
 
@@ -100,8 +102,8 @@ def test_tp_plan_styles_without_a_translation_are_named():
         hf_plan(loop, 2)
     with pytest.raises(ValueError, match="tp=3 must divide LlamaForCausalLM's num_attention_heads=4"):
         hf_plan(LoopModule(hf_workers.tiny_llama(), None), 3)
-    with pytest.raises(ValueError, match="tie_word_embeddings=True"):
-        hf_plan(LoopModule(hf_workers.tiny_llama(tie=True), None), 2)
+    tied = hf_plan(LoopModule(hf_workers.tiny_llama(tie=True), None), 2)  # tied embeddings: split alike, kept tied
+    assert {"model.model.embed_tokens", "model.lm_head"} <= tied.keys()
 
 
 def _loaded_logits(directory: Path, state: dict, tie: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -148,18 +150,45 @@ def test_export_of_a_ddp_checkpoint_loads_with_from_pretrained(runs, tmp_path):
 def test_an_fsdp_export_of_a_tied_model_equals_save_pretrained(runs, tmp_path):
     """GPT-2 (head tied to the token embedding) trained under fsdp: its sharded checkpoint holds the tied weight under
     both names; the export writes what ``save_pretrained`` of the same weights writes, tensor for tensor."""
+    out = _export_equals_save_pretrained(runs[0]["gpt2"], tmp_path)
+    assert (out / "generation_config.json").is_file()
+
+
+def _export_equals_save_pretrained(run: dict, tmp_path: Path, build=hf_workers.tiny_gpt2) -> Path:
+    """Export the run ``run``'s last checkpoint and check it holds the tensors ``save_pretrained`` of its trained
+    weights in a ``build()`` model writes (each tied weight once) and names the class; the export's directory."""
     from trainscale.export import export
 
-    gpt2 = runs[0]["gpt2"]
-    out = export(_checkpoint(gpt2["dir"]), tmp_path / "export")
-    reference = hf_workers.tiny_gpt2()
-    reference.load_state_dict(gpt2["state"])
+    out = export(_checkpoint(run["dir"]), tmp_path / "export")
+    reference = build()
+    reference.load_state_dict(run["state"])
     reference.save_pretrained(tmp_path / "reference")
     got, want = _tensors(out), _tensors(tmp_path / "reference")
     assert got.keys() == want.keys() and "lm_head.weight" not in got
     assert all(torch.equal(got[k], want[k]) for k in want)
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
-    assert (out / "generation_config.json").is_file()
+    assert json.loads((out / "config.json").read_text())["architectures"] == [type(reference).__name__]
+    return out
+
+
+def test_an_fsdp_export_of_t5_writes_its_shared_embedding_once(runs, tmp_path):
+    """T5 ties one weight under four names (shared, the encoder's and decoder's token embeddings, the head): its
+    fsdp checkpoint holds all four, the export what ``save_pretrained`` of the same weights writes."""
+    assert {"shared.weight", "encoder.embed_tokens.weight", "lm_head.weight"} <= runs[0]["t5"]["state"].keys()
+    out = _export_equals_save_pretrained(runs[0]["t5"], tmp_path, hf_workers.tiny_t5)
+    assert "shared.weight" in _tensors(out) and "encoder.embed_tokens.weight" not in _tensors(out)
+
+
+def test_a_tp_export_of_a_tied_model_equals_save_pretrained(runs, tmp_path):
+    """GPT-2 under tp by a user's plan that splits the vocabulary rows of the token embedding and of the head tied to
+    it: the tie stays one parameter through ``parallelize_module``, one step gives the weights of one plain process
+    with the same batch of 4, and the export of its DCP directory writes what ``save_pretrained`` of the same weights
+    writes, tensor for tensor (the tied head once). A plan that splits only the head is refused, naming both."""
+    tp = runs[0]["gpt2_tp"]
+    assert all(rank["gpt2_tp"]["tied"] for rank in runs) and tp["placement"] == "(Shard(dim=0),)"
+    _assert_states_close(tp["state"], hf_workers.plain_reference(batch_size=4, model=hf_workers.tiny_gpt2(), steps=1))
+    _export_equals_save_pretrained(tp, tmp_path)
+    assert "tied weights transformer.wte.weight, lm_head.weight" in tp["half_plan"]
+    assert "RowwiseParallel(input_layouts=Replicate()) on the token embedding" in tp["half_plan"]
 
 
 def test_a_from_pretrained_directory_loads_into_a_sharded_model(runs):
@@ -172,12 +201,13 @@ def test_a_from_pretrained_directory_loads_into_a_sharded_model(runs):
 
 
 def test_export_of_a_tp_checkpoint(runs, tmp_path):
-    """The tensor-parallel DCP directory (vocabulary rows and heads split over 2 ranks) exports whole."""
+    """The tensor-parallel DCP directory (vocabulary rows and heads split over 2 ranks) exports whole, the head tied
+    to the embedding written once."""
     from trainscale.export import export
 
     out = export(_checkpoint(runs[0]["tp"]["dir"]), tmp_path / "model")
-    loaded, trained, state = _loaded_logits(out, runs[0]["tp"]["state"], tie=False)
-    assert torch.equal(loaded, trained)
+    loaded, trained, state = _loaded_logits(out, runs[0]["tp"]["state"], tie=True)
+    assert torch.equal(loaded, trained) and "lm_head.weight" not in _tensors(out)
     assert all(torch.equal(state[k], v) for k, v in runs[0]["tp"]["state"].items())
 
 

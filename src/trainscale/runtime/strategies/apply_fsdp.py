@@ -9,6 +9,7 @@ rows: hybrid sharding (HSDP; https://pytorch.org/docs/stable/distributed.fsdp.fu
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 from trainscale.runtime import hf
@@ -106,7 +107,7 @@ def apply_fsdp(module: Any, units: list, mesh: Any, *, precision: str, reshard_a
     The root is ``module.shard_root`` where ``module`` names one (the Trainer's loop module names the user's
     model, which then stays callable on its own after ``fit``, as under Lightning and torchtitan), else
     ``module``. A ``shard_root`` below ``module`` also runs each method ``module.forward_methods`` names (the
-    Lightning steps, e.g. ``training_step``) as a forward (``register_fsdp_forward_method``): FSDP's root
+    Lightning steps, e.g. ``training_step``) as a forward (:func:`register_step_method`): FSDP's root
     hooks gather the root's own parameters around it and reduce-scatter their gradients in backward.
 
     Args:
@@ -115,7 +116,7 @@ def apply_fsdp(module: Any, units: list, mesh: Any, *, precision: str, reshard_a
         precision: the precision flag (:func:`mixed_precision_policy`).
         reshard_after_forward, cpu_offload: see ``FSDPStrategy``.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision_policy(precision),
                   offload_policy=CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload
@@ -129,8 +130,43 @@ def apply_fsdp(module: Any, units: list, mesh: Any, *, precision: str, reshard_a
             fully_shard(unit, **kwargs)
     fully_shard(root, **kwargs)
     for name in getattr(module, "forward_methods", ()) if root is not module else ():
-        register_fsdp_forward_method(root, name)
+        register_step_method(root, name)
     return module
+
+
+def register_step_method(root: Any, name: str) -> None:
+    """Run ``root.<name>`` (a step, e.g. ``training_step``) as a forward of the FSDP module ``root``, as FSDP2's
+    ``register_fsdp_forward_method`` does: the root's pre-forward hook gathers its own parameters before the step
+    (which may use them outside ``forward``: ``self.head(x)``), its post-forward hook registers the pre-backward
+    hook on the step's output.
+
+    A step that calls the root itself (``self(x)``, the Lightning pattern) would run the root's hooks twice, one
+    pass nested in the other. The nested post-forward hook ends FSDP's forward pass (state back to idle), and the
+    outer one then finds the pass over and reshards the root's parameters (``FSDPParamGroup.reshard`` outside a
+    forward frees them whatever ``reshard_after_forward`` says), so that backward all-gathers them again: one
+    extra all-gather of the root's parameters per micro-batch, and, in evaluation, one per batch. Here the outer
+    post-forward hook runs only when the step did not call the root: a step that does is exactly one root
+    forward, as a plain ``model(x)`` is (torch 2.13: ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``
+    ``_pre_forward``/``_post_forward``, ``_fully_shard.py::register_fsdp_forward_method``).
+    """
+    state = root._get_fsdp_state()
+    method = getattr(root, name)
+    root_calls = 0
+
+    def count_root_call(*_: Any) -> None:
+        nonlocal root_calls
+        root_calls += 1
+
+    root.register_forward_pre_hook(count_root_call)
+
+    @functools.wraps(method)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        before = root_calls
+        args, kwargs = state._pre_forward(root, args, kwargs)
+        out = method(*args, **kwargs)
+        return out if root_calls != before else state._post_forward(root, args, out)
+
+    setattr(root, name, step)
 
 
 def reshard(roots: list) -> None:

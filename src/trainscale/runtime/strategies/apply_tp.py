@@ -308,6 +308,42 @@ def stage_plan(stage: nn.Module, plan: dict) -> dict:
     return {key: style for key, style in plan.items() if _has(stage, key)}
 
 
+def tied_parameters(module: nn.Module) -> list[list[str]]:
+    """The names of each parameter ``module`` registers under more than one name (tied weights: a language model's
+    output head and token embedding, T5's shared embedding), one list per parameter."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def tie_again(module: nn.Module, tied: list[list[str]]) -> None:
+    """Register each group of ``tied`` names (from :func:`tied_parameters`, before ``parallelize_module``) as one
+    parameter again. ``parallelize_module`` replaces each planned module's parameters by new DTensor parameters,
+    module by module, so a head tied to the embedding came out as a second parameter, trained apart from the
+    embedding (and written twice by checkpoints). Kept as one, its gradient sums both uses, as without tp.
+
+    Raises:
+        ValueError: the plan lays the tied names out differently (one split and the other not, or split along
+            other dimensions), naming them and a plan that splits both alike.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for group in tied:
+        params = [module.get_parameter(name) for name in group]
+        layouts = {name: tuple(p.placements) if isinstance(p, DTensor) else "a plain tensor"
+                   for name, p in zip(group, params)}
+        if len(set(layouts.values())) > 1:
+            raise ValueError(
+                f"tp_plan splits the tied weights {', '.join(group)} (one parameter) in different ways ({layouts}); "
+                "split both modules' weights alike, e.g. RowwiseParallel(input_layouts=Replicate()) on the token "
+                "embedding and ColwiseParallel(output_layouts=Replicate()) on the output head (both split the "
+                "vocabulary rows, Shard(0)), or untie them (tie_word_embeddings=False)")
+        for name in group[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, params[0])
+
+
 def _hf_styles() -> dict:
     """Hugging Face's tensor-parallel style names (``transformers/integrations/tensor_parallel.py``) that have a
     torch ``ParallelStyle`` here, each tested on a Llama (tests/test_huggingface.py): Megatron's column and row
@@ -329,7 +365,7 @@ def hf_plan(root: nn.Module, tp: int) -> dict | None:
 
     Raises:
         ValueError: the model declares no plan; a style other than those of :func:`_hf_styles` (naming them);
-            ``tp`` does not divide its attention or key/value heads; tied input and output embeddings.
+            ``tp`` does not divide its attention or key/value heads.
     """
     model = hf.pretrained_model(root)
     if model is None:
@@ -351,15 +387,11 @@ def hf_plan(root: nn.Module, tp: int) -> dict | None:
 
 
 def _check_hf_config(name: str, config: Any, tp: int) -> None:
-    """Raise unless ``tp`` divides the attention and key/value heads and the embeddings are untied."""
+    """Raise unless ``tp`` divides the attention and key/value heads."""
     for field in ("num_attention_heads", "num_key_value_heads"):
         if getattr(config, field, None) and getattr(config, field) % tp:
             raise ValueError(f"tp={tp} must divide {name}'s {field}={getattr(config, field)} (each rank computes "
                              "whole attention heads)")
-    if getattr(config, "tie_word_embeddings", False):
-        raise ValueError(f"{name} ties its output head to its token embedding (tie_word_embeddings=True), which its "
-                         "tensor-parallel plan splits in two different ways; build it with tie_word_embeddings=False, "
-                         "or pass your own tp_plan")
 
 
 def apply_tp(root: nn.Module, tp_mesh: Any, plan: dict | None = None, sequence_parallel: bool = False,
@@ -381,7 +413,8 @@ def apply_tp(root: nn.Module, tp_mesh: Any, plan: dict | None = None, sequence_p
 
     Raises:
         ValueError: no plan and no GPT inside ``root``; plan values that are not ``ParallelStyle``
-            objects; plan keys that match nothing; at the first forward, an output the plan leaves sharded; a GPT whose
+            objects; plan keys that match nothing; tied weights the plan splits in different ways
+            (:func:`tie_again`); at the first forward, an output the plan leaves sharded; a GPT whose
             ``n_head`` is not divisible by the tp size; under ``sequence_parallel``, a GPT with dropout > 0
             (and, at forward, a sequence length tp does not divide).
     """
@@ -392,13 +425,17 @@ def apply_tp(root: nn.Module, tp_mesh: Any, plan: dict | None = None, sequence_p
     if plan is not None:
         check_plan_styles(plan)
         target = plan_target(root, plan)
+        tied = tied_parameters(target)
         parallelize_module(target, tp_mesh, plan)
+        tie_again(target, tied)
         if whole_output:
             check_output_at_first_forward(target, plan)
         return root
     gpts = [m for m in root.modules() if isinstance(m, GPT)]
     if not gpts and (hf_styles := hf_plan(root, tp_mesh.size())) is not None:  # a Hugging Face model's own plan
+        tied = tied_parameters(root)
         parallelize_module(root, tp_mesh, hf_styles)
+        tie_again(root, tied)
         return root
     if not gpts:
         raise ValueError(f"tensor parallelism has a built-in plan for trainscale.models.GPT only, and the model "
