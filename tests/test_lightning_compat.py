@@ -425,3 +425,23 @@ def test_forwards_whose_results_are_discarded_leave_no_sample_in_a_metric():
         assert float(model.val_mean.compute()) == pytest.approx(104 / 3)
     assert float(model.val_mean.compute()) == 2.0 and model.val_mean._update_count == 1
     assert isinstance(model.val_mean, torchmetrics.MeanMetric)
+
+
+class Decaying(Probe):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]  # per epoch
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("interval", ["step", "epoch"])
+def test_learning_rate_monitor_lrs_holds_one_rate_per_logged_step_or_per_epoch(tmp_path, interval):
+    """Lightning's ``LearningRateMonitor.lrs``: each name's learning rates, one per logged step ("step") or one at
+    each epoch's start ("epoch"); 2 epochs of 4 steps, a rate halved after each epoch."""
+    from trainscale.callbacks import LearningRateMonitor
+
+    monitor = LearningRateMonitor(logging_interval=interval)
+    trainer = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, log_every_n_steps=2, callbacks=[monitor])
+    trainer.fit(Decaying(), _loader())
+    expected = [0.1, 0.1, 0.05, 0.05] if interval == "step" else [0.1, 0.05]
+    assert list(monitor.lrs) == ["lr-SGD"] and monitor.lrs["lr-SGD"] == pytest.approx(expected)

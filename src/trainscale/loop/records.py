@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainscale.loggers import record_metrics
-from trainscale.lightning.optimizers import learning_rates
+from trainscale.scaling.lr_scaling import learning_rates
 from trainscale.telemetry.sinks import JsonlSink
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ that sets ``group["lr"]`` each step (nanoGPT's) — where scaling ``initial_lr``
 by any of them that writes absolute values. The checkpoint holds the unscaled lr once, so a resume scales it
 by the new run's factor (the same on the same world size; the new one after a world-size change), never twice.
 The multiplier of the next step is kept in each group as ``"lr_scale"``; the records' ``lr-<Optimizer>`` values
-are lr × lr_scale, the lr the step uses (:func:`trainscale.lightning.optimizers.learning_rates`).
+are lr × lr_scale, the lr the step uses (:func:`trainscale.scaling.lr_scaling.learning_rates`).
 """
 
 from __future__ import annotations

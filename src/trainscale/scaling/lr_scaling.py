@@ -89,3 +89,18 @@ def warmup(warmup_steps: int, factor: float) -> Callable[[int], float]:
         return start + (1.0 - start) * step / warmup_steps
 
     return multiplier
+
+
+def learning_rates(optimizers) -> dict[str, float]:
+    """The learning rate of every param group, named as Lightning's ``LearningRateMonitor`` names them:
+    ``lr-AdamW`` (first group), ``lr-AdamW/pg1`` ...; a second optimizer of one class ``lr-AdamW-1``. Under
+    ``Trainer(lr_scaling=...)`` the lr the next step uses: the group's lr × its ``"lr_scale"``."""
+    out: dict[str, float] = {}
+    seen: dict[str, int] = {}
+    for opt in optimizers:
+        cls = type(getattr(opt, "optimizer", opt)).__name__
+        name = f"lr-{cls}" + (f"-{seen[cls]}" if cls in seen else "")
+        seen[cls] = seen.get(cls, 0) + 1
+        for i, group in enumerate(opt.param_groups):
+            out[name if i == 0 else f"{name}/pg{i}"] = float(group["lr"]) * group.get(LR_SCALE_KEY, 1.0)
+    return out
