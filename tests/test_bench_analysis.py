@@ -352,14 +352,24 @@ def test_a_ctrl_c_while_a_job_starts_is_held_until_the_job_can_be_stopped():
 
     from trainscale.jobs.launcher import _interrupt_deferred
 
-    with _interrupt_deferred() as interrupted:
-        os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt inside the block
-    assert interrupted
-    with _interrupt_deferred() as interrupted:
-        pass
-    assert not interrupted
-    with pytest.raises(KeyboardInterrupt):  # the usual handler is back
-        os.kill(os.getpid(), signal.SIGINT)
+    # Python's own handler, as in a terminal: a suite started in the background (`make test &`) inherits SIGINT
+    # ignored, which is the second case below
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with _interrupt_deferred() as interrupted:
+            os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt inside the block
+        assert interrupted
+        with _interrupt_deferred() as interrupted:
+            pass
+        assert not interrupted
+        with pytest.raises(KeyboardInterrupt):  # the usual handler is back
+            os.kill(os.getpid(), signal.SIGINT)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job: nothing to defer, and it stays ignored
+        with _interrupt_deferred() as interrupted:
+            os.kill(os.getpid(), signal.SIGINT)
+        assert not interrupted and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_stopping_a_job_kills_a_worker_it_started_and_returns_when_it_is_gone(tmp_path, monkeypatch):
