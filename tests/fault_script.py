@@ -11,12 +11,16 @@ the rename), after writing ``OUT/held-rank{R}`` (its pid); the test then kills t
 --hold-rank R``: the same for rank R only, in whichever thread writes (synchronous or background saves): a
 checkpoint file stops half written (rank 0 writes it), a sharded one once rank R's shards are on disk; the test
 then kills that rank alone. ``--resume``: ``ckpt_path="last"``.
+
+:func:`run_rank` runs the same job on a rank that ``tests.helpers.run_distributed`` forked (no torchrun): the
+uninterrupted runs the tests compare with, and the resumed runs after a kill.
 """
 
 import argparse
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -103,7 +107,7 @@ def final_weights(module) -> dict:
 
 
 @record
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--epochs", type=int, default=2)
@@ -118,7 +122,7 @@ def main() -> None:
     p.add_argument("--hold-rank", type=int, default=0)
     p.add_argument("--hold-for", type=float, default=None)
     p.add_argument("--resume", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(accelerator="cpu", devices="auto", strategy=args.strategy, max_epochs=args.epochs, seed=0,
@@ -135,6 +139,19 @@ def main() -> None:
                 ckpt_path="last" if args.resume else None)
     torch.save(final_weights(model.net), out / f"final-rank{model.rank}.pt")
     trainer.runtime.teardown()
+
+
+def run_rank(rank: int, argv: list[str], log: str | None = None) -> None:
+    """``main(argv)`` on a rank of ``run_distributed``, with ``sys.argv`` as under torchrun (a run is tied to
+    its script: ``ckpt_path="last"`` finds this script's runs); its output (file descriptors 1 and 2) to
+    ``log`` if given."""
+    sys.argv = [__file__, *argv]
+    if log is not None:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    main(argv)
 
 
 if __name__ == "__main__":

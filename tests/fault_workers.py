@@ -1,11 +1,9 @@
-"""Bodies of the fault-tolerance tests (module level so ``spawn`` and subprocesses can import them)."""
+"""Bodies of the fault-tolerance tests (module level so the ranks of ``run_distributed`` can import them)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -78,6 +76,21 @@ def fit(root, *, hook=None, n=96, batch=4, epochs=2, ckpt_path=None, teardown=Tr
         if teardown:
             trainer.runtime.teardown()
     return model, summary
+
+
+def start_ranks(fn, args: tuple, out_dir: str, world_size: int = 2):
+    """Start ``fn(rank, *args)`` on ``world_size`` ranks as ``tests.helpers.run_distributed`` does (forked from its
+    server, which has imported torch; each rank a real process), without waiting: the caller signals or kills
+    them. Returns torch's ``ProcessContext`` (``.processes``)."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    from tests.helpers import PRELOAD, START_METHOD, _child, free_port
+
+    multiprocessing.get_context(START_METHOD).set_forkserver_preload(PRELOAD)
+    return mp.start_processes(_child, args=(fn, world_size, free_port(), out_dir, args, dict(os.environ)),
+                              nprocs=world_size, join=False, start_method=START_METHOD)
 
 
 # -- 2 -> 1 ---------------------------------------------------------------------------------------
@@ -155,16 +168,20 @@ def stuck_rank_body(rank: int, root: str, grace_s: float) -> None:
 
 
 # -- save crash ------------------------------------------------------------------------------------
-def crash_scenarios(root: str) -> None:
+def crash_scenarios(rank: int, root: str) -> list[dict]:
     """For each write stage of the second checkpoint, fork a child that trains and is SIGKILLed at that
-    stage; print one JSON line per scenario: what "last" points to and whether it loads."""
-    torch.set_num_threads(1)  # a forked child must not inherit a busy OpenMP pool
+    stage; return one record per scenario: what "last" points to and whether it loads. Runs as the one
+    process of ``run_distributed(..., world_size=1)``, without its launcher variables (a world of one)."""
     from trainscale.runtime import checkpoint_io
+    from trainscale.runtime.world import TORCHRUN_VARS
     from trainscale.checkpointing import run_dirs as ckpt
 
-    fit(str(Path(root) / "warm-up"), epochs=1, n=8)  # imports and first-call costs, paid once before forking
+    for name in TORCHRUN_VARS:
+        os.environ.pop(name, None)
+    fit(str(Path(root) / "warm-up"), epochs=1, n=8)  # first-call costs, paid once before forking
     stages = [(name, stage) for name in ("ckpt", "sha256", "last") for stage in ("partial", "before-rename",
                                                                                   "after-rename")]
+    cases = []
     for name, stage in stages:
         case_root = Path(root) / f"{name}-{stage}"
         pid = os.fork()
@@ -194,8 +211,5 @@ def crash_scenarios(root: str) -> None:
         except Exception as err:  # noqa: BLE001
             out["error"] = f"{type(err).__name__}: {err}"
         out["tmp_left"] = len(list((case_root / "version_0" / "checkpoints").glob(".*.tmp")))
-        print(json.dumps(out), flush=True)
-
-
-if __name__ == "__main__":
-    crash_scenarios(sys.argv[1])
+        cases.append(out)
+    return cases

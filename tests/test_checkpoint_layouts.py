@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import ckpt_workers
+from tests import ckpt_workers, fault_script, fault_workers as fw
 from tests.helpers import run_distributed
 from tests.test_fault_tolerance import ROOT, SCRIPT, TRAINSCALE, _env
 
@@ -113,10 +113,12 @@ def test_stall_and_background_write_seconds_are_logged(async_runs):
 
 
 # -- a job killed while a background write is under way --------------------------------------------------
-def _wait_for(paths: list[Path], proc: subprocess.Popen, deadline_s: float) -> None:
+def _wait_for(paths: list[Path], ended, deadline_s: float) -> None:
+    """Wait until every path exists; ``ended()`` is the job's output once it has ended, None while it runs."""
     deadline = time.monotonic() + deadline_s
     while not all(p.exists() for p in paths):
-        assert proc.poll() is None, f"the job ended before its writes were held:\n{proc.stdout.read()[-4000:]}"
+        output = ended()
+        assert output is None, f"the job ended before its writes were held:\n{output[-4000:]}"
         assert time.monotonic() < deadline, "the background writes were never held"
         time.sleep(0.1)
 
@@ -132,39 +134,40 @@ def _gone(pids: list[int], deadline_s: float = 60) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_a_job_killed_during_a_background_write_resumes_from_the_previous_complete_checkpoint(tmp_path):
-    """fsdp on 2 ranks under torchrun, a checkpoint every 5 steps written in the background; each rank's writer
-    of the step-10 checkpoint stops for good once its shards are on disk (a test hook), and the test then
-    SIGKILLs the whole job (``trainscale run``, torchrun and the workers). "last" still names step 5; the
-    resumed run (``ckpt_path="last"``) loads it and ends with the weights of an uninterrupted run."""
-    common = [SCRIPT, "--strategy", "fsdp", "--timeout", "120"]
-    full = subprocess.Popen([TRAINSCALE, "run", "-n", "2", *common, "--out", str(tmp_path / "full")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
+    """fsdp on 2 ranks, one epoch with a checkpoint every 5 steps written in the background; each rank's writer of
+    the step-10 checkpoint stops for good once its shards are on disk (a test hook), and the test then SIGKILLs both
+    ranks. "last" still names step 5; the resumed run (``ckpt_path="last"``) loads it and ends with the weights of
+    an uninterrupted run. The ranks are forked by ``run_distributed``'s server: real processes, killed for real
+    (what torchrun does when a rank dies mid-write: the next test)."""
+    common = ["--strategy", "fsdp", "--timeout", "120", "--epochs", "1"]
     killed_out = tmp_path / "killed"
-    cmd = [TRAINSCALE, "run", "-n", "2", *common, "--out", str(killed_out), "--checkpoint-async"]
-    job = subprocess.Popen([*cmd, "--hold-async-save-at", "10"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, env=_env(), cwd=ROOT, start_new_session=True)
+    args = [*common, "--out", str(killed_out), "--checkpoint-async"]
+    log = tmp_path / "killed.log"
+    job = fw.start_ranks(fault_script.run_rank, ([*args, "--hold-async-save-at", "10"], str(log)), str(tmp_path))
     try:
+        run_distributed(fault_script.run_rank, [*common, "--out", str(tmp_path / "full")], timeout=300)
         held = [killed_out / f"held-rank{r}" for r in (0, 1)]
-        _wait_for(held, job, 300)
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait(timeout=60)
-        _gone([int(p.read_text()) for p in held])
-        assert full.wait(timeout=300) == 0, full.stdout.read()[-4000:]
+        _wait_for(held, lambda: None if all(p.is_alive() for p in job.processes) else log.read_text(), 300)
+        for p in job.processes:
+            p.kill()
+            p.join(timeout=60)
+        assert [p.exitcode for p in job.processes] == [-signal.SIGKILL] * 2
     finally:
-        for proc in (job, full):
-            if proc.poll() is None:
-                proc.kill()
+        for p in job.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
     checkpoints = killed_out / "runs" / "version_0" / "checkpoints"
     assert (checkpoints / "last").read_text() == "epoch=000000-step=0000000005\n"
     partial = checkpoints / ".epoch=000000-step=0000000010.tmp"
     assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in partial.iterdir()}  # shards written ...
     assert not (partial / ".metadata").exists() and not (checkpoints / "epoch=000000-step=0000000010").exists()
 
-    resumed = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
-    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
-    log = resumed.stdout + resumed.stderr
-    assert "resumed from" in log and "epoch=000000-step=0000000005" in log, log[-4000:]
-    assert not partial.exists() and (checkpoints / "last").read_text() == "epoch=000002-step=0000000024\n"
+    log = tmp_path / "resumed.log"
+    run_distributed(fault_script.run_rank, [*args, "--resume"], str(log), timeout=300)
+    text = log.read_text()
+    assert "resumed from" in text and "epoch=000000-step=0000000005" in text, text[-4000:]
+    assert not partial.exists() and (checkpoints / "last").read_text() == "epoch=000001-step=0000000012\n"
     for rank in (0, 1):
         want, got = (torch.load(d / f"final-rank{rank}.pt") for d in (tmp_path / "full", killed_out))
         for key, value in want.items():
@@ -177,17 +180,18 @@ def test_a_rank_killed_while_it_writes_a_checkpoint_file_leaves_last_intact_and_
     """ddp on 2 ranks under torchrun, a checkpoint every 5 steps; rank 0's write of the step-10 file stops half
     written (a test hook) and the test SIGKILLs rank 0 alone. The job ends with no process left (rank 1, torchrun),
     "last" still names step 5, the half-written temporary is never taken for a checkpoint, and ``ckpt_path="last"``
-    resumes from step 5 to the end (the temporary removed by the next good save)."""
+    (on 2 ranks forked by ``run_distributed``) resumes from step 5 to the end (the temporary removed by the next
+    good save)."""
     from trainscale.jobs.launcher import _descendants
 
     out = tmp_path / "killed"
-    cmd = [TRAINSCALE, "run", "-n", "2", SCRIPT, "--strategy", "ddp", "--timeout", "20", "--epochs", "1",
-           "--out", str(out)]
-    job = subprocess.Popen([*cmd, "--hold-save-at", "10", "--hold-rank", "0"], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT, start_new_session=True)
+    args = ["--strategy", "ddp", "--timeout", "20", "--epochs", "1", "--out", str(out)]
+    job = subprocess.Popen([TRAINSCALE, "run", "-n", "2", SCRIPT, *args, "--hold-save-at", "10", "--hold-rank", "0"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT,
+                           start_new_session=True)
     try:
         held = out / "held-rank0"
-        _wait_for([held], job, 40)
+        _wait_for([held], lambda: None if job.poll() is None else job.stdout.read(), 40)
         processes = _descendants(job.pid)  # torchrun's agent and both workers
         os.kill(int(held.read_text()), signal.SIGKILL)
         assert job.wait(timeout=30) != 0
@@ -201,10 +205,10 @@ def test_a_rank_killed_while_it_writes_a_checkpoint_file_leaves_last_intact_and_
     assert len(partial) == 1 and partial[0].endswith(".tmp")  # the half-written file, under a temporary name
     assert not (checkpoints / "epoch=000000-step=0000000010.pt").exists()
 
-    resumed = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=40)
-    log = resumed.stdout + resumed.stderr
-    assert resumed.returncode == 0, log[-4000:]
-    assert "resumed from" in log and "epoch=000000-step=0000000005" in log, log[-4000:]
+    log = tmp_path / "resumed.log"
+    run_distributed(fault_script.run_rank, [*args, "--resume"], str(log), timeout=40)
+    text = log.read_text()
+    assert "resumed from" in text and "epoch=000000-step=0000000005" in text, text[-4000:]
     assert (checkpoints / "last").read_text() == "epoch=000001-step=0000000012.pt\n"
     assert not [p for p in checkpoints.iterdir() if p.name.endswith(".tmp")]
 

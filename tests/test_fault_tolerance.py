@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import fault_workers as fw
-from tests.helpers import _child, free_port, run_distributed
+from tests import fault_script, fault_workers as fw
+from tests.helpers import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINSCALE = str(Path(sys.executable).parent / "trainscale")
@@ -47,14 +47,14 @@ def _assert_each_sample_once_per_epoch(seen: list[tuple[int, list[int]]], n: int
 @pytest.fixture(scope="module")
 def elastic_runs(tmp_path_factory):
     """Three jobs at once (they share the 2 cores; the test asserts nothing about time):
-    - "full": 2 processes under torchrun, uninterrupted;
-    - "killed": the same, but rank 1 SIGKILLs itself at step 17 (epoch 1, after the step-15
+    - "killed": 2 processes under torchrun, rank 1 SIGKILLs itself at step 17 (epoch 1, after the step-15
       checkpoint), under --max-restarts 1;
-    - "nodes": the same job as two 1-process "nodes" joining at a c10d rendezvous on 127.0.0.1."""
+    - "nodes": the same job as two 1-process "nodes" joining at a c10d rendezvous on 127.0.0.1;
+    - "full": the same job uninterrupted, on 2 ranks forked by ``run_distributed`` (the reference: what it
+      computes does not depend on the launcher, as "nodes" against it shows)."""
     base = tmp_path_factory.mktemp("elastic")
     port = free_port()
-    cmds = {"full": [TRAINSCALE, "run", "-n", "2", "--max-restarts", "1", SCRIPT, "--out", str(base / "full")],
-            "killed": [TRAINSCALE, "run", "-n", "2", "--max-restarts", "1", SCRIPT, "--out", str(base / "killed"),
+    cmds = {"killed": [TRAINSCALE, "run", "-n", "2", "--max-restarts", "1", SCRIPT, "--out", str(base / "killed"),
                        "--kill-at-step", "17"]}
     for node in (0, 1):
         cmds[f"node{node}"] = [TRAINSCALE, "run", "--nnodes", "2", "--node-rank", str(node), "-n", "1",
@@ -68,6 +68,7 @@ def elastic_runs(tmp_path_factory):
     jobs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
                                    cwd=ROOT) for name, cmd in cmds.items()}
     try:
+        run_distributed(fault_script.run_rank, ["--out", str(base / "full")], timeout=300)
         logs = {name: p.communicate(timeout=300)[0] for name, p in jobs.items()}
     finally:
         for p in jobs.values():
@@ -149,10 +150,7 @@ def test_hang_names_the_missing_rank_and_dumps_its_stack(tmp_path):
 
 
 def test_save_killed_at_every_stage_leaves_a_loadable_last(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "tests.fault_workers", str(tmp_path)], capture_output=True,
-                         text=True, timeout=240, env=_env(), cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    cases = {c["case"]: c for c in map(json.loads, (l for l in out.stdout.splitlines() if l.startswith("{")))}
+    cases = {c["case"]: c for c in run_distributed(fw.crash_scenarios, str(tmp_path), world_size=1, timeout=240)[0]}
     assert len(cases) == 9
     for name, case in cases.items():
         assert case["killed"], f"{name}: the failure was not injected"
@@ -354,11 +352,8 @@ def test_sigterm_ends_a_job_with_a_stuck_rank_and_dumps_each_ranks_stack(tmp_pat
     handler cannot run). Both get SIGTERM (as torchrun's agent sends it): each writes its stacks and
     exits with 143 after the grace (20 s by default; 5 s here, the same path), long before the 300 s
     collective timeout. Before, neither ended (rank 1 never; rank 0 at the collective timeout)."""
-    import torch.multiprocessing as mp
-
     grace = 5.0
-    ctx = mp.start_processes(_child, args=(fw.stuck_rank_body, 2, free_port(), str(tmp_path), (str(tmp_path), grace)),
-                             nprocs=2, join=False, start_method="spawn")
+    ctx = fw.start_ranks(fw.stuck_rank_body, (str(tmp_path), grace), str(tmp_path))
     try:
         deadline = time.monotonic() + 150
         while not (tmp_path / "rank1-stuck").exists():
