@@ -57,7 +57,7 @@ class TokenDicts(Dataset):
     """``n`` samples of ``{"input_ids", "attention_mask", "labels"}`` (random token ids, labels = inputs: the
     model shifts them), what a tokenizer's collator gives a causal language model."""
 
-    def __init__(self, n: int = 24, seed: int = 0) -> None:
+    def __init__(self, n: int = 16, seed: int = 0) -> None:
         self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
 
     def __len__(self) -> int:

@@ -15,6 +15,8 @@ from trainscale.models import GPT, GPTConfig, lm_loss
 # 4 blocks: with 2 stages each holds 2 of them and one copy of the tied token embedding, about 0.54 of
 # the parameters (2 blocks would leave the duplicated embedding at 0.58).
 PP_CONFIG = GPTConfig(vocab_size=256, context_length=32, n_layer=4, n_head=4, n_embd=64)
+# the meta-device run's loss must fall by 0.2 from ~ln 256: more steps than a parity check needs
+META_STEPS = 4
 
 
 def text_loaders(batch_size: int, train: int, val: int) -> tuple[DataLoader, DataLoader]:
@@ -130,15 +132,18 @@ def _counting_gradient_takes(run: Callable[[], dict]) -> dict:
 
 def pp_runs(rank: int, root: str, steps: int) -> dict:
     """GPipe and 1F1B over 2 stages for ``steps`` steps, 1F1B under "bf16-mixed", 1F1B of a GPT built on the
-    meta device, 1F1B with each stage's blocks compiled, then 1F1B with 2 accumulated micro-batches per step,
-    then :func:`pp_resume` (one stage per rank); one process group for all."""
+    meta device (:data:`META_STEPS` steps), 1F1B with each stage's blocks compiled, then 1F1B with 2 accumulated
+    micro-batches per step, then :func:`pp_fp16_runs`, :func:`plan_errors` and :func:`pp_resume` (one stage per
+    rank); one process group for all."""
     gpipe = _counting_gradient_takes(lambda: fit_gpt(rank, f"{root}/gpipe", "pp", steps=steps, schedule="gpipe"))
     return {"gpipe": gpipe,
             "1f1b": fit_gpt(rank, f"{root}/1f1b", "pp", steps=steps, schedule="1f1b", pp_microbatches=2),
             "bf16": fit_gpt(rank, f"{root}/bf16", "pp", steps=steps, precision="bf16-mixed"),
-            "meta": fit_gpt(rank, f"{root}/meta", "pp", steps=steps, meta=True),
+            "meta": fit_gpt(rank, f"{root}/meta", "pp", steps=META_STEPS, meta=True),
             "compiled": _compiled(rank, f"{root}/compiled", steps),
             "accumulate": fit_gpt(rank, f"{root}/acc", "pp", steps=2, accumulate=2),
+            "fp16": pp_fp16_runs(rank, f"{root}/fp16", steps),
+            "plan_errors": plan_errors(rank, f"{root}/errors"),
             "resume": pp_resume(rank, f"{root}/resume")}
 
 
@@ -156,14 +161,15 @@ def pp_resume(rank: int, root: str, parallel: dict | None = None, destroy: bool 
 
 def pp_tp_runs(rank: int, root: str, steps: int) -> dict:
     """On 4 ranks: 2 stages × 2 tensor-parallel ranks over batches of 16, with sequence parallelism (1F1B,
-    a checkpoint at the end) and without (GPipe), and under "bf16-mixed", then :func:`pp_resume` on that
-    mesh; one process group for all. 2 micro-batches of 8 per batch (the default number, 4 · stages, is
-    ``pp_runs``'s GPipe run): each micro-batch is a pass of DTensor collectives through both stages."""
+    a checkpoint at the end) and without (GPipe), and under "bf16-mixed", then :func:`pp_tp_user_runs` and
+    :func:`pp_resume` on that mesh; one process group for all. 2 micro-batches of 8 per batch (the default number,
+    4 · stages, is ``pp_runs``'s GPipe run): each micro-batch is a pass of DTensor collectives through both stages."""
     pp_tp = dict(steps=steps, val=20, batch_size=16, parallel={"pp": 2, "tp": 2}, pp_microbatches=2)
     return {"tp": fit_gpt(rank, f"{root}/tp", "pp", **pp_tp),
             "tp_gpipe": fit_gpt(rank, f"{root}/tp_gpipe", "pp", schedule="gpipe",
                                 strategy_options={"sequence_parallel": False}, **pp_tp),
             "tp_bf16": fit_gpt(rank, f"{root}/tp_bf16", "pp", precision="bf16-mixed", **pp_tp),
+            "user": pp_tp_user_runs(rank, f"{root}/user", steps),
             "resume": pp_resume(rank, f"{root}/resume", {"pp": 2, "tp": 2})}
 
 
@@ -254,9 +260,7 @@ def pp_tp_user_runs(rank: int, root: str, steps: int) -> dict:
     """On 4 ranks, 2 stages × 2 tensor-parallel ranks of a :class:`Net` cut at ``layers.2``, split by
     :func:`net_plan` given as ``tp_plan``, by :func:`parallelize_net`, and by a plan of the blocks only (the
     embedding and the head plain, replicated), then that plan under "16-mixed" (``fp16_error``: the message
-    of the ValueError it raised); one process group for all."""
-    import torch.distributed as dist
-
+    of the ValueError it raised), on the process group of the runs before it."""
     flags = dict(steps=steps, val=16, batch_size=16, net=True, parallel={"pp": 2, "tp": 2},
                  pp_split_points=["layers.2"])
     blocks = {k: v for k, v in net_plan().items() if k.startswith("layers")}
@@ -267,8 +271,6 @@ def pp_tp_user_runs(rank: int, root: str, steps: int) -> dict:
         fit_gpt(rank, f"{root}/fp16", "pp", tp_plan=blocks, precision="16-mixed", **flags)
     except ValueError as error:
         out["fp16_error"] = str(error)
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return out
 
 
@@ -319,25 +321,24 @@ def pp_fp16_runs(rank: int, root: str, steps: int) -> dict:
 
 
 def fit_then_evaluate(rank: int, root: str, strategy: str) -> dict:
-    """Fit a GPT for 2 epochs, then validate the same model object, with its own weights and with
+    """Fit a GPT for one epoch of 2 steps, then validate the same model object, with its own weights and with
     ckpt_path="last", on the same Trainer (the model was sharded or cut by the fit: set up once, reused)."""
     from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, max_epochs=2, seed=0, timeout=60,
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, max_epochs=1, seed=0, timeout=60,
                       default_root_dir=root, enable_progress_bar=False, logger=False)
     torch.manual_seed(0)
     model = GPT(PP_CONFIG)
-    train_loader, val_loader = text_loaders(8, 32, 16)
+    train_loader, val_loader = text_loaders(8, 16, 16)
     summary = trainer.fit(model, train_loader, val_loader, loss_fn=lm_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     return {"fit": summary["val_loss"], "validate": trainer.validate(model, val_loader, loss_fn=lm_loss)[0]["val_loss"],
             "last": trainer.validate(model, val_loader, loss_fn=lm_loss, ckpt_path="last")[0]["val_loss"]}
 
 
 def plan_errors(rank: int, root: str) -> dict:
-    """On 2 ranks, one process group for all: a :class:`Net` under pp with a split point that leaves the first stage
-    empty, under pp with ``pp_microbatches`` above the batch, and under tp=2 with a plan whose head returns each
-    rank's slice of the logits; each case's error message (``"none"`` if a case trained)."""
-    import torch.distributed as dist
+    """On 2 ranks, on the process group of the runs before it: a :class:`Net` under pp with a split point that
+    leaves the first stage empty, under pp with ``pp_microbatches`` above the batch, and under tp=2 with a plan
+    whose head returns each rank's slice of the logits; each case's error message (``"none"`` if a case trained)."""
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     from trainscale.loop.trainer import Trainer
@@ -355,5 +356,4 @@ def plan_errors(rank: int, root: str) -> dict:
             out[name] = "none"
         except ValueError as error:
             out[name] = str(error)
-    dist.destroy_process_group()
     return out

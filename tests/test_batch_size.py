@@ -51,18 +51,28 @@ def _data(n=256):
     return TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
 
 
-def test_cpu_search_stays_within_the_budget_and_leaves_the_model_unchanged():
+BUDGET = 8 * 2**20
+
+
+@pytest.fixture(scope="module")
+def cpu_search() -> dict:
+    """One real search on CPU within :data:`BUDGET`: the model searched with, its weights before, the size found
+    and the trials (the Trainer's test expects the same size from its own search)."""
     model = ConvNet()
     before = [p.detach().clone() for p in model.parameters()]
     trials = []
-    budget = 8 * 2**20
     found = find_batch_size(model, F.cross_entropy, _data(), optimizer=tune_workers.adamw, accelerator="cpu",
-                            devices=1, strategy="single", max_memory=budget, trials=trials)
+                            devices=1, strategy="single", max_memory=BUDGET, trials=trials)
+    return {"model": model, "before": before, "found": found, "trials": trials}
+
+
+def test_cpu_search_stays_within_the_budget_and_leaves_the_model_unchanged(cpu_search):
+    model, before, found, trials = (cpu_search[k] for k in ("model", "before", "found", "trials"))
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     peaks = {t.batch_size: t.peak_bytes for t in trials}
-    assert peaks[found] <= budget < peaks[min(s for s in peaks if s > found)]  # the next size tried went over
-    assert found + 1 in peaks and peaks[found + 1] > budget  # the binary search ended next to the boundary
-    assert all(t.fits_here == t.fits_all == (t.peak_bytes <= budget) for t in trials)
+    assert peaks[found] <= BUDGET < peaks[min(s for s in peaks if s > found)]  # the next size tried went over
+    assert found + 1 in peaks and peaks[found + 1] > BUDGET  # the binary search ended next to the boundary
+    assert all(t.fits_here == t.fits_all == (t.peak_bytes <= BUDGET) for t in trials)
     sizes = sorted(peaks)
     assert all(peaks[a] < peaks[b] for a, b in zip(sizes, sizes[1:]))  # bigger batches, more bytes
 
@@ -79,13 +89,11 @@ def test_bad_finder_input_names_the_fix():
         Trainer(accelerator="cpu", devices=1, batch_size="maximum")
 
 
-def test_trainer_batch_size_max_rebuilds_the_loader_with_the_found_size(tmp_path):
+def test_trainer_batch_size_max_rebuilds_the_loader_with_the_found_size(tmp_path, cpu_search):
     from trainscale.loop.trainer import Trainer
 
-    budget = 6 * 2**20
-    expected = find_batch_size(ConvNet(), F.cross_entropy, _data(), optimizer=tune_workers.adamw,
-                               accelerator="cpu", devices=1, strategy="single", max_memory=budget)
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=2, batch_size="max", max_memory=budget,
+    expected = cpu_search["found"]  # find_batch_size's answer for the same model, data and budget
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=2, batch_size="max", max_memory=BUDGET,
                       default_root_dir=tmp_path, enable_progress_bar=False, enable_checkpointing=False, logger=False)
     loader = DataLoader(_data(), batch_size=4, shuffle=True)
     summary = trainer.fit(ConvNet(), loader, loss_fn=F.cross_entropy, optimizer=tune_workers.adamw)

@@ -12,7 +12,7 @@ from tests.parallel_workers import CONFIG, predict_gpt, tp_fp16_setup_error, tra
 from trainscale.runtime.connector import resolve
 from trainscale.runtime.strategies.parallel_dims import ParallelDims
 
-STEPS = 4
+STEPS = 2  # exact parity needs no more: the second step already applies the first one's momentum
 
 
 def _assert_same_weights(got: dict, want: dict) -> float:

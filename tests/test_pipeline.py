@@ -9,14 +9,13 @@ import torch
 from torch import nn
 
 from tests.helpers import run_distributed, run_python
-from tests.pipeline_workers import (PP_CONFIG, Net, fit_gpt, net_plan, plan_errors, pp_dp_runs, pp_fp16_runs, pp_hsdp_run,
-                                    pp_runs, pp_tp_runs, pp_tp_user_runs)
+from tests.pipeline_workers import PP_CONFIG, Net, fit_gpt, net_plan, pp_dp_runs, pp_hsdp_run, pp_runs, pp_tp_runs
 from trainscale.runtime.connector import resolve
 from trainscale.runtime.strategies.apply_pp import gpt_split_points, keep_stage, shared_parameters, stage_names, units
 from trainscale.runtime.strategies.parallel_dims import ParallelDims
 from trainscale.runtime.strategies.pipeline import bubble_fraction
 
-STEPS = 4
+STEPS = 2  # exact parity needs no more: the second step already applies the first one's momentum
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "strategies.md"
 
 
@@ -50,7 +49,8 @@ def _planned_bytes(strategy: str, devices: int, rank: int, parallel: dict | None
 # -- parity with one process, memory (gloo, real processes) --------------------------------------
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory) -> dict:
-    """The 2-stage runs (``pp_runs``), one start of 2 processes for all, and the one-process runs."""
+    """The 2-stage runs (``pp_runs``: those of the fp16 and plan-error tests too), one start of 2 processes for
+    all, and the one-process runs."""
     root = tmp_path_factory.mktemp("pp2")
     return {"root": root, "reference": fit_gpt(0, str(root / "single"), "single", steps=STEPS),
             "accumulated": fit_gpt(0, str(root / "single_acc"), "single", steps=2, accumulate=2),
@@ -244,11 +244,11 @@ def test_pp_composes_with_hsdp_on_eight_ranks_and_matches_one_process(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_pp_composes_with_a_users_tp_plan_and_parallelize_fn_and_matches_one_process(tmp_path):
+@pytest.mark.timeout(600)
+def test_pp_composes_with_a_users_tp_plan_and_parallelize_fn_and_matches_one_process(tmp_path, four_rank_tp_runs):
     # 2 stages × 2 tp ranks of a user's Net (not a GPT) cut at layers.2; every rank reads the same batches of 16
     reference = fit_gpt(0, str(tmp_path / "single"), "single", steps=STEPS, val=16, batch_size=16, net=True)
-    results = run_distributed(pp_tp_user_runs, str(tmp_path), STEPS, world_size=4, timeout=280)
+    results = [r["user"] for r in four_rank_tp_runs["results"]]  # pp_tp_user_runs
     # tp_plan={...}, each stage taking its entries; parallelize=fn(stage, mesh); a plan of the blocks only
     for way in ("plan", "fn", "blocks"):
         runs = [r[way] for r in results]
@@ -308,9 +308,9 @@ def test_a_tp_plan_that_leaves_the_last_stages_output_sharded_is_refused_before_
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(120)
-def test_plan_errors_are_raised_on_every_rank_before_the_first_step(tmp_path):
-    results = run_distributed(plan_errors, str(tmp_path), world_size=2, timeout=100)
+@pytest.mark.timeout(300)
+def test_plan_errors_are_raised_on_every_rank_before_the_first_step(two_rank_runs):
+    results = [r["plan_errors"] for r in two_rank_runs["results"]]  # pipeline_workers.plan_errors
     assert results[0] == results[1]  # every rank raises, the same error
     errors = results[0]
     assert "leave stage 0 without a unit; 'embed' is the model's first unit" in errors["empty_stage"]
@@ -355,13 +355,14 @@ def test_a_parallelize_fn_must_act_on_the_stage_in_place():
 
 
 @pytest.fixture(scope="module")
-def fp16_runs(tmp_path_factory) -> dict:
-    """``pp_fp16_runs`` on 2 ranks, and the one-process "16-mixed" and "32-true" runs of the same Net."""
+def fp16_runs(tmp_path_factory, two_rank_runs) -> dict:
+    """``pp_fp16_runs`` on 2 ranks (run by ``pp_runs``), and the one-process "16-mixed" and "32-true" runs of the
+    same Net."""
     root = tmp_path_factory.mktemp("pp_fp16")
     flags = dict(steps=STEPS, val=16, batch_size=16, net=True)
     return {"reference": fit_gpt(0, str(root / "single"), "single", precision="16-mixed", **flags),
             "fp32": fit_gpt(0, str(root / "single32"), "single", **flags),
-            "results": run_distributed(pp_fp16_runs, str(root), STEPS, world_size=2, timeout=280)}
+            "results": [r["fp16"] for r in two_rank_runs["results"]]}
 
 
 @pytest.mark.multiprocess

@@ -3,6 +3,7 @@ logged on a fake process group (no process started, nothing sent), against Megat
 al. 2019), and the arithmetic that times them (trainscale.plan.comm)."""
 
 import collections
+import functools
 
 import pytest
 import torch
@@ -18,7 +19,10 @@ BATCH = 4
 SAMPLE = (torch.zeros(CONFIG.context_length, dtype=torch.long), torch.zeros(CONFIG.context_length, dtype=torch.long))
 
 
+@functools.cache
 def _traced(strategy: str, devices: int, sequence_parallel: bool | None = None) -> dict:
+    """The traced step of ``strategy`` on ``devices`` (traced once per module: three of the tests share each trace;
+    the callers only read it)."""
     meta = memory.build_meta_model(lambda: GPT(CONFIG))
     return memory.traced_memory(meta, SAMPLE, BATCH, lm_loss, plan_workers.adamw, strategy, devices,
                                 sequence_parallel=sequence_parallel)
