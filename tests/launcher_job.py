@@ -1,5 +1,6 @@
-"""The tiny ddp job of the launcher tests (tests/test_launchers.py): whatever started it (torchrun, Kubernetes
-pods, mpirun, jsrun, Ray Train), ``Trainer(devices="auto")`` on a fixed seed must end with torchrun's weights.
+"""The tiny ddp job of the launcher tests (tests/test_launchers.py): whatever started it (Kubernetes pods, mpirun,
+jsrun, Ray Train), ``Trainer(devices="auto")`` on a fixed seed must end with the weights of the same job on ranks
+given torchrun's variables (:func:`reference_weights`, forked by tests/helpers.py ``run_distributed``).
 
     python tests/launcher_job.py OUT.pt ROOT_DIR         # rank 0 saves the final weights to OUT.pt
     python tests/launcher_job.py --ray OUT.pt ROOT_DIR   # the same in Ray Train's TorchTrainer, 2 CPU workers
@@ -14,7 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainscale import Trainer
 
 
-def train(out: str, root: str) -> None:
+def train(root: str) -> tuple[int, dict]:
+    """Fit the job; print the world the Trainer found; return this process's rank and the final weights."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 8, generator=g)
     y = (x.sum(1) > 0).long()
@@ -27,12 +29,22 @@ def train(out: str, root: str) -> None:
                 optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     world = trainer.runtime.world
     print(f"RANK {world.rank} OF {world.world_size} LAUNCHER {world.launcher}", flush=True)
-    if world.rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
+    return world.rank, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def save_weights(out: str, root: str) -> None:
+    rank, weights = train(root)
+    if rank == 0:
+        torch.save(weights, out)
+
+
+def reference_weights(rank: int, root: str) -> dict:
+    """One rank of the reference run (``run_distributed(reference_weights, root, world_size=N)``)."""
+    return train(root)[1]
 
 
 def _ray_worker(config: dict) -> None:
-    train(config["out"], config["root"])
+    save_weights(config["out"], config["root"])
 
 
 def train_with_ray(out: str, root: str) -> None:
@@ -54,4 +66,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--ray":
         train_with_ray(sys.argv[2], sys.argv[3])
     else:
-        train(sys.argv[1], sys.argv[2])
+        save_weights(sys.argv[1], sys.argv[2])

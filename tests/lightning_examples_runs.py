@@ -4,7 +4,8 @@ final numbers: ``python tests/lightning_examples_runs.py OUT_DIR DEVICES NAME...
 With DEVICES=2 the first Trainer relaunches this script under torchrun (2 ddp processes) and every example runs on
 both; each is given half the one-process per-device batch size where the example takes one, so that the global
 batch is the same as with DEVICES=1. Rank zero writes ``OUT_DIR/<name>.pt``: a dict of floats and tensors.
-tests/test_lightning_examples.py compares a one-process run (in its own process) with a two-process one.
+tests/test_lightning_examples.py compares a one-process run (in its own process) with a two-process one, whose
+ranks tests/helpers.py ``run_distributed`` forks with torchrun's variables (:func:`on_each_rank`).
 """
 
 from __future__ import annotations
@@ -92,6 +93,11 @@ def main(out_dir: Path, devices: int, names: list[str]) -> None:
         result = RUNS[name](out_dir / name, devices)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             torch.save(result, out_dir / f"{name}.pt")
+
+
+def on_each_rank(rank: int, out_dir: str, names: list[str]) -> dict:
+    """One of 2 ranks (``run_distributed(on_each_rank, out_dir, names)``): ``{name: numbers}`` of each example."""
+    return {name: RUNS[name](Path(out_dir) / name, 2) for name in names}
 
 
 if __name__ == "__main__":

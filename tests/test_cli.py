@@ -1,4 +1,5 @@
-"""The command line as a user runs it, in a subprocess."""
+"""The command line as a user runs it, in a subprocess; a bad flag and a second environment of `trainscale env` in
+this process, through the command's ``main``."""
 
 import json
 import os
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from trainscale.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -34,7 +37,7 @@ def test_env():
     assert "launcher       none" in out.stdout
 
 
-def test_env_names_the_launcher_detected_and_why():
+def test_env_names_the_launcher_detected_and_why(monkeypatch, capsys):
     pod = {"MASTER_ADDR": "t-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "4", "RANK": "1", "PET_NODE_RANK": "1",
            "PET_NPROC_PER_NODE": "2", "PET_NNODES": "2"}  # a PyTorchJob worker pod, 2 processes per pod
     out = subprocess.run([str(BIN / "trainscale"), "env"], capture_output=True, text=True, timeout=120,
@@ -46,17 +49,27 @@ def test_env_names_the_launcher_detected_and_why():
     volcano = {"MASTER_ADDR": "job-master-0.job", "MASTER_PORT": "23456", "WORLD_SIZE": "2", "RANK": "1",
                "VC_MASTER_HOSTS": "job-master-0.job", "VC_MASTER_NUM": "1", "VC_WORKER_HOSTS": "job-worker-0.job",
                "VC_WORKER_NUM": "1", "KUBERNETES_SERVICE_HOST": "10.96.0.1"}  # Volcano's pytorch + svc plugins
-    out = subprocess.run([str(BIN / "trainscale"), "env"], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **volcano})
-    assert re.search(r"^detected from +RANK=1, WORLD_SIZE=2, VC_MASTER_HOSTS=.*\(a Volcano pod", out.stdout, re.M)
+    for name, value in volcano.items():  # the same command in this process: the pod's run above was the subprocess
+        monkeypatch.setenv(name, value)
+    assert main(["env"]) == 0
+    assert re.search(r"^detected from +RANK=1, WORLD_SIZE=2, VC_MASTER_HOSTS=.*\(a Volcano pod", capsys.readouterr().out,
+                     re.M)
+
+
+@pytest.fixture(scope="module")
+def demo_one_epoch(tmp_path_factory):
+    """``trainscale demo --devices 2 --epochs 1``, run once: the completed process and its root directory."""
+    root = tmp_path_factory.mktemp("demo")
+    return run([str(BIN / "trainscale"), "demo", "--devices", "2", "--epochs", "1", "--out", str(root),
+                "--no-progress-bar"]), root
 
 
 @pytest.mark.multiprocess
-def test_demo_one_epoch_on_two_processes(tmp_path):
-    out = run([str(BIN / "trainscale"), "demo", "--epochs", "1", "--out", str(tmp_path), "--no-progress-bar"])
+def test_demo_one_epoch_on_two_processes(demo_one_epoch):
+    out, root = demo_one_epoch
     assert out.returncode == 0, out.stderr[-3000:]
     assert "epoch 1/1" in out.stdout and "final validation accuracy" in out.stdout
-    summary = json.loads((tmp_path / "version_0" / "summary.json").read_text())
+    summary = json.loads((root / "version_0" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["strategy"] == "ddp" and summary["global_batch_size"] == 128
     assert summary["val_accuracy"] > 0.8  # one epoch on real digits
 
@@ -84,17 +97,18 @@ def test_run_starts_a_script_under_torchrun(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_script_with_devices_2_relaunches_itself(tmp_path):
-    out = run([sys.executable, str(ROOT / "examples" / "train_ddp.py"), "--devices", "2", "--epochs", "1",
-               "--out", str(tmp_path)])
+def test_script_with_devices_2_relaunches_itself(demo_one_epoch):
+    """The ``trainscale`` command is a Python script: asked for ``--devices 2`` outside any launcher, it becomes
+    torchrun's agent for 2 copies of itself (``launch.become_torchrun``), whose rank zero alone prints."""
+    out, _ = demo_one_epoch
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("world_size=2") == 1  # printed by rank zero only
+    assert out.stdout.count("final validation accuracy: ") == 1 and "(world size 2, ddp)" in out.stdout
 
 
-def test_bad_flag_is_a_one_line_error(tmp_path):
-    out = run([str(BIN / "trainscale"), "demo", "--devices", "0", "--out", str(tmp_path)])
-    assert out.returncode == 2
-    assert "devices=0 must be >= 1" in out.stderr and "Traceback" not in out.stderr
+def test_bad_flag_is_a_one_line_error(tmp_path, capsys):
+    assert main(["demo", "--devices", "0", "--out", str(tmp_path)]) == 2  # the command's main, in this process
+    err = capsys.readouterr().err
+    assert "devices=0 must be >= 1" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 # A child Python in which `import matplotlib` fails, as after `make demo` (which does not install it).

@@ -17,40 +17,51 @@ from trainscale.loop.trainer import Trainer
 pytestmark = pytest.mark.multiprocess
 
 
-def test_trainer_fit_in_spawned_ranks_equals_plain_pytorch_and_returns_weights(tmp_path):
-    epochs, b = 2, 8
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=epochs, seed=0,
-                      default_root_dir=tmp_path, enable_progress_bar=False, timeout=60,
+EPOCHS, BATCH = 3, 8
+
+
+@pytest.fixture(scope="module")
+def spawned_fit(tmp_path_factory):
+    """One fit in 2 spawned ranks, with ddp options and a ModelCheckpoint on val_loss: the trainer, the callback,
+    the model, the weights before and right after the fit, the summary and the validation loader."""
+    root = tmp_path_factory.mktemp("spawned_fit")
+    callback = ModelCheckpoint(monitor="val_loss")
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=EPOCHS, seed=0, timeout=60,
+                      default_root_dir=root, enable_progress_bar=False, callbacks=[callback],
                       strategy_options={"gradient_as_bucket_view": True, "bucket_cap_mb": 1})
-    model = workers.make_model(0)
+    model, val = workers.make_model(0), DataLoader(workers.tiny_dataset(20, seed=3), batch_size=4)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    summary = trainer.fit(model, DataLoader(workers.tiny_dataset(96), batch_size=b, shuffle=True),
-                          DataLoader(workers.tiny_dataset(50, seed=1), batch_size=8), optimizer=workers.sgd)
+    summary = trainer.fit(model, DataLoader(workers.tiny_dataset(96), batch_size=BATCH, shuffle=True), val,
+                          optimizer=workers.sgd)
+    fitted = {k: v.clone() for k, v in model.state_dict().items()}
+    return {"trainer": trainer, "callback": callback, "model": model, "before": before, "fitted": fitted,
+            "summary": summary, "root": root, "val": val}
+
+
+def test_trainer_fit_in_spawned_ranks_equals_plain_pytorch_and_returns_weights(spawned_fit):
+    trainer, summary, before = spawned_fit["trainer"], spawned_fit["summary"], spawned_fit["before"]
     assert trainer.runtime.config.strategy == "ddp" and trainer.runtime.config.start_method == "spawn"
-    assert summary["world_size"] == 2 and summary["strategy"] == "ddp" and summary["global_batch_size"] == 2 * b
-    assert summary["epochs"] == epochs and trainer.global_step == epochs * 96 // (2 * b)
-    assert (tmp_path / "version_0" / "summary.json").is_file()
-    reference = workers.plain_pytorch_reference(2 * b, epochs)
+    assert summary["world_size"] == 2 and summary["strategy"] == "ddp" and summary["global_batch_size"] == 2 * BATCH
+    assert summary["epochs"] == EPOCHS and trainer.global_step == EPOCHS * 96 // (2 * BATCH)
+    assert (spawned_fit["root"] / "version_0" / "summary.json").is_file()
+    reference = workers.plain_pytorch_reference(2 * BATCH, EPOCHS)
     for key, ref in reference.items():
         assert not torch.equal(before[key], ref)  # training moved the weights...
-        torch.testing.assert_close(model.state_dict()[key], ref, rtol=1e-5, atol=1e-6)  # ...and they came back
+        torch.testing.assert_close(spawned_fit["fitted"][key], ref, rtol=1e-5, atol=1e-6)  # ...and they came back
 
 
-
-def test_a_spawned_fit_returns_the_best_checkpoint_which_test_then_evaluates(tmp_path):
+def test_a_spawned_fit_returns_the_best_checkpoint_which_test_then_evaluates(spawned_fit):
     """The ModelCheckpoint's state and the metrics come back from the spawned ranks (the callback in this process
     never saw the fit), so ``trainer.test(model, loader, ckpt_path="best")`` finds the best checkpoint."""
-    callback = ModelCheckpoint(monitor="val_loss")
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=3, seed=0, timeout=60,
-                      default_root_dir=tmp_path, enable_progress_bar=False, callbacks=[callback])
-    model, val = workers.make_model(0), DataLoader(workers.tiny_dataset(20, seed=3), batch_size=4)
-    trainer.fit(model, DataLoader(workers.tiny_dataset(48), batch_size=8), val, optimizer=workers.sgd)
+    trainer, callback = spawned_fit["trainer"], spawned_fit["callback"]
     history = [r["val_loss"] for r in trainer.history]
     best = history.index(min(history))
     assert best < len(history) - 1  # the best checkpoint is not the fitted weights
     assert callback.best_model_path is not None and f"epoch={best + 1:06d}-" in callback.best_model_path
     assert trainer.callback_metrics["val_loss"] == pytest.approx(history[-1])
-    assert trainer.test(model, val, ckpt_path="best")[0]["test_loss"] == pytest.approx(history[best], rel=1e-6)
+    test_loss = trainer.test(spawned_fit["model"], spawned_fit["val"], ckpt_path="best")[0]["test_loss"]
+    assert test_loss == pytest.approx(history[best], rel=1e-6)
+
 
 def test_runtime_launch_function_runs_on_each_spawned_rank_with_ddp_options():
     rt = Runtime(accelerator="cpu", devices=2, strategy="ddp_spawn", timeout=60,

@@ -1,10 +1,10 @@
 """Real processes under each launcher, started with exactly the variables that launcher sets, each training
 the tiny ddp job of tests/launcher_job.py (``Trainer(devices="auto")``, seed 0) and ending with the weights
-of the same job under torchrun: Kubeflow PyTorchJob pods (2 × 2 processes), TrainJob pods started with
+of the same job on ranks forked with torchrun's variables (``run_distributed``): Kubeflow PyTorchJob pods (2 × 2 processes), TrainJob pods started with
 ``python``, Volcano pods, LSF jsrun with a generated rank file, Debian's Open MPI ``mpirun -np 2`` and Ray
 Train's TorchTrainer. The pods and tasks are processes on localhost; every process group is killed at the end.
-Each test takes 20-55 s here (up to 11 torch imports on 2 cores shared with the other pytest worker); its limit
-is twice that, so load slows it but does not fail it."""
+Each test takes 10-55 s here (up to 6 processes importing torch, on 2 cores shared with the other pytest worker);
+its limit is twice that, so load slows it but does not fail it."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import free_port
+from tests import launcher_job
+from tests.helpers import free_port, run_distributed
 
 pytestmark = pytest.mark.multiprocess
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,18 +74,17 @@ def _run_all(commands: list[tuple[list[str], dict]], tmp_path: Path, timeout: fl
 
 
 @pytest.fixture(scope="module")
-def torchrun_weights(tmp_path_factory):
-    """The job's final weights under ``torchrun --standalone --nproc-per-node N`` (each N run once)."""
+def reference_weights(tmp_path_factory):
+    """The job's final weights on N ranks forked by ``run_distributed`` with torchrun's variables (each N run
+    once): the same Trainer, DDP and gloo as under any launcher, without a launcher's processes to start."""
     done = {}
 
-    def weights(nproc: int) -> dict:
-        if nproc not in done:
-            tmp = tmp_path_factory.mktemp(f"torchrun{nproc}")
-            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", JOB,
-                    str(tmp / "weights.pt"), str(tmp)]
-            _run_all([(argv, _clean_env())], tmp)
-            done[nproc] = torch.load(tmp / "weights.pt")
-        return done[nproc]
+    def weights(world_size: int) -> dict:
+        if world_size not in done:
+            root = tmp_path_factory.mktemp(f"reference{world_size}")
+            done[world_size] = run_distributed(launcher_job.reference_weights, str(root), world_size=world_size,
+                                               timeout=90)[0]
+        return done[world_size]
 
     return weights
 
@@ -104,10 +104,10 @@ def _pods(tmp_path: Path, per_pod: list[dict]) -> list[tuple[list[str], dict]]:
 
 
 @pytest.mark.timeout(120)
-def test_pytorchjob_pods_of_two_processes_each_start_them_with_torchrun(tmp_path, torchrun_weights):
+def test_pytorchjob_pods_of_two_processes_each_start_them_with_torchrun(tmp_path, reference_weights):
     """A PyTorchJob with a master and one worker, nprocPerNode 2, each container `python train.py`: the
     operator's variables (training-operator v1.9; MASTER_ADDR is the master pod's service, here localhost)."""
-    expected = torchrun_weights(4)
+    expected = reference_weights(4)
     port = str(free_port())
 
     def pod(index: int) -> dict:
@@ -121,11 +121,11 @@ def test_pytorchjob_pods_of_two_processes_each_start_them_with_torchrun(tmp_path
 
 
 @pytest.mark.timeout(120)
-def test_trainjob_and_volcano_pods_started_with_python_are_the_ranks(tmp_path, torchrun_weights):
+def test_trainjob_and_volcano_pods_started_with_python_are_the_ranks(tmp_path, reference_weights):
     """Two jobs at once, one process per pod: a TrainJob's PET_* variables (Trainer v2's torch plugin: CPU pods
     get PET_NPROC_PER_NODE from their CPU count, 1 here) and a Volcano job's (pytorch and svc plugins: master + 1
     worker, without the env plugin's VC_TASK_INDEX)."""
-    expected = torchrun_weights(2)
+    expected = reference_weights(2)
     trainjob, volcano = tmp_path / "trainjob", tmp_path / "volcano"
     trainjob.mkdir()
     volcano.mkdir()
@@ -156,8 +156,8 @@ def _free_lsf_job_id() -> str:
 
 
 @pytest.mark.timeout(120)
-def test_lsf_jsrun_processes_meet_at_the_rank_files_first_compute_host(tmp_path, torchrun_weights):
-    expected = torchrun_weights(2)
+def test_lsf_jsrun_processes_meet_at_the_rank_files_first_compute_host(tmp_path, reference_weights):
+    expected = reference_weights(2)
     rankfile = tmp_path / "rankfile"
     rankfile.write_text(f"launch-node\n{socket.gethostname()}\n{socket.gethostname()}\n")
     base = {"LSB_JOBID": _free_lsf_job_id(), "LSB_DJOB_RANKFILE": str(rankfile), "JSM_NAMESPACE_SIZE": "2",
@@ -171,8 +171,8 @@ def test_lsf_jsrun_processes_meet_at_the_rank_files_first_compute_host(tmp_path,
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(shutil.which("mpirun") is None,
                     reason="mpirun not found: `make test` installs Debian's openmpi-bin where apt-get runs as root")
-def test_mpirun_two_processes(tmp_path, torchrun_weights):
-    expected = torchrun_weights(2)
+def test_mpirun_two_processes(tmp_path, reference_weights):
+    expected = reference_weights(2)
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     argv = ["mpirun", *root, "--oversubscribe", "-np", "2", sys.executable, JOB, str(tmp_path / "weights.pt"),
             str(tmp_path)]
@@ -184,9 +184,9 @@ def test_mpirun_two_processes(tmp_path, torchrun_weights):
 # Ray starts a head node (GCS, raylet, its own workers) before the two training workers: 40-60 s on the 2 cores
 # here while the other pytest worker runs, so this one test gets twice the usual limit rather than fail under load.
 @pytest.mark.timeout(150)
-def test_ray_train_torch_trainer_with_two_cpu_workers(tmp_path, torchrun_weights):
+def test_ray_train_torch_trainer_with_two_cpu_workers(tmp_path, reference_weights):
     pytest.importorskip("ray.train.torch", reason="Ray Train is the optional extra `ray` (pip install -e .[ray])")
-    expected = torchrun_weights(2)
+    expected = reference_weights(2)
     env = {**_clean_env(), "RAY_USAGE_STATS_ENABLED": "0"}
     logs = _run_all([([sys.executable, JOB, "--ray", str(tmp_path / "weights.pt"), str(tmp_path)], env)], tmp_path,
                     timeout=120)

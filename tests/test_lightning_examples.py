@@ -2,19 +2,18 @@
 "What to change"), run in one process on tiny data: bug_report_model.py, autoencoder.py (MNIST-5k), the classes
 of demos/boring_classes.py (automatic and manual optimization, a data module), the GAN, the two reinforcement
 learning templates (gymnasium's CartPole), the transformer demo, backbone_image_classifier.py and the "Lightning in
-15 minutes" guide; the last two also on 2 processes (tests/lightning_examples_runs.py), compared with one."""
+15 minutes" guide; the last two also on 2 ddp processes (tests/lightning_examples_runs.py), compared with one."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from examples.lightning import autoencoder, boring_classes, bug_report_model
 from tests import lightning_examples_runs as runs
-from tests.helpers import run_python
+from tests.helpers import run_distributed
 from trainscale import Trainer
 
 
@@ -94,10 +93,9 @@ def test_backbone_classifier_and_15_minute_guide_agree_on_one_and_two_processes(
     one-process run within float32 rounding of a differently ordered gradient sum (measured: 2.4e-7 on losses
     near 2, 3.6e-7 on predictions, 3.2e-6 on the encoder after 20 Adam steps)."""
     names = ["backbone", "intro"]
-    out, _ = run_python([str(Path(runs.__file__)), str(tmp_path), "2", *names], tmp_path, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
+    on_two = run_distributed(runs.on_each_rank, str(tmp_path / "two"), names, timeout=120)[0]  # rank zero's
     for name in names:
-        one, two = runs.RUNS[name](tmp_path / "one" / name, devices=1), torch.load(tmp_path / f"{name}.pt")
+        one, two = runs.RUNS[name](tmp_path / "one" / name, devices=1), on_two[name]
         assert one.keys() == two.keys()
         for key, value in one.items():
             if key == "checkpoint":  # trainscale's name, not Lightning's "epoch=0-step=20.ckpt"

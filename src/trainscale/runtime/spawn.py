@@ -131,6 +131,9 @@ def run(function: Callable, kwargs: dict[str, Any], nprocs: int, start_method: s
         raise ValueError(f"start_method={start_method!r}; choose one of {', '.join(map(repr, START_METHODS))}")
     if start_method == "fork":
         _check_fork_is_safe()
+        # DistributedDataParallel imports torch._dynamo in each rank (about 3 s of CPU here): imported once in
+        # this process, every forked rank of this job and of the next ones has it already. It starts no thread.
+        import torch._dynamo  # noqa: F401
     with tempfile.TemporaryDirectory(prefix="trainscale-spawn-") as job_dir:  # mode 0700, removed at the end
         inherited = (function, kwargs) if start_method == "fork" else None
         if inherited is None:
