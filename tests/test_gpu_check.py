@@ -63,18 +63,18 @@ def smoke_runs(tmp_path_factory):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run")
-def test_without_cuda_nothing_runs_and_it_says_so(tmp_path):
-    out = _run("--out", str(tmp_path))
-    header, message = out.stdout.strip().splitlines()
+def test_without_cuda_nothing_runs_and_it_says_so(tmp_path, capsys):
+    code = _module().main(["--out", str(tmp_path)])  # in this process: the smoke runs start the script whole
+    header, message = capsys.readouterr().out.strip().splitlines()
     assert header.startswith(f"gpu_check: torch {torch.__version__} (pyproject.toml declares torch>=")
-    assert out.returncode == 0 and message == "no CUDA device: 8 stages skipped (--cpu-smoke runs their CPU forms)"
+    assert code == 0 and message == "no CUDA device: 8 stages skipped (--cpu-smoke runs their CPU forms)"
     assert not (tmp_path / "results.json").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run")
-def test_expect_cuda_without_cuda_fails_with_a_results_json_that_says_why(tmp_path):
-    out = _run("--expect-cuda", "--out", str(tmp_path))
-    assert out.returncode == 2 and "FAILED: no CUDA device, but --expect-cuda" in out.stderr
+def test_expect_cuda_without_cuda_fails_with_a_results_json_that_says_why(tmp_path, capsys):
+    code = _module().main(["--expect-cuda", "--out", str(tmp_path)])
+    assert code == 2 and "FAILED: no CUDA device, but --expect-cuda" in capsys.readouterr().err
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["error"].startswith("no CUDA device, but --expect-cuda: ")
     assert results["torch"] == torch.__version__ and results["torch_cuda"] == torch.version.cuda
