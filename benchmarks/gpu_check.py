@@ -671,7 +671,7 @@ def stage_mfu(report: Report, smoke: bool, scratch: Path) -> None:
     from trainscale.telemetry.flops import peak_flops_per_s
 
     device = _device(smoke)
-    preset, B, T = ("tiny", 4, 64) if smoke else ("gpt2-124m", 16, 1024)
+    preset, B, T = ("tiny", 2, 32) if smoke else ("gpt2-124m", 16, 1024)
     warm, timed, rounds = (2, 4, 1) if smoke else (2, 20, 3)  # warm = the telemetry's warm-up steps (2)
     steps = warm + timed
     torch.manual_seed(0)

@@ -1,6 +1,8 @@
-"""``trainscale check``: the CLI as a user runs it (subprocess; run these under the shared flock lock), on the
-built-in ConvNet and on three workloads with a planted scaling bug (tests/check_workloads.py); the comparison
-and the causes as pure logic on synthetic traces."""
+"""``trainscale check``: the CLI as a user runs it (a subprocess launching its runs through torchrun; run these under
+the shared flock lock) on the built-in ConvNet under ddp; the command in this process, its runs' ranks forked from
+the warm forkserver (tests/check_launch.py), under fsdp, on three workloads with a planted scaling bug and one
+without (tests/check_workloads.py), and with bad flags; the comparison and the causes as pure logic on synthetic
+traces."""
 
 import json
 import math
@@ -12,7 +14,10 @@ from pathlib import Path
 import pytest
 
 import trainscale.check
+from tests import check_launch
+from trainscale import cli
 from trainscale.check import causes, compare, runner
+from trainscale.jobs import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,21 +29,36 @@ def check_cli(*args: str, out: Path, timeout: float = 240) -> subprocess.Complet
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+def check_here(monkeypatch, capsys, *args: str, out: Path) -> tuple[int, str, str]:
+    """``trainscale check --steps 3 ARGS`` in this process, its runs' ranks forked from the warm forkserver:
+    (exit status, stdout, stderr)."""
+    monkeypatch.setattr(launcher, "launch_job", check_launch.launch_job)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the command puts the current directory on it
+    monkeypatch.chdir(ROOT)
+    code = cli.main(["check", "--steps", "3", "--out", str(out), *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_the_demo_convnet_passes(tmp_path, strategy):
-    proc = check_cli("--strategy", strategy, out=tmp_path / "check")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"{strategy} × 2 against 1 device, 3 step(s), same global batch" in proc.stdout
-    assert "PASS: every step and the run's end agree within the tolerance" in proc.stdout
+def test_the_demo_convnet_passes(tmp_path, monkeypatch, capsys, strategy):
+    if strategy == "ddp":  # the command whole, as a user runs it
+        proc = check_cli("--strategy", strategy, out=tmp_path / "check")
+        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    else:
+        code, stdout, stderr = check_here(monkeypatch, capsys, "--strategy", strategy, out=tmp_path / "check")
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert f"{strategy} × 2 against 1 device, 3 step(s), same global batch" in stdout
+    assert "PASS: every step and the run's end agree within the tolerance" in stdout
     report = json.loads((tmp_path / "check" / "report.json").read_text())
     assert report["passed"] and len(report["rows"]) == 3
     assert max(r["loss_rel"] for r in report["rows"]) < report["rtol"]  # and the loss was not trivially equal:
     assert len({r["loss"][0] for r in report["rows"]}) == 3  # three different steps were trained
     # the speed-up account of the same two runs: the same global batch is strong scaling
-    assert "speed-up account, 2 devices against 1: ideal" in proc.stdout and "(strong scaling" in proc.stdout
-    assert ("communication was not timed" in proc.stdout) == (strategy == "fsdp")
+    assert "speed-up account, 2 devices against 1: ideal" in stdout and "(strong scaling" in stdout
+    assert ("communication was not timed" in stdout) == (strategy == "fsdp")
 
 
 @pytest.mark.multiprocess
@@ -51,26 +71,27 @@ def test_the_demo_convnet_passes(tmp_path, strategy):
                                                                      "the 2-process run stepped with lr 0.1, the "
                                                                      "1-device reference with 0.2"),
 ])
-def test_a_planted_bug_fails_naming_its_cause(tmp_path, entry, flags, cause):
-    proc = check_cli("--entry", f"tests.check_workloads:{entry}", *flags, out=tmp_path / "check")
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "FAIL:" in proc.stdout
-    found = proc.stdout.split("cause(s) found:\n", 1)[1].split("other usual causes:")[0]
-    assert found.count("  * ") == 1 and f"  * {cause}" in found, proc.stdout
+def test_a_planted_bug_fails_naming_its_cause(tmp_path, monkeypatch, capsys, entry, flags, cause):
+    code, stdout, stderr = check_here(monkeypatch, capsys, "--entry", f"tests.check_workloads:{entry}", *flags,
+                                      out=tmp_path / "check")
+    assert code == 1, stdout[-3000:] + stderr[-3000:]
+    assert "FAIL:" in stdout
+    found = stdout.split("cause(s) found:\n", 1)[1].split("other usual causes:")[0]
+    assert found.count("  * ") == 1 and f"  * {cause}" in found, stdout
     report = json.loads((tmp_path / "check" / "report.json").read_text())
     assert [f["cause"] for f in report["findings"] if f["status"] == "found"] == [cause.split(":")[0]]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_the_lr_scaled_by_the_trainer_passes_the_lr_scaling_check(tmp_path):
-    proc = check_cli("--entry", "tests.check_workloads:scaled_lr", "--lr-scaling", "linear", "--batch-size", "8",
-                     out=tmp_path / "check")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_the_lr_scaled_by_the_trainer_passes_the_lr_scaling_check(tmp_path, monkeypatch, capsys):
+    code, stdout, stderr = check_here(monkeypatch, capsys, "--entry", "tests.check_workloads:scaled_lr",
+                                      "--lr-scaling", "linear", "--batch-size", "8", out=tmp_path / "check")
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
     rows = json.loads((tmp_path / "check" / "report.json").read_text())["rows"]
     assert [r["lr"] for r in rows] == [[0.2, 0.2]] * 3  # SGD's 0.1 tuned at 8, × 2 for 2 × 8 in both runs
     # the reference trains the same global batch (2 × 8) on one device: strong scaling here too
-    assert "speed-up account, 2 devices against 1" in proc.stdout and "(strong scaling" in proc.stdout
+    assert "speed-up account, 2 devices against 1" in stdout and "(strong scaling" in stdout
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -79,9 +100,9 @@ def test_the_lr_scaled_by_the_trainer_passes_the_lr_scaling_check(tmp_path):
     (["--precision", "bf16-mixed"], "no measured tolerance for precision='bf16-mixed'"),
     (["--entry", "nosuchpkg.mod:fn"], "cannot import 'nosuchpkg.mod'"),
 ])
-def test_bad_flags_fail_before_any_run_with_a_one_line_error(tmp_path, flags, message):
-    proc = check_cli(*flags, out=tmp_path / "check", timeout=60)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+def test_bad_flags_fail_before_any_run_with_a_one_line_error(tmp_path, monkeypatch, capsys, flags, message):
+    code, _, stderr = check_here(monkeypatch, capsys, *flags, out=tmp_path / "check")
+    assert code == 2 and message in stderr and stderr.count("\n") == 1, stderr
     assert not (tmp_path / "check").exists()
 
 

@@ -35,27 +35,46 @@ def _run(*args: str, timeout: float = 110) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def _smoke(tmp_path: Path, only: str, budget: str = "120") -> dict:
-    out = _run("--cpu-smoke", "--only", only, "--budget", budget, "--out", str(tmp_path))
+def _smoke(tmp_path: Path, only: str, budget: str = "120", timeout: float = 110) -> dict:
+    out = _run("--cpu-smoke", "--only", only, "--budget", budget, "--out", str(tmp_path), timeout=timeout)
     log = (tmp_path / "gpu_check.log").read_text()[-3000:] if (tmp_path / "gpu_check.log").exists() else ""
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + log
     assert (tmp_path / "summary.md").read_text().startswith("# gpu_check (CPU smoke)")
     return json.loads((tmp_path / "results.json").read_text())["stages"]
 
 
+# Two CPU smoke runs, each of several stages in one driver (as --cpu-smoke runs them all), shared by the tests that
+# read their stages; the budget leaves every stage room on a loaded machine (the budget rule has its own tests).
+SMOKE_GROUPS = {"first": "env,gpu_tests,precision,mfu,overhead", "second": "strategies,plan,compile"}
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory):
+    """``smoke_runs(group)``: (the stages of results.json, the output folder) of that group's run, run once."""
+    runs = {}
+
+    def run(group: str) -> tuple[dict, Path]:
+        if group not in runs:
+            out = tmp_path_factory.mktemp(f"smoke_{group}")
+            runs[group] = (_smoke(out, SMOKE_GROUPS[group], budget="400", timeout=240), out)
+        return runs[group]
+
+    return run
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run")
-def test_without_cuda_nothing_runs_and_it_says_so(tmp_path):
-    out = _run("--out", str(tmp_path))
-    header, message = out.stdout.strip().splitlines()
+def test_without_cuda_nothing_runs_and_it_says_so(tmp_path, capsys):
+    code = _module().main(["--out", str(tmp_path)])  # in this process: the smoke runs start the script whole
+    header, message = capsys.readouterr().out.strip().splitlines()
     assert header.startswith(f"gpu_check: torch {torch.__version__} (pyproject.toml declares torch>=")
-    assert out.returncode == 0 and message == "no CUDA device: 8 stages skipped (--cpu-smoke runs their CPU forms)"
+    assert code == 0 and message == "no CUDA device: 8 stages skipped (--cpu-smoke runs their CPU forms)"
     assert not (tmp_path / "results.json").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run")
-def test_expect_cuda_without_cuda_fails_with_a_results_json_that_says_why(tmp_path):
-    out = _run("--expect-cuda", "--out", str(tmp_path))
-    assert out.returncode == 2 and "FAILED: no CUDA device, but --expect-cuda" in out.stderr
+def test_expect_cuda_without_cuda_fails_with_a_results_json_that_says_why(tmp_path, capsys):
+    code = _module().main(["--expect-cuda", "--out", str(tmp_path)])
+    assert code == 2 and "FAILED: no CUDA device, but --expect-cuda" in capsys.readouterr().err
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["error"].startswith("no CUDA device, but --expect-cuda: ")
     assert results["torch"] == torch.__version__ and results["torch_cuda"] == torch.version.cuda
@@ -89,8 +108,8 @@ def test_the_lease_command_expects_cuda():
     assert commands and all("--expect-cuda" in c for c in commands)
 
 
-def test_cpu_smoke_env_the_gpu_only_stage_and_precision_parity(tmp_path):
-    stages = _smoke(tmp_path, "env,gpu_tests,precision")
+def test_cpu_smoke_env_the_gpu_only_stage_and_precision_parity(smoke_runs):
+    stages, tmp_path = smoke_runs("first")
     assert stages["env"]["status"] == "ran" and stages["env"]["numbers"]["torch"] == torch.__version__
     assert stages["gpu_tests"] == {"status": "skipped", "why": "no CPU form (needs CUDA)"}
     results = json.loads((tmp_path / "results.json").read_text())
@@ -102,8 +121,9 @@ def test_cpu_smoke_env_the_gpu_only_stage_and_precision_parity(tmp_path):
     assert all(c["passed"] for c in checks.values()), checks  # on a CPU too: the same operations, the same numbers
 
 
-def test_cpu_smoke_mfu(tmp_path):
-    [mfu] = _smoke(tmp_path, "mfu").values()
+def test_cpu_smoke_mfu(smoke_runs):
+    stages, tmp_path = smoke_runs("first")
+    mfu = stages["mfu"]
     assert mfu["status"] == "ran"
     numbers = mfu["numbers"]
     assert all(numbers[f"{v}_tokens_per_s"] > 0 for v in ("hand", "runtime", "trainer"))
@@ -114,22 +134,22 @@ def test_cpu_smoke_mfu(tmp_path):
     assert "===== mfu" in log and "round 1 trainer" in log
 
 
-def test_cpu_smoke_overhead(tmp_path):
-    [overhead] = _smoke(tmp_path, "overhead").values()
+def test_cpu_smoke_overhead(smoke_runs):
+    overhead = smoke_runs("first")[0]["overhead"]
     assert overhead["status"] == "ran"
     assert all(overhead["numbers"][f"{v}_ms_per_step"] > 0 for v in ("plain", "runtime", "trainer", "trainer_lean"))
 
 
-def test_cpu_smoke_strategies(tmp_path):
-    [strategies] = _smoke(tmp_path, "strategies").values()
+def test_cpu_smoke_strategies(smoke_runs):
+    strategies = smoke_runs("second")[0]["strategies"]
     checks = {c["name"]: c for c in strategies["checks"]}
     assert strategies["status"] == "ran" and len(checks) == 4
     assert all(c["passed"] for c in checks.values())  # on a CPU too: the resumes and the parities hold
 
 
-def test_cpu_smoke_plan_and_compile(tmp_path):
-    stages = _smoke(tmp_path, "plan,compile")
-    assert [s["status"] for s in stages.values()] == ["ran", "ran"]
+def test_cpu_smoke_plan_and_compile(smoke_runs):
+    stages = smoke_runs("second")[0]
+    assert [stages[name]["status"] for name in ("plan", "compile")] == ["ran", "ran"]
     assert stages["plan"]["numbers"]["predicted_peak_GiB"] > 0
     assert stages["compile"]["numbers"]["flops_method"] == "declared (the model's flops_per_token)"
 

@@ -75,15 +75,22 @@ def _stage_copy(meta, names: list, stage: int, precision: str, ac: tuple):
     return keep_stage(apply_activation_checkpointing(_fake_copy(meta, precision), ac), names[stage])
 
 
-def _boundary(meta, names: list, micro: torch.Tensor, stage: int, precision: str, autocast) -> list:
-    """Inside ``FakeTensorMode``: the activations leaving stages 0..``stage`` (the last stage's excluded) for
-    the micro-batch input ``micro``, from forwards of the stages without autograd."""
-    out, x = [], micro
-    with torch.no_grad():
-        for s in range(min(stage + 1, len(names) - 1)):
-            with autocast():
+def boundaries(meta, sample: tuple, micro_batch: int, stages: int, precision: str = "32-true",
+               split_points: list | None = None) -> list[tuple[torch.Size, torch.dtype]]:
+    """Shape and dtype of the activation each stage but the last sends on, for a micro-batch of ``micro_batch``
+    samples: one forward of the stages in turn on fake tensors, without autograd."""
+    from trainscale.runtime.precision import Precision
+    from trainscale.runtime.strategies.pipeline import stage_units
+
+    names = stage_units(meta, stages, split_points)
+    prec = Precision(precision, "cpu")
+    out = []
+    with _fake_mode(), torch.no_grad():
+        x = prec.convert_input(_fake_batch(sample, micro_batch))[0]
+        for s in range(stages - 1):
+            with prec.autocast():
                 x = _stage_copy(meta, names, s, precision, ())(x)
-            out.append(x)
+            out.append((x.shape, x.dtype))
     return out
 
 
@@ -115,8 +122,14 @@ def _traced_backward(model, optimizer, x, target, grad_out, loss_fn, autocast, k
     return _total(tracker, "peak"), activations
 
 
+def _empty(shape_dtype: tuple) -> torch.Tensor:
+    shape, dtype = shape_dtype
+    return torch.empty(shape, dtype=dtype)
+
+
 def trace_stage(meta, sample: tuple, micro_batch: int, loss_fn: Callable, optimizer_fn: Callable, stages: int,
-                stage: int, precision: str = "32-true", split_points: list | None = None, ac: tuple = ()) -> dict:
+                stage: int, precision: str = "32-true", split_points: list | None = None, ac: tuple = (),
+                sent: list | None = None) -> dict:
     """One micro-batch of ``micro_batch`` samples through stage ``stage`` of ``stages`` on fake tensors, with the
     optimizer state present (a first untracked step creates it), then a second micro-batch. Bytes: ``fb_first`` and
     ``fb_next``, the forward-backward peaks of the step's first micro-batch and of a later one, which finds the
@@ -124,7 +137,8 @@ def trace_stage(meta, sample: tuple, micro_batch: int, loss_fn: Callable, optimi
     gradient), ``activations`` (alive after forward that were not before it), ``opt_peak`` (the optimizer step's peak),
     ``rest`` (parameters, gradients, optimizer state and buffers before the optimizer step), ``input`` (the received
     activation; 0 on the first stage), ``output`` (the activation sent on; 0 on the last); and ``flops``, of the
-    micro-batch's forward and backward (``torch.utils.flop_counter.FlopCounterMode``).
+    micro-batch's forward and backward (``torch.utils.flop_counter.FlopCounterMode``). ``sent``: the stages'
+    :func:`boundaries` (computed here when not given; a plan of all stages computes them once).
 
     Raises:
         ValueError: no split for a model that is not a GPT, bad split points (``pipeline.stage_units``).
@@ -137,11 +151,12 @@ def trace_stage(meta, sample: tuple, micro_batch: int, loss_fn: Callable, optimi
 
     names = stage_units(meta, stages, split_points)
     autocast, last = Precision(precision, "cpu").autocast, stage == stages - 1
+    if sent is None:
+        sent = boundaries(meta, sample, micro_batch, stages, precision, split_points)
     with _fake_mode():
         micro = Precision(precision, "cpu").convert_input(_fake_batch(sample, micro_batch))
-        sent = _boundary(meta, names, micro[0], stage, precision, autocast)
-        x = sent[stage - 1].detach().requires_grad_() if stage else micro[0]
-        grad_out = None if last else torch.empty_like(sent[stage])
+        x = _empty(sent[stage - 1]).requires_grad_() if stage else micro[0]
+        grad_out = None if last else _empty(sent[stage])
         model = _stage_copy(meta, names, stage, precision, tuple(ac or ()))
         optimizer = optimizer_fn(model.parameters())
         with FlopCounterMode(display=False) as flops:
@@ -156,7 +171,7 @@ def trace_stage(meta, sample: tuple, micro_batch: int, loss_fn: Callable, optimi
         with step:
             optimizer.step()
     return {"fb_first": first, "fb_next": following, "activations": activations, "opt_peak": _total(step, "peak"),
-            "rest": rest, "input": _nbytes([x]) if stage else 0, "output": 0 if last else _nbytes([sent[stage]]),
+            "rest": rest, "input": _nbytes([x]) if stage else 0, "output": 0 if last else _nbytes([grad_out]),
             "flops": flops.get_total_flops()}
 
 
@@ -204,9 +219,11 @@ def estimate(meta, layout: list, sample: tuple, loss_fn: Callable, optimizer_fn:
     with _fake_mode():
         batch_bytes = _nbytes(Precision(precision, "cpu").convert_input(_fake_batch(sample, batch_size)))
     stages = []
+    sent = boundaries(meta, sample, batch_size // m, devices, precision, split)
     for s in range(devices):
         exact = exact_bytes(meta, layout, "pp", devices, s, precision, split_points=split)
-        trace = trace_stage(meta, sample, batch_size // m, loss_fn, optimizer_fn, devices, s, precision, split, ac)
+        trace = trace_stage(meta, sample, batch_size // m, loss_fn, optimizer_fn, devices, s, precision, split, ac,
+                            sent)
         stages.append((stage_peak(trace, schedule, m, devices, s, batch_bytes), s, exact, trace))
     peak, worst, exact, trace = max(stages, key=lambda st: st[0])
     held = warmup(schedule, m, devices, worst) * trace["activations"]

@@ -173,12 +173,14 @@ def mesh_layout(strategy: str, n: int, devices_per_node: int) -> dict:
 
 
 def _memory(meta, layout, work: Workload, strategy: str, n: int, bs: int, precision: str, ac: tuple,
-            options: dict, parallel: dict | None = None) -> MemoryEstimate:
+            options: dict, parallel: dict | None = None, traces: dict | None = None) -> MemoryEstimate:
     """Rank 0's estimate (under fsdp, hsdp and tp rank 0 holds the largest shards: ``torch.chunk`` gives
     the first ranks the longer parts, so it is the per-device maximum). hsdp's activations and peak are
     those of FSDP traced over its ``dp_shard`` ranks (what each replica runs; the all-reduce across
     replicas works in place on the reduce-scattered gradients); tp's are traced on one node's ``tp`` ranks
-    (the Runtime's ``apply_tp`` on a fake process group) and not across nodes (tp × fsdp: None)."""
+    (the Runtime's ``apply_tp`` on a fake process group) and not across nodes (tp × fsdp: None); ddp's are
+    traced as one replica, the same for every device count. ``traces``: the traces of one plan, kept there
+    by strategy, traced device count (None for ddp) and batch size, and reused for the rows that share them."""
     from trainscale.plan import memory
 
     exact = memory.exact_bytes(meta, layout, strategy, n, 0, precision,
@@ -188,10 +190,15 @@ def _memory(meta, layout, work: Workload, strategy: str, n: int, bs: int, precis
         return MemoryEstimate(strategy, n, 0, bs, precision, exact["parameters"], exact["gradients"],
                               exact["optimizer"], exact["buffers"], exact["comm_buffers"], None, None)
     traced_as, traced_n = ("fsdp", parallel["dp_shard"]) if strategy == "hsdp" else (strategy, n)
-    traced = memory.traced_memory(meta, work.sample, bs, work.loss_fn, work.optimizer_fn, traced_as, traced_n,
-                                  precision, activation_checkpointing=ac,
-                                  strategy_options=_traced_options(strategy, options), tp_plan=options.get("tp_plan"),
-                                  sequence_parallel=options.get("sequence_parallel"))
+    traces = {} if traces is None else traces
+    key = (strategy, None if strategy == "ddp" else traced_n, bs)
+    if key not in traces:
+        traces[key] = memory.traced_memory(meta, work.sample, bs, work.loss_fn, work.optimizer_fn, traced_as, traced_n,
+                                           precision, activation_checkpointing=ac,
+                                           strategy_options=_traced_options(strategy, options),
+                                           tp_plan=options.get("tp_plan"),
+                                           sequence_parallel=options.get("sequence_parallel"))
+    traced = traces[key]
     return MemoryEstimate(strategy, n, 0, bs, precision, exact["parameters"], exact["gradients"],
                           exact["optimizer"], exact["buffers"], exact["comm_buffers"], traced["activations"],
                           traced["peak"] + exact["comm_buffers"], tuple(traced["collectives"]))
@@ -206,7 +213,7 @@ def _traced_options(strategy: str, options: dict) -> dict | None:
 
 
 def _row(meta, layout, work: Workload, strategy: str, n: int, bs: int, precision: str, ac: tuple, options: dict,
-         capacity: int, devices_per_node: int) -> PlanRow:
+         capacity: int, devices_per_node: int, traces: dict) -> PlanRow:
     """The memory row of one configuration; a layout the Runtime refuses (hsdp/tp/pp) gives a row with its reason."""
     if strategy == "pp":
         return _pp_row(meta, layout, work, n, bs, precision, ac, options, capacity)
@@ -218,7 +225,7 @@ def _row(meta, layout, work: Workload, strategy: str, n: int, bs: int, precision
             need = "2+ devices" if strategy == "tp" else f"2+ whole nodes of devices_per_node={devices_per_node}"
             return PlanRow(strategy, n, bs, precision, None, None, f"{strategy} needs {need}")
     kept = options if strategy in ("fsdp", "hsdp") else {k: v for k, v in options.items() if k != "auto_wrap_policy"}
-    est = _memory(meta, layout, work, strategy, n, bs, precision, ac, kept, parallel)
+    est = _memory(meta, layout, work, strategy, n, bs, precision, ac, kept, parallel, traces)
     fits = None if est.peak is None else est.peak <= capacity
     note = " × ".join(f"{k} {v}" for k, v in (parallel or {}).items() if v > 1)
     if est.peak is None:
@@ -479,7 +486,7 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
     options = dict(strategy_options or {})
     meta = memory.build_meta_model(work.model)
     layout = memory.optimizer_layout(meta, work.optimizer_fn, precision)
-    rows = []
+    rows, traces = [], {}
     for strategy in strategies:
         for n in devices:
             for bs in batch_sizes:
@@ -487,7 +494,7 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
                     rows.append(PlanRow(strategy, n, bs, precision, None, None, "fsdp needs 2+ devices"))
                     continue
                 rows.append(_row(meta, layout, work, strategy, n, bs, precision, ac, options, capacity,
-                                 devices_per_node))
+                                 devices_per_node, traces))
     compute, probed, threads = {}, {}, _threads(devices)
     if probe:
         link, probed = _probe(work, batch_sizes, precision, threads, options)
