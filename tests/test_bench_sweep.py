@@ -241,16 +241,17 @@ def test_a_cell_past_its_timeout_is_killed_and_recorded(workdir):
     assert processes_mentioning(str(workdir / "slow")) == []  # torchrun and its worker are gone
 
 
-BAD_FLAGS = ((["--strategy", "ddp,nope"], "unknown strategy 'nope' for bench; choose from ddp"),
+BAD_FLAGS = ((["--entry", "no_such_pkg.mod:build"], "cannot import 'no_such_pkg.mod'"),
+             (["--strategy", "ddp,nope"], "unknown strategy 'nope' for bench; choose from ddp"),
              (["--scaling", "strong", "--batch-sizes", "6"], "6 is not divisible by 4 devices"),
-             (["--entry", "no_such_pkg.mod:build"], "cannot import 'no_such_pkg.mod'"),
              (["--strategy", "ddp,hsdp", "--devices", "1,2"], "hsdp runs 2 replicas of devices/2 shards"),
              (["--strategy", "model_parallel"], "unknown strategy 'model_parallel'"),
              (["--workload", "lm", "--entry", "pkg.mod:build"], "give --workload (lm) or --entry"))
 
 
 def test_bad_flags_fail_before_any_cell_with_a_one_line_error(tmp_path, monkeypatch, capsys):
-    # the first as a user runs it (the installed command, its exit status and stderr), the others through main
+    # the first as a user runs it (the installed command, its exit status and stderr; it fails before torch is
+    # imported), the others through main
     flags, message = BAD_FLAGS[0]
     out = subprocess.run([str(BIN / "trainscale"), "bench", "--devices", "1,4", "--out", str(tmp_path / "x"),
                           *flags], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=tmp_path)
