@@ -495,6 +495,8 @@ def main() -> None:
                         help="epochs per accumulation after a warm-up epoch, in each process-time launch (default 1)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {', '.join(VARIANTS)} (plain is always run: the reference)")
+    parser.add_argument("--launch-variants", default=None,
+                        help="the variants launched for whole-process time, if not those of --variants")
     parser.add_argument("--log", default=None, help="file for the launches' output")
     parser.add_argument("--worker", choices=("interleaved", *VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -504,14 +506,14 @@ def main() -> None:
         return
 
     import platform
+    from importlib.metadata import version  # not `import torch`: only its workers need it
 
-    import torch
-
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    launch_variants = args.launch_variants or args.variants
+    unknown = (set(args.variants.split(",")) | set(launch_variants.split(","))) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
-    variants = ["plain"] + [v for v in VARIANTS[1:] if v in args.variants.split(",")]
-    interleaved = ["plain", "plain-2"] + [v for v in variants if v in ("runtime", "trainer")]
+    variants = ["plain"] + [v for v in VARIANTS[1:] if v in launch_variants.split(",")]  # launched
+    interleaved = ["plain", "plain-2"] + [v for v in ("runtime", "trainer") if v in args.variants.split(",")]
     args.rounds = args.rounds or (1 if args.quick else 16)  # 10 rounds: one run read 0.952 [0.939–0.972], the next 36 1.001
     launches = args.launches if args.launches is not None else 1
     args.steps = args.steps or (8 if args.quick else 16)
@@ -520,7 +522,7 @@ def main() -> None:
     args.epochs = args.epochs or 1
     log = Path(args.log or Path(tempfile.gettempdir()) / f"trainscale-ddp-{os.getpid()}.log")
     log.write_text("")
-    print(f"# ddp: 2 processes, gloo, torch {torch.__version__}, Python {platform.python_version()}, "
+    print(f"# ddp: 2 processes, gloo, torch {version('torch')}, Python {platform.python_version()}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start, 1 thread per process"
           f"{', QUICK (smoke run, numbers not meaningful)' if args.quick else ''}")
     print(f"# workload {args.workload}, batch {BATCH} per rank, {args.steps} micro-batches per rank per epoch; log: {log}")

@@ -398,8 +398,7 @@ def main() -> None:
         return
 
     import platform
-
-    import torch
+    from importlib.metadata import version  # not `import torch`: only the children need it
 
     log = Path(args.log or Path(tempfile.gettempdir()) / f"trainscale-overhead-{os.getpid()}.log")
     log.write_text("")
@@ -407,7 +406,7 @@ def main() -> None:
     for w in workloads:
         if w not in WORKLOADS:
             parser.error(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
-    print(f"# overhead: torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, "
+    print(f"# overhead: torch {version('torch')}, Python {platform.python_version()}, {platform.machine()}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start, 1 thread per process"
           f"{', QUICK (smoke run, numbers not meaningful)' if args.quick else ''}")
     print(f"# children's output (progress bars, prints): {log}")

@@ -53,6 +53,16 @@ WORKLOAD = textwrap.dedent('''
 
     def build_slow():
         time.sleep(600)
+
+
+    def build_lm():
+        """The built-in lm workload (--workload lm) validated on its first 32 windows instead of 512: on a CPU the
+        512 cost a cell several times its timed steps."""
+        from trainscale.jobs.workload import WORKLOADS, resolve_entry
+
+        work = resolve_entry(WORKLOADS["lm"])()
+        work["val"] = torch.utils.data.Subset(work["val"], range(32))
+        return work
 ''')
 
 
@@ -95,23 +105,46 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def bench_cli_error(args: list[str], capsys) -> str:
+    """``trainscale bench ARGS`` through the command's ``main`` in this process; asserts the bad-flag exit status 2
+    and returns stderr. The process boundary adds nothing to a flag error: the one run through the installed
+    command (``test_bad_flags_fail_before_any_cell_with_a_one_line_error``) shows it."""
+    from trainscale.cli import main
+
+    assert main(["bench", *args]) == 2
+    return capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
-def plan_sweep(tmp_path_factory):
-    """One ``trainscale bench --plan`` sweep of the user entry over 1 and 2 devices, run from the directory that
-    holds the entry's package (as a user runs it): ``(its output directory, the completed process)``. Both tests
-    below read it (one sweep instead of two; the sweep without --plan runs in the resume test)."""
+def resumed_sweep(tmp_path_factory) -> dict:
+    """The user's entry swept from the command line with ``--plan`` over 1 and 2 devices, run from the directory
+    that holds the entry's package (as a user runs it): interrupted (SIGINT, like Ctrl-C) once its first cell is
+    recorded, then completed with ``--resume``. Three tests read it: one sweep instead of three."""
     root = write_workload(tmp_path_factory.mktemp("bench"))
     out = root / "sweep"
-    proc = subprocess.run(bench_cmd("--entry", "benchpkg.workload:build", "--devices", "1,2", "--batch-sizes", "8",
-                                    "--plan", "--out", str(out)), capture_output=True, text=True, timeout=240,
-                          env=clean_env(), cwd=root)
-    return out, proc
+    args = bench_cmd("--entry", "benchpkg.workload:build", "--devices", "1,2", "--batch-sizes", "8", "--plan",
+                     "--out", str(out))
+    # SIGINT back to its default in the child: a shell that starts a job in the background (`cmd &`) makes it
+    # ignore SIGINT, which its children inherit, and Python then installs no KeyboardInterrupt handler
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                             cwd=root, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 180
+    while not ((out / "results.jsonl").is_file() and (out / "results.jsonl").read_text().count("\n") >= 1):
+        assert first.poll() is None and time.monotonic() < deadline, "the first cell never finished"
+        time.sleep(0.1)
+    first.send_signal(signal.SIGINT)  # like Ctrl-C
+    _, first_err = first.communicate(timeout=60)
+    kept, left = rows_of(out), processes_mentioning(str(out))
+    second = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=240, env=clean_env(),
+                            cwd=root)
+    return {"root": root, "out": out, "args": args, "first": first, "first_err": first_err, "kept": kept,
+            "left": left, "second": second}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_user_entry_two_cell_sweep_from_the_command_line(plan_sweep):
-    out, proc = plan_sweep
+def test_user_entry_two_cell_sweep_from_the_command_line(resumed_sweep):
+    out, proc = resumed_sweep["out"], resumed_sweep["second"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = rows_of(out)
     assert [(r["devices"], r["run_strategy"], r["status"]) for r in rows] == [(1, "single", "ok"), (2, "ddp", "ok")]
@@ -122,9 +155,63 @@ def test_user_entry_two_cell_sweep_from_the_command_line(plan_sweep):
     gain = results[0]["epoch_time_s"] / results[1]["epoch_time_s"]
     assert results[1]["gain"] == pytest.approx(gain) and results[1]["efficiency"] == pytest.approx(gain / 2)
     assert "bs/device" in proc.stdout and "eff 2d" in proc.stdout and f"{gain:.2f}×" in proc.stdout
-    assert "Fastest for throughput" in proc.stdout
+    assert "Fastest for throughput" in proc.stdout and "Advice:" in proc.stdout
     assert "bench [2/2 done" in proc.stderr  # the progress display
     assert (out / "results.csv").read_text().count("\n") == 3 and (out / "report.md").is_file()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_an_interrupted_sweep_resumes_without_rerunning_finished_cells(resumed_sweep, monkeypatch, capsys):
+    out, kept, second = resumed_sweep["out"], resumed_sweep["kept"], resumed_sweep["second"]
+    assert resumed_sweep["first"].returncode == 130 and "--resume" in resumed_sweep["first_err"]
+    assert len(kept) == 1 and resumed_sweep["left"] == []  # no torchrun or worker of the stopped cell is left
+
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "1 finished cell(s) kept" in second.stderr and f"running {kept[0]['key']}" not in second.stderr
+    rows = rows_of(out)
+    assert [r["devices"] for r in rows] == [1, 2] and all(r["status"] == "ok" for r in rows)
+    assert rows[0] == kept[0]  # the finished row was not measured again
+
+    # the same command again without --resume: a flag error, before any cell
+    monkeypatch.chdir(resumed_sweep["root"])
+    monkeypatch.syspath_prepend(str(resumed_sweep["root"]))
+    err = bench_cli_error(resumed_sweep["args"][2:], capsys)
+    assert "pass --resume" in err and "Traceback" not in err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_bench_plan_adds_predicted_columns_beside_the_measured_ones(resumed_sweep):
+    import csv
+
+    out, proc = resumed_sweep["out"], resumed_sweep["second"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["devices"], r["status"]) for r in rows] == [("1", "ok"), ("2", "ok")]
+    for r in rows:
+        predicted, measured = float(r["predicted_epoch_time_s"]), float(r["epoch_time_s"])
+        assert predicted > 0 and measured > 0 and int(r["predicted_peak_bytes"]) > 0
+        assert float(r["predicted_error"]) == pytest.approx(predicted / measured - 1)
+    assert "plan 2d" in proc.stdout and "err 2d" in proc.stdout
+
+
+@pytest.mark.multiprocess
+def test_the_default_workload_is_the_convnet_on_mnist_5k(tmp_path, monkeypatch, capsys):
+    """The CI version of the default sweep (no --entry, no --workload), one cell, through the command's main."""
+    from trainscale.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the command puts the current directory first
+    out = tmp_path / "default"
+    assert main(bench_cmd("--devices", "1", "--batch-sizes", "8", "--out", str(out))[1:]) == 0
+    [row] = rows_of(out)
+    assert row["status"] == "ok"
+    assert json.loads((out / "sweep.json").read_text())["settings"]["entry"] == "trainscale.jobs.workload:mnist_convnet"
+    assert row["n_train"] == 4000 and row["batches_per_epoch"] == 500  # MNIST-5k: 4,000 / 8
+    stdout = capsys.readouterr().out
+    assert "Advice:" in stdout and "Fastest for throughput" in stdout
 
 
 @pytest.mark.multiprocess
@@ -154,94 +241,74 @@ def test_a_cell_past_its_timeout_is_killed_and_recorded(workdir):
     assert processes_mentioning(str(workdir / "slow")) == []  # torchrun and its worker are gone
 
 
-@pytest.mark.multiprocess
-def test_an_interrupted_sweep_resumes_without_rerunning_finished_cells(workdir):
-    """Also the CI version of the default sweep: the ConvNet on MNIST-5k, devices 1,2, a short grid."""
-    out = workdir / "resume"
-    args = bench_cmd("--devices", "1,2", "--batch-sizes", "8", "--out", str(out))
-    # SIGINT back to its default in the child: a shell that starts a job in the background (`cmd &`) makes it
-    # ignore SIGINT, which its children inherit, and Python then installs no KeyboardInterrupt handler
-    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 180
-    while not ((out / "results.jsonl").is_file() and (out / "results.jsonl").read_text().count("\n") >= 1):
-        assert first.poll() is None and time.monotonic() < deadline, "the first cell never finished"
-        time.sleep(0.1)
-    first.send_signal(signal.SIGINT)  # like Ctrl-C
-    _, err = first.communicate(timeout=60)
-    assert first.returncode == 130 and "--resume" in err
-    kept = rows_of(out)
-    assert len(kept) == 1 and processes_mentioning(str(out)) == []
-
-    second = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=240, env=clean_env())
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "1 finished cell(s) kept" in second.stderr and f"running {kept[0]['key']}" not in second.stderr
-    rows = rows_of(out)
-    assert [r["devices"] for r in rows] == [1, 2] and all(r["status"] == "ok" for r in rows)
-    assert rows[0] == kept[0]  # the finished row was not measured again
-    assert rows[0]["n_train"] == 4000 and rows[1]["batches_per_epoch"] == 250  # MNIST-5k: 4,000 / 2 / 8
-    assert "eff 2d" in second.stdout and "Advice:" in second.stdout and "Fastest for throughput" in second.stdout
-
-    again = subprocess.run(args, capture_output=True, text=True, timeout=60, env=clean_env())
-    assert again.returncode == 2 and "pass --resume" in again.stderr and "Traceback" not in again.stderr
+BAD_FLAGS = ((["--entry", "no_such_pkg.mod:build"], "cannot import 'no_such_pkg.mod'"),
+             (["--strategy", "ddp,nope"], "unknown strategy 'nope' for bench; choose from ddp"),
+             (["--scaling", "strong", "--batch-sizes", "6"], "6 is not divisible by 4 devices"),
+             (["--strategy", "ddp,hsdp", "--devices", "1,2"], "hsdp runs 2 replicas of devices/2 shards"),
+             (["--strategy", "model_parallel"], "unknown strategy 'model_parallel'"),
+             (["--workload", "lm", "--entry", "pkg.mod:build"], "give --workload (lm) or --entry"))
 
 
-def test_bad_flags_fail_before_any_cell_with_a_one_line_error(tmp_path):
-    for flags, message in ((["--strategy", "ddp,nope"], "unknown strategy 'nope' for bench; choose from ddp"),
-                           (["--scaling", "strong", "--batch-sizes", "6"], "6 is not divisible by 4 devices"),
-                           (["--entry", "no_such_pkg.mod:build"], "cannot import 'no_such_pkg.mod'"),
-                           (["--strategy", "ddp,hsdp", "--devices", "1,2"], "hsdp runs 2 replicas of devices/2 shards"),
-                           (["--strategy", "model_parallel"], "unknown strategy 'model_parallel'"),
-                           (["--workload", "lm", "--entry", "pkg.mod:build"], "give --workload (lm) or --entry")):
-        out = subprocess.run([str(BIN / "trainscale"), "bench", "--devices", "1,4", "--out", str(tmp_path / "x"),
-                              *flags], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=tmp_path)
-        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
-        assert not (tmp_path / "x").exists()  # nothing ran, nothing written
+def test_bad_flags_fail_before_any_cell_with_a_one_line_error(tmp_path, monkeypatch, capsys):
+    # the first as a user runs it (the installed command, its exit status and stderr; it fails before torch is
+    # imported), the others through main
+    flags, message = BAD_FLAGS[0]
+    out = subprocess.run([str(BIN / "trainscale"), "bench", "--devices", "1,4", "--out", str(tmp_path / "x"),
+                          *flags], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=tmp_path)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the command puts the current directory first
+    for flags, message in BAD_FLAGS[1:]:
+        err = bench_cli_error(["--devices", "1,4", "--out", str(tmp_path / "x"), *flags], capsys)
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "x").exists()  # nothing ran, nothing written
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_bench_plan_adds_predicted_columns_beside_the_measured_ones(plan_sweep):
-    import csv
+@pytest.fixture(scope="module")
+def lm_sweep(tmp_path_factory) -> tuple[list[dict], str, float]:
+    """One ``trainscale bench`` sweep of the lm workload (``build_lm``: ``--workload lm``'s, with fewer validation
+    windows) under fsdp and tp on 1 and 2 devices: ``(rows, stdout, the model's FLOPs per token)``, each row checked
+    for tokens/s and FLOPs/token. Both tests below read it. ddp cells are measured by the sweeps above; the LM's
+    numbers depend on the strategy only through the ranks that read different data, which fsdp (each rank its own
+    batches) and tp (the ranks share them) cover."""
+    import contextlib
+    import io
 
-    out, proc = plan_sweep
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(out / "results.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    assert [(r["devices"], r["status"]) for r in rows] == [("1", "ok"), ("2", "ok")]
-    for r in rows:
-        predicted, measured = float(r["predicted_epoch_time_s"]), float(r["epoch_time_s"])
-        assert predicted > 0 and measured > 0 and int(r["predicted_peak_bytes"]) > 0
-        assert float(r["predicted_error"]) == pytest.approx(predicted / measured - 1)
-    assert "plan 2d" in proc.stdout and "err 2d" in proc.stdout
-
-
-@pytest.mark.timeout(600)
-def _lm_sweep(tmp_path, strategies: str, devices: str) -> tuple[list[dict], str, float]:
+    from trainscale.cli import main
     from trainscale.models import GPT
 
-    out = tmp_path / "lm"
-    proc = subprocess.run(bench_cmd("--workload", "lm", "--strategy", strategies, "--devices", devices,
-                                    "--batch-sizes", "4", "--out", str(out)),
-                          capture_output=True, text=True, timeout=560, env=clean_env(), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    root = write_workload(tmp_path_factory.mktemp("lm"))
+    out = root / "lm"
+    stdout = io.StringIO()
+    # the command's main in this process (the subject is the cells' numbers), from a directory of its own; it puts
+    # that directory first on sys.path
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout):
+        mp.chdir(root)
+        mp.setattr(sys, "path", list(sys.path))
+        code = main(bench_cmd("--entry", "benchpkg.workload:build_lm", "--strategy", "fsdp,tp", "--devices", "1,2",
+                              "--batch-sizes", "4", "--out", str(out), "--quiet")[1:])
     rows = rows_of(out)
+    assert code == 0, rows
     flops = GPT("mini").flops_per_token()  # PaLM's 6·N + 12·L·C·T at context 128
     for r in rows:
         assert r["status"] == "ok" and r["tokens_per_s"] > 0 and r["flops_per_token"] == pytest.approx(flops)
         assert r["achieved_flops_per_s"] == pytest.approx(flops * r["tokens_per_s"])
-    assert f"FLOPs/token {flops:.3g}" in proc.stdout
-    return rows, proc.stdout, flops
+    assert f"FLOPs/token {flops:.3g}" in stdout.getvalue()
+    return rows, stdout.getvalue(), flops
 
 
-def test_lm_workload_under_ddp_and_fsdp_reports_tokens_per_s_and_flops_per_token(tmp_path):
-    rows, stdout, _ = _lm_sweep(tmp_path, "ddp,fsdp", "1,2")
-    assert sorted(r["run_strategy"] for r in rows) == ["ddp", "fsdp", "single"]
-    assert stdout.count("tok/s 2d") == 2
+@pytest.mark.multiprocess
+def test_lm_workload_under_fsdp_reports_tokens_per_s_and_flops_per_token(lm_sweep):
+    rows, stdout, _ = lm_sweep
+    assert sorted(r["run_strategy"] for r in rows) == ["fsdp", "single", "tp"]
+    assert stdout.count("tok/s 2d") == 2  # one column in each strategy's table
 
 
-def test_lm_workload_under_tp_shares_each_batch_between_the_tp_ranks(tmp_path):
-    [tp], stdout, _ = _lm_sweep(tmp_path, "tp", "2")
-    assert tp["run_strategy"] == "tp" and tp["global_batch_size"] == 4
+@pytest.mark.multiprocess
+def test_lm_workload_under_tp_shares_each_batch_between_the_tp_ranks(lm_sweep):
+    rows, stdout, _ = lm_sweep
+    [tp] = [r for r in rows if r["run_strategy"] == "tp"]
+    assert tp["global_batch_size"] == 4
     assert tp["batches_per_epoch"] == math.ceil(tp["n_train"] / 4)  # as one device's: tp ranks read the same data
-    assert stdout.count("tok/s 2d") == 1
+    tp_table = stdout[stdout.index("tp · 32-true"):].split("\n\n")[0]
+    assert "tok/s 2d" in tp_table, stdout
