@@ -438,10 +438,17 @@ def test_mlflow_logger_run_in_the_default_sqlite_store_read_back(tmp_path, mlflo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # no ./mlruns or ./mlflow.db
 
 
-def test_mlflow_logger_asynchronous_writes_are_all_in_the_store_after_finalize(tmp_path, mlflow_local):
+@pytest.fixture(scope="module")
+def shared_store(tmp_path_factory):
+    """One sqlite store for the tests below, each in its own experiment: a new store's schema migration
+    costs seconds of CPU, and the default store's creation is the test above's subject."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'store.db'}"
+
+
+def test_mlflow_logger_asynchronous_writes_are_all_in_the_store_after_finalize(tmp_path, mlflow_local, shared_store):
     from mlflow import MlflowClient
 
-    logger = MLFlowLogger(synchronous=False)
+    logger = MLFlowLogger(experiment_name="asynchronous", tracking_uri=shared_store, synchronous=False)
     logger.setup(tmp_path / "runs" / "version_0")
     for step in range(1, 21):
         logger.log_metrics({"loss": 1.0 / step, "acc": step / 20}, step=step)
@@ -451,18 +458,18 @@ def test_mlflow_logger_asynchronous_writes_are_all_in_the_store_after_finalize(t
     assert client.get_run(logger.run_id).info.status == "FINISHED"
 
 
-def test_mlflow_logger_resumed_run_continues_and_failure_is_recorded(tmp_path, mlflow_local):
+def test_mlflow_logger_resumed_run_continues_and_failure_is_recorded(tmp_path, mlflow_local, shared_store):
     from mlflow import MlflowClient
 
     ids = []
     for status, step in (("failed", 1), ("failed", 2)):
-        logger = MLFlowLogger(experiment_name="resume", tracking_uri=f"sqlite:///{tmp_path / 'store.db'}")
+        logger = MLFlowLogger(experiment_name="resume", tracking_uri=shared_store)
         logger.setup(tmp_path / "version_0")
         logger.log_metrics({"loss": 1.0 / step}, step=step)
         ids.append(logger.run_id)
         logger.finalize(status)
     assert ids[0] == ids[1]
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'store.db'}")
+    client = MlflowClient(tracking_uri=shared_store)
     assert client.get_run(ids[0]).info.status == "FAILED"
     assert [m.step for m in client.get_metric_history(ids[0], "loss")] == [1, 2]
 

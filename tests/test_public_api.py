@@ -1,38 +1,20 @@
 """The public surface as a user meets it: the top-level names, the commands' Python forms after their
 subpackages are imported, ``Trainer.save_checkpoint`` around ``fit``, and the checkpoint dict that callbacks see."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests import public_api_body
+from tests.helpers import run_distributed
 from trainscale.callbacks import Callback
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
+@pytest.mark.multiprocess
 def test_every_documented_call_works_after_the_subpackages_are_imported():
-    code = """
-import trainscale.plan, trainscale.check, trainscale.bench, trainscale.tune
-import trainscale
-from trainscale.plan import plan
-from trainscale.check import check
-from trainscale.bench import sweep
-from trainscale.tune import find_batch_size
-for name in trainscale.__all__:
-    getattr(trainscale, name)
-assert callable(plan) and callable(check) and callable(sweep) and callable(find_batch_size)
-assert trainscale.plan.plan is plan and trainscale.check.check is check
-trainscale.seed_everything(3)
-w = trainscale.World()
-assert w.world_size == 1 and trainscale.Trainer and trainscale.Runtime and trainscale.TrainingModule
-print("ok")
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    """In a process that has not imported trainscale yet (forked from the warm server, which holds only torch)."""
+    (out,) = run_distributed(public_api_body.documented_calls_after_subpackage_imports, world_size=1, timeout=120)
+    assert out == "ok"
 
 
 def _data():
