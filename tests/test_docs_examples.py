@@ -1,22 +1,27 @@
 """Every fenced Python block of README.md and docs/*.md runs, as a user who pastes it would run it.
 
-Each block is written to a file of its own and run with ``python`` in a fresh process, in an empty
-directory (so the files it writes, ``runs/`` included, go there), with trainscale importable. A block
-must therefore be complete: its imports, its model and its data. A block that cannot run on this
-machine says so on the line before its fence, with the reason, e.g.::
+Each block is written to a file of its own in an empty directory and run there as ``python FILE`` would run
+it (so the files it writes, ``runs/`` included, go there), with trainscale importable, in a process of its own:
+forked from ``docs_examples_server.py``, which has imported torch, torch._dynamo and trainscale and nothing
+more (about 5 s of CPU a fresh interpreter would pay for each block). A block must therefore be complete: its
+imports, its model and its data. A block that cannot run on this machine says so on the line before its fence,
+with the reason, e.g.::
 
     <!-- not run: needs a GPU -->
 
 and is reported here as skipped with that reason; the reasons are limited to what a CPU-only machine
-cannot do (a GPU, several machines). Blocks that start several
-processes (``devices=2``) run them for real, with gloo.
+cannot do (a GPU, several machines). Blocks that start several processes (``devices=2``) run them for
+real, with gloo: the block's process relaunches its script under torchrun, whose workers are fresh interpreters.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -55,9 +60,56 @@ def _missing_extra(code: str) -> str | None:
     return None
 
 
+@pytest.fixture(scope="module")
+def block_server(tmp_path_factory):
+    """docs_examples_server.py: a process that has imported torch, torch._dynamo and trainscale and forks each
+    block's process from that state (a fresh interpreter pays about 5 s of CPU for those imports here)."""
+    ours, theirs = socket.socketpair()
+    log = tmp_path_factory.mktemp("block-server") / "stderr"
+    with theirs, open(log, "w") as stderr:
+        server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("docs_examples_server.py")),
+                                   str(theirs.fileno())], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=stderr,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"})
+    with ours:
+        yield ours, bytearray(), log
+    assert server.wait(timeout=60) == 0, f"the block server failed:\n{log.read_text()[-3000:]}"
+
+
+def _answer(sock: socket.socket, pending: bytearray, timeout: float | None) -> dict:
+    """The server's next answer line; raises TimeoutError after ``timeout`` seconds without one."""
+    sock.settimeout(timeout)
+    while b"\n" not in pending:
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise EOFError("the block server is gone")
+        pending += chunk
+    line, _, rest = bytes(pending).partition(b"\n")
+    pending[:] = rest
+    return json.loads(line)
+
+
+def _run_block(server, script: Path, env: dict, out_dir: Path, timeout: float) -> tuple[int, str, str]:
+    """``python SCRIPT`` in the script's folder, forked by the block server: (exit status, stdout, stderr)."""
+    sock, pending, log = server
+    stdout, stderr = out_dir / "stdout", out_dir / "stderr"
+    sock.sendall(json.dumps({"script": str(script), "env": env, "stdout": str(stdout),
+                             "stderr": str(stderr)}).encode() + b"\n")
+    try:
+        pid = _answer(sock, pending, timeout=60)["pid"]
+    except (EOFError, TimeoutError) as err:
+        raise AssertionError(f"the block server did not start the block ({err}):\n{log.read_text()[-3000:]}")
+    try:
+        status = _answer(sock, pending, timeout)["exit"]
+    except TimeoutError:  # a hang: kill the block's process (torchrun's workers die with it)
+        os.killpg(pid, signal.SIGKILL)
+        status = _answer(sock, pending, None)["exit"]
+    return status, stdout.read_text(), stderr.read_text()
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("path,line,code,skip_reason", _blocks())
-def test_docs_python_block_runs(path, line, code, skip_reason, tmp_path):
+def test_docs_python_block_runs(path, line, code, skip_reason, tmp_path, tmp_path_factory, block_server):
     missing = _missing_extra(code)
     if missing:
         pytest.skip(missing)
@@ -67,10 +119,9 @@ def test_docs_python_block_runs(path, line, code, skip_reason, tmp_path):
            "WANDB_CONFIG_DIR": str(tmp_path / ".wandb"), "WANDB_CACHE_DIR": str(tmp_path / ".wandb"),
            "WANDB_DATA_DIR": str(tmp_path / ".wandb"), "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    done = subprocess.run([sys.executable, script.name], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=220)
-    assert done.returncode == 0, (f"{path.name} line {line}: the example failed (exit {done.returncode})\n"
-                                  f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-5000:]}")
+    status, stdout, stderr = _run_block(block_server, script, env, tmp_path_factory.mktemp("output"), timeout=220)
+    assert status == 0, (f"{path.name} line {line}: the example failed (exit {status})\n"
+                         f"--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-5000:]}")
 
 
 def test_every_skipped_block_gives_an_allowed_reason():
