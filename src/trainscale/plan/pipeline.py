@@ -78,7 +78,12 @@ def _stage_copy(meta, names: list, stage: int, precision: str, ac: tuple):
 def boundaries(meta, sample: tuple, micro_batch: int, stages: int, precision: str = "32-true",
                split_points: list | None = None) -> list[tuple[torch.Size, torch.dtype]]:
     """Shape and dtype of the activation each stage but the last sends on, for a micro-batch of ``micro_batch``
-    samples: one forward of the stages in turn on fake tensors, without autograd."""
+    samples: one forward of the stages in turn on fake tensors (``FakeTensorMode``: no memory, no compute), without
+    autograd; ``stages - 1`` entries. :func:`estimate` computes them once for all its :func:`trace_stage` calls.
+
+    Raises:
+        ValueError: no split for a model that is not a GPT, bad split points (``pipeline.stage_units``).
+    """
     from trainscale.runtime.precision import Precision
     from trainscale.runtime.strategies.pipeline import stage_units
 
