@@ -194,16 +194,21 @@ def test_run_summary_shows_exposed_communication_beside_the_all_reduce_time():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the current RSS from /proc/self/statm")
 def test_peak_memory_on_cpu_is_rss_and_grows():
+    import mmap
+    import os
+
     mem = PeakMemory(torch.device("cpu"))
     before = mem.peak_bytes()
     assert mem.kind == "rss" and before > 10 * 2**20 and mem.peak_reserved_bytes() is None
-    import os
-
-    current = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # Linux: RSS now
-    extra = before - current + 32 * 2**20  # enough to lift the peak 32 MiB above the earlier one
-    block = torch.ones(extra // 4)  # touched, so resident
-    assert mem.peak_bytes() >= before + 24 * 2**20
-    del block
+    # Fresh anonymous pages, not the allocator's: memory that malloc freed but kept is already
+    # counted in the RSS, and an allocation that reuses it would not lift the peak.
+    page = os.sysconf("SC_PAGE_SIZE")
+    current = int(open("/proc/self/statm").read().split()[1]) * page  # Linux: RSS now
+    extra = max(before - current, 0) + 64 * 2**20  # enough to lift the peak 64 MiB above the earlier one
+    block = mmap.mmap(-1, extra)
+    block[::page] = b"\1" * len(range(0, extra, page))  # one byte per page: every page resident
+    assert mem.peak_bytes() >= before + 32 * 2**20
+    block.close()
 
 
 def test_gpu_sampler_ties_samples_to_steps_with_a_fake_reader():
