@@ -43,36 +43,45 @@ def test_overhead_prints_every_workload():
     assert all(float(row[10]) == 0.0 for row in table_rows(stdout, "plain"))  # µs over itself
 
 
+# Each bench run below is split in two launches, so that no test's set-up passes a minute on a loaded machine.
 @pytest.fixture(scope="module")
-def ddp_stdout() -> str:
-    """One run of ddp.py, the MLP, both tables: the throughput launch (plain and the Trainer epoch by epoch, at
-    accumulation 1 and 4; the count does not depend on the model: one DDP bucket either way), then one
-    whole-process launch each of plain and of the Trainer relaunching itself under torchrun (the Trainer's own
-    launch under torchrun runs the same worker as the throughput launch's, so it is not launched again)."""
-    return run_bench("ddp.py", "--variants", "trainer", "--launch-variants", "trainer-relaunch", "--workload", "mlp")
+def ddp_throughput_stdout() -> str:
+    """ddp.py's throughput launch on the MLP: plain and the Trainer epoch by epoch, at accumulation 1 and 4 (the
+    count does not depend on the model: one DDP bucket either way)."""
+    return run_bench("ddp.py", "--variants", "trainer", "--launches", "0", "--workload", "mlp")
+
+
+@pytest.fixture(scope="module")
+def ddp_launch_stdout() -> str:
+    """ddp.py's whole-process launches on the MLP: plain, and the Trainer relaunching itself under torchrun (the
+    Trainer's own launch under torchrun runs the same worker as the throughput launch's, so it is not launched
+    again)."""
+    return run_bench("ddp.py", "--no-throughput", "--variants", "trainer", "--launch-variants", "trainer-relaunch",
+                     "--workload", "mlp")
 
 
 @pytest.mark.multiprocess
-def test_ddp_throughput_counts_one_all_reduce_per_optimizer_step(ddp_stdout):
-    throughput, _ = ddp_stdout.split("## Whole-process time")
+def test_ddp_throughput_counts_one_all_reduce_per_optimizer_step(ddp_throughput_stdout):
+    throughput = ddp_throughput_stdout
+    assert "## Whole-process time" not in throughput, throughput  # --launches 0
     for variant in ("plain", "trainer"):
         rows = table_rows(throughput, variant)
-        assert [row[1] for row in rows] == ["1", "4"], ddp_stdout  # accumulation 1 and 4
+        assert [row[1] for row in rows] == ["1", "4"], throughput  # accumulation 1 and 4
         for row in rows:
             steps, allreduces, per_step = int(row[-3]), int(row[-2]), row[-1]
-            assert steps > 0 and allreduces == steps and per_step == "1.00", ddp_stdout
+            assert steps > 0 and allreduces == steps and per_step == "1.00", throughput
 
 
 @pytest.mark.multiprocess
-def test_ddp_whole_process_launches_count_one_all_reduce_per_optimizer_step(ddp_stdout):
-    _, process = ddp_stdout.split("## Whole-process time")
+def test_ddp_whole_process_launches_count_one_all_reduce_per_optimizer_step(ddp_launch_stdout):
+    _, process = ddp_launch_stdout.split("## Whole-process time")
     assert table_rows(process, "trainer") == []  # launched only in the throughput table
     for variant in ("plain", "trainer-relaunch"):
         [row] = table_rows(process, variant)
-        assert float(row[1]) > 0, ddp_stdout  # process seconds
+        assert float(row[1]) > 0, ddp_launch_stdout  # process seconds
         for cell in row[-2:]:  # optimizer steps / all-reduces at accumulation 1 and 4
             steps, allreduces = cell.split("/")
-            assert int(steps) > 0 and allreduces == steps, ddp_stdout
+            assert int(steps) > 0 and allreduces == steps, ddp_launch_stdout
 
 
 def _has_rows(stdout: str, *commands: str) -> None:
@@ -80,24 +89,21 @@ def _has_rows(stdout: str, *commands: str) -> None:
         assert any(line.startswith(command + " ") for line in stdout.splitlines()), stdout
 
 
-@pytest.fixture(scope="module")
-def startup_stdout() -> str:
-    """One run of startup.py: the one-process commands and README's 2-rank shape (the Trainer made first; the other
-    two jobs relaunch through the same path, and each 2-rank launch costs three torch imports)."""
-    return run_bench("startup.py", "--scripts", "trainer-first")
-
-
-def test_startup_times_imports_first_steps_and_help_without_torch(startup_stdout):
-    _has_rows(startup_stdout, "import torch", "import trainscale", "from trainscale import Trainer",
+def test_startup_times_imports_first_steps_and_help_without_torch():
+    stdout = run_bench("startup.py", "--part", "one-process")
+    _has_rows(stdout, "import torch", "import trainscale", "from trainscale import Trainer",
               "trainscale --help", "first step, plain", "first step, Runtime", "first step, Trainer")
-    assert "trainscale --help imports torch: no" in startup_stdout
+    assert "trainscale --help imports torch: no" in stdout
 
 
 @pytest.mark.multiprocess
-def test_startup_times_a_relaunch_against_raw_torchrun(startup_stdout):
-    _has_rows(startup_stdout, "2 ranks Trainer first, python", "2 ranks Trainer first, torchrun")
-    assert "2 ranks factory" not in startup_stdout and "2 ranks, torchrun" not in startup_stdout
-    assert "(relaunched under torchrun, Trainer first) against raw torchrun:" in startup_stdout
+def test_startup_times_a_relaunch_against_raw_torchrun():
+    # README's 2-rank shape (the Trainer made first; the other two jobs relaunch through the same path, and each
+    # 2-rank launch costs three torch imports)
+    stdout = run_bench("startup.py", "--part", "two-ranks", "--scripts", "trainer-first")
+    _has_rows(stdout, "2 ranks Trainer first, python", "2 ranks Trainer first, torchrun")
+    assert "2 ranks factory" not in stdout and "2 ranks, torchrun" not in stdout
+    assert "(relaunched under torchrun, Trainer first) against raw torchrun:" in stdout
 
 
 def test_scale_simulates_first_middle_and_last_rank_at_each_world_size():
