@@ -67,3 +67,15 @@ def test_mps_rules():
     assert resolve(has_mps=True).accelerator == "mps"
     with pytest.raises(ValueError, match="MPS offers one device"):
         resolve("mps", 2, has_mps=True)
+
+
+def test_the_strategy_flag_type_holds_exactly_the_names_the_resolver_takes():
+    """``StrategyFlag`` (what type checkers and the command line accept) against the registry of strategy classes
+    and the start-method names: a strategy registered without its name in the type would be refused by mypy."""
+    from typing import get_args
+
+    from trainscale.runtime.connector import START_METHOD_NAMES
+    from trainscale.runtime.flags import StrategyFlag
+    from trainscale.runtime.strategies import STRATEGIES
+
+    assert get_args(StrategyFlag) == (*STRATEGIES, *START_METHOD_NAMES)  # the names _resolve_strategy takes

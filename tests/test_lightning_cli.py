@@ -7,6 +7,7 @@ import dataclasses
 import re
 import runpy
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -57,12 +58,16 @@ def test_each_command_option_of_a_trainer_flag_has_the_declared_description_and_
             seen.add(name)
             assert " ".join(action.help.split()).endswith(described[name]), (command, name)
     assert seen == {"accelerator", "devices", "strategy", "precision", "seed"}
-    demo = _commands()["demo"]  # the declared type: devices is "int | str"
+    demo = _commands()["demo"]  # the declared type: devices is "int | Literal['auto']"
     assert demo.parse_args(["--devices", "2"]).devices == 2
     assert demo.parse_args(["--devices", "auto"]).devices == "auto"
     assert _commands()["bench"].parse_args(["--devices", "1,2", "--strategy", "ddp,fsdp"]).strategy == ["ddp", "fsdp"]
-    with pytest.raises(SystemExit):
-        demo.parse_args(["--seed", "one"])  # seed: int
+    hints = typing.get_type_hints(RuntimeFlags)
+    for name in ("accelerator", "strategy", "precision"):  # the declared Literal's values are the option's choices
+        assert _declared_options(demo)[name].metavar == "{" + ",".join(typing.get_args(hints[name])) + "}"
+    for bad in (["--seed", "one"], ["--devices", "two"], ["--precision", "bf16_mixed"], ["--strategy", "dpp"]):
+        with pytest.raises(SystemExit):
+            demo.parse_args(bad)
 
 
 def test_lightning_cli_exposes_every_declared_flag_and_a_new_field_becomes_an_option(monkeypatch):

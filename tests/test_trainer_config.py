@@ -3,6 +3,7 @@
 import inspect
 import re
 from dataclasses import MISSING, fields
+from typing import Literal
 
 import pytest
 
@@ -83,8 +84,10 @@ def test_a_read_only_or_over_long_root_dir_is_one_line_before_training(tmp_path,
 
 
 def _flag_names(cls) -> list:
-    """The named parameters of ``cls``'s constructor (not ``**misspelt``, which only names the closest flag)."""
-    return [p.name for p in inspect.signature(cls).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    """The parameters of ``cls``'s constructor: the flags (no ``**kwargs`` that would hide one from a type checker)."""
+    params = inspect.signature(cls).parameters.values()
+    assert not [p for p in params if p.kind is p.VAR_KEYWORD]
+    return [p.name for p in params]
 
 
 def _doc_entries(doc: str, section: str) -> dict:
@@ -105,8 +108,7 @@ def _doc_entries(doc: str, section: str) -> dict:
 
 def _declared(init) -> tuple[list, dict]:
     """A constructor's parameters as ``[(name, default, annotation, keyword-only)]`` and its "Args" descriptions."""
-    params = [p for p in inspect.signature(init).parameters.values()
-              if p.kind is not p.VAR_KEYWORD and p.name != "self"]
+    params = [p for p in inspect.signature(init).parameters.values() if p.name != "self"]
     return ([(p.name, p.default, p.annotation, p.kind is p.KEYWORD_ONLY) for p in params],
             _doc_entries(init.__doc__, "Args"))
 
@@ -146,7 +148,8 @@ def test_the_trainer_names_each_flag_with_the_type_default_and_description_of_it
     runtime_params, _ = _fields(RuntimeFlags, keyword_only=True)
     loop_params, loop_docs = _fields(TrainerConfig, keyword_only=True)
     own = [("callbacks", None, "list[Callback] | None", True), ("logger", None, "Any", True),
-           ("runtime", None, "Runtime | None", True), ("profiler", None, "Profiler | str | None", True)]
+           ("runtime", None, "Runtime | None", True),
+           ("profiler", None, "Profiler | Literal['simple', 'advanced', 'pytorch'] | None", True)]
     assert params == own + runtime_params + loop_params
     assert docs == {**{name: docs[name] for name, *_ in own}, **loop_docs}  # the Runtime's flags: in Runtime.__init__
     preamble = inspect.cleandoc(Trainer.__init__.__doc__).split("Args:")[0]
@@ -167,10 +170,13 @@ def test_each_flag_has_its_rule_on_its_field_or_a_resolver_that_converts_it():
     class Flags:
         warmup: int = flag(1, low=1)
         ratio: float | None = flag(None, low=0.0)
-        mode: str = flag("a", choices=("a", "b"))
+        mode: Literal["a", "b"] = flag("a")  # the choices: the Literal's values
+        strict: bool | Literal["warn"] | None = flag(None)
 
     check_flags(Flags())
+    check_flags(Flags(mode="b", strict="warn"))
     for bad, message in [({"warmup": 0}, "warmup=0 must be an int >= 1$"), ({"ratio": float("nan")}, "ratio=nan must "
-                         "be a finite number >= 0.0 or None"), ({"mode": "c"}, "mode='c'; choose 'a' or 'b'")]:
+                         "be a finite number >= 0.0 or None"), ({"mode": "c"}, "mode='c'; choose 'a' or 'b'"),
+                         ({"strict": "yes"}, "strict='yes'; choose None, True, False or 'warn'")]:
         with pytest.raises(ValueError, match=message):
             check_flags(Flags(**bad))

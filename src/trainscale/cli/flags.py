@@ -20,7 +20,7 @@ from dataclasses import fields
 from typing import Any
 
 from trainscale.loop.config import TrainerConfig
-from trainscale.runtime.flags import RuntimeFlags
+from trainscale.runtime.flags import RuntimeFlags, union_members
 
 # Where the Trainer's flags are declared: the Runtime's, then the loop's (Trainer.__init__'s order).
 DECLARATIONS: tuple[type, ...] = (RuntimeFlags, TrainerConfig)
@@ -67,7 +67,9 @@ def add_sweep_flag(parser, name: str, what: str, default: list, element: type | 
     """``--NAME A,B,...``: the values of the Trainer flag ``name`` a command sweeps (one run each), each parsed as
     the declared type (narrowed to ``element`` when given), with ``what`` then the declared description as help."""
     annotation = typing.get_type_hints(_declaring_class(name))[name]
-    members = typing.get_args(annotation) or (annotation,)
+    # a Literal's values are strings that the command checks itself: bench and plan sweep fewer strategies than the
+    # Trainer takes, and say which
+    members = tuple(str if typing.get_origin(kind) is typing.Literal else kind for kind in union_members(annotation))
     if element is not None:
         if element not in members:
             raise ValueError(f"{name} is declared {annotation}, which has no {element.__name__}")

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
+from typing import Literal
 
 from trainscale.runtime.flags import check_flags, check_int, flag, make_flags
 
@@ -159,7 +160,7 @@ class TrainerConfig:
     max_steps: int | None = None
     accumulate_grad_batches: int = flag(1, low=1)
     gradient_clip_val: float | None = flag(None, low=1e-12)
-    gradient_clip_algorithm: str = flag("norm", choices=("norm", "value"))
+    gradient_clip_algorithm: Literal["norm", "value"] = flag("norm")
     seed: int = flag(0, check=_seed)
     default_root_dir: str | Path = Path("runs")  # made a Path, and checked, by _root_dir
     log_every_n_steps: int = flag(50, low=1)
@@ -168,15 +169,15 @@ class TrainerConfig:
     checkpoint_every_n_steps: int | None = flag(None, low=1)
     keep_last: int | None = flag(3, low=1)
     checkpoint_async: bool = flag(False)
-    on_nonfinite: str = flag("raise", choices=("raise", "skip"))
+    on_nonfinite: Literal["raise", "skip"] = flag("raise")
     max_nonfinite_skips: int = flag(10, low=0)
     handle_signals: bool = flag(True)
     enable_telemetry: bool = flag(True)
     straggler_margin: float = flag(0.2, low=0.0, hint=" (0.2 means 20 % over the median)")
     tensorboard: bool = flag(False)
-    batch_size: str | None = flag(None, choices=(None, "max"))
+    batch_size: Literal["max"] | None = flag(None)
     max_memory: int | None = flag(None, low=1)
-    lr_scaling: str | None = flag(None, choices=(None, "linear", "sqrt"))  # with base_batch_size: _check_lr_scaling
+    lr_scaling: Literal["linear", "sqrt"] | None = flag(None)  # with base_batch_size: _check_lr_scaling
     base_batch_size: int | None = flag(None, low=1)
     lr_warmup_steps: int = flag(0, low=0)
     limit_train_batches: int | float | None = flag(None, check=_limit)
@@ -193,17 +194,17 @@ class TrainerConfig:
     fast_dev_run: bool | int = flag(False, check=_fast_dev_run)
     max_time: str | timedelta | dict | None = None  # made a timedelta, and checked, by parse_max_time
     overfit_batches: int | float = flag(0.0, check=_overfit_batches)
-    deterministic: bool | str | None = flag(None, choices=(None, True, False, "warn"))
+    deterministic: bool | Literal["warn"] | None = flag(None)
     enable_model_summary: bool = flag(True)
     use_distributed_sampler: bool = flag(True)
     reload_dataloaders_every_n_epochs: int = flag(0, low=0)
 
-    def train_batches(self, full: int) -> int:
-        """An epoch's micro-batches under ``limit_train_batches``, of ``full`` without it."""
+    def train_batches(self, full: float) -> float:
+        """An epoch's micro-batches under ``limit_train_batches``, of ``full`` without it (infinite: an iterable's)."""
         return _limited(self.limit_train_batches, full)
 
-    def val_batches(self, full: int) -> int:
-        """A rank's validation batches under ``limit_val_batches``, of ``full`` without it."""
+    def val_batches(self, full: float) -> float:
+        """A rank's validation batches under ``limit_val_batches``, of ``full`` without it (infinite: an iterable's)."""
         return _limited(self.limit_val_batches, full)
 
     def eval_batches(self, stage: str, full: float) -> float:
@@ -220,6 +221,7 @@ class TrainerConfig:
     @property
     def epoch_limit(self) -> float:
         """``max_epochs``, or infinity for -1."""
+        assert self.max_epochs is not None, "resolve_trainer_config resolves max_epochs None to 1 or -1"
         return math.inf if self.max_epochs == -1 else self.max_epochs
 
     @property

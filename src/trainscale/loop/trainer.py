@@ -13,10 +13,9 @@ import math
 import os
 import time
 import warnings
-from dataclasses import fields
 from pathlib import Path
 from datetime import timedelta
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 from torch import nn
@@ -24,7 +23,8 @@ from torch import nn
 from trainscale.callbacks import Callback, ModelCheckpoint, ModelSummary, TQDMProgressBar, resolve_callbacks
 from trainscale.callbacks.base import HOOKS, overridden_hooks
 from trainscale.loggers import resolve_loggers
-from trainscale.runtime.flags import RUNTIME_FLAG_NAMES, check_flag_names
+from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, PipelineScheduleFlag, PrecisionFlag,
+                                      StrategyFlag, names_closest_flag)
 from trainscale.runtime.runtime import Runtime
 from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry
@@ -57,36 +57,39 @@ class Trainer:
     describes each). With ``devices > 1`` outside a launcher the script re-executes under torchrun in ``Trainer()``.
     """
 
+    @names_closest_flag
     def __init__(self, *, callbacks: list[Callback] | None = None, logger: Any = None, runtime: Runtime | None = None,
-                 profiler: Profiler | str | None = None,
+                 profiler: Profiler | Literal["simple", "advanced", "pytorch"] | None = None,
                  # the Runtime's flags (RuntimeFlags), described in Runtime.__init__
-                 accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
-                 num_nodes: int | None = None,
-                 precision: str = "32-true", timeout: float = 1800.0, strategy_options: dict | None = None,
-                 sync_batchnorm: bool = False, activation_checkpointing: Any = None, compile: bool | dict = False,
-                 float32_matmul_precision: str | None = None, parallel: dict | None = None,
-                 tp_plan: dict | None = None, parallelize: Callable | None = None, pp_schedule: str | None = None,
-                 pp_microbatches: int | None = None, pp_split_points: list | None = None,
+                 accelerator: AcceleratorFlag = "auto", devices: int | Literal["auto"] = "auto",
+                 strategy: StrategyFlag = "auto", num_nodes: int | None = None, precision: PrecisionFlag = "32-true",
+                 timeout: float = 1800.0, strategy_options: dict | None = None, sync_batchnorm: bool = False,
+                 activation_checkpointing: Any = None, compile: bool | dict = False,
+                 float32_matmul_precision: MatmulPrecisionFlag | None = None, parallel: dict | None = None,
+                 tp_plan: dict | None = None, parallelize: Callable | None = None,
+                 pp_schedule: PipelineScheduleFlag | None = None, pp_microbatches: int | None = None,
+                 pp_split_points: list | None = None,
                  # the loop's flags (TrainerConfig)
                  max_epochs: int | None = None, max_steps: int | None = None, accumulate_grad_batches: int = 1,
-                 gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm", seed: int = 0,
+                 gradient_clip_val: float | None = None, gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+                 seed: int = 0,
                  default_root_dir: str | Path = Path("runs"), log_every_n_steps: int = 50,
                  enable_progress_bar: bool = True, enable_checkpointing: bool = True,
                  checkpoint_every_n_steps: int | None = None, keep_last: int | None = 3,
-                 checkpoint_async: bool = False, on_nonfinite: str = "raise", max_nonfinite_skips: int = 10,
-                 handle_signals: bool = True, enable_telemetry: bool = True, straggler_margin: float = 0.2,
-                 tensorboard: bool = False, batch_size: str | None = None, max_memory: int | None = None,
-                 lr_scaling: str | None = None, base_batch_size: int | None = None, lr_warmup_steps: int = 0,
+                 checkpoint_async: bool = False, on_nonfinite: Literal["raise", "skip"] = "raise",
+                 max_nonfinite_skips: int = 10, handle_signals: bool = True, enable_telemetry: bool = True,
+                 straggler_margin: float = 0.2, tensorboard: bool = False, batch_size: Literal["max"] | None = None,
+                 max_memory: int | None = None, lr_scaling: Literal["linear", "sqrt"] | None = None,
+                 base_batch_size: int | None = None, lr_warmup_steps: int = 0,
                  limit_train_batches: int | float | None = None, limit_val_batches: int | float | None = None,
                  limit_test_batches: int | float | None = None, limit_predict_batches: int | float | None = None,
                  min_epochs: int | None = None, min_steps: int | None = None, count_flops: bool | None = None,
                  peak_flops: float | None = None, val_check_interval: int | float | None = None,
                  check_val_every_n_epoch: int | None = 1, num_sanity_val_steps: int = 2,
                  fast_dev_run: bool | int = False, max_time: str | timedelta | dict | None = None,
-                 overfit_batches: int | float = 0.0, deterministic: bool | str | None = None,
+                 overfit_batches: int | float = 0.0, deterministic: bool | Literal["warn"] | None = None,
                  enable_model_summary: bool = True, use_distributed_sampler: bool = True,
-                 reload_dataloaders_every_n_epochs: int = 0,
-                 **misspelt: NoReturn) -> None:
+                 reload_dataloaders_every_n_epochs: int = 0) -> None:
         """The Runtime's flags (accelerator, devices, strategy, num_nodes, precision, timeout, strategy_options,
         sync_batchnorm, activation_checkpointing, compile, float32_matmul_precision, parallel, tp_plan, parallelize,
         pp_schedule, pp_microbatches, pp_split_points) are described in ``Runtime.__init__``; the loop's are fields of
@@ -198,10 +201,9 @@ class Trainer:
                 for new loaders, as Lightning's; loaders passed to ``fit`` stay. 0: never.
 
         Raises:
-            TypeError: a misspelt flag (naming the closest one; type checkers refuse it too: ``NoReturn``).
+            TypeError: a misspelt flag (naming the closest one; type checkers refuse it too).
             ValueError: any bad flag, raised on every rank before a process group is created.
         """
-        check_flag_names("Trainer", misspelt, RUNTIME_FLAG_NAMES + TRAINER_FLAG_NAMES)
         runtime_flags = dict(
             accelerator=accelerator, devices=devices, strategy=strategy, num_nodes=num_nodes, precision=precision,
             timeout=timeout, strategy_options=strategy_options, sync_batchnorm=sync_batchnorm,
@@ -900,9 +902,6 @@ class Trainer:
                 getattr(cb, hook)(self, module, *args)
         if call_module and not module_first:
             getattr(module, hook)(*args)
-
-
-TRAINER_FLAG_NAMES = tuple(f.name for f in fields(TrainerConfig))
 
 
 def set_torch_flags(deterministic: bool | str | None) -> None:

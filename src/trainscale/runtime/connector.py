@@ -8,11 +8,11 @@ valid choices or the flag to change, before any process or process group exists.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, get_args
 
 from trainscale.runtime import hf
 from trainscale.runtime.devices import ACCELERATORS, detect_accelerator
-from trainscale.runtime.flags import RuntimeFlags, make_flags
+from trainscale.runtime.flags import MatmulPrecisionFlag, RuntimeFlags, make_flags
 from trainscale.runtime.precision import PRECISIONS
 from trainscale.runtime.strategies import STRATEGIES, STRATEGY_CLASSES, Strategy
 from trainscale.runtime.strategies.parallel_dims import PP_SCHEDULES, ParallelDims, resolve_parallel
@@ -23,7 +23,7 @@ from trainscale.runtime.strategies.parallel_dims import PP_SCHEDULES, ParallelDi
 START_METHOD_NAMES = {"ddp_spawn": "spawn", "ddp_notebook": "fork", "ddp_fork": "fork"}
 
 
-MATMUL_PRECISIONS = (None, "highest", "high", "medium")
+MATMUL_PRECISIONS = (None, *get_args(MatmulPrecisionFlag))
 
 
 @dataclass(frozen=True)

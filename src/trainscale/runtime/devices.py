@@ -6,7 +6,11 @@ Backends follow PyTorch's recommendation: NCCL for CUDA tensors, gloo for CPU te
 
 from __future__ import annotations
 
-ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
+from typing import get_args
+
+from trainscale.runtime.flags import AcceleratorFlag
+
+ACCELERATORS = get_args(AcceleratorFlag)  # "auto", "cpu", "cuda", "gpu" (an alias of "cuda"), "mps"
 
 
 def cuda_device_count() -> int:

@@ -2,18 +2,36 @@
 descriptions the ``Runtime`` and ``Trainer`` signatures repeat (tests/test_trainer_config.py keeps them equal) and
 from which the command lines are generated (``trainscale.cli.flags``, ``trainscale.cli.LightningCLI``).
 
-Each flag's own rule is declared on its field (:func:`flag`: a least value, the choices, or a check of its own; the
-kind of value from the field's type) and applied by one function, :func:`check_flags`; rules across flags are code
-in the resolvers (``resolve``, ``resolve_trainer_config``). Imports no torch, so ``trainscale demo --help`` stays light.
+Each flag's own rule is declared on its field (:func:`flag`: a least value or a check of its own; the kind of value,
+and the choices of a ``Literal``, from the field's type) and applied by one function, :func:`check_flags`; rules
+across flags are code in the resolvers (``resolve``, ``resolve_trainer_config``). Imports no torch, so
+``trainscale demo --help`` stays light.
+
+A flag with a closed set of values is typed ``Literal[...]``: a type checker refuses ``precision="bf16_mixed"`` in
+your editor or CI, the command line lists the choices, and the resolvers check the same set (``typing.get_args``;
+users without a type checker still get the error that names the choices).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import math
+import types
 import typing
 from dataclasses import KW_ONLY, dataclass, field, fields
-from typing import Any, Callable
+from typing import Any, Callable, Literal, ParamSpec, Union, get_args, get_origin
+
+_Params = ParamSpec("_Params")
+
+AcceleratorFlag = Literal["auto", "cpu", "cuda", "gpu", "mps"]
+# "ddp_spawn", "ddp_notebook", "ddp_fork": ddp with its processes started by torch.multiprocessing (connector.py)
+StrategyFlag = Literal["auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp", "ddp_spawn",
+                       "ddp_notebook", "ddp_fork"]
+PrecisionFlag = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true"]
+MatmulPrecisionFlag = Literal["highest", "high", "medium"]  # torch.set_float32_matmul_precision's values
+PipelineScheduleFlag = Literal["gpipe", "1f1b"]  # torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B
 
 
 @dataclass(frozen=True)
@@ -28,7 +46,7 @@ class RuntimeFlags:
         devices: processes (CPU) or GPUs per node, or "auto" (all GPUs; under a launcher, the launcher's
             processes per node; else 1).
         strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp" (docs/strategies.md),
-            or "ddp_spawn"/"ddp_notebook": ddp with the processes started from this one by spawn/fork.
+            or "ddp_spawn"/"ddp_notebook"/"ddp_fork": ddp with the processes started from this one by spawn/fork/fork.
         num_nodes: machines in the job; None (not given): the launcher's count of nodes (pods, SLURM nodes,
             torchrun's agents), 1 without a launcher.
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
@@ -54,27 +72,24 @@ class RuntimeFlags:
             ``trainscale.models.GPT``).
     """
 
-    accelerator: str = "auto"
-    devices: int | str = "auto"
-    strategy: str = "auto"
+    accelerator: AcceleratorFlag = "auto"
+    devices: int | Literal["auto"] = "auto"
+    strategy: StrategyFlag = "auto"
     num_nodes: int | None = None
-    precision: str = "32-true"
+    precision: PrecisionFlag = "32-true"
     _: KW_ONLY
     timeout: float = 1800.0
     strategy_options: dict | None = None
     sync_batchnorm: bool = False
     activation_checkpointing: Any = None
     compile: bool | dict = False
-    float32_matmul_precision: str | None = None
+    float32_matmul_precision: MatmulPrecisionFlag | None = None
     parallel: dict | None = None
     tp_plan: dict | None = None
     parallelize: Callable | None = None
-    pp_schedule: str | None = None
+    pp_schedule: PipelineScheduleFlag | None = None
     pp_microbatches: int | None = None
     pp_split_points: list | None = None
-
-
-RUNTIME_FLAG_NAMES = tuple(f.name for f in fields(RuntimeFlags))
 
 
 def make_flags(cls: type, owner: str, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -92,6 +107,25 @@ def make_flags(cls: type, owner: str, args: tuple = (), kwargs: dict | None = No
         raise TypeError(f"{owner}(): {err}".replace(f"{cls.__name__}.__init__() ", "")) from None
 
 
+def names_closest_flag(init: Callable[_Params, None]) -> Callable[_Params, None]:
+    """Decorate a constructor so that a misspelt keyword raises ``TypeError`` naming the closest of its parameters
+    (``Trainer() got an unexpected flag 'max_epoch'; did you mean 'max_epochs'?``), where Python would name none.
+
+    The signature stays what ``__init__`` declares: ``inspect.signature`` follows ``__wrapped__``, and type checkers
+    read it through the ``ParamSpec`` (mypy then refuses the misspelt keyword too: ``Unexpected keyword argument
+    "max_epoch" for "Trainer"; did you mean "max_epochs"?``).
+    """
+    owner = init.__qualname__.split(".")[0]
+    known = [name for name in inspect.signature(init).parameters if name != "self"]
+
+    @functools.wraps(init)
+    def checked(*args: _Params.args, **kwargs: _Params.kwargs) -> None:
+        check_flag_names(owner, kwargs, known)
+        init(*args, **kwargs)
+
+    return checked
+
+
 def check_flag_names(owner: str, names, known) -> None:
     """Raise ``TypeError`` for the first of ``names`` not in ``known``, naming the closest known flag."""
     for name in names:
@@ -101,19 +135,18 @@ def check_flag_names(owner: str, names, known) -> None:
                             + (f"; did you mean {close[0]!r}?" if close else f"; its flags are: {', '.join(known)}"))
 
 
-def flag(default: Any, *, low: float | None = None, choices: tuple | None = None,
-         check: Callable[[str, Any], None] | None = None, hint: str = "") -> Any:
+def flag(default: Any, *, low: float | None = None, check: Callable[[str, Any], None] | None = None,
+         hint: str = "") -> Any:
     """A flag's dataclass field: its default and the rule :func:`check_flags` applies to its value.
 
     Args:
         default: the flag's default.
         low: the least value of an int or number flag (which of the two, and whether None is allowed, the field's
-            type says; a bool flag needs no rule but ``flag(default)``).
-        choices: the values allowed.
+            type says; a bool flag, or one typed ``Literal[...]`` (its choices), needs no rule but ``flag(default)``).
         check: ``check(name, value)`` raising ``ValueError``: a rule of its own.
         hint: words added to the error message.
     """
-    return field(default=default, metadata={"rule": {"low": low, "choices": choices, "check": check, "hint": hint}})
+    return field(default=default, metadata={"rule": {"low": low, "check": check, "hint": hint}})
 
 
 def check_flags(flags: Any) -> None:
@@ -125,12 +158,30 @@ def check_flags(flags: Any) -> None:
     types = typing.get_type_hints(type(flags))
     for f in fields(flags):
         if "rule" in f.metadata:
-            _check_value(f.name, getattr(flags, f.name), typing.get_args(types[f.name]) or (types[f.name],),
-                         **f.metadata["rule"])
+            _check_value(f.name, getattr(flags, f.name), types[f.name], **f.metadata["rule"])
 
 
-def _check_value(name: str, value: Any, kinds: tuple, low, choices, check, hint) -> None:
+def union_members(annotation: Any) -> tuple:
+    """``(int, str)`` for ``int | str``; ``(annotation,)`` for a type that is no union (``Literal["a", "b"]``)."""
+    return get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+
+
+def choices_of(annotation: Any) -> tuple | None:
+    """The values a flag typed with ``Literal[...]`` accepts, None first, then True and False where its type
+    holds them (``bool | Literal["warn"] | None``); None for a flag of an open type (``int``, ``str``)."""
+    members = union_members(annotation)
+    literals = [value for member in members if get_origin(member) is Literal for value in get_args(member)]
+    if not literals:
+        return None
+    none = (None,) if type(None) in members else ()
+    bools = (True, False) if bool in members else ()
+    return (*none, *bools, *literals)
+
+
+def _check_value(name: str, value: Any, annotation: Any, low, check, hint) -> None:
+    kinds = union_members(annotation)
     optional = type(None) in kinds
+    choices = choices_of(annotation)
     if check is not None:
         check(name, value)
     elif choices is not None:

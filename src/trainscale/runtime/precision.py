@@ -14,9 +14,11 @@ See https://pytorch.org/docs/stable/amp.html.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, get_args
 
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
+from trainscale.runtime.flags import PrecisionFlag
+
+PRECISIONS = get_args(PrecisionFlag)  # "32-true", "16-mixed", "bf16-mixed", "bf16-true"
 _NO_AUTOCAST = contextlib.nullcontext()  # stateless and reentrant: one instance serves every step
 
 

@@ -27,7 +27,7 @@ import atexit
 import os
 import sys
 from datetime import timedelta
-from typing import Any, Callable, Iterable, NoReturn
+from typing import Any, Callable, Iterable, Literal
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,8 @@ from trainscale.runtime import hangs, launch, rendezvous
 from trainscale.runtime.apply import prepare_module
 from trainscale.runtime.batch import to_device
 from trainscale.runtime.connector import RunConfig, resolve
-from trainscale.runtime.flags import RUNTIME_FLAG_NAMES, RuntimeFlags, check_flag_names
+from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, PipelineScheduleFlag, PrecisionFlag,
+                                      RuntimeFlags, StrategyFlag, names_closest_flag)
 from trainscale.runtime.meta_init import on_meta
 from trainscale.runtime.precision import Precision, float32_matmul_note, tf32_enabled
 from trainscale.runtime.strategies import create_strategy
@@ -90,13 +91,15 @@ class Runtime:
     ``runtime.config`` resolved (a :class:`~trainscale.runtime.connector.RunConfig`).
     """
 
-    def __init__(self, accelerator: str = "auto", devices: int | str = "auto", strategy: str = "auto",
-                 num_nodes: int | None = None, precision: str = "32-true", *, timeout: float = 1800.0,
-                 strategy_options: dict | None = None, sync_batchnorm: bool = False, activation_checkpointing: Any = None,
-                 compile: bool | dict = False, float32_matmul_precision: str | None = None,
-                 parallel: dict | None = None, tp_plan: dict | None = None, parallelize: Callable | None = None,
-                 pp_schedule: str | None = None, pp_microbatches: int | None = None,
-                 pp_split_points: list | None = None, **misspelt: NoReturn) -> None:
+    @names_closest_flag
+    def __init__(self, accelerator: AcceleratorFlag = "auto", devices: int | Literal["auto"] = "auto",
+                 strategy: StrategyFlag = "auto", num_nodes: int | None = None, precision: PrecisionFlag = "32-true", *,
+                 timeout: float = 1800.0, strategy_options: dict | None = None, sync_batchnorm: bool = False,
+                 activation_checkpointing: Any = None, compile: bool | dict = False,
+                 float32_matmul_precision: MatmulPrecisionFlag | None = None, parallel: dict | None = None,
+                 tp_plan: dict | None = None, parallelize: Callable | None = None,
+                 pp_schedule: PipelineScheduleFlag | None = None, pp_microbatches: int | None = None,
+                 pp_split_points: list | None = None) -> None:
         """The flags, each a field of :class:`~trainscale.runtime.flags.RuntimeFlags` with this type, default
         and description (tests/test_trainer_config.py keeps them equal).
 
@@ -105,8 +108,8 @@ class Runtime:
             devices: processes (CPU) or GPUs per node, or "auto" (all GPUs; under a launcher, the launcher's
                 processes per node; else 1).
             strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp"
-                (docs/strategies.md), or "ddp_spawn"/"ddp_notebook": ddp with the processes started from this one
-                by spawn/fork.
+                (docs/strategies.md), or "ddp_spawn"/"ddp_notebook"/"ddp_fork": ddp with the processes started from
+                this one by spawn/fork/fork.
             num_nodes: machines in the job; None (not given): the launcher's count of nodes (pods, SLURM nodes,
                 torchrun's agents), 1 without a launcher.
             precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
@@ -132,10 +135,9 @@ class Runtime:
                 ``trainscale.models.GPT``).
 
         Raises:
-            TypeError: a misspelt flag (naming the closest one; type checkers refuse it too: ``NoReturn``).
+            TypeError: a misspelt flag (naming the closest one; type checkers refuse it too).
             ValueError: bad or conflicting flags (raised on every rank, before any process group exists).
         """
-        check_flag_names("Runtime", misspelt, RUNTIME_FLAG_NAMES)
         self.flags = f = RuntimeFlags(
             accelerator, devices, strategy, num_nodes, precision, timeout=timeout, strategy_options=strategy_options,
             sync_batchnorm=sync_batchnorm, activation_checkpointing=activation_checkpointing, compile=compile,

@@ -41,10 +41,12 @@ import copy
 import gc
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 from torch import nn
+
+from trainscale.runtime.flags import AcceleratorFlag, PrecisionFlag, StrategyFlag
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
@@ -245,8 +247,9 @@ def _check(max_memory: Any, start: Any, max_batch_size: Any) -> None:
 
 
 def find_batch_size(model: nn.Module, loss_fn: Callable | None = None, data: Any = None, *, optimizer: Any = None,
-                    runtime: Runtime = None, accelerator: str = "auto", devices: int | str = "auto",
-                    strategy: str = "auto", precision: str = "32-true", max_memory: int | None = None,
+                    runtime: Runtime | None = None, accelerator: AcceleratorFlag = "auto",
+                    devices: int | Literal["auto"] = "auto", strategy: StrategyFlag = "auto",
+                    precision: PrecisionFlag = "32-true", max_memory: int | None = None,
                     start: int = 1, max_batch_size: int | None = None, max_trials: int = MAX_TRIALS,
                     trials: list | None = None) -> int:
     """The largest per-device micro-batch that trains on every rank (see the module docstring).

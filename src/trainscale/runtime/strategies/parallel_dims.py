@@ -11,10 +11,12 @@ their gradients, point to point: the traffic that tolerates the slowest links, a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
+
+from trainscale.runtime.flags import PipelineScheduleFlag
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-PP_SCHEDULES = ("gpipe", "1f1b")  # torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B
+PP_SCHEDULES = get_args(PipelineScheduleFlag)  # "gpipe", "1f1b"
 _NOT_YET = {"cp": "context parallelism (GPU only in torch 2.13)",
             "ep": "expert parallelism"}
 
