@@ -14,13 +14,14 @@ is the whole step at the cost of one layer; rows of one model and shapes share t
 :func:`_titan`). Nothing here is fitted to these rows.
 
 Not modelled (each row that uses one says so): asynchronous tensor parallelism (AsyncTP: its collectives are taken as
-blocking), the data loader (NVIDIA's runs use DALI), the caching allocator's fragmentation (torchtitan publishes
-reserved memory; the prediction is allocated bytes).
+blocking), the data loader (NVIDIA's runs use DALI). Memory is the caching allocator's peak reserved bytes, as
+torchtitan publishes it (:func:`llama_memory`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -46,7 +47,7 @@ LLAMA = {"8B": (4096, 32, 32, 8, 14336), "70B": (8192, 80, 64, 8, 28672), "405B"
 VOCAB = 128256
 ERROR_BOUND = 0.40  # |error| a row may have outside its interval: what the model reaches (docs/plan.md)
 MEDIAN_BOUND = 0.20  # median |error| of throughput over the rows: the bound aimed at
-MEMORY_BOUND = 0.25  # |error| of a predicted memory against a published one: what the model reaches (docs/plan.md)
+MEMORY_BOUND = 0.20  # |error| of a predicted memory against a published one: what the model reaches (docs/plan.md)
 
 
 @dataclass(frozen=True)
@@ -223,39 +224,153 @@ def predict_llama(spec: dict) -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def loss_ops(size: str, tp: int, micro: int, seq: int, compiled: bool = False) -> list:
+    """Traced operators (memory only) of a torchtitan step's end on the last pipeline stage, forward then backward, as
+    its code at the published commit runs it: the final norm on this rank's sequence shard (tensor parallelism's
+    ``SequenceParallel``), its output gathered to the whole sequence (``ColwiseParallel(input_layouts=Shard(1))``: a
+    copy stands for the all-gather's output), the output projection on this rank's vocabulary shard, the logits cast
+    to fp32 (``loss_fn``: ``cross_entropy(pred.flatten(0, 1).float(), labels)``) and the cross-entropy: aten's under
+    one rank, under tp the loss-parallel one (``torch.distributed.tensor.parallel.loss``: its ``_log_softmax``, which
+    keeps the shifted logits and their exponential besides its result, and ``_nll_loss_and_log_softmax_backward``,
+    which builds the gradient from a zeroed tensor and the exponential of the saved result; run on a fake process
+    group). The bf16 logits (``pred``) are held until the loss is computed (train.py's ``del pred`` comes after
+    ``loss_fn``), and so is their fp32 copy, an argument of ``cross_entropy``, unless the loss is ``compiled`` (the copy
+    is then inside Inductor's kernels, :func:`trainscale.plan.op_trace.fused`): a last forward operator reads them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from trainscale.plan import memory
+    from trainscale.plan.op_trace import Op, fused
+
+    hidden = LLAMA[size][0]
+    outer_meta = _meta(lambda: torch.nn.ModuleDict({"norm": LlamaRMSNorm(hidden),
+                                                    "head": torch.nn.Linear(hidden, VOCAB // tp, bias=False)}),
+                       torch.bfloat16)
+    group = memory.fake_process_group(tp, 0) if tp > 1 else contextlib.nullcontext()
+    with group:
+        mesh = memory._mesh(tp) if tp > 1 else None
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            outer = outer_meta.to_empty(device="cpu")
+            tokens = torch.zeros(micro * seq, dtype=torch.int64)
+            with OpLog() as log:
+                last = torch.zeros(micro, seq // tp, hidden, dtype=torch.bfloat16, requires_grad=True)  # last layer's
+                gathered = outer["norm"](last)
+                gathered = gathered.repeat(1, tp, 1) if tp > 1 else gathered
+                pred = outer["head"](gathered)
+                logits = pred.flatten(0, 1).float()
+                loss = (_LossParallel.apply(logits, tokens, mesh, (micro * seq, VOCAB)) if tp > 1
+                        else F.cross_entropy(logits, tokens))
+                held = tuple((t.untyped_storage()._cdata, t.nbytes) for t in ((pred,) if compiled else (pred, logits)))
+                log.ops.append(Op("del pred", "memory", 0.0, 0.0, "bf16", None, "forward", held))
+                log.phase = "backward"
+                loss.backward()
+    return fused(log.ops) if compiled else log.ops
+
+
+class _LossParallel(torch.autograd.Function):
+    """``cross_entropy`` of vocabulary-sharded logits by torch's loss-parallel functions (the local computation that
+    ``loss_parallel()``'s DTensor handlers run), for :func:`loss_ops`' trace."""
+
+    @staticmethod
+    def forward(ctx, logits, target, mesh, shape):
+        from torch.distributed.tensor.parallel import loss as lp
+
+        result = lp._log_softmax(logits, 1, False, mesh, 0)
+        loss, total_weight = lp._nll_loss_forward(result, target, None, None, 1, -100, torch.Size(shape), 1, mesh, 0)
+        ctx.save_for_backward(result, target, total_weight)
+        ctx.mesh, ctx.shape = mesh, shape
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor.parallel import loss as lp
+
+        result, target, total_weight = ctx.saved_tensors
+        return (lp._nll_loss_and_log_softmax_backward(grad, result, target, None, 1, -100, total_weight,
+                                                      torch.Size(ctx.shape), 1, ctx.mesh, 0), None, None, None)
+
+
+def _1f1b_order(stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """``[("F" or "B", micro-batch), ...]``: the order stage ``stage`` runs its forwards and backwards under 1F1B
+    (torch's ``Schedule1F1B``: ``min(microbatches, stages - stage)`` forwards, then one backward and one forward in
+    turn, then the remaining backwards)."""
+    warmup = min(microbatches, stages - stage)
+    order = [("F", m) for m in range(warmup)]
+    for m in range(microbatches - warmup):
+        order += [("B", m), ("F", warmup + m)]
+    return order + [("B", m) for m in range(microbatches - warmup, microbatches)]
+
+
+def _compute_events(spec: dict, ops: dict, lay, stage: int) -> list[tuple]:
+    """Allocator events (:mod:`trainscale.plan.allocator`) of the default stream of pipeline stage ``stage`` in one
+    step: per micro-batch and layer, the layer's input (sequence-sharded under tp; the first layer's is the embedding's
+    output) and its forward's tensors, of which what the checkpoint policy saves is held until that layer's backward;
+    on the last stage the loss (:func:`loss_ops`); then each layer's backward, the recomputed forward included
+    (the traced layer, Inductor's kernels under torch.compile). Under pp, the fp32 gradients FSDP2 accumulates unsharded
+    across micro-batches (``MixedPrecisionPolicy(reduce_dtype=float32)`` with gradient sync off until the last
+    micro-batch, as torch's pipelining stage sets it) appear after each layer's first backward."""
+    from trainscale.plan.op_trace import allocation_events, fused, saved_storages
+
+    layer = fused(ops["layer"]) if spec["compile"] else ops["layer"]
+    forward = [op for op in layer if op.phase == "forward"]
+    saved = set(saved_storages(ops["layer"], spec["recompute"]))
+    layers = round(ops["layers"] / lay.pp)
+    micro = spec["batch"] // lay.microbatches
+    act = micro * spec["seq"] * ops["hidden"] * 2 // lay.tp
+    events: list[tuple] = []
+    accumulated = set()
+    for kind, m in _1f1b_order(stage, lay.pp, lay.microbatches):
+        if kind == "F":
+            for i in range(layers):
+                events.append(("malloc", ("input", m, i), act))
+                events += allocation_events(forward, ("layer", m, i), held=saved)
+            if stage == lay.pp - 1:
+                region = loss_ops(spec["size"], lay.tp, micro, spec["seq"], spec["compiled_loss"])
+                events += allocation_events(region, ("loss", m))
+            continue
+        for i in reversed(range(layers)):
+            events += allocation_events(layer, ("backward", m, i), skip=saved)
+            events += [("free", (("layer", m, i), key)) for key in saved]
+            events.append(("free", ("input", m, i)))
+            if lay.pp > 1 and i not in accumulated:
+                accumulated.add(i)
+                events.append(("malloc", ("accumulated", i), 4 * ops["layer_params"]))
+    return events
+
+
 def llama_memory(spec: dict, ops: dict, lay) -> dict:
-    """Bytes allocated at the peak on the busiest GPU of a torchtitan run, by part (see docs/plan.md):
+    """Bytes reserved at the peak on the busiest GPU of a torchtitan run (torchtitan logs the caching allocator's peak
+    reserved memory, ``max_reserved_gib``), by part (see docs/plan.md):
 
     - ``states``: fp32 parameters, gradients and AdamW's two moments of this GPU's FSDP shard (16 bytes per
-      parameter: torchtitan keeps fp32 parameters and casts to bf16 in FSDP's all-gather);
+      parameter: torchtitan keeps fp32 parameters and casts to bf16 in FSDP's all-gather; the sharded gradients are the
+      reduce-scatter's outputs, which FSDP2 allocates on its reduce-scatter stream, so their blocks stay reserved in
+      that stream's pool between steps);
     - ``unsharded``: bf16 parameters gathered at once: the root unit (embedding, norm, output projection; FSDP2 does
-      not reshard the root after forward) and two layers (the one running and the one prefetched), with one layer's
-      bf16 gradients and their fp32 reduce-scatter input; under pp every layer of the stage and its gradients,
-      held across micro-batches (torchtitan: ``reshard_after_forward=False``);
-    - ``activations``: per layer its input (sequence-sharded under tp) and what the checkpoint policy saves
-      (:func:`trainscale.plan.op_trace.saved_bytes`), times the layers and the micro-batches in flight (1F1B: the
-      first stage holds pp of them);
-    - ``transient``: the larger live peak (:func:`trainscale.plan.op_trace.live_peak`) of one layer's forward and
-      backward (what a recomputed layer allocates) and of the output projection and fp32 loss with their backward
-      (Inductor's kernels when the loss is compiled: the final norm's fused with it, a small overstatement).
-    """
-    from trainscale.plan.op_trace import fused, live_peak, saved_bytes
+      not reshard the root after forward) and two layers (the one running and the one prefetched; fp8 under FSDP's
+      float8 all-gather), with one layer's
+      bf16 gradients and their fp32 reduce-scatter input; under pp every layer of the stage (torchtitan:
+      ``reshard_after_forward=False``), whose fp32 gradients are in ``compute``;
+    - ``compute``: the default stream's pool, replayed through the caching allocator's rules
+      (:func:`_compute_events`, :mod:`trainscale.plan.allocator`); ``compute_allocated`` is its peak of live bytes.
+
+    The busiest GPU of a pipeline is the larger of the first stage (most micro-batches in flight, the embedding) and
+    the last (the loss, the output projection); each holds half the root unit's parameters."""
+    from trainscale.plan.allocator import replay
 
     layers = ops["layers"] / lay.pp
     layer_p, outer_p = ops["layer_params"], ops["outer_params"] / (2 if lay.pp > 1 else 1)
-    act = spec["batch"] // lay.microbatches * spec["seq"] * ops["hidden"] * 2
     states = 16 * (layers * layer_p + outer_p) / lay.dp_shard
     if lay.pp > 1:
-        unsharded = 2 * 2 * (layers * layer_p + outer_p)
-    else:
-        unsharded = 2 * outer_p + 2 * 2 * layer_p + (2 + 4) * layer_p
-    per_layer = act / lay.tp + saved_bytes(ops["layer"], spec["recompute"])
-    in_flight = min(lay.microbatches, lay.pp)
-    activations = in_flight * layers * per_layer
-    outer = fused(ops["outer"]) if spec["compiled_loss"] else ops["outer"]
-    transient = max(live_peak(ops["layer"]), live_peak(outer))
-    parts = {"states": states, "unsharded": unsharded, "activations": activations, "transient": transient}
-    return {**parts, "total": sum(parts.values())}
+        unsharded = 2 * (layers * layer_p + outer_p)
+    else:  # gathered layers in fp8 (1 byte) under FSDP's float8 all-gather (torchao's Float8TrainingTensor)
+        unsharded = 2 * outer_p + 2 * (1 if spec["fsdp_float8"] else 2) * layer_p + (2 + 4) * layer_p
+    stages = {0, lay.pp - 1}
+    pools = [replay(_compute_events(spec, ops, lay, stage)) for stage in sorted(stages)]
+    pool = max(pools, key=lambda p: p.peak_reserved)
+    parts = {"states": states, "unsharded": unsharded, "compute": pool.peak_reserved}
+    return {**parts, "compute_allocated": pool.peak_allocated, "total": sum(parts.values())}
 
 
 def titan_flops_per_token(size: str, seq: int) -> float:
