@@ -259,7 +259,7 @@ def loss_ops(size: str, tp: int, micro: int, seq: int, compiled: bool = False) -
                 gathered = gathered.repeat(1, tp, 1) if tp > 1 else gathered
                 pred = outer["head"](gathered)
                 logits = pred.flatten(0, 1).float()
-                loss = (_LossParallel.apply(logits, tokens, mesh, (micro * seq, VOCAB)) if tp > 1
+                loss = (_LossParallel.apply(logits, tokens, mesh, (micro * seq, VOCAB), log) if tp > 1
                         else F.cross_entropy(logits, tokens))
                 held = tuple((t.untyped_storage()._cdata, t.nbytes) for t in ((pred,) if compiled else (pred, logits)))
                 log.ops.append(Op("del pred", "memory", 0.0, 0.0, "bf16", None, "forward", held))
@@ -270,25 +270,31 @@ def loss_ops(size: str, tp: int, micro: int, seq: int, compiled: bool = False) -
 
 class _LossParallel(torch.autograd.Function):
     """``cross_entropy`` of vocabulary-sharded logits by torch's loss-parallel functions (the local computation that
-    ``loss_parallel()``'s DTensor handlers run), for :func:`loss_ops`' trace."""
+    ``loss_parallel()``'s DTensor handlers run), for :func:`loss_ops`' trace. Autograd holds the saved result until
+    the backward returns: a last operator of the backward reads it."""
 
     @staticmethod
-    def forward(ctx, logits, target, mesh, shape):
+    def forward(ctx, logits, target, mesh, shape, log):
         from torch.distributed.tensor.parallel import loss as lp
 
         result = lp._log_softmax(logits, 1, False, mesh, 0)
         loss, total_weight = lp._nll_loss_forward(result, target, None, None, 1, -100, torch.Size(shape), 1, mesh, 0)
         ctx.save_for_backward(result, target, total_weight)
-        ctx.mesh, ctx.shape = mesh, shape
+        ctx.mesh, ctx.shape, ctx.log = mesh, shape, log
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         from torch.distributed.tensor.parallel import loss as lp
 
+        from trainscale.plan.op_trace import Op
+
         result, target, total_weight = ctx.saved_tensors
-        return (lp._nll_loss_and_log_softmax_backward(grad, result, target, None, 1, -100, total_weight,
-                                                      torch.Size(ctx.shape), 1, ctx.mesh, 0), None, None, None)
+        grad = lp._nll_loss_and_log_softmax_backward(grad, result, target, None, 1, -100, total_weight,
+                                                     torch.Size(ctx.shape), 1, ctx.mesh, 0)
+        saved = ((result.untyped_storage()._cdata, result.nbytes),)
+        ctx.log.ops.append(Op("saved result released", "memory", 0.0, 0.0, "fp32", None, "backward", saved))
+        return grad, None, None, None, None
 
 
 def _1f1b_order(stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
