@@ -276,6 +276,10 @@ def saved_storages(ops: list[Op], recompute: str | None) -> dict[int, float]:
     if recompute is None:
         read_later = {key for op in ops if op.phase == "backward" for key, _ in op.reads}
         return {key: float(b) for op in forward for key, b in op.writes if key in read_later}
+    return _policy_saved(forward)
+
+
+def _policy_saved(forward: list[Op]) -> dict[int, float]:
     saved, matmuls = {}, 0
     for op in forward:
         matmuls += op.name == "mm"
