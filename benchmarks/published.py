@@ -47,7 +47,7 @@ LLAMA = {"8B": (4096, 32, 32, 8, 14336), "70B": (8192, 80, 64, 8, 28672), "405B"
 VOCAB = 128256
 ERROR_BOUND = 0.40  # |error| a row may have outside its interval: what the model reaches (docs/plan.md)
 MEDIAN_BOUND = 0.20  # median |error| of throughput over the rows: the bound aimed at
-MEMORY_BOUND = 0.20  # |error| of a predicted memory against a published one: what the model reaches (docs/plan.md)
+MEMORY_BOUND = 0.10  # |error| of a predicted memory against a published one: what the model reaches (docs/plan.md)
 
 
 @dataclass(frozen=True)
@@ -235,8 +235,12 @@ def loss_ops(size: str, tp: int, micro: int, seq: int, compiled: bool = False) -
     keeps the shifted logits and their exponential besides its result, and ``_nll_loss_and_log_softmax_backward``,
     which builds the gradient from a zeroed tensor and the exponential of the saved result; run on a fake process
     group). The bf16 logits (``pred``) are held until the loss is computed (train.py's ``del pred`` comes after
-    ``loss_fn``), and so is their fp32 copy, an argument of ``cross_entropy``, unless the loss is ``compiled`` (the copy
-    is then inside Inductor's kernels, :func:`trainscale.plan.op_trace.fused`): a last forward operator reads them."""
+    ``loss_fn``), and so is their fp32 copy, an argument of ``cross_entropy``: a last forward operator reads them.
+    A ``compiled`` loss (torchtitan compiles it from 2025) is partitioned as torch.compile's Inductor backend does it
+    (AOTAutograd with Inductor's decompositions and the min-cut partitioner, which saves the bf16 logits and two
+    values per token and recomputes the softmax in backward), its graphs traced operator by operator and costed as
+    Inductor's kernels (:func:`trainscale.plan.op_trace.fused`); under tp the loss-parallel operators are fused
+    instead (a DTensor graph is not partitioned here)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -253,19 +257,43 @@ def loss_ops(size: str, tp: int, micro: int, seq: int, compiled: bool = False) -
         with FakeTensorMode(allow_non_fake_inputs=True):
             outer = outer_meta.to_empty(device="cpu")
             tokens = torch.zeros(micro * seq, dtype=torch.int64)
+            partitioned = _inductor_partitioned(_titan_loss, (micro, seq, VOCAB), tokens) if compiled and tp == 1 else None
             with OpLog() as log:
                 last = torch.zeros(micro, seq // tp, hidden, dtype=torch.bfloat16, requires_grad=True)  # last layer's
                 gathered = outer["norm"](last)
                 gathered = gathered.repeat(1, tp, 1) if tp > 1 else gathered
                 pred = outer["head"](gathered)
-                logits = pred.flatten(0, 1).float()
-                loss = (_LossParallel.apply(logits, tokens, mesh, (micro * seq, VOCAB), log) if tp > 1
-                        else F.cross_entropy(logits, tokens))
-                held = tuple((t.untyped_storage()._cdata, t.nbytes) for t in ((pred,) if compiled else (pred, logits)))
+                if partitioned is not None:
+                    loss, held = partitioned(pred, tokens), (pred,)
+                else:
+                    logits = pred.flatten(0, 1).float()
+                    loss = (_LossParallel.apply(logits, tokens, mesh, (micro * seq, VOCAB), log) if tp > 1
+                            else F.cross_entropy(logits, tokens))
+                    held = (pred, logits)
+                held = tuple((t.untyped_storage()._cdata, t.nbytes) for t in held)
                 log.ops.append(Op("del pred", "memory", 0.0, 0.0, "bf16", None, "forward", held))
                 log.phase = "backward"
                 loss.backward()
     return fused(log.ops) if compiled else log.ops
+
+
+def _titan_loss(pred, labels):
+    """torchtitan's ``loss_fn`` (labels already flat)."""
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels)
+
+
+def _inductor_partitioned(fn, shape: tuple, labels):
+    """``fn(pred, labels)`` split into a forward and a backward graph as torch.compile's Inductor backend splits it
+    (``torch._inductor.compile_fx``: AOTAutograd with ``select_decomp_table()`` and
+    ``min_cut_rematerialization_partition``), the graphs run as they are; traced once on bf16 ``pred`` of ``shape``
+    (inside ``FakeTensorMode``) so that a later call only runs them."""
+    from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    run = aot_function(fn, fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=lambda gm, _: make_boxed_func(gm),
+                       partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
+    run(torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True), labels).backward()
+    return run
 
 
 class _LossParallel(torch.autograd.Function):
@@ -476,6 +504,45 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+MEMORY_TERMS = (
+    "published figure: the caching allocator's peak reserved bytes (torchtitan's train.py logs max_reserved_gib, "
+    "torch.cuda.memory_stats()['reserved_bytes.all.peak'], at the commits the tables name)",
+    "states: 16 bytes per parameter of the FSDP shard (fp32 parameter, gradient, AdamW's exp_avg and exp_avg_sq); "
+    "the gradients are FSDP2's reduce-scatter outputs, allocated on its reduce-scatter stream "
+    "(torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce), whose pool keeps their blocks between "
+    "steps",
+    "unsharded: bf16 parameters gathered at once: the root unit (FSDP2 does not reshard the root after forward), two "
+    "layers (running, prefetched; fp8 under FSDP's float8 all-gather), one layer's bf16 gradients and fp32 "
+    "reduce-scatter input; under pp every layer of the stage (torchtitan: reshard_after_forward=False)",
+    "compute: the default stream's allocations of one step replayed by the caching allocator's rules "
+    "(trainscale.plan.allocator, after c10/cuda/CUDACachingAllocator.cpp); each tensor from its write to its last read "
+    "unless held longer (pred until the loss returns, autograd's saved tensors until their backward)",
+    "activations: each layer's input (sequence-sharded under tp) and what the checkpoint policy saves, per micro-batch "
+    "in flight (torch's Schedule1F1B order under pp)",
+    "loss: the final norm on the sequence shard, its all-gathered output, the output projection on the vocabulary "
+    "shard, the fp32 cast; aten's cross-entropy, under tp the loss-parallel one "
+    "(torch/distributed/tensor/parallel/loss.py); a compiled loss partitioned as Inductor does (AOTAutograd, "
+    "select_decomp_table, min_cut_rematerialization_partition) and fused",
+    "pp: FSDP2 accumulates the stage's gradients unsharded in fp32 across micro-batches (reduce_dtype=float32 with "
+    "gradient sync off until the last micro-batch, torch/distributed/pipelining/stage.py; _fsdp_param.py "
+    "to_accumulated_grad_if_needed); the busiest GPU is the larger of the first and last stage",
+    "not modelled: tp's all-gather and reduce-scatter buffers inside a layer (the layer is traced with a tp rank's "
+    "shapes, norms and residuals on the whole sequence), other streams' pools, Inductor's buffer reuse beyond fusion",
+)
+
+
+def format_memory(results: list[dict]) -> str:
+    """The memory prediction of each row by part (GiB) and the terms it is made of, with their sources."""
+    lines = ["Memory (GiB per GPU, reserved at the peak on the busiest GPU; compute's live bytes in brackets):"]
+    for r in results:
+        m = r["memory_parts"]
+        if m:
+            lines.append(f"- {_SHORT[r['source']]} {r['table']}, {r['model']}: states {m['states']:.1f} + unsharded "
+                         f"{m['unsharded']:.1f} + compute {m['compute']:.1f} ({m['compute_allocated']:.1f}) = "
+                         f"{m['total']:.1f}")
+    return "\n".join(lines + ["Memory terms:"] + [f"- {t}" for t in MEMORY_TERMS])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
@@ -487,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nConstants (interval: the prediction's ends):")
     for c in efficiency.ALL:
         print(f"- {c}")
+    print("\n" + format_memory(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
     return 0

@@ -131,10 +131,11 @@ def _record(func, name: str, args, kwargs, out, inputs: list, outputs: list, pha
 
 
 def _moves_nothing(func, name: str) -> bool:
-    """Views, aliases, allocations without a write, and non-ATen ops: no kernel that moves data."""
+    """Views, aliases, allocations without a write, and ops that are neither ATen's nor its primitives' (the prims a
+    decomposed graph runs, such as ``prims.convert_element_type``): no kernel that moves data."""
     returns = func._schema.returns
     aliases = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-    return func.namespace != "aten" or name in _FREE or func.is_view or aliases
+    return func.namespace not in ("aten", "prims") or name in _FREE or func.is_view or aliases
 
 
 def _compute(func, name: str, args, kwargs, out) -> tuple:
