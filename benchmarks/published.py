@@ -352,25 +352,45 @@ def _compute_events(spec: dict, ops: dict, lay, stage: int) -> list[tuple]:
     layers = round(ops["layers"] / lay.pp)
     micro = spec["batch"] // lay.microbatches
     act = micro * spec["seq"] * ops["hidden"] * 2 // lay.tp
+    layer_forward = allocation_events(forward, held=saved)  # each traced once, tagged per layer and micro-batch
+    layer_backward = allocation_events(layer, skip=saved)
+    last = stage == lay.pp - 1
+    loss = allocation_events(loss_ops(spec["size"], lay.tp, micro, spec["seq"], spec["compiled_loss"])) if last else []
     events: list[tuple] = []
     accumulated = set()
     for kind, m in _1f1b_order(stage, lay.pp, lay.microbatches):
         if kind == "F":
             for i in range(layers):
                 events.append(("malloc", ("input", m, i), act))
-                events += allocation_events(forward, ("layer", m, i), held=saved)
-            if stage == lay.pp - 1:
-                region = loss_ops(spec["size"], lay.tp, micro, spec["seq"], spec["compiled_loss"])
-                events += allocation_events(region, ("loss", m))
+                events += _tagged(layer_forward, ("layer", m, i))
+            events += _tagged(loss, ("loss", m))
             continue
         for i in reversed(range(layers)):
-            events += allocation_events(layer, ("backward", m, i), skip=saved)
+            events += _tagged(layer_backward, ("backward", m, i))
             events += [("free", (("layer", m, i), key)) for key in saved]
             events.append(("free", ("input", m, i)))
             if lay.pp > 1 and i not in accumulated:
                 accumulated.add(i)
                 events.append(("malloc", ("accumulated", i), 4 * ops["layer_params"]))
     return events
+
+
+def _tagged(events: list[tuple], tag) -> list[tuple]:
+    """``events`` of one traced region (keys ``(None, storage)``) as those of its instance ``tag``."""
+    return [(kind, (tag, key[1]), *rest) for kind, key, *rest in events]
+
+
+@functools.lru_cache(maxsize=None)  # rows that differ only in what the default stream does not hold share it
+def _compute_pool(size: str, tp: int, pp: int, microbatches: int, batch: int, seq: int, recompute: str,
+                  compile_: bool, compiled_loss: bool, stage: int) -> tuple[int, int]:
+    """``(peak reserved, peak allocated)`` bytes of :func:`_compute_events` replayed by the caching allocator."""
+    from trainscale.plan.allocator import replay
+
+    spec = {"size": size, "batch": batch, "seq": seq, "recompute": recompute, "compile": compile_,
+            "compiled_loss": compiled_loss}
+    lay = cl.Layout(tp=tp, pp=pp, microbatches=microbatches)
+    pool = replay(_compute_events(spec, llama_ops(size, tp, batch // microbatches, seq), lay, stage))
+    return pool.peak_reserved, pool.peak_allocated
 
 
 def llama_memory(spec: dict, ops: dict, lay) -> dict:
@@ -391,8 +411,6 @@ def llama_memory(spec: dict, ops: dict, lay) -> dict:
 
     The busiest GPU of a pipeline is the larger of the first stage (most micro-batches in flight, the embedding) and
     the last (the loss, the output projection); each holds half the root unit's parameters."""
-    from trainscale.plan.allocator import replay
-
     layers = ops["layers"] / lay.pp
     layer_p, outer_p = ops["layer_params"], ops["outer_params"] / (2 if lay.pp > 1 else 1)
     states = 16 * (layers * layer_p + outer_p) / lay.dp_shard
@@ -400,11 +418,11 @@ def llama_memory(spec: dict, ops: dict, lay) -> dict:
         unsharded = 2 * (layers * layer_p + outer_p)
     else:  # gathered layers in fp8 (1 byte) under FSDP's float8 all-gather (torchao's Float8TrainingTensor)
         unsharded = 2 * outer_p + 2 * (1 if spec["fsdp_float8"] else 2) * layer_p + (2 + 4) * layer_p
-    stages = {0, lay.pp - 1}
-    pools = [replay(_compute_events(spec, ops, lay, stage)) for stage in sorted(stages)]
-    pool = max(pools, key=lambda p: p.peak_reserved)
-    parts = {"states": states, "unsharded": unsharded, "compute": pool.peak_reserved}
-    return {**parts, "compute_allocated": pool.peak_allocated, "total": sum(parts.values())}
+    reserved, allocated = max(_compute_pool(spec["size"], lay.tp, lay.pp, lay.microbatches, spec["batch"], spec["seq"],
+                                            spec["recompute"], spec["compile"], spec["compiled_loss"], stage)
+                              for stage in {0, lay.pp - 1})
+    parts = {"states": states, "unsharded": unsharded, "compute": reserved}
+    return {**parts, "compute_allocated": allocated, "total": sum(parts.values())}
 
 
 def titan_flops_per_token(size: str, seq: int) -> float:
