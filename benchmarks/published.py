@@ -1,6 +1,6 @@
 """trainscale's GPU time model against published training throughput nobody here measured.
 
-    PYTHONPATH=src python benchmarks/published.py            # the accuracy table (about 15 s on 2 CPU cores)
+    PYTHONPATH=src python benchmarks/published.py            # the accuracy table (about 25 s of CPU)
     PYTHONPATH=src python benchmarks/published.py --json out.json
 
 Each row gives the source, the hardware, the model and its configuration as published, and trainscale's prediction
@@ -336,7 +336,7 @@ def _1f1b_order(stage: int, stages: int, microbatches: int) -> list[tuple[str, i
     return order + [("B", m) for m in range(microbatches - warmup, microbatches)]
 
 
-def _compute_events(spec: dict, ops: dict, lay, stage: int) -> list[tuple]:
+def _compute_events(spec: dict, ops: dict, lay, stage: int, layers: int) -> list[tuple]:
     """Allocator events (:mod:`trainscale.plan.allocator`) of the default stream of pipeline stage ``stage`` in one
     step: per micro-batch and layer, the layer's input (sequence-sharded under tp; the first layer's is the embedding's
     output) and its forward's tensors, of which what the checkpoint policy saves is held until that layer's backward;
@@ -349,7 +349,6 @@ def _compute_events(spec: dict, ops: dict, lay, stage: int) -> list[tuple]:
     layer = fused(ops["layer"]) if spec["compile"] else ops["layer"]
     forward = [op for op in layer if op.phase == "forward"]
     saved = set(saved_storages(ops["layer"], spec["recompute"]))
-    layers = round(ops["layers"] / lay.pp)
     micro = spec["batch"] // lay.microbatches
     act = micro * spec["seq"] * ops["hidden"] * 2 // lay.tp
     layer_forward = allocation_events(forward, held=saved)  # each traced once, tagged per layer and micro-batch
@@ -382,14 +381,14 @@ def _tagged(events: list[tuple], tag) -> list[tuple]:
 
 @functools.lru_cache(maxsize=None)  # rows that differ only in what the default stream does not hold share it
 def _compute_pool(size: str, tp: int, pp: int, microbatches: int, batch: int, seq: int, recompute: str,
-                  compile_: bool, compiled_loss: bool, stage: int) -> tuple[int, int]:
+                  compile_: bool, compiled_loss: bool, stage: int, layers: int) -> tuple[int, int]:
     """``(peak reserved, peak allocated)`` bytes of :func:`_compute_events` replayed by the caching allocator."""
     from trainscale.plan.allocator import replay
 
     spec = {"size": size, "batch": batch, "seq": seq, "recompute": recompute, "compile": compile_,
             "compiled_loss": compiled_loss}
     lay = cl.Layout(tp=tp, pp=pp, microbatches=microbatches)
-    pool = replay(_compute_events(spec, llama_ops(size, tp, batch // microbatches, seq), lay, stage))
+    pool = replay(_compute_events(spec, llama_ops(size, tp, batch // microbatches, seq), lay, stage, layers))
     return pool.peak_reserved, pool.peak_allocated
 
 
@@ -409,20 +408,33 @@ def llama_memory(spec: dict, ops: dict, lay) -> dict:
     - ``compute``: the default stream's pool, replayed through the caching allocator's rules
       (:func:`_compute_events`, :mod:`trainscale.plan.allocator`); ``compute_allocated`` is its peak of live bytes.
 
-    The busiest GPU of a pipeline is the larger of the first stage (most micro-batches in flight, the embedding) and
-    the last (the loss, the output projection); each holds half the root unit's parameters."""
-    layers = ops["layers"] / lay.pp
-    layer_p, outer_p = ops["layer_params"], ops["outer_params"] / (2 if lay.pp > 1 else 1)
-    states = 16 * (layers * layer_p + outer_p) / lay.dp_shard
-    if lay.pp > 1:
-        unsharded = 2 * (layers * layer_p + outer_p)
-    else:  # gathered layers in fp8 (1 byte) under FSDP's float8 all-gather (torchao's Float8TrainingTensor)
-        unsharded = 2 * outer_p + 2 * (1 if spec["fsdp_float8"] else 2) * layer_p + (2 + 4) * layer_p
-    reserved, allocated = max(_compute_pool(spec["size"], lay.tp, lay.pp, lay.microbatches, spec["batch"], spec["seq"],
-                                            spec["recompute"], spec["compile"], spec["compiled_loss"], stage)
-                              for stage in {0, lay.pp - 1})
-    parts = {"states": states, "unsharded": unsharded, "compute": reserved}
-    return {**parts, "compute_allocated": allocated, "total": sum(parts.values())}
+    Under pp every stage is predicted and the largest total kept (torchtitan reports the maximum over GPUs): stage
+    ``s`` holds :func:`stage_layers` layers and ``min(microbatches, pp - s)`` micro-batches in flight; the first holds
+    the embedding, the last the final norm and output projection (each half the root unit's parameters)."""
+    layer_p, pp = ops["layer_params"], lay.pp
+    best: dict = {}
+    for stage, layers in enumerate(stage_layers(ops["layers"], pp)):
+        outer_p = ops["outer_params"] if pp == 1 else ops["outer_params"] / 2 * (stage in (0, pp - 1))
+        states = 16 * (layers * layer_p + outer_p) / lay.dp_shard
+        if pp > 1:
+            unsharded = 2 * (layers * layer_p + outer_p)
+        else:  # gathered layers in fp8 (1 byte) under FSDP's float8 all-gather (torchao's Float8TrainingTensor)
+            unsharded = 2 * outer_p + 2 * (1 if spec["fsdp_float8"] else 2) * layer_p + (2 + 4) * layer_p
+        reserved, allocated = _compute_pool(spec["size"], lay.tp, pp, lay.microbatches, spec["batch"], spec["seq"],
+                                            spec["recompute"], spec["compile"], spec["compiled_loss"], stage, layers)
+        parts = {"states": states, "unsharded": unsharded, "compute": reserved}
+        if sum(parts.values()) > best.get("total", -1):
+            best = {**parts, "compute_allocated": allocated, "total": sum(parts.values()), "stage": stage}
+    return best
+
+
+def stage_layers(layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage as torchtitan splits them when no split points are given (its
+    ``generate_split_points`` at the published commit, one stage per rank): ``layers // pp`` on the first stage, one
+    more on each middle stage while the remainder lasts, the rest on the last."""
+    base, extra = divmod(layers, pp)
+    middle = [base + (i < extra) for i in range(pp - 2)]
+    return [layers] if pp == 1 else [base, *middle, layers - base - sum(middle)]
 
 
 def titan_flops_per_token(size: str, seq: int) -> float:
@@ -481,7 +493,8 @@ def evaluate(rows: list[Row] = ROWS) -> list[dict]:
                     "inside": low <= row.published <= high, "mfu": p.get("mfu"),
                     "parts": {k: round(v, 4) for k, v in p["parts"].items()}, "memory_gib": gib,
                     "memory_error": gib / row.published_memory_gib - 1 if gib and row.published_memory_gib else None,
-                    "memory_parts": {k: round(v / 2**30, 2) for k, v in p.get("memory", {}).items()}})
+                    "memory_parts": {k: v if k == "stage" else round(v / 2**30, 2)
+                                     for k, v in p.get("memory", {}).items()}})
     return out
 
 
@@ -543,7 +556,8 @@ MEMORY_TERMS = (
     "select_decomp_table, min_cut_rematerialization_partition) and fused",
     "pp: FSDP2 accumulates the stage's gradients unsharded in fp32 across micro-batches (reduce_dtype=float32 with "
     "gradient sync off until the last micro-batch, torch/distributed/pipelining/stage.py; _fsdp_param.py "
-    "to_accumulated_grad_if_needed); the busiest GPU is the larger of the first and last stage",
+    "to_accumulated_grad_if_needed); every stage predicted, the largest kept, with torchtitan's layers per stage "
+    "(generate_split_points) and Schedule1F1B's micro-batches in flight",
     "not modelled: tp's all-gather and reduce-scatter buffers inside a layer (the layer is traced with a tp rank's "
     "shapes, norms and residuals on the whole sequence), other streams' pools, Inductor's buffer reuse beyond fusion",
 )
@@ -557,7 +571,8 @@ def format_memory(results: list[dict]) -> str:
         if m:
             lines.append(f"- {_SHORT[r['source']]} {r['table']}, {r['model']}: states {m['states']:.1f} + unsharded "
                          f"{m['unsharded']:.1f} + compute {m['compute']:.1f} ({m['compute_allocated']:.1f}) = "
-                         f"{m['total']:.1f}")
+                         f"{m['total']:.1f}" + (f" (pipeline stage {m['stage']})" if r["spec"]["layout"].get("pp", 1) > 1
+                                                else ""))
     return "\n".join(lines + ["Memory terms:"] + [f"- {t}" for t in MEMORY_TERMS])
 
 

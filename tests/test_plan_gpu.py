@@ -153,6 +153,8 @@ def test_allocation_events_hold_and_skip_storages_and_the_step_replays_1f1b_with
     assert allocation_events(layer[:2], "f", held={1}) == [("malloc", ("f", 1), 2 * m), ("malloc", ("f", 2), m),
                                                            ("free", ("f", 2))]
     assert [e[1][1] for e in allocation_events(layer, "b", skip={1}) if e[0] == "malloc"] == [2, 3]
+    assert published.stage_layers(126, 8) == [15, 16, 16, 16, 16, 16, 16, 15]  # torchtitan's split of the 405B
+    assert published.stage_layers(10, 4) == [2, 3, 3, 2] and published.stage_layers(80, 1) == [80]
     assert published._1f1b_order(0, 2, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
     assert published._1f1b_order(3, 4, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
     assert published._1f1b_order(0, 4, 6) == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1),
@@ -162,8 +164,8 @@ def test_allocation_events_hold_and_skip_storages_and_the_step_replays_1f1b_with
     # and the gradient m = 9m. Reserved: 6m of segments by B0 (two inputs, 2m, and three m blocks), then the gradient's
     # 4m that no free block holds = 10m.
     spec = {"compile": False, "recompute": "full", "batch": 2, "seq": 1}
-    ops = {"layer": layer, "layers": 2, "hidden": m // 2, "layer_params": m}
-    pool = replay(published._compute_events(spec, ops, cl.Layout(pp=2, microbatches=2), stage=0))
+    ops = {"layer": layer, "hidden": m // 2, "layer_params": m}
+    pool = replay(published._compute_events(spec, ops, cl.Layout(pp=2, microbatches=2), stage=0, layers=1))
     assert (pool.peak_allocated, pool.peak_reserved) == (9 * m, 10 * m)
 
 
