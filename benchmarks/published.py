@@ -1,6 +1,6 @@
 """trainscale's GPU time model against published training throughput nobody here measured.
 
-    PYTHONPATH=src python benchmarks/published.py            # the accuracy table (about 15 s on 2 CPU cores)
+    PYTHONPATH=src python benchmarks/published.py            # the accuracy table (about 25 s of CPU)
     PYTHONPATH=src python benchmarks/published.py --json out.json
 
 Each row gives the source, the hardware, the model and its configuration as published, and trainscale's prediction
@@ -14,13 +14,14 @@ is the whole step at the cost of one layer; rows of one model and shapes share t
 :func:`_titan`). Nothing here is fitted to these rows.
 
 Not modelled (each row that uses one says so): asynchronous tensor parallelism (AsyncTP: its collectives are taken as
-blocking), the data loader (NVIDIA's runs use DALI), the caching allocator's fragmentation (torchtitan publishes
-reserved memory; the prediction is allocated bytes).
+blocking), the data loader (NVIDIA's runs use DALI). Memory is the caching allocator's peak reserved bytes, as
+torchtitan publishes it (:func:`llama_memory`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -46,7 +47,7 @@ LLAMA = {"8B": (4096, 32, 32, 8, 14336), "70B": (8192, 80, 64, 8, 28672), "405B"
 VOCAB = 128256
 ERROR_BOUND = 0.40  # |error| a row may have outside its interval: what the model reaches (docs/plan.md)
 MEDIAN_BOUND = 0.20  # median |error| of throughput over the rows: the bound aimed at
-MEMORY_BOUND = 0.25  # |error| of a predicted memory against a published one: what the model reaches (docs/plan.md)
+MEMORY_BOUND = 0.10  # |error| of a predicted memory against a published one: what the model reaches (docs/plan.md)
 
 
 @dataclass(frozen=True)
@@ -223,39 +224,217 @@ def predict_llama(spec: dict) -> dict:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def loss_ops(size: str, tp: int, micro: int, seq: int, compiled: bool = False) -> list:
+    """Traced operators (memory only) of a torchtitan step's end on the last pipeline stage, forward then backward, as
+    its code at the published commit runs it: the final norm on this rank's sequence shard (tensor parallelism's
+    ``SequenceParallel``), its output gathered to the whole sequence (``ColwiseParallel(input_layouts=Shard(1))``: a
+    copy stands for the all-gather's output), the output projection on this rank's vocabulary shard, the logits cast
+    to fp32 (``loss_fn``: ``cross_entropy(pred.flatten(0, 1).float(), labels)``) and the cross-entropy: aten's under
+    one rank, under tp the loss-parallel one (``torch.distributed.tensor.parallel.loss``: its ``_log_softmax``, which
+    keeps the shifted logits and their exponential besides its result, and ``_nll_loss_and_log_softmax_backward``,
+    which builds the gradient from a zeroed tensor and the exponential of the saved result; run on a fake process
+    group). The bf16 logits (``pred``) are held until the loss is computed (train.py's ``del pred`` comes after
+    ``loss_fn``), and so is their fp32 copy, an argument of ``cross_entropy``: a last forward operator reads them.
+    A ``compiled`` loss (torchtitan compiles it from 2025) is partitioned as torch.compile's Inductor backend does it
+    (AOTAutograd with Inductor's decompositions and the min-cut partitioner, which saves the bf16 logits and two
+    values per token and recomputes the softmax in backward), its graphs traced operator by operator and costed as
+    Inductor's kernels (:func:`trainscale.plan.op_trace.fused`); under tp the loss-parallel operators are fused
+    instead (a DTensor graph is not partitioned here)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from trainscale.plan import memory
+    from trainscale.plan.op_trace import Op, fused
+
+    hidden = LLAMA[size][0]
+    outer_meta = _meta(lambda: torch.nn.ModuleDict({"norm": LlamaRMSNorm(hidden),
+                                                    "head": torch.nn.Linear(hidden, VOCAB // tp, bias=False)}),
+                       torch.bfloat16)
+    group = memory.fake_process_group(tp, 0) if tp > 1 else contextlib.nullcontext()
+    with group:
+        mesh = memory._mesh(tp) if tp > 1 else None
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            outer = outer_meta.to_empty(device="cpu")
+            tokens = torch.zeros(micro * seq, dtype=torch.int64)
+            partitioned = _inductor_partitioned(_titan_loss, (micro, seq, VOCAB), tokens) if compiled and tp == 1 else None
+            with OpLog() as log:
+                last = torch.zeros(micro, seq // tp, hidden, dtype=torch.bfloat16, requires_grad=True)  # last layer's
+                gathered = outer["norm"](last)
+                gathered = gathered.repeat(1, tp, 1) if tp > 1 else gathered
+                pred = outer["head"](gathered)
+                if partitioned is not None:
+                    loss, held = partitioned(pred, tokens), (pred,)
+                else:
+                    logits = pred.flatten(0, 1).float()
+                    loss = (_LossParallel.apply(logits, tokens, mesh, (micro * seq, VOCAB), log) if tp > 1
+                            else F.cross_entropy(logits, tokens))
+                    held = (pred, logits)
+                held = tuple((t.untyped_storage()._cdata, t.nbytes) for t in held)
+                log.ops.append(Op("del pred", "memory", 0.0, 0.0, "bf16", None, "forward", held))
+                log.phase = "backward"
+                loss.backward()
+    return fused(log.ops) if compiled else log.ops
+
+
+def _titan_loss(pred, labels):
+    """torchtitan's ``loss_fn`` (labels already flat)."""
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels)
+
+
+def _inductor_partitioned(fn, shape: tuple, labels):
+    """``fn(pred, labels)`` split into a forward and a backward graph as torch.compile's Inductor backend splits it
+    (``torch._inductor.compile_fx``: AOTAutograd with ``select_decomp_table()`` and
+    ``min_cut_rematerialization_partition``), the graphs run as they are; traced once on bf16 ``pred`` of ``shape``
+    (inside ``FakeTensorMode``) so that a later call only runs them."""
+    from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    run = aot_function(fn, fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=lambda gm, _: make_boxed_func(gm),
+                       partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
+    run(torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True), labels).backward()
+    return run
+
+
+class _LossParallel(torch.autograd.Function):
+    """``cross_entropy`` of vocabulary-sharded logits by torch's loss-parallel functions (the local computation that
+    ``loss_parallel()``'s DTensor handlers run), for :func:`loss_ops`' trace. Autograd holds the saved result until
+    the backward returns: a last operator of the backward reads it."""
+
+    @staticmethod
+    def forward(ctx, logits, target, mesh, shape, log):
+        from torch.distributed.tensor.parallel import loss as lp
+
+        result = lp._log_softmax(logits, 1, False, mesh, 0)
+        loss, total_weight = lp._nll_loss_forward(result, target, None, None, 1, -100, torch.Size(shape), 1, mesh, 0)
+        ctx.save_for_backward(result, target, total_weight)
+        ctx.mesh, ctx.shape, ctx.log = mesh, shape, log
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor.parallel import loss as lp
+
+        from trainscale.plan.op_trace import Op
+
+        result, target, total_weight = ctx.saved_tensors
+        grad = lp._nll_loss_and_log_softmax_backward(grad, result, target, None, 1, -100, total_weight,
+                                                     torch.Size(ctx.shape), 1, ctx.mesh, 0)
+        saved = ((result.untyped_storage()._cdata, result.nbytes),)
+        ctx.log.ops.append(Op("saved result released", "memory", 0.0, 0.0, "fp32", None, "backward", saved))
+        return grad, None, None, None, None
+
+
+def _1f1b_order(stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """``[("F" or "B", micro-batch), ...]``: the order stage ``stage`` runs its forwards and backwards under 1F1B
+    (torch's ``Schedule1F1B``: ``min(microbatches, stages - stage)`` forwards, then one backward and one forward in
+    turn, then the remaining backwards)."""
+    warmup = min(microbatches, stages - stage)
+    order = [("F", m) for m in range(warmup)]
+    for m in range(microbatches - warmup):
+        order += [("B", m), ("F", warmup + m)]
+    return order + [("B", m) for m in range(microbatches - warmup, microbatches)]
+
+
+def _compute_events(spec: dict, ops: dict, lay, stage: int, layers: int) -> list[tuple]:
+    """Allocator events (:mod:`trainscale.plan.allocator`) of the default stream of pipeline stage ``stage`` in one
+    step: per micro-batch and layer, the layer's input (sequence-sharded under tp; the first layer's is the embedding's
+    output) and its forward's tensors, of which what the checkpoint policy saves is held until that layer's backward;
+    on the last stage the loss (:func:`loss_ops`); then each layer's backward, the recomputed forward included
+    (the traced layer, Inductor's kernels under torch.compile). Under pp, the fp32 gradients FSDP2 accumulates unsharded
+    across micro-batches (``MixedPrecisionPolicy(reduce_dtype=float32)`` with gradient sync off until the last
+    micro-batch, as torch's pipelining stage sets it) appear after each layer's first backward."""
+    from trainscale.plan.op_trace import allocation_events, fused, saved_storages
+
+    layer = fused(ops["layer"]) if spec["compile"] else ops["layer"]
+    forward = [op for op in layer if op.phase == "forward"]
+    saved = set(saved_storages(ops["layer"], spec["recompute"]))
+    micro = spec["batch"] // lay.microbatches
+    act = micro * spec["seq"] * ops["hidden"] * 2 // lay.tp
+    layer_forward = allocation_events(forward, held=saved)  # each traced once, tagged per layer and micro-batch
+    layer_backward = allocation_events(layer, skip=saved)
+    last = stage == lay.pp - 1
+    loss = allocation_events(loss_ops(spec["size"], lay.tp, micro, spec["seq"], spec["compiled_loss"])) if last else []
+    events: list[tuple] = []
+    accumulated = set()
+    for kind, m in _1f1b_order(stage, lay.pp, lay.microbatches):
+        if kind == "F":
+            for i in range(layers):
+                events.append(("malloc", ("input", m, i), act))
+                events += _tagged(layer_forward, ("layer", m, i))
+            events += _tagged(loss, ("loss", m))
+            continue
+        for i in reversed(range(layers)):
+            events += _tagged(layer_backward, ("backward", m, i))
+            events += [("free", (("layer", m, i), key)) for key in saved]
+            events.append(("free", ("input", m, i)))
+            if lay.pp > 1 and i not in accumulated:
+                accumulated.add(i)
+                events.append(("malloc", ("accumulated", i), 4 * ops["layer_params"]))
+    return events
+
+
+def _tagged(events: list[tuple], tag) -> list[tuple]:
+    """``events`` of one traced region (keys ``(None, storage)``) as those of its instance ``tag``."""
+    return [(kind, (tag, key[1]), *rest) for kind, key, *rest in events]
+
+
+@functools.lru_cache(maxsize=None)  # rows that differ only in what the default stream does not hold share it
+def _compute_pool(size: str, tp: int, pp: int, microbatches: int, batch: int, seq: int, recompute: str,
+                  compile_: bool, compiled_loss: bool, stage: int, layers: int) -> tuple[int, int]:
+    """``(peak reserved, peak allocated)`` bytes of :func:`_compute_events` replayed by the caching allocator."""
+    from trainscale.plan.allocator import replay
+
+    spec = {"size": size, "batch": batch, "seq": seq, "recompute": recompute, "compile": compile_,
+            "compiled_loss": compiled_loss}
+    lay = cl.Layout(tp=tp, pp=pp, microbatches=microbatches)
+    pool = replay(_compute_events(spec, llama_ops(size, tp, batch // microbatches, seq), lay, stage, layers))
+    return pool.peak_reserved, pool.peak_allocated
+
+
 def llama_memory(spec: dict, ops: dict, lay) -> dict:
-    """Bytes allocated at the peak on the busiest GPU of a torchtitan run, by part (see docs/plan.md):
+    """Bytes reserved at the peak on the busiest GPU of a torchtitan run (torchtitan logs the caching allocator's peak
+    reserved memory, ``max_reserved_gib``), by part (see docs/plan.md):
 
     - ``states``: fp32 parameters, gradients and AdamW's two moments of this GPU's FSDP shard (16 bytes per
-      parameter: torchtitan keeps fp32 parameters and casts to bf16 in FSDP's all-gather);
+      parameter: torchtitan keeps fp32 parameters and casts to bf16 in FSDP's all-gather; the sharded gradients are the
+      reduce-scatter's outputs, which FSDP2 allocates on its reduce-scatter stream, so their blocks stay reserved in
+      that stream's pool between steps);
     - ``unsharded``: bf16 parameters gathered at once: the root unit (embedding, norm, output projection; FSDP2 does
-      not reshard the root after forward) and two layers (the one running and the one prefetched), with one layer's
-      bf16 gradients and their fp32 reduce-scatter input; under pp every layer of the stage and its gradients,
-      held across micro-batches (torchtitan: ``reshard_after_forward=False``);
-    - ``activations``: per layer its input (sequence-sharded under tp) and what the checkpoint policy saves
-      (:func:`trainscale.plan.op_trace.saved_bytes`), times the layers and the micro-batches in flight (1F1B: the
-      first stage holds pp of them);
-    - ``transient``: the larger live peak (:func:`trainscale.plan.op_trace.live_peak`) of one layer's forward and
-      backward (what a recomputed layer allocates) and of the output projection and fp32 loss with their backward
-      (Inductor's kernels when the loss is compiled: the final norm's fused with it, a small overstatement).
-    """
-    from trainscale.plan.op_trace import fused, live_peak, saved_bytes
+      not reshard the root after forward) and two layers (the one running and the one prefetched; fp8 under FSDP's
+      float8 all-gather), with one layer's
+      bf16 gradients and their fp32 reduce-scatter input; under pp every layer of the stage (torchtitan:
+      ``reshard_after_forward=False``), whose fp32 gradients are in ``compute``;
+    - ``compute``: the default stream's pool, replayed through the caching allocator's rules
+      (:func:`_compute_events`, :mod:`trainscale.plan.allocator`); ``compute_allocated`` is its peak of live bytes.
 
-    layers = ops["layers"] / lay.pp
-    layer_p, outer_p = ops["layer_params"], ops["outer_params"] / (2 if lay.pp > 1 else 1)
-    act = spec["batch"] // lay.microbatches * spec["seq"] * ops["hidden"] * 2
-    states = 16 * (layers * layer_p + outer_p) / lay.dp_shard
-    if lay.pp > 1:
-        unsharded = 2 * 2 * (layers * layer_p + outer_p)
-    else:
-        unsharded = 2 * outer_p + 2 * 2 * layer_p + (2 + 4) * layer_p
-    per_layer = act / lay.tp + saved_bytes(ops["layer"], spec["recompute"])
-    in_flight = min(lay.microbatches, lay.pp)
-    activations = in_flight * layers * per_layer
-    outer = fused(ops["outer"]) if spec["compiled_loss"] else ops["outer"]
-    transient = max(live_peak(ops["layer"]), live_peak(outer))
-    parts = {"states": states, "unsharded": unsharded, "activations": activations, "transient": transient}
-    return {**parts, "total": sum(parts.values())}
+    Under pp every stage is predicted and the largest total kept (torchtitan reports the maximum over GPUs): stage
+    ``s`` holds :func:`stage_layers` layers and ``min(microbatches, pp - s)`` micro-batches in flight; the first holds
+    the embedding, the last the final norm and output projection (each half the root unit's parameters)."""
+    layer_p, pp = ops["layer_params"], lay.pp
+    best: dict = {}
+    for stage, layers in enumerate(stage_layers(ops["layers"], pp)):
+        outer_p = ops["outer_params"] if pp == 1 else ops["outer_params"] / 2 * (stage in (0, pp - 1))
+        states = 16 * (layers * layer_p + outer_p) / lay.dp_shard
+        if pp > 1:
+            unsharded = 2 * (layers * layer_p + outer_p)
+        else:  # gathered layers in fp8 (1 byte) under FSDP's float8 all-gather (torchao's Float8TrainingTensor)
+            unsharded = 2 * outer_p + 2 * (1 if spec["fsdp_float8"] else 2) * layer_p + (2 + 4) * layer_p
+        reserved, allocated = _compute_pool(spec["size"], lay.tp, pp, lay.microbatches, spec["batch"], spec["seq"],
+                                            spec["recompute"], spec["compile"], spec["compiled_loss"], stage, layers)
+        parts = {"states": states, "unsharded": unsharded, "compute": reserved}
+        if sum(parts.values()) > best.get("total", -1):
+            best = {**parts, "compute_allocated": allocated, "total": sum(parts.values()), "stage": stage}
+    return best
+
+
+def stage_layers(layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage as torchtitan splits them when no split points are given (its
+    ``generate_split_points`` at the published commit, one stage per rank): ``layers // pp`` on the first stage, one
+    more on each middle stage while the remainder lasts, the rest on the last."""
+    base, extra = divmod(layers, pp)
+    middle = [base + (i < extra) for i in range(pp - 2)]
+    return [layers] if pp == 1 else [base, *middle, layers - base - sum(middle)]
 
 
 def titan_flops_per_token(size: str, seq: int) -> float:
@@ -314,7 +493,8 @@ def evaluate(rows: list[Row] = ROWS) -> list[dict]:
                     "inside": low <= row.published <= high, "mfu": p.get("mfu"),
                     "parts": {k: round(v, 4) for k, v in p["parts"].items()}, "memory_gib": gib,
                     "memory_error": gib / row.published_memory_gib - 1 if gib and row.published_memory_gib else None,
-                    "memory_parts": {k: round(v / 2**30, 2) for k, v in p.get("memory", {}).items()}})
+                    "memory_parts": {k: v if k == "stage" else round(v / 2**30, 2)
+                                     for k, v in p.get("memory", {}).items()}})
     return out
 
 
@@ -355,6 +535,47 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+MEMORY_TERMS = (
+    "published figure: the caching allocator's peak reserved bytes (torchtitan's train.py logs max_reserved_gib, "
+    "torch.cuda.memory_stats()['reserved_bytes.all.peak'], at the commits the tables name)",
+    "states: 16 bytes per parameter of the FSDP shard (fp32 parameter, gradient, AdamW's exp_avg and exp_avg_sq); "
+    "the gradients are FSDP2's reduce-scatter outputs, allocated on its reduce-scatter stream "
+    "(torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce), whose pool keeps their blocks between "
+    "steps",
+    "unsharded: bf16 parameters gathered at once: the root unit (FSDP2 does not reshard the root after forward), two "
+    "layers (running, prefetched; fp8 under FSDP's float8 all-gather), one layer's bf16 gradients and fp32 "
+    "reduce-scatter input; under pp every layer of the stage (torchtitan: reshard_after_forward=False)",
+    "compute: the default stream's allocations of one step replayed by the caching allocator's rules "
+    "(trainscale.plan.allocator, after c10/cuda/CUDACachingAllocator.cpp); each tensor from its write to its last read "
+    "unless held longer (pred until the loss returns, autograd's saved tensors until their backward)",
+    "activations: each layer's input (sequence-sharded under tp) and what the checkpoint policy saves, per micro-batch "
+    "in flight (torch's Schedule1F1B order under pp)",
+    "loss: the final norm on the sequence shard, its all-gathered output, the output projection on the vocabulary "
+    "shard, the fp32 cast; aten's cross-entropy, under tp the loss-parallel one "
+    "(torch/distributed/tensor/parallel/loss.py); a compiled loss partitioned as Inductor does (AOTAutograd, "
+    "select_decomp_table, min_cut_rematerialization_partition) and fused",
+    "pp: FSDP2 accumulates the stage's gradients unsharded in fp32 across micro-batches (reduce_dtype=float32 with "
+    "gradient sync off until the last micro-batch, torch/distributed/pipelining/stage.py; _fsdp_param.py "
+    "to_accumulated_grad_if_needed); every stage predicted, the largest kept, with torchtitan's layers per stage "
+    "(generate_split_points) and Schedule1F1B's micro-batches in flight",
+    "not modelled: tp's all-gather and reduce-scatter buffers inside a layer (the layer is traced with a tp rank's "
+    "shapes, norms and residuals on the whole sequence), other streams' pools, Inductor's buffer reuse beyond fusion",
+)
+
+
+def format_memory(results: list[dict]) -> str:
+    """The memory prediction of each row by part (GiB) and the terms it is made of, with their sources."""
+    lines = ["Memory (GiB per GPU, reserved at the peak on the busiest GPU; compute's live bytes in brackets):"]
+    for r in results:
+        m = r["memory_parts"]
+        if m:
+            lines.append(f"- {_SHORT[r['source']]} {r['table']}, {r['model']}: states {m['states']:.1f} + unsharded "
+                         f"{m['unsharded']:.1f} + compute {m['compute']:.1f} ({m['compute_allocated']:.1f}) = "
+                         f"{m['total']:.1f}" + (f" (pipeline stage {m['stage']})" if r["spec"]["layout"].get("pp", 1) > 1
+                                                else ""))
+    return "\n".join(lines + ["Memory terms:"] + [f"- {t}" for t in MEMORY_TERMS])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
@@ -366,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nConstants (interval: the prediction's ends):")
     for c in efficiency.ALL:
         print(f"- {c}")
+    print("\n" + format_memory(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
     return 0

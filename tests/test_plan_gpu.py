@@ -114,6 +114,91 @@ def test_live_peak_and_saved_bytes_follow_each_storage_from_its_write_to_its_las
         saved_bytes(ops, "some")
 
 
+def test_caching_allocator_rounds_splits_merges_and_reserves_what_no_free_block_can_serve():
+    from trainscale.plan.allocator import CachingAllocator, replay
+
+    mib = 2**20
+    a = CachingAllocator()
+    a.malloc("tiny", 1)  # 512 bytes from a 2 MiB small-pool segment
+    a.malloc("mid", 5 * mib)  # under 10 MiB: a 20 MiB segment, split: 15 MiB stay free
+    a.malloc("big", 11 * mib + 1)  # rounded to 11 MiB + 512, from those 15 MiB (split again)
+    assert (a.allocated, a.reserved) == (512 + 5 * mib + 11 * mib + 512, 2 * mib + 20 * mib)
+    a.malloc("huge", 12 * mib)  # 4 MiB - 512 are free: a new segment, 12 MiB (a multiple of 2 MiB)
+    assert a.reserved == 34 * mib
+    a.free("big")  # merges with the free 4 MiB - 512 after it
+    a.malloc("fits", 4 * mib)  # the smallest free block large enough: those 15 MiB
+    a.free("mid")
+    a.free("fits")  # merges with both neighbours: the 20 MiB segment is one free block again
+    a.malloc("whole", 20 * mib)
+    assert (a.reserved, a.peak_reserved) == (34 * mib, 34 * mib)
+    # a freed block smaller than the next request stays reserved beside the new segment (never merged across segments)
+    loss = replay([("malloc", "pred", 4 * 2**30), ("malloc", "x", 8 * 2**30), ("free", "pred"),
+                   ("malloc", "y", 8 * 2**30), ("free", "x"), ("free", "y")])
+    assert (loss.peak_allocated, loss.peak_reserved) == (16 * 2**30, 20 * 2**30)
+    with pytest.raises(KeyError):
+        a.free("mid")
+
+
+def test_allocation_events_hold_and_skip_storages_and_the_step_replays_1f1b_with_pp_gradients(monkeypatch):
+    from trainscale.plan.allocator import replay
+    from trainscale.plan.op_trace import allocation_events
+
+    published = _published(monkeypatch)
+    m = 16 * 2**20
+    layer = [_op("matmul", reads=((0, m),), writes=((1, 2 * m),)),  # 0: a parameter, never allocated here
+             _op("memory", reads=((1, 2 * m),), writes=((2, m),)),
+             _op("memory", phase="backward", reads=((2, m), (1, 2 * m)), writes=((3, m),))]
+    assert allocation_events(layer[:2], "f") == [("malloc", ("f", 1), 2 * m), ("malloc", ("f", 2), m),
+                                                 ("free", ("f", 1)), ("free", ("f", 2))]
+    assert allocation_events(layer[:2], "f", held={1}) == [("malloc", ("f", 1), 2 * m), ("malloc", ("f", 2), m),
+                                                           ("free", ("f", 2))]
+    assert [e[1][1] for e in allocation_events(layer, "b", skip={1}) if e[0] == "malloc"] == [2, 3]
+    assert published.stage_layers(126, 8) == [15, 16, 16, 16, 16, 16, 16, 15]  # torchtitan's split of the 405B
+    assert published.stage_layers(10, 4) == [2, 3, 3, 2] and published.stage_layers(80, 1) == [80]
+    assert published._1f1b_order(0, 2, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert published._1f1b_order(3, 4, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    assert published._1f1b_order(0, 4, 6) == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("F", 4), ("B", 1),
+                                              ("F", 5), ("B", 2), ("B", 3), ("B", 4), ("B", 5)]
+    # stage 0 of 2, one layer, 2 micro-batches, full AC: F0 F1 B0 B1, each layer input m bytes; after the layer's first
+    # backward its fp32 gradient (4 bytes x m parameters) stays. Peak live: input 1, the gradient, the recomputed 2m, m
+    # and the gradient m = 9m. Reserved: 6m of segments by B0 (two inputs, 2m, and three m blocks), then the gradient's
+    # 4m that no free block holds = 10m.
+    spec = {"compile": False, "recompute": "full", "batch": 2, "seq": 1}
+    ops = {"layer": layer, "hidden": m // 2, "layer_params": m}
+    pool = replay(published._compute_events(spec, ops, cl.Layout(pp=2, microbatches=2), stage=0, layers=1))
+    assert (pool.peak_allocated, pool.peak_reserved) == (9 * m, 10 * m)
+
+
+def test_the_loss_region_holds_the_logits_as_torchtitan_computes_them(monkeypatch):
+    """aten's cross-entropy holds at most 3 fp32 copies of the logits at once (backward: the saved log-softmax, the
+    gradient of the loss and of the log-softmax); the loss-parallel one 4 (backward: the saved result, the zeroed
+    gradient, the exponential of the result and their sum); compiled (AOTAutograd's min-cut partition, Inductor's
+    fused kernels) none: the bf16 logits are saved and the bf16 gradient written from them."""
+    from trainscale.plan.op_trace import lifetimes
+
+    published = _published(monkeypatch)
+
+    def most_alive(ops, nbytes):
+        spans = [(first, last) for first, last, b in lifetimes(ops).values() if b == nbytes]
+        return max(sum(first <= i <= last for first, last in spans) for i in range(len(ops)))
+
+    tokens, tp = 64, 8
+    fp32 = tokens * (published.VOCAB // tp) * 4
+    assert most_alive(published.loss_ops("8B", tp, 1, tokens), fp32) == 4
+    assert most_alive(published.loss_ops("8B", 1, 1, tokens), fp32 * tp) == 3
+    compiled = published.loss_ops("8B", 1, 1, tokens, compiled=True)  # saves the bf16 logits, recomputes the softmax
+    assert (most_alive(compiled, fp32 * tp), most_alive(compiled, fp32 * tp // 2)) == (0, 2)  # logits and gradient
+
+
+def test_oplog_records_the_primitives_a_decomposed_graph_runs():
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        x = torch.empty(256, 1024, dtype=torch.bfloat16)
+        with OpLog() as log:
+            torch.ops.prims.convert_element_type(x, torch.float32)
+    assert [(op.name, [b for _, b in op.reads], [b for _, b in op.writes]) for op in log.ops] == [
+        ("convert_element_type", [256 * 1024 * 2], [256 * 1024 * 4])]
+
+
 def test_compile_fuses_a_pointwise_chain_into_one_kernel_reading_its_input_and_writing_its_result():
     with torch._subclasses.fake_tensor.FakeTensorMode():
         x = torch.empty(1024, 1024)

@@ -131,10 +131,11 @@ def _record(func, name: str, args, kwargs, out, inputs: list, outputs: list, pha
 
 
 def _moves_nothing(func, name: str) -> bool:
-    """Views, aliases, allocations without a write, and non-ATen ops: no kernel that moves data."""
+    """Views, aliases, allocations without a write, and ops that are neither ATen's nor its primitives' (the prims a
+    decomposed graph runs, such as ``prims.convert_element_type``): no kernel that moves data."""
     returns = func._schema.returns
     aliases = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-    return func.namespace != "aten" or name in _FREE or func.is_view or aliases
+    return func.namespace not in ("aten", "prims") or name in _FREE or func.is_view or aliases
 
 
 def _compute(func, name: str, args, kwargs, out) -> tuple:
@@ -195,10 +196,10 @@ def fused(ops: list[Op]) -> list[Op]:
     return out
 
 
-def live_peak(ops: list[Op]) -> float:
-    """The most bytes alive at once over ``ops`` (bytes): each storage an operator writes lives from its first write to
-    its last read (to its write when never read), which is what the caching allocator holds when every tensor is
-    freed at its last use; storages nothing here writes (parameters, the inputs) are not counted."""
+def lifetimes(ops: list[Op]) -> dict[int, tuple[int, int, float]]:
+    """``{storage key: (first write, last use, bytes)}`` (operator indices) of each storage an operator of ``ops``
+    writes: it lives from its first write to its last read (to its write when never read), which is when a tensor is
+    freed at its last use; storages nothing here writes (parameters, the inputs) are left out."""
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     size: dict[int, float] = {}
@@ -210,6 +211,36 @@ def live_peak(ops: list[Op]) -> float:
             first.setdefault(key, i)
             last[key] = max(last.get(key, i), i)
             size[key] = max(size.get(key, 0.0), float(nbytes))
+    return {key: (first[key], last[key], size[key]) for key in first}
+
+
+def allocation_events(ops: list[Op], tag=None, held=frozenset(), skip=frozenset()) -> list[tuple]:
+    """``ops``' storages as allocator events in program order (:func:`trainscale.plan.allocator.replay`): each one's
+    ``("malloc", (tag, key), bytes)`` before the operator that first writes it, ``("free", (tag, key))`` after its
+    last use (:func:`lifetimes`). Storages in ``held`` are not freed here (the caller frees them later); storages in
+    ``skip`` are neither allocated nor freed (they exist already)."""
+    spans = lifetimes(ops)
+    starts: dict[int, list] = {}
+    ends: dict[int, list] = {}
+    for key, (first, last, nbytes) in spans.items():
+        if key in skip:
+            continue
+        starts.setdefault(first, []).append(("malloc", (tag, key), int(nbytes)))
+        if key not in held:
+            ends.setdefault(last, []).append(("free", (tag, key)))
+    events: list[tuple] = []
+    for i in range(len(ops)):
+        events += starts.get(i, []) + ends.get(i, [])
+    return events
+
+
+def live_peak(ops: list[Op]) -> float:
+    """The most bytes alive at once over ``ops`` (bytes), each storage alive over its :func:`lifetimes`, which is what
+    the caching allocator holds when every tensor is freed at its last use."""
+    spans = lifetimes(ops)
+    first = {key: span[0] for key, span in spans.items()}
+    last = {key: span[1] for key, span in spans.items()}
+    size = {key: span[2] for key, span in spans.items()}
     change = [0.0] * (len(ops) + 1)
     for key, i in first.items():
         change[i] += size[key]
@@ -222,31 +253,37 @@ def live_peak(ops: list[Op]) -> float:
 
 
 def saved_bytes(ops: list[Op], recompute: str | None) -> float:
-    """Bytes a traced forward keeps for its backward (bytes), besides the region's input: with ``recompute`` None every
-    storage forward writes and backward reads; "full" none; "selective" what torchtitan's per-op policy saves (its
-    ``_save_list``): the outputs of ``aten.mm`` except every other one (torchao's float8 linear calls ``torch.mm`` on
-    its float8 tensor subclass: the same) and of fused attention.
+    """Bytes a traced forward keeps for its backward (bytes), besides the region's input: the sum of
+    :func:`saved_storages`.
+
+    Raises:
+        ValueError: an unknown ``recompute``."""
+    return float(sum(saved_storages(ops, recompute).values()))
+
+
+def saved_storages(ops: list[Op], recompute: str | None) -> dict[int, float]:
+    """``{storage key: bytes}`` a traced forward keeps for its backward, besides the region's input: with ``recompute``
+    None every storage forward writes and backward reads; "full" none; "selective" what torchtitan's per-op policy
+    saves (its ``_save_list``): the outputs of ``aten.mm`` except every other one (torchao's float8 linear calls
+    ``torch.mm`` on its float8 tensor subclass: the same) and of fused attention.
 
     Raises:
         ValueError: an unknown ``recompute``."""
     if recompute not in (None, "full", "selective"):
         raise ValueError(f"recompute={recompute!r}: None, 'full' or 'selective'")
     if recompute == "full":
-        return 0.0
+        return {}
     forward = [op for op in ops if op.phase == "forward"]
-    return _kept_for_backward(ops, forward) if recompute is None else _policy_saved(forward)
+    if recompute is None:
+        read_later = {key for op in ops if op.phase == "backward" for key, _ in op.reads}
+        return {key: float(b) for op in forward for key, b in op.writes if key in read_later}
+    return _policy_saved(forward)
 
 
-def _kept_for_backward(ops: list[Op], forward: list[Op]) -> float:
-    read_later = {key for op in ops if op.phase == "backward" for key, _ in op.reads}
-    written = {key: b for op in forward for key, b in op.writes}
-    return float(sum(b for key, b in written.items() if key in read_later))
-
-
-def _policy_saved(forward: list[Op]) -> float:
-    total, matmuls = 0.0, 0
+def _policy_saved(forward: list[Op]) -> dict[int, float]:
+    saved, matmuls = {}, 0
     for op in forward:
         matmuls += op.name == "mm"
         if op.kind == "attention" or (op.name == "mm" and matmuls % 2 == 1):
-            total += sum(b for _, b in op.writes)
-    return total
+            saved.update((key, float(b)) for key, b in op.writes)
+    return saved
