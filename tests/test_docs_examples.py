@@ -11,7 +11,10 @@ with the reason, e.g.::
 
 and is reported here as skipped with that reason; the reasons are limited to what a CPU-only machine
 cannot do (a GPU, several machines). Blocks that start several processes (``devices=2``) run them for
-real, with gloo: the block's process relaunches its script under torchrun, whose workers are fresh interpreters.
+real, with gloo. README's first block relaunches its script under torchrun, whose workers are fresh interpreters,
+as for a user. In the other blocks the Trainer's relaunch hands torchrun's arguments to the block server, which
+forks the workers warm with the environment torchrun gives its workers and runs torchrun's worker entry in each
+(``docs_examples_server.py``; the relaunch itself is tested whole in test_run_cli.py, test_cli.py and here).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^( *)```python\n(.*?)^\1```", re.S | re.M)  # also indented (in a list item)
 SKIP = re.compile(r"<!-- not run: (.+?) -->\s*$")
 ALLOWED_REASONS = ("needs a GPU", "needs several machines")
+REAL_RELAUNCH = {"README.md:12"}  # the front door: relaunched under torchrun as a user's script is
 EXTRAS = {"tensorboard": ("tensorboard", "TensorBoardLogger"), "wandb": ("wandb", "WandbLogger"),
           "mlflow": ("mlflow", "MLFlowLogger"), "stream": ("torchdata", "StatefulDataLoader"),
           "hf": ("transformers", "from_pretrained")}
@@ -89,22 +93,28 @@ def _answer(sock: socket.socket, pending: bytearray, timeout: float | None) -> d
     return json.loads(line)
 
 
-def _run_block(server, script: Path, env: dict, out_dir: Path, timeout: float) -> tuple[int, str, str]:
+def _run_block(server, script: Path, env: dict, out_dir: Path, timeout: float,
+               fork_ranks: bool) -> tuple[int, str, str]:
     """``python SCRIPT`` in the script's folder, forked by the block server: (exit status, stdout, stderr)."""
     sock, pending, log = server
     stdout, stderr = out_dir / "stdout", out_dir / "stderr"
     sock.sendall(json.dumps({"script": str(script), "env": env, "stdout": str(stdout),
-                             "stderr": str(stderr)}).encode() + b"\n")
+                             "stderr": str(stderr), "fork_ranks": fork_ranks}).encode() + b"\n")
     try:
-        pid = _answer(sock, pending, timeout=60)["pid"]
+        group = _answer(sock, pending, timeout=60)["pid"]
     except (EOFError, TimeoutError) as err:
         raise AssertionError(f"the block server did not start the block ({err}):\n{log.read_text()[-3000:]}")
-    try:
-        status = _answer(sock, pending, timeout)["exit"]
-    except TimeoutError:  # a hang: kill the block's process (torchrun's workers die with it)
-        os.killpg(pid, signal.SIGKILL)
-        status = _answer(sock, pending, None)["exit"]
-    return status, stdout.read_text(), stderr.read_text()
+    killed = False
+    while True:
+        try:
+            answer = _answer(sock, pending, None if killed else timeout)
+        except TimeoutError:  # a hang: kill the block's process group (torchrun's workers die with it)
+            os.killpg(group, signal.SIGKILL)
+            killed = True
+            continue
+        if "exit" in answer:
+            return answer["exit"], stdout.read_text(), stderr.read_text()
+        group = answer["pid"]  # the workers forked for the block's relaunch
 
 
 @pytest.mark.timeout(240)
@@ -119,7 +129,8 @@ def test_docs_python_block_runs(path, line, code, skip_reason, tmp_path, tmp_pat
            "WANDB_CONFIG_DIR": str(tmp_path / ".wandb"), "WANDB_CACHE_DIR": str(tmp_path / ".wandb"),
            "WANDB_DATA_DIR": str(tmp_path / ".wandb"), "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    status, stdout, stderr = _run_block(block_server, script, env, tmp_path_factory.mktemp("output"), timeout=220)
+    status, stdout, stderr = _run_block(block_server, script, env, tmp_path_factory.mktemp("output"), timeout=220,
+                                        fork_ranks=f"{path.name}:{line}" not in REAL_RELAUNCH)
     assert status == 0, (f"{path.name} line {line}: the example failed (exit {status})\n"
                          f"--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-5000:]}")
 
