@@ -60,6 +60,8 @@ class CachingAllocator:
         self.reserved = self.allocated = self.peak_reserved = self.peak_allocated = 0
 
     def malloc(self, key, size: int) -> None:
+        """Allocate ``size`` bytes under ``key``: the best-fitting free block of the pool, split when the rest is
+        large enough, else a new segment (:func:`segment_size`)."""
         if key in self._live:
             raise KeyError(f"{key!r} is already allocated")
         size = round_size(size)
@@ -74,7 +76,7 @@ class CachingAllocator:
             self._small.append(small)
             self.reserved += block
         rest = block - size
-        if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
+        if (rest >= MIN_BLOCK) if small else (rest > SMALL_SIZE):  # the allocator's shouldSplit
             self._segments[segment][offset + size] = (rest, False)
             bisect.insort(pool, (rest, segment, offset + size))
             block = size
@@ -85,6 +87,7 @@ class CachingAllocator:
         self.peak_allocated = max(self.peak_allocated, self.allocated)
 
     def free(self, key) -> None:
+        """Free ``key``'s block: it stays reserved, merged with the free blocks beside it in its segment."""
         segment, offset = self._live.pop(key)
         blocks, pool = self._segments[segment], self._free[self._small[segment]]
         size = blocks[offset][0]

@@ -237,14 +237,10 @@ def allocation_events(ops: list[Op], tag=None, held=frozenset(), skip=frozenset(
 def live_peak(ops: list[Op]) -> float:
     """The most bytes alive at once over ``ops`` (bytes), each storage alive over its :func:`lifetimes`, which is what
     the caching allocator holds when every tensor is freed at its last use."""
-    spans = lifetimes(ops)
-    first = {key: span[0] for key, span in spans.items()}
-    last = {key: span[1] for key, span in spans.items()}
-    size = {key: span[2] for key, span in spans.items()}
     change = [0.0] * (len(ops) + 1)
-    for key, i in first.items():
-        change[i] += size[key]
-        change[last[key] + 1] -= size[key]
+    for first, last, nbytes in lifetimes(ops).values():
+        change[first] += nbytes
+        change[last + 1] -= nbytes
     peak = alive = 0.0
     for c in change:
         alive += c
