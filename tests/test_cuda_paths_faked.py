@@ -33,6 +33,7 @@ def test_each_telemetry_starts_a_new_cuda_peak(monkeypatch):
     """A second fit in one process (the bench cell's timed run after its warm-up) reported the first's peak:
     ``max_memory_allocated`` counts from the process start until ``reset_peak_memory_stats``."""
     resets = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: resets.append(device))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(nvml, "_nvml_reader", lambda index: None)
@@ -41,6 +42,19 @@ def test_each_telemetry_starts_a_new_cuda_peak(monkeypatch):
     for _ in range(2):
         Telemetry(rt).close()
     assert resets == [torch.device("cuda", 0)] * 2
+
+
+def test_a_cuda_peak_is_not_reset_before_cuda_is_initialised(monkeypatch):
+    """torch raises "Invalid device argument" from ``reset_peak_memory_stats`` while CUDA is not initialised (its
+    allocator's statistics do not exist yet): a Telemetry made first in a process (seen on an H200) must not."""
+    from trainscale.telemetry.memory import PeakMemory
+
+    def refuse(device=None):
+        raise RuntimeError("Invalid device argument ")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", refuse)
+    PeakMemory(torch.device("cuda", 0)).reset()
 
 
 def test_a_finished_trainer_is_freed_once_dropped(tmp_path):
@@ -116,4 +130,8 @@ def test_on_a_gpu_a_second_fit_reports_its_own_peak(tmp_path):
         del trainer
         gc.collect()
         torch.cuda.empty_cache()
-    assert peaks[1] < peaks[0] / 10  # 8192 hidden units: ~80 MB of weights and AdamW state; 16: ~0.2 MB
+    # What stays allocated after both fits: cuBLAS's workspaces (one per thread and stream, 32 MiB each on Hopper),
+    # allocated through the caching allocator by the first matmul and kept for the process; each peak holds them.
+    resident = torch.cuda.memory_allocated()
+    # 8192 hidden units: ~100 MB of weights, gradients and AdamW state; 16 hidden units: ~0.2 MB
+    assert peaks[1] - resident < (peaks[0] - resident) / 10, (peaks, resident)

@@ -115,3 +115,53 @@ def test_ddp_allreduce_timed_with_cuda_events_on_one_gpu():
     for step in steps:
         assert step.comm_s is not None and 0 < step.comm_s <= step.phase_s["backward"] * 1.05
         assert 0 <= step.exposed_comm_s <= step.comm_s
+
+
+_TIMEOUT_SCRIPT = """
+import torch, torch.distributed as dist
+from trainscale import Runtime
+rt = Runtime(accelerator="cuda", devices=1, strategy="ddp", timeout=5).launch()
+x = torch.ones(1 << 20, device=rt.device)
+dist.all_reduce(x)  # completes: the recorder holds one finished collective
+torch.cuda.synchronize()
+torch.cuda._sleep(30 * 2_000_000_000)  # ~30 s of spinning at ~2 GHz: the next all-reduce waits behind it
+dist.all_reduce(x)
+torch.cuda.synchronize()  # NCCL's watchdog times the all-reduce out after 5 s and writes the dump
+print("the all-reduce was not timed out")
+"""
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_an_nccl_timeout_writes_the_flight_recorder_dump(tmp_path):
+    """The Runtime switches on PyTorch's flight recorder and its dump on timeout before an NCCL group (the user
+    sets nothing): a collective stuck behind a long kernel times out, and the dump (a pickle, what
+    ``torchfrtrace`` reads) names the all-reduce that did not complete, after the one that did. The process is
+    not waited for: on an H200 with torch 2.11 it was still alive 50 s after the dump (its CUDA calls wait for
+    the spinning kernel); on a real hang NCCL's heartbeat monitor ends it."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCH_NCCL_", "TORCH_FR_", "NCCL_ASYNC")) and k not in ("RANK", "WORLD_SIZE")}
+    env["TORCH_FR_DUMP_TEMP_FILE"] = str(tmp_path / "nccl_trace_rank_")
+    dump_path = tmp_path / "nccl_trace_rank_0"
+    proc = subprocess.Popen([sys.executable, "-c", _TIMEOUT_SCRIPT], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 40  # start-up ~10 s, timeout 5 s, dump ~5 s after it
+        while not dump_path.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(1.0)  # the file is written in one go; let a write that just began finish
+    finally:
+        os.killpg(proc.pid, 9)
+        output = proc.communicate()[0]
+    assert dump_path.exists(), output[-3000:]
+    dump = pickle.loads(dump_path.read_bytes())
+    collectives = [e for e in dump["entries"] if "all_reduce" in e["profiling_name"]]
+    assert [(e["collective_seq_id"], e["state"]) for e in collectives] == [(1, "completed"), (2, "scheduled")], \
+        dump["entries"]
+    assert collectives[-1]["input_sizes"] == [[1 << 20]], collectives[-1]
+    assert "Watchdog caught collective operation timeout" in output, output[-3000:]

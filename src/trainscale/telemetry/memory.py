@@ -52,8 +52,11 @@ class PeakMemory:
         return int(torch.cuda.max_memory_reserved(self.device))
 
     def reset(self) -> None:
-        """Start a new peak (CUDA only; the RSS peak of a process cannot be reset)."""
+        """Start a new peak (CUDA only; the RSS peak of a process cannot be reset). Before CUDA is initialised
+        there is no peak to reset (the caching allocator's statistics do not exist yet, and torch raises
+        "Invalid device argument")."""
         if self.cuda:
             import torch
 
-            torch.cuda.reset_peak_memory_stats(self.device)
+            if torch.cuda.is_initialized():
+                torch.cuda.reset_peak_memory_stats(self.device)
