@@ -66,13 +66,13 @@ class Stage:
 # Priority order: the first stages are the ones most worth a lent GPU's minutes.
 STAGES = (
     Stage("env", 20, 90, 8, "versions, device; measured bf16 GEMM TFLOP/s, D2D and pinned/pageable H2D GB/s"),
-    Stage("gpu_tests", 70, 180, None, "the gpu-marked tests (pytest -m gpu, one process)"),
+    Stage("gpu_tests", 90, 180, None, "the gpu-marked tests (pytest -m gpu, one process)"),
     Stage("mfu", 60, 200, 25, "GPT-2 124M, bf16-mixed, B=16, T=1024: hand loop, Runtime, Trainer interleaved"),
     Stage("precision", 25, 90, 10, "32-true, 16-mixed, bf16-mixed, bf16-true: the Trainer against a hand loop"),
     Stage("overhead", 30, 120, 15, "host-bound steps (MLP): per-step time over a plain loop"),
     Stage("strategies", 45, 150, 30, "ddp resume, model_parallel DCP resume, FSDP2 and TP applied on a 1-GPU mesh"),
     Stage("plan", 40, 150, 15, "plan()'s predicted peak memory against max_memory_allocated"),
-    Stage("compile", 100, 300, 15, "GPT-2 124M under compile=True: tokens/s, MFU from the model's flops_per_token"),
+    Stage("compile", 80, 300, 15, "GPT-2 124M under compile=True: tokens/s, MFU from the model's flops_per_token"),
 )
 
 

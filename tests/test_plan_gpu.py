@@ -139,6 +139,35 @@ def test_caching_allocator_rounds_splits_merges_and_reserves_what_no_free_block_
         a.free("mid")
 
 
+def test_a_real_allocation_history_replays_to_the_bytes_the_gpu_reserved():
+    """An H200's allocation history (tests/data; how it was recorded is in the file): replayed stream by stream, the
+    model reserves the segments the device reserved, in the same order and sizes, and the peak reserved bytes
+    ``torch.cuda.max_memory_reserved`` read at the end of the run."""
+    import gzip
+    import json
+    from pathlib import Path
+
+    from trainscale.plan.allocator import CachingAllocator
+
+    path = Path(__file__).parent / "data" / "h200_gpt2_124m_ddp_alloc_history.json.gz"
+    history = json.loads(gzip.decompress(path.read_bytes()))
+    peak_reserved = 0
+    for stream in (0, 1):
+        events = [e for e in history["events"] if e[3] == stream]
+        allocator, grown = CachingAllocator(), []
+        for kind, address, size, _ in events:
+            if kind == "alloc":
+                before = allocator.reserved
+                allocator.malloc(address, size)
+                if allocator.reserved > before:
+                    grown.append(allocator.reserved - before)
+            elif kind == "free":
+                allocator.free(address)
+        assert grown == [size for kind, _, size, _ in events if kind == "segment"]
+        peak_reserved += allocator.peak_reserved
+    assert peak_reserved == history["max_memory_reserved"]
+
+
 def test_allocation_events_hold_and_skip_storages_and_the_step_replays_1f1b_with_pp_gradients(monkeypatch):
     from trainscale.plan.allocator import replay
     from trainscale.plan.op_trace import allocation_events

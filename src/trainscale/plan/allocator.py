@@ -10,13 +10,22 @@ it is at least as large: blocks of different segments never merge, and nothing g
 - a request is rounded up to a multiple of 512 bytes (``kMinBlockSize``);
 - requests of at most 1 MiB (``kSmallSize``) come from the small pool, larger ones from the large pool;
 - the smallest free block of the pool that is large enough serves it (best fit), split when the rest is at least
-  512 bytes (small pool) or more than 1 MiB (large pool);
+  512 bytes (small pool) or more than 1 MiB (large pool); among free blocks of one size the allocator takes the
+  lowest address (its ``BlockComparatorSize``), and the driver hands out segments at falling addresses, so the block
+  of the newest segment serves (then the lowest offset within it);
 - with no such block a new segment is reserved: 2 MiB for a small request, 20 MiB for a request under 10 MiB, else
   the request rounded up to 2 MiB;
 - a freed block merges with its free neighbours of the same segment.
 
 One stream is modelled: blocks of other streams (FSDP's all-gather and reduce-scatter streams) live in pools of their
 own and are counted apart by the caller.
+
+Checked against a real allocation history (``torch.cuda.memory._record_memory_history``; tests/data): 3 steps of GPT-2
+124M under ddp, bf16-mixed, B=8, T=1024 on an H200 (torch 2.11, driver 580), 3,021 allocations in 166 segments.
+Replayed, its peak reserved bytes are the 12,052 MiB the device reserved on that stream. The segment addresses fall
+in 94 of the 165 steps from one segment to the next (small segments fill gaps between larger ones); with the oldest
+segment's block serving instead, the replay reserves 10,480 MiB (-13 %): the choice between blocks of one size
+decides whether a large request finds a free block or reserves a new segment.
 """
 
 from __future__ import annotations
@@ -53,7 +62,8 @@ class CachingAllocator:
     """
 
     def __init__(self) -> None:
-        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # small? -> (size, segment, offset)
+        # small? -> sorted (size, -segment, offset): the newest segment first among blocks of one size
+        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
         self._segments: list[dict[int, tuple[int, bool]]] = []  # per segment: offset -> (size, in use)
         self._small: list[bool] = []
         self._live: dict = {}  # key -> (segment, offset)
@@ -67,9 +77,10 @@ class CachingAllocator:
         size = round_size(size)
         small = size <= SMALL_SIZE
         pool = self._free[small]
-        i = bisect.bisect_left(pool, (size, -1, -1))
+        i = bisect.bisect_left(pool, (size, -len(self._segments), -1))
         if i < len(pool):
-            block, segment, offset = pool.pop(i)
+            block, newest_first, offset = pool.pop(i)
+            segment = -newest_first
         else:
             block, segment, offset = segment_size(size), len(self._segments), 0
             self._segments.append({0: (block, False)})
@@ -78,7 +89,7 @@ class CachingAllocator:
         rest = block - size
         if (rest >= MIN_BLOCK) if small else (rest > SMALL_SIZE):  # the allocator's shouldSplit
             self._segments[segment][offset + size] = (rest, False)
-            bisect.insort(pool, (rest, segment, offset + size))
+            bisect.insort(pool, (rest, -segment, offset + size))
             block = size
         self._segments[segment][offset] = (block, True)
         self._live[key] = (segment, offset)
@@ -94,15 +105,15 @@ class CachingAllocator:
         self.allocated -= size
         after = offset + size
         if after in blocks and not blocks[after][1]:  # merge with the free block after it
-            pool.remove((blocks[after][0], segment, after))
+            pool.remove((blocks[after][0], -segment, after))
             size += blocks.pop(after)[0]
         before = next((o for o, (s, used) in blocks.items() if o + s == offset and not used), None)
         if before is not None:  # and with the free block before it
-            pool.remove((blocks[before][0], segment, before))
+            pool.remove((blocks[before][0], -segment, before))
             del blocks[offset]
             offset, size = before, blocks[before][0] + size
         blocks[offset] = (size, False)
-        bisect.insort(pool, (size, segment, offset))
+        bisect.insort(pool, (size, -segment, offset))
 
 
 def replay(events) -> CachingAllocator:
