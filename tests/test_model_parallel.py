@@ -328,3 +328,45 @@ def test_model_parallel_on_one_process_starts_its_own_process_group(tmp_path):
         assert rt.load(tmp_path / "ckpt", {"model": model, "optimizer": opt}) == {"step": 1}
     finally:
         rt.teardown()
+
+
+def test_a_users_parallelize_fn_keeps_tied_weights_one_parameter():
+    """``parallelize_module`` inside the user's ``parallelize=fn`` replaces the head's and the embedding's weight
+    by two DTensor parameters; the strategy ties them again, as it does after a ``tp_plan``, so the head trains
+    with the embedding (one parameter, one optimizer entry). A function that splits them differently is refused."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from trainscale import Runtime
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(self.emb(x))
+
+    def split_both_by_vocabulary(model, mesh):
+        return parallelize_module(model, mesh["dp_shard"], {"emb": RowwiseParallel(), "head": ColwiseParallel()})
+
+    def split_one(model, mesh):
+        return parallelize_module(model, mesh["dp_shard"], {"head": ColwiseParallel()})
+
+    rt = Runtime(accelerator="cpu", devices=1, strategy="model_parallel", parallel={"dp_shard": 1},
+                 parallelize=split_both_by_vocabulary)
+    try:
+        model, optimizer = rt.setup(Tied(), torch.optim.SGD)
+        assert isinstance(model.emb.weight, DTensor) and model.head.weight is model.emb.weight
+        assert len(list(model.parameters())) == len(optimizer.param_groups[0]["params"]) == 1
+    finally:
+        rt.teardown()
+    rt = Runtime(accelerator="cpu", devices=1, strategy="model_parallel", parallel={"dp_shard": 1},
+                 parallelize=split_one)
+    try:
+        with pytest.raises(ValueError, match=r"parallelize=fn splits the tied weights emb.weight, head.weight"):
+            rt.setup(Tied(), torch.optim.SGD)
+    finally:
+        rt.teardown()

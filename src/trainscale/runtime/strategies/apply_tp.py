@@ -49,7 +49,7 @@ included.
 from __future__ import annotations
 
 import fnmatch
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -317,15 +317,33 @@ def tied_parameters(module: nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
-def tie_again(module: nn.Module, tied: list[list[str]]) -> None:
+def parallelize_keeping_ties(parallelize: Callable, module: nn.Module, mesh) -> nn.Module | None:
+    """The user's ``parallelize(module, mesh)``, then each weight ``module`` tied before it tied again
+    (:func:`tie_again`): ``parallelize_module`` inside the user's function unties them as it does under a
+    ``tp_plan``. Returns what ``parallelize`` returned; groups whose names the returned module no longer holds (it
+    wrapped or replaced them) are left as the function made them.
+
+    Raises:
+        ValueError: the function split the tied names in different ways (:func:`tie_again`).
+    """
+    tied = tied_parameters(module)
+    out = parallelize(module, mesh)
+    target = module if out is None else out
+    names = {name for name, _ in target.named_parameters(remove_duplicate=False)}
+    tie_again(target, [group for group in tied if set(group) <= names], by="parallelize=fn")
+    return out
+
+
+def tie_again(module: nn.Module, tied: list[list[str]], by: str = "tp_plan") -> None:
     """Register each group of ``tied`` names (from :func:`tied_parameters`, before ``parallelize_module``) as one
     parameter again. ``parallelize_module`` replaces each planned module's parameters by new DTensor parameters,
     module by module, so a head tied to the embedding came out as a second parameter, trained apart from the
     embedding (and written twice by checkpoints). Kept as one, its gradient sums both uses, as without tp.
 
     Raises:
-        ValueError: the plan lays the tied names out differently (one split and the other not, or split along
-            other dimensions), naming them and a plan that splits both alike.
+        ValueError: the plan (``by``: "tp_plan" or "parallelize=fn") lays the tied names out differently (one
+            split and the other not, or split along other dimensions), naming them and a plan that splits both
+            alike.
     """
     from torch.distributed.tensor import DTensor
 
@@ -335,7 +353,7 @@ def tie_again(module: nn.Module, tied: list[list[str]]) -> None:
                    for name, p in zip(group, params)}
         if len(set(layouts.values())) > 1:
             raise ValueError(
-                f"tp_plan splits the tied weights {', '.join(group)} (one parameter) in different ways ({layouts}); "
+                f"{by} splits the tied weights {', '.join(group)} (one parameter) in different ways ({layouts}); "
                 "split both modules' weights alike, e.g. RowwiseParallel(input_layouts=Replicate()) on the token "
                 "embedding and ColwiseParallel(output_layouts=Replicate()) on the output head (both split the "
                 "vocabulary rows, Shard(0)), or untie them (tie_word_embeddings=False)")

@@ -27,7 +27,7 @@ from trainscale.runtime import meta_init
 from trainscale.runtime.precision import check_loss_scaling
 from trainscale.runtime.strategies.base import SYNC, Strategy
 from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, fsdp_units, no_gradient_sync, reshard
-from trainscale.runtime.strategies.apply_tp import apply_tp
+from trainscale.runtime.strategies.apply_tp import apply_tp, parallelize_keeping_ties
 from trainscale.runtime.strategies.dcp_checkpoint import DCPCheckpointer
 from trainscale.runtime.strategies.dtensor_clip import clip_grad_norm
 from trainscale.runtime.strategies.parallel_dims import ParallelDims
@@ -130,8 +130,9 @@ class ModelParallelStrategy(Strategy):
     def _parallelize(self, module, units: list):
         """The user's ``parallelize(module, mesh)`` or tensor parallelism, then FSDP over the data-parallel
         ranks; without FSDP under "16-mixed", the GradScaler's one-kind check (``check_loss_scaling``)."""
-        if self.parallelize is not None:
-            module = self.parallelize(module, self.mesh)
+        if self.parallelize is not None:  # then the weights it untied tied again
+            out = parallelize_keeping_ties(self.parallelize, module, self.mesh)
+            module = module if out is None else out
         elif self.dims.tp > 1:
             apply_tp(module, self.mesh["tp"], self.tp_plan, self.sequence_parallel)
         if self.dims.dp_size > 1:

@@ -55,7 +55,7 @@ from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, reshard
 from trainscale.runtime.strategies.apply_pp import (PipelineRunner, gpt_split_points, keep_stage, shared_parameters,
                                                     stage_names, units as model_units)
 from trainscale.runtime.strategies.apply_tp import (apply_tp, check_last_unit_output, check_plan_keys,
-                                                    check_plan_styles, stage_plan)
+                                                    check_plan_styles, parallelize_keeping_ties, stage_plan)
 from trainscale.runtime.strategies.dcp_checkpoint import DCPCheckpointer
 from trainscale.runtime.strategies.dtensor_clip import clip_grad_norm
 from trainscale.runtime.strategies.model_parallel import resolve_sequence_parallel
@@ -276,7 +276,7 @@ class PipelineStrategy(Strategy):
             ValueError: ``parallelize`` returned another module than the stage.
         """
         if self.parallelize is not None:
-            out = self.parallelize(stage, self.mesh)
+            out = parallelize_keeping_ties(self.parallelize, stage, self.mesh)  # the weights it untied tied again
             if out is not None and out is not stage:
                 raise ValueError(f"under strategy='pp' parallelize=fn must parallelise the stage it is given in place "
                                  f"(e.g. with parallelize_module) and return it, but it returned a "
