@@ -140,6 +140,10 @@ def test_output_paths_that_are_refused(tmp_path):
     (["--checkpoint-size", "lots"], "--checkpoint-size 'lots' is not a Kubernetes quantity"),
     (["--image", "a b"], "--image 'a b'"), (["--checkpoint-dir", "ckpt"], "must be an absolute path"),
     (["--shm-size", "half"], "--shm-size 'half' is not a Kubernetes quantity"),
+    # given as 0 or empty, these were replaced by their defaults or written as a zero request
+    (["--cpus-per-node", "0"], "--cpus-per-node 0"), (["--memory-per-node", "0"], "--memory-per-node '0' is zero"),
+    (["--checkpoint-size", "0Gi"], "--checkpoint-size '0Gi' is zero"), (["--shm-size", ""], "--shm-size ''"),
+    (["--python", ""], "--python '' names no program"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, flags, message):
     args = {"--nodes": "2", "--gpus-per-node": "1", "--image": "img"}

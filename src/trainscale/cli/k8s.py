@@ -46,7 +46,7 @@ def run_k8s(args: argparse.Namespace) -> int:
                                cpus_per_node=args.cpus_per_node, memory=args.memory_per_node, cpu=args.cpu,
                                max_restarts=args.max_restarts, checkpoint_claim=args.checkpoint_claim,
                                checkpoint_size=args.checkpoint_size, checkpoint_dir=args.checkpoint_dir,
-                               shm_size=args.shm_size or SHM_SIZE)
+                               shm_size=SHM_SIZE if args.shm_size is None else args.shm_size)
     claim = args.checkpoint_claim or f"{args.job_name}-checkpoints"
     text = to_yaml(docs, (f"Checkpoints: the claim {claim} is mounted at {args.checkpoint_dir} in every pod; have the "
                           f"script write there (Trainer(default_root_dir='{args.checkpoint_dir}/runs')) and resume with "

@@ -166,14 +166,15 @@ def pytorchjob_manifest(command: list[str], *, nodes: int, gpus_per_node: int, i
     for no GPU and run ``gpus_per_node`` CPU processes.
 
     Raises:
-        ValueError: non-positive counts, an empty command or image, a name that is not a DNS label, a
-            size that is not a Kubernetes quantity, or a relative ``checkpoint_dir``.
+        ValueError: non-positive counts, an empty command, program or image, a name that is not a DNS label, a
+            size that is not a Kubernetes quantity or is zero, or a relative ``checkpoint_dir``.
     """
     _check_manifest_flags(command, nodes, gpus_per_node, image, job_name, cpus_per_node, memory, max_restarts,
                           checkpoint_claim, checkpoint_size, checkpoint_dir, shm_size)
     claim = checkpoint_claim or f"{job_name}-checkpoints"
     limits = {} if cpu else {"nvidia.com/gpu": gpus_per_node}
-    requests = {"cpu": str(cpus_per_node or (gpus_per_node if cpu else 8 * gpus_per_node))}
+    default_cpus = gpus_per_node if cpu else 8 * gpus_per_node
+    requests = {"cpu": str(default_cpus if cpus_per_node is None else cpus_per_node)}
     if memory:
         requests["memory"] = limits["memory"] = memory
     container = {"name": "pytorch", "image": image, "command": list(command),
@@ -200,13 +201,16 @@ def pytorchjob_manifest(command: list[str], *, nodes: int, gpus_per_node: int, i
 
 def _check_manifest_flags(command, nodes, gpus_per_node, image, job_name, cpus_per_node, memory, max_restarts,
                           checkpoint_claim, checkpoint_size, checkpoint_dir, shm_size) -> None:
-    counts = {"--nodes": nodes, "--gpus-per-node": gpus_per_node, "--cpus-per-node": cpus_per_node or 1}
+    counts = {"--nodes": nodes, "--gpus-per-node": gpus_per_node,
+              "--cpus-per-node": 1 if cpus_per_node is None else cpus_per_node}
     bad = [f"{flag} {value}" for flag, value in counts.items() if value < 1]
     if bad or max_restarts < 0:
         raise ValueError(f"{', '.join(bad) or f'--max-restarts {max_restarts}'}: counts must be >= 1 "
                          "(--max-restarts >= 0)")
     if not command:
         raise ValueError("no command: pass the training script and its arguments, e.g. train.py --lr 1e-3")
+    if not command[0].strip():
+        raise ValueError("--python '' names no program: give the Python in the image, e.g. python or /opt/venv/bin/python")
     if not image.strip() or any(c.isspace() for c in image):
         raise ValueError(f"--image {image!r} must name a container image (registry/name:tag), without spaces")
     _check_names({"--job-name": job_name, "--checkpoint-claim": checkpoint_claim},
@@ -224,6 +228,8 @@ def _check_names(names: dict, sizes: dict) -> None:
     for flag, size in sizes.items():
         if size is not None and not _QUANTITY.fullmatch(size):
             raise ValueError(f"{flag} {size!r} is not a Kubernetes quantity, e.g. 100Gi or 512Mi")
+        if size is not None and float(re.match(r"[0-9.]+", size).group()) == 0:
+            raise ValueError(f"{flag} {size!r} is zero: give a size, e.g. 100Gi or 512Mi")
 
 
 def to_yaml(documents: list[dict], comments: tuple[str, ...] = ()) -> str:
