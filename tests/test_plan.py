@@ -107,6 +107,11 @@ def test_cli_plan_prints_the_table_and_refuses_bad_flags(tmp_path, monkeypatch, 
     monkeypatch.setattr(sys, "path", list(sys.path))  # the command puts the current directory on it
     assert cli.main(["plan", "--bandwidth", "fast"]) == 2  # in this process: the error comes before any work
     assert "--bandwidth 400GB/s,latency=10us" in capsys.readouterr().err
+    # a zero memory printed a table in which nothing fits; zero FLOP/s was ignored
+    assert cli.main(["plan", "--device-memory", "0"]) == 2
+    assert "device_memory='0' is no memory" in capsys.readouterr().err
+    assert cli.main(["plan", "--device-flops", "0"]) == 2
+    assert "device_flops=0.0 must be a positive FLOP/s" in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess

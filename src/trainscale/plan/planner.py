@@ -452,7 +452,8 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
         A :class:`PlanResult`; ``result.table()`` is the text table.
 
     Raises:
-        ValueError: bad devices, batch sizes, strategies, precision, memory size, link or overlap.
+        ValueError: bad devices, batch sizes, strategies, precision, memory size (or none), device FLOP/s, link or
+            overlap.
         RuntimeError: called inside a distributed job (fsdp is traced on a fake process group).
     """
     import torch
@@ -472,6 +473,10 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
         cluster = hardware.cluster(gpu, nodes, devices_per_node, interconnect)
         device_memory = device_memory if device_memory is not None else cluster.gpu.hbm_bytes
     capacity = comm.parse_bytes(device_memory) if device_memory is not None else default_device_memory()
+    if capacity <= 0:
+        raise ValueError(f"device_memory={device_memory!r} is no memory; give the device's, e.g. 80GB")
+    if device_flops is not None and not device_flops > 0:  # also NaN
+        raise ValueError(f"device_flops={device_flops!r} must be a positive FLOP/s, e.g. 989e12 (H100 SXM, dense bf16)")
     link = comm.parse_link(link) if isinstance(link, str) else link
     if model is None:
         work = workload_from_entry(entry)
