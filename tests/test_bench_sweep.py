@@ -246,7 +246,8 @@ BAD_FLAGS = ((["--entry", "no_such_pkg.mod:build"], "cannot import 'no_such_pkg.
              (["--scaling", "strong", "--batch-sizes", "6"], "6 is not divisible by 4 devices"),
              (["--strategy", "ddp,hsdp", "--devices", "1,2"], "hsdp runs 2 replicas of devices/2 shards"),
              (["--strategy", "model_parallel"], "unknown strategy 'model_parallel'"),
-             (["--workload", "lm", "--entry", "pkg.mod:build"], "give --workload (lm) or --entry"))
+             (["--workload", "lm", "--entry", "pkg.mod:build"], "give --workload (lm) or --entry"),
+             (["--seed", "-1"], "seed=-1 must be an int >= 0"))  # was the same error in every cell
 
 
 def test_bad_flags_fail_before_any_cell_with_a_one_line_error(tmp_path, monkeypatch, capsys):

@@ -26,6 +26,8 @@ from typing import Callable, Sequence
 from trainscale.bench.grid import DEFAULT_BATCH_SIZES, Cell, default_devices, plan
 from trainscale.jobs.launcher import launch_job, next_version_dir, threads_per_process
 from trainscale.jobs.workload import entry_name, resolve_entry
+from trainscale.loop.config import TrainerConfig
+from trainscale.runtime.flags import check_flags
 
 
 
@@ -195,6 +197,7 @@ def sweep(entry: str | Callable | None = None, *, devices: Sequence[int] | None 
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
     if target_accuracy is not None and not 0 < target_accuracy <= 1:
         raise ValueError(f"target_accuracy={target_accuracy!r} must be in (0, 1]")
+    check_flags(TrainerConfig(seed=seed))  # the Trainer's rule, here once, not in every cell
     cells = plan(devices, batch_sizes, strategies, precisions, scaling)
 
     root = Path("runs/bench")
