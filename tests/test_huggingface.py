@@ -261,6 +261,12 @@ def test_export_without_a_config_names_the_fix(tmp_path):
     checkpoint_io.save_file({"model": model.state_dict()}, tmp_path / "plain.pt")
     with pytest.raises(ValueError, match="pass config="):
         export(tmp_path / "plain.pt", tmp_path / "out")
+    # a config path that holds none (was a bare "[Errno 2]"), and shard sizes save_pretrained would read as none
+    with pytest.raises(ValueError, match="'nowhere' is neither a config.json nor a directory holding one"):
+        export(tmp_path / "plain.pt", tmp_path / "out", config="nowhere")
+    for size in (0, "bogus"):
+        with pytest.raises(ValueError, match=r"--max-shard-size\) must be a positive size"):
+            export(tmp_path / "plain.pt", tmp_path / "out", config=tmp_path, max_shard_size=size)
     assert not (tmp_path / "out").exists()
     model.config.save_pretrained(tmp_path / "config")  # the fix: the config given as a directory holding config.json
     _, _, state = _loaded_logits(export(tmp_path / "plain.pt", tmp_path / "out", config=tmp_path / "config"),

@@ -51,8 +51,9 @@ def export(checkpoint: str | Path, out: str | Path, format: str = "safetensors",
         ``out``.
 
     Raises:
-        ValueError: an unknown ``format``, ``out`` not empty, no config (the checkpoint's model was not a
-            ``transformers`` model and ``config`` was not given), or a config that disagrees with the weights
+        ValueError: an unknown ``format``, ``out`` not empty, a ``max_shard_size`` that is no positive size, no
+            config (the checkpoint's model was not a ``transformers`` model and ``config`` was not given), a config
+            path that holds no config.json, or a config that disagrees with the weights
             (another architecture or size: the message names the missing, unexpected or differently shaped
             weights).
         FileNotFoundError, trainscale.runtime.checkpoint_io.CheckpointError: as a checkpoint load.
@@ -65,6 +66,7 @@ def export(checkpoint: str | Path, out: str | Path, format: str = "safetensors",
         raise ValueError(f"{str(out)!r} exists and is not an empty directory; export to a new directory, or "
                          "delete it first")
     _require("transformers", "safetensors")
+    _check_shard_size(max_shard_size)
     tokenizer = _tokenizer(tokenizer)
     state, extra = _read_model(_resolve(Path(checkpoint)), verify)
     hf_config = _config(config, extra.get("hf_config"), checkpoint)
@@ -171,11 +173,33 @@ def _config(config: Any, saved: dict | None, checkpoint: Any) -> Any:
         return config
     if isinstance(config, (str, Path)):
         path = Path(config)
-        config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise ValueError(f"config {str(config)!r} is neither a config.json nor a directory holding one; pass the "
+                             "config.json the model was built from, or the directory it was loaded from")
+        config = json.loads(file.read_text())
     values = dict(saved if config is None else config)
     if "model_type" not in values:
         raise ValueError("the config has no 'model_type'; pass the config.json the model was built from")
     return transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def _check_shard_size(max_shard_size: int | str) -> None:
+    """Refuse a ``max_shard_size`` that ``save_pretrained`` would read as no size or as zero bytes (it parses it with
+    ``transformers.utils.hub.convert_file_size_to_int``), before the checkpoint is read.
+
+    Raises:
+        ValueError: not bytes or a size such as "5GB", or not positive.
+    """
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        size = convert_file_size_to_int(max_shard_size)
+    except (ValueError, TypeError):
+        size = None
+    if not isinstance(size, int) or size <= 0:
+        raise ValueError(f"max_shard_size={max_shard_size!r} (CLI: --max-shard-size) must be a positive size, bytes or "
+                         "e.g. '5GB' or '500MB'")
 
 
 def _tokenizer(tokenizer: Any) -> Any:
