@@ -16,6 +16,21 @@ def test_round_trip_with_checksum(tmp_path):
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")], "temporary file left behind"
 
 
+def test_an_entry_torch_cannot_pickle_is_named_and_nothing_is_written(tmp_path):
+    """Was pickle's AttributeError from deep in torch.save, naming no entry."""
+    from torch import nn
+
+    from trainscale import Runtime
+
+    rt = Runtime(accelerator="cpu", devices=1)
+    model, _ = rt.setup(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"checkpoint entry 'score' cannot be saved \(Can't pickle local object"):
+        rt.save(tmp_path / "ckpt.pt", {"model": model, "step": 3, "score": lambda: 1.0})
+    assert list(tmp_path.iterdir()) == []  # no file, no checksum, no temporary file
+    with pytest.raises(TypeError, match="setup takes the model as a torch.nn.Module, got str"):
+        rt.setup("model")
+
+
 def test_missing_file_names_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="ckpt_path='last'"):
         checkpoint_io.load_file(tmp_path / "nope.pt")

@@ -14,6 +14,7 @@ import errno
 import hashlib
 import io
 import os
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -133,14 +134,41 @@ def save_file(obj: Any, path: str | os.PathLike) -> None:
     import torch
 
     path = Path(path)
-    with _atomic_open(path) as f:
-        writer = _HashingWriter(f, path)
-        torch.save(obj, writer)
+    try:
+        with _atomic_open(path) as f:
+            writer = _HashingWriter(f, path)
+            torch.save(obj, writer)
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        if "pickle" not in str(err):
+            raise
+        raise TypeError(f"{_unpicklable_entry(obj)}cannot be saved ({err}): a checkpoint holds tensors, modules, "
+                        "optimizers and plain values (numbers, strings, lists, dicts); save what a lambda or a local "
+                        "function computes, not the function") from err
     try:
         atomic_write_bytes(f"{os.fspath(path)}.sha256", writer.sha256.hexdigest().encode() + b"\n")
     except Exception:
         path.unlink(missing_ok=True)  # without its checksum it would be refused: free its space now
         raise
+
+
+def _unpicklable_entry(obj: Any) -> str:
+    """``"checkpoint entry 'KEY' "`` for the first top-level entry of the dict ``obj`` that ``torch.save`` cannot
+    write (each tried into a writer that keeps nothing), else ``"the checkpoint "``."""
+    import torch
+
+    class Discard:
+        def write(self, data) -> int:
+            return len(data)
+
+        def flush(self) -> None:
+            pass
+
+    for key, value in (obj.items() if isinstance(obj, dict) else ()):
+        try:
+            torch.save(value, Discard())
+        except Exception:
+            return f"checkpoint entry {key!r} "
+    return "the checkpoint "
 
 
 def load_file(path: str | os.PathLike, verify: bool = True, read: Callable | None = None,

@@ -335,9 +335,13 @@ class Runtime:
             ``(wrapped_module, optimizer_or_None)``.
 
         Raises:
+            TypeError: ``module`` is no ``nn.Module``; ``optimizer`` is neither an optimizer nor a factory.
             ValueError: a meta-device model under a strategy that cannot materialise it, or one
                 that could not be initialised.
         """
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"setup takes the model as a torch.nn.Module, got {type(module).__name__}; pass the "
+                            "model itself, e.g. rt.setup(model, optimizer)")
         self.launch()
         c = self.config
         if not self.strategy.materialises_meta and on_meta(module):
