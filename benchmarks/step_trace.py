@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     found = trace_steps(int(os.environ.get("RANK", "0")), str(root), args.devices)
     if found is not None:
         shutil.rmtree(root, ignore_errors=True)
-        print(f"# step_trace: ddp × {args.devices} (cpu, gloo), accumulate_grad_batches=2, torch {torch.__version__}, "
+        run = f"ddp × {args.devices} (cpu, gloo)" if args.devices > 1 else "1 process (cpu)"
+        print(f"# step_trace: {run}, accumulate_grad_batches=2, torch {torch.__version__}, "
               f"Python {sys.version.split()[0]}")
         print(report(found, args.list))
 
