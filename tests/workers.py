@@ -130,3 +130,15 @@ def lr_scaling_body(rank: int, root: str) -> dict:
         records = [json.loads(line) for line in open(f"{summary['run_dir']}/metrics.jsonl")]
         logged = [r["lr-SGD"] for r in records if r.get("kind") == "step"]
     return {"used": used.used, "logged": logged, "summary": summary, "global_batch_size": trainer.global_batch_size}
+
+
+def step_trace_body(rank: int, root: str) -> dict | None:
+    """``benchmarks/step_trace.py``'s traced fit on this rank (the benchmarks folder is not a package: put on the
+    path here, in the rank's own process); rank zero returns the figures of its plain and logging steps."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import step_trace
+
+    return step_trace.trace_steps(rank, root, devices=2)

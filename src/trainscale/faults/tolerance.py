@@ -148,53 +148,36 @@ class FaultTolerance:
             NonFiniteLossError: "raise" mode and some rank saw a non-finite loss (names step, epoch, ranks).
         """
         previous, self.phase = self.phase, CHECK_PHASE
-        rows = self._exchange(self._loss_sum(running), self._measure_step_time(step))
-        self._plan_next_check(step, rows)
-        self._raise_if_nonfinite(rows, epoch)
+        loss_sum = None  # "raise" mode: the losses since the last check, summed on the device
+        if self.on_nonfinite == "raise":
+            loss_sum = running if running is not None else self.losses.total()
+        now = time.monotonic()  # this rank's seconds per step since its last check (the previous value if none ran)
+        if self._last_check is not None and step > self._last_check[0]:
+            self._step_s = (now - self._last_check[1]) / (step - self._last_check[0])
+        self._last_check = (step, now)
+        signum = self.signals.received or 0
+        if self.rt.world_size == 1:
+            rows = [[signum, loss_sum.item() if loss_sum is not None else 0.0, self._step_s]]
+            self._next_check = step + self.check_every
+        else:  # every rank's [signal or 0, loss sum or 0, seconds per step], in rank order (one host sync)
+            vec = torch.zeros(self.rt.world_size, 3, dtype=torch.float32, device=self.rt.device)
+            vec[self.rt.rank, 0] = signum
+            if loss_sum is not None:
+                vec[self.rt.rank, 1] = loss_sum
+            vec[self.rt.rank, 2] = self._step_s
+            rows = self.rt.all_reduce(vec).tolist()  # a sum: each rank fills its own row
+            # the next check from values every rank has, so all agree: about a second of the slowest rank's steps
+            self._next_check = step + steps_between_checks(max(row[2] for row in rows), self.check_every)
+        if not all(math.isfinite(row[1]) for row in rows):
+            self._raise_nonfinite(rows, epoch)
+        self.losses.clear()
         self.phase = previous
         signals = [int(row[0]) for row in rows if row[0]]
         return max(signals) if signals else None
 
-    def _loss_sum(self, running: torch.Tensor | None) -> torch.Tensor | None:
-        if self.on_nonfinite != "raise":
-            return None
-        return running if running is not None else self.losses.total()
-
-    def _exchange(self, loss_sum: torch.Tensor | None, step_s: float) -> list[list[float]]:
-        """Every rank's ``[signal or 0, loss sum or 0, seconds per step]``, in rank order (one host sync)."""
-        signum = self.signals.received or 0
-        if self.rt.world_size == 1:
-            return [[signum, loss_sum.item() if loss_sum is not None else 0.0, step_s]]
-        vec = torch.zeros(self.rt.world_size, 3, dtype=torch.float32, device=self.rt.device)
-        vec[self.rt.rank, 0] = signum
-        if loss_sum is not None:
-            vec[self.rt.rank, 1] = loss_sum
-        vec[self.rt.rank, 2] = step_s
-        return self.rt.all_reduce(vec).tolist()  # a sum: each rank fills its own row
-
-    def _measure_step_time(self, step: int) -> float:
-        """This rank's seconds per optimizer step since its last check (the previous value when no
-        step ran since; 0 until the second check)."""
-        now = time.monotonic()
-        if self._last_check is not None and step > self._last_check[0]:
-            self._step_s = (now - self._last_check[1]) / (step - self._last_check[0])
-        self._last_check = (step, now)
-        return self._step_s
-
-    def _plan_next_check(self, step: int, rows: list[list[float]]) -> None:
-        """The next check's step, from values every rank has after the all-reduce (so all agree): at
-        world size 1 ``check_every`` steps on; else about a second of the slowest rank's steps."""
-        if self.rt.world_size == 1:
-            self._next_check = step + self.check_every
-        else:
-            self._next_check = step + steps_between_checks(max(row[2] for row in rows), self.check_every)
-
-    def _raise_if_nonfinite(self, rows: list[list[float]], epoch: int) -> None:
-        """Forget the kept losses; when some rank's sum was not finite, first find every rank's first
-        non-finite step (a W-element all-reduce) and raise."""
-        if all(math.isfinite(row[1]) for row in rows):
-            self.losses.clear()
-            return
+    def _raise_nonfinite(self, rows: list[list[float]], epoch: int) -> None:
+        """Some rank's loss sum was not finite: find every rank's first non-finite step (a W-element all-reduce)
+        and raise."""
         first = torch.zeros(self.rt.world_size, dtype=torch.long, device=self.rt.device)  # 0: none, else step + 1
         if not math.isfinite(rows[self.rt.rank][1]):
             bad = self.losses.first_nonfinite_step()  # None: finite losses whose float32 sum overflowed

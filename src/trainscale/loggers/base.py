@@ -101,10 +101,6 @@ def flatten(record: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict
 _NOT_METRICS = frozenset(("kind", "rank", "time", "step", "straggler_ranks"))
 
 
-def _finite_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def record_metrics(record: Mapping[str, Any]) -> dict[str, float]:
     """The numbers of a telemetry record as the flat metrics a logger's ``log_metrics`` takes.
 
@@ -128,7 +124,7 @@ def record_metrics(record: Mapping[str, Any]) -> dict[str, float]:
         pairs = ([(f"{name}/rank{i}", v) for i, v in enumerate(value)] if isinstance(value, (list, tuple))
                  else [(name, value)])
         out.update((n, int(v) if isinstance(v, numbers.Integral) else float(v)) for n, v in pairs
-                   if _finite_number(v))
+                   if isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v))
     return out
 
 

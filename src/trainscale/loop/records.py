@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
 class MetricsProcessor:
     """Where a fit's records go, once each (torchtitan's ``components/metrics.py`` ``MetricsProcessor`` and its
-    loggers): :meth:`reduce_step` reduces a log interval's numbers over the ranks, :meth:`write` hands a record
-    to each destination once: the run's own ``metrics.jsonl`` (what ``trainscale report``, ``check`` and
+    loggers): :meth:`reduce_across_ranks` reduces a log interval's numbers over the ranks, :meth:`write` hands a
+    record to each destination once: the run's own ``metrics.jsonl`` (what ``trainscale report``, ``check`` and
     ``bench`` read) and the experiment loggers the user chose (``trainscale.loggers``: CSV, TensorBoard, W&B,
     MLflow), which get its numbers as flat metrics (:func:`trainscale.loggers.record_metrics`).
 
@@ -48,8 +48,8 @@ class MetricsProcessor:
             lg.log_hyperparams(hparams)
             self.loggers.append(lg)
 
-    def reduce_step(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor | None,
-                    optimizers: list) -> tuple[dict, dict]:
+    def reduce_across_ranks(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor | None,
+                            optimizers: list) -> tuple[dict, dict]:
         """A log interval's numbers, on every rank (every rank must call it at the same step): trainscale's own
         (telemetry's, through one ``all_gather_single`` of each rank's interval sums; with telemetry off the
         loss alone), the gradient norm before clipping and every param group's learning rate

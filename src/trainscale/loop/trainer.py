@@ -615,14 +615,21 @@ class Trainer:
         self.is_step_end = True
         self.callback_metrics.update(self.metric_collector.step_metrics())  # every step, on the device (Lightning's)
         self._hook("on_train_batch_end", loss, batch, micro.index)
-        if self.is_log_step:  # two collectives: telemetry's all_gather of each rank's interval, sync_dist's all-reduce
+        if self.is_log_step:  # the step record: reduced across the ranks, then written once to each destination
             with prof.profile("log_step"):
-                self._log_step(fit, loss, grad_norm)
+                # collectives: telemetry's all_gather_single of every rank's interval; sync_dist's all_reduce
+                own, user = fit.metrics.reduce_across_ranks(self.global_step, self.current_epoch, loss, grad_norm,
+                                                            self.optimizers)
+                record = {**own, **user, **self._pending.pop("step", {})}
+                self._publish({k: v for k, v in record.items() if isinstance(v, float)}, own, user)
+                shown = ("train_loss", *sorted(self.metric_collector.prog_bar))  # the progress bar's postfix
+                fit.bar.set_postfix(**{k: f"{record[k]:.4g}" for k in shown if k in record})
+                fit.metrics.write(record)  # metrics.jsonl and each logger
         # 6. Validation, signals, the non-finite check and checkpoints, when due; the time limit.
         if self._validation_due(fit, first_batch):
             with prof.profile("validation"):
                 self._validate(fit, mid_epoch=True)
-        with prof.profile("checkpoint_if_due"):
+        with prof.profile("checkpoint_if_due"):  # at the check steps the ranks agreed on: one all_reduce (faults)
             self._checkpoint_if_due(fit, epoch_end=False, ends_epoch=micro.ends_epoch)
         if self._out_of_time():
             self.should_stop = True  # max_time (Lightning's Timer): the epoch ends after this step
@@ -650,14 +657,6 @@ class Trainer:
             rt.backward(scaled)
             self._hook("on_after_backward")
         return loss, t_forward
-
-    def _log_step(self, fit: FitRun, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
-        own, user = fit.metrics.reduce_step(self.global_step, self.current_epoch, loss, grad_norm, self.optimizers)
-        record = {**own, **user, **self._pending.pop("step", {})}
-        self._publish({k: v for k, v in record.items() if isinstance(v, float)}, own, user)
-        shown = {k: record[k] for k in ("train_loss", *sorted(self.metric_collector.prog_bar)) if k in record}
-        fit.bar.set_postfix(**{k: f"{v:.4g}" for k, v in shown.items()})
-        fit.metrics.write(record)
 
     def _publish(self, values: dict, own: dict, user: dict) -> None:
         """``values`` into ``callback_metrics``, except trainscale's own numbers (``own``: the loss, throughput, ...)

@@ -102,6 +102,7 @@ class Telemetry:
         self.rt = runtime
         # ranks that read each sample: 1, or under tensor parallelism the tp ranks of a group (same batches)
         self._copies = runtime.world_size / runtime.data_parallel_size
+        self._devices_per_process = runtime.config.devices_per_process  # dp drives all its GPUs from one rank
         self.warmup_steps = warmup_steps
         self.straggler_margin = straggler_margin
         device = runtime.device
@@ -297,6 +298,8 @@ class Telemetry:
 
     def _mfu(self, achieved: float | None, devices: int) -> tuple[float | None, str | None]:
         """MFU and, when it exceeds 1, the error that says why it cannot be (printed once, rank zero)."""
+        if achieved is None:  # no FLOPs known: no MFU, and no peak to look up
+            return None, None
         value = mfu(achieved, self.peak_flops_per_device(), devices)
         if value is None or value <= 1:
             return value, None
@@ -308,7 +311,7 @@ class Telemetry:
     def _numbers(self, rows: list[list[float]], per_rank: bool) -> dict:
         """The fixed numbers from each rank's sums (see docs/telemetry.md for each definition)."""
         world = len(rows)
-        devices = world * self.rt.config.devices_per_process  # dp drives all its GPUs from one rank
+        devices = world * self._devices_per_process  # dp drives all its GPUs from one rank
         steps = rows[0][_IDX["steps"]]
         col = dict(zip(_IDX, map(list, zip(*rows))))  # field name -> its value on each rank
         wall = mean(col["wall"])  # ranks run the same steps; DDP keeps their walls equal
@@ -323,7 +326,7 @@ class Telemetry:
             self.flops.value, self.flops.method = self._flops_per_token(length) * length, DECLARED
         achieved = self.flops.value * samples_per_s if self.flops.value is not None else None
         mfu_value, mfu_error = self._mfu(achieved, devices)
-        has_comm = self.comm_timed
+        has_comm = self.timer.time_comm
         compute = [compute_per_step(wall_s, exposed if has_comm else None, steps)
                    for wall_s, exposed in zip(col["wall"], col["exposed_comm"])]
         util = col["gpu_util"]

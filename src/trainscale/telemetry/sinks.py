@@ -36,14 +36,6 @@ def _jsonable(value: Any) -> Any:
 _STRICT = json.JSONEncoder(allow_nan=False)  # built once: json.dumps(..., allow_nan=False) builds one per call
 
 
-def _dumps(value: Any) -> str:
-    """JSON text, NaN and inf written as strings; the C encoder alone when there are none (the usual case)."""
-    try:
-        return _STRICT.encode(value)
-    except ValueError:
-        return json.dumps(_jsonable(value))
-
-
 class JsonlSink:
     """Append one JSON object per line to ``path`` (created with its parent directory); NaN and inf are
     written as strings. Lines reach the file as the module docstring says: at least every ``flush_secs``
@@ -60,7 +52,11 @@ class JsonlSink:
         self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(_dumps(record) + "\n")
+        try:  # the C encoder alone when there is no NaN or inf (the usual case)
+            line = _STRICT.encode(record)
+        except ValueError:
+            line = json.dumps(_jsonable(record))
+        self._file.write(line + "\n")
         now = time.monotonic()
         if record.get("kind") != "step" or now - self._flushed >= self.flush_secs:
             self.flush()
