@@ -407,9 +407,8 @@ def traced_memory(meta_model: nn.Module, sample: tuple, batch_size: int, loss_fn
             ``tp_plan``, None: the built-in GPT plan, before activation checkpointing, as the Runtime orders them;
             ``sequence_parallel`` as the strategy option, None: on with the built-in plan).
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from trainscale.plan.collectives import CollectiveLog, per_step
+    from trainscale.plan.trackers import PeakMemTracker
     from trainscale.runtime.apply import apply_activation_checkpointing
     from trainscale.runtime.precision import Precision
     from trainscale.runtime.strategies.apply_tp import apply_tp
@@ -433,7 +432,7 @@ def traced_memory(meta_model: nn.Module, sample: tuple, batch_size: int, loss_fn
                 tracker = tracker_of(optimizer)
                 tracker.track_inputs(batch)
             else:
-                tracker = MemTracker()
+                tracker = PeakMemTracker()
                 tracker.track_external(model, optimizer, *batch)
             with CollectiveLog() as log:
                 activations = _traced_steps(model, optimizer, batch, loss_fn, prec.autocast, tracker)
@@ -452,8 +451,7 @@ def _mesh(devices: int):
 
 def _fake_fsdp(model, mesh, devices: int, precision: str, strategy_options: dict | None):
     """Shard ``model`` exactly as the fsdp strategy does; return it and a tracker factory."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
+    from trainscale.plan.trackers import PeakFSDPMemTracker
     from trainscale.runtime.precision import Precision
     from trainscale.runtime.strategies.fsdp import FSDPStrategy
     from trainscale.runtime.world import World
@@ -461,4 +459,4 @@ def _fake_fsdp(model, mesh, devices: int, precision: str, strategy_options: dict
     strategy = FSDPStrategy(torch.device("cpu"), World(world_size=devices, local_world_size=devices),
                             precision=Precision(precision, "cpu"), **(strategy_options or {}))
     strategy.shard(model, strategy.units(model), mesh)
-    return model, (lambda optimizer: FSDPMemTracker(mod=model, optm=optimizer))
+    return model, (lambda optimizer: PeakFSDPMemTracker(mod=model, optm=optimizer))

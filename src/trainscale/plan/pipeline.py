@@ -111,12 +111,12 @@ def _traced_backward(model, optimizer, x, target, grad_out, loss_fn, autocast, k
     """Forward and backward of one micro-batch under ``MemTracker`` (the stage's parameters, gradients and optimizer
     state counted, the received input and output gradient not: the composition counts those buffers); ``keep``:
     keep the gradients of an earlier micro-batch. Returns ``(peak, activations)`` (bytes)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from trainscale.plan.trackers import PeakMemTracker
 
     if not keep:
         optimizer.zero_grad(set_to_none=True)
     x.grad = None  # the received input's gradient: one per micro-batch (counted by the composition)
-    tracker = MemTracker()
+    tracker = PeakMemTracker()
     tracker.track_external(model, optimizer)
     with tracker:
         before = _total(tracker, "current")
@@ -148,9 +148,9 @@ def trace_stage(meta, sample: tuple, micro_batch: int, loss_fn: Callable, optimi
     Raises:
         ValueError: no split for a model that is not a GPT, bad split points (``pipeline.stage_units``).
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.utils.flop_counter import FlopCounterMode
 
+    from trainscale.plan.trackers import PeakMemTracker
     from trainscale.runtime.precision import Precision
     from trainscale.runtime.strategies.pipeline import stage_units
 
@@ -170,7 +170,7 @@ def trace_stage(meta, sample: tuple, micro_batch: int, loss_fn: Callable, optimi
         first, activations = _traced_backward(model, optimizer, x, micro[1], grad_out, loss_fn, autocast)
         # the second micro-batch's backward finds the gradients of the first allocated
         following, _ = _traced_backward(model, optimizer, x, micro[1], grad_out, loss_fn, autocast, keep=True)
-        step = MemTracker()
+        step = PeakMemTracker()
         step.track_external(model, optimizer)
         rest = _total(step, "current")
         with step:
