@@ -2,6 +2,8 @@
 live tensor bytes within 15 %, for the ConvNet under ddp (1, 2, 4 processes) and fsdp (2, 4), and with
 bf16-mixed precision and activation checkpointing (2 processes). Measurement: tests/plan_workers.py."""
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -69,3 +71,25 @@ def test_checkpointing_and_larger_batches_change_the_traced_activations():
                               activation_checkpointing=(nn.Sequential,))
     assert 1.9 < double["activations"] / plain["activations"] < 2.1
     assert ac["activations"] < 0.5 * plain["activations"]
+
+
+def test_the_peak_only_tracker_keeps_torchs_peak_snapshot():
+    """``PeakMemTracker`` drops the per-module peaks that torch's ``MemTracker`` updates on every operator; the
+    tracker-wide peak the plan reads (each reference type's bytes) stays torch's, over the same two steps."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from trainscale.plan.memory import _traced_steps
+    from trainscale.plan.trackers import PeakMemTracker
+
+    peaks = []
+    for tracker_class in (MemTracker, PeakMemTracker):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+        optimizer = torch.optim.AdamW(model.parameters())
+        batch = (torch.randn(16, 32), torch.randint(0, 10, (16,)))
+        tracker = tracker_class()
+        tracker.track_external(model, optimizer, *batch)
+        activations = _traced_steps(model, optimizer, batch, nn.functional.cross_entropy, contextlib.nullcontext,
+                                    tracker)
+        peaks.append((tracker.get_tracker_snapshot("peak"), activations))
+    assert peaks[0] == peaks[1] and peaks[0][1] > 0
