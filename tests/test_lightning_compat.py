@@ -550,7 +550,7 @@ def test_learning_rate_monitor_refuses_a_trainer_without_logger_and_warns_of_no_
 
     monitor = LearningRateMonitor(log_momentum=True)
     trainer = _trainer(tmp_path / "m", max_epochs=1, num_sanity_val_steps=0, callbacks=[monitor])
-    with pytest.warns(RuntimeWarning, match="have no momentum"):
+    with pytest.warns(RuntimeWarning, match="do not have momentum"):
         trainer.fit(Plain(), _loader())
     assert monitor.last_momentum_values == {"lr-Adadelta-momentum": 0}
 
@@ -651,3 +651,14 @@ def test_timer_stops_a_fit_whose_duration_is_spent_and_measures_each_stage(tmp_p
     resumed = Timer("00:00:00:30")
     resumed.load_state_dict({"time_elapsed": {"train": 29.5}})  # a checkpoint's: that run's time counts
     assert 0 < resumed.time_remaining() <= 0.5
+
+
+def test_two_param_groups_of_one_name_are_refused():
+    from trainscale.scaling.lr_scaling import learning_rates
+
+    layer = nn.Linear(2, 1)
+    opt = torch.optim.SGD([{"params": [layer.weight], "name": "x"}, {"params": [layer.bias], "name": "x"}], lr=0.1)
+    with pytest.raises(ValueError, match="multiple parameter groups with identical `name`"):
+        learning_rates([opt])
+    opt.param_groups[1]["name"] = "y"
+    assert learning_rates([opt]) == {"lr-SGD/x": 0.1, "lr-SGD/y": 0.1}

@@ -61,8 +61,8 @@ class LearningRateMonitor(Callback):
             optimizers = ([config.scheduler.optimizer for config in trainer.lr_scheduler_configs]
                           or [getattr(opt, "optimizer", opt) for opt in trainer.optimizers])
             if any("momentum" not in opt.defaults and "betas" not in opt.defaults for opt in optimizers):
-                warnings.warn("log_momentum=True, but some optimizers have no momentum: their momentum is logged as "
-                              "0", RuntimeWarning, stacklevel=2)
+                warnings.warn("log_momentum=True, but some optimizers do not have momentum. Their momentum is logged "
+                              "as 0", RuntimeWarning, stacklevel=2)
         names = [name for _, group_names in self._names(trainer) for name in group_names]
         self.lrs = {name: [] for name in names}
         self.last_momentum_values = {f"{name}-momentum": None for name in names}

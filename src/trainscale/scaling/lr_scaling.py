@@ -128,8 +128,9 @@ def _group_names(name: str, groups: list[dict]) -> list[str]:
     labels = [group.get("name", f"pg{i}") for i, group in enumerate(groups, start=1)]
     twice = sorted({label for label in labels if labels.count(label) > 1})
     if twice:
-        raise ValueError(f"{name}: a single optimizer cannot have several param groups with one 'name' (Lightning "
-                         f"refuses it too); duplicated: {twice}. Give each group its own 'name'")
+        raise ValueError(f"A single `Optimizer` cannot have multiple parameter groups with identical `name` values: "
+                         f"{name} has duplicated parameter group names {twice} (Lightning refuses it too); give each "
+                         "group its own 'name'")
     if len(groups) == 1 and "name" not in groups[0]:
         return [name]
     return [f"{name}/{label}" for label in labels]
