@@ -653,12 +653,13 @@ def test_timer_stops_a_fit_whose_duration_is_spent_and_measures_each_stage(tmp_p
     assert 0 < resumed.time_remaining() <= 0.5
 
 
-def test_two_param_groups_of_one_name_are_refused():
-    from trainscale.scaling.lr_scaling import learning_rates
+def test_two_param_groups_of_one_name_are_refused_by_the_monitor_and_numbered_in_the_records():
+    from trainscale.scaling.lr_scaling import learning_rates, param_group_names
 
     layer = nn.Linear(2, 1)
     opt = torch.optim.SGD([{"params": [layer.weight], "name": "x"}, {"params": [layer.bias], "name": "x"}], lr=0.1)
     with pytest.raises(ValueError, match="multiple parameter groups with identical `name`"):
-        learning_rates([opt])
+        param_group_names([opt], refuse_duplicates=True)  # LearningRateMonitor's, as Lightning's
+    assert learning_rates([opt]) == {"lr-SGD/pg1": 0.1, "lr-SGD/pg2": 0.1}  # torch allows them: the records go on
     opt.param_groups[1]["name"] = "y"
     assert learning_rates([opt]) == {"lr-SGD/x": 0.1, "lr-SGD/y": 0.1}

@@ -51,7 +51,8 @@ class LearningRateMonitor(Callback):
 
     def _names(self, trainer: Trainer) -> list[tuple[Any, list[str]]]:
         return [(opt, [self.log_key_prefix + name for name in names])
-                for opt, names in param_group_names(trainer.optimizers, trainer.lr_scheduler_configs)]
+                for opt, names in param_group_names(trainer.optimizers, trainer.lr_scheduler_configs,
+                                                    refuse_duplicates=True)]
 
     def on_train_start(self, trainer: Trainer, module: Any) -> None:
         if not trainer.loggers:

@@ -91,7 +91,8 @@ def warmup(warmup_steps: int, factor: float) -> Callable[[int], float]:
     return multiplier
 
 
-def param_group_names(optimizers, schedulers=()) -> list[tuple[object, list[str]]]:
+def param_group_names(optimizers, schedulers=(),
+                      refuse_duplicates: bool = False) -> list[tuple[object, list[str]]]:
     """Each optimizer (unwrapped) with one name per param group, as Lightning's ``LearningRateMonitor`` names them
     (``callbacks/lr_monitor.py``): ``lr-<Optimizer class>``, or the ``"name"`` of the optimizer's ``lr_scheduler``
     dict; a second optimizer of one class (without a scheduler name) ``lr-AdamW-1``; with several param groups
@@ -99,9 +100,11 @@ def param_group_names(optimizers, schedulers=()) -> list[tuple[object, list[str]
     also gets. The optimizers with a scheduler come first, in the schedulers' order, then the others.
 
     ``schedulers``: objects with ``scheduler`` (whose ``optimizer`` it steps) and ``name`` (None: none given).
+    Two groups of one optimizer with the same ``"name"`` are named ``pg1``, ``pg2``, ... instead, unless
+    ``refuse_duplicates`` (``LearningRateMonitor``, which refuses them as Lightning's does).
 
     Raises:
-        ValueError: two param groups of one optimizer with the same ``"name"``.
+        ValueError: with ``refuse_duplicates``, two param groups of one optimizer with the same ``"name"``.
     """
     named = [(config.scheduler.optimizer, config.name) for config in schedulers]
     held = [opt for opt, _ in named]
@@ -115,7 +118,7 @@ def param_group_names(optimizers, schedulers=()) -> list[tuple[object, list[str]
         name = custom or f"lr-{cls}"
         if counts.get(cls, 0) > 1:  # Lightning numbers a custom name too once its class was seen twice
             name += f"-{counts[cls] - 1}"
-        out.append((opt, _group_names(name, opt.param_groups)))
+        out.append((opt, _group_names(name, opt.param_groups, refuse_duplicates)))
     return out
 
 
@@ -123,11 +126,13 @@ def _unwrapped(optimizer):
     return getattr(optimizer, "optimizer", optimizer)  # a ManualOptimizer's torch optimizer
 
 
-def _group_names(name: str, groups: list[dict]) -> list[str]:
+def _group_names(name: str, groups: list[dict], refuse_duplicates: bool) -> list[str]:
     """``name`` for one unnamed group; ``name/<label>`` for each of several (label: its "name" or pg1, pg2, ...)."""
     labels = [group.get("name", f"pg{i}") for i, group in enumerate(groups, start=1)]
     twice = sorted({label for label in labels if labels.count(label) > 1})
-    if twice:
+    if twice and not refuse_duplicates:
+        labels = [f"pg{i}" for i in range(1, len(groups) + 1)]  # unique keys for the records
+    elif twice:
         raise ValueError(f"A single `Optimizer` cannot have multiple parameter groups with identical `name` values: "
                          f"{name} has duplicated parameter group names {twice} (Lightning refuses it too); give each "
                          "group its own 'name'")
