@@ -151,14 +151,14 @@ def test_max_steps_without_max_epochs_trains_that_many_steps(tmp_path):
     ({}, 1, None),  # neither given: trainscale's 1 epoch (Lightning: 1000, with a warning)
     ({"max_steps": -1}, 1, None), ({"max_epochs": None}, 1, None), ({"max_epochs": -1}, -1, None),
     ({"max_steps": 12}, -1, 12), ({"max_steps": 12, "max_epochs": None}, -1, 12), ({"max_time": {"hours": 1}}, -1, None),
-    ({"max_epochs": 3, "max_steps": -1}, 3, None),
+    ({"max_epochs": 3, "max_steps": -1}, 3, None), ({"max_epochs": 0}, 0, None),
 ])
 def test_lightnings_spellings_of_no_limit(flags, epochs, steps):
     cfg = resolve_trainer_config(**flags)
     assert (cfg.max_epochs, cfg.max_steps) == (epochs, steps)
 
 
-@pytest.mark.parametrize("flags", [{"max_epochs": 0}, {"max_epochs": -2}, {"max_steps": 0}, {"max_steps": -3}])
+@pytest.mark.parametrize("flags", [{"max_epochs": -2}, {"max_steps": 0}, {"max_steps": -3}])
 def test_other_limits_are_refused_naming_no_limit(flags):
     with pytest.raises(ValueError, match="-1 or None: no limit"):
         resolve_trainer_config(**flags)
@@ -445,3 +445,221 @@ def test_learning_rate_monitor_lrs_holds_one_rate_per_logged_step_or_per_epoch(t
     trainer.fit(Decaying(), _loader())
     expected = [0.1, 0.1, 0.05, 0.05] if interval == "step" else [0.1, 0.05]
     assert list(monitor.lrs) == ["lr-SGD"] and monitor.lrs["lr-SGD"] == pytest.approx(expected)
+
+
+# -- loop limits: a minimum without a maximum, and zero ---------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("flags", "epochs"), [({"min_epochs": 3}, 3), ({"min_steps": 10}, 3)])
+def test_a_minimum_without_max_epochs_is_trained_before_a_callback_may_stop(tmp_path, flags, epochs):
+    """A metric that never improves makes EarlyStopping ask to stop after the first epoch; the fit goes on until the
+    minimum is met (3 epochs of 4 steps, or the epoch that holds step 10), as Lightning's, rather than ending at
+    trainscale's one-epoch default."""
+    stop = EarlyStopping("val_loss", patience=0, min_delta=1e9)
+    with pytest.warns(UserWarning, match="max_epochs was not set"):
+        trainer = _trainer(tmp_path, num_sanity_val_steps=0, callbacks=[stop], **flags)
+    trainer.fit(Probe(), _loader(), _loader(4))
+    assert trainer.max_epochs == 1000 and trainer.current_epoch == epochs and trainer.should_stop
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("flags", "batches"), [({}, 4), ({"limit_train_batches": 3}, 3), ({"overfit_batches": 2}, 2),
+                                                ({"limit_train_batches": 0.5}, 2)])
+def test_num_training_batches_is_the_epochs_batches_after_the_limits(tmp_path, flags, batches):
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, **flags)
+    assert trainer.num_training_batches == float("inf")  # before fit, as Lightning's
+    trainer.fit(Probe(), _loader())  # 4 batches
+    assert trainer.num_training_batches == batches and trainer.global_step == batches
+
+
+@pytest.mark.timeout(60)
+def test_max_epochs_0_trains_nothing_and_min_epochs_0_is_no_minimum(tmp_path):
+    model = Probe()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = _trainer(tmp_path / "zero", max_epochs=0, num_sanity_val_steps=0)
+    trainer.fit(model, _loader())
+    assert trainer.global_step == 0 and model.epochs_seen == []
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    trainer = _trainer(tmp_path / "min0", max_epochs=2, min_epochs=0, min_steps=0, num_sanity_val_steps=0)
+    trainer.fit(Probe(), _loader())
+    assert trainer.current_epoch == 2
+
+
+# -- learning-rate names and LearningRateMonitor ----------------------------------------------------------------------
+class TwoGroups(Probe):
+    """SGD with two param groups (the weight, the bias), one of them maybe named; a per-epoch StepLR, maybe named."""
+
+    def __init__(self, group_name=None, scheduler_name=None):
+        super().__init__()
+        self.group_name, self.scheduler_name = group_name, scheduler_name
+
+    def configure_optimizers(self):
+        bias = {"params": [self.layer.bias], "lr": 0.01, "weight_decay": 0.5}
+        if self.group_name:
+            bias["name"] = self.group_name
+        opt = torch.optim.SGD([{"params": [self.layer.weight]}, bias], lr=0.1, momentum=0.9)
+        sched = {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+        if self.scheduler_name:
+            sched["name"] = self.scheduler_name
+        return [opt], [sched]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("group_name", "scheduler_name", "names"), [
+    (None, None, ["lr-SGD/pg1", "lr-SGD/pg2"]),  # counted from 1 once there are several groups
+    ("head", None, ["lr-SGD/pg1", "lr-SGD/head"]),  # a group's own name
+    (None, "decay", ["decay/pg1", "decay/pg2"]),  # the scheduler's name replaces lr-<class>
+])
+def test_param_groups_have_lightnings_learning_rate_names_in_records_and_the_monitor(tmp_path, group_name,
+                                                                                     scheduler_name, names):
+    from trainscale.callbacks import LearningRateMonitor
+
+    monitor = LearningRateMonitor()
+    trainer = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, callbacks=[monitor])
+    trainer.fit(TwoGroups(group_name, scheduler_name), _loader())
+    assert list(monitor.lrs) == names
+    # an epoch-interval scheduler with logging_interval=None: one rate at each epoch's start
+    assert monitor.lrs[names[0]] == pytest.approx([0.1, 0.05]) and monitor.lrs[names[1]] == pytest.approx([0.01, 0.005])
+    assert trainer.history[0][names[0]] == pytest.approx(0.1) and trainer.history[0][names[1]] == pytest.approx(0.01)
+
+
+@pytest.mark.timeout(60)
+def test_learning_rate_monitor_momentum_weight_decay_and_prefix(tmp_path):
+    from trainscale.callbacks import LearningRateMonitor
+
+    monitor = LearningRateMonitor(log_momentum=True, log_weight_decay=True, log_key_prefix="optim/")
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[monitor])
+    trainer.fit(TwoGroups(), _loader())
+    assert list(monitor.lrs) == ["optim/lr-SGD/pg1", "optim/lr-SGD/pg2"]
+    assert monitor.last_momentum_values == {"optim/lr-SGD/pg1-momentum": 0.9, "optim/lr-SGD/pg2-momentum": 0.9}
+    assert monitor.last_weight_decay_values == {"optim/lr-SGD/pg1-weight_decay": 0,
+                                                "optim/lr-SGD/pg2-weight_decay": 0.5}
+    assert float(trainer.callback_metrics["optim/lr-SGD/pg2-weight_decay"]) == 0.5  # EarlyStopping can read them
+    assert trainer.history[0]["optim/lr-SGD/pg1-momentum"] == 0.9  # and the epoch record holds them
+
+
+def test_learning_rate_monitor_refuses_a_trainer_without_logger_and_warns_of_no_momentum(tmp_path):
+    from trainscale.callbacks import LearningRateMonitor
+
+    trainer = _trainer(tmp_path, max_epochs=1, logger=False, callbacks=[LearningRateMonitor()])
+    with pytest.raises(ValueError, match="that has no logger"):
+        trainer.fit(Probe(), _loader())
+
+    class Plain(Probe):
+        def configure_optimizers(self):
+            return torch.optim.Adadelta(self.parameters())
+
+    monitor = LearningRateMonitor(log_momentum=True)
+    trainer = _trainer(tmp_path / "m", max_epochs=1, num_sanity_val_steps=0, callbacks=[monitor])
+    with pytest.warns(RuntimeWarning, match="do not have momentum"):
+        trainer.fit(Plain(), _loader())
+    assert monitor.last_momentum_values == {"lr-Adadelta-momentum": 0}
+
+
+def test_unsupported_keys_of_configure_optimizers_dicts_are_ignored_with_a_warning(tmp_path):
+    class Extra(Probe):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "colour": "red"}, "size": 3}
+
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    with pytest.warns(RuntimeWarning, match="unsupported keys") as seen:
+        trainer.fit(Extra(), _loader())
+    assert {"'colour'" in str(w.message) or "'size'" in str(w.message) for w in seen} == {True}
+    assert len(trainer.lr_scheduler_configs) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_plateau_scheduler_missing_its_metric_with_strict_false_warns_and_does_not_step(tmp_path):
+    class Plateau(Probe):
+        def __init__(self, strict):
+            super().__init__()
+            self.strict = strict
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "absent", "strict": self.strict}}
+
+    trainer = _trainer(tmp_path / "lax", max_epochs=1, num_sanity_val_steps=0)
+    with pytest.warns(RuntimeWarning, match="'absent' which is not available but strict is set to False"):
+        trainer.fit(Plateau(strict=False), _loader())
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 0  # never stepped
+    with pytest.raises(KeyError, match="'absent' which is not available. Available metrics are"):
+        _trainer(tmp_path / "strict", max_epochs=1, num_sanity_val_steps=0).fit(Plateau(strict=True), _loader())
+
+
+def test_a_scheduler_on_an_optimizer_not_returned_is_refused():
+    from trainscale.lightning.optimizers import parse_optimization
+
+    returned, other = (torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1) for _ in range(2))
+    with pytest.raises(ValueError, match="attached with an optimizer that wasn't returned"):
+        parse_optimization([[returned], [torch.optim.lr_scheduler.StepLR(other, step_size=1)]])
+
+# -- save_hyperparameters of one container ----------------------------------------------------------------------------
+class FromConfig(TrainingModule):
+    def __init__(self, config):
+        super().__init__()
+        self.save_hyperparameters(config)
+        self.layer = nn.Linear(2, 1)
+
+
+@pytest.mark.parametrize("config", [{"width": 4, "lr": 0.1}, __import__("argparse").Namespace(width=4, lr=0.1)])
+def test_save_hyperparameters_of_one_dict_or_namespace_keeps_its_keys(config):
+    model = FromConfig(config)
+    assert dict(model.hparams) == {"width": 4, "lr": 0.1} and model.hparams.lr == 0.1
+    with pytest.raises(ValueError, match="one dict or one argparse.Namespace"):
+        FromConfig(3)
+
+
+# -- Timer -------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("duration", "seconds"), [
+    (None, None), ("00:01:00:05", 3605.0), ({"minutes": 2}, 120.0), (__import__("datetime").timedelta(seconds=9), 9.0)])
+def test_timer_reads_lightnings_duration_forms(duration, seconds):
+    from trainscale.callbacks import Timer
+
+    assert Timer(duration).time_remaining() == seconds  # nothing has run yet
+    with pytest.raises(ValueError, match="DD:HH:MM:SS"):
+        Timer("1:00:00")
+    with pytest.raises(ValueError, match="possible values are"):
+        Timer(duration, interval="batch")
+
+
+@pytest.mark.timeout(60)
+def test_timer_stops_a_fit_whose_duration_is_spent_and_measures_each_stage(tmp_path):
+    from trainscale.callbacks import Timer
+
+    spent = Timer({"seconds": 0})  # spent before the first step: nothing trains, as Lightning's
+    trainer = _trainer(tmp_path / "a", max_epochs=3, num_sanity_val_steps=0, callbacks=[spent])
+    trainer.fit(Probe(), _loader())
+    assert trainer.global_step == 0 and trainer.should_stop
+
+    timer = Timer()  # no duration: measures only
+    trainer = _trainer(tmp_path / "b", max_epochs=2, num_sanity_val_steps=0, callbacks=[timer])
+    trainer.fit(Probe(), _loader(), _loader(4))
+    assert trainer.global_step == 8 and timer.time_remaining() is None
+    assert timer.time_elapsed("train") > timer.time_elapsed("validate") > 0 and timer.time_elapsed("test") == 0
+    assert timer.end_time("train") >= timer.start_time("train")
+
+    class Tested(Probe):
+        def test_step(self, batch, batch_idx):
+            self.log("test_loss", self.layer(batch[0]).pow(2).mean())
+
+    trainer.test(Tested(), _loader(4))
+    assert timer.time_elapsed("test") > 0
+    assert timer.state_dict()["time_elapsed"]["train"] == timer.time_elapsed("train")
+    resumed = Timer("00:00:00:30")
+    resumed.load_state_dict({"time_elapsed": {"train": 29.5}})  # a checkpoint's: that run's time counts
+    assert 0 < resumed.time_remaining() <= 0.5
+
+
+def test_two_param_groups_of_one_name_are_refused_by_the_monitor_and_numbered_in_the_records():
+    from trainscale.scaling.lr_scaling import learning_rates, param_group_names
+
+    layer = nn.Linear(2, 1)
+    opt = torch.optim.SGD([{"params": [layer.weight], "name": "x"}, {"params": [layer.bias], "name": "x"}], lr=0.1)
+    with pytest.raises(ValueError, match="multiple parameter groups with identical `name`"):
+        param_group_names([opt], refuse_duplicates=True)  # LearningRateMonitor's, as Lightning's
+    assert learning_rates([opt]) == {"lr-SGD/pg1": 0.1, "lr-SGD/pg2": 0.1}  # torch allows them: the records go on
+    opt.param_groups[1]["name"] = "y"
+    assert learning_rates([opt]) == {"lr-SGD/x": 0.1, "lr-SGD/y": 0.1}

@@ -82,7 +82,7 @@ def test_early_stopping_checks_after_each_validation_when_it_is_not_at_every_epo
 
 
 def test_the_new_flags_are_validated():
-    for flags in ({"limit_test_batches": 0}, {"limit_predict_batches": 1.5}, {"min_epochs": 0}, {"min_steps": -1}):
+    for flags in ({"limit_test_batches": 0}, {"limit_predict_batches": 1.5}, {"min_epochs": -1}, {"min_steps": -1}):
         with pytest.raises(ValueError, match=next(iter(flags))):
             resolve_trainer_config(**flags)
 

@@ -43,9 +43,9 @@ def test_every_lightning_configure_optimizers_form():
     form = parse_optimization([{"optimizer": opt}, {"optimizer": opt2, "lr_scheduler": sched}])
     assert form.optimizers == (opt, opt2) and len(form.schedulers) == 1
     assert parse_optimization([opt, opt2]).optimizers == (opt, opt2)
-    with pytest.raises(ValueError, match="ReduceLROnPlateau needs a metric to monitor"):
+    with pytest.raises(ValueError, match="must include a monitor when a `ReduceLROnPlateau`"):
         parse_optimization({"optimizer": opt, "lr_scheduler": plateau})
-    with pytest.raises(ValueError, match="interval='hour'"):
+    with pytest.raises(ValueError, match="must be \"step\" or \"epoch\", not 'hour'"):
         parse_optimization({"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "hour"}})
     with pytest.raises(ValueError, match="return an optimizer"):
         parse_optimization("adam")

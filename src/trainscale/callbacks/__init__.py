@@ -15,9 +15,10 @@ from trainscale.callbacks.lr_monitor import LearningRateMonitor
 from trainscale.callbacks.model_checkpoint import ModelCheckpoint
 from trainscale.callbacks.model_summary import ModelSummary
 from trainscale.callbacks.progress_bar import RichProgressBar, TQDMProgressBar
+from trainscale.callbacks.timer import Timer
 
 __all__ = ["BaseFinetuning", "Callback", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
-           "RichProgressBar", "TQDMProgressBar", "resolve_callbacks"]
+           "RichProgressBar", "TQDMProgressBar", "Timer", "resolve_callbacks"]
 
 
 def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = None) -> list[Callback]:

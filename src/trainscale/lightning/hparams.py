@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+from argparse import Namespace
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,14 +37,24 @@ class HyperparametersMixin:
             self.__dict__["_hparams"] = AttributeDict()
         return self.__dict__["_hparams"]
 
-    def save_hyperparameters(self, *names: str, ignore: str | Iterable[str] | None = None) -> None:
+    def save_hyperparameters(self, *names: Any, ignore: str | Iterable[str] | None = None) -> None:
         """Keep the arguments of the calling ``__init__`` in :attr:`hparams`: all of them (``**kwargs`` spread),
         only ``names``, or all but ``ignore``; their values as they are at the call. Method: the caller's frame
-        (``inspect.getargvalues``), as Lightning's ``save_hyperparameters``; ``self`` is never kept.
+        (``inspect.getargvalues``), as Lightning's ``save_hyperparameters``; ``self`` is never kept. One dict or
+        ``argparse.Namespace`` instead of names (``self.save_hyperparameters(config)``) becomes :attr:`hparams`
+        itself, its keys the hyperparameters, as in Lightning.
 
         Raises:
-            ValueError: a name in ``names`` that is not an argument of the caller.
+            ValueError: a name in ``names`` that is not an argument of the caller; a single argument that is
+                neither a name, a dict nor a ``Namespace``.
         """
+        if len(names) == 1 and not isinstance(names[0], str):
+            config = vars(names[0]) if isinstance(names[0], Namespace) else names[0]
+            if not isinstance(config, dict):
+                raise ValueError(f"save_hyperparameters({type(config).__name__}): pass argument names, one dict or "
+                                 "one argparse.Namespace")
+            self.__dict__["_hparams"] = AttributeDict(config)
+            return
         found = _caller_arguments(inspect.currentframe().f_back)
         missing = [name for name in names if name not in found]
         if missing:

@@ -39,6 +39,8 @@ class SchedulerConfig:
     interval: str = "epoch"
     frequency: int = 1
     monitor: str | None = None
+    name: str | None = None  # the name LearningRateMonitor and the records give its learning rates
+    strict: bool = True  # a monitored metric missing: an error (True) or a warning and no step (False)
 
     def due(self, count: int) -> bool:
         """Step after ``count`` epochs or optimizer steps (counted from 1)?"""
@@ -48,12 +50,19 @@ class SchedulerConfig:
         """Step the scheduler; a ``ReduceLROnPlateau`` reads ``metrics[monitor]``.
 
         Raises:
-            KeyError: the monitored metric is not among ``metrics`` (the available names are listed).
+            KeyError: the monitored metric is not among ``metrics`` (the available names are listed) and ``strict``
+                (without it: a ``RuntimeWarning``, and the scheduler does not step, as Lightning's).
         """
         if isinstance(self.scheduler, _PLATEAU):
             if self.monitor not in metrics:
-                raise KeyError(f"ReduceLROnPlateau monitors {self.monitor!r}, which is not among the metrics of this "
-                               f"{self.interval}: {', '.join(sorted(metrics))}; log it or change 'monitor'")
+                said = (f"ReduceLROnPlateau conditioned on metric {self.monitor!r} which is not available"
+                        + (" but strict is set to False: the scheduler did not step" if not self.strict else "")
+                        + f". Available metrics are: {', '.join(sorted(metrics))} (this {self.interval}); log it or "
+                        "change 'monitor'")
+                if self.strict:
+                    raise KeyError(said)
+                warnings.warn(said, RuntimeWarning, stacklevel=2)
+                return
             self.scheduler.step(metrics[self.monitor])
         else:
             self.scheduler.step()
@@ -77,18 +86,23 @@ class Optimization:
 def _scheduler(entry: Any, monitor: str | None = None) -> SchedulerConfig:
     if not isinstance(entry, dict):
         entry = {"scheduler": entry}
-    unknown = set(entry) - _SCHEDULER_KEYS
-    if unknown or "scheduler" not in entry:
-        raise ValueError(f"lr_scheduler dict has keys {sorted(entry)}; it needs 'scheduler' and may have "
-                         f"{sorted(_SCHEDULER_KEYS - {'scheduler'})}")
+    if "scheduler" not in entry:
+        raise ValueError(f"The lr scheduler dict must have the key \"scheduler\" with its item being an lr "
+                         f"scheduler; it has {sorted(entry)} (and may have {sorted(_SCHEDULER_KEYS - {'scheduler'})})")
+    unknown = sorted(set(entry) - _SCHEDULER_KEYS)
+    if unknown:  # Lightning warns and leaves them out (core/optimizer.py, _configure_schedulers_automatic_opt)
+        warnings.warn(f"Found unsupported keys in the lr scheduler dict: {{{', '.join(map(repr, unknown))}}}; they "
+                      f"are ignored (remove them from configure_optimizers' output; the keys: "
+                      f"{sorted(_SCHEDULER_KEYS)})", RuntimeWarning, stacklevel=4)
     config = SchedulerConfig(entry["scheduler"], entry.get("interval", "epoch"), entry.get("frequency", 1),
-                             entry.get("monitor", monitor))
+                             entry.get("monitor", monitor), entry.get("name"), entry.get("strict", True))
     if config.interval not in ("epoch", "step"):
-        raise ValueError(f"lr_scheduler interval={config.interval!r}; choose 'epoch' or 'step'")
+        raise ValueError(f'The "interval" key in lr scheduler dict must be "step" or "epoch", not {config.interval!r}')
     if isinstance(config.frequency, bool) or not isinstance(config.frequency, int) or config.frequency < 1:
         raise ValueError(f"lr_scheduler frequency={config.frequency!r} must be an int >= 1")
     if isinstance(config.scheduler, _PLATEAU) and config.monitor is None:
-        raise ValueError("ReduceLROnPlateau needs a metric to monitor: return {'optimizer': opt, 'lr_scheduler': "
+        raise ValueError("`configure_optimizers` must include a monitor when a `ReduceLROnPlateau` scheduler is used: "
+                         "return {'optimizer': opt, 'lr_scheduler': "
                          "{'scheduler': sched, 'monitor': 'val_loss'}}")
     return config
 
@@ -97,6 +111,10 @@ def _from_dict(entry: dict) -> Optimization:
     if "optimizer" not in entry:
         raise ValueError(f"configure_optimizers returned a dict with keys {sorted(entry)}; it needs 'optimizer' "
                          "(and optionally 'lr_scheduler', 'monitor')")
+    unknown = sorted(set(entry) - {"optimizer", "lr_scheduler", "monitor"})
+    if unknown:  # Lightning warns and leaves them out
+        warnings.warn(f"Found unsupported keys in the optimizer configuration: {{{', '.join(map(repr, unknown))}}}; "
+                      "they are ignored (the keys: 'optimizer', 'lr_scheduler', 'monitor')", RuntimeWarning, stacklevel=4)
     sched = entry.get("lr_scheduler")
     schedulers = () if sched is None else (_scheduler(sched, entry.get("monitor")),)
     return Optimization((entry["optimizer"],), schedulers)
@@ -140,9 +158,15 @@ def parse_optimization(configured: Any) -> Optimization:
         return _from_dict(configured)
     parsed = _from_sequence(configured) if isinstance(configured, (list, tuple)) and configured else None
     if parsed is None:
-        raise ValueError(f"configure_optimizers returned {type(configured).__name__}: return an optimizer, "
+        raise ValueError(f"Unknown configuration for model optimizers: configure_optimizers returned "
+                         f"{type(configured).__name__}: return an optimizer, "
                          "(optimizer, scheduler), [optimizers], [schedulers], or a dict with 'optimizer' and "
                          "'lr_scheduler' (Lightning's forms)")
+    returned = [getattr(opt, "optimizer", opt) for opt in parsed.optimizers]
+    if any(not any(config.scheduler.optimizer is opt for opt in returned) for config in parsed.schedulers
+           if hasattr(config.scheduler, "optimizer")):
+        raise ValueError("Some schedulers are attached with an optimizer that wasn't returned from "
+                         "`configure_optimizers`: build each scheduler on an optimizer you return")
     return parsed
 
 

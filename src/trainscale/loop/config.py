@@ -10,13 +10,15 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import re
+import warnings
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
-from trainscale.runtime.flags import check_flags, check_int, flag, make_flags
+from trainscale.runtime.flags import check_flags, check_int, flag, make_flags, parse_max_time
+
+_LIGHTNING_MAX_EPOCHS = 1000  # Lightning's max_epochs when none is set (loops/utilities.py, _parse_loop_limits)
 
 
 # The rules of single flags that are more than a least value or a list of choices (see ``flag``).
@@ -59,8 +61,9 @@ class TrainerConfig:
     and descriptions (tests/test_trainer_config.py keeps them equal).
 
     Attributes:
-        max_epochs: epochs to train (>= 1; -1: no limit). None (the default): no limit when ``max_steps`` or
-            ``max_time`` is set (Lightning's rule), else 1 (Lightning: 1000 with a warning).
+        max_epochs: epochs to train (>= 0; -1: no limit). None (the default): no limit when ``max_steps`` or
+            ``max_time`` is set (Lightning's rule); 1000 with a warning when only ``min_epochs``/``min_steps`` is
+            (Lightning's default); else 1 (Lightning: 1000 with a warning).
         max_steps: stop after this many optimizer steps (None or -1: no limit; resolved to None).
         accumulate_grad_batches: micro-batches per optimizer step (gradients all-reduced on the last only).
         gradient_clip_val: clip the total gradient norm (or each value: ``gradient_clip_algorithm="value"``).
@@ -184,8 +187,8 @@ class TrainerConfig:
     limit_val_batches: int | float | None = flag(None, check=_limit_or_zero)
     limit_test_batches: int | float | None = flag(None, check=_limit)
     limit_predict_batches: int | float | None = flag(None, check=_limit)
-    min_epochs: int | None = flag(None, low=1)
-    min_steps: int | None = flag(None, low=1)
+    min_epochs: int | None = flag(None, low=0)
+    min_steps: int | None = flag(None, low=0)
     count_flops: bool | None = flag(None)
     peak_flops: float | None = flag(None, low=1.0)
     val_check_interval: int | float | None = None  # with check_val_every_n_epoch: _check_val_schedule
@@ -316,48 +319,30 @@ def _root_dir(value) -> Path:
     return path
 
 
-def parse_max_time(value) -> timedelta | None:
-    """``max_time`` as a ``timedelta`` (Lightning's ``Timer``: "DD:HH:MM:SS", a ``timedelta``, or a dict of
-    ``timedelta`` keyword arguments such as ``{"hours": 1, "minutes": 30}``).
-
-    Raises:
-        ValueError: another type, a string of another format, a dict ``timedelta`` refuses, a negative duration.
-    """
-    if value is None:
-        return None
-    if isinstance(value, str):
-        match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", value.strip())
-        if match is None:
-            raise ValueError(f"max_time={value!r} must be 'DD:HH:MM:SS' (days, hours, minutes, seconds), e.g. "
-                             "'00:12:00:00' for 12 hours")
-        days, hours, minutes, seconds = map(int, match.groups())
-        value = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
-    elif isinstance(value, dict):
-        try:
-            value = timedelta(**value)
-        except TypeError as err:
-            raise ValueError(f"max_time={value!r}: {err}; pass timedelta's keywords, e.g. {{'hours': 2}}") from None
-    if not isinstance(value, timedelta) or value < timedelta(0):
-        raise ValueError(f"max_time={value!r} must be 'DD:HH:MM:SS', a datetime.timedelta or a dict of its keywords, "
-                         "not negative, or None")
-    return value
-
-
 def _loop_limits(cfg: TrainerConfig) -> TrainerConfig:
     """``max_epochs`` and ``max_steps`` with Lightning's spellings of "no limit" (``_parse_loop_limits``):
     ``max_steps`` -1 becomes None; ``max_epochs`` None becomes -1 (no limit) when ``max_steps`` or ``max_time`` is
-    set, else 1 (trainscale's default; Lightning's is 1000 epochs, with a warning).
+    set; 1000 (Lightning's default, with its warning) when only ``min_epochs`` or ``min_steps`` is, so that the
+    minimum can be met; else 1 (trainscale's default; Lightning's is 1000 epochs, with a warning). ``max_epochs=0``
+    trains nothing, as Lightning.
 
     Raises:
-        ValueError: ``max_epochs`` not an int >= 1, -1 or None; ``max_steps`` not an int >= 1, -1 or None.
+        ValueError: ``max_epochs`` not an int >= 0, -1 or None; ``max_steps`` not an int >= 1, -1 or None.
     """
     max_steps = None if cfg.max_steps == -1 else cfg.max_steps
     check_int("max_steps", max_steps, 1, optional=True, hint=" (-1 or None: no limit)")
     max_epochs = cfg.max_epochs
-    if max_epochs is None:
-        max_epochs = -1 if max_steps is not None or cfg.max_time is not None else 1
+    if max_epochs is None and (max_steps is not None or cfg.max_time is not None):
+        max_epochs = -1
+    elif max_epochs is None and (cfg.min_epochs or cfg.min_steps):
+        # one epoch could not honour the minimum the user asked for; Lightning's default, with its warning
+        warnings.warn(f"max_epochs was not set: training up to {_LIGHTNING_MAX_EPOCHS} epochs (Lightning's default) "
+                      "so that min_epochs/min_steps can be met; pass max_epochs=-1 for no limit", stacklevel=3)
+        max_epochs = _LIGHTNING_MAX_EPOCHS
+    elif max_epochs is None:
+        max_epochs = 1
     if max_epochs != -1:
-        check_int("max_epochs", max_epochs, 1, hint=" (-1 or None: no limit)")
+        check_int("max_epochs", max_epochs, 0, hint=" (0: no training; -1 or None: no limit)")
     return replace(cfg, max_epochs=max_epochs, max_steps=max_steps)
 
 

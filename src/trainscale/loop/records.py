@@ -49,7 +49,7 @@ class MetricsProcessor:
             self.loggers.append(lg)
 
     def reduce_across_ranks(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor | None,
-                            optimizers: list) -> tuple[dict, dict]:
+                            optimizers: list, schedulers=()) -> tuple[dict, dict]:
         """A log interval's numbers, on every rank (every rank must call it at the same step): trainscale's own
         (telemetry's, through one ``all_gather_single`` of each rank's interval sums; with telemetry off the
         loss alone), the gradient norm before clipping and every param group's learning rate
@@ -61,7 +61,7 @@ class MetricsProcessor:
                    "train_loss": loss.item()}
         if grad_norm is not None:
             own["grad_norm"] = grad_norm.item()
-        own.update(learning_rates(optimizers))
+        own.update(learning_rates(optimizers, schedulers))
         return own, self.collector.take_step_values()  # collective: sync_dist's all-reduce
 
     def write(self, record: dict) -> None:
@@ -84,7 +84,7 @@ class MetricsProcessor:
 
 
 def epoch_record(epoch: int, step: int, totals: tuple[float, float, float], seconds: float, complete: bool,
-                 optimizers) -> dict:
+                 optimizers, schedulers=()) -> dict:
     """The epoch's training numbers from its all-reduced ``totals`` (loss × samples, samples, tokens), its
     duration in seconds and the learning rates it trained with (taken before the epoch's schedulers step).
     An epoch that ``max_steps`` cut short is marked ``partial`` (a resume replaces its record)."""
@@ -95,7 +95,7 @@ def epoch_record(epoch: int, step: int, totals: tuple[float, float, float], seco
         record["tokens_per_s"] = tokens / seconds
     if not complete:
         record["partial"] = True
-    record.update(learning_rates(optimizers))
+    record.update(learning_rates(optimizers, schedulers))
     return record
 
 

@@ -104,8 +104,9 @@ class Trainer:
             profiler: "simple", "advanced", "pytorch" or a ``trainscale.profilers.Profiler`` (Lightning's flag; None:
                 none). It times the regions ``train_step`` names (``with prof.profile(...)``) during ``fit``; its
                 report at the end of ``fit``; "pytorch" writes a Chrome trace per rank into the run directory.
-            max_epochs: epochs to train (>= 1; -1: no limit). None (the default): no limit when ``max_steps`` or
-                ``max_time`` is set (Lightning's rule), else 1 (Lightning: 1000 with a warning).
+            max_epochs: epochs to train (>= 0; -1: no limit). None (the default): no limit when ``max_steps`` or
+                ``max_time`` is set (Lightning's rule); 1000 with a warning when only ``min_epochs``/``min_steps`` is
+                (Lightning's default); else 1 (Lightning: 1000 with a warning).
             max_steps: stop after this many optimizer steps (None or -1: no limit; resolved to None).
             accumulate_grad_batches: micro-batches per optimizer step (gradients all-reduced on the last only).
             gradient_clip_val: clip the total gradient norm (or each value: ``gradient_clip_algorithm="value"``).
@@ -309,8 +310,17 @@ class Trainer:
     min_steps = property(lambda self: self.config.min_steps, doc="Steps before a callback may stop the fit.")
     num_sanity_val_steps = property(lambda self: self.config.sanity_val_batches,
                                     doc="Validation batches of the sanity check (inf for -1).")
+    log_every_n_steps = property(lambda self: self.config.log_every_n_steps,
+                                 doc="Optimizer steps between step records (Lightning's attribute).")
     lr_scheduler_configs = property(lambda self: list(self.schedulers),
                                     doc="The schedulers with their interval, frequency and monitor (SchedulerConfig).")
+
+    @property
+    def num_training_batches(self) -> int | float:
+        """Training micro-batches of this rank's epoch, after ``limit_train_batches``/``overfit_batches`` (Lightning's
+        attribute; inf before ``fit`` and for an iterable data set until its iterator ends)."""
+        batches = self._fit.epoch_batches if self._fit is not None else math.inf
+        return int(batches) if batches != math.inf else batches
 
     @property
     def num_val_batches(self) -> list[int | float]:
@@ -619,7 +629,7 @@ class Trainer:
             with prof.profile("log_step"):
                 # collectives: telemetry's all_gather_single of every rank's interval; sync_dist's all_reduce
                 own, user = fit.metrics.reduce_across_ranks(self.global_step, self.current_epoch, loss, grad_norm,
-                                                            self.optimizers)
+                                                            self.optimizers, self.schedulers)
                 record = {**own, **user, **self._pending.pop("step", {})}
                 self._publish({k: v for k, v in record.items() if isinstance(v, float)}, own, user)
                 shown = ("train_loss", *sorted(self.metric_collector.prog_bar))  # the progress bar's postfix
@@ -675,7 +685,8 @@ class Trainer:
         rt = self.runtime
         self._faults.phase = "epoch end (loss all-reduce, validation)"
         own = epoch_record(epoch, self.global_step, fit.epoch_loss.totals(rt), time.perf_counter() - fit.started,
-                           complete=self.state.batches >= fit.epoch_batches, optimizers=self.optimizers)
+                           complete=self.state.batches >= fit.epoch_batches, optimizers=self.optimizers,
+                           schedulers=self.schedulers)
         user = self.metric_collector.take_epoch_values()
         record = {**own, **user}
         if fit.val_loader is not None and self._validates_at_epoch_end(fit, epoch):

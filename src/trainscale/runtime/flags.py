@@ -18,9 +18,11 @@ import difflib
 import functools
 import inspect
 import math
+import re
 import types
 import typing
 from dataclasses import KW_ONLY, dataclass, field, fields
+from datetime import timedelta
 from typing import Any, Callable, Literal, ParamSpec, Union, get_args, get_origin
 
 _Params = ParamSpec("_Params")
@@ -215,3 +217,30 @@ def check_number(name: str, value: Any, low: float, optional: bool = False, hint
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
         raise ValueError(f"{name}={value!r} must be a finite number >= {low}" + (" or None" if optional else "")
                          + hint)
+
+
+def parse_max_time(value) -> timedelta | None:
+    """``max_time`` as a ``timedelta`` (Lightning's ``Timer``: "DD:HH:MM:SS", a ``timedelta``, or a dict of
+    ``timedelta`` keyword arguments such as ``{"hours": 1, "minutes": 30}``).
+
+    Raises:
+        ValueError: another type, a string of another format, a dict ``timedelta`` refuses, a negative duration.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", value.strip())
+        if match is None:
+            raise ValueError(f"max_time={value!r} must be 'DD:HH:MM:SS' (days, hours, minutes, seconds), e.g. "
+                             "'00:12:00:00' for 12 hours")
+        days, hours, minutes, seconds = map(int, match.groups())
+        value = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+    elif isinstance(value, dict):
+        try:
+            value = timedelta(**value)
+        except TypeError as err:
+            raise ValueError(f"max_time={value!r}: {err}; pass timedelta's keywords, e.g. {{'hours': 2}}") from None
+    if not isinstance(value, timedelta) or value < timedelta(0):
+        raise ValueError(f"max_time={value!r} must be 'DD:HH:MM:SS', a datetime.timedelta or a dict of its keywords, "
+                         "not negative, or None")
+    return value

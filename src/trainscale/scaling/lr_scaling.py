@@ -91,16 +91,60 @@ def warmup(warmup_steps: int, factor: float) -> Callable[[int], float]:
     return multiplier
 
 
-def learning_rates(optimizers) -> dict[str, float]:
-    """The learning rate of every param group, named as Lightning's ``LearningRateMonitor`` names them:
-    ``lr-AdamW`` (first group), ``lr-AdamW/pg1`` ...; a second optimizer of one class ``lr-AdamW-1``. Under
-    ``Trainer(lr_scaling=...)`` the lr the next step uses: the group's lr × its ``"lr_scale"``."""
-    out: dict[str, float] = {}
-    seen: dict[str, int] = {}
-    for opt in optimizers:
-        cls = type(getattr(opt, "optimizer", opt)).__name__
-        name = f"lr-{cls}" + (f"-{seen[cls]}" if cls in seen else "")
-        seen[cls] = seen.get(cls, 0) + 1
-        for i, group in enumerate(opt.param_groups):
-            out[name if i == 0 else f"{name}/pg{i}"] = float(group["lr"]) * group.get(LR_SCALE_KEY, 1.0)
+def param_group_names(optimizers, schedulers=(),
+                      refuse_duplicates: bool = False) -> list[tuple[object, list[str]]]:
+    """Each optimizer (unwrapped) with one name per param group, as Lightning's ``LearningRateMonitor`` names them
+    (``callbacks/lr_monitor.py``): ``lr-<Optimizer class>``, or the ``"name"`` of the optimizer's ``lr_scheduler``
+    dict; a second optimizer of one class (without a scheduler name) ``lr-AdamW-1``; with several param groups
+    ``<name>/pg1``, ``<name>/pg2``, ... (counted from 1), or ``<name>/<group's "name">``, which a single group
+    also gets. The optimizers with a scheduler come first, in the schedulers' order, then the others.
+
+    ``schedulers``: objects with ``scheduler`` (whose ``optimizer`` it steps) and ``name`` (None: none given).
+    Two groups of one optimizer with the same ``"name"`` are named ``pg1``, ``pg2``, ... instead, unless
+    ``refuse_duplicates`` (``LearningRateMonitor``, which refuses them as Lightning's does).
+
+    Raises:
+        ValueError: with ``refuse_duplicates``, two param groups of one optimizer with the same ``"name"``.
+    """
+    named = [(config.scheduler.optimizer, config.name) for config in schedulers]
+    held = [opt for opt, _ in named]
+    order = named + [(opt, None) for opt in map(_unwrapped, optimizers) if not any(opt is o for o in held)]
+    counts: dict[str, int] = {}
+    out = []
+    for opt, custom in order:
+        cls = type(opt).__name__
+        if custom is None:
+            counts[cls] = counts.get(cls, 0) + 1
+        name = custom or f"lr-{cls}"
+        if counts.get(cls, 0) > 1:  # Lightning numbers a custom name too once its class was seen twice
+            name += f"-{counts[cls] - 1}"
+        out.append((opt, _group_names(name, opt.param_groups, refuse_duplicates)))
     return out
+
+
+def _unwrapped(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # a ManualOptimizer's torch optimizer
+
+
+def _group_names(name: str, groups: list[dict], refuse_duplicates: bool) -> list[str]:
+    """``name`` for one unnamed group; ``name/<label>`` for each of several (label: its "name" or pg1, pg2, ...)."""
+    labels = [group.get("name", f"pg{i}") for i, group in enumerate(groups, start=1)]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice and not refuse_duplicates:
+        labels = [f"pg{i}" for i in range(1, len(groups) + 1)]  # unique keys for the records
+    elif twice:
+        raise ValueError(f"A single `Optimizer` cannot have multiple parameter groups with identical `name` values: "
+                         f"{name} has duplicated parameter group names {twice} (Lightning refuses it too); give each "
+                         "group its own 'name'")
+    if len(groups) == 1 and "name" not in groups[0]:
+        return [name]
+    return [f"{name}/{label}" for label in labels]
+
+
+def learning_rates(optimizers, schedulers=()) -> dict[str, float]:
+    """The learning rate of every param group, under :func:`param_group_names`' names (``lr-AdamW``;
+    ``lr-AdamW/pg1``, ``lr-AdamW/pg2`` for two groups). Under ``Trainer(lr_scaling=...)`` the lr the next step
+    uses: the group's lr × its ``"lr_scale"``."""
+    return {name: float(group["lr"]) * group.get(LR_SCALE_KEY, 1.0)
+            for opt, names in param_group_names(optimizers, schedulers)
+            for name, group in zip(names, opt.param_groups)}
