@@ -38,7 +38,8 @@ def test_each_telemetry_starts_a_new_cuda_peak(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(nvml, "_nvml_reader", lambda index: None)
     rt = SimpleNamespace(device=torch.device("cuda", 0), is_rank_zero=True, world_size=1, data_parallel_size=1,
-                         config=SimpleNamespace(compile=None, precision="bf16-mixed"), print=print)
+                         config=SimpleNamespace(compile=None, precision="bf16-mixed", devices_per_process=1),
+                         print=print)
     for _ in range(2):
         Telemetry(rt).close()
     assert resets == [torch.device("cuda", 0)] * 2

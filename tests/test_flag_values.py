@@ -16,6 +16,9 @@ BAD = {"a list": [1], "a negative": -1, "zero": 0, "NaN": float("nan"), "an unkn
 # The values among BAD that a flag takes, and what they mean (Lightning's meaning where the flag is Lightning's).
 ACCEPTED = {
     ("seed", "zero"): "the seed 0 (the default)",
+    ("max_epochs", "zero"): "no training (Lightning's max_epochs=0)",
+    ("min_epochs", "zero"): "no minimum of epochs (Lightning's)",
+    ("min_steps", "zero"): "no minimum of steps (Lightning's)",
     ("default_root_dir", "an unknown string"): "a relative directory named 'bogus'",
     ("max_nonfinite_skips", "zero"): "raise at the first non-finite step, skip none",
     ("straggler_margin", "zero"): "any rank slower than the median is named a straggler",
