@@ -49,9 +49,12 @@ class Timer(Callback):
         self._offset = 0.0  # training seconds of the run a checkpoint was saved from
 
     def start_time(self, stage: str = "train") -> float | None:
+        """``time.monotonic()`` seconds at which ``stage`` ("train", "validate", "test") last started; None before.
+        Raises KeyError for another stage."""
         return self._start_time[stage]
 
     def end_time(self, stage: str = "train") -> float | None:
+        """``time.monotonic()`` seconds at which ``stage`` last ended; None while it runs or before it ran."""
         return self._end_time[stage]
 
     def time_elapsed(self, stage: str = "train") -> float:
@@ -63,6 +66,7 @@ class Timer(Callback):
         return offset + (end if end is not None else time.monotonic()) - start
 
     def time_remaining(self, stage: str = "train") -> float | None:
+        """Seconds of ``duration`` left for ``stage`` (negative once exceeded); None without a duration."""
         return None if self._duration is None else self._duration - self.time_elapsed(stage)
 
     def _start(self, stage: str) -> None:
