@@ -88,7 +88,8 @@ class Runtime:
     """Devices, processes, strategy and precision for a hand-written loop.
 
     ``runtime.flags`` holds the flags as given (a :class:`~trainscale.runtime.flags.RuntimeFlags`),
-    ``runtime.config`` resolved (a :class:`~trainscale.runtime.connector.RunConfig`).
+    ``runtime.config`` resolved (a :class:`~trainscale.runtime.connector.RunConfig`); ``runtime.world`` is the
+    process world (a frozen :class:`~trainscale.runtime.world.World`), ``runtime.world_size`` and ``runtime.rank`` its.
     """
 
     @names_closest_flag
@@ -157,6 +158,7 @@ class Runtime:
                                          has_mps=_devices.mps_available(),
                                          **{**vars(f), "devices": devices, "num_nodes": num_nodes})
         self.world = world = _match_launcher(world, self.config, follows_launcher)
+        self.world_size, self.rank = world.world_size, world.rank  # of the frozen World, read at every step
         if isinstance(f.timeout, bool) or not isinstance(f.timeout, (int, float)) or not 0 < f.timeout < 1e9:
             raise ValueError(f"timeout={f.timeout!r} must be a positive, finite number of seconds (e.g. 1800)")
         if f.strategy_options is not None and not isinstance(f.strategy_options, dict):
@@ -299,19 +301,11 @@ class Runtime:
         atexit.register(_destroy_process_group)
 
     @property
-    def world_size(self) -> int:
-        return self.world.world_size
-
-    @property
     def data_parallel_size(self) -> int:
         """Ranks that read different data: the world size, or under tensor parallelism ``dp_replicate ·
         dp_shard`` (the ``tp`` ranks of a group read the same batches). The global batch and throughput
         count samples over these ranks only."""
         return self.config.parallel.dp_size if self.config.parallel is not None else self.world_size
-
-    @property
-    def rank(self) -> int:
-        return self.world.rank
 
     @property
     def is_rank_zero(self) -> bool:
