@@ -613,7 +613,7 @@ class Trainer:
             # 4. Step at the scaled learning rate, then zero the gradients.
             if not skip:
                 with self.batch_scaling.scaled_lr(optimizer), prof.profile("optimizer_step"):
-                    rt.step(optimizer)
+                    rt.precision.optimizer_step(optimizer)  # through the GradScaler under "16-mixed"
             self._hook("on_before_zero_grad", optimizer)
             optimizer.zero_grad(set_to_none=True)
         tele.end_step()  # the "optimizer" phase ends
@@ -652,19 +652,19 @@ class Trainer:
         the user's manual ``training_step``. Returns the loss and the clock reading between forward and backward."""
         rt, tele = self.runtime, fit.telemetry
         if self.manual_optimizers:  # the user's training_step steps the optimizers itself
-            with rt.autocast():
+            with rt.precision.autocast():
                 return fit.loop_module.manual_step(batch, micro.index), tele.clock()
         if rt.strategy.pipelined:  # forward and backward in one pipeline schedule step ("pp")
             loss = rt.forward_backward(fit.wrapped, batch, fit.loop_module.loss_fn, micro.group_size, micro.is_last)
             self._hook("on_after_backward")
             return loss, tele.clock()
-        with rt.no_backward_sync(fit.wrapped, enabled=not micro.is_last):
-            with rt.autocast():
+        with rt.strategy.no_backward_sync(fit.wrapped, enabled=not micro.is_last):
+            with rt.precision.autocast():
                 loss = fit.wrapped(batch, micro.index)
             t_forward = tele.clock()
             scaled = loss / micro.group_size if micro.group_size > 1 else loss
             self._hook("on_before_backward", scaled)  # the loss backward receives, as Lightning's closure passes it
-            rt.backward(scaled)
+            rt.precision.backward(scaled)  # scaled by the GradScaler under "16-mixed"
             self._hook("on_after_backward")
         return loss, t_forward
 
