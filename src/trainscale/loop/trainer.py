@@ -575,6 +575,18 @@ class Trainer:
         The profiler's regions (``Trainer(profiler=...)``; a no-op context without one) are the ``prof.profile``
         blocks below: ``training_step_and_backward`` (each micro-batch), ``optimizer_step``, ``log_step``,
         ``validation`` and ``checkpoint_if_due``.
+
+        The collectives, by part (every rank issues the same ones at the same step; trainscale issues no others,
+        the user's hooks may): 1. the gradient all-reduce (ddp: the backward of the step's last micro-batch; and the
+        broadcast of a module's buffers in each forward, DDP's ``broadcast_buffers``), or the parameters'
+        all-gathers and the gradients' reduce-scatter (fsdp: forward and backward); pp's sends and receives.
+        2. clipping's all-reduce of the total norm of sharded (DTensor) gradients (fsdp, tp; pp across stages).
+        3. "skip" without clipping: the same norm's all-reduce (fsdp, tp). 4. "16-mixed" under pp: the
+        GradScaler's all-reduce of its inf/NaN flag (``ShardedGradScaler``). 5. at log steps: telemetry's
+        ``all_gather_single`` of every rank's interval, then sync_dist's all-reduce of a flag per rank and, when
+        some value has ``sync_dist=True``, an ``all_gather_object`` of their names and the all-reduce of the values.
+        6. validation's reductions; at the agreed check steps the fault check's all-reduce (a second one when a
+        loss is not finite); a checkpoint's barrier and writes; with ``max_time`` on several ranks a broadcast.
         """
         rt, cfg, tele, prof = self.runtime, self.config, fit.telemetry, self.profiler  # prof: Trainer(profiler=...)
         self.is_step_end = False
@@ -627,7 +639,7 @@ class Trainer:
         self._hook("on_train_batch_end", loss, batch, micro.index)
         if self.is_log_step:  # the step record: reduced across the ranks, then written once to each destination
             with prof.profile("log_step"):
-                # collectives: telemetry's all_gather_single of every rank's interval; sync_dist's all_reduce
+                # collectives: telemetry's all_gather_single of every rank's interval; sync_dist's all-reduces
                 own, user = fit.metrics.reduce_across_ranks(self.global_step, self.current_epoch, loss, grad_norm,
                                                             self.optimizers, self.schedulers)
                 record = {**own, **user, **self._pending.pop("step", {})}
@@ -639,9 +651,9 @@ class Trainer:
         if self._validation_due(fit, first_batch):
             with prof.profile("validation"):
                 self._validate(fit, mid_epoch=True)
-        with prof.profile("checkpoint_if_due"):  # at the check steps the ranks agreed on: one all_reduce (faults)
+        with prof.profile("checkpoint_if_due"):  # at the check steps the ranks agreed on: one all-reduce (faults)
             self._checkpoint_if_due(fit, epoch_end=False, ends_epoch=micro.ends_epoch)
-        if self._out_of_time():
+        if self._out_of_time():  # a broadcast of rank zero's clock, with max_time on several ranks
             self.should_stop = True  # max_time (Lightning's Timer): the epoch ends after this step
         return True
 
