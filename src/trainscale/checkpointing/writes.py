@@ -99,7 +99,7 @@ class CheckpointWrites:
                 ckpt.remove_checkpoint(path)
 
     def poll(self) -> None:
-        """Publish the write in flight if it has ended (never blocks; called at every step)."""
+        """Publish the write in flight if it has ended (never blocks; at every step under ``checkpoint_async``)."""
         if self._pending is not None and self._pending[0].done():
             self.wait()
 

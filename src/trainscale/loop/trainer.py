@@ -794,7 +794,8 @@ class Trainer:
         is one of its own. ``ends_epoch``: the step trained the epoch's last micro-batch (``MicroBatch.ends_epoch``,
         known for an iterable data set too), so an epoch-end save follows it, as it does after ``max_steps``."""
         step = self.state.global_step
-        self.checkpoints.poll()  # publish a background write that has ended (a check that never blocks)
+        if self.config.checkpoint_async:  # the only writes in the background: publish one that has ended (no wait)
+            self.checkpoints.poll()
         if epoch_end or self._faults.due(step):
             stop = self._faults.poll(step, self.current_epoch, fit.epoch_loss.sum)
             if stop:
