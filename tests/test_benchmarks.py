@@ -167,12 +167,12 @@ def test_predict_prints_a_row_per_size():
 
 # trainscale's own functions and files a step runs, from train_step's entry to its return (benchmarks/step_trace.py:
 # a default fit, ddp on 2 processes, accumulation 2; the logging step writes a step record, and here also runs the
-# fault check, which is due at most every log_every_n_steps). Measured with Python 3.11: plain 48 functions in
-# 22 files, logging 81 in 29, 3 of them naming the learning rates' param groups as Lightning does (100 in 31 when the
+# fault check, which is due at most every log_every_n_steps). Measured with Python 3.11: plain 47 functions in
+# 21 files, logging 80 in 28, 3 of them naming the learning rates' param groups as Lightning does (100 in 31 when the
 # record went through a forwarding method, a per-field helper and the
 # peak-FLOPs lookup without FLOPs to divide, and the fault check through five one-use helpers). Counted, not timed: a
 # new call on the logging path fails it.
-LOGGING_STEP_FUNCTIONS, LOGGING_STEP_FILES = 81, 29
+LOGGING_STEP_FUNCTIONS, LOGGING_STEP_FILES = 80, 28
 
 
 @pytest.mark.multiprocess
