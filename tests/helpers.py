@@ -37,20 +37,26 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 
 
 def _child(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple,
-           env: dict | None = None) -> None:
+           env: dict | None = None, launcher_env: list[dict] | None = None) -> None:
     if env is not None:  # the forkserver's environment is that of the session's first call: take the test's
         os.environ.clear()
         os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+    os.environ.update(launcher_env[rank] if launcher_env else
+                      {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+                       "MASTER_PORT": str(port)})
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     result = fn(rank, *args)
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 
 
-def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 120.0) -> list[Any]:
+def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 120.0,
+                    launcher_env: list[dict] | None = None) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` spawned processes; return each rank's result.
+
+    Each rank gets torchrun's variables, or ``launcher_env[rank]`` in their place (another launcher's
+    variables, to test how a process reads them; MASTER_ADDR/MASTER_PORT then come from there too).
 
     Raises:
         TimeoutError: a process is still running after ``timeout`` seconds (all are killed).
@@ -59,7 +65,8 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout: floa
     if START_METHOD == "forkserver":
         multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_child, args=(fn, world_size, free_port(), out_dir, args, dict(os.environ)),
+        ctx = mp.start_processes(_child, args=(fn, world_size, free_port(), out_dir, args, dict(os.environ),
+                                               launcher_env),
                                  nprocs=world_size, join=False, start_method=START_METHOD)
         deadline = time.monotonic() + timeout
         try:

@@ -1,6 +1,7 @@
 """The tiny ddp job of the launcher tests (tests/test_launchers.py): whatever started it (Kubernetes pods, mpirun,
 jsrun, Ray Train), ``Trainer(devices="auto")`` on a fixed seed must end with the weights of the same job on ranks
-given torchrun's variables (:func:`reference_weights`, forked by tests/helpers.py ``run_distributed``).
+given torchrun's variables (:func:`forked_rank`, forked by tests/helpers.py ``run_distributed``; ranks forked with
+an MPI flavour's variables run it too).
 
     python tests/launcher_job.py OUT.pt ROOT_DIR         # rank 0 saves the final weights to OUT.pt
     python tests/launcher_job.py --ray OUT.pt ROOT_DIR   # the same in Ray Train's TorchTrainer, 2 CPU workers
@@ -12,11 +13,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainscale import Trainer
+from trainscale import Trainer, World
 
 
-def train(root: str) -> tuple[int, dict]:
-    """Fit the job; print the world the Trainer found; return this process's rank and the final weights."""
+def train(root: str) -> tuple[World, dict]:
+    """Fit the job; print the world the Trainer found; return that world and the final weights."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 8, generator=g)
     y = (x.sum(1) > 0).long()
@@ -28,19 +29,21 @@ def train(root: str) -> tuple[int, dict]:
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
                 optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     world = trainer.runtime.world
-    print(f"RANK {world.rank} OF {world.world_size} LAUNCHER {world.launcher}", flush=True)
-    return world.rank, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    print(f"RANK {world.rank} OF {world.world_size} LAUNCHER {world.launcher} FROM {world.detected_from}", flush=True)
+    return world, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def save_weights(out: str, root: str) -> None:
-    rank, weights = train(root)
-    if rank == 0:
+    world, weights = train(root)
+    if world.rank == 0:
         torch.save(weights, out)
 
 
-def reference_weights(rank: int, root: str) -> dict:
-    """One rank of the reference run (``run_distributed(reference_weights, root, world_size=N)``)."""
-    return train(root)[1]
+def forked_rank(rank: int, root: str) -> tuple[str, dict]:
+    """One rank forked by ``run_distributed(forked_rank, root, world_size=N)``: the variables its world was read
+    from (``World.detected_from``) and the final weights."""
+    world, weights = train(root)
+    return world.detected_from, weights
 
 
 def _ray_worker(config: dict) -> None:

@@ -1,15 +1,19 @@
 """Real processes under each launcher, started with exactly the variables that launcher sets, each training
 the tiny ddp job of tests/launcher_job.py (``Trainer(devices="auto")``, seed 0) and ending with the weights
-of the same job on ranks forked with torchrun's variables (``run_distributed``): Kubeflow PyTorchJob pods (2 × 2 processes), TrainJob pods started with
-``python``, Volcano pods, LSF jsrun with a generated rank file, Debian's Open MPI ``mpirun -np 2`` and Ray
-Train's TorchTrainer. The pods and tasks are processes on localhost; every process group is killed at the end.
-Each test takes 10-55 s here (up to 6 processes importing torch, on 2 cores shared with the other pytest worker);
-its limit is twice that, so load slows it but does not fail it."""
+of the same job on ranks forked with torchrun's variables (``run_distributed``): Kubeflow PyTorchJob pods
+(2 × 2 processes), TrainJob pods started with ``python``, Volcano pods, LSF jsrun with a generated rank file,
+Debian's Open MPI ``mpirun -np 2`` and MPICH ``mpiexec -n 2``, and Ray Train's TorchTrainer. The pods and tasks
+are processes on localhost; every process group is killed at the end. MPICH's, MVAPICH2's and Cray PALS's
+variables are also given to ranks forked like the reference's: with no launcher program to run, a fresh
+interpreter would only add its imports (7-8 s for 2 processes here, against under 1 s forked).
+Each test takes 0.5-55 s here (up to 6 processes importing torch, on 2 cores shared with the other pytest
+worker); its limit is twice that, so load slows it but does not fail it."""
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -29,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = str(ROOT / "tests" / "launcher_job.py")
 # Launchers' variables the test process may carry (pytest inside a job): none reaches the "pods".
 _LAUNCHER_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "ROLE_", "NODE_RANK", "MASTER_", "TORCHELASTIC",
-                      "SLURM_", "PET_", "OMPI_", "PMI", "MPI_", "MV2_", "JSM_", "LSB_", "RAY_", "VC_", "VK_",
+                      "SLURM_", "PET_", "OMPI_", "PMI", "MPI_", "MV2_", "PALS_", "JSM_", "LSB_", "RAY_", "VC_", "VK_",
                       "KUBERNETES_")
 
 
@@ -82,15 +86,15 @@ def reference_weights(tmp_path_factory):
     def weights(world_size: int) -> dict:
         if world_size not in done:
             root = tmp_path_factory.mktemp(f"reference{world_size}")
-            done[world_size] = run_distributed(launcher_job.reference_weights, str(root), world_size=world_size,
-                                               timeout=90)[0]
+            done[world_size] = run_distributed(launcher_job.forked_rank, str(root), world_size=world_size,
+                                               timeout=90)[0][1]
         return done[world_size]
 
     return weights
 
 
-def _same_weights(path: Path, expected: dict) -> None:
-    got = torch.load(path)
+def _same_weights(got: Path | dict, expected: dict) -> None:
+    got = torch.load(got) if isinstance(got, Path) else got
     assert got.keys() == expected.keys()
     for name in expected:  # the same reductions in the same order: equal to the bit
         assert torch.equal(got[name], expected[name]), f"{name}: max difference " \
@@ -168,17 +172,86 @@ def test_lsf_jsrun_processes_meet_at_the_rank_files_first_compute_host(tmp_path,
     _same_weights(tmp_path / "weights.pt", expected)
 
 
+_MPICH = shutil.which("mpiexec.mpich") or shutil.which("mpiexec.hydra")
+
+
+def _open_mpi() -> list[str]:
+    """Open MPI's mpirun: its ranks derive the rendezvous port from the job id."""
+    return ["mpirun", *(["--allow-run-as-root"] if os.geteuid() == 0 else []), "--oversubscribe", "-np", "2"]
+
+
+def _mpich() -> list[str]:
+    """MPICH's mpiexec (Hydra) gives no job id to derive a port from: MASTER_PORT, as a user passes it."""
+    return [_MPICH, "-n", "2", "-genv", "MASTER_PORT", str(free_port())]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(shutil.which("mpirun") is None,
-                    reason="mpirun not found: `make test` installs Debian's openmpi-bin where apt-get runs as root")
-def test_mpirun_two_processes(tmp_path, reference_weights):
+@pytest.mark.parametrize("launcher, flavour", [
+    pytest.param(_open_mpi, "Open MPI", id="open-mpi", marks=pytest.mark.skipif(
+        shutil.which("mpirun") is None,
+        reason="mpirun not found: `make test` installs Debian's openmpi-bin where apt-get runs as root")),
+    pytest.param(_mpich, "MPICH / Intel MPI", id="mpich", marks=pytest.mark.skipif(
+        _MPICH is None,
+        reason="MPICH's mpiexec.mpich/mpiexec.hydra not found: `make test` installs Debian's mpich where apt-get "
+               "runs as root")),
+])
+def test_mpirun_two_processes(launcher, flavour, tmp_path, reference_weights):
     expected = reference_weights(2)
-    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    argv = ["mpirun", *root, "--oversubscribe", "-np", "2", sys.executable, JOB, str(tmp_path / "weights.pt"),
-            str(tmp_path)]
+    argv = [*launcher(), sys.executable, JOB, str(tmp_path / "weights.pt"), str(tmp_path)]
     logs = _run_all([(argv, _clean_env())], tmp_path)
-    assert logs.count("LAUNCHER mpi") == 2
+    assert len(re.findall(rf"LAUNCHER mpi FROM [^()]*\(a process of {re.escape(flavour)}'s mpirun\)", logs)) == 2
     _same_weights(tmp_path / "weights.pt", expected)
+
+
+# What each launcher sets for rank r of 2 processes on one node. MASTER_PORT is the user's (`mpiexec -genv
+# MASTER_PORT ...`): none of these gives a job id to derive a port from, and the worlds must not meet at 29500.
+def _mpich_hydra(r: int) -> dict:
+    """MPICH's mpiexec (Hydra): `mpiexec.mpich -n 2 env` with Debian's mpich 4.0.2 prints these."""
+    return {"PMI_RANK": str(r), "PMI_SIZE": "2", "MPI_LOCALRANKID": str(r), "MPI_LOCALNRANKS": "2",
+            "PMI_FD": str(6 + 2 * r), "HYDI_CONTROL_FD": "7", "MPIR_CVAR_CH3_INTERFACE_HOSTNAME": socket.gethostname()}
+
+
+def _mvapich2_hydra(r: int) -> dict:
+    """MVAPICH2 2.3.7's mpiexec (its Hydra, src/pm/hydra/pm/pmiserv/pmip_cb.c): MPICH's PMI_RANK and PMI_SIZE
+    beside a complete MV2_COMM_WORLD_*, without MPICH's MPI_LOCALRANKID."""
+    return {"PMI_RANK": str(r), "PMI_FD": str(6 + 2 * r), "PMI_SIZE": "2", "MV2_COMM_WORLD_SIZE": "2",
+            "MV2_COMM_WORLD_LOCAL_SIZE": "2", "MV2_COMM_WORLD_LOCAL_RANK": str(r), "MV2_COMM_WORLD_RANK": str(r)}
+
+
+def _mvapich2_mpirun_rsh(r: int) -> dict:
+    """MVAPICH2 2.3.7's mpirun_rsh (its mpispawn, src/pm/mpirun/mpispawn.c): MV2_COMM_WORLD_* and PMI_ID, no
+    PMI_RANK; MPIRUN_ID is mpirun_rsh's process id."""
+    return {"MPIRUN_MPD": "0", "MPIRUN_NPROCS": "2", "MPIRUN_ID": "40123", "MV2_NUM_NODES_IN_JOB": "1",
+            "MV2_NODE_ID": "0", "PMI_PORT": f"{socket.gethostname()}:41234", "USE_TOTALVIEW": "0", "PMI_ID": str(r),
+            "MV2_COMM_WORLD_RANK": str(r), "MV2_COMM_WORLD_LOCAL_RANK": str(r), "MV2_COMM_WORLD_LOCAL_SIZE": "2",
+            "MV2_COMM_WORLD_SIZE": "2"}
+
+
+def _cray_pals(r: int) -> dict:
+    """HPE Cray MPICH under PALS's `mpiexec -n 2 --ppn 2` (closed source: the names ALCF's Polaris and Aurora
+    guides read, as in tests/test_world.py): Cray PMI's PMI_* and PALS's own PALS_*."""
+    return {"PMI_RANK": str(r), "PMI_SIZE": "2", "PMI_LOCAL_RANK": str(r), "PMI_LOCAL_SIZE": "2",
+            "PALS_RANKID": str(r), "PALS_LOCAL_RANKID": str(r), "PALS_LOCAL_SIZE": "2", "PALS_NODEID": "0",
+            "PALS_APID": "8e4c3f2a-91d0-4b7e-a5c6-0d2f7b9e1a34"}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("variables, flavour", [
+    pytest.param(_mpich_hydra, "MPICH / Intel MPI", id="mpich"),
+    pytest.param(_mvapich2_hydra, "MVAPICH", id="mvapich2-mpiexec"),
+    pytest.param(_mvapich2_mpirun_rsh, "MVAPICH", id="mvapich2-mpirun_rsh"),
+    pytest.param(_cray_pals, "Cray MPICH (PALS)", id="cray-pals"),
+])
+def test_mpi_flavour_variables_on_forked_ranks(variables, flavour, tmp_path, reference_weights, monkeypatch):
+    expected = reference_weights(2)
+    for name in list(os.environ):  # pytest inside a job: only the flavour's variables reach the ranks
+        if name.startswith(_LAUNCHER_PREFIXES):
+            monkeypatch.delenv(name)
+    port = str(free_port())
+    ranks = run_distributed(launcher_job.forked_rank, str(tmp_path), world_size=2, timeout=50,
+                            launcher_env=[{**variables(r), "MASTER_PORT": port} for r in (0, 1)])
+    assert all(f"(a process of {flavour}'s mpirun)" in detected_from for detected_from, _ in ranks)
+    _same_weights(ranks[0][1], expected)
 
 
 # Ray starts a head node (GCS, raylet, its own workers) before the two training workers: 40-60 s on the 2 cores

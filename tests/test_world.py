@@ -36,7 +36,7 @@ OPENMPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_
            "OMPI_MCA_ess_base_jobid": "1318649857", "OMPI_UNIVERSE_SIZE": "4", "PMIX_RANK": "3",
            "PMIX_NAMESPACE": "1318649857"}
 MPICH = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "PMI_FD": "5"}
-# MVAPICH2's mpirun_rsh: its MV2_COMM_WORLD_* set, and PMI_RANK / PMI_SIZE beside it (no MPI_LOCALRANKID)
+# MVAPICH2's mpiexec (its Hydra): its MV2_COMM_WORLD_* set, and PMI_RANK / PMI_SIZE beside it (no MPI_LOCALRANKID)
 MVAPICH = {"MV2_COMM_WORLD_RANK": "3", "MV2_COMM_WORLD_SIZE": "4", "MV2_COMM_WORLD_LOCAL_RANK": "1",
            "MV2_COMM_WORLD_LOCAL_SIZE": "2", "PMI_RANK": "3", "PMI_SIZE": "4"}
 # HPE Cray MPICH under PALS (`mpiexec -n 4 --ppn 2`): Cray PMI's PMI_* and PALS's own PALS_*

@@ -7,7 +7,8 @@ Each MPI implementation's launcher gives every process its rank in the environme
 - Cray MPICH under PALS (HPE Cray's ``mpiexec``): PMI_RANK, PMI_SIZE, PMI_LOCAL_RANK, PMI_LOCAL_SIZE, and PALS's
   own PALS_RANKID, PALS_LOCAL_RANKID, PALS_LOCAL_SIZE and PALS_NODEID (the node's index);
 - MVAPICH: MV2_COMM_WORLD_RANK, MV2_COMM_WORLD_SIZE, MV2_COMM_WORLD_LOCAL_RANK, MV2_COMM_WORLD_LOCAL_SIZE
-  (rank, world size, local rank, processes on this node), with PMI_RANK and PMI_SIZE beside them.
+  (rank, world size, local rank, processes on this node); MVAPICH2's ``mpiexec`` sets PMI_RANK and PMI_SIZE
+  beside them, its ``mpirun_rsh`` does not.
 
 Several flavours share names (PMI_RANK and PMI_SIZE are MPICH's, Cray's and MVAPICH's), so the flavour read is
 the first whose four variables are all set; only when none is complete is the first with a rank variable
@@ -17,7 +18,8 @@ assumed, and its missing variable named.
 not the node's index; PALS_NODEID is one, and is read.) None of them says where rank 0 runs. On one node
 (local size = world size) that is this machine; on several, MASTER_ADDR must name rank 0's host
 (``mpirun -x MASTER_ADDR=$(hostname) ...``), else a clear error. The port is MASTER_PORT, else derived from
-the job id (Open MPI's OMPI_MCA_ess_base_jobid or PMIX_NAMESPACE) so that every rank computes the same one.
+the job id (Open MPI's OMPI_MCA_ess_base_jobid or PMIX_NAMESPACE) so that every rank computes the same one,
+else 29500 (MPICH, MVAPICH and PALS give no job id).
 The node index (without PALS_NODEID) assumes ranks are placed node by node (``--map-by slot``, the default):
 rank // local size. Under LSF's ``jsrun`` (JSM_NAMESPACE_RANK), whose Spectrum MPI also sets Open MPI's
 variables, the LSF reader knows rank 0's host and reads the world instead. Nothing here imports torch.
