@@ -52,7 +52,8 @@ mpirun:
 	    apt-get update -qq && \
 	    { command -v ompi_info >/dev/null || $(APT_INSTALL) openmpi-bin >/dev/null; } && \
 	    { command -v mpiexec.mpich || command -v mpiexec.hydra || \
-	      $(APT_INSTALL) --no-install-recommends mpich; } >/dev/null; \
+	      $(APT_INSTALL) --no-install-recommends mpich; } >/dev/null || \
+	    echo "apt-get could not install Open MPI or MPICH: its mpirun test will be skipped"; \
 	  else echo "Open MPI or MPICH not found and apt-get cannot run as root here: its mpirun test will be skipped"; fi; }
 
 demo: $(VENV)/.demo-installed
