@@ -1,13 +1,14 @@
-"""Real processes under each launcher, started with exactly the variables that launcher sets, each training
-the tiny ddp job of tests/launcher_job.py (``Trainer(devices="auto")``, seed 0) and ending with the weights
-of the same job on ranks forked with torchrun's variables (``run_distributed``): Kubeflow PyTorchJob pods
-(2 × 2 processes), TrainJob pods started with ``python``, Volcano pods, LSF jsrun with a generated rank file,
-Debian's Open MPI ``mpirun -np 2`` and MPICH ``mpiexec -n 2``, and Ray Train's TorchTrainer. The pods and tasks
-are processes on localhost; every process group is killed at the end. MPICH's, MVAPICH2's and Cray PALS's
-variables are also given to ranks forked like the reference's: with no launcher program to run, a fresh
-interpreter would only add its imports (7-8 s for 2 processes here, against under 1 s forked).
-Each test takes 0.5-55 s here (up to 6 processes importing torch, on 2 cores shared with the other pytest
-worker); its limit is twice that, so load slows it but does not fail it."""
+"""The tiny ddp job of tests/launcher_job.py (``Trainer(devices="auto")``, seed 0) under each launcher, ending with
+the weights of the same job on ranks forked with torchrun's variables (``run_distributed``), bit for bit.
+
+Where a launcher program runs here, it starts real processes on localhost: Kubeflow PyTorchJob pods that run
+torchrun (2 × 2 processes), Debian's Open MPI ``mpirun -np 2`` and MPICH ``mpiexec -n 2``, and Ray Train's
+TorchTrainer; every process group is killed at the end. Where the launcher is only the variables it sets (pods
+started with ``python``: TrainJob and Volcano with and without its env plugin; LSF's jsrun with a generated rank
+file; srun's tasks; MPICH's Hydra, MVAPICH2's two launchers and Cray PALS), two ranks are forked like the
+reference's, each with exactly that launcher's variables: a fresh interpreter would only add its imports (7-8 s for
+2 processes here, against under 1 s forked). Each test takes 0.5-55 s here (up to 6 processes importing torch,
+on 2 cores shared with the other pytest worker); its limit is twice that, so load slows it but does not fail it."""
 
 from __future__ import annotations
 
@@ -124,28 +125,6 @@ def test_pytorchjob_pods_of_two_processes_each_start_them_with_torchrun(tmp_path
     _same_weights(tmp_path / "weights.pt", expected)
 
 
-@pytest.mark.timeout(120)
-def test_trainjob_and_volcano_pods_started_with_python_are_the_ranks(tmp_path, reference_weights):
-    """Two jobs at once, one process per pod: a TrainJob's PET_* variables (Trainer v2's torch plugin: CPU pods
-    get PET_NPROC_PER_NODE from their CPU count, 1 here) and a Volcano job's (pytorch and svc plugins: master + 1
-    worker, without the env plugin's VC_TASK_INDEX)."""
-    expected = reference_weights(2)
-    trainjob, volcano = tmp_path / "trainjob", tmp_path / "volcano"
-    trainjob.mkdir()
-    volcano.mkdir()
-    pet_port, vc_port = str(free_port()), str(free_port())
-    commands = _pods(trainjob, [{"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(i),
-                                 "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": pet_port} for i in (0, 1)])
-    # Volcano's default set-up (pytorch + svc plugins, no env plugin): VC_<TASK>_HOSTS/_NUM, no VC_TASK_INDEX
-    commands += _pods(volcano, [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": vc_port, "WORLD_SIZE": "2",
-                                 "RANK": str(i), "VC_MASTER_HOSTS": "job-master-0.job", "VC_MASTER_NUM": "1",
-                                 "VC_WORKER_HOSTS": "job-worker-0.job", "VC_WORKER_NUM": "1"} for i in (0, 1)])
-    logs = _run_all(commands, tmp_path)
-    assert logs.count("LAUNCHER kubernetes") == 4 and "waiting at the rendezvous 127.0.0.1:" in logs
-    _same_weights(trainjob / "weights.pt", expected)
-    _same_weights(volcano / "weights.pt", expected)
-
-
 def _free_lsf_job_id() -> str:
     """An LSB_JOBID whose derived port (15000 + id % 20000, as the LSF reader computes it) is free here."""
     for _ in range(100):
@@ -157,19 +136,6 @@ def _free_lsf_job_id() -> str:
             except OSError:
                 continue
     raise RuntimeError("no free port in 15000-34999")
-
-
-@pytest.mark.timeout(120)
-def test_lsf_jsrun_processes_meet_at_the_rank_files_first_compute_host(tmp_path, reference_weights):
-    expected = reference_weights(2)
-    rankfile = tmp_path / "rankfile"
-    rankfile.write_text(f"launch-node\n{socket.gethostname()}\n{socket.gethostname()}\n")
-    base = {"LSB_JOBID": _free_lsf_job_id(), "LSB_DJOB_RANKFILE": str(rankfile), "JSM_NAMESPACE_SIZE": "2",
-            "JSM_NAMESPACE_LOCAL_SIZE": "2"}
-    logs = _run_all(_pods(tmp_path, [{**base, "JSM_NAMESPACE_RANK": str(r), "JSM_NAMESPACE_LOCAL_RANK": str(r)}
-                                     for r in (0, 1)]), tmp_path)
-    assert logs.count("LAUNCHER lsf") == 2
-    _same_weights(tmp_path / "weights.pt", expected)
 
 
 _MPICH = shutil.which("mpiexec.mpich") or shutil.which("mpiexec.hydra")
@@ -203,54 +169,104 @@ def test_mpirun_two_processes(launcher, flavour, tmp_path, reference_weights):
     _same_weights(tmp_path / "weights.pt", expected)
 
 
-# What each launcher sets for rank r of 2 processes on one node. MASTER_PORT is the user's (`mpiexec -genv
-# MASTER_PORT ...`): none of these gives a job id to derive a port from, and the worlds must not meet at 29500.
-def _mpich_hydra(r: int) -> dict:
+# What each launcher sets for rank r of 2 processes on one node (``tmp`` holds a file a launcher points to). Under
+# MPICH, MVAPICH2 and PALS, MASTER_PORT is the user's (`mpiexec -genv MASTER_PORT ...`): none of them gives a job id
+# to derive a port from, and the worlds must not meet at 29500.
+def _mpich_hydra(r: int, tmp: Path, port: str) -> dict:
     """MPICH's mpiexec (Hydra): `mpiexec.mpich -n 2 env` with Debian's mpich 4.0.2 prints these."""
     return {"PMI_RANK": str(r), "PMI_SIZE": "2", "MPI_LOCALRANKID": str(r), "MPI_LOCALNRANKS": "2",
-            "PMI_FD": str(6 + 2 * r), "HYDI_CONTROL_FD": "7", "MPIR_CVAR_CH3_INTERFACE_HOSTNAME": socket.gethostname()}
+            "PMI_FD": str(6 + 2 * r), "HYDI_CONTROL_FD": "7", "MPIR_CVAR_CH3_INTERFACE_HOSTNAME": socket.gethostname(), "MASTER_PORT": port}
 
 
-def _mvapich2_hydra(r: int) -> dict:
+def _mvapich2_hydra(r: int, tmp: Path, port: str) -> dict:
     """MVAPICH2 2.3.7's mpiexec (its Hydra, src/pm/hydra/pm/pmiserv/pmip_cb.c): MPICH's PMI_RANK and PMI_SIZE
     beside a complete MV2_COMM_WORLD_*, without MPICH's MPI_LOCALRANKID."""
     return {"PMI_RANK": str(r), "PMI_FD": str(6 + 2 * r), "PMI_SIZE": "2", "MV2_COMM_WORLD_SIZE": "2",
-            "MV2_COMM_WORLD_LOCAL_SIZE": "2", "MV2_COMM_WORLD_LOCAL_RANK": str(r), "MV2_COMM_WORLD_RANK": str(r)}
+            "MV2_COMM_WORLD_LOCAL_SIZE": "2", "MV2_COMM_WORLD_LOCAL_RANK": str(r), "MV2_COMM_WORLD_RANK": str(r),
+            "MASTER_PORT": port}
 
 
-def _mvapich2_mpirun_rsh(r: int) -> dict:
+def _mvapich2_mpirun_rsh(r: int, tmp: Path, port: str) -> dict:
     """MVAPICH2 2.3.7's mpirun_rsh (its mpispawn, src/pm/mpirun/mpispawn.c): MV2_COMM_WORLD_* and PMI_ID, no
     PMI_RANK; MPIRUN_ID is mpirun_rsh's process id."""
     return {"MPIRUN_MPD": "0", "MPIRUN_NPROCS": "2", "MPIRUN_ID": "40123", "MV2_NUM_NODES_IN_JOB": "1",
             "MV2_NODE_ID": "0", "PMI_PORT": f"{socket.gethostname()}:41234", "USE_TOTALVIEW": "0", "PMI_ID": str(r),
             "MV2_COMM_WORLD_RANK": str(r), "MV2_COMM_WORLD_LOCAL_RANK": str(r), "MV2_COMM_WORLD_LOCAL_SIZE": "2",
-            "MV2_COMM_WORLD_SIZE": "2"}
+            "MV2_COMM_WORLD_SIZE": "2", "MASTER_PORT": port}
 
 
-def _cray_pals(r: int) -> dict:
+def _cray_pals(r: int, tmp: Path, port: str) -> dict:
     """HPE Cray MPICH under PALS's `mpiexec -n 2 --ppn 2` (closed source: the names ALCF's Polaris and Aurora
     guides read, as in tests/test_world.py): Cray PMI's PMI_* and PALS's own PALS_*."""
     return {"PMI_RANK": str(r), "PMI_SIZE": "2", "PMI_LOCAL_RANK": str(r), "PMI_LOCAL_SIZE": "2",
             "PALS_RANKID": str(r), "PALS_LOCAL_RANKID": str(r), "PALS_LOCAL_SIZE": "2", "PALS_NODEID": "0",
-            "PALS_APID": "8e4c3f2a-91d0-4b7e-a5c6-0d2f7b9e1a34"}
+            "PALS_APID": "8e4c3f2a-91d0-4b7e-a5c6-0d2f7b9e1a34", "MASTER_PORT": port}
 
 
+def _trainjob(r: int, tmp: Path, port: str) -> dict:
+    """A Kubeflow TrainJob pod started with ``python`` (Trainer v2's torch plugin; a CPU pod's
+    PET_NPROC_PER_NODE is its CPU request, 1 here), one process per pod."""
+    return {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(r), "PET_MASTER_ADDR": "127.0.0.1",
+            "PET_MASTER_PORT": port}
+
+
+def _volcano(r: int, tmp: Path, port: str) -> dict:
+    """A Volcano job's pod under its default set-up (pytorch and svc plugins: master + 1 worker), one process per
+    pod: the svc plugin's VC_<TASK>_HOSTS/_NUM, no VC_TASK_INDEX."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "RANK": str(r),
+            "VC_MASTER_HOSTS": "job-master-0.job", "VC_MASTER_NUM": "1", "VC_WORKER_HOSTS": "job-worker-0.job",
+            "VC_WORKER_NUM": "1"}
+
+
+def _volcano_env_plugin(r: int, tmp: Path, port: str) -> dict:
+    """The same pods with Volcano's env plugin too: VC_TASK_INDEX and VK_TASK_INDEX, the pod's index within its
+    task (0 for master-0 and for worker-0)."""
+    return {**_volcano(r, tmp, port), "VC_TASK_INDEX": "0", "VK_TASK_INDEX": "0"}
+
+
+def _lsf_jsrun(r: int, tmp: Path, port: str) -> dict:
+    """LSF's jsrun: JSM_NAMESPACE_* and the rank file whose first compute host (after the launch node) is the
+    rendezvous; the port is derived from LSB_JOBID."""
+    rankfile, job = tmp / "rankfile", tmp / "lsb_jobid"
+    if not job.exists():  # the same job for both ranks
+        rankfile.write_text(f"launch-node\n{socket.gethostname()}\n{socket.gethostname()}\n")
+        job.write_text(_free_lsf_job_id())
+    job_id = job.read_text()
+    return {"LSB_JOBID": job_id, "LSB_DJOB_RANKFILE": str(rankfile), "JSM_NAMESPACE_SIZE": "2",
+            "JSM_NAMESPACE_LOCAL_SIZE": "2", "JSM_NAMESPACE_RANK": str(r), "JSM_NAMESPACE_LOCAL_RANK": str(r)}
+
+
+def _slurm_srun(r: int, tmp: Path, port: str) -> dict:
+    """Two tasks of `srun --ntasks=2` on one node (a subset of what srun exports; MASTER_PORT as a user's sbatch
+    script sets it)."""
+    return {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_TASKS_PER_NODE": "2",
+            "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r),
+            "MASTER_PORT": port}
+
+
+# No launcher program runs in these: the ranks are forked like the reference's, each with only the launcher's
+# variables (a fresh interpreter would add only its imports: 7-8 s for 2 processes here, under 1 s forked).
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("variables, flavour", [
-    pytest.param(_mpich_hydra, "MPICH / Intel MPI", id="mpich"),
-    pytest.param(_mvapich2_hydra, "MVAPICH", id="mvapich2-mpiexec"),
-    pytest.param(_mvapich2_mpirun_rsh, "MVAPICH", id="mvapich2-mpirun_rsh"),
-    pytest.param(_cray_pals, "Cray MPICH (PALS)", id="cray-pals"),
+@pytest.mark.parametrize("variables, detected", [
+    pytest.param(_mpich_hydra, "(a process of MPICH / Intel MPI's mpirun)", id="mpich"),
+    pytest.param(_mvapich2_hydra, "(a process of MVAPICH's mpirun)", id="mvapich2-mpiexec"),
+    pytest.param(_mvapich2_mpirun_rsh, "(a process of MVAPICH's mpirun)", id="mvapich2-mpirun_rsh"),
+    pytest.param(_cray_pals, "(a process of Cray MPICH (PALS)'s mpirun)", id="cray-pals"),
+    pytest.param(_trainjob, "(a Kubeflow TrainJob pod: one process per pod)", id="trainjob"),
+    pytest.param(_volcano, "(a Volcano pod: one process per pod)", id="volcano"),
+    pytest.param(_volcano_env_plugin, "VC_TASK_INDEX=0", id="volcano-env-plugin"),
+    pytest.param(_lsf_jsrun, "(a process started by jsrun)", id="lsf-jsrun"),
+    pytest.param(_slurm_srun, "(a task started by srun)", id="slurm-srun"),
 ])
-def test_mpi_flavour_variables_on_forked_ranks(variables, flavour, tmp_path, reference_weights, monkeypatch):
+def test_launcher_variables_on_forked_ranks(variables, detected, tmp_path, reference_weights, monkeypatch):
     expected = reference_weights(2)
-    for name in list(os.environ):  # pytest inside a job: only the flavour's variables reach the ranks
+    for name in list(os.environ):  # pytest inside a job: only the launcher's variables reach the ranks
         if name.startswith(_LAUNCHER_PREFIXES):
             monkeypatch.delenv(name)
     port = str(free_port())
     ranks = run_distributed(launcher_job.forked_rank, str(tmp_path), world_size=2, timeout=50,
-                            launcher_env=[{**variables(r), "MASTER_PORT": port} for r in (0, 1)])
-    assert all(f"(a process of {flavour}'s mpirun)" in detected_from for detected_from, _ in ranks)
+                            launcher_env=[variables(r, tmp_path, port) for r in (0, 1)])
+    assert all(detected in detected_from for detected_from, _ in ranks), [d for d, _ in ranks]
     _same_weights(ranks[0][1], expected)
 
 

@@ -95,33 +95,6 @@ def test_runtime_refuses_an_allocation_that_does_not_match(monkeypatch):
     assert (rt.config.devices, rt.config.num_nodes, rt.world.launcher) == (4, 2, "slurm")
 
 
-_TASK = """
-import torch
-from trainscale import Runtime
-rt = Runtime(accelerator="cpu", timeout=60).launch()
-t = rt.all_reduce(torch.tensor([rt.rank + 1.0]))
-print(rt.world.launcher, rt.world_size, rt.rank, int(t.item()), flush=True)
-rt.teardown()
-"""
-
-
-@pytest.mark.multiprocess
-def test_two_tasks_started_like_srun_train_together():
-    from tests.helpers import free_port
-
-    port = free_port()
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_",
-                                                                     "TORCHELASTIC", "SLURM_"))}
-    base.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", SLURM_JOB_ID="77", SLURM_NTASKS="2", SLURM_STEP_ID="0",
-                SLURM_TASKS_PER_NODE="2", SLURM_NODEID="0", SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port))
-    procs = [subprocess.Popen([sys.executable, "-c", _TASK], env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    assert [o.strip() for o, _ in outs] == ["slurm 2 0 3", "slurm 2 1 3"]
-
-
 def test_trainscale_slurm_writes_a_valid_sbatch_script(tmp_path):
     path = tmp_path / "job.sbatch"
     out = subprocess.run([TRAINSCALE, "slurm", "--nodes", "2", "--gpus-per-node", "4", "--time", "01:00:00",
