@@ -240,15 +240,19 @@ def test_cli_exports_an_fsdp_checkpoint_with_its_tokenizer(runs, tmp_path):
     assert AutoTokenizer.from_pretrained(tmp_path / "out")("w3 w7 w120")["input_ids"] == [3, 7, 120]
 
 
-def test_cli_refuses_a_config_of_another_architecture(runs, tmp_path):
+def test_cli_refuses_a_config_of_another_architecture(runs, tmp_path, monkeypatch, capsys):
     """``trainscale export --config`` with a GPT-2 config for Llama weights: exit 2, an error naming the disagreement
-    and the fix, nothing written."""
+    and the fix, nothing written (the command's ``main`` in this process: the run above is the command whole)."""
+    from trainscale.cli import main
+
     hf_workers.tiny_gpt2().config.save_pretrained(tmp_path / "gpt2")
-    done, _ = run_python(["-m", "trainscale.cli", "export", str(_checkpoint(runs[0]["ddp"]["dir"])), "--config",
-                          str(tmp_path / "gpt2"), "out"], tmp_path)
-    assert done.returncode == 2, done.stderr
-    assert "disagree" in done.stderr and "GPT2LMHeadModel" in done.stderr and "--config" in done.stderr
-    assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the command puts the current directory on it
+    code = main(["export", str(_checkpoint(runs[0]["ddp"]["dir"])), "--config", str(tmp_path / "gpt2"), "out"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "disagree" in err and "GPT2LMHeadModel" in err and "--config" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 
 def test_export_without_a_config_names_the_fix(tmp_path):
