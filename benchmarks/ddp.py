@@ -20,8 +20,8 @@ Variants:
   ``Trainer(devices=2)`` re-executes the script under torchrun itself.
 
 Throughput, one torchrun launch: every rank builds plain, plain-2, runtime and trainer side by side and
-runs one epoch of each per round, in an order rotated each round, after a warm-up round, for
-accumulation 1 then 4. Every variant builds its model, optimizer and data afresh for each epoch (the
+runs one epoch of each per round, in an order rotated each round, after a warm-up round (none with
+``--quick``), for accumulation 1 then 4. Every variant builds its model, optimizer and data afresh for each epoch (the
 Trainer: a fresh ``Trainer(max_epochs=1)``): with objects kept for the whole run, each loop
 keeps one memory layout for all rounds, and two identical plain loops read
 1.7 % and 2.8 % apart with 95 % intervals that excluded 1 (36 rounds). Step-interleaved
@@ -322,7 +322,8 @@ class TrainerVariant:
 
 def worker_interleaved(args) -> None:
     """Every variant in one launch, epoch by epoch, the order rotated each round; each optimizer step
-    of a variant is followed by one of the shared reference. Round 0 of each setting is a warm-up."""
+    of a variant is followed by one of the shared reference. The first ``args.warmup_rounds`` rounds of each setting
+    warm up (not timed)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")  # the plain script's; Runtime and Trainer use the group they find
@@ -341,7 +342,7 @@ def worker_interleaved(args) -> None:
             reference.set_accumulation(k)
             res = {name: {"step_s": [], "ref_s": [], "cpu_s": [], "cpu_ref_s": [], "steps": 0, "allreduces": 0}
                    for name in names}
-            for r in range(1 + args.rounds):
+            for r in range(args.warmup_rounds + args.rounds):
                 for name in names[r % len(names):] + names[:r % len(names)]:  # rotated: no variant always first
                     steps0, calls0 = counters[name].snapshot()
                     variants[name].epoch(k)
@@ -349,7 +350,7 @@ def worker_interleaved(args) -> None:
                     steps1, calls1 = counters[name].snapshot()
                     res[name]["steps"] += steps1 - steps0
                     res[name]["allreduces"] += calls1 - calls0
-                    if r > 0:  # round 0: warm-up
+                    if r >= args.warmup_rounds:
                         res[name]["step_s"].append(step_s)  # per round: the timed steps, in order
                         res[name]["ref_s"].append(ref_s)
                         res[name]["cpu_s"].append(cpu_s)
@@ -412,7 +413,8 @@ def worker_main(args) -> None:
 # --------------------------------------------------------------------------------------- driver
 def _launch(variant: str, args, out: Path, log: Path) -> float:
     worker = ["--worker", variant, "--out", str(out), "--steps", str(args.steps), "--epochs", str(args.epochs),
-              "--rounds", str(args.rounds), "--workload", args.workload, "--variants", args.variants]
+              "--rounds", str(args.rounds), "--warmup-rounds", str(args.warmup_rounds), "--workload", args.workload,
+              "--variants", args.variants]
     if variant == "trainer-relaunch":
         cmd = [sys.executable, __file__, *worker]
     else:
@@ -482,7 +484,8 @@ def _print_process_table(variants: list[str], walls: dict, counts: dict, launche
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, short epochs, 1 launch per variant")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 1 round and no warm-up round, short epochs, 1 launch per variant")
     parser.add_argument("--rounds", type=int, default=None,
                         help="interleaved rounds per accumulation after a warm-up round (default 16, quick 1)")
     parser.add_argument("--launches", type=int, default=None,
@@ -500,6 +503,7 @@ def main() -> None:
     parser.add_argument("--log", default=None, help="file for the launches' output")
     parser.add_argument("--worker", choices=("interleaved", *VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--warmup-rounds", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker_main(args)
@@ -515,6 +519,7 @@ def main() -> None:
     variants = ["plain"] + [v for v in VARIANTS[1:] if v in launch_variants.split(",")]  # launched
     interleaved = ["plain", "plain-2"] + [v for v in ("runtime", "trainer") if v in args.variants.split(",")]
     args.rounds = args.rounds or (1 if args.quick else 16)  # 10 rounds: one run read 0.952 [0.939–0.972], the next 36 1.001
+    args.warmup_rounds = 0 if args.quick else 1  # a smoke run's numbers are not read: no warm-up round
     launches = args.launches if args.launches is not None else 1
     args.steps = args.steps or (8 if args.quick else 16)
     if args.steps < 8:
@@ -542,7 +547,8 @@ def main() -> None:
 
     if not args.no_throughput:
         print(f"\n## Throughput: one launch, {', '.join(interleaved)} epoch by epoch in rotated order, "
-              f"{args.rounds} rounds per accumulation after a warm-up round ({wall_interleaved:.0f} s)")
+              f"{args.rounds} rounds per accumulation after {args.warmup_rounds} warm-up round(s) "
+              f"({wall_interleaved:.0f} s)")
         header = (f"{'variant':<17} {'accum':>5} {'step ms':>8} {'timed':>6} {'vs ref':>6} {'samples/s':>9} "
                   f"{'thru ratio':>10} {'95 % interval':>13} {'CPU ratio':>9} {'95 % interval':>13} "
                   f"{'opt steps':>9} {'all-reduces':>11} {'per step':>8}")
