@@ -151,8 +151,10 @@ def pp_resume(rank: int, root: str, parallel: dict | None = None, destroy: bool 
     """Two epochs uninterrupted, against one epoch then a resume from its "last" checkpoint for the second;
     ``parallel``: the mesh (None: one stage per rank); ``destroy=False``: more runs follow in these processes.
     2 micro-batches per batch (not the default 4 · stages): what is checked is the resume, not the schedule, and
-    each micro-batch costs a pass through every stage (most of the time under tp: its DTensor collectives)."""
-    small = dict(train=24, val=12, parallel=parallel, pp_microbatches=2)
+    each micro-batch costs a pass through every stage (most of the time under tp: its DTensor collectives).
+    16 training samples: 2 steps an epoch on one pipeline, 1 on each of 2 data-parallel ones; the resumed epoch's
+    first step already applies the momentum saved with the checkpoint."""
+    small = dict(train=16, val=8, parallel=parallel, pp_microbatches=2)
     full = fit_gpt(rank, f"{root}/full", "pp", epochs=2, **small)
     first = fit_gpt(rank, f"{root}/stopped", "pp", epochs=1, **small)
     resumed = fit_gpt(rank, f"{root}/stopped", "pp", epochs=2, ckpt_path="last", destroy=destroy, **small)

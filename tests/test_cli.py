@@ -1,4 +1,4 @@
-"""The command line as a user runs it, in a subprocess; a bad flag and a second environment of `trainscale env` in
+"""The command line as a user runs it, in a subprocess; a bad flag and two more environments of `trainscale env` in
 this process, through the command's ``main``."""
 
 import json
@@ -31,10 +31,13 @@ def test_help_lists_commands_without_importing_torch():
     assert probe.stdout.strip() == "False"
 
 
-def test_env():
-    out = run([str(BIN / "trainscale"), "env"])
-    assert out.returncode == 0 and "torch" in out.stdout and "gloo" in out.stdout
-    assert "launcher       none" in out.stdout
+def test_env(monkeypatch, capsys):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):  # as ``run`` leaves them
+        monkeypatch.delenv(name, raising=False)
+    assert main(["env"]) == 0  # in this process: the next test runs the command in a subprocess
+    out = capsys.readouterr().out
+    assert "torch" in out and "gloo" in out
+    assert "launcher       none" in out
 
 
 def test_env_names_the_launcher_detected_and_why(monkeypatch, capsys):
@@ -111,12 +114,9 @@ def test_bad_flag_is_a_one_line_error(tmp_path, capsys):
     assert "devices=0 must be >= 1" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-# A child Python in which `import matplotlib` fails, as after `make demo` (which does not install it).
-_NO_MATPLOTLIB = ("import sys; sys.modules['matplotlib'] = None; "
-                  "from trainscale.cli import main; sys.exit(main(sys.argv[1:]))")
-
-
-def test_report_without_matplotlib_writes_report_txt_and_says_how_to_get_plots(tmp_path):
+def test_report_without_matplotlib_writes_report_txt_and_says_how_to_get_plots(tmp_path, monkeypatch, capsys):
+    """As after `make demo` (which does not install matplotlib), through the command's ``main`` in this process
+    (tests/test_telemetry_distributed.py runs `trainscale report` in a subprocess)."""
     from torch.utils.data import DataLoader
 
     from tests import workers
@@ -124,10 +124,12 @@ def test_report_without_matplotlib_writes_report_txt_and_says_how_to_get_plots(t
 
     trainer = Trainer(max_epochs=1, log_every_n_steps=2, enable_progress_bar=False, default_root_dir=tmp_path)
     trainer.fit(workers.make_model(), DataLoader(workers.tiny_dataset(32), batch_size=8), optimizer=workers.sgd)
-    out = run([sys.executable, "-c", _NO_MATPLOTLIB, "report", str(trainer.run_dir)])
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "Traceback" not in out.stderr and "Traceback" not in out.stdout
-    assert (trainer.run_dir / "report.txt").read_text() in out.stdout
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails, as when it is not installed
+    assert main(["report", str(trainer.run_dir)]) == 0
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err and "Traceback" not in out.out
+    assert (trainer.run_dir / "report.txt").read_text() in out.out
     assert not list(trainer.run_dir.glob("*.png"))
-    hints = [line for line in out.stdout.splitlines() if "trainscale[plot]" in line]
+    hints = [line for line in out.out.splitlines() if "trainscale[plot]" in line]
     assert hints == ["plots skipped: matplotlib is not installed (pip install 'trainscale[plot]' adds them)"]
