@@ -1,7 +1,7 @@
 """A process that has imported torch, torch._dynamo and trainscale and forks one child per docs block.
 
 ``python tests/docs_examples_server.py FD`` reads requests from the socket ``FD``, one JSON line each:
-``{"script": ABSOLUTE PATH, "env": {...}, "stdout": PATH, "stderr": PATH, "fork_ranks": BOOL}``. For each it
+``{"script": ABSOLUTE PATH, "env": {...}, "stdout": PATH, "stderr": PATH}``. For each it
 forks a child, answers ``{"pid": PID}`` (the child's process group), waits for the child and answers
 ``{"exit": STATUS}`` (the exit code, or minus the signal that ended it) with the CPU seconds of the child and the
 processes it waited for (``"cpu_s"``), then reads the next request; it exits at the end of input.
@@ -12,10 +12,10 @@ stderr to the request's files, the script run as ``__main__`` (``runpy``), an un
 script's frames, and the interpreter's exit (non-daemon threads joined, atexit handlers; see ``exit_as_python``).
 Nothing else is shared: the server runs no torch operation and starts no thread (it checks) before it forks, and
 Python reseeds ``random`` in a forked child. A script that relaunches itself (``devices=2``) finds itself in ``sys.argv[0]``,
-as after ``python SCRIPT``; its workers, started by torchrun, are fresh interpreters.
+as after ``python SCRIPT``.
 
-With ``"fork_ranks": true`` the relaunch itself is the one thing done differently: the Trainer's
-``launch.become_torchrun`` (torchrun's agent starting ``python -m trainscale.runtime.worker SCRIPT`` N times) hands
+The relaunch itself is the one thing done differently (it is tested whole in test_run_cli.py and test_cli.py): the
+Trainer's ``launch.become_torchrun`` (torchrun's agent starting ``python -m trainscale.runtime.worker SCRIPT`` N times) hands
 its arguments back to this server instead, which forks the N workers from its own state (torch, torch._dynamo and
 trainscale imported, about 5 s of CPU each a fresh interpreter pays) and gives each the environment torchrun's agent
 gives its workers (``local_elastic_agent.py``: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
@@ -132,7 +132,7 @@ def become(request: dict) -> None:
         os.close(opened)
     sys.argv = [script]  # as runpy.run_path sets it: the path it runs
     sys.path[0] = folder
-    if request.get("fork_ranks") and not worker:
+    if not worker:
         from trainscale.runtime import launch
 
         launch.become_torchrun = lambda torchrun, entry, nproc: ask_for_workers(request, torchrun, entry, nproc)

@@ -11,10 +11,10 @@ with the reason, e.g.::
 
 and is reported here as skipped with that reason; the reasons are limited to what a CPU-only machine
 cannot do (a GPU, several machines). Blocks that start several processes (``devices=2``) run them for
-real, with gloo. README's first block relaunches its script under torchrun, whose workers are fresh interpreters,
-as for a user. In the other blocks the Trainer's relaunch hands torchrun's arguments to the block server, which
-forks the workers warm with the environment torchrun gives its workers and runs torchrun's worker entry in each
-(``docs_examples_server.py``; the relaunch itself is tested whole in test_run_cli.py, test_cli.py and here).
+real, with gloo: the Trainer's relaunch hands torchrun's arguments to the block server, which forks the workers
+warm with the environment torchrun gives its workers and runs torchrun's worker entry in each
+(``docs_examples_server.py``; the relaunch itself is tested whole, fresh interpreters under a real torchrun, in
+test_run_cli.py and test_cli.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^( *)```python\n(.*?)^\1```", re.S | re.M)  # also indented (in a list item)
 SKIP = re.compile(r"<!-- not run: (.+?) -->\s*$")
 ALLOWED_REASONS = ("needs a GPU", "needs several machines")
-REAL_RELAUNCH = {"README.md:12"}  # the front door: relaunched under torchrun as a user's script is
 EXTRAS = {"tensorboard": ("tensorboard", "TensorBoardLogger"), "wandb": ("wandb", "WandbLogger"),
           "mlflow": ("mlflow", "MLFlowLogger"), "stream": ("torchdata", "StatefulDataLoader"),
           "hf": ("transformers", "from_pretrained")}
@@ -93,13 +92,12 @@ def _answer(sock: socket.socket, pending: bytearray, timeout: float | None) -> d
     return json.loads(line)
 
 
-def _run_block(server, script: Path, env: dict, out_dir: Path, timeout: float,
-               fork_ranks: bool) -> tuple[int, str, str]:
+def _run_block(server, script: Path, env: dict, out_dir: Path, timeout: float) -> tuple[int, str, str]:
     """``python SCRIPT`` in the script's folder, forked by the block server: (exit status, stdout, stderr)."""
     sock, pending, log = server
     stdout, stderr = out_dir / "stdout", out_dir / "stderr"
     sock.sendall(json.dumps({"script": str(script), "env": env, "stdout": str(stdout),
-                             "stderr": str(stderr), "fork_ranks": fork_ranks}).encode() + b"\n")
+                             "stderr": str(stderr)}).encode() + b"\n")
     try:
         group = _answer(sock, pending, timeout=60)["pid"]
     except (EOFError, TimeoutError) as err:
@@ -129,8 +127,7 @@ def test_docs_python_block_runs(path, line, code, skip_reason, tmp_path, tmp_pat
            "WANDB_CONFIG_DIR": str(tmp_path / ".wandb"), "WANDB_CACHE_DIR": str(tmp_path / ".wandb"),
            "WANDB_DATA_DIR": str(tmp_path / ".wandb"), "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    status, stdout, stderr = _run_block(block_server, script, env, tmp_path_factory.mktemp("output"), timeout=220,
-                                        fork_ranks=f"{path.name}:{line}" not in REAL_RELAUNCH)
+    status, stdout, stderr = _run_block(block_server, script, env, tmp_path_factory.mktemp("output"), timeout=220)
     assert status == 0, (f"{path.name} line {line}: the example failed (exit {status})\n"
                          f"--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-5000:]}")
 
