@@ -122,3 +122,15 @@ def test_replicated_restores_in_place(tmp_path):
     assert opt2.state_dict()["state"][0]["momentum_buffer"] is not None
     with pytest.raises(CheckpointError, match="does not fit"):
         checkpoint_io.load_replicated(tmp_path / "c.pt", {"model": torch.nn.Linear(4, 2)}, lambda m: m)
+
+
+def test_bytes_that_are_not_a_zip_archive_get_their_digest_beside_them(tmp_path, monkeypatch):
+    """torch's legacy format (or a replaced torch.save) has no archive comment to hold the digest."""
+    monkeypatch.setattr(torch, "save", lambda obj, f: f.write(b"legacy bytes"))
+    path = tmp_path / "old.pt"
+    checkpoint_io.save_file({"w": 1}, path)
+    assert sorted(os.listdir(tmp_path)) == ["old.pt", "old.pt.sha256"]
+    assert checkpoint_io.read_checked(path) == b"legacy bytes"
+    path.write_bytes(b"legacy bytez")
+    with pytest.raises(CheckpointError, match="corrupted or truncated"):
+        checkpoint_io.read_checked(path)

@@ -824,12 +824,15 @@ def test_save_weights_only_save_on_validation_and_time_interval(tmp_path):
     path = trainer.save_checkpoint(tmp_path / "w.pt", weights_only=True)
     assert "optimizer" not in torch.load(path, weights_only=True)
 
-    # save_on_train_epoch_end=False: a save after each validation, mid-epoch ones too (val_check_interval=0.5)
-    at_val = ModelCheckpoint(dirpath=tmp_path / "v", filename="{step}", save_top_k=-1, save_on_train_epoch_end=False)
-    _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, val_check_interval=0.5,
-             callbacks=[at_val]).fit(Probe(), _loader(), _loader(4))
-    assert sorted(p.name for p in (tmp_path / "v").iterdir()) == ["step=2.pt", "step=4.pt", "step=6.pt", "step=8.pt"]
-    at_end = ModelCheckpoint(dirpath=tmp_path / "e", filename="{step}", save_top_k=-1)
+    # save_on_train_epoch_end=False, and None (the default) with several validations an epoch: a save after each
+    # validation, mid-epoch ones too (val_check_interval=0.5); True: at the epoch ends only
+    for name, flag in (("v", False), ("d", None)):
+        at_val = ModelCheckpoint(dirpath=tmp_path / name, filename="{step}", save_top_k=-1,
+                                 save_on_train_epoch_end=flag)
+        _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, val_check_interval=0.5,
+                 callbacks=[at_val]).fit(Probe(), _loader(), _loader(4))
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == [f"step={s}.pt" for s in (2, 4, 6, 8)], flag
+    at_end = ModelCheckpoint(dirpath=tmp_path / "e", filename="{step}", save_top_k=-1, save_on_train_epoch_end=True)
     _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, val_check_interval=0.5,
              callbacks=[at_end]).fit(Probe(), _loader(), _loader(4))
     assert sorted(p.name for p in (tmp_path / "e").iterdir()) == ["step=4.pt", "step=8.pt"]

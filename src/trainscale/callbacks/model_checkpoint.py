@@ -72,7 +72,8 @@ class ModelCheckpoint(Callback):
             at the epoch end.
         save_on_train_epoch_end: False: the epoch saves happen at the end of each validation of ``fit`` (also a
             mid-epoch one, with ``val_check_interval``), as Lightning; a fit without validation saves at its epoch
-            ends. None or True: at the end of each training epoch, after its validation.
+            ends. True: at the end of each training epoch, after its validation. None (Lightning's default): at
+            validation ends when ``val_check_interval`` is not 1.0 (several validations an epoch), else at epoch ends.
         enable_version_counter: False: a name that exists is replaced rather than versioned when this run wrote
             it; one this run did not write is never replaced (a ``ValueError``).
 
@@ -263,9 +264,12 @@ class ModelCheckpoint(Callback):
         return bool(self.every_n_epochs) and (trainer.current_epoch + 1) % self.every_n_epochs == 0
 
     def _saves_at_validation(self, trainer: "Trainer") -> bool:
-        """Whether the epoch saves happen at validation ends (``save_on_train_epoch_end=False`` in a fit that
-        validates)."""
-        return self.save_on_train_epoch_end is False and any(trainer.num_val_batches)
+        """Whether the epoch saves happen at validation ends: in a fit that validates, with
+        ``save_on_train_epoch_end=False``, or by default when it validates more often than once an epoch
+        (``val_check_interval`` other than 1.0: Lightning's ``_should_save_on_train_epoch_end``)."""
+        if self.save_on_train_epoch_end is True or not any(trainer.num_val_batches):
+            return False
+        return self.save_on_train_epoch_end is False or trainer.config.val_check_interval not in (None, 1.0)
 
     def _time_due(self, trainer: "Trainer") -> bool:
         """``train_time_interval`` has passed since the fit's start or the last such save (rank zero's clock, the same

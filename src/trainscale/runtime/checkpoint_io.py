@@ -9,7 +9,8 @@ the two bytes before them, the comment's length, are 0 in the hashed bytes), whi
 (``os.listdir``, as Lightning's tests and users do) without a file beside it, and replaced in one atomic
 rename with its digest, never with a digest of other bytes. It is checked on load; a file without it (and
 without the ``<name>.sha256`` file beside it that trainscale wrote before) is refused unless the caller passes
-``verify=False``. Loads use ``torch.load(weights_only=True)``, which refuses to run
+``verify=False``. (A ``torch.save`` that writes no zip archive, torch's legacy format, gets its digest in
+``<name>.sha256`` beside it, as before.) Loads use ``torch.load(weights_only=True)``, which refuses to run
 arbitrary pickled code (https://pytorch.org/docs/stable/generated/torch.load.html).
 """
 
@@ -159,30 +160,33 @@ def save_file(obj: Any, path: str | os.PathLike) -> None:
             torch.save(obj, writer)
             f.flush()
             _write_event("digest", path)
-            _append_digest(f, writer)
+            embedded = _append_digest(f, writer)
     except (pickle.PicklingError, AttributeError, TypeError) as err:
         if "pickle" not in str(err):
             raise
         raise TypeError(f"{_unpicklable_entry(obj)}cannot be saved ({err}): a checkpoint holds tensors, modules, "
                         "optimizers and plain values (numbers, strings, lists, dicts); save what a lambda or a local "
                         "function computes, not the function") from err
+    if not embedded:  # not a zip archive (torch's legacy format, a replaced torch.save): the digest goes beside it
+        try:
+            atomic_write_bytes(f"{os.fspath(path)}.sha256", writer.sha256.hexdigest().encode() + b"\n")
+        except Exception:
+            path.unlink(missing_ok=True)  # without its checksum it would be refused: free its space now
+            raise
 
 
-def _append_digest(f: BinaryIO, writer: _HashingWriter) -> None:
+def _append_digest(f: BinaryIO, writer: _HashingWriter) -> bool:
     """Make the digest of the bytes written so far the archive's comment: its length into the end record's last two
-    bytes (0 as ``torch.save`` wrote them), the comment after them.
-
-    Raises:
-        CheckpointError: the bytes do not end with an end record without a comment (not torch's zip format).
-    """
+    bytes (0 as ``torch.save`` wrote them), the comment after them. False (nothing appended) when the bytes do not
+    end with a zip end record without a comment."""
     tail = writer.tail
     if len(tail) < _END_RECORD or tail[:4] != _END_SIGNATURE or tail[-2:] != b"\x00\x00":
-        raise CheckpointError("torch.save did not write a zip archive (its end record was not found): trainscale "
-                              "checkpoints need torch's default zip serialization")
+        return False
     f.seek(-2, os.SEEK_END)
     f.write(struct.pack("<H", _DIGEST_LEN))
     f.seek(0, os.SEEK_END)
     f.write(_DIGEST_TAG + writer.sha256.hexdigest().encode())
+    return True
 
 
 def embedded_digest(data: bytes) -> tuple[str, str] | None:
