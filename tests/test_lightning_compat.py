@@ -702,6 +702,16 @@ def test_logged_and_progress_bar_metrics_hold_lightnings_names_and_types(tmp_pat
     assert "train_loss" not in trainer.logged_metrics  # trainscale's own numbers are not self.log values
     bar = trainscale.callbacks.TQDMProgressBar()
     assert bar.get_metrics(trainer, None) == {**trainer.progress_bar_metrics, "v_num": 0}
+    seen = []
+
+    class Bar(trainscale.callbacks.TQDMProgressBar):  # Lightning's pattern: get_metrics read in the bar's own hooks
+        def on_train_end(self, trainer, module):
+            seen.append(self.get_metrics(self.trainer, module))
+
+    trainer = Trainer(accelerator="cpu", default_root_dir=tmp_path / "b", max_epochs=1, num_sanity_val_steps=0,
+                      enable_model_summary=False, callbacks=[Bar(refresh_rate=0)])
+    trainer.fit(Routes(), _loader(), _loader(4))
+    assert set(seen[0]) == {"p_s", "p_e", "p_se_step", "p_se_epoch", "v", "v_num"}
 
 
 # -- ModelCheckpoint: Lightning's arguments, attributes and directory listings --------------------------------------

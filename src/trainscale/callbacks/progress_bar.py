@@ -30,6 +30,9 @@ class TQDMProgressBar(Callback):
     def is_enabled(self) -> bool:
         return self.refresh_rate > 0
 
+    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+        self.trainer = trainer  # Lightning's ProgressBar.trainer, for get_metrics in its hooks
+
     def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, float | int]:
         """Lightning's ``ProgressBar.get_metrics``: ``trainer.progress_bar_metrics`` (the values logged with
         ``prog_bar=True``, floats) and ``v_num``, the run directory's version N (``version_N``). For code that reads
