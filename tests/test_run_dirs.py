@@ -28,6 +28,7 @@ class _Trainer:
         self.runtime.broadcast_object = lambda value: value
         self.config = TrainerConfig()
         self.ckpt_path = None
+        self.num_val_batches = []  # no validation: epoch saves at epoch ends
 
     def reached_multiple(self, n):
         return self.global_step % n == 0

@@ -97,19 +97,9 @@ class ModelCheckpoint(Callback):
                  every_n_train_steps: Optional[int] = None, train_time_interval: Optional[timedelta] = None,
                  every_n_epochs: Optional[int] = None, save_on_train_epoch_end: Optional[bool] = None,
                  enable_version_counter: bool = True) -> None:
-        if mode not in ("min", "max"):
-            raise ValueError(f"`mode` can be 'min' or 'max' but got {mode}; choose one of the two")
-        if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
-            raise ValueError(f"Invalid value for save_top_k={save_top_k!r}. Must be >= -1: an int >= 0, or -1 to keep "
-                             "every checkpoint")
+        _check_arguments(mode, save_top_k, every_n_train_steps, every_n_epochs, train_time_interval)
         _check_naming(filename, save_last)
         self.filename, self.save_last, self.auto_insert_metric_name = filename, save_last, auto_insert_metric_name
-        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"Invalid value for {name}={value!r}. Must be >= 0 (an int, or None)")
-        if train_time_interval is not None and not isinstance(train_time_interval, timedelta):
-            raise ValueError(f"train_time_interval={train_time_interval!r}; pass a datetime.timedelta "
-                             "(e.g. timedelta(minutes=30)) or None")
         self.dirpath = os.path.realpath(os.path.expanduser(dirpath)) if dirpath is not None else None
         self.monitor, self.mode, self.save_top_k, self.verbose = monitor, mode, save_top_k, verbose
         self.save_weights_only, self.save_on_train_epoch_end = save_weights_only, save_on_train_epoch_end
@@ -325,24 +315,13 @@ class ModelCheckpoint(Callback):
         path = str(trainer.checkpoint_path(self._directory, name))
         # ranked before the write (Lightning's order), so that the state this checkpoint holds counts it: a run
         # resumed from it in place knows it as its own, with its score
-        self._written = [p for p in self._written if p != path] + [path]
-        self._newest, self._saved_step = path, trainer.global_step
-        self._kept.pop(path, None)
-        self._kept[path] = score
-        if self.save_top_k >= 0:
-            for dropped in sorted(self._kept, key=self._kept.get)[self.save_top_k:]:  # ties: the older stays
-                del self._kept[dropped]
-        self.current_score = torch.tensor(self._value(score)) if self.monitor is not None else None
-        self._publish_ranking()
+        self._rank(path, score, trainer.global_step)
         last = self._last_name(trainer) if self.save_last else None
         if last is not None:
             self.last_model_path = str(self._directory / last)
         trainer.write_checkpoint(self._directory, background=True, name=name, weights_only=self.save_weights_only)
         if self.verbose:
-            scores = (f" ({self.monitor} {float(self.current_score):.5g}, best {float(self.best_model_score):.5g})"
-                      if self.best_model_score is not None else "")
-            trainer.runtime.print(f"Epoch {trainer.current_epoch}, global step {trainer.global_step}: saving model to "
-                                  f"{path}{scores}")
+            self._say_saved(trainer, path)
         keep = set(self._kept) | {path}  # the newest is "last"
         stale = [p for p in self._written if p not in keep]
         self._written = [p for p in self._written if p in keep]
@@ -351,6 +330,24 @@ class ModelCheckpoint(Callback):
             stale += [p for p in self._links if p != self.last_model_path]  # an earlier "{epoch}-last"
             self._links = [self.last_model_path]
         trainer.checkpoints.discard([Path(p) for p in stale])  # then, the ones it replaces
+
+    def _rank(self, path: str, score: float, step: int) -> None:
+        """``path`` (the newest) into the ranking with ``score``; the top ``save_top_k`` kept; Lightning's records."""
+        self._written = [p for p in self._written if p != path] + [path]
+        self._newest, self._saved_step = path, step
+        self._kept.pop(path, None)
+        self._kept[path] = score
+        if self.save_top_k >= 0:
+            for dropped in sorted(self._kept, key=self._kept.get)[self.save_top_k:]:  # ties: the older stays
+                del self._kept[dropped]
+        self.current_score = torch.tensor(self._value(score)) if self.monitor is not None else None
+        self._publish_ranking()
+
+    def _say_saved(self, trainer: "Trainer", path: str) -> None:
+        scores = (f" ({self.monitor} {float(self.current_score):.5g}, best {float(self.best_model_score):.5g})"
+                  if self.best_model_score is not None else "")
+        trainer.runtime.print(f"Epoch {trainer.current_epoch}, global step {trainer.global_step}: saving model to "
+                              f"{path}{scores}")
 
     def _last_name(self, trainer: "Trainer") -> str:
         """The save_last link's name: ``CHECKPOINT_NAME_LAST`` formatted (``"{epoch}-last"``) + ``FILE_EXTENSION``,
@@ -456,6 +453,23 @@ def _lock_directory(directory: Path) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def _check_arguments(mode: str, save_top_k: int, every_n_train_steps: Optional[int], every_n_epochs: Optional[int],
+                     train_time_interval: Optional[timedelta]) -> None:
+    """Raise ValueError, with Lightning's words, for a ``mode`` other than "min"/"max", a ``save_top_k`` below -1,
+    an ``every_n_*`` below 0, a ``train_time_interval`` that is no ``timedelta``."""
+    if mode not in ("min", "max"):
+        raise ValueError(f"`mode` can be 'min' or 'max' but got {mode}; choose one of the two")
+    if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
+        raise ValueError(f"Invalid value for save_top_k={save_top_k!r}. Must be >= -1: an int >= 0, or -1 to keep "
+                         "every checkpoint")
+    for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"Invalid value for {name}={value!r}. Must be >= 0 (an int, or None)")
+    if train_time_interval is not None and not isinstance(train_time_interval, timedelta):
+        raise ValueError(f"train_time_interval={train_time_interval!r}; pass a datetime.timedelta "
+                         "(e.g. timedelta(minutes=30)) or None")
 
 
 def _check_naming(filename: str | None, save_last: bool | str | None) -> None:
