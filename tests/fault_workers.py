@@ -179,8 +179,8 @@ def crash_scenarios(rank: int, root: str) -> list[dict]:
     for name in TORCHRUN_VARS:
         os.environ.pop(name, None)
     fit(str(Path(root) / "warm-up"), epochs=1, n=8)  # first-call costs, paid once before forking
-    stages = [(name, stage) for name in ("ckpt", "sha256", "last") for stage in ("partial", "before-rename",
-                                                                                  "after-rename")]
+    stages = [("ckpt", stage) for stage in ("partial", "digest", "before-rename", "after-rename")]
+    stages += [("last", stage) for stage in ("partial", "before-rename", "after-rename")]
     cases = []
     for name, stage in stages:
         case_root = Path(root) / f"{name}-{stage}"
@@ -191,7 +191,7 @@ def crash_scenarios(rank: int, root: str) -> list[dict]:
             def event(at, path, name=name, stage=stage):
                 if not (path.name == "last" or path.name.startswith("epoch=")):
                     return  # the run directory's own small files (job_id, script)
-                kind = "last" if path.name == "last" else ("sha256" if path.name.endswith(".sha256") else "ckpt")
+                kind = "last" if path.name == "last" else "ckpt"
                 if kind == "ckpt" and at == "partial":
                     saves["n"] += 1
                 if saves["n"] == 2 and kind == name and at == stage:

@@ -1,4 +1,6 @@
+import hashlib
 import os
+import zipfile
 
 import pytest
 import torch
@@ -10,7 +12,11 @@ from trainscale.runtime.checkpoint_io import CheckpointError
 def test_round_trip_with_checksum(tmp_path):
     path = tmp_path / "a" / "ckpt.pt"
     checkpoint_io.save_file({"w": torch.arange(5.0), "epoch": 3}, path)
-    assert (tmp_path / "a" / "ckpt.pt.sha256").is_file()
+    assert os.listdir(path.parent) == ["ckpt.pt"]  # the digest is inside: one file, as a listing expects
+    recorded, actual = checkpoint_io.embedded_digest(path.read_bytes())
+    assert recorded == actual and len(recorded) == 64
+    assert torch.load(path, weights_only=True)["epoch"] == 3  # plain torch reads it (the digest is a zip comment)
+    assert zipfile.ZipFile(path).comment.startswith(b"trainscale-sha256:")
     out = checkpoint_io.load_file(path)
     assert out["epoch"] == 3 and torch.equal(out["w"], torch.arange(5.0))
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")], "temporary file left behind"
@@ -41,6 +47,20 @@ def test_truncated_file_is_detected(tmp_path):
     checkpoint_io.save_file({"w": torch.randn(1000)}, path)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="records no SHA-256 .* corrupted or truncated"):
+        checkpoint_io.load_file(path)
+    path.write_bytes(data[:-100] + data[-99:])  # a byte lost before the digest: the digest no longer matches
+    with pytest.raises(CheckpointError, match="records no SHA-256|corrupted or truncated"):
+        checkpoint_io.load_file(path)
+
+
+def test_a_file_with_the_former_checksum_file_beside_it_still_verifies(tmp_path):
+    """Checkpoints written before the digest moved inside have ``<name>.sha256`` beside them."""
+    path = tmp_path / "old.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    (tmp_path / "old.pt.sha256").write_text(hashlib.sha256(path.read_bytes()).hexdigest() + "\n")
+    assert torch.equal(checkpoint_io.load_file(path)["w"], torch.ones(2))
+    path.write_bytes(path.read_bytes()[:-1] + b"\x01")
     with pytest.raises(CheckpointError, match="corrupted or truncated"):
         checkpoint_io.load_file(path)
 
@@ -59,7 +79,7 @@ def test_weights_only_refuses_arbitrary_objects(tmp_path):
         checkpoint_io.load_file(path, verify=False)
 
 
-def test_a_checkpoint_without_its_checksum_file_is_refused_unless_verify_false(tmp_path):
+def test_a_checkpoint_without_its_digest_is_refused_unless_verify_false(tmp_path):
     from trainscale.runtime.runtime import Runtime
 
     model = torch.nn.Linear(3, 2)
@@ -69,11 +89,13 @@ def test_a_checkpoint_without_its_checksum_file_is_refused_unless_verify_false(t
     rt.save(tmp_path / "c.pt", {"model": model})
     data = bytearray((tmp_path / "c.pt").read_bytes())
     data[data.index(torch.ones(6).numpy().tobytes()) + 2] ^= 0x40  # a flipped bit: weight[0, 0] 1.0 -> 1.5
-    (tmp_path / "c.pt").write_bytes(bytes(data))
-    (tmp_path / "c.pt.sha256").unlink()  # lost, or never copied with the checkpoint
     for load in (lambda: checkpoint_io.load_file(tmp_path / "c.pt"),
                  lambda: rt.load(tmp_path / "c.pt", {"model": torch.nn.Linear(3, 2)})):
-        with pytest.raises(CheckpointError, match="has no checksum file 'c.pt.sha256'.*verify=False"):
+        (tmp_path / "c.pt").write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match="is corrupted or truncated"):
+            load()
+        (tmp_path / "c.pt").write_bytes(bytes(data[:-82]))  # the digest cut off (a copy that stopped short)
+        with pytest.raises(CheckpointError, match="records no SHA-256.*verify=False"):
             load()
     restored = torch.nn.Linear(3, 2)
     rt.load(tmp_path / "c.pt", {"model": restored}, verify=False)  # the explicit opt-out loads it as it is
@@ -100,3 +122,15 @@ def test_replicated_restores_in_place(tmp_path):
     assert opt2.state_dict()["state"][0]["momentum_buffer"] is not None
     with pytest.raises(CheckpointError, match="does not fit"):
         checkpoint_io.load_replicated(tmp_path / "c.pt", {"model": torch.nn.Linear(4, 2)}, lambda m: m)
+
+
+def test_bytes_that_are_not_a_zip_archive_get_their_digest_beside_them(tmp_path, monkeypatch):
+    """torch's legacy format (or a replaced torch.save) has no archive comment to hold the digest."""
+    monkeypatch.setattr(torch, "save", lambda obj, f: f.write(b"legacy bytes"))
+    path = tmp_path / "old.pt"
+    checkpoint_io.save_file({"w": 1}, path)
+    assert sorted(os.listdir(tmp_path)) == ["old.pt", "old.pt.sha256"]
+    assert checkpoint_io.read_checked(path) == b"legacy bytes"
+    path.write_bytes(b"legacy bytez")
+    with pytest.raises(CheckpointError, match="corrupted or truncated"):
+        checkpoint_io.read_checked(path)

@@ -63,8 +63,8 @@ def _resume_counting_opens(rank: int, root: str) -> dict:
 @pytest.mark.timeout(60)
 def test_a_ddp_checkpoint_is_read_once_per_node(tmp_path):
     results = run_distributed(_resume_counting_opens, str(tmp_path), world_size=4, timeout=50)
-    # local ranks 0 (ranks 0 and 2) open the file and its checksum once; ranks 1 and 3 never
-    assert [r["opened"] for r in results] == [["ckpt.pt", "ckpt.pt.sha256"], [], ["ckpt.pt", "ckpt.pt.sha256"], []]
+    # local ranks 0 (ranks 0 and 2) open the file (its digest inside) once; ranks 1 and 3 never
+    assert [r["opened"] for r in results] == [["ckpt.pt"], [], ["ckpt.pt"], []]
     assert all(r["restored"] and r["step"] == 7 for r in results)
     assert all("corrupted or truncated" in r["corrupt"] for r in results)
     assert "local rank 0 of this node (rank 0)" in results[1]["corrupt"]

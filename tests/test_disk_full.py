@@ -20,18 +20,17 @@ from trainscale.checkpointing import run_dirs as ckpt
 
 
 def _disk_full_at(kind: str, save_number: int = 1):
-    """A ``_write_event`` that raises ENOSPC while the ``save_number``-th write of ``kind`` ("ckpt" or
-    "sha256") holds part of its bytes, as a real full disk does mid-write."""
-    seen = {"ckpt": 0, "sha256": 0}
+    """A ``_write_event`` that raises ENOSPC in the ``save_number``-th checkpoint write, while the file holds part
+    of its bytes (``kind`` "ckpt") or all but its digest ("digest"), as a real full disk does mid-write."""
+    seen = {"ckpt": 0}
 
     def event(stage, path):
-        if path.name in ("job_id", "script", "resumed_from"):
-            return  # the run directory's own small files
-        name = "sha256" if path.name.endswith(".sha256") else ("last" if path.name == "last" else "ckpt")
-        if stage == "partial" and name in seen:
-            seen[name] += 1
-            if name == kind and seen[name] == save_number:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if path.name in ("job_id", "script", "resumed_from", "last") or path.name.endswith(".sha256"):
+            return  # the run directory's own small files, a sharded checkpoint's manifest
+        if stage == "partial":
+            seen["ckpt"] += 1
+        if seen["ckpt"] == save_number and stage == ("partial" if kind == "ckpt" else "digest"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return event
 
 
@@ -44,7 +43,7 @@ def _fit(root, **flags):
     return trainer
 
 
-@pytest.mark.parametrize("kind", ["ckpt", "sha256"])
+@pytest.mark.parametrize("kind", ["ckpt", "digest"])
 def test_disk_full_during_a_save_names_the_cause_and_place_and_keeps_last(tmp_path, monkeypatch, kind):
     monkeypatch.setattr(checkpoint_io, "_write_event", _disk_full_at(kind, save_number=2))  # the epoch-2 save
     with pytest.raises(CheckpointError, match=r"no space left on device while writing '.*epoch=000002-step="
@@ -52,7 +51,7 @@ def test_disk_full_during_a_save_names_the_cause_and_place_and_keeps_last(tmp_pa
         _fit(tmp_path)
     ckpt_dir = next(tmp_path.glob("version_*/checkpoints"))
     assert sorted(p.name for p in ckpt_dir.iterdir()) == [
-        "epoch=000001-step=0000000002.pt", "epoch=000001-step=0000000002.pt.sha256", "last"]  # no temporary file
+        "epoch=000001-step=0000000002.pt", "last"]  # no temporary file
     last = ckpt.find_last(tmp_path)
     assert last.name == "epoch=000001-step=0000000002.pt" and checkpoint_io.load_file(last)["train_state"]["global_step"] == 2
 
@@ -76,7 +75,7 @@ def test_a_stale_temporary_directory_of_a_killed_sharded_save_does_not_break_lat
     path = ckpt_dir / ckpt.checkpoint_name(2, 12)
     checkpoint_io.save_file({"w": torch.ones(3)}, path)
     ckpt.mark_last(path, ckpt_dir)
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == [path.name, f"{path.name}.sha256", "last"]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [path.name, "last"]
 
 
 def test_directory_fsync_einval_of_network_filesystems_is_tolerated(tmp_path, monkeypatch):

@@ -151,7 +151,7 @@ def test_hang_names_the_missing_rank_and_dumps_its_stack(tmp_path):
 
 def test_save_killed_at_every_stage_leaves_a_loadable_last(tmp_path):
     cases = {c["case"]: c for c in run_distributed(fw.crash_scenarios, str(tmp_path), world_size=1, timeout=240)[0]}
-    assert len(cases) == 9
+    assert len(cases) == 7
     for name, case in cases.items():
         assert case["killed"], f"{name}: the failure was not injected"
         assert "error" not in case, case

@@ -663,3 +663,191 @@ def test_two_param_groups_of_one_name_are_refused_by_the_monitor_and_numbered_in
     assert learning_rates([opt]) == {"lr-SGD/pg1": 0.1, "lr-SGD/pg2": 0.1}  # torch allows them: the records go on
     opt.param_groups[1]["name"] = "y"
     assert learning_rates([opt]) == {"lr-SGD/x": 0.1, "lr-SGD/y": 0.1}
+
+
+# -- trainer.logged_metrics and progress_bar_metrics ----------------------------------------------------------------
+class Routes(TrainingModule):
+    """Logs one value per combination of on_step/on_epoch and logger/prog_bar (Lightning's logging tests' pattern)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch[0]).pow(2).mean()
+        self.log("l_s", loss, on_step=True, on_epoch=False, logger=True)
+        self.log("l_e", loss, on_step=False, on_epoch=True, logger=True)
+        self.log("l_se", loss, on_step=True, on_epoch=True, logger=True)
+        self.log("p_s", loss, on_step=True, on_epoch=False, prog_bar=True, logger=False)
+        self.log("p_e", loss, on_step=False, on_epoch=True, prog_bar=True, logger=False)
+        self.log("p_se", loss, on_step=True, on_epoch=True, prog_bar=True, logger=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("v", self.layer(batch[0]).pow(2).mean(), prog_bar=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.timeout(60)
+def test_logged_and_progress_bar_metrics_hold_lightnings_names_and_types(tmp_path):
+    trainer = _trainer(tmp_path, max_epochs=2, log_every_n_steps=1, num_sanity_val_steps=0)
+    trainer.fit(Routes(), _loader(), _loader(4))
+    assert set(trainer.logged_metrics) == {"l_s", "l_e", "l_se_step", "l_se_epoch", "v"}  # no bare "l_se"
+    assert set(trainer.progress_bar_metrics) == {"p_s", "p_e", "p_se_step", "p_se_epoch", "v"}
+    assert all(isinstance(v, torch.Tensor) for v in trainer.logged_metrics.values())
+    assert all(isinstance(v, float) for v in trainer.progress_bar_metrics.values())
+    assert float(trainer.logged_metrics["l_se_epoch"]) == pytest.approx(float(trainer.callback_metrics["l_se_epoch"]))
+    assert "train_loss" not in trainer.logged_metrics  # trainscale's own numbers are not self.log values
+    bar = trainscale.callbacks.TQDMProgressBar()
+    assert bar.get_metrics(trainer, None) == {**trainer.progress_bar_metrics, "v_num": 0}
+    seen = []
+
+    class Bar(trainscale.callbacks.TQDMProgressBar):  # Lightning's pattern: get_metrics read in the bar's own hooks
+        def on_train_end(self, trainer, module):
+            seen.append(self.get_metrics(self.trainer, module))
+
+    trainer = Trainer(accelerator="cpu", default_root_dir=tmp_path / "b", max_epochs=1, num_sanity_val_steps=0,
+                      enable_model_summary=False, callbacks=[Bar(refresh_rate=0)])
+    trainer.fit(Routes(), _loader(), _loader(4))
+    assert set(seen[0]) == {"p_s", "p_e", "p_se_step", "p_se_epoch", "v", "v_num"}
+
+
+# -- ModelCheckpoint: Lightning's arguments, attributes and directory listings --------------------------------------
+class Scored(Probe):
+    """Probe with a ``score`` per epoch, logged at the epoch end (1.0, 0.5, 2.0, 0.25, ...)."""
+
+    scores = (1.0, 0.5, 2.0, 0.25, 3.0)
+
+    def on_train_epoch_end(self):
+        self.log("score", self.scores[self.current_epoch])
+
+
+@pytest.mark.timeout(60)
+def test_model_checkpoint_lists_only_checkpoints_and_keeps_lightnings_records(tmp_path):
+    import os
+
+    from trainscale.callbacks import ModelCheckpoint
+
+    ckpts = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=ckpts, filename="{epoch}", monitor="score", save_top_k=2, save_last=True)
+    assert cb.best_model_path == "" and cb.last_model_path == "" and cb.best_model_score is None
+    trainer = _trainer(tmp_path, max_epochs=4, num_sanity_val_steps=0, callbacks=[cb])
+    trainer.fit(Scored(), _loader())
+    # no checksum file and no marker file: the digest is inside each checkpoint
+    assert sorted(os.listdir(ckpts)) == ["epoch=1.pt", "epoch=3.pt", "last.ckpt"]
+    assert cb.best_model_path == str(ckpts / "epoch=3.pt") and float(cb.best_model_score) == 0.25
+    assert {k: float(v) for k, v in cb.best_k_models.items()} == {str(ckpts / "epoch=3.pt"): 0.25,
+                                                                  str(ckpts / "epoch=1.pt"): 0.5}
+    assert cb.kth_best_model_path == str(ckpts / "epoch=1.pt") and float(cb.kth_value) == 0.5
+    assert float(cb.current_score) == 0.25 and cb.last_model_path == str(ckpts / "last.ckpt")
+    saved = torch.load(ckpts / "epoch=3.pt", weights_only=True)["callbacks"][cb.state_key]
+    assert saved["best_model_path"] == cb.best_model_path and float(saved["current_score"]) == 0.25
+    cb.to_yaml(tmp_path / "best.yaml")
+    import yaml
+    assert yaml.safe_load((tmp_path / "best.yaml").read_text()) == {str(ckpts / "epoch=3.pt"): 0.25,
+                                                                     str(ckpts / "epoch=1.pt"): 0.5}
+
+    # a second run into the same dirpath: Lightning's versions, none of the first run's files replaced
+    before = {name: (ckpts / name).read_bytes() for name in ("epoch=1.pt", "epoch=3.pt")}
+    again = ModelCheckpoint(dirpath=ckpts, filename="{epoch}", monitor="score", save_top_k=2, save_last=True)
+    _trainer(tmp_path, max_epochs=4, num_sanity_val_steps=0, callbacks=[again]).fit(Scored(), _loader())
+    assert sorted(os.listdir(ckpts)) == ["epoch=1-v1.pt", "epoch=1.pt", "epoch=3-v1.pt", "epoch=3.pt", "last-v1.ckpt",
+                                         "last.ckpt"]
+    assert {name: (ckpts / name).read_bytes() for name in before} == before
+    assert os.readlink(ckpts / "last.ckpt") == "epoch=3.pt" and os.readlink(ckpts / "last-v1.ckpt") == "epoch=3-v1.pt"
+
+
+@pytest.mark.timeout(60)
+def test_a_name_without_a_field_is_replaced_in_place_not_alternated(tmp_path):
+    """Lightning's rule: ``filename="model"`` with ``save_top_k=1`` keeps one ``model`` file (the save takes over the
+    name of the file it prunes), not ``model`` and ``model-v1`` in turn."""
+    import os
+
+    from trainscale.callbacks import ModelCheckpoint
+
+    listings = []
+
+    class ListDir(Callback):
+        def on_train_epoch_start(self, trainer, module):
+            listings.append(sorted(os.listdir(tmp_path / "c")) if (tmp_path / "c").is_dir() else [])
+
+    cb = ModelCheckpoint(dirpath=tmp_path / "c", filename="model", save_top_k=1)
+    trainer = _trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0, callbacks=[ListDir(), cb])
+    trainer.fit(Probe(), _loader())
+    assert listings == [[], ["model.pt"], ["model.pt"]] and os.listdir(tmp_path / "c") == ["model.pt"]
+    assert torch.load(tmp_path / "c" / "model.pt", weights_only=True)["global_step"] == 12  # the newest
+    with pytest.raises(ValueError, match="enable_version_counter=False.*which this run did not write"):
+        other = ModelCheckpoint(dirpath=tmp_path / "c", filename="model", enable_version_counter=False)
+        _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[other]).fit(Probe(), _loader())
+
+
+def test_model_checkpoint_arguments_and_errors_as_lightning(tmp_path, monkeypatch):
+    from datetime import timedelta
+    from pathlib import Path
+
+    from trainscale.callbacks import ModelCheckpoint
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert ModelCheckpoint(dirpath="~/ckpts").dirpath == str(tmp_path / "ckpts")
+    assert ModelCheckpoint(dirpath=Path("~/ckpts")).dirpath == str(tmp_path / "ckpts")
+    with pytest.raises(ValueError, match="save_top_k=-3. Must be >= -1"):
+        ModelCheckpoint(save_top_k=-3)
+    for name in ("every_n_epochs", "every_n_train_steps"):
+        with pytest.raises(ValueError, match=rf"{name}=-3. Must be >= 0"):
+            ModelCheckpoint(**{name: -3})
+    with pytest.raises(ValueError, match="`mode` can be .* but got unknown_option"):
+        ModelCheckpoint(mode="unknown_option")
+    with pytest.raises(ValueError, match="train_time_interval=60; pass a datetime.timedelta"):
+        ModelCheckpoint(train_time_interval=60)
+    timed = ModelCheckpoint(train_time_interval=timedelta(minutes=1))
+    assert timed.every_n_epochs == 0 and "'train_time_interval': datetime.timedelta(seconds=60)" in timed.state_key
+    assert ModelCheckpoint.CHECKPOINT_NAME_LAST == "last" and ModelCheckpoint.FILE_EXTENSION == ".ckpt"
+    # load_state_dict: Lightning's rule for another dirpath (only best_model_path), with its warning
+    state = {"best_model_path": "a.pt", "best_model_score": torch.tensor(1.0), "best_k_models": {"a.pt": torch.tensor(1.0)},
+             "kth_best_model_path": "a.pt", "kth_value": torch.tensor(1.0), "last_model_path": "last.ckpt",
+             "dirpath": "/elsewhere", "current_score": None, "monitor": "x"}
+    moved = ModelCheckpoint(dirpath=tmp_path / "new", monitor="x")
+    with pytest.warns(UserWarning, match="The dirpath has changed from '/elsewhere'"):
+        moved.load_state_dict(state)
+    assert moved.best_model_path == "a.pt" and moved.best_k_models == {} and moved.last_model_path == ""
+    same = ModelCheckpoint(monitor="x")
+    same.load_state_dict({**state, "dirpath": None})
+    assert same.best_k_models == state["best_k_models"] and same.last_model_path == "last.ckpt"
+
+
+@pytest.mark.timeout(60)
+def test_save_weights_only_save_on_validation_and_time_interval(tmp_path):
+    from datetime import timedelta
+
+    from trainscale.callbacks import ModelCheckpoint
+    from trainscale.runtime.checkpoint_io import CheckpointError
+
+    weights = ModelCheckpoint(dirpath=tmp_path / "w", save_weights_only=True)
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[weights])
+    trainer.fit(Probe(), _loader())
+    saved = torch.load(weights.best_model_path, weights_only=True)
+    assert "optimizer" not in saved and "state_dict" in saved and saved["global_step"] == 4
+    with pytest.raises(CheckpointError, match="has no entry 'optimizer'"):  # as Lightning: no resume from weights
+        _trainer(tmp_path, max_epochs=2, callbacks=[]).fit(Probe(), _loader(), ckpt_path=weights.best_model_path)
+    path = trainer.save_checkpoint(tmp_path / "w.pt", weights_only=True)
+    assert "optimizer" not in torch.load(path, weights_only=True)
+
+    # save_on_train_epoch_end=False, and None (the default) with several validations an epoch: a save after each
+    # validation, mid-epoch ones too (val_check_interval=0.5); True: at the epoch ends only
+    for name, flag in (("v", False), ("d", None)):
+        at_val = ModelCheckpoint(dirpath=tmp_path / name, filename="{step}", save_top_k=-1,
+                                 save_on_train_epoch_end=flag)
+        _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, val_check_interval=0.5,
+                 callbacks=[at_val]).fit(Probe(), _loader(), _loader(4))
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == [f"step={s}.pt" for s in (2, 4, 6, 8)], flag
+    at_end = ModelCheckpoint(dirpath=tmp_path / "e", filename="{step}", save_top_k=-1, save_on_train_epoch_end=True)
+    _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, val_check_interval=0.5,
+             callbacks=[at_end]).fit(Probe(), _loader(), _loader(4))
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == ["step=4.pt", "step=8.pt"]
+
+    # train_time_interval of 0: every optimizer step has trained at least that long since the last save
+    timed = ModelCheckpoint(dirpath=tmp_path / "t", filename="{step}", save_top_k=-1, train_time_interval=timedelta(0))
+    _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[timed]).fit(Probe(), _loader())
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [f"step={s}.pt" for s in (1, 2, 3, 4)]

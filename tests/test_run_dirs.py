@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import os
 import threading
 import types
 
@@ -27,6 +28,7 @@ class _Trainer:
         self.runtime.broadcast_object = lambda value: value
         self.config = TrainerConfig()
         self.ckpt_path = None
+        self.num_val_batches = []  # no validation: epoch saves at epoch ends
 
     def reached_multiple(self, n):
         return self.global_step % n == 0
@@ -35,11 +37,10 @@ class _Trainer:
         name = ckpt.checkpoint_name(self.current_epoch, self.global_step) if name is None else name + ".pt"
         return directory / name
 
-    def write_checkpoint(self, directory, background=False, name=None):
+    def write_checkpoint(self, directory, background=False, name=None, weights_only=False):
         path = self.checkpoint_path(directory, name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"x")
-        (path.parent / f"{path.name}.sha256").write_text("0" * 64)
         ckpt.mark_last(path, self.run_dir / "checkpoints")
         return path
 
@@ -60,7 +61,6 @@ def test_the_newest_checkpoints_are_kept_past_step_999999(tmp_path):
     ckpt_dir = trainer.run_dir / "checkpoints"
     kept = sorted(p.name for p in ckpt_dir.glob("*.pt"))
     assert kept == [ckpt.checkpoint_name(0, 1_000_000), ckpt.checkpoint_name(0, 1_000_001)]
-    assert sorted(p.name for p in ckpt_dir.glob("*.sha256")) == [f"{name}.sha256" for name in kept]
     assert (ckpt_dir / "last").read_text().strip() == ckpt.checkpoint_name(0, 1_000_001)
 
 
@@ -74,7 +74,7 @@ def test_a_non_finite_score_never_evicts_the_best_checkpoint(tmp_path):
     assert kept == [ckpt.checkpoint_name(0, 1), ckpt.checkpoint_name(0, 3)]  # the best, and "last"
 
 
-def test_pruning_deletes_only_this_runs_files_and_a_shared_dirpath_is_refused(tmp_path):
+def test_pruning_deletes_only_this_runs_files_and_a_dirpath_in_use_is_refused(tmp_path):
     first = _Trainer(tmp_path / "version_0")
     callback = ModelCheckpoint(save_top_k=1)
     callback.setup_directory(first)
@@ -89,10 +89,15 @@ def test_pruning_deletes_only_this_runs_files_and_a_shared_dirpath_is_refused(tm
     assert sorted((first.run_dir / "checkpoints").glob("*.pt")) == theirs
     assert [p.name for p in (second.run_dir / "checkpoints").glob("*.pt")] == [ckpt.checkpoint_name(0, 5)]
     shared = tmp_path / "shared"
-    ModelCheckpoint(dirpath=shared).setup_directory(first)
-    ModelCheckpoint(dirpath=shared).setup_directory(first)  # the same run again (a resume in place): allowed
-    with pytest.raises(ValueError, match="holds the checkpoints of the run .*version_0.*give this run its own dirpath"):
+    running = ModelCheckpoint(dirpath=shared)
+    running.setup_directory(first)
+    with pytest.raises(ValueError, match="is in use by another fit running now.*give this run its own dirpath"):
         ModelCheckpoint(dirpath=shared).setup_directory(second)
+    running.release_directory()  # that fit ended: the next one may write there (its names versioned past these)
+    after = ModelCheckpoint(dirpath=shared)
+    after.setup_directory(second)
+    after.release_directory()
+    assert os.listdir(shared) == []  # the lock is on the directory itself: no file added
 
 
 def test_checkpoint_names_sort_as_text_in_training_order():
@@ -270,7 +275,7 @@ def test_save_top_k_0_saves_nothing_but_the_last_when_asked(tmp_path):
     nothing = ModelCheckpoint(save_top_k=0)
     nothing.setup_directory(trainer)
     _steps(nothing, trainer, (1, 2))
-    assert list((trainer.run_dir / "checkpoints").glob("*")) == [] and nothing.best_model_path is None
+    assert list((trainer.run_dir / "checkpoints").glob("*")) == [] and nothing.best_model_path == ""
     only_last = ModelCheckpoint(save_top_k=0, save_last="link")
     only_last.setup_directory(trainer)
     _steps(only_last, trainer, (3, 4))
@@ -348,7 +353,7 @@ def test_save_checkpoint_never_replaces_another_runs_checkpoint_and_an_existing_
 
     first, second = fit(), fit()
     theirs = first.run_dir / "checkpoints" / (first.run_dir / "checkpoints" / ckpt.LAST).read_text().strip()
-    before = {p: p.read_bytes() for p in (theirs, theirs.with_name(theirs.name + ".sha256"))}
+    before = {theirs: theirs.read_bytes()}
     with pytest.raises(FileExistsError, match="belongs to another run"):
         second.save_checkpoint(theirs, overwrite=True)  # never, even when asked
     assert {p: p.read_bytes() for p in before} == before

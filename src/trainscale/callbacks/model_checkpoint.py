@@ -1,20 +1,20 @@
 """The one checkpoint system of a fit (Lightning's ``ModelCheckpoint``)."""
 
-from __future__ import annotations
-
 import math
+import os
 import re
+import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal, Optional
+
+import torch
 
 from trainscale.callbacks.base import Callback
 
 if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
-
-OWNER = ".trainscale-run"  # in a user's dirpath: the run directory whose checkpoints it holds
-LAST_LINK = "last.ckpt"  # Lightning's CHECKPOINT_NAME_LAST + FILE_EXTENSION
 
 
 class ModelCheckpoint(Callback):
@@ -28,9 +28,11 @@ class ModelCheckpoint(Callback):
 
     Names: by default ``epoch=EEEEEE-step=SSSSSSSSSS`` (+ ".pt" for a one-file checkpoint, none for a sharded
     directory), EEEEEE the epochs completed; with ``filename``, Lightning's template (:meth:`format_checkpoint_name`)
-    + the same suffix. Written atomically with its SHA-256. After each save ``<run dir>/checkpoints/last`` names it,
-    so ``fit(ckpt_path="last")`` resumes from the newest save; with ``save_last``, ``<dirpath>/last.ckpt`` is
-    also a symbolic link to it (for ``load_from_checkpoint``, ``ckpt_path=".../last.ckpt"``).
+    + the same suffix. Written atomically, its SHA-256 inside the file (``runtime/checkpoint_io.py``), so the directory
+    lists the checkpoints and nothing else. After each save ``<run dir>/checkpoints/last`` names it,
+    so ``fit(ckpt_path="last")`` resumes from the newest save; with ``save_last``, ``<dirpath>/last.ckpt``
+    (``CHECKPOINT_NAME_LAST`` + ``FILE_EXTENSION``, a template such as ``"{epoch}-last"`` too) is also a symbolic link
+    to it (for ``load_from_checkpoint``, ``ckpt_path=".../last.ckpt"``).
 
     One pruning rule: the ``save_top_k`` best by ``monitor`` (without a monitor: the newest) are kept, and the
     newest (the one "last" names); only files this callback wrote into its own ``dirpath`` during this run are ever
@@ -38,98 +40,133 @@ class ModelCheckpoint(Callback):
     resumed in place (``fit(ckpt_path="last")`` continuing its directory) is the same run: the files its earlier
     processes kept, the one it resumed from included, are ranked by their scores and pruned as its own (each
     checkpoint's callback state already counts the checkpoint itself, as Lightning's ``best_k_models``).
-    A non-finite monitored value ranks worst, as in Lightning: a NaN epoch never evicts a good checkpoint. A name
-    that exists already (a template without ``{step}``, a run resumed in place) gets Lightning's version suffix
-    ``-v1``, ``-v2``...: no file is ever overwritten.
+    A non-finite monitored value ranks worst, as in Lightning: a NaN epoch never evicts a good checkpoint.
+    A name that exists already (a template without ``{step}``, a second run in the same ``dirpath``) gets
+    Lightning's version suffix ``-v1``, ``-v2``..., so no file of another run is ever overwritten; the name of a
+    file of this run that the same save prunes is taken over (Lightning's rule: ``filename="model"`` with
+    ``save_top_k=1`` keeps one ``model.pt``, replaced atomically). While a fit runs, rank zero holds an advisory
+    lock on ``dirpath`` (``fcntl.flock`` on the directory itself): a second fit writing there at the same time is
+    refused at its start.
 
     Args:
-        dirpath: where to write; default ``<run dir>/checkpoints``. A directory that holds another run's
-            checkpoints is refused at the start of ``fit`` (two runs would replace each other's files).
+        dirpath: where to write (``~`` expanded, made absolute, as Lightning); default ``<run dir>/checkpoints``.
         filename: Lightning's template, e.g. ``"{epoch}-{val_loss:.2f}"`` → ``epoch=3-val_loss=0.12``: fields
             are ``epoch`` (the epoch being trained, from 0, as Lightning), ``step`` (optimizer steps so far)
             and any metric in ``trainer.callback_metrics`` (0 when missing, as Lightning). None: the default name.
         monitor: metric name in ``trainer.callback_metrics`` (e.g. "val_loss"); None: keep the newest.
+        verbose: rank zero prints a line at each save (the score, the best, the path).
         save_last: True or "link": keep ``last.ckpt`` in ``dirpath`` pointing at the newest checkpoint. Both are a
             link here (Lightning's True writes a second copy; trainscale keeps the newest checkpoint anyway).
         save_top_k: checkpoints kept besides the newest (``-1``: all; ``0``: none, and nothing is saved
             unless ``save_last``, which then keeps only the newest).
+        save_weights_only: the checkpoints hold the weights and the loop's position, but no optimizer or scheduler
+            state (Lightning's ``weights_only``): ``load_from_checkpoint`` reads them, ``fit(ckpt_path=...)`` cannot
+            resume from them.
         mode: "min" or "max".
         auto_insert_metric_name: the template's ``{name}`` becomes ``name={name}`` (Lightning's default).
         every_n_train_steps: save every N optimizer steps (mid-epoch).
-        every_n_epochs: save at the end of every N-th epoch; default 1 without ``every_n_train_steps``, else 0
-            (never at epoch ends). With both, a step that ends an epoch saves once, at the epoch end.
+        train_time_interval: save after the first optimizer step that ends this much training time (a
+            ``datetime.timedelta``) after the fit's start or the last such save; rank zero's clock decides.
+        every_n_epochs: save at the end of every N-th epoch; default 1 without ``every_n_train_steps`` and
+            ``train_time_interval``, else 0 (never at epoch ends). With both, a step that ends an epoch saves once,
+            at the epoch end.
+        save_on_train_epoch_end: False: the epoch saves happen at the end of each validation of ``fit`` (also a
+            mid-epoch one, with ``val_check_interval``), as Lightning; a fit without validation saves at its epoch
+            ends. True: at the end of each training epoch, after its validation. None (Lightning's default): at
+            validation ends when ``val_check_interval`` is not 1.0 (several validations an epoch), else at epoch ends.
+        enable_version_counter: False: a name that exists is replaced rather than versioned when this run wrote
+            it; one this run did not write is never replaced (a ``ValueError``).
 
     Raises:
         ValueError: bad arguments (a ``filename`` of "last" or one that formats to a path with "/"); at an
             epoch-end save, a ``monitor`` not among the metrics (at a step save before the first validation: a
-            warning, and the checkpoint ranks last).
+            warning, and the checkpoint ranks last); at the start of ``fit``, a ``dirpath`` another running fit holds.
     """
 
     monitors_metrics = True  # its on_train_epoch_end after the module's (Lightning's monitoring callbacks)
+    CHECKPOINT_JOIN_CHAR = "-"
+    CHECKPOINT_EQUALS_CHAR = "="
+    CHECKPOINT_NAME_LAST = "last"  # the save_last link's name (a template: "{epoch}-last")
+    FILE_EXTENSION = ".ckpt"  # of the save_last link (the checkpoint files take their strategy's: ".pt" or none)
+    STARTING_VERSION = 1
 
-    def __init__(self, dirpath: str | Path | None = None, filename: str | None = None, monitor: str | None = None,
-                 save_last: bool | str | None = None, save_top_k: int = 1, mode: str = "min",
-                 auto_insert_metric_name: bool = True, every_n_train_steps: int | None = None,
-                 every_n_epochs: int | None = None) -> None:
-        if mode not in ("min", "max"):
-            raise ValueError(f"mode={mode!r}; choose 'min' or 'max'")
-        if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
-            raise ValueError(f"save_top_k={save_top_k!r} must be an int >= 0, or -1 to keep every checkpoint")
+    def __init__(self, dirpath: Optional[str | Path] = None, filename: Optional[str] = None,
+                 monitor: Optional[str] = None, verbose: bool = False,
+                 save_last: Optional[Literal[True, False, "link"]] = None, save_top_k: int = 1,
+                 save_weights_only: bool = False, mode: str = "min", auto_insert_metric_name: bool = True,
+                 every_n_train_steps: Optional[int] = None, train_time_interval: Optional[timedelta] = None,
+                 every_n_epochs: Optional[int] = None, save_on_train_epoch_end: Optional[bool] = None,
+                 enable_version_counter: bool = True) -> None:
+        _check_arguments(mode, save_top_k, every_n_train_steps, every_n_epochs, train_time_interval)
         _check_naming(filename, save_last)
         self.filename, self.save_last, self.auto_insert_metric_name = filename, save_last, auto_insert_metric_name
-        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name}={value!r} must be an int >= 0 or None")
-        self.dirpath = Path(dirpath) if dirpath is not None else None
-        self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
+        self.dirpath = os.path.realpath(os.path.expanduser(dirpath)) if dirpath is not None else None
+        self.monitor, self.mode, self.save_top_k, self.verbose = monitor, mode, save_top_k, verbose
+        self.save_weights_only, self.save_on_train_epoch_end = save_weights_only, save_on_train_epoch_end
+        self.enable_version_counter, self.train_time_interval = enable_version_counter, train_time_interval
         self.every_n_train_steps = every_n_train_steps or None
-        self.every_n_epochs = (1 if self.every_n_train_steps is None else 0) if every_n_epochs is None else every_n_epochs
-        self.best_k: dict[str, float] = {}  # path -> score (lower is better after the sign for "max")
+        if every_n_epochs is None:
+            every_n_epochs = 1 if self.every_n_train_steps is None and train_time_interval is None else 0
+        self.every_n_epochs = every_n_epochs
+        # Lightning's public record of the ranking (kept in step with ``_kept`` after each save; state_dict's keys)
+        self.best_k_models: dict[str, torch.Tensor] = {}  # path -> score, with a monitor
+        self.kth_best_model_path = ""
+        self.kth_value = torch.tensor(math.inf if mode == "min" else -math.inf)
+        self.best_model_score: torch.Tensor | None = None
+        self.best_model_path = ""  # the best checkpoint kept (the newest without a monitor)
+        self.last_model_path = ""  # the save_last link, once made
+        self.current_score: torch.Tensor | None = None  # the monitored value of the latest save
+        self._kept: dict[str, float] = {}  # path -> rank (lower is better: the score, negated for "max")
         self._directory: Path | None = None  # this fit's resolved dirpath
         self._written: list[str] = []  # this run's files in _directory, oldest first
         self._newest: str | None = None  # the last checkpoint this callback wrote (kept, as "last" names it)
         self._warned_missing = False
+        self._lock: int | None = None  # rank zero's descriptor of dirpath, flock'ed during a fit
+        self._last_time_save = 0.0  # time.monotonic() of the fit's start or the last train_time_interval save
+        self._saved_step = -1  # global_step of the latest save
+        self._links: list[str] = []  # the save_last link this callback made (an earlier "{epoch}-last" goes)
 
     @property
     def state_key(self) -> str:
         """Lightning's key: the class name and ``monitor``, ``mode``, ``every_n_train_steps`` (0 for none),
-        ``every_n_epochs`` and ``train_time_interval`` (None: trainscale has no time trigger)."""
+        ``every_n_epochs`` and ``train_time_interval``."""
         return self._generate_state_key(monitor=self.monitor, mode=self.mode,
                                         every_n_train_steps=self.every_n_train_steps or 0,
-                                        every_n_epochs=self.every_n_epochs, train_time_interval=None)
+                                        every_n_epochs=self.every_n_epochs,
+                                        train_time_interval=self.train_time_interval)
 
-    def setup_directory(self, trainer: Trainer) -> None:
-        """At the start of a fit, after its run directory is chosen (every rank): resolve ``dirpath`` and claim
-        it for this run.
+    def setup_directory(self, trainer: "Trainer") -> None:
+        """At the start of a fit, after its run directory is chosen (every rank): resolve ``dirpath`` and lock it
+        for this fit (rank zero).
 
         Raises:
-            ValueError: ``dirpath`` holds the checkpoints of another run.
+            ValueError: another running fit holds ``dirpath``.
         """
-        self._directory = Path(trainer.run_dir) / "checkpoints" if self.dirpath is None else self.dirpath
+        self._directory = Path(trainer.run_dir) / "checkpoints" if self.dirpath is None else Path(self.dirpath)
         self._adopt_earlier_files(trainer)
-        if self.dirpath is None:
+        self._last_time_save = time.monotonic()
+        if self.dirpath is None or not trainer.runtime.is_rank_zero:
             return
-        owner_file = self.dirpath / OWNER
-        owner = owner_file.read_text().strip() if owner_file.is_file() else None
-        run = str(Path(trainer.run_dir).resolve())
-        if owner is not None and owner != run:
-            raise ValueError(f"ModelCheckpoint(dirpath={str(self.dirpath)!r}) holds the checkpoints of the run {owner}; "
-                             "two runs writing there would replace each other's files: give this run its own dirpath")
-        trainer.runtime.barrier()  # every rank has read the owner before rank zero writes it
-        if owner is None and trainer.runtime.is_rank_zero:
-            self.dirpath.mkdir(parents=True, exist_ok=True)
-            owner_file.write_text(run + "\n")
+        self.release_directory()  # a second fit of this callback: its own lock again
+        self._directory.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock_directory(self._directory)
 
-    def _adopt_earlier_files(self, trainer: Trainer) -> None:
+    def release_directory(self) -> None:
+        """Drop the lock on ``dirpath`` (the Trainer calls it when a fit ends or fails; the process's end drops it too)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    def _adopt_earlier_files(self, trainer: "Trainer") -> None:
         """Resumed in place: the kept files of the run's earlier processes are this run's too, and so is the one it
         resumed from (e.g. a checkpoint saved on a signal); another run's directory is never this one. One this
         callback did not rank (a save on a signal, another configuration) ranks by its step (no monitor), else last."""
         resumed_from = [str(trainer.ckpt_path)] if trainer.ckpt_path is not None else []
-        earlier = dict.fromkeys([*self.best_k, *([self._newest] if self._newest else []), *resumed_from])
+        earlier = dict.fromkeys([*self._kept, *([self._newest] if self._newest else []), *resumed_from])
         self._written = [p for p in earlier if Path(p).parent.resolve() == self._directory.resolve()]
         for path in resumed_from:
-            if path in self._written and path not in self.best_k:
-                self.best_k[path] = -float(trainer.global_step) if self.monitor is None else math.inf
+            if path in self._written and path not in self._kept:
+                self._kept[path] = -float(trainer.global_step) if self.monitor is None else math.inf
 
     def format_checkpoint_name(self, metrics: dict, filename: str | None = None, ver: int | None = None) -> str:
         """Lightning's ``ModelCheckpoint.format_checkpoint_name`` (``_format_checkpoint_name``), without the
@@ -149,45 +186,104 @@ class ModelCheckpoint(Callback):
         for group in sorted(re.findall(r"(\{.*?)[:\}]", template), key=len, reverse=True):
             name = group[1:]
             if self.auto_insert_metric_name:
-                template = template.replace(group, f"{name}={{{name}")
+                template = template.replace(group, f"{name}{self.CHECKPOINT_EQUALS_CHAR}{{{name}")
             template = template.replace(group, f"{{0[{name}]")  # keys with dots, as Lightning
             metrics.setdefault(name, 0)
-        name = template.format(metrics) + (f"-v{ver}" if ver is not None else "")
+        name = template.format(metrics) + (f"{self.CHECKPOINT_JOIN_CHAR}v{ver}" if ver is not None else "")
         if "/" in name:
             raise ValueError(f"ModelCheckpoint(filename={self.filename!r}) formats to {name!r}, a path: metric names "
                              "with '/' make directories; pass auto_insert_metric_name=False and a template without '/'")
         return name
 
-    def _file_name(self, trainer: Trainer) -> str | None:
-        """This save's name (without suffix) from the template, versioned past any existing file (checked on rank
-        zero, the same answer on every rank); None for the default name."""
-        if self.filename is None:
-            return None
-        metrics = {**trainer.callback_metrics, "epoch": trainer.current_epoch, "step": trainer.global_step}
-        suffix = trainer.runtime.strategy.checkpoint_suffix
-        name, ver = self.format_checkpoint_name(metrics), 0
-        if trainer.runtime.is_rank_zero:
-            while (self._directory / f"{name}{suffix}").exists():
-                ver += 1
-                name = self.format_checkpoint_name(metrics, ver=ver)
-        return trainer.runtime.broadcast_object(name)
+    def _free_name(self, trainer: "Trainer", name: str, suffix: str, format_version, reusable) -> str:
+        """``name``, or its first version (``format_version(v)``) whose path (+ ``suffix``) does not exist or is
+        ``reusable`` (a set of paths, or a predicate: this run's files the save replaces); decided on rank zero, the
+        same on every rank.
 
-    def save_if_due(self, trainer: Trainer, epoch_end: bool, ends_epoch: bool) -> None:
+        Raises:
+            ValueError: with ``enable_version_counter=False``, the name is a file this run did not write.
+        """
+        chosen, refusal = name, None
+        if trainer.runtime.is_rank_zero:
+            ver = self.STARTING_VERSION
+            free = reusable if callable(reusable) else reusable.__contains__
+            while _exists(self._directory / f"{chosen}{suffix}") and not free(str(self._directory / f"{chosen}{suffix}")):
+                if not self.enable_version_counter:
+                    if str(self._directory / f"{chosen}{suffix}") in self._written:
+                        break  # this run's own file: replaced, as Lightning does without the counter
+                    refusal = (f"ModelCheckpoint(enable_version_counter=False) would replace "
+                               f"{str(self._directory / chosen) + suffix!r}, which this run did not write; no file of "
+                               "another run is ever overwritten: keep the version counter, or give this run its own "
+                               "dirpath")
+                    break
+                chosen, ver = format_version(ver), ver + 1
+        chosen, refusal = trainer.runtime.broadcast_object((chosen, refusal))
+        if refusal:
+            raise ValueError(refusal)
+        return chosen
+
+    def _file_name(self, trainer: "Trainer", reusable: set[str]) -> str:
+        """This save's name (without suffix): the template's or the default one, versioned past an existing file."""
+        suffix = trainer.runtime.strategy.checkpoint_suffix
+        if self.filename is None:
+            name = trainer.checkpoint_path(self._directory).name
+            name = name[:-len(suffix)] if suffix else name
+            return self._free_name(trainer, name, suffix, lambda v: f"{name}{self.CHECKPOINT_JOIN_CHAR}v{v}",
+                                   reusable if suffix else set())
+        metrics = {**trainer.callback_metrics, "epoch": trainer.current_epoch, "step": trainer.global_step}
+        return self._free_name(trainer, self.format_checkpoint_name(metrics), suffix,
+                               lambda v: self.format_checkpoint_name(metrics, ver=v), reusable if suffix else set())
+
+    def save_if_due(self, trainer: "Trainer", epoch_end: bool, ends_epoch: bool) -> None:
         """Save when this step or epoch end is one of this callback's (every rank calls it at the same point).
         ``ends_epoch``: this optimizer step is the last of its epoch (an epoch-end save follows it)."""
-        epoch_due = bool(self.every_n_epochs) and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+        epoch_due = self._epoch_due(trainer)
         if self.monitor is not None and not trainer.config.validates_in(trainer.current_epoch):
             epoch_due = False  # an epoch check_val_every_n_epoch skips: no fresh value to rank by (Lightning saves
                                # at validation ends then)
         if epoch_end:
-            due = epoch_due
+            due = epoch_due and not self._saves_at_validation(trainer)
         else:
             n = self.every_n_train_steps
             due = n is not None and trainer.reached_multiple(n) and not (ends_epoch and epoch_due)
+            due = self._time_due(trainer) or due
         if due:
             self._save(trainer, epoch_end)
 
-    def _score(self, trainer: Trainer, epoch_end: bool) -> float:
+    def _epoch_due(self, trainer: "Trainer") -> bool:
+        return bool(self.every_n_epochs) and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+
+    def _saves_at_validation(self, trainer: "Trainer") -> bool:
+        """Whether the epoch saves happen at validation ends: in a fit that validates, with
+        ``save_on_train_epoch_end=False``, or by default when it validates more often than once an epoch
+        (``val_check_interval`` other than 1.0: Lightning's ``_should_save_on_train_epoch_end``)."""
+        if self.save_on_train_epoch_end is True or not any(trainer.num_val_batches):
+            return False
+        return self.save_on_train_epoch_end is False or trainer.config.val_check_interval not in (None, 1.0)
+
+    def _time_due(self, trainer: "Trainer") -> bool:
+        """``train_time_interval`` has passed since the fit's start or the last such save (rank zero's clock, the same
+        answer on every rank)."""
+        if self.train_time_interval is None:
+            return False
+        now = time.monotonic()
+        due = now - self._last_time_save >= self.train_time_interval.total_seconds()
+        if trainer.runtime.world_size > 1:
+            due = bool(trainer.runtime.broadcast_object(due))
+        if due:
+            self._last_time_save = now
+        return due
+
+    def on_validation_end(self, trainer: "Trainer", module: Any) -> None:
+        """With ``save_on_train_epoch_end=False``: the epoch save, after each validation of a fit (Lightning's)."""
+        if (self._directory is not None and trainer.fitting and not trainer.sanity_checking
+                and self._saves_at_validation(trainer) and self._epoch_due(trainer)
+                and self._saved_step != trainer.global_step):
+            self._save(trainer, epoch_end=True)
+
+    def _score(self, trainer: "Trainer", epoch_end: bool) -> float:
+        """This save's rank: lower is better (the monitored value, negated for "max"; a non-finite one ranks last;
+        without a monitor, newer is better)."""
         if self.monitor is None:
             return -float(trainer.global_step)  # newest first
         metrics = trainer.callback_metrics
@@ -205,44 +301,175 @@ class ModelCheckpoint(Callback):
             return math.inf  # worst, whatever the mode
         return value if self.mode == "min" else -value
 
-    def _save(self, trainer: Trainer, epoch_end: bool) -> None:
+    def _value(self, rank: float) -> float:
+        """The monitored value of a rank (a non-finite one: inf for "min", -inf for "max", as Lightning's)."""
+        return rank if self.mode == "min" else -rank
+
+    def _save(self, trainer: "Trainer", epoch_end: bool) -> None:
         if self.save_top_k == 0 and not self.save_last:
             return  # Lightning: save_top_k=0 saves nothing (but "last" when asked)
         score = self._score(trainer, epoch_end)
-        name = self._file_name(trainer)
+        ranked = sorted([*self._kept.items(), (None, score)], key=lambda kv: kv[1])  # ties: the older first
+        top = {p for p, _ in (ranked[:self.save_top_k] if self.save_top_k >= 0 else ranked)}
+        name = self._file_name(trainer, {p for p in self._written if p not in top})
         path = str(trainer.checkpoint_path(self._directory, name))
         # ranked before the write (Lightning's order), so that the state this checkpoint holds counts it: a run
         # resumed from it in place knows it as its own, with its score
-        self._written.append(path)
-        self._newest = path
-        self.best_k[path] = score
-        if self.save_top_k >= 0:
-            for dropped in sorted(self.best_k, key=self.best_k.get)[self.save_top_k:]:  # ties: the older stays
-                del self.best_k[dropped]
-        trainer.write_checkpoint(self._directory, background=True, name=name)
-        keep = set(self.best_k) | {path}  # the newest is "last"
+        self._rank(path, score, trainer.global_step)
+        last = self._last_name(trainer) if self.save_last else None
+        if last is not None:
+            self.last_model_path = str(self._directory / last)
+        trainer.write_checkpoint(self._directory, background=True, name=name, weights_only=self.save_weights_only)
+        if self.verbose:
+            self._say_saved(trainer, path)
+        keep = set(self._kept) | {path}  # the newest is "last"
         stale = [p for p in self._written if p not in keep]
         self._written = [p for p in self._written if p in keep]
-        if self.save_last:
-            trainer.checkpoints.link(Path(path), self._directory / LAST_LINK)  # once the new one is on disk
+        if last is not None:
+            trainer.checkpoints.link(Path(path), self._directory / last)  # once the new one is on disk
+            stale += [p for p in self._links if p != self.last_model_path]  # an earlier "{epoch}-last"
+            self._links = [self.last_model_path]
         trainer.checkpoints.discard([Path(p) for p in stale])  # then, the ones it replaces
 
-    @property
-    def last_model_path(self) -> str | None:
-        """``<dirpath>/last.ckpt`` with ``save_last`` once a checkpoint is saved, else None (Lightning's name)."""
-        return str(self._directory / LAST_LINK) if self.save_last and self._written else None
+    def _rank(self, path: str, score: float, step: int) -> None:
+        """``path`` (the newest) into the ranking with ``score``; the top ``save_top_k`` kept; Lightning's records."""
+        self._written = [p for p in self._written if p != path] + [path]
+        self._newest, self._saved_step = path, step
+        self._kept.pop(path, None)
+        self._kept[path] = score
+        if self.save_top_k >= 0:
+            for dropped in sorted(self._kept, key=self._kept.get)[self.save_top_k:]:  # ties: the older stays
+                del self._kept[dropped]
+        self.current_score = torch.tensor(self._value(score)) if self.monitor is not None else None
+        self._publish_ranking()
 
-    @property
-    def best_model_path(self) -> str | None:
-        """The best checkpoint kept (the newest without a monitor), or None before the first save."""
-        return min(self.best_k, key=self.best_k.get) if self.best_k else None
+    def _say_saved(self, trainer: "Trainer", path: str) -> None:
+        scores = (f" ({self.monitor} {float(self.current_score):.5g}, best {float(self.best_model_score):.5g})"
+                  if self.best_model_score is not None else "")
+        trainer.runtime.print(f"Epoch {trainer.current_epoch}, global step {trainer.global_step}: saving model to "
+                              f"{path}{scores}")
+
+    def _last_name(self, trainer: "Trainer") -> str:
+        """The save_last link's name: ``CHECKPOINT_NAME_LAST`` formatted (``"{epoch}-last"``) + ``FILE_EXTENSION``,
+        versioned past a file that is not this callback's link (another run's ``last.ckpt``)."""
+        template = self.CHECKPOINT_NAME_LAST
+        metrics = {**trainer.callback_metrics, "epoch": trainer.current_epoch, "step": trainer.global_step}
+        name = self.format_checkpoint_name(metrics, filename=template) if "{" in template else template
+        version = (lambda v: self.format_checkpoint_name(metrics, filename=template, ver=v)) if "{" in template \
+            else (lambda v: f"{template}{self.CHECKPOINT_JOIN_CHAR}v{v}")
+        return self._free_name(trainer, name, self.FILE_EXTENSION, version, self._is_own_link) + self.FILE_EXTENSION
+
+    def _is_own_link(self, path: str) -> bool:
+        """Whether ``path`` is a save_last link of this run: one this callback made, any in the run's own directory
+        (no ``dirpath``), or one to a checkpoint of this run (a run resumed in place with a new callback)."""
+        if self.dirpath is None or path in self._links or path == self.last_model_path:
+            return True
+        own = {str(Path(p).resolve()) for p in self._written}
+        return os.path.islink(path) and str(Path(path).resolve()) in own
+
+    def _publish_ranking(self) -> None:
+        """Lightning's attributes from the ranking: ``best_model_path`` (the newest without a monitor), and with a
+        monitor ``best_k_models`` (path -> score tensor), ``best_model_score``, ``kth_best_model_path``,
+        ``kth_value``."""
+        ranked = sorted(self._kept, key=self._kept.get)
+        self.best_model_path = ranked[0] if ranked else ""
+        if self.monitor is None:
+            return
+        self.best_k_models = {p: torch.tensor(self._value(self._kept[p])) for p in ranked}
+        self.best_model_score = self.best_k_models[ranked[0]] if ranked else None
+        self.kth_best_model_path = ranked[-1] if ranked else ""
+        if ranked:
+            self.kth_value = self.best_k_models[ranked[-1]]
+
+    def to_yaml(self, filepath: str | Path | None = None) -> None:
+        """Write ``best_k_models`` (path: score) as YAML to ``filepath`` (default ``<dirpath>/best_k_models.yaml``),
+        as Lightning's."""
+        import yaml
+
+        best_k = {path: float(score) for path, score in self.best_k_models.items()}
+        filepath = Path(filepath) if filepath is not None else Path(self._directory or self.dirpath) / "best_k_models.yaml"
+        filepath.write_text(yaml.dump(best_k))
 
     def state_dict(self) -> dict:
-        return {"best_k": dict(self.best_k), "newest": self._newest}
+        """Lightning's keys (``monitor``, ``best_model_score``, ``best_model_path``, ``current_score``, ``dirpath``,
+        ``best_k_models``, ``kth_best_model_path``, ``kth_value``, ``last_model_path``) and trainscale's ranking
+        (``best_k``: path -> rank, also without a monitor; ``newest``)."""
+        return {"monitor": self.monitor, "best_model_score": self.best_model_score,
+                "best_model_path": self.best_model_path, "current_score": self.current_score, "dirpath": self.dirpath,
+                "best_k_models": self.best_k_models, "kth_best_model_path": self.kth_best_model_path,
+                "kth_value": self.kth_value, "last_model_path": self.last_model_path,
+                "best_k": dict(self._kept), "newest": self._newest}
 
     def load_state_dict(self, state: dict) -> None:
-        self.best_k = dict(state["best_k"])
-        self._newest = state.get("newest")  # absent from checkpoints written before it was kept
+        """Lightning's rule: with the same ``dirpath`` everything is restored; with another one (a warning) only
+        ``best_model_path``. A checkpoint written before Lightning's keys were kept holds ``best_k`` alone."""
+        if "best_model_path" not in state:  # trainscale's former state: the ranking alone
+            self._kept, self._newest = dict(state["best_k"]), state.get("newest")
+            self._publish_ranking()
+            return
+        saved_dir = state.get("dirpath", self.dirpath)
+        if saved_dir == self.dirpath:
+            self.best_model_score = state["best_model_score"]
+            self.kth_best_model_path = state.get("kth_best_model_path", self.kth_best_model_path)
+            self.kth_value = state.get("kth_value", self.kth_value)
+            self.best_k_models = state.get("best_k_models", self.best_k_models)
+            self.last_model_path = state.get("last_model_path", self.last_model_path)
+            self._links = [self.last_model_path] if self.last_model_path else []
+            self._newest = state.get("newest")
+            if "best_k" in state:
+                self._kept = dict(state["best_k"])
+            else:  # a Lightning-shaped state: its scores are the ranking
+                self._kept = {p: self._value(float(v)) for p, v in self.best_k_models.items()}
+        else:
+            warnings.warn(f"The dirpath has changed from {saved_dir!r} to {self.dirpath!r}, therefore "
+                          "`best_model_score`, `kth_best_model_path`, `kth_value`, `last_model_path` and "
+                          "`best_k_models` won't be reloaded. Only `best_model_path` will be reloaded.", UserWarning,
+                          stacklevel=2)
+        self.best_model_path = state["best_model_path"]
+
+
+def _exists(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
+
+
+def _lock_directory(directory: Path) -> int | None:
+    """Rank zero's advisory lock on ``directory`` (``fcntl.flock`` on the directory's own descriptor, so no file is
+    added there), or None where the file system cannot lock a directory (some network file systems).
+
+    Raises:
+        ValueError: another process holds it (a fit writing its checkpoints there now).
+    """
+    import fcntl
+
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"ModelCheckpoint(dirpath={str(directory)!r}) is in use by another fit running now (it holds "
+                         "a lock on that directory); two fits writing and pruning there together would take each "
+                         "other's names: give this run its own dirpath") from None
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _check_arguments(mode: str, save_top_k: int, every_n_train_steps: Optional[int], every_n_epochs: Optional[int],
+                     train_time_interval: Optional[timedelta]) -> None:
+    """Raise ValueError, with Lightning's words, for a ``mode`` other than "min"/"max", a ``save_top_k`` below -1,
+    an ``every_n_*`` below 0, a ``train_time_interval`` that is no ``timedelta``."""
+    if mode not in ("min", "max"):
+        raise ValueError(f"`mode` can be 'min' or 'max' but got {mode}; choose one of the two")
+    if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
+        raise ValueError(f"Invalid value for save_top_k={save_top_k!r}. Must be >= -1: an int >= 0, or -1 to keep "
+                         "every checkpoint")
+    for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"Invalid value for {name}={value!r}. Must be >= 0 (an int, or None)")
+    if train_time_interval is not None and not isinstance(train_time_interval, timedelta):
+        raise ValueError(f"train_time_interval={train_time_interval!r}; pass a datetime.timedelta "
+                         "(e.g. timedelta(minutes=30)) or None")
 
 
 def _check_naming(filename: str | None, save_last: bool | str | None) -> None:
@@ -250,6 +477,6 @@ def _check_naming(filename: str | None, save_last: bool | str | None) -> None:
     non-empty template or is "last" (the name of the link to the newest checkpoint)."""
     if save_last not in (None, False, True, "link"):
         raise ValueError(f"save_last={save_last!r}; choose True, 'link', False or None")
-    if filename is not None and (not isinstance(filename, str) or not filename or filename in ("last", LAST_LINK)):
+    if filename is not None and (not isinstance(filename, str) or not filename or filename in ("last", "last.ckpt")):
         raise ValueError(f"filename={filename!r}: give a template such as '{{epoch}}-{{val_loss:.2f}}' (not "
                          "'last', the name of the link to the newest checkpoint), or None for the default name")

@@ -3,6 +3,9 @@ both the Trainer's tqdm bar on rank zero (``loop/progress.py``) with their setti
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from trainscale.callbacks.base import Callback
 
 
@@ -26,6 +29,16 @@ class TQDMProgressBar(Callback):
     @property
     def is_enabled(self) -> bool:
         return self.refresh_rate > 0
+
+    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+        self.trainer = trainer  # Lightning's ProgressBar.trainer, for get_metrics in its hooks
+
+    def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, float | int]:
+        """Lightning's ``ProgressBar.get_metrics``: ``trainer.progress_bar_metrics`` (the values logged with
+        ``prog_bar=True``, floats) and ``v_num``, the run directory's version N (``version_N``). For code that reads
+        them; the Trainer's bar draws its postfix from the step records, not from this method."""
+        version = Path(trainer.run_dir).name.removeprefix("version_") if trainer.run_dir is not None else ""
+        return {**trainer.progress_bar_metrics, **({"v_num": int(version)} if version.isdigit() else {})}
 
 
 class RichProgressBar(TQDMProgressBar):

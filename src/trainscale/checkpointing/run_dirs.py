@@ -4,13 +4,13 @@ Layout of a run directory::
 
     <default_root_dir>/version_<N>/
         metrics.jsonl  summary.json
-        checkpoints/epoch=000002-step=0000000126.pt  (+ .sha256)   written atomically (single, ddp)
+        checkpoints/epoch=000002-step=0000000126.pt          one file, its SHA-256 inside, written atomically (single, ddp)
         checkpoints/epoch=000002-step=0000000126/                  a sharded DCP directory (fsdp), renamed into place
         checkpoints/last                                     the name of the newest complete one
         job_id                                               the torchrun/SLURM job that made it
         stacks/rank<R>.txt                                   watchdog stack dumps (only after a stall)
 
-"last" is written only after its checkpoint and checksum are on disk, so a crash during a save
+"last" is written only after its checkpoint is on disk, so a crash during a save
 leaves the previous checkpoint as "last".
 """
 
@@ -117,7 +117,7 @@ def read_last(pointer: Path) -> Path:
     if target is not None and target.exists():
         return target
     intact = sorted((p for p in pointer.parent.iterdir() if checkpoint_order(p.name) is not None
-                     and (Path(f"{p}.sha256").is_file() or (p / ".metadata").is_file())),
+                     and (p.is_file() or (p / ".metadata").is_file())),
                     key=lambda p: checkpoint_order(p.name))
     what = f"names {named!r}, which does not exist (deleted or moved)" if named else "is empty"
     instead = (f"the intact checkpoints beside it: {', '.join(p.name for p in intact)}; resume from the newest with "
@@ -189,7 +189,8 @@ def link_last(path: Path, link: Path) -> None:
 
 
 def remove_checkpoint(path: Path) -> None:
-    """Delete a checkpoint file (and its ``.sha256``) or a sharded checkpoint directory."""
+    """Delete a checkpoint file (and the ``.sha256`` file beside it of one written before the digest moved inside)
+    or a sharded checkpoint directory."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:

@@ -61,9 +61,12 @@ class MetricCollector:
     Args:
         runtime: the Trainer's Runtime (device, collectives).
         stage: sets Lightning's defaults: training logs per step, evaluation per epoch.
+        routes_of: a collector whose :attr:`prog_bar` and :attr:`to_logger` this one adds to (the Trainer's, for
+            an evaluation's collector), so that ``trainer.progress_bar_metrics`` and ``logged_metrics`` see every
+            stage's names.
     """
 
-    def __init__(self, runtime: Runtime, stage: str) -> None:
+    def __init__(self, runtime: Runtime, stage: str, routes_of: MetricCollector | None = None) -> None:
         self.rt = runtime
         self.stage = stage
         self.batch_size = 1  # set by the loop before each step: the weight of a "mean"
@@ -72,7 +75,9 @@ class MetricCollector:
         self.epoch_values: dict[str, _Running] = {}
         self.epoch_metrics: dict[str, Any] = {}  # name -> a torchmetrics Metric logged on_epoch: computed at the end
         self.metrics_seen: dict[int, Any] = {}  # every Metric logged since the last epoch end: reset there
-        self.prog_bar: set[str] = set()
+        # the names (as kept: "x", or "x_step" and "x_epoch") logged with prog_bar=True, and with logger=True
+        self.prog_bar: set[str] = routes_of.prog_bar if routes_of is not None else set()
+        self.to_logger: set[str] = routes_of.to_logger if routes_of is not None else set()
         self.in_epoch_hook = False  # in on_train_epoch_start/end: Lightning's defaults there are on_epoch=True
         self.logged: set[str] = set()  # every name logged so far (in callback_metrics the user's value wins)
         self.bare: dict[str, str] = {}  # "x_step" and "x_epoch" -> "x", for a value logged on_step and on_epoch
@@ -89,7 +94,7 @@ class MetricCollector:
 
     def log(self, name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | None = None,
             prog_bar: bool = False, sync_dist: bool = False, reduce_fx: Any = "mean",
-            batch_size: int | None = None) -> None:
+            batch_size: int | None = None, logger: bool = True) -> None:
         """Record ``value`` (a number or one-element tensor) under ``name``; see ``TrainingModule.log``.
 
         Raises:
@@ -104,8 +109,11 @@ class MetricCollector:
         if self.discard:
             return
         on_step, on_epoch, step_name, epoch_name = self._names(name, on_step, on_epoch)
+        kept = [n for n, on in ((step_name, on_step), (epoch_name, on_epoch)) if on]
         if prog_bar:
-            self.prog_bar.add(step_name if on_step else epoch_name)
+            self.prog_bar.update(kept)
+        if logger:
+            self.to_logger.update(kept)
         if is_metric(value):
             self._log_metric(step_name if on_step else None, epoch_name if on_epoch else None, value)
             return
@@ -239,6 +247,20 @@ class MetricCollector:
         copies = self.rt.world_size / self.rt.data_parallel_size
         return {name: vec[i] / vec[len(names) + i] if values[name].fx == "mean" else vec[i] / copies
                 for i, name in enumerate(names)}
+
+
+def logged_metrics(callback_metrics: dict, collector: MetricCollector) -> dict[str, torch.Tensor]:
+    """Lightning's ``trainer.logged_metrics``: the values in ``callback_metrics`` of the names logged with
+    ``logger=True`` (the default), as kept (``x_step`` and ``x_epoch`` for a value logged on_step and on_epoch, not
+    the bare ``x``), as tensors; trainscale's own numbers (throughput, the loss it records) are not among them."""
+    return {name: v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+            for name, v in callback_metrics.items() if name in collector.to_logger}
+
+
+def progress_bar_metrics(callback_metrics: dict, collector: MetricCollector) -> dict[str, float]:
+    """Lightning's ``trainer.progress_bar_metrics``: the values in ``callback_metrics`` of the names logged with
+    ``prog_bar=True`` (``x_step`` and ``x_epoch`` as :func:`logged_metrics`), as floats (one host read each)."""
+    return {name: float(v) for name, v in callback_metrics.items() if name in collector.prog_bar}
 
 
 def is_metric(value: Any) -> bool:

@@ -182,7 +182,9 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         tensors); nothing is read from the device until a record is written (log intervals, epoch ends).
         ``value`` may be a torchmetrics ``Metric`` (extra ``metrics``), as in Lightning: the step value is its last
         ``forward``'s batch value, the epoch value its ``compute()`` over every rank, and it is reset after the
-        epoch's end hooks (``reduce_fx`` and ``sync_dist`` do not apply to it).
+        epoch's end hooks (``reduce_fx`` and ``sync_dist`` do not apply to it). ``prog_bar=True`` puts it in
+        ``trainer.progress_bar_metrics`` (and the bar), ``logger=True`` (the default) in ``trainer.logged_metrics``
+        (``logger=False`` still records it in ``metrics.jsonl`` and the loggers).
 
         Raises:
             ValueError: an unknown ``reduce_fx``, a non-scalar value, a name every record holds ("step",
@@ -190,7 +192,7 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         """
         collector = self.trainer.metric_collector
         collector.log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar, sync_dist=sync_dist,
-                      reduce_fx=reduce_fx, batch_size=batch_size)
+                      reduce_fx=reduce_fx, batch_size=batch_size, logger=logger)
 
     def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:
         """``self.log`` for each item of ``metrics`` with the same keyword arguments."""

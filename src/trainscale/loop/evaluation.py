@@ -260,7 +260,7 @@ def checkpoint_to_evaluate(trainer: Trainer, ckpt_path: Any) -> Path | None:
         return None
     if ckpt_path == "best":
         best = [cb.best_model_path for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)][:1]
-        if not best or best[0] is None:  # Lightning: the first ModelCheckpoint's (the newest without a monitor)
+        if not best or not best[0]:  # Lightning: the first ModelCheckpoint's (the newest without a monitor)
             raise ValueError("ckpt_path='best' needs a ModelCheckpoint among the Trainer's callbacks that has saved a "
                              "checkpoint (fit first); or pass a checkpoint's path, 'last' or None")
         return Path(best[0])
@@ -294,7 +294,7 @@ def fitted_model(trainer: Trainer, method: str, ckpt_path: Any) -> tuple[Any, An
     if ckpt_path is not None:
         return trainer._fit.model, ckpt_path
     saved = [cb.best_model_path for cb in trainer.callbacks
-             if isinstance(cb, ModelCheckpoint) and cb.best_model_path is not None]
+             if isinstance(cb, ModelCheckpoint) and cb.best_model_path]
     if not saved:
         raise ValueError(f"{method}() without a model evaluates the best checkpoint of the last fit (as Lightning), "
                          "but no ModelCheckpoint has saved one; pass the model (its current weights) or a ckpt_path")
@@ -361,7 +361,8 @@ def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loader: Any
     meanwhile; on ``num_batches`` (default: ``limit_val_batches``/``limit_test_batches``) of each rank's batches.
     The results are in ``trainer.callback_metrics`` by ``on_<stage>_end`` (where Lightning's checkpoint callbacks
     read them)."""
-    collector, trainer.metric_collector = trainer.metric_collector, MetricCollector(trainer.runtime, stage)
+    collector = trainer.metric_collector
+    trainer.metric_collector = MetricCollector(trainer.runtime, stage, routes_of=collector)
     if num_batches is None:
         num_batches = trainer.config.eval_batches(stage, loader_length(loader))
     try:

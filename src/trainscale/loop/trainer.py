@@ -38,7 +38,7 @@ from trainscale.loop.data_checks import check_loaders, explain_batch_error, warn
 from trainscale.lightning.data_sources import fit_loader_hooks, resolve_fit_loaders
 from trainscale.loop.config import TrainerConfig, resolve_trainer_config
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
-from trainscale.lightning.metrics import MetricCollector
+from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
 from trainscale.lightning.module import attach_trainer, defined_hooks, set_up_model
 from trainscale.lightning.optimizers import ManualOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
@@ -293,6 +293,11 @@ class Trainer:
                              doc="The epoch running (from 0), or the epochs completed once an epoch has ended "
                                  "(Lightning's: 2 after fit with max_epochs=2; TrainState.current_epoch).")
     history = property(lambda self: self.state.history, doc="One record (a dict) per finished epoch.")
+    # Lightning's views of callback_metrics: the names logged with logger=True (tensors), with prog_bar=True (floats)
+    logged_metrics = property(lambda self: logged_metrics(self.callback_metrics, self.metric_collector),
+                              doc="The self.log values logged with logger=True (Lightning's; name_step/name_epoch).")
+    progress_bar_metrics = property(lambda self: progress_bar_metrics(self.callback_metrics, self.metric_collector),
+                                    doc="The self.log values logged with prog_bar=True, as floats (Lightning's).")
     checkpoint_callback = property(lambda self: next(iter(self.checkpoint_callbacks), None),
                                    doc="The first ModelCheckpoint, or None (Lightning's ``trainer.checkpoint_callback``).")
     # Lightning's names for this process's place in the job (``runtime.world``: trainscale.runtime.world.World)
@@ -407,6 +412,8 @@ class Trainer:
             self.profiler.describe()  # its report (and files), as Lightning's teardown, also after an error
             self._faults.stop()
             self._run_lock.release()
+            for cb in self.checkpoint_callbacks:
+                cb.release_directory()  # its dirpath's lock
             if self._fit is not None and self._fit.metrics is not None:  # fit raised (finish_run closed it otherwise)
                 self._fit.metrics.close("failed")
             # self._fit stays: save_checkpoint() after fit writes the fitted state
@@ -806,10 +813,11 @@ class Trainer:
             cb.save_if_due(self, epoch_end, ends_epoch)
 
     def save_checkpoint(self, path: str | Path | None = None, background: bool = False, *,
-                        overwrite: bool = False) -> Path:
+                        overwrite: bool = False, weights_only: bool = False) -> Path:
         """Checkpoint everything (model, optimizers, schedulers, loop position, RNG states, callbacks) to
-        ``path`` atomically (a file, with its ``.sha256`` beside it; a directory under a sharding strategy), as
-        Lightning's ``trainer.save_checkpoint(path)``; ``fit(ckpt_path=path)`` resumes from it. Without ``path`` to
+        ``path`` atomically (a file, its SHA-256 inside; a directory under a sharding strategy), as
+        Lightning's ``trainer.save_checkpoint(path)``; ``fit(ckpt_path=path)`` resumes from it (not from one with
+        ``weights_only``: no optimizer or scheduler state, as Lightning's). Without ``path`` to
         ``<run dir>/checkpoints/epoch=E-step=S``, and "last" then names it. During ``fit`` every rank must call
         it at the same point; after ``fit`` it writes the fitted state. Returns the path written
         (``background`` with ``checkpoint_async``: returns once the state is staged, the write goes on;
@@ -827,13 +835,13 @@ class Trainer:
             raise RuntimeError("save_checkpoint() needs a fit first: there is no training state yet; call "
                                "trainer.fit(model, ...) (or save the weights with torch.save(model.state_dict(), path))")
         if path is None:
-            return self.write_checkpoint(self.run_dir / "checkpoints", background)
+            return self.write_checkpoint(self.run_dir / "checkpoints", background, weights_only=weights_only)
         rt = self.runtime
         refusal = rt.broadcast_object(overwrite_refusal(Path(path), self.run_dir, overwrite) if rt.is_rank_zero
                                       else None)  # rank zero's file system decides, so every rank raises together
         if refusal:
             raise FileExistsError(refusal)
-        return self._save(Path(path), None, background)
+        return self._save(Path(path), None, background, weights_only)
 
     def checkpoint_path(self, directory: Path, name: str | None = None) -> Path:
         """Where :meth:`write_checkpoint` writes ``name`` now: ``directory/name`` + the strategy's suffix (None:
@@ -842,16 +850,18 @@ class Trainer:
         return Path(directory) / (checkpointer.default_name(self._fit, self.state, suffix) if name is None
                                   else name + suffix)
 
-    def write_checkpoint(self, directory: Path, background: bool = False, name: str | None = None) -> Path:
+    def write_checkpoint(self, directory: Path, background: bool = False, name: str | None = None,
+                         weights_only: bool = False) -> Path:
         """A checkpoint at :meth:`checkpoint_path`, then "last" moved to it (what a ``ModelCheckpoint`` calls). Every
         rank calls it at the same point. Returns its path."""
-        return self._save(self.checkpoint_path(directory, name), self.run_dir / "checkpoints", background)
+        return self._save(self.checkpoint_path(directory, name), self.run_dir / "checkpoints", background, weights_only)
 
-    def _save(self, target: Path, last_dir: Path | None, background: bool) -> Path:
+    def _save(self, target: Path, last_dir: Path | None, background: bool, weights_only: bool = False) -> Path:
         previous, self._faults.phase = self._faults.phase, "checkpoint save"
         self._faults.barrier("the checkpoint save", f"at epoch {self.current_epoch}, step {self.global_step}")
         callbacks = {cb.state_key: cb.state_dict() for cb in self.callbacks}
-        written = self.checkpoints.save(target, last_dir, self._fit, self.state, self.optimizers, self.schedulers,
+        optimizers, schedulers = ([], []) if weights_only else (self.optimizers, self.schedulers)
+        written = self.checkpoints.save(target, last_dir, self._fit, self.state, optimizers, schedulers,
                                         callbacks, lambda content: self._hook("on_save_checkpoint", content),
                                         background)
         self._faults.phase = previous

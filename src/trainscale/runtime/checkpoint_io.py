@@ -2,8 +2,15 @@
 
 A write goes to a temporary file in the target directory, is fsync'ed, then renamed over
 the target with ``os.replace`` (atomic on POSIX), and the directory is fsync'ed so the rename
-survives a power loss. A SHA-256 of the bytes is written beside the file (``<name>.sha256``)
-and checked on load; a file without one is refused unless the caller passes ``verify=False``. Loads use ``torch.load(weights_only=True)``, which refuses to run
+survives a power loss. The SHA-256 of the bytes ``torch.save`` wrote travels inside the file: ``torch.save``
+writes a zip archive, and the digest is its archive comment (``trainscale-sha256:<64 hex>``, the last 82 bytes;
+the two bytes before them, the comment's length, are 0 in the hashed bytes), which ``torch.load``, Python's
+``zipfile`` and ``unzip`` accept and skip. So a checkpoint is one file: copied, moved or listed
+(``os.listdir``, as Lightning's tests and users do) without a file beside it, and replaced in one atomic
+rename with its digest, never with a digest of other bytes. It is checked on load; a file without it (and
+without the ``<name>.sha256`` file beside it that trainscale wrote before) is refused unless the caller passes
+``verify=False``. (A ``torch.save`` that writes no zip archive, torch's legacy format, gets its digest in
+``<name>.sha256`` beside it, as before.) Loads use ``torch.load(weights_only=True)``, which refuses to run
 arbitrary pickled code (https://pytorch.org/docs/stable/generated/torch.load.html).
 """
 
@@ -16,6 +23,7 @@ import io
 import os
 import pickle
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
@@ -69,7 +77,8 @@ def disk_full_error(path: Path, err: OSError) -> CheckpointError:
 
 
 def _write_event(stage: str, path: Path) -> None:
-    """Called at each stage of a write ("partial", "before-rename", "after-rename"). A no-op: the
+    """Called at each stage of a write ("partial", "digest": a checkpoint's bytes written, before its digest,
+    "before-rename", "after-rename"). A no-op: the
     save-crash tests replace it to kill the process at that exact point."""
 
 
@@ -115,9 +124,11 @@ class _HashingWriter:
     def __init__(self, f: BinaryIO, path: Path) -> None:
         self._f, self._path, self._written = f, path, 0
         self.sha256 = hashlib.sha256()
+        self.tail = b""  # the last bytes written: the archive's end record, where the digest goes
 
     def write(self, data) -> int:
         self.sha256.update(data)
+        self.tail = (self.tail + bytes(memoryview(data)[-_END_RECORD:]))[-_END_RECORD:]
         n = self._f.write(data)
         if self._written == 0:  # the file now holds a part of the checkpoint
             self._f.flush()
@@ -129,8 +140,17 @@ class _HashingWriter:
         self._f.flush()
 
 
+# The zip archive ``torch.save`` writes ends with its end-of-central-directory record (22 bytes: signature ...
+# comment length), then the comment (APPNOTE.TXT 4.3.16, https://pkware.cachefly.net/webdocs/casestudies/APPNOTE.TXT).
+_END_RECORD = 22
+_END_SIGNATURE = b"PK\x05\x06"
+_DIGEST_TAG = b"trainscale-sha256:"
+_DIGEST_LEN = len(_DIGEST_TAG) + 64  # the comment: the tag and the hex digest
+
+
 def save_file(obj: Any, path: str | os.PathLike) -> None:
-    """Serialize ``obj`` with ``torch.save`` atomically, streamed to disk, and record its SHA-256 beside it."""
+    """Serialize ``obj`` with ``torch.save`` atomically, streamed to disk, with its SHA-256 as the archive's
+    comment (module docstring): the file and its digest appear together, in one rename."""
     import torch
 
     path = Path(path)
@@ -138,17 +158,50 @@ def save_file(obj: Any, path: str | os.PathLike) -> None:
         with _atomic_open(path) as f:
             writer = _HashingWriter(f, path)
             torch.save(obj, writer)
+            f.flush()
+            _write_event("digest", path)
+            embedded = _append_digest(f, writer)
     except (pickle.PicklingError, AttributeError, TypeError) as err:
         if "pickle" not in str(err):
             raise
         raise TypeError(f"{_unpicklable_entry(obj)}cannot be saved ({err}): a checkpoint holds tensors, modules, "
                         "optimizers and plain values (numbers, strings, lists, dicts); save what a lambda or a local "
                         "function computes, not the function") from err
-    try:
-        atomic_write_bytes(f"{os.fspath(path)}.sha256", writer.sha256.hexdigest().encode() + b"\n")
-    except Exception:
-        path.unlink(missing_ok=True)  # without its checksum it would be refused: free its space now
-        raise
+    if not embedded:  # not a zip archive (torch's legacy format, a replaced torch.save): the digest goes beside it
+        try:
+            atomic_write_bytes(f"{os.fspath(path)}.sha256", writer.sha256.hexdigest().encode() + b"\n")
+        except Exception:
+            path.unlink(missing_ok=True)  # without its checksum it would be refused: free its space now
+            raise
+
+
+def _append_digest(f: BinaryIO, writer: _HashingWriter) -> bool:
+    """Make the digest of the bytes written so far the archive's comment: its length into the end record's last two
+    bytes (0 as ``torch.save`` wrote them), the comment after them. False (nothing appended) when the bytes do not
+    end with a zip end record without a comment."""
+    tail = writer.tail
+    if len(tail) < _END_RECORD or tail[:4] != _END_SIGNATURE or tail[-2:] != b"\x00\x00":
+        return False
+    f.seek(-2, os.SEEK_END)
+    f.write(struct.pack("<H", _DIGEST_LEN))
+    f.seek(0, os.SEEK_END)
+    f.write(_DIGEST_TAG + writer.sha256.hexdigest().encode())
+    return True
+
+
+def embedded_digest(data: bytes) -> tuple[str, str] | None:
+    """``(recorded, actual)`` SHA-256 hex digests of checkpoint bytes written by :func:`save_file`: the one its
+    archive comment records and the one of its archive bytes (the comment left out, its length 0); None for bytes
+    without such a comment (a plain ``torch.save`` file, or one written with a ``.sha256`` file beside it)."""
+    view = memoryview(data)
+    start = len(view) - _DIGEST_LEN  # where the comment starts
+    end = start - _END_RECORD
+    if (end < 0 or bytes(view[start:start + len(_DIGEST_TAG)]) != _DIGEST_TAG
+            or bytes(view[end:end + 4]) != _END_SIGNATURE or bytes(view[start - 2:start]) != struct.pack("<H", _DIGEST_LEN)):
+        return None
+    actual = hashlib.sha256(view[:start - 2])
+    actual.update(b"\x00\x00")
+    return bytes(view[start + len(_DIGEST_TAG):]).decode("ascii", "replace"), actual.hexdigest()
 
 
 def _unpicklable_entry(obj: Any) -> str:
@@ -231,14 +284,19 @@ def check_is_file(path: Path) -> None:
 
 
 def _verify(path: Path, data: bytes) -> None:
-    """Raise unless ``data`` (the bytes of ``path``) match the SHA-256 recorded in ``<path>.sha256``."""
+    """Raise unless ``data`` (the bytes of ``path``) match the SHA-256 recorded in them (:func:`embedded_digest`),
+    or, for a file written before the digest moved inside, in ``<path>.sha256``."""
     digest_file = Path(f"{path}.sha256")
-    if not digest_file.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} has no checksum file {digest_file.name!r}, so it cannot "
-                              "be verified (a flipped bit would load silently); resume from a checkpoint written "
-                              "by trainscale, or, if you trust this file, load it unverified with verify=False")
-    expected = digest_file.read_text().strip()
-    actual = hashlib.sha256(data).hexdigest()
+    embedded = embedded_digest(data)
+    if embedded is None and not digest_file.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} records no SHA-256 (neither inside the file nor in "
+                              f"{digest_file.name!r} beside it), so it cannot be verified: it is corrupted or "
+                              "truncated (its digest is its last bytes), or it was not written by trainscale (a flipped bit would load silently); resume from an earlier "
+                              "checkpoint, or, if you trust this file, load it unverified with verify=False")
+    if embedded is not None:
+        expected, actual = embedded
+    else:
+        expected, actual = digest_file.read_text().strip(), hashlib.sha256(data).hexdigest()
     if expected != actual:
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupted or truncated ({len(data)} bytes, "
                               f"sha256 {actual[:12]}… but {expected[:12]}… was recorded when it was "
