@@ -237,21 +237,25 @@ class ModelCheckpoint(Callback):
     def save_if_due(self, trainer: "Trainer", epoch_end: bool, ends_epoch: bool) -> None:
         """Save when this step or epoch end is one of this callback's (every rank calls it at the same point).
         ``ends_epoch``: this optimizer step is the last of its epoch (an epoch-end save follows it)."""
-        epoch_due = self._epoch_due(trainer)
-        if self.monitor is not None and not trainer.config.validates_in(trainer.current_epoch):
-            epoch_due = False  # an epoch check_val_every_n_epoch skips: no fresh value to rank by (Lightning saves
-                               # at validation ends then)
         if epoch_end:
-            due = epoch_due and not self._saves_at_validation(trainer)
-        else:
+            due = self._epoch_save_due(trainer) and not self._saves_at_validation(trainer)
+        else:  # the epoch's rules only where a step save would also end an epoch
             n = self.every_n_train_steps
-            due = n is not None and trainer.reached_multiple(n) and not (ends_epoch and epoch_due)
-            due = self._time_due(trainer) or due
+            due = n is not None and trainer.reached_multiple(n) and not (ends_epoch and self._epoch_save_due(trainer))
+            if self.train_time_interval is not None:  # off by default: no clock read (or broadcast) per step
+                due = self._time_due(trainer) or due
         if due:
             self._save(trainer, epoch_end)
 
     def _epoch_due(self, trainer: "Trainer") -> bool:
         return bool(self.every_n_epochs) and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+
+    def _epoch_save_due(self, trainer: "Trainer") -> bool:
+        """This epoch's end saves by ``every_n_epochs``, unless it ranks by a monitored value and the epoch is one
+        ``check_val_every_n_epoch`` skips: no fresh value to rank by (Lightning saves at validation ends then)."""
+        if self.monitor is not None and not trainer.config.validates_in(trainer.current_epoch):
+            return False
+        return self._epoch_due(trainer)
 
     def _saves_at_validation(self, trainer: "Trainer") -> bool:
         """Whether the epoch saves happen at validation ends: in a fit that validates, with
@@ -263,9 +267,7 @@ class ModelCheckpoint(Callback):
 
     def _time_due(self, trainer: "Trainer") -> bool:
         """``train_time_interval`` has passed since the fit's start or the last such save (rank zero's clock, the same
-        answer on every rank)."""
-        if self.train_time_interval is None:
-            return False
+        answer on every rank); called only with ``train_time_interval`` set."""
         now = time.monotonic()
         due = now - self._last_time_save >= self.train_time_interval.total_seconds()
         if trainer.runtime.world_size > 1:
