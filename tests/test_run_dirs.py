@@ -21,7 +21,8 @@ class _Trainer:
 
     def __init__(self, run_dir):
         self.run_dir, self.global_step, self.current_epoch, self.callback_metrics = run_dir, 0, 0, {}
-        self.runtime = types.SimpleNamespace(is_rank_zero=True, barrier=lambda: None)
+        self.runtime = types.SimpleNamespace(is_rank_zero=True, barrier=lambda: None,
+                                             broadcast_object=lambda obj: obj)
         self.checkpoints = types.SimpleNamespace(discard=lambda paths: [ckpt.remove_checkpoint(p) for p in paths],
                                                  link=ckpt.link_last)
         self.runtime.strategy = types.SimpleNamespace(checkpoint_suffix=".pt")

@@ -145,11 +145,19 @@ class ModelCheckpoint(Callback):
         self._directory = Path(trainer.run_dir) / "checkpoints" if self.dirpath is None else Path(self.dirpath)
         self._adopt_earlier_files(trainer)
         self._last_time_save = time.monotonic()
-        if self.dirpath is None or not trainer.runtime.is_rank_zero:
+        if self.dirpath is None:
             return
-        self.release_directory()  # a second fit of this callback: its own lock again
-        self._directory.mkdir(parents=True, exist_ok=True)
-        self._lock = _lock_directory(self._directory)
+        rt, refusal = trainer.runtime, None
+        if rt.is_rank_zero:
+            self.release_directory()  # a second fit of this callback: its own lock again
+            self._directory.mkdir(parents=True, exist_ok=True)
+            try:
+                self._lock = _lock_directory(self._directory)
+            except ValueError as err:
+                refusal = str(err)
+        refusal = rt.broadcast_object(refusal)  # every rank raises together, none waits at a collective
+        if refusal:
+            raise ValueError(refusal)
 
     def release_directory(self) -> None:
         """Drop the lock on ``dirpath`` (the Trainer calls it when a fit ends or fails; the process's end drops it too)."""
