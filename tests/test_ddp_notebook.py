@@ -101,7 +101,9 @@ def test_main_without_file_trains_under_ddp_notebook_and_ddp_spawn(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_jupyter_kernel_cell_trains_under_ddp_notebook_and_ddp_spawn(tmp_path, monkeypatch):
+def test_a_jupyter_kernel_cell_trains_under_ddp_notebook(tmp_path, monkeypatch):
+    """ddp_notebook is the strategy a notebook runs; ddp_spawn's pickling of ``__main__``'s objects is the same from
+    a kernel cell as from ``python -c`` (no file behind ``__main__`` either way), which the test above runs."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
@@ -109,7 +111,7 @@ def test_a_jupyter_kernel_cell_trains_under_ddp_notebook_and_ddp_spawn(tmp_path,
 
     src = str(Path(__file__).resolve().parents[1] / "src")
     monkeypatch.setenv("PYTHONPATH", src)  # the kernel is a new process
-    strategies = ("ddp_notebook", "ddp_spawn")
+    strategies = ("ddp_notebook",)
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(f"STRATEGIES = {strategies!r}"),
                                                nbformat.v4.new_code_cell(NOTEBOOK_CODE),
                                                nbformat.v4.new_code_cell("print(json.dumps(result))")])

@@ -206,6 +206,21 @@ def test_callback_is_exported_at_the_top_level():
     assert trainscale.Callback is Callback
 
 
+def test_lightnings_class_names_are_the_same_classes_so_import_lightning_as_l_ports_by_its_import():
+    from trainscale import LightningDataModule, LightningModule
+    from trainscale.lightning.data_sources import DataModule
+
+    assert LightningModule is TrainingModule and trainscale.LightningModule is TrainingModule
+    assert LightningDataModule is DataModule and trainscale.LightningDataModule is DataModule
+
+    class Model(trainscale.LightningModule):  # `import lightning as L` ... `class Model(L.LightningModule)`
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(2, 1)
+
+    assert isinstance(Model(), TrainingModule)
+
+
 @pytest.mark.timeout(60)
 def test_one_callback_object_and_the_trainer_attributes_callbacks_read(tmp_path):
     watch = StepWatch()

@@ -22,6 +22,9 @@ if TYPE_CHECKING:  # the same names as _LAZY, for type checkers and the API refe
     from trainscale.runtime.runtime import Runtime
     from trainscale.runtime.world import World
 
+    LightningModule = TrainingModule
+    LightningDataModule = DataModule
+
 _LAZY = {
     "Trainer": "trainscale.loop.trainer",
     "TrainingModule": "trainscale.lightning.module",
@@ -31,13 +34,20 @@ _LAZY = {
     "seed_everything": "trainscale.checkpointing.rng",
     "Callback": "trainscale.callbacks.base",
 }
+# Lightning's names for the same classes, so that a port that changes only ``import lightning as L`` to
+# ``import trainscale as L`` keeps ``class Model(L.LightningModule)`` and ``L.LightningDataModule``.
+_ALIASES = {"LightningModule": "TrainingModule", "LightningDataModule": "DataModule"}
 
-__all__ = ["Trainer", "TrainingModule", "DataModule", "Callback", "Runtime", "World", "seed_everything", "__version__"]
+__all__ = ["Trainer", "TrainingModule", "DataModule", "Callback", "Runtime", "World", "seed_everything",
+           "LightningModule", "LightningDataModule", "__version__"]
 # The commands' Python forms live in their subpackages, named after the commands:
 # ``from trainscale.plan import plan``, ``from trainscale.check import check``, ``from trainscale.bench import sweep``.
 
 
 def __getattr__(name: str):
+    if name in _ALIASES:
+        value = globals()[name] = __getattr__(_ALIASES[name])
+        return value
     if name in _LAZY:
         import importlib
 
