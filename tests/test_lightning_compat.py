@@ -2,8 +2,10 @@
 after ``fit``, step values in ``callback_metrics``, ``max_steps`` without ``max_epochs``, the order of a training
 loader on several ranks, the sanity check of a resumed ``fit``; and Lightning's spellings that ports meet."""
 
+import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -206,6 +208,15 @@ def test_callback_is_exported_at_the_top_level():
     assert trainscale.Callback is Callback
 
 
+def test_a_module_is_attached_to_a_trainer_by_assignment_as_in_lightning(tmp_path):
+    model, trainer = Probe(), _trainer(tmp_path)
+    model.trainer = trainer
+    assert model.trainer is trainer and model.current_epoch == 0 and model.global_rank == 0
+    model.trainer = None
+    with pytest.raises(RuntimeError, match="not attached to a Trainer"):
+        model.trainer
+
+
 def test_lightnings_class_names_are_the_same_classes_so_import_lightning_as_l_ports_by_its_import():
     from trainscale import LightningDataModule, LightningModule
     from trainscale.lightning.data_sources import DataModule
@@ -290,6 +301,27 @@ def test_reduce_fx_takes_lightnings_spellings(tmp_path):
     from trainscale.lightning.metrics import reduction_name
     with pytest.raises(ValueError, match="reduce_fx"):
         reduction_name(torch.median)
+
+
+@pytest.mark.parametrize("value, what", [(None, "`NoneType` values"), ("a", "`str` values"),
+                                         ([1, 2, 3], "`list` values"), ((1, 2), "`tuple` values"),
+                                         ({"a": 1}, "`dict` values"), ({"a": {"b": 1}}, "nested dictionaries")])
+def test_a_value_log_cannot_record_is_refused_with_lightnings_message(value, what):
+    from trainscale.lightning.metrics import MetricCollector
+    from trainscale.runtime.runtime import Runtime
+
+    collector = MetricCollector(Runtime(accelerator="cpu"), "train")
+    with pytest.raises(ValueError, match=re.escape(f"`self.log(foo, {value})` was called, but {what} cannot be "
+                                                   "logged") + ".*self.log_dict"):
+        collector.log("foo", value)
+    with pytest.raises(ValueError, match=r"`self.log\(foo, tensor\(\[1\., 2\.\]\)\)` was called, but the tensor "
+                                         r"must have a single element .*shape \(2,\).*value.mean\(\)"):
+        collector.log("foo", torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="`foo/dataloader_idx_0` but it should not contain.*log it as 'foo'"):
+        collector.log("foo/dataloader_idx_0", 1.0)
+    for fine in (1, 2.5, True, torch.tensor(3.0), torch.tensor([4.0]), np.float32(5.0), np.int64(6)):
+        collector.log("ok", fine)
+    assert float(collector.step_values["ok"][0]) == 6.0
 
 
 def test_seed_everything_without_a_seed_seeds_0_with_a_warning():

@@ -20,6 +20,7 @@ package is loaded.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,22 @@ RESERVED = {"step": "the optimizer step", "epoch": "the epoch", "kind": "the rec
             **{name: "a telemetry figure" for name in RECORD_FIELDS}}
 RESERVED_PREFIXES = {"lr-": "the learning rates (LearningRateMonitor's names)"}
 _DEFAULTS = {"train": (True, False), "validation": (False, True), "test": (False, True)}  # (on_step, on_epoch)
+
+
+def _check_loggable(name: str, value: Any) -> None:
+    """Raise Lightning's ``ValueError`` for a value ``self.log`` cannot record: anything but a number, a tensor or a
+    torchmetrics ``Metric`` (``LightningModule.__check_allowed``), and for a name that carries
+    ``/dataloader_idx_``, the suffix Lightning adds to the names of a second evaluation loader's values."""
+    if not isinstance(value, (numbers.Number, torch.Tensor)) and not is_metric(value):
+        what = "nested dictionaries" if isinstance(value, dict) and any(isinstance(v, dict) for v in value.values()) \
+            else f"`{type(value).__name__}` values"
+        raise ValueError(f"`self.log({name}, {value})` was called, but {what} cannot be logged: log a number, a "
+                         f"one-element tensor or a torchmetrics Metric, and several values with "
+                         f"self.log_dict({{name: value, ...}})")
+    if "/dataloader_idx_" in name:
+        raise ValueError(f"You called `self.log` with the key `{name}` but it should not contain information about "
+                         "`dataloader_idx`: trainscale evaluates one loader per stage, so log it as "
+                         f"{name.split('/dataloader_idx_')[0]!r}")
 
 
 def reserved_field(name: str) -> str | None:
@@ -98,10 +115,13 @@ class MetricCollector:
         """Record ``value`` (a number or one-element tensor) under ``name``; see ``TrainingModule.log``.
 
         Raises:
-            ValueError: an unknown ``reduce_fx``, a value with more than one element, or a name of
-                :data:`RESERVED` (naming another).
+            ValueError: an unknown ``reduce_fx``; a value that is not a number, a tensor or a torchmetrics
+                ``Metric`` (None, a string, a list, a dict: Lightning's message, naming ``log_dict`` and ``mean()``)
+                or a tensor with more than one element; a name with ``/dataloader_idx_`` (Lightning adds that
+                suffix itself); or a name of :data:`RESERVED` (naming another).
         """
         reduce_fx = reduction_name(reduce_fx)
+        _check_loggable(name, value)
         what = reserved_field(name)
         if what is not None:
             raise ValueError(f"self.log({name!r}, ...): trainscale's records already hold {name!r} ({what}), which "
@@ -152,9 +172,9 @@ class MetricCollector:
     def _scalar(self, name: str, value: Any) -> torch.Tensor:
         value = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value,
                                 dtype=torch.float32, device=self.rt.device)
-        if value.numel() != 1:
-            raise ValueError(f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; log a scalar "
-                             "(e.g. value.mean())")
+        if value.numel() != 1:  # Lightning's message, with the shape
+            raise ValueError(f"`self.log({name}, {value})` was called, but the tensor must have a single element "
+                             f"(it has shape {tuple(value.shape)}). You can try doing `self.log({name}, value.mean())`")
         return value.reshape(())
 
     def _accumulate(self, name: str, value: torch.Tensor, fx: str, n: int) -> None:

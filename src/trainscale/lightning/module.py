@@ -129,6 +129,15 @@ class TrainingModule(HyperparametersMixin, nn.Module):
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer; call it inside trainer.fit()")
         return trainer
 
+    @trainer.setter
+    def trainer(self, trainer: Any) -> None:
+        """Attach the module to ``trainer`` (None detaches it), as Lightning's ``model.trainer = trainer``; the
+        Trainer attaches it itself in ``fit``/``validate``/``test``/``predict``."""
+        if trainer is None:
+            self.__dict__.pop("_trainer", None)
+        else:
+            self.__dict__["_trainer"] = trainer
+
     @property
     def global_rank(self) -> int:
         return self.trainer.runtime.rank
