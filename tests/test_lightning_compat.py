@@ -129,6 +129,23 @@ def test_step_values_reach_callback_metrics_after_every_step(tmp_path):
     assert float(trainer.callback_metrics["both_epoch"]) == 11.0 == float(trainer.callback_metrics["both"])
 
 
+class ValBoth(Probe):
+    """Logs the validation batch index on_step and on_epoch (max): ``vb_epoch`` and the bare ``vb`` hold the max."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("vb", float(batch_idx), on_step=True, on_epoch=True, reduce_fx="max")
+
+
+@pytest.mark.timeout(60)
+def test_a_validation_value_logged_on_step_and_on_epoch_is_monitored_by_its_bare_name(tmp_path):
+    stop = EarlyStopping(monitor="vb", mode="max", patience=5)
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[stop])
+    trainer.fit(ValBoth(), _loader(), _loader(6))  # 3 validation batches
+    assert float(trainer.callback_metrics["vb_epoch"]) == 2.0 == float(trainer.callback_metrics["vb"])
+    assert float(stop.best_score) == 2.0
+    assert "vb" not in trainer.history[-1] and trainer.history[-1]["vb_epoch"] == 2.0  # the records keep one name
+
+
 @pytest.mark.timeout(60)
 def test_a_logged_train_loss_is_not_replaced_by_the_trainers_own(tmp_path):
     trainer = _trainer(tmp_path, max_epochs=2, log_every_n_steps=1, num_sanity_val_steps=0)

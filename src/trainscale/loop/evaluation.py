@@ -362,15 +362,17 @@ def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loader: Any
     The results are in ``trainer.callback_metrics`` by ``on_<stage>_end`` (where Lightning's checkpoint callbacks
     read them)."""
     collector = trainer.metric_collector
-    trainer.metric_collector = MetricCollector(trainer.runtime, stage, routes_of=collector)
+    trainer.metric_collector = stage_collector = MetricCollector(trainer.runtime, stage, routes_of=collector)
     if num_batches is None:
         num_batches = trainer.config.eval_batches(stage, loader_length(loader))
     try:
         trainer._hook(f"on_{stage}_start")
-        results = evaluate(trainer.runtime, loop_module, wrapped, loader, stage, trainer.metric_collector,
-                           num_batches, trainer._hook)
+        results = evaluate(trainer.runtime, loop_module, wrapped, loader, stage, stage_collector, num_batches,
+                           trainer._hook)
     finally:
         trainer.metric_collector = collector
-    trainer.callback_metrics.update(results)
+    # a value logged on_step and on_epoch is also under its bare name there ("val_acc" beside "val_acc_epoch"), as
+    # in Lightning's callback_metrics, where EarlyStopping(monitor="val_acc") finds it; the records keep the two
+    trainer.callback_metrics.update(stage_collector.with_bare_names(results))
     trainer._hook(f"on_{stage}_end")
     return results
