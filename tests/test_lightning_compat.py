@@ -778,6 +778,33 @@ def test_logged_and_progress_bar_metrics_hold_lightnings_names_and_types(tmp_pat
     assert set(seen[0]) == {"p_s", "p_e", "p_se_step", "p_se_epoch", "v", "v_num"}
 
 
+class BarTotals(Probe):
+    """Notes the default bar's ``total_train_batches`` and ``total_val_batches`` at each epoch's start, where a bar
+    sets its total."""
+
+    def __init__(self):
+        super().__init__()
+        self.totals: list[tuple] = []
+
+    def on_train_epoch_start(self):
+        bar = self.trainer.progress_bar_callback
+        self.totals.append((bar.total_train_batches, bar.total_val_batches))
+
+
+@pytest.mark.timeout(60)
+def test_the_progress_bar_counts_the_batches_of_each_epoch_as_lightnings(tmp_path):
+    trainer = Trainer(accelerator="cpu", default_root_dir=tmp_path, max_epochs=4, check_val_every_n_epoch=2,
+                      num_sanity_val_steps=0, enable_model_summary=False)
+    model = BarTotals()
+    trainer.fit(model, _loader(8), _loader(6))  # 4 training and 3 validation batches, validation in epochs 2 and 4
+    assert model.totals == [(4, 0), (4, 3), (4, 0), (4, 3)]
+    steps = Trainer(accelerator="cpu", default_root_dir=tmp_path / "s", max_steps=6, num_sanity_val_steps=0,
+                    enable_model_summary=False, enable_progress_bar=True)
+    model = BarTotals()
+    steps.fit(model, _loader(8))  # max_steps alone: the second epoch's bar counts the 2 steps left
+    assert model.totals == [(4, 0), (2, 0)]
+
+
 # -- ModelCheckpoint: Lightning's arguments, attributes and directory listings --------------------------------------
 class Scored(Probe):
     """Probe with a ``score`` per epoch, logged at the epoch end (1.0, 0.5, 2.0, 0.25, ...)."""

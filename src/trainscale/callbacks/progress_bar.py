@@ -33,6 +33,23 @@ class TQDMProgressBar(Callback):
     def setup(self, trainer: Any, module: Any, stage: str) -> None:
         self.trainer = trainer  # Lightning's ProgressBar.trainer, for get_metrics in its hooks
 
+    @property
+    def total_train_batches(self) -> int | float:
+        """Training batches of this epoch's bar (Lightning's ``ProgressBar.total_train_batches``):
+        ``trainer.num_training_batches``, or the steps left when only ``max_steps`` bounds the run; inf for an
+        iterable data set."""
+        trainer = self.trainer
+        if trainer.max_epochs == -1 and trainer.max_steps > 0:
+            return min(trainer.num_training_batches, trainer.max_steps - trainer.global_step)
+        return trainer.num_training_batches
+
+    @property
+    def total_val_batches(self) -> int | float:
+        """Validation batches of this epoch (Lightning's ``ProgressBar.total_val_batches``): the sum of
+        ``trainer.num_val_batches``, 0 in an epoch that ``check_val_every_n_epoch`` skips or without validation."""
+        trainer = self.trainer
+        return sum(trainer.num_val_batches) if trainer.config.validates_in(trainer.current_epoch) else 0
+
     def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, float | int]:
         """Lightning's ``ProgressBar.get_metrics``: ``trainer.progress_bar_metrics`` (the values logged with
         ``prog_bar=True``, floats) and ``v_num``, the run directory's version N (``version_N``). For code that reads

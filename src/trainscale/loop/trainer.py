@@ -242,6 +242,8 @@ class Trainer:
                              "one of the two")
         # Lightning's trainer.progress_bar_callback: the one given, or the default bar's settings (None: no bar)
         self.progress_bar_callback = next(iter(bars), TQDMProgressBar() if self.config.enable_progress_bar else None)
+        if self.progress_bar_callback is not None:
+            self.progress_bar_callback.trainer = self  # its total_*_batches read this Trainer (Lightning's bar too)
         if self.config.enable_model_summary and not any(isinstance(cb, ModelSummary) for cb in self.callbacks):
             self.callbacks.append(ModelSummary())  # Lightning's default, unless the user gave one
         # the ModelCheckpoint callbacks: the user's, or the default one; asked at every step end (_checkpoint_if_due);
