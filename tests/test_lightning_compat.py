@@ -201,6 +201,45 @@ def test_use_distributed_sampler_false_trains_on_the_loader_as_given(tmp_path):
     assert trainer._fit.train_loader is loader and trainer.global_step == 4
 
 
+# -- training mode: the submodules' own modes are kept -----------------------------------------------------------
+class FrozenNorm(Probe):
+    """Probe with a BatchNorm the user froze (``eval()``): it must stay in eval mode, its statistics unchanged,
+    through training, validation and test; ``modes`` notes (stage, layer.training, norm.training) per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(2).eval()
+        self.modes: set[tuple] = set()
+
+    def training_step(self, batch, batch_idx):
+        self.modes.add(("train", self.layer.training, self.norm.training))
+        return self.layer(self.norm(batch[0])).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.modes.add(("val", self.layer.training, self.norm.training))
+        self.log("val_loss", self.layer(self.norm(batch[0])).pow(2).mean())
+
+    def test_step(self, batch, batch_idx):
+        self.modes.add(("test", self.layer.training, self.norm.training))
+
+
+@pytest.mark.timeout(60)
+def test_a_submodule_in_eval_mode_stays_so_through_fit_validation_and_test(tmp_path):
+    model = FrozenNorm()
+    trainer = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the model itself is in training mode: no warning
+        trainer.fit(model, _loader(), _loader(4))
+    trainer.test(model, _loader(4), verbose=False)
+    assert model.modes == {("train", True, False), ("val", False, False), ("test", False, False)}
+    assert model.training and not model.norm.training  # as they came in
+    assert torch.equal(model.norm.running_mean, torch.zeros(2)) and int(model.norm.num_batches_tracked) == 0
+    whole = FrozenNorm().eval()
+    with pytest.warns(UserWarning, match=r"is in eval mode at the start of fit.*call model.train\(\)"):
+        _trainer(tmp_path / "e", max_epochs=1, num_sanity_val_steps=0).fit(whole, _loader())
+    assert ("train", False, False) in whole.modes  # trained in the mode it came in, as Lightning
+
+
 # -- the sanity check of a resumed fit ------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_a_resumed_fit_runs_the_sanity_check_after_a_completed_epoch_only(tmp_path):

@@ -70,7 +70,7 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stag
         raise ValueError(f"strategy={rt.config.strategy!r} evaluates through collectives, so every rank must know its "
                          "number of batches: give the evaluation loader a map-style data set, or limit_val_batches")
     extra = _extra_forwards(rt, num_batches) if communicates else 0
-    wrapped.eval()
+    modes = eval_mode(wrapped)
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}  # samples of the batches that returned each key
     count = 0
@@ -100,7 +100,7 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stag
     zero = torch.zeros((), device=rt.device)
     vec = rt.all_reduce(torch.stack([sums.get(k, zero) for k in keys] + [zero + counts.get(k, 0) for k in keys]
                                     )).tolist() if keys else []
-    wrapped.train()
+    restore_modes(modes)
     out = {f"{prefix}{k}": (total / n if n else math.nan) for k, total, n in zip(keys, vec, vec[len(keys):])}
     out.update(collector.take_epoch_values())
     collector.reset_metrics()
@@ -146,7 +146,7 @@ def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, hook:
     communicates = rt.strategy.forward_communicates
     num_batches = loader_length(loader) if num_batches is None else num_batches  # each rank's first ones
     extra = _extra_forwards(rt, num_batches) if communicates else 0
-    wrapped.eval()
+    modes = eval_mode(wrapped)
     outputs, batch = [], None
     hook("on_predict_epoch_start")
     for batch_idx, batch in enumerate(itertools.islice(loader, None if num_batches == math.inf else num_batches)):
@@ -160,8 +160,23 @@ def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, hook:
         with rt.autocast():
             wrapped(batch, 0, stage="predict")
     hook("on_predict_epoch_end")
-    wrapped.train()
+    restore_modes(modes)
     return _in_dataset_order(rt, outputs)
+
+
+def eval_mode(module: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
+    """Put ``module`` in eval mode for an evaluation; returns each submodule's ``training`` flag before it, for
+    :func:`restore_modes`. Restoring them, rather than calling ``train()``, keeps a submodule the user put in eval
+    mode (a frozen backbone's BatchNorm) so: Lightning's ``_ModuleMode`` (``utilities/model_helpers.py``)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    return modes
+
+
+def restore_modes(modes: list[tuple[torch.nn.Module, bool]]) -> None:
+    """Set each submodule's ``training`` flag back to what :func:`eval_mode` found."""
+    for m, training in modes:
+        m.training = training
 
 
 def _in_dataset_order(runtime: Runtime, outputs: list) -> Any:

@@ -430,6 +430,11 @@ class Trainer:
         seed_everything(cfg.seed)
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
         fit.reload = reload_hooks
+        if not fit.model.training:  # trained in the modes it comes in, as Lightning (a frozen part keeps eval mode)
+            warnings.warn(f"the model ({type(fit.model).__name__}) is in eval mode at the start of fit: it trains so "
+                          "(dropout off, BatchNorm statistics not updated), as in Lightning; call model.train() "
+                          "before fit to train in training mode (submodules you put in eval mode stay so)",
+                          UserWarning, stacklevel=3)
         point = self._load(resume_from, verify) if resume_from is not None else None
         fit.loaded_epoch = point.next_epoch if point else 0
         global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers, lambda: self.state.global_step)
@@ -529,7 +534,6 @@ class Trainer:
         self.state.epoch, self.state.epoch_ended = epoch, False
         self._reload_loaders(fit, epoch)
         batches = epoch_batches(fit, self.state, epoch, resume, rt.world_size, cfg.train_batches)
-        fit.wrapped.train()
         remaining = fit.epoch_batches - fit.epoch_offset  # inf: an iterable data set, until its iterator ends
         bar = self.progress_bar_callback
         fit.bar = ProgressBar(bar is not None and rt.is_rank_zero, None if remaining == math.inf else remaining,
