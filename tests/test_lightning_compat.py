@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import trainscale
-from trainscale.callbacks import Callback, EarlyStopping
+from trainscale.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from trainscale.lightning.module import TrainingModule
 from trainscale.loop.config import resolve_trainer_config
 from trainscale.loop.data_checks import warn_unshuffled
@@ -947,33 +947,51 @@ def test_save_on_exception_checkpoints_the_failed_fit_which_then_resumes_and_nev
     assert os.listdir(tmp_path / "every") == ["step=3.ckpt"]  # the step save before the exception, not a copy
 
 
+class FormerNames(ModelCheckpoint):
+    """A ``ModelCheckpoint`` writing files as runs did before the names became Lightning's (``.pt``; with the
+    template below, zero padded), its state under ``ModelCheckpoint``'s own key, as those runs saved it."""
+
+    __qualname__ = "ModelCheckpoint"
+    FILE_EXTENSION = ".pt"
+
+
+class LaterWorse(Scored):
+    scores = (1.0, 0.5, 2.0, 3.0)
+
+
 @pytest.mark.timeout(60)
 def test_a_run_directory_with_the_former_pt_names_still_resumes(tmp_path):
-    """Runs written before the names became Lightning's hold ``epoch=EEEEEE-step=SSSSSSSSSS.pt`` files (E: epochs
-    completed, zero padded) that ``last`` names: ``ckpt_path="last"``, the path itself and a ``last.ckpt`` link to it
-    resume from them."""
+    """A run whose checkpoints are ``.pt`` files, which its ``last`` and its callback state name: ``ckpt_path="last"``
+    continues it in place (the ``.pt`` file it resumed from pruned as its own, its best kept and found by "best"),
+    and the path itself or a ``last.ckpt`` link to it resume too."""
     import os
 
-    first = _trainer(tmp_path / "runs", max_epochs=1, num_sanity_val_steps=0)
-    first.fit(Probe(), _loader())
+    root = tmp_path / "runs"
+    former = FormerNames(monitor="score", filename="epoch={epoch:06d}-step={step:010d}", auto_insert_metric_name=False)
+    first = _trainer(root, max_epochs=3, num_sanity_val_steps=0, callbacks=[former])
+    first.fit(LaterWorse(), _loader())  # 4 steps an epoch; scores 1.0, 0.5, 2.0
     ckpt_dir = first.run_dir / "checkpoints"
-    old = ckpt_dir / "epoch=000001-step=0000000004.pt"
-    (ckpt_dir / "epoch=0-step=4.ckpt").rename(old)
-    (ckpt_dir / "last").write_text(f"{old.name}\n")
-    before = old.read_bytes()
+    best, newest = ckpt_dir / "epoch=000001-step=0000000008.pt", ckpt_dir / "epoch=000002-step=0000000012.pt"
+    assert sorted(os.listdir(ckpt_dir)) == [best.name, newest.name, "last"]
+    before = best.read_bytes()
 
-    model = Probe()
-    resumed = _trainer(tmp_path / "runs", max_epochs=2, num_sanity_val_steps=0)
-    resumed.fit(model, _loader(), ckpt_path="last")
-    assert resumed.run_dir == first.run_dir and resumed.ckpt_path == old and resumed.global_step == 8
-    assert model.epochs_seen == [("start", 1), ("end", 1)]  # epoch 0 came from the .pt file
-    assert sorted(os.listdir(ckpt_dir)) == [old.name, "epoch=1-step=8.ckpt", "last"] and old.read_bytes() == before
+    model, callback = LaterWorse(), ModelCheckpoint(monitor="score")
+    resumed = _trainer(root, max_epochs=4, num_sanity_val_steps=0, callbacks=[callback])
+    resumed.fit(model, _loader(), ckpt_path="last")  # epoch 3 scores 3.0: the best stays the .pt of epoch 1
+    assert resumed.run_dir == first.run_dir and resumed.ckpt_path == newest and resumed.global_step == 16
+    assert model.epochs_seen == [("start", 3)]  # the epochs before came from the .pt file
+    assert sorted(os.listdir(ckpt_dir)) == [best.name, "epoch=3-step=16.ckpt", "last"]
+    assert callback.best_model_path == str(best) and best.read_bytes() == before
+    on_best = resumed.validate(model, _loader(4), ckpt_path="best", verbose=False)[0]["val_loss"]
+    reference = Probe()
+    reference.load_state_dict(torch.load(best, weights_only=True)["state_dict"])
+    assert on_best == resumed.validate(reference, _loader(4), verbose=False)[0]["val_loss"]
 
-    link = tmp_path / "elsewhere" / "last.ckpt"  # a save_last link of that time, to the .pt file
+    link = tmp_path / "elsewhere" / "last.ckpt"  # a save_last link of such a run
     link.parent.mkdir()
-    link.symlink_to(old)
-    for path in (old, link):
-        model = Probe()
-        _trainer(tmp_path / "other", max_epochs=2, num_sanity_val_steps=0).fit(model, _loader(), ckpt_path=path)
-        assert model.epochs_seen == [("start", 1), ("end", 1)], path
-    assert old.read_bytes() == before
+    link.symlink_to(best)
+    for path in (best, link):
+        model = LaterWorse()
+        _trainer(tmp_path / "other", max_epochs=3, num_sanity_val_steps=0).fit(model, _loader(), ckpt_path=path)
+        assert model.epochs_seen == [("start", 2)], path
+    assert best.read_bytes() == before
