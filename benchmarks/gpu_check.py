@@ -894,6 +894,7 @@ def stage_strategies(report: Report, smoke: bool, scratch: Path) -> None:
     from trainscale.models.gpt import Block
     from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, fsdp_units
     from trainscale.runtime.strategies.apply_tp import apply_tp
+    from trainscale.checkpointing import run_dirs as ckpt_names
 
     device = _device(smoke)
     B, T = 4, 64
@@ -913,7 +914,7 @@ def stage_strategies(report: Report, smoke: bool, scratch: Path) -> None:
 
     _, whole = fit(6, "whole")
     first, _ = fit(3, "first", enable_checkpointing=True)
-    ckpt = sorted((first.run_dir / "checkpoints").glob("epoch=*.pt"))[-1]  # beside it: its .sha256
+    ckpt = ckpt_names.find_last(first.run_dir.parent)  # the newest, which "last" names
     _, resumed = fit(6, "resumed", ckpt=ckpt)
     diff = _max_diff(resumed.state_dict(), whole.state_dict())
     n["ddp_resume_max_abs_diff"] = diff

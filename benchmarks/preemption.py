@@ -102,7 +102,7 @@ def run_case(step_s: float, *, stall: bool, signal_job: bool, timeout: float = 3
                 if job.poll() is None:
                     job.kill()
         ended = time.time() - start
-        ckpts = sorted((out / "runs").glob("version_*/checkpoints/*.pt"))
+        ckpts = sorted((out / "runs").glob("version_*/checkpoints/*.ckpt"), key=lambda p: p.stat().st_mtime)
         to_ckpt = ckpts[-1].stat().st_mtime - start if ckpts else None
         return {"to_checkpoint_s": to_ckpt, "to_end_s": ended, "exit_code": code,
                 "checkpoint": ckpts[-1].name if ckpts else None}

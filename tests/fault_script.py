@@ -79,7 +79,7 @@ def hold_async_save_at(step: int, out: Path, rank: int) -> None:
     from trainscale.runtime import checkpoint_io
 
     def event(stage, path):
-        if stage == "shards-written" and f"step={step:010d}" in path.name and threading.current_thread().name != "MainThread":
+        if stage == "shards-written" and f"-step={step}." in path.name and threading.current_thread().name != "MainThread":
             (out / f"held-rank{rank}").write_text(str(os.getpid()))
             threading.Event().wait()  # the write never ends, as far as the loop can tell
 
@@ -93,7 +93,7 @@ def hold_save_of_one_rank_at(step: int, out: Path, rank: int, seconds: float | N
     from trainscale.runtime import checkpoint_io
 
     def event(stage, path):
-        if stage in ("partial", "shards-written") and f"step={step:010d}" in path.name:
+        if stage in ("partial", "shards-written") and f"-step={step}." in path.name:
             (out / f"held-rank{rank}").write_text(str(os.getpid()))
             threading.Event().wait(seconds)
 

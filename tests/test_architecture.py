@@ -36,8 +36,6 @@ ALLOWED_COMPLEX = {
     "bench/grid.py:plan": "the sweep grid's flag checks, each with its own message naming the fix",
     "bench/predicted.py:add_predictions": "each predicted number is optional, as the planner may not know it",
     "bench/report.py:plot_phases": "one figure; each branch draws an optional series",
-    "callbacks/model_checkpoint.py:ModelCheckpoint._save": "one save in Lightning's order: rank, name, write, link "
-                                                            "'last', prune; each branch an optional step of it",
     "bench/report.py:plot_scaling": "one figure; each branch draws an optional series",
     "bench/runner.py:_cell_outcome": "one status per branch (ok, oom, timeout, failed, crashed), each with its reason",
     "bench/runner.py:sweep": "the public entry point: argument checks with messages, then the loop over cells",

@@ -85,7 +85,7 @@ def test_background_checkpoints_equal_synchronous_ones_although_training_moved_o
     sync_dir, async_dir = (root / name / "version_0" / "checkpoints" for name in ("sync", "async"))
     names = sorted(p.name for p in sync_dir.iterdir())
     assert names == sorted(p.name for p in async_dir.iterdir())  # no temporary directory left behind
-    assert len(names) == 7 and (async_dir / "last").read_text() == "epoch=000002-step=0000000024\n"
+    assert len(names) == 7 and (async_dir / "last").read_text() == "epoch=1-step=24.ckpt\n"
     for name in names[:-1]:  # the staged copies hold the state at the save, not the later one
         _assert_equal_nested(_dcp_contents(async_dir / name, tmp_path), _dcp_contents(sync_dir / name, tmp_path), name)
         got, want = (torch.load(d / name / "trainscale_extra.pt", weights_only=False) for d in (async_dir, sync_dir))
@@ -158,16 +158,16 @@ def test_a_job_killed_during_a_background_write_resumes_from_the_previous_comple
                 p.kill()
                 p.join()
     checkpoints = killed_out / "runs" / "version_0" / "checkpoints"
-    assert (checkpoints / "last").read_text() == "epoch=000000-step=0000000005\n"
-    partial = checkpoints / ".epoch=000000-step=0000000010.tmp"
+    assert (checkpoints / "last").read_text() == "epoch=0-step=5.ckpt\n"
+    partial = checkpoints / ".epoch=0-step=10.ckpt.tmp"
     assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in partial.iterdir()}  # shards written ...
-    assert not (partial / ".metadata").exists() and not (checkpoints / "epoch=000000-step=0000000010").exists()
+    assert not (partial / ".metadata").exists() and not (checkpoints / "epoch=0-step=10.ckpt").exists()
 
     log = tmp_path / "resumed.log"
     run_distributed(fault_script.run_rank, [*args, "--resume"], str(log), timeout=300)
     text = log.read_text()
-    assert "resumed from" in text and "epoch=000000-step=0000000005" in text, text[-4000:]
-    assert not partial.exists() and (checkpoints / "last").read_text() == "epoch=000001-step=0000000012\n"
+    assert "resumed from" in text and "epoch=0-step=5.ckpt" in text, text[-4000:]
+    assert not partial.exists() and (checkpoints / "last").read_text() == "epoch=0-step=12.ckpt\n"
     for rank in (0, 1):
         want, got = (torch.load(d / f"final-rank{rank}.pt") for d in (tmp_path / "full", killed_out))
         for key, value in want.items():
@@ -200,16 +200,16 @@ def test_a_rank_killed_while_it_writes_a_checkpoint_file_leaves_last_intact_and_
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     checkpoints = out / "runs" / "version_0" / "checkpoints"
-    assert (checkpoints / "last").read_text() == "epoch=000000-step=0000000005.pt\n"
-    partial = [p.name for p in checkpoints.iterdir() if p.name.startswith(".epoch=000000-step=0000000010.pt")]
+    assert (checkpoints / "last").read_text() == "epoch=0-step=5.ckpt\n"
+    partial = [p.name for p in checkpoints.iterdir() if p.name.startswith(".epoch=0-step=10.ckpt")]
     assert len(partial) == 1 and partial[0].endswith(".tmp")  # the half-written file, under a temporary name
-    assert not (checkpoints / "epoch=000000-step=0000000010.pt").exists()
+    assert not (checkpoints / "epoch=0-step=10.ckpt").exists()
 
     log = tmp_path / "resumed.log"
     run_distributed(fault_script.run_rank, [*args, "--resume"], str(log), timeout=40)
     text = log.read_text()
-    assert "resumed from" in text and "epoch=000000-step=0000000005" in text, text[-4000:]
-    assert (checkpoints / "last").read_text() == "epoch=000001-step=0000000012.pt\n"
+    assert "resumed from" in text and "epoch=0-step=5.ckpt" in text, text[-4000:]
+    assert (checkpoints / "last").read_text() == "epoch=0-step=12.ckpt\n"
     assert not [p for p in checkpoints.iterdir() if p.name.endswith(".tmp")]
 
 

@@ -57,7 +57,7 @@ def test_a_spawned_fit_returns_the_best_checkpoint_which_test_then_evaluates(spa
     history = [r["val_loss"] for r in trainer.history]
     best = history.index(min(history))
     assert best < len(history) - 1  # the best checkpoint is not the fitted weights
-    assert callback.best_model_path is not None and f"epoch={best + 1:06d}-" in callback.best_model_path
+    assert callback.best_model_path is not None and f"epoch={best}-step=" in callback.best_model_path
     assert trainer.callback_metrics["val_loss"] == pytest.approx(history[-1])
     test_loss = trainer.test(spawned_fit["model"], spawned_fit["val"], ckpt_path="best")[0]["test_loss"]
     assert test_loss == pytest.approx(history[best], rel=1e-6)

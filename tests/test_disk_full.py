@@ -46,14 +46,14 @@ def _fit(root, **flags):
 @pytest.mark.parametrize("kind", ["ckpt", "digest"])
 def test_disk_full_during_a_save_names_the_cause_and_place_and_keeps_last(tmp_path, monkeypatch, kind):
     monkeypatch.setattr(checkpoint_io, "_write_event", _disk_full_at(kind, save_number=2))  # the epoch-2 save
-    with pytest.raises(CheckpointError, match=r"no space left on device while writing '.*epoch=000002-step="
+    with pytest.raises(CheckpointError, match=r"no space left on device while writing '.*epoch=1-step="
                                               r".*MiB free on the disk holding .*last' still names the previous"):
         _fit(tmp_path)
     ckpt_dir = next(tmp_path.glob("version_*/checkpoints"))
     assert sorted(p.name for p in ckpt_dir.iterdir()) == [
-        "epoch=000001-step=0000000002.pt", "last"]  # no temporary file
+        "epoch=0-step=2.ckpt", "last"]  # no temporary file
     last = ckpt.find_last(tmp_path)
-    assert last.name == "epoch=000001-step=0000000002.pt" and checkpoint_io.load_file(last)["train_state"]["global_step"] == 2
+    assert last.name == "epoch=0-step=2.ckpt" and checkpoint_io.load_file(last)["train_state"]["global_step"] == 2
 
 
 def test_other_write_errors_are_not_called_disk_full(tmp_path, monkeypatch):
@@ -68,10 +68,10 @@ def test_other_write_errors_are_not_called_disk_full(tmp_path, monkeypatch):
 
 def test_a_stale_temporary_directory_of_a_killed_sharded_save_does_not_break_later_saves(tmp_path):
     ckpt_dir = tmp_path / "checkpoints"
-    stale = ckpt_dir / f".{ckpt.checkpoint_name(1, 6, suffix='')}.tmp"  # what a killed fsdp save leaves
+    stale = ckpt_dir / f".{ckpt.checkpoint_name(1, 6)}.tmp"  # what a killed fsdp save leaves
     (stale / "sub").mkdir(parents=True)
     (stale / "__0_0.distcp").write_bytes(b"x")
-    (ckpt_dir / ".epoch=000001-step=0000000004.pt.abcd.tmp").write_bytes(b"x")  # a killed file save's
+    (ckpt_dir / ".epoch=1-step=4.ckpt.abcd.tmp").write_bytes(b"x")  # a killed file save's
     path = ckpt_dir / ckpt.checkpoint_name(2, 12)
     checkpoint_io.save_file({"w": torch.ones(3)}, path)
     ckpt.mark_last(path, ckpt_dir)

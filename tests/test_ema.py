@@ -105,7 +105,7 @@ def test_ema_matches_averaged_model_validates_with_it_and_resumes_from_a_checkpo
     runs = _whole_cut_resumed(str(tmp_path))
     _check(runs["whole"], ref)
     _check_resume(runs)
-    checkpoint = torch.load(next(Path(tmp_path, "cut").glob("version_0/checkpoints/epoch=000000-step=0000000003.pt")),
+    checkpoint = torch.load(next(Path(tmp_path, "cut").glob("version_0/checkpoints/epoch=0-step=3.ckpt")),
                             weights_only=True)
     assert checkpoint["callbacks"]["EMA"] == {"decay": DECAY, "n_averaged": 1, "latest_update_step": 3}
     assert set(checkpoint["callbacks/EMA/average"]) == set(checkpoint["state_dict"])  # the average beside the weights

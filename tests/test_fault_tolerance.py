@@ -91,7 +91,7 @@ def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(elastic_runs):
     # rank 1's records (its first attempt stops at the kill step) and the restart from the log.
     assert re.search(r"failed \(exitcode: -?\d+\)", log), f"no failed worker reported:\n{log[-6000:]}"
     assert "resuming from" in log, f"no restart reported:\n{log[-6000:]}"
-    assert "epoch=000001-step=0000000015.pt" in log, log[-6000:]  # the last step checkpoint, mid-epoch 1
+    assert "epoch=1-step=15.ckpt" in log, log[-6000:]  # the last step checkpoint, mid-epoch 1
     for rank in (0, 1):
         ref = torch.load(full / f"final-rank{rank}.pt")
         out = torch.load(killed / f"final-rank{rank}.pt")
@@ -203,7 +203,7 @@ def test_sigusr1_checkpoints_then_exits_and_resume_is_exact(tmp_path, monkeypatc
     full, _ = fw.fit(str(tmp_path / "full"), epochs=1, n=48)
     with pytest.raises(Preempted) as info:
         fw.fit(str(tmp_path / "pre"), epochs=1, n=48, hook=send)
-    assert info.value.code == 128 + signal.SIGUSR1 and "step=0000000004" in info.value.path
+    assert info.value.code == 128 + signal.SIGUSR1 and info.value.path.endswith("epoch=0-step=4.ckpt")
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handlers restored
     assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
     resumed, _ = fw.fit(str(tmp_path / "pre"), epochs=1, n=48, ckpt_path="last")
@@ -217,7 +217,7 @@ def test_nonfinite_loss_raises_naming_step_epoch_and_rank(tmp_path):
 
     with pytest.raises(NonFiniteLossError, match=r"step 7 \(epoch 0\) on rank\(s\) \[0\]"):
         fw.fit(str(tmp_path), epochs=1, n=48, hook=lambda m, step: float("nan") if step == 6 else None)
-    assert not list(tmp_path.glob("version_0/checkpoints/*.pt"))  # never saved after a bad step
+    assert not list(tmp_path.glob("version_0/checkpoints/*.ckpt"))  # never saved after a bad step
 
 
 def test_nonfinite_skip_counts_and_raises_after_too_many_in_a_row(tmp_path):

@@ -139,13 +139,13 @@ def test_fsdp_sharded_checkpoint_resume_equals_uninterrupted(resumed):
             torch.testing.assert_close(rank["resumed"][key], value, rtol=0, atol=0)
     ckpt_dir = Path(resumed[0]["full_summary"]["run_dir"]) / "checkpoints"
     kept = sorted(p.name for p in ckpt_dir.iterdir())
-    assert kept == ["epoch=000002-step=0000000012", "last"]  # keep_last=1 removed the epoch-1 directory
-    assert (ckpt_dir / "last").read_text().strip() == "epoch=000002-step=0000000012"
-    assert sorted(p.name for p in (ckpt_dir / "epoch=000002-step=0000000012").iterdir()) == [
+    assert kept == ["epoch=1-step=12.ckpt", "last"]  # keep_last=1 removed the epoch-0 directory
+    assert (ckpt_dir / "last").read_text().strip() == "epoch=1-step=12.ckpt"  # a directory, named as Lightning's
+    assert sorted(p.name for p in (ckpt_dir / "epoch=1-step=12.ckpt").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "shards.sha256", "trainscale_extra.pt"]  # its digest inside
     from torch.distributed.checkpoint import FileSystemReader
 
-    stored = set(FileSystemReader(str(ckpt_dir / "epoch=000002-step=0000000012")).read_metadata().state_dict_metadata)
+    stored = set(FileSystemReader(str(ckpt_dir / "epoch=1-step=12.ckpt")).read_metadata().state_dict_metadata)
     user_keys = set(resumed[0]["full"])  # the user's model's own parameter names, no wrapper prefix
     assert {f"model.{k}" for k in user_keys} <= stored
     assert {f"optimizer.state.{k}.momentum_buffer" for k in user_keys} <= stored
@@ -215,13 +215,13 @@ def test_last_pointer_and_rotation_with_checkpoint_directories(tmp_path):
     """``last``/``find_last``/removal treat a sharded checkpoint directory like a file."""
     ckpt_dir = tmp_path / "version_0" / "checkpoints"
     for epoch in (1, 2, 3):
-        path = ckpt_dir / ckpt.checkpoint_name(epoch, 6 * epoch, suffix="")
+        path = ckpt_dir / ckpt.checkpoint_name(epoch, 6 * epoch)
         (path / "sub").mkdir(parents=True)
         (path / ".metadata").write_text("x")
         ckpt.mark_last(path, ckpt_dir)
-    ckpt.remove_checkpoint(ckpt_dir / ckpt.checkpoint_name(1, 6, suffix=""))
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["epoch=000002-step=0000000012", "epoch=000003-step=0000000018", "last"]
-    assert ckpt.find_last(tmp_path) == ckpt_dir / "epoch=000003-step=0000000018"
+    ckpt.remove_checkpoint(ckpt_dir / ckpt.checkpoint_name(1, 6))
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["epoch=2-step=12.ckpt", "epoch=3-step=18.ckpt", "last"]
+    assert ckpt.find_last(tmp_path) == ckpt_dir / "epoch=3-step=18.ckpt"
 
 
 def test_ddp_refuses_a_sharded_checkpoint_directory_clearly(tmp_path):
@@ -248,9 +248,9 @@ def test_fsdp_refuses_a_checkpoint_file_clearly(tmp_path):
     from trainscale.runtime.strategies.fsdp import FSDPStrategy
 
     strategy = FSDPStrategy(torch.device("cpu"), World(world_size=2, local_world_size=2))
-    (tmp_path / "epoch=0001-step=000006.pt").write_bytes(b"x")
+    (tmp_path / "epoch=1-step=6.ckpt").write_bytes(b"x")
     with pytest.raises(CheckpointError, match="not a sharded \\(DCP\\) checkpoint directory.*'single'/'ddp'"):
-        strategy.load_checkpoint(tmp_path / "epoch=0001-step=000006.pt", {})
+        strategy.load_checkpoint(tmp_path / "epoch=1-step=6.ckpt", {})
     with pytest.raises(FileNotFoundError):
         strategy.load_checkpoint(tmp_path / "missing", {})
 

@@ -106,11 +106,11 @@ def test_a_step_save_on_the_last_step_of_an_iterables_epoch_folds_into_the_epoch
     from trainscale.checkpointing.run_dirs import checkpoint_name
 
     trainer = _trainer(tmp_path, max_epochs=1, enable_model_summary=False,
-                       callbacks=[ModelCheckpoint(every_n_train_steps=2, every_n_epochs=1, save_top_k=-1)])
+                       callbacks=[ModelCheckpoint.trainer_default(1, every_n_train_steps=2, keep_last=None)])
     trainer.fit(Seen(), DataLoader(data, batch_size=2))  # 4 steps: step saves at 2 and 4, the epoch ends at 4
     assert trainer.checkpoints.summary()["saves"] == 2
-    assert sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.pt")) == \
-        [checkpoint_name(0, 2), checkpoint_name(1, 4)]
+    assert sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.ckpt")) == \
+        [checkpoint_name(0, 2), checkpoint_name(0, 4)]
 
 
 def stream_body(rank: int, root: str) -> list:

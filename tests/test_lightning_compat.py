@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import trainscale
-from trainscale.callbacks import Callback, EarlyStopping
+from trainscale.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from trainscale.lightning.module import TrainingModule
 from trainscale.loop.config import resolve_trainer_config
 from trainscale.loop.data_checks import warn_unshuffled
@@ -245,8 +245,8 @@ def test_a_submodule_in_eval_mode_stays_so_through_fit_validation_and_test(tmp_p
 def test_a_resumed_fit_runs_the_sanity_check_after_a_completed_epoch_only(tmp_path):
     first = _trainer(tmp_path / "a", max_epochs=1, checkpoint_every_n_steps=2)
     first.fit(Probe(), _loader(), _loader(4))
-    ckpts = {p.name: p for p in (tmp_path / "a").rglob("epoch=*.pt")}
-    epoch_end, mid_epoch = ckpts["epoch=000001-step=0000000004.pt"], ckpts["epoch=000000-step=0000000002.pt"]
+    ckpts = {p.name: p for p in (tmp_path / "a").rglob("epoch=*.ckpt")}
+    epoch_end, mid_epoch = ckpts["epoch=0-step=4.ckpt"], ckpts["epoch=0-step=2.ckpt"]
 
     def sanity_checks(ckpt, **flags):
         watch = StepWatch()
@@ -866,27 +866,27 @@ def test_model_checkpoint_lists_only_checkpoints_and_keeps_lightnings_records(tm
     trainer = _trainer(tmp_path, max_epochs=4, num_sanity_val_steps=0, callbacks=[cb])
     trainer.fit(Scored(), _loader())
     # no checksum file and no marker file: the digest is inside each checkpoint
-    assert sorted(os.listdir(ckpts)) == ["epoch=1.pt", "epoch=3.pt", "last.ckpt"]
-    assert cb.best_model_path == str(ckpts / "epoch=3.pt") and float(cb.best_model_score) == 0.25
-    assert {k: float(v) for k, v in cb.best_k_models.items()} == {str(ckpts / "epoch=3.pt"): 0.25,
-                                                                  str(ckpts / "epoch=1.pt"): 0.5}
-    assert cb.kth_best_model_path == str(ckpts / "epoch=1.pt") and float(cb.kth_value) == 0.5
+    assert sorted(os.listdir(ckpts)) == ["epoch=1.ckpt", "epoch=3.ckpt", "last.ckpt"]
+    assert cb.best_model_path == str(ckpts / "epoch=3.ckpt") and float(cb.best_model_score) == 0.25
+    assert {k: float(v) for k, v in cb.best_k_models.items()} == {str(ckpts / "epoch=3.ckpt"): 0.25,
+                                                                  str(ckpts / "epoch=1.ckpt"): 0.5}
+    assert cb.kth_best_model_path == str(ckpts / "epoch=1.ckpt") and float(cb.kth_value) == 0.5
     assert float(cb.current_score) == 0.25 and cb.last_model_path == str(ckpts / "last.ckpt")
-    saved = torch.load(ckpts / "epoch=3.pt", weights_only=True)["callbacks"][cb.state_key]
+    saved = torch.load(ckpts / "epoch=3.ckpt", weights_only=True)["callbacks"][cb.state_key]
     assert saved["best_model_path"] == cb.best_model_path and float(saved["current_score"]) == 0.25
     cb.to_yaml(tmp_path / "best.yaml")
     import yaml
-    assert yaml.safe_load((tmp_path / "best.yaml").read_text()) == {str(ckpts / "epoch=3.pt"): 0.25,
-                                                                     str(ckpts / "epoch=1.pt"): 0.5}
+    assert yaml.safe_load((tmp_path / "best.yaml").read_text()) == {str(ckpts / "epoch=3.ckpt"): 0.25,
+                                                                     str(ckpts / "epoch=1.ckpt"): 0.5}
 
     # a second run into the same dirpath: Lightning's versions, none of the first run's files replaced
-    before = {name: (ckpts / name).read_bytes() for name in ("epoch=1.pt", "epoch=3.pt")}
+    before = {name: (ckpts / name).read_bytes() for name in ("epoch=1.ckpt", "epoch=3.ckpt")}
     again = ModelCheckpoint(dirpath=ckpts, filename="{epoch}", monitor="score", save_top_k=2, save_last=True)
     _trainer(tmp_path, max_epochs=4, num_sanity_val_steps=0, callbacks=[again]).fit(Scored(), _loader())
-    assert sorted(os.listdir(ckpts)) == ["epoch=1-v1.pt", "epoch=1.pt", "epoch=3-v1.pt", "epoch=3.pt", "last-v1.ckpt",
-                                         "last.ckpt"]
+    assert sorted(os.listdir(ckpts)) == ["epoch=1-v1.ckpt", "epoch=1.ckpt", "epoch=3-v1.ckpt", "epoch=3.ckpt",
+                                         "last-v1.ckpt", "last.ckpt"]
     assert {name: (ckpts / name).read_bytes() for name in before} == before
-    assert os.readlink(ckpts / "last.ckpt") == "epoch=3.pt" and os.readlink(ckpts / "last-v1.ckpt") == "epoch=3-v1.pt"
+    assert os.readlink(ckpts / "last.ckpt") == "epoch=3.ckpt" and os.readlink(ckpts / "last-v1.ckpt") == "epoch=3-v1.ckpt"
 
 
 @pytest.mark.timeout(60)
@@ -906,8 +906,8 @@ def test_a_name_without_a_field_is_replaced_in_place_not_alternated(tmp_path):
     cb = ModelCheckpoint(dirpath=tmp_path / "c", filename="model", save_top_k=1)
     trainer = _trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0, callbacks=[ListDir(), cb])
     trainer.fit(Probe(), _loader())
-    assert listings == [[], ["model.pt"], ["model.pt"]] and os.listdir(tmp_path / "c") == ["model.pt"]
-    assert torch.load(tmp_path / "c" / "model.pt", weights_only=True)["global_step"] == 12  # the newest
+    assert listings == [[], ["model.ckpt"], ["model.ckpt"]] and os.listdir(tmp_path / "c") == ["model.ckpt"]
+    assert torch.load(tmp_path / "c" / "model.ckpt", weights_only=True)["global_step"] == 12  # the newest
     with pytest.raises(ValueError, match="enable_version_counter=False.*which this run did not write"):
         other = ModelCheckpoint(dirpath=tmp_path / "c", filename="model", enable_version_counter=False)
         _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[other]).fit(Probe(), _loader())
@@ -971,13 +971,157 @@ def test_save_weights_only_save_on_validation_and_time_interval(tmp_path):
                                  save_on_train_epoch_end=flag)
         _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, val_check_interval=0.5,
                  callbacks=[at_val]).fit(Probe(), _loader(), _loader(4))
-        assert sorted(p.name for p in (tmp_path / name).iterdir()) == [f"step={s}.pt" for s in (2, 4, 6, 8)], flag
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == [f"step={s}.ckpt" for s in (2, 4, 6, 8)], flag
     at_end = ModelCheckpoint(dirpath=tmp_path / "e", filename="{step}", save_top_k=-1, save_on_train_epoch_end=True)
     _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, val_check_interval=0.5,
              callbacks=[at_end]).fit(Probe(), _loader(), _loader(4))
-    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == ["step=4.pt", "step=8.pt"]
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == ["step=4.ckpt", "step=8.ckpt"]
 
     # train_time_interval of 0: every optimizer step has trained at least that long since the last save
     timed = ModelCheckpoint(dirpath=tmp_path / "t", filename="{step}", save_top_k=-1, train_time_interval=timedelta(0))
     _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[timed]).fit(Probe(), _loader())
-    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [f"step={s}.pt" for s in (1, 2, 3, 4)]
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [f"step={s}.ckpt" for s in (1, 2, 3, 4)]
+
+
+# -- checkpoint names, ModelCheckpoint's argument errors, save_on_exception --------------------------------------------
+@pytest.mark.timeout(60)
+def test_checkpoints_take_lightnings_names_and_save_checkpoint_the_exact_path(tmp_path):
+    """A Lightning port lists the checkpoint directory for ``.ckpt`` names: ``epoch=E-step=S.ckpt`` with E the epoch
+    trained (from 0) and S the optimizer steps taken, from the Trainer's own callback and from a default
+    ``ModelCheckpoint``; a template gets ".ckpt" too; ``save_checkpoint(path)`` writes that path, whatever it ends
+    with."""
+    import os
+
+    from trainscale.callbacks import ModelCheckpoint
+
+    own = _trainer(tmp_path / "own", max_epochs=2, num_sanity_val_steps=0)
+    own.fit(Probe(), _loader())  # 4 steps an epoch
+    assert sorted(os.listdir(own.run_dir / "checkpoints")) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last"]
+    plain = ModelCheckpoint(dirpath=tmp_path / "a")
+    templated = ModelCheckpoint(dirpath=tmp_path / "b", filename="{epoch}-{idx:.0f}", every_n_epochs=2)
+    trainer = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, callbacks=[plain, templated])
+    trainer.fit(Probe(), _loader())
+    assert os.listdir(tmp_path / "a") == ["epoch=1-step=8.ckpt"]
+    assert os.listdir(tmp_path / "b") == ["epoch=1-idx=3.ckpt"]
+    assert plain.dirpath == str(tmp_path / "a") and plain.best_model_path == str(tmp_path / "a" / "epoch=1-step=8.ckpt")
+    for name in ("model.ckpt", "weights.bin"):
+        assert trainer.save_checkpoint(tmp_path / "c" / name) == tmp_path / "c" / name
+    assert sorted(os.listdir(tmp_path / "c")) == ["model.ckpt", "weights.bin"]
+    assert torch.load(tmp_path / "c" / "weights.bin", weights_only=True)["global_step"] == 8
+
+
+def test_model_checkpoint_refuses_lightnings_invalid_arguments_naming_the_fix():
+    from datetime import timedelta
+
+    from trainscale.callbacks import ModelCheckpoint
+
+    with pytest.raises(ValueError, match=r"save_top_k=3, monitor=None\) is not a valid configuration.*pass "
+                                         r"monitor=.*or save_top_k=-1.*Trainer\(keep_last=3\)"):
+        ModelCheckpoint(save_top_k=3)
+    for given in ({"every_n_train_steps": 5, "every_n_epochs": 1},
+                  {"train_time_interval": timedelta(minutes=5), "every_n_epochs": 2},
+                  {"train_time_interval": timedelta(minutes=5), "every_n_train_steps": 10}):
+        with pytest.raises(ValueError, match="should be mutually exclusive: give one of them.*second ModelCheckpoint"):
+            ModelCheckpoint(**given)
+    # what Lightning accepts: a top k by a metric, one schedule with the others off, -1/0/1 without a monitor
+    assert ModelCheckpoint(monitor="val_loss", save_top_k=3).save_top_k == 3
+    assert ModelCheckpoint(every_n_train_steps=4, every_n_epochs=0).every_n_train_steps == 4
+    assert ModelCheckpoint(train_time_interval=timedelta(0), every_n_train_steps=0).every_n_epochs == 0
+    assert [ModelCheckpoint(save_top_k=k).save_top_k for k in (-1, 0, 1)] == [-1, 0, 1]
+    assert ModelCheckpoint().every_n_epochs == 1 and ModelCheckpoint(every_n_train_steps=0).every_n_epochs == 0
+
+
+class FailsAtStep(Probe):
+    """Raises in ``training_step`` once ``fail_at`` optimizer steps have been taken (None: never)."""
+
+    fail_at: int | None = 3
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == self.fail_at:
+            raise RuntimeError("the data went bad")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(60)
+def test_save_on_exception_checkpoints_the_failed_fit_which_then_resumes_and_never_overwrites(tmp_path):
+    import os
+
+    from trainscale.callbacks import ModelCheckpoint
+
+    crashes = tmp_path / "crashes"
+    crashes.mkdir()
+    (crashes / "crash.ckpt").write_bytes(b"another run's")
+    callback = ModelCheckpoint(dirpath=crashes, filename="crash", save_on_exception=True, save_last=True)
+    with pytest.raises(RuntimeError, match="the data went bad"):
+        _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, callbacks=[callback]).fit(FailsAtStep(), _loader())
+    # Lightning would write crash.ckpt over the file there; the next version takes the state at the exception
+    assert sorted(os.listdir(crashes)) == ["crash-v1.ckpt", "crash.ckpt", "last.ckpt"]
+    assert (crashes / "crash.ckpt").read_bytes() == b"another run's"
+    assert torch.load(crashes / "crash-v1.ckpt", weights_only=True)["global_step"] == 3
+    assert os.readlink(crashes / "last.ckpt") == "crash-v1.ckpt"
+    assert callback.last_model_path == str(crashes / "last.ckpt")
+    model = FailsAtStep()
+    model.fail_at = None
+    resumed = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, callbacks=[ModelCheckpoint(dirpath=crashes)])
+    resumed.fit(model, _loader(), ckpt_path="last")  # the run's "last" names the checkpoint of the exception
+    assert resumed.ckpt_path == crashes / "crash-v1.ckpt" and resumed.global_step == 8
+    assert model.epochs_seen == [("start", 0), ("end", 0), ("start", 1), ("end", 1)]  # epoch 0 resumed mid-way
+
+    # off by default; and no second checkpoint of a step this callback has just saved
+    quiet = ModelCheckpoint(dirpath=tmp_path / "quiet", filename="{step}")
+    every = ModelCheckpoint(dirpath=tmp_path / "every", filename="{step}", every_n_train_steps=1,
+                            save_on_exception=True)
+    with pytest.raises(RuntimeError, match="the data went bad"):
+        _trainer(tmp_path, max_epochs=1, callbacks=[quiet, every]).fit(FailsAtStep(), _loader())
+    assert not (tmp_path / "quiet").exists() or os.listdir(tmp_path / "quiet") == []
+    assert os.listdir(tmp_path / "every") == ["step=3.ckpt"]  # the step save before the exception, not a copy
+
+
+class FormerNames(ModelCheckpoint):
+    """A ``ModelCheckpoint`` writing files as runs did before the names became Lightning's (``.pt``; with the
+    template below, zero padded), its state under ``ModelCheckpoint``'s own key, as those runs saved it."""
+
+    __qualname__ = "ModelCheckpoint"
+    FILE_EXTENSION = ".pt"
+
+
+class LaterWorse(Scored):
+    scores = (1.0, 0.5, 2.0, 3.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_run_directory_with_the_former_pt_names_still_resumes(tmp_path):
+    """A run whose checkpoints are ``.pt`` files, which its ``last`` and its callback state name: ``ckpt_path="last"``
+    continues it in place (the ``.pt`` file it resumed from pruned as its own, its best kept and found by "best"),
+    and the path itself or a ``last.ckpt`` link to it resume too."""
+    import os
+
+    root = tmp_path / "runs"
+    former = FormerNames(monitor="score", filename="epoch={epoch:06d}-step={step:010d}", auto_insert_metric_name=False)
+    first = _trainer(root, max_epochs=3, num_sanity_val_steps=0, callbacks=[former])
+    first.fit(LaterWorse(), _loader())  # 4 steps an epoch; scores 1.0, 0.5, 2.0
+    ckpt_dir = first.run_dir / "checkpoints"
+    best, newest = ckpt_dir / "epoch=000001-step=0000000008.pt", ckpt_dir / "epoch=000002-step=0000000012.pt"
+    assert sorted(os.listdir(ckpt_dir)) == [best.name, newest.name, "last"]
+    before = best.read_bytes()
+
+    model, callback = LaterWorse(), ModelCheckpoint(monitor="score")
+    resumed = _trainer(root, max_epochs=4, num_sanity_val_steps=0, callbacks=[callback])
+    resumed.fit(model, _loader(), ckpt_path="last")  # epoch 3 scores 3.0: the best stays the .pt of epoch 1
+    assert resumed.run_dir == first.run_dir and resumed.ckpt_path == newest and resumed.global_step == 16
+    assert model.epochs_seen == [("start", 3)]  # the epochs before came from the .pt file
+    assert sorted(os.listdir(ckpt_dir)) == [best.name, "epoch=3-step=16.ckpt", "last"]
+    assert callback.best_model_path == str(best) and best.read_bytes() == before
+    on_best = resumed.validate(model, _loader(4), ckpt_path="best", verbose=False)[0]["val_loss"]
+    reference = Probe()
+    reference.load_state_dict(torch.load(best, weights_only=True)["state_dict"])
+    assert on_best == resumed.validate(reference, _loader(4), verbose=False)[0]["val_loss"]
+
+    link = tmp_path / "elsewhere" / "last.ckpt"  # a save_last link of such a run
+    link.parent.mkdir()
+    link.symlink_to(best)
+    for path in (best, link):
+        model = LaterWorse()
+        _trainer(tmp_path / "other", max_epochs=3, num_sanity_val_steps=0).fit(model, _loader(), ckpt_path=path)
+        assert model.epochs_seen == [("start", 2)], path
+    assert best.read_bytes() == before

@@ -264,12 +264,12 @@ def test_model_checkpoint_template_and_last_ckpt_in_a_fit(tmp_path):
     trainer = _fit(tmp_path, Classifier(hidden=4), epochs=2, callbacks=[callback])
     ckpt_dir = trainer.run_dir / "checkpoints"
     losses = [r["val_loss"] for r in trainer.history]
-    names = {f"epoch={e}-val_loss={loss:.2f}.pt" for e, loss in enumerate(losses)}  # Lightning's epoch: from 0
-    kept = {p.name for p in ckpt_dir.glob("*.pt")}
-    assert kept <= names and f"epoch=1-val_loss={losses[1]:.2f}.pt" in kept  # the newest is always kept
-    assert callback.best_model_path.endswith(f"epoch={losses.index(min(losses))}-val_loss={min(losses):.2f}.pt")
+    names = {f"epoch={e}-val_loss={loss:.2f}.ckpt" for e, loss in enumerate(losses)}  # Lightning's epoch: from 0
+    kept = {p.name for p in ckpt_dir.glob("*.ckpt") if not p.is_symlink()}  # not the last.ckpt link
+    assert kept <= names and f"epoch=1-val_loss={losses[1]:.2f}.ckpt" in kept  # the newest is always kept
+    assert callback.best_model_path.endswith(f"epoch={losses.index(min(losses))}-val_loss={min(losses):.2f}.ckpt")
     last = ckpt_dir / "last.ckpt"
-    assert last.resolve().name == f"epoch=1-val_loss={losses[1]:.2f}.pt"
+    assert last.resolve().name == f"epoch=1-val_loss={losses[1]:.2f}.ckpt"
     loaded = Classifier.load_from_checkpoint(last)
     assert loaded.hparams.hidden == 4 and loaded.net[0].out_features == 4
     # fit(ckpt_path=".../last.ckpt") resumes the checkpoint it names and continues that run in place

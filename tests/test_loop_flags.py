@@ -163,7 +163,7 @@ def test_resume_after_a_mid_epoch_validation_equals_the_uninterrupted_run(tmp_pa
         warnings.simplefilter("always")
         full, full_model = run(tmp_path / "a")
     assert not [w for w in caught if "ranks last" in str(w.message)]  # each step save found the step's val_loss
-    step6 = next((tmp_path / "a").rglob("epoch=000000-step=0000000006.pt"))
+    step6 = next((tmp_path / "a").rglob("epoch=0-step=6.ckpt"))
     resumed, resumed_model = run(tmp_path / "b", ckpt_path=step6)
     assert [s for _, s in resumed_model.validations] == [9, 13, 16, 19]  # no sanity check when resuming mid-epoch
     for key, value in full_model.state_dict().items():
@@ -207,8 +207,7 @@ def test_a_monitored_checkpoint_saves_only_in_the_epochs_that_validate(tmp_path)
 
     _fit_watched(tmp_path, max_epochs=4, check_val_every_n_epoch=2,
                  callbacks=[ModelCheckpoint(monitor="val_loss", save_top_k=-1)])
-    assert sorted(p.name for p in tmp_path.rglob("epoch=*.pt")) == ["epoch=000002-step=0000000020.pt",
-                                                                  "epoch=000004-step=0000000040.pt"]
+    assert sorted(p.name for p in tmp_path.rglob("epoch=*.ckpt")) == ["epoch=1-step=20.ckpt", "epoch=3-step=40.ckpt"]
 
 
 @pytest.mark.timeout(60)
@@ -219,7 +218,7 @@ def test_max_time_stops_after_a_step_and_checkpoints(tmp_path, max_time, min_ste
                                   num_sanity_val_steps=0)
     assert trainer.global_step == steps and len(trainer.history) == 1
     assert trainer.validated_at == [steps]  # the stopping step validates, as Lightning
-    assert [p.name for p in tmp_path.rglob("epoch=*.pt")] == [f"epoch=000000-step={steps:010d}.pt"]
+    assert [p.name for p in tmp_path.rglob("epoch=*.ckpt")] == [f"epoch=0-step={steps}.ckpt"]
 
 
 @pytest.mark.timeout(60)

@@ -194,7 +194,7 @@ def test_pp_composes_with_tp_with_and_without_sequence_parallelism_and_matches_o
     # a quarter, plus the tied embedding's second copy and the whole norms on every rank
     assert max(stage_bytes) <= 0.28 * reference["bytes"]
     # the checkpoint of the 2 × 2 tensor-parallel stages loads into a plain model in one process
-    last = max((four_rank_tp_runs["root"] / "tp").glob(f"version_*/checkpoints/epoch=*-step={STEPS:010d}"))
+    last = max((four_rank_tp_runs["root"] / "tp").glob(f"version_*/checkpoints/epoch=*-step={STEPS}.ckpt"))
     state = {"model": GPT(PP_CONFIG).state_dict()}
     dcp.load(state, checkpoint_id=str(last))
     _assert_same(state["model"], reference["weights"])
@@ -417,7 +417,7 @@ def test_a_pp_checkpoint_resumes_where_it_stopped_and_loads_into_one_process(req
         assert r["resumed"]["val_loss"] == pytest.approx(r["full"]["val_loss"], rel=1e-5)
         assert r["resumed"]["summary"]["resumed_from"] is not None and r["resumed"]["summary"]["steps"] == steps
     # the checkpoint of the stages (and their shards) is one of the whole model, keyed by its own names
-    last = max((fixture["root"] / "resume" / "stopped").glob(f"version_*/checkpoints/epoch=*-step={steps:010d}"))
+    last = max((fixture["root"] / "resume" / "stopped").glob(f"version_*/checkpoints/epoch=*-step={steps}.ckpt"))
     state = {"model": GPT(PP_CONFIG).state_dict()}
     dcp.load(state, checkpoint_id=str(last))
     _stages_cover([r["resumed"] for r in results], state["model"])

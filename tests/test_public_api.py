@@ -89,8 +89,8 @@ def test_resuming_last_of_a_run_whose_checkpoints_are_in_its_own_dirpath_continu
     first = fit(1)
     resumed = fit(2)
     assert resumed.run_dir == first.run_dir == tmp_path / "runs" / "version_0"  # not the dirpath's parent
-    assert resumed.global_step == 8 and sorted(p.name for p in (tmp_path / "mine").glob("*.pt")) == [
-        "epoch=000001-step=0000000004.pt", "epoch=000002-step=0000000008.pt"]
+    assert resumed.global_step == 8 and sorted(p.name for p in (tmp_path / "mine").glob("*.ckpt")) == [
+        "epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
 
 
 def test_trainer_names_its_place_in_the_job_as_lightning():

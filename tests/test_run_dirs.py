@@ -25,7 +25,7 @@ class _Trainer:
                                              broadcast_object=lambda obj: obj)
         self.checkpoints = types.SimpleNamespace(discard=lambda paths: [ckpt.remove_checkpoint(p) for p in paths],
                                                  link=ckpt.link_last)
-        self.runtime.strategy = types.SimpleNamespace(checkpoint_suffix=".pt")
+        self.runtime.strategy = types.SimpleNamespace(sharded_checkpoints=False)
         self.runtime.broadcast_object = lambda value: value
         self.config = TrainerConfig()
         self.ckpt_path = None
@@ -35,7 +35,7 @@ class _Trainer:
         return self.global_step % n == 0
 
     def checkpoint_path(self, directory, name=None):
-        name = ckpt.checkpoint_name(self.current_epoch, self.global_step) if name is None else name + ".pt"
+        name = ckpt.checkpoint_name(self.current_epoch, self.global_step) if name is None else name
         return directory / name
 
     def write_checkpoint(self, directory, background=False, name=None, weights_only=False):
@@ -56,11 +56,11 @@ def _steps(callback, trainer, steps, scores=None):
 
 def test_the_newest_checkpoints_are_kept_past_step_999999(tmp_path):
     trainer = _Trainer(tmp_path / "version_0")
-    callback = ModelCheckpoint(save_top_k=2)
+    callback = ModelCheckpoint.trainer_default(1, None, keep_last=2)  # the newest 2: Trainer(keep_last=2)
     callback.setup_directory(trainer)
     _steps(callback, trainer, (999_998, 999_999, 1_000_000, 1_000_001))
     ckpt_dir = trainer.run_dir / "checkpoints"
-    kept = sorted(p.name for p in ckpt_dir.glob("*.pt"))
+    kept = sorted(p.name for p in ckpt_dir.glob("*.ckpt"))
     assert kept == [ckpt.checkpoint_name(0, 1_000_000), ckpt.checkpoint_name(0, 1_000_001)]
     assert (ckpt_dir / "last").read_text().strip() == ckpt.checkpoint_name(0, 1_000_001)
 
@@ -71,7 +71,7 @@ def test_a_non_finite_score_never_evicts_the_best_checkpoint(tmp_path):
     callback.setup_directory(trainer)
     _steps(callback, trainer, (1, 2, 3), scores=[0.5, float("nan"), float("inf")])
     assert callback.best_model_path.endswith(ckpt.checkpoint_name(0, 1))
-    kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.pt"))
+    kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.ckpt"))
     assert kept == [ckpt.checkpoint_name(0, 1), ckpt.checkpoint_name(0, 3)]  # the best, and "last"
 
 
@@ -80,15 +80,15 @@ def test_pruning_deletes_only_this_runs_files_and_a_dirpath_in_use_is_refused(tm
     callback = ModelCheckpoint(save_top_k=1)
     callback.setup_directory(first)
     _steps(callback, first, (1, 2))
-    theirs = sorted((first.run_dir / "checkpoints").glob("*.pt"))
+    theirs = sorted((first.run_dir / "checkpoints").glob("*.ckpt"))
     # a second run resumes from the first one's callback state: it keeps its own top 1, deleting none of theirs
     second = _Trainer(tmp_path / "version_1")
     resumed = ModelCheckpoint(save_top_k=1)
     resumed.load_state_dict(callback.state_dict())
     resumed.setup_directory(second)
     _steps(resumed, second, (3, 4, 5))
-    assert sorted((first.run_dir / "checkpoints").glob("*.pt")) == theirs
-    assert [p.name for p in (second.run_dir / "checkpoints").glob("*.pt")] == [ckpt.checkpoint_name(0, 5)]
+    assert sorted((first.run_dir / "checkpoints").glob("*.ckpt")) == theirs
+    assert [p.name for p in (second.run_dir / "checkpoints").glob("*.ckpt")] == [ckpt.checkpoint_name(0, 5)]
     shared = tmp_path / "shared"
     running = ModelCheckpoint(dirpath=shared)
     running.setup_directory(first)
@@ -101,11 +101,14 @@ def test_pruning_deletes_only_this_runs_files_and_a_dirpath_in_use_is_refused(tm
     assert os.listdir(shared) == []  # the lock is on the directory itself: no file added
 
 
-def test_checkpoint_names_sort_as_text_in_training_order():
+def test_checkpoint_names_are_lightnings_and_order_by_their_numbers_old_names_too():
     pairs = [(0, 5), (1, 999_999), (1, 1_000_000), (2, 10**9), (12_000, 10**9 + 1)]
     names = [ckpt.checkpoint_name(epoch, step) for epoch, step in pairs]
-    assert sorted(names) == names
+    assert names[0] == "epoch=0-step=5.ckpt" and sorted(names) != names  # not padded: text order is not training order
     assert [ckpt.checkpoint_order(name) for name in names] == pairs
+    # the names written before: zero padded, ".pt" for a file, none for a sharded directory
+    assert ckpt.checkpoint_order("epoch=000002-step=0000000126.pt") == (2, 126)
+    assert ckpt.checkpoint_order("epoch=000002-step=0000000126") == (2, 126)
     assert ckpt.checkpoint_order("notes.txt") is None and ckpt.checkpoint_order("last") is None
 
 
@@ -205,7 +208,7 @@ def test_a_run_held_by_another_process_is_not_continued_in_place(tmp_path):
         other.wait()
     assert second.run_dir == tmp_path / "version_1"
     assert (second.run_dir / "resumed_from").read_text().strip() == str(first / "checkpoints" /
-                                                                        ckpt.checkpoint_name(1, 2))
+                                                                        ckpt.checkpoint_name(0, 2))
     assert {p.name: p.read_bytes() for p in sorted((first / "checkpoints").iterdir())} == before
     free = RunLock.acquire(second.run_dir)
     assert free is not None  # released when fit returned
@@ -217,44 +220,47 @@ def test_a_run_held_by_another_process_is_not_continued_in_place(tmp_path):
 
 def test_a_step_save_is_folded_into_the_epoch_end_only_when_that_epoch_end_saves(tmp_path):
     trainer = _Trainer(tmp_path / "version_0")
-    callback = ModelCheckpoint(every_n_train_steps=4, every_n_epochs=2, save_top_k=-1)
+    callback = ModelCheckpoint.trainer_default(2, 4, keep_last=None)  # both schedules: only the Trainer's own
     callback.setup_directory(trainer)
     trainer.global_step = 4  # the last step of epoch 0, whose end does not save (every 2nd epoch)
     callback.save_if_due(trainer, epoch_end=False, ends_epoch=True)
     callback.save_if_due(trainer, epoch_end=True, ends_epoch=True)
-    assert [p.name for p in (trainer.run_dir / "checkpoints").glob("*.pt")] == [ckpt.checkpoint_name(0, 4)]
+    assert [p.name for p in (trainer.run_dir / "checkpoints").glob("*.ckpt")] == [ckpt.checkpoint_name(0, 4)]
     trainer.current_epoch, trainer.global_step = 1, 8  # epoch 1 ends at step 8: its end saves, the step does not
     callback.save_if_due(trainer, epoch_end=False, ends_epoch=True)
-    assert len(list((trainer.run_dir / "checkpoints").glob("*.pt"))) == 1
+    assert len(list((trainer.run_dir / "checkpoints").glob("*.ckpt"))) == 1
     callback.save_if_due(trainer, epoch_end=True, ends_epoch=True)
-    assert len(list((trainer.run_dir / "checkpoints").glob("*.pt"))) == 2
+    assert len(list((trainer.run_dir / "checkpoints").glob("*.ckpt"))) == 2
 
 
 def test_a_monitored_step_save_before_the_first_validation_warns_and_ranks_last(tmp_path):
     trainer = _Trainer(tmp_path / "version_0")
-    callback = ModelCheckpoint(monitor="val_loss", every_n_train_steps=2, every_n_epochs=1, save_top_k=1)
+    callback = ModelCheckpoint(monitor="val_loss", every_n_train_steps=2, save_top_k=1)
     callback.setup_directory(trainer)
     trainer.global_step = 2
     with pytest.warns(RuntimeWarning, match="monitors 'val_loss', not among the metrics yet at step 2"):
         callback.save_if_due(trainer, epoch_end=False, ends_epoch=False)
-    trainer.global_step, trainer.callback_metrics["val_loss"] = 3, 0.5
-    callback.save_if_due(trainer, epoch_end=True, ends_epoch=True)
-    assert callback.best_model_path.endswith(ckpt.checkpoint_name(0, 3))
+    trainer.global_step, trainer.callback_metrics["val_loss"] = 4, 0.5
+    callback.save_if_due(trainer, epoch_end=False, ends_epoch=False)
+    assert callback.best_model_path.endswith(ckpt.checkpoint_name(0, 4))
     del trainer.callback_metrics["val_loss"]
+    at_epoch_ends = ModelCheckpoint(monitor="val_loss", save_top_k=1)
+    at_epoch_ends.setup_directory(trainer)
     with pytest.raises(ValueError, match="monitors 'val_loss', which is not among the metrics"):
-        callback.save_if_due(trainer, epoch_end=True, ends_epoch=True)
+        at_epoch_ends.save_if_due(trainer, epoch_end=True, ends_epoch=True)
 
 
 def test_filename_templates_follow_lightnings_format_and_never_overwrite(tmp_path):
     callback = ModelCheckpoint(filename="{epoch}-{val_loss:.2f}")
-    # Lightning's format_checkpoint_name doctests (without the directory and ".ckpt")
-    assert callback.format_checkpoint_name({"epoch": 2, "val_loss": 0.123456}) == "epoch=2-val_loss=0.12"
-    assert callback.format_checkpoint_name({"epoch": 5}, filename="{epoch:03d}") == "epoch=005"
-    assert callback.format_checkpoint_name({}, filename="{missing:d}") == "missing=0"
+    # Lightning's format_checkpoint_name doctests: the name + ".ckpt", under dirpath when one is given
+    assert callback.format_checkpoint_name({"epoch": 2, "val_loss": 0.123456}) == "epoch=2-val_loss=0.12.ckpt"
+    assert callback.format_checkpoint_name({"epoch": 5}, filename="{epoch:03d}") == "epoch=005.ckpt"
+    assert callback.format_checkpoint_name({}, filename="{missing:d}") == "missing=0.ckpt"
     assert callback.format_checkpoint_name({"epoch": 1, "epoch_test": 7}, filename="{epoch}-{epoch_test}") == \
-        "epoch=1-epoch_test=7"
-    plain = ModelCheckpoint(filename="e{epoch}-vl={val_loss:.1f}", auto_insert_metric_name=False)
-    assert plain.format_checkpoint_name({"epoch": 2, "val_loss": 0.26}, ver=1) == "e2-vl=0.3-v1"
+        "epoch=1-epoch_test=7.ckpt"
+    plain = ModelCheckpoint(dirpath=tmp_path, filename="e{epoch}-vl={val_loss:.1f}", auto_insert_metric_name=False)
+    assert plain.format_checkpoint_name({"epoch": 2, "val_loss": 0.26}, ver=1) == str(tmp_path / "e2-vl=0.3-v1.ckpt")
+    assert ModelCheckpoint().format_checkpoint_name({"epoch": 0, "step": 4}, prefix="run") == "run-epoch=0-step=4.ckpt"
     with pytest.raises(ValueError, match="formats to 'val/loss=0.10', a path"):
         ModelCheckpoint(filename="{val/loss:.2f}").format_checkpoint_name({"val/loss": 0.1})
     with pytest.raises(ValueError, match="not 'last'"):
@@ -265,10 +271,10 @@ def test_filename_templates_follow_lightnings_format_and_never_overwrite(tmp_pat
     callback.setup_directory(trainer)
     _steps(callback, trainer, (1, 2))
     ckpt_dir = trainer.run_dir / "checkpoints"
-    assert sorted(p.name for p in ckpt_dir.glob("*.pt")) == ["epoch=0-v1.pt", "epoch=0.pt"]
+    assert sorted(p.name for p in ckpt_dir.glob("*.ckpt")) == ["epoch=0-v1.ckpt", "epoch=0.ckpt", "last.ckpt"]
     link = ckpt_dir / "last.ckpt"
-    assert link.is_symlink() and link.resolve() == (ckpt_dir / "epoch=0-v1.pt").resolve()
-    assert callback.last_model_path == str(link) and (ckpt_dir / "last").read_text().strip() == "epoch=0-v1.pt"
+    assert link.is_symlink() and link.resolve() == (ckpt_dir / "epoch=0-v1.ckpt").resolve()
+    assert callback.last_model_path == str(link) and (ckpt_dir / "last").read_text().strip() == "epoch=0-v1.ckpt"
 
 
 def test_save_top_k_0_saves_nothing_but_the_last_when_asked(tmp_path):
@@ -281,7 +287,7 @@ def test_save_top_k_0_saves_nothing_but_the_last_when_asked(tmp_path):
     only_last.setup_directory(trainer)
     _steps(only_last, trainer, (3, 4))
     ckpt_dir = trainer.run_dir / "checkpoints"
-    assert [p.name for p in ckpt_dir.glob("*.pt")] == [ckpt.checkpoint_name(0, 4)]
+    assert sorted(p.name for p in ckpt_dir.glob("*.ckpt")) == [ckpt.checkpoint_name(0, 4), "last.ckpt"]
     assert (ckpt_dir / "last.ckpt").resolve() == (ckpt_dir / ckpt.checkpoint_name(0, 4)).resolve()
 
 
@@ -310,19 +316,19 @@ def test_a_run_resumed_in_place_prunes_the_checkpoint_it_resumed_from(tmp_path):
         return trainer, checkpoint
 
     def kept(trainer):
-        return sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.pt"))
+        return sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.ckpt"))
 
-    first, _ = fit(2)
-    assert kept(first) == [ckpt.checkpoint_name(2, 2)]
-    resumed, checkpoint = fit(4, ckpt_path="last")  # continues version_0: its epoch-2 file is this run's own
-    assert resumed.run_dir == first.run_dir and kept(resumed) == [ckpt.checkpoint_name(4, 4)]
-    assert checkpoint.best_model_path == str(resumed.run_dir / "checkpoints" / ckpt.checkpoint_name(4, 4))
-    copy = tmp_path / "elsewhere.pt"  # not version_0's newest: the next fit starts version_1
+    first, _ = fit(2)  # names: the epoch trained (from 0) and the steps taken, one step an epoch
+    assert kept(first) == [ckpt.checkpoint_name(1, 2)]
+    resumed, checkpoint = fit(4, ckpt_path="last")  # continues version_0: its epoch-1 file is this run's own
+    assert resumed.run_dir == first.run_dir and kept(resumed) == [ckpt.checkpoint_name(3, 4)]
+    assert checkpoint.best_model_path == str(resumed.run_dir / "checkpoints" / ckpt.checkpoint_name(3, 4))
+    copy = tmp_path / "elsewhere.ckpt"  # not version_0's newest: the next fit starts version_1
     resumed.save_checkpoint(copy)
     other, checkpoint = fit(6, ckpt_path=copy)
-    assert other.run_dir == tmp_path / "version_1" and kept(first) == [ckpt.checkpoint_name(4, 4)]
-    assert kept(other) == [ckpt.checkpoint_name(6, 6)]  # the newest; the best is version_0's, kept there
-    assert checkpoint.best_model_path == str(first.run_dir / "checkpoints" / ckpt.checkpoint_name(4, 4))
+    assert other.run_dir == tmp_path / "version_1" and kept(first) == [ckpt.checkpoint_name(3, 4)]
+    assert kept(other) == [ckpt.checkpoint_name(5, 6)]  # the newest; the best is version_0's, kept there
+    assert checkpoint.best_model_path == str(first.run_dir / "checkpoints" / ckpt.checkpoint_name(3, 4))
 
 
 def test_a_checkpoint_saved_outside_the_callback_and_resumed_from_in_place_is_pruned(tmp_path):
@@ -337,7 +343,7 @@ def test_a_checkpoint_saved_outside_the_callback_and_resumed_from_in_place_is_pr
     trainer.ckpt_path = on_signal  # fit(ckpt_path="last") continues version_0 from it
     resumed.setup_directory(trainer)
     _steps(resumed, trainer, (3,))
-    assert [p.name for p in (trainer.run_dir / "checkpoints").glob("*.pt")] == [ckpt.checkpoint_name(0, 3)]
+    assert [p.name for p in (trainer.run_dir / "checkpoints").glob("*.ckpt")] == [ckpt.checkpoint_name(0, 3)]
 
 
 def test_save_checkpoint_never_replaces_another_runs_checkpoint_and_an_existing_file_only_when_asked(tmp_path):
@@ -358,11 +364,12 @@ def test_save_checkpoint_never_replaces_another_runs_checkpoint_and_an_existing_
     with pytest.raises(FileExistsError, match="belongs to another run"):
         second.save_checkpoint(theirs, overwrite=True)  # never, even when asked
     assert {p: p.read_bytes() for p in before} == before
-    mine = second.save_checkpoint(tmp_path / "final.pt")
+    mine = second.save_checkpoint(tmp_path / "final.pt")  # the exact path given, whatever its extension
+    assert mine == tmp_path / "final.pt" and mine.is_file()
     with pytest.raises(FileExistsError, match="overwrite=True"):
         second.save_checkpoint(mine)
     assert second.save_checkpoint(mine, overwrite=True) == mine
-    assert second.save_checkpoint(second.run_dir / "checkpoints" / "own.pt").is_file()
+    assert second.save_checkpoint(second.run_dir / "checkpoints" / "own.ckpt").is_file()
 
 
 def _fitted_run(root, epochs=2):
@@ -392,18 +399,18 @@ def test_a_checksum_file_given_as_the_checkpoint_names_the_checkpoint(tmp_path):
 
     trainer = _fitted_run(tmp_path)
     newest = ckpt.find_last(tmp_path)
-    with pytest.raises(CheckpointError, match=r"is the checksum file of checkpoint .*epoch=000002.*pass that path"):
+    with pytest.raises(CheckpointError, match=r"is the checksum file of checkpoint .*epoch=1-step=2.ckpt.*pass that path"):
         load_file(f"{newest}.sha256")
     assert trainer.global_step == 2
 
 
-@pytest.mark.parametrize("content", ["", "epoch=000009-step=0000000099.pt"])
+@pytest.mark.parametrize("content", ["", "epoch=9-step=99.ckpt"])
 def test_a_last_file_empty_or_naming_a_deleted_checkpoint_names_the_intact_ones_beside_it(tmp_path, content):
     trainer = _fitted_run(tmp_path)
     (trainer.run_dir / "checkpoints" / ckpt.LAST).write_text(content + "\n")
-    newest = trainer.run_dir / "checkpoints" / ckpt.checkpoint_name(2, 2)
-    what = "is empty" if not content else "names 'epoch=000009-step=0000000099.pt', which does not exist \(deleted or moved\)"
+    newest = trainer.run_dir / "checkpoints" / ckpt.checkpoint_name(1, 2)
+    what = "is empty" if not content else r"names 'epoch=9-step=99.ckpt', which does not exist \(deleted or moved\)"
     with pytest.raises(FileNotFoundError, match=rf"{what}; the intact checkpoints beside it: "
-                                                rf"epoch=000001-step=0000000001.pt, {newest.name}; resume from the "
+                                                rf"epoch=0-step=1.ckpt, {newest.name}; resume from the "
                                                 rf"newest with ckpt_path='{newest}'"):
         ckpt.find_last(tmp_path)

@@ -23,7 +23,7 @@ BOOLS = ("forward_communicates", "materialises_meta", "pipelined", "drives_all_d
 
 def test_the_base_declares_what_the_runtime_trainer_and_telemetry_use():
     assert MEMBERS == sorted([
-        "name", "checkpoint_suffix", "forward_communicates", "pipelined", "materialises_meta", "drives_all_devices",
+        "name", "sharded_checkpoints", "forward_communicates", "pipelined", "materialises_meta", "drives_all_devices",
         "uses_mesh", "needs_process_group", "applies_compile", "supports_sync_batchnorm",
         "manual_optimization_refusal", "gradient_sync", "precision_name", *FLAGS,
         "setup_module", "setup_optimizer", "unwrap", "no_backward_sync", "clip_gradients_norm", "time_allreduce",
@@ -35,7 +35,7 @@ def test_every_registered_strategy_subclasses_the_base_with_its_signatures(name,
     assert issubclass(cls, Strategy) and cls is not Strategy
     # an alias ("hsdp", "tp": layouts of "model_parallel") names the class its strategy's own name does
     assert STRATEGY_CLASSES[cls.name] is cls
-    assert cls.checkpoint_suffix in (".pt", "")
+    assert cls.sharded_checkpoints in (True, False)
     assert all(isinstance(getattr(cls, flag), bool) for flag in BOOLS)
     for method in [m for m in METHODS if m in vars(cls)]:  # the overrides keep the base's parameters
         ours = list(inspect.signature(vars(cls)[method]).parameters)

@@ -114,7 +114,7 @@ def test_under_ddp_each_rank_resumes_its_own_loader_state_and_another_world_size
     reads from the round after the last trained batch and ends with the uninterrupted run's weights. A mid-epoch
     checkpoint of 2 ranks resumed on 1, or of 1 resumed on 2, is refused before the first step naming both fixes."""
     _fit(str(tmp_path / "one"), checkpoint_every_n_steps=2, max_steps=2)  # one process, stopped mid-epoch 0
-    saved_on_one = next((tmp_path / "one").glob("version_0/checkpoints/epoch=000000-step=0000000002.pt"))
+    saved_on_one = next((tmp_path / "one").glob("version_0/checkpoints/epoch=0-step=2.ckpt"))
     results = run_distributed(own_and_shared_body, str(tmp_path), str(saved_on_one), timeout=50)
     for rank, run in enumerate(results):
         _check_exact(run["own"], [rank + 2 * k for k in range(6)])
@@ -128,7 +128,7 @@ def test_under_ddp_each_rank_resumes_its_own_loader_state_and_another_world_size
             torch.testing.assert_close(shared["resumed"]["state"][key], value, rtol=0, atol=0)
     assert len(results[0]["said"]) == 3 and "rank r of 2 keeps batches r, r + 2" in results[0]["said"][0]
     assert results[1]["said"] == []
-    mid_epoch = next((tmp_path / "own" / "cut").glob("version_0/checkpoints/epoch=000000-step=0000000002.pt"))
+    mid_epoch = next((tmp_path / "own" / "cut").glob("version_0/checkpoints/epoch=0-step=2.ckpt"))
     with pytest.raises(ValueError, match=r"saved for each of its 2 ranks.*Resume on 2 ranks, or use a map-style"):
         _fit(str(tmp_path / "one-from-two"), ckpt_path=mid_epoch)
 

@@ -114,7 +114,7 @@ def test_resume_keeps_the_scaled_lr_and_the_checkpoint_holds_it_once(tmp_path):
     assert resumed["used"].used[0][0] == pytest.approx(2 * 0.1 / 5)
     for key, value in full["model"].state_dict().items():
         torch.testing.assert_close(resumed["model"].state_dict()[key], value, rtol=0, atol=0)
-    ckpt = load_file(next((tmp_path / "stopped").glob("version_0/checkpoints/epoch=000001-step=0000000004.pt")))
+    ckpt = load_file(next((tmp_path / "stopped").glob("version_0/checkpoints/epoch=0-step=4.ckpt")))
     group = ckpt["optimizer"]["param_groups"][0]
     assert group["lr"] == pytest.approx(0.1 / 5)  # LambdaLR's value after 4 steps, unscaled: the checkpoint holds
     assert stopped["used"].used[-1][0] == pytest.approx(2 * 0.1 / 4)  # the lr once; the steps used it × 2

@@ -480,11 +480,11 @@ def test_model_checkpoint_keeps_the_top_k_by_the_monitored_metric(tmp_path):
     callback = ModelCheckpoint(monitor="score", save_top_k=2)
     trainer = _trainer(tmp_path, max_epochs=5, callbacks=[callback])
     trainer.fit(EpochMetric(), DataLoader(mw.indexed_dataset(8), batch_size=4), DataLoader(mw.indexed_dataset(4)))
-    kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.pt"))
-    # scores 5, 3, 4, 1, 2 at the ends of epochs 1..5: the best two are kept (the newest is also "last")
-    assert kept == ["epoch=000004-step=0000000008.pt", "epoch=000005-step=0000000010.pt"]
-    assert callback.best_model_path.endswith("epoch=000004-step=0000000008.pt")
-    assert (trainer.run_dir / "checkpoints" / "last").read_text().strip() == "epoch=000005-step=0000000010.pt"
+    kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.ckpt"))
+    # scores 5, 3, 4, 1, 2 at the ends of epochs 0..4: the best two are kept (the newest is also "last")
+    assert kept == ["epoch=3-step=8.ckpt", "epoch=4-step=10.ckpt"]
+    assert callback.best_model_path.endswith("epoch=3-step=8.ckpt")
+    assert (trainer.run_dir / "checkpoints" / "last").read_text().strip() == "epoch=4-step=10.ckpt"
     assert trainer.checkpoints.summary()["saves"] == 5  # one checkpoint per epoch end: the callback is the only writer
 
 
@@ -499,7 +499,7 @@ def test_validate_and_predict_evaluate_the_best_and_the_last_checkpoint_on_two_r
     history = ranks[0]["history"]
     best = history.index(min(history))
     assert best < len(history) - 1  # the best is not the fitted weights: loading it changes the model
-    assert f"epoch={best + 1:06d}-" in ranks[0]["best_path"] and ranks[1]["best_path"] == ranks[0]["best_path"]
+    assert f"epoch={best}-step=" in ranks[0]["best_path"] and ranks[1]["best_path"] == ranks[0]["best_path"]
     for r in ranks:
         assert r["own"] == pytest.approx(history[-1], rel=1e-6)  # without ckpt_path: the fitted weights
         assert r["best"] == pytest.approx(history[best], rel=1e-6)  # with it: the best epoch's
@@ -648,7 +648,7 @@ def test_resuming_an_older_checkpoint_never_writes_into_its_run(tmp_path):
     _trainer(tmp_path / "a", max_epochs=3).fit(workers.make_model(), loader, optimizer=workers.sgd)
     run_a = tmp_path / "a" / "version_0"
     before = _files(run_a)
-    older = run_a / "checkpoints" / ckpt.checkpoint_name(1, 2)
+    older = run_a / "checkpoints" / ckpt.checkpoint_name(0, 2)  # the end of the first epoch
     assert older.exists()
     trainer = _trainer(tmp_path / "b", max_epochs=3)
     summary = trainer.fit(workers.make_model(), loader, optimizer=workers.sgd, ckpt_path=older)

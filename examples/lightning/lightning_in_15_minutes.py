@@ -3,10 +3,10 @@ to trainscale (docs/lightning.md, "What to change"): its code blocks in order, w
 (``import lightning as L`` -> ``import trainscale as L``, whose module class is ``L.TrainingModule``) and MNIST from
 torchvision replaced by the MNIST-5k images trainscale ships (``trainscale.data.load_mnist5k``, no download).
 
-Step 5 loads the checkpoint by the name Lightning gives it, ``./lightning_logs/version_0/checkpoints/
-epoch=0-step=100.ckpt``; trainscale writes ``./runs/version_0/checkpoints/epoch=000001-step=0000000100.pt`` (its
-run directory, epochs completed, zero-padded, ``.pt``), so the guide's path is not found: the port takes the path
-from ``trainer.checkpoint_callback.best_model_path``. Each change is marked ``# was:``.
+Step 5 loads the checkpoint by the path Lightning gives it, ``./lightning_logs/version_0/checkpoints/
+epoch=0-step=100.ckpt``; trainscale writes the same name in its own run directory,
+``./runs/version_0/checkpoints/epoch=0-step=100.ckpt``, so the port takes the path from
+``trainer.checkpoint_callback.best_model_path``. Each change is marked ``# was:``.
 
     python examples/lightning/lightning_in_15_minutes.py
     python examples/lightning/lightning_in_15_minutes.py --devices 2     # trainscale: 2 processes (ddp)

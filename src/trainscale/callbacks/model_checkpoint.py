@@ -21,14 +21,15 @@ class ModelCheckpoint(Callback):
     """Save full, resumable checkpoints and keep the best ones (Lightning's ``ModelCheckpoint``).
 
     It is the only thing that writes a fit's scheduled checkpoints. When the user gives none (and
-    ``enable_checkpointing`` is on), the Trainer adds one from its own flags:
-    ``ModelCheckpoint(every_n_epochs=1, every_n_train_steps=checkpoint_every_n_steps, save_top_k=keep_last)``
-    (``keep_last=None``: ``save_top_k=-1``). The Trainer asks every ``ModelCheckpoint`` at the end of each
-    optimizer step and each epoch (:meth:`save_if_due`, called by name in ``Trainer._checkpoint_if_due``).
+    ``enable_checkpointing`` is on), the Trainer adds one from its own flags (:meth:`trainer_default`: epoch saves,
+    ``checkpoint_every_n_steps`` saves, the newest ``keep_last`` kept). The Trainer asks every ``ModelCheckpoint`` at
+    the end of each optimizer step and each epoch (:meth:`save_if_due`, called by name in
+    ``Trainer._checkpoint_if_due``).
 
-    Names: by default ``epoch=EEEEEE-step=SSSSSSSSSS`` (+ ".pt" for a one-file checkpoint, none for a sharded
-    directory), EEEEEE the epochs completed; with ``filename``, Lightning's template (:meth:`format_checkpoint_name`)
-    + the same suffix. Written atomically, its SHA-256 inside the file (``runtime/checkpoint_io.py``), so the directory
+    Names: Lightning's (:meth:`format_checkpoint_name`): the template ``filename``, by default ``"{epoch}-{step}"``
+    (``epoch=0-step=4.ckpt``: the epoch being trained, from 0, and the optimizer steps taken), + ``FILE_EXTENSION``
+    (".ckpt"), for a one-file checkpoint and a sharded (DCP) directory alike, as Lightning's FSDP checkpoints.
+    Written atomically, its SHA-256 inside the file (``runtime/checkpoint_io.py``), so the directory
     lists the checkpoints and nothing else. After each save ``<run dir>/checkpoints/last`` names it,
     so ``fit(ckpt_path="last")`` resumes from the newest save; with ``save_last``, ``<dirpath>/last.ckpt``
     (``CHECKPOINT_NAME_LAST`` + ``FILE_EXTENSION``, a template such as ``"{epoch}-last"`` too) is also a symbolic link
@@ -44,13 +45,14 @@ class ModelCheckpoint(Callback):
     A name that exists already (a template without ``{step}``, a second run in the same ``dirpath``) gets
     Lightning's version suffix ``-v1``, ``-v2``..., so no file of another run is ever overwritten; the name of a
     file of this run that the same save prunes is taken over (Lightning's rule: ``filename="model"`` with
-    ``save_top_k=1`` keeps one ``model.pt``, replaced atomically). While a fit runs, rank zero holds an advisory
+    ``save_top_k=1`` keeps one ``model.ckpt``, replaced atomically). While a fit runs, rank zero holds an advisory
     lock on ``dirpath`` (``fcntl.flock`` on the directory itself): a second fit writing there at the same time is
     refused at its start.
 
     Args:
-        dirpath: where to write (``~`` expanded, made absolute, as Lightning); default ``<run dir>/checkpoints``.
-        filename: Lightning's template, e.g. ``"{epoch}-{val_loss:.2f}"`` → ``epoch=3-val_loss=0.12``: fields
+        dirpath: where to write (``~`` expanded, made absolute, as Lightning); default ``<run dir>/checkpoints``. The
+            attribute ``dirpath`` is the directory in use once a fit has started (Lightning's, after its setup).
+        filename: Lightning's template, e.g. ``"{epoch}-{val_loss:.2f}"`` → ``epoch=3-val_loss=0.12.ckpt``: fields
             are ``epoch`` (the epoch being trained, from 0, as Lightning), ``step`` (optimizer steps so far)
             and any metric in ``trainer.callback_metrics`` (0 when missing, as Lightning). None: the default name.
         monitor: metric name in ``trainer.callback_metrics`` (e.g. "val_loss"); None: keep the newest.
@@ -58,7 +60,10 @@ class ModelCheckpoint(Callback):
         save_last: True or "link": keep ``last.ckpt`` in ``dirpath`` pointing at the newest checkpoint. Both are a
             link here (Lightning's True writes a second copy; trainscale keeps the newest checkpoint anyway).
         save_top_k: checkpoints kept besides the newest (``-1``: all; ``0``: none, and nothing is saved
-            unless ``save_last``, which then keeps only the newest).
+            unless ``save_last``, which then keeps only the newest). Without a monitor only -1, 0 or 1 (as Lightning:
+            no value to rank more by; the Trainer's ``keep_last`` keeps the newest N).
+        save_on_exception: when ``fit`` ends in an exception, save a checkpoint of the state at that moment
+            (Lightning's; :meth:`on_exception`).
         save_weights_only: the checkpoints hold the weights and the loop's position, but no optimizer or scheduler
             state (Lightning's ``weights_only``): ``load_from_checkpoint`` reads them, ``fit(ckpt_path=...)`` cannot
             resume from them.
@@ -67,9 +72,9 @@ class ModelCheckpoint(Callback):
         every_n_train_steps: save every N optimizer steps (mid-epoch).
         train_time_interval: save after the first optimizer step that ends this much training time (a
             ``datetime.timedelta``) after the fit's start or the last such save; rank zero's clock decides.
-        every_n_epochs: save at the end of every N-th epoch; default 1 without ``every_n_train_steps`` and
-            ``train_time_interval``, else 0 (never at epoch ends). With both, a step that ends an epoch saves once,
-            at the epoch end.
+        every_n_epochs: save at the end of every N-th epoch; default 1 when none of ``every_n_train_steps``,
+            ``every_n_epochs`` and ``train_time_interval`` is given, else 0 (never at epoch ends). The three are
+            exclusive, as in Lightning: for two schedules use two ``ModelCheckpoint``.
         save_on_train_epoch_end: False: the epoch saves happen at the end of each validation of ``fit`` (also a
             mid-epoch one, with ``val_check_interval``), as Lightning; a fit without validation saves at its epoch
             ends. True: at the end of each training epoch, after its validation. None (Lightning's default): at
@@ -78,7 +83,10 @@ class ModelCheckpoint(Callback):
             it; one this run did not write is never replaced (a ``ValueError``).
 
     Raises:
-        ValueError: bad arguments (a ``filename`` of "last" or one that formats to a path with "/"); at an
+        ValueError: bad arguments (Lightning's ``MisconfigurationException`` cases: a ``mode`` other than "min"/"max",
+            ``save_top_k`` below -1 or above 1 without ``monitor``, a negative ``every_n_*``, two of
+            ``every_n_train_steps``, ``every_n_epochs``, ``train_time_interval`` together; and a ``filename`` of
+            "last" or one that formats to a path with "/"); at an
             epoch-end save, a ``monitor`` not among the metrics (at a step save before the first validation: a
             warning, and the checkpoint ranks last); at the start of ``fit``, a ``dirpath`` another running fit holds.
     """
@@ -87,27 +95,33 @@ class ModelCheckpoint(Callback):
     CHECKPOINT_JOIN_CHAR = "-"
     CHECKPOINT_EQUALS_CHAR = "="
     CHECKPOINT_NAME_LAST = "last"  # the save_last link's name (a template: "{epoch}-last")
-    FILE_EXTENSION = ".ckpt"  # of the save_last link (the checkpoint files take their strategy's: ".pt" or none)
+    FILE_EXTENSION = ".ckpt"  # of every name this callback writes (a file, a sharded directory, the save_last link)
     STARTING_VERSION = 1
 
     def __init__(self, dirpath: Optional[str | Path] = None, filename: Optional[str] = None,
                  monitor: Optional[str] = None, verbose: bool = False,
                  save_last: Optional[Literal[True, False, "link"]] = None, save_top_k: int = 1,
-                 save_weights_only: bool = False, mode: str = "min", auto_insert_metric_name: bool = True,
+                 save_on_exception: bool = False, save_weights_only: bool = False, mode: str = "min",
+                 auto_insert_metric_name: bool = True,
                  every_n_train_steps: Optional[int] = None, train_time_interval: Optional[timedelta] = None,
                  every_n_epochs: Optional[int] = None, save_on_train_epoch_end: Optional[bool] = None,
                  enable_version_counter: bool = True) -> None:
-        _check_arguments(mode, save_top_k, every_n_train_steps, every_n_epochs, train_time_interval)
+        if every_n_train_steps is None and every_n_epochs is None and train_time_interval is None:
+            every_n_epochs = 1  # Lightning's __init_triggers: an epoch save when no schedule is given
+        _check_arguments(mode, save_top_k, monitor)
+        _check_schedule(every_n_train_steps, every_n_epochs or 0, train_time_interval)
         _check_naming(filename, save_last)
         self.filename, self.save_last, self.auto_insert_metric_name = filename, save_last, auto_insert_metric_name
-        self.dirpath = os.path.realpath(os.path.expanduser(dirpath)) if dirpath is not None else None
+        # the dirpath given (None: the run's own directory), in the state and its rules; ``dirpath``: Lightning's
+        # attribute, the directory the checkpoints go to once a fit has set it (os.listdir(callback.dirpath))
+        self._given_dirpath = os.path.realpath(os.path.expanduser(dirpath)) if dirpath is not None else None
+        self.dirpath = self._given_dirpath
         self.monitor, self.mode, self.save_top_k, self.verbose = monitor, mode, save_top_k, verbose
         self.save_weights_only, self.save_on_train_epoch_end = save_weights_only, save_on_train_epoch_end
         self.enable_version_counter, self.train_time_interval = enable_version_counter, train_time_interval
+        self.save_on_exception = save_on_exception
         self.every_n_train_steps = every_n_train_steps or None
-        if every_n_epochs is None:
-            every_n_epochs = 1 if self.every_n_train_steps is None and train_time_interval is None else 0
-        self.every_n_epochs = every_n_epochs
+        self.every_n_epochs = every_n_epochs or 0
         # Lightning's public record of the ranking (kept in step with ``_kept`` after each save; state_dict's keys)
         self.best_k_models: dict[str, torch.Tensor] = {}  # path -> score, with a monitor
         self.kth_best_model_path = ""
@@ -135,6 +149,18 @@ class ModelCheckpoint(Callback):
                                         every_n_epochs=self.every_n_epochs,
                                         train_time_interval=self.train_time_interval)
 
+    @classmethod
+    def trainer_default(cls, every_n_epochs: int, every_n_train_steps: Optional[int],
+                        keep_last: Optional[int]) -> "ModelCheckpoint":
+        """The Trainer's own callback, from its flags ``enable_checkpointing`` (``every_n_epochs`` 1, else 0),
+        ``checkpoint_every_n_steps`` and ``keep_last`` (None: keep all): epoch saves and step saves together (a step
+        that ends an epoch saves once, at the epoch end) and the newest ``keep_last`` kept without a monitor, two
+        things the arguments refuse as Lightning's do; the rules of one callback serve both."""
+        callback = cls(save_top_k=-1)
+        callback.every_n_epochs, callback.every_n_train_steps = every_n_epochs, every_n_train_steps
+        callback.save_top_k = -1 if keep_last is None else keep_last
+        return callback
+
     def setup_directory(self, trainer: "Trainer") -> None:
         """At the start of a fit, after its run directory is chosen (every rank): resolve ``dirpath`` and lock it
         for this fit (rank zero).
@@ -142,10 +168,12 @@ class ModelCheckpoint(Callback):
         Raises:
             ValueError: another running fit holds ``dirpath``.
         """
-        self._directory = Path(trainer.run_dir) / "checkpoints" if self.dirpath is None else Path(self.dirpath)
+        given = self._given_dirpath
+        self._directory = Path(trainer.run_dir) / "checkpoints" if given is None else Path(given)
+        self.dirpath = str(self._directory)
         self._adopt_earlier_files(trainer)
         self._last_time_save = time.monotonic()
-        if self.dirpath is None:
+        if given is None:
             return
         rt, refusal = trainer.runtime, None
         if rt.is_rank_zero:
@@ -176,19 +204,19 @@ class ModelCheckpoint(Callback):
             if path in self._written and path not in self._kept:
                 self._kept[path] = -float(trainer.global_step) if self.monitor is None else math.inf
 
-    def format_checkpoint_name(self, metrics: dict, filename: str | None = None, ver: int | None = None) -> str:
-        """Lightning's ``ModelCheckpoint.format_checkpoint_name`` (``_format_checkpoint_name``), without the
-        directory and extension (the strategy adds ".pt" for a file): ``"{epoch}-{val_loss:.2f}"`` with
-        ``{"epoch": 2, "val_loss": 0.123456}`` → ``"epoch=2-val_loss=0.12"``; a missing field formats 0;
-        ``ver`` adds ``-v<ver>``.
+    def format_checkpoint_name(self, metrics: dict, filename: str | None = None, ver: int | None = None,
+                               prefix: str | None = None) -> str:
+        """Lightning's ``ModelCheckpoint.format_checkpoint_name``: the template (``filename``, else this callback's,
+        else ``"{epoch}-{step}"``) formatted with ``metrics``, ``prefix`` + "-" before it, ``-v<ver>`` after it,
+        + ``FILE_EXTENSION``, under ``dirpath`` when one was given: ``"{epoch}-{val_loss:.2f}"`` with
+        ``{"epoch": 2, "val_loss": 0.123456}`` → ``<dirpath>/epoch=2-val_loss=0.12.ckpt``; a missing field
+        formats 0.
 
         Raises:
-            ValueError: no template (``filename`` None); a name with "/" (a metric named "a/b": pass
-                ``auto_insert_metric_name=False`` and a template without it).
+            ValueError: a name with "/" (a metric named "a/b": pass ``auto_insert_metric_name=False`` and a template
+                without it).
         """
-        template = filename or self.filename
-        if not template:
-            raise ValueError("format_checkpoint_name needs a filename template (ModelCheckpoint(filename=...))")
+        template = filename or self.filename or f"{{epoch}}{self.CHECKPOINT_JOIN_CHAR}{{step}}"
         metrics = dict(metrics)
         # longest first, so that "{epoch}" does not replace part of "{epoch_test}" (as Lightning)
         for group in sorted(re.findall(r"(\{.*?)[:\}]", template), key=len, reverse=True):
@@ -197,50 +225,49 @@ class ModelCheckpoint(Callback):
                 template = template.replace(group, f"{name}{self.CHECKPOINT_EQUALS_CHAR}{{{name}")
             template = template.replace(group, f"{{0[{name}]")  # keys with dots, as Lightning
             metrics.setdefault(name, 0)
-        name = template.format(metrics) + (f"{self.CHECKPOINT_JOIN_CHAR}v{ver}" if ver is not None else "")
+        name = self.CHECKPOINT_JOIN_CHAR.join([*([prefix] if prefix is not None else []), template.format(metrics)])
+        name += f"{self.CHECKPOINT_JOIN_CHAR}v{ver}" if ver is not None else ""
         if "/" in name:
             raise ValueError(f"ModelCheckpoint(filename={self.filename!r}) formats to {name!r}, a path: metric names "
                              "with '/' make directories; pass auto_insert_metric_name=False and a template without '/'")
-        return name
+        return os.path.join(self.dirpath, name + self.FILE_EXTENSION) if self.dirpath else name + self.FILE_EXTENSION
 
-    def _free_name(self, trainer: "Trainer", name: str, suffix: str, format_version, reusable) -> str:
-        """``name``, or its first version (``format_version(v)``) whose path (+ ``suffix``) does not exist or is
-        ``reusable`` (a set of paths, or a predicate: this run's files the save replaces); decided on rank zero, the
-        same on every rank.
+    def _free_name(self, trainer: "Trainer", template: str, metrics: dict, reusable) -> str:
+        """The file name of ``template`` (:meth:`format_checkpoint_name`), or its first version (``-v1``...) that does
+        not exist in the directory or is ``reusable`` (a set of paths, or a predicate: this run's files the save
+        replaces); decided on rank zero, the same on every rank.
 
         Raises:
             ValueError: with ``enable_version_counter=False``, the name is a file this run did not write.
         """
-        chosen, refusal = name, None
+        chosen, refusal = os.path.basename(self.format_checkpoint_name(metrics, template)), None
         if trainer.runtime.is_rank_zero:
             ver = self.STARTING_VERSION
             free = reusable if callable(reusable) else reusable.__contains__
-            while _exists(self._directory / f"{chosen}{suffix}") and not free(str(self._directory / f"{chosen}{suffix}")):
+            while _exists(self._directory / chosen) and not free(str(self._directory / chosen)):
                 if not self.enable_version_counter:
-                    if str(self._directory / f"{chosen}{suffix}") in self._written:
+                    if str(self._directory / chosen) in self._written:
                         break  # this run's own file: replaced, as Lightning does without the counter
                     refusal = (f"ModelCheckpoint(enable_version_counter=False) would replace "
-                               f"{str(self._directory / chosen) + suffix!r}, which this run did not write; no file of "
+                               f"{str(self._directory / chosen)!r}, which this run did not write; no file of "
                                "another run is ever overwritten: keep the version counter, or give this run its own "
                                "dirpath")
                     break
-                chosen, ver = format_version(ver), ver + 1
+                chosen, ver = os.path.basename(self.format_checkpoint_name(metrics, template, ver=ver)), ver + 1
         chosen, refusal = trainer.runtime.broadcast_object((chosen, refusal))
         if refusal:
             raise ValueError(refusal)
         return chosen
 
+    def _metrics(self, trainer: "Trainer") -> dict:
+        """The template's fields: ``callback_metrics``, with ``epoch`` (``trainer.current_epoch``) and ``step``."""
+        return {**trainer.callback_metrics, "epoch": trainer.current_epoch, "step": trainer.global_step}
+
     def _file_name(self, trainer: "Trainer", reusable: set[str]) -> str:
-        """This save's name (without suffix): the template's or the default one, versioned past an existing file."""
-        suffix = trainer.runtime.strategy.checkpoint_suffix
-        if self.filename is None:
-            name = trainer.checkpoint_path(self._directory).name
-            name = name[:-len(suffix)] if suffix else name
-            return self._free_name(trainer, name, suffix, lambda v: f"{name}{self.CHECKPOINT_JOIN_CHAR}v{v}",
-                                   reusable if suffix else set())
-        metrics = {**trainer.callback_metrics, "epoch": trainer.current_epoch, "step": trainer.global_step}
-        return self._free_name(trainer, self.format_checkpoint_name(metrics), suffix,
-                               lambda v: self.format_checkpoint_name(metrics, ver=v), reusable if suffix else set())
+        """This save's file name: the template's, versioned past an existing file (a sharded directory's name is
+        never taken over: it is renamed into place, which needs a free name)."""
+        sharded = trainer.runtime.strategy.sharded_checkpoints
+        return self._free_name(trainer, self.filename, self._metrics(trainer), set() if sharded else reusable)
 
     def save_if_due(self, trainer: "Trainer", epoch_end: bool, ends_epoch: bool) -> None:
         """Save when this step or epoch end is one of this callback's (every rank calls it at the same point).
@@ -291,6 +318,36 @@ class ModelCheckpoint(Callback):
                 and self._saved_step != trainer.global_step):
             self._save(trainer, epoch_end=True)
 
+    def on_exception(self, trainer: "Trainer", module: Any, exception: BaseException) -> None:
+        """With ``save_on_exception``: when ``fit`` ends in an exception, a checkpoint of the state at that moment
+        (Lightning's ``on_exception``), named by the template (``epoch=E-step=S.ckpt`` by default), which "last" and
+        the save_last link then name, so ``fit(ckpt_path="last")`` resumes from it. Not ranked, so no later save
+        prunes it. Skipped where Lightning skips it (``fast_dev_run``, the sanity check, no step taken, a save of
+        this callback at this step) and where a checkpoint of this step was just written (the one a signal writes
+        before ``Preempted``, another ``ModelCheckpoint``'s): "last" names it already.
+
+        Unlike Lightning, which writes over a file of that name (with ``filename="model"``, the kept best one), it
+        takes the next free version (``model-v1.ckpt``): no checkpoint is ever overwritten. Every rank must get here
+        (an error every rank meets, a KeyboardInterrupt under torchrun): with several ranks the save is a
+        collective, and one that cannot finish (a rank that died: a ``CollectiveTimeout``) is a warning; ``fit``
+        raises the original exception either way."""
+        if (not self.save_on_exception or self._directory is None or not trainer.config.writes_files
+                or trainer.sanity_checking or trainer.global_step in (0, self._saved_step)
+                or trainer.checkpoints.saved_step == trainer.global_step):
+            return
+        try:
+            name = self._free_name(trainer, self.filename, self._metrics(trainer), set())
+            last = self._last_name(trainer) if self.save_last else None
+            trainer.write_checkpoint(self._directory, name=name, weights_only=self.save_weights_only)
+            self._saved_step = trainer.global_step
+            trainer.checkpoints.discard([Path(p) for p in self._link_last(trainer, str(self._directory / name), last)])
+        except Exception as err:
+            warnings.warn(f"ModelCheckpoint(save_on_exception=True) could not save after {type(exception).__name__}: "
+                          f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)
+            return
+        trainer.runtime.print(f"An {type(exception).__name__} was raised with message: {exception}; saved checkpoint "
+                              f"to {self._directory / name}")
+
     def _score(self, trainer: "Trainer", epoch_end: bool) -> float:
         """This save's rank: lower is better (the monitored value, negated for "max"; a non-finite one ranks last;
         without a monitor, newer is better)."""
@@ -322,24 +379,28 @@ class ModelCheckpoint(Callback):
         ranked = sorted([*self._kept.items(), (None, score)], key=lambda kv: kv[1])  # ties: the older first
         top = {p for p, _ in (ranked[:self.save_top_k] if self.save_top_k >= 0 else ranked)}
         name = self._file_name(trainer, {p for p in self._written if p not in top})
-        path = str(trainer.checkpoint_path(self._directory, name))
+        path = str(self._directory / name)
         # ranked before the write (Lightning's order), so that the state this checkpoint holds counts it: a run
         # resumed from it in place knows it as its own, with its score
         self._rank(path, score, trainer.global_step)
         last = self._last_name(trainer) if self.save_last else None
-        if last is not None:
-            self.last_model_path = str(self._directory / last)
         trainer.write_checkpoint(self._directory, background=True, name=name, weights_only=self.save_weights_only)
         if self.verbose:
             self._say_saved(trainer, path)
         keep = set(self._kept) | {path}  # the newest is "last"
         stale = [p for p in self._written if p not in keep]
         self._written = [p for p in self._written if p in keep]
-        if last is not None:
-            trainer.checkpoints.link(Path(path), self._directory / last)  # once the new one is on disk
-            stale += [p for p in self._links if p != self.last_model_path]  # an earlier "{epoch}-last"
-            self._links = [self.last_model_path]
-        trainer.checkpoints.discard([Path(p) for p in stale])  # then, the ones it replaces
+        trainer.checkpoints.discard([Path(p) for p in stale + self._link_last(trainer, path, last)])
+
+    def _link_last(self, trainer: "Trainer", path: str, last: str | None) -> list[str]:
+        """With ``save_last``: the link ``last`` (a name in the directory) to checkpoint ``path``, made once the
+        checkpoint is on disk. Returns the links it replaces (an earlier ``"{epoch}-last"``), to discard after it."""
+        if last is None:
+            return []
+        trainer.checkpoints.link(Path(path), self._directory / last)
+        stale = [p for p in self._links if p != self.last_model_path]
+        self._links = [self.last_model_path]
+        return stale
 
     def _rank(self, path: str, score: float, step: int) -> None:
         """``path`` (the newest) into the ranking with ``score``; the top ``save_top_k`` kept; Lightning's records."""
@@ -361,18 +422,17 @@ class ModelCheckpoint(Callback):
 
     def _last_name(self, trainer: "Trainer") -> str:
         """The save_last link's name: ``CHECKPOINT_NAME_LAST`` formatted (``"{epoch}-last"``) + ``FILE_EXTENSION``,
-        versioned past a file that is not this callback's link (another run's ``last.ckpt``)."""
-        template = self.CHECKPOINT_NAME_LAST
-        metrics = {**trainer.callback_metrics, "epoch": trainer.current_epoch, "step": trainer.global_step}
-        name = self.format_checkpoint_name(metrics, filename=template) if "{" in template else template
-        version = (lambda v: self.format_checkpoint_name(metrics, filename=template, ver=v)) if "{" in template \
-            else (lambda v: f"{template}{self.CHECKPOINT_JOIN_CHAR}v{v}")
-        return self._free_name(trainer, name, self.FILE_EXTENSION, version, self._is_own_link) + self.FILE_EXTENSION
+        versioned past a file that is not this callback's link (another run's ``last.ckpt``). Its path becomes
+        ``last_model_path`` now, before the checkpoint is written, so that the state it holds names it (Lightning's
+        order)."""
+        name = self._free_name(trainer, self.CHECKPOINT_NAME_LAST, self._metrics(trainer), self._is_own_link)
+        self.last_model_path = str(self._directory / name)
+        return name
 
     def _is_own_link(self, path: str) -> bool:
         """Whether ``path`` is a save_last link of this run: one this callback made, any in the run's own directory
         (no ``dirpath``), or one to a checkpoint of this run (a run resumed in place with a new callback)."""
-        if self.dirpath is None or path in self._links or path == self.last_model_path:
+        if self._given_dirpath is None or path in self._links or path == self.last_model_path:
             return True
         own = {str(Path(p).resolve()) for p in self._written}
         return os.path.islink(path) and str(Path(path).resolve()) in own
@@ -405,7 +465,8 @@ class ModelCheckpoint(Callback):
         ``best_k_models``, ``kth_best_model_path``, ``kth_value``, ``last_model_path``) and trainscale's ranking
         (``best_k``: path -> rank, also without a monitor; ``newest``)."""
         return {"monitor": self.monitor, "best_model_score": self.best_model_score,
-                "best_model_path": self.best_model_path, "current_score": self.current_score, "dirpath": self.dirpath,
+                "best_model_path": self.best_model_path, "current_score": self.current_score,
+                "dirpath": self._given_dirpath,
                 "best_k_models": self.best_k_models, "kth_best_model_path": self.kth_best_model_path,
                 "kth_value": self.kth_value, "last_model_path": self.last_model_path,
                 "best_k": dict(self._kept), "newest": self._newest}
@@ -417,8 +478,8 @@ class ModelCheckpoint(Callback):
             self._kept, self._newest = dict(state["best_k"]), state.get("newest")
             self._publish_ranking()
             return
-        saved_dir = state.get("dirpath", self.dirpath)
-        if saved_dir == self.dirpath:
+        saved_dir = state.get("dirpath", self._given_dirpath)
+        if saved_dir == self._given_dirpath:
             self.best_model_score = state["best_model_score"]
             self.kth_best_model_path = state.get("kth_best_model_path", self.kth_best_model_path)
             self.kth_value = state.get("kth_value", self.kth_value)
@@ -431,7 +492,7 @@ class ModelCheckpoint(Callback):
             else:  # a Lightning-shaped state: its scores are the ranking
                 self._kept = {p: self._value(float(v)) for p, v in self.best_k_models.items()}
         else:
-            warnings.warn(f"The dirpath has changed from {saved_dir!r} to {self.dirpath!r}, therefore "
+            warnings.warn(f"The dirpath has changed from {saved_dir!r} to {self._given_dirpath!r}, therefore "
                           "`best_model_score`, `kth_best_model_path`, `kth_value`, `last_model_path` and "
                           "`best_k_models` won't be reloaded. Only `best_model_path` will be reloaded.", UserWarning,
                           stacklevel=2)
@@ -465,21 +526,37 @@ def _lock_directory(directory: Path) -> int | None:
     return fd
 
 
-def _check_arguments(mode: str, save_top_k: int, every_n_train_steps: Optional[int], every_n_epochs: Optional[int],
-                     train_time_interval: Optional[timedelta]) -> None:
-    """Raise ValueError, with Lightning's words, for a ``mode`` other than "min"/"max", a ``save_top_k`` below -1,
-    an ``every_n_*`` below 0, a ``train_time_interval`` that is no ``timedelta``."""
+def _check_arguments(mode: str, save_top_k: int, monitor: Optional[str]) -> None:
+    """Raise ValueError, with Lightning's words (``ModelCheckpoint.__validate_init_configuration``) and the fix, for a
+    ``mode`` other than "min"/"max" and a ``save_top_k`` below -1, or above 1 without a ``monitor`` (nothing to rank
+    by)."""
     if mode not in ("min", "max"):
         raise ValueError(f"`mode` can be 'min' or 'max' but got {mode}; choose one of the two")
     if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
         raise ValueError(f"Invalid value for save_top_k={save_top_k!r}. Must be >= -1: an int >= 0, or -1 to keep "
                          "every checkpoint")
+    if monitor is None and save_top_k not in (-1, 0, 1):
+        raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None) is not a valid configuration. No "
+                         "quantity for top_k to track: pass monitor='<a logged metric>' to keep the best "
+                         f"{save_top_k}, or save_top_k=-1 (keep all) or 1 (keep the newest); Trainer(keep_last="
+                         f"{save_top_k}) keeps the newest {save_top_k}")
+
+
+def _check_schedule(every_n_train_steps: Optional[int], every_n_epochs: int,
+                    train_time_interval: Optional[timedelta]) -> None:
+    """Raise ValueError, with Lightning's words and the fix, for an ``every_n_*`` below 0, a ``train_time_interval``
+    that is no ``timedelta``, and more than one of the three schedules (``every_n_epochs`` after its default)."""
     for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"Invalid value for {name}={value!r}. Must be >= 0 (an int, or None)")
     if train_time_interval is not None and not isinstance(train_time_interval, timedelta):
         raise ValueError(f"train_time_interval={train_time_interval!r}; pass a datetime.timedelta "
                          "(e.g. timedelta(minutes=30)) or None")
+    if sum([(every_n_train_steps or 0) >= 1, every_n_epochs >= 1, train_time_interval is not None]) > 1:
+        raise ValueError(f"Combination of parameters every_n_train_steps={every_n_train_steps or 0}, every_n_epochs="
+                         f"{every_n_epochs} and train_time_interval={train_time_interval} should be mutually exclusive:"
+                         " give one of them (0 or None for the others), and a second ModelCheckpoint for a second "
+                         "schedule")
 
 
 def _check_naming(filename: str | None, save_last: bool | str | None) -> None:

@@ -48,13 +48,6 @@ def is_sharded(path: Path) -> bool:
     return path.is_dir() and (path / ".metadata").is_file()
 
 
-def default_name(fit: Any, state: TrainState, suffix: str) -> str:
-    """The one checkpoint name: ``epoch=E-step=S`` + ``suffix`` (the strategy's: ".pt" for one file, "" for a
-    sharded directory), E the epochs completed."""
-    completed = state.epoch + 1 if state.batches >= fit.epoch_batches else state.epoch
-    return ckpt.checkpoint_name(completed, state.global_step, suffix)
-
-
 def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers, schedulers, callbacks: dict,
          on_save: Callable[[dict], None] | None = None, asynchronous: bool = False) -> tuple[Path, Any]:
     """Write a checkpoint of the running ``fit`` (a ``FitRun``) to ``target`` (a file, or a directory under a
@@ -75,7 +68,7 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
     positions = fit.loader_positions  # a loader that keeps its own position: its state per rank, mid-epoch
     loader_states = None if positions is None or complete else runtime.all_gather_object(
         positions.state_after(state.batches - fit.epoch_offset))
-    content = {weights_key(not runtime.strategy.checkpoint_suffix): fit.model, **_keyed("optimizer", optimizers),
+    content = {weights_key(runtime.strategy.sharded_checkpoints): fit.model, **_keyed("optimizer", optimizers),
                **_keyed("scheduler", [s.scheduler for s in schedulers]),
                "train_state": state.state_dict(), "rng": runtime.all_gather_object(rng.rng_state()),
                "world_size": runtime.world_size, "callbacks": callbacks,
@@ -177,7 +170,7 @@ def read_module_checkpoint(path: Path, verify: bool = True,
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; pass a checkpoint file "
-                                "(<run>/checkpoints/epoch=E-step=S.pt) or a sharded checkpoint directory")
+                                "(<run>/checkpoints/epoch=E-step=S.ckpt) or a sharded checkpoint directory")
     if ckpt.is_last_pointer(path):  # <run>/checkpoints/last: the checkpoint it names
         path = ckpt.read_last(path)
     sharded = is_sharded(path)

@@ -4,11 +4,15 @@ Layout of a run directory::
 
     <default_root_dir>/version_<N>/
         metrics.jsonl  summary.json
-        checkpoints/epoch=000002-step=0000000126.pt          one file, its SHA-256 inside, written atomically (single, ddp)
-        checkpoints/epoch=000002-step=0000000126/                  a sharded DCP directory (fsdp), renamed into place
-        checkpoints/last                                     the name of the newest complete one
-        job_id                                               the torchrun/SLURM job that made it
-        stacks/rank<R>.txt                                   watchdog stack dumps (only after a stall)
+        checkpoints/epoch=2-step=126.ckpt     one file, its SHA-256 inside, written atomically (single, ddp)
+        checkpoints/epoch=2-step=126.ckpt/    a sharded DCP directory (fsdp, model_parallel, pp), renamed into place
+        checkpoints/last                      the name of the newest complete one
+        job_id                                the torchrun/SLURM job that made it
+        stacks/rank<R>.txt                    watchdog stack dumps (only after a stall)
+
+Checkpoint names are Lightning's (``epoch=E-step=S.ckpt``, E the epoch being trained, from 0, S the optimizer
+steps taken). Runs written before hold ``epoch=EEEEEE-step=SSSSSSSSSS.pt`` files (zero padded, E the epochs
+completed) or such directories without a suffix: their "last" still names them, and they still load and resume.
 
 "last" is written only after its checkpoint is on disk, so a crash during a save
 leaves the previous checkpoint as "last".
@@ -24,8 +28,10 @@ from pathlib import Path
 from trainscale.runtime.checkpoint_io import atomic_write_bytes
 
 _VERSION = re.compile(r"^version_(\d+)$")
-# Parsed with any zero padding, so the order never depends on the width of the numbers.
-_CHECKPOINT = re.compile(r"^epoch=(\d+)-step=(\d+)(?:\.pt)?$")
+# Parsed with any zero padding, so the order never depends on the width of the numbers; ".pt" and no suffix: the
+# names of the files and directories written before checkpoints took Lightning's extension
+_CHECKPOINT = re.compile(r"^epoch=(\d+)-step=(\d+)(?:\.ckpt|\.pt)?$")
+EXTENSION = ".ckpt"  # Lightning's ModelCheckpoint.FILE_EXTENSION, of a checkpoint file and a sharded directory alike
 LAST = "last"
 JOB_ID = "job_id"
 SCRIPT = "script"
@@ -147,12 +153,12 @@ def write_resumed_from(run_dir: Path, checkpoint: Path) -> None:
     atomic_write_bytes(run_dir / RESUMED_FROM, str(Path(checkpoint).resolve()).encode() + b"\n")
 
 
-def checkpoint_name(epoch: int, step: int, suffix: str = ".pt") -> str:
-    """``epoch=EEEEEE-step=SSSSSSSSSS`` + ``suffix`` (".pt" for a file, "" for a directory).
-
-    Zero-padded wide enough (10**6 epochs, 10**10 optimizer steps) that names list in training order;
-    rotation does not rely on it (:func:`checkpoint_order`)."""
-    return f"epoch={epoch:06d}-step={step:010d}{suffix}"
+def checkpoint_name(epoch: int, step: int) -> str:
+    """``epoch=E-step=S.ckpt``: Lightning's default checkpoint name (``ModelCheckpoint``'s ``"{epoch}-{step}"``
+    template + ``FILE_EXTENSION``), ``epoch`` the epoch being trained (``trainer.current_epoch``, from 0), ``step``
+    the optimizer steps taken; the same for a file and a sharded directory. Not padded: order by
+    :func:`checkpoint_order`, not by name."""
+    return f"epoch={epoch}-step={step}{EXTENSION}"
 
 
 def checkpoint_order(name: str) -> tuple[int, int] | None:

@@ -97,7 +97,7 @@ def overwrite_refusal(target: Path, own_run: Path | None, overwrite: bool) -> st
     owner = run_of(existing[0])
     if owner is not None and (own_run is None or owner != Path(own_run).resolve()):
         return (f"save_checkpoint: {existing[0]} belongs to another run ({owner}) and is never overwritten; save to a "
-                f"path of this run's own (e.g. trainer.run_dir / 'checkpoints' / 'final.pt') or a new file")
+                f"path of this run's own (e.g. trainer.run_dir / 'checkpoints' / 'final.ckpt') or a new file")
     if not overwrite:
         return (f"save_checkpoint: {existing[0]} already exists; pass overwrite=True to replace it, or choose a new "
                 "path")

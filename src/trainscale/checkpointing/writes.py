@@ -53,17 +53,19 @@ class CheckpointWrites:
         self._links: list[tuple[Path, Path]] = []  # (checkpoint, link) to make once the save in flight is published
         self.stall_s: list[float] = []  # one per save
         self.write_s: list[float] = []  # one per background write, when published
+        self.saved_step: int | None = None  # the global step of the newest checkpoint written (or staged)
 
     def save(self, target: Path, last_dir: Path | None, fit: Any, state: Any, optimizers, schedulers, callbacks: dict,
              on_save: Callable[[dict], None], background: bool) -> Path:
-        """``checkpointer.save`` to ``target`` (+ the strategy's suffix) after the write in flight is published; in
-        the background when ``background`` and ``checkpoint_async``. With ``last_dir``, ``last_dir/last`` names it
-        once it is published. Returns its path."""
+        """``checkpointer.save`` to ``target`` (a file, or a directory under a sharding strategy) after the write in
+        flight is published; in the background when ``background`` and ``checkpoint_async``. With ``last_dir``,
+        ``last_dir/last`` names it once it is published. Returns its path."""
         started = time.perf_counter()
         self.wait()
         target, pending = checkpointer.save(self.runtime, target, fit, state, optimizers, schedulers, callbacks,
                                             on_save, asynchronous=background and self.asynchronous)
         stall = time.perf_counter() - started
+        self.saved_step = state.global_step
         self.stall_s.append(stall)
         self._log({"checkpoint_stall_s": stall})
         if pending is None:

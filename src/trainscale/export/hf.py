@@ -31,7 +31,7 @@ def export(checkpoint: str | Path, out: str | Path, format: str = "safetensors",
     its task, or ``pipeline(model=out)``, or a serving stack reading ``architectures``) loads with the same weights.
 
     Args:
-        checkpoint: a checkpoint file (``epoch=E-step=S.pt``), a sharded checkpoint directory, or a run's
+        checkpoint: a checkpoint file (``epoch=E-step=S.ckpt``), a sharded checkpoint directory, or a run's
             ``checkpoints/last`` (the file that names the newest).
         out: the directory to create; it must not exist or be empty. Written under ``.<name>.tmp`` and
             renamed at the end: a failed export leaves nothing under ``out``.

@@ -86,7 +86,7 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         takes ``**kwargs``), and the module is returned in training mode: call ``.eval()`` for inference.
 
         Args:
-            checkpoint_path: ``<run>/checkpoints/epoch=E-step=S.pt``, its sharded directory, or ``last.ckpt``.
+            checkpoint_path: ``<run>/checkpoints/epoch=E-step=S.ckpt`` (a file or a sharded directory) or ``last.ckpt``.
             map_location: where the weights go, in any form of ``torch.load``'s ``map_location`` (Lightning's
                 argument): a device or its name ("cuda:0"), a dict from the locations the checkpoint was saved
                 from to new ones (``{"cuda:1": "cuda:0"}``), or ``f(storage, location)`` returning a storage (or

@@ -28,7 +28,7 @@ from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, Pipe
 from trainscale.runtime.runtime import Runtime
 from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry
-from trainscale.checkpointing import checkpointer
+from trainscale.checkpointing import checkpointer, run_dirs as ckpt
 from trainscale.checkpointing.rng import rng_state, seed_everything, set_rng_state
 from trainscale.loop import evaluation
 from trainscale.scaling.batch_scaling import BatchScaling
@@ -286,9 +286,8 @@ class Trainer:
         cfg = self.config
         if not (cfg.enable_checkpointing or cfg.checkpoint_every_n_steps):
             return None
-        return ModelCheckpoint(every_n_epochs=1 if cfg.enable_checkpointing else 0,
-                               every_n_train_steps=cfg.checkpoint_every_n_steps,
-                               save_top_k=-1 if cfg.keep_last is None else cfg.keep_last)
+        return ModelCheckpoint.trainer_default(1 if cfg.enable_checkpointing else 0, cfg.checkpoint_every_n_steps,
+                                               cfg.keep_last)
 
     global_step = property(lambda self: self.state.global_step, doc="Optimizer steps taken so far (int).")
     current_epoch = property(lambda self: self.state.current_epoch,
@@ -824,7 +823,7 @@ class Trainer:
         ``path`` atomically (a file, its SHA-256 inside; a directory under a sharding strategy), as
         Lightning's ``trainer.save_checkpoint(path)``; ``fit(ckpt_path=path)`` resumes from it (not from one with
         ``weights_only``: no optimizer or scheduler state, as Lightning's). Without ``path`` to
-        ``<run dir>/checkpoints/epoch=E-step=S``, and "last" then names it. During ``fit`` every rank must call
+        ``<run dir>/checkpoints/epoch=E-step=S.ckpt``, and "last" then names it. During ``fit`` every rank must call
         it at the same point; after ``fit`` it writes the fitted state. Returns the path written
         (``background`` with ``checkpoint_async``: returns once the state is staged, the write goes on;
         ``checkpointing/writes.py``).
@@ -850,11 +849,9 @@ class Trainer:
         return self._save(Path(path), None, background, weights_only)
 
     def checkpoint_path(self, directory: Path, name: str | None = None) -> Path:
-        """Where :meth:`write_checkpoint` writes ``name`` now: ``directory/name`` + the strategy's suffix (None:
-        ``epoch=E-step=S``)."""
-        suffix = self.runtime.strategy.checkpoint_suffix
-        return Path(directory) / (checkpointer.default_name(self._fit, self.state, suffix) if name is None
-                                  else name + suffix)
+        """Where :meth:`write_checkpoint` writes ``name`` now: ``directory/name`` (None: Lightning's default name,
+        ``epoch=E-step=S.ckpt``, ``run_dirs.checkpoint_name``)."""
+        return Path(directory) / (ckpt.checkpoint_name(self.current_epoch, self.global_step) if name is None else name)
 
     def write_checkpoint(self, directory: Path, background: bool = False, name: str | None = None,
                          weights_only: bool = False) -> Path:

@@ -277,7 +277,7 @@ def check_is_file(path: Path) -> None:
                               "not a checkpoint; pass that path")
     if path.is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} is a directory, not a checkpoint; pass a checkpoint file "
-                              "(<run>/checkpoints/epoch=E-step=S.pt) or ckpt_path='last'")
+                              "(<run>/checkpoints/epoch=E-step=S.ckpt) or ckpt_path='last'")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; pass an existing file, "
                                 "ckpt_path='last' to resume the newest run, or ckpt_path=None to start fresh")

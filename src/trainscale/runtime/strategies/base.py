@@ -48,8 +48,8 @@ class Strategy:
     Attributes:
         name: the strategy's flag ("single", "ddp", "fsdp", "dp", "model_parallel", "pp"; "hsdp" and "tp" are
             layouts of "model_parallel").
-        checkpoint_suffix: the suffix of a checkpoint path: ".pt" for one file written by rank zero, "" for a
-            directory of each rank's shards (DCP), which may also be written in the background.
+        sharded_checkpoints: False: a checkpoint is one file written by rank zero; True: a directory of each rank's
+            shards (DCP), which may also be written in the background. Both are named ``*.ckpt``, as Lightning's.
         forward_communicates: True when forward runs collectives (fsdp all-gathers parameters), so evaluation must
             call the wrapped module equally often on every rank, and a batch-size trial syncs its ranks.
         materialises_meta: True when ``setup_module`` accepts a model built on the meta device (it shards, then
@@ -74,7 +74,7 @@ class Strategy:
     """
 
     name: ClassVar[str] = ""
-    checkpoint_suffix: ClassVar[str] = ".pt"
+    sharded_checkpoints: ClassVar[bool] = False
     forward_communicates: ClassVar[bool] = False
     materialises_meta: ClassVar[bool] = False  # a model on the meta device is refused by Runtime.setup
     pipelined: ClassVar[bool] = False
@@ -126,10 +126,10 @@ class Strategy:
         Raises:
             ValueError: a strategy whose checkpoints are one file written by rank zero (single, ddp, dp).
         """
-        if cls.checkpoint_suffix:
+        if not cls.sharded_checkpoints:
             from trainscale.runtime.strategies import STRATEGY_CLASSES
 
-            sharded = [name for name, c in STRATEGY_CLASSES.items() if not c.checkpoint_suffix]
+            sharded = [name for name, c in STRATEGY_CLASSES.items() if c.sharded_checkpoints]
             raise ValueError(f"checkpoint_async=True writes sharded (DCP) checkpoints in the background, but "
                              f"strategy={cls.name!r} writes one file from rank zero; use a sharded strategy "
                              f"({', '.join(map(repr, sharded))}) or checkpoint_async=False")

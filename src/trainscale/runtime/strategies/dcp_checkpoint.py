@@ -464,7 +464,7 @@ class DCPCheckpointer:
         if path.is_dir() and not (path / ".metadata").is_file():
             raise checkpoint_io.CheckpointError(
                 f"checkpoint {str(path)!r} is a directory but not a sharded checkpoint (no .metadata in it); pass "
-                f"a checkpoint directory <run>/checkpoints/epoch=E-step=S written by strategy={self.strategy!r}, or "
+                f"a checkpoint directory <run>/checkpoints/epoch=E-step=S.ckpt written by strategy={self.strategy!r}, or "
                 "ckpt_path='last'")
         if not (path / ".metadata").is_file() or not (path / EXTRA).is_file():
             raise checkpoint_io.CheckpointError(

@@ -54,7 +54,7 @@ class FSDPStrategy(Strategy):
     """
 
     name = "fsdp"
-    checkpoint_suffix = ""  # checkpoints are directories
+    sharded_checkpoints = True  # checkpoints are DCP directories
     forward_communicates = True  # forward all-gathers: evaluation goes through the root, same count on every rank
     materialises_meta = True  # setup_module takes a model built on the meta device
     gradient_sync = "backward"  # reduce-scattered in backward (a manual optimizer's units: gradient_sync_for)

@@ -58,7 +58,7 @@ class ModelParallelStrategy(Strategy):
     """
 
     name = "model_parallel"
-    checkpoint_suffix = ""  # checkpoints are directories
+    sharded_checkpoints = True  # checkpoints are DCP directories
     forward_communicates = True  # tensor-parallel and FSDP forwards run collectives
     materialises_meta = True
     uses_mesh = True

@@ -154,7 +154,7 @@ class PipelineStrategy(Strategy):
     """
 
     name = "pp"
-    checkpoint_suffix = ""  # checkpoints are directories
+    sharded_checkpoints = True  # checkpoints are DCP directories
     forward_communicates = True  # a forward sends activations between the stages
     materialises_meta = True
     pipelined = True
