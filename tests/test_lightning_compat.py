@@ -2,6 +2,7 @@
 after ``fit``, step values in ``callback_metrics``, ``max_steps`` without ``max_epochs``, the order of a training
 loader on several ranks, the sanity check of a resumed ``fit``; and Lightning's spellings that ports meet."""
 
+import json
 import re
 import warnings
 
@@ -548,6 +549,37 @@ def test_learning_rate_monitor_lrs_holds_one_rate_per_logged_step_or_per_epoch(t
     trainer.fit(Decaying(), _loader())
     expected = [0.1, 0.1, 0.05, 0.05] if interval == "step" else [0.1, 0.05]
     assert list(monitor.lrs) == ["lr-SGD"] and monitor.lrs["lr-SGD"] == pytest.approx(expected)
+
+
+class TwoOptimizers(Probe):
+    """Manual optimization with two optimizers, each stepping on every batch (a GAN's shape): 2 steps per batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.other = nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        for opt, layer in zip(self.optimizers(), (self.layer, self.other)):
+            opt.zero_grad()
+            self.manual_backward(layer(batch[0]).pow(2).mean())
+            opt.step()
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.layer.parameters(), lr=0.1), torch.optim.SGD(self.other.parameters(), lr=0.1)]
+
+
+@pytest.mark.timeout(60)
+def test_under_manual_optimization_records_are_written_every_n_batches_as_lightnings(tmp_path):
+    from trainscale.callbacks import LearningRateMonitor
+
+    monitor = LearningRateMonitor(logging_interval="step")
+    trainer = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, log_every_n_steps=2, callbacks=[monitor])
+    trainer.fit(TwoOptimizers(), _loader(14))  # 7 batches per epoch, 14 in all, 2 optimizer steps each
+    assert trainer.global_step == 28
+    assert [len(rates) for rates in monitor.lrs.values()] == [7, 7]  # batches 2, 4, ..., 14: every 2nd batch
+    records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "step"] == [4, 8, 12, 16, 20, 24, 28]
 
 
 # -- loop limits: a minimum without a maximum, and zero ---------------------------------------------------------------

@@ -97,7 +97,7 @@ class LearningRateMonitor(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, module: Any, batch: Any, batch_idx: int) -> None:
         # Lightning's should_update_logs: the step this batch belongs to will be a log step
-        if self.logging_interval != "epoch" and (trainer.global_step + 1) % trainer.config.log_every_n_steps == 0:
+        if self.logging_interval != "epoch" and (trainer.batches_that_stepped + 1) % trainer.config.log_every_n_steps == 0:
             self._log(trainer, self._stats(trainer, "step"), epoch=False)
 
     def on_train_epoch_start(self, trainer: Trainer, module: Any) -> None:

@@ -342,8 +342,20 @@ class Trainer:
 
     @property
     def is_log_step(self) -> bool:
-        """True right after an optimizer step whose step record is written."""
-        return self.reached_multiple(self.config.log_every_n_steps)
+        """True right after an optimizer step whose step record is written: every ``log_every_n_steps`` optimizer
+        steps; under manual optimization every ``log_every_n_steps`` training batches that took a step, as
+        Lightning counts them there (``_batches_that_stepped``: two optimizers stepping on each batch log every N
+        batches, not every N/2)."""
+        n = self.config.log_every_n_steps
+        if self.manual_optimizers:
+            return self.is_step_end and self.state.global_step != self._step_before and self.batches_that_stepped % n == 0
+        return self.reached_multiple(n)
+
+    @property
+    def batches_that_stepped(self) -> int:
+        """What Lightning's step records count (``fit_loop.epoch_loop._batches_that_stepped``): optimizer steps, and
+        under manual optimization training batches, however many optimizer steps each took."""
+        return self.state.total_batches if self.manual_optimizers else self.state.global_step
 
     def reached_multiple(self, n: int) -> bool:
         """True right after an optimizer step that brought ``global_step`` to a multiple of ``n`` (Lightning's
