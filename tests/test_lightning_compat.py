@@ -241,6 +241,61 @@ def test_a_submodule_in_eval_mode_stays_so_through_fit_validation_and_test(tmp_p
     assert ("train", False, False) in whole.modes  # trained in the mode it came in, as Lightning
 
 
+# -- setup and teardown ---------------------------------------------------------------------------------------------
+class NotedData(trainscale.DataModule):
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def setup(self, stage):
+        self.calls.append(("data.setup", stage))
+
+    def train_dataloader(self):
+        return _loader()
+
+    def test_dataloader(self):
+        return _loader(4)
+
+    def teardown(self, stage):
+        self.calls.append(("data.teardown", stage))
+
+
+class NotedModule(Probe):
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def test_step(self, batch, batch_idx):
+        self.log("t", 1.0)
+
+    def teardown(self, stage):
+        self.calls.append(("module.teardown", stage))
+
+
+class NotedCallback(Callback):
+    def __init__(self, calls):
+        self.calls = calls
+
+    def on_fit_end(self, trainer, module):
+        self.calls.append(("callback.on_fit_end", "fit"))
+
+    def teardown(self, trainer, module, stage):
+        self.calls.append(("callback.teardown", stage))
+
+
+@pytest.mark.timeout(60)
+def test_setup_and_teardown_are_called_by_keyword_in_lightnings_order(tmp_path):
+    calls = []
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[NotedCallback(calls)])
+    model, data = NotedModule(calls), NotedData(calls)
+    data.setup = lambda *args, **kwargs: calls.append(("data.setup", args, kwargs))  # how it is called
+    trainer.fit(model, datamodule=data)
+    trainer.test(model, datamodule=data, verbose=False)
+    assert calls == [("data.setup", (), {"stage": "fit"}), ("callback.on_fit_end", "fit"), ("data.teardown", "fit"),
+                     ("callback.teardown", "fit"), ("module.teardown", "fit"), ("data.setup", (), {"stage": "test"}),
+                     ("data.teardown", "test"), ("module.teardown", "test")]
+
+
 # -- the sanity check of a resumed fit ------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_a_resumed_fit_runs_the_sanity_check_after_a_completed_epoch_only(tmp_path):

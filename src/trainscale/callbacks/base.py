@@ -54,6 +54,10 @@ class Callback:
         its strategy and before ``configure_optimizers`` (``BaseFinetuning`` freezes there). Not called by
         ``validate``/``test``/``predict``."""
 
+    def teardown(self, trainer: Trainer, module: Any, stage: str) -> None:
+        """Lightning's ``Callback.teardown``: at the end of a ``fit`` that ended normally (``stage`` "fit"), after
+        ``on_fit_end``; the pair of :meth:`setup`."""
+
     def on_fit_start(self, trainer: Trainer, module: Any) -> None: ...
 
     def on_fit_end(self, trainer: Trainer, module: Any) -> None: ...

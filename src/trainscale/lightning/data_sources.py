@@ -95,7 +95,7 @@ def _prepare(runtime: Runtime, source: Any, stage: str) -> None:
             source.prepare_data()
         runtime.barrier()
     if hasattr(source, "setup"):
-        source.setup(stage)
+        source.setup(stage=stage)  # by keyword, as Lightning calls it
 
 
 def _source(stage: str, model: Any, datamodule: Any) -> Any:

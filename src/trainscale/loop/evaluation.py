@@ -346,12 +346,30 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
         predictions = predict(rt, loop_module, wrapped, loader, trainer._hook,
                               trainer.config.eval_batches("predict", loader_length(loader)))
         trainer._hook("on_predict_end")
+        teardown(trainer, model, method)
         return predictions
     stage = "validation" if method == "validate" else "test"
     results = evaluate_stage(trainer, loop_module, wrapped, loader, stage)
     if verbose:
         rt.print(results_table(stage, results))
+    teardown(trainer, model, method)
     return [results]  # Lightning's shape: one dict per evaluation loader (trainscale takes one)
+
+
+def teardown(trainer: Trainer, model: Any, stage: str) -> None:
+    """Lightning's teardown hooks once a stage ("fit", "validate", "test", "predict") has ended normally, in its
+    order (``trainer/call.py``, ``_call_teardown_hook``): the data module's ``teardown(stage=...)``, then, after a
+    fit, each callback's ``teardown(trainer, model, stage)`` (their ``setup`` ran at its start), then the module's
+    ``teardown(stage=...)``. A hook that is missing (a plain ``nn.Module``, a data module without one) is skipped."""
+    hook = getattr(trainer.datamodule, "teardown", None)
+    if callable(hook):
+        hook(stage=stage)
+    if stage == "fit":
+        for cb in trainer.callbacks:
+            cb.teardown(trainer, model, stage)
+    hook = getattr(model, "teardown", None)
+    if callable(hook):
+        hook(stage=stage)
 
 
 def results_table(stage: str, results: dict[str, float]) -> str:

@@ -475,6 +475,7 @@ class Trainer:
         self._hook("on_train_end")
         summary = finish_run(self, fit, global_batch, resume_from, self._faults.skipped)
         self._hook("on_fit_end")
+        evaluation.teardown(self, model, "fit")  # the data module's, the callbacks', the module's (Lightning's order)
         return summary
 
     def _fit_done(self, epoch: int) -> bool:
