@@ -802,6 +802,21 @@ def test_save_hyperparameters_of_one_dict_or_namespace_keeps_its_keys(config):
         FromConfig(3)
 
 
+def test_hparams_initial_is_a_copy_as_saved_and_the_checkpoint_key_is_lightnings():
+    model = FromConfig({"width": 4, "nested": [1, 2]})
+    model.hparams.width = 8
+    model.hparams.nested.append(3)
+    assert model.hparams_initial == {"width": 4, "nested": [1, 2]}  # as saved, not as changed since
+    model.hparams_initial["width"] = 0
+    assert model.hparams_initial.width == 4  # a copy each time: read-only in effect
+    assert Probe().hparams_initial == {}
+    assert TrainingModule.CHECKPOINT_HYPER_PARAMS_KEY == trainscale.DataModule.CHECKPOINT_HYPER_PARAMS_KEY == \
+        "hyper_parameters"
+    from trainscale.checkpointing.checkpointer import hparams_entries
+
+    assert hparams_entries(model)[TrainingModule.CHECKPOINT_HYPER_PARAMS_KEY]["width"] == 8
+
+
 # -- Timer -------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("duration", "seconds"), [
     (None, None), ("00:01:00:05", 3605.0), ({"minutes": 2}, 120.0), (__import__("datetime").timedelta(seconds=9), 9.0)])

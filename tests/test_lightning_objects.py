@@ -74,6 +74,8 @@ def test_load_from_checkpoint_rebuilds_the_module_from_its_hyperparameters(tmp_p
     for key, value in model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0)
     assert Classifier.load_from_checkpoint(path, lr=0.5, unknown=1).hparams.lr == 0.5  # unknown dropped, as Lightning
+    for weights_only in (None, True, False):  # Lightning's argument: taken, not passed on to __init__
+        assert Classifier.load_from_checkpoint(path, weights_only=weights_only, head=nn.Linear(5, 3)).hparams.hidden == 5
     capsys.readouterr()
     assert trainer.validate(loaded, DataLoader(_data(8), batch_size=8), verbose=False) == \
         trainer.validate(model, DataLoader(_data(8), batch_size=8), verbose=False)

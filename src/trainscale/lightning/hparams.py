@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 from argparse import Namespace
 from collections.abc import Iterable
@@ -30,6 +31,14 @@ class HyperparametersMixin:
     """``self.save_hyperparameters()`` in ``__init__`` keeps its arguments in ``self.hparams``; the Trainer
     passes them to every logger's ``log_hyperparams`` with its own flags (the module's names win)."""
 
+    CHECKPOINT_HYPER_PARAMS_KEY = "hyper_parameters"  # Lightning's: the checkpoint key that holds them
+
+    @property
+    def hparams_initial(self) -> AttributeDict:
+        """A copy of the hyperparameters as :meth:`save_hyperparameters` saved them (Lightning's read-only
+        ``hparams_initial``: later changes to :attr:`hparams` do not show here; empty before a save)."""
+        return AttributeDict(copy.deepcopy(self.__dict__.get("_hparams_initial", {})))
+
     @property
     def hparams(self) -> AttributeDict:
         """The saved hyperparameters (empty before :meth:`save_hyperparameters`)."""
@@ -54,6 +63,7 @@ class HyperparametersMixin:
                 raise ValueError(f"save_hyperparameters({type(config).__name__}): pass argument names, one dict or "
                                  "one argparse.Namespace")
             self.__dict__["_hparams"] = AttributeDict(config)
+            self.__dict__["_hparams_initial"] = copy.deepcopy(dict(config))
             return
         found = _caller_arguments(inspect.currentframe().f_back)
         missing = [name for name in names if name not in found]
@@ -62,6 +72,7 @@ class HyperparametersMixin:
                              f"the arguments of the caller ({', '.join(found) or 'none'})")
         ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
         self.hparams.update({k: v for k, v in found.items() if (not names or k in names) and k not in ignored})
+        self.__dict__["_hparams_initial"] = copy.deepcopy(dict(self.hparams))
 
 
 def _caller_arguments(frame: Any) -> dict[str, Any]:

@@ -75,7 +75,8 @@ class TrainingModule(HyperparametersMixin, nn.Module):
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, map_location: Any = None,
-                             strict: bool = True, verify: bool = True, **overrides: Any) -> TrainingModule:
+                             strict: bool = True, verify: bool = True, weights_only: bool | None = None,
+                             **overrides: Any) -> TrainingModule:
         """The module rebuilt from a checkpoint, as Lightning's ``LightningModule.load_from_checkpoint``
         (``lightning.pytorch.core.saving._load_from_checkpoint``): ``cls(**hyper_parameters, **overrides)``, the
         hyperparameters those ``save_hyperparameters()`` kept (saved in every checkpoint under
@@ -94,6 +95,9 @@ class TrainingModule(HyperparametersMixin, nn.Module):
                 None: the CPU (Lightning keeps a GPU checkpoint on that GPU when there is one).
             strict: the weights' names must match the module's exactly (``nn.Module.load_state_dict``).
             verify: check the SHA-256 recorded at the save (refuses a file without one).
+            weights_only: Lightning's argument, accepted and not needed: trainscale's checkpoints hold only tensors
+                and plain values (hyperparameters of other types are left out at the save), so they are always read
+                with ``torch.load(weights_only=True)``, which runs no pickled code.
             overrides: arguments for ``__init__`` that replace the saved ones (or give those not saved).
 
         Raises:

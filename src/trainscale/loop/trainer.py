@@ -441,11 +441,7 @@ class Trainer:
         seed_everything(cfg.seed)
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
         fit.reload = reload_hooks
-        if not fit.model.training:  # trained in the modes it comes in, as Lightning (a frozen part keeps eval mode)
-            warnings.warn(f"the model ({type(fit.model).__name__}) is in eval mode at the start of fit: it trains so "
-                          "(dropout off, BatchNorm statistics not updated), as in Lightning; call model.train() "
-                          "before fit to train in training mode (submodules you put in eval mode stay so)",
-                          UserWarning, stacklevel=3)
+        _warn_eval_mode(fit.model)  # it trains in the modes it comes in, as Lightning (a frozen part keeps eval mode)
         point = self._load(resume_from, verify) if resume_from is not None else None
         fit.loaded_epoch = point.next_epoch if point else 0
         global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers, lambda: self.state.global_step)
@@ -951,6 +947,15 @@ class Trainer:
                 getattr(cb, hook)(self, module, *args)
         if call_module and not module_first:
             getattr(module, hook)(*args)
+
+
+def _warn_eval_mode(model: nn.Module) -> None:
+    """Say (a ``UserWarning``) that ``model`` itself is in eval mode at the start of ``fit``: it trains so, as in
+    Lightning 2.2+, which calls no ``model.train()`` (a submodule in eval mode is the user's choice: not warned)."""
+    if not model.training:
+        warnings.warn(f"the model ({type(model).__name__}) is in eval mode at the start of fit: it trains so (dropout "
+                      "off, BatchNorm statistics not updated), as in Lightning; call model.train() before fit to train "
+                      "in training mode (submodules you put in eval mode stay so)", UserWarning, stacklevel=4)
 
 
 def set_torch_flags(deterministic: bool | str | None) -> None:
