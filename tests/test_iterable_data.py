@@ -172,9 +172,9 @@ def test_test_and_predict_without_a_model_use_the_fitted_one(tmp_path):
     model = Predicting()
     trainer = _trainer(tmp_path, max_epochs=2)
     trainer.fit(model, loader)
-    with pytest.warns(UserWarning, match="the best checkpoint of the last fit is used"):
+    with pytest.warns(UserWarning, match="The best model of the previous `fit` call will be used"):
         tested = trainer.test(dataloaders=loader)
-    with pytest.warns(UserWarning, match="the best checkpoint of the last fit is used"):
+    with pytest.warns(UserWarning, match="The best model of the previous `fit` call will be used"):
         predicted = trainer.predict(dataloaders=loader)
     # the newest checkpoint (no monitor) holds the weights the fit ended with
     assert tested == trainer.test(model, loader)

@@ -329,6 +329,12 @@ def test_a_module_is_attached_to_a_trainer_by_assignment_as_in_lightning(tmp_pat
         model.trainer
 
 
+def test_trainer_logger_is_the_first_logger_or_none(tmp_path):
+    trainer = _trainer(tmp_path)
+    assert trainer.logger is trainer.loggers[0] and type(trainer.logger).__name__ == "CSVLogger"
+    assert _trainer(tmp_path, logger=False).logger is None
+
+
 def test_lightnings_class_names_are_the_same_classes_so_import_lightning_as_l_ports_by_its_import():
     from trainscale import LightningDataModule, LightningModule
     from trainscale.lightning.data_sources import DataModule

@@ -512,10 +512,16 @@ def test_validate_and_predict_evaluate_the_best_and_the_last_checkpoint_on_two_r
 
 def test_ckpt_path_of_an_evaluation_is_checked_before_anything_runs(tmp_path):
     model, loader = mw.Logger(), DataLoader(mw.indexed_dataset(4))
-    with pytest.raises(ValueError, match=r"ckpt_path='best' needs a ModelCheckpoint .* that has saved a checkpoint"):
+    with pytest.raises(ValueError, match=r'`.validate\(ckpt_path="best"\)` is set but `ModelCheckpoint` is not '
+                                         r"configured to save the best model \(it has saved no checkpoint: fit first\)"):
         _trainer(tmp_path).validate(model, loader, ckpt_path="best")
-    with pytest.raises(FileNotFoundError, match="ckpt_path='last' but no run of .* has a checkpoint"):
-        _trainer(tmp_path / "empty").test(model, loader, ckpt_path="last")
+    with pytest.raises(ValueError, match=r'`.test\(ckpt_path="best"\)` is set but `ModelCheckpoint` is not '
+                                         "configured: add one"):
+        _trainer(tmp_path, enable_checkpointing=False).test(model, loader, ckpt_path="best")
+    # "last" before any run has a checkpoint: Lightning's warning, and the model's own weights (not an error)
+    with pytest.warns(UserWarning, match=r'.validate\(ckpt_path="last"\) is set, but there is no last checkpoint '
+                                         r"available .* No checkpoint will be loaded"):
+        assert _trainer(tmp_path / "empty").validate(model, loader, ckpt_path="last", verbose=False)
     with pytest.raises(FileNotFoundError, match="does not exist; pass an existing checkpoint, 'best', 'last' or None"):
         _trainer(tmp_path).predict(model, loader, ckpt_path=tmp_path / "nope.pt")
     with pytest.raises(ValueError, match="pass a checkpoint path, 'best', 'last' or None"):

@@ -257,16 +257,20 @@ def _interleave(parts: list) -> Any:
     return [parts[j % ranks][j // ranks] for j in range(total)]
 
 
-def checkpoint_to_evaluate(trainer: Trainer, ckpt_path: Any) -> Path | None:
+def checkpoint_to_evaluate(trainer: Trainer, ckpt_path: Any, method: str = "validate") -> Path | None:
     """The checkpoint whose weights ``validate``/``test``/``predict`` evaluate, as Lightning's ``ckpt_path``:
     None (the model's own weights), "best" (the ``best_model_path`` of the trainer's first ``ModelCheckpoint``: by its
     ``monitor``, the newest without one, as Lightning), "last"
     (the newest checkpoint of this script's runs under ``default_root_dir``, as ``fit(ckpt_path="last")``) or a path.
     Resolved in the calling process, before any ``ddp_spawn`` start, so every rank loads the same file.
 
+    "last" when no run of this script has a checkpoint yet: a warning and None, as Lightning (so the value can be
+    set before the first ``fit``). Messages begin as Lightning's (``_CheckpointConnector._parse_ckpt_path``).
+
     Raises:
-        ValueError: "best" without a ``ModelCheckpoint`` that has saved a checkpoint; a value of another type.
-        FileNotFoundError: "last" when no run of this script has a checkpoint; a path that does not exist.
+        ValueError: "best" without a ``ModelCheckpoint``, or with one that has saved no checkpoint; a value of
+            another type.
+        FileNotFoundError: a path that does not exist.
     """
     from trainscale.callbacks import ModelCheckpoint
     from trainscale.checkpointing.runs import script_key
@@ -275,15 +279,20 @@ def checkpoint_to_evaluate(trainer: Trainer, ckpt_path: Any) -> Path | None:
         return None
     if ckpt_path == "best":
         best = [cb.best_model_path for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)][:1]
-        if not best or not best[0]:  # Lightning: the first ModelCheckpoint's (the newest without a monitor)
-            raise ValueError("ckpt_path='best' needs a ModelCheckpoint among the Trainer's callbacks that has saved a "
-                             "checkpoint (fit first); or pass a checkpoint's path, 'last' or None")
+        if not best:  # Lightning: the first ModelCheckpoint's (the newest without a monitor)
+            raise ValueError(f'`.{method}(ckpt_path="best")` is set but `ModelCheckpoint` is not configured: add one to '
+                             "the Trainer's callbacks and fit first, or pass a checkpoint's path, 'last' or None")
+        if not best[0]:
+            raise ValueError(f'`.{method}(ckpt_path="best")` is set but `ModelCheckpoint` is not configured to save the '
+                             "best model (it has saved no checkpoint: fit first); or pass a checkpoint's path, 'last' "
+                             "or None")
         return Path(best[0])
     if ckpt_path == "last":
         found = ckpt.find_last(trainer.config.default_root_dir, script=script_key())
         if found is None:
-            raise FileNotFoundError(f"ckpt_path='last' but no run of {script_key()} under "
-                                    f"{str(trainer.config.default_root_dir)!r} has a checkpoint; pass a path or None")
+            warnings.warn(f'.{method}(ckpt_path="last") is set, but there is no last checkpoint available (no run of '
+                          f"{script_key()} under {str(trainer.config.default_root_dir)!r} has one). No checkpoint "
+                          "will be loaded: the model's own weights are evaluated", UserWarning, stacklevel=3)
         return found
     if not isinstance(ckpt_path, (str, Path)):
         raise ValueError(f"ckpt_path={ckpt_path!r}; pass a checkpoint path, 'best', 'last' or None")
@@ -313,8 +322,10 @@ def fitted_model(trainer: Trainer, method: str, ckpt_path: Any) -> tuple[Any, An
     if not saved:
         raise ValueError(f"{method}() without a model evaluates the best checkpoint of the last fit (as Lightning), "
                          "but no ModelCheckpoint has saved one; pass the model (its current weights) or a ckpt_path")
-    warnings.warn(f"{method}(ckpt_path=None) was called without a model: the best checkpoint of the last fit is used "
-                  f"({saved[0]}); pass ckpt_path='best', 'last' or a path to silence this", stacklevel=3)
+    warnings.warn(f"`.{method}(ckpt_path=None)` was called without a model. The best model of the previous `fit` call "
+                  f"will be used ({saved[0]}). You can pass `.{method}(ckpt_path='best')` to use the best model or "
+                  f"`.{method}(ckpt_path='last')` to use the last model. If you pass a value, this warning will be "
+                  "silenced.", stacklevel=3)
     return trainer._fit.model, Path(saved[0])
 
 

@@ -320,6 +320,8 @@ class Trainer:
                                  doc="Optimizer steps between step records (Lightning's attribute).")
     lr_scheduler_configs = property(lambda self: list(self.schedulers),
                                     doc="The schedulers with their interval, frequency and monitor (SchedulerConfig).")
+    logger = property(lambda self: self.loggers[0] if self.loggers else None,
+                      doc="The first of ``loggers``, None without any (Lightning's ``trainer.logger``).")
 
     @property
     def num_training_batches(self) -> int | float:
@@ -919,7 +921,7 @@ class Trainer:
     def _run_eval(self, method: str, model, dataloaders, ckpt_path=None, **kwargs) -> Any:
         if model is None:
             model, ckpt_path = evaluation.fitted_model(self, method, ckpt_path)
-        kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path)  # before any ddp_spawn start
+        kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path, method)  # before any ddp_spawn start
         if self.runtime.spawns:
             return run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
         return evaluation.run_stage(self, method, model, dataloaders, **kwargs)
