@@ -41,7 +41,7 @@ def test_cuda_on_a_machine_without_cuda():
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_epochs": -2}, "max_epochs=-2"), ({"accumulate_grad_batches": 0}, "accumulate_grad_batches=0"),
     ({"gradient_clip_val": -1.0}, "gradient_clip_val"), ({"gradient_clip_algorithm": "l2"}, "'norm' or 'value'"),
-    ({"max_steps": 0}, "max_steps=0"),
+    ({"max_steps": -2}, "max_steps=-2"),
 ])
 def test_bad_loop_flags(kwargs, message):
     with pytest.raises(ValueError, match=message):

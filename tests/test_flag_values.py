@@ -17,6 +17,7 @@ BAD = {"a list": [1], "a negative": -1, "zero": 0, "NaN": float("nan"), "an unkn
 ACCEPTED = {
     ("seed", "zero"): "the seed 0 (the default)",
     ("max_epochs", "zero"): "no training (Lightning's max_epochs=0)",
+    ("max_steps", "zero"): "no training (Lightning's max_steps=0)",
     ("min_epochs", "zero"): "no minimum of epochs (Lightning's)",
     ("min_steps", "zero"): "no minimum of steps (Lightning's)",
     ("default_root_dir", "an unknown string"): "a relative directory named 'bogus'",

@@ -178,7 +178,7 @@ def test_lightnings_spellings_of_no_limit(flags, epochs, steps):
     assert (cfg.max_epochs, cfg.max_steps) == (epochs, steps)
 
 
-@pytest.mark.parametrize("flags", [{"max_epochs": -2}, {"max_steps": 0}, {"max_steps": -3}])
+@pytest.mark.parametrize("flags", [{"max_epochs": -2}, {"max_steps": -2}, {"max_steps": -3}])
 def test_other_limits_are_refused_naming_no_limit(flags):
     with pytest.raises(ValueError, match="-1 or None: no limit"):
         resolve_trainer_config(**flags)
@@ -327,6 +327,21 @@ def test_a_module_is_attached_to_a_trainer_by_assignment_as_in_lightning(tmp_pat
     model.trainer = None
     with pytest.raises(RuntimeError, match="not attached to a Trainer"):
         model.trainer
+
+
+@pytest.mark.timeout(60)
+def test_max_steps_0_trains_nothing_and_predict_can_return_nothing(tmp_path):
+    class Model(Probe):
+        def forward(self, x):
+            return self.layer(x)
+
+    model = Model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = _trainer(tmp_path, max_steps=0, num_sanity_val_steps=0)
+    trainer.fit(model, _loader())
+    assert trainer.global_step == 0 and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert trainer.predict(model, _loader(4), return_predictions=False) is None
+    assert trainer.predict(model, _loader(4)).shape == (4, 1)
 
 
 def test_trainer_logger_is_the_first_logger_or_none(tmp_path):

@@ -64,7 +64,7 @@ class TrainerConfig:
         max_epochs: epochs to train (>= 0; -1: no limit). None (the default): no limit when ``max_steps`` or
             ``max_time`` is set (Lightning's rule); 1000 with a warning when only ``min_epochs``/``min_steps`` is
             (Lightning's default); else 1 (Lightning: 1000 with a warning).
-        max_steps: stop after this many optimizer steps (None or -1: no limit; resolved to None).
+        max_steps: stop after this many optimizer steps (0: no training; None or -1: no limit; resolved to None).
         accumulate_grad_batches: micro-batches per optimizer step (gradients all-reduced on the last only).
         gradient_clip_val: clip the total gradient norm (or each value: ``gradient_clip_algorithm="value"``).
         gradient_clip_algorithm: "norm" (clip the total gradient norm to ``gradient_clip_val``) or "value" (clip each
@@ -324,13 +324,13 @@ def _loop_limits(cfg: TrainerConfig) -> TrainerConfig:
     ``max_steps`` -1 becomes None; ``max_epochs`` None becomes -1 (no limit) when ``max_steps`` or ``max_time`` is
     set; 1000 (Lightning's default, with its warning) when only ``min_epochs`` or ``min_steps`` is, so that the
     minimum can be met; else 1 (trainscale's default; Lightning's is 1000 epochs, with a warning). ``max_epochs=0``
-    trains nothing, as Lightning.
+    trains nothing, as Lightning, and so does ``max_steps=0``.
 
     Raises:
-        ValueError: ``max_epochs`` not an int >= 0, -1 or None; ``max_steps`` not an int >= 1, -1 or None.
+        ValueError: ``max_epochs`` not an int >= 0, -1 or None; ``max_steps`` not an int >= 0, -1 or None.
     """
     max_steps = None if cfg.max_steps == -1 else cfg.max_steps
-    check_int("max_steps", max_steps, 1, optional=True, hint=" (-1 or None: no limit)")
+    check_int("max_steps", max_steps, 0, optional=True, hint=" (0: no training; -1 or None: no limit)")
     max_epochs = cfg.max_epochs
     if max_epochs is None and (max_steps is not None or cfg.max_time is not None):
         max_epochs = -1

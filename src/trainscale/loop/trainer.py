@@ -107,7 +107,7 @@ class Trainer:
             max_epochs: epochs to train (>= 0; -1: no limit). None (the default): no limit when ``max_steps`` or
                 ``max_time`` is set (Lightning's rule); 1000 with a warning when only ``min_epochs``/``min_steps`` is
                 (Lightning's default); else 1 (Lightning: 1000 with a warning).
-            max_steps: stop after this many optimizer steps (None or -1: no limit; resolved to None).
+            max_steps: stop after this many optimizer steps (0: no training; None or -1: no limit; resolved to None).
             accumulate_grad_batches: micro-batches per optimizer step (gradients all-reduced on the last only).
             gradient_clip_val: clip the total gradient norm (or each value: ``gradient_clip_algorithm="value"``).
             gradient_clip_algorithm: "norm" (clip the total gradient norm to ``gradient_clip_val``) or "value" (clip
@@ -913,10 +913,12 @@ class Trainer:
                               verbose=verbose)
 
     def predict(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
-                ckpt_path: str | Path | None = None, datamodule: Any = None) -> Any:
+                ckpt_path: str | Path | None = None, datamodule: Any = None, return_predictions: bool | None = None) -> Any:
         """``predict_step(batch, batch_idx)`` (or the model's output) for every sample, from all ranks in dataset order,
-        each sample once: one tensor of shape (N, ...) when the outputs are tensors; ``ckpt_path`` as :meth:`validate`'s."""
-        return self._run_eval("predict", model, dataloaders, ckpt_path=ckpt_path, datamodule=datamodule)
+        each sample once: one tensor of shape (N, ...) when the outputs are tensors; ``ckpt_path`` as :meth:`validate`'s.
+        ``return_predictions=False`` (Lightning's argument): None, for a run whose callbacks write the outputs."""
+        predictions = self._run_eval("predict", model, dataloaders, ckpt_path=ckpt_path, datamodule=datamodule)
+        return None if return_predictions is False else predictions
 
     def _run_eval(self, method: str, model, dataloaders, ckpt_path=None, **kwargs) -> Any:
         if model is None:
