@@ -851,3 +851,85 @@ def test_save_weights_only_save_on_validation_and_time_interval(tmp_path):
     timed = ModelCheckpoint(dirpath=tmp_path / "t", filename="{step}", save_top_k=-1, train_time_interval=timedelta(0))
     _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[timed]).fit(Probe(), _loader())
     assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [f"step={s}.pt" for s in (1, 2, 3, 4)]
+
+
+# -- Lightning's warnings and errors that a port keeps ------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])  # "16-mixed": a GradScaler with nothing to scale
+def test_configure_optimizers_returning_none_trains_without_an_optimizer_with_a_warning(tmp_path, precision):
+    class NoOptimizer(Probe):
+        def configure_optimizers(self):
+            return None
+
+    model = NoOptimizer()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, precision=precision)
+    with pytest.warns(UserWarning, match="returned `None`, this fit will run with no optimizer"):
+        trainer.fit(model, _loader())
+    assert trainer.global_step == 4  # the loop ran its 4 batches; nothing moved the weights
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class _Stateless:
+    """A scheduler that is not torch's: its own step rule."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self):
+        pass
+
+
+class _OwnScheduler(_Stateless):
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_scheduler_configurations_lightning_warns_about_or_refuses():
+    from trainscale.lightning.optimizers import parse_optimization
+
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+    with pytest.warns(RuntimeWarning, match="Are you sure you didn't mean 'interval': 'step'"):
+        parse_optimization({"optimizer": opt, "lr_scheduler": cycle})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_optimization({"optimizer": opt, "lr_scheduler": {"scheduler": cycle, "interval": "step"}})
+        parse_optimization(([opt], [_OwnScheduler(opt)]), manual=True)  # the module steps it itself
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+        assert parse_optimization(([opt], [plateau]), manual=True).schedulers[0].monitor is None
+    with pytest.raises(ValueError, match="doesn't follow PyTorch's LRScheduler API.*automatic_optimization = False"):
+        parse_optimization(([opt], [_OwnScheduler(opt)]))
+    for manual in (False, True):
+        with pytest.raises(TypeError, match="`_Stateless` is invalid.*`state_dict` and `load_state_dict`"):
+            parse_optimization(([opt], [_Stateless(opt)]), manual=manual)
+    with pytest.warns(RuntimeWarning, match=r"contains the key\(s\) \['monitor', 'strict'\], but the keys will be "
+                                            r"ignored.*manually in manual optimization"):
+        parse_optimization({"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "m", "strict": True,
+                                                                 "interval": "step"}}, manual=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_manual_module_steps_its_plateau_scheduler_without_a_monitor(tmp_path):
+    class ManualPlateau(Probe):
+        automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(self.layer(batch[0]).pow(2).mean())
+            opt.step()
+
+        def on_train_epoch_end(self):
+            self.lr_schedulers().step(1.0)  # the same value every epoch: patience 0 lowers the rate each time
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [opt], [torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)]
+
+    trainer = _trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0)
+    trainer.fit(ManualPlateau(), _loader())
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.1 ** 2)  # lowered after epochs 2, 3
