@@ -933,3 +933,42 @@ def test_a_manual_module_steps_its_plateau_scheduler_without_a_monitor(tmp_path)
     trainer = _trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0)
     trainer.fit(ManualPlateau(), _loader())
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.1 ** 2)  # lowered after epochs 2, 3
+
+
+class _LogsIn(Callback):
+    def __init__(self, **flags):
+        self.flags = flags
+
+    def _log(self, trainer, module, *args):
+        module.log("from_callback", 1.0, **self.flags)
+
+
+def _logs_in(hook, **flags):
+    """A callback whose ``hook`` logs ``from_callback``, defined on its class (the Trainer calls the hooks a
+    callback's class overrides)."""
+    return type(f"LogsIn_{hook}", (_LogsIn,), {hook: _LogsIn._log})(**flags)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("hook", "flags", "match"), [
+    ("on_fit_start", {}, r"You can't `self.log\(\)` inside `on_fit_start`"),
+    ("on_train_end", {}, r"You can't `self.log\(\)` inside `on_train_end`"),
+    ("on_save_checkpoint", {}, r"You can't `self.log\(\)` inside `on_save_checkpoint`"),
+    ("on_train_epoch_end", {"on_step": True}, r"self.log\(on_step=True\)` inside `on_train_epoch_end`, must be one"),
+    ("on_train_batch_end", {"on_step": False, "on_epoch": False}, r"on_epoch=False\)` is not useful"),
+])
+def test_self_log_where_lightning_refuses_it_raises(tmp_path, hook, flags, match):
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[_logs_in(hook, **flags)])
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(Probe(), _loader())
+
+
+@pytest.mark.timeout(60)
+def test_self_log_in_the_train_start_and_epoch_hooks_logs_epoch_values(tmp_path):
+    class AtTrainStart(Probe):
+        def on_train_start(self):
+            self.log("at_start", 3.0)  # Lightning's default there: on_epoch=True
+
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[_logs_in("on_train_epoch_end")])
+    trainer.fit(AtTrainStart(), _loader())
+    assert trainer.history[-1]["at_start"] == 3.0 and trainer.callback_metrics["from_callback"] == 1.0

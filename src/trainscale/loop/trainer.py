@@ -278,6 +278,7 @@ class Trainer:
         self.is_step_end = False  # in on_train_batch_end: this micro-batch ended an optimizer step
         self._step_before = 0  # global_step before the last optimizer step (is_log_step)
         self._active_hooks = HOOKS  # the hooks someone defines (_arm_hooks); all until a model is set up
+        self.running_hook: str | None = None  # the Lightning hook running now: where self.log may log (metrics.py)
 
     def _default_checkpoint(self) -> ModelCheckpoint | None:
         """The checkpoint callback the Trainer's flags ask for, used when the user gives no ``ModelCheckpoint``."""
@@ -928,13 +929,17 @@ class Trainer:
         setup = self.last_setup  # (model, loop module, wrapped) of the fit or evaluation running
         module = setup[0] if setup is not None else None
         call_module = setup is not None and monitoring is not True and hook in setup[1].hooks
-        if call_module and module_first:
-            getattr(module, hook)(*args)
-        for cb in self.callbacks:
-            if monitoring is None or cb.monitors_metrics == monitoring:
-                getattr(cb, hook)(self, module, *args)
-        if call_module and not module_first:
-            getattr(module, hook)(*args)
+        outer, self.running_hook = self.running_hook, hook
+        try:
+            if call_module and module_first:
+                getattr(module, hook)(*args)
+            for cb in self.callbacks:
+                if monitoring is None or cb.monitors_metrics == monitoring:
+                    getattr(cb, hook)(self, module, *args)
+            if call_module and not module_first:
+                getattr(module, hook)(*args)
+        finally:
+            self.running_hook = outer
 
 
 def set_torch_flags(deterministic: bool | str | None) -> None:
