@@ -972,3 +972,61 @@ def test_self_log_in_the_train_start_and_epoch_hooks_logs_epoch_values(tmp_path)
     trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[_logs_in("on_train_epoch_end")])
     trainer.fit(AtTrainStart(), _loader())
     assert trainer.history[-1]["at_start"] == 3.0 and trainer.callback_metrics["from_callback"] == 1.0
+
+
+@pytest.mark.timeout(60)
+def test_overfit_batches_reads_the_first_batches_in_order_with_lightnings_warning(tmp_path):
+    from torch.utils.data import Sampler
+
+    class Backwards(Sampler):
+        def __init__(self, n):
+            self.n = n
+
+        def __iter__(self):
+            return iter(range(self.n - 1, -1, -1))
+
+        def __len__(self):
+            return self.n
+
+    class Seen(Probe):
+        def __init__(self):
+            super().__init__()
+            self.first = []
+
+        def training_step(self, batch, batch_idx):
+            self.first.append(batch[0][0, 0].item())
+            return super().training_step(batch, batch_idx)
+
+    data = _loader().dataset
+    for name, loader in (("shuffled", DataLoader(data, batch_size=2, shuffle=True)),
+                         ("own sampler", DataLoader(data, batch_size=2, sampler=Backwards(len(data))))):
+        model = Seen()
+        trainer = _trainer(tmp_path / name, max_epochs=2, overfit_batches=2, num_sanity_val_steps=0)
+        with pytest.warns(UserWarning, match="requested to overfit but enabled train dataloader shuffling"):
+            trainer.fit(model, loader)
+        in_order = data.tensors[0][[0, 2], 0].tolist()
+        assert model.first == in_order * 2, name  # the same first two batches, in the data set's order, each epoch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _trainer(tmp_path / "sequential", max_epochs=1, overfit_batches=2).fit(Seen(), _loader())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("flags", "warned"), [
+    ({}, True), ({"max_epochs": 1}, False), ({"max_steps": 2}, False), ({"fast_dev_run": True}, False)])
+def test_a_fit_without_max_epochs_says_it_trains_one_epoch(tmp_path, flags, warned):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, num_sanity_val_steps=0, **flags).fit(Probe(), _loader())
+    said = [w for w in caught if "`max_epochs` was not set. Setting it to 1 epoch (trainscale's default; Lightning's "
+            "is 1000 epochs)" in str(w.message)]
+    assert len(said) == warned
+
+
+@pytest.mark.timeout(60)
+def test_fast_dev_run_skips_the_batch_size_search_with_lightnings_warning(tmp_path):
+    loader = _loader()
+    trainer = _trainer(tmp_path, fast_dev_run=True, batch_size="max", max_memory=2 ** 30)
+    with pytest.warns(UserWarning, match="Skipping batch size scaler since `fast_dev_run` is enabled"):
+        trainer.fit(Probe(), loader)
+    assert trainer._fit.train_loader.batch_size == loader.batch_size

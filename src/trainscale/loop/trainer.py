@@ -34,9 +34,9 @@ from trainscale.loop import evaluation
 from trainscale.scaling.batch_scaling import BatchScaling
 from trainscale.tune.batch_size import tuned_loader
 from trainscale.checkpointing.writes import CheckpointWrites
-from trainscale.loop.data_checks import check_loaders, explain_batch_error, warn_unshuffled
+from trainscale.loop.data_checks import check_loaders, explain_batch_error, overfit_order, warn_unshuffled
 from trainscale.lightning.data_sources import fit_loader_hooks, resolve_fit_loaders
-from trainscale.loop.config import TrainerConfig, resolve_trainer_config
+from trainscale.loop.config import TrainerConfig, resolve_trainer_config, warn_default_max_epochs
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
 from trainscale.lightning.module import attach_trainer, defined_hooks, set_up_model
@@ -425,6 +425,7 @@ class Trainer:
         rt, cfg = self.runtime, self.config
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
         self.ckpt_path = resume_from
+        warn_default_max_epochs(cfg, self.flags["max_epochs"], rt.is_rank_zero)
         train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
         seed_everything(cfg.seed)
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
@@ -495,13 +496,15 @@ class Trainer:
         the training loader as given with ``use_distributed_sampler=False``), no validation loader with
         ``limit_val_batches=0`` or without a ``validation_step`` (Lightning's warning), both checked."""
         rt, cfg = self.runtime, self.config
+        if cfg.overfit_batches:  # the same first batches every epoch, in order (Lightning's, with its warning)
+            train_dataloaders = overfit_order(train_dataloaders, "train")
+            val_dataloaders = overfit_order(val_dataloaders, "val") if val_dataloaders is not None else None
         if not cfg.use_distributed_sampler:  # Lightning's flag: the loader as given, on every rank
             train_loader = train_dataloaders
         else:
             if rt.is_rank_zero and not cfg.overfit_batches:
                 warn_unshuffled(train_dataloaders, rt.data_parallel_size)  # Lightning would shuffle it
-            train_loader = rt.setup_dataloader(train_dataloaders, seed=cfg.seed,
-                                               shuffle=False if cfg.overfit_batches else None)  # Lightning's
+            train_loader = rt.setup_dataloader(train_dataloaders, seed=cfg.seed)
         if val_dataloaders is not None and loop_module.has_training_step and getattr(model, "validation_step", None) is None:
             warnings.warn(f"a validation DataLoader was passed but {type(model).__name__} defines no validation_step: "
                           "validation is skipped (as in Lightning); define validation_step to validate", stacklevel=4)
