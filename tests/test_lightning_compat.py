@@ -1030,3 +1030,49 @@ def test_fast_dev_run_skips_the_batch_size_search_with_lightnings_warning(tmp_pa
     with pytest.warns(UserWarning, match="Skipping batch size scaler since `fast_dev_run` is enabled"):
         trainer.fit(Probe(), loader)
     assert trainer._fit.train_loader.batch_size == loader.batch_size
+
+
+class _WithEncoder(Probe):
+    def __init__(self, encoder, width=4, transform=None):
+        super().__init__()
+        self.save_hyperparameters(ignore=[] if transform is None else ["encoder"])
+
+
+def test_save_hyperparameters_warns_of_a_module_saved_as_a_hyperparameter():
+    with pytest.warns(UserWarning, match=r"'encoder' is an instance of `nn.Module`.*ignore=\['encoder'\]"):
+        model = _WithEncoder(nn.Linear(2, 2))
+    assert list(model.hparams) == ["encoder", "width", "transform"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert list(_WithEncoder(nn.Linear(2, 2), transform=abs).hparams) == ["width", "transform"]
+
+
+@pytest.mark.timeout(60)
+def test_an_unpicklable_hyperparameter_is_removed_at_fit_with_a_warning(tmp_path):
+    model = _WithEncoder(None, transform=lambda x: x)  # a lambda: pickle cannot write it
+    with pytest.warns(UserWarning, match="'transform' removed from hparams because it cannot be pickled.*ignore="):
+        _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0).fit(model, _loader())
+    assert dict(model.hparams) == {"width": 4}
+
+
+class _Data(trainscale.DataModule):
+    def __init__(self, width=4, root="data"):
+        super().__init__()
+        self.save_hyperparameters()
+
+    def train_dataloader(self):
+        return _loader()
+
+
+@pytest.mark.timeout(60)
+def test_the_data_modules_hyperparameters_are_logged_with_the_modules_and_must_agree(tmp_path):
+    import json
+
+    from trainscale.loggers import CSVLogger
+
+    trainer = _trainer(tmp_path, max_epochs=1, logger=CSVLogger(tmp_path / "logs"))
+    trainer.fit(_WithEncoder(None, width=4), datamodule=_Data(width=4))
+    logged = json.loads(next((tmp_path / "logs").rglob("hparams.json")).read_text())
+    assert logged["width"] == 4 and logged["root"] == "data"
+    with pytest.raises(RuntimeError, match=r"Error while merging hparams: the keys \['width'\] are present in both"):
+        _trainer(tmp_path, max_epochs=1).fit(_WithEncoder(None, width=4), datamodule=_Data(width=8))

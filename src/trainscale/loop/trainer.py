@@ -36,6 +36,7 @@ from trainscale.tune.batch_size import tuned_loader
 from trainscale.checkpointing.writes import CheckpointWrites
 from trainscale.loop.data_checks import check_loaders, explain_batch_error, overfit_order, warn_unshuffled
 from trainscale.lightning.data_sources import fit_loader_hooks, resolve_fit_loaders
+from trainscale.lightning.hparams import drop_unpicklable
 from trainscale.loop.config import TrainerConfig, resolve_trainer_config, warn_default_max_epochs
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
@@ -426,6 +427,7 @@ class Trainer:
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
         self.ckpt_path = resume_from
         warn_default_max_epochs(cfg, self.flags["max_epochs"], rt.is_rank_zero)
+        drop_unpicklable(getattr(model, "hparams", None), warn=rt.is_rank_zero)  # Lightning's clean_namespace
         train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
         seed_everything(cfg.seed)
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
