@@ -1076,3 +1076,23 @@ def test_the_data_modules_hyperparameters_are_logged_with_the_modules_and_must_a
     assert logged["width"] == 4 and logged["root"] == "data"
     with pytest.raises(RuntimeError, match=r"Error while merging hparams: the keys \['width'\] are present in both"):
         _trainer(tmp_path, max_epochs=1).fit(_WithEncoder(None, width=4), datamodule=_Data(width=8))
+
+
+def test_early_stopping_and_timer_speak_lightnings_words(caplog):
+    from trainscale.callbacks import Timer
+
+    with pytest.raises(ValueError, match="`mode` can be min, max, got average"):
+        EarlyStopping("m", mode="average")
+    stop = EarlyStopping("m", stopping_threshold=0.5)
+    assert stop._evaluate(0.4) == (True, "Stopping threshold reached: m = 0.4 < 0.5. Signaling Trainer to stop.")
+
+    class _Trainer:  # what Timer reads: the runtime's broadcast and rank, and should_stop
+        should_stop = False
+        runtime = type("R", (), {"is_rank_zero": True, "broadcast_object": staticmethod(lambda x: x)})()
+
+    loop = _Trainer()
+    with caplog.at_level("INFO", logger="trainscale.callbacks.timer"):
+        Timer({"seconds": 0})._check(loop)
+    assert loop.should_stop
+    assert [(r.name, r.levelname) for r in caplog.records] == [("trainscale.callbacks.timer", "INFO")]
+    assert caplog.records[0].getMessage().startswith("Time limit reached. Elapsed time is 0:00:00. Signaling Trainer")
