@@ -499,8 +499,9 @@ class Trainer:
         ``limit_val_batches=0`` or without a ``validation_step`` (Lightning's warning), both checked."""
         rt, cfg = self.runtime, self.config
         if cfg.overfit_batches:  # the same first batches every epoch, in order (Lightning's, with its warning)
-            train_dataloaders = overfit_order(train_dataloaders, "train")
-            val_dataloaders = overfit_order(val_dataloaders, "val") if val_dataloaders is not None else None
+            train_dataloaders = overfit_order(train_dataloaders, "train", warn=rt.is_rank_zero)
+            if val_dataloaders is not None:
+                val_dataloaders = overfit_order(val_dataloaders, "val", warn=rt.is_rank_zero)
         if not cfg.use_distributed_sampler:  # Lightning's flag: the loader as given, on every rank
             train_loader = train_dataloaders
         else:
