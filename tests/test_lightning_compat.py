@@ -951,6 +951,7 @@ def _logs_in(hook, **flags):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("hook", "flags", "match"), [
+    ("setup", {}, r"You can't `self.log\(\)` inside `setup`"),
     ("on_fit_start", {}, r"You can't `self.log\(\)` inside `on_fit_start`"),
     ("on_train_end", {}, r"You can't `self.log\(\)` inside `on_train_end`"),
     ("on_save_checkpoint", {}, r"You can't `self.log\(\)` inside `on_save_checkpoint`"),
@@ -961,6 +962,16 @@ def test_self_log_where_lightning_refuses_it_raises(tmp_path, hook, flags, match
     trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[_logs_in(hook, **flags)])
     with pytest.raises(ValueError, match=match):
         trainer.fit(Probe(), _loader())
+
+
+def test_self_log_in_configure_optimizers_raises(tmp_path):
+    class LogsThere(Probe):
+        def configure_optimizers(self):
+            self.log("lr", 0.05)
+            return super().configure_optimizers()
+
+    with pytest.raises(ValueError, match=r"You can't `self.log\(\)` inside `configure_optimizers`"):
+        _trainer(tmp_path, max_epochs=1).fit(LogsThere(), _loader())
 
 
 @pytest.mark.timeout(60)

@@ -45,7 +45,8 @@ _DEFAULTS = {"train": (True, False), "validation": (False, True), "test": (False
 # and those in which it logs epoch values only (their default too); in the others the stage's defaults hold
 NO_LOGGING_HOOKS = frozenset({
     "on_fit_start", "on_fit_end", "on_sanity_check_start", "on_sanity_check_end", "on_train_end",
-    "on_validation_end", "on_test_end", "on_exception", "on_save_checkpoint", "on_load_checkpoint",
+    "on_validation_end", "on_test_end", "on_exception", "on_save_checkpoint", "on_load_checkpoint", "setup",
+    "configure_optimizers",
     *(f"on_predict_{point}" for point in ("start", "end", "epoch_start", "epoch_end", "batch_start", "batch_end"))})
 EPOCH_ONLY_HOOKS = frozenset({"on_train_start", "on_validation_start", "on_test_start", *(
     f"on_{stage}_epoch_{point}" for stage in ("train", "validation", "test") for point in ("start", "end"))})

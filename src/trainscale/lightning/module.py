@@ -190,7 +190,8 @@ class TrainingModule(HyperparametersMixin, nn.Module):
             ValueError: an unknown ``reduce_fx``, a non-scalar value, a name every record holds ("step",
                 "epoch", "kind", "rank", "time"); at the epoch end, names logged on some ranks only; as Lightning,
                 ``on_step=False`` with ``on_epoch=False``, a call from a hook where Lightning refuses it
-                (``on_fit_start``, ``on_train_end``, ``on_save_checkpoint``, the predict hooks, ...) and
+                (a callback's ``setup``, ``configure_optimizers``, ``on_fit_start``, ``on_train_end``,
+                ``on_save_checkpoint``, the predict hooks, ...) and
                 ``on_step=True`` in an epoch hook (``on_train_epoch_end``, ``on_validation_epoch_start``, ...).
         """
         trainer = self.trainer

@@ -8,6 +8,7 @@ size 1 (docs/architecture.md).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -472,14 +473,16 @@ class Trainer:
 
     def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
         rt = self.runtime
-        for cb in self.callbacks:  # Lightning's Callback.setup: before the model is wrapped and its optimizers built
-            cb.setup(self, model, "fit")
+        with self._running("setup"):  # Lightning's Callback.setup: before the model is wrapped, its optimizers built
+            for cb in self.callbacks:
+                cb.setup(self, model, "fit")
         self.last_setup = set_up_model(rt, model, loss_fn, self.last_setup)  # reused from an earlier fit or evaluation
         _, loop_module, wrapped = self.last_setup
         self._arm_hooks(model)
-        self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
-            model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
-            before_step=lambda opt: self._hook("on_before_optimizer_step", opt))
+        with self._running("configure_optimizers"):
+            self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
+                model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
+                before_step=lambda opt: self._hook("on_before_optimizer_step", opt))
         train_loader, val_loader = self._distribute_loaders(model, loop_module, train_dataloaders, val_dataloaders)
         # FLOPs are counted on a plain forward and backward only: the user's manual training_step steps optimizers
         # (a retry after a failed count would step them twice) and a pipeline stage holds part of the model (and
@@ -935,8 +938,7 @@ class Trainer:
         setup = self.last_setup  # (model, loop module, wrapped) of the fit or evaluation running
         module = setup[0] if setup is not None else None
         call_module = setup is not None and monitoring is not True and hook in setup[1].hooks
-        outer, self.running_hook = self.running_hook, hook
-        try:
+        with self._running(hook):
             if call_module and module_first:
                 getattr(module, hook)(*args)
             for cb in self.callbacks:
@@ -944,6 +946,13 @@ class Trainer:
                     getattr(cb, hook)(self, module, *args)
             if call_module and not module_first:
                 getattr(module, hook)(*args)
+
+    @contextlib.contextmanager
+    def _running(self, hook: str):
+        """:attr:`running_hook` is ``hook`` for the block (where ``self.log`` checks Lightning's rules for it)."""
+        outer, self.running_hook = self.running_hook, hook
+        try:
+            yield
         finally:
             self.running_hook = outer
 
