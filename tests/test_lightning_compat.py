@@ -1248,3 +1248,260 @@ def test_a_run_directory_with_the_former_pt_names_still_resumes(tmp_path):
         _trainer(tmp_path / "other", max_epochs=3, num_sanity_val_steps=0).fit(model, _loader(), ckpt_path=path)
         assert model.epochs_seen == [("start", 2)], path
     assert best.read_bytes() == before
+
+
+
+# -- Lightning's warnings and errors that a port keeps ------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])  # "16-mixed": a GradScaler with nothing to scale
+def test_configure_optimizers_returning_none_trains_without_an_optimizer_with_a_warning(tmp_path, precision):
+    class NoOptimizer(Probe):
+        def configure_optimizers(self):
+            return None
+
+    model = NoOptimizer()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, precision=precision)
+    with pytest.warns(UserWarning, match="returned `None`, this fit will run with no optimizer"):
+        trainer.fit(model, _loader())
+    assert trainer.global_step == 4  # the loop ran its 4 batches; nothing moved the weights
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class _Stateless:
+    """A scheduler that is not torch's: its own step rule."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self):
+        pass
+
+
+class _OwnScheduler(_Stateless):
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_scheduler_configurations_lightning_warns_about_or_refuses():
+    from trainscale.lightning.optimizers import parse_optimization
+
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+    with pytest.warns(RuntimeWarning, match="Are you sure you didn't mean 'interval': 'step'"):
+        parse_optimization({"optimizer": opt, "lr_scheduler": cycle})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_optimization({"optimizer": opt, "lr_scheduler": {"scheduler": cycle, "interval": "step"}})
+        parse_optimization(([opt], [_OwnScheduler(opt)]), manual=True)  # the module steps it itself
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+        assert parse_optimization(([opt], [plateau]), manual=True).schedulers[0].monitor is None
+    with pytest.raises(ValueError, match="doesn't follow PyTorch's LRScheduler API.*automatic_optimization = False"):
+        parse_optimization(([opt], [_OwnScheduler(opt)]))
+    for manual in (False, True):
+        with pytest.raises(TypeError, match="`_Stateless` is invalid.*`state_dict` and `load_state_dict`"):
+            parse_optimization(([opt], [_Stateless(opt)]), manual=manual)
+    with pytest.warns(RuntimeWarning, match=r"contains the key\(s\) \['monitor', 'strict'\], but the keys will be "
+                                            r"ignored.*manually in manual optimization"):
+        parse_optimization({"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "m", "strict": True,
+                                                                 "interval": "step"}}, manual=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_manual_module_steps_its_plateau_scheduler_without_a_monitor(tmp_path):
+    class ManualPlateau(Probe):
+        automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(self.layer(batch[0]).pow(2).mean())
+            opt.step()
+
+        def on_train_epoch_end(self):
+            self.lr_schedulers().step(1.0)  # the same value every epoch: patience 0 lowers the rate each time
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [opt], [torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)]
+
+    trainer = _trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0)
+    trainer.fit(ManualPlateau(), _loader())
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.1 ** 2)  # lowered after epochs 2, 3
+
+
+class _LogsIn(Callback):
+    def __init__(self, **flags):
+        self.flags = flags
+
+    def _log(self, trainer, module, *args):
+        module.log("from_callback", 1.0, **self.flags)
+
+
+def _logs_in(hook, **flags):
+    """A callback whose ``hook`` logs ``from_callback``, defined on its class (the Trainer calls the hooks a
+    callback's class overrides)."""
+    return type(f"LogsIn_{hook}", (_LogsIn,), {hook: _LogsIn._log})(**flags)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("hook", "flags", "match"), [
+    ("setup", {}, r"You can't `self.log\(\)` inside `setup`"),
+    ("on_fit_start", {}, r"You can't `self.log\(\)` inside `on_fit_start`"),
+    ("on_train_end", {}, r"You can't `self.log\(\)` inside `on_train_end`"),
+    ("on_save_checkpoint", {}, r"You can't `self.log\(\)` inside `on_save_checkpoint`"),
+    ("on_train_epoch_end", {"on_step": True}, r"self.log\(on_step=True\)` inside `on_train_epoch_end`, must be one"),
+    ("on_train_batch_end", {"on_step": False, "on_epoch": False}, r"on_epoch=False\)` is not useful"),
+])
+def test_self_log_where_lightning_refuses_it_raises(tmp_path, hook, flags, match):
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[_logs_in(hook, **flags)])
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(Probe(), _loader())
+
+
+def test_self_log_in_configure_optimizers_raises(tmp_path):
+    class LogsThere(Probe):
+        def configure_optimizers(self):
+            self.log("lr", 0.05)
+            return super().configure_optimizers()
+
+    with pytest.raises(ValueError, match=r"You can't `self.log\(\)` inside `configure_optimizers`"):
+        _trainer(tmp_path, max_epochs=1).fit(LogsThere(), _loader())
+
+
+@pytest.mark.timeout(60)
+def test_self_log_in_the_train_start_and_epoch_hooks_logs_epoch_values(tmp_path):
+    class AtTrainStart(Probe):
+        def on_train_start(self):
+            self.log("at_start", 3.0)  # Lightning's default there: on_epoch=True
+
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[_logs_in("on_train_epoch_end")])
+    trainer.fit(AtTrainStart(), _loader())
+    assert trainer.history[-1]["at_start"] == 3.0 and trainer.callback_metrics["from_callback"] == 1.0
+
+
+@pytest.mark.timeout(60)
+def test_overfit_batches_reads_the_first_batches_in_order_with_lightnings_warning(tmp_path):
+    from torch.utils.data import Sampler
+
+    class Backwards(Sampler):
+        def __init__(self, n):
+            self.n = n
+
+        def __iter__(self):
+            return iter(range(self.n - 1, -1, -1))
+
+        def __len__(self):
+            return self.n
+
+    class Seen(Probe):
+        def __init__(self):
+            super().__init__()
+            self.first = []
+
+        def training_step(self, batch, batch_idx):
+            self.first.append(batch[0][0, 0].item())
+            return super().training_step(batch, batch_idx)
+
+    data = _loader().dataset
+    for name, loader in (("shuffled", DataLoader(data, batch_size=2, shuffle=True)),
+                         ("own sampler", DataLoader(data, batch_size=2, sampler=Backwards(len(data))))):
+        model = Seen()
+        trainer = _trainer(tmp_path / name, max_epochs=2, overfit_batches=2, num_sanity_val_steps=0)
+        with pytest.warns(UserWarning, match="requested to overfit but enabled train dataloader shuffling"):
+            trainer.fit(model, loader)
+        in_order = data.tensors[0][[0, 2], 0].tolist()
+        assert model.first == in_order * 2, name  # the same first two batches, in the data set's order, each epoch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _trainer(tmp_path / "sequential", max_epochs=1, overfit_batches=2).fit(Seen(), _loader())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("flags", "warned"), [
+    ({}, True), ({"max_epochs": 1}, False), ({"max_steps": 2}, False), ({"fast_dev_run": True}, False)])
+def test_a_fit_without_max_epochs_says_it_trains_one_epoch(tmp_path, flags, warned):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, num_sanity_val_steps=0, **flags).fit(Probe(), _loader())
+    said = [w for w in caught if "`max_epochs` was not set. Setting it to 1 epoch (trainscale's default; Lightning's "
+            "is 1000 epochs)" in str(w.message)]
+    assert len(said) == warned
+
+
+@pytest.mark.timeout(60)
+def test_fast_dev_run_skips_the_batch_size_search_with_lightnings_warning(tmp_path):
+    loader = _loader()
+    trainer = _trainer(tmp_path, fast_dev_run=True, batch_size="max", max_memory=2 ** 30)
+    with pytest.warns(UserWarning, match="Skipping batch size scaler since `fast_dev_run` is enabled"):
+        trainer.fit(Probe(), loader)
+    assert trainer._fit.train_loader.batch_size == loader.batch_size
+
+
+class _WithEncoder(Probe):
+    def __init__(self, encoder, width=4, transform=None):
+        super().__init__()
+        self.save_hyperparameters(ignore=[] if transform is None else ["encoder"])
+
+
+def test_save_hyperparameters_warns_of_a_module_saved_as_a_hyperparameter():
+    with pytest.warns(UserWarning, match=r"'encoder' is an instance of `nn.Module`.*ignore=\['encoder'\]"):
+        model = _WithEncoder(nn.Linear(2, 2))
+    assert list(model.hparams) == ["encoder", "width", "transform"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert list(_WithEncoder(nn.Linear(2, 2), transform=abs).hparams) == ["width", "transform"]
+
+
+@pytest.mark.timeout(60)
+def test_an_unpicklable_hyperparameter_is_removed_at_fit_with_a_warning(tmp_path):
+    model = _WithEncoder(None, transform=lambda x: x)  # a lambda: pickle cannot write it
+    with pytest.warns(UserWarning, match="'transform' removed from hparams because it cannot be pickled.*ignore="):
+        _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0).fit(model, _loader())
+    assert dict(model.hparams) == {"width": 4}
+
+
+class _Data(trainscale.DataModule):
+    def __init__(self, width=4, root="data"):
+        super().__init__()
+        self.save_hyperparameters()
+
+    def train_dataloader(self):
+        return _loader()
+
+
+@pytest.mark.timeout(60)
+def test_the_data_modules_hyperparameters_are_logged_with_the_modules_and_must_agree(tmp_path):
+    import json
+
+    from trainscale.loggers import CSVLogger
+
+    trainer = _trainer(tmp_path, max_epochs=1, logger=CSVLogger(tmp_path / "logs"))
+    trainer.fit(_WithEncoder(None, width=4), datamodule=_Data(width=4))
+    logged = json.loads(next((tmp_path / "logs").rglob("hparams.json")).read_text())
+    assert logged["width"] == 4 and logged["root"] == "data"
+    with pytest.raises(RuntimeError, match=r"Error while merging hparams: the keys \['width'\] are present in both"):
+        _trainer(tmp_path, max_epochs=1).fit(_WithEncoder(None, width=4), datamodule=_Data(width=8))
+
+
+def test_early_stopping_and_timer_speak_lightnings_words(caplog):
+    from trainscale.callbacks import Timer
+
+    with pytest.raises(ValueError, match="`mode` can be min, max, got average"):
+        EarlyStopping("m", mode="average")
+    stop = EarlyStopping("m", stopping_threshold=0.5)
+    assert stop._evaluate(0.4) == (True, "Stopping threshold reached: m = 0.4 < 0.5. Signaling Trainer to stop.")
+
+    class _Trainer:  # what Timer reads: the runtime's broadcast and rank, and should_stop
+        should_stop = False
+        runtime = type("R", (), {"is_rank_zero": True, "broadcast_object": staticmethod(lambda x: x)})()
+
+    loop = _Trainer()
+    with caplog.at_level("INFO", logger="trainscale.callbacks.timer"):
+        Timer({"seconds": 0})._check(loop)
+    assert loop.should_stop
+    assert [(r.name, r.levelname) for r in caplog.records] == [("trainscale.callbacks.timer", "INFO")]
+    assert caplog.records[0].getMessage().startswith("Time limit reached. Elapsed time is 0:00:00. Signaling Trainer")

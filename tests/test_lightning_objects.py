@@ -197,7 +197,7 @@ def test_early_stopping_strict_when_and_verbose(capsys):
     capsys.readouterr()
     _checks(EarlyStopping("m", patience=1, verbose=True), [1.0, 0.5, 0.7])
     out = capsys.readouterr().out
-    assert "m improved by 0.500 >= min_delta = 0.0; new best score: 0.500" in out and "did not improve" in out
+    assert "Metric m improved by 0.500 >= min_delta = 0.0. New best score: 0.500" in out and "did not improve" in out
 
 
 def test_two_early_stoppings_keep_their_own_states_and_a_class_named_state_still_loads(tmp_path):

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from trainscale.callbacks.base import Callback
+from trainscale.callbacks.base import Callback, log_info
 
 if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 
 class EarlyStoppingReason(Enum):
@@ -42,8 +45,10 @@ class EarlyStopping(Callback):
         monitor: a metric name, e.g. "val_loss" or a name given to ``self.log``.
         min_delta: the smallest change that counts as an improvement (an absolute change <= ``min_delta`` does not).
         patience: checks in a row without improvement that stop training (0: the first one does).
-        verbose: print each decision (improvement, stop) on every rank (rank zero only with ``log_rank_zero_only``);
-            without it only the stop is printed, on rank zero.
+        verbose: say each decision (improvement, stop) in Lightning's words on every rank (rank zero only with
+            ``log_rank_zero_only``); without it only the stop is said, on rank zero. Said at INFO through the
+            ``trainscale.callbacks.early_stopping`` logger where logging shows INFO, printed otherwise
+            (``callbacks.base.log_info``).
         mode: "min" (lower is better) or "max".
         strict: a ``monitor`` missing from the metrics raises; False: the check is skipped (with a warning when
             ``verbose``).
@@ -51,7 +56,7 @@ class EarlyStopping(Callback):
         stopping_threshold: stop as soon as the value is better than this.
         divergence_threshold: stop as soon as the value is worse than this.
         check_on_train_epoch_end: see "When" above.
-        log_rank_zero_only: with ``verbose``, print on rank zero only.
+        log_rank_zero_only: with ``verbose``, say it on rank zero only.
 
     Attributes:
         stopped_epoch: the epoch (0-based) after which training stopped; 0 if it did not.
@@ -70,7 +75,7 @@ class EarlyStopping(Callback):
                  stopping_threshold: float | None = None, divergence_threshold: float | None = None,
                  check_on_train_epoch_end: bool | None = None, log_rank_zero_only: bool = False) -> None:
         if mode not in ("min", "max"):
-            raise ValueError(f"mode={mode!r}; choose 'min' or 'max'")
+            raise ValueError(f"`mode` can be min, max, got {mode}: pass mode='min' (lower is better) or 'max'")
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
             raise ValueError(f"patience={patience!r} must be an int >= 0")
         if not min_delta >= 0:
@@ -125,35 +130,36 @@ class EarlyStopping(Callback):
             self.stopping_reason_message = reason
             trainer.should_stop = True
         rt = trainer.runtime
-        if reason and self.verbose and (rt.is_rank_zero or not self.log_rank_zero_only):
-            print(f"trainscale: EarlyStopping{f' [rank {rt.rank}]' if rt.world_size > 1 else ''}: {reason}", flush=True)
-        elif stop:  # the stop is always said, once
-            rt.print(f"trainscale: EarlyStopping: {reason} (after epoch {trainer.current_epoch + 1})")
+        if reason and self.verbose and (rt.is_rank_zero or not self.log_rank_zero_only):  # Lightning's _log_info
+            log_info(log, f"[rank: {rt.rank}] {reason}" if rt.world_size > 1 else reason)
+        elif stop and rt.is_rank_zero:  # the stop is always said, once
+            log_info(log, f"EarlyStopping: {reason} (after epoch {trainer.current_epoch + 1})")
 
     def _evaluate(self, value: float) -> tuple[bool, str | None]:
         """Lightning's ``_evaluate_stopping_criteria``: ``(stop, reason)``; updates the best score and the count."""
         op = "<" if self.mode == "min" else ">"
         if self.check_finite and not math.isfinite(value):
             self.stopping_reason = EarlyStoppingReason.NON_FINITE_METRIC
-            return True, (f"monitored metric {self.monitor} = {value} is not finite; previous best value was "
-                          f"{self.best_score:.3f}; stopping")
+            return True, (f"Monitored metric {self.monitor} = {value} is not finite. Previous best value was "
+                          f"{self.best_score:.3f}. Signaling Trainer to stop.")
         if self.stopping_threshold is not None and self._better(value, self.stopping_threshold):
             self.stopping_reason = EarlyStoppingReason.STOPPING_THRESHOLD
-            return True, f"stopping threshold reached: {self.monitor} = {value} {op} {self.stopping_threshold}; stopping"
+            return True, (f"Stopping threshold reached: {self.monitor} = {value} {op} {self.stopping_threshold}. "
+                          "Signaling Trainer to stop.")
         if self.divergence_threshold is not None and self._better(self.divergence_threshold, value):
             self.stopping_reason = EarlyStoppingReason.DIVERGENCE_THRESHOLD
-            return True, (f"divergence threshold reached: {self.monitor} = {value} {op} {self.divergence_threshold}"
-                          "; stopping")
+            return True, (f"Divergence threshold reached: {self.monitor} = {value} {op} {self.divergence_threshold}"
+                          ". Signaling Trainer to stop.")
         delta = self.min_delta if self.mode == "max" else -self.min_delta  # Lightning's signed min_delta
         if self._better(value - delta, self.best_score):
             previous, self.best_score, self.wait_count = self.best_score, value, 0
             by = f" by {abs(previous - value):.3f} >= min_delta = {self.min_delta}" if math.isfinite(previous) else ""
-            return False, f"metric {self.monitor} improved{by}; new best score: {value:.3f}"
+            return False, f"Metric {self.monitor} improved{by}. New best score: {value:.3f}"
         self.wait_count += 1
         if self.wait_count >= self.patience:
             self.stopping_reason = EarlyStoppingReason.PATIENCE_EXHAUSTED
-            return True, (f"monitored metric {self.monitor} did not improve in the last {self.wait_count} records; "
-                          f"best score: {self.best_score:.3f}; stopping")
+            return True, (f"Monitored metric {self.monitor} did not improve in the last {self.wait_count} records. "
+                          f"Best score: {self.best_score:.3f}. Signaling Trainer to stop.")
         return False, None
 
     def state_dict(self) -> dict:

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from trainscale.callbacks.base import Callback
+from trainscale.callbacks.base import Callback, log_info
 from trainscale.runtime.flags import parse_max_time
 
 if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
 
 _STAGES = ("train", "validate", "test")
+log = logging.getLogger(__name__)
 
 
 class Timer(Callback):
@@ -25,6 +27,8 @@ class Timer(Callback):
     end hooks, unless ``min_epochs``/``min_steps`` hold it back. ``time_elapsed(stage)``, ``start_time(stage)``,
     ``end_time(stage)`` (``time.monotonic`` seconds) for "train", "validate" and "test"; ``time_remaining(stage)``:
     seconds left of ``duration`` (None without one). ``Trainer(max_time=...)`` is the same stop, built into the loop.
+    With ``verbose``, rank zero says "Time limit reached. ..." at the stop, at INFO through the
+    ``trainscale.callbacks.timer`` logger where logging shows INFO, printed otherwise (``callbacks.base.log_info``).
 
     Raises:
         ValueError: a ``duration`` of another form (the message names "DD:HH:MM:SS"), an ``interval`` other than
@@ -110,9 +114,9 @@ class Timer(Callback):
         out_of_time = trainer.runtime.broadcast_object(self.time_elapsed() >= self._duration)
         if out_of_time and not trainer.should_stop:
             trainer.should_stop = True
-            if self._verbose:
+            if self._verbose and trainer.runtime.is_rank_zero:  # Lightning's rank_zero_info
                 elapsed = timedelta(seconds=int(self.time_elapsed()))
-                trainer.runtime.print(f"Time limit reached. Elapsed time is {elapsed}. Signaling Trainer to stop.")
+                log_info(log, f"Time limit reached. Elapsed time is {elapsed}. Signaling Trainer to stop.")
 
     def state_dict(self) -> dict:
         return {"time_elapsed": {stage: self.time_elapsed(stage) for stage in _STAGES}}

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import copy
 import inspect
+import pickle
+import warnings
 from argparse import Namespace
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+import torch
+from torch import nn
 
 
 class AttributeDict(dict):
@@ -53,6 +58,9 @@ class HyperparametersMixin:
         ``argparse.Namespace`` instead of names (``self.save_hyperparameters(config)``) becomes :attr:`hparams`
         itself, its keys the hyperparameters, as in Lightning.
 
+        As Lightning, a ``UserWarning`` names each hyperparameter that is an ``nn.Module`` (its weights are in the
+        checkpoint already, as the module's; leave it out with ``ignore=[...]``).
+
         Raises:
             ValueError: a name in ``names`` that is not an argument of the caller; a single argument that is
                 neither a name, a dict nor a ``Namespace``.
@@ -64,6 +72,7 @@ class HyperparametersMixin:
                                  "one argparse.Namespace")
             self.__dict__["_hparams"] = AttributeDict(config)
             self.__dict__["_hparams_initial"] = copy.deepcopy(dict(config))
+            _warn_modules(self.hparams)
             return
         found = _caller_arguments(inspect.currentframe().f_back)
         missing = [name for name in names if name not in found]
@@ -73,6 +82,66 @@ class HyperparametersMixin:
         ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
         self.hparams.update({k: v for k, v in found.items() if (not names or k in names) and k not in ignored})
         self.__dict__["_hparams_initial"] = copy.deepcopy(dict(self.hparams))
+        _warn_modules(self.hparams)
+
+
+def _warn_modules(hparams: Mapping) -> None:
+    for name, value in hparams.items():
+        if isinstance(value, nn.Module):  # Lightning's words (utilities/parsing.py, save_hyperparameters)
+            warnings.warn(f"Attribute {name!r} is an instance of `nn.Module` and is already saved during "
+                          f"checkpointing. It is recommended to ignore them using "
+                          f"`self.save_hyperparameters(ignore=[{name!r}])`.", UserWarning, stacklevel=4)
+
+
+def drop_unpicklable(hparams: Any, warn: bool = True) -> None:
+    """Remove from ``hparams`` (in place) the values ``pickle`` cannot write (a lambda, an open file), with a
+    ``UserWarning`` naming each when ``warn``, as Lightning does when ``fit`` starts (``clean_namespace``): its
+    checkpoints and loggers could not keep them."""
+    if not isinstance(hparams, dict):
+        return
+    for name in [k for k, v in hparams.items() if not _picklable(v)]:
+        if warn:
+            warnings.warn(f"Attribute '{name}' removed from hparams because it cannot be pickled. You can suppress "
+                          f"this warning by setting `self.save_hyperparameters(ignore=['{name}'])`.", UserWarning,
+                          stacklevel=4)
+        del hparams[name]
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except (pickle.PickleError, AttributeError, RuntimeError, TypeError):  # Lightning's is_picklable
+        return False
+    return True
+
+
+def merged_hparams(model: Any, datamodule: Any) -> dict[str, Any]:
+    """The hyperparameters of ``model`` and of ``datamodule`` (``save_hyperparameters()`` on each; either may have
+    none, or be None) in one dict, as Lightning logs them (``loggers/utilities.py``, ``_log_hyperparams``).
+
+    Raises:
+        RuntimeError: a name that both hold with different values (a different type, another tensor object, or
+            unequal), naming them.
+    """
+    mine, theirs = (dict(saved) if isinstance(saved := getattr(obj, "hparams", None), Mapping) else {}
+                    for obj in (model, datamodule))  # a plain nn.Module has none
+    clashing = sorted(k for k in mine.keys() & theirs.keys() if _differ(mine[k], theirs[k]))
+    if clashing:
+        raise RuntimeError(f"Error while merging hparams: the keys {clashing} are present in both the "
+                           f"{type(model).__name__}'s and the {type(datamodule).__name__}'s hparams but have different "
+                           "values; give them one value, or another name in one of the two")
+    return {**mine, **theirs}
+
+
+def _differ(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return True
+    if isinstance(a, torch.Tensor):
+        return a is not b
+    try:
+        return bool(a != b)
+    except (TypeError, ValueError, RuntimeError):  # no plain truth value (an array's comparison): the same object?
+        return a is not b
 
 
 def _caller_arguments(frame: Any) -> dict[str, Any]:

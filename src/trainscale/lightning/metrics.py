@@ -42,6 +42,15 @@ RESERVED = {"step": "the optimizer step", "epoch": "the epoch", "kind": "the rec
             **{name: "a telemetry figure" for name in RECORD_FIELDS}}
 RESERVED_PREFIXES = {"lr-": "the learning rates (LearningRateMonitor's names)"}
 _DEFAULTS = {"train": (True, False), "validation": (False, True), "test": (False, True)}  # (on_step, on_epoch)
+# Lightning's _FxValidator (trainer/connectors/logger_connector/fx_validator.py): the hooks in which self.log raises,
+# and those in which it logs epoch values only (their default too); in the others the stage's defaults hold
+NO_LOGGING_HOOKS = frozenset({
+    "on_fit_start", "on_fit_end", "on_sanity_check_start", "on_sanity_check_end", "on_train_end",
+    "on_validation_end", "on_test_end", "on_exception", "on_save_checkpoint", "on_load_checkpoint", "setup",
+    "configure_optimizers",
+    *(f"on_predict_{point}" for point in ("start", "end", "epoch_start", "epoch_end", "batch_start", "batch_end"))})
+EPOCH_ONLY_HOOKS = frozenset({"on_train_start", "on_validation_start", "on_test_start", *(
+    f"on_{stage}_epoch_{point}" for stage in ("train", "validation", "test") for point in ("start", "end"))})
 
 
 def _check_loggable(name: str, value: Any) -> None:
@@ -63,6 +72,25 @@ def _check_loggable(name: str, value: Any) -> None:
 def reserved_field(name: str) -> str | None:
     """What the run's own records hold under ``name`` (:data:`RESERVED`, :data:`RESERVED_PREFIXES`), or None."""
     return RESERVED.get(name) or next((v for k, v in RESERVED_PREFIXES.items() if name.startswith(k)), None)
+
+
+def _hook_levels(hook: str | None, on_step: bool | None, on_epoch: bool | None) -> tuple[bool | None, bool | None]:
+    """``on_step`` and ``on_epoch`` as the hook ``hook`` allows them (Lightning's ``_FxValidator``); None still
+    means the stage's default.
+
+    Raises:
+        ValueError: see :meth:`MetricCollector.log`.
+    """
+    if hook in NO_LOGGING_HOOKS:
+        raise ValueError(f"You can't `self.log()` inside `{hook}`: log in a step or in a batch or epoch hook. HINT: "
+                         "You can still log directly to the logger by using `self.logger.experiment`")
+    if hook not in EPOCH_ONLY_HOOKS:
+        return on_step, on_epoch
+    for flag, value, allowed in (("on_step", on_step, False), ("on_epoch", on_epoch, True)):
+        if value is not None and value is not allowed:
+            raise ValueError(f"You can't `self.log({flag}={value})` inside `{hook}`, must be one of ({allowed},): "
+                             f"it logs the epoch's value (drop {flag}=...)")
+    return False, True
 
 
 @dataclass
@@ -111,15 +139,19 @@ class MetricCollector:
 
     def log(self, name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | None = None,
             prog_bar: bool = False, sync_dist: bool = False, reduce_fx: Any = "mean",
-            batch_size: int | None = None, logger: bool = True) -> None:
-        """Record ``value`` (a number or one-element tensor) under ``name``; see ``TrainingModule.log``.
+            batch_size: int | None = None, logger: bool = True, hook: str | None = None) -> None:
+        """Record ``value`` (a number or one-element tensor) under ``name``; see ``TrainingModule.log``. ``hook``: the
+        Lightning hook it is called from (None: a step method or outside the hooks).
 
         Raises:
             ValueError: an unknown ``reduce_fx``; a value that is not a number, a tensor or a torchmetrics
                 ``Metric`` (None, a string, a list, a dict: Lightning's message, naming ``log_dict`` and ``mean()``)
                 or a tensor with more than one element; a name with ``/dataloader_idx_`` (Lightning adds that
-                suffix itself); or a name of :data:`RESERVED` (naming another).
+                suffix itself); a name of :data:`RESERVED` (naming another); a ``hook`` of
+                :data:`NO_LOGGING_HOOKS`, ``on_step=True`` or ``on_epoch=False`` in one of :data:`EPOCH_ONLY_HOOKS`,
+                ``on_step=False`` with ``on_epoch=False`` (Lightning's ``MisconfigurationException`` in each case).
         """
+        on_step, on_epoch = _hook_levels(hook, on_step, on_epoch)
         reduce_fx = reduction_name(reduce_fx)
         _check_loggable(name, value)
         what = reserved_field(name)
@@ -129,6 +161,9 @@ class MetricCollector:
         if self.discard:
             return
         on_step, on_epoch, step_name, epoch_name = self._names(name, on_step, on_epoch)
+        if not (on_step or on_epoch):  # nothing would be kept
+            raise ValueError(f"`self.log({name!r}, on_step=False, on_epoch=False)` is not useful: pass on_step=True "
+                             "(each step's value) or on_epoch=True (the epoch's reduced value)")
         kept = [n for n, on in ((step_name, on_step), (epoch_name, on_epoch)) if on]
         if prog_bar:
             self.prog_bar.update(kept)

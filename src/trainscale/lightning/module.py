@@ -201,11 +201,16 @@ class TrainingModule(HyperparametersMixin, nn.Module):
 
         Raises:
             ValueError: an unknown ``reduce_fx``, a non-scalar value, a name every record holds ("step",
-                "epoch", "kind", "rank", "time"); at the epoch end, names logged on some ranks only.
+                "epoch", "kind", "rank", "time"); at the epoch end, names logged on some ranks only; as Lightning,
+                ``on_step=False`` with ``on_epoch=False``, a call from a hook where Lightning refuses it
+                (a callback's ``setup``, ``configure_optimizers``, ``on_fit_start``, ``on_train_end``,
+                ``on_save_checkpoint``, the predict hooks, ...) and
+                ``on_step=True`` in an epoch hook (``on_train_epoch_end``, ``on_validation_epoch_start``, ...).
         """
-        collector = self.trainer.metric_collector
-        collector.log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar, sync_dist=sync_dist,
-                      reduce_fx=reduce_fx, batch_size=batch_size, logger=logger)
+        trainer = self.trainer
+        trainer.metric_collector.log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
+                                     sync_dist=sync_dist, reduce_fx=reduce_fx, batch_size=batch_size, logger=logger,
+                                     hook=trainer.running_hook)
 
     def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:
         """``self.log`` for each item of ``metrics`` with the same keyword arguments."""

@@ -3,12 +3,13 @@ the first step (the fix named in each message), wrapped for manual optimization.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from trainscale.lightning.optimizers import BackwardAgreement, ManualOptimizer, parse_optimization
+from trainscale.lightning.optimizers import BackwardAgreement, ManualOptimizer, NoOptimizer, parse_optimization
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
@@ -24,8 +25,8 @@ def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, confi
     Raises:
         ValueError / TypeError: see :func:`configured_optimization` and :func:`check_optimizers`.
     """
-    optimization = parse_optimization(configured_optimization(model, wrapped, optimizer))
     manual = not getattr(model, "automatic_optimization", True)
+    optimization = parse_optimization(configured_optimization(model, wrapped, optimizer), manual)
     check_optimizers(optimization, wrapped, manual, config, runtime)
     optimizers = [runtime.strategy.setup_optimizer(o) for o in optimization.optimizers]
     sync = runtime.strategy.gradient_sync
@@ -38,13 +39,20 @@ def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, confi
 
 def configured_optimization(model: nn.Module, wrapped: nn.Module, optimizer: Any) -> Any:
     """What builds the optimizers: the ``optimizer`` factory (called on the wrapped module's
-    parameters, after the strategy moved or sharded them) or ``model.configure_optimizers()``.
+    parameters, after the strategy moved or sharded them) or ``model.configure_optimizers()``; when that returns
+    None, a :class:`NoOptimizer` with a ``UserWarning``, as Lightning (the fit runs and the weights stay).
 
     Raises:
         ValueError: neither given. TypeError: ``optimizer`` is neither a factory nor an optimizer.
     """
     if optimizer is None and hasattr(model, "configure_optimizers"):
-        return model.configure_optimizers()
+        configured = model.configure_optimizers()
+        if configured is None:
+            warnings.warn(f"`{type(model).__name__}.configure_optimizers` returned `None`, this fit will run with no "
+                          "optimizer: the weights will not change (return an optimizer to train them)", UserWarning,
+                          stacklevel=4)
+            return NoOptimizer()
+        return configured
     if optimizer is None:
         raise ValueError("no optimizer: pass optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), "
                          "or define configure_optimizers() on the model")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 import torch
@@ -41,6 +41,7 @@ class SchedulerConfig:
     monitor: str | None = None
     name: str | None = None  # the name LearningRateMonitor and the records give its learning rates
     strict: bool = True  # a monitored metric missing: an error (True) or a warning and no step (False)
+    given: tuple[str, ...] = field(default=(), compare=False)  # the keys of the lr_scheduler dict, in its order
 
     def due(self, count: int) -> bool:
         """Step after ``count`` epochs or optimizer steps (counted from 1)?"""
@@ -75,6 +76,29 @@ def step_schedulers(schedulers, interval: str, count: int, metrics: dict[str, fl
             sched.step(metrics)
 
 
+class NoOptimizer(torch.optim.Optimizer):
+    """What a fit trains with when ``configure_optimizers`` returns None (Lightning's ``_MockOptimizer``): it holds
+    no parameters, so ``step()`` and ``zero_grad()`` change nothing, and its state is empty."""
+
+    def __init__(self) -> None:
+        super().__init__([torch.zeros(1)], {})  # torch refuses an empty list; add_param_group below keeps none
+
+    def add_param_group(self, param_group: dict) -> None:
+        pass
+
+    def step(self, closure: Any = None) -> Any:
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class Optimization:
     """What ``configure_optimizers`` (or the ``optimizer`` factory) returned, normalised."""
@@ -95,16 +119,50 @@ def _scheduler(entry: Any, monitor: str | None = None) -> SchedulerConfig:
                       f"are ignored (remove them from configure_optimizers' output; the keys: "
                       f"{sorted(_SCHEDULER_KEYS)})", RuntimeWarning, stacklevel=4)
     config = SchedulerConfig(entry["scheduler"], entry.get("interval", "epoch"), entry.get("frequency", 1),
-                             entry.get("monitor", monitor), entry.get("name"), entry.get("strict", True))
+                             entry.get("monitor", monitor), entry.get("name"), entry.get("strict", True), tuple(entry))
     if config.interval not in ("epoch", "step"):
         raise ValueError(f'The "interval" key in lr scheduler dict must be "step" or "epoch", not {config.interval!r}')
     if isinstance(config.frequency, bool) or not isinstance(config.frequency, int) or config.frequency < 1:
         raise ValueError(f"lr_scheduler frequency={config.frequency!r} must be an int >= 1")
-    if isinstance(config.scheduler, _PLATEAU) and config.monitor is None:
-        raise ValueError("`configure_optimizers` must include a monitor when a `ReduceLROnPlateau` scheduler is used: "
-                         "return {'optimizer': opt, 'lr_scheduler': "
-                         "{'scheduler': sched, 'monitor': 'val_loss'}}")
     return config
+
+
+def _check_schedulers(schedulers: tuple[SchedulerConfig, ...], manual: bool) -> None:
+    """Lightning's checks of the schedulers (``core/optimizer.py``: ``_configure_schedulers_automatic_opt``,
+    ``_configure_schedulers_manual_opt``, ``_validate_scheduler_api``), each message naming the fix. Under manual
+    optimization the module steps its schedulers itself: ``monitor``/``strict`` are ignored (a ``RuntimeWarning``)
+    and any object with a state is accepted.
+
+    Raises:
+        TypeError: a scheduler without ``state_dict``/``load_state_dict`` (checkpoints save and restore it).
+        ValueError: under automatic optimization, a scheduler that is not torch's ``LRScheduler`` or
+            ``ReduceLROnPlateau`` (the Trainer steps those only), or a ``ReduceLROnPlateau`` without a monitor.
+    """
+    for config in schedulers:
+        sched, name = config.scheduler, type(config.scheduler).__name__
+        if not (callable(getattr(sched, "state_dict", None)) and callable(getattr(sched, "load_state_dict", None))):
+            raise TypeError(f"The provided lr scheduler `{name}` is invalid. It should have `state_dict` and "
+                            "`load_state_dict` methods defined (checkpoints save and restore it)")
+        if manual:
+            ignored = [key for key in config.given if key in ("monitor", "strict")]
+            if ignored:
+                warnings.warn(f"The lr scheduler dict contains the key(s) {ignored}, but the keys will be ignored. "
+                              "You need to call `lr_scheduler.step()` manually in manual optimization (remove "
+                              "them from configure_optimizers' output)", RuntimeWarning, stacklevel=4)
+            continue
+        if not isinstance(sched, (torch.optim.lr_scheduler.LRScheduler, _PLATEAU)):
+            raise ValueError(f"The provided lr scheduler `{name}` doesn't follow PyTorch's LRScheduler API: under "
+                             "automatic optimization the Trainer steps torch.optim.lr_scheduler schedulers only (it "
+                             "has no `lr_scheduler_step` hook); subclass torch.optim.lr_scheduler.LRScheduler, or set "
+                             "automatic_optimization = False and step it in training_step")
+        if isinstance(sched, _PLATEAU) and config.monitor is None:
+            raise ValueError("`configure_optimizers` must include a monitor when a `ReduceLROnPlateau` scheduler is "
+                             "used: return {'optimizer': opt, 'lr_scheduler': "
+                             "{'scheduler': sched, 'monitor': 'val_loss'}}")
+        if isinstance(sched, torch.optim.lr_scheduler.OneCycleLR) and config.interval == "epoch":
+            warnings.warn("A `OneCycleLR` scheduler is using 'interval': 'epoch'. Are you sure you didn't mean "
+                          "'interval': 'step'? (its total_steps count optimizer steps: pass {'scheduler': sched, "
+                          "'interval': 'step'} from configure_optimizers)", RuntimeWarning, stacklevel=4)
 
 
 def _from_dict(entry: dict) -> Optimization:
@@ -146,17 +204,20 @@ def _from_sequence(configured: list | tuple) -> Optimization | None:
     return None
 
 
-def parse_optimization(configured: Any) -> Optimization:
-    """Normalise any of the forms in the module docstring.
+def parse_optimization(configured: Any, manual: bool = False) -> Optimization:
+    """Normalise any of the forms in the module docstring; ``manual``: the module sets
+    ``automatic_optimization = False`` (it steps its schedulers itself).
 
     Raises:
         ValueError: an unrecognised form, a bad scheduler config, or no optimizer at all.
+        TypeError: a scheduler without ``state_dict``/``load_state_dict``.
     """
     if isinstance(configured, torch.optim.Optimizer):
         return Optimization((configured,))
     if isinstance(configured, dict):
-        return _from_dict(configured)
-    parsed = _from_sequence(configured) if isinstance(configured, (list, tuple)) and configured else None
+        parsed = _from_dict(configured)
+    else:
+        parsed = _from_sequence(configured) if isinstance(configured, (list, tuple)) and configured else None
     if parsed is None:
         raise ValueError(f"Unknown configuration for model optimizers: configure_optimizers returned "
                          f"{type(configured).__name__}: return an optimizer, "
@@ -167,6 +228,7 @@ def parse_optimization(configured: Any) -> Optimization:
            if hasattr(config.scheduler, "optimizer")):
         raise ValueError("Some schedulers are attached with an optimizer that wasn't returned from "
                          "`configure_optimizers`: build each scheduler on an optimizer you return")
+    _check_schedulers(parsed.schedulers, manual)
     return parsed
 
 

@@ -346,6 +346,16 @@ def _loop_limits(cfg: TrainerConfig) -> TrainerConfig:
     return replace(cfg, max_epochs=max_epochs, max_steps=max_steps)
 
 
+def warn_default_max_epochs(cfg: TrainerConfig, given: int | None, say: bool) -> None:
+    """At ``fit``, when ``say`` (rank zero): a ``UserWarning`` that ``max_epochs`` was left unset and
+    :func:`_loop_limits` gave trainscale's 1 (``given``: the flag as passed), as Lightning's fit warns that it sets 1000
+    (``loops/utilities.py``, ``_parse_loop_limits``); none under ``fast_dev_run``, which sets its own limits."""
+    if say and given is None and cfg.max_epochs == 1 and not cfg.fast_dev_run:
+        warnings.warn("`max_epochs` was not set. Setting it to 1 epoch (trainscale's default; Lightning's is 1000 "
+                      "epochs). To train longer, set `max_epochs=N`, or `max_epochs=-1` for no epoch limit",
+                      UserWarning, stacklevel=4)
+
+
 def _check_val_schedule(cfg: TrainerConfig) -> None:
     """``val_check_interval`` with ``check_val_every_n_epoch`` (Lightning's ``trainer/setup.py``, ``loops/fit_loop.py``)."""
     interval = cfg.val_check_interval

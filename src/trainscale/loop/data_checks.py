@@ -7,6 +7,8 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, SequentialSampler
 
+from trainscale.runtime.sampling import in_order
+
 
 def check_loaders(train_loader: Any, val_loader: Any) -> None:
     """Refuse a training loader the loop cannot count; warn about an empty validation loader. Loaders over an
@@ -36,6 +38,23 @@ def warn_unshuffled(loader: Any, data_parallel_size: int) -> None:
                       "default); pass DataLoader(..., shuffle=True) for a shuffled order (seed + epoch, the same on "
                       "every rank), or Trainer(use_distributed_sampler=False) to use the loader as given",
                       UserWarning, stacklevel=3)
+
+
+def overfit_order(loader: Any, stage: str, warn: bool = True) -> Any:
+    """Under ``overfit_batches``: ``loader`` with a ``SequentialSampler`` (``sampling.in_order``), with Lightning's
+    ``UserWarning`` (when ``warn``: rank zero) when its sampler was another (a shuffling or custom one), so that every
+    epoch reads the same first batches; a loader over an ``IterableDataset`` or with a ``batch_sampler`` of its own
+    is returned as given."""
+    sampler = getattr(loader, "sampler", None)
+    if (sampler is None or isinstance(sampler, SequentialSampler) or isinstance(loader.dataset, IterableDataset)
+            or loader.batch_size is None):
+        return loader
+    if warn:
+        warnings.warn(f"You requested to overfit but enabled {stage} dataloader shuffling. We are turning off the "
+                      f"{stage} dataloader shuffling for you: overfit_batches reads the same first batches every "
+                      f"epoch (its {type(sampler).__name__} is replaced by a SequentialSampler; give the loader "
+                      "shuffle=False to silence this)", UserWarning, stacklevel=4)
+    return in_order(loader)
 
 
 _DTYPE_MISMATCH = ("must have the same dtype", "expected scalar type", "Input type (double)")

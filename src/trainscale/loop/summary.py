@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
-
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainscale.lightning.hparams import merged_hparams
 from trainscale.telemetry.report import summary_line
 
 if TYPE_CHECKING:
@@ -43,14 +42,17 @@ def run_summary(trainer: Trainer, global_batch: int, resumed_from: Path | None, 
 
 def hyperparams(trainer: Trainer, model: Any) -> dict:
     """What the loggers record as the run's hyperparameters: the Trainer's flags, the world, the global batch
-    size and the LR scaling factor (1.0 without ``lr_scaling``), then the model's ``hparams``
-    (``save_hyperparameters()``), whose names win."""
+    size and the LR scaling factor (1.0 without ``lr_scaling``), then the ``hparams`` (``save_hyperparameters()``)
+    of the model and of ``trainer.datamodule``, whose names win.
+
+    Raises:
+        RuntimeError: the model and the data module hold one name with different values (``merged_hparams``).
+    """
     rt, cfg = trainer.runtime, trainer.config
-    saved = getattr(model, "hparams", None)  # a TrainingModule's; a plain nn.Module has none
     return {**dataclasses.asdict(cfg), "default_root_dir": str(cfg.default_root_dir), "strategy": rt.config.strategy,
             "precision": rt.config.precision, "world_size": rt.world_size, "model": type(model).__name__,
             "global_batch_size": trainer.global_batch_size, "lr_scale_factor": trainer.batch_scaling.factor,
-            **(saved if isinstance(saved, Mapping) else {})}
+            **merged_hparams(model, trainer.datamodule)}
 
 
 def pipeline_summary(runtime: Runtime, module: Any) -> dict | None:

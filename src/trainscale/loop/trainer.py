@@ -8,6 +8,7 @@ size 1 (docs/architecture.md).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -34,9 +35,10 @@ from trainscale.loop import evaluation
 from trainscale.scaling.batch_scaling import BatchScaling
 from trainscale.tune.batch_size import tuned_loader
 from trainscale.checkpointing.writes import CheckpointWrites
-from trainscale.loop.data_checks import check_loaders, explain_batch_error, warn_unshuffled
+from trainscale.loop.data_checks import check_loaders, explain_batch_error, overfit_order, warn_unshuffled
 from trainscale.lightning.data_sources import fit_loader_hooks, resolve_fit_loaders
-from trainscale.loop.config import TrainerConfig, resolve_trainer_config
+from trainscale.lightning.hparams import drop_unpicklable
+from trainscale.loop.config import TrainerConfig, resolve_trainer_config, warn_default_max_epochs
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
 from trainscale.lightning.module import attach_trainer, defined_hooks, set_up_model
@@ -280,6 +282,7 @@ class Trainer:
         self.is_step_end = False  # in on_train_batch_end: this micro-batch ended an optimizer step
         self._step_before = 0  # global_step before the last optimizer step (is_log_step)
         self._active_hooks = HOOKS  # the hooks someone defines (_arm_hooks); all until a model is set up
+        self.running_hook: str | None = None  # the Lightning hook running now: where self.log may log (metrics.py)
 
     def _default_checkpoint(self) -> ModelCheckpoint | None:
         """The checkpoint callback the Trainer's flags ask for, used when the user gives no ``ModelCheckpoint``."""
@@ -439,6 +442,8 @@ class Trainer:
         rt, cfg = self.runtime, self.config
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
         self.ckpt_path = resume_from
+        warn_default_max_epochs(cfg, self.flags["max_epochs"], rt.is_rank_zero)
+        drop_unpicklable(getattr(model, "hparams", None), warn=rt.is_rank_zero)  # Lightning's clean_namespace
         train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
         seed_everything(cfg.seed)
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
@@ -485,14 +490,16 @@ class Trainer:
 
     def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
         rt = self.runtime
-        for cb in self.callbacks:  # Lightning's Callback.setup: before the model is wrapped and its optimizers built
-            cb.setup(self, model, "fit")
+        with self._running("setup"):  # Lightning's Callback.setup: before the model is wrapped, its optimizers built
+            for cb in self.callbacks:
+                cb.setup(self, model, "fit")
         self.last_setup = set_up_model(rt, model, loss_fn, self.last_setup)  # reused from an earlier fit or evaluation
         _, loop_module, wrapped = self.last_setup
         self._arm_hooks(model)
-        self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
-            model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
-            before_step=lambda opt: self._hook("on_before_optimizer_step", opt))
+        with self._running("configure_optimizers"):
+            self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
+                model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
+                before_step=lambda opt: self._hook("on_before_optimizer_step", opt))
         train_loader, val_loader = self._distribute_loaders(model, loop_module, train_dataloaders, val_dataloaders)
         # FLOPs are counted on a plain forward and backward only: the user's manual training_step steps optimizers
         # (a retry after a failed count would step them twice) and a pipeline stage holds part of the model (and
@@ -511,13 +518,16 @@ class Trainer:
         the training loader as given with ``use_distributed_sampler=False``), no validation loader with
         ``limit_val_batches=0`` or without a ``validation_step`` (Lightning's warning), both checked."""
         rt, cfg = self.runtime, self.config
+        if cfg.overfit_batches:  # the same first batches every epoch, in order (Lightning's, with its warning)
+            train_dataloaders = overfit_order(train_dataloaders, "train", warn=rt.is_rank_zero)
+            if val_dataloaders is not None:
+                val_dataloaders = overfit_order(val_dataloaders, "val", warn=rt.is_rank_zero)
         if not cfg.use_distributed_sampler:  # Lightning's flag: the loader as given, on every rank
             train_loader = train_dataloaders
         else:
             if rt.is_rank_zero and not cfg.overfit_batches:
                 warn_unshuffled(train_dataloaders, rt.data_parallel_size)  # Lightning would shuffle it
-            train_loader = rt.setup_dataloader(train_dataloaders, seed=cfg.seed,
-                                               shuffle=False if cfg.overfit_batches else None)  # Lightning's
+            train_loader = rt.setup_dataloader(train_dataloaders, seed=cfg.seed)
         if val_dataloaders is not None and loop_module.has_training_step and getattr(model, "validation_step", None) is None:
             warnings.warn(f"a validation DataLoader was passed but {type(model).__name__} defines no validation_step: "
                           "validation is skipped (as in Lightning); define validation_step to validate", stacklevel=4)
@@ -944,13 +954,23 @@ class Trainer:
         setup = self.last_setup  # (model, loop module, wrapped) of the fit or evaluation running
         module = setup[0] if setup is not None else None
         call_module = setup is not None and monitoring is not True and hook in setup[1].hooks
-        if call_module and module_first:
-            getattr(module, hook)(*args)
-        for cb in self.callbacks:
-            if monitoring is None or cb.monitors_metrics == monitoring:
-                getattr(cb, hook)(self, module, *args)
-        if call_module and not module_first:
-            getattr(module, hook)(*args)
+        with self._running(hook):
+            if call_module and module_first:
+                getattr(module, hook)(*args)
+            for cb in self.callbacks:
+                if monitoring is None or cb.monitors_metrics == monitoring:
+                    getattr(cb, hook)(self, module, *args)
+            if call_module and not module_first:
+                getattr(module, hook)(*args)
+
+    @contextlib.contextmanager
+    def _running(self, hook: str):
+        """:attr:`running_hook` is ``hook`` for the block (where ``self.log`` checks Lightning's rules for it)."""
+        outer, self.running_hook = self.running_hook, hook
+        try:
+            yield
+        finally:
+            self.running_hook = outer
 
 
 def _warn_eval_mode(model: nn.Module) -> None:

@@ -107,7 +107,7 @@ class Precision:
         At most once per optimizer step: a second call before ``optimizer_step`` does nothing
         (``GradScaler.unscale_`` itself raises if called twice before ``update()``).
         """
-        if self.scaler is not None and id(optimizer) not in self._unscaled:
+        if self.scaler is not None and optimizer.param_groups and id(optimizer) not in self._unscaled:
             self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
 
@@ -117,7 +117,7 @@ class Precision:
         Returns:
             True when the step was taken (a scaler may skip it), without a host sync otherwise.
         """
-        if self.scaler is None:
+        if self.scaler is None or not optimizer.param_groups:  # none: nothing to scale (GradScaler asserts on it)
             optimizer.step()
             return True
         self.scaler.step(optimizer)  # unscales first unless unscale_gradients already did

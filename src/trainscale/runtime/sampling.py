@@ -154,6 +154,12 @@ def with_batch_size(loader: DataLoader, batch_size: int) -> DataLoader:
     return DataLoader(loader.dataset, sampler=loader.sampler, **{**_loader_kwargs(loader), "batch_size": batch_size})
 
 
+def in_order(loader: DataLoader) -> DataLoader:
+    """``loader`` rebuilt with a ``SequentialSampler`` over its dataset (its other arguments kept): what
+    ``overfit_batches`` reads, the same first batches every epoch (Lightning's ``_resolve_overfit_batches``)."""
+    return DataLoader(loader.dataset, sampler=SequentialSampler(loader.dataset), **_loader_kwargs(loader))
+
+
 def with_pinned_memory(loader: DataLoader) -> DataLoader:
     """``loader`` rebuilt with ``pin_memory=True``: the same dataset, sampler (or batch sampler) and other arguments,
     so that its batches come in page-locked memory, which a ``non_blocking`` copy to a CUDA device needs to be

@@ -40,6 +40,7 @@ import contextlib
 import copy
 import gc
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
@@ -305,8 +306,8 @@ def tuned_loader(runtime: Runtime, config: Any, model: nn.Module, loss_fn: Calla
                  loader: Any) -> Any:
     """``Trainer(batch_size="max")``: the training ``loader`` rebuilt with the size :func:`find_batch_size`
     finds (its dataset, sampler, ``collate_fn`` and workers kept: ``sampling.with_batch_size``); the
-    loader itself when ``config.batch_size`` is None. Called before the run is seeded, so the trials'
-    random numbers do not change the run's.
+    loader itself when ``config.batch_size`` is None, and under ``fast_dev_run`` (with Lightning's warning).
+    Called before the run is seeded, so the trials' random numbers do not change the run's.
 
     The loader to rebuild is the one passed to ``fit``: unlike Lightning, which re-calls
     ``train_dataloader()`` after setting a ``batch_size`` attribute on the module or data module, the
@@ -316,6 +317,11 @@ def tuned_loader(runtime: Runtime, config: Any, model: nn.Module, loss_fn: Calla
         ValueError: a loader with its own ``batch_sampler``; see :func:`find_batch_size`.
     """
     if config.batch_size != "max":
+        return loader
+    if config.fast_dev_run:  # a quick check of the code, as Lightning's tuner (tuner/batch_size_scaling.py)
+        if runtime.is_rank_zero:
+            warnings.warn("Skipping batch size scaler since `fast_dev_run` is enabled: the loader keeps its batch "
+                          "size (drop fast_dev_run to search for the largest)", UserWarning, stacklevel=4)
         return loader
     from trainscale.runtime.sampling import with_batch_size
 
