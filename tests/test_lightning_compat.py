@@ -344,6 +344,23 @@ def test_max_steps_0_trains_nothing_and_predict_can_return_nothing(tmp_path):
     assert trainer.predict(model, _loader(4)).shape == (4, 1)
 
 
+@pytest.mark.parametrize("name", ["limit_train_batches", "limit_val_batches", "limit_test_batches",
+                                  "limit_predict_batches", "val_check_interval", "overfit_batches"])
+def test_a_limit_of_exactly_1_or_1_0_is_said_as_lightning_says_it(tmp_path, caplog, capsys, name):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        _trainer(tmp_path, **{name: 1})
+        _trainer(tmp_path, **{name: 1.0})
+        _trainer(tmp_path)  # the defaults: nothing said
+    said = [r.getMessage() for r in caplog.records if "was configured so" in r.getMessage()]
+    assert len(said) == 2 and said[0].startswith(f"`Trainer({name}=1)` was configured so ")
+    assert said[1].startswith(f"`Trainer({name}=1.0)` was configured so ")
+    assert "100% of the batches" in said[1] or "at the end of the training epoch" in said[1]
+    _trainer(tmp_path, **{name: 1})  # without a logging setup: printed
+    assert f"`Trainer({name}=1)` was configured so " in capsys.readouterr().out
+
+
 def test_trainer_logger_is_the_first_logger_or_none(tmp_path):
     trainer = _trainer(tmp_path)
     assert trainer.logger is trainer.loggers[0] and type(trainer.logger).__name__ == "CSVLogger"

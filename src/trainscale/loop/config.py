@@ -346,6 +346,30 @@ def _loop_limits(cfg: TrainerConfig) -> TrainerConfig:
     return replace(cfg, max_epochs=max_epochs, max_steps=max_steps)
 
 
+_ONE_BATCH = {"limit_train_batches": ("1 batch per epoch will be used.", "100% of the batches per epoch will be used"),
+              "val_check_interval": ("validation will run after every batch.",
+                                     "validation will run at the end of the training epoch")}
+
+
+def one_batch_messages(cfg: TrainerConfig) -> list[str]:
+    """Lightning's notes for a limit given as exactly ``1`` or ``1.0``, which mean different things (an int counts
+    batches, a float is a fraction): ``"`Trainer(limit_val_batches=1)` was configured so 1 batch will be used."``
+    (``trainer/setup.py``, ``_determine_batch_limits``), for ``limit_*_batches``, ``val_check_interval`` and
+    ``overfit_batches``; none for values left at their defaults."""
+    out = []
+    for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+                 "val_check_interval", "overfit_batches"):
+        if cfg.overfit_batches and name in ("limit_train_batches", "limit_val_batches"):
+            continue  # set from overfit_batches, not given
+        value = getattr(cfg, name)
+        count, fraction = _ONE_BATCH.get(name, ("1 batch will be used.", "100% of the batches will be used"))
+        if isinstance(value, int) and not isinstance(value, bool) and value == 1:
+            out.append(f"`Trainer({name}=1)` was configured so {count}")
+        elif isinstance(value, float) and value == 1.0:
+            out.append(f"`Trainer({name}=1.0)` was configured so {fraction}.")
+    return out
+
+
 def warn_default_max_epochs(cfg: TrainerConfig, given: int | None, say: bool) -> None:
     """At ``fit``, when ``say`` (rank zero): a ``UserWarning`` that ``max_epochs`` was left unset and
     :func:`_loop_limits` gave trainscale's 1 (``given``: the flag as passed), as Lightning's fit warns that it sets 1000
