@@ -53,15 +53,24 @@ def test_each_strategy_defines_only_what_differs_from_the_base():
         assert not same, f"{cls.__name__} repeats the base's defaults {same}"
 
 
+# Protocol members that are also Lightning's hooks of the user's module and data module, which the loop looks up on
+# those objects (a plain data module may lack them): such a lookup names the member without probing a strategy.
+USER_HOOK_NAMES = {"teardown"}
+
+
 def _strategy_uses(tree: ast.AST):
     """(kind, member) for each ``getattr``/``hasattr`` naming a protocol member or probing ``*.strategy``,
-    and for each ``<...>.strategy.<member>`` attribute read."""
+    and for each ``<...>.strategy.<member>`` attribute read. A lookup of one of :data:`USER_HOOK_NAMES` on a
+    ``model`` or ``datamodule`` is the user's hook, not a probe."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
             target, member = node.args[0], node.args[1] if len(node.args) > 1 else None
             probes_strategy = isinstance(target, ast.Attribute) and target.attr in ("strategy", "strategy_class")
             named = member.value if isinstance(member, ast.Constant) else None
-            if probes_strategy or named in MEMBERS:
+            on_user_object = named in USER_HOOK_NAMES and (
+                (isinstance(target, ast.Name) and target.id in ("model", "datamodule"))
+                or (isinstance(target, ast.Attribute) and target.attr in ("model", "datamodule")))
+            if probes_strategy or (named in MEMBERS and not on_user_object):
                 yield node.func.id, named
         elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
               and node.value.attr in ("strategy", "strategy_class")):
