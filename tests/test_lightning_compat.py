@@ -361,6 +361,39 @@ def test_a_limit_of_exactly_1_or_1_0_is_said_as_lightning_says_it(tmp_path, capl
     assert f"`Trainer({name}=1)` was configured so " in capsys.readouterr().out
 
 
+@pytest.mark.timeout(60)
+def test_trainer_flag_attributes_interrupted_freeze_and_the_callback_hooks_keywords(tmp_path):
+    import inspect
+
+    from trainscale.callbacks import ModelCheckpoint
+
+    fast = _trainer(tmp_path, fast_dev_run=2)
+    assert fast.fast_dev_run == 2 and fast.limit_val_batches == 2  # fast_dev_run sets the limits, as Lightning's
+    trainer = _trainer(tmp_path, limit_val_batches=0.5, limit_test_batches=3)
+    assert (trainer.fast_dev_run, trainer.limit_val_batches, trainer.limit_test_batches) == (False, 0.5, 3)
+    assert trainer.limit_train_batches is None and trainer.limit_predict_batches is None and not trainer.interrupted
+
+    class Raising(Probe):
+        def training_step(self, batch, batch_idx):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Raising(), _loader())
+    assert trainer.interrupted
+    model = Probe().freeze()
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert model.unfreeze() is model and model.training and all(p.requires_grad for p in model.parameters())
+    for hook in ("setup", "teardown", "on_fit_start", "on_train_batch_end", "on_exception"):  # called by keyword too
+        assert list(inspect.signature(getattr(Callback, hook)).parameters)[1:3] == ["trainer", "pl_module"]
+    two = _trainer(tmp_path / "two", max_epochs=1, num_sanity_val_steps=0,
+                   callbacks=[ModelCheckpoint(dirpath=tmp_path / "a"), ModelCheckpoint(dirpath=tmp_path / "b",
+                                                                                        monitor="val_loss")])
+    two.fit(Probe(), _loader(), _loader(4))
+    with pytest.warns(UserWarning, match="multiple `ModelCheckpoint` callbacks. It will use the best checkpoint path "
+                                         "from first checkpoint callback"):
+        two.validate(Probe(), _loader(4), ckpt_path="best", verbose=False)
+
+
 def test_trainer_logger_is_the_first_logger_or_none(tmp_path):
     trainer = _trainer(tmp_path)
     assert trainer.logger is trainer.loggers[0] and type(trainer.logger).__name__ == "CSVLogger"

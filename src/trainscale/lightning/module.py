@@ -70,6 +70,20 @@ class TrainingModule(HyperparametersMixin, nn.Module):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         raise NotImplementedError("define training_step(self, batch, batch_idx) returning the loss")
 
+    def freeze(self) -> TrainingModule:
+        """Every parameter ``requires_grad=False`` and the module in eval mode, for inference (Lightning's
+        ``freeze``); returns the module."""
+        for param in self.parameters():
+            param.requires_grad = False
+        return self.eval()
+
+    def unfreeze(self) -> TrainingModule:
+        """Every parameter ``requires_grad=True`` and the module in training mode (Lightning's ``unfreeze``);
+        returns the module."""
+        for param in self.parameters():
+            param.requires_grad = True
+        return self.train()
+
     def configure_optimizers(self) -> Any:
         raise NotImplementedError("define configure_optimizers(self) returning an optimizer (or pass optimizer=...)")
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 import warnings
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Literal
 
 from trainscale.runtime.flags import check_flags, check_int, flag, make_flags, parse_max_time
+
+_log = logging.getLogger(__name__)  # Lightning's notes at INFO (say_one_batch_limits)
 
 _LIGHTNING_MAX_EPOCHS = 1000  # Lightning's max_epochs when none is set (loops/utilities.py, _parse_loop_limits)
 
@@ -349,6 +352,15 @@ def _loop_limits(cfg: TrainerConfig) -> TrainerConfig:
 _ONE_BATCH = {"limit_train_batches": ("1 batch per epoch will be used.", "100% of the batches per epoch will be used"),
               "val_check_interval": ("validation will run after every batch.",
                                      "validation will run at the end of the training epoch")}
+
+
+def say_one_batch_limits(cfg: TrainerConfig, say: bool) -> None:
+    """When ``say`` (rank zero): each of :func:`one_batch_messages` at INFO through this module's logger where logging
+    shows INFO, printed otherwise (``callbacks.base.log_info``), as Lightning's ``rank_zero_info``."""
+    from trainscale.callbacks.base import log_info
+
+    for message in one_batch_messages(cfg) if say else ():
+        log_info(_log, message)
 
 
 def one_batch_messages(cfg: TrainerConfig) -> list[str]:

@@ -278,7 +278,12 @@ def checkpoint_to_evaluate(trainer: Trainer, ckpt_path: Any, method: str = "vali
     if ckpt_path is None:
         return None
     if ckpt_path == "best":
-        best = [cb.best_model_path for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)][:1]
+        best = [cb.best_model_path for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+        if len(best) > 1:
+            warnings.warn(f'`.{method}(ckpt_path="best")` is called with Trainer configured with multiple '
+                          "`ModelCheckpoint` callbacks. It will use the best checkpoint path from first checkpoint "
+                          "callback.", UserWarning, stacklevel=3)
+        best = best[:1]
         if not best:  # Lightning: the first ModelCheckpoint's (the newest without a monitor)
             raise ValueError(f'`.{method}(ckpt_path="best")` is set but `ModelCheckpoint` is not configured: add one to '
                              "the Trainer's callbacks and fit first, or pass a checkpoint's path, 'last' or None")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import math
 import os
 import time
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 from trainscale.callbacks import Callback, ModelCheckpoint, ModelSummary, TQDMProgressBar, resolve_callbacks
-from trainscale.callbacks.base import HOOKS, log_info, overridden_hooks
+from trainscale.callbacks.base import HOOKS, overridden_hooks
 from trainscale.loggers import resolve_loggers
 from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, PipelineScheduleFlag, PrecisionFlag,
                                       StrategyFlag, names_closest_flag)
@@ -39,7 +38,7 @@ from trainscale.checkpointing.writes import CheckpointWrites
 from trainscale.loop.data_checks import check_loaders, explain_batch_error, overfit_order, warn_unshuffled
 from trainscale.lightning.data_sources import fit_loader_hooks, resolve_fit_loaders
 from trainscale.lightning.hparams import drop_unpicklable
-from trainscale.loop.config import TrainerConfig, one_batch_messages, resolve_trainer_config, warn_default_max_epochs
+from trainscale.loop.config import TrainerConfig, resolve_trainer_config, say_one_batch_limits, warn_default_max_epochs
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
 from trainscale.lightning.module import attach_trainer, defined_hooks, set_up_model
@@ -53,8 +52,6 @@ from trainscale.lightning.optimizer_setup import build_optimizers
 from trainscale.checkpointing.train_state import ResumePoint, TrainState
 from trainscale.profilers import Profiler, resolve_profiler
 from trainscale.loop.state import EpochLoss, FitRun, MicroBatch, MicroBatchBooks, epoch_batches, micro_batches
-
-_log = logging.getLogger(__name__)  # Lightning's notes at INFO (``callbacks.base.log_info``)
 
 
 class Trainer:
@@ -259,9 +256,7 @@ class Trainer:
         self.loggers = resolve_loggers(logger, tensorboard=self.config.tensorboard)
         # ``runtime``: the one Runtime.launch made for a ddp_spawn rank, built from the same flags
         self.runtime = runtime if runtime is not None else Runtime(**runtime_flags)
-        if self.runtime.is_rank_zero:
-            for message in one_batch_messages(self.config):  # an int 1 and a float 1.0 differ: said, as Lightning
-                log_info(_log, message)
+        say_one_batch_limits(self.config, self.runtime.is_rank_zero)  # an int 1 and a float 1.0 differ, as Lightning
         self.checkpoints = CheckpointWrites(self.runtime, self.config, self.log_metrics)  # checkpoint_async
         self.count_flops = resolve_count_flops(self.config.count_flops, self.runtime.device.type,
                                                self.runtime.config.compile is not None)
@@ -331,6 +326,14 @@ class Trainer:
                                     doc="The schedulers with their interval, frequency and monitor (SchedulerConfig).")
     logger = property(lambda self: self.loggers[0] if self.loggers else None,
                       doc="The first of ``loggers``, None without any (Lightning's ``trainer.logger``).")
+    fast_dev_run = property(lambda self: self.config.fast_dev_run, doc="The flag as given (False, True or N).")
+    limit_train_batches = property(lambda self: self.config.limit_train_batches,
+                                   doc="The flag (None: all batches); under ``overfit_batches``, its value.")
+    limit_val_batches = property(lambda self: self.config.limit_val_batches, doc="The flag (None: all batches).")
+    limit_test_batches = property(lambda self: self.config.limit_test_batches, doc="The flag (None: all batches).")
+    limit_predict_batches = property(lambda self: self.config.limit_predict_batches, doc="The flag (None: all).")
+    interrupted = property(lambda self: self.state.status == "interrupted",
+                           doc="Whether the last fit ended in an exception (Lightning's ``trainer.interrupted``).")
 
     @property
     def num_training_batches(self) -> int | float:
