@@ -276,6 +276,9 @@ class NotedCallback(Callback):
     def __init__(self, calls):
         self.calls = calls
 
+    def setup(self, trainer, pl_module, stage):
+        self.calls.append(("callback.setup", stage))
+
     def on_fit_end(self, trainer, module):
         self.calls.append(("callback.on_fit_end", "fit"))
 
@@ -291,9 +294,10 @@ def test_setup_and_teardown_are_called_by_keyword_in_lightnings_order(tmp_path):
     data.setup = lambda *args, **kwargs: calls.append(("data.setup", args, kwargs))  # how it is called
     trainer.fit(model, datamodule=data)
     trainer.test(model, datamodule=data, verbose=False)
-    assert calls == [("data.setup", (), {"stage": "fit"}), ("callback.on_fit_end", "fit"), ("data.teardown", "fit"),
-                     ("callback.teardown", "fit"), ("module.teardown", "fit"), ("data.setup", (), {"stage": "test"}),
-                     ("data.teardown", "test"), ("module.teardown", "test")]
+    assert calls == [("data.setup", (), {"stage": "fit"}), ("callback.setup", "fit"), ("callback.on_fit_end", "fit"),
+                     ("data.teardown", "fit"), ("callback.teardown", "fit"), ("module.teardown", "fit"),
+                     ("data.setup", (), {"stage": "test"}), ("callback.setup", "test"), ("data.teardown", "test"),
+                     ("callback.teardown", "test"), ("module.teardown", "test")]
 
 
 # -- the sanity check of a resumed fit ------------------------------------------------------------------------------

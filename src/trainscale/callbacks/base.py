@@ -51,13 +51,13 @@ class Callback:
         return f"{type(self).__qualname__}{kwargs!r}"
 
     def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
-        """Lightning's ``Callback.setup``: at the start of ``fit`` (``stage`` "fit"), before the model is wrapped by
-        its strategy and before ``configure_optimizers`` (``BaseFinetuning`` freezes there). Not called by
-        ``validate``/``test``/``predict``."""
+        """Lightning's ``Callback.setup``: at the start of ``fit``, ``validate``, ``test`` and ``predict`` (``stage``
+        "fit", "validate", "test", "predict"), after the data module's ``setup``, before the model is wrapped by its
+        strategy and (in ``fit``) before ``configure_optimizers`` (``BaseFinetuning`` freezes there)."""
 
     def teardown(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
-        """Lightning's ``Callback.teardown``: at the end of a ``fit`` that ended normally (``stage`` "fit"), after
-        ``on_fit_end``; the pair of :meth:`setup`."""
+        """Lightning's ``Callback.teardown``: at the end of a ``fit``, ``validate``, ``test`` or ``predict`` that ended
+        normally (after ``on_fit_end`` in ``fit``); the pair of :meth:`setup`."""
 
     def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None: ...
 

@@ -41,11 +41,12 @@ class BaseFinetuning(Callback):
     """
 
     def setup(self, trainer: Trainer, module: Any, stage: str) -> None:
-        """Freeze (:meth:`freeze_before_training`) on one data-parallel rank.
+        """Freeze (:meth:`freeze_before_training`), in every stage as Lightning's; a ``fit`` on one data-parallel
+        rank only.
 
         Raises:
-            ValueError: more than one data-parallel rank."""
-        if trainer.runtime.data_parallel_size > 1:
+            ValueError: a ``fit`` on more than one data-parallel rank."""
+        if stage == "fit" and trainer.runtime.data_parallel_size > 1:
             raise ValueError(f"{type(self).__name__} on {trainer.runtime.data_parallel_size} data-parallel ranks: DDP "
                              "registers the parameters that require gradients when it wraps the model, so the ones "
                              "unfrozen later would never be averaged across ranks; run it on one device, or set "

@@ -346,6 +346,9 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     if datamodule is not None:
         trainer.datamodule = datamodule
     dataloaders, _ = resolve_loaders(rt, method, model, dataloaders, datamodule)
+    with trainer._running("setup"):  # Lightning's Callback.setup, in every stage: after the data module's
+        for cb in trainer.callbacks:
+            cb.setup(trainer, model, method)
     trainer.last_setup = set_up_model(rt, model, loss_fn, trainer.last_setup)  # an earlier fit's: as it was
     _, loop_module, wrapped = trainer.last_setup
     trainer._arm_hooks(model)
@@ -374,15 +377,14 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
 
 def teardown(trainer: Trainer, model: Any, stage: str) -> None:
     """Lightning's teardown hooks once a stage ("fit", "validate", "test", "predict") has ended normally, in its
-    order (``trainer/call.py``, ``_call_teardown_hook``): the data module's ``teardown(stage=...)``, then, after a
-    fit, each callback's ``teardown(trainer, model, stage)`` (their ``setup`` ran at its start), then the module's
+    order (``trainer/call.py``, ``_call_teardown_hook``): the data module's ``teardown(stage=...)``, then each
+    callback's ``teardown(trainer, model, stage)`` (their ``setup`` ran at its start), then the module's
     ``teardown(stage=...)``. A hook that is missing (a plain ``nn.Module``, a data module without one) is skipped."""
     hook = getattr(trainer.datamodule, "teardown", None)
     if callable(hook):
         hook(stage=stage)
-    if stage == "fit":
-        for cb in trainer.callbacks:
-            cb.teardown(trainer, model, stage)
+    for cb in trainer.callbacks:
+        cb.teardown(trainer, model, stage)
     hook = getattr(model, "teardown", None)
     if callable(hook):
         hook(stage=stage)
