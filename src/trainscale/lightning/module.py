@@ -214,7 +214,9 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         (``logger=False`` still records it in ``metrics.jsonl`` and the loggers).
 
         Raises:
-            ValueError: an unknown ``reduce_fx``, a non-scalar value, a name every record holds ("step",
+            ValueError: an unknown ``reduce_fx``, a value that is not a number, a tensor or a torchmetrics
+                ``Metric`` (None, a string, a list, a dict), a tensor of more than one element, a name with
+                ``/dataloader_idx_``, a name every record holds ("step",
                 "epoch", "kind", "rank", "time"); at the epoch end, names logged on some ranks only; as Lightning,
                 ``on_step=False`` with ``on_epoch=False``, a call from a hook where Lightning refuses it
                 (a callback's ``setup``, ``configure_optimizers``, ``on_fit_start``, ``on_train_end``,
