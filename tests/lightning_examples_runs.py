@@ -27,7 +27,7 @@ def backbone(root: Path, devices: int) -> dict:
                                        max_epochs=2, limit_train_batches=8, limit_val_batches=2, limit_test_batches=4,
                                        limit_predict_batches=4, enable_progress_bar=False, logger=False)
     return {"train_loss": trainer.history[-1]["train_loss"], "valid_loss": trainer.history[-1]["valid_loss_epoch"],
-            "test_loss": trainer.callback_metrics["test_loss"], "predictions": predictions}
+            "test_loss": trainer.callback_metrics["test_loss"], "predictions": torch.cat(predictions)}
 
 
 def intro(root: Path, devices: int) -> dict:

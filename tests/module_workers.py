@@ -547,3 +547,33 @@ def pytorch_profiler_body(rank: int, root: str) -> dict:
     trainer.fit(workers.make_model(0), DataLoader(workers.tiny_dataset(24), batch_size=4), optimizer=workers.sgd)
     trainer.runtime.teardown()
     return {"traces": [str(p) for p in trainer.profiler.trace_paths], "run_dir": str(trainer.run_dir)}
+
+
+class SyncDistSteps(TrainingModule):
+    """Logs on every step, with ``sync_dist=True``, ``rank + 1`` reduced by "sum", "mean" and "max", and the
+    rank unsynced; trains nothing (lr 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        value = float(self.trainer.global_rank + 1)
+        for fx in ("sum", "mean", "max"):
+            self.log(f"by_{fx}", value, on_step=True, on_epoch=False, sync_dist=True, reduce_fx=fx)
+        self.log("own_rank", float(self.trainer.global_rank), on_step=True, on_epoch=False)
+        return self.lin(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def sync_dist_steps_body(rank: int, root: str, log_every_n_steps: int) -> dict:
+    """``callback_metrics`` (as floats) after a fit of 3 steps of :class:`SyncDistSteps` on each rank."""
+    from trainscale.loop.trainer import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=1, enable_progress_bar=False, timeout=60,
+                      enable_checkpointing=False, default_root_dir=root, log_every_n_steps=log_every_n_steps)
+    trainer.fit(SyncDistSteps(), DataLoader(indexed_dataset(12), batch_size=2))
+    trainer.runtime.teardown()
+    return {name: float(v) for name, v in trainer.callback_metrics.items()}

@@ -153,10 +153,37 @@ def test_a_logged_train_loss_is_not_replaced_by_the_trainers_own(tmp_path):
     trainer.fit(Probe(train_loss=7.0), _loader())
     assert float(trainer.callback_metrics["train_loss"]) == 7.0  # the user's, as Lightning's
     assert trainer.history[-1]["train_loss"] != 7.0  # the records keep trainscale's epoch mean of the returned loss
-    # without a user value of that name, trainscale's own epoch mean is there
-    plain = _trainer(tmp_path / "p", max_epochs=1, num_sanity_val_steps=0)
-    plain.fit(Probe(), _loader())
-    assert plain.callback_metrics["train_loss"] == plain.history[-1]["train_loss"]
+
+
+@pytest.mark.timeout(60)
+def test_a_value_logged_in_on_train_batch_end_is_in_callback_metrics_at_once(tmp_path):
+    class LogsAtBatchEnd(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            pl_module.log("steps_seen", float(trainer.global_step))
+
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[LogsAtBatchEnd()])
+    trainer.fit(Probe(), _loader())  # 4 steps, no log step (log_every_n_steps=50)
+    assert float(trainer.callback_metrics["steps_seen"]) == 4.0  # the last step's, as Lightning's
+
+
+@pytest.mark.timeout(60)
+def test_callback_metrics_hold_what_the_module_logged_as_tensors_and_none_of_the_records_fields(tmp_path):
+    class Returns(Probe):  # a validation step that returns a value it does not log
+        def validation_step(self, batch, batch_idx):
+            super().validation_step(batch, batch_idx)
+            return {"unlogged": torch.tensor(1.0)}
+
+    trainer = _trainer(tmp_path, max_epochs=1, log_every_n_steps=1, num_sanity_val_steps=0)
+    trainer.fit(Returns(), _loader(), _loader(4))
+    assert set(trainer.callback_metrics) == {"idx", "both", "both_step", "both_epoch", "val_loss"}
+    assert all(isinstance(v, torch.Tensor) for v in trainer.callback_metrics.values())
+    assert {"step", "epoch", "samples_per_s", "lr-SGD", "val_unlogged"} <= set(trainer.history[-1])  # the records
+    # a plain model and loss logs nothing: trainscale's loss and validation results are its metrics to monitor
+    plain = _trainer(tmp_path / "p", max_epochs=1, log_every_n_steps=1, num_sanity_val_steps=0)
+    plain.fit(nn.Linear(2, 1), _loader(), _loader(4), loss_fn=lambda out, y: (out.squeeze(1) - y).pow(2).mean(),
+              optimizer=lambda params: torch.optim.SGD(params, lr=0.05))
+    assert set(plain.callback_metrics) == {"train_loss", "val_loss"}
+    assert float(plain.callback_metrics["train_loss"]) == pytest.approx(plain.history[-1]["train_loss"])
 
 
 # -- max_steps, max_epochs ------------------------------------------------------------------------------------------
@@ -345,7 +372,8 @@ def test_max_steps_0_trains_nothing_and_predict_can_return_nothing(tmp_path):
     trainer.fit(model, _loader())
     assert trainer.global_step == 0 and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert trainer.predict(model, _loader(4), return_predictions=False) is None
-    assert trainer.predict(model, _loader(4)).shape == (4, 1)
+    predicted = trainer.predict(model, _loader(4))  # Lightning's list of per-batch outputs
+    assert [p.shape for p in predicted] == [(2, 1), (2, 1)]
 
 
 @pytest.mark.parametrize("name", ["limit_train_batches", "limit_val_batches", "limit_test_batches",

@@ -38,7 +38,7 @@ def test_autoencoder_fits_tests_and_predicts_from_its_best_checkpoint(tmp_path, 
                                                 limit_test_batches=1, limit_predict_batches=1,
                                                 enable_progress_bar=False, logger=False)
     assert [r["train_loss"] < 2.0 for r in trainer.history] == [True, True] and "val_loss_epoch" in trainer.history[-1]
-    assert predictions.shape == (32, 28 * 28)  # limit_predict_batches=1: one batch of 32, in one tensor
+    assert [p.shape for p in predictions] == [(32, 28 * 28)]  # limit_predict_batches=1: one batch of 32
     best = trainer.checkpoint_callbacks[0].best_model_path
     loaded = autoencoder.LitAutoEncoder.load_from_checkpoint(best)
     assert loaded.hparams == {"hidden_dim": 64, "learning_rate": 10e-3}
@@ -55,7 +55,7 @@ def test_boring_models_fit_validate_test_and_predict(tmp_path, model):
     # nothing logged: trainscale reports the returned dicts' values (Lightning returns {} here; docs/lightning.md)
     assert set(trainer.validate(module, verbose=False)[0]) == {"val_x"}
     assert set(trainer.test(module, verbose=False)[0]) == {"test_y"}
-    assert trainer.predict(module).shape == (2, 2)
+    assert torch.cat(trainer.predict(module)).shape == (2, 2)  # Lightning's list of per-batch outputs
     assert set(trainer.test(module, datamodule=boring_classes.BoringDataModule(), verbose=False)[0]) == {"test_y"}
 
 

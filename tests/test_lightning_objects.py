@@ -38,7 +38,9 @@ class Classifier(TrainingModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return F.cross_entropy(self(x), y)
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch

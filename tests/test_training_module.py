@@ -252,6 +252,17 @@ def test_sync_dist_or_manual_backward_on_some_ranks_only_is_an_error_on_every_ra
                                                      "[0] and not on rank(s) [1] before their opt.step()")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_sync_dist_step_values_are_reduced_with_their_reduce_fx_and_reach_callback_metrics_by_the_epoch_end(tmp_path):
+    """Lightning's sync_dist reduces with the value's reduce_fx (a "sum" of rank + 1 over 2 ranks is 3, not the
+    mean 1.5); a fit whose last step is not a log step still ends with the reduced values in callback_metrics."""
+    for every in (1, 50):  # each step a log step; none
+        out = run_distributed(mw.sync_dist_steps_body, str(tmp_path / str(every)), every, timeout=80)
+        for rank, metrics in enumerate(out):
+            assert metrics == {"by_sum": 3.0, "by_mean": 1.5, "by_max": 2.0, "own_rank": float(rank)}
+
+
 def _returned_keys_expected(n: int, world_size: int) -> tuple[float, float]:
     """The exact "mean_x" and "odd_x" of :class:`mw.Returner` on ``indexed_dataset(n)`` (x = sample index) split
     like the evaluation sampler (rank r: samples r, r + W, ...) into batches of 4."""
@@ -273,7 +284,11 @@ def test_returned_keys_and_predicted_dicts_keep_dataset_order_and_exact_means_on
     for out in run_distributed(mw.returned_keys_body, n, timeout=50):
         assert out["validated"]["val_mean_x"] == pytest.approx(mean_x)
         assert out["validated"]["val_odd_x"] == pytest.approx(odd_x)
-        predicted = out["predicted"]
+        batches = out["predicted"]  # Lightning's per-batch list: every sample in dataset order, 4 per batch
+        assert [len(b["names"]) for b in batches] == [4, 4, 4, 4, 4, 2]
+        predicted = {key: [b[key] for b in batches] for key in batches[0]}
+        predicted = {"index": torch.cat(predicted["index"]), "doubled": torch.cat(predicted["doubled"]),
+                     "names": [name for names in predicted["names"] for name in names]}
         assert predicted["index"].tolist() == list(range(n))
         torch.testing.assert_close(predicted["doubled"], 2 * torch.arange(n, dtype=torch.float32).reshape(n, 1))
         assert predicted["names"] == [f"s{i}" for i in range(n)]
@@ -290,8 +305,9 @@ def test_a_key_returned_by_some_batches_is_averaged_over_those_batches_in_one_pr
     mean_x, odd_x = _returned_keys_expected(n, 1)
     assert trainer.validate(mw.Returner(), loader) == [{"val_mean_x": pytest.approx(mean_x),
                                                         "val_odd_x": pytest.approx(odd_x)}]
-    predicted = trainer.predict(mw.Returner(), loader)
-    assert predicted["index"].tolist() == list(range(n)) and predicted["names"][:2] == ["s0", "s1"]
+    predicted = trainer.predict(mw.Returner(), loader)  # as predict_step returned each batch (Lightning's)
+    assert torch.cat([b["index"] for b in predicted]).tolist() == list(range(n))
+    assert predicted[0]["names"][:2] == ["s0", "s1"]
 
 
 # -- manual optimization -----------------------------------------------------------------------------------

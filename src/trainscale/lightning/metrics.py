@@ -116,7 +116,7 @@ class MetricCollector:
         self.stage = stage
         self.batch_size = 1  # set by the loop before each step: the weight of a "mean"
         self.discard = False  # True while evaluation runs forwards whose results are dropped (fsdp's extra ones)
-        self.step_values: dict[str, tuple[torch.Tensor, bool]] = {}
+        self.step_values: dict[str, tuple[torch.Tensor, bool, str]] = {}  # name -> (value, sync_dist, reduce_fx)
         self.epoch_values: dict[str, _Running] = {}
         self.epoch_metrics: dict[str, Any] = {}  # name -> a torchmetrics Metric logged on_epoch: computed at the end
         self.metrics_seen: dict[int, Any] = {}  # every Metric logged since the last epoch end: reset there
@@ -174,7 +174,7 @@ class MetricCollector:
             return
         value = self._scalar(name, value)
         if on_step:
-            self.step_values[step_name] = (value, sync_dist)
+            self.step_values[step_name] = (value, sync_dist, reduce_fx)
         if on_epoch:
             self._accumulate(epoch_name, value, reduce_fx, self.batch_size if batch_size is None else batch_size)
 
@@ -196,7 +196,7 @@ class MetricCollector:
         not averaged by ``sync_dist`` (torchmetrics syncs its own states in ``compute()``)."""
         self.metrics_seen[id(metric)] = metric
         if step_name is not None and metric._forward_cache is not None:
-            self.step_values[step_name] = (self._scalar(step_name, metric._forward_cache), False)
+            self.step_values[step_name] = (self._scalar(step_name, metric._forward_cache), False, "mean")
         if epoch_name is None:
             return
         kept = self.epoch_metrics.setdefault(epoch_name, metric)
@@ -230,9 +230,9 @@ class MetricCollector:
     def step_metrics(self) -> dict[str, torch.Tensor]:
         """The step values as they stand (device tensors: no host sync, no collective), for
         ``trainer.callback_metrics`` after every optimizer step, as Lightning's; on several ranks without the
-        ``sync_dist`` ones, which are averaged over the ranks at the log steps (:meth:`take_step_values`)."""
+        ``sync_dist`` ones, which are reduced over the ranks at the log steps (:meth:`take_step_values`)."""
         local = self.rt.world_size == 1
-        return self.with_bare_names({name: v for name, (v, sync) in self.step_values.items() if local or not sync})
+        return self.with_bare_names({name: v for name, (v, sync, _) in self.step_values.items() if local or not sync})
 
     def with_bare_names(self, values: dict) -> dict:
         """``values`` and, for a value logged ``on_step`` and ``on_epoch``, its bare name too (``x`` beside ``x_step``
@@ -240,25 +240,25 @@ class MetricCollector:
         return {**values, **{self.bare[n]: v for n, v in values.items() if n in self.bare}}
 
     def take_step_values(self) -> dict[str, float]:
-        """The last step values as floats (averaged over ranks where ``sync_dist``); cleared. Every rank
-        calls it at the same step: a collective with several ranks (:func:`_check_sync_dist_everywhere`, then the
-        average when some value has ``sync_dist``).
+        """The last step values as floats (those logged with ``sync_dist=True`` reduced over all ranks with their
+        ``reduce_fx``: "sum", "mean", "max" or "min", as Lightning's ``sync_dist``); cleared. Every rank calls it
+        at the same step: a collective with several ranks (:func:`_check_sync_dist_everywhere`, then one
+        all-reduce of the sums and means and one per max or min, when some value has ``sync_dist``).
 
         Raises:
             ValueError: on every rank, when ``sync_dist`` values were logged on some ranks only, or under other
-                names on each (naming the ranks and the names).
+                names or reductions on each (naming the ranks and the names).
         """
         values, self.step_values = self.step_values, {}
-        synced = sorted(name for name, (_, sync) in values.items() if sync)
-        out = {name: value for name, (value, sync) in values.items() if not sync}
+        synced = {name: (value, fx) for name, (value, sync, fx) in sorted(values.items()) if sync}
+        out = {name: value for name, (value, sync, _) in values.items() if not sync}
         if self.rt.world_size > 1:
-            _check_sync_dist_everywhere(self.rt, synced)
+            _check_sync_dist_everywhere(self.rt, list(synced))
         if synced and self.rt.world_size > 1:
-            _check_same_names(self.rt, synced, "sync_dist=True step values")
-            reduced = self.rt.all_reduce(torch.stack([values[n][0] for n in synced])) / self.rt.world_size
-            out.update(zip(synced, reduced.unbind()))
+            _check_same_names(self.rt, [(n, fx) for n, (_, fx) in synced.items()], "sync_dist=True step values")
+            out.update(_reduced_over_ranks(self.rt, synced))
         else:
-            out.update((name, values[name][0]) for name in synced)
+            out.update((name, value) for name, (value, _) in synced.items())
         return {name: float(v) for name, v in out.items()}
 
     def take_epoch_values(self) -> dict[str, float]:
@@ -302,6 +302,34 @@ class MetricCollector:
         copies = self.rt.world_size / self.rt.data_parallel_size
         return {name: vec[i] / vec[len(names) + i] if values[name].fx == "mean" else vec[i] / copies
                 for i, name in enumerate(names)}
+
+
+def _reduced_over_ranks(runtime: Runtime, values: dict[str, tuple[torch.Tensor, str]]) -> dict[str, torch.Tensor]:
+    """Each value (name -> (0-dim tensor, reduce_fx)) reduced over all ranks with its ``reduce_fx`` (a "mean" is
+    the sum over the world size): one all-reduce of the sums and means, one of the maxima, one of the minima."""
+    out = {}
+    for fxs, op in ((("sum", "mean"), "sum"), (("max",), "max"), (("min",), "min")):
+        chosen = [name for name, (_, fx) in values.items() if fx in fxs]
+        if chosen:
+            reduced = runtime.all_reduce(torch.stack([values[n][0] for n in chosen]), op=op)
+            out.update((n, r / runtime.world_size if values[n][1] == "mean" else r)
+                       for n, r in zip(chosen, reduced.unbind()))
+    return out
+
+
+def callback_metric_values(values: dict, plain_model: bool) -> dict[str, torch.Tensor]:
+    """What ``trainer.callback_metrics`` takes of ``values`` (name -> float or tensor), as tensors (a float becomes a
+    CPU tensor, a tensor stays where it is), as Lightning's ``callback_metrics`` hold them.
+
+    A module with Lightning's steps (``training_step``, ...; ``plain_model`` False) passes only what it logged
+    through ``self.log``, all taken: ``callback_metrics`` holds nothing of trainscale's records (``step``,
+    ``samples_per_s``, a returned ``val_x``), as in Lightning. A plain model and loss (``plain_model`` True) cannot
+    log: of its records, trainscale's metrics are taken, the training loss (``train_loss``) and the evaluation
+    results (``val_loss``, ``val_acc``, ``test_*``), where ``EarlyStopping(monitor="val_loss")`` finds them; not
+    the throughput, times, step or learning rates."""
+    if plain_model:
+        values = {k: v for k, v in values.items() if k == "train_loss" or k.startswith(("val_", "test_"))}
+    return {k: v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for k, v in values.items()}
 
 
 def logged_metrics(callback_metrics: dict, collector: MetricCollector) -> dict[str, torch.Tensor]:

@@ -201,7 +201,7 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         In ``training_step`` the default is ``on_step=True, on_epoch=False``; in validation and test
         ``on_step=False, on_epoch=True``. Epoch values are always reduced over all ranks, each sample
         counted once (``reduce_fx="mean"`` weights each value by its micro-batch's sample count or
-        ``batch_size``); step values are each rank's, averaged over ranks with ``sync_dist=True``.
+        ``batch_size``); step values are each rank's, reduced over ranks with ``reduce_fx`` with ``sync_dist=True``.
         Both on_step and on_epoch: recorded as ``name_step`` and ``name_epoch`` (``trainer.callback_metrics``
         also holds ``name``, the latest of the two, as Lightning's). ``reduce_fx``: "mean", "sum", "max", "min"
         (any case; "avg"), or ``torch.mean``/``torch.sum``/``torch.max``/``torch.min`` and the builtins ``sum``,
@@ -401,6 +401,7 @@ class LoopModule(nn.Module):
         self.shard_units = shard_units(model)  # read by apply_fsdp.fsdp_units
         # read by apply_fsdp.apply_fsdp: the steps run as the sharded model's forward, its root hooks around them
         self.forward_methods = tuple(name for name in STEP_METHODS if hasattr(model, name))
+        self.plain_model = not self.forward_methods  # a model and a loss: no steps, no self.log
         self.is_hf_model = hf.pretrained_model(model) is model  # transformers: dict batches go in as keywords
         self.use_loss_fn(loss_fn)
         self.hooks = defined_hooks(model)  # the Lightning hooks the Trainer calls on the model

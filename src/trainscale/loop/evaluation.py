@@ -19,7 +19,7 @@ import torch
 
 from trainscale.checkpointing import checkpointer, run_dirs as ckpt
 from trainscale.lightning.data_sources import resolve_loaders
-from trainscale.lightning.metrics import MetricCollector, metric_states_kept
+from trainscale.lightning.metrics import MetricCollector, callback_metric_values, metric_states_kept
 from trainscale.lightning.module import attach_trainer, set_up_model
 from trainscale.loop.state import loader_length
 
@@ -134,9 +134,12 @@ def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, hook:
     batch_idx)`` and ``on_predict_batch_end(outputs, batch, batch_idx)`` around each batch (``hook(name, *args)``).
 
     Returns:
-        One tensor (the per-batch outputs concatenated along dim 0) when ``predict_step`` returns tensors; one
-        dict of such tensors (or lists) when it returns dicts of tensors (or lists) of the batch's length; else,
-        in one process only, the list of per-batch outputs.
+        For a module with Lightning's steps (``loop_module.plain_model`` False), Lightning's list of per-batch
+        outputs: in one process each batch's output as ``predict_step`` returned it; on several ranks every
+        sample in dataset order, cut into batches of the first batch's length (Lightning returns each rank's own
+        batches only). For a plain model: one tensor (the per-batch outputs concatenated along dim 0) when its
+        outputs are tensors; one dict of such tensors (or lists) when they are dicts of tensors (or lists) of
+        the batch's length; else, in one process only, the list of per-batch outputs.
 
     Raises:
         ValueError: under several data-parallel ranks, outputs that cannot be split per sample (dataset order
@@ -161,7 +164,23 @@ def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, hook:
             wrapped(batch, 0, stage="predict")
     hook("on_predict_epoch_end")
     restore_modes(modes)
-    return _in_dataset_order(rt, outputs)
+    ordered = _in_dataset_order(rt, outputs)
+    if loop_module.plain_model:
+        return ordered
+    return outputs if rt.world_size == 1 else _in_batches(ordered, _columns(outputs[:1]))
+
+
+def _in_batches(ordered: Any, first: Any) -> list:
+    """Dataset-ordered predictions (a tensor, or a dict of tensors or lists) cut into batches of as many samples
+    as ``first`` (this rank's first batch, as :func:`_columns` joins it; ``[]``: none) holds: Lightning's list of
+    per-batch outputs."""
+    size = 0 if first is None or isinstance(first, list) else _rows(first)
+    if not size:
+        return [ordered] if _rows(ordered) else []
+    if isinstance(ordered, torch.Tensor):
+        return list(ordered.split(size))
+    total = _length(next(iter(ordered.values())))
+    return [{k: v[i:i + size] for k, v in ordered.items()} for i in range(0, total, size)]
 
 
 def eval_mode(module: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
@@ -422,8 +441,11 @@ def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loader: Any
                            trainer._hook)
     finally:
         trainer.metric_collector = collector
-    # a value logged on_step and on_epoch is also under its bare name there ("val_acc" beside "val_acc_epoch"), as
-    # in Lightning's callback_metrics, where EarlyStopping(monitor="val_acc") finds it; the records keep the two
-    trainer.callback_metrics.update(stage_collector.with_bare_names(results))
+    # what the module logged (a plain model: trainscale's val_loss, ...), a value logged on_step and on_epoch also
+    # under its bare name ("val_acc" beside "val_acc_epoch"), as in Lightning's callback_metrics, where
+    # EarlyStopping(monitor="val_acc") finds it; the records keep the two, and every value returned by the step
+    plain = loop_module.plain_model
+    logged = results if plain else {k: v for k, v in results.items() if k in stage_collector.logged}
+    trainer.callback_metrics.update(callback_metric_values(stage_collector.with_bare_names(logged), plain))
     trainer._hook(f"on_{stage}_end")
     return results

@@ -40,7 +40,7 @@ from trainscale.lightning.data_sources import fit_loader_hooks, resolve_fit_load
 from trainscale.lightning.hparams import drop_unpicklable
 from trainscale.loop.config import TrainerConfig, resolve_trainer_config, say_one_batch_limits, warn_default_max_epochs
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
-from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
+from trainscale.lightning.metrics import MetricCollector, callback_metric_values, logged_metrics, progress_bar_metrics
 from trainscale.lightning.module import attach_trainer, defined_hooks, set_up_model
 from trainscale.lightning.optimizers import ManualOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
@@ -679,13 +679,14 @@ class Trainer:
         self.is_step_end = True
         self.callback_metrics.update(self.metric_collector.step_metrics())  # every step, on the device (Lightning's)
         self._hook("on_train_batch_end", loss, batch, micro.index)
+        self.callback_metrics.update(self.metric_collector.step_metrics())  # and what that hook logged
         if self.is_log_step:  # the step record: reduced across the ranks, then written once to each destination
             with prof.profile("log_step"):
                 # collectives: telemetry's all_gather_single of every rank's interval; sync_dist's all-reduces
                 own, user = fit.metrics.reduce_across_ranks(self.global_step, self.current_epoch, loss, grad_norm,
                                                             self.optimizers, self.schedulers)
                 record = {**own, **user, **self._pending.pop("step", {})}
-                self._publish({k: v for k, v in record.items() if isinstance(v, float)}, own, user)
+                self._publish(fit, {k: v for k, v in record.items() if isinstance(v, float)}, user)
                 shown = ("train_loss", *sorted(self.metric_collector.prog_bar))  # the progress bar's postfix
                 fit.bar.set_postfix(**{k: f"{record[k]:.4g}" for k in shown if k in record})
                 fit.metrics.write(record)  # metrics.jsonl and each logger
@@ -722,13 +723,14 @@ class Trainer:
             self._hook("on_after_backward")
         return loss, t_forward
 
-    def _publish(self, values: dict, own: dict, user: dict) -> None:
-        """``values`` into ``callback_metrics``, except trainscale's own numbers (``own``: the loss, throughput, ...)
-        under a name the module logs itself (``self.log("train_loss", ...)``): the user's value wins there, the only
-        one Lightning has; the user's ``user`` values also under their bare names (``MetricCollector.with_bare_names``)."""
-        logged = self.metric_collector.logged
-        self.callback_metrics.update((k, v) for k, v in values.items() if k not in own or k not in logged or k in user)
-        self.callback_metrics.update(self.metric_collector.with_bare_names(user))
+    def _publish(self, fit: FitRun, values: dict, user: dict) -> None:
+        """``callback_metrics`` from a step or epoch record (``values``, with ``user``: the module's ``self.log``
+        values among them), as tensors (:func:`callback_metric_values`): a module with Lightning's steps finds
+        there what it logged (also under the bare names of values logged on_step and on_epoch), as in Lightning;
+        a plain model and loss finds trainscale's ``train_loss`` and evaluation results."""
+        plain = fit.loop_module.plain_model
+        logged = values if plain else self.metric_collector.with_bare_names(user)
+        self.callback_metrics.update(callback_metric_values(logged, plain))
 
     # -- epoch end and checkpoints -------------------------------------------------------------------
     def _end_epoch(self, fit: FitRun, epoch: int) -> None:
@@ -741,20 +743,22 @@ class Trainer:
         own = epoch_record(epoch, self.global_step, fit.epoch_loss.totals(rt), time.perf_counter() - fit.started,
                            complete=self.state.batches >= fit.epoch_batches, optimizers=self.optimizers,
                            schedulers=self.schedulers)
+        if rt.world_size > 1:  # the sync_dist step values of the epoch's last steps, reduced (a collective)
+            self._publish(fit, {}, self.metric_collector.take_step_values())
         user = self.metric_collector.take_epoch_values()
         record = {**own, **user}
         if fit.val_loader is not None and self._validates_at_epoch_end(fit, epoch):
             with self.profiler.profile("validation"):
                 record.update(self._validate(fit, mid_epoch=False))
         record.update(self._pending.pop("epoch", {}))
-        self._publish(record, own, user)
+        self._publish(fit, record, user)
         with self.metric_collector.epoch_hook():
             self._hook("on_train_epoch_end", monitoring=False)
         late = self.metric_collector.take_epoch_values()  # what the module's on_train_epoch_end logged
         self.metric_collector.reset_metrics()  # torchmetrics Metrics, after the epoch end hooks (Lightning's)
         record.update(late)
         user.update(late)
-        self._publish(record, own, user)
+        self._publish(fit, record, user)
         self._hook("on_train_epoch_end", monitoring=True)
         if not self.manual_optimizers:  # under manual optimization the module steps its schedulers (Lightning)
             step_schedulers(self.schedulers, "epoch", epoch + 1, self.callback_metrics)
@@ -934,7 +938,9 @@ class Trainer:
     def predict(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
                 ckpt_path: str | Path | None = None, datamodule: Any = None, return_predictions: bool | None = None) -> Any:
         """``predict_step(batch, batch_idx)`` (or the model's output) for every sample, from all ranks in dataset order,
-        each sample once: one tensor of shape (N, ...) when the outputs are tensors; ``ckpt_path`` as :meth:`validate`'s.
+        each sample once: for a module with ``predict_step``/``training_step``, Lightning's list of per-batch outputs;
+        for a plain model one tensor of shape (N, ...) when the outputs are tensors (``evaluation.predict``);
+        ``ckpt_path`` as :meth:`validate`'s.
         ``return_predictions=False`` (Lightning's argument): None, for a run whose callbacks write the outputs."""
         predictions = self._run_eval("predict", model, dataloaders, ckpt_path=ckpt_path, datamodule=datamodule)
         return None if return_predictions is False else predictions
