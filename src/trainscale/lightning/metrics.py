@@ -317,21 +317,6 @@ def _reduced_over_ranks(runtime: Runtime, values: dict[str, tuple[torch.Tensor, 
     return out
 
 
-def callback_metric_values(values: dict, plain_model: bool) -> dict[str, torch.Tensor]:
-    """What ``trainer.callback_metrics`` takes of ``values`` (name -> float or tensor), as tensors (a float becomes a
-    CPU tensor, a tensor stays where it is), as Lightning's ``callback_metrics`` hold them.
-
-    A module with Lightning's steps (``training_step``, ...; ``plain_model`` False) passes only what it logged
-    through ``self.log``, all taken: ``callback_metrics`` holds nothing of trainscale's records (``step``,
-    ``samples_per_s``, a returned ``val_x``), as in Lightning. A plain model and loss (``plain_model`` True) cannot
-    log: of its records, trainscale's metrics are taken, the training loss (``train_loss``) and the evaluation
-    results (``val_loss``, ``val_acc``, ``test_*``), where ``EarlyStopping(monitor="val_loss")`` finds them; not
-    the throughput, times, step or learning rates."""
-    if plain_model:
-        values = {k: v for k, v in values.items() if k == "train_loss" or k.startswith(("val_", "test_"))}
-    return {k: v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for k, v in values.items()}
-
-
 def logged_metrics(callback_metrics: dict, collector: MetricCollector) -> dict[str, torch.Tensor]:
     """Lightning's ``trainer.logged_metrics``: the values in ``callback_metrics`` of the names logged with
     ``logger=True`` (the default), as kept (``x_step`` and ``x_epoch`` for a value logged on_step and on_epoch, not

@@ -19,7 +19,7 @@ import torch
 
 from trainscale.checkpointing import checkpointer, run_dirs as ckpt
 from trainscale.lightning.data_sources import resolve_loaders
-from trainscale.lightning.metrics import MetricCollector, callback_metric_values, metric_states_kept
+from trainscale.lightning.metrics import MetricCollector, metric_states_kept
 from trainscale.lightning.module import attach_trainer, set_up_model
 from trainscale.loop.state import loader_length
 
@@ -444,8 +444,7 @@ def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loader: Any
     # what the module logged (a plain model: trainscale's val_loss, ...), a value logged on_step and on_epoch also
     # under its bare name ("val_acc" beside "val_acc_epoch"), as in Lightning's callback_metrics, where
     # EarlyStopping(monitor="val_acc") finds it; the records keep the two, and every value returned by the step
-    plain = loop_module.plain_model
-    logged = results if plain else {k: v for k, v in results.items() if k in stage_collector.logged}
-    trainer.callback_metrics.update(callback_metric_values(stage_collector.with_bare_names(logged), plain))
+    logged = {k: v for k, v in results.items() if k in stage_collector.logged}
+    trainer._publish(loop_module.plain_model, results, logged, stage_collector)
     trainer._hook(f"on_{stage}_end")
     return results

@@ -40,7 +40,7 @@ from trainscale.lightning.data_sources import fit_loader_hooks, resolve_fit_load
 from trainscale.lightning.hparams import drop_unpicklable
 from trainscale.loop.config import TrainerConfig, resolve_trainer_config, say_one_batch_limits, warn_default_max_epochs
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
-from trainscale.lightning.metrics import MetricCollector, callback_metric_values, logged_metrics, progress_bar_metrics
+from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
 from trainscale.lightning.module import attach_trainer, defined_hooks, set_up_model
 from trainscale.lightning.optimizers import ManualOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
@@ -686,7 +686,7 @@ class Trainer:
                 own, user = fit.metrics.reduce_across_ranks(self.global_step, self.current_epoch, loss, grad_norm,
                                                             self.optimizers, self.schedulers)
                 record = {**own, **user, **self._pending.pop("step", {})}
-                self._publish(fit, {k: v for k, v in record.items() if isinstance(v, float)}, user)
+                self._publish(fit.loop_module.plain_model, {k: v for k, v in record.items() if isinstance(v, float)}, user)
                 shown = ("train_loss", *sorted(self.metric_collector.prog_bar))  # the progress bar's postfix
                 fit.bar.set_postfix(**{k: f"{record[k]:.4g}" for k in shown if k in record})
                 fit.metrics.write(record)  # metrics.jsonl and each logger
@@ -723,14 +723,21 @@ class Trainer:
             self._hook("on_after_backward")
         return loss, t_forward
 
-    def _publish(self, fit: FitRun, values: dict, user: dict) -> None:
-        """``callback_metrics`` from a step or epoch record (``values``, with ``user``: the module's ``self.log``
-        values among them), as tensors (:func:`callback_metric_values`): a module with Lightning's steps finds
-        there what it logged (also under the bare names of values logged on_step and on_epoch), as in Lightning;
-        a plain model and loss finds trainscale's ``train_loss`` and evaluation results."""
-        plain = fit.loop_module.plain_model
-        logged = values if plain else self.metric_collector.with_bare_names(user)
-        self.callback_metrics.update(callback_metric_values(logged, plain))
+    def _publish(self, plain_model: bool, values: dict, user: dict, collector: MetricCollector | None = None) -> None:
+        """``callback_metrics`` from a record, as tensors (a float becomes a CPU tensor; a tensor stays where it is),
+        as Lightning's. A module with Lightning's steps (``training_step``, ...) finds there only what it logged
+        through ``self.log`` (``user``; a value logged on_step and on_epoch also under its bare name, by
+        ``collector``, the Trainer's by default): nothing of trainscale's records (``step``, ``samples_per_s``,
+        its own ``train_loss``, a returned ``val_x``), as in Lightning. A plain model and loss (``plain_model``),
+        which cannot log, finds trainscale's metrics among the record's ``values``: the training loss
+        (``train_loss``) and the evaluation results (``val_loss``, ``val_acc``, ``test_*``), where
+        ``EarlyStopping(monitor="val_loss")`` finds them; not the throughput, times, step or learning rates."""
+        if plain_model:
+            chosen = {k: v for k, v in values.items() if k == "train_loss" or k.startswith(("val_", "test_"))}
+        else:
+            chosen = (collector or self.metric_collector).with_bare_names(user)
+        self.callback_metrics.update((k, v if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
+                                     for k, v in chosen.items())
 
     # -- epoch end and checkpoints -------------------------------------------------------------------
     def _end_epoch(self, fit: FitRun, epoch: int) -> None:
@@ -744,21 +751,21 @@ class Trainer:
                            complete=self.state.batches >= fit.epoch_batches, optimizers=self.optimizers,
                            schedulers=self.schedulers)
         if rt.world_size > 1:  # the sync_dist step values of the epoch's last steps, reduced (a collective)
-            self._publish(fit, {}, self.metric_collector.take_step_values())
+            self._publish(fit.loop_module.plain_model, {}, self.metric_collector.take_step_values())
         user = self.metric_collector.take_epoch_values()
         record = {**own, **user}
         if fit.val_loader is not None and self._validates_at_epoch_end(fit, epoch):
             with self.profiler.profile("validation"):
                 record.update(self._validate(fit, mid_epoch=False))
         record.update(self._pending.pop("epoch", {}))
-        self._publish(fit, record, user)
+        self._publish(fit.loop_module.plain_model, record, user)
         with self.metric_collector.epoch_hook():
             self._hook("on_train_epoch_end", monitoring=False)
         late = self.metric_collector.take_epoch_values()  # what the module's on_train_epoch_end logged
         self.metric_collector.reset_metrics()  # torchmetrics Metrics, after the epoch end hooks (Lightning's)
         record.update(late)
         user.update(late)
-        self._publish(fit, record, user)
+        self._publish(fit.loop_module.plain_model, record, user)
         self._hook("on_train_epoch_end", monitoring=True)
         if not self.manual_optimizers:  # under manual optimization the module steps its schedulers (Lightning)
             step_schedulers(self.schedulers, "epoch", epoch + 1, self.callback_metrics)
