@@ -1589,3 +1589,18 @@ def test_early_stopping_and_timer_speak_lightnings_words(caplog):
     assert loop.should_stop
     assert [(r.name, r.levelname) for r in caplog.records] == [("trainscale.callbacks.timer", "INFO")]
     assert caplog.records[0].getMessage().startswith("Time limit reached. Elapsed time is 0:00:00. Signaling Trainer")
+
+
+@pytest.mark.timeout(60)
+def test_trainer_model_and_lightning_module_are_the_module_in_its_hooks_and_after_fit(tmp_path):
+    seen = []
+
+    class Watches(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append((trainer.model is pl_module, trainer.lightning_module is pl_module, trainer.model.training))
+
+    trainer = _trainer(tmp_path, max_steps=1, num_sanity_val_steps=0, callbacks=[Watches()])
+    assert trainer.model is None and trainer.lightning_module is None  # before any fit, as Lightning's
+    module = Probe()
+    trainer.fit(module, _loader())
+    assert seen == [(True, True, True)] and trainer.model is module

@@ -303,6 +303,12 @@ class Trainer:
                               doc="The self.log values logged with logger=True (Lightning's; name_step/name_epoch).")
     progress_bar_metrics = property(lambda self: progress_bar_metrics(self.callback_metrics, self.metric_collector),
                                     doc="The self.log values logged with prog_bar=True, as floats (Lightning's).")
+    lightning_module = property(lambda self: self.last_setup[0] if self.last_setup is not None else None,
+                                doc="The module of the running (or last) fit or evaluation, as the user built it, or "
+                                    "None before any (Lightning's ``trainer.lightning_module``).")
+    model = property(lambda self: self.lightning_module,
+                     doc="Lightning's ``trainer.model``: here the user's module (:attr:`lightning_module`); Lightning's "
+                         "is the strategy's wrapper (``DistributedDataParallel``) around it, where one wraps it.")
     checkpoint_callback = property(lambda self: next(iter(self.checkpoint_callbacks), None),
                                    doc="The first ModelCheckpoint, or None (Lightning's ``trainer.checkpoint_callback``).")
     # Lightning's names for this process's place in the job (``runtime.world``: trainscale.runtime.world.World)
