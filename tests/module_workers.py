@@ -137,15 +137,18 @@ class Returner(TrainingModule):
         return {"index": x[:, 0].long(), "doubled": 2 * x, "names": [f"s{int(v)}" for v in x[:, 0]]}
 
 
-def returned_keys_body(rank: int, n: int) -> dict:
-    """What ``validate`` reports for :class:`Returner` (and the error when a key is returned on rank 1 only), and
-    what ``predict`` gathers, with batches of 4 samples of :func:`indexed_dataset`."""
+def returned_keys_body(rank: int, n: int, root: str) -> dict:
+    """What a fit's epoch record holds of :class:`Returner`'s returned validation keys (and the error when a key is
+    returned on rank 1 only), what ``validate`` returns (only logged values, as Lightning's: none), and what
+    ``predict`` gathers, with batches of 4 samples of :func:`indexed_dataset`."""
     from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(accelerator="cpu", devices="auto", enable_progress_bar=False, timeout=60,
-                      enable_checkpointing=False, default_root_dir=f"/tmp/unused-{n}")
+    trainer = Trainer(accelerator="cpu", devices="auto", enable_progress_bar=False, timeout=60, max_steps=1,
+                      num_sanity_val_steps=0, enable_checkpointing=False, default_root_dir=root)
     loader = DataLoader(indexed_dataset(n), batch_size=4)
-    out = {"validated": trainer.validate(Returner(), loader)[0], "predicted": trainer.predict(Returner(), loader)}
+    trainer.fit(Returner(), loader, loader, optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
+    out = {"recorded": trainer.history[-1], "validated": trainer.validate(Returner(), loader)[0],
+           "predicted": trainer.predict(Returner(), loader)}
     try:
         trainer.validate(Returner(extra_on_rank=1), loader)
     except ValueError as err:

@@ -274,16 +274,18 @@ def _returned_keys_expected(n: int, world_size: int) -> tuple[float, float]:
 
 
 @pytest.mark.timeout(60)
-def test_returned_keys_and_predicted_dicts_keep_dataset_order_and_exact_means_on_two_ranks():
-    """``predict_step`` returning a dict comes back as one dict in dataset order; a ``validation_step`` key
-    returned by some batches only is the mean over those batches' samples; a key returned on one rank only is an
-    error on every rank naming it (as names logged with ``self.log`` on some ranks only)."""
+def test_returned_keys_and_predicted_dicts_keep_dataset_order_and_exact_means_on_two_ranks(tmp_path):
+    """``predict_step`` returning a dict comes back in dataset order; a ``validation_step`` key returned by some
+    batches only is recorded as the mean over those batches' samples (``validate`` returns only logged values,
+    as Lightning's); a key returned on one rank only is an error on every rank naming it (as names logged with
+    ``self.log`` on some ranks only)."""
     n = 22
     mean_x, odd_x = _returned_keys_expected(n, 2)
     assert odd_x != pytest.approx(mean_x)  # the batches that return "odd_x" are not a fair sample of all
-    for out in run_distributed(mw.returned_keys_body, n, timeout=50):
-        assert out["validated"]["val_mean_x"] == pytest.approx(mean_x)
-        assert out["validated"]["val_odd_x"] == pytest.approx(odd_x)
+    for out in run_distributed(mw.returned_keys_body, n, str(tmp_path), timeout=50):
+        assert out["recorded"]["val_mean_x"] == pytest.approx(mean_x)
+        assert out["recorded"]["val_odd_x"] == pytest.approx(odd_x)
+        assert out["validated"] == {}
         batches = out["predicted"]  # Lightning's per-batch list: every sample in dataset order, 4 per batch
         assert [len(b["names"]) for b in batches] == [4, 4, 4, 4, 4, 2]
         predicted = {key: [b[key] for b in batches] for key in batches[0]}
@@ -296,17 +298,13 @@ def test_returned_keys_and_predicted_dicts_keep_dataset_order_and_exact_means_on
 
 
 def test_a_key_returned_by_some_batches_is_averaged_over_those_batches_in_one_process(tmp_path):
-    from trainscale.loop.trainer import Trainer
-
-    n = 22
-    trainer = Trainer(accelerator="cpu", devices=1, enable_progress_bar=False, enable_checkpointing=False,
-                      default_root_dir=tmp_path)
-    loader = DataLoader(mw.indexed_dataset(n), batch_size=4)
-    mean_x, odd_x = _returned_keys_expected(n, 1)
-    assert trainer.validate(mw.Returner(), loader) == [{"val_mean_x": pytest.approx(mean_x),
-                                                        "val_odd_x": pytest.approx(odd_x)}]
-    predicted = trainer.predict(mw.Returner(), loader)  # as predict_step returned each batch (Lightning's)
-    assert torch.cat([b["index"] for b in predicted]).tolist() == list(range(n))
+    out = mw.returned_keys_body(0, 22, str(tmp_path))
+    mean_x, odd_x = _returned_keys_expected(22, 1)
+    assert out["recorded"]["val_mean_x"] == pytest.approx(mean_x)
+    assert out["recorded"]["val_odd_x"] == pytest.approx(odd_x)
+    assert out["validated"] == {}  # returned, not logged: in the records only, as Lightning's validate()
+    predicted = out["predicted"]  # as predict_step returned each batch (Lightning's)
+    assert torch.cat([b["index"] for b in predicted]).tolist() == list(range(22))
     assert predicted[0]["names"][:2] == ["s0", "s1"]
 
 
@@ -591,7 +589,8 @@ def test_callback_hooks_run_and_their_state_survives_a_resume(tmp_path):
 def test_test_uses_test_step_and_its_prefix(tmp_path):
     class WithTest(Recorder):
         def test_step(self, batch, batch_idx):
-            return {"loss": torch.tensor(2.0)}
+            self.log("test_loss", torch.tensor(2.0))
+            return {"returned": torch.tensor(1.0)}  # not logged: not in test()'s results (Lightning's)
 
     out = _trainer(tmp_path).test(WithTest(), DataLoader(mw.indexed_dataset(5), batch_size=2))
     assert out == [{"test_loss": pytest.approx(2.0)}]

@@ -388,6 +388,9 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
         return predictions
     stage = "validation" if method == "validate" else "test"
     results = evaluate_stage(trainer, loop_module, wrapped, loader, stage)
+    if not loop_module.plain_model:  # Lightning's: what the module logged with logger=True (a returned value is
+        # in the run's records only); a plain model: trainscale's val_loss, val_acc, ...
+        results = {k: v for k, v in results.items() if k in trainer.metric_collector.to_logger}
     if verbose:
         rt.print(results_table(stage, results))
     teardown(trainer, model, method)
