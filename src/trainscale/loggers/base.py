@@ -165,6 +165,31 @@ def not_set_up(owner: str) -> RuntimeError:
                         "zero before the first record)")
 
 
+def write_hparams_yaml(path: Path, hparams: Mapping[str, Any]) -> None:
+    """``hparams`` as YAML at ``path`` (through a temporary file renamed over it), as Lightning's
+    ``save_hparams_to_yaml`` (``core/saving.py``): an ``Enum`` as its name; a value ``yaml.safe_dump`` cannot
+    write (a dtype, an object) is left out with Lightning's ``UserWarning`` ("Skipping '<name>' parameter ..."), so
+    the file reads back with ``yaml.safe_load`` (Lightning writes some objects with Python tags instead)."""
+    import enum
+    import warnings
+
+    import yaml
+
+    kept = {}
+    for name, value in hparams.items():
+        value = value.name if isinstance(value, enum.Enum) else value
+        try:
+            yaml.safe_dump(value)
+        except yaml.YAMLError:
+            warnings.warn(f"Skipping '{name}' parameter because it is not possible to safely dump to YAML.",
+                          UserWarning, stacklevel=3)
+            continue
+        kept[name] = value
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 class DummyExperiment:
     """``logger.experiment`` on a rank other than zero, where the Trainer sets no logger up: every method a
     no-op, as Lightning's ``DummyExperiment`` (``lightning.fabric.loggers.logger.rank_zero_experiment``), so that
