@@ -331,6 +331,23 @@ def test_tensorboard_logger_keeps_every_hyperparameter_in_hparams_yaml_as_lightn
     assert logger.hparams["dtype"] is torch.float32  # kept in memory; only the file leaves it out
 
 
+def test_hparams_yaml_functions_write_and_read_as_lightnings(tmp_path):
+    from argparse import Namespace
+
+    import torch
+
+    from trainscale.loggers import load_hparams_from_yaml, save_hparams_to_yaml
+
+    path = tmp_path / "hparams.yaml"
+    save_hparams_to_yaml(path, Namespace(lr=0.01, layers=[4, 2], nested={"a": "b"}))
+    assert load_hparams_from_yaml(path) == {"lr": 0.01, "layers": [4, 2], "nested": {"a": "b"}}
+    with pytest.warns(UserWarning, match="Skipping 'dtype' parameter because it is not possible to safely dump"):
+        save_hparams_to_yaml(path, {"dtype": torch.float32, "lr": 0.1})
+    assert load_hparams_from_yaml(path) == {"lr": 0.1}
+    with pytest.warns(RuntimeWarning, match="Missing Tags: .*absent.yaml"):
+        assert load_hparams_from_yaml(tmp_path / "absent.yaml") == {}
+
+
 # WandbLogger (offline) and its run file
 
 

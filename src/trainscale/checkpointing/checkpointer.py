@@ -152,7 +152,7 @@ def hparams_entries(model: Any, datamodule: Any = None) -> dict:
             continue
         others = {k: v for k, v in saved.items() if not _is_plain(v)}
         entries.update({f"{prefix}hyper_parameters": {k: v for k, v in saved.items() if k not in others},
-                        f"{prefix}hparams_name": obj.__dict__.get("_hparams_name"),
+                        f"{prefix}hparams_name": getattr(obj, "_hparams_name", None),
                         f"{prefix}hparams_left_out": sorted(others),
                         f"{prefix}hparams_pickled": {k: b for k, v in others.items() if (b := pickled(v)) is not None}})
     if entries.get("hyper_parameters") is not None:

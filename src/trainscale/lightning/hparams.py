@@ -141,7 +141,7 @@ def logged_hparams(obj: Any) -> dict[str, Any] | None:
     """What ``obj`` (a module or data module) gives the loggers: its :attr:`~HyperparametersMixin.hparams_initial`
     when ``save_hyperparameters(logger=True)`` (the default) saved some; None otherwise (a plain ``nn.Module``,
     a module that saved none), as Lightning's ``_log_hyperparams`` attribute."""
-    return dict(obj.hparams_initial) if obj is not None and obj.__dict__.get("_log_hyperparams") else None
+    return dict(obj.hparams_initial) if getattr(obj, "_log_hyperparams", False) else None
 
 
 def _warn_modules(hparams: Mapping) -> None:

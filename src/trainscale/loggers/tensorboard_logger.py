@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from trainscale.loggers.base import (check_save_dir, check_status, experiment_or_dummy, flatten, not_set_up, require,
-                                     write_hparams_yaml)
+                                     save_hparams_to_yaml)
 
 
 class TensorBoardLogger:
@@ -27,8 +27,8 @@ class TensorBoardLogger:
     numbers, None is left out, other values as strings. They are written into the run's own event file,
     as Lightning's TensorBoardLogger does, not into a sub-run as ``SummaryWriter.add_hparams`` would.
     As Lightning's, the hyperparameters logged so far are also kept in :attr:`hparams` and written, nested, to
-    ``<log_dir>/hparams.yaml`` (:attr:`NAME_HPARAMS_FILE`; read it back with ``yaml.safe_load``), rewritten at
-    each ``log_hyperparams`` call (``loggers.base.write_hparams_yaml``: an Enum as its name; a value YAML cannot
+    ``<log_dir>/hparams.yaml`` (:attr:`NAME_HPARAMS_FILE`; read it back with ``load_hparams_from_yaml``), rewritten at
+    each ``log_hyperparams`` call (``trainscale.loggers.save_hparams_to_yaml``: an Enum as its name; a value YAML cannot
     hold is skipped with Lightning's warning). View with ``tensorboard --logdir runs``.
 
     The Trainer calls a logger on rank zero only (see :class:`trainscale.loggers.Logger`).
@@ -81,7 +81,7 @@ class TensorBoardLogger:
         params = vars(params) if isinstance(params, Namespace) else params
         self.hparams.update(params)
         if self._writer is not None:  # set up here (not another rank's no-op experiment)
-            write_hparams_yaml(self.log_dir / self.NAME_HPARAMS_FILE, self.hparams)
+            save_hparams_to_yaml(self.log_dir / self.NAME_HPARAMS_FILE, self.hparams)
         flat = {k: _hparam_value(v) for k, v in flatten(dict(params), sep="/").items()}
         for summary in hparams(flat, {}):  # experiment, session start, session end
             writer.file_writer.add_summary(summary)
