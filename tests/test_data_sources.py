@@ -97,7 +97,9 @@ def test_the_models_hyperparameters_reach_the_loggers(tmp_path):
     trainer = _trainer(tmp_path, max_epochs=1)
     trainer.fit(Classifier(lr=0.25), datamodule=Indexed())
     logged = json.loads((trainer.run_dir / "hparams.json").read_text())
-    assert logged["lr"] == 0.25 and logged["max_epochs"] == 1  # the model's next to the Trainer's flags
+    assert logged == {"lr": 0.25, "batch_size": 4}  # the model's and the data module's, as Lightning logs them
+    summary = json.loads((trainer.run_dir / "summary.json").read_text())
+    assert summary["flags"]["max_epochs"] == 1  # the Trainer's flags are in the run's summary
 
 
 # -- data modules and the model's own loaders ------------------------------------------------------

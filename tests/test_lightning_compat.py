@@ -915,8 +915,8 @@ def test_hparams_initial_is_a_copy_as_saved_and_the_checkpoint_key_is_lightnings
     model.hparams_initial["width"] = 0
     assert model.hparams_initial.width == 4  # a copy each time: read-only in effect
     assert Probe().hparams_initial == {}
-    assert TrainingModule.CHECKPOINT_HYPER_PARAMS_KEY == trainscale.DataModule.CHECKPOINT_HYPER_PARAMS_KEY == \
-        "hyper_parameters"
+    assert TrainingModule.CHECKPOINT_HYPER_PARAMS_KEY == "hyper_parameters"
+    assert trainscale.DataModule.CHECKPOINT_HYPER_PARAMS_KEY == "datamodule_hyper_parameters"  # Lightning's two keys
     from trainscale.checkpointing.checkpointer import hparams_entries
 
     assert hparams_entries(model)[TrainingModule.CHECKPOINT_HYPER_PARAMS_KEY]["width"] == 8
@@ -1569,6 +1569,154 @@ def test_the_data_modules_hyperparameters_are_logged_with_the_modules_and_must_a
     assert logged["width"] == 4 and logged["root"] == "data"
     with pytest.raises(RuntimeError, match=r"Error while merging hparams: the keys \['width'\] are present in both"):
         _trainer(tmp_path, max_epochs=1).fit(_WithEncoder(None, width=4), datamodule=_Data(width=8))
+
+
+# -- save_hyperparameters: the __init__ chain, dataclasses, containers, and what the loggers get -----------------------
+class _Base(Probe):
+    def __init__(self, depth=2, width=4, dropout=0.1):
+        super().__init__()
+        self.save_hyperparameters(ignore="dropout")
+
+
+class _Quiet(_Base):  # never calls save_hyperparameters itself
+    def __init__(self, *args, heads=8, **kwargs):
+        super().__init__(*args, **kwargs)
+
+
+class _Drops(_Base):
+    def __init__(self, depth=2, width=4, dropout=0.1):
+        super().__init__(depth, width, dropout)
+        self.save_hyperparameters(ignore=["width"])
+
+
+class _Owner:  # not a module: its own arguments are not a module's hyperparameters
+    def __init__(self, width=99):
+        self.model = _Base(width=5)
+
+
+def test_save_hyperparameters_collects_every_init_of_the_object_on_the_stack():
+    assert dict(_Quiet(3, width=6).hparams) == {"depth": 3, "width": 6, "heads": 8}  # the subclass's own argument too
+    assert dict(_Drops(width=7).hparams) == {"depth": 2, "dropout": 0.1}  # its ignore= drops what the base kept
+    assert dict(_Owner().model.hparams) == {"depth": 2, "width": 5}  # the walk ends at a frame of another object
+
+
+def test_save_hyperparameters_of_a_dataclass_module_keeps_its_init_fields():
+    import dataclasses
+
+    @dataclasses.dataclass(eq=False)
+    class Configured(Probe):
+        width: int
+        name: str = "net"
+        cache: dict = dataclasses.field(default_factory=dict, init=False)
+
+        def __post_init__(self):
+            super().__init__()
+            self.save_hyperparameters()
+
+    assert dict(Configured(3, name="small").hparams) == {"width": 3, "name": "small"}
+
+
+class _Configured(Probe):
+    def __init__(self, config, seed=0):
+        super().__init__()
+        self.save_hyperparameters(config)
+
+
+class _ConfiguredData(trainscale.DataModule):
+    def __init__(self, options):
+        super().__init__()
+        self.save_hyperparameters(options)
+
+    def train_dataloader(self):
+        return _loader(n=4, batch_size=self.hparams.batch)
+
+
+@pytest.mark.timeout(60)
+def test_one_container_comes_back_as_the_argument_it_was_given_in(tmp_path):
+    from argparse import Namespace
+
+    from trainscale.checkpointing import run_dirs
+
+    model, data = _Configured(Namespace(width=3, depth=2)), _ConfiguredData({"batch": 2})
+    assert (model.__dict__["_hparams_name"], data.__dict__["_hparams_name"]) == ("config", "options")
+    _trainer(tmp_path, max_epochs=1, logger=False).fit(model, datamodule=data)
+    path = run_dirs.find_last(tmp_path)
+    raw = torch.load(path, weights_only=True)
+    assert raw["hyper_parameters"] == {"width": 3, "depth": 2} and raw["hparams_name"] == "config"
+    assert raw["datamodule_hyper_parameters"] == {"batch": 2} and raw["datamodule_hparams_name"] == "options"
+    assert dict(_Configured.load_from_checkpoint(path).hparams) == {"width": 3, "depth": 2}  # _Configured(config=...)
+    assert dict(_Configured.load_from_checkpoint(path, width=5).hparams) == {"width": 5, "depth": 2}
+    assert dict(_ConfiguredData.load_from_checkpoint(path).hparams) == {"batch": 2}
+    with pytest.raises(ValueError, match=r"Primitives \(<class 'bool'>, <class 'int'>, <class 'float'>, <class 'str'>\)"):
+        _Configured(0.5)
+
+
+class _WithLoss(Probe):
+    def __init__(self, width=4, loss=None):
+        super().__init__()
+        self.save_hyperparameters()
+
+
+@pytest.mark.timeout(60)
+def test_hyperparameters_of_other_types_come_back_with_weights_only_false(tmp_path):
+    from trainscale.checkpointing import run_dirs
+
+    _trainer(tmp_path, max_epochs=1, logger=False).fit(_WithLoss(loss=nn.SmoothL1Loss(beta=0.5)), _loader())
+    path = run_dirs.find_last(tmp_path)
+    assert torch.load(path, weights_only=True)["hyper_parameters"] == {"width": 4}  # still a weights-only file
+    assert _WithLoss.load_from_checkpoint(path).hparams.loss is None  # left out: the default
+    restored = _WithLoss.load_from_checkpoint(path, weights_only=False).hparams.loss  # Lightning's way to get it
+    assert isinstance(restored, nn.SmoothL1Loss) and restored.beta == 0.5
+
+
+class _Recorder:
+    def __init__(self):
+        self.hparams = []
+
+    def setup(self, run_dir): ...
+
+    def log_hyperparams(self, params):
+        self.hparams.append(dict(params))
+
+    def log_metrics(self, metrics, step): ...
+
+    def finalize(self, status): ...
+
+
+class _Unlogged(Probe):
+    def __init__(self, width=4):
+        super().__init__()
+        self.save_hyperparameters(logger=False)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("model", "data", "logged"), [
+    (lambda: _WithEncoder(None, width=4), lambda: _Data(width=4), [{"encoder": None, "width": 4, "transform": None,
+                                                                    "root": "data"}]),
+    (lambda: _WithEncoder(None, width=4), lambda: None, [{"encoder": None, "width": 4, "transform": None}]),
+    (lambda: Probe(), lambda: _Data(width=4), [{"width": 4, "root": "data"}]),
+    (lambda: Probe(), lambda: None, []),  # nothing saved: no log_hyperparams call
+    (lambda: _Unlogged(), lambda: None, []),  # save_hyperparameters(logger=False)
+], ids=["module-and-data", "module", "data", "neither", "logger-false"])
+def test_the_loggers_get_the_saved_hyperparameters_only_as_first_saved(tmp_path, model, data, logged):
+    recorder, model, data = _Recorder(), model(), data()
+    if "width" in model.hparams:
+        model.hparams.width = 16  # a change after the save: not what the loggers get (hparams_initial)
+    trainer = _trainer(tmp_path, max_epochs=1, logger=recorder)
+    trainer.fit(model, **({"datamodule": data} if data is not None else {"train_dataloaders": _loader()}))
+    assert recorder.hparams == logged
+    assert json.loads((trainer.run_dir / "summary.json").read_text())["flags"]["max_epochs"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_fit_validate_test_and_predict_take_lightnings_weights_only(tmp_path):
+    trainer = _trainer(tmp_path, max_epochs=1, logger=False)
+    trainer.fit(Probe(), _loader(), weights_only=False)
+    assert trainer.validate(dataloaders=_loader(), weights_only=False, verbose=False)[0]["val_loss"] >= 0
+    tested = Probe()
+    tested.test_step = tested.validation_step
+    assert "val_loss" in trainer.test(tested, _loader(), weights_only=True, verbose=False)[0]
+    assert trainer.predict(nn.Linear(2, 1), _loader(), weights_only=None).shape == (8, 1)
 
 
 def test_early_stopping_and_timer_speak_lightnings_words(caplog):

@@ -308,6 +308,46 @@ def test_tensorboard_logger_scalars_and_hparams_read_back(tmp_path):
     assert values["devices"].string_value == "[0, 1]"
 
 
+def test_tensorboard_logger_keeps_every_hyperparameter_in_hparams_yaml_as_lightnings(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install 'trainscale[tensorboard]'")
+    import enum
+    from argparse import Namespace
+
+    import torch
+    import yaml
+
+    class Mode(str, enum.Enum):
+        FAST = "fast-value"
+
+    logger = TensorBoardLogger()
+    logger.setup(tmp_path)
+    logger.log_hyperparams(Namespace(width=4, mode=Mode.FAST))  # a Namespace, as Lightning takes
+    with pytest.warns(UserWarning, match="Skipping 'dtype' parameter because it is not possible to safely dump"):
+        logger.log_hyperparams({"optim": {"name": "sgd", "lr": 0.1}, "dtype": torch.float32})
+    logger.finalize("success")
+    path = logger.log_dir / TensorBoardLogger.NAME_HPARAMS_FILE
+    assert path == tmp_path / "tensorboard" / "hparams.yaml"
+    assert yaml.safe_load(path.read_text()) == {"width": 4, "mode": "FAST", "optim": {"name": "sgd", "lr": 0.1}}
+    assert logger.hparams["dtype"] is torch.float32  # kept in memory; only the file leaves it out
+
+
+def test_hparams_yaml_functions_write_and_read_as_lightnings(tmp_path):
+    from argparse import Namespace
+
+    import torch
+
+    from trainscale.loggers import load_hparams_from_yaml, save_hparams_to_yaml
+
+    path = tmp_path / "hparams.yaml"
+    save_hparams_to_yaml(path, Namespace(lr=0.01, layers=[4, 2], nested={"a": "b"}))
+    assert load_hparams_from_yaml(path) == {"lr": 0.01, "layers": [4, 2], "nested": {"a": "b"}}
+    with pytest.warns(UserWarning, match="Skipping 'dtype' parameter because it is not possible to safely dump"):
+        save_hparams_to_yaml(path, {"dtype": torch.float32, "lr": 0.1})
+    assert load_hparams_from_yaml(path) == {"lr": 0.1}
+    with pytest.warns(RuntimeWarning, match="Missing Tags: .*absent.yaml"):
+        assert load_hparams_from_yaml(tmp_path / "absent.yaml") == {}
+
+
 # WandbLogger (offline) and its run file
 
 

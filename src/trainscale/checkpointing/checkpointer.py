@@ -11,13 +11,14 @@ like the model: a callback with ``setup_state(model)`` makes them before a load)
 ``optimizer_classes``, ``epoch`` and ``global_step`` (Lightning's keys: ``trainer.current_epoch`` and
 ``trainer.global_step`` when written; a resume reads ``loop``), for a Hugging Face model ``hf_config`` (its ``config.to_dict()``) and, for a module with ``save_hyperparameters()``, ``hyper_parameters`` (Lightning's key)
 and ``module_class``, which ``TrainingModule.load_from_checkpoint`` rebuilds the module from
-(:func:`read_module_checkpoint`). Writing is the Runtime's
+(:func:`read_module_checkpoint`; the data module's as ``datamodule_hyper_parameters``: :func:`hparams_entries`). Writing is the Runtime's
 (atomic file + SHA-256, or a DCP directory under fsdp); naming, ``last`` and rotation are
 ``trainscale.checkpointing.run_dirs``'s.
 """
 
 from __future__ import annotations
 
+import pickle
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -76,7 +77,7 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
                "optimizer_classes": [type(o).__name__ for o in optimizers],
                "loop": {"epoch": state.epoch, "complete": complete, "consumed": consumed, "batches": state.batches,
                         "totals": None if complete else totals, "loader_states": loader_states}}
-    content.update(hparams_entries(fit.model))
+    content.update(hparams_entries(fit.model, fit.datamodule))
     if (hf_config := hf.config_dict(fit.model)) is not None:  # config.json for `trainscale export`
         content["hf_config"] = hf_config
     if on_save is not None:
@@ -136,17 +137,36 @@ def _is_plain(value: Any) -> bool:
     return isinstance(value, _PLAIN) or type(value).__name__ == "Tensor" and type(value).__module__ == "torch"
 
 
-def hparams_entries(model: Any) -> dict:
-    """The checkpoint entries of ``model``'s saved hyperparameters (``save_hyperparameters()``): none for a
-    module without them; else ``hyper_parameters`` (those of plain types: None, bool, int, float, str, tensors,
-    and lists, tuples and str-keyed dicts of them; Lightning's key), ``hparams_left_out`` (the names of the
-    others, which ``load_from_checkpoint`` asks for) and ``module_class`` (``module.QualName``)."""
-    saved = dict(getattr(model, "hparams", None) or {})
-    if not saved:
-        return {}
-    kept = {k: v for k, v in saved.items() if _is_plain(v)}
-    return {"hyper_parameters": kept, "hparams_left_out": sorted(set(saved) - set(kept)),
-            "module_class": f"{type(model).__module__}.{type(model).__qualname__}"}
+def hparams_entries(model: Any, datamodule: Any = None) -> dict:
+    """The checkpoint entries of the hyperparameters ``model`` and ``datamodule`` saved (``save_hyperparameters()``),
+    under Lightning's keys: none for one without them; else ``hyper_parameters`` (the values of plain types: None,
+    bool, int, float, str, tensors, and lists, tuples and str-keyed dicts of them, which ``torch.load(path,
+    weights_only=True)`` reads), ``hparams_name`` (the ``__init__`` argument one container came in, or
+    "kwargs"), ``hparams_left_out`` (the names of the values of other types) and ``hparams_pickled`` (those of
+    them ``pickle`` can write, each pickled into bytes: read by ``load_from_checkpoint(..., weights_only=False)``
+    only), and ``module_class`` (``module.QualName``); the data module's keys start with ``datamodule_``."""
+    entries: dict[str, Any] = {}
+    for obj, prefix in ((model, ""), (datamodule, "datamodule_")):
+        saved = dict(getattr(obj, "hparams", None) or {})
+        if not saved:
+            continue
+        others = {k: v for k, v in saved.items() if not _is_plain(v)}
+        entries.update({f"{prefix}hyper_parameters": {k: v for k, v in saved.items() if k not in others},
+                        f"{prefix}hparams_name": getattr(obj, "_hparams_name", None),
+                        f"{prefix}hparams_left_out": sorted(others),
+                        f"{prefix}hparams_pickled": {k: b for k, v in others.items() if (b := pickled(v)) is not None}})
+    if entries.get("hyper_parameters") is not None:
+        entries["module_class"] = f"{type(model).__module__}.{type(model).__qualname__}"
+    return entries
+
+
+def pickled(value: Any) -> bytes | None:
+    """``pickle.dumps(value)``, or None when ``pickle`` cannot write it (a lambda, an open file; the errors of
+    Lightning's ``is_picklable``)."""
+    try:
+        return pickle.dumps(value)
+    except (pickle.PickleError, AttributeError, RuntimeError, TypeError):
+        return None
 
 
 def read_module_checkpoint(path: Path, verify: bool = True,

@@ -10,9 +10,11 @@ with the hooks works). The loaders the hooks return are set up as passed ones ar
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from trainscale.lightning.hparams import HyperparametersMixin
+from trainscale.lightning.hparams import HyperparametersMixin, checkpoint_init_kwargs
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
@@ -26,6 +28,27 @@ class DataModule(HyperparametersMixin):
     ``val_dataloader()``, ``test_dataloader()``, ``predict_dataloader()`` (each returning a DataLoader, with the
     per-device ``batch_size``); optionally ``prepare_data()`` (downloads: once per node, on local rank 0, before
     any ``setup``) and ``setup(stage)`` (every rank; stage "fit", "validate", "test" or "predict")."""
+
+    CHECKPOINT_HYPER_PARAMS_KEY = "datamodule_hyper_parameters"  # Lightning's keys for a data module's
+    CHECKPOINT_HYPER_PARAMS_NAME = "datamodule_hparams_name"
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, verify: bool = True,
+                             weights_only: bool | None = None, **overrides: Any) -> DataModule:
+        """The data module rebuilt from the hyperparameters it saved (``save_hyperparameters()``) in a checkpoint
+        of a fit it took part in, as Lightning's ``LightningDataModule.load_from_checkpoint``:
+        ``cls(**datamodule_hyper_parameters, **overrides)`` (``cls(config=...)`` when they came in one
+        container; ``weights_only`` and the rules as in ``TrainingModule.load_from_checkpoint``).
+
+        Raises:
+            FileNotFoundError: no such checkpoint.
+            CheckpointError: not a trainscale checkpoint, a failed checksum (``verify``).
+            TypeError: ``__init__`` needs arguments the checkpoint does not hold (named, with why).
+        """
+        from trainscale.checkpointing.checkpointer import read_module_checkpoint
+
+        entries, _ = read_module_checkpoint(Path(checkpoint_path), verify)
+        return cls(**checkpoint_init_kwargs(cls, entries, overrides, weights_only, checkpoint_path, "datamodule_"))
 
     def prepare_data(self) -> None:
         """Once per node (local rank 0), the other ranks waiting: write files here, assign no state."""

@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 from trainscale.runtime import hf
 from trainscale.runtime.batch import batch_size
-from trainscale.lightning.hparams import HyperparametersMixin
+from trainscale.lightning.hparams import HyperparametersMixin, checkpoint_init_kwargs
 
 if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
@@ -94,7 +94,9 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         """The module rebuilt from a checkpoint, as Lightning's ``LightningModule.load_from_checkpoint``
         (``lightning.pytorch.core.saving._load_from_checkpoint``): ``cls(**hyper_parameters, **overrides)``, the
         hyperparameters those ``save_hyperparameters()`` kept (saved in every checkpoint under
-        "hyper_parameters"), then its ``on_load_checkpoint(checkpoint)`` (the plain entries) and the weights.
+        "hyper_parameters"; ``cls(config=hyper_parameters)`` when they came in one container, ``config``, that
+        ``save_hyperparameters(config)`` kept: ``lightning.hparams.checkpoint_init_kwargs``), then its
+        ``on_load_checkpoint(checkpoint)`` (the plain entries) and the weights.
         Works in one plain process, without a process group, on a checkpoint file of a single/ddp run and on a
         sharded (DCP) directory of an fsdp/model_parallel run, whatever its world size (every shard is read:
         ``dcp_checkpoint.read_whole``). As in Lightning, arguments ``__init__`` does not take are dropped (unless it
@@ -109,9 +111,12 @@ class TrainingModule(HyperparametersMixin, nn.Module):
                 None: the CPU (Lightning keeps a GPU checkpoint on that GPU when there is one).
             strict: the weights' names must match the module's exactly (``nn.Module.load_state_dict``).
             verify: check the SHA-256 recorded at the save (refuses a file without one).
-            weights_only: Lightning's argument, accepted and not needed: trainscale's checkpoints hold only tensors
-                and plain values (hyperparameters of other types are left out at the save), so they are always read
-                with ``torch.load(weights_only=True)``, which runs no pickled code.
+            weights_only: Lightning's argument. trainscale's checkpoints hold only tensors, plain values and bytes,
+                so they are always read with ``torch.load(weights_only=True)``, which runs no pickled code; the
+                hyperparameters of other types (a module, a file system object) are kept apart, pickled into
+                bytes, and ``weights_only=False`` unpickles them into ``__init__``'s arguments too, as Lightning's
+                ``weights_only=False`` load: only for a checkpoint you trust. None or True: they are left out (pass
+                them), as ``torch.load``'s default since torch 2.6.
             overrides: arguments for ``__init__`` that replace the saved ones (or give those not saved).
 
         Raises:
@@ -127,9 +132,7 @@ class TrainingModule(HyperparametersMixin, nn.Module):
             raise TypeError(f"map_location={map_location!r}; pass a device or its name ('cuda:0'), a dict such as "
                             "{'cuda:1': 'cuda:0'}, a function (storage, location) -> storage, or None (the CPU)")
         entries, read_model = read_module_checkpoint(Path(checkpoint_path), verify, map_location or "cpu")
-        saved = dict(entries.get("hyper_parameters") or {})
-        kwargs = _init_arguments(cls, {**saved, **overrides}, entries, checkpoint_path)
-        module = cls(**kwargs)
+        module = cls(**checkpoint_init_kwargs(cls, entries, overrides, weights_only, checkpoint_path))
         if "on_load_checkpoint" in defined_hooks(module):
             module.on_load_checkpoint(entries)
         state = read_model()
@@ -303,33 +306,6 @@ def shard_units(model: nn.Module) -> tuple[nn.Module, ...]:
     if getattr(model, "automatic_optimization", True):
         return ()
     return tuple(m for m in model.children() if next(m.parameters(), None) is not None)
-
-
-def _init_arguments(cls: type, given: dict[str, Any], entries: dict, path: Any) -> dict[str, Any]:
-    """The keyword arguments of ``cls.__init__`` among ``given`` (all of them when it takes ``**kwargs``).
-
-    Raises:
-        TypeError: a required argument of ``cls.__init__`` not in ``given``, named with why it is missing.
-    """
-    params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # without self
-    if not any(p.kind == p.VAR_KEYWORD for p in params):
-        given = {k: v for k, v in given.items() if k in {p.name for p in params}}
-    required = (p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-    missing = [name for name in required if name not in given]
-    if missing:
-        raise TypeError(f"{cls.__name__}.load_from_checkpoint({str(path)!r}): __init__ needs {', '.join(missing)}: "
-                        f"{_why_missing(missing, entries)}; pass them: {cls.__name__}.load_from_checkpoint(path, "
-                        f"{', '.join(f'{name}=...' for name in missing)})")
-    return given
-
-
-def _why_missing(missing: list[str], entries: dict) -> str:
-    left_out = [name for name in missing if name in (entries.get("hparams_left_out") or ())]
-    if left_out:
-        return f"{', '.join(left_out)} not saved (not of a plain type, so left out of the checkpoint)"
-    if not entries.get("hyper_parameters"):
-        return "the checkpoint holds no hyperparameters (call self.save_hyperparameters() in __init__)"
-    return "not among the saved hyperparameters"
 
 
 def _takes_batch_idx(method: Callable) -> bool:

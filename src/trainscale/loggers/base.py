@@ -165,6 +165,54 @@ def not_set_up(owner: str) -> RuntimeError:
                         "zero before the first record)")
 
 
+def save_hparams_to_yaml(config_yaml: str | os.PathLike, hparams: Mapping[str, Any] | Any,
+                         use_omegaconf: bool = True) -> None:
+    """``hparams`` (a dict or an ``argparse.Namespace``) as YAML at ``config_yaml``, through a temporary file renamed
+    over it, as Lightning's ``save_hparams_to_yaml`` (``lightning.pytorch.core.saving``): an ``Enum`` as its name;
+    a value ``yaml.safe_dump`` cannot write (a dtype, an object) is left out with Lightning's ``UserWarning``
+    ("Skipping '<name>' parameter ..."), so the file reads back with :func:`load_hparams_from_yaml` or
+    ``yaml.safe_load`` (Lightning writes some objects with Python tags instead). ``use_omegaconf``: Lightning's
+    argument, accepted (trainscale does not use OmegaConf).
+
+    Raises:
+        FileNotFoundError: the directory of ``config_yaml`` does not exist.
+    """
+    import enum
+    import warnings
+
+    import yaml
+
+    kept = {}
+    for name, value in (vars(hparams) if not isinstance(hparams, Mapping) else hparams).items():
+        value = value.name if isinstance(value, enum.Enum) else value
+        try:
+            yaml.safe_dump(value)
+        except yaml.YAMLError:
+            warnings.warn(f"Skipping '{name}' parameter because it is not possible to safely dump to YAML.",
+                          UserWarning, stacklevel=2)
+            continue
+        kept[name] = value
+    path = Path(config_yaml)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def load_hparams_from_yaml(config_yaml: str | os.PathLike, use_omegaconf: bool = True) -> dict[str, Any]:
+    """The hyperparameters in the YAML file ``config_yaml`` (``yaml.safe_load``), as Lightning's
+    ``load_hparams_from_yaml``: a missing file gives ``{}`` with Lightning's ``RuntimeWarning`` ("Missing Tags: ...").
+    ``use_omegaconf``: Lightning's argument, accepted; the result is always a plain dict."""
+    import warnings
+
+    import yaml
+
+    path = Path(config_yaml)
+    if not path.is_file():
+        warnings.warn(f"Missing Tags: {path}.", RuntimeWarning, stacklevel=2)
+        return {}
+    return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+
+
 class DummyExperiment:
     """``logger.experiment`` on a rank other than zero, where the Trainer sets no logger up: every method a
     no-op, as Lightning's ``DummyExperiment`` (``lightning.fabric.loggers.logger.rank_zero_experiment``), so that

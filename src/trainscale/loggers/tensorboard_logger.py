@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import numbers
 import os
+from argparse import Namespace
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainscale.loggers.base import check_save_dir, check_status, experiment_or_dummy, flatten, not_set_up, require
+from trainscale.loggers.base import (check_save_dir, check_status, experiment_or_dummy, flatten, not_set_up, require,
+                                     save_hparams_to_yaml)
 
 
 class TensorBoardLogger:
@@ -24,7 +26,10 @@ class TensorBoardLogger:
     Hyperparameters are flattened (``{"optim": {"lr": 0.1}}`` -> ``optim/lr``); numbers are written as
     numbers, None is left out, other values as strings. They are written into the run's own event file,
     as Lightning's TensorBoardLogger does, not into a sub-run as ``SummaryWriter.add_hparams`` would.
-    View with ``tensorboard --logdir runs``.
+    As Lightning's, the hyperparameters logged so far are also kept in :attr:`hparams` and written, nested, to
+    ``<log_dir>/hparams.yaml`` (:attr:`NAME_HPARAMS_FILE`; read it back with ``load_hparams_from_yaml``), rewritten at
+    each ``log_hyperparams`` call (``trainscale.loggers.save_hparams_to_yaml``: an Enum as its name; a value YAML cannot
+    hold is skipped with Lightning's warning). View with ``tensorboard --logdir runs``.
 
     The Trainer calls a logger on rank zero only (see :class:`trainscale.loggers.Logger`).
 
@@ -39,6 +44,8 @@ class TensorBoardLogger:
         ValueError: a ``save_dir`` that is a file or cannot be written.
     """
 
+    NAME_HPARAMS_FILE = "hparams.yaml"  # Lightning's: the hyperparameters' file in log_dir
+
     def __init__(self, save_dir: str | os.PathLike | None = None, flush_secs: float = 10.0,
                  max_queue: int = 1000) -> None:
         require("TensorBoardLogger", "tensorboard", "tensorboard")
@@ -46,6 +53,7 @@ class TensorBoardLogger:
         check_save_dir("TensorBoardLogger", self.save_dir)
         self.flush_secs, self.max_queue = flush_secs, max_queue
         self.log_dir: Path | None = None
+        self.hparams: dict[str, Any] = {}  # every hyperparameter logged so far (Lightning's attribute)
         self._writer: Any = None  # the SummaryWriter, after setup
 
     @property
@@ -60,10 +68,20 @@ class TensorBoardLogger:
 
         self._writer = SummaryWriter(log_dir=str(self.log_dir), max_queue=self.max_queue, flush_secs=self.flush_secs)
 
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+    def log_hyperparams(self, params: Mapping[str, Any] | Namespace) -> None:
+        """Write ``params`` (a dict, or an ``argparse.Namespace`` as in Lightning) to the HParams tab and, merged
+        with those logged before, to ``hparams.yaml``.
+
+        Raises:
+            RuntimeError: called before :meth:`setup` (on rank zero).
+        """
         from torch.utils.tensorboard.summary import hparams
 
         writer = self.experiment
+        params = vars(params) if isinstance(params, Namespace) else params
+        self.hparams.update(params)
+        if self._writer is not None:  # set up here (not another rank's no-op experiment)
+            save_hparams_to_yaml(self.log_dir / self.NAME_HPARAMS_FILE, self.hparams)
         flat = {k: _hparam_value(v) for k, v in flatten(dict(params), sep="/").items()}
         for summary in hparams(flat, {}):  # experiment, session start, session end
             writer.file_writer.add_summary(summary)

@@ -30,11 +30,11 @@ class MetricsProcessor:
             ``take_step_values`` all-reduces those logged with ``sync_dist=True``.
         run_dir: the run directory on the rank that writes (rank zero); None on the others and under
             ``fast_dev_run``, which take part in the reductions and write nothing.
-        loggers: set up here with ``hparams``; one whose setup raises ``ConnectionError`` (its server out of
-            reach) is dropped with a warning.
+        loggers: set up here, then given ``hparams`` (none when it is None); one whose setup raises
+            ``ConnectionError`` (its server out of reach) is dropped with a warning.
     """
 
-    def __init__(self, telemetry: Any, collector: Any, run_dir: Path | None, loggers: list, hparams: dict) -> None:
+    def __init__(self, telemetry: Any, collector: Any, run_dir: Path | None, loggers: list, hparams: dict | None) -> None:
         self.telemetry, self.collector = telemetry, collector
         self.jsonl = JsonlSink(run_dir / "metrics.jsonl") if run_dir is not None else None
         self.loggers = []
@@ -45,7 +45,8 @@ class MetricsProcessor:
                 warnings.warn(f"{err}; this run trains without {type(lg).__name__} (its metrics are in "
                               f"{run_dir}/metrics.jsonl)", RuntimeWarning, stacklevel=2)
                 continue
-            lg.log_hyperparams(hparams)
+            if hparams is not None:
+                lg.log_hyperparams(hparams)
             self.loggers.append(lg)
 
     def reduce_across_ranks(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor | None,

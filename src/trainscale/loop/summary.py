@@ -36,23 +36,26 @@ def run_summary(trainer: Trainer, global_batch: int, resumed_from: Path | None, 
         "resumed_from": str(resumed_from) if resumed_from is not None else None,
         "restart_count": rt.world.restart_count, "nonfinite_skipped": nonfinite_skipped,
         "checkpoints": trainer.checkpoints.summary(),  # this rank's save stalls and background write seconds
-        "lr_scaling": trainer.batch_scaling.summary(),
+        "lr_scaling": trainer.batch_scaling.summary(), "flags": trainer_flags(trainer),
     }
 
 
-def hyperparams(trainer: Trainer, model: Any) -> dict:
-    """What the loggers record as the run's hyperparameters: the Trainer's flags, the world, the global batch
-    size and the LR scaling factor (1.0 without ``lr_scaling``), then the ``hparams`` (``save_hyperparameters()``)
-    of the model and of ``trainer.datamodule``, whose names win.
+def hyperparams(trainer: Trainer, model: Any) -> dict | None:
+    """What the loggers record as the run's hyperparameters, as Lightning: those the model and
+    ``trainer.datamodule`` saved (``save_hyperparameters()``), as first saved; None when neither saved any (the
+    loggers then get no ``log_hyperparams`` call). The Trainer's own flags are in ``summary.json`` ("flags").
 
     Raises:
         RuntimeError: the model and the data module hold one name with different values (``merged_hparams``).
     """
-    rt, cfg = trainer.runtime, trainer.config
-    return {**dataclasses.asdict(cfg), "default_root_dir": str(cfg.default_root_dir), "strategy": rt.config.strategy,
-            "precision": rt.config.precision, "world_size": rt.world_size, "model": type(model).__name__,
-            "global_batch_size": trainer.global_batch_size, "lr_scale_factor": trainer.batch_scaling.factor,
-            **merged_hparams(model, trainer.datamodule)}
+    return merged_hparams(model, trainer.datamodule)
+
+
+def trainer_flags(trainer: Trainer) -> dict:
+    """The Trainer's flags as ``summary.json`` keeps them: JSON's own types as they are, other values
+    (``default_root_dir``, ``max_time``, ...) as their ``str``."""
+    return {k: v if isinstance(v, (type(None), bool, int, float, str)) else str(v)
+            for k, v in dataclasses.asdict(trainer.config).items()}
 
 
 def pipeline_summary(runtime: Runtime, module: Any) -> dict | None:

@@ -391,7 +391,7 @@ class Trainer:
     def fit(self, model: nn.Module, train_dataloaders: torch.utils.data.DataLoader | None = None,
             val_dataloaders: torch.utils.data.DataLoader | None = None, *, loss_fn: Callable | None = None,
             optimizer: Callable | torch.optim.Optimizer | None = None, ckpt_path: str | Path | None = None,
-            ckpt_verify: bool = True, datamodule: Any = None) -> dict:
+            ckpt_verify: bool = True, datamodule: Any = None, weights_only: bool | None = None) -> dict:
         """Train ``model``; validate and checkpoint at each epoch end (or as ``val_check_interval``,
         ``check_val_every_n_epoch`` and the ``ModelCheckpoint`` say). Returns the run summary (``summary.json``).
 
@@ -405,7 +405,9 @@ class Trainer:
         run's newest checkpoint continues its directory, any other starts a new ``version_N``. After a
         torchrun restart or a SLURM requeue, None resumes this job's "last". ``ckpt_verify=False`` loads a
         checkpoint whose ``.sha256`` is missing (refused by default). Under "ddp_spawn"/"ddp_notebook" the body
-        runs in processes started here and rank 0's weights are loaded back into ``model``.
+        runs in processes started here and rank 0's weights are loaded back into ``model``. ``weights_only``
+        (Lightning's, also of ``validate``/``test``/``predict``): accepted; a checkpoint is always read with
+        ``torch.load(weights_only=True)``, which every trainscale checkpoint allows.
 
         Raises:
             FileNotFoundError / CheckpointError: a missing or corrupted ``ckpt_path``.
@@ -525,7 +527,8 @@ class Trainer:
         telemetry.attach(wrapped)  # its parameter count and declared FLOPs per token, for MFU
         if self.config.enable_telemetry and rt.world_size > 1:  # DDP's gradient all-reduce, timed by a comm hook
             telemetry.comm_timed = rt.strategy.time_allreduce(wrapped, telemetry.clock, telemetry.record_comm)
-        self._fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, telemetry)
+        self._fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, telemetry,
+                           datamodule=self.datamodule)
         return self._fit
 
     def _distribute_loaders(self, model, loop_module, train_dataloaders, val_dataloaders) -> tuple[Any, Any]:
@@ -926,7 +929,8 @@ class Trainer:
     # -- evaluation ----------------------------------------------------------------------------------
     def validate(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
                  loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
-                 datamodule: Any = None, verbose: bool = True) -> list[dict[str, float]]:
+                 datamodule: Any = None, verbose: bool = True,
+                 weights_only: bool | None = None) -> list[dict[str, float]]:
         """Evaluate ``model`` across all ranks, each sample counted once. Returns Lightning's list of one dict per
         loader (one loader here): ``[{"val_loss": ..., "val_accuracy": ...}]`` (or ``validation_step``'s keys prefixed
         ``val_``, and what it logged), sample-weighted means; ``trainer.validate(...)[0]["val_loss"]``. ``ckpt_path``:
@@ -943,13 +947,15 @@ class Trainer:
 
     def test(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
              loss_fn: Callable | None = None, ckpt_path: str | Path | None = None,
-             datamodule: Any = None, verbose: bool = True) -> list[dict[str, float]]:
+             datamodule: Any = None, verbose: bool = True,
+             weights_only: bool | None = None) -> list[dict[str, float]]:
         """As :meth:`validate`, with ``test_step``, ``test_dataloader()`` and the prefix ``test_``."""
         return self._run_eval("test", model, dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path, datamodule=datamodule,
                               verbose=verbose)
 
     def predict(self, model: nn.Module | None = None, dataloaders: torch.utils.data.DataLoader | None = None, *,
-                ckpt_path: str | Path | None = None, datamodule: Any = None, return_predictions: bool | None = None) -> Any:
+                ckpt_path: str | Path | None = None, datamodule: Any = None, return_predictions: bool | None = None,
+                weights_only: bool | None = None) -> Any:
         """``predict_step(batch, batch_idx)`` (or the model's output) for every sample, from all ranks in dataset order,
         each sample once: for a module with ``predict_step``/``training_step``, Lightning's list of per-batch outputs;
         for a plain model one tensor of shape (N, ...) when the outputs are tensors (``evaluation.predict``);
