@@ -53,11 +53,14 @@ def _ray_worker(config: dict) -> None:
 def train_with_ray(out: str, root: str) -> None:
     """Ray Train starts 2 CPU workers and creates their gloo process group before ``train`` runs."""
     import ray
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
-    ray.init(num_cpus=2, include_dashboard=False)
+    # Ray's daemons start while this process imports Ray Train. No idle workers started ahead for this driver (Ray
+    # starts one per CPU by default): Ray Train's actors and workers get workers of their own anyway.
+    ray.init(num_cpus=2, include_dashboard=False, _system_config={"prestart_worker_first_driver": False})
     try:
+        from ray.train import RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
         TorchTrainer(_ray_worker, train_loop_config={"out": out, "root": root},
                      scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
                      run_config=RunConfig(storage_path=f"{root}/ray")).fit()

@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from trainscale.plan import comm
-from trainscale.plan.memory import _fake_batch, _fake_copy, _fake_mode
+from trainscale.plan.memory import _fake_batch, _fake_copy, _fake_mode, meta_copy
 
 
 def schedule_used(schedule: str, microbatches: int, stages: int) -> str:
@@ -68,11 +68,17 @@ def _total(tracker, kind: str) -> int:
 
 def _stage_copy(meta, names: list, stage: int, precision: str, ac: tuple):
     """Inside ``FakeTensorMode``: stage ``stage`` of a fake copy of ``meta``, cut as the pp strategy cuts it
-    (activation checkpointing applied to the whole model first, as the Runtime does before the strategy)."""
+    (activation checkpointing applied to the whole model first, as the Runtime does before the strategy). The cut
+    is made on a meta copy, so that only the stage's own parameters become fake tensors (making those of the whole
+    model for every stage took most of a GPT plan's pp rows)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     from trainscale.runtime.apply import apply_activation_checkpointing
     from trainscale.runtime.strategies.apply_pp import keep_stage
 
-    return keep_stage(apply_activation_checkpointing(_fake_copy(meta, precision), ac), names[stage])
+    with unset_fake_temporarily():
+        cut = keep_stage(apply_activation_checkpointing(meta_copy(meta), ac), names[stage])
+    return _fake_copy(cut, precision)
 
 
 def boundaries(meta, sample: tuple, micro_batch: int, stages: int, precision: str = "32-true",
