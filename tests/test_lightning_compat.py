@@ -1752,3 +1752,251 @@ def test_trainer_model_and_lightning_module_are_the_module_in_its_hooks_and_afte
     module = Probe()
     trainer.fit(module, _loader())
     assert seen == [(True, True, True)] and trainer.model is module
+# -- on_exception in every stage, the Trainer's own errors and pickling ---------------------------------------------
+class _Counts(Callback):
+    def __init__(self):
+        self.errors: list[str] = []
+
+    def on_exception(self, trainer, module, exception):
+        self.errors.append(str(exception))
+
+
+class _FailsIn(Probe):
+    """Raises in the start hook of the stage named ``stage``."""
+
+    def __init__(self, stage):
+        super().__init__()
+        self.stage = stage
+
+    def on_validation_start(self):
+        if self.stage == "validation":
+            raise RuntimeError("broken validation")
+
+    def on_test_start(self):
+        raise RuntimeError("broken test")
+
+    def test_step(self, batch, batch_idx):
+        return None
+
+    def on_predict_start(self):
+        raise RuntimeError("broken predict")
+
+
+class _NotedData(trainscale.DataModule):
+    def __init__(self):
+        self.noted: list[str] = []
+
+    def val_dataloader(self):
+        return _loader()
+
+    def on_exception(self, exception):
+        self.noted.append(str(exception))
+
+
+@pytest.mark.timeout(60)
+def test_on_exception_is_called_when_validate_test_or_predict_raise(tmp_path):
+    counts, data = _Counts(), _NotedData()
+    trainer = _trainer(tmp_path, callbacks=[counts])
+    with pytest.raises(RuntimeError, match="broken test"):
+        trainer.test(_FailsIn("test"), _loader(), verbose=False)
+    with pytest.raises(RuntimeError, match="broken predict"):
+        trainer.predict(_FailsIn("predict"), _loader())
+    with pytest.raises(RuntimeError, match="broken validation"):
+        trainer.validate(_FailsIn("validation"), datamodule=data, verbose=False)
+    assert counts.errors == ["broken test", "broken predict", "broken validation"]
+    assert data.noted == ["broken validation"]  # the data module's hook too, as Lightning's _interrupt calls it
+
+
+def test_an_unknown_trainer_keyword_is_pythons_type_error_for_a_subclass_too():
+    class Custom(Trainer):
+        def __init__(self, **kwargs):
+            self.extra = kwargs.pop("extra", 0)
+            super().__init__(**kwargs)
+
+    with pytest.raises(TypeError, match=r"__init__\(\) got an unexpected keyword argument 'abcdefg'"):
+        Custom(extra=1, abcdefg=2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_epoch'; did you mean 'max_epochs'"):
+        Trainer(max_epoch=2)
+
+
+def test_a_trainer_pickles_before_fit(tmp_path):
+    import pickle
+
+    trainer = pickle.loads(pickle.dumps(_trainer(tmp_path, max_epochs=3, lr_scaling="linear", base_batch_size=4)))
+    assert trainer.max_epochs == 3 and trainer.batch_scaling.rule == "linear"
+
+
+# -- the module's step hooks: backward, optimizer_step, optimizer_zero_grad, configure_gradient_clipping ------------
+class _StepHooks(Probe):
+    """Overrides Lightning's step hooks, each calling the default, and notes what each sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.noted: list[tuple] = []
+
+    def backward(self, loss, *args, **kwargs):
+        self.noted.append(("backward", float(loss)))
+        super().backward(loss, *args, **kwargs)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        before = self.layer.weight.detach().clone()
+        assert self.layer.weight.grad is not None  # the step's backward ran already (Lightning: in the closure)
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self.noted.append(("optimizer_step", epoch, batch_idx, not torch.equal(before, self.layer.weight)))
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        self.noted.append(("optimizer_zero_grad", epoch, batch_idx))
+        super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        largest = max(float(p.grad.abs().max()) for p in self.parameters())
+        self.noted.append(("clip", gradient_clip_val, gradient_clip_algorithm, largest))
+
+
+@pytest.mark.timeout(60)
+def test_the_modules_step_hooks_run_once_per_optimizer_step_around_the_step(tmp_path):
+    model = _StepHooks()
+    trainer = _trainer(tmp_path, max_epochs=1, accumulate_grad_batches=2, gradient_clip_val=1e-6,
+                       gradient_clip_algorithm="value", num_sanity_val_steps=0)
+    trainer.fit(model, _loader(8))  # 4 micro-batches, 2 optimizer steps
+    names = [n[0] for n in model.noted]
+    assert names == ["backward", "backward", "clip", "optimizer_step", "optimizer_zero_grad"] * 2
+    steps = [n for n in model.noted if n[0] == "optimizer_step"]
+    assert steps == [("optimizer_step", 0, 1, True), ("optimizer_step", 0, 3, True)]  # the step's last batch_idx
+    clips = [n for n in model.noted if n[0] == "clip"]
+    assert all(c[1:3] == (1e-6, "value") and c[3] <= 1e-6 for c in clips)  # the default clipped, by value
+    assert trainer.global_step == 2
+
+
+class _SkipsOddSteps(Probe):
+    """Lightning's pattern for a step taken only sometimes: the closure always, the step every other time."""
+
+    def __init__(self):
+        super().__init__()
+        self.closure_results: list[float] = []
+        self.moved: list[bool] = []
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        before = self.layer.weight.detach().clone()
+        if batch_idx % 2 == 0:
+            optimizer.step(closure=optimizer_closure)
+        else:
+            self.closure_results.append(float(optimizer_closure()))
+        self.moved.append(not torch.equal(before, self.layer.weight))
+
+
+@pytest.mark.timeout(60)
+def test_an_optimizer_step_hook_may_skip_the_step(tmp_path):
+    model = _SkipsOddSteps()
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(model, _loader(8, batch_size=2))
+    assert model.moved == [True, False, True, False]
+    assert len(model.closure_results) == 2 and all(r > 0 for r in model.closure_results)  # the closure: the loss
+    assert trainer.global_step == 4  # a skipped step counts, as Lightning counts it
+
+
+def test_clip_gradients_refuses_a_value_other_than_the_trainers(tmp_path):
+    model = Probe()
+    model.trainer = _trainer(tmp_path, gradient_clip_val=0.5)
+    with pytest.raises(ValueError, match=r"Trainer\(gradient_clip_val=0.5\)` and have passed `clip_gradients\("
+                                         r"gradient_clip_val=0.1\)`. Please use only one of them"):
+        model.clip_gradients(torch.optim.SGD(model.parameters(), lr=0.1), gradient_clip_val=0.1)
+
+
+# -- manual optimization: the optimizer's step gets the closure and the keywords ------------------------------------
+class _NotingSGD(torch.optim.SGD):
+    def __init__(self, params, noted):
+        super().__init__(params, lr=0.1)
+        self.noted = noted
+
+    def step(self, closure=None, **kwargs):
+        self.noted.append(sorted(kwargs))
+        return super().step(closure)
+
+
+class _ManualLBFGS(TrainingModule):
+    """Fits y = 3x with L-BFGS, whose step calls the closure several times (Lightning's manual pattern)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.w = nn.Parameter(torch.zeros(1))
+        self.other = nn.Parameter(torch.zeros(1))  # the second optimizer's, never given a gradient
+        self.closure_calls = 0
+        self.noted: list = []
+
+    def training_step(self, batch, batch_idx):
+        lbfgs, noting = self.optimizers()
+        x = batch[0][:, :1]
+
+        def closure():
+            self.closure_calls += 1
+            lbfgs.zero_grad()
+            loss = (x * self.w - 3 * x).pow(2).mean()
+            self.manual_backward(loss)
+            return loss
+
+        loss = lbfgs.step(closure=closure)
+        noting.step(closure=lambda: None, tag="sgd")  # keywords go to the optimizer's step
+        return loss
+
+    def configure_optimizers(self):
+        return [torch.optim.LBFGS([self.w], lr=1, max_iter=20), _NotingSGD([self.other], self.noted)]
+
+
+@pytest.mark.timeout(60)
+def test_a_manual_optimizers_step_hands_the_closure_and_keywords_to_the_optimizer(tmp_path):
+    model = _ManualLBFGS()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "_NotingSGD.step.. on rank 0 with no gradients")
+        _trainer(tmp_path, max_steps=2, num_sanity_val_steps=0).fit(model, _loader(4, batch_size=4))
+    assert model.closure_calls > 2  # L-BFGS called it several times within one step
+    assert abs(float(model.w) - 3.0) < 1e-3
+    assert model.noted == [["tag"]]
+
+
+class _StopsEveryEpoch(Callback):
+    def on_train_epoch_end(self, trainer, module):
+        trainer.should_stop = True
+
+
+@pytest.mark.timeout(60)
+def test_min_epochs_holding_a_stop_back_is_said_once(tmp_path, caplog):
+    import logging
+
+    trainer = _trainer(tmp_path, max_epochs=10, min_epochs=3, num_sanity_val_steps=0, callbacks=[_StopsEveryEpoch()])
+    with caplog.at_level(logging.INFO, logger="trainscale.loop.trainer"):
+        trainer.fit(Probe(), _loader(4))
+    assert trainer.current_epoch == 3
+    said = [r.message for r in caplog.records if "has not been met" in r.message]
+    assert said == ["Trainer was signaled to stop but the required `min_epochs=3` or `min_steps=None` has not been "
+                    "met. Training will continue..."]
+
+
+class _RandomData(Probe):
+    """Draws its training and validation sets from the random state, as Lightning's BoringModel does."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked: list[str] = []
+
+    def train_dataloader(self):
+        self.asked.append("train")
+        return DataLoader(TensorDataset(torch.randn(4, 2), torch.zeros(4)), batch_size=2)
+
+    def val_dataloader(self):
+        self.asked.append("val")
+        return DataLoader(TensorDataset(torch.randn(4, 2), torch.zeros(4)), batch_size=2)
+
+
+@pytest.mark.timeout(60)
+def test_fit_asks_for_the_validation_loader_first_with_the_random_state_put_back(tmp_path):
+    model = _RandomData()
+    trainer = _trainer(tmp_path, max_epochs=1)
+    trainer.fit(model)
+    assert model.asked == ["val", "train"]  # Lightning's order (its sanity check asks for validation data first)
+    from trainscale.lightning.data_sources import resolve_fit_loaders
+
+    train, val = resolve_fit_loaders(trainer.runtime, _RandomData(), None, None, None)
+    assert torch.equal(train.dataset.tensors[0], val.dataset.tensors[0])  # both drawn from the same random state

@@ -24,7 +24,7 @@ class Callback:
     in ``trainer.callback_metrics``; a callback with ``monitors_metrics`` runs after the module's hook, so it
     sees what the module logged there) → ``on_train_end`` → ``on_fit_end``. ``validate``/``test``/``predict``
     call the ``on_validation_*``/``on_test_*``/``on_predict_*`` hooks. ``on_save_checkpoint``/
-    ``on_load_checkpoint`` see the checkpoint dict; ``on_exception`` sees what ``fit`` raised.
+    ``on_load_checkpoint`` see the checkpoint dict; ``on_exception`` sees what ``fit``, ``validate``, ``test`` or ``predict`` raised.
     ``state_dict``/``load_state_dict`` are saved in every checkpoint under ``state_key`` and restored on resume
     (a callback with state that may be used twice in one Trainer builds a key from the arguments that tell its
     instances apart, with :meth:`_generate_state_key`, as Lightning's ``EarlyStopping`` and ``ModelCheckpoint``).

@@ -320,7 +320,8 @@ class ModelCheckpoint(Callback):
 
     def on_exception(self, trainer: "Trainer", module: Any, exception: BaseException) -> None:
         """With ``save_on_exception``: when ``fit`` ends in an exception, a checkpoint of the state at that moment
-        (Lightning's ``on_exception``), named by the template (``epoch=E-step=S.ckpt`` by default), which "last" and
+        (Lightning's ``on_exception``; not when ``validate``/``test``/``predict`` raise, where the fit's run directory
+        is no longer this Trainer's), named by the template (``epoch=E-step=S.ckpt`` by default), which "last" and
         the save_last link then name, so ``fit(ckpt_path="last")`` resumes from it. Not ranked, so no later save
         prunes it. Skipped where Lightning skips it (``fast_dev_run``, the sanity check, no step taken, a save of
         this callback at this step) and where a checkpoint of this step was just written (the one a signal writes
@@ -332,7 +333,7 @@ class ModelCheckpoint(Callback):
         collective, and one that cannot finish (a rank that died: a ``CollectiveTimeout``) is a warning; ``fit``
         raises the original exception either way."""
         if (not self.save_on_exception or self._directory is None or not trainer.config.writes_files
-                or trainer.sanity_checking or trainer.global_step in (0, self._saved_step)
+                or not trainer.fitting or trainer.sanity_checking or trainer.global_step in (0, self._saved_step)
                 or trainer.checkpoints.saved_step == trainer.global_step):
             return
         try:

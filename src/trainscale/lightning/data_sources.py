@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from trainscale.checkpointing.rng import rng_state, set_rng_state
 from trainscale.lightning.hparams import HyperparametersMixin, checkpoint_init_kwargs
 
 if TYPE_CHECKING:
@@ -66,8 +67,9 @@ def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, data
     """The stage's loaders: ``(train, val or None)`` for "fit", ``(loader, None)`` for "validate", "test" and
     "predict". ``loaders`` when given (a data module passed there counts as ``datamodule``, as Lightning allows);
     else the hooks of ``datamodule`` or, without one, of the model: ``prepare_data()`` on each node's local rank
-    0 then a barrier, ``setup(stage)`` on every rank, then ``train_dataloader()`` (and ``val_dataloader()`` if
-    defined; None or ``[]`` from it: no validation) or the stage's hook (Lightning's ``DataHooks``).
+    0 then a barrier, ``setup(stage)`` on every rank, then ``val_dataloader()`` if defined (None or ``[]`` from it:
+    no validation) and ``train_dataloader()`` with the random state as before the first (Lightning's order: two
+    data sets drawn alike from the random state are the same), or the stage's hook (Lightning's ``DataHooks``).
 
     Raises:
         ValueError: both ``loaders`` and ``datamodule``; neither, and the model has no such hook (named with the
@@ -81,8 +83,14 @@ def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, data
         return (loaders if stage == "fit" else one_loader(loaders, stage)), None
     source = _source(stage, model, datamodule)
     _prepare(runtime, source, stage)
-    main = getattr(source, LOADER_HOOKS[stage])()
-    return (main if stage == "fit" else one_loader(main, stage)), (_hooked_val(source) if stage == "fit" else None)
+    if stage != "fit":
+        return one_loader(getattr(source, LOADER_HOOKS[stage])(), stage), None
+    # Lightning's order: val_dataloader() first (its sanity check asks for it, with the random state put back after
+    # it), then train_dataloader(), which so sees the random state either would see alone
+    saved = rng_state()
+    val = _hooked_val(source)
+    set_rng_state(saved)
+    return source.train_dataloader(), val
 
 
 def _hooked_val(source: Any) -> Any:

@@ -264,16 +264,58 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         agreement = trainer.manual_optimizers[0].agreement if trainer.manual_optimizers else None
         if agreement is not None:  # fsdp on several ranks: every rank's backward reduce-scatters together
             agreement.before_backward()
-        trainer.runtime.backward(loss)
+        trainer.runtime.precision.backward(loss, self.backward)  # the backward hook, as Lightning's strategy calls it
         trainer._hook("on_after_backward")
 
-    def clip_gradients(self, optimizer: Any, gradient_clip_val: float,
-                       gradient_clip_algorithm: str = "norm") -> torch.Tensor | None:
+    def clip_gradients(self, optimizer: Any, gradient_clip_val: float | None = None,
+                       gradient_clip_algorithm: str | None = None) -> torch.Tensor | None:
         """Clip the gradients of ``optimizer``'s parameters (Lightning's ``self.clip_gradients``), after
-        the ranks' gradients are averaged; by their total norm over all shards under fsdp. Returns the
-        norm before clipping (a 0-d tensor), None for ``"value"``
-        (``trainscale.lightning.optimizers.ManualOptimizer.clip_gradients``; raises ValueError on a bad value)."""
-        return optimizer.clip_gradients(gradient_clip_val, gradient_clip_algorithm)
+        the ranks' gradients are averaged; by their total norm over all shards under fsdp. None for either argument:
+        the Trainer's ``gradient_clip_val`` (none: no clipping) / ``gradient_clip_algorithm``, as Lightning. Under
+        manual optimization ``optimizer`` is one of ``self.optimizers()``
+        (``trainscale.lightning.optimizers.ManualOptimizer.clip_gradients``); under automatic optimization the one
+        ``configure_gradient_clipping`` receives. Returns the norm before clipping (a 0-d tensor), None for
+        ``"value"`` or without a value.
+
+        Raises:
+            ValueError: a value other than the Trainer's where both are set (Lightning's "Please use only one of
+                them"), or a bad value."""
+        val, algorithm = _clip_settings(self.trainer.config, gradient_clip_val, gradient_clip_algorithm)
+        if val is None:
+            return None
+        if hasattr(optimizer, "clip_gradients"):  # a ManualOptimizer: averages the ranks' gradients first
+            return optimizer.clip_gradients(val, algorithm)
+        return self.trainer.clip_gradients(optimizer, val, algorithm)
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Lightning's hook, under automatic optimization, before each optimizer step (after
+        ``on_before_optimizer_step``, on unscaled gradients) with the Trainer's ``gradient_clip_val`` and
+        ``gradient_clip_algorithm``: :meth:`clip_gradients` with them. Override it to clip your own way."""
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Lightning's hook: the backward of the training loss (÷ ``accumulate_grad_batches``, × the loss scale under
+        "16-mixed"), between ``on_before_backward`` and ``on_after_backward``; also what :meth:`manual_backward`
+        calls. ``loss.backward(*args, **kwargs)``; override it to change the backward."""
+        loss.backward(*args, **kwargs)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any,
+                       optimizer_closure: Callable[[], Any] | None = None) -> None:
+        """Lightning's hook, under automatic optimization, once per optimizer step (``batch_idx``: the step's last
+        micro-batch): ``optimizer.step(closure=optimizer_closure)``. Override it to act around the step (a
+        learning-rate warm-up) or to skip it. The closure runs ``on_before_optimizer_step`` and
+        ``configure_gradient_clipping`` and returns the loss; call it, as Lightning requires. One difference: the
+        step's forward and backward ran before this hook (Lightning runs them inside the closure, so an optimizer
+        that calls its closure several times, such as L-BFGS, is not supported); ``optimizer.step(...)``: the
+        Trainer's step (``lightning.optimizers.StepOptimizer``)."""
+        optimizer.step(closure=optimizer_closure)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        """Lightning's hook, under automatic optimization, after ``on_before_zero_grad``: ``optimizer.zero_grad()``.
+        trainscale calls it right after each optimizer step (Lightning: before the next step's first backward)."""
+        optimizer.zero_grad()
 
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Freeze the parameters ``optimizer`` does not own until :meth:`untoggle_optimizer`."""
@@ -289,6 +331,40 @@ def _no_hook(self, *args: Any) -> None:
 
 for _name in MODULE_HOOKS:
     setattr(TrainingModule, _name, _no_hook)
+
+# Lightning's hooks that do the step's work, with a default that does it (TrainingModule's methods); the Trainer
+# calls a module's own instead of its default (``step_hooks``)
+STEP_HOOKS = ("backward", "optimizer_step", "optimizer_zero_grad", "configure_gradient_clipping")
+
+
+def _clip_settings(config: Any, val: float | None, algorithm: str | None) -> tuple[float | None, str]:
+    """Lightning's rule for ``clip_gradients``' arguments: None takes the Trainer's flag; a value set both there and
+    here must agree. Returns ``(gradient_clip_val or None, algorithm)``.
+
+    Raises:
+        ValueError: the two values differ (Lightning's ``MisconfigurationException``).
+    """
+    flags = {"gradient_clip_val": config.gradient_clip_val,
+             # Lightning's flag defaults to None, trainscale's to "norm": it counts as set with a gradient_clip_val only
+             "gradient_clip_algorithm": (config.gradient_clip_algorithm if config.gradient_clip_val is not None
+                                         else None)}
+    for name, given in (("gradient_clip_val", val), ("gradient_clip_algorithm", algorithm)):
+        flag = flags[name]
+        if given is not None and flag is not None and given != flag:
+            raise ValueError(f"You have set `Trainer({name}={flag!r})` and have passed `clip_gradients({name}="
+                             f"{given!r})`. Please use only one of them.")
+    val = config.gradient_clip_val if val is None else val
+    return (val or None), (algorithm or config.gradient_clip_algorithm or "norm")
+
+
+def step_hooks(model: nn.Module) -> frozenset[str]:
+    """The names of :data:`STEP_HOOKS` that a Lightning-style ``model`` (one with ``training_step``) overrides: the
+    Trainer calls these; for the others it runs :class:`TrainingModule`'s default, the same, itself. A plain module's
+    methods of these names are not Lightning's hooks, and none are called."""
+    if getattr(model, "training_step", None) is None:
+        return frozenset()
+    own = {name: model.__dict__.get(name, getattr(type(model), name, None)) for name in STEP_HOOKS}
+    return frozenset(name for name, fn in own.items() if callable(fn) and fn is not getattr(TrainingModule, name))
 
 
 def defined_hooks(model: nn.Module) -> frozenset[str]:
@@ -381,6 +457,7 @@ class LoopModule(nn.Module):
         self.is_hf_model = hf.pretrained_model(model) is model  # transformers: dict batches go in as keywords
         self.use_loss_fn(loss_fn)
         self.hooks = defined_hooks(model)  # the Lightning hooks the Trainer calls on the model
+        self.step_hooks = step_hooks(model)  # the step hooks it overrides (backward, optimizer_step, ...)
         step = getattr(model, "training_step", None)
         self.has_training_step = step is not None
         self.step_takes_batch_idx = step is not None and _takes_batch_idx(step)

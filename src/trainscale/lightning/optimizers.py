@@ -285,6 +285,25 @@ class BackwardAgreement:
                                "to learn)")
 
 
+class StepOptimizer:
+    """The optimizer as a module's ``optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)`` receives it under
+    automatic optimization (Lightning's ``LightningOptimizer``): ``step(closure=None, **kwargs)`` runs the closure, then
+    the Trainer's step (``take_step(**kwargs)``: at the scaled lr, through the precision, unless the "skip" mode of
+    ``on_nonfinite`` skips it), and returns the closure's result; everything else is the optimizer's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, take_step: Callable[..., None]) -> None:
+        self.optimizer = optimizer
+        self._take_step = take_step
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["optimizer"], name)
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        result = closure() if closure is not None else None
+        self._take_step(**kwargs)
+        return result
+
+
 class ManualOptimizer:
     """An optimizer as ``TrainingModule.optimizers()`` hands it out under manual optimization.
 
@@ -360,24 +379,31 @@ class ManualOptimizer:
                                "opt.step(), whose gradient all-reduce needs every rank (backward a zero loss, e.g. "
                                "0 * loss, where a rank has nothing to learn)")
 
-    def step(self, closure: Any = None) -> None:
-        """Average the gradients over ranks (ddp), unscale them ("16-mixed"), run the ``on_before_optimizer_step``
-        hooks, then step at the scaled lr (closure: run first, as torch does)."""
-        if closure is not None:
-            with torch.enable_grad():
-                closure()
-        self._warn_if_no_gradients()
-        if self.agreement is not None:
-            self.agreement.before_update()
-        self._average_gradients()
-        self._rt.precision.unscale_gradients(self.optimizer)
-        self._before_step(self.optimizer)
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Lightning's ``LightningOptimizer.step``: ``optimizer.step(closure=..., **kwargs)`` at the scaled lr,
+        through the precision (``Precision.optimizer_step``), where the closure passed is yours (None: one that does
+        nothing) followed by what makes the gradients ready: averaged over the ranks (ddp), unscaled ("16-mixed"),
+        then the ``on_before_optimizer_step`` hooks (Lightning's ``_wrap_closure``). ``kwargs`` go to the optimizer's
+        ``step``. Returns what it returned (your closure's result)."""
+        def ready() -> Any:
+            if closure is not None:
+                self._averaged = False  # the closure's backward makes new gradients
+            result = closure() if closure is not None else None
+            self._warn_if_no_gradients()
+            if self.agreement is not None:
+                self.agreement.before_update()
+            self._average_gradients()
+            self._rt.precision.unscale_gradients(self.optimizer)
+            self._before_step(self.optimizer)
+            return result
+
         with self._scaled_lr(self.optimizer):
-            self._rt.step(self.optimizer)
+            result = self._rt.precision.optimizer_step(self.optimizer, ready, **kwargs)
         self._averaged = False
         if self.agreement is not None:
             self.agreement.after_step()
         self._steps += 1
+        return result
 
     def take_steps(self) -> int:
         """The optimizer steps taken since the last call (the Trainer adds them to ``global_step``)."""

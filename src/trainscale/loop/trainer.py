@@ -9,7 +9,9 @@ size 1 (docs/architecture.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import logging
 import math
 import os
 import time
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 
 from trainscale.callbacks import Callback, ModelCheckpoint, ModelSummary, TQDMProgressBar, resolve_callbacks
-from trainscale.callbacks.base import HOOKS, overridden_hooks
+from trainscale.callbacks.base import HOOKS, log_info, overridden_hooks
 from trainscale.loggers import resolve_loggers
 from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, PipelineScheduleFlag, PrecisionFlag,
                                       StrategyFlag, names_closest_flag)
@@ -42,7 +44,7 @@ from trainscale.loop.config import TrainerConfig, resolve_trainer_config, say_on
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
 from trainscale.lightning.module import attach_trainer, defined_hooks, set_up_model
-from trainscale.lightning.optimizers import ManualOptimizer, step_schedulers
+from trainscale.lightning.optimizers import ManualOptimizer, StepOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
 from trainscale.loop.records import MetricsProcessor, epoch_label, epoch_line, epoch_record, run_header
 from trainscale.loop.spawned import run_spawned
@@ -52,6 +54,9 @@ from trainscale.lightning.optimizer_setup import build_optimizers
 from trainscale.checkpointing.train_state import ResumePoint, TrainState
 from trainscale.profilers import Profiler, resolve_profiler
 from trainscale.loop.state import EpochLoss, FitRun, MicroBatch, MicroBatchBooks, epoch_batches, micro_batches
+
+
+_log = logging.getLogger(__name__)  # Lightning's notes at INFO (log_info: printed where logging shows no INFO)
 
 
 class Trainer:
@@ -416,9 +421,10 @@ class Trainer:
             trainscale.faults.tolerance.NonFiniteLossError, trainscale.faults.tolerance.Preempted: docs/fault-tolerance.md.
         """
         if self.runtime.spawns:
-            return run_spawned(self, "fit", model, train_dataloaders=train_dataloaders,
-                               val_dataloaders=val_dataloaders, loss_fn=loss_fn, optimizer=optimizer,
-                               ckpt_path=ckpt_path, ckpt_verify=ckpt_verify, datamodule=datamodule)
+            with self._on_exception():  # the ranks' error, raised here: this process's callbacks hear of it too
+                return run_spawned(self, "fit", model, train_dataloaders=train_dataloaders,
+                                   val_dataloaders=val_dataloaders, loss_fn=loss_fn, optimizer=optimizer,
+                                   ckpt_path=ckpt_path, ckpt_verify=ckpt_verify, datamodule=datamodule)
         attach_trainer(model, self)  # self.trainer inside the module's setup(stage), as Lightning
         self.datamodule = datamodule
         reload = fit_loader_hooks(model, train_dataloaders, val_dataloaders, datamodule)
@@ -437,6 +443,8 @@ class Trainer:
         except BaseException as err:
             self.state.status = "interrupted"
             self._hook("on_exception", err)
+            if callable(hook := getattr(datamodule, "on_exception", None)):  # Lightning's _interrupt calls it too
+                hook(err)
             explained = explain_batch_error(err) or self._faults.diagnose(
                 err, f"at epoch {self.current_epoch}, step {self.global_step}")
             if explained is None:
@@ -468,7 +476,8 @@ class Trainer:
         _warn_eval_mode(fit.model)  # it trains in the modes it comes in, as Lightning (a frozen part keeps eval mode)
         point = self._load(resume_from, verify) if resume_from is not None else None
         fit.loaded_epoch = point.next_epoch if point else 0
-        global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers, lambda: self.state.global_step)
+        global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers,
+                                                 functools.partial(getattr, self, "global_step"))  # picklable
         if cfg.writes_files:  # fast_dev_run: no run directory, records, loggers or checkpoints
             self.run_dir, self._run_lock = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)  # held by fit
             self._faults.start(self.run_dir)
@@ -502,8 +511,21 @@ class Trainer:
         """Whether ``fit`` ends before epoch ``epoch`` (0-based): ``max_epochs`` trained, ``max_steps`` reached, or a
         stop asked by a callback once ``min_epochs``/``min_steps`` are met (Lightning's ``_FitLoop.done``)."""
         cfg = self.config
-        return (epoch >= cfg.epoch_limit or self.state.global_step >= cfg.step_limit
-                or (self.should_stop and cfg.can_stop(epoch, self.global_step)))
+        return epoch >= cfg.epoch_limit or self.state.global_step >= cfg.step_limit or self._stop_now(epoch)
+
+    def _stop_now(self, epochs_done: int) -> bool:
+        """Whether a stop asked by a callback (``should_stop``) may happen now, after ``epochs_done`` epochs: when
+        ``min_epochs``/``min_steps`` hold it back, Lightning's note says so, once per fit (INFO, rank zero)."""
+        if not self.should_stop:
+            return False
+        cfg = self.config
+        if cfg.can_stop(epochs_done, self.global_step):
+            return True
+        if not self._fit.held_back_said and self.runtime.is_rank_zero:
+            log_info(_log, f"Trainer was signaled to stop but the required `min_epochs={cfg.min_epochs!r}` or "
+                           f"`min_steps={cfg.min_steps!r}` has not been met. Training will continue...")
+        self._fit.held_back_said = True
+        return False
 
     def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
         rt = self.runtime
@@ -588,8 +610,7 @@ class Trainer:
             self._hook("on_train_epoch_start")
         fit.telemetry.start()
         steps = micro_batches(rt.prefetch(batches), cfg.accumulate_grad_batches, remaining, start=fit.epoch_offset)
-        while (self.state.global_step < cfg.step_limit and not (self.should_stop and cfg.can_stop(epoch, self.global_step))
-               and self.train_step(fit, steps)):
+        while self.state.global_step < cfg.step_limit and not self._stop_now(epoch) and self.train_step(fit, steps):
             pass
         if fit.epoch_batches == math.inf and self.state.global_step < cfg.step_limit:  # the iterator ended the epoch
             fit.epoch_batches = self.state.batches
@@ -601,19 +622,22 @@ class Trainer:
         epoch had no micro-batch left.
 
         1. Each micro-batch: to the device, ``on_train_batch_start``, forward under autocast, backward of the
-           loss ÷ micro-batches per step between ``on_before_backward`` and ``on_after_backward``; the gradient
+           loss ÷ micro-batches per step (the module's ``backward`` hook when it has one) between
+           ``on_before_backward`` and ``on_after_backward``; the gradient
            all-reduce (ddp) or reduce-scatter (fsdp) runs on the step's last micro-batch only
            (``no_backward_sync``). Under pp one schedule step does forward and backward; under manual
            optimization the module's ``training_step`` does it all, stepping its own optimizers (the backward
            and step hooks run in ``manual_backward`` and ``step()``). ``on_train_batch_end`` after each
            micro-batch that does not end the step.
+        2.-4. In :meth:`_optimizer_step`, through the module's ``optimizer_step`` hook (Lightning's, its
+           closure running 2 and 3):
         2. ``on_before_optimizer_step`` (after the GradScaler's unscale under "16-mixed", as in Lightning),
-           then clipping (DTensor-aware under fsdp/tp/pp).
+           then clipping (DTensor-aware under fsdp/tp/pp; the module's ``configure_gradient_clipping``).
         3. Non-finite gradients: skipped with ``on_nonfinite="skip"`` (one host sync); with "raise" the
            losses are checked at the agreed check steps in step 6, without a host sync per step.
         4. The optimizer step at the learning rate scaled to the global batch (``lr_scaling``, this step
            only), through the GradScaler under "16-mixed"; then ``on_before_zero_grad`` and
-           ``zero_grad(set_to_none=True)``.
+           ``zero_grad(set_to_none=True)`` (the module's ``optimizer_zero_grad``).
         5. Learning-rate schedulers with ``interval="step"`` (under manual optimization the module steps its
            own, as in Lightning); the step count (under manual optimization, the optimizer steps the
            ``training_step`` took); the step's ``self.log`` values into ``callback_metrics`` (device tensors, no host
@@ -660,25 +684,8 @@ class Trainer:
             self._hook("on_train_batch_end", loss, batch, micro.index)
         else:
             return False
-        grad_norm = None
-        if not self.manual_optimizers:
-            optimizer = self.optimizers[0]
-            # 2. The hook before the step (on unscaled gradients), then clip.
-            rt.precision.unscale_gradients(optimizer)  # "16-mixed" only; once per step (the step skips its own)
-            self._hook("on_before_optimizer_step", optimizer)
-            if cfg.gradient_clip_val is not None:
-                by_norm = cfg.gradient_clip_algorithm == "norm"
-                grad_norm = rt.clip_gradients(fit.wrapped, optimizer, max_norm=cfg.gradient_clip_val if by_norm else None,
-                                              clip_val=None if by_norm else cfg.gradient_clip_val)
-            # 3. Skip a step whose gradients are not finite ("skip" mode).
-            skip = cfg.on_nonfinite == "skip" and self._faults.skip_step(fit.wrapped, optimizer, grad_norm,
-                                                                         step=self.global_step, epoch=self.current_epoch)
-            # 4. Step at the scaled learning rate, then zero the gradients.
-            if not skip:
-                with self.batch_scaling.scaled_lr(optimizer), prof.profile("optimizer_step"):
-                    rt.precision.optimizer_step(optimizer)  # through the GradScaler under "16-mixed"
-            self._hook("on_before_zero_grad", optimizer)
-            optimizer.zero_grad(set_to_none=True)
+        # 2.-4. The hook before the step, clipping, the "skip" check, the step, zeroing (automatic optimization).
+        grad_norm = None if self.manual_optimizers else self._optimizer_step(fit, loss, micro.index)
         tele.end_step()  # the "optimizer" phase ends
         # 5. Schedulers, the step count, callbacks, the step record.
         if not self.manual_optimizers:
@@ -709,6 +716,67 @@ class Trainer:
             self.should_stop = True  # max_time (Lightning's Timer): the epoch ends after this step
         return True
 
+    def _optimizer_step(self, fit: FitRun, loss: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        """Parts 2 to 4 of :meth:`train_step` under automatic optimization, through Lightning's hook
+        ``optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)`` (the module's own, or its default
+        ``optimizer.step(closure=optimizer_closure)``): the closure runs 2 and 3 (Lightning's ``_after_closure``; the
+        step's forward and backward ran before it, where Lightning runs them in it), ``optimizer.step()`` (a
+        :class:`StepOptimizer`) runs 4. Then ``on_before_zero_grad`` and ``optimizer_zero_grad`` (the module's own,
+        or ``zero_grad(set_to_none=True)``). Returns the gradient norm clipping measured (None: not clipped by norm,
+        or clipped by the module's own ``configure_gradient_clipping``)."""
+        rt, cfg, model, hooks = self.runtime, self.config, fit.model, fit.loop_module.step_hooks
+        optimizer, found = self.optimizers[0], {"grad_norm": None, "skip": False}
+
+        def closure() -> torch.Tensor:
+            # 2. The hook before the step (on unscaled gradients), then clip.
+            rt.precision.unscale_gradients(optimizer)  # "16-mixed" only; once per step (the step skips its own)
+            self._hook("on_before_optimizer_step", optimizer)
+            if "configure_gradient_clipping" in hooks:  # the module's own: it clips as it likes (its norm unknown)
+                model.configure_gradient_clipping(optimizer, gradient_clip_val=cfg.gradient_clip_val,
+                                                  gradient_clip_algorithm=cfg.gradient_clip_algorithm)
+            elif cfg.gradient_clip_val is not None:
+                found["grad_norm"] = self.clip_gradients(optimizer, cfg.gradient_clip_val, cfg.gradient_clip_algorithm)
+            # 3. Skip a step whose gradients are not finite ("skip" mode).
+            found["skip"] = cfg.on_nonfinite == "skip" and self._faults.skip_step(
+                fit.wrapped, optimizer, found["grad_norm"], step=self.global_step, epoch=self.current_epoch)
+            return loss
+
+        def take_step(**kwargs: Any) -> None:
+            # 4. Step at the scaled learning rate.
+            if not found["skip"]:
+                with self.batch_scaling.scaled_lr(optimizer), self.profiler.profile("optimizer_step"):
+                    rt.precision.optimizer_step(optimizer, **kwargs)  # through the GradScaler under "16-mixed"
+
+        stepper = StepOptimizer(optimizer, take_step)
+        if "optimizer_step" in hooks:
+            model.optimizer_step(self.current_epoch, batch_idx, stepper, closure)
+        else:
+            stepper.step(closure=closure)
+        # then zero the gradients
+        self._hook("on_before_zero_grad", optimizer)
+        if "optimizer_zero_grad" in hooks:
+            model.optimizer_zero_grad(self.current_epoch, batch_idx, optimizer)
+        else:
+            optimizer.zero_grad(set_to_none=True)
+        return found["grad_norm"]
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float,
+                       gradient_clip_algorithm: str = "norm") -> torch.Tensor | None:
+        """Clip the gradients of the fit's model (``optimizer``'s, unscaled first under "16-mixed") by their total
+        norm ("norm", over all shards under fsdp/tp) or each value ("value"), as ``Trainer(gradient_clip_val=...)``
+        does (``Runtime.clip_gradients``; ``TrainingModule.clip_gradients`` under automatic optimization). Returns
+        the norm before clipping (a 0-d tensor, no host sync), None by value.
+
+        Raises:
+            ValueError: a value <= 0, or an algorithm other than "norm" and "value"."""
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"`gradient_clip_algorithm` {gradient_clip_algorithm} is invalid. Allowed algorithms: "
+                             "'norm', 'value'")
+        by_norm = gradient_clip_algorithm == "norm"
+        return self.runtime.clip_gradients(self.last_setup[2], optimizer,  # the wrapped model of this fit
+                                           max_norm=gradient_clip_val if by_norm else None,
+                                           clip_val=None if by_norm else gradient_clip_val)
+
     def _forward_backward(self, fit: FitRun, batch: Any, micro: MicroBatch) -> tuple[torch.Tensor, Any]:
         """One micro-batch's forward under autocast and backward (between the ``on_before_backward(loss)`` and
         ``on_after_backward`` hooks), without the gradient all-reduce before the step's last micro-batch; one
@@ -728,7 +796,8 @@ class Trainer:
             t_forward = tele.clock()
             scaled = loss / micro.group_size if micro.group_size > 1 else loss
             self._hook("on_before_backward", scaled)  # the loss backward receives, as Lightning's closure passes it
-            rt.precision.backward(scaled)  # scaled by the GradScaler under "16-mixed"
+            # scaled by the GradScaler under "16-mixed"; the module's backward hook when it has its own
+            rt.precision.backward(scaled, fit.model.backward if "backward" in fit.loop_module.step_hooks else None)
             self._hook("on_after_backward")
         return loss, t_forward
 
@@ -968,9 +1037,10 @@ class Trainer:
         if model is None:
             model, ckpt_path = evaluation.fitted_model(self, method, ckpt_path)
         kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path, method)  # before any ddp_spawn start
-        if self.runtime.spawns:
-            return run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
-        return evaluation.run_stage(self, method, model, dataloaders, **kwargs)
+        with self._on_exception():
+            if self.runtime.spawns:
+                return run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
+            return evaluation.run_stage(self, method, model, dataloaders, **kwargs)
 
     # -- plumbing -------------------------------------------------------------------------------------
     def _arm_hooks(self, model: nn.Module) -> None:
@@ -996,6 +1066,19 @@ class Trainer:
                     getattr(cb, hook)(self, module, *args)
             if call_module and not module_first:
                 getattr(module, hook)(*args)
+
+    @contextlib.contextmanager
+    def _on_exception(self):
+        """Lightning's ``_call_and_handle_interrupt`` around ``validate``/``test``/``predict`` (and a spawned ``fit``):
+        an exception out of the block calls the callbacks' ``on_exception(trainer, module, exception)``, then the
+        data module's ``on_exception(exception)`` when it has one, and goes on."""
+        try:
+            yield
+        except BaseException as err:
+            self._hook("on_exception", err)
+            if callable(hook := getattr(self.datamodule, "on_exception", None)):
+                hook(err)
+            raise
 
     @contextlib.contextmanager
     def _running(self, hook: str):

@@ -96,7 +96,7 @@ class RuntimeFlags:
 
 def make_flags(cls: type, owner: str, args: tuple = (), kwargs: dict | None = None) -> Any:
     """``cls(*args, **kwargs)`` for a flags dataclass, with an unknown or misspelt flag named as ``owner``'s
-    (``TypeError: Trainer() got an unexpected flag 'max_epoch'; did you mean 'max_epochs'?``).
+    (``TypeError: Trainer.__init__() got an unexpected keyword argument 'max_epoch'; did you mean 'max_epochs'?``).
 
     Raises:
         TypeError: an unknown flag, or too many positional arguments.
@@ -111,7 +111,8 @@ def make_flags(cls: type, owner: str, args: tuple = (), kwargs: dict | None = No
 
 def names_closest_flag(init: Callable[_Params, None]) -> Callable[_Params, None]:
     """Decorate a constructor so that a misspelt keyword raises ``TypeError`` naming the closest of its parameters
-    (``Trainer() got an unexpected flag 'max_epoch'; did you mean 'max_epochs'?``), where Python would name none.
+    (``Trainer.__init__() got an unexpected keyword argument 'max_epoch'; did you mean 'max_epochs'?``: Python's
+    words, as Lightning's Trainer raises them, with the hint Python would not give).
 
     The signature stays what ``__init__`` declares: ``inspect.signature`` follows ``__wrapped__``, and type checkers
     read it through the ``ParamSpec`` (mypy then refuses the misspelt keyword too: ``Unexpected keyword argument
@@ -129,11 +130,12 @@ def names_closest_flag(init: Callable[_Params, None]) -> Callable[_Params, None]
 
 
 def check_flag_names(owner: str, names, known) -> None:
-    """Raise ``TypeError`` for the first of ``names`` not in ``known``, naming the closest known flag."""
+    """Raise ``TypeError`` for the first of ``names`` not in ``known``, in Python's words for an unknown keyword,
+    naming the closest known flag."""
     for name in names:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
-            raise TypeError(f"{owner}() got an unexpected flag {name!r}"
+            raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {name!r}"
                             + (f"; did you mean {close[0]!r}?" if close else f"; its flags are: {', '.join(known)}"))
 
 

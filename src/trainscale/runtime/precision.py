@@ -98,8 +98,14 @@ class Precision:
         """``loss`` multiplied by the loss scale under "16-mixed", else ``loss`` itself."""
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
-    def backward(self, loss) -> None:
-        self.scale(loss).backward()
+    def backward(self, loss, backward=None) -> None:
+        """The backward of ``loss`` × the loss scale: ``backward(scaled)`` (a Lightning module's ``backward`` hook,
+        as Lightning's precision plugins call it), by default ``scaled.backward()``."""
+        scaled = self.scale(loss)
+        if backward is None:
+            scaled.backward()
+        else:
+            backward(scaled)
 
     def unscale_gradients(self, optimizer) -> None:
         """Divide gradients by the loss scale in place, so clipping sees true magnitudes.
@@ -111,19 +117,24 @@ class Precision:
             self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
 
-    def optimizer_step(self, optimizer) -> bool:
-        """Step the optimizer; under "16-mixed" the scaler skips steps with inf/NaN gradients.
+    def optimizer_step(self, optimizer, closure=None, **kwargs) -> Any:
+        """Step the optimizer: ``optimizer.step(closure=closure, **kwargs)`` (without ``closure=`` when None), as
+        Lightning's precision plugin calls it; under "16-mixed" the closure runs first (torch's GradScaler takes
+        none; Lightning's ``MixedPrecision`` does the same) and the scaler skips steps with inf/NaN gradients.
 
         Returns:
-            True when the step was taken (a scaler may skip it), without a host sync otherwise.
+            What the optimizer's step returned (the closure's result), without a host sync.
         """
         if self.scaler is None or not optimizer.param_groups:  # none: nothing to scale (GradScaler asserts on it)
-            optimizer.step()
-            return True
-        self.scaler.step(optimizer)  # unscales first unless unscale_gradients already did
+            return optimizer.step(**kwargs) if closure is None else optimizer.step(closure=closure, **kwargs)
+        import torch
+
+        with torch.enable_grad():  # as torch's optimizers run a closure
+            result = closure() if closure is not None else None
+        self.scaler.step(optimizer, **kwargs)  # unscales first unless unscale_gradients already did
         self.scaler.update()
         self._unscaled.clear()
-        return True
+        return result
 
     def state_dict(self) -> dict:
         return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}

@@ -43,6 +43,11 @@ def global_batch_size(loader: Any, runtime: Runtime, accumulate: int) -> int | N
     return batch * runtime.strategy.data_world(runtime.world).world_size * accumulate
 
 
+def _no_steps() -> int:
+    """The optimizer steps taken before :meth:`BatchScaling.attach` is given the loop's count."""
+    return 0
+
+
 class BatchScaling:
     """The Trainer's global batch size and LR scaling (module docstring), from a
     :class:`~trainscale.loop.config.TrainerConfig` (``lr_scaling`` None: no scaling)."""
@@ -52,7 +57,7 @@ class BatchScaling:
         self.warmup_steps, self.accumulate = config.lr_warmup_steps, config.accumulate_grad_batches
         self.global_batch_size: int | None = None
         self.factor = 1.0
-        self._step: Callable[[], int] = lambda: 0
+        self._step: Callable[[], int] = _no_steps  # a module function, not a lambda: a Trainer pickles
 
     def multiplier(self, step: int) -> float:
         """The lr multiplier of optimizer step ``step`` (0-based): f after the warm-up, 1 → f during it."""
