@@ -1752,6 +1752,8 @@ def test_trainer_model_and_lightning_module_are_the_module_in_its_hooks_and_afte
     module = Probe()
     trainer.fit(module, _loader())
     assert seen == [(True, True, True)] and trainer.model is module
+
+
 # -- on_exception in every stage, the Trainer's own errors and pickling ---------------------------------------------
 class _Counts(Callback):
     def __init__(self):
