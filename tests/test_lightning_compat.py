@@ -742,6 +742,32 @@ def test_under_manual_optimization_records_are_written_every_n_batches_as_lightn
     assert [r["step"] for r in records if r["kind"] == "step"] == [4, 8, 12, 16, 20, 24, 28]
 
 
+@pytest.mark.timeout(60)
+def test_a_manual_training_step_that_returns_nothing_records_no_training_loss(tmp_path):
+    """Lightning records no loss for such a step; a zero in the records would read as a perfect fit."""
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, log_every_n_steps=2)
+    trainer.fit(TwoOptimizers(), _loader(8))
+    records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records].count("step") == 2 and records[-1]["kind"] == "epoch"
+    assert not any("train_loss" in r for r in records), records
+    assert "train_loss" not in trainer.callback_metrics
+    summary = json.loads((trainer.run_dir / "summary.json").read_text())
+    assert summary["train_loss"] is None
+
+
+@pytest.mark.timeout(60)
+def test_a_manual_training_step_that_returns_its_loss_records_the_epochs_mean(tmp_path):
+    class Returning(TwoOptimizers):
+        def training_step(self, batch, batch_idx):
+            super().training_step(batch, batch_idx)
+            return torch.tensor(float(batch_idx + 1))  # 1, 2, 3, 4 over the 4 batches of equal size
+
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, log_every_n_steps=2)
+    trainer.fit(Returning(), _loader(8))
+    records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["kind"] == "epoch" and records[-1]["train_loss"] == pytest.approx(2.5)
+
+
 # -- loop limits: a minimum without a maximum, and zero ---------------------------------------------------------------
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("flags", "epochs"), [({"min_epochs": 3}, 3), ({"min_steps": 10}, 3)])

@@ -62,7 +62,7 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
         publishes it there.
     """
     complete = state.batches >= fit.epoch_batches
-    totals = [*fit.epoch_loss.totals(runtime), time.perf_counter() - fit.started]  # loss sum, samples, tokens, s
+    totals = [*fit.epoch_loss.totals(runtime)[:3], time.perf_counter() - fit.started]  # loss sum, samples, tokens, s
     sampler = getattr(fit.train_loader, "sampler", None)
     consumed = (sampler.consumed_after(state.batches - fit.epoch_offset, fit.train_loader.batch_size)
                 if hasattr(sampler, "consumed_after") else None)

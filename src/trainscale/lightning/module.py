@@ -513,20 +513,19 @@ class LoopModule(nn.Module):
         inputs, targets = split_batch(batch)
         return self.loss_fn(self.model(inputs), targets)
 
-    def manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         """``training_step`` under manual optimization (it steps the optimizers itself): the loss it
-        returned, detached, for the records; zero when it returned nothing. Called on the module itself
+        returned, detached, for the records; None when it returned nothing (the records then have no
+        ``train_loss``). Called on the module itself
         (under ddp never through the DDP wrapper: gradients are averaged in ``ManualOptimizer.step``). Under
         fsdp the model's ``training_step`` runs as its FSDP root's forward (``apply_fsdp.apply_fsdp``): FSDP2
         takes the first module to run forward as its root, and evaluation later runs through the same one."""
         return self(batch, batch_idx, stage="manual")
 
-    def _manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def _manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         args = (batch, batch_idx) if self.step_takes_batch_idx else (batch,)
         out = self.model.training_step(*args)
-        if out is None:
-            return torch.zeros((), device=next(self.model.parameters()).device)
-        return loss_of(out).detach()
+        return None if out is None else loss_of(out).detach()
 
     @torch.no_grad()
     def evaluate(self, batch: Any, batch_idx: int, stage: str = "validation") -> tuple[dict[str, torch.Tensor], int]:

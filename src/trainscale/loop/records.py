@@ -58,8 +58,9 @@ class MetricsProcessor:
         ``sync_dist=True``). Reads ``loss`` and ``grad_norm``: one host sync each. Returns ``(own, user)``."""
         own = self.telemetry.log(step, epoch, loss)  # collective: all_gather_single
         if own is None:
-            own = {"kind": "step", "rank": 0, "time": time.time(), "epoch": epoch, "step": step,
-                   "train_loss": loss.item()}
+            own = {"kind": "step", "rank": 0, "time": time.time(), "epoch": epoch, "step": step}
+            if loss is not None:  # None: a manual training_step returned no loss
+                own["train_loss"] = loss.item()
         if grad_norm is not None:
             own["grad_norm"] = grad_norm.item()
         own.update(learning_rates(optimizers, schedulers))
@@ -84,14 +85,18 @@ class MetricsProcessor:
         self.jsonl, self.loggers = None, []
 
 
-def epoch_record(epoch: int, step: int, totals: tuple[float, float, float], seconds: float, complete: bool,
+def epoch_record(epoch: int, step: int, totals: tuple[float, float, float, float], seconds: float, complete: bool,
                  optimizers, schedulers=()) -> dict:
-    """The epoch's training numbers from its all-reduced ``totals`` (loss × samples, samples, tokens), its
-    duration in seconds and the learning rates it trained with (taken before the epoch's schedulers step).
+    """The epoch's training numbers from its all-reduced ``totals`` (loss × samples, samples, tokens, samples
+    with a loss), its duration in seconds and the learning rates it trained with (taken before the epoch's
+    schedulers step). ``train_loss`` is the mean over the samples with a loss, left out when there were samples
+    but none reported a loss (a manual ``training_step`` that returns nothing), NaN for an epoch without samples.
     An epoch that ``max_steps`` cut short is marked ``partial`` (a resume replaces its record)."""
-    loss_sum, samples, tokens = totals
-    record = {"epoch": epoch, "step": step, "train_loss": loss_sum / samples if samples else float("nan"),
-              "epoch_time_s": seconds, "samples_per_s": samples / seconds if seconds > 0 else float("nan")}
+    loss_sum, samples, tokens, loss_samples = totals
+    record = {"epoch": epoch, "step": step}
+    if loss_samples or not samples:
+        record["train_loss"] = loss_sum / loss_samples if loss_samples else float("nan")
+    record.update(epoch_time_s=seconds, samples_per_s=samples / seconds if seconds > 0 else float("nan"))
     if tokens:
         record["tokens_per_s"] = tokens / seconds
     if not complete:
@@ -114,8 +119,8 @@ def epoch_label(epoch: int, max_epochs: int) -> str:
 
 def epoch_line(record: dict, max_epochs: int) -> str:
     """The line printed on rank zero at an epoch end."""
-    parts = [epoch_label(record["epoch"], max_epochs), f"train_loss {record['train_loss']:.4f}"]
-    parts += [f"{k} {record[k]:.4f}" for k in ("val_loss", "val_accuracy") if k in record]
+    parts = [epoch_label(record["epoch"], max_epochs)]
+    parts += [f"{k} {record[k]:.4f}" for k in ("train_loss", "val_loss", "val_accuracy") if k in record]
     parts.append(f"{record['samples_per_s']:.0f} samples/s")
     if record.get("tokens_per_s"):
         parts.append(f"{record['tokens_per_s']:.0f} tokens/s")

@@ -70,30 +70,36 @@ def loader_length(loader: Any) -> float:
 
 
 class EpochLoss:
-    """The epoch's training loss, summed on the device (no host sync per step), its samples and tokens."""
+    """The epoch's training loss, summed on the device (no host sync per step), its samples and tokens, and the
+    samples whose micro-batch reported a loss (under manual optimization a ``training_step`` may return none)."""
 
     def __init__(self, device: torch.device, carried: tuple = (0.0, 0.0, 0.0, 0.0)) -> None:
         self.sum = torch.zeros((), device=device)
         self.samples = 0
         self.tokens = 0
+        self.loss_samples = 0
         # from the part of the epoch before a resume: loss sum, samples, (tokens,) seconds
         self.carried = (*carried[:2], carried[2] if len(carried) == 4 else 0.0)
 
-    def add(self, loss: torch.Tensor, samples: int, tokens: int | None = None) -> None:
-        self.sum.add_(loss, alpha=samples)  # bf16 losses promote to fp32
+    def add(self, loss: torch.Tensor | None, samples: int, tokens: int | None = None) -> None:
+        """Count a micro-batch of ``samples`` samples (and ``tokens``); ``loss`` None: it reported no loss."""
+        if loss is not None:
+            self.sum.add_(loss, alpha=samples)  # bf16 losses promote to fp32
+            self.loss_samples += samples
         self.samples += samples
         self.tokens += tokens or 0
 
-    def totals(self, runtime: Runtime) -> tuple[float, float, float]:
-        """(loss × samples, samples, tokens) over the data-parallel ranks, with the carried part. A collective.
+    def totals(self, runtime: Runtime) -> tuple[float, float, float, float]:
+        """(loss × samples, samples, tokens, samples with a loss) over the data-parallel ranks, with the carried
+        part (whose samples all had a loss). A collective.
 
         Every rank adds its own; under tensor parallelism the ``tp`` ranks of a group read the same samples,
         so the sums are divided by ``world_size / data_parallel_size`` (each sample counted once)."""
         device = self.sum.device
         copies = runtime.world_size / runtime.data_parallel_size
-        vec = runtime.all_reduce(torch.stack([self.sum, torch.tensor(float(self.samples), device=device),
-                                              torch.tensor(float(self.tokens), device=device)])).tolist()
-        return tuple(v / copies + c for v, c in zip(vec, self.carried))
+        vec = runtime.all_reduce(torch.stack([self.sum, *(torch.tensor(float(n), device=device) for n in (
+            self.samples, self.tokens, self.loss_samples))])).tolist()
+        return tuple(v / copies + c for v, c in zip(vec, (*self.carried, self.carried[1])))
 
 
 class MicroBatchBooks:
@@ -113,11 +119,13 @@ class MicroBatchBooks:
         self._counts = batch_counts(batch)
         self.metrics.batch_size = self._counts[0]
 
-    def backward_done(self, loss: torch.Tensor, t_forward: Any) -> None:
-        """Forward and backward ended (``t_forward``: the clock reading between them); ``loss`` is detached."""
+    def backward_done(self, loss: torch.Tensor | None, t_forward: Any) -> None:
+        """Forward and backward ended (``t_forward``: the clock reading between them); ``loss`` is detached (None:
+        a manual ``training_step`` returned none)."""
         samples, tokens = self._counts
         self.telemetry.micro_batch(self._t_data, t_forward, self.telemetry.clock(), samples, tokens)
-        self.faults.observe_loss(loss, self.state.global_step)
+        if loss is not None:
+            self.faults.observe_loss(loss, self.state.global_step)
         self.epoch_loss.add(loss, samples, tokens)
         self.state.batches += 1
         self.state.total_batches += 1

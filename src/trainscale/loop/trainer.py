@@ -677,7 +677,7 @@ class Trainer:
                                                           batch)
                 else:
                     loss, t_forward = self._forward_backward(fit, batch, micro)
-            loss = loss.detach()
+            loss = None if loss is None else loss.detach()  # None: a manual training_step returned nothing
             fit.books.backward_done(loss, t_forward)  # phases, epoch loss sum, non-finite watch, progress bar
             if micro.is_last:
                 break

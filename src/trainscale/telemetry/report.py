@@ -95,8 +95,9 @@ def text_summary(records: list[dict], summary: dict | None) -> str:
         lines.append(f"run: world size {summary['world_size']}, strategy {summary['strategy']}, precision "
                      f"{summary['precision']}, {summary['steps']} steps, global batch {summary['global_batch_size']}")
         if summary.get("val_accuracy") is not None:
-            lines.append(f"final: train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}, "
-                         f"val accuracy {summary['val_accuracy']:.4f}")
+            losses = [f"{label} {summary[key]:.4f}" for key, label in (("train_loss", "train loss"),
+                      ("val_loss", "val loss")) if summary.get(key) is not None]
+            lines.append(f"final: {', '.join(losses)}{', ' if losses else ''}val accuracy {summary['val_accuracy']:.4f}")
     if not tele:
         lines.append("no telemetry summary (the run did not finish, or ran with enable_telemetry=False)")
         return "\n".join(lines) + "\n"
