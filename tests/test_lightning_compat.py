@@ -295,6 +295,9 @@ class NotedModule(Probe):
     def test_step(self, batch, batch_idx):
         self.log("t", 1.0)
 
+    def setup(self, stage):
+        self.calls.append(("module.setup", stage, self.trainer.max_epochs))  # self.trainer is there
+
     def teardown(self, stage):
         self.calls.append(("module.teardown", stage))
 
@@ -321,10 +324,47 @@ def test_setup_and_teardown_are_called_by_keyword_in_lightnings_order(tmp_path):
     data.setup = lambda *args, **kwargs: calls.append(("data.setup", args, kwargs))  # how it is called
     trainer.fit(model, datamodule=data)
     trainer.test(model, datamodule=data, verbose=False)
-    assert calls == [("data.setup", (), {"stage": "fit"}), ("callback.setup", "fit"), ("callback.on_fit_end", "fit"),
+    assert calls == [("data.setup", (), {"stage": "fit"}), ("callback.setup", "fit"), ("module.setup", "fit", 1),
+                     ("callback.on_fit_end", "fit"),
                      ("data.teardown", "fit"), ("callback.teardown", "fit"), ("module.teardown", "fit"),
-                     ("data.setup", (), {"stage": "test"}), ("callback.setup", "test"), ("data.teardown", "test"),
-                     ("callback.teardown", "test"), ("module.teardown", "test")]
+                     ("data.setup", (), {"stage": "test"}), ("callback.setup", "test"), ("module.setup", "test", 1),
+                     ("data.teardown", "test"), ("callback.teardown", "test"), ("module.teardown", "test")]
+
+
+@pytest.mark.timeout(60)
+def test_the_modules_data_hooks_run_when_the_loaders_are_passed_too(tmp_path):
+    """Lightning calls a module's prepare_data() and setup(stage) in every stage, wherever the loaders come from: a
+    module that builds a layer in setup() trains with loaders passed to fit() and is evaluated with validate()."""
+
+    class BuiltInSetup(trainscale.TrainingModule):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def prepare_data(self):
+            self.calls.append("prepare_data")
+
+        def setup(self, stage):
+            self.calls.append(f"setup:{stage}")
+            if not hasattr(self, "layer"):
+                self.layer = nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx):
+            self.log("v", self.layer(batch[0]).pow(2).mean())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    model, calls = BuiltInSetup(), []
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[NotedCallback(calls)])
+    trainer.fit(model, _loader())
+    assert trainer.global_step == 4 and model.calls == ["prepare_data", "setup:fit"]
+    assert calls[0] == ("callback.setup", "fit")
+    trainer.validate(model, _loader(4), verbose=False)
+    assert model.calls == ["prepare_data", "setup:fit", "prepare_data", "setup:validate"]
 
 
 # -- the sanity check of a resumed fit ------------------------------------------------------------------------------

@@ -63,13 +63,17 @@ def is_data_source(obj: Any) -> bool:
     return any(hasattr(obj, hook) for hook in LOADER_HOOKS.values()) and not hasattr(obj, "__iter__")
 
 
-def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, datamodule: Any) -> tuple[Any, Any]:
+def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, datamodule: Any,
+                    set_up_callbacks: Callable[[], None] = lambda: None) -> tuple[Any, Any]:
     """The stage's loaders: ``(train, val or None)`` for "fit", ``(loader, None)`` for "validate", "test" and
-    "predict". ``loaders`` when given (a data module passed there counts as ``datamodule``, as Lightning allows);
-    else the hooks of ``datamodule`` or, without one, of the model: ``prepare_data()`` on each node's local rank
-    0 then a barrier, ``setup(stage)`` on every rank, then ``val_dataloader()`` if defined (None or ``[]`` from it:
-    no validation) and ``train_dataloader()`` with the random state as before the first (Lightning's order: two
-    data sets drawn alike from the random state are the same), or the stage's hook (Lightning's ``DataHooks``).
+    "predict". First, in every case, the data hooks of ``datamodule`` and of the model (:func:`_prepare`):
+    ``prepare_data()`` on each node's local rank 0 then a barrier, ``setup(stage)`` on every rank, with
+    ``set_up_callbacks`` (the callbacks' ``setup``) between the data module's and the model's. Then
+    ``loaders`` when given (a data module passed there counts as ``datamodule``, as Lightning allows); else the
+    loader hooks of ``datamodule`` or, without one, of the model: ``val_dataloader()`` if defined (None or ``[]``
+    from it: no validation) and ``train_dataloader()`` with the random state as before the first (Lightning's
+    order: two data sets drawn alike from the random state are the same), or the stage's hook (Lightning's
+    ``DataHooks``).
 
     Raises:
         ValueError: both ``loaders`` and ``datamodule``; neither, and the model has no such hook (named with the
@@ -77,12 +81,12 @@ def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, data
     """
     if loaders is not None and is_data_source(loaders):
         loaders, datamodule = None, _only(datamodule, loaders, stage)
+    if loaders is not None and datamodule is not None:
+        raise ValueError(f"{stage}: pass DataLoaders or datamodule=, not both")
+    source = _source(stage, model, datamodule) if loaders is None else None
+    _prepare(runtime, datamodule, model, stage, set_up_callbacks)  # with loaders passed too
     if loaders is not None:
-        if datamodule is not None:
-            raise ValueError(f"{stage}: pass DataLoaders or datamodule=, not both")
         return (loaders if stage == "fit" else one_loader(loaders, stage)), None
-    source = _source(stage, model, datamodule)
-    _prepare(runtime, source, stage)
     if stage != "fit":
         return one_loader(getattr(source, LOADER_HOOKS[stage])(), stage), None
     # Lightning's order: val_dataloader() first (its sanity check asks for it, with the random state put back after
@@ -118,15 +122,23 @@ def one_loader(loaders: Any, stage: str) -> Any:
                      "its own trainer.validate(model, loader) / trainer.test(model, loader) call")
 
 
-def _prepare(runtime: Runtime, source: Any, stage: str) -> None:
-    """Lightning's order: ``prepare_data()`` once per node (local rank 0) while the other ranks wait, then
-    ``setup(stage)`` on every rank; either hook may be missing."""
-    if hasattr(source, "prepare_data"):
+def _prepare(runtime: Runtime, datamodule: Any, model: Any, stage: str, set_up_callbacks: Callable[[], None]) -> None:
+    """Lightning's order (``_DataConnector.prepare_data``, ``_call_setup_hook``): ``prepare_data()`` of the data
+    module then of the model, once per node (local rank 0) while the other ranks wait; then on every rank the data
+    module's ``setup(stage)``, ``set_up_callbacks()`` and the model's ``setup(stage)``. Whether the loaders were
+    passed or come from the hooks; any hook may be missing (a plain ``nn.Module`` has neither)."""
+    sources = [source for source in (datamodule, model) if source is not None]
+    if any(hasattr(source, "prepare_data") for source in sources):
         if runtime.world.local_rank == 0:
-            source.prepare_data()
+            for source in sources:
+                if hasattr(source, "prepare_data"):
+                    source.prepare_data()
         runtime.barrier()
-    if hasattr(source, "setup"):
-        source.setup(stage=stage)  # by keyword, as Lightning calls it
+    if hasattr(datamodule, "setup"):
+        datamodule.setup(stage=stage)  # by keyword, as Lightning calls it
+    set_up_callbacks()
+    if hasattr(model, "setup"):
+        model.setup(stage=stage)
 
 
 def _source(stage: str, model: Any, datamodule: Any) -> Any:
@@ -157,11 +169,12 @@ def fit_loader_hooks(model: Any, train: Any, val: Any, datamodule: Any) -> Calla
     return lambda: (source.train_dataloader(), one_loader(val, "validation") if val is not None else _hooked_val(source))
 
 
-def resolve_fit_loaders(runtime: Runtime, model: Any, train: Any, val: Any, datamodule: Any) -> tuple[Any, Any]:
+def resolve_fit_loaders(runtime: Runtime, model: Any, train: Any, val: Any, datamodule: Any,
+                        set_up_callbacks: Callable[[], None] = lambda: None) -> tuple[Any, Any]:
     """``fit``'s ``(train, val)``: :func:`resolve_loaders` for "fit", with ``val`` when it was passed.
 
     Raises:
         ValueError: as :func:`resolve_loaders` (several validation loaders included).
     """
-    train, hooked_val = resolve_loaders(runtime, "fit", model, train, datamodule)
+    train, hooked_val = resolve_loaders(runtime, "fit", model, train, datamodule, set_up_callbacks)
     return train, one_loader(val, "validation") if val is not None else hooked_val

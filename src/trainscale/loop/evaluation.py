@@ -364,10 +364,8 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     attach_trainer(model, trainer)  # self.trainer inside the module's setup(stage), as Lightning
     if datamodule is not None:
         trainer.datamodule = datamodule
-    dataloaders, _ = resolve_loaders(rt, method, model, dataloaders, datamodule)
-    with trainer._running("setup"):  # Lightning's Callback.setup, in every stage: after the data module's
-        for cb in trainer.callbacks:
-            cb.setup(trainer, model, method)
+    dataloaders, _ = resolve_loaders(rt, method, model, dataloaders, datamodule,
+                                     lambda: trainer.set_up_callbacks(model, method))
     trainer.last_setup = set_up_model(rt, model, loss_fn, trainer.last_setup)  # an earlier fit's: as it was
     _, loop_module, wrapped = trainer.last_setup
     trainer._arm_hooks(model)

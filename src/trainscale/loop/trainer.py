@@ -428,8 +428,8 @@ class Trainer:
         attach_trainer(model, self)  # self.trainer inside the module's setup(stage), as Lightning
         self.datamodule = datamodule
         reload = fit_loader_hooks(model, train_dataloaders, val_dataloaders, datamodule)
-        train_dataloaders, val_dataloaders = resolve_fit_loaders(self.runtime, model, train_dataloaders,
-                                                                 val_dataloaders, datamodule)
+        train_dataloaders, val_dataloaders = resolve_fit_loaders(self.runtime, model, train_dataloaders, val_dataloaders,
+                                                                 datamodule, lambda: self.set_up_callbacks(model, "fit"))
         cfg = self.config
         self._fit, self._run_lock = None, RunLock()  # the run directory's lock: taken by _run_fit, released below
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
@@ -529,9 +529,6 @@ class Trainer:
 
     def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
         rt = self.runtime
-        with self._running("setup"):  # Lightning's Callback.setup: before the model is wrapped, its optimizers built
-            for cb in self.callbacks:
-                cb.setup(self, model, "fit")
         self.last_setup = set_up_model(rt, model, loss_fn, self.last_setup)  # reused from an earlier fit or evaluation
         _, loop_module, wrapped = self.last_setup
         self._arm_hooks(model)
@@ -1079,6 +1076,14 @@ class Trainer:
             if callable(hook := getattr(self.datamodule, "on_exception", None)):
                 hook(err)
             raise
+
+    def set_up_callbacks(self, model: nn.Module, stage: str) -> None:
+        """Lightning's ``Callback.setup(trainer, module, stage)`` of each callback, in every stage: after the data
+        module's ``setup(stage)``, before the module's (``data_sources.resolve_loaders`` calls it between them), so
+        before the model is wrapped and its optimizers built."""
+        with self._running("setup"):
+            for cb in self.callbacks:
+                cb.setup(self, model, stage)
 
     @contextlib.contextmanager
     def _running(self, hook: str):
