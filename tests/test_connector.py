@@ -54,8 +54,8 @@ def test_single_with_several_devices():
 def test_unknown_accelerator_and_precision():
     with pytest.raises(ValueError, match="choose one of 'auto', 'cpu'"):
         resolve(accelerator="tpu")
-    with pytest.raises(ValueError, match="unknown precision='16'.*'16-mixed'"):
-        resolve(precision="16")
+    with pytest.raises(ValueError, match="unknown precision='fp16'.*'16-mixed'"):
+        resolve(precision="fp16")
 
 
 def test_num_nodes():
@@ -79,3 +79,21 @@ def test_the_strategy_flag_type_holds_exactly_the_names_the_resolver_takes():
     from trainscale.runtime.strategies import STRATEGIES
 
     assert get_args(StrategyFlag) == (*STRATEGIES, *START_METHOD_NAMES)  # the names _resolve_strategy takes
+
+
+@pytest.mark.parametrize(("given", "unified", "warns"), [(16, "16-mixed", True), ("16", "16-mixed", True),
+                                                         ("bf16", "bf16-mixed", True), (32, "32-true", False),
+                                                         ("32", "32-true", False)])
+def test_lightnings_older_precision_spellings_are_converted_with_its_warning(recwarn, given, unified, warns):
+    assert resolve(precision=given).precision == unified
+    said = [str(w.message) for w in recwarn if "historical reasons" in str(w.message)]
+    assert said == ([f"`precision={given!r}` is supported for historical reasons but its usage is discouraged. "
+                     f"Please set your precision to {unified} instead!"] if warns else [])
+
+
+@pytest.mark.parametrize("given", [64, "64", "64-true"])
+def test_double_precision_is_refused_naming_the_alternative(given):
+    with pytest.raises(ValueError, match=r"not supported; choose one of .*model\.double\(\)"):
+        resolve(precision=given)
+    with pytest.raises(ValueError, match="unknown precision=True"):
+        resolve(precision=True)

@@ -2068,3 +2068,27 @@ def test_fit_asks_for_the_validation_loader_first_with_the_random_state_put_back
 
     train, val = resolve_fit_loaders(trainer.runtime, _RandomData(), None, None, None)
     assert torch.equal(train.dataset.tensors[0], val.dataset.tensors[0])  # both drawn from the same random state
+
+
+# -- the module's print, dtype and toggle_optimizer -----------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_print_dtype_and_toggle_optimizer_with_the_torch_optimizer(tmp_path, capsys):
+    class Printing(TwoOptimizers):
+        def training_step(self, batch, batch_idx):
+            first, second = self.optimizers(use_pl_optimizer=False)  # the torch optimizers, as Lightning allows
+            self.toggle_optimizer(first)
+            frozen = [p.requires_grad for p in self.other.parameters()]
+            self.untoggle_optimizer(first)
+            self.print(f"step {batch_idx}: other frozen {frozen}, dtype {self.dtype}", end="|")
+            super().training_step(batch, batch_idx)
+
+    model = Printing()
+    assert model.dtype == torch.float32 and model.double().dtype == torch.float64
+    model.float()
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(model, _loader(4))
+    out = capsys.readouterr().out
+    assert "step 0: other frozen [False, False], dtype torch.float32|" in out and "step 1:" in out
+    assert all(p.requires_grad for p in model.parameters())
+    with pytest.raises(ValueError, match=r"toggle_optimizer\(SGD\) takes one of self.optimizers\(\)"):
+        model.toggle_optimizer(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1))

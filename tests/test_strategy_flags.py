@@ -134,7 +134,7 @@ def test_16_mixed_with_grad_scaler_on_cuda():
     assert seen["dtype"] == torch.float16 and torch.isfinite(norm) and rt.precision.scaler.get_scale() > 1
 
 
-@pytest.mark.parametrize("precision", ["16-true", "fp16", "bf16"])
+@pytest.mark.parametrize("precision", ["16-true", "fp16", "float16"])
 def test_unsupported_precisions_list_the_valid_ones(precision):
     with pytest.raises(ValueError, match=rf"unknown precision='{precision}'; choose one of '32-true', '16-mixed', "
                                          r"'bf16-mixed', 'bf16-true'"):

@@ -83,9 +83,9 @@ def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, data
         loaders, datamodule = None, _only(datamodule, loaders, stage)
     if loaders is not None and datamodule is not None:
         raise ValueError(f"{stage}: pass DataLoaders or datamodule=, not both")
-    source = _source(stage, model, datamodule) if loaders is None else None
+    source = None if loaders is not None else _source(stage, model, datamodule)  # raises before any hook runs
     _prepare(runtime, datamodule, model, stage, set_up_callbacks)  # with loaders passed too
-    if loaders is not None:
+    if source is None:
         return (loaders if stage == "fit" else one_loader(loaders, stage)), None
     if stage != "fit":
         return one_loader(getattr(source, LOADER_HOOKS[stage])(), stage), None

@@ -181,6 +181,19 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         return next((p.device for p in self.parameters()), torch.device("cpu"))
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the module's floating-point parameters (the first one's; ``torch.get_default_dtype()``
+        without any), as Lightning's ``self.dtype`` after ``.to(dtype)``, ``.half()`` or ``.double()``."""
+        return next((p.dtype for p in self.parameters() if p.is_floating_point()), torch.get_default_dtype())
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """Python's ``print(*args, **kwargs)`` on global rank zero only (also without a Trainer), as Lightning's
+        ``self.print``."""
+        trainer = self.__dict__.get("_trainer")
+        if trainer is None or trainer.is_global_zero:
+            print(*args, **kwargs)
+
+    @property
     def on_gpu(self) -> bool:
         """True on a CUDA device (Lightning's ``on_gpu``)."""
         return self.device.type == "cuda"
@@ -318,11 +331,25 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         optimizer.zero_grad()
 
     def toggle_optimizer(self, optimizer: Any) -> None:
-        """Freeze the parameters ``optimizer`` does not own until :meth:`untoggle_optimizer`."""
-        optimizer.toggle()
+        """Freeze the parameters ``optimizer`` does not own until :meth:`untoggle_optimizer`. ``optimizer``: one of
+        ``self.optimizers()`` or the torch optimizer inside it (Lightning takes either).
+
+        Raises:
+            ValueError: ``optimizer`` is not one of the module's optimizers under manual optimization."""
+        self._manual_optimizer(optimizer, "toggle_optimizer").toggle()
 
     def untoggle_optimizer(self, optimizer: Any) -> None:
-        optimizer.untoggle()
+        """Undo :meth:`toggle_optimizer` (the same kinds of ``optimizer``)."""
+        self._manual_optimizer(optimizer, "untoggle_optimizer").untoggle()
+
+    def _manual_optimizer(self, optimizer: Any, method: str) -> Any:
+        """The ``ManualOptimizer`` that is, or wraps, ``optimizer``."""
+        for manual in self.trainer.manual_optimizers:
+            if optimizer is manual or optimizer is manual.optimizer:
+                return manual
+        raise ValueError(f"{method}({type(optimizer).__name__}) takes one of self.optimizers() under manual "
+                         "optimization (self.automatic_optimization = False); under automatic optimization the "
+                         "Trainer steps one optimizer, which owns the parameters it trains")
 
 
 def _no_hook(self, *args: Any) -> None:

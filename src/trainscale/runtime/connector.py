@@ -7,6 +7,7 @@ valid choices or the flag to change, before any process or process group exists.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, get_args
 
@@ -111,8 +112,7 @@ def resolve(*args: Any, cuda_count: int = 0, has_mps: bool = False, **flags: Any
     compile_kwargs = _resolve_compile(f.compile)
     strategy, start_method = _resolve_strategy(f.strategy, accelerator, devices, num_nodes, cuda_count,
                                                compile_kwargs is not None)
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(f"unknown precision={precision!r}; choose one of {_choices(PRECISIONS)}")
+    precision = _unified_precision(precision)
     _check_sync_batchnorm(sync_batchnorm, strategy, accelerator)
     if float32_matmul_precision not in MATMUL_PRECISIONS:
         raise ValueError(f"unknown float32_matmul_precision={float32_matmul_precision!r}; choose one of "
@@ -153,6 +153,32 @@ def _resolve_devices(devices: Any, accelerator: str, cuda_count: int) -> int:
     if accelerator == "mps" and devices > 1:
         raise ValueError("MPS offers one device; pass devices=1, or accelerator='cpu' for several processes")
     return devices
+
+
+# Lightning's older spellings (its _PRECISION_INPUT_STR_ALIAS_CONVERSION), taken as Lightning takes them: with its
+# warning for 16 and bf16, silently for 32
+PRECISION_ALIASES = {16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed", 32: "32-true", "32": "32-true"}
+
+
+def _unified_precision(precision: Any) -> str:
+    """``precision`` as one of ``PRECISIONS``: itself, or a Lightning alias converted (``16`` -> ``"16-mixed"``).
+
+    Raises:
+        ValueError: any other value (64 and "64-true", Lightning's double precision, are named apart)."""
+    if isinstance(precision, (str, int)) and not isinstance(precision, bool) and precision in PRECISION_ALIASES:
+        unified = PRECISION_ALIASES[precision]
+        if str(precision)[:2] != "32":
+            warnings.warn(f"`precision={precision!r}` is supported for historical reasons but its usage is "
+                          f"discouraged. Please set your precision to {unified} instead!", UserWarning, stacklevel=4)
+        return unified
+    if precision in (64, "64", "64-true"):
+        raise ValueError(f"precision={precision!r} (float64 weights and compute, Lightning's '64-true') is not "
+                         f"supported; choose one of {_choices(PRECISIONS)}, or call model.double() yourself with "
+                         "'32-true'")
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"unknown precision={precision!r}; choose one of {_choices(PRECISIONS)} (Lightning's 16, "
+                         "32 and 'bf16' are taken too)")
+    return precision
 
 
 def _check_sync_batchnorm(sync_batchnorm: Any, strategy: str, accelerator: str) -> None:
