@@ -10,6 +10,9 @@ def _no_launcher_env(monkeypatch):
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
                  *(k for k in os.environ if k.startswith("SLURM_"))):  # pytest may run inside a SLURM job
         monkeypatch.delenv(name, raising=False)
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # trainscale.seed_everything sets them, as Lightning's does:
+        monkeypatch.setenv(name, "")  # recorded first, so that the value from before the test comes back after it
+        monkeypatch.delenv(name)
     yield
     import torch.distributed as dist
 

@@ -3,6 +3,7 @@ after ``fit``, step values in ``callback_metrics``, ``max_steps`` without ``max_
 loader on several ranks, the sanity check of a resumed ``fit``; and Lightning's spellings that ports meet."""
 
 import json
+import os
 import re
 import warnings
 
@@ -590,6 +591,99 @@ def test_seed_everything_without_a_seed_seeds_0_with_a_warning():
             assert trainscale.seed_everything() == 0
         first = torch.rand(3)
         assert trainscale.seed_everything(0) == 0 and torch.equal(torch.rand(3), first)
+    finally:
+        set_rng_state(state)
+
+
+class Shuffled(Probe):
+    """Records the first input of each training batch and a dropout mask drawn in each step."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((float(batch[0][0, 0]), torch.rand(()).item()))
+        return super().training_step(batch, batch_idx)
+
+
+def _shuffled_fit(tmp_path, **flags):
+    model = Shuffled()
+    loader = DataLoader(TensorDataset(torch.arange(16.0).reshape(8, 2), torch.zeros(8)), batch_size=2, shuffle=True)
+    _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, **flags).fit(model, loader)
+    return model.seen
+
+
+@pytest.mark.timeout(60)
+def test_the_seed_of_seed_everything_is_the_seed_of_each_later_fit(tmp_path):
+    """As Lightning's: seed_everything(n) in a script decides the fit's shuffle and random draws, so two scripts
+    with different seeds train differently; a Trainer(seed=...) given explicitly wins; without either, seed 0."""
+    from trainscale.checkpointing.rng import rng_state, set_rng_state
+
+    state = rng_state()
+    try:
+        unseeded = _shuffled_fit(tmp_path / "none")
+        trainscale.seed_everything(1)
+        one = _shuffled_fit(tmp_path / "one")
+        assert os.environ["PL_GLOBAL_SEED"] == "1" and os.environ["PL_SEED_WORKERS"] == "0"
+        trainscale.seed_everything(2)
+        two = _shuffled_fit(tmp_path / "two")
+        assert one != two and one != unseeded
+        assert _shuffled_fit(tmp_path / "explicit", seed=1) == one  # Trainer(seed=1) while seed_everything(2) holds
+        trainscale.seed_everything(1)
+        assert _shuffled_fit(tmp_path / "again") == one
+        del os.environ["PL_GLOBAL_SEED"]
+        assert _shuffled_fit(tmp_path / "default") == unseeded == _shuffled_fit(tmp_path / "zero", seed=0)
+    finally:
+        set_rng_state(state)
+
+
+def _worker_draws(_):
+    """A data set item drawn in a DataLoader worker from numpy's and Python's generators."""
+    import random as python_random
+
+    import numpy as np
+
+    return torch.tensor([float(np.random.randint(1 << 30)), float(python_random.randrange(1 << 30))])
+
+
+class _Draws(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return _worker_draws(i), torch.zeros(())
+
+
+@pytest.mark.timeout(60)
+def test_seed_everything_with_workers_seeds_numpy_and_python_in_each_worker(tmp_path):
+    """PyTorch seeds only torch in a worker; numpy's and Python's streams repeat in every worker unless the workers are
+    seeded (Lightning's seed_everything(workers=True)). Two workers, one batch each: their draws differ, and a second
+    fit with the same seed repeats them."""
+    from trainscale.checkpointing.rng import rng_state, set_rng_state
+
+    class Recording(Probe):
+        def __init__(self):
+            super().__init__()
+            self.draws = []
+
+        def training_step(self, batch, batch_idx):
+            self.draws.append(batch[0].tolist())
+            return self.layer(batch[0] * 0).pow(2).mean()
+
+    def fit():
+        model = Recording()
+        loader = DataLoader(_Draws(), batch_size=4, num_workers=2, multiprocessing_context="fork")
+        _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0).fit(model, loader)
+        return model.draws
+
+    state = rng_state()
+    try:
+        trainscale.seed_everything(3, workers=True)
+        first = fit()
+        assert first[0] != first[1]  # worker 0's batch and worker 1's
+        trainscale.seed_everything(3, workers=True)
+        assert fit() == first
     finally:
         set_rng_state(state)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import warnings
 
@@ -9,20 +10,40 @@ import numpy as np
 import torch
 
 
-def seed_everything(seed: int | None = None) -> int:
-    """Seed Python's ``random``, numpy's global generator and torch's (CPU and every CUDA device) with ``seed``
-    (an int in [0, 2**32); None: 0, with a warning, as Lightning's when no seed is found); returns it.
+def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
+    """Seed Python's ``random``, numpy's global generator and torch's (CPU and every CUDA device) with ``seed`` and
+    make it the seed of every later ``fit`` whose ``Trainer(seed=...)`` is left at None; returns it. As Lightning's
+    ``seed_everything``: the seed is kept in the ``PL_GLOBAL_SEED`` environment variable (so a process started by
+    ``ddp_spawn`` inherits it), ``workers=True`` sets ``PL_SEED_WORKERS=1``, and without a seed the one in
+    ``PL_GLOBAL_SEED`` is taken, else 0 with a warning. ``verbose`` is accepted for Lightning's signature (nothing
+    is printed).
 
-    ``Trainer.fit`` calls it with ``Trainer(seed=...)`` (default 0) on every rank; in a hand-written
-    ``Runtime`` loop, call it yourself (the same seed on every rank, as Lightning's ``seed_everything``);
-    ``trainscale.seed_everything`` is this function. Unlike Lightning's it reads no ``PL_GLOBAL_SEED``.
+    Args:
+        seed: an int in [0, 2**32) (numpy's range), or None.
+        workers: seed each DataLoader worker of the Trainer's loaders (Python, numpy and torch) from the seed, the
+            rank and the worker's id, as Lightning's ``pl_worker_init_function`` (``worker_init``).
+
+    Raises:
+        ValueError: a seed outside [0, 2**32).
+    """
+    if seed is None:
+        env_seed = os.environ.get("PL_GLOBAL_SEED")
+        seed = int(env_seed) if env_seed is not None and env_seed.isdigit() else 0
+        if env_seed is None:
+            warnings.warn("seed_everything() got no seed: seed set to 0 (as Lightning's)", UserWarning, stacklevel=2)
+    seed = seed_generators(seed)
+    os.environ["PL_GLOBAL_SEED"] = str(seed)
+    os.environ["PL_SEED_WORKERS"] = str(int(bool(workers)))
+    return seed
+
+
+def seed_generators(seed: int) -> int:
+    """Seed Python's ``random``, numpy's global generator and torch's (CPU and every CUDA device) with ``seed``;
+    returns it. ``Trainer.fit`` calls it on every rank with :func:`fit_seed`; it records nothing.
 
     Raises:
         ValueError: a seed outside [0, 2**32) (numpy's range).
     """
-    if seed is None:
-        seed = 0
-        warnings.warn("seed_everything() got no seed: seed set to 0 (as Lightning's)", UserWarning, stacklevel=2)
     seed = int(seed)
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed={seed} must lie in [0, 2**32) (numpy's range)")
@@ -30,6 +51,34 @@ def seed_everything(seed: int | None = None) -> int:
     np.random.seed(seed)
     torch.manual_seed(seed)
     return seed
+
+
+def fit_seed(seed: int | None) -> int:
+    """The seed a ``fit`` seeds with: ``Trainer(seed=...)`` when given, else the last :func:`seed_everything`'s
+    (``PL_GLOBAL_SEED``), else 0."""
+    if seed is not None:
+        return seed
+    env_seed = os.environ.get("PL_GLOBAL_SEED", "")
+    return int(env_seed) if env_seed.isdigit() and int(env_seed) < 2**32 else 0
+
+
+def seeds_workers() -> bool:
+    """Whether :func:`seed_everything` was called with ``workers=True`` (``PL_SEED_WORKERS=1``)."""
+    return os.environ.get("PL_SEED_WORKERS") == "1"
+
+
+def worker_init(worker_id: int, rank: int = 0) -> None:
+    """A DataLoader worker's ``worker_init_fn`` after ``seed_everything(..., workers=True)``, in the role of
+    Lightning's ``pl_worker_init_function``: seeds the worker's torch, Python and numpy generators with
+    independent streams derived from the base seed (torch's ``initial_seed()`` less ``worker_id``: PyTorch gives
+    worker ``i`` the loader's base seed + ``i``), ``worker_id`` and ``rank`` through numpy's ``SeedSequence``
+    (https://numpy.org/doc/stable/reference/random/parallel.html). The streams are not Lightning's bit for bit."""
+    base_seed = torch.initial_seed() - worker_id
+    state = np.random.SeedSequence([base_seed, worker_id, rank]).generate_state(4)
+    torch.manual_seed((int(state[0]) << 32) | int(state[1]))
+    random.seed((int(state[2]) << 32) | int(state[3]))
+    np.random.seed(state)
+
 
 def rng_state() -> dict:
     """This process's RNG states (torch CPU and CUDA, numpy, Python), in types ``weights_only`` loads."""

@@ -40,7 +40,7 @@ def build_parser(prog: str = "trainscale bench"):
     bench.add_argument("--timeout", type=float, default=900.0, help="seconds per cell before it is killed")
     bench.add_argument("--target-accuracy", type=float, default=None,
                        help="validation accuracy for the time-to-accuracy advice, e.g. 0.95")
-    add_trainer_flags(bench, ["accelerator", "seed"])
+    add_trainer_flags(bench, ["accelerator", "seed"], defaults={"seed": 0})
     bench.add_argument("--out", default=None, help="run directory (default runs/bench/version_N)")
     bench.add_argument("--resume", action="store_true", help="complete the sweep in --out (default: the newest), "
                                                              "skipping cells already recorded")

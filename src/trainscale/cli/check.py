@@ -29,7 +29,7 @@ def build_parser(prog: str = "trainscale check"):
                        help="your workload, bench's contract plus an optional 'trainer' dict of Trainer flags "
                             "(default: the ConvNet on MNIST-5k without BatchNorm)")
     add_trainer_flags(check, ["accelerator", "devices", "strategy", "precision", "seed"],
-                      defaults={"devices": 2, "strategy": "ddp"})
+                      defaults={"devices": 2, "strategy": "ddp", "seed": 0})
     check.add_argument("--steps", type=int, default=5, help="optimizer steps compared")
     check.add_argument("--batch-size", type=int, default=32,
                        help="global batch; with --lr-scaling the per-device batch")

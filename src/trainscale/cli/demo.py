@@ -23,7 +23,8 @@ def build_parser(prog: str = "trainscale demo"):
     demo = new_parser(prog, DESCRIPTION)
     demo.add_argument("--workload", default="convnet", choices=("convnet", "lm"),
                       help="convnet (MNIST digits) or lm (GPT on Shakespeare)")
-    add_trainer_flags(demo, ["accelerator", "devices", "strategy", "precision", "seed"], defaults={"devices": None})
+    add_trainer_flags(demo, ["accelerator", "devices", "strategy", "precision", "seed"],
+                      defaults={"devices": None, "seed": 0})
     demo.add_argument("--epochs", type=int, default=None, help="epochs (default 5 for convnet, 1 for lm)")
     demo.add_argument("--batch-size", type=int, default=None,
                       help="per-device batch size (default 64 for convnet, 16 sequences for lm)")

@@ -89,7 +89,7 @@ class LightningCLI:
             override them); ``callbacks`` here are always added, after those of the config.
         seed_everything_default: ``--seed_everything``'s default: an int seeds Python, numpy and torch with it before
             the classes are built and becomes the Trainer's ``seed`` (which seeds each ``fit``); True: the Trainer's
-            ``seed`` (0 unless ``--trainer.seed`` is given; Lightning: 0 too, unless ``PL_GLOBAL_SEED``); False: no
+            ``seed`` (``--trainer.seed``, else ``PL_GLOBAL_SEED``, else 0, as Lightning's); False: no
             seeding before the classes are built.
         parser_kwargs: keyword arguments of each jsonargparse ``ArgumentParser``; a key that is a subcommand's
             name holds that subcommand parser's (``{"fit": {"default_config_files": ["fit.yaml"]}}``).
@@ -224,14 +224,14 @@ class LightningCLI:
         return section.get(key, default)
 
     def _set_seed(self) -> None:
-        from trainscale.checkpointing.rng import seed_everything
+        from trainscale.checkpointing.rng import fit_seed, seed_everything
 
         seed = self._get(self.config, "seed_everything")
         if seed is False:
             return
         trainer = self._get(self.config, "trainer")
         if seed is True:
-            seed = trainer.seed
+            seed = fit_seed(trainer.seed)  # --trainer.seed, else PL_GLOBAL_SEED, else 0
         trainer.seed = seed_everything(seed)  # the Trainer seeds each fit with it again
 
     def before_instantiate_classes(self) -> None:

@@ -26,6 +26,8 @@ _LIGHTNING_MAX_EPOCHS = 1000  # Lightning's max_epochs when none is set (loops/u
 
 # The rules of single flags that are more than a least value or a list of choices (see ``flag``).
 def _seed(name: str, value) -> None:
+    if value is None:  # the seed of seed_everything(), else 0 (checkpointing.rng.fit_seed)
+        return
     check_int(name, value, 0)
     if value >= 2**32:
         raise ValueError(f"{name}={value} must be < 2**32 (numpy's limit)")
@@ -75,7 +77,8 @@ class TrainerConfig:
         seed: at the start of each ``fit``, Python's ``random``, numpy and torch (CPU and every CUDA device) are seeded
             with it on every rank alike (``trainscale.seed_everything``), before the model is set up (a model built on
             the meta device is initialised from it); the training samplers shuffle epoch ``e`` with ``seed + e``.
-            Default 0, so runs repeat unless it is changed. A model built before ``fit`` takes its initial weights from
+            None (the default): the seed of the script's last ``seed_everything(n)`` (Lightning's
+            ``PL_GLOBAL_SEED``), else 0, so runs repeat unless it is changed. A model built before ``fit`` takes its initial weights from
             the script's own random state: seed before building it. A resumed run restores each rank's saved RNG states
             instead.
         default_root_dir: runs are written to ``default_root_dir/version_N``.
@@ -167,7 +170,7 @@ class TrainerConfig:
     accumulate_grad_batches: int = flag(1, low=1)
     gradient_clip_val: float | None = flag(None, low=1e-12)
     gradient_clip_algorithm: Literal["norm", "value"] = flag("norm")
-    seed: int = flag(0, check=_seed)
+    seed: int | None = flag(None, check=_seed)
     default_root_dir: str | Path = Path("runs")  # made a Path, and checked, by _root_dir
     log_every_n_steps: int = flag(50, low=1)
     enable_progress_bar: bool = flag(True)

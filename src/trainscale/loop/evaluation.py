@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from trainscale.checkpointing import checkpointer, run_dirs as ckpt
+from trainscale.checkpointing.rng import fit_seed
 from trainscale.lightning.data_sources import resolve_loaders
 from trainscale.lightning.metrics import MetricCollector, metric_states_kept
 from trainscale.lightning.module import attach_trainer, set_up_model
@@ -376,7 +377,7 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     if ckpt_path is not None:
         rt.load(ckpt_path, {checkpointer.weights_key(checkpointer.is_sharded(ckpt_path)): model})
         rt.print(f"trainscale: {method} with the weights of {ckpt_path}")
-    loader = rt.setup_dataloader(dataloaders, seed=trainer.config.seed, shuffle=False, even=False)
+    loader = rt.setup_dataloader(dataloaders, seed=fit_seed(trainer.config.seed), shuffle=False, even=False)
     if method == "predict":
         trainer._hook("on_predict_start")
         predictions = predict(rt, loop_module, wrapped, loader, trainer._hook,

@@ -32,7 +32,7 @@ from trainscale.runtime.runtime import Runtime
 from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry
 from trainscale.checkpointing import checkpointer, run_dirs as ckpt
-from trainscale.checkpointing.rng import rng_state, seed_everything, set_rng_state
+from trainscale.checkpointing.rng import fit_seed, rng_state, seed_generators, seeds_workers, set_rng_state, worker_init
 from trainscale.loop import evaluation
 from trainscale.scaling.batch_scaling import BatchScaling
 from trainscale.tune.batch_size import tuned_loader
@@ -79,7 +79,7 @@ class Trainer:
                  # the loop's flags (TrainerConfig)
                  max_epochs: int | None = None, max_steps: int | None = None, accumulate_grad_batches: int = 1,
                  gradient_clip_val: float | None = None, gradient_clip_algorithm: Literal["norm", "value"] = "norm",
-                 seed: int = 0,
+                 seed: int | None = None,
                  default_root_dir: str | Path = Path("runs"), log_every_n_steps: int = 50,
                  enable_progress_bar: bool = True, enable_checkpointing: bool = True,
                  checkpoint_every_n_steps: int | None = None, keep_last: int | None = 3,
@@ -122,7 +122,8 @@ class Trainer:
             seed: at the start of each ``fit``, Python's ``random``, numpy and torch (CPU and every CUDA device) are
                 seeded with it on every rank alike (``trainscale.seed_everything``), before the model is set up (a model
                 built on the meta device is initialised from it); the training samplers shuffle epoch ``e`` with ``seed
-                + e``. Default 0, so runs repeat unless it is changed. A model built before ``fit`` takes its initial
+                + e``. None (the default): the seed of the script's last ``seed_everything(n)`` (Lightning's
+                ``PL_GLOBAL_SEED``), else 0, so runs repeat unless it is changed. A model built before ``fit`` takes its initial
                 weights from the script's own random state: seed before building it. A resumed run restores each rank's
                 saved RNG states instead.
             default_root_dir: runs are written to ``default_root_dir/version_N``.
@@ -269,6 +270,7 @@ class Trainer:
             self.runtime.launch()
         self.state = TrainState()
         self.run_dir: Path | None = None
+        self.fit_seed: int | None = None  # the seed of the last fit (Trainer(seed=...), else seed_everything's, else 0)
         self.datamodule: Any = None  # the data module of the last fit (Lightning's trainer.datamodule)
         self.ckpt_path: Path | None = None  # the checkpoint the running (or last) fit resumed from (Lightning's name)
         # the latest number of each name (epoch records, logs): floats, and step values as device tensors until read
@@ -470,7 +472,7 @@ class Trainer:
         warn_default_max_epochs(cfg, self.flags["max_epochs"], rt.is_rank_zero)
         drop_unpicklable(getattr(model, "hparams", None), warn=rt.is_rank_zero)  # Lightning's clean_namespace
         train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
-        seed_everything(cfg.seed)
+        self.fit_seed = seed_generators(fit_seed(cfg.seed))  # Trainer(seed=...), else seed_everything's, else 0
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
         fit.reload = reload_hooks
         _warn_eval_mode(fit.model)  # it trains in the modes it comes in, as Lightning (a frozen part keeps eval mode)
@@ -564,14 +566,16 @@ class Trainer:
         else:
             if rt.is_rank_zero and not cfg.overfit_batches:
                 warn_unshuffled(train_dataloaders, rt.data_parallel_size)  # Lightning would shuffle it
-            train_loader = rt.setup_dataloader(train_dataloaders, seed=cfg.seed)
+            train_loader = rt.setup_dataloader(train_dataloaders, seed=self.fit_seed)
         if val_dataloaders is not None and loop_module.has_training_step and getattr(model, "validation_step", None) is None:
             warnings.warn(f"a validation DataLoader was passed but {type(model).__name__} defines no validation_step: "
                           "validation is skipped (as in Lightning); define validation_step to validate", stacklevel=4)
             val_dataloaders = None
-        val_loader = (rt.setup_dataloader(val_dataloaders, seed=cfg.seed, even=False)
+        val_loader = (rt.setup_dataloader(val_dataloaders, seed=self.fit_seed, even=False)
                       if val_dataloaders is not None and cfg.limit_val_batches != 0 else None)  # 0: off
         check_loaders(train_loader, val_loader)
+        if seeds_workers():  # seed_everything(..., workers=True), as Lightning's pl_worker_init_function
+            _seed_workers((train_loader, val_loader), (train_dataloaders, val_dataloaders), rt.rank)
         return train_loader, val_loader
 
     def _reload_loaders(self, fit: FitRun, epoch: int) -> None:
@@ -1093,6 +1097,15 @@ class Trainer:
             yield
         finally:
             self.running_hook = outer
+
+
+def _seed_workers(loaders: tuple, given: tuple, rank: int) -> None:
+    """Give each of ``loaders`` that has workers and no ``worker_init_fn`` of its own :func:`worker_init` for
+    ``rank``; a loader that is one of ``given`` (the user's object, used as it is) is left unchanged."""
+    for loader in loaders:
+        if (loader is not None and not any(loader is g for g in given) and getattr(loader, "num_workers", 0)
+                and getattr(loader, "worker_init_fn", True) is None):
+            loader.worker_init_fn = functools.partial(worker_init, rank=rank)
 
 
 def _warn_eval_mode(model: nn.Module) -> None:
