@@ -3,6 +3,7 @@
 import inspect
 import re
 from dataclasses import MISSING, fields
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -42,6 +43,7 @@ def test_unknown_flag_and_defaults(tmp_path):
         resolve_trainer_config(max_epoch=3)
     cfg = resolve_trainer_config(default_root_dir=str(tmp_path), max_steps=5)
     assert isinstance(cfg, TrainerConfig) and cfg.default_root_dir == tmp_path and cfg.step_limit == 5
+    assert resolve_trainer_config(default_root_dir=None).default_root_dir == Path("runs")  # Lightning's None
     assert resolve_trainer_config().step_limit == float("inf")
     with pytest.raises(Exception):
         cfg.max_epochs = 2  # frozen

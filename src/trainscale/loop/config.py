@@ -81,7 +81,7 @@ class TrainerConfig:
             ``PL_GLOBAL_SEED``), else 0, so runs repeat unless it is changed. A model built before ``fit`` takes its initial weights from
             the script's own random state: seed before building it. A resumed run restores each rank's saved RNG states
             instead.
-        default_root_dir: runs are written to ``default_root_dir/version_N``.
+        default_root_dir: runs are written to ``default_root_dir/version_N`` (None: ``runs``, the default).
         log_every_n_steps: optimizer steps between step records (one host sync and, with telemetry, one all_gather of a
             small tensor each).
         enable_progress_bar: a tqdm bar on rank zero.
@@ -171,7 +171,7 @@ class TrainerConfig:
     gradient_clip_val: float | None = flag(None, low=1e-12)
     gradient_clip_algorithm: Literal["norm", "value"] = flag("norm")
     seed: int | None = flag(None, check=_seed)
-    default_root_dir: str | Path = Path("runs")  # made a Path, and checked, by _root_dir
+    default_root_dir: str | Path | None = Path("runs")  # made a Path, and checked, by _root_dir (None: "runs")
     log_every_n_steps: int = flag(50, low=1)
     enable_progress_bar: bool = flag(True)
     enable_checkpointing: bool = flag(True)
@@ -308,6 +308,8 @@ def _limited(limit: int | float | None, full: float) -> float:
 
 
 def _root_dir(value) -> Path:
+    if value is None:  # Lightning's None (there: the working directory); here trainscale's default
+        value = Path("runs")
     if not isinstance(value, (str, Path)) or str(value) == "":
         raise ValueError(f"default_root_dir={value!r} must be a directory path (str or Path)")
     path = Path(value)

@@ -80,7 +80,7 @@ class Trainer:
                  max_epochs: int | None = None, max_steps: int | None = None, accumulate_grad_batches: int = 1,
                  gradient_clip_val: float | None = None, gradient_clip_algorithm: Literal["norm", "value"] = "norm",
                  seed: int | None = None,
-                 default_root_dir: str | Path = Path("runs"), log_every_n_steps: int = 50,
+                 default_root_dir: str | Path | None = Path("runs"), log_every_n_steps: int = 50,
                  enable_progress_bar: bool = True, enable_checkpointing: bool = True,
                  checkpoint_every_n_steps: int | None = None, keep_last: int | None = 3,
                  checkpoint_async: bool = False, on_nonfinite: Literal["raise", "skip"] = "raise",
@@ -126,7 +126,7 @@ class Trainer:
                 ``PL_GLOBAL_SEED``), else 0, so runs repeat unless it is changed. A model built before ``fit`` takes its initial
                 weights from the script's own random state: seed before building it. A resumed run restores each rank's
                 saved RNG states instead.
-            default_root_dir: runs are written to ``default_root_dir/version_N``.
+            default_root_dir: runs are written to ``default_root_dir/version_N`` (None: ``runs``, the default).
             log_every_n_steps: optimizer steps between step records (one host sync and, with telemetry, one all_gather
                 of a small tensor each).
             enable_progress_bar: a tqdm bar on rank zero.
