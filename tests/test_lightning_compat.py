@@ -3,6 +3,7 @@ after ``fit``, step values in ``callback_metrics``, ``max_steps`` without ``max_
 loader on several ranks, the sanity check of a resumed ``fit``; and Lightning's spellings that ports meet."""
 
 import json
+import math
 import re
 import warnings
 
@@ -2002,3 +2003,77 @@ def test_fit_asks_for_the_validation_loader_first_with_the_random_state_put_back
 
     train, val = resolve_fit_loaders(trainer.runtime, _RandomData(), None, None, None)
     assert torch.equal(train.dataset.tensors[0], val.dataset.tensors[0])  # both drawn from the same random state
+
+
+# -- trainer.estimated_stepping_batches ---------------------------------------------------------------------------------
+class _OneCycle(Probe):
+    """Lightning's recipe: a ``OneCycleLR`` sized by ``estimated_stepping_batches`` in ``configure_optimizers`` (it
+    raises when stepped more often than ``total_steps``)."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05)
+        self.estimated = self.trainer.estimated_stepping_batches
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=self.estimated)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags, samples, expected", [
+    ({"max_epochs": 2}, 8, 8),  # 4 batches of 2, twice
+    ({"max_epochs": 2, "accumulate_grad_batches": 3}, 10, 4),  # 5 batches: steps after 3 and after the last 2
+    ({"max_epochs": 2, "limit_train_batches": 3}, 10, 6),
+    ({"max_epochs": 10, "max_steps": 5}, 8, 5),
+    ({"max_steps": 3}, 8, 3),  # no epoch limit
+])
+def test_estimated_stepping_batches_is_read_in_configure_optimizers_and_is_the_steps_fit_takes(tmp_path, flags,
+                                                                                               samples, expected):
+    model = _OneCycle()
+    trainer = _trainer(tmp_path, num_sanity_val_steps=0, **flags)
+    trainer.fit(model, _loader(samples))
+    assert model.estimated == expected == trainer.global_step
+    assert trainer.estimated_stepping_batches == expected  # after fit too
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([(torch.ones(2), torch.zeros(())) for _ in range(6)])
+
+
+@pytest.mark.timeout(60)
+def test_estimated_stepping_batches_of_an_iterable_loader_and_of_endless_training_is_lightnings(tmp_path):
+    assert _trainer(tmp_path, max_epochs=-1).estimated_stepping_batches == math.inf
+    assert _trainer(tmp_path, max_epochs=-1, max_steps=7).estimated_stepping_batches == 7
+    with pytest.raises(RuntimeError, match="configure_optimizers"):
+        _trainer(tmp_path, max_epochs=1).estimated_stepping_batches  # no training loader yet
+    noted = []
+
+    class Noting(Probe):
+        def configure_optimizers(self):
+            noted.append(self.trainer.estimated_stepping_batches)
+            return super().configure_optimizers()
+
+    _trainer(tmp_path, max_steps=2, max_epochs=3).fit(Noting(), DataLoader(_Stream(), batch_size=2))
+    _trainer(tmp_path, max_epochs=1).fit(Noting(), DataLoader(_Stream(), batch_size=2))
+    assert noted == [2, -1]  # an iterable's length is unknown: max_steps, -1 without it (Lightning's value)
+
+
+def _stepping_on_two_ranks(rank: int, root: str) -> dict:
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy="ddp", timeout=60, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, default_root_dir=root, max_epochs=2,
+                      accumulate_grad_batches=2, num_sanity_val_steps=0)
+    try:
+        model = _OneCycle()
+        trainer.fit(model, _loader(10))
+        return {"estimated": model.estimated, "steps": trainer.global_step}
+    finally:
+        trainer.runtime.teardown()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_estimated_stepping_batches_counts_this_ranks_share_on_two_ranks(tmp_path):
+    from tests.helpers import run_distributed
+
+    ranks = run_distributed(_stepping_on_two_ranks, str(tmp_path), timeout=100)
+    # 10 samples: 5 per rank, 3 batches of 2, 2 optimizer steps per epoch (one process: 5 batches, 3 steps)
+    assert ranks[0] == ranks[1] == {"estimated": 4, "steps": 4}

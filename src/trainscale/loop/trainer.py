@@ -349,9 +349,35 @@ class Trainer:
     @property
     def num_training_batches(self) -> int | float:
         """Training micro-batches of this rank's epoch, after ``limit_train_batches``/``overfit_batches`` (Lightning's
-        attribute; inf before ``fit`` and for an iterable data set until its iterator ends)."""
-        batches = self._fit.epoch_batches if self._fit is not None else math.inf
+        attribute; inf before ``fit`` has its training loader and for an iterable data set until its iterator ends)."""
+        fit = self._fit
+        if fit is None:
+            return math.inf
+        # before the first epoch counts them (from configure_optimizers on): the loader's, limited
+        batches = fit.epoch_batches or self.config.train_batches(evaluation.loader_length(fit.train_loader))
         return int(batches) if batches != math.inf else batches
+
+    @property
+    def estimated_stepping_batches(self) -> int | float:
+        """Optimizer steps the whole ``fit`` will take, as Lightning's (``trainer.estimated_stepping_batches``): with
+        ``max_epochs=-1``, ``max_steps`` (inf without it); else ``ceil(num_training_batches / accumulate_grad_batches)
+        × max(max_epochs, 1)``, at most ``max_steps`` (``num_training_batches``: this rank's share of the loader, after
+        ``limit_train_batches``); for an iterable data set ``max_steps`` (-1 without it, Lightning's value). Readable
+        from ``configure_optimizers`` on: ``OneCycleLR(opt, max_lr, total_steps=self.trainer.estimated_stepping_batches)``.
+
+        Raises:
+            RuntimeError: read before ``fit`` has its training loader (``configure_optimizers`` is the first place)."""
+        cfg = self.config
+        if cfg.max_epochs == -1:
+            return math.inf if cfg.max_steps is None else cfg.max_steps
+        if self._fit is None:
+            raise RuntimeError("trainer.estimated_stepping_batches needs the training loader of a fit: read it from "
+                               "configure_optimizers or a hook of fit (self.trainer.estimated_stepping_batches)")
+        batches = self.num_training_batches
+        if batches == math.inf:  # an iterable data set: its epochs' length is unknown
+            return self.max_steps
+        steps = math.ceil(batches / cfg.accumulate_grad_batches) * max(cfg.max_epochs, 1)
+        return steps if cfg.max_steps is None else min(steps, cfg.max_steps)
 
     @property
     def num_val_batches(self) -> list[int | float]:
@@ -535,11 +561,13 @@ class Trainer:
         self.last_setup = set_up_model(rt, model, loss_fn, self.last_setup)  # reused from an earlier fit or evaluation
         _, loop_module, wrapped = self.last_setup
         self._arm_hooks(model)
+        # the loaders first, so that configure_optimizers can read estimated_stepping_batches (as Lightning's loads them)
+        train_loader, val_loader = self._distribute_loaders(model, loop_module, train_dataloaders, val_dataloaders)
+        self._fit = fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, None, datamodule=self.datamodule)
         with self._running("configure_optimizers"):
             self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
                 model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
                 before_step=lambda opt: self._hook("on_before_optimizer_step", opt))
-        train_loader, val_loader = self._distribute_loaders(model, loop_module, train_dataloaders, val_dataloaders)
         # FLOPs are counted on a plain forward and backward only: the user's manual training_step steps optimizers
         # (a retry after a failed count would step them twice) and a pipeline stage holds part of the model (and
         # its schedule's sends must not run twice); there MFU comes from the model's declared FLOPs, if any
@@ -549,9 +577,8 @@ class Trainer:
         telemetry.attach(wrapped)  # its parameter count and declared FLOPs per token, for MFU
         if self.config.enable_telemetry and rt.world_size > 1:  # DDP's gradient all-reduce, timed by a comm hook
             telemetry.comm_timed = rt.strategy.time_allreduce(wrapped, telemetry.clock, telemetry.record_comm)
-        self._fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, telemetry,
-                           datamodule=self.datamodule)
-        return self._fit
+        fit.telemetry = telemetry
+        return fit
 
     def _distribute_loaders(self, model, loop_module, train_dataloaders, val_dataloaders) -> tuple[Any, Any]:
         """The training and validation loaders as the loop reads them: each rank's share (``Runtime.setup_dataloader``;
