@@ -2057,23 +2057,84 @@ def test_estimated_stepping_batches_of_an_iterable_loader_and_of_endless_trainin
     assert noted == [2, -1]  # an iterable's length is unknown: max_steps, -1 without it (Lightning's value)
 
 
-def _stepping_on_two_ranks(rank: int, root: str) -> dict:
+class _UsesStrategy(_OneCycle):
+    """Calls Lightning's ``self.trainer.strategy`` collectives in ``on_train_start``, as user code does."""
+
+    def on_train_start(self):
+        strategy = self.trainer.strategy
+        rank = strategy.global_rank
+        strategy.barrier()
+        strategy.barrier("named")
+        x = torch.tensor([float(rank + 1)], requires_grad=True)
+        gathered = strategy.all_gather(x, sync_grads=True)  # (2, 1): every rank's x
+        (gathered[:, 0] * torch.tensor([1.0, 10.0])).sum().backward()  # each x's gradient, summed over the ranks
+        self.seen = {
+            "broadcast": strategy.broadcast({"from": rank}, src=1),
+            "sum": strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="sum").item(),
+            "mean": strategy.reduce(torch.tensor(float(rank + 1))).item(),  # Lightning's default: "mean"
+            "max": strategy.reduce(torch.tensor(rank + 1), reduce_op="max").item(),
+            "not_a_tensor": strategy.reduce(3.0),
+            "gathered": gathered.detach().tolist(), "grad": x.grad.tolist(),
+            "places": (strategy.world_size, rank, strategy.local_rank, strategy.is_global_zero,
+                       str(strategy.root_device)),
+            "modules": (strategy.lightning_module is self, type(strategy.model).__name__),
+        }
+
+
+def _fit_on_two_ranks(rank: int, root: str) -> dict:
     trainer = Trainer(accelerator="cpu", devices="auto", strategy="ddp", timeout=60, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False, default_root_dir=root, max_epochs=2,
                       accumulate_grad_batches=2, num_sanity_val_steps=0)
     try:
-        model = _OneCycle()
+        model = _UsesStrategy()
         trainer.fit(model, _loader(10))
-        return {"estimated": model.estimated, "steps": trainer.global_step}
+        return {"estimated": model.estimated, "steps": trainer.global_step, **model.seen}
     finally:
         trainer.runtime.teardown()
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(120)
-def test_estimated_stepping_batches_counts_this_ranks_share_on_two_ranks(tmp_path):
+@pytest.fixture(scope="module")
+def two_rank_fit(tmp_path_factory):
+    """One 2-rank ddp fit of :class:`_UsesStrategy` (gloo), its ranks' results."""
     from tests.helpers import run_distributed
 
-    ranks = run_distributed(_stepping_on_two_ranks, str(tmp_path), timeout=100)
+    return run_distributed(_fit_on_two_ranks, str(tmp_path_factory.mktemp("two_ranks")), timeout=100)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_estimated_stepping_batches_counts_this_ranks_share_on_two_ranks(two_rank_fit):
     # 10 samples: 5 per rank, 3 batches of 2, 2 optimizer steps per epoch (one process: 5 batches, 3 steps)
-    assert ranks[0] == ranks[1] == {"estimated": 4, "steps": 4}
+    for rank in two_rank_fit:
+        assert (rank["estimated"], rank["steps"]) == (4, 4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_strategys_collectives_work_from_a_hook_on_two_ranks(two_rank_fit):
+    for rank, seen in enumerate(two_rank_fit):
+        assert seen["broadcast"] == {"from": 1}
+        assert (seen["sum"], seen["mean"], seen["max"], seen["not_a_tensor"]) == (3.0, 1.5, 2, 3.0)
+        assert seen["gathered"] == [[1.0], [2.0]]
+        assert seen["grad"] == [2.0 if rank == 0 else 20.0]  # d/dx of both ranks' losses: 1 + 1, 10 + 10
+        assert seen["places"] == (2, rank, rank, rank == 0, "cpu")
+        assert seen["modules"] == (True, "DistributedDataParallel")
+
+
+@pytest.mark.timeout(60)
+def test_trainer_strategy_exists_from_trainer_and_its_collectives_pass_through_on_one_process(tmp_path):
+    trainer = _trainer(tmp_path, max_steps=1, num_sanity_val_steps=0)
+    strategy = trainer.strategy
+    assert (strategy.world_size, strategy.global_rank, strategy.local_rank, strategy.is_global_zero) == (0 + 1, 0, 0,
+                                                                                                          True)
+    assert strategy.root_device == torch.device("cpu")
+    assert strategy.model is None and strategy.lightning_module is None  # no model yet, as Lightning's
+    t = torch.tensor([1.0, 2.0])
+    assert strategy.reduce(t, reduce_op="sum") is t and strategy.all_gather(t) is t  # no process group: as given
+    assert strategy.broadcast("x") == "x" and strategy.barrier() is None
+    model = Probe()
+    trainer.fit(model, _loader(4))
+    assert strategy.lightning_module is model and trainer.strategy is strategy
+    spawning = _trainer(tmp_path, strategy="ddp_spawn", devices=2)
+    with pytest.raises(AttributeError, match="exists in the ranks that fit/validate/test/predict start"):
+        spawning.strategy

@@ -347,6 +347,22 @@ class Trainer:
                            doc="Whether the last fit ended in an exception (Lightning's ``trainer.interrupted``).")
 
     @property
+    def strategy(self) -> Any:
+        """Lightning's ``trainer.strategy``: the Runtime's :class:`~trainscale.runtime.strategies.base.Strategy`, from
+        ``Trainer()`` on, with Lightning's public members (``root_device``, ``barrier``, ``broadcast``, ``reduce``,
+        ``all_gather``, ``is_global_zero``, ``world_size``, ``global_rank``, ``local_rank``, ``model``,
+        ``lightning_module``).
+
+        Raises:
+            AttributeError: in the process that starts a "ddp_spawn"/"ddp_notebook" job, whose strategy exists in
+                the ranks ``fit``/``validate``/``test``/``predict`` start."""
+        if self.runtime.strategy is None:
+            raise AttributeError(f"trainer.strategy of strategy={self.runtime.flags.strategy!r} exists in the ranks that "
+                                 "fit/validate/test/predict start, not in this process: read it there (in a hook, "
+                                 "self.trainer.strategy)")
+        return self.runtime.strategy
+
+    @property
     def num_training_batches(self) -> int | float:
         """Training micro-batches of this rank's epoch, after ``limit_train_batches``/``overfit_batches`` (Lightning's
         attribute; inf before ``fit`` has its training loader and for an iterable data set until its iterator ends)."""
