@@ -2138,3 +2138,36 @@ def test_trainer_strategy_exists_from_trainer_and_its_collectives_pass_through_o
     spawning = _trainer(tmp_path, strategy="ddp_spawn", devices=2)
     with pytest.raises(AttributeError, match="exists in the ranks that fit/validate/test/predict start"):
         spawning.strategy
+
+
+# -- detect_anomaly ----------------------------------------------------------------------------------------------------
+class _NanGradient(Probe):
+    """A finite loss whose backward makes NaN (sqrt's gradient at 0 times 0), and a note of the anomaly mode."""
+
+    def training_step(self, batch, batch_idx):
+        self.mode_inside = torch.is_anomaly_enabled()
+        return (self.layer(batch[0]) * 0).sqrt().sum()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:Error detected in SqrtBackward0")  # torch's note of the forward's traceback
+def test_detect_anomaly_names_the_operation_that_made_nan_and_restores_the_mode(tmp_path, caplog):
+    import logging
+
+    assert not torch.is_anomaly_enabled()
+    model = _NanGradient()
+    _trainer(tmp_path, max_steps=1, num_sanity_val_steps=0).fit(model, _loader(4))  # NaN gradients, unnoticed
+    assert model.mode_inside is False
+    with caplog.at_level(logging.INFO, logger="trainscale.loop.trainer"):
+        trainer = _trainer(tmp_path, max_steps=1, num_sanity_val_steps=0, detect_anomaly=True)
+    assert "You have turned on `Trainer(detect_anomaly=True)`" in caplog.text
+    with pytest.raises(RuntimeError, match="'SqrtBackward0' returned nan values"):
+        trainer.fit(model, _loader(4))
+    assert model.mode_inside is True and not torch.is_anomaly_enabled()  # off again after the error
+    torch.autograd.set_detect_anomaly(True)
+    try:
+        with pytest.raises(RuntimeError, match="returned nan values"):
+            trainer.fit(model, _loader(4))
+        assert torch.is_anomaly_enabled()  # the mode it found is restored
+    finally:
+        torch.autograd.set_detect_anomaly(False)

@@ -160,6 +160,9 @@ class TrainerConfig:
             for new loaders, as Lightning's; loaders passed to ``fit`` stay. 0: never.
         enable_model_summary: print a :class:`~trainscale.callbacks.ModelSummary` (layers, parameters, size) on rank
             zero at the start of ``fit``, unless the callbacks hold one (Lightning's default).
+        detect_anomaly: run ``fit`` under ``torch.autograd.set_detect_anomaly(True)`` (Lightning's flag): a backward
+            that produces NaN names the forward operation that made it, with its traceback; much slower, for
+            debugging. The previous mode is restored when ``fit`` ends, also on an error.
     """
 
     max_epochs: int | None = None  # the rules of max_epochs and max_steps: _loop_limits
@@ -204,6 +207,7 @@ class TrainerConfig:
     enable_model_summary: bool = flag(True)
     use_distributed_sampler: bool = flag(True)
     reload_dataloaders_every_n_epochs: int = flag(0, low=0)
+    detect_anomaly: bool = flag(False)
 
     def train_batches(self, full: float) -> float:
         """An epoch's micro-batches under ``limit_train_batches``, of ``full`` without it (infinite: an iterable's)."""

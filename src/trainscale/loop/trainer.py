@@ -96,7 +96,7 @@ class Trainer:
                  fast_dev_run: bool | int = False, max_time: str | timedelta | dict | None = None,
                  overfit_batches: int | float = 0.0, deterministic: bool | Literal["warn"] | None = None,
                  enable_model_summary: bool = True, use_distributed_sampler: bool = True,
-                 reload_dataloaders_every_n_epochs: int = 0) -> None:
+                 reload_dataloaders_every_n_epochs: int = 0, detect_anomaly: bool = False) -> None:
         """The Runtime's flags (accelerator, devices, strategy, num_nodes, precision, timeout, strategy_options,
         sync_batchnorm, activation_checkpointing, compile, float32_matmul_precision, parallel, tp_plan, parallelize,
         pp_schedule, pp_microbatches, pp_split_points) are described in ``Runtime.__init__``; the loop's are fields of
@@ -207,6 +207,9 @@ class Trainer:
             reload_dataloaders_every_n_epochs: N > 0: at the start of every N-th epoch since the loaders were made, ask the
                 data hooks (``train_dataloader()``, ``val_dataloader()`` of the data module or the model; not ``setup``)
                 for new loaders, as Lightning's; loaders passed to ``fit`` stay. 0: never.
+            detect_anomaly: run ``fit`` under ``torch.autograd.set_detect_anomaly(True)`` (Lightning's flag): a backward
+                that produces NaN names the forward operation that made it, with its traceback; much slower, for
+                debugging. The previous mode is restored when ``fit`` ends, also on an error.
 
         Raises:
             TypeError: a misspelt flag (naming the closest one; type checkers refuse it too).
@@ -235,7 +238,7 @@ class Trainer:
             check_val_every_n_epoch=check_val_every_n_epoch, num_sanity_val_steps=num_sanity_val_steps,
             fast_dev_run=fast_dev_run, max_time=max_time, overfit_batches=overfit_batches, deterministic=deterministic,
             enable_model_summary=enable_model_summary, use_distributed_sampler=use_distributed_sampler,
-            reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs)
+            reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs, detect_anomaly=detect_anomaly)
         self.flags = dict(runtime_flags, **loop_flags, callbacks=callbacks, logger=logger,
                           profiler=profiler)  # a ddp_spawn rank rebuilds the Trainer from them
         self.profiler = resolve_profiler(profiler)  # Lightning's trainer.profiler
@@ -262,6 +265,7 @@ class Trainer:
         # ``runtime``: the one Runtime.launch made for a ddp_spawn rank, built from the same flags
         self.runtime = runtime if runtime is not None else Runtime(**runtime_flags)
         say_one_batch_limits(self.config, self.runtime.is_rank_zero)  # an int 1 and a float 1.0 differ, as Lightning
+        _say_detect_anomaly(self.config.detect_anomaly, self.runtime.is_rank_zero)
         self.checkpoints = CheckpointWrites(self.runtime, self.config, self.log_metrics)  # checkpoint_async
         self.count_flops = resolve_count_flops(self.config.count_flops, self.runtime.device.type,
                                                self.runtime.config.compile is not None)
@@ -478,8 +482,10 @@ class Trainer:
                                       cfg.handle_signals)
         self.fitting, self.state.status = True, "running"
         try:
-            summary = self._run_fit(model, (train_dataloaders, val_dataloaders, reload), loss_fn, optimizer, ckpt_path,
-                                    ckpt_verify)
+            # Lightning's detect_anomaly: on for the fit, the previous mode back after it (also on an error)
+            with torch.autograd.set_detect_anomaly(True) if cfg.detect_anomaly else contextlib.nullcontext():
+                summary = self._run_fit(model, (train_dataloaders, val_dataloaders, reload), loss_fn, optimizer,
+                                        ckpt_path, ckpt_verify)
             self.state.status = "finished"
             return summary
         except BaseException as err:
@@ -1140,6 +1146,13 @@ def _warn_eval_mode(model: nn.Module) -> None:
         warnings.warn(f"the model ({type(model).__name__}) is in eval mode at the start of fit: it trains so (dropout "
                       "off, BatchNorm statistics not updated), as in Lightning; call model.train() before fit to train "
                       "in training mode (submodules you put in eval mode stay so)", UserWarning, stacklevel=4)
+
+
+def _say_detect_anomaly(on: bool, rank_zero: bool) -> None:
+    """Lightning's note in ``Trainer(detect_anomaly=True)``, at INFO on rank zero (``log_info``)."""
+    if on and rank_zero:
+        log_info(_log, "You have turned on `Trainer(detect_anomaly=True)`. This will significantly slow down compute "
+                       "speed and is recommended only for model debugging.")
 
 
 def set_torch_flags(deterministic: bool | str | None) -> None:
