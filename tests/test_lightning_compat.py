@@ -2171,3 +2171,56 @@ def test_detect_anomaly_names_the_operation_that_made_nan_and_restores_the_mode(
         assert torch.is_anomaly_enabled()  # the mode it found is restored
     finally:
         torch.autograd.set_detect_anomaly(False)
+
+
+# -- Lightning's ddp spellings with find_unused_parameters ----------------------------------------------------------
+@pytest.mark.parametrize("name, start_method, value", [
+    ("ddp_find_unused_parameters_true", None, True), ("ddp_find_unused_parameters_false", None, False),
+    ("ddp_spawn_find_unused_parameters_true", "spawn", True), ("ddp_spawn_find_unused_parameters_false", "spawn", False),
+    ("ddp_notebook_find_unused_parameters_true", "fork", True), ("ddp_fork_find_unused_parameters_false", "fork", False),
+])
+def test_lightnings_find_unused_parameters_names_are_ddp_with_the_option(name, start_method, value):
+    from trainscale.runtime.connector import resolve
+    from trainscale.runtime.flags import RuntimeFlags
+    from trainscale.runtime.strategies.ddp import DDPStrategy
+
+    config = resolve(accelerator="cpu", devices=2, strategy=name)
+    assert (config.strategy, config.start_method) == ("ddp", start_method)
+    flags = RuntimeFlags(strategy=name)
+    assert config.strategy_class.options_from({"static_graph": False}, config, flags) == {
+        "static_graph": False, "find_unused_parameters": value}
+    with pytest.raises(ValueError, match=f"strategy='{name}' sets find_unused_parameters={value}, but strategy_options"):
+        DDPStrategy.options_from({"find_unused_parameters": not value}, config, flags)
+    assert DDPStrategy.options_from(None, config, RuntimeFlags(strategy="ddp")) == {}  # "ddp" leaves it off
+
+
+class _Unused(Probe):
+    """A parameter no step uses: DDP's reducer waits for its gradient unless ``find_unused_parameters``."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Linear(2, 1)
+
+
+def _unused_on_two_ranks(rank: int, root: str, strategy: str) -> dict | str:
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, timeout=60, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, default_root_dir=root, max_steps=2,
+                      num_sanity_val_steps=0)
+    try:
+        trainer.fit(_Unused(), _loader(8))
+        return {"find_unused": trainer.strategy.model.find_unused_parameters, "steps": trainer.global_step}
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        trainer.runtime.teardown()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_ddp_find_unused_parameters_true_trains_a_model_with_an_unused_parameter_on_two_ranks(tmp_path):
+    from tests.helpers import run_distributed
+
+    ranks = run_distributed(_unused_on_two_ranks, str(tmp_path), "ddp_find_unused_parameters_true", timeout=100)
+    assert ranks == [{"find_unused": True, "steps": 2}] * 2
+    refused = run_distributed(_unused_on_two_ranks, str(tmp_path), "ddp", timeout=100)
+    assert all("Expected to have finished reduction" in err for err in refused)  # what the option is for

@@ -111,7 +111,8 @@ class Runtime:
                 processes per node; else 1).
             strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp"
                 (docs/strategies.md), or "ddp_spawn"/"ddp_notebook"/"ddp_fork": ddp with the processes started from
-                this one by spawn/fork/fork.
+                this one by spawn/fork/fork; Lightning's "ddp_find_unused_parameters_true"/"_false" (also after
+                "ddp_spawn", "ddp_fork", "ddp_notebook"): that ddp with ``find_unused_parameters`` True/False.
             num_nodes: machines in the job; None (not given): the launcher's count of nodes (pods, SLURM nodes,
                 torchrun's agents), 1 without a launcher.
             precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
