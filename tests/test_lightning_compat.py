@@ -2224,3 +2224,78 @@ def test_ddp_find_unused_parameters_true_trains_a_model_with_an_unused_parameter
     assert ranks == [{"find_unused": True, "steps": 2}] * 2
     refused = run_distributed(_unused_on_two_ranks, str(tmp_path), "ddp", timeout=100)
     assert all("Expected to have finished reduction" in err for err in refused)  # what the option is for
+
+
+# -- trainer.training / validating / testing / predicting, num_devices, device_ids ------------------------------------
+class _Stages(Callback):
+    """Notes Lightning's stage flags at each hook it implements."""
+
+    def __init__(self):
+        self.seen: dict[str, tuple] = {}
+
+    def _note(self, hook, trainer):
+        self.seen.setdefault(hook, (trainer.training, trainer.sanity_checking, trainer.validating, trainer.testing,
+                                    trainer.predicting))
+
+    def on_sanity_check_start(self, trainer, module):
+        self._note("sanity", trainer)
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self._note("train_batch", trainer)
+
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        self._note("sanity_batch" if trainer.sanity_checking else "fit_validation" if trainer.fitting else "validate",
+                   trainer)
+
+    def on_train_epoch_end(self, trainer, module):
+        self._note("train_epoch_end", trainer)
+
+    def on_test_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        self._note("test", trainer)
+
+    def on_predict_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        self._note("predict", trainer)
+
+
+class _AllSteps(ValBoth):
+    def test_step(self, batch, batch_idx):
+        self.log("tb", float(batch_idx))
+
+    def predict_step(self, batch, batch_idx):
+        return batch[0]
+
+
+@pytest.mark.timeout(60)
+def test_the_stage_flags_say_what_runs_as_lightnings(tmp_path):
+    stages = _Stages()
+    trainer = _trainer(tmp_path, max_epochs=1, callbacks=[stages])
+    model = _AllSteps()
+    trainer.fit(model, _loader(4), _loader(4))
+    assert (trainer.training, trainer.validating) == (False, False)  # after fit
+    trainer.validate(model, _loader(4), verbose=False)
+    trainer.test(model, _loader(4), verbose=False)
+    trainer.predict(model, _loader(4))
+    #                   training, sanity_checking, validating, testing, predicting
+    assert stages.seen == {"sanity": (False, True, False, False, False),
+                           "sanity_batch": (False, True, False, False, False),
+                           "train_batch": (True, False, False, False, False),
+                           "fit_validation": (False, False, True, False, False),
+                           "train_epoch_end": (True, False, False, False, False),
+                           "validate": (False, False, True, False, False),
+                           "test": (False, False, False, True, False),
+                           "predict": (False, False, False, False, True)}
+    assert not any((trainer.training, trainer.validating, trainer.testing, trainer.predicting))
+    trainer.testing = True  # Lightning's setters: one stage at a time
+    assert trainer.testing and trainer.state.stage == "test"
+    trainer.training = False  # not the running one: no change
+    assert trainer.testing
+    trainer.testing = False
+    assert trainer.state.stage is None
+
+
+@pytest.mark.timeout(60)
+def test_num_devices_and_device_ids_count_this_nodes_devices(tmp_path):
+    trainer = _trainer(tmp_path)
+    assert (trainer.num_devices, trainer.device_ids) == (1, [0])
+    spawning = _trainer(tmp_path, strategy="ddp_spawn", devices=2)  # no process started until fit
+    assert (spawning.num_devices, spawning.device_ids) == (2, [0, 1])

@@ -59,6 +59,20 @@ from trainscale.loop.state import EpochLoss, FitRun, MicroBatch, MicroBatchBooks
 _log = logging.getLogger(__name__)  # Lightning's notes at INFO (log_info: printed where logging shows no INFO)
 
 
+def _stage_flag(stage: str, doc: str) -> property:
+    """A bool view of ``trainer.state.stage`` (Lightning's ``trainer.training`` and its kin): True while ``stage``
+    runs; set True, that stage runs; set False, none does when it was the one running (Lightning's setters)."""
+
+    def running(trainer: Trainer) -> bool:
+        return trainer.state.stage == stage
+
+    def set_running(trainer: Trainer, on: bool) -> None:
+        if on or trainer.state.stage == stage:
+            trainer.state.stage = stage if on else None
+
+    return property(running, set_running, doc=doc)
+
+
 class Trainer:
     """Fit, validate, test and predict on any strategy by changing flags (keyword only; :meth:`__init__` names and
     describes each). With ``devices > 1`` outside a launcher the script re-executes under torchrun in ``Trainer()``.
@@ -279,7 +293,6 @@ class Trainer:
         self.callback_metrics: dict[str, float | torch.Tensor] = {}
         self.should_stop = False  # set by a callback (EarlyStopping) or max_time: stop, on every rank
         self.fitting = False  # True during fit (Lightning's trainer.state.fn == "fit"); validate() after it: False
-        self.sanity_checking = False  # True while the sanity check's validation runs (num_sanity_val_steps)
         self.validated_at: list[int] = []  # global steps at which the last fit validated (sanity check excluded)
         self._deadline = math.inf  # time.monotonic() at which max_time runs out
         self.optimizers: list = []
@@ -349,6 +362,22 @@ class Trainer:
     limit_predict_batches = property(lambda self: self.config.limit_predict_batches, doc="The flag (None: all).")
     interrupted = property(lambda self: self.state.status == "interrupted",
                            doc="Whether the last fit ended in an exception (Lightning's ``trainer.interrupted``).")
+
+    # Lightning's views of trainer.state.stage (TrainState.stage), each settable as Lightning's
+    training = _stage_flag("train", "True in fit, except while it validates or runs the sanity check.")
+    sanity_checking = _stage_flag("sanity_check", "True while the sanity check runs (num_sanity_val_steps).")
+    validating = _stage_flag("validate", "True while validate() runs, and while fit validates.")
+    testing = _stage_flag("test", "True while test() runs.")
+    predicting = _stage_flag("predict", "True while predict() runs.")
+
+    @property
+    def device_ids(self) -> list[int]:
+        """The indexes of the devices this node's ranks use, as Lightning's: ``[0, ..., devices - 1]``; with one
+        device, its index (0 on a CPU)."""
+        devices = self.runtime.config.devices
+        return [self.runtime.device.index or 0] if devices == 1 else list(range(devices))
+
+    num_devices = property(lambda self: len(self.device_ids), doc="Devices per node (Lightning's: len(device_ids)).")
 
     @property
     def strategy(self) -> Any:
@@ -480,7 +509,7 @@ class Trainer:
         self._fit, self._run_lock = None, RunLock()  # the run directory's lock: taken by _run_fit, released below
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
-        self.fitting, self.state.status = True, "running"
+        self.fitting, self.state.status, self.training = True, "running", True
         try:
             # Lightning's detect_anomaly: on for the fit, the previous mode back after it (also on an error)
             with torch.autograd.set_detect_anomaly(True) if cfg.detect_anomaly else contextlib.nullcontext():
@@ -499,7 +528,7 @@ class Trainer:
                 raise
             raise explained from err
         finally:
-            self.fitting = False
+            self.fitting, self.state.stage = False, None
             self.profiler.describe()  # its report (and files), as Lightning's teardown, also after an error
             self._faults.stop()
             self._run_lock.release()
@@ -929,7 +958,9 @@ class Trainer:
     def _validate(self, fit: FitRun, mid_epoch: bool) -> dict[str, float]:
         """Validation during ``fit`` (``evaluation.evaluate_stage``: its hooks, ``callback_metrics``); a mid-epoch
         one is also written as a "validation" record (an epoch-end one goes in the epoch record)."""
+        self.validating = True  # Lightning's stage, back to training after it
         results = evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation")
+        self.training = True
         self.validated_at.append(self.global_step)
         fit.validated_after = self.state.batches
         if mid_epoch:
@@ -947,7 +978,7 @@ class Trainer:
         restarting = resume is not None and (not resume.complete or self.config.max_steps is not None)
         if restarting or fit.val_loader is None or self.config.sanity_val_batches == 0:
             return
-        saved_rng, saved_metrics = rng_state(), dict(self.callback_metrics)
+        saved_rng, saved_metrics, stage = rng_state(), dict(self.callback_metrics), self.state.stage
         self.sanity_checking = True
         self._hook("on_sanity_check_start")
         limit = self.config.sanity_val_batches
@@ -955,7 +986,7 @@ class Trainer:
         evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation",
                                   num_batches=min(limit, self.config.val_batches(batches)))
         self._hook("on_sanity_check_end")
-        self.sanity_checking = False
+        self.state.stage = stage  # training again, as Lightning's
         self.callback_metrics = saved_metrics
         set_rng_state(saved_rng)
 
@@ -1086,10 +1117,14 @@ class Trainer:
         if model is None:
             model, ckpt_path = evaluation.fitted_model(self, method, ckpt_path)
         kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path, method)  # before any ddp_spawn start
-        with self._on_exception():
-            if self.runtime.spawns:
-                return run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
-            return evaluation.run_stage(self, method, model, dataloaders, **kwargs)
+        previous, self.state.stage = self.state.stage, method  # Lightning's stage: "validate", "test", "predict"
+        try:
+            with self._on_exception():
+                if self.runtime.spawns:
+                    return run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
+                return evaluation.run_stage(self, method, model, dataloaders, **kwargs)
+        finally:
+            self.state.stage = previous
 
     # -- plumbing -------------------------------------------------------------------------------------
     def _arm_hooks(self, model: nn.Module) -> None:
