@@ -2082,13 +2082,18 @@ class _UsesStrategy(_OneCycle):
 
 
 def _fit_on_two_ranks(rank: int, root: str) -> dict:
+    from trainscale.utilities import rank_zero_only
+
+    rank_zero_only.rank = 0  # as a forked rank inherits it: Runtime.launch sets this process's rank
     trainer = Trainer(accelerator="cpu", devices="auto", strategy="ddp", timeout=60, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False, default_root_dir=root, max_epochs=2,
                       accumulate_grad_batches=2, num_sanity_val_steps=0)
     try:
         model = _UsesStrategy()
         trainer.fit(model, _loader(10))
-        return {"estimated": model.estimated, "steps": trainer.global_step, **model.seen}
+        said = rank_zero_only(lambda: "said", default="quiet")()
+        return {"estimated": model.estimated, "steps": trainer.global_step, "rank_zero_only": (rank_zero_only.rank, said),
+                **model.seen}
     finally:
         trainer.runtime.teardown()
 
@@ -2119,6 +2124,7 @@ def test_the_strategys_collectives_work_from_a_hook_on_two_ranks(two_rank_fit):
         assert seen["grad"] == [2.0 if rank == 0 else 20.0]  # d/dx of both ranks' losses: 1 + 1, 10 + 10
         assert seen["places"] == (2, rank, rank, rank == 0, "cpu")
         assert seen["modules"] == (True, "DistributedDataParallel")
+        assert seen["rank_zero_only"] == (rank, "said" if rank == 0 else "quiet")
 
 
 @pytest.mark.timeout(60)
@@ -2299,3 +2305,68 @@ def test_num_devices_and_device_ids_count_this_nodes_devices(tmp_path):
     assert (trainer.num_devices, trainer.device_ids) == (1, [0])
     spawning = _trainer(tmp_path, strategy="ddp_spawn", devices=2)  # no process started until fit
     assert (spawning.num_devices, spawning.device_ids) == (2, [0, 1])
+
+
+# -- trainscale.utilities: rank_zero_only and the rank_zero_* messages -----------------------------------------------
+def test_rank_zero_only_runs_on_rank_zero_and_returns_the_default_elsewhere(monkeypatch):
+    from trainscale.utilities import rank_zero_only
+
+    calls = []
+
+    @rank_zero_only
+    def noted(x):
+        calls.append(x)
+        return x * 2
+
+    assert rank_zero_only.rank == 0  # this test process: no launcher
+    assert noted(3) == 6 and calls == [3] and noted.__name__ == "noted"
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    assert noted(4) is None and rank_zero_only(lambda: 1, default=-1)() == -1 and calls == [3]
+    monkeypatch.setattr(rank_zero_only, "rank", None)
+    with pytest.raises(RuntimeError, match="rank_zero_only.rank is None"):
+        noted(5)
+
+
+@pytest.mark.parametrize("env, rank", [({"RANK": "3", "LOCAL_RANK": "1"}, 3), ({"LOCAL_RANK": "1", "SLURM_PROCID": "5"}, 1),
+                                       ({"SLURM_PROCID": "5"}, 5), ({"JSM_NAMESPACE_RANK": "2"}, 2), ({}, 0)])
+def test_the_rank_is_read_from_the_launchers_variables_in_lightnings_order(env, rank):
+    from trainscale.utilities.rank_zero import launcher_rank
+
+    assert launcher_rank(env) == rank
+
+
+def test_rank_zero_only_rank_is_set_from_rank_when_imported(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RANK": "2", "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", "import trainscale.utilities as u; print(u.rank_zero_only.rank)"],
+                         env=env, capture_output=True, text=True, timeout=60, check=True, cwd=tmp_path)
+    assert out.stdout.strip() == "2"
+
+
+def test_rank_zero_messages_are_said_on_rank_zero_only_and_name_their_caller(monkeypatch, caplog):
+    import logging
+
+    from trainscale.utilities import rank_zero_debug, rank_zero_info, rank_zero_only, rank_zero_warn
+
+    with caplog.at_level(logging.DEBUG, logger="trainscale.utilities.rank_zero"):
+        rank_zero_info("epoch %d done", 3)
+        rank_zero_debug("details")
+    assert [(r.levelname, r.getMessage(), r.funcName) for r in caplog.records] == [
+        ("INFO", "epoch 3 done", "test_rank_zero_messages_are_said_on_rank_zero_only_and_name_their_caller"),
+        ("DEBUG", "details", "test_rank_zero_messages_are_said_on_rank_zero_only_and_name_their_caller")]
+    with pytest.warns(UserWarning, match="careful") as warned:
+        rank_zero_warn("careful")
+    assert warned[0].filename == __file__
+    with pytest.warns(DeprecationWarning):
+        rank_zero_warn("old", category=DeprecationWarning)
+    caplog.clear()
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    with caplog.at_level(logging.DEBUG, logger="trainscale.utilities.rank_zero"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning would raise
+        rank_zero_info("no")
+        rank_zero_debug("no")
+        rank_zero_warn("no")
+    assert caplog.records == []

@@ -360,8 +360,8 @@ _ONE_BATCH = {"limit_train_batches": ("1 batch per epoch will be used.", "100% o
 
 def say_one_batch_limits(cfg: TrainerConfig, say: bool) -> None:
     """When ``say`` (rank zero): each of :func:`one_batch_messages` at INFO through this module's logger where logging
-    shows INFO, printed otherwise (``callbacks.base.log_info``), as Lightning's ``rank_zero_info``."""
-    from trainscale.callbacks.base import log_info
+    shows INFO, printed otherwise (``utilities.rank_zero.log_info``), as Lightning's ``rank_zero_info``."""
+    from trainscale.utilities.rank_zero import log_info
 
     for message in one_batch_messages(cfg) if say else ():
         log_info(_log, message)

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from trainscale.callbacks import Callback, ModelCheckpoint, ModelSummary, TQDMProgressBar, resolve_callbacks
-from trainscale.callbacks.base import HOOKS, log_info, overridden_hooks
+from trainscale.callbacks.base import HOOKS, overridden_hooks
+from trainscale.utilities.rank_zero import log_info
 from trainscale.loggers import resolve_loggers
 from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, PipelineScheduleFlag, PrecisionFlag,
                                       StrategyFlag, names_closest_flag)

@@ -44,6 +44,7 @@ from trainscale.runtime.precision import Precision, float32_matmul_note, tf32_en
 from trainscale.runtime.strategies import create_strategy
 from trainscale.runtime.strategies.base import all_reduce
 from trainscale.runtime.world import World, launcher_variables
+from trainscale.utilities.rank_zero import rank_zero_only
 
 _REDUCE_OPS = ("sum", "mean", "max", "min")
 
@@ -249,6 +250,7 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._start_process_groups()
+        rank_zero_only.rank = self.world.rank  # this process's rank in the job it joined, as Lightning's strategies set it
         self.strategy = create_strategy(self.config.strategy, device=self.device, world=self.world,
                                         precision=self.precision, **self.strategy_options)
         self._launched = True
