@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "trainscale"
 
 # Lowest first. A package may import its own modules and those of any lower layer, never a higher one.
 LAYERS = [
-    {"models", "data"},
+    {"models", "data", "utilities"},
     {"runtime"},
     {"telemetry"},
     {"scaling"},

@@ -77,8 +77,10 @@ def test_the_strategy_flag_type_holds_exactly_the_names_the_resolver_takes():
     from trainscale.runtime.connector import START_METHOD_NAMES
     from trainscale.runtime.flags import StrategyFlag
     from trainscale.runtime.strategies import STRATEGIES
+    from trainscale.runtime.strategies.ddp import FIND_UNUSED_NAMES
 
-    assert get_args(StrategyFlag) == (*STRATEGIES, *START_METHOD_NAMES)  # the names _resolve_strategy takes
+    # the names _resolve_strategy takes
+    assert get_args(StrategyFlag) == (*STRATEGIES, *START_METHOD_NAMES, *FIND_UNUSED_NAMES)
 
 
 @pytest.mark.parametrize(("given", "unified", "warns"), [(16, "16-mixed", True), ("16", "16-mixed", True),

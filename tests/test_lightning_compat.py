@@ -3,6 +3,7 @@ after ``fit``, step values in ``callback_metrics``, ``max_steps`` without ``max_
 loader on several ranks, the sanity check of a resumed ``fit``; and Lightning's spellings that ports meet."""
 
 import json
+import math
 import os
 import re
 import warnings
@@ -2186,3 +2187,370 @@ def test_print_dtype_and_toggle_optimizer_with_the_torch_optimizer(tmp_path, cap
     assert all(p.requires_grad for p in model.parameters())
     with pytest.raises(ValueError, match=r"toggle_optimizer\(SGD\) takes one of self.optimizers\(\)"):
         model.toggle_optimizer(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1))
+
+
+# -- trainer.estimated_stepping_batches ---------------------------------------------------------------------------------
+class _OneCycle(Probe):
+    """Lightning's recipe: a ``OneCycleLR`` sized by ``estimated_stepping_batches`` in ``configure_optimizers`` (it
+    raises when stepped more often than ``total_steps``)."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05)
+        self.estimated = self.trainer.estimated_stepping_batches
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=self.estimated)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags, samples, expected", [
+    ({"max_epochs": 2}, 8, 8),  # 4 batches of 2, twice
+    ({"max_epochs": 2, "accumulate_grad_batches": 3}, 10, 4),  # 5 batches: steps after 3 and after the last 2
+    ({"max_epochs": 2, "limit_train_batches": 3}, 10, 6),
+    ({"max_epochs": 10, "max_steps": 5}, 8, 5),
+    ({"max_steps": 3}, 8, 3),  # no epoch limit
+])
+def test_estimated_stepping_batches_is_read_in_configure_optimizers_and_is_the_steps_fit_takes(tmp_path, flags,
+                                                                                               samples, expected):
+    model = _OneCycle()
+    trainer = _trainer(tmp_path, num_sanity_val_steps=0, **flags)
+    trainer.fit(model, _loader(samples))
+    assert model.estimated == expected == trainer.global_step
+    assert trainer.estimated_stepping_batches == expected  # after fit too
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([(torch.ones(2), torch.zeros(())) for _ in range(6)])
+
+
+@pytest.mark.timeout(60)
+def test_estimated_stepping_batches_of_an_iterable_loader_and_of_endless_training_is_lightnings(tmp_path):
+    assert _trainer(tmp_path, max_epochs=-1).estimated_stepping_batches == math.inf
+    assert _trainer(tmp_path, max_epochs=-1, max_steps=7).estimated_stepping_batches == 7
+    with pytest.raises(RuntimeError, match="configure_optimizers"):
+        _trainer(tmp_path, max_epochs=1).estimated_stepping_batches  # no training loader yet
+    noted = []
+
+    class Noting(Probe):
+        def configure_optimizers(self):
+            noted.append(self.trainer.estimated_stepping_batches)
+            return super().configure_optimizers()
+
+    _trainer(tmp_path, max_steps=2, max_epochs=3).fit(Noting(), DataLoader(_Stream(), batch_size=2))
+    _trainer(tmp_path, max_epochs=1).fit(Noting(), DataLoader(_Stream(), batch_size=2))
+    assert noted == [2, -1]  # an iterable's length is unknown: max_steps, -1 without it (Lightning's value)
+
+
+class _UsesStrategy(_OneCycle):
+    """Calls Lightning's ``self.trainer.strategy`` collectives in ``on_train_start``, as user code does."""
+
+    def on_train_start(self):
+        strategy = self.trainer.strategy
+        rank = strategy.global_rank
+        strategy.barrier()
+        strategy.barrier("named")
+        x = torch.tensor([float(rank + 1)], requires_grad=True)
+        gathered = strategy.all_gather(x, sync_grads=True)  # (2, 1): every rank's x
+        (gathered[:, 0] * torch.tensor([1.0, 10.0])).sum().backward()  # each x's gradient, summed over the ranks
+        self.seen = {
+            "broadcast": strategy.broadcast({"from": rank}, src=1),
+            "sum": strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="sum").item(),
+            "mean": strategy.reduce(torch.tensor(float(rank + 1))).item(),  # Lightning's default: "mean"
+            "max": strategy.reduce(torch.tensor(rank + 1), reduce_op="max").item(),
+            "not_a_tensor": strategy.reduce(3.0),
+            "gathered": gathered.detach().tolist(), "grad": x.grad.tolist(),
+            "places": (strategy.world_size, rank, strategy.local_rank, strategy.is_global_zero,
+                       str(strategy.root_device)),
+            "modules": (strategy.lightning_module is self, type(strategy.model).__name__),
+        }
+
+
+def _fit_on_two_ranks(rank: int, root: str) -> dict:
+    from trainscale.utilities import rank_zero_only
+
+    rank_zero_only.rank = 0  # as a forked rank inherits it: Runtime.launch sets this process's rank
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy="ddp", timeout=60, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, default_root_dir=root, max_epochs=2,
+                      accumulate_grad_batches=2, num_sanity_val_steps=0)
+    try:
+        model = _UsesStrategy()
+        trainer.fit(model, _loader(10))
+        said = rank_zero_only(lambda: "said", default="quiet")()
+        return {"estimated": model.estimated, "steps": trainer.global_step, "rank_zero_only": (rank_zero_only.rank, said),
+                **model.seen}
+    finally:
+        trainer.runtime.teardown()
+
+
+@pytest.fixture(scope="module")
+def two_rank_fit(tmp_path_factory):
+    """One 2-rank ddp fit of :class:`_UsesStrategy` (gloo), its ranks' results."""
+    from tests.helpers import run_distributed
+
+    return run_distributed(_fit_on_two_ranks, str(tmp_path_factory.mktemp("two_ranks")), timeout=100)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_estimated_stepping_batches_counts_this_ranks_share_on_two_ranks(two_rank_fit):
+    # 10 samples: 5 per rank, 3 batches of 2, 2 optimizer steps per epoch (one process: 5 batches, 3 steps)
+    for rank in two_rank_fit:
+        assert (rank["estimated"], rank["steps"]) == (4, 4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_strategys_collectives_work_from_a_hook_on_two_ranks(two_rank_fit):
+    for rank, seen in enumerate(two_rank_fit):
+        assert seen["broadcast"] == {"from": 1}
+        assert (seen["sum"], seen["mean"], seen["max"], seen["not_a_tensor"]) == (3.0, 1.5, 2, 3.0)
+        assert seen["gathered"] == [[1.0], [2.0]]
+        assert seen["grad"] == [2.0 if rank == 0 else 20.0]  # d/dx of both ranks' losses: 1 + 1, 10 + 10
+        assert seen["places"] == (2, rank, rank, rank == 0, "cpu")
+        assert seen["modules"] == (True, "DistributedDataParallel")
+        assert seen["rank_zero_only"] == (rank, "said" if rank == 0 else "quiet")
+
+
+@pytest.mark.timeout(60)
+def test_trainer_strategy_exists_from_trainer_and_its_collectives_pass_through_on_one_process(tmp_path):
+    trainer = _trainer(tmp_path, max_steps=1, num_sanity_val_steps=0)
+    strategy = trainer.strategy
+    assert (strategy.world_size, strategy.global_rank, strategy.local_rank, strategy.is_global_zero) == (0 + 1, 0, 0,
+                                                                                                          True)
+    assert strategy.root_device == torch.device("cpu")
+    assert strategy.model is None and strategy.lightning_module is None  # no model yet, as Lightning's
+    t = torch.tensor([1.0, 2.0])
+    assert strategy.reduce(t, reduce_op="sum") is t and strategy.all_gather(t) is t  # no process group: as given
+    assert strategy.broadcast("x") == "x" and strategy.barrier() is None
+    model = Probe()
+    trainer.fit(model, _loader(4))
+    assert strategy.lightning_module is model and trainer.strategy is strategy
+    spawning = _trainer(tmp_path, strategy="ddp_spawn", devices=2)
+    with pytest.raises(AttributeError, match="exists in the ranks that fit/validate/test/predict start"):
+        spawning.strategy
+
+
+# -- detect_anomaly ----------------------------------------------------------------------------------------------------
+class _NanGradient(Probe):
+    """A finite loss whose backward makes NaN (sqrt's gradient at 0 times 0), and a note of the anomaly mode."""
+
+    def training_step(self, batch, batch_idx):
+        self.mode_inside = torch.is_anomaly_enabled()
+        return (self.layer(batch[0]) * 0).sqrt().sum()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:Error detected in SqrtBackward0")  # torch's note of the forward's traceback
+def test_detect_anomaly_names_the_operation_that_made_nan_and_restores_the_mode(tmp_path, caplog):
+    import logging
+
+    assert not torch.is_anomaly_enabled()
+    model = _NanGradient()
+    _trainer(tmp_path, max_steps=1, num_sanity_val_steps=0).fit(model, _loader(4))  # NaN gradients, unnoticed
+    assert model.mode_inside is False
+    with caplog.at_level(logging.INFO, logger="trainscale.loop.trainer"):
+        trainer = _trainer(tmp_path, max_steps=1, num_sanity_val_steps=0, detect_anomaly=True)
+    assert "You have turned on `Trainer(detect_anomaly=True)`" in caplog.text
+    with pytest.raises(RuntimeError, match="'SqrtBackward0' returned nan values"):
+        trainer.fit(model, _loader(4))
+    assert model.mode_inside is True and not torch.is_anomaly_enabled()  # off again after the error
+    torch.autograd.set_detect_anomaly(True)
+    try:
+        with pytest.raises(RuntimeError, match="returned nan values"):
+            trainer.fit(model, _loader(4))
+        assert torch.is_anomaly_enabled()  # the mode it found is restored
+    finally:
+        torch.autograd.set_detect_anomaly(False)
+
+
+# -- Lightning's ddp spellings with find_unused_parameters ----------------------------------------------------------
+@pytest.mark.parametrize("name, start_method, value", [
+    ("ddp_find_unused_parameters_true", None, True), ("ddp_find_unused_parameters_false", None, False),
+    ("ddp_spawn_find_unused_parameters_true", "spawn", True), ("ddp_spawn_find_unused_parameters_false", "spawn", False),
+    ("ddp_notebook_find_unused_parameters_true", "fork", True), ("ddp_fork_find_unused_parameters_false", "fork", False),
+])
+def test_lightnings_find_unused_parameters_names_are_ddp_with_the_option(name, start_method, value):
+    from trainscale.runtime.connector import resolve
+    from trainscale.runtime.flags import RuntimeFlags
+    from trainscale.runtime.strategies.ddp import DDPStrategy
+
+    config = resolve(accelerator="cpu", devices=2, strategy=name)
+    assert (config.strategy, config.start_method) == ("ddp", start_method)
+    flags = RuntimeFlags(strategy=name)
+    assert config.strategy_class.options_from({"static_graph": False}, config, flags) == {
+        "static_graph": False, "find_unused_parameters": value}
+    with pytest.raises(ValueError, match=f"strategy='{name}' sets find_unused_parameters={value}, but strategy_options"):
+        DDPStrategy.options_from({"find_unused_parameters": not value}, config, flags)
+    assert DDPStrategy.options_from(None, config, RuntimeFlags(strategy="ddp")) == {}  # "ddp" leaves it off
+
+
+class _Unused(Probe):
+    """A parameter no step uses: DDP's reducer waits for its gradient unless ``find_unused_parameters``."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Linear(2, 1)
+
+
+def _unused_on_two_ranks(rank: int, root: str, strategy: str) -> dict | str:
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, timeout=60, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, default_root_dir=root, max_steps=2,
+                      num_sanity_val_steps=0)
+    try:
+        trainer.fit(_Unused(), _loader(8))
+        return {"find_unused": trainer.strategy.model.find_unused_parameters, "steps": trainer.global_step}
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        trainer.runtime.teardown()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_ddp_find_unused_parameters_true_trains_a_model_with_an_unused_parameter_on_two_ranks(tmp_path):
+    from tests.helpers import run_distributed
+
+    ranks = run_distributed(_unused_on_two_ranks, str(tmp_path), "ddp_find_unused_parameters_true", timeout=100)
+    assert ranks == [{"find_unused": True, "steps": 2}] * 2
+    refused = run_distributed(_unused_on_two_ranks, str(tmp_path), "ddp", timeout=100)
+    assert all("Expected to have finished reduction" in err for err in refused)  # what the option is for
+
+
+# -- trainer.training / validating / testing / predicting, num_devices, device_ids ------------------------------------
+class _Stages(Callback):
+    """Notes Lightning's stage flags at each hook it implements."""
+
+    def __init__(self):
+        self.seen: dict[str, tuple] = {}
+
+    def _note(self, hook, trainer):
+        self.seen.setdefault(hook, (trainer.training, trainer.sanity_checking, trainer.validating, trainer.testing,
+                                    trainer.predicting))
+
+    def on_sanity_check_start(self, trainer, module):
+        self._note("sanity", trainer)
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self._note("train_batch", trainer)
+
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        self._note("sanity_batch" if trainer.sanity_checking else "fit_validation" if trainer.fitting else "validate",
+                   trainer)
+
+    def on_train_epoch_end(self, trainer, module):
+        self._note("train_epoch_end", trainer)
+
+    def on_test_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        self._note("test", trainer)
+
+    def on_predict_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        self._note("predict", trainer)
+
+
+class _AllSteps(ValBoth):
+    def test_step(self, batch, batch_idx):
+        self.log("tb", float(batch_idx))
+
+    def predict_step(self, batch, batch_idx):
+        return batch[0]
+
+
+@pytest.mark.timeout(60)
+def test_the_stage_flags_say_what_runs_as_lightnings(tmp_path):
+    stages = _Stages()
+    trainer = _trainer(tmp_path, max_epochs=1, callbacks=[stages])
+    model = _AllSteps()
+    trainer.fit(model, _loader(4), _loader(4))
+    assert (trainer.training, trainer.validating) == (False, False)  # after fit
+    trainer.validate(model, _loader(4), verbose=False)
+    trainer.test(model, _loader(4), verbose=False)
+    trainer.predict(model, _loader(4))
+    #                   training, sanity_checking, validating, testing, predicting
+    assert stages.seen == {"sanity": (False, True, False, False, False),
+                           "sanity_batch": (False, True, False, False, False),
+                           "train_batch": (True, False, False, False, False),
+                           "fit_validation": (False, False, True, False, False),
+                           "train_epoch_end": (True, False, False, False, False),
+                           "validate": (False, False, True, False, False),
+                           "test": (False, False, False, True, False),
+                           "predict": (False, False, False, False, True)}
+    assert not any((trainer.training, trainer.validating, trainer.testing, trainer.predicting))
+    trainer.testing = True  # Lightning's setters: one stage at a time
+    assert trainer.testing and trainer.state.stage == "test"
+    trainer.training = False  # not the running one: no change
+    assert trainer.testing
+    trainer.testing = False
+    assert trainer.state.stage is None
+
+
+@pytest.mark.timeout(60)
+def test_num_devices_and_device_ids_count_this_nodes_devices(tmp_path):
+    trainer = _trainer(tmp_path)
+    assert (trainer.num_devices, trainer.device_ids) == (1, [0])
+    spawning = _trainer(tmp_path, strategy="ddp_spawn", devices=2)  # no process started until fit
+    assert (spawning.num_devices, spawning.device_ids) == (2, [0, 1])
+
+
+# -- trainscale.utilities: rank_zero_only and the rank_zero_* messages -----------------------------------------------
+def test_rank_zero_only_runs_on_rank_zero_and_returns_the_default_elsewhere(monkeypatch):
+    from trainscale.utilities import rank_zero_only
+
+    calls = []
+
+    @rank_zero_only
+    def noted(x):
+        calls.append(x)
+        return x * 2
+
+    assert rank_zero_only.rank == 0  # this test process: no launcher
+    assert noted(3) == 6 and calls == [3] and noted.__name__ == "noted"
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    assert noted(4) is None and rank_zero_only(lambda: 1, default=-1)() == -1 and calls == [3]
+    monkeypatch.setattr(rank_zero_only, "rank", None)
+    with pytest.raises(RuntimeError, match="rank_zero_only.rank is None"):
+        noted(5)
+
+
+@pytest.mark.parametrize("env, rank", [({"RANK": "3", "LOCAL_RANK": "1"}, 3), ({"LOCAL_RANK": "1", "SLURM_PROCID": "5"}, 1),
+                                       ({"SLURM_PROCID": "5"}, 5), ({"JSM_NAMESPACE_RANK": "2"}, 2), ({}, 0)])
+def test_the_rank_is_read_from_the_launchers_variables_in_lightnings_order(env, rank):
+    from trainscale.utilities.rank_zero import launcher_rank
+
+    assert launcher_rank(env) == rank
+
+
+def test_rank_zero_only_rank_is_set_from_rank_when_imported(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RANK": "2", "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", "import trainscale.utilities as u; print(u.rank_zero_only.rank)"],
+                         env=env, capture_output=True, text=True, timeout=60, check=True, cwd=tmp_path)
+    assert out.stdout.strip() == "2"
+
+
+def test_rank_zero_messages_are_said_on_rank_zero_only_and_name_their_caller(monkeypatch, caplog):
+    import logging
+
+    from trainscale.utilities import rank_zero_debug, rank_zero_info, rank_zero_only, rank_zero_warn
+
+    with caplog.at_level(logging.DEBUG, logger="trainscale.utilities.rank_zero"):
+        rank_zero_info("epoch %d done", 3)
+        rank_zero_debug("details")
+    assert [(r.levelname, r.getMessage(), r.funcName) for r in caplog.records] == [
+        ("INFO", "epoch 3 done", "test_rank_zero_messages_are_said_on_rank_zero_only_and_name_their_caller"),
+        ("DEBUG", "details", "test_rank_zero_messages_are_said_on_rank_zero_only_and_name_their_caller")]
+    with pytest.warns(UserWarning, match="careful") as warned:
+        rank_zero_warn("careful")
+    assert warned[0].filename == __file__
+    with pytest.warns(DeprecationWarning):
+        rank_zero_warn("old", category=DeprecationWarning)
+    caplog.clear()
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    with caplog.at_level(logging.DEBUG, logger="trainscale.utilities.rank_zero"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning would raise
+        rank_zero_info("no")
+        rank_zero_debug("no")
+        rank_zero_warn("no")
+    assert caplog.records == []

@@ -27,7 +27,10 @@ def test_the_base_declares_what_the_runtime_trainer_and_telemetry_use():
         "uses_mesh", "needs_process_group", "applies_compile", "supports_sync_batchnorm",
         "manual_optimization_refusal", "gradient_sync", "precision_name", *FLAGS,
         "setup_module", "setup_optimizer", "unwrap", "no_backward_sync", "clip_gradients_norm", "time_allreduce",
-        "save_checkpoint", "load_checkpoint", "teardown", "data_world"])
+        "save_checkpoint", "load_checkpoint", "teardown", "data_world",
+        # Lightning's public strategy surface (trainer.strategy)
+        "root_device", "is_global_zero", "world_size", "global_rank", "local_rank", "model", "lightning_module",
+        "connect", "barrier", "broadcast", "reduce", "all_gather"])
 
 
 @pytest.mark.parametrize("name, cls", list(STRATEGY_CLASSES.items()), ids=list(STRATEGY_CLASSES))
@@ -56,6 +59,9 @@ def test_each_strategy_defines_only_what_differs_from_the_base():
 # Protocol members that are also Lightning's hooks of the user's module and data module, which the loop looks up on
 # those objects (a plain data module may lack them): such a lookup names the member without probing a strategy.
 USER_HOOK_NAMES = {"teardown"}
+# Protocol members that are also attributes of a module (Lightning's ``strategy.model``; the loop module's user
+# ``model``), which code looks up on a ``module``/``wrapped`` module: such a lookup does not probe a strategy.
+MODULE_ATTRIBUTE_NAMES = {"model"}
 
 
 def _strategy_uses(tree: ast.AST):
@@ -70,7 +76,9 @@ def _strategy_uses(tree: ast.AST):
             on_user_object = named in USER_HOOK_NAMES and (
                 (isinstance(target, ast.Name) and target.id in ("model", "datamodule"))
                 or (isinstance(target, ast.Attribute) and target.attr in ("model", "datamodule")))
-            if probes_strategy or (named in MEMBERS and not on_user_object):
+            on_module = named in MODULE_ATTRIBUTE_NAMES and isinstance(target, ast.Name) and target.id in ("module",
+                                                                                                          "wrapped")
+            if probes_strategy or (named in MEMBERS and not (on_user_object or on_module)):
                 yield node.func.id, named
         elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
               and node.value.attr in ("strategy", "strategy_class")):

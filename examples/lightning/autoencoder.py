@@ -19,6 +19,7 @@ from trainscale import Trainer, seed_everything  #            LightningModule, T
 from trainscale import TrainingModule as LightningModule
 from trainscale import callbacks
 from trainscale.data import load_mnist5k  # was: from lightning.pytorch.demos.mnist_datamodule import MNIST
+from trainscale.utilities import rank_zero_only  # was: from lightning.pytorch.utilities import rank_zero_only
 
 try:  # was: from lightning.pytorch.utilities.imports import _TORCHVISION_AVAILABLE
     import torchvision
@@ -63,8 +64,9 @@ class ImageSampler(callbacks.Callback):
             pad_value=self.pad_value,
         )
 
-    def on_train_epoch_end(self, trainer, pl_module) -> None:  # was: @rank_zero_only
-        if not _TORCHVISION_AVAILABLE or trainer.global_rank != 0:
+    @rank_zero_only
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if not _TORCHVISION_AVAILABLE:
             return
 
         images, _ = next(iter(DataLoader(trainer.datamodule.mnist_val, batch_size=self.num_samples)))

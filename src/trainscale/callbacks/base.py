@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -143,12 +142,3 @@ def overridden_hooks(callback: Callback) -> frozenset[str]:
     return frozenset(name for name in HOOKS if name in vars(callback)
                      or getattr(type(callback), name) is not getattr(Callback, name))
 
-
-def log_info(log: logging.Logger, message: str) -> None:
-    """``message`` at INFO through ``log`` (the callback's module logger, as Lightning's callbacks log theirs) where
-    logging is set to show INFO (``logging.basicConfig(level=logging.INFO)``, pytest's ``caplog``); printed to stdout
-    otherwise, so that it is seen without a logging setup (Python's default shows warnings and errors only)."""
-    if log.isEnabledFor(logging.INFO):
-        log.info(message)
-    else:
-        print(message, flush=True)

@@ -8,7 +8,8 @@ import warnings
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from trainscale.callbacks.base import Callback, log_info
+from trainscale.callbacks.base import Callback
+from trainscale.utilities.rank_zero import log_info
 
 if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
@@ -48,7 +49,7 @@ class EarlyStopping(Callback):
         verbose: say each decision (improvement, stop) in Lightning's words on every rank (rank zero only with
             ``log_rank_zero_only``); without it only the stop is said, on rank zero. Said at INFO through the
             ``trainscale.callbacks.early_stopping`` logger where logging shows INFO, printed otherwise
-            (``callbacks.base.log_info``).
+            (``utilities.rank_zero.log_info``).
         mode: "min" (lower is better) or "max".
         strict: a ``monitor`` missing from the metrics raises; False: the check is skipped (with a warning when
             ``verbose``).

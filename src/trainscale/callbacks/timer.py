@@ -7,7 +7,8 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from trainscale.callbacks.base import Callback, log_info
+from trainscale.callbacks.base import Callback
+from trainscale.utilities.rank_zero import log_info
 from trainscale.runtime.flags import parse_max_time
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ class Timer(Callback):
     ``end_time(stage)`` (``time.monotonic`` seconds) for "train", "validate" and "test"; ``time_remaining(stage)``:
     seconds left of ``duration`` (None without one). ``Trainer(max_time=...)`` is the same stop, built into the loop.
     With ``verbose``, rank zero says "Time limit reached. ..." at the stop, at INFO through the
-    ``trainscale.callbacks.timer`` logger where logging shows INFO, printed otherwise (``callbacks.base.log_info``).
+    ``trainscale.callbacks.timer`` logger where logging shows INFO, printed otherwise (``utilities.rank_zero.log_info``).
 
     Raises:
         ValueError: a ``duration`` of another form (the message names "DD:HH:MM:SS"), an ``interval`` other than

@@ -24,6 +24,8 @@ class TrainState:
         history: one record per completed epoch (``kind`` "epoch" metrics, without ``kind``/``time``).
         status: "initializing", "running" (in ``fit``), "finished" (``fit`` returned) or "interrupted" (it raised):
             Lightning's ``trainer.state.status``, not saved.
+        stage: what runs now, Lightning's ``trainer.state.stage``: "train" (in ``fit``), "sanity_check", "validate"
+            (``validate()``, and validation in ``fit``), "test", "predict", or None; not saved.
         epoch_ended: True once ``epoch``'s end (validation, ``on_train_epoch_end``, its checkpoints) has run, or
             after a resume from a checkpoint written at its end; :attr:`current_epoch` then counts it.
     """
@@ -35,6 +37,7 @@ class TrainState:
     history: list[dict] = field(default_factory=list)
     epoch_ended: bool = False
     status: str = "initializing"
+    stage: str | None = None
 
     @property
     def finished(self) -> bool:

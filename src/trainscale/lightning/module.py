@@ -610,4 +610,5 @@ def set_up_model(runtime: Runtime, model: nn.Module, loss_fn: Callable | None,
         return last_setup
     loop_module = LoopModule(model, loss_fn)
     wrapped, _ = runtime.setup(loop_module)
+    runtime.strategy.connect(model)  # trainer.strategy.lightning_module: the user's module, not the loop module
     return model, loop_module, wrapped

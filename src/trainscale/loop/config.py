@@ -163,6 +163,9 @@ class TrainerConfig:
             for new loaders, as Lightning's; loaders passed to ``fit`` stay. 0: never.
         enable_model_summary: print a :class:`~trainscale.callbacks.ModelSummary` (layers, parameters, size) on rank
             zero at the start of ``fit``, unless the callbacks hold one (Lightning's default).
+        detect_anomaly: run ``fit`` under ``torch.autograd.set_detect_anomaly(True)`` (Lightning's flag): a backward
+            that produces NaN names the forward operation that made it, with its traceback; much slower, for
+            debugging. The previous mode is restored when ``fit`` ends, also on an error.
     """
 
     max_epochs: int | None = None  # the rules of max_epochs and max_steps: _loop_limits
@@ -207,6 +210,7 @@ class TrainerConfig:
     enable_model_summary: bool = flag(True)
     use_distributed_sampler: bool = flag(True)
     reload_dataloaders_every_n_epochs: int = flag(0, low=0)
+    detect_anomaly: bool = flag(False)
 
     def train_batches(self, full: float) -> float:
         """An epoch's micro-batches under ``limit_train_batches``, of ``full`` without it (infinite: an iterable's)."""
@@ -361,8 +365,8 @@ _ONE_BATCH = {"limit_train_batches": ("1 batch per epoch will be used.", "100% o
 
 def say_one_batch_limits(cfg: TrainerConfig, say: bool) -> None:
     """When ``say`` (rank zero): each of :func:`one_batch_messages` at INFO through this module's logger where logging
-    shows INFO, printed otherwise (``callbacks.base.log_info``), as Lightning's ``rank_zero_info``."""
-    from trainscale.callbacks.base import log_info
+    shows INFO, printed otherwise (``utilities.rank_zero.log_info``), as Lightning's ``rank_zero_info``."""
+    from trainscale.utilities.rank_zero import log_info
 
     for message in one_batch_messages(cfg) if say else ():
         log_info(_log, message)

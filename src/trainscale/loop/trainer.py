@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from trainscale.callbacks import Callback, ModelCheckpoint, ModelSummary, TQDMProgressBar, resolve_callbacks
-from trainscale.callbacks.base import HOOKS, log_info, overridden_hooks
+from trainscale.callbacks.base import HOOKS, overridden_hooks
+from trainscale.utilities.rank_zero import log_info
 from trainscale.loggers import resolve_loggers
 from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, PipelineScheduleFlag, PrecisionFlag,
                                       StrategyFlag, names_closest_flag)
@@ -57,6 +58,20 @@ from trainscale.loop.state import EpochLoss, FitRun, MicroBatch, MicroBatchBooks
 
 
 _log = logging.getLogger(__name__)  # Lightning's notes at INFO (log_info: printed where logging shows no INFO)
+
+
+def _stage_flag(stage: str, doc: str) -> property:
+    """A bool view of ``trainer.state.stage`` (Lightning's ``trainer.training`` and its kin): True while ``stage``
+    runs; set True, that stage runs; set False, none does when it was the one running (Lightning's setters)."""
+
+    def running(trainer: Trainer) -> bool:
+        return trainer.state.stage == stage
+
+    def set_running(trainer: Trainer, on: bool) -> None:
+        if on or trainer.state.stage == stage:
+            trainer.state.stage = stage if on else None
+
+    return property(running, set_running, doc=doc)
 
 
 class Trainer:
@@ -96,7 +111,7 @@ class Trainer:
                  fast_dev_run: bool | int = False, max_time: str | timedelta | dict | None = None,
                  overfit_batches: int | float = 0.0, deterministic: bool | Literal["warn"] | None = None,
                  enable_model_summary: bool = True, use_distributed_sampler: bool = True,
-                 reload_dataloaders_every_n_epochs: int = 0) -> None:
+                 reload_dataloaders_every_n_epochs: int = 0, detect_anomaly: bool = False) -> None:
         """The Runtime's flags (accelerator, devices, strategy, num_nodes, precision, timeout, strategy_options,
         sync_batchnorm, activation_checkpointing, compile, float32_matmul_precision, parallel, tp_plan, parallelize,
         pp_schedule, pp_microbatches, pp_split_points) are described in ``Runtime.__init__``; the loop's are fields of
@@ -208,6 +223,9 @@ class Trainer:
             reload_dataloaders_every_n_epochs: N > 0: at the start of every N-th epoch since the loaders were made, ask the
                 data hooks (``train_dataloader()``, ``val_dataloader()`` of the data module or the model; not ``setup``)
                 for new loaders, as Lightning's; loaders passed to ``fit`` stay. 0: never.
+            detect_anomaly: run ``fit`` under ``torch.autograd.set_detect_anomaly(True)`` (Lightning's flag): a backward
+                that produces NaN names the forward operation that made it, with its traceback; much slower, for
+                debugging. The previous mode is restored when ``fit`` ends, also on an error.
 
         Raises:
             TypeError: a misspelt flag (naming the closest one; type checkers refuse it too).
@@ -236,7 +254,7 @@ class Trainer:
             check_val_every_n_epoch=check_val_every_n_epoch, num_sanity_val_steps=num_sanity_val_steps,
             fast_dev_run=fast_dev_run, max_time=max_time, overfit_batches=overfit_batches, deterministic=deterministic,
             enable_model_summary=enable_model_summary, use_distributed_sampler=use_distributed_sampler,
-            reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs)
+            reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs, detect_anomaly=detect_anomaly)
         self.flags = dict(runtime_flags, **loop_flags, callbacks=callbacks, logger=logger,
                           profiler=profiler)  # a ddp_spawn rank rebuilds the Trainer from them
         self.profiler = resolve_profiler(profiler)  # Lightning's trainer.profiler
@@ -263,6 +281,7 @@ class Trainer:
         # ``runtime``: the one Runtime.launch made for a ddp_spawn rank, built from the same flags
         self.runtime = runtime if runtime is not None else Runtime(**runtime_flags)
         say_one_batch_limits(self.config, self.runtime.is_rank_zero)  # an int 1 and a float 1.0 differ, as Lightning
+        _say_detect_anomaly(self.config.detect_anomaly, self.runtime.is_rank_zero)
         self.checkpoints = CheckpointWrites(self.runtime, self.config, self.log_metrics)  # checkpoint_async
         self.count_flops = resolve_count_flops(self.config.count_flops, self.runtime.device.type,
                                                self.runtime.config.compile is not None)
@@ -277,7 +296,6 @@ class Trainer:
         self.callback_metrics: dict[str, float | torch.Tensor] = {}
         self.should_stop = False  # set by a callback (EarlyStopping) or max_time: stop, on every rank
         self.fitting = False  # True during fit (Lightning's trainer.state.fn == "fit"); validate() after it: False
-        self.sanity_checking = False  # True while the sanity check's validation runs (num_sanity_val_steps)
         self.validated_at: list[int] = []  # global steps at which the last fit validated (sanity check excluded)
         self._deadline = math.inf  # time.monotonic() at which max_time runs out
         self.optimizers: list = []
@@ -348,12 +366,70 @@ class Trainer:
     interrupted = property(lambda self: self.state.status == "interrupted",
                            doc="Whether the last fit ended in an exception (Lightning's ``trainer.interrupted``).")
 
+    # Lightning's views of trainer.state.stage (TrainState.stage), each settable as Lightning's
+    training = _stage_flag("train", "True in fit, except while it validates or runs the sanity check.")
+    sanity_checking = _stage_flag("sanity_check", "True while the sanity check runs (num_sanity_val_steps).")
+    validating = _stage_flag("validate", "True while validate() runs, and while fit validates.")
+    testing = _stage_flag("test", "True while test() runs.")
+    predicting = _stage_flag("predict", "True while predict() runs.")
+
+    @property
+    def device_ids(self) -> list[int]:
+        """The indexes of the devices this node's ranks use, as Lightning's: ``[0, ..., devices - 1]``; with one
+        device, its index (0 on a CPU)."""
+        devices = self.runtime.config.devices
+        return [self.runtime.device.index or 0] if devices == 1 else list(range(devices))
+
+    num_devices = property(lambda self: len(self.device_ids), doc="Devices per node (Lightning's: len(device_ids)).")
+
+    @property
+    def strategy(self) -> Any:
+        """Lightning's ``trainer.strategy``: the Runtime's :class:`~trainscale.runtime.strategies.base.Strategy`, from
+        ``Trainer()`` on, with Lightning's public members (``root_device``, ``barrier``, ``broadcast``, ``reduce``,
+        ``all_gather``, ``is_global_zero``, ``world_size``, ``global_rank``, ``local_rank``, ``model``,
+        ``lightning_module``).
+
+        Raises:
+            AttributeError: in the process that starts a "ddp_spawn"/"ddp_notebook" job, whose strategy exists in
+                the ranks ``fit``/``validate``/``test``/``predict`` start."""
+        if self.runtime.strategy is None:
+            raise AttributeError(f"trainer.strategy of strategy={self.runtime.flags.strategy!r} exists in the ranks that "
+                                 "fit/validate/test/predict start, not in this process: read it there (in a hook, "
+                                 "self.trainer.strategy)")
+        return self.runtime.strategy
+
     @property
     def num_training_batches(self) -> int | float:
         """Training micro-batches of this rank's epoch, after ``limit_train_batches``/``overfit_batches`` (Lightning's
-        attribute; inf before ``fit`` and for an iterable data set until its iterator ends)."""
-        batches = self._fit.epoch_batches if self._fit is not None else math.inf
+        attribute; inf before ``fit`` has its training loader and for an iterable data set until its iterator ends)."""
+        fit = self._fit
+        if fit is None:
+            return math.inf
+        # before the first epoch counts them (from configure_optimizers on): the loader's, limited
+        batches = fit.epoch_batches or self.config.train_batches(evaluation.loader_length(fit.train_loader))
         return int(batches) if batches != math.inf else batches
+
+    @property
+    def estimated_stepping_batches(self) -> int | float:
+        """Optimizer steps the whole ``fit`` will take, as Lightning's (``trainer.estimated_stepping_batches``): with
+        ``max_epochs=-1``, ``max_steps`` (inf without it); else ``ceil(num_training_batches / accumulate_grad_batches)
+        × max(max_epochs, 1)``, at most ``max_steps`` (``num_training_batches``: this rank's share of the loader, after
+        ``limit_train_batches``); for an iterable data set ``max_steps`` (-1 without it, Lightning's value). Readable
+        from ``configure_optimizers`` on: ``OneCycleLR(opt, max_lr, total_steps=self.trainer.estimated_stepping_batches)``.
+
+        Raises:
+            RuntimeError: read before ``fit`` has its training loader (``configure_optimizers`` is the first place)."""
+        cfg = self.config
+        if cfg.max_epochs == -1:
+            return math.inf if cfg.max_steps is None else cfg.max_steps
+        if self._fit is None:
+            raise RuntimeError("trainer.estimated_stepping_batches needs the training loader of a fit: read it from "
+                               "configure_optimizers or a hook of fit (self.trainer.estimated_stepping_batches)")
+        batches = self.num_training_batches
+        if batches == math.inf:  # an iterable data set: its epochs' length is unknown
+            return self.max_steps
+        steps = math.ceil(batches / cfg.accumulate_grad_batches) * max(cfg.max_epochs, 1)
+        return steps if cfg.max_steps is None else min(steps, cfg.max_steps)
 
     @property
     def num_val_batches(self) -> list[int | float]:
@@ -436,10 +512,12 @@ class Trainer:
         self._fit, self._run_lock = None, RunLock()  # the run directory's lock: taken by _run_fit, released below
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
-        self.fitting, self.state.status = True, "running"
+        self.fitting, self.state.status, self.training = True, "running", True
         try:
-            summary = self._run_fit(model, (train_dataloaders, val_dataloaders, reload), loss_fn, optimizer, ckpt_path,
-                                    ckpt_verify)
+            # Lightning's detect_anomaly: on for the fit, the previous mode back after it (also on an error)
+            with torch.autograd.set_detect_anomaly(True) if cfg.detect_anomaly else contextlib.nullcontext():
+                summary = self._run_fit(model, (train_dataloaders, val_dataloaders, reload), loss_fn, optimizer,
+                                        ckpt_path, ckpt_verify)
             self.state.status = "finished"
             return summary
         except BaseException as err:
@@ -453,7 +531,7 @@ class Trainer:
                 raise
             raise explained from err
         finally:
-            self.fitting = False
+            self.fitting, self.state.stage = False, None
             self.profiler.describe()  # its report (and files), as Lightning's teardown, also after an error
             self._faults.stop()
             self._run_lock.release()
@@ -534,11 +612,13 @@ class Trainer:
         self.last_setup = set_up_model(rt, model, loss_fn, self.last_setup)  # reused from an earlier fit or evaluation
         _, loop_module, wrapped = self.last_setup
         self._arm_hooks(model)
+        # the loaders first, so that configure_optimizers can read estimated_stepping_batches (as Lightning's loads them)
+        train_loader, val_loader = self._distribute_loaders(model, loop_module, train_dataloaders, val_dataloaders)
+        self._fit = fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, None, datamodule=self.datamodule)
         with self._running("configure_optimizers"):
             self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
                 model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
                 before_step=lambda opt: self._hook("on_before_optimizer_step", opt))
-        train_loader, val_loader = self._distribute_loaders(model, loop_module, train_dataloaders, val_dataloaders)
         # FLOPs are counted on a plain forward and backward only: the user's manual training_step steps optimizers
         # (a retry after a failed count would step them twice) and a pipeline stage holds part of the model (and
         # its schedule's sends must not run twice); there MFU comes from the model's declared FLOPs, if any
@@ -548,9 +628,8 @@ class Trainer:
         telemetry.attach(wrapped)  # its parameter count and declared FLOPs per token, for MFU
         if self.config.enable_telemetry and rt.world_size > 1:  # DDP's gradient all-reduce, timed by a comm hook
             telemetry.comm_timed = rt.strategy.time_allreduce(wrapped, telemetry.clock, telemetry.record_comm)
-        self._fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, telemetry,
-                           datamodule=self.datamodule)
-        return self._fit
+        fit.telemetry = telemetry
+        return fit
 
     def _distribute_loaders(self, model, loop_module, train_dataloaders, val_dataloaders) -> tuple[Any, Any]:
         """The training and validation loaders as the loop reads them: each rank's share (``Runtime.setup_dataloader``;
@@ -881,7 +960,9 @@ class Trainer:
     def _validate(self, fit: FitRun, mid_epoch: bool) -> dict[str, float]:
         """Validation during ``fit`` (``evaluation.evaluate_stage``: its hooks, ``callback_metrics``); a mid-epoch
         one is also written as a "validation" record (an epoch-end one goes in the epoch record)."""
+        self.validating = True  # Lightning's stage, back to training after it
         results = evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation")
+        self.training = True
         self.validated_at.append(self.global_step)
         fit.validated_after = self.state.batches
         if mid_epoch:
@@ -899,7 +980,7 @@ class Trainer:
         restarting = resume is not None and (not resume.complete or self.config.max_steps is not None)
         if restarting or fit.val_loader is None or self.config.sanity_val_batches == 0:
             return
-        saved_rng, saved_metrics = rng_state(), dict(self.callback_metrics)
+        saved_rng, saved_metrics, stage = rng_state(), dict(self.callback_metrics), self.state.stage
         self.sanity_checking = True
         self._hook("on_sanity_check_start")
         limit = self.config.sanity_val_batches
@@ -907,7 +988,7 @@ class Trainer:
         evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation",
                                   num_batches=min(limit, self.config.val_batches(batches)))
         self._hook("on_sanity_check_end")
-        self.sanity_checking = False
+        self.state.stage = stage  # training again, as Lightning's
         self.callback_metrics = saved_metrics
         set_rng_state(saved_rng)
 
@@ -1038,10 +1119,14 @@ class Trainer:
         if model is None:
             model, ckpt_path = evaluation.fitted_model(self, method, ckpt_path)
         kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path, method)  # before any ddp_spawn start
-        with self._on_exception():
-            if self.runtime.spawns:
-                return run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
-            return evaluation.run_stage(self, method, model, dataloaders, **kwargs)
+        previous, self.state.stage = self.state.stage, method  # Lightning's stage: "validate", "test", "predict"
+        try:
+            with self._on_exception():
+                if self.runtime.spawns:
+                    return run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
+                return evaluation.run_stage(self, method, model, dataloaders, **kwargs)
+        finally:
+            self.state.stage = previous
 
     # -- plumbing -------------------------------------------------------------------------------------
     def _arm_hooks(self, model: nn.Module) -> None:
@@ -1115,6 +1200,13 @@ def _warn_eval_mode(model: nn.Module) -> None:
         warnings.warn(f"the model ({type(model).__name__}) is in eval mode at the start of fit: it trains so (dropout "
                       "off, BatchNorm statistics not updated), as in Lightning; call model.train() before fit to train "
                       "in training mode (submodules you put in eval mode stay so)", UserWarning, stacklevel=4)
+
+
+def _say_detect_anomaly(on: bool, rank_zero: bool) -> None:
+    """Lightning's note in ``Trainer(detect_anomaly=True)``, at INFO on rank zero (``log_info``)."""
+    if on and rank_zero:
+        log_info(_log, "You have turned on `Trainer(detect_anomaly=True)`. This will significantly slow down compute "
+                       "speed and is recommended only for model debugging.")
 
 
 def set_torch_flags(deterministic: bool | str | None) -> None:

@@ -16,6 +16,7 @@ from trainscale.runtime.devices import ACCELERATORS, detect_accelerator
 from trainscale.runtime.flags import MatmulPrecisionFlag, RuntimeFlags, make_flags
 from trainscale.runtime.precision import PRECISIONS
 from trainscale.runtime.strategies import STRATEGIES, STRATEGY_CLASSES, Strategy
+from trainscale.runtime.strategies.ddp import FIND_UNUSED_NAMES
 from trainscale.runtime.strategies.parallel_dims import PP_SCHEDULES, ParallelDims, resolve_parallel
 
 # Names that mean "ddp, with the processes started by torch.multiprocessing from this process" (Lightning's
@@ -89,7 +90,8 @@ def resolve(*args: Any, cuda_count: int = 0, has_mps: bool = False, **flags: Any
 
     Rules: "gpu" is an alias of "cuda"; ``devices="auto"`` is every CUDA device (one process on cpu/mps); strategy
     "auto" is "single" for one device in total, else "ddp"; "ddp_spawn"/"ddp_notebook"/"ddp_fork" are "ddp" with a
-    start method; ``sync_batchnorm`` only under ddp on CUDA (torch's SyncBatchNorm refuses CPU tensors);
+    start method; Lightning's "ddp_find_unused_parameters_true" (and ``_false``, and of the three start-method names) is
+    that ddp name (``DDPStrategy.options_from`` sets the option); ``sync_batchnorm`` only under ddp on CUDA (torch's SyncBatchNorm refuses CPU tensors);
     ``parallel``/``tp_plan``/``parallelize`` only under the model-parallel strategies, and the ``pp_*`` flags only with
     pipeline stages (pp > 1), which make the strategy "pp" (``parallel_dims.resolve_parallel``).
 
@@ -246,9 +248,10 @@ def _resolve_strategy(strategy: Any, accelerator: str, devices: int, num_nodes: 
                       compiled: bool) -> tuple[str, str | None]:
     """A strategy flag → ``(strategy, start_method)`` (see :func:`resolve`), checked by its class
     (``Strategy.check_run``: one process for "single", 2+ CUDA GPUs and no compile for "dp"); raises ``ValueError``."""
-    names = (*STRATEGIES, *START_METHOD_NAMES)
+    names = (*STRATEGIES, *START_METHOD_NAMES, *FIND_UNUSED_NAMES)
     if not isinstance(strategy, str) or strategy not in names:
         raise ValueError(f"unknown strategy={strategy!r}; choose one of {_choices(names)}")
+    strategy = FIND_UNUSED_NAMES.get(strategy, (strategy,))[0]  # "ddp_spawn_find_unused_parameters_true": ddp_spawn
     start_method = START_METHOD_NAMES.get(strategy)
     if start_method is not None:
         if num_nodes > 1:

@@ -28,9 +28,14 @@ from typing import Any, Callable, Literal, ParamSpec, Union, get_args, get_origi
 _Params = ParamSpec("_Params")
 
 AcceleratorFlag = Literal["auto", "cpu", "cuda", "gpu", "mps"]
-# "ddp_spawn", "ddp_notebook", "ddp_fork": ddp with its processes started by torch.multiprocessing (connector.py)
+# "ddp_spawn", "ddp_notebook", "ddp_fork": ddp with its processes started by torch.multiprocessing (connector.py);
+# "<ddp name>_find_unused_parameters_<true|false>": Lightning's names of ddp with that option (strategies/ddp.py)
 StrategyFlag = Literal["auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp", "ddp_spawn",
-                       "ddp_notebook", "ddp_fork"]
+                       "ddp_notebook", "ddp_fork", "ddp_find_unused_parameters_false",
+                       "ddp_find_unused_parameters_true", "ddp_spawn_find_unused_parameters_false",
+                       "ddp_spawn_find_unused_parameters_true", "ddp_fork_find_unused_parameters_false",
+                       "ddp_fork_find_unused_parameters_true", "ddp_notebook_find_unused_parameters_false",
+                       "ddp_notebook_find_unused_parameters_true"]
 PrecisionFlag = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true"]
 MatmulPrecisionFlag = Literal["highest", "high", "medium"]  # torch.set_float32_matmul_precision's values
 PipelineScheduleFlag = Literal["gpipe", "1f1b"]  # torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B
@@ -48,7 +53,9 @@ class RuntimeFlags:
         devices: processes (CPU) or GPUs per node, or "auto" (all GPUs; under a launcher, the launcher's
             processes per node; else 1).
         strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp" (docs/strategies.md),
-            or "ddp_spawn"/"ddp_notebook"/"ddp_fork": ddp with the processes started from this one by spawn/fork/fork.
+            or "ddp_spawn"/"ddp_notebook"/"ddp_fork": ddp with the processes started from this one by spawn/fork/fork;
+            Lightning's "ddp_find_unused_parameters_true"/"_false" (also after "ddp_spawn", "ddp_fork",
+            "ddp_notebook"): that ddp with ``find_unused_parameters`` True/False.
         num_nodes: machines in the job; None (not given): the launcher's count of nodes (pods, SLURM nodes,
             torchrun's agents), 1 without a launcher.
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".

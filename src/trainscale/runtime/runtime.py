@@ -42,9 +42,11 @@ from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, Pipe
 from trainscale.runtime.meta_init import on_meta
 from trainscale.runtime.precision import Precision, float32_matmul_note, tf32_enabled
 from trainscale.runtime.strategies import create_strategy
+from trainscale.runtime.strategies.base import all_reduce
 from trainscale.runtime.world import World, launcher_variables
+from trainscale.utilities.rank_zero import rank_zero_only
 
-_REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+_REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
 def _free_port() -> int:
@@ -110,7 +112,8 @@ class Runtime:
                 processes per node; else 1).
             strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp"
                 (docs/strategies.md), or "ddp_spawn"/"ddp_notebook"/"ddp_fork": ddp with the processes started from
-                this one by spawn/fork/fork.
+                this one by spawn/fork/fork; Lightning's "ddp_find_unused_parameters_true"/"_false" (also after
+                "ddp_spawn", "ddp_fork", "ddp_notebook"): that ddp with ``find_unused_parameters`` True/False.
             num_nodes: machines in the job; None (not given): the launcher's count of nodes (pods, SLURM nodes,
                 torchrun's agents), 1 without a launcher.
             precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
@@ -247,6 +250,7 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._start_process_groups()
+        rank_zero_only.rank = self.world.rank  # this process's rank in the job it joined, as Lightning's strategies set it
         self.strategy = create_strategy(self.config.strategy, device=self.device, world=self.world,
                                         precision=self.precision, **self.strategy_options)
         self._launched = True
@@ -345,7 +349,7 @@ class Runtime:
         module = prepare_module(module, precision=self.precision, sync_batchnorm=c.sync_batchnorm,
                                 activation_checkpointing=c.activation_checkpointing,
                                 compile=None if self.strategy.applies_compile else c.compile)  # pp: its blocks
-        wrapped = self.strategy.setup_module(module)
+        wrapped = self.strategy.model = self.strategy.setup_module(module)  # Lightning's strategy.model
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             if not callable(optimizer):
                 raise TypeError(f"optimizer must be a torch.optim.Optimizer or a factory params -> Optimizer, "
@@ -521,19 +525,16 @@ class Runtime:
         Args:
             tensor: the value to reduce; it is overwritten with the result.
             op: "sum" (the default, as ``torch.distributed.all_reduce``), "mean" (the sum divided by the
-                world size, in place: the tensor must be floating point), "max" or "min". Lightning Fabric's
-                ``all_reduce`` defaults to "mean": pass ``op="mean"`` where a Fabric loop relied on that.
+                world size, in place; an integer tensor keeps the quotient rounded toward zero), "max" or "min".
+                Lightning Fabric's ``all_reduce`` defaults to "mean": pass ``op="mean"`` where a Fabric loop relied
+                on that.
 
         Raises:
             ValueError: an ``op`` other than these four.
         """
         if op not in _REDUCE_OPS:
             raise ValueError(f"unknown op={op!r}; choose one of {', '.join(map(repr, _REDUCE_OPS))}")
-        if self.world_size > 1:
-            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]))
-            if op == "mean":
-                tensor /= self.world_size
-        return tensor
+        return all_reduce(tensor, op) if self.world_size > 1 else tensor
 
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's ``obj`` (picklable), in rank order."""

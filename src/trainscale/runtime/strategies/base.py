@@ -24,6 +24,24 @@ if TYPE_CHECKING:  # the resolver's value, read by the class methods below
 SYNC = contextlib.nullcontext()
 
 
+def all_reduce(tensor: Any, op: Any = "sum", group: Any = None) -> Any:
+    """``torch.distributed.all_reduce`` of ``tensor`` over ``group`` (None: every rank), in place, returned; "mean"
+    (or "avg") is the sum divided by the group's size, in place (an integer tensor keeps the quotient rounded toward
+    zero), as Lightning's ``_sync_ddp``, on any backend (gloo has no AVG). ``op``: "sum", "mean", "avg", "max",
+    "min", another ``torch.distributed.ReduceOp`` name in any case, or a ``ReduceOp``. A collective: every rank of the
+    group calls it; the caller checks that a process group exists."""
+    import torch
+    import torch.distributed as dist
+
+    mean = isinstance(op, str) and op.lower() in ("mean", "avg")
+    reduce_op = dist.ReduceOp.SUM if mean else getattr(dist.ReduceOp, op.upper()) if isinstance(op, str) else op
+    dist.all_reduce(tensor, op=reduce_op, group=group)
+    if not mean:
+        return tensor
+    size = dist.get_world_size(group)
+    return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
+
+
 def clip_grad_norm(module: Any, max_norm: float, norm_type: float = 2.0) -> Any:
     """``torch.nn.utils.clip_grad_norm_`` over the parameters of ``module`` that have a gradient: the
     ``clip_gradients_norm`` of strategies whose gradients are whole tensors (all-reduced, or one process).
@@ -71,6 +89,13 @@ class Strategy:
             calls backward itself), for the error message.
         gradient_sync: when a manual optimizer's gradients are synchronised: "step" (averaged in its ``step()``,
             ddp), "backward" (reduce-scattered by FSDP in backward) or "none" (nothing to synchronise).
+        model: what :meth:`setup_module` returned for the model the Runtime set up last (``Runtime.setup``: the
+            ``DistributedDataParallel`` wrapper under ddp), None before; Lightning's ``strategy.model``.
+
+    Lightning's public strategy surface (``trainer.strategy``): ``root_device``, ``is_global_zero``, ``world_size``,
+    ``global_rank``, ``local_rank``, ``model``, ``lightning_module``, ``connect``, and the collectives ``barrier``,
+    ``broadcast``, ``reduce``, ``all_gather`` over every rank (``torch.distributed``; each returns its input, or
+    does nothing, without a process group, as Lightning's).
     """
 
     name: ClassVar[str] = ""
@@ -85,11 +110,82 @@ class Strategy:
     supports_sync_batchnorm: ClassVar[bool] = False
     manual_optimization_refusal: ClassVar[str | None] = None
     gradient_sync: str = "none"
+    model: Any = None
 
     def __init__(self, device: Any, world: World, precision: Precision | None = None) -> None:
         self.device = device
         self.world = world
         self.precision = precision
+        self._lightning_module: Any = None  # connect()
+
+    # -- Lightning's strategy surface (trainer.strategy) ---------------------------------------
+    root_device = property(lambda self: self.device, doc="The device this rank computes on (Lightning's name).")
+    is_global_zero = property(lambda self: self.world.rank == 0, doc="True on rank 0.")
+    world_size = property(lambda self: self.world.world_size, doc="Processes in the job.")
+    global_rank = property(lambda self: self.world.rank, doc="This process's rank in the job.")
+    local_rank = property(lambda self: self.world.local_rank, doc="This process's rank on its node.")
+
+    @property
+    def lightning_module(self) -> Any:
+        """The user's module: the one :meth:`connect` was given (the Trainer's fit or evaluation), else the module
+        inside :attr:`model`; None before either."""
+        if self._lightning_module is not None:
+            return self._lightning_module
+        return None if self.model is None else self.unwrap(self.model)
+
+    def connect(self, module: Any) -> None:
+        """Make ``module`` the :attr:`lightning_module` (Lightning's ``strategy.connect(model)``)."""
+        self._lightning_module = module
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait until every rank arrives (``torch.distributed.barrier``; on NCCL on this rank's GPU); without a
+        process group, nothing to wait for. ``name`` is Lightning's label, unused."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` (picklable) on every rank (``broadcast_object_list``); ``obj`` without a process
+        group."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """``tensor`` reduced over the ranks of ``group`` (None: all), in place, and returned (:func:`all_reduce`:
+        "mean" by default, as Lightning's, or "sum", "max", "min", a ``ReduceOp``); anything but a tensor, and any
+        tensor without a process group, comes back unchanged."""
+        import torch
+        import torch.distributed as dist
+
+        if not isinstance(tensor, torch.Tensor) or not (dist.is_available() and dist.is_initialized()):
+            return tensor
+        return all_reduce(tensor, reduce_op, group)
+
+    def all_gather(self, tensor: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Every rank's ``tensor`` (the same shape on each), stacked: shape ``(group size, *tensor.shape)``, over
+        ``group`` (None: all ranks); ``tensor`` itself without a process group, as Lightning's. With ``sync_grads``
+        the gather is differentiable: each rank's ``tensor`` gets the sum over the ranks of the gradients of its
+        slice (torch's functional ``all_gather_single``, whose backward is a reduce-scatter; the successor torch
+        names for Lightning's ``torch.distributed.nn.functional.all_gather``)."""
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return tensor
+        from torch.distributed._functional_collectives import all_gather_single, wait_tensor
+
+        with contextlib.nullcontext() if sync_grads else torch.no_grad():
+            return wait_tensor(all_gather_single(tensor.unsqueeze(0).contiguous(), 0, group or dist.group.WORLD))
 
     @property
     def precision_name(self) -> str:

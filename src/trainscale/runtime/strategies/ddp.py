@@ -16,6 +16,13 @@ from trainscale.runtime.strategies.node_read import NodeReader
 from trainscale.runtime.world import World
 
 
+# Lightning's names of ddp with ``find_unused_parameters`` set (its ``DDPStrategy.register_strategies``): each name
+# → (the ddp name it extends, the option's value). The resolver maps a name to that ddp name (its start method:
+# connector.START_METHOD_NAMES); :meth:`DDPStrategy.options_from` sets the option.
+FIND_UNUSED_NAMES = {f"{name}_find_unused_parameters_{str(value).lower()}": (name, value)
+                     for name in ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook") for value in (False, True)}
+
+
 class DDPStrategy(Strategy):
     """Wrap the module in ``DistributedDataParallel``.
 
@@ -47,6 +54,21 @@ class DDPStrategy(Strategy):
                                gradient_as_bucket_view=gradient_as_bucket_view)
         if bucket_cap_mb is not None:
             self.ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+
+    @classmethod
+    def options_from(cls, options, config, flags) -> dict:
+        """The user's ``strategy_options``, with ``find_unused_parameters`` from a name of :data:`FIND_UNUSED_NAMES`
+        (``strategy="ddp_find_unused_parameters_true"``).
+
+        Raises:
+            ValueError: ``strategy_options`` give ``find_unused_parameters`` another value than the name does."""
+        options = dict(options or {})
+        spelled = FIND_UNUSED_NAMES.get(flags.strategy)
+        if spelled is not None and options.setdefault("find_unused_parameters", spelled[1]) != spelled[1]:
+            raise ValueError(f"strategy={flags.strategy!r} sets find_unused_parameters={spelled[1]}, but "
+                             f"strategy_options={{'find_unused_parameters': {options['find_unused_parameters']!r}}}; "
+                             "drop one of the two")
+        return options
 
     def setup_module(self, module):
         from torch.nn.parallel import DistributedDataParallel
