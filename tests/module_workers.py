@@ -582,16 +582,16 @@ def sync_dist_steps_body(rank: int, root: str, log_every_n_steps: int) -> dict:
     return {name: float(v) for name, v in trainer.callback_metrics.items()}
 
 
-def two_loaders_body(rank: int, set_a: list, set_b: list) -> dict:
+def two_loaders_body(rank: int, set_a: list, set_b: list, root: str, strategy: str = "auto") -> dict:
     """``validate`` and ``predict`` of ``test_lightning_compat._TwoSets`` with two loaders (batches of 2) on this
     process's world: the per-loader results, every sample's prediction per loader, and this rank's batches per
     loader during a 1-epoch fit."""
     from tests.test_lightning_compat import _TwoSets, _values
     from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(accelerator="cpu", devices="auto", enable_progress_bar=False, timeout=60, max_epochs=1,
-                      enable_checkpointing=False, logger=False, enable_model_summary=False,
-                      default_root_dir=f"/tmp/unused-two-loaders-{rank}")
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, enable_progress_bar=False, timeout=60,
+                      max_epochs=1, enable_checkpointing=False, logger=False, enable_model_summary=False,
+                      default_root_dir=root)
     try:
         model = _TwoSets()
         trainer.fit(model, _values(set_a), [_values(set_a), _values(set_b)])

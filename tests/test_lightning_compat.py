@@ -2159,12 +2159,13 @@ def test_add_dataloader_idx_false_keeps_the_name_and_lightnings_refusals_name_th
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
-def test_two_loaders_on_two_ranks_give_the_single_process_values():
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # fsdp: the rank with fewer batches of a loader adds forwards
+def test_two_loaders_on_two_ranks_give_the_single_process_values(tmp_path, strategy):
     from tests import module_workers as mw
     from tests.helpers import run_distributed
 
-    one = mw.two_loaders_body(0, SET_A, SET_B)  # one process: the reference
-    ranks = run_distributed(mw.two_loaders_body, SET_A, SET_B, timeout=80)  # each set split unevenly over 2 ranks
+    one = mw.two_loaders_body(0, SET_A, SET_B, str(tmp_path / "one"))  # one process: the reference
+    ranks = run_distributed(mw.two_loaders_body, SET_A, SET_B, str(tmp_path / "two"), strategy, timeout=80)
     assert one["validate"][0]["val_x/dataloader_idx_0"] == pytest.approx(np.mean(SET_A))
     assert one["validate"][1]["val_x/dataloader_idx_1"] == pytest.approx(np.mean(SET_B))
     for out in ranks:
