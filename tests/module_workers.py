@@ -580,3 +580,25 @@ def sync_dist_steps_body(rank: int, root: str, log_every_n_steps: int) -> dict:
     trainer.fit(SyncDistSteps(), DataLoader(indexed_dataset(12), batch_size=2))
     trainer.runtime.teardown()
     return {name: float(v) for name, v in trainer.callback_metrics.items()}
+
+
+def two_loaders_body(rank: int, set_a: list, set_b: list, root: str, strategy: str = "auto") -> dict:
+    """``validate`` and ``predict`` of ``test_lightning_compat._TwoSets`` with two loaders (batches of 2) on this
+    process's world: the per-loader results, every sample's prediction per loader, and this rank's batches per
+    loader during a 1-epoch fit."""
+    from tests.test_lightning_compat import _TwoSets, _values
+    from trainscale.loop.trainer import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, enable_progress_bar=False, timeout=60,
+                      max_epochs=1, enable_checkpointing=False, logger=False, enable_model_summary=False,
+                      default_root_dir=root)
+    try:
+        model = _TwoSets()
+        trainer.fit(model, _values(set_a), [_values(set_a), _values(set_b)])
+        num_val_batches = trainer.num_val_batches
+        validated = trainer.validate(model, [_values(set_a), _values(set_b)], verbose=False)
+        predicted = trainer.predict(model, [_values(set_a), _values(set_b)])
+        return {"validate": validated, "num_val_batches": num_val_batches,
+                "predict": [torch.cat(p).flatten().tolist() for p in predicted]}
+    finally:
+        trainer.runtime.teardown()

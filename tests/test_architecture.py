@@ -42,8 +42,6 @@ ALLOWED_COMPLEX = {
     "check/compare.py:step_view": "each compared number is optional in a step record",
     "loop/trainer.py:Trainer.train_step": "the one training step (torchtitan's train_step): each concern called "
                                           "once, in order, every decision a visible line",
-    "loop/evaluation.py:evaluate": "the evaluation loop in one place: Lightning's hooks around each batch, the "
-                                   "step's keys counted per batch, the extra forwards a communicating strategy needs",
     "check/report.py:verdict": "one finding per branch, in the order the report prints them",
     "plan/planner.py:_comm_s": "one collective pattern per strategy and mesh axis",
     "plan/planner.py:plan": "the public entry point: argument checks with messages, then one row per cell",

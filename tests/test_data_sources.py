@@ -153,22 +153,25 @@ def test_missing_or_doubled_data_is_refused_naming_the_fix(tmp_path, monkeypatch
 
     calls = []
     dm = Indexed()
-    main, val = resolve_loaders(Runtime(), "validate", Classifier(), None, dm)
+    [main], val = resolve_loaders(Runtime(), "validate", Classifier(), None, dm)  # evaluation loaders: a list
     assert dm.calls == ["setup:validate"] and calls == ["barrier"] and val is None  # local rank 1: no prepare_data
     assert len(main.dataset) == 6
 
 
-def test_several_evaluation_loaders_are_refused_naming_the_alternatives_and_a_list_of_one_is_used(tmp_path):
+def test_several_evaluation_loaders_need_a_step_taking_dataloader_idx_and_a_list_of_one_is_used(tmp_path):
     class TwoValSets(Indexed):
         def val_dataloader(self):
             return [DataLoader(self.val, batch_size=4), DataLoader(self.test, batch_size=4)]
 
-    with pytest.raises(ValueError, match=r"validation: 2 DataLoaders were given.*'/dataloader_idx_N' are not supported"
-                                         r".*ConcatDataset.*trainer.validate\(model, loader\)"):
+    # Lightning's check and message: the step is called with a third argument only with several loaders
+    with pytest.raises(RuntimeError, match=r"multiple `val_dataloader`, but no `dataloader_idx` argument in "
+                                           r"`Classifier.validation_step\(\)`. Try adding `dataloader_idx=0`"):
         _trainer(tmp_path).fit(Classifier(), datamodule=TwoValSets())
     loader = DataLoader(mw.indexed_dataset(6), batch_size=4)
-    with pytest.raises(ValueError, match="test: 2 DataLoaders were given"):
+    with pytest.raises(RuntimeError, match="multiple `test_dataloader`"):
         _trainer(tmp_path).test(Classifier(), [loader, loader])
+    with pytest.raises(ValueError, match="test: an empty list of DataLoaders was given.*pass at least one DataLoader"):
+        _trainer(tmp_path).test(Classifier(), [])
     trainer = _trainer(tmp_path, max_epochs=1)
     trainer.fit(Classifier(), DataLoader(mw.indexed_dataset(8), batch_size=4), [loader])  # Lightning's list of one
     assert "val_loss" in trainer.history[-1]

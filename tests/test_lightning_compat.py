@@ -2161,7 +2161,7 @@ def test_fit_asks_for_the_validation_loader_first_with_the_random_state_put_back
     assert model.asked == ["val", "train"]  # Lightning's order (its sanity check asks for validation data first)
     from trainscale.lightning.data_sources import resolve_fit_loaders
 
-    train, val = resolve_fit_loaders(trainer.runtime, _RandomData(), None, None, None)
+    train, [val] = resolve_fit_loaders(trainer.runtime, _RandomData(), None, None, None)  # the validation loaders
     assert torch.equal(train.dataset.tensors[0], val.dataset.tensors[0])  # both drawn from the same random state
 
 
@@ -2554,3 +2554,173 @@ def test_rank_zero_messages_are_said_on_rank_zero_only_and_name_their_caller(mon
         rank_zero_debug("no")
         rank_zero_warn("no")
     assert caplog.records == []
+
+
+# -- several evaluation loaders: Lightning's "sequential" CombinedLoader, /dataloader_idx_N ------------------------------
+def _values(values):
+    """A loader of one feature per sample, in batches of 2 (the last one smaller for an odd count)."""
+    x = torch.tensor(values, dtype=torch.float32).reshape(-1, 1)
+    return DataLoader(TensorDataset(x, torch.zeros(len(values))), batch_size=2)
+
+
+SET_A, SET_B = [0.5, 1.0, 4.0, -2.0, 7.5], [10.0, 30.0, 50.0]  # 3 and 2 batches; the means by hand: 2.2 and 30.0
+
+
+class _TwoSets(TrainingModule):
+    """Logs each batch's mean feature as "val_x"/"test_x" (sample-weighted by the batch's length) and, in
+    ``on_validation_epoch_end``, a constant; notes what its steps and batch hooks are given."""
+
+    def __init__(self, loaders=None):
+        super().__init__()
+        self.layer = nn.Linear(1, 1)
+        self.loaders = loaders
+        self.steps: list[tuple] = []
+        self.hook_args: list[tuple] = []
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx, dataloader_idx="not given"):
+        self.steps.append(("validation", batch_idx, dataloader_idx))
+        self.log("val_x", batch[0].mean())
+
+    def test_step(self, batch, batch_idx, dataloader_idx="not given"):
+        self.log("test_x", batch[0].mean())
+
+    def predict_step(self, batch, batch_idx, dataloader_idx="not given"):
+        self.steps.append(("predict", batch_idx, dataloader_idx))
+        return batch[0] * 2
+
+    def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
+        self.hook_args.append((batch_idx, dataloader_idx))
+
+    def on_validation_epoch_end(self):
+        self.log("val_end", 3.0)
+
+    def val_dataloader(self):
+        return self.loaders
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)  # the weights stay: every validation sees the same model
+
+
+class _Records(_Recorder):
+    def __init__(self):
+        super().__init__()
+        self.metrics: list[dict] = []
+
+    def log_metrics(self, metrics, step):
+        self.metrics.append(dict(metrics))
+
+
+class _SeesBatches(Callback):
+    def __init__(self):
+        self.starts: list[tuple] = []
+
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        self.starts.append((trainer.sanity_checking, batch_idx, dataloader_idx))
+
+
+@pytest.mark.timeout(60)
+def test_two_validation_loaders_log_each_loaders_mean_under_its_dataloader_idx(tmp_path):
+    records, watch = _Records(), _SeesBatches()
+    model = _TwoSets()
+    trainer = _trainer(tmp_path, max_epochs=1, logger=records, callbacks=[watch], num_sanity_val_steps=1)
+    trainer.fit(model, _values(SET_A), val_dataloaders=[_values(SET_A), _values(SET_B)])
+    mean_a, mean_b = float(np.mean(SET_A)), float(np.mean(SET_B))
+    # callback_metrics, the epoch record, and the loggers (which name an epoch record's fields "epoch/<name>")
+    for where, prefix in ((trainer.callback_metrics, ""), (trainer.history[-1], ""), (records.metrics[-1], "epoch/")):
+        assert float(where[f"{prefix}val_x/dataloader_idx_0"]) == pytest.approx(mean_a)
+        assert float(where[f"{prefix}val_x/dataloader_idx_1"]) == pytest.approx(mean_b)
+        assert f"{prefix}val_x" not in where and float(where[f"{prefix}val_end"]) == 3.0  # an epoch hook's: no suffix
+    assert trainer.num_val_batches == [3, 2]
+    # the sanity check ran num_sanity_val_steps=1 batch of each loader, then every batch of each, in turn
+    assert watch.starts == [(True, 0, 0), (True, 0, 1), (False, 0, 0), (False, 1, 0), (False, 2, 0), (False, 0, 1),
+                            (False, 1, 1)]
+    assert [s[2] for s in model.steps] == [0, 1, 0, 0, 0, 1, 1]  # the step's third argument
+    assert model.hook_args == [(0, 0), (0, 1), (0, 0), (1, 0), (2, 0), (0, 1), (1, 1)]
+
+
+@pytest.mark.timeout(60)
+def test_validate_and_test_return_one_dict_per_loader_and_predict_one_list_per_loader(tmp_path):
+    model, trainer = _TwoSets(), _trainer(tmp_path, limit_test_batches=1, limit_predict_batches=2)
+    expected = [{"val_x/dataloader_idx_0": pytest.approx(np.mean(SET_A)), "val_end": 3.0},
+                {"val_x/dataloader_idx_1": pytest.approx(np.mean(SET_B)), "val_end": 3.0}]
+    assert trainer.validate(model, {"first": _values(SET_A), "second": _values(SET_B)}, verbose=False) == expected
+    hooked = _TwoSets([_values(SET_A), _values(SET_B)])  # val_dataloader() returning a list
+    assert trainer.validate(hooked, verbose=False) == expected
+    labelled = [DataLoader(TensorDataset(torch.randn(n, 3), torch.arange(n) % 2), batch_size=2) for n in (5, 3)]
+    plain = nn.Linear(3, 2)  # a plain model and loss: trainscale's val_loss and val_accuracy, per loader
+    [first, second] = trainer.validate(plain, labelled, loss_fn=nn.functional.cross_entropy, verbose=False)
+    for i, (results, loader) in enumerate(((first, labelled[0]), (second, labelled[1]))):
+        x, y = loader.dataset.tensors
+        with torch.no_grad():
+            by_hand = float(nn.functional.cross_entropy(plain(x), y))  # the whole set at once
+        assert results[f"val_loss/dataloader_idx_{i}"] == pytest.approx(by_hand)
+    tested = trainer.test(model, (_values(SET_A), _values(SET_B)), verbose=False)  # a tuple; one batch of each
+    assert tested == [{"test_x/dataloader_idx_0": pytest.approx(np.mean(SET_A[:2]))},
+                      {"test_x/dataloader_idx_1": pytest.approx(np.mean(SET_B[:2]))}]
+    assert trainer.num_test_batches == [1, 1]
+    model.steps.clear()
+    predictions = trainer.predict(model, [_values(SET_A), _values(SET_B)])
+    assert trainer.num_predict_batches == [2, 2]
+    assert len(predictions) == 2 and [len(p) for p in predictions] == [2, 2]
+    assert torch.cat(predictions[0]).flatten().tolist() == [2 * v for v in SET_A[:4]]
+    assert torch.cat(predictions[1]).flatten().tolist() == [2 * v for v in SET_B]
+    assert [s[2] for s in model.steps] == [0, 0, 1, 1]
+
+
+@pytest.mark.timeout(60)
+def test_one_loader_passes_no_dataloader_idx_and_keeps_the_plain_names(tmp_path):
+    model, trainer = _TwoSets(), _trainer(tmp_path)
+    assert trainer.validate(model, [_values(SET_A)], verbose=False) == [  # a list of one: one loader
+        {"val_x": pytest.approx(np.mean(SET_A)), "val_end": 3.0}]
+    assert {s[2] for s in model.steps} == {"not given"} and {h[1] for h in model.hook_args} == {0}
+    assert len(trainer.predict(model, _values(SET_A))) == 3  # one list of per-batch outputs, not a list of lists
+    assert trainer.num_predict_batches == [3]  # Lightning's list, one entry per loader
+
+
+class _OwnNames(_TwoSets):
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        self.log(f"x_of_{dataloader_idx}", batch[0].mean(), add_dataloader_idx=False)
+        self.log("shared", 1.0, add_dataloader_idx=False)
+
+
+class _NoIndex(_TwoSets):
+    def validation_step(self, batch, batch_idx, dataloader_idx):
+        self.log("val_x", batch[0].mean())
+
+
+@pytest.mark.timeout(60)
+def test_add_dataloader_idx_false_keeps_the_name_and_lightnings_refusals_name_the_fix(tmp_path):
+    trainer = _trainer(tmp_path)
+    with pytest.raises(ValueError, match=r"'shared'.*in dataloader 0 and in dataloader 1.*its own name"):
+        trainer.validate(_OwnNames(), [_values(SET_A), _values(SET_B)], verbose=False)
+
+    class Distinct(_OwnNames):
+        def validation_step(self, batch, batch_idx, dataloader_idx=0):
+            self.log(f"x_of_{dataloader_idx}", batch[0].mean(), add_dataloader_idx=False)
+
+    results = trainer.validate(Distinct(), [_values(SET_A), _values(SET_B)], verbose=False)
+    assert results == [{"x_of_0": pytest.approx(np.mean(SET_A)), "val_end": 3.0},
+                       {"x_of_1": pytest.approx(np.mean(SET_B)), "val_end": 3.0}]
+    with pytest.raises(RuntimeError, match=r"only a single `val_dataloader`, but have included `dataloader_idx` in "
+                                           r"`_NoIndex.validation_step\(\)`.*`dataloader_idx=0`"):
+        trainer.validate(_NoIndex(), _values(SET_A), verbose=False)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # fsdp: the rank with fewer batches of a loader adds forwards
+def test_two_loaders_on_two_ranks_give_the_single_process_values(tmp_path, strategy):
+    from tests import module_workers as mw
+    from tests.helpers import run_distributed
+
+    one = mw.two_loaders_body(0, SET_A, SET_B, str(tmp_path / "one"))  # one process: the reference
+    ranks = run_distributed(mw.two_loaders_body, SET_A, SET_B, str(tmp_path / "two"), strategy, timeout=80)
+    assert one["validate"][0]["val_x/dataloader_idx_0"] == pytest.approx(np.mean(SET_A))
+    assert one["validate"][1]["val_x/dataloader_idx_1"] == pytest.approx(np.mean(SET_B))
+    for out in ranks:
+        assert out["validate"] == [{k: pytest.approx(v) for k, v in r.items()} for r in one["validate"]]
+        assert out["predict"] == one["predict"]  # each loader's predictions in dataset order
+    assert [r["num_val_batches"] for r in ranks] == [[2, 1], [1, 1]]  # SET_A: 3 + 2 samples; SET_B: 2 + 1

@@ -5,7 +5,9 @@
     trainer.fit(model)                       # the model's own train_dataloader() / val_dataloader()
 
 A ``LightningDataModule`` ports by changing its base class to :class:`DataModule` (or keeps none: any object
-with the hooks works). The loaders the hooks return are set up as passed ones are (distributed sampler).
+with the hooks works). The loaders the hooks return are set up as passed ones are (distributed sampler). An
+evaluation hook (or argument) may give several loaders, in a list, tuple or dict: each is evaluated in turn, as
+Lightning's ``CombinedLoader`` in "sequential" mode (:func:`eval_loaders`).
 """
 
 from __future__ import annotations
@@ -65,19 +67,19 @@ def is_data_source(obj: Any) -> bool:
 
 def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, datamodule: Any,
                     set_up_callbacks: Callable[[], None] = lambda: None) -> tuple[Any, Any]:
-    """The stage's loaders: ``(train, val or None)`` for "fit", ``(loader, None)`` for "validate", "test" and
-    "predict". First, in every case, the data hooks of ``datamodule`` and of the model (:func:`_prepare`):
-    ``prepare_data()`` on each node's local rank 0 then a barrier, ``setup(stage)`` on every rank, with
-    ``set_up_callbacks`` (the callbacks' ``setup``) between the data module's and the model's. Then
-    ``loaders`` when given (a data module passed there counts as ``datamodule``, as Lightning allows); else the
-    loader hooks of ``datamodule`` or, without one, of the model: ``val_dataloader()`` if defined (None or ``[]``
-    from it: no validation) and ``train_dataloader()`` with the random state as before the first (Lightning's
-    order: two data sets drawn alike from the random state are the same), or the stage's hook (Lightning's
-    ``DataHooks``).
+    """The stage's loaders: ``(train, val loaders or None)`` for "fit", ``(loaders, None)`` for "validate", "test"
+    and "predict" (evaluation loaders as a list: :func:`eval_loaders`). First, in every case, the data hooks of
+    ``datamodule`` and of the model (:func:`_prepare`): ``prepare_data()`` on each node's local rank 0 then a
+    barrier, ``setup(stage)`` on every rank, with ``set_up_callbacks`` (the callbacks' ``setup``) between the data
+    module's and the model's. Then ``loaders`` when given (a data module passed there counts as ``datamodule``, as
+    Lightning allows); else the loader hooks of ``datamodule`` or, without one, of the model: ``val_dataloader()``
+    if defined (None or an empty list from it: no validation) and ``train_dataloader()`` with the random state as
+    before the first (Lightning's order: two data sets drawn alike from the random state are the same), or the
+    stage's hook (Lightning's ``DataHooks``).
 
     Raises:
         ValueError: both ``loaders`` and ``datamodule``; neither, and the model has no such hook (named with the
-            fix); several evaluation loaders (:func:`one_loader`). Raised on every rank before any collective.
+            fix); no evaluation loader in a list (:func:`eval_loaders`). Raised on every rank before any collective.
     """
     if loaders is not None and is_data_source(loaders):
         loaders, datamodule = None, _only(datamodule, loaders, stage)
@@ -86,9 +88,9 @@ def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, data
     source = None if loaders is not None else _source(stage, model, datamodule)  # raises before any hook runs
     _prepare(runtime, datamodule, model, stage, set_up_callbacks)  # with loaders passed too
     if source is None:
-        return (loaders if stage == "fit" else one_loader(loaders, stage)), None
+        return (loaders if stage == "fit" else eval_loaders(loaders, stage)), None
     if stage != "fit":
-        return one_loader(getattr(source, LOADER_HOOKS[stage])(), stage), None
+        return eval_loaders(getattr(source, LOADER_HOOKS[stage])(), stage), None
     # Lightning's order: val_dataloader() first (its sanity check asks for it, with the random state put back after
     # it), then train_dataloader(), which so sees the random state either would see alone
     saved = rng_state()
@@ -97,29 +99,38 @@ def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, data
     return source.train_dataloader(), val
 
 
-def _hooked_val(source: Any) -> Any:
-    """``source.val_dataloader()``'s one loader; None when the hook is missing or None, or returns None or ``[]``
-    (no validation, as Lightning)."""
+def _hooked_val(source: Any) -> list | None:
+    """``source.val_dataloader()``'s loaders (:func:`val_loaders`); None when the hook is missing."""
     hook = getattr(source, "val_dataloader", None)
-    val = hook() if hook is not None else None
-    return None if val is None or val == [] else one_loader(val, "validation")
+    return val_loaders(hook() if hook is not None else None)
 
 
-def one_loader(loaders: Any, stage: str) -> Any:
-    """The one evaluation loader of ``loaders``: itself, or the only item of a list or tuple (Lightning's form).
+def val_loaders(loaders: Any) -> list | None:
+    """``fit``'s validation loaders as a list (:func:`eval_loaders`); None for None or an empty list, tuple or dict
+    (no validation, as Lightning)."""
+    if loaders is None or (isinstance(loaders, (list, tuple, dict)) and not loaders):
+        return None
+    return eval_loaders(loaders, "validation")
+
+
+def eval_loaders(loaders: Any, stage: str) -> list:
+    """An evaluation stage's loaders as a list, in the order Lightning runs them (its ``CombinedLoader`` in
+    "sequential" mode): a DataLoader alone, a list's or tuple's items, a dict's values. Each is evaluated in turn;
+    with several, the steps get ``dataloader_idx`` and ``self.log`` names end in ``/dataloader_idx_N``.
 
     Raises:
-        ValueError: a list or tuple of several (Lightning evaluates each, suffixing the metrics
-            ``/dataloader_idx_N``; trainscale evaluates one), naming the ways to get the same numbers.
+        ValueError: an empty list, tuple or dict (nothing to evaluate), naming the fix.
     """
-    if not isinstance(loaders, (list, tuple)):
-        return loaders
-    if len(loaders) == 1:
-        return loaders[0]
-    raise ValueError(f"{stage}: {len(loaders)} DataLoaders were given, and trainscale evaluates one per stage "
-                     "(Lightning's several loaders with metrics suffixed '/dataloader_idx_N' are not supported): "
-                     "concatenate the sets into one loader (torch.utils.data.ConcatDataset), or evaluate each set with "
-                     "its own trainer.validate(model, loader) / trainer.test(model, loader) call")
+    if isinstance(loaders, dict):
+        found = list(loaders.values())
+    elif isinstance(loaders, (list, tuple)):
+        found = list(loaders)
+    else:
+        found = [loaders]
+    if not found:
+        raise ValueError(f"{stage}: an empty {type(loaders).__name__} of DataLoaders was given, so there is nothing to "
+                         "evaluate; pass at least one DataLoader")
+    return found
 
 
 def _prepare(runtime: Runtime, datamodule: Any, model: Any, stage: str, set_up_callbacks: Callable[[], None]) -> None:
@@ -166,15 +177,16 @@ def fit_loader_hooks(model: Any, train: Any, val: Any, datamodule: Any) -> Calla
     if train is not None:
         return None
     source = datamodule if datamodule is not None else model
-    return lambda: (source.train_dataloader(), one_loader(val, "validation") if val is not None else _hooked_val(source))
+    return lambda: (source.train_dataloader(), val_loaders(val) if val is not None else _hooked_val(source))
 
 
 def resolve_fit_loaders(runtime: Runtime, model: Any, train: Any, val: Any, datamodule: Any,
                         set_up_callbacks: Callable[[], None] = lambda: None) -> tuple[Any, Any]:
-    """``fit``'s ``(train, val)``: :func:`resolve_loaders` for "fit", with ``val`` when it was passed.
+    """``fit``'s ``(train, val)``: :func:`resolve_loaders` for "fit", with ``val`` when it was passed (the validation
+    loaders as a list, or None: :func:`val_loaders`).
 
     Raises:
-        ValueError: as :func:`resolve_loaders` (several validation loaders included).
+        ValueError: as :func:`resolve_loaders`.
     """
     train, hooked_val = resolve_loaders(runtime, "fit", model, train, datamodule, set_up_callbacks)
-    return train, one_loader(val, "validation") if val is not None else hooked_val
+    return train, val_loaders(val) if val is not None else hooked_val

@@ -53,20 +53,21 @@ EPOCH_ONLY_HOOKS = frozenset({"on_train_start", "on_validation_start", "on_test_
     f"on_{stage}_epoch_{point}" for stage in ("train", "validation", "test") for point in ("start", "end"))})
 
 
-def _check_loggable(name: str, value: Any) -> None:
+def _check_loggable(name: str, value: Any, add_dataloader_idx: bool = True) -> None:
     """Raise Lightning's ``ValueError`` for a value ``self.log`` cannot record: anything but a number, a tensor or a
-    torchmetrics ``Metric`` (``LightningModule.__check_allowed``), and for a name that carries
-    ``/dataloader_idx_``, the suffix Lightning adds to the names of a second evaluation loader's values."""
+    torchmetrics ``Metric`` (``LightningModule.__check_allowed``), and, with ``add_dataloader_idx``, for a name that
+    carries ``/dataloader_idx_``, the suffix added to the names logged while one of several evaluation loaders runs."""
     if not isinstance(value, (numbers.Number, torch.Tensor)) and not is_metric(value):
         what = "nested dictionaries" if isinstance(value, dict) and any(isinstance(v, dict) for v in value.values()) \
             else f"`{type(value).__name__}` values"
         raise ValueError(f"`self.log({name}, {value})` was called, but {what} cannot be logged: log a number, a "
                          f"one-element tensor or a torchmetrics Metric, and several values with "
                          f"self.log_dict({{name: value, ...}})")
-    if "/dataloader_idx_" in name:
+    if add_dataloader_idx and "/dataloader_idx_" in name:
         raise ValueError(f"You called `self.log` with the key `{name}` but it should not contain information about "
-                         "`dataloader_idx`: trainscale evaluates one loader per stage, so log it as "
-                         f"{name.split('/dataloader_idx_')[0]!r}")
+                         "`dataloader_idx` when `add_dataloader_idx=True`: log it as "
+                         f"{name.split('/dataloader_idx_')[0]!r} (with several evaluation loaders the suffix is added "
+                         "for you), or pass add_dataloader_idx=False to keep the name as given")
 
 
 def reserved_field(name: str) -> str | None:
@@ -126,6 +127,10 @@ class MetricCollector:
         self.in_epoch_hook = False  # in on_train_epoch_start/end: Lightning's defaults there are on_epoch=True
         self.logged: set[str] = set()  # every name logged so far (in callback_metrics the user's value wins)
         self.bare: dict[str, str] = {}  # "x_step" and "x_epoch" -> "x", for a value logged on_step and on_epoch
+        # the evaluation loader running, set by the loop when there are several (its values' names end in
+        # "/dataloader_idx_N"); None: one loader, training, or an epoch hook
+        self.dataloader_idx: int | None = None
+        self.loader_of: dict[str, int | None] = {}  # each epoch value's name -> the loader it was logged in
 
     @contextlib.contextmanager
     def epoch_hook(self):
@@ -139,28 +144,32 @@ class MetricCollector:
 
     def log(self, name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | None = None,
             prog_bar: bool = False, sync_dist: bool = False, reduce_fx: Any = "mean",
-            batch_size: int | None = None, logger: bool = True, hook: str | None = None) -> None:
+            batch_size: int | None = None, logger: bool = True, hook: str | None = None,
+            add_dataloader_idx: bool = True) -> None:
         """Record ``value`` (a number or one-element tensor) under ``name``; see ``TrainingModule.log``. ``hook``: the
-        Lightning hook it is called from (None: a step method or outside the hooks).
+        Lightning hook it is called from (None: a step method or outside the hooks). While one of several evaluation
+        loaders runs (:attr:`dataloader_idx`) the names end in ``/dataloader_idx_N``, unless ``add_dataloader_idx``
+        is False (Lightning's ``_ResultCollection.log``).
 
         Raises:
             ValueError: an unknown ``reduce_fx``; a value that is not a number, a tensor or a torchmetrics
                 ``Metric`` (None, a string, a list, a dict: Lightning's message, naming ``log_dict`` and ``mean()``)
                 or a tensor with more than one element; a name with ``/dataloader_idx_`` (Lightning adds that
-                suffix itself); a name of :data:`RESERVED` (naming another); a ``hook`` of
+                suffix itself) unless ``add_dataloader_idx`` is False; a name logged with ``add_dataloader_idx=False``
+                in two loaders of one evaluation; a name of :data:`RESERVED` (naming another); a ``hook`` of
                 :data:`NO_LOGGING_HOOKS`, ``on_step=True`` or ``on_epoch=False`` in one of :data:`EPOCH_ONLY_HOOKS`,
                 ``on_step=False`` with ``on_epoch=False`` (Lightning's ``MisconfigurationException`` in each case).
         """
         on_step, on_epoch = _hook_levels(hook, on_step, on_epoch)
         reduce_fx = reduction_name(reduce_fx)
-        _check_loggable(name, value)
+        _check_loggable(name, value, add_dataloader_idx)
         what = reserved_field(name)
         if what is not None:
             raise ValueError(f"self.log({name!r}, ...): trainscale's records already hold {name!r} ({what}), which "
                              f"this value would replace; log it under another name, e.g. 'my_{name}'")
         if self.discard:
             return
-        on_step, on_epoch, step_name, epoch_name = self._names(name, on_step, on_epoch)
+        on_step, on_epoch, step_name, epoch_name = self._names(name, on_step, on_epoch, add_dataloader_idx)
         if not (on_step or on_epoch):  # nothing would be kept
             raise ValueError(f"`self.log({name!r}, on_step=False, on_epoch=False)` is not useful: pass on_step=True "
                              "(each step's value) or on_epoch=True (the epoch's reduced value)")
@@ -178,17 +187,48 @@ class MetricCollector:
         if on_epoch:
             self._accumulate(epoch_name, value, reduce_fx, self.batch_size if batch_size is None else batch_size)
 
-    def _names(self, name: str, on_step: bool | None, on_epoch: bool | None) -> tuple[bool, bool, str, str]:
+    def _names(self, name: str, on_step: bool | None, on_epoch: bool | None,
+               add_dataloader_idx: bool = True) -> tuple[bool, bool, str, str]:
         """``on_step`` and ``on_epoch`` with Lightning's defaults for this stage or hook, and the names the value is
-        kept under (``name_step``/``name_epoch`` when both), noted in :attr:`logged` and :attr:`bare`."""
+        kept under (``name_step``/``name_epoch`` when both; while one of several evaluation loaders runs each followed
+        by its ``/dataloader_idx_N`` unless ``add_dataloader_idx`` is False, as Lightning's ``_forked_name``), noted
+        in :attr:`logged` and :attr:`bare`, an epoch value's loader in :attr:`loader_of`."""
+        idx = self.dataloader_idx
+        suffix = "" if idx is None or not add_dataloader_idx else f"/dataloader_idx_{idx}"
         default_step, default_epoch = (False, True) if self.in_epoch_hook else _DEFAULTS[self.stage]
         on_step = default_step if on_step is None else on_step
         on_epoch = default_epoch if on_epoch is None else on_epoch
-        step_name, epoch_name = (f"{name}_step", f"{name}_epoch") if on_step and on_epoch else (name, name)
-        if on_step and on_epoch:
+        both = on_step and on_epoch
+        step_name = f"{name}_step{suffix}" if both else f"{name}{suffix}"
+        epoch_name = f"{name}_epoch{suffix}" if both else f"{name}{suffix}"
+        name = f"{name}{suffix}"
+        if both:
             self.bare[step_name] = self.bare[epoch_name] = name
         self.logged.update((name, step_name, epoch_name))
+        if on_epoch:
+            self._note_loader(epoch_name)
         return on_step, on_epoch, step_name, epoch_name
+
+    def _note_loader(self, epoch_name: str) -> None:
+        """Note the evaluation loader ``epoch_name`` is logged in (:attr:`loader_of`), for :meth:`by_loader`.
+
+        Raises:
+            ValueError: the name was logged in another loader of this evaluation (with ``add_dataloader_idx=False``:
+                the two loaders' values would mix; Lightning refuses it too).
+        """
+        before = self.loader_of.setdefault(epoch_name, self.dataloader_idx)
+        if None not in (before, self.dataloader_idx) and before != self.dataloader_idx:
+            raise ValueError(f"self.log({epoch_name!r}, ..., add_dataloader_idx=False) was called in dataloader "
+                             f"{before} and in dataloader {self.dataloader_idx}, which would mix their values; give "
+                             f"each loader its own name (e.g. f'{epoch_name}_{{dataloader_idx}}') or drop "
+                             "add_dataloader_idx=False")
+
+    def by_loader(self, values: dict[str, float], loaders: int) -> list[dict[str, float]]:
+        """``values`` (:meth:`take_epoch_values`'s) split into one dict per evaluation loader, as Lightning's results:
+        each loader's dict holds what was logged while it ran, and every dict what was logged outside the loaders'
+        steps (in ``on_validation_epoch_end``, ...); the names noted are cleared."""
+        where, self.loader_of = self.loader_of, {}
+        return [{k: v for k, v in values.items() if where.get(k) in (None, i)} for i in range(loaders)]
 
     def _log_metric(self, step_name: str | None, epoch_name: str | None, metric: Any) -> None:
         """A torchmetrics ``Metric``, as Lightning logs it: per step the batch value of its last ``forward``

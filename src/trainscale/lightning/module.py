@@ -211,7 +211,7 @@ class TrainingModule(HyperparametersMixin, nn.Module):
     # -- logging ---------------------------------------------------------------------------------
     def log(self, name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | None = None,
             prog_bar: bool = False, sync_dist: bool = False, reduce_fx: Any = "mean",
-            batch_size: int | None = None, logger: bool = True) -> None:
+            batch_size: int | None = None, logger: bool = True, add_dataloader_idx: bool = True) -> None:
         """Log a scalar, as Lightning's ``self.log``.
 
         In ``training_step`` the default is ``on_step=True, on_epoch=False``; in validation and test
@@ -227,12 +227,15 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         ``forward``'s batch value, the epoch value its ``compute()`` over every rank, and it is reset after the
         epoch's end hooks (``reduce_fx`` and ``sync_dist`` do not apply to it). ``prog_bar=True`` puts it in
         ``trainer.progress_bar_metrics`` (and the bar), ``logger=True`` (the default) in ``trainer.logged_metrics``
-        (``logger=False`` still records it in ``metrics.jsonl`` and the loggers).
+        (``logger=False`` still records it in ``metrics.jsonl`` and the loggers). While one of several evaluation
+        loaders runs, the name is recorded as ``name/dataloader_idx_N`` (N: the loader's index), unless
+        ``add_dataloader_idx=False`` (then give each loader's values their own name), as in Lightning.
 
         Raises:
             ValueError: an unknown ``reduce_fx``, a value that is not a number, a tensor or a torchmetrics
                 ``Metric`` (None, a string, a list, a dict), a tensor of more than one element, a name with
-                ``/dataloader_idx_``, a name every record holds ("step",
+                ``/dataloader_idx_`` (unless ``add_dataloader_idx=False``), one name logged with
+                ``add_dataloader_idx=False`` in two evaluation loaders, a name every record holds ("step",
                 "epoch", "kind", "rank", "time"); at the epoch end, names logged on some ranks only; as Lightning,
                 ``on_step=False`` with ``on_epoch=False``, a call from a hook where Lightning refuses it
                 (a callback's ``setup``, ``configure_optimizers``, ``on_fit_start``, ``on_train_end``,
@@ -242,7 +245,7 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         trainer = self.trainer
         trainer.metric_collector.log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
                                      sync_dist=sync_dist, reduce_fx=reduce_fx, batch_size=batch_size, logger=logger,
-                                     hook=trainer.running_hook)
+                                     hook=trainer.running_hook, add_dataloader_idx=add_dataloader_idx)
 
     def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:
         """``self.log`` for each item of ``metrics`` with the same keyword arguments."""
@@ -468,7 +471,8 @@ class LoopModule(nn.Module):
 
     ``forward(batch, batch_idx)`` returns the training loss (a 0-dim tensor);
     ``forward(batch, batch_idx, stage="validation"|"test")`` returns ``(metrics, samples)``;
-    ``stage="predict"`` the predictions.
+    ``stage="predict"`` the predictions; ``dataloader_idx`` (not None: one of several evaluation loaders) goes to
+    the step as its third argument, as Lightning passes it.
 
     Raises:
         ValueError: ``loss_fn`` given together with a model that defines ``training_step``.
@@ -527,11 +531,12 @@ class LoopModule(nn.Module):
                              "training_step(self, batch, batch_idx) to compute the loss yourself")
         return self.model(**batch)
 
-    def forward(self, batch: Any, batch_idx: int = 0, stage: str = "train") -> Any:
+    def forward(self, batch: Any, batch_idx: int = 0, stage: str = "train", dataloader_idx: int | None = None) -> Any:
         if stage == "manual":
             return self._manual_step(batch, batch_idx)
         if stage != "train":  # through the wrapper's forward, for strategies that gather parameters there (fsdp)
-            return self.predict(batch, batch_idx) if stage == "predict" else self.evaluate(batch, batch_idx, stage)
+            return (self.predict(batch, batch_idx, dataloader_idx) if stage == "predict"
+                    else self.evaluate(batch, batch_idx, stage, dataloader_idx))
         if self.has_training_step:
             args = (batch, batch_idx) if self.step_takes_batch_idx else (batch,)
             return loss_of(self.model.training_step(*args))
@@ -554,13 +559,20 @@ class LoopModule(nn.Module):
         out = self.model.training_step(*args)
         return None if out is None else loss_of(out).detach()
 
+    def _step_args(self, step: str, batch: Any, batch_idx: int, dataloader_idx: int | None) -> tuple:
+        """An evaluation step's arguments as Lightning builds them (``_build_step_args_from_hook_kwargs``): the batch,
+        ``batch_idx`` when the step takes it, ``dataloader_idx`` when there are several loaders."""
+        args = (batch, batch_idx) if self.takes_batch_idx[step] else (batch,)
+        return args if dataloader_idx is None else (*args, dataloader_idx)
+
     @torch.no_grad()
-    def evaluate(self, batch: Any, batch_idx: int, stage: str = "validation") -> tuple[dict[str, torch.Tensor], int]:
+    def evaluate(self, batch: Any, batch_idx: int, stage: str = "validation",
+                 dataloader_idx: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
         """Per-batch mean metrics and the batch's sample count (``validation_step``/``test_step``'s
         returned dict, or loss and accuracy for a plain classifier)."""
         step = getattr(self.model, f"{stage}_step", None)
         if step is not None:
-            out = step(batch, batch_idx) if self.takes_batch_idx[f"{stage}_step"] else step(batch)
+            out = step(*self._step_args(f"{stage}_step", batch, batch_idx, dataloader_idx))
             metrics = dict(out) if isinstance(out, Mapping) else {} if out is None else {"loss": out}
             return metrics, batch_size(batch)
         if self.is_hf_model and isinstance(batch, Mapping):
@@ -573,12 +585,12 @@ class LoopModule(nn.Module):
         return metrics, int(targets.shape[0])
 
     @torch.no_grad()
-    def predict(self, batch: Any, batch_idx: int) -> Any:
+    def predict(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
         """``predict_step(batch, batch_idx)``, or the plain model's output on the batch's inputs (a Hugging Face
         model's on a dict batch: ``model(**batch)``'s logits)."""
         step = getattr(self.model, "predict_step", None)
         if step is not None:
-            return step(batch, batch_idx) if self.takes_batch_idx["predict_step"] else step(batch)
+            return step(*self._step_args("predict_step", batch, batch_idx, dataloader_idx))
         if isinstance(batch, Mapping) and self.is_hf_model:  # its logits
             out = self.keyword_call(batch)
             return out["logits"] if isinstance(out, Mapping) and "logits" in out else out

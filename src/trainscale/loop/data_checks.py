@@ -10,7 +10,7 @@ from torch.utils.data import IterableDataset, SequentialSampler
 from trainscale.runtime.sampling import in_order
 
 
-def check_loaders(train_loader: Any, val_loader: Any) -> None:
+def check_loaders(train_loader: Any, val_loaders: list | None) -> None:
     """Refuse a training loader the loop cannot count; warn about an empty validation loader. Loaders over an
     ``IterableDataset`` are not measured (no ``len``: their iterator ends each epoch).
 
@@ -24,8 +24,11 @@ def check_loaders(train_loader: Any, val_loader: Any) -> None:
     if not isinstance(train_loader.dataset, IterableDataset) and len(train_loader) == 0:
         raise ValueError("the training DataLoader is empty on this rank (a dataset of no samples, or drop_last with "
                          "fewer samples than one batch); give it data, or a smaller batch_size")
-    if val_loader is not None and not isinstance(val_loader.dataset, IterableDataset) and len(val_loader.dataset) == 0:
-        warnings.warn("the validation DataLoader is empty: no val_ metrics will be recorded", stacklevel=3)
+    for i, loader in enumerate(val_loaders or []):
+        if not isinstance(loader.dataset, IterableDataset) and len(loader.dataset) == 0:
+            which = f" (dataloader {i})" if len(val_loaders) > 1 else ""
+            warnings.warn(f"the validation DataLoader{which} is empty: no val_ metrics will be recorded for it",
+                          stacklevel=3)
 
 
 def warn_unshuffled(loader: Any, data_parallel_size: int) -> None:

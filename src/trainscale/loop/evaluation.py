@@ -5,10 +5,15 @@ takes samples ``r, r + W, ...``), so ranks may hold one batch more or less. No c
 inside the loop, except the forwards themselves under a strategy whose forward communicates (fsdp
 all-gathers parameters): there every rank runs as many forwards as the rank with the most batches,
 the extra results discarded.
+
+A stage may have several loaders (``val_dataloader()`` returning a list or a dict): they run one after the other
+between one ``on_<stage>_epoch_start`` and one ``on_<stage>_epoch_end``, as Lightning's ``CombinedLoader`` in
+"sequential" mode, each split across the ranks as one loader is; the results are one dict per loader.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import warnings
@@ -29,94 +34,165 @@ if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
 
 
-def _extra_forwards(runtime: Runtime, num_batches: int) -> int:
-    """Forwards this rank must add so that all ranks run the most batches of any rank.
+def _extra_forwards(runtime: Runtime, num_batches: list[float]) -> list[int]:
+    """Forwards this rank must add after each loader so that all ranks run the most batches of any rank (one
+    all-reduce for every loader).
 
     Raises:
-        ValueError: some rank has no batch at all (fewer samples than ranks).
+        ValueError: some rank has no batch at all of a loader that others have batches of (fewer samples than ranks).
     """
-    most, neg_least = runtime.all_reduce(torch.tensor([num_batches, -num_batches], device=runtime.device),
-                                         op="max").tolist()
-    if -neg_least == 0 and most > 0:
+    mine = torch.tensor([*num_batches, *(-n for n in num_batches)], device=runtime.device)
+    reduced = runtime.all_reduce(mine, op="max").tolist()
+    most, least = reduced[:len(num_batches)], [-v for v in reduced[len(num_batches):]]
+    if any(fewest == 0 and top > 0 for top, fewest in zip(most, least)):
         raise ValueError(f"strategy={runtime.config.strategy!r} evaluates through collectives, but some rank has no "
                          "evaluation batch; give the evaluation set at least as many samples as ranks")
-    return most - num_batches
+    return [int(top - n) for top, n in zip(most, num_batches)]
 
 
 def _no_hook(name: str, *args: Any) -> None:
     pass
 
 
-def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, stage: str, collector: Any,
-             num_batches: int | None = None, hook: Callable[..., Any] = _no_hook) -> dict[str, float]:
-    """Sample-weighted means over the whole set (or its first ``num_batches`` batches on each rank) of what
-    ``<stage>_step`` returned (or loss and accuracy for a plain classifier), prefixed ``val_``/``test_``, plus
-    what ``self.log`` collected (as named, also in ``on_<stage>_epoch_end``). A key returned by some batches only
-    is the mean over those batches' samples.
+def check_dataloader_idx(loop_module: Any, stage: str, several: bool) -> None:
+    """Lightning's ``_verify_dataloader_idx_requirement``: with several loaders the module's ``<stage>_step`` (and its
+    ``on_<stage>_batch_start``/``_end``, where it defines them) must take ``dataloader_idx``; with one, where it
+    takes it, it needs a default (it is passed only with several, as Lightning does). Messages as Lightning's.
 
-    ``hook(name, *args)`` runs Lightning's ``on_<stage>_epoch_start``, ``on_<stage>_batch_start(batch,
+    Raises:
+        RuntimeError: a step or hook that breaks either rule (the fix named).
+    """
+    loader = {"validation": "val", "test": "test", "predict": "predict"}[stage]
+    model = loop_module.model
+    hooks = [h for h in (f"on_{stage}_batch_start", f"on_{stage}_batch_end") if h in loop_module.hooks]
+    for name in (f"{stage}_step", *hooks):
+        fn = getattr(model, name, None)
+        if not callable(fn):  # a plain model: no steps
+            continue
+        params = inspect.signature(fn).parameters
+        given = params.get("dataloader_idx")
+        if several and given is None and not any(p.kind == p.VAR_POSITIONAL for p in params.values()):
+            raise RuntimeError(f"You provided multiple `{loader}_dataloader`, but no `dataloader_idx` argument in "
+                               f"`{type(model).__name__}.{name}()`. Try adding `dataloader_idx=0` to its signature.")
+        if not several and given is not None and given.default is inspect.Parameter.empty:
+            raise RuntimeError(f"You provided only a single `{loader}_dataloader`, but have included `dataloader_idx` "
+                               f"in `{type(model).__name__}.{name}()`. Either remove the argument or give it a default "
+                               "value i.e. `dataloader_idx=0`.")
+
+
+def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loaders: list, stage: str, collector: Any,
+             num_batches: list[float] | None = None, hook: Callable[..., Any] = _no_hook) -> list[dict[str, float]]:
+    """One dict per loader of ``loaders`` (each evaluated in turn, as Lightning's "sequential" ``CombinedLoader``):
+    sample-weighted means over the whole set (or its first ``num_batches[i]`` batches on each rank) of what
+    ``<stage>_step`` returned (or loss and accuracy for a plain classifier), prefixed ``val_``/``test_``, plus what
+    ``self.log`` collected in that loader's steps and hooks (as named) and in ``on_<stage>_epoch_start``/``_end``
+    (in every loader's dict, as Lightning's results). A key returned by some batches only is the mean over those
+    batches' samples. With several loaders the step gets ``dataloader_idx`` as its third argument and every name
+    ends in ``/dataloader_idx_N`` (a ``self.log`` name unless logged with ``add_dataloader_idx=False``).
+
+    ``hook(name, *args)`` runs Lightning's ``on_<stage>_epoch_start`` (once), ``on_<stage>_batch_start(batch,
     batch_idx)``, ``on_<stage>_batch_end(outputs, batch, batch_idx)`` (outputs: the step's dict, a tensor as
-    ``{"loss": tensor}``) and ``on_<stage>_epoch_end`` (``Trainer._hook``).
-    Sums and counts stay on the device; one all-reduce at the end. A collective: every rank calls it.
+    ``{"loss": tensor}``; with several loaders both get ``dataloader_idx`` last) and ``on_<stage>_epoch_end`` (once)
+    (``Trainer._hook``). Sums and counts stay on the device; one all-reduce at the end. A collective: every rank
+    calls it.
 
     Raises:
         ValueError: on every rank, when a key was returned on some ranks and never on another that had
             batches (as ``self.log`` names logged on some ranks only), naming the key and the ranks.
+        RuntimeError: a step that does not take ``dataloader_idx`` with several loaders (:func:`check_dataloader_idx`).
     """
     rt = runtime
     prefix = "val_" if stage == "validation" else "test_"
-    num_batches = loader_length(loader) if num_batches is None else num_batches  # inf: an iterable, to its end
+    if num_batches is None:  # inf: an iterable, to its end
+        num_batches = [loader_length(loader) for loader in loaders]
+    several = len(loaders) > 1
+    check_dataloader_idx(loop_module, stage, several)
     communicates = rt.strategy.forward_communicates
-    if communicates and num_batches == math.inf:
+    if communicates and math.inf in num_batches:
         raise ValueError(f"strategy={rt.config.strategy!r} evaluates through collectives, so every rank must know its "
                          "number of batches: give the evaluation loader a map-style data set, or limit_val_batches")
-    extra = _extra_forwards(rt, num_batches) if communicates else 0
+    extra = _extra_forwards(rt, num_batches) if communicates else [0] * len(loaders)
     modes = eval_mode(wrapped)
+    hook(f"on_{stage}_epoch_start")
+    runs = [_evaluate_loader(rt, loop_module, wrapped, loader, stage, collector, n, hook, i if several else None, more)
+            for i, (loader, n, more) in enumerate(zip(loaders, num_batches, extra))]
+    hook(f"on_{stage}_epoch_end")  # what it logs is in every loader's values
+    means = _means(rt, runs, prefix, several, f"{stage}_step")
+    restore_modes(modes)
+    logged = collector.by_loader(collector.take_epoch_values(), len(loaders))
+    collector.reset_metrics()
+    return [{**mean, **values} for mean, values in zip(means, logged)]
+
+
+def _evaluate_loader(rt: Runtime, loop_module: Any, wrapped: Any, loader: Any, stage: str, collector: Any,
+                     num_batches: float, hook: Callable[..., Any], dataloader_idx: int | None,
+                     extra: int) -> tuple[dict[str, torch.Tensor], dict[str, int], int]:
+    """One loader's batches (``dataloader_idx``: its index among several, else None): per key the sum on the device
+    of the step's values times the batch's samples, and the samples of the batches that returned it; the samples
+    seen. Then ``extra`` forwards whose results, ``self.log`` values and Metric updates are discarded."""
+    communicates = rt.strategy.forward_communicates
+    idx = () if dataloader_idx is None else (dataloader_idx,)  # Lightning passes it to the hooks with several only
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}  # samples of the batches that returned each key
-    count = 0
-    batch = None
-    hook(f"on_{stage}_epoch_start")
+    count, batch = 0, None
+    collector.dataloader_idx = dataloader_idx
     for batch_idx, batch in enumerate(itertools.islice(loader, None if num_batches == math.inf else num_batches)):
         batch = rt.to_device(batch)
         collector.batch_size = _count(batch)
-        hook(f"on_{stage}_batch_start", batch, batch_idx)
+        hook(f"on_{stage}_batch_start", batch, batch_idx, *idx)
         with rt.autocast():
-            metrics, n = (wrapped(batch, batch_idx, stage=stage) if communicates
-                          else loop_module.evaluate(batch, batch_idx, stage))
-        hook(f"on_{stage}_batch_end", metrics, batch, batch_idx)
+            metrics, n = (wrapped(batch, batch_idx, stage=stage, dataloader_idx=dataloader_idx) if communicates
+                          else loop_module.evaluate(batch, batch_idx, stage, dataloader_idx))
+        hook(f"on_{stage}_batch_end", metrics, batch, batch_idx, *idx)
         for key, value in metrics.items():
             value = torch.as_tensor(value, device=rt.device).detach().float() * n
             sums[key] = sums[key] + value if key in sums else value
             counts[key] = counts.get(key, 0) + n
         count += n
-    collector.discard = True  # results and self.log values discarded: each sample is still counted once
-    with metric_states_kept(loop_module):  # and what a torchmetrics Metric's update() took from them is undone
-        for _ in range(extra):
-            with rt.autocast():
-                wrapped(batch, 0, stage=stage)
-    collector.discard = False
-    hook(f"on_{stage}_epoch_end")  # what it logs is among this stage's values
-    keys = _same_keys_on_every_rank(rt, sorted(sums), count > 0, f"{stage}_step")  # a rank with no batch takes part
+    if extra:
+        collector.discard = True  # results and self.log values discarded: each sample is still counted once
+        with metric_states_kept(loop_module):  # and what a torchmetrics Metric's update() took from them is undone
+            _extra_runs(rt, wrapped, batch, stage, extra, dataloader_idx)
+        collector.discard = False
+    collector.dataloader_idx = None
+    return sums, counts, count
+
+
+def _extra_runs(rt: Runtime, wrapped: Any, batch: Any, stage: str, extra: int, dataloader_idx: int | None) -> None:
+    """``extra`` forwards of ``batch`` whose results are dropped: the collectives of a rank with fewer batches."""
+    for _ in range(extra):
+        with rt.autocast():
+            wrapped(batch, 0, stage=stage, dataloader_idx=dataloader_idx)
+
+
+def _means(rt: Runtime, runs: list[tuple[dict, dict, int]], prefix: str, several: bool,
+           step: str) -> list[dict[str, float]]:
+    """Each loader's sample-weighted means of the returned keys, named ``prefix + key`` (and ``/dataloader_idx_N``
+    with several loaders): one ``all_gather_object`` of the keys, one all-reduce of every loader's sums and counts."""
+    keys = _same_keys_on_every_rank(rt, [sorted(sums) for sums, _, _ in runs], [n > 0 for _, _, n in runs], step)
+    named = [(i, key) for i, loader_keys in enumerate(keys) for key in loader_keys]
     zero = torch.zeros((), device=rt.device)
-    vec = rt.all_reduce(torch.stack([sums.get(k, zero) for k in keys] + [zero + counts.get(k, 0) for k in keys]
-                                    )).tolist() if keys else []
-    restore_modes(modes)
-    out = {f"{prefix}{k}": (total / n if n else math.nan) for k, total, n in zip(keys, vec, vec[len(keys):])}
-    out.update(collector.take_epoch_values())
-    collector.reset_metrics()
+    vec = rt.all_reduce(torch.stack([runs[i][0].get(k, zero) for i, k in named] +
+                                    [zero + runs[i][1].get(k, 0) for i, k in named])).tolist() if named else []
+    out: list[dict[str, float]] = [{} for _ in runs]
+    for (i, key), total, n in zip(named, vec, vec[len(named):]):
+        out[i][f"{prefix}{key}{f'/dataloader_idx_{i}' if several else ''}"] = total / n if n else math.nan
     return out
 
 
-def _same_keys_on_every_rank(runtime: Runtime, keys: list[str], had_batches: bool, step: str) -> list[str]:
-    """The keys of every rank (one ``all_gather_object``); raise on every rank when a rank that had batches never
-    returned a key that another rank returned: its mean would silently cover some ranks' samples only."""
+def _same_keys_on_every_rank(runtime: Runtime, keys: list[list[str]], had_batches: list[bool],
+                             step: str) -> list[list[str]]:
+    """Per loader, the keys of every rank (one ``all_gather_object``); raise on every rank when a rank that had
+    batches of a loader never returned a key that another rank returned for it: its mean would silently cover some
+    ranks' samples only."""
     every = runtime.all_gather_object((keys, had_batches))
-    union = sorted(set().union(*(set(k) for k, _ in every)))
-    missing = {key: [r for r, (k, had) in enumerate(every) if had and key not in k] for key in union}
-    missing = {key: ranks for key, ranks in missing.items() if ranks}
+    union = [sorted(set().union(*(set(k[i]) for k, _ in every))) for i in range(len(keys))]
+    missing = {(i, key): [r for r, (k, had) in enumerate(every) if had[i] and key not in k[i]]
+               for i, loader_keys in enumerate(union) for key in loader_keys}
+    missing = {at: ranks for at, ranks in missing.items() if ranks}
     if missing:
-        named = "; ".join(f"{key!r} not on rank(s) {', '.join(map(str, ranks))}" for key, ranks in missing.items())
+        named = "; ".join(f"{key!r}{f' of dataloader {i}' if len(keys) > 1 else ''} not on rank(s) "
+                          f"{', '.join(map(str, ranks))}" for (i, key), ranks in missing.items())
         raise ValueError(f"{step} returned keys on some ranks only ({named}); return the same keys on every rank "
                          "(a key may be left out of some batches: its mean is over the batches that returned it)")
     return union
@@ -128,43 +204,63 @@ def _count(batch: Any) -> int:
     return batch_size(batch)
 
 
-def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loader: Any, hook: Callable[..., Any] = _no_hook,
-            num_batches: float | None = None) -> Any:
+def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loaders: list, hook: Callable[..., Any] = _no_hook,
+            num_batches: list[float] | None = None) -> Any:
     """Every sample's prediction, gathered from all ranks in dataset order (each sample once), between
     Lightning's ``on_predict_epoch_start`` and ``on_predict_epoch_end``, with ``on_predict_batch_start(batch,
-    batch_idx)`` and ``on_predict_batch_end(outputs, batch, batch_idx)`` around each batch (``hook(name, *args)``).
+    batch_idx)`` and ``on_predict_batch_end(outputs, batch, batch_idx)`` around each batch (``hook(name, *args)``),
+    loader after loader; with several loaders ``predict_step`` and the batch hooks get ``dataloader_idx`` last.
 
     Returns:
-        For a module with Lightning's steps (``loop_module.plain_model`` False), Lightning's list of per-batch
-        outputs: in one process each batch's output as ``predict_step`` returned it; on several ranks every
+        With one loader, for a module with Lightning's steps (``loop_module.plain_model`` False), Lightning's list of
+        per-batch outputs: in one process each batch's output as ``predict_step`` returned it; on several ranks every
         sample in dataset order, cut into batches of the first batch's length (Lightning returns each rank's own
         batches only). For a plain model: one tensor (the per-batch outputs concatenated along dim 0) when its
         outputs are tensors; one dict of such tensors (or lists) when they are dicts of tensors (or lists) of
-        the batch's length; else, in one process only, the list of per-batch outputs.
+        the batch's length; else, in one process only, the list of per-batch outputs. With several loaders, a list
+        of those, one per loader (Lightning's list of lists).
 
     Raises:
         ValueError: under several data-parallel ranks, outputs that cannot be split per sample (dataset order
             is per sample: each rank's batches hold every D-th sample).
+        RuntimeError: a ``predict_step`` that does not take ``dataloader_idx`` with several loaders
+            (:func:`check_dataloader_idx`).
     """
     rt = runtime
-    communicates = rt.strategy.forward_communicates
-    num_batches = loader_length(loader) if num_batches is None else num_batches  # each rank's first ones
-    extra = _extra_forwards(rt, num_batches) if communicates else 0
+    num_batches = [loader_length(loader) for loader in loaders] if num_batches is None else num_batches
+    several = len(loaders) > 1
+    check_dataloader_idx(loop_module, "predict", several)
+    extra = _extra_forwards(rt, num_batches) if rt.strategy.forward_communicates else [0] * len(loaders)
     modes = eval_mode(wrapped)
-    outputs, batch = [], None
     hook("on_predict_epoch_start")
-    for batch_idx, batch in enumerate(itertools.islice(loader, None if num_batches == math.inf else num_batches)):
-        batch = rt.to_device(batch)
-        hook("on_predict_batch_start", batch, batch_idx)
-        with rt.autocast():
-            out = wrapped(batch, batch_idx, stage="predict") if communicates else loop_module.predict(batch, batch_idx)
-        hook("on_predict_batch_end", out, batch, batch_idx)
-        outputs.append(out.detach().cpu() if isinstance(out, torch.Tensor) else out)
-    for _ in range(extra):
-        with rt.autocast():
-            wrapped(batch, 0, stage="predict")
+    outputs = [_predict_loader(rt, loop_module, wrapped, loader, n, hook, i if several else None, more)
+               for i, (loader, n, more) in enumerate(zip(loaders, num_batches, extra))]
     hook("on_predict_epoch_end")
     restore_modes(modes)
+    results = [_gathered(rt, loop_module, out) for out in outputs]
+    return results if several else results[0]
+
+
+def _predict_loader(rt: Runtime, loop_module: Any, wrapped: Any, loader: Any, num_batches: float,
+                    hook: Callable[..., Any], dataloader_idx: int | None, extra: int) -> list:
+    """One loader's per-batch predictions on this rank (on the CPU), then ``extra`` discarded forwards."""
+    communicates = rt.strategy.forward_communicates
+    idx = () if dataloader_idx is None else (dataloader_idx,)
+    outputs, batch = [], None
+    for batch_idx, batch in enumerate(itertools.islice(loader, None if num_batches == math.inf else num_batches)):
+        batch = rt.to_device(batch)
+        hook("on_predict_batch_start", batch, batch_idx, *idx)
+        with rt.autocast():
+            out = (wrapped(batch, batch_idx, stage="predict", dataloader_idx=dataloader_idx) if communicates
+                   else loop_module.predict(batch, batch_idx, dataloader_idx))
+        hook("on_predict_batch_end", out, batch, batch_idx, *idx)
+        outputs.append(out.detach().cpu() if isinstance(out, torch.Tensor) else out)
+    _extra_runs(rt, wrapped, batch, "predict", extra, dataloader_idx)
+    return outputs
+
+
+def _gathered(rt: Runtime, loop_module: Any, outputs: list) -> Any:
+    """One loader's predictions from every rank (:func:`_in_dataset_order`), in the form :func:`predict` returns."""
     ordered = _in_dataset_order(rt, outputs)
     if loop_module.plain_model:
         return ordered
@@ -359,8 +455,10 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     """``Trainer.validate``/``test``/``predict`` outside ``fit`` (``method``): ``model`` set up by the trainer's
     runtime, with the weights of ``ckpt_path`` when given (:func:`checkpoint_to_evaluate`; only the model's, the
     SHA-256 verified), the loader (passed, or from ``datamodule``'s or the model's hook: ``data_sources``) made
-    sequential and unpadded (each sample once), then :func:`predict` or :func:`evaluate_stage` (its results as
-    Lightning's list of one dict per loader); ``verbose``: rank zero prints the results (:func:`results_table`)."""
+    sequential and unpadded (each sample once; several loaders each so, ``data_sources.eval_loaders``), their batches
+    under the stage's ``limit_*_batches`` in ``trainer.num_test_batches``/``num_predict_batches`` (Lightning's lists),
+    then :func:`predict` or :func:`evaluate_stage` (its results as Lightning's list of one dict per loader);
+    ``verbose``: rank zero prints the results (:func:`results_table`)."""
     rt = trainer.runtime
     attach_trainer(model, trainer)  # self.trainer inside the module's setup(stage), as Lightning
     if datamodule is not None:
@@ -377,23 +475,42 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     if ckpt_path is not None:
         rt.load(ckpt_path, {checkpointer.weights_key(checkpointer.is_sharded(ckpt_path)): model})
         rt.print(f"trainscale: {method} with the weights of {ckpt_path}")
-    loader = rt.setup_dataloader(dataloaders, seed=fit_seed(trainer.config.seed), shuffle=False, even=False)
+    stage = {"validate": "validation", "test": "test", "predict": "predict"}[method]
+    loaders, num_batches = _stage_loaders(trainer, dataloaders, stage)
     if method == "predict":
-        trainer._hook("on_predict_start")
-        predictions = predict(rt, loop_module, wrapped, loader, trainer._hook,
-                              trainer.config.eval_batches("predict", loader_length(loader)))
-        trainer._hook("on_predict_end")
-        teardown(trainer, model, method)
-        return predictions
-    stage = "validation" if method == "validate" else "test"
-    results = evaluate_stage(trainer, loop_module, wrapped, loader, stage)
+        return _predict_stage(trainer, model, loop_module, wrapped, loaders, num_batches)
+    if method == "test":
+        trainer.num_test_batches = num_batches
+    results = evaluate_stage(trainer, loop_module, wrapped, loaders, stage, num_batches)
     if not loop_module.plain_model:  # Lightning's: what the module logged with logger=True (a returned value is
         # in the run's records only); a plain model: trainscale's val_loss, val_acc, ...
-        results = {k: v for k, v in results.items() if k in trainer.metric_collector.to_logger}
+        results = [{k: v for k, v in r.items() if k in trainer.metric_collector.to_logger} for r in results]
     if verbose:
         rt.print(results_table(stage, results))
     teardown(trainer, model, method)
-    return [results]  # Lightning's shape: one dict per evaluation loader (trainscale takes one)
+    return results  # Lightning's shape: one dict per evaluation loader
+
+
+def _stage_loaders(trainer: Trainer, dataloaders: list, stage: str) -> tuple[list, list[float]]:
+    """Each of a stage's loaders as this rank reads it (sequential, unpadded: each sample on one rank), and its
+    batches under the stage's ``limit_*_batches``."""
+    rt = trainer.runtime
+    seed = fit_seed(trainer.config.seed)
+    loaders = [rt.setup_dataloader(dl, seed=seed, shuffle=False, even=False) for dl in dataloaders]
+    return loaders, [trainer.config.eval_batches(stage, loader_length(loader)) for loader in loaders]
+
+
+def _predict_stage(trainer: Trainer, model: Any, loop_module: Any, wrapped: Any, loaders: list,
+                   num_batches: list[float]) -> Any:
+    """``Trainer.predict``'s stage: :func:`predict` between ``on_predict_start`` and ``on_predict_end``, then the
+    teardown hooks; ``num_batches`` (each loader's, under ``limit_predict_batches``) in
+    ``trainer.num_predict_batches``."""
+    trainer.num_predict_batches = num_batches
+    trainer._hook("on_predict_start")
+    predictions = predict(trainer.runtime, loop_module, wrapped, loaders, trainer._hook, num_batches)
+    trainer._hook("on_predict_end")
+    teardown(trainer, model, "predict")
+    return predictions
 
 
 def teardown(trainer: Trainer, model: Any, stage: str) -> None:
@@ -411,42 +528,56 @@ def teardown(trainer: Trainer, model: Any, stage: str) -> None:
         hook(stage=stage)
 
 
-def results_table(stage: str, results: dict[str, float]) -> str:
+def results_table(stage: str, results: list[dict[str, float]]) -> str:
     """The results of ``validate``/``test`` as the table Lightning prints (``_EvaluationLoop._print_results``): a
-    "<Stage> metric" column and one "DataLoader 0" column, metrics sorted by name, centred::
+    "<Stage> metric" column and one "DataLoader N" column per loader, each metric on one row under its name without
+    the ``/dataloader_idx_N`` suffix (blank where a loader has none), sorted by name, centred::
 
-        Test metric    DataLoader 0
-        -------------  --------------
-          test_loss        0.4321
+        Test metric    DataLoader 0    DataLoader 1
+        -------------  --------------  --------------
+          test_loss        0.4321          0.5678
     """
     from tabulate import tabulate  # on rank zero, when verbose
 
-    rows = [(name, f"{value:.6g}" if isinstance(value, float) else str(value)) for name, value in sorted(results.items())]
-    return tabulate(rows, (f"{stage} metric".capitalize(), "DataLoader 0"), tablefmt="simple", disable_numparse=True,
-                    colalign=("center", "center"))
+    results = [{name.split("/dataloader_idx_")[0]: value for name, value in r.items()} for r in results]
+    rows = [(name, *(_shown(r[name]) if name in r else "" for r in results))
+            for name in sorted(set().union(*results))]
+    headers = (f"{stage} metric".capitalize(), *(f"DataLoader {i}" for i in range(len(results))))
+    return tabulate(rows, headers, tablefmt="simple", disable_numparse=True, colalign=("center",) * len(headers))
 
 
-def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loader: Any, stage: str,
-                   num_batches: float | None = None) -> dict[str, float]:
-    """:func:`evaluate` between Lightning's ``on_<stage>_start`` and ``on_<stage>_end`` hooks, with
+def _shown(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def merged(results: list[dict[str, float]]) -> dict[str, float]:
+    """One evaluation's per-loader results in one dict (what an epoch record and ``callback_metrics`` take: with
+    several loaders each name ends in its ``/dataloader_idx_N``; what the epoch hooks logged is the same in each)."""
+    return {name: value for r in results for name, value in r.items()}
+
+
+def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loaders: list, stage: str,
+                   num_batches: list[float] | None = None) -> list[dict[str, float]]:
+    """:func:`evaluate` of ``loaders`` between Lightning's ``on_<stage>_start`` and ``on_<stage>_end`` hooks, with
     ``trainer.metric_collector`` (where ``self.log`` in the steps and hooks goes) a collector of ``stage``
-    meanwhile; on ``num_batches`` (default: ``limit_val_batches``/``limit_test_batches``) of each rank's batches.
-    The results are in ``trainer.callback_metrics`` by ``on_<stage>_end`` (where Lightning's checkpoint callbacks
-    read them)."""
+    meanwhile; on ``num_batches[i]`` (default: ``limit_val_batches``/``limit_test_batches``) of each rank's batches
+    of loader i. Returns one dict per loader. The results (:func:`merged`) are in ``trainer.callback_metrics`` by
+    ``on_<stage>_end`` (where Lightning's checkpoint callbacks read them)."""
     collector = trainer.metric_collector
     trainer.metric_collector = stage_collector = MetricCollector(trainer.runtime, stage, routes_of=collector)
     if num_batches is None:
-        num_batches = trainer.config.eval_batches(stage, loader_length(loader))
+        num_batches = [trainer.config.eval_batches(stage, loader_length(loader)) for loader in loaders]
     try:
         trainer._hook(f"on_{stage}_start")
-        results = evaluate(trainer.runtime, loop_module, wrapped, loader, stage, stage_collector, num_batches,
-                           trainer._hook)
+        per_loader = evaluate(trainer.runtime, loop_module, wrapped, loaders, stage, stage_collector, num_batches,
+                              trainer._hook)
     finally:
         trainer.metric_collector = collector
+    results = merged(per_loader)
     # what the module logged (a plain model: trainscale's val_loss, ...), a value logged on_step and on_epoch also
     # under its bare name ("val_acc" beside "val_acc_epoch"), as in Lightning's callback_metrics, where
     # EarlyStopping(monitor="val_acc") finds it; the records keep the two, and every value returned by the step
     logged = {k: v for k, v in results.items() if k in stage_collector.logged}
     trainer._publish(loop_module.plain_model, results, logged, stage_collector)
     trainer._hook(f"on_{stage}_end")
-    return results
+    return per_loader

@@ -140,7 +140,7 @@ class FitRun:
     loop_module: Any  # trainscale.lightning.module.LoopModule
     wrapped: Any
     train_loader: Any
-    val_loader: Any
+    val_loader: list | None  # the validation loaders (one, or several run in turn), None: no validation
     telemetry: Any
     metrics: Any = None  # trainscale.loop.records.MetricsProcessor, made in Trainer._run_fit
     bar: Any = None

@@ -297,6 +297,9 @@ class Trainer:
         self.should_stop = False  # set by a callback (EarlyStopping) or max_time: stop, on every rank
         self.fitting = False  # True during fit (Lightning's trainer.state.fn == "fit"); validate() after it: False
         self.validated_at: list[int] = []  # global steps at which the last fit validated (sanity check excluded)
+        # this rank's batches of each loader of the last test() and predict() (Lightning's lists), set as they start
+        self.num_test_batches: list[int | float] = []
+        self.num_predict_batches: list[int | float] = []
         self._deadline = math.inf  # time.monotonic() at which max_time runs out
         self.optimizers: list = []
         self.schedulers: list = []
@@ -433,10 +436,10 @@ class Trainer:
 
     @property
     def num_val_batches(self) -> list[int | float]:
-        """Validation batches per validation run of this rank, in a list (Lightning's, one per loader; empty
+        """Validation batches per validation run of this rank in ``fit``, one per loader (Lightning's list; empty
         without validation or before ``fit``)."""
-        loader = self._fit.val_loader if self._fit is not None else None
-        return [] if loader is None else [self.config.val_batches(evaluation.loader_length(loader))]
+        loaders = self._fit.val_loader if self._fit is not None else None
+        return [] if loaders is None else [self.config.val_batches(evaluation.loader_length(dl)) for dl in loaders]
 
     @property
     def global_batch_size(self) -> int | None:
@@ -633,13 +636,13 @@ class Trainer:
 
     def _distribute_loaders(self, model, loop_module, train_dataloaders, val_dataloaders) -> tuple[Any, Any]:
         """The training and validation loaders as the loop reads them: each rank's share (``Runtime.setup_dataloader``;
-        the training loader as given with ``use_distributed_sampler=False``), no validation loader with
+        the training loader as given with ``use_distributed_sampler=False``; the validation loaders a list), none with
         ``limit_val_batches=0`` or without a ``validation_step`` (Lightning's warning), both checked."""
         rt, cfg = self.runtime, self.config
         if cfg.overfit_batches:  # the same first batches every epoch, in order (Lightning's, with its warning)
             train_dataloaders = overfit_order(train_dataloaders, "train", warn=rt.is_rank_zero)
             if val_dataloaders is not None:
-                val_dataloaders = overfit_order(val_dataloaders, "val", warn=rt.is_rank_zero)
+                val_dataloaders = [overfit_order(dl, "val", warn=rt.is_rank_zero) for dl in val_dataloaders]
         if not cfg.use_distributed_sampler:  # Lightning's flag: the loader as given, on every rank
             train_loader = train_dataloaders
         else:
@@ -650,7 +653,7 @@ class Trainer:
             warnings.warn(f"a validation DataLoader was passed but {type(model).__name__} defines no validation_step: "
                           "validation is skipped (as in Lightning); define validation_step to validate", stacklevel=4)
             val_dataloaders = None
-        val_loader = (rt.setup_dataloader(val_dataloaders, seed=self.fit_seed, even=False)
+        val_loader = ([rt.setup_dataloader(dl, seed=self.fit_seed, even=False) for dl in val_dataloaders]
                       if val_dataloaders is not None and cfg.limit_val_batches != 0 else None)  # 0: off
         check_loaders(train_loader, val_loader)
         if seeds_workers():  # seed_everything(..., workers=True), as Lightning's pl_worker_init_function
@@ -961,7 +964,8 @@ class Trainer:
         """Validation during ``fit`` (``evaluation.evaluate_stage``: its hooks, ``callback_metrics``); a mid-epoch
         one is also written as a "validation" record (an epoch-end one goes in the epoch record)."""
         self.validating = True  # Lightning's stage, back to training after it
-        results = evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation")
+        results = evaluation.merged(evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader,
+                                                              "validation"))
         self.training = True
         self.validated_at.append(self.global_step)
         fit.validated_after = self.state.batches
@@ -983,10 +987,9 @@ class Trainer:
         saved_rng, saved_metrics, stage = rng_state(), dict(self.callback_metrics), self.state.stage
         self.sanity_checking = True
         self._hook("on_sanity_check_start")
-        limit = self.config.sanity_val_batches
-        batches = evaluation.loader_length(fit.val_loader)
+        limit = self.config.sanity_val_batches  # of each loader, as Lightning
         evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation",
-                                  num_batches=min(limit, self.config.val_batches(batches)))
+                                  num_batches=[min(limit, batches) for batches in self.num_val_batches])
         self._hook("on_sanity_check_end")
         self.state.stage = stage  # training again, as Lightning's
         self.callback_metrics = saved_metrics
@@ -1083,10 +1086,12 @@ class Trainer:
                  datamodule: Any = None, verbose: bool = True,
                  weights_only: bool | None = None) -> list[dict[str, float]]:
         """Evaluate ``model`` across all ranks, each sample counted once. Returns Lightning's list of one dict per
-        loader (one loader here): ``[{"val_loss": ..., "val_accuracy": ...}]`` (or ``validation_step``'s keys prefixed
+        loader: ``[{"val_loss": ..., "val_accuracy": ...}]`` (or ``validation_step``'s keys prefixed
         ``val_``, and what it logged), sample-weighted means; ``trainer.validate(...)[0]["val_loss"]``. ``ckpt_path``:
         "best", "last" or a path evaluates that checkpoint's weights (``evaluation.checkpoint_to_evaluate``).
-        ``dataloaders`` None: ``datamodule``'s or the model's ``val_dataloader()`` (``lightning/data_sources.py``).
+        ``dataloaders`` None: ``datamodule``'s or the model's ``val_dataloader()`` (``lightning/data_sources.py``); a
+        list, tuple or dict of loaders: each in turn, ``validation_step`` getting ``dataloader_idx``, the names
+        ending in ``/dataloader_idx_N``, as Lightning (``evaluation.evaluate``).
         ``model`` None (also for ``test`` and ``predict``): the model of this trainer's last ``fit``, with the weights of
         its best checkpoint when ``ckpt_path`` is None, as Lightning (``evaluation.fitted_model``). ``verbose``: rank zero
         prints the results as a table, as Lightning (``evaluation.results_table``); False prints nothing.
@@ -1110,7 +1115,7 @@ class Trainer:
         """``predict_step(batch, batch_idx)`` (or the model's output) for every sample, from all ranks in dataset order,
         each sample once: for a module with ``predict_step``/``training_step``, Lightning's list of per-batch outputs;
         for a plain model one tensor of shape (N, ...) when the outputs are tensors (``evaluation.predict``);
-        ``ckpt_path`` as :meth:`validate`'s.
+        ``ckpt_path`` as :meth:`validate`'s. Several loaders (a list, tuple or dict): a list of those, one per loader.
         ``return_predictions=False`` (Lightning's argument): None, for a run whose callbacks write the outputs."""
         predictions = self._run_eval("predict", model, dataloaders, ckpt_path=ckpt_path, datamodule=datamodule)
         return None if return_predictions is False else predictions

@@ -99,7 +99,8 @@ class PipelineModule(nn.Module):
     ``forward_backward`` trains on a batch; calling the module as the Trainer's evaluation does
     (``module(batch, batch_idx, stage="validation"|"test")``) evaluates it with the ``loss_fn`` of
     the module given (the Trainer's loop module), and ``stage="predict"`` returns the model's outputs on
-    the batch's inputs, on every stage. Plain ``forward`` is refused: under a pipeline no rank holds the
+    the batch's inputs, on every stage (``dataloader_idx``, the evaluation loader's index, changes nothing here: a
+    plain model's steps take none). Plain ``forward`` is refused: under a pipeline no rank holds the
     whole forward.
     """
 
@@ -108,7 +109,7 @@ class PipelineModule(nn.Module):
         self.root = root
         self.runner = runner  # not a module: its stages reference the model, already registered under root
 
-    def forward(self, batch: Any, batch_idx: int = 0, stage: str = "train") -> Any:
+    def forward(self, batch: Any, batch_idx: int = 0, stage: str = "train", dataloader_idx: int | None = None) -> Any:
         if stage == "predict":  # the inputs of an (inputs, targets) batch, or the batch itself
             return self.runner.predict(batch[0] if isinstance(batch, (tuple, list)) else batch)
         if stage not in ("validation", "test"):
