@@ -2263,6 +2263,8 @@ class _UsesStrategy(_OneCycle):
                        str(strategy.root_device)),
             "modules": (strategy.lightning_module is self, type(strategy.model).__name__),
         }
+        mine = self.all_gather({"n": rank, "pair": (torch.tensor([float(rank), 1.0]),)})  # the module's, nested
+        self.seen["module_gather"] = (mine["n"].tolist(), type(mine["pair"]).__name__, mine["pair"][0].tolist())
 
 
 def _fit_on_two_ranks(rank: int, root: str) -> dict:
@@ -2309,6 +2311,7 @@ def test_the_strategys_collectives_work_from_a_hook_on_two_ranks(two_rank_fit):
         assert seen["places"] == (2, rank, rank, rank == 0, "cpu")
         assert seen["modules"] == (True, "DistributedDataParallel")
         assert seen["rank_zero_only"] == (rank, "said" if rank == 0 else "quiet")
+        assert seen["module_gather"] == ([0, 1], "tuple", [[0.0, 1.0], [1.0, 1.0]])
 
 
 @pytest.mark.timeout(60)
@@ -2325,6 +2328,8 @@ def test_trainer_strategy_exists_from_trainer_and_its_collectives_pass_through_o
     model = Probe()
     trainer.fit(model, _loader(4))
     assert strategy.lightning_module is model and trainer.strategy is strategy
+    gathered = model.all_gather({"n": 3, "t": [t]})  # one process: as given, the number made a tensor
+    assert torch.equal(gathered["n"], torch.tensor(3)) and gathered["t"][0] is t
     spawning = _trainer(tmp_path, strategy="ddp_spawn", devices=2)
     with pytest.raises(AttributeError, match="exists in the ranks that fit/validate/test/predict start"):
         spawning.strategy

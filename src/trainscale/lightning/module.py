@@ -186,6 +186,28 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         without any), as Lightning's ``self.dtype`` after ``.to(dtype)``, ``.half()`` or ``.double()``."""
         return next((p.dtype for p in self.parameters() if p.is_floating_point()), torch.get_default_dtype())
 
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Every rank's ``data`` (a tensor of the same shape on each rank, an int or float, or a dict, list or tuple
+        of them, nested), each tensor stacked to shape ``(world_size, *shape)`` by ``trainer.strategy.all_gather``;
+        unchanged without a process group (one process), as Lightning's ``self.all_gather``. A collective: every rank
+        calls it. ``sync_grads``: the gather is differentiable (each rank's tensor gets its slice's gradients summed
+        over the ranks)."""
+        strategy = self.trainer.strategy
+        device = self.device
+
+        def gather(value: Any) -> Any:
+            if isinstance(value, Mapping):
+                gathered = {k: gather(v) for k, v in value.items()}
+                return gathered if type(value) is dict else type(value)(gathered)
+            if isinstance(value, (list, tuple)):
+                items = [gather(v) for v in value]
+                return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = torch.tensor(value, device=device)
+            return strategy.all_gather(value, group, sync_grads) if isinstance(value, torch.Tensor) else value
+
+        return gather(data)
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         """Python's ``print(*args, **kwargs)`` on global rank zero only (also without a Trainer), as Lightning's
         ``self.print``."""
