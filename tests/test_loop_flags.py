@@ -243,6 +243,27 @@ def test_deterministic_sets_torch_as_lightning(monkeypatch):
         torch.use_deterministic_algorithms(False)
 
 
+def test_benchmark_sets_cudnn_benchmark_as_lightning(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.backends.cudnn.benchmark
+    try:
+        _trainer("runs", benchmark=True)
+        assert torch.backends.cudnn.benchmark is True
+        _trainer("runs")  # None: left as it is
+        assert torch.backends.cudnn.benchmark is True
+        _trainer("runs", benchmark=False)
+        assert torch.backends.cudnn.benchmark is False
+        with pytest.warns(UserWarning, match="PyTorch ignores torch.backends.cudnn.deterministic=True"):
+            _trainer("runs", deterministic=True, benchmark=True)
+        assert torch.backends.cudnn.benchmark is True
+        torch.use_deterministic_algorithms(False)
+        _trainer("runs", deterministic=True)  # benchmark None with deterministic: off
+        assert torch.backends.cudnn.benchmark is False
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.benchmark = before
+
+
 def test_model_summary_counts_layers_trainable_and_total_parameters(tmp_path, capsys):
     from trainscale.callbacks import ModelSummary
     from trainscale.callbacks.model_summary import summarize
@@ -274,7 +295,7 @@ def test_model_summary_counts_layers_trainable_and_total_parameters(tmp_path, ca
     ({"check_val_every_n_epoch": None, "val_check_interval": 0.5}, "must then be an int|must be an int"),
     ({"num_sanity_val_steps": -2}, "num_sanity_val_steps"), ({"fast_dev_run": -1}, "fast_dev_run"),
     ({"max_time": "1:00:00"}, "DD:HH:MM:SS"), ({"max_time": {"hourz": 1}}, "max_time"), ({"max_time": 5}, "max_time"),
-    ({"overfit_batches": 1.5}, "overfit_batches"), ({"deterministic": "yes"}, "deterministic"),
+    ({"overfit_batches": 1.5}, "overfit_batches"), ({"deterministic": "yes"}, "deterministic"), ({"benchmark": "yes"}, "benchmark"),
     ({"enable_model_summary": 1}, "enable_model_summary")])
 def test_loop_flags_are_validated(flags, match):
     with pytest.raises(ValueError, match=match):

@@ -166,6 +166,9 @@ class TrainerConfig:
         detect_anomaly: run ``fit`` under ``torch.autograd.set_detect_anomaly(True)`` (Lightning's flag): a backward
             that produces NaN names the forward operation that made it, with its traceback; much slower, for
             debugging. The previous mode is restored when ``fit`` ends, also on an error.
+        benchmark: the value ``torch.backends.cudnn.benchmark`` is set to in ``Trainer()`` (Lightning's flag: True
+            lets cuDNN try its convolution algorithms for each input shape and keep the fastest); None: False with
+            ``deterministic``, else left as it is.
     """
 
     max_epochs: int | None = None  # the rules of max_epochs and max_steps: _loop_limits
@@ -211,6 +214,7 @@ class TrainerConfig:
     use_distributed_sampler: bool = flag(True)
     reload_dataloaders_every_n_epochs: int = flag(0, low=0)
     detect_anomaly: bool = flag(False)
+    benchmark: bool | None = flag(None)
 
     def train_batches(self, full: float) -> float:
         """An epoch's micro-batches under ``limit_train_batches``, of ``full`` without it (infinite: an iterable's)."""

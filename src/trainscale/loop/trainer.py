@@ -111,7 +111,8 @@ class Trainer:
                  fast_dev_run: bool | int = False, max_time: str | timedelta | dict | None = None,
                  overfit_batches: int | float = 0.0, deterministic: bool | Literal["warn"] | None = None,
                  enable_model_summary: bool = True, use_distributed_sampler: bool = True,
-                 reload_dataloaders_every_n_epochs: int = 0, detect_anomaly: bool = False) -> None:
+                 reload_dataloaders_every_n_epochs: int = 0, detect_anomaly: bool = False,
+                 benchmark: bool | None = None) -> None:
         """The Runtime's flags (accelerator, devices, strategy, num_nodes, precision, timeout, strategy_options,
         sync_batchnorm, activation_checkpointing, compile, float32_matmul_precision, parallel, tp_plan, parallelize,
         pp_schedule, pp_microbatches, pp_split_points) are described in ``Runtime.__init__``; the loop's are fields of
@@ -226,6 +227,9 @@ class Trainer:
             detect_anomaly: run ``fit`` under ``torch.autograd.set_detect_anomaly(True)`` (Lightning's flag): a backward
                 that produces NaN names the forward operation that made it, with its traceback; much slower, for
                 debugging. The previous mode is restored when ``fit`` ends, also on an error.
+            benchmark: the value ``torch.backends.cudnn.benchmark`` is set to in ``Trainer()`` (Lightning's flag: True
+                lets cuDNN try its convolution algorithms for each input shape and keep the fastest); None: False with
+                ``deterministic``, else left as it is.
 
         Raises:
             TypeError: a misspelt flag (naming the closest one; type checkers refuse it too).
@@ -254,12 +258,13 @@ class Trainer:
             check_val_every_n_epoch=check_val_every_n_epoch, num_sanity_val_steps=num_sanity_val_steps,
             fast_dev_run=fast_dev_run, max_time=max_time, overfit_batches=overfit_batches, deterministic=deterministic,
             enable_model_summary=enable_model_summary, use_distributed_sampler=use_distributed_sampler,
-            reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs, detect_anomaly=detect_anomaly)
+            reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs, detect_anomaly=detect_anomaly,
+            benchmark=benchmark)
         self.flags = dict(runtime_flags, **loop_flags, callbacks=callbacks, logger=logger,
                           profiler=profiler)  # a ddp_spawn rank rebuilds the Trainer from them
         self.profiler = resolve_profiler(profiler)  # Lightning's trainer.profiler
         self.config = resolve_trainer_config(**loop_flags)
-        set_torch_flags(self.config.deterministic)
+        set_torch_flags(self.config.deterministic, self.config.benchmark)
         self.batch_scaling = BatchScaling(self.config)
         self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint())
         bars = [cb for cb in self.callbacks if isinstance(cb, TQDMProgressBar)]
@@ -1214,13 +1219,19 @@ def _say_detect_anomaly(on: bool, rank_zero: bool) -> None:
                        "speed and is recommended only for model debugging.")
 
 
-def set_torch_flags(deterministic: bool | str | None) -> None:
-    """``deterministic`` as Lightning's accelerator connector sets it: True: deterministic algorithms,
-    ``cudnn.benchmark`` off, ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS's reproducibility setting,
-    https://docs.nvidia.com/cuda/cublas/index.html#results-reproducibility); "warn": the same, warning instead of
-    raising on an op without a deterministic implementation; False: off; None: untouched."""
+def set_torch_flags(deterministic: bool | str | None, benchmark: bool | None = None) -> None:
+    """``deterministic`` and ``benchmark`` as Lightning's accelerator connector sets them (``_set_torch_flags``):
+    ``deterministic`` True: deterministic algorithms, ``cudnn.benchmark`` off unless ``benchmark=True`` (then
+    Lightning's warning that PyTorch ignores cuDNN's determinism), ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS's
+    reproducibility setting, https://docs.nvidia.com/cuda/cublas/index.html#results-reproducibility); "warn": the
+    same, warning instead of raising on an op without a deterministic implementation; False: off; None: untouched.
+    ``benchmark`` True or False: ``torch.backends.cudnn.benchmark`` set to it."""
+    if deterministic and benchmark:
+        warnings.warn("You passed `deterministic=True` and `benchmark=True`. Note that PyTorch ignores "
+                      "torch.backends.cudnn.deterministic=True when torch.backends.cudnn.benchmark=True.", stacklevel=3)
+    if benchmark is not None or deterministic:
+        torch.backends.cudnn.benchmark = bool(benchmark)
     if deterministic:
-        torch.backends.cudnn.benchmark = False
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     if deterministic == "warn":
         torch.use_deterministic_algorithms(True, warn_only=True)
