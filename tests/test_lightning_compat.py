@@ -2729,3 +2729,12 @@ def test_two_loaders_on_two_ranks_give_the_single_process_values(tmp_path, strat
         assert out["validate"] == [{k: pytest.approx(v) for k, v in r.items()} for r in one["validate"]]
         assert out["predict"] == one["predict"]  # each loader's predictions in dataset order
     assert [r["num_val_batches"] for r in ranks] == [[2, 1], [1, 1]]  # SET_A: 3 + 2 samples; SET_B: 2 + 1
+
+
+def test_cli_lightning_logo_prints_one_line_on_rank_zero_only(capsys, monkeypatch):
+    """Lightning's examples call ``cli_lightning_logo()`` first; ``import lightning.pytorch as pl`` ports to trainscale."""
+    trainscale.cli_lightning_logo()
+    assert capsys.readouterr().out == f"trainscale {trainscale.__version__}\n"
+    monkeypatch.setenv("RANK", "1")
+    trainscale.cli_lightning_logo()
+    assert capsys.readouterr().out == ""

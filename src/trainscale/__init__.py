@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:  # the same names as _LAZY, for type checkers and the API reference (docs/api.md)
     from trainscale.callbacks.base import Callback
     from trainscale.checkpointing.rng import seed_everything
+    from trainscale.cli.lightning_cli import cli_lightning_logo
     from trainscale.lightning.data_sources import DataModule
     from trainscale.lightning.module import TrainingModule
     from trainscale.loop.trainer import Trainer
@@ -33,13 +34,14 @@ _LAZY = {
     "World": "trainscale.runtime.world",
     "seed_everything": "trainscale.checkpointing.rng",
     "Callback": "trainscale.callbacks.base",
+    "cli_lightning_logo": "trainscale.cli.lightning_cli",  # Lightning's example scripts call it first
 }
 # Lightning's names for the same classes, so that a port that changes only ``import lightning as L`` to
 # ``import trainscale as L`` keeps ``class Model(L.LightningModule)`` and ``L.LightningDataModule``.
 _ALIASES = {"LightningModule": "TrainingModule", "LightningDataModule": "DataModule"}
 
 __all__ = ["Trainer", "TrainingModule", "DataModule", "Callback", "Runtime", "World", "seed_everything",
-           "LightningModule", "LightningDataModule", "__version__"]
+           "LightningModule", "LightningDataModule", "cli_lightning_logo", "__version__"]
 # The commands' Python forms live in their subpackages, named after the commands:
 # ``from trainscale.plan import plan``, ``from trainscale.check import check``, ``from trainscale.bench import sweep``.
 

@@ -298,6 +298,18 @@ class LightningCLI:
         return result
 
 
+def cli_lightning_logo() -> None:
+    """Lightning's ``cli_lightning_logo()``, which its example scripts call first: prints one line naming trainscale
+    and its version, on global rank zero only (the ``RANK`` a launcher sets; Lightning prints its logo in every
+    process)."""
+    import os
+
+    from trainscale import __version__
+
+    if os.environ.get("RANK", "0") == "0":
+        print(f"trainscale {__version__}", flush=True)
+
+
 def _class(spec) -> type:
     module, name = spec.class_path.rsplit(".", 1)
     return getattr(importlib.import_module(module), name)
