@@ -42,11 +42,10 @@ from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, Pipe
 from trainscale.runtime.meta_init import on_meta
 from trainscale.runtime.precision import Precision, float32_matmul_note, tf32_enabled
 from trainscale.runtime.strategies import create_strategy
-from trainscale.runtime.strategies.base import all_reduce
 from trainscale.runtime.world import World, launcher_variables
 from trainscale.utilities.rank_zero import rank_zero_only
 
-_REDUCE_OPS = ("sum", "mean", "max", "min")
+_REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
 
 
 def _free_port() -> int:
@@ -525,16 +524,19 @@ class Runtime:
         Args:
             tensor: the value to reduce; it is overwritten with the result.
             op: "sum" (the default, as ``torch.distributed.all_reduce``), "mean" (the sum divided by the
-                world size, in place; an integer tensor keeps the quotient rounded toward zero), "max" or "min".
-                Lightning Fabric's ``all_reduce`` defaults to "mean": pass ``op="mean"`` where a Fabric loop relied
-                on that.
+                world size, in place: the tensor must be floating point), "max" or "min". Lightning Fabric's
+                ``all_reduce`` defaults to "mean": pass ``op="mean"`` where a Fabric loop relied on that.
 
         Raises:
             ValueError: an ``op`` other than these four.
         """
         if op not in _REDUCE_OPS:
             raise ValueError(f"unknown op={op!r}; choose one of {', '.join(map(repr, _REDUCE_OPS))}")
-        return all_reduce(tensor, op) if self.world_size > 1 else tensor
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]))
+            if op == "mean":
+                tensor /= self.world_size
+        return tensor
 
     def all_gather_object(self, obj: Any) -> list:
         """Every rank's ``obj`` (picklable), in rank order."""

@@ -24,24 +24,6 @@ if TYPE_CHECKING:  # the resolver's value, read by the class methods below
 SYNC = contextlib.nullcontext()
 
 
-def all_reduce(tensor: Any, op: Any = "sum", group: Any = None) -> Any:
-    """``torch.distributed.all_reduce`` of ``tensor`` over ``group`` (None: every rank), in place, returned; "mean"
-    (or "avg") is the sum divided by the group's size, in place (an integer tensor keeps the quotient rounded toward
-    zero), as Lightning's ``_sync_ddp``, on any backend (gloo has no AVG). ``op``: "sum", "mean", "avg", "max",
-    "min", another ``torch.distributed.ReduceOp`` name in any case, or a ``ReduceOp``. A collective: every rank of the
-    group calls it; the caller checks that a process group exists."""
-    import torch
-    import torch.distributed as dist
-
-    mean = isinstance(op, str) and op.lower() in ("mean", "avg")
-    reduce_op = dist.ReduceOp.SUM if mean else getattr(dist.ReduceOp, op.upper()) if isinstance(op, str) else op
-    dist.all_reduce(tensor, op=reduce_op, group=group)
-    if not mean:
-        return tensor
-    size = dist.get_world_size(group)
-    return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
-
-
 def clip_grad_norm(module: Any, max_norm: float, norm_type: float = 2.0) -> Any:
     """``torch.nn.utils.clip_grad_norm_`` over the parameters of ``module`` that have a gradient: the
     ``clip_gradients_norm`` of strategies whose gradients are whole tensors (all-reduced, or one process).
@@ -161,15 +143,26 @@ class Strategy:
         return box[0]
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """``tensor`` reduced over the ranks of ``group`` (None: all), in place, and returned (:func:`all_reduce`:
-        "mean" by default, as Lightning's, or "sum", "max", "min", a ``ReduceOp``); anything but a tensor, and any
-        tensor without a process group, comes back unchanged."""
+        """``tensor`` all-reduced over the ranks of ``group`` (None: all), in place, and returned, as Lightning's
+        ``_sync_ddp``: ``reduce_op`` "mean" (the default; or "avg": the sum divided by the group's size, in place, on
+        any backend, an integer tensor keeping the quotient rounded toward zero), "sum", "max", "min", another
+        ``torch.distributed.ReduceOp`` name in any case, or a ``ReduceOp``. Anything but a tensor, and any tensor
+        without a process group, comes back unchanged."""
         import torch
         import torch.distributed as dist
 
         if not isinstance(tensor, torch.Tensor) or not (dist.is_available() and dist.is_initialized()):
             return tensor
-        return all_reduce(tensor, reduce_op, group)
+        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        if mean:  # a sum, then the division: gloo has no ReduceOp.AVG
+            op = dist.ReduceOp.SUM
+        else:
+            op = getattr(dist.ReduceOp, reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
+        dist.all_reduce(tensor, op=op, group=group)
+        if not mean:
+            return tensor
+        size = dist.get_world_size(group)
+        return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
 
     def all_gather(self, tensor: Any, group: Any = None, sync_grads: bool = False) -> Any:
         """Every rank's ``tensor`` (the same shape on each), stacked: shape ``(group size, *tensor.shape)``, over
