@@ -14,10 +14,11 @@ from trainscale.callbacks.finetuning import BaseFinetuning
 from trainscale.callbacks.lr_monitor import LearningRateMonitor
 from trainscale.callbacks.model_checkpoint import ModelCheckpoint
 from trainscale.callbacks.model_summary import ModelSummary
+from trainscale.callbacks.prediction_writer import BasePredictionWriter
 from trainscale.callbacks.progress_bar import RichProgressBar, TQDMProgressBar
 from trainscale.callbacks.timer import Timer
 
-__all__ = ["BaseFinetuning", "Callback", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
+__all__ = ["BaseFinetuning", "BasePredictionWriter", "Callback", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
            "RichProgressBar", "TQDMProgressBar", "Timer", "resolve_callbacks"]
 
 
