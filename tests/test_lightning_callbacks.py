@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainscale.callbacks import BasePredictionWriter
+from trainscale.callbacks import BasePredictionWriter, OnExceptionCheckpoint
 from trainscale.lightning.module import TrainingModule
 from trainscale.loop.trainer import Trainer
 
@@ -18,7 +18,11 @@ class Tiny(TrainingModule):
         super().__init__()
         self.layer = nn.Linear(2, 1)
 
+    fail_at: int | None = None  # training_step raises once this many optimizer steps are taken
+
     def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == self.fail_at:
+            raise RuntimeError("bad batch")
         return self.layer(batch[0]).pow(2).mean()
 
     def predict_step(self, batch, batch_idx):
@@ -76,3 +80,50 @@ def test_prediction_writer_refuses_an_unknown_interval():
 def test_prediction_writer_without_its_method_raises_not_implemented(tmp_path):
     with pytest.raises(NotImplementedError):
         _trainer(tmp_path, callbacks=[BasePredictionWriter("epoch")]).predict(Tiny(), _loader())
+
+
+@pytest.mark.timeout(60)
+def test_on_exception_checkpoint_saves_the_failed_fit_which_resumes_from_it(tmp_path):
+    callback = OnExceptionCheckpoint(tmp_path / "crash")
+    assert callback.ckpt_path == str(tmp_path / "crash" / "on_exception.ckpt")
+    failing = Tiny()
+    failing.fail_at = 2
+    with pytest.raises(RuntimeError, match="bad batch"):
+        _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, callbacks=[callback]).fit(failing, _loader())
+    saved = torch.load(callback.ckpt_path, weights_only=True)
+    assert saved["global_step"] == 2
+    torch.testing.assert_close(saved["state_dict"]["layer.weight"], failing.layer.weight.detach())
+
+    model = Tiny()
+    again = OnExceptionCheckpoint(tmp_path / "crash")
+    resumed = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, callbacks=[again])
+    resumed.fit(model, _loader(), ckpt_path=callback.ckpt_path)
+    assert resumed.ckpt_path == tmp_path / "crash" / "on_exception.ckpt" and resumed.global_step == 6
+    assert not (tmp_path / "crash" / "on_exception.ckpt").exists()  # a stage that ends normally removes it
+
+
+def test_on_exception_checkpoint_overwrites_its_own_file_but_not_another_runs(tmp_path):
+    first = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    first.fit(Tiny(), _loader())
+    foreign = first.run_dir / "keep.ckpt"
+    foreign.write_bytes(b"first run's")
+    stale = tmp_path / "stale.ckpt"
+    stale.write_bytes(b"stale")
+    callbacks = [OnExceptionCheckpoint(first.run_dir, filename="keep"), OnExceptionCheckpoint(tmp_path, "stale")]
+    failing = Tiny()
+    failing.fail_at = 1
+    with pytest.warns(RuntimeWarning, match="keep.ckpt.*another run"):
+        with pytest.raises(RuntimeError, match="bad batch"):
+            _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=callbacks).fit(failing, _loader())
+    assert foreign.read_bytes() == b"first run's"
+    assert torch.load(stale, weights_only=True)["global_step"] == 1  # outside every run: replaced, as Lightning
+
+    stale.write_bytes(b"stale")  # a normal end removes only the file it wrote or resumed from
+    _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[OnExceptionCheckpoint(tmp_path, "stale")]
+             ).fit(Tiny(), _loader())
+    assert stale.read_bytes() == b"stale"
+
+
+def test_on_exception_checkpoint_needs_a_filename():
+    with pytest.raises(ValueError, match="The filename cannot be empty"):
+        OnExceptionCheckpoint(".", filename="")

@@ -14,12 +14,13 @@ from trainscale.callbacks.finetuning import BaseFinetuning
 from trainscale.callbacks.lr_monitor import LearningRateMonitor
 from trainscale.callbacks.model_checkpoint import ModelCheckpoint
 from trainscale.callbacks.model_summary import ModelSummary
+from trainscale.callbacks.on_exception_checkpoint import OnExceptionCheckpoint
 from trainscale.callbacks.prediction_writer import BasePredictionWriter
 from trainscale.callbacks.progress_bar import RichProgressBar, TQDMProgressBar
 from trainscale.callbacks.timer import Timer
 
 __all__ = ["BaseFinetuning", "BasePredictionWriter", "Callback", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
-           "RichProgressBar", "TQDMProgressBar", "Timer", "resolve_callbacks"]
+           "OnExceptionCheckpoint", "RichProgressBar", "TQDMProgressBar", "Timer", "resolve_callbacks"]
 
 
 def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = None) -> list[Callback]:
