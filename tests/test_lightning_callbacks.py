@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainscale.callbacks import BasePredictionWriter, OnExceptionCheckpoint
+from trainscale.callbacks import BasePredictionWriter, Callback, OnExceptionCheckpoint, StochasticWeightAveraging
 from trainscale.lightning.module import TrainingModule
 from trainscale.loop.trainer import Trainer
 
@@ -33,7 +33,7 @@ class Tiny(TrainingModule):
 
 
 def _loader(n=10, batch_size=4):
-    x = torch.arange(2.0 * n).reshape(n, 2)
+    x = torch.linspace(-1, 1, 2 * n).reshape(n, 2)
     return DataLoader(TensorDataset(x, torch.zeros(n)), batch_size=batch_size)
 
 
@@ -67,7 +67,7 @@ def test_prediction_writer_is_called_at_its_interval(tmp_path, interval):
         assert [p["batch_idx"] for p in predictions] == [0, 1, 2]
         assert indices == [[None, None, None]]
         with torch.no_grad():
-            expected = model.layer(torch.arange(20.0).reshape(10, 2))
+            expected = model.layer(torch.linspace(-1, 1, 20).reshape(10, 2))
         torch.testing.assert_close(torch.cat([p["y"] for p in predictions]), expected)
         torch.testing.assert_close(torch.cat([p["y"] for p in returned]), expected)
 
@@ -127,3 +127,92 @@ def test_on_exception_checkpoint_overwrites_its_own_file_but_not_another_runs(tm
 def test_on_exception_checkpoint_needs_a_filename():
     with pytest.raises(ValueError, match="The filename cannot be empty"):
         OnExceptionCheckpoint(".", filename="")
+
+
+class WeightsAtEpochStart(Callback):
+    """Notes a copy of the module's parameters and the learning rate at every training epoch's start."""
+
+    def __init__(self):
+        self.weights, self.lrs = [], []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.weights.append([p.detach().clone() for p in pl_module.parameters()])
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+@pytest.mark.timeout(60)
+def test_swa_ends_the_fit_with_the_mean_of_the_weights_at_the_averaged_epochs_start(tmp_path):
+    seen = WeightsAtEpochStart()
+    swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2, annealing_epochs=1)
+    model = Tiny()
+    trainer = _trainer(tmp_path, max_epochs=4, num_sanity_val_steps=0, callbacks=[seen, swa])
+    trainer.fit(model, _loader(n=16, batch_size=4))
+    assert swa.swa_start == 1 and swa.swa_end == 3 and int(swa.n_averaged) == 3  # epochs 1, 2, 3 (0-based)
+    for i, param in enumerate(model.parameters()):
+        expected = torch.stack([w[i] for w in seen.weights[1:]]).mean(0)
+        torch.testing.assert_close(param.detach(), expected)
+        assert not torch.equal(expected, seen.weights[-1][i])  # the average differs from the last epoch's start
+    assert seen.lrs[:2] == [0.05, 0.05] and trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01)
+    assert isinstance(trainer.lr_scheduler_configs[0].scheduler, torch.optim.swa_utils.SWALR)
+    saved = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=False)
+    state = saved["callbacks"]["StochasticWeightAveraging"]
+    assert state["n_averaged"] == 3 and state["latest_update_epoch"] == 3
+
+
+@pytest.mark.timeout(60)
+def test_swa_resumed_mid_average_ends_as_the_uninterrupted_fit(tmp_path):
+    from trainscale.callbacks import ModelCheckpoint
+
+    whole = Tiny()
+    start = {k: v.clone() for k, v in whole.state_dict().items()}
+    every = ModelCheckpoint(dirpath=tmp_path / "c", save_top_k=-1)
+    swa = [StochasticWeightAveraging(0.01, swa_epoch_start=2) for _ in range(2)]
+    _trainer(tmp_path, max_epochs=4, num_sanity_val_steps=0, callbacks=[swa[0], every]).fit(whole, _loader(16, 4))
+    resumed = Tiny()
+    resumed.load_state_dict(start)
+    _trainer(tmp_path, max_epochs=4, num_sanity_val_steps=0, enable_checkpointing=False, callbacks=[swa[1]]).fit(
+        resumed, _loader(16, 4), ckpt_path=tmp_path / "c" / "epoch=2-step=12.ckpt")  # averaged at epochs 1 and 2
+    assert int(swa[1].n_averaged) == 3
+    for a, b in zip(whole.parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+class Normalised(Tiny):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(2)
+
+    def forward(self, x):
+        return self.layer(self.norm(x))
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).pow(2).mean()
+
+
+@pytest.mark.timeout(60)
+def test_swa_recomputes_batchnorm_statistics_for_the_averaged_weights(tmp_path):
+    model = Normalised()
+    data = _loader(n=16, batch_size=4)
+    swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)
+    _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, callbacks=[swa]).fit(model, data)
+    inputs = data.dataset.tensors[0]
+    # update_bn's cumulative mean over equal batches: the data's mean and the mean of the batches' variances
+    torch.testing.assert_close(model.norm.running_mean, inputs.mean(0))
+    batch_vars = torch.stack([b.var(0, unbiased=True) for b in inputs.split(4)]).mean(0)
+    torch.testing.assert_close(model.norm.running_var, batch_vars)
+    assert model.norm.momentum == 0.1  # update_bn restores it
+
+
+def test_swa_refuses_sharded_strategies_and_lightnings_bad_arguments():
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(runtime=SimpleNamespace(strategy=SimpleNamespace(name="fsdp"), config=None))
+    with pytest.raises(ValueError, match="does not support strategy='fsdp'"):
+        StochasticWeightAveraging(swa_lrs=0.1).setup(trainer, None, "fit")
+    for kwargs, message in [({"swa_lrs": 0.1, "swa_epoch_start": 0}, "swa_epoch_start should be"),
+                            ({"swa_lrs": 0.1, "swa_epoch_start": 1.5}, "swa_epoch_start should be"),
+                            ({"swa_lrs": -0.1}, "`swa_lrs` should"), ({"swa_lrs": [0.1, 1]}, "`swa_lrs` should"),
+                            ({"swa_lrs": 0.1, "avg_fn": 3}, "`avg_fn` should be callable"),
+                            ({"swa_lrs": 0.1, "device": 0}, "device is expected")]:
+        with pytest.raises(ValueError, match=message):
+            StochasticWeightAveraging(**kwargs)

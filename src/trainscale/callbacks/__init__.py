@@ -17,10 +17,12 @@ from trainscale.callbacks.model_summary import ModelSummary
 from trainscale.callbacks.on_exception_checkpoint import OnExceptionCheckpoint
 from trainscale.callbacks.prediction_writer import BasePredictionWriter
 from trainscale.callbacks.progress_bar import RichProgressBar, TQDMProgressBar
+from trainscale.callbacks.swa import StochasticWeightAveraging
 from trainscale.callbacks.timer import Timer
 
 __all__ = ["BaseFinetuning", "BasePredictionWriter", "Callback", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
-           "OnExceptionCheckpoint", "RichProgressBar", "TQDMProgressBar", "Timer", "resolve_callbacks"]
+           "OnExceptionCheckpoint", "RichProgressBar", "StochasticWeightAveraging",
+           "TQDMProgressBar", "Timer", "resolve_callbacks"]
 
 
 def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = None) -> list[Callback]:
