@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainscale.callbacks import BasePredictionWriter, Callback, OnExceptionCheckpoint, StochasticWeightAveraging
+from trainscale.callbacks import BackboneFinetuning, BasePredictionWriter, Callback, OnExceptionCheckpoint, StochasticWeightAveraging
 from trainscale.lightning.module import TrainingModule
 from trainscale.loop.trainer import Trainer
 
@@ -216,3 +216,55 @@ def test_swa_refuses_sharded_strategies_and_lightnings_bad_arguments():
                             ({"swa_lrs": 0.1, "device": 0}, "device is expected")]:
         with pytest.raises(ValueError, match=message):
             StochasticWeightAveraging(**kwargs)
+
+
+class WithBackbone(Tiny):
+    """``backbone`` then ``head``; its optimizer holds the parameters that require gradients (the head's at first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.layer(self.backbone(x))
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+class BackboneLr(Callback):
+    """Notes the backbone's learning rate (None while it is not in the optimizer) and weights after each epoch."""
+
+    def __init__(self):
+        self.lrs, self.weights = [], []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        groups = trainer.optimizers[0].param_groups
+        self.lrs.append(groups[-1]["lr"] if len(groups) > 1 else None)
+        self.weights.append(pl_module.backbone.weight.detach().clone())
+
+
+@pytest.mark.timeout(60)
+def test_backbone_finetuning_unfreezes_at_its_epoch_then_doubles_the_rate_up_to_the_heads(tmp_path, caplog):
+    import logging
+
+    seen = BackboneLr()
+    model = WithBackbone()
+    before = model.backbone.weight.detach().clone()
+    finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, verbose=True)
+    with caplog.at_level(logging.INFO, logger="trainscale.callbacks.backbone_finetuning"):
+        _trainer(tmp_path, max_epochs=6, num_sanity_val_steps=0, callbacks=[finetuning, seen]).fit(model, _loader())
+    # 0.1 x 0.1 at the unfreeze, then x2 per epoch until it would pass the head's 0.1
+    assert seen.lrs == pytest.approx([None, 0.01, 0.02, 0.04, 0.08, 0.1]) and seen.lrs[0] is None
+    assert torch.equal(seen.weights[0], before) and not torch.equal(seen.weights[1], before)
+    assert finetuning.previous_backbone_lr == pytest.approx(0.1) and finetuning.state_dict() == {
+        "previous_backbone_lr": finetuning.previous_backbone_lr}
+    assert "Current lr: 0.1, Backbone lr: 0.01" in caplog.text
+
+
+def test_backbone_finetuning_needs_a_backbone(tmp_path):
+    with pytest.raises(ValueError, match="should have a nn.Module `backbone` attribute"):
+        _trainer(tmp_path, max_epochs=1, callbacks=[BackboneFinetuning()]).fit(Tiny(), _loader())

@@ -7,6 +7,7 @@
                                                 ModelCheckpoint(monitor="val_loss", save_top_k=2)])
 """
 
+from trainscale.callbacks.backbone_finetuning import BackboneFinetuning
 from trainscale.callbacks.base import Callback
 from trainscale.callbacks.early_stopping import EarlyStopping
 from trainscale.callbacks.ema import EMA
@@ -20,7 +21,7 @@ from trainscale.callbacks.progress_bar import RichProgressBar, TQDMProgressBar
 from trainscale.callbacks.swa import StochasticWeightAveraging
 from trainscale.callbacks.timer import Timer
 
-__all__ = ["BaseFinetuning", "BasePredictionWriter", "Callback", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
+__all__ = ["BackboneFinetuning", "BaseFinetuning", "BasePredictionWriter", "Callback", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
            "OnExceptionCheckpoint", "RichProgressBar", "StochasticWeightAveraging",
            "TQDMProgressBar", "Timer", "resolve_callbacks"]
 
