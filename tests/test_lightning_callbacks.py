@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainscale.callbacks import BackboneFinetuning, BasePredictionWriter, Callback, OnExceptionCheckpoint, StochasticWeightAveraging
+from trainscale.callbacks import BackboneFinetuning, BasePredictionWriter, Callback, DeviceStatsMonitor, OnExceptionCheckpoint, StochasticWeightAveraging
 from trainscale.lightning.module import TrainingModule
 from trainscale.loop.trainer import Trainer
 
@@ -268,3 +268,65 @@ def test_backbone_finetuning_unfreezes_at_its_epoch_then_doubles_the_rate_up_to_
 def test_backbone_finetuning_needs_a_backbone(tmp_path):
     with pytest.raises(ValueError, match="should have a nn.Module `backbone` attribute"):
         _trainer(tmp_path, max_epochs=1, callbacks=[BackboneFinetuning()]).fit(Tiny(), _loader())
+
+
+class Notes:
+    """A logger that keeps what ``log_metrics`` was given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def setup(self, run_dir):
+        pass
+
+    def log_hyperparams(self, params):
+        pass
+
+    def log_metrics(self, metrics, step):
+        self.calls.append((dict(metrics), step))
+
+    def finalize(self, status):
+        pass
+
+
+class Validated(Tiny):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.layer(batch[0]).pow(2).mean())
+
+
+@pytest.mark.timeout(60)
+def test_device_stats_monitor_logs_cpu_stats_at_the_log_steps(tmp_path):
+    notes = Notes()
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, log_every_n_steps=2, logger=notes,
+                       callbacks=[DeviceStatsMonitor()])
+    trainer.fit(Validated(), _loader(n=12, batch_size=4), _loader(n=4, batch_size=2))
+    ours = [(sorted(m), step) for m, step in notes.calls if any(k.startswith("DeviceStatsMonitor.") for k in m)]
+    names = ["cpu_percent", "cpu_swap_percent", "cpu_vm_percent"]
+    # training steps 0, 1, 2: the one that makes the 2nd step is logged; the validation after 3 steps (the 4th) too
+    expected = [([f"DeviceStatsMonitor.on_train_batch_{when}/{n}" for n in names], 1) for when in ("start", "end")]
+    expected += [([f"DeviceStatsMonitor.on_validation_batch_{when}/{n}" for n in names], 3)
+                 for _ in range(2) for when in ("start", "end")]
+    assert ours == expected
+    values = [v for m, _ in notes.calls for k, v in m.items() if k.startswith("DeviceStatsMonitor.")]
+    assert values and all(0 <= v <= 100 for v in values)
+
+
+def test_device_stats_monitor_cuda_stats_with_a_faked_allocator(monkeypatch):
+    """The CUDA branch, on a faked ``torch.cuda.memory_stats`` (no GPU runs here)."""
+    fake = {"allocated_bytes.all.current": 1024, "allocated_bytes.all.peak": 4096, "num_ooms": 0}
+    asked = []
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: asked.append(device) or dict(fake))
+    cuda = torch.device("cuda", 1)
+    assert DeviceStatsMonitor()._stats(cuda) == fake and asked == [cuda]
+    assert DeviceStatsMonitor(filter_keys={"num_ooms"})._stats(cuda) == {"num_ooms": 0}
+    both = DeviceStatsMonitor(cpu_stats=True)._stats(cuda)
+    assert set(both) == set(fake) | {"cpu_percent", "cpu_vm_percent", "cpu_swap_percent"}
+    assert DeviceStatsMonitor(cpu_stats=False)._stats(torch.device("cpu")) == {}
+
+
+def test_device_stats_monitor_needs_a_logger_and_warns_on_unknown_keys(tmp_path):
+    with pytest.raises(ValueError, match="Cannot use `DeviceStatsMonitor` callback with `Trainer\\(logger=False\\)`"):
+        _trainer(tmp_path, max_epochs=1, logger=False, callbacks=[DeviceStatsMonitor()]).fit(Tiny(), _loader())
+    with pytest.warns(UserWarning, match="filter_keys contains keys not found.*cpu_prcent"):
+        _trainer(tmp_path, max_epochs=1, logger=Notes(), num_sanity_val_steps=0,
+                 callbacks=[DeviceStatsMonitor(filter_keys={"cpu_prcent", "cpu_percent"})]).fit(Tiny(), _loader())

@@ -9,6 +9,7 @@
 
 from trainscale.callbacks.backbone_finetuning import BackboneFinetuning
 from trainscale.callbacks.base import Callback
+from trainscale.callbacks.device_stats_monitor import DeviceStatsMonitor
 from trainscale.callbacks.early_stopping import EarlyStopping
 from trainscale.callbacks.ema import EMA
 from trainscale.callbacks.finetuning import BaseFinetuning
@@ -21,7 +22,7 @@ from trainscale.callbacks.progress_bar import RichProgressBar, TQDMProgressBar
 from trainscale.callbacks.swa import StochasticWeightAveraging
 from trainscale.callbacks.timer import Timer
 
-__all__ = ["BackboneFinetuning", "BaseFinetuning", "BasePredictionWriter", "Callback", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
+__all__ = ["BackboneFinetuning", "BaseFinetuning", "BasePredictionWriter", "Callback", "DeviceStatsMonitor", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
            "OnExceptionCheckpoint", "RichProgressBar", "StochasticWeightAveraging",
            "TQDMProgressBar", "Timer", "resolve_callbacks"]
 
