@@ -6,7 +6,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainscale.callbacks import BackboneFinetuning, BasePredictionWriter, Callback, DeviceStatsMonitor, OnExceptionCheckpoint, StochasticWeightAveraging
+from trainscale.callbacks import (BackboneFinetuning, BasePredictionWriter, Callback, DeviceStatsMonitor,
+                                  OnExceptionCheckpoint, RichModelSummary, StochasticWeightAveraging)
 from trainscale.lightning.module import TrainingModule
 from trainscale.loop.trainer import Trainer
 
@@ -330,3 +331,30 @@ def test_device_stats_monitor_needs_a_logger_and_warns_on_unknown_keys(tmp_path)
     with pytest.warns(UserWarning, match="filter_keys contains keys not found.*cpu_prcent"):
         _trainer(tmp_path, max_epochs=1, logger=Notes(), num_sanity_val_steps=0,
                  callbacks=[DeviceStatsMonitor(filter_keys={"cpu_prcent", "cpu_percent"})]).fit(Tiny(), _loader())
+
+
+@pytest.mark.timeout(60)
+def test_rich_model_summary_draws_the_layers_and_totals_with_rich(tmp_path, capsys):
+    pytest.importorskip("rich")
+    model = WithBackbone()  # layer (2 -> 1) and backbone (2 -> 2): 3 + 6 parameters
+    model.backbone.requires_grad_(False)
+    trainer = _trainer(tmp_path, max_epochs=1, enable_model_summary=True, num_sanity_val_steps=0,
+                       callbacks=[RichModelSummary(max_depth=1)])
+    trainer.fit(model, _loader())
+    out = capsys.readouterr().out
+    assert sum(isinstance(cb, RichModelSummary) for cb in trainer.callbacks) == 1
+    assert not any(type(cb).__name__ == "ModelSummary" for cb in trainer.callbacks)  # no default one beside it
+    assert "┃" in out or "│" in out  # rich's box drawing, not tabulate's
+    rows = [line for line in out.splitlines() if "Linear" in line]
+    assert len(rows) == 2 and "layer" in rows[0] and rows[0].rstrip(" │").endswith("3")
+    assert "backbone" in rows[1] and rows[1].rstrip(" │").endswith("6")
+    assert "Trainable params: 3" in out and "Non-trainable params: 6" in out and "Total params: 9" in out
+
+
+def test_rich_model_summary_without_rich_names_the_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "rich" else real(name, *a))
+    with pytest.raises(ModuleNotFoundError, match="pip install -U rich"):
+        RichModelSummary()

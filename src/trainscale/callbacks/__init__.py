@@ -19,11 +19,12 @@ from trainscale.callbacks.model_summary import ModelSummary
 from trainscale.callbacks.on_exception_checkpoint import OnExceptionCheckpoint
 from trainscale.callbacks.prediction_writer import BasePredictionWriter
 from trainscale.callbacks.progress_bar import RichProgressBar, TQDMProgressBar
+from trainscale.callbacks.rich_model_summary import RichModelSummary
 from trainscale.callbacks.swa import StochasticWeightAveraging
 from trainscale.callbacks.timer import Timer
 
 __all__ = ["BackboneFinetuning", "BaseFinetuning", "BasePredictionWriter", "Callback", "DeviceStatsMonitor", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
-           "OnExceptionCheckpoint", "RichProgressBar", "StochasticWeightAveraging",
+           "OnExceptionCheckpoint", "RichModelSummary", "RichProgressBar", "StochasticWeightAveraging",
            "TQDMProgressBar", "Timer", "resolve_callbacks"]
 
 
