@@ -7,18 +7,25 @@
                                                 ModelCheckpoint(monitor="val_loss", save_top_k=2)])
 """
 
+from trainscale.callbacks.backbone_finetuning import BackboneFinetuning
 from trainscale.callbacks.base import Callback
+from trainscale.callbacks.device_stats_monitor import DeviceStatsMonitor
 from trainscale.callbacks.early_stopping import EarlyStopping
 from trainscale.callbacks.ema import EMA
 from trainscale.callbacks.finetuning import BaseFinetuning
 from trainscale.callbacks.lr_monitor import LearningRateMonitor
 from trainscale.callbacks.model_checkpoint import ModelCheckpoint
 from trainscale.callbacks.model_summary import ModelSummary
+from trainscale.callbacks.on_exception_checkpoint import OnExceptionCheckpoint
+from trainscale.callbacks.prediction_writer import BasePredictionWriter
 from trainscale.callbacks.progress_bar import RichProgressBar, TQDMProgressBar
+from trainscale.callbacks.rich_model_summary import RichModelSummary
+from trainscale.callbacks.swa import StochasticWeightAveraging
 from trainscale.callbacks.timer import Timer
 
-__all__ = ["BaseFinetuning", "Callback", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
-           "RichProgressBar", "TQDMProgressBar", "Timer", "resolve_callbacks"]
+__all__ = ["BackboneFinetuning", "BaseFinetuning", "BasePredictionWriter", "Callback", "DeviceStatsMonitor", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
+           "OnExceptionCheckpoint", "RichModelSummary", "RichProgressBar", "StochasticWeightAveraging",
+           "TQDMProgressBar", "Timer", "resolve_callbacks"]
 
 
 def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = None) -> list[Callback]:
