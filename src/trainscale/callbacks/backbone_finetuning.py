@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from trainscale.callbacks.base import log_info
+from trainscale.utilities.rank_zero import log_info
 from trainscale.callbacks.finetuning import BaseFinetuning
 
 if TYPE_CHECKING:
