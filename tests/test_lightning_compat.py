@@ -2738,3 +2738,20 @@ def test_cli_lightning_logo_prints_one_line_on_rank_zero_only(capsys, monkeypatc
     monkeypatch.setenv("RANK", "1")
     trainscale.cli_lightning_logo()
     assert capsys.readouterr().out == ""
+
+
+def test_get_torchvision_model_builds_through_torchvision_or_names_the_install(monkeypatch):
+    import sys
+    import types
+
+    from trainscale.utilities.model_helpers import get_torchvision_model
+
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # not installed: the import fails
+    with pytest.raises(ModuleNotFoundError, match=r"needs torchvision: pip install torchvision"):
+        get_torchvision_model("resnet18")
+    built = []
+    fake = types.ModuleType("torchvision")
+    fake.models = types.SimpleNamespace(get_model=lambda name, **kwargs: built.append((name, kwargs)) or nn.Linear(1, 1))
+    monkeypatch.setitem(sys.modules, "torchvision", fake)
+    assert isinstance(get_torchvision_model("resnet18", weights=None, num_classes=3), nn.Linear)
+    assert built == [("resnet18", {"weights": None, "num_classes": 3})]
