@@ -729,6 +729,35 @@ def test_a_tensorboard_logger_refuses_another_runs_version_directory_too(tmp_pat
     assert (tmp_path / "tb" / "version_2" / "hparams.yaml").read_text() == "lr: 0.1\n"
 
 
+def test_a_logger_with_a_save_dir_logs_alone_on_rank_zero_as_lightnings(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    logger = CSVLogger(tmp_path, name="exp", version="2020-02-05-162402", flush_secs=0)
+    logger.log_hyperparams({"a": 1})  # no setup: Lightning's loggers start at their first use
+    logger.log_metrics({"loss": 0.5})
+    logger.log_metrics({"loss": 0.25})
+    logger.finalize("success")
+    assert os.listdir(tmp_path / "exp") == ["2020-02-05-162402"]
+    assert _rows(tmp_path / "exp" / "2020-02-05-162402" / "metrics.csv") == [
+        {"step": "0", "loss": "0.5"}, {"step": "1", "loss": "0.25"}]  # no step: the rows logged before
+    assert json.loads((tmp_path / "exp" / "2020-02-05-162402" / "hparams.json").read_text()) == {"a": 1}
+    monkeypatch.setenv("RANK", "1")  # another rank logs nothing, as Lightning's rank_zero_only
+    other = CSVLogger(tmp_path, name="other")
+    other.log_hyperparams({"a": 1})
+    other.log_metrics({"loss": 1.0}, step=1)
+    other.finalize("success")
+    assert not (tmp_path / "other").exists()
+    if importlib.util.find_spec("tensorboard") is None:
+        return
+    monkeypatch.setenv("RANK", "0")
+    tb = TensorBoardLogger(tmp_path, name="tb")
+    tb.log_metrics({"loss": 1.0}, step=1)
+    writer = tb.experiment
+    tb.setup(tmp_path / "run")  # set up later by a run: the same version, the same writer
+    assert tb.experiment is writer and tb.log_dir == str(tmp_path / "tb" / "version_0")
+    tb.finalize("success")
+    assert len(list((tmp_path / "tb" / "version_0").glob("events.out.tfevents.*"))) == 1
+
+
 @pytest.mark.timeout(60)
 def test_a_run_resumed_in_place_continues_in_its_logger_version(tmp_path):
     first = _fit(tmp_path / "runs", CSVLogger(tmp_path / "logs"))

@@ -8,10 +8,11 @@ import io
 import json
 import os
 import time
+from argparse import Namespace
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainscale.loggers.base import check_status, experiment_or_dummy, not_set_up
+from trainscale.loggers.base import check_status, experiment_or_dummy
 from trainscale.loggers.log_dirs import VersionedDir, add_prefix
 
 
@@ -67,11 +68,20 @@ class CSVLogger(VersionedDir):
         self._hparams: dict[str, Any] = {}
         self._flushed = float("-inf")  # time.monotonic() of the last write
         self._flushed_step = float("-inf")  # the step of the last row written
+        self._logged = 0  # rows logged by this logger object
 
     @property
     def experiment(self) -> CSVLogger:
-        """The logger itself (Lightning's is its ``ExperimentWriter``: ``log_metrics``, ``log_hparams``, ``save``),
-        after setup; on the other ranks a no-op ``DummyExperiment``."""
+        """The logger itself (Lightning's is its ``ExperimentWriter``: ``log_metrics``, ``save``), after setup; on the
+        other ranks a no-op ``DummyExperiment``. Read on rank zero before setup, a logger with a ``save_dir`` sets
+        itself up there without a run, as Lightning's does at its first use.
+
+        Raises:
+            RuntimeError: on rank zero, before setup, without a ``save_dir``.
+            FileExistsError: the version directory holds files of another run.
+        """
+        if self.path is None and self.writes_alone():
+            self._open(self.claim(None))
         return experiment_or_dummy(self if self.path is not None else None, "CSVLogger")
 
     def setup(self, run_dir: str | os.PathLike) -> None:
@@ -80,7 +90,11 @@ class CSVLogger(VersionedDir):
         Raises:
             FileExistsError: the version directory holds files of another run (``log_dirs.VersionedDir.claim``).
         """
-        directory = self.claim(run_dir)
+        self._open(self.claim(run_dir))
+
+    def _open(self, directory: Path) -> None:
+        """Write to ``directory`` from now on, under the header of its ``metrics.csv`` if there is one."""
+        self.flush()  # rows logged before setup (Lightning's first use) go where they were meant to
         self.path = directory / "metrics.csv"
         self._file_columns = _header(self.path)
         self._columns = list(self._file_columns) or ["step"]
@@ -88,18 +102,32 @@ class CSVLogger(VersionedDir):
         hparams = directory / "hparams.json"
         self._hparams = json.loads(hparams.read_text()) if hparams.is_file() else {}
 
-    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        if self.path is None:
-            raise not_set_up("CSVLogger")
-        self._hparams.update(params)
+    def log_hyperparams(self, params: Mapping[str, Any] | Namespace | None = None) -> None:
+        """Merge ``params`` (a dict, an ``argparse.Namespace`` or None, as Lightning's) into ``hparams.json``; nothing
+        on a rank other than zero.
+
+        Raises:
+            RuntimeError: before setup on rank zero, without a ``save_dir``.
+        """
+        if self.experiment is not self:  # another rank
+            return
+        self._hparams.update(vars(params) if isinstance(params, Namespace) else params or {})
         _replace(self.path.with_name("hparams.json"), json.dumps(self._hparams, indent=2, default=str) + "\n")
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        if self.path is None:
-            raise not_set_up("CSVLogger")
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """One row: ``step`` (None: the number of rows this logger has logged before, from 0), then ``metrics``, each
+        name after ``prefix``; nothing on a rank other than zero.
+
+        Raises:
+            RuntimeError: before setup on rank zero, without a ``save_dir``.
+        """
+        if self.experiment is not self:  # another rank: Lightning's loggers log on rank zero only
+            return
+        step = self._logged if step is None else step
         row = {"step": step, **add_prefix(metrics, self.prefix)}
         self._columns.extend(name for name in row if name not in self._columns)
         self._rows.append(row)
+        self._logged += 1
         now = time.monotonic()
         if now - self._flushed >= self.flush_secs or step - self._flushed_step >= self.flush_logs_every_n_steps:
             self.flush()

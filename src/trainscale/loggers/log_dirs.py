@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from trainscale.loggers.base import check_save_dir
+from trainscale.loggers.base import check_save_dir, not_set_up, process_rank
 
 LOGGER_JOIN_CHAR = "-"  # Lightning's: ``prefix-key``
 RECORD_FILE = "logger_dirs"  # in the run directory: the version directories this run's loggers wrote, one a line
@@ -159,31 +159,54 @@ class VersionedDir:
         """Write for the run ``run_dir`` in ``version`` (every rank, with rank zero's choice)."""
         self._run_dir, self._version = Path(run_dir), version
 
-    def claim(self, run_dir: str | os.PathLike) -> Path:
+    def claim(self, run_dir: str | os.PathLike | None) -> Path:
         """At ``setup`` (rank zero): bind to ``run_dir`` unless bound to it, refuse a version directory that holds
-        another run's files, record it in the run directory and make :attr:`log_dir`. Returns it.
+        another run's files, record it in the run directory and make :attr:`log_dir`. Returns it. ``run_dir`` None:
+        the logger is used alone, without a run (Lightning's ``CSVLogger("logs").log_metrics(...)``; needs a
+        ``save_dir``): nothing is recorded.
 
         Raises:
             FileExistsError: the version directory holds files that neither this run nor this logger wrote,
                 naming it and the fixes.
         """
-        if self._run_dir is None or _absolute(self._run_dir) != _absolute(run_dir):
+        if run_dir is not None and (self._run_dir is None or _absolute(self._run_dir) != _absolute(run_dir)):
             self.bind(run_dir, self.choose_version(run_dir))
         log_dir = Path(self.log_dir)
         version_dir = _absolute(log_dir.parent if self._sub_dir is not None else log_dir)
+        run = _absolute(self._run_dir) if self._run_dir is not None else None
         # with a save_dir, and not the run directory itself (CSVLogger(default_root_dir, name=""))
-        if self._save_dir is not None and version_dir != _absolute(self._run_dir):
-            ours = version_dir in self._written or version_dir in recorded_dirs(self._run_dir)
-            if not ours and version_dir.is_dir() and any(version_dir.iterdir()):
-                raise FileExistsError(
-                    f"{self._owner}(version={self._version!r}): {version_dir} holds files of another run "
-                    f"({', '.join(sorted(p.name for p in version_dir.iterdir())[:4])}); trainscale never writes over "
-                    f"another run's files: pass version=None for the next free version "
-                    f"(version_{next_version(version_dir.parent)}), another version, or move that directory away")
-            _record_dir(self._run_dir, version_dir)
+        if self._save_dir is not None and version_dir != run:
+            if version_dir not in self._written and (run is None or version_dir not in recorded_dirs(run)):
+                _refuse_another_runs(self._owner, self._version, version_dir)
+            if run is not None:
+                _record_dir(run, version_dir)
             self._written.add(version_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         return log_dir
+
+    def writes_alone(self) -> bool:
+        """For a call before ``setup``, as Lightning's loggers take it: True on rank zero with a ``save_dir`` (the
+        caller then sets up with ``claim(None)``); False on another rank (Lightning's loggers log on rank zero only).
+
+        Raises:
+            RuntimeError: rank zero, without a ``save_dir`` (the run directory is known at ``setup``).
+        """
+        if process_rank() != 0:
+            return False
+        if self._save_dir is None:
+            raise not_set_up(self._owner)
+        return True
+
+
+def _refuse_another_runs(owner: str, version: int | str | None, version_dir: Path) -> None:
+    """Raises FileExistsError when ``version_dir`` holds files (another run's: the caller checked it is not its own),
+    naming them, the next free version and the other fixes."""
+    if version_dir.is_dir() and any(version_dir.iterdir()):
+        raise FileExistsError(
+            f"{owner}(version={version!r}): {version_dir} holds files of another run "
+            f"({', '.join(sorted(p.name for p in version_dir.iterdir())[:4])}); trainscale never writes over "
+            f"another run's files: pass version=None for the next free version "
+            f"(version_{next_version(version_dir.parent)}), another version, or move that directory away")
 
 
 def agree_log_dirs(loggers: list, run_dir: str | os.PathLike, broadcast: Callable[[Any], Any],

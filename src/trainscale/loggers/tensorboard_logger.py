@@ -12,8 +12,7 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainscale.loggers.base import (check_status, experiment_or_dummy, flatten, not_set_up, require,
-                                     save_hparams_to_yaml)
+from trainscale.loggers.base import check_status, experiment_or_dummy, flatten, require, save_hparams_to_yaml
 from trainscale.loggers.log_dirs import VersionedDir, add_prefix
 
 
@@ -86,7 +85,15 @@ class TensorBoardLogger(VersionedDir):
     @property
     def experiment(self):
         """The ``torch.utils.tensorboard.SummaryWriter`` (for images, histograms, ...), after setup; on the other
-        ranks a no-op ``DummyExperiment`` (``trainscale.loggers.base.experiment_or_dummy``)."""
+        ranks a no-op ``DummyExperiment`` (``trainscale.loggers.base.experiment_or_dummy``). Read on rank zero before
+        setup, a logger with a ``save_dir`` sets itself up there without a run, as Lightning's does at its first use.
+
+        Raises:
+            RuntimeError: on rank zero, before setup, without a ``save_dir``.
+            FileExistsError: the version directory holds files of another run.
+        """
+        if self._writer is None and self.writes_alone():
+            self._open(self.claim(None))
         return experiment_or_dummy(self._writer, "TensorBoardLogger")
 
     def setup(self, run_dir: str | os.PathLike) -> None:
@@ -95,14 +102,21 @@ class TensorBoardLogger(VersionedDir):
         Raises:
             FileExistsError: the version directory holds files of another run (``log_dirs.VersionedDir.claim``).
         """
-        log_dir = self.claim(run_dir)
+        self._open(self.claim(run_dir))
+
+    def _open(self, log_dir: Path) -> None:
+        """A ``SummaryWriter`` on ``log_dir``: the one open there already (opened at a first use before setup)."""
+        if self._writer is not None:
+            if self._writer.get_logdir() == str(log_dir):
+                return
+            self._writer.close()
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(log_dir=str(log_dir), max_queue=self.max_queue, flush_secs=self.flush_secs,
                                      **self.writer_kwargs)
 
-    def log_hyperparams(self, params: Mapping[str, Any] | Namespace, metrics: Mapping[str, Any] | float | None = None,
-                        step: int | None = None) -> None:
+    def log_hyperparams(self, params: Mapping[str, Any] | Namespace | None = None,
+                        metrics: Mapping[str, Any] | float | None = None, step: int | None = None) -> None:
         """Write ``params`` (a dict, or an ``argparse.Namespace`` as in Lightning) to the HParams tab with ``metrics``
         (a number is ``{"hp_metric": number}``; None: the ``hp_metric`` placeholder when ``default_hp_metric``) and,
         merged with those logged before, to ``hparams.yaml``.
@@ -113,7 +127,7 @@ class TensorBoardLogger(VersionedDir):
         from torch.utils.tensorboard.summary import hparams
 
         writer = self.experiment
-        params = vars(params) if isinstance(params, Namespace) else params
+        params = vars(params) if isinstance(params, Namespace) else params or {}
         self.hparams.update(params)
         if self._writer is None:  # another rank's no-op experiment
             return
@@ -129,11 +143,16 @@ class TensorBoardLogger(VersionedDir):
         for summary in hparams(flat, dict(metrics)):  # experiment, session start, session end
             writer.file_writer.add_summary(summary, step)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None) -> None:
-        if self._writer is None:
-            raise not_set_up("TensorBoardLogger")
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Each metric a scalar at ``step`` (None: TensorBoard's own), its name after ``prefix``; nothing on a rank
+        other than zero.
+
+        Raises:
+            RuntimeError: before setup on rank zero, without a ``save_dir``.
+        """
+        writer = self.experiment
         for tag, value in add_prefix(metrics, self.prefix).items():
-            self._writer.add_scalar(tag, value, global_step=step)
+            writer.add_scalar(tag, value, global_step=step)
 
     def finalize(self, status: str) -> None:
         check_status(status)
