@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -777,6 +778,8 @@ def test_two_ranks_write_one_metrics_csv_in_rank_zeros_version(tmp_path):
     assert [s["log_dir"] for s in seen] == [s["logger_log_dir"] for s in seen] == [expected, expected]
     assert [s["version"] for s in seen] == [0, 0]
     assert [s["default_log_dir"] for s in seen] == [str(tmp_path / "runs" / "version_1")] * 2
+    assert all(re.search(r"exp/version_0 holds files of another run \(metrics.csv\)", s.get("refusal", ""))
+               for s in seen)  # on both ranks, none left waiting at a collective
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("metrics.csv")) == [
         "logs/exp/version_0/metrics.csv", "runs/version_1/metrics.csv"]
     assert _rows(tmp_path / "logs" / "exp" / "version_0" / "metrics.csv")

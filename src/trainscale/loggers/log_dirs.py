@@ -171,18 +171,36 @@ class VersionedDir:
         """
         if run_dir is not None and (self._run_dir is None or _absolute(self._run_dir) != _absolute(run_dir)):
             self.bind(run_dir, self.choose_version(run_dir))
-        log_dir = Path(self.log_dir)
-        version_dir = _absolute(log_dir.parent if self._sub_dir is not None else log_dir)
-        run = _absolute(self._run_dir) if self._run_dir is not None else None
-        # with a save_dir, and not the run directory itself (CSVLogger(default_root_dir, name=""))
-        if self._save_dir is not None and version_dir != run:
-            if version_dir not in self._written and (run is None or version_dir not in recorded_dirs(run)):
-                _refuse_another_runs(self._owner, self._version, version_dir)
-            if run is not None:
-                _record_dir(run, version_dir)
+        refusal = self.refusal()
+        if refusal is not None:
+            raise FileExistsError(refusal)
+        version_dir = self._version_dir()
+        if self._save_dir is not None:
+            if self._run_dir is not None and version_dir != _absolute(self._run_dir):
+                _record_dir(_absolute(self._run_dir), version_dir)
             self._written.add(version_dir)
+        log_dir = Path(self.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         return log_dir
+
+    def _version_dir(self) -> Path:
+        log_dir = Path(self.log_dir)
+        return _absolute(log_dir.parent if self._sub_dir is not None else log_dir)
+
+    def refusal(self) -> str | None:
+        """Why this logger may not write to its version directory, once bound: it holds files of another run (not
+        this logger's, not recorded by this run, not the run directory itself); None when it may."""
+        if self._save_dir is None:
+            return None
+        version_dir, run = self._version_dir(), _absolute(self._run_dir) if self._run_dir is not None else None
+        if version_dir == run or version_dir in self._written or (run is not None and version_dir in recorded_dirs(run)):
+            return None
+        if not (version_dir.is_dir() and any(version_dir.iterdir())):
+            return None
+        return (f"{self._owner}(version={self._version!r}): {version_dir} holds files of another run "
+                f"({', '.join(sorted(p.name for p in version_dir.iterdir())[:4])}); trainscale never writes over "
+                f"another run's files: pass version=None for the next free version "
+                f"(version_{next_version(version_dir.parent)}), another version, or move that directory away")
 
     def writes_alone(self) -> bool:
         """For a call before ``setup``, as Lightning's loggers take it: True on rank zero with a ``save_dir`` (the
@@ -198,29 +216,32 @@ class VersionedDir:
         return True
 
 
-def _refuse_another_runs(owner: str, version: int | str | None, version_dir: Path) -> None:
-    """Raises FileExistsError when ``version_dir`` holds files (another run's: the caller checked it is not its own),
-    naming them, the next free version and the other fixes."""
-    if version_dir.is_dir() and any(version_dir.iterdir()):
-        raise FileExistsError(
-            f"{owner}(version={version!r}): {version_dir} holds files of another run "
-            f"({', '.join(sorted(p.name for p in version_dir.iterdir())[:4])}); trainscale never writes over "
-            f"another run's files: pass version=None for the next free version "
-            f"(version_{next_version(version_dir.parent)}), another version, or move that directory away")
-
-
 def agree_log_dirs(loggers: list, run_dir: str | os.PathLike, broadcast: Callable[[Any], Any],
                    is_rank_zero: bool) -> None:
     """Give every rank's CSV and TensorBoard loggers rank zero's version for the run ``run_dir``: rank zero chooses
     (:meth:`VersionedDir.choose_version`), ``broadcast`` (``Runtime.broadcast_object``) hands the choices to the other
     ranks. A collective when one of them has a ``save_dir`` (every rank holds the same loggers); without one, the
     version is the run directory's, the same on every rank. Lightning broadcasts ``trainer.log_dir`` at each read
-    instead."""
+    instead.
+
+    Raises:
+        FileExistsError: on every rank together, when a version directory holds another run's files
+            (:meth:`VersionedDir.refusal`), before anything is written.
+    """
     placed = [lg for lg in loggers if isinstance(lg, VersionedDir)]
     local = all(lg._save_dir is None for lg in placed)
-    versions = [lg.choose_version(run_dir) for lg in placed] if is_rank_zero or local else None
-    for lg, version in zip(placed, versions if local else broadcast(versions)):
+    refusal = None
+    if is_rank_zero or local:
+        versions = [lg.choose_version(run_dir) for lg in placed]
+        for lg, version in zip(placed, versions):
+            lg.bind(run_dir, version)
+        refusal = next((r for r in (lg.refusal() for lg in placed) if r is not None), None)
+    if not local:
+        versions, refusal = broadcast((versions, refusal) if is_rank_zero else None)
+    for lg, version in zip(placed, versions):
         lg.bind(run_dir, version)
+    if refusal is not None:
+        raise FileExistsError(refusal)
 
 
 def trainer_log_dir(loggers: list, run_dir: Path | None) -> str | None:
