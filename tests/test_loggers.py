@@ -785,6 +785,19 @@ def test_two_ranks_write_one_metrics_csv_in_rank_zeros_version(tmp_path):
     assert _rows(tmp_path / "logs" / "exp" / "version_0" / "metrics.csv")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_spawned_fit_hands_rank_zeros_version_back_and_a_second_fit_continues_there(tmp_path):
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, timeout=60, log_every_n_steps=1,
+                      default_root_dir=tmp_path / "runs", enable_progress_bar=False, enable_checkpointing=False,
+                      logger=CSVLogger(tmp_path / "logs", name="exp"))
+    expected = str(tmp_path / "logs" / "exp" / "version_0")
+    for _ in range(2):  # the same logger in a second fit: its own directory, continued (Lightning's too)
+        trainer.fit(workers.make_model(0), DataLoader(workers.tiny_dataset(32), batch_size=8), optimizer=workers.sgd)
+        assert trainer.log_dir == trainer.logger.log_dir == expected and trainer.logger.version == 0
+    assert [r["step"] for r in _rows(Path(expected) / "metrics.csv") if r["step/train_loss"]] == ["1", "2"] * 2
+
+
 def test_tensorboard_default_hp_metric_is_lightnings_placeholder(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install 'trainscale[tensorboard]'")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -159,6 +159,13 @@ class VersionedDir:
         """Write for the run ``run_dir`` in ``version`` (every rank, with rank zero's choice)."""
         self._run_dir, self._version = Path(run_dir), version
 
+    def adopt(self, run_dir: str | os.PathLike, version: int | str) -> None:
+        """Take the directory this logger's copy wrote to in a spawned rank zero (``ddp_spawn``) as this logger's own:
+        ``log_dir`` then names it here, and a later fit with this logger continues there."""
+        self.bind(run_dir, version)
+        if self._save_dir is not None:
+            self._written.add(self._version_dir())
+
     def claim(self, run_dir: str | os.PathLike | None) -> Path:
         """At ``setup`` (rank zero): bind to ``run_dir`` unless bound to it, refuse a version directory that holds
         another run's files, record it in the run directory and make :attr:`log_dir`. Returns it. ``run_dir`` None:
