@@ -2755,3 +2755,49 @@ def test_get_torchvision_model_builds_through_torchvision_or_names_the_install(m
     monkeypatch.setitem(sys.modules, "torchvision", fake)
     assert isinstance(get_torchvision_model("resnet18", weights=None, num_classes=3), nn.Linear)
     assert built == [("resnet18", {"weights": None, "num_classes": 3})]
+
+
+# -- the loggers' Lightning arguments and directories, and trainer.log_dir -------------------------------------------
+def test_lightnings_common_logger_lines_construct_with_lightnings_directories(tmp_path, monkeypatch):
+    import importlib.util
+
+    from trainscale.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+
+    monkeypatch.chdir(tmp_path)
+    logger = CSVLogger("logs", name="my_exp_name")
+    assert (logger.log_dir, logger.root_dir, logger.save_dir) == ("logs/my_exp_name/version_0", "logs/my_exp_name",
+                                                                  "logs")
+    if importlib.util.find_spec("tensorboard"):
+        assert TensorBoardLogger("tb_logs", name="my_model", version=3).log_dir == "tb_logs/my_model/version_3"
+        assert TensorBoardLogger(save_dir=".", default_hp_metric=False).log_dir == "./lightning_logs/version_0"
+    if importlib.util.find_spec("mlflow"):
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        mlflow_logger = MLFlowLogger(experiment_name="lightning_logs", tracking_uri="file:./ml-runs", log_model=False)
+        assert (mlflow_logger.name, mlflow_logger.version) == (None, None)  # the experiment and run: at setup
+    if importlib.util.find_spec("wandb"):
+        monkeypatch.setenv("WANDB_MODE", "offline")  # no credentials needed to make it
+        assert WandbLogger(project="p", log_model=False).name == "p"
+    assert not list(tmp_path.iterdir())  # making a logger writes nothing
+
+
+class _SavesToLogDir(Probe):
+    """Saves its own file where ported Lightning code does: ``self.trainer.log_dir``, named by the logger."""
+
+    def on_train_end(self):
+        name = f"{self.logger.name}-{self.logger.version}.txt"
+        with open(os.path.join(self.trainer.log_dir, name), "w") as f:
+            f.write(self.logger.root_dir)
+
+
+@pytest.mark.timeout(60)
+def test_a_module_saves_its_files_into_trainer_log_dir_beside_the_csv_loggers(tmp_path):
+    from trainscale.loggers import CSVLogger
+
+    for n in range(2):
+        trainer = _trainer(tmp_path / "runs", max_epochs=1, logger=CSVLogger(tmp_path / "logs", name="exp"))
+        trainer.fit(_SavesToLogDir(), _loader())
+        assert trainer.log_dir == trainer.logger.log_dir == str(tmp_path / "logs" / "exp" / f"version_{n}")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "logs").rglob("*.*")) == [
+        "logs/exp/version_0/exp-0.txt", "logs/exp/version_0/metrics.csv",
+        "logs/exp/version_1/exp-1.txt", "logs/exp/version_1/metrics.csv"]
+    assert (tmp_path / "logs" / "exp" / "version_1" / "exp-1.txt").read_text() == str(tmp_path / "logs" / "exp")

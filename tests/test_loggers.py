@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -184,7 +185,7 @@ def test_a_read_only_or_file_save_dir_is_refused_when_the_logger_is_made(tmp_pat
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"CSVLogger\(save_dir='.*file/logs'\): '.*file' is a file; pass a directory"):
         CSVLogger(save_dir=tmp_path / "file" / "logs")
-    assert CSVLogger(save_dir=tmp_path / "new" / "logs").save_dir == tmp_path / "new" / "logs"  # made at setup
+    assert CSVLogger(save_dir=tmp_path / "new" / "logs").save_dir == str(tmp_path / "new" / "logs")  # made at setup
 
 
 @pytest.mark.parametrize("uri", ["s3://bucket/mlruns", "ftp://host/x", "mlflow-artifacts://host/a"])
@@ -280,7 +281,8 @@ def test_csv_logger_save_dir_wins_over_the_run_dir(tmp_path):
     logger.setup(tmp_path / "run")
     logger.log_metrics({"loss": 1.0}, step=1)
     logger.finalize("success")
-    assert (tmp_path / "mine" / "metrics.csv").is_file() and not (tmp_path / "run" / "metrics.csv").exists()
+    assert (tmp_path / "mine" / "lightning_logs" / "version_0" / "metrics.csv").is_file()
+    assert not (tmp_path / "run" / "metrics.csv").exists()
 
 
 # TensorBoardLogger
@@ -325,7 +327,7 @@ def test_tensorboard_logger_keeps_every_hyperparameter_in_hparams_yaml_as_lightn
     with pytest.warns(UserWarning, match="Skipping 'dtype' parameter because it is not possible to safely dump"):
         logger.log_hyperparams({"optim": {"name": "sgd", "lr": 0.1}, "dtype": torch.float32})
     logger.finalize("success")
-    path = logger.log_dir / TensorBoardLogger.NAME_HPARAMS_FILE
+    path = Path(logger.log_dir) / TensorBoardLogger.NAME_HPARAMS_FILE
     assert path == tmp_path / "tensorboard" / "hparams.yaml"
     assert yaml.safe_load(path.read_text()) == {"width": 4, "mode": "FAST", "optim": {"name": "sgd", "lr": 0.1}}
     assert logger.hparams["dtype"] is torch.float32  # kept in memory; only the file leaves it out
@@ -566,3 +568,317 @@ def test_experiment_is_a_no_op_on_other_ranks_and_an_error_on_rank_zero_before_s
     logger.setup(tmp_path)
     assert type(logger.experiment).__name__ == "SummaryWriter"
     logger.finalize("success")
+
+
+# Lightning's directory layout: save_dir/name/version_N (trainscale.loggers.log_dirs)
+
+
+def _fit(root: Path, logger, max_epochs: int = 1, **flags) -> Trainer:
+    """A 4-step fit of a linear model with ``logger``, every step recorded; the run directories under ``root``."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 4)
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, default_root_dir=root, log_every_n_steps=1,
+                      enable_progress_bar=False, enable_model_summary=False, logger=logger)
+    trainer.fit(torch.nn.Linear(4, 2), DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8),
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.1), **flags)
+    return trainer
+
+
+@pytest.mark.timeout(60)
+def test_a_csv_logger_with_a_save_dir_writes_save_dir_name_version_and_the_next_fit_the_next_version(tmp_path):
+    trainers = [_fit(tmp_path / "runs", CSVLogger(tmp_path / "logs", name="exp")) for _ in range(2)]
+    for n, trainer in enumerate(trainers):
+        logger = trainer.logger
+        assert (logger.name, logger.version) == ("exp", n)
+        assert (logger.save_dir, logger.root_dir) == (str(tmp_path / "logs"), str(tmp_path / "logs" / "exp"))
+        assert trainer.log_dir == logger.log_dir == str(tmp_path / "logs" / "exp" / f"version_{n}")
+        assert [r["step"] for r in _rows(Path(logger.log_dir) / "metrics.csv")][:2] == ["1", "2"]
+        # the run directory and its checkpoints stay where they were
+        assert trainer.run_dir == tmp_path / "runs" / f"version_{n}"
+        assert Path(trainer.checkpoint_callback.best_model_path).parent == trainer.run_dir / "checkpoints"
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("metrics.csv")) == [
+        "logs/exp/version_0/metrics.csv", "logs/exp/version_1/metrics.csv"]
+
+
+def test_the_next_version_is_one_more_than_the_largest_version_directory(tmp_path):
+    for name in ("version_0", "version_7", "version_x", "other"):
+        (tmp_path / "exp" / name).mkdir(parents=True)
+    (tmp_path / "exp" / "version_9").write_text("")  # a file, not a version directory
+    assert CSVLogger(tmp_path, name="exp").version == 8
+    assert CSVLogger(tmp_path, name="absent").version == 0
+    logger = CSVLogger(tmp_path, name="exp")
+    assert logger.version == 8
+    (tmp_path / "exp" / "version_8").mkdir()
+    assert logger.version == 8  # chosen at the first read and kept, as Lightning's
+
+
+@pytest.mark.parametrize(("name", "version", "where"), [
+    (None, None, "version_0"), ("", 3, "version_3"), ("exp", 3, "exp/version_3"), ("exp", "my_run", "exp/my_run")])
+def test_name_and_version_name_the_log_directory_as_lightnings(tmp_path, name, version, where):
+    logger = CSVLogger(tmp_path, name=name, version=version, flush_secs=0)
+    assert logger.log_dir == os.path.join(str(tmp_path), where)
+    logger.setup(tmp_path / "runs" / "version_0")
+    logger.log_metrics({"loss": 1.0}, step=1)
+    logger.finalize("success")
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("metrics.csv")] == [f"{where}/metrics.csv"]
+
+
+def test_a_tensorboard_logger_with_a_save_dir_writes_its_events_in_the_version_and_sub_dir(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install 'trainscale[tensorboard]'")
+    logger = TensorBoardLogger(tmp_path / "tb_logs", name="my_model", version=3, sub_dir="train", max_queue=5)
+    assert logger.log_dir == str(tmp_path / "tb_logs" / "my_model" / "version_3" / "train")
+    assert (logger.name, logger.version, logger.root_dir) == ("my_model", 3, str(tmp_path / "tb_logs" / "my_model"))
+    logger.setup(tmp_path / "run")
+    logger.log_metrics({"loss": 1.0}, step=1)
+    logger.finalize("success")
+    assert [p.parent for p in tmp_path.rglob("events.out.tfevents.*")] == [Path(logger.log_dir)]
+    assert TensorBoardLogger(save_dir=tmp_path, default_hp_metric=False).log_dir == str(
+        tmp_path / "lightning_logs" / "version_0")
+
+
+def test_without_a_save_dir_the_loggers_write_into_the_run_directory_which_is_their_version(tmp_path):
+    logger = CSVLogger()
+    assert (logger.version, logger.log_dir, logger.save_dir) == (None, None, None)  # no run yet
+    trainer = _fit(tmp_path, logger)
+    assert (logger.name, logger.version) == ("", 0)
+    assert trainer.log_dir == logger.log_dir == str(trainer.run_dir) == str(tmp_path / "version_0")
+    assert (logger.save_dir, logger.root_dir) == (str(tmp_path), str(tmp_path))
+    assert (trainer.run_dir / "metrics.csv").is_file()
+    # Lightning's spelling of the same place: save_dir the directory of the run directories, no name
+    trainer = _fit(tmp_path, CSVLogger(tmp_path, name=""))
+    assert trainer.log_dir == str(trainer.run_dir) == str(tmp_path / "version_1")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("metrics.csv")) == [
+        "version_0/metrics.csv", "version_1/metrics.csv"]
+    with pytest.raises(ValueError, match=r"CSVLogger\(name='exp', version=None\) without a save_dir: .*CSVLogger\("
+                                         r"'logs', name=..., version=...\) writes logs/<name>/version_<N>"):
+        CSVLogger(name="exp")
+    with pytest.raises(ValueError, match=r"CSVLogger\(name='lightning_logs', version=2\) without a save_dir"):
+        CSVLogger(version=2)
+
+
+@pytest.mark.timeout(60)
+def test_trainer_log_dir_without_a_logger_is_the_run_directory(tmp_path):
+    trainer = Trainer(accelerator="cpu", logger=False)
+    assert trainer.log_dir is None  # no run directory before fit
+    trainer = _fit(tmp_path, False)
+    assert trainer.log_dir == str(trainer.run_dir) == str(tmp_path / "version_0")
+
+
+def test_prefix_goes_before_every_metric_name_joined_by_a_dash(tmp_path):
+    logger = CSVLogger(prefix="train", flush_secs=0)
+    logger.setup(tmp_path)
+    logger.log_metrics({"loss": 0.5}, step=1)
+    logger.finalize("success")
+    assert _rows(tmp_path / "metrics.csv") == [{"step": "1", "train-loss": "0.5"}]
+    if importlib.util.find_spec("tensorboard") is None:
+        return
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = TensorBoardLogger(prefix="train")
+    tb.setup(tmp_path)
+    tb.log_metrics({"loss": 0.5}, step=1)
+    tb.finalize("success")
+    events = EventAccumulator(tb.log_dir)
+    events.Reload()
+    assert events.Tags()["scalars"] == ["train-loss"]
+
+
+def test_csv_rows_wait_at_most_flush_logs_every_n_steps(tmp_path):
+    logger = CSVLogger(flush_logs_every_n_steps=4, flush_secs=3600)
+    logger.setup(tmp_path)
+    written = []
+    for step in range(1, 10):
+        logger.log_metrics({"loss": 1.0 / step}, step=step)
+        written.append(len(_rows(tmp_path / "metrics.csv")))
+    assert written == [1, 1, 1, 1, 5, 5, 5, 5, 9]  # the first row at once, then every 4 steps
+    with pytest.raises(ValueError, match=r"flush_logs_every_n_steps=0\): give a number of steps >= 1"):
+        CSVLogger(flush_logs_every_n_steps=0)
+
+
+def test_a_version_directory_of_another_run_is_refused_and_left_as_it_was(tmp_path):
+    first = CSVLogger(tmp_path, name="exp", version=0, flush_secs=0)
+    first.setup(tmp_path / "run0")
+    first.log_metrics({"loss": 1.0}, step=1)
+    first.finalize("success")
+    metrics = tmp_path / "exp" / "version_0" / "metrics.csv"
+    before = metrics.read_bytes()
+    with pytest.raises(FileExistsError, match=r"CSVLogger\(version=0\): .*exp/version_0 holds files of another run "
+                                              r"\(metrics.csv\); .*pass version=None for the next free version "
+                                              r"\(version_1\), another version, or move that directory away"):
+        CSVLogger(tmp_path, name="exp", version=0).setup(tmp_path / "run1")
+    assert metrics.read_bytes() == before
+    # this run again (resumed, with a new logger object) and this logger object in a later run continue there
+    resumed = CSVLogger(tmp_path, name="exp", version=0, flush_secs=0)
+    resumed.setup(tmp_path / "run0")
+    resumed.log_metrics({"loss": 0.5}, step=2)
+    resumed.finalize("success")
+    first.setup(tmp_path / "run2")
+    first.log_metrics({"loss": 0.25}, step=3)
+    first.finalize("success")
+    assert [r["step"] for r in _rows(metrics)] == ["1", "2", "3"]
+
+
+def test_a_tensorboard_logger_refuses_another_runs_version_directory_too(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install 'trainscale[tensorboard]'")
+    (tmp_path / "tb" / "version_2").mkdir(parents=True)
+    (tmp_path / "tb" / "version_2" / "hparams.yaml").write_text("lr: 0.1\n")
+    with pytest.raises(FileExistsError, match=r"version_2 holds files of another run \(hparams.yaml\)"):
+        TensorBoardLogger(tmp_path, name="tb", version=2).setup(tmp_path / "run")
+    assert (tmp_path / "tb" / "version_2" / "hparams.yaml").read_text() == "lr: 0.1\n"
+
+
+def test_a_logger_with_a_save_dir_logs_alone_on_rank_zero_as_lightnings(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    logger = CSVLogger(tmp_path, name="exp", version="2020-02-05-162402", flush_secs=0)
+    logger.log_hyperparams({"a": 1})  # no setup: Lightning's loggers start at their first use
+    logger.log_metrics({"loss": 0.5})
+    logger.log_metrics({"loss": 0.25})
+    logger.finalize("success")
+    assert os.listdir(tmp_path / "exp") == ["2020-02-05-162402"]
+    assert _rows(tmp_path / "exp" / "2020-02-05-162402" / "metrics.csv") == [
+        {"step": "0", "loss": "0.5"}, {"step": "1", "loss": "0.25"}]  # no step: the rows logged before
+    assert json.loads((tmp_path / "exp" / "2020-02-05-162402" / "hparams.json").read_text()) == {"a": 1}
+    monkeypatch.setenv("RANK", "1")  # another rank logs nothing, as Lightning's rank_zero_only
+    other = CSVLogger(tmp_path, name="other")
+    other.log_hyperparams({"a": 1})
+    other.log_metrics({"loss": 1.0}, step=1)
+    other.finalize("success")
+    assert not (tmp_path / "other").exists()
+    if importlib.util.find_spec("tensorboard") is None:
+        return
+    monkeypatch.setenv("RANK", "0")
+    tb = TensorBoardLogger(tmp_path, name="tb")
+    tb.log_metrics({"loss": 1.0}, step=1)
+    writer = tb.experiment
+    tb.setup(tmp_path / "run")  # set up later by a run: the same version, the same writer
+    assert tb.experiment is writer and tb.log_dir == str(tmp_path / "tb" / "version_0")
+    tb.finalize("success")
+    assert len(list((tmp_path / "tb" / "version_0").glob("events.out.tfevents.*"))) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_run_resumed_in_place_continues_in_its_logger_version(tmp_path):
+    first = _fit(tmp_path / "runs", CSVLogger(tmp_path / "logs"))
+    _fit(tmp_path / "other_runs", CSVLogger(tmp_path / "logs"))  # another run takes version_1
+    resumed = _fit(tmp_path / "runs", CSVLogger(tmp_path / "logs"), max_epochs=2, ckpt_path="last")
+    assert resumed.run_dir == first.run_dir and resumed.logger.version == 0
+    steps = [int(r["step"]) for r in _rows(Path(resumed.log_dir) / "metrics.csv") if r["step/train_loss"]]
+    assert steps == list(range(1, 9))  # 4 steps of the first epoch, then 4 of the resumed second
+
+
+@pytest.mark.timeout(90)
+def test_two_ranks_write_one_metrics_csv_in_rank_zeros_version(tmp_path):
+    from tests.helpers import run_distributed
+
+    seen = run_distributed(workers.csv_logger_body, str(tmp_path), timeout=80)
+    expected = str(tmp_path / "logs" / "exp" / "version_0")
+    assert [s["log_dir"] for s in seen] == [s["logger_log_dir"] for s in seen] == [expected, expected]
+    assert [s["version"] for s in seen] == [0, 0]
+    assert [s["default_log_dir"] for s in seen] == [str(tmp_path / "runs" / "version_1")] * 2
+    assert all(re.search(r"exp/version_0 holds files of another run \(metrics.csv\)", s.get("refusal", ""))
+               for s in seen)  # on both ranks, none left waiting at a collective
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("metrics.csv")) == [
+        "logs/exp/version_0/metrics.csv", "runs/version_1/metrics.csv"]
+    assert _rows(tmp_path / "logs" / "exp" / "version_0" / "metrics.csv")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_spawned_fit_hands_rank_zeros_version_back_and_a_second_fit_continues_there(tmp_path):
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, timeout=60, log_every_n_steps=1,
+                      default_root_dir=tmp_path / "runs", enable_progress_bar=False, enable_checkpointing=False,
+                      logger=CSVLogger(tmp_path / "logs", name="exp"))
+    expected = str(tmp_path / "logs" / "exp" / "version_0")
+    for _ in range(2):  # the same logger in a second fit: its own directory, continued (Lightning's too)
+        trainer.fit(workers.make_model(0), DataLoader(workers.tiny_dataset(32), batch_size=8), optimizer=workers.sgd)
+        assert trainer.log_dir == trainer.logger.log_dir == expected and trainer.logger.version == 0
+    assert [r["step"] for r in _rows(Path(expected) / "metrics.csv") if r["step/train_loss"]] == ["1", "2"] * 2
+
+
+def test_tensorboard_default_hp_metric_is_lightnings_placeholder(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install 'trainscale[tensorboard]'")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    for default_hp_metric in (True, False):
+        logger = TensorBoardLogger(tmp_path, name=str(default_hp_metric), default_hp_metric=default_hp_metric)
+        logger.setup(tmp_path / "run")
+        logger.log_hyperparams({"lr": 0.1})
+        logger.finalize("success")
+        events = EventAccumulator(logger.log_dir)
+        events.Reload()
+        content = _plugin_content(events)
+        if default_hp_metric:
+            assert [(e.step, e.value) for e in events.Scalars("hp_metric")] == [(0, -1.0)]
+            info = HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+            assert [m.name.tag for m in info.metric_infos] == ["hp_metric"]
+        else:  # as Lightning: no metric given, nothing for the HParams tab (hparams.yaml keeps them)
+            assert "hp_metric" not in events.Tags()["scalars"] and not content
+        assert (Path(logger.log_dir) / "hparams.yaml").read_text() == "lr: 0.1\n"
+
+
+def _plugin_content(events) -> dict:
+    """The HParams plugin's summaries of a loaded ``EventAccumulator``; {} when there is none."""
+    try:
+        return events.PluginTagToContent("hparams")
+    except KeyError:
+        return {}
+
+
+def test_tensorboard_log_graph_and_unknown_writer_arguments_are_refused_naming_the_alternative():
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install 'trainscale[tensorboard]'")
+    with pytest.raises(ValueError, match=r"log_graph=True\): .*trainer.logger.experiment.add_graph\(model, "
+                                         r"example_input\)"):
+        TensorBoardLogger(log_graph=True)
+    with pytest.raises(TypeError, match=r"TensorBoardLogger\(\.\.\., flush_every=\.\.\.\): not an argument"):
+        TensorBoardLogger(flush_every=3)
+    assert TensorBoardLogger(filename_suffix=".x").writer_kwargs == {"filename_suffix": ".x"}
+
+
+@pytest.mark.parametrize("log_model", [True, "all"])
+def test_log_model_other_than_false_is_refused_naming_the_upload_call(log_model, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    if importlib.util.find_spec("mlflow") is not None:
+        with pytest.raises(ValueError, match=rf"MLFlowLogger\(log_model={log_model!r}\): trainscale does not upload "
+                                             r"checkpoints .*logger.experiment.log_artifact\(logger.run_id, "):
+            MLFlowLogger(log_model=log_model)
+        MLFlowLogger(log_model=False)
+    if importlib.util.find_spec("wandb") is not None:
+        with pytest.raises(ValueError, match=rf"WandbLogger\(log_model={log_model!r}\): trainscale does not upload "
+                                             r"checkpoints .*logger.experiment.log_model\("):
+            WandbLogger(offline=True, log_model=log_model)
+
+
+def test_wandb_logger_takes_lightnings_version_prefix_and_anonymous(tmp_path, wandb_offline):
+    logger = WandbLogger(project="p", version="abc123", prefix="train", anonymous=True, checkpoint_name="m")
+    assert (logger.name, logger.version, logger.init_kwargs["anonymous"]) == ("p", "abc123", "allow")
+    logger.setup(tmp_path)
+    logger.log_metrics({"loss": 0.5}, step=1)
+    _finished(logger, "success")
+    records = _wandb_records(tmp_path)
+    assert {r.run.run_id for r in records if r.WhichOneof("record_type") == "run"} == {"abc123"}
+    assert _history(records) == [{"train-loss": 0.5, "trainer/global_step": 1}]
+    with pytest.raises(ValueError, match=r"WandbLogger\(version='a', id='b'\): both name the run id; pass one"):
+        WandbLogger(version="a", id="b", offline=True)
+
+
+def test_mlflow_logger_takes_lightnings_prefix_run_id_and_artifact_location(tmp_path, mlflow_local, shared_store):
+    from mlflow import MlflowClient
+
+    first = MLFlowLogger(experiment_name="lightning_names", tracking_uri=shared_store, prefix="train",
+                         artifact_location=(tmp_path / "artifacts").as_uri())
+    first.setup(tmp_path / "runs" / "version_0")
+    first.log_metrics({"loss": 1.0}, step=1)
+    first.finalize("success")
+    again = MLFlowLogger(experiment_name="ignored", tracking_uri=shared_store, run_id=first.run_id)
+    again.setup(tmp_path / "runs" / "version_1")  # another run directory: the run given wins
+    again.log_metrics({"loss": 0.5}, step=2)
+    again.finalize("success")
+    assert (again.name, again.version) == (first.experiment_id, first.run_id)
+    client = MlflowClient(tracking_uri=shared_store)
+    assert [m.step for m in client.get_metric_history(first.run_id, "loss")] == [2]
+    assert [m.step for m in client.get_metric_history(first.run_id, "train-loss")] == [1]
+    assert client.get_experiment(first.experiment_id).artifact_location == (tmp_path / "artifacts").as_uri()

@@ -142,3 +142,27 @@ def step_trace_body(rank: int, root: str) -> dict | None:
     import step_trace
 
     return step_trace.trace_steps(rank, root, devices=2)
+
+
+def csv_logger_body(rank: int, root: str) -> dict:
+    """A 2-rank fit with Lightning's ``CSVLogger(root/logs, name="exp")``, then one with the default logger, then one
+    whose ``version=0`` is the first's: what each rank sees of their directories, and the refusal."""
+    from trainscale.loggers import CSVLogger
+    from trainscale.loop.trainer import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=1, default_root_dir=f"{root}/runs", timeout=60,
+                      enable_progress_bar=False, log_every_n_steps=1, logger=CSVLogger(f"{root}/logs", name="exp"))
+    trainer.fit(make_model(0), DataLoader(tiny_dataset(32), batch_size=8), optimizer=sgd)
+    seen = {"log_dir": trainer.log_dir, "logger_log_dir": trainer.logger.log_dir, "version": trainer.logger.version}
+    default = Trainer(accelerator="cpu", devices="auto", max_epochs=1, default_root_dir=f"{root}/runs", timeout=60,
+                      enable_progress_bar=False)  # the default CSVLogger: the run directory
+    default.fit(make_model(0), DataLoader(tiny_dataset(32), batch_size=8), optimizer=sgd)
+    seen["default_log_dir"] = default.log_dir
+    again = Trainer(accelerator="cpu", devices="auto", max_epochs=1, default_root_dir=f"{root}/runs", timeout=60,
+                    enable_progress_bar=False, logger=CSVLogger(f"{root}/logs", name="exp", version=0))
+    try:  # version_0 holds the first fit's files: refused on every rank, before training
+        again.fit(make_model(0), DataLoader(tiny_dataset(32), batch_size=8), optimizer=sgd)
+    except FileExistsError as err:
+        seen["refusal"] = str(err)
+    default.runtime.teardown()  # the process group the Trainers share
+    return seen

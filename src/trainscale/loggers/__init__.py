@@ -1,7 +1,8 @@
 """Experiment loggers: where a run's metrics and hyperparameters go, with Lightning's names.
 
-- :class:`CSVLogger` — ``metrics.csv`` and ``hparams.json`` in the run directory (no extra package).
-- :class:`TensorBoardLogger` — TensorBoard event files (``pip install 'trainscale[tensorboard]'``).
+- :class:`CSVLogger` — ``metrics.csv`` and ``hparams.json`` in the run directory, or with a ``save_dir`` in Lightning's
+  ``save_dir/name/version_N`` (``log_dirs``; no extra package).
+- :class:`TensorBoardLogger` — TensorBoard event files, in the same places (``pip install 'trainscale[tensorboard]'``).
 - :class:`WandbLogger` — a Weights & Biases run, online or offline (``pip install 'trainscale[wandb]'``).
 - :class:`MLFlowLogger` — an MLflow run, by default in a local SQLite store (``pip install 'trainscale[mlflow]'``).
 

@@ -237,12 +237,16 @@ def experiment_or_dummy(experiment: Any, owner: str) -> Any:
     """
     if experiment is not None:
         return experiment
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    if rank != 0:
+    if process_rank() != 0:
         return DummyExperiment()
     raise not_set_up(owner)
+
+
+def process_rank() -> int:
+    """This process's rank: ``torch.distributed``'s once initialized, else the ``RANK`` variable, else 0."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def run_id(run_dir: Path, filename: str) -> str | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from trainscale.loggers.base import check_status, experiment_or_dummy, flatten, keep_run_id, require, run_id
+from trainscale.loggers.log_dirs import add_prefix
 
 RUN_ID_FILE = "mlflow_run_id"
 _BATCH = 1000  # MLflow's limit of metrics in one log_batch call (MAX_METRICS_PER_BATCH)
@@ -100,15 +101,29 @@ class MLFlowLogger:
         save_dir: the directory of the default SQLite store (see above).
         tags: tags of the new run.
         synchronous: False: metrics are written by MLflow's background thread (Lightning's option).
+        log_model: only False: trainscale does not upload checkpoints as MLflow artifacts (another value is refused,
+            naming the call to make instead).
+        prefix: put before every metric name, joined by "-" (Lightning's ``LOGGER_JOIN_CHAR``).
+        artifact_location: where an experiment this logger creates keeps its artifacts (MLflow's argument of
+            ``create_experiment``); None: the default above, or the store's own.
+        run_id: continue this MLflow run (in its own experiment) instead of starting one (Lightning's argument).
+
+    Lightning's properties: ``name`` is the experiment id, ``version`` the run id (None before setup).
 
     Raises:
         ModuleNotFoundError: mlflow, or SQLAlchemy/Alembic for a database store, is not installed.
-        ValueError: a ``tracking_uri`` whose scheme MLflow cannot track to (:func:`check_tracking_uri`).
+        ValueError: a ``tracking_uri`` whose scheme MLflow cannot track to (:func:`check_tracking_uri`);
+            ``log_model`` other than False.
     """
 
     def __init__(self, experiment_name: str = "trainscale", run_name: str | None = None,
                  tracking_uri: str | None = None, save_dir: str | os.PathLike | None = None,
-                 tags: Mapping[str, str] | None = None, synchronous: bool = True) -> None:
+                 tags: Mapping[str, str] | None = None, synchronous: bool = True, log_model: bool | str = False,
+                 prefix: str = "", artifact_location: str | None = None, run_id: str | None = None) -> None:
+        if log_model is not False:
+            raise ValueError(f"MLFlowLogger(log_model={log_model!r}): trainscale does not upload checkpoints to MLflow; "
+                             "pass log_model=False and upload one yourself after fit: logger.experiment.log_artifact("
+                             "logger.run_id, trainer.checkpoint_callback.best_model_path) (an MlflowClient method)")
         self._uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if self._uri is not None:
             check_tracking_uri(self._uri)
@@ -121,9 +136,13 @@ class MLFlowLogger:
         self.synchronous = synchronous
         self._pending: list = []  # RunOperations of asynchronous log_batch calls, waited for at finalize
         self.tracking_uri: str | None = None  # the store in use, after setup
+        self.prefix, self.artifact_location, self._given_run_id = prefix, artifact_location, run_id
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self._client = None
+
+    name = property(lambda self: self.experiment_id, doc="The experiment id (Lightning's ``MLFlowLogger.name``).")
+    version = property(lambda self: self.run_id, doc="The run id (Lightning's ``MLFlowLogger.version``).")
 
     @property
     def experiment(self):
@@ -151,10 +170,13 @@ class MLFlowLogger:
             store.mkdir(parents=True, exist_ok=True)
             uri, artifacts = f"sqlite:///{store.resolve() / 'mlflow.db'}", (store.resolve() / "mlartifacts").as_uri()
         client = MlflowClient(tracking_uri=uri)
-        experiment = client.get_experiment_by_name(self.experiment_name)
-        self.experiment_id = (experiment.experiment_id if experiment is not None
-                              else client.create_experiment(self.experiment_name, artifact_location=artifacts))
-        self.run_id = self._resumed(client, run_id(run_dir, RUN_ID_FILE)) or client.create_run(
+        if self._given_run_id is not None:  # Lightning's run_id: that run, in its own experiment
+            self.experiment_id = client.get_run(self._given_run_id).info.experiment_id
+        else:
+            experiment = client.get_experiment_by_name(self.experiment_name)
+            self.experiment_id = (experiment.experiment_id if experiment is not None else client.create_experiment(
+                self.experiment_name, artifact_location=self.artifact_location or artifacts))
+        self.run_id = self._resumed(client, self._given_run_id or run_id(run_dir, RUN_ID_FILE)) or client.create_run(
             self.experiment_id, run_name=self.run_name or run_dir.name, tags=self.tags).info.run_id
         keep_run_id(run_dir, RUN_ID_FILE, self.run_id)
         self.tracking_uri, self._client = uri, client
@@ -187,7 +209,7 @@ class MLFlowLogger:
 
         client = self.experiment
         now_ms = int(time.time() * 1000)
-        items = [Metric(k, float(v), now_ms, step) for k, v in metrics.items()]
+        items = [Metric(k, float(v), now_ms, step) for k, v in add_prefix(metrics, self.prefix).items()]
         for i in range(0, len(items), _BATCH):
             operation = client.log_batch(self.run_id, metrics=items[i:i + _BATCH], synchronous=self.synchronous)
             if operation is not None:

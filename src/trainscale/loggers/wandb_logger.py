@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from trainscale.loggers.base import check_status, experiment_or_dummy, keep_run_id, require, run_id
+from trainscale.loggers.log_dirs import add_prefix
 
 STEP_METRIC = "trainer/global_step"  # Lightning's name, so ported dashboards keep their x-axis
 RUN_ID_FILE = "wandb_run_id"
@@ -58,27 +59,65 @@ class WandbLogger:
 
     The Trainer calls a logger on rank zero only (see :class:`trainscale.loggers.Logger`).
 
+    Lightning's arguments: ``version`` or ``id`` (the W&B run id: a run of that id is continued), ``anonymous=True``
+    (W&B's ``anonymous="allow"``), ``dir`` (W&B's local files, when there is no ``save_dir``), ``prefix`` (before
+    every metric name, joined by "-"), ``log_model=False`` (uploading checkpoints is not done here: any other value
+    is refused, naming what to call instead) and ``checkpoint_name`` (which only ``log_model`` uses). Lightning's
+    properties: ``name`` is the project, ``version`` the run id.
+
     Args:
         project: the W&B project; None: W&B's default (``WANDB_PROJECT`` or "uncategorized").
         name: the run's display name; None: the run directory's name (``version_N``).
-        save_dir: where W&B writes its local files; None: the run directory.
+        save_dir: where W&B writes its local files; None: ``dir``, else the run directory.
         offline: write locally only, upload nothing.
-        **init_kwargs: passed to ``wandb.init`` (``entity``, ``tags``, ``group``, ``notes``, ``id``, ...);
+        version: the run id (Lightning's name; ``id`` is the same).
+        dir: where W&B writes its local files when ``save_dir`` is None.
+        id: the run id; None: the resumed run's, else a new one.
+        anonymous: True: W&B's ``anonymous="allow"`` (an anonymous run without an account).
+        log_model: only False (see above).
+        prefix: put before every metric name, joined by "-" (Lightning's ``LOGGER_JOIN_CHAR``).
+        checkpoint_name: the model artifact's name with ``log_model``; accepted, unused.
+        **init_kwargs: passed to ``wandb.init`` (``entity``, ``tags``, ``group``, ``notes``, ...);
             an unknown one makes ``wandb.init`` raise TypeError at setup.
 
     Raises:
         ModuleNotFoundError: wandb is not installed (names the pip command).
-        ValueError: an online run without W&B credentials (:func:`check_login`).
+        ValueError: ``log_model`` other than False; ``version`` and ``id`` both given and different; an online run
+            without W&B credentials (:func:`check_login`).
     """
 
     def __init__(self, project: str | None = None, name: str | None = None, save_dir: str | os.PathLike | None = None,
-                 offline: bool = False, **init_kwargs: Any) -> None:
+                 offline: bool = False, *, version: str | None = None, dir: str | os.PathLike | None = None,
+                 id: str | None = None, anonymous: bool | None = None, log_model: bool | str = False,
+                 prefix: str = "", checkpoint_name: str | None = None, **init_kwargs: Any) -> None:
         require("WandbLogger", "wandb", "wandb")
+        if log_model is not False:
+            raise ValueError(f"WandbLogger(log_model={log_model!r}): trainscale does not upload checkpoints to W&B; "
+                             "pass log_model=False and upload one yourself after fit: logger.experiment.log_model("
+                             "trainer.checkpoint_callback.best_model_path) (a wandb.Run method)")
+        if version is not None and id is not None and version != id:
+            raise ValueError(f"WandbLogger(version={version!r}, id={id!r}): both name the run id; pass one")
+        if version or id:
+            init_kwargs["id"] = version or id
+        if anonymous:
+            init_kwargs["anonymous"] = "allow"
         check_login(offline, init_kwargs)
-        self.project, self.name, self.offline = project, name, offline
-        self.save_dir = Path(save_dir) if save_dir is not None else None
+        self.project, self.run_name, self.offline, self.prefix = project, name, offline, prefix
+        given = save_dir if save_dir is not None else dir
+        self.save_dir = Path(given) if given is not None else None
+        self.checkpoint_name = checkpoint_name
         self.init_kwargs = init_kwargs
         self._run = None
+
+    @property
+    def name(self) -> str | None:
+        """The W&B project (Lightning's ``WandbLogger.name``; the run's display name is :attr:`run_name`)."""
+        return self.project
+
+    @property
+    def version(self) -> str | None:
+        """The W&B run id (Lightning's ``WandbLogger.version``): the run's once set up, else the one given."""
+        return self._run.id if self._run is not None else self.init_kwargs.get("id")
 
     @property
     def experiment(self):
@@ -96,7 +135,7 @@ class WandbLogger:
         kwargs = {"resume": "allow", **self.init_kwargs, "id": ident}
         if self.offline:
             kwargs["mode"] = "offline"
-        self._run = wandb.init(project=self.project, name=self.name or run_dir.name, dir=str(save_dir), **kwargs)
+        self._run = wandb.init(project=self.project, name=self.run_name or run_dir.name, dir=str(save_dir), **kwargs)
         keep_run_id(run_dir, RUN_ID_FILE, ident)
         self._run.define_metric(STEP_METRIC)
         self._run.define_metric("*", step_metric=STEP_METRIC, step_sync=True)
@@ -105,7 +144,7 @@ class WandbLogger:
         self.experiment.config.update(dict(params), allow_val_change=True)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        self.experiment.log({**metrics, STEP_METRIC: step})
+        self.experiment.log({**add_prefix(metrics, self.prefix), STEP_METRIC: step})
 
     def finalize(self, status: str) -> None:
         check_status(status)

@@ -27,6 +27,7 @@ from trainscale.callbacks import Callback, ModelCheckpoint, ModelSummary, TQDMPr
 from trainscale.callbacks.base import HOOKS, overridden_hooks
 from trainscale.utilities.rank_zero import log_info
 from trainscale.loggers import resolve_loggers
+from trainscale.loggers.log_dirs import agree_log_dirs, trainer_log_dir
 from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, PipelineScheduleFlag, PrecisionFlag,
                                       StrategyFlag, names_closest_flag)
 from trainscale.runtime.runtime import Runtime
@@ -365,6 +366,10 @@ class Trainer:
                                     doc="The schedulers with their interval, frequency and monitor (SchedulerConfig).")
     logger = property(lambda self: self.loggers[0] if self.loggers else None,
                       doc="The first of ``loggers``, None without any (Lightning's ``trainer.logger``).")
+    log_dir = property(lambda self: trainer_log_dir(self.loggers, self.run_dir),
+                       doc="Lightning's ``trainer.log_dir`` (a str): the first logger's ``log_dir`` (CSV, TensorBoard) "
+                           "or ``save_dir``; the run directory when it has none or there is no logger; the same on "
+                           "every rank once fit has chosen the run directory; None before that without a save_dir.")
     fast_dev_run = property(lambda self: self.config.fast_dev_run, doc="The flag as given (False, True or N).")
     limit_train_batches = property(lambda self: self.config.limit_train_batches,
                                    doc="The flag (None: all batches); under ``overfit_batches``, its value.")
@@ -568,6 +573,7 @@ class Trainer:
                                                  functools.partial(getattr, self, "global_step"))  # picklable
         if cfg.writes_files:  # fast_dev_run: no run directory, records, loggers or checkpoints
             self.run_dir, self._run_lock = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)  # held by fit
+            agree_log_dirs(self.loggers, self.run_dir, rt.broadcast_object, rt.is_rank_zero)  # rank zero's versions
             self._faults.start(self.run_dir)
         for cb in self.checkpoint_callbacks:
             cb.setup_directory(self)
