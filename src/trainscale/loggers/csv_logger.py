@@ -121,10 +121,11 @@ class CSVLogger(VersionedDir):
         Raises:
             RuntimeError: before setup on rank zero, without a ``save_dir``.
         """
-        if self.experiment is not self:  # another rank: Lightning's loggers log on rank zero only
+        if self.path is None:  # not set up: on another rank nothing (Lightning's loggers log on rank zero only)
+            self.experiment  # noqa: B018  (on rank zero: the "not set up" error)
             return
         step = self._logged if step is None else step
-        row = {"step": step, **add_prefix(metrics, self.prefix)}
+        row = {"step": step, **(add_prefix(metrics, self.prefix) if self.prefix else metrics)}
         self._columns.extend(name for name in row if name not in self._columns)
         self._rows.append(row)
         self._logged += 1
