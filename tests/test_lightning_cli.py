@@ -171,3 +171,37 @@ def test_optimizer_and_lr_scheduler_options_replace_configure_optimizers(tmp_pat
     with pytest.raises(ValueError, match="needs the metric it monitors"):
         LightningCLI(example["Regression"], example["Points"], run=False,
                      args=[*args[:6], "--lr_scheduler", "ReduceLROnPlateau"])
+
+
+def _example_classes() -> dict:
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        return runpy.run_path(str(EXAMPLE))  # the classes, without running the script's CLI
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+
+
+@pytest.mark.timeout(60)
+def test_add_lightning_class_args_adds_a_callbacks_options_and_gives_it_to_the_trainer(tmp_path):
+    """Lightning's fine-tuning example: ``parser.add_lightning_class_args(SomeCallback, "finetuning")`` and
+    ``parser.link_arguments`` in ``add_arguments_to_parser``, annotated with ``LightningArgumentParser``."""
+    from trainscale.callbacks import EarlyStopping
+    from trainscale.cli import LightningArgumentParser
+
+    example = _example_classes()
+
+    class MyLightningCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+            parser.add_lightning_class_args(EarlyStopping, "early_stopping")
+            parser.link_arguments("data.batch_size", "model.hidden")  # any two options of one type
+            parser.set_defaults({"early_stopping.monitor": "val_loss", "early_stopping.patience": 7})
+
+    cli = MyLightningCLI(example["Regression"], example["Points"], run=False,
+                         args=["--data.batch_size", "12", "--early_stopping.patience", "3",
+                               f"--trainer.default_root_dir={tmp_path}"])
+    stops = [cb for cb in cli.trainer.callbacks if isinstance(cb, EarlyStopping)]
+    assert len(stops) == 1 and (stops[0].monitor, stops[0].patience) == ("val_loss", 3)
+    assert cli.model.hparams["hidden"] == 12  # linked from --data.batch_size
+    assert isinstance(cli.parser, LightningArgumentParser)
+    with pytest.raises(ValueError, match="Cannot add arguments from"):
+        cli.parser.add_lightning_class_args(int, "number")

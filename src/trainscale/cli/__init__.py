@@ -14,9 +14,9 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainscale.cli.lightning_cli import LightningCLI, SaveConfigCallback
+    from trainscale.cli.lightning_cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-__all__ = ["LightningCLI", "SaveConfigCallback", "main", "build_parser"]
+__all__ = ["LightningCLI", "LightningArgumentParser", "SaveConfigCallback", "main", "build_parser"]
 
 # Commands whose options are generated from the Trainer's flag declarations: module with HELP, build_parser, run.
 DECLARED = {"demo": "trainscale.cli.demo", "bench": "trainscale.cli.bench", "plan": "trainscale.cli.plan",
@@ -24,7 +24,8 @@ DECLARED = {"demo": "trainscale.cli.demo", "bench": "trainscale.cli.bench", "pla
 
 
 def __getattr__(name: str):
-    if name in ("LightningCLI", "SaveConfigCallback"):  # on first use: `trainscale --help` reads no declaration
+    if name in ("LightningCLI", "LightningArgumentParser", "SaveConfigCallback"):  # on first use: `trainscale --help`
+        # reads no declaration
         from trainscale.cli import lightning_cli
 
         return getattr(lightning_cli, name)

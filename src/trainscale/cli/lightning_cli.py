@@ -19,6 +19,7 @@ which parses the same command line on every rank. Guide: docs/lightning.md ("A c
 
 from __future__ import annotations
 
+import functools
 import importlib
 import types
 import warnings
@@ -151,10 +152,11 @@ class LightningCLI:
 
     # -- the parser ----------------------------------------------------------------------------------
     def init_parser(self, **kwargs: Any):
-        """A jsonargparse ``ArgumentParser`` with ``-c/--config`` (and jsonargparse's ``--print_config``)."""
-        from jsonargparse import ActionConfigFile, ArgumentParser
+        """A :class:`LightningArgumentParser` (jsonargparse's ``ArgumentParser`` with Lightning's
+        ``add_lightning_class_args``) with ``-c/--config`` (and jsonargparse's ``--print_config``)."""
+        from jsonargparse import ActionConfigFile
 
-        parser = ArgumentParser(**kwargs)
+        parser = lightning_argument_parser()(**kwargs)
         parser.add_argument("-c", "--config", action=ActionConfigFile,
                             help="a configuration file in YAML or JSON, with the keys of the options below")
         return parser
@@ -269,15 +271,16 @@ class LightningCLI:
         self.model.configure_optimizers = types.MethodType(configure_optimizers, self.model)
 
     def instantiate_trainer(self, **kwargs: Any):
-        """The Trainer of the parsed ``--trainer.*`` flags, ``kwargs`` over them; ``trainer_defaults``' callbacks
-        after the config's."""
+        """The Trainer of the parsed ``--trainer.*`` flags, ``kwargs`` over them; the callbacks of the config, then
+        those added with ``parser.add_lightning_class_args(SomeCallback, key)``, then ``trainer_defaults``'."""
         config = {**self._get(self.config_init, "trainer").as_dict(), **kwargs}
         callbacks = config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        parser = self._subcommand_parsers[self.subcommand] if self.subcommand else self.parser
+        callbacks += [self._get(self.config_init, key) for key in parser.callback_keys]
         extra = self.trainer_defaults.get("callbacks") or []
         config["callbacks"] = callbacks + (list(extra) if isinstance(extra, (list, tuple)) else [extra])
         if self.save_config_callback is not None and not config.get("fast_dev_run"):
-            parser = self._subcommand_parsers[self.subcommand] if self.subcommand else self.parser
             section = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
             config["callbacks"].append(self.save_config_callback(parser, section, **self.save_config_kwargs))
         return self.trainer_class(**config)
@@ -296,6 +299,53 @@ class LightningCLI:
         if callable(after):
             after()
         return result
+
+
+@functools.cache
+def lightning_argument_parser() -> type:
+    """Lightning's ``LightningArgumentParser``: jsonargparse's ``ArgumentParser`` (imported here, on first use)
+    with ``add_lightning_class_args``; ``trainscale.cli.LightningArgumentParser`` is this class."""
+    from jsonargparse import ArgumentParser
+
+    class LightningArgumentParser(ArgumentParser):
+        """jsonargparse's ``ArgumentParser`` with Lightning's ``add_lightning_class_args``: a callback's, module's or
+        data module's ``__init__`` parameters as ``--KEY.*`` options (a callback so added is built and given to the
+        Trainer, after the config's ``callbacks``), as in ``add_arguments_to_parser``."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.callback_keys: list[str] = []
+
+        def add_lightning_class_args(self, lightning_class: type, nested_key: str, subclass_mode: bool = False,
+                                     required: bool = True) -> list[str]:
+            """``lightning_class``'s ``__init__`` parameters under ``--NESTED_KEY.*`` (``subclass_mode``: any
+            subclass, as ``class_path``/``init_args``); a :class:`~trainscale.callbacks.Callback` subclass is
+            also added to the Trainer's callbacks. Returns the options added.
+
+            Raises:
+                ValueError: a class that is not a callback, ``nn.Module`` or data module (Lightning:
+                    ``MisconfigurationException``)."""
+            import torch
+
+            from trainscale.lightning.data_sources import DataModule
+
+            if not (isinstance(lightning_class, type)
+                    and issubclass(lightning_class, (Callback, torch.nn.Module, DataModule))):
+                raise ValueError(f"Cannot add arguments from: {lightning_class}. You should provide either a callable "
+                                 "or a subclass of: Trainer, LightningModule, LightningDataModule, or Callback.")
+            if issubclass(lightning_class, Callback):
+                self.callback_keys.append(nested_key)
+            if subclass_mode:
+                return self.add_subclass_arguments(lightning_class, nested_key, fail_untyped=False, required=required)
+            return self.add_class_arguments(lightning_class, nested_key, fail_untyped=False, sub_configs=True)
+
+    return LightningArgumentParser
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LightningArgumentParser":  # jsonargparse is imported on first use
+        return lightning_argument_parser()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def cli_lightning_logo() -> None:
