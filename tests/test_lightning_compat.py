@@ -2801,3 +2801,26 @@ def test_a_module_saves_its_files_into_trainer_log_dir_beside_the_csv_loggers(tm
         "logs/exp/version_0/exp-0.txt", "logs/exp/version_0/metrics.csv",
         "logs/exp/version_1/exp-1.txt", "logs/exp/version_1/metrics.csv"]
     assert (tmp_path / "logs" / "exp" / "version_1" / "exp-1.txt").read_text() == str(tmp_path / "logs" / "exp")
+
+
+@pytest.mark.timeout(60)
+def test_fit_with_a_training_loader_validates_on_the_modules_own_val_dataloader(tmp_path):
+    """Lightning's ``fit(model, train_dataloaders=loader)`` takes the validation loader from the module's
+    ``val_dataloader()``; a validation loader passed to ``fit`` wins over it."""
+
+    class OwnValidation(Probe):
+        def validation_step(self, batch, batch_idx):
+            self.log("v", batch[0].sum())
+
+        def val_dataloader(self):
+            return _loader(4, batch_size=4)  # one batch: its inputs' sum
+
+    own = _loader(4, batch_size=4)
+    expected = float(next(iter(own))[0].sum())
+    trainer = _trainer(tmp_path / "hook", max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(OwnValidation(), _loader())
+    assert float(trainer.callback_metrics["v"]) == pytest.approx(expected)
+    passed = DataLoader(TensorDataset(torch.ones(2, 2), torch.zeros(2)), batch_size=2)
+    trainer = _trainer(tmp_path / "passed", max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(OwnValidation(), _loader(), passed)
+    assert float(trainer.callback_metrics["v"]) == 4.0

@@ -183,10 +183,14 @@ def fit_loader_hooks(model: Any, train: Any, val: Any, datamodule: Any) -> Calla
 def resolve_fit_loaders(runtime: Runtime, model: Any, train: Any, val: Any, datamodule: Any,
                         set_up_callbacks: Callable[[], None] = lambda: None) -> tuple[Any, Any]:
     """``fit``'s ``(train, val)``: :func:`resolve_loaders` for "fit", with ``val`` when it was passed (the validation
-    loaders as a list, or None: :func:`val_loaders`).
+    loaders as a list, or None: :func:`val_loaders`). A training loader passed without ``val`` validates on the
+    model's own ``val_dataloader()`` when it has one, as Lightning's ``fit(model, train_dataloaders=...)``.
 
     Raises:
         ValueError: as :func:`resolve_loaders`.
     """
+    passed = train is not None and not is_data_source(train)
     train, hooked_val = resolve_loaders(runtime, "fit", model, train, datamodule, set_up_callbacks)
-    return train, val_loaders(val) if val is not None else hooked_val
+    if val is not None:
+        return train, val_loaders(val)
+    return train, _hooked_val(model) if passed and datamodule is None else hooked_val
