@@ -6,14 +6,17 @@ Each run is a fresh :class:`~trainscale.loop.trainer.Trainer` built from ``train
 epoch limit) and the tuner's own (``max_steps``, its callback), on the user's Runtime (the same devices, strategy and
 precision). Its run directory lies in a hidden temporary directory inside ``default_root_dir``
 (``.tuner-XXXXXXXX``), removed at the end. The model is set up once (``Trainer.last_setup`` is handed from the user's
-trainer to each run and back), so a later ``trainer.fit(model)`` reuses the same wrapper. After the runs the random
+trainer to each run and back), so a later ``trainer.fit(model)`` reuses the same wrapper. What a run prints to stdout
+(the Trainer's header and epoch lines, and your own prints) is not shown; warnings and errors are. After the runs the random
 state and the GradScaler's state are put back, ``model.trainer`` is the user's trainer again, and
 :class:`StateKeeper` puts back the weights and the optimizer's state that training changed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import shutil
 import tempfile
 from pathlib import Path
@@ -106,7 +109,8 @@ class Scratch:
         temp = Trainer(runtime=self.trainer.runtime, **flags)
         temp.last_setup = self.setup  # set up once: the same wrapper for every run and the user's later fit
         try:
-            return getattr(temp, method)(self.model, *args, **kwargs)
+            with contextlib.redirect_stdout(io.StringIO()):  # its header and epoch lines (Lightning prints none)
+                return getattr(temp, method)(self.model, *args, **kwargs)
         finally:
             if temp.last_setup is not None and temp.last_setup[0] is self.model:
                 self.setup = temp.last_setup

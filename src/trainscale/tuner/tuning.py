@@ -81,7 +81,7 @@ class Tuner:
                             val_dataloaders, datamodule=datamodule, loss_fn=loss_fn, optimizer=optimizer)
             finally:
                 test.restore()
-        if len(test.lrs) < num_training:
+        if len(test.lrs) < num_training and trainer.is_global_zero:
             log_info(_log, f"LR finder stopped early after {len(test.lrs)} steps due to diverging loss.")
         finder.results = trainer.runtime.broadcast_object({"lr": test.lrs, "loss": test.losses})  # rank zero's
         lr = finder.suggestion() if update_attr else None
@@ -90,7 +90,8 @@ class Tuner:
             for opt in trainer.optimizers:  # a later fit builds its own; the last one's trains on at it too
                 for group in opt.param_groups:
                     group["lr"] = lr
-            log_info(_log, f"Learning rate set to {lr}")
+            if trainer.is_global_zero:
+                log_info(_log, f"Learning rate set to {lr}")
         return finder
 
     def scale_batch_size(self, model: Any, train_dataloaders: Any = None, val_dataloaders: Any = None,
