@@ -304,9 +304,9 @@ def _batch_holders(model: Any, datamodule: Any, name: str) -> list:
 
 def _data_length(source: Any, method: str) -> int | None:
     """The length of the data set of ``source``'s loader for ``method`` (its hook asked once more), None when it
-    has none (an iterable data set)."""
+    has none (an iterable data set, or loaders in a collection)."""
     loader = one_loader(getattr(source, LOADER_HOOKS[method])(), method)
     try:
         return len(loader.dataset)
-    except TypeError:
+    except (TypeError, AttributeError):
         return None
