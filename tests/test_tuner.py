@@ -212,6 +212,14 @@ def test_lr_find_errors_name_the_fix(tmp_path):
         tuner.lr_find(Regression(), dataloaders=DataLoader(_data()))
     with pytest.raises(ValueError, match="linear"):
         tuner.lr_find(Regression(), mode="cosine")
+    with pytest.raises(ValueError, match="must both be > 0"):
+        tuner.lr_find(Regression(), min_lr=0.0)
+
+
+def test_lr_find_with_min_lr_above_max_lr_runs_a_falling_schedule(tmp_path):
+    # Lightning's own test (test_lr_candidates_between_min_and_max) swaps them: the rates stay between the two
+    finder = Tuner(_trainer(tmp_path)).lr_find(Regression(), min_lr=1.0, max_lr=1e-8, num_training=3)
+    assert finder.results["lr"][0] == 1.0 and all(1e-8 <= lr <= 1.0 for lr in finder.results["lr"])
 
 
 def test_lr_find_finds_hparams_lr_and_skips_under_fast_dev_run(tmp_path):

@@ -216,8 +216,8 @@ def _check_tuner_configuration(train: Any, val: Any, dataloaders: Any, method: s
 def _check_range(mode: str, min_lr: float, max_lr: float, num_training: int) -> None:
     if mode not in ("exponential", "linear"):
         raise ValueError(f"mode should be either `linear` or `exponential`, not {mode!r}")
-    if not 0 < min_lr < max_lr:
-        raise ValueError(f"min_lr={min_lr} and max_lr={max_lr} must satisfy 0 < min_lr < max_lr (e.g. 1e-8 and 1)")
+    if not (min_lr > 0 and max_lr > 0):  # min_lr > max_lr is a falling schedule, as Lightning allows
+        raise ValueError(f"min_lr={min_lr} and max_lr={max_lr} must both be > 0 (learning rates, e.g. 1e-8 and 1)")
     if isinstance(num_training, bool) or not isinstance(num_training, int) or num_training < 1:
         raise ValueError(f"num_training={num_training!r} must be an int >= 1 (the optimizer steps of the range test)")
 
