@@ -141,6 +141,7 @@ def test_lr_find_plot_draws_the_curve_and_the_suggestion(tmp_path):
     ("power", 2, 32, [2, 4, 8, 16, 32, 64]),
     ("binsearch", 2, 40, [2, 4, 8, 16, 32, 64, 48, 40, 44, 42, 41]),
     ("power", 128, 32, [128, 64, 32]),  # init_val out of memory: halved until one runs (Lightning's)
+    ("binsearch", 128, 40, [128, 64, 32, 48, 40, 44, 42, 41]),
 ])
 def test_scale_batch_size_grows_until_out_of_memory(tmp_path, mode, init_val, expected, tried):
     model = Regression(n=512, batch_size=7, oom_above=40)
@@ -152,6 +153,12 @@ def test_scale_batch_size_grows_until_out_of_memory(tmp_path, mode, init_val, ex
     assert first_of_each == tried
     assert _same(model.state_dict(), weights)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_scale_batch_size_without_trials_keeps_init_val(tmp_path):
+    model = Regression()
+    assert Tuner(_trainer(tmp_path)).scale_batch_size(model, init_val=5, max_trials=0) == 5 == model.batch_size
+    assert model.seen_sizes == []
 
 
 def test_scale_batch_size_binsearch_margin_and_a_data_module(tmp_path):

@@ -108,8 +108,8 @@ class Tuner:
         allocator messages), the data set's length or ``max_val`` is reached, or ``max_trials`` trials have run;
         "power" keeps the last size that ran, "binsearch" then searches between it and the first that failed and
         takes ``margin`` off the result (``int(size × (1 - margin))``, at least 1). An ``init_val`` that fails is
-        halved until a size runs (``trainscale.tune.batch_size.search``). The size found is set on the attribute and
-        returned; the model's weights are put back.
+        halved until a size runs (``trainscale.tune.batch_size.search``); ``max_trials=0`` runs none and keeps
+        ``init_val``. The size found is set on the attribute and returned; the model's weights are put back.
 
         Returns:
             The batch size; None under ``fast_dev_run`` (skipped with Lightning's warning).
@@ -142,10 +142,8 @@ class Tuner:
             try:
                 trial = _Trials(scratch, method, steps_per_trial, keeper, holders, batch_arg_name,
                                 (val_dataloaders if method == "fit" else None, datamodule, loss_fn, optimizer))
-                limit = max_val
-                if trial.fits(init_val):  # the data set's length bounds the growth (Lightning's)
-                    limit = max(init_val, min(max_val, _data_length(source, method) or max_val))
-                found = search(trial.fits, init_val, max(limit, init_val), max_trials, mode=mode, shrink=True)
+                found = init_val if max_trials < 1 else _search(trial, source, method, init_val, max_val, max_trials,
+                                                                mode)
             finally:
                 keeper.restore()
         if mode == "binsearch" and margin > 0:
@@ -153,6 +151,15 @@ class Tuner:
         _set_attr(holders, batch_arg_name, found)
         log_info(_log, f"Finished batch size finder, will continue with full run using batch size {found}")
         return found
+
+
+def _search(trial: _Trials, source: Any, method: str, init_val: int, max_val: int, max_trials: int, mode: str) -> int:
+    """The largest size that runs (``tune.batch_size.search``), the growth bounded by ``max_val`` and, once
+    ``init_val`` has run, by the data set's length (Lightning's)."""
+    limit = max_val
+    if trial.fits(init_val):
+        limit = max(init_val, min(max_val, _data_length(source, method) or max_val))
+    return search(trial.fits, init_val, max(limit, init_val), max_trials, mode=mode, shrink=True)
 
 
 class _Trials:
