@@ -102,6 +102,14 @@ def test_lr_find_linear_mode_and_the_optimizer_state_after_a_fit_are_kept(tmp_pa
     assert _same(model.state_dict(), weights) and model.lr == 1e-3 and trainer.global_step == 3
 
 
+def test_lr_find_counts_optimizer_steps_under_accumulation(tmp_path):
+    model = Regression(n=256)
+    finder = Tuner(_trainer(tmp_path, accumulate_grad_batches=2)).lr_find(model, num_training=10,
+                                                                           early_stop_threshold=None)
+    assert len(finder.results["lr"]) == len(finder.results["loss"]) == 10
+    assert model.seen_lrs == [lr for lr in finder.results["lr"] for _ in range(2)]  # both micro-batches of a step
+
+
 def test_lr_find_stops_early_when_the_loss_diverges(tmp_path):
     # full-batch SGD on a quadratic: stable below lr = 2 / the largest curvature, diverging far above it
     model = Regression(batch_size=64)
