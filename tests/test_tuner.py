@@ -163,6 +163,14 @@ def test_scale_batch_size_grows_until_out_of_memory(tmp_path, mode, init_val, ex
     assert list(tmp_path.iterdir()) == []
 
 
+def test_scale_batch_size_when_nothing_fits_raises_and_keeps_the_attribute(tmp_path):
+    model = Regression(batch_size=7, oom_above=0)
+    with pytest.raises(BatchSizeError, match="not even a batch of 1"):
+        Tuner(_trainer(tmp_path)).scale_batch_size(model, init_val=4)
+    assert model.seen_sizes == [4, 2, 1] and model.batch_size == 7
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_scale_batch_size_without_trials_keeps_init_val(tmp_path):
     model = Regression()
     assert Tuner(_trainer(tmp_path)).scale_batch_size(model, init_val=5, max_trials=0) == 5 == model.batch_size

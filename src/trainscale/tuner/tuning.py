@@ -139,11 +139,14 @@ class Tuner:
             return None
         keeper = StateKeeper()
         with Scratch(trainer, model) as scratch:
+            trial = _Trials(scratch, method, steps_per_trial, keeper, holders, batch_arg_name,
+                            (val_dataloaders if method == "fit" else None, datamodule, loss_fn, optimizer))
             try:
-                trial = _Trials(scratch, method, steps_per_trial, keeper, holders, batch_arg_name,
-                                (val_dataloaders if method == "fit" else None, datamodule, loss_fn, optimizer))
                 found = init_val if max_trials < 1 else _search(trial, source, method, init_val, max_val, max_trials,
                                                                 mode)
+            except BaseException:
+                trial.put_back()  # the attribute as it was, when no size was found
+                raise
             finally:
                 keeper.restore()
         if mode == "binsearch" and margin > 0:
@@ -173,6 +176,12 @@ class _Trials:
         limit = "limit_val_batches" if method in ("fit", "validate") else f"limit_{method}_batches"
         self.overrides = {limit: steps, "max_steps": steps} if method == "fit" else {limit: steps}
         self.results: dict[int, bool] = {}
+        self.before = [holder[name] if isinstance(holder, dict) else getattr(holder, name) for holder in holders]
+
+    def put_back(self) -> None:
+        """The attribute's values from before the first trial."""
+        for holder, value in zip(self.holders, self.before):
+            _set_attr([holder], self.name, value)
 
     def fits(self, size: int) -> bool:
         if size not in self.results:
