@@ -106,14 +106,14 @@ class Scratch:
         from trainscale.loop.trainer import Trainer
 
         flags = {**self.trainer.flags, **QUIET, "default_root_dir": self.root, **overrides, "callbacks": callbacks}
-        temp = Trainer(runtime=self.trainer.runtime, **flags)
-        temp.last_setup = self.setup  # set up once: the same wrapper for every run and the user's later fit
-        try:
-            with contextlib.redirect_stdout(io.StringIO()):  # its header and epoch lines (Lightning prints none)
+        with contextlib.redirect_stdout(io.StringIO()):  # its notes, header and epoch lines (Lightning prints none)
+            temp = Trainer(runtime=self.trainer.runtime, **flags)
+            temp.last_setup = self.setup  # set up once: the same wrapper for every run and the user's later fit
+            try:
                 return getattr(temp, method)(self.model, *args, **kwargs)
-        finally:
-            if temp.last_setup is not None and temp.last_setup[0] is self.model:
-                self.setup = temp.last_setup
+            finally:
+                if temp.last_setup is not None and temp.last_setup[0] is self.model:
+                    self.setup = temp.last_setup
 
     def __exit__(self, *exc: Any) -> None:
         rt = self.trainer.runtime
