@@ -19,7 +19,7 @@ LAYERS = [
     {"lightning"},
     {"tune"},
     {"loop"},
-    {"plan", "check", "export"},
+    {"plan", "check", "export", "tuner"},
     {"bench"},
     {"cli"},
 ]

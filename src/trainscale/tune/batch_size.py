@@ -6,7 +6,9 @@
 
 **Search** (:func:`search`, pure logic): ``start``, 2·``start``, 4·``start`` … until a size fails or the
 limit is reached, then a binary search between the last size that fit and the first that did not
-(Lightning's ``BatchSizeFinder`` "binsearch" mode). At most ``max_trials`` trials.
+(Lightning's ``BatchSizeFinder`` "binsearch" mode; ``mode="power"`` stops after the growth, and ``shrink=True``
+halves a ``start`` that does not fit until a size does, as Lightning's tuner: ``trainscale.tuner.Tuner``'s
+``scale_batch_size`` searches with it). At most ``max_trials`` trials.
 
 **A trial** of size b runs one training step — forward, backward, optimizer step — on a batch of b
 samples (the data set's first b, collated by the loader's ``collate_fn``), on a *copy* of the model
@@ -60,7 +62,8 @@ class BatchSizeError(RuntimeError):
 
 
 def search(fits: Callable[[int], bool], start: int = 1, limit: int | None = None,
-           max_trials: int = MAX_TRIALS) -> int:
+           max_trials: int = MAX_TRIALS, mode: Literal["binsearch", "power"] = "binsearch",
+           shrink: bool = False) -> int:
     """The largest size in ``[start, limit]`` for which ``fits`` is true, assuming that a size fits
     whenever a larger one does: powers of two times ``start``, then a binary search.
 
@@ -69,18 +72,26 @@ def search(fits: Callable[[int], bool], start: int = 1, limit: int | None = None
         start: the first size tried (>= 1).
         limit: the largest size worth trying (None: no limit; growth stops after ``max_trials``).
         max_trials: calls of ``fits`` at most; when they run out, the largest size that fit.
+        mode: "binsearch" (the binary search between the last size that fit and the first that did not) or
+            "power" (none: the last power of two times ``start`` that fit, Lightning's ``mode="power"``).
+        shrink: when ``start`` does not fit, halve it until a size fits (Lightning's tuner; the first failure
+            then bounds the search from above) instead of raising.
 
     Raises:
-        ValueError: ``start`` < 1, ``limit`` < ``start`` or ``max_trials`` < 1.
-        BatchSizeError: ``start`` itself does not fit.
+        ValueError: ``start`` < 1, ``limit`` < ``start``, ``max_trials`` < 1 or an unknown ``mode``.
+        BatchSizeError: ``start`` itself does not fit (with ``shrink``: not even 1 does, or the trials ran out).
     """
-    if start < 1 or (limit is not None and limit < start) or max_trials < 1:
-        raise ValueError(f"start={start} must be >= 1 and <= limit={limit}, max_trials={max_trials} >= 1")
-    if not fits(start):
+    if start < 1 or (limit is not None and limit < start) or max_trials < 1 or mode not in ("binsearch", "power"):
+        raise ValueError(f"start={start} must be >= 1 and <= limit={limit}, max_trials={max_trials} >= 1, "
+                         f"mode={mode!r} 'binsearch' or 'power'")
+    if fits(start):
+        good, bad, trials = _grow(fits, start, limit, max_trials)
+    elif shrink:
+        good, bad, trials = _shrink(fits, start, max_trials)
+    else:
         raise BatchSizeError(f"not even a batch of {start} fits; lower the start, raise max_memory, or shard the "
                              "model (strategy='fsdp')")
-    good, bad, trials = _grow(fits, start, limit, max_trials)
-    while bad is not None and bad - good > 1 and trials < max_trials:
+    while mode == "binsearch" and bad is not None and bad - good > 1 and trials < max_trials:
         mid = (good + bad) // 2
         trials += 1
         good, bad = (mid, bad) if fits(mid) else (good, mid)
@@ -98,6 +109,22 @@ def _grow(fits: Callable[[int], bool], good: int, limit: int | None, max_trials:
             return good, size, trials
         good = size
     return good, None, trials
+
+
+def _shrink(fits: Callable[[int], bool], bad: int, max_trials: int) -> tuple[int, int, int]:
+    """Halve from ``bad`` (which does not fit) until a size fits: ``(that size, the last that failed, trials
+    used)``.
+
+    Raises:
+        BatchSizeError: not even 1 fits, or the trials ran out first."""
+    trials = 1
+    while bad > 1 and trials < max_trials:
+        size, trials = bad // 2, trials + 1
+        if fits(size):
+            return size, bad, trials
+        bad = size
+    raise BatchSizeError(f"not even a batch of {bad} fits (after {trials} trials); free memory (a smaller model, "
+                         "precision='bf16-mixed') or shard the model (strategy='fsdp')")
 
 
 @dataclass
