@@ -19,8 +19,8 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from trainscale.callbacks.base import log_info
-from trainscale.lightning.data_sources import LOADER_HOOKS, is_data_source, one_loader
+from trainscale.utilities.rank_zero import log_info
+from trainscale.lightning.data_sources import LOADER_HOOKS, eval_loaders, is_data_source
 from trainscale.tune.batch_size import search
 from trainscale.tuner.lr_finder import LRFinder, RangeTest
 from trainscale.tuner.scratch import Scratch, StateKeeper
@@ -319,9 +319,9 @@ def _batch_holders(model: Any, datamodule: Any, name: str) -> list:
 
 
 def _data_length(source: Any, method: str) -> int | None:
-    """The length of the data set of ``source``'s loader for ``method`` (its hook asked once more), None when it
-    has none (an iterable data set, or loaders in a collection)."""
-    loader = one_loader(getattr(source, LOADER_HOOKS[method])(), method)
+    """The length of the data set of ``source``'s loader for ``method`` (its hook asked once more; the first of several
+    loaders), None when it has none (an iterable data set)."""
+    loader = eval_loaders(getattr(source, LOADER_HOOKS[method])(), method)[0]
     try:
         return len(loader.dataset)
     except (TypeError, AttributeError):
