@@ -165,6 +165,7 @@ def test_a_ddp_strategy_object_is_its_name_and_options_with_lightnings_keywords_
     for method, name in [("popen", "ddp"), ("spawn", "ddp_spawn"), ("fork", "ddp_fork")]:
         assert _flags_of(DDPStrategy(start_method=method))[0].strategy == name
     assert _flags_of(DDPStrategy()) == (_flags_of("ddp")[0], None)  # nothing given: the plain name, no options
+    assert _flags_of(DDPStrategy(timeout=None)) == (_flags_of("ddp")[0], None)  # Lightning's None: the default
 
 
 def test_an_fsdp_strategy_object_maps_lightnings_sharding_and_checkpointing_keywords():

@@ -117,8 +117,8 @@ def _lightning_keywords(cls: type[Strategy], options: dict) -> tuple[str, dict, 
                          "started again under torchrun), 'spawn' or 'fork' (strategy='ddp_spawn', 'ddp_fork'), for "
                          "DDPStrategy only")
     updates: dict[str, Any] = {}
-    if "timeout" in options:
-        timeout = options.pop("timeout")
+    timeout = options.pop("timeout", None)  # None: Lightning's too is then the default (30 minutes)
+    if timeout is not None:
         if not isinstance(timeout, timedelta):
             raise ValueError(f"{cls.__name__}(timeout={timeout!r}) must be a datetime.timedelta (Lightning's type), or "
                              "pass the flag in seconds: Trainer(timeout=1800)")
