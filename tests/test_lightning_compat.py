@@ -2397,13 +2397,20 @@ class _Unused(Probe):
         self.unused = nn.Linear(2, 1)
 
 
-def _unused_on_two_ranks(rank: int, root: str, strategy: str) -> dict | str:
-    trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, timeout=60, enable_progress_bar=False,
+def _unused_on_two_ranks(rank: int, root: str, strategy) -> dict | str:
+    from trainscale.strategies import DDPStrategy, ParallelStrategy
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False, default_root_dir=root, max_steps=2,
                       num_sanity_val_steps=0)
     try:
-        trainer.fit(_Unused(), _loader(8))
-        return {"find_unused": trainer.strategy.model.find_unused_parameters, "steps": trainer.global_step}
+        model = _Unused()
+        trainer.fit(model, _loader(8))
+        s = trainer.strategy
+        return {"find_unused": s.model.find_unused_parameters, "steps": trainer.global_step,
+                "classes": (isinstance(s, DDPStrategy), isinstance(s, ParallelStrategy)),
+                "counts": (s.num_processes, s.num_nodes), "timeout": trainer.runtime.timeout,
+                "unused_grad": model.unused.weight.grad}
     except RuntimeError as err:
         return str(err)
     finally:
@@ -2416,9 +2423,40 @@ def test_ddp_find_unused_parameters_true_trains_a_model_with_an_unused_parameter
     from tests.helpers import run_distributed
 
     ranks = run_distributed(_unused_on_two_ranks, str(tmp_path), "ddp_find_unused_parameters_true", timeout=100)
-    assert ranks == [{"find_unused": True, "steps": 2}] * 2
+    assert [(r["find_unused"], r["steps"]) for r in ranks] == [(True, 2)] * 2
     refused = run_distributed(_unused_on_two_ranks, str(tmp_path), "ddp", timeout=100)
     assert all("Expected to have finished reduction" in err for err in refused)  # what the option is for
+
+
+# -- Lightning's strategy objects: Trainer(strategy=DDPStrategy(...)) -------------------------------------------------
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_ddp_strategy_object_with_find_unused_parameters_trains_a_model_with_an_unused_parameter(tmp_path):
+    """Lightning's ``Trainer(strategy=DDPStrategy(find_unused_parameters=True))`` on two gloo ranks: the Trainer's own
+    bound strategy is a DDPStrategy and a ParallelStrategy, with the option and the timeout the object was built
+    with; without the option DDP's reducer refuses the parameter that gets no gradient."""
+    from datetime import timedelta
+
+    from tests.helpers import run_distributed
+    from trainscale.strategies import DDPStrategy
+
+    given = DDPStrategy(find_unused_parameters=True, timeout=timedelta(minutes=1))
+    ranks = run_distributed(_unused_on_two_ranks, str(tmp_path), given, timeout=100)
+    assert ranks == [{"find_unused": True, "steps": 2, "classes": (True, True), "counts": (2, 1), "timeout": 60.0,
+                      "unused_grad": None}] * 2
+    refused = run_distributed(_unused_on_two_ranks, str(tmp_path), DDPStrategy(), timeout=100)
+    assert all("Expected to have finished reduction" in err for err in refused)
+
+
+@pytest.mark.timeout(60)
+def test_a_single_device_strategy_object_runs_one_process(tmp_path):
+    from trainscale.strategies import ParallelStrategy, SingleDeviceStrategy
+
+    trainer = _trainer(tmp_path, strategy=SingleDeviceStrategy(), devices=1, max_steps=2, num_sanity_val_steps=0,
+                       enable_checkpointing=False, logger=False)
+    trainer.fit(Probe(), _loader())
+    assert isinstance(trainer.strategy, SingleDeviceStrategy) and not isinstance(trainer.strategy, ParallelStrategy)
+    assert (trainer.global_step, trainer.runtime.flags.strategy, trainer.strategy.world_size) == (2, "single", 1)
 
 
 # -- trainer.training / validating / testing / predicting, num_devices, device_ids ------------------------------------

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainscale import Callback, DataModule, Runtime, Trainer, TrainingModule, World, seed_everything
+from trainscale.strategies import DDPStrategy
 
 
 class Classifier(TrainingModule):
@@ -63,6 +64,7 @@ trainer.fit(Classifier(), datamodule=Data())
 Trainer(devices="auto", strategy="fsdp", precision="16-mixed", batch_size="max", max_memory=2**30,
         lr_scaling="sqrt", base_batch_size=256, float32_matmul_precision="high")
 Trainer(strategy="pp", parallel={"pp": 2}, pp_schedule="gpipe", pp_microbatches=8)
+Trainer(devices=2, strategy=DDPStrategy(find_unused_parameters=True, static_graph=False))
 runtime = Runtime("cpu", 2, "ddp_spawn", 1, "32-true", timeout=60.0)
 model, optimizer = runtime.setup(nn.Linear(4, 2), lambda p: torch.optim.AdamW(p, lr=1e-3))
 print(World().world_size)

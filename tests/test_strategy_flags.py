@@ -139,3 +139,97 @@ def test_unsupported_precisions_list_the_valid_ones(precision):
     with pytest.raises(ValueError, match=rf"unknown precision='{precision}'; choose one of '32-true', '16-mixed', "
                                          r"'bf16-mixed', 'bf16-true'"):
         Trainer(accelerator="cpu", precision=precision)
+
+
+# -- Lightning's strategy objects: the flags they stand for (connector.strategy_object_flags) -------------------------
+def _flags_of(strategy, **flags):
+    from trainscale.runtime.connector import strategy_object_flags
+    from trainscale.runtime.flags import RuntimeFlags
+
+    return strategy_object_flags(RuntimeFlags(strategy=strategy, **flags))
+
+
+def test_a_ddp_strategy_object_is_its_name_and_options_with_lightnings_keywords_as_flags():
+    from datetime import timedelta
+
+    from trainscale.strategies import DDPStrategy
+
+    hook = lambda state, bucket: None  # noqa: E731
+    flags, backend = _flags_of(DDPStrategy(find_unused_parameters=True, static_graph=True, gradient_as_bucket_view=True,
+                                           bucket_cap_mb=50, ddp_comm_hook=hook, ddp_comm_state="state",
+                                           timeout=timedelta(minutes=5), process_group_backend="gloo"))
+    assert (flags.strategy, flags.timeout, backend) == ("ddp", 300.0, "gloo")
+    assert flags.strategy_options == {"find_unused_parameters": True, "static_graph": True,
+                                      "gradient_as_bucket_view": True, "bucket_cap_mb": 50, "ddp_comm_hook": hook,
+                                      "ddp_comm_state": "state"}
+    for method, name in [("popen", "ddp"), ("spawn", "ddp_spawn"), ("fork", "ddp_fork")]:
+        assert _flags_of(DDPStrategy(start_method=method))[0].strategy == name
+    assert _flags_of(DDPStrategy()) == (_flags_of("ddp")[0], None)  # nothing given: the plain name, no options
+    assert _flags_of(DDPStrategy(timeout=None)) == (_flags_of("ddp")[0], None)  # Lightning's None: the default
+
+
+def test_an_fsdp_strategy_object_maps_lightnings_sharding_and_checkpointing_keywords():
+    from trainscale.strategies import FSDPStrategy
+
+    flags, _ = _flags_of(FSDPStrategy(auto_wrap_policy={nn.Linear}, cpu_offload=True, sharding_strategy="SHARD_GRAD_OP",
+                                      activation_checkpointing_policy={nn.Linear}, state_dict_type="sharded"))
+    assert (flags.strategy, flags.activation_checkpointing) == ("fsdp", {nn.Linear})
+    assert flags.strategy_options == {"auto_wrap_policy": {nn.Linear}, "cpu_offload": True,
+                                      "reshard_after_forward": False}
+    full_shard = _flags_of(FSDPStrategy(sharding_strategy="FULL_SHARD"))[0]
+    assert full_shard.strategy_options == {"reshard_after_forward": True}
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda s: s.DDPStrategy(accelerator="gpu"), r"DDPStrategy\(accelerator=...\): pass the accelerator flag"),
+    (lambda s: s.DDPStrategy(parallel_devices=[torch.device("cpu")] * 2), r"Trainer\(accelerator=..., devices=N\)"),
+    (lambda s: s.DDPStrategy(precision_plugin=object()), r"precision_plugin=...\): pass the precision flag"),
+    (lambda s: s.DDPStrategy(cluster_environment=object()), "cluster_environment=...\\): unsupported"),
+    (lambda s: s.DDPStrategy(checkpoint_io=object()), "checkpoint_io=...\\): unsupported"),
+    (lambda s: s.DDPStrategy(ddp_comm_wrapper=print), "ddp_comm_wrapper=...\\): unsupported: wrap your hook"),
+    (lambda s: s.DDPStrategy(model_averaging_period=4), "model_averaging_period=...\\): unsupported"),
+    (lambda s: s.DDPStrategy(broadcast_buffers=False), "strategy='ddp' does not accept option\\(s\\) "
+                                                       "'broadcast_buffers'; its options are: find_unused_parameters"),
+    (lambda s: s.DDPStrategy(start_method="forkserver"), "start_method='forkserver'\\): choose 'popen'"),
+    (lambda s: s.FSDPStrategy(start_method="spawn"), "for DDPStrategy only"),
+    (lambda s: s.DDPStrategy(timeout=60), r"must be a datetime.timedelta .*Trainer\(timeout=1800\)"),
+    (lambda s: s.FSDPStrategy(sharding_strategy="NO_SHARD"), "pass strategy='ddp'"),
+    (lambda s: s.FSDPStrategy(sharding_strategy="HYBRID_SHARD"), "pass strategy='hsdp'"),
+    (lambda s: s.FSDPStrategy(state_dict_type="full"), "checkpoints of fsdp are sharded"),
+    (lambda s: s.FSDPStrategy(mixed_precision=object()), "pass the precision flag"),
+    (lambda s: s.FSDPStrategy(device_mesh=(2, 4)), "pass strategy='hsdp'"),
+    (lambda s: s.ModelParallelStrategy(tensor_parallel_size=2), r"Trainer\(parallel=\{'dp_shard': D, 'tp': T\}\)"),
+    (lambda s: s.ModelParallelStrategy(parallel={"tp": 2}), r"pass it as the flag: Trainer\(parallel=...\)"),
+    (lambda s: s.SingleDeviceStrategy(device="cpu"), "built for a run"),
+])
+def test_lightnings_keywords_that_trainscale_takes_elsewhere_or_lacks_are_refused_naming_what_to_do(make, message):
+    import trainscale.strategies as strategies
+
+    with pytest.raises(ValueError, match=message):
+        _flags_of(make(strategies))
+
+
+def test_a_strategy_object_with_strategy_options_or_a_flag_given_twice_is_refused():
+    from datetime import timedelta
+
+    from trainscale.strategies import DDPStrategy, FSDPStrategy
+
+    with pytest.raises(ValueError, match="pass them to it, not in strategy_options"):
+        _flags_of(DDPStrategy(static_graph=True), strategy_options={"static_graph": True})
+    with pytest.raises(ValueError, match=r"timeout is given twice: as timeout=60 and by strategy=DDPStrategy"):
+        _flags_of(DDPStrategy(timeout=timedelta(minutes=5)), timeout=60)
+    with pytest.raises(ValueError, match="activation_checkpointing is given twice"):
+        _flags_of(FSDPStrategy(activation_checkpointing={nn.Linear}), activation_checkpointing={nn.ReLU})
+
+
+def test_the_runtime_builds_its_own_strategy_from_an_object_and_checks_its_backend():
+    from trainscale.runtime.runtime import Runtime
+    from trainscale.strategies import DDPStrategy
+
+    rt = Runtime(accelerator="cpu", devices=1, strategy=DDPStrategy(static_graph=True, process_group_backend="gloo"))
+    assert (rt.flags.strategy, rt.strategy_options, rt.config.strategy) == ("ddp", {"static_graph": True}, "ddp")
+    with pytest.raises(ValueError, match="process_group_backend='nccl', but with accelerator='cpu' the backend is "
+                                         "'gloo'.*drop process_group_backend"):
+        Runtime(accelerator="cpu", devices=1, strategy=DDPStrategy(process_group_backend="nccl"))
+    with pytest.raises(TypeError, match=r"DDPStrategy\(\) got unexpected keyword argument\(s\) timeout"):
+        DDPStrategy(torch.device("cpu"), World(), timeout=5)  # a bound strategy takes its own options only

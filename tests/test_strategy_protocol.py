@@ -25,7 +25,7 @@ def test_the_base_declares_what_the_runtime_trainer_and_telemetry_use():
     assert MEMBERS == sorted([
         "name", "sharded_checkpoints", "forward_communicates", "pipelined", "materialises_meta", "drives_all_devices",
         "uses_mesh", "needs_process_group", "applies_compile", "supports_sync_batchnorm",
-        "manual_optimization_refusal", "gradient_sync", "precision_name", *FLAGS,
+        "manual_optimization_refusal", "gradient_sync", "precision_name", "given_options", *FLAGS,
         "setup_module", "setup_optimizer", "unwrap", "no_backward_sync", "clip_gradients_norm", "time_allreduce",
         "save_checkpoint", "load_checkpoint", "teardown", "data_world",
         # Lightning's public strategy surface (trainer.strategy)

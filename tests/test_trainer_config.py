@@ -127,12 +127,21 @@ def _fields(*classes, keyword_only: bool = False) -> tuple[list, dict]:
     return out, docs  # the same, read from the dataclasses' fields and "Attributes" sections
 
 
+def _taking_strategy_objects(params: list) -> list:
+    """The flags as the constructors take them: ``strategy`` also a strategy object (Lightning's way), which the
+    Runtime turns into the flags it stands for (a name and options: ``connector.strategy_object_flags``); the
+    declared field, which the command lines read, holds names."""
+    return [(name, default, f"{kind} | Strategy" if name == "strategy" else kind, keyword_only)
+            for name, default, kind, keyword_only in params]
+
+
 def test_the_runtime_names_each_flag_with_the_type_default_and_description_of_its_field():
     from trainscale.runtime.connector import RuntimeFlags
     from trainscale.runtime.runtime import Runtime
 
     params, docs = _declared(Runtime.__init__)
     expected, expected_docs = _fields(RuntimeFlags)
+    expected = _taking_strategy_objects(expected)
     assert params == expected
     assert docs == expected_docs and len(docs) == len(expected)  # one description per flag
 
@@ -155,7 +164,7 @@ def test_the_trainer_names_each_flag_with_the_type_default_and_description_of_it
     own = [("callbacks", None, "list[Callback] | None", True), ("logger", None, "Any", True),
            ("runtime", None, "Runtime | None", True),
            ("profiler", None, "Profiler | Literal['simple', 'advanced', 'pytorch'] | None", True)]
-    assert params == own + runtime_params + loop_params
+    assert params == own + _taking_strategy_objects(runtime_params) + loop_params
     assert docs == {**{name: docs[name] for name, *_ in own}, **loop_docs}  # the Runtime's flags: in Runtime.__init__
     preamble = inspect.cleandoc(Trainer.__init__.__doc__).split("Args:")[0]
     assert all(re.search(rf"\b{name}\b", preamble) for name, *_ in runtime_params)

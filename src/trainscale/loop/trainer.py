@@ -31,6 +31,7 @@ from trainscale.loggers.log_dirs import agree_log_dirs, trainer_log_dir
 from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, PipelineScheduleFlag, PrecisionFlag,
                                       StrategyFlag, names_closest_flag)
 from trainscale.runtime.runtime import Runtime
+from trainscale.runtime.strategies import Strategy
 from trainscale.telemetry.flops import resolve_count_flops
 from trainscale.telemetry.processor import create_telemetry
 from trainscale.checkpointing import checkpointer, run_dirs as ckpt
@@ -85,7 +86,8 @@ class Trainer:
                  profiler: Profiler | Literal["simple", "advanced", "pytorch"] | None = None,
                  # the Runtime's flags (RuntimeFlags), described in Runtime.__init__
                  accelerator: AcceleratorFlag = "auto", devices: int | Literal["auto"] = "auto",
-                 strategy: StrategyFlag = "auto", num_nodes: int | None = None, precision: PrecisionFlag = "32-true",
+                 strategy: StrategyFlag | Strategy = "auto", num_nodes: int | None = None,
+                 precision: PrecisionFlag = "32-true",
                  timeout: float = 1800.0, strategy_options: dict | None = None, sync_batchnorm: bool = False,
                  activation_checkpointing: Any = None, compile: bool | dict = False,
                  float32_matmul_precision: MatmulPrecisionFlag | None = None, parallel: dict | None = None,

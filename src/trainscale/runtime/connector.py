@@ -7,8 +7,11 @@ valid choices or the flag to change, before any process or process group exists.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, get_args
 
 from trainscale.runtime import hf
@@ -16,7 +19,7 @@ from trainscale.runtime.devices import ACCELERATORS, detect_accelerator
 from trainscale.runtime.flags import MatmulPrecisionFlag, RuntimeFlags, make_flags
 from trainscale.runtime.precision import PRECISIONS
 from trainscale.runtime.strategies import STRATEGIES, STRATEGY_CLASSES, Strategy
-from trainscale.runtime.strategies.ddp import FIND_UNUSED_NAMES
+from trainscale.runtime.strategies.ddp import FIND_UNUSED_NAMES, DDPStrategy
 from trainscale.runtime.strategies.parallel_dims import PP_SCHEDULES, ParallelDims, resolve_parallel
 
 # Names that mean "ddp, with the processes started by torch.multiprocessing from this process" (Lightning's
@@ -26,6 +29,118 @@ START_METHOD_NAMES = {"ddp_spawn": "spawn", "ddp_notebook": "fork", "ddp_fork": 
 
 
 MATMUL_PRECISIONS = (None, *get_args(MatmulPrecisionFlag))
+
+# Keywords of Lightning's strategy classes (its DDPStrategy, FSDPStrategy, ModelParallelStrategy,
+# SingleDeviceStrategy) that trainscale takes as a flag, or does not offer: each → what to do instead.
+_FLAG_INSTEAD = "are the Trainer's flags here: pass Trainer({}=...)"
+LIGHTNING_REFUSED = {
+    "accelerator": "pass the accelerator flag: Trainer(accelerator=...)",
+    "parallel_devices": "pass the devices and accelerator flags: Trainer(accelerator=..., devices=N); choose the GPUs "
+                        "with CUDA_VISIBLE_DEVICES",
+    "device": "pass the accelerator flag: Trainer(accelerator=..., devices=1); choose the GPU with "
+              "CUDA_VISIBLE_DEVICES",
+    "precision_plugin": "pass the precision flag: Trainer(precision=...)",
+    "precision": "pass the precision flag: Trainer(precision=...)",
+    "mixed_precision": "pass the precision flag: Trainer(precision='bf16-mixed'); FSDP's MixedPrecisionPolicy follows "
+                       "it",
+    "cluster_environment": "unsupported: trainscale reads the launcher's variables itself (torchrun, SLURM, MPI, LSF, "
+                           "Kubernetes)",
+    "checkpoint_io": "unsupported: the strategy writes the checkpoints (Trainer(checkpoint_async=True) writes sharded "
+                     "ones in the background)",
+    "ddp_comm_wrapper": "unsupported: wrap your hook yourself and pass the result as ddp_comm_hook",
+    "model_averaging_period": "unsupported (post-local SGD model averaging)",
+    "device_mesh": "pass strategy='hsdp', or strategy='model_parallel' with parallel={'dp_replicate': R, "
+                   "'dp_shard': S}",
+    "data_parallel_size": "pass the mesh as a flag: Trainer(parallel={'dp_shard': D, 'tp': T})",
+    "tensor_parallel_size": "pass the mesh as a flag: Trainer(parallel={'dp_shard': D, 'tp': T})",
+    "save_distributed_checkpoint": "unsupported: the checkpoints of model_parallel are sharded (DCP directories), "
+                                   "which load on another mesh",
+    **{name: f"pass it as the flag: Trainer({name}=...)" for name in ("parallel", "tp_plan", "parallelize")},
+}
+# Lightning's FSDPStrategy(sharding_strategy=...) → trainscale's fsdp options (FSDP2 has no NO_SHARD or HYBRID_SHARD
+# mode: those are ddp and hsdp here)
+SHARDING_STRATEGIES: dict[str, dict | str] = {
+    "FULL_SHARD": {"reshard_after_forward": True}, "SHARD_GRAD_OP": {"reshard_after_forward": False},
+    "NO_SHARD": "pass strategy='ddp' (no sharding)",
+    "HYBRID_SHARD": "pass strategy='hsdp' (shard within a node, replicate across nodes)"}
+# Lightning's DDPStrategy(start_method=...) → the suffix of trainscale's name ("ddp_spawn", "ddp_fork")
+START_METHOD_SUFFIXES = {"popen": "", "spawn": "_spawn", "fork": "_fork"}
+
+
+def strategy_object_flags(flags: RuntimeFlags) -> tuple[RuntimeFlags, str | None]:
+    """``flags`` whose ``strategy`` is a strategy object built without device and world (Lightning's way:
+    ``Trainer(strategy=DDPStrategy(find_unused_parameters=True))``) as the flags it stands for, and the
+    ``process_group_backend`` it asks for (None: not given; the Runtime checks it). Flags whose strategy is a name
+    come back as they are.
+
+    The object's class gives the name ("ddp" for ``DDPStrategy``, with Lightning's ``start_method`` "spawn"/"fork":
+    "ddp_spawn"/"ddp_fork"), the keywords it was built with give ``strategy_options``; Lightning's ``timeout`` (a
+    ``timedelta``) becomes the ``timeout`` flag in seconds, FSDP's ``activation_checkpointing_policy`` (or
+    ``activation_checkpointing``) the ``activation_checkpointing`` flag, and ``sharding_strategy`` "FULL_SHARD" /
+    "SHARD_GRAD_OP" ``reshard_after_forward`` True / False.
+
+    Raises:
+        ValueError: a strategy bound to a run (another Trainer's ``trainer.strategy``); a strategy object and
+            ``strategy_options`` both; a flag given both ways; a keyword of :data:`LIGHTNING_REFUSED` (naming what to
+            do instead) or another the strategy does not take (listing those it takes).
+    """
+    strategy = flags.strategy
+    if not isinstance(strategy, Strategy):
+        return flags, None
+    cls = type(strategy)
+    if strategy.world is not None or strategy.device is not None:
+        raise ValueError(f"strategy={cls.__name__}(...) was built for a run (with a device or world): pass one built "
+                         f"with options only, e.g. {cls.__name__}(), or strategy={cls.name!r}")
+    if flags.strategy_options is not None:
+        raise ValueError(f"strategy={cls.__name__}(...) carries the strategy's options: pass them to it, not in "
+                         f"strategy_options={flags.strategy_options!r} too")
+    options = dict(strategy.given_options)
+    refused = [f"{cls.__name__}({key}=...): {LIGHTNING_REFUSED[key]}" for key in options if key in LIGHTNING_REFUSED]
+    if refused:
+        raise ValueError("; ".join(refused))
+    name, updates, backend = _lightning_keywords(cls, options)
+    defaults = RuntimeFlags()
+    for flag in updates:
+        if getattr(flags, flag) != getattr(defaults, flag):
+            raise ValueError(f"{flag} is given twice: as {flag}={getattr(flags, flag)!r} and by strategy="
+                             f"{cls.__name__}(...); drop one")
+    cls.check_options(options, cls.name)
+    return dataclasses.replace(flags, strategy=name, strategy_options=options or None, **updates), backend
+
+
+def _lightning_keywords(cls: type[Strategy], options: dict) -> tuple[str, dict, str | None]:
+    """Take Lightning's keywords out of ``options`` (in place): ``(strategy name, {flag: value},
+    process_group_backend)``, the flags being ``timeout`` and ``activation_checkpointing`` where given."""
+    method = options.pop("start_method", "popen")
+    if method not in START_METHOD_SUFFIXES or (method != "popen" and not issubclass(cls, DDPStrategy)):
+        raise ValueError(f"{cls.__name__}(start_method={method!r}): choose 'popen' (the default: the script is "
+                         "started again under torchrun), 'spawn' or 'fork' (strategy='ddp_spawn', 'ddp_fork'), for "
+                         "DDPStrategy only")
+    updates: dict[str, Any] = {}
+    timeout = options.pop("timeout", None)  # None: Lightning's too is then the default (30 minutes)
+    if timeout is not None:
+        if not isinstance(timeout, timedelta):
+            raise ValueError(f"{cls.__name__}(timeout={timeout!r}) must be a datetime.timedelta (Lightning's type), or "
+                             "pass the flag in seconds: Trainer(timeout=1800)")
+        updates["timeout"] = timeout.total_seconds()
+    policies = [options.pop(key) for key in ("activation_checkpointing", "activation_checkpointing_policy")
+                if key in options]
+    if len(policies) == 2:
+        raise ValueError(f"{cls.__name__}: pass activation_checkpointing_policy or activation_checkpointing, not both")
+    if policies:
+        updates["activation_checkpointing"] = policies[0]
+    if "sharding_strategy" in options:
+        sharding = options.pop("sharding_strategy")
+        mapped = SHARDING_STRATEGIES.get(sharding.name if isinstance(sharding, enum.Enum) else sharding)  # torch's
+        if not isinstance(mapped, dict):
+            raise ValueError(f"{cls.__name__}(sharding_strategy={sharding!r}): "
+                             + (mapped or "choose 'FULL_SHARD' or 'SHARD_GRAD_OP'"))
+        options.update(mapped)
+    if options.pop("state_dict_type", "sharded") != "sharded":
+        raise ValueError(f"{cls.__name__}(state_dict_type='full'): the checkpoints of fsdp are sharded (DCP "
+                         "directories); drop state_dict_type, and export whole weights with "
+                         "trainer.strategy.save_full_state_dict(path, model)")
+    return cls.name + START_METHOD_SUFFIXES[method], updates, options.pop("process_group_backend", None)
 
 
 @dataclass(frozen=True)

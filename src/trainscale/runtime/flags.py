@@ -55,7 +55,9 @@ class RuntimeFlags:
         strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp" (docs/strategies.md),
             or "ddp_spawn"/"ddp_notebook"/"ddp_fork": ddp with the processes started from this one by spawn/fork/fork;
             Lightning's "ddp_find_unused_parameters_true"/"_false" (also after "ddp_spawn", "ddp_fork",
-            "ddp_notebook"): that ddp with ``find_unused_parameters`` True/False.
+            "ddp_notebook"): that ddp with ``find_unused_parameters`` True/False. In Python also a strategy object built
+            with options only, Lightning's way (``trainscale.strategies.DDPStrategy(find_unused_parameters=True)``):
+            its name and those options.
         num_nodes: machines in the job; None (not given): the launcher's count of nodes (pods, SLURM nodes,
             torchrun's agents), 1 without a launcher.
         precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".

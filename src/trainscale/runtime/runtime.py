@@ -36,12 +36,12 @@ from trainscale.runtime import devices as _devices
 from trainscale.runtime import hangs, launch, rendezvous
 from trainscale.runtime.apply import prepare_module
 from trainscale.runtime.batch import to_device
-from trainscale.runtime.connector import RunConfig, resolve
+from trainscale.runtime.connector import RunConfig, resolve, strategy_object_flags
 from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, PipelineScheduleFlag, PrecisionFlag,
                                       RuntimeFlags, StrategyFlag, names_closest_flag)
 from trainscale.runtime.meta_init import on_meta
 from trainscale.runtime.precision import Precision, float32_matmul_note, tf32_enabled
-from trainscale.runtime.strategies import create_strategy
+from trainscale.runtime.strategies import Strategy, create_strategy
 from trainscale.runtime.world import World, launcher_variables
 from trainscale.utilities.rank_zero import rank_zero_only
 
@@ -95,7 +95,8 @@ class Runtime:
 
     @names_closest_flag
     def __init__(self, accelerator: AcceleratorFlag = "auto", devices: int | Literal["auto"] = "auto",
-                 strategy: StrategyFlag = "auto", num_nodes: int | None = None, precision: PrecisionFlag = "32-true", *,
+                 strategy: StrategyFlag | Strategy = "auto", num_nodes: int | None = None,
+                 precision: PrecisionFlag = "32-true", *,
                  timeout: float = 1800.0, strategy_options: dict | None = None, sync_batchnorm: bool = False,
                  activation_checkpointing: Any = None, compile: bool | dict = False,
                  float32_matmul_precision: MatmulPrecisionFlag | None = None, parallel: dict | None = None,
@@ -112,7 +113,9 @@ class Runtime:
             strategy: "auto", "single", "ddp", "fsdp", "dp", "model_parallel", "hsdp", "tp", "pp"
                 (docs/strategies.md), or "ddp_spawn"/"ddp_notebook"/"ddp_fork": ddp with the processes started from
                 this one by spawn/fork/fork; Lightning's "ddp_find_unused_parameters_true"/"_false" (also after
-                "ddp_spawn", "ddp_fork", "ddp_notebook"): that ddp with ``find_unused_parameters`` True/False.
+                "ddp_spawn", "ddp_fork", "ddp_notebook"): that ddp with ``find_unused_parameters`` True/False. In
+                Python also a strategy object built with options only, Lightning's way
+                (``trainscale.strategies.DDPStrategy(find_unused_parameters=True)``): its name and those options.
             num_nodes: machines in the job; None (not given): the launcher's count of nodes (pods, SLURM nodes,
                 torchrun's agents), 1 without a launcher.
             precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
@@ -141,12 +144,14 @@ class Runtime:
             TypeError: a misspelt flag (naming the closest one; type checkers refuse it too).
             ValueError: bad or conflicting flags (raised on every rank, before any process group exists).
         """
-        self.flags = f = RuntimeFlags(
+        # a strategy object (Lightning's DDPStrategy(...)) stands for a name and options: the flags from here on
+        self.flags, backend = strategy_object_flags(RuntimeFlags(
             accelerator, devices, strategy, num_nodes, precision, timeout=timeout, strategy_options=strategy_options,
             sync_batchnorm=sync_batchnorm, activation_checkpointing=activation_checkpointing, compile=compile,
             float32_matmul_precision=float32_matmul_precision, parallel=parallel, tp_plan=tp_plan,
             parallelize=parallelize, pp_schedule=pp_schedule, pp_microbatches=pp_microbatches,
-            pp_split_points=pp_split_points)
+            pp_split_points=pp_split_points))
+        f = self.flags
         devices, num_nodes = f.devices, f.num_nodes
         world = World.from_env()
         follows_launcher = devices == "auto" and world.launcher != "none"  # nodes may differ in processes
@@ -169,6 +174,10 @@ class Runtime:
         self.timeout = f.timeout
         strategy_class = self.config.strategy_class
         self.strategy_options = strategy_class.options_from(f.strategy_options, self.config, f)
+        if backend is not None and backend != self._backend:  # Lightning's process_group_backend: not ours to choose
+            raise ValueError(f"process_group_backend={backend!r}, but with accelerator={self.config.accelerator!r} "
+                             f"the backend is {self._backend!r} (trainscale's follows the accelerator: nccl on CUDA, "
+                             "gloo on CPU); drop process_group_backend, or change the accelerator")
         cuda = self.config.accelerator == "cuda"
         self.device = _devices.device_for(self.config.accelerator, _devices.cuda_index(
             world.local_rank, world.local_world_size, visible, world.launcher) if cuda else world.local_rank)
@@ -271,8 +280,7 @@ class Runtime:
         """``init_process_group`` with the accelerator's backend and ``timeout``. Before an NCCL group,
         PyTorch's own timeout diagnosis (flight recorder, dump on timeout) is switched on where the
         user has not chosen otherwise (:func:`trainscale.runtime.hangs.nccl_debug_env`)."""
-        offload = self.strategy_options.get("cpu_offload") is True  # fsdp: CPU gradients need gloo too
-        backend = _devices.backend_for(self.config.accelerator, cpu_collectives=offload)
+        backend = self._backend
         if "nccl" in backend:
             os.environ.update(hangs.nccl_debug_env(os.environ))
         # torchrun exports MASTER_ADDR/PORT (env://: its workers may share the agent's store); the other
@@ -302,6 +310,13 @@ class Runtime:
                                 store=store, rank=world.rank, world_size=world.world_size,
                                 device_id=self.device if self.device.type == "cuda" else None)
         atexit.register(_destroy_process_group)
+
+    @property
+    def _backend(self) -> str:
+        """The process group's backend: the accelerator's ("nccl" on CUDA, "gloo" on CPU), with gloo beside nccl for
+        fsdp's ``cpu_offload`` (its CPU gradients)."""
+        offload = self.strategy_options.get("cpu_offload") is True
+        return _devices.backend_for(self.config.accelerator, cpu_collectives=offload)
 
     @property
     def data_parallel_size(self) -> int:

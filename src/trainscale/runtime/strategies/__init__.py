@@ -1,5 +1,7 @@
 """Strategies: how a model is replicated or sharded across processes. One file each, each a subclass of the
-small :class:`~trainscale.runtime.strategies.base.Strategy` base, which holds the defaults; they share helpers by
+small :class:`~trainscale.runtime.strategies.base.Strategy` base, which holds the defaults, or of its
+``ParallelStrategy`` (one process per device: ddp, fsdp, model_parallel, pp), which adds Lightning's counts and no
+behaviour, so that Lightning's ``isinstance(trainer.strategy, ParallelStrategy)`` holds; they share helpers by
 composition (``trainscale.runtime.checkpoint_io``, ``apply_fsdp``, ``dcp_checkpoint``), never by inheriting from
 one another. :data:`STRATEGY_CLASSES` registers them by import: the flag's name → the class.
 """
@@ -8,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainscale.runtime.strategies.base import SYNC, Strategy, clip_grad_norm
+from trainscale.runtime.strategies.base import SYNC, ParallelStrategy, Strategy, clip_grad_norm
 from trainscale.runtime.strategies.ddp import DDPStrategy
 from trainscale.runtime.strategies.dp import DataParallelStrategy
 from trainscale.runtime.strategies.fsdp import FSDPStrategy
@@ -16,7 +18,8 @@ from trainscale.runtime.strategies.model_parallel import ModelParallelStrategy
 from trainscale.runtime.strategies.pipeline import PipelineStrategy
 from trainscale.runtime.strategies.single import SingleDeviceStrategy
 
-__all__ = ["SYNC", "STRATEGIES", "STRATEGY_CLASSES", "Strategy", "clip_grad_norm", "create_strategy"]
+__all__ = ["SYNC", "STRATEGIES", "STRATEGY_CLASSES", "ParallelStrategy", "Strategy", "clip_grad_norm",
+           "create_strategy"]
 
 # "auto" is resolved by trainscale.runtime.connector, and so are "ddp_spawn" and "ddp_notebook": ddp with the
 # processes started by torch.multiprocessing (a start method, runtime/spawn.py).

@@ -44,6 +44,14 @@ class Strategy:
         world: this process's ``World``.
         precision: the run's ``Precision`` (built once, by the Runtime); None for a strategy built on its own
             (e.g. by ``trainscale.plan``), which then runs "32-true".
+        lightning: Lightning's keywords of the strategy (``timeout``, ``start_method``, ...), taken only by a strategy
+            built without ``device`` and ``world`` for ``Trainer(strategy=...)``, which maps or refuses each
+            (``connector.strategy_object_flags``, docs/lightning.md).
+
+    Built with neither ``device`` nor ``world`` (``DDPStrategy(find_unused_parameters=True)``, Lightning's way), a
+    strategy only describes one: ``Trainer(strategy=obj)`` and ``Runtime(strategy=obj)`` build their own instance of
+    its class, bound to the run's device and world, from its name and :attr:`given_options`, exactly as from
+    ``strategy=name, strategy_options={...}``.
 
     Attributes:
         name: the strategy's flag ("single", "ddp", "fsdp", "dp", "model_parallel", "pp"; "hsdp" and "tp" are
@@ -71,6 +79,7 @@ class Strategy:
             calls backward itself), for the error message.
         gradient_sync: when a manual optimizer's gradients are synchronised: "step" (averaged in its ``step()``,
             ddp), "backward" (reduce-scattered by FSDP in backward) or "none" (nothing to synchronise).
+        given_options: the keyword arguments the strategy was built with.
         model: what :meth:`setup_module` returned for the model the Runtime set up last (``Runtime.setup``: the
             ``DistributedDataParallel`` wrapper under ddp), None before; Lightning's ``strategy.model``.
 
@@ -93,8 +102,20 @@ class Strategy:
     manual_optimization_refusal: ClassVar[str | None] = None
     gradient_sync: str = "none"
     model: Any = None
+    given_options: dict
 
-    def __init__(self, device: Any, world: World, precision: Precision | None = None) -> None:
+    def __new__(cls, *args: Any, **options: Any) -> Any:
+        self = super().__new__(cls)
+        # the keywords it was built with: one built without ``device`` and ``world`` (Lightning's
+        # ``Trainer(strategy=DDPStrategy(find_unused_parameters=True))``) stands for its name and these, from which
+        # the Runtime builds its own (connector.strategy_object_flags)
+        self.given_options = options
+        return self
+
+    def __init__(self, device: Any = None, world: World | None = None, precision: Precision | None = None,
+                 **lightning: Any) -> None:
+        if lightning and world is not None:  # Lightning's keywords describe a strategy the Runtime will build
+            raise TypeError(f"{type(self).__name__}() got unexpected keyword argument(s) {', '.join(lightning)}")
         self.device = device
         self.world = world
         self.precision = precision
@@ -196,7 +217,8 @@ class Strategy:
         """Raise ``ValueError`` for an option (``strategy_options``) the strategy's constructor does not take,
         listing the ones it takes: checked through the class, so no strategy is built just to check them.
         ``flag``: the strategy flag the user gave ("hsdp" for a layout of "model_parallel"), for the message."""
-        valid = [p for p in inspect.signature(cls).parameters if p not in ("device", "world", "precision")]
+        valid = [name for name, p in inspect.signature(cls).parameters.items()
+                 if name not in ("device", "world", "precision") and p.kind is not p.VAR_KEYWORD]
         unknown = [k for k in options if k not in valid]
         if unknown:
             raise ValueError(f"strategy={flag or cls.name!r} does not accept option(s) {', '.join(map(repr, unknown))}; "
@@ -279,3 +301,13 @@ class Strategy:
 
     def teardown(self) -> None:
         """Release what the strategy holds (nothing by default)."""
+
+
+class ParallelStrategy(Strategy):
+    """The base of the strategies that run one process per device (ddp, fsdp, model_parallel, pp): Lightning's
+    ``ParallelStrategy``, for ``isinstance(trainer.strategy, ParallelStrategy)``, with its counts; it adds no
+    behaviour (each strategy's own is in its file)."""
+
+    num_nodes = property(lambda self: self.world.num_nodes, doc="Machines in the job (Lightning's name).")
+    num_processes = property(lambda self: self.world.local_world_size,
+                             doc="Processes on this node (Lightning's name).")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from trainscale.runtime.strategies.base import SYNC, Strategy
+from trainscale.runtime.strategies.base import SYNC, ParallelStrategy
 from trainscale.runtime.strategies.dcp_checkpoint import load_whole
 from trainscale.runtime.strategies.node_read import NodeReader
 from trainscale.runtime.world import World
@@ -23,11 +23,13 @@ FIND_UNUSED_NAMES = {f"{name}_find_unused_parameters_{str(value).lower()}": (nam
                      for name in ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook") for value in (False, True)}
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(ParallelStrategy):
     """Wrap the module in ``DistributedDataParallel``.
 
     Args:
-        device, world, precision: as for :class:`~trainscale.runtime.strategies.base.Strategy`.
+        device, world, precision, lightning: as for :class:`~trainscale.runtime.strategies.base.Strategy`
+            (``Trainer(strategy=DDPStrategy(find_unused_parameters=True))`` takes Lightning's ``timeout``,
+            ``start_method`` and ``process_group_backend`` too: docs/strategies.md).
         find_unused_parameters: set when some parameters get no gradient in a step (slower).
         static_graph: set when the graph is the same every step (enables DDP optimizations).
         gradient_as_bucket_view: gradients alias the all-reduce buckets (saves one copy of the grads).
@@ -43,10 +45,11 @@ class DDPStrategy(Strategy):
     supports_sync_batchnorm = True
     gradient_sync = "step"  # a manual optimizer averages the gradients in its step()
 
-    def __init__(self, device: Any, world: World, precision: Any = None, find_unused_parameters: bool = False,
-                 static_graph: bool = False, gradient_as_bucket_view: bool = False,
-                 bucket_cap_mb: float | None = None, ddp_comm_hook: Any = None, ddp_comm_state: Any = None) -> None:
-        super().__init__(device, world, precision)
+    def __init__(self, device: Any = None, world: World | None = None, precision: Any = None,
+                 find_unused_parameters: bool = False, static_graph: bool = False,
+                 gradient_as_bucket_view: bool = False, bucket_cap_mb: float | None = None, ddp_comm_hook: Any = None,
+                 ddp_comm_state: Any = None, **lightning: Any) -> None:
+        super().__init__(device, world, precision, **lightning)
         self.comm_hook, self.comm_state = ddp_comm_hook, ddp_comm_state
         self._node_reader = NodeReader(world)  # a checkpoint file is read once per node
         self._timing: tuple[Callable, Callable] | None = None  # (clock, record) once telemetry asks

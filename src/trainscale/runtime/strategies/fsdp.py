@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from trainscale.runtime import checkpoint_io, hf, meta_init
-from trainscale.runtime.strategies.base import SYNC, Strategy
+from trainscale.runtime.strategies.base import SYNC, ParallelStrategy
 from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, fsdp_units, no_gradient_sync, reshard
 from trainscale.runtime.strategies.apply_fsdp import mixed_precision_policy as _mixed_precision_policy  # noqa: F401
 from trainscale.runtime.strategies.dcp_checkpoint import DCPCheckpointer
@@ -26,7 +26,7 @@ from trainscale.runtime.strategies.dtensor_clip import clip_grad_norm
 from trainscale.runtime.world import World
 
 
-class FSDPStrategy(Strategy):
+class FSDPStrategy(ParallelStrategy):
     """Shard parameters, gradients and optimizer states across all ranks with FSDP2.
 
     Options (``strategy_options={...}`` of ``Runtime``/``Trainer``):
@@ -59,23 +59,24 @@ class FSDPStrategy(Strategy):
     materialises_meta = True  # setup_module takes a model built on the meta device
     gradient_sync = "backward"  # reduce-scattered in backward (a manual optimizer's units: gradient_sync_for)
 
-    def __init__(self, device: Any, world: World, precision: Any = None,
+    def __init__(self, device: Any = None, world: World | None = None, precision: Any = None,
                  auto_wrap_policy: Iterable[type | str] | None = None,
                  reshard_after_forward: bool | int | None = None,
-                 cpu_offload: bool = False) -> None:
-        if world.world_size < 2:
+                 cpu_offload: bool = False, **lightning: Any) -> None:
+        if world is not None and world.world_size < 2:
             raise ValueError("strategy='fsdp' shards the model across processes and needs a world size >= 2; "
                              "with one device pass strategy='single'")
         policy = _wrap_policy(auto_wrap_policy)
-        _check_reshard(reshard_after_forward, world.world_size)
+        if world is not None:  # without one (Lightning's FSDPStrategy(...)), checked when the Runtime builds its own
+            _check_reshard(reshard_after_forward, world.world_size)
         if not isinstance(cpu_offload, bool):
             raise ValueError(f"cpu_offload={cpu_offload!r} must be True or False")
-        super().__init__(device, world, precision)
+        super().__init__(device, world, precision, **lightning)
         self.auto_wrap_policy = policy
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self._roots: list = []  # modules given to setup_module, to reshard before checkpoints
-        self._checkpointer = DCPCheckpointer(world.rank, self.name, before=self._reshard)
+        self._checkpointer = DCPCheckpointer(0 if world is None else world.rank, self.name, before=self._reshard)
 
     # -- model -------------------------------------------------------------------------------
     def setup_module(self, module):

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 
 from trainscale.runtime import meta_init
 from trainscale.runtime.precision import check_loss_scaling
-from trainscale.runtime.strategies.base import SYNC, Strategy
+from trainscale.runtime.strategies.base import SYNC, ParallelStrategy
 from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, fsdp_units, no_gradient_sync, reshard
 from trainscale.runtime.strategies.apply_tp import apply_tp, parallelize_keeping_ties
 from trainscale.runtime.strategies.dcp_checkpoint import DCPCheckpointer
@@ -34,7 +34,7 @@ from trainscale.runtime.strategies.parallel_dims import ParallelDims
 from trainscale.runtime.world import World
 
 
-class ModelParallelStrategy(Strategy):
+class ModelParallelStrategy(ParallelStrategy):
     """Tensor parallel × FSDP × replication on one device mesh.
 
     Args (the Runtime passes them from its own arguments; ``parallel`` is already resolved):
@@ -49,6 +49,9 @@ class ModelParallelStrategy(Strategy):
         sequence_parallel: sequence parallelism in the built-in GPT plan (``apply_tp.py``); None (the
             default) means on wherever that plan is used (tp ≥ 2, no ``tp_plan``/``parallelize``), as in
             torchtitan. A user's plan says it itself, with ``SequenceParallel()`` entries.
+        lightning: as for :class:`~trainscale.runtime.strategies.base.Strategy` (``Trainer(strategy=
+            ModelParallelStrategy(...))`` takes the last three; ``parallel``, ``tp_plan`` and ``parallelize`` are
+            the Trainer's flags).
 
     The flags are checked by the resolver (``connector._resolve_model_parallel``) before this exists.
 
@@ -64,15 +67,15 @@ class ModelParallelStrategy(Strategy):
     uses_mesh = True
     needs_process_group = True  # init_device_mesh would start one from env://, unset outside a launcher
 
-    def __init__(self, device: Any, world: World, precision: Any = None, parallel: Any = None,
+    def __init__(self, device: Any = None, world: World | None = None, precision: Any = None, parallel: Any = None,
                  tp_plan: dict | None = None, parallelize: Callable | None = None,
                  auto_wrap_policy: Iterable[type] | None = None, reshard_after_forward: bool | None = None,
-                 sequence_parallel: bool | None = None) -> None:
+                 sequence_parallel: bool | None = None, **lightning: Any) -> None:
         dims = parallel if isinstance(parallel, ParallelDims) else ParallelDims(**(parallel or {}))
-        if dims.world_size != world.world_size:
+        if world is not None and dims.world_size != world.world_size:
             raise ValueError(f"parallel={dims.as_dict()} multiplies to {dims.world_size} ranks, but the world size is "
                              f"{world.world_size}")
-        super().__init__(device, world, precision)
+        super().__init__(device, world, precision, **lightning)
         self.dims = dims
         self.tp_plan, self.parallelize = tp_plan, parallelize
         builtin_plan = dims.tp > 1 and tp_plan is None and parallelize is None
@@ -86,7 +89,8 @@ class ModelParallelStrategy(Strategy):
         self.reshard_after_forward = reshard_after_forward
         self.mesh = None
         self._roots: list = []
-        self._checkpointer = DCPCheckpointer(world.rank, self.name, before=lambda: reshard(self._roots))
+        self._checkpointer = DCPCheckpointer(0 if world is None else world.rank, self.name,
+                                             before=lambda: reshard(self._roots))
 
     @classmethod
     def options_from(cls, options, config, flags) -> dict:

@@ -50,7 +50,7 @@ from torch import nn
 from trainscale.runtime import meta_init
 from trainscale.runtime.apply import apply_compile
 from trainscale.runtime.precision import check_loss_scaling
-from trainscale.runtime.strategies.base import Strategy
+from trainscale.runtime.strategies.base import ParallelStrategy
 from trainscale.runtime.strategies.apply_fsdp import apply_fsdp, reshard
 from trainscale.runtime.strategies.apply_pp import (PipelineRunner, gpt_split_points, keep_stage, shared_parameters,
                                                     stage_names, units as model_units)
@@ -125,7 +125,7 @@ class PipelineModule(nn.Module):
         return self.runner.train_step(inputs, targets, loss_fn, divisor, sync, scale)
 
 
-class PipelineStrategy(Strategy):
+class PipelineStrategy(ParallelStrategy):
     """Pipeline stages on the ``pp`` mesh dimension, each sharded or replicated over the data-parallel ones.
 
     Args (the Runtime passes them from its own arguments, checked by the resolver):
