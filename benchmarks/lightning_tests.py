@@ -483,12 +483,12 @@ def _expecting_placeholder(text: str, path: str) -> bool:
 def cause(text: str, path: str) -> str:
     """A rough cause of a counted failure, from its first exception's lines (a heuristic; see the module docstring)."""
     errors = "\n".join(line for line in _first_error(text).splitlines() if line.startswith("E "))
-    if _expecting_placeholder(text, path):
-        return "an error or warning class trainscale does not have (MisconfigurationException: its ValueError)"
     if re.search(r"trainscale has no |has no attribute|unexpected keyword argument|fixture '\w+' not found", errors):
         return "a flag, attribute or object trainscale lacks"
     if re.search(r"DID NOT RAISE|DID NOT WARN|Regex pattern did not match|did not match|No warnings of type|"
                  r"warning .* (was|were) (not )?(emitted|raised)|Failed: DID NOT", errors):
+        if _expecting_placeholder(text, path):
+            return "a warning or error class trainscale does not have (PossibleUserWarning)"
         return "an error or warning worded otherwise, or not given"
     if re.search(r"^E\s+(ValueError|TypeError|RuntimeError|NotImplementedError)", errors, re.M):
         return "a spelling or value trainscale refuses"
