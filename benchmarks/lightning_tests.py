@@ -8,7 +8,7 @@ The import rewrite (``rewrite_imports``), statement by statement:
 
 - ``lightning.pytorch.<path>``: each name from ``trainscale.<path>``, else from the nearest package above it that has
   it (``lightning.pytorch.trainer.trainer.Trainer`` -> ``trainscale.Trainer``), or from where trainscale keeps it
-  (``MOVED``: strategies, ``core.saving``, ``AttributeDict``); ``LightningModule`` -> ``TrainingModule``,
+  (``MOVED``: ``core.saving``, ``AttributeDict``); ``LightningModule`` -> ``TrainingModule``,
   ``LightningDataModule`` -> ``DataModule``; ``import lightning.pytorch as pl`` -> ``import trainscale as pl``.
   ``lightning.fabric.<path>`` the same way (``seed_everything``). ``MisconfigurationException`` -> ``ValueError``
   (``EQUIVALENT``: what trainscale raises in its place, the words still checked by ``match=``).
@@ -82,10 +82,9 @@ DESELECTED = {"trainer/test_trainer.py": ["test_trainer_config_strategy", "test_
                                           "test_on_exception_hook"]}
 HELPERS = ["helpers/utils.py"]
 RENAMED = {"LightningModule": "TrainingModule", "LightningDataModule": "DataModule"}
-# Lightning modules whose names trainscale keeps elsewhere (docs/lightning.md, docs/loggers.md, docs/strategies.md).
-# Lightning's Strategy subclasses are not ported (trainscale's DDPStrategy(device, world) is not Lightning's
-# DDPStrategy()): only the base class, the type of ``trainer.strategy``.
-MOVED_NAMES = {("lightning.pytorch.strategies", "Strategy"): "trainscale.runtime.strategies"}
+# Lightning modules whose names trainscale keeps elsewhere (docs/lightning.md, docs/loggers.md). Lightning's
+# strategies are at its own path: ``trainscale.strategies`` (docs/strategies.md).
+MOVED_NAMES: dict[tuple[str, str], str] = {}
 MOVED = {"lightning.pytorch.core.saving": "trainscale.loggers",
          "lightning.pytorch.core.mixins": "trainscale.lightning.hparams",
          "lightning.pytorch.utilities": "trainscale.lightning.hparams",
