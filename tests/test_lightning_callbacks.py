@@ -99,7 +99,7 @@ def test_on_exception_checkpoint_saves_the_failed_fit_which_resumes_from_it(tmp_
     again = OnExceptionCheckpoint(tmp_path / "crash")
     resumed = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, callbacks=[again])
     resumed.fit(model, _loader(), ckpt_path=callback.ckpt_path)
-    assert resumed.ckpt_path == tmp_path / "crash" / "on_exception.ckpt" and resumed.global_step == 6
+    assert resumed.ckpt_path == str(tmp_path / "crash" / "on_exception.ckpt") and resumed.global_step == 6
     assert not (tmp_path / "crash" / "on_exception.ckpt").exists()  # a stage that ends normally removes it
 
 

@@ -1432,7 +1432,7 @@ def test_save_on_exception_checkpoints_the_failed_fit_which_then_resumes_and_nev
     model.fail_at = None
     resumed = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, callbacks=[ModelCheckpoint(dirpath=crashes)])
     resumed.fit(model, _loader(), ckpt_path="last")  # the run's "last" names the checkpoint of the exception
-    assert resumed.ckpt_path == crashes / "crash-v1.ckpt" and resumed.global_step == 8
+    assert resumed.ckpt_path == str(crashes / "crash-v1.ckpt") and resumed.global_step == 8
     assert model.epochs_seen == [("start", 0), ("end", 0), ("start", 1), ("end", 1)]  # epoch 0 resumed mid-way
 
     # off by default; and no second checkpoint of a step this callback has just saved
@@ -1476,7 +1476,7 @@ def test_a_run_directory_with_the_former_pt_names_still_resumes(tmp_path):
     model, callback = LaterWorse(), ModelCheckpoint(monitor="score")
     resumed = _trainer(root, max_epochs=4, num_sanity_val_steps=0, callbacks=[callback])
     resumed.fit(model, _loader(), ckpt_path="last")  # epoch 3 scores 3.0: the best stays the .pt of epoch 1
-    assert resumed.run_dir == first.run_dir and resumed.ckpt_path == newest and resumed.global_step == 16
+    assert resumed.run_dir == first.run_dir and resumed.ckpt_path == str(newest) and resumed.global_step == 16
     assert model.epochs_seen == [("start", 3)]  # the epochs before came from the .pt file
     assert sorted(os.listdir(ckpt_dir)) == [best.name, "epoch=3-step=16.ckpt", "last"]
     assert callback.best_model_path == str(best) and best.read_bytes() == before
@@ -2862,3 +2862,25 @@ def test_fit_with_a_training_loader_validates_on_the_modules_own_val_dataloader(
     trainer = _trainer(tmp_path / "passed", max_epochs=1, num_sanity_val_steps=0)
     trainer.fit(OwnValidation(), _loader(), passed)
     assert float(trainer.callback_metrics["v"]) == 4.0
+
+
+@pytest.mark.timeout(60)
+def test_ckpt_path_is_the_checkpoint_each_stage_loaded_as_a_str(tmp_path):
+    """Lightning's ``trainer.ckpt_path``: set by ``fit``, ``validate``, ``test`` and ``predict`` to the checkpoint
+    they loaded (a str, as ``checkpoint_callback.best_model_path`` is), None when they loaded none."""
+
+    class Evaluated(Probe):
+        def validation_step(self, batch, batch_idx):
+            self.log("v", 1.0)
+
+        def test_step(self, batch, batch_idx):
+            self.log("t", 1.0)
+
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    model = Evaluated()
+    trainer.fit(model, _loader())
+    assert trainer.ckpt_path is None
+    trainer.test(model, _loader(4), ckpt_path="best", verbose=False)
+    assert trainer.ckpt_path == trainer.checkpoint_callback.best_model_path != ""
+    trainer.validate(model, _loader(4), verbose=False)
+    assert trainer.ckpt_path is None

@@ -340,7 +340,7 @@ def test_a_checkpoint_saved_outside_the_callback_and_resumed_from_in_place_is_pr
     on_signal = trainer.write_checkpoint(trainer.run_dir / "checkpoints")
     resumed = ModelCheckpoint(save_top_k=1)
     resumed.load_state_dict({"best_k": callback.state_dict()["best_k"]})  # as written before "newest" was kept
-    trainer.ckpt_path = on_signal  # fit(ckpt_path="last") continues version_0 from it
+    trainer.ckpt_path = str(on_signal)  # fit(ckpt_path="last") continues version_0 from it
     resumed.setup_directory(trainer)
     _steps(resumed, trainer, (3,))
     assert [p.name for p in (trainer.run_dir / "checkpoints").glob("*.ckpt")] == [ckpt.checkpoint_name(0, 3)]

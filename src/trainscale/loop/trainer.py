@@ -299,7 +299,9 @@ class Trainer:
         self.run_dir: Path | None = None
         self.fit_seed: int | None = None  # the seed of the last fit (Trainer(seed=...), else seed_everything's, else 0)
         self.datamodule: Any = None  # the data module of the last fit (Lightning's trainer.datamodule)
-        self.ckpt_path: Path | None = None  # the checkpoint the running (or last) fit resumed from (Lightning's name)
+        # Lightning's trainer.ckpt_path: the checkpoint the running (or last) fit resumed from, or validate/test/predict
+        # evaluated, as a str (None: none)
+        self.ckpt_path: str | None = None
         # the latest number of each name (epoch records, logs): floats, and step values as device tensors until read
         self.callback_metrics: dict[str, float | torch.Tensor] = {}
         self.should_stop = False  # set by a callback (EarlyStopping) or max_time: stop, on every rank
@@ -561,7 +563,7 @@ class Trainer:
         train_dataloaders, val_dataloaders, reload_hooks = loaders
         rt, cfg = self.runtime, self.config
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
-        self.ckpt_path = resume_from
+        self.ckpt_path = None if resume_from is None else str(resume_from)
         warn_default_max_epochs(cfg, self.flags["max_epochs"], rt.is_rank_zero)
         drop_unpicklable(getattr(model, "hparams", None), warn=rt.is_rank_zero)  # Lightning's clean_namespace
         train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
@@ -1137,6 +1139,7 @@ class Trainer:
         if model is None:
             model, ckpt_path = evaluation.fitted_model(self, method, ckpt_path)
         kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path, method)  # before any ddp_spawn start
+        self.ckpt_path = None if kwargs["ckpt_path"] is None else str(kwargs["ckpt_path"])
         previous, self.state.stage = self.state.stage, method  # Lightning's stage: "validate", "test", "predict"
         try:
             with self._on_exception():
