@@ -5,6 +5,7 @@ trainscale: only the imports changed (docs/lightning.md, "What to change"). Left
     python examples/lightning/boring_classes.py
 """
 
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 from trainscale import DataModule as LightningDataModule  # was: from lightning.pytorch import LightningDataModule,
 from trainscale import TrainingModule as LightningModule  #      LightningModule
@@ -46,6 +47,37 @@ class RandomDataset(Dataset):
 
     def __len__(self) -> int:
         return self.len
+
+
+class RandomIterableDataset(IterableDataset):
+    """
+    .. warning::  This is meant for testing/debugging and is experimental.
+    """
+
+    def __init__(self, size: int, count: int):
+        self.count = count
+        self.size = size
+
+    def __iter__(self) -> Iterator[Tensor]:
+        for _ in range(self.count):
+            yield torch.randn(self.size)
+
+
+class RandomIterableDatasetWithLen(IterableDataset):
+    """
+    .. warning::  This is meant for testing/debugging and is experimental.
+    """
+
+    def __init__(self, size: int, count: int):
+        self.count = count
+        self.size = size
+
+    def __iter__(self) -> Iterator[Tensor]:
+        for _ in range(len(self)):
+            yield torch.randn(self.size)
+
+    def __len__(self) -> int:
+        return self.count
 
 
 class BoringModel(LightningModule):
