@@ -63,18 +63,10 @@ class RandomIterableDataset(IterableDataset):
             yield torch.randn(self.size)
 
 
-class RandomIterableDatasetWithLen(IterableDataset):
+class RandomIterableDatasetWithLen(RandomIterableDataset):  # was: (IterableDataset), the same __init__ and __iter__
     """
     .. warning::  This is meant for testing/debugging and is experimental.
     """
-
-    def __init__(self, size: int, count: int):
-        self.count = count
-        self.size = size
-
-    def __iter__(self) -> Iterator[Tensor]:
-        for _ in range(len(self)):
-            yield torch.randn(self.size)
 
     def __len__(self) -> int:
         return self.count
