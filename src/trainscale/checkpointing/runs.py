@@ -31,6 +31,11 @@ def script_key() -> str:
     return str(Path(sys.argv[0]).resolve()) if sys.argv and sys.argv[0] else "<interactive>"
 
 
+def as_ckpt_path(path: Path | None) -> str | None:
+    """A checkpoint's path as Lightning's ``trainer.ckpt_path`` holds it: a str, None for none."""
+    return None if path is None else str(path)
+
+
 def resolve_ckpt_path(runtime: Runtime, ckpt_path: Any, root: Path) -> tuple[Path | None, Path | None]:
     """The checkpoint to resume from, and the run directory continued in place (None: a new ``version_N``).
 

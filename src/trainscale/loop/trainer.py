@@ -51,7 +51,8 @@ from trainscale.lightning.optimizers import ManualOptimizer, StepOptimizer, step
 from trainscale.loop.progress import ProgressBar
 from trainscale.loop.records import MetricsProcessor, epoch_label, epoch_line, epoch_record, run_header
 from trainscale.loop.spawned import run_spawned
-from trainscale.checkpointing.runs import RunLock, choose_run_dir, overwrite_refusal, resolve_ckpt_path
+from trainscale.checkpointing.runs import (RunLock, as_ckpt_path, choose_run_dir, overwrite_refusal,
+                                          resolve_ckpt_path)
 from trainscale.loop.summary import finish_run, hyperparams
 from trainscale.lightning.optimizer_setup import build_optimizers
 from trainscale.checkpointing.train_state import ResumePoint, TrainState
@@ -563,7 +564,7 @@ class Trainer:
         train_dataloaders, val_dataloaders, reload_hooks = loaders
         rt, cfg = self.runtime, self.config
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
-        self.ckpt_path = None if resume_from is None else str(resume_from)
+        self.ckpt_path = as_ckpt_path(resume_from)
         warn_default_max_epochs(cfg, self.flags["max_epochs"], rt.is_rank_zero)
         drop_unpicklable(getattr(model, "hparams", None), warn=rt.is_rank_zero)  # Lightning's clean_namespace
         train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
@@ -1139,7 +1140,7 @@ class Trainer:
         if model is None:
             model, ckpt_path = evaluation.fitted_model(self, method, ckpt_path)
         kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path, method)  # before any ddp_spawn start
-        self.ckpt_path = None if kwargs["ckpt_path"] is None else str(kwargs["ckpt_path"])
+        self.ckpt_path = as_ckpt_path(kwargs["ckpt_path"])
         previous, self.state.stage = self.state.stage, method  # Lightning's stage: "validate", "test", "predict"
         try:
             with self._on_exception():
