@@ -2884,3 +2884,16 @@ def test_ckpt_path_is_the_checkpoint_each_stage_loaded_as_a_str(tmp_path):
     assert trainer.ckpt_path == trainer.checkpoint_callback.best_model_path != ""
     trainer.validate(model, _loader(4), verbose=False)
     assert trainer.ckpt_path is None
+
+
+def test_a_bad_pl_global_seed_is_an_error_naming_the_variable(monkeypatch):
+    from trainscale.checkpointing.rng import fit_seed
+
+    for value in ("forty-two", str(2**32)):
+        monkeypatch.setenv("PL_GLOBAL_SEED", value)
+        with pytest.raises(ValueError, match=r"PL_GLOBAL_SEED=.* must be an int in \[0, 2\*\*32\)"):
+            fit_seed(None)
+        with pytest.raises(ValueError, match="PL_GLOBAL_SEED"):
+            trainscale.seed_everything()
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+    assert fit_seed(None) == 7 and fit_seed(3) == 3

@@ -79,6 +79,8 @@ class StochasticWeightAveraging(Callback):
 
     @staticmethod
     def pl_module_contains_batch_norm(pl_module: nn.Module) -> bool:
+        """Whether ``pl_module`` holds a BatchNorm layer, whose statistics ``on_train_end`` recomputes for the
+        averaged weights (``torch.optim.swa_utils.update_bn``), as Lightning's."""
         return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in pl_module.modules())
 
     def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
@@ -175,9 +177,11 @@ class _EveryEpoch:
     given: tuple[str, ...] = ()
 
     def due(self, count: int) -> bool:
+        """Every epoch (``count``: the epochs so far) is due, as frequency 1."""
         return True
 
     def step(self, metrics: dict) -> None:
+        """SWALR's step (``metrics`` unread: SWALR monitors nothing)."""
         self.scheduler.step()
 
 

@@ -24,12 +24,12 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
             rank and the worker's id, as Lightning's ``pl_worker_init_function`` (``worker_init``).
 
     Raises:
-        ValueError: a seed outside [0, 2**32).
+        ValueError: a seed (or ``PL_GLOBAL_SEED``) outside [0, 2**32).
     """
     if seed is None:
-        env_seed = os.environ.get("PL_GLOBAL_SEED")
-        seed = int(env_seed) if env_seed is not None and env_seed.isdigit() else 0
-        if env_seed is None:
+        seed = _env_seed()
+        if seed is None:
+            seed = 0
             warnings.warn("seed_everything() got no seed: seed set to 0 (as Lightning's)", UserWarning, stacklevel=2)
     seed = seed_generators(seed)
     os.environ["PL_GLOBAL_SEED"] = str(seed)
@@ -55,11 +55,29 @@ def seed_generators(seed: int) -> int:
 
 def fit_seed(seed: int | None) -> int:
     """The seed a ``fit`` seeds with: ``Trainer(seed=...)`` when given, else the last :func:`seed_everything`'s
-    (``PL_GLOBAL_SEED``), else 0."""
+    (``PL_GLOBAL_SEED``), else 0.
+
+    Raises:
+        ValueError: a ``PL_GLOBAL_SEED`` that is not an int in [0, 2**32)."""
     if seed is not None:
         return seed
-    env_seed = os.environ.get("PL_GLOBAL_SEED", "")
-    return int(env_seed) if env_seed.isdigit() and int(env_seed) < 2**32 else 0
+    env_seed = _env_seed()
+    return 0 if env_seed is None else env_seed
+
+
+def _env_seed() -> int | None:
+    """The seed in ``PL_GLOBAL_SEED`` (set by :func:`seed_everything`, or by the user as for Lightning); None when
+    it is not set.
+
+    Raises:
+        ValueError: a value that is not an int in [0, 2**32), naming the variable."""
+    value = os.environ.get("PL_GLOBAL_SEED")
+    if value is None:
+        return None
+    if not value.strip().isdigit() or int(value) >= 2**32:
+        raise ValueError(f"PL_GLOBAL_SEED={value!r} must be an int in [0, 2**32) (the seed seed_everything keeps "
+                         "there): unset it, or set a valid seed")
+    return int(value)
 
 
 def seeds_workers() -> bool:

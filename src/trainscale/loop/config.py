@@ -78,9 +78,9 @@ class TrainerConfig:
             with it on every rank alike (``trainscale.seed_everything``), before the model is set up (a model built on
             the meta device is initialised from it); the training samplers shuffle epoch ``e`` with ``seed + e``.
             None (the default): the seed of the script's last ``seed_everything(n)`` (Lightning's
-            ``PL_GLOBAL_SEED``), else 0, so runs repeat unless it is changed. A model built before ``fit`` takes its initial weights from
-            the script's own random state: seed before building it. A resumed run restores each rank's saved RNG states
-            instead.
+            ``PL_GLOBAL_SEED``), else 0, so runs repeat unless it is changed. A model built before ``fit`` takes its
+            initial weights from the script's own random state: seed before building it. A resumed run restores each
+            rank's saved RNG states instead.
         default_root_dir: runs are written to ``default_root_dir/version_N`` (None: ``runs``, the default).
         log_every_n_steps: optimizer steps between step records (one host sync and, with telemetry, one all_gather of a
             small tensor each).

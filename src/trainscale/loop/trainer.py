@@ -143,8 +143,8 @@ class Trainer:
                 seeded with it on every rank alike (``trainscale.seed_everything``), before the model is set up (a model
                 built on the meta device is initialised from it); the training samplers shuffle epoch ``e`` with ``seed
                 + e``. None (the default): the seed of the script's last ``seed_everything(n)`` (Lightning's
-                ``PL_GLOBAL_SEED``), else 0, so runs repeat unless it is changed. A model built before ``fit`` takes its initial
-                weights from the script's own random state: seed before building it. A resumed run restores each rank's
+                ``PL_GLOBAL_SEED``), else 0, so runs repeat unless it is changed. A model built before ``fit`` takes its
+                initial weights from the script's own random state: seed before building it. A resumed run restores each rank's
                 saved RNG states instead.
             default_root_dir: runs are written to ``default_root_dir/version_N`` (None: ``runs``, the default).
             log_every_n_steps: optimizer steps between step records (one host sync and, with telemetry, one all_gather
@@ -540,9 +540,7 @@ class Trainer:
             return summary
         except BaseException as err:
             self.state.status = "interrupted"
-            self._hook("on_exception", err)
-            if callable(hook := getattr(datamodule, "on_exception", None)):  # Lightning's _interrupt calls it too
-                hook(err)
+            self._exception_hooks(err)
             explained = explain_batch_error(err) or self._faults.diagnose(
                 err, f"at epoch {self.current_epoch}, step {self.global_step}")
             if explained is None:
@@ -794,7 +792,8 @@ class Trainer:
         self.is_step_end = True
         self.callback_metrics.update(self.metric_collector.step_metrics())  # every step, on the device (Lightning's)
         self._hook("on_train_batch_end", loss, batch, micro.index)
-        self.callback_metrics.update(self.metric_collector.step_metrics())  # and what that hook logged
+        if "on_train_batch_end" in self._active_hooks:  # and what that hook logged, where someone defines it
+            self.callback_metrics.update(self.metric_collector.step_metrics())
         if self.is_log_step:  # the step record: reduced across the ranks, then written once to each destination
             with prof.profile("log_step"):
                 # collectives: telemetry's all_gather_single of every rank's interval; sync_dist's all-reduces
@@ -1183,10 +1182,14 @@ class Trainer:
         try:
             yield
         except BaseException as err:
-            self._hook("on_exception", err)
-            if callable(hook := getattr(self.datamodule, "on_exception", None)):
-                hook(err)
+            self._exception_hooks(err)
             raise
+
+    def _exception_hooks(self, err: BaseException) -> None:
+        """Lightning's ``_interrupt``: the callbacks' and module's ``on_exception``, then the data module's."""
+        self._hook("on_exception", err)
+        if callable(hook := getattr(self.datamodule, "on_exception", None)):
+            hook(err)
 
     def set_up_callbacks(self, model: nn.Module, stage: str) -> None:
         """Lightning's ``Callback.setup(trainer, module, stage)`` of each callback, in every stage: after the data
