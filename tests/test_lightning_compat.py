@@ -2897,3 +2897,25 @@ def test_a_bad_pl_global_seed_is_an_error_naming_the_variable(monkeypatch):
             trainscale.seed_everything()
     monkeypatch.setenv("PL_GLOBAL_SEED", "7")
     assert fit_seed(None) == 7 and fit_seed(3) == 3
+
+
+@pytest.mark.timeout(60)
+def test_a_callback_logs_through_self_log_into_the_modules_metrics(tmp_path):
+    """A callback's ``self.log``/``self.log_dict`` are the module's, attached when the stage sets up (Lightning's
+    ``_attach_model_logging_functions``): values logged in its hooks reach ``callback_metrics``."""
+
+    class Logs(Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.log("started", 1.0)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.log_dict({"batch_end": float(batch_idx)})
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.log("epoch_end", 5.0)
+
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[Logs()])
+    trainer.fit(Probe(), _loader())
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert metrics["started"] == 1.0 and metrics["batch_end"] == 3.0 and metrics["epoch_end"] == 5.0
+    assert not hasattr(Logs(), "log")  # attached to the Trainer's callbacks only

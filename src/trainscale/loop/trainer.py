@@ -1194,9 +1194,12 @@ class Trainer:
     def set_up_callbacks(self, model: nn.Module, stage: str) -> None:
         """Lightning's ``Callback.setup(trainer, module, stage)`` of each callback, in every stage: after the data
         module's ``setup(stage)``, before the module's (``data_sources.resolve_loaders`` calls it between them), so
-        before the model is wrapped and its optimizers built."""
+        before the model is wrapped and its optimizers built. Each callback's ``log``/``log_dict`` become the
+        module's, as Lightning's ``_attach_model_logging_functions`` does (a plain ``nn.Module`` has none)."""
         with self._running("setup"):
             for cb in self.callbacks:
+                if hasattr(model, "log_dict"):
+                    cb.log, cb.log_dict = model.log, model.log_dict
                 cb.setup(self, model, stage)
 
     @contextlib.contextmanager
