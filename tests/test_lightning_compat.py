@@ -1041,7 +1041,7 @@ def test_a_plateau_scheduler_missing_its_metric_with_strict_false_warns_and_does
     with pytest.warns(RuntimeWarning, match="'absent' which is not available but strict is set to False"):
         trainer.fit(Plateau(strict=False), _loader())
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 0  # never stepped
-    with pytest.raises(KeyError, match="'absent' which is not available. Available metrics are"):
+    with pytest.raises(ValueError, match="'absent' which is not available. Available metrics are"):
         _trainer(tmp_path / "strict", max_epochs=1, num_sanity_val_steps=0).fit(Plateau(strict=True), _loader())
 
 

@@ -51,8 +51,9 @@ class SchedulerConfig:
         """Step the scheduler; a ``ReduceLROnPlateau`` reads ``metrics[monitor]``.
 
         Raises:
-            KeyError: the monitored metric is not among ``metrics`` (the available names are listed) and ``strict``
-                (without it: a ``RuntimeWarning``, and the scheduler does not step, as Lightning's).
+            ValueError: the monitored metric is not among ``metrics`` (the available names are listed) and ``strict``
+                (without it: a ``RuntimeWarning``, and the scheduler does not step, as Lightning's; Lightning raises
+                its ``MisconfigurationException``).
         """
         if isinstance(self.scheduler, _PLATEAU):
             if self.monitor not in metrics:
@@ -61,7 +62,7 @@ class SchedulerConfig:
                         + f". Available metrics are: {', '.join(sorted(metrics))} (this {self.interval}); log it or "
                         "change 'monitor'")
                 if self.strict:
-                    raise KeyError(said)
+                    raise ValueError(said)
                 warnings.warn(said, RuntimeWarning, stacklevel=2)
                 return
             self.scheduler.step(metrics[self.monitor])
