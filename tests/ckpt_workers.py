@@ -159,3 +159,24 @@ def async_trainer_body(rank: int, root: str) -> dict:
     checkpoint_io._write_event = lambda stage, path: None
     trainer.runtime.teardown()
     return out
+
+
+def before_restore_body(rank: int, directory: str, strategy: str) -> dict:
+    """2 ranks: save a ``strategy`` checkpoint of a linear layer, load it with a ``before_restore`` that notes the
+    keys it sees and sets a plain entry; returns those keys and what the load returned."""
+    from trainscale.runtime.runtime import Runtime
+
+    torch.manual_seed(0)
+    runtime = Runtime(accelerator="cpu", strategy=strategy, devices="auto", timeout=120)
+    model, _ = runtime.setup(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))
+    target = Path(directory) / ("ck" if strategy == "fsdp" else "ck.pt")
+    runtime.save(target, {"model": model, "step": 3})
+    seen = []
+
+    def note(entries):
+        seen.append(sorted(entries))
+        entries["step"] = 4
+
+    rest = runtime.load(target, {"model": model}, before_restore=note)
+    runtime.teardown()
+    return {"seen": seen, "step": rest["step"]}

@@ -87,8 +87,11 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
 
 
 def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state: TrainState,
-         callbacks=(), verify: bool = True) -> tuple[ResumePoint, dict]:
+         callbacks=(), verify: bool = True, on_load: Callable[[dict], None] | None = None) -> tuple[ResumePoint, dict]:
     """Restore model, optimizers, schedulers, ``state`` and the ``callbacks``' states in place from ``path``.
+    ``on_load(checkpoint)`` (Lightning's ``on_load_checkpoint`` hooks) sees the checkpoint as read before anything
+    is restored from it, and its changes take effect: in a file the weights are under ``state_dict``, a state
+    dict (``Runtime.load``'s ``before_restore``).
 
     Returns:
         The resume point and the checkpoint's other entries (``train_state``, ``loop``, ``callbacks``: the
@@ -107,7 +110,7 @@ def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state
     _, tensor_states = _split_tensor_states({cb.state_key: cb.state_dict() for cb in callbacks})
     objects = {weights_key(is_sharded(Path(path))): model, **_keyed("optimizer", optimizers),
                **_keyed("scheduler", [s.scheduler for s in schedulers]), **tensor_states}
-    rest = runtime.load(path, objects, verify=verify)  # verify=False: no .sha256 needed (the user's opt-out)
+    rest = runtime.load(path, objects, verify=verify, before_restore=on_load)  # verify=False: the user's opt-out
     _check_optimizer_classes(path, rest.get("optimizer_classes"), optimizers)
     _say_which_lr_wins(runtime, configured, optimizers)
     point = _resume_point(runtime, rest, state)

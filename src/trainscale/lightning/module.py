@@ -96,7 +96,8 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         hyperparameters those ``save_hyperparameters()`` kept (saved in every checkpoint under
         "hyper_parameters"; ``cls(config=hyper_parameters)`` when they came in one container, ``config``, that
         ``save_hyperparameters(config)`` kept: ``lightning.hparams.checkpoint_init_kwargs``), then its
-        ``on_load_checkpoint(checkpoint)`` (the plain entries) and the weights.
+        ``on_load_checkpoint(checkpoint)`` (the checkpoint's entries, the weights under ``state_dict``: a change
+        it makes there is what is loaded, as in Lightning) and the weights.
         Works in one plain process, without a process group, on a checkpoint file of a single/ddp run and on a
         sharded (DCP) directory of an fsdp/model_parallel run, whatever its world size (every shard is read:
         ``dcp_checkpoint.read_whole``). As in Lightning, arguments ``__init__`` does not take are dropped (unless it
@@ -133,9 +134,11 @@ class TrainingModule(HyperparametersMixin, nn.Module):
                             "{'cuda:1': 'cuda:0'}, a function (storage, location) -> storage, or None (the CPU)")
         entries, read_model = read_module_checkpoint(Path(checkpoint_path), verify, map_location or "cpu")
         module = cls(**checkpoint_init_kwargs(cls, entries, overrides, weights_only, checkpoint_path))
-        if "on_load_checkpoint" in defined_hooks(module):
-            module.on_load_checkpoint(entries)
         state = read_model()
+        if "on_load_checkpoint" in defined_hooks(module):  # as Lightning's: it sees, and may change, the weights
+            checkpoint = {**entries, "state_dict": state}
+            module.on_load_checkpoint(checkpoint)
+            state = checkpoint["state_dict"]
         # Lightning (core/saving.py): the module goes where map_location put its first weight (moved before the
         # load here, so that each weight is copied once, on its device)
         device = next((t.device for t in state.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))

@@ -1090,9 +1090,11 @@ class Trainer:
         return written
 
     def _load(self, path: Path, verify: bool) -> ResumePoint:
-        point, checkpoint = checkpointer.load(self.runtime, path, self._fit.model, self.optimizers, self.schedulers,
-                                              self.state, self.callbacks, verify)
-        self._hook("on_load_checkpoint", checkpoint, module_first=True)  # Lightning: the module's hook first here
+        # the hooks see the checkpoint as read and may change it before the model, optimizers and callbacks are
+        # restored from it (Lightning: the module's hook first here)
+        point, _ = checkpointer.load(self.runtime, path, self._fit.model, self.optimizers, self.schedulers, self.state,
+                                     self.callbacks, verify, lambda read: self._hook("on_load_checkpoint", read,
+                                                                                      module_first=True))
         return point
 
     # -- evaluation ----------------------------------------------------------------------------------

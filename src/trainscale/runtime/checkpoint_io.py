@@ -359,9 +359,19 @@ def save_replicated(path, state: dict, world, unwrap: Callable) -> None:
 FORMER_NAMES = {"state_dict": "model"}
 
 
-def load_replicated(path, state: dict, unwrap: Callable, verify: bool = True, read: Callable | None = None) -> dict:
+def _rename_former_entries(loaded: dict, state: dict) -> None:
+    """Move each entry of ``loaded`` written under its :data:`FORMER_NAMES` name to the key ``state`` uses."""
+    for key, former in FORMER_NAMES.items():
+        if key in state and key not in loaded and former in loaded:
+            loaded[key] = loaded.pop(former)
+
+
+def load_replicated(path, state: dict, unwrap: Callable, verify: bool = True, read: Callable | None = None,
+                    before_restore: Callable[[dict], None] | None = None) -> dict:
     """Load ``path`` on every rank (``verify``, ``read``: as in :func:`load_file`); restore stateful objects
     of ``state`` in place (an entry absent under its key is read under its :data:`FORMER_NAMES` name).
+    ``before_restore(entries)`` sees every entry as read (the model's weights as a state dict) and may change them
+    before anything is restored from them (what Lightning's ``on_load_checkpoint`` may do to a checkpoint file).
 
     Returns:
         The checkpoint's entries whose keys are not stateful objects in ``state``.
@@ -373,9 +383,9 @@ def load_replicated(path, state: dict, unwrap: Callable, verify: bool = True, re
     import torch
 
     loaded = load_file(path, verify, read)
-    for key, former in FORMER_NAMES.items():
-        if key in state and key not in loaded and former in loaded:
-            loaded[key] = loaded.pop(former)
+    _rename_former_entries(loaded, state)
+    if before_restore is not None:
+        before_restore(loaded)
     for key, value in state.items():
         if not _is_stateful(value) or (key not in loaded and isinstance(value, TensorState)):
             continue

@@ -624,12 +624,16 @@ class Runtime:
         if pending is not None:
             pending.wait()
 
-    def load(self, path: str | os.PathLike, state: dict | None = None, verify: bool = True) -> dict:
+    def load(self, path: str | os.PathLike, state: dict | None = None, verify: bool = True,
+             before_restore: Callable[[dict], None] | None = None) -> dict:
         """Restore the stateful objects of ``state`` in place from ``path``.
 
         ``verify=True`` (the default) checks the SHA-256 recorded beside the checkpoint when it was
         written and refuses one without it; ``verify=False`` loads it unchecked (a file you trust
-        that was written by other means).
+        that was written by other means). ``before_restore(entries)`` is called once with the checkpoint's
+        entries as read, before the objects are restored from them, and may change them: a file's every entry
+        (a module's weights as its state dict), a sharded (DCP) directory's plain entries once its tensors are
+        read in place (Lightning's ``on_load_checkpoint`` sees the same).
 
         Returns:
             The checkpoint's other entries (e.g. epoch counters).
@@ -640,7 +644,7 @@ class Runtime:
                 file, ``verify=True``) or mismatched checkpoint.
         """
         self.launch()
-        rest = self.strategy.load_checkpoint(path, dict(state or {}), verify=verify)
+        rest = self.strategy.load_checkpoint(path, dict(state or {}), verify=verify, before_restore=before_restore)
         self.precision.load_state_dict(rest.pop("precision", {}))
         return rest
 

@@ -228,18 +228,19 @@ class AsyncSave:
 
 
 def load_whole(path: Any, state: dict, rank: int, strategy: str, unwrap: Callable, verify: bool = True,
-               read: Callable | None = None) -> dict:
+               read: Callable | None = None, before_restore: Callable[[dict], None] | None = None) -> dict:
     """``load_checkpoint`` of the strategies whose ranks hold whole models (single, ddp, dp): a checkpoint file
     (``checkpoint_io.load_replicated``, its bytes from ``read``: as in ``checkpoint_io.load_file``), or a DCP
     directory written by a sharded strategy on any mesh, whose shards every rank reads into its whole tensors
-    (modules of ``state`` unwrapped first). Raises as those do."""
+    (modules of ``state`` unwrapped first). ``before_restore``: as in ``load_replicated`` for a file, as in
+    :meth:`DCPCheckpointer.load` for a directory. Raises as those do."""
     import torch
 
     path = Path(path)
     if not (path.is_dir() and (path / ".metadata").is_file()):
-        return checkpoint_io.load_replicated(path, state, unwrap, verify, read)
+        return checkpoint_io.load_replicated(path, state, unwrap, verify, read, before_restore)
     whole = {key: unwrap(value) if isinstance(value, torch.nn.Module) else value for key, value in state.items()}
-    return DCPCheckpointer(rank, strategy).load(path, whole, verify)
+    return DCPCheckpointer(rank, strategy).load(path, whole, verify, before_restore)
 
 
 def read_whole(path: Any, key: str, verify: bool = True) -> dict:
@@ -419,10 +420,13 @@ class DCPCheckpointer:
         if error[0] is not None:
             raise checkpoint_io.CheckpointError(f"rank 0 failed to write the checkpoint: {error[0]}")
 
-    def load(self, path: Any, state: dict, verify: bool = True) -> dict:
+    def load(self, path: Any, state: dict, verify: bool = True,
+             before_restore: Callable[[dict], None] | None = None) -> dict:
         """Restore the modules and optimizers of ``state`` from ``path`` (any world size or mesh; DCP reshards,
         the optimizer state through ``set_optimizer_state_dict``), the other stateful objects from its extra
-        file; return the plain entries. ``verify``: check the extra
+        file; return the plain entries. ``before_restore(entries)`` sees the extra file's entries once the
+        sharded tensors are read in place, before the other objects are restored from them (the weights are not
+        among them: Lightning's sharded load gives its ``on_load_checkpoint`` the same). ``verify``: check the extra
         file's SHA-256, and ``.metadata`` and every shard file this rank reads against the checkpoint's manifest
         (:data:`MANIFEST`); refuse a checkpoint without them.
 
@@ -450,6 +454,8 @@ class DCPCheckpointer:
             if not _is_checkpoint_failure(err):
                 raise
             raise _clear_error(err, path, f"checkpoint {str(path)!r} does not fit the model or optimizer") from err
+        if before_restore is not None:
+            before_restore(extra)
         for key, value in others.items():
             if checkpoint_io._is_stateful(value):
                 if key not in extra:
