@@ -145,6 +145,25 @@ def learning_rates(optimizers, schedulers=()) -> dict[str, float]:
     """The learning rate of every param group, under :func:`param_group_names`' names (``lr-AdamW``;
     ``lr-AdamW/pg1``, ``lr-AdamW/pg2`` for two groups). Under ``Trainer(lr_scaling=...)`` the lr the next step
     uses: the group's lr × its ``"lr_scale"``."""
-    return {name: float(group["lr"]) * group.get(LR_SCALE_KEY, 1.0)
-            for opt, names in param_group_names(optimizers, schedulers)
-            for name, group in zip(names, opt.param_groups)}
+    return LearningRates()(optimizers, schedulers)
+
+
+class LearningRates:
+    """:func:`learning_rates` for a loop that reads them at every log step: the param groups' names are made
+    once (:func:`param_group_names`) and again only when the optimizers, the schedulers or an optimizer's number
+    of param groups change (``add_param_group``, as ``BaseFinetuning`` does when it unfreezes a layer); a group's
+    ``"name"`` is read when the names are made."""
+
+    def __init__(self) -> None:
+        self._held: tuple = ()  # the optimizers and schedulers the names were made for
+        self._named: list[tuple[object, list[str]]] = []  # (unwrapped optimizer, its groups' names)
+        self._groups: list[int] = []  # each of those optimizers' param groups when the names were made
+
+    def __call__(self, optimizers, schedulers=()) -> dict[str, float]:
+        """``{name: lr}`` of every param group, as :func:`learning_rates`."""
+        held = (tuple(optimizers), tuple(schedulers))
+        if held != self._held or self._groups != [len(opt.param_groups) for opt, _ in self._named]:
+            self._held, self._named = held, param_group_names(*held)
+            self._groups = [len(opt.param_groups) for opt, _ in self._named]
+        return {name: float(group["lr"]) * group.get(LR_SCALE_KEY, 1.0)
+                for opt, names in self._named for name, group in zip(names, opt.param_groups)}
