@@ -108,7 +108,8 @@ def param_group_names(optimizers, schedulers=(),
     """
     named = [(config.scheduler.optimizer, config.name) for config in schedulers]
     held = [opt for opt, _ in named]
-    order = named + [(opt, None) for opt in map(_unwrapped, optimizers) if not any(opt is o for o in held)]
+    unwrapped = (getattr(opt, "optimizer", opt) for opt in optimizers)  # a ManualOptimizer's torch optimizer
+    order = named + [(opt, None) for opt in unwrapped if not any(opt is o for o in held)]
     counts: dict[str, int] = {}
     out = []
     for opt, custom in order:
@@ -120,10 +121,6 @@ def param_group_names(optimizers, schedulers=(),
             name += f"-{counts[cls] - 1}"
         out.append((opt, _group_names(name, opt.param_groups, refuse_duplicates)))
     return out
-
-
-def _unwrapped(optimizer):
-    return getattr(optimizer, "optimizer", optimizer)  # a ManualOptimizer's torch optimizer
 
 
 def _group_names(name: str, groups: list[dict], refuse_duplicates: bool) -> list[str]:
