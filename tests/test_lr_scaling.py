@@ -57,3 +57,19 @@ def test_warmup_ramps_from_the_unscaled_lr_to_the_scaled_one():
     assert seen == pytest.approx([0.1, 0.175, 0.25, 0.325, 0.4, 0.4])
     with pytest.raises(ValueError, match="warmup_steps"):
         warmup(-1, 2.0)
+
+
+def test_learning_rates_kept_names_follow_new_param_groups_optimizers_and_a_loaded_state():
+    from trainscale.scaling.lr_scaling import LearningRates, learning_rates
+
+    opt, read = two_group_sgd(), LearningRates()
+    assert read([opt]) == learning_rates([opt]) == pytest.approx({"lr-SGD/pg1": 0.1, "lr-SGD/pg2": 0.01})
+    opt.param_groups[0]["lr"] = 0.5  # a scheduler's step: the value changes, the names stay
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.2})  # BaseFinetuning's unfreezing
+    assert read([opt]) == learning_rates([opt]) == pytest.approx({"lr-SGD/pg1": 0.5, "lr-SGD/pg2": 0.01,
+                                                                  "lr-SGD/pg3": 0.2})
+    restored = two_group_sgd()
+    restored.load_state_dict(two_group_sgd().state_dict() | {"param_groups": [
+        {**g, "lr": 0.3} for g in restored.state_dict()["param_groups"]]})  # new group dicts
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    assert read([restored, adam]) == pytest.approx({"lr-SGD/pg1": 0.3, "lr-SGD/pg2": 0.3, "lr-Adam": 1e-3})

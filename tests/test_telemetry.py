@@ -538,17 +538,6 @@ def test_report_plots_gpu_utilization_when_the_run_had_it(tmp_path):
     assert "no telemetry summary" in text  # no summary.json: a crashed or unfinished run
 
 
-def test_mean_and_median_match_the_statistics_module():
-    import statistics
-
-    from trainscale.telemetry.stragglers import mean, median
-
-    for values in ([3.0], [1.0, 4.0], [5.0, 1.0, 3.0], [0.1] * 10 + [7.0]):
-        assert mean(values) == pytest.approx(statistics.fmean(values))
-        assert median(values) == statistics.median(values)
-    assert mean(v for v in (1.0, 2.0)) == 1.5  # a generator, as the processor passes
-
-
 def test_report_skips_the_torn_last_line_of_a_crashed_run_with_a_warning(tmp_path):
     from trainscale.telemetry.report import load_run
 

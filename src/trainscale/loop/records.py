@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainscale.loggers import record_metrics
-from trainscale.scaling.lr_scaling import learning_rates
+from trainscale.scaling.lr_scaling import LearningRates, learning_rates
 from trainscale.telemetry.sinks import JsonlSink
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ class MetricsProcessor:
 
     def __init__(self, telemetry: Any, collector: Any, run_dir: Path | None, loggers: list, hparams: dict | None) -> None:
         self.telemetry, self.collector = telemetry, collector
+        self.learning_rates = LearningRates()  # the param groups' names kept between log steps
         self.jsonl = JsonlSink(run_dir / "metrics.jsonl") if run_dir is not None else None
         self.loggers = []
         for lg in loggers if run_dir is not None else ():
@@ -63,7 +64,7 @@ class MetricsProcessor:
                 own["train_loss"] = loss.item()
         if grad_norm is not None:
             own["grad_norm"] = grad_norm.item()
-        own.update(learning_rates(optimizers, schedulers))
+        own.update(self.learning_rates(optimizers, schedulers))
         return own, self.collector.take_step_values()  # collective: sync_dist's all-reduce
 
     def write(self, record: dict) -> None:

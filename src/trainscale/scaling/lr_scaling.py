@@ -108,7 +108,8 @@ def param_group_names(optimizers, schedulers=(),
     """
     named = [(config.scheduler.optimizer, config.name) for config in schedulers]
     held = [opt for opt, _ in named]
-    order = named + [(opt, None) for opt in map(_unwrapped, optimizers) if not any(opt is o for o in held)]
+    unwrapped = (getattr(opt, "optimizer", opt) for opt in optimizers)  # a ManualOptimizer's torch optimizer
+    order = named + [(opt, None) for opt in unwrapped if not any(opt is o for o in held)]
     counts: dict[str, int] = {}
     out = []
     for opt, custom in order:
@@ -120,10 +121,6 @@ def param_group_names(optimizers, schedulers=(),
             name += f"-{counts[cls] - 1}"
         out.append((opt, _group_names(name, opt.param_groups, refuse_duplicates)))
     return out
-
-
-def _unwrapped(optimizer):
-    return getattr(optimizer, "optimizer", optimizer)  # a ManualOptimizer's torch optimizer
 
 
 def _group_names(name: str, groups: list[dict], refuse_duplicates: bool) -> list[str]:
@@ -145,6 +142,25 @@ def learning_rates(optimizers, schedulers=()) -> dict[str, float]:
     """The learning rate of every param group, under :func:`param_group_names`' names (``lr-AdamW``;
     ``lr-AdamW/pg1``, ``lr-AdamW/pg2`` for two groups). Under ``Trainer(lr_scaling=...)`` the lr the next step
     uses: the group's lr × its ``"lr_scale"``."""
-    return {name: float(group["lr"]) * group.get(LR_SCALE_KEY, 1.0)
-            for opt, names in param_group_names(optimizers, schedulers)
-            for name, group in zip(names, opt.param_groups)}
+    return LearningRates()(optimizers, schedulers)
+
+
+class LearningRates:
+    """:func:`learning_rates` for a loop that reads them at every log step: the param groups' names are made
+    once (:func:`param_group_names`) and again only when the optimizers, the schedulers or an optimizer's number
+    of param groups change (``add_param_group``, as ``BaseFinetuning`` does when it unfreezes a layer); a group's
+    ``"name"`` is read when the names are made."""
+
+    def __init__(self) -> None:
+        self._held: tuple = ()  # the optimizers and schedulers the names were made for
+        self._named: list[tuple[object, list[str]]] = []  # (unwrapped optimizer, its groups' names)
+        self._groups: list[int] = []  # each of those optimizers' param groups when the names were made
+
+    def __call__(self, optimizers, schedulers=()) -> dict[str, float]:
+        """``{name: lr}`` of every param group, as :func:`learning_rates`."""
+        held = (tuple(optimizers), tuple(schedulers))
+        if held != self._held or self._groups != [len(opt.param_groups) for opt, _ in self._named]:
+            self._held, self._named = held, param_group_names(*held)
+            self._groups = [len(opt.param_groups) for opt, _ in self._named]
+        return {name: float(group["lr"]) * group.get(LR_SCALE_KEY, 1.0)
+                for opt, names in self._named for name, group in zip(names, opt.param_groups)}

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from statistics import fmean, median
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -47,7 +48,7 @@ from trainscale.telemetry.flops import (ANALYTIC, DECLARED, MFU_ERROR, FlopCount
                                         declared_flops_per_token, mfu, peak_flops_per_s, resolve_count_flops)
 from trainscale.telemetry.memory import PeakMemory
 from trainscale.telemetry.nvml import GpuSampler
-from trainscale.telemetry.stragglers import compute_per_step, find_stragglers, mean, median
+from trainscale.telemetry.stragglers import compute_per_step, find_stragglers
 from trainscale.telemetry.timers import PHASES, StepTimer
 
 if TYPE_CHECKING:
@@ -245,7 +246,7 @@ class Telemetry:
         if whole_run:
             util = self._util_sum / self._util_n if self._util_n else _NAN
         else:
-            util = mean(s[1] for s in samples) if samples else _NAN
+            util = fmean(s[1] for s in samples) if samples else _NAN
         used = max(s[2] for s in samples) if samples else _NAN
         reserved = self.memory.peak_reserved_bytes()
         extra = [loss, float(self.memory.peak_bytes()), _NAN if reserved is None else float(reserved), util, used]
@@ -263,7 +264,7 @@ class Telemetry:
         record = {"kind": "step", "rank": "all", "time": time.time(), "epoch": epoch, "step": step}
         losses = [r[_IDX["loss"]] for r in rows]
         if not any(math.isnan(v) for v in losses):
-            record["train_loss"] = mean(losses)
+            record["train_loss"] = fmean(losses)
         record.update(self._numbers(rows, per_rank=True))
         stragglers = record["straggler_ranks"]
         if stragglers and stragglers != self._stragglers:
@@ -314,9 +315,9 @@ class Telemetry:
         devices = world * self._devices_per_process  # dp drives all its GPUs from one rank
         steps = rows[0][_IDX["steps"]]
         col = dict(zip(_IDX, map(list, zip(*rows))))  # field name -> its value on each rank
-        wall = mean(col["wall"])  # ranks run the same steps; DDP keeps their walls equal
+        wall = fmean(col["wall"])  # ranks run the same steps; DDP keeps their walls equal
         per_step = (lambda s: s / steps) if steps > 0 else (lambda s: _NAN)
-        phase_s = {p: per_step(mean(col[p])) for p in PHASES}
+        phase_s = {p: per_step(fmean(col[p])) for p in PHASES}
         total = sum(phase_s.values())
         samples = sum(col["samples"]) / self._copies  # each sample once, though tp ranks all read it
         samples_per_s = samples / wall if wall > 0 else _NAN
@@ -373,8 +374,8 @@ def _comm_numbers(col: dict[str, list[float]], per_step, step_time_s: float, tim
     with ``per_rank`` and timing, also ``rank_comm_s``."""
     if not timed:
         return {"comm_s": None, "exposed_comm_s": None, "exposed_comm_share": None, "rank_exposed_comm_s": None}
-    exposed = per_step(mean(col["exposed_comm"]))
-    out = {"comm_s": per_step(mean(col["comm"])), "exposed_comm_s": exposed,
+    exposed = per_step(fmean(col["exposed_comm"]))
+    out = {"comm_s": per_step(fmean(col["comm"])), "exposed_comm_s": exposed,
            "exposed_comm_share": exposed / step_time_s if step_time_s > 0 else _NAN,
            "rank_exposed_comm_s": [per_step(e) for e in col["exposed_comm"]]}
     if per_rank:

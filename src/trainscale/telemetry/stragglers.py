@@ -13,30 +13,7 @@ Without all-reduce timing (no DDP hook) compute time is the step wall time.
 
 from __future__ import annotations
 
-import math
-
-
-def mean(values) -> float:
-    """Arithmetic mean (``math.fsum``) of an iterable of floats. The ``statistics`` module is not used
-    in the modules a Trainer imports: with ``decimal`` and ``fractions`` it adds ~0.5 MiB to every
-    training process.
-
-    Raises:
-        ZeroDivisionError: no values.
-    """
-    values = list(values)
-    return math.fsum(values) / len(values)
-
-
-def median(values) -> float:
-    """The middle value (mean of the two middle ones for an even count), like ``statistics.median``.
-
-    Raises:
-        IndexError: no values.
-    """
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+from statistics import median
 
 
 def compute_per_step(wall_s: float, exposed_comm_s: float | None, steps: float) -> float:
