@@ -3,7 +3,9 @@ val_check_interval, check_val_every_n_epoch, num_sanity_val_steps, fast_dev_run,
 deterministic, enable_model_summary (``ModelSummary``)."""
 
 import json
+import math
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from trainscale.callbacks import EarlyStopping
 from trainscale.lightning.module import TrainingModule
 from trainscale.loop.config import resolve_trainer_config
 from trainscale.loop.trainer import Trainer
+from tests import workers
 
 
 class Counted(TrainingModule):
@@ -313,3 +316,45 @@ def test_debugging_flags_resolve_as_lightnings():
     assert (cfg.limit_train_batches, cfg.limit_val_batches) == (0.1, 0.1)
     assert resolve_trainer_config(max_time="01:02:03:04").max_time == timedelta(days=1, hours=2, minutes=3, seconds=4)
     assert resolve_trainer_config(max_time={"minutes": 90}).max_time == timedelta(minutes=90)
+
+
+# -- a time-based val_check_interval (Lightning 2.6): the clock is faked, so the steps do not depend on the machine -----
+# Each training step moves the clock 1000 s on and each validation 1200 s; the interval is 2500 s ("00:00:41:40").
+# Counted from each validation's end, 3 steps pass between validations (3000 s >= 2500 s); counted from the moment
+# the previous one was due, 2 would (2000 s + 1200 s of validation).
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("interval", ["00:00:41:40", {"seconds": 2500}, timedelta(seconds=2500)])
+def test_a_duration_validates_when_that_much_time_has_passed_since_the_last_validation(tmp_path, interval):
+    trainer = workers.fit_on_a_fake_clock(str(tmp_path), 1000.0, {"max_epochs": 1, "val_check_interval": interval})
+    # 10 steps; the epoch's 10th is 1000 s after a validation: its end does not validate (1.0 would)
+    assert trainer.validated_at == [3, 6, 9]
+
+
+@pytest.mark.timeout(60)
+def test_a_duration_validates_only_in_the_epochs_check_val_every_n_epoch_names(tmp_path):
+    trainer = workers.fit_on_a_fake_clock(str(tmp_path), 1000.0, {
+        "max_epochs": 2, "val_check_interval": timedelta(seconds=2500), "check_val_every_n_epoch": 2})
+    # epoch 0's 10 000 s count: its first step validates, then every 3rd; step 20 ends the epoch and is due
+    assert trainer.validated_at == [11, 14, 17, 20]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_duration_validates_after_the_same_step_on_every_rank_by_rank_zeros_clock(tmp_path):
+    from tests.helpers import run_distributed
+
+    # rank 1's clock would say step 9 only: the ranks would part ways in the validation's all-reduce
+    assert run_distributed(workers.clocks_apart_body, str(tmp_path), timeout=55) == [[3, 6, 9], [3, 6, 9]]
+
+
+def test_a_duration_is_read_as_lightning_reads_it():
+    cfg = resolve_trainer_config(val_check_interval="00:01:00:30", check_val_every_n_epoch=None)
+    assert cfg.val_check_interval == timedelta(hours=1, seconds=30) and cfg.val_check_seconds == 3630.0
+    assert resolve_trainer_config(val_check_interval={"minutes": 2}).val_check_seconds == 120.0
+    assert resolve_trainer_config(val_check_interval=3).val_check_seconds == math.inf
+    assert resolve_trainer_config(fast_dev_run=True, val_check_interval="00:00:00:05").val_check_interval is None
+    for bad, match in (("1:00:00", "DD:HH:MM:SS"), ({"hourz": 1}, "val_check_interval"),
+                       (timedelta(seconds=-1), "not negative")):
+        with pytest.raises(ValueError, match=match):
+            resolve_trainer_config(val_check_interval=bad)

@@ -7,6 +7,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainscale.callbacks import Callback
+from trainscale.lightning.module import TrainingModule
 from trainscale.models import ConvNet
 
 
@@ -166,3 +167,58 @@ def csv_logger_body(rank: int, root: str) -> dict:
         seen["refusal"] = str(err)
     default.runtime.teardown()  # the process group the Trainers share
     return seen
+
+
+class ClockedModule(TrainingModule):
+    """Moves a fake clock on: ``step_s`` seconds per training step and ``val_s`` per validation (the clock's
+    ``offset``, which ``fake_monotonic`` adds to the real ``time.monotonic``)."""
+
+    def __init__(self, clock: dict, step_s: float, val_s: float):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 2)
+        self.clock, self.step_s, self.val_s = clock, step_s, val_s
+
+    def training_step(self, batch, batch_idx):
+        self.clock["offset"] += self.step_s
+        return self.layer(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.layer(batch[0]).pow(2).mean(), sync_dist=True)
+
+    def on_validation_end(self):
+        self.clock["offset"] += self.val_s
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def pairs_loader(n: int) -> DataLoader:
+    x = torch.arange(n, dtype=torch.float32).repeat(2, 1).T
+    return DataLoader(TensorDataset(x, torch.zeros(n, dtype=torch.long)), batch_size=1)
+
+
+def fit_on_a_fake_clock(root: str, step_s: float, flags: dict, devices: int | str = 1, n: int = 10):
+    """A fit on ``n`` one-sample batches whose ``time.monotonic`` runs ``step_s`` fake seconds per training step and
+    1200 per validation (the real clock's few seconds besides); restored after. Returns the Trainer."""
+    import time
+
+    from trainscale.loop.trainer import Trainer
+
+    real, clock = time.monotonic, {"offset": 0.0}
+    time.monotonic = lambda: real() + clock["offset"]
+    try:
+        trainer = Trainer(accelerator="cpu", devices=devices, default_root_dir=root, enable_progress_bar=False,
+                          enable_model_summary=False, num_sanity_val_steps=0, timeout=60, **flags)
+        trainer.fit(ClockedModule(clock, step_s, 1200.0), pairs_loader(n), pairs_loader(4))
+    finally:
+        time.monotonic = real
+    return trainer
+
+
+def clocks_apart_body(rank: int, root: str) -> list[int]:
+    """2 ranks (10 batches each) whose clocks run at different speeds (rank 1's at 0.3× rank 0's) with a time-based
+    ``val_check_interval``: the steps after which each validated."""
+    trainer = fit_on_a_fake_clock(f"{root}/r{rank}", 1000.0 if rank == 0 else 300.0,
+                                  {"max_epochs": 1, "val_check_interval": "00:00:41:40"}, devices="auto", n=20)
+    trainer.runtime.teardown()
+    return trainer.validated_at

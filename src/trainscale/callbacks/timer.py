@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainscale.callbacks.base import Callback
 from trainscale.utilities.rank_zero import log_info
-from trainscale.runtime.flags import parse_max_time
+from trainscale.runtime.flags import parse_duration
 
 if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
@@ -42,7 +42,7 @@ class Timer(Callback):
             raise ValueError(f"Unsupported parameter value `Timer(interval={interval!r})`; possible values are: "
                              "'step', 'epoch'")
         try:
-            parsed = parse_max_time(duration)
+            parsed = parse_duration("duration", duration)
         except ValueError as err:
             raise ValueError(f"Timer(duration={duration!r}) must be in the format DD:HH:MM:SS (days, hours, minutes, "
                              "seconds), a datetime.timedelta or a dict of its keywords") from err

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pickle
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -120,11 +121,24 @@ def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state
              + (f"batch {point.batches}" if point.consumed is None else f"sample {point.consumed}"))
     runtime.print(f"trainscale: resumed from {path} ({where}, step {state.global_step})")
     states = dict(rest.get("callbacks") or {})
+    _warn_missing_callbacks(runtime, states, callbacks)
     for cb in callbacks:
         state = states.get(cb.state_key, states.get(cb._legacy_state_key))
         if state is not None:
             cb.load_state_dict(state)
     return point, rest
+
+
+def _warn_missing_callbacks(runtime: Runtime, states: dict, callbacks) -> None:
+    """A ``UserWarning`` (rank zero) naming the callbacks whose saved state no callback of this run reads, in
+    Lightning's words (``trainer/call.py``, ``_call_callbacks_on_load_checkpoint``); a state that is empty (a
+    callback with nothing to keep) is not missed."""
+    known = {key for cb in callbacks for key in (cb.state_key, cb._legacy_state_key)}
+    missing = [key for key, state in states.items() if state and key not in known]
+    if missing and runtime.is_rank_zero:
+        warnings.warn("Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be "
+                      f"provided during `Trainer` instantiation. Please add the following callbacks: {missing}; "
+                      "their saved state is not restored", UserWarning, stacklevel=4)
 
 
 # what a checkpoint read with ``torch.load(weights_only=True)`` may hold: a hyperparameter of another type

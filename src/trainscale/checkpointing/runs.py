@@ -58,7 +58,8 @@ def resolve_ckpt_path(runtime: Runtime, ckpt_path: Any, root: Path) -> tuple[Pat
         found = ckpt.find_last_of_run(root, script=script_key())
         if found is None:
             warnings.warn(f"ckpt_path='last' but no run of {script_key()} under {str(root)!r} has a checkpoint; "
-                          "starting fresh", stacklevel=4)
+                          "starting fresh. No checkpoint will be loaded: pass a checkpoint file to resume from one",
+                          stacklevel=4)
         return found if found is not None else (None, None)
     if not isinstance(ckpt_path, (str, Path)):
         raise ValueError(f"ckpt_path={ckpt_path!r}; pass a checkpoint path, 'last', or None")

@@ -17,7 +17,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
-from trainscale.runtime.flags import check_flags, check_int, flag, make_flags, parse_max_time
+from trainscale.runtime.flags import (FlagTypeError, check_flags, check_int, check_number, flag, make_flags,
+                                     parse_duration)
 
 _log = logging.getLogger(__name__)  # Lightning's notes at INFO (say_one_batch_limits)
 
@@ -46,6 +47,28 @@ def _limit(name: str, value, zero: bool = False) -> None:
         raise ValueError(f"{name}={value!r} must be an int >= {0 if zero else 1} (batches per epoch), a float in "
                          f"{'[0' if zero else '(0'}, 1] (a fraction of them) or None (all)"
                          + ("; 0 turns validation off" if zero else ""))
+
+
+def _clip_val(name: str, value) -> None:
+    """None or a finite number >= 1e-12; another type is a ``TypeError`` as in Lightning (``FlagTypeError``: also
+    the ``ValueError`` of trainscale's other flags)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise FlagTypeError(f"`{name}` should be an int or a float. Got {value!r}: pass a number such as "
+                            f"{name}=1.0 (the largest gradient norm), or None")
+    check_number(name, value, 1e-12, optional=True)
+
+
+def _clip_algorithm(name: str, value) -> None:
+    if value not in ("norm", "value"):  # Lightning's words, then the choices
+        raise ValueError(f"`{name}` {value} is invalid. Allowed algorithms: ['norm', 'value']; "
+                         f"{name}={value!r}; choose 'norm' or 'value'")
+
+
+def _every_n_epoch(name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):  # Lightning's words first
+        raise ValueError(f"`{name}` should be an integer, found {value!r}: {name} must be an int >= 1 (validate "
+                         "in every N-th epoch) or None")
+    check_int(name, value, 1, optional=True)
 
 
 def _fast_dev_run(name: str, fast) -> None:
@@ -127,14 +150,17 @@ class TrainerConfig:
         count_flops: count the FLOPs of the run's first micro-batch with ``FlopCounterMode`` for MFU (None: on CUDA
             only, never under ``compile``).
         peak_flops: FLOP/s of one device for MFU (None: the table of ``trainscale.telemetry.flops``).
-        val_check_interval: when to validate within an epoch, as Lightning: an int N validates after every N-th training
-            batch (micro-batch) of the epoch (with ``check_val_every_n_epoch=None``: of the run, across epochs; it may
-            then exceed an epoch's batches), a float in (0, 1] after every ``int(batches × f)``-th (at least 1); None (=
-            1.0): at each epoch end. Validation runs at the end of the optimizer step that holds that batch (with
+        val_check_interval: when to validate, as Lightning: an int N validates after every N-th training batch
+            (micro-batch) of the epoch (with ``check_val_every_n_epoch=None``: of the run, across epochs; it may then
+            exceed an epoch's batches), a float in (0, 1] after every ``int(batches × f)``-th (at least 1); None (=
+            1.0): at each epoch end; a duration ("DD:HH:MM:SS", a ``datetime.timedelta`` or a dict of its keywords,
+            Lightning 2.6) after the first optimizer step that ends once that much training time has passed since
+            training began or validation last ended, by rank zero's clock (an epoch's end validates only when that time
+            is up). Validation runs at the end of the optimizer step that holds that batch (with
             ``accumulate_grad_batches`` > 1, Lightning validates mid-step), before the step's checkpoints, so a
             checkpoint written there resumes exactly.
-        check_val_every_n_epoch: validate only in every N-th epoch (None: by ``val_check_interval``'s batches alone,
-            which must then be an int).
+        check_val_every_n_epoch: validate only in every N-th epoch (None: by ``val_check_interval`` alone, which must
+            then be an int, counting the run's batches, or a duration).
         num_sanity_val_steps: validation batches run before training (Lightning's sanity check, default 2; -1: all; 0:
             none), with ``trainer.sanity_checking`` True; its results are not recorded, ``callback_metrics`` and the
             random states are as before it. A resumed fit runs it after a completed epoch, not mid-epoch nor with
@@ -174,8 +200,8 @@ class TrainerConfig:
     max_epochs: int | None = None  # the rules of max_epochs and max_steps: _loop_limits
     max_steps: int | None = None
     accumulate_grad_batches: int = flag(1, low=1)
-    gradient_clip_val: float | None = flag(None, low=1e-12)
-    gradient_clip_algorithm: Literal["norm", "value"] = flag("norm")
+    gradient_clip_val: float | None = flag(None, check=_clip_val)
+    gradient_clip_algorithm: Literal["norm", "value"] = flag("norm", check=_clip_algorithm)
     seed: int | None = flag(None, check=_seed)
     default_root_dir: str | Path | None = Path("runs")  # made a Path, and checked, by _root_dir (None: "runs")
     log_every_n_steps: int = flag(50, low=1)
@@ -203,11 +229,12 @@ class TrainerConfig:
     min_steps: int | None = flag(None, low=0)
     count_flops: bool | None = flag(None)
     peak_flops: float | None = flag(None, low=1.0)
-    val_check_interval: int | float | None = None  # with check_val_every_n_epoch: _check_val_schedule
-    check_val_every_n_epoch: int | None = flag(1, low=1)
+    # with check_val_every_n_epoch: _check_val_schedule; a duration made a timedelta by parse_duration
+    val_check_interval: int | float | str | timedelta | dict | None = None
+    check_val_every_n_epoch: int | None = flag(1, check=_every_n_epoch)
     num_sanity_val_steps: int = flag(2, low=-1)
     fast_dev_run: bool | int = flag(False, check=_fast_dev_run)
-    max_time: str | timedelta | dict | None = None  # made a timedelta, and checked, by parse_max_time
+    max_time: str | timedelta | dict | None = None  # made a timedelta, and checked, by parse_duration
     overfit_batches: int | float = flag(0.0, check=_overfit_batches)
     deterministic: bool | Literal["warn"] | None = flag(None)
     enable_model_summary: bool = flag(True)
@@ -261,10 +288,13 @@ class TrainerConfig:
                 fraction below 1.0 of an iterable data set's unknown number of batches (Lightning's errors).
         """
         interval = self.val_check_interval
+        if isinstance(interval, (timedelta, str, dict)):  # a duration (a timedelta once resolved): by the clock
+            return math.inf
         if isinstance(interval, int):
-            if interval > epoch_batches and self.check_val_every_n_epoch is not None:
-                raise ValueError(f"val_check_interval={interval} must be <= the epoch's {epoch_batches} training batches; "
-                                 "to validate every N batches across epochs pass check_val_every_n_epoch=None")
+            if interval > epoch_batches and self.check_val_every_n_epoch is not None:  # Lightning's words first
+                raise ValueError(f"`val_check_interval` ({interval}) must be less than or equal to the number of the "
+                                 f"training batches ({epoch_batches}) of an epoch; to validate every N batches across "
+                                 "epochs pass check_val_every_n_epoch=None")
             return interval
         fraction = 1.0 if interval is None else interval
         if epoch_batches == math.inf:
@@ -286,6 +316,12 @@ class TrainerConfig:
             return batches.stop >= epoch_batches
         offset = total_before - batches.start if self.check_val_every_n_epoch is None else 0
         return any((offset + i + 1) % every == 0 for i in batches)
+
+    @property
+    def val_check_seconds(self) -> float:
+        """Seconds between time-based validations (``val_check_interval`` a duration); infinity otherwise."""
+        interval = self.val_check_interval
+        return interval.total_seconds() if isinstance(interval, timedelta) else math.inf
 
     @property
     def sanity_val_batches(self) -> float:
@@ -346,7 +382,7 @@ def _loop_limits(cfg: TrainerConfig) -> TrainerConfig:
         ValueError: ``max_epochs`` not an int >= 0, -1 or None; ``max_steps`` not an int >= 0, -1 or None.
     """
     max_steps = None if cfg.max_steps == -1 else cfg.max_steps
-    check_int("max_steps", max_steps, 0, optional=True, hint=" (0: no training; -1 or None: no limit)")
+    _check_loop_limit("max_steps", cfg.max_steps)
     max_epochs = cfg.max_epochs
     if max_epochs is None and (max_steps is not None or cfg.max_time is not None):
         max_epochs = -1
@@ -357,9 +393,16 @@ def _loop_limits(cfg: TrainerConfig) -> TrainerConfig:
         max_epochs = _LIGHTNING_MAX_EPOCHS
     elif max_epochs is None:
         max_epochs = 1
-    if max_epochs != -1:
-        check_int("max_epochs", max_epochs, 0, hint=" (0: no training; -1 or None: no limit)")
+    _check_loop_limit("max_epochs", max_epochs)
     return replace(cfg, max_epochs=max_epochs, max_steps=max_steps)
+
+
+def _check_loop_limit(name: str, value) -> None:
+    """``max_epochs`` or ``max_steps``: None, -1 or an int >= 0, in Lightning's words (``fit_loop.py``,
+    ``training_epoch_loop.py``) and then the meaning of each."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < -1):
+        raise ValueError(f"{name}={value!r}: `{name}` must be a non-negative integer or -1 (0: no training; "
+                         "-1 or None: no limit)")
 
 
 _ONE_BATCH = {"limit_train_batches": ("1 batch per epoch will be used.", "100% of the batches per epoch will be used"),
@@ -409,12 +452,16 @@ def _check_val_schedule(cfg: TrainerConfig) -> None:
     """``val_check_interval`` with ``check_val_every_n_epoch`` (Lightning's ``trainer/setup.py``, ``loops/fit_loop.py``)."""
     interval = cfg.val_check_interval
     count = isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1
-    if not (interval is None or count or (isinstance(interval, float) and 0.0 < interval <= 1.0)):
+    timed = isinstance(interval, timedelta)  # parse_duration's: not negative
+    if not (interval is None or count or timed or (isinstance(interval, float) and 0.0 < interval <= 1.0)):
         raise ValueError(f"val_check_interval={interval!r} must be an int >= 1 (every N training batches), a float in "
-                         "(0, 1] (a fraction of the epoch) or None (each epoch end)")
-    if cfg.check_val_every_n_epoch is None and not count:
-        raise ValueError(f"check_val_every_n_epoch=None validates by batches only, so val_check_interval must be an "
-                         f"int (every N training batches of the run), not {interval!r}")
+                         "(0, 1] (a fraction of the epoch), a duration ('DD:HH:MM:SS', a datetime.timedelta or a "
+                         "dict of its keywords) or None (each epoch end)")
+    if cfg.check_val_every_n_epoch is None and not (count or timed):  # Lightning's words first
+        raise ValueError("`val_check_interval` should be an integer or a time-based duration (str 'DD:HH:MM:SS', "
+                         "datetime.timedelta, or dict kwargs for timedelta) when `check_val_every_n_epoch=None`. "
+                         "check_val_every_n_epoch=None validates by the run's batches or by time, so val_check_interval "
+                         f"must be an int (every N training batches of the run) or a duration, not {interval!r}")
 
 
 def _debugging_overrides(cfg: TrainerConfig) -> dict:
@@ -451,12 +498,15 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
     """
     cfg = _loop_limits(make_flags(TrainerConfig, "Trainer", (), flags))
     check_flags(cfg)  # each flag by the rule declared on its field
+    interval = cfg.val_check_interval
+    if isinstance(interval, (str, dict, timedelta)):  # a duration (Lightning 2.6's time-based validation)
+        cfg = replace(cfg, val_check_interval=parse_duration("val_check_interval", interval))
     _check_lr_scaling(cfg)  # the rules across flags
     _check_val_schedule(cfg)
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("tensorboard=True needs the tensorboard package: pip install 'trainscale[tensorboard]' "
                          "(or pass tensorboard=False; metrics.jsonl is always written)")
-    max_time, root = parse_max_time(cfg.max_time), _root_dir(cfg.default_root_dir)
+    max_time, root = parse_duration("max_time", cfg.max_time), _root_dir(cfg.default_root_dir)
     resolved = replace(cfg, default_root_dir=root, max_time=max_time,
                        fast_dev_run=cfg.fast_dev_run if cfg.fast_dev_run != 1 else True)
     return replace(resolved, **_debugging_overrides(resolved))

@@ -423,19 +423,26 @@ def checkpoint_to_evaluate(trainer: Trainer, ckpt_path: Any, method: str = "vali
     return Path(ckpt_path)
 
 
+class NoModelError(TypeError, ValueError):
+    """``validate``/``test``/``predict`` without a model on a Trainer that has not fitted one: a ``TypeError``, as
+    Lightning raises it, and a ``ValueError``, as trainscale's other errors of a call's arguments."""
+
+
 def fitted_model(trainer: Trainer, method: str, ckpt_path: Any) -> tuple[Any, Any]:
     """``(model, ckpt_path)`` for ``validate``/``test``/``predict`` called without a model: the model of the
     trainer's last ``fit``, and, when ``ckpt_path`` is None, its best checkpoint (the first ``ModelCheckpoint``'s
     ``best_model_path``: the newest without a monitor), with Lightning's warning (``_parse_ckpt_path``).
 
     Raises:
-        ValueError: no fit ran on this trainer; ``ckpt_path`` None and no ``ModelCheckpoint`` has saved.
+        NoModelError: no fit ran on this trainer (a ``TypeError`` as Lightning's, and a ``ValueError``).
+        ValueError: ``ckpt_path`` None and no ``ModelCheckpoint`` has saved.
     """
     from trainscale.callbacks import ModelCheckpoint
 
-    if trainer.last_setup is None or trainer._fit is None:
-        raise ValueError(f"{method}() without a model needs an earlier fit() on this Trainer; pass the model: "
-                         f"trainer.{method}(model, loader)")
+    if trainer.last_setup is None or trainer._fit is None:  # Lightning's words first
+        raise NoModelError(f"`Trainer.{method}()` requires a `LightningModule` when it hasn't been passed in a previous "
+                           f"run: {method}() without a model needs an earlier fit() on this Trainer; pass the model: "
+                           f"trainer.{method}(model, loader)")
     if ckpt_path is not None:
         return trainer._fit.model, ckpt_path
     saved = [cb.best_model_path for cb in trainer.callbacks

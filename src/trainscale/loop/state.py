@@ -149,6 +149,7 @@ class FitRun:
     epoch_batches: float = 0  # micro-batches of the current epoch in all (an int; inf for an iterable until it ends)
     epoch_offset: int = 0  # of them, those done before this process resumed the epoch
     validated_after: int = -1  # the epoch's micro-batches done when validation last ran in it (-1: not yet)
+    validate_at: float = math.inf  # time.monotonic() at which a time-based val_check_interval validates (inf: none)
     started: float = 0.0
     loader_positions: LoaderPositions | None = None  # the epoch's iterator of a loader that keeps its own position
     reload: Any = None  # () -> (train, val) from the data hooks (reload_dataloaders_every_n_epochs); None: passed

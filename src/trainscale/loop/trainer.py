@@ -77,6 +77,11 @@ def _stage_flag(stage: str, doc: str) -> property:
     return property(running, set_running, doc=doc)
 
 
+class NoTrainingStateError(RuntimeError, AttributeError):
+    """``Trainer.save_checkpoint`` before any ``fit``: a ``RuntimeError``, and the ``AttributeError`` Lightning raises
+    (no model attached)."""
+
+
 class Trainer:
     """Fit, validate, test and predict on any strategy by changing flags (keyword only; :meth:`__init__` names and
     describes each). With ``devices > 1`` outside a launcher the script re-executes under torchrun in ``Trainer()``.
@@ -110,7 +115,8 @@ class Trainer:
                  limit_train_batches: int | float | None = None, limit_val_batches: int | float | None = None,
                  limit_test_batches: int | float | None = None, limit_predict_batches: int | float | None = None,
                  min_epochs: int | None = None, min_steps: int | None = None, count_flops: bool | None = None,
-                 peak_flops: float | None = None, val_check_interval: int | float | None = None,
+                 peak_flops: float | None = None,
+                 val_check_interval: int | float | str | timedelta | dict | None = None,
                  check_val_every_n_epoch: int | None = 1, num_sanity_val_steps: int = 2,
                  fast_dev_run: bool | int = False, max_time: str | timedelta | dict | None = None,
                  overfit_batches: int | float = 0.0, deterministic: bool | Literal["warn"] | None = None,
@@ -192,14 +198,17 @@ class Trainer:
             count_flops: count the FLOPs of the run's first micro-batch with ``FlopCounterMode`` for MFU (None: on CUDA
                 only, never under ``compile``).
             peak_flops: FLOP/s of one device for MFU (None: the table of ``trainscale.telemetry.flops``).
-            val_check_interval: when to validate within an epoch, as Lightning: an int N validates after every N-th
-                training batch (micro-batch) of the epoch (with ``check_val_every_n_epoch=None``: of the run, across
-                epochs; it may then exceed an epoch's batches), a float in (0, 1] after every ``int(batches × f)``-th
-                (at least 1); None (= 1.0): at each epoch end. Validation runs at the end of the optimizer step that
-                holds that batch (with ``accumulate_grad_batches`` > 1, Lightning validates mid-step), before the step's
-                checkpoints, so a checkpoint written there resumes exactly.
-            check_val_every_n_epoch: validate only in every N-th epoch (None: by ``val_check_interval``'s batches alone,
-                which must then be an int).
+            val_check_interval: when to validate, as Lightning: an int N validates after every N-th training batch
+                (micro-batch) of the epoch (with ``check_val_every_n_epoch=None``: of the run, across epochs; it may
+                then exceed an epoch's batches), a float in (0, 1] after every ``int(batches × f)``-th (at least 1);
+                None (= 1.0): at each epoch end; a duration ("DD:HH:MM:SS", a ``datetime.timedelta`` or a dict of its
+                keywords, Lightning 2.6) after the first optimizer step that ends once that much training time has
+                passed since training began or validation last ended, by rank zero's clock (an epoch's end validates
+                only when that time is up). Validation runs at the end of the optimizer step that holds that batch (with
+                ``accumulate_grad_batches`` > 1, Lightning validates mid-step), before the step's checkpoints, so a
+                checkpoint written there resumes exactly.
+            check_val_every_n_epoch: validate only in every N-th epoch (None: by ``val_check_interval`` alone, which
+                must then be an int, counting the run's batches, or a duration).
             num_sanity_val_steps: validation batches run before training (Lightning's sanity check, default 2; -1: all; 0:
                 none), with ``trainer.sanity_checking`` True; its results are not recorded, ``callback_metrics`` and the
                 random states are as before it. A resumed fit runs it after a completed epoch, not mid-epoch nor with
@@ -590,7 +599,9 @@ class Trainer:
         self.profiler.setup("fit", rt.rank if rt.world_size > 1 else None, self.run_dir)  # its files: the run dir
         self._hook("on_fit_start")
         self._sanity_check(fit, point)
-        self._deadline = time.monotonic() + (cfg.max_time.total_seconds() if cfg.max_time is not None else math.inf)
+        started = time.monotonic()  # training's start, for max_time and a time-based val_check_interval
+        self._deadline = started + (cfg.max_time.total_seconds() if cfg.max_time is not None else math.inf)
+        fit.validate_at = started + cfg.val_check_seconds
         self._hook("on_train_start")
         for epoch in itertools.count(point.next_epoch if point else 0):
             if self._fit_done(epoch):
@@ -740,7 +751,8 @@ class Trainer:
            ``training_step`` took); the step's ``self.log`` values into ``callback_metrics`` (device tensors, no host
            sync); ``on_train_batch_end``; the step record every ``log_every_n_steps``.
         6. Validation when ``val_check_interval`` and ``check_val_every_n_epoch`` say it is due within the epoch
-           (its last batch validates in ``_end_epoch``); then faults and checkpoints (:meth:`_checkpoint_if_due`):
+           (its last batch validates in ``_end_epoch``; a time-based interval, by rank zero's clock, after any
+           step); then faults and checkpoints (:meth:`_checkpoint_if_due`):
            signals and the non-finite check at the steps every rank agreed on, a checkpoint every
            ``checkpoint_every_n_steps``; then ``max_time``: out of time, the epoch ends here.
 
@@ -758,7 +770,8 @@ class Trainer:
         ``all_gather_single`` of every rank's interval, then sync_dist's all-reduce of a flag per rank and, when
         some value has ``sync_dist=True``, an ``all_gather_object`` of their names and the all-reduce of the values.
         6. validation's reductions; at the agreed check steps the fault check's all-reduce (a second one when a
-        loss is not finite); a checkpoint's barrier and writes; with ``max_time`` on several ranks a broadcast.
+        loss is not finite); a checkpoint's barrier and writes; on several ranks a broadcast of rank zero's clock with
+        a time-based ``val_check_interval`` and another with ``max_time``.
         """
         rt, cfg, tele, prof = self.runtime, self.config, fit.telemetry, self.profiler  # prof: Trainer(profiler=...)
         self.is_step_end = False
@@ -805,7 +818,7 @@ class Trainer:
                 fit.bar.set_postfix(**{k: f"{record[k]:.4g}" for k in shown if k in record})
                 fit.metrics.write(record)  # metrics.jsonl and each logger
         # 6. Validation, signals, the non-finite check and checkpoints, when due; the time limit.
-        if self._validation_due(fit, first_batch):
+        if self._validation_due(fit, first_batch):  # a broadcast of rank zero's clock, with a time-based interval
             with prof.profile("validation"):
                 self._validate(fit, mid_epoch=True)
         with prof.profile("checkpoint_if_due"):  # at the check steps the ranks agreed on: one all-reduce (faults)
@@ -956,9 +969,15 @@ class Trainer:
         """Whether validation runs after the optimizer step that trained the epoch's micro-batches from
         ``first_batch`` on (``TrainerConfig.validation_due``: Lightning's ``_should_check_val_fx``), before the epoch's
         last batch (that one validates in ``_end_epoch``, before the epoch's hooks). Never mid-epoch without a
-        ``val_check_interval`` below an epoch (None or 1.0), so then no per-step work."""
+        ``val_check_interval`` below an epoch (None or 1.0), so then no per-step work. A duration (Lightning 2.6) is
+        due after any step of an epoch that validates, the last one too, once rank zero's clock has passed
+        ``fit.validate_at`` (set at training's start and at each validation's end, as Lightning's ``_last_val_time``;
+        broadcast on several ranks, so that all validate after the same step)."""
         if fit.val_loader is None or self.config.val_check_interval in (None, 1.0):
             return False
+        if fit.validate_at != math.inf:  # by the clock: after any step of an epoch that validates, its last one too
+            return self.config.validates_in(self.current_epoch) and self._rank_zero_clock_says(
+                time.monotonic() >= fit.validate_at)
         trained = range(first_batch, self.state.batches)
         return trained.stop < fit.epoch_batches and self.config.validation_due(
             self.current_epoch, trained, self.state.total_batches - len(trained), fit.epoch_batches)
@@ -967,11 +986,16 @@ class Trainer:
         """Validation at the epoch's end, in the epochs ``check_val_every_n_epoch`` names, unless it ran after the
         same batch: when the last batch is one of ``val_check_interval``'s, when an iterable data set's epoch
         ended (Lightning's rules), or when the epoch was cut short (a stop asked by ``max_time`` or a callback, as
-        Lightning; by ``max_steps``, where Lightning does not validate, trainscale validates the final model)."""
+        Lightning; by ``max_steps``, where Lightning does not validate, trainscale validates the final model). With a
+        time-based ``val_check_interval`` only then: the clock decided after the epoch's last step."""
         done = self.state.batches
         if fit.validated_after == done or not self.config.validates_in(epoch):
             return False
-        if done < fit.epoch_batches or evaluation.loader_length(fit.train_loader) == math.inf:
+        if done < fit.epoch_batches:
+            return True
+        if fit.validate_at != math.inf:  # a time-based val_check_interval: decided at the epoch's last step
+            return False
+        if evaluation.loader_length(fit.train_loader) == math.inf:
             return True
         return self.config.validation_due(epoch, range(done - 1, done), self.state.total_batches - 1, fit.epoch_batches)
 
@@ -984,6 +1008,8 @@ class Trainer:
         self.training = True
         self.validated_at.append(self.global_step)
         fit.validated_after = self.state.batches
+        if fit.validate_at != math.inf:  # a time-based val_check_interval counts from each validation's end
+            fit.validate_at = time.monotonic() + self.config.val_check_seconds
         if mid_epoch:
             fit.metrics.write({"kind": "validation", "rank": "all", "time": time.time(), "epoch": self.current_epoch,
                             "step": self.global_step, **results})
@@ -1013,10 +1039,14 @@ class Trainer:
     def _out_of_time(self) -> bool:
         """``max_time`` has run out (Lightning's ``Timer``): rank zero's clock, broadcast so that every rank stops
         after the same step (one broadcast per step, only with ``max_time`` on several ranks)."""
-        if self._deadline == math.inf:
-            return False
-        out = time.monotonic() >= self._deadline
-        return bool(self.runtime.broadcast_object(out)) if self.runtime.world_size > 1 else out
+        return self._deadline != math.inf and self._rank_zero_clock_says(time.monotonic() >= self._deadline)
+
+    def _rank_zero_clock_says(self, this_rank: bool) -> bool:
+        """Rank zero's answer to a question of time (``max_time``, a time-based ``val_check_interval``), broadcast,
+        so that every rank takes the same path after the same step: the ranks' clocks differ, and a rank that
+        validated or stopped alone would leave the others waiting in a collective. ``this_rank``: this rank's answer
+        (the only one at world size 1)."""
+        return bool(self.runtime.broadcast_object(this_rank)) if self.runtime.world_size > 1 else this_rank
 
     def _checkpoint_if_due(self, fit: FitRun, epoch_end: bool, ends_epoch: bool = False) -> None:
         """The one place that decides when to checkpoint, after every optimizer step and at every epoch end:
@@ -1051,13 +1081,16 @@ class Trainer:
         (unlike Lightning, which overwrites silently).
 
         Raises:
-            RuntimeError: called before any ``fit`` of this Trainer (nothing to save yet).
+            NoTrainingStateError: called before any ``fit`` of this Trainer (nothing to save yet): a ``RuntimeError``,
+                and an ``AttributeError`` as Lightning raises it.
             FileExistsError: ``path`` exists and ``overwrite`` is False, or it belongs to another run (on every
                 rank, before anything is written).
         """
-        if self._fit is None:
-            raise RuntimeError("save_checkpoint() needs a fit first: there is no training state yet; call "
-                               "trainer.fit(model, ...) (or save the weights with torch.save(model.state_dict(), path))")
+        if self._fit is None:  # Lightning's words first
+            raise NoTrainingStateError(
+                "Saving a checkpoint is only possible if a model is attached to the Trainer: save_checkpoint() needs a "
+                "fit first: there is no training state yet; call trainer.fit(model, ...) (or save the weights with "
+                "torch.save(model.state_dict(), path))")
         if path is None:
             return self.write_checkpoint(self.run_dir / "checkpoints", background, weights_only=weights_only)
         rt = self.runtime

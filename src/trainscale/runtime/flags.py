@@ -230,9 +230,10 @@ def check_number(name: str, value: Any, low: float, optional: bool = False, hint
                          + hint)
 
 
-def parse_max_time(value) -> timedelta | None:
-    """``max_time`` as a ``timedelta`` (Lightning's ``Timer``: "DD:HH:MM:SS", a ``timedelta``, or a dict of
-    ``timedelta`` keyword arguments such as ``{"hours": 1, "minutes": 30}``).
+def parse_duration(name: str, value) -> timedelta | None:
+    """A duration flag (``max_time``, a time-based ``val_check_interval``; the ``Timer`` callback's ``duration``)
+    as a ``timedelta``, from Lightning's spellings: "DD:HH:MM:SS", a ``timedelta``, or a dict of ``timedelta``
+    keyword arguments such as ``{"hours": 1, "minutes": 30}``. ``name`` is the flag the errors name.
 
     Raises:
         ValueError: another type, a string of another format, a dict ``timedelta`` refuses, a negative duration.
@@ -242,7 +243,7 @@ def parse_max_time(value) -> timedelta | None:
     if isinstance(value, str):
         match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", value.strip())
         if match is None:
-            raise ValueError(f"max_time={value!r} must be 'DD:HH:MM:SS' (days, hours, minutes, seconds), e.g. "
+            raise ValueError(f"{name}={value!r} must be 'DD:HH:MM:SS' (days, hours, minutes, seconds), e.g. "
                              "'00:12:00:00' for 12 hours")
         days, hours, minutes, seconds = map(int, match.groups())
         value = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
@@ -250,8 +251,13 @@ def parse_max_time(value) -> timedelta | None:
         try:
             value = timedelta(**value)
         except TypeError as err:
-            raise ValueError(f"max_time={value!r}: {err}; pass timedelta's keywords, e.g. {{'hours': 2}}") from None
+            raise ValueError(f"{name}={value!r}: {err}; pass timedelta's keywords, e.g. {{'hours': 2}}") from None
     if not isinstance(value, timedelta) or value < timedelta(0):
-        raise ValueError(f"max_time={value!r} must be 'DD:HH:MM:SS', a datetime.timedelta or a dict of its keywords, "
+        raise ValueError(f"{name}={value!r} must be 'DD:HH:MM:SS', a datetime.timedelta or a dict of its keywords, "
                          "not negative, or None")
     return value
+
+
+class FlagTypeError(TypeError, ValueError):
+    """A flag of the wrong type where Lightning raises ``TypeError`` (``gradient_clip_val=(1, 2)``); also a
+    ``ValueError``, as trainscale's other flag errors, so that either ``except`` catches it."""
