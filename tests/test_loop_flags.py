@@ -352,6 +352,7 @@ def test_a_duration_is_read_as_lightning_reads_it():
     cfg = resolve_trainer_config(val_check_interval="00:01:00:30", check_val_every_n_epoch=None)
     assert cfg.val_check_interval == timedelta(hours=1, seconds=30) and cfg.val_check_seconds == 3630.0
     assert resolve_trainer_config(val_check_interval={"minutes": 2}).val_check_seconds == 120.0
+    assert resolve_trainer_config(val_check_interval="0:0:1:75").val_check_seconds == 135.0  # Lightning's int parts
     assert resolve_trainer_config(val_check_interval=3).val_check_seconds == math.inf
     assert resolve_trainer_config(fast_dev_run=True, val_check_interval="00:00:00:05").val_check_interval is None
     for bad, match in (("1:00:00", "DD:HH:MM:SS"), ({"hourz": 1}, "val_check_interval"),

@@ -233,7 +233,8 @@ def check_number(name: str, value: Any, low: float, optional: bool = False, hint
 def parse_duration(name: str, value) -> timedelta | None:
     """A duration flag (``max_time``, a time-based ``val_check_interval``; the ``Timer`` callback's ``duration``)
     as a ``timedelta``, from Lightning's spellings: "DD:HH:MM:SS", a ``timedelta``, or a dict of ``timedelta``
-    keyword arguments such as ``{"hours": 1, "minutes": 30}``. ``name`` is the flag the errors name.
+    keyword arguments such as ``{"hours": 1, "minutes": 30}``; the string's four parts are any whole numbers
+    ("0:0:90:0" is 90 minutes), as Lightning reads them. ``name`` is the flag the errors name.
 
     Raises:
         ValueError: another type, a string of another format, a dict ``timedelta`` refuses, a negative duration.
@@ -241,7 +242,7 @@ def parse_duration(name: str, value) -> timedelta | None:
     if value is None:
         return None
     if isinstance(value, str):
-        match = re.fullmatch(r"(\d+):(\d\d):(\d\d):(\d\d)", value.strip())
+        match = re.fullmatch(r"(\d+):(\d+):(\d+):(\d+)", value.strip())  # any ints, as Lightning's split
         if match is None:
             raise ValueError(f"{name}={value!r} must be 'DD:HH:MM:SS' (days, hours, minutes, seconds), e.g. "
                              "'00:12:00:00' for 12 hours")
