@@ -129,9 +129,8 @@ def _evaluate_loader(rt: Runtime, loop_module: Any, wrapped: Any, source: tuple[
                      collector: Any, num_batches: float, hook: Callable[..., Any], dataloader_idx: int | None,
                      extra: int) -> tuple[dict[str, torch.Tensor], dict[str, int], int]:
     """One loader's batches (``source``: the loader and :func:`evaluate`'s ``move``; ``dataloader_idx``: its index
-    among several, else None): per key the sum on the device
-    of the step's values times the batch's samples, and the samples of the batches that returned it; the samples
-    seen. Then ``extra`` forwards whose results, ``self.log`` values and Metric updates are discarded."""
+    among several, else None): per key the sum on the device of the step's values times the batch's samples, and the
+    samples of the batches that returned it; the samples seen. Then ``extra`` forwards whose results, ``self.log`` values and Metric updates are discarded."""
     communicates = rt.strategy.forward_communicates
     loader, move = source
     idx = () if dataloader_idx is None else (dataloader_idx,)  # Lightning passes it to the hooks with several only
