@@ -2,8 +2,8 @@
 
 The expected lists are Lightning's (``tests/tests_pytorch/models/test_hooks.py``: ``HookedModel._auto_train_batch``,
 ``_manual_train_batch``, ``_eval_epoch``, ``_predict_batch`` and ``test_trainer_model_hook_system_fit``), keeping the
-hooks trainscale runs and leaving out those it has no counterpart for (batch transfer hooks, ``configure_*``,
-``setup``/``teardown``, the data hooks). The sanity check runs as Lightning's (``num_sanity_val_steps=2`` by default:
+hooks recorded here and leaving out the others (the batch-transfer, ``configure_*`` and mode hooks, checked in
+``tests/test_model_hooks.py``; ``setup``/``teardown``, the data hooks). The sanity check runs as Lightning's (``num_sanity_val_steps=2`` by default:
 ``Callback.on_sanity_check_start``, a validation epoch of at most 2 batches, ``Callback.on_sanity_check_end``, between
 ``on_fit_start`` and ``on_train_start``). As in Lightning's test, a call is recorded when it returns, so ``training_step`` comes
 after the hooks that run inside it under manual optimization. One documented difference is applied to Lightning's

@@ -1582,7 +1582,7 @@ class _LogsIn(Callback):
     def __init__(self, **flags):
         self.flags = flags
 
-    def _log(self, trainer, module, *args):
+    def _log(self, trainer, module, *args, **kwargs):  # setup and teardown get stage by keyword, as in Lightning
         module.log("from_callback", 1.0, **self.flags)
 
 

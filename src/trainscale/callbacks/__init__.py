@@ -7,6 +7,8 @@
                                                 ModelCheckpoint(monitor="val_loss", save_top_k=2)])
 """
 
+from typing import Any
+
 from trainscale.callbacks.backbone_finetuning import BackboneFinetuning
 from trainscale.callbacks.base import Callback
 from trainscale.callbacks.device_stats_monitor import DeviceStatsMonitor
@@ -22,6 +24,7 @@ from trainscale.callbacks.progress_bar import RichProgressBar, TQDMProgressBar
 from trainscale.callbacks.rich_model_summary import RichModelSummary
 from trainscale.callbacks.swa import StochasticWeightAveraging
 from trainscale.callbacks.timer import Timer
+from trainscale.utilities import rank_zero_info
 
 __all__ = ["BackboneFinetuning", "BaseFinetuning", "BasePredictionWriter", "Callback", "DeviceStatsMonitor", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
            "OnExceptionCheckpoint", "RichModelSummary", "RichProgressBar", "StochasticWeightAveraging",
@@ -52,3 +55,40 @@ def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = No
     if default_checkpoint is not None and not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
         callbacks.append(default_checkpoint)
     return callbacks
+
+
+def merge_model_callbacks(callbacks: list[Callback], model_callbacks: Any) -> list[Callback]:
+    """The Trainer's ``callbacks`` with those a module's ``configure_callbacks()`` returned (one callback, a list or
+    tuple, or None/empty: none), as Lightning's ``_attach_model_callbacks`` (``trainer/connectors/callback_connector.py``):
+    a module's callback replaces every Trainer callback whose type is its own or a parent of it (a plain
+    :class:`Callback` excepted), said once on rank zero's log, and the checkpoint callbacks (:class:`ModelCheckpoint`,
+    :class:`OnExceptionCheckpoint`) go last, each group in its order. ``callbacks`` itself is not changed.
+
+    Raises:
+        TypeError: an entry that is not a :class:`Callback`, naming it.
+    """
+    made = _model_callbacks(model_callbacks)
+    if not made:
+        return callbacks
+    replaced = {kind for kind in {type(cb) for cb in callbacks} - {Callback}
+                if any(issubclass(type(cb), kind) for cb in made)}
+    if replaced:
+        rank_zero_info("The following callbacks returned in `LightningModule.configure_callbacks` will override "
+                       f"existing callbacks passed to Trainer: {', '.join(sorted(t.__name__ for t in replaced))}")
+    merged = [cb for cb in callbacks if type(cb) not in replaced] + made
+    last = (ModelCheckpoint, OnExceptionCheckpoint)
+    return [cb for cb in merged if not isinstance(cb, last)] + [cb for cb in merged if isinstance(cb, last)]
+
+
+def _model_callbacks(returned: Any) -> list[Callback]:
+    """What ``configure_callbacks()`` returned, as a list of callbacks.
+
+    Raises:
+        TypeError: an entry that is not a :class:`Callback`, naming it.
+    """
+    made = [returned] if isinstance(returned, Callback) else list(returned or [])
+    wrong = [cb for cb in made if not isinstance(cb, Callback)]
+    if wrong:
+        raise TypeError(f"configure_callbacks returned a {type(wrong[0]).__name__}; return "
+                        "trainscale.callbacks.Callback instances (one, or a list)")
+    return made

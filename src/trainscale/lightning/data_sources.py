@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from trainscale.checkpointing.rng import rng_state, set_rng_state
 from trainscale.lightning.hparams import HyperparametersMixin, checkpoint_init_kwargs
+from trainscale.lightning.module import configure_model
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
@@ -136,7 +137,8 @@ def eval_loaders(loaders: Any, stage: str) -> list:
 def _prepare(runtime: Runtime, datamodule: Any, model: Any, stage: str, set_up_callbacks: Callable[[], None]) -> None:
     """Lightning's order (``_DataConnector.prepare_data``, ``_call_setup_hook``): ``prepare_data()`` of the data
     module then of the model, once per node (local rank 0) while the other ranks wait; then on every rank the data
-    module's ``setup(stage)``, ``set_up_callbacks()`` and the model's ``setup(stage)``. Whether the loaders were
+    module's ``setup(stage)``, ``set_up_callbacks()``, the model's ``setup(stage)`` and its ``configure_model()``
+    (``lightning.module.configure_model``). Whether the loaders were
     passed or come from the hooks; any hook may be missing (a plain ``nn.Module`` has neither)."""
     sources = [source for source in (datamodule, model) if source is not None]
     if any(hasattr(source, "prepare_data") for source in sources):
@@ -150,6 +152,7 @@ def _prepare(runtime: Runtime, datamodule: Any, model: Any, stage: str, set_up_c
     set_up_callbacks()
     if hasattr(model, "setup"):
         model.setup(stage=stage)
+    configure_model(model)  # Lightning's next hook: the layers it builds exist before the strategy wraps the model
 
 
 def _source(stage: str, model: Any, datamodule: Any) -> Any:

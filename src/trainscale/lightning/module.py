@@ -17,8 +17,10 @@ step, whichever kind the user gave.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -28,7 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from trainscale.runtime import hf
-from trainscale.runtime.batch import batch_size
+from trainscale.runtime.batch import batch_size, to_device
 from trainscale.lightning.hparams import HyperparametersMixin, checkpoint_init_kwargs
 
 if TYPE_CHECKING:
@@ -46,6 +48,24 @@ MODULE_HOOKS = (
       for point in ("start", "end", "epoch_start", "epoch_end", "batch_start", "batch_end")),
     "on_save_checkpoint", "on_load_checkpoint",
 )
+# Lightning's hooks that move each batch to the device (``core/hooks.py`` ``DataHooks``), in the order it calls them
+# (``LightningModule._on_before_batch_transfer``, ``_apply_batch_transfer_handler``); a data module's own win
+BATCH_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+# Lightning's hooks that set the module's mode for an evaluation, by stage: (before it, after it); predict has no
+# "after" hook (its modes are always put back)
+MODE_HOOKS = {"validation": ("on_validation_model_eval", "on_validation_model_train"),
+              "test": ("on_test_model_eval", "on_test_model_train"), "predict": ("on_predict_model_eval", None)}
+# Every hook of Lightning 2.6's LightningModule that a user may override: ``core/hooks.py`` (``ModelHooks``,
+# ``DataHooks``, ``CheckpointHooks``) and the overridable methods of ``core/module.py``
+LIGHTNING_HOOKS = (
+    *MODULE_HOOKS, "on_validation_model_zero_grad", *(h for pair in MODE_HOOKS.values() for h in pair if h),
+    "configure_sharded_model", "configure_model", "prepare_data", "setup", "teardown", "train_dataloader",
+    "val_dataloader", "test_dataloader", "predict_dataloader", *BATCH_TRANSFER_HOOKS,
+    "training_step", "validation_step", "test_step", "predict_step", "configure_callbacks", "configure_optimizers",
+    "backward", "configure_gradient_clipping", "lr_scheduler_step", "optimizer_step", "optimizer_zero_grad",
+)
+# The one list of those trainscale calls: a module overriding any other hook is warned (``uncalled_hooks``)
+CALLED_HOOKS = frozenset(LIGHTNING_HOOKS) - {"lr_scheduler_step"}
 
 
 class TrainingModule(HyperparametersMixin, nn.Module):
@@ -86,6 +106,63 @@ class TrainingModule(HyperparametersMixin, nn.Module):
 
     def configure_optimizers(self) -> Any:
         raise NotImplementedError("define configure_optimizers(self) returning an optimizer (or pass optimizer=...)")
+
+    # -- Lightning's hooks with a default that does the work (the Trainer calls an override instead) -------------
+    def configure_callbacks(self) -> Any:
+        """Lightning's hook, at the start of every stage, before ``setup``: a callback or a list of them for this
+        module. Each replaces the Trainer's callbacks of its type (or a parent type); ``ModelCheckpoint`` ones run
+        last (``trainscale.callbacks.merge_model_callbacks``). Default: none."""
+        return []
+
+    def configure_model(self) -> None:
+        """Lightning's hook, in every stage right after ``setup(stage)`` and before the strategy wraps or shards the
+        model: build layers here (under fsdp each rank then shards them as they are made part of the model). Called
+        in every stage of the same process, so make it idempotent (return when the layers exist), as Lightning asks.
+        Default: nothing."""
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Lightning's hook, on every batch of every stage before it goes to the device (on the host; after the
+        precision's input cast): return the batch, changed or not. Default: the batch as it is."""
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Lightning's hook: ``batch`` on ``device``, returned. Default: every tensor of the nested batch moved
+        (``trainscale.runtime.batch.to_device``; asynchronously on CUDA). Override it for a batch type it does not
+        know."""
+        return to_device(batch, device, non_blocking=device.type == "cuda")
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Lightning's hook, on every batch once it is on the device, before ``on_train_batch_start`` (or the
+        stage's): return the batch (a GPU augmentation here). Default: the batch as it is."""
+        return batch
+
+    def on_validation_model_zero_grad(self) -> None:
+        """Lightning's hook, before each validation in ``fit``: free the gradients. trainscale already frees them
+        after every optimizer step, so the default changes nothing here."""
+        self.zero_grad()
+
+    def on_validation_model_eval(self) -> None:
+        """Lightning's hook, before ``on_validation_start``: eval mode (the default). Override it to keep some layers
+        in training mode (dropout on, for Monte Carlo dropout)."""
+        self.trainer.model.eval()
+
+    def on_validation_model_train(self) -> None:
+        """Lightning's hook, after ``on_validation_end``: an override runs in place of the Trainer's default, which
+        puts every submodule back in the mode it had (this method, reached through ``super()``, calls ``train()``)."""
+        self.trainer.model.train()
+
+    def on_test_model_eval(self) -> None:
+        """Lightning's hook, before ``on_test_start``: eval mode (the default)."""
+        self.trainer.model.eval()
+
+    def on_test_model_train(self) -> None:
+        """Lightning's hook, after ``on_test_end``; as :meth:`on_validation_model_train`."""
+        self.trainer.model.train()
+
+    def on_predict_model_eval(self) -> None:
+        """Lightning's hook, before ``on_predict_start``: eval mode (the default). Each submodule's mode is put back
+        after ``on_predict_end``."""
+        self.trainer.model.eval()
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, map_location: Any = None,
@@ -418,8 +495,81 @@ def step_hooks(model: nn.Module) -> frozenset[str]:
     methods of these names are not Lightning's hooks, and none are called."""
     if getattr(model, "training_step", None) is None:
         return frozenset()
-    own = {name: model.__dict__.get(name, getattr(type(model), name, None)) for name in STEP_HOOKS}
-    return frozenset(name for name, fn in own.items() if callable(fn) and fn is not getattr(TrainingModule, name))
+    return module_overrides(model, STEP_HOOKS)
+
+
+def module_overrides(model: nn.Module, names: tuple[str, ...] = LIGHTNING_HOOKS) -> frozenset[str]:
+    """The names among ``names`` (Lightning's hooks) that a Lightning-style ``model`` (one with a step method)
+    defines, on its class or on the instance, other than :class:`TrainingModule`'s default: read once per stage, so
+    that the loops call a hook only where it is overridden and run the default themselves otherwise (as Lightning's
+    ``is_overridden``). A plain module's methods of these names are not Lightning's hooks: none."""
+    if not any(getattr(model, step, None) is not None for step in STEP_METHODS):
+        return frozenset()
+    own = {name: model.__dict__.get(name, getattr(type(model), name, None)) for name in names}
+    return frozenset(name for name, fn in own.items()
+                     if callable(fn) and fn is not getattr(TrainingModule, name, None) and fn is not _no_hook)
+
+
+def uncalled_hooks(model: nn.Module) -> list[str]:
+    """The Lightning hooks ``model`` overrides that trainscale never calls (not in :data:`CALLED_HOOKS`), sorted: the
+    Trainer warns of them at the start of each stage, since the module would run differently under Lightning."""
+    return sorted(module_overrides(model) - CALLED_HOOKS)
+
+
+def configure_model(model: nn.Module) -> None:
+    """Lightning's ``_call_configure_model`` (``trainer/call.py``): the module's ``configure_sharded_model``
+    (Lightning's older name) then ``configure_model``, each where overridden. Called in every stage right after the
+    module's ``setup(stage)`` (``data_sources``), before the strategy moves, wraps or shards the model
+    (``Runtime.setup``), so the layers it builds are sharded under fsdp like those built in ``__init__``."""
+    for name in ("configure_sharded_model", "configure_model"):
+        if name in module_overrides(model, (name,)):
+            getattr(model, name)()
+
+
+class BatchTransfer:
+    """``__call__(batch, dataloader_idx)``: a batch on the device through Lightning's batch-transfer hooks, in its
+    order (``core/module.py`` ``_on_before_batch_transfer``, ``strategy.batch_to_device``): the precision's input cast
+    ("bf16-true"), ``on_before_batch_transfer``, ``transfer_batch_to_device`` (default: the Runtime's move),
+    ``on_after_batch_transfer``. Built by :func:`batch_transfer` only for a module or data module that overrides one
+    of them; the loops then call it where they otherwise call ``Runtime.to_device``."""
+
+    def __init__(self, runtime: Runtime, hooks: dict[str, Callable]) -> None:
+        self.device, self.precision = runtime.device, runtime.precision
+        self.before, self.transfer, self.after = (hooks[name] for name in BATCH_TRANSFER_HOOKS)
+
+    def __call__(self, batch: Any, dataloader_idx: int = 0) -> Any:
+        if self.precision.casts_input:
+            batch = self.precision.convert_input(batch)
+        batch = self.before(batch, dataloader_idx)
+        batch = self.transfer(batch, self.device, dataloader_idx)
+        return self.after(batch, dataloader_idx)
+
+
+def batch_transfer(runtime: Runtime, model: nn.Module, datamodule: Any = None) -> BatchTransfer | None:
+    """A :class:`BatchTransfer` for ``model`` and ``datamodule`` when either overrides a hook of
+    :data:`BATCH_TRANSFER_HOOKS`, else None (the loops then move batches with ``runtime.to_device``, one call per
+    batch as before). Each hook is the data module's where it defines one, else the module's override, else
+    :class:`TrainingModule`'s default, with Lightning's warnings (``_DataHookSelector``) where both define one or where
+    the module's is used although a data module was given."""
+    overridden = module_overrides(model, BATCH_TRANSFER_HOOKS)
+    hooks = {}
+    for name in BATCH_TRANSFER_HOOKS:
+        theirs = getattr(datamodule, name, None)
+        if callable(theirs):
+            hooks[name] = theirs
+            if name in overridden:
+                warnings.warn(f"You have overridden `{name}` in both `LightningModule` and `LightningDataModule`. It "
+                              "will use the implementation from `LightningDataModule` instance.", stacklevel=4)
+        elif name in overridden:
+            hooks[name] = getattr(model, name)
+            if datamodule is not None:
+                warnings.warn(f"You have overridden `{name}` in `LightningModule` but have passed in a "
+                              "`LightningDataModule`. It will use the implementation from `LightningModule` "
+                              "instance.", stacklevel=4)
+    if not hooks:
+        return None
+    defaults = {name: functools.partial(getattr(TrainingModule, name), model) for name in BATCH_TRANSFER_HOOKS}
+    return BatchTransfer(runtime, {**defaults, **hooks})
 
 
 def defined_hooks(model: nn.Module) -> frozenset[str]:
@@ -514,6 +664,7 @@ class LoopModule(nn.Module):
         self.use_loss_fn(loss_fn)
         self.hooks = defined_hooks(model)  # the Lightning hooks the Trainer calls on the model
         self.step_hooks = step_hooks(model)  # the step hooks it overrides (backward, optimizer_step, ...)
+        self.overrides = module_overrides(model)  # every Lightning hook it overrides (the mode hooks, ...)
         step = getattr(model, "training_step", None)
         self.has_training_step = step is not None
         self.step_takes_batch_idx = step is not None and _takes_batch_idx(step)

@@ -26,7 +26,7 @@ from trainscale.checkpointing import checkpointer, run_dirs as ckpt
 from trainscale.checkpointing.rng import fit_seed
 from trainscale.lightning.data_sources import resolve_loaders
 from trainscale.lightning.metrics import MetricCollector, metric_states_kept
-from trainscale.lightning.module import attach_trainer, set_up_model
+from trainscale.lightning.module import MODE_HOOKS, attach_trainer, set_up_model
 from trainscale.loop.state import loader_length
 
 if TYPE_CHECKING:
@@ -81,7 +81,8 @@ def check_dataloader_idx(loop_module: Any, stage: str, several: bool) -> None:
 
 
 def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loaders: list, stage: str, collector: Any,
-             num_batches: list[float] | None = None, hook: Callable[..., Any] = _no_hook) -> list[dict[str, float]]:
+             num_batches: list[float] | None = None, hook: Callable[..., Any] = _no_hook,
+             move: Callable[[Any, int], Any] | None = None) -> list[dict[str, float]]:
     """One dict per loader of ``loaders`` (each evaluated in turn, as Lightning's "sequential" ``CombinedLoader``):
     sample-weighted means over the whole set (or its first ``num_batches[i]`` batches on each rank) of what
     ``<stage>_step`` returned (or loss and accuracy for a plain classifier), prefixed ``val_``/``test_``, plus what
@@ -93,7 +94,9 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loaders: list, st
     ``hook(name, *args)`` runs Lightning's ``on_<stage>_epoch_start`` (once), ``on_<stage>_batch_start(batch,
     batch_idx)``, ``on_<stage>_batch_end(outputs, batch, batch_idx)`` (outputs: the step's dict, a tensor as
     ``{"loss": tensor}``; with several loaders both get ``dataloader_idx`` last) and ``on_<stage>_epoch_end`` (once)
-    (``Trainer._hook``). Sums and counts stay on the device; one all-reduce at the end. A collective: every rank
+    (``Trainer._hook``). ``move(batch, dataloader_idx)`` puts each batch on the device (the module's batch-transfer
+    hooks: ``lightning.module.BatchTransfer``; None: ``runtime.to_device``). The caller sets the module's mode
+    (:func:`model_eval`). Sums and counts stay on the device; one all-reduce at the end. A collective: every rank
     calls it.
 
     Raises:
@@ -112,32 +115,31 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loaders: list, st
         raise ValueError(f"strategy={rt.config.strategy!r} evaluates through collectives, so every rank must know its "
                          "number of batches: give the evaluation loader a map-style data set, or limit_val_batches")
     extra = _extra_forwards(rt, num_batches) if communicates else [0] * len(loaders)
-    modes = eval_mode(wrapped)
     hook(f"on_{stage}_epoch_start")
-    runs = [_evaluate_loader(rt, loop_module, wrapped, loader, stage, collector, n, hook, i if several else None, more)
-            for i, (loader, n, more) in enumerate(zip(loaders, num_batches, extra))]
+    runs = [_evaluate_loader(rt, loop_module, wrapped, (loader, move), stage, collector, n, hook, i if several else None,
+                             more) for i, (loader, n, more) in enumerate(zip(loaders, num_batches, extra))]
     hook(f"on_{stage}_epoch_end")  # what it logs is in every loader's values
     means = _means(rt, runs, prefix, several, f"{stage}_step")
-    restore_modes(modes)
     logged = collector.by_loader(collector.take_epoch_values(), len(loaders))
     collector.reset_metrics()
     return [{**mean, **values} for mean, values in zip(means, logged)]
 
 
-def _evaluate_loader(rt: Runtime, loop_module: Any, wrapped: Any, loader: Any, stage: str, collector: Any,
-                     num_batches: float, hook: Callable[..., Any], dataloader_idx: int | None,
+def _evaluate_loader(rt: Runtime, loop_module: Any, wrapped: Any, source: tuple[Any, Callable | None], stage: str,
+                     collector: Any, num_batches: float, hook: Callable[..., Any], dataloader_idx: int | None,
                      extra: int) -> tuple[dict[str, torch.Tensor], dict[str, int], int]:
-    """One loader's batches (``dataloader_idx``: its index among several, else None): per key the sum on the device
-    of the step's values times the batch's samples, and the samples of the batches that returned it; the samples
-    seen. Then ``extra`` forwards whose results, ``self.log`` values and Metric updates are discarded."""
+    """One loader's batches (``source``: the loader and :func:`evaluate`'s ``move``; ``dataloader_idx``: its index
+    among several, else None): per key the sum on the device of the step's values times the batch's samples, and the
+    samples of the batches that returned it; the samples seen. Then ``extra`` forwards whose results, ``self.log`` values and Metric updates are discarded."""
     communicates = rt.strategy.forward_communicates
+    loader, move = source
     idx = () if dataloader_idx is None else (dataloader_idx,)  # Lightning passes it to the hooks with several only
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}  # samples of the batches that returned each key
     count, batch = 0, None
     collector.dataloader_idx = dataloader_idx
     for batch_idx, batch in enumerate(itertools.islice(loader, None if num_batches == math.inf else num_batches)):
-        batch = rt.to_device(batch)
+        batch = rt.to_device(batch) if move is None else move(batch, dataloader_idx or 0)
         collector.batch_size = _count(batch)
         hook(f"on_{stage}_batch_start", batch, batch_idx, *idx)
         with rt.autocast():
@@ -205,11 +207,12 @@ def _count(batch: Any) -> int:
 
 
 def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loaders: list, hook: Callable[..., Any] = _no_hook,
-            num_batches: list[float] | None = None) -> Any:
+            num_batches: list[float] | None = None, move: Callable[[Any, int], Any] | None = None) -> Any:
     """Every sample's prediction, gathered from all ranks in dataset order (each sample once), between
     Lightning's ``on_predict_epoch_start`` and ``on_predict_epoch_end``, with ``on_predict_batch_start(batch,
     batch_idx)`` and ``on_predict_batch_end(outputs, batch, batch_idx)`` around each batch (``hook(name, *args)``),
     loader after loader; with several loaders ``predict_step`` and the batch hooks get ``dataloader_idx`` last.
+    ``move``: as :func:`evaluate`'s; the caller sets the module's mode (:func:`model_eval`).
 
     Returns:
         With one loader, for a module with Lightning's steps (``loop_module.plain_model`` False), Lightning's list of
@@ -231,24 +234,24 @@ def predict(runtime: Runtime, loop_module: Any, wrapped: Any, loaders: list, hoo
     several = len(loaders) > 1
     check_dataloader_idx(loop_module, "predict", several)
     extra = _extra_forwards(rt, num_batches) if rt.strategy.forward_communicates else [0] * len(loaders)
-    modes = eval_mode(wrapped)
     hook("on_predict_epoch_start")
-    outputs = [_predict_loader(rt, loop_module, wrapped, loader, n, hook, i if several else None, more)
+    outputs = [_predict_loader(rt, loop_module, wrapped, (loader, move), n, hook, i if several else None, more)
                for i, (loader, n, more) in enumerate(zip(loaders, num_batches, extra))]
     hook("on_predict_epoch_end")
-    restore_modes(modes)
     results = [_gathered(rt, loop_module, out) for out in outputs]
     return results if several else results[0]
 
 
-def _predict_loader(rt: Runtime, loop_module: Any, wrapped: Any, loader: Any, num_batches: float,
-                    hook: Callable[..., Any], dataloader_idx: int | None, extra: int) -> list:
-    """One loader's per-batch predictions on this rank (on the CPU), then ``extra`` discarded forwards."""
+def _predict_loader(rt: Runtime, loop_module: Any, wrapped: Any, source: tuple[Any, Callable | None],
+                    num_batches: float, hook: Callable[..., Any], dataloader_idx: int | None, extra: int) -> list:
+    """One loader's per-batch predictions on this rank (on the CPU), then ``extra`` discarded forwards (``source``:
+    as :func:`_evaluate_loader`'s)."""
     communicates = rt.strategy.forward_communicates
+    loader, move = source
     idx = () if dataloader_idx is None else (dataloader_idx,)
     outputs, batch = [], None
     for batch_idx, batch in enumerate(itertools.islice(loader, None if num_batches == math.inf else num_batches)):
-        batch = rt.to_device(batch)
+        batch = rt.to_device(batch) if move is None else move(batch, dataloader_idx or 0)
         hook("on_predict_batch_start", batch, batch_idx, *idx)
         with rt.autocast():
             out = (wrapped(batch, batch_idx, stage="predict", dataloader_idx=dataloader_idx) if communicates
@@ -280,17 +283,31 @@ def _in_batches(ordered: Any, first: Any) -> list:
     return [{k: v[i:i + size] for k, v in ordered.items()} for i in range(0, total, size)]
 
 
-def eval_mode(module: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
-    """Put ``module`` in eval mode for an evaluation; returns each submodule's ``training`` flag before it, for
-    :func:`restore_modes`. Restoring them, rather than calling ``train()``, keeps a submodule the user put in eval
-    mode (a frozen backbone's BatchNorm) so: Lightning's ``_ModuleMode`` (``utilities/model_helpers.py``)."""
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
+def model_eval(trainer: Trainer, loop_module: Any, wrapped: torch.nn.Module,
+               stage: str) -> list[tuple[torch.nn.Module, bool]]:
+    """Lightning's ``on_<stage>_model_eval`` before an evaluation's ``on_<stage>_start``: the module's override where
+    it has one (Monte Carlo dropout keeps its dropout on), else ``wrapped.eval()``. Returns each submodule's
+    ``training`` flag from before, for :func:`model_train`."""
+    modes = [(m, m.training) for m in wrapped.modules()]
+    hook = MODE_HOOKS[stage][0]
+    if hook in loop_module.overrides:
+        with trainer._running(hook):
+            getattr(loop_module.model, hook)()
+    else:
+        wrapped.eval()
     return modes
 
 
-def restore_modes(modes: list[tuple[torch.nn.Module, bool]]) -> None:
-    """Set each submodule's ``training`` flag back to what :func:`eval_mode` found."""
+def model_train(trainer: Trainer, loop_module: Any, modes: list[tuple[torch.nn.Module, bool]], stage: str) -> None:
+    """Lightning's ``on_<stage>_model_train`` after an evaluation's ``on_<stage>_end``: the module's override where it
+    has one, else each submodule's ``training`` flag as :func:`model_eval` found it. Restoring the flags, rather than
+    calling ``train()``, keeps a submodule the user put in eval mode (a frozen backbone's BatchNorm) so: Lightning's
+    ``_ModuleMode`` (``loops/utilities.py``). Predict has no such hook: its flags are always restored."""
+    hook = MODE_HOOKS[stage][1]
+    if hook is not None and hook in loop_module.overrides:
+        with trainer._running(hook):
+            getattr(loop_module.model, hook)()
+        return
     for m, training in modes:
         m.training = training
 
@@ -468,6 +485,7 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     ``verbose``: rank zero prints the results (:func:`results_table`)."""
     rt = trainer.runtime
     attach_trainer(model, trainer)  # self.trainer inside the module's setup(stage), as Lightning
+    trainer.start_stage(model)  # configure_callbacks, the warning about hooks trainscale never calls
     if datamodule is not None:
         trainer.datamodule = datamodule
     dataloaders, _ = resolve_loaders(rt, method, model, dataloaders, datamodule,
@@ -513,9 +531,12 @@ def _predict_stage(trainer: Trainer, model: Any, loop_module: Any, wrapped: Any,
     teardown hooks; ``num_batches`` (each loader's, under ``limit_predict_batches``) in
     ``trainer.num_predict_batches``."""
     trainer.num_predict_batches = num_batches
+    modes = model_eval(trainer, loop_module, wrapped, "predict")
     trainer._hook("on_predict_start")
-    predictions = predict(trainer.runtime, loop_module, wrapped, loaders, trainer._hook, num_batches)
+    predictions = predict(trainer.runtime, loop_module, wrapped, loaders, trainer._hook, num_batches,
+                          trainer.batch_transfer)
     trainer._hook("on_predict_end")
+    model_train(trainer, loop_module, modes, "predict")
     teardown(trainer, model, "predict")
     return predictions
 
@@ -529,7 +550,7 @@ def teardown(trainer: Trainer, model: Any, stage: str) -> None:
     if callable(hook):
         hook(stage=stage)
     for cb in trainer.callbacks:
-        cb.teardown(trainer, model, stage)
+        cb.teardown(trainer, model, stage=stage)  # by keyword, as Lightning calls it
     hook = getattr(model, "teardown", None)
     if callable(hook):
         hook(stage=stage)
@@ -574,10 +595,11 @@ def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loaders: li
     trainer.metric_collector = stage_collector = MetricCollector(trainer.runtime, stage, routes_of=collector)
     if num_batches is None:
         num_batches = [trainer.config.eval_batches(stage, loader_length(loader)) for loader in loaders]
+    modes = model_eval(trainer, loop_module, wrapped, stage)
     try:
         trainer._hook(f"on_{stage}_start")
         per_loader = evaluate(trainer.runtime, loop_module, wrapped, loaders, stage, stage_collector, num_batches,
-                              trainer._hook)
+                              trainer._hook, trainer.batch_transfer)
     finally:
         trainer.metric_collector = collector
     results = merged(per_loader)
@@ -587,4 +609,5 @@ def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loaders: li
     logged = {k: v for k, v in results.items() if k in stage_collector.logged}
     trainer._publish(loop_module.plain_model, results, logged, stage_collector)
     trainer._hook(f"on_{stage}_end")
+    model_train(trainer, loop_module, modes, stage)
     return per_loader

@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 from torch import nn
 
-from trainscale.callbacks import Callback, ModelCheckpoint, ModelSummary, TQDMProgressBar, resolve_callbacks
+from trainscale.callbacks import (Callback, ModelCheckpoint, ModelSummary, TQDMProgressBar, merge_model_callbacks,
+                                  resolve_callbacks)
 from trainscale.callbacks.base import HOOKS, overridden_hooks
 from trainscale.utilities.rank_zero import log_info
 from trainscale.loggers import resolve_loggers
@@ -46,7 +47,8 @@ from trainscale.lightning.hparams import drop_unpicklable
 from trainscale.loop.config import TrainerConfig, resolve_trainer_config, say_one_batch_limits, warn_default_max_epochs
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
-from trainscale.lightning.module import attach_trainer, defined_hooks, set_up_model
+from trainscale.lightning.module import (BatchTransfer, attach_trainer, batch_transfer, defined_hooks,
+                                         module_overrides, set_up_model, uncalled_hooks)
 from trainscale.lightning.optimizers import ManualOptimizer, StepOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
 from trainscale.loop.records import MetricsProcessor, epoch_label, epoch_line, epoch_record, run_header
@@ -331,6 +333,7 @@ class Trainer:
         self.is_step_end = False  # in on_train_batch_end: this micro-batch ended an optimizer step
         self._step_before = 0  # global_step before the last optimizer step (is_log_step)
         self._active_hooks = HOOKS  # the hooks someone defines (_arm_hooks); all until a model is set up
+        self.batch_transfer: BatchTransfer | None = None  # the module's batch-transfer hooks, if any (_arm_hooks)
         self.running_hook: str | None = None  # the Lightning hook running now: where self.log may log (metrics.py)
 
     def _default_checkpoint(self) -> ModelCheckpoint | None:
@@ -531,6 +534,7 @@ class Trainer:
                                    val_dataloaders=val_dataloaders, loss_fn=loss_fn, optimizer=optimizer,
                                    ckpt_path=ckpt_path, ckpt_verify=ckpt_verify, datamodule=datamodule)
         attach_trainer(model, self)  # self.trainer inside the module's setup(stage), as Lightning
+        self.start_stage(model)
         self.datamodule = datamodule
         reload = fit_loader_hooks(model, train_dataloaders, val_dataloaders, datamodule)
         train_dataloaders, val_dataloaders = resolve_fit_loaders(self.runtime, model, train_dataloaders, val_dataloaders,
@@ -717,7 +721,9 @@ class Trainer:
         with self.metric_collector.epoch_hook():
             self._hook("on_train_epoch_start")
         fit.telemetry.start()
-        steps = micro_batches(rt.prefetch(batches), cfg.accumulate_grad_batches, remaining, start=fit.epoch_offset)
+        # prefetch moves each batch ahead of its step; the module's batch-transfer hooks move it in the step instead
+        ahead = rt.prefetch(batches) if self.batch_transfer is None else batches
+        steps = micro_batches(ahead, cfg.accumulate_grad_batches, remaining, start=fit.epoch_offset)
         while self.state.global_step < cfg.step_limit and not self._stop_now(epoch) and self.train_step(fit, steps):
             pass
         if fit.epoch_batches == math.inf and self.state.global_step < cfg.step_limit:  # the iterator ended the epoch
@@ -729,8 +735,10 @@ class Trainer:
         hooks where Lightning calls them (each callback's, then the module's: :meth:`_hook`). False when the
         epoch had no micro-batch left.
 
-        1. Each micro-batch: to the device, ``on_train_batch_start``, forward under autocast, backward of the
-           loss ÷ micro-batches per step (the module's ``backward`` hook when it has one) between
+        1. Each micro-batch: to the device (through the module's ``on_before_batch_transfer``,
+           ``transfer_batch_to_device`` and ``on_after_batch_transfer`` where it overrides one, as Lightning;
+           decided once per stage: :attr:`batch_transfer`), ``on_train_batch_start``, forward under autocast,
+           backward of the loss ÷ micro-batches per step (the module's ``backward`` hook when it has one) between
            ``on_before_backward`` and ``on_after_backward``; the gradient
            all-reduce (ddp) or reduce-scatter (fsdp) runs on the step's last micro-batch only
            (``no_backward_sync``). Under pp one schedule step does forward and backward; under manual
@@ -778,7 +786,10 @@ class Trainer:
         first_batch = self.state.batches  # this step's first micro-batch in the epoch
         # 1. Forward and backward, micro-batch by micro-batch.
         for micro in steps:
-            batch = rt.to_device(micro.batch)  # on CUDA already there: prefetch copied it while the last step ran
+            if self.batch_transfer is None:
+                batch = rt.to_device(micro.batch)  # on CUDA already there: prefetch copied it while the last step ran
+            else:  # the module's on_before_batch_transfer, transfer_batch_to_device, on_after_batch_transfer
+                batch = self.batch_transfer(micro.batch, 0)
             fit.books.batch_ready(batch)  # the data phase ends; samples and tokens (self.log's batch size)
             self._hook("on_train_batch_start", batch, micro.index)
             with prof.profile("training_step_and_backward"):  # its end advances PyTorchProfiler's schedule
@@ -1003,6 +1014,8 @@ class Trainer:
         """Validation during ``fit`` (``evaluation.evaluate_stage``: its hooks, ``callback_metrics``); a mid-epoch
         one is also written as a "validation" record (an epoch-end one goes in the epoch record)."""
         self.validating = True  # Lightning's stage, back to training after it
+        if "on_validation_model_zero_grad" in fit.loop_module.overrides:  # the default: nothing here (see its doc)
+            fit.model.on_validation_model_zero_grad()
         results = evaluation.merged(evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader,
                                                               "validation"))
         self.training = True
@@ -1189,6 +1202,9 @@ class Trainer:
         """Read once per fit or evaluation which hooks some callback overrides or ``model`` defines: :meth:`_hook`
         returns at once for the others (six hook points per step cost no lookup when nobody listens)."""
         self._active_hooks = defined_hooks(model).union(*(overridden_hooks(cb) for cb in self.callbacks))
+        # Lightning's batch-transfer hooks, where the module or data module overrides one; else None: the loops move
+        # each batch with Runtime.to_device, no call more per batch
+        self.batch_transfer = batch_transfer(self.runtime, model, self.datamodule)
 
     def _hook(self, hook: str, *args: Any, monitoring: bool | None = None, module_first: bool = False) -> None:
         """Lightning's hook ``hook``: each callback's (``hook(trainer, module, *args)``), then the module's
@@ -1226,6 +1242,29 @@ class Trainer:
         if callable(hook := getattr(self.datamodule, "on_exception", None)):
             hook(err)
 
+    def start_stage(self, model: nn.Module) -> None:
+        """What Lightning does with the module as each stage (``fit``/``validate``/``test``/``predict``) starts, before
+        any ``setup``: its ``configure_callbacks()`` merged into :attr:`callbacks` (``merge_model_callbacks``:
+        Lightning's ``_attach_model_callbacks``), and, where it overrides a Lightning hook trainscale never calls
+        (``lightning.module.uncalled_hooks``), one warning naming them on rank zero.
+
+        Raises:
+            TypeError: ``configure_callbacks`` returned something other than callbacks."""
+        if "configure_callbacks" in module_overrides(model, ("configure_callbacks",)):
+            with self._running("configure_callbacks"):
+                self.callbacks = merge_model_callbacks(self.callbacks, model.configure_callbacks())
+            self.checkpoint_callbacks = [cb for cb in self.callbacks
+                                         if isinstance(cb, ModelCheckpoint) and self.config.writes_files]
+            bars = [cb for cb in self.callbacks if isinstance(cb, TQDMProgressBar)]
+            if bars and bars[0] is not self.progress_bar_callback:
+                self.progress_bar_callback, bars[0].trainer = bars[0], self
+        uncalled = uncalled_hooks(model)
+        if uncalled and self.runtime.is_rank_zero:
+            warnings.warn(f"{type(model).__name__} overrides {', '.join(f'`{name}`' for name in uncalled)}, which "
+                          "Lightning calls and trainscale never does: the module runs as if it did not define "
+                          f"{'them' if len(uncalled) > 1 else 'it'}. Move that work into a hook trainscale calls "
+                          "(docs/lightning.md, Hooks)", UserWarning, stacklevel=3)
+
     def set_up_callbacks(self, model: nn.Module, stage: str) -> None:
         """Lightning's ``Callback.setup(trainer, module, stage)`` of each callback, in every stage: after the data
         module's ``setup(stage)``, before the module's (``data_sources.resolve_loaders`` calls it between them), so
@@ -1235,7 +1274,7 @@ class Trainer:
             for cb in self.callbacks:
                 if hasattr(model, "log_dict"):
                     cb.log, cb.log_dict = model.log, model.log_dict
-                cb.setup(self, model, stage)
+                cb.setup(self, model, stage=stage)  # by keyword, as Lightning calls it
 
     @contextlib.contextmanager
     def _running(self, hook: str):
