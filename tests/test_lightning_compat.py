@@ -408,6 +408,9 @@ def test_max_steps_0_trains_nothing_and_predict_can_return_nothing(tmp_path):
         def forward(self, x):
             return self.layer(x)
 
+        def predict_step(self, batch, batch_idx):  # the default would call forward on the (x, y) pair
+            return self(batch[0])
+
     model = Model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = _trainer(tmp_path, max_steps=0, num_sanity_val_steps=0)
@@ -2897,3 +2900,61 @@ def test_a_bad_pl_global_seed_is_an_error_naming_the_variable(monkeypatch):
             trainscale.seed_everything()
     monkeypatch.setenv("PL_GLOBAL_SEED", "7")
     assert fit_seed(None) == 7 and fit_seed(3) == 3
+
+
+# -- is_overridden, is_picklable and the default predict_step ---------------------------------------------------------
+def test_is_overridden_compares_with_the_base_class_and_unwraps_what_lightning_unwraps():
+    import functools
+    from unittest import mock
+
+    from trainscale.callbacks import Callback
+    from trainscale.utilities import is_picklable
+    from trainscale.utilities.model_helpers import is_overridden
+
+    model = Probe()  # defines on_train_epoch_start, not on_test_epoch_start
+    assert is_overridden("training_step", model) and is_overridden("on_train_epoch_start", model)
+    assert not is_overridden("on_test_epoch_start", model) and not is_overridden("predict_step", model)
+    assert not is_overridden("on_test_epoch_start", None)
+    model.on_train_epoch_start = None  # a hook switched off on the instance is not overridden
+    assert not is_overridden("on_train_epoch_start", model)
+
+    class Stopper(Callback):
+        def on_fit_end(self, trainer, pl_module):
+            pass
+
+    stopper = Stopper()
+    assert is_overridden("on_fit_end", stopper) and not is_overridden("on_fit_start", stopper)
+    stopper.on_fit_end = functools.partial(Callback.on_fit_end, stopper)  # the base's code again, partly applied
+    assert not is_overridden("on_fit_end", stopper)
+    stopper.on_fit_end = mock.Mock(wraps=Stopper.on_fit_end)
+    assert is_overridden("on_fit_end", stopper)
+    with pytest.raises(ValueError, match="parent="):
+        is_overridden("forward", nn.Linear(1, 1))
+    assert is_overridden("forward", nn.Linear(1, 1), parent=nn.Module)
+    assert not is_overridden("configure_model", model)  # a hook neither class has
+
+    class Configured(Probe):
+        def configure_model(self):  # Lightning's hook, not TrainingModule's: nothing to compare it with
+            pass
+
+    with pytest.raises(ValueError, match="defines no configure_model"):
+        is_overridden("configure_model", Configured())
+    assert is_picklable({"lr": 0.1}) and not is_picklable(lambda: 0)
+
+
+def test_the_default_predict_step_calls_the_module_on_the_whole_batch(tmp_path):
+    class Doubler(Probe):
+        def forward(self, x):
+            return 2 * x
+
+    class Shifted(Doubler):
+        def predict_step(self, batch, batch_idx):
+            return super().predict_step(batch, batch_idx) + 1
+
+    inputs = torch.arange(6.0).reshape(3, 2)
+    loader = DataLoader(inputs, batch_size=2)  # batches of inputs only: the default passes each one whole
+    predicted = _trainer(tmp_path).predict(Doubler(), loader)
+    assert [p.tolist() for p in predicted] == [[[0.0, 2.0], [4.0, 6.0]], [[8.0, 10.0]]]
+    shifted = _trainer(tmp_path).predict(Shifted(), loader)
+    assert torch.equal(torch.cat(shifted), 2 * inputs + 1)
+    assert torch.equal(Doubler().predict_step(batch=inputs), 2 * inputs)

@@ -70,6 +70,13 @@ class TrainingModule(HyperparametersMixin, nn.Module):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         raise NotImplementedError("define training_step(self, batch, batch_idx) returning the loss")
 
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's output on the whole batch, ``self(batch)``: Lightning's default ``predict_step`` (the batch
+        is the first argument, or the ``batch=`` keyword). Override it to unpack the batch (``x, _ = batch``) or to
+        predict otherwise; ``super().predict_step(batch, batch_idx)`` calls this one."""
+        batch = kwargs["batch"] if "batch" in kwargs else args[0]
+        return self(batch)
+
     def freeze(self) -> TrainingModule:
         """Every parameter ``requires_grad=False`` and the module in eval mode, for inference (Lightning's
         ``freeze``); returns the module."""
