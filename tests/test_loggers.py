@@ -333,6 +333,23 @@ def test_tensorboard_logger_keeps_every_hyperparameter_in_hparams_yaml_as_lightn
     assert logger.hparams["dtype"] is torch.float32  # kept in memory; only the file leaves it out
 
 
+def test_tensorboard_logger_save_flushes_its_writer_and_writes_a_missing_hparams_yaml(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install 'trainscale[tensorboard]'")
+    import yaml
+
+    TensorBoardLogger().save()  # before a run, without a save_dir: nothing to write, and no error
+    logger = TensorBoardLogger(tmp_path, name="exp")
+    logger.log_hyperparams({"width": 8})
+    flushed = []
+    monkeypatch.setattr(logger.experiment, "flush", lambda: flushed.append(True))
+    hparams_file = Path(logger.log_dir) / TensorBoardLogger.NAME_HPARAMS_FILE
+    hparams_file.unlink()
+    logger.save()
+    assert flushed == [True]
+    assert yaml.safe_load(hparams_file.read_text()) == {"width": 8}
+    logger.finalize("success")
+
+
 def test_hparams_yaml_functions_write_and_read_as_lightnings(tmp_path):
     from argparse import Namespace
 
