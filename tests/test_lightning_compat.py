@@ -2958,3 +2958,67 @@ def test_the_default_predict_step_calls_the_module_on_the_whole_batch(tmp_path):
     shifted = _trainer(tmp_path).predict(Shifted(), loader)
     assert torch.equal(torch.cat(shifted), 2 * inputs + 1)
     assert torch.equal(Doubler().predict_step(batch=inputs), 2 * inputs)
+
+
+# -- Trainer(plugins=...) and Trainer(barebones=True) -------------------------------------------------------------------
+def test_plugins_none_or_empty_are_taken_and_a_plugin_object_names_the_flag_to_use(tmp_path):
+    for empty in (None, [], ()):
+        _trainer(tmp_path, plugins=empty)
+
+    # stand-ins named as Lightning's base classes: the refusal reads the plugin's class hierarchy
+    class Precision:
+        pass
+
+    class HalfPrecision(Precision):
+        pass
+
+    class ClusterEnvironment:
+        pass
+
+    class SLURMEnvironment(ClusterEnvironment):
+        pass
+
+    class LayerSync:
+        pass
+
+    for plugin, instead in [(HalfPrecision(), r"Trainer\(precision=\.\.\.\)"),
+                            ([SLURMEnvironment()], "reads the launcher's variables itself"),
+                            (LayerSync(), r"Trainer\(sync_batchnorm=True\)"),
+                            ("bitsandbytes", "Precision, CheckpointIO, ClusterEnvironment and LayerSync")]:
+        with pytest.raises(ValueError, match=f"trainscale takes no plugins; .*{instead}"):
+            _trainer(tmp_path, plugins=plugin)
+
+
+def test_barebones_turns_off_what_costs_speed_writes_nothing_and_ignores_self_log(tmp_path, caplog):
+    import logging
+
+    class Logging(Probe):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("seen", 1.0)
+            return loss
+
+    with caplog.at_level(logging.INFO):
+        trainer = Trainer(accelerator="cpu", barebones=True, default_root_dir=tmp_path / "root", max_epochs=1)
+    assert "You are running in `Trainer(barebones=True)` mode" in caplog.text
+    cfg = trainer.config
+    assert not (cfg.enable_checkpointing or cfg.enable_progress_bar or cfg.enable_model_summary
+                or cfg.enable_telemetry or cfg.writes_files)
+    assert cfg.num_sanity_val_steps == 0 and trainer.loggers == [] and trainer.checkpoint_callbacks == []
+    assert trainer.progress_bar_callback is None
+    with pytest.warns(UserWarning, match=r"`self.log\(\)` but `Trainer\(barebones=True\)` is configured"):
+        trainer.fit(Logging(), _loader())
+    assert trainer.global_step == 4 and "seen" not in trainer.callback_metrics
+    assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.parametrize("flags, named", [
+    ({"fast_dev_run": True}, "fast_dev_run=True"), ({"detect_anomaly": True}, "detect_anomaly=True"),
+    ({"num_sanity_val_steps": -1}, "num_sanity_val_steps=-1"), ({"checkpoint_every_n_steps": 5},
+                                                                "checkpoint_every_n_steps=5"),
+    ({"logger": True}, "logger=True"), ({"profiler": "simple"}, "profiler='simple'"),
+    ({"callbacks": [ModelCheckpoint()]}, "found `ModelCheckpoint` in callbacks list")])
+def test_barebones_refuses_what_it_turns_off_when_given(tmp_path, flags, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        _trainer(tmp_path, barebones=True, **flags)
+    _trainer(tmp_path, barebones=True, num_sanity_val_steps=0, logger=False)  # the values it sets itself

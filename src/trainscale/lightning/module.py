@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -258,7 +259,8 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         ``trainer.progress_bar_metrics`` (and the bar), ``logger=True`` (the default) in ``trainer.logged_metrics``
         (``logger=False`` still records it in ``metrics.jsonl`` and the loggers). While one of several evaluation
         loaders runs, the name is recorded as ``name/dataloader_idx_N`` (N: the loader's index), unless
-        ``add_dataloader_idx=False`` (then give each loader's values their own name), as in Lightning.
+        ``add_dataloader_idx=False`` (then give each loader's values their own name), as in Lightning. Under
+        ``Trainer(barebones=True)`` nothing is logged, with Lightning's warning.
 
         Raises:
             ValueError: an unknown ``reduce_fx``, a value that is not a number, a tensor or a torchmetrics
@@ -272,6 +274,10 @@ class TrainingModule(HyperparametersMixin, nn.Module):
                 ``on_step=True`` in an epoch hook (``on_train_epoch_end``, ``on_validation_epoch_start``, ...).
         """
         trainer = self.trainer
+        if trainer.config.barebones:  # Lightning's rule: logging is off in barebones mode
+            warnings.warn("You are trying to `self.log()` but `Trainer(barebones=True)` is configured. Logging can "
+                          "impact raw speed so it is disabled under this setting.", UserWarning, stacklevel=2)
+            return
         trainer.metric_collector.log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
                                      sync_dist=sync_dist, reduce_fx=reduce_fx, batch_size=batch_size, logger=logger,
                                      hook=trainer.running_hook, add_dataloader_idx=add_dataloader_idx)

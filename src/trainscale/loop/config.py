@@ -15,8 +15,9 @@ import warnings
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+from trainscale.callbacks import ModelCheckpoint
 from trainscale.runtime.flags import check_flags, check_int, flag, make_flags, parse_max_time
 
 _log = logging.getLogger(__name__)  # Lightning's notes at INFO (say_one_batch_limits)
@@ -169,6 +170,11 @@ class TrainerConfig:
         benchmark: the value ``torch.backends.cudnn.benchmark`` is set to in ``Trainer()`` (Lightning's flag: True
             lets cuDNN try its convolution algorithms for each input shape and keep the fastest); None: False with
             ``deterministic``, else left as it is.
+        barebones: Lightning's mode for measuring the loop's own overhead: no checkpoints, progress bar, model
+            summary, sanity check, telemetry, loggers or profiler, nothing written (no run directory), and
+            ``self.log`` ignored with a warning; ``fast_dev_run``, ``detect_anomaly``, ``checkpoint_every_n_steps``,
+            ``tensorboard``, a ``num_sanity_val_steps`` other than 0 (or the default), a ``logger`` or a ``profiler``
+            with it are a ``ValueError``, as in Lightning.
     """
 
     max_epochs: int | None = None  # the rules of max_epochs and max_steps: _loop_limits
@@ -215,6 +221,7 @@ class TrainerConfig:
     reload_dataloaders_every_n_epochs: int = flag(0, low=0)
     detect_anomaly: bool = flag(False)
     benchmark: bool | None = flag(None)
+    barebones: bool = flag(False)
 
     def train_batches(self, full: float) -> float:
         """An epoch's micro-batches under ``limit_train_batches``, of ``full`` without it (infinite: an iterable's)."""
@@ -294,8 +301,15 @@ class TrainerConfig:
 
     @property
     def writes_files(self) -> bool:
-        """False under ``fast_dev_run``: no run directory, checkpoint, logger or record."""
-        return not self.fast_dev_run
+        """False under ``fast_dev_run`` and ``barebones``: no run directory, checkpoint, logger or record."""
+        return not (self.fast_dev_run or self.barebones)
+
+    @property
+    def why_no_files(self) -> str:
+        """Why nothing is written, for the run's header line (when :attr:`writes_files` is False)."""
+        if self.fast_dev_run:
+            return f"fast_dev_run: {self.max_steps} batch(es) of each loop, nothing written"
+        return "barebones: nothing written"
 
 
 
@@ -417,6 +431,52 @@ def _check_val_schedule(cfg: TrainerConfig) -> None:
                          f"int (every N training batches of the run), not {interval!r}")
 
 
+# What Trainer(barebones=True) turns off (Lightning's opt-outs, and trainscale's telemetry), and the flags it refuses
+# when given (Lightning's opt-ins; trainscale's own checkpoints and TensorBoard), each with its value that is "off".
+_BAREBONES_OFF = {"enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+                  "num_sanity_val_steps": 0, "enable_telemetry": False}
+_BAREBONES_REFUSED = {"fast_dev_run": False, "detect_anomaly": False, "checkpoint_every_n_steps": None,
+                      "tensorboard": False}
+
+
+def _barebones_overrides(cfg: TrainerConfig) -> dict:
+    """What ``barebones`` sets, as Lightning's ``Trainer.__init__``: the features that cost speed off.
+
+    Raises:
+        ValueError: a flag it refuses given (``_BAREBONES_REFUSED``), or ``num_sanity_val_steps`` other than 0 or its
+            default (Lightning refuses any given value but 0; trainscale cannot tell its default from a given 2).
+    """
+    if not cfg.barebones:
+        return {}
+    given = [f"{name}={getattr(cfg, name)!r}" for name, off in _BAREBONES_REFUSED.items() if getattr(cfg, name) != off]
+    if cfg.num_sanity_val_steps not in (0, TrainerConfig.num_sanity_val_steps):
+        given.append(f"num_sanity_val_steps={cfg.num_sanity_val_steps!r}")
+    if given:
+        raise ValueError(f"Trainer(barebones=True, {', '.join(given)}): barebones mode turns off what may slow the "
+                         "loop down; drop barebones=True, or those flags")
+    return dict(_BAREBONES_OFF)
+
+
+def barebones_logger(cfg: TrainerConfig, logger: Any, profiler: Any, callbacks: Any) -> Any:
+    """The ``logger`` flag under ``barebones``: False (no logger); as given without it.
+
+    Raises:
+        ValueError: under ``barebones``, a ``logger`` other than None or False, a ``profiler``, or a
+            ``ModelCheckpoint`` in ``callbacks`` (Lightning's rules; its words for the last).
+    """
+    if not cfg.barebones:
+        return logger
+    given = [f"{name}={value!r}" for name, value in (("logger", logger), ("profiler", profiler))
+             if value is not None and value is not False]
+    if given:
+        raise ValueError(f"Trainer(barebones=True, {', '.join(given)}): barebones mode has no loggers and no profiler; "
+                         "drop barebones=True, or those flags")
+    if any(isinstance(cb, ModelCheckpoint) for cb in (callbacks if isinstance(callbacks, (list, tuple)) else [callbacks])):
+        raise ValueError("Trainer was configured with `enable_checkpointing=False` (by barebones=True) but found "
+                         "`ModelCheckpoint` in callbacks list.")
+    return False
+
+
 def _debugging_overrides(cfg: TrainerConfig) -> dict:
     """What ``overfit_batches`` and ``fast_dev_run`` set, as Lightning's ``_init_debugging_flags``."""
     out: dict = {}
@@ -458,5 +518,6 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
                          "(or pass tensorboard=False; metrics.jsonl is always written)")
     max_time, root = parse_max_time(cfg.max_time), _root_dir(cfg.default_root_dir)
     resolved = replace(cfg, default_root_dir=root, max_time=max_time,
-                       fast_dev_run=cfg.fast_dev_run if cfg.fast_dev_run != 1 else True)
+                       fast_dev_run=cfg.fast_dev_run if cfg.fast_dev_run != 1 else True,
+                       **_barebones_overrides(cfg))
     return replace(resolved, **_debugging_overrides(resolved))

@@ -30,6 +30,7 @@ from trainscale.loggers import resolve_loggers
 from trainscale.loggers.log_dirs import agree_log_dirs, trainer_log_dir
 from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, PipelineScheduleFlag, PrecisionFlag,
                                       StrategyFlag, names_closest_flag)
+from trainscale.runtime.connector import check_plugins
 from trainscale.runtime.runtime import Runtime
 from trainscale.runtime.strategies import Strategy
 from trainscale.telemetry.flops import resolve_count_flops
@@ -43,7 +44,8 @@ from trainscale.checkpointing.writes import CheckpointWrites
 from trainscale.loop.data_checks import check_loaders, explain_batch_error, overfit_order, warn_unshuffled
 from trainscale.lightning.data_sources import fit_loader_hooks, resolve_fit_loaders
 from trainscale.lightning.hparams import drop_unpicklable
-from trainscale.loop.config import TrainerConfig, resolve_trainer_config, say_one_batch_limits, warn_default_max_epochs
+from trainscale.loop.config import (TrainerConfig, barebones_logger, resolve_trainer_config, say_one_batch_limits,
+                                    warn_default_max_epochs)
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
 from trainscale.lightning.module import attach_trainer, defined_hooks, set_up_model
@@ -84,7 +86,7 @@ class Trainer:
 
     @names_closest_flag
     def __init__(self, *, callbacks: list[Callback] | None = None, logger: Any = None, runtime: Runtime | None = None,
-                 profiler: Profiler | Literal["simple", "advanced", "pytorch"] | None = None,
+                 profiler: Profiler | Literal["simple", "advanced", "pytorch"] | None = None, plugins: Any = None,
                  # the Runtime's flags (RuntimeFlags), described in Runtime.__init__
                  accelerator: AcceleratorFlag = "auto", devices: int | Literal["auto"] = "auto",
                  strategy: StrategyFlag | Strategy = "auto", num_nodes: int | None = None,
@@ -116,7 +118,7 @@ class Trainer:
                  overfit_batches: int | float = 0.0, deterministic: bool | Literal["warn"] | None = None,
                  enable_model_summary: bool = True, use_distributed_sampler: bool = True,
                  reload_dataloaders_every_n_epochs: int = 0, detect_anomaly: bool = False,
-                 benchmark: bool | None = None) -> None:
+                 benchmark: bool | None = None, barebones: bool = False) -> None:
         """The Runtime's flags (accelerator, devices, strategy, num_nodes, precision, timeout, strategy_options,
         sync_batchnorm, activation_checkpointing, compile, float32_matmul_precision, parallel, tp_plan, parallelize,
         pp_schedule, pp_microbatches, pp_split_points) are described in ``Runtime.__init__``; the loop's are fields of
@@ -131,6 +133,9 @@ class Trainer:
             profiler: "simple", "advanced", "pytorch" or a ``trainscale.profilers.Profiler`` (Lightning's flag; None:
                 none). It times the regions ``train_step`` names (``with prof.profile(...)``) during ``fit``; its
                 report at the end of ``fit``; "pytorch" writes a Chrome trace per rank into the run directory.
+            plugins: Lightning's flag: None or an empty list. A plugin object is a ``ValueError`` naming the flag that
+                does its work here (a precision plugin: ``precision``; ``TorchSyncBatchNorm``: ``sync_batchnorm``) or
+                why there is none (cluster environments are read from the launcher; checkpoints are the strategy's).
             max_epochs: epochs to train (>= 0; -1: no limit). None (the default): no limit when ``max_steps`` or
                 ``max_time`` is set (Lightning's rule); 1000 with a warning when only ``min_epochs``/``min_steps`` is
                 (Lightning's default); else 1 (Lightning: 1000 with a warning).
@@ -234,6 +239,11 @@ class Trainer:
             benchmark: the value ``torch.backends.cudnn.benchmark`` is set to in ``Trainer()`` (Lightning's flag: True
                 lets cuDNN try its convolution algorithms for each input shape and keep the fastest); None: False with
                 ``deterministic``, else left as it is.
+            barebones: Lightning's mode for measuring the loop's own overhead: no checkpoints, progress bar, model
+                summary, sanity check, telemetry, loggers or profiler, nothing written (no run directory), and
+                ``self.log`` ignored with a warning; ``fast_dev_run``, ``detect_anomaly``, ``checkpoint_every_n_steps``,
+                ``tensorboard``, a ``num_sanity_val_steps`` other than 0 (or the default), a ``logger`` or a
+                ``profiler`` with it are a ``ValueError``, as in Lightning.
 
         Raises:
             TypeError: a misspelt flag (naming the closest one; type checkers refuse it too).
@@ -263,11 +273,13 @@ class Trainer:
             fast_dev_run=fast_dev_run, max_time=max_time, overfit_batches=overfit_batches, deterministic=deterministic,
             enable_model_summary=enable_model_summary, use_distributed_sampler=use_distributed_sampler,
             reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs, detect_anomaly=detect_anomaly,
-            benchmark=benchmark)
+            benchmark=benchmark, barebones=barebones)
         self.flags = dict(runtime_flags, **loop_flags, callbacks=callbacks, logger=logger,
                           profiler=profiler)  # a ddp_spawn rank rebuilds the Trainer from them
+        check_plugins(plugins)
         self.profiler = resolve_profiler(profiler)  # Lightning's trainer.profiler
         self.config = resolve_trainer_config(**loop_flags)
+        logger = barebones_logger(self.config, logger, profiler, callbacks)
         set_torch_flags(self.config.deterministic, self.config.benchmark)
         self.batch_scaling = BatchScaling(self.config)
         self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint())
@@ -290,7 +302,7 @@ class Trainer:
         # ``runtime``: the one Runtime.launch made for a ddp_spawn rank, built from the same flags
         self.runtime = runtime if runtime is not None else Runtime(**runtime_flags)
         say_one_batch_limits(self.config, self.runtime.is_rank_zero)  # an int 1 and a float 1.0 differ, as Lightning
-        _say_detect_anomaly(self.config.detect_anomaly, self.runtime.is_rank_zero)
+        _say_debug_modes(self.config, self.runtime.is_rank_zero)
         self.checkpoints = CheckpointWrites(self.runtime, self.config, self.log_metrics)  # checkpoint_async
         self.count_flops = resolve_count_flops(self.config.count_flops, self.runtime.device.type,
                                                self.runtime.config.compile is not None)
@@ -574,7 +586,7 @@ class Trainer:
         fit.loaded_epoch = point.next_epoch if point else 0
         global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers,
                                                  functools.partial(getattr, self, "global_step"))  # picklable
-        if cfg.writes_files:  # fast_dev_run: no run directory, records, loggers or checkpoints
+        if cfg.writes_files:  # fast_dev_run, barebones: no run directory, records, loggers or checkpoints
             self.run_dir, self._run_lock = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)  # held by fit
             agree_log_dirs(self.loggers, self.run_dir, rt.broadcast_object, rt.is_rank_zero)  # rank zero's versions
             self._faults.start(self.run_dir)
@@ -584,8 +596,7 @@ class Trainer:
         fit.metrics = MetricsProcessor(fit.telemetry, self.metric_collector,
                                        self.run_dir if rt.is_rank_zero and cfg.writes_files else None, self.loggers,
                                        hyperparams(self, model))
-        rt.print(run_header(rt, global_batch, self.run_dir if cfg.writes_files else
-                            f"none (fast_dev_run: {cfg.max_steps} batch(es) of each loop, nothing written)"))
+        rt.print(run_header(rt, global_batch, self.run_dir if cfg.writes_files else f"none ({cfg.why_no_files})"))
         self.validated_at = []
         self.profiler.setup("fit", rt.rank if rt.world_size > 1 else None, self.run_dir)  # its files: the run dir
         self._hook("on_fit_start")
@@ -1227,11 +1238,17 @@ def _warn_eval_mode(model: nn.Module) -> None:
                       "in training mode (submodules you put in eval mode stay so)", UserWarning, stacklevel=4)
 
 
-def _say_detect_anomaly(on: bool, rank_zero: bool) -> None:
-    """Lightning's note in ``Trainer(detect_anomaly=True)``, at INFO on rank zero (``log_info``)."""
-    if on and rank_zero:
+def _say_debug_modes(cfg: TrainerConfig, rank_zero: bool) -> None:
+    """Lightning's notes in ``Trainer(detect_anomaly=True)`` and ``Trainer(barebones=True)``, at INFO on rank zero
+    (``log_info``)."""
+    if cfg.detect_anomaly and rank_zero:
         log_info(_log, "You have turned on `Trainer(detect_anomaly=True)`. This will significantly slow down compute "
                        "speed and is recommended only for model debugging.")
+    if cfg.barebones and rank_zero:
+        log_info(_log, "You are running in `Trainer(barebones=True)` mode. All features that may impact raw speed have "
+                       "been disabled to facilitate analyzing the Trainer overhead: checkpointing, the progress bar, "
+                       "the model summary, logging (loggers, `self.log`, telemetry, the run directory), the sanity "
+                       "check.")
 
 
 def set_torch_flags(deterministic: bool | str | None, benchmark: bool | None = None) -> None:
