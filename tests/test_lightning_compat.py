@@ -3022,3 +3022,58 @@ def test_barebones_refuses_what_it_turns_off_when_given(tmp_path, flags, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         _trainer(tmp_path, barebones=True, **flags)
     _trainer(tmp_path, barebones=True, num_sanity_val_steps=0, logger=False)  # the values it sets itself
+
+
+# -- trainer.state.fn, trainer.train_dataloader, limit_train_batches=0 ------------------------------------------------
+def test_state_fn_names_the_method_running_or_last_run_and_train_dataloader_is_the_fits(tmp_path):
+    seen = {}
+
+    class Noting(Probe):
+        def on_train_start(self):
+            seen["train_start"] = (self.trainer.state.fn, self.trainer.train_dataloader)
+
+        def on_validation_start(self):
+            seen.setdefault("validation_start", []).append(self.trainer.state.fn)
+
+        def predict_step(self, batch, batch_idx):
+            seen["predict"] = self.trainer.state.fn
+            return self.layer(batch[0])
+
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    assert trainer.state.fn is None and trainer.train_dataloader is None
+    model, loader = Noting(), _loader()
+    trainer.fit(model, loader, _loader(4))
+    assert seen["train_start"][0] == "fit" and seen["validation_start"] == ["fit"]  # validation inside fit
+    assert seen["train_start"][1] is trainer.train_dataloader
+    assert list(trainer.train_dataloader) and len(trainer.train_dataloader) == len(loader)
+    assert trainer.state.fn == "fit"  # kept after fit returns, as Lightning's
+    trainer.validate(model, _loader(4), verbose=False)
+    assert seen["validation_start"] == ["fit", "validate"] and trainer.state.fn == "validate"
+    trainer.predict(model, _loader(4))
+    assert seen["predict"] == "predict" == trainer.state.fn
+
+
+@pytest.mark.parametrize("zero", [0, 0.0])
+def test_limit_train_batches_0_trains_nothing_but_runs_the_sanity_check(tmp_path, zero):
+    class Counting(Probe):
+        steps = 0
+        checked = 0
+
+        def training_step(self, batch, batch_idx):
+            self.steps += 1
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch, batch_idx):
+            self.checked += 1
+            return super().validation_step(batch, batch_idx)
+
+    model = Counting()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = _trainer(tmp_path, max_epochs=3, limit_train_batches=zero)
+    trainer.fit(model, _loader(), _loader(4))
+    assert model.steps == 0 and trainer.current_epoch == 0 and trainer.global_step == 0 and trainer.state.finished
+    assert model.checked == 2  # the sanity check's two batches, as Lightning runs it
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert trainer.num_training_batches == 0 and trainer.estimated_stepping_batches == 0
+    with pytest.raises(ValueError, match="limit_train_batches=-1 must be an int >= 0 .*0 turns training off"):
+        _trainer(tmp_path, limit_train_batches=-1)

@@ -38,15 +38,20 @@ def _limit_or_zero(name: str, value) -> None:
     _limit(name, value, zero=True)
 
 
+# What 0 turns off, for the limits that take it
+_ZERO_TURNS_OFF = {"limit_train_batches": "training", "limit_val_batches": "validation"}
+
+
 def _limit(name: str, value, zero: bool = False) -> None:
     """None, an int >= 1 (a count) or a float in (0, 1] (a fraction), as Lightning's ``limit_*_batches``; with
-    ``zero``, also 0 or 0.0 (Lightning's ``limit_val_batches=0``: no validation)."""
+    ``zero``, also 0 or 0.0 (Lightning's ``limit_val_batches=0``: no validation; ``limit_train_batches=0``: no
+    training)."""
     count = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if zero else 1)
     fraction = isinstance(value, float) and value <= 1.0 and (value >= 0.0 if zero else value > 0.0)
     if not (value is None or count or fraction):
         raise ValueError(f"{name}={value!r} must be an int >= {0 if zero else 1} (batches per epoch), a float in "
                          f"{'[0' if zero else '(0'}, 1] (a fraction of them) or None (all)"
-                         + ("; 0 turns validation off" if zero else ""))
+                         + (f"; 0 turns {_ZERO_TURNS_OFF[name]} off" if zero else ""))
 
 
 def _fast_dev_run(name: str, fast) -> None:
@@ -117,7 +122,9 @@ class TrainerConfig:
         lr_warmup_steps: ramp ``lr_scaling``'s factor linearly from 1 to its value over this many optimizer steps (Goyal
             et al.'s warm-up; 0: none). See :mod:`trainscale.scaling.batch_scaling`.
         limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction of
-            them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`).
+            them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`); 0 (or
+            0.0): no training, as Lightning's: ``fit`` runs its sanity check and hooks but no epoch, as with
+            ``max_steps=0``.
         limit_val_batches: as ``limit_train_batches``, for each rank's validation batches, in ``fit`` and ``validate``
             (:meth:`eval_batches`); 0 (or 0.0): no validation in ``fit`` (and no sanity check), as Lightning's.
         limit_test_batches: as ``limit_train_batches``, for ``test`` (:meth:`eval_batches`).
@@ -201,7 +208,7 @@ class TrainerConfig:
     lr_scaling: Literal["linear", "sqrt"] | None = flag(None)  # with base_batch_size: _check_lr_scaling
     base_batch_size: int | None = flag(None, low=1)
     lr_warmup_steps: int = flag(0, low=0)
-    limit_train_batches: int | float | None = flag(None, check=_limit)
+    limit_train_batches: int | float | None = flag(None, check=_limit_or_zero)
     limit_val_batches: int | float | None = flag(None, check=_limit_or_zero)
     limit_test_batches: int | float | None = flag(None, check=_limit)
     limit_predict_batches: int | float | None = flag(None, check=_limit)
@@ -323,6 +330,8 @@ def _limited(limit: int | float | None, full: float) -> float:
     """
     if limit is None or full == 0:
         return full
+    if limit == 0:
+        return 0
     if full == math.inf and isinstance(limit, float) and limit < 1.0:
         raise ValueError(f"a limit_*_batches fraction ({limit}) of an IterableDataset, whose number of batches is "
                          "unknown; pass a number of batches (an int) or 1.0")

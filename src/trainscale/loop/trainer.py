@@ -186,7 +186,9 @@ class Trainer:
             lr_warmup_steps: ramp ``lr_scaling``'s factor linearly from 1 to its value over this many optimizer steps
                 (Goyal et al.'s warm-up; 0: none). See :mod:`trainscale.scaling.batch_scaling`.
             limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction
-                of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`).
+                of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`); 0
+                (or 0.0): no training, as Lightning's: ``fit`` runs its sanity check and hooks but no epoch, as with
+                ``max_steps=0``.
             limit_val_batches: as ``limit_train_batches``, for each rank's validation batches, in ``fit`` and ``validate``
                 (:meth:`eval_batches`); 0 (or 0.0): no validation in ``fit`` (and no sanity check), as Lightning's.
             limit_test_batches: as ``limit_train_batches``, for ``test`` (:meth:`eval_batches`).
@@ -393,6 +395,9 @@ class Trainer:
     limit_val_batches = property(lambda self: self.config.limit_val_batches, doc="The flag (None: all batches).")
     limit_test_batches = property(lambda self: self.config.limit_test_batches, doc="The flag (None: all batches).")
     limit_predict_batches = property(lambda self: self.config.limit_predict_batches, doc="The flag (None: all).")
+    train_dataloader = property(lambda self: self._fit.train_loader if self._fit is not None else None,
+                                doc="The training loader of the last fit as the loop reads it (on several ranks, with "
+                                    "trainscale's distributed sampler), None before one (Lightning's attribute).")
     interrupted = property(lambda self: self.state.status == "interrupted",
                            doc="Whether the last fit ended in an exception (Lightning's ``trainer.interrupted``).")
 
@@ -542,7 +547,7 @@ class Trainer:
         self._fit, self._run_lock = None, RunLock()  # the run directory's lock: taken by _run_fit, released below
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
-        self.fitting, self.state.status, self.training = True, "running", True
+        self.fitting, self.state.status, self.training, self.state.fn = True, "running", True, "fit"
         try:
             # Lightning's detect_anomaly: on for the fit, the previous mode back after it (also on an error)
             with torch.autograd.set_detect_anomaly(True) if cfg.detect_anomaly else contextlib.nullcontext():
@@ -616,10 +621,12 @@ class Trainer:
         return summary
 
     def _fit_done(self, epoch: int) -> bool:
-        """Whether ``fit`` ends before epoch ``epoch`` (0-based): ``max_epochs`` trained, ``max_steps`` reached, or a
-        stop asked by a callback once ``min_epochs``/``min_steps`` are met (Lightning's ``_FitLoop.done``)."""
+        """Whether ``fit`` ends before epoch ``epoch`` (0-based): ``max_epochs`` trained, ``max_steps`` reached, a
+        stop asked by a callback once ``min_epochs``/``min_steps`` are met (Lightning's ``_FitLoop.done``), or no
+        training at all (``limit_train_batches=0``: Lightning's ``_FitLoop.skip``)."""
         cfg = self.config
-        return epoch >= cfg.epoch_limit or self.state.global_step >= cfg.step_limit or self._stop_now(epoch)
+        return (epoch >= cfg.epoch_limit or self.state.global_step >= cfg.step_limit or cfg.limit_train_batches == 0
+                or self._stop_now(epoch))
 
     def _stop_now(self, epochs_done: int) -> bool:
         """Whether a stop asked by a callback (``should_stop``) may happen now, after ``epochs_done`` epochs: when
@@ -1152,6 +1159,7 @@ class Trainer:
         kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path, method)  # before any ddp_spawn start
         self.ckpt_path = as_ckpt_path(kwargs["ckpt_path"])
         previous, self.state.stage = self.state.stage, method  # Lightning's stage: "validate", "test", "predict"
+        self.state.fn = method  # and its TrainerFn, which stays after the call
         try:
             with self._on_exception():
                 if self.runtime.spawns:
