@@ -3077,3 +3077,43 @@ def test_limit_train_batches_0_trains_nothing_but_runs_the_sanity_check(tmp_path
     assert trainer.num_training_batches == 0 and trainer.estimated_stepping_batches == 0
     with pytest.raises(ValueError, match="limit_train_batches=-1 must be an int >= 0 .*0 turns training off"):
         _trainer(tmp_path, limit_train_batches=-1)
+
+
+# -- a training_step that returns None under automatic optimization ---------------------------------------------------
+def test_a_training_step_returning_none_skips_that_batchs_backward_as_lightning(tmp_path):
+    """Four batches, two micro-batches per step, batch 1 returning None: the first step's gradient is batch 0's
+    alone (still divided by the two micro-batches, as Lightning's closure divides it); the second step's both
+    batches'. Checked against the same SGD steps in plain PyTorch."""
+
+    class Skipping(Probe):
+        def training_step(self, batch, batch_idx):
+            return None if batch_idx == 1 else self.layer(batch[0]).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Skipping()
+    reference = nn.Linear(2, 1)
+    reference.load_state_dict(model.layer.state_dict())
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, accumulate_grad_batches=2)
+    with pytest.warns(UserWarning, match="`training_step` returned `None`. If this was on purpose"):
+        trainer.fit(model, _loader())
+    assert trainer.global_step == 2  # the step of the skipped batch is still taken and counted, as in Lightning
+
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)  # Probe.configure_optimizers'
+    batches = [x for x, _ in _loader()]
+    for step in ([batches[0]], [batches[2], batches[3]]):
+        for x in step:
+            (reference(x).pow(2).mean() / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.testing.assert_close(model.layer.weight, reference.weight)
+    torch.testing.assert_close(model.layer.bias, reference.bias)
+
+
+@pytest.mark.timeout(120)
+def test_a_training_step_returning_none_on_several_ranks_is_lightnings_error():
+    from tests import module_workers as mw
+    from tests.helpers import run_distributed
+
+    for said in run_distributed(mw.skipped_step_body, timeout=100):
+        assert said.startswith("Skipping the `training_step` by returning None in distributed training is not "
+                               "supported")

@@ -468,6 +468,23 @@ def loss_of(output: Any, where: str = "training_step") -> torch.Tensor:
     raise TypeError(f"{where} returned {type(output).__name__}; return the loss tensor or a dict with a 'loss' tensor")
 
 
+def skip_backward(world_size: int) -> None:
+    """A ``training_step`` under automatic optimization returned None: no backward for that micro-batch, with
+    Lightning's warning (its ``Closure``: the optimizer still steps on the gradients there are, and the step is
+    counted). On several ranks that is Lightning's error: the other ranks' backward would wait for this one's
+    gradients (DDP's all-reduce), so the batch cannot be skipped on one rank alone.
+
+    Raises:
+        RuntimeError: ``world_size`` > 1.
+    """
+    if world_size > 1:
+        raise RuntimeError("Skipping the `training_step` by returning None in distributed training is not supported. "
+                           "It is recommended that you rewrite your training logic to avoid having to skip the step "
+                           "in the first place: return a loss on every rank (e.g. `loss * 0` for a batch to ignore).")
+    warnings.warn("`training_step` returned `None`. If this was on purpose, ignore this warning...", UserWarning,
+                  stacklevel=2)
+
+
 def output_loss(output: Any, model: nn.Module) -> torch.Tensor:
     """The ``loss`` of a Hugging Face model called with a dict batch as keywords (its ``ModelOutput``, a mapping,
     holds one when the batch has ``labels``).
@@ -504,7 +521,8 @@ STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 class LoopModule(nn.Module):
     """The model and its loss in one ``forward``, for strategies to wrap.
 
-    ``forward(batch, batch_idx)`` returns the training loss (a 0-dim tensor);
+    ``forward(batch, batch_idx)`` returns the training loss (a 0-dim tensor), or None when ``training_step`` returned
+    None (the Trainer then skips the batch's backward: :func:`skip_backward`);
     ``forward(batch, batch_idx, stage="validation"|"test")`` returns ``(metrics, samples)``;
     ``stage="predict"`` the predictions; ``dataloader_idx`` (not None: one of several evaluation loaders) goes to
     the step as its third argument, as Lightning passes it.
@@ -574,7 +592,8 @@ class LoopModule(nn.Module):
                     else self.evaluate(batch, batch_idx, stage, dataloader_idx))
         if self.has_training_step:
             args = (batch, batch_idx) if self.step_takes_batch_idx else (batch,)
-            return loss_of(self.model.training_step(*args))
+            out = self.model.training_step(*args)
+            return None if out is None else loss_of(out)  # None: no backward for this batch (skip_backward)
         if self.is_hf_model and isinstance(batch, Mapping):
             return output_loss(self.keyword_call(batch), self.model)
         inputs, targets = split_batch(batch)

@@ -48,7 +48,7 @@ from trainscale.loop.config import (TrainerConfig, barebones_logger, resolve_tra
                                     warn_default_max_epochs)
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
-from trainscale.lightning.module import attach_trainer, defined_hooks, set_up_model
+from trainscale.lightning.module import attach_trainer, defined_hooks, set_up_model, skip_backward
 from trainscale.lightning.optimizers import ManualOptimizer, StepOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
 from trainscale.loop.records import MetricsProcessor, epoch_label, epoch_line, epoch_record, run_header
@@ -742,8 +742,9 @@ class Trainer:
            all-reduce (ddp) or reduce-scatter (fsdp) runs on the step's last micro-batch only
            (``no_backward_sync``). Under pp one schedule step does forward and backward; under manual
            optimization the module's ``training_step`` does it all, stepping its own optimizers (the backward
-           and step hooks run in ``manual_backward`` and ``step()``). ``on_train_batch_end`` after each
-           micro-batch that does not end the step.
+           and step hooks run in ``manual_backward`` and ``step()``). A ``training_step`` that returns None
+           under automatic optimization has no backward (Lightning's skip, with its warning; on several ranks
+           Lightning's error). ``on_train_batch_end`` after each micro-batch that does not end the step.
         2.-4. In :meth:`_optimizer_step`, through the module's ``optimizer_step`` hook (Lightning's, its
            closure running 2 and 3):
         2. ``on_before_optimizer_step`` (after the GradScaler's unscale under "16-mixed", as in Lightning),
@@ -792,7 +793,8 @@ class Trainer:
                                                           batch)
                 else:
                     loss, t_forward = self._forward_backward(fit, batch, micro)
-            loss = None if loss is None else loss.detach()  # None: a manual training_step returned nothing
+            # None: the training_step returned nothing (manual), or skipped its backward (automatic; one process)
+            loss = None if loss is None else loss.detach()
             fit.books.backward_done(loss, t_forward)  # phases, epoch loss sum, non-finite watch, progress bar
             if micro.is_last:
                 break
@@ -910,6 +912,9 @@ class Trainer:
             with rt.precision.autocast():
                 loss = fit.wrapped(batch, micro.index)
             t_forward = tele.clock()
+            if loss is None:  # training_step returned None: no backward for this micro-batch (Lightning's skip)
+                skip_backward(rt.world_size)  # on several ranks an error: the others' all-reduce would wait for it
+                return None, t_forward
             scaled = loss / micro.group_size if micro.group_size > 1 else loss
             self._hook("on_before_backward", scaled)  # the loss backward receives, as Lightning's closure passes it
             # scaled by the GradScaler under "16-mixed"; the module's backward hook when it has its own
