@@ -367,6 +367,22 @@ def test_hparams_yaml_functions_write_and_read_as_lightnings(tmp_path):
         assert load_hparams_from_yaml(tmp_path / "absent.yaml") == {}
 
 
+def test_tags_csv_functions_write_and_read_lightnings_older_meta_tags(tmp_path):
+    from argparse import Namespace
+
+    from trainscale.loggers import load_hparams_from_tags_csv, save_hparams_to_tags_csv
+
+    path = tmp_path / "meta_tags.csv"
+    save_hparams_to_tags_csv(path, Namespace(lr=0.01, layers=[4, 2], name="mlp, wide", debug=False, seed=None))
+    assert path.read_text().splitlines()[:2] == ["key,value", "lr,0.01"]
+    assert load_hparams_from_tags_csv(path) == {"lr": 0.01, "layers": [4, 2], "name": "mlp, wide", "debug": False,
+                                                "seed": ""}  # csv writes None as an empty field, as Lightning's
+    with pytest.raises(RuntimeError, match="Missing folder: .*absent"):
+        save_hparams_to_tags_csv(tmp_path / "absent" / "meta_tags.csv", {"lr": 0.1})
+    with pytest.warns(RuntimeWarning, match="Missing Tags: .*absent.csv"):
+        assert load_hparams_from_tags_csv(tmp_path / "absent.csv") == {}
+
+
 # WandbLogger (offline) and its run file
 
 
