@@ -2960,7 +2960,7 @@ def test_the_default_predict_step_calls_the_module_on_the_whole_batch(tmp_path):
     assert torch.equal(Doubler().predict_step(batch=inputs), 2 * inputs)
 
 
-# -- Trainer(plugins=...) and Trainer(barebones=True) -------------------------------------------------------------------
+# -- Trainer(plugins=...) and Trainer(barebones=True) ------------------------------------------------------------------
 def test_plugins_none_or_empty_are_taken_and_a_plugin_object_names_the_flag_to_use(tmp_path):
     for empty in (None, [], ()):
         _trainer(tmp_path, plugins=empty)

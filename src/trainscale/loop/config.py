@@ -480,7 +480,8 @@ def barebones_logger(cfg: TrainerConfig, logger: Any, profiler: Any, callbacks: 
     if given:
         raise ValueError(f"Trainer(barebones=True, {', '.join(given)}): barebones mode has no loggers and no profiler; "
                          "drop barebones=True, or those flags")
-    if any(isinstance(cb, ModelCheckpoint) for cb in (callbacks if isinstance(callbacks, (list, tuple)) else [callbacks])):
+    given_callbacks = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]
+    if any(isinstance(cb, ModelCheckpoint) for cb in given_callbacks):
         raise ValueError("Trainer was configured with `enable_checkpointing=False` (by barebones=True) but found "
                          "`ModelCheckpoint` in callbacks list.")
     return False

@@ -186,8 +186,8 @@ class Trainer:
             lr_warmup_steps: ramp ``lr_scaling``'s factor linearly from 1 to its value over this many optimizer steps
                 (Goyal et al.'s warm-up; 0: none). See :mod:`trainscale.scaling.batch_scaling`.
             limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction
-                of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`); 0
-                (or 0.0): no training, as Lightning's: ``fit`` runs its sanity check and hooks but no epoch, as with
+                of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`);
+                0 (or 0.0): no training, as Lightning's: ``fit`` runs its sanity check and hooks but no epoch, as with
                 ``max_steps=0``.
             limit_val_batches: as ``limit_train_batches``, for each rank's validation batches, in ``fit`` and ``validate``
                 (:meth:`eval_batches`); 0 (or 0.0): no validation in ``fit`` (and no sanity check), as Lightning's.
