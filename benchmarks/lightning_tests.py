@@ -23,7 +23,7 @@ The import rewrite (``rewrite_imports``), statement by statement:
 
 A conftest.py gives Lightning's autouse fixtures that reset torch state (deterministic algorithms, process group),
 its ``tmpdir_server`` (an HTTP server over ``tmp_path``) and, for ``cuda_count_*``/``mps_count_*``/
-``xla_available``/``tpu_available``, fixtures that fail naming the Lightning module they mock. Three functions of
+``xla_available``/``tpu_available``, fixtures that fail naming the Lightning module they mock. Four functions of
 ``trainer/test_trainer.py`` stop the pytest process and are deselected (``DESELECTED``).
 
 Counting, per test function (its parametrized cases together): a case whose first error says a package is not
@@ -78,8 +78,10 @@ FILES = [
 ]
 # With devices=2, trainscale's Trainer() re-executes the process under torchrun (Lightning starts its processes in
 # fit); a KeyboardInterrupt in fit reaches the caller (Lightning turns it into SystemExit): each stops pytest.
+# KeyboardInterrupt raised in a hook: Lightning's Trainer turns it into SystemExit, trainscale lets it through, and
+# pytest then ends the session (test_on_exception_hook, test_keyboard_interrupt)
 DESELECTED = {"trainer/test_trainer.py": ["test_trainer_config_strategy", "test_trainer_config_device_ids",
-                                          "test_on_exception_hook"]}
+                                          "test_on_exception_hook", "test_keyboard_interrupt"]}
 HELPERS = ["helpers/utils.py"]
 RENAMED = {"LightningModule": "TrainingModule", "LightningDataModule": "DataModule"}
 # Lightning modules whose names trainscale keeps elsewhere (docs/lightning.md, docs/loggers.md). Lightning's

@@ -602,3 +602,27 @@ def two_loaders_body(rank: int, set_a: list, set_b: list, root: str, strategy: s
                 "predict": [torch.cat(p).flatten().tolist() for p in predicted]}
     finally:
         trainer.runtime.teardown()
+
+
+class SkipsSecondBatch(LitClassifier):
+    """Returns None from ``training_step`` for its second batch (batch_idx 1) on every rank."""
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        return None if batch_idx == 1 else out
+
+
+def skipped_step_body(rank: int) -> str:
+    """A fit whose ``training_step`` returns None on every rank at batch 1: the error's text (each rank raises it,
+    so no rank waits in the gradient all-reduce)."""
+    from trainscale.loop.trainer import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy="ddp", max_epochs=1, enable_progress_bar=False,
+                      enable_checkpointing=False, logger=False, timeout=30)
+    try:
+        trainer.fit(SkipsSecondBatch(), DataLoader(workers.tiny_dataset(32), batch_size=4))
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        trainer.runtime.teardown()
+    return "no error"

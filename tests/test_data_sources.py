@@ -245,9 +245,9 @@ def test_limit_train_batches_resumes_mid_epoch_within_the_limit(tmp_path):
 
 
 def test_limit_train_batches_is_checked_when_the_trainer_is_built(tmp_path):
-    for bad in (0, 1.5, 0.0, True, "3"):
-        with pytest.raises(ValueError, match=r"limit_train_batches=.* must be an int >= 1 \(batches per epoch\), a "
-                                             r"float in \(0, 1\]"):
+    for bad in (-1, 1.5, -0.5, True, "3"):  # 0 and 0.0: no training (tests/test_lightning_compat.py)
+        with pytest.raises(ValueError, match=r"limit_train_batches=.* must be an int >= 0 \(batches per epoch\), a "
+                                             r"float in \[0, 1\]"):
             _trainer(tmp_path, limit_train_batches=bad)
 
 

@@ -32,6 +32,7 @@ ACCEPTED = {
     ("max_epochs", "a negative"): "-1: no limit (Lightning's)",
     ("max_steps", "a negative"): "-1: no limit (Lightning's)",
     ("limit_val_batches", "zero"): "no validation (Lightning's)",
+    ("limit_train_batches", "zero"): "no training (Lightning's)",
     ("reload_dataloaders_every_n_epochs", "zero"): "never (the default)",
 }
 FLAGS = [f.name for f in dataclasses.fields(TrainerConfig)] + [f.name for f in dataclasses.fields(RuntimeFlags)]

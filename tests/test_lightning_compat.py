@@ -408,6 +408,9 @@ def test_max_steps_0_trains_nothing_and_predict_can_return_nothing(tmp_path):
         def forward(self, x):
             return self.layer(x)
 
+        def predict_step(self, batch, batch_idx):  # the default would call forward on the (x, y) pair
+            return self(batch[0])
+
     model = Model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = _trainer(tmp_path, max_steps=0, num_sanity_val_steps=0)
@@ -2919,3 +2922,220 @@ def test_a_callback_logs_through_self_log_into_the_modules_metrics(tmp_path):
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     assert metrics["started"] == 1.0 and metrics["batch_end"] == 3.0 and metrics["epoch_end"] == 5.0
     assert not hasattr(Logs(), "log")  # attached to the Trainer's callbacks only
+
+
+# -- is_overridden, is_picklable and the default predict_step ---------------------------------------------------------
+def test_is_overridden_compares_with_the_base_class_and_unwraps_what_lightning_unwraps():
+    import functools
+    from unittest import mock
+
+    from trainscale.callbacks import Callback
+    from trainscale.utilities import is_picklable
+    from trainscale.utilities.model_helpers import is_overridden
+
+    model = Probe()  # defines on_train_epoch_start, not on_test_epoch_start
+    assert is_overridden("training_step", model) and is_overridden("on_train_epoch_start", model)
+    assert not is_overridden("on_test_epoch_start", model) and not is_overridden("predict_step", model)
+    assert not is_overridden("on_test_epoch_start", None)
+    model.on_train_epoch_start = None  # a hook switched off on the instance is not overridden
+    assert not is_overridden("on_train_epoch_start", model)
+
+    class Stopper(Callback):
+        def on_fit_end(self, trainer, pl_module):
+            pass
+
+    stopper = Stopper()
+    assert is_overridden("on_fit_end", stopper) and not is_overridden("on_fit_start", stopper)
+    stopper.on_fit_end = functools.partial(Callback.on_fit_end, stopper)  # the base's code again, partly applied
+    assert not is_overridden("on_fit_end", stopper)
+    stopper.on_fit_end = mock.Mock(wraps=Stopper.on_fit_end)
+    assert is_overridden("on_fit_end", stopper)
+    with pytest.raises(ValueError, match="parent="):
+        is_overridden("forward", nn.Linear(1, 1))
+    assert is_overridden("forward", nn.Linear(1, 1), parent=nn.Module)
+    assert not is_overridden("configure_model", model)  # a hook neither class has
+
+    class Configured(Probe):
+        def configure_model(self):  # Lightning's hook, not TrainingModule's: nothing to compare it with
+            pass
+
+    with pytest.raises(ValueError, match="defines no configure_model"):
+        is_overridden("configure_model", Configured())
+    assert is_picklable({"lr": 0.1}) and not is_picklable(lambda: 0)
+
+
+def test_the_default_predict_step_calls_the_module_on_the_whole_batch(tmp_path):
+    class Doubler(Probe):
+        def forward(self, x):
+            return 2 * x
+
+    class Shifted(Doubler):
+        def predict_step(self, batch, batch_idx):
+            return super().predict_step(batch, batch_idx) + 1
+
+    inputs = torch.arange(6.0).reshape(3, 2)
+    loader = DataLoader(inputs, batch_size=2)  # batches of inputs only: the default passes each one whole
+    predicted = _trainer(tmp_path).predict(Doubler(), loader)
+    assert [p.tolist() for p in predicted] == [[[0.0, 2.0], [4.0, 6.0]], [[8.0, 10.0]]]
+    shifted = _trainer(tmp_path).predict(Shifted(), loader)
+    assert torch.equal(torch.cat(shifted), 2 * inputs + 1)
+    assert torch.equal(Doubler().predict_step(batch=inputs), 2 * inputs)
+
+
+# -- Trainer(plugins=...) and Trainer(barebones=True) ------------------------------------------------------------------
+def test_plugins_none_or_empty_are_taken_and_a_plugin_object_names_the_flag_to_use(tmp_path):
+    for empty in (None, [], ()):
+        _trainer(tmp_path, plugins=empty)
+
+    # stand-ins named as Lightning's base classes: the refusal reads the plugin's class hierarchy
+    class Precision:
+        pass
+
+    class HalfPrecision(Precision):
+        pass
+
+    class ClusterEnvironment:
+        pass
+
+    class SLURMEnvironment(ClusterEnvironment):
+        pass
+
+    class LayerSync:
+        pass
+
+    for plugin, instead in [(HalfPrecision(), r"Trainer\(precision=\.\.\.\)"),
+                            ([SLURMEnvironment()], "reads the launcher's variables itself"),
+                            (LayerSync(), r"Trainer\(sync_batchnorm=True\)"),
+                            ("bitsandbytes", "Precision, CheckpointIO, ClusterEnvironment and LayerSync")]:
+        with pytest.raises(ValueError, match=f"trainscale takes no plugins; .*{instead}"):
+            _trainer(tmp_path, plugins=plugin)
+
+
+def test_barebones_turns_off_what_costs_speed_writes_nothing_and_ignores_self_log(tmp_path, caplog):
+    import logging
+
+    class Logging(Probe):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("seen", 1.0)
+            return loss
+
+    with caplog.at_level(logging.INFO):
+        trainer = Trainer(accelerator="cpu", barebones=True, default_root_dir=tmp_path / "root", max_epochs=1)
+    assert "You are running in `Trainer(barebones=True)` mode" in caplog.text
+    cfg = trainer.config
+    assert not (cfg.enable_checkpointing or cfg.enable_progress_bar or cfg.enable_model_summary
+                or cfg.enable_telemetry or cfg.writes_files)
+    assert cfg.num_sanity_val_steps == 0 and trainer.loggers == [] and trainer.checkpoint_callbacks == []
+    assert trainer.progress_bar_callback is None
+    with pytest.warns(UserWarning, match=r"`self.log\(\)` but `Trainer\(barebones=True\)` is configured"):
+        trainer.fit(Logging(), _loader())
+    assert trainer.global_step == 4 and "seen" not in trainer.callback_metrics
+    assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.parametrize("flags, named", [
+    ({"fast_dev_run": True}, "fast_dev_run=True"), ({"detect_anomaly": True}, "detect_anomaly=True"),
+    ({"num_sanity_val_steps": -1}, "num_sanity_val_steps=-1"), ({"checkpoint_every_n_steps": 5},
+                                                                "checkpoint_every_n_steps=5"),
+    ({"logger": True}, "logger=True"), ({"profiler": "simple"}, "profiler='simple'"),
+    ({"callbacks": [ModelCheckpoint()]}, "found `ModelCheckpoint` in callbacks list")])
+def test_barebones_refuses_what_it_turns_off_when_given(tmp_path, flags, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        _trainer(tmp_path, barebones=True, **flags)
+    _trainer(tmp_path, barebones=True, num_sanity_val_steps=0, logger=False)  # the values it sets itself
+
+
+# -- trainer.state.fn, trainer.train_dataloader, limit_train_batches=0 ------------------------------------------------
+def test_state_fn_names_the_method_running_or_last_run_and_train_dataloader_is_the_fits(tmp_path):
+    seen = {}
+
+    class Noting(Probe):
+        def on_train_start(self):
+            seen["train_start"] = (self.trainer.state.fn, self.trainer.train_dataloader)
+
+        def on_validation_start(self):
+            seen.setdefault("validation_start", []).append(self.trainer.state.fn)
+
+        def predict_step(self, batch, batch_idx):
+            seen["predict"] = self.trainer.state.fn
+            return self.layer(batch[0])
+
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    assert trainer.state.fn is None and trainer.train_dataloader is None
+    model, loader = Noting(), _loader()
+    trainer.fit(model, loader, _loader(4))
+    assert seen["train_start"][0] == "fit" and seen["validation_start"] == ["fit"]  # validation inside fit
+    assert seen["train_start"][1] is trainer.train_dataloader
+    assert list(trainer.train_dataloader) and len(trainer.train_dataloader) == len(loader)
+    assert trainer.state.fn == "fit"  # kept after fit returns, as Lightning's
+    trainer.validate(model, _loader(4), verbose=False)
+    assert seen["validation_start"] == ["fit", "validate"] and trainer.state.fn == "validate"
+    trainer.predict(model, _loader(4))
+    assert seen["predict"] == "predict" == trainer.state.fn
+
+
+@pytest.mark.parametrize("zero", [0, 0.0])
+def test_limit_train_batches_0_trains_nothing_but_runs_the_sanity_check(tmp_path, zero):
+    class Counting(Probe):
+        steps = 0
+        checked = 0
+
+        def training_step(self, batch, batch_idx):
+            self.steps += 1
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch, batch_idx):
+            self.checked += 1
+            return super().validation_step(batch, batch_idx)
+
+    model = Counting()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = _trainer(tmp_path, max_epochs=3, limit_train_batches=zero)
+    trainer.fit(model, _loader(), _loader(4))
+    assert model.steps == 0 and trainer.current_epoch == 0 and trainer.global_step == 0 and trainer.state.finished
+    assert model.checked == 2  # the sanity check's two batches, as Lightning runs it
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert trainer.num_training_batches == 0 and trainer.estimated_stepping_batches == 0
+    with pytest.raises(ValueError, match="limit_train_batches=-1 must be an int >= 0 .*0 turns training off"):
+        _trainer(tmp_path, limit_train_batches=-1)
+
+
+# -- a training_step that returns None under automatic optimization ---------------------------------------------------
+def test_a_training_step_returning_none_skips_that_batchs_backward_as_lightning(tmp_path):
+    """Four batches, two micro-batches per step, batch 1 returning None: the first step's gradient is batch 0's
+    alone (still divided by the two micro-batches, as Lightning's closure divides it); the second step's both
+    batches'. Checked against the same SGD steps in plain PyTorch."""
+
+    class Skipping(Probe):
+        def training_step(self, batch, batch_idx):
+            return None if batch_idx == 1 else self.layer(batch[0]).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Skipping()
+    reference = nn.Linear(2, 1)
+    reference.load_state_dict(model.layer.state_dict())
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, accumulate_grad_batches=2)
+    with pytest.warns(UserWarning, match="`training_step` returned `None`. If this was on purpose"):
+        trainer.fit(model, _loader())
+    assert trainer.global_step == 2  # the step of the skipped batch is still taken and counted, as in Lightning
+
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)  # Probe.configure_optimizers'
+    batches = [x for x, _ in _loader()]
+    for step in ([batches[0]], [batches[2], batches[3]]):
+        for x in step:
+            (reference(x).pow(2).mean() / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.testing.assert_close(model.layer.weight, reference.weight)
+    torch.testing.assert_close(model.layer.bias, reference.bias)
+
+
+@pytest.mark.timeout(120)
+def test_a_training_step_returning_none_on_several_ranks_is_lightnings_error():
+    from tests import module_workers as mw
+    from tests.helpers import run_distributed
+
+    for said in run_distributed(mw.skipped_step_body, timeout=100):
+        assert said.startswith("Skipping the `training_step` by returning None in distributed training is not "
+                               "supported")

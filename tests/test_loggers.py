@@ -333,6 +333,23 @@ def test_tensorboard_logger_keeps_every_hyperparameter_in_hparams_yaml_as_lightn
     assert logger.hparams["dtype"] is torch.float32  # kept in memory; only the file leaves it out
 
 
+def test_tensorboard_logger_save_flushes_its_writer_and_writes_a_missing_hparams_yaml(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install 'trainscale[tensorboard]'")
+    import yaml
+
+    TensorBoardLogger().save()  # before a run, without a save_dir: nothing to write, and no error
+    logger = TensorBoardLogger(tmp_path, name="exp")
+    logger.log_hyperparams({"width": 8})
+    flushed = []
+    monkeypatch.setattr(logger.experiment, "flush", lambda: flushed.append(True))
+    hparams_file = Path(logger.log_dir) / TensorBoardLogger.NAME_HPARAMS_FILE
+    hparams_file.unlink()
+    logger.save()
+    assert flushed == [True]
+    assert yaml.safe_load(hparams_file.read_text()) == {"width": 8}
+    logger.finalize("success")
+
+
 def test_hparams_yaml_functions_write_and_read_as_lightnings(tmp_path):
     from argparse import Namespace
 
@@ -348,6 +365,22 @@ def test_hparams_yaml_functions_write_and_read_as_lightnings(tmp_path):
     assert load_hparams_from_yaml(path) == {"lr": 0.1}
     with pytest.warns(RuntimeWarning, match="Missing Tags: .*absent.yaml"):
         assert load_hparams_from_yaml(tmp_path / "absent.yaml") == {}
+
+
+def test_tags_csv_functions_write_and_read_lightnings_older_meta_tags(tmp_path):
+    from argparse import Namespace
+
+    from trainscale.loggers import load_hparams_from_tags_csv, save_hparams_to_tags_csv
+
+    path = tmp_path / "meta_tags.csv"
+    save_hparams_to_tags_csv(path, Namespace(lr=0.01, layers=[4, 2], name="mlp, wide", debug=False, seed=None))
+    assert path.read_text().splitlines()[:2] == ["key,value", "lr,0.01"]
+    assert load_hparams_from_tags_csv(path) == {"lr": 0.01, "layers": [4, 2], "name": "mlp, wide", "debug": False,
+                                                "seed": ""}  # csv writes None as an empty field, as Lightning's
+    with pytest.raises(RuntimeError, match="Missing folder: .*absent"):
+        save_hparams_to_tags_csv(tmp_path / "absent" / "meta_tags.csv", {"lr": 0.1})
+    with pytest.warns(RuntimeWarning, match="Missing Tags: .*absent.csv"):
+        assert load_hparams_from_tags_csv(tmp_path / "absent.csv") == {}
 
 
 # WandbLogger (offline) and its run file

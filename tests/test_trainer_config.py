@@ -62,7 +62,8 @@ def test_each_flag_is_declared_once_and_the_constructors_show_them_all():
     trainer_names = [f.name for f in fields(TrainerConfig)]
     assert not set(runtime_names) & set(trainer_names)
     assert _flag_names(Runtime) == runtime_names
-    assert _flag_names(Trainer) == ["callbacks", "logger", "runtime", "profiler", *runtime_names, *trainer_names]
+    assert _flag_names(Trainer) == ["callbacks", "logger", "runtime", "profiler", "plugins", *runtime_names,
+                                    *trainer_names]
     # Python's words for an unknown keyword (what Lightning's Trainer raises), with the closest flag
     with pytest.raises(TypeError, match=r"Trainer.__init__\(\) got an unexpected keyword argument 'acelerator'; "
                                         "did you mean 'accelerator'"):
@@ -163,7 +164,8 @@ def test_the_trainer_names_each_flag_with_the_type_default_and_description_of_it
     loop_params, loop_docs = _fields(TrainerConfig, keyword_only=True)
     own = [("callbacks", None, "list[Callback] | None", True), ("logger", None, "Any", True),
            ("runtime", None, "Runtime | None", True),
-           ("profiler", None, "Profiler | Literal['simple', 'advanced', 'pytorch'] | None", True)]
+           ("profiler", None, "Profiler | Literal['simple', 'advanced', 'pytorch'] | None", True),
+           ("plugins", None, "Any", True)]
     assert params == own + _taking_strategy_objects(runtime_params) + loop_params
     assert docs == {**{name: docs[name] for name, *_ in own}, **loop_docs}  # the Runtime's flags: in Runtime.__init__
     preamble = inspect.cleandoc(Trainer.__init__.__doc__).split("Args:")[0]

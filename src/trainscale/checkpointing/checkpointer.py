@@ -18,7 +18,6 @@ and ``module_class``, which ``TrainingModule.load_from_checkpoint`` rebuilds the
 
 from __future__ import annotations
 
-import pickle
 import time
 import warnings
 from pathlib import Path
@@ -28,6 +27,7 @@ from trainscale.checkpointing import rng, run_dirs as ckpt
 from trainscale.runtime import hf
 from trainscale.checkpointing.train_state import ResumePoint, TrainState
 from trainscale.runtime.checkpoint_io import TensorState
+from trainscale.utilities.parsing import pickled
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
@@ -175,15 +175,6 @@ def hparams_entries(model: Any, datamodule: Any = None) -> dict:
     if entries.get("hyper_parameters") is not None:
         entries["module_class"] = f"{type(model).__module__}.{type(model).__qualname__}"
     return entries
-
-
-def pickled(value: Any) -> bytes | None:
-    """``pickle.dumps(value)``, or None when ``pickle`` cannot write it (a lambda, an open file; the errors of
-    Lightning's ``is_picklable``)."""
-    try:
-        return pickle.dumps(value)
-    except (pickle.PickleError, AttributeError, RuntimeError, TypeError):
-        return None
 
 
 def read_module_checkpoint(path: Path, verify: bool = True,

@@ -26,6 +26,8 @@ class TrainState:
             Lightning's ``trainer.state.status``, not saved.
         stage: what runs now, Lightning's ``trainer.state.stage``: "train" (in ``fit``), "sanity_check", "validate"
             (``validate()``, and validation in ``fit``), "test", "predict", or None; not saved.
+        fn: the Trainer method running, or last run: "fit", "validate", "test" or "predict" (None before any), the
+            values of Lightning's ``trainer.state.fn`` (its ``TrainerFn`` is a ``str`` enum of them); not saved.
         epoch_ended: True once ``epoch``'s end (validation, ``on_train_epoch_end``, its checkpoints) has run, or
             after a resume from a checkpoint written at its end; :attr:`current_epoch` then counts it.
     """
@@ -38,6 +40,7 @@ class TrainState:
     epoch_ended: bool = False
     status: str = "initializing"
     stage: str | None = None
+    fn: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainscale.utilities.parsing import is_picklable
+
 
 class AttributeDict(dict):
     """A dict whose keys read and write as attributes too (``hparams.lr``), as Lightning's ``AttributeDict``.
@@ -158,18 +160,12 @@ def drop_unpicklable(hparams: Any, warn: bool = True) -> None:
     checkpoints and loggers could not keep them."""
     if not isinstance(hparams, dict):
         return
-    for name in [k for k, v in hparams.items() if not _picklable(v)]:
+    for name in [k for k, v in hparams.items() if not is_picklable(v)]:
         if warn:
             warnings.warn(f"Attribute '{name}' removed from hparams because it cannot be pickled. You can suppress "
                           f"this warning by setting `self.save_hyperparameters(ignore=['{name}'])`.", UserWarning,
                           stacklevel=4)
         del hparams[name]
-
-
-def _picklable(value: Any) -> bool:
-    from trainscale.checkpointing.checkpointer import pickled
-
-    return pickled(value) is not None
 
 
 def merged_hparams(model: Any, datamodule: Any) -> dict[str, Any] | None:

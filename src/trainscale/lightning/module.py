@@ -90,6 +90,13 @@ class TrainingModule(HyperparametersMixin, nn.Module):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         raise NotImplementedError("define training_step(self, batch, batch_idx) returning the loss")
 
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's output on the whole batch, ``self(batch)``: Lightning's default ``predict_step`` (the batch
+        is the first argument, or the ``batch=`` keyword). Override it to unpack the batch (``x, _ = batch``) or to
+        predict otherwise; ``super().predict_step(batch, batch_idx)`` calls this one."""
+        batch = kwargs["batch"] if "batch" in kwargs else args[0]
+        return self(batch)
+
     def freeze(self) -> TrainingModule:
         """Every parameter ``requires_grad=False`` and the module in eval mode, for inference (Lightning's
         ``freeze``); returns the module."""
@@ -331,7 +338,8 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         ``trainer.progress_bar_metrics`` (and the bar), ``logger=True`` (the default) in ``trainer.logged_metrics``
         (``logger=False`` still records it in ``metrics.jsonl`` and the loggers). While one of several evaluation
         loaders runs, the name is recorded as ``name/dataloader_idx_N`` (N: the loader's index), unless
-        ``add_dataloader_idx=False`` (then give each loader's values their own name), as in Lightning.
+        ``add_dataloader_idx=False`` (then give each loader's values their own name), as in Lightning. Under
+        ``Trainer(barebones=True)`` nothing is logged, with Lightning's warning.
 
         Raises:
             ValueError: an unknown ``reduce_fx``, a value that is not a number, a tensor or a torchmetrics
@@ -345,6 +353,10 @@ class TrainingModule(HyperparametersMixin, nn.Module):
                 ``on_step=True`` in an epoch hook (``on_train_epoch_end``, ``on_validation_epoch_start``, ...).
         """
         trainer = self.trainer
+        if trainer.config.barebones:  # Lightning's rule: logging is off in barebones mode
+            warnings.warn("You are trying to `self.log()` but `Trainer(barebones=True)` is configured. Logging can "
+                          "impact raw speed so it is disabled under this setting.", UserWarning, stacklevel=2)
+            return
         trainer.metric_collector.log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
                                      sync_dist=sync_dist, reduce_fx=reduce_fx, batch_size=batch_size, logger=logger,
                                      hook=trainer.running_hook, add_dataloader_idx=add_dataloader_idx)
@@ -608,6 +620,23 @@ def loss_of(output: Any, where: str = "training_step") -> torch.Tensor:
     raise TypeError(f"{where} returned {type(output).__name__}; return the loss tensor or a dict with a 'loss' tensor")
 
 
+def skip_backward(world_size: int) -> None:
+    """A ``training_step`` under automatic optimization returned None: no backward for that micro-batch, with
+    Lightning's warning (its ``Closure``: the optimizer still steps on the gradients there are, and the step is
+    counted). On several ranks that is Lightning's error: the other ranks' backward would wait for this one's
+    gradients (DDP's all-reduce), so the batch cannot be skipped on one rank alone.
+
+    Raises:
+        RuntimeError: ``world_size`` > 1.
+    """
+    if world_size > 1:
+        raise RuntimeError("Skipping the `training_step` by returning None in distributed training is not supported. "
+                           "It is recommended that you rewrite your training logic to avoid having to skip the step "
+                           "in the first place: return a loss on every rank (e.g. `loss * 0` for a batch to ignore).")
+    warnings.warn("`training_step` returned `None`. If this was on purpose, ignore this warning...", UserWarning,
+                  stacklevel=2)
+
+
 def output_loss(output: Any, model: nn.Module) -> torch.Tensor:
     """The ``loss`` of a Hugging Face model called with a dict batch as keywords (its ``ModelOutput``, a mapping,
     holds one when the batch has ``labels``).
@@ -644,7 +673,8 @@ STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 class LoopModule(nn.Module):
     """The model and its loss in one ``forward``, for strategies to wrap.
 
-    ``forward(batch, batch_idx)`` returns the training loss (a 0-dim tensor);
+    ``forward(batch, batch_idx)`` returns the training loss (a 0-dim tensor), or None when ``training_step`` returned
+    None (the Trainer then skips the batch's backward: :func:`skip_backward`);
     ``forward(batch, batch_idx, stage="validation"|"test")`` returns ``(metrics, samples)``;
     ``stage="predict"`` the predictions; ``dataloader_idx`` (not None: one of several evaluation loaders) goes to
     the step as its third argument, as Lightning passes it.
@@ -715,7 +745,8 @@ class LoopModule(nn.Module):
                     else self.evaluate(batch, batch_idx, stage, dataloader_idx))
         if self.has_training_step:
             args = (batch, batch_idx) if self.step_takes_batch_idx else (batch,)
-            return loss_of(self.model.training_step(*args))
+            out = self.model.training_step(*args)
+            return None if out is None else loss_of(out)  # None: no backward for this batch (skip_backward)
         if self.is_hf_model and isinstance(batch, Mapping):
             return output_loss(self.keyword_call(batch), self.model)
         inputs, targets = split_batch(batch)

@@ -9,15 +9,16 @@
 Each follows the :class:`Logger` protocol (``setup``, ``log_hyperparams``, ``log_metrics``, ``finalize``)
 and is called on rank zero only. :func:`resolve_loggers` turns ``Trainer(logger=...)`` into a list;
 :func:`record_metrics` turns a telemetry record into the flat metrics ``log_metrics`` takes;
-:func:`save_hparams_to_yaml` and :func:`load_hparams_from_yaml` write and read a ``hparams.yaml`` as Lightning's.
+:func:`save_hparams_to_yaml` and :func:`load_hparams_from_yaml` write and read a ``hparams.yaml`` as Lightning's
+(:func:`save_hparams_to_tags_csv` and :func:`load_hparams_from_tags_csv` its older ``meta_tags.csv``).
 Importing this package imports no logging library (nor torch): a logger checks at construction that its
 library is installed and imports it at ``setup``. User guide: docs/loggers.md.
 """
 
 from typing import TYPE_CHECKING
 
-from trainscale.loggers.base import (Logger, load_hparams_from_yaml, record_metrics, resolve_loggers,
-                                     save_hparams_to_yaml)
+from trainscale.loggers.base import (Logger, load_hparams_from_tags_csv, load_hparams_from_yaml, record_metrics,
+                                     resolve_loggers, save_hparams_to_tags_csv, save_hparams_to_yaml)
 
 if TYPE_CHECKING:  # the same names as _LAZY, for type checkers and the API reference (docs/api.md)
     from trainscale.loggers.csv_logger import CSVLogger
@@ -33,7 +34,7 @@ _LAZY = {  # each logger's module is imported on first use (a run without it nev
 }
 
 __all__ = ["Logger", "resolve_loggers", "record_metrics", "save_hparams_to_yaml", "load_hparams_from_yaml",
-           *_LAZY]
+           "save_hparams_to_tags_csv", "load_hparams_from_tags_csv", *_LAZY]
 
 
 def __getattr__(name: str):

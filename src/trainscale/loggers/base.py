@@ -213,6 +213,49 @@ def load_hparams_from_yaml(config_yaml: str | os.PathLike, use_omegaconf: bool =
     return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
 
 
+def save_hparams_to_tags_csv(tags_csv: str | os.PathLike, hparams: Mapping[str, Any] | Any) -> None:
+    """``hparams`` (a dict or an ``argparse.Namespace``) as a two-column CSV (a ``key,value`` header, then one row per
+    hyperparameter, each value as ``str``; None as an empty field, read back as ""), Lightning's older
+    ``meta_tags.csv`` form (``save_hparams_to_tags_csv``).
+
+    Raises:
+        RuntimeError: the directory of ``tags_csv`` does not exist (Lightning's "Missing folder: ...").
+    """
+    import csv
+
+    path = Path(tags_csv)
+    if not path.parent.is_dir():
+        raise RuntimeError(f"Missing folder: {path.parent}.")
+    with path.open("w", newline="", encoding="utf-8") as file:
+        writer = csv.writer(file)
+        writer.writerow(["key", "value"])
+        writer.writerows((key, value) for key, value in (hparams if isinstance(hparams, Mapping)
+                                                         else vars(hparams)).items())
+
+
+def load_hparams_from_tags_csv(tags_csv: str | os.PathLike) -> dict[str, Any]:
+    """The hyperparameters :func:`save_hparams_to_tags_csv` wrote, each value read back as the Python literal it
+    spells (``ast.literal_eval``: numbers, booleans, None, lists, dicts), else as the string, as Lightning's
+    ``load_hparams_from_tags_csv``; a missing file gives ``{}`` with Lightning's ``RuntimeWarning``."""
+    import ast
+    import csv
+    import warnings
+
+    path = Path(tags_csv)
+    if not path.is_file():
+        warnings.warn(f"Missing Tags: {path}.", RuntimeWarning, stacklevel=2)
+        return {}
+    with path.open(newline="", encoding="utf-8") as file:
+        rows = list(csv.reader(file))[1:]
+    out = {}
+    for key, text in rows:
+        try:
+            out[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            out[key] = text
+    return out
+
+
 class DummyExperiment:
     """``logger.experiment`` on a rank other than zero, where the Trainer sets no logger up: every method a
     no-op, as Lightning's ``DummyExperiment`` (``lightning.fabric.loggers.logger.rank_zero_experiment``), so that

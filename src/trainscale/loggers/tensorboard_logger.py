@@ -12,7 +12,8 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainscale.loggers.base import check_status, experiment_or_dummy, flatten, require, save_hparams_to_yaml
+from trainscale.loggers.base import (check_status, experiment_or_dummy, flatten, process_rank, require,
+                                     save_hparams_to_yaml)
 from trainscale.loggers.log_dirs import VersionedDir, add_prefix
 
 
@@ -153,6 +154,19 @@ class TensorBoardLogger(VersionedDir):
         writer = self.experiment
         for tag, value in add_prefix(metrics, self.prefix).items():
             writer.add_scalar(tag, value, global_step=step)
+
+    def save(self) -> None:
+        """Lightning's ``save``: write the queued events to the event file, and the hyperparameters logged so far to
+        ``<log_dir>/hparams.yaml`` when :attr:`log_dir` exists and has none (``log_hyperparams`` keeps it current).
+        Nothing on a rank other than zero, nor before a run without a ``save_dir``."""
+        if process_rank() != 0:
+            return
+        if self._writer is not None:
+            self._writer.flush()
+        log_dir = self.log_dir
+        hparams_file = Path(log_dir or "") / self.NAME_HPARAMS_FILE
+        if log_dir is not None and Path(log_dir).is_dir() and not hparams_file.is_file():
+            save_hparams_to_yaml(hparams_file, self.hparams)
 
     def finalize(self, status: str) -> None:
         check_status(status)

@@ -15,8 +15,9 @@ import warnings
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+from trainscale.callbacks import ModelCheckpoint
 from trainscale.runtime.flags import (FlagTypeError, check_flags, check_int, check_number, flag, make_flags,
                                      parse_duration)
 
@@ -38,15 +39,20 @@ def _limit_or_zero(name: str, value) -> None:
     _limit(name, value, zero=True)
 
 
+# What 0 turns off, for the limits that take it
+_ZERO_TURNS_OFF = {"limit_train_batches": "training", "limit_val_batches": "validation"}
+
+
 def _limit(name: str, value, zero: bool = False) -> None:
     """None, an int >= 1 (a count) or a float in (0, 1] (a fraction), as Lightning's ``limit_*_batches``; with
-    ``zero``, also 0 or 0.0 (Lightning's ``limit_val_batches=0``: no validation)."""
+    ``zero``, also 0 or 0.0 (Lightning's ``limit_val_batches=0``: no validation; ``limit_train_batches=0``: no
+    training)."""
     count = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if zero else 1)
     fraction = isinstance(value, float) and value <= 1.0 and (value >= 0.0 if zero else value > 0.0)
     if not (value is None or count or fraction):
         raise ValueError(f"{name}={value!r} must be an int >= {0 if zero else 1} (batches per epoch), a float in "
                          f"{'[0' if zero else '(0'}, 1] (a fraction of them) or None (all)"
-                         + ("; 0 turns validation off" if zero else ""))
+                         + (f"; 0 turns {_ZERO_TURNS_OFF[name]} off" if zero else ""))
 
 
 def _clip_val(name: str, value) -> None:
@@ -139,7 +145,9 @@ class TrainerConfig:
         lr_warmup_steps: ramp ``lr_scaling``'s factor linearly from 1 to its value over this many optimizer steps (Goyal
             et al.'s warm-up; 0: none). See :mod:`trainscale.scaling.batch_scaling`.
         limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction of
-            them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`).
+            them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`); 0 (or
+            0.0): no training, as Lightning's: ``fit`` runs its sanity check and hooks but no epoch, as with
+            ``max_steps=0``.
         limit_val_batches: as ``limit_train_batches``, for each rank's validation batches, in ``fit`` and ``validate``
             (:meth:`eval_batches`); 0 (or 0.0): no validation in ``fit`` (and no sanity check), as Lightning's.
         limit_test_batches: as ``limit_train_batches``, for ``test`` (:meth:`eval_batches`).
@@ -195,6 +203,11 @@ class TrainerConfig:
         benchmark: the value ``torch.backends.cudnn.benchmark`` is set to in ``Trainer()`` (Lightning's flag: True
             lets cuDNN try its convolution algorithms for each input shape and keep the fastest); None: False with
             ``deterministic``, else left as it is.
+        barebones: Lightning's mode for measuring the loop's own overhead: no checkpoints, progress bar, model
+            summary, sanity check, telemetry, loggers or profiler, nothing written (no run directory), and
+            ``self.log`` ignored with a warning; ``fast_dev_run``, ``detect_anomaly``, ``checkpoint_every_n_steps``,
+            ``tensorboard``, a ``num_sanity_val_steps`` other than 0 (or the default), a ``logger`` or a ``profiler``
+            with it are a ``ValueError``, as in Lightning.
     """
 
     max_epochs: int | None = None  # the rules of max_epochs and max_steps: _loop_limits
@@ -221,7 +234,7 @@ class TrainerConfig:
     lr_scaling: Literal["linear", "sqrt"] | None = flag(None)  # with base_batch_size: _check_lr_scaling
     base_batch_size: int | None = flag(None, low=1)
     lr_warmup_steps: int = flag(0, low=0)
-    limit_train_batches: int | float | None = flag(None, check=_limit)
+    limit_train_batches: int | float | None = flag(None, check=_limit_or_zero)
     limit_val_batches: int | float | None = flag(None, check=_limit_or_zero)
     limit_test_batches: int | float | None = flag(None, check=_limit)
     limit_predict_batches: int | float | None = flag(None, check=_limit)
@@ -242,6 +255,7 @@ class TrainerConfig:
     reload_dataloaders_every_n_epochs: int = flag(0, low=0)
     detect_anomaly: bool = flag(False)
     benchmark: bool | None = flag(None)
+    barebones: bool = flag(False)
 
     def train_batches(self, full: float) -> float:
         """An epoch's micro-batches under ``limit_train_batches``, of ``full`` without it (infinite: an iterable's)."""
@@ -330,8 +344,15 @@ class TrainerConfig:
 
     @property
     def writes_files(self) -> bool:
-        """False under ``fast_dev_run``: no run directory, checkpoint, logger or record."""
-        return not self.fast_dev_run
+        """False under ``fast_dev_run`` and ``barebones``: no run directory, checkpoint, logger or record."""
+        return not (self.fast_dev_run or self.barebones)
+
+    @property
+    def why_no_files(self) -> str:
+        """Why nothing is written, for the run's header line (when :attr:`writes_files` is False)."""
+        if self.fast_dev_run:
+            return f"fast_dev_run: {self.max_steps} batch(es) of each loop, nothing written"
+        return "barebones: nothing written"
 
 
 
@@ -345,6 +366,8 @@ def _limited(limit: int | float | None, full: float) -> float:
     """
     if limit is None or full == 0:
         return full
+    if limit == 0:
+        return 0
     if full == math.inf and isinstance(limit, float) and limit < 1.0:
         raise ValueError(f"a limit_*_batches fraction ({limit}) of an IterableDataset, whose number of batches is "
                          "unknown; pass a number of batches (an int) or 1.0")
@@ -464,6 +487,53 @@ def _check_val_schedule(cfg: TrainerConfig) -> None:
                          f"must be an int (every N training batches of the run) or a duration, not {interval!r}")
 
 
+# What Trainer(barebones=True) turns off (Lightning's opt-outs, and trainscale's telemetry), and the flags it refuses
+# when given (Lightning's opt-ins; trainscale's own checkpoints and TensorBoard), each with its value that is "off".
+_BAREBONES_OFF = {"enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+                  "num_sanity_val_steps": 0, "enable_telemetry": False}
+_BAREBONES_REFUSED = {"fast_dev_run": False, "detect_anomaly": False, "checkpoint_every_n_steps": None,
+                      "tensorboard": False}
+
+
+def _barebones_overrides(cfg: TrainerConfig) -> dict:
+    """What ``barebones`` sets, as Lightning's ``Trainer.__init__``: the features that cost speed off.
+
+    Raises:
+        ValueError: a flag it refuses given (``_BAREBONES_REFUSED``), or ``num_sanity_val_steps`` other than 0 or its
+            default (Lightning refuses any given value but 0; trainscale cannot tell its default from a given 2).
+    """
+    if not cfg.barebones:
+        return {}
+    given = [f"{name}={getattr(cfg, name)!r}" for name, off in _BAREBONES_REFUSED.items() if getattr(cfg, name) != off]
+    if cfg.num_sanity_val_steps not in (0, TrainerConfig.num_sanity_val_steps):
+        given.append(f"num_sanity_val_steps={cfg.num_sanity_val_steps!r}")
+    if given:
+        raise ValueError(f"Trainer(barebones=True, {', '.join(given)}): barebones mode turns off what may slow the "
+                         "loop down; drop barebones=True, or those flags")
+    return dict(_BAREBONES_OFF)
+
+
+def barebones_logger(cfg: TrainerConfig, logger: Any, profiler: Any, callbacks: Any) -> Any:
+    """The ``logger`` flag under ``barebones``: False (no logger); as given without it.
+
+    Raises:
+        ValueError: under ``barebones``, a ``logger`` other than None or False, a ``profiler``, or a
+            ``ModelCheckpoint`` in ``callbacks`` (Lightning's rules; its words for the last).
+    """
+    if not cfg.barebones:
+        return logger
+    given = [f"{name}={value!r}" for name, value in (("logger", logger), ("profiler", profiler))
+             if value is not None and value is not False]
+    if given:
+        raise ValueError(f"Trainer(barebones=True, {', '.join(given)}): barebones mode has no loggers and no profiler; "
+                         "drop barebones=True, or those flags")
+    given_callbacks = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]
+    if any(isinstance(cb, ModelCheckpoint) for cb in given_callbacks):
+        raise ValueError("Trainer was configured with `enable_checkpointing=False` (by barebones=True) but found "
+                         "`ModelCheckpoint` in callbacks list.")
+    return False
+
+
 def _debugging_overrides(cfg: TrainerConfig) -> dict:
     """What ``overfit_batches`` and ``fast_dev_run`` set, as Lightning's ``_init_debugging_flags``."""
     out: dict = {}
@@ -508,5 +578,6 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
                          "(or pass tensorboard=False; metrics.jsonl is always written)")
     max_time, root = parse_duration("max_time", cfg.max_time), _root_dir(cfg.default_root_dir)
     resolved = replace(cfg, default_root_dir=root, max_time=max_time,
-                       fast_dev_run=cfg.fast_dev_run if cfg.fast_dev_run != 1 else True)
+                       fast_dev_run=cfg.fast_dev_run if cfg.fast_dev_run != 1 else True,
+                       **_barebones_overrides(cfg))
     return replace(resolved, **_debugging_overrides(resolved))

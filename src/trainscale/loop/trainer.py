@@ -31,6 +31,7 @@ from trainscale.loggers import resolve_loggers
 from trainscale.loggers.log_dirs import agree_log_dirs, trainer_log_dir
 from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, PipelineScheduleFlag, PrecisionFlag,
                                       StrategyFlag, names_closest_flag)
+from trainscale.runtime.connector import check_plugins
 from trainscale.runtime.runtime import Runtime
 from trainscale.runtime.strategies import Strategy
 from trainscale.telemetry.flops import resolve_count_flops
@@ -44,11 +45,12 @@ from trainscale.checkpointing.writes import CheckpointWrites
 from trainscale.loop.data_checks import check_loaders, explain_batch_error, overfit_order, warn_unshuffled
 from trainscale.lightning.data_sources import fit_loader_hooks, resolve_fit_loaders
 from trainscale.lightning.hparams import drop_unpicklable
-from trainscale.loop.config import TrainerConfig, resolve_trainer_config, say_one_batch_limits, warn_default_max_epochs
+from trainscale.loop.config import (TrainerConfig, barebones_logger, resolve_trainer_config, say_one_batch_limits,
+                                    warn_default_max_epochs)
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
 from trainscale.lightning.module import (BatchTransfer, attach_trainer, batch_transfer, defined_hooks,
-                                         module_overrides, set_up_model, uncalled_hooks)
+                                         module_overrides, set_up_model, skip_backward, uncalled_hooks)
 from trainscale.lightning.optimizers import ManualOptimizer, StepOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
 from trainscale.loop.records import MetricsProcessor, epoch_label, epoch_line, epoch_record, run_header
@@ -91,7 +93,7 @@ class Trainer:
 
     @names_closest_flag
     def __init__(self, *, callbacks: list[Callback] | None = None, logger: Any = None, runtime: Runtime | None = None,
-                 profiler: Profiler | Literal["simple", "advanced", "pytorch"] | None = None,
+                 profiler: Profiler | Literal["simple", "advanced", "pytorch"] | None = None, plugins: Any = None,
                  # the Runtime's flags (RuntimeFlags), described in Runtime.__init__
                  accelerator: AcceleratorFlag = "auto", devices: int | Literal["auto"] = "auto",
                  strategy: StrategyFlag | Strategy = "auto", num_nodes: int | None = None,
@@ -124,7 +126,7 @@ class Trainer:
                  overfit_batches: int | float = 0.0, deterministic: bool | Literal["warn"] | None = None,
                  enable_model_summary: bool = True, use_distributed_sampler: bool = True,
                  reload_dataloaders_every_n_epochs: int = 0, detect_anomaly: bool = False,
-                 benchmark: bool | None = None) -> None:
+                 benchmark: bool | None = None, barebones: bool = False) -> None:
         """The Runtime's flags (accelerator, devices, strategy, num_nodes, precision, timeout, strategy_options,
         sync_batchnorm, activation_checkpointing, compile, float32_matmul_precision, parallel, tp_plan, parallelize,
         pp_schedule, pp_microbatches, pp_split_points) are described in ``Runtime.__init__``; the loop's are fields of
@@ -139,6 +141,9 @@ class Trainer:
             profiler: "simple", "advanced", "pytorch" or a ``trainscale.profilers.Profiler`` (Lightning's flag; None:
                 none). It times the regions ``train_step`` names (``with prof.profile(...)``) during ``fit``; its
                 report at the end of ``fit``; "pytorch" writes a Chrome trace per rank into the run directory.
+            plugins: Lightning's flag: None or an empty list. A plugin object is a ``ValueError`` naming the flag that
+                does its work here (a precision plugin: ``precision``; ``TorchSyncBatchNorm``: ``sync_batchnorm``) or
+                why there is none (cluster environments are read from the launcher; checkpoints are the strategy's).
             max_epochs: epochs to train (>= 0; -1: no limit). None (the default): no limit when ``max_steps`` or
                 ``max_time`` is set (Lightning's rule); 1000 with a warning when only ``min_epochs``/``min_steps`` is
                 (Lightning's default); else 1 (Lightning: 1000 with a warning).
@@ -189,7 +194,9 @@ class Trainer:
             lr_warmup_steps: ramp ``lr_scaling``'s factor linearly from 1 to its value over this many optimizer steps
                 (Goyal et al.'s warm-up; 0: none). See :mod:`trainscale.scaling.batch_scaling`.
             limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction
-                of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`).
+                of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`);
+                0 (or 0.0): no training, as Lightning's: ``fit`` runs its sanity check and hooks but no epoch, as with
+                ``max_steps=0``.
             limit_val_batches: as ``limit_train_batches``, for each rank's validation batches, in ``fit`` and ``validate``
                 (:meth:`eval_batches`); 0 (or 0.0): no validation in ``fit`` (and no sanity check), as Lightning's.
             limit_test_batches: as ``limit_train_batches``, for ``test`` (:meth:`eval_batches`).
@@ -245,6 +252,11 @@ class Trainer:
             benchmark: the value ``torch.backends.cudnn.benchmark`` is set to in ``Trainer()`` (Lightning's flag: True
                 lets cuDNN try its convolution algorithms for each input shape and keep the fastest); None: False with
                 ``deterministic``, else left as it is.
+            barebones: Lightning's mode for measuring the loop's own overhead: no checkpoints, progress bar, model
+                summary, sanity check, telemetry, loggers or profiler, nothing written (no run directory), and
+                ``self.log`` ignored with a warning; ``fast_dev_run``, ``detect_anomaly``, ``checkpoint_every_n_steps``,
+                ``tensorboard``, a ``num_sanity_val_steps`` other than 0 (or the default), a ``logger`` or a
+                ``profiler`` with it are a ``ValueError``, as in Lightning.
 
         Raises:
             TypeError: a misspelt flag (naming the closest one; type checkers refuse it too).
@@ -274,11 +286,13 @@ class Trainer:
             fast_dev_run=fast_dev_run, max_time=max_time, overfit_batches=overfit_batches, deterministic=deterministic,
             enable_model_summary=enable_model_summary, use_distributed_sampler=use_distributed_sampler,
             reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs, detect_anomaly=detect_anomaly,
-            benchmark=benchmark)
+            benchmark=benchmark, barebones=barebones)
         self.flags = dict(runtime_flags, **loop_flags, callbacks=callbacks, logger=logger,
                           profiler=profiler)  # a ddp_spawn rank rebuilds the Trainer from them
+        check_plugins(plugins)
         self.profiler = resolve_profiler(profiler)  # Lightning's trainer.profiler
         self.config = resolve_trainer_config(**loop_flags)
+        logger = barebones_logger(self.config, logger, profiler, callbacks)
         set_torch_flags(self.config.deterministic, self.config.benchmark)
         self.batch_scaling = BatchScaling(self.config)
         self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint())
@@ -301,7 +315,7 @@ class Trainer:
         # ``runtime``: the one Runtime.launch made for a ddp_spawn rank, built from the same flags
         self.runtime = runtime if runtime is not None else Runtime(**runtime_flags)
         say_one_batch_limits(self.config, self.runtime.is_rank_zero)  # an int 1 and a float 1.0 differ, as Lightning
-        _say_detect_anomaly(self.config.detect_anomaly, self.runtime.is_rank_zero)
+        _say_debug_modes(self.config, self.runtime.is_rank_zero)
         self.checkpoints = CheckpointWrites(self.runtime, self.config, self.log_metrics)  # checkpoint_async
         self.count_flops = resolve_count_flops(self.config.count_flops, self.runtime.device.type,
                                                self.runtime.config.compile is not None)
@@ -393,6 +407,9 @@ class Trainer:
     limit_val_batches = property(lambda self: self.config.limit_val_batches, doc="The flag (None: all batches).")
     limit_test_batches = property(lambda self: self.config.limit_test_batches, doc="The flag (None: all batches).")
     limit_predict_batches = property(lambda self: self.config.limit_predict_batches, doc="The flag (None: all).")
+    train_dataloader = property(lambda self: self._fit.train_loader if self._fit is not None else None,
+                                doc="The training loader of the last fit as the loop reads it (on several ranks, with "
+                                    "trainscale's distributed sampler), None before one (Lightning's attribute).")
     interrupted = property(lambda self: self.state.status == "interrupted",
                            doc="Whether the last fit ended in an exception (Lightning's ``trainer.interrupted``).")
 
@@ -543,7 +560,7 @@ class Trainer:
         self._fit, self._run_lock = None, RunLock()  # the run directory's lock: taken by _run_fit, released below
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
-        self.fitting, self.state.status, self.training = True, "running", True
+        self.fitting, self.state.status, self.training, self.state.fn = True, "running", True, "fit"
         try:
             # Lightning's detect_anomaly: on for the fit, the previous mode back after it (also on an error)
             with torch.autograd.set_detect_anomaly(True) if cfg.detect_anomaly else contextlib.nullcontext():
@@ -587,7 +604,7 @@ class Trainer:
         fit.loaded_epoch = point.next_epoch if point else 0
         global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers,
                                                  functools.partial(getattr, self, "global_step"))  # picklable
-        if cfg.writes_files:  # fast_dev_run: no run directory, records, loggers or checkpoints
+        if cfg.writes_files:  # fast_dev_run, barebones: no run directory, records, loggers or checkpoints
             self.run_dir, self._run_lock = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)  # held by fit
             agree_log_dirs(self.loggers, self.run_dir, rt.broadcast_object, rt.is_rank_zero)  # rank zero's versions
             self._faults.start(self.run_dir)
@@ -597,8 +614,7 @@ class Trainer:
         fit.metrics = MetricsProcessor(fit.telemetry, self.metric_collector,
                                        self.run_dir if rt.is_rank_zero and cfg.writes_files else None, self.loggers,
                                        hyperparams(self, model))
-        rt.print(run_header(rt, global_batch, self.run_dir if cfg.writes_files else
-                            f"none (fast_dev_run: {cfg.max_steps} batch(es) of each loop, nothing written)"))
+        rt.print(run_header(rt, global_batch, self.run_dir if cfg.writes_files else f"none ({cfg.why_no_files})"))
         self.validated_at = []
         self.profiler.setup("fit", rt.rank if rt.world_size > 1 else None, self.run_dir)  # its files: the run dir
         self._hook("on_fit_start")
@@ -620,10 +636,12 @@ class Trainer:
         return summary
 
     def _fit_done(self, epoch: int) -> bool:
-        """Whether ``fit`` ends before epoch ``epoch`` (0-based): ``max_epochs`` trained, ``max_steps`` reached, or a
-        stop asked by a callback once ``min_epochs``/``min_steps`` are met (Lightning's ``_FitLoop.done``)."""
+        """Whether ``fit`` ends before epoch ``epoch`` (0-based): ``max_epochs`` trained, ``max_steps`` reached, a
+        stop asked by a callback once ``min_epochs``/``min_steps`` are met (Lightning's ``_FitLoop.done``), or no
+        training at all (``limit_train_batches=0``: Lightning's ``_FitLoop.skip``)."""
         cfg = self.config
-        return epoch >= cfg.epoch_limit or self.state.global_step >= cfg.step_limit or self._stop_now(epoch)
+        return (epoch >= cfg.epoch_limit or self.state.global_step >= cfg.step_limit or cfg.limit_train_batches == 0
+                or self._stop_now(epoch))
 
     def _stop_now(self, epochs_done: int) -> bool:
         """Whether a stop asked by a callback (``should_stop``) may happen now, after ``epochs_done`` epochs: when
@@ -743,8 +761,9 @@ class Trainer:
            all-reduce (ddp) or reduce-scatter (fsdp) runs on the step's last micro-batch only
            (``no_backward_sync``). Under pp one schedule step does forward and backward; under manual
            optimization the module's ``training_step`` does it all, stepping its own optimizers (the backward
-           and step hooks run in ``manual_backward`` and ``step()``). ``on_train_batch_end`` after each
-           micro-batch that does not end the step.
+           and step hooks run in ``manual_backward`` and ``step()``). A ``training_step`` that returns None
+           under automatic optimization has no backward (Lightning's skip, with its warning; on several ranks
+           Lightning's error). ``on_train_batch_end`` after each micro-batch that does not end the step.
         2.-4. In :meth:`_optimizer_step`, through the module's ``optimizer_step`` hook (Lightning's, its
            closure running 2 and 3):
         2. ``on_before_optimizer_step`` (after the GradScaler's unscale under "16-mixed", as in Lightning),
@@ -798,7 +817,8 @@ class Trainer:
                                                           batch)
                 else:
                     loss, t_forward = self._forward_backward(fit, batch, micro)
-            loss = None if loss is None else loss.detach()  # None: a manual training_step returned nothing
+            # None: the training_step returned nothing (manual), or skipped its backward (automatic; one process)
+            loss = None if loss is None else loss.detach()
             fit.books.backward_done(loss, t_forward)  # phases, epoch loss sum, non-finite watch, progress bar
             if micro.is_last:
                 break
@@ -916,6 +936,9 @@ class Trainer:
             with rt.precision.autocast():
                 loss = fit.wrapped(batch, micro.index)
             t_forward = tele.clock()
+            if loss is None:  # training_step returned None: no backward for this micro-batch (Lightning's skip)
+                skip_backward(rt.world_size)  # on several ranks an error: the others' all-reduce would wait for it
+                return None, t_forward
             scaled = loss / micro.group_size if micro.group_size > 1 else loss
             self._hook("on_before_backward", scaled)  # the loss backward receives, as Lightning's closure passes it
             # scaled by the GradScaler under "16-mixed"; the module's backward hook when it has its own
@@ -1189,6 +1212,7 @@ class Trainer:
         kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path, method)  # before any ddp_spawn start
         self.ckpt_path = as_ckpt_path(kwargs["ckpt_path"])
         previous, self.state.stage = self.state.stage, method  # Lightning's stage: "validate", "test", "predict"
+        self.state.fn = method  # and its TrainerFn, which stays after the call
         try:
             with self._on_exception():
                 if self.runtime.spawns:
@@ -1304,11 +1328,17 @@ def _warn_eval_mode(model: nn.Module) -> None:
                       "in training mode (submodules you put in eval mode stay so)", UserWarning, stacklevel=4)
 
 
-def _say_detect_anomaly(on: bool, rank_zero: bool) -> None:
-    """Lightning's note in ``Trainer(detect_anomaly=True)``, at INFO on rank zero (``log_info``)."""
-    if on and rank_zero:
+def _say_debug_modes(cfg: TrainerConfig, rank_zero: bool) -> None:
+    """Lightning's notes in ``Trainer(detect_anomaly=True)`` and ``Trainer(barebones=True)``, at INFO on rank zero
+    (``log_info``)."""
+    if cfg.detect_anomaly and rank_zero:
         log_info(_log, "You have turned on `Trainer(detect_anomaly=True)`. This will significantly slow down compute "
                        "speed and is recommended only for model debugging.")
+    if cfg.barebones and rank_zero:
+        log_info(_log, "You are running in `Trainer(barebones=True)` mode. All features that may impact raw speed have "
+                       "been disabled to facilitate analyzing the Trainer overhead: checkpointing, the progress bar, "
+                       "the model summary, logging (loggers, `self.log`, telemetry, the run directory), the sanity "
+                       "check.")
 
 
 def set_torch_flags(deterministic: bool | str | None, benchmark: bool | None = None) -> None:

@@ -57,6 +57,28 @@ LIGHTNING_REFUSED = {
                                    "which load on another mesh",
     **{name: f"pass it as the flag: Trainer({name}=...)" for name in ("parallel", "tp_plan", "parallelize")},
 }
+# Lightning's plugin kinds (the base class of each plugin object) → what trainscale does in their place
+_PLUGIN_INSTEAD = {"Precision": LIGHTNING_REFUSED["precision_plugin"],
+                   "CheckpointIO": LIGHTNING_REFUSED["checkpoint_io"],
+                   "ClusterEnvironment": LIGHTNING_REFUSED["cluster_environment"],
+                   "LayerSync": "pass the sync_batchnorm flag: Trainer(sync_batchnorm=True) (torch's SyncBatchNorm)"}
+
+
+def check_plugins(plugins: Any) -> None:
+    """Lightning's ``Trainer(plugins=...)``: None, or an empty list or tuple, is taken (no plugin); trainscale sets
+    precision, the cluster environment, checkpoint writing and layer sync from its flags, in one place.
+
+    Raises:
+        ValueError: a plugin (an object, or a name), naming what to pass instead by the Lightning class it derives
+            from (``Precision``, ``CheckpointIO``, ``ClusterEnvironment``, ``LayerSync``).
+    """
+    for plugin in [] if plugins is None else plugins if isinstance(plugins, (list, tuple)) else [plugins]:
+        kinds = [_PLUGIN_INSTEAD[cls.__name__] for cls in type(plugin).__mro__ if cls.__name__ in _PLUGIN_INSTEAD]
+        instead = kinds[0] if kinds else ("Lightning's plugins are Precision, CheckpointIO, ClusterEnvironment and "
+                                          "LayerSync objects, each a flag here (precision, sync_batchnorm) or unneeded")
+        raise ValueError(f"plugins={plugins!r}: trainscale takes no plugins; {instead}")
+
+
 # Lightning's FSDPStrategy(sharding_strategy=...) → trainscale's fsdp options (FSDP2 has no NO_SHARD or HYBRID_SHARD
 # mode: those are ddp and hsdp here)
 SHARDING_STRATEGIES: dict[str, dict | str] = {
