@@ -2953,14 +2953,18 @@ def test_is_overridden_compares_with_the_base_class_and_unwraps_what_lightning_u
     with pytest.raises(ValueError, match="parent="):
         is_overridden("forward", nn.Linear(1, 1))
     assert is_overridden("forward", nn.Linear(1, 1), parent=nn.Module)
-    assert not is_overridden("configure_model", model)  # a hook neither class has
+    assert not is_overridden("lr_scheduler_step", model)  # a hook neither class has
 
     class Configured(Probe):
-        def configure_model(self):  # Lightning's hook, not TrainingModule's: nothing to compare it with
+        def configure_model(self):  # a hook TrainingModule defines (a no-op)
             pass
 
-    with pytest.raises(ValueError, match="defines no configure_model"):
-        is_overridden("configure_model", Configured())
+        def lr_scheduler_step(self, scheduler, metric):  # Lightning's hook, not TrainingModule's: nothing to compare
+            pass
+
+    assert is_overridden("configure_model", Configured()) and not is_overridden("configure_model", model)
+    with pytest.raises(ValueError, match="defines no lr_scheduler_step"):
+        is_overridden("lr_scheduler_step", Configured())
     assert is_picklable({"lr": 0.1}) and not is_picklable(lambda: 0)
 
 
