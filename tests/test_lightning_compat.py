@@ -3143,3 +3143,25 @@ def test_a_training_step_returning_none_on_several_ranks_is_lightnings_error():
     for said in run_distributed(mw.skipped_step_body, timeout=100):
         assert said.startswith("Skipping the `training_step` by returning None in distributed training is not "
                                "supported")
+
+
+def test_the_trainer_shows_its_flags_under_lightnings_attribute_names():
+    """``trainer.accumulate_grad_batches``, ``gradient_clip_val``/``_algorithm``, ``check_val_every_n_epoch``,
+    ``val_check_interval`` (1.0 when not given, a duration as a timedelta), ``reload_dataloaders_every_n_epochs``,
+    ``overfit_batches`` and ``precision`` in Lightning's spelling, as callbacks and modules read them."""
+    from datetime import timedelta
+
+    trainer = Trainer(accelerator="cpu", accumulate_grad_batches=3, gradient_clip_val=0.5,
+                      gradient_clip_algorithm="value", precision="bf16-mixed",
+                      check_val_every_n_epoch=None, val_check_interval=4, reload_dataloaders_every_n_epochs=2,
+                      overfit_batches=5)
+    seen = {name: getattr(trainer, name) for name in ("accumulate_grad_batches", "gradient_clip_val",
+                                                      "gradient_clip_algorithm", "check_val_every_n_epoch",
+                                                      "val_check_interval", "reload_dataloaders_every_n_epochs",
+                                                      "overfit_batches", "precision")}
+    assert seen == {"accumulate_grad_batches": 3, "gradient_clip_val": 0.5, "gradient_clip_algorithm": "value",
+                    "check_val_every_n_epoch": None, "val_check_interval": 4, "reload_dataloaders_every_n_epochs": 2,
+                    "overfit_batches": 5, "precision": "bf16-mixed"}
+    plain = Trainer(accelerator="cpu")
+    assert plain.val_check_interval == 1.0 and plain.check_val_every_n_epoch == 1 and plain.precision == "32-true"
+    assert Trainer(accelerator="cpu", val_check_interval="00:00:01:30").val_check_interval == timedelta(seconds=90)

@@ -407,6 +407,24 @@ class Trainer:
     limit_val_batches = property(lambda self: self.config.limit_val_batches, doc="The flag (None: all batches).")
     limit_test_batches = property(lambda self: self.config.limit_test_batches, doc="The flag (None: all batches).")
     limit_predict_batches = property(lambda self: self.config.limit_predict_batches, doc="The flag (None: all).")
+    # Lightning's views of flags that callbacks and modules read (self.trainer.accumulate_grad_batches, ...)
+    accumulate_grad_batches = property(lambda self: self.config.accumulate_grad_batches,
+                                       doc="Micro-batches per optimizer step (the flag).")
+    gradient_clip_val = property(lambda self: self.config.gradient_clip_val, doc="The flag (None: no clipping).")
+    gradient_clip_algorithm = property(lambda self: self.config.gradient_clip_algorithm,
+                                       doc='"norm" or "value" (Lightning: None until given; trainscale\'s default "norm").')
+    check_val_every_n_epoch = property(lambda self: self.config.check_val_every_n_epoch,
+                                       doc="The flag (None: by val_check_interval alone).")
+    val_check_interval = property(lambda self: 1.0 if self.config.val_check_interval is None
+                                  else self.config.val_check_interval,
+                                  doc="The flag, 1.0 when not given (Lightning's value: once per epoch); a duration "
+                                      "as a timedelta.")
+    reload_dataloaders_every_n_epochs = property(lambda self: self.config.reload_dataloaders_every_n_epochs,
+                                                 doc="The flag (0: the loaders are built once).")
+    overfit_batches = property(lambda self: self.config.overfit_batches, doc="The flag (0.0: off).")
+    precision = property(lambda self: self.runtime.config.precision,
+                         doc='The precision in Lightning\'s spelling ("32-true", "bf16-mixed", ...), as '
+                             "Lightning's trainer.precision.")
     train_dataloader = property(lambda self: self._fit.train_loader if self._fit is not None else None,
                                 doc="The training loader of the last fit as the loop reads it (on several ranks, with "
                                     "trainscale's distributed sampler), None before one (Lightning's attribute).")
