@@ -414,14 +414,16 @@ def predict_body(rank: int, n: int) -> torch.Tensor:
 
 def evaluate_checkpoint_body(rank: int, root: str, strategy: str) -> dict:
     """Fit 3 epochs with a ModelCheckpoint that keeps the epoch of the lowest val_loss (random labels: the first,
-    the model overfits), then validate with the model's own weights, with ckpt_path="best", and predict with
+    the model overfits) and one that saves every epoch (so "last" is the final epoch's: the first saves only what
+    enters its top 1), then validate with the model's own weights, with ckpt_path="best", and predict with
     ckpt_path="last"; the full weights after each (DTensors gathered under fsdp)."""
     from trainscale.callbacks import ModelCheckpoint
     from trainscale.loop.trainer import Trainer
 
     callback = ModelCheckpoint(monitor="val_loss", mode="min")
+    newest = ModelCheckpoint(filename="newest-{epoch}")
     trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, max_epochs=3, default_root_dir=root,
-                      timeout=60, enable_progress_bar=False, callbacks=[callback])
+                      timeout=60, enable_progress_bar=False, callbacks=[callback, newest])
     model, val = workers.make_model(0), DataLoader(workers.tiny_dataset(20, seed=3), batch_size=4)
     trainer.fit(model, DataLoader(workers.tiny_dataset(48), batch_size=8), val, optimizer=workers.sgd)
     out = {"history": [r["val_loss"] for r in trainer.history], "best_path": callback.best_model_path,

@@ -33,14 +33,18 @@ class ModelCheckpoint(Callback):
     lists the checkpoints and nothing else. After each save ``<run dir>/checkpoints/last`` names it,
     so ``fit(ckpt_path="last")`` resumes from the newest save; with ``save_last``, ``<dirpath>/last.ckpt``
     (``CHECKPOINT_NAME_LAST`` + ``FILE_EXTENSION``, a template such as ``"{epoch}-last"`` too) is also a symbolic link
-    to it (for ``load_from_checkpoint``, ``ckpt_path=".../last.ckpt"``).
+    to it (for ``load_from_checkpoint``, ``ckpt_path=".../last.ckpt"``), or, where there is nothing to link to
+    (``save_top_k=0``; a fit that saved nothing writes it at its end, as Lightning), the checkpoint itself.
 
-    One pruning rule: the ``save_top_k`` best by ``monitor`` (without a monitor: the newest) are kept, and the
-    newest (the one "last" names); only files this callback wrote into its own ``dirpath`` during this run are ever
-    deleted (never another run's, e.g. the checkpoints a run resumed into a new ``version_N`` started from). A run
-    resumed in place (``fit(ckpt_path="last")`` continuing its directory) is the same run: the files its earlier
-    processes kept, the one it resumed from included, are ranked by their scores and pruned as its own (each
-    checkpoint's callback state already counts the checkpoint itself, as Lightning's ``best_k_models``).
+    With a monitor, a checkpoint is written only when its score enters the top ``save_top_k`` (Lightning's
+    ``check_monitor_top_k``: fewer kept, or strictly better than the worst kept), so the newest save is always kept
+    and "last" stays on it until the next save. One pruning rule: the ``save_top_k`` best by ``monitor`` (without a
+    monitor: the newest) are kept; only files this callback wrote into its own ``dirpath`` during this run are ever
+    deleted (never another run's, e.g. the checkpoints a run resumed into a new ``version_N`` started from, and never
+    the checkpoint the fit resumed from, as Lightning). A run resumed in place (``fit(ckpt_path="last")`` continuing
+    its directory) is the same run: the files its earlier processes kept, the one it resumed from included, are
+    ranked by their scores as its own (each checkpoint's callback state already counts the checkpoint itself, as
+    Lightning's ``best_k_models``); a run in another directory ranks by its own scores only.
     A non-finite monitored value ranks worst, as in Lightning: a NaN epoch never evicts a good checkpoint.
     A name that exists already (a template without ``{step}``, a second run in the same ``dirpath``) gets
     Lightning's version suffix ``-v1``, ``-v2``..., so no file of another run is ever overwritten; the name of a
@@ -55,13 +59,16 @@ class ModelCheckpoint(Callback):
         filename: Lightning's template, e.g. ``"{epoch}-{val_loss:.2f}"`` → ``epoch=3-val_loss=0.12.ckpt``: fields
             are ``epoch`` (the epoch being trained, from 0, as Lightning), ``step`` (optimizer steps so far)
             and any metric in ``trainer.callback_metrics`` (0 when missing, as Lightning). None: the default name.
-        monitor: metric name in ``trainer.callback_metrics`` (e.g. "val_loss"); None: keep the newest.
+        monitor: metric name in ``trainer.callback_metrics`` (e.g. "val_loss"), or "epoch" or "step" (the epoch
+            being trained and the optimizer steps taken, as Lightning's ``_monitor_candidates``); None: keep the
+            newest.
         verbose: rank zero prints a line at each save (the score, the best, the path).
         save_last: True or "link": keep ``last.ckpt`` in ``dirpath`` pointing at the newest checkpoint. Both are a
-            link here (Lightning's True writes a second copy; trainscale keeps the newest checkpoint anyway).
-        save_top_k: checkpoints kept besides the newest (``-1``: all; ``0``: none, and nothing is saved
-            unless ``save_last``, which then keeps only the newest). Without a monitor only -1, 0 or 1 (as Lightning:
-            no value to rank more by; the Trainer's ``keep_last`` keeps the newest N).
+            link here (Lightning's True writes a second copy; trainscale keeps the newest checkpoint anyway), but with
+            ``save_top_k=0``, or at the end of a fit that saved nothing, ``last.ckpt`` is the checkpoint itself.
+        save_top_k: the best checkpoints kept (``-1``: all; ``0``: none, and only ``last.ckpt`` is written, with
+            ``save_last``). Without a monitor only -1, 0 or 1 (as Lightning: no value to rank more by; the Trainer's
+            ``keep_last`` keeps the newest N).
         save_on_exception: when ``fit`` ends in an exception, save a checkpoint of the state at that moment
             (Lightning's; :meth:`on_exception`).
         save_weights_only: the checkpoints hold the weights and the loop's position, but no optimizer or scheduler
@@ -171,6 +178,7 @@ class ModelCheckpoint(Callback):
         given = self._given_dirpath
         self._directory = Path(trainer.run_dir) / "checkpoints" if given is None else Path(given)
         self.dirpath = str(self._directory)
+        self._saved_step = -1  # no save yet in this fit
         self._adopt_earlier_files(trainer)
         self._last_time_save = time.monotonic()
         if given is None:
@@ -200,6 +208,9 @@ class ModelCheckpoint(Callback):
         resumed_from = [str(trainer.ckpt_path)] if trainer.ckpt_path is not None else []
         earlier = dict.fromkeys([*self._kept, *([self._newest] if self._newest else []), *resumed_from])
         self._written = [p for p in earlier if Path(p).parent.resolve() == self._directory.resolve()]
+        # another directory's ranking is not this one's (Lightning reloads best_k_models only for the same dirpath):
+        # a run resumed from another run's checkpoint saves by its own scores
+        self._kept = {p: rank for p, rank in self._kept.items() if p in self._written}
         for path in resumed_from:
             if path in self._written and path not in self._kept:
                 self._kept[path] = -float(trainer.global_step) if self.monitor is None else math.inf
@@ -260,7 +271,9 @@ class ModelCheckpoint(Callback):
         return chosen
 
     def _metrics(self, trainer: "Trainer") -> dict:
-        """The template's fields: ``callback_metrics``, with ``epoch`` (``trainer.current_epoch``) and ``step``."""
+        """The values a template formats and ``monitor`` reads (Lightning's ``_monitor_candidates``):
+        ``callback_metrics``, with ``epoch`` (``trainer.current_epoch``) and ``step`` (``trainer.global_step``), names
+        a module cannot log here (``self.log("epoch", ...)`` is refused)."""
         return {**trainer.callback_metrics, "epoch": trainer.current_epoch, "step": trainer.global_step}
 
     def _file_name(self, trainer: "Trainer", reusable: set[str]) -> str:
@@ -354,7 +367,7 @@ class ModelCheckpoint(Callback):
         without a monitor, newer is better)."""
         if self.monitor is None:
             return -float(trainer.global_step)  # newest first
-        metrics = trainer.callback_metrics
+        metrics = self._metrics(trainer)
         if self.monitor not in metrics and not epoch_end:  # a step save before the first validation: as Lightning,
             if not self._warned_missing:                    # a warning, and this checkpoint ranks last
                 warnings.warn(f"ModelCheckpoint monitors {self.monitor!r}, not among the metrics yet at step "
@@ -374,9 +387,13 @@ class ModelCheckpoint(Callback):
         return rank if self.mode == "min" else -rank
 
     def _save(self, trainer: "Trainer", epoch_end: bool) -> None:
-        if self.save_top_k == 0 and not self.save_last:
-            return  # Lightning: save_top_k=0 saves nothing (but "last" when asked)
+        if self.save_top_k == 0:  # Lightning: save_top_k=0 saves nothing but "last", when asked
+            if self.save_last:
+                self._save_last_file(trainer)
+            return
         score = self._score(trainer, epoch_end)
+        if not self._enters_top_k(trainer, score):  # Lightning's check_monitor_top_k: no file, "last" stays put
+            return
         ranked = sorted([*self._kept.items(), (None, score)], key=lambda kv: kv[1])  # ties: the older first
         top = {p for p, _ in (ranked[:self.save_top_k] if self.save_top_k >= 0 else ranked)}
         name = self._file_name(trainer, {p for p in self._written if p not in top})
@@ -391,7 +408,56 @@ class ModelCheckpoint(Callback):
         keep = set(self._kept) | {path}  # the newest is "last"
         stale = [p for p in self._written if p not in keep]
         self._written = [p for p in self._written if p in keep]
-        trainer.checkpoints.discard([Path(p) for p in stale + self._link_last(trainer, path, last)])
+        trainer.checkpoints.discard([Path(p) for p in self._removable(trainer, stale)
+                                     + self._link_last(trainer, path, last)])
+
+    def _enters_top_k(self, trainer: "Trainer", score: float) -> bool:
+        """Whether a checkpoint of rank ``score`` is saved: always without a monitor or with ``save_top_k=-1``, else
+        while fewer than ``save_top_k`` are kept or when it ranks strictly better than the worst kept (Lightning's
+        ``check_monitor_top_k``; a non-finite value ranks worst, so it enters only an unfilled top k). With
+        ``verbose``, a miss is said (Lightning's words)."""
+        if self.monitor is None or self.save_top_k < 0 or len(self._kept) < self.save_top_k:
+            return True
+        if score < max(self._kept.values()):
+            return True
+        if self.verbose:
+            trainer.runtime.print(f"Epoch {trainer.current_epoch}, global step {trainer.global_step}: "
+                                  f"{self.monitor!r} was not in top {self.save_top_k}")
+        return False
+
+    @staticmethod
+    def _removable(trainer: "Trainer", paths: list[str]) -> list[str]:
+        """``paths`` less the checkpoint this fit resumed from, which is never deleted (Lightning's
+        ``_should_remove_checkpoint``), even when a better one pushes it out of the top k."""
+        if trainer.ckpt_path is None:
+            return paths
+        resumed = {os.path.abspath(trainer.ckpt_path), os.path.realpath(trainer.ckpt_path)}  # a link: its target too
+        return [p for p in paths if os.path.abspath(p) not in resumed]
+
+    def _save_last_file(self, trainer: "Trainer") -> None:
+        """With ``save_last`` and nothing to link to (``save_top_k=0``, or a fit that ends without a save): the
+        checkpoint itself under the save_last name (``last.ckpt``, a file, as Lightning's), replacing this run's
+        previous one atomically (a sharded directory takes a free name: it is renamed into place)."""
+        if trainer.runtime.strategy.sharded_checkpoints:
+            name = self._free_name(trainer, self.CHECKPOINT_NAME_LAST, self._metrics(trainer), set())
+            self.last_model_path = str(self._directory / name)
+        else:
+            name = self._last_name(trainer)
+        path = self.last_model_path
+        self._written = [p for p in self._written if p != path] + [path]
+        self._newest, self._saved_step = path, trainer.global_step
+        trainer.write_checkpoint(self._directory, background=True, name=name, weights_only=self.save_weights_only)
+        stale = [p for p in self._written if p != path and p not in self._kept]
+        self._written = [p for p in self._written if p not in stale]
+        old_links, self._links = [p for p in self._links if p != path], []
+        trainer.checkpoints.discard([Path(p) for p in self._removable(trainer, stale) + old_links])
+
+    def on_train_end(self, trainer: "Trainer", module: Any) -> None:
+        """With ``save_last``: a fit that saved no checkpoint writes ``last.ckpt`` at its end (Lightning's), e.g.
+        with ``save_top_k=0`` and no scheduled save, or ``every_n_epochs`` above the epochs trained."""
+        if (self.save_last and self._directory is not None and trainer.config.writes_files
+                and self._saved_step < 0):
+            self._save_last_file(trainer)
 
     def _link_last(self, trainer: "Trainer", path: str, last: str | None) -> list[str]:
         """With ``save_last``: the link ``last`` (a name in the directory) to checkpoint ``path``, made once the
