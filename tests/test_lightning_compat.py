@@ -1550,6 +1550,24 @@ def test_save_last_writes_last_ckpt_at_the_end_of_a_fit_that_saved_nothing(tmp_p
         assert model.epochs_seen == [("start", 2), ("end", 2)], name
 
 
+def test_a_url_dirpath_and_a_model_checkpoint_with_checkpointing_off_are_refused(tmp_path):
+    """A ``dirpath`` URL is refused at setup, not made a local directory named ``memory:`` (Lightning's words with
+    ``save_last='link'``); ``enable_checkpointing=False`` with a ``ModelCheckpoint`` is Lightning's error."""
+    for save_last, words in (("link", "save_last='link'.* is only supported for local file paths"),
+                             (None, "'s3://bucket/ckpts'\\) is a URL: trainscale writes checkpoints to local")):
+        dirpath = "memory://ckpts" if save_last else "s3://bucket/ckpts"
+        callback = ModelCheckpoint(dirpath=dirpath, save_last=save_last)
+        with pytest.raises(ValueError, match=words):
+            callback.setup(_trainer(tmp_path), Probe(), "fit")
+        with pytest.raises(ValueError, match=words):
+            _trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(Probe(), _loader())
+    assert not any(p.name.startswith(("memory", "s3")) for p in tmp_path.rglob("*"))
+    assert not os.path.exists("memory:") and not os.path.exists("s3:")  # no local directory of those names
+    with pytest.raises(ValueError, match="`enable_checkpointing=False` but found `ModelCheckpoint`"):
+        _trainer(tmp_path, enable_checkpointing=False, callbacks=[ModelCheckpoint()])
+    assert _trainer(tmp_path, enable_checkpointing=False).checkpoint_callback is None
+
+
 # -- Lightning's warnings and errors that a port keeps ------------------------------------------------------------------
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("precision", ["32-true", "16-mixed"])  # "16-mixed": a GradScaler with nothing to scale

@@ -121,7 +121,8 @@ class ModelCheckpoint(Callback):
         self.filename, self.save_last, self.auto_insert_metric_name = filename, save_last, auto_insert_metric_name
         # the dirpath given (None: the run's own directory), in the state and its rules; ``dirpath``: Lightning's
         # attribute, the directory the checkpoints go to once a fit has set it (os.listdir(callback.dirpath))
-        self._given_dirpath = os.path.realpath(os.path.expanduser(dirpath)) if dirpath is not None else None
+        self._given_dirpath = (None if dirpath is None else str(dirpath) if _is_url(dirpath)  # refused at setup
+                               else os.path.realpath(os.path.expanduser(dirpath)))
         self.dirpath = self._given_dirpath
         self.monitor, self.mode, self.save_top_k, self.verbose = monitor, mode, save_top_k, verbose
         self.save_weights_only, self.save_on_train_epoch_end = save_weights_only, save_on_train_epoch_end
@@ -176,6 +177,7 @@ class ModelCheckpoint(Callback):
             ValueError: another running fit holds ``dirpath``.
         """
         given = self._given_dirpath
+        self._check_local()
         self._directory = Path(trainer.run_dir) / "checkpoints" if given is None else Path(given)
         self.dirpath = str(self._directory)
         self._saved_step = -1  # no save yet in this fit
@@ -194,6 +196,22 @@ class ModelCheckpoint(Callback):
         refusal = rt.broadcast_object(refusal)  # every rank raises together, none waits at a collective
         if refusal:
             raise ValueError(refusal)
+
+    def setup(self, trainer: "Trainer", pl_module: Any, stage: str) -> None:
+        """Lightning's hook: a ``dirpath`` that is a URL is refused here (:meth:`_check_local`)."""
+        self._check_local()
+
+    def _check_local(self) -> None:
+        """Raise ValueError for a ``dirpath`` that is a URL (``s3://``, ``memory://``): trainscale writes, links and
+        locks checkpoints on local file paths only (Lightning refuses such a path with ``save_last='link'``, in its
+        words, and writes the rest through fsspec)."""
+        if self._given_dirpath is None or not _is_url(self._given_dirpath):
+            return
+        said = (f"`ModelCheckpoint(save_last='link')` is only supported for local file paths, got "
+                f"`dirpath={self._given_dirpath}`" if self.save_last == "link" else
+                f"ModelCheckpoint(dirpath={self._given_dirpath!r}) is a URL")
+        raise ValueError(f"{said}: trainscale writes checkpoints to local file paths only; give a local directory "
+                         "(a mounted bucket, for instance) and copy the checkpoints from it")
 
     def release_directory(self) -> None:
         """Drop the lock on ``dirpath`` (the Trainer calls it when a fit ends or fails; the process's end drops it too)."""
@@ -564,6 +582,11 @@ class ModelCheckpoint(Callback):
                           "`best_k_models` won't be reloaded. Only `best_model_path` will be reloaded.", UserWarning,
                           stacklevel=2)
         self.best_model_path = state["best_model_path"]
+
+
+def _is_url(path: str | Path) -> bool:
+    """Whether ``path`` names a remote or in-memory file system (``protocol://...``), as fsspec's paths do."""
+    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(path)) is not None
 
 
 def _exists(path: Path) -> bool:
