@@ -21,7 +21,7 @@ class _Trainer:
 
     def __init__(self, run_dir):
         self.run_dir, self.global_step, self.current_epoch, self.callback_metrics = run_dir, 0, 0, {}
-        self.runtime = types.SimpleNamespace(is_rank_zero=True, barrier=lambda: None,
+        self.runtime = types.SimpleNamespace(is_rank_zero=True, world_size=1, barrier=lambda: None,
                                              broadcast_object=lambda obj: obj)
         self.checkpoints = types.SimpleNamespace(discard=lambda paths: [ckpt.remove_checkpoint(p) for p in paths],
                                                  link=ckpt.link_last)
@@ -74,6 +74,28 @@ def test_a_non_finite_score_never_evicts_the_best_checkpoint(tmp_path):
     kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.ckpt"))
     assert kept == [ckpt.checkpoint_name(0, 1)]  # neither later one enters the top 1: not written, "last" stays
     assert (trainer.run_dir / "checkpoints" / "last").read_text().strip() == ckpt.checkpoint_name(0, 1)
+
+
+@pytest.mark.parametrize("mode, scores", [("min", [float("nan"), 8.0, 7.0, 5.0]),
+                                          ("max", [float("nan"), 5.0, 7.0, 8.0])])
+def test_a_nan_first_value_is_saved_and_the_first_finite_one_replaces_it(tmp_path, mode, scores):
+    """As Lightning: a NaN fills an empty top k (ranked worst: inf for "min", -inf for "max"), so every save of
+    this run is written, each better one replacing the one before."""
+    trainer = _Trainer(tmp_path / "version_0")
+    written, write = [], trainer.write_checkpoint
+
+    def counted_write(*args, **kwargs):
+        path = write(*args, **kwargs)
+        written.append(path.name)
+        return path
+
+    trainer.write_checkpoint = counted_write
+    callback = ModelCheckpoint(monitor="loss", mode=mode, save_top_k=1)
+    callback.setup_directory(trainer)
+    _steps(callback, trainer, (1, 2, 3, 4), scores=scores)
+    assert written == [ckpt.checkpoint_name(0, step) for step in (1, 2, 3, 4)]
+    assert sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.ckpt")) == [ckpt.checkpoint_name(0, 4)]
+    assert float(callback.best_model_score) == scores[-1] and float(callback.current_score) == scores[-1]
 
 
 def test_pruning_deletes_only_this_runs_files_and_a_dirpath_in_use_is_refused(tmp_path):

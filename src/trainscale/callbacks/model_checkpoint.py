@@ -381,8 +381,17 @@ class ModelCheckpoint(Callback):
                               f"to {self._directory / name}")
 
     def _score(self, trainer: "Trainer", epoch_end: bool) -> float:
-        """This save's rank: lower is better (the monitored value, negated for "max"; a non-finite one ranks last;
-        without a monitor, newer is better)."""
+        """This save's rank (:meth:`_own_score`), rank zero's on every rank: a value logged per step differs by rank,
+        and the ranks must agree on whether to write (every rank writes, or none; Lightning reduces that decision)
+        and on the ranking (one ``best_model_path`` for ``ckpt_path="best"``)."""
+        score = self._own_score(trainer, epoch_end)
+        if self.monitor is not None and trainer.runtime.world_size > 1:
+            score = float(trainer.runtime.broadcast_object(score))
+        return score
+
+    def _own_score(self, trainer: "Trainer", epoch_end: bool) -> float:
+        """This rank's rank of this save: lower is better (the monitored value, negated for "max"; a non-finite one
+        ranks last; without a monitor, newer is better)."""
         if self.monitor is None:
             return -float(trainer.global_step)  # newest first
         metrics = self._metrics(trainer)
@@ -476,6 +485,7 @@ class ModelCheckpoint(Callback):
         if (self.save_last and self._directory is not None and trainer.config.writes_files
                 and self._saved_step < 0):
             self._save_last_file(trainer)
+            trainer.checkpoints.wait()  # published before the fit's end, as the saves before it
 
     def _link_last(self, trainer: "Trainer", path: str, last: str | None) -> list[str]:
         """With ``save_last``: the link ``last`` (a name in the directory) to checkpoint ``path``, made once the
