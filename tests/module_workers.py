@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch import nn
@@ -414,14 +415,16 @@ def predict_body(rank: int, n: int) -> torch.Tensor:
 
 def evaluate_checkpoint_body(rank: int, root: str, strategy: str) -> dict:
     """Fit 3 epochs with a ModelCheckpoint that keeps the epoch of the lowest val_loss (random labels: the first,
-    the model overfits), then validate with the model's own weights, with ckpt_path="best", and predict with
+    the model overfits) and one that saves every epoch (so "last" is the final epoch's: the first saves only what
+    enters its top 1), then validate with the model's own weights, with ckpt_path="best", and predict with
     ckpt_path="last"; the full weights after each (DTensors gathered under fsdp)."""
     from trainscale.callbacks import ModelCheckpoint
     from trainscale.loop.trainer import Trainer
 
     callback = ModelCheckpoint(monitor="val_loss", mode="min")
+    newest = ModelCheckpoint(filename="newest-{epoch}")
     trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, max_epochs=3, default_root_dir=root,
-                      timeout=60, enable_progress_bar=False, callbacks=[callback])
+                      timeout=60, enable_progress_bar=False, callbacks=[callback, newest])
     model, val = workers.make_model(0), DataLoader(workers.tiny_dataset(20, seed=3), batch_size=4)
     trainer.fit(model, DataLoader(workers.tiny_dataset(48), batch_size=8), val, optimizer=workers.sgd)
     out = {"history": [r["val_loss"] for r in trainer.history], "best_path": callback.best_model_path,
@@ -432,6 +435,40 @@ def evaluate_checkpoint_body(rank: int, root: str, strategy: str) -> dict:
     out["last_weights"] = _full_weights(model)
     trainer.runtime.teardown()
     return out
+
+
+class RankScored(TrainingModule):
+    """Logs ``score`` per step, unsynced, falling on rank 0 and rising on rank 1: the ranks disagree on whether a
+    step's checkpoint enters a top 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(1, 2)
+
+    def training_step(self, batch, batch_idx):
+        step = float(self.global_step)
+        self.log("score", 10.0 - step if self.global_rank == 0 else step)
+        x, y = batch
+        return F.cross_entropy(self.lin(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def top_k_decision_body(rank: int, root: str) -> list[str]:
+    """A 2-rank fit whose ModelCheckpoint(monitor="score", save_top_k=1) saves every step by rank zero's values
+    (rank 1's own would save only the first, and the ranks would wait for each other); the steps taken and each
+    rank's best checkpoint."""
+    from trainscale.callbacks import ModelCheckpoint
+    from trainscale.loop.trainer import Trainer
+
+    callback = ModelCheckpoint(dirpath=f"{root}/ckpts", monitor="score", save_top_k=1, every_n_train_steps=1,
+                               filename="{step}")
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy="ddp", max_epochs=1, default_root_dir=root,
+                      timeout=60, enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    trainer.fit(RankScored(), DataLoader(indexed_dataset(16), batch_size=2))
+    trainer.runtime.teardown()
+    return [str(trainer.global_step), os.path.basename(callback.best_model_path)]
 
 
 class MNISTShapedData:

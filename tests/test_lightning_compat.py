@@ -1463,25 +1463,25 @@ class LaterWorse(Scored):
 @pytest.mark.timeout(60)
 def test_a_run_directory_with_the_former_pt_names_still_resumes(tmp_path):
     """A run whose checkpoints are ``.pt`` files, which its ``last`` and its callback state name: ``ckpt_path="last"``
-    continues it in place (the ``.pt`` file it resumed from pruned as its own, its best kept and found by "best"),
+    continues it in place (the ``.pt`` file it resumed from ranked as its own by its score, found by "best"),
     and the path itself or a ``last.ckpt`` link to it resume too."""
     import os
 
     root = tmp_path / "runs"
     former = FormerNames(monitor="score", filename="epoch={epoch:06d}-step={step:010d}", auto_insert_metric_name=False)
     first = _trainer(root, max_epochs=3, num_sanity_val_steps=0, callbacks=[former])
-    first.fit(LaterWorse(), _loader())  # 4 steps an epoch; scores 1.0, 0.5, 2.0
+    first.fit(LaterWorse(), _loader())  # 4 steps an epoch; scores 1.0, 0.5, 2.0: epoch 2's not in the top 1, unsaved
     ckpt_dir = first.run_dir / "checkpoints"
-    best, newest = ckpt_dir / "epoch=000001-step=0000000008.pt", ckpt_dir / "epoch=000002-step=0000000012.pt"
-    assert sorted(os.listdir(ckpt_dir)) == [best.name, newest.name, "last"]
+    best = ckpt_dir / "epoch=000001-step=0000000008.pt"
+    assert sorted(os.listdir(ckpt_dir)) == [best.name, "last"]
     before = best.read_bytes()
 
-    model, callback = LaterWorse(), ModelCheckpoint(monitor="score")
+    model, callback = LaterWorse(), ModelCheckpoint(monitor="score", save_top_k=2)
     resumed = _trainer(root, max_epochs=4, num_sanity_val_steps=0, callbacks=[callback])
-    resumed.fit(model, _loader(), ckpt_path="last")  # epoch 3 scores 3.0: the best stays the .pt of epoch 1
-    assert resumed.run_dir == first.run_dir and resumed.ckpt_path == str(newest) and resumed.global_step == 16
-    assert model.epochs_seen == [("start", 3)]  # the epochs before came from the .pt file
-    assert sorted(os.listdir(ckpt_dir)) == [best.name, "epoch=3-step=16.ckpt", "last"]
+    resumed.fit(model, _loader(), ckpt_path="last")  # epochs 2 and 3 score 2.0 and 3.0: only 2.0 enters the top 2
+    assert resumed.run_dir == first.run_dir and resumed.ckpt_path == str(best) and resumed.global_step == 16
+    assert model.epochs_seen == [("start", 2), ("start", 3)]  # the epochs before came from the .pt file
+    assert sorted(os.listdir(ckpt_dir)) == [best.name, "epoch=2-step=12.ckpt", "last"]
     assert callback.best_model_path == str(best) and best.read_bytes() == before
     on_best = resumed.validate(model, _loader(4), ckpt_path="best", verbose=False)[0]["val_loss"]
     reference = Probe()
@@ -1497,6 +1497,78 @@ def test_a_run_directory_with_the_former_pt_names_still_resumes(tmp_path):
         assert model.epochs_seen == [("start", 2)], path
     assert best.read_bytes() == before
 
+
+
+@pytest.mark.timeout(60)
+def test_model_checkpoint_monitors_the_epoch_and_the_step(tmp_path):
+    """``monitor="epoch"``/``"step"`` rank by the loop's position (Lightning's ``_monitor_candidates``)."""
+    by_epoch = ModelCheckpoint(dirpath=tmp_path / "epoch", monitor="epoch", mode="max", save_top_k=2,
+                               filename="{epoch}")
+    by_step = ModelCheckpoint(dirpath=tmp_path / "step", monitor="step", mode="min", save_top_k=1,
+                              filename="{step}", every_n_train_steps=2)
+    _trainer(tmp_path / "runs", max_epochs=3, num_sanity_val_steps=0, callbacks=[by_epoch, by_step]).fit(
+        Probe(), _loader())  # 4 steps an epoch
+    assert sorted(os.listdir(tmp_path / "epoch")) == ["epoch=1.ckpt", "epoch=2.ckpt"]  # the 2 latest epochs
+    assert by_epoch.best_model_path == str(tmp_path / "epoch" / "epoch=2.ckpt") and by_epoch.best_model_score == 2
+    assert os.listdir(tmp_path / "step") == ["step=2.ckpt"]  # the lowest step: no later one enters the top 1
+    assert by_step.best_model_score == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_monitored_save_missing_the_top_k_writes_nothing_and_last_stays_on_the_newest(tmp_path, capsys):
+    """As Lightning's ``check_monitor_top_k``: a checkpoint whose score does not enter the top k is not written, so
+    ``last.ckpt`` and "last" (``ckpt_path="last"``) name the newest that did; ``verbose`` says so."""
+    callback = ModelCheckpoint(dirpath=tmp_path / "ckpts", monitor="score", save_top_k=1, save_last=True,
+                               filename="{epoch}", verbose=True)
+    trainer = _trainer(tmp_path / "runs", max_epochs=4, num_sanity_val_steps=0, callbacks=[callback])
+    trainer.fit(Scored(), _loader())  # scores 1.0, 0.5, 2.0, 0.25: epoch 2 misses the top 1
+    assert sorted(os.listdir(tmp_path / "ckpts")) == ["epoch=3.ckpt", "last.ckpt"]
+    assert callback.current_score == 0.25 and callback.best_model_score == 0.25
+    assert "Epoch 2, global step 12: 'score' was not in top 1" in capsys.readouterr().out
+
+    shorter = ModelCheckpoint(dirpath=tmp_path / "three", monitor="score", save_top_k=1, save_last=True,
+                              filename="{epoch}")
+    trainer = _trainer(tmp_path / "runs", max_epochs=3, num_sanity_val_steps=0, callbacks=[shorter])
+    trainer.fit(Scored(), _loader())
+    assert sorted(os.listdir(tmp_path / "three")) == ["epoch=1.ckpt", "last.ckpt"]
+    assert os.readlink(tmp_path / "three" / "last.ckpt") == "epoch=1.ckpt"  # not moved by epoch 2, unsaved
+    assert (trainer.run_dir / "checkpoints" / "last").read_text().strip() == str(tmp_path / "three" / "epoch=1.ckpt")
+    assert shorter.current_score == 0.5  # the score of the latest save
+
+
+@pytest.mark.timeout(60)
+def test_save_last_writes_last_ckpt_at_the_end_of_a_fit_that_saved_nothing(tmp_path):
+    """``save_last`` with no save due in the whole fit (``every_n_epochs`` above the epochs trained) or with
+    ``save_top_k=0``: ``last.ckpt`` is the checkpoint itself, a file, which ``fit(ckpt_path=...)`` resumes."""
+    for name, kwargs in (("late", {"every_n_epochs": 5}), ("zero", {"save_top_k": 0})):
+        callback = ModelCheckpoint(dirpath=tmp_path / name, save_last=True, **kwargs)
+        trainer = _trainer(tmp_path / "runs", max_epochs=2, num_sanity_val_steps=0, callbacks=[callback])
+        trainer.fit(Probe(), _loader())
+        last = tmp_path / name / "last.ckpt"
+        assert os.listdir(tmp_path / name) == ["last.ckpt"] and not last.is_symlink(), name
+        assert callback.last_model_path == str(last) and callback.best_model_path == ""
+        assert torch.load(last, weights_only=True)["global_step"] == 8
+        model = Probe()
+        _trainer(tmp_path / "runs", max_epochs=3, num_sanity_val_steps=0).fit(model, _loader(), ckpt_path=last)
+        assert model.epochs_seen == [("start", 2), ("end", 2)], name
+
+
+def test_a_url_dirpath_and_a_model_checkpoint_with_checkpointing_off_are_refused(tmp_path):
+    """A ``dirpath`` URL is refused at setup, not made a local directory named ``memory:`` (Lightning's words with
+    ``save_last='link'``); ``enable_checkpointing=False`` with a ``ModelCheckpoint`` is Lightning's error."""
+    for save_last, words in (("link", "save_last='link'.* is only supported for local file paths"),
+                             (None, "'s3://bucket/ckpts'\\) is a URL: trainscale writes checkpoints to local")):
+        dirpath = "memory://ckpts" if save_last else "s3://bucket/ckpts"
+        callback = ModelCheckpoint(dirpath=dirpath, save_last=save_last)
+        with pytest.raises(ValueError, match=words):
+            callback.setup(_trainer(tmp_path), Probe(), "fit")
+        with pytest.raises(ValueError, match=words):
+            _trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(Probe(), _loader())
+    assert not any(p.name.startswith(("memory", "s3")) for p in tmp_path.rglob("*"))
+    assert not os.path.exists("memory:") and not os.path.exists("s3:")  # no local directory of those names
+    with pytest.raises(ValueError, match="`enable_checkpointing=False` but found `ModelCheckpoint`"):
+        _trainer(tmp_path, enable_checkpointing=False, callbacks=[ModelCheckpoint()])
+    assert _trainer(tmp_path, enable_checkpointing=False).checkpoint_callback is None
 
 
 # -- Lightning's warnings and errors that a port keeps ------------------------------------------------------------------

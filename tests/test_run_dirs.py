@@ -17,11 +17,11 @@ from trainscale.checkpointing import run_dirs as ckpt
 
 
 class _Trainer:
-    """What ModelCheckpoint uses of a Trainer, writing empty checkpoint files (one process)."""
+    """What ModelCheckpoint uses of a Trainer, writing checkpoint files that hold their step (one process)."""
 
     def __init__(self, run_dir):
         self.run_dir, self.global_step, self.current_epoch, self.callback_metrics = run_dir, 0, 0, {}
-        self.runtime = types.SimpleNamespace(is_rank_zero=True, barrier=lambda: None,
+        self.runtime = types.SimpleNamespace(is_rank_zero=True, world_size=1, barrier=lambda: None,
                                              broadcast_object=lambda obj: obj)
         self.checkpoints = types.SimpleNamespace(discard=lambda paths: [ckpt.remove_checkpoint(p) for p in paths],
                                                  link=ckpt.link_last)
@@ -41,7 +41,7 @@ class _Trainer:
     def write_checkpoint(self, directory, background=False, name=None, weights_only=False):
         path = self.checkpoint_path(directory, name)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b"x")
+        path.write_text(str(self.global_step))
         ckpt.mark_last(path, self.run_dir / "checkpoints")
         return path
 
@@ -72,7 +72,30 @@ def test_a_non_finite_score_never_evicts_the_best_checkpoint(tmp_path):
     _steps(callback, trainer, (1, 2, 3), scores=[0.5, float("nan"), float("inf")])
     assert callback.best_model_path.endswith(ckpt.checkpoint_name(0, 1))
     kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.ckpt"))
-    assert kept == [ckpt.checkpoint_name(0, 1), ckpt.checkpoint_name(0, 3)]  # the best, and "last"
+    assert kept == [ckpt.checkpoint_name(0, 1)]  # neither later one enters the top 1: not written, "last" stays
+    assert (trainer.run_dir / "checkpoints" / "last").read_text().strip() == ckpt.checkpoint_name(0, 1)
+
+
+@pytest.mark.parametrize("mode, scores", [("min", [float("nan"), 8.0, 7.0, 5.0]),
+                                          ("max", [float("nan"), 5.0, 7.0, 8.0])])
+def test_a_nan_first_value_is_saved_and_the_first_finite_one_replaces_it(tmp_path, mode, scores):
+    """As Lightning: a NaN fills an empty top k (ranked worst: inf for "min", -inf for "max"), so every save of
+    this run is written, each better one replacing the one before."""
+    trainer = _Trainer(tmp_path / "version_0")
+    written, write = [], trainer.write_checkpoint
+
+    def counted_write(*args, **kwargs):
+        path = write(*args, **kwargs)
+        written.append(path.name)
+        return path
+
+    trainer.write_checkpoint = counted_write
+    callback = ModelCheckpoint(monitor="loss", mode=mode, save_top_k=1)
+    callback.setup_directory(trainer)
+    _steps(callback, trainer, (1, 2, 3, 4), scores=scores)
+    assert written == [ckpt.checkpoint_name(0, step) for step in (1, 2, 3, 4)]
+    assert sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.ckpt")) == [ckpt.checkpoint_name(0, 4)]
+    assert float(callback.best_model_score) == scores[-1] and float(callback.current_score) == scores[-1]
 
 
 def test_pruning_deletes_only_this_runs_files_and_a_dirpath_in_use_is_refused(tmp_path):
@@ -286,15 +309,17 @@ def test_save_top_k_0_saves_nothing_but_the_last_when_asked(tmp_path):
     only_last = ModelCheckpoint(save_top_k=0, save_last="link")
     only_last.setup_directory(trainer)
     _steps(only_last, trainer, (3, 4))
-    ckpt_dir = trainer.run_dir / "checkpoints"
-    assert sorted(p.name for p in ckpt_dir.glob("*.ckpt")) == [ckpt.checkpoint_name(0, 4), "last.ckpt"]
-    assert (ckpt_dir / "last.ckpt").resolve() == (ckpt_dir / ckpt.checkpoint_name(0, 4)).resolve()
+    ckpt_dir = trainer.run_dir / "checkpoints"  # the checkpoint itself is last.ckpt: nothing else to link to
+    assert sorted(p.name for p in ckpt_dir.glob("*.ckpt")) == ["last.ckpt"]
+    assert not (ckpt_dir / "last.ckpt").is_symlink() and (ckpt_dir / "last").read_text().strip() == "last.ckpt"
+    assert (ckpt_dir / "last.ckpt").read_text() == "4"  # replaced at step 4
 
 
 @pytest.mark.timeout(60)
-def test_a_run_resumed_in_place_prunes_the_checkpoint_it_resumed_from(tmp_path):
-    """The checkpoint a run resumes from in place is one of its own (ranked by its score, pruned by save_top_k);
-    a new run resumed from another run's checkpoint deletes none of that run's files."""
+def test_a_run_resumed_in_place_keeps_the_checkpoint_it_resumed_from_and_prunes_its_other_files(tmp_path):
+    """The checkpoint a run resumes from in place is one of its own (ranked by its score) but never deleted, as in
+    Lightning; the run's other files are pruned by save_top_k. A new run resumed from another run's checkpoint
+    deletes none of that run's files and ranks by its own scores."""
     from torch.utils.data import DataLoader
 
     from tests import workers
@@ -320,18 +345,20 @@ def test_a_run_resumed_in_place_prunes_the_checkpoint_it_resumed_from(tmp_path):
 
     first, _ = fit(2)  # names: the epoch trained (from 0) and the steps taken, one step an epoch
     assert kept(first) == [ckpt.checkpoint_name(1, 2)]
-    resumed, checkpoint = fit(4, ckpt_path="last")  # continues version_0: its epoch-1 file is this run's own
-    assert resumed.run_dir == first.run_dir and kept(resumed) == [ckpt.checkpoint_name(3, 4)]
+    resumed, checkpoint = fit(4, ckpt_path="last")  # continues version_0: its epoch-2 file pruned by epoch 3's
+    assert resumed.run_dir == first.run_dir
+    assert kept(resumed) == [ckpt.checkpoint_name(1, 2), ckpt.checkpoint_name(3, 4)]
     assert checkpoint.best_model_path == str(resumed.run_dir / "checkpoints" / ckpt.checkpoint_name(3, 4))
     copy = tmp_path / "elsewhere.ckpt"  # not version_0's newest: the next fit starts version_1
     resumed.save_checkpoint(copy)
     other, checkpoint = fit(6, ckpt_path=copy)
-    assert other.run_dir == tmp_path / "version_1" and kept(first) == [ckpt.checkpoint_name(3, 4)]
-    assert kept(other) == [ckpt.checkpoint_name(5, 6)]  # the newest; the best is version_0's, kept there
-    assert checkpoint.best_model_path == str(first.run_dir / "checkpoints" / ckpt.checkpoint_name(3, 4))
+    assert other.run_dir == tmp_path / "version_1"
+    assert kept(first) == [ckpt.checkpoint_name(1, 2), ckpt.checkpoint_name(3, 4)]
+    assert kept(other) == [ckpt.checkpoint_name(5, 6)]  # 0.9 then 0.8: its own best, though worse than version_0's
+    assert checkpoint.best_model_path == str(other.run_dir / "checkpoints" / ckpt.checkpoint_name(5, 6))
 
 
-def test_a_checkpoint_saved_outside_the_callback_and_resumed_from_in_place_is_pruned(tmp_path):
+def test_a_checkpoint_saved_outside_the_callback_and_resumed_from_in_place_is_kept_the_rest_pruned(tmp_path):
     trainer = _Trainer(tmp_path / "version_0")
     callback = ModelCheckpoint(save_top_k=1)
     callback.setup_directory(trainer)
@@ -343,7 +370,8 @@ def test_a_checkpoint_saved_outside_the_callback_and_resumed_from_in_place_is_pr
     trainer.ckpt_path = str(on_signal)  # fit(ckpt_path="last") continues version_0 from it
     resumed.setup_directory(trainer)
     _steps(resumed, trainer, (3,))
-    assert [p.name for p in (trainer.run_dir / "checkpoints").glob("*.ckpt")] == [ckpt.checkpoint_name(0, 3)]
+    kept = sorted(p.name for p in (trainer.run_dir / "checkpoints").glob("*.ckpt"))
+    assert kept == [ckpt.checkpoint_name(0, 2), ckpt.checkpoint_name(0, 3)]  # step 1's pruned, not the resumed one
 
 
 def test_save_checkpoint_never_replaces_another_runs_checkpoint_and_an_existing_file_only_when_asked(tmp_path):

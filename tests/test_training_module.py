@@ -524,6 +524,19 @@ def test_validate_and_predict_evaluate_the_best_and_the_last_checkpoint_on_two_r
     assert any(not torch.equal(ranks[0]["last_weights"][k], v) for k, v in ranks[0]["best_weights"].items())
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_the_ranking_of_a_monitored_save_is_rank_zeros_on_every_rank(tmp_path):
+    """Values logged per step differ by rank; a checkpoint ranks by rank zero's value on both ranks, so they agree
+    on whether it enters the top k (none waits at a save the other skips) and on ``best_model_path``."""
+    import os
+
+    ranks = run_distributed(mw.top_k_decision_body, str(tmp_path), timeout=150)
+    steps = int(ranks[0][0])  # 16 samples, 2 ranks, batch 2: 4 steps, each better on rank zero
+    assert ranks[0] == ranks[1] == [str(steps), f"step={steps}.ckpt"]
+    assert os.listdir(tmp_path / "ckpts") == [f"step={steps}.ckpt"]
+
+
 def test_ckpt_path_of_an_evaluation_is_checked_before_anything_runs(tmp_path):
     model, loader = mw.Logger(), DataLoader(mw.indexed_dataset(4))
     with pytest.raises(ValueError, match=r'`.validate\(ckpt_path="best"\)` is set but `ModelCheckpoint` is not '

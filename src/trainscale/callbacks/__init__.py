@@ -31,19 +31,29 @@ __all__ = ["BackboneFinetuning", "BaseFinetuning", "BasePredictionWriter", "Call
            "TQDMProgressBar", "Timer", "resolve_callbacks"]
 
 
-def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = None) -> list[Callback]:
+def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = None,
+                      enable_checkpointing: bool = True) -> list[Callback]:
     """The Trainer's callbacks (one :class:`Callback` or a list, as Lightning's flag) as a list, with ``default_checkpoint`` appended when it is given and the user's
     list holds no :class:`ModelCheckpoint` (Lightning adds its default checkpoint callback the same way).
 
     Raises:
         TypeError: an entry that is not a :class:`Callback`.
-        ValueError: two callbacks with state under one ``state_key`` (e.g. two ``EarlyStopping`` on the same
-            metric and mode): a checkpoint would keep one state for both (Lightning raises the same).
+        ValueError: callbacks that cannot go together (:func:`_refuse_conflicts`).
     """
     callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
     for cb in callbacks:
         if not isinstance(cb, Callback):
             raise TypeError(f"callbacks holds a {type(cb).__name__}; pass trainscale.callbacks.Callback instances")
+    _refuse_conflicts(callbacks, enable_checkpointing)
+    if default_checkpoint is not None and not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
+        callbacks.append(default_checkpoint)
+    return callbacks
+
+
+def _refuse_conflicts(callbacks: list[Callback], enable_checkpointing: bool) -> None:
+    """Raise ValueError, as Lightning, for two callbacks with state under one ``state_key`` (e.g. two
+    ``EarlyStopping`` on the same metric and mode: a checkpoint would keep one state for both), several progress bars,
+    and a :class:`ModelCheckpoint` with the Trainer's ``enable_checkpointing`` False."""
     keys = [cb.state_key for cb in callbacks if type(cb).state_dict is not Callback.state_dict]
     twice = sorted({key for key in keys if keys.count(key) > 1})
     if twice:
@@ -52,9 +62,9 @@ def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = No
                          "state_key)")
     if sum(isinstance(cb, TQDMProgressBar) for cb in callbacks) > 1:
         raise ValueError("callbacks holds several progress bars (TQDMProgressBar/RichProgressBar); keep one")
-    if default_checkpoint is not None and not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
-        callbacks.append(default_checkpoint)
-    return callbacks
+    if not enable_checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
+        raise ValueError("Trainer was configured with `enable_checkpointing=False` but found `ModelCheckpoint` in "
+                         "callbacks list: drop one of the two (the ModelCheckpoint, or enable_checkpointing=False)")
 
 
 def merge_model_callbacks(callbacks: list[Callback], model_callbacks: Any) -> list[Callback]:

@@ -33,14 +33,18 @@ class ModelCheckpoint(Callback):
     lists the checkpoints and nothing else. After each save ``<run dir>/checkpoints/last`` names it,
     so ``fit(ckpt_path="last")`` resumes from the newest save; with ``save_last``, ``<dirpath>/last.ckpt``
     (``CHECKPOINT_NAME_LAST`` + ``FILE_EXTENSION``, a template such as ``"{epoch}-last"`` too) is also a symbolic link
-    to it (for ``load_from_checkpoint``, ``ckpt_path=".../last.ckpt"``).
+    to it (for ``load_from_checkpoint``, ``ckpt_path=".../last.ckpt"``), or, where there is nothing to link to
+    (``save_top_k=0``; a fit that saved nothing writes it at its end, as Lightning), the checkpoint itself.
 
-    One pruning rule: the ``save_top_k`` best by ``monitor`` (without a monitor: the newest) are kept, and the
-    newest (the one "last" names); only files this callback wrote into its own ``dirpath`` during this run are ever
-    deleted (never another run's, e.g. the checkpoints a run resumed into a new ``version_N`` started from). A run
-    resumed in place (``fit(ckpt_path="last")`` continuing its directory) is the same run: the files its earlier
-    processes kept, the one it resumed from included, are ranked by their scores and pruned as its own (each
-    checkpoint's callback state already counts the checkpoint itself, as Lightning's ``best_k_models``).
+    With a monitor, a checkpoint is written only when its score enters the top ``save_top_k`` (Lightning's
+    ``check_monitor_top_k``: fewer kept, or strictly better than the worst kept), so the newest save is always kept
+    and "last" stays on it until the next save. One pruning rule: the ``save_top_k`` best by ``monitor`` (without a
+    monitor: the newest) are kept; only files this callback wrote into its own ``dirpath`` during this run are ever
+    deleted (never another run's, e.g. the checkpoints a run resumed into a new ``version_N`` started from, and never
+    the checkpoint the fit resumed from, as Lightning). A run resumed in place (``fit(ckpt_path="last")`` continuing
+    its directory) is the same run: the files its earlier processes kept, the one it resumed from included, are
+    ranked by their scores as its own (each checkpoint's callback state already counts the checkpoint itself, as
+    Lightning's ``best_k_models``); a run in another directory ranks by its own scores only.
     A non-finite monitored value ranks worst, as in Lightning: a NaN epoch never evicts a good checkpoint.
     A name that exists already (a template without ``{step}``, a second run in the same ``dirpath``) gets
     Lightning's version suffix ``-v1``, ``-v2``..., so no file of another run is ever overwritten; the name of a
@@ -55,13 +59,16 @@ class ModelCheckpoint(Callback):
         filename: Lightning's template, e.g. ``"{epoch}-{val_loss:.2f}"`` → ``epoch=3-val_loss=0.12.ckpt``: fields
             are ``epoch`` (the epoch being trained, from 0, as Lightning), ``step`` (optimizer steps so far)
             and any metric in ``trainer.callback_metrics`` (0 when missing, as Lightning). None: the default name.
-        monitor: metric name in ``trainer.callback_metrics`` (e.g. "val_loss"); None: keep the newest.
+        monitor: metric name in ``trainer.callback_metrics`` (e.g. "val_loss"), or "epoch" or "step" (the epoch
+            being trained and the optimizer steps taken, as Lightning's ``_monitor_candidates``); None: keep the
+            newest.
         verbose: rank zero prints a line at each save (the score, the best, the path).
         save_last: True or "link": keep ``last.ckpt`` in ``dirpath`` pointing at the newest checkpoint. Both are a
-            link here (Lightning's True writes a second copy; trainscale keeps the newest checkpoint anyway).
-        save_top_k: checkpoints kept besides the newest (``-1``: all; ``0``: none, and nothing is saved
-            unless ``save_last``, which then keeps only the newest). Without a monitor only -1, 0 or 1 (as Lightning:
-            no value to rank more by; the Trainer's ``keep_last`` keeps the newest N).
+            link here (Lightning's True writes a second copy; trainscale keeps the newest checkpoint anyway), but with
+            ``save_top_k=0``, or at the end of a fit that saved nothing, ``last.ckpt`` is the checkpoint itself.
+        save_top_k: the best checkpoints kept (``-1``: all; ``0``: none, and only ``last.ckpt`` is written, with
+            ``save_last``). Without a monitor only -1, 0 or 1 (as Lightning: no value to rank more by; the Trainer's
+            ``keep_last`` keeps the newest N).
         save_on_exception: when ``fit`` ends in an exception, save a checkpoint of the state at that moment
             (Lightning's; :meth:`on_exception`).
         save_weights_only: the checkpoints hold the weights and the loop's position, but no optimizer or scheduler
@@ -114,7 +121,8 @@ class ModelCheckpoint(Callback):
         self.filename, self.save_last, self.auto_insert_metric_name = filename, save_last, auto_insert_metric_name
         # the dirpath given (None: the run's own directory), in the state and its rules; ``dirpath``: Lightning's
         # attribute, the directory the checkpoints go to once a fit has set it (os.listdir(callback.dirpath))
-        self._given_dirpath = os.path.realpath(os.path.expanduser(dirpath)) if dirpath is not None else None
+        self._given_dirpath = (None if dirpath is None else str(dirpath) if _is_url(dirpath)  # refused at setup
+                               else os.path.realpath(os.path.expanduser(dirpath)))
         self.dirpath = self._given_dirpath
         self.monitor, self.mode, self.save_top_k, self.verbose = monitor, mode, save_top_k, verbose
         self.save_weights_only, self.save_on_train_epoch_end = save_weights_only, save_on_train_epoch_end
@@ -169,8 +177,10 @@ class ModelCheckpoint(Callback):
             ValueError: another running fit holds ``dirpath``.
         """
         given = self._given_dirpath
+        self._check_local()
         self._directory = Path(trainer.run_dir) / "checkpoints" if given is None else Path(given)
         self.dirpath = str(self._directory)
+        self._saved_step = -1  # no save yet in this fit
         self._adopt_earlier_files(trainer)
         self._last_time_save = time.monotonic()
         if given is None:
@@ -187,6 +197,22 @@ class ModelCheckpoint(Callback):
         if refusal:
             raise ValueError(refusal)
 
+    def setup(self, trainer: "Trainer", pl_module: Any, stage: str) -> None:
+        """Lightning's hook: a ``dirpath`` that is a URL is refused here (:meth:`_check_local`)."""
+        self._check_local()
+
+    def _check_local(self) -> None:
+        """Raise ValueError for a ``dirpath`` that is a URL (``s3://``, ``memory://``): trainscale writes, links and
+        locks checkpoints on local file paths only (Lightning refuses such a path with ``save_last='link'``, in its
+        words, and writes the rest through fsspec)."""
+        if self._given_dirpath is None or not _is_url(self._given_dirpath):
+            return
+        said = (f"`ModelCheckpoint(save_last='link')` is only supported for local file paths, got "
+                f"`dirpath={self._given_dirpath}`" if self.save_last == "link" else
+                f"ModelCheckpoint(dirpath={self._given_dirpath!r}) is a URL")
+        raise ValueError(f"{said}: trainscale writes checkpoints to local file paths only; give a local directory "
+                         "(a mounted bucket, for instance) and copy the checkpoints from it")
+
     def release_directory(self) -> None:
         """Drop the lock on ``dirpath`` (the Trainer calls it when a fit ends or fails; the process's end drops it too)."""
         if self._lock is not None:
@@ -200,6 +226,9 @@ class ModelCheckpoint(Callback):
         resumed_from = [str(trainer.ckpt_path)] if trainer.ckpt_path is not None else []
         earlier = dict.fromkeys([*self._kept, *([self._newest] if self._newest else []), *resumed_from])
         self._written = [p for p in earlier if Path(p).parent.resolve() == self._directory.resolve()]
+        # another directory's ranking is not this one's (Lightning reloads best_k_models only for the same dirpath):
+        # a run resumed from another run's checkpoint saves by its own scores
+        self._kept = {p: rank for p, rank in self._kept.items() if p in self._written}
         for path in resumed_from:
             if path in self._written and path not in self._kept:
                 self._kept[path] = -float(trainer.global_step) if self.monitor is None else math.inf
@@ -260,7 +289,9 @@ class ModelCheckpoint(Callback):
         return chosen
 
     def _metrics(self, trainer: "Trainer") -> dict:
-        """The template's fields: ``callback_metrics``, with ``epoch`` (``trainer.current_epoch``) and ``step``."""
+        """The values a template formats and ``monitor`` reads (Lightning's ``_monitor_candidates``):
+        ``callback_metrics``, with ``epoch`` (``trainer.current_epoch``) and ``step`` (``trainer.global_step``), names
+        a module cannot log here (``self.log("epoch", ...)`` is refused)."""
         return {**trainer.callback_metrics, "epoch": trainer.current_epoch, "step": trainer.global_step}
 
     def _file_name(self, trainer: "Trainer", reusable: set[str]) -> str:
@@ -350,11 +381,20 @@ class ModelCheckpoint(Callback):
                               f"to {self._directory / name}")
 
     def _score(self, trainer: "Trainer", epoch_end: bool) -> float:
-        """This save's rank: lower is better (the monitored value, negated for "max"; a non-finite one ranks last;
-        without a monitor, newer is better)."""
+        """This save's rank (:meth:`_own_score`), rank zero's on every rank: a value logged per step differs by rank,
+        and the ranks must agree on whether to write (every rank writes, or none; Lightning reduces that decision)
+        and on the ranking (one ``best_model_path`` for ``ckpt_path="best"``)."""
+        score = self._own_score(trainer, epoch_end)
+        if self.monitor is not None and trainer.runtime.world_size > 1:
+            score = float(trainer.runtime.broadcast_object(score))
+        return score
+
+    def _own_score(self, trainer: "Trainer", epoch_end: bool) -> float:
+        """This rank's rank of this save: lower is better (the monitored value, negated for "max"; a non-finite one
+        ranks last; without a monitor, newer is better)."""
         if self.monitor is None:
             return -float(trainer.global_step)  # newest first
-        metrics = trainer.callback_metrics
+        metrics = self._metrics(trainer)
         if self.monitor not in metrics and not epoch_end:  # a step save before the first validation: as Lightning,
             if not self._warned_missing:                    # a warning, and this checkpoint ranks last
                 warnings.warn(f"ModelCheckpoint monitors {self.monitor!r}, not among the metrics yet at step "
@@ -374,9 +414,13 @@ class ModelCheckpoint(Callback):
         return rank if self.mode == "min" else -rank
 
     def _save(self, trainer: "Trainer", epoch_end: bool) -> None:
-        if self.save_top_k == 0 and not self.save_last:
-            return  # Lightning: save_top_k=0 saves nothing (but "last" when asked)
+        if self.save_top_k == 0:  # Lightning: save_top_k=0 saves nothing but "last", when asked
+            if self.save_last:
+                self._save_last_file(trainer)
+            return
         score = self._score(trainer, epoch_end)
+        if not self._enters_top_k(trainer, score):  # Lightning's check_monitor_top_k: no file, "last" stays put
+            return
         ranked = sorted([*self._kept.items(), (None, score)], key=lambda kv: kv[1])  # ties: the older first
         top = {p for p, _ in (ranked[:self.save_top_k] if self.save_top_k >= 0 else ranked)}
         name = self._file_name(trainer, {p for p in self._written if p not in top})
@@ -391,7 +435,57 @@ class ModelCheckpoint(Callback):
         keep = set(self._kept) | {path}  # the newest is "last"
         stale = [p for p in self._written if p not in keep]
         self._written = [p for p in self._written if p in keep]
-        trainer.checkpoints.discard([Path(p) for p in stale + self._link_last(trainer, path, last)])
+        trainer.checkpoints.discard([Path(p) for p in self._removable(trainer, stale)
+                                     + self._link_last(trainer, path, last)])
+
+    def _enters_top_k(self, trainer: "Trainer", score: float) -> bool:
+        """Whether a checkpoint of rank ``score`` is saved: always without a monitor or with ``save_top_k=-1``, else
+        while fewer than ``save_top_k`` are kept or when it ranks strictly better than the worst kept (Lightning's
+        ``check_monitor_top_k``; a non-finite value ranks worst, so it enters only an unfilled top k). With
+        ``verbose``, a miss is said (Lightning's words)."""
+        if self.monitor is None or self.save_top_k < 0 or len(self._kept) < self.save_top_k:
+            return True
+        if score < max(self._kept.values()):
+            return True
+        if self.verbose:
+            trainer.runtime.print(f"Epoch {trainer.current_epoch}, global step {trainer.global_step}: "
+                                  f"{self.monitor!r} was not in top {self.save_top_k}")
+        return False
+
+    @staticmethod
+    def _removable(trainer: "Trainer", paths: list[str]) -> list[str]:
+        """``paths`` less the checkpoint this fit resumed from, which is never deleted (Lightning's
+        ``_should_remove_checkpoint``), even when a better one pushes it out of the top k."""
+        if trainer.ckpt_path is None:
+            return paths
+        resumed = {os.path.abspath(trainer.ckpt_path), os.path.realpath(trainer.ckpt_path)}  # a link: its target too
+        return [p for p in paths if os.path.abspath(p) not in resumed]
+
+    def _save_last_file(self, trainer: "Trainer") -> None:
+        """With ``save_last`` and nothing to link to (``save_top_k=0``, or a fit that ends without a save): the
+        checkpoint itself under the save_last name (``last.ckpt``, a file, as Lightning's), replacing this run's
+        previous one atomically (a sharded directory takes a free name: it is renamed into place)."""
+        if trainer.runtime.strategy.sharded_checkpoints:
+            name = self._free_name(trainer, self.CHECKPOINT_NAME_LAST, self._metrics(trainer), set())
+            self.last_model_path = str(self._directory / name)
+        else:
+            name = self._last_name(trainer)
+        path = self.last_model_path
+        self._written = [p for p in self._written if p != path] + [path]
+        self._newest, self._saved_step = path, trainer.global_step
+        trainer.write_checkpoint(self._directory, background=True, name=name, weights_only=self.save_weights_only)
+        stale = [p for p in self._written if p != path and p not in self._kept]
+        self._written = [p for p in self._written if p not in stale]
+        old_links, self._links = [p for p in self._links if p != path], []
+        trainer.checkpoints.discard([Path(p) for p in self._removable(trainer, stale) + old_links])
+
+    def on_train_end(self, trainer: "Trainer", module: Any) -> None:
+        """With ``save_last``: a fit that saved no checkpoint writes ``last.ckpt`` at its end (Lightning's), e.g.
+        with ``save_top_k=0`` and no scheduled save, or ``every_n_epochs`` above the epochs trained."""
+        if (self.save_last and self._directory is not None and trainer.config.writes_files
+                and self._saved_step < 0):
+            self._save_last_file(trainer)
+            trainer.checkpoints.wait()  # published before the fit's end, as the saves before it
 
     def _link_last(self, trainer: "Trainer", path: str, last: str | None) -> list[str]:
         """With ``save_last``: the link ``last`` (a name in the directory) to checkpoint ``path``, made once the
@@ -498,6 +592,11 @@ class ModelCheckpoint(Callback):
                           "`best_k_models` won't be reloaded. Only `best_model_path` will be reloaded.", UserWarning,
                           stacklevel=2)
         self.best_model_path = state["best_model_path"]
+
+
+def _is_url(path: str | Path) -> bool:
+    """Whether ``path`` names a remote or in-memory file system (``protocol://...``), as fsspec's paths do."""
+    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(path)) is not None
 
 
 def _exists(path: Path) -> bool:

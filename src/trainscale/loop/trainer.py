@@ -295,7 +295,7 @@ class Trainer:
         logger = barebones_logger(self.config, logger, profiler, callbacks)
         set_torch_flags(self.config.deterministic, self.config.benchmark)
         self.batch_scaling = BatchScaling(self.config)
-        self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint())
+        self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint(), self.config.enable_checkpointing)
         bars = [cb for cb in self.callbacks if isinstance(cb, TQDMProgressBar)]
         if bars and not self.config.enable_progress_bar:  # Lightning refuses the same
             raise ValueError(f"Trainer(enable_progress_bar=False) with a {type(bars[0]).__name__} in callbacks; drop "
