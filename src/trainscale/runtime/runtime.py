@@ -625,7 +625,8 @@ class Runtime:
             pending.wait()
 
     def load(self, path: str | os.PathLike, state: dict | None = None, verify: bool = True,
-             before_restore: Callable[[dict], None] | None = None) -> dict:
+             before_restore: Callable[[dict], None] | None = None,
+             after_read: Callable[[dict], None] | None = None) -> dict:
         """Restore the stateful objects of ``state`` in place from ``path``.
 
         ``verify=True`` (the default) checks the SHA-256 recorded beside the checkpoint when it was
@@ -633,7 +634,9 @@ class Runtime:
         that was written by other means). ``before_restore(entries)`` is called once with the checkpoint's
         entries as read, before the objects are restored from them, and may change them: a file's every entry
         (a module's weights as its state dict), a sharded (DCP) directory's plain entries once its tensors are
-        read in place (Lightning's ``on_load_checkpoint`` sees the same).
+        read in place (Lightning's ``on_load_checkpoint`` sees the same). ``after_read(entries)`` sees the same entries
+        first, as soon as they are read, before anything is restored (a sharded directory's tensors included): an
+        error it raises (the same on every rank, which all read them) refuses the checkpoint with nothing changed.
 
         Returns:
             The checkpoint's other entries (e.g. epoch counters).
@@ -644,7 +647,8 @@ class Runtime:
                 file, ``verify=True``) or mismatched checkpoint.
         """
         self.launch()
-        rest = self.strategy.load_checkpoint(path, dict(state or {}), verify=verify, before_restore=before_restore)
+        rest = self.strategy.load_checkpoint(path, dict(state or {}), verify=verify, before_restore=before_restore,
+                                             after_read=after_read)
         self.precision.load_state_dict(rest.pop("precision", {}))
         return rest
 

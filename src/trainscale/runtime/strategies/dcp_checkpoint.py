@@ -228,19 +228,20 @@ class AsyncSave:
 
 
 def load_whole(path: Any, state: dict, rank: int, strategy: str, unwrap: Callable, verify: bool = True,
-               read: Callable | None = None, before_restore: Callable[[dict], None] | None = None) -> dict:
+               read: Callable | None = None, before_restore: Callable[[dict], None] | None = None,
+               after_read: Callable[[dict], None] | None = None) -> dict:
     """``load_checkpoint`` of the strategies whose ranks hold whole models (single, ddp, dp): a checkpoint file
     (``checkpoint_io.load_replicated``, its bytes from ``read``: as in ``checkpoint_io.load_file``), or a DCP
     directory written by a sharded strategy on any mesh, whose shards every rank reads into its whole tensors
-    (modules of ``state`` unwrapped first). ``before_restore``: as in ``load_replicated`` for a file, as in
-    :meth:`DCPCheckpointer.load` for a directory. Raises as those do."""
+    (modules of ``state`` unwrapped first). ``before_restore``, ``after_read``: as in ``load_replicated`` for a file,
+    as in :meth:`DCPCheckpointer.load` for a directory. Raises as those do."""
     import torch
 
     path = Path(path)
     if not (path.is_dir() and (path / ".metadata").is_file()):
-        return checkpoint_io.load_replicated(path, state, unwrap, verify, read, before_restore)
+        return checkpoint_io.load_replicated(path, state, unwrap, verify, read, before_restore, after_read)
     whole = {key: unwrap(value) if isinstance(value, torch.nn.Module) else value for key, value in state.items()}
-    return DCPCheckpointer(rank, strategy).load(path, whole, verify, before_restore)
+    return DCPCheckpointer(rank, strategy).load(path, whole, verify, before_restore, after_read)
 
 
 def read_whole(path: Any, key: str, verify: bool = True) -> dict:
@@ -421,12 +422,15 @@ class DCPCheckpointer:
             raise checkpoint_io.CheckpointError(f"rank 0 failed to write the checkpoint: {error[0]}")
 
     def load(self, path: Any, state: dict, verify: bool = True,
-             before_restore: Callable[[dict], None] | None = None) -> dict:
+             before_restore: Callable[[dict], None] | None = None,
+             after_read: Callable[[dict], None] | None = None) -> dict:
         """Restore the modules and optimizers of ``state`` from ``path`` (any world size or mesh; DCP reshards,
         the optimizer state through ``set_optimizer_state_dict``), the other stateful objects from its extra
         file; return the plain entries. ``before_restore(entries)`` sees the extra file's entries once the
         sharded tensors are read in place, before the other objects are restored from them (the weights are not
-        among them: Lightning's sharded load gives its ``on_load_checkpoint`` the same). ``verify``: check the extra
+        among them: Lightning's sharded load gives its ``on_load_checkpoint`` the same). ``after_read(entries)`` sees
+        them first, as soon as the extra file is read, before any tensor is: an error it raises (on every rank, which
+        all read the extra file) leaves the model and optimizers as they were. ``verify``: check the extra
         file's SHA-256, and ``.metadata`` and every shard file this rank reads against the checkpoint's manifest
         (:data:`MANIFEST`); refuse a checkpoint without them.
 
@@ -442,6 +446,8 @@ class DCPCheckpointer:
         path = Path(path)
         self._check_directory(path)
         extra = checkpoint_io.load_file(path / EXTRA, verify)
+        if after_read is not None:
+            after_read(extra)
         digests = _read_manifest(path) if verify else None
         if digests is not None:
             _verify_files(path, [".metadata"], digests)
