@@ -190,10 +190,11 @@ class Cool:
         self.value = value
 
 
-def pickled_entries_body(rank: int, root: str) -> dict:
-    """fsdp on 2 ranks: a fit whose ``on_save_checkpoint`` adds a ``Cool``, then a resume without
-    ``weights_only=False`` (refused: its error, and whether the model kept its weights) and one with it (the value
-    the hook saw); whether the sharded checkpoint's extra file loads weights-only, and what it keeps apart."""
+def pickled_entries_body(rank: int, root: str, strategy: str) -> dict:
+    """``strategy`` (ddp: a file; fsdp: a sharded directory) on 2 ranks: a fit whose ``on_save_checkpoint`` adds a
+    ``Cool``, then a resume without ``weights_only=False`` (refused: its error, and whether the model kept its
+    weights) and one with it (the value the hook saw); whether the checkpoint file (the sharded directory's extra
+    file) loads weights-only, and what it keeps apart."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from tests.parallel_workers import full_weights
@@ -221,14 +222,15 @@ def pickled_entries_body(rank: int, root: str) -> dict:
             self.seen = checkpoint.get("something_cool")
 
     def fit(module, **kwargs):
-        trainer = Trainer(accelerator="cpu", devices="auto", strategy="fsdp", max_epochs=1, default_root_dir=root,
+        trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, max_epochs=1, default_root_dir=root,
                           enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, timeout=60)
         data = TensorDataset(torch.linspace(-1, 1, 32).reshape(8, 4), torch.zeros(8))
         trainer.fit(module, DataLoader(data, batch_size=2), **kwargs)
         return module
 
     fit(Keeps())
-    extra = torch.load(Path(find_last(root)) / EXTRA, weights_only=True)
+    last = Path(find_last(root))
+    extra = torch.load(last / EXTRA if strategy == "fsdp" else last, weights_only=True)
     out = {"extra_loads_weights_only": "something_cool" not in extra,
            "kept_apart": [r["path"][0] for r in extra["pickled_entries"]]}
     torch.manual_seed(1)

@@ -263,8 +263,10 @@ def test_a_file_with_objects_a_weights_only_load_refuses_is_not_called_corrupted
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
-def test_a_sharded_checkpoint_keeps_the_objects_apart_and_refuses_them_on_every_rank(tmp_path):
-    results = run_distributed(ckpt_workers.pickled_entries_body, str(tmp_path), timeout=55)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_keep_the_objects_apart_and_refuse_them_on_every_rank(tmp_path, strategy):
+    """A checkpoint file (ddp) and a sharded directory's extra file (fsdp): no hang, no partial restore."""
+    results = run_distributed(ckpt_workers.pickled_entries_body, str(tmp_path), strategy, timeout=55)
     assert len(results) == 2
     for found in results:
         assert found["extra_loads_weights_only"] and found["kept_apart"] == ["something_cool"]
