@@ -165,10 +165,17 @@ class Keeps(Old):
 
 
 class NoteState(Callback):
-    """A callback whose state holds a ``Note``; ``restored`` is what its ``load_state_dict`` got."""
+    """A callback whose state holds a ``Note``, and whose ``on_save_checkpoint`` adds one; ``restored`` is what its
+    ``load_state_dict`` got, ``added`` what its ``on_load_checkpoint`` found."""
 
     def __init__(self, value=None):
-        self.value, self.restored = value, None
+        self.value, self.restored, self.added = value, None, None
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        checkpoint["from_callback"] = Note(self.value + 1)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+        self.added = checkpoint.get("from_callback")
 
     def state_dict(self):
         return {"note": Note(self.value)}
@@ -186,13 +193,15 @@ def test_resume_with_weights_only_false_gives_the_hooks_and_callbacks_the_saved_
     _trainer(tmp_path, max_epochs=1, callbacks=[NoteState(7)]).fit(Keeps(5), _loader())
     saved = torch.load(_latest(tmp_path), weights_only=True)  # the file always loads weights-only
     assert "something_cool" not in saved and saved["counts"] == collections.Counter(a=5)  # a Counter stays in place
-    assert [r["path"][0] for r in saved["pickled_entries"]] == ["something_cool", "callbacks"]
+    kept_apart = sorted(r["path"][0] for r in saved["pickled_entries"])
+    assert kept_apart == ["callbacks", "from_callback", "something_cool"]
     module, callback = Keeps(), NoteState()
     _trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(module, _loader(), ckpt_path="last",
                                                                weights_only=False)
     note, counts = module.seen
     assert isinstance(note, Note) and note.value == 5 and counts == collections.Counter(a=5)
     assert isinstance(callback.restored, Note) and callback.restored.value == 7
+    assert isinstance(callback.added, Note) and callback.added.value == 8
 
 
 @pytest.mark.timeout(60)
@@ -207,8 +216,9 @@ def test_without_weights_only_false_the_resume_is_refused_before_anything_is_res
     message = str(refused.value)
     assert "'something_cool': tests.test_checkpoint_hooks.Note" in message
     assert "callbacks['NoteState']: tests.test_checkpoint_hooks.Note" in message
+    assert "'from_callback': tests.test_checkpoint_hooks.Note" in message
     assert "weights_only=False" in message and "trust" in message and "delete" not in message
-    assert module.seen is None and callback.restored is None  # no hook ran, no state was loaded
+    assert module.seen is None and callback.restored is None and callback.added is None  # no hook ran, nothing loaded
     assert torch.equal(module.old.weight.detach(), before)
 
 
