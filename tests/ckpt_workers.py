@@ -180,3 +180,67 @@ def before_restore_body(rank: int, directory: str, strategy: str) -> dict:
     rest = runtime.load(target, {"model": model}, before_restore=note)
     runtime.teardown()
     return {"seen": seen, "step": rest["step"]}
+
+
+class Cool:
+    """An object of a class of the user's own, which ``torch.load(weights_only=True)`` refuses (module level:
+    the spawned ranks unpickle it)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def pickled_entries_body(rank: int, root: str, strategy: str) -> dict:
+    """``strategy`` (ddp: a file; fsdp: a sharded directory) on 2 ranks: a fit whose ``on_save_checkpoint`` adds a
+    ``Cool``, then a resume without ``weights_only=False`` (refused: its error, and whether the model kept its
+    weights) and one with it (the value the hook saw); whether the checkpoint file (the sharded directory's extra
+    file) loads weights-only, and what it keeps apart."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.parallel_workers import full_weights
+    from trainscale.checkpointing.run_dirs import find_last
+    from trainscale.lightning.module import TrainingModule
+    from trainscale.loop.trainer import Trainer
+    from trainscale.runtime.checkpoint_io import CheckpointError
+    from trainscale.runtime.strategies.dcp_checkpoint import EXTRA
+
+    class Keeps(TrainingModule):
+        def __init__(self):
+            super().__init__()
+            self.layer, self.seen = torch.nn.Linear(4, 1), None
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["something_cool"] = Cool(5)
+
+        def on_load_checkpoint(self, checkpoint):
+            self.seen = checkpoint.get("something_cool")
+
+    def fit(module, **kwargs):
+        trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, max_epochs=1, default_root_dir=root,
+                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, timeout=60)
+        data = TensorDataset(torch.linspace(-1, 1, 32).reshape(8, 4), torch.zeros(8))
+        trainer.fit(module, DataLoader(data, batch_size=2), **kwargs)
+        return module
+
+    fit(Keeps())
+    last = Path(find_last(root))
+    extra = torch.load(last / EXTRA if strategy == "fsdp" else last, weights_only=True)
+    out = {"extra_loads_weights_only": "something_cool" not in extra,
+           "kept_apart": [r["path"][0] for r in extra["pickled_entries"]]}
+    torch.manual_seed(1)
+    refused = Keeps()
+    initial = full_weights(refused)
+    try:
+        fit(refused, ckpt_path="last")
+    except CheckpointError as err:
+        out["refused"] = str(err)
+    out["unchanged_after_refusal"] = refused.seen is None and all(
+        torch.equal(w, initial[k]) for k, w in full_weights(refused).items())
+    out["seen"] = fit(Keeps(), ckpt_path="last", weights_only=False).seen.value
+    return out

@@ -11,13 +11,16 @@ like the model: a callback with ``setup_state(model)`` makes them before a load)
 ``optimizer_classes``, ``epoch`` and ``global_step`` (Lightning's keys: ``trainer.current_epoch`` and
 ``trainer.global_step`` when written; a resume reads ``loop``), for a Hugging Face model ``hf_config`` (its ``config.to_dict()``) and, for a module with ``save_hyperparameters()``, ``hyper_parameters`` (Lightning's key)
 and ``module_class``, which ``TrainingModule.load_from_checkpoint`` rebuilds the module from
-(:func:`read_module_checkpoint`; the data module's as ``datamodule_hyper_parameters``: :func:`hparams_entries`). Writing is the Runtime's
+(:func:`read_module_checkpoint`; the data module's as ``datamodule_hyper_parameters``: :func:`hparams_entries`), and
+``pickled_entries``: the entries an ``on_save_checkpoint`` hook added and the callbacks' states that
+``torch.load(weights_only=True)`` could not read, kept apart as bytes (:func:`keep_apart_unreadable`). Writing is the Runtime's
 (atomic file + SHA-256, or a DCP directory under fsdp); naming, ``last`` and rotation are
 ``trainscale.checkpointing.run_dirs``'s.
 """
 
 from __future__ import annotations
 
+import pickle
 import time
 import warnings
 from pathlib import Path
@@ -56,11 +59,16 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
     sharding strategy). All ranks
     call it; ends with a barrier, or (``asynchronous``) once the state is staged (``Runtime.save``).
     ``on_save(checkpoint)`` sees the dict before it is written and may add keys (Lightning's
-    ``Callback.on_save_checkpoint``).
+    ``Callback.on_save_checkpoint``); a key it adds, or a callback's state, holding an object a weights-only load
+    refuses is kept apart as bytes (:func:`keep_apart_unreadable`), so that the checkpoint still loads weights-only.
 
     Returns:
         The path (a file, or a DCP directory under a sharding strategy) and None, or the ``AsyncSave`` that
         publishes it there.
+
+    Raises:
+        TypeError: a key ``on_save`` added, or a callback's state, holds an object ``pickle`` cannot write (named;
+            nothing is written).
     """
     complete = state.batches >= fit.epoch_batches
     totals = [*fit.epoch_loss.totals(runtime)[:3], time.perf_counter() - fit.started]  # loss sum, samples, tokens, s
@@ -81,18 +89,23 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
     content.update(hparams_entries(fit.model, fit.datamodule))
     if (hf_config := hf.config_dict(fit.model)) is not None:  # config.json for `trainscale export`
         content["hf_config"] = hf_config
+    fixed = set(content)
     if on_save is not None:
         on_save(content)
     content["callbacks"], tensor_states = _split_tensor_states(content["callbacks"])
+    keep_apart_unreadable(content, [key for key in content if key not in fixed])
     return target, runtime.save(target, {**content, **tensor_states}, asynchronous=asynchronous)
 
 
 def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state: TrainState,
-         callbacks=(), verify: bool = True, on_load: Callable[[dict], None] | None = None) -> tuple[ResumePoint, dict]:
+         callbacks=(), verify: bool = True, on_load: Callable[[dict], None] | None = None,
+         weights_only: bool | None = None) -> tuple[ResumePoint, dict]:
     """Restore model, optimizers, schedulers, ``state`` and the ``callbacks``' states in place from ``path``.
     ``on_load(checkpoint)`` (Lightning's ``on_load_checkpoint`` hooks) sees the checkpoint as read before anything
     is restored from it, and its changes take effect: in a file the weights are under ``state_dict``, a state
-    dict (``Runtime.load``'s ``before_restore``).
+    dict (``Runtime.load``'s ``before_restore``). ``weights_only=False`` (Lightning's argument: only for a checkpoint
+    you trust) unpickles the entries the save kept apart (``pickled_entries``) back into their places first
+    (:func:`restore_pickled`), so that the hooks and the callbacks' ``load_state_dict`` see them as saved.
 
     Returns:
         The resume point and the checkpoint's other entries (``train_state``, ``loop``, ``callbacks``: the
@@ -103,6 +116,8 @@ def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state
     Raises:
         ValueError: the checkpoint's optimizers are of other classes than the configured ones (e.g. Adam
             saved, SGD configured): resume with the same optimizer, or start fresh.
+        CheckpointError: the checkpoint holds pickled entries and ``weights_only`` is not False; raised on every
+            rank before anything is restored.
     """
     configured = [[g["lr"] for g in o.param_groups] for o in optimizers]
     for cb in callbacks:
@@ -111,7 +126,13 @@ def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state
     _, tensor_states = _split_tensor_states({cb.state_key: cb.state_dict() for cb in callbacks})
     objects = {weights_key(is_sharded(Path(path))): model, **_keyed("optimizer", optimizers),
                **_keyed("scheduler", [s.scheduler for s in schedulers]), **tensor_states}
-    rest = runtime.load(path, objects, verify=verify, before_restore=on_load)  # verify=False: the user's opt-out
+
+    def read(entries: dict) -> None:  # before anything is restored: what was kept apart, then the hooks
+        restore_pickled(entries, weights_only, path)
+        if on_load is not None:
+            on_load(entries)
+
+    rest = runtime.load(path, objects, verify=verify, before_restore=read)  # verify=False: the user's opt-out
     _check_optimizer_classes(path, rest.get("optimizer_classes"), optimizers)
     _say_which_lr_wins(runtime, configured, optimizers)
     point = _resume_point(runtime, rest, state)
@@ -175,6 +196,88 @@ def hparams_entries(model: Any, datamodule: Any = None) -> dict:
     if entries.get("hyper_parameters") is not None:
         entries["module_class"] = f"{type(model).__module__}.{type(model).__qualname__}"
     return entries
+
+
+PICKLED_ENTRIES = "pickled_entries"
+
+
+def keep_apart_unreadable(content: dict, added: list[str]) -> None:
+    """Move out of ``content`` the entries of ``added`` (keys an ``on_save_checkpoint`` hook added) and the states
+    in ``content["callbacks"]`` that ``torch.load(weights_only=True)`` would refuse (an object of a class of your
+    own: torch's ``get_unsafe_globals_in_checkpoint`` names it), each as the bytes ``torch.save`` writes for it, in
+    ``content["pickled_entries"]``: a list of ``{"path": [key] or ["callbacks", state_key], "types": [names],
+    "data": bytes}``, which a weights-only load reads without running anything (:func:`restore_pickled` puts them
+    back). Plain values, and objects with ``state_dict``/``load_state_dict`` (the Runtime saves their states), stay.
+
+    Raises:
+        TypeError: such an entry holds an object ``pickle`` cannot write (a lambda, a local class, an open file),
+            naming the entry and what to do.
+    """
+    from trainscale.runtime.checkpoint_io import _is_stateful
+
+    places = [((key,), content[key]) for key in added]
+    places += [(("callbacks", key), state) for key, state in content["callbacks"].items()]
+    records = []
+    for where, value in places:
+        if _is_plain(value) or _is_stateful(value) or isinstance(value, TensorState):
+            continue
+        data, types = _saved_with_types(where, value)
+        if types:
+            records.append({"path": list(where), "types": types, "data": data})
+            parent = content["callbacks"] if len(where) == 2 else content
+            del parent[where[-1]]
+    if records:
+        content[PICKLED_ENTRIES] = records
+
+
+def _saved_with_types(where: tuple, value: Any) -> tuple[bytes, list[str]]:
+    """``torch.save(value)``'s bytes and the globals in them that a weights-only load refuses."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        raise TypeError(f"checkpoint entry {_entry_name(where)} ({type(value).__qualname__}) cannot be saved: pickle "
+                        f"cannot write it ({err}); keep there plain values (numbers, strings, lists, dicts, tensors) "
+                        "or objects of classes defined at a module's top level, not a lambda, a local function or "
+                        "class, or an open file") from err
+    buffer.seek(0)
+    return buffer.getvalue(), torch.serialization.get_unsafe_globals_in_checkpoint(buffer)
+
+
+def _entry_name(where) -> str:
+    return f"callbacks[{where[1]!r}]" if len(where) == 2 else repr(where[0])
+
+
+def restore_pickled(entries: dict, weights_only: bool | None, path: Any) -> None:
+    """Put the entries :func:`keep_apart_unreadable` kept apart (``entries["pickled_entries"]``) back in their
+    places in ``entries``, unpickled (``torch.load(weights_only=False)``, on the CPU): with ``weights_only=False``
+    only. Nothing to do for a checkpoint without them.
+
+    Raises:
+        CheckpointError: there are such entries and ``weights_only`` is not False: names them, their types and
+            ``weights_only=False``.
+    """
+    import io
+
+    import torch
+
+    from trainscale.runtime.checkpoint_io import CheckpointError
+
+    records = entries.pop(PICKLED_ENTRIES, None) or []
+    if records and weights_only is not False:
+        held = "; ".join(f"{_entry_name(r['path'])}: {', '.join(r['types'])}" for r in records)
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds objects that on_save_checkpoint or a callback's state_dict() saved and "
+            f"that a weights-only load refuses ({held}); they are kept apart, pickled, and read only with "
+            "weights_only=False, which runs their pickled code: pass weights_only=False (e.g. trainer.fit(model, "
+            "ckpt_path=..., weights_only=False)) only for a checkpoint you trust. Nothing was restored")
+    for record in records:
+        parent = entries if len(record["path"]) == 1 else entries.setdefault("callbacks", {})
+        parent[record["path"][-1]] = torch.load(io.BytesIO(record["data"]), map_location="cpu", weights_only=False)
 
 
 def read_module_checkpoint(path: Path, verify: bool = True,

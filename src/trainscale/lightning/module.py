@@ -201,17 +201,21 @@ class TrainingModule(HyperparametersMixin, nn.Module):
                 hyperparameters of other types (a module, a file system object) are kept apart, pickled into
                 bytes, and ``weights_only=False`` unpickles them into ``__init__``'s arguments too, as Lightning's
                 ``weights_only=False`` load: only for a checkpoint you trust. None or True: they are left out (pass
-                them), as ``torch.load``'s default since torch 2.6.
+                them), as ``torch.load``'s default since torch 2.6. What an ``on_save_checkpoint`` hook or a
+                callback's state saved that a weights-only load refuses is kept apart likewise: ``weights_only=False``
+                unpickles it into the checkpoint ``on_load_checkpoint`` sees; without it a module that defines
+                ``on_load_checkpoint`` is refused such a checkpoint (``CheckpointError``).
             overrides: arguments for ``__init__`` that replace the saved ones (or give those not saved).
 
         Raises:
             FileNotFoundError: no such checkpoint.
             TypeError: a ``map_location`` of another type.
-            CheckpointError: not a trainscale checkpoint, a failed checksum.
+            CheckpointError: not a trainscale checkpoint, a failed checksum; pickled entries for a module with
+                ``on_load_checkpoint`` without ``weights_only=False``.
             TypeError: ``__init__`` needs arguments the checkpoint does not hold (named, with why).
             RuntimeError: ``strict`` and the weights' names do not match the module's.
         """
-        from trainscale.checkpointing.checkpointer import read_module_checkpoint
+        from trainscale.checkpointing.checkpointer import read_module_checkpoint, restore_pickled
 
         if not (map_location is None or isinstance(map_location, (str, torch.device, dict)) or callable(map_location)):
             raise TypeError(f"map_location={map_location!r}; pass a device or its name ('cuda:0'), a dict such as "
@@ -221,6 +225,7 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         state = read_model()
         if "on_load_checkpoint" in defined_hooks(module):  # as Lightning's: it sees, and may change, the weights
             checkpoint = {**entries, "state_dict": state}
+            restore_pickled(checkpoint, weights_only, checkpoint_path)
             module.on_load_checkpoint(checkpoint)
             state = checkpoint["state_dict"]
         # Lightning (core/saving.py): the module goes where map_location put its first weight (moved before the

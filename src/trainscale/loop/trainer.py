@@ -554,11 +554,16 @@ class Trainer:
         torchrun restart or a SLURM requeue, None resumes this job's "last". ``ckpt_verify=False`` loads a
         checkpoint whose ``.sha256`` is missing (refused by default). Under "ddp_spawn"/"ddp_notebook" the body
         runs in processes started here and rank 0's weights are loaded back into ``model``. ``weights_only``
-        (Lightning's, also of ``validate``/``test``/``predict``): accepted; a checkpoint is always read with
-        ``torch.load(weights_only=True)``, which every trainscale checkpoint allows.
+        (Lightning's): a checkpoint is always read with ``torch.load(weights_only=True)``; what an
+        ``on_save_checkpoint`` hook or a callback's ``state_dict`` saved that such a load refuses (an object of a
+        class of your own) is kept apart in it, pickled, and ``weights_only=False`` unpickles it back into the
+        checkpoint the ``on_load_checkpoint`` hooks and the callbacks' ``load_state_dict`` see (it runs pickled
+        code: only for a checkpoint you trust); without it such a checkpoint is refused before anything is restored.
+        ``validate``/``test``/``predict`` take it too and read only the weights, which never need it.
 
         Raises:
-            FileNotFoundError / CheckpointError: a missing or corrupted ``ckpt_path``.
+            FileNotFoundError / CheckpointError: a missing or corrupted ``ckpt_path``, or one holding pickled
+                entries without ``weights_only=False``.
             ValueError / TypeError: a bad model, optimizer or batch, named with its fix.
             trainscale.runtime.hangs.CollectiveTimeout: a collective timed out or a peer crashed.
             trainscale.faults.tolerance.NonFiniteLossError, trainscale.faults.tolerance.Preempted: docs/fault-tolerance.md.
@@ -567,7 +572,8 @@ class Trainer:
             with self._on_exception():  # the ranks' error, raised here: this process's callbacks hear of it too
                 return run_spawned(self, "fit", model, train_dataloaders=train_dataloaders,
                                    val_dataloaders=val_dataloaders, loss_fn=loss_fn, optimizer=optimizer,
-                                   ckpt_path=ckpt_path, ckpt_verify=ckpt_verify, datamodule=datamodule)
+                                   ckpt_path=ckpt_path, ckpt_verify=ckpt_verify, datamodule=datamodule,
+                                   weights_only=weights_only)
         attach_trainer(model, self)  # self.trainer inside the module's setup(stage), as Lightning
         self.start_stage(model)
         self.datamodule = datamodule
@@ -583,7 +589,7 @@ class Trainer:
             # Lightning's detect_anomaly: on for the fit, the previous mode back after it (also on an error)
             with torch.autograd.set_detect_anomaly(True) if cfg.detect_anomaly else contextlib.nullcontext():
                 summary = self._run_fit(model, (train_dataloaders, val_dataloaders, reload), loss_fn, optimizer,
-                                        ckpt_path, ckpt_verify)
+                                        ckpt_path, (ckpt_verify, weights_only))
             self.state.status = "finished"
             return summary
         except BaseException as err:
@@ -605,8 +611,9 @@ class Trainer:
                 self._fit.metrics.close("failed")
             # self._fit stays: save_checkpoint() after fit writes the fitted state
 
-    def _run_fit(self, model, loaders, loss_fn, optimizer, ckpt_path, verify) -> dict:
-        """``fit``'s body; ``loaders``: the training and validation loaders and :func:`fit_loader_hooks`'s reload."""
+    def _run_fit(self, model, loaders, loss_fn, optimizer, ckpt_path, reading) -> dict:
+        """``fit``'s body; ``loaders``: the training and validation loaders and :func:`fit_loader_hooks`'s reload;
+        ``reading``: ``(ckpt_verify, weights_only)``, how ``ckpt_path`` is read."""
         train_dataloaders, val_dataloaders, reload_hooks = loaders
         rt, cfg = self.runtime, self.config
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
@@ -618,7 +625,7 @@ class Trainer:
         fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
         fit.reload = reload_hooks
         _warn_eval_mode(fit.model)  # it trains in the modes it comes in, as Lightning (a frozen part keeps eval mode)
-        point = self._load(resume_from, verify) if resume_from is not None else None
+        point = self._load(resume_from, *reading) if resume_from is not None else None
         fit.loaded_epoch = point.next_epoch if point else 0
         global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers,
                                                  functools.partial(getattr, self, "global_step"))  # picklable
@@ -1176,12 +1183,13 @@ class Trainer:
         self._faults.phase = previous
         return written
 
-    def _load(self, path: Path, verify: bool) -> ResumePoint:
+    def _load(self, path: Path, verify: bool, weights_only: bool | None) -> ResumePoint:
         # the hooks see the checkpoint as read and may change it before the model, optimizers and callbacks are
         # restored from it (Lightning: the module's hook first here)
         point, _ = checkpointer.load(self.runtime, path, self._fit.model, self.optimizers, self.schedulers, self.state,
                                      self.callbacks, verify, lambda read: self._hook("on_load_checkpoint", read,
-                                                                                      module_first=True))
+                                                                                      module_first=True),
+                                     weights_only)
         return point
 
     # -- evaluation ----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import hashlib
 import io
 import os
 import pickle
+import re
 import shutil
 import struct
 import tempfile
@@ -239,7 +240,9 @@ def load_file(path: str | os.PathLike, verify: bool = True, read: Callable | Non
     Raises:
         FileNotFoundError: ``path`` does not exist.
         CheckpointError: ``path`` is a directory; the checksum file is missing (``verify=True``); the
-            bytes do not match the recorded SHA-256; or torch cannot read them.
+            bytes do not match the recorded SHA-256; they hold objects a weights-only load refuses (a file written
+            by other means, e.g. by Lightning with objects of your classes in it: :func:`_weights_only_refusal`); or
+            torch cannot read them (corrupted, truncated).
     """
     import torch
 
@@ -247,10 +250,37 @@ def load_file(path: str | os.PathLike, verify: bool = True, read: Callable | Non
     data = (read or read_checked)(path, verify)
     try:
         return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        if (refusal := _weights_only_refusal(path, err)) is None:
+            raise _unreadable(path, err) from err
+        raise refusal from err
     except Exception as err:  # torch raises several types for bad bytes
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0] if str(err) else ''}); it is corrupted, truncated "
-                              "or not a trainscale checkpoint: resume from an earlier one or delete it") from err
+        raise _unreadable(path, err) from err
+
+
+# what torch's weights-only unpickler says of a global (a class, a function) it does not allow
+_REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
+def _weights_only_refusal(path: Path, err: pickle.UnpicklingError) -> CheckpointError | None:
+    """The error for a file ``torch.load(weights_only=True)`` refused because it holds an object of a class it does
+    not allow (``err`` names it), which is no sign of damage; None for another ``UnpicklingError``."""
+    found = _REFUSED_GLOBAL.search(str(err))
+    if found is None:
+        return None
+    return CheckpointError(f"checkpoint {str(path)!r} holds objects that a weights-only load (torch.load(..., "
+                           f"weights_only=True), which runs no pickled code) refuses, such as {found.group(1)}: it was "
+                           "written without keeping them apart as trainscale does (by Lightning, say, with objects of "
+                           "your classes in it); this is no sign of damage. If you trust the file, read it with "
+                           "torch.load(path, weights_only=False) (this runs its pickled code) and take what you need, "
+                           "e.g. model.load_state_dict(checkpoint['state_dict'])")
+
+
+def _unreadable(path: Path, err: Exception) -> CheckpointError:
+    """The error for bytes torch cannot decode (a zip error, a cut pickle): damage, or no checkpoint at all."""
+    return CheckpointError(f"checkpoint {str(path)!r} cannot be read ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0] if str(err) else ''}); it is corrupted, truncated "
+                           "or not a trainscale checkpoint: resume from an earlier one or delete it")
 
 
 def read_checked(path: Path, verify: bool = True) -> bytes:
@@ -371,7 +401,8 @@ def load_replicated(path, state: dict, unwrap: Callable, verify: bool = True, re
     """Load ``path`` on every rank (``verify``, ``read``: as in :func:`load_file`); restore stateful objects
     of ``state`` in place (an entry absent under its key is read under its :data:`FORMER_NAMES` name).
     ``before_restore(entries)`` sees every entry as read (the model's weights as a state dict) and may change them
-    before anything is restored from them (what Lightning's ``on_load_checkpoint`` may do to a checkpoint file).
+    before anything is restored from them (what Lightning's ``on_load_checkpoint`` may do to a checkpoint file), or
+    raise: nothing is restored then.
 
     Returns:
         The checkpoint's entries whose keys are not stateful objects in ``state``.

@@ -631,9 +631,10 @@ class Runtime:
         ``verify=True`` (the default) checks the SHA-256 recorded beside the checkpoint when it was
         written and refuses one without it; ``verify=False`` loads it unchecked (a file you trust
         that was written by other means). ``before_restore(entries)`` is called once with the checkpoint's
-        entries as read, before the objects are restored from them, and may change them: a file's every entry
-        (a module's weights as its state dict), a sharded (DCP) directory's plain entries once its tensors are
-        read in place (Lightning's ``on_load_checkpoint`` sees the same).
+        entries as read, before anything is restored from them, and may change them: a file's every entry (a
+        module's weights as its state dict), a sharded (DCP) directory's plain entries (its tensors are read in
+        place after it; Lightning's ``on_load_checkpoint`` sees the same entries). An error it raises (the same on
+        every rank, which all read them) refuses the checkpoint with nothing changed.
 
         Returns:
             The checkpoint's other entries (e.g. epoch counters).

@@ -292,9 +292,9 @@ class Strategy:
         """Restore objects of ``state`` in place from ``path``; return the entries not in ``state``. By default a
         file, or a DCP directory of any mesh read into whole tensors (``dcp_checkpoint.load_whole``).
         ``verify``: check the recorded SHA-256 and refuse a checkpoint without one (``checkpoint_io.load_file``).
-        ``before_restore(entries)``: called once with the entries as read, before the objects are restored from
-        them (a file: every entry, the weights as a state dict; a DCP directory: the plain entries, once its
-        tensors are read in place)."""
+        ``before_restore(entries)``: called once with the entries as read, before anything is restored from them
+        (a file: every entry, the weights as a state dict; a DCP directory: the plain entries, its tensors are
+        read in place after it); it may change them, or raise to refuse the checkpoint with nothing changed."""
         return load_whole(path, state, self.world.rank, self.name, self.unwrap, verify, before_restore=before_restore)
 
     def data_world(self, world: World) -> World:

@@ -232,8 +232,8 @@ def load_whole(path: Any, state: dict, rank: int, strategy: str, unwrap: Callabl
     """``load_checkpoint`` of the strategies whose ranks hold whole models (single, ddp, dp): a checkpoint file
     (``checkpoint_io.load_replicated``, its bytes from ``read``: as in ``checkpoint_io.load_file``), or a DCP
     directory written by a sharded strategy on any mesh, whose shards every rank reads into its whole tensors
-    (modules of ``state`` unwrapped first). ``before_restore``: as in ``load_replicated`` for a file, as in
-    :meth:`DCPCheckpointer.load` for a directory. Raises as those do."""
+    (modules of ``state`` unwrapped first). ``before_restore``: as in ``load_replicated`` for a file,
+    as in :meth:`DCPCheckpointer.load` for a directory. Raises as those do."""
     import torch
 
     path = Path(path)
@@ -424,9 +424,10 @@ class DCPCheckpointer:
              before_restore: Callable[[dict], None] | None = None) -> dict:
         """Restore the modules and optimizers of ``state`` from ``path`` (any world size or mesh; DCP reshards,
         the optimizer state through ``set_optimizer_state_dict``), the other stateful objects from its extra
-        file; return the plain entries. ``before_restore(entries)`` sees the extra file's entries once the
-        sharded tensors are read in place, before the other objects are restored from them (the weights are not
-        among them: Lightning's sharded load gives its ``on_load_checkpoint`` the same). ``verify``: check the extra
+        file; return the plain entries. ``before_restore(entries)`` sees the extra file's entries as soon as it is
+        read, before any tensor or object is restored (the weights are not among them: Lightning's sharded load
+        gives its ``on_load_checkpoint`` the same), and may change them; an error it raises (on every rank, which
+        all read the extra file) leaves the model and optimizers as they were. ``verify``: check the extra
         file's SHA-256, and ``.metadata`` and every shard file this rank reads against the checkpoint's manifest
         (:data:`MANIFEST`); refuse a checkpoint without them.
 
@@ -442,6 +443,8 @@ class DCPCheckpointer:
         path = Path(path)
         self._check_directory(path)
         extra = checkpoint_io.load_file(path / EXTRA, verify)
+        if before_restore is not None:
+            before_restore(extra)
         digests = _read_manifest(path) if verify else None
         if digests is not None:
             _verify_files(path, [".metadata"], digests)
@@ -454,8 +457,6 @@ class DCPCheckpointer:
             if not _is_checkpoint_failure(err):
                 raise
             raise _clear_error(err, path, f"checkpoint {str(path)!r} does not fit the model or optimizer") from err
-        if before_restore is not None:
-            before_restore(extra)
         for key, value in others.items():
             if checkpoint_io._is_stateful(value):
                 if key not in extra:
