@@ -20,6 +20,7 @@ from trainscale.lightning.module import TrainingModule
 from trainscale.loop.config import resolve_trainer_config
 from trainscale.loop.data_checks import warn_unshuffled
 from trainscale.loop.trainer import Trainer
+from trainscale.utilities.warnings import PossibleUserWarning
 
 
 class Probe(TrainingModule):
@@ -265,7 +266,7 @@ def test_a_submodule_in_eval_mode_stays_so_through_fit_validation_and_test(tmp_p
     assert model.training and not model.norm.training  # as they came in
     assert torch.equal(model.norm.running_mean, torch.zeros(2)) and int(model.norm.num_batches_tracked) == 0
     whole = FrozenNorm().eval()
-    with pytest.warns(UserWarning, match=r"is in eval mode at the start of fit.*call model.train\(\)"):
+    with pytest.warns(PossibleUserWarning, match=r"is in eval mode at the start of fit.*call model.train\(\)"):
         _trainer(tmp_path / "e", max_epochs=1, num_sanity_val_steps=0).fit(whole, _loader())
     assert ("train", False, False) in whole.modes  # trained in the mode it came in, as Lightning
 
@@ -914,7 +915,7 @@ def test_a_minimum_without_max_epochs_is_trained_before_a_callback_may_stop(tmp_
     minimum is met (3 epochs of 4 steps, or the epoch that holds step 10), as Lightning's, rather than ending at
     trainscale's one-epoch default."""
     stop = EarlyStopping("val_loss", patience=0, min_delta=1e9)
-    with pytest.warns(UserWarning, match="max_epochs was not set"):
+    with pytest.warns(PossibleUserWarning, match="max_epochs was not set"):
         trainer = _trainer(tmp_path, num_sanity_val_steps=0, callbacks=[stop], **flags)
     trainer.fit(Probe(), _loader(), _loader(4))
     assert trainer.max_epochs == 1000 and trainer.current_epoch == epochs and trainer.should_stop
@@ -3237,3 +3238,19 @@ def test_the_trainer_shows_its_flags_under_lightnings_attribute_names():
     plain = Trainer(accelerator="cpu")
     assert plain.val_check_interval == 1.0 and plain.check_val_every_n_epoch == 1 and plain.precision == "32-true"
     assert Trainer(accelerator="cpu", val_check_interval="00:00:01:30").val_check_interval == timedelta(seconds=90)
+
+
+def test_possible_user_warnings_are_one_class_a_script_can_silence(tmp_path):
+    """Lightning's ``PossibleUserWarning`` (a ``UserWarning``): the warning of an unset ``max_epochs`` is one, and
+    ``disable_possible_user_warnings()`` silences it as Lightning's function does."""
+    from trainscale.utilities.warnings import disable_possible_user_warnings
+
+    assert issubclass(PossibleUserWarning, UserWarning)
+    with warnings.catch_warnings(record=True) as caught:  # restores the filters after
+        warnings.simplefilter("always")
+        _trainer(tmp_path / "a", num_sanity_val_steps=0).fit(Probe(), _loader())
+        assert any(w.category is PossibleUserWarning and "`max_epochs` was not set" in str(w.message) for w in caught)
+        caught.clear()
+        disable_possible_user_warnings()
+        _trainer(tmp_path / "b", num_sanity_val_steps=0).fit(Probe(), _loader())
+        assert not [w for w in caught if w.category is PossibleUserWarning]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainscale.callbacks import ModelCheckpoint
+from trainscale.utilities.warnings import PossibleUserWarning
 from trainscale.runtime.flags import (FlagTypeError, check_flags, check_int, check_number, flag, make_flags,
                                      parse_duration)
 
@@ -412,7 +413,8 @@ def _loop_limits(cfg: TrainerConfig) -> TrainerConfig:
     elif max_epochs is None and (cfg.min_epochs or cfg.min_steps):
         # one epoch could not honour the minimum the user asked for; Lightning's default, with its warning
         warnings.warn(f"max_epochs was not set: training up to {_LIGHTNING_MAX_EPOCHS} epochs (Lightning's default) "
-                      "so that min_epochs/min_steps can be met; pass max_epochs=-1 for no limit", stacklevel=3)
+                      "so that min_epochs/min_steps can be met; pass max_epochs=-1 for no limit", PossibleUserWarning,
+                      stacklevel=3)
         max_epochs = _LIGHTNING_MAX_EPOCHS
     elif max_epochs is None:
         max_epochs = 1
@@ -462,13 +464,13 @@ def one_batch_messages(cfg: TrainerConfig) -> list[str]:
 
 
 def warn_default_max_epochs(cfg: TrainerConfig, given: int | None, say: bool) -> None:
-    """At ``fit``, when ``say`` (rank zero): a ``UserWarning`` that ``max_epochs`` was left unset and
+    """At ``fit``, when ``say`` (rank zero): a ``PossibleUserWarning`` that ``max_epochs`` was left unset and
     :func:`_loop_limits` gave trainscale's 1 (``given``: the flag as passed), as Lightning's fit warns that it sets 1000
     (``loops/utilities.py``, ``_parse_loop_limits``); none under ``fast_dev_run``, which sets its own limits."""
     if say and given is None and cfg.max_epochs == 1 and not cfg.fast_dev_run:
         warnings.warn("`max_epochs` was not set. Setting it to 1 epoch (trainscale's default; Lightning's is 1000 "
                       "epochs). To train longer, set `max_epochs=N`, or `max_epochs=-1` for no epoch limit",
-                      UserWarning, stacklevel=4)
+                      PossibleUserWarning, stacklevel=4)
 
 
 def _check_val_schedule(cfg: TrainerConfig) -> None:

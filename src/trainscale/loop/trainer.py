@@ -27,6 +27,7 @@ from trainscale.callbacks import (Callback, ModelCheckpoint, ModelSummary, TQDMP
                                   resolve_callbacks)
 from trainscale.callbacks.base import HOOKS, overridden_hooks
 from trainscale.utilities.rank_zero import log_info
+from trainscale.utilities.warnings import PossibleUserWarning
 from trainscale.loggers import resolve_loggers
 from trainscale.loggers.log_dirs import agree_log_dirs, trainer_log_dir
 from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, PipelineScheduleFlag, PrecisionFlag,
@@ -1346,12 +1347,12 @@ def _seed_workers(loaders: tuple, given: tuple, rank: int) -> None:
 
 
 def _warn_eval_mode(model: nn.Module) -> None:
-    """Say (a ``UserWarning``) that ``model`` itself is in eval mode at the start of ``fit``: it trains so, as in
+    """Say (a ``PossibleUserWarning``) that ``model`` itself is in eval mode at the start of ``fit``: it trains so, as in
     Lightning 2.2+, which calls no ``model.train()`` (a submodule in eval mode is the user's choice: not warned)."""
     if not model.training:
         warnings.warn(f"the model ({type(model).__name__}) is in eval mode at the start of fit: it trains so (dropout "
                       "off, BatchNorm statistics not updated), as in Lightning; call model.train() before fit to train "
-                      "in training mode (submodules you put in eval mode stay so)", UserWarning, stacklevel=4)
+                      "in training mode (submodules you put in eval mode stay so)", PossibleUserWarning, stacklevel=4)
 
 
 def _say_debug_modes(cfg: TrainerConfig, rank_zero: bool) -> None:
