@@ -1,6 +1,7 @@
 """The public API as a type checker sees it: mypy, run as a user's CI runs it, accepts a script that uses Trainer,
 Runtime, a TrainingModule, a DataModule and a Callback as documented, and reports a misspelt flag, a value of the
-wrong type and a value outside a flag's choices, each on its line; the modules listed in pyproject.toml's
+wrong type, a value outside a flag's choices and an attribute the Trainer lacks (``self.trainer`` of a
+TrainingModule is the Trainer, as Lightning's), each on its line; the modules listed in pyproject.toml's
 ``[tool.mypy] files`` check clean. One mypy process for all of it, its cache in ``tmp_path`` (cold each run)."""
 
 import re
@@ -81,13 +82,14 @@ BAD = {
         '''Argument "gradient_clip_algorithm" to "Trainer" has incompatible type "Literal['l2']"''',
     'Runtime(precison="bf16-mixed")': 'Unexpected keyword argument "precison" for "Runtime"; did you mean "precision"?',
     'Runtime("cpu", 2, "ddp", 1, "bf16")': '''Argument 5 to "Runtime" has incompatible type "Literal['bf16']"''',
+    'TrainingModule().trainer.current_epok': '"Trainer" has no attribute "current_epok"',
 }
 
 
 def test_mypy_accepts_the_documented_api_and_reports_each_bad_flag_on_its_line(tmp_path):
     good, bad = tmp_path / "good_script.py", tmp_path / "bad_script.py"
     good.write_text(GOOD)
-    bad.write_text("from trainscale import Runtime, Trainer\n" + "\n".join(BAD) + "\n")
+    bad.write_text("from trainscale import Runtime, Trainer, TrainingModule\n" + "\n".join(BAD) + "\n")
     checked = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
     out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
                           "--cache-dir", str(tmp_path / "mypy_cache"), "--no-error-summary", "--hide-error-context",

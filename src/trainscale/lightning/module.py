@@ -236,14 +236,14 @@ class TrainingModule(HyperparametersMixin, nn.Module):
 
     # -- what the Trainer attached -------------------------------------------------------------
     @property
-    def trainer(self) -> Any:
+    def trainer(self) -> Trainer:
         trainer = self.__dict__.get("_trainer")
         if trainer is None:
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer; call it inside trainer.fit()")
         return trainer
 
     @trainer.setter
-    def trainer(self, trainer: Any) -> None:
+    def trainer(self, trainer: Trainer | None) -> None:
         """Attach the module to ``trainer`` (None detaches it), as Lightning's ``model.trainer = trainer``; the
         Trainer attaches it itself in ``fit``/``validate``/``test``/``predict``."""
         if trainer is None:
