@@ -85,7 +85,8 @@ def test_the_strategy_flag_type_holds_exactly_the_names_the_resolver_takes():
 
 @pytest.mark.parametrize(("given", "unified", "warns"), [(16, "16-mixed", True), ("16", "16-mixed", True),
                                                          ("bf16", "bf16-mixed", True), (32, "32-true", False),
-                                                         ("32", "32-true", False)])
+                                                         ("32", "32-true", False), (64, "64-true", False),
+                                                         ("64", "64-true", False), ("64-true", "64-true", False)])
 def test_lightnings_older_precision_spellings_are_converted_with_its_warning(recwarn, given, unified, warns):
     assert resolve(precision=given).precision == unified
     said = [str(w.message) for w in recwarn if "historical reasons" in str(w.message)]
@@ -93,9 +94,22 @@ def test_lightnings_older_precision_spellings_are_converted_with_its_warning(rec
                      f"Please set your precision to {unified} instead!"] if warns else [])
 
 
-@pytest.mark.parametrize("given", [64, "64", "64-true"])
-def test_double_precision_is_refused_naming_the_alternative(given):
-    with pytest.raises(ValueError, match=r"not supported; choose one of .*model\.double\(\)"):
-        resolve(precision=given)
-    with pytest.raises(ValueError, match="unknown precision=True"):
-        resolve(precision=True)
+def test_an_unknown_precision_is_refused_naming_the_choices():
+    for given in (True, 8, "fp64", "64-mixed"):
+        with pytest.raises(ValueError, match=rf"unknown precision={given!r}; choose one of .*'64-true'"):
+            resolve(precision=given)
+
+
+@pytest.mark.parametrize(("strategy", "parallel"), [("tp", None), ("pp", None), ("model_parallel", {"tp": 2}),
+                                                    ("model_parallel", {"pp": 2})])
+def test_double_precision_with_tensor_or_pipeline_parallelism_is_refused_naming_the_fix(strategy, parallel):
+    with pytest.raises(ValueError, match=r"precision='64-true' is not supported with tensor parallelism or pipeline "
+                                         r"stages .*pass strategy='fsdp' or 'ddp'"):
+        resolve(accelerator="cpu", devices=2, strategy=strategy, parallel=parallel, precision="64-true")
+    resolve(accelerator="cpu", devices=2, strategy=strategy, parallel=parallel, precision="32-true")  # only 64-true
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "hsdp", "ddp_spawn"])
+def test_double_precision_is_taken_by_the_data_parallel_strategies(strategy):
+    parallel = {"dp_replicate": 2, "dp_shard": 2} if strategy == "hsdp" else None
+    assert resolve(accelerator="cpu", devices=4, strategy=strategy, parallel=parallel, precision=64).precision == "64-true"

@@ -235,6 +235,7 @@ def resolve(*args: Any, cuda_count: int = 0, has_mps: bool = False, **flags: Any
         raise ValueError(f"unknown float32_matmul_precision={float32_matmul_precision!r}; choose one of "
                          f"{_choices(MATMUL_PRECISIONS)} (torch.set_float32_matmul_precision's values)")
     dims = _resolve_model_parallel(strategy, f.parallel, f.tp_plan, f.parallelize, devices, num_nodes)
+    _check_double_precision(precision, dims)
     schedule, microbatches = _resolve_pipeline(dims, f.pp_schedule, f.pp_microbatches, f.pp_split_points)
     return RunConfig(accelerator, devices, num_nodes, "pp" if schedule else strategy, precision, start_method,
                      sync_batchnorm, _resolve_checkpointing(f.activation_checkpointing), compile_kwargs,
@@ -273,29 +274,36 @@ def _resolve_devices(devices: Any, accelerator: str, cuda_count: int) -> int:
 
 
 # Lightning's older spellings (its _PRECISION_INPUT_STR_ALIAS_CONVERSION), taken as Lightning takes them: with its
-# warning for 16 and bf16, silently for 32
-PRECISION_ALIASES = {16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed", 32: "32-true", "32": "32-true"}
+# warning for 16 and bf16, silently for 32 and 64
+PRECISION_ALIASES = {16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed", 32: "32-true", "32": "32-true",
+                     64: "64-true", "64": "64-true"}
 
 
 def _unified_precision(precision: Any) -> str:
     """``precision`` as one of ``PRECISIONS``: itself, or a Lightning alias converted (``16`` -> ``"16-mixed"``).
 
     Raises:
-        ValueError: any other value (64 and "64-true", Lightning's double precision, are named apart)."""
+        ValueError: any other value."""
     if isinstance(precision, (str, int)) and not isinstance(precision, bool) and precision in PRECISION_ALIASES:
         unified = PRECISION_ALIASES[precision]
-        if str(precision)[:2] != "32":
+        if str(precision)[:2] not in ("32", "64"):
             warnings.warn(f"`precision={precision!r}` is supported for historical reasons but its usage is "
                           f"discouraged. Please set your precision to {unified} instead!", UserWarning, stacklevel=4)
         return unified
-    if precision in (64, "64", "64-true"):
-        raise ValueError(f"precision={precision!r} (float64 weights and compute, Lightning's '64-true') is not "
-                         f"supported; choose one of {_choices(PRECISIONS)}, or call model.double() yourself with "
-                         "'32-true'")
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}; choose one of {_choices(PRECISIONS)} (Lightning's 16, "
-                         "32 and 'bf16' are taken too)")
+                         "32, 64 and 'bf16' are taken too)")
     return precision
+
+
+def _check_double_precision(precision: str, dims: ParallelDims | None) -> None:
+    """"64-true" runs under single, ddp, dp, fsdp and hsdp (FSDP2 shards float64 parameters without a
+    ``MixedPrecisionPolicy``); tensor parallelism and pipeline stages are refused: their float64 runs are untested
+    (the pipeline's stages enter only a mixed precision's autocast, not the float64 default dtype)."""
+    if precision == "64-true" and dims is not None and (dims.tp > 1 or dims.pp > 1):
+        raise ValueError(f"precision='64-true' is not supported with tensor parallelism or pipeline stages "
+                         f"(parallel={dims.as_dict()}); pass strategy='fsdp' or 'ddp' for float64, or "
+                         "precision='32-true'")
 
 
 def _check_sync_batchnorm(sync_batchnorm: Any, strategy: str, accelerator: str) -> None:

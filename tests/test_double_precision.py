@@ -1,0 +1,128 @@
+"""precision="64-true" (Lightning's ``DoublePrecision``): float64 parameters and floating inputs, float64 the default
+dtype inside the forward and module init; the Trainer and the Runtime against a plain PyTorch loop in float64 (the
+model ``.double()``, the samples cast) on one process, on 2 ddp ranks and on 2 fsdp ranks (real gloo processes).
+
+Tolerance: the hand loop and the Trainer run the same float64 operations; 2 ranks average their gradients where one
+process takes the mean over the double batch, a difference of float64 rounding (~1e-16 relative per step). The
+tolerance 1e-12 is far below what float32 gives (the tests check that a float32 run misses it)."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tests import workers
+from tests.helpers import run_distributed
+from trainscale.runtime.precision import Precision
+from trainscale.runtime.runtime import Runtime
+
+N = 32  # samples: 2 steps an epoch at the double batch
+FLOAT64 = {"rtol": 1e-12, "atol": 1e-12}
+
+
+class _RecordsDefaultDtype(nn.Module):
+    """A model whose forward makes a tensor without a dtype (as position tables and masks often are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.seen: list = []
+
+    def forward(self, x):
+        bias = torch.ones(3)  # the default dtype
+        self.seen.append((torch.get_default_dtype(), bias.dtype))
+        return self.fc(x) + bias
+
+
+def test_runtime_casts_parameters_and_floating_inputs_and_sets_the_default_dtype_in_the_forward_only():
+    rt = Runtime(accelerator="cpu", precision="64-true")
+    model, opt = rt.setup(_RecordsDefaultDtype(), lambda p: torch.optim.SGD(p, lr=0.1))
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    assert {p.dtype for g in opt.param_groups for p in g["params"]} == {torch.float64}  # built after the cast
+    x, y = rt.to_device((torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])))
+    assert x.dtype == torch.float64 and y.dtype == torch.int64
+    with rt.autocast():
+        loss = F.cross_entropy(model(x), y)
+    assert model.seen == [(torch.float64, torch.float64)] and loss.dtype == torch.float64
+    assert torch.get_default_dtype() == torch.float32  # restored on leaving
+    rt.backward(loss)
+    rt.step(opt)
+    assert {p.grad.dtype for p in model.parameters()} == {torch.float64}
+
+
+def test_the_forward_context_restores_the_default_dtype_after_an_error():
+    prec = Precision("64-true", "cpu")
+    with pytest.raises(RuntimeError, match="boom"):
+        with prec.autocast():
+            assert torch.get_default_dtype() == torch.float64
+            raise RuntimeError("boom")
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_module_init_context_builds_float64_parameters_under_64_true_only():
+    with Precision("64-true", "cpu").module_init_context():
+        double = nn.Linear(2, 2)
+    with Precision("32-true", "cpu").module_init_context():
+        single = nn.Linear(2, 2)
+    assert double.weight.dtype == torch.float64 and single.weight.dtype == torch.float32
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_other_precisions_neither_cast_inputs_nor_change_the_default_dtype():
+    for name in ("32-true", "16-mixed", "bf16-mixed"):
+        prec = Precision(name, "cpu")
+        assert not prec.casts_input
+        with prec.autocast():
+            assert torch.get_default_dtype() == torch.float32
+
+
+def _state_distance(a: dict, b: dict) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in b)
+
+
+def test_one_process_trainer_equals_a_plain_float64_loop(tmp_path):
+    epochs, b = 2, 16
+    out = workers.trainer_fit(0, str(tmp_path / "d"), b, epochs, {"precision": "64-true"}, n=N)
+    reference = workers.plain_pytorch_reference(b, epochs, n=N, dtype=torch.float64)
+    assert {v.dtype for v in out["state"].values()} == {torch.float64}
+    for key, ref in reference.items():
+        torch.testing.assert_close(out["state"][key], ref, **FLOAT64)
+    single = workers.plain_pytorch_reference(b, epochs, n=N)  # float32: the tolerance tells them apart
+    assert _state_distance(single, reference) > 1e3 * FLOAT64["atol"]
+
+
+def test_lightnings_alias_64_is_taken_by_the_trainer(tmp_path):
+    out = workers.trainer_fit(0, str(tmp_path / "d"), 16, 1, {"precision": 64}, n=16)
+    assert {v.dtype for v in out["state"].values()} == {torch.float64}
+    assert out["summary"]["precision"] == "64-true"
+
+
+def _fsdp_fit(rank: int, root: str, batch_size: int, epochs: int) -> dict:
+    from trainscale.loop.trainer import Trainer
+
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy="fsdp", precision="64-true", max_epochs=epochs,
+                      seed=0, default_root_dir=root, enable_progress_bar=False, timeout=60)
+    model = workers.make_model(0)
+    trainer.fit(model, torch.utils.data.DataLoader(workers.tiny_dataset(N), batch_size=batch_size, shuffle=True),
+                optimizer=workers.sgd)
+    types = sorted({f"{type(p).__name__}:{p.dtype}" for p in model.parameters()})
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+             for k, v in model.state_dict().items()}
+    trainer.runtime.teardown()
+    return {"state": state, "types": types}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_equal_a_plain_float64_loop_of_the_double_batch(tmp_path, strategy):
+    epochs, b = 2, 8
+    if strategy == "ddp":
+        results = run_distributed(workers.trainer_fit, str(tmp_path / "r"), b, epochs, {"precision": "64-true"},
+                                  None, N, timeout=120)
+    else:
+        results = run_distributed(_fsdp_fit, str(tmp_path / "r"), b, epochs, timeout=120)
+        assert results[0]["types"] == ["DTensor:torch.float64"]  # sharded, in float64
+    reference = workers.plain_pytorch_reference(2 * b, epochs, n=N, dtype=torch.float64)
+    for key, ref in reference.items():
+        torch.testing.assert_close(results[0]["state"][key], ref, **FLOAT64)
+        torch.testing.assert_close(results[1]["state"][key], results[0]["state"][key], rtol=0, atol=0)
