@@ -6,6 +6,8 @@ Tolerance: the hand loop and the Trainer run the same float64 operations; 2 rank
 process takes the mean over the double batch, a difference of float64 rounding (~1e-16 relative per step). The
 tolerance 1e-12 is far below what float32 gives (the tests check that a float32 run misses it)."""
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -126,3 +128,30 @@ def test_two_ranks_equal_a_plain_float64_loop_of_the_double_batch(tmp_path, stra
     for key, ref in reference.items():
         torch.testing.assert_close(results[0]["state"][key], ref, **FLOAT64)
         torch.testing.assert_close(results[1]["state"][key], results[0]["state"][key], rtol=0, atol=0)
+
+
+def test_the_planner_counts_8_bytes_a_gradient_and_refuses_what_it_cannot_model():
+    from trainscale.models import ConvNet
+    from trainscale.plan import planner
+
+    sample = (torch.zeros(1, 28, 28), torch.tensor(0))
+    plain = functools.partial(ConvNet, batchnorm=False)  # no buffers: the all-reduce carries gradients only
+    rows = {precision: planner.plan(plain, sample=sample, devices=[2], batch_sizes=[16], strategies=["ddp", "pp"],
+                                    precision=precision, link="10GB/s,latency=0us", device_flops=1e12).rows
+            for precision in ("32-true", "64-true")}
+    single, double = (next(r for r in rows[p] if r.strategy == "ddp") for p in ("32-true", "64-true"))
+    assert double.comm_s == pytest.approx(2 * single.comm_s)  # the gradient all-reduce carries float64
+    assert double.memory.parameters == 2 * single.memory.parameters
+    assert double.memory.activations > single.memory.activations  # traced in float64
+    pp = next(r for r in rows["64-true"] if r.strategy == "pp")
+    assert pp.memory is None and "precision='64-true' is not supported" in pp.note  # as the Runtime refuses it
+    with pytest.raises(ValueError, match="not the float64 ones of precision='64-true'; plan without gpu="):
+        planner.plan(ConvNet, sample=sample, devices=[8], batch_sizes=[16], strategies=["ddp"], gpu="h100-sxm",
+                     precision="64-true")
+
+
+def test_telemetry_has_no_peak_and_so_no_mfu_for_float64():
+    from trainscale.telemetry.flops import peak_flops_per_s
+
+    assert peak_flops_per_s("NVIDIA H100 80GB HBM3", "32-true") > 0
+    assert peak_flops_per_s("NVIDIA H100 80GB HBM3", "64-true") is None  # not fp32's peak
