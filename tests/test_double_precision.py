@@ -61,6 +61,12 @@ def test_the_forward_context_restores_the_default_dtype_after_an_error():
     assert torch.get_default_dtype() == torch.float32
 
 
+def test_runtime_init_module_builds_the_model_in_float64():
+    with Runtime(accelerator="cpu", precision="64-true").init_module():
+        model = nn.Linear(2, 2)
+    assert model.weight.dtype == torch.float64 and torch.get_default_dtype() == torch.float32
+
+
 def test_module_init_context_builds_float64_parameters_under_64_true_only():
     with Precision("64-true", "cpu").module_init_context():
         double = nn.Linear(2, 2)

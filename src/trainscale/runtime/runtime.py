@@ -460,9 +460,16 @@ class Runtime:
 
         return prefetch_to_cuda(batches, self.to_device, self.device)
 
+    def init_module(self):
+        """Context manager to build the model in: under "64-true" float64 is the default dtype, so its parameters
+        are made in float64 (as Fabric's ``init_module``); under the other precisions nothing changes.
+        ``with rt.init_module(): model = Net()``; ``setup`` casts the model in any case."""
+        return self.precision.module_init_context()
+
     # -- the step ----------------------------------------------------------------------------
     def autocast(self):
-        """Context manager for forward and loss under the precision's autocast."""
+        """Context manager for forward and loss under the precision's autocast (under "64-true": float64 as the
+        default dtype)."""
         return self.precision.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
