@@ -161,3 +161,14 @@ def test_telemetry_has_no_peak_and_so_no_mfu_for_float64():
 
     assert peak_flops_per_s("NVIDIA H100 80GB HBM3", "32-true") > 0
     assert peak_flops_per_s("NVIDIA H100 80GB HBM3", "64-true") is None  # not fp32's peak
+
+
+def test_the_model_summary_estimates_8_bytes_a_parameter(tmp_path, capsys):
+    from trainscale.callbacks.model_summary import summarize
+
+    net = nn.Linear(10, 20)  # 220 parameters
+    assert [summarize(net, precision=p).size_mb for p in ("32-true", "bf16-mixed", "bf16-true", "64-true")] == \
+        [220 * 4 / 1e6, 220 * 4 / 1e6, 220 * 2 / 1e6, 220 * 8 / 1e6]
+    workers.trainer_fit(0, str(tmp_path / "d"), 16, 1, {"precision": "64-true", "enable_model_summary": True}, n=16)
+    params = sum(p.numel() for p in workers.make_model().parameters())
+    assert f"{params * 8 / 1e6:<10.3f}Total estimated model params size (MB)" in capsys.readouterr().out
