@@ -1,8 +1,9 @@
 """precision="64-true" (Lightning's ``DoublePrecision``): float64 parameters and floating inputs, float64 the default
 dtype inside the forward and module init; the Trainer and the Runtime against a plain PyTorch loop in float64 (the
-model ``.double()``, the samples cast) on one process, on 2 ddp ranks and on 2 fsdp ranks (real gloo processes).
+model ``.double()``, the samples cast) on one process, on 2 ddp ranks, 2 fsdp ranks and 2 × 2 hsdp ranks (real gloo
+processes).
 
-Tolerance: the hand loop and the Trainer run the same float64 operations; 2 ranks average their gradients where one
+Tolerance: the hand loop and the Trainer run the same float64 operations; ranks average their gradients where one
 process takes the mean over the double batch, a difference of float64 rounding (~1e-16 relative per step). The
 tolerance 1e-12 is far below what float32 gives (the tests check that a float32 run misses it)."""
 
@@ -105,11 +106,11 @@ def test_lightnings_alias_64_is_taken_by_the_trainer(tmp_path):
     assert out["summary"]["precision"] == "64-true"
 
 
-def _fsdp_fit(rank: int, root: str, batch_size: int, epochs: int) -> dict:
+def _sharded_fit(rank: int, root: str, batch_size: int, epochs: int, strategy: str, parallel: dict | None) -> dict:
     from trainscale.loop.trainer import Trainer
 
-    trainer = Trainer(accelerator="cpu", devices="auto", strategy="fsdp", precision="64-true", max_epochs=epochs,
-                      seed=0, default_root_dir=root, enable_progress_bar=False, timeout=60)
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy=strategy, parallel=parallel, precision="64-true",
+                      max_epochs=epochs, seed=0, default_root_dir=root, enable_progress_bar=False, timeout=60)
     model = workers.make_model(0)
     trainer.fit(model, torch.utils.data.DataLoader(workers.tiny_dataset(N), batch_size=batch_size, shuffle=True),
                 optimizer=workers.sgd)
@@ -121,19 +122,22 @@ def _fsdp_fit(rank: int, root: str, batch_size: int, epochs: int) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_equal_a_plain_float64_loop_of_the_double_batch(tmp_path, strategy):
-    epochs, b = 2, 8
+@pytest.mark.parametrize(("strategy", "ranks"), [("ddp", 2), ("fsdp", 2), ("hsdp", 4)])
+def test_ranks_equal_a_plain_float64_loop_of_the_global_batch(tmp_path, strategy, ranks):
+    epochs, b = 2, 16 // ranks  # the global batch of 16 on every layout
     if strategy == "ddp":
         results = run_distributed(workers.trainer_fit, str(tmp_path / "r"), b, epochs, {"precision": "64-true"},
                                   None, N, timeout=120)
     else:
-        results = run_distributed(_fsdp_fit, str(tmp_path / "r"), b, epochs, timeout=120)
+        parallel = {"dp_replicate": 2, "dp_shard": 2} if strategy == "hsdp" else None
+        results = run_distributed(_sharded_fit, str(tmp_path / "r"), b, epochs, strategy, parallel,
+                                  world_size=ranks, timeout=150)
         assert results[0]["types"] == ["DTensor:torch.float64"]  # sharded, in float64
-    reference = workers.plain_pytorch_reference(2 * b, epochs, n=N, dtype=torch.float64)
+    reference = workers.plain_pytorch_reference(16, epochs, n=N, dtype=torch.float64)
     for key, ref in reference.items():
         torch.testing.assert_close(results[0]["state"][key], ref, **FLOAT64)
-        torch.testing.assert_close(results[1]["state"][key], results[0]["state"][key], rtol=0, atol=0)
+        for other in results[1:]:
+            torch.testing.assert_close(other["state"][key], results[0]["state"][key], rtol=0, atol=0)
 
 
 def test_the_planner_counts_8_bytes_a_gradient_and_refuses_what_it_cannot_model():

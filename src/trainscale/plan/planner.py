@@ -550,7 +550,8 @@ def _check_modelled_dtype(gpu, precision: str) -> None:
     if precision == "64-true" and "fp64" not in gpu.flops:
         raise ValueError(f"plan(gpu={gpu.name!r}) models fp32, tf32, bf16 and fp16 kernels, not the float64 ones of "
                          "precision='64-true'; plan without gpu= (memory is exact in float64, and the step is timed on "
-                         "this machine), or give device_flops= (the device's float64 FLOP/s) and a link")
+                         "this machine), or give device_flops= (--device-flops: the device's float64 FLOP/s) "
+                         "and a link")
 
 
 def _cluster_link(cluster, scenario: str) -> Callable:
