@@ -176,3 +176,17 @@ def test_the_model_summary_estimates_8_bytes_a_parameter(tmp_path, capsys):
     workers.trainer_fit(0, str(tmp_path / "d"), 16, 1, {"precision": "64-true", "enable_model_summary": True}, n=16)
     params = sum(p.numel() for p in workers.make_model().parameters())
     assert f"{params * 8 / 1e6:<10.3f}Total estimated model params size (MB)" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallelism_on_two_ranks_equals_one_float64_process():
+    """The GPT of tests/parallel_workers.py under the built-in tp plan (float64 DTensors) against one process of
+    the Runtime, itself held equal to plain PyTorch above; 4 SGD steps with clipping."""
+    from tests import parallel_workers
+
+    reference = parallel_workers.train_gpt(0, "single", None, 8, 4, precision="64-true")
+    results = run_distributed(parallel_workers.train_gpt, "tp", None, 8, 4, None, True, None, "64-true", timeout=150)
+    assert {v.dtype for v in results[0]["weights"].values()} == {torch.float64}
+    for key, ref in reference["weights"].items():
+        torch.testing.assert_close(results[0]["weights"][key], ref, **FLOAT64)
+    assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-12)

@@ -297,13 +297,12 @@ def _unified_precision(precision: Any) -> str:
 
 
 def _check_double_precision(precision: str, dims: ParallelDims | None) -> None:
-    """"64-true" runs under single, ddp, dp, fsdp and hsdp (FSDP2 shards float64 parameters without a
-    ``MixedPrecisionPolicy``); tensor parallelism and pipeline stages are refused: their float64 runs are untested
-    (the pipeline's stages enter only a mixed precision's autocast, not the float64 default dtype)."""
-    if precision == "64-true" and dims is not None and (dims.tp > 1 or dims.pp > 1):
-        raise ValueError(f"precision='64-true' is not supported with tensor parallelism or pipeline stages "
-                         f"(parallel={dims.as_dict()}); pass strategy='fsdp' or 'ddp' for float64, or "
-                         "precision='32-true'")
+    """"64-true" runs under single, ddp, dp, fsdp, hsdp (FSDP2 shards float64 parameters without a
+    ``MixedPrecisionPolicy``) and tp (float64 DTensors); pipeline stages are refused: the stages enter only a mixed
+    precision's autocast, not the float64 default dtype, and their float64 run is untested."""
+    if precision == "64-true" and dims is not None and dims.pp > 1:
+        raise ValueError(f"precision='64-true' is not supported with pipeline stages (parallel={dims.as_dict()}); "
+                         "pass strategy='fsdp', 'tp' or 'ddp' for float64, or precision='32-true'")
 
 
 def _check_sync_batchnorm(sync_batchnorm: Any, strategy: str, accelerator: str) -> None:
