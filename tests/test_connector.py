@@ -100,17 +100,7 @@ def test_an_unknown_precision_is_refused_naming_the_choices():
             resolve(precision=given)
 
 
-@pytest.mark.parametrize(("strategy", "parallel"), [("pp", None), ("model_parallel", {"pp": 2}),
-                                                    ("model_parallel", {"pp": 2, "tp": 2})])
-def test_double_precision_with_pipeline_stages_is_refused_naming_the_fix(strategy, parallel):
-    devices = 4 if parallel and len(parallel) == 2 else 2
-    with pytest.raises(ValueError, match=r"precision='64-true' is not supported with pipeline stages .*pass "
-                                         r"strategy='fsdp', 'tp' or 'ddp' for float64"):
-        resolve(accelerator="cpu", devices=devices, strategy=strategy, parallel=parallel, precision="64-true")
-    resolve(accelerator="cpu", devices=devices, strategy=strategy, parallel=parallel, precision="32-true")  # 64 only
-
-
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "hsdp", "ddp_spawn", "tp"])
-def test_double_precision_is_taken_by_the_strategies_without_pipeline_stages(strategy):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "hsdp", "ddp_spawn", "tp", "pp"])
+def test_double_precision_is_taken_by_every_strategy(strategy):
     parallel = {"dp_replicate": 2, "dp_shard": 2} if strategy == "hsdp" else None
     assert resolve(accelerator="cpu", devices=4, strategy=strategy, parallel=parallel, precision=64).precision == "64-true"

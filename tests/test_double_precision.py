@@ -140,21 +140,19 @@ def test_ranks_equal_a_plain_float64_loop_of_the_global_batch(tmp_path, strategy
             torch.testing.assert_close(other["state"][key], results[0]["state"][key], rtol=0, atol=0)
 
 
-def test_the_planner_counts_8_bytes_a_gradient_and_refuses_what_it_cannot_model():
+def test_the_planner_counts_8_bytes_a_gradient_and_refuses_a_gpu_it_has_no_float64_rate_for():
     from trainscale.models import ConvNet
     from trainscale.plan import planner
 
     sample = (torch.zeros(1, 28, 28), torch.tensor(0))
     plain = functools.partial(ConvNet, batchnorm=False)  # no buffers: the all-reduce carries gradients only
-    rows = {precision: planner.plan(plain, sample=sample, devices=[2], batch_sizes=[16], strategies=["ddp", "pp"],
+    rows = {precision: planner.plan(plain, sample=sample, devices=[2], batch_sizes=[16], strategies=["ddp"],
                                     precision=precision, link="10GB/s,latency=0us", device_flops=1e12).rows
             for precision in ("32-true", "64-true")}
-    single, double = (next(r for r in rows[p] if r.strategy == "ddp") for p in ("32-true", "64-true"))
+    single, double = (rows[p][0] for p in ("32-true", "64-true"))
     assert double.comm_s == pytest.approx(2 * single.comm_s)  # the gradient all-reduce carries float64
     assert double.memory.parameters == 2 * single.memory.parameters
     assert double.memory.activations > single.memory.activations  # traced in float64
-    pp = next(r for r in rows["64-true"] if r.strategy == "pp")
-    assert pp.memory is None and "precision='64-true' is not supported" in pp.note  # as the Runtime refuses it
     with pytest.raises(ValueError, match="not the float64 ones of precision='64-true'; plan without gpu="):
         planner.plan(ConvNet, sample=sample, devices=[8], batch_sizes=[16], strategies=["ddp"], gpu="h100-sxm",
                      precision="64-true")
@@ -190,3 +188,24 @@ def test_tensor_parallelism_on_two_ranks_equals_one_float64_process():
     for key, ref in reference["weights"].items():
         torch.testing.assert_close(results[0]["weights"][key], ref, **FLOAT64)
     assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-12)
+
+
+def _pp_fit(rank: int, root: str) -> dict:
+    from tests import pipeline_workers
+
+    return pipeline_workers.fit_gpt(rank, root, "pp", steps=2, precision="64-true", destroy=True)
+
+
+@pytest.mark.multiprocess
+def test_two_pipeline_stages_equal_one_float64_process(tmp_path):
+    """The GPT of tests/pipeline_workers.py on 2 stages (1F1B) through the Trainer against one process: every
+    stage's weights and the step's loss (float64 on every stage) after 2 steps with clipping."""
+    from tests import pipeline_workers
+
+    reference = pipeline_workers.fit_gpt(0, str(tmp_path / "single"), "single", steps=2, precision="64-true")
+    results = run_distributed(_pp_fit, str(tmp_path / "pp"), timeout=150)
+    for stage in results:
+        assert {v.dtype for v in stage["weights"].values()} == {torch.float64}
+        for key, value in stage["weights"].items():
+            torch.testing.assert_close(value, reference["weights"][key], **FLOAT64)
+        assert stage["losses"] == pytest.approx(reference["losses"], rel=1e-12)  # not rounded to float32

@@ -216,8 +216,6 @@ def _traced_options(strategy: str, options: dict) -> dict | None:
 def _row(meta, layout, work: Workload, strategy: str, n: int, bs: int, precision: str, ac: tuple, options: dict,
          capacity: int, devices_per_node: int, traces: dict) -> PlanRow:
     """The memory row of one configuration; a layout the Runtime refuses (hsdp/tp/pp) gives a row with its reason."""
-    if strategy == "pp" and precision == "64-true":  # as the Runtime's resolver refuses it
-        return PlanRow(strategy, n, bs, precision, None, None, "pp: precision='64-true' is not supported")
     if strategy == "pp":
         return _pp_row(meta, layout, work, n, bs, precision, ac, options, capacity)
     parallel = None

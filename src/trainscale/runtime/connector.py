@@ -235,7 +235,6 @@ def resolve(*args: Any, cuda_count: int = 0, has_mps: bool = False, **flags: Any
         raise ValueError(f"unknown float32_matmul_precision={float32_matmul_precision!r}; choose one of "
                          f"{_choices(MATMUL_PRECISIONS)} (torch.set_float32_matmul_precision's values)")
     dims = _resolve_model_parallel(strategy, f.parallel, f.tp_plan, f.parallelize, devices, num_nodes)
-    _check_double_precision(precision, dims)
     schedule, microbatches = _resolve_pipeline(dims, f.pp_schedule, f.pp_microbatches, f.pp_split_points)
     return RunConfig(accelerator, devices, num_nodes, "pp" if schedule else strategy, precision, start_method,
                      sync_batchnorm, _resolve_checkpointing(f.activation_checkpointing), compile_kwargs,
@@ -294,15 +293,6 @@ def _unified_precision(precision: Any) -> str:
         raise ValueError(f"unknown precision={precision!r}; choose one of {_choices(PRECISIONS)} (Lightning's 16, "
                          "32, 64 and 'bf16' are taken too)")
     return precision
-
-
-def _check_double_precision(precision: str, dims: ParallelDims | None) -> None:
-    """"64-true" runs under single, ddp, dp, fsdp, hsdp (FSDP2 shards float64 parameters without a
-    ``MixedPrecisionPolicy``) and tp (float64 DTensors); pipeline stages are refused: the stages enter only a mixed
-    precision's autocast, not the float64 default dtype, and their float64 run is untested."""
-    if precision == "64-true" and dims is not None and dims.pp > 1:
-        raise ValueError(f"precision='64-true' is not supported with pipeline stages (parallel={dims.as_dict()}); "
-                         "pass strategy='fsdp', 'tp' or 'ddp' for float64, or precision='32-true'")
 
 
 def _check_sync_batchnorm(sync_batchnorm: Any, strategy: str, accelerator: str) -> None:
