@@ -100,6 +100,12 @@ def test_an_unknown_precision_is_refused_naming_the_choices():
             resolve(precision=given)
 
 
+def test_double_precision_on_mps_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match="MPS does not have; pass accelerator='cpu'"):
+        resolve(accelerator="mps", has_mps=True, precision="64-true")
+    assert resolve(accelerator="mps", has_mps=True, precision="32-true").accelerator == "mps"
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "hsdp", "ddp_spawn", "tp", "pp"])
 def test_double_precision_is_taken_by_every_strategy(strategy):
     parallel = {"dp_replicate": 2, "dp_shard": 2} if strategy == "hsdp" else None

@@ -230,6 +230,9 @@ def resolve(*args: Any, cuda_count: int = 0, has_mps: bool = False, **flags: Any
     strategy, start_method = _resolve_strategy(f.strategy, accelerator, devices, num_nodes, cuda_count,
                                                compile_kwargs is not None)
     precision = _unified_precision(precision)
+    if precision == "64-true" and accelerator == "mps":  # Lightning runs its 64-true tests with RunIf(mps=False)
+        raise ValueError("precision='64-true' needs float64 tensors, which MPS does not have; pass accelerator='cpu' "
+                         "(or 'cuda'), or precision='32-true'")
     _check_sync_batchnorm(sync_batchnorm, strategy, accelerator)
     if float32_matmul_precision not in MATMUL_PRECISIONS:
         raise ValueError(f"unknown float32_matmul_precision={float32_matmul_precision!r}; choose one of "
