@@ -76,7 +76,7 @@ def test_grid_validation_and_shared_baseline():
     with pytest.raises(ValueError, match="unknown strategy 'nope'.*ddp"):
         plan([1, 2], [4], ["nope"], ["32-true"])
     with pytest.raises(ValueError, match="unknown precision"):
-        plan([1, 2], [4], ["ddp"], ["64-true"])
+        plan([1, 2], [4], ["ddp"], ["8-true"])
     with pytest.raises(ValueError, match="positive ints"):
         plan([0, 2], [4], ["ddp"], ["32-true"])
     with pytest.raises(ValueError, match="scaling"):

@@ -85,7 +85,8 @@ def test_the_strategy_flag_type_holds_exactly_the_names_the_resolver_takes():
 
 @pytest.mark.parametrize(("given", "unified", "warns"), [(16, "16-mixed", True), ("16", "16-mixed", True),
                                                          ("bf16", "bf16-mixed", True), (32, "32-true", False),
-                                                         ("32", "32-true", False)])
+                                                         ("32", "32-true", False), (64, "64-true", False),
+                                                         ("64", "64-true", False), ("64-true", "64-true", False)])
 def test_lightnings_older_precision_spellings_are_converted_with_its_warning(recwarn, given, unified, warns):
     assert resolve(precision=given).precision == unified
     said = [str(w.message) for w in recwarn if "historical reasons" in str(w.message)]
@@ -93,9 +94,19 @@ def test_lightnings_older_precision_spellings_are_converted_with_its_warning(rec
                      f"Please set your precision to {unified} instead!"] if warns else [])
 
 
-@pytest.mark.parametrize("given", [64, "64", "64-true"])
-def test_double_precision_is_refused_naming_the_alternative(given):
-    with pytest.raises(ValueError, match=r"not supported; choose one of .*model\.double\(\)"):
-        resolve(precision=given)
-    with pytest.raises(ValueError, match="unknown precision=True"):
-        resolve(precision=True)
+def test_an_unknown_precision_is_refused_naming_the_choices():
+    for given in (True, 8, "fp64", "64-mixed"):
+        with pytest.raises(ValueError, match=rf"unknown precision={given!r}; choose one of .*'64-true'"):
+            resolve(precision=given)
+
+
+def test_double_precision_on_mps_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match="MPS does not have; pass accelerator='cpu'"):
+        resolve(accelerator="mps", has_mps=True, precision="64-true")
+    assert resolve(accelerator="mps", has_mps=True, precision="32-true").accelerator == "mps"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "hsdp", "ddp_spawn", "tp", "pp"])
+def test_double_precision_is_taken_by_every_strategy(strategy):
+    parallel = {"dp_replicate": 2, "dp_shard": 2} if strategy == "hsdp" else None
+    assert resolve(accelerator="cpu", devices=4, strategy=strategy, parallel=parallel, precision=64).precision == "64-true"

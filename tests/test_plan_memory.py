@@ -1,6 +1,6 @@
 """trainscale.plan's memory against real runs: exact parameter/gradient/optimizer bytes and the peak of
 live tensor bytes within 15 %, for the ConvNet under ddp (1, 2, 4 processes) and fsdp (2, 4), and with
-bf16-mixed precision and activation checkpointing (2 processes). Measurement: tests/plan_workers.py."""
+bf16-mixed precision and activation checkpointing (2 processes), and 64-true (ddp 1, fsdp 2). Measurement: tests/plan_workers.py."""
 
 import contextlib
 
@@ -61,6 +61,14 @@ def test_sharded_bytes_follow_fsdp_padding_and_the_optimizer_layout():
     bf16 = memory.exact_bytes(meta, memory.optimizer_layout(meta, plan_workers.adamw, "bf16-true"), "ddp", 1, 0,
                               "bf16-true")
     assert bf16["parameters"] == 2 * n_params and bf16["optimizer"] == 2 * 2 * n_params + 4 * len(layout)
+    double = memory.exact_bytes(meta, memory.optimizer_layout(meta, plan_workers.adamw, "64-true"), "ddp", 2, 0,
+                                "64-true")  # 8 bytes a parameter, gradient and state element; AdamW's step stays fp32
+    assert double["parameters"] == double["gradients"] == double["comm_buffers"] == 8 * n_params
+    assert double["optimizer"] == 2 * 8 * n_params + 4 * len(layout)
+    norms = memory.build_meta_model(lambda: ConvNet(batchnorm=True))  # running statistics cast too, the count not
+    counts = {precision: memory.exact_bytes(norms, memory.optimizer_layout(norms, plan_workers.adamw, precision),
+                                            "ddp", 1, 0, precision)["buffers"] for precision in ("32-true", "64-true")}
+    assert counts["64-true"] > counts["32-true"] > 0
 
 
 def test_checkpointing_and_larger_batches_change_the_traced_activations():

@@ -152,7 +152,9 @@ def test_a_changed_default_or_description_would_be_seen():
     from trainscale.runtime.connector import RuntimeFlags
 
     doc = RuntimeFlags.__doc__.replace("precision: \"32-true\", ", "precision: ")
-    assert _doc_entries(doc, "Attributes")["precision"] == '"16-mixed", "bf16-mixed" or "bf16-true".'
+    assert _doc_entries(doc, "Attributes")["precision"] == ('"16-mixed", "bf16-mixed", "bf16-true" or "64-true" '
+                                                            '(float64 parameters, inputs and default dtype; also '
+                                                            'Lightning\'s 64 and "64").')
 
 
 def test_the_trainer_names_each_flag_with_the_type_default_and_description_of_its_field():

@@ -27,10 +27,13 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def plain_pytorch_reference(batch_size: int, epochs: int, seed: int = 0, n: int = 96) -> dict:
-    """A hand-written single-process loop over the samples DistributedSampler(num_replicas=1) gives."""
-    ds = tiny_dataset(n)
-    model = make_model(seed)
+def plain_pytorch_reference(batch_size: int, epochs: int, seed: int = 0, n: int = 96,
+                            dtype: torch.dtype = torch.float32) -> dict:
+    """A hand-written single-process loop over the samples DistributedSampler(num_replicas=1) gives; with
+    ``dtype`` float64 the model and the samples cast to it, as ``model.double()`` in plain PyTorch."""
+    x_all, y_all = tiny_dataset(n).tensors
+    ds = TensorDataset(x_all.to(dtype), y_all)
+    model = make_model(seed).to(dtype)
     opt = sgd(model.parameters())
     for epoch in range(epochs):
         g = torch.Generator()

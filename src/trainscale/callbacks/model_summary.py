@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from trainscale.callbacks.base import Callback
+from trainscale.runtime.precision import parameter_dtype
 
 if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
 
-BYTES_PER_PARAM = 4  # Lightning's estimate assumes fp32 parameters ("32-true"): 4 bytes each
+BYTES_PER_PARAM = 4  # of an fp32 parameter: "32-true" and the mixed precisions (as Lightning's estimate)
 
 
 def _numel(p: nn.Parameter) -> int:
@@ -45,16 +46,19 @@ class Summary:
     Attributes:
         layers: one :class:`LayerSummary` per submodule of depth <= ``max_depth`` (1: the direct children).
         trainable_params, total_params: over every parameter of the model (each shared one once), global shapes.
-        size_mb: ``total_params × 4`` bytes / 1e6 (Lightning's "Total estimated model params size (MB)").
+        bytes_per_param: of the run's precision: 4 (fp32 weights, also under the mixed precisions), 2 under
+            "bf16-true", 8 under "64-true", as Lightning's model summary counts them.
+        size_mb: ``total_params × bytes_per_param`` / 1e6 (Lightning's "Total estimated model params size (MB)").
     """
 
     layers: tuple[LayerSummary, ...]
     trainable_params: int
     total_params: int
+    bytes_per_param: int = BYTES_PER_PARAM
 
     @property
     def size_mb(self) -> float:
-        return self.total_params * BYTES_PER_PARAM / 1e6
+        return self.total_params * self.bytes_per_param / 1e6
 
     def __str__(self) -> str:
         from tabulate import tabulate  # on rank zero at fit start only
@@ -79,11 +83,12 @@ def readable_count(number: int) -> str:
     return str(int(number))
 
 
-def summarize(model: nn.Module, max_depth: int = 1) -> Summary:
+def summarize(model: nn.Module, max_depth: int = 1, precision: str = "32-true") -> Summary:
     """The :class:`Summary` of ``model`` (``str()`` of it is the table Lightning prints).
 
     Args:
         max_depth: the deepest submodules listed (1: the direct children; -1: all; 0: no rows, the totals only).
+        precision: the run's precision flag, for the bytes of a parameter in the size estimate.
 
     Raises:
         ValueError: ``max_depth`` below -1 or not an int.
@@ -94,7 +99,8 @@ def summarize(model: nn.Module, max_depth: int = 1) -> Summary:
                    for name, module in model.named_modules()
                    if name and (max_depth == -1 or name.count(".") < max_depth))
     params = list(model.parameters())  # each shared parameter once
-    return Summary(layers, sum(_numel(p) for p in params if p.requires_grad), sum(_numel(p) for p in params))
+    return Summary(layers, sum(_numel(p) for p in params if p.requires_grad), sum(_numel(p) for p in params),
+                   parameter_dtype(precision).itemsize)
 
 
 class ModelSummary(Callback):
@@ -112,4 +118,4 @@ class ModelSummary(Callback):
 
     def on_fit_start(self, trainer: Trainer, module: Any) -> None:
         if trainer.runtime.is_rank_zero:
-            trainer.runtime.print(str(summarize(module, self.max_depth)))
+            trainer.runtime.print(str(summarize(module, self.max_depth, trainer.runtime.config.precision)))

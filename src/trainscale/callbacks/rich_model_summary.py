@@ -32,7 +32,7 @@ class RichModelSummary(ModelSummary):
 
     def on_fit_start(self, trainer: Trainer, module: Any) -> None:
         if trainer.runtime.is_rank_zero:
-            print_rich(summarize(module, self.max_depth), **self._summarize_kwargs)
+            print_rich(summarize(module, self.max_depth, trainer.runtime.config.precision), **self._summarize_kwargs)
 
 
 def print_rich(summary: Summary, header_style: str = "bold magenta") -> None:

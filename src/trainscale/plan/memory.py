@@ -36,6 +36,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from trainscale.runtime.precision import TRUE_DTYPES, parameter_dtype
+
 TRACED_STEPS = 2  # the first step creates the optimizer state; the second is the steady state
 
 
@@ -99,14 +101,14 @@ def build_meta_model(model: nn.Module | Callable[[], nn.Module]) -> nn.Module:
 
 def _fake_copy(meta_model: nn.Module, precision: str) -> nn.Module:
     """Inside an active ``FakeTensorMode``: a copy of ``meta_model`` with fake CPU tensors, cast to
-    bfloat16 for "bf16-true" (as ``Precision.convert_module`` does; cast while still on the meta
-    device, since ``Module.to`` cannot swap fake parameters)."""
+    bfloat16 for "bf16-true", float64 for "64-true" (as ``Precision.convert_module`` does; cast while still on
+    the meta device, since ``Module.to`` cannot swap fake parameters)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # meta tensors are copied as they are, not as fake inputs
         model = meta_copy(meta_model)
-        if precision == "bf16-true":
-            model = model.to(torch.bfloat16)
+        if precision in TRUE_DTYPES:
+            model = model.to(parameter_dtype(precision))
     return model.to_empty(device="cpu")
 
 
@@ -124,8 +126,10 @@ def _fake_batch(sample: tuple, batch_size: int) -> tuple:
 
 
 # -- exact bytes -----------------------------------------------------------------------------------
-def _param_dtype(p: torch.Tensor, precision: str) -> torch.dtype:
-    return torch.bfloat16 if precision == "bf16-true" and p.is_floating_point() else p.dtype
+def converted_dtype(p: torch.Tensor, precision: str) -> torch.dtype:
+    """The dtype ``p`` (a parameter or a buffer) has after ``Precision.convert_module``: a "*-true" precision casts
+    the floating ones (bfloat16, float64), others keep the model's."""
+    return parameter_dtype(precision) if precision in TRUE_DTYPES and p.is_floating_point() else p.dtype
 
 
 def optimizer_layout(meta_model: nn.Module, optimizer_fn: Callable, precision: str) -> list[list[tuple]]:
@@ -329,13 +333,13 @@ def exact_bytes(meta_model: nn.Module, layout: list[list[tuple]], strategy: str,
     if strategy not in ("single", "ddp", "fsdp", "pp", "hsdp", "tp"):
         raise ValueError(f"memory of strategy={strategy!r} is not modelled; choose single, ddp, fsdp, pp, hsdp or tp")
     out = dict(parameters=0, gradients=0, optimizer=0, comm_buffers=0,
-               buffers=sum(b.numel() * b.element_size() for b in meta_model.buffers()))
+               buffers=sum(_nbytes(tuple(b.shape), converted_dtype(b, precision)) for b in meta_model.buffers()))
     stage, mesh = _stage_and_mesh(meta_model, strategy, devices, rank, split_points, parallel)
     tp_dims = tp_shard_dims(meta_model, mesh.tp, tp_plan) if mesh is not None and mesh.tp > 1 else {}
     for p, states in zip(meta_model.parameters(), layout):
         if stage is not None and id(p) not in stage:
             continue
-        dtype = _param_dtype(p, precision)
+        dtype = converted_dtype(p, precision)
         stored, grad, local = _local_shapes(p, strategy, devices, rank, mesh, tp_dims)
         out["parameters"] += _nbytes(stored, dtype)
         if p.requires_grad:

@@ -13,9 +13,10 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from trainscale.plan import comm
+from trainscale.plan import comm, memory
 from trainscale.plan.memory import MemoryEstimate
 from trainscale.runtime import hf
+from trainscale.runtime.precision import parameter_dtype
 
 STRATEGIES = ("ddp", "fsdp", "hsdp", "tp", "pp")  # what plan() models; its default is DEFAULT_STRATEGIES
 DEFAULT_STRATEGIES = ("ddp", "fsdp")
@@ -253,11 +254,13 @@ def _pp_row(meta, layout, work: Workload, n: int, bs: int, precision: str, ac: t
 
 def _comm_s(row: PlanRow, meta, precision: str, options: dict, link: comm.Link) -> float:
     """Seconds of one step's collectives for ``row`` (see :mod:`trainscale.plan.comm`)."""
-    grad_bytes = sum(p.numel() * (2 if precision == "bf16-true" else 4) for p in meta.parameters() if p.requires_grad)
+    itemsize = parameter_dtype(precision).itemsize  # bf16-true 2, 64-true 8, else (mixed too: fp32 weights) 4
+    grad_bytes = sum(p.numel() * itemsize for p in meta.parameters() if p.requires_grad)
     if row.strategy == "ddp":
         bucket = float(options.get("bucket_cap_mb", 25)) * 2**20
         broadcast = options.get("broadcast_buffers", True)
-        buffer_bytes = sum(b.numel() * b.element_size() for b in meta.buffers()) if broadcast else 0
+        buffer_bytes = sum(b.numel() * memory.converted_dtype(b, precision).itemsize
+                           for b in meta.buffers()) if broadcast else 0  # cast as the parameters
         return comm.ddp_comm_s(grad_bytes, row.devices, link, bucket, buffer_bytes)
     compute_bytes = grad_bytes // 2 if precision in ("bf16-mixed", "16-mixed") else grad_bytes
     # fully_shard's default: units reshard after forward (gathered again in backward), the root does not
@@ -421,7 +424,7 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
             hsdp and tp rows: the mesh is the Runtime's shorthand on nodes of
             ``devices_per_node`` (:func:`mesh_layout`); tp is traced (peak, collectives, time) on one node,
             and across nodes gives exact bytes only (peak None, "—"; ``fits`` None; no time).
-        precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
+        precision: "32-true", "16-mixed", "bf16-mixed", "bf16-true" or "64-true".
         optimizer: ``params -> Optimizer`` (default AdamW, lr 1e-3).
         loss_fn: ``loss_fn(outputs, targets)`` (default cross-entropy).
         activation_checkpointing: module classes whose forward is recomputed in backward.
@@ -472,6 +475,7 @@ def plan(model: Any = None, *, entry: str | None = None, sample: tuple | None = 
 
         cluster = hardware.cluster(gpu, nodes, devices_per_node, interconnect)
         device_memory = device_memory if device_memory is not None else cluster.gpu.hbm_bytes
+        _check_modelled_dtype(cluster.gpu, precision)
     capacity = comm.parse_bytes(device_memory) if device_memory is not None else default_device_memory()
     if capacity <= 0:
         raise ValueError(f"device_memory={device_memory!r} is no memory; give the device's, e.g. 80GB")
@@ -533,6 +537,19 @@ def _overlap(given: float | None, probed: dict, batch_sizes: list) -> tuple[dict
         return ({bs: probed[bs].overlap for bs in batch_sizes},
                 f"measured in the probe's {probed['devices']}-process DDP run")
     return {bs: 0.0 for bs in batch_sizes}, "assumed none: --probe measures it in a DDP run, --overlap sets it"
+
+
+def _check_modelled_dtype(gpu, precision: str) -> None:
+    """The GPU time model (:mod:`trainscale.plan.gpu_time`) has data-sheet rates and measured GEMM fractions for
+    fp32, tf32, bf16, fp16 and fp8 kernels only; a float64 step would be a guess.
+
+    Raises:
+        ValueError: precision "64-true" on a catalogue GPU."""
+    if precision == "64-true" and "fp64" not in gpu.flops:
+        raise ValueError(f"plan(gpu={gpu.name!r}) models fp32, tf32, bf16 and fp16 kernels, not the float64 ones of "
+                         "precision='64-true'; plan without gpu= (memory is exact in float64, and the step is timed on "
+                         "this machine), or give device_flops= (--device-flops: the device's float64 FLOP/s) "
+                         "and a link")
 
 
 def _cluster_link(cluster, scenario: str) -> Callable:

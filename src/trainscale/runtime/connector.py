@@ -252,6 +252,9 @@ def resolve(*args: Any, cuda_count: int = 0, has_mps: bool = False, **flags: Any
     strategy, start_method = _resolve_strategy(f.strategy, accelerator, devices, num_nodes, cuda_count,
                                                compile_kwargs is not None)
     precision = _unified_precision(precision)
+    if precision == "64-true" and accelerator == "mps":  # Lightning runs its 64-true tests with RunIf(mps=False)
+        raise ValueError("precision='64-true' needs float64 tensors, which MPS does not have; pass accelerator='cpu' "
+                         "(or 'cuda'), or precision='32-true'")
     _check_sync_batchnorm(sync_batchnorm, strategy, accelerator)
     if float32_matmul_precision not in MATMUL_PRECISIONS:
         raise ValueError(f"unknown float32_matmul_precision={float32_matmul_precision!r}; choose one of "
@@ -295,28 +298,25 @@ def _resolve_devices(devices: Any, accelerator: str, cuda_count: int) -> int:
 
 
 # Lightning's older spellings (its _PRECISION_INPUT_STR_ALIAS_CONVERSION), taken as Lightning takes them: with its
-# warning for 16 and bf16, silently for 32
-PRECISION_ALIASES = {16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed", 32: "32-true", "32": "32-true"}
+# warning for 16 and bf16, silently for 32 and 64
+PRECISION_ALIASES = {16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed", 32: "32-true", "32": "32-true",
+                     64: "64-true", "64": "64-true"}
 
 
 def _unified_precision(precision: Any) -> str:
     """``precision`` as one of ``PRECISIONS``: itself, or a Lightning alias converted (``16`` -> ``"16-mixed"``).
 
     Raises:
-        ValueError: any other value (64 and "64-true", Lightning's double precision, are named apart)."""
+        ValueError: any other value."""
     if isinstance(precision, (str, int)) and not isinstance(precision, bool) and precision in PRECISION_ALIASES:
         unified = PRECISION_ALIASES[precision]
-        if str(precision)[:2] != "32":
+        if str(precision)[:2] not in ("32", "64"):
             warnings.warn(f"`precision={precision!r}` is supported for historical reasons but its usage is "
                           f"discouraged. Please set your precision to {unified} instead!", UserWarning, stacklevel=4)
         return unified
-    if precision in (64, "64", "64-true"):
-        raise ValueError(f"precision={precision!r} (float64 weights and compute, Lightning's '64-true') is not "
-                         f"supported; choose one of {_choices(PRECISIONS)}, or call model.double() yourself with "
-                         "'32-true'")
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"unknown precision={precision!r}; choose one of {_choices(PRECISIONS)} (Lightning's 16, "
-                         "32 and 'bf16' are taken too)")
+                         "32, 64 and 'bf16' are taken too)")
     return precision
 
 

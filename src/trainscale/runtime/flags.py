@@ -36,7 +36,7 @@ StrategyFlag = Literal["auto", "single", "ddp", "fsdp", "dp", "model_parallel", 
                        "ddp_spawn_find_unused_parameters_true", "ddp_fork_find_unused_parameters_false",
                        "ddp_fork_find_unused_parameters_true", "ddp_notebook_find_unused_parameters_false",
                        "ddp_notebook_find_unused_parameters_true"]
-PrecisionFlag = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true"]
+PrecisionFlag = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true", "64-true"]
 MatmulPrecisionFlag = Literal["highest", "high", "medium"]  # torch.set_float32_matmul_precision's values
 PipelineScheduleFlag = Literal["gpipe", "1f1b"]  # torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B
 
@@ -60,7 +60,8 @@ class RuntimeFlags:
             its name and those options.
         num_nodes: machines in the job; None (not given): the launcher's count of nodes (pods, SLURM nodes,
             torchrun's agents), 1 without a launcher.
-        precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
+        precision: "32-true", "16-mixed", "bf16-mixed", "bf16-true" or "64-true" (float64 parameters, inputs and
+            default dtype; also Lightning's 64 and "64").
         timeout: seconds a collective may wait before it fails (``init_process_group``'s timeout).
         strategy_options: keyword options of the strategy (ddp: ``find_unused_parameters``, ``static_graph``,
             ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``ddp_comm_hook``; dp: ``device_ids``; fsdp:

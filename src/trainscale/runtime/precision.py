@@ -7,6 +7,9 @@
   all-reduces the inf/NaN flag over every rank, so all of them skip a step, or none.
 - "bf16-mixed": autocast to bfloat16; no scaler is needed (bf16 has fp32's exponent range).
 - "bf16-true": parameters and floating inputs cast to bfloat16, no autocast.
+- "64-true": parameters and floating inputs cast to float64 (``module.double()``), and float64 the default dtype
+  (``torch.set_default_dtype``) inside the forward context and :meth:`Precision.module_init_context`, so tensors the
+  forward makes without a dtype are float64 too: Lightning's ``DoublePrecision``.
 
 See https://pytorch.org/docs/stable/amp.html.
 """
@@ -18,7 +21,9 @@ from typing import Any, get_args
 
 from trainscale.runtime.flags import PrecisionFlag
 
-PRECISIONS = get_args(PrecisionFlag)  # "32-true", "16-mixed", "bf16-mixed", "bf16-true"
+PRECISIONS = get_args(PrecisionFlag)  # "32-true", "16-mixed", "bf16-mixed", "bf16-true", "64-true"
+# the dtype a "*-true" precision casts parameters and floating inputs to (by name: torch is imported late)
+TRUE_DTYPES = {"bf16-true": "bfloat16", "64-true": "float64"}
 _NO_AUTOCAST = contextlib.nullcontext()  # stateless and reentrant: one instance serves every step
 
 
@@ -37,6 +42,35 @@ def tf32_enabled() -> tuple[bool, bool]:
     if matmul is None:  # torch < 2.9: only the legacy API exists
         return torch.get_float32_matmul_precision() != "highest", bool(torch.backends.cudnn.allow_tf32)
     return matmul not in ("ieee", "none"), torch.backends.cudnn.conv.fp32_precision not in ("ieee", "none")
+
+
+def parameter_dtype(name: str) -> Any:
+    """The ``torch.dtype`` a precision keeps floating parameters (and their gradients and optimizer states) in:
+    bfloat16 for "bf16-true", float64 for "64-true", else float32 (mixed precisions keep fp32 weights)."""
+    import torch
+
+    return getattr(torch, TRUE_DTYPES.get(name, "float32"))
+
+
+class DefaultDtype:
+    """Context manager: ``torch.set_default_dtype(dtype)`` while entered, the previous default restored on exit, as
+    Lightning's ``_DtypeContextManager``. The default dtype is global to the process (not per thread), so the
+    replicas of ``strategy="dp"`` see it too. Not reentrant: one instance per ``with``."""
+
+    def __init__(self, dtype: Any) -> None:
+        self.dtype = dtype
+        self._previous = None
+
+    def __enter__(self) -> None:
+        import torch
+
+        self._previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch
+
+        torch.set_default_dtype(self._previous)
 
 
 def float32_matmul_note(name: str, device_type: str, capability: tuple[int, int] | None,
@@ -70,16 +104,18 @@ class Precision:
         self.device_type = device_type
         self.scaler = _grad_scaler(device_type, across_ranks) if name == "16-mixed" else None
         self._autocast_dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name)
-        self._true_dtype = torch.bfloat16 if name == "bf16-true" else None
+        self._true_dtype = getattr(torch, TRUE_DTYPES[name]) if name in TRUE_DTYPES else None
+        self._default_dtype = torch.float64 if name == "64-true" else None  # of the forward and module init
         self.casts_input = self._true_dtype is not None  # whether convert_input changes a batch
         self._unscaled: set[int] = set()  # ids of optimizers unscaled since the last scaler.update()
 
     def convert_module(self, module):
-        """Cast the module's parameters for "*-true" precisions; others leave it in fp32."""
+        """Cast the module's floating parameters and buffers for "*-true" precisions (``module.to(dtype)``: under
+        "64-true" what ``module.double()`` does); others leave it in fp32."""
         return module.to(self._true_dtype) if self._true_dtype is not None else module
 
     def convert_input(self, batch: Any) -> Any:
-        """Cast floating tensors in ``batch`` to the true dtype ("bf16-true" only)."""
+        """Cast floating tensors in ``batch`` to the true dtype ("bf16-true", "64-true"); integer ones stay."""
         if self._true_dtype is None:
             return batch
         from trainscale.runtime.batch import apply_to_tensors
@@ -87,12 +123,20 @@ class Precision:
         return apply_to_tensors(batch, lambda t: t.to(self._true_dtype) if t.is_floating_point() else t)
 
     def autocast(self):
-        """Context manager for the forward pass (and the loss)."""
+        """Context manager for the forward pass (and the loss): autocast under the mixed precisions, float64 as the
+        default dtype under "64-true" (:class:`DefaultDtype`), else nothing."""
+        if self._default_dtype is not None:
+            return DefaultDtype(self._default_dtype)
         if self._autocast_dtype is None:
             return _NO_AUTOCAST
         import torch
 
         return torch.autocast(self.device_type, dtype=self._autocast_dtype)
+
+    def module_init_context(self):
+        """Context manager to build a model in: float64 the default dtype under "64-true" (its parameters are
+        made in float64, as under Lightning's ``trainer.init_module()``), else nothing."""
+        return DefaultDtype(self._default_dtype) if self._default_dtype is not None else contextlib.nullcontext()
 
     def scale(self, loss):
         """``loss`` multiplied by the loss scale under "16-mixed", else ``loss`` itself."""

@@ -118,7 +118,8 @@ class Runtime:
                 (``trainscale.strategies.DDPStrategy(find_unused_parameters=True)``): its name and those options.
             num_nodes: machines in the job; None (not given): the launcher's count of nodes (pods, SLURM nodes,
                 torchrun's agents), 1 without a launcher.
-            precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true".
+            precision: "32-true", "16-mixed", "bf16-mixed", "bf16-true" or "64-true" (float64 parameters, inputs and
+                default dtype; also Lightning's 64 and "64").
             timeout: seconds a collective may wait before it fails (``init_process_group``'s timeout).
             strategy_options: keyword options of the strategy (ddp: ``find_unused_parameters``, ``static_graph``,
                 ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``ddp_comm_hook``; dp: ``device_ids``; fsdp:
@@ -441,7 +442,7 @@ class Runtime:
             set_epoch(epoch)
 
     def to_device(self, batch: Any) -> Any:
-        """Move the tensors of a nested batch to this rank's device (and dtype for "bf16-true")."""
+        """Move the tensors of a nested batch to this rank's device (and dtype for "bf16-true", "64-true")."""
         batch = to_device(batch, self.device, self._non_blocking)
         return self.precision.convert_input(batch) if self.precision.casts_input else batch
 
@@ -459,9 +460,16 @@ class Runtime:
 
         return prefetch_to_cuda(batches, self.to_device, self.device)
 
+    def init_module(self):
+        """Context manager to build the model in: under "64-true" float64 is the default dtype, so its parameters
+        are made in float64 (as Fabric's ``init_module``); under the other precisions nothing changes.
+        ``with rt.init_module(): model = Net()``; ``setup`` casts the model in any case."""
+        return self.precision.module_init_context()
+
     # -- the step ----------------------------------------------------------------------------
     def autocast(self):
-        """Context manager for forward and loss under the precision's autocast."""
+        """Context manager for forward and loss under the precision's autocast (under "64-true": float64 as the
+        default dtype)."""
         return self.precision.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:

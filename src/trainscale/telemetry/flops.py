@@ -74,7 +74,8 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
     "B200": {"bf16": 2250e12, "fp16": 2250e12, "tf32": 1100e12, "fp32": 75e12},
 }
 
-_PRECISION_DTYPE = {"32-true": "fp32", "16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
+# "64-true": no device here lists an fp64 rate, so its peak (and MFU) is unknown rather than fp32's
+_PRECISION_DTYPE = {"32-true": "fp32", "16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16", "64-true": "fp64"}
 _VENDOR = {"NVIDIA", "TESLA"}
 
 
@@ -115,7 +116,7 @@ def peak_flops_per_s(device_name: str | None, precision: str, *, tf32_matmul: bo
 
     Returns:
         FLOP/s, or None for a device not in :data:`PEAK_FLOPS` (CPUs, unknown GPUs) or a dtype the
-        device lacks (bf16 on V100/T4).
+        device lacks (bf16 on V100/T4; fp64, "64-true", on all of them: the table holds no float64 rates).
     """
     peaks = _peaks(device_name)
     if peaks is None:

@@ -184,17 +184,19 @@ class PipelineRunner:
         schedule: "gpipe" or "1f1b"; ``microbatches``: how many micro-batches a batch is cut into.
         shared: ``[(process group, [parameters])]``: the gradients to sum across the stages holding them.
         autocast: None, or a factory of the autocast context (``Precision.autocast``) that the stage's forward
-            and the loss run under (mixed precision: :func:`autocast_forward`).
+            and the loss run under (mixed precision, "64-true"'s default dtype: :func:`autocast_forward`).
+        loss_dtype: the dtype of the step's loss as every stage returns it (float64 under "64-true", else float32).
     """
 
     def __init__(self, model: nn.Module, stage: int, stages: int, device: torch.device, group: Any,
                  schedule: str, microbatches: int, shared: list, autocast: Callable | None = None,
-                 strict_microbatches: bool = False, units: list[str] | None = None) -> None:
+                 strict_microbatches: bool = False, units: list[str] | None = None,
+                 loss_dtype: torch.dtype = torch.float32) -> None:
         import torch.distributed as dist
 
         self.model, self.stage, self.stages, self.device, self.group = model, stage, stages, device, group
         self.schedule, self.microbatches, self.shared = schedule, microbatches, shared
-        self.autocast, self.strict_microbatches = autocast, strict_microbatches
+        self.autocast, self.strict_microbatches, self.loss_dtype = autocast, strict_microbatches, loss_dtype
         explain_missing_modules(model, stage, units or [])
         if autocast is not None:
             autocast_forward(model, autocast)
@@ -277,9 +279,9 @@ class PipelineRunner:
             p.grad = grad if p.grad is None else p.grad + grad
         if sync:
             self.sync_shared()
-        loss = torch.zeros((), device=self.device)
+        loss = torch.zeros((), device=self.device, dtype=self.loss_dtype)
         if self.is_last:
-            loss = torch.stack(losses).detach().float().sum() * divisor
+            loss = torch.stack(losses).detach().to(self.loss_dtype).sum() * divisor
             loss = loss if factor is None else loss / factor  # exact for GradScaler's powers of 2
         return self._from_last(loss)
 

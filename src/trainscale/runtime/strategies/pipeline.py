@@ -243,7 +243,8 @@ class PipelineStrategy(ParallelStrategy):
             check_loss_scaling(by_name, self.device, "pipeline stages")
         runner = PipelineRunner(target, stage, self.dims.pp, self.device, group, self.schedule, self.microbatches,
                                 _shared_groups(shared_names, by_name, self.mesh), self._autocast(),
-                                strict_microbatches=self.microbatches_given, units=names[stage])
+                                strict_microbatches=self.microbatches_given, units=names[stage],
+                                loss_dtype=torch.float64 if self.precision_name == "64-true" else torch.float32)
         if meta:
             runner.broadcast_shared()  # the copies of a tied weight start equal: the first stage's values
         self._params = {id(p) for p in by_name.values()}
@@ -295,10 +296,10 @@ class PipelineStrategy(ParallelStrategy):
         return self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
 
     def _autocast(self) -> Callable | None:
-        """What each stage's forward and the loss run under: the run's autocast ("bf16-mixed", "16-mixed"),
-        else None."""
-        mixed = self.precision_name in ("bf16-mixed", "16-mixed")
-        return self.precision.autocast if mixed else None
+        """What each stage's forward and the loss run under: the run's autocast ("bf16-mixed", "16-mixed") or
+        float64 default dtype ("64-true"), else None."""
+        entered = self.precision_name in ("bf16-mixed", "16-mixed", "64-true")
+        return self.precision.autocast if entered else None
 
     def _target(self, module) -> nn.Module:
         """The model to cut: ``module``, or its child ``model`` (the Trainer wraps the user's model).
