@@ -3254,3 +3254,53 @@ def test_possible_user_warnings_are_one_class_a_script_can_silence(tmp_path):
         disable_possible_user_warnings()
         _trainer(tmp_path / "b", num_sanity_val_steps=0).fit(Probe(), _loader())
         assert not [w for w in caught if w.category is PossibleUserWarning]
+
+
+class _CallsLogger:
+    """A logger (the ``Logger`` protocol) that notes every call made on it."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def setup(self, run_dir):
+        self.calls.append("setup")
+
+    def log_hyperparams(self, params):
+        self.calls.append("log_hyperparams")
+
+    def log_metrics(self, metrics, step):
+        self.calls.append("log_metrics")
+
+    def finalize(self, status):
+        self.calls.append("finalize")
+
+    @property
+    def experiment(self):
+        self.calls.append("experiment")
+        return self
+
+
+def test_fast_dev_run_puts_a_dummy_logger_in_place_of_the_users(tmp_path):
+    """Under ``fast_dev_run`` Lightning replaces the loggers by one ``DummyLogger``: ``trainer.logger`` is it, a
+    module's ``self.logger.experiment.<anything>(...)`` runs and does nothing, and no method of the user's logger is
+    called; without ``fast_dev_run`` the same logger is the Trainer's and is called."""
+    from trainscale.loggers import DummyLogger
+
+    class Experimenting(Probe):
+        def training_step(self, batch, batch_idx):
+            self.logger.experiment.add_histogram("w", self.layer.weight)  # not a method of _CallsLogger
+            self.logger[0].experiment.anything_at_all(batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    given = _CallsLogger()
+    trainer = _trainer(tmp_path, fast_dev_run=2, logger=given)
+    assert isinstance(trainer.logger, DummyLogger) and len(trainer.loggers) == 1
+    trainer.fit(Experimenting(), _loader())
+    assert trainer.global_step == 2 and given.calls == [] and trainer.log_dir is None
+    assert trainer.logger.name == trainer.logger.version == ""
+    assert _trainer(tmp_path, fast_dev_run=True, logger=False).loggers == []  # no logger stays none, as Lightning's
+    used = _CallsLogger()
+    normal = _trainer(tmp_path, max_steps=1, logger=used)
+    assert normal.logger is used
+    normal.fit(Probe(), _loader())
+    assert "setup" in used.calls and "log_metrics" in used.calls

@@ -271,6 +271,28 @@ class DummyExperiment:
         pass
 
 
+class DummyLogger:
+    """The logger the Trainer puts in place of the user's under ``fast_dev_run``, as Lightning's ``DummyLogger``
+    (``lightning.pytorch.loggers.logger``): ``trainer.logger`` is one, ``self.logger.experiment`` is a
+    :class:`DummyExperiment`, and every method (``log_metrics``, ``log_hyperparams``, any other) does nothing, so
+    a debug run calls none of the user's loggers yet runs the code that calls them. ``name`` and ``version`` are
+    ``""``; ``save_dir`` and ``log_dir`` are None (``trainer.log_dir`` is None, as nothing is written)."""
+
+    name = version = ""
+    save_dir = log_dir = None
+
+    def __init__(self) -> None:
+        self.experiment = DummyExperiment()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy, pickle and the like see a plain object
+            raise AttributeError(name)
+        return lambda *args, **kwargs: None
+
+    def __getitem__(self, index: Any) -> DummyLogger:  # ``self.logger[0].experiment...`` as in Lightning
+        return self
+
+
 def experiment_or_dummy(experiment: Any, owner: str) -> Any:
     """A logger's ``experiment``: ``experiment`` once set up (not None); before that a :class:`DummyExperiment` on a
     rank other than zero (``torch.distributed``'s rank, else the ``RANK`` variable).
