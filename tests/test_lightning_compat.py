@@ -3292,8 +3292,8 @@ def test_fast_dev_run_puts_a_dummy_logger_in_place_of_the_users(tmp_path):
             self.logger[0].experiment.anything_at_all(batch_idx)
             return super().training_step(batch, batch_idx)
 
-    given = _CallsLogger()
-    trainer = _trainer(tmp_path, fast_dev_run=2, logger=given)
+    given = _CallsLogger()  # an EarlyStopping on a name never logged is not checked (nor refused) either
+    trainer = _trainer(tmp_path, fast_dev_run=2, logger=given, callbacks=[EarlyStopping(monitor="never_logged")])
     assert isinstance(trainer.logger, DummyLogger) and len(trainer.loggers) == 1
     trainer.fit(Experimenting(), _loader())
     assert trainer.global_step == 2 and given.calls == [] and trainer.log_dir is None

@@ -28,7 +28,7 @@ from trainscale.callbacks import (Callback, ModelCheckpoint, ModelSummary, TQDMP
 from trainscale.callbacks.base import HOOKS, overridden_hooks
 from trainscale.utilities.rank_zero import log_info
 from trainscale.utilities.warnings import PossibleUserWarning
-from trainscale.loggers import DummyLogger, resolve_loggers
+from trainscale.loggers import resolve_loggers
 from trainscale.loggers.log_dirs import agree_log_dirs, trainer_log_dir
 from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, PipelineScheduleFlag, PrecisionFlag,
                                       StrategyFlag, names_closest_flag)
@@ -312,9 +312,8 @@ class Trainer:
         self.checkpoint_callbacks: list[ModelCheckpoint] = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)
                                                             and self.config.writes_files]
         # on every rank, so a bad value fails everywhere; set up and called on rank zero (MetricsProcessor)
-        self.loggers = resolve_loggers(logger, tensorboard=self.config.tensorboard)
-        if self.loggers and self.config.fast_dev_run:  # Lightning's _init_debugging_flags: no logger method is called
-            self.loggers = [DummyLogger()]
+        self.loggers = resolve_loggers(logger, tensorboard=self.config.tensorboard,
+                                       fast_dev_run=bool(self.config.fast_dev_run))
         # ``runtime``: the one Runtime.launch made for a ddp_spawn rank, built from the same flags
         self.runtime = runtime if runtime is not None else Runtime(**runtime_flags)
         say_one_batch_limits(self.config, self.runtime.is_rank_zero)  # an int 1 and a float 1.0 differ, as Lightning
@@ -339,6 +338,9 @@ class Trainer:
         # this rank's batches of each loader of the last test() and predict() (Lightning's lists), set as they start
         self.num_test_batches: list[int | float] = []
         self.num_predict_batches: list[int | float] = []
+        # the sample indices of each batch predict() has read, per loader (empty where the loader has none: an
+        # IterableDataset), as Lightning's predict_loop.epoch_batch_indices; BasePredictionWriter reads them
+        self.predict_batch_indices: list[list[list[int]]] = []
         self._deadline = math.inf  # time.monotonic() at which max_time runs out
         self.optimizers: list = []
         self.schedulers: list = []
