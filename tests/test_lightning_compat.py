@@ -3304,3 +3304,28 @@ def test_fast_dev_run_puts_a_dummy_logger_in_place_of_the_users(tmp_path):
     assert normal.logger is used
     normal.fit(Probe(), _loader())
     assert "setup" in used.calls and "log_metrics" in used.calls
+
+
+def test_evaluation_values_logged_on_step_are_in_logged_metrics_not_in_callback_metrics(tmp_path):
+    """A value a ``validation_step`` logs ``on_step`` reaches Lightning's ``trainer.logged_metrics`` as ``name_step``
+    (the last batch's value; with ``logger=False`` it does not), and not ``callback_metrics``, where only the epoch
+    values of an evaluation go; the sanity check's batches are not kept."""
+
+    class StepLogging(Probe):
+        def validation_step(self, batch, batch_idx):
+            self.log("n", 10.0 + batch_idx, on_step=True, on_epoch=True)
+            self.log("only_step", 5.0 + batch_idx, on_step=True, on_epoch=False)
+            self.log("hidden", 1.0, on_step=True, on_epoch=False, logger=False)
+
+    trainer = _trainer(tmp_path, max_steps=1, num_sanity_val_steps=1, limit_val_batches=3)
+    trainer.fit(StepLogging(), _loader(), _loader())
+    logged = trainer.logged_metrics
+    assert {"n_step", "n_epoch", "only_step"} <= set(logged) and "hidden" not in logged
+    assert float(logged["n_step"]) == 12.0 and float(logged["only_step"]) == 7.0  # the third (last) batch's
+    assert float(logged["n_epoch"]) == 11.0
+    assert not {"n_step", "only_step", "hidden"} & set(trainer.callback_metrics)
+    sanity_only = _trainer(tmp_path, max_steps=0, num_sanity_val_steps=1)
+    sanity_only.fit(StepLogging(), _loader(), _loader())
+    assert "n_step" not in sanity_only.logged_metrics
+    trainer.validate(StepLogging(), _loader(n=4), verbose=False)  # two batches
+    assert float(trainer.logged_metrics["n_step"]) == 11.0

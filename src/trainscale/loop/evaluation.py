@@ -605,6 +605,7 @@ def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loaders: li
                               trainer._hook, trainer.batch_transfer)
     finally:
         trainer.metric_collector = collector
+    collector.keep_evaluation_steps(stage_collector, record=not trainer.sanity_checking)
     results = merged(per_loader)
     # what the module logged (a plain model: trainscale's val_loss, ...), a value logged on_step and on_epoch also
     # under its bare name ("val_acc" beside "val_acc_epoch"), as in Lightning's callback_metrics, where
