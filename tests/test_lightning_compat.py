@@ -500,7 +500,8 @@ def test_one_callback_object_and_the_trainer_attributes_callbacks_read(tmp_path)
     watch = StepWatch()
     trainer = _trainer(tmp_path, callbacks=watch, max_steps=3, num_sanity_val_steps=1)
     assert watch in trainer.callbacks
-    assert (trainer.max_epochs, trainer.max_steps, trainer.num_sanity_val_steps) == (-1, 3, 1)
+    # max_epochs: None until the fit resolves it, as Lightning's
+    assert (trainer.max_epochs, trainer.max_steps, trainer.num_sanity_val_steps) == (None, 3, 1)
     assert not trainer.state.finished and trainer.num_val_batches == []
     model = Probe()
     model.configure_optimizers = lambda: {"optimizer": (opt := torch.optim.SGD(model.parameters(), lr=0.1)),
@@ -3329,3 +3330,17 @@ def test_evaluation_values_logged_on_step_are_in_logged_metrics_not_in_callback_
     assert "n_step" not in sanity_only.logged_metrics
     trainer.validate(StepLogging(), _loader(n=4), verbose=False)  # two batches
     assert float(trainer.logged_metrics["n_step"]) == 11.0
+
+
+@pytest.mark.parametrize(("given", "before", "after"), [({}, None, 1), ({"max_steps": 2}, None, -1),
+                                                         ({"max_epochs": 3, "max_steps": 2}, 3, 3),
+                                                         ({"max_epochs": -1, "max_steps": 2}, -1, -1)])
+def test_max_epochs_reads_as_given_until_fit_resolves_it(tmp_path, given, before, after):
+    """``trainer.max_epochs`` is the flag as given until a fit starts (None when not given, as Lightning's), then
+    the value the fit resolved it to (trainscale's 1 epoch without ``max_steps``; -1, no limit, with it)."""
+    trainer = _trainer(tmp_path, num_sanity_val_steps=0, **given)
+    assert trainer.max_epochs == before
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PossibleUserWarning)  # the unset max_epochs
+        trainer.fit(Probe(), _loader())
+    assert trainer.max_epochs == after

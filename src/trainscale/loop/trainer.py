@@ -338,6 +338,8 @@ class Trainer:
         # this rank's batches of each loader of the last test() and predict() (Lightning's lists), set as they start
         self.num_test_batches: list[int | float] = []
         self.num_predict_batches: list[int | float] = []
+        # trainer.max_epochs: as given until a fit starts (None when not given), as Lightning's fit_loop.max_epochs
+        self._max_epochs = self.flags["max_epochs"]
         # the sample indices of each batch predict() has read, per loader (empty where the loader has none: an
         # IterableDataset), as Lightning's predict_loop.epoch_batch_indices; BasePredictionWriter reads them
         self.predict_batch_indices: list[list[list[int]]] = []
@@ -389,7 +391,8 @@ class Trainer:
     num_nodes = property(lambda self: self.runtime.world.num_nodes, doc="Nodes in the job.")
     is_global_zero = property(lambda self: self.runtime.world.rank == 0, doc="True on rank 0 (Lightning's name).")
     # Lightning's names for the loop's limits and what callbacks read of it
-    max_epochs = property(lambda self: self.config.max_epochs, doc="Epochs to train; -1: no limit.")
+    max_epochs = property(lambda self: self._max_epochs, doc="Epochs to train; -1: no limit. Not given: None until "
+                          "the first fit starts, then the value it resolves to (Lightning's _parse_loop_limits).")
     max_steps = property(lambda self: -1 if self.config.max_steps is None else self.config.max_steps,
                          doc="Optimizer steps to train; -1: no limit (Lightning's spelling).")
     min_epochs = property(lambda self: self.config.min_epochs, doc="Epochs before a callback may stop the fit.")
@@ -624,6 +627,7 @@ class Trainer:
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
         self.ckpt_path = as_ckpt_path(resume_from)
         warn_default_max_epochs(cfg, self.flags["max_epochs"], rt.is_rank_zero)
+        self._max_epochs = cfg.max_epochs  # trainer.max_epochs: resolved from here on, as Lightning's
         drop_unpicklable(getattr(model, "hparams", None), warn=rt.is_rank_zero)  # Lightning's clean_namespace
         train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
         self.fit_seed = seed_generators(fit_seed(cfg.seed))  # Trainer(seed=...), else seed_everything's, else 0
