@@ -3344,3 +3344,54 @@ def test_max_epochs_reads_as_given_until_fit_resolves_it(tmp_path, given, before
         warnings.simplefilter("ignore", PossibleUserWarning)  # the unset max_epochs
         trainer.fit(Probe(), _loader())
     assert trainer.max_epochs == after
+
+
+def _with_scheduler(model, make_scheduler, **config):
+    def configure_optimizers():
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": make_scheduler(opt), **config}}
+
+    model.configure_optimizers = configure_optimizers
+    return model
+
+
+@pytest.mark.parametrize("max_steps", [2, -1])
+def test_epoch_schedulers_step_only_after_an_epoch_whose_batches_were_all_seen(tmp_path, max_steps):
+    """An ``interval="epoch"`` scheduler steps at the end of an epoch that ran all its batches, and not at the end
+    of one ``max_steps`` cut short (4 batches, 2 steps), as Lightning's: a ``ReduceLROnPlateau`` on a metric nobody
+    logged is refused only when it would step."""
+    steplr = _with_scheduler(Probe(), lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+    trainer = _trainer(tmp_path / "a", max_epochs=1, max_steps=max_steps, num_sanity_val_steps=0)
+    trainer.fit(steplr, _loader())
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == (0 if max_steps == 2 else 1)
+    plateau = _with_scheduler(Probe(), lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+                              monitor="giraffe", strict=True)
+    trainer = _trainer(tmp_path / "b", max_epochs=1, max_steps=max_steps, num_sanity_val_steps=0)
+    if max_steps == 2:
+        trainer.fit(plateau, _loader())
+        assert trainer.global_step == 2
+    else:
+        with pytest.raises(ValueError, match="ReduceLROnPlateau conditioned on metric 'giraffe' which is not available"):
+            trainer.fit(plateau, _loader())
+
+
+def test_on_save_checkpoint_sees_lightnings_optimizer_and_scheduler_states_which_the_file_holds_once(tmp_path):
+    """``on_save_checkpoint`` finds Lightning's ``optimizer_states`` and ``lr_schedulers`` (lists of state dicts); the
+    file keeps those states once, under trainscale's keys, so the two lists are not in it."""
+    seen = {}
+
+    class Saving(Probe):
+        def on_save_checkpoint(self, checkpoint):
+            seen["scheduler"] = dict(checkpoint["lr_schedulers"][0])
+            seen["lr"] = checkpoint["optimizer_states"][0]["param_groups"][0]["lr"]
+
+    model = _with_scheduler(Saving(), lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), interval="step")
+    trainer = _trainer(tmp_path, max_steps=3, num_sanity_val_steps=0)
+    trainer.fit(model, _loader())
+    path = tmp_path / "saved.ckpt"
+    trainer.save_checkpoint(path)
+    assert seen["scheduler"]["_step_count"] == 4 and seen["scheduler"]["_last_lr"] == [0.5 ** 3]
+    assert seen["lr"] == 0.5 ** 3
+    saved = torch.load(path, weights_only=True)
+    assert not {"lr_schedulers", "optimizer_states"} & set(saved)
+    assert saved["scheduler"]["_step_count"] == 4  # the one copy, which a resume reads

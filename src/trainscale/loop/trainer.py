@@ -1024,7 +1024,9 @@ class Trainer:
         user.update(late)
         self._publish(fit.loop_module.plain_model, record, user)
         self._hook("on_train_epoch_end", monitoring=True)
-        if not self.manual_optimizers:  # under manual optimization the module steps its schedulers (Lightning)
+        # under manual optimization the module steps its schedulers; an epoch cut short (max_steps, max_time) steps
+        # none, as Lightning's steps them only once the epoch's batches were all seen (_num_ready_batches_reached)
+        if not self.manual_optimizers and self.state.batches >= fit.epoch_batches:
             step_schedulers(self.schedulers, "epoch", epoch + 1, self.callback_metrics)
         self.state.history.append(record)
         fit.metrics.write({"kind": "epoch", "rank": "all", "time": time.time(), **record})
