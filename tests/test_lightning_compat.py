@@ -3395,3 +3395,32 @@ def test_on_save_checkpoint_sees_lightnings_optimizer_and_scheduler_states_which
     saved = torch.load(path, weights_only=True)
     assert not {"lr_schedulers", "optimizer_states"} & set(saved)
     assert saved["scheduler"]["_step_count"] == 4  # the one copy, which a resume reads
+
+
+def test_a_logged_metric_must_be_an_attribute_of_the_module(tmp_path):
+    """``self.log(name, metric)`` of a torchmetrics ``Metric`` that is not one of the module's attributes is
+    Lightning's error (a ``ValueError``; Lightning: ``MisconfigurationException``): with no Metric attribute, "set an
+    attribute"; with others, naming them and ``metric_attribute``; an attribute, or ``metric_attribute=``, logs."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+
+    class Logs(Probe):
+        def __init__(self, keep: bool, inline: bool, attribute: str | None = None):
+            super().__init__()
+            if keep:
+                self.acc = torchmetrics.MeanMetric()
+            self.inline, self.attribute = inline, attribute
+
+        def training_step(self, batch, batch_idx):
+            metric = torchmetrics.MeanMetric() if self.inline else self.acc
+            metric(batch[0].sum())
+            self.log("m", metric, metric_attribute=self.attribute)
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(ValueError, match="fix this by setting an attribute for the metric in your `LightningModule`"):
+        _trainer(tmp_path, max_steps=1).fit(Logs(keep=False, inline=True), _loader())
+    with pytest.raises(ValueError, match=r"`self.log\(m, ..., metric_attribute=name\)` where `name` is one of \['acc'\]"):
+        _trainer(tmp_path, max_steps=1).fit(Logs(keep=True, inline=True), _loader())
+    for model in (Logs(keep=True, inline=False), Logs(keep=False, inline=True, attribute="mine")):
+        trainer = _trainer(tmp_path, max_steps=1)
+        trainer.fit(model, _loader())
+        assert "m" in trainer.callback_metrics
