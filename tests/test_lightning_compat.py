@@ -3294,10 +3294,13 @@ def test_fast_dev_run_puts_a_dummy_logger_in_place_of_the_users(tmp_path):
             return super().training_step(batch, batch_idx)
 
     given = _CallsLogger()  # an EarlyStopping on a name never logged is not checked (nor refused) either
-    trainer = _trainer(tmp_path, fast_dev_run=2, logger=given, callbacks=[EarlyStopping(monitor="never_logged")])
+    saver = ModelCheckpoint(dirpath=tmp_path / "never")
+    trainer = _trainer(tmp_path, fast_dev_run=2, logger=given, callbacks=[EarlyStopping(monitor="never_logged"), saver])
     assert isinstance(trainer.logger, DummyLogger) and len(trainer.loggers) == 1
+    assert trainer.checkpoint_callback is saver  # there, as Lightning's, and saves nothing
     trainer.fit(Experimenting(), _loader())
     assert trainer.global_step == 2 and given.calls == [] and trainer.log_dir is None
+    assert not (tmp_path / "never").exists()
     assert trainer.logger.name == trainer.logger.version == ""
     assert _trainer(tmp_path, fast_dev_run=True, logger=False).loggers == []  # no logger stays none, as Lightning's
     used = _CallsLogger()

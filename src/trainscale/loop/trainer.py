@@ -381,8 +381,10 @@ class Trainer:
     model = property(lambda self: self.lightning_module,
                      doc="Lightning's ``trainer.model``: here the user's module (:attr:`lightning_module`); Lightning's "
                          "is the strategy's wrapper (``DistributedDataParallel``) around it, where one wraps it.")
-    checkpoint_callback = property(lambda self: next(iter(self.checkpoint_callbacks), None),
-                                   doc="The first ModelCheckpoint, or None (Lightning's ``trainer.checkpoint_callback``).")
+    checkpoint_callback = property(lambda self: next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)),
+                                                     None),
+                                   doc="The first ModelCheckpoint in the callbacks, or None (Lightning's "
+                                       "``trainer.checkpoint_callback``; there under fast_dev_run, which saves none).")
     # Lightning's names for this process's place in the job (``runtime.world``: trainscale.runtime.world.World)
     global_rank = property(lambda self: self.runtime.world.rank, doc="This process's rank in the job, 0 .. world_size-1.")
     local_rank = property(lambda self: self.runtime.world.local_rank, doc="This process's rank on its node.")
