@@ -61,16 +61,42 @@ def test_prediction_writer_is_called_at_its_interval(tmp_path, interval):
     model = Tiny()
     returned = _trainer(tmp_path, callbacks=[writer]).predict(model, _loader())
     on_batch, on_epoch = interval != "epoch", interval != "batch"
-    assert writer.batches == ([(0, None, 4, 0, 0), (1, None, 4, 1, 0), (2, None, 2, 2, 0)] if on_batch else [])
+    assert writer.batches == ([(0, [0, 1, 2, 3], 4, 0, 0), (1, [4, 5, 6, 7], 4, 1, 0), (2, [8, 9], 2, 2, 0)]
+                              if on_batch else [])
     assert len(writer.epochs) == int(on_epoch)
     if on_epoch:
         predictions, indices = writer.epochs[0]
         assert [p["batch_idx"] for p in predictions] == [0, 1, 2]
-        assert indices == [[None, None, None]]
+        assert indices == [[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]]  # loaders x batches x samples, as Lightning's
         with torch.no_grad():
             expected = model.layer(torch.linspace(-1, 1, 20).reshape(10, 2))
         torch.testing.assert_close(torch.cat([p["y"] for p in predictions]), expected)
         torch.testing.assert_close(torch.cat([p["y"] for p in returned]), expected)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([torch.ones(2), torch.zeros(2), torch.ones(2)])
+
+
+def test_prediction_writer_gets_the_sample_indices_the_sampler_gave_and_none_for_an_iterable(tmp_path):
+    """``batch_indices`` are the data set indices of each batch's samples, whatever order the loader's sampler gives
+    them in (a list as sampler here), per loader at the epoch end; a loader over an ``IterableDataset`` has none
+    (``[]``), as Lightning's."""
+    x = torch.arange(12.0).reshape(6, 2)
+    picked = DataLoader(TensorDataset(x, torch.zeros(6)), batch_size=2, sampler=[5, 0, 3, 4, 1])
+    writer = Recorder("batch_and_epoch")
+
+    class Both(Tiny):
+        def predict_step(self, batch, batch_idx, dataloader_idx=0):
+            return {"y": self.layer(batch[0] if dataloader_idx == 0 else batch), "batch_idx": batch_idx}
+
+    _trainer(tmp_path, callbacks=[writer]).predict(Both(), [picked, DataLoader(_Stream(), batch_size=2)])
+    assert [(indices, loader) for _, indices, _, _, loader in writer.batches] == [
+        ([5, 0], 0), ([3, 4], 0), ([1], 0), ([], 1), ([], 1)]
+    assert writer.epochs[0][1] == [[[5, 0], [3, 4], [1]], [[], []]]
+    seen = [batch[0].sum(dim=1).tolist() for batch in picked]  # the rows the indices name: x[i] sums to 4i + 1
+    assert seen == [[21.0, 1.0], [13.0, 17.0], [5.0]]
 
 
 def test_prediction_writer_refuses_an_unknown_interval():

@@ -500,7 +500,8 @@ def test_one_callback_object_and_the_trainer_attributes_callbacks_read(tmp_path)
     watch = StepWatch()
     trainer = _trainer(tmp_path, callbacks=watch, max_steps=3, num_sanity_val_steps=1)
     assert watch in trainer.callbacks
-    assert (trainer.max_epochs, trainer.max_steps, trainer.num_sanity_val_steps) == (-1, 3, 1)
+    # max_epochs: None until the fit resolves it, as Lightning's
+    assert (trainer.max_epochs, trainer.max_steps, trainer.num_sanity_val_steps) == (None, 3, 1)
     assert not trainer.state.finished and trainer.num_val_batches == []
     model = Probe()
     model.configure_optimizers = lambda: {"optimizer": (opt := torch.optim.SGD(model.parameters(), lr=0.1)),
@@ -3254,3 +3255,175 @@ def test_possible_user_warnings_are_one_class_a_script_can_silence(tmp_path):
         disable_possible_user_warnings()
         _trainer(tmp_path / "b", num_sanity_val_steps=0).fit(Probe(), _loader())
         assert not [w for w in caught if w.category is PossibleUserWarning]
+
+
+class _CallsLogger:
+    """A logger (the ``Logger`` protocol) that notes every call made on it."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def setup(self, run_dir):
+        self.calls.append("setup")
+
+    def log_hyperparams(self, params):
+        self.calls.append("log_hyperparams")
+
+    def log_metrics(self, metrics, step):
+        self.calls.append("log_metrics")
+
+    def finalize(self, status):
+        self.calls.append("finalize")
+
+    @property
+    def experiment(self):
+        self.calls.append("experiment")
+        return self
+
+
+def test_fast_dev_run_puts_a_dummy_logger_in_place_of_the_users(tmp_path):
+    """Under ``fast_dev_run`` Lightning replaces the loggers by one ``DummyLogger``: ``trainer.logger`` is it, a
+    module's ``self.logger.experiment.<anything>(...)`` runs and does nothing, and no method of the user's logger is
+    called; without ``fast_dev_run`` the same logger is the Trainer's and is called."""
+    from trainscale.loggers import DummyLogger
+
+    class Experimenting(Probe):
+        def training_step(self, batch, batch_idx):
+            self.logger.experiment.add_histogram("w", self.layer.weight)  # not a method of _CallsLogger
+            self.logger[0].experiment.anything_at_all(batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    given = _CallsLogger()  # an EarlyStopping on a name never logged is not checked (nor refused) either
+    saver = ModelCheckpoint(dirpath=tmp_path / "never")
+    trainer = _trainer(tmp_path, fast_dev_run=2, logger=given, callbacks=[EarlyStopping(monitor="never_logged"), saver])
+    assert isinstance(trainer.logger, DummyLogger) and len(trainer.loggers) == 1
+    assert trainer.checkpoint_callback is saver  # there, as Lightning's, and saves nothing
+    trainer.fit(Experimenting(), _loader())
+    assert trainer.global_step == 2 and given.calls == [] and trainer.log_dir is None
+    assert not (tmp_path / "never").exists()
+    assert trainer.logger.name == trainer.logger.version == ""
+    assert _trainer(tmp_path, fast_dev_run=True, logger=False).loggers == []  # no logger stays none, as Lightning's
+    used = _CallsLogger()
+    normal = _trainer(tmp_path, max_steps=1, logger=used)
+    assert normal.logger is used
+    normal.fit(Probe(), _loader())
+    assert "setup" in used.calls and "log_metrics" in used.calls
+
+
+def test_evaluation_values_logged_on_step_are_in_logged_metrics_not_in_callback_metrics(tmp_path):
+    """A value a ``validation_step`` logs ``on_step`` reaches Lightning's ``trainer.logged_metrics`` as ``name_step``
+    (the last batch's value; with ``logger=False`` it does not), and not ``callback_metrics``, where only the epoch
+    values of an evaluation go; the sanity check's batches are not kept."""
+
+    class StepLogging(Probe):
+        def validation_step(self, batch, batch_idx):
+            self.log("n", 10.0 + batch_idx, on_step=True, on_epoch=True)
+            self.log("only_step", 5.0 + batch_idx, on_step=True, on_epoch=False)
+            self.log("hidden", 1.0, on_step=True, on_epoch=False, logger=False)
+
+    trainer = _trainer(tmp_path, max_steps=1, num_sanity_val_steps=1, limit_val_batches=3)
+    trainer.fit(StepLogging(), _loader(), _loader())
+    logged = trainer.logged_metrics
+    assert {"n_step", "n_epoch", "only_step"} <= set(logged) and "hidden" not in logged
+    assert float(logged["n_step"]) == 12.0 and float(logged["only_step"]) == 7.0  # the third (last) batch's
+    assert float(logged["n_epoch"]) == 11.0
+    assert not {"n_step", "only_step", "hidden"} & set(trainer.callback_metrics)
+    sanity_only = _trainer(tmp_path, max_steps=0, num_sanity_val_steps=1)
+    sanity_only.fit(StepLogging(), _loader(), _loader())
+    assert "n_step" not in sanity_only.logged_metrics
+    trainer.validate(StepLogging(), _loader(n=4), verbose=False)  # two batches
+    assert float(trainer.logged_metrics["n_step"]) == 11.0
+
+
+@pytest.mark.parametrize(("given", "before", "after"), [({}, None, 1), ({"max_steps": 2}, None, -1),
+                                                         ({"max_epochs": 3, "max_steps": 2}, 3, 3),
+                                                         ({"max_epochs": -1, "max_steps": 2}, -1, -1)])
+def test_max_epochs_reads_as_given_until_fit_resolves_it(tmp_path, given, before, after):
+    """``trainer.max_epochs`` is the flag as given until a fit starts (None when not given, as Lightning's), then
+    the value the fit resolved it to (trainscale's 1 epoch without ``max_steps``; -1, no limit, with it)."""
+    trainer = _trainer(tmp_path, num_sanity_val_steps=0, **given)
+    assert trainer.max_epochs == before
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PossibleUserWarning)  # the unset max_epochs
+        trainer.fit(Probe(), _loader())
+    assert trainer.max_epochs == after
+
+
+def _with_scheduler(model, make_scheduler, **config):
+    def configure_optimizers():
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": make_scheduler(opt), **config}}
+
+    model.configure_optimizers = configure_optimizers
+    return model
+
+
+@pytest.mark.parametrize("max_steps", [2, -1])
+def test_epoch_schedulers_step_only_after_an_epoch_whose_batches_were_all_seen(tmp_path, max_steps):
+    """An ``interval="epoch"`` scheduler steps at the end of an epoch that ran all its batches, and not at the end
+    of one ``max_steps`` cut short (4 batches, 2 steps), as Lightning's: a ``ReduceLROnPlateau`` on a metric nobody
+    logged is refused only when it would step."""
+    steplr = _with_scheduler(Probe(), lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+    trainer = _trainer(tmp_path / "a", max_epochs=1, max_steps=max_steps, num_sanity_val_steps=0)
+    trainer.fit(steplr, _loader())
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == (0 if max_steps == 2 else 1)
+    plateau = _with_scheduler(Probe(), lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+                              monitor="giraffe", strict=True)
+    trainer = _trainer(tmp_path / "b", max_epochs=1, max_steps=max_steps, num_sanity_val_steps=0)
+    if max_steps == 2:
+        trainer.fit(plateau, _loader())
+        assert trainer.global_step == 2
+    else:
+        with pytest.raises(ValueError, match="ReduceLROnPlateau conditioned on metric 'giraffe' which is not available"):
+            trainer.fit(plateau, _loader())
+
+
+def test_on_save_checkpoint_sees_lightnings_optimizer_and_scheduler_states_which_the_file_holds_once(tmp_path):
+    """``on_save_checkpoint`` finds Lightning's ``optimizer_states`` and ``lr_schedulers`` (lists of state dicts); the
+    file keeps those states once, under trainscale's keys, so the two lists are not in it."""
+    seen = {}
+
+    class Saving(Probe):
+        def on_save_checkpoint(self, checkpoint):
+            seen["scheduler"] = dict(checkpoint["lr_schedulers"][0])
+            seen["lr"] = checkpoint["optimizer_states"][0]["param_groups"][0]["lr"]
+
+    model = _with_scheduler(Saving(), lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), interval="step")
+    trainer = _trainer(tmp_path, max_steps=3, num_sanity_val_steps=0)
+    trainer.fit(model, _loader())
+    path = tmp_path / "saved.ckpt"
+    trainer.save_checkpoint(path)
+    assert seen["scheduler"]["_step_count"] == 4 and seen["scheduler"]["_last_lr"] == [0.5 ** 3]
+    assert seen["lr"] == 0.5 ** 3
+    saved = torch.load(path, weights_only=True)
+    assert not {"lr_schedulers", "optimizer_states"} & set(saved)
+    assert saved["scheduler"]["_step_count"] == 4  # the one copy, which a resume reads
+
+
+def test_a_logged_metric_must_be_an_attribute_of_the_module(tmp_path):
+    """``self.log(name, metric)`` of a torchmetrics ``Metric`` that is not one of the module's attributes is
+    Lightning's error (a ``ValueError``; Lightning: ``MisconfigurationException``): with no Metric attribute, "set an
+    attribute"; with others, naming them and ``metric_attribute``; an attribute, or ``metric_attribute=``, logs."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+
+    class Logs(Probe):
+        def __init__(self, keep: bool, inline: bool, attribute: str | None = None):
+            super().__init__()
+            if keep:
+                self.acc = torchmetrics.MeanMetric()
+            self.inline, self.attribute = inline, attribute
+
+        def training_step(self, batch, batch_idx):
+            metric = torchmetrics.MeanMetric() if self.inline else self.acc
+            metric(batch[0].sum())
+            self.log("m", metric, metric_attribute=self.attribute)
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(ValueError, match="fix this by setting an attribute for the metric in your `LightningModule`"):
+        _trainer(tmp_path, max_steps=1).fit(Logs(keep=False, inline=True), _loader())
+    with pytest.raises(ValueError, match=r"`self.log\(m, ..., metric_attribute=name\)` where `name` is one of \['acc'\]"):
+        _trainer(tmp_path, max_steps=1).fit(Logs(keep=True, inline=True), _loader())
+    for model in (Logs(keep=True, inline=False), Logs(keep=False, inline=True, attribute="mine")):
+        trainer = _trainer(tmp_path, max_steps=1)
+        trainer.fit(model, _loader())
+        assert "m" in trainer.callback_metrics

@@ -116,6 +116,8 @@ class EarlyStopping(Callback):
             self._check(trainer)
 
     def _check(self, trainer: Trainer) -> None:
+        if trainer.fast_dev_run:  # Lightning's _run_early_stopping_check: no check (nor its refusal) in a debug run
+            return
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             message = (f"EarlyStopping monitors {self.monitor!r}, which is not among the metrics: "

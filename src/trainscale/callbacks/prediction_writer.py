@@ -35,10 +35,10 @@ class BasePredictionWriter(Callback):
     Lightning's ``trainer.predict_loop.predictions``. Each rank writes its own batches (under several processes, name
     the file by ``trainer.global_rank``).
 
-    Difference from Lightning: the indices of the samples in each batch are not known to the callback, so
-    ``batch_indices`` is None in ``write_on_batch_end`` and, in ``write_on_epoch_end``, a list per loader holding
-    None per batch (Lightning's shape, dataloaders x batches). Under one process with an unshuffled loader (what
-    ``predict`` uses), batch ``i`` holds the samples that follow those of batches ``0..i-1``.
+    ``batch_indices``, as Lightning's: in ``write_on_batch_end`` the data set indices of the batch's samples (on
+    this rank: under several processes, its share), in ``write_on_epoch_end`` a list per loader of those lists, one
+    per batch (dataloaders x batches x samples, one loader too); ``[]`` where the loader has no sampler to tell them
+    (an ``IterableDataset``, a loader of another class than ``DataLoader``).
 
     Raises:
         ValueError: a ``write_interval`` other than "batch", "epoch", "batch_and_epoch" (Lightning:
@@ -78,12 +78,21 @@ class BasePredictionWriter(Callback):
                 self._predictions.append([])
             self._predictions[dataloader_idx].append(to_device(outputs, _CPU))  # Lightning: move_data_to_device(.., "cpu")
         if self._on_batch:
-            self.write_on_batch_end(trainer, pl_module, outputs, None, batch, batch_idx, dataloader_idx)
+            self.write_on_batch_end(trainer, pl_module, outputs, _batch_indices(trainer, dataloader_idx, batch_idx),
+                                    batch, batch_idx, dataloader_idx)
 
     def on_predict_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
         if not self._on_epoch:
             return
         predictions, self._predictions = self._predictions, []
-        indices = [[None] * len(per_loader) for per_loader in predictions]
+        indices = [[_batch_indices(trainer, i, batch_idx) for batch_idx in range(len(per_loader))]
+                   for i, per_loader in enumerate(predictions)]
         self.write_on_epoch_end(trainer, pl_module, predictions[0] if len(predictions) == 1 else predictions, indices)
 
+
+
+def _batch_indices(trainer: Trainer, dataloader_idx: int, batch_idx: int) -> list[int]:
+    """The sample indices of batch ``batch_idx`` of loader ``dataloader_idx`` (``trainer.predict_batch_indices``);
+    ``[]`` where that loader's are not known, as Lightning's ``current_batch_indices``."""
+    seen = trainer.predict_batch_indices[dataloader_idx] if dataloader_idx < len(trainer.predict_batch_indices) else []
+    return seen[batch_idx] if batch_idx < len(seen) else []

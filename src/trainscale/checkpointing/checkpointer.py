@@ -91,10 +91,29 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
         content["hf_config"] = hf_config
     fixed = set(content)
     if on_save is not None:
-        on_save(content)
+        _call_with_state_views(on_save, content, optimizers, schedulers)
     content["callbacks"], tensor_states = _split_tensor_states(content["callbacks"])
     keep_apart_unreadable(content, [key for key in content if key not in fixed])
     return target, runtime.save(target, {**content, **tensor_states}, asynchronous=asynchronous)
+
+
+# Lightning's checkpoint keys for the optimizers' and schedulers' states, shown to on_save_checkpoint only
+_STATE_VIEWS = ("optimizer_states", "lr_schedulers")
+
+
+def _call_with_state_views(on_save: Callable[[dict], None], content: dict, optimizers, schedulers) -> None:
+    """``on_save(content)`` with Lightning's ``optimizer_states`` and ``lr_schedulers`` (lists of state dicts, in
+    ``configure_optimizers``' order) in ``content`` while it runs, then taken out again: the file holds those states
+    once, under trainscale's ``optimizer``/``scheduler`` keys, which a resume reads; so the two lists are a view for
+    the hook to read (what it changes in them is not saved). A ``state_dict()`` holds references to the tensors, not
+    copies."""
+    content["optimizer_states"] = [o.state_dict() for o in optimizers]
+    content["lr_schedulers"] = [s.scheduler.state_dict() for s in schedulers]
+    try:
+        on_save(content)
+    finally:
+        for key in _STATE_VIEWS:
+            content.pop(key, None)
 
 
 def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state: TrainState,

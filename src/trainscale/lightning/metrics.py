@@ -125,6 +125,9 @@ class MetricCollector:
         self.prog_bar: set[str] = routes_of.prog_bar if routes_of is not None else set()
         self.to_logger: set[str] = routes_of.to_logger if routes_of is not None else set()
         self.in_epoch_hook = False  # in on_train_epoch_start/end: Lightning's defaults there are on_epoch=True
+        # the last evaluation batch's values logged on_step with logger=True ("x_step"; keep_evaluation_steps): in
+        # trainer.logged_metrics, not in callback_metrics, as Lightning's
+        self.evaluation_steps: dict[str, torch.Tensor] = {}
         self.logged: set[str] = set()  # every name logged so far (in callback_metrics the user's value wins)
         self.bare: dict[str, str] = {}  # "x_step" and "x_epoch" -> "x", for a value logged on_step and on_epoch
         # the evaluation loader running, set by the loop when there are several (its values' names end in
@@ -301,6 +304,14 @@ class MetricCollector:
             out.update((name, value) for name, (value, _) in synced.items())
         return {name: float(v) for name, v in out.items()}
 
+    def keep_evaluation_steps(self, evaluation: MetricCollector, record: bool) -> None:
+        """Take ``evaluation``'s last step values (:meth:`take_step_values`: a collective, every rank calls it) and,
+        with ``record`` (not in the sanity check), keep those logged with ``logger=True`` in
+        :attr:`evaluation_steps`, where Lightning's ``logged_metrics`` has them (``val_loss_step``)."""
+        values = evaluation.take_step_values()
+        if record:
+            self.evaluation_steps.update((k, torch.tensor(v)) for k, v in values.items() if k in self.to_logger)
+
     def take_epoch_values(self) -> dict[str, float]:
         """The epoch values reduced over all ranks (a collective: every rank calls it), and each ``Metric`` logged
         ``on_epoch``'s ``compute()`` (it gathers every rank's states); cleared (the Metrics: :meth:`reset_metrics`).
@@ -360,9 +371,10 @@ def _reduced_over_ranks(runtime: Runtime, values: dict[str, tuple[torch.Tensor, 
 def logged_metrics(callback_metrics: dict, collector: MetricCollector) -> dict[str, torch.Tensor]:
     """Lightning's ``trainer.logged_metrics``: the values in ``callback_metrics`` of the names logged with
     ``logger=True`` (the default), as kept (``x_step`` and ``x_epoch`` for a value logged on_step and on_epoch, not
-    the bare ``x``), as tensors; trainscale's own numbers (throughput, the loss it records) are not among them."""
-    return {name: v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
-            for name, v in callback_metrics.items() if name in collector.to_logger}
+    the bare ``x``), as tensors, and the last evaluation batch's step values (:attr:`MetricCollector.evaluation_steps`);
+    trainscale's own numbers (throughput, the loss it records) are not among them."""
+    return {**collector.evaluation_steps, **{name: v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+                                             for name, v in callback_metrics.items() if name in collector.to_logger}}
 
 
 def progress_bar_metrics(callback_metrics: dict, collector: MetricCollector) -> dict[str, float]:

@@ -32,6 +32,7 @@ from torch.nn import functional as F
 from trainscale.runtime import hf
 from trainscale.runtime.batch import batch_size, to_device
 from trainscale.lightning.hparams import HyperparametersMixin, checkpoint_init_kwargs
+from trainscale.lightning.metrics import is_metric
 
 if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
@@ -325,7 +326,8 @@ class TrainingModule(HyperparametersMixin, nn.Module):
     # -- logging ---------------------------------------------------------------------------------
     def log(self, name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | None = None,
             prog_bar: bool = False, sync_dist: bool = False, reduce_fx: Any = "mean",
-            batch_size: int | None = None, logger: bool = True, add_dataloader_idx: bool = True) -> None:
+            batch_size: int | None = None, logger: bool = True, add_dataloader_idx: bool = True,
+            metric_attribute: str | None = None) -> None:
         """Log a scalar, as Lightning's ``self.log``.
 
         In ``training_step`` the default is ``on_step=True, on_epoch=False``; in validation and test
@@ -344,7 +346,9 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         (``logger=False`` still records it in ``metrics.jsonl`` and the loggers). While one of several evaluation
         loaders runs, the name is recorded as ``name/dataloader_idx_N`` (N: the loader's index), unless
         ``add_dataloader_idx=False`` (then give each loader's values their own name), as in Lightning. Under
-        ``Trainer(barebones=True)`` nothing is logged, with Lightning's warning.
+        ``Trainer(barebones=True)`` nothing is logged, with Lightning's warning. A ``Metric`` must be an attribute of
+        the module (a submodule, found by ``named_modules`` once), or be named by ``metric_attribute``, as Lightning
+        requires.
 
         Raises:
             ValueError: an unknown ``reduce_fx``, a value that is not a number, a tensor or a torchmetrics
@@ -355,9 +359,13 @@ class TrainingModule(HyperparametersMixin, nn.Module):
                 ``on_step=False`` with ``on_epoch=False``, a call from a hook where Lightning refuses it
                 (a callback's ``setup``, ``configure_optimizers``, ``on_fit_start``, ``on_train_end``,
                 ``on_save_checkpoint``, the predict hooks, ...) and
-                ``on_step=True`` in an epoch hook (``on_train_epoch_end``, ``on_validation_epoch_start``, ...).
+                ``on_step=True`` in an epoch hook (``on_train_epoch_end``, ``on_validation_epoch_start``, ...);
+                a ``Metric`` that is not one of the module's attributes, without ``metric_attribute`` (Lightning's
+                words, naming the attributes that are).
         """
         trainer = self.trainer
+        if metric_attribute is None and is_metric(value):
+            self._check_metric_attribute(name, value)
         if trainer.config.barebones:  # Lightning's rule: logging is off in barebones mode
             warnings.warn("You are trying to `self.log()` but `Trainer(barebones=True)` is configured. Logging can "
                           "impact raw speed so it is disabled under this setting.", UserWarning, stacklevel=2)
@@ -365,6 +373,23 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         trainer.metric_collector.log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
                                      sync_dist=sync_dist, reduce_fx=reduce_fx, batch_size=batch_size, logger=logger,
                                      hook=trainer.running_hook, add_dataloader_idx=add_dataloader_idx)
+
+    def _check_metric_attribute(self, name: str, metric: Any) -> None:
+        """Raises Lightning's ``ValueError`` (its ``MisconfigurationException``) when ``metric`` is not one of the
+        module's ``Metric`` submodules (found by ``named_modules`` and kept, as Lightning's ``_metric_attributes``;
+        looked for again when ``metric`` is not among those kept)."""
+        found = self.__dict__.get("_metric_attributes") or {}
+        if id(metric) in found:
+            return
+        # not among those found before: look again (a Metric added since, a copied module)
+        found = self.__dict__["_metric_attributes"] = {id(m): n for n, m in self.named_modules() if is_metric(m)}
+        if not found:
+            raise ValueError("Could not find the `LightningModule` attribute for the `torchmetrics.Metric` logged. "
+                             "You can fix this by setting an attribute for the metric in your `LightningModule`.")
+        if id(metric) not in found:
+            raise ValueError("Could not find the `LightningModule` attribute for the `torchmetrics.Metric` logged. You "
+                             f"can fix this by calling `self.log({name}, ..., metric_attribute=name)` where `name` is "
+                             f"one of {list(found.values())}")
 
     def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:
         """``self.log`` for each item of ``metrics`` with the same keyword arguments."""

@@ -17,8 +17,8 @@ library is installed and imports it at ``setup``. User guide: docs/loggers.md.
 
 from typing import TYPE_CHECKING
 
-from trainscale.loggers.base import (Logger, load_hparams_from_tags_csv, load_hparams_from_yaml, record_metrics,
-                                     resolve_loggers, save_hparams_to_tags_csv, save_hparams_to_yaml)
+from trainscale.loggers.base import (DummyLogger, Logger, load_hparams_from_tags_csv, load_hparams_from_yaml,
+                                     record_metrics, resolve_loggers, save_hparams_to_tags_csv, save_hparams_to_yaml)
 
 if TYPE_CHECKING:  # the same names as _LAZY, for type checkers and the API reference (docs/api.md)
     from trainscale.loggers.csv_logger import CSVLogger
@@ -33,7 +33,7 @@ _LAZY = {  # each logger's module is imported on first use (a run without it nev
     "MLFlowLogger": "trainscale.loggers.mlflow_logger",
 }
 
-__all__ = ["Logger", "resolve_loggers", "record_metrics", "save_hparams_to_yaml", "load_hparams_from_yaml",
+__all__ = ["Logger", "DummyLogger", "resolve_loggers", "record_metrics", "save_hparams_to_yaml", "load_hparams_from_yaml",
            "save_hparams_to_tags_csv", "load_hparams_from_tags_csv", *_LAZY]
 
 

@@ -43,13 +43,14 @@ class Logger(Protocol):
     def finalize(self, status: str) -> None: ...
 
 
-def resolve_loggers(logger: Any, tensorboard: bool = False) -> list[Logger]:
-    """``Trainer(logger=..., tensorboard=...)`` as a list of loggers.
+def resolve_loggers(logger: Any, tensorboard: bool = False, fast_dev_run: bool = False) -> list[Logger]:
+    """``Trainer(logger=..., tensorboard=..., fast_dev_run=...)`` as a list of loggers.
 
     None or True: ``[CSVLogger()]`` (the default); False: ``[]``; one logger: ``[logger]``; a list or tuple
     of loggers: a list of them. A logger is any object with ``setup``, ``log_hyperparams``,
     ``log_metrics`` and ``finalize`` (:class:`Logger`). ``tensorboard=True`` adds a ``TensorBoardLogger()``
-    unless the list holds one.
+    unless the list holds one. ``fast_dev_run``: one :class:`DummyLogger` in place of them (none stays none), as
+    Lightning's ``_init_debugging_flags``, so that a debug run calls no logger.
 
     Raises:
         TypeError: for anything else (a string such as "wandb", a class instead of an instance, a list
@@ -63,7 +64,7 @@ def resolve_loggers(logger: Any, tensorboard: bool = False) -> list[Logger]:
 
         if not any(isinstance(lg, TensorBoardLogger) for lg in loggers):
             loggers.append(TensorBoardLogger())
-    return loggers
+    return [DummyLogger()] if loggers and fast_dev_run else loggers
 
 
 def _given_loggers(logger: Any) -> list[Logger]:
@@ -269,6 +270,28 @@ class DummyExperiment:
 
     def __setitem__(self, index: Any, value: Any) -> None:
         pass
+
+
+class DummyLogger:
+    """The logger the Trainer puts in place of the user's under ``fast_dev_run``, as Lightning's ``DummyLogger``
+    (``lightning.pytorch.loggers.logger``): ``trainer.logger`` is one, ``self.logger.experiment`` is a
+    :class:`DummyExperiment`, and every method (``log_metrics``, ``log_hyperparams``, any other) does nothing, so
+    a debug run calls none of the user's loggers yet runs the code that calls them. ``name`` and ``version`` are
+    ``""``; ``save_dir`` and ``log_dir`` are None (``trainer.log_dir`` is None, as nothing is written)."""
+
+    name = version = ""
+    save_dir = log_dir = None
+
+    def __init__(self) -> None:
+        self.experiment = DummyExperiment()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy, pickle and the like see a plain object
+            raise AttributeError(name)
+        return lambda *args, **kwargs: None
+
+    def __getitem__(self, index: Any) -> DummyLogger:  # ``self.logger[0].experiment...`` as in Lightning
+        return self
 
 
 def experiment_or_dummy(experiment: Any, owner: str) -> Any:

@@ -28,6 +28,7 @@ from trainscale.lightning.data_sources import resolve_loaders
 from trainscale.lightning.metrics import MetricCollector, metric_states_kept
 from trainscale.lightning.module import MODE_HOOKS, attach_trainer, set_up_model
 from trainscale.loop.state import loader_length
+from trainscale.runtime.sampling import with_index_recording
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
@@ -531,6 +532,8 @@ def _predict_stage(trainer: Trainer, model: Any, loop_module: Any, wrapped: Any,
     teardown hooks; ``num_batches`` (each loader's, under ``limit_predict_batches``) in
     ``trainer.num_predict_batches``."""
     trainer.num_predict_batches = num_batches
+    recorded = [with_index_recording(loader) for loader in loaders]  # each batch's sample indices, for the writers
+    loaders, trainer.predict_batch_indices = [loader for loader, _ in recorded], [seen for _, seen in recorded]
     modes = model_eval(trainer, loop_module, wrapped, "predict")
     trainer._hook("on_predict_start")
     predictions = predict(trainer.runtime, loop_module, wrapped, loaders, trainer._hook, num_batches,
@@ -602,6 +605,7 @@ def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loaders: li
                               trainer._hook, trainer.batch_transfer)
     finally:
         trainer.metric_collector = collector
+    collector.keep_evaluation_steps(stage_collector, record=not trainer.sanity_checking)
     results = merged(per_loader)
     # what the module logged (a plain model: trainscale's val_loss, ...), a value logged on_step and on_epoch also
     # under its bare name ("val_acc" beside "val_acc_epoch"), as in Lightning's callback_metrics, where

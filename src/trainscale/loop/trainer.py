@@ -312,7 +312,8 @@ class Trainer:
         self.checkpoint_callbacks: list[ModelCheckpoint] = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)
                                                             and self.config.writes_files]
         # on every rank, so a bad value fails everywhere; set up and called on rank zero (MetricsProcessor)
-        self.loggers = resolve_loggers(logger, tensorboard=self.config.tensorboard)
+        self.loggers = resolve_loggers(logger, tensorboard=self.config.tensorboard,
+                                       fast_dev_run=bool(self.config.fast_dev_run))
         # ``runtime``: the one Runtime.launch made for a ddp_spawn rank, built from the same flags
         self.runtime = runtime if runtime is not None else Runtime(**runtime_flags)
         say_one_batch_limits(self.config, self.runtime.is_rank_zero)  # an int 1 and a float 1.0 differ, as Lightning
@@ -337,6 +338,11 @@ class Trainer:
         # this rank's batches of each loader of the last test() and predict() (Lightning's lists), set as they start
         self.num_test_batches: list[int | float] = []
         self.num_predict_batches: list[int | float] = []
+        # trainer.max_epochs: as given until a fit starts (None when not given), as Lightning's fit_loop.max_epochs
+        self._max_epochs = self.flags["max_epochs"]
+        # the sample indices of each batch predict() has read, per loader (empty where the loader has none: an
+        # IterableDataset), as Lightning's predict_loop.epoch_batch_indices; BasePredictionWriter reads them
+        self.predict_batch_indices: list[list[list[int]]] = []
         self._deadline = math.inf  # time.monotonic() at which max_time runs out
         self.optimizers: list = []
         self.schedulers: list = []
@@ -375,8 +381,10 @@ class Trainer:
     model = property(lambda self: self.lightning_module,
                      doc="Lightning's ``trainer.model``: here the user's module (:attr:`lightning_module`); Lightning's "
                          "is the strategy's wrapper (``DistributedDataParallel``) around it, where one wraps it.")
-    checkpoint_callback = property(lambda self: next(iter(self.checkpoint_callbacks), None),
-                                   doc="The first ModelCheckpoint, or None (Lightning's ``trainer.checkpoint_callback``).")
+    checkpoint_callback = property(lambda self: next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)),
+                                                     None),
+                                   doc="The first ModelCheckpoint in the callbacks, or None (Lightning's "
+                                       "``trainer.checkpoint_callback``; there under fast_dev_run, which saves none).")
     # Lightning's names for this process's place in the job (``runtime.world``: trainscale.runtime.world.World)
     global_rank = property(lambda self: self.runtime.world.rank, doc="This process's rank in the job, 0 .. world_size-1.")
     local_rank = property(lambda self: self.runtime.world.local_rank, doc="This process's rank on its node.")
@@ -385,7 +393,8 @@ class Trainer:
     num_nodes = property(lambda self: self.runtime.world.num_nodes, doc="Nodes in the job.")
     is_global_zero = property(lambda self: self.runtime.world.rank == 0, doc="True on rank 0 (Lightning's name).")
     # Lightning's names for the loop's limits and what callbacks read of it
-    max_epochs = property(lambda self: self.config.max_epochs, doc="Epochs to train; -1: no limit.")
+    max_epochs = property(lambda self: self._max_epochs, doc="Epochs to train; -1: no limit. Not given: None until "
+                          "the first fit starts, then the value it resolves to (Lightning's _parse_loop_limits).")
     max_steps = property(lambda self: -1 if self.config.max_steps is None else self.config.max_steps,
                          doc="Optimizer steps to train; -1: no limit (Lightning's spelling).")
     min_epochs = property(lambda self: self.config.min_epochs, doc="Epochs before a callback may stop the fit.")
@@ -620,6 +629,7 @@ class Trainer:
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
         self.ckpt_path = as_ckpt_path(resume_from)
         warn_default_max_epochs(cfg, self.flags["max_epochs"], rt.is_rank_zero)
+        self._max_epochs = cfg.max_epochs  # trainer.max_epochs: resolved from here on, as Lightning's
         drop_unpicklable(getattr(model, "hparams", None), warn=rt.is_rank_zero)  # Lightning's clean_namespace
         train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
         self.fit_seed = seed_generators(fit_seed(cfg.seed))  # Trainer(seed=...), else seed_everything's, else 0
@@ -1016,7 +1026,9 @@ class Trainer:
         user.update(late)
         self._publish(fit.loop_module.plain_model, record, user)
         self._hook("on_train_epoch_end", monitoring=True)
-        if not self.manual_optimizers:  # under manual optimization the module steps its schedulers (Lightning)
+        # under manual optimization the module steps its schedulers; an epoch cut short (max_steps, max_time) steps
+        # none, as Lightning's steps them only once the epoch's batches were all seen (_num_ready_batches_reached)
+        if not self.manual_optimizers and self.state.batches >= fit.epoch_batches:
             step_schedulers(self.schedulers, "epoch", epoch + 1, self.callback_metrics)
         self.state.history.append(record)
         fit.metrics.write({"kind": "epoch", "rank": "all", "time": time.time(), **record})

@@ -176,6 +176,37 @@ def with_pinned_memory(loader: DataLoader) -> DataLoader:
     return DataLoader(loader.dataset, sampler=loader.sampler, **kwargs)
 
 
+class IndexRecordingBatchSampler:
+    """A loader's batch sampler that notes the sample indices of every batch it yields, in ``seen`` (batches x
+    indices; emptied in place when an iteration starts), as Lightning's ``_IndexBatchSamplerWrapper``: what
+    ``BasePredictionWriter`` gets as ``batch_indices``."""
+
+    def __init__(self, batch_sampler: Any) -> None:
+        self.batch_sampler = batch_sampler
+        self.seen: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.seen.clear()
+        for batch in self.batch_sampler:
+            self.seen.append(list(batch))
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+
+def with_index_recording(loader: Any) -> tuple[Any, list[list[int]]]:
+    """``(loader rebuilt with an :class:`IndexRecordingBatchSampler`, its ``seen`` list)`` for a map-style
+    ``DataLoader``; ``(loader, [])`` for one whose batches have no indices (an ``IterableDataset``, a loader of another
+    class), where Lightning gives no indices either."""
+    if type(loader) is not DataLoader or isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
+        return loader, []
+    recorder = IndexRecordingBatchSampler(loader.batch_sampler)
+    rebuilt = DataLoader(loader.dataset, batch_sampler=recorder,
+                         **{**_loader_kwargs(loader), "batch_size": 1, "drop_last": False})  # DataLoader's defaults
+    return rebuilt, recorder.seen
+
+
 def _unsplittable(loader: DataLoader, world: World, even: bool) -> Any:
     """``loader`` unchanged at world size 1 or for an ``IterableDataset`` with ``shards_by_rank = True``; an
     ``IterableDataset``'s loader shared by batches (``iterable_shard.ShardedIterableLoader``, said once on rank 0);
