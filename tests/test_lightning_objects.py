@@ -148,6 +148,7 @@ class _Loop:
         self.callback_metrics, self.current_epoch, self.should_stop = {}, 0, False
         self.fitting, self.sanity_checking = True, False
         self.config = TrainerConfig(**config)
+        self.fast_dev_run = self.config.fast_dev_run
         self.runtime = type("Rt", (), {"is_rank_zero": True, "rank": 0, "world_size": 1, "print": print})()
 
 
