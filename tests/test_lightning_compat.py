@@ -3427,3 +3427,24 @@ def test_a_logged_metric_must_be_an_attribute_of_the_module(tmp_path):
         trainer = _trainer(tmp_path, max_steps=1)
         trainer.fit(model, _loader())
         assert "m" in trainer.callback_metrics
+
+
+@pytest.mark.timeout(60)
+def test_a_step_interval_plateau_scheduler_reads_what_this_step_logged(tmp_path):
+    """A ``ReduceLROnPlateau`` with ``interval="step"`` steps once the step's ``self.log`` values are in
+    ``callback_metrics`` (Lightning's ``update_plateau_schedulers`` after the step): it monitors a value logged in
+    that same ``training_step`` from the first step on, and sees each step's own value."""
+
+    class StepPlateau(Probe):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min", patience=0, factor=0.5)
+            return {"optimizer": opt,
+                    "lr_scheduler": {"scheduler": sched, "monitor": "idx", "interval": "step", "strict": True}}
+
+    model = StepPlateau()
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(model, _loader())  # 4 steps logging idx = 0, 1, 2, 3: no step improves on the first
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    assert sched.last_epoch == 4 and float(sched.best) == 0.0  # the first value seen was step 0's own
+    assert [g["lr"] for g in sched.optimizer.param_groups] == [0.1 * 0.5 ** 3]  # halved after steps 2, 3 and 4

@@ -70,10 +70,14 @@ class SchedulerConfig:
             self.scheduler.step()
 
 
-def step_schedulers(schedulers, interval: str, count: int, metrics: dict[str, float]) -> None:
-    """Step the ``interval`` ("epoch" or "step") schedulers due after ``count`` of them (counted from 1)."""
+def step_schedulers(schedulers, interval: str, count: int, metrics: dict[str, float],
+                    plateau: bool | None = None) -> None:
+    """Step the ``interval`` ("epoch" or "step") schedulers due after ``count`` of them (counted from 1); with
+    ``plateau`` True or False, only the ``ReduceLROnPlateau`` ones or only the others (Lightning steps a step's
+    plateau schedulers after its metrics are logged and its validation ran: ``_update_learning_rates``)."""
     for sched in schedulers:
-        if sched.interval == interval and sched.due(count):
+        if (sched.interval == interval and sched.due(count)
+                and (plateau is None or isinstance(sched.scheduler, _PLATEAU) == plateau)):
             sched.step(metrics)
 
 

@@ -809,13 +809,14 @@ class Trainer:
         4. The optimizer step at the learning rate scaled to the global batch (``lr_scaling``, this step
            only), through the GradScaler under "16-mixed"; then ``on_before_zero_grad`` and
            ``zero_grad(set_to_none=True)`` (the module's ``optimizer_zero_grad``).
-        5. Learning-rate schedulers with ``interval="step"`` (under manual optimization the module steps its
-           own, as in Lightning); the step count (under manual optimization, the optimizer steps the
+        5. Learning-rate schedulers with ``interval="step"``, except ``ReduceLROnPlateau`` (under manual
+           optimization the module steps its own, as in Lightning); the step count (under manual optimization, the optimizer steps the
            ``training_step`` took); the step's ``self.log`` values into ``callback_metrics`` (device tensors, no host
            sync); ``on_train_batch_end``; the step record every ``log_every_n_steps``.
         6. Validation when ``val_check_interval`` and ``check_val_every_n_epoch`` say it is due within the epoch
            (its last batch validates in ``_end_epoch``; a time-based interval, by rank zero's clock, after any
-           step); then faults and checkpoints (:meth:`_checkpoint_if_due`):
+           step); then the ``interval="step"`` ``ReduceLROnPlateau`` schedulers, on the values this step and its
+           validation logged (Lightning's order); then faults and checkpoints (:meth:`_checkpoint_if_due`):
            signals and the non-finite check at the steps every rank agreed on, a checkpoint every
            ``checkpoint_every_n_steps``; then ``max_time``: out of time, the epoch ends here.
 
@@ -865,8 +866,8 @@ class Trainer:
         grad_norm = None if self.manual_optimizers else self._optimizer_step(fit, loss, micro.index)
         tele.end_step()  # the "optimizer" phase ends
         # 5. Schedulers, the step count, callbacks, the step record.
-        if not self.manual_optimizers:
-            step_schedulers(self.schedulers, "step", self.state.global_step + 1, self.callback_metrics)
+        if not self.manual_optimizers:  # ReduceLROnPlateau ones in 6, once this step's values are logged
+            step_schedulers(self.schedulers, "step", self.state.global_step + 1, self.callback_metrics, plateau=False)
         self._step_before = self.state.global_step
         self.state.global_step += sum(o.take_steps() for o in self.manual_optimizers) if self.manual_optimizers else 1
         self.is_step_end = True
@@ -888,6 +889,8 @@ class Trainer:
         if self._validation_due(fit, first_batch):  # a broadcast of rank zero's clock, with a time-based interval
             with prof.profile("validation"):
                 self._validate(fit, mid_epoch=True)
+        if not self.manual_optimizers:  # step-interval ReduceLROnPlateau: on this step's and validation's values
+            step_schedulers(self.schedulers, "step", self.state.global_step, self.callback_metrics, plateau=True)
         with prof.profile("checkpoint_if_due"):  # at the check steps the ranks agreed on: one all-reduce (faults)
             self._checkpoint_if_due(fit, epoch_end=False, ends_epoch=micro.ends_epoch)
         if self._out_of_time():  # a broadcast of rank zero's clock, with max_time on several ranks
