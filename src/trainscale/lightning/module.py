@@ -238,6 +238,10 @@ class TrainingModule(HyperparametersMixin, nn.Module):
     # -- what the Trainer attached -------------------------------------------------------------
     @property
     def trainer(self) -> Trainer:
+        """The Trainer running this module (Lightning's ``self.trainer``).
+
+        Raises:
+            RuntimeError: the module is not attached to a Trainer (read it inside ``fit``/``validate``/...)."""
         trainer = self.__dict__.get("_trainer")
         if trainer is None:
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer; call it inside trainer.fit()")
