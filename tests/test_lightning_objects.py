@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
+import shutil
+import threading
+import urllib.error
 from pathlib import Path
 
 import pytest
@@ -106,6 +112,42 @@ def test_load_from_checkpoint_names_what_is_missing(tmp_path):
         Classifier.load_from_checkpoint(plain, verify=False)
     with pytest.raises(FileNotFoundError):
         Classifier.load_from_checkpoint(tmp_path / "missing.pt")
+
+
+@contextlib.contextmanager
+def _serving(directory: Path):
+    """``directory`` over HTTP on a free local port (a thread of the standard library's server): yields its URL."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_load_from_checkpoint_reads_an_http_url_through_torch_hubs_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))  # torch.hub.get_dir() follows it
+    model = Classifier(hidden=4)
+    _fit(tmp_path / "run", model)
+    served = tmp_path / "served"
+    served.mkdir()
+    shutil.copyfile(ckpt.find_last(tmp_path / "run"), served / "model.ckpt")
+    with _serving(served) as url:
+        loaded = Classifier.load_from_checkpoint(f"{url}/model.ckpt")
+        with pytest.raises(urllib.error.HTTPError):
+            Classifier.load_from_checkpoint(f"{url}/missing.ckpt")
+    torch.testing.assert_close(loaded.net[0].weight, model.net[0].weight, rtol=0, atol=0)
+    cached = tmp_path / "torch_home" / "hub" / "checkpoints" / "model.ckpt"
+    assert cached.read_bytes() == (served / "model.ckpt").read_bytes()
+    # the server is gone: torch.hub's rule, the cached file is read without a download
+    again = Classifier.load_from_checkpoint(f"{url}/model.ckpt", hidden=4)
+    torch.testing.assert_close(again.net[2].bias, model.net[2].bias, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="s3:// URL.*local"):
+        Classifier.load_from_checkpoint("s3://bucket/model.ckpt")
 
 
 def test_load_from_checkpoint_takes_every_form_of_torch_loads_map_location(tmp_path):

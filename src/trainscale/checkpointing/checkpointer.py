@@ -20,8 +20,11 @@ and ``module_class``, which ``TrainingModule.load_from_checkpoint`` rebuilds the
 
 from __future__ import annotations
 
+import os
 import pickle
+import re
 import time
+import urllib.parse
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -299,11 +302,38 @@ def restore_pickled(entries: dict, weights_only: bool | None, path: Any) -> None
         parent[record["path"][-1]] = torch.load(io.BytesIO(record["data"]), map_location="cpu", weights_only=False)
 
 
-def read_module_checkpoint(path: Path, verify: bool = True,
+def local_checkpoint(path: str | os.PathLike) -> Path:
+    """``path`` as a local path; an ``http://`` or ``https://`` URL is downloaded first, as Lightning's
+    ``load_from_checkpoint`` does (``torch.hub.load_state_dict_from_url``): into torch hub's cache,
+    ``<torch.hub.get_dir()>/checkpoints/<the URL's file name>`` (``$TORCH_HOME/hub``, by default
+    ``~/.cache/torch/hub``), through a temporary file renamed into place (``torch.hub.download_url_to_file``), and
+    read from there on later calls without downloading again (torch's rule: delete the file to fetch a new one).
+
+    Raises:
+        ValueError: a URL of another scheme (``s3://``, ``gs://``): trainscale reads local files and HTTP(S) only.
+        urllib.error.URLError: the download failed (an unreachable host; ``HTTPError`` for a missing file).
+    """
+    import torch
+
+    text = os.fspath(path)
+    scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", text)
+    if scheme is None:
+        return Path(text)
+    if scheme.group(1).lower() not in ("http", "https"):
+        raise ValueError(f"checkpoint {text!r} is a {scheme.group(1)}:// URL: trainscale reads checkpoints from local "
+                         "paths and http(s):// URLs; copy it to a local (or mounted) file and pass that path")
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urllib.parse.urlparse(text).path)
+    if not cached.is_file():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        torch.hub.download_url_to_file(text, str(cached), progress=True)
+    return cached
+
+
+def read_module_checkpoint(path: str | os.PathLike, verify: bool = True,
                            map_location: Any = "cpu") -> tuple[dict, Callable[[], dict]]:
     """Read a checkpoint in this one process, without a process group: a file of a single/ddp run or a sharded
-    (DCP) directory of an fsdp/model_parallel run. Returns its plain entries (``hyper_parameters``, ...; no
-    ``model``) and a function that reads the model's whole state dict (from a DCP directory every shard is read,
+    (DCP) directory of an fsdp/model_parallel run, or an ``http(s)://`` URL of a file (:func:`local_checkpoint`).
+    Returns its plain entries (``hyper_parameters``, ...; no ``model``) and a function that reads the model's whole state dict (from a DCP directory every shard is read,
     ``dcp_checkpoint.read_whole``). Tensors are placed by ``map_location``, ``torch.load``'s argument (a device
     or its name, a dict from saved to new locations, or ``f(storage, location)``): applied by ``torch.load``
     to a file (each tensor's location: the device it was saved from); a DCP directory is read on the CPU, so
@@ -313,11 +343,12 @@ def read_module_checkpoint(path: Path, verify: bool = True,
         FileNotFoundError: ``path`` does not exist.
         CheckpointError: not a trainscale checkpoint (no ``model``/``train_state`` entry), a failed checksum
             (``verify``), an unreadable file.
+        ValueError, urllib.error.URLError: a URL that is not http(s), a failed download (:func:`local_checkpoint`).
     """
     from trainscale.runtime import checkpoint_io
     from trainscale.runtime.strategies import dcp_checkpoint
 
-    path = Path(path)
+    path = local_checkpoint(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; pass a checkpoint file "
                                 "(<run>/checkpoints/epoch=E-step=S.ckpt) or a sharded checkpoint directory")

@@ -13,7 +13,6 @@ Lightning's ``CombinedLoader`` in "sequential" mode (:func:`eval_loaders`).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from trainscale.checkpointing.rng import rng_state, set_rng_state
@@ -42,16 +41,18 @@ class DataModule(HyperparametersMixin):
         """The data module rebuilt from the hyperparameters it saved (``save_hyperparameters()``) in a checkpoint
         of a fit it took part in, as Lightning's ``LightningDataModule.load_from_checkpoint``:
         ``cls(**datamodule_hyper_parameters, **overrides)`` (``cls(config=...)`` when they came in one
-        container; ``weights_only`` and the rules as in ``TrainingModule.load_from_checkpoint``).
+        container; ``checkpoint_path`` (an ``http(s)://`` URL too), ``weights_only`` and the rules as in
+        ``TrainingModule.load_from_checkpoint``).
 
         Raises:
             FileNotFoundError: no such checkpoint.
+            ValueError, urllib.error.URLError: a URL other than ``http(s)://``; a failed download.
             CheckpointError: not a trainscale checkpoint, a failed checksum (``verify``).
             TypeError: ``__init__`` needs arguments the checkpoint does not hold (named, with why).
         """
         from trainscale.checkpointing.checkpointer import read_module_checkpoint
 
-        entries, _ = read_module_checkpoint(Path(checkpoint_path), verify)
+        entries, _ = read_module_checkpoint(checkpoint_path, verify)
         return cls(**checkpoint_init_kwargs(cls, entries, overrides, weights_only, checkpoint_path, "datamodule_"))
 
     def prepare_data(self) -> None:

@@ -22,7 +22,6 @@ import inspect
 import os
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -189,7 +188,10 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         takes ``**kwargs``), and the module is returned in training mode: call ``.eval()`` for inference.
 
         Args:
-            checkpoint_path: ``<run>/checkpoints/epoch=E-step=S.ckpt`` (a file or a sharded directory) or ``last.ckpt``.
+            checkpoint_path: ``<run>/checkpoints/epoch=E-step=S.ckpt`` (a file or a sharded directory) or ``last.ckpt``;
+                or an ``http(s)://`` URL of a checkpoint file, downloaded into torch hub's cache as Lightning's
+                (``torch.hub``'s rule: a file of that name there is read without downloading again;
+                ``checkpointer.local_checkpoint``).
             map_location: where the weights go, in any form of ``torch.load``'s ``map_location`` (Lightning's
                 argument): a device or its name ("cuda:0"), a dict from the locations the checkpoint was saved
                 from to new ones (``{"cuda:1": "cuda:0"}``), or ``f(storage, location)`` returning a storage (or
@@ -210,6 +212,8 @@ class TrainingModule(HyperparametersMixin, nn.Module):
 
         Raises:
             FileNotFoundError: no such checkpoint.
+            ValueError: a URL other than ``http(s)://`` (``s3://``: copy the file and pass its local path).
+            urllib.error.URLError: the download of a URL failed.
             TypeError: a ``map_location`` of another type.
             CheckpointError: not a trainscale checkpoint, a failed checksum; pickled entries for a module with
                 ``on_load_checkpoint`` without ``weights_only=False``.
@@ -221,7 +225,7 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         if not (map_location is None or isinstance(map_location, (str, torch.device, dict)) or callable(map_location)):
             raise TypeError(f"map_location={map_location!r}; pass a device or its name ('cuda:0'), a dict such as "
                             "{'cuda:1': 'cuda:0'}, a function (storage, location) -> storage, or None (the CPU)")
-        entries, read_model = read_module_checkpoint(Path(checkpoint_path), verify, map_location or "cpu")
+        entries, read_model = read_module_checkpoint(checkpoint_path, verify, map_location or "cpu")
         module = cls(**checkpoint_init_kwargs(cls, entries, overrides, weights_only, checkpoint_path))
         state = read_model()
         if "on_load_checkpoint" in defined_hooks(module):  # as Lightning's: it sees, and may change, the weights
