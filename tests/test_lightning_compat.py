@@ -1356,6 +1356,20 @@ def test_save_weights_only_save_on_validation_and_time_interval(tmp_path):
     assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [f"step={s}.ckpt" for s in (1, 2, 3, 4)]
 
 
+@pytest.mark.timeout(60)
+def test_save_checkpoint_takes_lightnings_arguments_in_their_order(tmp_path):
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(Probe(), _loader())
+    # Lightning's signature, save_checkpoint(filepath, weights_only, storage_options), as its ModelCheckpoint calls it
+    positional = trainer.save_checkpoint(tmp_path / "positional.ckpt", True)
+    assert "optimizer" not in torch.load(positional, weights_only=True)
+    named = trainer.save_checkpoint(filepath=tmp_path / "named.ckpt", weights_only=False, storage_options=None)
+    assert "optimizer" in torch.load(named, weights_only=True)
+    with pytest.raises(TypeError, match="storage_options.*not supported"):  # as Lightning's TorchCheckpointIO
+        trainer.save_checkpoint(tmp_path / "remote.ckpt", False, {"anon": True})
+    assert not (tmp_path / "remote.ckpt").exists()
+
+
 # -- checkpoint names, ModelCheckpoint's argument errors, save_on_exception --------------------------------------------
 @pytest.mark.timeout(60)
 def test_checkpoints_take_lightnings_names_and_save_checkpoint_the_exact_path(tmp_path):

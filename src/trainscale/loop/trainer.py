@@ -1143,24 +1143,27 @@ class Trainer:
         for cb in self.checkpoint_callbacks:
             cb.save_if_due(self, epoch_end, ends_epoch)
 
-    def save_checkpoint(self, path: str | Path | None = None, background: bool = False, *,
-                        overwrite: bool = False, weights_only: bool = False) -> Path:
+    def save_checkpoint(self, filepath: str | Path | None = None, weights_only: bool = False,
+                        storage_options: Any = None, *, background: bool = False, overwrite: bool = False) -> Path:
         """Checkpoint everything (model, optimizers, schedulers, loop position, RNG states, callbacks) to
-        ``path`` atomically (a file, its SHA-256 inside; a directory under a sharding strategy), as
-        Lightning's ``trainer.save_checkpoint(path)``; ``fit(ckpt_path=path)`` resumes from it (not from one with
-        ``weights_only``: no optimizer or scheduler state, as Lightning's). Without ``path`` to
+        ``filepath`` atomically (a file, its SHA-256 inside; a directory under a sharding strategy), as
+        Lightning's ``trainer.save_checkpoint(filepath, weights_only=False, storage_options=None)``, whose
+        arguments come in the same order; ``fit(ckpt_path=filepath)`` resumes from it (not from one with
+        ``weights_only``: no optimizer or scheduler state, as Lightning's). Without ``filepath`` to
         ``<run dir>/checkpoints/epoch=E-step=S.ckpt``, and "last" then names it. During ``fit`` every rank must call
         it at the same point; after ``fit`` it writes the fitted state. Returns the path written
         (``background`` with ``checkpoint_async``: returns once the state is staged, the write goes on;
         ``checkpointing/writes.py``).
 
-        An existing ``path`` is replaced only with ``overwrite=True``, and one in another run's directory never is
-        (unlike Lightning, which overwrites silently).
+        An existing ``filepath`` is replaced only with ``overwrite=True``, and one in another run's directory never
+        is (unlike Lightning, which overwrites silently).
 
         Raises:
             NoTrainingStateError: called before any ``fit`` of this Trainer (nothing to save yet): a ``RuntimeError``,
                 and an ``AttributeError`` as Lightning raises it.
-            FileExistsError: ``path`` exists and ``overwrite`` is False, or it belongs to another run (on every
+            TypeError: ``storage_options`` other than None (Lightning's ``TorchCheckpointIO`` refuses them too:
+                trainscale writes local files and has no ``CheckpointIO`` plugins).
+            FileExistsError: ``filepath`` exists and ``overwrite`` is False, or it belongs to another run (on every
                 rank, before anything is written).
         """
         if self._fit is None:  # Lightning's words first
@@ -1168,14 +1171,18 @@ class Trainer:
                 "Saving a checkpoint is only possible if a model is attached to the Trainer: save_checkpoint() needs a "
                 "fit first: there is no training state yet; call trainer.fit(model, ...) (or save the weights with "
                 "torch.save(model.state_dict(), path))")
-        if path is None:
+        if storage_options is not None:  # Lightning's TorchCheckpointIO's words first
+            raise TypeError("`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg is not "
+                            f"supported: trainscale writes local files and has no CheckpointIO plugin to pass "
+                            f"{storage_options!r} to; drop the argument")
+        if filepath is None:
             return self.write_checkpoint(self.run_dir / "checkpoints", background, weights_only=weights_only)
         rt = self.runtime
-        refusal = rt.broadcast_object(overwrite_refusal(Path(path), self.run_dir, overwrite) if rt.is_rank_zero
+        refusal = rt.broadcast_object(overwrite_refusal(Path(filepath), self.run_dir, overwrite) if rt.is_rank_zero
                                       else None)  # rank zero's file system decides, so every rank raises together
         if refusal:
             raise FileExistsError(refusal)
-        return self._save(Path(path), None, background, weights_only)
+        return self._save(Path(filepath), None, background, weights_only)
 
     def checkpoint_path(self, directory: Path, name: str | None = None) -> Path:
         """Where :meth:`write_checkpoint` writes ``name`` now: ``directory/name`` (None: Lightning's default name,
