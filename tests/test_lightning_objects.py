@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
+import os
 import shutil
 import threading
 import urllib.error
@@ -326,6 +327,20 @@ def test_model_checkpoint_template_and_last_ckpt_in_a_fit(tmp_path):
               ckpt_path=last)
     assert again.run_dir == trainer.run_dir and len(again.history) == 3
     assert last.resolve().name.startswith("epoch=2-")
+
+
+def test_last_ckpt_is_a_copy_where_the_file_system_refuses_symbolic_links(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):  # as a FUSE or SMB mount without symbolic links
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "symlink", refuse)
+    callback = ModelCheckpoint(dirpath=tmp_path / "c", save_top_k=1, save_last=True)
+    _fit(tmp_path, Classifier(hidden=4), epochs=2, callbacks=[callback])
+    last = tmp_path / "c" / "last.ckpt"
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["epoch=1-step=4.ckpt", "last.ckpt"]
+    assert not last.is_symlink() and callback.last_model_path == str(last)
+    assert last.read_bytes() == Path(callback.best_model_path).read_bytes()  # the newest, its SHA-256 inside
+    assert Classifier.load_from_checkpoint(last).net[0].out_features == 4
 
 
 # -- profilers -----------------------------------------------------------------------------------------------------

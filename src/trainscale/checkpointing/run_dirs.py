@@ -181,16 +181,27 @@ def link_last(path: Path, link: Path) -> None:
     """Make ``link`` (a ``ModelCheckpoint``'s ``last.ckpt``) a symbolic link to checkpoint ``path`` (a file or a
     sharded directory), relative when both lie in one directory; replaced atomically (a new link renamed over it),
     so a reader sees the old or the new target, never none. Lightning's ``save_last="link"``
-    (``ModelCheckpoint._link_checkpoint``).
+    (``ModelCheckpoint._link_checkpoint``). Where the file system refuses symbolic links (some FUSE and SMB
+    mounts), a copy of the checkpoint takes the link's place, as Lightning's falls back to ``shutil.copy``: a file
+    (its SHA-256 inside, so the copy verifies) renamed over the old one atomically; a sharded directory replaces
+    the old entry after it is removed.
 
     Raises:
-        OSError: the file system refuses symbolic links.
+        OSError: the copy fails too (a full disk).
     """
     link = Path(link)
     target = path.name if path.parent.resolve() == link.parent.resolve() else str(path.resolve())
     tmp = link.parent / f".{link.name}.link.tmp"
-    tmp.unlink(missing_ok=True)
-    os.symlink(target, tmp)
+    remove_checkpoint(tmp)
+    try:
+        os.symlink(target, tmp)
+    except OSError:
+        if path.is_dir():
+            shutil.copytree(path, tmp, symlinks=True)
+        else:
+            shutil.copyfile(path, tmp)
+    if tmp.is_dir() and not tmp.is_symlink():  # rename(2) puts a directory only where no entry (or an empty one) is
+        remove_checkpoint(link)
     os.replace(tmp, link)
 
 
