@@ -132,6 +132,8 @@ def _serving(directory: Path):
 
 def test_load_from_checkpoint_reads_an_http_url_through_torch_hubs_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))  # torch.hub.get_dir() follows it
+    for name in ("no_proxy", "NO_PROXY"):  # the local server directly, whatever proxy the machine sets
+        monkeypatch.setenv(name, "127.0.0.1")
     model = Classifier(hidden=4)
     _fit(tmp_path / "run", model)
     served = tmp_path / "served"
