@@ -153,6 +153,26 @@ def test_load_from_checkpoint_reads_an_http_url_through_torch_hubs_cache(tmp_pat
         Classifier.load_from_checkpoint("s3://bucket/model.ckpt")
 
 
+def test_load_from_checkpoint_reads_a_checkpoint_edited_and_saved_back_with_torch_save(tmp_path):
+    model = Classifier(hidden=4, lr=0.5)
+    _fit(tmp_path, model)
+    path = ckpt.find_last(tmp_path)
+    raw = torch.load(path, weights_only=True)
+    raw["state_dict"]["net.0.bias"] = torch.full((4,), 7.0)  # the edit Lightning's docs show, saved back as a plain file
+    raw["module_arguments"] = {**raw.pop("hyper_parameters"), "lr": 0.25}  # Lightning's older key of the hyperparameters
+    edited = tmp_path / "edited.ckpt"
+    torch.save(raw, edited)
+    with pytest.warns(UserWarning, match="records no SHA-256.*loaded without verifying"):
+        loaded = Classifier.load_from_checkpoint(edited)
+    assert torch.equal(loaded.net[0].bias, torch.full((4,), 7.0)) and loaded.hparams.lr == 0.25
+    assert loaded.hparams.hidden == 4
+    damaged = bytearray(Path(path).read_bytes())  # a file that records its SHA-256 and no longer matches it
+    damaged[len(damaged) // 2] ^= 0xFF
+    (tmp_path / "damaged.ckpt").write_bytes(bytes(damaged))
+    with pytest.raises(CheckpointError, match="corrupted or truncated"):
+        Classifier.load_from_checkpoint(tmp_path / "damaged.ckpt")
+
+
 def test_load_from_checkpoint_takes_every_form_of_torch_loads_map_location(tmp_path):
     model = Classifier(hidden=4)
     _fit(tmp_path, model)

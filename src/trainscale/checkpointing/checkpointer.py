@@ -344,6 +344,11 @@ def read_module_checkpoint(path: str | os.PathLike, verify: bool = True,
         CheckpointError: not a trainscale checkpoint (no ``model``/``train_state`` entry), a failed checksum
             (``verify``), an unreadable file.
         ValueError, urllib.error.URLError: a URL that is not http(s), a failed download (:func:`local_checkpoint`).
+
+    Warns:
+        UserWarning: the file records no SHA-256 (a checkpoint loaded, edited and saved back with plain
+            ``torch.save``, as Lightning's docs show): it is read without verifying its bytes, as Lightning reads
+            every file. A file whose recorded SHA-256 differs from its bytes is refused.
     """
     from trainscale.runtime import checkpoint_io
     from trainscale.runtime.strategies import dcp_checkpoint
@@ -355,8 +360,13 @@ def read_module_checkpoint(path: str | os.PathLike, verify: bool = True,
     if ckpt.is_last_pointer(path):  # <run>/checkpoints/last: the checkpoint it names
         path = ckpt.read_last(path)
     sharded = is_sharded(path)
-    entries = checkpoint_io.load_file(path / dcp_checkpoint.EXTRA if sharded else path, verify,
-                                      map_location=map_location)
+    file = path / dcp_checkpoint.EXTRA if sharded else path
+    try:
+        entries = checkpoint_io.load_file(file, verify, map_location=map_location)
+    except checkpoint_io.NoDigestError as err:  # a plain torch.save file (edited and saved back): as Lightning, load it
+        warnings.warn(f"{err.args[0].split(', so')[0]}: it was saved with plain torch.save (edited and saved back, "
+                      "or written by another library), so it is loaded without verifying its bytes", stacklevel=3)
+        entries = checkpoint_io.load_file(file, False, map_location=map_location)
     key = weights_key(sharded)
     if isinstance(entries, dict) and key not in entries:  # a file written before "state_dict"
         key = checkpoint_io.FORMER_NAMES.get(key, key)

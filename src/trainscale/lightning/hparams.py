@@ -222,19 +222,24 @@ def _init_arguments(obj: Any, frame: Any) -> dict[str, Any]:
     return found
 
 
+# where Lightning's older releases kept a module's hyperparameters (its CHECKPOINT_PAST_HPARAMS_KEYS), read first
+_PAST_KEYS = ("hparams", "module_arguments")
+
+
 def checkpoint_init_kwargs(cls: type, entries: Mapping[str, Any], overrides: Mapping[str, Any],
                            weights_only: bool | None, path: Any, prefix: str = "") -> dict[str, Any]:
     """The keyword arguments that rebuild ``cls`` (a module, or with ``prefix="datamodule_"`` a data module) from
     a checkpoint's ``entries``, as Lightning's ``_load_state`` (``core/saving.py``): the saved hyperparameters
-    (``hyper_parameters``; with ``weights_only=False`` also the values of other types, unpickled from
-    ``hparams_pickled``: only for a checkpoint you trust), ``overrides`` replacing them; all of them as one
+    (a module's under Lightning's older keys ``hparams`` and ``module_arguments`` too, then ``hyper_parameters``;
+    with ``weights_only=False`` also the values of other types, unpickled from ``hparams_pickled``: only for a
+    checkpoint you trust), ``overrides`` replacing them; all of them as one
     argument when they came in one container that ``__init__`` takes by that name (``hparams_name``), the
     ``overrides`` beside it; then only the arguments ``__init__`` takes (all when it takes ``**kwargs``).
 
     Raises:
         TypeError: a required argument of ``cls.__init__`` that is not among them, named with why it is missing.
     """
-    saved = {**entries.get(f"{prefix}hyper_parameters", {}), **_unpickled(entries, weights_only, prefix), **overrides}
+    saved = {**_saved_hparams(entries, prefix), **_unpickled(entries, weights_only, prefix), **overrides}
     params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # without self
     named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     if entries.get(f"{prefix}hparams_name") in named:
@@ -247,6 +252,13 @@ def checkpoint_init_kwargs(cls: type, entries: Mapping[str, Any], overrides: Map
                         f"{_why_missing(missing, entries, prefix)}; pass them: {cls.__name__}.load_from_checkpoint("
                         f"path, {', '.join(f'{name}=...' for name in missing)})")
     return saved
+
+
+def _saved_hparams(entries: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """The plain hyperparameters a checkpoint holds: a module's under Lightning's older keys, then under
+    ``hyper_parameters`` (``datamodule_hyper_parameters`` for a data module), the newer winning."""
+    saved = {} if prefix else {k: v for key in _PAST_KEYS for k, v in (entries.get(key) or {}).items()}
+    return {**saved, **entries.get(f"{prefix}hyper_parameters", {})}
 
 
 def _unpickled(entries: Mapping[str, Any], weights_only: bool | None, prefix: str) -> dict[str, Any]:

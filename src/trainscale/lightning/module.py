@@ -198,7 +198,9 @@ class TrainingModule(HyperparametersMixin, nn.Module):
                 None: where it was saved). The module is moved to the device of its first weight, as Lightning.
                 None: the CPU (Lightning keeps a GPU checkpoint on that GPU when there is one).
             strict: the weights' names must match the module's exactly (``nn.Module.load_state_dict``).
-            verify: check the SHA-256 recorded at the save (refuses a file without one).
+            verify: check the SHA-256 recorded at the save (refuses a file whose bytes differ from it; a file that
+                records none, one loaded, edited and saved back with plain ``torch.save``, is read unverified with
+                a warning, as Lightning reads any file).
             weights_only: Lightning's argument. trainscale's checkpoints hold only tensors, plain values and bytes,
                 so they are always read with ``torch.load(weights_only=True)``, which runs no pickled code; the
                 hyperparameters of other types (a module, a file system object) are kept apart, pickled into

@@ -34,6 +34,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, truncated, tampered with, or does not fit the model."""
 
 
+class NoDigestError(CheckpointError):
+    """A checkpoint file records no SHA-256 (a plain ``torch.save`` file: re-saved after an edit, or written by
+    another library), so its bytes cannot be verified."""
+
+
 # fsync of a directory: EINVAL or ENOTSUP on filesystems that cannot sync one (some NFS/FUSE/CIFS
 # mounts, per fsync(2)); the rename is then as durable as that filesystem makes it.
 _DIR_FSYNC_UNSUPPORTED = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)
@@ -319,7 +324,7 @@ def _verify(path: Path, data: bytes) -> None:
     digest_file = Path(f"{path}.sha256")
     embedded = embedded_digest(data)
     if embedded is None and not digest_file.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} records no SHA-256 (neither inside the file nor in "
+        raise NoDigestError(f"checkpoint {str(path)!r} records no SHA-256 (neither inside the file nor in "
                               f"{digest_file.name!r} beside it), so it cannot be verified: it is corrupted or "
                               "truncated (its digest is its last bytes), or it was not written by trainscale (a flipped bit would load silently); resume from an earlier "
                               "checkpoint, or, if you trust this file, load it unverified with verify=False")
