@@ -3462,3 +3462,26 @@ def test_a_step_interval_plateau_scheduler_reads_what_this_step_logged(tmp_path)
     sched = trainer.lr_scheduler_configs[0].scheduler
     assert sched.last_epoch == 4 and float(sched.best) == 0.0  # the first value seen was step 0's own
     assert [g["lr"] for g in sched.optimizer.param_groups] == [0.1 * 0.5 ** 3]  # halved after steps 2, 3 and 4
+
+
+class _UploadsCheckpoints(_Recorder):
+    """A logger as Lightning users write to upload checkpoints: its ``after_save_checkpoint`` reads the callback."""
+
+    def __init__(self):
+        super().__init__()
+        self.saved: list[str] = []
+
+    def after_save_checkpoint(self, checkpoint_callback):  # without a monitor Lightning's best_model_path: the newest
+        self.saved.append(os.path.basename(checkpoint_callback.last_model_path or checkpoint_callback.best_model_path))
+
+
+@pytest.mark.timeout(60)
+def test_loggers_hear_of_each_checkpoint_model_checkpoint_writes(tmp_path):
+    uploads = _UploadsCheckpoints()
+    every_epoch = ModelCheckpoint(dirpath=tmp_path / "c", save_top_k=-1, filename="{epoch}")
+    _trainer(tmp_path, max_epochs=3, logger=uploads, callbacks=[every_epoch]).fit(Probe(), _loader())
+    assert uploads.saved == ["epoch=0.ckpt", "epoch=1.ckpt", "epoch=2.ckpt"]
+    last_only = _UploadsCheckpoints()  # save_top_k=0 writes only last.ckpt, at each epoch end: heard each time
+    _trainer(tmp_path / "b", max_epochs=2, logger=[last_only, _Recorder()],
+             callbacks=[ModelCheckpoint(dirpath=tmp_path / "d", save_top_k=0, save_last=True)]).fit(Probe(), _loader())
+    assert last_only.saved == ["last.ckpt", "last.ckpt"]

@@ -5,6 +5,7 @@ import os
 import re
 import time
 import warnings
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
@@ -371,6 +372,7 @@ class ModelCheckpoint(Callback):
             name = self._free_name(trainer, self.filename, self._metrics(trainer), set())
             last = self._last_name(trainer) if self.save_last else None
             trainer.write_checkpoint(self._directory, name=name, weights_only=self.save_weights_only)
+            self._notify_loggers(trainer)
             self._saved_step = trainer.global_step
             trainer.checkpoints.discard([Path(p) for p in self._link_last(trainer, str(self._directory / name), last)])
         except Exception as err:
@@ -430,6 +432,7 @@ class ModelCheckpoint(Callback):
         self._rank(path, score, trainer.global_step)
         last = self._last_name(trainer) if self.save_last else None
         trainer.write_checkpoint(self._directory, background=True, name=name, weights_only=self.save_weights_only)
+        self._notify_loggers(trainer)
         if self.verbose:
             self._say_saved(trainer, path)
         keep = set(self._kept) | {path}  # the newest is "last"
@@ -474,6 +477,7 @@ class ModelCheckpoint(Callback):
         self._written = [p for p in self._written if p != path] + [path]
         self._newest, self._saved_step = path, trainer.global_step
         trainer.write_checkpoint(self._directory, background=True, name=name, weights_only=self.save_weights_only)
+        self._notify_loggers(trainer)
         stale = [p for p in self._written if p != path and p not in self._kept]
         self._written = [p for p in self._written if p not in stale]
         old_links, self._links = [p for p in self._links if p != path], []
@@ -508,6 +512,18 @@ class ModelCheckpoint(Callback):
                 del self._kept[dropped]
         self.current_score = torch.tensor(self._value(score)) if self.monitor is not None else None
         self._publish_ranking()
+
+    def _notify_loggers(self, trainer: "Trainer") -> None:
+        """After each checkpoint it writes, on rank zero, each logger's ``after_save_checkpoint(callback)`` where
+        the logger defines it (Lightning's ``Logger`` hook, given a ``weakref.proxy`` of this callback, as
+        Lightning's ``ModelCheckpoint._save_checkpoint`` does: a logger that uploads checkpoints reads
+        ``last_model_path``, ``best_k_models`` there). With ``checkpoint_async`` the write may still be going on."""
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            hook = getattr(logger, "after_save_checkpoint", None)
+            if callable(hook):
+                hook(weakref.proxy(self))
 
     def _say_saved(self, trainer: "Trainer", path: str) -> None:
         scores = (f" ({self.monitor} {float(self.current_score):.5g}, best {float(self.best_model_score):.5g})"

@@ -30,6 +30,10 @@ class Logger(Protocol):
     4. ``finalize(status)`` — "success" or "failed"; the logger flushes and closes. Calling it again
        does nothing.
 
+    Optional, as Lightning's: ``after_save_checkpoint(checkpoint_callback)``, called on rank zero after each
+    checkpoint a ``ModelCheckpoint`` writes, with that callback (a ``weakref.proxy``; not a protocol member, so
+    loggers without it still match).
+
     A resumed run calls ``setup`` with the same ``run_dir``: the file loggers append, W&B and MLflow
     continue the same run (its id is kept in ``run_dir``).
     """
