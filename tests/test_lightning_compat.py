@@ -3041,18 +3041,18 @@ def test_is_overridden_compares_with_the_base_class_and_unwraps_what_lightning_u
     with pytest.raises(ValueError, match="parent="):
         is_overridden("forward", nn.Linear(1, 1))
     assert is_overridden("forward", nn.Linear(1, 1), parent=nn.Module)
-    assert not is_overridden("lr_scheduler_step", model)  # a hook neither class has
+    assert not is_overridden("prepare_data", model)  # a hook neither class has
 
     class Configured(Probe):
         def configure_model(self):  # a hook TrainingModule defines (a no-op)
             pass
 
-        def lr_scheduler_step(self, scheduler, metric):  # Lightning's hook, not TrainingModule's: nothing to compare
+        def prepare_data(self):  # Lightning's hook, not TrainingModule's: nothing to compare
             pass
 
     assert is_overridden("configure_model", Configured()) and not is_overridden("configure_model", model)
-    with pytest.raises(ValueError, match="defines no lr_scheduler_step"):
-        is_overridden("lr_scheduler_step", Configured())
+    with pytest.raises(ValueError, match="defines no prepare_data"):
+        is_overridden("prepare_data", Configured())
     assert is_picklable({"lr": 0.1}) and not is_picklable(lambda: 0)
 
 
@@ -3390,6 +3390,134 @@ def test_epoch_schedulers_step_only_after_an_epoch_whose_batches_were_all_seen(t
     else:
         with pytest.raises(ValueError, match="ReduceLROnPlateau conditioned on metric 'giraffe' which is not available"):
             trainer.fit(plateau, _loader())
+
+
+def test_lr_scheduler_configs_are_lightnings_lr_scheduler_config(tmp_path):
+    """``trainer.lr_scheduler_configs`` holds Lightning's ``LRSchedulerConfig`` (``trainscale.utilities.types``), one
+    per scheduler with the dict's keys and Lightning's defaults: ``reduce_on_plateau`` True for a
+    ``ReduceLROnPlateau``, which takes the optimizer dict's ``monitor`` when given alone; the key is accepted."""
+    from trainscale.lightning.optimizers import parse_optimization
+    from trainscale.utilities.types import LRSchedulerConfig
+
+    class TwoSchedulers(Probe):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+            steplr = torch.optim.lr_scheduler.StepLR(opt, 1)
+            return [opt], [{"scheduler": plateau, "monitor": "idx", "interval": "step", "name": "p"}, steplr]
+
+    trainer = _trainer(tmp_path, max_steps=1, num_sanity_val_steps=0)
+    trainer.fit(TwoSchedulers(), _loader())
+    plateau, steplr = (config.scheduler for config in trainer.lr_scheduler_configs)
+    assert trainer.lr_scheduler_configs == [
+        LRSchedulerConfig(plateau, name="p", interval="step", frequency=1, reduce_on_plateau=True, monitor="idx",
+                          strict=True),
+        LRSchedulerConfig(steplr)]
+    opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    parsed = parse_optimization({"optimizer": opt, "lr_scheduler": plateau, "monitor": "val_loss"})
+    assert parsed.schedulers == (LRSchedulerConfig(plateau, reduce_on_plateau=True, monitor="val_loss"),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reduce_on_plateau is one of Lightning's keys: no "unsupported keys"
+        parsed = parse_optimization({"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "m",
+                                                                         "reduce_on_plateau": True}})
+    assert parsed.schedulers[0].reduce_on_plateau
+
+
+class _EpochNoted:
+    """A scheduler that is not torch's: ``step(epoch)`` notes the epoch (``lr_scheduler_step`` must step it)."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.epochs = optimizer, []
+
+    def step(self, epoch):
+        self.epochs.append(epoch)
+
+    def state_dict(self):
+        return {"epochs": list(self.epochs)}
+
+    def load_state_dict(self, state):
+        self.epochs = list(state["epochs"])
+
+
+@pytest.mark.timeout(60)
+def test_lr_scheduler_step_steps_every_scheduler_and_lets_a_module_use_its_own(tmp_path):
+    """The module's ``lr_scheduler_step(scheduler, metric)`` steps each due scheduler (``metric``: the monitored value
+    for a ``ReduceLROnPlateau``, else None), in Lightning's order within a step: "step" schedulers, after the epoch's
+    last step its "epoch" ones, then the plateau ones; so a scheduler that is not torch's is accepted where the
+    module overrides the hook, and refused with Lightning's words where it does not."""
+    calls = []
+
+    class OwnStep(Probe):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=1.0)
+            return [opt], [{"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), "interval": "step"},
+                           _EpochNoted(opt),
+                           {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=100),
+                            "monitor": "idx", "interval": "step"}]
+
+        def lr_scheduler_step(self, scheduler, metric):
+            calls.append((type(scheduler).__name__, None if metric is None else float(metric)))
+            if isinstance(scheduler, _EpochNoted):
+                scheduler.step(epoch=self.current_epoch)
+            else:
+                super().lr_scheduler_step(scheduler, metric)
+
+    trainer = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0)
+    trainer.fit(OwnStep(), _loader(4))  # 2 steps an epoch, logging idx 0 and 1
+    one_epoch = [("StepLR", None), ("ReduceLROnPlateau", 0.0),
+                 ("StepLR", None), ("_EpochNoted", None), ("ReduceLROnPlateau", 1.0)]
+    assert calls == one_epoch * 2
+    assert trainer.lr_scheduler_configs[1].scheduler.epochs == [0, 1]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.5 ** 4  # the default hook stepped StepLR
+
+    class NoHook(OwnStep):
+        lr_scheduler_step = TrainingModule.lr_scheduler_step
+
+    with pytest.raises(ValueError, match="`_EpochNoted` doesn't follow PyTorch's LRScheduler API. You should override "
+                                         "the `LightningModule.lr_scheduler_step` hook"):
+        _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0).fit(NoHook(), _loader(4))
+
+
+@pytest.mark.timeout(60)
+def test_epoch_schedulers_step_before_the_epochs_last_checkpoint_which_resumes_exactly(tmp_path):
+    """An "epoch" scheduler steps right after the epoch's last optimizer step, before that step's
+    ``on_train_batch_end`` and checkpoints (Lightning's order): a checkpoint saved at that step holds the scheduler
+    after its epoch step, and a fit resumed from it (the epoch counts as done) takes the learning rates of a fit that
+    ran through."""
+    seen = []
+
+    class Noting(Probe):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            seen.append(self.lr_schedulers().last_epoch)
+
+    def model():
+        return _with_scheduler(Noting(), lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+
+    through = _trainer(tmp_path / "through", max_epochs=3, num_sanity_val_steps=0)
+    through.fit(model(), _loader(4))
+    saving = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2)
+    first = _trainer(tmp_path / "first", max_epochs=1, num_sanity_val_steps=0, callbacks=[saving])
+    seen.clear()
+    first.fit(model(), _loader(4))
+    assert seen == [0, 1]  # the epoch's last batch end sees the scheduler stepped
+    path = saving.last_model_path or saving.best_model_path
+    assert torch.load(path, weights_only=True)["scheduler"]["last_epoch"] == 1
+    resumed = _trainer(tmp_path / "resumed", max_epochs=3, num_sanity_val_steps=0)
+    resumed.fit(model(), _loader(4), ckpt_path=path)
+    assert resumed.optimizers[0].param_groups[0]["lr"] == through.optimizers[0].param_groups[0]["lr"] == 0.5 ** 3
+
+
+def test_trainer_lightning_module_is_the_strategys_before_any_fit(tmp_path):
+    """Before a fit or evaluation ``trainer.lightning_module`` is the module given to ``trainer.strategy.connect``
+    (Lightning's reads the strategy's), then the module of the fit."""
+    trainer = _trainer(tmp_path, max_steps=1, num_sanity_val_steps=0)
+    assert trainer.lightning_module is None
+    connected, fitted = Probe(), Probe()
+    trainer.strategy.connect(connected)
+    assert trainer.lightning_module is connected
+    trainer.fit(fitted, _loader())
+    assert trainer.lightning_module is fitted
 
 
 def test_on_save_checkpoint_sees_lightnings_optimizer_and_scheduler_states_which_the_file_holds_once(tmp_path):

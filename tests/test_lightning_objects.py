@@ -517,6 +517,45 @@ def test_base_finetuning_freezes_before_the_optimizer_and_unfreezes_into_a_new_g
         BaseFinetuning.unfreeze_and_add_param_group(model.head, trainer.optimizers[0])
 
 
+def test_learning_rate_monitor_carries_one_groups_rates_on_under_pg1_once_groups_are_added(tmp_path):
+    """When ``BaseFinetuning`` gives the optimizer a second param group, ``LearningRateMonitor``'s ``lr-SGD`` rates go
+    on under ``lr-SGD/pg1`` (moved after the other names) and ``lr-SGD/pg2`` follows, as Lightning's ``_remap_keys``:
+    no name of the single group is left behind."""
+    from trainscale.callbacks import BaseFinetuning, LearningRateMonitor
+    from trainscale.loggers import CSVLogger
+
+    class UnfreezeAtOne(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.backbone)
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            if epoch == 1 and isinstance(optimizer, torch.optim.SGD):
+                self.unfreeze_and_add_param_group(pl_module.backbone, optimizer)  # lr: 0.1 / 10
+
+    class WithAdam(Backboned):  # a second optimizer, stepped by hand, whose name stays first
+        automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.manual_backward(loss)
+            for opt in self.optimizers():
+                opt.step()
+            for opt in self.optimizers():
+                opt.zero_grad()
+
+        def configure_optimizers(self):
+            sgd = torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1)
+            return [sgd, torch.optim.Adam(self.head.parameters(), lr=0.5)]
+
+    monitor = LearningRateMonitor()
+    trainer = Trainer(accelerator="cpu", enable_progress_bar=False, default_root_dir=tmp_path, max_epochs=3,
+                      callbacks=[UnfreezeAtOne(), monitor], logger=CSVLogger(tmp_path), enable_checkpointing=False)
+    trainer.fit(WithAdam(), DataLoader(_data(), batch_size=8))
+    assert list(monitor.lrs) == ["lr-Adam", "lr-SGD/pg1", "lr-SGD/pg2"]
+    assert monitor.lrs["lr-SGD/pg1"] == [0.1, 0.1, 0.1]  # one rate per epoch start, the first under lr-SGD
+    assert monitor.lrs["lr-SGD/pg2"] == [pytest.approx(0.01)] * 2
+
+
 def test_progress_bar_callbacks_set_the_trainers_bar(tmp_path):
     from trainscale.callbacks import RichProgressBar, TQDMProgressBar
     from trainscale.loop.progress import ProgressBar

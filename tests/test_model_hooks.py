@@ -369,12 +369,19 @@ def test_on_validation_model_zero_grad_runs_before_each_validation_of_fit(tmp_pa
 
 # -- the guard against hooks trainscale never calls ----------------------------------------------------------------------
 class WithSchedulerHook(Linear):
-    def lr_scheduler_step(self, scheduler, metric):
+    def lr_scheduler_step(self, scheduler, metric):  # no scheduler: never called
         raise AssertionError("never called")
 
 
-def test_every_lightning_hook_but_the_uncalled_ones_is_called():
-    assert set(CALLED_HOOKS) < set(LIGHTNING_HOOKS)
+def _one_hook_uncalled(monkeypatch):
+    """The guard as it would be if trainscale did not call ``lr_scheduler_step``."""
+    monkeypatch.setattr("trainscale.lightning.module.CALLED_HOOKS", frozenset(LIGHTNING_HOOKS) - {"lr_scheduler_step"})
+
+
+def test_every_lightning_hook_is_called_and_the_guard_names_one_that_would_not_be(monkeypatch):
+    assert set(CALLED_HOOKS) == set(LIGHTNING_HOOKS)
+    assert uncalled_hooks(WithSchedulerHook()) == []
+    _one_hook_uncalled(monkeypatch)
     assert uncalled_hooks(WithSchedulerHook()) == ["lr_scheduler_step"]
     assert uncalled_hooks(Transferring()) == []
     plain = nn.Linear(1, 1)
@@ -383,7 +390,11 @@ def test_every_lightning_hook_but_the_uncalled_ones_is_called():
 
 
 @pytest.mark.timeout(60)
-def test_a_module_overriding_a_hook_trainscale_never_calls_is_warned_once_per_stage(tmp_path):
+def test_a_module_overriding_a_hook_trainscale_never_calls_is_warned_once_per_stage(tmp_path, monkeypatch):
+    with warnings.catch_warnings():  # every hook is called: no warning
+        warnings.filterwarnings("error", message=".*which Lightning calls and trainscale never does")
+        _trainer(tmp_path, max_steps=1).fit(WithSchedulerHook(), _loader(4))
+    _one_hook_uncalled(monkeypatch)
     trainer = _trainer(tmp_path, max_steps=1)
     with pytest.warns(UserWarning, match="overrides `lr_scheduler_step`, which Lightning calls") as caught:
         trainer.fit(WithSchedulerHook(), _loader(4))

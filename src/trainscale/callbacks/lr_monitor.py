@@ -28,9 +28,10 @@ class LearningRateMonitor(Callback):
     When, as in Lightning: ``logging_interval="step"``: every optimizer's values at the start of each batch whose
     step is a log step (``log_every_n_steps``); ``"epoch"``: at each epoch's start; None: the optimizers of
     ``"step"`` schedulers at the log steps, those of ``"epoch"`` schedulers at each epoch's start, and the
-    optimizers without a scheduler at both. ``lrs`` maps each name to the rates seen then, ``last_momentum_values``
-    and ``last_weight_decay_values`` each ``<name>-momentum``/``<name>-weight_decay`` to its last value (None
-    until one is logged).
+    optimizers without a scheduler at both. ``lrs`` maps each name to the rates seen then (an optimizer that gains
+    param groups goes on under ``<name>/pg1``, moved last, as Lightning's), ``last_momentum_values`` and
+    ``last_weight_decay_values`` each ``<name>-momentum``/``<name>-weight_decay`` to its last value (None until one
+    is logged).
 
     Raises:
         ValueError: an unknown ``logging_interval``; at ``fit``, a Trainer without a logger (``logger=False``,
@@ -73,12 +74,14 @@ class LearningRateMonitor(Callback):
         """The values of the optimizers due ``when`` ("step" or "epoch"), recorded in ``lrs`` and ``last_*``."""
         interval_of = {id(config.scheduler.optimizer): config.interval for config in trainer.lr_scheduler_configs}
         stats: dict[str, float] = {}
-        for opt, names in self._names(trainer):
+        named = self._names(trainer)
+        self._remap_keys([name for _, names in named for name in names])
+        for opt, names in named:
             interval = interval_of.get(id(opt))
             if self.logging_interval is None and interval is not None and interval != when:
                 continue
             for name, group in zip(names, opt.param_groups):
-                self.lrs.setdefault(name, []).append(group["lr"])
+                self.lrs[name].append(group["lr"])
                 stats[name] = group["lr"]
                 if self.log_momentum:
                     momentum = group["betas"][0] if "betas" in opt.defaults else group.get("momentum", 0)
@@ -88,6 +91,17 @@ class LearningRateMonitor(Callback):
                     self.last_weight_decay_values[f"{name}-weight_decay"] = stats[f"{name}-weight_decay"] = decay
         trainer.callback_metrics.update((name, torch.tensor(float(value))) for name, value in stats.items())
         return stats
+
+    def _remap_keys(self, names: list[str]) -> None:
+        """Lightning's ``_remap_keys``: once an optimizer has more param groups (``BaseFinetuning`` adds them), the
+        rates of its one group, ``lr-SGD``, go on as ``lr-SGD/pg1``, which moves to the end of ``lrs``; a name not in
+        ``lrs`` yet (``lr-SGD/pg2``) is added after it, empty."""
+        for name in names:
+            single = name.replace("/pg1", "")
+            if "/pg1" in name and single in self.lrs:
+                self.lrs[name] = self.lrs.pop(single)
+            elif name not in self.lrs:
+                self.lrs[name] = []
 
     def _log(self, trainer: Trainer, stats: dict[str, float], epoch: bool) -> None:
         # the records hold the learning rates themselves (the rate the next step uses): add only what they lack

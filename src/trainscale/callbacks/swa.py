@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -13,6 +12,7 @@ from torch import nn
 from torch.optim.swa_utils import SWALR, AveragedModel, update_bn
 
 from trainscale.callbacks.base import Callback
+from trainscale.utilities.types import LRSchedulerConfig
 
 if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
@@ -133,7 +133,7 @@ class StochasticWeightAveraging(Callback):
                 self._swa_scheduler.load_state_dict(self._restored["scheduler_state"])
         elif trainer.current_epoch != self.swa_start:
             warnings.warn("SWA is initializing after swa_start without any checkpoint data.", stacklevel=2)
-        swa = _EveryEpoch(self._swa_scheduler)
+        swa = LRSchedulerConfig(self._swa_scheduler)  # after every epoch, as Lightning's
         if trainer.schedulers:
             own = trainer.schedulers[0]
             if own.interval != "epoch" or own.frequency != 1:
@@ -160,29 +160,6 @@ class StochasticWeightAveraging(Callback):
     def load_state_dict(self, state: dict) -> None:
         self._latest_update_epoch = state["latest_update_epoch"]
         self._restored = state if state["average_model_state"] is not None else None
-
-
-@dataclasses.dataclass
-class _EveryEpoch:
-    """SWALR's entry in ``trainer.lr_scheduler_configs``, stepped after every epoch (Lightning's
-    ``LRSchedulerConfig(SWALR)``): the fields and methods of ``lightning.optimizers.SchedulerConfig`` that the loop,
-    the checkpointer and ``LearningRateMonitor`` read (that class lies in a layer above the callbacks)."""
-
-    scheduler: SWALR
-    interval: str = "epoch"
-    frequency: int = 1
-    monitor: str | None = None
-    name: str | None = None
-    strict: bool = True
-    given: tuple[str, ...] = ()
-
-    def due(self, count: int) -> bool:
-        """Every epoch (``count``: the epochs so far) is due, as frequency 1."""
-        return True
-
-    def step(self, metrics: dict) -> None:
-        """SWALR's step (``metrics`` unread: SWALR monitors nothing)."""
-        self.scheduler.step()
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from trainscale.runtime import hf
 from trainscale.runtime.batch import batch_size, to_device
 from trainscale.lightning.hparams import HyperparametersMixin, checkpoint_init_kwargs
 from trainscale.lightning.metrics import is_metric
+from trainscale.lightning.optimizers import lr_scheduler_step
 
 if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
@@ -64,8 +65,9 @@ LIGHTNING_HOOKS = (
     "training_step", "validation_step", "test_step", "predict_step", "configure_callbacks", "configure_optimizers",
     "backward", "configure_gradient_clipping", "lr_scheduler_step", "optimizer_step", "optimizer_zero_grad",
 )
-# The one list of those trainscale calls: a module overriding any other hook is warned (``uncalled_hooks``)
-CALLED_HOOKS = frozenset(LIGHTNING_HOOKS) - {"lr_scheduler_step"}
+# The one list of those trainscale calls: a module overriding any other hook is warned (``uncalled_hooks``). It holds
+# all of them; a hook added to LIGHTNING_HOOKS without a call in the loops is warned of until one is written
+CALLED_HOOKS = frozenset(LIGHTNING_HOOKS)
 
 
 class TrainingModule(HyperparametersMixin, nn.Module):
@@ -471,6 +473,14 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         calls. ``loss.backward(*args, **kwargs)``; override it to change the backward."""
         loss.backward(*args, **kwargs)
 
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """Lightning's hook, under automatic optimization, for each scheduler of ``trainer.lr_scheduler_configs`` when
+        its ``interval`` and ``frequency`` say it is due: ``scheduler.step()``, or ``scheduler.step(metric)`` where
+        ``metric`` is the monitored value of a ``reduce_on_plateau`` one (``ReduceLROnPlateau``; None otherwise).
+        Override it to step a scheduler that does not follow torch's ``LRScheduler`` API (without an override such
+        a scheduler is a ``ValueError`` at ``fit``), e.g. ``scheduler.step(epoch=self.current_epoch)``."""
+        lr_scheduler_step(scheduler, metric)
+
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any,
                        optimizer_closure: Callable[[], Any] | None = None) -> None:
         """Lightning's hook, under automatic optimization, once per optimizer step (``batch_idx``: the step's last
@@ -518,7 +528,7 @@ for _name in MODULE_HOOKS:
 
 # Lightning's hooks that do the step's work, with a default that does it (TrainingModule's methods); the Trainer
 # calls a module's own instead of its default (``step_hooks``)
-STEP_HOOKS = ("backward", "optimizer_step", "optimizer_zero_grad", "configure_gradient_clipping")
+STEP_HOOKS = ("backward", "optimizer_step", "optimizer_zero_grad", "configure_gradient_clipping", "lr_scheduler_step")
 
 
 def _clip_settings(config: Any, val: float | None, algorithm: str | None) -> tuple[float | None, str]:
@@ -734,6 +744,8 @@ class LoopModule(nn.Module):
         self.use_loss_fn(loss_fn)
         self.hooks = defined_hooks(model)  # the Lightning hooks the Trainer calls on the model
         self.step_hooks = step_hooks(model)  # the step hooks it overrides (backward, optimizer_step, ...)
+        # what steps each scheduler the Trainer steps: the module's own hook, or Lightning's default
+        self.lr_scheduler_step = model.lr_scheduler_step if "lr_scheduler_step" in self.step_hooks else lr_scheduler_step
         self.overrides = module_overrides(model)  # every Lightning hook it overrides (the mode hooks, ...)
         step = getattr(model, "training_step", None)
         self.has_training_step = step is not None

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from trainscale.lightning.module import step_hooks
 from trainscale.lightning.optimizers import BackwardAgreement, ManualOptimizer, NoOptimizer, parse_optimization
 
 if TYPE_CHECKING:
@@ -26,7 +27,8 @@ def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, confi
         ValueError / TypeError: see :func:`configured_optimization` and :func:`check_optimizers`.
     """
     manual = not getattr(model, "automatic_optimization", True)
-    optimization = parse_optimization(configured_optimization(model, wrapped, optimizer), manual)
+    own_step = "lr_scheduler_step" in step_hooks(model)  # it steps the schedulers, one of its own kind too
+    optimization = parse_optimization(configured_optimization(model, wrapped, optimizer), manual, own_step)
     check_optimizers(optimization, wrapped, manual, config, runtime)
     optimizers = [runtime.strategy.setup_optimizer(o) for o in optimization.optimizers]
     sync = runtime.strategy.gradient_sync

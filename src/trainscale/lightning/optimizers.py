@@ -9,76 +9,72 @@ Every form Lightning documents (``LightningModule.configure_optimizers``) is acc
   "monitor": ...}``, or a list/tuple of such dicts;
 - a list of optimizers (several optimizers: manual optimization only).
 
-Scheduler configs follow Lightning's keys: ``interval`` "epoch" (default) or "step", ``frequency``
-(every N epochs or steps), ``monitor`` (the metric a ``ReduceLROnPlateau`` reads, e.g. "val_loss").
+Each scheduler becomes Lightning's ``LRSchedulerConfig`` (``trainscale.utilities.types``; what
+``trainer.lr_scheduler_configs`` holds), with Lightning's keys: ``interval`` "epoch" (default) or "step", ``frequency``
+(every N epochs or steps), ``monitor`` (the metric a ``ReduceLROnPlateau`` reads, e.g. "val_loss"), ``strict``,
+``name``, ``reduce_on_plateau``. The Trainer steps each through the module's ``lr_scheduler_step(scheduler, metric)``
+(:func:`step_schedulers`; the default :func:`lr_scheduler_step`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 import torch
 
 from trainscale.runtime.strategies.apply_fsdp import gradient_sync_for
+from trainscale.utilities.types import LRSchedulerConfig
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
 
 _PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
-_SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
+_SCHEDULER_KEYS = {field.name for field in fields(LRSchedulerConfig)}  # the lr_scheduler dict's keys, Lightning's
+_PLATEAU_KEYS = ("reduce_on_plateau", "monitor", "strict")  # ignored under manual optimization
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """One learning-rate scheduler and when it steps (Lightning's ``lr_scheduler`` dict)."""
+def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+    """Lightning's default ``LightningModule.lr_scheduler_step``: ``scheduler.step()``, or ``scheduler.step(metric)``
+    for a scheduler that reads a monitored value (``metric`` not None). A module's own hook replaces it."""
+    if metric is None:
+        scheduler.step()
+    else:
+        scheduler.step(metric)
 
-    scheduler: Any
-    interval: str = "epoch"
-    frequency: int = 1
-    monitor: str | None = None
-    name: str | None = None  # the name LearningRateMonitor and the records give its learning rates
-    strict: bool = True  # a monitored metric missing: an error (True) or a warning and no step (False)
-    given: tuple[str, ...] = field(default=(), compare=False)  # the keys of the lr_scheduler dict, in its order
 
-    def due(self, count: int) -> bool:
-        """Step after ``count`` epochs or optimizer steps (counted from 1)?"""
-        return count % self.frequency == 0
+def step_schedulers(schedulers, interval: str, count: int, metrics: dict[str, Any],
+                    step: Callable[[Any, Any], None] = lr_scheduler_step, plateau: bool | None = None) -> None:
+    """Step the ``interval`` ("epoch" or "step") schedulers due after ``count`` of them (counted from 1; every
+    ``frequency``-th), each through ``step(scheduler, metric)`` (the module's ``lr_scheduler_step``, as Lightning's
+    ``_update_learning_rates``), ``metric`` the monitored value of a ``reduce_on_plateau`` one (its ``monitor`` in
+    ``metrics``), else None. ``plateau`` True or False: only the ``reduce_on_plateau`` ones or only the others
+    (Lightning steps a step's plateau schedulers after its metrics are logged and its validation ran).
 
-    def step(self, metrics: dict[str, float]) -> None:
-        """Step the scheduler; a ``ReduceLROnPlateau`` reads ``metrics[monitor]``.
-
-        Raises:
-            ValueError: the monitored metric is not among ``metrics`` (the available names are listed) and ``strict``
-                (without it: a ``RuntimeWarning``, and the scheduler does not step, as Lightning's; Lightning raises
-                its ``MisconfigurationException``).
-        """
-        if isinstance(self.scheduler, _PLATEAU):
-            if self.monitor not in metrics:
-                said = (f"ReduceLROnPlateau conditioned on metric {self.monitor!r} which is not available"
-                        + (" but strict is set to False: the scheduler did not step" if not self.strict else "")
-                        + f". Available metrics are: {', '.join(sorted(metrics))} (this {self.interval}); log it or "
+    Raises:
+        ValueError: the monitored metric is not among ``metrics`` (the available names are listed) and ``strict``
+            (without it: a ``RuntimeWarning``, and the scheduler does not step, as Lightning's; Lightning raises its
+            ``MisconfigurationException``).
+    """
+    for config in schedulers:
+        if (config.interval != interval or count % config.frequency
+                or (plateau is not None and config.reduce_on_plateau != plateau)):
+            continue
+        metric = None
+        if config.reduce_on_plateau:
+            if config.monitor not in metrics:
+                said = (f"ReduceLROnPlateau conditioned on metric {config.monitor!r} which is not available"
+                        + (" but strict is set to False: the scheduler did not step" if not config.strict else "")
+                        + f". Available metrics are: {', '.join(sorted(metrics))} (this {interval}); log it or "
                         "change 'monitor'")
-                if self.strict:
+                if config.strict:
                     raise ValueError(said)
                 warnings.warn(said, RuntimeWarning, stacklevel=2)
-                return
-            self.scheduler.step(metrics[self.monitor])
-        else:
-            self.scheduler.step()
-
-
-def step_schedulers(schedulers, interval: str, count: int, metrics: dict[str, float],
-                    plateau: bool | None = None) -> None:
-    """Step the ``interval`` ("epoch" or "step") schedulers due after ``count`` of them (counted from 1); with
-    ``plateau`` True or False, only the ``ReduceLROnPlateau`` ones or only the others (Lightning steps a step's
-    plateau schedulers after its metrics are logged and its validation ran: ``_update_learning_rates``)."""
-    for sched in schedulers:
-        if (sched.interval == interval and sched.due(count)
-                and (plateau is None or isinstance(sched.scheduler, _PLATEAU) == plateau)):
-            sched.step(metrics)
+                continue
+            metric = metrics[config.monitor]
+        step(config.scheduler, metric)
 
 
 class NoOptimizer(torch.optim.Optimizer):
@@ -109,22 +105,26 @@ class Optimization:
     """What ``configure_optimizers`` (or the ``optimizer`` factory) returned, normalised."""
 
     optimizers: tuple
-    schedulers: tuple[SchedulerConfig, ...] = ()
+    schedulers: tuple[LRSchedulerConfig, ...] = ()
 
 
-def _scheduler(entry: Any, monitor: str | None = None) -> SchedulerConfig:
+def _scheduler(entry: Any, monitor: str | None, manual: bool) -> LRSchedulerConfig:
+    """One scheduler (or ``lr_scheduler`` dict) as Lightning's ``_configure_schedulers_automatic_opt`` and
+    ``_configure_schedulers_manual_opt`` make its config: ``monitor``, the one beside it in the optimizer dict, for a
+    ``ReduceLROnPlateau`` given alone; under ``manual`` optimization ``reduce_on_plateau``/``monitor``/``strict`` are
+    ignored (the module steps its schedulers).
+
+    Raises:
+        ValueError: a dict without "scheduler", an unknown ``interval``, a ``frequency`` that is not an int >= 1.
+    """
     if not isinstance(entry, dict):
-        entry = {"scheduler": entry}
-    if "scheduler" not in entry:
-        raise ValueError(f"The lr scheduler dict must have the key \"scheduler\" with its item being an lr "
-                         f"scheduler; it has {sorted(entry)} (and may have {sorted(_SCHEDULER_KEYS - {'scheduler'})})")
-    unknown = sorted(set(entry) - _SCHEDULER_KEYS)
-    if unknown:  # Lightning warns and leaves them out (core/optimizer.py, _configure_schedulers_automatic_opt)
-        warnings.warn(f"Found unsupported keys in the lr scheduler dict: {{{', '.join(map(repr, unknown))}}}; they "
-                      f"are ignored (remove them from configure_optimizers' output; the keys: "
-                      f"{sorted(_SCHEDULER_KEYS)})", RuntimeWarning, stacklevel=4)
-    config = SchedulerConfig(entry["scheduler"], entry.get("interval", "epoch"), entry.get("frequency", 1),
-                             entry.get("monitor", monitor), entry.get("name"), entry.get("strict", True), tuple(entry))
+        plateau = isinstance(entry, _PLATEAU) and not manual
+        return LRSchedulerConfig(entry, reduce_on_plateau=plateau, monitor=monitor if plateau else None)
+    given = _known_keys(entry, manual)
+    given.setdefault("reduce_on_plateau", isinstance(entry["scheduler"], _PLATEAU) and not manual)
+    if given["reduce_on_plateau"]:
+        given.setdefault("monitor", monitor)
+    config = LRSchedulerConfig(**given)
     if config.interval not in ("epoch", "step"):
         raise ValueError(f'The "interval" key in lr scheduler dict must be "step" or "epoch", not {config.interval!r}')
     if isinstance(config.frequency, bool) or not isinstance(config.frequency, int) or config.frequency < 1:
@@ -132,16 +132,40 @@ def _scheduler(entry: Any, monitor: str | None = None) -> SchedulerConfig:
     return config
 
 
-def _check_schedulers(schedulers: tuple[SchedulerConfig, ...], manual: bool) -> None:
+def _known_keys(entry: dict, manual: bool) -> dict:
+    """The keys of an ``lr_scheduler`` dict that make its config: Lightning's, with a ``RuntimeWarning`` for the
+    others and, under ``manual`` optimization, for ``reduce_on_plateau``/``monitor``/``strict`` (left out too).
+
+    Raises:
+        ValueError: no "scheduler" key.
+    """
+    if "scheduler" not in entry:
+        raise ValueError(f"The lr scheduler dict must have the key \"scheduler\" with its item being an lr "
+                         f"scheduler; it has {sorted(entry)} (and may have {sorted(_SCHEDULER_KEYS - {'scheduler'})})")
+    unknown = sorted(set(entry) - _SCHEDULER_KEYS)
+    if unknown:  # Lightning warns and leaves them out (core/optimizer.py, _configure_schedulers_automatic_opt)
+        warnings.warn(f"Found unsupported keys in the lr scheduler dict: {{{', '.join(map(repr, unknown))}}}; they "
+                      f"are ignored (remove them from configure_optimizers' output; the keys: "
+                      f"{sorted(_SCHEDULER_KEYS)})", RuntimeWarning, stacklevel=5)
+    ignored = [key for key in entry if key in _PLATEAU_KEYS] if manual else []
+    if ignored:
+        warnings.warn(f"The lr scheduler dict contains the key(s) {ignored}, but the keys will be ignored. You need to "
+                      "call `lr_scheduler.step()` manually in manual optimization (remove them from "
+                      "configure_optimizers' output)", RuntimeWarning, stacklevel=5)
+    return {key: value for key, value in entry.items() if key in _SCHEDULER_KEYS and key not in ignored}
+
+
+def _check_schedulers(schedulers: tuple[LRSchedulerConfig, ...], manual: bool, own_step: bool) -> None:
     """Lightning's checks of the schedulers (``core/optimizer.py``: ``_configure_schedulers_automatic_opt``,
-    ``_configure_schedulers_manual_opt``, ``_validate_scheduler_api``), each message naming the fix. Under manual
-    optimization the module steps its schedulers itself: ``monitor``/``strict`` are ignored (a ``RuntimeWarning``)
-    and any object with a state is accepted.
+    ``_validate_scheduler_api``), each message naming the fix. Under manual optimization (``manual``) the module steps
+    its schedulers itself: any object with a state is accepted; so it is where the module overrides
+    ``lr_scheduler_step`` (``own_step``), which steps each scheduler.
 
     Raises:
         TypeError: a scheduler without ``state_dict``/``load_state_dict`` (checkpoints save and restore it).
         ValueError: under automatic optimization, a scheduler that is not torch's ``LRScheduler`` or
-            ``ReduceLROnPlateau`` (the Trainer steps those only), or a ``ReduceLROnPlateau`` without a monitor.
+            ``ReduceLROnPlateau`` without the module's own ``lr_scheduler_step``, or a ``reduce_on_plateau`` one
+            without a monitor.
     """
     for config in schedulers:
         sched, name = config.scheduler, type(config.scheduler).__name__
@@ -149,18 +173,14 @@ def _check_schedulers(schedulers: tuple[SchedulerConfig, ...], manual: bool) -> 
             raise TypeError(f"The provided lr scheduler `{name}` is invalid. It should have `state_dict` and "
                             "`load_state_dict` methods defined (checkpoints save and restore it)")
         if manual:
-            ignored = [key for key in config.given if key in ("monitor", "strict")]
-            if ignored:
-                warnings.warn(f"The lr scheduler dict contains the key(s) {ignored}, but the keys will be ignored. "
-                              "You need to call `lr_scheduler.step()` manually in manual optimization (remove "
-                              "them from configure_optimizers' output)", RuntimeWarning, stacklevel=4)
             continue
-        if not isinstance(sched, (torch.optim.lr_scheduler.LRScheduler, _PLATEAU)):
-            raise ValueError(f"The provided lr scheduler `{name}` doesn't follow PyTorch's LRScheduler API: under "
-                             "automatic optimization the Trainer steps torch.optim.lr_scheduler schedulers only (it "
-                             "has no `lr_scheduler_step` hook); subclass torch.optim.lr_scheduler.LRScheduler, or set "
+        if not isinstance(sched, (torch.optim.lr_scheduler.LRScheduler, _PLATEAU)) and not own_step:
+            raise ValueError(f"The provided lr scheduler `{name}` doesn't follow PyTorch's LRScheduler API. You should "
+                             "override the `LightningModule.lr_scheduler_step` hook with your own logic if you are "
+                             "using a custom LR scheduler (def lr_scheduler_step(self, scheduler, metric): "
+                             "scheduler.step(...)), subclass torch.optim.lr_scheduler.LRScheduler, or set "
                              "automatic_optimization = False and step it in training_step")
-        if isinstance(sched, _PLATEAU) and config.monitor is None:
+        if config.reduce_on_plateau and config.monitor is None:
             raise ValueError("`configure_optimizers` must include a monitor when a `ReduceLROnPlateau` scheduler is "
                              "used: return {'optimizer': opt, 'lr_scheduler': "
                              "{'scheduler': sched, 'monitor': 'val_loss'}}")
@@ -170,7 +190,7 @@ def _check_schedulers(schedulers: tuple[SchedulerConfig, ...], manual: bool) -> 
                           "'interval': 'step'} from configure_optimizers)", RuntimeWarning, stacklevel=4)
 
 
-def _from_dict(entry: dict) -> Optimization:
+def _from_dict(entry: dict, manual: bool) -> Optimization:
     if "optimizer" not in entry:
         raise ValueError(f"configure_optimizers returned a dict with keys {sorted(entry)}; it needs 'optimizer' "
                          "(and optionally 'lr_scheduler', 'monitor')")
@@ -179,7 +199,7 @@ def _from_dict(entry: dict) -> Optimization:
         warnings.warn(f"Found unsupported keys in the optimizer configuration: {{{', '.join(map(repr, unknown))}}}; "
                       "they are ignored (the keys: 'optimizer', 'lr_scheduler', 'monitor')", RuntimeWarning, stacklevel=4)
     sched = entry.get("lr_scheduler")
-    schedulers = () if sched is None else (_scheduler(sched, entry.get("monitor")),)
+    schedulers = () if sched is None else (_scheduler(sched, entry.get("monitor"), manual),)
     return Optimization((entry["optimizer"],), schedulers)
 
 
@@ -187,15 +207,15 @@ def _is_scheduler(obj: Any) -> bool:
     return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, _PLATEAU, dict))
 
 
-def _from_dicts(configured: list | tuple) -> Optimization:
-    parts = [_from_dict(e) for e in configured]
+def _from_dicts(configured: list | tuple, manual: bool) -> Optimization:
+    parts = [_from_dict(e, manual) for e in configured]
     return Optimization(sum((p.optimizers for p in parts), ()), sum((p.schedulers for p in parts), ()))
 
 
-def _from_sequence(configured: list | tuple) -> Optimization | None:
+def _from_sequence(configured: list | tuple, manual: bool) -> Optimization | None:
     """The list/tuple forms, or None when ``configured`` is none of them."""
     if all(isinstance(e, dict) for e in configured):  # a list of {"optimizer", "lr_scheduler"} dicts
-        return _from_dicts(configured)
+        return _from_dicts(configured, manual)
     if all(isinstance(e, torch.optim.Optimizer) for e in configured):  # several optimizers
         return Optimization(tuple(configured))
     if len(configured) != 2:
@@ -203,15 +223,16 @@ def _from_sequence(configured: list | tuple) -> Optimization | None:
     first, second = configured
     if isinstance(first, (list, tuple)):  # [optimizers], [schedulers]
         schedulers = second if isinstance(second, (list, tuple)) else [second]
-        return Optimization(tuple(first), tuple(map(_scheduler, schedulers)))
+        return Optimization(tuple(first), tuple(_scheduler(s, None, manual) for s in schedulers))
     if isinstance(first, torch.optim.Optimizer) and _is_scheduler(second):  # (optimizer, scheduler)
-        return Optimization((first,), (_scheduler(second),))
+        return Optimization((first,), (_scheduler(second, None, manual),))
     return None
 
 
-def parse_optimization(configured: Any, manual: bool = False) -> Optimization:
+def parse_optimization(configured: Any, manual: bool = False, own_step: bool = False) -> Optimization:
     """Normalise any of the forms in the module docstring; ``manual``: the module sets
-    ``automatic_optimization = False`` (it steps its schedulers itself).
+    ``automatic_optimization = False`` (it steps its schedulers itself); ``own_step``: it overrides
+    ``lr_scheduler_step`` (which then steps every scheduler, one of its own too).
 
     Raises:
         ValueError: an unrecognised form, a bad scheduler config, or no optimizer at all.
@@ -220,9 +241,9 @@ def parse_optimization(configured: Any, manual: bool = False) -> Optimization:
     if isinstance(configured, torch.optim.Optimizer):
         return Optimization((configured,))
     if isinstance(configured, dict):
-        parsed = _from_dict(configured)
+        parsed = _from_dict(configured, manual)
     else:
-        parsed = _from_sequence(configured) if isinstance(configured, (list, tuple)) and configured else None
+        parsed = _from_sequence(configured, manual) if isinstance(configured, (list, tuple)) and configured else None
     if parsed is None:
         raise ValueError(f"Unknown configuration for model optimizers: configure_optimizers returned "
                          f"{type(configured).__name__}: return an optimizer, "
@@ -233,7 +254,7 @@ def parse_optimization(configured: Any, manual: bool = False) -> Optimization:
            if hasattr(config.scheduler, "optimizer")):
         raise ValueError("Some schedulers are attached with an optimizer that wasn't returned from "
                          "`configure_optimizers`: build each scheduler on an optimizer you return")
-    _check_schedulers(parsed.schedulers, manual)
+    _check_schedulers(parsed.schedulers, manual, own_step)
     return parsed
 
 

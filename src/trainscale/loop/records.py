@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainscale.loggers import record_metrics
-from trainscale.scaling.lr_scaling import LearningRates, learning_rates
+from trainscale.scaling.lr_scaling import LearningRates
 from trainscale.telemetry.sinks import JsonlSink
 
 if TYPE_CHECKING:
@@ -87,11 +87,12 @@ class MetricsProcessor:
 
 
 def epoch_record(epoch: int, step: int, totals: tuple[float, float, float, float], seconds: float, complete: bool,
-                 optimizers, schedulers=()) -> dict:
+                 rates: dict[str, float]) -> dict:
     """The epoch's training numbers from its all-reduced ``totals`` (loss × samples, samples, tokens, samples
-    with a loss), its duration in seconds and the learning rates it trained with (taken before the epoch's
-    schedulers step). ``train_loss`` is the mean over the samples with a loss, left out when there were samples
-    but none reported a loss (a manual ``training_step`` that returns nothing), NaN for an epoch without samples.
+    with a loss), its duration in seconds and ``rates``, the learning rates it trained with (``LearningRates``,
+    read before the epoch's schedulers step). ``train_loss`` is the mean over the samples with a loss, left out
+    when there were samples but none reported a loss (a manual ``training_step`` that returns nothing), NaN for an
+    epoch without samples.
     An epoch that ``max_steps`` cut short is marked ``partial`` (a resume replaces its record)."""
     loss_sum, samples, tokens, loss_samples = totals
     record = {"epoch": epoch, "step": step}
@@ -102,7 +103,7 @@ def epoch_record(epoch: int, step: int, totals: tuple[float, float, float, float
         record["tokens_per_s"] = tokens / seconds
     if not complete:
         record["partial"] = True
-    record.update(learning_rates(optimizers, schedulers))
+    record.update(rates)
     return record
 
 

@@ -156,6 +156,7 @@ class FitRun:
     loaded_epoch: int = 0  # the epoch at whose start the loaders were last made
     datamodule: Any = None  # the data module the loaders came from (its hyperparameters go into checkpoints)
     held_back_said: bool = False  # the note that min_epochs/min_steps hold a stop back was given (once per fit)
+    epoch_rates: dict | None = None  # the learning rates the epoch trained with, noted before its "epoch" schedulers
 
 def start_epoch(loader, epoch: int, position: dict | None, world_size: int, saved_world_size: int) -> int:
     """Point ``loader``'s sampler at ``epoch`` and, when resuming that epoch, at its saved position.

@@ -375,9 +375,14 @@ class Trainer:
                               doc="The self.log values logged with logger=True (Lightning's; name_step/name_epoch).")
     progress_bar_metrics = property(lambda self: progress_bar_metrics(self.callback_metrics, self.metric_collector),
                                     doc="The self.log values logged with prog_bar=True, as floats (Lightning's).")
-    lightning_module = property(lambda self: self.last_setup[0] if self.last_setup is not None else None,
-                                doc="The module of the running (or last) fit or evaluation, as the user built it, or "
-                                    "None before any (Lightning's ``trainer.lightning_module``).")
+    @property
+    def lightning_module(self) -> nn.Module | None:
+        """The module of the running (or last) fit or evaluation, as the user built it; before any, the one given
+        to ``trainer.strategy.connect(module)``, else None (Lightning's ``trainer.lightning_module``: the strategy's)."""
+        if self.last_setup is not None:
+            return self.last_setup[0]
+        return None if self.runtime.strategy is None else self.runtime.strategy.lightning_module
+
     model = property(lambda self: self.lightning_module,
                      doc="Lightning's ``trainer.model``: here the user's module (:attr:`lightning_module`); Lightning's "
                          "is the strategy's wrapper (``DistributedDataParallel``) around it, where one wraps it.")
@@ -404,7 +409,9 @@ class Trainer:
     log_every_n_steps = property(lambda self: self.config.log_every_n_steps,
                                  doc="Optimizer steps between step records (Lightning's attribute).")
     lr_scheduler_configs = property(lambda self: list(self.schedulers),
-                                    doc="The schedulers with their interval, frequency and monitor (SchedulerConfig).")
+                                    doc="The schedulers with their interval, frequency and monitor, Lightning's "
+                                        "``LRSchedulerConfig`` (``trainscale.utilities.types``), in "
+                                        "``configure_optimizers``' order.")
     logger = property(lambda self: self.loggers[0] if self.loggers else None,
                       doc="The first of ``loggers``, None without any (Lightning's ``trainer.logger``).")
     log_dir = property(lambda self: trainer_log_dir(self.loggers, self.run_dir),
@@ -809,10 +816,13 @@ class Trainer:
         4. The optimizer step at the learning rate scaled to the global batch (``lr_scaling``, this step
            only), through the GradScaler under "16-mixed"; then ``on_before_zero_grad`` and
            ``zero_grad(set_to_none=True)`` (the module's ``optimizer_zero_grad``).
-        5. Learning-rate schedulers with ``interval="step"``, except ``ReduceLROnPlateau`` (under manual
-           optimization the module steps its own, as in Lightning); the step count (under manual optimization, the optimizer steps the
-           ``training_step`` took); the step's ``self.log`` values into ``callback_metrics`` (device tensors, no host
-           sync); ``on_train_batch_end``; the step record every ``log_every_n_steps``.
+        5. The learning-rate schedulers other than ``ReduceLROnPlateau``, each through the module's
+           ``lr_scheduler_step`` (Lightning's default: ``scheduler.step()``; under manual optimization the module
+           steps its own, as in Lightning): those with ``interval="step"``, and after the epoch's last batch those
+           with ``interval="epoch"``, so before that batch's ``on_train_batch_end`` and checkpoints, as Lightning's;
+           the step count (under manual optimization, the optimizer steps the ``training_step`` took); the step's
+           ``self.log`` values into ``callback_metrics`` (device tensors, no host sync); ``on_train_batch_end``; the
+           step record every ``log_every_n_steps``.
         6. Validation when ``val_check_interval`` and ``check_val_every_n_epoch`` say it is due within the epoch
            (its last batch validates in ``_end_epoch``; a time-based interval, by rank zero's clock, after any
            step); then the ``interval="step"`` ``ReduceLROnPlateau`` schedulers, on the values this step and its
@@ -866,8 +876,13 @@ class Trainer:
         grad_norm = None if self.manual_optimizers else self._optimizer_step(fit, loss, micro.index)
         tele.end_step()  # the "optimizer" phase ends
         # 5. Schedulers, the step count, callbacks, the step record.
-        if not self.manual_optimizers:  # ReduceLROnPlateau ones in 6, once this step's values are logged
-            step_schedulers(self.schedulers, "step", self.state.global_step + 1, self.callback_metrics, plateau=False)
+        if not self.manual_optimizers:  # through the module's lr_scheduler_step; ReduceLROnPlateau ones later
+            step_schedulers(self.schedulers, "step", self.state.global_step + 1, self.callback_metrics,
+                            fit.loop_module.lr_scheduler_step, plateau=False)
+            if micro.ends_epoch:  # the epoch's batches all seen: its "epoch" schedulers too (Lightning's order)
+                fit.epoch_rates = fit.metrics.learning_rates(self.optimizers, self.schedulers)  # its record's rates
+                step_schedulers(self.schedulers, "epoch", self.current_epoch + 1, self.callback_metrics,
+                                fit.loop_module.lr_scheduler_step, plateau=False)
         self._step_before = self.state.global_step
         self.state.global_step += sum(o.take_steps() for o in self.manual_optimizers) if self.manual_optimizers else 1
         self.is_step_end = True
@@ -890,7 +905,8 @@ class Trainer:
             with prof.profile("validation"):
                 self._validate(fit, mid_epoch=True)
         if not self.manual_optimizers:  # step-interval ReduceLROnPlateau: on this step's and validation's values
-            step_schedulers(self.schedulers, "step", self.state.global_step, self.callback_metrics, plateau=True)
+            step_schedulers(self.schedulers, "step", self.state.global_step, self.callback_metrics,
+                            fit.loop_module.lr_scheduler_step, plateau=True)
         with prof.profile("checkpoint_if_due"):  # at the check steps the ranks agreed on: one all-reduce (faults)
             self._checkpoint_if_due(fit, epoch_end=False, ends_epoch=micro.ends_epoch)
         if self._out_of_time():  # a broadcast of rank zero's clock, with max_time on several ranks
@@ -1005,13 +1021,15 @@ class Trainer:
     def _end_epoch(self, fit: FitRun, epoch: int) -> None:
         """The epoch record, validation (with its hooks), ``on_train_epoch_end`` in Lightning's order (the
         callbacks that monitor a metric after the module's hook, so that they see what it logged: Lightning's
-        ``fit_loop.on_advance_end``), the "epoch" schedulers (automatic optimization only), the record written,
-        then the epoch-end check and checkpoints."""
+        ``fit_loop.on_advance_end``), the "epoch" ``ReduceLROnPlateau`` schedulers (automatic optimization only; the
+        others stepped after the epoch's last step: :meth:`train_step`), the record written, then the epoch-end check
+        and checkpoints."""
         rt = self.runtime
         self._faults.phase = "epoch end (loss all-reduce, validation)"
+        rates = fit.epoch_rates or fit.metrics.learning_rates(self.optimizers, self.schedulers)  # before "epoch" ones
+        fit.epoch_rates = None
         own = epoch_record(epoch, self.global_step, fit.epoch_loss.totals(rt), time.perf_counter() - fit.started,
-                           complete=self.state.batches >= fit.epoch_batches, optimizers=self.optimizers,
-                           schedulers=self.schedulers)
+                           complete=self.state.batches >= fit.epoch_batches, rates=rates)
         if rt.world_size > 1:  # the sync_dist step values of the epoch's last steps, reduced (a collective)
             self._publish(fit.loop_module.plain_model, {}, self.metric_collector.take_step_values())
         user = self.metric_collector.take_epoch_values()
@@ -1029,10 +1047,12 @@ class Trainer:
         user.update(late)
         self._publish(fit.loop_module.plain_model, record, user)
         self._hook("on_train_epoch_end", monitoring=True)
-        # under manual optimization the module steps its schedulers; an epoch cut short (max_steps, max_time) steps
-        # none, as Lightning's steps them only once the epoch's batches were all seen (_num_ready_batches_reached)
+        # the "epoch" ReduceLROnPlateau schedulers, on what the epoch logged (the others stepped after its last
+        # step); under manual optimization the module steps its schedulers; an epoch cut short (max_steps, max_time)
+        # steps none, as Lightning's steps them only once the epoch's batches were all seen (_num_ready_batches_reached)
         if not self.manual_optimizers and self.state.batches >= fit.epoch_batches:
-            step_schedulers(self.schedulers, "epoch", epoch + 1, self.callback_metrics)
+            step_schedulers(self.schedulers, "epoch", epoch + 1, self.callback_metrics,
+                            fit.loop_module.lr_scheduler_step, plateau=True)
         self.state.history.append(record)
         fit.metrics.write({"kind": "epoch", "rank": "all", "time": time.time(), **record})
         rt.print(epoch_line(record, self.config.max_epochs))

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from trainscale.tuner.scratch import StateKeeper
+from trainscale.utilities.types import LRSchedulerConfig
 
 _log = logging.getLogger(__name__)
 BETA = 0.98  # Lightning's _LRCallback smoothing
@@ -118,8 +119,6 @@ class RangeTest(StateKeeper):
         self._lr = float("nan")
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        from trainscale.lightning.optimizers import SchedulerConfig
-
         if trainer.manual_optimizers:
             raise ValueError("lr_find steps the learning rate after each optimizer step the Trainer takes; under manual "
                              "optimization (automatic_optimization = False) the module steps itself: set "
@@ -132,7 +131,7 @@ class RangeTest(StateKeeper):
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] = f.lr_min
         factor = functools.partial(lr_factor, ratio=f.lr_max / f.lr_min, num_training=f.num_training, mode=f.mode)
-        trainer.schedulers = [SchedulerConfig(torch.optim.lr_scheduler.LambdaLR(optimizer, factor), interval="step")]
+        trainer.schedulers = [LRSchedulerConfig(torch.optim.lr_scheduler.LambdaLR(optimizer, factor), interval="step")]
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._lr = trainer.optimizers[0].param_groups[0]["lr"]  # the step's (recorded at its end)
