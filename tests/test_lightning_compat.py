@@ -3613,3 +3613,34 @@ def test_loggers_hear_of_each_checkpoint_model_checkpoint_writes(tmp_path):
     _trainer(tmp_path / "b", max_epochs=2, logger=[last_only, _Recorder()],
              callbacks=[ModelCheckpoint(dirpath=tmp_path / "d", save_top_k=0, save_last=True)]).fit(Probe(), _loader())
     assert last_only.saved == ["last.ckpt", "last.ckpt"]
+
+
+class _CountsSchedulerSteps(Probe):
+    """Notes the optimizer steps taken when each "step" scheduler steps (through ``lr_scheduler_step``)."""
+
+    def __init__(self, frequency: int):
+        super().__init__()
+        self.frequency, self.stepped_after = frequency, []
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: 1.0)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": self.frequency}}
+
+    def lr_scheduler_step(self, scheduler, metric):
+        self.stepped_after.append(self.trainer.global_step + 1)  # the count includes the step just taken
+        scheduler.step()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("frequency", "accumulate", "batches", "epochs", "expected"), [
+    (2, 2, 8, 1, [1, 2, 3, 4]),  # batch indices 1, 3, 5, 7 end the steps: (index + 1) % 2 == 0 at each
+    (3, 1, 4, 2, [3, 7]),  # the index restarts each epoch: its 3rd batch, not the 3rd and 6th optimizer steps
+])
+def test_a_step_schedulers_frequency_counts_the_epochs_batches_as_lightnings(tmp_path, frequency, accumulate, batches,
+                                                                             epochs, expected):
+    module = _CountsSchedulerSteps(frequency)
+    _trainer(tmp_path, max_epochs=epochs, accumulate_grad_batches=accumulate, num_sanity_val_steps=0).fit(
+        module, _loader(n=2 * batches))
+    assert module.stepped_after == expected

@@ -47,8 +47,9 @@ def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
 
 def step_schedulers(schedulers, interval: str, count: int, metrics: dict[str, Any],
                     step: Callable[[Any, Any], None] = lr_scheduler_step, plateau: bool | None = None) -> None:
-    """Step the ``interval`` ("epoch" or "step") schedulers due after ``count`` of them (counted from 1; every
-    ``frequency``-th), each through ``step(scheduler, metric)`` (the module's ``lr_scheduler_step``, as Lightning's
+    """Step the ``interval`` ("epoch" or "step") schedulers due at ``count`` (counted from 1: the epoch's number, or
+    for "step" ones the epoch's batch index + 1 at an optimizer step, as Lightning's, so with accumulation or across
+    epochs ``frequency`` counts batches, not optimizer steps; every ``frequency``-th), each through ``step(scheduler, metric)`` (the module's ``lr_scheduler_step``, as Lightning's
     ``_update_learning_rates``), ``metric`` the monitored value of a ``reduce_on_plateau`` one (its ``monitor`` in
     ``metrics``), else None. ``plateau`` True or False: only the ``reduce_on_plateau`` ones or only the others
     (Lightning steps a step's plateau schedulers after its metrics are logged and its validation ran).

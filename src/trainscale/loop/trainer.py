@@ -818,7 +818,8 @@ class Trainer:
            ``zero_grad(set_to_none=True)`` (the module's ``optimizer_zero_grad``).
         5. The learning-rate schedulers other than ``ReduceLROnPlateau``, each through the module's
            ``lr_scheduler_step`` (Lightning's default: ``scheduler.step()``; under manual optimization the module
-           steps its own, as in Lightning): those with ``interval="step"``, and after the epoch's last batch those
+           steps its own, as in Lightning): those with ``interval="step"`` (their ``frequency`` counts the epoch's
+           batches, as Lightning's), and after the epoch's last batch those
            with ``interval="epoch"``, so before that batch's ``on_train_batch_end`` and checkpoints, as Lightning's;
            the step count (under manual optimization, the optimizer steps the ``training_step`` took); the step's
            ``self.log`` values into ``callback_metrics`` (device tensors, no host sync); ``on_train_batch_end``; the
@@ -877,7 +878,8 @@ class Trainer:
         tele.end_step()  # the "optimizer" phase ends
         # 5. Schedulers, the step count, callbacks, the step record.
         if not self.manual_optimizers:  # through the module's lr_scheduler_step; ReduceLROnPlateau ones later
-            step_schedulers(self.schedulers, "step", self.state.global_step + 1, self.callback_metrics,
+            # "frequency" counts the epoch's batches (micro.index + 1), as Lightning's (not the optimizer steps)
+            step_schedulers(self.schedulers, "step", micro.index + 1, self.callback_metrics,
                             fit.loop_module.lr_scheduler_step, plateau=False)
             if micro.ends_epoch:  # the epoch's batches all seen: its "epoch" schedulers too (Lightning's order)
                 fit.epoch_rates = fit.metrics.learning_rates(self.optimizers, self.schedulers)  # its record's rates
@@ -905,7 +907,7 @@ class Trainer:
             with prof.profile("validation"):
                 self._validate(fit, mid_epoch=True)
         if not self.manual_optimizers:  # step-interval ReduceLROnPlateau: on this step's and validation's values
-            step_schedulers(self.schedulers, "step", self.state.global_step, self.callback_metrics,
+            step_schedulers(self.schedulers, "step", micro.index + 1, self.callback_metrics,
                             fit.loop_module.lr_scheduler_step, plateau=True)
         with prof.profile("checkpoint_if_due"):  # at the check steps the ranks agreed on: one all-reduce (faults)
             self._checkpoint_if_due(fit, epoch_end=False, ends_epoch=micro.ends_epoch)
