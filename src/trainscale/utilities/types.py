@@ -17,7 +17,8 @@ class LRSchedulerConfig:
             ``state_dict`` and ``load_state_dict`` where the module overrides ``lr_scheduler_step``).
         name: the name ``LearningRateMonitor`` and the records give its learning rates (None: ``lr-<Optimizer>``).
         interval: "epoch" (after each epoch whose batches were all seen) or "step" (after each optimizer step).
-        frequency: step it every ``frequency`` epochs or optimizer steps.
+        frequency: step it every ``frequency`` epochs; for "step", at each optimizer step whose batch index in the
+            epoch + 1 is a multiple of it (Lightning's count: batches, restarting each epoch, not optimizer steps).
         reduce_on_plateau: it reads a monitored value when it steps (``ReduceLROnPlateau``: True by default).
         monitor: the name in ``trainer.callback_metrics`` it reads (``"val_loss"``), with ``reduce_on_plateau``.
         strict: the monitored value missing is an error (True) or a ``RuntimeWarning`` and no step (False).
