@@ -17,17 +17,58 @@ from pathlib import Path
 
 import torch
 
+from trainscale import Trainer
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: examples.lightning
+
+
+class PredictionsKept(Trainer):
+    """The Trainer, keeping what ``predict`` returned: Lightning's examples print its first batch and return nothing."""
+
+    predictions: list | None = None
+
+    def predict(self, *args, **kwargs):
+        self.predictions = super().predict(*args, **kwargs)
+        return self.predictions
+
+
+def cli_main(example, args: list[str]):
+    """Run ``example.cli_main()`` (Lightning's, which builds a ``LightningCLI`` and returns nothing) as
+    ``python example.py ARGS`` would: returns the ``LightningCLI`` it built, its Trainer a :class:`PredictionsKept`.
+
+    The arguments go to the CLI's ``args``, not to ``sys.argv``: a Trainer on several devices started without a
+    launcher runs ``sys.argv`` again under torchrun, which must stay this script's command line. The example's
+    ``LightningCLI`` is replaced by a subclass for the call and restored after."""
+    built, lightning_cli = [], example.LightningCLI
+
+    class Recorded(lightning_cli):
+        def __init__(self, *cli_args, **kwargs):
+            built.append(self)
+            super().__init__(*cli_args, trainer_class=PredictionsKept, args=args, **kwargs)
+
+    example.LightningCLI = Recorded
+    try:
+        example.cli_main()
+    finally:
+        example.LightningCLI = lightning_cli
+    return built[0]
+
+
+def trainer_flags(root: Path, **flags) -> list[str]:
+    """``--trainer.NAME=VALUE`` arguments: ``flags``, in ``root``, without progress bar or logger."""
+    flags = {"default_root_dir": root, "enable_progress_bar": "false", "logger": "false", **flags}
+    return [f"--trainer.{name}={value}" for name, value in flags.items()]
 
 
 def backbone(root: Path, devices: int) -> dict:
     from examples.lightning import backbone_image_classifier as ex
 
-    trainer, predictions = ex.cli_main(batch_size=32 // devices, devices=devices, default_root_dir=root,
-                                       max_epochs=2, limit_train_batches=8, limit_val_batches=2, limit_test_batches=4,
-                                       limit_predict_batches=4, enable_progress_bar=False, logger=False)
+    cli = cli_main(ex, [f"--data.batch_size={32 // devices}", *trainer_flags(
+        root, devices=devices, max_epochs=2, limit_train_batches=8, limit_val_batches=2, limit_test_batches=4,
+        limit_predict_batches=4)])
+    trainer = cli.trainer
     return {"train_loss": trainer.history[-1]["train_loss"], "valid_loss": trainer.history[-1]["valid_loss_epoch"],
-            "test_loss": trainer.callback_metrics["test_loss"], "predictions": torch.cat(predictions)}
+            "test_loss": trainer.callback_metrics["test_loss"], "predictions": torch.cat(trainer.predictions)}
 
 
 def intro(root: Path, devices: int) -> dict:

@@ -8,10 +8,12 @@ import re
 import runpy
 import sys
 import typing
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.helpers import run_distributed
 from trainscale.cli import LightningCLI, flags
@@ -205,3 +207,23 @@ def test_add_lightning_class_args_adds_a_callbacks_options_and_gives_it_to_the_t
     assert isinstance(cli.parser, LightningArgumentParser)
     with pytest.raises(ValueError, match="Cannot add arguments from"):
         cli.parser.add_lightning_class_args(int, "number")
+
+
+def test_save_config_callback_writes_the_parsed_config_when_fit_starts_without_a_deprecated_call(tmp_path,
+                                                                                                    monkeypatch):
+    """``save_config_kwargs={"overwrite": True}`` (Lightning's examples): ``config.yaml`` in the run directory holds
+    every option, the command line's over the defaults; jsonargparse is called without a deprecated parameter."""
+    monkeypatch.setenv("JSONARGPARSE_DEPRECATION_WARNINGS", "all")  # else jsonargparse shows each kind once a process
+    example = _example_classes()
+    args = [f"--trainer.default_root_dir={tmp_path}", "--trainer.limit_train_batches=1", "--trainer.logger=false",
+            "--trainer.enable_progress_bar=false", "--model.hidden=3"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = LightningCLI(example["Regression"], example["Points"], run=False, save_config_kwargs={"overwrite": True},
+                           seed_everything_default=1234, args=args)
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert [str(w.message) for w in caught if w.category.__module__.startswith("jsonargparse")] == []
+    saved = yaml.safe_load((Path(cli.trainer.run_dir) / "config.yaml").read_text())
+    assert (saved["seed_everything"], saved["model"]["hidden"], saved["trainer"]["limit_train_batches"]) == (1234, 3, 1)
+    assert saved["data"] == cli.config["data"].as_dict()  # the defaults too
+    assert "max_epochs" in saved["trainer"] and saved["trainer"]["max_epochs"] is None  # None written out too

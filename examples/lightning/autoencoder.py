@@ -1,33 +1,53 @@
-"""Lightning's examples/pytorch/basics/autoencoder.py, ported to trainscale (docs/lightning.md, "What to change"):
-the imports changed, MNIST from torchvision replaced by the MNIST-5k images trainscale ships
-(``trainscale.data.load_mnist5k``, no download), and ``LightningCLI`` replaced by its few lines of Trainer calls.
+# Copyright The Lightning AI team.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""MNIST autoencoder example.
 
-    python examples/lightning/autoencoder.py                  # 10 epochs on 4,000 images
-    python examples/lightning/autoencoder.py --devices 2      # 2 processes (ddp on CPUs)
+To run: python autoencoder.py --trainer.max_epochs=50
+
+trainscale port (docs/lightning.md, "What to change"): the imports changed (``lightning.pytorch`` ->
+``trainscale``), MNIST from torchvision replaced by the MNIST-5k images trainscale ships
+(``trainscale.data.load_mnist5k``, no download), and the ``ImageSampler`` callback given only where torchvision is
+installed (it needs it to write its image grids); each change is marked ``# was:``.
+
+    python examples/lightning/autoencoder.py                            # 10 epochs on 3,500 images
+    python examples/lightning/autoencoder.py --trainer.max_epochs=2 --trainer.devices=2   # 2 processes (ddp)
+    python examples/lightning/autoencoder.py --help                     # every option: --model.*, --data.*, ...
 """
 
-import sys
+from os import path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, random_split
 
-from trainscale import DataModule as LightningDataModule  # was: from lightning.pytorch import LightningDataModule,
-from trainscale import Trainer, seed_everything  #            LightningModule, Trainer, callbacks, cli_lightning_logo
-from trainscale import TrainingModule as LightningModule
-from trainscale import callbacks
+# was: from lightning.pytorch import LightningDataModule, LightningModule, Trainer, callbacks, cli_lightning_logo
+from trainscale import LightningDataModule, LightningModule, Trainer, callbacks, cli_lightning_logo
+from trainscale.cli import LightningCLI  # was: from lightning.pytorch.cli import LightningCLI
 from trainscale.data import load_mnist5k  # was: from lightning.pytorch.demos.mnist_datamodule import MNIST
 from trainscale.utilities import rank_zero_only  # was: from lightning.pytorch.utilities import rank_zero_only
 
 try:  # was: from lightning.pytorch.utilities.imports import _TORCHVISION_AVAILABLE
     import torchvision
-    from torchvision.utils import save_image
+    from torchvision.utils import save_image  # was: and `from torchvision import transforms` (for MNIST)
 
     _TORCHVISION_AVAILABLE = True
 except ImportError:
     _TORCHVISION_AVAILABLE = False
+
+DATASETS_PATH = path.join(path.dirname(__file__), "..", "..", "Datasets")
 
 
 class ImageSampler(callbacks.Callback):
@@ -41,6 +61,21 @@ class ImageSampler(callbacks.Callback):
         scale_each: bool = False,
         pad_value: int = 0,
     ) -> None:
+        """
+        Args:
+            num_samples: Number of images displayed in the grid. Default: ``3``.
+            nrow: Number of images displayed in each row of the grid.
+                The final grid size is ``(B / nrow, nrow)``. Default: ``8``.
+            padding: Amount of padding. Default: ``2``.
+            normalize: If ``True``, shift the image to the range (0, 1),
+                by the min and max values specified by :attr:`range`. Default: ``False``.
+            value_range: Tuple (min, max) where min and max are numbers,
+                then these numbers are used to normalize the image. By default, min and max
+                are computed from the tensor.
+            scale_each: If ``True``, scale each image in the batch of
+                images separately rather than the (min, max) over all images. Default: ``False``.
+            pad_value: Value for the padded pixels. Default: ``0``.
+        """
         if not _TORCHVISION_AVAILABLE:  # pragma: no cover
             raise ModuleNotFoundError("You want to use `torchvision` which is not installed yet.")
 
@@ -65,7 +100,7 @@ class ImageSampler(callbacks.Callback):
         )
 
     @rank_zero_only
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not _TORCHVISION_AVAILABLE:
             return
 
@@ -84,6 +119,14 @@ class ImageSampler(callbacks.Callback):
 
 
 class LitAutoEncoder(LightningModule):
+    """
+    >>> LitAutoEncoder()  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
+    LitAutoEncoder(
+      (encoder): ...
+      (decoder): ...
+    )
+    """
+
     def __init__(self, hidden_dim: int = 64, learning_rate=10e-3):
         super().__init__()
         self.save_hyperparameters()
@@ -124,9 +167,11 @@ class LitAutoEncoder(LightningModule):
 class MyDataModule(LightningDataModule):
     def __init__(self, batch_size: int = 32):
         super().__init__()
-        # was: MNIST(DATASETS_PATH, train=True, download=True, ...) split 55,000 / 5,000, and the MNIST test set
+        # was: MNIST(DATASETS_PATH, train=True/False, download=True, transform=transforms.ToTensor()), split 55000/5000
         dataset, self.mnist_test = load_mnist5k()
-        self.mnist_train, self.mnist_val = Subset(dataset, range(3500)), Subset(dataset, range(3500, 4000))
+        self.mnist_train, self.mnist_val = random_split(
+            dataset, [3500, 500], generator=torch.Generator().manual_seed(42)
+        )
         self.batch_size = batch_size
 
     def train_dataloader(self):
@@ -142,19 +187,22 @@ class MyDataModule(LightningDataModule):
         return DataLoader(self.mnist_test, batch_size=self.batch_size)
 
 
-def cli_main(devices=1, **trainer_flags):
-    # was: LightningCLI(LitAutoEncoder, MyDataModule, seed_everything_default=1234, run=False,
-    #                   trainer_defaults={"callbacks": ImageSampler(), "max_epochs": 10}, ...)
-    seed_everything(1234)
-    model, datamodule = LitAutoEncoder(), MyDataModule()
-    callbacks_ = [ImageSampler()] if _TORCHVISION_AVAILABLE else []
-    trainer = Trainer(callbacks=callbacks_, devices=devices, **{"max_epochs": 10, **trainer_flags})
-    trainer.fit(model, datamodule=datamodule)
-    trainer.test(ckpt_path="best", datamodule=datamodule)
-    predictions = trainer.predict(ckpt_path="best", datamodule=datamodule)
+def cli_main():
+    cli = LightningCLI(
+        LitAutoEncoder,
+        MyDataModule,
+        seed_everything_default=1234,
+        run=False,  # used to de-activate automatic fitting.
+        # was: trainer_defaults={"callbacks": ImageSampler(), "max_epochs": 10} (it raises without torchvision)
+        trainer_defaults={"callbacks": ImageSampler() if _TORCHVISION_AVAILABLE else [], "max_epochs": 10},
+        save_config_kwargs={"overwrite": True},
+    )
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    cli.trainer.test(ckpt_path="best", datamodule=cli.datamodule)
+    predictions = cli.trainer.predict(ckpt_path="best", datamodule=cli.datamodule)
     print(predictions[0])
-    return trainer, predictions
 
 
 if __name__ == "__main__":
-    cli_main(devices=int(sys.argv[sys.argv.index("--devices") + 1]) if "--devices" in sys.argv else 1)
+    cli_lightning_logo()
+    cli_main()

@@ -15,26 +15,24 @@
 
 To run: python backbone_image_classifier.py --trainer.max_epochs=50
 
-trainscale port (docs/lightning.md, "What to change"): only the imports changed, MNIST from torchvision replaced by
-the MNIST-5k images trainscale ships (``trainscale.data.load_mnist5k``, no download), and ``LightningCLI`` replaced
-by its Trainer calls; each change is marked ``# was:``.
+trainscale port (docs/lightning.md, "What to change"): only the imports changed (``lightning.pytorch`` ->
+``trainscale``) and MNIST from torchvision replaced by the MNIST-5k images trainscale ships
+(``trainscale.data.load_mnist5k``, no download); each change is marked ``# was:``.
 
     python examples/lightning/backbone_image_classifier.py --trainer.max_epochs=50
     python examples/lightning/backbone_image_classifier.py --trainer.devices=2      # 2 processes (ddp)
+    python examples/lightning/backbone_image_classifier.py --help  # every option: --model.*, --data.*, --trainer.*
 """
 
-import sys
 from os import path
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, random_split
 
-from trainscale import DataModule as LightningDataModule  # was: from lightning.pytorch import LightningDataModule,
-from trainscale import Trainer, seed_everything  #            LightningModule, cli_lightning_logo
-from trainscale import TrainingModule as LightningModule  # was: from lightning.pytorch.cli import LightningCLI
+from trainscale import LightningDataModule, LightningModule, cli_lightning_logo  # was: from lightning.pytorch import
+from trainscale.cli import LightningCLI  # was: from lightning.pytorch.cli import LightningCLI
 from trainscale.data import load_mnist5k  # was: from lightning.pytorch.demos.mnist_datamodule import MNIST
 # was: from lightning.pytorch.utilities.imports import _TORCHVISION_AVAILABLE; if it: from torchvision import transforms
 
@@ -131,39 +129,16 @@ class MyDataModule(LightningDataModule):
         return DataLoader(self.mnist_test, batch_size=self.batch_size)
 
 
-def cli_main(batch_size: int = 32, learning_rate: float = 0.0001, **trainer_flags):
-    # was: cli = LightningCLI(
-    #     LitClassifier, MyDataModule, seed_everything_default=1234, save_config_kwargs={"overwrite": True}, run=False
-    # ): here its three objects built from the --trainer.<flag>=<value> arguments it would read
-    seed_everything(1234)
-    cli = SimpleNamespace(model=LitClassifier(learning_rate=learning_rate), datamodule=MyDataModule(batch_size),
-                          trainer=Trainer(**trainer_flags))
-
+def cli_main():
+    cli = LightningCLI(
+        LitClassifier, MyDataModule, seed_everything_default=1234, save_config_kwargs={"overwrite": True}, run=False
+    )
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     cli.trainer.test(ckpt_path="best", datamodule=cli.datamodule)
     predictions = cli.trainer.predict(ckpt_path="best", datamodule=cli.datamodule)
     print(predictions[0])
-    return cli.trainer, predictions  # trainscale: for tests/test_lightning_examples.py
-
-
-def _trainer_arguments(argv):
-    """``--trainer.max_epochs=50`` -> ``{"max_epochs": 50}`` (the LightningCLI form: ints, floats, true/false, words)."""
-    flags = {}
-    for arg in argv:
-        name, _, value = arg.removeprefix("--trainer.").partition("=")
-        value = {"true": True, "false": False, "null": None}.get(value.lower(), value)
-        for kind in (int, float):
-            if not isinstance(value, str):
-                break
-            try:
-                value = kind(value)
-                break
-            except ValueError:
-                pass
-        flags[name] = value
-    return flags
 
 
 if __name__ == "__main__":
-    # was: cli_lightning_logo()
-    cli_main(**_trainer_arguments(sys.argv[1:]))
+    cli_lightning_logo()
+    cli_main()

@@ -69,7 +69,7 @@ class SaveConfigCallback(Callback):
             raise RuntimeError(f"{path} exists: SaveConfigCallback does not replace it; pass "
                                "save_config_kwargs={'overwrite': True} to LightningCLI, or save_config_callback=None")
         if trainer.is_global_zero:
-            self.parser.save(self.config, path, skip_none=False, overwrite=self.overwrite, multifile=self.multifile)
+            self.parser.save(self.config, path, skip_unset=False, overwrite=self.overwrite, multifile=self.multifile)
         self.already_saved = True
 
 
