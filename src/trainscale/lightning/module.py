@@ -128,6 +128,19 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         in every stage of the same process, so make it idempotent (return when the layers exist), as Lightning asks.
         Default: nothing."""
 
+    def prepare_data(self) -> None:
+        """Lightning's hook, at the start of every stage, before ``setup``: once per node (local rank 0) while the
+        other ranks wait; download or write files here, assign no state. Default: nothing."""
+
+    def setup(self, stage: str) -> None:
+        """Lightning's hook, on every rank at the start of a stage ("fit", "validate", "test" or "predict"), after the
+        callbacks' ``setup`` and before ``configure_model``. Default: nothing (``super().setup(stage)`` may be
+        called)."""
+
+    def teardown(self, stage: str) -> None:
+        """Lightning's hook, on every rank once a stage has ended normally, after the callbacks' ``teardown``.
+        Default: nothing."""
+
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Lightning's hook, on every batch of every stage before it goes to the device (on the host; after the
         precision's input cast): return the batch, changed or not. Default: the batch as it is."""

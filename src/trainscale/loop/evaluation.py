@@ -489,8 +489,10 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     trainer.start_stage(model)  # configure_callbacks, the warning about hooks trainscale never calls
     if datamodule is not None:
         trainer.datamodule = datamodule
+    stage = {"validate": "validation", "test": "test", "predict": "predict"}[method]
+    off = trainer.config.eval_batches(stage, 1) == 0  # limit_*_batches=0: Lightning's loop skips the stage
     dataloaders, _ = resolve_loaders(rt, method, model, dataloaders, datamodule,
-                                     lambda: trainer.set_up_callbacks(model, method))
+                                     lambda: trainer.set_up_callbacks(model, method), request=not off)
     trainer.last_setup = set_up_model(rt, model, loss_fn, trainer.last_setup)  # an earlier fit's: as it was
     _, loop_module, wrapped = trainer.last_setup
     trainer._arm_hooks(model)
@@ -501,8 +503,10 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     if ckpt_path is not None:
         rt.load(ckpt_path, {checkpointer.weights_key(checkpointer.is_sharded(ckpt_path)): model})
         rt.print(f"trainscale: {method} with the weights of {ckpt_path}")
-    stage = {"validate": "validation", "test": "test", "predict": "predict"}[method]
+    model.zero_grad()  # Lightning's _run_stage frees the gradients before each stage runs
     loaders, num_batches = _stage_loaders(trainer, dataloaders, stage)
+    if off:
+        return _skipped_stage(trainer, model, method)
     if method == "predict":
         return _predict_stage(trainer, model, loop_module, wrapped, loaders, num_batches)
     if method == "test":
@@ -515,6 +519,17 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
         rt.print(results_table(stage, results))
     teardown(trainer, model, method)
     return results  # Lightning's shape: one dict per evaluation loader
+
+
+def _skipped_stage(trainer: Trainer, model: Any, method: str) -> list | None:
+    """A stage turned off by its ``limit_*_batches=0``: its teardown hooks, then what Lightning's skipped loop returns
+    (``[]`` from ``validate``/``test``, None from ``predict``); no batch counts (``num_test_batches`` ``[]``)."""
+    if method == "test":
+        trainer.num_test_batches = []
+    if method == "predict":
+        trainer.num_predict_batches = []
+    teardown(trainer, model, method)
+    return None if method == "predict" else []
 
 
 def _stage_loaders(trainer: Trainer, dataloaders: list, stage: str) -> tuple[list, list[float]]:

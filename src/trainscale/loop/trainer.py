@@ -198,10 +198,11 @@ class Trainer:
                 of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`);
                 0 (or 0.0): no training, as Lightning's: ``fit`` runs its sanity check and hooks but no epoch, as with
                 ``max_steps=0``.
-            limit_val_batches: as ``limit_train_batches``, for each rank's validation batches, in ``fit`` and ``validate``
-                (:meth:`eval_batches`); 0 (or 0.0): no validation in ``fit`` (and no sanity check), as Lightning's.
-            limit_test_batches: as ``limit_train_batches``, for ``test`` (:meth:`eval_batches`).
-            limit_predict_batches: as ``limit_train_batches``, for ``predict`` (:meth:`eval_batches`).
+            limit_val_batches: as ``limit_train_batches``, for each rank's validation batches in ``fit`` and
+                ``validate``; 0 (or 0.0): no validation (nor sanity check) in ``fit``, none in ``validate``.
+            limit_test_batches: as ``limit_train_batches``, for ``test``; 0 (or 0.0) turns it off, as Lightning's:
+                its ``setup``/``teardown`` hooks run, no loader is asked for, it returns ``[]``.
+            limit_predict_batches: as ``limit_test_batches``, for ``predict`` (returning None when 0).
             min_epochs: a stop asked by a callback (``trainer.should_stop``, e.g. ``EarlyStopping``) waits until this
                 many epochs are done, as Lightning's (None: no minimum).
             min_steps: as ``min_epochs``, in optimizer steps.
@@ -654,6 +655,7 @@ class Trainer:
         self.validated_at = []
         self.profiler.setup("fit", rt.rank if rt.world_size > 1 else None, self.run_dir)  # its files: the run dir
         self._hook("on_fit_start")
+        model.zero_grad()  # Lightning's _run_stage frees the gradients before each stage runs
         self._sanity_check(fit, point)
         started = time.monotonic()  # training's start, for max_time and a time-based val_check_interval
         self._deadline = started + (cfg.max_time.total_seconds() if cfg.max_time is not None else math.inf)
