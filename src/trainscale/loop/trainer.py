@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 from torch import nn
 
-from trainscale.callbacks import (Callback, ModelCheckpoint, ModelSummary, TQDMProgressBar, merge_model_callbacks,
-                                  resolve_callbacks)
+from trainscale.callbacks import (Callback, EarlyStopping, ModelCheckpoint, ModelSummary, TQDMProgressBar,
+                                  merge_model_callbacks, resolve_callbacks)
 from trainscale.callbacks.base import HOOKS, overridden_hooks
 from trainscale.utilities.rank_zero import log_info
 from trainscale.utilities.warnings import PossibleUserWarning
@@ -332,7 +332,7 @@ class Trainer:
         # evaluated, as a str (None: none)
         self.ckpt_path: str | None = None
         # the latest number of each name (epoch records, logs): floats, and step values as device tensors until read
-        self.callback_metrics: dict[str, float | torch.Tensor] = {}
+        self._callback_metrics: dict[str, float | torch.Tensor] = {}
         self.should_stop = False  # set by a callback (EarlyStopping) or max_time: stop, on every rank
         self.fitting = False  # True during fit (Lightning's trainer.state.fn == "fit"); validate() after it: False
         self.validated_at: list[int] = []  # global steps at which the last fit validated (sanity check excluded)
@@ -371,6 +371,21 @@ class Trainer:
                              doc="The epoch running (from 0), or the epochs completed once an epoch has ended "
                                  "(Lightning's: 2 after fit with max_epochs=2; TrainState.current_epoch).")
     history = property(lambda self: self.state.history, doc="One record (a dict) per finished epoch.")
+    @property
+    def callback_metrics(self) -> dict[str, float | torch.Tensor]:
+        """The latest value of each name logged (Lightning's ``trainer.callback_metrics``): epoch values, and the
+        training step values as device tensors: in ``fit`` after each optimizer step (and its
+        ``on_train_batch_end``), outside a fit as soon as ``self.log`` is called (a ``training_step`` run by hand
+        after ``model.trainer = trainer``), as Lightning's; evaluation step values are not, as in Lightning."""
+        collector = self.metric_collector
+        if collector.unpublished and not self.fitting and collector.stage == "train":  # fit's loop publishes its own
+            self._callback_metrics.update(collector.step_metrics())
+        return self._callback_metrics
+
+    @callback_metrics.setter
+    def callback_metrics(self, values: dict[str, float | torch.Tensor]) -> None:
+        self._callback_metrics = values
+
     # Lightning's views of callback_metrics: the names logged with logger=True (tensors), with prog_bar=True (floats)
     logged_metrics = property(lambda self: logged_metrics(self.callback_metrics, self.metric_collector),
                               doc="The self.log values logged with logger=True (Lightning's; name_step/name_epoch).")
@@ -386,6 +401,11 @@ class Trainer:
                                                      None),
                                    doc="The first ModelCheckpoint in the callbacks, or None (Lightning's "
                                        "``trainer.checkpoint_callback``; there under fast_dev_run, which saves none).")
+    early_stopping_callback = property(lambda self: next(iter(self.early_stopping_callbacks), None),
+                                       doc="The first EarlyStopping in the callbacks, or None (Lightning's "
+                                           "``trainer.early_stopping_callback``).")
+    early_stopping_callbacks = property(lambda self: [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)],
+                                        doc="Every EarlyStopping in the callbacks (Lightning's list).")
     # Lightning's names for this process's place in the job (``runtime.world``: trainscale.runtime.world.World)
     global_rank = property(lambda self: self.runtime.world.rank, doc="This process's rank in the job, 0 .. world_size-1.")
     local_rank = property(lambda self: self.runtime.world.local_rank, doc="This process's rank on its node.")
@@ -629,6 +649,7 @@ class Trainer:
         rt, cfg = self.runtime, self.config
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
         self.ckpt_path = as_ckpt_path(resume_from)
+        self.metric_collector.drop_values()  # nothing logged before this fit counts in it
         warn_default_max_epochs(cfg, self.flags["max_epochs"], rt.is_rank_zero)
         self._max_epochs = cfg.max_epochs  # trainer.max_epochs: resolved from here on, as Lightning's
         drop_unpicklable(getattr(model, "hparams", None), warn=rt.is_rank_zero)  # Lightning's clean_namespace
