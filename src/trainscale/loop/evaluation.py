@@ -448,8 +448,9 @@ class NoModelError(TypeError, ValueError):
 
 def fitted_model(trainer: Trainer, method: str, ckpt_path: Any) -> tuple[Any, Any]:
     """``(model, ckpt_path)`` for ``validate``/``test``/``predict`` called without a model: the model of the
-    trainer's last ``fit``, and, when ``ckpt_path`` is None, its best checkpoint (the first ``ModelCheckpoint``'s
-    ``best_model_path``: the newest without a monitor), with Lightning's warning (``_parse_ckpt_path``).
+    trainer's last ``fit`` (``trainer.fitted_module``; a ``ddp_spawn`` fit's too, its ranks' weights loaded), and,
+    when ``ckpt_path`` is None, its best checkpoint (the first ``ModelCheckpoint``'s ``best_model_path``: the newest
+    without a monitor), with Lightning's warning (``_parse_ckpt_path``).
 
     Raises:
         NoModelError: no fit ran on this trainer (a ``TypeError`` as Lightning's, and a ``ValueError``).
@@ -457,12 +458,13 @@ def fitted_model(trainer: Trainer, method: str, ckpt_path: Any) -> tuple[Any, An
     """
     from trainscale.callbacks import ModelCheckpoint
 
-    if trainer.last_setup is None or trainer._fit is None:  # Lightning's words first
+    model = trainer.fitted_module
+    if model is None:  # Lightning's words first
         raise NoModelError(f"`Trainer.{method}()` requires a `LightningModule` when it hasn't been passed in a previous "
                            f"run: {method}() without a model needs an earlier fit() on this Trainer; pass the model: "
                            f"trainer.{method}(model, loader)")
     if ckpt_path is not None:
-        return trainer._fit.model, ckpt_path
+        return model, ckpt_path
     saved = [cb.best_model_path for cb in trainer.callbacks
              if isinstance(cb, ModelCheckpoint) and cb.best_model_path]
     if not saved:
@@ -472,7 +474,7 @@ def fitted_model(trainer: Trainer, method: str, ckpt_path: Any) -> tuple[Any, An
                   f"will be used ({saved[0]}). You can pass `.{method}(ckpt_path='best')` to use the best model or "
                   f"`.{method}(ckpt_path='last')` to use the last model. If you pass a value, this warning will be "
                   "silenced.", stacklevel=3)
-    return trainer._fit.model, Path(saved[0])
+    return model, Path(saved[0])
 
 
 def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_fn: Any = None,

@@ -351,6 +351,9 @@ class Trainer:
         self.metric_collector = MetricCollector(self.runtime, "train")
         self._pending: dict[str, dict[str, float]] = {}  # log_metrics() values for the next "step" or "epoch" record
         self._fit: FitRun | None = None
+        # the module of the last fit, for validate/test/predict without one (also in the process that started a
+        # ddp_spawn fit, whose FitRun was in the ranks)
+        self.fitted_module: nn.Module | None = None
         self.last_setup: tuple | None = None  # (model, LoopModule, wrapped) of the last fit or evaluation: reused
         self.is_step_end = False  # in on_train_batch_end: this micro-batch ended an optimizer step
         self._step_before = 0  # global_step before the last optimizer step (is_log_step)
@@ -724,6 +727,7 @@ class Trainer:
         # the loaders first, so that configure_optimizers can read estimated_stepping_batches (as Lightning's loads them)
         train_loader, val_loader = self._distribute_loaders(model, loop_module, train_dataloaders, val_dataloaders)
         self._fit = fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, None, datamodule=self.datamodule)
+        self.fitted_module = model
         with self._running("configure_optimizers"):
             self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
                 model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
