@@ -281,14 +281,30 @@ def test_a_monitored_checkpoint_saves_only_in_the_epochs_that_validate(tmp_path)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("max_time", "min_steps", "steps"), [("00:00:00:00", None, 1), ({"seconds": 0}, 3, 3)])
-def test_max_time_stops_after_a_step_and_checkpoints(tmp_path, max_time, min_steps, steps):
-    # a zero duration has run out after the first step, whatever the machine's speed; min_steps holds it back
-    trainer, model = _fit_watched(tmp_path, max_time=max_time, min_steps=min_steps, max_epochs=3,
-                                  num_sanity_val_steps=0)
-    assert trainer.global_step == steps and len(trainer.history) == 1
-    assert trainer.validated_at == [steps]  # the stopping step validates, as Lightning
-    assert [p.name for p in tmp_path.rglob("epoch=*.ckpt")] == [f"epoch=0-step={steps}.ckpt"]
+def test_max_time_stops_after_a_step_and_checkpoints(tmp_path):
+    # a zero duration has run out when fit starts, whatever the machine's speed; min_steps holds it back until the
+    # third step, whose epoch then ends as usual: it validates and checkpoints, as Lightning
+    trainer, model = _fit_watched(tmp_path, max_time={"seconds": 0}, min_steps=3, max_epochs=3, num_sanity_val_steps=0)
+    assert trainer.global_step == 3 and len(trainer.history) == 1
+    assert trainer.validated_at == [3]
+    assert [p.name for p in tmp_path.rglob("epoch=*.ckpt")] == ["epoch=0-step=3.ckpt"]
+
+
+@pytest.mark.timeout(60)
+def test_max_time_is_a_timer_callback_as_lightnings(tmp_path, caplog):
+    from trainscale.callbacks import ModelCheckpoint, Timer
+
+    trainer = _trainer(tmp_path, max_time="00:00:00:00", max_epochs=3, num_sanity_val_steps=0)
+    (timer,) = [cb for cb in trainer.callbacks if isinstance(cb, Timer)]
+    saver = next(i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, ModelCheckpoint))
+    assert timer.time_remaining() == 0.0 and trainer.callbacks.index(timer) < saver  # before the checkpoints
+    trainer.fit(Watched(), _loader(20), _loader(8))
+    assert trainer.global_step == 0 and trainer.validated_at == []  # out of time when fit starts: nothing trains
+    mine = Timer(duration={"hours": 1})
+    with caplog.at_level("INFO"):
+        given = _trainer(tmp_path, max_time={"seconds": 5}, callbacks=[mine])
+    assert [cb for cb in given.callbacks if isinstance(cb, Timer)] == [mine]
+    assert "Ignoring `Trainer(max_time=...)`, callbacks list already contains a Timer." in caplog.text
 
 
 @pytest.mark.timeout(60)

@@ -146,13 +146,11 @@ class TrainerConfig:
             them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`); 0 (or
             0.0): no training, as Lightning's: ``fit`` runs its sanity check and hooks but no epoch, as with
             ``max_steps=0``.
-        limit_val_batches: as ``limit_train_batches``, for each rank's validation batches, in ``fit`` and ``validate``
-            (:meth:`eval_batches`); 0 (or 0.0): no validation in ``fit`` (and no sanity check), none in
-            ``validate``, as Lightning's.
-        limit_test_batches: as ``limit_train_batches``, for ``test`` (:meth:`eval_batches`); 0 (or 0.0): ``test``
-            runs its setup and teardown hooks only, asks for no loader and returns ``[]``, as Lightning's.
-        limit_predict_batches: as ``limit_train_batches``, for ``predict`` (:meth:`eval_batches`); 0 (or 0.0): as
-            ``limit_test_batches=0``, and ``predict`` returns None, as Lightning's.
+        limit_val_batches: as ``limit_train_batches``, for each rank's validation batches in ``fit`` and
+            ``validate``; 0 (or 0.0): no validation (nor sanity check) in ``fit``, none in ``validate``.
+        limit_test_batches: as ``limit_train_batches``, for ``test``; 0 (or 0.0) turns it off, as Lightning's:
+            its ``setup``/``teardown`` hooks run, no loader is asked for, it returns ``[]``.
+        limit_predict_batches: as ``limit_test_batches``, for ``predict`` (returning None when 0).
         min_epochs: a stop asked by a callback (``trainer.should_stop``, e.g. ``EarlyStopping``) waits until this many
             epochs are done, as Lightning's (None: no minimum).
         min_steps: as ``min_epochs``, in optimizer steps.
@@ -179,9 +177,9 @@ class TrainerConfig:
             (Lightning's; its loggers become a dummy).
         max_time: stop training once this much time has passed since ``fit`` began training (Lightning's ``Timer``):
             "DD:HH:MM:SS", a ``datetime.timedelta`` or a dict of its keyword arguments; resolved to a ``timedelta``.
-            Checked after every optimizer step (rank zero's clock, broadcast when there are several ranks); the epoch
-            then ends as usual (its validation, epoch-end checkpoint and hooks) and ``fit`` returns.
-            ``min_epochs``/``min_steps`` hold it back, as Lightning. The time before a resume is not counted.
+            A ``Timer(duration=max_time, interval="step")`` in ``trainer.callbacks`` (unless you give a ``Timer``),
+            as Lightning's: it stops ``fit`` at its start or after the training batch where the time ran out, the
+            epoch ending as usual; ``min_epochs``/``min_steps`` hold it back; a resume counts the time before.
         overfit_batches: train on the first N batches (an int) or fraction (a float in (0, 1]) of the training set,
             unshuffled, every epoch, and validate on as many of the validation batches (Lightning 2's; 0: off). It
             replaces ``limit_train_batches`` and ``limit_val_batches``.

@@ -229,9 +229,9 @@ class Trainer:
                 (Lightning's; its loggers become a dummy).
             max_time: stop training once this much time has passed since ``fit`` began training (Lightning's ``Timer``):
                 "DD:HH:MM:SS", a ``datetime.timedelta`` or a dict of its keyword arguments; resolved to a ``timedelta``.
-                Checked after every optimizer step (rank zero's clock, broadcast when there are several ranks); the
-                epoch then ends as usual (its validation, epoch-end checkpoint and hooks) and ``fit`` returns.
-                ``min_epochs``/``min_steps`` hold it back, as Lightning. The time before a resume is not counted.
+                A ``Timer(duration=max_time, interval="step")`` in ``trainer.callbacks`` (unless you give a ``Timer``),
+                as Lightning's: it stops ``fit`` at its start or after the training batch where the time ran out, the
+                epoch ending as usual; ``min_epochs``/``min_steps`` hold it back; a resume counts the time before.
             overfit_batches: train on the first N batches (an int) or fraction (a float in (0, 1]) of the training set,
                 unshuffled, every epoch, and validate on as many of the validation batches (Lightning 2's; 0: off). It
                 replaces ``limit_train_batches`` and ``limit_val_batches``.
@@ -297,7 +297,8 @@ class Trainer:
         logger = barebones_logger(self.config, logger, profiler, callbacks)
         set_torch_flags(self.config.deterministic, self.config.benchmark)
         self.batch_scaling = BatchScaling(self.config)
-        self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint(), self.config.enable_checkpointing)
+        self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint(), self.config.enable_checkpointing,
+                                           self.config.max_time)  # max_time: a Timer, as Lightning's
         bars = [cb for cb in self.callbacks if isinstance(cb, TQDMProgressBar)]
         if bars and not self.config.enable_progress_bar:  # Lightning refuses the same
             raise ValueError(f"Trainer(enable_progress_bar=False) with a {type(bars[0]).__name__} in callbacks; drop "
@@ -333,7 +334,7 @@ class Trainer:
         self.ckpt_path: str | None = None
         # the latest number of each name (epoch records, logs): floats, and step values as device tensors until read
         self._callback_metrics: dict[str, float | torch.Tensor] = {}
-        self.should_stop = False  # set by a callback (EarlyStopping) or max_time: stop, on every rank
+        self.should_stop = False  # set by a callback (EarlyStopping, Timer: max_time): stop, on every rank
         self.fitting = False  # True during fit (Lightning's trainer.state.fn == "fit"); validate() after it: False
         self.validated_at: list[int] = []  # global steps at which the last fit validated (sanity check excluded)
         # this rank's batches of each loader of the last test() and predict() (Lightning's lists), set as they start
@@ -344,7 +345,6 @@ class Trainer:
         # the sample indices of each batch predict() has read, per loader (empty where the loader has none: an
         # IterableDataset), as Lightning's predict_loop.epoch_batch_indices; BasePredictionWriter reads them
         self.predict_batch_indices: list[list[list[int]]] = []
-        self._deadline = math.inf  # time.monotonic() at which max_time runs out
         self.optimizers: list = []
         self.schedulers: list = []
         self.manual_optimizers: list[ManualOptimizer] = []
@@ -681,8 +681,7 @@ class Trainer:
         self._hook("on_fit_start")
         model.zero_grad()  # Lightning's _run_stage frees the gradients before each stage runs
         self._sanity_check(fit, point)
-        started = time.monotonic()  # training's start, for max_time and a time-based val_check_interval
-        self._deadline = started + (cfg.max_time.total_seconds() if cfg.max_time is not None else math.inf)
+        started = time.monotonic()  # training's start, for a time-based val_check_interval
         fit.validate_at = started + cfg.val_check_seconds
         self._hook("on_train_start")
         for epoch in itertools.count(point.next_epoch if point else 0):
@@ -845,7 +844,8 @@ class Trainer:
            step); then the ``interval="step"`` ``ReduceLROnPlateau`` schedulers, on the values this step and its
            validation logged (Lightning's order); then faults and checkpoints (:meth:`_checkpoint_if_due`):
            signals and the non-finite check at the steps every rank agreed on, a checkpoint every
-           ``checkpoint_every_n_steps``; then ``max_time``: out of time, the epoch ends here.
+           ``checkpoint_every_n_steps``. (``max_time`` is a ``Timer`` callback: out of time at its
+           ``on_train_batch_end``, it sets ``should_stop`` and the epoch ends after this step.)
 
         The profiler's regions (``Trainer(profiler=...)``; a no-op context without one) are the ``prof.profile``
         blocks below: ``training_step_and_backward`` (each micro-batch), ``optimizer_step``, ``log_step``,
@@ -862,7 +862,7 @@ class Trainer:
         some value has ``sync_dist=True``, an ``all_gather_object`` of their names and the all-reduce of the values.
         6. validation's reductions; at the agreed check steps the fault check's all-reduce (a second one when a
         loss is not finite); a checkpoint's barrier and writes; on several ranks a broadcast of rank zero's clock with
-        a time-based ``val_check_interval`` and another with ``max_time``.
+        a time-based ``val_check_interval`` (and the ``Timer``'s of ``max_time``, in ``on_train_batch_end``).
         """
         rt, cfg, tele, prof = self.runtime, self.config, fit.telemetry, self.profiler  # prof: Trainer(profiler=...)
         self.is_step_end = False
@@ -920,8 +920,6 @@ class Trainer:
             step_schedulers(self.schedulers, "step", self.state.global_step, self.callback_metrics, plateau=True)
         with prof.profile("checkpoint_if_due"):  # at the check steps the ranks agreed on: one all-reduce (faults)
             self._checkpoint_if_due(fit, epoch_end=False, ends_epoch=micro.ends_epoch)
-        if self._out_of_time():  # a broadcast of rank zero's clock, with max_time on several ranks
-            self.should_stop = True  # max_time (Lightning's Timer): the epoch ends after this step
         return True
 
     def _optimizer_step(self, fit: FitRun, loss: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
@@ -1140,13 +1138,8 @@ class Trainer:
         self.callback_metrics = saved_metrics
         set_rng_state(saved_rng)
 
-    def _out_of_time(self) -> bool:
-        """``max_time`` has run out (Lightning's ``Timer``): rank zero's clock, broadcast so that every rank stops
-        after the same step (one broadcast per step, only with ``max_time`` on several ranks)."""
-        return self._deadline != math.inf and self._rank_zero_clock_says(time.monotonic() >= self._deadline)
-
     def _rank_zero_clock_says(self, this_rank: bool) -> bool:
-        """Rank zero's answer to a question of time (``max_time``, a time-based ``val_check_interval``), broadcast,
+        """Rank zero's answer to a question of time (a time-based ``val_check_interval``), broadcast,
         so that every rank takes the same path after the same step: the ranks' clocks differ, and a rank that
         validated or stopped alone would leave the others waiting in a collective. ``this_rank``: this rank's answer
         (the only one at world size 1)."""
