@@ -930,7 +930,8 @@ def test_a_minimum_without_max_epochs_is_trained_before_a_callback_may_stop(tmp_
     minimum is met (3 epochs of 4 steps, or the epoch that holds step 10), as Lightning's, rather than ending at
     trainscale's one-epoch default."""
     stop = EarlyStopping("val_loss", patience=0, min_delta=1e9)
-    with pytest.warns(PossibleUserWarning, match="max_epochs was not set"):
+    with pytest.warns(PossibleUserWarning, match=r"^`max_epochs` was not set. Setting it to 1000 epochs. To train "
+                                                  r"without an epoch limit, set `max_epochs=-1`."):  # Lightning's words
         trainer = _trainer(tmp_path, num_sanity_val_steps=0, callbacks=[stop], **flags)
     trainer.fit(Probe(), _loader(), _loader(4))
     assert trainer.max_epochs == 1000 and trainer.current_epoch == epochs and trainer.should_stop

@@ -410,9 +410,9 @@ def _loop_limits(cfg: TrainerConfig) -> TrainerConfig:
         max_epochs = -1
     elif max_epochs is None and (cfg.min_epochs or cfg.min_steps):
         # one epoch could not honour the minimum the user asked for; Lightning's default, with its warning
-        warnings.warn(f"max_epochs was not set: training up to {_LIGHTNING_MAX_EPOCHS} epochs (Lightning's default) "
-                      "so that min_epochs/min_steps can be met; pass max_epochs=-1 for no limit", PossibleUserWarning,
-                      stacklevel=3)
+        warnings.warn(f"`max_epochs` was not set. Setting it to {_LIGHTNING_MAX_EPOCHS} epochs. To train without an "
+                      "epoch limit, set `max_epochs=-1`. (Lightning's default, taken here so that min_epochs/min_steps "
+                      "can be met)", PossibleUserWarning, stacklevel=3)
         max_epochs = _LIGHTNING_MAX_EPOCHS
     elif max_epochs is None:
         max_epochs = 1
