@@ -61,6 +61,10 @@ def test_a_spawned_fit_returns_the_best_checkpoint_which_test_then_evaluates(spa
     assert trainer.callback_metrics["val_loss"] == pytest.approx(history[-1])
     test_loss = trainer.test(spawned_fit["model"], spawned_fit["val"], ckpt_path="best")[0]["test_loss"]
     assert test_loss == pytest.approx(history[best], rel=1e-6)
+    # without a model, as Lightning's: the spawned fit's model, with its best checkpoint and Lightning's warning
+    assert trainer.fitted_module is spawned_fit["model"]
+    with pytest.warns(UserWarning, match=r"`.test\(ckpt_path=None\)` was called without a model"):
+        assert trainer.test(dataloaders=spawned_fit["val"])[0]["test_loss"] == pytest.approx(test_loss, rel=1e-6)
 
 
 def test_runtime_launch_function_runs_on_each_spawned_rank_with_ddp_options():

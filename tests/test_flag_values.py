@@ -33,6 +33,8 @@ ACCEPTED = {
     ("max_steps", "a negative"): "-1: no limit (Lightning's)",
     ("limit_val_batches", "zero"): "no validation (Lightning's)",
     ("limit_train_batches", "zero"): "no training (Lightning's)",
+    ("limit_test_batches", "zero"): "test() runs its setup and teardown hooks only (Lightning's)",
+    ("limit_predict_batches", "zero"): "predict() runs its setup and teardown hooks only (Lightning's)",
     ("reload_dataloaders_every_n_epochs", "zero"): "never (the default)",
 }
 FLAGS = [f.name for f in dataclasses.fields(TrainerConfig)] + [f.name for f in dataclasses.fields(RuntimeFlags)]

@@ -169,6 +169,20 @@ def test_a_value_logged_in_on_train_batch_end_is_in_callback_metrics_at_once(tmp
     assert float(trainer.callback_metrics["steps_seen"]) == 4.0  # the last step's, as Lightning's
 
 
+def test_a_training_step_run_by_hand_logs_into_callback_metrics_at_once(tmp_path):
+    # Lightning's callback_metrics are read from what was logged, so a module attached with model.trainer = trainer
+    # and its training_step called outside fit has its values there: one-element tensors as 0-d ones
+    model, trainer = Probe(), _trainer(tmp_path)
+    model.trainer = trainer
+    model.log("one_element", torch.tensor([1.5]), on_epoch=True)
+    model.training_step(next(iter(_loader())), 7)
+    got = trainer.callback_metrics
+    assert got["one_element"].ndim == 0 and float(got["one_element"]) == 1.5 and "one_element_step" in got
+    assert float(got["idx"]) == 7.0 and float(got["both"]) == 7.0
+    trainer.fit(Probe(), _loader())  # then a fit publishes its own steps' values (4 batches), as before
+    assert float(trainer.callback_metrics["idx"]) == 3.0 and float(trainer.callback_metrics["both_epoch"]) == 3.0
+
+
 @pytest.mark.timeout(60)
 def test_callback_metrics_hold_what_the_module_logged_as_tensors_and_none_of_the_records_fields(tmp_path):
     class Returns(Probe):  # a validation step that returns a value it does not log
@@ -563,8 +577,8 @@ def test_reduce_fx_takes_lightnings_spellings(tmp_path):
     got = {k: trainer.callback_metrics[k] for k in ("mx", "mn", "avg", "sm", "mean")}
     assert got == {"mx": 3.0, "mn": 0.0, "avg": 1.5, "sm": 6.0, "mean": 1.5}
     from trainscale.lightning.metrics import reduction_name
-    with pytest.raises(ValueError, match="reduce_fx"):
-        reduction_name(torch.median)
+    with pytest.raises(ValueError, match=r"^Only `self.log\(..., reduce_fx=\{min,max,mean,sum\}\)` are supported"):
+        reduction_name(torch.median)  # Lightning's words first
 
 
 @pytest.mark.parametrize("value, what", [(None, "`NoneType` values"), ("a", "`str` values"),
@@ -916,7 +930,8 @@ def test_a_minimum_without_max_epochs_is_trained_before_a_callback_may_stop(tmp_
     minimum is met (3 epochs of 4 steps, or the epoch that holds step 10), as Lightning's, rather than ending at
     trainscale's one-epoch default."""
     stop = EarlyStopping("val_loss", patience=0, min_delta=1e9)
-    with pytest.warns(PossibleUserWarning, match="max_epochs was not set"):
+    with pytest.warns(PossibleUserWarning, match=r"^`max_epochs` was not set. Setting it to 1000 epochs. To train "
+                                                  r"without an epoch limit, set `max_epochs=-1`."):  # Lightning's words
         trainer = _trainer(tmp_path, num_sanity_val_steps=0, callbacks=[stop], **flags)
     trainer.fit(Probe(), _loader(), _loader(4))
     assert trainer.max_epochs == 1000 and trainer.current_epoch == epochs and trainer.should_stop
@@ -1696,6 +1711,28 @@ def test_self_log_where_lightning_refuses_it_raises(tmp_path, hook, flags, match
     trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, callbacks=[_logs_in(hook, **flags)])
     with pytest.raises(ValueError, match=match):
         trainer.fit(Probe(), _loader())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("first", "then", "raises"), [
+    ({}, {"prog_bar": True}, True), ({}, {"reduce_fx": "max"}, True), ({}, {"on_epoch": True}, True),
+    ({}, {"logger": False}, True), ({}, {"on_step": True}, False), ({"reduce_fx": "mean"}, {"reduce_fx": "avg"}, False),
+])
+def test_one_name_logged_in_one_hook_must_keep_its_options(tmp_path, first, then, raises):
+    # Lightning keeps one result per hook and name: logging it again there with other options (on a later batch
+    # too) is its MisconfigurationException; the defaults spelt out, or "avg" for "mean", are the same options
+    class Relogs(Probe):
+        def training_step(self, batch, batch_idx):
+            self.log("twice", 1.0, **(first if batch_idx == 0 else then))
+            return super().training_step(batch, batch_idx)
+
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    if raises:
+        with pytest.raises(ValueError, match=r"You called `self.log\(twice, ...\)` twice in `training_step` with "):
+            trainer.fit(Relogs(), _loader())
+    else:
+        trainer.fit(Relogs(), _loader())
+        assert float(trainer.callback_metrics["twice"]) == 1.0
 
 
 def test_self_log_in_configure_optimizers_raises(tmp_path):
@@ -3041,18 +3078,18 @@ def test_is_overridden_compares_with_the_base_class_and_unwraps_what_lightning_u
     with pytest.raises(ValueError, match="parent="):
         is_overridden("forward", nn.Linear(1, 1))
     assert is_overridden("forward", nn.Linear(1, 1), parent=nn.Module)
-    assert not is_overridden("prepare_data", model)  # a hook neither class has
+    assert not is_overridden("prepare_data", model)  # TrainingModule's no-op, not overridden
 
     class Configured(Probe):
         def configure_model(self):  # a hook TrainingModule defines (a no-op)
             pass
 
-        def prepare_data(self):  # Lightning's hook, not TrainingModule's: nothing to compare
-            pass
+        def train_dataloader(self):  # Lightning's hook, not TrainingModule's: nothing to compare
+            return None
 
     assert is_overridden("configure_model", Configured()) and not is_overridden("configure_model", model)
-    with pytest.raises(ValueError, match="defines no prepare_data"):
-        is_overridden("prepare_data", Configured())
+    with pytest.raises(ValueError, match="defines no train_dataloader"):
+        is_overridden("train_dataloader", Configured())
     assert is_picklable({"lr": 0.1}) and not is_picklable(lambda: 0)
 
 
@@ -3308,13 +3345,18 @@ def test_fast_dev_run_puts_a_dummy_logger_in_place_of_the_users(tmp_path):
             return super().training_step(batch, batch_idx)
 
     given = _CallsLogger()  # an EarlyStopping on a name never logged is not checked (nor refused) either
-    saver = ModelCheckpoint(dirpath=tmp_path / "never")
-    trainer = _trainer(tmp_path, fast_dev_run=2, logger=given, callbacks=[EarlyStopping(monitor="never_logged"), saver])
+    saver, unplaced = ModelCheckpoint(dirpath=tmp_path / "never"), ModelCheckpoint(every_n_epochs=2)
+    stopper = EarlyStopping(monitor="never_logged")
+    trainer = _trainer(tmp_path, fast_dev_run=2, logger=given, callbacks=[stopper, saver, unplaced])
     assert isinstance(trainer.logger, DummyLogger) and len(trainer.loggers) == 1
     assert trainer.checkpoint_callback is saver  # there, as Lightning's, and saves nothing
+    assert trainer.early_stopping_callback is stopper and trainer.early_stopping_callbacks == [stopper]
     trainer.fit(Experimenting(), _loader())
     assert trainer.global_step == 2 and given.calls == [] and trainer.log_dir is None
     assert not (tmp_path / "never").exists()
+    # Lightning names a dirpath under fast_dev_run (the DummyLogger's empty name and version) and makes none
+    assert saver.dirpath == str(tmp_path / "never") and unplaced.dirpath == str(tmp_path / "checkpoints")
+    assert not (tmp_path / "checkpoints").exists()
     assert trainer.logger.name == trainer.logger.version == ""
     assert _trainer(tmp_path, fast_dev_run=True, logger=False).loggers == []  # no logger stays none, as Lightning's
     used = _CallsLogger()

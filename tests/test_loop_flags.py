@@ -63,6 +63,73 @@ def test_limit_test_and_predict_batches_count_or_fraction(tmp_path):
     assert model.steps["predict"] == 2 and torch.cat(predicted).tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+class Staged(Counted):
+    """Records the stage hooks it sees, asks for its loaders through the data hooks, and says at each step whether
+    the gradients were freed; its ``setup``/``teardown`` call the defaults through ``super()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.grads_freed = [], []
+
+    def setup(self, stage):
+        super().setup(stage)
+        self.seen.append(f"setup:{stage}")
+
+    def teardown(self, stage):
+        super().teardown(stage)
+        self.seen.append(f"teardown:{stage}")
+
+    def val_dataloader(self):
+        self.seen.append("val_dataloader")
+        return _loader()
+
+    def test_dataloader(self):
+        self.seen.append("test_dataloader")
+        return _loader()
+
+    def predict_dataloader(self):
+        self.seen.append("predict_dataloader")
+        return _loader()
+
+    def on_validation_start(self):
+        self.seen.append("on_validation_start")
+
+    def on_test_start(self):
+        self.seen.append("on_test_start")
+
+    def on_predict_start(self):
+        self.seen.append("on_predict_start")
+
+    def test_step(self, batch, batch_idx):
+        self.grads_freed.append(all(p.grad is None for p in self.parameters()))
+        return super().test_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("method", "flag", "returned"), [("validate", "limit_val_batches", []),
+                                                          ("test", "limit_test_batches", []),
+                                                          ("predict", "limit_predict_batches", None)])
+@pytest.mark.parametrize("zero", [0, 0.0])
+def test_a_zero_limit_turns_the_evaluation_stage_off(tmp_path, method, flag, returned, zero):
+    # Lightning's loops skip a stage whose limit is 0: setup and teardown run, no loader is asked for, no stage hook
+    model = Staged()
+    trainer = _trainer(tmp_path, **{flag: zero})
+    assert getattr(trainer, method)(model) == returned
+    assert model.seen == [f"setup:{method}", f"teardown:{method}"]
+    assert model.steps == {"test": 0, "predict": 0}
+
+
+@pytest.mark.timeout(60)
+def test_each_stage_starts_with_the_gradients_freed(tmp_path):
+    # Lightning's _run_stage calls the module's zero_grad() before the stage's loop; with limit 2 the stage runs
+    model = Staged()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    (out,) = _trainer(tmp_path, limit_test_batches=2).test(model)
+    assert model.grads_freed == [True, True] and out["x"] == pytest.approx(1.5)
+    assert model.seen == ["setup:test", "test_dataloader", "on_test_start", "teardown:test"]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("flags", "epochs"), [({}, 2), ({"min_epochs": 4}, 4), ({"min_steps": 13}, 3)])
 def test_min_epochs_and_min_steps_hold_back_an_early_stop(tmp_path, flags, epochs):
@@ -85,7 +152,7 @@ def test_early_stopping_checks_after_each_validation_when_it_is_not_at_every_epo
 
 
 def test_the_new_flags_are_validated():
-    for flags in ({"limit_test_batches": 0}, {"limit_predict_batches": 1.5}, {"min_epochs": -1}, {"min_steps": -1}):
+    for flags in ({"limit_test_batches": -1}, {"limit_predict_batches": 1.5}, {"min_epochs": -1}, {"min_steps": -1}):
         with pytest.raises(ValueError, match=next(iter(flags))):
             resolve_trainer_config(**flags)
 
@@ -214,14 +281,30 @@ def test_a_monitored_checkpoint_saves_only_in_the_epochs_that_validate(tmp_path)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("max_time", "min_steps", "steps"), [("00:00:00:00", None, 1), ({"seconds": 0}, 3, 3)])
-def test_max_time_stops_after_a_step_and_checkpoints(tmp_path, max_time, min_steps, steps):
-    # a zero duration has run out after the first step, whatever the machine's speed; min_steps holds it back
-    trainer, model = _fit_watched(tmp_path, max_time=max_time, min_steps=min_steps, max_epochs=3,
-                                  num_sanity_val_steps=0)
-    assert trainer.global_step == steps and len(trainer.history) == 1
-    assert trainer.validated_at == [steps]  # the stopping step validates, as Lightning
-    assert [p.name for p in tmp_path.rglob("epoch=*.ckpt")] == [f"epoch=0-step={steps}.ckpt"]
+def test_max_time_stops_after_a_step_and_checkpoints(tmp_path):
+    # a zero duration has run out when fit starts, whatever the machine's speed; min_steps holds it back until the
+    # third step, whose epoch then ends as usual: it validates and checkpoints, as Lightning
+    trainer, model = _fit_watched(tmp_path, max_time={"seconds": 0}, min_steps=3, max_epochs=3, num_sanity_val_steps=0)
+    assert trainer.global_step == 3 and len(trainer.history) == 1
+    assert trainer.validated_at == [3]
+    assert [p.name for p in tmp_path.rglob("epoch=*.ckpt")] == ["epoch=0-step=3.ckpt"]
+
+
+@pytest.mark.timeout(60)
+def test_max_time_is_a_timer_callback_as_lightnings(tmp_path, caplog):
+    from trainscale.callbacks import ModelCheckpoint, Timer
+
+    trainer = _trainer(tmp_path, max_time="00:00:00:00", max_epochs=3, num_sanity_val_steps=0)
+    (timer,) = [cb for cb in trainer.callbacks if isinstance(cb, Timer)]
+    saver = next(i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, ModelCheckpoint))
+    assert timer.time_remaining() == 0.0 and trainer.callbacks.index(timer) < saver  # before the checkpoints
+    trainer.fit(Watched(), _loader(20), _loader(8))
+    assert trainer.global_step == 0 and trainer.validated_at == []  # out of time when fit starts: nothing trains
+    mine = Timer(duration={"hours": 1})
+    with caplog.at_level("INFO"):
+        given = _trainer(tmp_path, max_time={"seconds": 5}, callbacks=[mine])
+    assert [cb for cb in given.callbacks if isinstance(cb, Timer)] == [mine]
+    assert "Ignoring `Trainer(max_time=...)`, callbacks list already contains a Timer." in caplog.text
 
 
 @pytest.mark.timeout(60)

@@ -32,9 +32,12 @@ __all__ = ["BackboneFinetuning", "BaseFinetuning", "BasePredictionWriter", "Call
 
 
 def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = None,
-                      enable_checkpointing: bool = True) -> list[Callback]:
+                      enable_checkpointing: bool = True, max_time: Any = None) -> list[Callback]:
     """The Trainer's callbacks (one :class:`Callback` or a list, as Lightning's flag) as a list, with ``default_checkpoint`` appended when it is given and the user's
-    list holds no :class:`ModelCheckpoint` (Lightning adds its default checkpoint callback the same way).
+    list holds no :class:`ModelCheckpoint` (Lightning adds its default checkpoint callback the same way). The
+    Trainer's ``max_time`` (a ``timedelta``, or None) is a ``Timer(duration=max_time, interval="step")`` placed before
+    the checkpoint callbacks, unless the list holds a :class:`Timer` already (then Lightning's note that it is
+    ignored), as Lightning's ``_configure_timer_callback``.
 
     Raises:
         TypeError: an entry that is not a :class:`Callback`.
@@ -45,6 +48,11 @@ def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = No
         if not isinstance(cb, Callback):
             raise TypeError(f"callbacks holds a {type(cb).__name__}; pass trainscale.callbacks.Callback instances")
     _refuse_conflicts(callbacks, enable_checkpointing)
+    if max_time is not None and any(isinstance(cb, Timer) for cb in callbacks):
+        rank_zero_info("Ignoring `Trainer(max_time=...)`, callbacks list already contains a Timer.")
+    elif max_time is not None:
+        at = next((i for i, cb in enumerate(callbacks) if isinstance(cb, ModelCheckpoint)), len(callbacks))
+        callbacks.insert(at, Timer(duration=max_time, interval="step"))
     if default_checkpoint is not None and not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
         callbacks.append(default_checkpoint)
     return callbacks

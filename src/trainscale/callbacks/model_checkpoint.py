@@ -199,8 +199,12 @@ class ModelCheckpoint(Callback):
             raise ValueError(refusal)
 
     def setup(self, trainer: "Trainer", pl_module: Any, stage: str) -> None:
-        """Lightning's hook: a ``dirpath`` that is a URL is refused here (:meth:`_check_local`)."""
+        """Lightning's hook: a ``dirpath`` that is a URL is refused here (:meth:`_check_local`). Under
+        ``fast_dev_run``, which writes nothing (no run directory, no :meth:`setup_directory`): ``dirpath`` is named as
+        Lightning names it there (the one given, else ``<default_root_dir>/checkpoints``), and not made."""
         self._check_local()
+        if not trainer.config.writes_files and self._given_dirpath is None:
+            self.dirpath = str(Path(trainer.config.default_root_dir) / "checkpoints")
 
     def _check_local(self) -> None:
         """Raise ValueError for a ``dirpath`` that is a URL (``s3://``, ``memory://``): trainscale writes, links and

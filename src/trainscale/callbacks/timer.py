@@ -27,7 +27,7 @@ class Timer(Callback):
     ``trainer.should_stop`` (rank zero's clock, broadcast to every rank), so the fit ends after that step's epoch
     end hooks, unless ``min_epochs``/``min_steps`` hold it back. ``time_elapsed(stage)``, ``start_time(stage)``,
     ``end_time(stage)`` (``time.monotonic`` seconds) for "train", "validate" and "test"; ``time_remaining(stage)``:
-    seconds left of ``duration`` (None without one). ``Trainer(max_time=...)`` is the same stop, built into the loop.
+    seconds left of ``duration`` (None without one). ``Trainer(max_time=...)`` adds one (``interval="step"``) unless the callbacks hold a Timer.
     With ``verbose``, rank zero says "Time limit reached. ..." at the stop, at INFO through the
     ``trainscale.callbacks.timer`` logger where logging shows INFO, printed otherwise (``utilities.rank_zero.log_info``).
 

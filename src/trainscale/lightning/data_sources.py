@@ -68,7 +68,7 @@ def is_data_source(obj: Any) -> bool:
 
 
 def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, datamodule: Any,
-                    set_up_callbacks: Callable[[], None] = lambda: None) -> tuple[Any, Any]:
+                    set_up_callbacks: Callable[[], None] = lambda: None, request: bool = True) -> tuple[Any, Any]:
     """The stage's loaders: ``(train, val loaders or None)`` for "fit", ``(loaders, None)`` for "validate", "test"
     and "predict" (evaluation loaders as a list: :func:`eval_loaders`). First, in every case, the data hooks of
     ``datamodule`` and of the model (:func:`_prepare`): ``prepare_data()`` on each node's local rank 0 then a
@@ -77,7 +77,8 @@ def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, data
     Lightning allows); else the loader hooks of ``datamodule`` or, without one, of the model: ``val_dataloader()``
     if defined (None or an empty list from it: no validation) and ``train_dataloader()`` with the random state as
     before the first (Lightning's order: two data sets drawn alike from the random state are the same), or the
-    stage's hook (Lightning's ``DataHooks``).
+    stage's hook (Lightning's ``DataHooks``). ``request`` False (an evaluation stage whose ``limit_*_batches`` is 0):
+    the setup hooks only, no loader asked for, ``([], None)`` (Lightning's ``setup_data`` returns before it).
 
     Raises:
         ValueError: both ``loaders`` and ``datamodule``; neither, and the model has no such hook (named with the
@@ -87,6 +88,9 @@ def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, data
         loaders, datamodule = None, _only(datamodule, loaders, stage)
     if loaders is not None and datamodule is not None:
         raise ValueError(f"{stage}: pass DataLoaders or datamodule=, not both")
+    if not request:
+        _prepare(runtime, datamodule, model, stage, set_up_callbacks)
+        return [], None
     source = None if loaders is not None else _source(stage, model, datamodule)  # raises before any hook runs
     _prepare(runtime, datamodule, model, stage, set_up_callbacks)  # with loaders passed too
     if source is None:

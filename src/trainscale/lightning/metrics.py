@@ -118,6 +118,7 @@ class MetricCollector:
         self.batch_size = 1  # set by the loop before each step: the weight of a "mean"
         self.discard = False  # True while evaluation runs forwards whose results are dropped (fsdp's extra ones)
         self.step_values: dict[str, tuple[torch.Tensor, bool, str]] = {}  # name -> (value, sync_dist, reduce_fx)
+        self.unpublished = False  # a step value logged that Trainer.callback_metrics has not taken yet
         self.epoch_values: dict[str, _Running] = {}
         self.epoch_metrics: dict[str, Any] = {}  # name -> a torchmetrics Metric logged on_epoch: computed at the end
         self.metrics_seen: dict[int, Any] = {}  # every Metric logged since the last epoch end: reset there
@@ -134,6 +135,8 @@ class MetricCollector:
         # "/dataloader_idx_N"); None: one loader, training, or an epoch hook
         self.dataloader_idx: int | None = None
         self.loader_of: dict[str, int | None] = {}  # each epoch value's name -> the loader it was logged in
+        # (hook, name, loader) -> the options it was first logged with there (Lightning's _Metadata of a key)
+        self.options: dict[tuple, tuple] = {}
 
     @contextlib.contextmanager
     def epoch_hook(self):
@@ -161,7 +164,8 @@ class MetricCollector:
                 suffix itself) unless ``add_dataloader_idx`` is False; a name logged with ``add_dataloader_idx=False``
                 in two loaders of one evaluation; a name of :data:`RESERVED` (naming another); a ``hook`` of
                 :data:`NO_LOGGING_HOOKS`, ``on_step=True`` or ``on_epoch=False`` in one of :data:`EPOCH_ONLY_HOOKS`,
-                ``on_step=False`` with ``on_epoch=False`` (Lightning's ``MisconfigurationException`` in each case).
+                ``on_step=False`` with ``on_epoch=False``; a name logged in one hook with other options than before
+                (Lightning's ``MisconfigurationException`` in each case).
         """
         on_step, on_epoch = _hook_levels(hook, on_step, on_epoch)
         reduce_fx = reduction_name(reduce_fx)
@@ -173,6 +177,8 @@ class MetricCollector:
         if self.discard:
             return
         on_step, on_epoch, step_name, epoch_name = self._names(name, on_step, on_epoch, add_dataloader_idx)
+        self._check_same_options(hook, name, add_dataloader_idx,
+                                 (on_step, on_epoch, prog_bar, logger, reduce_fx, sync_dist, add_dataloader_idx))
         if not (on_step or on_epoch):  # nothing would be kept
             raise ValueError(f"`self.log({name!r}, on_step=False, on_epoch=False)` is not useful: pass on_step=True "
                              "(each step's value) or on_epoch=True (the epoch's reduced value)")
@@ -187,6 +193,7 @@ class MetricCollector:
         value = self._scalar(name, value)
         if on_step:
             self.step_values[step_name] = (value, sync_dist, reduce_fx)
+            self.unpublished = True
         if on_epoch:
             self._accumulate(epoch_name, value, reduce_fx, self.batch_size if batch_size is None else batch_size)
 
@@ -211,6 +218,17 @@ class MetricCollector:
         if on_epoch:
             self._note_loader(epoch_name)
         return on_step, on_epoch, step_name, epoch_name
+
+    def _check_same_options(self, hook: str | None, name: str, add_dataloader_idx: bool, options: tuple) -> None:
+        """Raises Lightning's ``ValueError`` (its ``MisconfigurationException``) when ``name`` was logged in this hook
+        (a step method when ``hook`` is None), for this loader, with other options (``on_step``, ``on_epoch``,
+        ``prog_bar``, ``logger``, ``reduce_fx``, ``sync_dist``, ``add_dataloader_idx``) by this collector before:
+        Lightning keeps one result per hook and name, with the options it was first logged with."""
+        fx = hook or {"train": "training_step"}.get(self.stage, f"{self.stage}_step")
+        first = self.options.setdefault((fx, name, self.dataloader_idx if add_dataloader_idx else None), options)
+        if first != options:
+            raise ValueError(f"You called `self.log({name}, ...)` twice in `{fx}` with different arguments. This is "
+                             "not allowed: log it with the same arguments each time, or under another name")
 
     def _note_loader(self, epoch_name: str) -> None:
         """Note the evaluation loader ``epoch_name`` is logged in (:attr:`loader_of`), for :meth:`by_loader`.
@@ -240,6 +258,7 @@ class MetricCollector:
         self.metrics_seen[id(metric)] = metric
         if step_name is not None and metric._forward_cache is not None:
             self.step_values[step_name] = (self._scalar(step_name, metric._forward_cache), False, "mean")
+            self.unpublished = True
         if epoch_name is None:
             return
         kept = self.epoch_metrics.setdefault(epoch_name, metric)
@@ -273,8 +292,9 @@ class MetricCollector:
     def step_metrics(self) -> dict[str, torch.Tensor]:
         """The step values as they stand (device tensors: no host sync, no collective), for
         ``trainer.callback_metrics`` after every optimizer step, as Lightning's; on several ranks without the
-        ``sync_dist`` ones, which are reduced over the ranks at the log steps (:meth:`take_step_values`)."""
-        local = self.rt.world_size == 1
+        ``sync_dist`` ones, which are reduced over the ranks at the log steps (:meth:`take_step_values`). Clears
+        :attr:`unpublished`."""
+        local, self.unpublished = self.rt.world_size == 1, False
         return self.with_bare_names({name: v for name, (v, sync, _) in self.step_values.items() if local or not sync})
 
     def with_bare_names(self, values: dict) -> dict:
@@ -334,6 +354,11 @@ class MetricCollector:
                 reduced = self.rt.all_reduce(torch.stack([values[n].total for n in chosen]), op=fx).tolist()
                 out.update(zip(chosen, reduced))
         return out
+
+    def drop_values(self) -> None:
+        """Forget the step and epoch values not yet taken (logged outside a loop, or after a previous fit's last log
+        step): a fit starts from none, as Lightning resets its results when a run starts."""
+        self.step_values, self.epoch_values, self.epoch_metrics, self.unpublished = {}, {}, {}, False
 
     def reset_metrics(self) -> None:
         """Reset every torchmetrics ``Metric`` logged since the last call (also those logged ``on_step`` only), as
@@ -412,7 +437,7 @@ def reduction_name(reduce_fx: Any) -> str:
     case, "avg" for "mean", and ``torch.mean``, ``torch.sum``/``sum``, ``torch.max``/``max``, ``torch.min``/``min``.
 
     Raises:
-        ValueError: any other value (Lightning refuses custom reductions too).
+        ValueError: any other value (Lightning refuses custom reductions too, in the words the message begins with).
     """
     if isinstance(reduce_fx, str):
         name = {"avg": "mean"}.get(reduce_fx.lower(), reduce_fx.lower())
@@ -421,8 +446,10 @@ def reduction_name(reduce_fx: Any) -> str:
     for name, functions in _REDUCE_FUNCTIONS.items():
         if any(reduce_fx is fn for fn in functions):
             return name
-    raise ValueError(f"reduce_fx={reduce_fx!r}; choose one of {', '.join(map(repr, REDUCE_FX))} (or torch.mean, "
-                     "torch.sum, torch.max, torch.min, or the builtins sum, max, min)")
+    raise ValueError("Only `self.log(..., reduce_fx={min,max,mean,sum})` are supported. If you need a custom "
+                     f"reduction, please log a `torchmetrics.Metric` instance instead. Found: {reduce_fx}; "
+                     f"choose one of {', '.join(map(repr, REDUCE_FX))} (or torch.mean, torch.sum, torch.max, "
+                     "torch.min, or the builtins sum, max, min)")
 
 
 _REDUCE_FUNCTIONS = {"mean": (torch.mean,), "sum": (torch.sum, sum), "max": (torch.max, max), "min": (torch.min, min)}

@@ -129,6 +129,19 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         in every stage of the same process, so make it idempotent (return when the layers exist), as Lightning asks.
         Default: nothing."""
 
+    def prepare_data(self) -> None:
+        """Lightning's hook, at the start of every stage, before ``setup``: once per node (local rank 0) while the
+        other ranks wait; download or write files here, assign no state. Default: nothing."""
+
+    def setup(self, stage: str) -> None:
+        """Lightning's hook, on every rank at the start of a stage ("fit", "validate", "test" or "predict"), after the
+        callbacks' ``setup`` and before ``configure_model``. Default: nothing (``super().setup(stage)`` may be
+        called)."""
+
+    def teardown(self, stage: str) -> None:
+        """Lightning's hook, on every rank once a stage has ended normally, after the callbacks' ``teardown``.
+        Default: nothing."""
+
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Lightning's hook, on every batch of every stage before it goes to the device (on the host; after the
         precision's input cast): return the batch, changed or not. Default: the batch as it is."""
@@ -350,7 +363,8 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         also holds ``name``, the latest of the two, as Lightning's). ``reduce_fx``: "mean", "sum", "max", "min"
         (any case; "avg"), or ``torch.mean``/``torch.sum``/``torch.max``/``torch.min`` and the builtins ``sum``,
         ``max``, ``min``. Step values reach ``trainer.callback_metrics`` after every optimizer step (as device
-        tensors); nothing is read from the device until a record is written (log intervals, epoch ends).
+        tensors; outside a fit at once); nothing is read from the device until a record is written (log intervals,
+        epoch ends).
         ``value`` may be a torchmetrics ``Metric`` (extra ``metrics``), as in Lightning: the step value is its last
         ``forward``'s batch value, the epoch value its ``compute()`` over every rank, and it is reset after the
         epoch's end hooks (``reduce_fx`` and ``sync_dist`` do not apply to it). ``prog_bar=True`` puts it in
@@ -373,7 +387,7 @@ class TrainingModule(HyperparametersMixin, nn.Module):
                 ``on_save_checkpoint``, the predict hooks, ...) and
                 ``on_step=True`` in an epoch hook (``on_train_epoch_end``, ``on_validation_epoch_start``, ...);
                 a ``Metric`` that is not one of the module's attributes, without ``metric_attribute`` (Lightning's
-                words, naming the attributes that are).
+                words, naming the attributes that are); a name logged in one hook with other options than before.
         """
         trainer = self.trainer
         if metric_attribute is None and is_metric(value):

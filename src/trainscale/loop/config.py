@@ -36,24 +36,21 @@ def _seed(name: str, value) -> None:
         raise ValueError(f"{name}={value} must be < 2**32 (numpy's limit)")
 
 
-def _limit_or_zero(name: str, value) -> None:
-    _limit(name, value, zero=True)
+# What 0 turns off, for each limit (Lightning's meaning of ``limit_*_batches=0``)
+_ZERO_TURNS_OFF = {"limit_train_batches": "training", "limit_val_batches": "validation",
+                   "limit_test_batches": "testing", "limit_predict_batches": "prediction"}
 
 
-# What 0 turns off, for the limits that take it
-_ZERO_TURNS_OFF = {"limit_train_batches": "training", "limit_val_batches": "validation"}
-
-
-def _limit(name: str, value, zero: bool = False) -> None:
-    """None, an int >= 1 (a count) or a float in (0, 1] (a fraction), as Lightning's ``limit_*_batches``; with
-    ``zero``, also 0 or 0.0 (Lightning's ``limit_val_batches=0``: no validation; ``limit_train_batches=0``: no
-    training)."""
-    count = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if zero else 1)
-    fraction = isinstance(value, float) and value <= 1.0 and (value >= 0.0 if zero else value > 0.0)
+def _limit(name: str, value) -> None:
+    """None, an int >= 0 (a count) or a float in [0, 1] (a fraction), as Lightning's ``limit_*_batches``; 0 or 0.0
+    turns the stage off (``limit_val_batches=0``: no validation; ``limit_train_batches=0``: no training;
+    ``limit_test_batches=0``/``limit_predict_batches=0``: ``test``/``predict`` run their setup and teardown hooks
+    and nothing between)."""
+    count = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    fraction = isinstance(value, float) and 0.0 <= value <= 1.0
     if not (value is None or count or fraction):
-        raise ValueError(f"{name}={value!r} must be an int >= {0 if zero else 1} (batches per epoch), a float in "
-                         f"{'[0' if zero else '(0'}, 1] (a fraction of them) or None (all)"
-                         + (f"; 0 turns {_ZERO_TURNS_OFF[name]} off" if zero else ""))
+        raise ValueError(f"{name}={value!r} must be an int >= 0 (batches per epoch), a float in [0, 1] (a fraction "
+                         f"of them) or None (all); 0 turns {_ZERO_TURNS_OFF[name]} off")
 
 
 def _clip_val(name: str, value) -> None:
@@ -149,10 +146,11 @@ class TrainerConfig:
             them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`); 0 (or
             0.0): no training, as Lightning's: ``fit`` runs its sanity check and hooks but no epoch, as with
             ``max_steps=0``.
-        limit_val_batches: as ``limit_train_batches``, for each rank's validation batches, in ``fit`` and ``validate``
-            (:meth:`eval_batches`); 0 (or 0.0): no validation in ``fit`` (and no sanity check), as Lightning's.
-        limit_test_batches: as ``limit_train_batches``, for ``test`` (:meth:`eval_batches`).
-        limit_predict_batches: as ``limit_train_batches``, for ``predict`` (:meth:`eval_batches`).
+        limit_val_batches: as ``limit_train_batches``, for each rank's validation batches in ``fit`` and
+            ``validate``; 0 (or 0.0): no validation (nor sanity check) in ``fit``, none in ``validate``.
+        limit_test_batches: as ``limit_train_batches``, for ``test``; 0 (or 0.0) turns it off, as Lightning's:
+            its ``setup``/``teardown`` hooks run, no loader is asked for, it returns ``[]``.
+        limit_predict_batches: as ``limit_test_batches``, for ``predict`` (returning None when 0).
         min_epochs: a stop asked by a callback (``trainer.should_stop``, e.g. ``EarlyStopping``) waits until this many
             epochs are done, as Lightning's (None: no minimum).
         min_steps: as ``min_epochs``, in optimizer steps.
@@ -179,9 +177,9 @@ class TrainerConfig:
             (Lightning's; its loggers become a dummy).
         max_time: stop training once this much time has passed since ``fit`` began training (Lightning's ``Timer``):
             "DD:HH:MM:SS", a ``datetime.timedelta`` or a dict of its keyword arguments; resolved to a ``timedelta``.
-            Checked after every optimizer step (rank zero's clock, broadcast when there are several ranks); the epoch
-            then ends as usual (its validation, epoch-end checkpoint and hooks) and ``fit`` returns.
-            ``min_epochs``/``min_steps`` hold it back, as Lightning. The time before a resume is not counted.
+            A ``Timer(duration=max_time, interval="step")`` in ``trainer.callbacks`` (unless you give a ``Timer``),
+            as Lightning's: it stops ``fit`` at its start or after the training batch where the time ran out, the
+            epoch ending as usual; ``min_epochs``/``min_steps`` hold it back; a resume counts the time before.
         overfit_batches: train on the first N batches (an int) or fraction (a float in (0, 1]) of the training set,
             unshuffled, every epoch, and validate on as many of the validation batches (Lightning 2's; 0: off). It
             replaces ``limit_train_batches`` and ``limit_val_batches``.
@@ -235,8 +233,8 @@ class TrainerConfig:
     lr_scaling: Literal["linear", "sqrt"] | None = flag(None)  # with base_batch_size: _check_lr_scaling
     base_batch_size: int | None = flag(None, low=1)
     lr_warmup_steps: int = flag(0, low=0)
-    limit_train_batches: int | float | None = flag(None, check=_limit_or_zero)
-    limit_val_batches: int | float | None = flag(None, check=_limit_or_zero)
+    limit_train_batches: int | float | None = flag(None, check=_limit)
+    limit_val_batches: int | float | None = flag(None, check=_limit)
     limit_test_batches: int | float | None = flag(None, check=_limit)
     limit_predict_batches: int | float | None = flag(None, check=_limit)
     min_epochs: int | None = flag(None, low=0)
@@ -412,9 +410,9 @@ def _loop_limits(cfg: TrainerConfig) -> TrainerConfig:
         max_epochs = -1
     elif max_epochs is None and (cfg.min_epochs or cfg.min_steps):
         # one epoch could not honour the minimum the user asked for; Lightning's default, with its warning
-        warnings.warn(f"max_epochs was not set: training up to {_LIGHTNING_MAX_EPOCHS} epochs (Lightning's default) "
-                      "so that min_epochs/min_steps can be met; pass max_epochs=-1 for no limit", PossibleUserWarning,
-                      stacklevel=3)
+        warnings.warn(f"`max_epochs` was not set. Setting it to {_LIGHTNING_MAX_EPOCHS} epochs. To train without an "
+                      "epoch limit, set `max_epochs=-1`. (Lightning's default, taken here so that min_epochs/min_steps "
+                      "can be met)", PossibleUserWarning, stacklevel=3)
         max_epochs = _LIGHTNING_MAX_EPOCHS
     elif max_epochs is None:
         max_epochs = 1

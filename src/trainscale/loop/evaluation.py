@@ -448,8 +448,9 @@ class NoModelError(TypeError, ValueError):
 
 def fitted_model(trainer: Trainer, method: str, ckpt_path: Any) -> tuple[Any, Any]:
     """``(model, ckpt_path)`` for ``validate``/``test``/``predict`` called without a model: the model of the
-    trainer's last ``fit``, and, when ``ckpt_path`` is None, its best checkpoint (the first ``ModelCheckpoint``'s
-    ``best_model_path``: the newest without a monitor), with Lightning's warning (``_parse_ckpt_path``).
+    trainer's last ``fit`` (``trainer.fitted_module``; a ``ddp_spawn`` fit's too, its ranks' weights loaded), and,
+    when ``ckpt_path`` is None, its best checkpoint (the first ``ModelCheckpoint``'s ``best_model_path``: the newest
+    without a monitor), with Lightning's warning (``_parse_ckpt_path``).
 
     Raises:
         NoModelError: no fit ran on this trainer (a ``TypeError`` as Lightning's, and a ``ValueError``).
@@ -457,12 +458,13 @@ def fitted_model(trainer: Trainer, method: str, ckpt_path: Any) -> tuple[Any, An
     """
     from trainscale.callbacks import ModelCheckpoint
 
-    if trainer.last_setup is None or trainer._fit is None:  # Lightning's words first
+    model = trainer.fitted_module
+    if model is None:  # Lightning's words first
         raise NoModelError(f"`Trainer.{method}()` requires a `LightningModule` when it hasn't been passed in a previous "
                            f"run: {method}() without a model needs an earlier fit() on this Trainer; pass the model: "
                            f"trainer.{method}(model, loader)")
     if ckpt_path is not None:
-        return trainer._fit.model, ckpt_path
+        return model, ckpt_path
     saved = [cb.best_model_path for cb in trainer.callbacks
              if isinstance(cb, ModelCheckpoint) and cb.best_model_path]
     if not saved:
@@ -472,7 +474,7 @@ def fitted_model(trainer: Trainer, method: str, ckpt_path: Any) -> tuple[Any, An
                   f"will be used ({saved[0]}). You can pass `.{method}(ckpt_path='best')` to use the best model or "
                   f"`.{method}(ckpt_path='last')` to use the last model. If you pass a value, this warning will be "
                   "silenced.", stacklevel=3)
-    return trainer._fit.model, Path(saved[0])
+    return model, Path(saved[0])
 
 
 def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_fn: Any = None,
@@ -489,8 +491,10 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     trainer.start_stage(model)  # configure_callbacks, the warning about hooks trainscale never calls
     if datamodule is not None:
         trainer.datamodule = datamodule
+    stage = {"validate": "validation", "test": "test", "predict": "predict"}[method]
+    off = trainer.config.eval_batches(stage, 1) == 0  # limit_*_batches=0: Lightning's loop skips the stage
     dataloaders, _ = resolve_loaders(rt, method, model, dataloaders, datamodule,
-                                     lambda: trainer.set_up_callbacks(model, method))
+                                     lambda: trainer.set_up_callbacks(model, method), request=not off)
     trainer.last_setup = set_up_model(rt, model, loss_fn, trainer.last_setup)  # an earlier fit's: as it was
     _, loop_module, wrapped = trainer.last_setup
     trainer._arm_hooks(model)
@@ -501,8 +505,10 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     if ckpt_path is not None:
         rt.load(ckpt_path, {checkpointer.weights_key(checkpointer.is_sharded(ckpt_path)): model})
         rt.print(f"trainscale: {method} with the weights of {ckpt_path}")
-    stage = {"validate": "validation", "test": "test", "predict": "predict"}[method]
+    model.zero_grad()  # Lightning's _run_stage frees the gradients before each stage runs
     loaders, num_batches = _stage_loaders(trainer, dataloaders, stage)
+    if off:
+        return _skipped_stage(trainer, model, method)
     if method == "predict":
         return _predict_stage(trainer, model, loop_module, wrapped, loaders, num_batches)
     if method == "test":
@@ -515,6 +521,17 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
         rt.print(results_table(stage, results))
     teardown(trainer, model, method)
     return results  # Lightning's shape: one dict per evaluation loader
+
+
+def _skipped_stage(trainer: Trainer, model: Any, method: str) -> list | None:
+    """A stage turned off by its ``limit_*_batches=0``: its teardown hooks, then what Lightning's skipped loop returns
+    (``[]`` from ``validate``/``test``, None from ``predict``); no batch counts (``num_test_batches`` ``[]``)."""
+    if method == "test":
+        trainer.num_test_batches = []
+    if method == "predict":
+        trainer.num_predict_batches = []
+    teardown(trainer, model, method)
+    return None if method == "predict" else []
 
 
 def _stage_loaders(trainer: Trainer, dataloaders: list, stage: str) -> tuple[list, list[float]]:

@@ -41,8 +41,8 @@ def run_spawned(trainer: Trainer, method: str, model: nn.Module, **kwargs: Any) 
     out = trainer.runtime.launch(spawned_call, trainer_flags=trainer.flags, method=method, model=model, **kwargs)
     model.load_state_dict(out["state_dict"])
     trainer.state, trainer.run_dir = out["state"], Path(out["run_dir"]) if out["run_dir"] else None
-    if method == "fit":  # trainer.max_epochs as the ranks' fit resolved it
-        trainer._max_epochs = trainer.config.max_epochs
+    if method == "fit":  # trainer.max_epochs as the ranks' fit resolved it; the model for test() without one
+        trainer._max_epochs, trainer.fitted_module = trainer.config.max_epochs, model
     for lg, version in zip(trainer.loggers, out["logger_versions"]):  # trainer.log_dir names rank 0's directory
         if isinstance(lg, VersionedDir) and trainer.run_dir is not None:
             lg.adopt(trainer.run_dir, version)

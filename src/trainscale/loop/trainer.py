@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 from torch import nn
 
-from trainscale.callbacks import (Callback, ModelCheckpoint, ModelSummary, TQDMProgressBar, merge_model_callbacks,
-                                  resolve_callbacks)
+from trainscale.callbacks import (Callback, EarlyStopping, ModelCheckpoint, ModelSummary, TQDMProgressBar,
+                                  merge_model_callbacks, resolve_callbacks)
 from trainscale.callbacks.base import HOOKS, overridden_hooks
 from trainscale.utilities.rank_zero import log_info
 from trainscale.utilities.warnings import PossibleUserWarning
@@ -198,10 +198,11 @@ class Trainer:
                 of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`);
                 0 (or 0.0): no training, as Lightning's: ``fit`` runs its sanity check and hooks but no epoch, as with
                 ``max_steps=0``.
-            limit_val_batches: as ``limit_train_batches``, for each rank's validation batches, in ``fit`` and ``validate``
-                (:meth:`eval_batches`); 0 (or 0.0): no validation in ``fit`` (and no sanity check), as Lightning's.
-            limit_test_batches: as ``limit_train_batches``, for ``test`` (:meth:`eval_batches`).
-            limit_predict_batches: as ``limit_train_batches``, for ``predict`` (:meth:`eval_batches`).
+            limit_val_batches: as ``limit_train_batches``, for each rank's validation batches in ``fit`` and
+                ``validate``; 0 (or 0.0): no validation (nor sanity check) in ``fit``, none in ``validate``.
+            limit_test_batches: as ``limit_train_batches``, for ``test``; 0 (or 0.0) turns it off, as Lightning's:
+                its ``setup``/``teardown`` hooks run, no loader is asked for, it returns ``[]``.
+            limit_predict_batches: as ``limit_test_batches``, for ``predict`` (returning None when 0).
             min_epochs: a stop asked by a callback (``trainer.should_stop``, e.g. ``EarlyStopping``) waits until this
                 many epochs are done, as Lightning's (None: no minimum).
             min_steps: as ``min_epochs``, in optimizer steps.
@@ -228,9 +229,9 @@ class Trainer:
                 (Lightning's; its loggers become a dummy).
             max_time: stop training once this much time has passed since ``fit`` began training (Lightning's ``Timer``):
                 "DD:HH:MM:SS", a ``datetime.timedelta`` or a dict of its keyword arguments; resolved to a ``timedelta``.
-                Checked after every optimizer step (rank zero's clock, broadcast when there are several ranks); the
-                epoch then ends as usual (its validation, epoch-end checkpoint and hooks) and ``fit`` returns.
-                ``min_epochs``/``min_steps`` hold it back, as Lightning. The time before a resume is not counted.
+                A ``Timer(duration=max_time, interval="step")`` in ``trainer.callbacks`` (unless you give a ``Timer``),
+                as Lightning's: it stops ``fit`` at its start or after the training batch where the time ran out, the
+                epoch ending as usual; ``min_epochs``/``min_steps`` hold it back; a resume counts the time before.
             overfit_batches: train on the first N batches (an int) or fraction (a float in (0, 1]) of the training set,
                 unshuffled, every epoch, and validate on as many of the validation batches (Lightning 2's; 0: off). It
                 replaces ``limit_train_batches`` and ``limit_val_batches``.
@@ -296,7 +297,8 @@ class Trainer:
         logger = barebones_logger(self.config, logger, profiler, callbacks)
         set_torch_flags(self.config.deterministic, self.config.benchmark)
         self.batch_scaling = BatchScaling(self.config)
-        self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint(), self.config.enable_checkpointing)
+        self.callbacks = resolve_callbacks(callbacks, self._default_checkpoint(), self.config.enable_checkpointing,
+                                           self.config.max_time)  # max_time: a Timer, as Lightning's
         bars = [cb for cb in self.callbacks if isinstance(cb, TQDMProgressBar)]
         if bars and not self.config.enable_progress_bar:  # Lightning refuses the same
             raise ValueError(f"Trainer(enable_progress_bar=False) with a {type(bars[0]).__name__} in callbacks; drop "
@@ -331,8 +333,8 @@ class Trainer:
         # evaluated, as a str (None: none)
         self.ckpt_path: str | None = None
         # the latest number of each name (epoch records, logs): floats, and step values as device tensors until read
-        self.callback_metrics: dict[str, float | torch.Tensor] = {}
-        self.should_stop = False  # set by a callback (EarlyStopping) or max_time: stop, on every rank
+        self._callback_metrics: dict[str, float | torch.Tensor] = {}
+        self.should_stop = False  # set by a callback (EarlyStopping, Timer: max_time): stop, on every rank
         self.fitting = False  # True during fit (Lightning's trainer.state.fn == "fit"); validate() after it: False
         self.validated_at: list[int] = []  # global steps at which the last fit validated (sanity check excluded)
         # this rank's batches of each loader of the last test() and predict() (Lightning's lists), set as they start
@@ -343,13 +345,15 @@ class Trainer:
         # the sample indices of each batch predict() has read, per loader (empty where the loader has none: an
         # IterableDataset), as Lightning's predict_loop.epoch_batch_indices; BasePredictionWriter reads them
         self.predict_batch_indices: list[list[list[int]]] = []
-        self._deadline = math.inf  # time.monotonic() at which max_time runs out
         self.optimizers: list = []
         self.schedulers: list = []
         self.manual_optimizers: list[ManualOptimizer] = []
         self.metric_collector = MetricCollector(self.runtime, "train")
         self._pending: dict[str, dict[str, float]] = {}  # log_metrics() values for the next "step" or "epoch" record
         self._fit: FitRun | None = None
+        # the module of the last fit, for validate/test/predict without one (also in the process that started a
+        # ddp_spawn fit, whose FitRun was in the ranks)
+        self.fitted_module: nn.Module | None = None
         self.last_setup: tuple | None = None  # (model, LoopModule, wrapped) of the last fit or evaluation: reused
         self.is_step_end = False  # in on_train_batch_end: this micro-batch ended an optimizer step
         self._step_before = 0  # global_step before the last optimizer step (is_log_step)
@@ -370,6 +374,21 @@ class Trainer:
                              doc="The epoch running (from 0), or the epochs completed once an epoch has ended "
                                  "(Lightning's: 2 after fit with max_epochs=2; TrainState.current_epoch).")
     history = property(lambda self: self.state.history, doc="One record (a dict) per finished epoch.")
+    @property
+    def callback_metrics(self) -> dict[str, float | torch.Tensor]:
+        """The latest value of each name logged (Lightning's ``trainer.callback_metrics``): epoch values, and the
+        training step values as device tensors: in ``fit`` after each optimizer step (and its
+        ``on_train_batch_end``), outside a fit as soon as ``self.log`` is called (a ``training_step`` run by hand
+        after ``model.trainer = trainer``), as Lightning's; evaluation step values are not, as in Lightning."""
+        collector = self.metric_collector
+        if collector.unpublished and not self.fitting and collector.stage == "train":  # fit's loop publishes its own
+            self._callback_metrics.update(collector.step_metrics())
+        return self._callback_metrics
+
+    @callback_metrics.setter
+    def callback_metrics(self, values: dict[str, float | torch.Tensor]) -> None:
+        self._callback_metrics = values
+
     # Lightning's views of callback_metrics: the names logged with logger=True (tensors), with prog_bar=True (floats)
     logged_metrics = property(lambda self: logged_metrics(self.callback_metrics, self.metric_collector),
                               doc="The self.log values logged with logger=True (Lightning's; name_step/name_epoch).")
@@ -390,6 +409,11 @@ class Trainer:
                                                      None),
                                    doc="The first ModelCheckpoint in the callbacks, or None (Lightning's "
                                        "``trainer.checkpoint_callback``; there under fast_dev_run, which saves none).")
+    early_stopping_callback = property(lambda self: next(iter(self.early_stopping_callbacks), None),
+                                       doc="The first EarlyStopping in the callbacks, or None (Lightning's "
+                                           "``trainer.early_stopping_callback``).")
+    early_stopping_callbacks = property(lambda self: [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)],
+                                        doc="Every EarlyStopping in the callbacks (Lightning's list).")
     # Lightning's names for this process's place in the job (``runtime.world``: trainscale.runtime.world.World)
     global_rank = property(lambda self: self.runtime.world.rank, doc="This process's rank in the job, 0 .. world_size-1.")
     local_rank = property(lambda self: self.runtime.world.local_rank, doc="This process's rank on its node.")
@@ -635,6 +659,7 @@ class Trainer:
         rt, cfg = self.runtime, self.config
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
         self.ckpt_path = as_ckpt_path(resume_from)
+        self.metric_collector.drop_values()  # nothing logged before this fit counts in it
         warn_default_max_epochs(cfg, self.flags["max_epochs"], rt.is_rank_zero)
         self._max_epochs = cfg.max_epochs  # trainer.max_epochs: resolved from here on, as Lightning's
         drop_unpicklable(getattr(model, "hparams", None), warn=rt.is_rank_zero)  # Lightning's clean_namespace
@@ -661,9 +686,9 @@ class Trainer:
         self.validated_at = []
         self.profiler.setup("fit", rt.rank if rt.world_size > 1 else None, self.run_dir)  # its files: the run dir
         self._hook("on_fit_start")
+        model.zero_grad()  # Lightning's _run_stage frees the gradients before each stage runs
         self._sanity_check(fit, point)
-        started = time.monotonic()  # training's start, for max_time and a time-based val_check_interval
-        self._deadline = started + (cfg.max_time.total_seconds() if cfg.max_time is not None else math.inf)
+        started = time.monotonic()  # training's start, for a time-based val_check_interval
         fit.validate_at = started + cfg.val_check_seconds
         self._hook("on_train_start")
         for epoch in itertools.count(point.next_epoch if point else 0):
@@ -708,6 +733,7 @@ class Trainer:
         # the loaders first, so that configure_optimizers can read estimated_stepping_batches (as Lightning's loads them)
         train_loader, val_loader = self._distribute_loaders(model, loop_module, train_dataloaders, val_dataloaders)
         self._fit = fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, None, datamodule=self.datamodule)
+        self.fitted_module = model
         with self._running("configure_optimizers"):
             self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
                 model, wrapped, optimizer, self.config, rt, scaled_lr=self.batch_scaling.scaled_lr,
@@ -829,7 +855,8 @@ class Trainer:
            step); then the ``interval="step"`` ``ReduceLROnPlateau`` schedulers, on the values this step and its
            validation logged (Lightning's order); then faults and checkpoints (:meth:`_checkpoint_if_due`):
            signals and the non-finite check at the steps every rank agreed on, a checkpoint every
-           ``checkpoint_every_n_steps``; then ``max_time``: out of time, the epoch ends here.
+           ``checkpoint_every_n_steps``. (``max_time`` is a ``Timer`` callback: out of time at its
+           ``on_train_batch_end``, it sets ``should_stop`` and the epoch ends after this step.)
 
         The profiler's regions (``Trainer(profiler=...)``; a no-op context without one) are the ``prof.profile``
         blocks below: ``training_step_and_backward`` (each micro-batch), ``optimizer_step``, ``log_step``,
@@ -846,7 +873,7 @@ class Trainer:
         some value has ``sync_dist=True``, an ``all_gather_object`` of their names and the all-reduce of the values.
         6. validation's reductions; at the agreed check steps the fault check's all-reduce (a second one when a
         loss is not finite); a checkpoint's barrier and writes; on several ranks a broadcast of rank zero's clock with
-        a time-based ``val_check_interval`` and another with ``max_time``.
+        a time-based ``val_check_interval`` (and the ``Timer``'s of ``max_time``, in ``on_train_batch_end``).
         """
         rt, cfg, tele, prof = self.runtime, self.config, fit.telemetry, self.profiler  # prof: Trainer(profiler=...)
         self.is_step_end = False
@@ -911,8 +938,6 @@ class Trainer:
                             fit.loop_module.lr_scheduler_step, plateau=True)
         with prof.profile("checkpoint_if_due"):  # at the check steps the ranks agreed on: one all-reduce (faults)
             self._checkpoint_if_due(fit, epoch_end=False, ends_epoch=micro.ends_epoch)
-        if self._out_of_time():  # a broadcast of rank zero's clock, with max_time on several ranks
-            self.should_stop = True  # max_time (Lightning's Timer): the epoch ends after this step
         return True
 
     def _optimizer_step(self, fit: FitRun, loss: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
@@ -1135,13 +1160,8 @@ class Trainer:
         self.callback_metrics = saved_metrics
         set_rng_state(saved_rng)
 
-    def _out_of_time(self) -> bool:
-        """``max_time`` has run out (Lightning's ``Timer``): rank zero's clock, broadcast so that every rank stops
-        after the same step (one broadcast per step, only with ``max_time`` on several ranks)."""
-        return self._deadline != math.inf and self._rank_zero_clock_says(time.monotonic() >= self._deadline)
-
     def _rank_zero_clock_says(self, this_rank: bool) -> bool:
-        """Rank zero's answer to a question of time (``max_time``, a time-based ``val_check_interval``), broadcast,
+        """Rank zero's answer to a question of time (a time-based ``val_check_interval``), broadcast,
         so that every rank takes the same path after the same step: the ranks' clocks differ, and a rank that
         validated or stopped alone would leave the others waiting in a collective. ``this_rank``: this rank's answer
         (the only one at world size 1)."""
