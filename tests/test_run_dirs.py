@@ -30,6 +30,7 @@ class _Trainer:
         self.config = TrainerConfig()
         self.ckpt_path = None
         self.num_val_batches = []  # no validation: epoch saves at epoch ends
+        self.loggers = []  # told of each save (after_save_checkpoint)
 
     def reached_multiple(self, n):
         return self.global_step % n == 0

@@ -522,7 +522,7 @@ class ModelCheckpoint(Callback):
         the logger defines it (Lightning's ``Logger`` hook, given a ``weakref.proxy`` of this callback, as
         Lightning's ``ModelCheckpoint._save_checkpoint`` does: a logger that uploads checkpoints reads
         ``last_model_path``, ``best_k_models`` there). With ``checkpoint_async`` the write may still be going on."""
-        if not trainer.is_global_zero:
+        if not trainer.runtime.is_rank_zero:
             return
         for logger in trainer.loggers:
             hook = getattr(logger, "after_save_checkpoint", None)
