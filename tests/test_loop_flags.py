@@ -222,6 +222,7 @@ def test_resume_after_a_mid_epoch_validation_equals_the_uninterrupted_run(tmp_pa
     from trainscale.callbacks import ModelCheckpoint
 
     def run(root, ckpt_path=None):
+        torch.manual_seed(0)  # the same weights in both runs (with these, a float64 carried loss sum is off by 1 ulp)
         model = Watched()
         trainer = _trainer(root, max_epochs=2, val_check_interval=3, enable_model_summary=False, callbacks=[
             ModelCheckpoint(monitor="val_loss", every_n_train_steps=3, save_top_k=-1)])
@@ -243,6 +244,47 @@ def test_resume_after_a_mid_epoch_validation_equals_the_uninterrupted_run(tmp_pa
     records = [json.loads(line) for line in open(next((tmp_path / "a").rglob("metrics.jsonl")))]
     assert [r["step"] for r in records if r["kind"] == "validation"] == [3, 6, 9, 13, 16, 19]
     assert all("val_loss" in r for r in records if r["kind"] == "validation")
+
+
+class PlateauWatched(Watched):
+    """``Watched`` with a "step" ``ReduceLROnPlateau`` on ``val_loss`` (halving at every validation that does not
+    improve it), noting the learning rate after each optimizer step."""
+
+    def __init__(self):
+        super().__init__()
+        self.rates: list[float] = []
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.rates.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "interval": "step", "frequency": 3,
+                                                   "monitor": "val_loss"}}  # at each validation's step
+
+
+@pytest.mark.timeout(60)
+def test_resume_from_a_validation_end_checkpoint_keeps_the_step_plateau_schedulers_update(tmp_path):
+    # the checkpoint is written at the mid-epoch validation's end, before that step's ReduceLROnPlateau update (as
+    # Lightning orders them): the resumed fit must still make that update
+    from trainscale.callbacks import ModelCheckpoint
+
+    def run(root, ckpt_path=None):
+        torch.manual_seed(0)
+        model = PlateauWatched()
+        trainer = _trainer(root, max_epochs=2, val_check_interval=3, enable_model_summary=False,
+                           num_sanity_val_steps=0, callbacks=[ModelCheckpoint(monitor="val_loss", save_top_k=-1)])
+        trainer.fit(model, _loader(20), _loader(8), ckpt_path=ckpt_path)
+        return trainer, model
+
+    full, full_model = run(tmp_path / "a")
+    assert len(set(full_model.rates)) > 2  # the scheduler halved the rate more than once
+    step6 = next((tmp_path / "a").rglob("epoch=0-step=6.ckpt"))
+    resumed, resumed_model = run(tmp_path / "b", ckpt_path=step6)
+    assert resumed_model.rates == full_model.rates[6:]
+    for key, value in full_model.state_dict().items():
+        torch.testing.assert_close(resumed_model.state_dict()[key], value, rtol=0, atol=0)
 
 
 @pytest.mark.timeout(60)

@@ -57,13 +57,16 @@ def is_sharded(path: Path) -> bool:
 
 
 def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers, schedulers, callbacks: dict,
-         on_save: Callable[[dict], None] | None = None, asynchronous: bool = False) -> tuple[Path, Any]:
+         on_save: Callable[[dict], None] | None = None, asynchronous: bool = False,
+         plateau_pending: dict | None = None) -> tuple[Path, Any]:
     """Write a checkpoint of the running ``fit`` (a ``FitRun``) to ``target`` (a file, or a directory under a
     sharding strategy). All ranks
     call it; ends with a barrier, or (``asynchronous``) once the state is staged (``Runtime.save``).
     ``on_save(checkpoint)`` sees the dict before it is written and may add keys (Lightning's
     ``Callback.on_save_checkpoint``); a key it adds, or a callback's state, holding an object a weights-only load
     refuses is kept apart as bytes (:func:`keep_apart_unreadable`), so that the checkpoint still loads weights-only.
+    ``plateau_pending``: the "step" ``ReduceLROnPlateau`` update this checkpoint precedes (``{"count", "metrics"}``,
+    saved under ``loop``; ``ResumePoint.plateau_pending``), or None.
 
     Returns:
         The path (a file, or a DCP directory under a sharding strategy) and None, or the ``AsyncSave`` that
@@ -88,7 +91,8 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
                "epoch": state.current_epoch, "global_step": state.global_step,  # Lightning's keys
                "optimizer_classes": [type(o).__name__ for o in optimizers],
                "loop": {"epoch": state.epoch, "complete": complete, "consumed": consumed, "batches": state.batches,
-                        "totals": None if complete else totals, "loader_states": loader_states}}
+                        "totals": None if complete else totals, "loader_states": loader_states,
+                        "plateau_pending": plateau_pending}}
     content.update(hparams_entries(fit.model, fit.datamodule))
     if (hf_config := hf.config_dict(fit.model)) is not None:  # config.json for `trainscale export`
         content["hf_config"] = hf_config
@@ -433,7 +437,8 @@ def _resume_point(runtime: Runtime, rest: dict, state: TrainState) -> ResumePoin
     loaders = loop.get("loader_states") or []
     return ResumePoint(loop["epoch"], bool(loop["complete"]), loop["consumed"], int(loop["batches"]),
                        tuple(loop.get("totals") or (0.0, 0.0, 0.0)), rng, int(rest.get("world_size", runtime.world_size)),
-                       loaders[runtime.rank] if len(loaders) == runtime.world_size else None, len(loaders))
+                       loaders[runtime.rank] if len(loaders) == runtime.world_size else None, len(loaders),
+                       loop.get("plateau_pending"))  # absent from checkpoints written before it was kept
 
 
 def _say_which_lr_wins(runtime: Runtime, configured: list[list[float]], optimizers) -> None:

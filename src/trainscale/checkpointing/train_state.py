@@ -75,6 +75,8 @@ class ResumePoint:
         loader_state: this rank's training-loader state (``state_dict()`` of a loader that keeps its own
             position, e.g. a ``StatefulDataLoader``) after the batches trained on, mid-epoch; else None.
         loader_ranks: how many ranks' loader states the checkpoint holds (0: none).
+        plateau_pending: the "step" ``ReduceLROnPlateau`` update the checkpoint was written before (at a
+            validation's end), ``{"count": batch index + 1, "metrics": {monitor: value}}``, made on resume; else None.
     """
 
     epoch: int
@@ -86,6 +88,7 @@ class ResumePoint:
     world_size: int
     loader_state: dict | None = None
     loader_ranks: int = 0
+    plateau_pending: dict | None = None
 
     @property
     def next_epoch(self) -> int:

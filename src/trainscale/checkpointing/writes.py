@@ -56,14 +56,16 @@ class CheckpointWrites:
         self.saved_step: int | None = None  # the global step of the newest checkpoint written (or staged)
 
     def save(self, target: Path, last_dir: Path | None, fit: Any, state: Any, optimizers, schedulers, callbacks: dict,
-             on_save: Callable[[dict], None], background: bool) -> Path:
+             on_save: Callable[[dict], None], background: bool, plateau_pending: dict | None = None) -> Path:
         """``checkpointer.save`` to ``target`` (a file, or a directory under a sharding strategy) after the write in
         flight is published; in the background when ``background`` and ``checkpoint_async``. With ``last_dir``,
-        ``last_dir/last`` names it once it is published. Returns its path."""
+        ``last_dir/last`` names it once it is published. ``plateau_pending``: as ``checkpointer.save``'s. Returns
+        its path."""
         started = time.perf_counter()
         self.wait()
         target, pending = checkpointer.save(self.runtime, target, fit, state, optimizers, schedulers, callbacks,
-                                            on_save, asynchronous=background and self.asynchronous)
+                                            on_save, asynchronous=background and self.asynchronous,
+                                            plateau_pending=plateau_pending)
         stall = time.perf_counter() - started
         self.saved_step = state.global_step
         self.stall_s.append(stall)

@@ -73,13 +73,18 @@ class EpochLoss:
     """The epoch's training loss, summed on the device (no host sync per step), its samples and tokens, and the
     samples whose micro-batch reported a loss (under manual optimization a ``training_step`` may return none)."""
 
-    def __init__(self, device: torch.device, carried: tuple = (0.0, 0.0, 0.0, 0.0)) -> None:
-        self.sum = torch.zeros((), device=device)
+    def __init__(self, device: torch.device, carried: tuple = (0.0, 0.0, 0.0, 0.0),
+                 runtime: Runtime | None = None) -> None:
+        """``carried``: the part of the epoch before a resume (loss sum, samples, (tokens,) seconds). Its loss sum
+        goes into rank zero's device sum (× the ranks that share each sample), not added at the end, so that one
+        process resumed mid-epoch sums the epoch's losses in the float32 order of the uninterrupted run."""
+        copies = 1 if runtime is None else runtime.world_size / runtime.data_parallel_size
+        zero = runtime is None or runtime.is_rank_zero
+        self.sum = torch.full((), float(carried[0]) * copies if zero else 0.0, device=device)
         self.samples = 0
         self.tokens = 0
         self.loss_samples = 0
-        # from the part of the epoch before a resume: loss sum, samples, (tokens,) seconds
-        self.carried = (*carried[:2], carried[2] if len(carried) == 4 else 0.0)
+        self.carried = (0.0, carried[1], carried[2] if len(carried) == 4 else 0.0)  # the loss sum is in self.sum
 
     def add(self, loss: torch.Tensor | None, samples: int, tokens: int | None = None) -> None:
         """Count a micro-batch of ``samples`` samples (and ``tokens``); ``loss`` None: it reported no loss."""
@@ -156,6 +161,9 @@ class FitRun:
     loaded_epoch: int = 0  # the epoch at whose start the loaders were last made
     datamodule: Any = None  # the data module the loaders came from (its hyperparameters go into checkpoints)
     held_back_said: bool = False  # the note that min_epochs/min_steps hold a stop back was given (once per fit)
+    # the count (batch index + 1) of the step whose "step" ReduceLROnPlateau update is still to come, from its
+    # validation on: a checkpoint written in between (at that validation's end) holds it, to be made on resume
+    plateau_pending: int | None = None
     epoch_rates: dict | None = None  # the learning rates the epoch trained with, noted before its "epoch" schedulers
 
 def start_epoch(loader, epoch: int, position: dict | None, world_size: int, saved_world_size: int) -> int:

@@ -669,6 +669,8 @@ class Trainer:
         fit.reload = reload_hooks
         _warn_eval_mode(fit.model)  # it trains in the modes it comes in, as Lightning (a frozen part keeps eval mode)
         point = self._load(resume_from, *reading) if resume_from is not None else None
+        if point is not None:  # saved at a validation's end: that step's ReduceLROnPlateau update is made now
+            self._make_pending_plateau_update(fit, point)
         fit.loaded_epoch = point.next_epoch if point else 0
         global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers,
                                                  functools.partial(getattr, self, "global_step"))  # picklable
@@ -798,7 +800,7 @@ class Trainer:
         fit.bar = ProgressBar(bar is not None and rt.is_rank_zero, None if remaining == math.inf else remaining,
                               epoch_label(epoch, cfg.max_epochs), refresh_rate=bar.refresh_rate if bar else 0,
                               leave=bar is not None and bar.leave)
-        fit.epoch_loss = EpochLoss(rt.device, resume.totals if resume else (0.0, 0.0, 0.0, 0.0))
+        fit.epoch_loss = EpochLoss(rt.device, resume.totals if resume else (0.0, 0.0, 0.0, 0.0), rt)
         fit.books = MicroBatchBooks(fit.telemetry, self._faults, self.state, self.metric_collector, fit.epoch_loss,
                                     fit.bar)
         fit.started = time.perf_counter() - (resume.totals[-1] if resume else 0.0)
@@ -930,12 +932,14 @@ class Trainer:
                 fit.bar.set_postfix(**{k: f"{record[k]:.4g}" for k in shown if k in record})
                 fit.metrics.write(record)  # metrics.jsonl and each logger
         # 6. Validation, signals, the non-finite check and checkpoints, when due; the time limit.
+        fit.plateau_pending = micro.index + 1  # a checkpoint at validation's end holds the plateau update below
         if self._validation_due(fit, first_batch):  # a broadcast of rank zero's clock, with a time-based interval
             with prof.profile("validation"):
                 self._validate(fit, mid_epoch=True)
         if not self.manual_optimizers:  # step-interval ReduceLROnPlateau: on this step's and validation's values
             step_schedulers(self.schedulers, "step", micro.index + 1, self.callback_metrics,
                             fit.loop_module.lr_scheduler_step, plateau=True)
+        fit.plateau_pending = None
         with prof.profile("checkpoint_if_due"):  # at the check steps the ranks agreed on: one all-reduce (faults)
             self._checkpoint_if_due(fit, epoch_end=False, ends_epoch=micro.ends_epoch)
         return True
@@ -1244,9 +1248,29 @@ class Trainer:
         optimizers, schedulers = ([], []) if weights_only else (self.optimizers, self.schedulers)
         written = self.checkpoints.save(target, last_dir, self._fit, self.state, optimizers, schedulers,
                                         callbacks, lambda content: self._hook("on_save_checkpoint", content),
-                                        background)
+                                        background, self._plateau_pending(schedulers))
         self._faults.phase = previous
         return written
+
+    def _plateau_pending(self, schedulers) -> dict | None:
+        """The "step" ``ReduceLROnPlateau`` update a checkpoint written now precedes (one at a mid-epoch validation's
+        end, as Lightning saves it: :meth:`train_step` makes the update after that validation), with the monitored
+        values it reads: ``{"count": batch index + 1, "metrics": {monitor: value}}``; a resume makes it
+        (:meth:`_make_pending_plateau_update`), so that the run goes on as the uninterrupted one. None when none
+        is pending (other checkpoints hold the update made)."""
+        fit = self._fit
+        due = [c for c in schedulers if c.reduce_on_plateau and c.interval == "step"]
+        if fit is None or fit.plateau_pending is None or not due:
+            return None
+        metrics = {c.monitor: float(self.callback_metrics[c.monitor]) for c in due if c.monitor in self.callback_metrics}
+        return {"count": fit.plateau_pending, "metrics": metrics}
+
+    def _make_pending_plateau_update(self, fit: FitRun, point: ResumePoint) -> None:
+        """After a resume from a checkpoint written before its step's "step" ``ReduceLROnPlateau`` update
+        (:meth:`_plateau_pending`): that update, on the values saved with it, before training goes on."""
+        if point.plateau_pending is not None and not self.manual_optimizers:
+            step_schedulers(self.schedulers, "step", point.plateau_pending["count"], point.plateau_pending["metrics"],
+                            fit.loop_module.lr_scheduler_step, plateau=True)
 
     def _load(self, path: Path, verify: bool, weights_only: bool | None) -> ResumePoint:
         # the hooks see the checkpoint as read and may change it before the model, optimizers and callbacks are
