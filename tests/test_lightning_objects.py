@@ -173,6 +173,24 @@ def test_load_from_checkpoint_reads_a_checkpoint_edited_and_saved_back_with_torc
         Classifier.load_from_checkpoint(tmp_path / "damaged.ckpt")
 
 
+def test_load_from_checkpoint_reads_a_checkpoint_lightning_wrote(tmp_path):
+    trained = Classifier(hidden=4, lr=0.5)
+    written_by_lightning = {  # the entries of a Lightning 2.x ModelCheckpoint file, saved with plain torch.save
+        "epoch": 2, "global_step": 12, "pytorch-lightning_version": "2.6.6", "state_dict": trained.state_dict(),
+        "loops": {"fit_loop": {"epoch_progress": {"total": {"completed": 2}}}}, "callbacks": {},
+        "optimizer_states": [], "lr_schedulers": [], "hparams_name": "kwargs",
+        "hyper_parameters": {"hidden": 4, "lr": 0.5, "scores": None}}
+    torch.save(written_by_lightning, tmp_path / "epoch=2-step=12.ckpt")
+    with pytest.warns(UserWarning, match="records no SHA-256"):
+        loaded = Classifier.load_from_checkpoint(tmp_path / "epoch=2-step=12.ckpt", lr=0.25)
+    assert loaded.hparams.hidden == 4 and loaded.hparams.lr == 0.25  # the saved hyperparameters, one overridden
+    for name, tensor in trained.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0)
+    with pytest.raises(CheckpointError, match="written by Lightning.*load_from_checkpoint"):  # no loop state to resume
+        _trainer(tmp_path / "resumed", max_epochs=1).fit(Classifier(hidden=4), DataLoader(_data(), batch_size=8),
+                                                         ckpt_path=tmp_path / "epoch=2-step=12.ckpt", ckpt_verify=False)
+
+
 def test_load_from_checkpoint_takes_every_form_of_torch_loads_map_location(tmp_path):
     model = Classifier(hidden=4)
     _fit(tmp_path, model)

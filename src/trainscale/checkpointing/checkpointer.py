@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from trainscale.checkpointing import rng, run_dirs as ckpt
 from trainscale.runtime import hf
 from trainscale.checkpointing.train_state import ResumePoint, TrainState
-from trainscale.runtime.checkpoint_io import TensorState
+from trainscale.runtime.checkpoint_io import CheckpointError, TensorState
 from trainscale.utilities.parsing import pickled
 
 if TYPE_CHECKING:
@@ -154,6 +154,10 @@ def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state
                **_keyed("scheduler", [s.scheduler for s in schedulers]), **tensor_states}
 
     def read(entries: dict) -> None:  # before anything is restored: what was kept apart, then the hooks
+        if "pytorch-lightning_version" in entries and "train_state" not in entries:
+            raise CheckpointError(f"{str(path)!r} was written by Lightning: trainscale resumes only its own "
+                                  "checkpoints (their loop, sampler and random states); load the weights with "
+                                  "YourModule.load_from_checkpoint(path) and start a new fit (ckpt_path=None)")
         restore_pickled(entries, weights_only, path)
         if on_load is not None:
             on_load(entries)
@@ -336,8 +340,10 @@ def local_checkpoint(path: str | os.PathLike) -> Path:
 def read_module_checkpoint(path: str | os.PathLike, verify: bool = True,
                            map_location: Any = "cpu") -> tuple[dict, Callable[[], dict]]:
     """Read a checkpoint in this one process, without a process group: a file of a single/ddp run or a sharded
-    (DCP) directory of an fsdp/model_parallel run, or an ``http(s)://`` URL of a file (:func:`local_checkpoint`).
-    Returns its plain entries (``hyper_parameters``, ...; no ``model``) and a function that reads the model's whole state dict (from a DCP directory every shard is read,
+    (DCP) directory of an fsdp/model_parallel run, or an ``http(s)://`` URL of a file (:func:`local_checkpoint`);
+    also a file Lightning wrote (``pytorch-lightning_version``, ``state_dict``, ``hyper_parameters``), whose weights
+    and hyperparameters are read the same way. Returns its plain entries (``hyper_parameters``, ...; no ``model``)
+    and a function that reads the model's whole state dict (from a DCP directory every shard is read,
     ``dcp_checkpoint.read_whole``). Tensors are placed by ``map_location``, ``torch.load``'s argument (a device
     or its name, a dict from saved to new locations, or ``f(storage, location)``): applied by ``torch.load``
     to a file (each tensor's location: the device it was saved from); a DCP directory is read on the CPU, so
@@ -345,14 +351,14 @@ def read_module_checkpoint(path: str | os.PathLike, verify: bool = True,
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        CheckpointError: not a trainscale checkpoint (no ``model``/``train_state`` entry), a failed checksum
-            (``verify``), an unreadable file.
+        CheckpointError: neither a trainscale checkpoint (its weights and ``train_state``) nor a file Lightning
+            wrote (its weights and ``pytorch-lightning_version``), a failed checksum (``verify``), an unreadable file.
         ValueError, urllib.error.URLError: a URL that is not http(s), a failed download (:func:`local_checkpoint`).
 
     Warns:
         UserWarning: the file records no SHA-256 (a checkpoint loaded, edited and saved back with plain
-            ``torch.save``, as Lightning's docs show): it is read without verifying its bytes, as Lightning reads
-            every file. A file whose recorded SHA-256 differs from its bytes is refused.
+            ``torch.save``, as Lightning's docs show, or one Lightning wrote): it is read without verifying its bytes,
+            as Lightning reads every file. A file whose recorded SHA-256 differs from its bytes is refused.
     """
     from trainscale.runtime import checkpoint_io
     from trainscale.runtime.strategies import dcp_checkpoint
@@ -364,27 +370,45 @@ def read_module_checkpoint(path: str | os.PathLike, verify: bool = True,
     if ckpt.is_last_pointer(path):  # <run>/checkpoints/last: the checkpoint it names
         path = ckpt.read_last(path)
     sharded = is_sharded(path)
-    file = path / dcp_checkpoint.EXTRA if sharded else path
-    try:
-        entries = checkpoint_io.load_file(file, verify, map_location=map_location)
-    except checkpoint_io.NoDigestError as err:  # a plain torch.save file (edited and saved back): as Lightning, load it
-        warnings.warn(f"{err.args[0].split(', so')[0]}: it was saved with plain torch.save (edited and saved back, "
-                      "or written by another library), so it is loaded without verifying its bytes", stacklevel=3)
-        entries = checkpoint_io.load_file(file, False, map_location=map_location)
+    entries = _read_plain_entries(path / dcp_checkpoint.EXTRA if sharded else path, verify, map_location)
     key = weights_key(sharded)
     if isinstance(entries, dict) and key not in entries:  # a file written before "state_dict"
         key = checkpoint_io.FORMER_NAMES.get(key, key)
-    if not isinstance(entries, dict) or "train_state" not in entries or not (sharded or key in entries):
-        keys = sorted(entries)[:8] if isinstance(entries, dict) else type(entries).__name__
-        hint = (" (a Lightning checkpoint: load its weights with module.load_state_dict(torch.load(path)"
-                "['state_dict']))" if isinstance(entries, dict) and "state_dict" in entries else "")
-        raise checkpoint_io.CheckpointError(
-            f"{str(path)!r} is not a trainscale checkpoint: it has no 'state_dict' and 'train_state' entries (it holds "
-            f"{keys}){hint}; pass a checkpoint written by Trainer.fit or Trainer.save_checkpoint")
+    _check_module_entries(path, entries, key, sharded)
     model_state = entries.pop(key, None)
     if not sharded:
         return entries, lambda: model_state
     return entries, lambda: _mapped(dcp_checkpoint.read_whole(path, weights_key(True), verify), map_location)
+
+
+def _read_plain_entries(file: Path, verify: bool, map_location: Any) -> Any:
+    """``checkpoint_io.load_file(file, verify)``; a file that records no SHA-256 (a plain ``torch.save`` file: a
+    checkpoint edited and saved back, or one Lightning wrote) is read unverified, with a ``UserWarning``, as
+    Lightning reads every file."""
+    from trainscale.runtime import checkpoint_io
+
+    try:
+        return checkpoint_io.load_file(file, verify, map_location=map_location)
+    except checkpoint_io.NoDigestError as err:
+        warnings.warn(f"{err.args[0].split(', so')[0]}: it was saved with plain torch.save (edited and saved back, "
+                      "or written by another library), so it is loaded without verifying its bytes", stacklevel=4)
+        return checkpoint_io.load_file(file, False, map_location=map_location)
+
+
+def _check_module_entries(path: Path, entries: Any, key: str, sharded: bool) -> None:
+    """Raise ``CheckpointError`` unless ``entries`` are a trainscale checkpoint's (its weights under ``key`` and
+    ``train_state``) or those of a file Lightning wrote (``pytorch-lightning_version``, its weights under
+    ``state_dict``: its weights and hyperparameters load alike)."""
+    lightning_file = isinstance(entries, dict) and not sharded and "pytorch-lightning_version" in entries
+    if (isinstance(entries, dict) and ("train_state" in entries or lightning_file)
+            and (sharded or key in entries)):
+        return
+    keys = sorted(entries)[:8] if isinstance(entries, dict) else type(entries).__name__
+    hint = (" (a Lightning checkpoint: load its weights with module.load_state_dict(torch.load(path)"
+            "['state_dict']))" if isinstance(entries, dict) and "state_dict" in entries else "")
+    raise CheckpointError(
+        f"{str(path)!r} is not a trainscale checkpoint: it has no 'state_dict' and 'train_state' entries (it holds "
+        f"{keys}){hint}; pass a checkpoint written by Trainer.fit or Trainer.save_checkpoint")
 
 
 def _mapped(tensors: dict, map_location: Any) -> dict:
