@@ -1735,6 +1735,23 @@ def test_one_name_logged_in_one_hook_must_keep_its_options(tmp_path, first, then
         assert float(trainer.callback_metrics["twice"]) == 1.0
 
 
+@pytest.mark.timeout(60)
+def test_a_second_fit_may_log_a_name_with_other_options(tmp_path):
+    class Logs(Probe):
+        def __init__(self, prog_bar):
+            super().__init__()
+            self.prog_bar = prog_bar
+
+        def training_step(self, batch, batch_idx):
+            self.log("shown", 1.0, prog_bar=self.prog_bar)
+            return super().training_step(batch, batch_idx)
+
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(Logs(prog_bar=False), _loader())
+    trainer.fit(Logs(prog_bar=True), _loader())  # a new run: Lightning's results start empty, options too
+    assert trainer.progress_bar_metrics["shown"] == 1.0
+
+
 def test_self_log_in_configure_optimizers_raises(tmp_path):
     class LogsThere(Probe):
         def configure_optimizers(self):

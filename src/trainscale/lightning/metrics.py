@@ -357,8 +357,10 @@ class MetricCollector:
 
     def drop_values(self) -> None:
         """Forget the step and epoch values not yet taken (logged outside a loop, or after a previous fit's last log
-        step): a fit starts from none, as Lightning resets its results when a run starts."""
+        step) and the options each name was logged with: a fit starts from none, as Lightning resets its results
+        when a run starts."""
         self.step_values, self.epoch_values, self.epoch_metrics, self.unpublished = {}, {}, {}, False
+        self.options = {}
 
     def reset_metrics(self) -> None:
         """Reset every torchmetrics ``Metric`` logged since the last call (also those logged ``on_step`` only), as
