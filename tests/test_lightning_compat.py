@@ -2046,6 +2046,23 @@ def test_early_stopping_and_timer_speak_lightnings_words(caplog):
 
 
 @pytest.mark.timeout(60)
+def test_a_step_timer_reads_the_clock_once_per_optimizer_step(tmp_path):
+    from trainscale.callbacks import Timer
+
+    class Counted(Timer):
+        checks = 0
+
+        def _check(self, trainer):  # on several ranks each check is a broadcast of rank zero's clock
+            Counted.checks += 1
+            super()._check(trainer)
+
+    trainer = _trainer(tmp_path, max_epochs=1, accumulate_grad_batches=2, num_sanity_val_steps=0,
+                       callbacks=[Counted(duration={"days": 1})])
+    trainer.fit(Probe(), _loader(n=16))  # 8 batches: 4 optimizer steps
+    assert Counted.checks == 1 + 4  # at the fit's start, then at each step's end (not at each micro-batch)
+
+
+@pytest.mark.timeout(60)
 def test_trainer_model_and_lightning_module_are_the_module_in_its_hooks_and_after_fit(tmp_path):
     seen = []
 

@@ -23,11 +23,12 @@ class Timer(Callback):
 
     ``duration``: "DD:HH:MM:SS", a ``timedelta`` or a dict of its keywords (``{"hours": 1}``); None: only measure.
     Once the training time (from ``on_train_start``, plus what a checkpoint's ``time_elapsed`` carried over) reaches
-    it, checked after every training batch (``interval="step"``) or at each epoch end ("epoch"), it sets
+    it, checked after every optimizer step (``interval="step"``) or at each epoch end ("epoch"), it sets
     ``trainer.should_stop`` (rank zero's clock, broadcast to every rank), so the fit ends after that step's epoch
     end hooks, unless ``min_epochs``/``min_steps`` hold it back. ``time_elapsed(stage)``, ``start_time(stage)``,
     ``end_time(stage)`` (``time.monotonic`` seconds) for "train", "validate" and "test"; ``time_remaining(stage)``:
-    seconds left of ``duration`` (None without one). ``Trainer(max_time=...)`` adds one (``interval="step"``) unless the callbacks hold a Timer.
+    seconds left of ``duration`` (None without one). ``Trainer(max_time=...)`` adds one (``interval="step"``)
+    unless the callbacks hold a Timer.
     With ``verbose``, rank zero says "Time limit reached. ..." at the stop, at INFO through the
     ``trainscale.callbacks.timer`` logger where logging shows INFO, printed otherwise (``utilities.rank_zero.log_info``).
 
@@ -102,7 +103,9 @@ class Timer(Callback):
         self._check(trainer)  # a zero duration (or one a resumed run already spent) stops before any step
 
     def on_train_batch_end(self, trainer: Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._interval == "step":
+        # at an optimizer step's end only (the fit stops after a whole step): with gradient accumulation one
+        # broadcast of rank zero's clock per step, not one per micro-batch
+        if self._interval == "step" and getattr(trainer, "is_step_end", True):
             self._check(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: Any) -> None:
