@@ -2,6 +2,7 @@
 after ``fit``, step values in ``callback_metrics``, ``max_steps`` without ``max_epochs``, the order of a training
 loader on several ranks, the sanity check of a resumed ``fit``; and Lightning's spellings that ports meet."""
 
+import copy
 import json
 import math
 import os
@@ -2186,12 +2187,52 @@ def test_the_modules_step_hooks_run_once_per_optimizer_step_around_the_step(tmp_
                        gradient_clip_algorithm="value", num_sanity_val_steps=0)
     trainer.fit(model, _loader(8))  # 4 micro-batches, 2 optimizer steps
     names = [n[0] for n in model.noted]
-    assert names == ["backward", "backward", "clip", "optimizer_step", "optimizer_zero_grad"] * 2
+    assert names == ["optimizer_zero_grad", "backward", "backward", "clip", "optimizer_step"] * 2
     steps = [n for n in model.noted if n[0] == "optimizer_step"]
     assert steps == [("optimizer_step", 0, 1, True), ("optimizer_step", 0, 3, True)]  # the step's last batch_idx
+    zeroed = [n for n in model.noted if n[0] == "optimizer_zero_grad"]
+    assert zeroed == [("optimizer_zero_grad", 0, 0), ("optimizer_zero_grad", 0, 2)]  # the step's first, as Lightning
     clips = [n for n in model.noted if n[0] == "clip"]
     assert all(c[1:3] == (1e-6, "value") and c[3] <= 1e-6 for c in clips)  # the default clipped, by value
     assert trainer.global_step == 2
+
+
+class _GradientReader(Callback):
+    """Notes the layer's gradient where a ported callback reads it: at each training batch's end and as
+    validation starts."""
+
+    def __init__(self):
+        self.at_batch_end: list[torch.Tensor | None] = []
+        self.at_validation_start: list[torch.Tensor | None] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        grad = pl_module.layer.weight.grad
+        self.at_batch_end.append(None if grad is None else grad.clone())
+
+    def on_validation_start(self, trainer, pl_module):
+        self.at_validation_start.append(pl_module.layer.weight.grad)
+
+
+@pytest.mark.timeout(60)
+def test_the_steps_gradients_are_there_at_on_train_batch_end_and_freed_before_validation(tmp_path):
+    torch.manual_seed(0)
+    model = Probe()
+    reference = copy.deepcopy(model.layer)
+    reader = _GradientReader()
+    trainer = _trainer(tmp_path, max_epochs=1, callbacks=[reader], num_sanity_val_steps=0)
+    trainer.fit(model, _loader(6), _loader(2))  # 3 steps of one batch each, then validation
+    # plain PyTorch: the gradient each step's backward left, at the weights before that step
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)  # Probe's
+    expected = []
+    for x, _ in _loader(6):
+        optimizer.zero_grad()
+        reference(x).pow(2).mean().backward()
+        expected.append(reference.weight.grad.clone())
+        optimizer.step()
+    assert len(reader.at_batch_end) == 3 and all(g is not None for g in reader.at_batch_end)  # Lightning's: there
+    for seen, want in zip(reader.at_batch_end, expected):
+        torch.testing.assert_close(seen, want)
+    assert reader.at_validation_start == [None]  # on_validation_model_zero_grad's default freed them, as Lightning's
 
 
 class _SkipsOddSteps(Probe):

@@ -159,8 +159,8 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         return batch
 
     def on_validation_model_zero_grad(self) -> None:
-        """Lightning's hook, before each validation in ``fit``: free the gradients. trainscale already frees them
-        after every optimizer step, so the default changes nothing here."""
+        """Lightning's hook, before each validation in ``fit``: free the gradients (the last optimizer step's, kept
+        until the next step's first micro-batch, as in Lightning). Override it to keep them through validation."""
         self.zero_grad()
 
     def on_validation_model_eval(self) -> None:

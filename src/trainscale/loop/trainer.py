@@ -826,7 +826,10 @@ class Trainer:
 
         1. Each micro-batch: to the device (through the module's ``on_before_batch_transfer``,
            ``transfer_batch_to_device`` and ``on_after_batch_transfer`` where it overrides one, as Lightning;
-           decided once per stage: :attr:`batch_transfer`), ``on_train_batch_start``, forward under autocast,
+           decided once per stage: :attr:`batch_transfer`), ``on_train_batch_start``; at the step's first
+           micro-batch ``on_before_zero_grad`` and ``zero_grad(set_to_none=True)`` (the module's
+           ``optimizer_zero_grad``), so the last step's gradients are freed before this forward
+           and were there until then, as in Lightning (``on_train_batch_end`` reads them); forward under autocast,
            backward of the loss ÷ micro-batches per step (the module's ``backward`` hook when it has one) between
            ``on_before_backward`` and ``on_after_backward``; the gradient
            all-reduce (ddp) or reduce-scatter (fsdp) runs on the step's last micro-batch only
@@ -842,8 +845,7 @@ class Trainer:
         3. Non-finite gradients: skipped with ``on_nonfinite="skip"`` (one host sync); with "raise" the
            losses are checked at the agreed check steps in step 6, without a host sync per step.
         4. The optimizer step at the learning rate scaled to the global batch (``lr_scaling``, this step
-           only), through the GradScaler under "16-mixed"; then ``on_before_zero_grad`` and
-           ``zero_grad(set_to_none=True)`` (the module's ``optimizer_zero_grad``).
+           only), through the GradScaler under "16-mixed".
         5. The learning-rate schedulers other than ``ReduceLROnPlateau``, each through the module's
            ``lr_scheduler_step`` (Lightning's default: ``scheduler.step()``; under manual optimization the module
            steps its own, as in Lightning): those with ``interval="step"`` (their ``frequency`` counts the epoch's
@@ -888,6 +890,13 @@ class Trainer:
                 batch = self.batch_transfer(micro.batch, 0)
             fit.books.batch_ready(batch)  # the data phase ends; samples and tokens (self.log's batch size)
             self._hook("on_train_batch_start", batch, micro.index)
+            if micro.index == first_batch and not self.manual_optimizers:  # the step's first: zero the gradients
+                # the last step's, there until now as in Lightning; freed before this forward (Lightning: after it)
+                self._hook("on_before_zero_grad", self.optimizers[0])
+                if "optimizer_zero_grad" in fit.loop_module.step_hooks:  # the module's own (Lightning's hook)
+                    fit.model.optimizer_zero_grad(self.current_epoch, micro.index, self.optimizers[0])
+                else:
+                    self.optimizers[0].zero_grad(set_to_none=True)
             with prof.profile("training_step_and_backward"):  # its end advances PyTorchProfiler's schedule
                 if tele.counting_flops:  # the run's first micro-batch: its FLOPs counted once, for MFU
                     loss, t_forward = tele.count_flops_of(lambda: self._forward_backward(fit, batch, micro), fit.wrapped,
@@ -902,7 +911,7 @@ class Trainer:
             self._hook("on_train_batch_end", loss, batch, micro.index)
         else:
             return False
-        # 2.-4. The hook before the step, clipping, the "skip" check, the step, zeroing (automatic optimization).
+        # 2.-4. The hook before the step, clipping, the "skip" check, the step (automatic optimization).
         grad_norm = None if self.manual_optimizers else self._optimizer_step(fit, loss, micro.index)
         tele.end_step()  # the "optimizer" phase ends
         # 5. Schedulers, the step count, callbacks, the step record.
@@ -949,8 +958,7 @@ class Trainer:
         ``optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)`` (the module's own, or its default
         ``optimizer.step(closure=optimizer_closure)``): the closure runs 2 and 3 (Lightning's ``_after_closure``; the
         step's forward and backward ran before it, where Lightning runs them in it), ``optimizer.step()`` (a
-        :class:`StepOptimizer`) runs 4. Then ``on_before_zero_grad`` and ``optimizer_zero_grad`` (the module's own,
-        or ``zero_grad(set_to_none=True)``). Returns the gradient norm clipping measured (None: not clipped by norm,
+        :class:`StepOptimizer`) runs 4. Returns the gradient norm clipping measured (None: not clipped by norm,
         or clipped by the module's own ``configure_gradient_clipping``)."""
         rt, cfg, model, hooks = self.runtime, self.config, fit.model, fit.loop_module.step_hooks
         optimizer, found = self.optimizers[0], {"grad_norm": None, "skip": False}
@@ -980,12 +988,6 @@ class Trainer:
             model.optimizer_step(self.current_epoch, batch_idx, stepper, closure)
         else:
             stepper.step(closure=closure)
-        # then zero the gradients
-        self._hook("on_before_zero_grad", optimizer)
-        if "optimizer_zero_grad" in hooks:
-            model.optimizer_zero_grad(self.current_epoch, batch_idx, optimizer)
-        else:
-            optimizer.zero_grad(set_to_none=True)
         return found["grad_norm"]
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float,
@@ -1129,8 +1131,8 @@ class Trainer:
         """Validation during ``fit`` (``evaluation.evaluate_stage``: its hooks, ``callback_metrics``); a mid-epoch
         one is also written as a "validation" record (an epoch-end one goes in the epoch record)."""
         self.validating = True  # Lightning's stage, back to training after it
-        if "on_validation_model_zero_grad" in fit.loop_module.overrides:  # the default: nothing here (see its doc)
-            fit.model.on_validation_model_zero_grad()
+        # Lightning's hook frees the gradients before validation (the default: the module's zero_grad())
+        getattr(fit.model, "on_validation_model_zero_grad", fit.model.zero_grad)()
         results = evaluation.merged(evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader,
                                                               "validation"))
         self.training = True
