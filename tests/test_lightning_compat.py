@@ -3761,3 +3761,35 @@ def test_a_step_schedulers_frequency_counts_the_epochs_batches_as_lightnings(tmp
     _trainer(tmp_path, max_epochs=epochs, accumulate_grad_batches=accumulate, num_sanity_val_steps=0).fit(
         module, _loader(n=2 * batches))
     assert module.stepped_after == expected
+
+
+# -- pickling a trained module ---------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_a_trained_module_pickles_and_deep_copies_without_its_trainer(tmp_path):
+    import io
+
+    model = Probe()
+    trainer = _trainer(tmp_path, max_epochs=1)
+    trainer.fit(model, _loader(4))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # Lightning's LightningModule.__getstate__ leaves the Trainer out
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(loaded.state_dict(), model.state_dict())
+    with pytest.raises(RuntimeError, match="not attached to a Trainer"):
+        loaded.trainer  # noqa: B018
+    twin = copy.deepcopy(model)
+    torch.testing.assert_close(twin.state_dict(), model.state_dict())
+    assert model.trainer is trainer  # the original stays attached
+
+
+@pytest.mark.timeout(60)
+def test_a_plain_module_after_fit_is_only_the_users_module(tmp_path):
+    import io
+
+    model = nn.Linear(2, 1)
+    _trainer(tmp_path, max_epochs=1).fit(model, _loader(4), loss_fn=lambda out, y: out.squeeze(-1).sub(y).pow(2).mean(),
+                                          optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    assert set(vars(model)) == set(vars(nn.Linear(2, 1)))  # nothing of trainscale's left on it
+    torch.save(model, io.BytesIO())
+    torch.testing.assert_close(copy.deepcopy(model).state_dict(), model.state_dict())
