@@ -1042,7 +1042,8 @@ def test_unsupported_keys_of_configure_optimizers_dicts_are_ignored_with_a_warni
     trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
     with pytest.warns(RuntimeWarning, match="unsupported keys") as seen:
         trainer.fit(Extra(), _loader())
-    assert {"'colour'" in str(w.message) or "'size'" in str(w.message) for w in seen} == {True}
+    assert {"'colour'" in str(w.message) or "'size'" in str(w.message) for w in seen
+            if w.category is RuntimeWarning} == {True}
     assert len(trainer.lr_scheduler_configs) == 1
 
 
@@ -1808,6 +1809,7 @@ def test_overfit_batches_reads_the_first_batches_in_order_with_lightnings_warnin
         assert model.first == in_order * 2, name  # the same first two batches, in the data set's order, each epoch
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message="You defined a `validation_step` but have no `val_dataloader`")
         _trainer(tmp_path / "sequential", max_epochs=1, overfit_batches=2).fit(Seen(), _loader())
 
 
@@ -3793,3 +3795,72 @@ def test_a_plain_module_after_fit_is_only_the_users_module(tmp_path):
     assert set(vars(model)) == set(vars(nn.Linear(2, 1)))  # nothing of trainscale's left on it
     torch.save(model, io.BytesIO())
     torch.testing.assert_close(copy.deepcopy(model).state_dict(), model.state_dict())
+
+
+# -- Lightning's checks of a module before a stage, in Lightning's words ----------------------------------------------
+def _without(**attrs):
+    model = Probe()
+    for name, value in attrs.items():
+        setattr(model, name, value)
+    return model
+
+
+@pytest.mark.timeout(60)
+def test_a_module_without_training_step_or_configure_optimizers_gets_lightnings_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"No `training_step\(\)` method defined\. .*define Probe\.training_step"):
+        _trainer(tmp_path, max_epochs=1).fit(_without(training_step=None), _loader(4))
+
+    class NoStep(TrainingModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(2, 1)
+
+    with pytest.raises(ValueError, match=r"No `training_step\(\)` method defined"):
+        _trainer(tmp_path, max_epochs=1).fit(NoStep(), _loader(4))
+    with pytest.raises(ValueError, match=r"No `configure_optimizers\(\)` method defined.*optimizer=lambda params"):
+        _trainer(tmp_path, max_epochs=1).fit(_without(configure_optimizers=None), _loader(4))
+    trainer = _trainer(tmp_path, max_epochs=1)  # the fix the message names
+    trainer.fit(_without(configure_optimizers=None), _loader(4), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert trainer.global_step == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_validation_step_without_a_validation_loader_is_lightnings_warning(tmp_path):
+    with pytest.warns(PossibleUserWarning, match=r"You defined a `validation_step` but have no `val_dataloader`\. "
+                                                 r"Skipping val loop"):
+        _trainer(tmp_path, max_epochs=1).fit(Probe(), _loader(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PossibleUserWarning)  # validation turned off: nothing to say
+        _trainer(tmp_path, max_epochs=1, limit_val_batches=0).fit(Probe(), _loader(4))
+    with pytest.warns(UserWarning, match=r"You passed in a `val_dataloader` but have no `validation_step`\. "):
+        _trainer(tmp_path, max_epochs=1).fit(_without(validation_step=None), _loader(4), _loader(2))
+
+
+@pytest.mark.timeout(60)
+def test_evaluation_stages_without_their_step_get_lightnings_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"No `validation_step\(\)` method defined to run `Trainer\.validate`"):
+        _trainer(tmp_path).validate(_without(validation_step=None), _loader(2))
+    with pytest.raises(ValueError, match=r"No `test_step\(\)` method defined to run `Trainer\.test`"):
+        _trainer(tmp_path).test(Probe(), _loader(2))
+    with pytest.raises(ValueError, match=r"`predict_step` cannot be None to run `Trainer\.predict`"):
+        _trainer(tmp_path).predict(_without(predict_step=None), _loader(2))
+    with pytest.raises(ValueError, match=r"`Trainer\.predict` requires `forward` method to run"):
+        _trainer(tmp_path).predict(_without(forward=None), _loader(2))
+
+
+@pytest.mark.timeout(60)
+def test_lightning_1x_optimizer_idx_and_manual_optimization_flags_get_lightnings_errors(tmp_path):
+    class OldStyle(Probe):
+        def training_step(self, batch, batch_idx, optimizer_idx):
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(RuntimeError, match=r"Remove the `optimizer_idx` argument from `training_step`"):
+        _trainer(tmp_path, max_epochs=1).fit(OldStyle(), _loader(4))
+    with pytest.raises(ValueError, match=r"Automatic gradient clipping is not supported for manual optimization\. "
+                                         r"Remove `Trainer\(gradient_clip_val=1\.0\)`"):
+        _trainer(tmp_path, max_epochs=1, gradient_clip_val=1.0).fit(_without(automatic_optimization=False),
+                                                                     _loader(4))
+    with pytest.raises(ValueError, match=r"Automatic gradient accumulation is not supported for manual optimization\. "
+                                         r"Remove `Trainer\(accumulate_grad_batches=2\)`"):
+        _trainer(tmp_path, max_epochs=1, accumulate_grad_batches=2).fit(_without(automatic_optimization=False),
+                                                                        _loader(4))

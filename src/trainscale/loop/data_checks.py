@@ -8,6 +8,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, SequentialSampler
 
 from trainscale.runtime.sampling import in_order
+from trainscale.utilities.warnings import PossibleUserWarning
 
 
 def check_loaders(train_loader: Any, val_loaders: list | None) -> None:
@@ -29,6 +30,26 @@ def check_loaders(train_loader: Any, val_loaders: list | None) -> None:
             which = f" (dataloader {i})" if len(val_loaders) > 1 else ""
             warnings.warn(f"the validation DataLoader{which} is empty: no val_ metrics will be recorded for it",
                           stacklevel=3)
+
+
+def validation_to_run(model: Any, has_training_step: bool, val_dataloaders: Any, limit_val_batches: float,
+                      warn: bool) -> Any:
+    """Lightning's checks of ``fit``'s validation loop (``trainer/configuration_validator.py``), in its words:
+    ``val_dataloaders`` (a list, or None) when the module can validate with them; None, with Lightning's
+    ``UserWarning``, when a module with ``training_step`` has no ``validation_step``. A ``validation_step`` without a
+    loader is Lightning's ``PossibleUserWarning`` (not when ``limit_val_batches=0`` turned validation off). ``warn``:
+    this rank says so (rank zero, as Lightning's ``rank_zero_warn``)."""
+    has_step = getattr(model, "validation_step", None) is not None
+    if val_dataloaders is not None and has_training_step and not has_step:
+        warnings.warn("You passed in a `val_dataloader` but have no `validation_step`. Skipping val loop. "
+                      f"({type(model).__name__} defines no validation_step: validation is skipped, as in "
+                      "Lightning; define validation_step to validate)", stacklevel=5)
+        return None
+    if val_dataloaders is None and has_step and warn and limit_val_batches != 0:
+        warnings.warn("You defined a `validation_step` but have no `val_dataloader`. Skipping val loop. (Pass "
+                      "val_dataloaders to fit, or define val_dataloader() on the module or its data module)",
+                      PossibleUserWarning, stacklevel=5)
+    return val_dataloaders
 
 
 def warn_unshuffled(loader: Any, data_parallel_size: int) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 from trainscale.callbacks import (Callback, EarlyStopping, ModelCheckpoint, ModelSummary, TQDMProgressBar,
                                   merge_model_callbacks, resolve_callbacks)
 from trainscale.callbacks.base import HOOKS, overridden_hooks
+from trainscale.utilities.model_helpers import is_overridden
 from trainscale.utilities.rank_zero import log_info
 from trainscale.utilities.warnings import PossibleUserWarning
 from trainscale.loggers import resolve_loggers
@@ -43,15 +44,16 @@ from trainscale.loop import evaluation
 from trainscale.scaling.batch_scaling import BatchScaling
 from trainscale.tune.batch_size import tuned_loader
 from trainscale.checkpointing.writes import CheckpointWrites
-from trainscale.loop.data_checks import check_loaders, explain_batch_error, overfit_order, warn_unshuffled
+from trainscale.loop.data_checks import (check_loaders, explain_batch_error, overfit_order, validation_to_run,
+                                        warn_unshuffled)
 from trainscale.lightning.data_sources import fit_loader_hooks, resolve_fit_loaders
 from trainscale.lightning.hparams import drop_unpicklable
 from trainscale.loop.config import (TrainerConfig, barebones_logger, resolve_trainer_config, say_one_batch_limits,
                                     warn_default_max_epochs)
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
-from trainscale.lightning.module import (BatchTransfer, attach_trainer, batch_transfer, defined_hooks,
-                                         module_overrides, set_up_model, skip_backward, uncalled_hooks)
+from trainscale.lightning.module import (BatchTransfer, TrainingModule, attach_trainer, batch_transfer,
+                                         defined_hooks, module_overrides, set_up_model, skip_backward, uncalled_hooks)
 from trainscale.lightning.optimizers import ManualOptimizer, StepOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
 from trainscale.loop.records import MetricsProcessor, epoch_label, epoch_line, epoch_record, run_header
@@ -729,6 +731,10 @@ class Trainer:
 
     def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
         rt = self.runtime
+        if isinstance(model, TrainingModule) and not is_overridden("training_step", model):  # Lightning's check
+            raise ValueError("No `training_step()` method defined. Lightning `Trainer` expects as minimum a "
+                             "`training_step()`, `train_dataloader()` and `configure_optimizers()` to be defined: "
+                             f"define {type(model).__name__}.training_step(self, batch, batch_idx) returning the loss")
         self.last_setup = set_up_model(rt, model, loss_fn, self.last_setup)  # reused from an earlier fit or evaluation
         _, loop_module, wrapped = self.last_setup
         self._arm_hooks(model)
@@ -767,10 +773,9 @@ class Trainer:
             if rt.is_rank_zero and not cfg.overfit_batches:
                 warn_unshuffled(train_dataloaders, rt.data_parallel_size)  # Lightning would shuffle it
             train_loader = rt.setup_dataloader(train_dataloaders, seed=self.fit_seed)
-        if val_dataloaders is not None and loop_module.has_training_step and getattr(model, "validation_step", None) is None:
-            warnings.warn(f"a validation DataLoader was passed but {type(model).__name__} defines no validation_step: "
-                          "validation is skipped (as in Lightning); define validation_step to validate", stacklevel=4)
-            val_dataloaders = None
+        # Lightning's checks of fit's validation loop: a loader without a validation_step is dropped (both warn)
+        val_dataloaders = validation_to_run(model, loop_module.has_training_step, val_dataloaders,
+                                            cfg.limit_val_batches, warn=rt.is_rank_zero)
         val_loader = ([rt.setup_dataloader(dl, seed=self.fit_seed, even=False) for dl in val_dataloaders]
                       if val_dataloaders is not None and cfg.limit_val_batches != 0 else None)  # 0: off
         check_loaders(train_loader, val_loader)
