@@ -8,6 +8,7 @@ import math
 import os
 import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -3864,3 +3865,29 @@ def test_lightning_1x_optimizer_idx_and_manual_optimization_flags_get_lightnings
                                          r"Remove `Trainer\(accumulate_grad_batches=2\)`"):
         _trainer(tmp_path, max_epochs=1, accumulate_grad_batches=2).fit(_without(automatic_optimization=False),
                                                                         _loader(4))
+
+
+# -- ModelCheckpoint's step saves wait for validation's fresh value ---------------------------------------------------
+class _ScoredByEpoch(Probe):
+    """Logs ``score`` at each validation's end: 0.1, 0.5, 1.0 in epochs 0, 1, 2."""
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def on_validation_epoch_end(self):
+        self.log("score", (0.1, 0.5, 1.0)[self.current_epoch])
+
+
+@pytest.mark.timeout(60)
+def test_a_step_save_ranking_by_a_validation_value_waits_for_that_validation(tmp_path):
+    checkpoint = ModelCheckpoint(monitor="score", mode="max", save_top_k=1, every_n_train_steps=2, every_n_epochs=0,
+                                 save_on_train_epoch_end=False, dirpath=tmp_path / "ckpt")
+    trainer = _trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0, callbacks=[checkpoint])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "not among the metrics yet ... ranks last"
+        trainer.fit(_ScoredByEpoch(), _loader(4), _loader(2))  # 2 steps an epoch: each step save ends an epoch
+    # Lightning 2.6: the save of each epoch's last step is made at that epoch's validation end, on its value
+    assert float(checkpoint.best_model_score) == 1.0
+    assert Path(checkpoint.best_model_path).name == "epoch=2-step=6.ckpt"
+    assert float(torch.load(checkpoint.best_model_path, weights_only=False)["callbacks"][checkpoint.state_key]
+                 ["best_model_score"]) == 1.0

@@ -147,6 +147,7 @@ class ModelCheckpoint(Callback):
         self._lock: int | None = None  # rank zero's descriptor of dirpath, flock'ed during a fit
         self._last_time_save = 0.0  # time.monotonic() of the fit's start or the last train_time_interval save
         self._saved_step = -1  # global_step of the latest save
+        self._deferred = False  # a step save waiting for the next validation's end (_defers)
         self._links: list[str] = []  # the save_last link this callback made (an earlier "{epoch}-last" goes)
 
     @property
@@ -182,6 +183,7 @@ class ModelCheckpoint(Callback):
         self._directory = Path(trainer.run_dir) / "checkpoints" if given is None else Path(given)
         self.dirpath = str(self._directory)
         self._saved_step = -1  # no save yet in this fit
+        self._deferred = False  # a step save waiting for the next validation's end (_defers)
         self._adopt_earlier_files(trainer)
         self._last_time_save = time.monotonic()
         if given is None:
@@ -315,8 +317,22 @@ class ModelCheckpoint(Callback):
             due = n is not None and trainer.reached_multiple(n) and not (ends_epoch and self._epoch_save_due(trainer))
             if self.train_time_interval is not None:  # off by default: no clock read (or broadcast) per step
                 due = self._time_due(trainer) or due
+            if due and self._defers(trainer, ends_epoch):  # saved at the next validation's end instead
+                self._deferred, due = True, False
         if due:
             self._save(trainer, epoch_end)
+
+    def _defers(self, trainer: "Trainer", ends_epoch: bool) -> bool:
+        """Whether a step save (``every_n_train_steps``, ``train_time_interval``) waits for the next validation's
+        end, to rank by a fresh value (Lightning 2.6's ``_defer_save_until_validation``): the monitored value is not
+        logged yet, or this step ends an epoch whose validation follows, with the saves at validation ends (its value
+        is the last validation's). Only in a fit that validates: without validation the step save is made (ranked
+        last while its value is missing, with a warning)."""
+        if self.monitor is None or not any(trainer.num_val_batches):
+            return False
+        if self.monitor not in self._metrics(trainer):
+            return True
+        return ends_epoch and self._saves_at_validation(trainer) and trainer.config.validates_in(trainer.current_epoch)
 
     def _epoch_due(self, trainer: "Trainer") -> bool:
         return bool(self.every_n_epochs) and (trainer.current_epoch + 1) % self.every_n_epochs == 0
@@ -348,7 +364,12 @@ class ModelCheckpoint(Callback):
         return due
 
     def on_validation_end(self, trainer: "Trainer", module: Any) -> None:
-        """With ``save_on_train_epoch_end=False``: the epoch save, after each validation of a fit (Lightning's)."""
+        """A step save deferred until this validation (:meth:`_defers`), on its fresh values; else, with
+        ``save_on_train_epoch_end=False``, the epoch save, after each validation of a fit (Lightning's)."""
+        if self._deferred and self._directory is not None and trainer.fitting and not trainer.sanity_checking:
+            self._deferred = False
+            self._save(trainer, epoch_end=False)
+            return
         if (self._directory is not None and trainer.fitting and not trainer.sanity_checking
                 and self._saves_at_validation(trainer) and self._epoch_due(trainer)
                 and self._saved_step != trainer.global_step):
