@@ -3891,3 +3891,39 @@ def test_a_step_save_ranking_by_a_validation_value_waits_for_that_validation(tmp
     assert Path(checkpoint.best_model_path).name == "epoch=2-step=6.ckpt"
     assert float(torch.load(checkpoint.best_model_path, weights_only=False)["callbacks"][checkpoint.state_key]
                  ["best_model_score"]) == 1.0
+
+
+# -- inference_mode ----------------------------------------------------------------------------------------------------
+class _GradModes(Probe):
+    """Notes (grad enabled, inference mode enabled) at each evaluation stage's start and in its steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.modes: list[tuple[str, bool, bool]] = []
+
+    def _note(self, where):
+        self.modes.append((where, torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+
+    def on_validation_start(self):
+        self._note("validation")
+
+    def test_step(self, batch, batch_idx):
+        self._note("test_step")
+
+    def predict_step(self, batch, batch_idx):
+        self._note("predict_step")
+        return self.layer(batch[0])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("inference_mode", [True, False])
+def test_evaluation_stages_run_under_inference_mode_or_no_grad_as_the_flag_says(tmp_path, inference_mode):
+    model = _GradModes()
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, inference_mode=inference_mode)
+    trainer.fit(model, _loader(4), _loader(2))
+    trainer.validate(model, _loader(2))
+    trainer.test(model, _loader(2))
+    trainer.predict(model, _loader(2))
+    assert [m[0] for m in model.modes] == ["validation", "validation", "test_step", "predict_step"]
+    assert {m[1:] for m in model.modes} == {(False, inference_mode)}  # never grad; inference mode as asked
+    assert trainer.global_step == 2 and model.layer.weight.requires_grad  # training after validation: as before

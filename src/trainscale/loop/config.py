@@ -207,6 +207,11 @@ class TrainerConfig:
             ``self.log`` ignored with a warning; ``fast_dev_run``, ``detect_anomaly``, ``checkpoint_every_n_steps``,
             ``tensorboard``, a ``num_sanity_val_steps`` other than 0 (or the default), a ``logger`` or a ``profiler``
             with it are a ``ValueError``, as in Lightning.
+        inference_mode: Lightning's flag: ``validate``, ``test``, ``predict`` and ``fit``'s validation run under
+            ``torch.inference_mode()`` (True) or ``torch.no_grad()`` (False: tensors made there can later enter
+            autograd, and ``torch.enable_grad()`` inside a step works). As Lightning's, ``no_grad`` in either case on
+            a gloo process group and under strategies whose forward runs collectives (fsdp, hsdp, tp, pp:
+            pytorch/pytorch#95957).
     """
 
     max_epochs: int | None = None  # the rules of max_epochs and max_steps: _loop_limits
@@ -255,6 +260,7 @@ class TrainerConfig:
     detect_anomaly: bool = flag(False)
     benchmark: bool | None = flag(None)
     barebones: bool = flag(False)
+    inference_mode: bool = flag(True)
 
     def train_batches(self, full: float) -> float:
         """An epoch's micro-batches under ``limit_train_batches``, of ``full`` without it (infinite: an iterable's)."""

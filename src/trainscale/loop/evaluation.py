@@ -572,12 +572,13 @@ def _predict_stage(trainer: Trainer, model: Any, loop_module: Any, wrapped: Any,
     trainer.num_predict_batches = num_batches
     recorded = [with_index_recording(loader) for loader in loaders]  # each batch's sample indices, for the writers
     loaders, trainer.predict_batch_indices = [loader for loader, _ in recorded], [seen for _, seen in recorded]
-    modes = model_eval(trainer, loop_module, wrapped, "predict")
-    trainer._hook("on_predict_start")
-    predictions = predict(trainer.runtime, loop_module, wrapped, loaders, trainer._hook, num_batches,
-                          trainer.batch_transfer)
-    trainer._hook("on_predict_end")
-    model_train(trainer, loop_module, modes, "predict")
+    with grad_mode(trainer):  # inference_mode or no_grad, as Lightning's loop
+        modes = model_eval(trainer, loop_module, wrapped, "predict")
+        trainer._hook("on_predict_start")
+        predictions = predict(trainer.runtime, loop_module, wrapped, loaders, trainer._hook, num_batches,
+                              trainer.batch_transfer)
+        trainer._hook("on_predict_end")
+        model_train(trainer, loop_module, modes, "predict")
     teardown(trainer, model, "predict")
     return predictions
 
@@ -636,20 +637,33 @@ def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loaders: li
     trainer.metric_collector = stage_collector = MetricCollector(trainer.runtime, stage, routes_of=collector)
     if num_batches is None:
         num_batches = [trainer.config.eval_batches(stage, loader_length(loader)) for loader in loaders]
-    modes = model_eval(trainer, loop_module, wrapped, stage)
-    try:
-        trainer._hook(f"on_{stage}_start")
-        per_loader = evaluate(trainer.runtime, loop_module, wrapped, loaders, stage, stage_collector, num_batches,
-                              trainer._hook, trainer.batch_transfer)
-    finally:
-        trainer.metric_collector = collector
-    collector.keep_evaluation_steps(stage_collector, record=not trainer.sanity_checking)
-    results = merged(per_loader)
-    # what the module logged (a plain model: trainscale's val_loss, ...), a value logged on_step and on_epoch also
-    # under its bare name ("val_acc" beside "val_acc_epoch"), as in Lightning's callback_metrics, where
-    # EarlyStopping(monitor="val_acc") finds it; the records keep the two, and every value returned by the step
-    logged = {k: v for k, v in results.items() if k in stage_collector.logged}
-    trainer._publish(loop_module.plain_model, results, logged, stage_collector)
-    trainer._hook(f"on_{stage}_end")
-    model_train(trainer, loop_module, modes, stage)
+    with grad_mode(trainer):  # inference_mode or no_grad, as Lightning's loop
+        modes = model_eval(trainer, loop_module, wrapped, stage)
+        try:
+            trainer._hook(f"on_{stage}_start")
+            per_loader = evaluate(trainer.runtime, loop_module, wrapped, loaders, stage, stage_collector, num_batches,
+                                  trainer._hook, trainer.batch_transfer)
+        finally:
+            trainer.metric_collector = collector
+        collector.keep_evaluation_steps(stage_collector, record=not trainer.sanity_checking)
+        results = merged(per_loader)
+        # what the module logged (a plain model: trainscale's val_loss, ...), a value logged on_step and on_epoch
+        # also under its bare name ("val_acc" beside "val_acc_epoch"), as in Lightning's callback_metrics, where
+        # EarlyStopping(monitor="val_acc") finds it; the records keep the two, and every value returned by the step
+        logged = {k: v for k, v in results.items() if k in stage_collector.logged}
+        trainer._publish(loop_module.plain_model, results, logged, stage_collector)
+        trainer._hook(f"on_{stage}_end")
+        model_train(trainer, loop_module, modes, stage)
     return per_loader
+
+
+def grad_mode(trainer: Trainer) -> Any:
+    """The autograd mode an evaluation stage runs in, hooks included (Lightning's ``_no_grad_context``):
+    ``torch.inference_mode()`` with ``Trainer(inference_mode=True)`` (the default), else ``torch.no_grad()``; also
+    ``no_grad`` on a gloo process group and under a strategy whose forward runs collectives (fsdp, hsdp, tp, pp),
+    where Lightning uses it too (pytorch/pytorch#95957)."""
+    dist = torch.distributed
+    gloo = dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
+    if trainer.config.inference_mode and not gloo and not trainer.runtime.strategy.forward_communicates:
+        return torch.inference_mode()
+    return torch.no_grad()

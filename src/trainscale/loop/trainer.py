@@ -129,7 +129,7 @@ class Trainer:
                  overfit_batches: int | float = 0.0, deterministic: bool | Literal["warn"] | None = None,
                  enable_model_summary: bool = True, use_distributed_sampler: bool = True,
                  reload_dataloaders_every_n_epochs: int = 0, detect_anomaly: bool = False,
-                 benchmark: bool | None = None, barebones: bool = False) -> None:
+                 benchmark: bool | None = None, barebones: bool = False, inference_mode: bool = True) -> None:
         """The Runtime's flags (accelerator, devices, strategy, num_nodes, precision, timeout, strategy_options,
         sync_batchnorm, activation_checkpointing, compile, float32_matmul_precision, parallel, tp_plan, parallelize,
         pp_schedule, pp_microbatches, pp_split_points) are described in ``Runtime.__init__``; the loop's are fields of
@@ -261,6 +261,11 @@ class Trainer:
                 ``self.log`` ignored with a warning; ``fast_dev_run``, ``detect_anomaly``, ``checkpoint_every_n_steps``,
                 ``tensorboard``, a ``num_sanity_val_steps`` other than 0 (or the default), a ``logger`` or a
                 ``profiler`` with it are a ``ValueError``, as in Lightning.
+            inference_mode: Lightning's flag: ``validate``, ``test``, ``predict`` and ``fit``'s validation run under
+                ``torch.inference_mode()`` (True) or ``torch.no_grad()`` (False: tensors made there can later enter
+                autograd, and ``torch.enable_grad()`` inside a step works). As Lightning's, ``no_grad`` in either case on
+                a gloo process group and under strategies whose forward runs collectives (fsdp, hsdp, tp, pp:
+                pytorch/pytorch#95957).
 
         Raises:
             TypeError: a misspelt flag (naming the closest one; type checkers refuse it too).
@@ -290,7 +295,7 @@ class Trainer:
             fast_dev_run=fast_dev_run, max_time=max_time, overfit_batches=overfit_batches, deterministic=deterministic,
             enable_model_summary=enable_model_summary, use_distributed_sampler=use_distributed_sampler,
             reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs, detect_anomaly=detect_anomaly,
-            benchmark=benchmark, barebones=barebones)
+            benchmark=benchmark, barebones=barebones, inference_mode=inference_mode)
         self.flags = dict(runtime_flags, **loop_flags, callbacks=callbacks, logger=logger,
                           profiler=profiler)  # a ddp_spawn rank rebuilds the Trainer from them
         check_plugins(plugins)
