@@ -3816,3 +3816,35 @@ def test_lbfgs_under_16_mixed_is_lightnings_error(tmp_path, manual):
     trainer = _trainer(tmp_path, max_steps=1, num_sanity_val_steps=0, precision="16-mixed")
     with pytest.raises(ValueError, match="AMP and the LBFGS optimizer are not compatible.*precision='bf16-mixed'"):
         trainer.fit(model, _regression_batches())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("line_search_fn", [None, "strong_wolfe"])
+def test_lbfgs_under_ddp_steps_as_one_process_on_the_ranks_batches_together(line_search_fn):
+    """Two ranks, 4 samples each per step: the gradients are averaged and L-BFGS reads the ranks' mean loss, so its
+    line search and stopping tests take the same path on every rank and the weights are those of plain PyTorch's
+    L-BFGS on the 8 samples (their loss written as the mean of the two halves', the ranks' arithmetic: L-BFGS near
+    its minimum magnifies a rounding difference)."""
+    from tests import module_workers as mw
+    from tests.helpers import run_distributed
+
+    ranks = run_distributed(mw.lbfgs_ddp_body, line_search_fn, timeout=100)
+    reference = nn.Linear(3, 1)
+    reference.load_state_dict(ranks[0]["first"])  # ddp starts every rank from rank 0's weights
+    optimizer = torch.optim.LBFGS(reference.parameters(), lr=0.5, max_iter=6, line_search_fn=line_search_fn)
+    evaluations = 0
+    for halves in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True):
+        def closure(halves=halves):
+            nonlocal evaluations
+            evaluations += 1
+            optimizer.zero_grad()
+            loss = sum((reference(x).squeeze(-1) - y).pow(2).mean() for x, y in halves) / 2
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+    assert len(ranks[0]["steps"]) == 3
+    for rank in ranks:
+        assert rank["evaluations"] == evaluations
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(rank["last"][name], value, atol=1e-6, rtol=1e-6)

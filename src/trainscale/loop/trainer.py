@@ -870,7 +870,8 @@ class Trainer:
         all-gathers and the gradients' reduce-scatter (fsdp: forward and backward); pp's sends and receives.
         2. clipping's all-reduce of the total norm of sharded (DTensor) gradients (fsdp, tp; pp across stages).
         3. "skip" without clipping: the same norm's all-reduce (fsdp, tp). 4. "16-mixed" under pp: the
-        GradScaler's all-reduce of its inf/NaN flag (``ShardedGradScaler``). 5. at log steps: telemetry's
+        GradScaler's all-reduce of its inf/NaN flag (``ShardedGradScaler``); L-BFGS on several ranks: the all-reduce
+        of the loss at each call of its closure, and 1. and 2. again at each later call. 5. at log steps: telemetry's
         ``all_gather_single`` of every rank's interval, then sync_dist's all-reduce of a flag per rank and, when
         some value has ``sync_dist=True``, an ``all_gather_object`` of their names and the all-reduce of the values.
         6. validation's reductions; at the agreed check steps the fault check's all-reduce (a second one when a
@@ -950,7 +951,8 @@ class Trainer:
         ``optimizer.step(closure=optimizer_closure)``): the closure runs 2 and 3 (Lightning's ``_after_closure``; the
         step's forward and backward ran before it, where Lightning runs them in it), ``optimizer.step()`` (a
         :class:`StepOptimizer`) runs 4. An optimizer that calls the closure again within its step (L-BFGS) has each
-        later call run the step's forward and backward again first (:meth:`_evaluate_again`), then 2. Then
+        later call run the step's forward and backward again first (:meth:`_evaluate_again`), then 2; on several
+        ranks L-BFGS gets the ranks' mean loss at each call (one all-reduce of a number), as the gradients are. Then
         ``on_before_zero_grad`` and ``optimizer_zero_grad`` (the module's own, or ``zero_grad(set_to_none=True)``).
         Returns the gradient norm clipping measured (None: not clipped by norm, or clipped by the module's own
         ``configure_gradient_clipping``)."""
@@ -961,6 +963,8 @@ class Trainer:
         def closure() -> torch.Tensor:
             found["calls"] += 1  # the first call's loss and gradients are the step's; later ones evaluate again
             value = loss if found["calls"] == 1 else self._evaluate_again(fit, optimizer, batch, micro)
+            if rt.world_size > 1 and isinstance(optimizer, torch.optim.LBFGS):  # its tests read the loss: the ranks'
+                value = rt.all_reduce(value.clone(), op="mean")  # mean, so every rank takes the same path (ddp)
             # 2. The hook before the step (on unscaled gradients), then clip.
             rt.precision.unscale_gradients(optimizer)  # "16-mixed" only; once per step (the step skips its own)
             self._hook("on_before_optimizer_step", optimizer)
