@@ -663,3 +663,49 @@ def skipped_step_body(rank: int) -> str:
     finally:
         trainer.runtime.teardown()
     return "no error"
+
+
+class LBFGSRegression(TrainingModule):
+    """A linear regression fitted with L-BFGS under automatic optimization; keeps its first weights and the batch of
+    each step (its first evaluation's)."""
+
+    def __init__(self, line_search_fn):
+        super().__init__()
+        self.net = nn.Linear(3, 1)
+        self.first = {k: v.clone() for k, v in self.net.state_dict().items()}
+        self.line_search_fn = line_search_fn
+        self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.evaluations = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if len(self.steps) == batch_idx:  # the step's first evaluation
+            self.steps.append((x.clone(), y.clone()))
+        self.evaluations += 1
+        return (self.net(x).squeeze(-1) - y).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=6, line_search_fn=self.line_search_fn)
+
+
+def regression_dataset(n: int = 32) -> TensorDataset:
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(n, 3, generator=generator)
+    return TensorDataset(x, x @ torch.tensor([1.0, -2.0, 0.5]) + 0.1 * torch.randn(n, generator=generator))
+
+
+def lbfgs_ddp_body(rank: int, line_search_fn) -> dict:
+    """Three L-BFGS steps under ddp, 4 samples per rank and step: the first and last weights, each step's batch and
+    the evaluations of the loss."""
+    from trainscale.loop.trainer import Trainer
+
+    torch.manual_seed(rank)  # different first weights on each rank: ddp broadcasts rank 0's
+    model = LBFGSRegression(line_search_fn)
+    trainer = Trainer(accelerator="cpu", devices="auto", strategy="ddp", max_steps=3, enable_progress_bar=False,
+                      enable_checkpointing=False, logger=False, num_sanity_val_steps=0, timeout=30)
+    try:
+        trainer.fit(model, DataLoader(regression_dataset(), batch_size=4))
+    finally:
+        trainer.runtime.teardown()
+    return {"first": model.first, "last": {k: v.detach().clone() for k, v in model.net.state_dict().items()},
+            "steps": model.steps, "evaluations": model.evaluations}

@@ -3927,3 +3927,131 @@ def test_evaluation_stages_run_under_inference_mode_or_no_grad_as_the_flag_says(
     assert [m[0] for m in model.modes] == ["validation", "validation", "test_step", "predict_step"]
     assert {m[1:] for m in model.modes} == {(False, inference_mode)}  # never grad; inference mode as asked
     assert trainer.global_step == 2 and model.layer.weight.requires_grad  # training after validation: as before
+
+
+# -- closure optimizers (LBFGS) ----------------------------------------------------------------------------------------
+class _LBFGSFit(TrainingModule):
+    """A small regression fitted with L-BFGS under automatic optimization; notes each evaluation's hooks."""
+
+    def __init__(self, line_search_fn=None):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+        self.line_search_fn = line_search_fn
+        self.noted: list[str] = []
+
+    def training_step(self, batch, batch_idx):
+        self.noted.append("training_step")
+        x, y = batch
+        return (self.net(x).squeeze(-1) - y).pow(2).mean()
+
+    def on_before_backward(self, loss):
+        self.noted.append("backward")
+
+    def on_before_optimizer_step(self, optimizer):
+        self.noted.append("before_optimizer_step")
+
+    def on_before_zero_grad(self, optimizer):
+        self.noted.append("zero_grad")
+
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=6, line_search_fn=self.line_search_fn)
+
+
+def _regression_batches(n=16, batch_size=4):
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 3, generator=generator)
+    y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.1 * torch.randn(n, generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("line_search_fn", "clip"), [(None, None), ("strong_wolfe", 0.5)])
+def test_lbfgs_under_automatic_optimization_trains_as_a_plain_pytorch_lbfgs_loop(tmp_path, line_search_fn, clip):
+    """``configure_optimizers`` returning L-BFGS: each call of the closure after the first runs zero_grad, the
+    batch's forward and backward again, then the hook before the step and the clipping, as Lightning's closure does;
+    the weights after three steps are those of the same closure in plain PyTorch, where each evaluation is one
+    backward."""
+    torch.manual_seed(0)
+    model = _LBFGSFit(line_search_fn)
+    reference = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    reference.load_state_dict(model.net.state_dict())
+    trainer = _trainer(tmp_path, max_steps=3, num_sanity_val_steps=0, gradient_clip_val=clip)
+    trainer.fit(model, _regression_batches())
+
+    optimizer = torch.optim.LBFGS(reference.parameters(), lr=0.5, max_iter=6, line_search_fn=line_search_fn)
+    evaluations = 0
+    for x, y in list(_regression_batches())[:3]:
+        def closure(x=x, y=y):
+            nonlocal evaluations
+            evaluations += 1
+            optimizer.zero_grad()
+            loss = (reference(x).squeeze(-1) - y).pow(2).mean()
+            loss.backward()
+            if clip is not None:
+                nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            return loss
+
+        optimizer.step(closure)
+    for ours, theirs in zip(model.net.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    assert evaluations > 3  # the optimizer evaluated the loss several times per step
+    assert model.noted.count("training_step") == model.noted.count("backward") == evaluations
+    assert model.noted.count("before_optimizer_step") == evaluations
+    # each evaluation after a step's first zeroes the gradients first; the step's own zeroing follows it
+    assert model.noted.count("zero_grad") == evaluations
+    assert model.noted[:5] == ["zero_grad", "training_step", "backward", "before_optimizer_step", "zero_grad"]
+    assert trainer.global_step == 3
+
+
+@pytest.mark.timeout(60)
+def test_lbfgs_with_accumulated_batches_is_refused_when_it_evaluates_again(tmp_path):
+    """Evaluating one batch again would mix its new gradients with the step's other batches' old ones: the
+    error names the flag to change."""
+    model = _LBFGSFit()
+    trainer = _trainer(tmp_path, max_steps=2, num_sanity_val_steps=0, accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match=r"LBFGS evaluated the loss again.*accumulated the gradients of 2 batches.*"
+                                         r"Use accumulate_grad_batches=1"):
+        trainer.fit(model, _regression_batches())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("manual", [False, True])
+def test_lbfgs_under_16_mixed_is_lightnings_error(tmp_path, manual):
+    """The GradScaler steps without a closure: Lightning's words, then the precisions that work, under automatic and
+    manual optimization."""
+    model = _ManualLBFGS() if manual else _LBFGSFit()
+    trainer = _trainer(tmp_path, max_steps=1, num_sanity_val_steps=0, precision="16-mixed")
+    with pytest.raises(ValueError, match="AMP and the LBFGS optimizer are not compatible.*precision='bf16-mixed'"):
+        trainer.fit(model, _regression_batches())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("line_search_fn", [None, "strong_wolfe"])
+def test_lbfgs_under_ddp_steps_as_one_process_on_the_ranks_batches_together(line_search_fn):
+    """Two ranks, 4 samples each per step: the gradients are averaged and L-BFGS reads the ranks' mean loss, so its
+    line search and stopping tests take the same path on every rank and the weights are those of plain PyTorch's
+    L-BFGS on the 8 samples (their loss written as the mean of the two halves', the ranks' arithmetic: L-BFGS near
+    its minimum magnifies a rounding difference)."""
+    from tests import module_workers as mw
+    from tests.helpers import run_distributed
+
+    ranks = run_distributed(mw.lbfgs_ddp_body, line_search_fn, timeout=100)
+    reference = nn.Linear(3, 1)
+    reference.load_state_dict(ranks[0]["first"])  # ddp starts every rank from rank 0's weights
+    optimizer = torch.optim.LBFGS(reference.parameters(), lr=0.5, max_iter=6, line_search_fn=line_search_fn)
+    evaluations = 0
+    for halves in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True):
+        def closure(halves=halves):
+            nonlocal evaluations
+            evaluations += 1
+            optimizer.zero_grad()
+            loss = sum((reference(x).squeeze(-1) - y).pow(2).mean() for x, y in halves) / 2
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+    assert len(ranks[0]["steps"]) == 3
+    for rank in ranks:
+        assert rank["evaluations"] == evaluations
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(rank["last"][name], value, atol=1e-6, rtol=1e-6)

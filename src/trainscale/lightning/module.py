@@ -508,9 +508,10 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         micro-batch): ``optimizer.step(closure=optimizer_closure)``. Override it to act around the step (a
         learning-rate warm-up) or to skip it. The closure runs ``on_before_optimizer_step`` and
         ``configure_gradient_clipping`` and returns the loss; call it, as Lightning requires. One difference: the
-        step's forward and backward ran before this hook (Lightning runs them inside the closure, so an optimizer
-        that calls its closure several times, such as L-BFGS, is not supported); ``optimizer.step(...)``: the
-        Trainer's step (``lightning.optimizers.StepOptimizer``)."""
+        step's forward and backward ran before this hook (Lightning runs them inside the closure), so the closure's
+        first call returns that loss; each later call (an optimizer that evaluates the loss several times per step,
+        such as ``torch.optim.LBFGS``) zeroes the gradients and runs ``training_step`` and the backward again first,
+        as Lightning's; ``optimizer.step(...)``: the Trainer's step (``lightning.optimizers.StepOptimizer``)."""
         optimizer.step(closure=optimizer_closure)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:

@@ -315,8 +315,12 @@ class BackwardAgreement:
 class StepOptimizer:
     """The optimizer as a module's ``optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)`` receives it under
     automatic optimization (Lightning's ``LightningOptimizer``): ``step(closure=None, **kwargs)`` runs the closure, then
-    the Trainer's step (``take_step(**kwargs)``: at the scaled lr, through the precision, unless the "skip" mode of
-    ``on_nonfinite`` skips it), and returns the closure's result; everything else is the optimizer's."""
+    the Trainer's step (``take_step(closure, **kwargs)``: at the scaled lr, through the precision, unless the "skip"
+    mode of ``on_nonfinite`` skips it), and returns the closure's result; everything else is the optimizer's.
+
+    The optimizer's own ``step`` gets a closure too, as under Lightning: its first call returns that result (the
+    gradients are ready), each later one calls ``closure`` again, so an optimizer that evaluates the loss several
+    times per step (``torch.optim.LBFGS``) has the Trainer's closure run the step's forward and backward again."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, take_step: Callable[..., None]) -> None:
         self.optimizer = optimizer
@@ -326,8 +330,16 @@ class StepOptimizer:
         return getattr(self.__dict__["optimizer"], name)
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        result = closure() if closure is not None else None
-        self._take_step(**kwargs)
+        if closure is None:
+            self._take_step(None, **kwargs)
+            return None
+        result = closure()
+        unread = [result]
+
+        def evaluate() -> Any:  # the optimizer's closure: the result above, then a new evaluation at each call
+            return unread.pop() if unread else closure()
+
+        self._take_step(evaluate, **kwargs)
         return result
 
 

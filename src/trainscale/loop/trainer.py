@@ -882,7 +882,8 @@ class Trainer:
         all-gathers and the gradients' reduce-scatter (fsdp: forward and backward); pp's sends and receives.
         2. clipping's all-reduce of the total norm of sharded (DTensor) gradients (fsdp, tp; pp across stages).
         3. "skip" without clipping: the same norm's all-reduce (fsdp, tp). 4. "16-mixed" under pp: the
-        GradScaler's all-reduce of its inf/NaN flag (``ShardedGradScaler``). 5. at log steps: telemetry's
+        GradScaler's all-reduce of its inf/NaN flag (``ShardedGradScaler``); L-BFGS on several ranks: the all-reduce
+        of the loss at each call of its closure, and 1. and 2. again at each later call. 5. at log steps: telemetry's
         ``all_gather_single`` of every rank's interval, then sync_dist's all-reduce of a flag per rank and, when
         some value has ``sync_dist=True``, an ``all_gather_object`` of their names and the all-reduce of the values.
         6. validation's reductions; at the agreed check steps the fault check's all-reduce (a second one when a
@@ -922,7 +923,7 @@ class Trainer:
         else:
             return False
         # 2.-4. The hook before the step, clipping, the "skip" check, the step (automatic optimization).
-        grad_norm = None if self.manual_optimizers else self._optimizer_step(fit, loss, micro.index)
+        grad_norm = None if self.manual_optimizers else self._optimizer_step(fit, loss, batch, micro)
         tele.end_step()  # the "optimizer" phase ends
         # 5. Schedulers, the step count, callbacks, the step record.
         if not self.manual_optimizers:  # through the module's lr_scheduler_step; ReduceLROnPlateau ones later
@@ -963,17 +964,25 @@ class Trainer:
             self._checkpoint_if_due(fit, epoch_end=False, ends_epoch=micro.ends_epoch)
         return True
 
-    def _optimizer_step(self, fit: FitRun, loss: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+    def _optimizer_step(self, fit: FitRun, loss: torch.Tensor, batch: Any, micro: MicroBatch) -> torch.Tensor | None:
         """Parts 2 to 4 of :meth:`train_step` under automatic optimization, through Lightning's hook
         ``optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)`` (the module's own, or its default
         ``optimizer.step(closure=optimizer_closure)``): the closure runs 2 and 3 (Lightning's ``_after_closure``; the
         step's forward and backward ran before it, where Lightning runs them in it), ``optimizer.step()`` (a
-        :class:`StepOptimizer`) runs 4. Returns the gradient norm clipping measured (None: not clipped by norm,
-        or clipped by the module's own ``configure_gradient_clipping``)."""
+        :class:`StepOptimizer`) runs 4. An optimizer that calls the closure again within its step (L-BFGS) has each
+        later call zero the gradients and run the step's forward and backward again first
+        (:meth:`_evaluate_again`), then 2; on several ranks L-BFGS gets the ranks' mean loss at each call (one
+        all-reduce of a number), as the gradients are. Returns the gradient norm clipping measured (None: not clipped
+        by norm, or clipped by the module's own ``configure_gradient_clipping``)."""
         rt, cfg, model, hooks = self.runtime, self.config, fit.model, fit.loop_module.step_hooks
-        optimizer, found = self.optimizers[0], {"grad_norm": None, "skip": False}
+        optimizer, found = self.optimizers[0], {"grad_norm": None, "skip": False, "calls": 0}
+        batch_idx = micro.index
 
         def closure() -> torch.Tensor:
+            found["calls"] += 1  # the first call's loss and gradients are the step's; later ones evaluate again
+            value = loss if found["calls"] == 1 else self._evaluate_again(fit, optimizer, batch, micro)
+            if rt.world_size > 1 and isinstance(optimizer, torch.optim.LBFGS):  # its tests read the loss: the ranks'
+                value = rt.all_reduce(value.clone(), op="mean")  # mean, so every rank takes the same path (ddp)
             # 2. The hook before the step (on unscaled gradients), then clip.
             rt.precision.unscale_gradients(optimizer)  # "16-mixed" only; once per step (the step skips its own)
             self._hook("on_before_optimizer_step", optimizer)
@@ -982,16 +991,17 @@ class Trainer:
                                                   gradient_clip_algorithm=cfg.gradient_clip_algorithm)
             elif cfg.gradient_clip_val is not None:
                 found["grad_norm"] = self.clip_gradients(optimizer, cfg.gradient_clip_val, cfg.gradient_clip_algorithm)
-            # 3. Skip a step whose gradients are not finite ("skip" mode).
-            found["skip"] = cfg.on_nonfinite == "skip" and self._faults.skip_step(
-                fit.wrapped, optimizer, found["grad_norm"], step=self.global_step, epoch=self.current_epoch)
-            return loss
+            # 3. Skip a step whose gradients are not finite ("skip" mode; decided before the step, so on the first call)
+            if found["calls"] == 1:
+                found["skip"] = cfg.on_nonfinite == "skip" and self._faults.skip_step(
+                    fit.wrapped, optimizer, found["grad_norm"], step=self.global_step, epoch=self.current_epoch)
+            return value
 
-        def take_step(**kwargs: Any) -> None:
-            # 4. Step at the scaled learning rate.
+        def take_step(evaluate: Callable[[], Any] | None, **kwargs: Any) -> None:
+            # 4. Step at the scaled learning rate (the optimizer may call evaluate: the closure's result, then again).
             if not found["skip"]:
                 with self.batch_scaling.scaled_lr(optimizer), self.profiler.profile("optimizer_step"):
-                    rt.precision.optimizer_step(optimizer, **kwargs)  # through the GradScaler under "16-mixed"
+                    rt.precision.optimizer_step(optimizer, evaluate, **kwargs)  # the GradScaler's under "16-mixed"
 
         stepper = StepOptimizer(optimizer, take_step)
         if "optimizer_step" in hooks:
@@ -999,6 +1009,38 @@ class Trainer:
         else:
             stepper.step(closure=closure)
         return found["grad_norm"]
+
+    def _evaluate_again(self, fit: FitRun, optimizer: torch.optim.Optimizer, batch: Any,
+                        micro: MicroBatch) -> torch.Tensor:
+        """A later call of the step's closure by an optimizer that evaluates the loss several times per step
+        (``torch.optim.LBFGS``; it moved the weights in between): ``on_before_zero_grad`` and the module's
+        ``optimizer_zero_grad`` (or ``zero_grad(set_to_none=True)``), then the step's batch forward and backward again
+        (:meth:`_forward_backward`, with its hooks and, under ddp, the gradient all-reduce), as Lightning's closure
+        runs ``training_step``, ``zero_grad`` and ``backward`` at each call. Returns the new loss, detached.
+
+        Raises:
+            ValueError: the step accumulated the gradients of several micro-batches (``accumulate_grad_batches``
+                > 1): one batch evaluated again would mix its new gradients with the others' old ones.
+            ValueError: ``training_step`` returned None at this evaluation: the optimizer needs a loss.
+        """
+        if micro.group_size > 1:
+            raise ValueError(
+                f"{type(optimizer).__name__} evaluated the loss again within its step (it calls the closure several "
+                f"times, as torch.optim.LBFGS does), but this step accumulated the gradients of {micro.group_size} "
+                f"batches (accumulate_grad_batches={self.config.accumulate_grad_batches}): evaluating one batch again "
+                "would mix its new gradients with the others' old ones. Use accumulate_grad_batches=1 with this "
+                "optimizer (a larger batch_size gives the same batch per step)")
+        self._hook("on_before_zero_grad", optimizer)  # Lightning's closure zeroes before each backward
+        if "optimizer_zero_grad" in fit.loop_module.step_hooks:
+            fit.model.optimizer_zero_grad(self.current_epoch, micro.index, optimizer)
+        else:
+            optimizer.zero_grad(set_to_none=True)
+        loss, _ = self._forward_backward(fit, batch, micro)
+        if loss is None:
+            raise ValueError(f"training_step returned None while {type(optimizer).__name__} evaluated the loss again "
+                             "within its step: an optimizer that calls the closure needs a loss at each call; return "
+                             "the loss (a tensor) from training_step")
+        return loss.detach()
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float,
                        gradient_clip_algorithm: str = "norm") -> torch.Tensor | None:

@@ -168,11 +168,19 @@ class Precision:
 
         Returns:
             What the optimizer's step returned (the closure's result), without a host sync.
+
+        Raises:
+            ValueError: ``torch.optim.LBFGS`` under "16-mixed" (Lightning's words and condition): the GradScaler steps
+                without a closure, and L-BFGS evaluates the loss again through it.
         """
         if self.scaler is None or not optimizer.param_groups:  # none: nothing to scale (GradScaler asserts on it)
             return optimizer.step(**kwargs) if closure is None else optimizer.step(closure=closure, **kwargs)
         import torch
 
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("AMP and the LBFGS optimizer are not compatible: under precision='16-mixed' the "
+                             "GradScaler steps the optimizer without the closure L-BFGS evaluates the loss with. Use "
+                             "precision='bf16-mixed' or '32-true' with L-BFGS")
         with torch.enable_grad():  # as torch's optimizers run a closure
             result = closure() if closure is not None else None
         self.scaler.step(optimizer, **kwargs)  # unscales first unless unscale_gradients already did
