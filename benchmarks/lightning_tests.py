@@ -29,7 +29,7 @@ The import rewrite (``rewrite_imports``), statement by statement:
 - ``lightning_utilities`` (a package of its own, installed) stays as it is.
 - Any other name is a placeholder (``_shims.missing``): calling it fails with "trainscale has no <path>.<name>"; its
   public attributes are placeholders too (so ``RunningStage.VALIDATING`` in a ``parametrize`` list does not stop the
-  file); an ``...Exception``/``...Error``/``...Warning`` name is a class nothing raises (``PossibleUserWarning``).
+  file; iterating one, or reading a ``_``-attribute, fails naming it); an ``...Exception``/``...Error``/``...Warning`` name is a class nothing raises (``PossibleUserWarning``).
 
 A conftest.py gives Lightning's autouse fixtures that reset torch state (deterministic algorithms, process group),
 its ``tmpdir_server`` (an HTTP server over ``tmp_path``) and, for ``cuda_count_*``/``mps_count_*``/
@@ -291,10 +291,13 @@ class _MissingMeta(type):
 
     def __getattr__(cls, attr):
         if attr.startswith("_"):
-            raise AttributeError(attr)
+            raise AttributeError(f"{cls._path} (a placeholder in the copied test) has no attribute {attr!r}")
         child = _MissingMeta(attr, (), {"_path": f"{cls._path}.{attr}"})
         type.__setattr__(cls, attr, child)
         return child
+
+    def __iter__(cls):
+        raise TypeError(f"trainscale has no {cls._path} (a placeholder in the copied test; iterated)")
 
     def __repr__(cls):
         return f"<trainscale has no {cls._path} (a placeholder in the copied test)>"
@@ -544,8 +547,8 @@ def classify(text: str, test_file: str) -> str | None:
     """The ``INTERNAL_PATTERNS`` label a failure text matches (Lightning's private API), else None."""
     errors, own = _split(text, test_file)
     placeholder = re.search(r"trainscale has no (\S+) \(a placeholder", errors)
-    if placeholder:
-        return "placeholder of a private name" if _missing_is_private(placeholder.group(1)) else None
+    if placeholder and _missing_is_private(placeholder.group(1)):
+        return "placeholder of a private name"
     for label, in_errors, in_own in INTERNAL_PATTERNS:
         if in_errors.search(errors) or in_own is not None and (in_own.search(own) or in_errors.search(own)):
             return label
