@@ -1,4 +1,4 @@
-"""Lightning's own tests (17 files of its ``tests/tests_pytorch``) run against trainscale: functions passing per file.
+"""Lightning's own tests (31 files of its ``tests/tests_pytorch``) run against trainscale: functions passing per file.
 
 Each file is copied from a Lightning checkout into ``--out`` with only its imports changed, then run with pytest in a
 process of its own (``python -m pytest -n 0 --timeout=30 -p no:cacheprovider -q -rA``, a JUnit XML for the
@@ -14,12 +14,22 @@ The import rewrite (``rewrite_imports``), statement by statement:
   (``EQUIVALENT``: what trainscale raises in its place, the words still checked by ``match=``).
 - ``lightning.pytorch.demos.boring_classes`` -> the repo's ``examples/lightning/boring_classes.py`` (copied in).
 - ``tests_pytorch.helpers.runif.RunIf`` -> a ``pytest.mark.skipif`` over the machine (GPUs, packages, platform,
-  ``PL_RUN_STANDALONE_TESTS``); ``tests_pytorch.helpers.utils`` -> Lightning's file, its imports changed the same way.
+  ``PL_RUN_STANDALONE_TESTS``).
+- Helpers of Lightning's other test modules that are plain test code, using only public Lightning API (``LIFTED``:
+  ``tests_pytorch.helpers.utils``, ``.dataloaders``, ``.datasets``, ``.datamodules``, ``.simple_models`` whole;
+  ``CustomLogger`` of ``tests_pytorch.loggers.test_logger`` and ``get_members`` of ``tests_pytorch.models.test_hooks``
+  with the module-level statements and definitions they use) -> a copy in ``--out`` (``_helpers_utils.py``,
+  ``_loggers_test_logger.py``, ...), its imports changed the same way; a test file's import of one reads the copy
+  (``_shims.lifted``). Where the copy imports a package that is not installed (torchmetrics for ``simple_models``),
+  the name is a placeholder whose call raises that ``ModuleNotFoundError`` (the case then counts as skipped).
+- Helpers that monkeypatch Lightning's modules (``MOCKING``: ``tests_pytorch.conftest.mock_cuda_count``,
+  ``mock_mps_count``) -> a function that fails naming the ``lightning.*`` path it mocks, as the conftest fixtures of
+  the same kind do (below), so the failure counts as "internals".
 - ``_<PACKAGE>_GREATER_EQUAL_x_y``, ``_<PACKAGE>_AVAILABLE``, ``_IS_WINDOWS``: computed on this machine.
 - ``lightning_utilities`` (a package of its own, installed) stays as it is.
 - Any other name is a placeholder (``_shims.missing``): calling it fails with "trainscale has no <path>.<name>"; its
   public attributes are placeholders too (so ``RunningStage.VALIDATING`` in a ``parametrize`` list does not stop the
-  file); an ``...Exception``/``...Error``/``...Warning`` name is a class nothing raises (``PossibleUserWarning``).
+  file; iterating one, or reading a ``_``-attribute, fails naming it); an ``...Exception``/``...Error``/``...Warning`` name is a class nothing raises (``PossibleUserWarning``).
 
 A conftest.py gives Lightning's autouse fixtures that reset torch state (deterministic algorithms, process group),
 its ``tmpdir_server`` (an HTTP server over ``tmp_path``) and, for ``cuda_count_*``/``mps_count_*``/
@@ -75,6 +85,20 @@ FILES = [
     "trainer/optimization/test_manual_optimization.py",
     "trainer/optimization/test_optimizers.py",
     "trainer/test_trainer.py",
+    "trainer/logging_/test_eval_loop_logging.py",
+    "callbacks/test_finetuning_callback.py",
+    "checkpointing/test_trainer_checkpoint.py",
+    "trainer/properties/test_estimated_stepping_batches.py",
+    "trainer/properties/test_log_dir.py",
+    "trainer/properties/test_loggers.py",
+    "trainer/optimization/test_backward_calls.py",
+    "callbacks/test_lambda_function.py",
+    "callbacks/test_callbacks.py",
+    "trainer/dynamic_args/test_multiple_eval_dataloaders.py",
+    "trainer/test_states.py",
+    "callbacks/test_callback_hook_outputs.py",
+    "trainer/logging_/test_loop_logging.py",
+    "trainer/test_dataloaders.py",
 ]
 # With devices=2, trainscale's Trainer() re-executes the process under torchrun (Lightning starts its processes in
 # fit); a KeyboardInterrupt in fit reaches the caller (Lightning turns it into SystemExit): each stops pytest.
@@ -82,7 +106,22 @@ FILES = [
 # pytest then ends the session (test_on_exception_hook, test_keyboard_interrupt)
 DESELECTED = {"trainer/test_trainer.py": ["test_trainer_config_strategy", "test_trainer_config_device_ids",
                                           "test_on_exception_hook", "test_keyboard_interrupt"]}
-HELPERS = ["helpers/utils.py"]
+# Lightning test helpers copied in (see the module docstring): module -> the names to copy (None: the whole file).
+# Each one was read and uses only public Lightning API; a name of these modules not listed stays a placeholder.
+LIFTED: dict[str, list[str] | None] = {
+    "tests_pytorch.helpers.utils": None,
+    "tests_pytorch.helpers.dataloaders": None,
+    "tests_pytorch.helpers.datasets": None,
+    "tests_pytorch.helpers.datamodules": None,
+    "tests_pytorch.helpers.simple_models": None,
+    "tests_pytorch.loggers.test_logger": ["CustomLogger"],
+    "tests_pytorch.models.test_hooks": ["get_members"],
+}
+# Lightning test helpers that monkeypatch a lightning.* module (its tests/tests_pytorch/conftest.py): the path mocked.
+MOCKING = {"tests_pytorch.conftest.mock_cuda_count": "fabric.accelerators.cuda.num_cuda_devices",
+           "tests_pytorch.conftest.mock_mps_count": "fabric.accelerators.mps.MPSAccelerator.is_available",
+           "tests_pytorch.conftest.mock_xla_available": "fabric.accelerators.xla._XLA_AVAILABLE",
+           "tests_pytorch.conftest.mock_tpu_available": "fabric.accelerators.xla.XLAAccelerator.is_available"}
 RENAMED = {"LightningModule": "TrainingModule", "LightningDataModule": "DataModule"}
 # Lightning modules whose names trainscale keeps elsewhere (docs/lightning.md, docs/loggers.md). Lightning's
 # strategies are at its own path: ``trainscale.strategies`` (docs/strategies.md).
@@ -120,6 +159,11 @@ def _missing_is_private(path: str) -> bool:
 # --------------------------------------------------------------------------------------------------- the rewrite
 
 
+def _lifted_file(module: str) -> str:
+    """The copy's module name in --out: ``tests_pytorch.helpers.utils`` -> ``_helpers_utils``."""
+    return "_" + module.removeprefix("tests_pytorch.").replace(".", "_")
+
+
 def _resolve(module: str, name: str) -> str | None:
     """The trainscale module that has ``name`` for a ``lightning.pytorch``/``lightning.fabric`` ``module``."""
     moved = MOVED_NAMES.get((module, name)) or MOVED.get(module)
@@ -146,6 +190,10 @@ def _import_line(module: str, name: str, asname: str | None, boring: set[str]) -
         return f"{local} = _shims.flag({name!r})"
     if name in EQUIVALENT:
         return f"{local} = {EQUIVALENT[name]}"
+    if module in LIFTED and (LIFTED[module] is None or name in LIFTED[module]):
+        return f"{local} = _shims.lifted({_lifted_file(module)!r}, {name!r})"
+    if f"{module}.{name}" in MOCKING:
+        return f"{local} = _shims.mocking({name!r}, {MOCKING[module + '.' + name]!r})"
     if module == "lightning.pytorch.demos.boring_classes" and name in boring:
         return f"from boring_classes import {name}" + (f" as {asname}" if asname else "")
     if module.split(".")[:2] in (["lightning", "pytorch"], ["lightning", "fabric"]):
@@ -160,8 +208,8 @@ def _import_alias(alias: ast.alias) -> str:
     """One ``import x`` line for one name of an ``import`` statement that imports a Lightning module."""
     if alias.name in ("lightning.pytorch", "lightning") and alias.asname:
         return f"import trainscale as {alias.asname}"
-    if alias.name == "tests_pytorch.helpers.utils":
-        return f"import _helpers_utils as {alias.asname or 'tutils'}"
+    if LIFTED.get(alias.name, []) is None and alias.asname:
+        return f"import {_lifted_file(alias.name)} as {alias.asname}"
     if alias.name.split(".")[0] in ("lightning", "tests_pytorch"):
         return f"{alias.asname or alias.name.split('.')[0]} = _shims.missing({alias.name!r})"
     return f"import {alias.name}" + (f" as {alias.asname}" if alias.asname else "")
@@ -234,6 +282,8 @@ class _MissingMeta(type):
     def __call__(cls, *args, **kwargs):
         if COLLECTING[0]:
             return _MissingMeta(cls.__name__, (), {"_path": f"{cls._path}(...)"})
+        if getattr(cls, "_error", None):
+            raise ModuleNotFoundError(cls._error)
         raise NotImplementedError(f"trainscale has no {cls._path} (a placeholder in the copied test)")
 
     def __setattr__(cls, attr, value):
@@ -241,13 +291,33 @@ class _MissingMeta(type):
 
     def __getattr__(cls, attr):
         if attr.startswith("_"):
-            raise AttributeError(attr)
+            raise AttributeError(f"{cls._path} (a placeholder in the copied test) has no attribute {attr!r}")
         child = _MissingMeta(attr, (), {"_path": f"{cls._path}.{attr}"})
         type.__setattr__(cls, attr, child)
         return child
 
+    def __iter__(cls):
+        raise TypeError(f"trainscale has no {cls._path} (a placeholder in the copied test; iterated)")
+
     def __repr__(cls):
         return f"<trainscale has no {cls._path} (a placeholder in the copied test)>"
+
+
+def lifted(module, name):
+    """``name`` of ``module``, the copy of a Lightning test helper; where the copy imports a package that is not
+    installed, a placeholder whose call raises that ModuleNotFoundError."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as error:
+        return _MissingMeta(name, (), {"_path": f"{module}.{name}", "_error": str(error)})
+
+
+def mocking(name, what):
+    """A Lightning test helper that monkeypatches ``lightning.<what>``: a call fails naming it."""
+    def helper(*args, **kwargs):
+        pytest.fail(f"Lightning's helper {name} mocks 'lightning.{what}', which trainscale does not have")
+
+    return helper
 
 
 def missing(path):
@@ -387,11 +457,35 @@ def prepare(args) -> None:
         f.write(SHIMS)
     with open(os.path.join(args.out, "conftest.py"), "w") as f:
         f.write(CONFTEST)
-    with open(os.path.join(args.out, "_helpers_utils.py"), "w") as f:
-        f.write(rewrite_imports(_read(args, "helpers/utils.py"), boring))
+    for module, names in LIFTED.items():
+        source = _read(args, module.removeprefix("tests_pytorch.").replace(".", "/") + ".py")
+        with open(os.path.join(args.out, _lifted_file(module) + ".py"), "w") as f:
+            f.write(rewrite_imports(source if names is None else lift(source, names), boring))
     for rel in args.files:
         with open(os.path.join(args.out, _flat(rel)), "w") as f:
             f.write(rewrite_imports(_read(args, rel), boring))
+
+
+def lift(source: str, names: list[str]) -> str:
+    """The part of a Lightning test module that defines ``names``: its module-level statements other than
+    definitions (imports), and the named top-level classes and functions with every top-level one they use."""
+    tree = ast.parse(source)
+    definitions = {node.name: node for node in tree.body
+                   if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))}
+    wanted, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name in definitions and name not in wanted:
+            wanted.add(name)
+            todo += [n.id for n in ast.walk(definitions[name]) if isinstance(n, ast.Name)]
+    lines, kept = source.splitlines(), []
+    for node in tree.body:
+        is_definition = isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        if is_definition and node.name not in wanted:
+            continue
+        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        kept.append(("\n\n\n" if is_definition else "\n") + "\n".join(lines[start - 1:node.end_lineno]))
+    return "".join(kept).lstrip() + "\n"
 
 
 def _flat(rel: str) -> str:
@@ -453,8 +547,8 @@ def classify(text: str, test_file: str) -> str | None:
     """The ``INTERNAL_PATTERNS`` label a failure text matches (Lightning's private API), else None."""
     errors, own = _split(text, test_file)
     placeholder = re.search(r"trainscale has no (\S+) \(a placeholder", errors)
-    if placeholder:
-        return "placeholder of a private name" if _missing_is_private(placeholder.group(1)) else None
+    if placeholder and _missing_is_private(placeholder.group(1)):
+        return "placeholder of a private name"
     for label, in_errors, in_own in INTERNAL_PATTERNS:
         if in_errors.search(errors) or in_own is not None and (in_own.search(own) or in_errors.search(own)):
             return label
@@ -557,7 +651,7 @@ def main() -> None:
     source.add_argument("--lightning-git", help="a Lightning git directory (bare mirror); files read with git show")
     parser.add_argument("--commit", default="HEAD", help="with --lightning-git: the commit to read (default HEAD)")
     parser.add_argument("--out", required=True, help="folder for the copied files, logs and JUnit XMLs")
-    parser.add_argument("--files", nargs="+", default=FILES, help="files under tests/tests_pytorch (default: all 17)")
+    parser.add_argument("--files", nargs="+", default=FILES, help="files under tests/tests_pytorch (default: all 31)")
     parser.add_argument("--file-timeout", type=int, default=900, help="seconds per file before its pytest is killed")
     parser.add_argument("--no-run", action="store_true", help="count the JUnit XMLs already in --out (no pytest)")
     parser.add_argument("--list", action="store_true", help="print every function's verdict and first error line")

@@ -44,9 +44,9 @@ class Record(Callback):
     def __init__(self) -> None:
         self.losses, self.peak_bytes = [], 0
 
-    def on_train_batch_end(self, trainer, module, loss, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if trainer.is_step_end:
-            self.losses.append(loss.item())
+            self.losses.append(outputs["loss"].item())
 
     def sgd(self, params):
         """SGD with momentum (AdamW's per-element normalisation magnifies rounding differences of

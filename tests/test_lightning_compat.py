@@ -4055,3 +4055,117 @@ def test_lbfgs_under_ddp_steps_as_one_process_on_the_ranks_batches_together(line
         assert rank["evaluations"] == evaluations
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(rank["last"][name], value, atol=1e-6, rtol=1e-6)
+
+
+# -- eval-loop logging and callbacks --------------------------------------------------------------------------------
+class _ReturnsExtras(Probe):
+    """Returns the loss with an extra key, and nothing on batch 1 (no backward there: Lightning's skip)."""
+
+    def __init__(self):
+        super().__init__()
+        self.module_outputs: list = []
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            return None
+        return {"loss": self.layer(batch[0]).pow(2).mean(), "tag": batch_idx}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.module_outputs.append(outputs)
+
+
+class _Outputs(Callback):
+    def __init__(self):
+        self.seen: list = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append(outputs)
+
+
+@pytest.mark.timeout(60)
+def test_on_train_batch_end_gets_a_dict_of_the_detached_loss_and_the_other_keys_the_step_returned(tmp_path):
+    model, seen = _ReturnsExtras(), _Outputs()
+    with pytest.warns(UserWarning, match="`training_step` returned `None`"):
+        _trainer(tmp_path, max_epochs=1, limit_train_batches=3, callbacks=[seen]).fit(model, _loader())
+    assert [sorted(o) for o in seen.seen] == [["loss", "tag"], [], ["loss", "tag"]]  # None: {} (Lightning's)
+    assert [o.get("tag") for o in seen.seen] == [0, None, 2]
+    assert all(not o["loss"].requires_grad and o["loss"].ndim == 0 for o in seen.seen if o)
+    assert model.module_outputs == seen.seen  # the module's hook gets the same dicts
+
+
+class _LogsInValidationBatchEnd(Callback):
+    """Logs the batch index at each validation batch's end: step only (shown), step and epoch (shown), and step only
+    with ``logger=False`` (shown, not logged)."""
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        pl_module.log("shown", float(batch_idx), on_step=True, on_epoch=False, prog_bar=True)
+        pl_module.log("both_ways", float(batch_idx), on_step=True, on_epoch=True, prog_bar=True, reduce_fx="max")
+        pl_module.log("bar_only", float(batch_idx), on_step=True, on_epoch=False, prog_bar=True, logger=False)
+
+
+@pytest.mark.timeout(60)
+def test_a_value_an_evaluation_hook_logs_on_step_with_prog_bar_is_in_progress_bar_metrics(tmp_path):
+    trainer = _trainer(tmp_path, max_epochs=1, limit_train_batches=1, num_sanity_val_steps=0,
+                       callbacks=[_LogsInValidationBatchEnd()])
+    trainer.fit(Probe(), _loader(), _loader(n=6))  # 3 validation batches: the last one's index is 2
+    shown = trainer.progress_bar_metrics
+    assert (shown["shown"], shown["both_ways_step"], shown["both_ways_epoch"], shown["bar_only"]) == (2.0, 2.0, 2.0, 2.0)
+    assert "both_ways" not in shown  # the bare name only in callback_metrics, as Lightning's
+    assert "bar_only" not in trainer.logged_metrics and float(trainer.logged_metrics["shown"]) == 2.0
+    assert "shown" not in trainer.callback_metrics  # an evaluation's step value stays out of it, as Lightning's
+
+
+@pytest.mark.timeout(60)
+def test_a_mock_callback_has_every_hook_called_as_lightning_calls_them(tmp_path):
+    from unittest.mock import Mock
+
+    given, configured = Mock(spec=Callback), Mock(spec=Callback)
+
+    class Configures(Probe):
+        def configure_callbacks(self):
+            return configured
+
+    trainer = _trainer(tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1, callbacks=[given],
+                       enable_checkpointing=False)
+    trainer.fit(Configures(), _loader(), _loader())
+    called = [c[0] for c in given.method_calls]
+    assert {"setup", "on_fit_start", "on_train_batch_end", "on_validation_end", "on_fit_end"} <= set(called)
+    assert [c[0] for c in configured.method_calls] == called  # the module's callback: the same calls
+    assert trainer.callbacks.count(configured) == 1
+    trainer.validate(Configures(), _loader())  # configure_callbacks again: the same callback, not a second copy
+    assert trainer.callbacks.count(configured) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_monitor_missing_before_the_fits_first_validation_warns_after_it_is_an_error(tmp_path):
+    with pytest.warns(RuntimeWarning, match="monitors 'typo', not among the metrics yet"):
+        _trainer(tmp_path / "a", max_steps=1, callbacks=[ModelCheckpoint(monitor="typo")]).fit(Probe(), _loader())
+    with pytest.raises(ValueError, match="monitors 'typo', which is not among the metrics"):
+        _trainer(tmp_path / "b", max_epochs=1, limit_val_batches=1, num_sanity_val_steps=0,
+                 callbacks=[ModelCheckpoint(monitor="typo")]).fit(Probe(), _loader(), _loader())
+
+
+def test_filter_on_optimizer_says_lightnings_hint():
+    from trainscale.callbacks import BaseFinetuning
+
+    layer = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"Did you init your optimizer in `configure_optimizer` as such:\n .*SGD"):
+        assert BaseFinetuning.filter_on_optimizer(optimizer, [layer.weight]) == []
+
+
+@pytest.mark.timeout(60)
+def test_lambda_callback_calls_the_functions_given_by_hook_name(tmp_path):
+    from trainscale.callbacks import LambdaCallback
+
+    calls = []
+    callback = LambdaCallback(setup=lambda trainer, module, stage: calls.append(("setup", stage)),
+                              on_train_epoch_end=lambda trainer, module: calls.append(("epoch", trainer.current_epoch)),
+                              on_fit_end=None)
+    _trainer(tmp_path, max_epochs=2, limit_train_batches=1, limit_val_batches=0).fit(Probe(), _loader())
+    assert calls == []  # not given to that Trainer
+    _trainer(tmp_path, max_epochs=2, limit_train_batches=1, limit_val_batches=0, callbacks=[callback]).fit(
+        Probe(), _loader())
+    assert calls == [("setup", "fit"), ("epoch", 0), ("epoch", 1)]
+    with pytest.raises(TypeError, match="'on_epoch_end', which is not a Callback hook"):
+        LambdaCallback(on_epoch_end=print)

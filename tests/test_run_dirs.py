@@ -30,6 +30,7 @@ class _Trainer:
         self.config = TrainerConfig()
         self.ckpt_path = None
         self.num_val_batches = []  # no validation: epoch saves at epoch ends
+        self.validated_at = []  # the global steps at which the fit validated
         self.loggers = []  # told of each save (after_save_checkpoint)
 
     def reached_multiple(self, n):
@@ -257,7 +258,7 @@ def test_a_step_save_is_folded_into_the_epoch_end_only_when_that_epoch_end_saves
     assert len(list((trainer.run_dir / "checkpoints").glob("*.ckpt"))) == 2
 
 
-def test_a_monitored_step_save_before_the_first_validation_warns_and_ranks_last(tmp_path):
+def test_a_monitored_save_before_the_first_validation_warns_and_ranks_last(tmp_path):
     trainer = _Trainer(tmp_path / "version_0")
     callback = ModelCheckpoint(monitor="val_loss", every_n_train_steps=2, save_top_k=1)
     callback.setup_directory(trainer)
@@ -268,6 +269,7 @@ def test_a_monitored_step_save_before_the_first_validation_warns_and_ranks_last(
     callback.save_if_due(trainer, epoch_end=False, ends_epoch=False)
     assert callback.best_model_path.endswith(ckpt.checkpoint_name(0, 4))
     del trainer.callback_metrics["val_loss"]
+    trainer.validated_at = [4]  # once the fit has validated, a monitor that is missing is an error, as Lightning's
     at_epoch_ends = ModelCheckpoint(monitor="val_loss", save_top_k=1)
     at_epoch_ends.setup_directory(trainer)
     with pytest.raises(ValueError, match="monitors 'val_loss', which is not among the metrics"):

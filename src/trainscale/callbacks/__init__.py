@@ -10,11 +10,12 @@
 from typing import Any
 
 from trainscale.callbacks.backbone_finetuning import BackboneFinetuning
-from trainscale.callbacks.base import Callback
+from trainscale.callbacks.base import Callback, overrides
 from trainscale.callbacks.device_stats_monitor import DeviceStatsMonitor
 from trainscale.callbacks.early_stopping import EarlyStopping
 from trainscale.callbacks.ema import EMA
 from trainscale.callbacks.finetuning import BaseFinetuning
+from trainscale.callbacks.lambda_function import LambdaCallback
 from trainscale.callbacks.lr_monitor import LearningRateMonitor
 from trainscale.callbacks.model_checkpoint import ModelCheckpoint
 from trainscale.callbacks.model_summary import ModelSummary
@@ -26,7 +27,7 @@ from trainscale.callbacks.swa import StochasticWeightAveraging
 from trainscale.callbacks.timer import Timer
 from trainscale.utilities import rank_zero_info
 
-__all__ = ["BackboneFinetuning", "BaseFinetuning", "BasePredictionWriter", "Callback", "DeviceStatsMonitor", "EMA", "EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
+__all__ = ["BackboneFinetuning", "BaseFinetuning", "BasePredictionWriter", "Callback", "DeviceStatsMonitor", "EMA", "EarlyStopping", "LambdaCallback", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
            "OnExceptionCheckpoint", "RichModelSummary", "RichProgressBar", "StochasticWeightAveraging",
            "TQDMProgressBar", "Timer", "resolve_callbacks"]
 
@@ -62,7 +63,7 @@ def _refuse_conflicts(callbacks: list[Callback], enable_checkpointing: bool) -> 
     """Raise ValueError, as Lightning, for two callbacks with state under one ``state_key`` (e.g. two
     ``EarlyStopping`` on the same metric and mode: a checkpoint would keep one state for both), several progress bars,
     and a :class:`ModelCheckpoint` with the Trainer's ``enable_checkpointing`` False."""
-    keys = [cb.state_key for cb in callbacks if type(cb).state_dict is not Callback.state_dict]
+    keys = [cb.state_key for cb in callbacks if overrides(cb, "state_dict")]
     twice = sorted({key for key in keys if keys.count(key) > 1})
     if twice:
         raise ValueError(f"two callbacks save their state under {twice[0]!r}: a checkpoint would keep one state for "

@@ -144,8 +144,15 @@ class Callback:
 HOOKS = frozenset(name for name in vars(Callback) if name.startswith("on_"))
 
 
+def overrides(callback: Callback, name: str) -> bool:
+    """Whether ``callback``'s method ``name`` is its own rather than :class:`Callback`'s: a method of its class, or a
+    callable set on the instance (a ``unittest.mock.Mock(spec=Callback)``'s attributes too, so that its hooks are
+    called and recorded, as Lightning calls every callback's)."""
+    attr = getattr(callback, name)
+    return getattr(attr, "__func__", attr) is not getattr(Callback, name)
+
+
 def overridden_hooks(callback: Callback) -> frozenset[str]:
-    """The hooks ``callback`` overrides (on its class or its instance): the others do nothing."""
-    return frozenset(name for name in HOOKS if name in vars(callback)
-                     or getattr(type(callback), name) is not getattr(Callback, name))
+    """The hooks ``callback`` overrides (:func:`overrides`): the others do nothing."""
+    return frozenset(name for name in HOOKS if overrides(callback, name))
 

@@ -121,8 +121,10 @@ class BaseFinetuning(Callback):
         kept = [p for p in params if id(p) not in held]
         if len(kept) < len(params):
             warnings.warn("The provided params to be frozen already exist within another group of this optimizer. "
-                          "Those parameters will be skipped. HINT: build the optimizer in configure_optimizers from "
-                          "filter(lambda p: p.requires_grad, self.parameters())", stacklevel=2)
+                          "Those parameters will be skipped.\nHINT: Did you init your optimizer in "
+                          "`configure_optimizer` as such:\n"
+                          f" {type(optimizer)}(filter(lambda p: p.requires_grad, self.parameters()), ...) ",
+                          stacklevel=2)  # Lightning's words
         return kept
 
     @staticmethod

@@ -94,9 +94,9 @@ class ModelCheckpoint(Callback):
         ValueError: bad arguments (Lightning's ``MisconfigurationException`` cases: a ``mode`` other than "min"/"max",
             ``save_top_k`` below -1 or above 1 without ``monitor``, a negative ``every_n_*``, two of
             ``every_n_train_steps``, ``every_n_epochs``, ``train_time_interval`` together; and a ``filename`` of
-            "last" or one that formats to a path with "/"); at an
-            epoch-end save, a ``monitor`` not among the metrics (at a step save before the first validation: a
-            warning, and the checkpoint ranks last); at the start of ``fit``, a ``dirpath`` another running fit holds.
+            "last" or one that formats to a path with "/"); at a save after the fit's first validation, a
+            ``monitor`` not among the metrics (before it, as Lightning, a warning, and the checkpoint ranks last: a
+            fit without validation warns); at the start of ``fit``, a ``dirpath`` another running fit holds.
     """
 
     monitors_metrics = True  # its on_train_epoch_end after the module's (Lightning's monitoring callbacks)
@@ -422,8 +422,9 @@ class ModelCheckpoint(Callback):
         if self.monitor is None:
             return -float(trainer.global_step)  # newest first
         metrics = self._metrics(trainer)
-        if self.monitor not in metrics and not epoch_end:  # a step save before the first validation: as Lightning,
-            if not self._warned_missing:                    # a warning, and this checkpoint ranks last
+        # before this fit's first validation, as Lightning (its val loop's ``_has_run``): a warning; it ranks last
+        if self.monitor not in metrics and not trainer.validated_at:
+            if not self._warned_missing:
                 warnings.warn(f"ModelCheckpoint monitors {self.monitor!r}, not among the metrics yet at step "
                               f"{trainer.global_step}: this checkpoint ranks last", RuntimeWarning, stacklevel=2)
                 self._warned_missing = True

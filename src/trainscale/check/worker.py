@@ -74,7 +74,7 @@ class Recorder(Callback):
 
         target = _targets(batch)
         valid = int((target != IGNORE_INDEX).sum()) if target is not None else None
-        self.micro.append([float(outputs), batch_size(batch), valid, _checksum(batch)])
+        self.micro.append([float(outputs["loss"]), batch_size(batch), valid, _checksum(batch)])
 
 
 def model_facts(model: Any) -> dict:

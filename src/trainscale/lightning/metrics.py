@@ -126,8 +126,8 @@ class MetricCollector:
         self.prog_bar: set[str] = routes_of.prog_bar if routes_of is not None else set()
         self.to_logger: set[str] = routes_of.to_logger if routes_of is not None else set()
         self.in_epoch_hook = False  # in on_train_epoch_start/end: Lightning's defaults there are on_epoch=True
-        # the last evaluation batch's values logged on_step with logger=True ("x_step"; keep_evaluation_steps): in
-        # trainer.logged_metrics, not in callback_metrics, as Lightning's
+        # the last evaluation batch's values logged on_step with logger=True or prog_bar=True ("x_step";
+        # keep_evaluation_steps): in trainer.logged_metrics or progress_bar_metrics, not in callback_metrics, as Lightning's
         self.evaluation_steps: dict[str, torch.Tensor] = {}
         self.logged: set[str] = set()  # every name logged so far (in callback_metrics the user's value wins)
         self.bare: dict[str, str] = {}  # "x_step" and "x_epoch" -> "x", for a value logged on_step and on_epoch
@@ -326,11 +326,13 @@ class MetricCollector:
 
     def keep_evaluation_steps(self, evaluation: MetricCollector, record: bool) -> None:
         """Take ``evaluation``'s last step values (:meth:`take_step_values`: a collective, every rank calls it) and,
-        with ``record`` (not in the sanity check), keep those logged with ``logger=True`` in
-        :attr:`evaluation_steps`, where Lightning's ``logged_metrics`` has them (``val_loss_step``)."""
+        with ``record`` (not in the sanity check), keep those logged with ``logger=True`` or ``prog_bar=True`` in
+        :attr:`evaluation_steps`, where Lightning's ``logged_metrics`` and ``progress_bar_metrics`` have them
+        (``val_loss_step``; its ``_LoggerConnector.on_batch_end``)."""
         values = evaluation.take_step_values()
         if record:
-            self.evaluation_steps.update((k, torch.tensor(v)) for k, v in values.items() if k in self.to_logger)
+            self.evaluation_steps.update((k, torch.tensor(v)) for k, v in values.items()
+                                         if k in self.to_logger or k in self.prog_bar)
 
     def take_epoch_values(self) -> dict[str, float]:
         """The epoch values reduced over all ranks (a collective: every rank calls it), and each ``Metric`` logged
@@ -400,14 +402,17 @@ def logged_metrics(callback_metrics: dict, collector: MetricCollector) -> dict[s
     ``logger=True`` (the default), as kept (``x_step`` and ``x_epoch`` for a value logged on_step and on_epoch, not
     the bare ``x``), as tensors, and the last evaluation batch's step values (:attr:`MetricCollector.evaluation_steps`);
     trainscale's own numbers (throughput, the loss it records) are not among them."""
-    return {**collector.evaluation_steps, **{name: v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
-                                             for name, v in callback_metrics.items() if name in collector.to_logger}}
+    steps = {name: v for name, v in collector.evaluation_steps.items() if name in collector.to_logger}
+    return {**steps, **{name: v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+                        for name, v in callback_metrics.items() if name in collector.to_logger}}
 
 
 def progress_bar_metrics(callback_metrics: dict, collector: MetricCollector) -> dict[str, float]:
     """Lightning's ``trainer.progress_bar_metrics``: the values in ``callback_metrics`` of the names logged with
-    ``prog_bar=True`` (``x_step`` and ``x_epoch`` as :func:`logged_metrics`), as floats (one host read each)."""
-    return {name: float(v) for name, v in callback_metrics.items() if name in collector.prog_bar}
+    ``prog_bar=True`` (``x_step`` and ``x_epoch`` as :func:`logged_metrics`) and the last evaluation batch's step
+    values logged so (:attr:`MetricCollector.evaluation_steps`), as floats (one host read each)."""
+    return {name: float(v) for values in (collector.evaluation_steps, callback_metrics)
+            for name, v in values.items() if name in collector.prog_bar}
 
 
 def is_metric(value: Any) -> bool:

@@ -692,6 +692,16 @@ def loss_of(output: Any, where: str = "training_step") -> torch.Tensor:
     raise TypeError(f"{where} returned {type(output).__name__}; return the loss tensor or a dict with a 'loss' tensor")
 
 
+def batch_end_outputs(output: Any, loss: torch.Tensor | None) -> dict:
+    """``on_train_batch_end``'s ``outputs``, as Lightning's (``ClosureResult.asdict``, ``ManualResult``): ``{"loss":
+    loss}`` (the micro-batch's detached loss; Lightning's is divided by ``accumulate_grad_batches``) with the other keys
+    of a dict the ``training_step`` returned (``output``), as they are; ``{}`` when it returned None."""
+    if loss is None:
+        return {}
+    return {"loss": loss, **{k: v for k, v in output.items() if k != "loss"}} if isinstance(output, Mapping) else {
+        "loss": loss}
+
+
 def skip_backward(world_size: int) -> None:
     """A ``training_step`` under automatic optimization returned None: no backward for that micro-batch, with
     Lightning's warning (its ``Closure``: the optimizer still steps on the gradients there are, and the step is
@@ -771,6 +781,7 @@ class LoopModule(nn.Module):
         self.overrides = module_overrides(model)  # every Lightning hook it overrides (the mode hooks, ...)
         step = getattr(model, "training_step", None)
         self.has_training_step = step is not None
+        self.step_output: Any = None  # what the last training_step returned (its dict's other keys: batch_end_outputs)
         self.step_takes_batch_idx = step is not None and _takes_batch_idx(step)
         # whether each evaluation step takes batch_idx, read once (inspect is slow)
         # (a step set to None counts as none, as Lightning's ``is_overridden``)
@@ -819,7 +830,7 @@ class LoopModule(nn.Module):
                     else self.evaluate(batch, batch_idx, stage, dataloader_idx))
         if self.has_training_step:
             args = (batch, batch_idx) if self.step_takes_batch_idx else (batch,)
-            out = self.model.training_step(*args)
+            out = self.step_output = self.model.training_step(*args)
             return None if out is None else loss_of(out)  # None: no backward for this batch (skip_backward)
         if self.is_hf_model and isinstance(batch, Mapping):
             return output_loss(self.keyword_call(batch), self.model)
@@ -837,7 +848,7 @@ class LoopModule(nn.Module):
 
     def _manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         args = (batch, batch_idx) if self.step_takes_batch_idx else (batch,)
-        out = self.model.training_step(*args)
+        out = self.step_output = self.model.training_step(*args)
         return None if out is None else loss_of(out).detach()
 
     def _step_args(self, step: str, batch: Any, batch_idx: int, dataloader_idx: int | None) -> tuple:

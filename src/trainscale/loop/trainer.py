@@ -52,8 +52,9 @@ from trainscale.loop.config import (TrainerConfig, barebones_logger, resolve_tra
                                     warn_default_max_epochs)
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
-from trainscale.lightning.module import (BatchTransfer, TrainingModule, attach_trainer, batch_transfer,
-                                         defined_hooks, module_overrides, set_up_model, skip_backward, uncalled_hooks)
+from trainscale.lightning.module import (BatchTransfer, TrainingModule, attach_trainer, batch_end_outputs,
+                                         batch_transfer, defined_hooks, module_overrides, set_up_model, skip_backward,
+                                         uncalled_hooks)
 from trainscale.lightning.optimizers import ManualOptimizer, StepOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
 from trainscale.loop.records import MetricsProcessor, epoch_label, epoch_line, epoch_record, run_header
@@ -919,7 +920,9 @@ class Trainer:
             fit.books.backward_done(loss, t_forward)  # phases, epoch loss sum, non-finite watch, progress bar
             if micro.is_last:
                 break
-            self._hook("on_train_batch_end", loss, batch, micro.index)
+            if "on_train_batch_end" in self._active_hooks:  # outputs: Lightning's dict (built only for a hook)
+                self._hook("on_train_batch_end", batch_end_outputs(fit.loop_module.step_output, loss), batch,
+                           micro.index)
         else:
             return False
         # 2.-4. The hook before the step, clipping, the "skip" check, the step (automatic optimization).
@@ -938,8 +941,8 @@ class Trainer:
         self.state.global_step += sum(o.take_steps() for o in self.manual_optimizers) if self.manual_optimizers else 1
         self.is_step_end = True
         self.callback_metrics.update(self.metric_collector.step_metrics())  # every step, on the device (Lightning's)
-        self._hook("on_train_batch_end", loss, batch, micro.index)
-        if "on_train_batch_end" in self._active_hooks:  # and what that hook logged, where someone defines it
+        if "on_train_batch_end" in self._active_hooks:  # outputs: Lightning's dict; then what that hook logged
+            self._hook("on_train_batch_end", batch_end_outputs(fit.loop_module.step_output, loss), batch, micro.index)
             self.callback_metrics.update(self.metric_collector.step_metrics())
         if self.is_log_step:  # the step record: reduced across the ranks, then written once to each destination
             with prof.profile("log_step"):
@@ -1413,7 +1416,7 @@ class Trainer:
             if call_module and module_first:
                 getattr(module, hook)(*args)
             for cb in self.callbacks:
-                if monitoring is None or cb.monitors_metrics == monitoring:
+                if monitoring is None or (cb.monitors_metrics is True) == monitoring:  # a Mock's: not True
                     getattr(cb, hook)(self, module, *args)
             if call_module and not module_first:
                 getattr(module, hook)(*args)

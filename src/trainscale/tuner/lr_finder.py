@@ -140,11 +140,11 @@ class RangeTest(StateKeeper):
         if not trainer.is_step_end:  # a micro-batch inside an accumulated step
             return
         self.lrs.append(self._lr)
-        if outputs is None:  # a training_step that returned nothing: a point the suggestion skips
+        if not outputs:  # a training_step that returned nothing ({}): a point the suggestion skips
             self.losses.append(float("nan"))
             return
         step = trainer.global_step
-        self.avg_loss = BETA * self.avg_loss + (1 - BETA) * float(outputs)
+        self.avg_loss = BETA * self.avg_loss + (1 - BETA) * float(outputs["loss"])
         smoothed = self.avg_loss / (1 - BETA ** (step + 1))
         stop = self.early_stop_threshold is not None and step > 1 and smoothed > self.early_stop_threshold * self.best_loss
         rt = trainer.runtime
