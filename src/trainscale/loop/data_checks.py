@@ -5,30 +5,65 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from torch.utils.data import IterableDataset, SequentialSampler
+from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
 from trainscale.runtime.sampling import in_order
+from trainscale.utilities.warnings import PossibleUserWarning
+
+
+def check_train_loader_type(loader: Any) -> None:
+    """Refuse a training "loader" that is not a ``torch.utils.data.DataLoader``: the loop reads its ``batch_size``
+    (the global batch), its sampler (trainscale's, whose position a checkpoint saves) and its length. Lightning also
+    takes any iterable there, and a list or dict of loaders (its ``CombinedLoader``), which trainscale has not.
+
+    Raises:
+        TypeError: naming what was given and the fix.
+    """
+    if isinstance(loader, DataLoader):
+        return
+    if isinstance(loader, (list, tuple, dict)):
+        raise TypeError(f"the training loaders came as a {type(loader).__name__}: trainscale trains on one DataLoader "
+                        "(it has no CombinedLoader to draw from several at once); give one DataLoader over a data set "
+                        "that returns the samples of each source together (e.g. a Dataset whose __getitem__ returns a "
+                        "tuple of them), or a torch.utils.data.ConcatDataset for one after the other")
+    raise TypeError(f"the training loader is a {type(loader).__name__}, not a torch.utils.data.DataLoader: trainscale "
+                    "reads the DataLoader's batch_size, sampler and length (the global batch, the resumable sample "
+                    "position); pass the DataLoader itself (unwrapped), or a DataLoader over an IterableDataset that "
+                    "yields what your object does")
 
 
 def check_loaders(train_loader: Any, val_loaders: list | None) -> None:
-    """Refuse a training loader the loop cannot count; warn about an empty validation loader. Loaders over an
-    ``IterableDataset`` are not measured (no ``len``: their iterator ends each epoch).
+    """Refuse a training loader the loop cannot count (None: none to check); warn about an empty validation loader.
+    Loaders over an ``IterableDataset`` are not measured (no ``len``: their iterator ends each epoch), nor are other
+    iterables than DataLoaders among the validation loaders.
 
     Raises:
         ValueError: a loader built with ``batch_size=None`` (the Trainer needs the per-device batch size
             for the global batch and the sample position), or an empty training loader.
     """
-    if getattr(train_loader, "batch_size", None) is None:
+    if train_loader is not None and getattr(train_loader, "batch_size", None) is None:
         raise ValueError("the training DataLoader has batch_size=None (it yields ready-made batches); build it as "
                          "DataLoader(dataset, batch_size=N) with the per-device batch size")
-    if not isinstance(train_loader.dataset, IterableDataset) and len(train_loader) == 0:
+    if train_loader is not None and not isinstance(train_loader.dataset, IterableDataset) and len(train_loader) == 0:
         raise ValueError("the training DataLoader is empty on this rank (a dataset of no samples, or drop_last with "
                          "fewer samples than one batch); give it data, or a smaller batch_size")
     for i, loader in enumerate(val_loaders or []):
-        if not isinstance(loader.dataset, IterableDataset) and len(loader.dataset) == 0:
+        dataset = getattr(loader, "dataset", None)
+        if dataset is not None and not isinstance(dataset, IterableDataset) and len(dataset) == 0:
             which = f" (dataloader {i})" if len(val_loaders) > 1 else ""
             warnings.warn(f"the validation DataLoader{which} is empty: no val_ metrics will be recorded for it",
                           stacklevel=3)
+
+
+def warn_few_batches(batches: float, log_every_n_steps: int, logs: bool) -> None:
+    """Lightning's ``PossibleUserWarning`` (its words, ``_FitLoop.setup_data``) when an epoch has fewer training
+    batches (``batches``: after ``limit_train_batches``; inf for an iterable data set, never warned) than
+    ``log_every_n_steps``, so no step record of the epoch reaches the loggers; ``logs``: the run has loggers and is
+    no ``fast_dev_run`` (Lightning's conditions). Said each time the training loader is made (a reload too)."""
+    if logs and batches < log_every_n_steps:
+        warnings.warn(f"The number of training batches ({batches}) is smaller than the logging interval "
+                      f"Trainer(log_every_n_steps={log_every_n_steps}). Set a lower value for log_every_n_steps if "
+                      "you want to see logs for the training epoch.", PossibleUserWarning, stacklevel=4)
 
 
 def warn_unshuffled(loader: Any, data_parallel_size: int) -> None:
