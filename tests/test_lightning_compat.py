@@ -3893,6 +3893,8 @@ def test_an_evaluation_iterable_on_several_data_parallel_ranks_is_refused_naming
     two_ranks = SimpleNamespace(data_parallel_size=2)  # all eval_loader reads of a runtime for such an iterable
     with pytest.raises(TypeError, match="not a torch.utils.data.DataLoader.*pass the DataLoader itself"):
         eval_loader(two_ranks, _Wrapped(_loader(4)), 0)
+    with pytest.raises(TypeError, match="An invalid dataloader was passed. Found 3"):  # not even an iterable
+        eval_loader(SimpleNamespace(data_parallel_size=1), 3, 0)
 
 
 @pytest.mark.parametrize(("train", "words"), [

@@ -543,11 +543,18 @@ def eval_loader(runtime: Runtime, loader: Any, seed: int | None, shuffle: bool |
     ``setup_dataloader``'s.
 
     Raises:
-        TypeError: an iterable other than a DataLoader on several data-parallel ranks, where every rank would read
-            every sample (named with the fix).
+        TypeError: an object that cannot be iterated (Lightning's words: "An invalid dataloader was passed");
+            an iterable other than a DataLoader on several data-parallel ranks, where every rank would read every
+            sample (named with the fix).
     """
     if isinstance(loader, torch.utils.data.DataLoader):
         return runtime.setup_dataloader(loader, seed=seed or 0, shuffle=shuffle, even=False)
+    try:
+        iter(loader)  # as Lightning's _check_dataloader_iterable (a DataLoader is not asked: its iter() starts workers)
+    except TypeError:
+        raise TypeError(f"An invalid dataloader was passed. Found {loader!r}: an evaluation loader must be a "
+                        "torch.utils.data.DataLoader, or an iterable of batches (a list, tuple or dict holds several "
+                        "loaders)") from None
     if runtime.data_parallel_size > 1:
         raise TypeError(f"an evaluation loader is a {type(loader).__name__}, not a torch.utils.data.DataLoader, so "
                         f"trainscale cannot give each of the {runtime.data_parallel_size} data-parallel ranks its share "

@@ -605,9 +605,11 @@ class Trainer:
         ``check_val_every_n_epoch`` and the ``ModelCheckpoint`` say). Returns the run summary (``summary.json``).
 
         ``model``: a plain ``nn.Module`` (``(inputs, targets)`` batches, ``loss_fn``, default cross-entropy) or
-        one with ``training_step``. ``train_dataloaders``: per-device ``batch_size``; its sampler is replaced by a
-        distributed one (None: ``datamodule``'s or the model's ``train_dataloader()``, ``lightning/data_sources.py``).
-        ``val_dataloaders``: evaluated on all ranks, each sample once. ``optimizer``: a factory
+        one with ``training_step``. ``train_dataloaders``: a DataLoader with the per-device ``batch_size``; its sampler
+        is replaced by a distributed one (None: ``datamodule``'s or the model's ``train_dataloader()``, asked for in
+        Lightning's order: ``lightning/data_sources.py``, ``FitSources``). ``val_dataloaders``: a DataLoader or a
+        list, tuple or dict of them (on one data-parallel rank any iterable), evaluated on all ranks, each sample
+        once. ``optimizer``: a factory
         ``params -> Optimizer`` (built after the strategy wraps the model) or None for ``configure_optimizers()``;
         either may return any of Lightning's forms. ``ckpt_path``: a checkpoint, "last" (this script's newest
         run under ``default_root_dir``; a warning and a fresh start when there is none) or None; resuming a
@@ -625,7 +627,7 @@ class Trainer:
         Raises:
             FileNotFoundError / CheckpointError: a missing or corrupted ``ckpt_path``, or one holding pickled
                 entries without ``weights_only=False``.
-            ValueError / TypeError: a bad model, optimizer or batch, named with its fix.
+            ValueError / TypeError: a bad model, optimizer, loader or batch, named with its fix.
             trainscale.runtime.hangs.CollectiveTimeout: a collective timed out or a peer crashed.
             trainscale.faults.tolerance.NonFiniteLossError, trainscale.faults.tolerance.Preempted: docs/fault-tolerance.md.
         """
