@@ -3905,3 +3905,14 @@ def test_an_evaluation_iterable_on_several_data_parallel_ranks_is_refused_naming
 def test_a_training_loader_that_is_no_dataloader_is_refused_naming_the_fix(tmp_path, train, words):
     with pytest.raises(TypeError, match=words):
         _trainer(tmp_path, max_epochs=1).fit(Probe(), train)
+
+
+@pytest.mark.timeout(60)
+def test_a_datamodule_passed_as_fits_loader_is_the_trainers_datamodule_and_not_with_loaders(tmp_path):
+    dm = _TrainBuildsValReads()
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, log_every_n_steps=1)
+    trainer.fit(Probe(), dm)
+    assert trainer.datamodule is dm
+    with pytest.raises(ValueError, match=re.escape("You cannot pass `train_dataloader` or `val_dataloaders` to "
+                                                   "`trainer.fit(datamodule=...)`")):
+        trainer.fit(Probe(), val_dataloaders=_loader(4), datamodule=dm)
