@@ -554,7 +554,8 @@ def test_no_validation_by_limit_val_batches_0_or_a_hook_set_to_none(tmp_path):
 
     model = Probe()
     model.validation_step = None  # Lightning's way to switch a step off
-    with pytest.warns(UserWarning, match="defines no validation_step"):
+    with pytest.warns(UserWarning, match=r"You passed in a `val_dataloader` but have no `validation_step`\. Skipping "
+                                         "val loop.*defines no validation_step"):  # Lightning's words first
         _trainer(tmp_path / "b", max_epochs=1).fit(model, _loader(), _loader(4))
     with_hook = SetupReadsTrainer()
     with_hook.val_dataloader = None

@@ -802,8 +802,9 @@ class Trainer:
         if not sources.has_val or self.config.limit_val_batches == 0:
             return False
         if getattr(model, "training_step", None) is not None and getattr(model, "validation_step", None) is None:
-            warnings.warn(f"a validation DataLoader was passed but {type(model).__name__} defines no validation_step: "
-                          "validation is skipped (as in Lightning); define validation_step to validate", stacklevel=5)
+            warnings.warn("You passed in a `val_dataloader` but have no `validation_step`. Skipping val loop. (a "
+                          f"validation DataLoader was passed but {type(model).__name__} defines no validation_step: "
+                          "validation is skipped, as in Lightning; define validation_step to validate)", stacklevel=5)
             return False
         return True
 
