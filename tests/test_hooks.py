@@ -99,14 +99,14 @@ def auto_train_batch(i):
     lightning = [*both("on_train_batch_start", i), ("training_step", i), *both("on_before_zero_grad"),
                  *both("on_before_backward"), *both("on_after_backward"), *both("on_before_optimizer_step"),
                  *both("on_train_batch_end", i)]
-    # The one difference (docs/lightning.md): trainscale zeroes the gradients right after the optimizer step, so
-    # that they are freed before the next forward; on_before_zero_grad runs there, seeing the same state as in
-    # Lightning (the step's gradients, the stepped weights), once per optimizer step as in Lightning.
+    # The one difference (docs/lightning.md): trainscale zeroes the gradients at the same micro-batch, but before
+    # its training_step rather than after it, so that the last step's gradients are not held through the forward;
+    # on_before_zero_grad sees the same state as in Lightning, once per optimizer step as in Lightning.
     zero = lightning.index("Callback.on_before_zero_grad")
     moved = lightning[zero:zero + 2]
     rest = lightning[:zero] + lightning[zero + 2:]
-    end = rest.index(("Callback.on_train_batch_end", i))
-    return rest[:end] + moved + rest[end:]
+    forward = rest.index(("training_step", i))
+    return rest[:forward] + moved + rest[forward:]
 
 
 def manual_train_batch(i):
@@ -154,7 +154,7 @@ def test_accumulation_calls_the_step_hooks_once_per_optimizer_step(tmp_path):
     called = []
     _trainer(tmp_path, called, accumulate_grad_batches=2).fit(HookedModel(called), _loader(4))
     steps = [e for e in called if e in ("on_before_optimizer_step", "on_before_zero_grad")]
-    assert steps == ["on_before_optimizer_step", "on_before_zero_grad"]  # 2 micro-batches, 1 step
+    assert steps == ["on_before_zero_grad", "on_before_optimizer_step"]  # 2 micro-batches, 1 step: zeroed at the first
     assert called.count("on_before_backward") == called.count("on_after_backward") == 2
     assert [e for e in called if isinstance(e, tuple) and e[0] == "on_train_batch_end"] == [
         ("on_train_batch_end", 0), ("on_train_batch_end", 1)]

@@ -149,7 +149,7 @@ def test_a_validation_loader_without_a_length_is_validated(tmp_path):
 def test_a_module_without_validation_step_skips_validation_with_a_warning(tmp_path):
     loader = DataLoader(TensorDataset(torch.randn(4, 2), torch.zeros(4, dtype=torch.long)), batch_size=2)
     trainer = _trainer(tmp_path, max_epochs=1)
-    with pytest.warns(UserWarning, match="defines no validation_step: validation is skipped"):
+    with pytest.warns(UserWarning, match="You passed in a `val_dataloader` but have no `validation_step`. Skipping val loop"):
         trainer.fit(Seen(), loader, loader)
     assert not any(k.startswith("val_") for k in trainer.history[0])
     with pytest.raises(ValueError, match="defines training_step but no validation_step"):

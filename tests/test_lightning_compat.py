@@ -2,6 +2,7 @@
 after ``fit``, step values in ``callback_metrics``, ``max_steps`` without ``max_epochs``, the order of a training
 loader on several ranks, the sanity check of a resumed ``fit``; and Lightning's spellings that ports meet."""
 
+import copy
 import json
 import math
 import os
@@ -1810,6 +1811,7 @@ def test_overfit_batches_reads_the_first_batches_in_order_with_lightnings_warnin
         assert model.first == in_order * 2, name  # the same first two batches, in the data set's order, each epoch
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message="You defined a `validation_step` but have no `val_dataloader`")
         _trainer(tmp_path / "sequential", max_epochs=1, overfit_batches=2, log_every_n_steps=1).fit(Seen(), _loader())
 
 
@@ -2189,12 +2191,52 @@ def test_the_modules_step_hooks_run_once_per_optimizer_step_around_the_step(tmp_
                        gradient_clip_algorithm="value", num_sanity_val_steps=0)
     trainer.fit(model, _loader(8))  # 4 micro-batches, 2 optimizer steps
     names = [n[0] for n in model.noted]
-    assert names == ["backward", "backward", "clip", "optimizer_step", "optimizer_zero_grad"] * 2
+    assert names == ["optimizer_zero_grad", "backward", "backward", "clip", "optimizer_step"] * 2
     steps = [n for n in model.noted if n[0] == "optimizer_step"]
     assert steps == [("optimizer_step", 0, 1, True), ("optimizer_step", 0, 3, True)]  # the step's last batch_idx
+    zeroed = [n for n in model.noted if n[0] == "optimizer_zero_grad"]
+    assert zeroed == [("optimizer_zero_grad", 0, 0), ("optimizer_zero_grad", 0, 2)]  # the step's first, as Lightning
     clips = [n for n in model.noted if n[0] == "clip"]
     assert all(c[1:3] == (1e-6, "value") and c[3] <= 1e-6 for c in clips)  # the default clipped, by value
     assert trainer.global_step == 2
+
+
+class _GradientReader(Callback):
+    """Notes the layer's gradient where a ported callback reads it: at each training batch's end and as
+    validation starts."""
+
+    def __init__(self):
+        self.at_batch_end: list[torch.Tensor | None] = []
+        self.at_validation_start: list[torch.Tensor | None] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        grad = pl_module.layer.weight.grad
+        self.at_batch_end.append(None if grad is None else grad.clone())
+
+    def on_validation_start(self, trainer, pl_module):
+        self.at_validation_start.append(pl_module.layer.weight.grad)
+
+
+@pytest.mark.timeout(60)
+def test_the_steps_gradients_are_there_at_on_train_batch_end_and_freed_before_validation(tmp_path):
+    torch.manual_seed(0)
+    model = Probe()
+    reference = copy.deepcopy(model.layer)
+    reader = _GradientReader()
+    trainer = _trainer(tmp_path, max_epochs=1, callbacks=[reader], num_sanity_val_steps=0)
+    trainer.fit(model, _loader(6), _loader(2))  # 3 steps of one batch each, then validation
+    # plain PyTorch: the gradient each step's backward left, at the weights before that step
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)  # Probe's
+    expected = []
+    for x, _ in _loader(6):
+        optimizer.zero_grad()
+        reference(x).pow(2).mean().backward()
+        expected.append(reference.weight.grad.clone())
+        optimizer.step()
+    assert len(reader.at_batch_end) == 3 and all(g is not None for g in reader.at_batch_end)  # Lightning's: there
+    for seen, want in zip(reader.at_batch_end, expected):
+        torch.testing.assert_close(seen, want)
+    assert reader.at_validation_start == [None]  # on_validation_model_zero_grad's default freed them, as Lightning's
 
 
 class _SkipsOddSteps(Probe):
@@ -3722,6 +3764,107 @@ def test_a_step_schedulers_frequency_counts_the_epochs_batches_as_lightnings(tmp
     _trainer(tmp_path, max_epochs=epochs, accumulate_grad_batches=accumulate, num_sanity_val_steps=0).fit(
         module, _loader(n=2 * batches))
     assert module.stepped_after == expected
+
+
+# -- pickling a trained module ---------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_a_trained_module_pickles_and_deep_copies_without_its_trainer(tmp_path):
+    import io
+
+    model = Probe()
+    trainer = _trainer(tmp_path, max_epochs=1)
+    trainer.fit(model, _loader(4))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # Lightning's LightningModule.__getstate__ leaves the Trainer out
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(loaded.state_dict(), model.state_dict())
+    with pytest.raises(RuntimeError, match="not attached to a Trainer"):
+        loaded.trainer  # noqa: B018
+    twin = copy.deepcopy(model)
+    torch.testing.assert_close(twin.state_dict(), model.state_dict())
+    assert model.trainer is trainer  # the original stays attached
+
+
+@pytest.mark.timeout(60)
+def test_a_plain_module_after_fit_is_only_the_users_module(tmp_path):
+    import io
+
+    model = nn.Linear(2, 1)
+    _trainer(tmp_path, max_epochs=1).fit(model, _loader(4), loss_fn=lambda out, y: out.squeeze(-1).sub(y).pow(2).mean(),
+                                          optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    assert set(vars(model)) == set(vars(nn.Linear(2, 1)))  # nothing of trainscale's left on it
+    torch.save(model, io.BytesIO())
+    torch.testing.assert_close(copy.deepcopy(model).state_dict(), model.state_dict())
+
+
+# -- Lightning's checks of a module before a stage, in Lightning's words ----------------------------------------------
+def _without(**attrs):
+    model = Probe()
+    for name, value in attrs.items():
+        setattr(model, name, value)
+    return model
+
+
+@pytest.mark.timeout(60)
+def test_a_module_without_training_step_or_configure_optimizers_gets_lightnings_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"No `training_step\(\)` method defined\. .*define Probe\.training_step"):
+        _trainer(tmp_path, max_epochs=1).fit(_without(training_step=None), _loader(4))
+
+    class NoStep(TrainingModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(2, 1)
+
+    with pytest.raises(ValueError, match=r"No `training_step\(\)` method defined"):
+        _trainer(tmp_path, max_epochs=1).fit(NoStep(), _loader(4))
+    with pytest.raises(ValueError, match=r"No `configure_optimizers\(\)` method defined.*optimizer=lambda params"):
+        _trainer(tmp_path, max_epochs=1).fit(_without(configure_optimizers=None), _loader(4))
+    trainer = _trainer(tmp_path, max_epochs=1)  # the fix the message names
+    trainer.fit(_without(configure_optimizers=None), _loader(4), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert trainer.global_step == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_validation_step_without_a_validation_loader_is_lightnings_warning(tmp_path):
+    with pytest.warns(PossibleUserWarning, match=r"You defined a `validation_step` but have no `val_dataloader`\. "
+                                                 r"Skipping val loop"):
+        _trainer(tmp_path, max_epochs=1).fit(Probe(), _loader(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PossibleUserWarning)  # validation turned off: nothing to say
+        _trainer(tmp_path, max_epochs=1, limit_val_batches=0, log_every_n_steps=1).fit(Probe(), _loader(4))
+    with pytest.warns(UserWarning, match=r"You passed in a `val_dataloader` but have no `validation_step`\. "):
+        _trainer(tmp_path, max_epochs=1).fit(_without(validation_step=None), _loader(4), _loader(2))
+
+
+@pytest.mark.timeout(60)
+def test_evaluation_stages_without_their_step_get_lightnings_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"No `validation_step\(\)` method defined to run `Trainer\.validate`"):
+        _trainer(tmp_path).validate(_without(validation_step=None), _loader(2))
+    with pytest.raises(ValueError, match=r"No `test_step\(\)` method defined to run `Trainer\.test`"):
+        _trainer(tmp_path).test(Probe(), _loader(2))
+    with pytest.raises(ValueError, match=r"`predict_step` cannot be None to run `Trainer\.predict`"):
+        _trainer(tmp_path).predict(_without(predict_step=None), _loader(2))
+    with pytest.raises(ValueError, match=r"`Trainer\.predict` requires `forward` method to run"):
+        _trainer(tmp_path).predict(_without(forward=None), _loader(2))
+
+
+@pytest.mark.timeout(60)
+def test_lightning_1x_optimizer_idx_and_manual_optimization_flags_get_lightnings_errors(tmp_path):
+    class OldStyle(Probe):
+        def training_step(self, batch, batch_idx, optimizer_idx):
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(RuntimeError, match=r"Remove the `optimizer_idx` argument from `training_step`"):
+        _trainer(tmp_path, max_epochs=1).fit(OldStyle(), _loader(4))
+    with pytest.raises(ValueError, match=r"Automatic gradient clipping is not supported for manual optimization\. "
+                                         r"Remove `Trainer\(gradient_clip_val=1\.0\)`"):
+        _trainer(tmp_path, max_epochs=1, gradient_clip_val=1.0).fit(_without(automatic_optimization=False),
+                                                                     _loader(4))
+    with pytest.raises(ValueError, match=r"Automatic gradient accumulation is not supported for manual optimization\. "
+                                         r"Remove `Trainer\(accumulate_grad_batches=2\)`"):
+        _trainer(tmp_path, max_epochs=1, accumulate_grad_batches=2).fit(_without(automatic_optimization=False),
+                                                                        _loader(4))
 
 
 # -- dataloader attributes and order --------------------------------------------------------------------------------

@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -117,8 +116,8 @@ class StochasticWeightAveraging(Callback):
     def _start(self, trainer: Trainer, pl_module: Any) -> None:
         """The average (a copy of the module on ``device``) and SWALR in place of the module's scheduler."""
         device = self._device or next(pl_module.parameters()).device
-        with _detached(pl_module):
-            self._average = AveragedModel(pl_module, device=device, avg_fn=self._avg_fn)
+        # AveragedModel deep-copies the module, without its Trainer (TrainingModule.__getstate__)
+        self._average = AveragedModel(pl_module, device=device, avg_fn=self._avg_fn)
         optimizer = trainer.optimizers[0]
         lrs = self._swa_lrs if isinstance(self._swa_lrs, list) else [self._swa_lrs] * len(optimizer.param_groups)
         for lr, group in zip(lrs, optimizer.param_groups):
@@ -160,17 +159,6 @@ class StochasticWeightAveraging(Callback):
     def load_state_dict(self, state: dict) -> None:
         self._latest_update_epoch = state["latest_update_epoch"]
         self._restored = state if state["average_model_state"] is not None else None
-
-
-@contextlib.contextmanager
-def _detached(module: nn.Module) -> Iterator[None]:
-    """``module`` without its Trainer while ``AveragedModel`` deep-copies it (the copy must not copy the Trainer)."""
-    trainer = module.__dict__.pop("_trainer", None)
-    try:
-        yield
-    finally:
-        if trainer is not None:
-            module.__dict__["_trainer"] = trainer
 
 
 def _check_arguments(swa_lrs: Any, swa_epoch_start: Any, avg_fn: Any, device: Any) -> None:

@@ -159,8 +159,8 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         return batch
 
     def on_validation_model_zero_grad(self) -> None:
-        """Lightning's hook, before each validation in ``fit``: free the gradients. trainscale already frees them
-        after every optimizer step, so the default changes nothing here."""
+        """Lightning's hook, before each validation in ``fit``: free the gradients (the last optimizer step's, kept
+        until the next step's first micro-batch, as in Lightning). Override it to keep them through validation."""
         self.zero_grad()
 
     def on_validation_model_eval(self) -> None:
@@ -257,6 +257,13 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         return module
 
     # -- what the Trainer attached -------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """The module's state for ``pickle``, ``torch.save(model)`` and ``copy.deepcopy`` without the Trainer it is
+        attached to (as Lightning's ``LightningModule.__getstate__``): a copy or a loaded pickle is detached."""
+        state = dict(self.__dict__)
+        state.pop("_trainer", None)
+        return state
+
     @property
     def trainer(self) -> Trainer:
         """The Trainer running this module (Lightning's ``self.trainer``).
@@ -873,8 +880,11 @@ class LoopModule(nn.Module):
 
 def attach_trainer(model: nn.Module, trainer: Trainer) -> None:
     """``model.trainer`` (TrainingModule's ``self.trainer``, ``self.log``, ...) is ``trainer`` from here on: before its
-    data hooks (``setup(stage)``) run, as in Lightning. Kept out of ``nn.Module``'s submodules."""
-    model.__dict__["_trainer"] = trainer
+    data hooks (``setup(stage)``) run, as in Lightning. Kept out of ``nn.Module``'s submodules, and out of a pickle
+    or deep copy of the module (:meth:`TrainingModule.__getstate__`). A plain ``nn.Module`` has no ``self.trainer``
+    and gets nothing: ``torch.save(model)`` and ``copy.deepcopy(model)`` after ``fit`` see only the user's module."""
+    if isinstance(model, TrainingModule):
+        model.__dict__["_trainer"] = trainer
 
 
 def set_up_model(runtime: Runtime, model: nn.Module, loss_fn: Callable | None,

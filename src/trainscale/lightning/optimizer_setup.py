@@ -3,14 +3,16 @@ the first step (the fix named in each message), wrapped for manual optimization.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from trainscale.lightning.module import step_hooks
+from trainscale.lightning.module import TrainingModule, step_hooks
 from trainscale.lightning.optimizers import BackwardAgreement, ManualOptimizer, NoOptimizer, parse_optimization
+from trainscale.utilities.model_helpers import is_overridden
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
@@ -24,8 +26,15 @@ def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, confi
     (``BatchScaling.scaled_lr``); ``before_step(optimizer)``: the ``on_before_optimizer_step`` hooks of each manual step.
 
     Raises:
-        ValueError / TypeError: see :func:`configured_optimization` and :func:`check_optimizers`.
+        RuntimeError: a ``training_step`` that takes Lightning 1.x's ``optimizer_idx`` (Lightning 2's error and words).
+        ValueError / TypeError / RuntimeError: see :func:`configured_optimization` and :func:`check_optimizers`.
     """
+    if "optimizer_idx" in inspect.signature(getattr(model, "training_step", None) or _no_step).parameters:
+        raise RuntimeError("Training with multiple optimizers is only supported with manual optimization. Remove the "
+                           "`optimizer_idx` argument from `training_step`, set `self.automatic_optimization = False` "
+                           "and access your optimizers in `training_step` with `opt1, opt2, ... = self.optimizers()` "
+                           "(Lightning 2's words: a Lightning 1.x training_step(batch, batch_idx, optimizer_idx) "
+                           "needs that change)")
     manual = not getattr(model, "automatic_optimization", True)
     own_step = "lr_scheduler_step" in step_hooks(model)  # it steps the schedulers, one of its own kind too
     optimization = parse_optimization(configured_optimization(model, wrapped, optimizer), manual, own_step)
@@ -45,10 +54,15 @@ def configured_optimization(model: nn.Module, wrapped: nn.Module, optimizer: Any
     None, a :class:`NoOptimizer` with a ``UserWarning``, as Lightning (the fit runs and the weights stay).
 
     Raises:
-        ValueError: neither given. TypeError: ``optimizer`` is neither a factory nor an optimizer.
+        ValueError: neither given (a ``TrainingModule`` that does not override ``configure_optimizers``, or sets
+            it to None, gives none: Lightning's "No `configure_optimizers()` method defined").
+        TypeError: ``optimizer`` is neither a factory nor an optimizer.
     """
-    if optimizer is None and hasattr(model, "configure_optimizers"):
-        configured = model.configure_optimizers()
+    configure = getattr(model, "configure_optimizers", None)
+    if isinstance(model, TrainingModule) and configure is not None and not is_overridden("configure_optimizers", model):
+        configure = None  # the base class's: it only raises
+    if optimizer is None and configure is not None:
+        configured = configure()
         if configured is None:
             warnings.warn(f"`{type(model).__name__}.configure_optimizers` returned `None`, this fit will run with no "
                           "optimizer: the weights will not change (return an optimizer to train them)", UserWarning,
@@ -56,8 +70,9 @@ def configured_optimization(model: nn.Module, wrapped: nn.Module, optimizer: Any
             return NoOptimizer()
         return configured
     if optimizer is None:
-        raise ValueError("no optimizer: pass optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), "
-                         "or define configure_optimizers() on the model")
+        raise ValueError("No `configure_optimizers()` method defined (Lightning's words): no optimizer. Define "
+                         "configure_optimizers() on the model, or pass "
+                         "optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3) to fit")
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
     if callable(optimizer):
@@ -69,29 +84,37 @@ def check_optimizers(optimization: Any, wrapped: nn.Module, manual: bool, config
     """Refuse optimizers the loop would misuse.
 
     Raises:
-        ValueError: several optimizers with automatic optimization; manual optimization with
+        RuntimeError: several optimizers with automatic optimization (Lightning 2's error and words).
+        ValueError: manual optimization with
             ``accumulate_grad_batches`` or ``gradient_clip_val``, under dp or pp, or under an FSDP-sharded
             strategy with parameters held by the model itself rather than a submodule; an optimizer holding
             parameters that are not the model's (built on another model, or before the strategy
             replaced the parameters).
     """
     if len(optimization.optimizers) > 1 and not manual:
-        raise ValueError(f"configure_optimizers returned {len(optimization.optimizers)} optimizers; the Trainer steps "
-                         "one per step. For several (a GAN), set automatic_optimization = False in the module and "
-                         "step them in training_step (self.optimizers(), self.manual_backward(loss))")
+        raise RuntimeError("Training with multiple optimizers is only supported with manual optimization. Set "
+                           "`self.automatic_optimization = False`, then access your optimizers in `training_step` "
+                           "with `opt1, opt2, ... = self.optimizers()` (configure_optimizers returned "
+                           f"{len(optimization.optimizers)} optimizers; the Trainer steps one per step; step them "
+                           "with self.manual_backward(loss) and opt.step())")
     if manual:
         _check_manual(config, runtime, wrapped)
     _check_parameters(optimization.optimizers, wrapped)
 
 
 def _check_manual(config: Any, runtime: Runtime, wrapped: nn.Module) -> None:
-    if config.accumulate_grad_batches != 1:
-        raise ValueError("accumulate_grad_batches must be 1 under manual optimization: accumulate in training_step "
-                         "(step the optimizer every N batches yourself)")
+    # Lightning's checks and words first (configuration_validator.py), then how to do it by hand
     if config.gradient_clip_val is not None:  # the Trainer never steps: the clipping would be silently skipped
-        raise ValueError("gradient_clip_val is for automatic optimization; under manual optimization clip in "
-                         "training_step before each step: self.clip_gradients(opt, gradient_clip_val=..., "
+        raise ValueError("Automatic gradient clipping is not supported for manual optimization. Remove "
+                         f"`Trainer(gradient_clip_val={config.gradient_clip_val})` or switch to automatic "
+                         "optimization: gradient_clip_val is for automatic optimization; under manual optimization "
+                         "clip in training_step before each step: self.clip_gradients(opt, gradient_clip_val=..., "
                          "gradient_clip_algorithm='norm')")
+    if config.accumulate_grad_batches != 1:
+        raise ValueError("Automatic gradient accumulation is not supported for manual optimization. Remove "
+                         f"`Trainer(accumulate_grad_batches={config.accumulate_grad_batches})` or switch to automatic "
+                         "optimization: accumulate_grad_batches must be 1 under manual optimization; accumulate in "
+                         "training_step (step the optimizer every N batches yourself)")
     strategy, refusal = runtime.config.strategy, runtime.strategy.manual_optimization_refusal
     if refusal is not None:  # dp: training_step would run in each replica's thread; pp: the schedule steps
         raise ValueError(f"manual optimization cannot run under strategy={strategy!r}: its training_step calls "
@@ -116,3 +139,7 @@ def _check_parameters(optimizers, wrapped: nn.Module) -> None:
                              "model's (built on another model, or before the strategy moved it); pass a factory "
                              "optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), or build it in "
                              "configure_optimizers() from self.parameters()")
+
+
+def _no_step() -> None:
+    """A signature without parameters, for a model without ``training_step``."""

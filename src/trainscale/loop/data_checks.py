@@ -66,6 +66,28 @@ def warn_few_batches(batches: float, log_every_n_steps: int, logs: bool) -> None
                       "you want to see logs for the training epoch.", PossibleUserWarning, stacklevel=4)
 
 
+def validation_to_run(model: Any, has_training_step: bool, has_loaders: bool, limit_val_batches: float,
+                      warn: bool) -> bool:
+    """Whether ``fit`` validates (Lightning's ``trainer.enable_validation``), with Lightning's checks of its validation
+    loop (``trainer/configuration_validator.py``) in its words: it has validation loaders (``has_loaders``: passed,
+    or a ``val_dataloader()`` hook, Lightning's ``_DataLoaderSource.is_defined``), ``limit_val_batches`` is not 0,
+    and the module can validate with them: a module with ``training_step`` and no ``validation_step`` cannot
+    (Lightning's ``UserWarning``: validation is skipped). A ``validation_step`` without loaders is Lightning's
+    ``PossibleUserWarning`` (not when ``limit_val_batches=0`` turned validation off). ``warn``: this rank says the
+    latter (rank zero, as Lightning's ``rank_zero_warn``)."""
+    has_step = getattr(model, "validation_step", None) is not None
+    if has_loaders and has_training_step and not has_step:
+        warnings.warn("You passed in a `val_dataloader` but have no `validation_step`. Skipping val loop. "
+                      f"({type(model).__name__} defines no validation_step: validation is skipped, as in "
+                      "Lightning; define validation_step to validate)", stacklevel=5)
+        return False
+    if not has_loaders and has_step and warn and limit_val_batches != 0:
+        warnings.warn("You defined a `validation_step` but have no `val_dataloader`. Skipping val loop. (Pass "
+                      "val_dataloaders to fit, or define val_dataloader() on the module or its data module)",
+                      PossibleUserWarning, stacklevel=5)
+    return has_loaders and limit_val_batches != 0
+
+
 def warn_unshuffled(loader: Any, data_parallel_size: int) -> None:
     """Say (a ``UserWarning``, shown once per script) that a training loader without shuffling keeps its order on
     several data-parallel ranks, where Lightning's default (``use_distributed_sampler=True``) shuffles every training

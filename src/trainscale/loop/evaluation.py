@@ -26,9 +26,10 @@ from trainscale.checkpointing import checkpointer, run_dirs as ckpt
 from trainscale.checkpointing.rng import fit_seed
 from trainscale.lightning.data_sources import resolve_loaders
 from trainscale.lightning.metrics import MetricCollector, metric_states_kept
-from trainscale.lightning.module import MODE_HOOKS, attach_trainer, set_up_model
+from trainscale.lightning.module import MODE_HOOKS, TrainingModule, attach_trainer, set_up_model
 from trainscale.loop.state import loader_length
 from trainscale.runtime.sampling import with_index_recording
+from trainscale.utilities.model_helpers import is_overridden
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
@@ -477,6 +478,29 @@ def fitted_model(trainer: Trainer, method: str, ckpt_path: Any) -> tuple[Any, An
     return model, Path(saved[0])
 
 
+def check_steps(method: str, model: torch.nn.Module, has_training_step: bool) -> None:
+    """Lightning's checks of the module before ``validate``/``test``/``predict`` (its
+    ``trainer/configuration_validator.py``), with its words, then the fix.
+
+    Raises:
+        ValueError: ``validate``/``test`` of a module with ``training_step`` but no ``validation_step``/``test_step``;
+            ``predict`` with ``predict_step`` set to None, or without ``forward`` and without its own ``predict_step``.
+    """
+    step = {"validate": "validation_step", "test": "test_step"}.get(method)
+    if step is not None and has_training_step and getattr(model, step, None) is None:
+        raise ValueError(f"No `{step}()` method defined to run `Trainer.{method}`. {method}() needs "
+                         f"{type(model).__name__}.{step}(batch, batch_idx); it defines training_step but no {step}, so "
+                         "there is nothing to evaluate (Lightning refuses it too)")
+    if method != "predict":
+        return
+    if "predict_step" in vars(model) and model.predict_step is None:  # set to None on the instance
+        raise ValueError("`predict_step` cannot be None to run `Trainer.predict`: define predict_step(self, batch, "
+                         "batch_idx), or leave the default, which returns self(batch)")
+    own_step = isinstance(model, TrainingModule) and is_overridden("predict_step", model)
+    if getattr(model, "forward", None) is None and not own_step:
+        raise ValueError("`Trainer.predict` requires `forward` method to run: define forward, or a predict_step")
+
+
 def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_fn: Any = None,
               ckpt_path: Path | None = None, datamodule: Any = None, verbose: bool = False) -> Any:
     """``Trainer.validate``/``test``/``predict`` outside ``fit`` (``method``): ``model`` set up by the trainer's
@@ -498,10 +522,7 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     trainer.last_setup = set_up_model(rt, model, loss_fn, trainer.last_setup)  # an earlier fit's: as it was
     _, loop_module, wrapped = trainer.last_setup
     trainer._arm_hooks(model)
-    step = {"validate": "validation_step", "test": "test_step"}.get(method)
-    if step is not None and loop_module.has_training_step and getattr(model, step, None) is None:
-        raise ValueError(f"{method}() needs {type(model).__name__}.{step}(batch, batch_idx); it defines training_step "
-                         f"but no {step}, so there is nothing to evaluate (Lightning refuses it too)")
+    check_steps(method, model, loop_module.has_training_step)
     if ckpt_path is not None:
         rt.load(ckpt_path, {checkpointer.weights_key(checkpointer.is_sharded(ckpt_path)): model})
         rt.print(f"trainscale: {method} with the weights of {ckpt_path}")

@@ -26,6 +26,7 @@ from torch import nn
 from trainscale.callbacks import (Callback, EarlyStopping, ModelCheckpoint, ModelSummary, TQDMProgressBar,
                                   merge_model_callbacks, resolve_callbacks)
 from trainscale.callbacks.base import HOOKS, overridden_hooks
+from trainscale.utilities.model_helpers import is_overridden
 from trainscale.utilities.rank_zero import log_info
 from trainscale.utilities.warnings import PossibleUserWarning
 from trainscale.loggers import resolve_loggers
@@ -44,15 +45,15 @@ from trainscale.scaling.batch_scaling import BatchScaling
 from trainscale.tune.batch_size import tuned_loader
 from trainscale.checkpointing.writes import CheckpointWrites
 from trainscale.loop.data_checks import (check_loaders, check_train_loader_type, explain_batch_error, overfit_order,
-                                         warn_few_batches, warn_unshuffled)
+                                         validation_to_run, warn_few_batches, warn_unshuffled)
 from trainscale.lightning.data_sources import EvalLoaders, FitSources, prepare_stage
 from trainscale.lightning.hparams import drop_unpicklable
 from trainscale.loop.config import (TrainerConfig, barebones_logger, resolve_trainer_config, say_one_batch_limits,
                                     warn_default_max_epochs)
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
-from trainscale.lightning.module import (BatchTransfer, attach_trainer, batch_transfer, defined_hooks,
-                                         module_overrides, set_up_model, skip_backward, uncalled_hooks)
+from trainscale.lightning.module import (BatchTransfer, TrainingModule, attach_trainer, batch_transfer,
+                                         defined_hooks, module_overrides, set_up_model, skip_backward, uncalled_hooks)
 from trainscale.lightning.optimizers import ManualOptimizer, StepOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
 from trainscale.loop.records import MetricsProcessor, epoch_label, epoch_line, epoch_record, run_header
@@ -747,6 +748,10 @@ class Trainer:
 
     def _setup(self, model, loss_fn, optimizer, train_dataloaders) -> FitRun:
         rt = self.runtime
+        if isinstance(model, TrainingModule) and not is_overridden("training_step", model):  # Lightning's check
+            raise ValueError("No `training_step()` method defined. Lightning `Trainer` expects as minimum a "
+                             "`training_step()`, `train_dataloader()` and `configure_optimizers()` to be defined: "
+                             f"define {type(model).__name__}.training_step(self, batch, batch_idx) returning the loss")
         self.last_setup = set_up_model(rt, model, loss_fn, self.last_setup)  # reused from an earlier fit or evaluation
         _, loop_module, wrapped = self.last_setup
         self._arm_hooks(model)
@@ -796,17 +801,10 @@ class Trainer:
         fit.val_loader = self._distribute_val(asked_first[0])
 
     def _fit_validates(self, model: nn.Module, sources: FitSources) -> bool:
-        """Whether this fit validates (Lightning's ``trainer.enable_validation``): it has validation loaders (passed,
-        or a ``val_dataloader()`` hook), ``limit_val_batches`` is not 0, and a module with ``training_step`` has a
-        ``validation_step`` (without one, Lightning's warning: validation is skipped)."""
-        if not sources.has_val or self.config.limit_val_batches == 0:
-            return False
-        if getattr(model, "training_step", None) is not None and getattr(model, "validation_step", None) is None:
-            warnings.warn("You passed in a `val_dataloader` but have no `validation_step`. Skipping val loop. (a "
-                          f"validation DataLoader was passed but {type(model).__name__} defines no validation_step: "
-                          "validation is skipped, as in Lightning; define validation_step to validate)", stacklevel=5)
-            return False
-        return True
+        """Whether this fit validates (Lightning's ``trainer.enable_validation``, with its checks and warnings:
+        ``data_checks.validation_to_run``)."""
+        return validation_to_run(model, getattr(model, "training_step", None) is not None, sources.has_val,
+                                 self.config.limit_val_batches, warn=self.runtime.is_rank_zero)
 
     def _sanity_val(self, sources: FitSources) -> EvalLoaders | None:
         """The validation loaders asked for as Lightning's sanity check asks: ``trainer.sanity_checking`` True in
@@ -925,7 +923,10 @@ class Trainer:
 
         1. Each micro-batch: to the device (through the module's ``on_before_batch_transfer``,
            ``transfer_batch_to_device`` and ``on_after_batch_transfer`` where it overrides one, as Lightning;
-           decided once per stage: :attr:`batch_transfer`), ``on_train_batch_start``, forward under autocast,
+           decided once per stage: :attr:`batch_transfer`), ``on_train_batch_start``; at the step's first
+           micro-batch ``on_before_zero_grad`` and ``zero_grad(set_to_none=True)`` (the module's
+           ``optimizer_zero_grad``), so the last step's gradients are freed before this forward
+           and were there until then, as in Lightning (``on_train_batch_end`` reads them); forward under autocast,
            backward of the loss ÷ micro-batches per step (the module's ``backward`` hook when it has one) between
            ``on_before_backward`` and ``on_after_backward``; the gradient
            all-reduce (ddp) or reduce-scatter (fsdp) runs on the step's last micro-batch only
@@ -941,8 +942,7 @@ class Trainer:
         3. Non-finite gradients: skipped with ``on_nonfinite="skip"`` (one host sync); with "raise" the
            losses are checked at the agreed check steps in step 6, without a host sync per step.
         4. The optimizer step at the learning rate scaled to the global batch (``lr_scaling``, this step
-           only), through the GradScaler under "16-mixed"; then ``on_before_zero_grad`` and
-           ``zero_grad(set_to_none=True)`` (the module's ``optimizer_zero_grad``).
+           only), through the GradScaler under "16-mixed".
         5. The learning-rate schedulers other than ``ReduceLROnPlateau``, each through the module's
            ``lr_scheduler_step`` (Lightning's default: ``scheduler.step()``; under manual optimization the module
            steps its own, as in Lightning): those with ``interval="step"`` (their ``frequency`` counts the epoch's
@@ -987,6 +987,13 @@ class Trainer:
                 batch = self.batch_transfer(micro.batch, 0)
             fit.books.batch_ready(batch)  # the data phase ends; samples and tokens (self.log's batch size)
             self._hook("on_train_batch_start", batch, micro.index)
+            if micro.index == first_batch and not self.manual_optimizers:  # the step's first: zero the gradients
+                # the last step's, there until now as in Lightning; freed before this forward (Lightning: after it)
+                self._hook("on_before_zero_grad", self.optimizers[0])
+                if "optimizer_zero_grad" in fit.loop_module.step_hooks:  # the module's own (Lightning's hook)
+                    fit.model.optimizer_zero_grad(self.current_epoch, micro.index, self.optimizers[0])
+                else:
+                    self.optimizers[0].zero_grad(set_to_none=True)
             with prof.profile("training_step_and_backward"):  # its end advances PyTorchProfiler's schedule
                 if tele.counting_flops:  # the run's first micro-batch: its FLOPs counted once, for MFU
                     loss, t_forward = tele.count_flops_of(lambda: self._forward_backward(fit, batch, micro), fit.wrapped,
@@ -1001,7 +1008,7 @@ class Trainer:
             self._hook("on_train_batch_end", loss, batch, micro.index)
         else:
             return False
-        # 2.-4. The hook before the step, clipping, the "skip" check, the step, zeroing (automatic optimization).
+        # 2.-4. The hook before the step, clipping, the "skip" check, the step (automatic optimization).
         grad_norm = None if self.manual_optimizers else self._optimizer_step(fit, loss, micro.index)
         tele.end_step()  # the "optimizer" phase ends
         # 5. Schedulers, the step count, callbacks, the step record.
@@ -1048,8 +1055,7 @@ class Trainer:
         ``optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)`` (the module's own, or its default
         ``optimizer.step(closure=optimizer_closure)``): the closure runs 2 and 3 (Lightning's ``_after_closure``; the
         step's forward and backward ran before it, where Lightning runs them in it), ``optimizer.step()`` (a
-        :class:`StepOptimizer`) runs 4. Then ``on_before_zero_grad`` and ``optimizer_zero_grad`` (the module's own,
-        or ``zero_grad(set_to_none=True)``). Returns the gradient norm clipping measured (None: not clipped by norm,
+        :class:`StepOptimizer`) runs 4. Returns the gradient norm clipping measured (None: not clipped by norm,
         or clipped by the module's own ``configure_gradient_clipping``)."""
         rt, cfg, model, hooks = self.runtime, self.config, fit.model, fit.loop_module.step_hooks
         optimizer, found = self.optimizers[0], {"grad_norm": None, "skip": False}
@@ -1079,12 +1085,6 @@ class Trainer:
             model.optimizer_step(self.current_epoch, batch_idx, stepper, closure)
         else:
             stepper.step(closure=closure)
-        # then zero the gradients
-        self._hook("on_before_zero_grad", optimizer)
-        if "optimizer_zero_grad" in hooks:
-            model.optimizer_zero_grad(self.current_epoch, batch_idx, optimizer)
-        else:
-            optimizer.zero_grad(set_to_none=True)
         return found["grad_norm"]
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float,
@@ -1232,8 +1232,8 @@ class Trainer:
         if fit.val_loader is None:  # val_dataloader() gave none: nothing to validate
             self.training = True
             return {}
-        if "on_validation_model_zero_grad" in fit.loop_module.overrides:  # the default: nothing here (see its doc)
-            fit.model.on_validation_model_zero_grad()
+        # Lightning's hook frees the gradients before validation (the default: the module's zero_grad())
+        getattr(fit.model, "on_validation_model_zero_grad", fit.model.zero_grad)()
         results = evaluation.merged(evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader,
                                                               "validation"))
         self.training = True

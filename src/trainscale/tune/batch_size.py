@@ -168,9 +168,9 @@ class _TrialHost:
 
 
 def _trial_copy(model: nn.Module, runtime: Runtime) -> nn.Module:
-    """A deep copy of ``model`` for the trials (without the Trainer a previous fit attached to it)."""
-    attached = model.__dict__.get("_trainer")
-    clone = copy.deepcopy(model, {id(attached): None} if attached is not None else None)
+    """A deep copy of ``model`` for the trials (without the Trainer a previous fit attached to it:
+    ``TrainingModule.__getstate__``)."""
+    clone = copy.deepcopy(model)
     clone.__dict__["_trainer"] = _TrialHost(runtime)
     return clone
 
