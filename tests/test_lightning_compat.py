@@ -273,7 +273,7 @@ class FrozenNorm(Probe):
 @pytest.mark.timeout(60)
 def test_a_submodule_in_eval_mode_stays_so_through_fit_validation_and_test(tmp_path):
     model = FrozenNorm()
-    trainer = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=1)
+    trainer = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=1, log_every_n_steps=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # the model itself is in training mode: no warning
         trainer.fit(model, _loader(), _loader(4))
@@ -556,7 +556,8 @@ def test_no_validation_by_limit_val_batches_0_or_a_hook_set_to_none(tmp_path):
 
     model = Probe()
     model.validation_step = None  # Lightning's way to switch a step off
-    with pytest.warns(UserWarning, match="defines no validation_step"):
+    with pytest.warns(UserWarning, match=r"You passed in a `val_dataloader` but have no `validation_step`\. Skipping "
+                                         "val loop.*defines no validation_step"):  # Lightning's words first
         _trainer(tmp_path / "b", max_epochs=1).fit(model, _loader(), _loader(4))
     with_hook = SetupReadsTrainer()
     with_hook.val_dataloader = None
@@ -1227,7 +1228,8 @@ def test_the_progress_bar_counts_the_batches_of_each_epoch_as_lightnings(tmp_pat
                       num_sanity_val_steps=0, enable_model_summary=False)
     model = BarTotals()
     trainer.fit(model, _loader(8), _loader(6))  # 4 training and 3 validation batches, validation in epochs 2 and 4
-    assert model.totals == [(4, 0), (4, 3), (4, 0), (4, 3)]
+    # the validation loaders are asked for at the first validation (epoch 2's end), so epoch 2 starts without them
+    assert model.totals == [(4, 0), (4, 0), (4, 0), (4, 3)]
     steps = Trainer(accelerator="cpu", default_root_dir=tmp_path / "s", max_steps=6, num_sanity_val_steps=0,
                     enable_model_summary=False, enable_progress_bar=True)
     model = BarTotals()
@@ -1811,7 +1813,7 @@ def test_overfit_batches_reads_the_first_batches_in_order_with_lightnings_warnin
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", message="You defined a `validation_step` but have no `val_dataloader`")
-        _trainer(tmp_path / "sequential", max_epochs=1, overfit_batches=2).fit(Seen(), _loader())
+        _trainer(tmp_path / "sequential", max_epochs=1, overfit_batches=2, log_every_n_steps=1).fit(Seen(), _loader())
 
 
 @pytest.mark.timeout(60)
@@ -2352,11 +2354,13 @@ class _RandomData(Probe):
 
     def train_dataloader(self):
         self.asked.append("train")
-        return DataLoader(TensorDataset(torch.randn(4, 2), torch.zeros(4)), batch_size=2)
+        self.train_inputs = torch.randn(4, 2)
+        return DataLoader(TensorDataset(self.train_inputs, torch.zeros(4)), batch_size=2)
 
     def val_dataloader(self):
         self.asked.append("val")
-        return DataLoader(TensorDataset(torch.randn(4, 2), torch.zeros(4)), batch_size=2)
+        self.val_inputs = torch.randn(4, 2)
+        return DataLoader(TensorDataset(self.val_inputs, torch.zeros(4)), batch_size=2)
 
 
 @pytest.mark.timeout(60)
@@ -2365,10 +2369,7 @@ def test_fit_asks_for_the_validation_loader_first_with_the_random_state_put_back
     trainer = _trainer(tmp_path, max_epochs=1)
     trainer.fit(model)
     assert model.asked == ["val", "train"]  # Lightning's order (its sanity check asks for validation data first)
-    from trainscale.lightning.data_sources import resolve_fit_loaders
-
-    train, [val] = resolve_fit_loaders(trainer.runtime, _RandomData(), None, None, None)  # the validation loaders
-    assert torch.equal(train.dataset.tensors[0], val.dataset.tensors[0])  # both drawn from the same random state
+    assert torch.equal(model.train_inputs, model.val_inputs)  # both drawn from the same random state
 
 
 # -- the module's print, dtype and toggle_optimizer -----------------------------------------------------------------
@@ -3832,7 +3833,7 @@ def test_a_validation_step_without_a_validation_loader_is_lightnings_warning(tmp
         _trainer(tmp_path, max_epochs=1).fit(Probe(), _loader(4))
     with warnings.catch_warnings():
         warnings.simplefilter("error", PossibleUserWarning)  # validation turned off: nothing to say
-        _trainer(tmp_path, max_epochs=1, limit_val_batches=0).fit(Probe(), _loader(4))
+        _trainer(tmp_path, max_epochs=1, limit_val_batches=0, log_every_n_steps=1).fit(Probe(), _loader(4))
     with pytest.warns(UserWarning, match=r"You passed in a `val_dataloader` but have no `validation_step`\. "):
         _trainer(tmp_path, max_epochs=1).fit(_without(validation_step=None), _loader(4), _loader(2))
 
@@ -3912,6 +3913,25 @@ class _GradModes(Probe):
 
     def predict_step(self, batch, batch_idx):
         self._note("predict_step")
+
+
+# -- dataloader attributes and order --------------------------------------------------------------------------------
+class _SeveralEval(Probe):
+    """Validates, tests and predicts on several loaders (``dataloader_idx``); notes ``trainer.val_dataloaders`` in
+    each validation batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.val_seen_in_step: list = []
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        self.val_seen_in_step.append(self.trainer.val_dataloaders)
+        self.log("val_loss", self.layer(batch[0]).pow(2).mean())
+
+    def test_step(self, batch, batch_idx, dataloader_idx=0):
+        self.log("test_loss", self.layer(batch[0]).pow(2).mean())
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
         return self.layer(batch[0])
 
 
@@ -4169,3 +4189,177 @@ def test_lambda_callback_calls_the_functions_given_by_hook_name(tmp_path):
     assert calls == [("setup", "fit"), ("epoch", 0), ("epoch", 1)]
     with pytest.raises(TypeError, match="'on_epoch_end', which is not a Callback hook"):
         LambdaCallback(on_epoch_end=print)
+
+
+def test_val_test_and_predict_dataloaders_hold_each_stages_loaders_in_the_form_given(tmp_path):
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, log_every_n_steps=1)
+    assert (trainer.train_dataloader, trainer.val_dataloaders, trainer.test_dataloaders,
+            trainer.predict_dataloaders) == (None, None, None, None)
+    model, one = _SeveralEval(), _loader(4)
+    trainer.fit(model, _loader(), one)
+    assert trainer.val_dataloaders is one  # one rank, in order: the loader as given, as Lightning's
+    assert model.val_seen_in_step and all(seen is one for seen in model.val_seen_in_step)
+    assert trainer.enable_validation and trainer.train_dataloader is not None
+
+    pair = [_loader(4), _loader(6)]
+    trainer.fit(model, _loader(), pair)
+    assert isinstance(trainer.val_dataloaders, list) and [dl.dataset for dl in trainer.val_dataloaders] == [
+        dl.dataset for dl in pair]
+    named = {"a": _loader(4), "b": _loader(6)}
+    trainer.validate(model, named, verbose=False)
+    assert list(trainer.val_dataloaders) == ["a", "b"] and trainer.val_dataloaders["b"].dataset is named["b"].dataset
+    assert trainer.train_dataloader is None  # validate started: fit's loaders are forgotten, as Lightning's
+
+    trainer.test(model, pair, verbose=False)
+    assert len(trainer.test_dataloaders) == 2 and trainer.val_dataloaders is None
+    trainer.predict(model, one)
+    assert trainer.predict_dataloaders.dataset is one.dataset and trainer.test_dataloaders is None
+
+
+class _AsksForLoaders(Probe):
+    """Notes each data hook's call: its name, whether the sanity check was running, the epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked: list[tuple[str, bool, int]] = []
+
+    def train_dataloader(self):
+        self.asked.append(("train", self.trainer.sanity_checking, self.current_epoch))
+        return _loader()
+
+    def val_dataloader(self):
+        self.asked.append(("val", self.trainer.sanity_checking, self.current_epoch))
+        return _loader(4)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("flags", "expected"), [
+    ({"max_epochs": 2}, [("val", True, 0), ("train", False, 0)]),  # the sanity check asks first
+    ({"max_epochs": 2, "num_sanity_val_steps": 0}, [("train", False, 0), ("val", False, 0)]),
+    ({"max_epochs": 4, "num_sanity_val_steps": 0, "check_val_every_n_epoch": 2},
+     [("train", False, 0), ("val", False, 1)]),  # at the first validation
+    ({"max_epochs": 3, "num_sanity_val_steps": 0, "reload_dataloaders_every_n_epochs": 1},
+     [("train", False, 0), ("val", False, 0), ("train", False, 1), ("val", False, 1), ("train", False, 2),
+      ("val", False, 2)]),
+    ({"max_epochs": 6, "check_val_every_n_epoch": 3, "reload_dataloaders_every_n_epochs": 4},
+     [("val", True, 0), ("train", False, 0), ("val", False, 2), ("train", False, 4)]),  # the sanity check's asking
+    # does not count for epoch 0, which does not validate; epoch 5 is 3 epochs after epoch 2's: not again
+])
+def test_the_data_hooks_are_asked_in_lightnings_order(tmp_path, flags, expected):
+    model = _AsksForLoaders()
+    _trainer(tmp_path, log_every_n_steps=1, **flags).fit(model)
+    assert model.asked == expected
+
+
+class _TrainBuildsValReads(trainscale.DataModule):
+    """A data module whose val_dataloader() reads what train_dataloader() built (a split made there)."""
+
+    def train_dataloader(self):
+        data = _loader(12).dataset
+        self.train_part, self.val_part = torch.utils.data.random_split(data, [8, 4])
+        return DataLoader(self.train_part, batch_size=2)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_part, batch_size=2)
+
+
+@pytest.mark.timeout(60)
+def test_a_datamodule_whose_val_loader_needs_its_train_loader_fits_without_the_sanity_check(tmp_path):
+    dm = _TrainBuildsValReads()
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, log_every_n_steps=1)
+    trainer.fit(Probe(), datamodule=dm)  # training's loader first, as Lightning without its sanity check
+    assert trainer.num_val_batches == [2] and trainer.val_dataloaders.dataset is dm.val_part
+    with pytest.raises(AttributeError, match="val_part"):  # with it, validation's first: Lightning's order too
+        _trainer(tmp_path / "sanity", max_epochs=1).fit(Probe(), datamodule=_TrainBuildsValReads())
+
+
+@pytest.mark.timeout(60)
+def test_fewer_training_batches_than_log_every_n_steps_warns_as_lightning(tmp_path):
+    from trainscale.loggers import CSVLogger
+
+    with pytest.warns(PossibleUserWarning, match=re.escape(
+            "The number of training batches (4) is smaller than the logging interval Trainer(log_every_n_steps=5). "
+            "Set a lower value for log_every_n_steps if you want to see logs for the training epoch.")):
+        _trainer(tmp_path, max_epochs=1, log_every_n_steps=5, logger=CSVLogger(tmp_path)).fit(Probe(), _loader())
+    with pytest.warns(PossibleUserWarning, match=re.escape("training batches (2) is smaller")):  # after the limit
+        _trainer(tmp_path / "l", max_epochs=1, log_every_n_steps=3, limit_train_batches=2,
+                 logger=CSVLogger(tmp_path / "l")).fit(Probe(), _loader())
+    for flags in ({"log_every_n_steps": 4, "logger": CSVLogger(tmp_path / "e")},  # enough batches
+                  {"log_every_n_steps": 5, "logger": False},  # nothing to log to
+                  {"log_every_n_steps": 5, "fast_dev_run": True}):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="The number of training batches")
+            _trainer(tmp_path / "q", max_epochs=1, **flags).fit(Probe(), _loader())
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    ({"limit_val_batches": 1.2}, "You have passed invalid value 1.2 for limit_val_batches, it has to be in [0.0, 1.0] "
+                                 "or an int."),
+    ({"overfit_batches": -0.1}, "You have passed invalid value -0.1 for overfit_batches"),
+    ({"val_check_interval": 1.2}, "You have passed invalid value 1.2 for val_check_interval"),
+    ({"fast_dev_run": -1}, "fast_dev_run=-1 is not a valid configuration. It should be >= 0."),
+    ({"reload_dataloaders_every_n_epochs": -1}, "`reload_dataloaders_every_n_epochs` should be an int >= 0, got -1."),
+    ({"reload_dataloaders_every_n_epochs": "2"}, "`reload_dataloaders_every_n_epochs` should be an int >= 0, got 2."),
+])
+def test_bad_loop_flag_values_are_refused_in_lightnings_words(tmp_path, flags, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        _trainer(tmp_path, **flags)
+
+
+def test_fast_dev_run_sets_max_epochs_to_1_from_the_start(tmp_path):
+    assert _trainer(tmp_path, fast_dev_run=3, max_epochs=5).max_epochs == 1
+    assert _trainer(tmp_path, max_epochs=5).max_epochs == 5
+
+
+class _Wrapped:
+    """An iterable over a DataLoader that is no DataLoader (a user's wrapper)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+@pytest.mark.timeout(60)
+def test_an_evaluation_loader_may_be_any_iterable_on_one_rank(tmp_path):
+    model, wrapped = _SeveralEval(), _Wrapped(_loader(4))
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, log_every_n_steps=1)
+    trainer.fit(model, _loader(), wrapped)
+    assert trainer.val_dataloaders is wrapped and trainer.num_val_batches == [math.inf]
+    assert model.val_seen_in_step and len(model.val_seen_in_step) == 2  # its two batches
+    [result] = trainer.validate(model, wrapped, verbose=False)
+    assert result["val_loss"] == pytest.approx(trainer.validate(model, _loader(4), verbose=False)[0]["val_loss"])
+
+
+def test_an_evaluation_iterable_on_several_data_parallel_ranks_is_refused_naming_the_fix():
+    from types import SimpleNamespace
+
+    from trainscale.loop.evaluation import eval_loader
+
+    two_ranks = SimpleNamespace(data_parallel_size=2)  # all eval_loader reads of a runtime for such an iterable
+    with pytest.raises(TypeError, match="not a torch.utils.data.DataLoader.*pass the DataLoader itself"):
+        eval_loader(two_ranks, _Wrapped(_loader(4)), 0)
+    with pytest.raises(TypeError, match="An invalid dataloader was passed. Found 3"):  # not even an iterable
+        eval_loader(SimpleNamespace(data_parallel_size=1), 3, 0)
+
+
+@pytest.mark.parametrize(("train", "words"), [
+    (_Wrapped(_loader()), "the training loader is a _Wrapped, not a torch.utils.data.DataLoader.*pass the DataLoader "
+                          "itself"),
+    ([_loader(), _loader()], "came as a list: trainscale trains on one DataLoader .*no CombinedLoader"),
+])
+def test_a_training_loader_that_is_no_dataloader_is_refused_naming_the_fix(tmp_path, train, words):
+    with pytest.raises(TypeError, match=words):
+        _trainer(tmp_path, max_epochs=1).fit(Probe(), train)
+
+
+@pytest.mark.timeout(60)
+def test_a_datamodule_passed_as_fits_loader_is_the_trainers_datamodule_and_not_with_loaders(tmp_path):
+    dm = _TrainBuildsValReads()
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, log_every_n_steps=1)
+    trainer.fit(Probe(), dm)
+    assert trainer.datamodule is dm
+    with pytest.raises(ValueError, match=re.escape("You cannot pass `train_dataloader` or `val_dataloaders` to "
+                                                   "`trainer.fit(datamodule=...)`")):
+        trainer.fit(Probe(), val_dataloaders=_loader(4), datamodule=dm)

@@ -69,16 +69,14 @@ def is_data_source(obj: Any) -> bool:
 
 def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, datamodule: Any,
                     set_up_callbacks: Callable[[], None] = lambda: None, request: bool = True) -> tuple[Any, Any]:
-    """The stage's loaders: ``(train, val loaders or None)`` for "fit", ``(loaders, None)`` for "validate", "test"
-    and "predict" (evaluation loaders as a list: :func:`eval_loaders`). First, in every case, the data hooks of
-    ``datamodule`` and of the model (:func:`_prepare`): ``prepare_data()`` on each node's local rank 0 then a
-    barrier, ``setup(stage)`` on every rank, with ``set_up_callbacks`` (the callbacks' ``setup``) between the data
-    module's and the model's. Then ``loaders`` when given (a data module passed there counts as ``datamodule``, as
-    Lightning allows); else the loader hooks of ``datamodule`` or, without one, of the model: ``val_dataloader()``
-    if defined (None or an empty list from it: no validation) and ``train_dataloader()`` with the random state as
-    before the first (Lightning's order: two data sets drawn alike from the random state are the same), or the
-    stage's hook (Lightning's ``DataHooks``). ``request`` False (an evaluation stage whose ``limit_*_batches`` is 0):
-    the setup hooks only, no loader asked for, ``([], None)`` (Lightning's ``setup_data`` returns before it).
+    """An evaluation stage's loaders ("validate", "test", "predict"): ``(loaders, None)``, the loaders an
+    :class:`EvalLoaders` list (:func:`eval_loaders`). First, in every case, the data hooks of ``datamodule`` and of
+    the model (:func:`prepare_stage`): ``prepare_data()`` on each node's local rank 0 then a barrier,
+    ``setup(stage)`` on every rank, with ``set_up_callbacks`` (the callbacks' ``setup``) between the data module's
+    and the model's. Then ``loaders`` when given (a data module passed there counts as ``datamodule``, as Lightning
+    allows); else the stage's loader hook of ``datamodule`` or, without one, of the model (Lightning's
+    ``DataHooks``). ``request`` False (a stage whose ``limit_*_batches`` is 0): the setup hooks only, no loader asked
+    for, ``([], None)`` (Lightning's ``setup_data`` returns before it). ``fit``'s loaders: :class:`FitSources`.
 
     Raises:
         ValueError: both ``loaders`` and ``datamodule``; neither, and the model has no such hook (named with the
@@ -89,29 +87,74 @@ def resolve_loaders(runtime: Runtime, stage: str, model: Any, loaders: Any, data
     if loaders is not None and datamodule is not None:
         raise ValueError(f"{stage}: pass DataLoaders or datamodule=, not both")
     if not request:
-        _prepare(runtime, datamodule, model, stage, set_up_callbacks)
+        prepare_stage(runtime, datamodule, model, stage, set_up_callbacks)
         return [], None
     source = None if loaders is not None else _source(stage, model, datamodule)  # raises before any hook runs
-    _prepare(runtime, datamodule, model, stage, set_up_callbacks)  # with loaders passed too
+    prepare_stage(runtime, datamodule, model, stage, set_up_callbacks)  # with loaders passed too
     if source is None:
-        return (loaders if stage == "fit" else eval_loaders(loaders, stage)), None
-    if stage != "fit":
-        return eval_loaders(getattr(source, LOADER_HOOKS[stage])(), stage), None
-    # Lightning's order: val_dataloader() first (its sanity check asks for it, with the random state put back after
-    # it), then train_dataloader(), which so sees the random state either would see alone
-    saved = rng_state()
-    val = _hooked_val(source)
-    set_rng_state(saved)
-    return source.train_dataloader(), val
+        return eval_loaders(loaders, stage), None
+    return eval_loaders(getattr(source, LOADER_HOOKS[stage])(), stage), None
 
 
-def _hooked_val(source: Any) -> list | None:
-    """``source.val_dataloader()``'s loaders (:func:`val_loaders`); None when the hook is missing."""
-    hook = getattr(source, "val_dataloader", None)
-    return val_loaders(hook() if hook is not None else None)
+class FitSources:
+    """Where ``fit``'s loaders come from (Lightning's ``_DataLoaderSource`` of its fit loop and of its validation
+    loop): the loaders passed to ``fit``, else the ``train_dataloader()``/``val_dataloader()`` hooks of ``datamodule``
+    or, without one, of the model (a training loader passed without ``val``: the model's own ``val_dataloader()``,
+    as Lightning's ``fit(model, train_dataloaders=...)``). The Trainer asks :meth:`train` and :meth:`val` when its
+    loop needs them, in Lightning's order, and again under ``reload_dataloaders_every_n_epochs``.
+
+    Raises:
+        ValueError: both loaders and ``datamodule``; no training loader and no ``train_dataloader()`` (named with
+            the fix). Raised on every rank before any hook runs.
+    """
+
+    def __init__(self, model: Any, train: Any, val: Any, datamodule: Any) -> None:
+        if train is not None and is_data_source(train):
+            train, datamodule = None, _only(datamodule, train, "fit")
+        if (train is not None or val is not None) and datamodule is not None:
+            raise ValueError("You cannot pass `train_dataloader` or `val_dataloaders` to `trainer.fit(datamodule=...)`: "
+                             "fit: pass DataLoaders or datamodule=, not both")
+        self.datamodule = datamodule
+        self._train = train if train is not None else _source("fit", model, datamodule)
+        self.train_hooked = train is None  # asked again on a reload; a passed loader is the same object again
+        self._val = val if val is not None else (datamodule if datamodule is not None else model)
+        self.val_hooked = val is None
+        # Lightning's _DataLoaderSource.is_defined: loaders passed, or a val_dataloader() hook
+        self.has_val = not self.val_hooked or getattr(self._val, "val_dataloader", None) is not None
+
+    def train(self) -> Any:
+        """The training loader: the one passed, or what ``train_dataloader()`` returns now."""
+        return self._train.train_dataloader() if self.train_hooked else self._train
+
+    def val(self) -> EvalLoaders | None:
+        """The validation loaders (:func:`val_loaders`): those passed, or what ``val_dataloader()`` returns now;
+        None without any."""
+        if not self.has_val:
+            return None
+        return val_loaders(self._val.val_dataloader() if self.val_hooked else self._val)
 
 
-def val_loaders(loaders: Any) -> list | None:
+class EvalLoaders(list):
+    """An evaluation stage's loaders in the order they run, and the form they were given in (``form``: None for a
+    loader alone, ``list``, ``tuple``, or ``dict`` with its keys in ``keys``), so that
+    ``trainer.val_dataloaders`` and the others give them back in that form, as Lightning's
+    ``CombinedLoader.iterables`` (:meth:`in_given_form`)."""
+
+    def __init__(self, loaders: list, form: Any = None, keys: tuple = ()) -> None:
+        super().__init__(loaders)
+        self.form, self.keys = form, keys
+
+    def in_given_form(self, loaders: list) -> Any:
+        """``loaders`` (these, or each as the loop reads it, in the same order) in the form these were given in: the
+        one loader, a list, a tuple, or a dict with the same keys."""
+        if self.form is dict:
+            return dict(zip(self.keys, loaders))
+        if self.form in (list, tuple):
+            return self.form(loaders)
+        return loaders[0]
+
+
+def val_loaders(loaders: Any) -> EvalLoaders | None:
     """``fit``'s validation loaders as a list (:func:`eval_loaders`); None for None or an empty list, tuple or dict
     (no validation, as Lightning)."""
     if loaders is None or (isinstance(loaders, (list, tuple, dict)) and not loaders):
@@ -119,7 +162,7 @@ def val_loaders(loaders: Any) -> list | None:
     return eval_loaders(loaders, "validation")
 
 
-def eval_loaders(loaders: Any, stage: str) -> list:
+def eval_loaders(loaders: Any, stage: str) -> EvalLoaders:
     """An evaluation stage's loaders as a list, in the order Lightning runs them (its ``CombinedLoader`` in
     "sequential" mode): a DataLoader alone, a list's or tuple's items, a dict's values. Each is evaluated in turn;
     with several, the steps get ``dataloader_idx`` and ``self.log`` names end in ``/dataloader_idx_N``.
@@ -128,18 +171,19 @@ def eval_loaders(loaders: Any, stage: str) -> list:
         ValueError: an empty list, tuple or dict (nothing to evaluate), naming the fix.
     """
     if isinstance(loaders, dict):
-        found = list(loaders.values())
+        found = EvalLoaders(list(loaders.values()), dict, tuple(loaders))
     elif isinstance(loaders, (list, tuple)):
-        found = list(loaders)
+        found = EvalLoaders(list(loaders), list if isinstance(loaders, list) else tuple)
     else:
-        found = [loaders]
+        found = EvalLoaders([loaders])
     if not found:
         raise ValueError(f"{stage}: an empty {type(loaders).__name__} of DataLoaders was given, so there is nothing to "
                          "evaluate; pass at least one DataLoader")
     return found
 
 
-def _prepare(runtime: Runtime, datamodule: Any, model: Any, stage: str, set_up_callbacks: Callable[[], None]) -> None:
+def prepare_stage(runtime: Runtime, datamodule: Any, model: Any, stage: str,
+                  set_up_callbacks: Callable[[], None]) -> None:
     """Lightning's order (``_DataConnector.prepare_data``, ``_call_setup_hook``): ``prepare_data()`` of the data
     module then of the model, once per node (local rank 0) while the other ranks wait; then on every rank the data
     module's ``setup(stage)``, ``set_up_callbacks()``, the model's ``setup(stage)`` and its ``configure_model()``
@@ -174,31 +218,3 @@ def _only(datamodule: Any, passed: Any, stage: str) -> Any:
     if datamodule is not None:
         raise ValueError(f"{stage}: a data module was passed both as the loader and as datamodule=; pass it once")
     return passed
-
-
-def fit_loader_hooks(model: Any, train: Any, val: Any, datamodule: Any) -> Callable[[], tuple[Any, Any]] | None:
-    """For ``reload_dataloaders_every_n_epochs``: a function asking the data hooks again for ``fit``'s ``(train,
-    val)`` (only the ``*_dataloader()`` hooks, not ``prepare_data``/``setup``, as Lightning's reload), a passed
-    ``val`` kept; None when the training loader was passed (nothing to ask)."""
-    if train is not None and is_data_source(train):
-        train, datamodule = None, train
-    if train is not None:
-        return None
-    source = datamodule if datamodule is not None else model
-    return lambda: (source.train_dataloader(), val_loaders(val) if val is not None else _hooked_val(source))
-
-
-def resolve_fit_loaders(runtime: Runtime, model: Any, train: Any, val: Any, datamodule: Any,
-                        set_up_callbacks: Callable[[], None] = lambda: None) -> tuple[Any, Any]:
-    """``fit``'s ``(train, val)``: :func:`resolve_loaders` for "fit", with ``val`` when it was passed (the validation
-    loaders as a list, or None: :func:`val_loaders`). A training loader passed without ``val`` validates on the
-    model's own ``val_dataloader()`` when it has one, as Lightning's ``fit(model, train_dataloaders=...)``.
-
-    Raises:
-        ValueError: as :func:`resolve_loaders`.
-    """
-    passed = train is not None and not is_data_source(train)
-    train, hooked_val = resolve_loaders(runtime, "fit", model, train, datamodule, set_up_callbacks)
-    if val is not None:
-        return train, val_loaders(val)
-    return train, _hooked_val(model) if passed and datamodule is None else hooked_val

@@ -49,7 +49,8 @@ def _limit(name: str, value) -> None:
     count = isinstance(value, int) and not isinstance(value, bool) and value >= 0
     fraction = isinstance(value, float) and 0.0 <= value <= 1.0
     if not (value is None or count or fraction):
-        raise ValueError(f"{name}={value!r} must be an int >= 0 (batches per epoch), a float in [0, 1] (a fraction "
+        raise ValueError(f"You have passed invalid value {value} for {name}, it has to be in [0.0, 1.0] or an int. "
+                         f"{name}={value!r} must be an int >= 0 (batches per epoch), a float in [0, 1] (a fraction "
                          f"of them) or None (all); 0 turns {_ZERO_TURNS_OFF[name]} off")
 
 
@@ -77,14 +78,22 @@ def _every_n_epoch(name: str, value) -> None:
 
 def _fast_dev_run(name: str, fast) -> None:
     if not isinstance(fast, bool) and (not isinstance(fast, int) or fast < 0):
-        raise ValueError(f"{name}={fast!r} must be True, False or an int >= 0 (batches to run)")
+        raise ValueError(f"{name}={fast!r} is not a valid configuration. It should be >= 0. {name} must be True, "
+                         "False or an int >= 0 (batches to run)")
+
+
+def _reload_every(name: str, every) -> None:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:  # Lightning's words first
+        raise ValueError(f"`{name}` should be an int >= 0, got {every}. {name}={every!r}: 0 builds the loaders once, "
+                         "N > 0 asks the data hooks for new ones every N epochs")
 
 
 def _overfit_batches(name: str, overfit) -> None:
     if isinstance(overfit, bool) or not isinstance(overfit, (int, float)) or not 0 <= overfit <= (
             math.inf if isinstance(overfit, int) else 1.0):
-        raise ValueError(f"{name}={overfit!r} must be an int >= 0 (batches) or a float in [0, 1] (a "
-                         "fraction of the training batches); 0 turns it off")
+        raise ValueError(f"You have passed invalid value {overfit} for {name}, it has to be in [0.0, 1.0] or an int. "
+                         f"{name}={overfit!r} must be an int >= 0 (batches) or a float in [0, 1] (a fraction of the "
+                         "training batches); 0 turns it off")
 
 
 @dataclass(frozen=True)
@@ -256,7 +265,7 @@ class TrainerConfig:
     deterministic: bool | Literal["warn"] | None = flag(None)
     enable_model_summary: bool = flag(True)
     use_distributed_sampler: bool = flag(True)
-    reload_dataloaders_every_n_epochs: int = flag(0, low=0)
+    reload_dataloaders_every_n_epochs: int = flag(0, check=_reload_every)
     detect_anomaly: bool = flag(False)
     benchmark: bool | None = flag(None)
     barebones: bool = flag(False)
@@ -483,7 +492,8 @@ def _check_val_schedule(cfg: TrainerConfig) -> None:
     count = isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1
     timed = isinstance(interval, timedelta)  # parse_duration's: not negative
     if not (interval is None or count or timed or (isinstance(interval, float) and 0.0 < interval <= 1.0)):
-        raise ValueError(f"val_check_interval={interval!r} must be an int >= 1 (every N training batches), a float in "
+        raise ValueError(f"You have passed invalid value {interval} for val_check_interval, it has to be in [0.0, 1.0] "
+                         f"or an int. val_check_interval={interval!r} must be an int >= 1 (every N training batches), a float in "
                          "(0, 1] (a fraction of the epoch), a duration ('DD:HH:MM:SS', a datetime.timedelta or a "
                          "dict of its keywords) or None (each epoch end)")
     if cfg.check_val_every_n_epoch is None and not (count or timed):  # Lightning's words first

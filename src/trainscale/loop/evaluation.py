@@ -531,7 +531,8 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     if off:
         return _skipped_stage(trainer, model, method)
     if method == "predict":
-        return _predict_stage(trainer, model, loop_module, wrapped, loaders, num_batches)
+        return _predict_stage(trainer, model, loop_module, wrapped, (loaders, dataloaders), num_batches)
+    trainer.stage_dataloaders["val" if method == "validate" else method] = dataloaders.in_given_form(loaders)
     if method == "test":
         trainer.num_test_batches = num_batches
     results = evaluate_stage(trainer, loop_module, wrapped, loaders, stage, num_batches)
@@ -555,23 +556,53 @@ def _skipped_stage(trainer: Trainer, model: Any, method: str) -> list | None:
     return None if method == "predict" else []
 
 
+def eval_loader(runtime: Runtime, loader: Any, seed: int | None, shuffle: bool | None = None) -> Any:
+    """An evaluation loader as this rank reads it: a DataLoader split without padding (``Runtime.setup_dataloader``
+    with ``even=False``: each sample on one rank; one that keeps its order on one data-parallel rank is returned as
+    given); any other iterable (a wrapper of a loader, a generator's iterable) as given when there is one
+    data-parallel rank, as Lightning takes any iterable (it re-creates only DataLoaders). ``shuffle``: as
+    ``setup_dataloader``'s.
+
+    Raises:
+        TypeError: an object that cannot be iterated (Lightning's words: "An invalid dataloader was passed");
+            an iterable other than a DataLoader on several data-parallel ranks, where every rank would read every
+            sample (named with the fix).
+    """
+    if isinstance(loader, torch.utils.data.DataLoader):
+        return runtime.setup_dataloader(loader, seed=seed or 0, shuffle=shuffle, even=False)
+    try:
+        iter(loader)  # as Lightning's _check_dataloader_iterable (a DataLoader is not asked: its iter() starts workers)
+    except TypeError:
+        raise TypeError(f"An invalid dataloader was passed. Found {loader!r}: an evaluation loader must be a "
+                        "torch.utils.data.DataLoader, or an iterable of batches (a list, tuple or dict holds several "
+                        "loaders)") from None
+    if runtime.data_parallel_size > 1:
+        raise TypeError(f"an evaluation loader is a {type(loader).__name__}, not a torch.utils.data.DataLoader, so "
+                        f"trainscale cannot give each of the {runtime.data_parallel_size} data-parallel ranks its share "
+                        "(every rank would evaluate every sample); pass the DataLoader itself, or a DataLoader over "
+                        "an IterableDataset that yields only its rank's share (shards_by_rank = True)")
+    return loader
+
+
 def _stage_loaders(trainer: Trainer, dataloaders: list, stage: str) -> tuple[list, list[float]]:
-    """Each of a stage's loaders as this rank reads it (sequential, unpadded: each sample on one rank), and its
-    batches under the stage's ``limit_*_batches``."""
-    rt = trainer.runtime
+    """Each of a stage's loaders as this rank reads it (sequential, unpadded: each sample on one rank:
+    :func:`eval_loader`), and its batches under the stage's ``limit_*_batches``."""
     seed = fit_seed(trainer.config.seed)
-    loaders = [rt.setup_dataloader(dl, seed=seed, shuffle=False, even=False) for dl in dataloaders]
+    loaders = [eval_loader(trainer.runtime, dl, seed, shuffle=False) for dl in dataloaders]
     return loaders, [trainer.config.eval_batches(stage, loader_length(loader)) for loader in loaders]
 
 
-def _predict_stage(trainer: Trainer, model: Any, loop_module: Any, wrapped: Any, loaders: list,
+def _predict_stage(trainer: Trainer, model: Any, loop_module: Any, wrapped: Any, loaders: tuple[list, Any],
                    num_batches: list[float]) -> Any:
     """``Trainer.predict``'s stage: :func:`predict` between ``on_predict_start`` and ``on_predict_end``, then the
-    teardown hooks; ``num_batches`` (each loader's, under ``limit_predict_batches``) in
+    teardown hooks; ``loaders``: this rank's and those given (``data_sources.EvalLoaders``: their form, for
+    ``trainer.predict_dataloaders``); ``num_batches`` (each loader's, under ``limit_predict_batches``) in
     ``trainer.num_predict_batches``."""
     trainer.num_predict_batches = num_batches
+    loaders, given = loaders
     recorded = [with_index_recording(loader) for loader in loaders]  # each batch's sample indices, for the writers
     loaders, trainer.predict_batch_indices = [loader for loader, _ in recorded], [seen for _, seen in recorded]
+    trainer.stage_dataloaders["predict"] = given.in_given_form(loaders)
     with grad_mode(trainer):  # inference_mode or no_grad, as Lightning's loop
         modes = model_eval(trainer, loop_module, wrapped, "predict")
         trainer._hook("on_predict_start")

@@ -63,8 +63,9 @@ def _open_ended(batches: Iterator, k: int, start: int) -> Iterator[MicroBatch]:
 
 def loader_length(loader: Any) -> float:
     """Batches in ``loader``, or infinity for an ``IterableDataset`` (its iterator decides where an epoch ends,
-    whatever its ``__len__`` says: a generator may yield a different number of samples every epoch)."""
-    if isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset):
+    whatever its ``__len__`` says: a generator may yield a different number of samples every epoch) and for an
+    iterable without ``len``."""
+    if isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset) or not hasattr(loader, "__len__"):
         return math.inf
     return len(loader)
 
@@ -145,7 +146,7 @@ class FitRun:
     loop_module: Any  # trainscale.lightning.module.LoopModule
     wrapped: Any
     train_loader: Any
-    val_loader: list | None  # the validation loaders (one, or several run in turn), None: no validation
+    val_loader: list | None  # the validation loaders (one, or several run in turn); None: none (yet)
     telemetry: Any
     metrics: Any = None  # trainscale.loop.records.MetricsProcessor, made in Trainer._run_fit
     bar: Any = None
@@ -157,8 +158,10 @@ class FitRun:
     validate_at: float = math.inf  # time.monotonic() at which a time-based val_check_interval validates (inf: none)
     started: float = 0.0
     loader_positions: LoaderPositions | None = None  # the epoch's iterator of a loader that keeps its own position
-    reload: Any = None  # () -> (train, val) from the data hooks (reload_dataloaders_every_n_epochs); None: passed
-    loaded_epoch: int = 0  # the epoch at whose start the loaders were last made
+    sources: Any = None  # trainscale.lightning.data_sources.FitSources: where the loaders come from (and again)
+    validates: bool = False  # the fit validates (Lightning's enable_validation); its loaders are asked for when due
+    loaded_epoch: int = 0  # the epoch at whose start the training loader was last made
+    val_asked_epoch: float | None = None  # the epoch the validation loaders were last asked in (None: not yet)
     datamodule: Any = None  # the data module the loaders came from (its hyperparameters go into checkpoints)
     held_back_said: bool = False  # the note that min_epochs/min_steps hold a stop back was given (once per fit)
     # the count (batch index + 1) of the step whose "step" ReduceLROnPlateau update is still to come, from its

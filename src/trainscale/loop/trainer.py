@@ -44,9 +44,9 @@ from trainscale.loop import evaluation
 from trainscale.scaling.batch_scaling import BatchScaling
 from trainscale.tune.batch_size import tuned_loader
 from trainscale.checkpointing.writes import CheckpointWrites
-from trainscale.loop.data_checks import (check_loaders, explain_batch_error, overfit_order, validation_to_run,
-                                        warn_unshuffled)
-from trainscale.lightning.data_sources import fit_loader_hooks, resolve_fit_loaders
+from trainscale.loop.data_checks import (check_loaders, check_train_loader_type, explain_batch_error, overfit_order,
+                                         validation_to_run, warn_few_batches, warn_unshuffled)
+from trainscale.lightning.data_sources import EvalLoaders, FitSources, prepare_stage
 from trainscale.lightning.hparams import drop_unpicklable
 from trainscale.loop.config import (TrainerConfig, barebones_logger, resolve_trainer_config, say_one_batch_limits,
                                     warn_default_max_epochs)
@@ -348,6 +348,10 @@ class Trainer:
         # this rank's batches of each loader of the last test() and predict() (Lightning's lists), set as they start
         self.num_test_batches: list[int | float] = []
         self.num_predict_batches: list[int | float] = []
+        # the loaders of the running or last stage as its loop reads them, in the form given (a loader, a list, a
+        # dict): "train" and "val" of fit, "val" of validate, "test", "predict"; emptied as each stage starts
+        # (Lightning's attach_dataloaders); read as trainer.train_dataloader, val_dataloaders, ...
+        self.stage_dataloaders: dict[str, Any] = {}
         # trainer.max_epochs: as given until a fit starts (None when not given), as Lightning's fit_loop.max_epochs
         self._max_epochs = self.flags["max_epochs"]
         # the sample indices of each batch predict() has read, per loader (empty where the loader has none: an
@@ -430,8 +434,9 @@ class Trainer:
     num_nodes = property(lambda self: self.runtime.world.num_nodes, doc="Nodes in the job.")
     is_global_zero = property(lambda self: self.runtime.world.rank == 0, doc="True on rank 0 (Lightning's name).")
     # Lightning's names for the loop's limits and what callbacks read of it
-    max_epochs = property(lambda self: self._max_epochs, doc="Epochs to train; -1: no limit. Not given: None until "
-                          "the first fit starts, then the value it resolves to (Lightning's _parse_loop_limits).")
+    max_epochs = property(lambda self: 1 if self.config.fast_dev_run else self._max_epochs, doc="Epochs to train; -1: no limit. Not given: None until "
+                          "the first fit starts, then the value it resolves to (Lightning's _parse_loop_limits); 1 "
+                          "under fast_dev_run from Trainer() on, as Lightning's.")
     max_steps = property(lambda self: -1 if self.config.max_steps is None else self.config.max_steps,
                          doc="Optimizer steps to train; -1: no limit (Lightning's spelling).")
     min_epochs = property(lambda self: self.config.min_epochs, doc="Epochs before a callback may stop the fit.")
@@ -474,9 +479,23 @@ class Trainer:
     precision = property(lambda self: self.runtime.config.precision,
                          doc='The precision in Lightning\'s spelling ("32-true", "bf16-mixed", ...), as '
                              "Lightning's trainer.precision.")
-    train_dataloader = property(lambda self: self._fit.train_loader if self._fit is not None else None,
-                                doc="The training loader of the last fit as the loop reads it (on several ranks, with "
-                                    "trainscale's distributed sampler), None before one (Lightning's attribute).")
+    train_dataloader = property(lambda self: self.stage_dataloaders.get("train"),
+                                doc="The training loader of the running or last fit as the loop reads it (rebuilt "
+                                    "with trainscale's sampler, on one rank too: docs/lightning.md), from the moment "
+                                    "it is asked for; None before, and once another stage starts (Lightning's).")
+    val_dataloaders = property(lambda self: self.stage_dataloaders.get("val"),
+                               doc="The validation loaders of the running or last fit or validate, as the loop reads "
+                                   "them, in the form given: the loader alone, or the list (tuple, dict) of them. None "
+                                   "until the stage asks for them (fit: its sanity check, else training's start when "
+                                   "epoch 0 validates, else the first validation) and once another stage starts, as "
+                                   "Lightning's.")
+    enable_validation = property(lambda self: self._fit is not None and self._fit.validates,
+                                 doc="Whether the running or last fit validates (Lightning's: it has validation "
+                                     "loaders or a val_dataloader() hook, a validation_step, limit_val_batches > 0).")
+    test_dataloaders = property(lambda self: self.stage_dataloaders.get("test"),
+                                doc="The test loaders of the running or last test(), as :attr:`val_dataloaders`.")
+    predict_dataloaders = property(lambda self: self.stage_dataloaders.get("predict"),
+                                   doc="The loaders of the running or last predict(), as :attr:`val_dataloaders`.")
     interrupted = property(lambda self: self.state.status == "interrupted",
                            doc="Whether the last fit ended in an exception (Lightning's ``trainer.interrupted``).")
 
@@ -593,9 +612,11 @@ class Trainer:
         ``check_val_every_n_epoch`` and the ``ModelCheckpoint`` say). Returns the run summary (``summary.json``).
 
         ``model``: a plain ``nn.Module`` (``(inputs, targets)`` batches, ``loss_fn``, default cross-entropy) or
-        one with ``training_step``. ``train_dataloaders``: per-device ``batch_size``; its sampler is replaced by a
-        distributed one (None: ``datamodule``'s or the model's ``train_dataloader()``, ``lightning/data_sources.py``).
-        ``val_dataloaders``: evaluated on all ranks, each sample once. ``optimizer``: a factory
+        one with ``training_step``. ``train_dataloaders``: a DataLoader with the per-device ``batch_size``; its sampler
+        is replaced by a distributed one (None: ``datamodule``'s or the model's ``train_dataloader()``, asked for in
+        Lightning's order: ``lightning/data_sources.py``, ``FitSources``). ``val_dataloaders``: a DataLoader or a
+        list, tuple or dict of them (on one data-parallel rank any iterable), evaluated on all ranks, each sample
+        once. ``optimizer``: a factory
         ``params -> Optimizer`` (built after the strategy wraps the model) or None for ``configure_optimizers()``;
         either may return any of Lightning's forms. ``ckpt_path``: a checkpoint, "last" (this script's newest
         run under ``default_root_dir``; a warning and a fresh start when there is none) or None; resuming a
@@ -613,7 +634,7 @@ class Trainer:
         Raises:
             FileNotFoundError / CheckpointError: a missing or corrupted ``ckpt_path``, or one holding pickled
                 entries without ``weights_only=False``.
-            ValueError / TypeError: a bad model, optimizer or batch, named with its fix.
+            ValueError / TypeError: a bad model, optimizer, loader or batch, named with its fix.
             trainscale.runtime.hangs.CollectiveTimeout: a collective timed out or a peer crashed.
             trainscale.faults.tolerance.NonFiniteLossError, trainscale.faults.tolerance.Preempted: docs/fault-tolerance.md.
         """
@@ -625,10 +646,9 @@ class Trainer:
                                    weights_only=weights_only)
         attach_trainer(model, self)  # self.trainer inside the module's setup(stage), as Lightning
         self.start_stage(model)
-        self.datamodule = datamodule
-        reload = fit_loader_hooks(model, train_dataloaders, val_dataloaders, datamodule)
-        train_dataloaders, val_dataloaders = resolve_fit_loaders(self.runtime, model, train_dataloaders, val_dataloaders,
-                                                                 datamodule, lambda: self.set_up_callbacks(model, "fit"))
+        sources = FitSources(model, train_dataloaders, val_dataloaders, datamodule)  # its checks before any hook
+        self.datamodule = sources.datamodule
+        prepare_stage(self.runtime, sources.datamodule, model, "fit", lambda: self.set_up_callbacks(model, "fit"))
         cfg = self.config
         self._fit, self._run_lock = None, RunLock()  # the run directory's lock: taken by _run_fit, released below
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
@@ -637,8 +657,7 @@ class Trainer:
         try:
             # Lightning's detect_anomaly: on for the fit, the previous mode back after it (also on an error)
             with torch.autograd.set_detect_anomaly(True) if cfg.detect_anomaly else contextlib.nullcontext():
-                summary = self._run_fit(model, (train_dataloaders, val_dataloaders, reload), loss_fn, optimizer,
-                                        ckpt_path, (ckpt_verify, weights_only))
+                summary = self._run_fit(model, sources, loss_fn, optimizer, ckpt_path, (ckpt_verify, weights_only))
             self.state.status = "finished"
             return summary
         except BaseException as err:
@@ -660,10 +679,9 @@ class Trainer:
                 self._fit.metrics.close("failed")
             # self._fit stays: save_checkpoint() after fit writes the fitted state
 
-    def _run_fit(self, model, loaders, loss_fn, optimizer, ckpt_path, reading) -> dict:
-        """``fit``'s body; ``loaders``: the training and validation loaders and :func:`fit_loader_hooks`'s reload;
-        ``reading``: ``(ckpt_verify, weights_only)``, how ``ckpt_path`` is read."""
-        train_dataloaders, val_dataloaders, reload_hooks = loaders
+    def _run_fit(self, model, sources: FitSources, loss_fn, optimizer, ckpt_path, reading) -> dict:
+        """``fit``'s body; ``sources``: where its loaders come from; ``reading``: ``(ckpt_verify, weights_only)``, how
+        ``ckpt_path`` is read."""
         rt, cfg = self.runtime, self.config
         resume_from, in_place = resolve_ckpt_path(rt, ckpt_path, cfg.default_root_dir)
         self.ckpt_path = as_ckpt_path(resume_from)
@@ -671,15 +689,13 @@ class Trainer:
         warn_default_max_epochs(cfg, self.flags["max_epochs"], rt.is_rank_zero)
         self._max_epochs = cfg.max_epochs  # trainer.max_epochs: resolved from here on, as Lightning's
         drop_unpicklable(getattr(model, "hparams", None), warn=rt.is_rank_zero)  # Lightning's clean_namespace
-        train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, train_dataloaders)  # batch_size="max"
-        self.fit_seed = seed_generators(fit_seed(cfg.seed))  # Trainer(seed=...), else seed_everything's, else 0
-        fit = self._setup(model, loss_fn, optimizer, train_dataloaders, val_dataloaders)
-        fit.reload = reload_hooks
+        fit, asked_first = self._start_fit(model, sources, loss_fn, optimizer)
         _warn_eval_mode(fit.model)  # it trains in the modes it comes in, as Lightning (a frozen part keeps eval mode)
         point = self._load(resume_from, *reading) if resume_from is not None else None
         if point is not None:  # saved at a validation's end: that step's ReduceLROnPlateau update is made now
             self._make_pending_plateau_update(fit, point)
         fit.loaded_epoch = point.next_epoch if point else 0
+        self._take_asked_first(fit, asked_first)
         global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers,
                                                  functools.partial(getattr, self, "global_step"))  # picklable
         if cfg.writes_files:  # fast_dev_run, barebones: no run directory, records, loggers or checkpoints
@@ -700,6 +716,7 @@ class Trainer:
         self._sanity_check(fit, point)
         started = time.monotonic()  # training's start, for a time-based val_check_interval
         fit.validate_at = started + cfg.val_check_seconds
+        self._ask_val_before_training(fit)
         self._hook("on_train_start")
         for epoch in itertools.count(point.next_epoch if point else 0):
             if self._fit_done(epoch):
@@ -735,7 +752,7 @@ class Trainer:
         self._fit.held_back_said = True
         return False
 
-    def _setup(self, model, loss_fn, optimizer, train_dataloaders, val_dataloaders) -> FitRun:
+    def _setup(self, model, loss_fn, optimizer, train_dataloaders) -> FitRun:
         rt = self.runtime
         if isinstance(model, TrainingModule) and not is_overridden("training_step", model):  # Lightning's check
             raise ValueError("No `training_step()` method defined. Lightning `Trainer` expects as minimum a "
@@ -744,9 +761,9 @@ class Trainer:
         self.last_setup = set_up_model(rt, model, loss_fn, self.last_setup)  # reused from an earlier fit or evaluation
         _, loop_module, wrapped = self.last_setup
         self._arm_hooks(model)
-        # the loaders first, so that configure_optimizers can read estimated_stepping_batches (as Lightning's loads them)
-        train_loader, val_loader = self._distribute_loaders(model, loop_module, train_dataloaders, val_dataloaders)
-        self._fit = fit = FitRun(model, loop_module, wrapped, train_loader, val_loader, None, datamodule=self.datamodule)
+        # the loader first, so that configure_optimizers can read estimated_stepping_batches (as Lightning's loads it)
+        train_loader = self._distribute_train(train_dataloaders)
+        self._fit = fit = FitRun(model, loop_module, wrapped, train_loader, None, None, datamodule=self.datamodule)
         self.fitted_module = model
         with self._running("configure_optimizers"):
             self.optimizers, self.schedulers, self.manual_optimizers = build_optimizers(
@@ -764,47 +781,122 @@ class Trainer:
         fit.telemetry = telemetry
         return fit
 
-    def _distribute_loaders(self, model, loop_module, train_dataloaders, val_dataloaders) -> tuple[Any, Any]:
-        """The training and validation loaders as the loop reads them: each rank's share (``Runtime.setup_dataloader``;
-        the training loader as given with ``use_distributed_sampler=False``; the validation loaders a list), none with
-        ``limit_val_batches=0`` or without a ``validation_step`` (Lightning's warning), both checked."""
+    def _start_fit(self, model, sources: FitSources, loss_fn, optimizer) -> tuple[FitRun, tuple | None]:
+        """The fit's loaders asked for in Lightning's order, and its objects (:meth:`_setup`). Lightning's sanity check
+        asks for the validation loaders before training asks for its own, so when that check will run they are
+        asked first (:meth:`_sanity_val`), returned as ``(loaders,)`` for :meth:`_take_asked_first`; else (None)
+        training's first, validation's when it first validates (:meth:`_ask_val`). Then ``batch_size="max"``
+        (``tuned_loader``) and the fit's seed."""
         rt, cfg = self.runtime, self.config
+        validates = self._fit_validates(model, sources)
+        asked_first = (self._sanity_val(sources),) if validates and cfg.sanity_val_batches != 0 else None
+        train_dataloaders = tuned_loader(rt, cfg, model, loss_fn, optimizer, sources.train())
+        self.fit_seed = seed_generators(fit_seed(cfg.seed))  # Trainer(seed=...), else seed_everything's, else 0
+        fit = self._setup(model, loss_fn, optimizer, train_dataloaders)
+        fit.sources, fit.validates = sources, validates
+        return fit, asked_first
+
+    def _take_asked_first(self, fit: FitRun, asked_first: tuple | None) -> None:
+        """The validation loaders :meth:`_start_fit` asked for first, set up once the checkpoint (if any) has set the
+        epoch: that asking counts as the epoch's only when the epoch validates (Lightning's
+        ``_last_val_dl_reload_epoch``, for ``reload_dataloaders_every_n_epochs``)."""
+        if asked_first is None:
+            return
+        epoch = self.current_epoch
+        fit.val_asked_epoch = epoch if self.config.validates_in(epoch) else -math.inf
+        fit.val_loader = self._distribute_val(asked_first[0])
+
+    def _fit_validates(self, model: nn.Module, sources: FitSources) -> bool:
+        """Whether this fit validates (Lightning's ``trainer.enable_validation``, with its checks and warnings:
+        ``data_checks.validation_to_run``)."""
+        return validation_to_run(model, getattr(model, "training_step", None) is not None, sources.has_val,
+                                 self.config.limit_val_batches, warn=self.runtime.is_rank_zero)
+
+    def _sanity_val(self, sources: FitSources) -> EvalLoaders | None:
+        """The validation loaders asked for as Lightning's sanity check asks: ``trainer.sanity_checking`` True in
+        ``val_dataloader()``, the random state put back after it (so that ``train_dataloader()`` sees the state it
+        would see alone: two data sets drawn alike are the same)."""
+        saved, stage = rng_state(), self.state.stage
+        self.sanity_checking = True
+        try:
+            return sources.val()
+        finally:
+            self.state.stage = stage
+            set_rng_state(saved)
+
+    def _distribute_train(self, train_dataloaders: Any) -> Any:
+        """The training loader as the loop reads it (``trainer.train_dataloader``): this rank's share
+        (``Runtime.setup_dataloader``), or the loader as given with ``use_distributed_sampler=False``; checked, and
+        Lightning's warning when an epoch holds fewer batches than ``log_every_n_steps``."""
+        rt, cfg = self.runtime, self.config
+        check_train_loader_type(train_dataloaders)
         if cfg.overfit_batches:  # the same first batches every epoch, in order (Lightning's, with its warning)
             train_dataloaders = overfit_order(train_dataloaders, "train", warn=rt.is_rank_zero)
-            if val_dataloaders is not None:
-                val_dataloaders = [overfit_order(dl, "val", warn=rt.is_rank_zero) for dl in val_dataloaders]
         if not cfg.use_distributed_sampler:  # Lightning's flag: the loader as given, on every rank
             train_loader = train_dataloaders
         else:
             if rt.is_rank_zero and not cfg.overfit_batches:
                 warn_unshuffled(train_dataloaders, rt.data_parallel_size)  # Lightning would shuffle it
             train_loader = rt.setup_dataloader(train_dataloaders, seed=self.fit_seed)
-        # Lightning's checks of fit's validation loop: a loader without a validation_step is dropped (both warn)
-        val_dataloaders = validation_to_run(model, loop_module.has_training_step, val_dataloaders,
-                                            cfg.limit_val_batches, warn=rt.is_rank_zero)
-        val_loader = ([rt.setup_dataloader(dl, seed=self.fit_seed, even=False) for dl in val_dataloaders]
-                      if val_dataloaders is not None and cfg.limit_val_batches != 0 else None)  # 0: off
-        check_loaders(train_loader, val_loader)
+        check_loaders(train_loader, None)
         if seeds_workers():  # seed_everything(..., workers=True), as Lightning's pl_worker_init_function
-            _seed_workers((train_loader, val_loader), (train_dataloaders, val_dataloaders), rt.rank)
-        return train_loader, val_loader
+            _seed_workers((train_loader,), (train_dataloaders,), rt.rank)
+        if rt.is_rank_zero:
+            warn_few_batches(cfg.train_batches(evaluation.loader_length(train_loader)), cfg.log_every_n_steps,
+                             bool(self.loggers) and not cfg.fast_dev_run)
+        self.stage_dataloaders["train"] = train_loader
+        return train_loader
 
-    def _reload_loaders(self, fit: FitRun, epoch: int) -> None:
-        """Lightning's ``reload_dataloaders_every_n_epochs``: at the start of every N-th epoch since the loaders were
-        last made, ask the data hooks (the data module's or the model's ``train_dataloader()``/``val_dataloader()``;
-        not ``setup``) for new ones. Loaders passed to ``fit`` are the same objects again, so nothing changes."""
-        every = self.config.reload_dataloaders_every_n_epochs
-        if fit.reload is None or not every or epoch - fit.loaded_epoch < every:
+    def _distribute_val(self, val_dataloaders: EvalLoaders | None) -> list | None:
+        """The validation loaders as the loop reads them (each rank's share: ``evaluation.eval_loader``), checked;
+        ``trainer.val_dataloaders`` holds them in the form given. None for none."""
+        rt = self.runtime
+        if val_dataloaders is None:
+            self.stage_dataloaders["val"] = None
+            return None
+        given = ([overfit_order(dl, "val", warn=rt.is_rank_zero) for dl in val_dataloaders]
+                 if self.config.overfit_batches else val_dataloaders)
+        val_loader = [evaluation.eval_loader(rt, dl, self.fit_seed) for dl in given]
+        check_loaders(None, val_loader)
+        if seeds_workers():
+            _seed_workers(tuple(val_loader), tuple(given), rt.rank)
+        self.stage_dataloaders["val"] = val_dataloaders.in_given_form(val_loader)
+        return val_loader
+
+    def _ask_val(self, fit: FitRun) -> None:
+        """Lightning's ``_EvaluationLoop.setup_data`` in ``fit``: the validation loaders asked for (``FitSources.val``)
+        when validation first needs them (training's start, when its epoch validates; else the first validation),
+        and again from the data hooks under ``reload_dataloaders_every_n_epochs=N``: in the first validation of an
+        epoch N or more epochs after the one they were last asked in (the sanity check's asking counts only when
+        epoch 0 validates: Lightning's ``_last_val_dl_reload_epoch``)."""
+        every, epoch = self.config.reload_dataloaders_every_n_epochs, self.current_epoch
+        if fit.val_asked_epoch is not None and not (every and fit.sources.val_hooked
+                                                    and epoch - fit.val_asked_epoch >= every):
             return
-        train, val = fit.reload()
-        fit.train_loader, fit.val_loader = self._distribute_loaders(fit.model, fit.loop_module, train, val)
+        fit.val_asked_epoch = epoch
+        fit.val_loader = self._distribute_val(fit.sources.val())
+
+    def _ask_val_before_training(self, fit: FitRun) -> None:
+        """Lightning's ``_FitLoop.on_run_start``: when the first epoch to train validates, its validation loaders are
+        asked for before ``on_train_start`` (if not already), so that the progress bar knows their batches."""
+        if fit.validates and self.config.validates_in(self.current_epoch):
+            self._ask_val(fit)
+
+    def _reload_train(self, fit: FitRun, epoch: int) -> None:
+        """Lightning's ``reload_dataloaders_every_n_epochs`` for training: at the start of every N-th epoch since the
+        training loader was last made, ask ``train_dataloader()`` (not ``setup``) for a new one. A loader passed to
+        ``fit`` is the same object again, so nothing changes. (Validation's: :meth:`_ask_val`.)"""
+        every = self.config.reload_dataloaders_every_n_epochs
+        if not fit.sources.train_hooked or not every or epoch - fit.loaded_epoch < every:
+            return
+        fit.train_loader = self._distribute_train(fit.sources.train())
         fit.loaded_epoch = epoch
 
     # -- one epoch ----------------------------------------------------------------------------------
     def _train_epoch(self, fit: FitRun, epoch: int, resume: ResumePoint | None) -> None:
         rt, cfg = self.runtime, self.config
         self.state.epoch, self.state.epoch_ended = epoch, False
-        self._reload_loaders(fit, epoch)
+        self._reload_train(fit, epoch)
         batches = epoch_batches(fit, self.state, epoch, resume, rt.world_size, cfg.train_batches)
         remaining = fit.epoch_batches - fit.epoch_offset  # inf: an iterable data set, until its iterator ends
         bar = self.progress_bar_callback
@@ -816,7 +908,7 @@ class Trainer:
                                     fit.bar)
         fit.started = time.perf_counter() - (resume.totals[-1] if resume else 0.0)
         fit.validated_after = -1
-        if fit.val_loader is not None and cfg.validates_in(epoch):
+        if fit.validates and cfg.validates_in(epoch):
             cfg.val_check_batch(fit.epoch_batches)  # a val_check_interval the epoch cannot hold fails here
         with self.metric_collector.epoch_hook():
             self._hook("on_train_epoch_start")
@@ -1122,7 +1214,7 @@ class Trainer:
             self._publish(fit.loop_module.plain_model, {}, self.metric_collector.take_step_values())
         user = self.metric_collector.take_epoch_values()
         record = {**own, **user}
-        if fit.val_loader is not None and self._validates_at_epoch_end(fit, epoch):
+        if fit.validates and self._validates_at_epoch_end(fit, epoch):
             with self.profiler.profile("validation"):
                 record.update(self._validate(fit, mid_epoch=False))
         record.update(self._pending.pop("epoch", {}))
@@ -1156,7 +1248,7 @@ class Trainer:
         due after any step of an epoch that validates, the last one too, once rank zero's clock has passed
         ``fit.validate_at`` (set at training's start and at each validation's end, as Lightning's ``_last_val_time``;
         broadcast on several ranks, so that all validate after the same step)."""
-        if fit.val_loader is None or self.config.val_check_interval in (None, 1.0):
+        if not fit.validates or self.config.val_check_interval in (None, 1.0):
             return False
         if fit.validate_at != math.inf:  # by the clock: after any step of an epoch that validates, its last one too
             return self.config.validates_in(self.current_epoch) and self._rank_zero_clock_says(
@@ -1186,6 +1278,10 @@ class Trainer:
         """Validation during ``fit`` (``evaluation.evaluate_stage``: its hooks, ``callback_metrics``); a mid-epoch
         one is also written as a "validation" record (an epoch-end one goes in the epoch record)."""
         self.validating = True  # Lightning's stage, back to training after it
+        self._ask_val(fit)  # the loaders, asked for when first needed or due again (reload_dataloaders_every_n_epochs)
+        if fit.val_loader is None:  # val_dataloader() gave none: nothing to validate
+            self.training = True
+            return {}
         # Lightning's hook frees the gradients before validation (the default: the module's zero_grad())
         getattr(fit.model, "on_validation_model_zero_grad", fit.model.zero_grad)()
         results = evaluation.merged(evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader,
@@ -1442,10 +1538,12 @@ class Trainer:
         """What Lightning does with the module as each stage (``fit``/``validate``/``test``/``predict``) starts, before
         any ``setup``: its ``configure_callbacks()`` merged into :attr:`callbacks` (``merge_model_callbacks``:
         Lightning's ``_attach_model_callbacks``), and, where it overrides a Lightning hook trainscale never calls
-        (``lightning.module.uncalled_hooks``), one warning naming them on rank zero.
+        (``lightning.module.uncalled_hooks``), one warning naming them on rank zero; the last stage's loaders
+        forgotten (:attr:`stage_dataloaders`).
 
         Raises:
             TypeError: ``configure_callbacks`` returned something other than callbacks."""
+        self.stage_dataloaders = {}  # every stage's loaders forgotten, as Lightning's attach_dataloaders
         if "configure_callbacks" in module_overrides(model, ("configure_callbacks",)):
             with self._running("configure_callbacks"):
                 self.callbacks = merge_model_callbacks(self.callbacks, model.configure_callbacks())

@@ -238,7 +238,8 @@ def distribute_dataloader(loader: DataLoader, world: World, *, shuffle: bool | N
                           even: bool = True) -> DataLoader:
     """Rebuild ``loader`` with a sampler for this rank (see the module docstring).
 
-    A loader that already has a ``DistributedSampler`` is returned unchanged, and so is one over an
+    A loader that already has a ``DistributedSampler`` is returned unchanged, and so are an evaluation loader
+    (``even=False``) with a ``SequentialSampler`` on one rank (nothing to split or reorder) and one over an
     ``IterableDataset`` that declares ``shards_by_rank = True`` (it yields only this rank's share
     itself: docs/strategies.md, "Iterable datasets"); any other ``IterableDataset``'s loader is shared by
     batches, rank r keeping batches r, r + W, ... (``iterable_shard.ShardedIterableLoader``; with ``even``, the
@@ -254,6 +255,8 @@ def distribute_dataloader(loader: DataLoader, world: World, *, shuffle: bool | N
         raise TypeError(f"expected a torch.utils.data.DataLoader, got {type(loader).__name__}")
     sampler = loader.sampler
     if isinstance(sampler, (DistributedSampler, ResumableDistributedSampler, UnpaddedDistributedSampler)):
+        return loader
+    if not even and world.world_size == 1 and isinstance(sampler, SequentialSampler) and not shuffle:
         return loader
     splittable = (not isinstance(loader.dataset, IterableDataset) and loader.batch_size is not None
                   and (isinstance(sampler, SequentialSampler) or _is_random(sampler)))
