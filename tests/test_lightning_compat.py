@@ -5,6 +5,7 @@ loader on several ranks, the sanity check of a resumed ``fit``; and Lightning's 
 import json
 import math
 import os
+import pickle
 import re
 import warnings
 
@@ -3720,3 +3721,73 @@ def test_a_step_schedulers_frequency_counts_the_epochs_batches_as_lightnings(tmp
     _trainer(tmp_path, max_epochs=epochs, accumulate_grad_batches=accumulate, num_sanity_val_steps=0).fit(
         module, _loader(n=2 * batches))
     assert module.stepped_after == expected
+
+
+# -- trainer state and log_dir ---------------------------------------------------------------------------------------
+def test_the_state_enums_are_lightnings_str_enums():
+    from trainscale.trainer.states import RunningStage, TrainerFn, TrainerStatus
+
+    assert [fn.value for fn in TrainerFn] == ["fit", "validate", "test", "predict"]
+    assert [s.value for s in RunningStage] == ["train", "sanity_check", "validate", "test", "predict"]
+    assert [s.value for s in TrainerStatus] == ["initializing", "running", "finished", "interrupted"]
+    stage = RunningStage.SANITY_CHECKING
+    assert stage == "sanity_check" and str(stage) == f"{stage}" == "sanity_check" and {"sanity_check": 1}[stage] == 1
+    assert [s.evaluating for s in RunningStage] == [False, True, True, True, False]
+    assert [s.dataloader_prefix for s in RunningStage] == ["train", "val", "val", "test", "predict"]
+    assert [s.stopped for s in TrainerStatus] == [False, False, True, True]
+    assert pickle.loads(pickle.dumps(TrainerFn.TESTING)) is TrainerFn.TESTING  # a ddp_spawn rank sends its state back
+
+
+class _StateWatch(_Stages):
+    """Notes ``trainer.state``'s status, fn and stage, and ``trainer.evaluating``, at the hooks ``_Stages`` implements."""
+
+    def _note(self, hook, trainer):
+        state = trainer.state
+        self.seen.setdefault(hook, (state.status, state.fn, state.stage, trainer.evaluating))
+
+
+@pytest.mark.timeout(60)
+def test_trainer_state_holds_lightnings_enums_in_each_hook_and_after_each_call(tmp_path):
+    from trainscale.trainer.states import RunningStage, TrainerFn, TrainerState, TrainerStatus
+
+    watch = _StateWatch()
+    trainer = _trainer(tmp_path, max_steps=2, callbacks=[watch])
+    assert trainer.state == TrainerState(status=TrainerStatus.INITIALIZING, fn=None, stage=None)
+    model = _AllSteps()
+    after = []
+    for call in (lambda: trainer.validate(model, _loader(4), verbose=False),  # before any fit: no fit needed
+                 lambda: trainer.fit(model, _loader(4), _loader(4)),
+                 lambda: trainer.test(model, _loader(4), verbose=False),
+                 lambda: trainer.predict(model, _loader(4))):
+        call()
+        after.append((trainer.state.status, trainer.state.fn, trainer.state.stage, trainer.state.finished))
+    running = TrainerStatus.RUNNING
+    assert watch.seen == {
+        "validate": (running, TrainerFn.VALIDATING, RunningStage.VALIDATING, True),
+        "sanity": (running, TrainerFn.FITTING, RunningStage.SANITY_CHECKING, True),
+        "sanity_batch": (running, TrainerFn.FITTING, RunningStage.SANITY_CHECKING, True),
+        "train_batch": (running, TrainerFn.FITTING, RunningStage.TRAINING, False),
+        "train_epoch_end": (running, TrainerFn.FITTING, RunningStage.TRAINING, False),
+        "fit_validation": (running, TrainerFn.FITTING, RunningStage.VALIDATING, True),
+        "test": (running, TrainerFn.TESTING, RunningStage.TESTING, True),
+        "predict": (running, TrainerFn.PREDICTING, RunningStage.PREDICTING, False)}
+    kinds = {type(value) for seen in watch.seen.values() for value in seen[:3]}
+    assert kinds == {TrainerStatus, TrainerFn, RunningStage}  # the enums themselves, not plain strings
+    assert watch.seen["train_batch"][:3] == ("running", "fit", "train")  # and equal to Lightning's strings
+    assert after == [(TrainerStatus.FINISHED, fn, None, True) for fn in ("validate", "fit", "test", "predict")]
+
+
+@pytest.mark.timeout(60)
+def test_an_exception_in_validate_test_or_predict_leaves_the_trainer_interrupted(tmp_path):
+    class Raising(_AllSteps):
+        def test_step(self, batch, batch_idx):
+            raise RuntimeError("test failed")
+
+    trainer = _trainer(tmp_path, max_steps=1)
+    with pytest.raises(RuntimeError, match="test failed"):
+        trainer.test(Raising(), _loader(4), verbose=False)
+    assert trainer.interrupted and trainer.state.status == "interrupted" and trainer.state.stopped
+    assert (trainer.state.fn, trainer.state.stage) == ("test", None)
+    trainer.validate(Raising(), _loader(4), verbose=False)
+    assert trainer.state.finished and not trainer.interrupted
+

@@ -60,7 +60,7 @@ from trainscale.checkpointing.runs import (RunLock, as_ckpt_path, choose_run_dir
                                           resolve_ckpt_path)
 from trainscale.loop.summary import finish_run, hyperparams
 from trainscale.lightning.optimizer_setup import build_optimizers
-from trainscale.checkpointing.train_state import ResumePoint, TrainState
+from trainscale.checkpointing.train_state import ResumePoint, RunningStage, TrainerFn, TrainerStatus, TrainState
 from trainscale.profilers import Profiler, resolve_profiler
 from trainscale.loop.state import EpochLoss, FitRun, MicroBatch, MicroBatchBooks, epoch_batches, micro_batches
 
@@ -68,7 +68,7 @@ from trainscale.loop.state import EpochLoss, FitRun, MicroBatch, MicroBatchBooks
 _log = logging.getLogger(__name__)  # Lightning's notes at INFO (log_info: printed where logging shows no INFO)
 
 
-def _stage_flag(stage: str, doc: str) -> property:
+def _stage_flag(stage: RunningStage, doc: str) -> property:
     """A bool view of ``trainer.state.stage`` (Lightning's ``trainer.training`` and its kin): True while ``stage``
     runs; set True, that stage runs; set False, none does when it was the one running (Lightning's setters)."""
 
@@ -469,15 +469,19 @@ class Trainer:
     train_dataloader = property(lambda self: self._fit.train_loader if self._fit is not None else None,
                                 doc="The training loader of the last fit as the loop reads it (on several ranks, with "
                                     "trainscale's distributed sampler), None before one (Lightning's attribute).")
-    interrupted = property(lambda self: self.state.status == "interrupted",
-                           doc="Whether the last fit ended in an exception (Lightning's ``trainer.interrupted``).")
+    interrupted = property(lambda self: self.state.status == TrainerStatus.INTERRUPTED,
+                           doc="Whether the last fit, validate, test or predict ended in an exception (Lightning's "
+                               "``trainer.interrupted``).")
 
     # Lightning's views of trainer.state.stage (TrainState.stage), each settable as Lightning's
-    training = _stage_flag("train", "True in fit, except while it validates or runs the sanity check.")
-    sanity_checking = _stage_flag("sanity_check", "True while the sanity check runs (num_sanity_val_steps).")
-    validating = _stage_flag("validate", "True while validate() runs, and while fit validates.")
-    testing = _stage_flag("test", "True while test() runs.")
-    predicting = _stage_flag("predict", "True while predict() runs.")
+    training = _stage_flag(RunningStage.TRAINING, "True in fit, except while it validates or runs the sanity check.")
+    sanity_checking = _stage_flag(RunningStage.SANITY_CHECKING,
+                                  "True while the sanity check runs (num_sanity_val_steps).")
+    validating = _stage_flag(RunningStage.VALIDATING, "True while validate() runs, and while fit validates.")
+    testing = _stage_flag(RunningStage.TESTING, "True while test() runs.")
+    predicting = _stage_flag(RunningStage.PREDICTING, "True while predict() runs.")
+    evaluating = property(lambda self: self.state.stage is not None and self.state.stage.evaluating,
+                          doc="True while a validation (the sanity check's too) or a test runs (Lightning's).")
 
     @property
     def device_ids(self) -> list[int]:
@@ -625,16 +629,16 @@ class Trainer:
         self._fit, self._run_lock = None, RunLock()  # the run directory's lock: taken by _run_fit, released below
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
-        self.fitting, self.state.status, self.training, self.state.fn = True, "running", True, "fit"
+        self.fitting, self.training = True, True
+        self.state.status, self.state.fn = TrainerStatus.RUNNING, TrainerFn.FITTING
         try:
             # Lightning's detect_anomaly: on for the fit, the previous mode back after it (also on an error)
             with torch.autograd.set_detect_anomaly(True) if cfg.detect_anomaly else contextlib.nullcontext():
                 summary = self._run_fit(model, (train_dataloaders, val_dataloaders, reload), loss_fn, optimizer,
                                         ckpt_path, (ckpt_verify, weights_only))
-            self.state.status = "finished"
+            self.state.status = TrainerStatus.FINISHED
             return summary
         except BaseException as err:
-            self.state.status = "interrupted"
             self._exception_hooks(err)
             explained = explain_batch_error(err) or self._faults.diagnose(
                 err, f"at epoch {self.current_epoch}, step {self.global_step}")
@@ -1160,7 +1164,7 @@ class Trainer:
         evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation",
                                   num_batches=[min(limit, batches) for batches in self.num_val_batches])
         self._hook("on_sanity_check_end")
-        self.state.stage = stage  # training again, as Lightning's
+        self.state.stage = stage  # TRAINING again, as Lightning's
         self.callback_metrics = saved_metrics
         set_rng_state(saved_rng)
 
@@ -1326,13 +1330,16 @@ class Trainer:
             model, ckpt_path = evaluation.fitted_model(self, method, ckpt_path)
         kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path, method)  # before any ddp_spawn start
         self.ckpt_path = as_ckpt_path(kwargs["ckpt_path"])
-        previous, self.state.stage = self.state.stage, method  # Lightning's stage: "validate", "test", "predict"
-        self.state.fn = method  # and its TrainerFn, which stays after the call
+        previous, self.state.stage = self.state.stage, RunningStage(method)  # VALIDATING, TESTING, PREDICTING
+        self.state.fn, self.state.status = TrainerFn(method), TrainerStatus.RUNNING  # the fn stays after the call
         try:
             with self._on_exception():
                 if self.runtime.spawns:
-                    return run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
-                return evaluation.run_stage(self, method, model, dataloaders, **kwargs)
+                    results = run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
+                else:
+                    results = evaluation.run_stage(self, method, model, dataloaders, **kwargs)
+            self.state.status = TrainerStatus.FINISHED
+            return results
         finally:
             self.state.stage = previous
 
@@ -1376,7 +1383,9 @@ class Trainer:
             raise
 
     def _exception_hooks(self, err: BaseException) -> None:
-        """Lightning's ``_interrupt``: the callbacks' and module's ``on_exception``, then the data module's."""
+        """Lightning's ``_interrupt``: the status INTERRUPTED, the callbacks' and module's ``on_exception``, then the
+        data module's."""
+        self.state.status = TrainerStatus.INTERRUPTED
         self._hook("on_exception", err)
         if callable(hook := getattr(self.datamodule, "on_exception", None)):
             hook(err)
