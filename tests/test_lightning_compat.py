@@ -3791,3 +3791,58 @@ def test_an_exception_in_validate_test_or_predict_leaves_the_trainer_interrupted
     trainer.validate(Raising(), _loader(4), verbose=False)
     assert trainer.state.finished and not trainer.interrupted
 
+
+class _SeesLogDir(Probe):
+    """Notes ``self.trainer.log_dir`` at each training step."""
+
+    def __init__(self):
+        super().__init__()
+        self.log_dirs: list[str | None] = []
+
+    def training_step(self, batch, batch_idx):
+        self.log_dirs.append(self.trainer.log_dir)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(60)
+def test_log_dir_is_default_root_dir_without_a_logger_and_the_run_directory_of_the_default_logger(tmp_path):
+    root = tmp_path / "no_logger"
+    model, trainer = _SeesLogDir(), _trainer(root, logger=False, max_steps=2)
+    assert trainer.log_dir == str(root)  # Lightning's: default_root_dir, before, during and after fit
+    trainer.fit(model, _loader())
+    assert model.log_dirs == [str(root)] * 2 and trainer.log_dir == str(root)
+    assert _trainer(root, logger=False, fast_dev_run=1).log_dir == str(root)
+    # the default CSVLogger writes into the run directory: log_dir names the one the fit takes, before it too
+    root = tmp_path / "default_logger"
+    for n in (0, 1):
+        model, trainer = _SeesLogDir(), _trainer(root, max_steps=2)
+        before = trainer.log_dir
+        assert before == str(root / f"version_{n}")
+        trainer.fit(model, _loader())
+        assert model.log_dirs == [before] * 2 and trainer.log_dir == before == str(trainer.run_dir)
+        assert (trainer.run_dir / "metrics.csv").is_file()
+    assert _trainer(root, fast_dev_run=1).log_dir is None  # a debug run writes nothing (Lightning's DummyLogger)
+
+
+@pytest.mark.timeout(60)
+def test_trainer_loggers_and_logger_are_settable_as_lightnings(tmp_path):
+    from trainscale.loggers import CSVLogger
+
+    trainer = _trainer(tmp_path, max_steps=1)
+    assert trainer.loggers == [trainer.logger] and isinstance(trainer.logger, CSVLogger)
+    one, two = CSVLogger(tmp_path / "one"), CSVLogger(tmp_path / "two")
+    trainer.logger = one
+    assert trainer.loggers == [one] and trainer.logger is one
+    trainer.logger = None
+    assert (trainer.loggers, trainer.logger, trainer.log_dir) == ([], None, str(tmp_path))
+    trainer.loggers = (two, one)
+    assert trainer.loggers == [two, one] and trainer.logger is two
+    trainer.loggers = None
+    assert trainer.loggers == [] and trainer.logger is None
+    with pytest.raises(TypeError, match="is not a logger"):
+        trainer.loggers = ["csv"]
+    trainer.loggers = [one]  # set before fit: the fit writes to it
+    trainer.fit(Probe(), _loader())
+    assert trainer.log_dir == one.log_dir == str(tmp_path / "one" / "lightning_logs" / "version_0")
+    assert (tmp_path / "one" / "lightning_logs" / "version_0" / "metrics.csv").is_file()
+    assert not (tmp_path / "two").exists()

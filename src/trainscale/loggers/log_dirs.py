@@ -251,11 +251,14 @@ def agree_log_dirs(loggers: list, run_dir: str | os.PathLike, broadcast: Callabl
         raise FileExistsError(refusal)
 
 
-def trainer_log_dir(loggers: list, run_dir: Path | None) -> str | None:
-    """Lightning's ``trainer.log_dir``: the first logger's ``log_dir`` (CSV, TensorBoard: with ``sub_dir``), another
-    first logger's ``save_dir``; where that is None (a W&B or MLflow logger writing into the run directory) or there is
-    no logger, the run directory (None before the first fit)."""
-    first = loggers[0] if loggers else None
+def trainer_log_dir(loggers: list, run_dir: Path | None, root_dir: str | os.PathLike) -> str | None:
+    """Lightning's ``trainer.log_dir``: without a logger ``root_dir`` (``default_root_dir``); else the first logger's
+    ``log_dir`` (CSV, TensorBoard: with ``sub_dir``), another first logger's ``save_dir``; where that is None (a logger
+    that writes into the run directory: CSV or TensorBoard without a ``save_dir``, W&B, MLflow) ``run_dir`` (None when
+    the run writes no files, as Lightning's for its ``DummyLogger``)."""
+    if not loggers:
+        return str(root_dir)
+    first = loggers[0]
     found = first.log_dir if isinstance(first, VersionedDir) else getattr(first, "save_dir", None)
     if found is not None:
         return str(found)

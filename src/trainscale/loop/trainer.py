@@ -314,8 +314,8 @@ class Trainer:
         self.checkpoint_callbacks: list[ModelCheckpoint] = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)
                                                             and self.config.writes_files]
         # on every rank, so a bad value fails everywhere; set up and called on rank zero (MetricsProcessor)
-        self.loggers = resolve_loggers(logger, tensorboard=self.config.tensorboard,
-                                       fast_dev_run=bool(self.config.fast_dev_run))
+        self._loggers = resolve_loggers(logger, tensorboard=self.config.tensorboard,
+                                        fast_dev_run=bool(self.config.fast_dev_run))
         # ``runtime``: the one Runtime.launch made for a ddp_spawn rank, built from the same flags
         self.runtime = runtime if runtime is not None else Runtime(**runtime_flags)
         say_one_batch_limits(self.config, self.runtime.is_rank_zero)  # an int 1 and a float 1.0 differ, as Lightning
@@ -436,12 +436,46 @@ class Trainer:
                                     doc="The schedulers with their interval, frequency and monitor, Lightning's "
                                         "``LRSchedulerConfig`` (``trainscale.utilities.types``), in "
                                         "``configure_optimizers``' order.")
-    logger = property(lambda self: self.loggers[0] if self.loggers else None,
-                      doc="The first of ``loggers``, None without any (Lightning's ``trainer.logger``).")
-    log_dir = property(lambda self: trainer_log_dir(self.loggers, self.run_dir),
-                       doc="Lightning's ``trainer.log_dir`` (a str): the first logger's ``log_dir`` (CSV, TensorBoard) "
-                           "or ``save_dir``; the run directory when it has none or there is no logger; the same on "
-                           "every rank once fit has chosen the run directory; None before that without a save_dir.")
+
+    @property
+    def loggers(self) -> list:
+        """The loggers, a list (empty without any): Lightning's ``trainer.loggers``. Settable as Lightning's, before a
+        fit (its start sets them up): a list or tuple of loggers, or None or ``[]`` for none.
+
+        Raises:
+            TypeError: an item that is not a logger (``trainscale.loggers.resolve_loggers``).
+            ValueError: the same logger twice."""
+        return self._loggers
+
+    @loggers.setter
+    def loggers(self, loggers: list | tuple | None) -> None:
+        self._loggers = resolve_loggers(list(loggers)) if loggers else []
+
+    @property
+    def logger(self) -> Any:
+        """The first of :attr:`loggers`, None without any (Lightning's ``trainer.logger``). Setting a logger makes it
+        the only one (``loggers == [logger]``); setting None (or False) leaves none."""
+        return self._loggers[0] if self._loggers else None
+
+    @logger.setter
+    def logger(self, logger: Any) -> None:
+        self.loggers = [logger] if logger else []
+
+    @property
+    def log_dir(self) -> str | None:
+        """Lightning's ``trainer.log_dir`` (a str), where a module or callback writes its own files: the first
+        logger's ``log_dir`` (CSV, TensorBoard: ``save_dir/name/version_N``) or ``save_dir`` (W&B, MLflow); without
+        a logger, ``default_root_dir``. A logger without a ``save_dir`` (the default ``CSVLogger``) writes into the run
+        directory, and ``log_dir`` names it: the last fit's, and before the first fit the one a new fit takes
+        (``default_root_dir/version_N``, the next free ``N``; a fit that resumes in place, ``ckpt_path="last"``,
+        continues its own run directory instead). None under ``fast_dev_run``/``barebones`` with a logger (nothing is
+        written, as Lightning's ``DummyLogger``). Read on each rank, no collective: the same on every rank once
+        ``fit`` has chosen the run directory (rank zero's)."""
+        run_dir = self.run_dir
+        if run_dir is None and self.config.writes_files:
+            run_dir = ckpt.next_run_dir(self.config.default_root_dir)  # only listed: the fit claims it (claim_run_dir)
+        return trainer_log_dir(self.loggers, run_dir, self.config.default_root_dir)
+
     fast_dev_run = property(lambda self: self.config.fast_dev_run, doc="The flag as given (False, True or N).")
     limit_train_batches = property(lambda self: self.config.limit_train_batches,
                                    doc="The flag (None: all batches); under ``overfit_batches``, its value.")
