@@ -3791,6 +3791,14 @@ def test_an_exception_in_validate_test_or_predict_leaves_the_trainer_interrupted
     trainer.validate(Raising(), _loader(4), verbose=False)
     assert trainer.state.finished and not trainer.interrupted
 
+    class Stopped(_AllSteps):
+        def predict_step(self, batch, batch_idx):
+            raise KeyboardInterrupt  # Ctrl+C: it reaches the caller (Lightning exits the process instead)
+
+    with pytest.raises(KeyboardInterrupt):
+        trainer.predict(Stopped(), _loader(4))
+    assert trainer.interrupted and (trainer.state.fn, trainer.state.stage) == ("predict", None)
+
 
 class _SeesLogDir(Probe):
     """Notes ``self.trainer.log_dir`` at each training step."""
