@@ -3745,6 +3745,9 @@ class _StateWatch(_Stages):
         state = trainer.state
         self.seen.setdefault(hook, (state.status, state.fn, state.stage, trainer.evaluating))
 
+    def setup(self, trainer, module, stage):
+        self._note(f"setup_{stage}", trainer)
+
 
 @pytest.mark.timeout(60)
 def test_trainer_state_holds_lightnings_enums_in_each_hook_and_after_each_call(tmp_path):
@@ -3763,13 +3766,17 @@ def test_trainer_state_holds_lightnings_enums_in_each_hook_and_after_each_call(t
         after.append((trainer.state.status, trainer.state.fn, trainer.state.stage, trainer.state.finished))
     running = TrainerStatus.RUNNING
     assert watch.seen == {
+        "setup_validate": (running, TrainerFn.VALIDATING, RunningStage.VALIDATING, True),
         "validate": (running, TrainerFn.VALIDATING, RunningStage.VALIDATING, True),
+        "setup_fit": (running, TrainerFn.FITTING, RunningStage.TRAINING, False),  # before the module is wrapped
         "sanity": (running, TrainerFn.FITTING, RunningStage.SANITY_CHECKING, True),
         "sanity_batch": (running, TrainerFn.FITTING, RunningStage.SANITY_CHECKING, True),
         "train_batch": (running, TrainerFn.FITTING, RunningStage.TRAINING, False),
         "train_epoch_end": (running, TrainerFn.FITTING, RunningStage.TRAINING, False),
         "fit_validation": (running, TrainerFn.FITTING, RunningStage.VALIDATING, True),
+        "setup_test": (running, TrainerFn.TESTING, RunningStage.TESTING, True),
         "test": (running, TrainerFn.TESTING, RunningStage.TESTING, True),
+        "setup_predict": (running, TrainerFn.PREDICTING, RunningStage.PREDICTING, False),
         "predict": (running, TrainerFn.PREDICTING, RunningStage.PREDICTING, False)}
     kinds = {type(value) for seen in watch.seen.values() for value in seen[:3]}
     assert kinds == {TrainerStatus, TrainerFn, RunningStage}  # the enums themselves, not plain strings
@@ -3798,6 +3805,16 @@ def test_an_exception_in_validate_test_or_predict_leaves_the_trainer_interrupted
     with pytest.raises(KeyboardInterrupt):
         trainer.predict(Stopped(), _loader(4))
     assert trainer.interrupted and (trainer.state.fn, trainer.state.stage) == ("predict", None)
+
+
+    class FailsToSetUp(Callback):
+        def setup(self, trainer, module, stage):
+            raise RuntimeError("no setup")
+
+    trainer = _trainer(tmp_path, max_steps=1, callbacks=[FailsToSetUp()])
+    with pytest.raises(RuntimeError, match="no setup"):
+        trainer.fit(Probe(), _loader(4))
+    assert trainer.interrupted and (trainer.state.fn, trainer.state.stage) == ("fit", None)
 
 
 class _SeesLogDir(Probe):

@@ -654,17 +654,20 @@ class Trainer:
                                    ckpt_path=ckpt_path, ckpt_verify=ckpt_verify, datamodule=datamodule,
                                    weights_only=weights_only)
         attach_trainer(model, self)  # self.trainer inside the module's setup(stage), as Lightning
-        self.start_stage(model)
-        self.datamodule = datamodule
-        reload = fit_loader_hooks(model, train_dataloaders, val_dataloaders, datamodule)
-        train_dataloaders, val_dataloaders = resolve_fit_loaders(self.runtime, model, train_dataloaders, val_dataloaders,
-                                                                 datamodule, lambda: self.set_up_callbacks(model, "fit"))
+        # Lightning's state from here: in configure_callbacks, setup and the data hooks too
+        self.state.status, self.state.fn, self.training = TrainerStatus.RUNNING, TrainerFn.FITTING, True
+        with self._interrupted_on_error():
+            self.start_stage(model)
+            self.datamodule = datamodule
+            reload = fit_loader_hooks(model, train_dataloaders, val_dataloaders, datamodule)
+            train_dataloaders, val_dataloaders = resolve_fit_loaders(
+                self.runtime, model, train_dataloaders, val_dataloaders, datamodule,
+                lambda: self.set_up_callbacks(model, "fit"))
         cfg = self.config
         self._fit, self._run_lock = None, RunLock()  # the run directory's lock: taken by _run_fit, released below
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
-        self.fitting, self.training = True, True
-        self.state.status, self.state.fn = TrainerStatus.RUNNING, TrainerFn.FITTING
+        self.fitting = True
         try:
             # Lightning's detect_anomaly: on for the fit, the previous mode back after it (also on an error)
             with torch.autograd.set_detect_anomaly(True) if cfg.detect_anomaly else contextlib.nullcontext():
@@ -1414,6 +1417,16 @@ class Trainer:
             yield
         except BaseException as err:
             self._exception_hooks(err)
+            raise
+
+    @contextlib.contextmanager
+    def _interrupted_on_error(self):
+        """An error out of the block (``fit``'s setup and data hooks, before its body) leaves the status INTERRUPTED and
+        no stage, as Lightning's."""
+        try:
+            yield
+        except BaseException:
+            self.state.status, self.state.stage = TrainerStatus.INTERRUPTED, None
             raise
 
     def _exception_hooks(self, err: BaseException) -> None:
