@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -3847,6 +3848,19 @@ def test_log_dir_is_default_root_dir_without_a_logger_and_the_run_directory_of_t
         assert model.log_dirs == [before] * 2 and trainer.log_dir == before == str(trainer.run_dir)
         assert (trainer.run_dir / "metrics.csv").is_file()
     assert _trainer(root, fast_dev_run=1).log_dir is None  # a debug run writes nothing (Lightning's DummyLogger)
+
+
+@pytest.mark.timeout(60)
+def test_log_dir_before_the_first_fit_is_where_a_tensorboard_logger_without_save_dir_will_write(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install 'trainscale[tensorboard]'")
+    from trainscale.loggers import TensorBoardLogger
+
+    model, trainer = _SeesLogDir(), _trainer(tmp_path, max_steps=2, logger=TensorBoardLogger(sub_dir="train"))
+    before = trainer.log_dir
+    assert before == str(tmp_path / "version_0" / "tensorboard" / "train")  # its place in the run directory
+    trainer.fit(model, _loader())
+    assert model.log_dirs == [before] * 2 and trainer.log_dir == trainer.logger.log_dir == before
+    assert any(Path(before).glob("events.out.tfevents.*"))
 
 
 @pytest.mark.timeout(60)
