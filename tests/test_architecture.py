@@ -18,7 +18,7 @@ LAYERS = [
     {"telemetry"},
     {"scaling"},
     {"loggers", "checkpointing", "faults", "callbacks", "jobs", "profilers"},
-    {"lightning"},
+    {"lightning", "trainer"},  # trainer: Lightning's lightning.pytorch.trainer import paths
     {"tune"},
     {"loop"},
     {"plan", "check", "export", "tuner"},

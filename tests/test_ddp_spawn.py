@@ -13,6 +13,7 @@ from tests.helpers import run_python
 from trainscale.callbacks import ModelCheckpoint
 from trainscale.runtime.runtime import Runtime
 from trainscale.loop.trainer import Trainer
+from trainscale.trainer.states import TrainerFn, TrainerStatus
 
 pytestmark = pytest.mark.multiprocess
 
@@ -44,6 +45,9 @@ def test_trainer_fit_in_spawned_ranks_equals_plain_pytorch_and_returns_weights(s
     assert summary["world_size"] == 2 and summary["strategy"] == "ddp" and summary["global_batch_size"] == 2 * BATCH
     assert summary["epochs"] == EPOCHS and trainer.global_step == EPOCHS * 96 // (2 * BATCH)
     assert (spawned_fit["root"] / "version_0" / "summary.json").is_file()
+    state = trainer.state  # rank 0's, sent back: Lightning's enums
+    assert (state.status, state.fn, state.stage) == (TrainerStatus.FINISHED, TrainerFn.FITTING, None)
+    assert isinstance(state.status, TrainerStatus) and isinstance(state.fn, TrainerFn)
     reference = workers.plain_pytorch_reference(2 * BATCH, EPOCHS)
     for key, ref in reference.items():
         assert not torch.equal(before[key], ref)  # training moved the weights...
@@ -122,6 +126,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 from trainscale.loop.trainer import Trainer
+from trainscale.trainer.states import TrainerFn, TrainerStatus
 
 x, y = torch.randn(16384, 8), torch.randint(0, 2, (16384,))
 trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, enable_progress_bar=False,

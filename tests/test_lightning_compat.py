@@ -6,6 +6,7 @@ import copy
 import json
 import math
 import os
+import pickle
 import re
 import warnings
 from pathlib import Path
@@ -4363,3 +4364,166 @@ def test_a_datamodule_passed_as_fits_loader_is_the_trainers_datamodule_and_not_w
     with pytest.raises(ValueError, match=re.escape("You cannot pass `train_dataloader` or `val_dataloaders` to "
                                                    "`trainer.fit(datamodule=...)`")):
         trainer.fit(Probe(), val_dataloaders=_loader(4), datamodule=dm)
+
+
+# -- trainer state and log_dir ---------------------------------------------------------------------------------------
+def test_the_state_enums_are_lightnings_str_enums():
+    from trainscale.trainer.states import RunningStage, TrainerFn, TrainerStatus
+
+    assert [fn.value for fn in TrainerFn] == ["fit", "validate", "test", "predict"]
+    assert [s.value for s in RunningStage] == ["train", "sanity_check", "validate", "test", "predict"]
+    assert [s.value for s in TrainerStatus] == ["initializing", "running", "finished", "interrupted"]
+    stage = RunningStage.SANITY_CHECKING
+    assert stage == "sanity_check" and str(stage) == f"{stage}" == "sanity_check" and {"sanity_check": 1}[stage] == 1
+    assert [s.evaluating for s in RunningStage] == [False, True, True, True, False]
+    assert [s.dataloader_prefix for s in RunningStage] == ["train", "val", "val", "test", "predict"]
+    assert [s.stopped for s in TrainerStatus] == [False, False, True, True]
+    assert pickle.loads(pickle.dumps(TrainerFn.TESTING)) is TrainerFn.TESTING  # a ddp_spawn rank sends its state back
+
+
+class _StateWatch(_Stages):
+    """Notes ``trainer.state``'s status, fn and stage, and ``trainer.evaluating``, at the hooks ``_Stages`` implements."""
+
+    def _note(self, hook, trainer):
+        state = trainer.state
+        self.seen.setdefault(hook, (state.status, state.fn, state.stage, trainer.evaluating))
+
+    def setup(self, trainer, module, stage):
+        self._note(f"setup_{stage}", trainer)
+
+
+@pytest.mark.timeout(60)
+def test_trainer_state_holds_lightnings_enums_in_each_hook_and_after_each_call(tmp_path):
+    from trainscale.trainer.states import RunningStage, TrainerFn, TrainerState, TrainerStatus
+
+    watch = _StateWatch()
+    trainer = _trainer(tmp_path, max_steps=2, callbacks=[watch])
+    assert trainer.state == TrainerState(status=TrainerStatus.INITIALIZING, fn=None, stage=None)
+    model = _AllSteps()
+    after = []
+    for call in (lambda: trainer.validate(model, _loader(4), verbose=False),  # before any fit: no fit needed
+                 lambda: trainer.fit(model, _loader(4), _loader(4)),
+                 lambda: trainer.test(model, _loader(4), verbose=False),
+                 lambda: trainer.predict(model, _loader(4))):
+        call()
+        after.append((trainer.state.status, trainer.state.fn, trainer.state.stage, trainer.state.finished))
+    running = TrainerStatus.RUNNING
+    assert watch.seen == {
+        "setup_validate": (running, TrainerFn.VALIDATING, RunningStage.VALIDATING, True),
+        "validate": (running, TrainerFn.VALIDATING, RunningStage.VALIDATING, True),
+        "setup_fit": (running, TrainerFn.FITTING, RunningStage.TRAINING, False),  # before the module is wrapped
+        "sanity": (running, TrainerFn.FITTING, RunningStage.SANITY_CHECKING, True),
+        "sanity_batch": (running, TrainerFn.FITTING, RunningStage.SANITY_CHECKING, True),
+        "train_batch": (running, TrainerFn.FITTING, RunningStage.TRAINING, False),
+        "train_epoch_end": (running, TrainerFn.FITTING, RunningStage.TRAINING, False),
+        "fit_validation": (running, TrainerFn.FITTING, RunningStage.VALIDATING, True),
+        "setup_test": (running, TrainerFn.TESTING, RunningStage.TESTING, True),
+        "test": (running, TrainerFn.TESTING, RunningStage.TESTING, True),
+        "setup_predict": (running, TrainerFn.PREDICTING, RunningStage.PREDICTING, False),
+        "predict": (running, TrainerFn.PREDICTING, RunningStage.PREDICTING, False)}
+    kinds = {type(value) for seen in watch.seen.values() for value in seen[:3]}
+    assert kinds == {TrainerStatus, TrainerFn, RunningStage}  # the enums themselves, not plain strings
+    assert watch.seen["train_batch"][:3] == ("running", "fit", "train")  # and equal to Lightning's strings
+    assert after == [(TrainerStatus.FINISHED, fn, None, True) for fn in ("validate", "fit", "test", "predict")]
+
+
+@pytest.mark.timeout(60)
+def test_an_exception_in_validate_test_or_predict_leaves_the_trainer_interrupted(tmp_path):
+    class Raising(_AllSteps):
+        def test_step(self, batch, batch_idx):
+            raise RuntimeError("test failed")
+
+    trainer = _trainer(tmp_path, max_steps=1)
+    with pytest.raises(RuntimeError, match="test failed"):
+        trainer.test(Raising(), _loader(4), verbose=False)
+    assert trainer.interrupted and trainer.state.status == "interrupted" and trainer.state.stopped
+    assert (trainer.state.fn, trainer.state.stage) == ("test", None)
+    trainer.validate(Raising(), _loader(4), verbose=False)
+    assert trainer.state.finished and not trainer.interrupted
+
+    class Stopped(_AllSteps):
+        def predict_step(self, batch, batch_idx):
+            raise KeyboardInterrupt  # Ctrl+C: it reaches the caller (Lightning exits the process instead)
+
+    with pytest.raises(KeyboardInterrupt):
+        trainer.predict(Stopped(), _loader(4))
+    assert trainer.interrupted and (trainer.state.fn, trainer.state.stage) == ("predict", None)
+
+
+    class FailsToSetUp(Callback):
+        def setup(self, trainer, module, stage):
+            raise RuntimeError("no setup")
+
+    trainer = _trainer(tmp_path, max_steps=1, callbacks=[FailsToSetUp()])
+    with pytest.raises(RuntimeError, match="no setup"):
+        trainer.fit(Probe(), _loader(4))
+    assert trainer.interrupted and (trainer.state.fn, trainer.state.stage) == ("fit", None)
+
+
+class _SeesLogDir(Probe):
+    """Notes ``self.trainer.log_dir`` at each training step."""
+
+    def __init__(self):
+        super().__init__()
+        self.log_dirs: list[str | None] = []
+
+    def training_step(self, batch, batch_idx):
+        self.log_dirs.append(self.trainer.log_dir)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(60)
+def test_log_dir_is_default_root_dir_without_a_logger_and_the_run_directory_of_the_default_logger(tmp_path):
+    root = tmp_path / "no_logger"
+    model, trainer = _SeesLogDir(), _trainer(root, logger=False, max_steps=2)
+    assert trainer.log_dir == str(root)  # Lightning's: default_root_dir, before, during and after fit
+    trainer.fit(model, _loader())
+    assert model.log_dirs == [str(root)] * 2 and trainer.log_dir == str(root)
+    assert _trainer(root, logger=False, fast_dev_run=1).log_dir == str(root)
+    # the default CSVLogger writes into the run directory: log_dir names the one the fit takes, before it too
+    root = tmp_path / "default_logger"
+    for n in (0, 1):
+        model, trainer = _SeesLogDir(), _trainer(root, max_steps=2)
+        before = trainer.log_dir
+        assert before == str(root / f"version_{n}")
+        trainer.fit(model, _loader())
+        assert model.log_dirs == [before] * 2 and trainer.log_dir == before == str(trainer.run_dir)
+        assert (trainer.run_dir / "metrics.csv").is_file()
+    assert _trainer(root, fast_dev_run=1).log_dir is None  # a debug run writes nothing (Lightning's DummyLogger)
+
+
+@pytest.mark.timeout(60)
+def test_log_dir_before_the_first_fit_is_where_a_tensorboard_logger_without_save_dir_will_write(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install 'trainscale[tensorboard]'")
+    from trainscale.loggers import TensorBoardLogger
+
+    model, trainer = _SeesLogDir(), _trainer(tmp_path, max_steps=2, logger=TensorBoardLogger(sub_dir="train"))
+    before = trainer.log_dir
+    assert before == str(tmp_path / "version_0" / "tensorboard" / "train")  # its place in the run directory
+    trainer.fit(model, _loader())
+    assert model.log_dirs == [before] * 2 and trainer.log_dir == trainer.logger.log_dir == before
+    assert any(Path(before).glob("events.out.tfevents.*"))
+
+
+@pytest.mark.timeout(60)
+def test_trainer_loggers_and_logger_are_settable_as_lightnings(tmp_path):
+    from trainscale.loggers import CSVLogger
+
+    trainer = _trainer(tmp_path, max_steps=1)
+    assert trainer.loggers == [trainer.logger] and isinstance(trainer.logger, CSVLogger)
+    one, two = CSVLogger(tmp_path / "one"), CSVLogger(tmp_path / "two")
+    trainer.logger = one
+    assert trainer.loggers == [one] and trainer.logger is one
+    trainer.logger = None
+    assert (trainer.loggers, trainer.logger, trainer.log_dir) == ([], None, str(tmp_path))
+    trainer.loggers = (two, one)
+    assert trainer.loggers == [two, one] and trainer.logger is two
+    trainer.loggers = None
+    assert trainer.loggers == [] and trainer.logger is None
+    with pytest.raises(TypeError, match="is not a logger"):
+        trainer.loggers = ["csv"]
+    trainer.loggers = [one]  # set before fit: the fit writes to it
+    trainer.fit(Probe(), _loader())
+    assert trainer.log_dir == one.log_dir == str(tmp_path / "one" / "lightning_logs" / "version_0")
+    assert (tmp_path / "one" / "lightning_logs" / "version_0" / "metrics.csv").is_file()
+    assert not (tmp_path / "two").exists()

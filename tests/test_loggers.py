@@ -693,11 +693,10 @@ def test_without_a_save_dir_the_loggers_write_into_the_run_directory_which_is_th
 
 
 @pytest.mark.timeout(60)
-def test_trainer_log_dir_without_a_logger_is_the_run_directory(tmp_path):
-    trainer = Trainer(accelerator="cpu", logger=False)
-    assert trainer.log_dir is None  # no run directory before fit
-    trainer = _fit(tmp_path, False)
-    assert trainer.log_dir == str(trainer.run_dir) == str(tmp_path / "version_0")
+def test_trainer_log_dir_without_a_logger_is_default_root_dir(tmp_path):
+    assert Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path).log_dir == str(tmp_path)
+    trainer = _fit(tmp_path, False)  # Lightning's; the run's records still go to the run directory
+    assert trainer.log_dir == str(tmp_path) and trainer.run_dir == tmp_path / "version_0"
 
 
 def test_prefix_goes_before_every_metric_name_joined_by_a_dash(tmp_path):

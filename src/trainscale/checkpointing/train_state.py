@@ -3,11 +3,71 @@
 - :class:`TrainState` — the one stateful value of the loop's progress (torchtitan's ``TrainState``):
   optimizer steps, the epoch, micro-batches done in it, the epoch records.
 - :class:`ResumePoint` — what a checkpoint says about where to continue (frozen, returned by the load).
+- :class:`TrainerStatus`, :class:`TrainerFn`, :class:`RunningStage` — the values of ``TrainState.status``, ``fn`` and
+  ``stage``: Lightning's enums (``lightning.pytorch.trainer.states``), ``str`` enums equal to their strings
+  (``TrainerFn.FITTING == "fit"``), also importable as ``trainscale.trainer.states``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class _StrEnum(str, Enum):
+    """A ``str`` enum: equal to, hashed as, and printed as its value (``str(TrainerFn.FITTING) == "fit"``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+    __hash__ = str.__hash__
+
+
+class TrainerStatus(_StrEnum):
+    """Where the Trainer's last ``fit``/``validate``/``test``/``predict`` stands (Lightning's ``TrainerStatus``)."""
+
+    INITIALIZING = "initializing"  # the Trainer is made, nothing has run
+    RUNNING = "running"
+    FINISHED = "finished"  # the last call returned
+    INTERRUPTED = "interrupted"  # the last call raised (an exception, a KeyboardInterrupt)
+
+    @property
+    def stopped(self) -> bool:
+        """Finished or interrupted."""
+        return self in (TrainerStatus.FINISHED, TrainerStatus.INTERRUPTED)
+
+
+class TrainerFn(_StrEnum):
+    """The Trainer method running, or last run (Lightning's ``TrainerFn``)."""
+
+    FITTING = "fit"
+    VALIDATING = "validate"
+    TESTING = "test"
+    PREDICTING = "predict"
+
+
+class RunningStage(_StrEnum):
+    """What runs now (Lightning's ``RunningStage``): in ``fit`` TRAINING, SANITY_CHECKING (the sanity check's
+    validation) or VALIDATING (its validation); VALIDATING in ``validate``, TESTING in ``test``, PREDICTING in
+    ``predict``."""
+
+    TRAINING = "train"
+    SANITY_CHECKING = "sanity_check"
+    VALIDATING = "validate"
+    TESTING = "test"
+    PREDICTING = "predict"
+
+    @property
+    def evaluating(self) -> bool:
+        """Validation (in ``fit``'s sanity check too) or test."""
+        return self in (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
+
+    @property
+    def dataloader_prefix(self) -> str:
+        """The prefix of the stage's loader hook: "val" for validation and the sanity check, else the value
+        ("train_dataloader", "test_dataloader", "predict_dataloader")."""
+        return "val" if self in (RunningStage.VALIDATING, RunningStage.SANITY_CHECKING) else self.value
 
 
 @dataclass
@@ -22,12 +82,16 @@ class TrainState:
         total_batches: micro-batches trained since the start of the run (Lightning's ``total_batch_idx`` + 1;
             ``val_check_interval`` with ``check_val_every_n_epoch=None`` counts them).
         history: one record per completed epoch (``kind`` "epoch" metrics, without ``kind``/``time``).
-        status: "initializing", "running" (in ``fit``), "finished" (``fit`` returned) or "interrupted" (it raised):
-            Lightning's ``trainer.state.status``, not saved.
-        stage: what runs now, Lightning's ``trainer.state.stage``: "train" (in ``fit``), "sanity_check", "validate"
-            (``validate()``, and validation in ``fit``), "test", "predict", or None; not saved.
-        fn: the Trainer method running, or last run: "fit", "validate", "test" or "predict" (None before any), the
-            values of Lightning's ``trainer.state.fn`` (its ``TrainerFn`` is a ``str`` enum of them); not saved.
+        status: a :class:`TrainerStatus`: INITIALIZING, RUNNING (in ``fit``, ``validate``, ``test``, ``predict``),
+            FINISHED (the call returned) or INTERRUPTED (it raised): Lightning's ``trainer.state.status``; not saved.
+        stage: what runs now, a :class:`RunningStage` (Lightning's ``trainer.state.stage``): TRAINING (in ``fit``),
+            SANITY_CHECKING, VALIDATING (``validate()``, and validation in ``fit``), TESTING, PREDICTING, or None
+            (nothing runs); not saved.
+        fn: the Trainer method running, or last run, a :class:`TrainerFn` (FITTING, VALIDATING, TESTING,
+            PREDICTING; None before any): Lightning's ``trainer.state.fn``; not saved.
+
+    Lightning's ``TrainerState`` is this class (``trainscale.trainer.states.TrainerState``); its ``status``, ``fn``
+    and ``stage`` are the same enums, equal to the same strings.
         epoch_ended: True once ``epoch``'s end (validation, ``on_train_epoch_end``, its checkpoints) has run, or
             after a resume from a checkpoint written at its end; :attr:`current_epoch` then counts it.
     """
@@ -38,14 +102,20 @@ class TrainState:
     total_batches: int = 0
     history: list[dict] = field(default_factory=list)
     epoch_ended: bool = False
-    status: str = "initializing"
-    stage: str | None = None
-    fn: str | None = None
+    status: TrainerStatus = TrainerStatus.INITIALIZING
+    stage: RunningStage | None = None
+    fn: TrainerFn | None = None
 
     @property
     def finished(self) -> bool:
-        """The last ``fit`` ran to its end (Lightning's ``trainer.state.finished``)."""
-        return self.status == "finished"
+        """The last ``fit``, ``validate``, ``test`` or ``predict`` ran to its end (Lightning's
+        ``trainer.state.finished``)."""
+        return self.status == TrainerStatus.FINISHED
+
+    @property
+    def stopped(self) -> bool:
+        """The last call finished or was interrupted (Lightning's ``trainer.state.stopped``)."""
+        return self.status.stopped
 
     @property
     def current_epoch(self) -> int:
@@ -57,6 +127,9 @@ class TrainState:
     def state_dict(self) -> dict:
         return {"global_step": self.global_step, "epoch": self.epoch, "batches": self.batches,
                 "total_batches": self.total_batches, "history": list(self.history)}
+
+
+TrainerState = TrainState  # Lightning's name (``lightning.pytorch.trainer.states.TrainerState``)
 
 
 @dataclass(frozen=True)

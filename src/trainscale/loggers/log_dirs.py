@@ -127,10 +127,16 @@ class VersionedDir:
     def log_dir(self) -> str | None:
         """Where the files go: ``root_dir/version_<N>`` (or ``root_dir/<version>`` for a string version), then
         ``sub_dir``; without a save_dir the run directory (and the logger's place in it). None before a run."""
+        return self.log_dir_in(self._run_dir)
+
+    def log_dir_in(self, run_dir: str | os.PathLike | None) -> str | None:
+        """:attr:`log_dir` in the run ``run_dir``: without a save_dir, ``run_dir`` and the logger's place in it (None
+        for ``run_dir`` None); with one, the same whatever ``run_dir``. ``trainer.log_dir`` reads it before the first
+        fit, with the run directory that fit will take."""
         if self._save_dir is None:
-            if self._run_dir is None:
+            if run_dir is None:
                 return None
-            base = os.path.join(self._run_dir, self._in_run_dir) if self._in_run_dir else str(self._run_dir)
+            base = os.path.join(run_dir, self._in_run_dir) if self._in_run_dir else str(run_dir)
         else:
             version = self.version
             base = os.path.join(self.root_dir, version if isinstance(version, str) else f"version_{version}")
@@ -251,12 +257,18 @@ def agree_log_dirs(loggers: list, run_dir: str | os.PathLike, broadcast: Callabl
         raise FileExistsError(refusal)
 
 
-def trainer_log_dir(loggers: list, run_dir: Path | None) -> str | None:
-    """Lightning's ``trainer.log_dir``: the first logger's ``log_dir`` (CSV, TensorBoard: with ``sub_dir``), another
-    first logger's ``save_dir``; where that is None (a W&B or MLflow logger writing into the run directory) or there is
-    no logger, the run directory (None before the first fit)."""
-    first = loggers[0] if loggers else None
-    found = first.log_dir if isinstance(first, VersionedDir) else getattr(first, "save_dir", None)
+def trainer_log_dir(loggers: list, run_dir: Path | None, root_dir: str | os.PathLike) -> str | None:
+    """Lightning's ``trainer.log_dir``: without a logger ``root_dir`` (``default_root_dir``); else the first logger's
+    ``log_dir`` (CSV, TensorBoard: with ``sub_dir``; without a ``save_dir``, its place in ``run_dir`` until a fit binds
+    it), another first logger's ``save_dir``; where that is None (W&B, MLflow writing into the run directory)
+    ``run_dir``. ``run_dir`` None (the run writes no files): None, as Lightning's for its ``DummyLogger``."""
+    if not loggers:
+        return str(root_dir)
+    first = loggers[0]
+    if isinstance(first, VersionedDir):  # bound to the last fit's run, else placed in run_dir (before the first fit)
+        found = first.log_dir or first.log_dir_in(run_dir)
+    else:
+        found = getattr(first, "save_dir", None)
     if found is not None:
         return str(found)
     return str(run_dir) if run_dir is not None else None

@@ -63,7 +63,7 @@ from trainscale.checkpointing.runs import (RunLock, as_ckpt_path, choose_run_dir
                                           resolve_ckpt_path)
 from trainscale.loop.summary import finish_run, hyperparams
 from trainscale.lightning.optimizer_setup import build_optimizers
-from trainscale.checkpointing.train_state import ResumePoint, TrainState
+from trainscale.checkpointing.train_state import ResumePoint, RunningStage, TrainerFn, TrainerStatus, TrainState
 from trainscale.profilers import Profiler, resolve_profiler
 from trainscale.loop.state import EpochLoss, FitRun, MicroBatch, MicroBatchBooks, epoch_batches, micro_batches
 
@@ -71,7 +71,7 @@ from trainscale.loop.state import EpochLoss, FitRun, MicroBatch, MicroBatchBooks
 _log = logging.getLogger(__name__)  # Lightning's notes at INFO (log_info: printed where logging shows no INFO)
 
 
-def _stage_flag(stage: str, doc: str) -> property:
+def _stage_flag(stage: RunningStage, doc: str) -> property:
     """A bool view of ``trainer.state.stage`` (Lightning's ``trainer.training`` and its kin): True while ``stage``
     runs; set True, that stage runs; set False, none does when it was the one running (Lightning's setters)."""
 
@@ -322,8 +322,8 @@ class Trainer:
         self.checkpoint_callbacks: list[ModelCheckpoint] = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)
                                                             and self.config.writes_files]
         # on every rank, so a bad value fails everywhere; set up and called on rank zero (MetricsProcessor)
-        self.loggers = resolve_loggers(logger, tensorboard=self.config.tensorboard,
-                                       fast_dev_run=bool(self.config.fast_dev_run))
+        self._loggers = resolve_loggers(logger, tensorboard=self.config.tensorboard,
+                                        fast_dev_run=bool(self.config.fast_dev_run))
         # ``runtime``: the one Runtime.launch made for a ddp_spawn rank, built from the same flags
         self.runtime = runtime if runtime is not None else Runtime(**runtime_flags)
         say_one_batch_limits(self.config, self.runtime.is_rank_zero)  # an int 1 and a float 1.0 differ, as Lightning
@@ -449,12 +449,46 @@ class Trainer:
                                     doc="The schedulers with their interval, frequency and monitor, Lightning's "
                                         "``LRSchedulerConfig`` (``trainscale.utilities.types``), in "
                                         "``configure_optimizers``' order.")
-    logger = property(lambda self: self.loggers[0] if self.loggers else None,
-                      doc="The first of ``loggers``, None without any (Lightning's ``trainer.logger``).")
-    log_dir = property(lambda self: trainer_log_dir(self.loggers, self.run_dir),
-                       doc="Lightning's ``trainer.log_dir`` (a str): the first logger's ``log_dir`` (CSV, TensorBoard) "
-                           "or ``save_dir``; the run directory when it has none or there is no logger; the same on "
-                           "every rank once fit has chosen the run directory; None before that without a save_dir.")
+
+    @property
+    def loggers(self) -> list:
+        """The loggers, a list (empty without any): Lightning's ``trainer.loggers``. Settable as Lightning's, before a
+        fit (its start sets them up): a list or tuple of loggers, or None or ``[]`` for none.
+
+        Raises:
+            TypeError: an item that is not a logger (``trainscale.loggers.resolve_loggers``).
+            ValueError: the same logger twice."""
+        return self._loggers
+
+    @loggers.setter
+    def loggers(self, loggers: list | tuple | None) -> None:
+        self._loggers = resolve_loggers(list(loggers)) if loggers else []
+
+    @property
+    def logger(self) -> Any:
+        """The first of :attr:`loggers`, None without any (Lightning's ``trainer.logger``). Setting a logger makes it
+        the only one (``loggers == [logger]``); setting None (or False) leaves none."""
+        return self._loggers[0] if self._loggers else None
+
+    @logger.setter
+    def logger(self, logger: Any) -> None:
+        self.loggers = [logger] if logger else []
+
+    @property
+    def log_dir(self) -> str | None:
+        """Lightning's ``trainer.log_dir`` (a str), where a module or callback writes its own files: the first
+        logger's ``log_dir`` (CSV, TensorBoard: ``save_dir/name/version_N``) or ``save_dir`` (W&B, MLflow); without
+        a logger, ``default_root_dir``. A logger without a ``save_dir`` (the default ``CSVLogger``) writes into the run
+        directory, and ``log_dir`` names it: the last fit's, and before the first fit the one a new fit takes
+        (``default_root_dir/version_N``, the next free ``N``; a fit that resumes in place, ``ckpt_path="last"``,
+        continues its own run directory instead). None under ``fast_dev_run``/``barebones`` with a logger (nothing is
+        written, as Lightning's ``DummyLogger``). Read on each rank, no collective: the same on every rank once
+        ``fit`` has chosen the run directory (rank zero's)."""
+        run_dir = self.run_dir
+        if run_dir is None and self.config.writes_files:
+            run_dir = ckpt.next_run_dir(self.config.default_root_dir)  # only listed: the fit claims it (claim_run_dir)
+        return trainer_log_dir(self.loggers, run_dir, self.config.default_root_dir)
+
     fast_dev_run = property(lambda self: self.config.fast_dev_run, doc="The flag as given (False, True or N).")
     limit_train_batches = property(lambda self: self.config.limit_train_batches,
                                    doc="The flag (None: all batches); under ``overfit_batches``, its value.")
@@ -496,15 +530,19 @@ class Trainer:
                                 doc="The test loaders of the running or last test(), as :attr:`val_dataloaders`.")
     predict_dataloaders = property(lambda self: self.stage_dataloaders.get("predict"),
                                    doc="The loaders of the running or last predict(), as :attr:`val_dataloaders`.")
-    interrupted = property(lambda self: self.state.status == "interrupted",
-                           doc="Whether the last fit ended in an exception (Lightning's ``trainer.interrupted``).")
+    interrupted = property(lambda self: self.state.status == TrainerStatus.INTERRUPTED,
+                           doc="Whether the last fit, validate, test or predict ended in an exception (Lightning's "
+                               "``trainer.interrupted``).")
 
     # Lightning's views of trainer.state.stage (TrainState.stage), each settable as Lightning's
-    training = _stage_flag("train", "True in fit, except while it validates or runs the sanity check.")
-    sanity_checking = _stage_flag("sanity_check", "True while the sanity check runs (num_sanity_val_steps).")
-    validating = _stage_flag("validate", "True while validate() runs, and while fit validates.")
-    testing = _stage_flag("test", "True while test() runs.")
-    predicting = _stage_flag("predict", "True while predict() runs.")
+    training = _stage_flag(RunningStage.TRAINING, "True in fit, except while it validates or runs the sanity check.")
+    sanity_checking = _stage_flag(RunningStage.SANITY_CHECKING,
+                                  "True while the sanity check runs (num_sanity_val_steps).")
+    validating = _stage_flag(RunningStage.VALIDATING, "True while validate() runs, and while fit validates.")
+    testing = _stage_flag(RunningStage.TESTING, "True while test() runs.")
+    predicting = _stage_flag(RunningStage.PREDICTING, "True while predict() runs.")
+    evaluating = property(lambda self: self.state.stage is not None and self.state.stage.evaluating,
+                          doc="True while a validation (the sanity check's too) or a test runs (Lightning's).")
 
     @property
     def device_ids(self) -> list[int]:
@@ -645,23 +683,25 @@ class Trainer:
                                    ckpt_path=ckpt_path, ckpt_verify=ckpt_verify, datamodule=datamodule,
                                    weights_only=weights_only)
         attach_trainer(model, self)  # self.trainer inside the module's setup(stage), as Lightning
-        self.start_stage(model)
-        sources = FitSources(model, train_dataloaders, val_dataloaders, datamodule)  # its checks before any hook
-        self.datamodule = sources.datamodule
-        prepare_stage(self.runtime, sources.datamodule, model, "fit", lambda: self.set_up_callbacks(model, "fit"))
+        # Lightning's state from here: in configure_callbacks, setup and the data hooks too
+        self.state.status, self.state.fn, self.training = TrainerStatus.RUNNING, TrainerFn.FITTING, True
+        with self._interrupted_on_error():
+            self.start_stage(model)
+            sources = FitSources(model, train_dataloaders, val_dataloaders, datamodule)  # its checks before any hook
+            self.datamodule = sources.datamodule
+            prepare_stage(self.runtime, sources.datamodule, model, "fit", lambda: self.set_up_callbacks(model, "fit"))
         cfg = self.config
         self._fit, self._run_lock = None, RunLock()  # the run directory's lock: taken by _run_fit, released below
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
-        self.fitting, self.state.status, self.training, self.state.fn = True, "running", True, "fit"
+        self.fitting = True
         try:
             # Lightning's detect_anomaly: on for the fit, the previous mode back after it (also on an error)
             with torch.autograd.set_detect_anomaly(True) if cfg.detect_anomaly else contextlib.nullcontext():
                 summary = self._run_fit(model, sources, loss_fn, optimizer, ckpt_path, (ckpt_verify, weights_only))
-            self.state.status = "finished"
+            self.state.status = TrainerStatus.FINISHED
             return summary
         except BaseException as err:
-            self.state.status = "interrupted"
             self._exception_hooks(err)
             explained = explain_batch_error(err) or self._faults.diagnose(
                 err, f"at epoch {self.current_epoch}, step {self.global_step}")
@@ -1313,7 +1353,7 @@ class Trainer:
         evaluation.evaluate_stage(self, fit.loop_module, fit.wrapped, fit.val_loader, "validation",
                                   num_batches=[min(limit, batches) for batches in self.num_val_batches])
         self._hook("on_sanity_check_end")
-        self.state.stage = stage  # training again, as Lightning's
+        self.state.stage = stage  # TRAINING again, as Lightning's
         self.callback_metrics = saved_metrics
         set_rng_state(saved_rng)
 
@@ -1479,13 +1519,16 @@ class Trainer:
             model, ckpt_path = evaluation.fitted_model(self, method, ckpt_path)
         kwargs["ckpt_path"] = evaluation.checkpoint_to_evaluate(self, ckpt_path, method)  # before any ddp_spawn start
         self.ckpt_path = as_ckpt_path(kwargs["ckpt_path"])
-        previous, self.state.stage = self.state.stage, method  # Lightning's stage: "validate", "test", "predict"
-        self.state.fn = method  # and its TrainerFn, which stays after the call
+        previous, self.state.stage = self.state.stage, RunningStage(method)  # VALIDATING, TESTING, PREDICTING
+        self.state.fn, self.state.status = TrainerFn(method), TrainerStatus.RUNNING  # the fn stays after the call
         try:
             with self._on_exception():
                 if self.runtime.spawns:
-                    return run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
-                return evaluation.run_stage(self, method, model, dataloaders, **kwargs)
+                    results = run_spawned(self, method, model, dataloaders=dataloaders, **kwargs)
+                else:
+                    results = evaluation.run_stage(self, method, model, dataloaders, **kwargs)
+            self.state.status = TrainerStatus.FINISHED
+            return results
         finally:
             self.state.stage = previous
 
@@ -1528,8 +1571,20 @@ class Trainer:
             self._exception_hooks(err)
             raise
 
+    @contextlib.contextmanager
+    def _interrupted_on_error(self):
+        """An error out of the block (``fit``'s setup and data hooks, before its body) leaves the status INTERRUPTED and
+        no stage, as Lightning's."""
+        try:
+            yield
+        except BaseException:
+            self.state.status, self.state.stage = TrainerStatus.INTERRUPTED, None
+            raise
+
     def _exception_hooks(self, err: BaseException) -> None:
-        """Lightning's ``_interrupt``: the callbacks' and module's ``on_exception``, then the data module's."""
+        """Lightning's ``_interrupt``: the status INTERRUPTED, the callbacks' and module's ``on_exception``, then the
+        data module's."""
+        self.state.status = TrainerStatus.INTERRUPTED
         self._hook("on_exception", err)
         if callable(hook := getattr(self.datamodule, "on_exception", None)):
             hook(err)
