@@ -28,20 +28,21 @@ The import rewrite (``rewrite_imports``), statement by statement:
 - ``_<PACKAGE>_GREATER_EQUAL_x_y``, ``_<PACKAGE>_AVAILABLE``, ``_IS_WINDOWS``: computed on this machine.
 - ``lightning_utilities`` (a package of its own, installed) stays as it is.
 - Any other name is a placeholder (``_shims.missing``): calling it fails with "trainscale has no <path>.<name>"; its
-  public attributes are placeholders too (so ``RunningStage.VALIDATING`` in a ``parametrize`` list does not stop the
+  public attributes are placeholders too (so an enum member of a missing name in a ``parametrize`` list does not stop the
   file; iterating one, or reading a ``_``-attribute, fails naming it); an ``...Exception``/``...Error``/``...Warning`` name is a class nothing raises (``PossibleUserWarning``).
 
 A conftest.py gives Lightning's autouse fixtures that reset torch state (deterministic algorithms, process group),
 its ``tmpdir_server`` (an HTTP server over ``tmp_path``) and, for ``cuda_count_*``/``mps_count_*``/
 ``xla_available``/``tpu_available``, fixtures that fail naming the Lightning module they mock. Four functions of
-``trainer/test_trainer.py`` stop the pytest process and are deselected (``DESELECTED``).
+``trainer/test_trainer.py`` and one of ``trainer/test_states.py`` stop the pytest process and are deselected
+(``DESELECTED``).
 
 Counting, per test function (its parametrized cases together): a case whose first error says a package is not
 installed (``NOT_INSTALLED``: hydra, omegaconf; Lightning's CI has them) counts as skipped; "skipped" when every case
 is skipped; "passing" when every case that ran passed; else a failure, judged by its first failing case and first
 exception: "internals" when it comes from Lightning's private API (``classify`` with ``INTERNAL_PATTERNS`` over the
-exception lines and the test file's own traceback lines: ``fit_loop`` and the other loops, ``RunningStage``/
-``TrainerFn``, a mock or import of a ``lightning.*`` module path, an attribute a trainscale ``Strategy`` lacks, a
+exception lines and the test file's own traceback lines: ``fit_loop`` and the other loops, a mock or import of a
+``lightning.*`` module path, an attribute a trainscale ``Strategy`` lacks, a
 ``_``-prefixed attribute, a placeholder of a ``_``-name); the other failures are "counted", each with a rough cause
 (``cause``). "counted" = functions - skipped - internals - deselected. ``--list`` prints every function's verdict
 and first error line, so each classification can be checked; ``--no-run`` counts the XMLs of an earlier run again.
@@ -103,9 +104,10 @@ FILES = [
 # With devices=2, trainscale's Trainer() re-executes the process under torchrun (Lightning starts its processes in
 # fit); a KeyboardInterrupt in fit reaches the caller (Lightning turns it into SystemExit): each stops pytest.
 # KeyboardInterrupt raised in a hook: Lightning's Trainer turns it into SystemExit, trainscale lets it through, and
-# pytest then ends the session (test_on_exception_hook, test_keyboard_interrupt)
+# pytest then ends the session (test_on_exception_hook, test_keyboard_interrupt, test_interrupt_state_on_keyboard_interrupt)
 DESELECTED = {"trainer/test_trainer.py": ["test_trainer_config_strategy", "test_trainer_config_device_ids",
-                                          "test_on_exception_hook", "test_keyboard_interrupt"]}
+                                          "test_on_exception_hook", "test_keyboard_interrupt"],
+              "trainer/test_states.py": ["test_interrupt_state_on_keyboard_interrupt"]}
 # Lightning test helpers copied in (see the module docstring): module -> the names to copy (None: the whole file).
 # Each one was read and uses only public Lightning API; a name of these modules not listed stays a placeholder.
 LIFTED: dict[str, list[str] | None] = {
@@ -138,7 +140,6 @@ FLAG = re.compile(r"^_([A-Z]+_GREATER_EQUAL_\d+_\d+|[A-Z0-9_]+_AVAILABLE|IS_WIND
 # traceback lines); either matching makes the failure "internals".
 INTERNAL_PATTERNS = [
     ("fit_loop", re.compile(r"\bfit_loop\b|\b(epoch|batch)_loop\b|_evaluation_loop|predict_loop"), None),
-    ("RunningStage/TrainerFn", re.compile(r"\b(RunningStage|TrainerFn)\b"), None),
     ("lightning.* mock or import",
      re.compile(r"No module named '?lightning\b|[\"']lightning\.(pytorch|fabric)\."), None),
     ("trainer.strategy internals",
@@ -153,7 +154,7 @@ NOT_INSTALLED = re.compile(r"^E\s+(ModuleNotFoundError: No module named '(?!ligh
 
 
 def _missing_is_private(path: str) -> bool:
-    return any(part.startswith("_") or part in ("RunningStage", "TrainerFn") for part in path.split("."))
+    return any(part.startswith("_") for part in path.split("."))
 
 
 # --------------------------------------------------------------------------------------------------- the rewrite
