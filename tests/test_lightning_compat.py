@@ -4527,3 +4527,37 @@ def test_trainer_loggers_and_logger_are_settable_as_lightnings(tmp_path):
     assert trainer.log_dir == one.log_dir == str(tmp_path / "one" / "lightning_logs" / "version_0")
     assert (tmp_path / "one" / "lightning_logs" / "version_0" / "metrics.csv").is_file()
     assert not (tmp_path / "two").exists()
+
+
+# -- on_<stage>_batch_end outputs of an evaluation step -----------------------------------------------------------------
+class _OutputsSeen(Callback):
+    def __init__(self):
+        self.seen: list = []
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.seen.append(outputs)
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.seen.append(outputs)
+
+
+@pytest.mark.timeout(60)
+def test_an_evaluation_steps_outputs_reach_on_batch_end_as_it_returned_them(tmp_path):
+    class ReturnsTensor(Probe):
+        def validation_step(self, batch, batch_idx):
+            return self.layer(batch[0]).sum()  # Lightning passes the tensor itself
+
+        def test_step(self, batch, batch_idx):
+            return None
+
+    seen = _OutputsSeen()
+    trainer = _trainer(tmp_path, callbacks=[seen])
+    model = ReturnsTensor()
+    trainer.validate(model, _loader(2))
+    assert len(seen.seen) == 1 and isinstance(seen.seen[0], torch.Tensor) and seen.seen[0].ndim == 0
+    trainer.test(model, _loader(2))
+    assert seen.seen[1] is None
+    seen.seen.clear()
+    _trainer(tmp_path, callbacks=[seen]).validate(nn.Linear(2, 1), _loader(2),
+                                                 loss_fn=lambda out, y: out.squeeze(-1).sub(y).pow(2).mean())
+    assert set(seen.seen[0]) == {"loss"}  # a plain model: trainscale's metrics

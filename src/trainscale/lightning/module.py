@@ -781,7 +781,8 @@ class LoopModule(nn.Module):
         self.overrides = module_overrides(model)  # every Lightning hook it overrides (the mode hooks, ...)
         step = getattr(model, "training_step", None)
         self.has_training_step = step is not None
-        self.step_output: Any = None  # what the last training_step returned (its dict's other keys: batch_end_outputs)
+        # what the last training_step (its dict's other keys: batch_end_outputs) or evaluation step returned
+        self.step_output: Any = None
         self.step_takes_batch_idx = step is not None and _takes_batch_idx(step)
         # whether each evaluation step takes batch_idx, read once (inspect is slow)
         # (a step set to None counts as none, as Lightning's ``is_overridden``)
@@ -861,10 +862,11 @@ class LoopModule(nn.Module):
     def evaluate(self, batch: Any, batch_idx: int, stage: str = "validation",
                  dataloader_idx: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
         """Per-batch mean metrics and the batch's sample count (``validation_step``/``test_step``'s
-        returned dict, or loss and accuracy for a plain classifier)."""
+        returned dict, or loss and accuracy for a plain classifier). What the step returned, as it returned it, is
+        :attr:`step_output` until the next step (the ``outputs`` of ``on_<stage>_batch_end``, as Lightning's)."""
         step = getattr(self.model, f"{stage}_step", None)
         if step is not None:
-            out = step(*self._step_args(f"{stage}_step", batch, batch_idx, dataloader_idx))
+            out = self.step_output = step(*self._step_args(f"{stage}_step", batch, batch_idx, dataloader_idx))
             metrics = dict(out) if isinstance(out, Mapping) else {} if out is None else {"loss": out}
             return metrics, batch_size(batch)
         if self.is_hf_model and isinstance(batch, Mapping):

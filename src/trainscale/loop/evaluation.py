@@ -94,8 +94,8 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loaders: list, st
     ends in ``/dataloader_idx_N`` (a ``self.log`` name unless logged with ``add_dataloader_idx=False``).
 
     ``hook(name, *args)`` runs Lightning's ``on_<stage>_epoch_start`` (once), ``on_<stage>_batch_start(batch,
-    batch_idx)``, ``on_<stage>_batch_end(outputs, batch, batch_idx)`` (outputs: the step's dict, a tensor as
-    ``{"loss": tensor}``; with several loaders both get ``dataloader_idx`` last) and ``on_<stage>_epoch_end`` (once)
+    batch_idx)``, ``on_<stage>_batch_end(outputs, batch, batch_idx)`` (outputs: what the step returned, as Lightning's: a
+    dict, a tensor, None; a plain model's metrics; with several loaders both get ``dataloader_idx`` last) and ``on_<stage>_epoch_end`` (once)
     (``Trainer._hook``). ``move(batch, dataloader_idx)`` puts each batch on the device (the module's batch-transfer
     hooks: ``lightning.module.BatchTransfer``; None: ``runtime.to_device``). The caller sets the module's mode
     (:func:`model_eval`). Sums and counts stay on the device; one all-reduce at the end. A collective: every rank
@@ -140,6 +140,7 @@ def _evaluate_loader(rt: Runtime, loop_module: Any, wrapped: Any, source: tuple[
     counts: dict[str, int] = {}  # samples of the batches that returned each key
     count, batch = 0, None
     collector.dataloader_idx = dataloader_idx
+    stepless = getattr(loop_module.model, f"{stage}_step", None) is None
     for batch_idx, batch in enumerate(itertools.islice(loader, None if num_batches == math.inf else num_batches)):
         batch = rt.to_device(batch) if move is None else move(batch, dataloader_idx or 0)
         collector.batch_size = _count(batch)
@@ -147,7 +148,9 @@ def _evaluate_loader(rt: Runtime, loop_module: Any, wrapped: Any, source: tuple[
         with rt.autocast():
             metrics, n = (wrapped(batch, batch_idx, stage=stage, dataloader_idx=dataloader_idx) if communicates
                           else loop_module.evaluate(batch, batch_idx, stage, dataloader_idx))
-        hook(f"on_{stage}_batch_end", metrics, batch, batch_idx, *idx)
+        # outputs: what the step returned, as Lightning passes it (a plain model, without steps: its metrics)
+        outputs = metrics if stepless or rt.strategy.pipelined else loop_module.step_output
+        hook(f"on_{stage}_batch_end", outputs, batch, batch_idx, *idx)
         for key, value in metrics.items():
             value = torch.as_tensor(value, device=rt.device).detach().float() * n
             sums[key] = sums[key] + value if key in sums else value
