@@ -4561,3 +4561,18 @@ def test_an_evaluation_steps_outputs_reach_on_batch_end_as_it_returned_them(tmp_
     _trainer(tmp_path, callbacks=[seen]).validate(nn.Linear(2, 1), _loader(2),
                                                  loss_fn=lambda out, y: out.squeeze(-1).sub(y).pow(2).mean())
     assert set(seen.seen[0]) == {"loss"}  # a plain model: trainscale's metrics
+
+
+def test_a_detached_modules_ranks_epoch_and_step_are_zero_as_in_lightning(tmp_path):
+    class AnnealedInForward(Probe):
+        def forward(self, x):  # a schedule read in the forward, then used for inference after fit
+            return self.layer(x) * (1.0 + self.current_epoch + self.global_step)
+
+    model = AnnealedInForward()
+    assert (model.global_rank, model.local_rank, model.current_epoch, model.global_step) == (0, 0, 0, 0)
+    model(torch.zeros(1, 2))  # Lightning: no Trainer, 0 (it raised "not attached to a Trainer")
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(model, _loader(4))
+    assert (model.current_epoch, model.global_step, model.local_rank) == (1, 2, 0)
+    model.trainer = None
+    assert (model.current_epoch, model.global_step) == (0, 0)

@@ -284,17 +284,30 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         else:
             self.__dict__["_trainer"] = trainer
 
+    # Lightning's: 0 when no Trainer is attached (a forward or a hook called outside fit, after load_from_checkpoint)
     @property
     def global_rank(self) -> int:
-        return self.trainer.runtime.rank
+        """This process's rank in the job (0 .. world size - 1); 0 without a Trainer."""
+        trainer = self.__dict__.get("_trainer")
+        return trainer.runtime.rank if trainer is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (Lightning's ``self.local_rank``); 0 without a Trainer."""
+        trainer = self.__dict__.get("_trainer")
+        return trainer.local_rank if trainer is not None else 0
 
     @property
     def current_epoch(self) -> int:
-        return self.trainer.current_epoch
+        """The Trainer's ``current_epoch``; 0 without a Trainer."""
+        trainer = self.__dict__.get("_trainer")
+        return trainer.current_epoch if trainer is not None else 0
 
     @property
     def global_step(self) -> int:
-        return self.trainer.global_step
+        """The Trainer's ``global_step`` (optimizer steps taken); 0 without a Trainer."""
+        trainer = self.__dict__.get("_trainer")
+        return trainer.global_step if trainer is not None else 0
 
     @property
     def device(self) -> torch.device:
