@@ -4576,3 +4576,32 @@ def test_a_detached_modules_ranks_epoch_and_step_are_zero_as_in_lightning(tmp_pa
     assert (model.current_epoch, model.global_step, model.local_rank) == (1, 2, 0)
     model.trainer = None
     assert (model.current_epoch, model.global_step) == (0, 0)
+
+
+@pytest.mark.timeout(60)
+def test_toggled_optimizer_freezes_the_other_optimizers_parameters_inside_the_block(tmp_path):
+    class TwoParts(TrainingModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            self.first, self.second = nn.Linear(2, 1), nn.Linear(2, 1)
+            self.example_input_array = torch.zeros(1, 2)  # Lightning's attribute: kept as set, not a buffer
+            self.inside: list[tuple[bool, bool]] = []
+
+        def training_step(self, batch, batch_idx):
+            opt_first, _ = self.optimizers()
+            with self.toggled_optimizer(opt_first):
+                self.inside.append((self.first.weight.requires_grad, self.second.weight.requires_grad))
+                loss = (self.first(batch[0]) + self.second(batch[0])).pow(2).mean()
+                opt_first.zero_grad()
+                self.manual_backward(loss)
+                opt_first.step()
+            self.inside.append((self.first.weight.requires_grad, self.second.weight.requires_grad))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.first.parameters(), lr=0.1), torch.optim.SGD(self.second.parameters(), lr=0.1)
+
+    model = TwoParts()
+    _trainer(tmp_path, max_epochs=1, limit_train_batches=1).fit(model, _loader(2))
+    assert model.inside == [(True, False), (True, True)]  # frozen inside the block, as before after it
+    assert model.example_input_array.shape == (1, 2) and "example_input_array" not in model.state_dict()

@@ -17,12 +17,13 @@ step, whichever kind the user gave.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -284,6 +285,16 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         else:
             self.__dict__["_trainer"] = trainer
 
+    @property
+    def example_input_array(self) -> Any:
+        """Lightning's attribute: an example input of ``forward`` (a tensor, a tuple of positional inputs or a dict of
+        keyword inputs) that the module sets for tools to use; None until set."""
+        return self.__dict__.get("_example_input_array")
+
+    @example_input_array.setter
+    def example_input_array(self, example: Any) -> None:
+        self.__dict__["_example_input_array"] = example
+
     # Lightning's: 0 when no Trainer is attached (a forward or a hook called outside fit, after load_from_checkpoint)
     @property
     def global_rank(self) -> int:
@@ -529,7 +540,8 @@ class TrainingModule(HyperparametersMixin, nn.Module):
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         """Lightning's hook, under automatic optimization, after ``on_before_zero_grad``: ``optimizer.zero_grad()``.
-        trainscale calls it right after each optimizer step (Lightning: before the next step's first backward)."""
+        trainscale calls it at each optimizer step's first micro-batch, before its forward (Lightning: after that
+        forward, before its backward)."""
         optimizer.zero_grad()
 
     def toggle_optimizer(self, optimizer: Any) -> None:
@@ -543,6 +555,19 @@ class TrainingModule(HyperparametersMixin, nn.Module):
     def untoggle_optimizer(self, optimizer: Any) -> None:
         """Undo :meth:`toggle_optimizer` (the same kinds of ``optimizer``)."""
         self._manual_optimizer(optimizer, "untoggle_optimizer").untoggle()
+
+    @contextlib.contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """Lightning's context manager: :meth:`toggle_optimizer` on entry, :meth:`untoggle_optimizer` on exit (also
+        on an error), as ``with self.toggled_optimizer(opt): ...`` in a manual ``training_step``.
+
+        Raises:
+            ValueError: as :meth:`toggle_optimizer`."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
 
     def _manual_optimizer(self, optimizer: Any, method: str) -> Any:
         """The ``ManualOptimizer`` that is, or wraps, ``optimizer``."""
