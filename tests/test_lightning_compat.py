@@ -4605,3 +4605,25 @@ def test_toggled_optimizer_freezes_the_other_optimizers_parameters_inside_the_bl
     _trainer(tmp_path, max_epochs=1, limit_train_batches=1).fit(model, _loader(2))
     assert model.inside == [(True, False), (True, True)]  # frozen inside the block, as before after it
     assert model.example_input_array.shape == (1, 2) and "example_input_array" not in model.state_dict()
+
+
+# -- Lightning's Trainer attributes a callback or a script reads ----------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_is_last_batch_default_root_dir_print_and_init_module_as_lightnings(tmp_path, capsys):
+    class LastBatch(Callback):
+        def __init__(self):
+            self.seen: list[bool] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen.append(trainer.is_last_batch)
+
+    seen = LastBatch()
+    trainer = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, callbacks=[seen], precision="64-true")
+    assert trainer.default_root_dir == str(tmp_path) and not trainer.is_last_batch
+    with trainer.init_module():
+        model = Probe()
+    assert model.layer.weight.dtype == torch.float64  # built as "64-true" trains it
+    trainer.fit(model, _loader(6))  # 3 batches an epoch
+    assert seen.seen == [False, False, True] * 2
+    trainer.print("from rank zero", 1)
+    assert "from rank zero 1" in capsys.readouterr().out

@@ -530,6 +530,13 @@ class Trainer:
                                 doc="The test loaders of the running or last test(), as :attr:`val_dataloaders`.")
     predict_dataloaders = property(lambda self: self.stage_dataloaders.get("predict"),
                                    doc="The loaders of the running or last predict(), as :attr:`val_dataloaders`.")
+    default_root_dir = property(lambda self: str(self.config.default_root_dir),
+                                doc="The flag as a path string (``runs`` when not given; Lightning's: the working "
+                                    "directory); each fit's run directory is a ``version_N`` in it.")
+    is_last_batch = property(lambda self: self._fit is not None and self.state.batches == self._fit.epoch_batches,
+                             doc="Whether the training batch just run is its epoch's last (Lightning's attribute, "
+                                 "read in on_train_batch_end); an IterableDataset's last is known only once its "
+                                 "iterator has ended, so it is False there.")
     interrupted = property(lambda self: self.state.status == TrainerStatus.INTERRUPTED,
                            doc="Whether the last fit, validate, test or predict ended in an exception (Lightning's "
                                "``trainer.interrupted``).")
@@ -1381,6 +1388,21 @@ class Trainer:
         ends_epoch = ends_epoch or step >= self.config.step_limit
         for cb in self.checkpoint_callbacks:
             cb.save_if_due(self, epoch_end, ends_epoch)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the first process of each machine (local rank 0), as Lightning's ``trainer.print``."""
+        if self.local_rank == 0:
+            print(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def init_module(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Lightning's ``with trainer.init_module(): model = Net()``: the model is built as the precision asks
+        (``Runtime.init_module``: float64 parameters under "64-true"); the strategy moves, casts or shards it in
+        ``fit``, so the trained model is the same as one built outside. ``empty_init`` (Lightning: skip the weights'
+        initialization, for a checkpoint loaded next) is accepted and changes nothing: the weights are initialized.
+        To build a large model without memory, use the module's ``configure_model`` hook (docs/lightning.md)."""
+        with self.runtime.init_module():
+            yield
 
     def save_checkpoint(self, filepath: str | Path | None = None, weights_only: bool = False,
                         storage_options: Any = None, *, background: bool = False, overwrite: bool = False) -> Path:
