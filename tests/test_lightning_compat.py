@@ -4627,3 +4627,42 @@ def test_is_last_batch_default_root_dir_print_and_init_module_as_lightnings(tmp_
     assert seen.seen == [False, False, True] * 2
     trainer.print("from rank zero", 1)
     assert "from rank zero 1" in capsys.readouterr().out
+
+
+# -- a stateful data module --------------------------------------------------------------------------------------------
+class _Curriculum(trainscale.DataModule):
+    """A data module whose level the module raises at each epoch's end (Lightning's stateful data module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.level = 0
+        self.loaded: list[dict] = []
+
+    def train_dataloader(self):
+        return _loader(4)
+
+    def state_dict(self):
+        return {"level": self.level}
+
+    def load_state_dict(self, state_dict):
+        self.loaded.append(dict(state_dict))
+        self.level = state_dict["level"]
+
+
+class _RaisesLevel(Probe):
+    def on_train_epoch_end(self):
+        super().on_train_epoch_end()
+        self.trainer.datamodule.level += 1
+
+
+@pytest.mark.timeout(60)
+def test_a_data_modules_state_is_saved_in_checkpoints_and_given_back_on_resume(tmp_path):
+    first = _Curriculum()
+    trainer = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0)
+    trainer.fit(_RaisesLevel(), datamodule=first)
+    saved = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=True)
+    assert saved[type(first).__qualname__] == {"level": 2}  # Lightning's key: the class's __qualname__
+    again = _Curriculum()
+    resumed = _trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0)
+    resumed.fit(_RaisesLevel(), datamodule=again, ckpt_path=trainer.checkpoint_callback.best_model_path)
+    assert again.loaded == [{"level": 2}] and again.level == 3  # given back, then raised by the third epoch

@@ -97,11 +97,27 @@ def save(runtime: Runtime, target: Path, fit: Any, state: TrainState, optimizers
     if (hf_config := hf.config_dict(fit.model)) is not None:  # config.json for `trainscale export`
         content["hf_config"] = hf_config
     fixed = set(content)
+    content.update(datamodule_state(fit.datamodule))  # before the hooks, as Lightning's; kept apart when pickled
     if on_save is not None:
         _call_with_state_views(on_save, content, optimizers, schedulers)
     content["callbacks"], tensor_states = _split_tensor_states(content["callbacks"])
     keep_apart_unreadable(content, [key for key in content if key not in fixed])
     return target, runtime.save(target, {**content, **tensor_states}, asynchronous=asynchronous)
+
+
+def datamodule_state(datamodule: Any) -> dict[str, Any]:
+    """A stateful data module's entry of a checkpoint (Lightning's ``_dump_checkpoint``): ``{its class's
+    __qualname__: datamodule.state_dict()}`` when that state is not empty, else nothing."""
+    state = datamodule.state_dict() if callable(getattr(datamodule, "state_dict", None)) else None
+    return {type(datamodule).__qualname__: state} if state else {}
+
+
+def restore_datamodule(datamodule: Any, checkpoint: dict) -> None:
+    """Give a data module the state :func:`datamodule_state` saved in ``checkpoint`` (``load_state_dict``), as
+    Lightning's ``restore_datamodule``; nothing when it saved none or has no such hook."""
+    key = type(datamodule).__qualname__
+    if datamodule is not None and key in checkpoint and callable(getattr(datamodule, "load_state_dict", None)):
+        datamodule.load_state_dict(checkpoint[key])
 
 
 # Lightning's checkpoint keys for the optimizers' and schedulers' states, shown to on_save_checkpoint only

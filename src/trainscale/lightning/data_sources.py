@@ -61,6 +61,18 @@ class DataModule(HyperparametersMixin):
     def setup(self, stage: str) -> None:
         """On every rank before the stage's loaders are asked for: build the data sets."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """Lightning's hook: the data module's state (a curriculum's level, a stream's position), saved in every
+        checkpoint of a fit it takes part in under its class's ``__qualname__``; empty (the default): nothing."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning's hook: the state :meth:`state_dict` saved, given back when a fit resumes from the checkpoint
+        (after the ``on_load_checkpoint`` hooks)."""
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Lightning's hook: a stage (``fit``, ``validate``, ``test``, ``predict``) is ending in ``exception``."""
+
 
 def is_data_source(obj: Any) -> bool:
     """Whether ``obj`` is a data module (has a loader hook) rather than a DataLoader."""

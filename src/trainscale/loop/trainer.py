@@ -1490,10 +1490,12 @@ class Trainer:
     def _load(self, path: Path, verify: bool, weights_only: bool | None) -> ResumePoint:
         # the hooks see the checkpoint as read and may change it before the model, optimizers and callbacks are
         # restored from it (Lightning: the module's hook first here)
+        def on_load(read: dict) -> None:  # the hooks, then a stateful data module's state (Lightning's order)
+            self._hook("on_load_checkpoint", read, module_first=True)
+            checkpointer.restore_datamodule(self.datamodule, read)
+
         point, _ = checkpointer.load(self.runtime, path, self._fit.model, self.optimizers, self.schedulers, self.state,
-                                     self.callbacks, verify, lambda read: self._hook("on_load_checkpoint", read,
-                                                                                      module_first=True),
-                                     weights_only)
+                                     self.callbacks, verify, on_load, weights_only)
         return point
 
     # -- evaluation ----------------------------------------------------------------------------------
