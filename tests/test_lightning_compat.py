@@ -4666,3 +4666,28 @@ def test_a_data_modules_state_is_saved_in_checkpoints_and_given_back_on_resume(t
     resumed = _trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0)
     resumed.fit(_RaisesLevel(), datamodule=again, ckpt_path=trainer.checkpoint_callback.best_model_path)
     assert again.loaded == [{"level": 2}] and again.level == 3  # given back, then raised by the third epoch
+
+
+@pytest.mark.timeout(60)
+def test_strict_loading_false_lets_load_from_checkpoint_take_a_checkpoint_with_fewer_weights(tmp_path):
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(Probe(), _loader(4))
+    path = trainer.checkpoint_callback.best_model_path
+
+    class Grown(Probe):  # a head the checkpoint does not hold
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(1, 1)
+
+    with pytest.raises(RuntimeError, match="Missing key"):
+        Grown.load_from_checkpoint(path)  # strict by default, as Lightning's
+
+    class Lenient(Grown):
+        def __init__(self):
+            super().__init__()
+            self.strict_loading = False  # Lightning's attribute
+
+    loaded = Lenient.load_from_checkpoint(path)
+    torch.testing.assert_close(loaded.layer.weight, torch.load(path, weights_only=True)["state_dict"]["layer.weight"])
+    with pytest.raises(RuntimeError, match="Missing key"):
+        Lenient.load_from_checkpoint(path, strict=True)  # the argument wins

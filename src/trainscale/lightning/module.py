@@ -189,7 +189,7 @@ class TrainingModule(HyperparametersMixin, nn.Module):
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, map_location: Any = None,
-                             strict: bool = True, verify: bool = True, weights_only: bool | None = None,
+                             strict: bool | None = None, verify: bool = True, weights_only: bool | None = None,
                              **overrides: Any) -> TrainingModule:
         """The module rebuilt from a checkpoint, as Lightning's ``LightningModule.load_from_checkpoint``
         (``lightning.pytorch.core.saving._load_from_checkpoint``): ``cls(**hyper_parameters, **overrides)``, the
@@ -213,7 +213,8 @@ class TrainingModule(HyperparametersMixin, nn.Module):
                 from to new ones (``{"cuda:1": "cuda:0"}``), or ``f(storage, location)`` returning a storage (or
                 None: where it was saved). The module is moved to the device of its first weight, as Lightning.
                 None: the CPU (Lightning keeps a GPU checkpoint on that GPU when there is one).
-            strict: the weights' names must match the module's exactly (``nn.Module.load_state_dict``).
+            strict: the weights' names must match the module's exactly (``nn.Module.load_state_dict``); None (the
+                default): the module's :attr:`strict_loading` (True unless it sets it False), as Lightning's.
             verify: check the SHA-256 recorded at the save (refuses a file whose bytes differ from it; a file that
                 records none, one loaded, edited and saved back with plain ``torch.save``, is read unverified with
                 a warning, as Lightning reads any file).
@@ -254,7 +255,7 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         # Lightning (core/saving.py): the module goes where map_location put its first weight (moved before the
         # load here, so that each weight is copied once, on its device)
         device = next((t.device for t in state.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
-        module.to(device).load_state_dict(state, strict=strict)
+        module.to(device).load_state_dict(state, strict=module.strict_loading if strict is None else strict)
         return module
 
     # -- what the Trainer attached -------------------------------------------------------------
@@ -284,6 +285,17 @@ class TrainingModule(HyperparametersMixin, nn.Module):
             self.__dict__.pop("_trainer", None)
         else:
             self.__dict__["_trainer"] = trainer
+
+    @property
+    def strict_loading(self) -> bool:
+        """Lightning's attribute: whether :meth:`load_from_checkpoint` (without ``strict=``) requires the weights'
+        names to match the module's exactly; True unless set False (a module that saves only some weights, such as
+        adapters, sets ``self.strict_loading = False``)."""
+        return self.__dict__.get("_strict_loading") in (None, True)
+
+    @strict_loading.setter
+    def strict_loading(self, strict: bool) -> None:
+        self.__dict__["_strict_loading"] = strict
 
     @property
     def example_input_array(self) -> Any:
