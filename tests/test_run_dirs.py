@@ -30,6 +30,7 @@ class _Trainer:
         self.config = TrainerConfig()
         self.ckpt_path = None
         self.num_val_batches = []  # no validation: epoch saves at epoch ends
+        self.enable_validation = False  # and no step save waits for one
         self.validated_at = []  # the global steps at which the fit validated
         self.loggers = []  # told of each save (after_save_checkpoint)
 

@@ -328,7 +328,7 @@ class ModelCheckpoint(Callback):
         logged yet, or this step ends an epoch whose validation follows, with the saves at validation ends (its value
         is the last validation's). Only in a fit that validates: without validation the step save is made (ranked
         last while its value is missing, with a warning)."""
-        if self.monitor is None or not any(trainer.num_val_batches):
+        if self.monitor is None or not trainer.enable_validation:  # its loaders may be asked for later (lazily)
             return False
         if self.monitor not in self._metrics(trainer):
             return True

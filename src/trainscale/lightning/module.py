@@ -748,8 +748,8 @@ def batch_end_outputs(output: Any, loss: torch.Tensor | None) -> dict:
     of a dict the ``training_step`` returned (``output``), as they are; ``{}`` when it returned None."""
     if loss is None:
         return {}
-    return {"loss": loss, **{k: v for k, v in output.items() if k != "loss"}} if isinstance(output, Mapping) else {
-        "loss": loss}
+    extra = {k: v for k, v in output.items() if k != "loss"} if isinstance(output, Mapping) else {}
+    return {"loss": loss, **extra}
 
 
 def skip_backward(world_size: int) -> None:

@@ -29,7 +29,8 @@ def build_optimizers(model: nn.Module, wrapped: nn.Module, optimizer: Any, confi
         RuntimeError: a ``training_step`` that takes Lightning 1.x's ``optimizer_idx`` (Lightning 2's error and words).
         ValueError / TypeError / RuntimeError: see :func:`configured_optimization` and :func:`check_optimizers`.
     """
-    if "optimizer_idx" in inspect.signature(getattr(model, "training_step", None) or _no_step).parameters:
+    step = getattr(model, "training_step", None)
+    if step is not None and "optimizer_idx" in inspect.signature(step).parameters:
         raise RuntimeError("Training with multiple optimizers is only supported with manual optimization. Remove the "
                            "`optimizer_idx` argument from `training_step`, set `self.automatic_optimization = False` "
                            "and access your optimizers in `training_step` with `opt1, opt2, ... = self.optimizers()` "
@@ -139,7 +140,3 @@ def _check_parameters(optimizers, wrapped: nn.Module) -> None:
                              "model's (built on another model, or before the strategy moved it); pass a factory "
                              "optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), or build it in "
                              "configure_optimizers() from self.parameters()")
-
-
-def _no_step() -> None:
-    """A signature without parameters, for a model without ``training_step``."""

@@ -94,9 +94,9 @@ def evaluate(runtime: Runtime, loop_module: Any, wrapped: Any, loaders: list, st
     ends in ``/dataloader_idx_N`` (a ``self.log`` name unless logged with ``add_dataloader_idx=False``).
 
     ``hook(name, *args)`` runs Lightning's ``on_<stage>_epoch_start`` (once), ``on_<stage>_batch_start(batch,
-    batch_idx)``, ``on_<stage>_batch_end(outputs, batch, batch_idx)`` (outputs: what the step returned, as Lightning's: a
-    dict, a tensor, None; a plain model's metrics; with several loaders both get ``dataloader_idx`` last) and ``on_<stage>_epoch_end`` (once)
-    (``Trainer._hook``). ``move(batch, dataloader_idx)`` puts each batch on the device (the module's batch-transfer
+    batch_idx)``, ``on_<stage>_batch_end(outputs, batch, batch_idx)`` (outputs: what the step returned, as
+    Lightning's: a dict, a tensor, None; a plain model's metrics; with several loaders both get ``dataloader_idx``
+    last) and ``on_<stage>_epoch_end`` (once) (``Trainer._hook``). ``move(batch, dataloader_idx)`` puts each batch on the device (the module's batch-transfer
     hooks: ``lightning.module.BatchTransfer``; None: ``runtime.to_device``). The caller sets the module's mode
     (:func:`model_eval`). Sums and counts stay on the device; one all-reduce at the end. A collective: every rank
     calls it.

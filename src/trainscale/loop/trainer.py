@@ -434,9 +434,10 @@ class Trainer:
     num_nodes = property(lambda self: self.runtime.world.num_nodes, doc="Nodes in the job.")
     is_global_zero = property(lambda self: self.runtime.world.rank == 0, doc="True on rank 0 (Lightning's name).")
     # Lightning's names for the loop's limits and what callbacks read of it
-    max_epochs = property(lambda self: 1 if self.config.fast_dev_run else self._max_epochs, doc="Epochs to train; -1: no limit. Not given: None until "
-                          "the first fit starts, then the value it resolves to (Lightning's _parse_loop_limits); 1 "
-                          "under fast_dev_run from Trainer() on, as Lightning's.")
+    max_epochs = property(lambda self: 1 if self.config.fast_dev_run else self._max_epochs,
+                          doc="Epochs to train; -1: no limit. Not given: None until the first fit starts, then the "
+                              "value it resolves to (Lightning's _parse_loop_limits); 1 under fast_dev_run from "
+                              "Trainer() on, as Lightning's.")
     max_steps = property(lambda self: -1 if self.config.max_steps is None else self.config.max_steps,
                          doc="Optimizer steps to train; -1: no limit (Lightning's spelling).")
     min_epochs = property(lambda self: self.config.min_epochs, doc="Epochs before a callback may stop the fit.")
@@ -1043,11 +1044,7 @@ class Trainer:
             self._hook("on_train_batch_start", batch, micro.index)
             if micro.index == first_batch and not self.manual_optimizers:  # the step's first: zero the gradients
                 # the last step's, there until now as in Lightning; freed before this forward (Lightning: after it)
-                self._hook("on_before_zero_grad", self.optimizers[0])
-                if "optimizer_zero_grad" in fit.loop_module.step_hooks:  # the module's own (Lightning's hook)
-                    fit.model.optimizer_zero_grad(self.current_epoch, micro.index, self.optimizers[0])
-                else:
-                    self.optimizers[0].zero_grad(set_to_none=True)
+                self._zero_grad(fit, self.optimizers[0], micro.index)
             with prof.profile("training_step_and_backward"):  # its end advances PyTorchProfiler's schedule
                 if tele.counting_flops:  # the run's first micro-batch: its FLOPs counted once, for MFU
                     loss, t_forward = tele.count_flops_of(lambda: self._forward_backward(fit, batch, micro), fit.wrapped,
@@ -1172,17 +1169,24 @@ class Trainer:
                 f"batches (accumulate_grad_batches={self.config.accumulate_grad_batches}): evaluating one batch again "
                 "would mix its new gradients with the others' old ones. Use accumulate_grad_batches=1 with this "
                 "optimizer (a larger batch_size gives the same batch per step)")
-        self._hook("on_before_zero_grad", optimizer)  # Lightning's closure zeroes before each backward
-        if "optimizer_zero_grad" in fit.loop_module.step_hooks:
-            fit.model.optimizer_zero_grad(self.current_epoch, micro.index, optimizer)
-        else:
-            optimizer.zero_grad(set_to_none=True)
+        self._zero_grad(fit, optimizer, micro.index)  # Lightning's closure zeroes before each backward
         loss, _ = self._forward_backward(fit, batch, micro)
         if loss is None:
             raise ValueError(f"training_step returned None while {type(optimizer).__name__} evaluated the loss again "
                              "within its step: an optimizer that calls the closure needs a loss at each call; return "
                              "the loss (a tensor) from training_step")
         return loss.detach()
+
+    def _zero_grad(self, fit: FitRun, optimizer: torch.optim.Optimizer, batch_idx: int) -> None:
+        """Lightning's zeroing under automatic optimization: ``on_before_zero_grad(optimizer)``, then the module's
+        ``optimizer_zero_grad(epoch, batch_idx, optimizer)`` where it overrides it, else
+        ``optimizer.zero_grad(set_to_none=True)`` (the gradients freed, not filled with zeros). :meth:`train_step`
+        calls it at each step's first micro-batch, :meth:`_evaluate_again` before each later evaluation."""
+        self._hook("on_before_zero_grad", optimizer)
+        if "optimizer_zero_grad" in fit.loop_module.step_hooks:
+            fit.model.optimizer_zero_grad(self.current_epoch, batch_idx, optimizer)
+        else:
+            optimizer.zero_grad(set_to_none=True)
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float,
                        gradient_clip_algorithm: str = "norm") -> torch.Tensor | None:
