@@ -200,6 +200,26 @@ def test_ddp_two_ranks_agree_and_equal_a_hand_loop_accumulating_1_then_2(tmp_pat
         torch.testing.assert_close(results[1]["state"][key], results[0]["state"][key], rtol=0, atol=0)
 
 
+def _pp_scheduled_body(rank: int, root: str, strategy: str) -> dict:
+    from tests.pipeline_workers import fit_gpt
+
+    return fit_gpt(rank, f"{root}/{strategy}", strategy, epochs=2, train=48, val=8,
+                   callbacks=(GradientAccumulationScheduler({1: 2}),))
+
+
+@pytest.mark.multiprocess
+def test_pipeline_stages_follow_the_schedule_as_one_process(tmp_path):
+    """pp has its own micro-batches inside each batch: each schedule step is given the epoch's divisor, so a GPT
+    cut into 2 stages trains as one process does (48 samples of 8: 6 steps, then 3)."""
+    single = _pp_scheduled_body(0, str(tmp_path), "single")
+    results = run_distributed(_pp_scheduled_body, str(tmp_path), "pp", timeout=120)
+    assert single["summary"]["steps"] == 9 and [r["summary"]["steps"] for r in results] == [9, 9]
+    assert set().union(*(r["weights"] for r in results)) == set(single["weights"])  # the stages hold every weight
+    for r in results:
+        for name, value in r["weights"].items():
+            torch.testing.assert_close(value, single["weights"][name], rtol=1e-5, atol=1e-6)
+
+
 # -- resume ---------------------------------------------------------------------------------------------------------
 def test_resume_mid_epoch_in_a_scheduled_epoch_equals_the_uninterrupted_run(tmp_path):
     """16 samples of 4: 4 micro-batches an epoch; {1: 2}: 4 + 2 + 2 steps. The cut run stops at step 5, after the
