@@ -62,9 +62,11 @@ class Record(Callback):
 
 def fit_gpt(rank: int, root: str, strategy: str, *, steps: int | None = None, epochs: int = 1, train: int = 64,
             val: int = 21, schedule: str | None = None, accumulate: int = 1, ckpt_path: str | None = None,
-            destroy: bool = False, batch_size: int = 8, meta: bool = False, net: bool = False, **flags) -> dict:
+            destroy: bool = False, batch_size: int = 8, meta: bool = False, net: bool = False, callbacks: tuple = (),
+            **flags) -> dict:
     """Fit a GPT (seed 0; built on the meta device if ``meta``; with ``net``, a :class:`Net` on
-    :func:`net_loaders` instead) with clipping at norm 0.5; return this rank's weights (whole: FSDP and
+    :func:`net_loaders` instead; ``callbacks`` after the one that records) with clipping at norm 0.5; return this
+    rank's weights (whole: FSDP and
     tensor-parallel shards gathered), the per-step losses (and gradient norms from rank zero's step records),
     the validation loss, the peak bytes of parameters + gradients + optimizer state, the summary."""
     import json
@@ -78,7 +80,7 @@ def fit_gpt(rank: int, root: str, strategy: str, *, steps: int | None = None, ep
     trainer = Trainer(accelerator="cpu", devices="auto" if pp else 1, strategy=strategy, max_epochs=epochs,
                       max_steps=steps, seed=0, default_root_dir=root, enable_progress_bar=False, timeout=60,
                       log_every_n_steps=1, gradient_clip_val=0.5, accumulate_grad_batches=accumulate,
-                      callbacks=[record], logger=False, pp_schedule=schedule, **flags)
+                      callbacks=[record, *callbacks], logger=False, pp_schedule=schedule, **flags)
     torch.manual_seed(0)
     with torch.device("meta" if meta else "cpu"):
         model = Net() if net else GPT(PP_CONFIG)

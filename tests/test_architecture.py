@@ -43,6 +43,7 @@ ALLOWED_TYPE_IMPORTS = {
     "callbacks/early_stopping.py:trainscale.loop.trainer": CALLBACK_CONTRACT,
     "callbacks/ema.py:trainscale.loop.trainer": CALLBACK_CONTRACT,
     "callbacks/finetuning.py:trainscale.loop.trainer": CALLBACK_CONTRACT,
+    "callbacks/gradient_accumulation_scheduler.py:trainscale.loop.trainer": CALLBACK_CONTRACT,
     "callbacks/lr_monitor.py:trainscale.loop.trainer": CALLBACK_CONTRACT,
     "callbacks/model_checkpoint.py:trainscale.loop.trainer": CALLBACK_CONTRACT,
     "callbacks/model_summary.py:trainscale.loop.trainer": CALLBACK_CONTRACT,

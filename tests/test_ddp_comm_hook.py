@@ -11,29 +11,17 @@ from tests.helpers import run_distributed
 pytestmark = pytest.mark.multiprocess
 
 
-class _Counter:
-    def __init__(self) -> None:
-        self.calls = 0
-
-
-def _counting_hook(state: _Counter, bucket):
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    state.calls += 1
-    return allreduce_hook(None, bucket)
-
-
 def _fit_counting(rank: int, root: str) -> dict:
     import torch
     from torch.utils.data import DataLoader
 
     from trainscale.loop.trainer import Trainer
 
-    counter = _Counter()
+    counter = workers.CallCounter()
     # 96 samples / 2 ranks / batch 8 = 6 micro-batches per epoch: groups of 4 and 2 (a short last group)
     trainer = Trainer(accelerator="cpu", devices="auto", max_epochs=2, accumulate_grad_batches=4, default_root_dir=root,
                       enable_progress_bar=False, enable_checkpointing=False, timeout=60,
-                      strategy_options={"ddp_comm_hook": _counting_hook, "ddp_comm_state": counter})
+                      strategy_options={"ddp_comm_hook": workers.counting_allreduce_hook, "ddp_comm_state": counter})
     model = workers.make_model(0)
     summary = trainer.fit(model, DataLoader(workers.tiny_dataset(96), batch_size=8, shuffle=True),
                           optimizer=workers.sgd)

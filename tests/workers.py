@@ -225,3 +225,19 @@ def clocks_apart_body(rank: int, root: str) -> list[int]:
                                   {"max_epochs": 1, "val_check_interval": "00:00:41:40"}, devices="auto", n=20)
     trainer.runtime.teardown()
     return trainer.validated_at
+
+
+class CallCounter:
+    """The state of :func:`counting_allreduce_hook`: its calls on this rank."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+def counting_allreduce_hook(state: CallCounter, bucket):
+    """A DDP communication hook (``strategy_options={"ddp_comm_hook": ...}``) that counts its calls, one per gradient
+    bucket all-reduced, then all-reduces as DDP's default does."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    state.calls += 1
+    return allreduce_hook(None, bucket)

@@ -15,6 +15,7 @@ from trainscale.callbacks.device_stats_monitor import DeviceStatsMonitor
 from trainscale.callbacks.early_stopping import EarlyStopping
 from trainscale.callbacks.ema import EMA
 from trainscale.callbacks.finetuning import BaseFinetuning
+from trainscale.callbacks.gradient_accumulation_scheduler import GradientAccumulationScheduler
 from trainscale.callbacks.lambda_function import LambdaCallback
 from trainscale.callbacks.lr_monitor import LearningRateMonitor
 from trainscale.callbacks.model_checkpoint import ModelCheckpoint
@@ -27,7 +28,7 @@ from trainscale.callbacks.swa import StochasticWeightAveraging
 from trainscale.callbacks.timer import Timer
 from trainscale.utilities import rank_zero_info
 
-__all__ = ["BackboneFinetuning", "BaseFinetuning", "BasePredictionWriter", "Callback", "DeviceStatsMonitor", "EMA", "EarlyStopping", "LambdaCallback", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
+__all__ = ["BackboneFinetuning", "BaseFinetuning", "BasePredictionWriter", "Callback", "DeviceStatsMonitor", "EMA", "EarlyStopping", "GradientAccumulationScheduler", "LambdaCallback", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
            "OnExceptionCheckpoint", "RichModelSummary", "RichProgressBar", "StochasticWeightAveraging",
            "TQDMProgressBar", "Timer", "resolve_callbacks"]
 
@@ -62,7 +63,8 @@ def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = No
 def _refuse_conflicts(callbacks: list[Callback], enable_checkpointing: bool) -> None:
     """Raise ValueError, as Lightning, for two callbacks with state under one ``state_key`` (e.g. two
     ``EarlyStopping`` on the same metric and mode: a checkpoint would keep one state for both), several progress bars,
-    and a :class:`ModelCheckpoint` with the Trainer's ``enable_checkpointing`` False."""
+    and a :class:`ModelCheckpoint` with the Trainer's ``enable_checkpointing`` False; and for several
+    :class:`GradientAccumulationScheduler` (Lightning lets the last one's factor win each epoch)."""
     keys = [cb.state_key for cb in callbacks if overrides(cb, "state_dict")]
     twice = sorted({key for key in keys if keys.count(key) > 1})
     if twice:
@@ -71,6 +73,9 @@ def _refuse_conflicts(callbacks: list[Callback], enable_checkpointing: bool) -> 
                          "state_key)")
     if sum(isinstance(cb, TQDMProgressBar) for cb in callbacks) > 1:
         raise ValueError("callbacks holds several progress bars (TQDMProgressBar/RichProgressBar); keep one")
+    if sum(isinstance(cb, GradientAccumulationScheduler) for cb in callbacks) > 1:
+        raise ValueError("callbacks holds several GradientAccumulationScheduler: keep one, with every epoch's factor "
+                         "in its scheduling")
     if not enable_checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
         raise ValueError("Trainer was configured with `enable_checkpointing=False` but found `ModelCheckpoint` in "
                          "callbacks list: drop one of the two (the ModelCheckpoint, or enable_checkpointing=False)")

@@ -36,6 +36,16 @@ def _seed(name: str, value) -> None:
         raise ValueError(f"{name}={value} must be < 2**32 (numpy's limit)")
 
 
+def _accumulate(name: str, value) -> None:
+    """An int >= 1. A dict (Lightning 1.x's ``{epoch: factor}``, which Lightning 2 no longer takes here) names the
+    callback that takes it."""
+    if isinstance(value, dict):
+        raise ValueError(f"{name}={value!r}: a schedule is the GradientAccumulationScheduler callback's, as in "
+                         f"Lightning 2: Trainer(callbacks=[GradientAccumulationScheduler(scheduling={value!r})]) "
+                         "(from trainscale.callbacks)")
+    check_int(name, value, 1)
+
+
 # What 0 turns off, for each limit (Lightning's meaning of ``limit_*_batches=0``)
 _ZERO_TURNS_OFF = {"limit_train_batches": "training", "limit_val_batches": "validation",
                    "limit_test_batches": "testing", "limit_predict_batches": "prediction"}
@@ -106,7 +116,8 @@ class TrainerConfig:
             ``max_time`` is set (Lightning's rule); 1000 with a warning when only ``min_epochs``/``min_steps`` is
             (Lightning's default); else 1 (Lightning: 1000 with a warning).
         max_steps: stop after this many optimizer steps (0: no training; None or -1: no limit; resolved to None).
-        accumulate_grad_batches: micro-batches per optimizer step (gradients all-reduced on the last only).
+        accumulate_grad_batches: micro-batches per optimizer step (gradients all-reduced on the last only); a
+            schedule by epoch is the ``GradientAccumulationScheduler`` callback's (a dict here is refused).
         gradient_clip_val: clip the total gradient norm (or each value: ``gradient_clip_algorithm="value"``).
         gradient_clip_algorithm: "norm" (clip the total gradient norm to ``gradient_clip_val``) or "value" (clip each
             gradient value to it).
@@ -225,7 +236,7 @@ class TrainerConfig:
 
     max_epochs: int | None = None  # the rules of max_epochs and max_steps: _loop_limits
     max_steps: int | None = None
-    accumulate_grad_batches: int = flag(1, low=1)
+    accumulate_grad_batches: int = flag(1, check=_accumulate)
     gradient_clip_val: float | None = flag(None, check=_clip_val)
     gradient_clip_algorithm: Literal["norm", "value"] = flag("norm", check=_clip_algorithm)
     seed: int | None = flag(None, check=_seed)

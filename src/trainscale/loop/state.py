@@ -154,6 +154,7 @@ class FitRun:
     books: MicroBatchBooks | None = None
     epoch_batches: float = 0  # micro-batches of the current epoch in all (an int; inf for an iterable until it ends)
     epoch_offset: int = 0  # of them, those done before this process resumed the epoch
+    accumulate: int = 0  # micro-batches per optimizer step in the current epoch (Trainer.accumulate_for); 0: none yet
     validated_after: int = -1  # the epoch's micro-batches done when validation last ran in it (-1: not yet)
     validate_at: float = math.inf  # time.monotonic() at which a time-based val_check_interval validates (inf: none)
     started: float = 0.0

@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 from torch import nn
 
-from trainscale.callbacks import (Callback, EarlyStopping, ModelCheckpoint, ModelSummary, TQDMProgressBar,
-                                  merge_model_callbacks, resolve_callbacks)
+from trainscale.callbacks import (Callback, EarlyStopping, GradientAccumulationScheduler, ModelCheckpoint, ModelSummary,
+                                  TQDMProgressBar, merge_model_callbacks, resolve_callbacks)
 from trainscale.callbacks.base import HOOKS, overridden_hooks
 from trainscale.utilities.model_helpers import is_overridden
 from trainscale.utilities.rank_zero import log_info
@@ -41,7 +41,7 @@ from trainscale.telemetry.processor import create_telemetry
 from trainscale.checkpointing import checkpointer, run_dirs as ckpt
 from trainscale.checkpointing.rng import fit_seed, rng_state, seed_generators, seeds_workers, set_rng_state, worker_init
 from trainscale.loop import evaluation
-from trainscale.scaling.batch_scaling import BatchScaling
+from trainscale.scaling.batch_scaling import BatchScaling, global_batch_size
 from trainscale.tune.batch_size import tuned_loader
 from trainscale.checkpointing.writes import CheckpointWrites
 from trainscale.loop.data_checks import (check_loaders, check_train_loader_type, explain_batch_error, overfit_order,
@@ -152,7 +152,8 @@ class Trainer:
                 ``max_time`` is set (Lightning's rule); 1000 with a warning when only ``min_epochs``/``min_steps`` is
                 (Lightning's default); else 1 (Lightning: 1000 with a warning).
             max_steps: stop after this many optimizer steps (0: no training; None or -1: no limit; resolved to None).
-            accumulate_grad_batches: micro-batches per optimizer step (gradients all-reduced on the last only).
+            accumulate_grad_batches: micro-batches per optimizer step (gradients all-reduced on the last only); a
+                schedule by epoch is the ``GradientAccumulationScheduler`` callback's (a dict here is refused).
             gradient_clip_val: clip the total gradient norm (or each value: ``gradient_clip_algorithm="value"``).
             gradient_clip_algorithm: "norm" (clip the total gradient norm to ``gradient_clip_val``) or "value" (clip
                 each gradient value to it).
@@ -496,9 +497,7 @@ class Trainer:
     limit_val_batches = property(lambda self: self.config.limit_val_batches, doc="The flag (None: all batches).")
     limit_test_batches = property(lambda self: self.config.limit_test_batches, doc="The flag (None: all batches).")
     limit_predict_batches = property(lambda self: self.config.limit_predict_batches, doc="The flag (None: all).")
-    # Lightning's views of flags that callbacks and modules read (self.trainer.accumulate_grad_batches, ...)
-    accumulate_grad_batches = property(lambda self: self.config.accumulate_grad_batches,
-                                       doc="Micro-batches per optimizer step (the flag).")
+    # Lightning's views of flags that callbacks and modules read (self.trainer.gradient_clip_val, ...)
     gradient_clip_val = property(lambda self: self.config.gradient_clip_val, doc="The flag (None: no clipping).")
     gradient_clip_algorithm = property(lambda self: self.config.gradient_clip_algorithm,
                                        doc='"norm" or "value" (Lightning: None until given; trainscale\'s default "norm").')
@@ -593,7 +592,9 @@ class Trainer:
         """Optimizer steps the whole ``fit`` will take, as Lightning's (``trainer.estimated_stepping_batches``): with
         ``max_epochs=-1``, ``max_steps`` (inf without it); else ``ceil(num_training_batches / accumulate_grad_batches)
         × max(max_epochs, 1)``, at most ``max_steps`` (``num_training_batches``: this rank's share of the loader, after
-        ``limit_train_batches``); for an iterable data set ``max_steps`` (-1 without it, Lightning's value). Readable
+        ``limit_train_batches``); for an iterable data set ``max_steps`` (-1 without it, Lightning's value). Under a
+        ``GradientAccumulationScheduler`` the sum over the epochs of each one's steps (:meth:`accumulate_for`;
+        Lightning divides every epoch by the factor in force when it is read). Readable
         from ``configure_optimizers`` on: ``OneCycleLR(opt, max_lr, total_steps=self.trainer.estimated_stepping_batches)``.
 
         Raises:
@@ -607,7 +608,7 @@ class Trainer:
         batches = self.num_training_batches
         if batches == math.inf:  # an iterable data set: its epochs' length is unknown
             return self.max_steps
-        steps = math.ceil(batches / cfg.accumulate_grad_batches) * max(cfg.max_epochs, 1)
+        steps = sum(math.ceil(batches / self.accumulate_for(epoch)) for epoch in range(max(cfg.max_epochs, 1)))
         return steps if cfg.max_steps is None else min(steps, cfg.max_steps)
 
     @property
@@ -619,8 +620,25 @@ class Trainer:
 
     @property
     def global_batch_size(self) -> int | None:
-        """Samples per optimizer step: micro-batch × data-parallel ranks × accumulate_grad_batches; None before fit."""
-        return self.batch_scaling.global_batch_size
+        """Samples per optimizer step: the training loader's ``batch_size`` × data-parallel ranks ×
+        :attr:`accumulate_grad_batches` (the epoch's); None before fit, and for a loader without a fixed batch size."""
+        fit = self._fit
+        return None if fit is None else global_batch_size(fit.train_loader, self.runtime, self.accumulate_grad_batches)
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        """Micro-batches per optimizer step, as Lightning's attribute: the flag until a fit's first epoch starts, then
+        the epoch's (:meth:`accumulate_for`, which a ``GradientAccumulationScheduler`` answers), kept after the fit."""
+        fit = self._fit
+        return fit.accumulate if fit is not None and fit.accumulate else self.config.accumulate_grad_batches
+
+    def accumulate_for(self, epoch: int) -> int:
+        """Micro-batches per optimizer step in (0-based) ``epoch``: the ``GradientAccumulationScheduler``'s factor
+        when the callbacks hold one, else the ``accumulate_grad_batches`` flag. The one answer to the question: the
+        loop asks it at each epoch start (:meth:`_train_epoch`, on every rank alike; a resumed epoch asks again, so
+        the factor is never saved), :attr:`estimated_stepping_batches` for every epoch."""
+        scheduler = next((cb for cb in self.callbacks if isinstance(cb, GradientAccumulationScheduler)), None)
+        return self.config.accumulate_grad_batches if scheduler is None else scheduler.get_accumulate_grad_batches(epoch)
 
     @property
     def is_log_step(self) -> bool:
@@ -744,8 +762,8 @@ class Trainer:
             self._make_pending_plateau_update(fit, point)
         fit.loaded_epoch = point.next_epoch if point else 0
         self._take_asked_first(fit, asked_first)
-        global_batch = self.batch_scaling.attach(rt, fit.train_loader, self.optimizers,
-                                                 functools.partial(getattr, self, "global_step"))  # picklable
+        self.batch_scaling.attach(rt, fit.train_loader, self.optimizers,
+                                  functools.partial(getattr, self, "global_step"))  # picklable
         if cfg.writes_files:  # fast_dev_run, barebones: no run directory, records, loggers or checkpoints
             self.run_dir, self._run_lock = choose_run_dir(rt, cfg.default_root_dir, resume_from, in_place)  # held by fit
             agree_log_dirs(self.loggers, self.run_dir, rt.broadcast_object, rt.is_rank_zero)  # rank zero's versions
@@ -756,7 +774,9 @@ class Trainer:
         fit.metrics = MetricsProcessor(fit.telemetry, self.metric_collector,
                                        self.run_dir if rt.is_rank_zero and cfg.writes_files else None, self.loggers,
                                        hyperparams(self, model))
-        rt.print(run_header(rt, global_batch, self.run_dir if cfg.writes_files else f"none ({cfg.why_no_files})"))
+        # the header's global batch: that of the first epoch to train (fit.loaded_epoch, whose loader this is)
+        rt.print(run_header(rt, global_batch_size(fit.train_loader, rt, self.accumulate_for(fit.loaded_epoch)),
+                            self.run_dir if cfg.writes_files else f"none ({cfg.why_no_files})"))
         self.validated_at = []
         self.profiler.setup("fit", rt.rank if rt.world_size > 1 else None, self.run_dir)  # its files: the run dir
         self._hook("on_fit_start")
@@ -773,7 +793,7 @@ class Trainer:
             self._end_epoch(fit, epoch)
         self.checkpoints.wait()  # a background checkpoint write still in flight is published
         self._hook("on_train_end")
-        summary = finish_run(self, fit, global_batch, resume_from, self._faults.skipped)
+        summary = finish_run(self, fit, self.global_batch_size, resume_from, self._faults.skipped)  # the last epoch's
         self._hook("on_fit_end")
         evaluation.teardown(self, model, "fit")  # the data module's, the callbacks', the module's (Lightning's order)
         return summary
@@ -944,6 +964,7 @@ class Trainer:
     def _train_epoch(self, fit: FitRun, epoch: int, resume: ResumePoint | None) -> None:
         rt, cfg = self.runtime, self.config
         self.state.epoch, self.state.epoch_ended = epoch, False
+        fit.accumulate = self.accumulate_for(epoch)  # this epoch's micro-batches per optimizer step
         self._reload_train(fit, epoch)
         batches = epoch_batches(fit, self.state, epoch, resume, rt.world_size, cfg.train_batches)
         remaining = fit.epoch_batches - fit.epoch_offset  # inf: an iterable data set, until its iterator ends
@@ -963,7 +984,7 @@ class Trainer:
         fit.telemetry.start()
         # prefetch moves each batch ahead of its step; the module's batch-transfer hooks move it in the step instead
         ahead = rt.prefetch(batches) if self.batch_transfer is None else batches
-        steps = micro_batches(ahead, cfg.accumulate_grad_batches, remaining, start=fit.epoch_offset)
+        steps = micro_batches(ahead, fit.accumulate, remaining, start=fit.epoch_offset)
         while self.state.global_step < cfg.step_limit and not self._stop_now(epoch) and self.train_step(fit, steps):
             pass
         if fit.epoch_batches == math.inf and self.state.global_step < cfg.step_limit:  # the iterator ended the epoch
@@ -1166,7 +1187,7 @@ class Trainer:
             raise ValueError(
                 f"{type(optimizer).__name__} evaluated the loss again within its step (it calls the closure several "
                 f"times, as torch.optim.LBFGS does), but this step accumulated the gradients of {micro.group_size} "
-                f"batches (accumulate_grad_batches={self.config.accumulate_grad_batches}): evaluating one batch again "
+                f"batches (accumulate_grad_batches={self.accumulate_grad_batches}): evaluating one batch again "
                 "would mix its new gradients with the others' old ones. Use accumulate_grad_batches=1 with this "
                 "optimizer (a larger batch_size gives the same batch per step)")
         self._zero_grad(fit, optimizer, micro.index)  # Lightning's closure zeroes before each backward
