@@ -1,0 +1,91 @@
+"""Lightning's training, evaluation and prediction loops as a ported module meets them: what the loops tell the
+samplers, what a step may return, and the errors where Lightning refuses a step's output or an ``optimizer_step``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, Sampler, TensorDataset
+
+from trainscale.lightning.module import TrainingModule
+from trainscale.loop.trainer import Trainer
+
+
+class Linear(TrainingModule):
+    """y = w x on two features, trained with SGD; the loss is the mean squared output."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.layer(batch[0]).pow(2).mean())
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self.layer(batch[0]).pow(2).mean())
+
+    def predict_step(self, batch, batch_idx):
+        return self.layer(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _data(n=8):
+    x = torch.linspace(-1, 1, 2 * n).reshape(n, 2)
+    return TensorDataset(x, torch.zeros(n))
+
+
+def _loader(n=8, batch_size=2):
+    return DataLoader(_data(n), batch_size=batch_size)
+
+
+def _trainer(tmp_path, **kw):
+    kw.setdefault("enable_model_summary", False)
+    return Trainer(accelerator="cpu", enable_progress_bar=False, default_root_dir=tmp_path, **kw)
+
+
+# -- the epoch each sampler is told ---------------------------------------------------------------------------------
+class EpochSeeded(Sampler[int]):
+    """A sampler whose order depends on the epoch it is told (a bucketing or distributed sampler's pattern), noting
+    each ``set_epoch``."""
+
+    def __init__(self, n: int):
+        self.n, self.epoch, self.told = n, 0, []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.told.append(epoch)
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist())
+
+    def __len__(self):
+        return self.n
+
+
+def _sampled(n=8, batch_sampler=False):
+    """A loader over ``EpochSeeded``, given as its ``sampler`` or inside a ``BatchSampler``; and the sampler."""
+    sampler = EpochSeeded(n)
+    if batch_sampler:
+        return DataLoader(_data(n), batch_sampler=BatchSampler(sampler, batch_size=2, drop_last=False)), sampler
+    return DataLoader(_data(n), batch_size=2, sampler=sampler), sampler
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("batch_sampler", [False, True])
+def test_each_evaluation_tells_its_loaders_sampler_the_epoch(tmp_path, batch_sampler):
+    train, train_sampler = _sampled()
+    val, val_sampler = _sampled(batch_sampler=batch_sampler)
+    trainer = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=1, limit_val_batches=1)
+    trainer.fit(Linear(), train, val)
+    assert train_sampler.told == [0, 1]  # one per epoch, so the order changes from epoch to epoch
+    assert val_sampler.told == [0, 0, 1]  # the sanity check's, then each epoch's validation: the running epoch
+    for method in ("validate", "test", "predict"):  # outside fit: the epochs done
+        loader, sampler = _sampled(batch_sampler=batch_sampler)
+        getattr(trainer, method)(dataloaders=loader)
+        assert sampler.told == [2], method
