@@ -89,3 +89,25 @@ def test_each_evaluation_tells_its_loaders_sampler_the_epoch(tmp_path, batch_sam
         loader, sampler = _sampled(batch_sampler=batch_sampler)
         getattr(trainer, method)(dataloaders=loader)
         assert sampler.told == [2], method
+
+
+# -- optimizer_step must run its closure ----------------------------------------------------------------------------
+class StepsWithoutClosure(Linear):
+    """An ``optimizer_step`` that steps the optimizer without the closure (so without the hooks and clipping it
+    runs), as a port might write it."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        optimizer.step()
+
+
+class SkipsEverything(Linear):
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        pass
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("module", [StepsWithoutClosure, SkipsEverything])
+def test_an_optimizer_step_that_never_runs_its_closure_is_lightnings_error(tmp_path, module):
+    trainer = _trainer(tmp_path, max_steps=1, gradient_clip_val=1.0)
+    with pytest.raises(ValueError, match=r"The closure hasn't been executed. HINT: did you call `optimizer_closure\(\)`"):
+        trainer.fit(module(), _loader())

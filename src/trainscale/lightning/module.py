@@ -543,7 +543,8 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         """Lightning's hook, under automatic optimization, once per optimizer step (``batch_idx``: the step's last
         micro-batch): ``optimizer.step(closure=optimizer_closure)``. Override it to act around the step (a
         learning-rate warm-up) or to skip it. The closure runs ``on_before_optimizer_step`` and
-        ``configure_gradient_clipping`` and returns the loss; call it, as Lightning requires. One difference: the
+        ``configure_gradient_clipping`` and returns the loss; call it, as Lightning requires (returning without
+        running it is Lightning's ``ValueError``, "The closure hasn't been executed"). One difference: the
         step's forward and backward ran before this hook (Lightning runs them inside the closure), so the closure's
         first call returns that loss; each later call (an optimizer that evaluates the loss several times per step,
         such as ``torch.optim.LBFGS``) zeroes the gradients and runs ``training_step`` and the backward again first,

@@ -1112,7 +1112,12 @@ class Trainer:
         later call zero the gradients and run the step's forward and backward again first
         (:meth:`_evaluate_again`), then 2; on several ranks L-BFGS gets the ranks' mean loss at each call (one
         all-reduce of a number), as the gradients are. Returns the gradient norm clipping measured (None: not clipped
-        by norm, or clipped by the module's own ``configure_gradient_clipping``)."""
+        by norm, or clipped by the module's own ``configure_gradient_clipping``).
+
+        Raises:
+            ValueError: the module's ``optimizer_step`` returned without running the closure (neither it nor
+                ``optimizer.step(closure=...)`` called it), so no hook or clipping ran: Lightning's error, its words.
+        """
         rt, cfg, model, hooks = self.runtime, self.config, fit.model, fit.loop_module.step_hooks
         optimizer, found = self.optimizers[0], {"grad_norm": None, "skip": False, "calls": 0}
         batch_idx = micro.index
@@ -1145,6 +1150,10 @@ class Trainer:
         stepper = StepOptimizer(optimizer, take_step)
         if "optimizer_step" in hooks:
             model.optimizer_step(self.current_epoch, batch_idx, stepper, closure)
+            if not found["calls"]:  # no hook, no clipping ran: Lightning's Closure.consume_result refuses it
+                raise ValueError("The closure hasn't been executed. HINT: did you call `optimizer_closure()` in your "
+                                 "`optimizer_step` hook? It could also happen because the "
+                                 "`optimizer.step(optimizer_closure)` call did not execute it internally.")
         else:
             stepper.step(closure=closure)
         return found["grad_norm"]
