@@ -3,6 +3,8 @@ samplers, what a step may return, and the errors where Lightning refuses a step'
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -111,3 +113,57 @@ def test_an_optimizer_step_that_never_runs_its_closure_is_lightnings_error(tmp_p
     trainer = _trainer(tmp_path, max_steps=1, gradient_clip_val=1.0)
     with pytest.raises(ValueError, match=r"The closure hasn't been executed. HINT: did you call `optimizer_closure\(\)`"):
         trainer.fit(module(), _loader())
+
+
+# -- what a training_step may return --------------------------------------------------------------------------------
+class TwoLosses(Linear):
+    """Manual optimization returning a dict of named losses and no ``"loss"`` (a GAN's generator and discriminator
+    losses), and noting each ``on_train_batch_end``'s ``outputs``."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.outputs: list = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self.layer(batch[0]).pow(2).mean()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return {"g_loss": loss.detach(), "note": "kept as returned"}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.outputs.append(outputs)
+
+
+@pytest.mark.timeout(60)
+def test_a_manual_training_step_may_return_a_dict_without_a_loss(tmp_path):
+    model = TwoLosses()
+    trainer = _trainer(tmp_path, max_steps=2)
+    trainer.fit(model, _loader())
+    assert trainer.global_step == 2
+    assert [sorted(o) for o in model.outputs] == [["g_loss", "note"]] * 2  # the dict, as Lightning's ManualResult
+    assert model.outputs[0]["note"] == "kept as returned"
+    assert all("train_loss" not in r for r in trainer.history)  # no loss returned: none recorded
+
+
+class Returns(Linear):
+    def __init__(self, output, manual=False):
+        super().__init__()
+        self.output, self.automatic_optimization = output, not manual
+
+    def training_step(self, batch, batch_idx):
+        return self.output
+
+
+@pytest.mark.parametrize(("output", "manual", "words"), [
+    (5.0, False, "In automatic optimization, `training_step` must return a Tensor, a dict, or None"),
+    ({"a": torch.tensor(5.0)}, False, "when `training_step` returns a dict, the 'loss' key needs to be present"),
+    (5, True, "In manual optimization, `training_step` must either return a Tensor or have no return"),
+])
+def test_a_training_step_output_the_loop_cannot_use_is_refused_in_lightnings_words(tmp_path, output, manual, words):
+    trainer = _trainer(tmp_path, max_steps=1)
+    with pytest.raises(ValueError, match=re.escape(words)) as caught:
+        trainer.fit(Returns(output, manual), _loader())
+    assert isinstance(caught.value, TypeError)  # a wrong type, as trainscale raised it before

@@ -730,25 +730,55 @@ def _takes_batch_idx(method: Callable) -> bool:
     return len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
-def loss_of(output: Any, where: str = "training_step") -> torch.Tensor:
-    """The loss in what ``training_step`` returned: a tensor, or a dict's ``"loss"``.
+class StepOutputError(TypeError, ValueError):
+    """What a ``training_step`` returned that the loop cannot use: Lightning's ``MisconfigurationException`` (a
+    ``ValueError`` here, as trainscale's other errors in Lightning's words) and a ``TypeError``, as a wrong type."""
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss in what ``training_step`` returned under automatic optimization: a tensor, or a dict's ``"loss"``
+    (Lightning's ``ClosureResult.from_training_step_output``; None is the caller's: a skipped batch).
 
     Raises:
-        TypeError: anything else (names the fix).
+        StepOutputError: a dict without a ``"loss"`` tensor, or anything else, in Lightning's words.
     """
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
         return output["loss"]
-    raise TypeError(f"{where} returned {type(output).__name__}; return the loss tensor or a dict with a 'loss' tensor")
+    if isinstance(output, Mapping):
+        raise StepOutputError("In automatic_optimization, when `training_step` returns a dict, the 'loss' key needs to "
+                              f"be present (a tensor; it returned the keys {sorted(map(str, output))})")
+    raise StepOutputError("In automatic optimization, `training_step` must return a Tensor, a dict, or None (where the "
+                          f"step will be skipped); it returned {type(output).__name__}: return the loss tensor or a "
+                          "dict with a 'loss' tensor")
+
+
+def manual_loss_of(output: Any) -> torch.Tensor | None:
+    """The loss, detached, in what ``training_step`` returned under manual optimization (Lightning's
+    ``ManualResult``): the tensor, a dict's ``"loss"`` tensor (a dict may hold none: a GAN's two losses), else None.
+
+    Raises:
+        StepOutputError: anything but a tensor, a dict or None, in Lightning's words.
+    """
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+        return loss.detach() if isinstance(loss, torch.Tensor) else None
+    if output is None:
+        return None
+    raise StepOutputError("In manual optimization, `training_step` must either return a Tensor or have no return "
+                          f"(or a dict); it returned {type(output).__name__}")
 
 
 def batch_end_outputs(output: Any, loss: torch.Tensor | None) -> dict:
     """``on_train_batch_end``'s ``outputs``, as Lightning's (``ClosureResult.asdict``, ``ManualResult``): ``{"loss":
     loss}`` (the micro-batch's detached loss; Lightning's is divided by ``accumulate_grad_batches``) with the other keys
-    of a dict the ``training_step`` returned (``output``), as they are; ``{}`` when it returned None."""
+    of a dict the ``training_step`` returned (``output``), as they are; a dict without a loss (manual optimization)
+    as it is; ``{}`` when it returned None."""
     if loss is None:
-        return {}
+        return dict(output) if isinstance(output, Mapping) else {}
     extra = {k: v for k, v in output.items() if k != "loss"} if isinstance(output, Mapping) else {}
     return {"loss": loss, **extra}
 
@@ -891,8 +921,8 @@ class LoopModule(nn.Module):
 
     def manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         """``training_step`` under manual optimization (it steps the optimizers itself): the loss it
-        returned, detached, for the records; None when it returned nothing (the records then have no
-        ``train_loss``). Called on the module itself
+        returned, detached, for the records; None when it returned nothing or a dict without ``"loss"`` (the records
+        then have no ``train_loss``; :func:`manual_loss_of`). Called on the module itself
         (under ddp never through the DDP wrapper: gradients are averaged in ``ManualOptimizer.step``). Under
         fsdp the model's ``training_step`` runs as its FSDP root's forward (``apply_fsdp.apply_fsdp``): FSDP2
         takes the first module to run forward as its root, and evaluation later runs through the same one."""
@@ -901,7 +931,7 @@ class LoopModule(nn.Module):
     def _manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         args = (batch, batch_idx) if self.step_takes_batch_idx else (batch,)
         out = self.step_output = self.model.training_step(*args)
-        return None if out is None else loss_of(out).detach()
+        return manual_loss_of(out)
 
     def _step_args(self, step: str, batch: Any, batch_idx: int, dataloader_idx: int | None) -> tuple:
         """An evaluation step's arguments as Lightning builds them (``_build_step_args_from_hook_kwargs``): the batch,
