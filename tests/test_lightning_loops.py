@@ -167,3 +167,35 @@ def test_a_training_step_output_the_loop_cannot_use_is_refused_in_lightnings_wor
     with pytest.raises(ValueError, match=re.escape(words)) as caught:
         trainer.fit(Returns(output, manual), _loader())
     assert isinstance(caught.value, TypeError)  # a wrong type, as trainscale raised it before
+
+
+# -- what an evaluation step may return -----------------------------------------------------------------------------
+class ReturnsAnything(Linear):
+    """A ``validation_step`` returning what Lightning lets it return: predictions, strings, lists; noting each
+    ``on_validation_batch_end``'s ``outputs``."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs: list = []
+
+    def validation_step(self, batch, batch_idx):
+        preds = self.layer(batch[0])
+        if batch_idx == 0:
+            return {"preds": preds, "name": "first", "mse": preds.pow(2).mean(), "count": 2}
+        return ["a list", 2, preds]
+
+    def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
+        self.outputs.append(outputs)
+
+
+@pytest.mark.timeout(60)
+def test_an_evaluation_step_may_return_values_that_are_not_numbers(tmp_path):
+    model = ReturnsAnything()
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(model, _loader(), _loader(4))
+    assert model.outputs[0]["name"] == "first" and model.outputs[0]["preds"].shape == (2, 1)  # as returned
+    assert model.outputs[1][0] == "a list"
+    record = trainer.history[-1]
+    assert "val_mse" in record and "val_count" in record  # the numbers among them are averaged into the records
+    assert not any(key.startswith(("val_preds", "val_name")) for key in record)
+    assert trainer.validate(model, _loader(4)) == [{}]  # nothing logged: Lightning's result, no error

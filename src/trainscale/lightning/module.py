@@ -772,6 +772,16 @@ def manual_loss_of(output: Any) -> torch.Tensor | None:
                           f"(or a dict); it returned {type(output).__name__}")
 
 
+def step_metrics(output: Any) -> dict[str, Any]:
+    """What of an evaluation step's return the records average over the samples (``val_<key>``): a returned tensor
+    as ``loss``, or a returned dict's entries, where each is a number or a one-element tensor (made 0-d). The rest (a
+    list, a string, a tensor of predictions) is only ``on_<stage>_batch_end``'s ``outputs``, as Lightning uses all
+    of it."""
+    returned = output if isinstance(output, Mapping) else {} if output is None else {"loss": output}
+    return {key: value.reshape(()) if isinstance(value, torch.Tensor) else value for key, value in returned.items()
+            if (isinstance(value, torch.Tensor) and value.numel() == 1) or isinstance(value, (int, float))}
+
+
 def batch_end_outputs(output: Any, loss: torch.Tensor | None) -> dict:
     """``on_train_batch_end``'s ``outputs``, as Lightning's (``ClosureResult.asdict``, ``ManualResult``): ``{"loss":
     loss}`` (the micro-batch's detached loss; Lightning's is divided by ``accumulate_grad_batches``) with the other keys
@@ -942,14 +952,13 @@ class LoopModule(nn.Module):
     @torch.no_grad()
     def evaluate(self, batch: Any, batch_idx: int, stage: str = "validation",
                  dataloader_idx: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
-        """Per-batch mean metrics and the batch's sample count (``validation_step``/``test_step``'s
-        returned dict, or loss and accuracy for a plain classifier). What the step returned, as it returned it, is
+        """Per-batch mean metrics and the batch's sample count (the numbers of what ``validation_step``/``test_step``
+        returned: :func:`step_metrics`; or loss and accuracy for a plain classifier). What the step returned, as it returned it, is
         :attr:`step_output` until the next step (the ``outputs`` of ``on_<stage>_batch_end``, as Lightning's)."""
         step = getattr(self.model, f"{stage}_step", None)
         if step is not None:
             out = self.step_output = step(*self._step_args(f"{stage}_step", batch, batch_idx, dataloader_idx))
-            metrics = dict(out) if isinstance(out, Mapping) else {} if out is None else {"loss": out}
-            return metrics, batch_size(batch)
+            return step_metrics(out), batch_size(batch)
         if self.is_hf_model and isinstance(batch, Mapping):
             return {"loss": output_loss(self.keyword_call(batch), self.model)}, batch_size(batch)
         inputs, targets = split_batch(batch)
