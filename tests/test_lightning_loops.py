@@ -199,3 +199,24 @@ def test_an_evaluation_step_may_return_values_that_are_not_numbers(tmp_path):
     assert "val_mse" in record and "val_count" in record  # the numbers among them are averaged into the records
     assert not any(key.startswith(("val_preds", "val_name")) for key in record)
     assert trainer.validate(model, _loader(4)) == [{}]  # nothing logged: Lightning's result, no error
+
+
+# -- Lightning's dataloader_iter steps ------------------------------------------------------------------------------
+class FetchesItsOwn(Linear):
+    def training_step(self, dataloader_iter):
+        batch = next(dataloader_iter)
+        return self.layer(batch[0]).pow(2).mean()
+
+
+class PredictsFromIterator(Linear):
+    def predict_step(self, dataloader_iter):
+        return self.layer(next(dataloader_iter)[0])
+
+
+@pytest.mark.parametrize(("module", "method", "step"), [(FetchesItsOwn, "fit", "training_step"),
+                                                         (PredictsFromIterator, "predict", "predict_step")])
+def test_a_step_taking_dataloader_iter_is_refused_naming_the_form_to_use(tmp_path, module, method, step):
+    trainer = _trainer(tmp_path, max_steps=1)
+    words = rf"{module.__name__}\.{step} takes `dataloader_iter`.*define {step}\(self, batch, batch_idx\)"
+    with pytest.raises(ValueError, match=words):
+        getattr(trainer, method)(module(), _loader())

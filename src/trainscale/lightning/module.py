@@ -730,6 +730,23 @@ def _takes_batch_idx(method: Callable) -> bool:
     return len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
+def refuse_dataloader_iter(model: nn.Module, steps: tuple[str, ...]) -> None:
+    """Refuse a step of ``steps`` that takes Lightning's ``dataloader_iter`` (``training_step(self, dataloader_iter)``,
+    which fetches its own batches with ``next``): trainscale's loops hand each step its batch, so it would get a
+    batch where it expects an iterator.
+
+    Raises:
+        ValueError: naming the step and the form to use.
+    """
+    for name in steps:
+        step = getattr(model, name, None)
+        if step is not None and "dataloader_iter" in inspect.signature(step).parameters:
+            raise ValueError(f"{type(model).__name__}.{name} takes `dataloader_iter`, Lightning's form of a step that "
+                             "fetches its own batches; trainscale does not run it: its loops fetch each batch and pass "
+                             f"it, so define {name}(self, batch, batch_idx) (prefetching is the loader's: num_workers, "
+                             "prefetch_factor)")
+
+
 class StepOutputError(TypeError, ValueError):
     """What a ``training_step`` returned that the loop cannot use: Lightning's ``MisconfigurationException`` (a
     ``ValueError`` here, as trainscale's other errors in Lightning's words) and a ``TypeError``, as a wrong type."""

@@ -26,7 +26,8 @@ from trainscale.checkpointing import checkpointer, run_dirs as ckpt
 from trainscale.checkpointing.rng import fit_seed
 from trainscale.lightning.data_sources import resolve_loaders
 from trainscale.lightning.metrics import MetricCollector, metric_states_kept
-from trainscale.lightning.module import MODE_HOOKS, TrainingModule, attach_trainer, set_up_model
+from trainscale.lightning.module import (MODE_HOOKS, TrainingModule, attach_trainer, refuse_dataloader_iter,
+                                         set_up_model)
 from trainscale.loop.state import loader_length
 from trainscale.runtime.sampling import set_sampler_epoch, with_index_recording
 from trainscale.utilities.model_helpers import is_overridden
@@ -487,8 +488,10 @@ def check_steps(method: str, model: torch.nn.Module, has_training_step: bool) ->
 
     Raises:
         ValueError: ``validate``/``test`` of a module with ``training_step`` but no ``validation_step``/``test_step``;
-            ``predict`` with ``predict_step`` set to None, or without ``forward`` and without its own ``predict_step``.
+            ``predict`` with ``predict_step`` set to None, or without ``forward`` and without its own ``predict_step``;
+            the stage's step taking Lightning's ``dataloader_iter`` (:func:`refuse_dataloader_iter`).
     """
+    refuse_dataloader_iter(model, (f"{method}_step" if method != "validate" else "validation_step",))
     step = {"validate": "validation_step", "test": "test_step"}.get(method)
     if step is not None and has_training_step and getattr(model, step, None) is None:
         raise ValueError(f"No `{step}()` method defined to run `Trainer.{method}`. {method}() needs "

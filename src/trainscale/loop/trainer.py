@@ -53,8 +53,8 @@ from trainscale.loop.config import (TrainerConfig, barebones_logger, resolve_tra
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
 from trainscale.lightning.module import (BatchTransfer, TrainingModule, attach_trainer, batch_end_outputs,
-                                         batch_transfer, defined_hooks, module_overrides, set_up_model, skip_backward,
-                                         uncalled_hooks)
+                                         batch_transfer, defined_hooks, module_overrides, refuse_dataloader_iter,
+                                         set_up_model, skip_backward, uncalled_hooks)
 from trainscale.lightning.optimizers import ManualOptimizer, StepOptimizer, step_schedulers
 from trainscale.loop.progress import ProgressBar
 from trainscale.loop.records import MetricsProcessor, epoch_label, epoch_line, epoch_record, run_header
@@ -806,6 +806,7 @@ class Trainer:
             raise ValueError("No `training_step()` method defined. Lightning `Trainer` expects as minimum a "
                              "`training_step()`, `train_dataloader()` and `configure_optimizers()` to be defined: "
                              f"define {type(model).__name__}.training_step(self, batch, batch_idx) returning the loss")
+        refuse_dataloader_iter(model, ("training_step", "validation_step"))
         self.last_setup = set_up_model(rt, model, loss_fn, self.last_setup)  # reused from an earlier fit or evaluation
         _, loop_module, wrapped = self.last_setup
         self._arm_hooks(model)
