@@ -738,7 +738,7 @@ class Trainer:
         self._max_epochs = cfg.max_epochs  # trainer.max_epochs: resolved from here on, as Lightning's
         drop_unpicklable(getattr(model, "hparams", None), warn=rt.is_rank_zero)  # Lightning's clean_namespace
         fit, asked_first = self._start_fit(model, sources, loss_fn, optimizer)
-        _warn_eval_mode(fit.model)  # it trains in the modes it comes in, as Lightning (a frozen part keeps eval mode)
+        _warn_eval_mode(fit.model, rt.is_rank_zero)  # it trains in the modes it comes in, as Lightning
         point = self._load(resume_from, *reading) if resume_from is not None else None
         if point is not None:  # saved at a validation's end: that step's ReduceLROnPlateau update is made now
             self._make_pending_plateau_update(fit, point)
@@ -1682,13 +1682,20 @@ def _seed_workers(loaders: tuple, given: tuple, rank: int) -> None:
             loader.worker_init_fn = functools.partial(worker_init, rank=rank)
 
 
-def _warn_eval_mode(model: nn.Module) -> None:
-    """Say (a ``PossibleUserWarning``) that ``model`` itself is in eval mode at the start of ``fit``: it trains so, as in
-    Lightning 2.2+, which calls no ``model.train()`` (a submodule in eval mode is the user's choice: not warned)."""
-    if not model.training:
-        warnings.warn(f"the model ({type(model).__name__}) is in eval mode at the start of fit: it trains so (dropout "
-                      "off, BatchNorm statistics not updated), as in Lightning; call model.train() before fit to train "
-                      "in training mode (submodules you put in eval mode stay so)", PossibleUserWarning, stacklevel=4)
+def _warn_eval_mode(model: nn.Module, rank_zero: bool) -> None:
+    """Lightning's ``PossibleUserWarning`` on rank zero when ``model`` or any of its submodules is in eval mode at the
+    start of ``fit`` (its ``_warn_if_modules_in_eval_mode``, in its words), naming the first few: each trains in the
+    mode it comes in, as in Lightning 2.2+, which calls no ``model.train()`` (a frozen backbone's BatchNorm keeps its
+    statistics)."""
+    names = [name or type(model).__name__ for name, module in model.named_modules() if not module.training]
+    if names and rank_zero:
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        fix = ("call model.train() before fit to train in training mode" if not model.training else
+               "they train so (dropout off, BatchNorm statistics not updated); call .train() on them before fit "
+               "otherwise")
+        warnings.warn(f"Found {len(names)} module(s) in eval mode at the start of training. This may lead to "
+                      f"unexpected behavior during training. If this is intentional, you can ignore this warning. "
+                      f"({shown}: {fix})", PossibleUserWarning, stacklevel=4)
 
 
 def _say_debug_modes(cfg: TrainerConfig, rank_zero: bool) -> None:
