@@ -220,3 +220,19 @@ def test_a_step_taking_dataloader_iter_is_refused_naming_the_form_to_use(tmp_pat
     words = rf"{module.__name__}\.{step} takes `dataloader_iter`.*define {step}\(self, batch, batch_idx\)"
     with pytest.raises(ValueError, match=words):
         getattr(trainer, method)(module(), _loader())
+
+
+# -- a batch of None -------------------------------------------------------------------------------------------------
+def _none_every_other(samples):
+    """A collate_fn that makes every other batch None (the first one included), as a filtering collate might."""
+    _none_every_other.calls += 1
+    return None if _none_every_other.calls % 2 else torch.utils.data.default_collate(samples)
+
+
+@pytest.mark.timeout(60)
+def test_a_none_batch_is_refused_naming_where_to_leave_it_out(tmp_path):
+    _none_every_other.calls = 0
+    loader = DataLoader(_data(), batch_size=2, collate_fn=_none_every_other)
+    with pytest.raises(ValueError, match=r"the loader yielded None for a batch.*\"train_dataloader yielded None\".*"
+                                         r"collate_fn"):
+        _trainer(tmp_path, max_steps=2).fit(Linear(), loader)
