@@ -56,7 +56,7 @@ from trainscale.lightning.module import (BatchTransfer, TrainingModule, attach_t
                                          batch_transfer, defined_hooks, module_overrides, refuse_dataloader_iter,
                                          set_up_model, skip_backward, uncalled_hooks)
 from trainscale.lightning.optimizers import ManualOptimizer, StepOptimizer, step_schedulers
-from trainscale.loop.progress import ProgressBar
+from trainscale.loop.progress import epoch_bar
 from trainscale.loop.records import MetricsProcessor, epoch_label, epoch_line, epoch_record, run_header
 from trainscale.loop.spawned import run_spawned
 from trainscale.checkpointing.runs import (RunLock, as_ckpt_path, choose_run_dir, overwrite_refusal,
@@ -948,10 +948,7 @@ class Trainer:
         self._reload_train(fit, epoch)
         batches = epoch_batches(fit, self.state, epoch, resume, rt.world_size, cfg.train_batches)
         remaining = fit.epoch_batches - fit.epoch_offset  # inf: an iterable data set, until its iterator ends
-        bar = self.progress_bar_callback
-        fit.bar = ProgressBar(bar is not None and rt.is_rank_zero, None if remaining == math.inf else remaining,
-                              epoch_label(epoch, cfg.max_epochs), refresh_rate=bar.refresh_rate if bar else 0,
-                              leave=bar is not None and bar.leave)
+        fit.bar = epoch_bar(self.progress_bar_callback, rt.is_rank_zero, remaining, epoch_label(epoch, cfg.max_epochs))
         fit.epoch_loss = EpochLoss(rt.device, resume.totals if resume else (0.0, 0.0, 0.0, 0.0), rt)
         fit.books = MicroBatchBooks(fit.telemetry, self._faults, self.state, self.metric_collector, fit.epoch_loss,
                                     fit.bar)
