@@ -236,3 +236,51 @@ def test_a_none_batch_is_refused_naming_where_to_leave_it_out(tmp_path):
     with pytest.raises(ValueError, match=r"the loader yielded None for a batch.*\"train_dataloader yielded None\".*"
                                          r"collate_fn"):
         _trainer(tmp_path, max_steps=2).fit(Linear(), loader)
+
+
+# -- on_train_batch_start returning -1 ------------------------------------------------------------------------------
+class EndsEpochsEarly(Linear):
+    """Returns -1 from ``on_train_batch_start`` at batch 2 of each epoch, noting which batches trained, which got
+    ``on_train_batch_end``, each validation, and ``is_last_batch`` at each epoch's end; a "step" and an "epoch"
+    scheduler count their steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.trained, self.ended, self.validations, self.last_batch = [], [], 0, []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if batch_idx == 2 else None
+
+    def training_step(self, batch, batch_idx):
+        self.trained.append((self.current_epoch, batch_idx))
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.ended.append((self.current_epoch, batch_idx))
+
+    def on_validation_epoch_end(self):
+        self.validations += 1
+
+    def on_train_epoch_end(self):
+        self.last_batch.append(self.trainer.is_last_batch)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=1.0)
+        per_step = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.5 ** n)
+        per_epoch = torch.optim.lr_scheduler.MultiplicativeLR(opt, lambda n: 0.1)
+        return [opt], [{"scheduler": per_step, "interval": "step"}, {"scheduler": per_epoch, "interval": "epoch"}]
+
+
+@pytest.mark.timeout(60)
+def test_on_train_batch_start_returning_minus_one_ends_the_epoch_there(tmp_path):
+    model = EndsEpochsEarly()
+    trainer = _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, limit_val_batches=1)
+    trainer.fit(model, _loader(8), _loader(4))  # 4 batches an epoch
+    assert model.trained == model.ended == [(0, 0), (0, 1), (1, 0), (1, 1)]  # the batches from 2 on skipped
+    assert trainer.global_step == 4
+    assert model.last_batch == [True, True]
+    assert model.validations == 0  # Lightning validates after a batch that trained only
+    # Lightning's schedulers at the skipped batch: the "step" one (3 steps an epoch: 2 trained and the skipped
+    # batch's) and the "epoch" one, each epoch
+    per_step, per_epoch = (config.scheduler for config in trainer.lr_scheduler_configs)
+    assert (per_step.last_epoch, per_epoch.last_epoch) == (6, 2)

@@ -1039,7 +1039,8 @@ class Trainer:
             else:  # the module's on_before_batch_transfer, transfer_batch_to_device, on_after_batch_transfer
                 batch = self.batch_transfer(micro.batch, 0)
             fit.books.batch_ready(batch)  # the data phase ends; samples and tokens (self.log's batch size)
-            self._hook("on_train_batch_start", batch, micro.index)
+            if self._hook("on_train_batch_start", batch, micro.index) == -1:  # the module's -1: the epoch ends here
+                return self._skip_rest_of_epoch(fit, micro)
             if micro.index == first_batch and not self.manual_optimizers:  # the step's first: zero the gradients
                 # the last step's, there until now as in Lightning; freed before this forward (Lightning: after it)
                 self._zero_grad(fit, self.optimizers[0], micro.index)
@@ -1211,6 +1212,24 @@ class Trainer:
         return self.runtime.clip_gradients(self.last_setup[2], optimizer,  # the wrapped model of this fit
                                            max_norm=gradient_clip_val if by_norm else None,
                                            clip_val=None if by_norm else gradient_clip_val)
+
+    def _skip_rest_of_epoch(self, fit: FitRun, micro: MicroBatch) -> bool:
+        """The module's ``on_train_batch_start`` returned -1 for ``micro``'s batch: the epoch ends before it, as
+        Lightning's (``training_epoch_loop.advance``): no ``training_step`` or ``on_train_batch_end`` for it, no
+        optimizer step (for the gradients of the step's earlier micro-batches either); under automatic optimization
+        the due "step" schedulers step (though no optimizer stepped: Lightning's order) and the "epoch" ones, as after
+        an epoch's last batch. The epoch counts as whole (``trainer.is_last_batch``; its "epoch" ``ReduceLROnPlateau``
+        schedulers step after ``on_train_epoch_end``) and ends without its validation, which Lightning runs only after
+        a batch that trained. Returns False, :meth:`train_step`'s "no more batches"."""
+        fit.epoch_batches = self.state.batches  # the batches trained: the epoch is complete there
+        fit.validated_after = self.state.batches  # so _validates_at_epoch_end runs none, as Lightning's
+        if not self.manual_optimizers:
+            step_schedulers(self.schedulers, "step", micro.index + 1, self.callback_metrics,
+                            fit.loop_module.lr_scheduler_step, plateau=False)
+            fit.epoch_rates = fit.metrics.learning_rates(self.optimizers, self.schedulers)  # the epoch record's rates
+            step_schedulers(self.schedulers, "epoch", self.current_epoch + 1, self.callback_metrics,
+                            fit.loop_module.lr_scheduler_step, plateau=False)
+        return False
 
     def _forward_backward(self, fit: FitRun, batch: Any, micro: MicroBatch) -> tuple[torch.Tensor, Any]:
         """One micro-batch's forward under autocast and backward (between the ``on_before_backward(loss)`` and
@@ -1576,24 +1595,28 @@ class Trainer:
         # each batch with Runtime.to_device, no call more per batch
         self.batch_transfer = batch_transfer(self.runtime, model, self.datamodule)
 
-    def _hook(self, hook: str, *args: Any, monitoring: bool | None = None, module_first: bool = False) -> None:
+    def _hook(self, hook: str, *args: Any, monitoring: bool | None = None, module_first: bool = False) -> Any:
         """Lightning's hook ``hook``: each callback's (``hook(trainer, module, *args)``), then the module's
         (``hook(*args)``, when it defines it), as Lightning's ``_call_callback_hooks`` then
         ``_call_lightning_module_hook``. ``monitoring``: only the callbacks that do (True; no module hook) or
-        only the others (False); ``module_first``: the module's hook before the callbacks' (``on_load_checkpoint``)."""
+        only the others (False); ``module_first``: the module's hook before the callbacks' (``on_load_checkpoint``).
+        Returns what the module's hook returned (None without one), as Lightning reads it (``on_train_batch_start``'s
+        -1); the callbacks' results are ignored, as Lightning's."""
         if hook not in self._active_hooks:
-            return
+            return None
         setup = self.last_setup  # (model, loop module, wrapped) of the fit or evaluation running
         module = setup[0] if setup is not None else None
         call_module = setup is not None and monitoring is not True and hook in setup[1].hooks
+        response = None
         with self._running(hook):
             if call_module and module_first:
-                getattr(module, hook)(*args)
+                response = getattr(module, hook)(*args)
             for cb in self.callbacks:
                 if monitoring is None or (cb.monitors_metrics is True) == monitoring:  # a Mock's: not True
                     getattr(cb, hook)(self, module, *args)
             if call_module and not module_first:
-                getattr(module, hook)(*args)
+                response = getattr(module, hook)(*args)
+        return response
 
     @contextlib.contextmanager
     def _on_exception(self):
