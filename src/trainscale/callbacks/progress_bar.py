@@ -48,6 +48,11 @@ class TQDMProgressBar(Callback):
     def train_progress_bar(self, bar: Any) -> None:
         self._train_progress_bar = bar
 
+    def __getstate__(self) -> dict:
+        """Pickled (``torch.save(trainer)``, a ``ddp_spawn`` launch) without the tqdm bar, which holds the terminal
+        stream and does not pickle: ``train_progress_bar`` is unset in the copy."""
+        return {k: v for k, v in self.__dict__.items() if k != "_train_progress_bar"}
+
     def setup(self, trainer: Any, module: Any, stage: str) -> None:
         self.trainer = trainer  # Lightning's ProgressBar.trainer, for get_metrics in its hooks
 
