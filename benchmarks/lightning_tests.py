@@ -16,7 +16,8 @@ The import rewrite (``rewrite_imports``), statement by statement:
 - ``tests_pytorch.helpers.runif.RunIf`` -> a ``pytest.mark.skipif`` over the machine (GPUs, packages, platform,
   ``PL_RUN_STANDALONE_TESTS``).
 - Helpers of Lightning's other test modules that are plain test code, using only public Lightning API (``LIFTED``:
-  ``tests_pytorch.helpers.utils``, ``.dataloaders``, ``.datasets``, ``.datamodules``, ``.simple_models`` whole;
+  ``tests_pytorch.helpers.utils``, ``.dataloaders``, ``.datasets``, ``.datamodules``, ``.simple_models``,
+  ``.deterministic_model`` whole;
   ``CustomLogger`` of ``tests_pytorch.loggers.test_logger`` and ``get_members`` of ``tests_pytorch.models.test_hooks``
   with the module-level statements and definitions they use) -> a copy in ``--out`` (``_helpers_utils.py``,
   ``_loggers_test_logger.py``, ...), its imports changed the same way; a test file's import of one reads the copy
@@ -116,6 +117,7 @@ LIFTED: dict[str, list[str] | None] = {
     "tests_pytorch.helpers.datasets": None,
     "tests_pytorch.helpers.datamodules": None,
     "tests_pytorch.helpers.simple_models": None,
+    "tests_pytorch.helpers.deterministic_model": None,
     "tests_pytorch.loggers.test_logger": ["CustomLogger"],
     "tests_pytorch.models.test_hooks": ["get_members"],
 }

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import http.server
 import os
+import pickle
 import shutil
 import threading
 import urllib.error
@@ -597,3 +598,37 @@ def test_progress_bar_callbacks_set_the_trainers_bar(tmp_path):
     drawn.close()
     assert drawn._bar.n == 7
     assert ProgressBar(True, 10, "epoch 1", refresh_rate=0)._bar is None  # 0: no bar, as Lightning
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """Samples without end and without a length."""
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        while True:
+            yield torch.randn(4, generator=g), torch.randint(0, 3, (), generator=g)
+
+
+@pytest.mark.timeout(60)
+def test_the_progress_bar_callback_holds_the_training_epochs_tqdm_bar(tmp_path):
+    pytest.importorskip("tqdm")
+    from trainscale.callbacks import TQDMProgressBar
+
+    trainer = Trainer(accelerator="cpu", max_epochs=2, limit_train_batches=3, limit_val_batches=0,
+                      enable_model_summary=False, default_root_dir=tmp_path / "a")
+    bar = trainer.progress_bar_callback
+    with pytest.raises(TypeError, match=r"The `TQDMProgressBar._train_progress_bar` reference has not been set yet"):
+        bar.train_progress_bar  # noqa: B018 (before the first epoch: Lightning's error)
+    trainer.fit(Classifier(8), DataLoader(_data(), batch_size=4))
+    assert (bar.train_progress_bar.total, bar.train_progress_bar.n) == (3, 3)  # the last epoch's
+    own = TQDMProgressBar(refresh_rate=2)
+    own.train_progress_bar = bar.train_progress_bar
+    copy = pickle.loads(pickle.dumps(own))  # without the tqdm bar, which holds the terminal stream
+    assert copy.refresh_rate == 2
+    with pytest.raises(TypeError, match="has not been set yet"):
+        copy.train_progress_bar  # noqa: B018
+    # an endless stream bounded by max_steps alone: the bar counts to max_steps, as Lightning's
+    trainer = Trainer(accelerator="cpu", max_epochs=-1, max_steps=5, limit_val_batches=0, enable_model_summary=False,
+                      default_root_dir=tmp_path / "b")
+    trainer.fit(Classifier(8), DataLoader(_Stream(), batch_size=4))
+    assert trainer.progress_bar_callback.train_progress_bar.total == 5

@@ -30,6 +30,29 @@ class TQDMProgressBar(Callback):
     def is_enabled(self) -> bool:
         return self.refresh_rate > 0
 
+    @property
+    def train_progress_bar(self) -> Any:
+        """The tqdm bar of the running or last training epoch, as Lightning's (``.total``, ``.n``,
+        ``.set_description(...)``); the Trainer draws and advances it.
+
+        Raises:
+            TypeError: no bar yet (before a fit's first epoch; on ranks other than zero and without tqdm there is
+                none), in Lightning's words.
+        """
+        bar = getattr(self, "_train_progress_bar", None)
+        if bar is None:
+            raise TypeError(f"The `{type(self).__name__}._train_progress_bar` reference has not been set yet.")
+        return bar
+
+    @train_progress_bar.setter
+    def train_progress_bar(self, bar: Any) -> None:
+        self._train_progress_bar = bar
+
+    def __getstate__(self) -> dict:
+        """Pickled (``torch.save(trainer)``, a ``ddp_spawn`` launch) without the tqdm bar, which holds the terminal
+        stream and does not pickle: ``train_progress_bar`` is unset in the copy."""
+        return {k: v for k, v in self.__dict__.items() if k != "_train_progress_bar"}
+
     def setup(self, trainer: Any, module: Any, stage: str) -> None:
         self.trainer = trainer  # Lightning's ProgressBar.trainer, for get_metrics in its hooks
 

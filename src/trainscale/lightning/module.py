@@ -543,7 +543,8 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         """Lightning's hook, under automatic optimization, once per optimizer step (``batch_idx``: the step's last
         micro-batch): ``optimizer.step(closure=optimizer_closure)``. Override it to act around the step (a
         learning-rate warm-up) or to skip it. The closure runs ``on_before_optimizer_step`` and
-        ``configure_gradient_clipping`` and returns the loss; call it, as Lightning requires. One difference: the
+        ``configure_gradient_clipping`` and returns the loss; call it, as Lightning requires (returning without
+        running it is Lightning's ``ValueError``, "The closure hasn't been executed"). One difference: the
         step's forward and backward ran before this hook (Lightning runs them inside the closure), so the closure's
         first call returns that loss; each later call (an optimizer that evaluates the loss several times per step,
         such as ``torch.optim.LBFGS``) zeroes the gradients and runs ``training_step`` and the backward again first,
@@ -729,25 +730,82 @@ def _takes_batch_idx(method: Callable) -> bool:
     return len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
-def loss_of(output: Any, where: str = "training_step") -> torch.Tensor:
-    """The loss in what ``training_step`` returned: a tensor, or a dict's ``"loss"``.
+def refuse_dataloader_iter(model: nn.Module, steps: tuple[str, ...]) -> None:
+    """Refuse a step of ``steps`` that takes Lightning's ``dataloader_iter`` (``training_step(self, dataloader_iter)``,
+    which fetches its own batches with ``next``): trainscale's loops hand each step its batch, so it would get a
+    batch where it expects an iterator.
 
     Raises:
-        TypeError: anything else (names the fix).
+        ValueError: naming the step and the form to use.
+    """
+    for name in steps:
+        step = getattr(model, name, None)
+        if step is not None and "dataloader_iter" in inspect.signature(step).parameters:
+            raise ValueError(f"{type(model).__name__}.{name} takes `dataloader_iter`, Lightning's form of a step that "
+                             "fetches its own batches; trainscale does not run it: its loops fetch each batch and pass "
+                             f"it, so define {name}(self, batch, batch_idx) (prefetching is the loader's: num_workers, "
+                             "prefetch_factor)")
+
+
+class StepOutputError(TypeError, ValueError):
+    """What a ``training_step`` returned that the loop cannot use: Lightning's ``MisconfigurationException`` (a
+    ``ValueError`` here, as trainscale's other errors in Lightning's words) and a ``TypeError``, as a wrong type."""
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss in what ``training_step`` returned under automatic optimization: a tensor, or a dict's ``"loss"``
+    (Lightning's ``ClosureResult.from_training_step_output``; None is the caller's: a skipped batch).
+
+    Raises:
+        StepOutputError: a dict without a ``"loss"`` tensor, or anything else, in Lightning's words.
     """
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
         return output["loss"]
-    raise TypeError(f"{where} returned {type(output).__name__}; return the loss tensor or a dict with a 'loss' tensor")
+    if isinstance(output, Mapping):
+        raise StepOutputError("In automatic_optimization, when `training_step` returns a dict, the 'loss' key needs to "
+                              f"be present (a tensor; it returned the keys {sorted(map(str, output))})")
+    raise StepOutputError("In automatic optimization, `training_step` must return a Tensor, a dict, or None (where the "
+                          f"step will be skipped); it returned {type(output).__name__}: return the loss tensor or a "
+                          "dict with a 'loss' tensor")
+
+
+def manual_loss_of(output: Any) -> torch.Tensor | None:
+    """The loss, detached, in what ``training_step`` returned under manual optimization (Lightning's
+    ``ManualResult``): the tensor, a dict's ``"loss"`` tensor (a dict may hold none: a GAN's two losses), else None.
+
+    Raises:
+        StepOutputError: anything but a tensor, a dict or None, in Lightning's words.
+    """
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+        return loss.detach() if isinstance(loss, torch.Tensor) else None
+    if output is None:
+        return None
+    raise StepOutputError("In manual optimization, `training_step` must either return a Tensor or have no return "
+                          f"(or a dict); it returned {type(output).__name__}")
+
+
+def step_metrics(output: Any) -> dict[str, Any]:
+    """What of an evaluation step's return the records average over the samples (``val_<key>``): a returned tensor
+    as ``loss``, or a returned dict's entries, where each is a number or a one-element tensor (made 0-d). The rest (a
+    list, a string, a tensor of predictions) is only ``on_<stage>_batch_end``'s ``outputs``, as Lightning uses all
+    of it."""
+    returned = output if isinstance(output, Mapping) else {} if output is None else {"loss": output}
+    return {key: value.reshape(()) if isinstance(value, torch.Tensor) else value for key, value in returned.items()
+            if (isinstance(value, torch.Tensor) and value.numel() == 1) or isinstance(value, (int, float))}
 
 
 def batch_end_outputs(output: Any, loss: torch.Tensor | None) -> dict:
     """``on_train_batch_end``'s ``outputs``, as Lightning's (``ClosureResult.asdict``, ``ManualResult``): ``{"loss":
     loss}`` (the micro-batch's detached loss; Lightning's is divided by ``accumulate_grad_batches``) with the other keys
-    of a dict the ``training_step`` returned (``output``), as they are; ``{}`` when it returned None."""
+    of a dict the ``training_step`` returned (``output``), as they are; a dict without a loss (manual optimization)
+    as it is; ``{}`` when it returned None."""
     if loss is None:
-        return {}
+        return dict(output) if isinstance(output, Mapping) else {}
     extra = {k: v for k, v in output.items() if k != "loss"} if isinstance(output, Mapping) else {}
     return {"loss": loss, **extra}
 
@@ -890,8 +948,8 @@ class LoopModule(nn.Module):
 
     def manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         """``training_step`` under manual optimization (it steps the optimizers itself): the loss it
-        returned, detached, for the records; None when it returned nothing (the records then have no
-        ``train_loss``). Called on the module itself
+        returned, detached, for the records; None when it returned nothing or a dict without ``"loss"`` (the records
+        then have no ``train_loss``; :func:`manual_loss_of`). Called on the module itself
         (under ddp never through the DDP wrapper: gradients are averaged in ``ManualOptimizer.step``). Under
         fsdp the model's ``training_step`` runs as its FSDP root's forward (``apply_fsdp.apply_fsdp``): FSDP2
         takes the first module to run forward as its root, and evaluation later runs through the same one."""
@@ -900,7 +958,7 @@ class LoopModule(nn.Module):
     def _manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         args = (batch, batch_idx) if self.step_takes_batch_idx else (batch,)
         out = self.step_output = self.model.training_step(*args)
-        return None if out is None else loss_of(out).detach()
+        return manual_loss_of(out)
 
     def _step_args(self, step: str, batch: Any, batch_idx: int, dataloader_idx: int | None) -> tuple:
         """An evaluation step's arguments as Lightning builds them (``_build_step_args_from_hook_kwargs``): the batch,
@@ -911,14 +969,13 @@ class LoopModule(nn.Module):
     @torch.no_grad()
     def evaluate(self, batch: Any, batch_idx: int, stage: str = "validation",
                  dataloader_idx: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
-        """Per-batch mean metrics and the batch's sample count (``validation_step``/``test_step``'s
-        returned dict, or loss and accuracy for a plain classifier). What the step returned, as it returned it, is
+        """Per-batch mean metrics and the batch's sample count (the numbers of what ``validation_step``/``test_step``
+        returned: :func:`step_metrics`; or loss and accuracy for a plain classifier). What the step returned, as it returned it, is
         :attr:`step_output` until the next step (the ``outputs`` of ``on_<stage>_batch_end``, as Lightning's)."""
         step = getattr(self.model, f"{stage}_step", None)
         if step is not None:
             out = self.step_output = step(*self._step_args(f"{stage}_step", batch, batch_idx, dataloader_idx))
-            metrics = dict(out) if isinstance(out, Mapping) else {} if out is None else {"loss": out}
-            return metrics, batch_size(batch)
+            return step_metrics(out), batch_size(batch)
         if self.is_hf_model and isinstance(batch, Mapping):
             return {"loss": output_loss(self.keyword_call(batch), self.model)}, batch_size(batch)
         inputs, targets = split_batch(batch)

@@ -26,9 +26,10 @@ from trainscale.checkpointing import checkpointer, run_dirs as ckpt
 from trainscale.checkpointing.rng import fit_seed
 from trainscale.lightning.data_sources import resolve_loaders
 from trainscale.lightning.metrics import MetricCollector, metric_states_kept
-from trainscale.lightning.module import MODE_HOOKS, TrainingModule, attach_trainer, set_up_model
+from trainscale.lightning.module import (MODE_HOOKS, TrainingModule, attach_trainer, refuse_dataloader_iter,
+                                         set_up_model)
 from trainscale.loop.state import loader_length
-from trainscale.runtime.sampling import with_index_recording
+from trainscale.runtime.sampling import set_sampler_epoch, with_index_recording
 from trainscale.utilities.model_helpers import is_overridden
 
 if TYPE_CHECKING:
@@ -487,8 +488,10 @@ def check_steps(method: str, model: torch.nn.Module, has_training_step: bool) ->
 
     Raises:
         ValueError: ``validate``/``test`` of a module with ``training_step`` but no ``validation_step``/``test_step``;
-            ``predict`` with ``predict_step`` set to None, or without ``forward`` and without its own ``predict_step``.
+            ``predict`` with ``predict_step`` set to None, or without ``forward`` and without its own ``predict_step``;
+            the stage's step taking Lightning's ``dataloader_iter`` (:func:`refuse_dataloader_iter`).
     """
+    refuse_dataloader_iter(model, (f"{method}_step" if method != "validate" else "validation_step",))
     step = {"validate": "validation_step", "test": "test_step"}.get(method)
     if step is not None and has_training_step and getattr(model, step, None) is None:
         raise ValueError(f"No `{step}()` method defined to run `Trainer.{method}`. {method}() needs "
@@ -603,6 +606,8 @@ def _predict_stage(trainer: Trainer, model: Any, loop_module: Any, wrapped: Any,
     ``trainer.num_predict_batches``."""
     trainer.num_predict_batches = num_batches
     loaders, given = loaders
+    for loader in loaders:  # as evaluate_stage's (before the index recording wraps their batch samplers)
+        set_sampler_epoch(loader, trainer.current_epoch)
     recorded = [with_index_recording(loader) for loader in loaders]  # each batch's sample indices, for the writers
     loaders, trainer.predict_batch_indices = [loader for loader, _ in recorded], [seen for _, seen in recorded]
     trainer.stage_dataloaders["predict"] = given.in_given_form(loaders)
@@ -666,7 +671,11 @@ def evaluate_stage(trainer: Trainer, loop_module: Any, wrapped: Any, loaders: li
     ``trainer.metric_collector`` (where ``self.log`` in the steps and hooks goes) a collector of ``stage``
     meanwhile; on ``num_batches[i]`` (default: ``limit_val_batches``/``limit_test_batches``) of each rank's batches
     of loader i. Returns one dict per loader. The results (:func:`merged`) are in ``trainer.callback_metrics`` by
-    ``on_<stage>_end`` (where Lightning's checkpoint callbacks read them)."""
+    ``on_<stage>_end`` (where Lightning's checkpoint callbacks read them). Each loader's sampler is told the epoch
+    first (``set_sampler_epoch``: ``trainer.current_epoch``, the running one in a fit, the epochs done outside it),
+    as Lightning's loops do for shuffling that follows the training's progress."""
+    for loader in loaders:
+        set_sampler_epoch(loader, trainer.current_epoch)
     collector = trainer.metric_collector
     trainer.metric_collector = stage_collector = MetricCollector(trainer.runtime, stage, routes_of=collector)
     if num_batches is None:

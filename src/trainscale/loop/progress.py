@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import sys
+from typing import Any
 
 
 class ProgressBar:
@@ -21,6 +23,11 @@ class ProgressBar:
             self._bar = tqdm(total=total, desc=desc, leave=leave, dynamic_ncols=True, file=sys.stderr,
                              mininterval=0.5)
 
+    @property
+    def tqdm(self) -> Any:
+        """The tqdm bar itself; None where none is drawn."""
+        return self._bar
+
     def update(self, n: int = 1) -> None:
         """Advance by ``n`` micro-batches (drawn every ``refresh_rate``)."""
         if self._bar is not None:
@@ -37,3 +44,18 @@ class ProgressBar:
         if self._bar is not None:
             self._bar.update(self._pending)
             self._bar.close()
+
+
+def epoch_bar(callback: Any, rank_zero: bool, remaining: float, desc: str) -> ProgressBar:
+    """A training epoch's bar, drawn on rank zero with the settings of ``callback`` (the Trainer's
+    ``progress_bar_callback``; None: no bar). Its total is Lightning's, ``callback.total_train_batches`` (the steps
+    left when only ``max_steps`` bounds the run, an iterable's too), at most the epoch's ``remaining`` micro-batches
+    (fewer in a resumed epoch; inf: unknown). The callback's ``train_progress_bar`` is its tqdm bar from here on."""
+    if callback is None:
+        return ProgressBar(False, None, desc)
+    total = min(remaining, callback.total_train_batches)
+    bar = ProgressBar(rank_zero, None if total == math.inf else int(total), desc, refresh_rate=callback.refresh_rate,
+                      leave=callback.leave)
+    if bar.tqdm is not None:
+        callback.train_progress_bar = bar.tqdm
+    return bar

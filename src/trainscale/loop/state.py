@@ -15,6 +15,7 @@ import torch
 from trainscale.checkpointing.loader_state import LoaderPositions, check_same_world_size, resumes_itself
 from trainscale.checkpointing.rng import set_rng_state
 from trainscale.runtime.batch import batch_counts
+from trainscale.runtime.sampling import set_sampler_epoch
 
 if TYPE_CHECKING:
     from trainscale.runtime.runtime import Runtime
@@ -187,8 +188,7 @@ def start_epoch(loader, epoch: int, position: dict | None, world_size: int, save
             raise ValueError("the checkpoint holds no sample position for this epoch; resume with the loader "
                              "it was written with")
         return 0
-    if hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(epoch)
+    set_sampler_epoch(loader, epoch)  # its sampler's and its batch sampler's sampler's, as Lightning's
     skip = position["batches"] if resume else 0
     if skip and world_size != saved_world_size:
         raise ValueError(f"resuming mid-epoch on world size {world_size} (saved on {saved_world_size}) needs the "

@@ -53,10 +53,10 @@ from trainscale.loop.config import (TrainerConfig, barebones_logger, resolve_tra
 from trainscale.faults.tolerance import STEP_PHASE, FaultTolerance
 from trainscale.lightning.metrics import MetricCollector, logged_metrics, progress_bar_metrics
 from trainscale.lightning.module import (BatchTransfer, TrainingModule, attach_trainer, batch_end_outputs,
-                                         batch_transfer, defined_hooks, module_overrides, set_up_model, skip_backward,
-                                         uncalled_hooks)
+                                         batch_transfer, defined_hooks, module_overrides, refuse_dataloader_iter,
+                                         set_up_model, skip_backward, uncalled_hooks)
 from trainscale.lightning.optimizers import ManualOptimizer, StepOptimizer, step_schedulers
-from trainscale.loop.progress import ProgressBar
+from trainscale.loop.progress import epoch_bar
 from trainscale.loop.records import MetricsProcessor, epoch_label, epoch_line, epoch_record, run_header
 from trainscale.loop.spawned import run_spawned
 from trainscale.checkpointing.runs import (RunLock, as_ckpt_path, choose_run_dir, overwrite_refusal,
@@ -756,7 +756,7 @@ class Trainer:
         self._max_epochs = cfg.max_epochs  # trainer.max_epochs: resolved from here on, as Lightning's
         drop_unpicklable(getattr(model, "hparams", None), warn=rt.is_rank_zero)  # Lightning's clean_namespace
         fit, asked_first = self._start_fit(model, sources, loss_fn, optimizer)
-        _warn_eval_mode(fit.model)  # it trains in the modes it comes in, as Lightning (a frozen part keeps eval mode)
+        _warn_eval_mode(fit.model, rt.is_rank_zero)  # it trains in the modes it comes in, as Lightning
         point = self._load(resume_from, *reading) if resume_from is not None else None
         if point is not None:  # saved at a validation's end: that step's ReduceLROnPlateau update is made now
             self._make_pending_plateau_update(fit, point)
@@ -826,6 +826,7 @@ class Trainer:
             raise ValueError("No `training_step()` method defined. Lightning `Trainer` expects as minimum a "
                              "`training_step()`, `train_dataloader()` and `configure_optimizers()` to be defined: "
                              f"define {type(model).__name__}.training_step(self, batch, batch_idx) returning the loss")
+        refuse_dataloader_iter(model, ("training_step", "validation_step"))
         self.last_setup = set_up_model(rt, model, loss_fn, self.last_setup)  # reused from an earlier fit or evaluation
         _, loop_module, wrapped = self.last_setup
         self._arm_hooks(model)
@@ -968,10 +969,7 @@ class Trainer:
         self._reload_train(fit, epoch)
         batches = epoch_batches(fit, self.state, epoch, resume, rt.world_size, cfg.train_batches)
         remaining = fit.epoch_batches - fit.epoch_offset  # inf: an iterable data set, until its iterator ends
-        bar = self.progress_bar_callback
-        fit.bar = ProgressBar(bar is not None and rt.is_rank_zero, None if remaining == math.inf else remaining,
-                              epoch_label(epoch, cfg.max_epochs), refresh_rate=bar.refresh_rate if bar else 0,
-                              leave=bar is not None and bar.leave)
+        fit.bar = epoch_bar(self.progress_bar_callback, rt.is_rank_zero, remaining, epoch_label(epoch, cfg.max_epochs))
         fit.epoch_loss = EpochLoss(rt.device, resume.totals if resume else (0.0, 0.0, 0.0, 0.0), rt)
         fit.books = MicroBatchBooks(fit.telemetry, self._faults, self.state, self.metric_collector, fit.epoch_loss,
                                     fit.bar)
@@ -1062,7 +1060,8 @@ class Trainer:
             else:  # the module's on_before_batch_transfer, transfer_batch_to_device, on_after_batch_transfer
                 batch = self.batch_transfer(micro.batch, 0)
             fit.books.batch_ready(batch)  # the data phase ends; samples and tokens (self.log's batch size)
-            self._hook("on_train_batch_start", batch, micro.index)
+            if self._hook("on_train_batch_start", batch, micro.index) == -1:  # the module's -1: the epoch ends here
+                return self._skip_rest_of_epoch(fit, micro)
             if micro.index == first_batch and not self.manual_optimizers:  # the step's first: zero the gradients
                 # the last step's, there until now as in Lightning; freed before this forward (Lightning: after it)
                 self._zero_grad(fit, self.optimizers[0], micro.index)
@@ -1133,7 +1132,12 @@ class Trainer:
         later call zero the gradients and run the step's forward and backward again first
         (:meth:`_evaluate_again`), then 2; on several ranks L-BFGS gets the ranks' mean loss at each call (one
         all-reduce of a number), as the gradients are. Returns the gradient norm clipping measured (None: not clipped
-        by norm, or clipped by the module's own ``configure_gradient_clipping``)."""
+        by norm, or clipped by the module's own ``configure_gradient_clipping``).
+
+        Raises:
+            ValueError: the module's ``optimizer_step`` returned without running the closure (neither it nor
+                ``optimizer.step(closure=...)`` called it), so no hook or clipping ran: Lightning's error, its words.
+        """
         rt, cfg, model, hooks = self.runtime, self.config, fit.model, fit.loop_module.step_hooks
         optimizer, found = self.optimizers[0], {"grad_norm": None, "skip": False, "calls": 0}
         batch_idx = micro.index
@@ -1166,6 +1170,10 @@ class Trainer:
         stepper = StepOptimizer(optimizer, take_step)
         if "optimizer_step" in hooks:
             model.optimizer_step(self.current_epoch, batch_idx, stepper, closure)
+            if not found["calls"]:  # no hook, no clipping ran: Lightning's Closure.consume_result refuses it
+                raise ValueError("The closure hasn't been executed. HINT: did you call `optimizer_closure()` in your "
+                                 "`optimizer_step` hook? It could also happen because the "
+                                 "`optimizer.step(optimizer_closure)` call did not execute it internally.")
         else:
             stepper.step(closure=closure)
         return found["grad_norm"]
@@ -1225,6 +1233,24 @@ class Trainer:
         return self.runtime.clip_gradients(self.last_setup[2], optimizer,  # the wrapped model of this fit
                                            max_norm=gradient_clip_val if by_norm else None,
                                            clip_val=None if by_norm else gradient_clip_val)
+
+    def _skip_rest_of_epoch(self, fit: FitRun, micro: MicroBatch) -> bool:
+        """The module's ``on_train_batch_start`` returned -1 for ``micro``'s batch: the epoch ends before it, as
+        Lightning's (``training_epoch_loop.advance``): no ``training_step`` or ``on_train_batch_end`` for it, no
+        optimizer step (for the gradients of the step's earlier micro-batches either); under automatic optimization
+        the due "step" schedulers step (though no optimizer stepped: Lightning's order) and the "epoch" ones, as after
+        an epoch's last batch. The epoch counts as whole (``trainer.is_last_batch``; its "epoch" ``ReduceLROnPlateau``
+        schedulers step after ``on_train_epoch_end``) and ends without its validation, which Lightning runs only after
+        a batch that trained. Returns False, :meth:`train_step`'s "no more batches"."""
+        fit.epoch_batches = self.state.batches  # the batches trained: the epoch is complete there
+        fit.validated_after = self.state.batches  # so _validates_at_epoch_end runs none, as Lightning's
+        if not self.manual_optimizers:
+            step_schedulers(self.schedulers, "step", micro.index + 1, self.callback_metrics,
+                            fit.loop_module.lr_scheduler_step, plateau=False)
+            fit.epoch_rates = fit.metrics.learning_rates(self.optimizers, self.schedulers)  # the epoch record's rates
+            step_schedulers(self.schedulers, "epoch", self.current_epoch + 1, self.callback_metrics,
+                            fit.loop_module.lr_scheduler_step, plateau=False)
+        return False
 
     def _forward_backward(self, fit: FitRun, batch: Any, micro: MicroBatch) -> tuple[torch.Tensor, Any]:
         """One micro-batch's forward under autocast and backward (between the ``on_before_backward(loss)`` and
@@ -1590,24 +1616,28 @@ class Trainer:
         # each batch with Runtime.to_device, no call more per batch
         self.batch_transfer = batch_transfer(self.runtime, model, self.datamodule)
 
-    def _hook(self, hook: str, *args: Any, monitoring: bool | None = None, module_first: bool = False) -> None:
+    def _hook(self, hook: str, *args: Any, monitoring: bool | None = None, module_first: bool = False) -> Any:
         """Lightning's hook ``hook``: each callback's (``hook(trainer, module, *args)``), then the module's
         (``hook(*args)``, when it defines it), as Lightning's ``_call_callback_hooks`` then
         ``_call_lightning_module_hook``. ``monitoring``: only the callbacks that do (True; no module hook) or
-        only the others (False); ``module_first``: the module's hook before the callbacks' (``on_load_checkpoint``)."""
+        only the others (False); ``module_first``: the module's hook before the callbacks' (``on_load_checkpoint``).
+        Returns what the module's hook returned (None without one), as Lightning reads it (``on_train_batch_start``'s
+        -1); the callbacks' results are ignored, as Lightning's."""
         if hook not in self._active_hooks:
-            return
+            return None
         setup = self.last_setup  # (model, loop module, wrapped) of the fit or evaluation running
         module = setup[0] if setup is not None else None
         call_module = setup is not None and monitoring is not True and hook in setup[1].hooks
+        response = None
         with self._running(hook):
             if call_module and module_first:
-                getattr(module, hook)(*args)
+                response = getattr(module, hook)(*args)
             for cb in self.callbacks:
                 if monitoring is None or (cb.monitors_metrics is True) == monitoring:  # a Mock's: not True
                     getattr(cb, hook)(self, module, *args)
             if call_module and not module_first:
-                getattr(module, hook)(*args)
+                response = getattr(module, hook)(*args)
+        return response
 
     @contextlib.contextmanager
     def _on_exception(self):
@@ -1693,13 +1723,20 @@ def _seed_workers(loaders: tuple, given: tuple, rank: int) -> None:
             loader.worker_init_fn = functools.partial(worker_init, rank=rank)
 
 
-def _warn_eval_mode(model: nn.Module) -> None:
-    """Say (a ``PossibleUserWarning``) that ``model`` itself is in eval mode at the start of ``fit``: it trains so, as in
-    Lightning 2.2+, which calls no ``model.train()`` (a submodule in eval mode is the user's choice: not warned)."""
-    if not model.training:
-        warnings.warn(f"the model ({type(model).__name__}) is in eval mode at the start of fit: it trains so (dropout "
-                      "off, BatchNorm statistics not updated), as in Lightning; call model.train() before fit to train "
-                      "in training mode (submodules you put in eval mode stay so)", PossibleUserWarning, stacklevel=4)
+def _warn_eval_mode(model: nn.Module, rank_zero: bool) -> None:
+    """Lightning's ``PossibleUserWarning`` on rank zero when ``model`` or any of its submodules is in eval mode at the
+    start of ``fit`` (its ``_warn_if_modules_in_eval_mode``, in its words), naming the first few: each trains in the
+    mode it comes in, as in Lightning 2.2+, which calls no ``model.train()`` (a frozen backbone's BatchNorm keeps its
+    statistics)."""
+    names = [name or type(model).__name__ for name, module in model.named_modules() if not module.training]
+    if names and rank_zero:
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        fix = ("call model.train() before fit to train in training mode" if not model.training else
+               "they train so (dropout off, BatchNorm statistics not updated); call .train() on them before fit "
+               "otherwise")
+        warnings.warn(f"Found {len(names)} module(s) in eval mode at the start of training. This may lead to "
+                      f"unexpected behavior during training. If this is intentional, you can ignore this warning. "
+                      f"({shown}: {fix})", PossibleUserWarning, stacklevel=4)
 
 
 def _say_debug_modes(cfg: TrainerConfig, rank_zero: bool) -> None:

@@ -133,11 +133,15 @@ def batch_size(batch: Any) -> int:
     """Samples in a batch: the leading dimension of its first tensor (in the order of :func:`tensors`).
 
     Raises:
-        ValueError: the batch holds no tensor with a leading dimension.
+        ValueError: the batch holds no tensor with a leading dimension (None: its own message, naming the fix).
     """
     for t in tensors(batch):
         if t.ndim > 0:
             return int(t.shape[0])
+    if batch is None:  # Lightning skips a None training batch ("train_dataloader yielded None"): docs/lightning.md
+        raise ValueError("the loader yielded None for a batch; trainscale counts every batch's samples and does not "
+                         "skip it as Lightning does (its warning \"train_dataloader yielded None\"): leave such samples "
+                         "out in the data set or the collate_fn, so that every batch holds tensors")
     raise ValueError(f"cannot tell the number of samples of a batch of type {type(batch).__name__}: it holds no "
                      "tensor with a batch dimension; return tensors (in a tuple, dict or dataclass) from the loader")
 

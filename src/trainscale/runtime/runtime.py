@@ -436,10 +436,11 @@ class Runtime:
 
     @staticmethod
     def set_epoch(loader: torch.utils.data.DataLoader, epoch: int) -> None:
-        """Reshuffle for ``epoch`` (calls the sampler's ``set_epoch`` when it has one)."""
-        set_epoch = getattr(loader.sampler, "set_epoch", None)
-        if set_epoch is not None:
-            set_epoch(epoch)
+        """Reshuffle for ``epoch``: ``set_epoch(epoch)`` on the loader's sampler and its batch sampler's sampler where
+        they have one (``sampling.set_sampler_epoch``)."""
+        from trainscale.runtime.sampling import set_sampler_epoch
+
+        set_sampler_epoch(loader, epoch)
 
     def to_device(self, batch: Any) -> Any:
         """Move the tensors of a nested batch to this rank's device (and dtype for "bf16-true", "64-true")."""

@@ -234,6 +234,19 @@ def _is_random(sampler: Sampler) -> bool:
     return isinstance(sampler, RandomSampler) or (stateful is not None and isinstance(sampler, stateful.RandomSampler))
 
 
+def set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """``set_epoch(epoch)`` on ``loader.sampler`` and on ``loader.batch_sampler.sampler``, each object once, where it
+    has one, as Lightning's ``_set_sampler_epoch`` (lightning/fabric/utilities/data.py): a loader built with a
+    ``batch_sampler`` keeps its sampler there (its ``loader.sampler`` is DataLoader's default), and a
+    ``DistributedSampler`` or any epoch-seeded sampler inside it reshuffles only when told the epoch."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    told: list = []
+    for sampler in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        if callable(getattr(sampler, "set_epoch", None)) and not any(sampler is s for s in told):
+            told.append(sampler)
+            sampler.set_epoch(epoch)
+
+
 def distribute_dataloader(loader: DataLoader, world: World, *, shuffle: bool | None = None, seed: int = 0,
                           even: bool = True) -> DataLoader:
     """Rebuild ``loader`` with a sampler for this rank (see the module docstring).

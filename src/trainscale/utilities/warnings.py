@@ -5,7 +5,7 @@ can silence them as a group, as Lightning's users do::
     from trainscale.utilities.warnings import PossibleUserWarning
     warnings.filterwarnings("ignore", category=PossibleUserWarning)
 
-trainscale warns with it where Lightning does: ``max_epochs`` left unset, a model in eval mode when ``fit`` starts.
+trainscale warns with it where Lightning does: ``max_epochs`` left unset, modules in eval mode when ``fit`` starts.
 """
 
 import warnings
