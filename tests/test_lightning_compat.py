@@ -4691,3 +4691,18 @@ def test_strict_loading_false_lets_load_from_checkpoint_take_a_checkpoint_with_f
     torch.testing.assert_close(loaded.layer.weight, torch.load(path, weights_only=True)["state_dict"]["layer.weight"])
     with pytest.raises(RuntimeError, match="Missing key"):
         Lenient.load_from_checkpoint(path, strict=True)  # the argument wins
+
+
+def test_a_training_step_called_without_a_trainer_logs_nothing_with_lightnings_warning():
+    class Logs(Probe):
+        def training_step(self, batch, batch_idx):
+            self.log_dict({"a": 1.0, "b": torch.tensor(2.0)})
+            return super().training_step(batch, batch_idx)  # logs three more values
+
+    model = Logs()
+    with pytest.warns(UserWarning, match="the `self.trainer` reference is not registered") as seen:
+        loss = model.training_step((torch.ones(3, 2), torch.zeros(3)), 0)  # a unit test of the step, as in Lightning
+    assert loss.ndim == 0 and len(seen) >= 1
+    assert model.logger is None and model.loggers == []
+    with pytest.raises(ValueError, match="cannot be logged"):  # a bad value is still refused, as Lightning's
+        model.log("x", "text")

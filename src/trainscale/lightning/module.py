@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from trainscale.runtime import hf
 from trainscale.runtime.batch import batch_size, to_device
 from trainscale.lightning.hparams import HyperparametersMixin, checkpoint_init_kwargs
-from trainscale.lightning.metrics import is_metric
+from trainscale.lightning.metrics import check_loggable, is_metric
 from trainscale.lightning.optimizers import lr_scheduler_step
 
 if TYPE_CHECKING:
@@ -383,13 +383,16 @@ class TrainingModule(HyperparametersMixin, nn.Module):
 
     @property
     def loggers(self) -> list:
-        """The Trainer's loggers (``trainscale.loggers``; empty with ``logger=False``), as Lightning's ``self.loggers``."""
-        return list(self.trainer.loggers)
+        """The Trainer's loggers (``trainscale.loggers``; empty with ``logger=False``, and on a module no Trainer is
+        attached to), as Lightning's ``self.loggers``."""
+        trainer = self.__dict__.get("_trainer")
+        return [] if trainer is None else list(trainer.loggers)
 
     @property
     def logger(self) -> Any:
-        """The first of :attr:`loggers`, or None, as Lightning's ``self.logger``."""
-        return next(iter(self.trainer.loggers), None)
+        """The first of :attr:`loggers`, or None (also on a module no Trainer is attached to), as Lightning's
+        ``self.logger``."""
+        return next(iter(self.loggers), None)
 
     # -- logging ---------------------------------------------------------------------------------
     def log(self, name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | None = None,
@@ -415,9 +418,10 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         (``logger=False`` still records it in ``metrics.jsonl`` and the loggers). While one of several evaluation
         loaders runs, the name is recorded as ``name/dataloader_idx_N`` (N: the loader's index), unless
         ``add_dataloader_idx=False`` (then give each loader's values their own name), as in Lightning. Under
-        ``Trainer(barebones=True)`` nothing is logged, with Lightning's warning. A ``Metric`` must be an attribute of
-        the module (a submodule, found by ``named_modules`` once), or be named by ``metric_attribute``, as Lightning
-        requires.
+        ``Trainer(barebones=True)`` nothing is logged, with Lightning's warning, and so on a module no Trainer is
+        attached to (a ``training_step`` called by hand in a unit test), as Lightning. A ``Metric`` must be an
+        attribute of the module (a submodule, found by ``named_modules`` once), or be named by ``metric_attribute``,
+        as Lightning requires.
 
         Raises:
             ValueError: an unknown ``reduce_fx``, a value that is not a number, a tensor or a torchmetrics
@@ -432,7 +436,13 @@ class TrainingModule(HyperparametersMixin, nn.Module):
                 a ``Metric`` that is not one of the module's attributes, without ``metric_attribute`` (Lightning's
                 words, naming the attributes that are); a name logged in one hook with other options than before.
         """
-        trainer = self.trainer
+        trainer = self.__dict__.get("_trainer")
+        if trainer is None:  # Lightning's rule: a step method may be tested without a Trainer
+            check_loggable(name, value, add_dataloader_idx=False)
+            warnings.warn("You are trying to `self.log()` but the `self.trainer` reference is not registered on the "
+                          "model yet. This is most likely because the model hasn't been passed to the `Trainer`",
+                          UserWarning, stacklevel=2)
+            return
         if metric_attribute is None and is_metric(value):
             self._check_metric_attribute(name, value)
         if trainer.config.barebones:  # Lightning's rule: logging is off in barebones mode
