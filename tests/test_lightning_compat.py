@@ -4706,3 +4706,18 @@ def test_a_training_step_called_without_a_trainer_logs_nothing_with_lightnings_w
     assert model.logger is None and model.loggers == []
     with pytest.raises(ValueError, match="cannot be logged"):  # a bad value is still refused, as Lightning's
         model.log("x", "text")
+
+
+def test_trainer_flags_not_given_are_read_from_pl_trainer_environment_variables(tmp_path, monkeypatch):
+    monkeypatch.setenv("PL_TRAINER_MAX_STEPS", "7")
+    monkeypatch.setenv("PL_TRAINER_LOGGER", "False")
+    monkeypatch.setenv("PL_TRAINER_ACCELERATOR", "cpu")  # not a Python literal: kept as the string
+    monkeypatch.setenv("PL_TRAINER_LOG_EVERY_N_STEPS", "")  # empty: not set
+    trainer = Trainer(default_root_dir=tmp_path)
+    assert trainer.max_steps == 7 and trainer.logger is None and trainer.loggers == []
+    assert trainer.log_every_n_steps == 50
+    given = Trainer(default_root_dir=tmp_path, max_steps=3, logger=None)  # a flag given in the call wins
+    assert given.max_steps == 3 and given.logger is not None
+    monkeypatch.setenv("PL_TRAINER_MAX_EPOCHS", "-5")  # checked as the flag itself is
+    with pytest.raises(ValueError, match="max_epochs"):
+        Trainer(default_root_dir=tmp_path)

@@ -32,7 +32,7 @@ from trainscale.utilities.warnings import PossibleUserWarning
 from trainscale.loggers import resolve_loggers
 from trainscale.loggers.log_dirs import agree_log_dirs, trainer_log_dir
 from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, PipelineScheduleFlag, PrecisionFlag,
-                                      StrategyFlag, names_closest_flag)
+                                      StrategyFlag, defaults_from_env_vars, names_closest_flag)
 from trainscale.runtime.connector import check_plugins
 from trainscale.runtime.runtime import Runtime
 from trainscale.runtime.strategies import Strategy
@@ -93,9 +93,12 @@ class NoTrainingStateError(RuntimeError, AttributeError):
 class Trainer:
     """Fit, validate, test and predict on any strategy by changing flags (keyword only; :meth:`__init__` names and
     describes each). With ``devices > 1`` outside a launcher the script re-executes under torchrun in ``Trainer()``.
+    A flag not given takes the value of the environment variable ``PL_TRAINER_<FLAG>`` when it is set, as Lightning's
+    (``PL_TRAINER_MAX_STEPS=7``; :func:`~trainscale.runtime.flags.defaults_from_env_vars`).
     """
 
     @names_closest_flag
+    @defaults_from_env_vars
     def __init__(self, *, callbacks: list[Callback] | None = None, logger: Any = None, runtime: Runtime | None = None,
                  profiler: Profiler | Literal["simple", "advanced", "pytorch"] | None = None, plugins: Any = None,
                  # the Runtime's flags (RuntimeFlags), described in Runtime.__init__
