@@ -4721,3 +4721,17 @@ def test_trainer_flags_not_given_are_read_from_pl_trainer_environment_variables(
     monkeypatch.setenv("PL_TRAINER_MAX_EPOCHS", "-5")  # checked as the flag itself is
     with pytest.raises(ValueError, match="max_epochs"):
         Trainer(default_root_dir=tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_url_paths_are_refused_not_written_as_local_directories(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a URL taken as a local path would land here, as ./memory:/runs
+    with pytest.raises(ValueError, match="default_root_dir='memory://runs' is a URL"):
+        Trainer(default_root_dir="memory://runs")
+    trainer = _trainer(tmp_path / "runs", max_epochs=1)
+    trainer.fit(Probe(), _loader(4))
+    with pytest.raises(ValueError, match="save_checkpoint.filepath='s3://bucket/a.ckpt' is a URL"):
+        trainer.save_checkpoint("s3://bucket/a.ckpt")
+    with pytest.raises(ValueError, match="ckpt_path='s3://bucket/a.ckpt' is a URL"):
+        _trainer(tmp_path / "runs", max_epochs=2).fit(Probe(), _loader(4), ckpt_path="s3://bucket/a.ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["runs"]  # no memory: or s3: directory was made

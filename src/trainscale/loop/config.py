@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from trainscale.callbacks import ModelCheckpoint
 from trainscale.utilities.warnings import PossibleUserWarning
+from trainscale.runtime.checkpoint_io import refuse_url
 from trainscale.runtime.flags import (FlagTypeError, check_flags, check_int, check_number, flag, make_flags,
                                      parse_duration)
 
@@ -393,6 +394,7 @@ def _root_dir(value) -> Path:
         value = Path("runs")
     if not isinstance(value, (str, Path)) or str(value) == "":
         raise ValueError(f"default_root_dir={value!r} must be a directory path (str or Path)")
+    refuse_url("default_root_dir", value)
     path = Path(value)
     too_long = [part for part in path.parts if len(part.encode()) > 255]  # NAME_MAX of Linux and macOS filesystems
     if too_long:

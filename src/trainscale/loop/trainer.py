@@ -33,6 +33,7 @@ from trainscale.loggers import resolve_loggers
 from trainscale.loggers.log_dirs import agree_log_dirs, trainer_log_dir
 from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, PipelineScheduleFlag, PrecisionFlag,
                                       StrategyFlag, defaults_from_env_vars, names_closest_flag)
+from trainscale.runtime.checkpoint_io import refuse_url
 from trainscale.runtime.connector import check_plugins
 from trainscale.runtime.runtime import Runtime
 from trainscale.runtime.strategies import Strategy
@@ -1433,6 +1434,7 @@ class Trainer:
                 trainscale writes local files and has no ``CheckpointIO`` plugins).
             FileExistsError: ``filepath`` exists and ``overwrite`` is False, or it belongs to another run (on every
                 rank, before anything is written).
+            ValueError: ``filepath`` is a URL (``s3://...``, ``memory://...``): trainscale writes local files.
         """
         if self._fit is None:  # Lightning's words first
             raise NoTrainingStateError(
@@ -1445,6 +1447,7 @@ class Trainer:
                             f"{storage_options!r} to; drop the argument")
         if filepath is None:
             return self.write_checkpoint(self.run_dir / "checkpoints", background, weights_only=weights_only)
+        refuse_url("save_checkpoint(filepath", filepath)
         rt = self.runtime
         refusal = rt.broadcast_object(overwrite_refusal(Path(filepath), self.run_dir, overwrite) if rt.is_rank_zero
                                       else None)  # rank zero's file system decides, so every rank raises together

@@ -88,6 +88,22 @@ def _write_event(stage: str, path: Path) -> None:
     save-crash tests replace it to kill the process at that exact point."""
 
 
+def is_url(path: Any) -> bool:
+    """Whether ``path`` (a str as given: ``Path`` folds its ``//``) names a remote or in-memory file system
+    (``protocol://...``, as fsspec's paths: ``s3://bucket/runs``, ``memory://x``)."""
+    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(path)) is not None
+
+
+def refuse_url(what: str, path: Any) -> None:
+    """Raise ``ValueError`` naming ``what`` when ``path`` is a URL (:func:`is_url`): runs and checkpoints are written
+    and read on local file paths only (Lightning goes through fsspec), and ``Path("s3://b")`` would be the local
+    directory ``s3:/b``."""
+    if isinstance(path, str) and is_url(path):
+        raise ValueError(f"{what}={path!r} is a URL: trainscale writes and reads runs and checkpoints on local file "
+                         "paths only (Lightning writes through fsspec); give a local directory (a mounted bucket, "
+                         "for instance) and copy the files from it")
+
+
 @contextlib.contextmanager
 def _atomic_open(path: Path) -> Iterator[BinaryIO]:
     """A temporary file beside ``path``, fsync'ed and renamed over ``path`` when the block ends
