@@ -4735,3 +4735,63 @@ def test_url_paths_are_refused_not_written_as_local_directories(tmp_path, monkey
     with pytest.raises(ValueError, match="ckpt_path='s3://bucket/a.ckpt' is a URL"):
         _trainer(tmp_path / "runs", max_epochs=2).fit(Probe(), _loader(4), ckpt_path="s3://bucket/a.ckpt")
     assert sorted(os.listdir(tmp_path)) == ["runs"]  # no memory: or s3: directory was made
+
+
+@pytest.mark.timeout(60)
+def test_resume_and_evaluation_load_weights_non_strictly_when_the_module_sets_strict_loading_false(tmp_path):
+    class WithHead(Probe):  # a frozen part added after the checkpoint was written: its weights are not in it
+        def __init__(self):
+            super().__init__()
+            self.frozen = nn.Linear(1, 1).requires_grad_(False)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.layer.parameters(), lr=0.05)
+
+    trainer = _trainer(tmp_path, max_epochs=1)
+    trainer.fit(Probe(), _loader(4))
+    path = tmp_path / "probe.ckpt"
+    trainer.save_checkpoint(path)
+    saved = Probe()
+    saved.load_state_dict(torch.load(path, weights_only=True)["state_dict"])
+
+    strict = WithHead()
+    with pytest.raises(RuntimeError, match="does not fit"):  # strict by default, as Lightning's
+        _trainer(tmp_path, max_epochs=2).fit(strict, _loader(4), ckpt_path=path)
+    model = WithHead()
+    model.strict_loading = False
+    loaded = {}
+
+    class Seen(Callback):
+        def on_train_start(self, trainer, pl_module):
+            loaded.update({k: v.clone() for k, v in pl_module.layer.state_dict().items()})
+
+    _trainer(tmp_path, max_epochs=2, callbacks=[Seen()]).fit(model, _loader(4), ckpt_path=path)
+    torch.testing.assert_close(loaded, saved.layer.state_dict())  # the saved weights were restored
+    evaluated = WithHead()
+    evaluated.strict_loading = False
+    _trainer(tmp_path).validate(evaluated, _loader(2), ckpt_path=path)
+    torch.testing.assert_close(evaluated.layer.state_dict(), saved.layer.state_dict())
+
+
+@pytest.mark.timeout(60)
+def test_a_sharded_checkpoint_loads_non_strictly_when_asked(tmp_path):
+    """The DCP directory of fsdp/model_parallel: strict=False (a module's ``strict_loading = False``) keeps the weights
+    the checkpoint lacks, as a file's ``load_state_dict(strict=False)`` does."""
+    import torch.distributed as dist
+
+    from trainscale.runtime.checkpoint_io import CheckpointError
+    from trainscale.runtime.strategies.dcp_checkpoint import DCPCheckpointer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        saved = nn.Sequential(nn.Linear(2, 2))
+        DCPCheckpointer(0, "fsdp").save(tmp_path / "c.ckpt", {"model": saved, "epoch": 3})
+        grown = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        kept = grown[1].weight.detach().clone()
+        with pytest.raises(CheckpointError, match="Missing key"):
+            DCPCheckpointer(0, "fsdp").load(tmp_path / "c.ckpt", {"model": grown})
+        assert DCPCheckpointer(0, "fsdp").load(tmp_path / "c.ckpt", {"model": grown}, strict=False) == {"epoch": 3}
+        torch.testing.assert_close(grown[0].state_dict(), saved[0].state_dict())
+        torch.testing.assert_close(grown[1].weight.detach(), kept)
+    finally:
+        dist.destroy_process_group()

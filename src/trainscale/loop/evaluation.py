@@ -527,7 +527,8 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     trainer._arm_hooks(model)
     check_steps(method, model, loop_module.has_training_step)
     if ckpt_path is not None:
-        rt.load(ckpt_path, {checkpointer.weights_key(checkpointer.is_sharded(ckpt_path)): model})
+        rt.load(ckpt_path, {checkpointer.weights_key(checkpointer.is_sharded(ckpt_path)): model},
+                strict=checkpointer.strict_loading(model))
         rt.print(f"trainscale: {method} with the weights of {ckpt_path}")
     model.zero_grad()  # Lightning's _run_stage frees the gradients before each stage runs
     loaders, num_batches = _stage_loaders(trainer, dataloaders, stage)

@@ -418,12 +418,13 @@ def _rename_former_entries(loaded: dict, state: dict) -> None:
 
 
 def load_replicated(path, state: dict, unwrap: Callable, verify: bool = True, read: Callable | None = None,
-                    before_restore: Callable[[dict], None] | None = None) -> dict:
+                    before_restore: Callable[[dict], None] | None = None, strict: bool = True) -> dict:
     """Load ``path`` on every rank (``verify``, ``read``: as in :func:`load_file`); restore stateful objects
     of ``state`` in place (an entry absent under its key is read under its :data:`FORMER_NAMES` name).
     ``before_restore(entries)`` sees every entry as read (the model's weights as a state dict) and may change them
     before anything is restored from them (what Lightning's ``on_load_checkpoint`` may do to a checkpoint file), or
-    raise: nothing is restored then.
+    raise: nothing is restored then. ``strict``: given to each module's ``load_state_dict`` (False: weights missing
+    from the file keep their values, and the file's other weights are ignored).
 
     Returns:
         The checkpoint's entries whose keys are not stateful objects in ``state``.
@@ -445,7 +446,10 @@ def load_replicated(path, state: dict, unwrap: Callable, verify: bool = True, re
             raise CheckpointError(f"checkpoint {str(path)!r} has no entry {key!r} (it has {sorted(loaded)})")
         target = unwrap(value) if isinstance(value, torch.nn.Module) else value
         try:
-            target.load_state_dict(loaded[key])
+            if isinstance(value, torch.nn.Module):
+                target.load_state_dict(loaded[key], strict=strict)
+            else:
+                target.load_state_dict(loaded[key])
         except (RuntimeError, ValueError, KeyError) as err:
             raise CheckpointError(f"checkpoint {str(path)!r} entry {key!r} does not fit: "
                                   f"{str(err).splitlines()[0]}") from err
