@@ -4795,3 +4795,33 @@ def test_a_sharded_checkpoint_loads_non_strictly_when_asked(tmp_path):
         torch.testing.assert_close(grown[1].weight.detach(), kept)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_setup_and_teardown_get_the_stage_as_lightnings_trainer_fn(tmp_path):
+    from trainscale.trainer.states import TrainerFn
+
+    seen = []
+
+    class Stages(Probe):
+        def setup(self, stage):
+            seen.append(("module.setup", stage.value))  # Lightning's TrainerFn: `.value` works, as does == "fit"
+
+        def teardown(self, stage):
+            seen.append(("module.teardown", stage.value))
+
+    class Noted(Callback):
+        def setup(self, trainer, pl_module, stage):
+            assert isinstance(stage, TrainerFn) and stage == trainer.state.fn
+            seen.append(("callback.setup", stage.value))
+
+        def teardown(self, trainer, pl_module, stage):
+            seen.append(("callback.teardown", stage.value))
+
+    trainer = _trainer(tmp_path, max_epochs=1, callbacks=[Noted()])
+    model = Stages()
+    trainer.fit(model, _loader(4))
+    trainer.validate(model, _loader(2))
+    assert seen == [("callback.setup", "fit"), ("module.setup", "fit"), ("callback.teardown", "fit"),
+                    ("module.teardown", "fit"), ("callback.setup", "validate"), ("module.setup", "validate"),
+                    ("callback.teardown", "validate"), ("module.teardown", "validate")]

@@ -1652,7 +1652,9 @@ class Trainer:
         """Lightning's ``Callback.setup(trainer, module, stage)`` of each callback, in every stage: after the data
         module's ``setup(stage)``, before the module's (``data_sources.resolve_loaders`` calls it between them), so
         before the model is wrapped and its optimizers built. Each callback's ``log``/``log_dict`` become the
-        module's, as Lightning's ``_attach_model_logging_functions`` does (a plain ``nn.Module`` has none)."""
+        module's, as Lightning's ``_attach_model_logging_functions`` does (a plain ``nn.Module`` has none). ``stage``:
+        Lightning's ``TrainerFn``, a ``str`` enum."""
+        stage = TrainerFn(stage)
         with self._running("setup"):
             for cb in self.callbacks:
                 if hasattr(model, "log_dict"):
