@@ -4825,3 +4825,30 @@ def test_setup_and_teardown_get_the_stage_as_lightnings_trainer_fn(tmp_path):
     assert seen == [("callback.setup", "fit"), ("module.setup", "fit"), ("callback.teardown", "fit"),
                     ("module.teardown", "fit"), ("callback.setup", "validate"), ("module.setup", "validate"),
                     ("callback.teardown", "validate"), ("module.teardown", "validate")]
+
+
+@pytest.mark.timeout(60)
+def test_a_loggers_log_graph_is_given_the_module_once_per_fit_after_its_hyperparameters(tmp_path):
+    class DrawsGraphs(_Recorder):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[str] = []
+
+        def log_hyperparams(self, params):
+            self.calls.append("log_hyperparams")
+
+        def log_graph(self, model, input_array=None):  # Lightning's Logger.log_graph
+            self.calls.append(("log_graph", model))
+
+    class SeesTheGraphFirst(Callback):
+        def on_train_start(self, trainer, pl_module):
+            trainer.logger.calls.append("on_train_start")
+
+    class Saves(Probe):
+        def __init__(self, width=2):
+            super().__init__()
+            self.save_hyperparameters()
+
+    drawn, model = DrawsGraphs(), Saves()
+    _trainer(tmp_path, max_epochs=1, logger=[drawn, _Recorder()], callbacks=[SeesTheGraphFirst()]).fit(model, _loader(4))
+    assert drawn.calls == ["log_hyperparams", ("log_graph", model), "on_train_start"]

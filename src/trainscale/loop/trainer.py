@@ -759,7 +759,7 @@ class Trainer:
         # the one output path: metrics.jsonl and the loggers, written by rank zero
         fit.metrics = MetricsProcessor(fit.telemetry, self.metric_collector,
                                        self.run_dir if rt.is_rank_zero and cfg.writes_files else None, self.loggers,
-                                       hyperparams(self, model))
+                                       hyperparams(self, model), model)
         rt.print(run_header(rt, global_batch, self.run_dir if cfg.writes_files else f"none ({cfg.why_no_files})"))
         self.validated_at = []
         self.profiler.setup("fit", rt.rank if rt.world_size > 1 else None, self.run_dir)  # its files: the run dir
