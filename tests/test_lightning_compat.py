@@ -4852,3 +4852,26 @@ def test_a_loggers_log_graph_is_given_the_module_once_per_fit_after_its_hyperpar
     drawn, model = DrawsGraphs(), Saves()
     _trainer(tmp_path, max_epochs=1, logger=[drawn, _Recorder()], callbacks=[SeesTheGraphFirst()]).fit(model, _loader(4))
     assert drawn.calls == ["log_hyperparams", ("log_graph", model), "on_train_start"]
+
+
+@pytest.mark.timeout(60)
+def test_a_fitted_trainer_pickles_with_torch_save_and_evaluates_after_loading(tmp_path):
+    import io
+
+    from trainscale.telemetry.nvml import GpuSampler
+
+    trainer = _trainer(tmp_path, max_epochs=1, log_every_n_steps=1)
+    trainer.fit(Probe(), _loader(4), _loader(2))
+    buffer = io.BytesIO()
+    torch.save(trainer, buffer)  # Lightning's Trainer pickles (its test_torch_saving)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.current_epoch == 1 and set(loaded.callback_metrics) == set(trainer.callback_metrics)
+    assert loaded.validate(loaded.model, _loader(2))[0]["val_loss"] >= 0
+    sampler = GpuSampler(None, interval_s=0.01, read=lambda: (50.0, 1024.0)).start()  # a live thread and lock
+    try:
+        copy_ = pickle.loads(pickle.dumps(sampler))
+        assert not copy_.available and copy_.start()._thread is None  # a stopped copy: no reader, no thread
+        assert sampler.available  # the original goes on sampling
+    finally:
+        sampler.stop()
