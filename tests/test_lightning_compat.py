@@ -3237,6 +3237,7 @@ def test_barebones_turns_off_what_costs_speed_writes_nothing_and_ignores_self_lo
                 or cfg.enable_telemetry or cfg.writes_files)
     assert cfg.num_sanity_val_steps == 0 and trainer.loggers == [] and trainer.checkpoint_callbacks == []
     assert trainer.progress_bar_callback is None
+    assert trainer.barebones is True and _trainer(tmp_path).barebones is False  # Lightning's attribute
     with pytest.warns(UserWarning, match=r"`self.log\(\)` but `Trainer\(barebones=True\)` is configured"):
         trainer.fit(Logging(), _loader())
     assert trainer.global_step == 4 and "seen" not in trainer.callback_metrics

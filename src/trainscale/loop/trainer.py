@@ -495,6 +495,8 @@ class Trainer:
         return trainer_log_dir(self.loggers, run_dir, self.config.default_root_dir)
 
     fast_dev_run = property(lambda self: self.config.fast_dev_run, doc="The flag as given (False, True or N).")
+    barebones = property(lambda self: self.config.barebones,
+                         doc="Whether ``Trainer(barebones=True)`` turned off what may slow the loop (Lightning's).")
     limit_train_batches = property(lambda self: self.config.limit_train_batches,
                                    doc="The flag (None: all batches); under ``overfit_batches``, its value.")
     limit_val_batches = property(lambda self: self.config.limit_val_batches, doc="The flag (None: all batches).")
