@@ -43,6 +43,18 @@ class NoDigestError(CheckpointError):
 # mounts, per fsync(2)); the rename is then as durable as that filesystem makes it.
 _DIR_FSYNC_UNSUPPORTED = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# chmod refused by filesystems without POSIX modes (CIFS/SMB, FUSE buckets): the file keeps mkstemp's 0600
+_CHMOD_UNSUPPORTED = (errno.EPERM, errno.EACCES, errno.ENOTSUP, errno.EOPNOTSUPP)
+
+
+def _readable_by_all(tmp: str) -> None:
+    """Mode 0644 for a file ``mkstemp`` made 0600, where the filesystem has modes (:data:`_CHMOD_UNSUPPORTED`:
+    the file is written with the mode it was given, as ``torch.save`` would write it there)."""
+    try:
+        os.chmod(tmp, 0o644)
+    except OSError as err:
+        if err.errno not in _CHMOD_UNSUPPORTED:
+            raise
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -116,7 +128,7 @@ def _atomic_open(path: Path) -> Iterator[BinaryIO]:
                 yield f
                 f.flush()
                 os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)  # mkstemp creates 0600
+            _readable_by_all(tmp)
             _write_event("before-rename", path)
             os.replace(tmp, path)
         except BaseException:
