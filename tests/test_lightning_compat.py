@@ -4876,3 +4876,36 @@ def test_a_fitted_trainer_pickles_with_torch_save_and_evaluates_after_loading(tm
         assert sampler.available  # the original goes on sampling
     finally:
         sampler.stop()
+
+
+@pytest.mark.timeout(60)
+def test_received_sigterm_and_a_sigterm_handler_of_ones_own_in_fit(tmp_path):
+    import signal
+
+    from trainscale.faults.signals import Preempted
+
+    ran = []
+
+    class SendsSigterm(Probe):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 1 and not ran:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().training_step(batch, batch_idx)
+
+    def own(signum, frame):
+        ran.append(signum)
+
+    before = signal.signal(signal.SIGTERM, own)
+    try:
+        trainer = _trainer(tmp_path, max_epochs=1)
+        assert trainer.received_sigterm is False
+        with pytest.raises(Preempted) as info:
+            trainer.fit(SendsSigterm(), _loader(8))
+        assert info.value.code == 128 + signal.SIGTERM
+        assert trainer.received_sigterm is True  # Lightning's property, read after the fit
+        assert ran == [signal.SIGTERM]  # the handler installed before fit still ran, as Lightning calls it
+        assert signal.getsignal(signal.SIGTERM) is own  # put back once fit has ended
+        trainer.validate(Probe(), _loader(2))
+        assert trainer.received_sigterm is False  # False again as the next stage starts, as Lightning's
+    finally:
+        signal.signal(signal.SIGTERM, before)

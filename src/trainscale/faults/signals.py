@@ -5,9 +5,11 @@ SLURM sends SIGTERM at the time limit or on ``scancel`` (SIGKILL after ``KillWai
 and SIGUSR1 ahead of the limit when asked (``--signal=USR1@90``); Kubernetes sends SIGTERM and kills
 after ``terminationGracePeriodSeconds`` (30 s by default).
 
-- The Python handler only records the signal in :attr:`SignalWatch.received`. The loop reads it at its
-  next check (``FaultTolerance.poll``, which every rank runs at the same step), writes a checkpoint
-  and raises :class:`Preempted`.
+- The Python handler records the signal in :attr:`SignalWatch.received` (and SIGTERM in
+  :attr:`SignalWatch.received_sigterm`, Lightning's ``trainer.received_sigterm``), then calls the handler that
+  was installed before ``fit`` when it is a Python function, as Lightning's ``_SignalConnector`` does (so a handler
+  of your own still runs). The loop reads the signal at its next check (``FaultTolerance.poll``, which every rank
+  runs at the same step), writes a checkpoint and raises :class:`Preempted`.
 - A Python handler runs only when the main thread executes Python code: a rank blocked inside a
   collective (C++) never runs it, and a rank stalled in its own code never reaches the check. So the
   C-level handler of the ``signal`` module also writes each signal's number to a pipe
@@ -73,6 +75,7 @@ class SignalWatch:
         self.rank = rank
         self.grace_s = float(grace_s)
         self.received: int | None = None
+        self.received_sigterm = False  # a SIGTERM came (another signal may have come after it)
         self.stacks_path: Path | None = None
         self._previous_handlers: dict[int, object] = {}
         self._previous_wakeup_fd = -1
@@ -114,6 +117,10 @@ class SignalWatch:
 
     def _on_signal(self, signum, frame) -> None:
         self.received = signum
+        self.received_sigterm = self.received_sigterm or signum == signal.SIGTERM
+        previous = self._previous_handlers.get(signum)
+        if callable(previous):  # the handler installed before fit (not SIG_DFL/SIG_IGN), as Lightning calls it
+            previous(signum, frame)
 
     def _restore(self) -> None:
         signal.set_wakeup_fd(self._previous_wakeup_fd)

@@ -356,6 +356,7 @@ class Trainer:
         # dict): "train" and "val" of fit, "val" of validate, "test", "predict"; emptied as each stage starts
         # (Lightning's attach_dataloaders); read as trainer.train_dataloader, val_dataloaders, ...
         self.stage_dataloaders: dict[str, Any] = {}
+        self._signals: Any = None  # the running or last fit's SignalWatch (trainer.received_sigterm); None in others
         # trainer.max_epochs: as given until a fit starts (None when not given), as Lightning's fit_loop.max_epochs
         self._max_epochs = self.flags["max_epochs"]
         # the sample indices of each batch predict() has read, per loader (empty where the loader has none: an
@@ -495,6 +496,12 @@ class Trainer:
         return trainer_log_dir(self.loggers, run_dir, self.config.default_root_dir)
 
     fast_dev_run = property(lambda self: self.config.fast_dev_run, doc="The flag as given (False, True or N).")
+    received_sigterm = property(
+        lambda self: self._signals is not None and self._signals.received_sigterm,
+        doc="Whether SIGTERM arrived during the running or last ``fit`` (Lightning's ``trainer.received_sigterm``; "
+            "False again as the next stage starts). trainscale watches signals in ``fit`` only (with "
+            "``handle_signals=True``, the default): the loop then writes a checkpoint and raises ``Preempted``; "
+            "``validate``/``test``/``predict`` leave SIGTERM to Python's handler (False there).")
     barebones = property(lambda self: self.config.barebones,
                          doc="Whether ``Trainer(barebones=True)`` turned off what may slow the loop (Lightning's).")
     limit_train_batches = property(lambda self: self.config.limit_train_batches,
@@ -708,6 +715,7 @@ class Trainer:
         self._fit, self._run_lock = None, RunLock()  # the run directory's lock: taken by _run_fit, released below
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
+        self._signals = self._faults.signals
         self.fitting = True
         try:
             # Lightning's detect_anomaly: on for the fit, the previous mode back after it (also on an error)
@@ -1635,6 +1643,7 @@ class Trainer:
         Raises:
             TypeError: ``configure_callbacks`` returned something other than callbacks."""
         self.stage_dataloaders = {}  # every stage's loaders forgotten, as Lightning's attach_dataloaders
+        self._signals = None  # received_sigterm: False again as each stage starts, as Lightning's
         if "configure_callbacks" in module_overrides(model, ("configure_callbacks",)):
             with self._running("configure_callbacks"):
                 self.callbacks = merge_model_callbacks(self.callbacks, model.configure_callbacks())
