@@ -4909,3 +4909,41 @@ def test_received_sigterm_and_a_sigterm_handler_of_ones_own_in_fit(tmp_path):
         assert trainer.received_sigterm is False  # False again as the next stage starts, as Lightning's
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+class _Scriptable(TrainingModule):
+    """A module with hyperparameters and a forward TorchScript can compile."""
+
+    def __init__(self, width: int = 2):
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = nn.Linear(width, 3)
+
+    def forward(self, x):
+        return torch.relu(self.layer(x)).sum(dim=1)
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).mean()
+
+
+def test_to_torchscript_scripts_or_traces_the_module_as_lightnings(tmp_path):
+    model = _Scriptable()
+    x = torch.randn(4, 2)
+    with pytest.warns(DeprecationWarning, match="to_torchscript` is deprecated") as seen:
+        scripted = model.to_torchscript(file_path=tmp_path / "scripted.pt")  # a detached module: no Trainer needed
+    assert seen[0].filename == __file__  # the warning names the caller
+    assert isinstance(scripted, torch.jit.ScriptModule) and model.training  # its mode is put back
+    torch.testing.assert_close(scripted(x), model(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.testing.assert_close(torch.jit.load(str(tmp_path / "scripted.pt"))(x), model(x))
+        traced = model.to_torchscript(method="trace", example_inputs=x)
+        torch.testing.assert_close(traced(x), model(x))
+        with pytest.raises(ValueError, match="requires either `example_inputs` or `model.example_input_array`"):
+            model.to_torchscript(method="trace")
+        model.example_input_array = torch.zeros(1, 2)  # what trace uses without example_inputs
+        torch.testing.assert_close(model.to_torchscript(method="trace")(x), model(x))
+        with pytest.raises(ValueError, match="only supports 'script' or 'trace'"):
+            model.to_torchscript(method="compile")
+    with pytest.raises(RuntimeError, match="not attached to a Trainer"):
+        model.trainer  # noqa: B018 - outside to_torchscript a detached module still has none
