@@ -4947,3 +4947,19 @@ def test_to_torchscript_scripts_or_traces_the_module_as_lightnings(tmp_path):
             model.to_torchscript(method="compile")
     with pytest.raises(RuntimeError, match="not attached to a Trainer"):
         model.trainer  # noqa: B018 - outside to_torchscript a detached module still has none
+
+
+@pytest.mark.parametrize("name", ["limit_train_batches", "limit_val_batches", "limit_test_batches",
+                                  "limit_predict_batches", "overfit_batches", "val_check_interval"])
+def test_a_whole_float_above_one_counts_batches_and_another_is_refused_as_in_lightning(tmp_path, name):
+    trainer = _trainer(tmp_path, **{name: 3.0})
+    assert getattr(trainer.config, name) == 3 and isinstance(getattr(trainer.config, name), int)
+    with pytest.raises(ValueError, match=rf"invalid value 2.5 for {name}, it has to be in \[0.0, 1.0\] or an int"):
+        _trainer(tmp_path, **{name: 2.5})
+
+
+@pytest.mark.timeout(60)
+def test_limit_train_batches_of_a_whole_float_trains_that_many_batches(tmp_path):
+    trainer = _trainer(tmp_path, max_epochs=1, limit_train_batches=3.0, limit_val_batches=2.0)
+    trainer.fit(Probe(), _loader(16), _loader(16))
+    assert trainer.global_step == 3 and trainer.limit_train_batches == 3 and trainer.num_val_batches == [2]

@@ -204,7 +204,8 @@ class Trainer:
             limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction
                 of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`);
                 0 (or 0.0): no training, as Lightning's: ``fit`` runs its sanity check and hooks but no epoch, as with
-                ``max_steps=0``.
+                ``max_steps=0``. A whole float above 1 (10.0) is a count (10), as Lightning's; this holds for the
+                other limits, ``overfit_batches`` and ``val_check_interval`` too.
             limit_val_batches: as ``limit_train_batches``, for each rank's validation batches in ``fit`` and
                 ``validate``; 0 (or 0.0): no validation (nor sanity check) in ``fit``, none in ``validate``.
             limit_test_batches: as ``limit_train_batches``, for ``test``; 0 (or 0.0) turns it off, as Lightning's:
