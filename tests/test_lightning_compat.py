@@ -4861,7 +4861,7 @@ def test_a_fitted_trainer_pickles_with_torch_save_and_evaluates_after_loading(tm
 
     from trainscale.telemetry.nvml import GpuSampler
 
-    trainer = _trainer(tmp_path, max_epochs=1, log_every_n_steps=1)
+    trainer = Trainer(accelerator="cpu", default_root_dir=tmp_path, max_epochs=1, log_every_n_steps=1)  # a tqdm bar
     trainer.fit(Probe(), _loader(4), _loader(2))
     buffer = io.BytesIO()
     torch.save(trainer, buffer)  # Lightning's Trainer pickles (its test_torch_saving)
