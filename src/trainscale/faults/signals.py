@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from trainscale.utilities.exceptions import SIGTERMException
+
 GRACE_S = 20.0
 """Seconds from SIGTERM to a forced exit when no checkpoint ended ``fit`` first (torchrun, SLURM and
 Kubernetes kill after 30 s by default)."""
@@ -51,11 +53,21 @@ _active: set["SignalWatch"] = set()  # watches started in this process, for the 
 
 class Preempted(SystemExit):
     """Raised after the checkpoint that follows SIGTERM/SIGUSR1. Exit code ``128 + signal``, the
-    shell's convention for a process ended by that signal."""
+    shell's convention for a process ended by that signal. :func:`preempted` makes the one to raise."""
 
     def __init__(self, signum: int, path: str | None) -> None:
-        super().__init__(128 + signum)
+        SystemExit.__init__(self, 128 + signum)
         self.signum, self.path = signum, path
+
+
+class PreemptedBySigterm(Preempted, SIGTERMException):
+    """The :class:`Preempted` of SIGTERM, also Lightning's ``SIGTERMException`` (``except SIGTERMException`` catches
+    it, as in Lightning)."""
+
+
+def preempted(signum: int, path: str | None) -> Preempted:
+    """The exception to raise after the checkpoint of ``signum``: :class:`PreemptedBySigterm` for SIGTERM."""
+    return (PreemptedBySigterm if signum == signal.SIGTERM else Preempted)(signum, path)
 
 
 class SignalWatch:
