@@ -276,3 +276,16 @@ def test_a_short_write_of_torchs_zip_writer_in_a_sharded_save_is_named_a_full_di
     assert isinstance(clear, CheckpointError)
     assert "no space left on device while writing" in str(clear) and "unexpected pos 64 vs 0" in str(clear)
     assert "MiB free" in str(clear) and "default_root_dir" in str(clear)
+
+
+def test_a_filesystem_that_refuses_chmod_still_gets_the_checkpoint(tmp_path, monkeypatch):
+    def chmod(path, mode, code=errno.EPERM):
+        raise PermissionError(code, os.strerror(code))  # what chmod(2) gives on a CIFS mount or a FUSE bucket
+
+    monkeypatch.setattr(os, "chmod", chmod)
+    checkpoint_io.save_file({"w": torch.ones(3)}, tmp_path / "c.pt")
+    assert torch.equal(checkpoint_io.load_file(tmp_path / "c.pt")["w"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]  # no temporary file left
+    monkeypatch.setattr(os, "chmod", lambda path, mode: chmod(path, mode, errno.EIO))  # a real I/O error raises
+    with pytest.raises(OSError, match="Input/output error"):
+        checkpoint_io.save_file({"w": torch.ones(3)}, tmp_path / "d.pt")

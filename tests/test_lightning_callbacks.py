@@ -384,3 +384,18 @@ def test_rich_model_summary_without_rich_names_the_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "rich" else real(name, *a))
     with pytest.raises(ModuleNotFoundError, match="pip install -U rich"):
         RichModelSummary()
+
+
+@pytest.mark.timeout(60)
+def test_swa_says_which_scheduler_it_swaps_for_swalr(tmp_path, caplog):
+    import logging
+
+    class WithStepLR(Tiny):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)]
+
+    swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)
+    with caplog.at_level(logging.INFO, logger="trainscale.callbacks.swa"):
+        _trainer(tmp_path, max_epochs=2, num_sanity_val_steps=0, callbacks=[swa]).fit(WithStepLR(), _loader())
+    assert "Swapping scheduler `StepLR` for `SWALR`" in caplog.text  # Lightning's note, at INFO

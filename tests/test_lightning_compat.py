@@ -3239,6 +3239,7 @@ def test_barebones_turns_off_what_costs_speed_writes_nothing_and_ignores_self_lo
                 or cfg.enable_telemetry or cfg.writes_files)
     assert cfg.num_sanity_val_steps == 0 and trainer.loggers == [] and trainer.checkpoint_callbacks == []
     assert trainer.progress_bar_callback is None
+    assert trainer.barebones is True and _trainer(tmp_path).barebones is False  # Lightning's attribute
     with pytest.warns(UserWarning, match=r"`self.log\(\)` but `Trainer\(barebones=True\)` is configured"):
         trainer.fit(Logging(), _loader())
     assert trainer.global_step == 4 and "seen" not in trainer.callback_metrics
@@ -4693,3 +4694,276 @@ def test_strict_loading_false_lets_load_from_checkpoint_take_a_checkpoint_with_f
     torch.testing.assert_close(loaded.layer.weight, torch.load(path, weights_only=True)["state_dict"]["layer.weight"])
     with pytest.raises(RuntimeError, match="Missing key"):
         Lenient.load_from_checkpoint(path, strict=True)  # the argument wins
+
+
+def test_a_training_step_called_without_a_trainer_logs_nothing_with_lightnings_warning():
+    class Logs(Probe):
+        def training_step(self, batch, batch_idx):
+            self.log_dict({"a": 1.0, "b": torch.tensor(2.0)})
+            return super().training_step(batch, batch_idx)  # logs three more values
+
+    model = Logs()
+    with pytest.warns(UserWarning, match="the `self.trainer` reference is not registered") as seen:
+        loss = model.training_step((torch.ones(3, 2), torch.zeros(3)), 0)  # a unit test of the step, as in Lightning
+    assert loss.ndim == 0 and len(seen) >= 1
+    assert model.logger is None and model.loggers == []
+    with pytest.raises(ValueError, match="cannot be logged"):  # a bad value is still refused, as Lightning's
+        model.log("x", "text")
+
+
+def test_trainer_flags_not_given_are_read_from_pl_trainer_environment_variables(tmp_path, monkeypatch):
+    monkeypatch.setenv("PL_TRAINER_MAX_STEPS", "7")
+    monkeypatch.setenv("PL_TRAINER_LOGGER", "False")
+    monkeypatch.setenv("PL_TRAINER_ACCELERATOR", "cpu")  # not a Python literal: kept as the string
+    monkeypatch.setenv("PL_TRAINER_LOG_EVERY_N_STEPS", "")  # empty: not set
+    trainer = Trainer(default_root_dir=tmp_path)
+    assert trainer.max_steps == 7 and trainer.logger is None and trainer.loggers == []
+    assert trainer.log_every_n_steps == 50
+    given = Trainer(default_root_dir=tmp_path, max_steps=3, logger=None)  # a flag given in the call wins
+    assert given.max_steps == 3 and given.logger is not None
+    monkeypatch.setenv("PL_TRAINER_MAX_EPOCHS", "-5")  # checked as the flag itself is
+    with pytest.raises(ValueError, match="max_epochs"):
+        Trainer(default_root_dir=tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_url_paths_are_refused_not_written_as_local_directories(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a URL taken as a local path would land here, as ./memory:/runs
+    with pytest.raises(ValueError, match="default_root_dir='memory://runs' is a URL"):
+        Trainer(default_root_dir="memory://runs")
+    trainer = _trainer(tmp_path / "runs", max_epochs=1)
+    trainer.fit(Probe(), _loader(4))
+    with pytest.raises(ValueError, match="save_checkpoint.filepath='s3://bucket/a.ckpt' is a URL"):
+        trainer.save_checkpoint("s3://bucket/a.ckpt")
+    with pytest.raises(ValueError, match="ckpt_path='s3://bucket/a.ckpt' is a URL"):
+        _trainer(tmp_path / "runs", max_epochs=2).fit(Probe(), _loader(4), ckpt_path="s3://bucket/a.ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["runs"]  # no memory: or s3: directory was made
+
+
+@pytest.mark.timeout(60)
+def test_resume_and_evaluation_load_weights_non_strictly_when_the_module_sets_strict_loading_false(tmp_path):
+    class WithHead(Probe):  # a frozen part added after the checkpoint was written: its weights are not in it
+        def __init__(self):
+            super().__init__()
+            self.frozen = nn.Linear(1, 1).requires_grad_(False)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.layer.parameters(), lr=0.05)
+
+    trainer = _trainer(tmp_path, max_epochs=1)
+    trainer.fit(Probe(), _loader(4))
+    path = tmp_path / "probe.ckpt"
+    trainer.save_checkpoint(path)
+    saved = Probe()
+    saved.load_state_dict(torch.load(path, weights_only=True)["state_dict"])
+
+    strict = WithHead()
+    with pytest.raises(RuntimeError, match="does not fit"):  # strict by default, as Lightning's
+        _trainer(tmp_path, max_epochs=2).fit(strict, _loader(4), ckpt_path=path)
+    model = WithHead()
+    model.strict_loading = False
+    loaded = {}
+
+    class Seen(Callback):
+        def on_train_start(self, trainer, pl_module):
+            loaded.update({k: v.clone() for k, v in pl_module.layer.state_dict().items()})
+
+    _trainer(tmp_path, max_epochs=2, callbacks=[Seen()]).fit(model, _loader(4), ckpt_path=path)
+    torch.testing.assert_close(loaded, saved.layer.state_dict())  # the saved weights were restored
+    evaluated = WithHead()
+    evaluated.strict_loading = False
+    _trainer(tmp_path).validate(evaluated, _loader(2), ckpt_path=path)
+    torch.testing.assert_close(evaluated.layer.state_dict(), saved.layer.state_dict())
+
+
+@pytest.mark.timeout(60)
+def test_a_sharded_checkpoint_loads_non_strictly_when_asked(tmp_path):
+    """The DCP directory of fsdp/model_parallel: strict=False (a module's ``strict_loading = False``) keeps the weights
+    the checkpoint lacks, as a file's ``load_state_dict(strict=False)`` does."""
+    import torch.distributed as dist
+
+    from trainscale.runtime.checkpoint_io import CheckpointError
+    from trainscale.runtime.strategies.dcp_checkpoint import DCPCheckpointer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        saved = nn.Sequential(nn.Linear(2, 2))
+        DCPCheckpointer(0, "fsdp").save(tmp_path / "c.ckpt", {"model": saved, "epoch": 3})
+        grown = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        kept = grown[1].weight.detach().clone()
+        with pytest.raises(CheckpointError, match="Missing key"):
+            DCPCheckpointer(0, "fsdp").load(tmp_path / "c.ckpt", {"model": grown})
+        assert DCPCheckpointer(0, "fsdp").load(tmp_path / "c.ckpt", {"model": grown}, strict=False) == {"epoch": 3}
+        torch.testing.assert_close(grown[0].state_dict(), saved[0].state_dict())
+        torch.testing.assert_close(grown[1].weight.detach(), kept)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_setup_and_teardown_get_the_stage_as_lightnings_trainer_fn(tmp_path):
+    from trainscale.trainer.states import TrainerFn
+
+    seen = []
+
+    class Stages(Probe):
+        def setup(self, stage):
+            seen.append(("module.setup", stage.value))  # Lightning's TrainerFn: `.value` works, as does == "fit"
+
+        def teardown(self, stage):
+            seen.append(("module.teardown", stage.value))
+
+    class Noted(Callback):
+        def setup(self, trainer, pl_module, stage):
+            assert isinstance(stage, TrainerFn) and stage == trainer.state.fn
+            seen.append(("callback.setup", stage.value))
+
+        def teardown(self, trainer, pl_module, stage):
+            seen.append(("callback.teardown", stage.value))
+
+    trainer = _trainer(tmp_path, max_epochs=1, callbacks=[Noted()])
+    model = Stages()
+    trainer.fit(model, _loader(4))
+    trainer.validate(model, _loader(2))
+    assert seen == [("callback.setup", "fit"), ("module.setup", "fit"), ("callback.teardown", "fit"),
+                    ("module.teardown", "fit"), ("callback.setup", "validate"), ("module.setup", "validate"),
+                    ("callback.teardown", "validate"), ("module.teardown", "validate")]
+
+
+@pytest.mark.timeout(60)
+def test_a_loggers_log_graph_is_given_the_module_once_per_fit_after_its_hyperparameters(tmp_path):
+    class DrawsGraphs(_Recorder):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[str] = []
+
+        def log_hyperparams(self, params):
+            self.calls.append("log_hyperparams")
+
+        def log_graph(self, model, input_array=None):  # Lightning's Logger.log_graph
+            self.calls.append(("log_graph", model))
+
+    class SeesTheGraphFirst(Callback):
+        def on_train_start(self, trainer, pl_module):
+            trainer.logger.calls.append("on_train_start")
+
+    class Saves(Probe):
+        def __init__(self, width=2):
+            super().__init__()
+            self.save_hyperparameters()
+
+    drawn, model = DrawsGraphs(), Saves()
+    _trainer(tmp_path, max_epochs=1, logger=[drawn, _Recorder()], callbacks=[SeesTheGraphFirst()]).fit(model, _loader(4))
+    assert drawn.calls == ["log_hyperparams", ("log_graph", model), "on_train_start"]
+
+
+@pytest.mark.timeout(60)
+def test_a_fitted_trainer_pickles_with_torch_save_and_evaluates_after_loading(tmp_path):
+    import io
+
+    from trainscale.telemetry.nvml import GpuSampler
+
+    trainer = Trainer(accelerator="cpu", default_root_dir=tmp_path, max_epochs=1, log_every_n_steps=1)  # a tqdm bar
+    trainer.fit(Probe(), _loader(4), _loader(2))
+    buffer = io.BytesIO()
+    torch.save(trainer, buffer)  # Lightning's Trainer pickles (its test_torch_saving)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.current_epoch == 1 and set(loaded.callback_metrics) == set(trainer.callback_metrics)
+    assert loaded.validate(loaded.model, _loader(2))[0]["val_loss"] >= 0
+    sampler = GpuSampler(None, interval_s=0.01, read=lambda: (50.0, 1024.0)).start()  # a live thread and lock
+    try:
+        copy_ = pickle.loads(pickle.dumps(sampler))
+        assert not copy_.available and copy_.start()._thread is None  # a stopped copy: no reader, no thread
+        assert sampler.available  # the original goes on sampling
+    finally:
+        sampler.stop()
+
+
+@pytest.mark.timeout(60)
+def test_received_sigterm_and_a_sigterm_handler_of_ones_own_in_fit(tmp_path):
+    import signal
+
+    from trainscale.faults.signals import Preempted
+    from trainscale.utilities.exceptions import SIGTERMException
+
+    ran = []
+
+    class SendsSigterm(Probe):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 1 and not ran:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().training_step(batch, batch_idx)
+
+    def own(signum, frame):
+        ran.append(signum)
+
+    before = signal.signal(signal.SIGTERM, own)
+    try:
+        trainer = _trainer(tmp_path, max_epochs=1)
+        assert trainer.received_sigterm is False
+        with pytest.raises(SIGTERMException) as info:  # Lightning's exception; trainscale's Preempted too
+            trainer.fit(SendsSigterm(), _loader(8))
+        assert info.value.code == 128 + signal.SIGTERM and isinstance(info.value, Preempted)
+        assert SIGTERMException().code == 128 + signal.SIGTERM
+        assert trainer.received_sigterm is True  # Lightning's property, read after the fit
+        assert ran == [signal.SIGTERM]  # the handler installed before fit still ran, as Lightning calls it
+        assert signal.getsignal(signal.SIGTERM) is own  # put back once fit has ended
+        trainer.validate(Probe(), _loader(2))
+        assert trainer.received_sigterm is False  # False again as the next stage starts, as Lightning's
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+class _Scriptable(TrainingModule):
+    """A module with hyperparameters and a forward TorchScript can compile."""
+
+    def __init__(self, width: int = 2):
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = nn.Linear(width, 3)
+
+    def forward(self, x):
+        return torch.relu(self.layer(x)).sum(dim=1)
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).mean()
+
+
+def test_to_torchscript_scripts_or_traces_the_module_as_lightnings(tmp_path):
+    model = _Scriptable()
+    x = torch.randn(4, 2)
+    with pytest.warns(DeprecationWarning, match="to_torchscript` is deprecated") as seen:
+        scripted = model.to_torchscript(file_path=tmp_path / "scripted.pt")  # a detached module: no Trainer needed
+    assert seen[0].filename == __file__  # the warning names the caller
+    assert isinstance(scripted, torch.jit.ScriptModule) and model.training  # its mode is put back
+    torch.testing.assert_close(scripted(x), model(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.testing.assert_close(torch.jit.load(str(tmp_path / "scripted.pt"))(x), model(x))
+        traced = model.to_torchscript(method="trace", example_inputs=x)
+        torch.testing.assert_close(traced(x), model(x))
+        with pytest.raises(ValueError, match="requires either `example_inputs` or `model.example_input_array`"):
+            model.to_torchscript(method="trace")
+        model.example_input_array = torch.zeros(1, 2)  # what trace uses without example_inputs
+        torch.testing.assert_close(model.to_torchscript(method="trace")(x), model(x))
+        with pytest.raises(ValueError, match="only supports 'script' or 'trace'"):
+            model.to_torchscript(method="compile")
+    with pytest.raises(RuntimeError, match="not attached to a Trainer"):
+        model.trainer  # noqa: B018 - outside to_torchscript a detached module still has none
+
+
+@pytest.mark.parametrize("name", ["limit_train_batches", "limit_val_batches", "limit_test_batches",
+                                  "limit_predict_batches", "overfit_batches", "val_check_interval"])
+def test_a_whole_float_above_one_counts_batches_and_another_is_refused_as_in_lightning(tmp_path, name):
+    trainer = _trainer(tmp_path, **{name: 3.0})
+    assert getattr(trainer.config, name) == 3 and isinstance(getattr(trainer.config, name), int)
+    with pytest.raises(ValueError, match=rf"invalid value 2.5 for {name}, it has to be in \[0.0, 1.0\] or an int"):
+        _trainer(tmp_path, **{name: 2.5})
+
+
+@pytest.mark.timeout(60)
+def test_limit_train_batches_of_a_whole_float_trains_that_many_batches(tmp_path):
+    trainer = _trainer(tmp_path, max_epochs=1, limit_train_batches=3.0, limit_val_batches=2.0)
+    trainer.fit(Probe(), _loader(16), _loader(16))
+    assert trainer.global_step == 3 and trainer.limit_train_batches == 3 and trainer.num_val_batches == [2]

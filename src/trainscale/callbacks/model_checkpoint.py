@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 import torch
 
 from trainscale.callbacks.base import Callback
+from trainscale.runtime.checkpoint_io import is_url
 
 if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
@@ -122,7 +123,7 @@ class ModelCheckpoint(Callback):
         self.filename, self.save_last, self.auto_insert_metric_name = filename, save_last, auto_insert_metric_name
         # the dirpath given (None: the run's own directory), in the state and its rules; ``dirpath``: Lightning's
         # attribute, the directory the checkpoints go to once a fit has set it (os.listdir(callback.dirpath))
-        self._given_dirpath = (None if dirpath is None else str(dirpath) if _is_url(dirpath)  # refused at setup
+        self._given_dirpath = (None if dirpath is None else str(dirpath) if is_url(dirpath)  # refused at setup
                                else os.path.realpath(os.path.expanduser(dirpath)))
         self.dirpath = self._given_dirpath
         self.monitor, self.mode, self.save_top_k, self.verbose = monitor, mode, save_top_k, verbose
@@ -212,7 +213,7 @@ class ModelCheckpoint(Callback):
         """Raise ValueError for a ``dirpath`` that is a URL (``s3://``, ``memory://``): trainscale writes, links and
         locks checkpoints on local file paths only (Lightning refuses such a path with ``save_last='link'``, in its
         words, and writes the rest through fsspec)."""
-        if self._given_dirpath is None or not _is_url(self._given_dirpath):
+        if self._given_dirpath is None or not is_url(self._given_dirpath):
             return
         said = (f"`ModelCheckpoint(save_last='link')` is only supported for local file paths, got "
                 f"`dirpath={self._given_dirpath}`" if self.save_last == "link" else
@@ -634,11 +635,6 @@ class ModelCheckpoint(Callback):
                           "`best_k_models` won't be reloaded. Only `best_model_path` will be reloaded.", UserWarning,
                           stacklevel=2)
         self.best_model_path = state["best_model_path"]
-
-
-def _is_url(path: str | Path) -> bool:
-    """Whether ``path`` names a remote or in-memory file system (``protocol://...``), as fsspec's paths do."""
-    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(path)) is not None
 
 
 def _exists(path: Path) -> bool:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -11,13 +12,14 @@ from torch import nn
 from torch.optim.swa_utils import SWALR, AveragedModel, update_bn
 
 from trainscale.callbacks.base import Callback
+from trainscale.utilities.rank_zero import log_info
 from trainscale.utilities.types import LRSchedulerConfig
 
 if TYPE_CHECKING:
     from trainscale.loop.trainer import Trainer
 
 _STRATEGIES = ("single", "ddp", "dp")  # one whole replica per process (Lightning: all but FSDP and DeepSpeed)
-
+_log = logging.getLogger(__name__)
 
 class StochasticWeightAveraging(Callback):
     """``StochasticWeightAveraging(swa_lrs, swa_epoch_start=0.8, annealing_epochs=10, annealing_strategy="cos",
@@ -137,6 +139,8 @@ class StochasticWeightAveraging(Callback):
             own = trainer.schedulers[0]
             if own.interval != "epoch" or own.frequency != 1:
                 warnings.warn(f"SWA is currently only supported every epoch. Found {own}", stacklevel=2)
+            if trainer.runtime.is_rank_zero:  # Lightning's rank_zero_info
+                log_info(_log, f"Swapping scheduler `{type(own.scheduler).__name__}` for `SWALR`")
             trainer.schedulers[0] = swa
         else:
             trainer.schedulers.append(swa)

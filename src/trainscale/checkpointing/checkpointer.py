@@ -139,13 +139,21 @@ def _call_with_state_views(on_save: Callable[[dict], None], content: dict, optim
             content.pop(key, None)
 
 
+def strict_loading(model: Any) -> bool:
+    """Whether ``model``'s weights are loaded strictly (every weight present, none extra): its ``strict_loading``
+    attribute (Lightning's ``LightningModule.strict_loading``, which a module that saves only some weights sets
+    False), True for a module without one."""
+    return getattr(model, "strict_loading", True) is not False
+
+
 def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state: TrainState,
          callbacks=(), verify: bool = True, on_load: Callable[[dict], None] | None = None,
          weights_only: bool | None = None) -> tuple[ResumePoint, dict]:
     """Restore model, optimizers, schedulers, ``state`` and the ``callbacks``' states in place from ``path``.
     ``on_load(checkpoint)`` (Lightning's ``on_load_checkpoint`` hooks) sees the checkpoint as read before anything
     is restored from it, and its changes take effect: in a file the weights are under ``state_dict``, a state
-    dict (``Runtime.load``'s ``before_restore``). ``weights_only=False`` (Lightning's argument: only for a checkpoint
+    dict (``Runtime.load``'s ``before_restore``). The weights are loaded strictly unless the module sets
+    ``strict_loading = False`` (:func:`strict_loading`), as Lightning's resume. ``weights_only=False`` (Lightning's argument: only for a checkpoint
     you trust) unpickles the entries the save kept apart (``pickled_entries``) back into their places first
     (:func:`restore_pickled`), so that the hooks and the callbacks' ``load_state_dict`` see them as saved.
 
@@ -178,7 +186,8 @@ def load(runtime: Runtime, path: Path, model: Any, optimizers, schedulers, state
         if on_load is not None:
             on_load(entries)
 
-    rest = runtime.load(path, objects, verify=verify, before_restore=read)  # verify=False: the user's opt-out
+    rest = runtime.load(path, objects, verify=verify, before_restore=read,  # verify=False: the user's opt-out
+                        strict=strict_loading(model))
     _check_optimizer_classes(path, rest.get("optimizer_classes"), optimizers)
     _say_which_lr_wins(runtime, configured, optimizers)
     point = _resume_point(runtime, rest, state)

@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainscale.runtime.checkpoint_io import refuse_url
 from trainscale.checkpointing import run_dirs as ckpt
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def resolve_ckpt_path(runtime: Runtime, ckpt_path: Any, root: Path) -> tuple[Pat
 
     Raises:
         FileNotFoundError: an explicit ``ckpt_path`` that does not exist (checked on every rank).
-        ValueError: ``ckpt_path`` of another type.
+        ValueError: ``ckpt_path`` of another type, or a URL (``s3://...``: local files only).
     """
     world = runtime.world
     if ckpt_path is None and world.restart_count > 0:
@@ -63,6 +64,7 @@ def resolve_ckpt_path(runtime: Runtime, ckpt_path: Any, root: Path) -> tuple[Pat
         return found if found is not None else (None, None)
     if not isinstance(ckpt_path, (str, Path)):
         raise ValueError(f"ckpt_path={ckpt_path!r}; pass a checkpoint path, 'last', or None")
+    refuse_url("ckpt_path", ckpt_path)
     path = Path(ckpt_path)
     if path.is_symlink():  # a ModelCheckpoint's last.ckpt: the checkpoint it names (its run continues in place)
         path = path.resolve()

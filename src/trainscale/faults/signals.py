@@ -5,9 +5,11 @@ SLURM sends SIGTERM at the time limit or on ``scancel`` (SIGKILL after ``KillWai
 and SIGUSR1 ahead of the limit when asked (``--signal=USR1@90``); Kubernetes sends SIGTERM and kills
 after ``terminationGracePeriodSeconds`` (30 s by default).
 
-- The Python handler only records the signal in :attr:`SignalWatch.received`. The loop reads it at its
-  next check (``FaultTolerance.poll``, which every rank runs at the same step), writes a checkpoint
-  and raises :class:`Preempted`.
+- The Python handler records the signal in :attr:`SignalWatch.received` (and SIGTERM in
+  :attr:`SignalWatch.received_sigterm`, Lightning's ``trainer.received_sigterm``), then calls the handler that
+  was installed before ``fit`` when it is a Python function, as Lightning's ``_SignalConnector`` does (so a handler
+  of your own still runs). The loop reads the signal at its next check (``FaultTolerance.poll``, which every rank
+  runs at the same step), writes a checkpoint and raises :class:`Preempted`.
 - A Python handler runs only when the main thread executes Python code: a rank blocked inside a
   collective (C++) never runs it, and a rank stalled in its own code never reaches the check. So the
   C-level handler of the ``signal`` module also writes each signal's number to a pipe
@@ -37,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from trainscale.utilities.exceptions import SIGTERMException
+
 GRACE_S = 20.0
 """Seconds from SIGTERM to a forced exit when no checkpoint ended ``fit`` first (torchrun, SLURM and
 Kubernetes kill after 30 s by default)."""
@@ -49,11 +53,21 @@ _active: set["SignalWatch"] = set()  # watches started in this process, for the 
 
 class Preempted(SystemExit):
     """Raised after the checkpoint that follows SIGTERM/SIGUSR1. Exit code ``128 + signal``, the
-    shell's convention for a process ended by that signal."""
+    shell's convention for a process ended by that signal. :func:`preempted` makes the one to raise."""
 
     def __init__(self, signum: int, path: str | None) -> None:
-        super().__init__(128 + signum)
+        SystemExit.__init__(self, 128 + signum)
         self.signum, self.path = signum, path
+
+
+class PreemptedBySigterm(Preempted, SIGTERMException):
+    """The :class:`Preempted` of SIGTERM, also Lightning's ``SIGTERMException`` (``except SIGTERMException`` catches
+    it, as in Lightning)."""
+
+
+def preempted(signum: int, path: str | None) -> Preempted:
+    """The exception to raise after the checkpoint of ``signum``: :class:`PreemptedBySigterm` for SIGTERM."""
+    return (PreemptedBySigterm if signum == signal.SIGTERM else Preempted)(signum, path)
 
 
 class SignalWatch:
@@ -73,6 +87,7 @@ class SignalWatch:
         self.rank = rank
         self.grace_s = float(grace_s)
         self.received: int | None = None
+        self.received_sigterm = False  # a SIGTERM came (another signal may have come after it)
         self.stacks_path: Path | None = None
         self._previous_handlers: dict[int, object] = {}
         self._previous_wakeup_fd = -1
@@ -114,6 +129,10 @@ class SignalWatch:
 
     def _on_signal(self, signum, frame) -> None:
         self.received = signum
+        self.received_sigterm = self.received_sigterm or signum == signal.SIGTERM
+        previous = self._previous_handlers.get(signum)
+        if callable(previous):  # the handler installed before fit (not SIG_DFL/SIG_IGN), as Lightning calls it
+            previous(signum, frame)
 
     def _restore(self) -> None:
         signal.set_wakeup_fd(self._previous_wakeup_fd)

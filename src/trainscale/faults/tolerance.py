@@ -29,7 +29,7 @@ import torch
 
 from trainscale.runtime import hangs
 from trainscale.faults.nonfinite import KeptLosses, NonFiniteLossError, SkipNonFinite, nonfinite_loss_error
-from trainscale.faults.signals import GRACE_S, Preempted, SignalWatch, requeue_slurm_job
+from trainscale.faults.signals import GRACE_S, Preempted, SignalWatch, preempted, requeue_slurm_job
 
 __all__ = ["FaultTolerance", "NonFiniteLossError", "Preempted", "STEP_PHASE", "steps_between_checks"]
 
@@ -224,11 +224,11 @@ class FaultTolerance:
         """After the checkpoint of a signal: requeue a SLURM job on SIGUSR1 (rank 0), then raise ``Preempted``.
 
         Raises:
-            Preempted: always (exit code 128 + ``signum``).
+            Preempted: always (exit code 128 + ``signum``; for SIGTERM also Lightning's ``SIGTERMException``).
         """
         if signum == signal.SIGUSR1 and self.rt.is_rank_zero:
             status = requeue_slurm_job()
             if status is not None:
                 self.rt.print(f"trainscale: {status}")
         self.rt.print(f"trainscale: {signal.Signals(signum).name} received; checkpoint {path}; exiting")
-        raise Preempted(signum, path)
+        raise preempted(signum, path)

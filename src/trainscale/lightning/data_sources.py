@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
+from trainscale.checkpointing.train_state import TrainerFn
 from trainscale.checkpointing.rng import rng_state, set_rng_state
 from trainscale.lightning.hparams import HyperparametersMixin, checkpoint_init_kwargs
 from trainscale.lightning.module import configure_model
@@ -200,7 +201,9 @@ def prepare_stage(runtime: Runtime, datamodule: Any, model: Any, stage: str,
     module then of the model, once per node (local rank 0) while the other ranks wait; then on every rank the data
     module's ``setup(stage)``, ``set_up_callbacks()``, the model's ``setup(stage)`` and its ``configure_model()``
     (``lightning.module.configure_model``). Whether the loaders were
-    passed or come from the hooks; any hook may be missing (a plain ``nn.Module`` has neither)."""
+    passed or come from the hooks; any hook may be missing (a plain ``nn.Module`` has neither). ``stage`` reaches
+    the hooks as Lightning's ``TrainerFn`` (a ``str`` enum: ``stage == "fit"`` and ``stage.value`` both work)."""
+    stage = TrainerFn(stage)
     sources = [source for source in (datamodule, model) if source is not None]
     if any(hasattr(source, "prepare_data") for source in sources):
         if runtime.world.local_rank == 0:

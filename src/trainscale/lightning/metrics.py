@@ -53,7 +53,7 @@ EPOCH_ONLY_HOOKS = frozenset({"on_train_start", "on_validation_start", "on_test_
     f"on_{stage}_epoch_{point}" for stage in ("train", "validation", "test") for point in ("start", "end"))})
 
 
-def _check_loggable(name: str, value: Any, add_dataloader_idx: bool = True) -> None:
+def check_loggable(name: str, value: Any, add_dataloader_idx: bool = True) -> None:
     """Raise Lightning's ``ValueError`` for a value ``self.log`` cannot record: anything but a number, a tensor or a
     torchmetrics ``Metric`` (``LightningModule.__check_allowed``), and, with ``add_dataloader_idx``, for a name that
     carries ``/dataloader_idx_``, the suffix added to the names logged while one of several evaluation loaders runs."""
@@ -169,7 +169,7 @@ class MetricCollector:
         """
         on_step, on_epoch = _hook_levels(hook, on_step, on_epoch)
         reduce_fx = reduction_name(reduce_fx)
-        _check_loggable(name, value, add_dataloader_idx)
+        check_loggable(name, value, add_dataloader_idx)
         what = reserved_field(name)
         if what is not None:
             raise ValueError(f"self.log({name!r}, ...): trainscale's records already hold {name!r} ({what}), which "

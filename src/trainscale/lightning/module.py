@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from trainscale.runtime import hf
 from trainscale.runtime.batch import batch_size, to_device
 from trainscale.lightning.hparams import HyperparametersMixin, checkpoint_init_kwargs
-from trainscale.lightning.metrics import is_metric
+from trainscale.lightning.metrics import check_loggable, is_metric
 from trainscale.lightning.optimizers import lr_scheduler_step
 
 if TYPE_CHECKING:
@@ -89,6 +89,7 @@ class TrainingModule(HyperparametersMixin, nn.Module):
     """
 
     automatic_optimization: bool = True
+    _jit_is_scripting = False  # True inside to_torchscript: ``trainer`` is then None on a detached module
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         raise NotImplementedError("define training_step(self, batch, batch_idx) returning the loss")
@@ -116,6 +117,53 @@ class TrainingModule(HyperparametersMixin, nn.Module):
 
     def configure_optimizers(self) -> Any:
         raise NotImplementedError("define configure_optimizers(self) returning an optimizer (or pass optimizer=...)")
+
+    @torch.no_grad()
+    def to_torchscript(self, file_path: str | os.PathLike | None = None, method: str | None = "script",
+                       example_inputs: Any = None, **kwargs: Any) -> Any:
+        """The module compiled by TorchScript, in eval mode (its mode is put back after), as Lightning's
+        ``to_torchscript``: ``method="script"`` (``torch.jit.script(self)``, the default) or ``"trace"``
+        (``torch.jit.trace`` on ``example_inputs``, else :attr:`example_input_array`, moved to the module's device
+        through the batch-transfer hooks); ``kwargs`` go to that function; ``file_path``: also written there with
+        ``torch.jit.save``. TorchScript is deprecated (torch 2.13's ``torch.jit`` functions warn
+        ``DeprecationWarning``; Lightning 2.7 deprecates this method): export with ``torch.export.export(model,
+        args)`` where you can. The module's properties are left out of a script (:attr:`__jit_unused_properties__`).
+
+        Returns:
+            A ``torch.jit.ScriptModule``.
+
+        Raises:
+            ValueError: ``method`` is neither "script" nor "trace", or "trace" without ``example_inputs`` nor
+                ``example_input_array`` (Lightning's messages).
+        """
+        warnings.warn("`to_torchscript` is deprecated, as Lightning's `LightningModule.to_torchscript` (in v2.7): "
+                      "TorchScript is deprecated in PyTorch. Use `torch.export.export()` for model exporting "
+                      "instead. See https://pytorch.org/docs/stable/export.html for more information.",
+                      DeprecationWarning, stacklevel=3)  # 3: past torch.no_grad's wrapper, the caller
+        if method not in ("script", "trace"):
+            raise ValueError(f"The 'method' parameter only supports 'script' or 'trace', but value given was: {method}")
+        if method == "trace" and example_inputs is None and self.example_input_array is None:
+            raise ValueError("Choosing method=`trace` requires either `example_inputs` or `model.example_input_array` "
+                             "to be defined.")
+        mode = self.training
+        with _jit_scripting():
+            if method == "script":
+                compiled = torch.jit.script(self.eval(), **kwargs)
+            else:
+                to_device = functools.partial(self._transferred, device=self.device)
+                if kwargs.get("check_inputs") is not None:
+                    kwargs["check_inputs"] = to_device(kwargs["check_inputs"])
+                inputs = to_device(self.example_input_array if example_inputs is None else example_inputs)
+                compiled = torch.jit.trace(func=self.eval(), example_inputs=inputs, **kwargs)
+        self.train(mode)
+        if file_path is not None:
+            torch.jit.save(compiled, os.fspath(file_path))
+        return compiled
+
+    def _transferred(self, batch: Any, device: torch.device) -> Any:
+        """``batch`` through the module's batch-transfer hooks onto ``device``, as for a loader's batch."""
+        batch = self.on_before_batch_transfer(batch, 0)
+        return self.on_after_batch_transfer(self.transfer_batch_to_device(batch, device, 0), 0)
 
     # -- Lightning's hooks with a default that does the work (the Trainer calls an override instead) -------------
     def configure_callbacks(self) -> Any:
@@ -273,7 +321,7 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         Raises:
             RuntimeError: the module is not attached to a Trainer (read it inside ``fit``/``validate``/...)."""
         trainer = self.__dict__.get("_trainer")
-        if trainer is None:
+        if trainer is None and not self._jit_is_scripting:
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer; call it inside trainer.fit()")
         return trainer
 
@@ -383,13 +431,16 @@ class TrainingModule(HyperparametersMixin, nn.Module):
 
     @property
     def loggers(self) -> list:
-        """The Trainer's loggers (``trainscale.loggers``; empty with ``logger=False``), as Lightning's ``self.loggers``."""
-        return list(self.trainer.loggers)
+        """The Trainer's loggers (``trainscale.loggers``; empty with ``logger=False``, and on a module no Trainer is
+        attached to), as Lightning's ``self.loggers``."""
+        trainer = self.__dict__.get("_trainer")
+        return [] if trainer is None else list(trainer.loggers)
 
     @property
     def logger(self) -> Any:
-        """The first of :attr:`loggers`, or None, as Lightning's ``self.logger``."""
-        return next(iter(self.trainer.loggers), None)
+        """The first of :attr:`loggers`, or None (also on a module no Trainer is attached to), as Lightning's
+        ``self.logger``."""
+        return next(iter(self.loggers), None)
 
     # -- logging ---------------------------------------------------------------------------------
     def log(self, name: str, value: Any, *, on_step: bool | None = None, on_epoch: bool | None = None,
@@ -415,9 +466,10 @@ class TrainingModule(HyperparametersMixin, nn.Module):
         (``logger=False`` still records it in ``metrics.jsonl`` and the loggers). While one of several evaluation
         loaders runs, the name is recorded as ``name/dataloader_idx_N`` (N: the loader's index), unless
         ``add_dataloader_idx=False`` (then give each loader's values their own name), as in Lightning. Under
-        ``Trainer(barebones=True)`` nothing is logged, with Lightning's warning. A ``Metric`` must be an attribute of
-        the module (a submodule, found by ``named_modules`` once), or be named by ``metric_attribute``, as Lightning
-        requires.
+        ``Trainer(barebones=True)`` nothing is logged, with Lightning's warning, and so on a module no Trainer is
+        attached to (a ``training_step`` called by hand in a unit test), as Lightning. A ``Metric`` must be an
+        attribute of the module (a submodule, found by ``named_modules`` once), or be named by ``metric_attribute``,
+        as Lightning requires.
 
         Raises:
             ValueError: an unknown ``reduce_fx``, a value that is not a number, a tensor or a torchmetrics
@@ -432,7 +484,13 @@ class TrainingModule(HyperparametersMixin, nn.Module):
                 a ``Metric`` that is not one of the module's attributes, without ``metric_attribute`` (Lightning's
                 words, naming the attributes that are); a name logged in one hook with other options than before.
         """
-        trainer = self.trainer
+        trainer = self.__dict__.get("_trainer")
+        if trainer is None:  # Lightning's rule: a step method may be tested without a Trainer
+            check_loggable(name, value, add_dataloader_idx=False)
+            warnings.warn("You are trying to `self.log()` but the `self.trainer` reference is not registered on the "
+                          "model yet. This is most likely because the model hasn't been passed to the `Trainer`",
+                          UserWarning, stacklevel=2)
+            return
         if metric_attribute is None and is_metric(value):
             self._check_metric_attribute(name, value)
         if trainer.config.barebones:  # Lightning's rule: logging is off in barebones mode
@@ -598,6 +656,20 @@ def _no_hook(self, *args: Any) -> None:
 
 for _name in MODULE_HOOKS:
     setattr(TrainingModule, _name, _no_hook)
+# TorchScript compiles a scripted module's properties unless they are listed here (Lightning's list, for the same
+# reason): the Trainer's, the device's, the hyperparameters' are no part of a model's forward
+TrainingModule.__jit_unused_properties__ = sorted(
+    name for name in dir(TrainingModule) if isinstance(getattr(TrainingModule, name, None), property))
+
+
+@contextlib.contextmanager
+def _jit_scripting() -> Iterator[None]:
+    """``TrainingModule._jit_is_scripting`` for the block (every module: a detached one's ``trainer`` is None)."""
+    TrainingModule._jit_is_scripting = True
+    try:
+        yield
+    finally:
+        TrainingModule._jit_is_scripting = False
 
 # Lightning's hooks that do the step's work, with a default that does it (TrainingModule's methods); the Trainer
 # calls a module's own instead of its default (``step_hooks``)

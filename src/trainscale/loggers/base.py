@@ -30,9 +30,10 @@ class Logger(Protocol):
     4. ``finalize(status)`` — "success" or "failed"; the logger flushes and closes. Calling it again
        does nothing.
 
-    Optional, as Lightning's: ``after_save_checkpoint(checkpoint_callback)``, called on rank zero after each
-    checkpoint a ``ModelCheckpoint`` writes, with that callback (a ``weakref.proxy``; not a protocol member, so
-    loggers without it still match).
+    Optional, as Lightning's (not protocol members, so loggers without them still match):
+    ``log_graph(model)``, called once in ``fit`` after ``log_hyperparams`` with the module being fitted (a logger
+    that draws the model's graph: ``experiment.add_graph``); ``after_save_checkpoint(checkpoint_callback)``, called on
+    rank zero after each checkpoint a ``ModelCheckpoint`` writes, with that callback (a ``weakref.proxy``).
 
     A resumed run calls ``setup`` with the same ``run_dir``: the file loggers append, W&B and MLflow
     continue the same run (its id is kept in ``run_dir``).

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from trainscale.callbacks import ModelCheckpoint
 from trainscale.utilities.warnings import PossibleUserWarning
+from trainscale.runtime.checkpoint_io import refuse_url
 from trainscale.runtime.flags import (FlagTypeError, check_flags, check_int, check_number, flag, make_flags,
                                      parse_duration)
 
@@ -165,7 +166,8 @@ class TrainerConfig:
         limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction of
             them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`); 0 (or
             0.0): no training, as Lightning's: ``fit`` runs its sanity check and hooks but no epoch, as with
-            ``max_steps=0``.
+            ``max_steps=0``. A whole float above 1 (10.0) is a count (10), as Lightning's; this holds for the other
+            limits, ``overfit_batches`` and ``val_check_interval`` too.
         limit_val_batches: as ``limit_train_batches``, for each rank's validation batches in ``fit`` and
             ``validate``; 0 (or 0.0): no validation (nor sanity check) in ``fit``, none in ``validate``.
         limit_test_batches: as ``limit_train_batches``, for ``test``; 0 (or 0.0) turns it off, as Lightning's:
@@ -404,6 +406,7 @@ def _root_dir(value) -> Path:
         value = Path("runs")
     if not isinstance(value, (str, Path)) or str(value) == "":
         raise ValueError(f"default_root_dir={value!r} must be a directory path (str or Path)")
+    refuse_url("default_root_dir", value)
     path = Path(value)
     too_long = [part for part in path.parts if len(part.encode()) > 255]  # NAME_MAX of Linux and macOS filesystems
     if too_long:
@@ -495,6 +498,19 @@ def warn_default_max_epochs(cfg: TrainerConfig, given: int | None, say: bool) ->
         warnings.warn("`max_epochs` was not set. Setting it to 1 epoch (trainscale's default; Lightning's is 1000 "
                       "epochs). To train longer, set `max_epochs=N`, or `max_epochs=-1` for no epoch limit",
                       PossibleUserWarning, stacklevel=4)
+
+
+_BATCH_COUNTS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+                 "overfit_batches", "val_check_interval")
+
+
+def _whole_batch_counts(cfg: TrainerConfig) -> TrainerConfig:
+    """Lightning's rule (``_determine_batch_limits``) for the flags that take a count or a fraction of batches: a
+    float above 1 that is a whole number counts batches (``limit_train_batches=10.0`` is 10 batches, the int 10);
+    any other float above 1 stays, for the flag's check to refuse in Lightning's words."""
+    whole = {name: int(value) for name in _BATCH_COUNTS
+             if isinstance(value := getattr(cfg, name), float) and value > 1 and value.is_integer()}
+    return replace(cfg, **whole) if whole else cfg
 
 
 def _check_val_schedule(cfg: TrainerConfig) -> None:
@@ -593,7 +609,7 @@ def resolve_trainer_config(**flags) -> TrainerConfig:
         ValueError: a value of the wrong type or range, naming the flag and what it accepts.
         TypeError: an unknown flag.
     """
-    cfg = _loop_limits(make_flags(TrainerConfig, "Trainer", (), flags))
+    cfg = _whole_batch_counts(_loop_limits(make_flags(TrainerConfig, "Trainer", (), flags)))
     check_flags(cfg)  # each flag by the rule declared on its field
     interval = cfg.val_check_interval
     if isinstance(interval, (str, dict, timedelta)):  # a duration (Lightning 2.6's time-based validation)

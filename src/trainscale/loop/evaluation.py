@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from trainscale.checkpointing import checkpointer, run_dirs as ckpt
+from trainscale.checkpointing.train_state import TrainerFn
 from trainscale.checkpointing.rng import fit_seed
 from trainscale.lightning.data_sources import resolve_loaders
 from trainscale.lightning.metrics import MetricCollector, metric_states_kept
@@ -530,7 +531,8 @@ def run_stage(trainer: Trainer, method: str, model: Any, dataloaders: Any, loss_
     trainer._arm_hooks(model)
     check_steps(method, model, loop_module.has_training_step)
     if ckpt_path is not None:
-        rt.load(ckpt_path, {checkpointer.weights_key(checkpointer.is_sharded(ckpt_path)): model})
+        rt.load(ckpt_path, {checkpointer.weights_key(checkpointer.is_sharded(ckpt_path)): model},
+                strict=checkpointer.strict_loading(model))
         rt.print(f"trainscale: {method} with the weights of {ckpt_path}")
     model.zero_grad()  # Lightning's _run_stage frees the gradients before each stage runs
     loaders, num_batches = _stage_loaders(trainer, dataloaders, stage)
@@ -626,7 +628,9 @@ def teardown(trainer: Trainer, model: Any, stage: str) -> None:
     """Lightning's teardown hooks once a stage ("fit", "validate", "test", "predict") has ended normally, in its
     order (``trainer/call.py``, ``_call_teardown_hook``): the data module's ``teardown(stage=...)``, then each
     callback's ``teardown(trainer, model, stage)`` (their ``setup`` ran at its start), then the module's
-    ``teardown(stage=...)``. A hook that is missing (a plain ``nn.Module``, a data module without one) is skipped."""
+    ``teardown(stage=...)``. A hook that is missing (a plain ``nn.Module``, a data module without one) is skipped.
+    ``stage`` reaches them as Lightning's ``TrainerFn``, a ``str`` enum."""
+    stage = TrainerFn(stage)
     hook = getattr(trainer.datamodule, "teardown", None)
     if callable(hook):
         hook(stage=stage)

@@ -40,6 +40,10 @@ class ProgressBar:
         if self._bar is not None:
             self._bar.set_postfix(values, refresh=False)
 
+    def __getstate__(self) -> dict:
+        """A pickled bar (``torch.save(trainer)``) draws nothing: tqdm's bar holds the terminal stream."""
+        return dict(self.__dict__, _bar=None)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.update(self._pending)

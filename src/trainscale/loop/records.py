@@ -30,11 +30,13 @@ class MetricsProcessor:
             ``take_step_values`` all-reduces those logged with ``sync_dist=True``.
         run_dir: the run directory on the rank that writes (rank zero); None on the others and under
             ``fast_dev_run``, which take part in the reductions and write nothing.
-        loggers: set up here, then given ``hparams`` (none when it is None); one whose setup raises
+        loggers: set up here, then given ``hparams`` (none when it is None), then, for each that has Lightning's
+            optional ``log_graph(model)``, ``model`` (Lightning's ``_log_hyperparams`` order); one whose setup raises
             ``ConnectionError`` (its server out of reach) is dropped with a warning.
     """
 
-    def __init__(self, telemetry: Any, collector: Any, run_dir: Path | None, loggers: list, hparams: dict | None) -> None:
+    def __init__(self, telemetry: Any, collector: Any, run_dir: Path | None, loggers: list, hparams: dict | None,
+                 model: Any = None) -> None:
         self.telemetry, self.collector = telemetry, collector
         self.learning_rates = LearningRates()  # the param groups' names kept between log steps
         self.jsonl = JsonlSink(run_dir / "metrics.jsonl") if run_dir is not None else None
@@ -48,6 +50,9 @@ class MetricsProcessor:
                 continue
             if hparams is not None:
                 lg.log_hyperparams(hparams)
+            log_graph = getattr(lg, "log_graph", None)
+            if model is not None and callable(log_graph):
+                log_graph(model)
             self.loggers.append(lg)
 
     def reduce_across_ranks(self, step: int, epoch: int, loss: torch.Tensor, grad_norm: torch.Tensor | None,

@@ -32,7 +32,8 @@ from trainscale.utilities.warnings import PossibleUserWarning
 from trainscale.loggers import resolve_loggers
 from trainscale.loggers.log_dirs import agree_log_dirs, trainer_log_dir
 from trainscale.runtime.flags import (AcceleratorFlag, MatmulPrecisionFlag, PipelineScheduleFlag, PrecisionFlag,
-                                      StrategyFlag, names_closest_flag)
+                                      StrategyFlag, defaults_from_env_vars, names_closest_flag)
+from trainscale.runtime.checkpoint_io import refuse_url
 from trainscale.runtime.connector import check_plugins
 from trainscale.runtime.runtime import Runtime
 from trainscale.runtime.strategies import Strategy
@@ -93,9 +94,12 @@ class NoTrainingStateError(RuntimeError, AttributeError):
 class Trainer:
     """Fit, validate, test and predict on any strategy by changing flags (keyword only; :meth:`__init__` names and
     describes each). With ``devices > 1`` outside a launcher the script re-executes under torchrun in ``Trainer()``.
+    A flag not given takes the value of the environment variable ``PL_TRAINER_<FLAG>`` when it is set, as Lightning's
+    (``PL_TRAINER_MAX_STEPS=7``; :func:`~trainscale.runtime.flags.defaults_from_env_vars`).
     """
 
     @names_closest_flag
+    @defaults_from_env_vars
     def __init__(self, *, callbacks: list[Callback] | None = None, logger: Any = None, runtime: Runtime | None = None,
                  profiler: Profiler | Literal["simple", "advanced", "pytorch"] | None = None, plugins: Any = None,
                  # the Runtime's flags (RuntimeFlags), described in Runtime.__init__
@@ -201,7 +205,8 @@ class Trainer:
             limit_train_batches: train on at most this many micro-batches per epoch (an int >= 1), or on this fraction
                 of them (a float in (0, 1], at least one batch), as Lightning's flag; None: all (:meth:`train_batches`);
                 0 (or 0.0): no training, as Lightning's: ``fit`` runs its sanity check and hooks but no epoch, as with
-                ``max_steps=0``.
+                ``max_steps=0``. A whole float above 1 (10.0) is a count (10), as Lightning's; this holds for the
+                other limits, ``overfit_batches`` and ``val_check_interval`` too.
             limit_val_batches: as ``limit_train_batches``, for each rank's validation batches in ``fit`` and
                 ``validate``; 0 (or 0.0): no validation (nor sanity check) in ``fit``, none in ``validate``.
             limit_test_batches: as ``limit_train_batches``, for ``test``; 0 (or 0.0) turns it off, as Lightning's:
@@ -353,6 +358,7 @@ class Trainer:
         # dict): "train" and "val" of fit, "val" of validate, "test", "predict"; emptied as each stage starts
         # (Lightning's attach_dataloaders); read as trainer.train_dataloader, val_dataloaders, ...
         self.stage_dataloaders: dict[str, Any] = {}
+        self._signals: Any = None  # the running or last fit's SignalWatch (trainer.received_sigterm); None in others
         # trainer.max_epochs: as given until a fit starts (None when not given), as Lightning's fit_loop.max_epochs
         self._max_epochs = self.flags["max_epochs"]
         # the sample indices of each batch predict() has read, per loader (empty where the loader has none: an
@@ -492,6 +498,14 @@ class Trainer:
         return trainer_log_dir(self.loggers, run_dir, self.config.default_root_dir)
 
     fast_dev_run = property(lambda self: self.config.fast_dev_run, doc="The flag as given (False, True or N).")
+    received_sigterm = property(
+        lambda self: self._signals is not None and self._signals.received_sigterm,
+        doc="Whether SIGTERM arrived during the running or last ``fit`` (Lightning's ``trainer.received_sigterm``; "
+            "False again as the next stage starts). trainscale watches signals in ``fit`` only (with "
+            "``handle_signals=True``, the default): the loop then writes a checkpoint and raises ``Preempted``; "
+            "``validate``/``test``/``predict`` leave SIGTERM to Python's handler (False there).")
+    barebones = property(lambda self: self.config.barebones,
+                         doc="Whether ``Trainer(barebones=True)`` turned off what may slow the loop (Lightning's).")
     limit_train_batches = property(lambda self: self.config.limit_train_batches,
                                    doc="The flag (None: all batches); under ``overfit_batches``, its value.")
     limit_val_batches = property(lambda self: self.config.limit_val_batches, doc="The flag (None: all batches).")
@@ -720,6 +734,7 @@ class Trainer:
         self._fit, self._run_lock = None, RunLock()  # the run directory's lock: taken by _run_fit, released below
         self._faults = FaultTolerance(self.runtime, cfg.on_nonfinite, cfg.max_nonfinite_skips, cfg.log_every_n_steps,
                                       cfg.handle_signals)
+        self._signals = self._faults.signals
         self.fitting = True
         try:
             # Lightning's detect_anomaly: on for the fit, the previous mode back after it (also on an error)
@@ -773,7 +788,7 @@ class Trainer:
         # the one output path: metrics.jsonl and the loggers, written by rank zero
         fit.metrics = MetricsProcessor(fit.telemetry, self.metric_collector,
                                        self.run_dir if rt.is_rank_zero and cfg.writes_files else None, self.loggers,
-                                       hyperparams(self, model))
+                                       hyperparams(self, model), model)
         # the header's global batch: that of the first epoch to train (fit.loaded_epoch, whose loader this is)
         rt.print(run_header(rt, global_batch_size(fit.train_loader, rt, self.accumulate_for(fit.loaded_epoch)),
                             self.run_dir if cfg.writes_files else f"none ({cfg.why_no_files})"))
@@ -1477,6 +1492,7 @@ class Trainer:
                 trainscale writes local files and has no ``CheckpointIO`` plugins).
             FileExistsError: ``filepath`` exists and ``overwrite`` is False, or it belongs to another run (on every
                 rank, before anything is written).
+            ValueError: ``filepath`` is a URL (``s3://...``, ``memory://...``): trainscale writes local files.
         """
         if self._fit is None:  # Lightning's words first
             raise NoTrainingStateError(
@@ -1489,6 +1505,7 @@ class Trainer:
                             f"{storage_options!r} to; drop the argument")
         if filepath is None:
             return self.write_checkpoint(self.run_dir / "checkpoints", background, weights_only=weights_only)
+        refuse_url("save_checkpoint(filepath", filepath)
         rt = self.runtime
         refusal = rt.broadcast_object(overwrite_refusal(Path(filepath), self.run_dir, overwrite) if rt.is_rank_zero
                                       else None)  # rank zero's file system decides, so every rank raises together
@@ -1678,6 +1695,7 @@ class Trainer:
         Raises:
             TypeError: ``configure_callbacks`` returned something other than callbacks."""
         self.stage_dataloaders = {}  # every stage's loaders forgotten, as Lightning's attach_dataloaders
+        self._signals = None  # received_sigterm: False again as each stage starts, as Lightning's
         if "configure_callbacks" in module_overrides(model, ("configure_callbacks",)):
             with self._running("configure_callbacks"):
                 self.callbacks = merge_model_callbacks(self.callbacks, model.configure_callbacks())
@@ -1697,7 +1715,9 @@ class Trainer:
         """Lightning's ``Callback.setup(trainer, module, stage)`` of each callback, in every stage: after the data
         module's ``setup(stage)``, before the module's (``data_sources.resolve_loaders`` calls it between them), so
         before the model is wrapped and its optimizers built. Each callback's ``log``/``log_dict`` become the
-        module's, as Lightning's ``_attach_model_logging_functions`` does (a plain ``nn.Module`` has none)."""
+        module's, as Lightning's ``_attach_model_logging_functions`` does (a plain ``nn.Module`` has none). ``stage``:
+        Lightning's ``TrainerFn``, a ``str`` enum."""
+        stage = TrainerFn(stage)
         with self._running("setup"):
             for cb in self.callbacks:
                 if hasattr(model, "log_dict"):

@@ -43,6 +43,18 @@ class NoDigestError(CheckpointError):
 # mounts, per fsync(2)); the rename is then as durable as that filesystem makes it.
 _DIR_FSYNC_UNSUPPORTED = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# chmod refused by filesystems without POSIX modes (CIFS/SMB, FUSE buckets): the file keeps mkstemp's 0600
+_CHMOD_UNSUPPORTED = (errno.EPERM, errno.EACCES, errno.ENOTSUP, errno.EOPNOTSUPP)
+
+
+def _readable_by_all(tmp: str) -> None:
+    """Mode 0644 for a file ``mkstemp`` made 0600, where the filesystem has modes (:data:`_CHMOD_UNSUPPORTED`:
+    the file is written with the mode it was given, as ``torch.save`` would write it there)."""
+    try:
+        os.chmod(tmp, 0o644)
+    except OSError as err:
+        if err.errno not in _CHMOD_UNSUPPORTED:
+            raise
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -88,6 +100,22 @@ def _write_event(stage: str, path: Path) -> None:
     save-crash tests replace it to kill the process at that exact point."""
 
 
+def is_url(path: Any) -> bool:
+    """Whether ``path`` (a str as given: ``Path`` folds its ``//``) names a remote or in-memory file system
+    (``protocol://...``, as fsspec's paths: ``s3://bucket/runs``, ``memory://x``)."""
+    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(path)) is not None
+
+
+def refuse_url(what: str, path: Any) -> None:
+    """Raise ``ValueError`` naming ``what`` when ``path`` is a URL (:func:`is_url`): runs and checkpoints are written
+    and read on local file paths only (Lightning goes through fsspec), and ``Path("s3://b")`` would be the local
+    directory ``s3:/b``."""
+    if isinstance(path, str) and is_url(path):
+        raise ValueError(f"{what}={path!r} is a URL: trainscale writes and reads runs and checkpoints on local file "
+                         "paths only (Lightning writes through fsspec); give a local directory (a mounted bucket, "
+                         "for instance) and copy the files from it")
+
+
 @contextlib.contextmanager
 def _atomic_open(path: Path) -> Iterator[BinaryIO]:
     """A temporary file beside ``path``, fsync'ed and renamed over ``path`` when the block ends
@@ -100,7 +128,7 @@ def _atomic_open(path: Path) -> Iterator[BinaryIO]:
                 yield f
                 f.flush()
                 os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)  # mkstemp creates 0600
+            _readable_by_all(tmp)
             _write_event("before-rename", path)
             os.replace(tmp, path)
         except BaseException:
@@ -402,12 +430,13 @@ def _rename_former_entries(loaded: dict, state: dict) -> None:
 
 
 def load_replicated(path, state: dict, unwrap: Callable, verify: bool = True, read: Callable | None = None,
-                    before_restore: Callable[[dict], None] | None = None) -> dict:
+                    before_restore: Callable[[dict], None] | None = None, strict: bool = True) -> dict:
     """Load ``path`` on every rank (``verify``, ``read``: as in :func:`load_file`); restore stateful objects
     of ``state`` in place (an entry absent under its key is read under its :data:`FORMER_NAMES` name).
     ``before_restore(entries)`` sees every entry as read (the model's weights as a state dict) and may change them
     before anything is restored from them (what Lightning's ``on_load_checkpoint`` may do to a checkpoint file), or
-    raise: nothing is restored then.
+    raise: nothing is restored then. ``strict``: given to each module's ``load_state_dict`` (False: weights missing
+    from the file keep their values, and the file's other weights are ignored).
 
     Returns:
         The checkpoint's entries whose keys are not stateful objects in ``state``.
@@ -429,7 +458,10 @@ def load_replicated(path, state: dict, unwrap: Callable, verify: bool = True, re
             raise CheckpointError(f"checkpoint {str(path)!r} has no entry {key!r} (it has {sorted(loaded)})")
         target = unwrap(value) if isinstance(value, torch.nn.Module) else value
         try:
-            target.load_state_dict(loaded[key])
+            if isinstance(value, torch.nn.Module):
+                target.load_state_dict(loaded[key], strict=strict)
+            else:
+                target.load_state_dict(loaded[key])
         except (RuntimeError, ValueError, KeyError) as err:
             raise CheckpointError(f"checkpoint {str(path)!r} entry {key!r} does not fit: "
                                   f"{str(err).splitlines()[0]}") from err

@@ -139,6 +139,33 @@ def names_closest_flag(init: Callable[_Params, None]) -> Callable[_Params, None]
     return checked
 
 
+def defaults_from_env_vars(init: Callable[_Params, None]) -> Callable[_Params, None]:
+    """Decorate the Trainer's constructor so that a flag not given takes its value from the environment variable
+    ``PL_TRAINER_<FLAG>`` when that is set and not empty, as Lightning's ``_defaults_from_env_vars``
+    (``PL_TRAINER_MAX_STEPS=7``, ``PL_TRAINER_LOGGER=False``, ``PL_TRAINER_DEVICES=2``): the text is read as a
+    Python literal (``ast.literal_eval``: numbers, True/False/None, strings in quotes, lists, dicts), kept as a
+    string when it is not one (``PL_TRAINER_ACCELERATOR=cpu``). A flag given in the call wins over the variable;
+    the value is then checked as the flag's value is. The signature stays ``init``'s (``__wrapped__``)."""
+    import ast
+    import os
+
+    prefix = "PL_" + init.__qualname__.split(".")[0].upper() + "_"
+    known = [name for name in inspect.signature(init).parameters if name != "self"]
+
+    @functools.wraps(init)
+    def with_env_defaults(*args: _Params.args, **kwargs: _Params.kwargs) -> None:
+        for name in known:
+            text = os.environ.get(prefix + name.upper())
+            if name not in kwargs and text:
+                try:
+                    kwargs[name] = ast.literal_eval(text)
+                except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                    kwargs[name] = text
+        init(*args, **kwargs)
+
+    return with_env_defaults
+
+
 def check_flag_names(owner: str, names, known) -> None:
     """Raise ``TypeError`` for the first of ``names`` not in ``known``, in Python's words for an unknown keyword,
     naming the closest known flag."""

@@ -634,7 +634,7 @@ class Runtime:
             pending.wait()
 
     def load(self, path: str | os.PathLike, state: dict | None = None, verify: bool = True,
-             before_restore: Callable[[dict], None] | None = None) -> dict:
+             before_restore: Callable[[dict], None] | None = None, strict: bool = True) -> dict:
         """Restore the stateful objects of ``state`` in place from ``path``.
 
         ``verify=True`` (the default) checks the SHA-256 recorded beside the checkpoint when it was
@@ -643,7 +643,9 @@ class Runtime:
         entries as read, before anything is restored from them, and may change them: a file's every entry (a
         module's weights as its state dict), a sharded (DCP) directory's plain entries (its tensors are read in
         place after it; Lightning's ``on_load_checkpoint`` sees the same entries). An error it raises (the same on
-        every rank, which all read them) refuses the checkpoint with nothing changed.
+        every rank, which all read them) refuses the checkpoint with nothing changed. ``strict=False`` (a module's
+        ``load_state_dict(strict=False)``) restores the modules' weights that the checkpoint holds, keeps the others
+        as they are and ignores the checkpoint's weights no module has.
 
         Returns:
             The checkpoint's other entries (e.g. epoch counters).
@@ -654,7 +656,8 @@ class Runtime:
                 file, ``verify=True``) or mismatched checkpoint.
         """
         self.launch()
-        rest = self.strategy.load_checkpoint(path, dict(state or {}), verify=verify, before_restore=before_restore)
+        rest = self.strategy.load_checkpoint(path, dict(state or {}), verify=verify, before_restore=before_restore,
+                                             strict=strict)
         self.precision.load_state_dict(rest.pop("precision", {}))
         return rest
 

@@ -28,11 +28,12 @@ class PeakMemory:
         self.device = device
         self.cuda = str(device).startswith("cuda")
         self.kind = "cuda_allocated" if self.cuda else "rss"
-        self._rusage = None
+        self._getrusage = None
         if not self.cuda:  # imported here, not at the first reading: loading the extension took ~1 ms,
             import resource  # paid inside a training step when the first record was made there
 
-            self._rusage = resource
+            self._getrusage = resource.getrusage  # a function, not the module: the sampler pickles (torch.save)
+            self._rusage_self = resource.RUSAGE_SELF
 
     def peak_bytes(self) -> int:
         """Peak bytes since the start (or the last :meth:`reset`); no host-device sync."""
@@ -40,7 +41,7 @@ class PeakMemory:
             import torch
 
             return int(torch.cuda.max_memory_allocated(self.device))
-        rss = self._rusage.getrusage(self._rusage.RUSAGE_SELF).ru_maxrss
+        rss = self._getrusage(self._rusage_self).ru_maxrss
         return int(rss if sys.platform == "darwin" else rss * 1024)
 
     def peak_reserved_bytes(self) -> int | None:

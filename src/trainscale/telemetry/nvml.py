@@ -97,6 +97,16 @@ class GpuSampler:
             samples, self._samples = self._samples, []
         return samples
 
+    def __getstate__(self) -> dict:
+        """A pickled sampler (``torch.save(trainer)``, as Lightning's Trainer pickles) is a stopped one: its thread,
+        lock and driver reader stay in this process; the samples not taken yet are kept."""
+        state = dict(self.__dict__, _read=None, available=False, _thread=None)
+        del state["_lock"], state["_stop"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock(), _stop=threading.Event())
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:

@@ -1,7 +1,8 @@
 """Lightning's ``lightning.pytorch.utilities`` names that training scripts use, under the same names:
 ``from trainscale.utilities import rank_zero_only`` (also ``trainscale.utilities.rank_zero``, as
-``lightning.pytorch.utilities.rank_zero``), ``is_picklable``; ``trainscale.utilities.model_helpers.is_overridden``
-and ``trainscale.utilities.types.LRSchedulerConfig`` as Lightning's. Imports nothing of trainscale's other packages, nor torch.
+``lightning.pytorch.utilities.rank_zero``), ``is_picklable``; ``trainscale.utilities.model_helpers.is_overridden``,
+``trainscale.utilities.types.LRSchedulerConfig`` and ``trainscale.utilities.exceptions.SIGTERMException`` as
+Lightning's. Imports nothing of trainscale's other packages, nor torch.
 """
 
 from trainscale.utilities.parsing import is_picklable

@@ -288,14 +288,16 @@ class Strategy:
         checkpoint_io.save_replicated(path, state, self.world, self.unwrap)
 
     def load_checkpoint(self, path: Any, state: dict, verify: bool = True,
-                        before_restore: Callable[[dict], None] | None = None) -> dict:
+                        before_restore: Callable[[dict], None] | None = None, strict: bool = True) -> dict:
         """Restore objects of ``state`` in place from ``path``; return the entries not in ``state``. By default a
         file, or a DCP directory of any mesh read into whole tensors (``dcp_checkpoint.load_whole``).
         ``verify``: check the recorded SHA-256 and refuse a checkpoint without one (``checkpoint_io.load_file``).
         ``before_restore(entries)``: called once with the entries as read, before anything is restored from them
         (a file: every entry, the weights as a state dict; a DCP directory: the plain entries, its tensors are
-        read in place after it); it may change them, or raise to refuse the checkpoint with nothing changed."""
-        return load_whole(path, state, self.world.rank, self.name, self.unwrap, verify, before_restore=before_restore)
+        read in place after it); it may change them, or raise to refuse the checkpoint with nothing changed.
+        ``strict``: as a module's ``load_state_dict(strict=...)``, for the modules of ``state``."""
+        return load_whole(path, state, self.world.rank, self.name, self.unwrap, verify, before_restore=before_restore,
+                          strict=strict)
 
     def data_world(self, world: World) -> World:
         """The rank and world size (a ``World``) the data loader's sampler must use: ``world`` itself when

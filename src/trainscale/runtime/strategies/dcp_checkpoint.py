@@ -228,19 +228,20 @@ class AsyncSave:
 
 
 def load_whole(path: Any, state: dict, rank: int, strategy: str, unwrap: Callable, verify: bool = True,
-               read: Callable | None = None, before_restore: Callable[[dict], None] | None = None) -> dict:
+               read: Callable | None = None, before_restore: Callable[[dict], None] | None = None,
+               strict: bool = True) -> dict:
     """``load_checkpoint`` of the strategies whose ranks hold whole models (single, ddp, dp): a checkpoint file
     (``checkpoint_io.load_replicated``, its bytes from ``read``: as in ``checkpoint_io.load_file``), or a DCP
     directory written by a sharded strategy on any mesh, whose shards every rank reads into its whole tensors
     (modules of ``state`` unwrapped first). ``before_restore``: as in ``load_replicated`` for a file,
-    as in :meth:`DCPCheckpointer.load` for a directory. Raises as those do."""
+    as in :meth:`DCPCheckpointer.load` for a directory; ``strict`` as in both. Raises as those do."""
     import torch
 
     path = Path(path)
     if not (path.is_dir() and (path / ".metadata").is_file()):
-        return checkpoint_io.load_replicated(path, state, unwrap, verify, read, before_restore)
+        return checkpoint_io.load_replicated(path, state, unwrap, verify, read, before_restore, strict)
     whole = {key: unwrap(value) if isinstance(value, torch.nn.Module) else value for key, value in state.items()}
-    return DCPCheckpointer(rank, strategy).load(path, whole, verify, before_restore)
+    return DCPCheckpointer(rank, strategy).load(path, whole, verify, before_restore, strict)
 
 
 def read_whole(path: Any, key: str, verify: bool = True) -> dict:
@@ -289,8 +290,8 @@ def _without_absent_tensor_states(sharded: dict, metadata) -> dict:
 class _ModelState:
     """DCP ``Stateful`` view of a (sharded) module: its keys are the module's own FQNs."""
 
-    def __init__(self, module) -> None:
-        self.module = module
+    def __init__(self, module, strict: bool = True) -> None:
+        self.module, self.strict = module, strict
 
     def state_dict(self):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -300,7 +301,9 @@ class _ModelState:
     def load_state_dict(self, state_dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(self.module, state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        set_model_state_dict(self.module, state_dict, options=StateDictOptions(strict=self.strict))
 
 
 class _OptimizerState:
@@ -333,15 +336,16 @@ class DCPCheckpointer:
         self.rank, self.strategy, self.before = rank, strategy, before
         self._pending: AsyncSave | None = None  # the background save in flight
 
-    def _split(self, state: dict):
-        """DCP ``Stateful``s for modules, optimizers and ``TensorState``s; everything else goes to the extra file."""
+    def _split(self, state: dict, strict: bool = True):
+        """DCP ``Stateful``s for modules (``strict``: as their ``load_state_dict``'s), optimizers and
+        ``TensorState``s; everything else goes to the extra file."""
         import torch
 
         modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
         sharded, extra = {}, {}
         for key, value in state.items():
             if isinstance(value, torch.nn.Module):
-                sharded[key] = _ModelState(value)
+                sharded[key] = _ModelState(value, strict)
             elif isinstance(value, torch.optim.Optimizer):
                 sharded[key] = _OptimizerState(self._owner(key, value, modules), value)
             elif isinstance(value, checkpoint_io.TensorState):  # e.g. an average of the weights: sharded alike
@@ -421,7 +425,7 @@ class DCPCheckpointer:
             raise checkpoint_io.CheckpointError(f"rank 0 failed to write the checkpoint: {error[0]}")
 
     def load(self, path: Any, state: dict, verify: bool = True,
-             before_restore: Callable[[dict], None] | None = None) -> dict:
+             before_restore: Callable[[dict], None] | None = None, strict: bool = True) -> dict:
         """Restore the modules and optimizers of ``state`` from ``path`` (any world size or mesh; DCP reshards,
         the optimizer state through ``set_optimizer_state_dict``), the other stateful objects from its extra
         file; return the plain entries. ``before_restore(entries)`` sees the extra file's entries as soon as it is
@@ -429,7 +433,8 @@ class DCPCheckpointer:
         gives its ``on_load_checkpoint`` the same), and may change them; an error it raises (on every rank, which
         all read the extra file) leaves the model and optimizers as they were. ``verify``: check the extra
         file's SHA-256, and ``.metadata`` and every shard file this rank reads against the checkpoint's manifest
-        (:data:`MANIFEST`); refuse a checkpoint without them.
+        (:data:`MANIFEST`); refuse a checkpoint without them. ``strict=False``: the modules' weights the checkpoint
+        lacks keep their values (DCP's partial load), its weights no module has are ignored.
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
@@ -449,10 +454,11 @@ class DCPCheckpointer:
         if digests is not None:
             _verify_files(path, [".metadata"], digests)
         self.before()
-        sharded, others = self._split(state)
+        sharded, others = self._split(state, strict)
         sharded = _without_absent_tensor_states(sharded, _shard_reader(path, None).read_metadata())
         try:  # one process without a process group (strategy "single") reads every shard itself
-            dcp.load(sharded, storage_reader=_shard_reader(path, digests), no_dist=not dist.is_initialized())
+            dcp.load(sharded, storage_reader=_shard_reader(path, digests), no_dist=not dist.is_initialized(),
+                     planner=None if strict else dcp.DefaultLoadPlanner(allow_partial_load=True))
         except BaseException as err:  # DCP raises CheckpointException (a BaseException) / RuntimeError / KeyError
             if not _is_checkpoint_failure(err):
                 raise

@@ -130,11 +130,12 @@ class DDPStrategy(ParallelStrategy):
             return False
         return True
 
-    def load_checkpoint(self, path, state: dict, verify: bool = True, before_restore=None) -> dict:
+    def load_checkpoint(self, path, state: dict, verify: bool = True, before_restore=None, strict: bool = True) -> dict:
         """A checkpoint file is read once per node and shared with the node's ranks (``node_read``); a DCP
-        directory is read by every rank, its shards into whole tensors. ``before_restore``: as ``Strategy``'s."""
+        directory is read by every rank, its shards into whole tensors. ``before_restore``, ``strict``: as
+        ``Strategy``'s."""
         return load_whole(path, state, self.world.rank, self.name, self.unwrap, verify, self._node_reader.read,
-                          before_restore)
+                          before_restore, strict)
 
 
 def _timed(hook: Callable, state: Any, bucket: Any, clock: Callable, record: Callable):

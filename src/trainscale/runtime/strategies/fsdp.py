@@ -162,11 +162,11 @@ class FSDPStrategy(ParallelStrategy):
         the ``AsyncSave`` that publishes it)."""
         return self._checkpointer.save(path, state, async_group)
 
-    def load_checkpoint(self, path, state: dict, verify: bool = True, before_restore=None) -> dict:
+    def load_checkpoint(self, path, state: dict, verify: bool = True, before_restore=None, strict: bool = True) -> dict:
         """Restore ``state`` from the DCP directory ``path`` written on any world size; return the plain
         entries. ``verify``: check the extra file's SHA-256 and refuse it without one
         (``dcp_checkpoint.DCPCheckpointer.load``; raises FileNotFoundError, CheckpointError)."""
-        return self._checkpointer.load(path, state, verify, before_restore)
+        return self._checkpointer.load(path, state, verify, before_restore, strict)
 
     def save_full_state_dict(self, path, module) -> None:
         """Export ``module``'s full, unsharded weights as one plain ``state_dict`` file on rank

@@ -175,10 +175,10 @@ class ModelParallelStrategy(ParallelStrategy):
         process. With ``async_group``, written in the background (returns the ``AsyncSave`` that publishes it)."""
         return self._checkpointer.save(path, state, async_group)
 
-    def load_checkpoint(self, path, state: dict, verify: bool = True, before_restore=None) -> dict:
+    def load_checkpoint(self, path, state: dict, verify: bool = True, before_restore=None, strict: bool = True) -> dict:
         """Restore ``state`` from a DCP directory; return the plain entries. ``verify``: check the extra
         file's SHA-256 and refuse it without one (raises FileNotFoundError, CheckpointError)."""
-        return self._checkpointer.load(path, state, verify, before_restore)
+        return self._checkpointer.load(path, state, verify, before_restore, strict)
 
 
 def resolve_sequence_parallel(flag: bool | None, builtin_plan: bool) -> bool:

@@ -356,9 +356,9 @@ class PipelineStrategy(ParallelStrategy):
         (returns the ``AsyncSave`` that publishes it)."""
         return self._checkpointer.save(path, state, async_group)
 
-    def load_checkpoint(self, path, state: dict, verify: bool = True, before_restore=None) -> dict:
+    def load_checkpoint(self, path, state: dict, verify: bool = True, before_restore=None, strict: bool = True) -> dict:
         """Restore this stage's entries of ``state`` from a DCP directory; return the plain entries."""
-        return self._checkpointer.load(path, state, verify, before_restore)
+        return self._checkpointer.load(path, state, verify, before_restore, strict)
 
 
 def _shared_groups(shared: dict[str, list[int]], by_name: dict, mesh: Any) -> list:
