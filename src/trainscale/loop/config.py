@@ -508,7 +508,7 @@ def _whole_batch_counts(cfg: TrainerConfig) -> TrainerConfig:
     """Lightning's rule (``_determine_batch_limits``) for the flags that take a count or a fraction of batches: a
     float above 1 that is a whole number counts batches (``limit_train_batches=10.0`` is 10 batches, the int 10);
     any other float above 1 stays, for the flag's check to refuse in Lightning's words."""
-    whole = {name: int(value) for name in _BATCH_COUNTS
+    whole: dict[str, Any] = {name: int(value) for name in _BATCH_COUNTS
              if isinstance(value := getattr(cfg, name), float) and value > 1 and value.is_integer()}
     return replace(cfg, **whole) if whole else cfg
 
