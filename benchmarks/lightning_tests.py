@@ -1,4 +1,4 @@
-"""Lightning's own tests (31 files of its ``tests/tests_pytorch``) run against trainscale: functions passing per file.
+"""Lightning's own tests (55 files of its ``tests/tests_pytorch``) run against trainscale: functions passing per file.
 
 Each file is copied from a Lightning checkout into ``--out`` with only its imports changed, then run with pytest in a
 process of its own (``python -m pytest -n 0 --timeout=30 -p no:cacheprovider -q -rA``, a JUnit XML for the
@@ -42,7 +42,8 @@ Counting, per test function (its parametrized cases together): a case whose firs
 installed (``NOT_INSTALLED``: hydra, omegaconf; Lightning's CI has them) counts as skipped; "skipped" when every case
 is skipped; "passing" when every case that ran passed; else a failure, judged by its first failing case and first
 exception: "internals" when it comes from Lightning's private API (``classify`` with ``INTERNAL_PATTERNS`` over the
-exception lines and the test file's own traceback lines: ``fit_loop`` and the other loops, a mock or import of a
+exception lines and the test file's own traceback lines: ``fit_loop`` and the other loops, a placeholder of one of
+Lightning's loop classes (``lightning.pytorch.loops.*``), a mock or import of a
 ``lightning.*`` module path, an attribute a trainscale ``Strategy`` lacks, a
 ``_``-prefixed attribute, a placeholder of a ``_``-name); the other failures are "counted", each with a rough cause
 (``cause``). "counted" = functions - skipped - internals - deselected. ``--list`` prints every function's verdict
@@ -101,6 +102,30 @@ FILES = [
     "callbacks/test_callback_hook_outputs.py",
     "trainer/logging_/test_loop_logging.py",
     "trainer/test_dataloaders.py",
+    "callbacks/test_gradient_accumulation_scheduler.py",
+    "loops/test_training_loop.py",
+    "loops/test_training_loop_flow_dict.py",
+    "loops/test_training_loop_flow_scalar.py",
+    "loops/test_evaluation_loop.py",
+    "loops/test_evaluation_loop_flow.py",
+    "loops/test_prediction_loop.py",
+    "loops/test_flow_warnings.py",
+    "loops/optimization/test_automatic_loop.py",
+    "loops/optimization/test_manual_loop.py",
+    "loops/optimization/test_closure.py",
+    "trainer/flags/test_env_vars.py",
+    "trainer/flags/test_barebones.py",
+    "trainer/properties/test_get_model.py",
+    "trainer/connectors/test_checkpoint_connector.py",
+    "trainer/connectors/test_signal_connector.py",
+    "trainer/connectors/test_callback_connector.py",
+    "trainer/logging_/test_logger_connector.py",
+    "trainer/logging_/test_distributed_logging.py",
+    "callbacks/test_stochastic_weight_avg.py",
+    "callbacks/test_throughput_monitor.py",
+    "checkpointing/test_torch_saving.py",
+    "trainer/optimization/test_multiple_optimizers.py",
+    "trainer/test_config_validator.py",
 ]
 # With devices=2, trainscale's Trainer() re-executes the process under torchrun (Lightning starts its processes in
 # fit); a KeyboardInterrupt in fit reaches the caller (Lightning turns it into SystemExit): each stops pytest.
@@ -144,6 +169,7 @@ INTERNAL_PATTERNS = [
     ("fit_loop", re.compile(r"\bfit_loop\b|\b(epoch|batch)_loop\b|_evaluation_loop|predict_loop"), None),
     ("lightning.* mock or import",
      re.compile(r"No module named '?lightning\b|[\"']lightning\.(pytorch|fabric)\."), None),
+    ("loop classes", re.compile(r"trainscale has no lightning\.pytorch\.loops\."), None),
     ("trainer.strategy internals",
      re.compile(r"'\w*Strategy' object has no attribute|type object '\w*Strategy' has no"), None),
     ("_-prefixed name",
@@ -654,7 +680,7 @@ def main() -> None:
     source.add_argument("--lightning-git", help="a Lightning git directory (bare mirror); files read with git show")
     parser.add_argument("--commit", default="HEAD", help="with --lightning-git: the commit to read (default HEAD)")
     parser.add_argument("--out", required=True, help="folder for the copied files, logs and JUnit XMLs")
-    parser.add_argument("--files", nargs="+", default=FILES, help="files under tests/tests_pytorch (default: all 31)")
+    parser.add_argument("--files", nargs="+", default=FILES, help="files under tests/tests_pytorch (default: all 55)")
     parser.add_argument("--file-timeout", type=int, default=900, help="seconds per file before its pytest is killed")
     parser.add_argument("--no-run", action="store_true", help="count the JUnit XMLs already in --out (no pytest)")
     parser.add_argument("--list", action="store_true", help="print every function's verdict and first error line")
