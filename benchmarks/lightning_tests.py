@@ -154,8 +154,10 @@ MOCKING = {"tests_pytorch.conftest.mock_cuda_count": "fabric.accelerators.cuda.n
 RENAMED = {"LightningModule": "TrainingModule", "LightningDataModule": "DataModule"}
 # Lightning modules whose names trainscale keeps elsewhere (docs/lightning.md, docs/loggers.md). Lightning's
 # strategies are at its own path: ``trainscale.strategies`` (docs/strategies.md).
-MOVED_NAMES: dict[tuple[str, str], str] = {}
+MOVED_NAMES: dict[tuple[str, str], str] = {
+    ("lightning.pytorch.utilities", "measure_flops"): "trainscale.telemetry.throughput"}
 MOVED = {"lightning.pytorch.core.saving": "trainscale.loggers",
+         "lightning.fabric.utilities.throughput": "trainscale.telemetry.throughput",
          "lightning.pytorch.core.mixins": "trainscale.lightning.hparams",
          "lightning.pytorch.utilities": "trainscale.lightning.hparams",
          "lightning.pytorch.core.optimizer": "trainscale.lightning.optimizers"}

@@ -51,6 +51,7 @@ ALLOWED_TYPE_IMPORTS = {
     "callbacks/prediction_writer.py:trainscale.loop.trainer": CALLBACK_CONTRACT,
     "callbacks/rich_model_summary.py:trainscale.loop.trainer": CALLBACK_CONTRACT,
     "callbacks/swa.py:trainscale.loop.trainer": CALLBACK_CONTRACT,
+    "callbacks/throughput_monitor.py:trainscale.loop.trainer": CALLBACK_CONTRACT,
     "callbacks/timer.py:trainscale.loop.trainer": CALLBACK_CONTRACT,
     "lightning/module.py:trainscale.loop.trainer": MODULE_CONTRACT,
 }

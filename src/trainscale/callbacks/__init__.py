@@ -25,12 +25,13 @@ from trainscale.callbacks.prediction_writer import BasePredictionWriter
 from trainscale.callbacks.progress_bar import RichProgressBar, TQDMProgressBar
 from trainscale.callbacks.rich_model_summary import RichModelSummary
 from trainscale.callbacks.swa import StochasticWeightAveraging
+from trainscale.callbacks.throughput_monitor import ThroughputMonitor
 from trainscale.callbacks.timer import Timer
 from trainscale.utilities import rank_zero_info
 
 __all__ = ["BackboneFinetuning", "BaseFinetuning", "BasePredictionWriter", "Callback", "DeviceStatsMonitor", "EMA", "EarlyStopping", "GradientAccumulationScheduler", "LambdaCallback", "LearningRateMonitor", "ModelCheckpoint", "ModelSummary",
            "OnExceptionCheckpoint", "RichModelSummary", "RichProgressBar", "StochasticWeightAveraging",
-           "TQDMProgressBar", "Timer", "resolve_callbacks"]
+           "TQDMProgressBar", "ThroughputMonitor", "Timer", "resolve_callbacks"]
 
 
 def resolve_callbacks(callbacks, default_checkpoint: ModelCheckpoint | None = None,

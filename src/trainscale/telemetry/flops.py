@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 # Dense (no sparsity) peak FLOP/s per GPU by compute dtype: "bf16"/"fp16"/"tf32" on tensor cores, "fp32"
 # the plain (non-tensor) FP32 rate. NVIDIA quotes tensor-core figures "with sparsity" (2:4 structured);
@@ -291,3 +291,76 @@ class FlopsPerSample:
                        else "no FLOPs per sample (no MFU)")
             warnings.warn(f"trainscale: FLOP counting failed: {why}; training goes on with {instead}",
                           RuntimeWarning, stacklevel=3)
+
+
+def measure_flops(model: Any, forward_fn: Callable[[], Any], loss_fn: Callable[[Any], Any] | None = None) -> int:
+    """FLOPs of one call of ``forward_fn`` (and, with ``loss_fn``, of the loss on its output and its backward), as
+    counted by ``torch.utils.flop_counter.FlopCounterMode``: Lightning's ``measure_flops``
+    (``lightning.fabric.utilities.throughput``). A multiply-add counts as 2 FLOPs, so a ``Linear(i, o)`` on a batch
+    of ``b`` costs ``2·b·i·o`` forward and twice that again backward. Build the model on the meta device to
+    count without memory or compute::
+
+        with torch.device("meta"):
+            model = Net()
+            x = torch.randn(8, 32)
+        fwd = measure_flops(model, lambda: model(x))
+        fwd_and_bwd = measure_flops(model, lambda: model(x), lambda y: y.sum())
+
+    The count is the one trainscale's telemetry makes of a training step (``counting.TolerantFlopCounter``).
+
+    Args:
+        model: the module measured (Lightning's argument; the count covers whatever ``forward_fn`` runs).
+        forward_fn: runs the forward and returns its output.
+        loss_fn: the output -> a scalar loss; given, its FLOPs and those of ``backward()`` are counted too.
+
+    Returns:
+        FLOPs (an int).
+
+    Raises:
+        RuntimeError: an op could not be counted (a FLOP formula raised, or a higher-order operator has no rule:
+            Lightning's count raises torch's error there); the count would be too low.
+    """
+    from trainscale.telemetry.counting import TolerantFlopCounter
+
+    with TolerantFlopCounter() as counter:
+        if loss_fn is None:
+            forward_fn()
+        else:
+            loss_fn(forward_fn()).backward()
+    if counter.failures:
+        raise RuntimeError(f"measure_flops could not count {len(counter.failures)} op(s), so the count would be too "
+                           f"low: {'; '.join(counter.failures[:3])}")
+    return int(counter.get_total_flops())
+
+
+# Lightning's dtypes -> the keys of PEAK_FLOPS's entries ("fp32" becomes "tf32" when float32 matmuls may use TF32)
+_DTYPE_KEYS = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64",
+               "tfloat32": "tf32"}
+
+
+def get_available_flops(device: Any, dtype: Any) -> int | None:
+    """Peak dense FLOP/s of one device for ``dtype`` (a ``torch.dtype``, or ``"tfloat32"``), from :data:`PEAK_FLOPS`:
+    Lightning's ``get_available_flops``, its sources in this module's table. ``torch.float32`` on a device with TF32
+    counts at the TF32 rate when float32 matmuls may use it (``torch.set_float32_matmul_precision("high")``), as
+    Lightning's. None on a device that is not CUDA (no peak known: no MFU), and, with Lightning's warnings, for a GPU
+    missing from the table (``"FLOPs not found for 'NVIDIA ...'"``) or a dtype it has no rate for (``"'Tesla T4'
+    does not support torch.bfloat16"``; no float64 rates are listed)."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    from trainscale.runtime.precision import tf32_enabled
+    from trainscale.utilities import rank_zero_warn
+
+    device_name = torch.cuda.get_device_name(device)
+    peaks = _peaks(device_name)
+    if peaks is None:
+        rank_zero_warn(f"FLOPs not found for {device_name!r}")
+        return None
+    key = _DTYPE_KEYS.get(str(dtype))
+    if key == "fp32" and "tf32" in peaks and tf32_enabled()[0]:
+        key = "tf32"
+    if key not in peaks:
+        rank_zero_warn(f"{device_name!r} does not support {dtype}")
+        return None
+    return int(peaks[key])
