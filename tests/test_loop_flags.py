@@ -202,6 +202,8 @@ def _fit_watched(root, n_train=20, n_val=8, **flags):
 @pytest.mark.parametrize(("flags", "steps"), [
     ({}, [10, 20]),  # 10 batches per epoch: each epoch end
     ({"val_check_interval": 3}, [3, 6, 9, 13, 16, 19]),  # every 3rd batch of each epoch (not at its end)
+    ({"val_check_interval": 1, "max_epochs": 1}, list(range(1, 11))),  # the int 1: after every batch (1.0: the end)
+    ({"val_check_interval": 1.0}, [10, 20]),  # the float 1.0: once, at each epoch's end
     ({"val_check_interval": 0.25}, [2, 4, 6, 8, 10, 12, 14, 16, 18, 20]),  # int(10 × 0.25) = 2
     ({"val_check_interval": 0.5, "check_val_every_n_epoch": 2}, [15, 20]),  # the 2nd epoch only
     ({"val_check_interval": 7, "check_val_every_n_epoch": None}, [7, 14]),  # every 7th batch of the run

@@ -1358,11 +1358,13 @@ class Trainer:
         """Whether validation runs after the optimizer step that trained the epoch's micro-batches from
         ``first_batch`` on (``TrainerConfig.validation_due``: Lightning's ``_should_check_val_fx``), before the epoch's
         last batch (that one validates in ``_end_epoch``, before the epoch's hooks). Never mid-epoch without a
-        ``val_check_interval`` below an epoch (None or 1.0), so then no per-step work. A duration (Lightning 2.6) is
+        ``val_check_interval`` below an epoch (None or the float 1.0; the int 1 is every batch), so then no per-step
+        work. A duration (Lightning 2.6) is
         due after any step of an epoch that validates, the last one too, once rank zero's clock has passed
         ``fit.validate_at`` (set at training's start and at each validation's end, as Lightning's ``_last_val_time``;
         broadcast on several ranks, so that all validate after the same step)."""
-        if not fit.validates or self.config.val_check_interval in (None, 1.0):
+        interval = self.config.val_check_interval
+        if not fit.validates or interval is None or (isinstance(interval, float) and interval == 1.0):
             return False
         if fit.validate_at != math.inf:  # by the clock: after any step of an epoch that validates, its last one too
             return self.config.validates_in(self.current_epoch) and self._rank_zero_clock_says(
