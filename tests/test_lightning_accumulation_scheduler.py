@@ -235,3 +235,10 @@ def test_resume_mid_epoch_in_a_scheduled_epoch_equals_the_uninterrupted_run(tmp_
     assert resumed.seen[0][:2] == (1, 5) and len(resumed.seen) == 2 + 4  # the rest of epoch 1, then epoch 2
     for key, value in full.weights().items():
         assert torch.equal(resumed.weights()[key], value), key
+
+
+def test_setting_the_factor_from_code_names_the_flag_and_the_callback():
+    trainer = Trainer(accelerator="cpu", enable_progress_bar=False, enable_model_summary=False, logger=False)
+    with pytest.raises(AttributeError, match="GradientAccumulationScheduler"):
+        trainer.accumulate_grad_batches = 4
+    assert trainer.accumulate_grad_batches == 1

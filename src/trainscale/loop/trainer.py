@@ -647,6 +647,15 @@ class Trainer:
         fit = self._fit
         return fit.accumulate if fit is not None and fit.accumulate else self.config.accumulate_grad_batches
 
+    @accumulate_grad_batches.setter
+    def accumulate_grad_batches(self, value: int) -> None:
+        """Refused: the loop asks :meth:`accumulate_for` at each epoch start, so a value set from a hook (as
+        Lightning's callback sets it) would hold for part of an epoch only. Raises AttributeError naming the fix."""
+        raise AttributeError(
+            f"trainer.accumulate_grad_batches = {value!r}: trainscale reads the factor at each epoch's start; pass "
+            "Trainer(accumulate_grad_batches=k), or callbacks=[GradientAccumulationScheduler(scheduling={epoch: k})] "
+            "to change it by epoch")
+
     def accumulate_for(self, epoch: int) -> int:
         """Micro-batches per optimizer step in (0-based) ``epoch``: the ``GradientAccumulationScheduler``'s factor
         when the callbacks hold one, else the ``accumulate_grad_batches`` flag. The one answer to the question: the
