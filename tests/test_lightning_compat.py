@@ -821,6 +821,42 @@ def test_a_logged_torchmetrics_metric_is_its_batch_value_per_step_computed_per_e
     assert validated["vm"] == pytest.approx(float(val_first.mean()))  # not doubled: reset after the fit's validation
 
 
+class WithCollection(Probe):
+    """Logs a torchmetrics ``MetricCollection`` of two metrics in one compute group (mean and sum share one state) with
+    a prefix, noting after each ``log_dict`` whether the collection's metrics hold copies of the group's state."""
+
+    def __init__(self):
+        import torchmetrics
+
+        super().__init__()
+        self.collection = torchmetrics.MetricCollection(
+            {"mean": torchmetrics.MeanMetric(), "also_mean": torchmetrics.MeanMetric()}, prefix="train_",
+            compute_groups=[["mean", "also_mean"]])
+        self.copied: list[bool] = []
+
+    def training_step(self, batch, batch_idx):
+        self.collection.update(batch[0][:, 0])
+        self.log_dict(self.collection, on_step=False, on_epoch=True)
+        self.copied.append(self.collection._state_is_copy)
+        return self.layer(batch[0]).pow(2).mean()
+
+
+@pytest.mark.timeout(60)
+def test_log_dict_of_a_metric_collection_logs_prefixed_names_and_keeps_one_shared_state(tmp_path):
+    """Lightning's ``log_dict`` reads a ``MetricCollection`` with ``items(keep_base=False, copy_state=False)``: the
+    prefixed names, and the metrics of a compute group keep referring to one state (a copy per metric would hold the
+    group's memory once per member)."""
+    pytest.importorskip("torchmetrics")
+    loader = _loader(n=10, batch_size=4)
+    model = WithCollection()
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(model, loader)
+    assert model.copied == [False, False, False]
+    expected = float(loader.dataset.tensors[0][:, 0].mean())
+    assert trainer.callback_metrics["train_mean"] == pytest.approx(expected)
+    assert trainer.callback_metrics["train_also_mean"] == pytest.approx(expected)
+
+
 def test_two_metric_objects_under_one_name_are_refused():
     torchmetrics = pytest.importorskip("torchmetrics")
     from trainscale.lightning.metrics import MetricCollector

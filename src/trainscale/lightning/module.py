@@ -21,6 +21,7 @@ import contextlib
 import functools
 import inspect
 import os
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -519,8 +520,15 @@ class TrainingModule(HyperparametersMixin, nn.Module):
                              f"one of {list(found.values())}")
 
     def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:
-        """``self.log`` for each item of ``metrics`` with the same keyword arguments."""
-        for name, value in metrics.items():
+        """``self.log`` for each item of ``metrics`` with the same keyword arguments. A torchmetrics
+        ``MetricCollection`` is read as Lightning reads it: its metrics under their prefixed names, and with compute
+        groups on, sharing one state (``items(copy_state=False)``), not each given a copy."""
+        torchmetrics = sys.modules.get("torchmetrics")  # a MetricCollection exists only once it is imported
+        if torchmetrics is not None and isinstance(metrics, torchmetrics.MetricCollection):
+            items = metrics.items(keep_base=False, copy_state=not metrics._enable_compute_groups)
+        else:
+            items = metrics.items()
+        for name, value in items:
             self.log(name, value, **kwargs)
 
     # -- manual optimization -----------------------------------------------------------------------
